@@ -1,0 +1,149 @@
+//! `zeroflow env`: what this machine is and what zeroflow found on it.
+
+use serde_json::json;
+use zeroflow_device::cuda::{CudaReport, GpuInfo, is_absent, short_reason};
+
+/// Print versions, devices, libraries, host cores and memory.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The environment as one JSON object; `zeroflow stress` and the benchmarks embed it.
+pub fn collect() -> serde_json::Value {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cuda = CudaReport::collect();
+    json!({
+        "zeroflow_version": env!("CARGO_PKG_VERSION"),
+        "git_commit": env!("ZEROFLOW_GIT_COMMIT"),
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+        "cpu_model": field(&cpuinfo, "model name"),
+        "host_cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "host_memory_gib": kib_field(&meminfo, "MemTotal").map(gib),
+        "host_memory_available_gib": kib_field(&meminfo, "MemAvailable").map(gib),
+        "simd": zeroflow_optim::SimdLevel::detect().name(),
+        "cuda_driver": cuda_driver(&cuda),
+        "cuda": cuda_details(&cuda),
+    })
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let env = collect();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&env)?);
+        return Ok(());
+    }
+    let show = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "unknown".into(),
+        other => other.to_string(),
+    };
+    println!("zeroflow {} (commit {})", show(&env["zeroflow_version"]), show(&env["git_commit"]));
+    println!("host      {} {}, {}", show(&env["os"]), show(&env["arch"]), show(&env["cpu_model"]));
+    println!("cores     {}", show(&env["host_cores"]));
+    println!(
+        "memory    {} GiB total, {} GiB available",
+        show(&env["host_memory_gib"]),
+        show(&env["host_memory_available_gib"])
+    );
+    println!("simd      {}", show(&env["simd"]));
+    println!("gpu       {}", show(&env["cuda_driver"]));
+    for gpu in env["cuda"]["gpus"].as_array().into_iter().flatten() {
+        println!("  gpu {}   {}", show(&gpu["ordinal"]), show(&gpu["description"]));
+    }
+    for (name, library) in env["cuda"]["libraries"].as_object().into_iter().flatten() {
+        println!("  {name:<12} {}", show(&library["summary"]));
+    }
+    Ok(())
+}
+
+/// One line about the GPUs: what the driver sees, or why there is none.
+fn cuda_driver(report: &CudaReport) -> String {
+    let driver = match &report.driver {
+        Ok(cuda) => cuda,
+        Err(error) if error.to_string().contains("CUDA_ERROR_NO_DEVICE") => {
+            return "CUDA driver found, but it sees no GPU; zeroflow runs on the CPU".into();
+        }
+        Err(error) if is_absent(error) => {
+            return format!(
+                "no CUDA driver found ({}); zeroflow runs on the CPU",
+                short_reason(error)
+            );
+        }
+        Err(error) => {
+            return format!("the CUDA driver cannot be used ({error}); zeroflow runs on the CPU");
+        }
+    };
+    let kernel =
+        report.kernel_driver.as_deref().map(|v| format!("driver {v}, ")).unwrap_or_default();
+    match &report.gpus {
+        Ok(gpus) if gpus.is_empty() => {
+            format!("{kernel}CUDA {driver}, but no GPU visible (check CUDA_VISIBLE_DEVICES)")
+        }
+        Ok(gpus) => {
+            let names: Vec<String> = gpus.iter().map(GpuInfo::to_string).collect();
+            format!("{} GPU(s): {}; {kernel}CUDA {driver}", gpus.len(), names.join(", "))
+        }
+        Err(error) => format!("{kernel}CUDA {driver}, but listing the GPUs failed: {error}"),
+    }
+}
+
+/// The GPUs and CUDA libraries, for the JSON output.
+fn cuda_details(report: &CudaReport) -> serde_json::Value {
+    let gpus: Vec<serde_json::Value> = match &report.gpus {
+        Ok(gpus) => gpus
+            .iter()
+            .map(|gpu| {
+                json!({
+                    "ordinal": gpu.ordinal,
+                    "name": gpu.name,
+                    "compute_capability": format!("{}.{}", gpu.compute_capability.0, gpu.compute_capability.1),
+                    "memory_bytes": gpu.memory_bytes,
+                    "description": gpu.to_string(),
+                })
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    let libraries: serde_json::Map<String, serde_json::Value> = report
+        .libraries
+        .iter()
+        .map(|library| {
+            let entry = match &library.outcome {
+                Ok(loaded) => json!({
+                    "file": loaded.file,
+                    "version": loaded.version,
+                    "summary": library.summary(),
+                }),
+                Err(error) => json!({ "error": error.to_string(), "summary": library.summary() }),
+            };
+            (library.library.name().to_string(), entry)
+        })
+        .collect();
+    json!({
+        "kernel_driver": report.kernel_driver,
+        "cuda_version": report.driver.as_ref().ok(),
+        "error": report.driver.as_ref().err().map(ToString::to_string),
+        "gpus": gpus,
+        "libraries": libraries,
+    })
+}
+
+fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines()
+        .find(|line| line.split(':').next().is_some_and(|k| k.trim() == key))
+        .and_then(|line| line.split_once(':'))
+        .map(|(_, value)| value.trim())
+}
+
+fn kib_field(text: &str, key: &str) -> Option<u64> {
+    field(text, key)?.split_whitespace().next()?.parse().ok()
+}
+
+fn gib(kib: u64) -> f64 {
+    (kib as f64 / (1024.0 * 1024.0) * 10.0).round() / 10.0
+}

@@ -1,0 +1,55 @@
+//! `zeroflow`: data-parallel ZeRO training with CPU optimizer offload, in one binary.
+
+mod cmd;
+mod error;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub use error::InputError;
+
+#[derive(Debug, Parser)]
+#[command(name = "zeroflow", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a DeepSpeed JSON config and print its fully resolved values.
+    Config(cmd::config::Args),
+    /// Measure this machine: CPU AdamW against the memory roofline.
+    #[command(subcommand)]
+    Bench(cmd::bench::Bench),
+    /// Print versions, devices, libraries, host cores and memory.
+    Env(cmd::env::Args),
+}
+
+fn main() -> ExitCode {
+    init_tracing();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Config(args) => cmd::config::run(args),
+        Command::Bench(bench) => cmd::bench::run(bench),
+        Command::Env(args) => cmd::env::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            if err.downcast_ref::<InputError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("ZEROFLOW_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}

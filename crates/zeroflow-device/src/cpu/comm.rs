@@ -1,0 +1,299 @@
+//! Collectives between in-process ranks, each a thread with its own `CpuDevice`.
+//!
+//! A collective is queued on the rank's stream like any kernel. When the stream reaches it, the
+//! rank meets the others in three phases: all arrive (publishing where their input is), each
+//! computes its own output into scratch from everybody's input, all wait until every input has been
+//! read, then each writes its output. Reads therefore finish before any write, so in-place
+//! collectives are correct. Reductions add in rank order in `f64`, so every rank gets the same bits.
+
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use zeroflow_core::{DType, Element};
+
+use super::hb::Touch;
+use super::{CpuBuffer, CpuDevice, CpuStream, SendPtr, Work};
+use crate::check_range;
+use crate::comm::{Comm, ReduceOp};
+use crate::error::{DeviceError, Result};
+
+/// Where a rank's input is, published for the others during a collective. Other ranks read it only
+/// between the first and the second barrier of that collective, while the owning rank's stream is
+/// blocked inside it and the checker keeps that rank's other streams off the range.
+#[derive(Clone, Copy, Debug)]
+struct Published {
+    op: &'static str,
+    dtype: DType,
+    ptr: SendPtr<u8>,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct Rendezvous {
+    /// Generation of the barrier and how many ranks reached it.
+    generation: u64,
+    arrived: usize,
+    slots: Vec<Option<Published>>,
+}
+
+#[derive(Debug)]
+struct Group {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<Rendezvous>,
+    changed: Condvar,
+}
+
+impl Group {
+    /// A barrier among all ranks; fails if they do not all arrive within the timeout.
+    fn barrier(&self, op: &'static str, rank: usize) -> Result<()> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.world {
+            state.arrived = 0;
+            state.generation += 1;
+            self.changed.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.timeout;
+        while state.generation == generation {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing = self.world - state.arrived;
+                return Err(DeviceError::Collective {
+                    op,
+                    rank,
+                    reason: format!("{missing} rank(s) did not arrive within {:?}", self.timeout),
+                });
+            }
+            state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        Ok(())
+    }
+}
+
+/// One rank's communicator among in-process ranks.
+#[derive(Debug)]
+pub struct CpuComm {
+    rank: usize,
+    device: CpuDevice,
+    group: Arc<Group>,
+}
+
+impl CpuComm {
+    /// One communicator per device, rank `i` on `devices[i]`. A collective that some rank does not
+    /// join within `timeout` fails on the ranks that waited.
+    pub fn group(devices: &[CpuDevice], timeout: Duration) -> Vec<CpuComm> {
+        let world = devices.len();
+        let group = Arc::new(Group {
+            world,
+            timeout,
+            state: Mutex::new(Rendezvous { generation: 0, arrived: 0, slots: vec![None; world] }),
+            changed: Condvar::new(),
+        });
+        devices
+            .iter()
+            .enumerate()
+            .map(|(rank, device)| CpuComm { rank, device: device.clone(), group: group.clone() })
+            .collect()
+    }
+
+    /// Queues one collective: `input` is published to the other ranks; `compute` builds this
+    /// rank's output from all ranks' inputs (in rank order); the output is written to `output`.
+    fn collective<T: Element>(
+        &self,
+        op: &'static str,
+        stream: &CpuStream,
+        input: (&CpuBuffer<T>, Range<usize>),
+        output: (&CpuBuffer<T>, Range<usize>),
+        compute: impl Fn(&[&[T]], &mut [T]) + Send + 'static,
+    ) -> Result<()> {
+        let (src, src_range) = input;
+        let (dst, dst_range) = output;
+        check_range(op, &src_range, src.len)?;
+        check_range(op, &dst_range, dst.len)?;
+        let touches = [
+            Touch { buffer: src.id, dtype: T::DTYPE, range: src_range.clone(), write: false },
+            Touch { buffer: dst.id, dtype: T::DTYPE, range: dst_range.clone(), write: true },
+        ];
+        let keep = (src.storage.clone(), dst.storage.clone());
+        // SAFETY: both offsets were bounds-checked above.
+        let (from, to) =
+            unsafe { (src.base().add(src_range.start), dst.base().add(dst_range.start)) };
+        let (rank, group) = (self.rank, self.group.clone());
+        let mine =
+            Published { op, dtype: T::DTYPE, ptr: SendPtr(from.0.cast()), len: src_range.len() };
+        let out_len = dst_range.len();
+        let work: Work = Box::new(move || {
+            let result = run_collective(&group, rank, mine, to, out_len, compute);
+            drop(keep);
+            result
+        });
+        self.device.enqueue(stream, op, &touches, work).map(drop)
+    }
+}
+
+fn run_collective<T: Element>(
+    group: &Group,
+    rank: usize,
+    mine: Published,
+    out: SendPtr<T>,
+    out_len: usize,
+    compute: impl Fn(&[&[T]], &mut [T]),
+) -> Result<()> {
+    let fail = |reason: String| DeviceError::Collective { op: mine.op, rank, reason };
+    group.state.lock().unwrap_or_else(|e| e.into_inner()).slots[rank] = Some(mine);
+    group.barrier(mine.op, rank)?;
+    let published: Vec<Published> = {
+        let state = group.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.slots.iter().map(|s| s.expect("every rank published before the barrier")).collect()
+    };
+    let agree =
+        published.iter().all(|p| p.op == mine.op && p.dtype == mine.dtype && p.len == mine.len);
+    let mut scratch = vec![T::default(); out_len];
+    if agree {
+        // SAFETY: every rank's input stays valid and unwritten until the last barrier below (see
+        // `Published`); lengths and dtypes agree (checked).
+        let inputs: Vec<&[T]> = published
+            .iter()
+            .map(|p| unsafe { std::slice::from_raw_parts(p.ptr.ptr().cast::<T>(), p.len) })
+            .collect();
+        compute(&inputs, &mut scratch);
+    }
+    // Everybody has read every input: outputs may now be written, even over inputs.
+    group.barrier(mine.op, rank)?;
+    if !agree {
+        let ops: Vec<_> =
+            published.iter().map(|p| format!("{}<{}>[{}]", p.op, p.dtype, p.len)).collect();
+        group.barrier(mine.op, rank)?;
+        return Err(fail(format!("the ranks called different collectives: {}", ops.join(", "))));
+    }
+    // SAFETY: `out` points to `out_len` elements of this rank's buffer, kept alive by the caller;
+    // the checker keeps other streams off that range; other ranks no longer read it (barrier).
+    unsafe { std::ptr::copy_nonoverlapping(scratch.as_ptr(), out.ptr(), out_len) };
+    group.barrier(mine.op, rank)
+}
+
+fn reduce<T: Element>(inputs: &[&[T]], offset: usize, out: &mut [T], op: ReduceOp) {
+    for (i, out) in out.iter_mut().enumerate() {
+        let values = inputs.iter().map(|input| input[offset + i].to_f64());
+        let combined = match op {
+            ReduceOp::Sum => values.sum(),
+            ReduceOp::Avg => values.sum::<f64>() / inputs.len() as f64,
+            ReduceOp::Max => values.fold(f64::NEG_INFINITY, f64::max),
+        };
+        *out = T::from_f64(combined);
+    }
+}
+
+impl Comm for CpuComm {
+    type Device = CpuDevice;
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world
+    }
+
+    fn all_reduce<T: Element>(
+        &self,
+        stream: &CpuStream,
+        buf: &CpuBuffer<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let compute = move |inputs: &[&[T]], out: &mut [T]| reduce(inputs, 0, out, op);
+        self.collective("all_reduce", stream, (buf, range.clone()), (buf, range), compute)
+    }
+
+    fn reduce_scatter<T: Element>(
+        &self,
+        stream: &CpuStream,
+        src: &CpuBuffer<T>,
+        src_range: Range<usize>,
+        dst: &CpuBuffer<T>,
+        dst_offset: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let world = self.group.world;
+        if !src_range.len().is_multiple_of(world) {
+            return Err(DeviceError::LengthMismatch {
+                what: "reduce_scatter: input length is not a multiple of the world size",
+                left: src_range.len(),
+                right: world,
+            });
+        }
+        let n = src_range.len() / world;
+        let offset = self.rank * n;
+        let compute = move |inputs: &[&[T]], out: &mut [T]| reduce(inputs, offset, out, op);
+        let output = (dst, dst_offset..dst_offset + n);
+        self.collective("reduce_scatter", stream, (src, src_range), output, compute)
+    }
+
+    fn reduce<T: Element>(
+        &self,
+        stream: &CpuStream,
+        src: &CpuBuffer<T>,
+        src_range: Range<usize>,
+        dst: &CpuBuffer<T>,
+        dst_offset: usize,
+        root: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_root("reduce", root)?;
+        // Only the root writes: the other ranks declare (and write) an empty output range.
+        let len = if self.rank == root { src_range.len() } else { 0 };
+        let compute = move |inputs: &[&[T]], out: &mut [T]| reduce(inputs, 0, out, op);
+        let output = (dst, dst_offset..dst_offset + len);
+        self.collective("reduce", stream, (src, src_range), output, compute)
+    }
+
+    fn all_gather<T: Element>(
+        &self,
+        stream: &CpuStream,
+        src: &CpuBuffer<T>,
+        src_range: Range<usize>,
+        dst: &CpuBuffer<T>,
+        dst_range: Range<usize>,
+    ) -> Result<()> {
+        if dst_range.len() != src_range.len() * self.group.world {
+            return Err(DeviceError::LengthMismatch {
+                what: "all_gather: output length is not world size × input length",
+                left: dst_range.len(),
+                right: src_range.len() * self.group.world,
+            });
+        }
+        let compute = |inputs: &[&[T]], out: &mut [T]| {
+            for (chunk, input) in out.chunks_mut(inputs[0].len().max(1)).zip(inputs) {
+                chunk.copy_from_slice(input);
+            }
+        };
+        self.collective("all_gather", stream, (src, src_range), (dst, dst_range), compute)
+    }
+
+    fn broadcast<T: Element>(
+        &self,
+        stream: &CpuStream,
+        buf: &CpuBuffer<T>,
+        range: Range<usize>,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root("broadcast", root)?;
+        let compute = move |inputs: &[&[T]], out: &mut [T]| out.copy_from_slice(inputs[root]);
+        self.collective("broadcast", stream, (buf, range.clone()), (buf, range), compute)
+    }
+}
+
+impl CpuComm {
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root < self.group.world {
+            return Ok(());
+        }
+        let reason = format!("root {root} is not a rank of a world of {}", self.group.world);
+        Err(DeviceError::Collective { op, rank: self.rank, reason })
+    }
+}

@@ -1,0 +1,143 @@
+//! Unit tests of the CPU device; the randomized and chaos tests are in `tests/`.
+
+use super::*;
+
+#[test]
+fn a_copy_round_trip_returns_the_data() {
+    let dev = CpuDevice::new().unwrap();
+    let data: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let buf = dev.upload(&data).unwrap();
+    assert_eq!(dev.download(&buf).unwrap(), data);
+}
+
+#[test]
+fn reading_on_another_stream_without_an_event_is_refused_as_a_race() {
+    let dev = CpuDevice::new().unwrap();
+    let buf = dev.alloc::<f32>(64).unwrap();
+    let mut host = dev.alloc_host::<f32>(64, HostMemory::Pinned).unwrap();
+    dev.fill(dev.stream(StreamKind::Compute), &buf, 0..64, 1.0).unwrap();
+    let err = dev.copy_d2h(dev.stream(StreamKind::D2h), &buf, 0..64, &mut host, 0).unwrap_err();
+    assert!(
+        matches!(&err, DeviceError::Race(r) if r.op == "copy_d2h" && r.other_op == "fill"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_event_orders_a_copy_after_a_kernel_on_another_stream() {
+    let dev = CpuDevice::new().unwrap();
+    let buf = dev.alloc::<f32>(64).unwrap();
+    let mut host = dev.alloc_host::<f32>(64, HostMemory::Pinned).unwrap();
+    let mut done = dev.new_event().unwrap();
+    dev.fill(dev.stream(StreamKind::Compute), &buf, 0..64, 2.5).unwrap();
+    dev.record(&mut done, dev.stream(StreamKind::Compute)).unwrap();
+    dev.wait_event(dev.stream(StreamKind::D2h), &done).unwrap();
+    let filled = dev.copy_d2h(dev.stream(StreamKind::D2h), &buf, 0..64, &mut host, 0).unwrap();
+    assert!(filled.wait().unwrap().iter().all(|&x| x == 2.5));
+}
+
+#[test]
+fn waiting_on_an_event_that_was_never_recorded_is_an_error() {
+    let dev = CpuDevice::new().unwrap();
+    let event = dev.new_event().unwrap();
+    assert_eq!(
+        dev.wait_event(dev.stream(StreamKind::Comm), &event),
+        Err(DeviceError::EventNotRecorded)
+    );
+    assert_eq!(dev.sync_event(&event), Err(DeviceError::EventNotRecorded));
+}
+
+#[test]
+fn kernel_arguments_that_alias_a_written_range_are_refused() {
+    let dev = CpuDevice::new().unwrap();
+    let buf = dev.alloc::<f32>(16).unwrap();
+    let args = KernelArgs::new().input(&buf, 0..8).output(&buf, 4..12);
+    let err = dev.launch(dev.stream(StreamKind::Compute), "alias", args, |_| Ok(())).unwrap_err();
+    assert_eq!(err, DeviceError::AliasedArguments { kernel: "alias", arg: 1, other: 0 });
+}
+
+#[test]
+fn a_kernel_sees_its_declared_ranges_and_its_errors_surface_at_synchronize() {
+    let dev = CpuDevice::new().unwrap();
+    let x = dev.upload(&[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    let y = dev.alloc::<f32>(2).unwrap();
+    let compute = dev.stream(StreamKind::Compute);
+    let args = KernelArgs::new().input(&x, 1..3).output(&y, 0..2);
+    dev.launch(compute, "double", args, |ctx| {
+        let (x, y) = (ctx.input::<f32>(0), ctx.output::<f32>(1));
+        y.iter_mut().zip(x).for_each(|(y, x)| *y = 2.0 * x);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(dev.download(&y).unwrap(), [4.0, 6.0]);
+    dev.launch(compute, "failing", KernelArgs::new(), |_| Err("bad input".into())).unwrap();
+    let err = dev.synchronize().unwrap_err();
+    assert_eq!(err, DeviceError::Kernel { kernel: "failing", reason: "bad input".into() });
+}
+
+#[test]
+fn a_panicking_kernel_is_an_error_and_the_stream_keeps_going() {
+    let dev = CpuDevice::new().unwrap();
+    let compute = dev.stream(StreamKind::Compute);
+    dev.launch(compute, "panics", KernelArgs::new(), |_| panic!("boom")).unwrap();
+    assert!(matches!(dev.synchronize(), Err(DeviceError::StreamStopped { .. })));
+    let buf = dev.alloc::<u32>(3).unwrap();
+    dev.fill(compute, &buf, 0..3, 7).unwrap();
+    assert_eq!(dev.download(&buf).unwrap(), [7, 7, 7]);
+}
+
+#[test]
+fn a_leaked_token_makes_the_next_read_wait_for_the_copy() {
+    let dev = CpuDevice::with_chaos(Chaos {
+        seed: 3,
+        max_delay: std::time::Duration::from_millis(20),
+        percent_delayed: 100,
+    })
+    .unwrap();
+    let buf = dev.upload(&[9u32; 256]).unwrap();
+    let mut host = dev.alloc_host::<u32>(256, HostMemory::Pinned).unwrap();
+    let d2h = dev.stream(StreamKind::D2h);
+    std::mem::forget(dev.copy_d2h(d2h, &buf, 0..256, &mut host, 0).unwrap());
+    assert!(host.iter().all(|&x| x == 9), "the read waited for the copy");
+}
+
+#[test]
+fn out_of_bounds_ranges_are_errors() {
+    let dev = CpuDevice::new().unwrap();
+    let buf = dev.alloc::<f32>(8).unwrap();
+    let mut host = dev.alloc_host::<f32>(4, HostMemory::Pinned).unwrap();
+    let d2h = dev.stream(StreamKind::D2h);
+    assert!(matches!(
+        dev.copy_d2h(d2h, &buf, 0..8, &mut host, 0),
+        Err(DeviceError::OutOfBounds { .. })
+    ));
+    assert!(matches!(dev.fill(d2h, &buf, 4..9, 0.0), Err(DeviceError::OutOfBounds { .. })));
+}
+
+/// Chaos has teeth: a host read that bypasses the token (the seeds' bug, written with the unsafe
+/// test-only path) sees stale data, while the token path never does.
+#[test]
+fn under_chaos_a_read_that_bypasses_the_token_is_observed_stale() {
+    let chaos =
+        Chaos { seed: 11, max_delay: std::time::Duration::from_micros(300), percent_delayed: 100 };
+    let dev = CpuDevice::with_chaos(chaos).unwrap();
+    let d2h = dev.stream(StreamKind::D2h);
+    let (mut stale_racy, mut stale_token) = (0, 0);
+    for round in 1..=200u32 {
+        let grads = dev.upload(&[round; 128]).unwrap();
+        let mut host = dev.alloc_host::<u32>(128, HostMemory::Pinned).unwrap();
+        let filling = dev.copy_d2h(d2h, &grads, 0..128, &mut host, 0).unwrap();
+        // SAFETY: deliberately racy, see `read_unsynchronized`; u32 has no invalid values.
+        let racy = unsafe { filling_buffer(&filling).read_unsynchronized() };
+        stale_racy += usize::from(racy.iter().any(|&x| x != round));
+        let filled = filling.wait().unwrap();
+        stale_token += usize::from(filled.iter().any(|&x| x != round));
+    }
+    assert_eq!(stale_token, 0, "the token path never reads stale data");
+    assert!(stale_racy > 0, "the racy read was never stale in 200 rounds");
+}
+
+/// The buffer a `Filling` token holds, for the race demonstration only.
+fn filling_buffer<'a, T: zeroflow_core::Element>(filling: &'a Filling<'_, T>) -> &'a HostBuffer<T> {
+    filling.buffer_for_race_demo()
+}

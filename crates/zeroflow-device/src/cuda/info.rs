@@ -1,0 +1,152 @@
+//! What the machine has: GPUs, driver, CUDA libraries and their versions (`zeroflow env`).
+
+use std::fmt;
+
+use cudarc::driver::{result as cu, sys as cu_sys};
+
+use super::library::{self, CudaLibrary, driver_error};
+use crate::error::{DeviceError, Result};
+
+/// One GPU as the driver describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// (major, minor), for example (9, 0) for sm_90.
+    pub compute_capability: (i32, i32),
+    pub memory_bytes: usize,
+}
+
+impl fmt::Display for GpuInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (major, minor) = self.compute_capability;
+        let gib = self.memory_bytes as f64 / f64::from(1u32 << 30);
+        write!(f, "{} (sm_{major}{minor}, {gib:.1} GiB)", self.name)
+    }
+}
+
+/// The GPUs the driver sees, in ordinal order. Needs no context.
+pub fn list_gpus() -> Result<Vec<GpuInfo>> {
+    library::init_driver()?;
+    let count = cu::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+    (0..count.max(0)).map(|ordinal| gpu(ordinal as usize)).collect()
+}
+
+fn gpu(ordinal: usize) -> Result<GpuInfo> {
+    let device = cu::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
+    let name = cu::device::get_name(device).map_err(|e| driver_error("cuDeviceGetName", e))?;
+    let attribute = |attribute| {
+        // SAFETY: `device` is a valid device handle of the initialised driver.
+        unsafe { cu::device::get_attribute(device, attribute) }
+            .map_err(|e| driver_error("cuDeviceGetAttribute", e))
+    };
+    use cu_sys::CUdevice_attribute as Attr;
+    let major = attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    // SAFETY: as above.
+    let memory_bytes = unsafe { cu::device::total_mem(device) }
+        .map_err(|e| driver_error("cuDeviceTotalMem", e))?;
+    Ok(GpuInfo { ordinal, name, compute_capability: (major, minor), memory_bytes })
+}
+
+/// One library: the file it loads from and its version, or why it does not load.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LibraryReport {
+    pub library: CudaLibrary,
+    pub outcome: Result<LoadedLibrary>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadedLibrary {
+    /// The file name it was opened under ("libnccl.so").
+    pub file: &'static str,
+    pub version: Option<String>,
+}
+
+/// Everything `zeroflow env` says about CUDA.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CudaReport {
+    /// The NVIDIA kernel driver's version ("580.82.07"), where /proc says it.
+    pub kernel_driver: Option<String>,
+    /// The CUDA version the driver supports ("13.0"), or why the driver cannot be used.
+    pub driver: Result<String>,
+    pub gpus: Result<Vec<GpuInfo>>,
+    pub libraries: Vec<LibraryReport>,
+}
+
+impl CudaReport {
+    /// Probes the driver and the libraries. Never panics; loads nothing that is not there.
+    pub fn collect() -> Self {
+        let driver = library::init_driver().and_then(|()| CudaLibrary::Driver.version());
+        let gpus = match &driver {
+            Ok(_) => list_gpus(),
+            Err(e) => Err(e.clone()),
+        };
+        let libraries = CudaLibrary::ALL
+            .into_iter()
+            .filter(|&library| library != CudaLibrary::Driver)
+            .map(|library| LibraryReport {
+                library,
+                outcome: library
+                    .ensure_loadable()
+                    .map(|file| LoadedLibrary { file, version: library.version().ok() }),
+            })
+            .collect();
+        CudaReport { kernel_driver: kernel_driver_version(), driver, gpus, libraries }
+    }
+
+    /// True if the driver loads (GPUs may still be absent).
+    pub fn has_driver(&self) -> bool {
+        self.driver.is_ok()
+    }
+}
+
+/// "580.82.07" from `/proc/driver/nvidia/version` ("NVRM version: NVIDIA UNIX [Open] Kernel Module
+/// [for x86_64]  580.82.07  Release Build …"): the first word made of digits and dots.
+fn kernel_driver_version() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = text.lines().next()?;
+    line.split_whitespace()
+        .find(|word| word.contains('.') && word.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
+}
+
+impl LibraryReport {
+    /// One line: the file and version, or why it does not load (without the list of file names
+    /// tried, which the error itself has).
+    pub fn summary(&self) -> String {
+        match &self.outcome {
+            Ok(LoadedLibrary { file, version: Some(version) }) => format!("{file} ({version})"),
+            Ok(LoadedLibrary { file, version: None }) => file.to_string(),
+            Err(error) => short_reason(error),
+        }
+    }
+}
+
+/// A library error in one line: "not found on the library path; if it is installed, export …"
+/// instead of the full list of file names tried.
+pub fn short_reason(error: &DeviceError) -> String {
+    match error {
+        DeviceError::Library { library, reason } if reason.starts_with(library::NOT_FOUND) => {
+            format!(
+                "{library} {}; if it is installed, {}",
+                library::NOT_FOUND,
+                library::LIBRARY_PATH_FIX
+            )
+        }
+        other => other.to_string(),
+    }
+}
+
+/// True if `error` says that this machine has no CUDA driver or no GPU (as opposed to a GPU that
+/// failed): CPU-only machines skip GPU work on such errors.
+pub fn is_absent(error: &DeviceError) -> bool {
+    match error {
+        DeviceError::Library { library, reason } if *library == CudaLibrary::Driver.name() => {
+            reason.starts_with(library::NOT_FOUND)
+                || reason.starts_with(library::NO_DEVICE)
+                || reason.contains("CUDA_ERROR_NO_DEVICE")
+        }
+        _ => false,
+    }
+}

@@ -1,0 +1,195 @@
+//! The device contract of zeroflow (DESIGN.md §3) and its implementations.
+//!
+//! A [`Device`] gives device buffers, page-locked [`HostBuffer`]s, streams, events, asynchronous
+//! copies between the two, and (through [`Comm`]) collectives. Its rules are enforced by types:
+//!
+//! 1. A host buffer that a copy is writing cannot be read: device-to-host copies return a
+//!    [`Filling`] token that mutably borrows the buffer until the copy's own event has been waited
+//!    on. Copies out of a host buffer return a [`Draining`] token that borrows it shared.
+//! 2. Streams are ordered only by explicit events that the caller owns ([`Device::record`],
+//!    [`Device::wait_event`]). [`CpuDevice`] checks every operation against the happens-before
+//!    order those events create and refuses, with [`DeviceError::Race`], any operation that would
+//!    touch memory another stream may still be using.
+//! 3. Errors are values: every call returns a `Result`, and errors that happen where nobody can
+//!    return them (a token dropped without waiting) are parked and collected by
+//!    [`Device::take_errors`].
+
+pub mod comm;
+pub mod cpu;
+pub mod cuda;
+pub mod error;
+pub mod host;
+pub mod ops;
+
+use std::fmt;
+use std::ops::Range;
+
+pub use comm::{Comm, ReduceOp};
+pub use cpu::{Chaos, CpuDevice};
+pub use cuda::CudaDevice;
+pub use error::{DeviceError, Race, Result};
+pub use host::{Draining, Filling, HostBuffer};
+pub use ops::Kernels;
+use zeroflow_core::Element;
+
+/// The four streams every device has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StreamKind {
+    /// Forward, backward and optimizer kernels.
+    Compute,
+    /// Collectives: reduce-scatter of gradients, all-gather of weights.
+    Comm,
+    /// Device-to-host copies (gradients to the CPU optimizer).
+    D2h,
+    /// Host-to-device copies (updated weights back).
+    H2d,
+}
+
+impl StreamKind {
+    pub const ALL: [StreamKind; 4] =
+        [StreamKind::Compute, StreamKind::Comm, StreamKind::D2h, StreamKind::H2d];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            StreamKind::Compute => "compute",
+            StreamKind::Comm => "comm",
+            StreamKind::D2h => "d2h",
+            StreamKind::H2d => "h2d",
+        }
+    }
+}
+
+/// What kind of host memory to allocate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostMemory {
+    /// Page-locked (pinned) memory that the copy engines reach directly. The default for staging.
+    Pinned,
+    /// Ordinary pageable memory (`pin_memory: false`): copies are slower.
+    Pageable,
+}
+
+/// A buffer in device memory.
+pub trait DeviceBuffer: fmt::Debug + Send + Sync {
+    /// Number of elements.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A compute device with asynchronous streams. See the crate documentation for the rules.
+///
+/// Every operation that takes a stream is asynchronous: it is queued on that stream and returns at
+/// once. Operations on one stream run in order; operations on different streams are unordered unless
+/// an event orders them.
+pub trait Device: fmt::Debug + Send + Sync + 'static {
+    /// A buffer of `T` in device memory, zero-filled when allocated.
+    type Buffer<T: Element>: DeviceBuffer;
+    /// A queue of operations.
+    type Stream: fmt::Debug + Send + Sync;
+    /// A point in a stream's queue that other streams and the host can wait for.
+    type Event: fmt::Debug + Send + Sync;
+
+    /// A short description ("cpu (4 streams, chaos seed 7)", "NVIDIA H200 (sm_90)").
+    fn describe(&self) -> String;
+
+    /// Allocates a zero-filled device buffer of `len` elements.
+    fn alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
+
+    /// Allocates a zero-filled host buffer of `len` elements.
+    fn alloc_host<T: Element>(&self, len: usize, memory: HostMemory) -> Result<HostBuffer<T>>;
+
+    /// One of the device's four streams.
+    fn stream(&self, kind: StreamKind) -> &Self::Stream;
+
+    /// A new event, not yet recorded.
+    fn new_event(&self) -> Result<Self::Event>;
+
+    /// Records `event` at the current end of `stream`'s queue (replacing any earlier recording).
+    fn record(&self, event: &mut Self::Event, stream: &Self::Stream) -> Result<()>;
+
+    /// Makes `stream` wait, before its next operation, until `event` has completed.
+    fn wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+
+    /// Blocks the host until `event` has completed.
+    fn sync_event(&self, event: &Self::Event) -> Result<()>;
+
+    /// Blocks the host until every stream is idle, then returns the first parked error, if any.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Takes the errors parked since the last call (from dropped tokens or failed operations).
+    fn take_errors(&self) -> Vec<DeviceError>;
+
+    /// Copies `src[src_range]` into `dst[dst_offset..]` on `stream`. `dst` stays borrowed by the
+    /// returned token until the copy has completed.
+    fn copy_d2h<'a, T: Element>(
+        &self,
+        stream: &Self::Stream,
+        src: &Self::Buffer<T>,
+        src_range: Range<usize>,
+        dst: &'a mut HostBuffer<T>,
+        dst_offset: usize,
+    ) -> Result<Filling<'a, T>>;
+
+    /// Copies `src[src_range]` into `dst[dst_offset..]` on `stream`. `src` stays borrowed (shared)
+    /// by the returned token until the copy has completed.
+    fn copy_h2d<'a, T: Element>(
+        &self,
+        stream: &Self::Stream,
+        src: &'a HostBuffer<T>,
+        src_range: Range<usize>,
+        dst: &Self::Buffer<T>,
+        dst_offset: usize,
+    ) -> Result<Draining<'a, T>>;
+
+    /// Copies `src[src_range]` into `dst[dst_offset..]` on `stream`.
+    fn copy_d2d<T: Element>(
+        &self,
+        stream: &Self::Stream,
+        src: &Self::Buffer<T>,
+        src_range: Range<usize>,
+        dst: &Self::Buffer<T>,
+        dst_offset: usize,
+    ) -> Result<()>;
+
+    /// Sets `dst[range]` to `value` on `stream`.
+    fn fill<T: Element>(
+        &self,
+        stream: &Self::Stream,
+        dst: &Self::Buffer<T>,
+        range: Range<usize>,
+        value: T,
+    ) -> Result<()>;
+
+    /// Uploads `data` into a new device buffer and waits for it. For set-up and tests, not for
+    /// the training loop.
+    fn upload<T: Element>(&self, data: &[T]) -> Result<Self::Buffer<T>> {
+        let buffer = self.alloc::<T>(data.len())?;
+        let mut host = self.alloc_host::<T>(data.len(), HostMemory::Pageable)?;
+        host.copy_from_slice(data);
+        self.synchronize()?;
+        let stream = self.stream(StreamKind::H2d);
+        self.copy_h2d(stream, &host, 0..data.len(), &buffer, 0)?.wait()?;
+        Ok(buffer)
+    }
+
+    /// Waits for every stream, then downloads `src` into a `Vec`. For tests and checkpoints, not
+    /// for the training loop.
+    fn download<T: Element>(&self, src: &Self::Buffer<T>) -> Result<Vec<T>> {
+        let mut host = self.alloc_host::<T>(src.len(), HostMemory::Pageable)?;
+        self.synchronize()?;
+        let stream = self.stream(StreamKind::D2h);
+        let filled = self.copy_d2h(stream, src, 0..src.len(), &mut host, 0)?.wait()?;
+        Ok(filled.to_vec())
+    }
+}
+
+/// Checks that `range` lies within a buffer of `len` elements.
+pub(crate) fn check_range(what: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
+    if range.start <= range.end && range.end <= len {
+        Ok(())
+    } else {
+        Err(DeviceError::OutOfBounds { what, range: range.clone(), len })
+    }
+}

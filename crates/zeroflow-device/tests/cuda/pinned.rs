@@ -1,0 +1,119 @@
+//! Pinned host buffers under load: the tokens make every host access wait for its copy's event,
+//! so no read is stale and no overwrite reaches the GPU; reading without waiting is stale (shown,
+//! not asserted).
+
+use std::time::Instant;
+
+use zeroflow_device::{Device, HostMemory, StreamKind};
+
+use crate::{Load, env_usize, gpu};
+
+/// Elements per copy (1 MiB of u32).
+const LEN: usize = 1 << 18;
+
+#[test]
+fn pinned_round_trips_under_concurrent_load_are_never_stale() {
+    let Some(device) = gpu() else { return };
+    let iterations = env_usize("ZEROFLOW_PINNED_ITERS", 200);
+    let load = Load::new(&device, 64);
+    let source = device.alloc::<u32>(LEN).unwrap();
+    let uploaded = device.alloc::<u32>(LEN).unwrap();
+    let mut down = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let mut up = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let mut check = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let compute = device.stream(StreamKind::Compute);
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    let (mut stale_down, mut stale_up) = (0usize, 0usize);
+    let started = Instant::now();
+    for i in 0..iterations {
+        let value = (i as u32).wrapping_mul(2).wrapping_add(1);
+        // The copies of this iteration start after the first load copies (so they are late: a
+        // read that did not wait would see the previous value) and run next to the others.
+        let gate = load.run(&device, 2);
+        let _concurrent = load.run(&device, 4);
+
+        // Device to host, then read on the host.
+        device.fill(compute, &source, 0..LEN, value).unwrap();
+        let mut filled = device.new_event().unwrap();
+        device.record(&mut filled, compute).unwrap();
+        device.wait_event(d2h, &filled).unwrap();
+        device.wait_event(d2h, &gate).unwrap();
+        let received = device.copy_d2h(d2h, &source, 0..LEN, &mut down, 0).unwrap();
+        let received = received.wait().unwrap();
+        stale_down += usize::from(received.iter().any(|&x| x != value));
+
+        // Host to device, then overwrite on the host at once: the GPU must get the old values.
+        let sent = !value;
+        up.fill(sent);
+        device.wait_event(h2d, &gate).unwrap();
+        device.copy_h2d(h2d, &up, 0..LEN, &uploaded, 0).unwrap().wait().unwrap();
+        up.fill(0xdead_beef);
+        let echoed = device.copy_d2h(d2h, &uploaded, 0..LEN, &mut check, 0).unwrap();
+        let echoed = echoed.wait().unwrap();
+        stale_up += usize::from(echoed.iter().any(|&x| x != sent));
+    }
+    device.synchronize().unwrap();
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "pinned round trips under load: {iterations} iterations in {seconds:.2} s, stale D2H \
+         reads {stale_down}, overwritten H2D sources {stale_up}"
+    );
+    println!(
+        "RESULT pinned_round_trip iterations={iterations} stale_d2h={stale_down} stale_h2d={stale_up}"
+    );
+    assert_eq!((stale_down, stale_up), (0, 0), "iterations with a stale value (d2h, h2d)");
+}
+
+#[test]
+fn reading_pinned_memory_without_waiting_for_the_copy_event_is_stale() {
+    let Some(device) = gpu() else { return };
+    let iterations = env_usize("ZEROFLOW_HAZARD_ITERS", 200);
+    let load = Load::new(&device, 64);
+    let source = device.alloc::<u32>(LEN).unwrap();
+    let mut down = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let (compute, d2h) = (device.stream(StreamKind::Compute), device.stream(StreamKind::D2h));
+    let mut stale = 0;
+    for i in 0..iterations {
+        let value = i as u32 + 1;
+        let busy = load.run(&device, 8);
+        device.fill(compute, &source, 0..LEN, value).unwrap();
+        let mut filled = device.new_event().unwrap();
+        device.record(&mut filled, compute).unwrap();
+        device.wait_event(d2h, &filled).unwrap();
+        device.wait_event(d2h, &busy).unwrap();
+        let filling = device.copy_d2h(d2h, &source, 0..LEN, &mut down, 0).unwrap();
+        // SAFETY: deliberately racy (that is the demonstration): the copy may be writing while
+        // this reads; u32 has no invalid values, and the result is only compared.
+        let racy = unsafe { filling.buffer_for_race_demo().read_unsynchronized() };
+        stale += usize::from(racy.iter().any(|&x| x != value));
+        let filled = filling.wait().unwrap();
+        assert!(filled.iter().all(|&x| x == value), "iteration {i}: wrong after waiting");
+    }
+    device.synchronize().unwrap();
+    println!(
+        "hazard: {stale} of {iterations} reads made right after enqueuing the D2H copy (without \
+         waiting for its event) were stale; after waiting, 0"
+    );
+    println!("RESULT hazard iterations={iterations} stale_unsynchronized={stale}");
+}
+
+#[test]
+fn a_leaked_copy_token_still_makes_the_next_read_wait() {
+    let Some(device) = gpu() else { return };
+    let load = Load::new(&device, 64);
+    let source = device.alloc::<u32>(LEN).unwrap();
+    let mut down = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let (compute, d2h) = (device.stream(StreamKind::Compute), device.stream(StreamKind::D2h));
+    for value in 1..=50u32 {
+        let busy = load.run(&device, 8);
+        device.fill(compute, &source, 0..LEN, value).unwrap();
+        let mut filled = device.new_event().unwrap();
+        device.record(&mut filled, compute).unwrap();
+        device.wait_event(d2h, &filled).unwrap();
+        device.wait_event(d2h, &busy).unwrap();
+        std::mem::forget(device.copy_d2h(d2h, &source, 0..LEN, &mut down, 0).unwrap());
+        let wrong = down.iter().filter(|&&x| x != value).count();
+        assert_eq!(wrong, 0, "round {value}: the read after a leaked token did not wait");
+    }
+    device.synchronize().unwrap();
+}

@@ -1,0 +1,148 @@
+//! Collectives between in-process ranks on CPU devices.
+
+use std::time::Duration;
+
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::{Chaos, Comm, CpuDevice, Device, DeviceError, ReduceOp, StreamKind};
+
+/// Runs `body(rank, device, comm)` on one thread per rank and returns the results in rank order.
+fn on_ranks<R: Send>(
+    world: usize,
+    chaos: bool,
+    body: impl Fn(usize, &CpuDevice, &CpuComm) -> R + Sync,
+) -> Vec<R> {
+    let devices: Vec<CpuDevice> = (0..world)
+        .map(|r| {
+            if chaos { CpuDevice::with_chaos(Chaos::new(r as u64 * 7)) } else { CpuDevice::new() }
+                .unwrap()
+        })
+        .collect();
+    let comms = CpuComm::group(&devices, Duration::from_secs(10));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .zip(&comms)
+            .enumerate()
+            .map(|(rank, (dev, comm))| {
+                let body = &body;
+                s.spawn(move || body(rank, dev, comm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn rank_data(rank: usize, len: usize) -> Vec<f32> {
+    (0..len).map(|i| (rank * 1000 + i) as f32 * 0.25).collect()
+}
+
+#[test]
+fn all_reduce_sums_and_averages_over_ranks() {
+    for world in 1..=4 {
+        let out = on_ranks(world, true, |rank, dev, comm| {
+            let buf = dev.upload(&rank_data(rank, 37)).unwrap();
+            comm.all_reduce(dev.stream(StreamKind::Comm), &buf, 0..37, ReduceOp::Sum).unwrap();
+            let avg = dev.upload(&rank_data(rank, 37)).unwrap();
+            comm.all_reduce(dev.stream(StreamKind::Comm), &avg, 3..30, ReduceOp::Avg).unwrap();
+            (dev.download(&buf).unwrap(), dev.download(&avg).unwrap())
+        });
+        let sum: Vec<f32> =
+            (0..37).map(|i| (0..world).map(|r| rank_data(r, 37)[i]).sum()).collect();
+        for (rank, (s, a)) in out.iter().enumerate() {
+            assert_eq!(s, &sum, "world {world} rank {rank}");
+            assert_eq!(a[..3], rank_data(rank, 37)[..3], "outside the range nothing changes");
+            for i in 3..30 {
+                assert!((a[i] - sum[i] / world as f32).abs() <= 1e-6 * sum[i].abs());
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_gives_each_rank_the_sum_of_its_chunk() {
+    let world = 3;
+    let out = on_ranks(world, true, |rank, dev, comm| {
+        let src = dev.upload(&rank_data(rank, 3 * 5)).unwrap();
+        let dst = dev.alloc::<f32>(5).unwrap();
+        comm.reduce_scatter(dev.stream(StreamKind::Comm), &src, 0..15, &dst, 0, ReduceOp::Sum)
+            .unwrap();
+        dev.download(&dst).unwrap()
+    });
+    for (rank, chunk) in out.iter().enumerate() {
+        let expect: Vec<f32> =
+            (0..5).map(|i| (0..world).map(|r| rank_data(r, 15)[rank * 5 + i]).sum()).collect();
+        assert_eq!(chunk, &expect);
+    }
+}
+
+#[test]
+fn in_place_all_gather_assembles_every_partition_on_every_rank() {
+    let world = 4;
+    let out = on_ranks(world, true, |rank, dev, comm| {
+        let mut full = vec![-1.0f32; 4 * 6];
+        full[rank * 6..rank * 6 + 6].copy_from_slice(&rank_data(rank, 6));
+        let buf = dev.upload(&full).unwrap();
+        comm.all_gather(dev.stream(StreamKind::Comm), &buf, rank * 6..rank * 6 + 6, &buf, 0..24)
+            .unwrap();
+        dev.download(&buf).unwrap()
+    });
+    let expect: Vec<f32> = (0..world).flat_map(|r| rank_data(r, 6)).collect();
+    assert!(out.iter().all(|o| o == &expect));
+}
+
+#[test]
+fn reduce_writes_the_sum_on_the_root_only() {
+    let out = on_ranks(3, true, |rank, dev, comm| {
+        let src = dev.upload(&rank_data(rank, 10)).unwrap();
+        let dst = dev.upload(&[-1.0f32; 12]).unwrap();
+        comm.reduce(dev.stream(StreamKind::Comm), &src, 2..9, &dst, 1, 1, ReduceOp::Sum).unwrap();
+        dev.download(&dst).unwrap()
+    });
+    let sum: Vec<f32> = (2..9).map(|i| (0..3).map(|r| rank_data(r, 10)[i]).sum()).collect();
+    assert_eq!(out[1][1..8], sum[..]);
+    assert_eq!(out[1][0], -1.0);
+    assert!(out[0].iter().chain(&out[2]).all(|&x| x == -1.0), "non-roots are untouched");
+}
+
+#[test]
+fn broadcast_copies_the_root_everywhere() {
+    let out = on_ranks(3, false, |rank, dev, comm| {
+        let buf = dev.upload(&rank_data(rank, 9)).unwrap();
+        comm.broadcast(dev.stream(StreamKind::Comm), &buf, 0..9, 2).unwrap();
+        dev.download(&buf).unwrap()
+    });
+    assert!(out.iter().all(|o| o == &rank_data(2, 9)));
+}
+
+#[test]
+fn ranks_calling_different_collectives_get_an_error_naming_them() {
+    let out = on_ranks(2, false, |rank, dev, comm| {
+        let buf = dev.upload(&rank_data(rank, 8)).unwrap();
+        let stream = dev.stream(StreamKind::Comm);
+        if rank == 0 {
+            comm.all_reduce(stream, &buf, 0..8, ReduceOp::Sum).unwrap();
+        } else {
+            comm.broadcast(stream, &buf, 0..8, 0).unwrap();
+        }
+        dev.synchronize()
+    });
+    for result in out {
+        assert!(
+            matches!(&result, Err(DeviceError::Collective { reason, .. }) if reason.contains("different")),
+            "{result:?}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_instead_of_hanging() {
+    let devices = vec![CpuDevice::new().unwrap(), CpuDevice::new().unwrap()];
+    let comms = CpuComm::group(&devices, Duration::from_millis(200));
+    let buf = devices[0].upload(&[1.0f32; 4]).unwrap();
+    comms[0].all_reduce(devices[0].stream(StreamKind::Comm), &buf, 0..4, ReduceOp::Sum).unwrap();
+    let err = devices[0].synchronize().unwrap_err();
+    assert!(
+        matches!(&err, DeviceError::Collective { op: "all_reduce", rank: 0, reason } if reason.contains("did not arrive")),
+        "{err}"
+    );
+}

@@ -1,0 +1,549 @@
+//! [`Engine`]: one rank's view of a ZeRO data-parallel job.
+//!
+//! The data flow of one optimizer step (DESIGN.md §5), with every hand-off between streams an event
+//! recorded here and waited on there:
+//!
+//! 1. `backward`: the compute stream waits until the gradient buffer is free (`grads_free`) and the
+//!    weights are current (`params_ready`), zeroes the gradients where the stage asks for it, and
+//!    runs the model. As the model reports ranges complete, whole buckets are handed on: the comm
+//!    stream waits on `bucket_ready` (compute) and reduces the bucket so that each rank holds the
+//!    sum of its own partition; then either the comm stream adds the rank's piece into the device
+//!    accumulator, or the d2h stream waits on `reduced` (comm) and copies it into pinned staging,
+//!    and the host adds it into the host accumulator once the copy's token has been waited on.
+//! 2. `step` at the accumulation boundary: the gradient norm over all ranks, the overflow check,
+//!    the clip coefficient, one AdamW step over the partition (on the device, or on the CPU with
+//!    the result uploaded on the h2d stream), and the all-gather of the updated partitions, after
+//!    which `params_ready` is recorded.
+
+use std::ops::Range;
+
+use zeroflow_core::Float;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::{Comm, Device, HostMemory, Kernels, ReduceOp, StreamKind};
+use zeroflow_optim::{AdamState, AdamW, CpuAdam, Grads, Output, SimdLevel};
+
+use crate::buckets::Bucketer;
+use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
+use crate::host::{HostState, Offloader};
+use crate::{EngineError, EngineOptions, LossScaler, Stage};
+
+/// What the model gets for one forward and backward.
+#[derive(Debug)]
+pub struct ModelIo<'a, D: Device, P: Float> {
+    /// The flat weights (read them on the compute stream).
+    pub params: &'a D::Buffer<P>,
+    /// The flat gradients: backward must ADD into them on the compute stream.
+    pub grads: &'a D::Buffer<P>,
+    /// The factor to multiply the loss by before backward (fp16 loss scaling; 1 otherwise).
+    pub loss_scale: f32,
+}
+
+/// What an optimizer step did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepReport {
+    /// Not an accumulation boundary: gradients were accumulated, nothing else.
+    Accumulated,
+    /// The weights were updated.
+    Stepped { grad_norm: f64, clip_coef: f64, loss_scale: f32 },
+    /// The gradients were not finite: the step was skipped (and with fp16 the scale adjusted).
+    Skipped { loss_scale: f32 },
+}
+
+/// Where the fp32 optimizer state lives.
+enum Optimizer<D: Device, P: Float> {
+    Device { state: DeviceAdamState<D>, grad_acc: D::Buffer<f32> },
+    Host(Box<HostState<P>>),
+}
+
+/// Events the engine owns, each recorded in one place and waited on in another.
+struct Events<D: Device> {
+    /// Compute → comm: a bucket's gradients are complete.
+    bucket_ready: D::Event,
+    /// Comm → d2h: a bucket is reduced.
+    reduced: D::Event,
+    /// Comm and d2h → compute: the last backward's gradients have been consumed.
+    comm_done: Option<D::Event>,
+    d2h_done: Option<D::Event>,
+    /// → compute: the weights are updated.
+    params_ready: Option<D::Event>,
+    /// Compute → h2d/comm: the last forward/backward has stopped reading the weights.
+    compute_done: D::Event,
+    /// Comm → d2h: the global norm is computed.
+    norm_done: D::Event,
+    /// Comm → compute: the device accumulator is complete.
+    accumulated: D::Event,
+    /// Compute → comm: the device optimizer has read the accumulator.
+    optimizer_done: D::Event,
+}
+
+/// One rank of a ZeRO job. See the crate documentation for the loop that drives it.
+pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
+    device: D,
+    comm: C,
+    layout: FlatLayout,
+    opts: EngineOptions,
+    /// The flat elements whose optimizer state this rank holds.
+    owned: Range<usize>,
+    params: D::Buffer<P>,
+    grads: D::Buffer<P>,
+    /// The reduced gradients of `owned` (stages 1 and 2 with more than one rank).
+    reduced: Option<D::Buffer<P>>,
+    optimizer: Optimizer<D, P>,
+    norm: D::Buffer<f32>,
+    norm_host: zeroflow_device::HostBuffer<f32>,
+    events: Events<D>,
+    bucketer: Bucketer,
+    adamw: AdamW,
+    scaler: LossScaler,
+    micro_steps: u64,
+    backward_pending: bool,
+}
+
+impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
+    /// Allocates every buffer of the job (nothing is allocated later) and uploads `initial`
+    /// weights (the whole flat buffer, padding zero).
+    pub fn new(
+        device: D,
+        comm: C,
+        layout: FlatLayout,
+        opts: EngineOptions,
+        initial: &[P],
+    ) -> Result<Self, EngineError> {
+        if layout.world_size() != comm.world_size() {
+            return Err(EngineError::Usage(
+                "the layout's world size differs from the communicator's",
+            ));
+        }
+        if initial.len() != layout.padded_len() {
+            return Err(EngineError::Usage("initial weights must fill the whole flat buffer"));
+        }
+        if opts.grad_accum == 0 {
+            return Err(EngineError::Usage("gradient accumulation steps must be at least 1"));
+        }
+        let world = comm.world_size();
+        let owned = match opts.stage {
+            Stage::Zero0 => 0..layout.padded_len(),
+            Stage::Zero1 | Stage::Zero2 => layout.partition_range(comm.rank()),
+        };
+        let params = device.upload(initial)?;
+        let grads = device.alloc::<P>(layout.padded_len())?;
+        let reduced = match (opts.stage, world) {
+            (Stage::Zero1 | Stage::Zero2, 2..) => Some(device.alloc::<P>(owned.len())?),
+            _ => None,
+        };
+        let master: Vec<f32> = initial[owned.clone()].iter().map(|p| p.to_f32()).collect();
+        let optimizer = match opts.offload {
+            None => Optimizer::Device {
+                state: DeviceAdamState {
+                    master: device.upload(&master)?,
+                    exp_avg: device.alloc(owned.len())?,
+                    exp_avg_sq: device.alloc(owned.len())?,
+                },
+                grad_acc: device.alloc(owned.len())?,
+            },
+            Some(memory) => {
+                let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?;
+                let mut host =
+                    HostState::new(&device, owned.len(), opts.reduce_bucket, memory, adam)?;
+                host.master.copy_from_slice(&master);
+                Optimizer::Host(Box::new(host))
+            }
+        };
+        let events = Events {
+            bucket_ready: device.new_event()?,
+            reduced: device.new_event()?,
+            comm_done: None,
+            d2h_done: None,
+            params_ready: None,
+            compute_done: device.new_event()?,
+            norm_done: device.new_event()?,
+            accumulated: device.new_event()?,
+            optimizer_done: device.new_event()?,
+        };
+        Ok(Engine {
+            norm: device.alloc(1)?,
+            norm_host: device.alloc_host(1, HostMemory::Pinned)?,
+            bucketer: Bucketer::new(opts.reduce_bucket, layout.params().len()),
+            adamw: AdamW::new(opts.adamw)?,
+            scaler: opts.scaler.clone(),
+            device,
+            comm,
+            layout,
+            opts,
+            owned,
+            params,
+            grads,
+            reduced,
+            optimizer,
+            events,
+            micro_steps: 0,
+            backward_pending: false,
+        })
+    }
+
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The flat weights on the device.
+    pub fn params(&self) -> &D::Buffer<P> {
+        &self.params
+    }
+
+    /// Micro-steps taken so far.
+    pub fn micro_steps(&self) -> u64 {
+        self.micro_steps
+    }
+
+    /// Optimizer steps taken so far (skipped steps do not count).
+    pub fn optimizer_steps(&self) -> u64 {
+        self.adamw.steps_taken()
+    }
+
+    /// True if the micro-step about to run (or running) ends an accumulation window.
+    pub fn is_gradient_accumulation_boundary(&self) -> bool {
+        (self.micro_steps + 1).is_multiple_of(self.opts.grad_accum)
+    }
+
+    /// The current loss scale.
+    pub fn loss_scale(&self) -> f32 {
+        self.scaler.scale()
+    }
+
+    /// The host gradient accumulator of this rank's partition (offload only). Every copy into it
+    /// has been waited on before `backward` returns, so it shows only completed data.
+    pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
+        match &self.optimizer {
+            Optimizer::Host(host) => Some(&host.grad_acc),
+            Optimizer::Device { .. } => None,
+        }
+    }
+
+    /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
+    pub fn master_weights(&self) -> Result<Vec<f32>, EngineError> {
+        match &self.optimizer {
+            Optimizer::Host(host) => Ok(host.master.to_vec()),
+            Optimizer::Device { state, .. } => Ok(self.device.download(&state.master)?),
+        }
+    }
+
+    /// The flat range whose optimizer state this rank holds.
+    pub fn owned_range(&self) -> Range<usize> {
+        self.owned.clone()
+    }
+
+    /// Runs one micro-step's forward and backward. `forward_backward` queues the model on the
+    /// compute stream and calls `grads_ready(range)` once for each stretch of whole parameters
+    /// whose gradients it has finished adding, in backward order.
+    pub fn backward<F>(&mut self, forward_backward: F) -> Result<(), EngineError>
+    where
+        F: FnOnce(
+            ModelIo<'_, D, P>,
+            &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+        ) -> Result<(), EngineError>,
+    {
+        if self.backward_pending {
+            return Err(EngineError::Usage("backward called twice without step"));
+        }
+        let reduce_now =
+            self.opts.stage == Stage::Zero2 || self.is_gradient_accumulation_boundary();
+        let window_start = self.micro_steps.is_multiple_of(self.opts.grad_accum);
+        let compute = self.device.stream(StreamKind::Compute);
+        let events = [&self.events.comm_done, &self.events.d2h_done, &self.events.params_ready];
+        for event in events.into_iter().flatten() {
+            self.device.wait_event(compute, event)?;
+        }
+        if self.opts.stage == Stage::Zero2 || window_start {
+            self.device.fill(compute, &self.grads, 0..self.layout.padded_len(), P::default())?;
+        }
+        let io =
+            ModelIo { params: &self.params, grads: &self.grads, loss_scale: self.scaler.scale() };
+        let mut flow = Reduction {
+            device: &self.device,
+            comm: &self.comm,
+            layout: &self.layout,
+            owned: self.owned.clone(),
+            grads: &self.grads,
+            reduced: self.reduced.as_ref(),
+            bucket_ready: &mut self.events.bucket_ready,
+            reduced_event: &mut self.events.reduced,
+            sink: match &mut self.optimizer {
+                Optimizer::Device { grad_acc, .. } => Sink::Device(grad_acc),
+                Optimizer::Host(host) => {
+                    Sink::Host(Offloader::new(&mut host.staging, &mut host.grad_acc))
+                }
+            },
+            enabled: reduce_now,
+        };
+        self.bucketer.reset();
+        let bucketer = &mut self.bucketer;
+        let layout = &self.layout;
+        forward_backward(io, &mut |range| {
+            bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
+        })?;
+        bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket))?;
+        if let Sink::Host(offloader) = &mut flow.sink {
+            offloader.drain()?;
+        }
+        drop(flow);
+        self.record_consumers(reduce_now)?;
+        self.backward_pending = true;
+        Ok(())
+    }
+
+    /// Records where the gradients of this backward were last read, so the next backward waits.
+    fn record_consumers(&mut self, reduced: bool) -> Result<(), EngineError> {
+        if !reduced {
+            return Ok(());
+        }
+        let comm_done = slot(&mut self.events.comm_done, &self.device)?;
+        self.device.record(comm_done, self.device.stream(StreamKind::Comm))?;
+        if matches!(self.optimizer, Optimizer::Host(_)) {
+            let d2h_done = slot(&mut self.events.d2h_done, &self.device)?;
+            self.device.record(d2h_done, self.device.stream(StreamKind::D2h))?;
+        }
+        Ok(())
+    }
+
+    /// Ends the micro-step: at an accumulation boundary, one optimizer step.
+    pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        if !std::mem::take(&mut self.backward_pending) {
+            return Err(EngineError::Usage("step called without backward"));
+        }
+        let boundary = self.is_gradient_accumulation_boundary();
+        self.micro_steps += 1;
+        if !boundary {
+            return Ok(StepReport::Accumulated);
+        }
+        let compute = self.device.stream(StreamKind::Compute);
+        self.device.record(&mut self.events.compute_done, compute)?;
+        let sum_squares = self.global_sum_squares()?;
+        let loss_scale = self.scaler.scale();
+        let summed =
+            f64::from(loss_scale) * self.comm.world_size() as f64 * self.opts.grad_accum as f64;
+        let grad_norm = sum_squares.sqrt() / summed;
+        if !grad_norm.is_finite() {
+            tracing::warn!(loss_scale, "non-finite gradients: step skipped");
+            self.scaler.update(true);
+            self.zero_accumulator()?;
+            return Ok(StepReport::Skipped { loss_scale: self.scaler.scale() });
+        }
+        let clip_coef = match self.opts.clip {
+            Some(max) if grad_norm + 1e-6 > max => max / (grad_norm + 1e-6),
+            _ => 1.0,
+        };
+        let step = self.adamw.next_step((clip_coef / summed) as f32);
+        self.update_weights(&step)?;
+        self.zero_accumulator()?;
+        self.scaler.update(false);
+        Ok(StepReport::Stepped { grad_norm, clip_coef, loss_scale })
+    }
+
+    /// Σ g² over the accumulated gradients of all ranks (in loss-scaled, summed units).
+    fn global_sum_squares(&mut self) -> Result<f64, EngineError> {
+        let comm_stream = self.device.stream(StreamKind::Comm);
+        let across_ranks = self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0;
+        match &mut self.optimizer {
+            Optimizer::Device { grad_acc, .. } => {
+                self.device.sum_squares(
+                    comm_stream,
+                    grad_acc,
+                    0..self.owned.len(),
+                    &self.norm,
+                    0,
+                )?;
+            }
+            Optimizer::Host(host) => {
+                let local: f64 = host.grad_acc.iter().map(|g| f64::from(*g).powi(2)).sum();
+                if !across_ranks {
+                    return Ok(local);
+                }
+                // Uploaded and waited for, so the all-reduce below is ordered after it.
+                self.norm_host[0] = local as f32;
+                let h2d = self.device.stream(StreamKind::H2d);
+                self.device.copy_h2d(h2d, &self.norm_host, 0..1, &self.norm, 0)?.wait()?;
+            }
+        }
+        if across_ranks {
+            self.comm.all_reduce(comm_stream, &self.norm, 0..1, ReduceOp::Sum)?;
+        }
+        let d2h = self.device.stream(StreamKind::D2h);
+        self.device.record(&mut self.events.norm_done, comm_stream)?;
+        self.device.wait_event(d2h, &self.events.norm_done)?;
+        let norm = self.device.copy_d2h(d2h, &self.norm, 0..1, &mut self.norm_host, 0)?.wait()?;
+        Ok(f64::from(norm[0]))
+    }
+
+    /// One AdamW step over the partition, then the updated weights back into every rank's flat
+    /// buffer.
+    fn update_weights(&mut self, step: &zeroflow_optim::AdamWStep) -> Result<(), EngineError> {
+        let compute = self.device.stream(StreamKind::Compute);
+        let comm_stream = self.device.stream(StreamKind::Comm);
+        let len = self.owned.len();
+        let writer = match &mut self.optimizer {
+            Optimizer::Device { state, grad_acc } => {
+                // The accumulator is complete once the comm stream is past it (and the norm).
+                self.device.record(&mut self.events.accumulated, comm_stream)?;
+                self.device.wait_event(compute, &self.events.accumulated)?;
+                let out = (&self.params, self.owned.start);
+                self.device.adamw(compute, step, state, 0..len, grad_acc, out.0, out.1)?;
+                compute
+            }
+            Optimizer::Host(host) => {
+                let HostState { master, exp_avg, exp_avg_sq, grad_acc, upload, adam, .. } =
+                    &mut **host;
+                let state = AdamState { params: master, exp_avg, exp_avg_sq };
+                adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
+                upload.iter_mut().zip(master.iter()).for_each(|(u, m)| *u = P::from_f32(*m));
+                let h2d = self.device.stream(StreamKind::H2d);
+                self.device.wait_event(h2d, &self.events.compute_done)?;
+                self.device
+                    .copy_h2d(h2d, upload, 0..len, &self.params, self.owned.start)?
+                    .wait()?;
+                h2d
+            }
+        };
+        let params_ready = slot(&mut self.events.params_ready, &self.device)?;
+        self.device.record(params_ready, writer)?;
+        if self.owned.len() < self.layout.padded_len() {
+            // Gather the other partitions once this rank's is written and nothing reads the
+            // weights any more.
+            self.device.wait_event(comm_stream, params_ready)?;
+            self.device.wait_event(comm_stream, &self.events.compute_done)?;
+            let everything = 0..self.layout.padded_len();
+            let own = self.owned.clone();
+            self.comm.all_gather(comm_stream, &self.params, own, &self.params, everything)?;
+            self.device.record(params_ready, comm_stream)?;
+        }
+        Ok(())
+    }
+
+    /// Clears the gradient accumulator for the next window, after everything that reads it.
+    fn zero_accumulator(&mut self) -> Result<(), EngineError> {
+        match &mut self.optimizer {
+            Optimizer::Device { grad_acc, .. } => {
+                // The comm stream adds into it and computed the norm; the optimizer read it on
+                // the compute stream. Zero it on the comm stream once compute is past it.
+                let comm_stream = self.device.stream(StreamKind::Comm);
+                let compute = self.device.stream(StreamKind::Compute);
+                self.device.record(&mut self.events.optimizer_done, compute)?;
+                self.device.wait_event(comm_stream, &self.events.optimizer_done)?;
+                self.device.fill(comm_stream, grad_acc, 0..self.owned.len(), 0.0)?;
+            }
+            Optimizer::Host(host) => host.grad_acc.fill(0.0),
+        }
+        Ok(())
+    }
+}
+
+/// The event in `slot`, created on first use.
+fn slot<'e, D: Device>(
+    slot: &'e mut Option<D::Event>,
+    device: &D,
+) -> Result<&'e mut D::Event, EngineError> {
+    if slot.is_none() {
+        *slot = Some(device.new_event()?);
+    }
+    Ok(slot.as_mut().expect("just filled"))
+}
+
+impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> std::fmt::Debug for Engine<D, C, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("device", &self.device)
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .field("stage", &self.opts.stage)
+            .field("owned", &self.owned)
+            .field("micro_steps", &self.micro_steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where reduced gradient pieces go.
+enum Sink<'s, D: Device, P: Float> {
+    /// Added into the device accumulator on the comm stream.
+    Device(&'s D::Buffer<f32>),
+    /// Copied to the host and added there.
+    Host(Offloader<'s, P>),
+}
+
+/// The reduction pipeline during one backward.
+struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
+    device: &'s D,
+    comm: &'s C,
+    layout: &'s FlatLayout,
+    owned: Range<usize>,
+    grads: &'s D::Buffer<P>,
+    reduced: Option<&'s D::Buffer<P>>,
+    bucket_ready: &'s mut D::Event,
+    reduced_event: &'s mut D::Event,
+    sink: Sink<'s, D, P>,
+    enabled: bool,
+}
+
+impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> {
+    /// Reduces one bucket of complete gradients and sends this rank's piece on.
+    fn reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), EngineError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let comm_stream = self.device.stream(StreamKind::Comm);
+        self.device.record(self.bucket_ready, self.device.stream(StreamKind::Compute))?;
+        self.device.wait_event(comm_stream, self.bucket_ready)?;
+        // `source` holds this rank's reduced piece of the bucket at `source_offset`.
+        let (source, source_offset) = match self.reduced {
+            Some(reduced) => {
+                for rank in 0..self.comm.world_size() {
+                    let part = self.layout.partition_range(rank);
+                    let piece = bucket.start.max(part.start)..bucket.end.min(part.end);
+                    if piece.is_empty() {
+                        continue;
+                    }
+                    let offset = piece.start - part.start;
+                    self.comm.reduce(
+                        comm_stream,
+                        self.grads,
+                        piece,
+                        reduced,
+                        offset,
+                        rank,
+                        ReduceOp::Sum,
+                    )?;
+                }
+                (reduced, self.owned.start)
+            }
+            None => {
+                if self.comm.world_size() > 1 {
+                    self.comm.all_reduce(comm_stream, self.grads, bucket.clone(), ReduceOp::Sum)?;
+                }
+                (self.grads, 0)
+            }
+        };
+        let mine = bucket.start.max(self.owned.start)..bucket.end.min(self.owned.end);
+        if mine.is_empty() {
+            return Ok(());
+        }
+        let at_source = mine.start - source_offset..mine.end - source_offset;
+        let at_acc = mine.start - self.owned.start;
+        match &mut self.sink {
+            Sink::Device(grad_acc) => {
+                self.device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
+            }
+            Sink::Host(offloader) => {
+                let d2h = self.device.stream(StreamKind::D2h);
+                self.device.record(self.reduced_event, comm_stream)?;
+                self.device.wait_event(d2h, self.reduced_event)?;
+                let staging = offloader.staging()?;
+                let len = at_source.len();
+                let filling = self.device.copy_d2h(d2h, source, at_source, staging, 0)?;
+                offloader.push(at_acc, len, filling);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! The ZeRO engine: data-parallel training with partitioned optimizer state (stages 0, 1 and 2),
+//! mixed precision with loss scaling, gradient clipping, gradient accumulation and CPU optimizer
+//! offload, on any [`zeroflow_device::Device`] (DESIGN.md §4–5).
+//!
+//! The training loop drives it like DeepSpeed's engine:
+//!
+//! ```text
+//! for batch in data {
+//!     engine.backward(|io, grads_ready| model.forward_backward(io, batch, grads_ready))?;
+//!     engine.step()?;   // an optimizer step at the accumulation boundary, else just counts
+//! }
+//! ```
+
+mod buckets;
+mod device_adamw;
+mod engine;
+mod host;
+mod options;
+mod scaler;
+
+use std::ops::Range;
+
+use thiserror::Error;
+use zeroflow_device::{DeviceError, HostMemory};
+use zeroflow_optim::{AdamWConfig, OptimError};
+
+pub use device_adamw::{DeviceAdamState, DeviceAdamW};
+pub use engine::{Engine, ModelIo, StepReport};
+pub use scaler::{DynamicScaler, LossScaler};
+
+/// Which ZeRO stage partitions what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Plain data parallelism: gradients are all-reduced, every rank holds all optimizer state.
+    Zero0,
+    /// Optimizer state partitioned; gradients reduced once per optimizer step.
+    Zero1,
+    /// Optimizer state and gradients partitioned; gradients reduced every micro-step.
+    Zero2,
+}
+
+/// How the engine runs.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub stage: Stage,
+    /// Micro-steps per optimizer step.
+    pub grad_accum: u64,
+    /// Clip the global gradient norm to this value.
+    pub clip: Option<f64>,
+    /// Keep the fp32 optimizer state in host memory and step it on the CPU.
+    pub offload: Option<HostMemory>,
+    /// Elements per reduction bucket.
+    pub reduce_bucket: usize,
+    pub adamw: AdamWConfig,
+    pub scaler: LossScaler,
+    /// Threads of the CPU optimizer (offload).
+    pub cpu_threads: usize,
+}
+
+/// What can go wrong in the engine.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    #[error(
+        "parameter `{param}` got no gradient in this backward (every parameter must be reported once)"
+    )]
+    MissingGradient { param: String },
+    #[error("parameter `{param}` was reported twice in one backward")]
+    DuplicateGradient { param: String },
+    #[error("the reported range {range:?} covers only part of parameter `{param}`")]
+    PartialGradient { param: String, range: Range<usize> },
+    #[error("{0}")]
+    Usage(&'static str),
+}

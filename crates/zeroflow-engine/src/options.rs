@@ -1,0 +1,60 @@
+//! Engine options from a resolved DeepSpeed config.
+
+use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
+use zeroflow_device::HostMemory;
+use zeroflow_optim::{AdamWConfig, WeightDecayMode};
+
+use crate::{DynamicScaler, EngineOptions, LossScaler, Stage};
+
+impl EngineOptions {
+    /// The options a resolved config asks for; `cpu_threads` is this rank's share of the host's
+    /// cores for the CPU optimizer.
+    ///
+    /// Non-finite gradients always skip the step, also in bf16 with `check_grad_overflow: false`
+    /// (DeepSpeed would apply the NaNs to the weights).
+    pub fn from_config(config: &Config, cpu_threads: usize) -> Self {
+        let stage = match config.zero.stage {
+            ZeroStage::Disabled => Stage::Zero0,
+            ZeroStage::OptimizerStates => Stage::Zero1,
+            ZeroStage::Gradients => Stage::Zero2,
+        };
+        let scaler = match config.precision {
+            MixedPrecision::Fp32 | MixedPrecision::Bf16 { .. } => LossScaler::None,
+            MixedPrecision::Fp16(LossScaling::Static(scale)) => LossScaler::Static(scale as f32),
+            MixedPrecision::Fp16(LossScaling::Dynamic(d)) => {
+                LossScaler::Dynamic(DynamicScaler::new(
+                    d.initial_scale_power,
+                    d.loss_scale_window,
+                    d.min_loss_scale as f32,
+                    d.hysteresis.try_into().unwrap_or(u32::MAX),
+                    d.consecutive_hysteresis,
+                ))
+            }
+        };
+        let opt = &config.optimizer;
+        let mode = match opt.mode {
+            zeroflow_core::config::WeightDecayMode::Decoupled => WeightDecayMode::Decoupled,
+            zeroflow_core::config::WeightDecayMode::L2 => WeightDecayMode::L2,
+        };
+        EngineOptions {
+            stage,
+            grad_accum: config.batch.gradient_accumulation_steps,
+            clip: (config.gradient_clipping > 0.0).then_some(config.gradient_clipping),
+            offload: config
+                .zero
+                .offload_optimizer
+                .map(|o| if o.pin_memory { HostMemory::Pinned } else { HostMemory::Pageable }),
+            reduce_bucket: usize::try_from(config.zero.reduce_bucket_size).unwrap_or(usize::MAX),
+            adamw: AdamWConfig {
+                lr: opt.lr,
+                betas: opt.betas,
+                eps: opt.eps,
+                weight_decay: opt.weight_decay,
+                mode,
+                bias_correction: opt.bias_correction,
+            },
+            scaler,
+            cpu_threads,
+        }
+    }
+}

@@ -1,0 +1,7 @@
+//! Integration tests of the ZeRO engine on CPU devices, compiled as one test binary.
+
+mod harness;
+
+mod chaos;
+mod equivalence;
+mod precision;

@@ -1,0 +1,96 @@
+//! Training data: token streams from the built-in synthetic corpus, llm.c token shards, or plain
+//! text (bytes, or GPT-2 BPE), cut into micro-batches of `[batch, seq + 1]` tokens per rank by a deterministic,
+//! resumable [`DataLoader`].
+
+mod loader;
+mod shard;
+mod synthetic;
+mod text;
+
+use std::fmt;
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+pub use loader::{Batch, DataLoader, DataPosition, Source};
+pub use shard::{SHARD_MAGIC, SHARD_VERSION, read_shard, write_shard};
+pub use synthetic::SyntheticCorpus;
+pub use text::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
+
+/// What was wrong with a data file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataErrorKind {
+    /// The file could not be read.
+    Io(String),
+    /// The file (or its token count) is empty.
+    Empty,
+    /// The header's magic number is not llm.c's 20240520.
+    WrongMagic { found: i32 },
+    /// The header's version is not 1.
+    WrongVersion { found: i32 },
+    /// The file is shorter than its header says.
+    Truncated { expected_bytes: u64, found_bytes: u64 },
+    /// The file is longer than its header says.
+    TrailingBytes { expected_bytes: u64, found_bytes: u64 },
+    /// A token id does not fit the model's vocabulary.
+    TokenOutOfRange { token: u32, index: usize, vocab: usize },
+    /// A text file for GPT-2 BPE is not UTF-8.
+    NotUtf8 { offset: usize },
+    /// The GPT-2 tokenizer could not be set up.
+    Tokenizer(String),
+    /// The file holds fewer tokens than one step of all ranks needs.
+    TooShort { tokens: usize, needed: usize },
+}
+
+impl fmt::Display for DataErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataErrorKind::Io(e) => write!(f, "cannot read: {e}"),
+            DataErrorKind::Empty => write!(f, "empty: no tokens"),
+            DataErrorKind::WrongMagic { found } => {
+                write!(f, "not an llm.c token shard: magic {found}, expected {SHARD_MAGIC}")
+            }
+            DataErrorKind::WrongVersion { found } => {
+                write!(f, "unsupported shard version {found}, expected {SHARD_VERSION}")
+            }
+            DataErrorKind::Truncated { expected_bytes, found_bytes } => write!(
+                f,
+                "truncated: the header promises {expected_bytes} bytes, the file has {found_bytes}"
+            ),
+            DataErrorKind::TrailingBytes { expected_bytes, found_bytes } => write!(
+                f,
+                "the header promises {expected_bytes} bytes but the file has {found_bytes}"
+            ),
+            DataErrorKind::TokenOutOfRange { token, index, vocab } => write!(
+                f,
+                "token id {token} at index {index} is not below the model's vocabulary size {vocab}"
+            ),
+            DataErrorKind::NotUtf8 { offset } => {
+                write!(
+                    f,
+                    "not UTF-8 (invalid bytes at offset {offset}); GPT-2 BPE needs UTF-8 text"
+                )
+            }
+            DataErrorKind::Tokenizer(e) => write!(f, "GPT-2 tokenizer: {e}"),
+            DataErrorKind::TooShort { tokens, needed } => write!(
+                f,
+                "{tokens} tokens, but one step of all ranks needs {needed} (batch × seq × world \
+                 size + 1); use a smaller batch or more data"
+            ),
+        }
+    }
+}
+
+/// A data error, naming the file (or `<synthetic>` for the built-in corpus).
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("{}: {kind}", path.display())]
+pub struct DataError {
+    pub path: PathBuf,
+    pub kind: DataErrorKind,
+}
+
+impl DataError {
+    pub(crate) fn new(path: impl Into<PathBuf>, kind: DataErrorKind) -> Self {
+        DataError { path: path.into(), kind }
+    }
+}

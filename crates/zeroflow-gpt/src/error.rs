@@ -1,0 +1,30 @@
+//! Errors of the model (data errors are in [`crate::data::DataError`]).
+
+use thiserror::Error;
+use zeroflow_device::DeviceError;
+
+#[derive(Debug, Error)]
+pub enum GptError {
+    #[error(
+        "unknown model size `{0}` (known: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt-1.3b, or a JSON object)"
+    )]
+    UnknownSize(String),
+    #[error("model config JSON: {0}")]
+    ConfigJson(String),
+    #[error("invalid model config: {0}")]
+    InvalidConfig(String),
+    /// The flat layout handed to the model lacks a parameter or holds it with another shape.
+    #[error("parameter `{name}`: {reason}")]
+    Layout { name: String, reason: String },
+    /// A buffer has the wrong length for the layout or the batch.
+    #[error("{what}: expected {expected} elements, found {found}")]
+    Length { what: &'static str, expected: usize, found: usize },
+    /// A batch does not fit the model (sequence longer than the context, and such).
+    #[error("batch: {0}")]
+    Batch(String),
+    /// A kernel of the host path failed (a token id out of range, for example).
+    #[error("kernel `{kernel}` failed: {reason}")]
+    Kernel { kernel: &'static str, reason: String },
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}

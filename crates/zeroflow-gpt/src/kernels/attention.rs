@@ -1,0 +1,117 @@
+//! Causal multi-head self-attention over a fused `qkv` row `[q | k | v]` of width `3c`.
+//!
+//! Each kernel works in two parallel phases so that every task owns what it writes: first one task
+//! per (sequence, head) over that head's `t × t` block of attention weights, then one task per
+//! token row over its output row. Only the softmax output `att` is kept for backward.
+
+use rayon::prelude::*;
+
+use crate::float::Float;
+
+/// Shapes: `out [b, t, c]`, `att [b, n_head, t, t]` (the attention weights; the masked entries
+/// above the diagonal are zero), `qkv [b, t, 3c]`.
+pub fn attention_forward<F: Float>(
+    out: &mut [F],
+    att: &mut [F],
+    qkv: &[F],
+    t: usize,
+    c: usize,
+    n_head: usize,
+) {
+    let hs = c / n_head;
+    let scale = F::one() / F::of(hs as f64).sqrt();
+    let at = |b: usize, row: usize, column: usize| b * t * 3 * c + row * 3 * c + column;
+    att.par_chunks_mut(t * t).enumerate().for_each(|(bh, att)| {
+        let (b, h) = (bh / n_head, bh % n_head);
+        for t1 in 0..t {
+            let query = &qkv[at(b, t1, h * hs)..][..hs];
+            let (row, masked) = att[t1 * t..][..t].split_at_mut(t1 + 1);
+            let mut max = F::neg_infinity();
+            for (t2, score) in row.iter_mut().enumerate() {
+                *score = dot(query, &qkv[at(b, t2, c + h * hs)..][..hs]) * scale;
+                max = max.max(*score);
+            }
+            let mut sum = F::zero();
+            for a in row.iter_mut() {
+                *a = (*a - max).exp();
+                sum += *a;
+            }
+            row.iter_mut().for_each(|a| *a = *a / sum);
+            masked.fill(F::zero());
+        }
+    });
+    let att = &*att;
+    out.par_chunks_mut(c).enumerate().for_each(|(bt, out)| {
+        let (b, t1) = (bt / t, bt % t);
+        out.fill(F::zero());
+        for h in 0..n_head {
+            let weights = &att[((b * n_head + h) * t + t1) * t..][..=t1];
+            let out = &mut out[h * hs..][..hs];
+            for (t2, &a) in weights.iter().enumerate() {
+                let value = &qkv[at(b, t2, 2 * c + h * hs)..][..hs];
+                out.iter_mut().zip(value).for_each(|(o, &v)| *o += a * v);
+            }
+        }
+    });
+}
+
+/// Adds the gradients of [`attention_forward`] to `dqkv`. `dscores [b, n_head, t, t]` is scratch:
+/// it is overwritten with the gradient of the pre-softmax scores.
+#[allow(clippy::too_many_arguments, reason = "the kernel's inputs and outputs, as in llm.c")]
+pub fn attention_backward<F: Float>(
+    dqkv: &mut [F],
+    dscores: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    t: usize,
+    c: usize,
+    n_head: usize,
+) {
+    let hs = c / n_head;
+    let scale = F::one() / F::of(hs as f64).sqrt();
+    let at = |b: usize, row: usize, column: usize| b * t * 3 * c + row * 3 * c + column;
+    let dout_at = |b: usize, row: usize, h: usize| &dout[b * t * c + row * c + h * hs..][..hs];
+    // The gradient of the scores: through `out = att @ v`, then the softmax.
+    dscores.par_chunks_mut(t * t).enumerate().for_each(|(bh, dscores)| {
+        let (b, h) = (bh / n_head, bh % n_head);
+        for t1 in 0..t {
+            let weights = &att[(bh * t + t1) * t..][..=t1];
+            let (row, masked) = dscores[t1 * t..][..t].split_at_mut(t1 + 1);
+            let dout_row = dout_at(b, t1, h);
+            for (t2, datt) in row.iter_mut().enumerate() {
+                *datt = dot(&qkv[at(b, t2, 2 * c + h * hs)..][..hs], dout_row);
+            }
+            let weighted: F = weights.iter().zip(row.iter()).map(|(&a, &d)| a * d).sum();
+            row.iter_mut().zip(weights).for_each(|(g, &a)| *g = a * (*g - weighted));
+            masked.fill(F::zero());
+        }
+    });
+    let dscores = &*dscores;
+    // Each token row: dq from its own scores row, dk and dv from its column of every later row.
+    dqkv.par_chunks_mut(3 * c).enumerate().for_each(|(bt, drow)| {
+        let (b, t0) = (bt / t, bt % t);
+        for h in 0..n_head {
+            let block = (b * n_head + h) * t * t;
+            let (dq, rest) = drow[h * hs..].split_at_mut(c);
+            let (dk, rest) = rest.split_at_mut(c);
+            let dv = &mut rest[..hs];
+            for t2 in 0..=t0 {
+                let g = dscores[block + t0 * t + t2] * scale;
+                let key = &qkv[at(b, t2, c + h * hs)..][..hs];
+                dq[..hs].iter_mut().zip(key).for_each(|(d, &k)| *d += g * k);
+            }
+            for t1 in t0..t {
+                let g = dscores[block + t1 * t + t0] * scale;
+                let query = &qkv[at(b, t1, h * hs)..][..hs];
+                dk[..hs].iter_mut().zip(query).for_each(|(d, &q)| *d += g * q);
+                let a = att[block + t1 * t + t0];
+                dv.iter_mut().zip(dout_at(b, t1, h)).for_each(|(d, &o)| *d += a * o);
+            }
+        }
+    });
+}
+
+fn dot<F: Float>(a: &[F], b: &[F]) -> F {
+    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
+}

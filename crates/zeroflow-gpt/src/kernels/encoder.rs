@@ -1,0 +1,54 @@
+//! Token + position embedding.
+
+use rayon::prelude::*;
+
+use crate::float::Float;
+
+/// `out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]` for sequences of length `t`.
+pub fn encoder_forward<F: Float>(
+    out: &mut [F],
+    tokens: &[u32],
+    wte: &[F],
+    wpe: &[F],
+    t: usize,
+    c: usize,
+    vocab: usize,
+) -> Result<(), String> {
+    check_tokens(tokens, vocab)?;
+    out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(row, (out, &token))| {
+        let word = &wte[token as usize * c..][..c];
+        let position = &wpe[(row % t) * c..][..c];
+        for ((o, &w), &p) in out.iter_mut().zip(word).zip(position) {
+            *o = w + p;
+        }
+    });
+    Ok(())
+}
+
+/// Adds the encoder's gradients: `dwte[token] += dout`, `dwpe[t] += dout`.
+pub fn encoder_backward<F: Float>(
+    dwte: &mut [F],
+    dwpe: &mut [F],
+    dout: &[F],
+    tokens: &[u32],
+    t: usize,
+    c: usize,
+) {
+    for (row, (dout, &token)) in dout.chunks(c).zip(tokens).enumerate() {
+        let dword = &mut dwte[token as usize * c..][..c];
+        dword.iter_mut().zip(dout).for_each(|(g, &d)| *g += d);
+        let dposition = &mut dwpe[(row % t) * c..][..c];
+        dposition.iter_mut().zip(dout).for_each(|(g, &d)| *g += d);
+    }
+}
+
+/// Every token id must index a real (not padded) row of the embedding.
+pub fn check_tokens(tokens: &[u32], vocab: usize) -> Result<(), String> {
+    match tokens.iter().position(|&token| token as usize >= vocab) {
+        Some(i) => Err(format!(
+            "token id {} at position {i} is not below the vocabulary size {vocab}",
+            tokens[i]
+        )),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,73 @@
+//! Element-wise kernels: GELU (tanh approximation), the residual sum, zero-fill.
+
+use rayon::prelude::*;
+
+use crate::float::Float;
+
+const CHUNK: usize = 4096;
+/// sqrt(2/π).
+const GELU_SCALE: f64 = 0.797_884_560_802_865_4;
+const GELU_CUBIC: f64 = 0.044715;
+
+/// tanh through one exponential, which is several times faster than the library's tanh here.
+/// |x| is clamped to 20, where tanh is 1 to within 1e-17.
+fn tanh<F: Float>(x: F) -> F {
+    let limit = F::of(20.0);
+    let e = (F::of(2.0) * x.max(-limit).min(limit)).exp();
+    (e - F::one()) / (e + F::one())
+}
+
+/// `out = 0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))`.
+pub fn gelu_forward<F: Float>(out: &mut [F], inp: &[F]) {
+    let (scale, cubic, half) = (F::of(GELU_SCALE), F::of(GELU_CUBIC), F::of(0.5));
+    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(out, inp)| {
+        for (o, &x) in out.iter_mut().zip(inp) {
+            *o = half * x * (F::one() + tanh(scale * (x + cubic * x * x * x)));
+        }
+    });
+}
+
+/// `dinp += gelu'(inp) * dout`.
+pub fn gelu_backward<F: Float>(dinp: &mut [F], inp: &[F], dout: &[F]) {
+    let (scale, cubic, half) = (F::of(GELU_SCALE), F::of(GELU_CUBIC), F::of(0.5));
+    let three = F::of(3.0);
+    dinp.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK).zip(dout.par_chunks(CHUNK))).for_each(
+        |(dinp, (inp, dout))| {
+            for ((g, &x), &d) in dinp.iter_mut().zip(inp).zip(dout) {
+                let tanh = tanh(scale * (x + cubic * x * x * x));
+                let sech2 = F::one() - tanh * tanh;
+                let local = half * (F::one() + tanh)
+                    + half * x * sech2 * scale * (F::one() + three * cubic * x * x);
+                *g += local * d;
+            }
+        },
+    );
+}
+
+/// `out = a + b`.
+pub fn residual_forward<F: Float>(out: &mut [F], a: &[F], b: &[F]) {
+    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK))).for_each(
+        |(out, (a, b))| {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                *o = x + y;
+            }
+        },
+    );
+}
+
+/// `da += dout`, `db += dout`.
+pub fn residual_backward<F: Float>(da: &mut [F], db: &mut [F], dout: &[F]) {
+    da.par_chunks_mut(CHUNK).zip(db.par_chunks_mut(CHUNK).zip(dout.par_chunks(CHUNK))).for_each(
+        |(da, (db, dout))| {
+            for ((a, b), &d) in da.iter_mut().zip(db.iter_mut()).zip(dout) {
+                *a += d;
+                *b += d;
+            }
+        },
+    );
+}
+
+/// `out = 0`.
+pub fn zero<F: Float>(out: &mut [F]) {
+    out.par_chunks_mut(CHUNK).for_each(|chunk| chunk.fill(F::zero()));
+}

@@ -1,0 +1,39 @@
+//! The GPT-2 family model of zeroflow and its data.
+//!
+//! - [`GptConfig`]: shapes (named sizes and custom JSON); [`params`]: Hugging Face names and
+//!   shapes in a fixed order for the flat layout, initialisation, gradient groups.
+//! - [`kernels`]: every layer's forward and backward as pure functions over slices, generic over
+//!   [`Float`] (f32 on the device, f64 in tests).
+//! - [`plan`]: the model as a list of kernel launches over flat buffers, for one (batch, seq).
+//! - [`CpuGpt`] runs the plan on the [`zeroflow_device::CpuDevice`]'s compute stream;
+//!   [`HostGpt`] runs it on host vectors (the f64 oracle).
+//! - [`data`]: the synthetic corpus with a known entropy floor, llm.c token shards, plain text
+//!   (bytes or GPT-2 BPE).
+
+pub mod config;
+pub mod cpu;
+pub mod data;
+pub mod error;
+pub mod float;
+pub mod host;
+pub mod kernels;
+pub mod params;
+pub mod plan;
+
+pub use config::{GptConfig, NAMED_SIZES};
+pub use cpu::{CpuGpt, init_params_on_device};
+pub use error::GptError;
+pub use float::Float;
+pub use host::HostGpt;
+pub use params::{
+    GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, param_specs,
+};
+pub use plan::Plan;
+
+use zeroflow_core::layout::{Alignment, FlatLayout};
+
+/// The flat layout of `config`'s parameters for `world_size` ranks with the default alignment.
+pub fn flat_layout(config: &GptConfig, world_size: usize) -> Result<FlatLayout, GptError> {
+    FlatLayout::new(&param_specs(config), world_size, Alignment::default())
+        .map_err(|e| GptError::Layout { name: "(layout)".into(), reason: e.to_string() })
+}

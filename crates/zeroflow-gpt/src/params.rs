@@ -1,0 +1,297 @@
+//! The model's parameters: their Hugging Face names and shapes, in the fixed order the flat layout
+//! places them, where each one lives in a given layout, its initialisation, and the groups whose
+//! gradients complete together during backward.
+
+use std::ops::Range;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use zeroflow_core::layout::{FlatLayout, ParamSpec};
+
+use crate::GptConfig;
+use crate::error::GptError;
+use crate::float::Float;
+
+/// The parameters of one transformer block, as flat ranges.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockParams {
+    pub ln_1_weight: Range<usize>,
+    pub ln_1_bias: Range<usize>,
+    /// Conv1D `[d, 3d]`.
+    pub c_attn_weight: Range<usize>,
+    pub c_attn_bias: Range<usize>,
+    /// Conv1D `[d, d]`.
+    pub attn_c_proj_weight: Range<usize>,
+    pub attn_c_proj_bias: Range<usize>,
+    pub ln_2_weight: Range<usize>,
+    pub ln_2_bias: Range<usize>,
+    /// Conv1D `[d, 4d]`.
+    pub c_fc_weight: Range<usize>,
+    pub c_fc_bias: Range<usize>,
+    /// Conv1D `[4d, d]`.
+    pub mlp_c_proj_weight: Range<usize>,
+    pub mlp_c_proj_bias: Range<usize>,
+}
+
+/// Where every parameter lives in a flat layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamRanges {
+    /// `[padded_vocab, d]`; also the LM head (tied).
+    pub wte: Range<usize>,
+    /// `[context, d]`.
+    pub wpe: Range<usize>,
+    pub blocks: Vec<BlockParams>,
+    pub ln_f_weight: Range<usize>,
+    pub ln_f_bias: Range<usize>,
+}
+
+/// The block suffixes in layout order, with their shapes for width `c`.
+fn block_specs(c: usize) -> [(&'static str, Vec<usize>); 12] {
+    [
+        ("ln_1.weight", vec![c]),
+        ("ln_1.bias", vec![c]),
+        ("attn.c_attn.weight", vec![c, 3 * c]),
+        ("attn.c_attn.bias", vec![3 * c]),
+        ("attn.c_proj.weight", vec![c, c]),
+        ("attn.c_proj.bias", vec![c]),
+        ("ln_2.weight", vec![c]),
+        ("ln_2.bias", vec![c]),
+        ("mlp.c_fc.weight", vec![c, 4 * c]),
+        ("mlp.c_fc.bias", vec![4 * c]),
+        ("mlp.c_proj.weight", vec![4 * c, c]),
+        ("mlp.c_proj.bias", vec![c]),
+    ]
+}
+
+/// The parameters in the order the flat layout must place them: embeddings, the blocks in order,
+/// the final LayerNorm. Names are Hugging Face GPT-2's; `transformer.wte.weight` has the padded
+/// vocabulary's rows (see [`GptConfig::padded_vocab_size`]).
+pub fn param_specs(config: &GptConfig) -> Vec<ParamSpec> {
+    let c = config.d_model;
+    let mut specs = vec![
+        ParamSpec::new("transformer.wte.weight", [config.padded_vocab_size(), c]),
+        ParamSpec::new("transformer.wpe.weight", [config.context, c]),
+    ];
+    for layer in 0..config.n_layer {
+        for (suffix, shape) in block_specs(c) {
+            specs.push(ParamSpec::new(format!("transformer.h.{layer}.{suffix}"), shape));
+        }
+    }
+    specs.push(ParamSpec::new("transformer.ln_f.weight", [c]));
+    specs.push(ParamSpec::new("transformer.ln_f.bias", [c]));
+    specs
+}
+
+impl ParamRanges {
+    /// Finds every parameter of `config` in `layout`, checking its shape.
+    pub fn new(config: &GptConfig, layout: &FlatLayout) -> Result<Self, GptError> {
+        let mut ranges = param_specs(config).into_iter().map(|spec| {
+            let view = layout.param(&spec.name).ok_or_else(|| GptError::Layout {
+                name: spec.name.clone(),
+                reason: "missing from the flat layout".into(),
+            })?;
+            if view.shape != spec.shape {
+                return Err(GptError::Layout {
+                    reason: format!(
+                        "shape {:?} in the layout, the model needs {:?}",
+                        view.shape, spec.shape
+                    ),
+                    name: spec.name,
+                });
+            }
+            Ok(view.flat_range())
+        });
+        let mut next = || ranges.next().expect("param_specs lists every parameter");
+        let wte = next()?;
+        let wpe = next()?;
+        let mut blocks = Vec::with_capacity(config.n_layer);
+        for _ in 0..config.n_layer {
+            blocks.push(BlockParams {
+                ln_1_weight: next()?,
+                ln_1_bias: next()?,
+                c_attn_weight: next()?,
+                c_attn_bias: next()?,
+                attn_c_proj_weight: next()?,
+                attn_c_proj_bias: next()?,
+                ln_2_weight: next()?,
+                ln_2_bias: next()?,
+                c_fc_weight: next()?,
+                c_fc_bias: next()?,
+                mlp_c_proj_weight: next()?,
+                mlp_c_proj_bias: next()?,
+            });
+        }
+        let ln_f_weight = next()?;
+        let ln_f_bias = next()?;
+        Ok(ParamRanges { wte, wpe, blocks, ln_f_weight, ln_f_bias })
+    }
+}
+
+/// How one parameter starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Init {
+    Zero,
+    One,
+    /// Normal with this standard deviation; the first `rows` × width elements only (the padded
+    /// embedding rows stay zero).
+    Normal {
+        std: f64,
+        real: usize,
+    },
+}
+
+fn init_of(config: &GptConfig, spec: &ParamSpec) -> Init {
+    let name = spec.name.as_str();
+    let std = 0.02;
+    if name.ends_with(".bias") {
+        Init::Zero
+    } else if name.contains("ln_") {
+        Init::One
+    } else if name == "transformer.wte.weight" {
+        Init::Normal { std, real: config.vocab_size * config.d_model }
+    } else if name.ends_with("c_proj.weight") {
+        // Residual projections, scaled as in GPT-2 so that the residual stream's variance does not
+        // grow with depth.
+        Init::Normal { std: std / (2.0 * config.n_layer as f64).sqrt(), real: spec.numel() }
+    } else {
+        Init::Normal { std, real: spec.numel() }
+    }
+}
+
+/// Initialises the parameters like GPT-2 / llm.c: weights normal(0, 0.02), residual projections
+/// (`c_proj`) scaled by 1/sqrt(2·n_layer), LayerNorm weights 1, biases 0, padded embedding rows 0.
+/// Each parameter draws from its own ChaCha8 stream (seed, parameter index), so the values do not
+/// depend on the layout's alignment or world size. Padding of the flat buffer is left untouched.
+pub fn init_params<F: Float>(
+    config: &GptConfig,
+    layout: &FlatLayout,
+    seed: u64,
+    params: &mut [F],
+) -> Result<(), GptError> {
+    if params.len() != layout.padded_len() {
+        return Err(GptError::Length {
+            what: "flat parameter buffer",
+            expected: layout.padded_len(),
+            found: params.len(),
+        });
+    }
+    ParamRanges::new(config, layout)?;
+    let specs = param_specs(config);
+    // Split the flat buffer into the parameters' slices, in layout order.
+    let mut slices = Vec::with_capacity(specs.len());
+    let mut rest = params;
+    let mut consumed = 0;
+    let mut views: Vec<_> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (i, layout.param(&s.name).expect("checked")))
+        .collect();
+    views.sort_by_key(|(_, v)| v.offset);
+    for (index, view) in views {
+        let (_, tail) = rest.split_at_mut(view.offset - consumed);
+        let (mine, tail) = tail.split_at_mut(view.numel());
+        consumed = view.offset + view.numel();
+        rest = tail;
+        slices.push((index, mine));
+    }
+    slices.into_par_iter().for_each(|(index, slice)| match init_of(config, &specs[index]) {
+        Init::Zero => slice.fill(F::zero()),
+        Init::One => slice.fill(F::one()),
+        Init::Normal { std, real } => {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            rng.set_stream(index as u64);
+            let (real, pad) = slice.split_at_mut(real);
+            fill_normal(&mut rng, std, real);
+            pad.fill(F::zero());
+        }
+    });
+    Ok(())
+}
+
+/// Fills `out` with normal(0, std) samples (Box–Muller, both outputs used).
+fn fill_normal<F: Float>(rng: &mut ChaCha8Rng, std: f64, out: &mut [F]) {
+    for pair in out.chunks_mut(2) {
+        // 1 - u is in (0, 1], so the logarithm is finite.
+        let u1: f64 = 1.0 - rng.random::<f64>();
+        let u2: f64 = rng.random::<f64>();
+        let radius = (-2.0 * u1.ln()).sqrt() * std;
+        let angle = std::f64::consts::TAU * u2;
+        pair[0] = F::of(radius * angle.cos());
+        if let Some(second) = pair.get_mut(1) {
+            *second = F::of(radius * angle.sin());
+        }
+    }
+}
+
+/// Which parameters a [`GradsReady`] notice is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GradGroup {
+    /// The final LayerNorm (`transformer.ln_f.*`).
+    FinalNorm,
+    /// Transformer block `i` (`transformer.h.{i}.*`).
+    Block(usize),
+    /// The token and position embeddings (`transformer.wte`, `transformer.wpe`); the token
+    /// embedding is complete only here because the tied LM head also writes it.
+    Embeddings,
+}
+
+/// A group of parameters whose gradients are complete: every kernel that adds to them has been
+/// queued on the compute stream. Sent during backward, in backward order: `FinalNorm`, the blocks
+/// from last to first, `Embeddings`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GradsReady {
+    pub group: GradGroup,
+    /// The elements of the flat buffer the group spans, from its first parameter's first element to
+    /// its last parameter's last (alignment gaps between them included; they stay zero).
+    pub flat_range: Range<usize>,
+}
+
+impl ParamRanges {
+    /// The groups in backward order, with their flat ranges.
+    pub fn grad_groups(&self) -> Vec<GradsReady> {
+        let span = |a: &Range<usize>, b: &Range<usize>| a.start.min(b.start)..a.end.max(b.end);
+        let mut groups = vec![GradsReady {
+            group: GradGroup::FinalNorm,
+            flat_range: span(&self.ln_f_weight, &self.ln_f_bias),
+        }];
+        for (i, block) in self.blocks.iter().enumerate().rev() {
+            groups.push(GradsReady {
+                group: GradGroup::Block(i),
+                flat_range: span(&block.ln_1_weight, &block.mlp_c_proj_bias),
+            });
+        }
+        groups.push(GradsReady {
+            group: GradGroup::Embeddings,
+            flat_range: span(&self.wte, &self.wpe),
+        });
+        groups
+    }
+}
+
+/// One tensor of a Hugging Face GPT-2 checkpoint and the flat elements that hold it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HfTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Row-major elements of the tensor in the flat buffer (the padded embedding rows excluded).
+    pub flat_range: Range<usize>,
+}
+
+/// The checkpoint tensors of a model in `layout`: import and export are copies between these
+/// ranges and the named tensors. `lm_head.weight` is not listed: it is tied to the token embedding.
+pub fn hf_tensors(config: &GptConfig, layout: &FlatLayout) -> Result<Vec<HfTensor>, GptError> {
+    ParamRanges::new(config, layout)?;
+    Ok(param_specs(config)
+        .into_iter()
+        .map(|spec| {
+            let view = layout.param(&spec.name).expect("checked by ParamRanges::new");
+            let mut shape = spec.shape;
+            if spec.name == "transformer.wte.weight" {
+                shape[0] = config.vocab_size;
+            }
+            let numel: usize = shape.iter().product();
+            HfTensor { name: spec.name, shape, flat_range: view.offset..view.offset + numel }
+        })
+        .collect())
+}

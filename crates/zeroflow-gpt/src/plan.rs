@@ -1,0 +1,508 @@
+//! The model as a list of kernel launches: the activation layout for one (batch, sequence length),
+//! and the forward and backward launches over the four flat buffers (parameters, gradients,
+//! activations, activation gradients) and the two token buffers.
+//!
+//! A backend runs a plan by launching each [`Launch`] with the declared ranges of its buffers; the
+//! CPU device and the host path ([`crate::host`]) both call [`crate::kernels::run`]. A CUDA backend
+//! maps each [`Kernel`] to its device kernel (cuBLASLt for the matmuls) over the same ranges.
+
+use std::ops::Range;
+
+use crate::GptConfig;
+use crate::error::GptError;
+use crate::kernels::{Kernel, WeightLayout};
+use crate::params::{BlockParams, GradsReady, ParamRanges};
+
+/// The buffers a launch can touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The flat parameter buffer (read-only to the model).
+    Params,
+    /// The flat gradient buffer (the model adds to it).
+    Grads,
+    /// The activations of the current micro-batch.
+    Acts,
+    /// The gradients of the activations (same layout as `Acts`).
+    ActGrads,
+    /// Input token ids `[batch, seq]`.
+    Inputs,
+    /// Target token ids `[batch, seq]`.
+    Targets,
+}
+
+/// How a launch uses an argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    /// Overwritten.
+    Write,
+    /// Read and updated in place (gradient accumulation: `+=`).
+    Update,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Arg {
+    pub buf: Buf,
+    pub range: Range<usize>,
+    pub access: Access,
+}
+
+/// One kernel launch and its arguments, in the order [`Kernel`] documents.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    pub kernel: Kernel,
+    pub args: Vec<Arg>,
+}
+
+/// One step of backward: a launch, or a notice that a group's gradients are complete.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    Launch(Launch),
+    GradsReady(GradsReady),
+}
+
+/// The activations of one block, as ranges of the activation buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockActs {
+    pub ln_1: Range<usize>,
+    pub ln_1_mean: Range<usize>,
+    pub ln_1_rstd: Range<usize>,
+    pub qkv: Range<usize>,
+    pub atty: Range<usize>,
+    pub att: Range<usize>,
+    pub attproj: Range<usize>,
+    pub residual2: Range<usize>,
+    pub ln_2: Range<usize>,
+    pub ln_2_mean: Range<usize>,
+    pub ln_2_rstd: Range<usize>,
+    pub fch: Range<usize>,
+    pub fch_gelu: Range<usize>,
+    pub fcproj: Range<usize>,
+    pub residual3: Range<usize>,
+}
+
+/// Where every activation lives in the activation buffer, allocated once per (batch, seq).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ActLayout {
+    pub batch: usize,
+    pub seq: usize,
+    pub encoded: Range<usize>,
+    pub blocks: Vec<BlockActs>,
+    pub ln_f: Range<usize>,
+    pub ln_f_mean: Range<usize>,
+    pub ln_f_rstd: Range<usize>,
+    /// `[batch, seq, padded_vocab]`.
+    pub logits: Range<usize>,
+    pub probs: Range<usize>,
+    /// Per-position losses `[batch, seq]`.
+    pub losses: Range<usize>,
+    /// The mean loss (one element).
+    pub loss: Range<usize>,
+    /// Length of the buffer.
+    pub len: usize,
+}
+
+/// Hands out consecutive ranges, each starting at a multiple of 16 elements (64 bytes of f32).
+struct Bump(usize);
+
+impl Bump {
+    fn take(&mut self, len: usize) -> Range<usize> {
+        let start = self.0.div_ceil(16) * 16;
+        self.0 = start + len;
+        start..self.0
+    }
+}
+
+impl ActLayout {
+    pub fn new(config: &GptConfig, batch: usize, seq: usize) -> Self {
+        let (n, c, nh) = (batch * seq, config.d_model, config.n_head);
+        let mut bump = Bump(0);
+        let encoded = bump.take(n * c);
+        let blocks = (0..config.n_layer)
+            .map(|_| BlockActs {
+                ln_1: bump.take(n * c),
+                ln_1_mean: bump.take(n),
+                ln_1_rstd: bump.take(n),
+                qkv: bump.take(n * 3 * c),
+                atty: bump.take(n * c),
+                att: bump.take(batch * nh * seq * seq),
+                attproj: bump.take(n * c),
+                residual2: bump.take(n * c),
+                ln_2: bump.take(n * c),
+                ln_2_mean: bump.take(n),
+                ln_2_rstd: bump.take(n),
+                fch: bump.take(n * 4 * c),
+                fch_gelu: bump.take(n * 4 * c),
+                fcproj: bump.take(n * c),
+                residual3: bump.take(n * c),
+            })
+            .collect();
+        let ln_f = bump.take(n * c);
+        let ln_f_mean = bump.take(n);
+        let ln_f_rstd = bump.take(n);
+        let logits = bump.take(n * config.padded_vocab_size());
+        let probs = bump.take(n * config.padded_vocab_size());
+        let losses = bump.take(n);
+        let loss = bump.take(1);
+        let len = bump.0;
+        ActLayout {
+            batch,
+            seq,
+            encoded,
+            blocks,
+            ln_f,
+            ln_f_mean,
+            ln_f_rstd,
+            logits,
+            probs,
+            losses,
+            loss,
+            len,
+        }
+    }
+
+    /// The residual stream entering block `layer`.
+    fn residual_in(&self, layer: usize) -> Range<usize> {
+        match layer {
+            0 => self.encoded.clone(),
+            _ => self.blocks[layer - 1].residual3.clone(),
+        }
+    }
+}
+
+/// The launches of forward and backward for one (batch, seq).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub acts: ActLayout,
+    pub forward: Vec<Launch>,
+    pub backward: Vec<Step>,
+}
+
+fn read(buf: Buf, range: &Range<usize>) -> Arg {
+    Arg { buf, range: range.clone(), access: Access::Read }
+}
+fn write(buf: Buf, range: &Range<usize>) -> Arg {
+    Arg { buf, range: range.clone(), access: Access::Write }
+}
+fn update(buf: Buf, range: &Range<usize>) -> Arg {
+    Arg { buf, range: range.clone(), access: Access::Update }
+}
+
+use Buf::{ActGrads as AG, Acts as A, Grads as G, Params as P};
+
+impl Plan {
+    /// The plan for micro-batches of `batch` sequences of `seq` tokens.
+    pub fn new(
+        config: &GptConfig,
+        params: &ParamRanges,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Plan, GptError> {
+        if batch == 0 || seq == 0 || seq > config.context {
+            return Err(GptError::Batch(format!(
+                "batch {batch} × seq {seq}: both must be at least 1 and seq at most the context {}",
+                config.context
+            )));
+        }
+        let acts = ActLayout::new(config, batch, seq);
+        let mut forward = Builder::new(config, &acts);
+        forward.forward(params);
+        let forward = forward.steps.into_iter().map(|step| match step {
+            Step::Launch(launch) => launch,
+            Step::GradsReady(_) => unreachable!("forward has no gradients"),
+        });
+        let mut backward = Builder::new(config, &acts);
+        backward.backward(params);
+        Ok(Plan { forward: forward.collect(), backward: backward.steps, acts })
+    }
+
+    /// Tokens per micro-batch.
+    pub fn tokens(&self) -> usize {
+        self.acts.batch * self.acts.seq
+    }
+}
+
+/// Builds the launches. Each layer's forward and backward take the same arguments (the ranges of
+/// the forward's activations and parameters); backward reads and adds to the gradients at the same
+/// ranges of the activation-gradient and gradient buffers, as in llm.c.
+struct Builder<'a> {
+    config: &'a GptConfig,
+    acts: &'a ActLayout,
+    steps: Vec<Step>,
+}
+
+impl<'a> Builder<'a> {
+    fn new(config: &'a GptConfig, acts: &'a ActLayout) -> Self {
+        Builder { config, acts, steps: Vec::new() }
+    }
+
+    fn launch(&mut self, kernel: Kernel, args: Vec<Arg>) {
+        self.steps.push(Step::Launch(Launch { kernel, args }));
+    }
+
+    fn tokens(&self) -> Range<usize> {
+        0..self.acts.batch * self.acts.seq
+    }
+
+    /// The rows of the position embedding that a sequence uses.
+    fn wpe_rows(&self, p: &ParamRanges) -> Range<usize> {
+        p.wpe.start..p.wpe.start + self.acts.seq * self.config.d_model
+    }
+
+    fn forward(&mut self, p: &ParamRanges) {
+        let (a, c) = (self.acts, self.config.d_model);
+        let (wpe, tokens) = (self.wpe_rows(p), self.tokens());
+        let (t, vocab) = (a.seq, self.config.vocab_size);
+        self.launch(
+            Kernel::Encoder { t, c, vocab },
+            vec![write(A, &a.encoded), read(Buf::Inputs, &tokens), read(P, &p.wte), read(P, &wpe)],
+        );
+        for (layer, (bp, ba)) in p.blocks.iter().zip(&a.blocks).enumerate() {
+            self.block_forward(&a.residual_in(layer), bp, ba);
+        }
+        let last = a.residual_in(self.config.n_layer);
+        self.layernorm(&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &last, &p.ln_f_weight, &p.ln_f_bias);
+        let padded_vocab = self.config.padded_vocab_size();
+        self.matmul(&a.logits, &a.ln_f, &p.wte, None, (c, padded_vocab), WeightLayout::OutIn);
+        self.launch(
+            Kernel::SoftmaxXent { vocab, padded_vocab },
+            vec![
+                write(A, &a.probs),
+                write(A, &a.losses),
+                read(A, &a.logits),
+                read(Buf::Targets, &tokens),
+            ],
+        );
+        self.launch(Kernel::MeanLoss, vec![write(A, &a.loss), read(A, &a.losses)]);
+    }
+
+    fn backward(&mut self, p: &ParamRanges) {
+        let (a, c) = (self.acts, self.config.d_model);
+        let (wpe, tokens) = (self.wpe_rows(p), self.tokens());
+        let mut groups = p.grad_groups().into_iter().map(Step::GradsReady);
+        let mut ready = |steps: &mut Vec<Step>| steps.extend(groups.next());
+        let (vocab, padded_vocab) = (self.config.vocab_size, self.config.padded_vocab_size());
+        self.launch(
+            Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss: 1.0 / tokens.len() as f64 },
+            vec![update(AG, &a.logits), read(A, &a.probs), read(Buf::Targets, &tokens)],
+        );
+        self.matmul_backward(
+            &a.logits,
+            &a.ln_f,
+            &p.wte,
+            None,
+            (c, padded_vocab),
+            WeightLayout::OutIn,
+        );
+        let last = a.residual_in(self.config.n_layer);
+        let (w, b) = (&p.ln_f_weight, &p.ln_f_bias);
+        self.layernorm_backward(&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &last, w, b);
+        ready(&mut self.steps);
+        for (layer, (bp, ba)) in p.blocks.iter().zip(&a.blocks).enumerate().rev() {
+            self.block_backward(&a.residual_in(layer), bp, ba);
+            ready(&mut self.steps);
+        }
+        self.launch(
+            Kernel::EncoderBackward { t: a.seq, c },
+            vec![
+                update(G, &p.wte),
+                update(G, &wpe),
+                read(AG, &a.encoded),
+                read(Buf::Inputs, &tokens),
+            ],
+        );
+        ready(&mut self.steps);
+        self.zero_accumulated_activation_grads();
+    }
+
+    /// Puts first a launch that zeroes every activation gradient that backward adds to (and no
+    /// other: the gradients of the softmax output, the attention weights and the LayerNorm
+    /// statistics are never formed).
+    fn zero_accumulated_activation_grads(&mut self) {
+        let mut ranges: Vec<Range<usize>> = self
+            .steps
+            .iter()
+            .filter_map(|step| match step {
+                Step::Launch(launch) => Some(launch.args.iter()),
+                Step::GradsReady(_) => None,
+            })
+            .flatten()
+            .filter(|arg| arg.buf == AG && arg.access == Access::Update)
+            .map(|arg| arg.range.clone())
+            .collect();
+        ranges.sort_by_key(|r| r.start);
+        let mut merged: Vec<Range<usize>> = Vec::new();
+        for range in ranges {
+            match merged.last_mut() {
+                // Ranges start 16-aligned: zero the alignment gap too rather than split.
+                Some(last) if range.start <= last.end + 16 => last.end = last.end.max(range.end),
+                _ => merged.push(range),
+            }
+        }
+        let args: Vec<Arg> = merged.iter().map(|range| write(AG, range)).collect();
+        let zero = Launch { kernel: Kernel::Zero { ranges: args.len() }, args };
+        self.steps.insert(0, Step::Launch(zero));
+    }
+
+    fn block_forward(&mut self, residual: &Range<usize>, p: &BlockParams, a: &BlockActs) {
+        let c = self.config.d_model;
+        let conv = WeightLayout::InOut;
+        self.layernorm(&a.ln_1, &a.ln_1_mean, &a.ln_1_rstd, residual, &p.ln_1_weight, &p.ln_1_bias);
+        self.matmul(&a.qkv, &a.ln_1, &p.c_attn_weight, Some(&p.c_attn_bias), (c, 3 * c), conv);
+        self.attention(&a.atty, &a.att, &a.qkv);
+        let (w, b) = (&p.attn_c_proj_weight, &p.attn_c_proj_bias);
+        self.matmul(&a.attproj, &a.atty, w, Some(b), (c, c), conv);
+        self.residual(&a.residual2, residual, &a.attproj);
+        self.layernorm(
+            &a.ln_2,
+            &a.ln_2_mean,
+            &a.ln_2_rstd,
+            &a.residual2,
+            &p.ln_2_weight,
+            &p.ln_2_bias,
+        );
+        self.matmul(&a.fch, &a.ln_2, &p.c_fc_weight, Some(&p.c_fc_bias), (c, 4 * c), conv);
+        self.gelu(&a.fch_gelu, &a.fch);
+        let (w, b) = (&p.mlp_c_proj_weight, &p.mlp_c_proj_bias);
+        self.matmul(&a.fcproj, &a.fch_gelu, w, Some(b), (4 * c, c), conv);
+        self.residual(&a.residual3, &a.residual2, &a.fcproj);
+    }
+
+    /// [`Builder::block_forward`] in reverse, with the same arguments.
+    fn block_backward(&mut self, residual: &Range<usize>, p: &BlockParams, a: &BlockActs) {
+        let c = self.config.d_model;
+        let conv = WeightLayout::InOut;
+        self.residual_backward(&a.residual3, &a.residual2, &a.fcproj);
+        let (w, b) = (&p.mlp_c_proj_weight, &p.mlp_c_proj_bias);
+        self.matmul_backward(&a.fcproj, &a.fch_gelu, w, Some(b), (4 * c, c), conv);
+        self.gelu_backward(&a.fch_gelu, &a.fch);
+        self.matmul_backward(&a.fch, &a.ln_2, &p.c_fc_weight, Some(&p.c_fc_bias), (c, 4 * c), conv);
+        let (w, b) = (&p.ln_2_weight, &p.ln_2_bias);
+        self.layernorm_backward(&a.ln_2, &a.ln_2_mean, &a.ln_2_rstd, &a.residual2, w, b);
+        self.residual_backward(&a.residual2, residual, &a.attproj);
+        let (w, b) = (&p.attn_c_proj_weight, &p.attn_c_proj_bias);
+        self.matmul_backward(&a.attproj, &a.atty, w, Some(b), (c, c), conv);
+        self.attention_backward(&a.atty, &a.att, &a.qkv);
+        let (w, b) = (&p.c_attn_weight, &p.c_attn_bias);
+        self.matmul_backward(&a.qkv, &a.ln_1, w, Some(b), (c, 3 * c), conv);
+        let (w, b) = (&p.ln_1_weight, &p.ln_1_bias);
+        self.layernorm_backward(&a.ln_1, &a.ln_1_mean, &a.ln_1_rstd, residual, w, b);
+    }
+
+    fn layernorm(
+        &mut self,
+        out: &Range<usize>,
+        mean: &Range<usize>,
+        rstd: &Range<usize>,
+        inp: &Range<usize>,
+        weight: &Range<usize>,
+        bias: &Range<usize>,
+    ) {
+        let args = vec![
+            write(A, out),
+            write(A, mean),
+            write(A, rstd),
+            read(A, inp),
+            read(P, weight),
+            read(P, bias),
+        ];
+        self.launch(Kernel::LayerNorm { c: self.config.d_model }, args);
+    }
+
+    fn layernorm_backward(
+        &mut self,
+        out: &Range<usize>,
+        mean: &Range<usize>,
+        rstd: &Range<usize>,
+        inp: &Range<usize>,
+        weight: &Range<usize>,
+        bias: &Range<usize>,
+    ) {
+        let args = vec![
+            update(AG, inp),
+            update(G, weight),
+            update(G, bias),
+            read(AG, out),
+            read(A, inp),
+            read(P, weight),
+            read(A, mean),
+            read(A, rstd),
+        ];
+        self.launch(Kernel::LayerNormBackward { c: self.config.d_model }, args);
+    }
+
+    /// `out = inp @ weight + bias` with `inp` of width `c` and `out` of width `oc`.
+    fn matmul(
+        &mut self,
+        out: &Range<usize>,
+        inp: &Range<usize>,
+        weight: &Range<usize>,
+        bias: Option<&Range<usize>>,
+        (c, oc): (usize, usize),
+        layout: WeightLayout,
+    ) {
+        let mut args = vec![write(A, out), read(A, inp), read(P, weight)];
+        args.extend(bias.map(|b| read(P, b)));
+        self.launch(Kernel::Matmul { c, oc, layout, bias: bias.is_some() }, args);
+    }
+
+    fn matmul_backward(
+        &mut self,
+        out: &Range<usize>,
+        inp: &Range<usize>,
+        weight: &Range<usize>,
+        bias: Option<&Range<usize>>,
+        (c, oc): (usize, usize),
+        layout: WeightLayout,
+    ) {
+        let mut args = vec![update(AG, inp), update(G, weight)];
+        args.extend(bias.map(|b| update(G, b)));
+        args.extend([read(AG, out), read(A, inp), read(P, weight)]);
+        self.launch(Kernel::MatmulBackward { c, oc, layout, bias: bias.is_some() }, args);
+    }
+
+    fn attention_kernel_sizes(&self) -> (usize, usize, usize) {
+        (self.acts.seq, self.config.d_model, self.config.n_head)
+    }
+
+    fn attention(&mut self, out: &Range<usize>, att: &Range<usize>, qkv: &Range<usize>) {
+        let (t, c, n_head) = self.attention_kernel_sizes();
+        let args = vec![write(A, out), write(A, att), read(A, qkv)];
+        self.launch(Kernel::Attention { t, c, n_head }, args);
+    }
+
+    fn attention_backward(&mut self, out: &Range<usize>, att: &Range<usize>, qkv: &Range<usize>) {
+        let (t, c, n_head) = self.attention_kernel_sizes();
+        let args = vec![update(AG, qkv), write(AG, att), read(AG, out), read(A, qkv), read(A, att)];
+        self.launch(Kernel::AttentionBackward { t, c, n_head }, args);
+    }
+
+    fn gelu(&mut self, out: &Range<usize>, inp: &Range<usize>) {
+        self.launch(Kernel::Gelu, vec![write(A, out), read(A, inp)]);
+    }
+
+    fn gelu_backward(&mut self, out: &Range<usize>, inp: &Range<usize>) {
+        self.launch(Kernel::GeluBackward, vec![update(AG, inp), read(A, inp), read(AG, out)]);
+    }
+
+    fn residual(&mut self, out: &Range<usize>, a: &Range<usize>, b: &Range<usize>) {
+        self.launch(Kernel::Residual, vec![write(A, out), read(A, a), read(A, b)]);
+    }
+
+    fn residual_backward(&mut self, out: &Range<usize>, a: &Range<usize>, b: &Range<usize>) {
+        self.launch(Kernel::ResidualBackward, vec![update(AG, a), update(AG, b), read(AG, out)]);
+    }
+}
+
+impl Kernel {
+    /// This launch's kernel for an objective `loss_scale` × mean loss (the plan's backward is for
+    /// `loss_scale` 1).
+    pub fn with_loss_scale(&self, loss_scale: f64) -> Kernel {
+        match *self {
+            Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss } => {
+                Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss: dloss * loss_scale }
+            }
+            ref other => other.clone(),
+        }
+    }
+}

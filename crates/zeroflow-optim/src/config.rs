@@ -1,0 +1,207 @@
+//! Hyper-parameters, the step counter and the per-step scalars of AdamW.
+
+use crate::OptimError;
+
+/// How weight decay enters the update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightDecayMode {
+    /// AdamW (Loshchilov & Hutter): the weight is shrunk before the update, `p *= 1 - lr * wd`,
+    /// and the moments never see the decay. torch's `AdamW`, DeepSpeed's `adamw_mode=True`.
+    Decoupled,
+    /// Adam with an L2 penalty: `g += wd * p` before the moments. torch's `Adam(weight_decay=…)`,
+    /// DeepSpeed's `adamw_mode=False`.
+    L2,
+}
+
+/// AdamW's hyper-parameters, with torch's meaning.
+///
+/// Per step, with `g` the gradient times the step's gradient scale:
+///
+/// ```text
+/// L2 mode:        g  = g + wd * p
+/// moments:        m  = β1 m + (1 - β1) g
+///                 v  = β2 v + (1 - β2) g²
+/// decoupled mode: p  = p (1 - lr wd)
+/// update:         p  = p - lr / (1 - β1^t) * m / (sqrt(v) / sqrt(1 - β2^t) + eps)
+/// ```
+///
+/// Without bias correction both `1 - β^t` factors are 1 (DeepSpeed's `bias_correction=False`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate; a schedule changes it between steps with [`AdamW::set_lr`].
+    pub lr: f64,
+    /// (β1, β2), the decay rates of the first and second moments.
+    pub betas: (f64, f64),
+    /// Added to the bias-corrected root of the second moment.
+    pub eps: f64,
+    /// Weight decay coefficient; its meaning depends on `mode`.
+    pub weight_decay: f64,
+    pub mode: WeightDecayMode,
+    /// Divide the moments by `1 - β^t` (torch always does; DeepSpeed makes it optional).
+    pub bias_correction: bool,
+}
+
+impl Default for AdamWConfig {
+    /// torch's `AdamW` defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 1e-2.
+    fn default() -> Self {
+        AdamWConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 1e-2,
+            mode: WeightDecayMode::Decoupled,
+            bias_correction: true,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// Checks the ranges torch checks: lr, eps and weight decay non-negative and finite, both betas
+    /// in `[0, 1)`.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        let checks: [(&'static str, f64, bool, &'static str); 5] = [
+            ("lr", self.lr, self.lr >= 0.0 && self.lr.is_finite(), "must be finite and >= 0"),
+            ("betas[0]", self.betas.0, (0.0..1.0).contains(&self.betas.0), "must be in [0, 1)"),
+            ("betas[1]", self.betas.1, (0.0..1.0).contains(&self.betas.1), "must be in [0, 1)"),
+            ("eps", self.eps, self.eps >= 0.0 && self.eps.is_finite(), "must be finite and >= 0"),
+            (
+                "weight_decay",
+                self.weight_decay,
+                self.weight_decay >= 0.0 && self.weight_decay.is_finite(),
+                "must be finite and >= 0",
+            ),
+        ];
+        match checks.into_iter().find(|(_, _, ok, _)| !ok) {
+            Some((name, value, _, expected)) => {
+                Err(OptimError::InvalidHyperParameter { name, value, expected })
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// The scalars of one optimizer step, computed once in f64 and rounded to f32 for the kernels.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct StepScalars {
+    /// Multiplies every gradient: 1 / loss scale × clip coefficient.
+    pub grad_scale: f32,
+    /// `wd` in L2 mode, 0 otherwise: `g = fma(p, l2, g)`.
+    pub l2: f32,
+    /// `1 - β1`: `m = fma(1 - β1, g - m, m)`, torch's `lerp`. (Multiplying by β1 rounded to f32
+    /// would decay the moments by a slightly wrong factor, an error that accumulates.)
+    pub one_minus_beta1: f32,
+    /// `1 - β2`: `v = fma(1 - β2, g² - v, v)`.
+    pub one_minus_beta2: f32,
+    /// `1 / sqrt(1 - β2^t)`, or 1 without bias correction.
+    pub inv_sqrt_bias_correction2: f32,
+    pub eps: f32,
+    /// `-lr wd` in decoupled mode, 0 otherwise: `p = fma(p, -lr wd, p)`. (Rounding `1 - lr wd`
+    /// to f32 instead would shrink every weight by a slightly wrong factor, an error of up to
+    /// 3e-8 per step that accumulates in one direction.)
+    pub neg_lr_weight_decay: f32,
+    /// `-lr / (1 - β1^t)`, or `-lr` without bias correction.
+    pub neg_step_size: f32,
+}
+
+/// Everything the kernels need for optimizer step `t`: the configuration at that step, the step
+/// number and the gradient scale, with the per-step scalars precomputed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    step: u64,
+    pub(crate) scalars: StepScalars,
+}
+
+impl AdamWStep {
+    /// The scalars of step `step` (counting from 1) with gradients multiplied by `grad_scale`
+    /// (1 / loss scale × clip coefficient; 1.0 for none).
+    pub fn new(config: &AdamWConfig, step: u64, grad_scale: f32) -> Result<Self, OptimError> {
+        config.validate()?;
+        if step == 0 {
+            return Err(OptimError::StepZero);
+        }
+        Ok(Self::from_valid(config, step, grad_scale))
+    }
+
+    /// [`AdamWStep::new`] for a validated configuration and a step of at least 1.
+    fn from_valid(config: &AdamWConfig, step: u64, grad_scale: f32) -> Self {
+        debug_assert!(step >= 1);
+        let (beta1, beta2) = config.betas;
+        let (bias_correction1, bias_correction2) = if config.bias_correction {
+            let t = step as f64;
+            (1.0 - beta1.powf(t), 1.0 - beta2.powf(t))
+        } else {
+            (1.0, 1.0)
+        };
+        let (l2, neg_lr_weight_decay) = match config.mode {
+            // `0 - x` rather than `-x`: without decay the factor is +0, and fma(p, +0, p) keeps
+            // the sign of a zero weight (-0 would turn -0 into +0).
+            WeightDecayMode::Decoupled => (0.0, 0.0 - config.lr * config.weight_decay),
+            WeightDecayMode::L2 => (config.weight_decay, 0.0),
+        };
+        let scalars = StepScalars {
+            grad_scale,
+            l2: l2 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            inv_sqrt_bias_correction2: (1.0 / bias_correction2.sqrt()) as f32,
+            eps: config.eps as f32,
+            neg_lr_weight_decay: neg_lr_weight_decay as f32,
+            neg_step_size: (-config.lr / bias_correction1) as f32,
+        };
+        AdamWStep { step, scalars }
+    }
+
+    /// The step number `t`, counting from 1.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The factor every gradient is multiplied by.
+    pub fn grad_scale(&self) -> f32 {
+        self.scalars.grad_scale
+    }
+}
+
+/// AdamW's step counter: the configuration (whose learning rate a schedule may change) and the
+/// number of steps taken. Skipped steps (overflow) simply do not call [`AdamW::next_step`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamW {
+    config: AdamWConfig,
+    steps_taken: u64,
+}
+
+impl AdamW {
+    /// A fresh optimizer that has taken no step.
+    pub fn new(config: AdamWConfig) -> Result<Self, OptimError> {
+        config.validate()?;
+        Ok(AdamW { config, steps_taken: 0 })
+    }
+
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// Sets the learning rate of the following steps (for schedules).
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), OptimError> {
+        let config = AdamWConfig { lr, ..self.config };
+        config.validate()?;
+        self.config = config;
+        Ok(())
+    }
+
+    /// How many steps have been taken (the `step` of torch's optimizer state).
+    pub fn steps_taken(&self) -> u64 {
+        self.steps_taken
+    }
+
+    /// Continues counting after `steps_taken` steps (resuming from a checkpoint).
+    pub fn resume_at(&mut self, steps_taken: u64) {
+        self.steps_taken = steps_taken;
+    }
+
+    /// Counts one more step and returns its scalars.
+    pub fn next_step(&mut self, grad_scale: f32) -> AdamWStep {
+        self.steps_taken += 1;
+        AdamWStep::from_valid(&self.config, self.steps_taken, grad_scale)
+    }
+}

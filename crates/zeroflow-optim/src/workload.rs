@@ -1,0 +1,222 @@
+//! The buffers of an AdamW benchmark, allocated and filled the way the optimizer will use them.
+
+use half::bf16;
+use half::vec::HalfBitsVecExt;
+
+use crate::roofline::{self, RooflineVariant};
+use crate::{AdamState, AdamWStep, CpuAdam, Grads, OptimError, Output};
+
+/// The element type of the benchmark's gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GradDtype {
+    F32,
+    Bf16,
+}
+
+impl GradDtype {
+    pub const fn size(self) -> usize {
+        match self {
+            GradDtype::F32 => 4,
+            GradDtype::Bf16 => 2,
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            GradDtype::F32 => "f32",
+            GradDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Owned gradients of either type.
+#[derive(Debug)]
+enum GradBuffer {
+    F32(Aligned<f32>),
+    Bf16(Aligned<bf16>),
+}
+
+/// A buffer whose used part starts on a 64-byte line (as pinned, page-aligned host buffers do):
+/// allocated with slack and used from its first aligned element.
+#[derive(Debug)]
+struct Aligned<T> {
+    data: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Send> Aligned<T> {
+    /// Fresh memory (zero pages, not yet touched), filled by `fill(offset, chunk)` on `adam`'s
+    /// threads with the executor's chunking: the first touch.
+    fn new(adam: &CpuAdam, len: usize, zero: T, fill: impl Fn(usize, &mut [T]) + Sync) -> Self
+    where
+        Vec<T>: FromZeroed<T>,
+    {
+        let slack = 64 / size_of::<T>();
+        let mut data = <Vec<T>>::zeroed(len + slack, zero);
+        let start = data.as_ptr().align_offset(64).min(slack);
+        adam.for_each_chunk_mut(&mut data[start..start + len], fill);
+        Aligned { data, start, len }
+    }
+
+    fn get(&self) -> &[T] {
+        &self.data[self.start..self.start + self.len]
+    }
+
+    fn get_mut(&mut self) -> &mut [T] {
+        &mut self.data[self.start..self.start + self.len]
+    }
+}
+
+/// `vec![zero; len]` for the element types the workload holds, by a route that maps fresh zero
+/// pages without writing them.
+trait FromZeroed<T> {
+    fn zeroed(len: usize, zero: T) -> Self;
+}
+
+impl FromZeroed<f32> for Vec<f32> {
+    fn zeroed(len: usize, zero: f32) -> Self {
+        vec![zero; len]
+    }
+}
+
+impl FromZeroed<bf16> for Vec<bf16> {
+    fn zeroed(len: usize, _zero: bf16) -> Self {
+        // `vec![0u16; n]` is a zeroed allocation, and reinterpreting it does not touch it.
+        vec![0u16; len].reinterpret_into()
+    }
+}
+
+/// One partition's fp32 state, its gradients and optionally a bf16 copy buffer, in fresh memory
+/// whose pages were first touched by the executor's threads with the executor's chunking (so that
+/// on a multi-socket host each chunk lives where it is updated), filled with random non-zero
+/// values.
+#[derive(Debug)]
+pub struct Workload {
+    params: Aligned<f32>,
+    exp_avg: Aligned<f32>,
+    exp_avg_sq: Aligned<f32>,
+    grads: GradBuffer,
+    bf16_copy: Option<Aligned<bf16>>,
+}
+
+impl Workload {
+    /// Bytes allocated per parameter: weights, both moments, gradients, the bf16 copy.
+    pub const fn bytes_allocated_per_param(grad: GradDtype, bf16_copy: bool) -> usize {
+        12 + grad.size() + if bf16_copy { 2 } else { 0 }
+    }
+
+    /// Bytes one AdamW step (or roofline pass) reads and writes per parameter.
+    pub const fn bytes_moved_per_param(grad: GradDtype, bf16_copy: bool) -> usize {
+        roofline::bytes_per_param(grad.size(), bf16_copy)
+    }
+
+    /// Allocates `len` parameters' buffers, each starting on a 64-byte line, and fills them on
+    /// `adam`'s threads. Weights are ±0.5..1.5, first moments ±1e-3..0.1, second moments
+    /// 1e-6..1e-2, gradients ±1e-3..1, all non-zero and determined by `seed` and the element's
+    /// index alone.
+    pub fn new(adam: &CpuAdam, len: usize, grad: GradDtype, bf16_copy: bool, seed: u64) -> Self {
+        let random = |stream: u64, lo: f32, hi: f32, signed: bool| {
+            move |offset: usize, chunk: &mut [f32]| {
+                for (i, x) in chunk.iter_mut().enumerate() {
+                    *x = random_value(seed, stream, (offset + i) as u64, lo, hi, signed);
+                }
+            }
+        };
+        let params = Aligned::new(adam, len, 0.0, random(0, 0.5, 1.5, true));
+        let exp_avg = Aligned::new(adam, len, 0.0, random(1, 1e-3, 0.1, true));
+        let exp_avg_sq = Aligned::new(adam, len, 0.0, random(2, 1e-6, 1e-2, false));
+        let grads = match grad {
+            GradDtype::F32 => {
+                GradBuffer::F32(Aligned::new(adam, len, 0.0, random(3, 1e-3, 1.0, true)))
+            }
+            GradDtype::Bf16 => {
+                GradBuffer::Bf16(Aligned::new(adam, len, bf16::ZERO, |offset, chunk| {
+                    for (i, x) in chunk.iter_mut().enumerate() {
+                        *x = bf16::from_f32(random_value(
+                            seed,
+                            3,
+                            (offset + i) as u64,
+                            1e-3,
+                            1.0,
+                            true,
+                        ));
+                    }
+                }))
+            }
+        };
+        let bf16_copy = bf16_copy
+            .then(|| Aligned::new(adam, len, bf16::ZERO, |_, chunk| chunk.fill(bf16::ONE)));
+        Workload { params, exp_avg, exp_avg_sq, grads, bf16_copy }
+    }
+
+    pub fn len(&self) -> usize {
+        self.params.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.params.len == 0
+    }
+
+    /// Whether the workload has a bf16 copy buffer.
+    pub fn has_bf16_copy(&self) -> bool {
+        self.bf16_copy.is_some()
+    }
+
+    /// One AdamW step over the whole workload.
+    pub fn step(&mut self, adam: &CpuAdam, step: &AdamWStep) -> Result<(), OptimError> {
+        let Workload { params, exp_avg, exp_avg_sq, grads, bf16_copy } = self;
+        let state = AdamState {
+            params: params.get_mut(),
+            exp_avg: exp_avg.get_mut(),
+            exp_avg_sq: exp_avg_sq.get_mut(),
+        };
+        adam.step(step, state, grads_of(grads), output_of(bf16_copy))
+    }
+
+    /// One roofline pass (the traffic of a step, bf16 copy included; trivial arithmetic) over
+    /// the whole workload.
+    pub fn roofline_pass(
+        &mut self,
+        adam: &CpuAdam,
+        variant: RooflineVariant,
+    ) -> Result<(), OptimError> {
+        let Workload { params, exp_avg, exp_avg_sq, grads, bf16_copy } = self;
+        let state = AdamState {
+            params: params.get_mut(),
+            exp_avg: exp_avg.get_mut(),
+            exp_avg_sq: exp_avg_sq.get_mut(),
+        };
+        roofline::pass(adam, state, grads_of(grads), output_of(bf16_copy), 0.0, variant)
+    }
+}
+
+fn output_of(bf16_copy: &mut Option<Aligned<bf16>>) -> Output<'_> {
+    match bf16_copy {
+        Some(copy) => Output::AlsoBf16(copy.get_mut()),
+        None => Output::MasterOnly,
+    }
+}
+
+fn grads_of(grads: &GradBuffer) -> Grads<'_> {
+    match grads {
+        GradBuffer::F32(grads) => Grads::F32(grads.get()),
+        GradBuffer::Bf16(grads) => Grads::Bf16(grads.get()),
+    }
+}
+
+/// A value log-uniform in `[lo, hi)`, of random sign if `signed`, from a counter-based hash of
+/// (seed, stream, index): independent of the chunking that computes it.
+fn random_value(seed: u64, stream: u64, index: u64, lo: f32, hi: f32, signed: bool) -> f32 {
+    let bits = splitmix64(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ splitmix64(index));
+    let unit = (bits >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+    let magnitude = lo * (hi / lo).powf(unit);
+    if signed && bits & 1 == 1 { -magnitude } else { magnitude }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
