@@ -8,6 +8,9 @@ use rayon::prelude::*;
 
 use crate::float::Float;
 
+/// Token rows per task at least, in the per-row phases (each row is little work).
+const ROWS_PER_TASK: usize = 8;
+
 /// Shapes: `out [b, t, c]`, `att [b, n_head, t, t]` (the attention weights; the masked entries
 /// above the diagonal are zero), `qkv [b, t, 3c]`.
 pub fn attention_forward<F: Float>(
@@ -41,7 +44,7 @@ pub fn attention_forward<F: Float>(
         }
     });
     let att = &*att;
-    out.par_chunks_mut(c).enumerate().for_each(|(bt, out)| {
+    out.par_chunks_mut(c).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, out)| {
         let (b, t1) = (bt / t, bt % t);
         out.fill(F::zero());
         for h in 0..n_head {
@@ -89,7 +92,7 @@ pub fn attention_backward<F: Float>(
     });
     let dscores = &*dscores;
     // Each token row: dq from its own scores row, dk and dv from its column of every later row.
-    dqkv.par_chunks_mut(3 * c).enumerate().for_each(|(bt, drow)| {
+    dqkv.par_chunks_mut(3 * c).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, drow)| {
         let (b, t0) = (bt / t, bt % t);
         for h in 0..n_head {
             let block = (b * n_head + h) * t * t;
