@@ -97,6 +97,9 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     scaler: LossScaler,
     micro_steps: u64,
     backward_pending: bool,
+    /// The mutation of the self-check (see [`Engine::mutate_remove_d2h_wait`]); always false in
+    /// a normal build.
+    skip_d2h_wait: bool,
 }
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
@@ -178,6 +181,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             events,
             micro_steps: 0,
             backward_pending: false,
+            skip_d2h_wait: false,
         })
     }
 
@@ -231,6 +235,13 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
     }
 
+    /// Removes the event wait that orders each device-to-host gradient copy after its reduction:
+    /// the mutation that proves the stress check can fail. Not part of a shipped build.
+    #[cfg(any(test, feature = "mutation-self-check"))]
+    pub fn mutate_remove_d2h_wait(&mut self) {
+        self.skip_d2h_wait = true;
+    }
+
     /// The flat range whose optimizer state this rank holds.
     pub fn owned_range(&self) -> Range<usize> {
         self.owned.clone()
@@ -278,6 +289,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 }
             },
             enabled: reduce_now,
+            skip_d2h_wait: self.skip_d2h_wait,
         };
         self.bucketer.reset();
         let bucketer = &mut self.bucketer;
@@ -484,6 +496,7 @@ struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
     reduced_event: &'s mut D::Event,
     sink: Sink<'s, D, P>,
     enabled: bool,
+    skip_d2h_wait: bool,
 }
 
 impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> {
@@ -537,7 +550,9 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
             Sink::Host(offloader) => {
                 let d2h = self.device.stream(StreamKind::D2h);
                 self.device.record(self.reduced_event, comm_stream)?;
-                self.device.wait_event(d2h, self.reduced_event)?;
+                if !self.skip_d2h_wait {
+                    self.device.wait_event(d2h, self.reduced_event)?;
+                }
                 let staging = offloader.staging()?;
                 let len = at_source.len();
                 let filling = self.device.copy_d2h(d2h, source, at_source, staging, 0)?;

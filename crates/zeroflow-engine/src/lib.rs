@@ -17,6 +17,8 @@ mod engine;
 mod host;
 mod options;
 mod scaler;
+pub mod stress;
+pub mod synthetic;
 
 use std::ops::Range;
 

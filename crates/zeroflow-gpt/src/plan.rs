@@ -69,6 +69,8 @@ pub struct BlockActs {
     pub ln_1_rstd: Range<usize>,
     pub qkv: Range<usize>,
     pub atty: Range<usize>,
+    /// Attention weights `[batch, n_head, seq, seq]`; at the same range of the activation-gradient
+    /// buffer, backward keeps the gradient of the scores (scratch).
     pub att: Range<usize>,
     pub attproj: Range<usize>,
     pub residual2: Range<usize>,
@@ -491,18 +493,5 @@ impl<'a> Builder<'a> {
 
     fn residual_backward(&mut self, out: &Range<usize>, a: &Range<usize>, b: &Range<usize>) {
         self.launch(Kernel::ResidualBackward, vec![update(AG, a), update(AG, b), read(AG, out)]);
-    }
-}
-
-impl Kernel {
-    /// This launch's kernel for an objective `loss_scale` × mean loss (the plan's backward is for
-    /// `loss_scale` 1).
-    pub fn with_loss_scale(&self, loss_scale: f64) -> Kernel {
-        match *self {
-            Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss } => {
-                Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss: dloss * loss_scale }
-            }
-            ref other => other.clone(),
-        }
     }
 }

@@ -1,86 +1,16 @@
-//! A synthetic model with known gradients, a plain single-rank AdamW reference, and a runner
-//! that trains the synthetic model with the engine on in-process ranks.
+//! A runner that trains the synthetic model with the engine on in-process CPU ranks, and the
+//! single-rank reference to compare with.
 
-use std::ops::Range;
 use std::time::Duration;
 
-use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
+use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
-use zeroflow_device::cpu::{CpuComm, KernelArgs};
-use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory, StreamKind};
-use zeroflow_engine::{Engine, EngineError, EngineOptions, LossScaler, ModelIo, Stage, StepReport};
-use zeroflow_optim::{
-    AdamState, AdamW, AdamWConfig, CpuAdam, Grads, Output, SimdLevel, WeightDecayMode,
-};
-
-pub const SHAPES: [&[usize]; 5] = [&[7, 5], &[13], &[3, 11], &[29], &[2, 2, 3]];
-
-pub fn layout(world: usize) -> FlatLayout {
-    let specs: Vec<_> = SHAPES
-        .iter()
-        .enumerate()
-        .map(|(i, s)| ParamSpec::new(format!("w{i}"), s.to_vec()))
-        .collect();
-    FlatLayout::new(&specs, world, Alignment { param: 4, partition: 2 }).unwrap()
-}
-
-/// A deterministic value in [0, 1) from a few integers.
-fn hash01(a: u64, b: u64, c: u64) -> f32 {
-    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
-        ^ c.wrapping_add(0x1656_67B1_9E37_79F9);
-    x ^= x >> 29;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 32;
-    (x >> 40) as f32 / (1u64 << 24) as f32
-}
-
-/// The gradient of element `i` on `rank` at global micro-step `k` for weight `w`:
-/// `a_i·w − b`, with `b ∈ [1, 2)` so that it stays away from zero.
-pub fn grad(i: usize, w: f32, rank: usize, k: u64) -> f32 {
-    let a = 0.5 + hash01(i as u64, 0, 1);
-    let b = 1.0 + hash01(i as u64, rank as u64 + 7, k + 3);
-    a * w - b
-}
-
-pub fn initial<P: Float>(layout: &FlatLayout) -> Vec<P> {
-    let mut flat = vec![P::default(); layout.padded_len()];
-    for p in layout.params() {
-        for i in p.flat_range() {
-            flat[i] = P::from_f32(0.2 * (hash01(i as u64, 99, 5) - 0.5));
-        }
-    }
-    flat
-}
-
-/// Forward and backward of the synthetic model: adds `loss_scale × grad` into the gradients of
-/// every parameter on the compute stream, reporting each parameter in reverse order.
-pub fn model<P: Float>(
-    device: &CpuDevice,
-    layout: &FlatLayout,
-    io: ModelIo<'_, CpuDevice, P>,
-    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    rank: usize,
-    k: u64,
-) -> Result<(), EngineError> {
-    let compute = device.stream(StreamKind::Compute);
-    let scale = io.loss_scale;
-    for param in layout.params().iter().rev() {
-        let range = param.flat_range();
-        let args =
-            KernelArgs::new().input(io.params, range.clone()).in_out(io.grads, range.clone());
-        let start = range.start;
-        device.launch(compute, "synthetic_backward", args, move |ctx| {
-            let (w, g) = (ctx.input::<P>(0), ctx.output::<P>(1));
-            for (j, (g, w)) in g.iter_mut().zip(w).enumerate() {
-                *g = P::from_f32(g.to_f32() + scale * grad(start + j, w.to_f32(), rank, k));
-            }
-            Ok(())
-        })?;
-        grads_ready(range)?;
-    }
-    Ok(())
-}
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory};
+pub use zeroflow_engine::synthetic::layout;
+use zeroflow_engine::synthetic::{Reference, forward_backward, initial};
+use zeroflow_engine::{Engine, EngineOptions, LossScaler, ModelIo, Stage, StepReport};
+use zeroflow_optim::{AdamWConfig, WeightDecayMode};
 
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -175,7 +105,7 @@ pub fn train<P: Float>(
                                 let scale =
                                     if poison == Some((rank, k)) { f32::INFINITY } else { 1.0 };
                                 let io = ModelIo { loss_scale: io.loss_scale * scale, ..io };
-                                model(&device, &layout, io, ready, rank, k)
+                                forward_backward(&device, &layout, io, ready, rank, k)
                             })
                             .unwrap_or_else(|e| panic!("rank {rank} micro-step {k}: {e}"));
                         let report =
@@ -194,44 +124,14 @@ pub fn train<P: Float>(
     Outcome { weights, reports }
 }
 
-/// Plain single-rank AdamW on the mean gradient over ranks and micro-steps, with the model
-/// reading its weights as `P`. Returns the fp32 master weights (flat, padding zero) and the
-/// gradient norm of every step.
+/// Plain single-rank AdamW (see [`Reference`]): the final fp32 master weights (flat, single-rank
+/// layout) and the gradient norm of every step.
 pub fn reference<P: Float>(setup: &Setup) -> (Vec<f32>, Vec<f64>) {
-    let layout = layout(1);
-    let mut master: Vec<f32> = initial::<P>(&layout).iter().map(|p| p.to_f32()).collect();
-    let n = master.len();
-    let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
-    let mut adamw = AdamW::new(adamw_config()).unwrap();
-    let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
-    let params: Vec<Range<usize>> = layout.params().iter().map(|p| p.flat_range()).collect();
-    let mut norms = Vec::new();
-    for step in 0..u64::from(setup.steps) {
-        let mut g = vec![0f64; n];
-        for micro in 0..u64::from(setup.accum) {
-            let k = step * u64::from(setup.accum) + micro;
-            for range in &params {
-                for i in range.clone() {
-                    let w = P::from_f32(master[i]).to_f32();
-                    for rank in 0..setup.world {
-                        g[i] += f64::from(grad(i, w, rank, k));
-                    }
-                }
-            }
-        }
-        let count = (setup.world as f64) * f64::from(setup.accum);
-        let mean: Vec<f32> = g.iter().map(|x| (x / count) as f32).collect();
-        let norm = mean.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-        let coef = match setup.clip {
-            Some(max) if norm + 1e-6 > max => max / (norm + 1e-6),
-            _ => 1.0,
-        };
-        norms.push(norm);
-        let step_scalars = adamw.next_step(coef as f32);
-        let state = AdamState { params: &mut master, exp_avg: &mut m, exp_avg_sq: &mut v };
-        adam.step(&step_scalars, state, Grads::F32(&mean), Output::MasterOnly).unwrap();
-    }
-    (master, norms)
+    let world = setup.world;
+    let mut reference =
+        Reference::new::<P>(world, u64::from(setup.accum), setup.clip, adamw_config());
+    let norms = (0..setup.steps).map(|_| reference.step::<P>()).collect();
+    (reference.master, norms)
 }
 
 /// The gradient norms of the steps in `reports`.

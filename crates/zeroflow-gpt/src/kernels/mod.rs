@@ -76,6 +76,17 @@ impl Kernel {
             Kernel::SoftmaxXentBackward { .. } => "softmax_xent_backward",
         }
     }
+
+    /// This launch's kernel for an objective `loss_scale` × mean loss (the plan's backward is for
+    /// `loss_scale` 1).
+    pub fn with_loss_scale(&self, loss_scale: f64) -> Kernel {
+        match *self {
+            Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss } => {
+                Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss: dloss * loss_scale }
+            }
+            ref other => other.clone(),
+        }
+    }
 }
 
 /// One argument of a running kernel.

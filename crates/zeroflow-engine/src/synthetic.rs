@@ -1,0 +1,170 @@
+//! A synthetic model with known gradients, for testing and stress-testing the engine without a
+//! real network.
+//!
+//! Element `i` on rank `r` at global micro-step `k` has the gradient `a_i·w − b` with
+//! `a_i ∈ [0.5, 1.5)` and `b ∈ [1, 2)` drawn from a hash: gradients depend on the weights the
+//! model reads, differ between ranks and micro-steps, and stay away from zero (so that Adam's
+//! sign-sensitive update is well conditioned). [`Reference`] is plain single-rank AdamW on the
+//! same gradients, computed on the host in `f64` sums.
+
+use std::ops::Range;
+
+use zeroflow_core::Float;
+use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
+use zeroflow_device::cpu::KernelArgs;
+use zeroflow_device::{CpuDevice, Device, StreamKind};
+use zeroflow_optim::{AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, Output, SimdLevel};
+
+use crate::{EngineError, ModelIo};
+
+/// Shapes of the synthetic model's parameters: sizes that make partitions straddle parameters.
+pub const SHAPES: [&[usize]; 5] = [&[7, 5], &[13], &[3, 11], &[29], &[2, 2, 3]];
+
+/// The synthetic model's parameters, placed for `world` ranks (small alignments, so that
+/// partition boundaries fall inside parameters).
+pub fn layout(world: usize) -> FlatLayout {
+    let specs: Vec<_> = SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ParamSpec::new(format!("w{i}"), s.to_vec()))
+        .collect();
+    FlatLayout::new(&specs, world, Alignment { param: 4, partition: 2 })
+        .expect("the synthetic shapes form a valid layout")
+}
+
+/// A deterministic value in [0, 1) from three integers.
+fn hash01(a: u64, b: u64, c: u64) -> f32 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ c.wrapping_add(0x1656_67B1_9E37_79F9);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 32;
+    (x >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// The gradient of flat element `i` on `rank` at global micro-step `k` for weight `w`.
+pub fn grad(i: usize, w: f32, rank: usize, k: u64) -> f32 {
+    let a = 0.5 + hash01(i as u64, 0, 1);
+    let b = 1.0 + hash01(i as u64, rank as u64 + 7, k + 3);
+    a * w - b
+}
+
+/// The initial flat weights (padding zero).
+pub fn initial<P: Float>(layout: &FlatLayout) -> Vec<P> {
+    let mut flat = vec![P::default(); layout.padded_len()];
+    for p in layout.params() {
+        for i in p.flat_range() {
+            flat[i] = P::from_f32(0.2 * (hash01(i as u64, 99, 5) - 0.5));
+        }
+    }
+    flat
+}
+
+/// Forward and backward of the synthetic model on `rank` at micro-step `k`: adds
+/// `loss_scale × grad` into the gradients of every parameter on the compute stream, reporting each
+/// parameter complete in reverse order.
+pub fn forward_backward<P: Float>(
+    device: &CpuDevice,
+    layout: &FlatLayout,
+    io: ModelIo<'_, CpuDevice, P>,
+    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    rank: usize,
+    k: u64,
+) -> Result<(), EngineError> {
+    let compute = device.stream(StreamKind::Compute);
+    let scale = io.loss_scale;
+    for param in layout.params().iter().rev() {
+        let range = param.flat_range();
+        let args =
+            KernelArgs::new().input(io.params, range.clone()).in_out(io.grads, range.clone());
+        let start = range.start;
+        device.launch(compute, "synthetic_backward", args, move |ctx| {
+            let (w, g) = (ctx.input::<P>(0), ctx.output::<P>(1));
+            for (j, (g, w)) in g.iter_mut().zip(w).enumerate() {
+                *g = P::from_f32(g.to_f32() + scale * grad(start + j, w.to_f32(), rank, k));
+            }
+            Ok(())
+        })?;
+        grads_ready(range)?;
+    }
+    Ok(())
+}
+
+/// Plain single-rank AdamW on the mean gradient over `world` ranks and `accum` micro-steps, the
+/// model reading its weights as `P`.
+#[derive(Debug)]
+pub struct Reference {
+    layout: FlatLayout,
+    world: usize,
+    accum: u64,
+    clip: Option<f64>,
+    /// fp32 master weights, flat in the single-rank layout.
+    pub master: Vec<f32>,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    adamw: AdamW,
+    adam: CpuAdam,
+    steps: u64,
+}
+
+impl Reference {
+    pub fn new<P: Float>(world: usize, accum: u64, clip: Option<f64>, adamw: AdamWConfig) -> Self {
+        let layout = layout(1);
+        let master: Vec<f32> = initial::<P>(&layout).iter().map(|p| p.to_f32()).collect();
+        let n = master.len();
+        Reference {
+            layout,
+            world,
+            accum,
+            clip,
+            master,
+            exp_avg: vec![0.0; n],
+            exp_avg_sq: vec![0.0; n],
+            adamw: AdamW::new(adamw).expect("a valid AdamW configuration"),
+            adam: CpuAdam::new(1, SimdLevel::detect()).expect("one thread is always available"),
+            steps: 0,
+        }
+    }
+
+    /// The gradients of flat `range`, summed over every rank and the first `micro_steps`
+    /// micro-steps of the current window (what rank-summed accumulation holds then).
+    pub fn window_sum<P: Float>(&self, range: Range<usize>, micro_steps: u64) -> Vec<f64> {
+        let first = self.steps * self.accum;
+        range
+            .map(|i| {
+                if !self.layout.holds_parameters(i..i + 1) {
+                    return 0.0;
+                }
+                let w = P::from_f32(self.master[i]).to_f32();
+                (first..first + micro_steps)
+                    .flat_map(|k| (0..self.world).map(move |rank| f64::from(grad(i, w, rank, k))))
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// One optimizer step over the whole window; returns the gradient norm.
+    pub fn step<P: Float>(&mut self) -> f64 {
+        let n = self.master.len();
+        let count = self.world as f64 * self.accum as f64;
+        let mean: Vec<f32> =
+            self.window_sum::<P>(0..n, self.accum).iter().map(|g| (g / count) as f32).collect();
+        let norm = mean.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+        let coef = match self.clip {
+            Some(max) if norm + 1e-6 > max => max / (norm + 1e-6),
+            _ => 1.0,
+        };
+        let step: AdamWStep = self.adamw.next_step(coef as f32);
+        let state = AdamState {
+            params: &mut self.master,
+            exp_avg: &mut self.exp_avg,
+            exp_avg_sq: &mut self.exp_avg_sq,
+        };
+        self.adam
+            .step(&step, state, Grads::F32(&mean), Output::MasterOnly)
+            .expect("the reference's buffers have equal lengths");
+        self.steps += 1;
+        norm
+    }
+}
