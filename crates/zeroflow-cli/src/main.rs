@@ -25,6 +25,8 @@ enum Command {
     Bench(cmd::bench::Bench),
     /// Print versions, devices, libraries, host cores and memory.
     Env(cmd::env::Args),
+    /// Repeat the offload + gradient-accumulation race check and report counts and environment.
+    Stress(cmd::stress::Args),
 }
 
 fn main() -> ExitCode {
@@ -34,6 +36,7 @@ fn main() -> ExitCode {
         Command::Config(args) => cmd::config::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Env(args) => cmd::env::run(args),
+        Command::Stress(args) => cmd::stress::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
