@@ -20,11 +20,11 @@ use std::ops::Range;
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, HostMemory, Kernels, ReduceOp, StreamKind};
-use zeroflow_optim::{AdamState, AdamW, CpuAdam, Grads, Output, SimdLevel};
+use zeroflow_optim::{AdamW, CpuAdam, SimdLevel};
 
 use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
-use crate::host::{HostState, Offloader};
+use crate::host::{HostState, Offloader, OptimizerSlot};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
 /// What the model gets for one forward and backward.
@@ -120,6 +120,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         if initial.len() != layout.padded_len() {
             return Err(EngineError::Usage("initial weights must fill the whole flat buffer"));
         }
+        if opts.delayed_update.is_some() && opts.offload.is_none() {
+            return Err(EngineError::Usage("the delayed update needs CPU optimizer offload"));
+        }
         if opts.grad_accum == 0 {
             return Err(EngineError::Usage("gradient accumulation steps must be at least 1"));
         }
@@ -146,10 +149,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             },
             Some(memory) => {
                 let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?;
-                let mut host =
-                    HostState::new(&device, owned.len(), opts.reduce_bucket, memory, adam)?;
-                host.master.copy_from_slice(&master);
-                Optimizer::Host(Box::new(host))
+                let delayed = opts.delayed_update.is_some();
+                let bucket = opts.reduce_bucket;
+                Optimizer::Host(Box::new(HostState::new(
+                    &device, &master, bucket, memory, adam, delayed,
+                )?))
             }
         };
         let events = Events {
@@ -228,11 +232,24 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     }
 
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
-    pub fn master_weights(&self) -> Result<Vec<f32>, EngineError> {
-        match &self.optimizer {
-            Optimizer::Host(host) => Ok(host.master.to_vec()),
+    /// With the delayed update, waits for a running step first (see [`Engine::flush`]).
+    pub fn master_weights(&mut self) -> Result<Vec<f32>, EngineError> {
+        match &mut self.optimizer {
+            Optimizer::Host(host) => Ok(host.join()?.master.to_vec()),
             Optimizer::Device { state, .. } => Ok(self.device.download(&state.master)?),
         }
+    }
+
+    /// With the delayed update: waits for the step still running and brings its weights into the
+    /// model, so that `params()` holds every step taken. Call it before saving or evaluating at
+    /// the end. Without the delayed update it does nothing.
+    pub fn flush(&mut self) -> Result<(), EngineError> {
+        let Optimizer::Host(host) = &mut self.optimizer else { return Ok(()) };
+        if matches!(host.optimizer, OptimizerSlot::Stepping(_)) {
+            host.join()?;
+            self.upload_and_gather()?;
+        }
+        Ok(())
     }
 
     /// Removes the event wait that orders each device-to-host gradient copy after its reduction:
@@ -396,29 +413,61 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let compute = self.device.stream(StreamKind::Compute);
         let comm_stream = self.device.stream(StreamKind::Comm);
         let len = self.owned.len();
-        let writer = match &mut self.optimizer {
+        let writer: StreamKind = match &mut self.optimizer {
             Optimizer::Device { state, grad_acc } => {
                 // The accumulator is complete once the comm stream is past it (and the norm).
                 self.device.record(&mut self.events.accumulated, comm_stream)?;
                 self.device.wait_event(compute, &self.events.accumulated)?;
                 let out = (&self.params, self.owned.start);
                 self.device.adamw(compute, step, state, 0..len, grad_acc, out.0, out.1)?;
-                compute
+                StreamKind::Compute
             }
             Optimizer::Host(host) => {
-                let HostState { master, exp_avg, exp_avg_sq, grad_acc, upload, adam, .. } =
-                    &mut **host;
-                let state = AdamState { params: master, exp_avg, exp_avg_sq };
-                adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
-                upload.iter_mut().zip(master.iter()).for_each(|(u, m)| *u = P::from_f32(*m));
-                let h2d = self.device.stream(StreamKind::H2d);
-                self.device.wait_event(h2d, &self.events.compute_done)?;
-                self.device
-                    .copy_h2d(h2d, upload, 0..len, &self.params, self.owned.start)?
-                    .wait()?;
-                h2d
+                let delayed = self.opts.delayed_update.is_some_and(|warm_up| step.step() > warm_up);
+                if !delayed {
+                    host.step_now(step)?;
+                    return self.upload_and_gather();
+                }
+                // The step before this one finished meanwhile: its weights go to the device now
+                // and the next window computes with them; this step runs in the background.
+                if matches!(host.optimizer, OptimizerSlot::Stepping(_)) {
+                    host.join()?;
+                    self.upload_and_gather()?;
+                }
+                let Optimizer::Host(host) = &mut self.optimizer else { unreachable!() };
+                return host.start_delayed(*step);
             }
         };
+        self.gather_from(writer)
+    }
+
+    /// Uploads the host optimizer's weights into this rank's partition of the flat weights, then
+    /// gathers the other partitions.
+    fn upload_and_gather(&mut self) -> Result<(), EngineError> {
+        let Optimizer::Host(host) = &mut self.optimizer else {
+            return Err(EngineError::Usage("upload without offload"));
+        };
+        let OptimizerSlot::Ready(optimizer) = &host.optimizer else {
+            return Err(EngineError::Usage("upload while the optimizer steps"));
+        };
+        // The weights are free once the last forward/backward has read them and the last
+        // gather (after the previous upload, which a flush can follow directly) has written them.
+        let h2d = self.device.stream(StreamKind::H2d);
+        self.device.wait_event(h2d, &self.events.compute_done)?;
+        if let Some(gathered) = &self.events.params_ready {
+            self.device.wait_event(h2d, gathered)?;
+        }
+        let len = self.owned.len();
+        let upload = &optimizer.upload;
+        self.device.copy_h2d(h2d, upload, 0..len, &self.params, self.owned.start)?.wait()?;
+        self.gather_from(StreamKind::H2d)
+    }
+
+    /// Records that `writer` has written this rank's partition of the weights and gathers the
+    /// other partitions after it; `params_ready` then marks the weights current.
+    fn gather_from(&mut self, writer: StreamKind) -> Result<(), EngineError> {
+        let comm_stream = self.device.stream(StreamKind::Comm);
+        let writer = self.device.stream(writer);
         let params_ready = slot(&mut self.events.params_ready, &self.device)?;
         self.device.record(params_ready, writer)?;
         if self.owned.len() < self.layout.padded_len() {

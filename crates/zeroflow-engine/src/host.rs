@@ -2,53 +2,156 @@
 //! host memory, and the queue of device-to-host copies in flight during a backward.
 
 use std::collections::VecDeque;
+use std::thread::JoinHandle;
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, Filling, HostBuffer, HostMemory};
-use zeroflow_optim::CpuAdam;
+use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
 
 /// How many staging buffers gradients cycle through on their way to the host.
 pub(crate) const STAGING_BUFFERS: usize = 4;
 
-/// Everything the CPU optimizer owns for this rank's partition.
+/// The CPU optimizer's own state for this rank's partition: what a delayed step takes to its
+/// worker thread and brings back.
 #[derive(Debug)]
-pub(crate) struct HostState<P: Float> {
+pub(crate) struct HostOptimizer<P: Float> {
     pub master: HostBuffer<f32>,
     pub exp_avg: HostBuffer<f32>,
     pub exp_avg_sq: HostBuffer<f32>,
-    /// The rank's gradient partition, summed over ranks and micro-steps (in the loss-scaled
-    /// model's units).
-    pub grad_acc: HostBuffer<f32>,
-    /// Device-to-host staging of one bucket piece each.
-    pub staging: Vec<HostBuffer<P>>,
     /// The updated weights, as the model's dtype, on their way back.
     pub upload: HostBuffer<P>,
     pub adam: CpuAdam,
 }
 
+impl<P: Float> HostOptimizer<P> {
+    /// One AdamW step over the partition with the accumulated gradients, then the weights as `P`
+    /// into the upload buffer.
+    pub(crate) fn step(&mut self, step: &AdamWStep, grad_acc: &[f32]) -> Result<(), EngineError> {
+        let HostOptimizer { master, exp_avg, exp_avg_sq, upload, adam } = self;
+        let state = AdamState { params: master, exp_avg, exp_avg_sq };
+        adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
+        upload.iter_mut().zip(master.iter()).for_each(|(u, m)| *u = P::from_f32(*m));
+        Ok(())
+    }
+}
+
+/// The result of a delayed step: the optimizer and the accumulator it read, given back.
+pub(crate) type DelayedStep<P> =
+    JoinHandle<Result<(Box<HostOptimizer<P>>, HostBuffer<f32>), EngineError>>;
+
+/// Where the CPU optimizer is.
+#[derive(Debug)]
+pub(crate) enum OptimizerSlot<P: Float> {
+    /// Here, its weights uploaded (or about to be, in the same step).
+    Ready(Box<HostOptimizer<P>>),
+    /// On a worker thread, stepping with the accumulator it took (delayed update).
+    Stepping(DelayedStep<P>),
+    /// Lost to a failed or panicked delayed step.
+    Lost,
+}
+
+/// Everything the offload path keeps in host memory for this rank's partition.
+#[derive(Debug)]
+pub(crate) struct HostState<P: Float> {
+    pub optimizer: OptimizerSlot<P>,
+    /// The rank's gradient partition, summed over ranks and micro-steps (in the loss-scaled
+    /// model's units).
+    pub grad_acc: HostBuffer<f32>,
+    /// With the delayed update: the accumulator a running step does not hold, swapped in at each
+    /// step.
+    pub spare_acc: Option<HostBuffer<f32>>,
+    /// Device-to-host staging of one bucket piece each.
+    pub staging: Vec<HostBuffer<P>>,
+}
+
 impl<P: Float> HostState<P> {
     pub(crate) fn new<D: Device>(
         device: &D,
-        partition: usize,
+        master: &[f32],
         bucket: usize,
         memory: HostMemory,
         adam: CpuAdam,
+        delayed: bool,
     ) -> Result<Self, EngineError> {
+        let partition = master.len();
         let staging_len = bucket.min(partition).max(1);
         let staging = (0..STAGING_BUFFERS)
             .map(|_| device.alloc_host::<P>(staging_len, memory))
             .collect::<Result<_, _>>()?;
-        Ok(HostState {
+        let mut optimizer = HostOptimizer {
             master: device.alloc_host(partition, memory)?,
             exp_avg: device.alloc_host(partition, memory)?,
             exp_avg_sq: device.alloc_host(partition, memory)?,
-            grad_acc: device.alloc_host(partition, memory)?,
-            staging,
             upload: device.alloc_host(partition, memory)?,
             adam,
+        };
+        optimizer.master.copy_from_slice(master);
+        let spare_acc = if delayed { Some(device.alloc_host(partition, memory)?) } else { None };
+        Ok(HostState {
+            optimizer: OptimizerSlot::Ready(Box::new(optimizer)),
+            grad_acc: device.alloc_host(partition, memory)?,
+            spare_acc,
+            staging,
         })
+    }
+
+    /// Waits for a delayed step, if one runs, and takes the optimizer back; its accumulator
+    /// becomes the spare.
+    pub(crate) fn join(&mut self) -> Result<&mut HostOptimizer<P>, EngineError> {
+        if let OptimizerSlot::Stepping(_) = self.optimizer {
+            let OptimizerSlot::Stepping(handle) =
+                std::mem::replace(&mut self.optimizer, OptimizerSlot::Lost)
+            else {
+                unreachable!("matched above")
+            };
+            let (optimizer, acc) = handle
+                .join()
+                .map_err(|_| EngineError::Usage("the delayed optimizer step panicked"))??;
+            self.spare_acc = Some(acc);
+            self.optimizer = OptimizerSlot::Ready(optimizer);
+        }
+        match &mut self.optimizer {
+            OptimizerSlot::Ready(optimizer) => Ok(optimizer),
+            OptimizerSlot::Stepping(_) => unreachable!("joined above"),
+            OptimizerSlot::Lost => {
+                Err(EngineError::Usage("the CPU optimizer was lost to an earlier failure"))
+            }
+        }
+    }
+
+    /// One step now, on this thread (waiting for a delayed step first).
+    pub(crate) fn step_now(&mut self, step: &AdamWStep) -> Result<(), EngineError> {
+        self.join()?;
+        let OptimizerSlot::Ready(optimizer) = &mut self.optimizer else {
+            unreachable!("joined above")
+        };
+        optimizer.step(step, &self.grad_acc)
+    }
+
+    /// Starts a delayed step of the (joined) optimizer on a worker thread, handing it the full
+    /// accumulator and swapping in the spare for the next window.
+    pub(crate) fn start_delayed(&mut self, step: AdamWStep) -> Result<(), EngineError> {
+        let OptimizerSlot::Ready(mut optimizer) =
+            std::mem::replace(&mut self.optimizer, OptimizerSlot::Lost)
+        else {
+            return Err(EngineError::Usage("a delayed step started while another runs"));
+        };
+        let spare = self
+            .spare_acc
+            .take()
+            .ok_or(EngineError::Usage("the delayed update needs a spare accumulator"))?;
+        let acc = std::mem::replace(&mut self.grad_acc, spare);
+        let handle = std::thread::Builder::new()
+            .name("zeroflow-delayed-step".into())
+            .spawn(move || {
+                optimizer.step(&step, &acc)?;
+                Ok((optimizer, acc))
+            })
+            .map_err(|_| EngineError::Usage("could not start the delayed optimizer thread"))?;
+        self.optimizer = OptimizerSlot::Stepping(handle);
+        Ok(())
     }
 }
 

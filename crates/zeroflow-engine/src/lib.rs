@@ -57,6 +57,9 @@ pub struct EngineOptions {
     pub scaler: LossScaler,
     /// Threads of the CPU optimizer (offload).
     pub cpu_threads: usize,
+    /// The ZeRO-Offload paper's delayed parameter update (offload only): after this many exact
+    /// steps, the CPU step of step t runs while step t + 1 computes with the weights of t − 1.
+    pub delayed_update: Option<u64>,
 }
 
 /// What can go wrong in the engine.

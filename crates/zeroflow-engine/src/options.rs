@@ -55,6 +55,11 @@ impl EngineOptions {
             },
             scaler,
             cpu_threads,
+            delayed_update: config
+                .zeroflow
+                .delayed_update
+                .enabled
+                .then_some(config.zeroflow.delayed_update.warmup_steps),
         }
     }
 }

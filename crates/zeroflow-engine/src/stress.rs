@@ -126,6 +126,7 @@ fn run_rank(
         adamw: adamw(),
         scaler: LossScaler::None,
         cpu_threads: 1,
+        delayed_update: None,
     };
     let init = initial::<f32>(&layout);
     let mut engine: Engine<CpuDevice, CpuComm, f32> =

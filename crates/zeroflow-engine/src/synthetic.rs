@@ -130,13 +130,23 @@ impl Reference {
     /// The gradients of flat `range`, summed over every rank and the first `micro_steps`
     /// micro-steps of the current window (what rank-summed accumulation holds then).
     pub fn window_sum<P: Float>(&self, range: Range<usize>, micro_steps: u64) -> Vec<f64> {
+        self.window_sum_at::<P>(range, micro_steps, &self.master)
+    }
+
+    /// [`Reference::window_sum`] with the model reading `weights` instead of the current master.
+    pub fn window_sum_at<P: Float>(
+        &self,
+        range: Range<usize>,
+        micro_steps: u64,
+        weights: &[f32],
+    ) -> Vec<f64> {
         let first = self.steps * self.accum;
         range
             .map(|i| {
                 if !self.layout.holds_parameters(i..i + 1) {
                     return 0.0;
                 }
-                let w = P::from_f32(self.master[i]).to_f32();
+                let w = P::from_f32(weights[i]).to_f32();
                 (first..first + micro_steps)
                     .flat_map(|k| (0..self.world).map(move |rank| f64::from(grad(i, w, rank, k))))
                     .sum()
@@ -146,10 +156,17 @@ impl Reference {
 
     /// One optimizer step over the whole window; returns the gradient norm.
     pub fn step<P: Float>(&mut self) -> f64 {
+        let weights = self.master.clone();
+        self.step_at::<P>(&weights)
+    }
+
+    /// One optimizer step with the model having read `weights` during the window (the delayed
+    /// update's stale weights); returns the gradient norm.
+    pub fn step_at<P: Float>(&mut self, weights: &[f32]) -> f64 {
         let n = self.master.len();
         let count = self.world as f64 * self.accum as f64;
-        let mean: Vec<f32> =
-            self.window_sum::<P>(0..n, self.accum).iter().map(|g| (g / count) as f32).collect();
+        let sums = self.window_sum_at::<P>(0..n, self.accum, weights);
+        let mean: Vec<f32> = sums.iter().map(|g| (g / count) as f32).collect();
         let norm = mean.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
         let coef = match self.clip {
             Some(max) if norm + 1e-6 > max => max / (norm + 1e-6),

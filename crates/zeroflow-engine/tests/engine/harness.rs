@@ -22,11 +22,23 @@ pub struct Setup {
     pub clip: Option<f64>,
     pub chaos: Option<u64>,
     pub bucket: usize,
+    /// Delayed update after this many exact steps.
+    pub delayed: Option<u64>,
 }
 
 impl Setup {
     pub fn new(stage: Stage, world: usize, accum: u32, offload: bool) -> Self {
-        Setup { stage, world, accum, offload, steps: 20, clip: Some(0.8), chaos: None, bucket: 23 }
+        Setup {
+            stage,
+            world,
+            accum,
+            offload,
+            steps: 20,
+            clip: Some(0.8),
+            chaos: None,
+            bucket: 23,
+            delayed: None,
+        }
     }
 }
 
@@ -51,6 +63,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
         adamw: adamw_config(),
         scaler,
         cpu_threads: 2,
+        delayed_update: setup.delayed,
     }
 }
 
@@ -114,6 +127,7 @@ pub fn train<P: Float>(
                             reports.push(report);
                         }
                     }
+                    engine.flush().unwrap();
                     (device.download(engine.params()).unwrap(), reports)
                 })
             })
@@ -130,7 +144,16 @@ pub fn reference<P: Float>(setup: &Setup) -> (Vec<f32>, Vec<f64>) {
     let world = setup.world;
     let mut reference =
         Reference::new::<P>(world, u64::from(setup.accum), setup.clip, adamw_config());
-    let norms = (0..setup.steps).map(|_| reference.step::<P>()).collect();
+    let mut previous = reference.master.clone();
+    let mut norms = Vec::new();
+    for t in 0..u64::from(setup.steps) {
+        // With the delayed update, window t > warm-up computes with the weights before the last
+        // step (DESIGN.md §5).
+        let stale = setup.delayed.is_some_and(|warm_up| t > warm_up);
+        let current = reference.master.clone();
+        norms.push(reference.step_at::<P>(if stale { &previous } else { &current }));
+        previous = current;
+    }
     (reference.master, norms)
 }
 

@@ -3,5 +3,6 @@
 mod harness;
 
 mod chaos;
+mod delayed;
 mod equivalence;
 mod precision;
