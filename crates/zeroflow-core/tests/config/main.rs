@@ -6,6 +6,7 @@
 mod autos;
 mod batch_rule;
 mod errors;
+mod fuzz;
 mod realistic;
 mod round_trip;
 mod warnings;
