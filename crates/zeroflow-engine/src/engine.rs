@@ -19,12 +19,13 @@ use std::ops::Range;
 
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::{Comm, Device, HostMemory, Kernels, ReduceOp, StreamKind};
+use zeroflow_device::{Comm, Device, HostMemory, ReduceOp, StreamKind};
 use zeroflow_optim::{AdamW, CpuAdam, SimdLevel};
 
 use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
 use crate::host::{HostState, Offloader, OptimizerSlot};
+use crate::reduction::{Reduction, Sink};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
 /// What the model gets for one forward and backward.
@@ -522,92 +523,5 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> std::fmt::Debug for Engine<D
             .field("owned", &self.owned)
             .field("micro_steps", &self.micro_steps)
             .finish_non_exhaustive()
-    }
-}
-
-/// Where reduced gradient pieces go.
-enum Sink<'s, D: Device, P: Float> {
-    /// Added into the device accumulator on the comm stream.
-    Device(&'s D::Buffer<f32>),
-    /// Copied to the host and added there.
-    Host(Offloader<'s, P>),
-}
-
-/// The reduction pipeline during one backward.
-struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
-    device: &'s D,
-    comm: &'s C,
-    layout: &'s FlatLayout,
-    owned: Range<usize>,
-    grads: &'s D::Buffer<P>,
-    reduced: Option<&'s D::Buffer<P>>,
-    bucket_ready: &'s mut D::Event,
-    reduced_event: &'s mut D::Event,
-    sink: Sink<'s, D, P>,
-    enabled: bool,
-    skip_d2h_wait: bool,
-}
-
-impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> {
-    /// Reduces one bucket of complete gradients and sends this rank's piece on.
-    fn reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), EngineError> {
-        if !self.enabled {
-            return Ok(());
-        }
-        let comm_stream = self.device.stream(StreamKind::Comm);
-        self.device.record(self.bucket_ready, self.device.stream(StreamKind::Compute))?;
-        self.device.wait_event(comm_stream, self.bucket_ready)?;
-        // `source` holds this rank's reduced piece of the bucket at `source_offset`.
-        let (source, source_offset) = match self.reduced {
-            Some(reduced) => {
-                for rank in 0..self.comm.world_size() {
-                    let part = self.layout.partition_range(rank);
-                    let piece = bucket.start.max(part.start)..bucket.end.min(part.end);
-                    if piece.is_empty() {
-                        continue;
-                    }
-                    let offset = piece.start - part.start;
-                    self.comm.reduce(
-                        comm_stream,
-                        self.grads,
-                        piece,
-                        reduced,
-                        offset,
-                        rank,
-                        ReduceOp::Sum,
-                    )?;
-                }
-                (reduced, self.owned.start)
-            }
-            None => {
-                if self.comm.world_size() > 1 {
-                    self.comm.all_reduce(comm_stream, self.grads, bucket.clone(), ReduceOp::Sum)?;
-                }
-                (self.grads, 0)
-            }
-        };
-        let mine = bucket.start.max(self.owned.start)..bucket.end.min(self.owned.end);
-        if mine.is_empty() {
-            return Ok(());
-        }
-        let at_source = mine.start - source_offset..mine.end - source_offset;
-        let at_acc = mine.start - self.owned.start;
-        match &mut self.sink {
-            Sink::Device(grad_acc) => {
-                self.device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
-            }
-            Sink::Host(offloader) => {
-                let d2h = self.device.stream(StreamKind::D2h);
-                self.device.record(self.reduced_event, comm_stream)?;
-                if !self.skip_d2h_wait {
-                    self.device.wait_event(d2h, self.reduced_event)?;
-                }
-                let staging = offloader.staging()?;
-                let len = at_source.len();
-                let filling = self.device.copy_d2h(d2h, source, at_source, staging, 0)?;
-                offloader.push(at_acc, len, filling);
-            }
-        }
-        Ok(())
     }
 }

@@ -16,6 +16,7 @@ mod device_adamw;
 mod engine;
 mod host;
 mod options;
+mod reduction;
 mod scaler;
 pub mod stress;
 pub mod synthetic;

@@ -1,0 +1,99 @@
+//! The reduction pipeline of one backward: each bucket of complete gradients is reduced so that
+//! every rank holds the sum of its own partition, and the rank's piece goes on to the device
+//! accumulator or, through pinned staging, to the host accumulator.
+
+use std::ops::Range;
+
+use zeroflow_core::Float;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
+
+use crate::EngineError;
+use crate::host::Offloader;
+
+/// Where reduced gradient pieces go.
+pub(crate) enum Sink<'s, D: Device, P: Float> {
+    /// Added into the device accumulator on the comm stream.
+    Device(&'s D::Buffer<f32>),
+    /// Copied to the host and added there.
+    Host(Offloader<'s, P>),
+}
+
+/// The reduction pipeline during one backward.
+pub(crate) struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
+    pub(crate) device: &'s D,
+    pub(crate) comm: &'s C,
+    pub(crate) layout: &'s FlatLayout,
+    pub(crate) owned: Range<usize>,
+    pub(crate) grads: &'s D::Buffer<P>,
+    pub(crate) reduced: Option<&'s D::Buffer<P>>,
+    pub(crate) bucket_ready: &'s mut D::Event,
+    pub(crate) reduced_event: &'s mut D::Event,
+    pub(crate) sink: Sink<'s, D, P>,
+    pub(crate) enabled: bool,
+    pub(crate) skip_d2h_wait: bool,
+}
+
+impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> {
+    /// Reduces one bucket of complete gradients and sends this rank's piece on.
+    pub(crate) fn reduce_bucket(&mut self, bucket: Range<usize>) -> Result<(), EngineError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let comm_stream = self.device.stream(StreamKind::Comm);
+        self.device.record(self.bucket_ready, self.device.stream(StreamKind::Compute))?;
+        self.device.wait_event(comm_stream, self.bucket_ready)?;
+        // `source` holds this rank's reduced piece of the bucket at `source_offset`.
+        let (source, source_offset) = match self.reduced {
+            Some(reduced) => {
+                for rank in 0..self.comm.world_size() {
+                    let part = self.layout.partition_range(rank);
+                    let piece = bucket.start.max(part.start)..bucket.end.min(part.end);
+                    if piece.is_empty() {
+                        continue;
+                    }
+                    let offset = piece.start - part.start;
+                    self.comm.reduce(
+                        comm_stream,
+                        self.grads,
+                        piece,
+                        reduced,
+                        offset,
+                        rank,
+                        ReduceOp::Sum,
+                    )?;
+                }
+                (reduced, self.owned.start)
+            }
+            None => {
+                if self.comm.world_size() > 1 {
+                    self.comm.all_reduce(comm_stream, self.grads, bucket.clone(), ReduceOp::Sum)?;
+                }
+                (self.grads, 0)
+            }
+        };
+        let mine = bucket.start.max(self.owned.start)..bucket.end.min(self.owned.end);
+        if mine.is_empty() {
+            return Ok(());
+        }
+        let at_source = mine.start - source_offset..mine.end - source_offset;
+        let at_acc = mine.start - self.owned.start;
+        match &mut self.sink {
+            Sink::Device(grad_acc) => {
+                self.device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
+            }
+            Sink::Host(offloader) => {
+                let d2h = self.device.stream(StreamKind::D2h);
+                self.device.record(self.reduced_event, comm_stream)?;
+                if !self.skip_d2h_wait {
+                    self.device.wait_event(d2h, self.reduced_event)?;
+                }
+                let staging = offloader.staging()?;
+                let len = at_source.len();
+                let filling = self.device.copy_d2h(d2h, source, at_source, staging, 0)?;
+                offloader.push(at_acc, len, filling);
+            }
+        }
+        Ok(())
+    }
+}
