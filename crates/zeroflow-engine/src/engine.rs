@@ -246,7 +246,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// the end. Without the delayed update it does nothing.
     pub fn flush(&mut self) -> Result<(), EngineError> {
         let Optimizer::Host(host) = &mut self.optimizer else { return Ok(()) };
-        if matches!(host.optimizer, OptimizerSlot::Stepping(_)) {
+        if host.weights_ahead() {
             host.join()?;
             self.upload_and_gather()?;
         }
@@ -258,6 +258,73 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     #[cfg(any(test, feature = "mutation-self-check"))]
     pub fn mutate_remove_d2h_wait(&mut self) {
         self.skip_d2h_wait = true;
+    }
+
+    /// This rank's optimizer state and the engine's counters, for a checkpoint (save the weights
+    /// of [`Engine::params`] with it). With the delayed update, a running step is waited for but
+    /// its weights stay pending, exactly as without the snapshot, so checkpointing does not
+    /// change the run.
+    pub fn snapshot(&mut self) -> Result<Snapshot, EngineError> {
+        let (master, exp_avg, exp_avg_sq, upload_pending) = match &mut self.optimizer {
+            Optimizer::Host(host) => {
+                let opt = host.join()?;
+                let state = (opt.master.to_vec(), opt.exp_avg.to_vec(), opt.exp_avg_sq.to_vec());
+                (state.0, state.1, state.2, host.upload_pending)
+            }
+            Optimizer::Device { state, .. } => (
+                self.device.download(&state.master)?,
+                self.device.download(&state.exp_avg)?,
+                self.device.download(&state.exp_avg_sq)?,
+                false,
+            ),
+        };
+        Ok(Snapshot {
+            upload_pending,
+            part: OptimizerPart { flat: self.owned.clone(), master, exp_avg, exp_avg_sq },
+            optimizer_steps: self.adamw.steps_taken(),
+            micro_steps: self.micro_steps,
+            scaler: self.scaler.clone(),
+        })
+    }
+
+    /// Continues from a checkpoint: the flat weights (in this engine's layout), the optimizer
+    /// state of any set of parts that together cover this rank's parameters (saved at any world
+    /// size), and the counters. Call it between optimizer steps, before the next backward.
+    pub fn restore(&mut self, weights: &[P], from: &Restore<'_>) -> Result<(), EngineError> {
+        let Restore { parts, optimizer_steps, micro_steps, upload_pending, .. } = *from;
+        if weights.len() != self.layout.padded_len() {
+            return Err(EngineError::Usage("restored weights must fill the whole flat buffer"));
+        }
+        if self.backward_pending || !micro_steps.is_multiple_of(self.opts.grad_accum) {
+            return Err(EngineError::Usage("restore only at an optimizer-step boundary"));
+        }
+        let [master, exp_avg, exp_avg_sq] = assemble(&self.layout, &self.owned, parts)?;
+        if let Optimizer::Host(host) = &mut self.optimizer {
+            host.join()?;
+        }
+        self.device.synchronize()?;
+        overwrite(&self.device, &self.params, weights)?;
+        match &mut self.optimizer {
+            Optimizer::Host(host) => {
+                let opt = host.join()?;
+                opt.master.copy_from_slice(&master);
+                opt.exp_avg.copy_from_slice(&exp_avg);
+                opt.exp_avg_sq.copy_from_slice(&exp_avg_sq);
+                opt.upload.iter_mut().zip(&master).for_each(|(u, m)| *u = P::from_f32(*m));
+                host.grad_acc.fill(0.0);
+                host.upload_pending = upload_pending;
+            }
+            Optimizer::Device { state, grad_acc } => {
+                overwrite(&self.device, &state.master, &master)?;
+                overwrite(&self.device, &state.exp_avg, &exp_avg)?;
+                overwrite(&self.device, &state.exp_avg_sq, &exp_avg_sq)?;
+                overwrite(&self.device, grad_acc, &vec![0.0; master.len()])?;
+            }
+        }
+        self.adamw.resume_at(optimizer_steps);
+        self.micro_steps = micro_steps;
+        self.scaler = from.scaler.clone();
+        Ok(())
     }
 
     /// The flat range whose optimizer state this rank holds.
@@ -431,7 +498,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 }
                 // The step before this one finished meanwhile: its weights go to the device now
                 // and the next window computes with them; this step runs in the background.
-                if matches!(host.optimizer, OptimizerSlot::Stepping(_)) {
+                if host.weights_ahead() {
                     host.join()?;
                     self.upload_and_gather()?;
                 }
@@ -451,6 +518,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let OptimizerSlot::Ready(optimizer) = &host.optimizer else {
             return Err(EngineError::Usage("upload while the optimizer steps"));
         };
+        host.upload_pending = false;
         // The weights are free once the last forward/backward has read them and the last
         // gather (after the previous upload, which a flush can follow directly) has written them.
         let h2d = self.device.stream(StreamKind::H2d);
@@ -500,6 +568,88 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         Ok(())
     }
+}
+
+/// This rank's optimizer state and the engine's counters (see [`Engine::snapshot`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub part: OptimizerPart,
+    /// The delayed update's weights are newer than the saved device weights.
+    pub upload_pending: bool,
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    pub scaler: LossScaler,
+}
+
+/// What [`Engine::restore`] continues from, besides the weights.
+#[derive(Clone, Copy, Debug)]
+pub struct Restore<'a> {
+    /// Optimizer state saved by any number of ranks.
+    pub parts: &'a [OptimizerPart],
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    /// See [`Snapshot::upload_pending`].
+    pub upload_pending: bool,
+    pub scaler: &'a LossScaler,
+}
+
+/// The fp32 optimizer state of one flat range: a rank's partition, as saved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerPart {
+    pub flat: Range<usize>,
+    pub master: Vec<f32>,
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
+}
+
+/// Master weights and moments of `owned` from parts saved at any world size. Parameter elements
+/// must be covered; padding may be missing (it is zero).
+fn assemble(
+    layout: &FlatLayout,
+    owned: &Range<usize>,
+    parts: &[OptimizerPart],
+) -> Result<[Vec<f32>; 3], EngineError> {
+    let mut out = [vec![0f32; owned.len()], vec![0f32; owned.len()], vec![0f32; owned.len()]];
+    let mut covered = vec![false; owned.len()];
+    for part in parts {
+        let lens = [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()];
+        if lens.iter().any(|&len| len != part.flat.len()) {
+            return Err(EngineError::Usage("an optimizer part's arrays differ from its range"));
+        }
+        let start = part.flat.start.max(owned.start);
+        let end = part.flat.end.min(owned.end);
+        for i in start..end {
+            let (src, dst) = (i - part.flat.start, i - owned.start);
+            out[0][dst] = part.master[src];
+            out[1][dst] = part.exp_avg[src];
+            out[2][dst] = part.exp_avg_sq[src];
+            covered[dst] = true;
+        }
+    }
+    for index in layout.params_in(owned.clone()) {
+        let param = &layout.params()[index];
+        let range = param.flat_range();
+        let inside = range.start.max(owned.start)..range.end.min(owned.end);
+        if inside.clone().any(|i| !covered[i - owned.start]) {
+            return Err(EngineError::IncompleteOptimizerState { param: param.name.clone() });
+        }
+    }
+    Ok(out)
+}
+
+/// Replaces the contents of `buffer` with `data` (set-up and restore only: it synchronizes).
+fn overwrite<D: Device, T: zeroflow_core::Element>(
+    device: &D,
+    buffer: &D::Buffer<T>,
+    data: &[T],
+) -> Result<(), EngineError> {
+    let mut host = device.alloc_host::<T>(data.len(), HostMemory::Pageable)?;
+    host.copy_from_slice(data);
+    device.synchronize()?;
+    let h2d = device.stream(StreamKind::H2d);
+    device.copy_h2d(h2d, &host, 0..data.len(), buffer, 0)?.wait()?;
+    device.synchronize()?;
+    Ok(())
 }
 
 /// The event in `slot`, created on first use.

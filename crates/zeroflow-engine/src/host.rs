@@ -64,6 +64,9 @@ pub(crate) struct HostState<P: Float> {
     pub spare_acc: Option<HostBuffer<f32>>,
     /// Device-to-host staging of one bucket piece each.
     pub staging: Vec<HostBuffer<P>>,
+    /// With the delayed update: the optimizer holds weights newer than the device's, to be
+    /// uploaded at the next step (set when a delayed step was joined for a snapshot, or restored).
+    pub upload_pending: bool,
 }
 
 impl<P: Float> HostState<P> {
@@ -94,13 +97,20 @@ impl<P: Float> HostState<P> {
             grad_acc: device.alloc_host(partition, memory)?,
             spare_acc,
             staging,
+            upload_pending: false,
         })
     }
 
+    /// True if the optimizer's weights have not reached the device yet.
+    pub(crate) fn weights_ahead(&self) -> bool {
+        self.upload_pending || matches!(self.optimizer, OptimizerSlot::Stepping(_))
+    }
+
     /// Waits for a delayed step, if one runs, and takes the optimizer back; its accumulator
-    /// becomes the spare.
+    /// becomes the spare, and its weights are pending upload.
     pub(crate) fn join(&mut self) -> Result<&mut HostOptimizer<P>, EngineError> {
         if let OptimizerSlot::Stepping(_) = self.optimizer {
+            self.upload_pending = true;
             let OptimizerSlot::Stepping(handle) =
                 std::mem::replace(&mut self.optimizer, OptimizerSlot::Lost)
             else {

@@ -12,6 +12,7 @@
 //! ```
 
 mod buckets;
+pub mod checkpoint;
 mod device_adamw;
 mod engine;
 mod host;
@@ -28,7 +29,7 @@ use zeroflow_device::{DeviceError, HostMemory};
 use zeroflow_optim::{AdamWConfig, OptimError};
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
-pub use engine::{Engine, ModelIo, StepReport};
+pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use scaler::{DynamicScaler, LossScaler};
 
 /// Which ZeRO stage partitions what.
@@ -78,6 +79,8 @@ pub enum EngineError {
     DuplicateGradient { param: String },
     #[error("the reported range {range:?} covers only part of parameter `{param}`")]
     PartialGradient { param: String, range: Range<usize> },
+    #[error("the checkpoint's optimizer state does not cover parameter `{param}`")]
+    IncompleteOptimizerState { param: String },
     #[error("{0}")]
     Usage(&'static str),
 }

@@ -6,7 +6,7 @@
 //! The iteration counter advances on skipped steps too.
 
 /// The loss scale and its update rule.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum LossScaler {
     /// bf16 and fp32: no scaling.
     None,
@@ -15,7 +15,7 @@ pub enum LossScaler {
     Dynamic(DynamicScaler),
 }
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DynamicScaler {
     pub scale: f32,
     pub window: u64,

@@ -9,7 +9,9 @@ use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, forward_backward, initial};
-use zeroflow_engine::{Engine, EngineOptions, LossScaler, ModelIo, Stage, StepReport};
+use zeroflow_engine::{
+    Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore, Snapshot, Stage, StepReport,
+};
 use zeroflow_optim::{AdamWConfig, WeightDecayMode};
 
 #[derive(Clone, Debug)]
@@ -71,6 +73,10 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
 pub struct Outcome<P> {
     pub weights: Vec<Vec<P>>,
     pub reports: Vec<Vec<StepReport>>,
+    /// Every rank's state at the end (taken before the final flush).
+    pub snapshots: Vec<Snapshot>,
+    /// Every rank's device weights at the snapshot: what a checkpoint saves.
+    pub device_weights: Vec<Vec<P>>,
 }
 
 /// Trains the synthetic model with the engine; `inject(rank, k)` may poison micro-step `k`.
@@ -78,6 +84,30 @@ pub fn train<P: Float>(
     setup: &Setup,
     scaler: LossScaler,
     poison: Option<(usize, u64)>,
+) -> Outcome<P> {
+    train_from(setup, scaler, poison, None)
+}
+
+/// One rank's flushed weights, step reports, snapshot and weights at the snapshot.
+type RankResult<P> = (Vec<P>, Vec<StepReport>, Snapshot, Vec<P>);
+
+/// A point to resume from: the flat weights and the optimizer state as saved.
+#[derive(Clone, Debug)]
+pub struct Resume<P> {
+    pub weights: Vec<P>,
+    pub parts: Vec<OptimizerPart>,
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    pub upload_pending: bool,
+    pub scaler: LossScaler,
+}
+
+/// [`train`] for `setup.steps` more steps, starting from `resume` if given.
+pub fn train_from<P: Float>(
+    setup: &Setup,
+    scaler: LossScaler,
+    poison: Option<(usize, u64)>,
+    resume: Option<&Resume<P>>,
 ) -> Outcome<P> {
     let devices: Vec<CpuDevice> = (0..setup.world)
         .map(|r| {
@@ -93,7 +123,7 @@ pub fn train<P: Float>(
         })
         .collect();
     let comms = CpuComm::group(&devices, Duration::from_secs(30));
-    let results: Vec<(Vec<P>, Vec<StepReport>)> = std::thread::scope(|s| {
+    let results: Vec<RankResult<P>> = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .into_iter()
             .zip(comms)
@@ -111,8 +141,19 @@ pub fn train<P: Float>(
                         &init,
                     )
                     .unwrap();
+                    if let Some(r) = resume {
+                        let from = Restore {
+                            parts: &r.parts,
+                            optimizer_steps: r.optimizer_steps,
+                            micro_steps: r.micro_steps,
+                            upload_pending: r.upload_pending,
+                            scaler: &r.scaler,
+                        };
+                        engine.restore(&r.weights, &from).unwrap();
+                    }
                     let mut reports = Vec::new();
-                    for k in 0..u64::from(setup.steps * setup.accum) {
+                    let first = engine.micro_steps();
+                    for k in first..first + u64::from(setup.steps * setup.accum) {
                         engine
                             .backward(|io, ready| {
                                 let scale =
@@ -127,15 +168,28 @@ pub fn train<P: Float>(
                             reports.push(report);
                         }
                     }
+                    let snapshot = engine.snapshot().unwrap();
+                    let device_weights = device.download(engine.params()).unwrap();
                     engine.flush().unwrap();
-                    (device.download(engine.params()).unwrap(), reports)
+                    (device.download(engine.params()).unwrap(), reports, snapshot, device_weights)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let (weights, reports) = results.into_iter().unzip();
-    Outcome { weights, reports }
+    let mut outcome = Outcome {
+        weights: Vec::new(),
+        reports: Vec::new(),
+        snapshots: Vec::new(),
+        device_weights: Vec::new(),
+    };
+    for (weights, reports, snapshot, device_weights) in results {
+        outcome.weights.push(weights);
+        outcome.reports.push(reports);
+        outcome.snapshots.push(snapshot);
+        outcome.device_weights.push(device_weights);
+    }
+    outcome
 }
 
 /// Plain single-rank AdamW (see [`Reference`]): the final fp32 master weights (flat, single-rank

@@ -3,6 +3,7 @@
 mod harness;
 
 mod chaos;
+mod checkpoint;
 mod delayed;
 mod equivalence;
 mod precision;

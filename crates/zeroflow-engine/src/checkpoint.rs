@@ -1,0 +1,344 @@
+//! Checkpoints (DESIGN.md §7): a directory written atomically — a temporary directory beside
+//! it, every file fsynced, then one rename — holding
+//!
+//! - `state.json`: format and version, counters, the loss scaler, the layout, and whatever the
+//!   trainer adds (`extra`: config, data position, RNG, schedule);
+//! - `model.safetensors`: the weights as named tensors (Hugging Face names for the GPT model);
+//! - `optim/rank-R.safetensors`: `master`, `exp_avg`, `exp_avg_sq` of one flat range, with the
+//!   range in the metadata, so a checkpoint saved at one world size resumes at another.
+//!
+//! A checkpoint is never written over an existing directory, and a truncated or foreign one is a
+//! typed error naming the file.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use zeroflow_core::{Element, bf16, f16};
+
+use crate::{LossScaler, OptimizerPart};
+
+pub const FORMAT: &str = "zeroflow-checkpoint";
+pub const VERSION: u32 = 1;
+
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{0}: already exists; a checkpoint is never written over another")]
+    AlreadyExists(PathBuf),
+    #[error("{path}: not a zeroflow checkpoint ({reason})")]
+    Foreign { path: PathBuf, reason: String },
+    #[error("{path}: damaged ({reason}); use an earlier checkpoint")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("{path}: does not fit this run ({reason})")]
+    Mismatch { path: PathBuf, reason: String },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+}
+
+/// A tensor of the model: a name, a shape, and where its elements are in the flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamedTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub flat: Range<usize>,
+}
+
+/// One parameter of the saved layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub offset: usize,
+}
+
+/// The contents of `state.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    pub format: String,
+    pub version: u32,
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    pub world_size: usize,
+    pub scaler: LossScaler,
+    /// The delayed update's optimizer weights are newer than the saved model weights.
+    #[serde(default)]
+    pub upload_pending: bool,
+    /// The element type of `model.safetensors` (`F32`, `BF16`, `F16`).
+    pub weights_dtype: String,
+    pub params: Vec<ParamEntry>,
+    /// The trainer's own state.
+    pub extra: serde_json::Value,
+}
+
+/// Element types that checkpoints store bit for bit.
+pub trait Stored: Element {
+    const SAFETENSORS: Dtype;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(bytes: &[u8]) -> Self;
+}
+
+impl Stored for f32 {
+    const SAFETENSORS: Dtype = Dtype::F32;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> Self {
+        f32::from_le_bytes(bytes.try_into().expect("4 bytes"))
+    }
+}
+
+impl Stored for bf16 {
+    const SAFETENSORS: Dtype = Dtype::BF16;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> Self {
+        bf16::from_bits(u16::from_le_bytes(bytes.try_into().expect("2 bytes")))
+    }
+}
+
+impl Stored for f16 {
+    const SAFETENSORS: Dtype = Dtype::F16;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes());
+    }
+    fn get(bytes: &[u8]) -> Self {
+        f16::from_bits(u16::from_le_bytes(bytes.try_into().expect("2 bytes")))
+    }
+}
+
+fn to_bytes<T: Stored>(values: &[T]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * T::DTYPE.size());
+    values.iter().for_each(|v| v.put(&mut out));
+    out
+}
+
+fn from_bytes<T: Stored>(bytes: &[u8]) -> Vec<T> {
+    bytes.chunks_exact(T::DTYPE.size()).map(T::get).collect()
+}
+
+/// Writes a checkpoint into the new directory `dir`, atomically.
+pub fn save<P: Stored>(
+    dir: &Path,
+    meta: &Meta,
+    weights: &[P],
+    tensors: &[NamedTensor],
+    parts: &[OptimizerPart],
+) -> Result<(), CheckpointError> {
+    if dir.exists() {
+        return Err(CheckpointError::AlreadyExists(dir.to_path_buf()));
+    }
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
+    let temp = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    if temp.exists() {
+        fs::remove_dir_all(&temp).map_err(io(&temp))?;
+    }
+    fs::create_dir_all(temp.join("optim")).map_err(io(&temp))?;
+    write_synced(
+        &temp.join("state.json"),
+        &serde_json::to_vec_pretty(meta).expect("serializable"),
+    )?;
+    write_synced(&temp.join("model.safetensors"), &model_bytes(weights, tensors)?)?;
+    for (rank, part) in parts.iter().enumerate() {
+        let path = temp.join(format!("optim/rank-{rank}.safetensors"));
+        write_synced(&path, &part_bytes(part, &path)?)?;
+    }
+    sync_dir(&temp.join("optim"))?;
+    sync_dir(&temp)?;
+    fs::rename(&temp, dir).map_err(io(dir))?;
+    sync_dir(dir.parent().unwrap_or(Path::new(".")))
+}
+
+fn model_bytes<P: Stored>(
+    weights: &[P],
+    tensors: &[NamedTensor],
+) -> Result<Vec<u8>, CheckpointError> {
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone(), to_bytes(&weights[t.flat.clone()])))
+        .collect();
+    serialize(&data, P::SAFETENSORS, None, Path::new("model.safetensors"))
+}
+
+fn part_bytes(part: &OptimizerPart, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    let shape = vec![part.flat.len()];
+    let data = vec![
+        ("master".to_string(), shape.clone(), to_bytes(&part.master)),
+        ("exp_avg".to_string(), shape.clone(), to_bytes(&part.exp_avg)),
+        ("exp_avg_sq".to_string(), shape, to_bytes(&part.exp_avg_sq)),
+    ];
+    let metadata = HashMap::from([
+        ("flat_start".to_string(), part.flat.start.to_string()),
+        ("flat_end".to_string(), part.flat.end.to_string()),
+    ]);
+    serialize(&data, Dtype::F32, Some(metadata), path)
+}
+
+fn serialize(
+    data: &[(String, Vec<usize>, Vec<u8>)],
+    dtype: Dtype,
+    metadata: Option<HashMap<String, String>>,
+    path: &Path,
+) -> Result<Vec<u8>, CheckpointError> {
+    let views = data
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| CheckpointError::Corrupt { path: path.into(), reason: e.to_string() })?;
+    safetensors::serialize(views, metadata)
+        .map_err(|e| CheckpointError::Corrupt { path: path.into(), reason: e.to_string() })
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let mut file = File::create(path).map_err(io(path))?;
+    file.write_all(bytes).map_err(io(path))?;
+    file.sync_all().map_err(io(path))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// Named tensors as read: shape and elements by name.
+pub type Tensors<P> = HashMap<String, (Vec<usize>, Vec<P>)>;
+
+/// A checkpoint read back.
+#[derive(Debug)]
+pub struct Loaded<P> {
+    pub meta: Meta,
+    /// The named weight tensors: shape and elements.
+    pub tensors: Tensors<P>,
+    pub parts: Vec<OptimizerPart>,
+}
+
+/// Reads the checkpoint in `dir`, checking everything it can without knowing the run.
+pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
+    let state_path = dir.join("state.json");
+    let state = fs::read(&state_path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => CheckpointError::Foreign {
+            path: dir.to_path_buf(),
+            reason: "it has no state.json".into(),
+        },
+        _ => CheckpointError::Io { path: state_path.clone(), source },
+    })?;
+    let meta: Meta = serde_json::from_slice(&state).map_err(|e| CheckpointError::Corrupt {
+        path: state_path.clone(),
+        reason: e.to_string(),
+    })?;
+    if meta.format != FORMAT || meta.version != VERSION {
+        let reason = format!(
+            "format {:?} version {}, expected {FORMAT:?} version {VERSION}",
+            meta.format, meta.version
+        );
+        return Err(CheckpointError::Foreign { path: state_path, reason });
+    }
+    if meta.weights_dtype != P::DTYPE.name() {
+        let reason = format!("weights are {}, this run trains in {}", meta.weights_dtype, P::DTYPE);
+        return Err(CheckpointError::Mismatch { path: state_path, reason });
+    }
+    let model_path = dir.join("model.safetensors");
+    let model = fs::read(&model_path).map_err(io(&model_path))?;
+    let tensors = read_tensors::<P>(&model, &model_path)?;
+    let mut parts = Vec::new();
+    for rank in 0..meta.world_size {
+        let path = dir.join(format!("optim/rank-{rank}.safetensors"));
+        let bytes = fs::read(&path).map_err(io(&path))?;
+        parts.push(read_part(&bytes, &path)?);
+    }
+    Ok(Loaded { meta, tensors, parts })
+}
+
+fn corrupt(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> CheckpointError + '_ {
+    move |e| CheckpointError::Corrupt { path: path.to_path_buf(), reason: e.to_string() }
+}
+
+fn read_tensors<P: Stored>(bytes: &[u8], path: &Path) -> Result<Tensors<P>, CheckpointError> {
+    let file = SafeTensors::deserialize(bytes).map_err(corrupt(path))?;
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            if view.dtype() != P::SAFETENSORS {
+                let reason =
+                    format!("tensor {name} is {:?}, expected {:?}", view.dtype(), P::SAFETENSORS);
+                return Err(CheckpointError::Mismatch { path: path.into(), reason });
+            }
+            Ok((name, (view.shape().to_vec(), from_bytes(view.data()))))
+        })
+        .collect()
+}
+
+fn read_part(bytes: &[u8], path: &Path) -> Result<OptimizerPart, CheckpointError> {
+    let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(corrupt(path))?;
+    let bound = |key: &str| -> Result<usize, CheckpointError> {
+        metadata
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(key))
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| CheckpointError::Corrupt {
+                path: path.into(),
+                reason: format!("no {key} in the metadata"),
+            })
+    };
+    let flat = bound("flat_start")?..bound("flat_end")?;
+    let file = SafeTensors::deserialize(bytes).map_err(corrupt(path))?;
+    let array = |name: &str| -> Result<Vec<f32>, CheckpointError> {
+        let view = file.tensor(name).map_err(corrupt(path))?;
+        if view.dtype() != Dtype::F32 || view.shape() != [flat.len()] {
+            let reason = format!(
+                "{name} is {:?} {:?}, expected F32 [{}]",
+                view.dtype(),
+                view.shape(),
+                flat.len()
+            );
+            return Err(CheckpointError::Mismatch { path: path.into(), reason });
+        }
+        Ok(from_bytes(view.data()))
+    };
+    Ok(OptimizerPart {
+        master: array("master")?,
+        exp_avg: array("exp_avg")?,
+        exp_avg_sq: array("exp_avg_sq")?,
+        flat,
+    })
+}
+
+/// The flat weights of a run whose tensors are `tensors` (padding zero), from a checkpoint's
+/// named tensors: every tensor must be there with the same shape.
+pub fn flat_weights<P: Stored>(
+    loaded: &Loaded<P>,
+    tensors: &[NamedTensor],
+    padded_len: usize,
+    dir: &Path,
+) -> Result<Vec<P>, CheckpointError> {
+    let mut flat = vec![P::default(); padded_len];
+    for tensor in tensors {
+        let mismatch = |reason: String| CheckpointError::Mismatch {
+            path: dir.join("model.safetensors"),
+            reason,
+        };
+        let (shape, values) = loaded
+            .tensors
+            .get(&tensor.name)
+            .ok_or_else(|| mismatch(format!("it has no tensor {}", tensor.name)))?;
+        if *shape != tensor.shape {
+            return Err(mismatch(format!(
+                "{} has shape {shape:?}, this model {:?}",
+                tensor.name, tensor.shape
+            )));
+        }
+        flat[tensor.flat.clone()].copy_from_slice(values);
+    }
+    Ok(flat)
+}
