@@ -218,6 +218,16 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         (self.micro_steps + 1).is_multiple_of(self.opts.grad_accum)
     }
 
+    /// Sets the learning rate of the following optimizer steps (for schedules).
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), EngineError> {
+        Ok(self.adamw.set_lr(lr)?)
+    }
+
+    /// The learning rate of the next optimizer step.
+    pub fn lr(&self) -> f64 {
+        self.adamw.config().lr
+    }
+
     /// The current loss scale.
     pub fn loss_scale(&self) -> f32 {
         self.scaler.scale()
