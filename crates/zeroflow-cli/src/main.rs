@@ -2,6 +2,7 @@
 
 mod cmd;
 mod error;
+mod train;
 
 use std::process::ExitCode;
 
@@ -27,6 +28,10 @@ enum Command {
     Env(cmd::env::Args),
     /// Repeat the offload + gradient-accumulation race check and report counts and environment.
     Stress(cmd::stress::Args),
+    /// Write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors + config.json).
+    Export(cmd::export::Args),
+    /// Train a GPT model (default: the tiny model on the synthetic corpus, on the CPU).
+    Train(Box<cmd::train::Args>),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +42,8 @@ fn main() -> ExitCode {
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Env(args) => cmd::env::run(args),
         Command::Stress(args) => cmd::stress::run(args),
+        Command::Export(args) => cmd::export::run(args),
+        Command::Train(args) => cmd::train::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -54,5 +61,10 @@ fn main() -> ExitCode {
 fn init_tracing() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("ZEROFLOW_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .init();
 }

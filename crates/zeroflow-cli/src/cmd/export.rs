@@ -1,0 +1,92 @@
+//! `zeroflow export`: a checkpoint to a Hugging Face GPT-2 directory (`model.safetensors` and
+//! `config.json`) that `transformers.GPT2LMHeadModel.from_pretrained` loads.
+//!
+//! A checkpoint's `model.safetensors` already holds the weights under Hugging Face's names and
+//! shapes (the vocabulary padding dropped, `lm_head` tied to `wte`), so exporting checks the
+//! checkpoint, copies the weights, and writes the model's `config.json`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use serde_json::json;
+use zeroflow_engine::checkpoint::{self, CheckpointError};
+use zeroflow_gpt::GptConfig;
+
+use crate::InputError;
+
+/// Write a checkpoint as a Hugging Face GPT-2 model directory.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The checkpoint directory (a `step-…` directory under a run's `checkpoints/`).
+    checkpoint: PathBuf,
+    /// Where to write `model.safetensors` and `config.json` (must not exist, or be empty).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let model = read_model_config(&args.checkpoint)?;
+    if args.out.exists() && args.out.read_dir().map(|mut d| d.next().is_some()).unwrap_or(true) {
+        return Err(InputError::from_display(format!(
+            "{}: exists and is not empty; choose a new --out directory",
+            args.out.display()
+        )));
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let from = args.checkpoint.join("model.safetensors");
+    let to = args.out.join("model.safetensors");
+    std::fs::copy(&from, &to)
+        .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    let config = hf_config(&model);
+    std::fs::write(args.out.join("config.json"), serde_json::to_string_pretty(&config)? + "\n")
+        .with_context(|| format!("writing {}", args.out.join("config.json").display()))?;
+    println!("exported {} to {}", args.checkpoint.display(), args.out.display());
+    Ok(())
+}
+
+/// Checks the checkpoint fully (every file parses, dtypes agree) and returns its model's shape.
+fn read_model_config(dir: &Path) -> anyhow::Result<GptConfig> {
+    let meta = match checkpoint::load::<f32>(dir) {
+        Ok(loaded) => loaded.meta,
+        Err(CheckpointError::Mismatch { .. }) => {
+            checkpoint::load::<zeroflow_core::bf16>(dir).map_err(InputError::from_display)?.meta
+        }
+        Err(e) => return Err(InputError::from_display(e)),
+    };
+    let model = meta.extra.get("model").cloned().ok_or_else(|| {
+        InputError::from_display(format!(
+            "{}: the checkpoint does not record its model's shape (state.json extra.model)",
+            dir.display()
+        ))
+    })?;
+    serde_json::from_value(model).map_err(|e| {
+        InputError::from_display(format!("{}: extra.model in state.json: {e}", dir.display()))
+    })
+}
+
+/// `transformers`' `GPT2Config` for this shape.
+fn hf_config(model: &GptConfig) -> serde_json::Value {
+    json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocab_size,
+        "n_positions": model.context,
+        "n_ctx": model.context,
+        "n_embd": model.d_model,
+        "n_layer": model.n_layer,
+        "n_head": model.n_head,
+        "n_inner": null,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": true,
+        "tie_word_embeddings": true,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        "torch_dtype": "float32",
+    })
+}

@@ -1,0 +1,223 @@
+//! The data of a run: `--data` parsed into a training source and a held-out evaluation source.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use zeroflow_gpt::GptConfig;
+use zeroflow_gpt::data::{DataLoader, Source, SyntheticCorpus};
+
+use super::input;
+
+/// Micro-batches in the evaluation set.
+pub const EVAL_BATCHES: usize = 16;
+
+/// What `--data` names.
+#[derive(Debug)]
+pub enum Spec {
+    Synthetic,
+    /// llm.c token shards, in order.
+    Shards(Vec<PathBuf>),
+    /// A text file, read as bytes.
+    Text(PathBuf),
+}
+
+impl Spec {
+    pub fn parse(data: &str) -> anyhow::Result<Spec> {
+        if data == "synthetic" {
+            return Ok(Spec::Synthetic);
+        }
+        let path = Path::new(data);
+        let what_to_do = "pass `synthetic`, a directory or glob of llm.c .bin token shards, or a \
+                          text file";
+        let shards = if data.contains(['*', '?']) {
+            glob(path)?
+        } else if path.is_dir() {
+            let entries = std::fs::read_dir(path)
+                .map_err(|e| input(format!("--data {data}: cannot read the directory: {e}")))?;
+            let mut shards: Vec<PathBuf> = entries
+                .filter_map(|entry| entry.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|ext| ext == "bin"))
+                .collect();
+            shards.sort();
+            shards
+        } else if path.is_file() {
+            if path.extension().is_some_and(|ext| ext == "bin") {
+                vec![path.to_owned()]
+            } else {
+                return Ok(Spec::Text(path.to_owned()));
+            }
+        } else {
+            return Err(input(format!("--data {data}: no such file or directory; {what_to_do}")));
+        };
+        if shards.is_empty() {
+            return Err(input(format!("--data {data}: no .bin token shards found; {what_to_do}")));
+        }
+        Ok(Spec::Shards(shards))
+    }
+
+    /// The vocabulary of the default model for this data.
+    pub fn default_vocab(&self) -> usize {
+        match self {
+            Spec::Synthetic => SyntheticCorpus::default().vocab,
+            Spec::Shards(_) => zeroflow_gpt::data::GPT2_VOCAB,
+            Spec::Text(_) => 256,
+        }
+    }
+}
+
+/// The files matching a glob whose wildcards (`*`, `?`) are in the file name only.
+fn glob(pattern: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let shown = pattern.display();
+    let dir = match pattern.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let name = pattern.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    if dir.to_string_lossy().contains(['*', '?']) {
+        return Err(input(format!(
+            "--data {shown}: wildcards are supported in the file name only"
+        )));
+    }
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| input(format!("--data {shown}: cannot read {}: {e}", dir.display())))?;
+    let mut paths: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(|n| wildcard_match(name, n)))
+        .map(|e| e.path())
+        .collect();
+    paths.sort();
+    Ok(paths)
+}
+
+/// Whether `name` matches `pattern` with `*` (any run) and `?` (any one character).
+fn wildcard_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // Dynamic programming over (pattern prefix, name prefix).
+    let mut matches = vec![false; n.len() + 1];
+    matches[0] = true;
+    for &pc in &p {
+        let mut next = vec![false; n.len() + 1];
+        next[0] = matches[0] && pc == '*';
+        for j in 1..=n.len() {
+            next[j] = match pc {
+                '*' => next[j - 1] || matches[j],
+                '?' => matches[j - 1],
+                c => matches[j - 1] && n[j - 1] == c,
+            };
+        }
+        matches = next;
+    }
+    matches[n.len()]
+}
+
+/// The training and evaluation data of a run.
+#[derive(Debug)]
+pub struct Data {
+    pub train: DataLoader,
+    /// The evaluation set: [`EVAL_BATCHES`] micro-batches, the same at every evaluation.
+    pub eval: Vec<zeroflow_gpt::data::Batch>,
+    /// The lowest loss a model can reach, where known (the synthetic corpus).
+    pub floor: Option<f64>,
+    /// What the data is, for the log and the summary.
+    pub description: String,
+}
+
+impl Data {
+    /// Opens the data for `micro_steps` micro-batches of `batch` sequences of the model's context.
+    ///
+    /// The synthetic corpus evaluates on another stream of the same chain. Files evaluate on the
+    /// last shard when there are several (it is then not trained on) and on the start of the only
+    /// one otherwise (not held out: the log says so).
+    pub fn open(
+        spec: &Spec,
+        model: &GptConfig,
+        batch: u64,
+        micro_steps: u64,
+        seed: u64,
+    ) -> anyhow::Result<Data> {
+        let (batch, seq, vocab) = (batch as usize, model.context, model.vocab_size);
+        let loader = |source| {
+            DataLoader::new(source, vocab, batch, seq, 0, 1)
+                .map_err(|e| input(format!("--data: {e}")))
+        };
+        let (train, eval_source, floor, description) = match spec {
+            Spec::Synthetic => {
+                let corpus = Arc::new(SyntheticCorpus::default());
+                if corpus.vocab > vocab {
+                    return Err(input(format!(
+                        "the synthetic corpus has {} symbols but the model's vocab_size is \
+                         {vocab}; use a model with vocab_size of at least {}",
+                        corpus.vocab, corpus.vocab
+                    )));
+                }
+                let floor = corpus.loss_floor(seq);
+                let train_len = (micro_steps as usize).saturating_mul(batch * seq) + 1;
+                let train = Source::Synthetic {
+                    corpus: corpus.clone(),
+                    stream_seed: 2 * seed,
+                    len: train_len.min(1 << 26),
+                };
+                let eval_len = EVAL_BATCHES * batch * seq + 1;
+                let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
+                (train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into())
+            }
+            Spec::Shards(paths) if paths.len() > 1 => {
+                let (last, rest) = paths.split_last().expect("more than one");
+                let description =
+                    format!("{} token shards; the last, {}, for eval", paths.len(), last.display());
+                (
+                    Source::Shards(rest.to_vec()),
+                    Source::Shards(vec![last.clone()]),
+                    None,
+                    description,
+                )
+            }
+            Spec::Shards(paths) => {
+                tracing::warn!(
+                    "one token shard: evaluating on its start, which is also trained on"
+                );
+                let description =
+                    format!("{} (eval on its start, not held out)", paths[0].display());
+                (Source::Shards(paths.clone()), Source::Shards(paths.clone()), None, description)
+            }
+            Spec::Text(path) if vocab < 256 => {
+                return Err(input(format!(
+                    "--data {} is read as bytes (256 symbols) but the model's vocab_size is \
+                     {vocab}; drop --model, or give one with vocab_size of at least 256",
+                    path.display()
+                )));
+            }
+            Spec::Text(path) => {
+                tracing::warn!("one text file: evaluating on its start, which is also trained on");
+                let description =
+                    format!("{} as bytes (eval on its start, not held out)", path.display());
+                (
+                    Source::Text(vec![path.clone()]),
+                    Source::Text(vec![path.clone()]),
+                    None,
+                    description,
+                )
+            }
+        };
+        let train = loader(train)?;
+        let mut eval_loader = loader(eval_source)?;
+        let eval = (0..EVAL_BATCHES)
+            .map(|_| eval_loader.next_batch().map_err(|e| input(format!("--data: {e}"))))
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Data { train, eval, floor, description })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wildcard_match;
+
+    #[test]
+    fn wildcards_match_runs_and_single_characters() {
+        assert!(wildcard_match("*.bin", "fineweb_train_000001.bin"));
+        assert!(wildcard_match("train_??.bin", "train_01.bin"));
+        assert!(!wildcard_match("train_??.bin", "train_1.bin"));
+        assert!(!wildcard_match("*.bin", "notes.txt"));
+        assert!(wildcard_match("*", ""));
+    }
+}

@@ -1,0 +1,223 @@
+//! The training loop: one rank on the CPU device, the model driven through the ZeRO engine.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde_json::json;
+use zeroflow_device::CpuDevice;
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_engine::{Engine, EngineError, EngineOptions, StepReport};
+use zeroflow_gpt::data::{Batch, DataLoader};
+use zeroflow_gpt::{CpuGpt, GptError, flat_layout, init_params};
+
+use super::Setup;
+use super::output::{Progress, Recorder, StepRecord};
+use super::schedule::LrSchedule;
+
+type CpuEngine = Engine<CpuDevice, CpuComm, f32>;
+
+/// Trains as `setup` says, writes the metrics, plot and summary, and prints the final evaluation
+/// loss (next to the entropy floor where it is known).
+pub fn run(mut setup: Setup) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let mut trainer = Trainer::new(&setup)?;
+    log_start(&setup);
+    let mut recorder = Recorder::create(&setup.out)?;
+    let progress = Progress::new(setup.steps, setup.log_every);
+    let mut eval_loss = f64::NAN;
+    for step in 1..=setup.steps {
+        let record = trainer.step(step, &mut setup.data.train)?;
+        recorder.step(&record)?;
+        progress.step(&record);
+        let last = step == setup.steps;
+        if last {
+            // The delayed update may still hold the last step's weights.
+            trainer.engine.flush()?;
+        }
+        if last || (setup.eval_every > 0 && step.is_multiple_of(setup.eval_every)) {
+            eval_loss = trainer.evaluate(&setup.data.eval)?;
+            recorder.eval(step, eval_loss)?;
+            progress.println(&eval_line(step, eval_loss, setup.data.floor));
+        }
+    }
+    progress.finish();
+    let wall_s = start.elapsed().as_secs_f64();
+    let train_s = trainer.train_time.as_secs_f64();
+    let tokens_per_s = (setup.steps * trainer.tokens_per_step) as f64 / train_s;
+    let summary = json!({
+        "final_eval_loss": eval_loss,
+        "entropy_floor": setup.data.floor,
+        "over_floor": setup.data.floor.map(|floor| eval_loss / floor - 1.0),
+        "final_train_loss": recorder.train.last().map(|&(_, loss)| loss),
+        "steps": setup.steps,
+        "tokens": setup.steps * trainer.tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "wall_s": wall_s,
+        "train_s": train_s,
+        "seed": setup.seed,
+        "device": "cpu",
+        "world_size": 1,
+        "data": setup.data.description,
+        "model": setup.model,
+        "parameters": setup.model.num_params(),
+        "config_file": setup.config_file.as_ref().map(|p| p.display().to_string()),
+        "config": setup.config.to_json(),
+    });
+    recorder.finish(setup.data.floor, &summary)?;
+    tracing::info!(
+        "{} steps in {wall_s:.1} s ({tokens_per_s:.0} tokens/s); wrote {}",
+        setup.steps,
+        setup.out.display()
+    );
+    println!("{}", final_line(eval_loss, setup.data.floor));
+    Ok(())
+}
+
+fn log_start(setup: &Setup) {
+    let (model, config) = (&setup.model, &setup.config);
+    let batch = &config.batch;
+    tracing::info!(
+        "training {} parameters ({} layers, d_model {}) for {} steps of {} sequences of {} \
+         tokens (micro-batch {}, accumulation {}), ZeRO stage {}, lr {} ({}); data: {}",
+        model.num_params(),
+        model.n_layer,
+        model.d_model,
+        setup.steps,
+        batch.train_batch_size,
+        model.context,
+        batch.micro_batch_size_per_gpu,
+        batch.gradient_accumulation_steps,
+        config.zero.stage.number(),
+        config.optimizer.lr,
+        config.scheduler.map_or("constant", |s| s.type_name()),
+        setup.data.description,
+    );
+}
+
+/// The engine, the model on the CPU device, and what a step needs.
+struct Trainer {
+    engine: CpuEngine,
+    model: CpuGpt,
+    schedule: LrSchedule,
+    accum: u64,
+    tokens_per_step: u64,
+    /// Reused for every micro-batch.
+    micro_batch: Batch,
+    /// Time spent in training steps (evaluation excluded).
+    train_time: Duration,
+}
+
+impl Trainer {
+    fn new(setup: &Setup) -> anyhow::Result<Trainer> {
+        let (model, config) = (&setup.model, &setup.config);
+        let layout = flat_layout(model, 1).context("cannot lay out the model")?;
+        let mut weights = vec![0.0f32; layout.padded_len()];
+        init_params(model, &layout, setup.seed, &mut weights)?;
+        let device = CpuDevice::new()?;
+        let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
+            .pop()
+            .expect("a group of one");
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let options = EngineOptions::from_config(config, threads);
+        let engine = Engine::new(device.clone(), comm, layout.clone(), options, &weights)?;
+        let batch = config.batch.micro_batch_size_per_gpu;
+        let accum = config.batch.gradient_accumulation_steps;
+        Ok(Trainer {
+            engine,
+            model: CpuGpt::new(&device, model, &layout, batch as usize, model.context)?,
+            schedule: LrSchedule::from_config(config),
+            accum,
+            tokens_per_step: accum * batch * model.context as u64,
+            micro_batch: Batch::default(),
+            train_time: Duration::ZERO,
+        })
+    }
+
+    /// Optimizer step `step` (from 1): its micro-batches' forward and backward, then the update.
+    fn step(&mut self, step: u64, data: &mut DataLoader) -> anyhow::Result<StepRecord> {
+        let start = Instant::now();
+        self.engine.set_lr(self.schedule.lr(step - 1))?;
+        // What the optimizer step uses, as the engine holds it.
+        let lr = self.engine.lr();
+        let mut loss_sum = 0.0;
+        let mut report = StepReport::Accumulated;
+        for _ in 0..self.accum {
+            data.next_into(&mut self.micro_batch)
+                .map_err(|e| super::input(format!("--data: {e}")))?;
+            self.model.set_batch(&self.micro_batch.inputs, &self.micro_batch.targets)?;
+            forward_backward(&mut self.engine, &mut self.model)?;
+            loss_sum += f64::from(self.model.loss()?);
+            report = self.engine.step()?;
+        }
+        self.train_time += start.elapsed();
+        let loss = loss_sum / self.accum as f64;
+        if !loss.is_finite() {
+            anyhow::bail!("the training loss is {loss} at step {step}; try a smaller --lr");
+        }
+        let (grad_norm, loss_scale) = match report {
+            StepReport::Stepped { grad_norm, loss_scale, .. } => (Some(grad_norm), loss_scale),
+            StepReport::Skipped { loss_scale } => (None, loss_scale),
+            StepReport::Accumulated => unreachable!("the last micro-step of a window steps"),
+        };
+        let tokens = step * self.tokens_per_step;
+        let tokens_per_s = tokens as f64 / self.train_time.as_secs_f64();
+        Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s })
+    }
+
+    /// The mean loss over the evaluation set with the engine's current weights.
+    fn evaluate(&mut self, eval: &[Batch]) -> anyhow::Result<f64> {
+        let mut sum = 0.0;
+        for batch in eval {
+            self.model.set_batch(&batch.inputs, &batch.targets)?;
+            self.model.forward(self.engine.params())?;
+            sum += f64::from(self.model.loss()?);
+        }
+        Ok(sum / eval.len() as f64)
+    }
+}
+
+/// One micro-step's forward and backward through the engine. The model reports each group of
+/// finished gradients to the engine as backward queues it.
+fn forward_backward(engine: &mut CpuEngine, model: &mut CpuGpt) -> anyhow::Result<()> {
+    let mut model_error: Option<GptError> = None;
+    let result = engine.backward(|io, grads_ready| {
+        let mut engine_error: Option<EngineError> = None;
+        let queued = model.forward(io.params).and_then(|()| {
+            model.backward(io.params, io.grads, f64::from(io.loss_scale), |ready| {
+                if engine_error.is_none() {
+                    engine_error = grads_ready(ready.flat_range.clone()).err();
+                }
+            })
+        });
+        if let Err(e) = queued {
+            model_error = Some(e);
+            return Err(EngineError::Usage("the model failed"));
+        }
+        engine_error.map_or(Ok(()), Err)
+    });
+    match (model_error, result) {
+        (Some(e), _) => Err(e.into()),
+        (None, result) => Ok(result?),
+    }
+}
+
+fn eval_line(step: u64, eval_loss: f64, floor: Option<f64>) -> String {
+    match floor {
+        Some(floor) => format!(
+            "step {step}: eval loss {eval_loss:.4} ({:+.1}% over the floor {floor:.4})",
+            100.0 * (eval_loss / floor - 1.0)
+        ),
+        None => format!("step {step}: eval loss {eval_loss:.4}"),
+    }
+}
+
+/// The line a run ends with, e.g. `final eval loss 1.12 nats/token; entropy floor 1.09 (+2.6%)`.
+fn final_line(eval_loss: f64, floor: Option<f64>) -> String {
+    match floor {
+        Some(floor) => format!(
+            "final eval loss {eval_loss:.3} nats/token; entropy floor {floor:.3} ({:+.1}%)",
+            100.0 * (eval_loss / floor - 1.0)
+        ),
+        None => format!("final eval loss {eval_loss:.3} nats/token"),
+    }
+}

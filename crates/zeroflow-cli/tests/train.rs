@@ -1,0 +1,232 @@
+//! `zeroflow train` run as a user runs it. The binary is a debug build, so the runs use a model far
+//! smaller than `tiny` (`MINI`); what they check is the command's behaviour, not the learning.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
+const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
+
+/// A fresh, empty directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("train").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create the scratch directory");
+    dir
+}
+
+fn train(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .arg("train")
+        .args(args)
+        .env("ZEROFLOW_LOG", "warn")
+        .output()
+        .expect("run zeroflow")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn read_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .expect("metrics.jsonl exists")
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("every line is JSON"))
+        .collect()
+}
+
+#[test]
+fn short_run_writes_decreasing_metrics_a_plot_and_a_summary() {
+    let out = scratch("short_run").join("run");
+    let out_arg = out.to_str().unwrap();
+    let args = ["--model", MINI, "--steps", "30", "--micro-batch", "4", "--lr", "1e-2"];
+    let run = train(&[&args[..], &["--eval-every", "10", "--out", out_arg]].concat());
+    assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+    let stdout = text(&run.stdout);
+    assert!(stdout.contains("final eval loss") && stdout.contains("entropy floor"), "{stdout}");
+
+    let lines = read_lines(&out.join("metrics.jsonl"));
+    let steps: Vec<_> = lines.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(steps.len(), 30);
+    for (i, line) in steps.iter().enumerate() {
+        assert_eq!(line["step"], i as u64 + 1);
+        for field in ["loss", "lr", "grad_norm", "loss_scale", "tokens_per_s"] {
+            assert!(line[field].is_number(), "step {}: {field} in {line}", i + 1);
+        }
+    }
+    let loss = |range: std::ops::Range<usize>| {
+        steps[range.clone()].iter().map(|l| l["loss"].as_f64().unwrap()).sum::<f64>()
+            / range.len() as f64
+    };
+    assert!(
+        loss(20..30) < loss(0..10) - 0.1,
+        "first 10: {}, last 10: {}",
+        loss(0..10),
+        loss(20..30)
+    );
+    let evals: Vec<u64> = lines
+        .iter()
+        .filter(|l| l.get("eval_loss").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, [10, 20, 30]);
+
+    let svg = std::fs::read_to_string(out.join("loss.svg")).expect("loss.svg exists");
+    assert!(svg.starts_with("<svg") && svg.contains("<polyline") && svg.contains("entropy floor"));
+
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for field in ["final_eval_loss", "entropy_floor", "tokens_per_s", "wall_s"] {
+        assert!(summary[field].as_f64().is_some_and(|v| v > 0.0), "{field} in {summary}");
+    }
+    assert_eq!(summary["steps"], 30);
+    assert_eq!(summary["config"]["train_micro_batch_size_per_gpu"], 4);
+    assert_eq!(summary["config"]["optimizer"]["params"]["lr"], 1e-2);
+}
+
+#[test]
+fn config_file_runs_with_offload_accumulation_and_a_schedule() {
+    let dir = scratch("config_run");
+    let config = dir.join("ds.json");
+    std::fs::write(
+        &config,
+        r#"{
+          "train_batch_size": 8,
+          "train_micro_batch_size_per_gpu": 4,
+          "gradient_clipping": 0.5,
+          "optimizer": {"type": "AdamW", "params": {"lr": 5e-3, "weight_decay": 0.01}},
+          "scheduler": {"type": "WarmupDecayLR",
+                        "params": {"warmup_num_steps": 2, "warmup_max_lr": "auto",
+                                   "total_num_steps": "auto", "warmup_type": "linear"}},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        }"#,
+    )
+    .unwrap();
+    let out = dir.join("run");
+    let run = train(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        MINI,
+        "--steps",
+        "6",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+    let lrs: Vec<f64> = read_lines(&out.join("metrics.jsonl"))
+        .iter()
+        .filter_map(|l| l.get("lr").and_then(|lr| lr.as_f64()))
+        .collect();
+    // WarmupDecayLR: linear warm-up from 0 over 2 steps to 5e-3, then down to 0 at step 6.
+    let expected = [0.0, 2.5e-3, 5e-3, 3.75e-3, 2.5e-3, 1.25e-3];
+    assert_eq!(lrs.len(), 6);
+    for (lr, want) in lrs.iter().zip(expected) {
+        assert!((lr - want).abs() <= 0.01 * want + 1e-12, "lrs {lrs:?}, expected {expected:?}");
+    }
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["config"]["gradient_accumulation_steps"], 2);
+    assert_eq!(summary["config"]["zero_optimization"]["stage"], 2);
+}
+
+#[test]
+fn out_directory_that_is_not_empty_is_refused_and_left_untouched() {
+    let out = scratch("not_empty");
+    std::fs::write(out.join("keep.txt"), "precious").unwrap();
+    let run = train(&["--model", MINI, "--steps", "2", "--out", out.to_str().unwrap()]);
+    assert_eq!(run.status.code(), Some(2), "stderr: {}", text(&run.stderr));
+    let stderr = text(&run.stderr);
+    assert!(stderr.contains("not empty") && stderr.contains("--force"), "{stderr}");
+    let entries: Vec<_> =
+        std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(entries, ["keep.txt"]);
+    assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "precious");
+}
+
+/// A bad input: its flags, an optional config file, and what the error must say.
+struct BadInput {
+    name: &'static str,
+    args: &'static [&'static str],
+    config: Option<&'static str>,
+    message: &'static str,
+}
+
+const BAD_INPUTS: &[BadInput] = &[
+    BadInput {
+        name: "missing_data",
+        args: &["--data", "/nonexistent/zeroflow/shards"],
+        config: None,
+        message: "--data /nonexistent/zeroflow/shards: no such file or directory",
+    },
+    BadInput {
+        name: "malformed_config",
+        args: &[],
+        config: Some(r#"{"train_micro_batch_size_per_gpu": "four"}"#),
+        message: "train_micro_batch_size_per_gpu",
+    },
+    BadInput {
+        name: "unknown_model",
+        args: &["--model", "gpt5"],
+        config: None,
+        message: "unknown model size `gpt5`",
+    },
+    BadInput {
+        name: "conflicting_flags",
+        args: &["--micro-batch", "4"],
+        config: Some(r#"{"train_micro_batch_size_per_gpu": 8}"#),
+        message: "--micro-batch 4 conflicts with",
+    },
+    BadInput {
+        name: "cuda",
+        args: &["--device", "cuda"],
+        config: None,
+        message: "the CUDA model is not built yet; use --device cpu",
+    },
+    BadInput {
+        name: "bf16_on_cpu",
+        args: &[],
+        config: Some(r#"{"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": true}}"#),
+        message: "only fp32 works on the CPU",
+    },
+];
+
+#[test]
+fn bad_inputs_exit_2_with_a_message_and_write_nothing() {
+    for case in BAD_INPUTS {
+        let dir = scratch(case.name);
+        let out = dir.join("run");
+        let mut args: Vec<String> = case.args.iter().map(|a| a.to_string()).collect();
+        if let Some(json) = case.config {
+            let file = dir.join("ds.json");
+            std::fs::write(&file, json).unwrap();
+            args.extend(["--config".into(), file.to_str().unwrap().into()]);
+        }
+        args.extend(["--out".into(), out.to_str().unwrap().into()]);
+        let run = train(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{}: {stderr}", case.name);
+        assert!(
+            stderr.contains(case.message),
+            "{}: expected `{}` in: {stderr}",
+            case.name,
+            case.message
+        );
+        assert!(!out.exists(), "{}: the output directory was created", case.name);
+    }
+}
+
+#[test]
+fn text_data_for_a_model_with_fewer_than_256_symbols_is_refused() {
+    let dir = scratch("text_vocab");
+    let text_file = dir.join("corpus.txt");
+    std::fs::write(&text_file, "hello zeroflow ".repeat(200)).unwrap();
+    let out = dir.join("run");
+    let data = text_file.to_str().unwrap();
+    let run = train(&["--data", data, "--model", MINI, "--out", out.to_str().unwrap()]);
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("read as bytes (256 symbols)") && stderr.contains("vocab_size is 64"));
+    assert!(!out.exists());
+}
