@@ -12,9 +12,8 @@ use std::time::Duration;
 
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{Chaos, CpuDevice, HostMemory};
-use zeroflow_optim::{AdamWConfig, WeightDecayMode};
 
-use crate::synthetic::{Reference, forward_backward, initial, layout};
+use crate::synthetic::{Reference, adamw_config, forward_backward, initial, layout};
 use crate::{Engine, EngineOptions, LossScaler, Stage};
 
 /// What to run.
@@ -98,17 +97,6 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
     report
 }
 
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-2,
-        betas: (0.9, 0.999),
-        eps: 1e-8,
-        weight_decay: 0.01,
-        mode: WeightDecayMode::Decoupled,
-        bias_correction: true,
-    }
-}
-
 /// One rank's loop; stops at the first engine error (after recording it as a failure).
 fn run_rank(
     opts: &StressOptions,
@@ -123,7 +111,7 @@ fn run_rank(
         clip: Some(1.0),
         offload: Some(HostMemory::Pinned),
         reduce_bucket: 23,
-        adamw: adamw(),
+        adamw: adamw_config(),
         scaler: LossScaler::None,
         cpu_threads: 1,
         delayed_update: None,
@@ -138,7 +126,7 @@ fn run_rank(
     if opts.mutate_remove_d2h_wait {
         engine.mutate_remove_d2h_wait();
     }
-    let mut reference = Reference::new::<f32>(opts.world, opts.accum, Some(1.0), adamw());
+    let mut reference = Reference::new::<f32>(opts.world, opts.accum, Some(1.0), adamw_config());
     let owned = engine.owned_range();
     let mut outcomes = Vec::new();
     for iteration in 0..opts.iters {

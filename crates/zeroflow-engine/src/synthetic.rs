@@ -13,7 +13,9 @@ use zeroflow_core::Float;
 use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
 use zeroflow_device::cpu::KernelArgs;
 use zeroflow_device::{CpuDevice, Device, StreamKind};
-use zeroflow_optim::{AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, Output, SimdLevel};
+use zeroflow_optim::{
+    AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, Output, SimdLevel, WeightDecayMode,
+};
 
 use crate::{EngineError, ModelIo};
 
@@ -89,6 +91,19 @@ pub fn forward_backward<P: Float>(
         grads_ready(range)?;
     }
     Ok(())
+}
+
+/// The AdamW settings the synthetic tests use: a learning rate large enough that a lost or stale
+/// gradient shows, and weight decay so that the decoupled term is exercised.
+pub fn adamw_config() -> AdamWConfig {
+    AdamWConfig {
+        lr: 1e-2,
+        betas: (0.9, 0.999),
+        eps: 1e-8,
+        weight_decay: 0.01,
+        mode: WeightDecayMode::Decoupled,
+        bias_correction: true,
+    }
 }
 
 /// Plain single-rank AdamW on the mean gradient over `world` ranks and `accum` micro-steps, the

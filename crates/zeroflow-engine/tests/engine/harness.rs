@@ -8,11 +8,10 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
-use zeroflow_engine::synthetic::{Reference, forward_backward, initial};
+use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
     Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore, Snapshot, Stage, StepReport,
 };
-use zeroflow_optim::{AdamWConfig, WeightDecayMode};
 
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -41,17 +40,6 @@ impl Setup {
             bucket: 23,
             delayed: None,
         }
-    }
-}
-
-pub fn adamw_config() -> AdamWConfig {
-    AdamWConfig {
-        lr: 1e-2,
-        betas: (0.9, 0.999),
-        eps: 1e-8,
-        weight_decay: 0.01,
-        mode: WeightDecayMode::Decoupled,
-        bias_correction: true,
     }
 }
 
