@@ -27,12 +27,13 @@ pub struct Args {
     pub model: Option<String>,
     /// `synthetic` (the built-in corpus with a known entropy floor), a directory or glob of llm.c
     /// `.bin` token shards, or a text file read as bytes.
-    #[arg(long, value_name = "synthetic|PATH", default_value = "synthetic")]
-    pub data: String,
+    /// Default: synthetic (with --resume: the checkpoint's).
+    #[arg(long, value_name = "synthetic|PATH")]
+    pub data: Option<String>,
     /// Where the model runs.
     #[arg(long, value_enum, default_value_t = train::DeviceKind::Cpu)]
     pub device: train::DeviceKind,
-    /// Optimizer steps to take.
+    /// Optimizer steps in all (with --resume: counting the checkpoint's).
     #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(DEFAULT_STEPS).expect("non-zero"))]
     pub steps: NonZeroU64,
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end).
@@ -44,12 +45,28 @@ pub struct Args {
     /// Directory for metrics.jsonl, loss.svg and summary.json. Default: runs/<UTC time>.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// Save a checkpoint into <out>/checkpoints/step-NNNNNNNN every N optimizer steps, and always
+    /// at the end or on SIGINT/SIGTERM (0: only then).
+    #[arg(long, value_name = "N", default_value_t = 200)]
+    pub save_every: u64,
+    /// Keep the newest K checkpoints; older ones are deleted once a newer one is complete.
+    #[arg(long, value_name = "K", default_value_t = NonZeroU64::new(3).expect("non-zero"))]
+    pub keep: NonZeroU64,
+    /// Continue a run exactly from a checkpoint directory, or from the newest complete checkpoint
+    /// under --out (`latest`), in that checkpoint's run directory, up to --steps in all.
+    #[arg(long, value_name = "DIR|latest")]
+    pub resume: Option<String>,
+    /// Start from the weights of a Hugging Face GPT-2 directory (model.safetensors, and
+    /// config.json for the shape when --model is not given), e.g. one `zeroflow export` wrote.
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
     /// Write into --out even if it is not empty (files of the same names are replaced).
     #[arg(long)]
     pub force: bool,
-    /// Seed of the initial weights and of the data streams.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the initial weights and of the data streams. Default: 0 (with --resume: the
+    /// checkpoint's).
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
     /// Sequences per micro-step (fills an "auto" train_micro_batch_size_per_gpu). Default: 16.
     #[arg(long, value_name = "N")]
     pub micro_batch: Option<NonZeroU64>,

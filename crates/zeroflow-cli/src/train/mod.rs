@@ -1,7 +1,10 @@
 //! `zeroflow train`: what a run is made of ([`Setup`], checked from the flags before anything is
-//! written), the training loop ([`run`]), and what it leaves behind (metrics, plot, summary).
+//! written: fresh, `--init-from` a Hugging Face directory, or `--resume` a checkpoint), the
+//! training loop ([`run`]), and what it leaves behind (metrics, plot, summary, checkpoints).
 
+mod checkpoints;
 mod data;
+mod init;
 mod output;
 mod plot;
 mod run;
@@ -12,11 +15,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use zeroflow_core::config::{self, Config, Context, MixedPrecision, Overrides};
-use zeroflow_gpt::GptConfig;
+use zeroflow_engine::checkpoint::{self, NamedTensor};
+use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 
 use crate::InputError;
 use crate::cmd::train::Args;
 
+use checkpoints::ResumePoint;
 pub use data::Data;
 pub use run::run;
 
@@ -56,58 +61,259 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// How the weights and the optimizer start.
+#[derive(Debug)]
+pub enum Start {
+    /// Fresh weights from the seed.
+    Seed,
+    /// The weights of a Hugging Face directory (`--init-from`), fresh optimizer state.
+    InitFrom { dir: PathBuf, weights: Vec<f32> },
+    /// Everything from a checkpoint (`--resume`).
+    Resume { point: Box<ResumePoint>, weights: Vec<f32> },
+}
+
 /// Everything a run needs, checked.
 #[derive(Debug)]
 pub struct Setup {
     pub model: GptConfig,
     pub data: Data,
+    /// `--data` as given (or as the resumed checkpoint recorded it).
+    pub data_arg: String,
     pub config: Config,
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
     pub steps: u64,
     pub eval_every: u64,
     pub log_every: u64,
+    pub save_every: u64,
+    pub keep: u64,
     pub out: PathBuf,
     pub seed: u64,
+    pub start: Start,
 }
 
 impl Setup {
-    /// Checks the flags, the model, the data and the config, and that the output directory may be
-    /// written; creates nothing.
-    pub fn from_args(args: Args) -> anyhow::Result<Setup> {
+    /// Checks the flags, the model, the data, the config, the checkpoint or initial weights, and
+    /// that the output directory may be written; creates and changes nothing.
+    pub fn from_args(mut args: Args) -> anyhow::Result<Setup> {
         if args.device == DeviceKind::Cuda {
             return Err(input("the CUDA model is not built yet; use --device cpu"));
         }
-        let spec = data::Spec::parse(&args.data)?;
-        let model = match &args.model {
-            Some(text) => {
-                text.parse::<GptConfig>().map_err(|e| input(format!("--model {text}: {e}")))?
-            }
-            None => GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY },
+        let resume = match &args.resume {
+            Some(arg) => Some(checkpoints::find(arg, args.out.as_deref())?),
+            None => None,
         };
+        if let Some(point) = &resume {
+            default_to_saved(&mut args, &point.extra.config);
+        }
+        let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
+        let data_arg =
+            same_as_saved("--data", args.data.clone(), saved.map(|(e, d)| (e.data.clone(), d)))?
+                .unwrap_or_else(|| "synthetic".to_owned());
+        let spec = data::Spec::parse(&data_arg)?;
+        let hf = args.init_from.as_deref().map(init::read).transpose()?;
+        let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
+        let seed =
+            same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
         let steps = args.steps.get();
         let config = resolve_config(&args, &model, steps)?;
-        let out = match &args.out {
-            Some(dir) => dir.clone(),
-            None => PathBuf::from("runs").join(utc_stamp()),
+        let out = match &resume {
+            Some(point) => resume_out(point, &args, &config, steps)?,
+            None => {
+                let out =
+                    args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
+                check_out_dir(&out, args.force)?;
+                if let Some((_, newest)) = checkpoints::list(&out)?.last() {
+                    return Err(input(format!(
+                        "--out {}: holds checkpoints of an earlier run ({}); continue it with \
+                         --resume latest, or choose another --out",
+                        out.display(),
+                        newest.display()
+                    )));
+                }
+                out
+            }
         };
-        check_out_dir(&out, args.force)?;
+        let start = initial_state(resume, hf, &model)?;
         let batch = &config.batch;
         let micro_steps = steps * batch.gradient_accumulation_steps;
-        let data =
-            Data::open(&spec, &model, batch.micro_batch_size_per_gpu, micro_steps, args.seed)?;
+        let mut data =
+            Data::open(&spec, &model, batch.micro_batch_size_per_gpu, micro_steps, seed)?;
+        if let Start::Resume { point, .. } = &start {
+            data.train.seek(point.extra.data_position).map_err(|e| {
+                input(format!("--resume {}: the data position: {e}", point.dir.display()))
+            })?;
+        }
         Ok(Setup {
             model,
             data,
+            data_arg,
             config,
             config_file: args.config.clone(),
             steps,
             eval_every: args.eval_every,
             log_every: args.log_every.get(),
+            save_every: args.save_every,
+            keep: args.keep.get(),
             out,
-            seed: args.seed,
+            seed,
+            start,
         })
     }
+
+    /// The step the run has already reached (0 unless resuming).
+    pub fn start_step(&self) -> u64 {
+        match &self.start {
+            Start::Resume { point, .. } => point.extra.step,
+            _ => 0,
+        }
+    }
+}
+
+/// The model: `--model`, else the checkpoint's when resuming, else the shape in `--init-from`'s
+/// config.json, else `tiny` with the data's vocabulary. A `--model` other than the checkpoint's is
+/// an error.
+fn choose_model(
+    flag: Option<&str>,
+    saved: Option<(&checkpoints::Extra, &Path)>,
+    hf: Option<&init::HfModel>,
+    spec: &data::Spec,
+) -> anyhow::Result<GptConfig> {
+    let given = match flag {
+        Some(text) => {
+            Some(text.parse::<GptConfig>().map_err(|e| input(format!("--model {text}: {e}")))?)
+        }
+        None => None,
+    };
+    Ok(same_as_saved("--model", given, saved.map(|(e, d)| (e.model, d)))?
+        .or_else(|| hf.and_then(|hf| hf.config))
+        .unwrap_or(GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY }))
+}
+
+/// How the run starts, with the initial weights checked against the model's tensors.
+fn initial_state(
+    resume: Option<ResumePoint>,
+    hf: Option<init::HfModel>,
+    model: &GptConfig,
+) -> anyhow::Result<Start> {
+    let layout = flat_layout(model, 1).context("cannot lay out the model")?;
+    let tensors = hf_tensors(model, &layout)?;
+    Ok(match (resume, hf) {
+        (Some(point), _) => {
+            let named = checkpoints_tensors(&tensors);
+            let weights =
+                checkpoint::flat_weights(&point.loaded, &named, layout.padded_len(), &point.dir)
+                    .map_err(|e| checkpoints::resume_error(&e))?;
+            Start::Resume { point: Box::new(point), weights }
+        }
+        (None, Some(hf)) => {
+            let weights = hf.flat_weights(&tensors, layout.padded_len())?;
+            Start::InitFrom { dir: hf.dir, weights }
+        }
+        (None, None) => Start::Seed,
+    })
+}
+
+/// The checkpoint's tensors of a model: its Hugging Face names, shapes and flat ranges.
+pub fn checkpoints_tensors(tensors: &[HfTensor]) -> Vec<NamedTensor> {
+    tensors
+        .iter()
+        .map(|t| NamedTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            flat: t.flat_range.clone(),
+        })
+        .collect()
+}
+
+/// When resuming, `--micro-batch`, `--accum` and `--lr` default to the checkpoint's values, so
+/// that the command that started a run, with `--resume latest` added, continues it.
+fn default_to_saved(args: &mut Args, saved: &serde_json::Value) {
+    let number = |key: &str| saved.get(key).and_then(serde_json::Value::as_u64);
+    args.micro_batch = args
+        .micro_batch
+        .or_else(|| number("train_micro_batch_size_per_gpu").and_then(NonZeroU64::new));
+    args.accum =
+        args.accum.or_else(|| number("gradient_accumulation_steps").and_then(NonZeroU64::new));
+    args.lr = args
+        .lr
+        .or_else(|| saved.pointer("/optimizer/params/lr").and_then(serde_json::Value::as_f64));
+}
+
+/// A flag's value when resuming: the checkpoint's, unless the flag says otherwise (an error).
+fn same_as_saved<T: PartialEq + serde::Serialize>(
+    flag: &str,
+    given: Option<T>,
+    saved: Option<(T, &Path)>,
+) -> anyhow::Result<Option<T>> {
+    match (given, saved) {
+        (Some(given), Some((saved, dir))) if given != saved => {
+            let json = |value: &T| serde_json::to_string(value).expect("serialisable");
+            Err(input(format!(
+                "{flag} {} differs from the checkpoint's {} ({}); drop {flag} to continue the \
+                 run as it was saved",
+                json(&given),
+                json(&saved),
+                dir.join("state.json").display()
+            )))
+        }
+        (Some(value), _) | (None, Some((value, _))) => Ok(Some(value)),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Checks that the run can continue from `point` with this config and step count, and returns
+/// its run directory.
+fn resume_out(
+    point: &ResumePoint,
+    args: &Args,
+    config: &Config,
+    steps: u64,
+) -> anyhow::Result<PathBuf> {
+    let dir = point.dir.display();
+    if let Some(out) = &args.out
+        && std::fs::canonicalize(out).ok() != std::fs::canonicalize(&point.run_dir).ok()
+    {
+        return Err(input(format!(
+            "--out {}: --resume {dir} continues in its run directory {}; drop --out",
+            out.display(),
+            point.run_dir.display()
+        )));
+    }
+    let saved = &point.extra.config;
+    let now = config.to_json();
+    for key in ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps"] {
+        if saved.get(key) != now.get(key) {
+            return Err(input(format!(
+                "--resume {dir}: the checkpoint's {key} is {}, this run's {}; give the batch \
+                 flags and config it was saved with",
+                saved.get(key).unwrap_or(&serde_json::Value::Null),
+                now.get(key).unwrap_or(&serde_json::Value::Null),
+            )));
+        }
+    }
+    let changed: Vec<&str> = now
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(key, value)| saved.get(key.as_str()) != Some(value))
+        .map(|(key, _)| key.as_str())
+        .collect();
+    if !changed.is_empty() {
+        // The default schedule is sized from --steps, so a longer resumed run changes it.
+        tracing::warn!(
+            "the config differs from the checkpoint's ({dir}) in {}; continuing with this run's",
+            changed.join(", ")
+        );
+    }
+    let at = point.extra.step;
+    if steps <= at {
+        return Err(input(format!(
+            "--resume {dir}: the checkpoint is at step {at}, --steps is {steps}; pass a larger \
+             --steps (the total, counting the checkpoint's)"
+        )));
+    }
+    Ok(point.run_dir.clone())
 }
 
 /// An [`InputError`] with `message`.

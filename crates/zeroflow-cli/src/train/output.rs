@@ -48,6 +48,46 @@ impl Recorder {
         })
     }
 
+    /// Continues the `metrics.jsonl` of `dir` after the checkpoint at `step`: drops the lines of
+    /// later steps (and an evaluation at `step` that only the run's end or an interruption made,
+    /// off the `eval_every` schedule), so the file reads as if the run had not stopped.
+    pub fn resume(dir: &Path, step: u64, eval_every: u64) -> anyhow::Result<Recorder> {
+        let path = dir.join("metrics.jsonl");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        let eval_on_schedule = eval_every > 0 && step.is_multiple_of(eval_every);
+        let (mut train, mut eval, mut kept) = (Vec::new(), Vec::new(), String::new());
+        for line in text.lines() {
+            let Ok(value) = serde_json::from_str::<Value>(line) else { continue };
+            let Some(at) = value.get("step").and_then(Value::as_u64) else { continue };
+            let loss = value.get("loss").and_then(Value::as_f64);
+            let eval_loss = value.get("eval_loss").and_then(Value::as_f64);
+            let keep = at < step || (at == step && (loss.is_some() || eval_on_schedule));
+            if !keep {
+                continue;
+            }
+            match (loss, eval_loss) {
+                (Some(loss), _) => train.push((at, loss)),
+                (None, Some(loss)) => eval.push((at, loss)),
+                (None, None) => {}
+            }
+            kept.push_str(line);
+            kept.push('\n');
+        }
+        let temp = dir.join(".metrics.jsonl.resume");
+        write_file(&temp, kept.as_bytes())?;
+        std::fs::rename(&temp, &path)
+            .with_context(|| format!("cannot replace {}", path.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(Recorder { dir: dir.to_owned(), metrics: BufWriter::new(file), train, eval })
+    }
+
     pub fn step(&mut self, record: &StepRecord) -> anyhow::Result<()> {
         self.train.push((record.step, record.loss));
         self.write(&json!({
@@ -66,7 +106,10 @@ impl Recorder {
     }
 
     fn write(&mut self, line: &Value) -> anyhow::Result<()> {
-        writeln!(self.metrics, "{line}").context("cannot write metrics.jsonl")
+        // Flushed line by line, so that a reader (or a crash) sees every finished step.
+        writeln!(self.metrics, "{line}")
+            .and_then(|()| self.metrics.flush())
+            .context("cannot write metrics.jsonl")
     }
 
     /// Flushes the metrics and writes the plot and the summary.

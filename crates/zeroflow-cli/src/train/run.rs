@@ -1,35 +1,70 @@
 //! The training loop: one rank on the CPU device, the model driven through the ZeRO engine.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use serde_json::json;
-use zeroflow_device::CpuDevice;
+use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_engine::{Engine, EngineError, EngineOptions, StepReport};
+use zeroflow_device::{CpuDevice, Device as _};
+use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
+use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, StepReport};
 use zeroflow_gpt::data::{Batch, DataLoader};
-use zeroflow_gpt::{CpuGpt, GptError, flat_layout, init_params};
+use zeroflow_gpt::{CpuGpt, GptError, flat_layout, hf_tensors, init_params};
 
-use super::Setup;
+use super::checkpoints::{self, Extra, LrPosition, RunInfo};
 use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
+use super::{Setup, Start};
 
 type CpuEngine = Engine<CpuDevice, CpuComm, f32>;
 
-/// Trains as `setup` says, writes the metrics, plot and summary, and prints the final evaluation
-/// loss (next to the entropy floor where it is known).
+/// Trains as `setup` says (from its start: fresh, `--init-from` or `--resume`), saves
+/// checkpoints, writes the metrics, plot and summary, and prints the final evaluation loss (next
+/// to the entropy floor where it is known). SIGINT or SIGTERM ends the run after the current step
+/// with a checkpoint and the summary; a second one exits at once with code 130.
 pub fn run(mut setup: Setup) -> anyhow::Result<()> {
     let start = Instant::now();
+    let stop = stop_on_signals()?;
     let mut trainer = Trainer::new(&setup)?;
     log_start(&setup);
-    let mut recorder = Recorder::create(&setup.out)?;
+    let first = setup.start_step() + 1;
+    let mut recorder = match &setup.start {
+        Start::Resume { point, .. } => {
+            checkpoints::set_aside(&point.damaged)?;
+            tracing::info!("resuming from {} at step {}", point.dir.display(), first - 1);
+            Recorder::resume(&setup.out, first - 1, setup.eval_every)?
+        }
+        _ => Recorder::create(&setup.out)?,
+    };
     let progress = Progress::new(setup.steps, setup.log_every);
-    let mut eval_loss = f64::NAN;
-    for step in 1..=setup.steps {
+    let mut eval_loss = recorder.eval.last().map_or(f64::NAN, |&(_, loss)| loss);
+    if let Start::InitFrom { .. } = setup.start {
+        eval_loss = trainer.evaluate(&setup.data.eval)?;
+        recorder.eval(0, eval_loss)?;
+        progress.println(&eval_line(0, eval_loss, setup.data.floor));
+    }
+    let mut done = first - 1;
+    for step in first..=setup.steps {
         let record = trainer.step(step, &mut setup.data.train)?;
         recorder.step(&record)?;
         progress.step(&record);
-        let last = step == setup.steps;
+        done = step;
+        let interrupted = stop.load(Ordering::Relaxed);
+        let last = step == setup.steps || interrupted;
+        if last || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
+            // Saved before the flush below: the delayed update's pending weights are part of
+            // the state, so a resumed run continues exactly as this one would have.
+            let dir = trainer.save(step, &setup)?;
+            progress.println(&format!("step {step}: saved {}", dir.display()));
+        }
+        if interrupted {
+            progress.println(&format!("interrupted: stopped after step {step}"));
+            break;
+        }
         if last {
             // The delayed update may still hold the last step's weights.
             trainer.engine.flush()?;
@@ -41,18 +76,50 @@ pub fn run(mut setup: Setup) -> anyhow::Result<()> {
         }
     }
     progress.finish();
-    let wall_s = start.elapsed().as_secs_f64();
+    let summary = summary(&setup, &trainer, &recorder, done, eval_loss, start.elapsed());
+    recorder.finish(setup.data.floor, &summary)?;
+    tracing::info!("{done} steps; wrote {}", setup.out.display());
+    println!("{}", final_line(eval_loss, setup.data.floor));
+    Ok(())
+}
+
+/// A flag that the first SIGINT or SIGTERM sets; the second exits the process with code 130.
+fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        // Registered first, so it sees the flag as the previous signal left it.
+        signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&stop))
+            .context("cannot handle signals")?;
+        signal_hook::flag::register(signal, Arc::clone(&stop)).context("cannot handle signals")?;
+    }
+    Ok(stop)
+}
+
+fn summary(
+    setup: &Setup,
+    trainer: &Trainer,
+    recorder: &Recorder,
+    done: u64,
+    eval_loss: f64,
+    wall: Duration,
+) -> serde_json::Value {
     let train_s = trainer.train_time.as_secs_f64();
-    let tokens_per_s = (setup.steps * trainer.tokens_per_step) as f64 / train_s;
-    let summary = json!({
+    let tokens = done * trainer.tokens_per_step;
+    let (resumed_from, init_from) = match &setup.start {
+        Start::Resume { point, .. } => (Some(point.dir.display().to_string()), None),
+        Start::InitFrom { dir, .. } => (None, Some(dir.display().to_string())),
+        Start::Seed => (None, None),
+    };
+    json!({
         "final_eval_loss": eval_loss,
         "entropy_floor": setup.data.floor,
         "over_floor": setup.data.floor.map(|floor| eval_loss / floor - 1.0),
         "final_train_loss": recorder.train.last().map(|&(_, loss)| loss),
-        "steps": setup.steps,
-        "tokens": setup.steps * trainer.tokens_per_step,
-        "tokens_per_s": tokens_per_s,
-        "wall_s": wall_s,
+        "steps": done,
+        "interrupted": done < setup.steps,
+        "tokens": tokens,
+        "tokens_per_s": tokens as f64 / train_s,
+        "wall_s": wall.as_secs_f64(),
         "train_s": train_s,
         "seed": setup.seed,
         "device": "cpu",
@@ -60,17 +127,14 @@ pub fn run(mut setup: Setup) -> anyhow::Result<()> {
         "data": setup.data.description,
         "model": setup.model,
         "parameters": setup.model.num_params(),
+        "resumed_from": resumed_from,
+        "init_from": init_from,
+        "checkpoints": checkpoints::list(&setup.out).ok().map(|all| {
+            all.into_iter().map(|(_, dir)| dir.display().to_string()).collect::<Vec<_>>()
+        }),
         "config_file": setup.config_file.as_ref().map(|p| p.display().to_string()),
         "config": setup.config.to_json(),
-    });
-    recorder.finish(setup.data.floor, &summary)?;
-    tracing::info!(
-        "{} steps in {wall_s:.1} s ({tokens_per_s:.0} tokens/s); wrote {}",
-        setup.steps,
-        setup.out.display()
-    );
-    println!("{}", final_line(eval_loss, setup.data.floor));
-    Ok(())
+    })
 }
 
 fn log_start(setup: &Setup) {
@@ -98,6 +162,8 @@ fn log_start(setup: &Setup) {
 struct Trainer {
     engine: CpuEngine,
     model: CpuGpt,
+    /// The checkpoint's tensors: Hugging Face names over the flat buffer.
+    tensors: Vec<NamedTensor>,
     schedule: LrSchedule,
     accum: u64,
     tokens_per_step: u64,
@@ -111,26 +177,107 @@ impl Trainer {
     fn new(setup: &Setup) -> anyhow::Result<Trainer> {
         let (model, config) = (&setup.model, &setup.config);
         let layout = flat_layout(model, 1).context("cannot lay out the model")?;
-        let mut weights = vec![0.0f32; layout.padded_len()];
-        init_params(model, &layout, setup.seed, &mut weights)?;
+        let weights = match &setup.start {
+            Start::Seed => {
+                let mut weights = vec![0.0f32; layout.padded_len()];
+                init_params(model, &layout, setup.seed, &mut weights)?;
+                weights
+            }
+            Start::InitFrom { weights, .. } | Start::Resume { weights, .. } => weights.clone(),
+        };
         let device = CpuDevice::new()?;
         let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
             .pop()
             .expect("a group of one");
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let options = EngineOptions::from_config(config, threads);
-        let engine = Engine::new(device.clone(), comm, layout.clone(), options, &weights)?;
+        let mut engine = Engine::new(device.clone(), comm, layout.clone(), options, &weights)?;
+        let mut train_time = Duration::ZERO;
+        if let Start::Resume { point, .. } = &setup.start {
+            let meta = &point.loaded.meta;
+            let restore = Restore {
+                parts: &point.loaded.parts,
+                optimizer_steps: meta.optimizer_steps,
+                micro_steps: meta.micro_steps,
+                upload_pending: meta.upload_pending,
+                scaler: &meta.scaler,
+            };
+            engine
+                .restore(&weights, &restore)
+                .map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
+            train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
+        }
         let batch = config.batch.micro_batch_size_per_gpu;
         let accum = config.batch.gradient_accumulation_steps;
         Ok(Trainer {
             engine,
             model: CpuGpt::new(&device, model, &layout, batch as usize, model.context)?,
+            tensors: super::checkpoints_tensors(&hf_tensors(model, &layout)?),
             schedule: LrSchedule::from_config(config),
             accum,
             tokens_per_step: accum * batch * model.context as u64,
             micro_batch: Batch::default(),
-            train_time: Duration::ZERO,
+            train_time,
         })
+    }
+
+    /// Saves the checkpoint of `step`: the engine's current device weights (not flushed), its
+    /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]).
+    fn save(&mut self, step: u64, setup: &Setup) -> anyhow::Result<PathBuf> {
+        let snapshot = self.engine.snapshot()?;
+        let weights = self.engine.device().download(self.engine.params())?;
+        let extra = Extra {
+            model: setup.model,
+            config: setup.config.to_json(),
+            data: setup.data_arg.clone(),
+            data_position: setup.data.train.position(),
+            seed: setup.seed,
+            step,
+            lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
+            train_s: self.train_time.as_secs_f64(),
+            run: RunInfo {
+                zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
+                config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),
+                data_description: setup.data.description.clone(),
+                init_from: match &setup.start {
+                    Start::InitFrom { dir, .. } => Some(dir.display().to_string()),
+                    _ => None,
+                },
+                steps: setup.steps,
+                eval_every: setup.eval_every,
+            },
+        };
+        let meta = Meta {
+            format: checkpoint::FORMAT.into(),
+            version: checkpoint::VERSION,
+            optimizer_steps: snapshot.optimizer_steps,
+            micro_steps: snapshot.micro_steps,
+            world_size: 1,
+            scaler: snapshot.scaler,
+            upload_pending: snapshot.upload_pending,
+            weights_dtype: "F32".into(),
+            params: self
+                .engine
+                .layout()
+                .params()
+                .iter()
+                .map(|p| ParamEntry {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    offset: p.offset,
+                })
+                .collect(),
+            extra: serde_json::to_value(&extra).expect("serialisable"),
+        };
+        checkpoints::save(
+            &setup.out,
+            step,
+            setup.keep,
+            &meta,
+            &weights,
+            &self.tensors,
+            &[snapshot.part],
+        )
     }
 
     /// Optimizer step `step` (from 1): its micro-batches' forward and backward, then the update.

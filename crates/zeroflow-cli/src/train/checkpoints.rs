@@ -1,0 +1,219 @@
+//! The checkpoints of a run (DESIGN.md §7): `<out>/checkpoints/step-NNNNNNNN/`, written atomically
+//! by [`checkpoint::save`], the newest `--keep` kept; and finding the one `--resume` names.
+//!
+//! `state.json`'s `extra` is [`Extra`]: with the engine's counters in the checkpoint's own fields,
+//! it is everything a run needs to continue exactly.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use serde::{Deserialize, Serialize};
+use zeroflow_engine::OptimizerPart;
+use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded, Meta, NamedTensor};
+use zeroflow_gpt::GptConfig;
+use zeroflow_gpt::data::DataPosition;
+
+use super::input;
+
+/// The folder of a run directory that holds its checkpoints.
+pub const FOLDER: &str = "checkpoints";
+
+/// What `zeroflow train` adds to a checkpoint's `state.json` (`extra`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Extra {
+    /// The model's shape (what `zeroflow export` reads).
+    pub model: GptConfig,
+    /// The resolved DeepSpeed config of the run.
+    pub config: serde_json::Value,
+    /// `--data` as given.
+    pub data: String,
+    /// Where the training stream's next step starts (the evaluation set is fixed by the seed).
+    pub data_position: DataPosition,
+    pub seed: u64,
+    /// Optimizer steps the trainer has taken (skipped ones included).
+    pub step: u64,
+    pub lr_schedule: LrPosition,
+    /// Training time so far (evaluation excluded), for tokens per second across a resume.
+    pub train_s: f64,
+    pub run: RunInfo,
+}
+
+/// Where the learning-rate schedule is.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrPosition {
+    /// Optimizer steps taken: the next step's learning rate is the schedule's at this iteration.
+    pub iteration: u64,
+    /// That learning rate, under the schedule of the run that saved the checkpoint.
+    pub next_lr: f64,
+}
+
+/// What the run was, for the reader of the checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunInfo {
+    pub zeroflow_version: String,
+    pub config_file: Option<String>,
+    pub data_description: String,
+    /// The Hugging Face directory the run's initial weights came from, if any.
+    pub init_from: Option<String>,
+    /// `--steps` of the run that saved the checkpoint.
+    pub steps: u64,
+    pub eval_every: u64,
+}
+
+/// The directory of the checkpoint at `step` in the run directory `out`.
+pub fn step_dir(out: &Path, step: u64) -> PathBuf {
+    out.join(FOLDER).join(format!("step-{step:08}"))
+}
+
+/// The checkpoints of the run directory `out`, oldest first: the visible `step-N` directories.
+/// A hidden `.step-N.partial-PID` directory (a crash during a write) is never one.
+pub fn list(out: &Path) -> anyhow::Result<Vec<(u64, PathBuf)>> {
+    let folder = out.join(FOLDER);
+    if !folder.is_dir() {
+        return Ok(Vec::new());
+    }
+    let entries =
+        std::fs::read_dir(&folder).with_context(|| format!("cannot read {}", folder.display()))?;
+    let mut found: Vec<(u64, PathBuf)> = entries
+        .filter_map(|entry| entry.ok())
+        .filter(|entry| entry.path().is_dir())
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let step = name.to_str()?.strip_prefix("step-")?.parse().ok()?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    found.sort();
+    Ok(found)
+}
+
+/// Saves the checkpoint of `step` and then deletes all but the newest `keep`.
+pub fn save(
+    out: &Path,
+    step: u64,
+    keep: u64,
+    meta: &Meta,
+    weights: &[f32],
+    tensors: &[NamedTensor],
+    parts: &[OptimizerPart],
+) -> anyhow::Result<PathBuf> {
+    let dir = step_dir(out, step);
+    std::fs::create_dir_all(out.join(FOLDER))
+        .with_context(|| format!("cannot create {}", out.join(FOLDER).display()))?;
+    checkpoint::save(&dir, meta, weights, tensors, parts)?;
+    let all = list(out)?;
+    let old = all.len().saturating_sub(keep as usize);
+    for (_, older) in &all[..old] {
+        std::fs::remove_dir_all(older)
+            .with_context(|| format!("cannot delete the old checkpoint {}", older.display()))?;
+    }
+    Ok(dir)
+}
+
+/// A checkpoint to continue from, checked.
+#[derive(Debug)]
+pub struct ResumePoint {
+    pub dir: PathBuf,
+    /// The run directory the checkpoint belongs to (`<run>/checkpoints/step-…`).
+    pub run_dir: PathBuf,
+    pub loaded: Loaded<f32>,
+    pub extra: Extra,
+    /// Newer checkpoints of the run that are damaged (`--resume latest` passed over them).
+    pub damaged: Vec<PathBuf>,
+}
+
+/// The checkpoint `--resume` names: a directory, or `latest` under `--out`. Reads it fully; any
+/// problem is an input error that names the file and says what to do. Nothing is changed.
+pub fn find(arg: &str, out: Option<&Path>) -> anyhow::Result<ResumePoint> {
+    let (dir, loaded, damaged) = if arg == "latest" {
+        latest(out)?
+    } else {
+        let dir = PathBuf::from(arg);
+        let loaded = checkpoint::load::<f32>(&dir).map_err(|e| resume_error(&e))?;
+        (dir, loaded, Vec::new())
+    };
+    let extra: Extra = serde_json::from_value(loaded.meta.extra.clone()).map_err(|e| {
+        input(format!(
+            "{}: extra in state.json is not what zeroflow train writes ({e}); resume from a \
+             checkpoint that zeroflow train saved",
+            dir.join("state.json").display()
+        ))
+    })?;
+    let run_dir = dir
+        .parent()
+        .filter(|parent| parent.file_name().is_some_and(|name| name == FOLDER))
+        .and_then(Path::parent)
+        .ok_or_else(|| {
+            input(format!(
+                "--resume {}: not inside a run's {FOLDER}/ directory, so there is no run to \
+                 continue; pass a <run>/{FOLDER}/step-NNNNNNNN directory",
+                dir.display()
+            ))
+        })?
+        .to_path_buf();
+    let newer: Vec<String> = list(&run_dir)?
+        .into_iter()
+        .filter(|(step, path)| *step > extra.step && !damaged.contains(path))
+        .map(|(_, path)| path.display().to_string())
+        .collect();
+    if !newer.is_empty() {
+        return Err(input(format!(
+            "--resume {}: the run has newer checkpoints ({}), which continuing from here would \
+             overwrite; resume from `latest`, or move them away first",
+            dir.display(),
+            newer.join(", ")
+        )));
+    }
+    Ok(ResumePoint { dir, run_dir, loaded, extra, damaged })
+}
+
+/// The newest checkpoint under `out` that loads. A damaged newer one (which an atomic write
+/// cannot leave, so the disk or a person changed it) is passed over with a warning and later set
+/// aside, never deleted; a foreign or mismatched one is an error.
+fn latest(out: Option<&Path>) -> anyhow::Result<(PathBuf, Loaded<f32>, Vec<PathBuf>)> {
+    let out = out.ok_or_else(|| {
+        input("--resume latest needs --out: the run directory whose newest checkpoint to continue")
+    })?;
+    let mut damaged = Vec::new();
+    for (_, dir) in list(out)?.into_iter().rev() {
+        match checkpoint::load::<f32>(&dir) {
+            Ok(loaded) => return Ok((dir, loaded, damaged)),
+            Err(e @ (CheckpointError::Corrupt { .. } | CheckpointError::Io { .. })) => {
+                tracing::warn!("{e}; trying the checkpoint before it");
+                damaged.push(dir);
+            }
+            Err(e) => return Err(resume_error(&e)),
+        }
+    }
+    let what = if damaged.is_empty() { "no checkpoints" } else { "no undamaged checkpoints" };
+    Err(input(format!(
+        "--resume latest: {what} in {}; start the run without --resume (and a new --out)",
+        out.join(FOLDER).display()
+    )))
+}
+
+/// Moves the damaged checkpoints that `--resume latest` passed over out of the way of the steps
+/// the run is about to save: `step-N` becomes the hidden `.step-N.damaged`.
+pub fn set_aside(damaged: &[PathBuf]) -> anyhow::Result<()> {
+    for dir in damaged {
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("step");
+        let aside = dir.with_file_name(format!(".{name}.damaged"));
+        std::fs::rename(dir, &aside).with_context(|| {
+            format!("cannot move the damaged {} to {}", dir.display(), aside.display())
+        })?;
+        tracing::warn!("moved the damaged {} to {}", dir.display(), aside.display());
+    }
+    Ok(())
+}
+
+/// A checkpoint that cannot be resumed from, as an input error with what to do.
+pub fn resume_error(e: &CheckpointError) -> anyhow::Error {
+    let hint = match e {
+        CheckpointError::Corrupt { .. } => "",
+        CheckpointError::Mismatch { .. } => {
+            "; resume with the model and precision it was saved with, or start a new run"
+        }
+        _ => "; pass a checkpoint directory (<run>/checkpoints/step-NNNNNNNN) or `latest`",
+    };
+    input(format!("--resume: {e}{hint}"))
+}
