@@ -158,6 +158,47 @@ pub fn save<P: Stored>(
     sync_dir(dir.parent().unwrap_or(Path::new(".")))
 }
 
+/// Writes `weights` as the named `tensors` into a safetensors file at `path` (fsynced).
+pub fn write_model<P: Stored>(
+    path: &Path,
+    weights: &[P],
+    tensors: &[NamedTensor],
+) -> Result<(), CheckpointError> {
+    write_synced(path, &model_bytes(weights, tensors)?)
+}
+
+/// The weights the run would have after its pending delayed update: the fp32 master weights of
+/// the optimizer parts, rounded to `P`, as named tensors in the layout of `model.safetensors`.
+pub fn weights_from_master<P: Stored + zeroflow_core::Float>(
+    loaded: &Loaded<P>,
+) -> Result<(Vec<P>, Vec<NamedTensor>), CheckpointError> {
+    let end = loaded.parts.iter().map(|p| p.flat.end).max().unwrap_or(0);
+    let mut flat = vec![P::default(); end];
+    for part in &loaded.parts {
+        for (w, m) in flat[part.flat.clone()].iter_mut().zip(&part.master) {
+            *w = P::from_f32(*m);
+        }
+    }
+    let mut tensors = Vec::new();
+    for (name, (shape, _)) in &loaded.tensors {
+        let entry = loaded.meta.params.iter().find(|p| &p.name == name).ok_or_else(|| {
+            CheckpointError::Corrupt {
+                path: PathBuf::from("state.json"),
+                reason: format!("no layout entry for tensor {name}"),
+            }
+        })?;
+        let numel: usize = shape.iter().product();
+        let flat_range = entry.offset..entry.offset + numel;
+        if flat_range.end > end {
+            let reason = format!("the optimizer state does not cover {name}");
+            return Err(CheckpointError::Corrupt { path: PathBuf::from("optim"), reason });
+        }
+        tensors.push(NamedTensor { name: name.clone(), shape: shape.clone(), flat: flat_range });
+    }
+    tensors.sort_by_key(|t| t.flat.start);
+    Ok((flat, tensors))
+}
+
 fn model_bytes<P: Stored>(
     weights: &[P],
     tensors: &[NamedTensor],

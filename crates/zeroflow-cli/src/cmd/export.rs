@@ -25,7 +25,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let model = read_model_config(&args.checkpoint)?;
+    let (model, upload_pending) = read_model_config(&args.checkpoint)?;
     if args.out.exists() && args.out.read_dir().map(|mut d| d.next().is_some()).unwrap_or(true) {
         return Err(InputError::from_display(format!(
             "{}: exists and is not empty; choose a new --out directory",
@@ -36,8 +36,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", args.out.display()))?;
     let from = args.checkpoint.join("model.safetensors");
     let to = args.out.join("model.safetensors");
-    std::fs::copy(&from, &to)
-        .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    if upload_pending {
+        // The checkpoint was saved while a delayed optimizer step's weights were still on their
+        // way to the model: export those (the run's final weights), not the saved model weights.
+        let loaded = checkpoint::load::<f32>(&args.checkpoint).map_err(InputError::from_display)?;
+        let (weights, tensors) =
+            checkpoint::weights_from_master(&loaded).map_err(InputError::from_display)?;
+        checkpoint::write_model(&to, &weights, &tensors)?;
+    } else {
+        std::fs::copy(&from, &to)
+            .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    }
     let config = hf_config(&model);
     std::fs::write(args.out.join("config.json"), serde_json::to_string_pretty(&config)? + "\n")
         .with_context(|| format!("writing {}", args.out.join("config.json").display()))?;
@@ -45,8 +54,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Checks the checkpoint fully (every file parses, dtypes agree) and returns its model's shape.
-fn read_model_config(dir: &Path) -> anyhow::Result<GptConfig> {
+/// Checks the checkpoint fully (every file parses, dtypes agree) and returns its model's shape
+/// and whether a delayed update's weights were pending when it was saved.
+fn read_model_config(dir: &Path) -> anyhow::Result<(GptConfig, bool)> {
     let meta = match checkpoint::load::<f32>(dir) {
         Ok(loaded) => loaded.meta,
         Err(CheckpointError::Mismatch { .. }) => {
@@ -60,9 +70,18 @@ fn read_model_config(dir: &Path) -> anyhow::Result<GptConfig> {
             dir.display()
         ))
     })?;
-    serde_json::from_value(model).map_err(|e| {
+    let model = serde_json::from_value(model).map_err(|e| {
         InputError::from_display(format!("{}: extra.model in state.json: {e}", dir.display()))
-    })
+    })?;
+    if meta.upload_pending && meta.weights_dtype != "F32" {
+        return Err(InputError::from_display(format!(
+            "{}: exporting a {} checkpoint saved during a delayed update is not supported yet; \
+             export a checkpoint saved without the delayed update",
+            dir.display(),
+            meta.weights_dtype
+        )));
+    }
+    Ok((model, meta.upload_pending))
 }
 
 /// `transformers`' `GPT2Config` for this shape.

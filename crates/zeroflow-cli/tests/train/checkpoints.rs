@@ -198,9 +198,18 @@ fn sigint_saves_a_checkpoint_and_exits_0() {
 /// step-0 evaluation equals the exporting run's final one, with the shape from its config.json.
 #[test]
 fn init_from_an_exported_checkpoint_starts_from_its_weights() {
-    let dir = scratch("init_from");
+    for config in [CONSTANT_AFTER_WARMUP, OFFLOAD_DELAYED] {
+        init_from_export(config);
+    }
+}
+
+/// Trains with `config`, exports the final checkpoint, and starts a run from the export: its
+/// step-0 eval loss equals the exporting run's final one (taken after the delayed update's last
+/// weights arrived, which the export must carry too).
+fn init_from_export(config: &str) {
+    let dir = scratch(if config == OFFLOAD_DELAYED { "init_from_delayed" } else { "init_from" });
     let first = dir.join("first");
-    train_with(CONSTANT_AFTER_WARMUP, &dir, &["--steps", "3", "--out", first.to_str().unwrap()]);
+    train_with(config, &dir, &["--steps", "3", "--out", first.to_str().unwrap()]);
     let exported = dir.join("exported");
     let export = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
         .args(["export", checkpoint(&first, 3).to_str().unwrap(), "--out"])
