@@ -1,7 +1,6 @@
 //! The offload side: fp32 optimizer state, the gradient accumulator and the staging buffers in
 //! host memory, and the queue of device-to-host copies in flight during a backward.
 
-use std::collections::VecDeque;
 use std::thread::JoinHandle;
 
 use zeroflow_core::Float;
@@ -167,45 +166,60 @@ impl<P: Float> HostState<P> {
 
 /// Copies of gradient pieces to the host that are in flight, and the staging buffers they fill.
 /// A piece is added into the accumulator only after its copy's token has been waited on: there is
-/// no way to read a staging buffer earlier.
+/// no way to read a staging buffer earlier. Fixed-size arrays, so a backward allocates nothing.
 pub(crate) struct Offloader<'s, P: Float> {
-    free: Vec<&'s mut HostBuffer<P>>,
-    in_flight: VecDeque<(usize, usize, Filling<'s, P>)>,
+    free: [Option<&'s mut HostBuffer<P>>; STAGING_BUFFERS],
+    /// A ring of copies in flight, oldest at `head`: (offset in the accumulator, length, token).
+    in_flight: [Option<(usize, usize, Filling<'s, P>)>; STAGING_BUFFERS],
+    head: usize,
+    count: usize,
     grad_acc: &'s mut HostBuffer<f32>,
 }
 
 impl<'s, P: Float> Offloader<'s, P> {
     pub(crate) fn new(staging: &'s mut [HostBuffer<P>], grad_acc: &'s mut HostBuffer<f32>) -> Self {
-        Offloader { free: staging.iter_mut().collect(), in_flight: VecDeque::new(), grad_acc }
+        let mut buffers = staging.iter_mut();
+        Offloader {
+            free: std::array::from_fn(|_| buffers.next()),
+            in_flight: std::array::from_fn(|_| None),
+            head: 0,
+            count: 0,
+            grad_acc,
+        }
     }
 
     /// A free staging buffer, waiting for the oldest copy if all are in flight.
     pub(crate) fn staging(&mut self) -> Result<&'s mut HostBuffer<P>, EngineError> {
-        if self.free.is_empty() {
+        if self.free.iter().all(Option::is_none) {
             self.retire_oldest()?;
         }
-        Ok(self.free.pop().expect("a buffer was just retired"))
+        Ok(self.free.iter_mut().find_map(Option::take).expect("a buffer is free"))
     }
 
     /// Registers a copy of `len` gradients into the staging buffer that `filling` holds,
     /// destined for `grad_acc[offset..offset + len]`.
     pub(crate) fn push(&mut self, offset: usize, len: usize, filling: Filling<'s, P>) {
-        self.in_flight.push_back((offset, len, filling));
+        let slot = (self.head + self.count) % STAGING_BUFFERS;
+        self.in_flight[slot] = Some((offset, len, filling));
+        self.count += 1;
     }
 
     /// Waits for the oldest copy and adds its piece into the accumulator.
     fn retire_oldest(&mut self) -> Result<(), EngineError> {
-        let (offset, len, filling) = self.in_flight.pop_front().expect("a copy is in flight");
+        let (offset, len, filling) = self.in_flight[self.head].take().expect("a copy is in flight");
+        self.head = (self.head + 1) % STAGING_BUFFERS;
+        self.count -= 1;
         let staged = filling.wait()?;
         let acc = &mut self.grad_acc[offset..offset + len];
         acc.iter_mut().zip(&staged[..len]).for_each(|(a, g)| *a += g.to_f32());
-        self.free.push(staged);
+        let slot = self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty");
+        *slot = Some(staged);
         Ok(())
     }
 
     /// Waits for every copy and adds it in, in the order the copies were made.
     pub(crate) fn drain(&mut self) -> Result<(), EngineError> {
-        while !self.in_flight.is_empty() {
+        while self.count > 0 {
             self.retire_oldest()?;
         }
         Ok(())

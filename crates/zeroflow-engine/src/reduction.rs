@@ -12,6 +12,10 @@ use crate::EngineError;
 use crate::host::Offloader;
 
 /// Where reduced gradient pieces go.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one value per backward, on the stack: boxing would allocate"
+)]
 pub(crate) enum Sink<'s, D: Device, P: Float> {
     /// Added into the device accumulator on the comm stream.
     Device(&'s D::Buffer<f32>),
