@@ -309,9 +309,6 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             return Err(EngineError::Usage("restore only at an optimizer-step boundary"));
         }
         let [master, exp_avg, exp_avg_sq] = assemble(&self.layout, &self.owned, parts)?;
-        if let Optimizer::Host(host) = &mut self.optimizer {
-            host.join()?;
-        }
         self.device.synchronize()?;
         overwrite(&self.device, &self.params, weights)?;
         match &mut self.optimizer {
