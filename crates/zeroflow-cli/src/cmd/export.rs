@@ -84,8 +84,10 @@ fn read_model_config(dir: &Path) -> anyhow::Result<(GptConfig, bool)> {
     Ok((model, meta.upload_pending))
 }
 
-/// `transformers`' `GPT2Config` for this shape.
+/// `transformers`' `GPT2Config` for this shape. GPT-2's `<|endoftext|>` (50256) is the BOS/EOS
+/// token only where the vocabulary has it.
 fn hf_config(model: &GptConfig) -> serde_json::Value {
+    let end_of_text = (model.vocab_size > 50256).then_some(50256);
     json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -104,8 +106,8 @@ fn hf_config(model: &GptConfig) -> serde_json::Value {
         "attn_pdrop": 0.0,
         "scale_attn_weights": true,
         "tie_word_embeddings": true,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
+        "bos_token_id": end_of_text,
+        "eos_token_id": end_of_text,
         "torch_dtype": "float32",
     })
 }
