@@ -304,7 +304,8 @@ fn corrupt(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> CheckpointEr
     move |e| CheckpointError::Corrupt { path: path.to_path_buf(), reason: e.to_string() }
 }
 
-fn read_tensors<P: Stored>(bytes: &[u8], path: &Path) -> Result<Tensors<P>, CheckpointError> {
+/// The tensors of a safetensors file's `bytes` (read from `path`), all of type `P`.
+pub fn read_tensors<P: Stored>(bytes: &[u8], path: &Path) -> Result<Tensors<P>, CheckpointError> {
     let file = SafeTensors::deserialize(bytes).map_err(corrupt(path))?;
     file.tensors()
         .into_iter()

@@ -18,15 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens: Vec<u32> = tokens.split(',').map(str::parse).collect::<Result<_, _>>()?;
     let hf: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let field =
-        |key: &str| hf[key].as_u64().map(|v| v as usize).ok_or(format!("config.json has no {key}"));
-    let config = GptConfig {
-        n_layer: field("n_layer")?,
-        n_head: field("n_head")?,
-        d_model: field("n_embd")?,
-        vocab_size: field("vocab_size")?,
-        context: field("n_positions")?,
-    };
+    let config = GptConfig::from_hf_config(&hf)?;
     let layout = flat_layout(&config, 1)?;
     let bytes = std::fs::read(dir.join("model.safetensors"))?;
     let file = SafeTensors::deserialize(&bytes)?;

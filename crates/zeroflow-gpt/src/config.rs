@@ -85,6 +85,52 @@ impl GptConfig {
         Ok(self)
     }
 
+    /// The shape a Hugging Face `GPT2Config` (`config.json`) gives: `n_layer`, `n_head`, `n_embd`,
+    /// `vocab_size`, and `n_positions` (or the older `n_ctx`).
+    pub fn from_hf_config(json: &serde_json::Value) -> Result<GptConfig, GptError> {
+        let field = |keys: &[&str]| {
+            keys.iter()
+                .find_map(|key| json.get(*key).and_then(serde_json::Value::as_u64))
+                .map(|v| v as usize)
+                .ok_or_else(|| GptError::ConfigJson(format!("no {} number", keys.join(" or "))))
+        };
+        Ok(GptConfig {
+            n_layer: field(&["n_layer"])?,
+            n_head: field(&["n_head"])?,
+            d_model: field(&["n_embd"])?,
+            vocab_size: field(&["vocab_size"])?,
+            context: field(&["n_positions", "n_ctx"])?,
+        })
+    }
+
+    /// `transformers`' `GPT2Config` for this shape (GELU-tanh, tied embeddings, no dropout).
+    /// GPT-2's `<|endoftext|>` (50256) is the BOS/EOS token only where the vocabulary has it.
+    pub fn to_hf_config(&self) -> serde_json::Value {
+        let end_of_text = (self.vocab_size > 50256).then_some(50256);
+        serde_json::json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": self.vocab_size,
+            "n_positions": self.context,
+            "n_ctx": self.context,
+            "n_embd": self.d_model,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_inner": null,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5,
+            "initializer_range": 0.02,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "scale_attn_weights": true,
+            "tie_word_embeddings": true,
+            "bos_token_id": end_of_text,
+            "eos_token_id": end_of_text,
+            "torch_dtype": "float32",
+        })
+    }
+
     /// The vocabulary rounded up to a multiple of 64 (50257 becomes 50304, as in llm.c), the row
     /// count of the embedding and the width of the logits. The padded logits are masked out of the
     /// loss, their embedding rows start at zero and get zero gradient, and export drops them.

@@ -8,7 +8,6 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use serde_json::json;
 use zeroflow_engine::checkpoint::{self, CheckpointError};
 use zeroflow_gpt::GptConfig;
 
@@ -47,7 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         std::fs::copy(&from, &to)
             .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
     }
-    let config = hf_config(&model);
+    let config = model.to_hf_config();
     std::fs::write(args.out.join("config.json"), serde_json::to_string_pretty(&config)? + "\n")
         .with_context(|| format!("writing {}", args.out.join("config.json").display()))?;
     println!("exported {} to {}", args.checkpoint.display(), args.out.display());
@@ -82,32 +81,4 @@ fn read_model_config(dir: &Path) -> anyhow::Result<(GptConfig, bool)> {
         )));
     }
     Ok((model, meta.upload_pending))
-}
-
-/// `transformers`' `GPT2Config` for this shape. GPT-2's `<|endoftext|>` (50256) is the BOS/EOS
-/// token only where the vocabulary has it.
-fn hf_config(model: &GptConfig) -> serde_json::Value {
-    let end_of_text = (model.vocab_size > 50256).then_some(50256);
-    json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": model.vocab_size,
-        "n_positions": model.context,
-        "n_ctx": model.context,
-        "n_embd": model.d_model,
-        "n_layer": model.n_layer,
-        "n_head": model.n_head,
-        "n_inner": null,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "scale_attn_weights": true,
-        "tie_word_embeddings": true,
-        "bos_token_id": end_of_text,
-        "eos_token_id": end_of_text,
-        "torch_dtype": "float32",
-    })
 }

@@ -1,11 +1,9 @@
 //! `--init-from`: the initial weights from a Hugging Face GPT-2 directory (`model.safetensors`,
 //! and `config.json` for the model's shape), such as `zeroflow export` writes.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::SafeTensors;
-use safetensors::tensor::Dtype;
+use zeroflow_engine::checkpoint::{self, Tensors};
 use zeroflow_gpt::{GptConfig, HfTensor};
 
 use super::input;
@@ -17,7 +15,7 @@ pub struct HfModel {
     /// The shape `config.json` gives, when there is one.
     pub config: Option<GptConfig>,
     /// Shape and elements by tensor name.
-    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    tensors: Tensors<f32>,
 }
 
 const WHAT_TO_DO: &str = "--init-from needs a Hugging Face GPT-2 directory with an F32 \
@@ -28,25 +26,8 @@ pub fn read(dir: &Path) -> anyhow::Result<HfModel> {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path)
         .map_err(|e| input(format!("--init-from {}: {e}; {WHAT_TO_DO}", path.display())))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| {
-        input(format!("--init-from {}: not a safetensors file ({e}); {WHAT_TO_DO}", path.display()))
-    })?;
-    let mut tensors = HashMap::new();
-    for (name, view) in file.tensors() {
-        if view.dtype() != Dtype::F32 {
-            return Err(input(format!(
-                "--init-from {}: {name} is {:?}; {WHAT_TO_DO}",
-                path.display(),
-                view.dtype()
-            )));
-        }
-        let values = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
-        tensors.insert(name, (view.shape().to_vec(), values));
-    }
+    let tensors = checkpoint::read_tensors::<f32>(&bytes, &path)
+        .map_err(|e| input(format!("--init-from {e}; {WHAT_TO_DO}")))?;
     let config = read_config(dir)?;
     Ok(HfModel { dir: dir.to_path_buf(), config, tensors })
 }
@@ -63,19 +44,7 @@ fn read_config(dir: &Path) -> anyhow::Result<Option<GptConfig>> {
     };
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| bad(format!("not JSON ({e})")))?;
-    let field = |keys: &[&str]| {
-        keys.iter()
-            .find_map(|key| json.get(*key).and_then(serde_json::Value::as_u64))
-            .map(|v| v as usize)
-            .ok_or_else(|| bad(format!("no {} number", keys.join(" or "))))
-    };
-    Ok(Some(GptConfig {
-        n_layer: field(&["n_layer"])?,
-        n_head: field(&["n_head"])?,
-        d_model: field(&["n_embd"])?,
-        vocab_size: field(&["vocab_size"])?,
-        context: field(&["n_positions", "n_ctx"])?,
-    }))
+    GptConfig::from_hf_config(&json).map(Some).map_err(|e| bad(e.to_string()))
 }
 
 impl HfModel {
