@@ -37,6 +37,9 @@ pub enum DeviceError {
     /// A library the device needs could not be loaded or used.
     #[error("{library}: {reason}")]
     Library { library: &'static str, reason: String },
+    /// A kernel module did not compile (NVRTC's log says why).
+    #[error("kernel module `{module}` did not compile for {arch}:\n{log}")]
+    Compile { module: String, arch: String, log: String },
     /// A worker thread of the device is gone (it panicked or was shut down).
     #[error("stream `{stream}` stopped: {reason}")]
     StreamStopped { stream: &'static str, reason: String },

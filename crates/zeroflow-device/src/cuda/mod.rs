@@ -16,6 +16,7 @@
 pub mod info;
 pub mod library;
 mod memory;
+pub mod module;
 
 use std::fmt;
 use std::ops::Range;
@@ -26,6 +27,7 @@ use cudarc::driver::{self as driver, result as cu, sys as cu_sys};
 pub use info::{CudaReport, GpuInfo, LibraryReport, LoadedLibrary, is_absent, short_reason};
 pub use library::{CudaLibrary, LIBRARY_PATH_FIX};
 pub use memory::CudaBuffer;
+pub use module::{CudaFunction, CudaModule, Dim3, KernelParams};
 use zeroflow_core::Element;
 
 use self::library::driver_error;
@@ -45,6 +47,8 @@ struct Inner {
     standard: [CudaStream; 4],
     errors: Arc<ErrorList>,
     description: String,
+    compute_capability: (i32, i32),
+    modules: module::ModuleCache,
 }
 
 impl Inner {
@@ -95,7 +99,8 @@ impl CudaStream {
         &self.stream
     }
 
-    fn cu(&self) -> cu_sys::CUstream {
+    /// The raw `CUstream`, for libraries (cuBLASLt, NCCL) that take one.
+    pub fn cu(&self) -> cu_sys::CUstream {
         self.stream.cu_stream()
     }
 }
@@ -192,6 +197,8 @@ impl CudaDevice {
                 standard,
                 errors: Arc::new(ErrorList::default()),
                 description: gpu.to_string(),
+                compute_capability: gpu.compute_capability,
+                modules: module::ModuleCache::default(),
             }),
         })
     }
@@ -199,6 +206,11 @@ impl CudaDevice {
     /// The GPU's ordinal.
     pub fn ordinal(&self) -> usize {
         self.inner.ctx.ordinal()
+    }
+
+    /// The GPU's compute capability, (9, 0) for sm_90.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.inner.compute_capability
     }
 
     /// The cudarc context, for kernels and libraries. Its event tracking is off.
