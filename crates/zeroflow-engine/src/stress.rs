@@ -10,11 +10,12 @@
 
 use std::time::Duration;
 
+use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{Chaos, CpuDevice, HostMemory};
+use zeroflow_device::{Chaos, Comm, CpuDevice, HostMemory};
 
 use crate::synthetic::{Reference, adamw_config, forward_backward, initial, layout};
-use crate::{Engine, EngineOptions, LossScaler, Stage};
+use crate::{DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Stage};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -72,13 +73,35 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
     // A collective of this model takes microseconds; a rank that stopped at an error makes the
     // others fail this long after, instead of hanging.
     let comms = CpuComm::group(&devices, Duration::from_secs(5));
+    run_ranks(opts, devices, comms, forward_backward::<f32>)
+}
+
+/// The backward of the synthetic model on one device kind.
+type Backward<D> = fn(
+    &D,
+    &FlatLayout,
+    ModelIo<'_, D, f32>,
+    &mut dyn FnMut(std::ops::Range<usize>) -> Result<(), EngineError>,
+    usize,
+    u64,
+) -> Result<(), EngineError>;
+
+/// Runs every rank on its own thread and counts the iterations that passed on all of them.
+fn run_ranks<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
+    opts: &StressOptions,
+    devices: Vec<D>,
+    comms: Vec<C>,
+    backward: Backward<D>,
+) -> StressReport {
     // Per rank: for each iteration, None (passed) or the failure.
     let outcomes: Vec<Vec<Option<String>>> = std::thread::scope(|s| {
         let handles: Vec<_> = devices
             .into_iter()
             .zip(comms)
             .enumerate()
-            .map(|(rank, (device, comm))| s.spawn(move || run_rank(opts, rank, device, comm)))
+            .map(|(rank, (device, comm))| {
+                s.spawn(move || run_rank(opts, rank, device, comm, backward))
+            })
             .collect();
         handles.into_iter().map(|h| h.join().expect("a stress rank panicked")).collect()
     });
@@ -98,11 +121,12 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
 }
 
 /// One rank's loop; stops at the first engine error (after recording it as a failure).
-fn run_rank(
+fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
     opts: &StressOptions,
     rank: usize,
-    device: CpuDevice,
-    comm: CpuComm,
+    device: D,
+    comm: C,
+    backward: Backward<D>,
 ) -> Vec<Option<String>> {
     let layout = layout(opts.world);
     let options = EngineOptions {
@@ -117,7 +141,7 @@ fn run_rank(
         delayed_update: None,
     };
     let init = initial::<f32>(&layout);
-    let mut engine: Engine<CpuDevice, CpuComm, f32> =
+    let mut engine: Engine<D, C, f32> =
         match Engine::new(device.clone(), comm, layout.clone(), options, &init) {
             Ok(engine) => engine,
             Err(e) => return vec![Some(format!("rank {rank}: engine set-up failed: {e}"))],
@@ -134,7 +158,7 @@ fn run_rank(
         for micro in 1..=opts.accum {
             let k = iteration * opts.accum + micro - 1;
             let result =
-                engine.backward(|io, ready| forward_backward(&device, &layout, io, ready, rank, k));
+                engine.backward(|io, ready| backward(&device, &layout, io, ready, rank, k));
             if let Err(e) = result {
                 outcomes.push(Some(format!(
                     "iteration {iteration}, rank {rank}, micro-step {micro}: {e}"

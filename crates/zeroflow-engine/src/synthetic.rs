@@ -9,10 +9,11 @@
 
 use std::ops::Range;
 
-use zeroflow_core::Float;
 use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
+use zeroflow_core::{DType, Float};
 use zeroflow_device::cpu::KernelArgs;
-use zeroflow_device::{CpuDevice, Device, StreamKind};
+use zeroflow_device::cuda::KernelParams;
+use zeroflow_device::{CpuDevice, CudaDevice, Device, StreamKind};
 use zeroflow_optim::{
     AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, Output, SimdLevel, WeightDecayMode,
 };
@@ -88,6 +89,46 @@ pub fn forward_backward<P: Float>(
             }
             Ok(())
         })?;
+        grads_ready(range)?;
+    }
+    Ok(())
+}
+
+/// [`forward_backward`] on a GPU: the same gradients, bit for bit, from a kernel on the compute
+/// stream (one launch per parameter, each followed by `grads_ready`).
+pub fn forward_backward_cuda<P: Float>(
+    device: &CudaDevice,
+    layout: &FlatLayout,
+    io: ModelIo<'_, CudaDevice, P>,
+    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    rank: usize,
+    k: u64,
+) -> Result<(), EngineError> {
+    let kernel = match P::DTYPE {
+        DType::F32 => "synthetic_backward_f32",
+        DType::Bf16 => "synthetic_backward_bf16",
+        DType::F16 => "synthetic_backward_f16",
+        _ => return Err(EngineError::Usage("the synthetic model computes in f32, bf16 or f16")),
+    };
+    let module = device.load_module("synthetic", include_str!("../kernels/synthetic.cu"))?;
+    let function = module.function(kernel)?;
+    let compute = device.stream(StreamKind::Compute);
+    for param in layout.params().iter().rev() {
+        let range = param.flat_range();
+        let n = range.len() as u64;
+        let params = KernelParams::new()
+            .ptr(io.params, range.start)
+            .ptr(io.grads, range.start)
+            .u64(range.start as u64)
+            .u64(n)
+            .u64(rank as u64)
+            .u64(k)
+            .f32(io.loss_scale);
+        let blocks = n.div_ceil(256).min(4096) as u32;
+        // SAFETY: the arguments match `synthetic_backward_*` (two `P` pointers, four u64, one f32);
+        // both pointers address `n` elements inside the flat buffers (the range is a parameter of
+        // the layout the buffers were allocated for); the engine orders the compute stream.
+        unsafe { device.launch(compute, &function, blocks, 256, 0, &params)? };
         grads_ready(range)?;
     }
     Ok(())

@@ -2,6 +2,7 @@
 //! written: fresh, `--init-from` a Hugging Face directory, or `--resume` a checkpoint), the
 //! training loop ([`run`]), and what it leaves behind (metrics, plot, summary, checkpoints).
 
+mod backend;
 mod checkpoints;
 mod data;
 mod init;
@@ -75,6 +76,7 @@ pub enum Start {
 /// Everything a run needs, checked.
 #[derive(Debug)]
 pub struct Setup {
+    pub device: DeviceKind,
     pub model: GptConfig,
     pub data: Data,
     /// `--data` as given (or as the resumed checkpoint recorded it).
@@ -96,9 +98,6 @@ impl Setup {
     /// Checks the flags, the model, the data, the config, the checkpoint or initial weights, and
     /// that the output directory may be written; creates and changes nothing.
     pub fn from_args(mut args: Args) -> anyhow::Result<Setup> {
-        if args.device == DeviceKind::Cuda {
-            return Err(input("the CUDA model is not built yet; use --device cpu"));
-        }
         let resume = match &args.resume {
             Some(arg) => Some(checkpoints::find(arg, args.out.as_deref())?),
             None => None,
@@ -145,6 +144,7 @@ impl Setup {
             })?;
         }
         Ok(Setup {
+            device: args.device,
             model,
             data,
             data_arg,
@@ -347,10 +347,20 @@ fn resolve_config(args: &Args, model: &GptConfig, steps: u64) -> anyhow::Result<
                 .map_err(|e| input(format!("config {}: {e}", file.display())))?;
             (resolved, file.display().to_string())
         }
-        None => (
-            config::resolve_str(DEFAULT_CONFIG, &context).expect("the default config is valid"),
-            "the default config".to_owned(),
-        ),
+        None => {
+            // The CUDA model computes in bf16; the CPU one in f32.
+            let default = match args.device {
+                DeviceKind::Cpu => DEFAULT_CONFIG.to_owned(),
+                DeviceKind::Cuda => DEFAULT_CONFIG.replace(
+                    r#""zero_optimization""#,
+                    r#""bf16": { "enabled": true },
+  "zero_optimization""#,
+                ),
+            };
+            let resolved =
+                config::resolve_str(&default, &context).expect("the default config is valid");
+            (resolved, "the default config".to_owned())
+        }
     };
     for warning in &resolved.warnings {
         tracing::warn!("{name}: {warning}");
@@ -360,12 +370,23 @@ fn resolve_config(args: &Args, model: &GptConfig, steps: u64) -> anyhow::Result<
     }
     let config = resolved.config;
     check_flags_agree(args, &config, &name)?;
-    if config.precision != MixedPrecision::Fp32 {
-        let precision = format!("{:?}", config.precision.precision()).to_lowercase();
-        return Err(input(format!(
-            "{name} enables {precision}, but only fp32 works on the CPU: set {precision}.enabled \
-             to false (mixed precision needs --device cuda)"
-        )));
+    match (args.device, config.precision) {
+        (DeviceKind::Cpu, MixedPrecision::Fp32)
+        | (DeviceKind::Cuda, MixedPrecision::Bf16 { .. }) => {}
+        (DeviceKind::Cpu, precision) => {
+            let precision = format!("{:?}", precision.precision()).to_lowercase();
+            return Err(input(format!(
+                "{name} enables {precision}, but only fp32 works on the CPU: set \
+                 {precision}.enabled to false (mixed precision needs --device cuda)"
+            )));
+        }
+        (DeviceKind::Cuda, precision) => {
+            let precision = format!("{:?}", precision.precision()).to_lowercase();
+            return Err(input(format!(
+                "{name} trains in {precision}, but the CUDA model computes in bf16: set \
+                 bf16.enabled to true (and fp16.enabled to false)"
+            )));
+        }
     }
     Ok(config)
 }

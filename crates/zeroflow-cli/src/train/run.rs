@@ -1,4 +1,5 @@
-//! The training loop: one rank on the CPU device, the model driven through the ZeRO engine.
+//! The training loop: one rank, the model (on the CPU device or a GPU) driven through the ZeRO
+//! engine.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,28 +9,40 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use serde_json::json;
 use signal_hook::consts::{SIGINT, SIGTERM};
-use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{CpuDevice, Device as _};
+use zeroflow_core::Float;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
 use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, StepReport};
 use zeroflow_gpt::data::{Batch, DataLoader};
-use zeroflow_gpt::{CpuGpt, GptError, flat_layout, hf_tensors, init_params};
+use zeroflow_gpt::{GptError, flat_layout, hf_tensors, init_params};
 
+use super::backend::{self, Model};
 use super::checkpoints::{self, Extra, LrPosition, RunInfo};
 use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
-use super::{Setup, Start};
+use super::{DeviceKind, Setup, Start};
 
-type CpuEngine = Engine<CpuDevice, CpuComm, f32>;
+type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
 /// Trains as `setup` says (from its start: fresh, `--init-from` or `--resume`), saves
 /// checkpoints, writes the metrics, plot and summary, and prints the final evaluation loss (next
 /// to the entropy floor where it is known). SIGINT or SIGTERM ends the run after the current step
 /// with a checkpoint and the summary; a second one exits at once with code 130.
-pub fn run(mut setup: Setup) -> anyhow::Result<()> {
+pub fn run(setup: Setup) -> anyhow::Result<()> {
+    match setup.device {
+        DeviceKind::Cpu => run_on(setup, backend::open_cpu),
+        DeviceKind::Cuda => run_on(setup, backend::open_cuda),
+    }
+}
+
+fn run_on<M: Model>(
+    mut setup: Setup,
+    open: impl FnOnce(&Setup, &FlatLayout) -> anyhow::Result<backend::Opened<M>>,
+) -> anyhow::Result<()> {
     let start = Instant::now();
     let stop = stop_on_signals()?;
-    let mut trainer = Trainer::new(&setup)?;
+    let mut trainer = Trainer::<M>::new(&setup, open)?;
     log_start(&setup);
     let first = setup.start_step() + 1;
     let mut recorder = match &setup.start {
@@ -95,9 +108,9 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
-fn summary(
+fn summary<M: Model>(
     setup: &Setup,
-    trainer: &Trainer,
+    trainer: &Trainer<M>,
     recorder: &Recorder,
     done: u64,
     eval_loss: f64,
@@ -122,7 +135,7 @@ fn summary(
         "wall_s": wall.as_secs_f64(),
         "train_s": train_s,
         "seed": setup.seed,
-        "device": "cpu",
+        "device": trainer.device_description,
         "world_size": 1,
         "data": setup.data.description,
         "model": setup.model,
@@ -158,10 +171,11 @@ fn log_start(setup: &Setup) {
     );
 }
 
-/// The engine, the model on the CPU device, and what a step needs.
-struct Trainer {
-    engine: CpuEngine,
-    model: CpuGpt,
+/// The engine, the model on its device, and what a step needs.
+struct Trainer<M: Model> {
+    engine: ModelEngine<M>,
+    model: M,
+    device_description: String,
     /// The checkpoint's tensors: Hugging Face names over the flat buffer.
     tensors: Vec<NamedTensor>,
     schedule: LrSchedule,
@@ -173,8 +187,11 @@ struct Trainer {
     train_time: Duration,
 }
 
-impl Trainer {
-    fn new(setup: &Setup) -> anyhow::Result<Trainer> {
+impl<M: Model> Trainer<M> {
+    fn new(
+        setup: &Setup,
+        open: impl FnOnce(&Setup, &FlatLayout) -> anyhow::Result<backend::Opened<M>>,
+    ) -> anyhow::Result<Self> {
         let (model, config) = (&setup.model, &setup.config);
         let layout = flat_layout(model, 1).context("cannot lay out the model")?;
         let weights = match &setup.start {
@@ -185,13 +202,12 @@ impl Trainer {
             }
             Start::InitFrom { weights, .. } | Start::Resume { weights, .. } => weights.clone(),
         };
-        let device = CpuDevice::new()?;
-        let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
-            .pop()
-            .expect("a group of one");
+        let backend::Opened { device, comm, model: gpt } = open(setup, &layout)?;
+        let device_description = device.describe();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let options = EngineOptions::from_config(config, threads);
-        let mut engine = Engine::new(device.clone(), comm, layout.clone(), options, &weights)?;
+        let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
+        let mut engine = Engine::new(device, comm, layout.clone(), options, &initial)?;
         let mut train_time = Duration::ZERO;
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
@@ -203,7 +219,7 @@ impl Trainer {
                 scaler: &meta.scaler,
             };
             engine
-                .restore(&weights, &restore)
+                .restore(&initial, &restore)
                 .map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
         }
@@ -211,7 +227,8 @@ impl Trainer {
         let accum = config.batch.gradient_accumulation_steps;
         Ok(Trainer {
             engine,
-            model: CpuGpt::new(&device, model, &layout, batch as usize, model.context)?,
+            model: gpt,
+            device_description,
             tensors: super::checkpoints_tensors(&hf_tensors(model, &layout)?),
             schedule: LrSchedule::from_config(config),
             accum,
@@ -225,7 +242,15 @@ impl Trainer {
     /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]).
     fn save(&mut self, step: u64, setup: &Setup) -> anyhow::Result<PathBuf> {
         let snapshot = self.engine.snapshot()?;
-        let weights = self.engine.device().download(self.engine.params())?;
+        // Saved as f32 whatever the device trains in (bf16 and f16 widen exactly), so that every
+        // checkpoint resumes and exports the same way.
+        let weights: Vec<f32> = self
+            .engine
+            .device()
+            .download(self.engine.params())?
+            .into_iter()
+            .map(Float::to_f32)
+            .collect();
         let extra = Extra {
             model: setup.model,
             config: setup.config.to_json(),
@@ -325,12 +350,12 @@ impl Trainer {
 
 /// One micro-step's forward and backward through the engine. The model reports each group of
 /// finished gradients to the engine as backward queues it.
-fn forward_backward(engine: &mut CpuEngine, model: &mut CpuGpt) -> anyhow::Result<()> {
+fn forward_backward<M: Model>(engine: &mut ModelEngine<M>, model: &mut M) -> anyhow::Result<()> {
     let mut model_error: Option<GptError> = None;
     let result = engine.backward(|io, grads_ready| {
         let mut engine_error: Option<EngineError> = None;
         let queued = model.forward(io.params).and_then(|()| {
-            model.backward(io.params, io.grads, f64::from(io.loss_scale), |ready| {
+            model.backward(io.params, io.grads, f64::from(io.loss_scale), &mut |ready| {
                 if engine_error.is_none() {
                     engine_error = grads_ready(ready.flat_range.clone()).err();
                 }
