@@ -31,7 +31,7 @@ fn the_json_form_carries_the_same_counts() {
 #[test]
 fn unsupported_choices_are_input_errors() {
     for args in [
-        &["stress", "--device", "cuda"][..],
+        &["stress", "--device", "cuda", "--chaos", "1"][..],
         &["stress", "--device", "tpu"],
         &["stress", "--gpu-load"],
         &["stress", "--world", "0"],

@@ -182,10 +182,10 @@ const BAD_INPUTS: &[BadInput] = &[
         message: "--micro-batch 4 conflicts with",
     },
     BadInput {
-        name: "cuda",
+        name: "fp16_on_cuda",
         args: &["--device", "cuda"],
-        config: None,
-        message: "the CUDA model is not built yet; use --device cpu",
+        config: Some(r#"{"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": true}}"#),
+        message: "the CUDA model computes in bf16",
     },
     BadInput {
         name: "bf16_on_cpu",
@@ -194,6 +194,25 @@ const BAD_INPUTS: &[BadInput] = &[
         message: "only fp32 works on the CPU",
     },
 ];
+
+/// Without a GPU (CI), `--device cuda` fails before writing anything, naming what is missing.
+#[test]
+fn cuda_without_a_gpu_says_what_is_missing_and_writes_nothing() {
+    let dir = scratch("cuda_without_gpu");
+    let out = dir.join("run");
+    let run = train(&["--device", "cuda", "--steps", "2", "--out", out.to_str().unwrap()]);
+    if run.status.success() {
+        println!("skipped: this machine has a GPU (the run trained)");
+        return;
+    }
+    let stderr = text(&run.stderr);
+    assert!(
+        stderr.contains("libcuda") || stderr.contains("no CUDA device"),
+        "expected the missing driver or GPU to be named: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!out.exists(), "nothing may be written when the device cannot open");
+}
 
 #[test]
 fn bad_inputs_exit_2_with_a_message_and_write_nothing() {

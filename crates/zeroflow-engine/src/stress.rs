@@ -12,9 +12,12 @@ use std::time::Duration;
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{Chaos, Comm, CpuDevice, HostMemory};
+use zeroflow_device::cuda::nccl::NcclComm;
+use zeroflow_device::{Chaos, Comm, CpuDevice, CudaDevice, HostMemory};
 
-use crate::synthetic::{Reference, adamw_config, forward_backward, initial, layout};
+use crate::synthetic::{
+    Reference, adamw_config, forward_backward, forward_backward_cuda, initial, layout,
+};
 use crate::{DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Stage};
 
 /// What to run.
@@ -74,6 +77,16 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
     // others fail this long after, instead of hanging.
     let comms = CpuComm::group(&devices, Duration::from_secs(5));
     run_ranks(opts, devices, comms, forward_backward::<f32>)
+}
+
+/// Runs the protocol on GPUs `0..opts.world`, one thread per rank, NCCL between them. `chaos`
+/// does not apply (the GPU's own asynchrony is the test); load the GPU from another stream
+/// meanwhile to widen the windows in which a missing wait would show.
+pub fn run_cuda(opts: &StressOptions) -> Result<StressReport, EngineError> {
+    let devices: Vec<CudaDevice> =
+        (0..opts.world).map(CudaDevice::new).collect::<Result<_, _>>()?;
+    let comms = NcclComm::group(&devices)?;
+    Ok(run_ranks(opts, devices, comms, forward_backward_cuda::<f32>))
 }
 
 /// The backward of the synthetic model on one device kind.

@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod float;
@@ -22,6 +23,7 @@ pub mod plan;
 
 pub use config::{GptConfig, NAMED_SIZES};
 pub use cpu::{CpuGpt, init_params_on_device};
+pub use cuda::CudaGpt;
 pub use error::GptError;
 pub use float::Float;
 pub use host::HostGpt;

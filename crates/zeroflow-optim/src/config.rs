@@ -80,9 +80,10 @@ impl AdamWConfig {
     }
 }
 
-/// The scalars of one optimizer step, computed once in f64 and rounded to f32 for the kernels.
+/// The scalars of one optimizer step, computed once in f64 and rounded to f32 for the kernels
+/// (the CPU's here, the GPU's in zeroflow-device, which compute the same expressions).
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct StepScalars {
+pub struct StepScalars {
     /// Multiplies every gradient: 1 / loss scale × clip coefficient.
     pub grad_scale: f32,
     /// `wd` in L2 mode, 0 otherwise: `g = fma(p, l2, g)`.
@@ -159,6 +160,11 @@ impl AdamWStep {
     /// The factor every gradient is multiplied by.
     pub fn grad_scale(&self) -> f32 {
         self.scalars.grad_scale
+    }
+
+    /// The per-step scalars the kernels use (for kernels outside this crate, such as the GPU's).
+    pub fn scalars(&self) -> StepScalars {
+        self.scalars
     }
 }
 

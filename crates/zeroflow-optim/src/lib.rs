@@ -49,7 +49,7 @@ pub mod roofline;
 mod simd;
 mod workload;
 
-pub use config::{AdamW, AdamWConfig, AdamWStep, WeightDecayMode};
+pub use config::{AdamW, AdamWConfig, AdamWStep, StepScalars, WeightDecayMode};
 pub use error::OptimError;
 pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Stores};
 pub use half::bf16;

@@ -66,23 +66,28 @@ fn cuda_driver(report: &CudaReport) -> String {
     let driver = match &report.driver {
         Ok(cuda) => cuda,
         Err(error) if error.to_string().contains("CUDA_ERROR_NO_DEVICE") => {
-            return "CUDA driver found, but it sees no GPU; zeroflow runs on the CPU".into();
+            return "no GPU found (the CUDA driver sees none); zeroflow runs on the CPU".into();
         }
         Err(error) if is_absent(error) => {
             return format!(
-                "no CUDA driver found ({}); zeroflow runs on the CPU",
+                "no GPU found (no CUDA driver: {}); zeroflow runs on the CPU",
                 short_reason(error)
             );
         }
         Err(error) => {
-            return format!("the CUDA driver cannot be used ({error}); zeroflow runs on the CPU");
+            return format!(
+                "no GPU usable (the CUDA driver fails: {error}); zeroflow runs on the CPU"
+            );
         }
     };
     let kernel =
         report.kernel_driver.as_deref().map(|v| format!("driver {v}, ")).unwrap_or_default();
     match &report.gpus {
         Ok(gpus) if gpus.is_empty() => {
-            format!("{kernel}CUDA {driver}, but no GPU visible (check CUDA_VISIBLE_DEVICES)")
+            format!(
+                "no GPU found ({kernel}CUDA {driver}, but no GPU visible: check \
+                 CUDA_VISIBLE_DEVICES); zeroflow runs on the CPU"
+            )
         }
         Ok(gpus) => {
             let names: Vec<String> = gpus.iter().map(GpuInfo::to_string).collect();

@@ -1,6 +1,10 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod bench_copy;
+pub mod bench_gemm;
+pub mod bench_gpt;
+pub mod bench_train;
 pub mod config;
 pub mod env;
 pub mod export;

@@ -2,7 +2,9 @@
 
 use anyhow::bail;
 use serde_json::json;
-use zeroflow_engine::stress::{StressOptions, run_cpu};
+use zeroflow_device::CudaDevice;
+use zeroflow_device::cuda::load::GemmLoad;
+use zeroflow_engine::stress::{StressOptions, run_cpu, run_cuda};
 
 use crate::InputError;
 
@@ -30,30 +32,55 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    match args.device.as_str() {
-        "cpu" => {}
-        "cuda" => {
-            return Err(InputError::from_display(
-                "stress --device cuda needs the CUDA engine path, which is not built yet; \
-                 use --device cpu --chaos SEED",
-            ));
-        }
+    let cuda = match args.device.as_str() {
+        "cpu" => false,
+        "cuda" => true,
         other => {
             return Err(InputError::from_display(format!(
                 "--device: expected cpu or cuda, found {other:?}"
             )));
         }
-    }
-    if args.gpu_load {
+    };
+    if args.gpu_load && !cuda {
         return Err(InputError::from_display("--gpu-load needs --device cuda"));
+    }
+    if args.chaos.is_some() && cuda {
+        return Err(InputError::from_display(
+            "--chaos delays the CPU device's streams; on a GPU use --gpu-load instead",
+        ));
     }
     if args.world == 0 {
         return Err(InputError::from_display("--world must be at least 1"));
     }
     let command: Vec<String> = std::env::args().collect();
     let started = std::time::Instant::now();
-    let report = run_cpu(&StressOptions::new(args.iters, args.world, args.chaos));
+    let opts = StressOptions::new(args.iters, args.world, args.chaos);
+    let (report, load_gemms) = if cuda {
+        let load = if args.gpu_load {
+            let device = CudaDevice::new(0)?;
+            Some(GemmLoad::start(&device, 8192)?)
+        } else {
+            None
+        };
+        let report = run_cuda(&opts)?;
+        (report, load.map(GemmLoad::finish).transpose()?)
+    } else {
+        (run_cpu(&opts), None)
+    };
     let wall_s = started.elapsed().as_secs_f64();
+    let device = if cuda {
+        format!(
+            "cuda, {} GPU rank(s), GEMM load {}",
+            args.world,
+            load_gemms.map_or("off".to_string(), |n| format!("on ({n} bf16 8192³ GEMMs ran)"))
+        )
+    } else {
+        format!(
+            "cpu, {} in-process ranks, chaos {}",
+            args.world,
+            args.chaos.map_or("off".to_string(), |s| format!("seed {s}"))
+        )
+    };
     let env = super::env::collect();
     let protocol = "ZeRO-2 + CPU offload + gradient accumulation 4 on the synthetic model; after \
                     every backward each rank's host gradient accumulator is read through the \
@@ -63,7 +90,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let out = json!({
             "command": command.join(" "),
             "protocol": protocol,
-            "device": "cpu",
+            "device": device,
+            "gpu_load_gemms": load_gemms,
             "world": args.world,
             "chaos_seed": args.chaos,
             "iterations_requested": args.iters,
@@ -78,11 +106,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         println!("command     {}", command.join(" "));
         println!("protocol    {protocol}");
-        println!(
-            "device      cpu, {} in-process ranks, chaos {}",
-            args.world,
-            args.chaos.map_or("off".to_string(), |s| format!("seed {s}"))
-        );
+        println!("device      {device}");
         println!("environment {}", serde_json::to_string(&env)?);
         println!("iterations  {} of {} ({wall_s:.1} s)", report.iterations, args.iters);
         println!("passed      {}", report.passed);

@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{Comm, CpuDevice, Device};
+use zeroflow_device::cuda::nccl::NcclComm;
+use zeroflow_device::{Comm, CpuDevice, CudaDevice, Device};
 use zeroflow_engine::DeviceAdamW;
-use zeroflow_gpt::{CpuGpt, GptError, GradsReady};
-
-use super::Setup;
+use zeroflow_gpt::cuda::CudaGpt;
+use zeroflow_gpt::{CpuGpt, GptConfig, GptError, GradsReady};
 
 /// A model the trainer drives through the engine: the CPU model or the CUDA one.
 pub trait Model: Sized {
@@ -76,18 +76,63 @@ impl Model for CpuGpt {
     }
 }
 
+/// How to open a device kind: the model's shape, the micro-batch (sequences) and the flat layout.
+pub type Open<M> = fn(&GptConfig, usize, &FlatLayout) -> anyhow::Result<Opened<M>>;
+
 /// The CPU device, a communicator of one, and the model in f32.
-pub fn open_cpu(setup: &Setup, layout: &FlatLayout) -> anyhow::Result<Opened<CpuGpt>> {
+pub fn open_cpu(
+    model: &GptConfig,
+    micro_batch: usize,
+    layout: &FlatLayout,
+) -> anyhow::Result<Opened<CpuGpt>> {
     let device = CpuDevice::new()?;
     let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
         .pop()
         .expect("a group of one");
-    let batch = setup.config.batch.micro_batch_size_per_gpu as usize;
-    let model = CpuGpt::new(&device, &setup.model, layout, batch, setup.model.context)?;
+    let model = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
     Ok(Opened { device, comm, model })
 }
 
-/// GPU 0 (the CUDA model is not built yet).
-pub fn open_cuda(_setup: &Setup, _layout: &FlatLayout) -> anyhow::Result<Opened<CpuGpt>> {
-    Err(super::input("the CUDA model is not built yet; use --device cpu"))
+impl Model for CudaGpt {
+    type Device = CudaDevice;
+    type Comm = NcclComm;
+    type P = bf16;
+
+    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
+        CudaGpt::set_batch(self, inputs, targets)
+    }
+
+    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
+        CudaGpt::forward(self, params)
+    }
+
+    fn loss(&mut self) -> Result<f32, GptError> {
+        CudaGpt::loss(self)
+    }
+
+    fn backward(
+        &mut self,
+        params: &Buffer<Self>,
+        grads: &Buffer<Self>,
+        loss_scale: f64,
+        on_ready: &mut dyn FnMut(&GradsReady),
+    ) -> Result<(), GptError> {
+        CudaGpt::backward(self, params, grads, loss_scale, on_ready)
+    }
+}
+
+/// GPU 0, an NCCL communicator of one, and the model in bf16.
+pub fn open_cuda(
+    model: &GptConfig,
+    micro_batch: usize,
+    layout: &FlatLayout,
+) -> anyhow::Result<Opened<CudaGpt>> {
+    let device = CudaDevice::new(0)?;
+    let comm = NcclComm::group(std::slice::from_ref(&device))?.pop().expect("a group of one");
+    let model = CudaGpt::new(&device, model, layout, micro_batch, model.context)?;
+    tracing::info!(
+        "GPU model: {:.2} GiB of activations and scratch",
+        model.activation_bytes() as f64 / f64::from(1u32 << 30)
+    );
+    Ok(Opened { device, comm, model })
 }

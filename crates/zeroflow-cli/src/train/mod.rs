@@ -2,13 +2,13 @@
 //! written: fresh, `--init-from` a Hugging Face directory, or `--resume` a checkpoint), the
 //! training loop ([`run`]), and what it leaves behind (metrics, plot, summary, checkpoints).
 
-mod backend;
+pub mod backend;
 mod checkpoints;
 mod data;
 mod init;
 mod output;
 mod plot;
-mod run;
+pub(crate) mod run;
 mod schedule;
 
 use std::num::{NonZeroU32, NonZeroU64};

@@ -10,7 +10,6 @@ use anyhow::Context as _;
 use serde_json::json;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_core::Float;
-use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
 use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, StepReport};
@@ -23,7 +22,7 @@ use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
 use super::{DeviceKind, Setup, Start};
 
-type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
+pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
 /// Trains as `setup` says (from its start: fresh, `--init-from` or `--resume`), saves
 /// checkpoints, writes the metrics, plot and summary, and prints the final evaluation loss (next
@@ -36,10 +35,7 @@ pub fn run(setup: Setup) -> anyhow::Result<()> {
     }
 }
 
-fn run_on<M: Model>(
-    mut setup: Setup,
-    open: impl FnOnce(&Setup, &FlatLayout) -> anyhow::Result<backend::Opened<M>>,
-) -> anyhow::Result<()> {
+fn run_on<M: Model>(mut setup: Setup, open: backend::Open<M>) -> anyhow::Result<()> {
     let start = Instant::now();
     let stop = stop_on_signals()?;
     let mut trainer = Trainer::<M>::new(&setup, open)?;
@@ -188,10 +184,7 @@ struct Trainer<M: Model> {
 }
 
 impl<M: Model> Trainer<M> {
-    fn new(
-        setup: &Setup,
-        open: impl FnOnce(&Setup, &FlatLayout) -> anyhow::Result<backend::Opened<M>>,
-    ) -> anyhow::Result<Self> {
+    fn new(setup: &Setup, open: backend::Open<M>) -> anyhow::Result<Self> {
         let (model, config) = (&setup.model, &setup.config);
         let layout = flat_layout(model, 1).context("cannot lay out the model")?;
         let weights = match &setup.start {
@@ -202,7 +195,8 @@ impl<M: Model> Trainer<M> {
             }
             Start::InitFrom { weights, .. } | Start::Resume { weights, .. } => weights.clone(),
         };
-        let backend::Opened { device, comm, model: gpt } = open(setup, &layout)?;
+        let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
+        let backend::Opened { device, comm, model: gpt } = open(model, micro_batch, &layout)?;
         let device_description = device.describe();
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let options = EngineOptions::from_config(config, threads);
@@ -350,7 +344,10 @@ impl<M: Model> Trainer<M> {
 
 /// One micro-step's forward and backward through the engine. The model reports each group of
 /// finished gradients to the engine as backward queues it.
-fn forward_backward<M: Model>(engine: &mut ModelEngine<M>, model: &mut M) -> anyhow::Result<()> {
+pub(crate) fn forward_backward<M: Model>(
+    engine: &mut ModelEngine<M>,
+    model: &mut M,
+) -> anyhow::Result<()> {
     let mut model_error: Option<GptError> = None;
     let result = engine.backward(|io, grads_ready| {
         let mut engine_error: Option<EngineError> = None;

@@ -62,6 +62,11 @@ impl<T: Element> CudaBuffer<T> {
         assert!(index <= self.len, "index {index} beyond a buffer of {} elements", self.len);
         self.ptr + (index * size_of::<T>()) as u64
     }
+
+    /// The device the buffer belongs to.
+    pub(super) fn device(&self) -> &Arc<Inner> {
+        &self.device
+    }
 }
 
 impl<T: Element> DeviceBuffer for CudaBuffer<T> {

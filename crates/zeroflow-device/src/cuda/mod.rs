@@ -13,10 +13,15 @@
 //! Device memory is raw `cuMemAlloc` memory owned by [`CudaBuffer`]; pinned host memory comes from
 //! `cuMemHostAlloc` with flags 0 (cached, not write-combined) and becomes a common [`HostBuffer`].
 
+pub mod bench;
+pub mod blas;
 pub mod info;
+pub mod kernels;
 pub mod library;
+pub mod load;
 mod memory;
 pub mod module;
+pub mod nccl;
 
 use std::fmt;
 use std::ops::Range;
@@ -49,6 +54,7 @@ struct Inner {
     description: String,
     compute_capability: (i32, i32),
     modules: module::ModuleCache,
+    engine_kernels: std::sync::OnceLock<kernels::EngineKernels>,
 }
 
 impl Inner {
@@ -199,6 +205,7 @@ impl CudaDevice {
                 description: gpu.to_string(),
                 compute_capability: gpu.compute_capability,
                 modules: module::ModuleCache::default(),
+                engine_kernels: std::sync::OnceLock::new(),
             }),
         })
     }

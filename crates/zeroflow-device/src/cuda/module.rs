@@ -216,6 +216,15 @@ impl CudaFunction {
         &self.name
     }
 
+    /// How many blocks of `block_threads` threads, each with `shared_bytes` of dynamic shared
+    /// memory, one SM runs at once (the size of a grid that fills the GPU in one wave is this
+    /// times the SM count). The device's context must be current.
+    pub fn max_active_blocks_per_sm(&self, block_threads: u32, shared_bytes: usize) -> Result<u32> {
+        self.function
+            .occupancy_max_active_blocks_per_multiprocessor(block_threads, shared_bytes, None)
+            .map_err(|e| driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))
+    }
+
     /// Allows the kernel up to `bytes` of dynamic shared memory (needed above 48 KiB).
     pub fn set_max_dynamic_shared(&self, bytes: u32) -> Result<()> {
         let attribute =

@@ -59,7 +59,7 @@ fn fill_sets_every_element_type_with_the_narrowest_memset() {
 #[test]
 fn a_copy_after_a_fill_on_another_stream_sees_the_fill_through_the_event() {
     let Some(device) = gpu() else { return };
-    let load = Load::new(&device, 256);
+    let load = Load::new(&device);
     let len = 16 << 20;
     let buffer = device.alloc::<u32>(len).unwrap();
     let mut host = device.alloc_host::<u32>(len, HostMemory::Pinned).unwrap();
@@ -67,7 +67,7 @@ fn a_copy_after_a_fill_on_another_stream_sees_the_fill_through_the_event() {
     for value in 1..=20u32 {
         // The fill waits behind the load, so a copy that did not wait for it would see the
         // previous value.
-        let busy = load.run(&device, 8);
+        let busy = load.run(&device, 2);
         device.wait_event(compute, &busy).unwrap();
         device.fill(compute, &buffer, 0..len, value).unwrap();
         let mut filled = device.new_event().unwrap();

@@ -6,10 +6,15 @@
 //! instead. Run with `--test-threads=1 --nocapture`: the tests share the GPU and print figures.
 //! Lines starting with `RESULT ` are collected by `scripts/gpu-run.sh` into its table.
 
-mod bandwidth;
+mod blas;
+mod compile;
 mod copies;
+mod kernels;
+mod nccl;
 mod pinned;
 
+use zeroflow_core::dtype::bf16;
+use zeroflow_device::cuda::blas::{Blas, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaStream, is_absent, short_reason};
 use zeroflow_device::{CudaDevice, Device};
 
@@ -30,32 +35,47 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-/// Keeps the GPU busy from its own stream: large device-to-device copies back and forth.
+/// Keeps the GPU busy from its own stream, as the training step's compute does: square bf16 GEMMs
+/// through cuBLASLt (8192³ by default, ~1.4 ms each on an H200; `ZEROFLOW_LOAD_GEMM=n` changes n).
 struct Load {
     stream: CudaStream,
-    a: CudaBuffer<u32>,
-    b: CudaBuffer<u32>,
+    /// Its own `Blas`: the workspace is used from the load stream only.
+    blas: Blas,
+    problem: Matmul,
+    a: CudaBuffer<bf16>,
+    b: CudaBuffer<bf16>,
+    d: CudaBuffer<bf16>,
 }
 
 impl Load {
-    /// Two buffers of `mib` MiB each.
-    fn new(device: &CudaDevice, mib: usize) -> Self {
-        let len = mib << 18;
-        Load {
-            stream: device.new_stream("load").unwrap(),
-            a: device.alloc(len).unwrap(),
-            b: device.alloc(len).unwrap(),
-        }
+    fn new(device: &CudaDevice) -> Self {
+        let n = env_usize("ZEROFLOW_LOAD_GEMM", 8192);
+        let stream = device.new_stream("load").unwrap();
+        let (a, b, d) = (
+            device.alloc(n * n).unwrap(),
+            device.alloc(n * n).unwrap(),
+            device.alloc(n * n).unwrap(),
+        );
+        device.fill(&stream, &a, 0..n * n, bf16::from_f32(1.0)).unwrap();
+        device.fill(&stream, &b, 0..n * n, bf16::from_f32(0.5)).unwrap();
+        let blas = Blas::new(device).unwrap_or_else(|e| panic!("cuBLASLt for the GEMM load: {e}"));
+        Load { stream, blas, problem: Matmul::col_major(n, n, n, false, false), a, b, d }
     }
 
-    /// Enqueues `copies` copies of one buffer into the other and returns an event recorded after
-    /// them.
-    fn run(&self, device: &CudaDevice, copies: usize) -> <CudaDevice as Device>::Event {
-        use zeroflow_device::DeviceBuffer;
-        let len = self.a.len();
-        for i in 0..copies {
-            let (src, dst) = if i % 2 == 0 { (&self.a, &self.b) } else { (&self.b, &self.a) };
-            device.copy_d2d(&self.stream, src, 0..len, dst, 0).unwrap();
+    /// What the load is, for the printed results ("gemm8192").
+    fn name(&self) -> String {
+        format!("gemm{}", self.problem.m)
+    }
+
+    /// Enqueues `gemms` GEMMs on the load stream and returns an event recorded after them.
+    fn run(&self, device: &CudaDevice, gemms: usize) -> <CudaDevice as Device>::Event {
+        let operands = MatmulOperands::new(
+            Operand::of(&self.a, 0),
+            Operand::of(&self.b, 0),
+            Operand::of(&self.d, 0),
+        );
+        for _ in 0..gemms {
+            self.blas.matmul(&self.stream, &self.problem, operands).unwrap();
         }
         let mut event = device.new_event().unwrap();
         device.record(&mut event, &self.stream).unwrap();

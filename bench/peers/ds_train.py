@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""DeepSpeed ZeRO-2 training steps of a GPT-2-family model (Hugging Face GPT2LMHeadModel, sdpa
+attention, bf16), the peer of `zeroflow bench train`:
+
+    python3 bench/peers/ds_train.py --mode offload --model gpt-1.3b --micro-batch 8 --steps 12
+
+Modes: `gpu` (ZeRO-2, optimizer on the GPU), `offload` (ZeRO-2 + CPU optimizer offload, pinned),
+`zenflow` (ZeRO-2 + offload + ZenFlow: topk 0.05, update_interval 4, overlap_step). Prints one JSON
+object: median and mean seconds per optimizer step (after the warm-up steps), tokens/s, peak GPU
+memory. Needs DeepSpeed on PYTHONPATH (bench/peers/README.md) and, for one process,
+RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>."""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+SIZES = {
+    "gpt2-124m": (12, 768, 12, 50304, 1024),
+    "gpt2-350m": (24, 1024, 16, 50304, 1024),
+    "gpt-1.3b": (24, 2048, 16, 50304, 1024),
+}
+
+
+def ds_config(mode, micro_batch):
+    zero = {
+        "stage": 2,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        "allgather_bucket_size": 5e8,
+    }
+    if mode in ("offload", "zenflow"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if mode == "zenflow":
+        zero["zenflow"] = {
+            "topk_ratio": 0.05,
+            "update_interval": 4,
+            "full_warm_up_rounds": 0,
+            "overlap_step": True,
+        }
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0},
+        },
+        "zero_optimization": zero,
+        "steps_per_print": 1000000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="offload", choices=["gpu", "offload", "zenflow"])
+    parser.add_argument("--model", default="gpt-1.3b", choices=sorted(SIZES))
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    args = parser.parse_args()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+    import deepspeed
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_layer, d, n_head, vocab, context = SIZES[args.model]
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=d, n_head=n_head, vocab_size=vocab, n_positions=context,
+        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(),
+        config=ds_config(args.mode, args.micro_batch))
+    tokens = torch.randint(0, vocab, (args.micro_batch, args.seq + 1), device=engine.device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = engine(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    tokens_per_step = args.micro_batch * args.seq
+    print(json.dumps({
+        "system": "deepspeed",
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+        "mode": args.mode,
+        "model": args.model,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "micro_batch": args.micro_batch,
+        "seq": args.seq,
+        "s_per_step_median": statistics.median(times),
+        "s_per_step_mean": statistics.mean(times),
+        "tokens_per_s": tokens_per_step / statistics.mean(times),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "times": times,
+        "losses": losses,
+    }))
+
+
+if __name__ == "__main__":
+    main()

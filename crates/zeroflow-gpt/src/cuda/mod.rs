@@ -1,0 +1,335 @@
+//! The GPT model on an NVIDIA GPU: [`CudaGpt`], the twin of [`crate::CpuGpt`] for the engine.
+//!
+//! It walks the same [`Plan`] (so the ranges, the order of the launches and the
+//! [`GradsReady`] notices are single-sourced), through a [`schedule::Schedule`] that places the
+//! plan's ranges in GPU buffers, fuses the fc matmul with its GELU (forward and backward), and
+//! lets the first write of each activation gradient overwrite it. Storage is bf16 (parameters,
+//! gradients, activations, activation gradients); every kernel and matmul accumulates in f32, and
+//! the LayerNorm statistics and the losses are kept in f32.
+//!
+//! Matmuls go through cuBLASLt ([`Blas`]), attention through [`attention::CudaAttention`], the
+//! rest through the kernels of `kernels/*.cu` ([`kernels`]). Everything is allocated and loaded in
+//! [`CudaGpt::new`]; forward and backward only queue work on the compute stream and never wait
+//! for the GPU.
+//!
+//! Gradients of parameters are added deterministically: weight gradients by cuBLASLt with
+//! `beta = 1`, bias and LayerNorm gradients by column sums in two fixed-order steps in f32 (then
+//! added to the bf16 gradient once), the token embedding's by buckets of equal tokens sorted on
+//! the host, the position embedding's by one thread per element. The model's kernels use no
+//! atomics, so with cuBLASLt's algorithms fixed (they are picked once per problem) the same batch
+//! gives the same bits.
+
+pub mod attention;
+mod exec;
+pub mod kernels;
+pub mod schedule;
+mod tokens;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use zeroflow_core::bf16;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::cuda::blas::Blas;
+use zeroflow_device::cuda::{CudaBuffer, CudaEvent, CudaStream};
+use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
+
+use self::attention::CudaAttention;
+use self::kernels::{GptKernels, chunks_for};
+use self::schedule::{BackwardOp, OpKind, Schedule};
+use self::tokens::Tokens;
+use crate::GptConfig;
+use crate::error::GptError;
+use crate::kernels::Kernel;
+use crate::params::{GradsReady, ParamRanges};
+use crate::plan::Plan;
+
+/// A model for one (batch, seq) whose activations live on a GPU. The engine owns the flat bf16
+/// parameter and gradient buffers and passes them to each call.
+#[derive(Debug)]
+pub struct CudaGpt {
+    device: CudaDevice,
+    config: GptConfig,
+    padded_len: usize,
+    plan: Plan,
+    schedule: Schedule,
+    kernels: GptKernels,
+    blas: Arc<Blas>,
+    attention: CudaAttention,
+    acts: CudaBuffer<bf16>,
+    act_grads: CudaBuffer<bf16>,
+    stats: CudaBuffer<f32>,
+    /// The first step's partial sums of the column sums (bias and LayerNorm gradients).
+    column_partials: CudaBuffer<f32>,
+    tokens: Tokens,
+    loss_host: HostBuffer<f32>,
+    loss_written: CudaEvent,
+}
+
+/// The GPU memory a [`CudaGpt`] holds, in bytes (the parameters and gradients are the engine's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActivationMemory {
+    /// bf16 activations kept from forward for backward (the attention weights included).
+    pub activations: usize,
+    /// bf16 activation gradients, packed by liveness.
+    pub activation_grads: usize,
+    /// f32 LayerNorm statistics and losses.
+    pub stats: usize,
+    /// Scratch: attention's head-major tensors, column-sum partials, token ids.
+    pub scratch: usize,
+}
+
+/// Choices of [`CudaGpt::with_options`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaGptOptions {
+    /// Fuse GELU into the fc matmul's cuBLASLt epilogues, forward (`BiasGelu`) and backward
+    /// (`DGelu`), where the width is a multiple of 8. On by default; off runs the GELU kernels
+    /// (for comparisons).
+    pub fuse_gelu: bool,
+}
+
+impl Default for CudaGptOptions {
+    fn default() -> Self {
+        CudaGptOptions { fuse_gelu: true }
+    }
+}
+
+impl ActivationMemory {
+    pub fn total(&self) -> usize {
+        self.activations + self.activation_grads + self.stats + self.scratch
+    }
+}
+
+impl CudaGpt {
+    /// Loads the kernels, creates a cuBLASLt handle and allocates everything forward and backward
+    /// use, for micro-batches of `batch` sequences of `seq` tokens.
+    pub fn new(
+        device: &CudaDevice,
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Self, GptError> {
+        let blas = Arc::new(Blas::new(device)?);
+        Self::with_options(device, blas, config, layout, batch, seq, CudaGptOptions::default())
+    }
+
+    /// [`CudaGpt::new`] with a cuBLASLt handle shared with other users of the compute stream,
+    /// and options.
+    pub fn with_options(
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: CudaGptOptions,
+    ) -> Result<Self, GptError> {
+        let plan = Plan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
+        let widest = [plan.tokens(), config.padded_vocab_size(), 4 * config.d_model];
+        if widest.iter().any(|&size| u32::try_from(size + 1).is_err()) {
+            return Err(GptError::Batch(format!(
+                "batch {batch} × seq {seq} with width {} and vocabulary {}: the kernels index \
+                 rows and columns with 32 bits",
+                config.d_model,
+                config.padded_vocab_size()
+            )));
+        }
+        let schedule = Schedule::new(&plan, options.fuse_gelu)?;
+        let attention =
+            CudaAttention::new(device, blas.clone(), batch, seq, config.d_model, config.n_head)?;
+        let partials = column_partials_len(&schedule);
+        let compute = device.stream(StreamKind::Compute);
+        let mut loss_written = device.new_event()?;
+        // Recorded once so that `loss` before any forward waits for nothing and reads 0.
+        device.record(&mut loss_written, compute)?;
+        Ok(CudaGpt {
+            kernels: GptKernels::load(device)?,
+            acts: device.alloc(schedule.acts_len)?,
+            act_grads: device.alloc(schedule.act_grads_len)?,
+            stats: device.alloc(schedule.stats_len)?,
+            column_partials: device.alloc(partials)?,
+            tokens: Tokens::new(device, plan.tokens())?,
+            loss_host: device.alloc_host(1, HostMemory::Pinned)?,
+            loss_written,
+            device: device.clone(),
+            config: *config,
+            padded_len: layout.padded_len(),
+            plan,
+            schedule,
+            blas,
+            attention,
+        })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The GPU memory this model holds besides the engine's parameters and gradients.
+    pub fn activation_memory(&self) -> ActivationMemory {
+        let bf16_bytes = size_of::<bf16>();
+        ActivationMemory {
+            activations: self.acts.len() * bf16_bytes,
+            activation_grads: self.act_grads.len() * bf16_bytes,
+            stats: self.stats.len() * size_of::<f32>(),
+            scratch: self.attention.scratch_bytes()
+                + self.column_partials.len() * size_of::<f32>()
+                + self.tokens.bytes(),
+        }
+    }
+
+    /// [`ActivationMemory::total`]: every byte of GPU memory the model holds.
+    pub fn activation_bytes(&self) -> usize {
+        self.activation_memory().total()
+    }
+
+    /// Checks a micro-batch (`[batch, seq]` inputs and targets, ids below the vocabulary) and
+    /// queues its upload on the compute stream. Does not wait for the GPU.
+    pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
+        let compute = self.device.stream(StreamKind::Compute);
+        let vocab = self.config.vocab_size;
+        self.tokens.set(&self.device, compute, inputs, targets, vocab)
+    }
+
+    /// Queues forward on the compute stream.
+    pub fn forward(&mut self, params: &CudaBuffer<bf16>) -> Result<(), GptError> {
+        self.check_flat("parameter buffer", params)?;
+        for op in &self.schedule.forward {
+            self.run(op, params, None, 1.0)?;
+        }
+        let compute = self.device.stream(StreamKind::Compute);
+        self.device.record(&mut self.loss_written, compute)?;
+        Ok(())
+    }
+
+    /// Waits for the last forward and returns its mean loss (copied out on the D2H stream).
+    pub fn loss(&mut self) -> Result<f32, GptError> {
+        let d2h = self.device.stream(StreamKind::D2h);
+        self.device.wait_event(d2h, &self.loss_written)?;
+        let at = self.schedule.loss_offset;
+        let filled =
+            self.device.copy_d2h(d2h, &self.stats, at..at + 1, &mut self.loss_host, 0)?.wait()?;
+        Ok(filled[0])
+    }
+
+    /// Queues backward on the compute stream: adds the gradient of `loss_scale` × (the last
+    /// forward's mean loss) to `grads`. Right after the launches that complete a group of
+    /// parameter gradients are queued, `on_ready` is told (in backward order), so the caller can
+    /// record an event and start reducing or offloading that range while the rest runs.
+    pub fn backward(
+        &mut self,
+        params: &CudaBuffer<bf16>,
+        grads: &CudaBuffer<bf16>,
+        loss_scale: f64,
+        mut on_ready: impl FnMut(&GradsReady),
+    ) -> Result<(), GptError> {
+        self.check_flat("parameter buffer", params)?;
+        self.check_flat("gradient buffer", grads)?;
+        for step in &self.schedule.backward {
+            match step {
+                BackwardOp::Op(op) => self.run(op, params, Some(grads), loss_scale)?,
+                BackwardOp::Ready(ready) => on_ready(ready),
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs forward and backward once more on the last batch, waiting for the GPU after each
+    /// operation, and returns the time each kind of operation took, summed, in first-run order
+    /// (for benchmarks: the waits add a launch latency to every operation). `grads` is added to.
+    pub fn profile(
+        &mut self,
+        params: &CudaBuffer<bf16>,
+        grads: &CudaBuffer<bf16>,
+    ) -> Result<Vec<(String, Duration)>, GptError> {
+        self.check_flat("parameter buffer", params)?;
+        self.check_flat("gradient buffer", grads)?;
+        self.device.synchronize()?;
+        let mut times: Vec<(String, Duration)> = Vec::new();
+        let forward = self.schedule.forward.iter().map(|op| (op, None));
+        let backward = self.schedule.backward.iter().filter_map(|step| match step {
+            BackwardOp::Op(op) => Some((op, Some(grads))),
+            BackwardOp::Ready(_) => None,
+        });
+        for (op, grads) in forward.chain(backward) {
+            let started = Instant::now();
+            self.run(op, params, grads, 1.0)?;
+            self.device.synchronize()?;
+            let name = op.name();
+            match times.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, total)) => *total += started.elapsed(),
+                None => times.push((name, started.elapsed())),
+            }
+        }
+        Ok(times)
+    }
+
+    /// The logits of the last forward, `[batch, seq, padded_vocab]`. Waits for the GPU: for tests
+    /// and tools, not for the training loop.
+    pub fn logits(&self) -> Result<Vec<f32>, GptError> {
+        let range = self.plan.acts.logits.clone();
+        let mut host = self.device.alloc_host::<bf16>(range.len(), HostMemory::Pageable)?;
+        self.device.synchronize()?;
+        let d2h = self.device.stream(StreamKind::D2h);
+        let filled = self.device.copy_d2h(d2h, &self.acts, range, &mut host, 0)?.wait()?;
+        Ok(filled.iter().map(|x| x.to_f32()).collect())
+    }
+
+    fn compute(&self) -> &CudaStream {
+        self.device.stream(StreamKind::Compute)
+    }
+
+    fn check_flat(&self, what: &'static str, buffer: &CudaBuffer<bf16>) -> Result<(), GptError> {
+        if buffer.len() == self.padded_len {
+            Ok(())
+        } else {
+            Err(GptError::Length { what, expected: self.padded_len, found: buffer.len() })
+        }
+    }
+}
+
+/// Bytes of the GPU's memory in use now, by every process and context (`cuMemGetInfo`): the
+/// model allocates everything up front, so after a step this is the peak. For reports.
+pub fn device_memory_in_use(device: &CudaDevice) -> Result<usize, GptError> {
+    let failed = |e: cudarc::driver::DriverError| GptError::Kernel {
+        kernel: "cuMemGetInfo",
+        reason: e.to_string(),
+    };
+    device.context().bind_to_thread().map_err(failed)?;
+    let (free, total) = cudarc::driver::result::mem_get_info().map_err(failed)?;
+    Ok(total - free)
+}
+
+/// Elements of the column-sum partials the widest column sum of `schedule` needs.
+fn column_partials_len(schedule: &Schedule) -> usize {
+    schedule
+        .ops()
+        .map(|op| match op.kind {
+            OpKind::Kernel(Kernel::LayerNormBackward { c }) => {
+                chunks_for(op.args[0].len / c) * 2 * c
+            }
+            OpKind::Kernel(Kernel::MatmulBackward { oc, bias: true, .. })
+            | OpKind::MatmulBackwardDGelu { oc, bias: true, .. } => {
+                // The output gradient (dout) follows dinp, dweight and dbias.
+                chunks_for(op.args[3].len / oc) * oc
+            }
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The engine may run each rank's model on a thread of its own.
+    #[test]
+    fn the_model_can_move_between_threads() {
+        fn send<T: Send>() {}
+        send::<super::CudaGpt>();
+    }
+}

@@ -1,0 +1,295 @@
+//! `CudaAttention` against the CPU reference (`kernels::attention`, in f64 on the same bf16
+//! inputs), at sizes that exercise every tail: a sequence of 37 (rows not a multiple of 8, so the
+//! scalar softmax), a head size of 50 (2-element packs), a sequence of one token, sizes where the
+//! 16-byte paths run, and tensors at odd offsets. Every tensor of the caller sits between NaN
+//! guards, and the outputs start as NaN: an element not written, a write outside a tensor or a
+//! read outside one shows up.
+
+use std::iter::repeat_n;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::blas::Blas;
+use zeroflow_device::cuda::module::compile;
+use zeroflow_device::cuda::{CudaBuffer, CudaLibrary};
+use zeroflow_device::{CudaDevice, Device, DeviceError, StreamKind};
+use zeroflow_gpt::cuda::attention::{CudaAttention, SOURCE, kernel_names};
+use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
+
+use crate::gpu;
+
+/// The largest relative error (‖gpu − cpu‖ / ‖cpu‖) allowed: the GPU rounds the scores, the
+/// weights and every intermediate to bf16.
+const TOLERANCE: f64 = 2e-2;
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    batch: usize,
+    seq: usize,
+    c: usize,
+    n_head: usize,
+    /// Elements before each of the caller's tensors in its buffer (3 makes every address only
+    /// 2-byte aligned, so every kernel takes its one-element path).
+    offset: usize,
+}
+
+impl Shape {
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    fn att_len(&self) -> usize {
+        self.batch * self.n_head * self.seq * self.seq
+    }
+}
+
+const SHAPES: [Shape; 5] = [
+    Shape { batch: 2, seq: 37, c: 200, n_head: 4, offset: 0 },
+    Shape { batch: 2, seq: 1, c: 200, n_head: 4, offset: 0 },
+    Shape { batch: 3, seq: 64, c: 256, n_head: 2, offset: 0 },
+    Shape { batch: 3, seq: 20, c: 96, n_head: 3, offset: 0 },
+    Shape { batch: 3, seq: 24, c: 128, n_head: 4, offset: 3 },
+];
+
+/// Uniform values in ±`bound`, none zero, rounded to bf16.
+fn random_bf16(len: usize, bound: f64, seed: u64) -> Vec<bf16> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len)
+        .map(|_| {
+            let x: f64 = rng.random_range(-bound..bound);
+            bf16::from_f64(if x == 0.0 { bound / 2.0 } else { x })
+        })
+        .collect()
+}
+
+fn widen(values: &[bf16]) -> Vec<f64> {
+    values.iter().map(|x| x.to_f64()).collect()
+}
+
+/// ‖gpu − cpu‖₂ / ‖cpu‖₂; NaN (a failure) if the GPU left a NaN.
+fn relative_error(gpu: &[bf16], cpu: &[f64]) -> f64 {
+    assert_eq!(gpu.len(), cpu.len());
+    let (mut diff, mut norm) = (0.0, 0.0);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        diff += (g.to_f64() - c).powi(2);
+        norm += c * c;
+    }
+    (diff / norm.max(1e-300)).sqrt()
+}
+
+/// Elements of NaN after each of the caller's tensors, which must stay NaN.
+const GUARD: usize = 16;
+
+/// One of the caller's tensors: `len` elements at `offset` in a buffer whose other elements are
+/// NaN guards.
+struct Placed {
+    buffer: CudaBuffer<bf16>,
+    offset: usize,
+    len: usize,
+}
+
+impl Placed {
+    /// `len` NaNs (so that an element the kernels fail to write shows up) between the guards.
+    fn poisoned(device: &CudaDevice, len: usize, offset: usize) -> Self {
+        let total = offset + len + GUARD;
+        let buffer = device.alloc::<bf16>(total).unwrap();
+        device.fill(device.stream(StreamKind::Compute), &buffer, 0..total, bf16::NAN).unwrap();
+        Placed { buffer, offset, len }
+    }
+
+    /// `values` between the guards (a read outside them would spread a NaN into the results).
+    fn holding(device: &CudaDevice, values: &[bf16], offset: usize) -> Self {
+        let all: Vec<bf16> = repeat_n(bf16::NAN, offset)
+            .chain(values.iter().copied())
+            .chain(repeat_n(bf16::NAN, GUARD))
+            .collect();
+        Placed { buffer: device.upload(&all).unwrap(), offset, len: values.len() }
+    }
+
+    fn address(&self) -> u64 {
+        self.buffer.address(self.offset)
+    }
+
+    /// The tensor, after checking that nothing was written outside it.
+    fn read(&self, device: &CudaDevice, what: &str) -> Vec<bf16> {
+        let all = device.download(&self.buffer).unwrap();
+        let (before, rest) = all.split_at(self.offset);
+        let (inside, after) = rest.split_at(self.len);
+        let written = before.iter().chain(after).filter(|x| !x.is_nan()).count();
+        assert_eq!(written, 0, "{what}: {written} elements outside the tensor were written");
+        inside.to_vec()
+    }
+}
+
+#[test]
+fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
+    let Some(device) = gpu() else { return };
+    let blas = Arc::new(Blas::new(&device).unwrap());
+    let stream = device.stream(StreamKind::Compute);
+    for (index, &shape) in SHAPES.iter().enumerate() {
+        let Shape { batch, seq, c, n_head, offset } = shape;
+        let seed = 100 * index as u64;
+        let qkv = random_bf16(shape.rows() * 3 * c, 2.0, seed);
+        let dout = random_bf16(shape.rows() * c, 1.0, seed + 1);
+
+        let mut out_ref = vec![0.0; shape.rows() * c];
+        let mut att_ref = vec![0.0; shape.att_len()];
+        attention_forward(&mut out_ref, &mut att_ref, &widen(&qkv), seq, c, n_head);
+        let mut dqkv_ref = vec![0.0; qkv.len()];
+        let mut dscores_ref = vec![0.0; shape.att_len()];
+        let (dout_wide, qkv_wide) = (widen(&dout), widen(&qkv));
+        attention_backward(
+            &mut dqkv_ref,
+            &mut dscores_ref,
+            &dout_wide,
+            &qkv_wide,
+            &att_ref,
+            seq,
+            c,
+            n_head,
+        );
+
+        let attention = CudaAttention::new(&device, blas.clone(), batch, seq, c, n_head).unwrap();
+        let qkv_gpu = Placed::holding(&device, &qkv, offset);
+        let dout_gpu = Placed::holding(&device, &dout, offset);
+        let out = Placed::poisoned(&device, shape.rows() * c, offset);
+        let att = Placed::poisoned(&device, shape.att_len(), offset);
+        let dqkv = Placed::poisoned(&device, qkv.len(), offset);
+        let dscores = Placed::poisoned(&device, shape.att_len(), offset);
+        attention.forward(stream, qkv_gpu.address(), out.address(), att.address()).unwrap();
+        let (dout_at, qkv_at, att_at) = (dout_gpu.address(), qkv_gpu.address(), att.address());
+        let (dqkv_at, dscores_at) = (dqkv.address(), dscores.address());
+        attention.backward(stream, dout_at, qkv_at, att_at, dqkv_at, dscores_at).unwrap();
+        device.synchronize().unwrap();
+
+        let att_gpu = att.read(&device, "att");
+        let errors = [
+            ("out", relative_error(&out.read(&device, "out"), &out_ref)),
+            ("att", relative_error(&att_gpu, &att_ref)),
+            ("dqkv", relative_error(&dqkv.read(&device, "dqkv"), &dqkv_ref)),
+        ];
+        for (what, rel) in errors {
+            println!(
+                "RESULT attention {what} B{batch} T{seq} C{c} NH{n_head} offset{offset} \
+                 rel={rel:.3e}"
+            );
+            assert!(rel <= TOLERANCE, "{shape:?}: {what} is off by {rel:.3e} (relative)");
+        }
+        // The masked weights are exactly zero, not merely small.
+        let masked_nonzero = (0..shape.att_len())
+            .filter(|&i| i % seq > (i / seq) % seq && att_gpu[i] != bf16::ZERO)
+            .count();
+        assert_eq!(masked_nonzero, 0, "{shape:?}: weights above the diagonal are not zero");
+    }
+}
+
+/// Runs forward and backward twice on the same inputs: the second run sees the scratch and the
+/// outputs the first left behind, and must give the same results (up to the matmuls' choice of
+/// reduction order), so nothing depends on what the scratch held and nothing accumulates.
+#[test]
+fn a_second_run_on_the_same_inputs_gives_the_same_results() {
+    let Some(device) = gpu() else { return };
+    let blas = Arc::new(Blas::new(&device).unwrap());
+    let stream = device.stream(StreamKind::Compute);
+    let shape = SHAPES[0];
+    let Shape { batch, seq, c, n_head, .. } = shape;
+    let attention = CudaAttention::new(&device, blas, batch, seq, c, n_head).unwrap();
+    let qkv = Placed::holding(&device, &random_bf16(shape.rows() * 3 * c, 2.0, 7), 0);
+    let dout = Placed::holding(&device, &random_bf16(shape.rows() * c, 1.0, 8), 0);
+    let out = Placed::poisoned(&device, shape.rows() * c, 0);
+    let att = Placed::poisoned(&device, shape.att_len(), 0);
+    let dqkv = Placed::poisoned(&device, shape.rows() * 3 * c, 0);
+    let dscores = Placed::poisoned(&device, shape.att_len(), 0);
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        attention.forward(stream, qkv.address(), out.address(), att.address()).unwrap();
+        let (a, d) = (att.address(), dscores.address());
+        attention.backward(stream, dout.address(), qkv.address(), a, dqkv.address(), d).unwrap();
+        device.synchronize().unwrap();
+        runs.push([out.read(&device, "out"), dqkv.read(&device, "dqkv")]);
+    }
+    for (what, (first, second)) in ["out", "dqkv"].iter().zip(runs[0].iter().zip(&runs[1])) {
+        let rel = relative_error(second, &widen(first));
+        assert!(rel <= 1e-3, "{what}: the second run differs from the first by {rel:.3e}");
+    }
+}
+
+/// Times forward and backward of one layer's attention at gpt-1.3b's shapes (B 8, T 1024,
+/// C 2048, 16 heads). Prints `RESULT attention_bench fwd_ms=.. bwd_ms=..`; asserts nothing.
+#[test]
+#[ignore = "a benchmark: run with --ignored on a GPU"]
+fn bench_attention_at_gpt_1_3b_shapes() {
+    let Some(device) = gpu() else { return };
+    let (batch, seq, c, n_head) = (8, 1024, 2048, 16);
+    let shape = Shape { batch, seq, c, n_head, offset: 0 };
+    let blas = Arc::new(Blas::new(&device).unwrap());
+    let stream = device.stream(StreamKind::Compute);
+    let attention = CudaAttention::new(&device, blas, batch, seq, c, n_head).unwrap();
+    let qkv = device.upload(&random_bf16(shape.rows() * 3 * c, 2.0, 1)).unwrap();
+    let dout = device.upload(&random_bf16(shape.rows() * c, 1.0, 2)).unwrap();
+    let out = device.alloc::<bf16>(shape.rows() * c).unwrap();
+    let att = device.alloc::<bf16>(shape.att_len()).unwrap();
+    let dqkv = device.alloc::<bf16>(shape.rows() * 3 * c).unwrap();
+    let dscores = device.alloc::<bf16>(shape.att_len()).unwrap();
+    let forward = || {
+        attention.forward(stream, qkv.address(0), out.address(0), att.address(0)).unwrap();
+    };
+    let backward = || {
+        let (a, d) = (att.address(0), dscores.address(0));
+        attention.backward(stream, dout.address(0), qkv.address(0), a, dqkv.address(0), d).unwrap();
+    };
+    let time_ms = |run: &dyn Fn(), iterations: u32| {
+        run();
+        device.synchronize().unwrap();
+        let started = Instant::now();
+        for _ in 0..iterations {
+            run();
+        }
+        device.synchronize().unwrap();
+        started.elapsed().as_secs_f64() * 1e3 / f64::from(iterations)
+    };
+    let fwd_ms = time_ms(&forward, 20);
+    let bwd_ms = time_ms(&backward, 20);
+    let flops = 2.0 * (batch * n_head * seq * seq * (c / n_head)) as f64;
+    println!(
+        "RESULT attention_bench fwd_ms={fwd_ms:.3} bwd_ms={bwd_ms:.3} (matmul TFLOP/s fwd {:.0}, \
+         bwd {:.0}; scratch {} MiB)",
+        2.0 * flops / fwd_ms / 1e9,
+        4.0 * flops / bwd_ms / 1e9,
+        attention.scratch_bytes() >> 20
+    );
+}
+
+/// Whether the cubin's symbol table holds `name` (as a whole NUL-terminated string).
+fn exports(cubin: &[u8], name: &str) -> bool {
+    let needle: Vec<u8> = name.bytes().chain([0]).collect();
+    cubin.windows(needle.len()).any(|window| window == needle)
+}
+
+/// Runs without a GPU wherever libnvrtc loads (and prints `skipped: libnvrtc not found`
+/// elsewhere).
+#[test]
+fn attention_kernels_compile_for_sm80_and_sm90_and_export_every_kernel_the_model_loads() {
+    for arch in [(8, 0), (9, 0)] {
+        let cubin = match compile("attention", SOURCE, arch, &[]) {
+            Ok(cubin) => cubin,
+            Err(DeviceError::Library { library, reason })
+                if library == CudaLibrary::Nvrtc.name() =>
+            {
+                println!("skipped: libnvrtc not found ({reason})");
+                return;
+            }
+            Err(error) => panic!("{error}"),
+        };
+        let names = kernel_names();
+        let missing: Vec<&String> = names.iter().filter(|name| !exports(&cubin, name)).collect();
+        assert!(missing.is_empty(), "sm_{}{}: attention.cu lacks {missing:?}", arch.0, arch.1);
+        assert!(
+            !exports(&cubin, "rows_to_heads_3"),
+            "the symbol check finds names that do not exist"
+        );
+    }
+}

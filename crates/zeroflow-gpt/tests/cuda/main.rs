@@ -1,0 +1,25 @@
+//! Tests of the GPT model's CUDA kernels on a real GPU, compiled as one test binary.
+//!
+//! Every test first opens GPU 0. Where there is no CUDA driver or no GPU it prints
+//! `skipped: no CUDA device (<reason>)` and passes, so CI on CPU-only machines stays green and
+//! says why; with `ZEROFLOW_REQUIRE_GPU=1` a missing GPU fails instead. Run with
+//! `--test-threads=1 --nocapture`: the tests share the GPU and print figures. Lines starting with
+//! `RESULT ` are collected by `scripts/gpu-run.sh` into its table.
+
+mod attention;
+mod model;
+
+use zeroflow_device::CudaDevice;
+use zeroflow_device::cuda::{is_absent, short_reason};
+
+/// GPU 0, or `None` (after printing why) where this machine has none.
+fn gpu() -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(device) => Some(device),
+        Err(error) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&error) => {
+            println!("skipped: no CUDA device ({})", short_reason(&error));
+            None
+        }
+        Err(error) => panic!("opening GPU 0 failed: {error}"),
+    }
+}
