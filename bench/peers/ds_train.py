@@ -13,6 +13,7 @@ RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>."
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -98,6 +99,9 @@ def main():
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     tokens_per_step = args.micro_batch * args.seq
+    # Peak resident set of this process (ru_maxrss is in KiB on Linux). ZenFlow's and the
+    # offload's worker processes, if any, are not included.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({
         "system": "deepspeed",
         "deepspeed": deepspeed.__version__,
@@ -111,6 +115,8 @@ def main():
         "s_per_step_mean": statistics.mean(times),
         "tokens_per_s": tokens_per_step / statistics.mean(times),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_rss_bytes": rss,
+        "peak_rss_bytes_per_param": rss / sum(p.numel() for p in model.parameters()),
         "times": times,
         "losses": losses,
     }))

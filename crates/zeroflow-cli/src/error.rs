@@ -21,3 +21,19 @@ impl InputError {
         anyhow::Error::new(InputError(err.to_string()))
     }
 }
+
+/// A failure that ends the program with a given exit status, e.g. `zeroflow launch` passing on
+/// the status of the rank that failed. `main` prints the message and exits with `code`.
+#[derive(Debug)]
+pub struct Exit {
+    pub code: u8,
+    pub message: String,
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Exit {}

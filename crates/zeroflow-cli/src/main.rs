@@ -1,6 +1,7 @@
 //! `zeroflow`: data-parallel ZeRO training with CPU optimizer offload, in one binary.
 
 mod cmd;
+mod dist;
 mod error;
 mod train;
 
@@ -32,10 +33,17 @@ enum Command {
     Export(cmd::export::Args),
     /// Train a GPT model (default: the tiny model on the synthetic corpus, on the CPU).
     Train(Box<cmd::train::Args>),
+    /// Start one process per GPU of this host running the zeroflow command after `--` (like
+    /// torchrun), each with its rank's environment; stop all when one fails.
+    Launch(cmd::launch::Args),
+    /// A stand-in rank for the tests of `launch` and of the rendezvous (no GPU needed).
+    #[command(hide = true)]
+    DistCheck(cmd::dist_check::Args),
 }
 
 fn main() -> ExitCode {
     init_tracing();
+    cmd::launch::follow_launcher();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Config(args) => cmd::config::run(args),
@@ -44,12 +52,16 @@ fn main() -> ExitCode {
         Command::Stress(args) => cmd::stress::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Train(args) => cmd::train::run(*args),
+        Command::Launch(args) => cmd::launch::run(args),
+        Command::DistCheck(args) => cmd::dist_check::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
-            if err.downcast_ref::<InputError>().is_some() {
+            if let Some(exit) = err.downcast_ref::<error::Exit>() {
+                ExitCode::from(exit.code)
+            } else if err.downcast_ref::<InputError>().is_some() {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE

@@ -19,6 +19,10 @@ pub enum DeviceError {
     /// A range does not fit the buffer it names.
     #[error("{what}: range {range:?} does not fit a buffer of {len} elements")]
     OutOfBounds { what: &'static str, range: Range<usize>, len: usize },
+    /// A buffer holds another element type than the operation needs (a type-erased operand, such
+    /// as a matmul operand, checked at run time).
+    #[error("{what} is a {found} buffer but {expected} is needed")]
+    DTypeMismatch { what: &'static str, expected: DType, found: DType },
     /// Two ranges that must have equal lengths do not.
     #[error("{what}: lengths differ ({left} vs {right})")]
     LengthMismatch { what: &'static str, left: usize, right: usize },

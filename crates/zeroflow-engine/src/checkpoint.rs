@@ -167,6 +167,19 @@ pub fn write_model<P: Stored>(
     write_synced(path, &model_bytes(weights, tensors)?)
 }
 
+/// Writes `state.json` at `path` (fsynced): rank 0's share of a checkpoint that several
+/// processes write together, with [`write_model`]; each rank adds its part with [`write_part`].
+pub fn write_state(path: &Path, meta: &Meta) -> Result<(), CheckpointError> {
+    write_synced(path, &serde_json::to_vec_pretty(meta).expect("serializable"))
+}
+
+/// Writes `rank`'s optimizer part as `optim/rank-R.safetensors` into the checkpoint directory
+/// being written, `dir` (fsynced; `dir/optim` must exist).
+pub fn write_part(dir: &Path, rank: usize, part: &OptimizerPart) -> Result<(), CheckpointError> {
+    let path = dir.join(format!("optim/rank-{rank}.safetensors"));
+    write_synced(&path, &part_bytes(part, &path)?)
+}
+
 /// The weights the run would have after its pending delayed update: the fp32 master weights of
 /// the optimizer parts, rounded to `P`, as named tensors in the layout of `model.safetensors`.
 pub fn weights_from_master<P: Stored + zeroflow_core::Float>(
@@ -187,8 +200,9 @@ pub fn weights_from_master<P: Stored + zeroflow_core::Float>(
                 reason: format!("no layout entry for tensor {name}"),
             }
         })?;
+        // The shape was checked against the file's bytes, so its product does not overflow.
         let numel: usize = shape.iter().product();
-        let flat_range = entry.offset..entry.offset + numel;
+        let flat_range = entry.offset..entry.offset.saturating_add(numel);
         if flat_range.end > end {
             let reason = format!("the optimizer state does not cover {name}");
             return Err(CheckpointError::Corrupt { path: PathBuf::from("optim"), reason });
@@ -291,11 +305,26 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
     let model_path = dir.join("model.safetensors");
     let model = fs::read(&model_path).map_err(io(&model_path))?;
     let tensors = read_tensors::<P>(&model, &model_path)?;
-    let mut parts = Vec::new();
+    if let Err(reason) = meta.scaler.check() {
+        return Err(CheckpointError::Corrupt { path: state_path, reason });
+    }
+    // Never sized from `world_size`: a damaged count fails at the first missing file instead.
+    let mut parts: Vec<OptimizerPart> = Vec::new();
     for rank in 0..meta.world_size {
         let path = dir.join(format!("optim/rank-{rank}.safetensors"));
         let bytes = fs::read(&path).map_err(io(&path))?;
-        parts.push(read_part(&bytes, &path)?);
+        let part = read_part(&bytes, &path)?;
+        // Rank r saved partition r, so the parts tile the flat buffer from 0 in rank order; what
+        // reads them (`weights_from_master`, `Engine::restore`) relies on that.
+        let expected_start = parts.last().map_or(0, |previous| previous.flat.end);
+        if part.flat.start != expected_start {
+            let reason = format!(
+                "its flat range {:?} does not start where the previous rank's ends ({})",
+                part.flat, expected_start
+            );
+            return Err(CheckpointError::Corrupt { path, reason });
+        }
+        parts.push(part);
     }
     Ok(Loaded { meta, tensors, parts })
 }
@@ -334,6 +363,10 @@ fn read_part(bytes: &[u8], path: &Path) -> Result<OptimizerPart, CheckpointError
             })
     };
     let flat = bound("flat_start")?..bound("flat_end")?;
+    if flat.start > flat.end {
+        let reason = format!("flat_start {} is after flat_end {}", flat.start, flat.end);
+        return Err(CheckpointError::Corrupt { path: path.into(), reason });
+    }
     let file = SafeTensors::deserialize(bytes).map_err(corrupt(path))?;
     let array = |name: &str| -> Result<Vec<f32>, CheckpointError> {
         let view = file.tensor(name).map_err(corrupt(path))?;

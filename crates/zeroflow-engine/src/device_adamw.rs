@@ -19,7 +19,7 @@ pub struct DeviceAdamState<D: Device> {
 }
 
 /// A device that can run AdamW over state in its own memory.
-pub trait DeviceAdamW: Kernels {
+pub trait DeviceAdamW: Kernels + Clone {
     /// One AdamW step over `state[range]` with the f32 gradients `grads[range]` (multiplied by
     /// the step's gradient scale), writing the updated weights as `P` into
     /// `out[out_offset..out_offset + range.len()]`.

@@ -16,15 +16,17 @@
 //!    which `params_ready` is recorded.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use zeroflow_core::Float;
+use rayon::prelude::*;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{DType, Float};
 use zeroflow_device::{Comm, Device, HostMemory, ReduceOp, StreamKind};
 use zeroflow_optim::{AdamW, CpuAdam, SimdLevel};
 
 use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
-use crate::host::{HostState, Offloader, OptimizerSlot};
+use crate::host::{Carried, Chunks, HostState, Offloader, OptimizerSlot, stream_chunks};
 use crate::reduction::{Reduction, Sink};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
@@ -56,6 +58,14 @@ enum Optimizer<D: Device, P: Float> {
     Host(Box<HostState<P>>),
 }
 
+/// Where the streaming delayed update keeps a step's gradients while the next backward writes
+/// the gradient buffer, and the updated weights while the next forward reads the weights: this
+/// rank's partition of each, on the device (shared with the step's worker thread).
+struct Aside<D: Device, P: Float> {
+    grads: Arc<D::Buffer<P>>,
+    params: Arc<D::Buffer<P>>,
+}
+
 /// Events the engine owns, each recorded in one place and waited on in another.
 struct Events<D: Device> {
     /// Compute → comm: a bucket's gradients are complete.
@@ -75,6 +85,8 @@ struct Events<D: Device> {
     accumulated: D::Event,
     /// Compute → comm: the device optimizer has read the accumulator.
     optimizer_done: D::Event,
+    /// Comm → d2h: the delayed step's gradients are set aside.
+    aside_taken: D::Event,
 }
 
 /// One rank of a ZeRO job. See the crate documentation for the loop that drives it.
@@ -90,6 +102,8 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     /// The reduced gradients of `owned` (stages 1 and 2 with more than one rank).
     reduced: Option<D::Buffer<P>>,
     optimizer: Optimizer<D, P>,
+    /// The streaming delayed update's device buffers (see [`Engine::start_delayed_stream`]).
+    aside: Option<Aside<D, P>>,
     norm: D::Buffer<f32>,
     norm_host: zeroflow_device::HostBuffer<f32>,
     events: Events<D>,
@@ -113,6 +127,20 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         opts: EngineOptions,
         initial: &[P],
     ) -> Result<Self, EngineError> {
+        Self::with_weights(device, comm, layout, opts, initial.to_vec())
+    }
+
+    /// [`Engine::new`] taking the initial weights by value: they are dropped as soon as they are
+    /// on the device and in the master weights, before the moments are allocated, so that host
+    /// memory never holds them and the whole optimizer state at once (what a large model with
+    /// offload needs to fit).
+    pub fn with_weights(
+        device: D,
+        comm: C,
+        layout: FlatLayout,
+        opts: EngineOptions,
+        initial: Vec<P>,
+    ) -> Result<Self, EngineError> {
         if layout.world_size() != comm.world_size() {
             return Err(EngineError::Usage(
                 "the layout's world size differs from the communicator's",
@@ -132,30 +160,64 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             Stage::Zero0 => 0..layout.padded_len(),
             Stage::Zero1 | Stage::Zero2 => layout.partition_range(comm.rank()),
         };
-        let params = device.upload(initial)?;
+        let params = device.upload(&initial)?;
         let grads = device.alloc::<P>(layout.padded_len())?;
         let reduced = match (opts.stage, world) {
             (Stage::Zero1 | Stage::Zero2, 2..) => Some(device.alloc::<P>(owned.len())?),
             _ => None,
         };
-        let master: Vec<f32> = initial[owned.clone()].iter().map(|p| p.to_f32()).collect();
         let optimizer = match opts.offload {
-            None => Optimizer::Device {
-                state: DeviceAdamState {
-                    master: device.upload(&master)?,
-                    exp_avg: device.alloc(owned.len())?,
-                    exp_avg_sq: device.alloc(owned.len())?,
-                },
-                grad_acc: device.alloc(owned.len())?,
-            },
+            None => {
+                let master: Vec<f32> = initial[owned.clone()].iter().map(|p| p.to_f32()).collect();
+                drop(initial);
+                Optimizer::Device {
+                    state: DeviceAdamState {
+                        master: device.upload(&master)?,
+                        exp_avg: device.alloc(owned.len())?,
+                        exp_avg_sq: device.alloc(owned.len())?,
+                    },
+                    grad_acc: device.alloc(owned.len())?,
+                }
+            }
             Some(memory) => {
                 let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?;
                 let delayed = opts.delayed_update.is_some();
                 let bucket = opts.reduce_bucket;
+                // One micro-step per step and no delayed update: nothing needs the gradients on
+                // the host between backward and step, so the step streams them (the CPU reads
+                // f32 and bf16 gradients as they are; f16 goes through the accumulator).
+                let streaming =
+                    opts.grad_accum == 1 && matches!(P::DTYPE, DType::F32 | DType::Bf16);
+                let own = owned.clone();
+                let fill_master = move |master: &mut [f32]| {
+                    let chunk = 1 << 16;
+                    master.par_chunks_mut(chunk).zip(initial[own].par_chunks(chunk)).for_each(
+                        |(master, initial)| {
+                            master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
+                        },
+                    );
+                };
                 Optimizer::Host(Box::new(HostState::new(
-                    &device, &master, bucket, memory, adam, delayed,
+                    &device,
+                    owned.len(),
+                    fill_master,
+                    bucket,
+                    memory,
+                    adam,
+                    delayed,
+                    streaming,
                 )?))
             }
+        };
+        let streams_delayed = matches!(&optimizer, Optimizer::Host(host) if host.streaming())
+            && opts.delayed_update.is_some();
+        let aside = if streams_delayed {
+            Some(Aside {
+                grads: Arc::new(device.alloc::<P>(owned.len())?),
+                params: Arc::new(device.alloc::<P>(owned.len())?),
+            })
+        } else {
+            None
         };
         let events = Events {
             bucket_ready: device.new_event()?,
@@ -167,6 +229,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             norm_done: device.new_event()?,
             accumulated: device.new_event()?,
             optimizer_done: device.new_event()?,
+            aside_taken: device.new_event()?,
         };
         Ok(Engine {
             norm: device.alloc(1)?,
@@ -183,6 +246,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             grads,
             reduced,
             optimizer,
+            aside,
             events,
             micro_steps: 0,
             backward_pending: false,
@@ -237,7 +301,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// has been waited on before `backward` returns, so it shows only completed data.
     pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
         match &self.optimizer {
-            Optimizer::Host(host) => Some(&host.grad_acc),
+            Optimizer::Host(host) => host.grad_acc.as_deref(),
             Optimizer::Device { .. } => None,
         }
     }
@@ -317,9 +381,14 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 opt.master.copy_from_slice(&master);
                 opt.exp_avg.copy_from_slice(&exp_avg);
                 opt.exp_avg_sq.copy_from_slice(&exp_avg_sq);
-                opt.upload.iter_mut().zip(&master).for_each(|(u, m)| *u = P::from_f32(*m));
-                host.grad_acc.fill(0.0);
+                opt.refresh_upload();
+                host.clear_accumulator();
                 host.upload_pending = upload_pending;
+                if let Some(aside) = &self.aside {
+                    // Where the streaming delayed update keeps weights not yet on the device.
+                    let weights: Vec<P> = master.iter().map(|m| P::from_f32(*m)).collect();
+                    overwrite(&self.device, &aside.params, &weights)?;
+                }
             }
             Optimizer::Device { state, grad_acc } => {
                 overwrite(&self.device, &state.master, &master)?;
@@ -376,9 +445,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             reduced_event: &mut self.events.reduced,
             sink: match &mut self.optimizer {
                 Optimizer::Device { grad_acc, .. } => Sink::Device(grad_acc),
-                Optimizer::Host(host) => {
-                    Sink::Host(Offloader::new(&mut host.staging, &mut host.grad_acc))
-                }
+                Optimizer::Host(host) => match &mut host.grad_acc {
+                    Some(acc) => Sink::Host(Offloader::new(&mut host.staging, acc)),
+                    None => Sink::Keep,
+                },
             },
             enabled: reduce_now,
             skip_d2h_wait: self.skip_d2h_wait,
@@ -461,8 +531,24 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                     0,
                 )?;
             }
+            Optimizer::Host(host) if host.streaming() => {
+                // The reduced gradients are still on the device: the compute stream wrote them
+                // (one rank) or the comm stream reduced them after it.
+                let compute_done = &self.events.compute_done;
+                self.device.wait_event(comm_stream, compute_done)?;
+                let (source, at) = match &self.reduced {
+                    Some(reduced) => (reduced, 0),
+                    None => (&self.grads, self.owned.start),
+                };
+                let range = at..at + self.owned.len();
+                self.device.sum_squares(comm_stream, source, range, &self.norm, 0)?;
+            }
             Optimizer::Host(host) => {
-                let local: f64 = host.grad_acc.iter().map(|g| f64::from(*g).powi(2)).sum();
+                let acc = host.grad_acc.as_deref().unwrap_or_default();
+                let local: f64 = acc
+                    .par_chunks(1 << 16)
+                    .map(|chunk| chunk.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
+                    .sum();
                 if !across_ranks {
                     return Ok(local);
                 }
@@ -499,9 +585,14 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             }
             Optimizer::Host(host) => {
                 let delayed = self.opts.delayed_update.is_some_and(|warm_up| step.step() > warm_up);
+                let streaming = host.streaming();
                 if !delayed {
-                    host.step_now(step)?;
-                    return self.upload_and_gather();
+                    if !streaming {
+                        host.step_now(step)?;
+                        return self.upload_and_gather();
+                    }
+                    self.stream_step(step)?;
+                    return self.gather_from(StreamKind::H2d);
                 }
                 // The step before this one finished meanwhile: its weights go to the device now
                 // and the next window computes with them; this step runs in the background.
@@ -509,11 +600,108 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                     host.join()?;
                     self.upload_and_gather()?;
                 }
+                if streaming {
+                    return self.start_delayed_stream(*step);
+                }
                 let Optimizer::Host(host) = &mut self.optimizer else { unreachable!() };
                 return host.start_delayed(*step);
             }
         };
         self.gather_from(writer)
+    }
+
+    /// The streaming CPU step, inline (see [`stream_chunks`]): from the reduced gradients on the
+    /// device to the updated weights in this rank's partition of the flat weights.
+    fn stream_step(&mut self, step: &zeroflow_optim::AdamWStep) -> Result<(), EngineError> {
+        let Optimizer::Host(host) = &mut self.optimizer else {
+            return Err(EngineError::Usage("streaming step without offload"));
+        };
+        let HostState { optimizer, staging, outgoing, .. } = &mut **host;
+        let OptimizerSlot::Ready(optimizer) = optimizer else {
+            return Err(EngineError::Usage("streaming step while the optimizer steps"));
+        };
+        let (source, at) = match &self.reduced {
+            Some(reduced) => (reduced, 0),
+            None => (&self.grads, self.owned.start),
+        };
+        let (d2h, h2d) = (self.device.stream(StreamKind::D2h), self.device.stream(StreamKind::H2d));
+        // The gradients are final once the comm stream has computed the norm over them; the
+        // weights are free once forward/backward and the last gather are past them.
+        self.device.wait_event(d2h, &self.events.norm_done)?;
+        self.device.wait_event(h2d, &self.events.compute_done)?;
+        if let Some(gathered) = &self.events.params_ready {
+            self.device.wait_event(h2d, gathered)?;
+        }
+        let chunks =
+            Chunks { source, source_at: at, target: &self.params, target_at: self.owned.start };
+        stream_chunks(&self.device, step, optimizer, staging, outgoing, chunks, self.owned.len())?;
+        // The next backward overwrites the gradients only after these copies read them.
+        let d2h_done = slot(&mut self.events.d2h_done, &self.device)?;
+        self.device.record(d2h_done, d2h)?;
+        Ok(())
+    }
+
+    /// The delayed update's streaming step: the reduced gradients are copied aside on the device
+    /// (the next backward overwrites them), and a worker thread streams them through the CPU
+    /// step into `params_next` while the GPU runs the next forward and backward. The next step
+    /// (or a flush) joins it and copies `params_next` into the weights.
+    fn start_delayed_stream(&mut self, step: zeroflow_optim::AdamWStep) -> Result<(), EngineError> {
+        let Some(aside) = &self.aside else {
+            return Err(EngineError::Usage(
+                "the streaming delayed update needs its device buffers",
+            ));
+        };
+        let Optimizer::Host(host) = &mut self.optimizer else {
+            return Err(EngineError::Usage("delayed step without offload"));
+        };
+        let (source, at) = match &self.reduced {
+            Some(reduced) => (reduced, 0),
+            None => (&self.grads, self.owned.start),
+        };
+        let len = self.owned.len();
+        let (comm, d2h) =
+            (self.device.stream(StreamKind::Comm), self.device.stream(StreamKind::D2h));
+        // After the norm (same stream), and after the last delayed step's copies read the copy.
+        if let Some(read) = &self.events.d2h_done {
+            self.device.wait_event(comm, read)?;
+        }
+        self.device.copy_d2d(comm, source, at..at + len, &aside.grads, 0)?;
+        self.device.record(&mut self.events.aside_taken, comm)?;
+        self.device.wait_event(d2h, &self.events.aside_taken)?;
+        // The next backward overwrites the gradients only after the copy above read them.
+        let comm_done = slot(&mut self.events.comm_done, &self.device)?;
+        self.device.record(comm_done, comm)?;
+        let OptimizerSlot::Ready(mut optimizer) =
+            std::mem::replace(&mut host.optimizer, OptimizerSlot::Lost)
+        else {
+            return Err(EngineError::Usage("a delayed step started while another runs"));
+        };
+        let mut staging = std::mem::take(&mut host.staging);
+        let mut outgoing = std::mem::take(&mut host.outgoing);
+        let device = self.device.clone();
+        let (grads, next) = (Arc::clone(&aside.grads), Arc::clone(&aside.params));
+        let handle = std::thread::Builder::new()
+            .name("zeroflow-delayed-step".into())
+            .spawn(move || {
+                let chunks = Chunks { source: &*grads, source_at: 0, target: &*next, target_at: 0 };
+                stream_chunks(
+                    &device,
+                    &step,
+                    &mut optimizer,
+                    &mut staging,
+                    &mut outgoing,
+                    chunks,
+                    len,
+                )?;
+                // Wait for the last uploads (a write access settles a buffer's pending copies).
+                outgoing.iter_mut().for_each(|buffer| {
+                    let _ = &mut buffer[..];
+                });
+                Ok((optimizer, Carried::Buffers { staging, outgoing }))
+            })
+            .map_err(|_| EngineError::Usage("could not start the delayed optimizer thread"))?;
+        host.optimizer = OptimizerSlot::Stepping(handle);
+        Ok(())
     }
 
     /// Uploads the host optimizer's weights into this rank's partition of the flat weights, then
@@ -534,8 +722,24 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             self.device.wait_event(h2d, gathered)?;
         }
         let len = self.owned.len();
-        let upload = &optimizer.upload;
-        self.device.copy_h2d(h2d, upload, 0..len, &self.params, self.owned.start)?.wait()?;
+        match (&optimizer.upload, &self.aside) {
+            (Some(upload), _) => {
+                self.device
+                    .copy_h2d(h2d, upload, 0..len, &self.params, self.owned.start)?
+                    .wait()?;
+            }
+            // The streaming delayed step left the weights on the device; after its uploads on
+            // the same stream, and before the next one writes there (same stream again).
+            (None, Some(aside)) => {
+                self.device.copy_d2d(h2d, &aside.params, 0..len, &self.params, self.owned.start)?;
+                // The copies of the delayed step read the gradients set aside: done (joined).
+                let d2h_done = slot(&mut self.events.d2h_done, &self.device)?;
+                self.device.record(d2h_done, self.device.stream(StreamKind::D2h))?;
+            }
+            (None, None) => {
+                return Err(EngineError::Usage("a whole-partition upload while the step streams"));
+            }
+        }
         self.gather_from(StreamKind::H2d)
     }
 
@@ -571,7 +775,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 self.device.wait_event(comm_stream, &self.events.optimizer_done)?;
                 self.device.fill(comm_stream, grad_acc, 0..self.owned.len(), 0.0)?;
             }
-            Optimizer::Host(host) => host.grad_acc.fill(0.0),
+            Optimizer::Host(host) => host.clear_accumulator(),
         }
         Ok(())
     }

@@ -1,16 +1,28 @@
 //! The offload side: fp32 optimizer state, the gradient accumulator and the staging buffers in
 //! host memory, and the queue of device-to-host copies in flight during a backward.
 
+use std::any::TypeId;
 use std::thread::JoinHandle;
 
-use zeroflow_core::Float;
-use zeroflow_device::{Device, Filling, HostBuffer, HostMemory};
+use rayon::prelude::*;
+use zeroflow_core::{Float, bf16};
+use zeroflow_device::{Device, Filling, HostBuffer, HostMemory, StreamKind};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
 
 /// How many staging buffers gradients cycle through on their way to the host.
 pub(crate) const STAGING_BUFFERS: usize = 4;
+
+/// The most elements one staging buffer holds (32 MiB of bf16): host staging stays this size
+/// whatever the model and the bucket size, and a bucket larger than it is copied in pieces.
+pub(crate) const STAGING_CHUNK: usize = 1 << 24;
+
+/// How many buffers updated weights cycle through on their way back in the streaming step.
+pub(crate) const OUTGOING_BUFFERS: usize = 2;
+
+/// Elements per task of the host's parallel loops.
+const PAR_CHUNK: usize = 1 << 16;
 
 /// The CPU optimizer's own state for this rank's partition: what a delayed step takes to its
 /// worker thread and brings back.
@@ -19,8 +31,9 @@ pub(crate) struct HostOptimizer<P: Float> {
     pub master: HostBuffer<f32>,
     pub exp_avg: HostBuffer<f32>,
     pub exp_avg_sq: HostBuffer<f32>,
-    /// The updated weights, as the model's dtype, on their way back.
-    pub upload: HostBuffer<P>,
+    /// The updated weights, as the model's dtype, on their way back (the whole partition; `None`
+    /// when the step streams, chunk by chunk through [`HostState::outgoing`]).
+    pub upload: Option<HostBuffer<P>>,
     pub adam: CpuAdam,
 }
 
@@ -29,16 +42,147 @@ impl<P: Float> HostOptimizer<P> {
     /// into the upload buffer.
     pub(crate) fn step(&mut self, step: &AdamWStep, grad_acc: &[f32]) -> Result<(), EngineError> {
         let HostOptimizer { master, exp_avg, exp_avg_sq, upload, adam } = self;
+        let upload = upload
+            .as_mut()
+            .ok_or(EngineError::Usage("a whole-partition step while the step streams"))?;
         let state = AdamState { params: master, exp_avg, exp_avg_sq };
-        adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
-        upload.iter_mut().zip(master.iter()).for_each(|(u, m)| *u = P::from_f32(*m));
+        match as_bf16_mut(upload) {
+            Some(out) => adam.step(step, state, Grads::F32(grad_acc), Output::AlsoBf16(out))?,
+            None => {
+                adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
+                convert_into(adam, upload, master);
+            }
+        }
         Ok(())
+    }
+
+    /// Writes the master weights as `P` into the upload buffer (after a restore).
+    pub(crate) fn refresh_upload(&mut self) {
+        if let Some(upload) = &mut self.upload {
+            convert_into(&self.adam, upload, &self.master);
+        }
     }
 }
 
-/// The result of a delayed step: the optimizer and the accumulator it read, given back.
+/// `out[i] = P::from_f32(master[i])`, on the optimizer's threads.
+pub(crate) fn convert_into<P: Float>(adam: &CpuAdam, out: &mut [P], master: &[f32]) {
+    adam.for_each_chunk_mut(out, |offset, chunk| {
+        let master = &master[offset..offset + chunk.len()];
+        chunk.iter_mut().zip(master).for_each(|(o, m)| *o = P::from_f32(*m));
+    });
+}
+
+/// The slice as bf16, if `P` is bf16.
+pub(crate) fn as_bf16_mut<P: Float>(slice: &mut [P]) -> Option<&mut [bf16]> {
+    (TypeId::of::<P>() == TypeId::of::<bf16>()).then(|| {
+        // SAFETY: `P` is `bf16` (same type id), so the cast is the identity.
+        unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr().cast::<bf16>(), slice.len()) }
+    })
+}
+
+/// Gradients of type `P` as the CPU optimizer reads them, if it reads `P` directly (f32, bf16).
+pub(crate) fn as_grads<P: Float>(slice: &[P]) -> Option<Grads<'_>> {
+    if TypeId::of::<P>() == TypeId::of::<bf16>() {
+        // SAFETY: `P` is `bf16` (same type id), so the cast is the identity.
+        let grads =
+            unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<bf16>(), slice.len()) };
+        Some(Grads::Bf16(grads))
+    } else if TypeId::of::<P>() == TypeId::of::<f32>() {
+        // SAFETY: `P` is `f32` (same type id), so the cast is the identity.
+        let grads =
+            unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<f32>(), slice.len()) };
+        Some(Grads::F32(grads))
+    } else {
+        None
+    }
+}
+
+/// What a delayed step takes to its worker thread besides the optimizer, and gives back.
+#[derive(Debug)]
+pub(crate) enum Carried<P: Float> {
+    /// The accumulator it read (accumulating mode).
+    Accumulator(HostBuffer<f32>),
+    /// The staging and outgoing buffers it streamed through (streaming mode).
+    Buffers { staging: Vec<HostBuffer<P>>, outgoing: Vec<HostBuffer<P>> },
+}
+
+/// The result of a delayed step: the optimizer and what it carried, given back.
 pub(crate) type DelayedStep<P> =
-    JoinHandle<Result<(Box<HostOptimizer<P>>, HostBuffer<f32>), EngineError>>;
+    JoinHandle<Result<(Box<HostOptimizer<P>>, Carried<P>), EngineError>>;
+
+/// Where the streaming step reads gradients and writes weights: `len` elements of each, from
+/// element `source_at` of `source` and `target_at` of `target`.
+pub(crate) struct Chunks<'a, D: Device, P: Float> {
+    pub source: &'a D::Buffer<P>,
+    pub source_at: usize,
+    pub target: &'a D::Buffer<P>,
+    pub target_at: usize,
+}
+
+/// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
+/// by chunk on the d2h stream (up to [`STAGING_BUFFERS`] chunks ahead), the CPU steps each chunk
+/// as soon as its copy's token has been waited on, writing the new weights as `P` into an
+/// outgoing buffer, and that buffer's upload on the h2d stream starts at once, overlapping the
+/// next chunks. The caller orders the d2h stream after the gradients' writers and the h2d stream
+/// after the target's readers; the uploads are not waited for (each outgoing buffer remembers its
+/// copy, and its next write waits for it).
+pub(crate) fn stream_chunks<D: Device, P: Float>(
+    device: &D,
+    step: &AdamWStep,
+    optimizer: &mut HostOptimizer<P>,
+    staging: &mut [HostBuffer<P>],
+    outgoing: &mut [HostBuffer<P>],
+    io: Chunks<'_, D, P>,
+    len: usize,
+) -> Result<(), EngineError> {
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    let chunk = staging.first().map_or(1, |b| b.len()).max(1);
+    let chunks = len.div_ceil(chunk);
+    let piece = |c: usize| c * chunk..((c + 1) * chunk).min(len);
+    let mut free: [Option<&mut HostBuffer<P>>; STAGING_BUFFERS] = {
+        let mut buffers = staging.iter_mut();
+        std::array::from_fn(|_| buffers.next())
+    };
+    let mut in_flight: [Option<Filling<'_, P>>; STAGING_BUFFERS] = Default::default();
+    let mut issued = 0;
+    for c in 0..chunks {
+        // Keep the d2h stream busy: every free staging buffer receives the next chunk.
+        while issued < chunks {
+            let Some(buffer) = free.iter_mut().find_map(Option::take) else { break };
+            let range = piece(issued);
+            let from = io.source_at + range.start..io.source_at + range.end;
+            let filling = device.copy_d2h(d2h, io.source, from, buffer, 0)?;
+            in_flight[issued % STAGING_BUFFERS] = Some(filling);
+            issued += 1;
+        }
+        let range = piece(c);
+        let filling = in_flight[c % STAGING_BUFFERS].take().expect("issued above");
+        let staged = filling.wait()?;
+        let grads = as_grads(&staged[..range.len()])
+            .ok_or(EngineError::Usage("the streaming step reads f32 or bf16 gradients"))?;
+        // Waits for the upload that last read this buffer (its token was let go below).
+        let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam, .. } = optimizer;
+        let state = AdamState { params: master, exp_avg, exp_avg_sq };
+        match as_bf16_mut(out) {
+            Some(out) => {
+                adam.step_range(step, state, range.clone(), grads, Output::AlsoBf16(out))?
+            }
+            None => {
+                adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
+                convert_into(adam, out, &master[range.clone()]);
+            }
+        }
+        let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
+        let target = io.target_at + range.start;
+        let draining = device.copy_h2d(h2d, outgoing_buffer, 0..range.len(), io.target, target)?;
+        // Not waited on here: the buffer remembers the copy, and its next write (two chunks on,
+        // or the next step) waits for it. That is what lets the upload overlap the CPU.
+        std::mem::forget(draining);
+        *free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") = Some(staged);
+    }
+    Ok(())
+}
 
 /// Where the CPU optimizer is.
 #[derive(Debug)]
@@ -56,48 +200,87 @@ pub(crate) enum OptimizerSlot<P: Float> {
 pub(crate) struct HostState<P: Float> {
     pub optimizer: OptimizerSlot<P>,
     /// The rank's gradient partition, summed over ranks and micro-steps (in the loss-scaled
-    /// model's units).
-    pub grad_acc: HostBuffer<f32>,
+    /// model's units). `None` when the step streams: with one micro-step per step and no delayed
+    /// update, the gradients stay on the device until the step copies them out chunk by chunk.
+    pub grad_acc: Option<HostBuffer<f32>>,
     /// With the delayed update: the accumulator a running step does not hold, swapped in at each
     /// step.
     pub spare_acc: Option<HostBuffer<f32>>,
-    /// Device-to-host staging of one bucket piece each.
+    /// Device-to-host staging of one bucket piece (or step chunk) each.
     pub staging: Vec<HostBuffer<P>>,
+    /// Streaming step: updated weights on their way back to the device, one chunk each.
+    pub outgoing: Vec<HostBuffer<P>>,
     /// With the delayed update: the optimizer holds weights newer than the device's, to be
     /// uploaded at the next step (set when a delayed step was joined for a snapshot, or restored).
     pub upload_pending: bool,
 }
 
 impl<P: Float> HostState<P> {
+    /// The host side of a partition starting at `master`. `streaming`: the step copies the
+    /// gradients out of the device and the weights back chunk by chunk, with no accumulator and
+    /// no whole-partition upload buffer (about 12 bytes per parameter in all).
+    ///
+    /// `fill_master` writes the initial fp32 master weights; it is called (and dropped, with
+    /// whatever it owns) before the moments are allocated, so that the host never holds the
+    /// initial weights and the whole optimizer state at once.
+    #[allow(clippy::too_many_arguments, reason = "the options of the host side, once")]
     pub(crate) fn new<D: Device>(
         device: &D,
-        master: &[f32],
+        partition: usize,
+        fill_master: impl FnOnce(&mut [f32]),
         bucket: usize,
         memory: HostMemory,
         adam: CpuAdam,
         delayed: bool,
+        streaming: bool,
     ) -> Result<Self, EngineError> {
-        let partition = master.len();
-        let staging_len = bucket.min(partition).max(1);
+        let mut master = device.alloc_host::<f32>(partition, memory)?;
+        fill_master(&mut master);
+        let staging_len = if streaming { partition } else { bucket.min(partition) };
+        let staging_len = staging_len.clamp(1, STAGING_CHUNK);
         let staging = (0..STAGING_BUFFERS)
             .map(|_| device.alloc_host::<P>(staging_len, memory))
             .collect::<Result<_, _>>()?;
-        let mut optimizer = HostOptimizer {
-            master: device.alloc_host(partition, memory)?,
+        let outgoing = if streaming {
+            (0..OUTGOING_BUFFERS)
+                .map(|_| device.alloc_host::<P>(staging_len, memory))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
+        let optimizer = HostOptimizer {
+            master,
             exp_avg: device.alloc_host(partition, memory)?,
             exp_avg_sq: device.alloc_host(partition, memory)?,
-            upload: device.alloc_host(partition, memory)?,
+            upload: if streaming { None } else { Some(device.alloc_host(partition, memory)?) },
             adam,
         };
-        optimizer.master.copy_from_slice(master);
-        let spare_acc = if delayed { Some(device.alloc_host(partition, memory)?) } else { None };
+        let spare_acc =
+            if delayed && !streaming { Some(device.alloc_host(partition, memory)?) } else { None };
+        let grad_acc = if streaming { None } else { Some(device.alloc_host(partition, memory)?) };
         Ok(HostState {
             optimizer: OptimizerSlot::Ready(Box::new(optimizer)),
-            grad_acc: device.alloc_host(partition, memory)?,
+            grad_acc,
             spare_acc,
             staging,
+            outgoing,
             upload_pending: false,
         })
+    }
+
+    /// True if the step streams (see [`HostState::new`]).
+    pub(crate) fn streaming(&self) -> bool {
+        self.grad_acc.is_none()
+    }
+
+    /// Zeroes the accumulator (on the optimizer's threads), if there is one.
+    pub(crate) fn clear_accumulator(&mut self) {
+        if let (Some(acc), OptimizerSlot::Ready(optimizer)) = (&mut self.grad_acc, &self.optimizer)
+        {
+            optimizer.adam.for_each_chunk_mut(acc, |_, chunk| chunk.fill(0.0));
+        } else if let Some(acc) = &mut self.grad_acc {
+            acc.fill(0.0);
+        }
     }
 
     /// True if the optimizer's weights have not reached the device yet.
@@ -115,10 +298,16 @@ impl<P: Float> HostState<P> {
             else {
                 unreachable!("matched above")
             };
-            let (optimizer, acc) = handle
+            let (optimizer, carried) = handle
                 .join()
                 .map_err(|_| EngineError::Usage("the delayed optimizer step panicked"))??;
-            self.spare_acc = Some(acc);
+            match carried {
+                Carried::Accumulator(acc) => self.spare_acc = Some(acc),
+                Carried::Buffers { staging, outgoing } => {
+                    self.staging = staging;
+                    self.outgoing = outgoing;
+                }
+            }
             self.optimizer = OptimizerSlot::Ready(optimizer);
         }
         match &mut self.optimizer {
@@ -136,7 +325,8 @@ impl<P: Float> HostState<P> {
         let OptimizerSlot::Ready(optimizer) = &mut self.optimizer else {
             unreachable!("joined above")
         };
-        optimizer.step(step, &self.grad_acc)
+        let acc = self.grad_acc.as_ref().ok_or(EngineError::Usage("step_now while streaming"))?;
+        optimizer.step(step, acc)
     }
 
     /// Starts a delayed step of the (joined) optimizer on a worker thread, handing it the full
@@ -151,12 +341,16 @@ impl<P: Float> HostState<P> {
             .spare_acc
             .take()
             .ok_or(EngineError::Usage("the delayed update needs a spare accumulator"))?;
-        let acc = std::mem::replace(&mut self.grad_acc, spare);
+        let current = self
+            .grad_acc
+            .as_mut()
+            .ok_or(EngineError::Usage("the delayed update needs an accumulator"))?;
+        let acc = std::mem::replace(current, spare);
         let handle = std::thread::Builder::new()
             .name("zeroflow-delayed-step".into())
             .spawn(move || {
                 optimizer.step(&step, &acc)?;
-                Ok((optimizer, acc))
+                Ok((optimizer, Carried::Accumulator(acc)))
             })
             .map_err(|_| EngineError::Usage("could not start the delayed optimizer thread"))?;
         self.optimizer = OptimizerSlot::Stepping(handle);
@@ -211,7 +405,13 @@ impl<'s, P: Float> Offloader<'s, P> {
         self.count -= 1;
         let staged = filling.wait()?;
         let acc = &mut self.grad_acc[offset..offset + len];
-        acc.iter_mut().zip(&staged[..len]).for_each(|(a, g)| *a += g.to_f32());
+        // In parallel: a piece is up to STAGING_CHUNK elements, and the accumulation of a whole
+        // partition per micro-step must keep up with the copies.
+        acc.par_chunks_mut(PAR_CHUNK).zip(staged[..len].par_chunks(PAR_CHUNK)).for_each(
+            |(acc, staged)| {
+                acc.iter_mut().zip(staged).for_each(|(a, g)| *a += g.to_f32());
+            },
+        );
         let slot = self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty");
         *slot = Some(staged);
         Ok(())

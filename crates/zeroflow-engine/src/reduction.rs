@@ -21,6 +21,8 @@ pub(crate) enum Sink<'s, D: Device, P: Float> {
     Device(&'s D::Buffer<f32>),
     /// Copied to the host and added there.
     Host(Offloader<'s, P>),
+    /// Left where the reduction put them, for the streaming step to copy out.
+    Keep,
 }
 
 /// The reduction pipeline during one backward.
@@ -92,11 +94,18 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
                 if !self.skip_d2h_wait {
                     self.device.wait_event(d2h, self.reduced_event)?;
                 }
-                let staging = offloader.staging()?;
-                let len = at_source.len();
-                let filling = self.device.copy_d2h(d2h, source, at_source, staging, 0)?;
-                offloader.push(at_acc, len, filling);
+                // In pieces of at most one staging buffer.
+                let mut start = 0;
+                while start < at_source.len() {
+                    let staging = offloader.staging()?;
+                    let len = staging.len().min(at_source.len() - start);
+                    let from = at_source.start + start..at_source.start + start + len;
+                    let filling = self.device.copy_d2h(d2h, source, from, staging, 0)?;
+                    offloader.push(at_acc + start, len, filling);
+                    start += len;
+                }
             }
+            Sink::Keep => {}
         }
         Ok(())
     }

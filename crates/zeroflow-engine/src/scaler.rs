@@ -79,6 +79,38 @@ impl DynamicScaler {
 }
 
 impl LossScaler {
+    /// Why this scaler (read from a checkpoint, say) cannot be used: a scale that is not a
+    /// positive finite number, a zero window, or counters that the next update would overflow.
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |what: &str, x: f32| {
+            if x.is_finite() && x > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("the loss scaler's {what} {x} is not a positive finite number"))
+            }
+        };
+        match self {
+            LossScaler::None => Ok(()),
+            LossScaler::Static(scale) => positive("scale", *scale),
+            LossScaler::Dynamic(d) => {
+                positive("scale", d.scale)?;
+                if !(d.min_scale.is_finite() && d.min_scale >= 0.0) {
+                    return Err(format!("the loss scaler's min_scale {} is invalid", d.min_scale));
+                }
+                if d.window == 0 {
+                    return Err("the loss scaler's window is 0".into());
+                }
+                if d.iteration == u64::MAX || d.last_overflow.is_some_and(|at| at > d.iteration) {
+                    return Err(format!(
+                        "the loss scaler's iteration {} and last overflow {:?} are inconsistent",
+                        d.iteration, d.last_overflow
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// The factor the loss (and so every gradient) is multiplied by.
     pub fn scale(&self) -> f32 {
         match self {
@@ -128,6 +160,26 @@ mod tests {
         assert_eq!(s.scale(), 2.0);
         s.update(false); // 3: a whole window
         assert_eq!(s.scale(), 4.0);
+    }
+
+    #[test]
+    fn check_refuses_scalers_whose_next_update_would_fail_or_that_scale_by_nonsense() {
+        let good = DynamicScaler::new(16, 1000, 1.0, 2, false);
+        assert_eq!(LossScaler::Dynamic(good.clone()).check(), Ok(()));
+        assert_eq!(LossScaler::None.check(), Ok(()));
+        assert_eq!(LossScaler::Static(128.0).check(), Ok(()));
+        let bad = [
+            LossScaler::Static(0.0),
+            LossScaler::Static(f32::INFINITY),
+            LossScaler::Dynamic(DynamicScaler { window: 0, ..good.clone() }),
+            LossScaler::Dynamic(DynamicScaler { scale: -2.0, ..good.clone() }),
+            LossScaler::Dynamic(DynamicScaler { min_scale: f32::NAN, ..good.clone() }),
+            LossScaler::Dynamic(DynamicScaler { iteration: u64::MAX, ..good.clone() }),
+            LossScaler::Dynamic(DynamicScaler { iteration: 3, last_overflow: Some(4), ..good }),
+        ];
+        for scaler in bad {
+            assert!(scaler.check().is_err(), "{scaler:?}");
+        }
     }
 
     #[test]

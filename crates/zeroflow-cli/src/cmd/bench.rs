@@ -20,8 +20,10 @@ pub enum Bench {
     CpuAdam(CpuAdamArgs),
     /// Copy bandwidth between host memory (pinned and pageable) and the GPU.
     Copy(super::bench_copy::Args),
-    /// Optimizer steps of the GPT model through the ZeRO engine (gpu, offload, dpu).
-    Train(super::bench_train::Args),
+    /// Optimizer steps of the GPT model through the ZeRO engine (gpu, offload, offload-delayed),
+    /// with the breakdown and memory.
+    #[command(alias = "train")]
+    Step(super::bench_train::Args),
     /// bf16 GEMM throughput through cuBLASLt (TFLOP/s).
     Gemm(super::bench_gemm::Args),
     /// Forward + backward of the GPT model on one GPU (s/step, tokens/s, memory).
@@ -91,7 +93,7 @@ pub fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::CpuAdam(args) => cpu_adam(args),
         Bench::Copy(args) => super::bench_copy::run(args),
-        Bench::Train(args) => super::bench_train::run(args),
+        Bench::Step(args) => super::bench_train::run(args),
         Bench::Gemm(args) => super::bench_gemm::run(args),
         Bench::Gpt(args) => super::bench_gpt::run(args),
     }

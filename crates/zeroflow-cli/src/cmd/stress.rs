@@ -20,9 +20,9 @@ pub struct Args {
     /// Random delays before every device operation, seeded (CPU only).
     #[arg(long)]
     chaos: Option<u64>,
-    /// In-process ranks (CPU).
-    #[arg(long, default_value_t = 2)]
-    world: usize,
+    /// Ranks: in-process CPU ranks [default 2], or GPUs 0..N [default: every visible GPU].
+    #[arg(long)]
+    world: Option<usize>,
     /// Keep the GPU busy with large GEMMs on another stream throughout (CUDA only).
     #[arg(long)]
     gpu_load: bool,
@@ -49,12 +49,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--chaos delays the CPU device's streams; on a GPU use --gpu-load instead",
         ));
     }
-    if args.world == 0 {
-        return Err(InputError::from_display("--world must be at least 1"));
-    }
+    let world = match args.world {
+        Some(0) => return Err(InputError::from_display("--world must be at least 1")),
+        Some(world) => world,
+        None if cuda => zeroflow_device::cuda::info::list_gpus()?.len().max(1),
+        None => 2,
+    };
     let command: Vec<String> = std::env::args().collect();
     let started = std::time::Instant::now();
-    let opts = StressOptions::new(args.iters, args.world, args.chaos);
+    let opts = StressOptions::new(args.iters, world, args.chaos);
     let (report, load_gemms) = if cuda {
         let load = if args.gpu_load {
             let device = CudaDevice::new(0)?;
@@ -71,13 +74,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let device = if cuda {
         format!(
             "cuda, {} GPU rank(s), GEMM load {}",
-            args.world,
+            world,
             load_gemms.map_or("off".to_string(), |n| format!("on ({n} bf16 8192³ GEMMs ran)"))
         )
     } else {
         format!(
             "cpu, {} in-process ranks, chaos {}",
-            args.world,
+            world,
             args.chaos.map_or("off".to_string(), |s| format!("seed {s}"))
         )
     };
@@ -92,7 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "protocol": protocol,
             "device": device,
             "gpu_load_gemms": load_gemms,
-            "world": args.world,
+            "world": world,
             "chaos_seed": args.chaos,
             "iterations_requested": args.iters,
             "iterations": report.iterations,

@@ -2,14 +2,17 @@
 
 use std::time::Duration;
 
+use anyhow::Context as _;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::cuda::nccl::NcclComm;
+use zeroflow_device::cuda::nccl::{NcclComm, NcclId};
 use zeroflow_device::{Comm, CpuDevice, CudaDevice, Device};
 use zeroflow_engine::DeviceAdamW;
 use zeroflow_gpt::cuda::CudaGpt;
 use zeroflow_gpt::{CpuGpt, GptConfig, GptError, GradsReady};
+
+use crate::dist::{self, DistEnv, Group};
 
 /// A model the trainer drives through the engine: the CPU model or the CUDA one.
 pub trait Model: Sized {
@@ -27,6 +30,12 @@ pub trait Model: Sized {
     /// Waits for the last forward and returns its mean loss.
     fn loss(&mut self) -> Result<f32, GptError>;
 
+    /// The device memory in use (all of it, the driver's context included), where the device
+    /// can say.
+    fn memory_in_use(_device: &Self::Device) -> Option<usize> {
+        None
+    }
+
     /// Queues backward, adding the gradients into `grads` and telling `on_ready` as each group's
     /// gradients are complete.
     fn backward(
@@ -41,11 +50,13 @@ pub trait Model: Sized {
 /// A model's flat weight or gradient buffer.
 pub type Buffer<M> = <<M as Model>::Device as Device>::Buffer<<M as Model>::P>;
 
-/// A device, this rank's communicator and the model on that device.
+/// A device, this rank's communicator, the model on that device, and the side channel to the
+/// other ranks' processes.
 pub struct Opened<M: Model> {
     pub device: M::Device,
     pub comm: M::Comm,
     pub model: M,
+    pub group: Group,
 }
 
 impl Model for CpuGpt {
@@ -76,27 +87,47 @@ impl Model for CpuGpt {
     }
 }
 
-/// How to open a device kind: the model's shape, the micro-batch (sequences) and the flat layout.
-pub type Open<M> = fn(&GptConfig, usize, &FlatLayout) -> anyhow::Result<Opened<M>>;
+/// How to open a device kind: the model's shape, the micro-batch (sequences), the flat layout (for
+/// the job's world size) and this process's rank in the job.
+pub type Open<M> = fn(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>;
 
-/// The CPU device, a communicator of one, and the model in f32.
+/// What opens a device for the trainer: an [`Open`] function, or (in tests) a closure holding
+/// devices made beforehand.
+pub trait OpenFn<M: Model>:
+    FnOnce(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
+{
+}
+
+impl<M: Model, F> OpenFn<M> for F where
+    F: FnOnce(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
+{
+}
+
+/// The CPU device, a communicator of one, and the model in f32 (a job of one process).
 pub fn open_cpu(
     model: &GptConfig,
     micro_batch: usize,
     layout: &FlatLayout,
+    dist: &DistEnv,
 ) -> anyhow::Result<Opened<CpuGpt>> {
+    anyhow::ensure!(dist.world_size == 1, "the CPU device trains in one process");
     let device = CpuDevice::new()?;
     let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
         .pop()
         .expect("a group of one");
     let model = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
-    Ok(Opened { device, comm, model })
+    let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
+    Ok(Opened { device, comm, model, group })
 }
 
 impl Model for CudaGpt {
     type Device = CudaDevice;
     type Comm = NcclComm;
     type P = bf16;
+
+    fn memory_in_use(device: &CudaDevice) -> Option<usize> {
+        zeroflow_gpt::cuda::device_memory_in_use(device).ok()
+    }
 
     fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
         CudaGpt::set_batch(self, inputs, targets)
@@ -121,18 +152,37 @@ impl Model for CudaGpt {
     }
 }
 
-/// GPU 0, an NCCL communicator of one, and the model in bf16.
+/// The GPU of this process's local rank, its NCCL communicator in the job, and the model in bf16.
+///
+/// With several ranks, the processes meet first ([`dist::join`]: rank 0 makes the NCCL id and
+/// hands its bytes to the others), then each joins the NCCL group on its GPU.
 pub fn open_cuda(
     model: &GptConfig,
     micro_batch: usize,
     layout: &FlatLayout,
+    dist: &DistEnv,
 ) -> anyhow::Result<Opened<CudaGpt>> {
-    let device = CudaDevice::new(0)?;
-    let comm = NcclComm::group(std::slice::from_ref(&device))?.pop().expect("a group of one");
+    let (device, comm, group) = if dist.world_size == 1 {
+        let device = CudaDevice::new(dist.local_rank)?;
+        let comm = NcclComm::group(std::slice::from_ref(&device))?.pop().expect("a group of one");
+        let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
+        (device, comm, group)
+    } else {
+        let (id, group) =
+            dist::join(dist, || Ok(NcclId::new().map_err(|e| e.to_string())?.to_bytes().to_vec()))?;
+        let id = NcclId::from_bytes(&id).context("the NCCL id rank 0 sent")?;
+        let (rank, world) = (dist.rank, dist.world_size);
+        let device = CudaDevice::new(dist.local_rank)
+            .with_context(|| format!("rank {rank}: cannot open GPU {}", dist.local_rank))?;
+        let comm = NcclComm::new(&device, &id, rank, world)
+            .with_context(|| format!("rank {rank}: cannot join the NCCL group of {world}"))?;
+        tracing::info!("rank {rank} of {world} on GPU {}: NCCL group joined", dist.local_rank);
+        (device, comm, group)
+    };
     let model = CudaGpt::new(&device, model, layout, micro_batch, model.context)?;
     tracing::info!(
         "GPU model: {:.2} GiB of activations and scratch",
         model.activation_bytes() as f64 / f64::from(1u32 << 30)
     );
-    Ok(Opened { device, comm, model })
+    Ok(Opened { device, comm, model, group })
 }

@@ -110,11 +110,22 @@ fn wildcard_match(pattern: &str, name: &str) -> bool {
     matches[n.len()]
 }
 
+/// How the training stream is cut: `batch` sequences per micro-step for `micro_steps` micro-steps,
+/// this rank's slice of each step's `world_size × batch` sequences.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub batch: u64,
+    pub micro_steps: u64,
+    pub rank: usize,
+    pub world_size: usize,
+}
+
 /// The training and evaluation data of a run.
 #[derive(Debug)]
 pub struct Data {
     pub train: DataLoader,
-    /// The evaluation set: [`EVAL_BATCHES`] micro-batches, the same at every evaluation.
+    /// This rank's part of the evaluation set: [`EVAL_BATCHES`] micro-batches, the same at every
+    /// evaluation.
     pub eval: Vec<zeroflow_gpt::data::Batch>,
     /// The lowest loss a model can reach, where known (the synthetic corpus).
     pub floor: Option<f64>,
@@ -123,21 +134,19 @@ pub struct Data {
 }
 
 impl Data {
-    /// Opens the data for `micro_steps` micro-batches of `batch` sequences of the model's context.
+    /// Opens the data for `shape.micro_steps` micro-batches of `shape.batch` sequences of the
+    /// model's context: this rank's slices of the training stream and of the evaluation set (the
+    /// ranks read disjoint sequences of each step, together what one process with `world_size`
+    /// times the micro-batch reads).
     ///
     /// The synthetic corpus evaluates on another stream of the same chain. Files evaluate on the
     /// last shard when there are several (it is then not trained on) and on the start of the only
     /// one otherwise (not held out: the log says so).
-    pub fn open(
-        spec: &Spec,
-        model: &GptConfig,
-        batch: u64,
-        micro_steps: u64,
-        seed: u64,
-    ) -> anyhow::Result<Data> {
-        let (batch, seq, vocab) = (batch as usize, model.context, model.vocab_size);
-        let loader = |source| {
-            DataLoader::new(source, vocab, batch, seq, 0, 1)
+    pub fn open(spec: &Spec, model: &GptConfig, shape: Shape, seed: u64) -> anyhow::Result<Data> {
+        let (batch, seq, vocab) = (shape.batch as usize, model.context, model.vocab_size);
+        let (rank, world) = (shape.rank, shape.world_size);
+        let loader = |source, rank, world| {
+            DataLoader::new(source, vocab, batch, seq, rank, world)
                 .map_err(|e| input(format!("--data: {e}")))
         };
         let (train, eval_source, floor, description) = match spec {
@@ -151,13 +160,14 @@ impl Data {
                     )));
                 }
                 let floor = corpus.loss_floor(seq);
-                let train_len = (micro_steps as usize).saturating_mul(batch * seq) + 1;
+                let train_len =
+                    (shape.micro_steps as usize).saturating_mul(world * batch * seq) + 1;
                 let train = Source::Synthetic {
                     corpus: corpus.clone(),
                     stream_seed: 2 * seed,
                     len: train_len.min(1 << 26),
                 };
-                let eval_len = EVAL_BATCHES * batch * seq + 1;
+                let eval_len = EVAL_BATCHES * world * batch * seq + 1;
                 let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
                 (train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into())
             }
@@ -199,8 +209,8 @@ impl Data {
                 )
             }
         };
-        let train = loader(train)?;
-        let mut eval_loader = loader(eval_source)?;
+        let train = loader(train, rank, world)?;
+        let mut eval_loader = loader(eval_source, rank, world)?;
         let eval = (0..EVAL_BATCHES)
             .map(|_| eval_loader.next_batch().map_err(|e| input(format!("--data: {e}"))))
             .collect::<anyhow::Result<_>>()?;

@@ -6,6 +6,8 @@ pub mod backend;
 mod checkpoints;
 mod data;
 mod init;
+#[cfg(test)]
+mod multi_rank_tests;
 mod output;
 mod plot;
 pub(crate) mod run;
@@ -21,6 +23,7 @@ use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 
 use crate::InputError;
 use crate::cmd::train::Args;
+use crate::dist::DistEnv;
 
 use checkpoints::ResumePoint;
 pub use data::Data;
@@ -92,12 +95,20 @@ pub struct Setup {
     pub out: PathBuf,
     pub seed: u64,
     pub start: Start,
+    /// This process's rank in the job (one process unless a launcher says otherwise).
+    pub dist: DistEnv,
 }
 
 impl Setup {
     /// Checks the flags, the model, the data, the config, the checkpoint or initial weights, and
     /// that the output directory may be written; creates and changes nothing.
-    pub fn from_args(mut args: Args) -> anyhow::Result<Setup> {
+    pub fn from_args(args: Args) -> anyhow::Result<Setup> {
+        let dist = job(&args)?;
+        Setup::for_rank(args, dist)
+    }
+
+    /// [`Setup::from_args`] for the rank `dist` (the process environment is not read).
+    pub(crate) fn for_rank(mut args: Args, dist: DistEnv) -> anyhow::Result<Setup> {
         let resume = match &args.resume {
             Some(arg) => Some(checkpoints::find(arg, args.out.as_deref())?),
             None => None,
@@ -115,7 +126,7 @@ impl Setup {
         let seed =
             same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
         let steps = args.steps.get();
-        let config = resolve_config(&args, &model, steps)?;
+        let config = resolve_config(&args, &model, steps, dist.world_size)?;
         let out = match &resume {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => {
@@ -133,11 +144,16 @@ impl Setup {
                 out
             }
         };
-        let start = initial_state(resume, hf, &model)?;
+        let start = initial_state(resume, hf, &model, dist.world_size)?;
         let batch = &config.batch;
         let micro_steps = steps * batch.gradient_accumulation_steps;
-        let mut data =
-            Data::open(&spec, &model, batch.micro_batch_size_per_gpu, micro_steps, seed)?;
+        let shape = data::Shape {
+            batch: batch.micro_batch_size_per_gpu,
+            micro_steps,
+            rank: dist.rank,
+            world_size: dist.world_size,
+        };
+        let mut data = Data::open(&spec, &model, shape, seed)?;
         if let Start::Resume { point, .. } = &start {
             data.train.seek(point.extra.data_position).map_err(|e| {
                 input(format!("--resume {}: the data position: {e}", point.dir.display()))
@@ -158,6 +174,7 @@ impl Setup {
             out,
             seed,
             start,
+            dist,
         })
     }
 
@@ -168,6 +185,28 @@ impl Setup {
             _ => 0,
         }
     }
+}
+
+/// This process's place in the job, from the launcher's environment. Several ranks need
+/// `--device cuda` (one GPU each) and a run directory they agree on.
+fn job(args: &Args) -> anyhow::Result<DistEnv> {
+    let dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    if dist.world_size == 1 {
+        return Ok(dist);
+    }
+    if args.device == DeviceKind::Cpu {
+        return Err(input(format!(
+            "this process is rank {} of {}, but --device cpu trains in one process: train on              several ranks with --device cuda (one GPU each)",
+            dist.rank, dist.world_size
+        )));
+    }
+    if args.out.is_none() && args.resume.is_none() {
+        return Err(input(format!(
+            "--out is needed with {} ranks: every rank writes its part of the checkpoints into              the same run directory (on a file system all hosts share)",
+            dist.world_size
+        )));
+    }
+    Ok(dist)
 }
 
 /// The model: `--model`, else the checkpoint's when resuming, else the shape in `--init-from`'s
@@ -195,8 +234,9 @@ fn initial_state(
     resume: Option<ResumePoint>,
     hf: Option<init::HfModel>,
     model: &GptConfig,
+    world_size: usize,
 ) -> anyhow::Result<Start> {
-    let layout = flat_layout(model, 1).context("cannot lay out the model")?;
+    let layout = flat_layout(model, world_size).context("cannot lay out the model")?;
     let tensors = hf_tensors(model, &layout)?;
     Ok(match (resume, hf) {
         (Some(point), _) => {
@@ -322,8 +362,14 @@ fn input(message: impl Into<String>) -> anyhow::Error {
 }
 
 /// The resolved config of the run: `--config` or [`DEFAULT_CONFIG`], its `"auto"` values filled
-/// from the flags. A flag that contradicts a value written in the file is an error.
-fn resolve_config(args: &Args, model: &GptConfig, steps: u64) -> anyhow::Result<Config> {
+/// from the flags, for `world_size` ranks (`train_batch_size` is micro-batch × accumulation ×
+/// ranks, as in DeepSpeed). A flag that contradicts a value written in the file is an error.
+fn resolve_config(
+    args: &Args,
+    model: &GptConfig,
+    steps: u64,
+    world_size: usize,
+) -> anyhow::Result<Config> {
     if let Some(lr) = args.lr
         && !(lr.is_finite() && lr > 0.0)
     {
@@ -340,7 +386,11 @@ fn resolve_config(args: &Args, model: &GptConfig, steps: u64) -> anyhow::Result<
         hidden_size: NonZeroU64::new(model.d_model as u64),
         ..Overrides::default()
     };
-    let context = Context { world_size: NonZeroU32::MIN, overrides };
+    let world_size = u32::try_from(world_size)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .ok_or_else(|| input(format!("a job of {world_size} ranks is not supported")))?;
+    let context = Context { world_size, overrides };
     let (resolved, name) = match &args.config {
         Some(file) => {
             let resolved = config::resolve_file(file, &context)

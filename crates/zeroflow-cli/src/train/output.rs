@@ -24,11 +24,13 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
 }
 
-/// Where the run writes, and the losses it keeps for the plot.
+/// Where the run writes, and the losses it keeps for the plot. In a job of several ranks only
+/// rank 0 writes; the others' recorder ([`Recorder::discard`]) keeps the losses and writes nothing.
 #[derive(Debug)]
 pub struct Recorder {
     dir: PathBuf,
-    metrics: BufWriter<File>,
+    /// `None` on the ranks that do not write.
+    metrics: Option<BufWriter<File>>,
     pub train: Vec<(u64, f64)>,
     pub eval: Vec<(u64, f64)>,
 }
@@ -42,10 +44,15 @@ impl Recorder {
             File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
         Ok(Recorder {
             dir: dir.to_owned(),
-            metrics: BufWriter::new(file),
+            metrics: Some(BufWriter::new(file)),
             train: Vec::new(),
             eval: Vec::new(),
         })
+    }
+
+    /// A recorder that writes nothing (ranks other than 0).
+    pub fn discard(dir: &Path) -> Recorder {
+        Recorder { dir: dir.to_owned(), metrics: None, train: Vec::new(), eval: Vec::new() }
     }
 
     /// Continues the `metrics.jsonl` of `dir` after the checkpoint at `step`: drops the lines of
@@ -85,7 +92,7 @@ impl Recorder {
             .append(true)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(Recorder { dir: dir.to_owned(), metrics: BufWriter::new(file), train, eval })
+        Ok(Recorder { dir: dir.to_owned(), metrics: Some(BufWriter::new(file)), train, eval })
     }
 
     pub fn step(&mut self, record: &StepRecord) -> anyhow::Result<()> {
@@ -106,15 +113,17 @@ impl Recorder {
     }
 
     fn write(&mut self, line: &Value) -> anyhow::Result<()> {
+        let Some(metrics) = &mut self.metrics else { return Ok(()) };
         // Flushed line by line, so that a reader (or a crash) sees every finished step.
-        writeln!(self.metrics, "{line}")
-            .and_then(|()| self.metrics.flush())
+        writeln!(metrics, "{line}")
+            .and_then(|()| metrics.flush())
             .context("cannot write metrics.jsonl")
     }
 
     /// Flushes the metrics and writes the plot and the summary.
-    pub fn finish(mut self, floor: Option<f64>, summary: &Value) -> anyhow::Result<()> {
-        self.metrics.flush().context("cannot write metrics.jsonl")?;
+    pub fn finish(self, floor: Option<f64>, summary: &Value) -> anyhow::Result<()> {
+        let Some(mut metrics) = self.metrics else { return Ok(()) };
+        metrics.flush().context("cannot write metrics.jsonl")?;
         let svg = super::plot::loss_svg(&self.train, &self.eval, floor);
         write_file(&self.dir.join("loss.svg"), svg.as_bytes())?;
         let text = serde_json::to_string_pretty(summary).expect("JSON values serialise");
@@ -126,11 +135,13 @@ fn write_file(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// What the user watches: a progress bar on a terminal, else a line every `log_every` steps.
+/// What the user watches: a progress bar on a terminal, else a line every `log_every` steps;
+/// nothing on the ranks other than 0.
 #[derive(Debug)]
 pub enum Progress {
     Bar(ProgressBar),
     Lines { steps: u64, log_every: u64 },
+    Silent,
 }
 
 impl Progress {
@@ -163,6 +174,7 @@ impl Progress {
                     tracing::info!("step {}/{steps} {text}", record.step);
                 }
             }
+            Progress::Silent => {}
         }
     }
 
@@ -171,6 +183,7 @@ impl Progress {
         match self {
             Progress::Bar(bar) => bar.println(message),
             Progress::Lines { .. } => tracing::info!("{message}"),
+            Progress::Silent => {}
         }
     }
 

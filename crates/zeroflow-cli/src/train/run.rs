@@ -12,7 +12,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_core::Float;
 use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
-use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, StepReport};
+use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport};
 use zeroflow_gpt::data::{Batch, DataLoader};
 use zeroflow_gpt::{GptError, flat_layout, hf_tensors, init_params};
 
@@ -21,6 +21,7 @@ use super::checkpoints::{self, Extra, LrPosition, RunInfo};
 use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
 use super::{DeviceKind, Setup, Start};
+use crate::dist::Group;
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -35,13 +36,26 @@ pub fn run(setup: Setup) -> anyhow::Result<()> {
     }
 }
 
-fn run_on<M: Model>(mut setup: Setup, open: backend::Open<M>) -> anyhow::Result<()> {
+pub(super) fn run_on<M: Model>(
+    mut setup: Setup,
+    open: impl backend::OpenFn<M>,
+) -> anyhow::Result<()> {
     let start = Instant::now();
-    let stop = stop_on_signals()?;
     let mut trainer = Trainer::<M>::new(&setup, open)?;
-    log_start(&setup);
+    // Caught from here on: before, there is nothing to save, and a signal must end a rank that
+    // waits at the rendezvous or in NCCL's initialisation (the launcher stopping a failed job).
+    let stop = stop_on_signals()?;
+    // Off unless ZEROFLOW_STEP_TIMEOUT is set; ticked after each step, checkpoint and evaluation.
+    let watchdog = crate::dist::step_watchdog(&setup.dist)?;
+    let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
+    // Rank 0 writes the metrics, the plot, the summary and the progress; every rank trains.
+    let leader = setup.dist.rank == 0;
+    if leader {
+        log_start(&setup);
+    }
     let first = setup.start_step() + 1;
     let mut recorder = match &setup.start {
+        _ if !leader => Recorder::discard(&setup.out),
         Start::Resume { point, .. } => {
             checkpoints::set_aside(&point.damaged)?;
             tracing::info!("resuming from {} at step {}", point.dir.display(), first - 1);
@@ -49,7 +63,8 @@ fn run_on<M: Model>(mut setup: Setup, open: backend::Open<M>) -> anyhow::Result<
         }
         _ => Recorder::create(&setup.out)?,
     };
-    let progress = Progress::new(setup.steps, setup.log_every);
+    let progress =
+        if leader { Progress::new(setup.steps, setup.log_every) } else { Progress::Silent };
     let mut eval_loss = recorder.eval.last().map_or(f64::NAN, |&(_, loss)| loss);
     if let Start::InitFrom { .. } = setup.start {
         eval_loss = trainer.evaluate(&setup.data.eval)?;
@@ -59,15 +74,18 @@ fn run_on<M: Model>(mut setup: Setup, open: backend::Open<M>) -> anyhow::Result<
     let mut done = first - 1;
     for step in first..=setup.steps {
         let record = trainer.step(step, &mut setup.data.train)?;
+        tick();
         recorder.step(&record)?;
         progress.step(&record);
         done = step;
-        let interrupted = stop.load(Ordering::Relaxed);
+        // Every rank stops after the same step: a signal may reach the ranks at different times.
+        let interrupted = trainer.group().any(stop.load(Ordering::Relaxed))?;
         let last = step == setup.steps || interrupted;
         if last || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
             // Saved before the flush below: the delayed update's pending weights are part of
             // the state, so a resumed run continues exactly as this one would have.
             let dir = trainer.save(step, &setup)?;
+            tick();
             progress.println(&format!("step {step}: saved {}", dir.display()));
         }
         if interrupted {
@@ -80,11 +98,17 @@ fn run_on<M: Model>(mut setup: Setup, open: backend::Open<M>) -> anyhow::Result<
         }
         if last || (setup.eval_every > 0 && step.is_multiple_of(setup.eval_every)) {
             eval_loss = trainer.evaluate(&setup.data.eval)?;
+            tick();
             recorder.eval(step, eval_loss)?;
             progress.println(&eval_line(step, eval_loss, setup.data.floor));
         }
     }
     progress.finish();
+    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
+    trainer.group.take().expect("the group is taken once, here").finish()?;
+    if !leader {
+        return Ok(());
+    }
     let summary = summary(&setup, &trainer, &recorder, done, eval_loss, start.elapsed());
     recorder.finish(setup.data.floor, &summary)?;
     tracing::info!("{done} steps; wrote {}", setup.out.display());
@@ -132,7 +156,7 @@ fn summary<M: Model>(
         "train_s": train_s,
         "seed": setup.seed,
         "device": trainer.device_description,
-        "world_size": 1,
+        "world_size": setup.dist.world_size,
         "data": setup.data.description,
         "model": setup.model,
         "parameters": setup.model.num_params(),
@@ -181,12 +205,15 @@ struct Trainer<M: Model> {
     micro_batch: Batch,
     /// Time spent in training steps (evaluation excluded).
     train_time: Duration,
+    /// The side channel to the other ranks (taken for its last barrier at the end of the run).
+    group: Option<Group>,
 }
 
 impl<M: Model> Trainer<M> {
-    fn new(setup: &Setup, open: backend::Open<M>) -> anyhow::Result<Self> {
+    fn new(setup: &Setup, open: impl backend::OpenFn<M>) -> anyhow::Result<Self> {
         let (model, config) = (&setup.model, &setup.config);
-        let layout = flat_layout(model, 1).context("cannot lay out the model")?;
+        let world = setup.dist.world_size;
+        let layout = flat_layout(model, world).context("cannot lay out the model")?;
         let weights = match &setup.start {
             Start::Seed => {
                 let mut weights = vec![0.0f32; layout.padded_len()];
@@ -196,12 +223,17 @@ impl<M: Model> Trainer<M> {
             Start::InitFrom { weights, .. } | Start::Resume { weights, .. } => weights.clone(),
         };
         let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
-        let backend::Opened { device, comm, model: gpt } = open(model, micro_batch, &layout)?;
+        let backend::Opened { device, comm, model: gpt, group } =
+            open(model, micro_batch, &layout, &setup.dist)?;
         let device_description = device.describe();
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // The ranks of one host share its cores.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = setup.dist.cpu_threads(cores);
         let options = EngineOptions::from_config(config, threads);
-        let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
-        let mut engine = Engine::new(device, comm, layout.clone(), options, &initial)?;
+        let convert =
+            |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };
+        let mut engine =
+            Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))?;
         let mut train_time = Duration::ZERO;
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
@@ -213,7 +245,7 @@ impl<M: Model> Trainer<M> {
                 scaler: &meta.scaler,
             };
             engine
-                .restore(&initial, &restore)
+                .restore(&convert(&weights), &restore)
                 .map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
         }
@@ -226,25 +258,54 @@ impl<M: Model> Trainer<M> {
             tensors: super::checkpoints_tensors(&hf_tensors(model, &layout)?),
             schedule: LrSchedule::from_config(config),
             accum,
-            tokens_per_step: accum * batch * model.context as u64,
+            tokens_per_step: accum * batch * model.context as u64 * world as u64,
             micro_batch: Batch::default(),
             train_time,
+            group: Some(group),
         })
     }
 
+    fn group(&mut self) -> &mut Group {
+        self.group.as_mut().expect("the group lives until the end of the run")
+    }
+
     /// Saves the checkpoint of `step`: the engine's current device weights (not flushed), its
-    /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]).
+    /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]). With
+    /// several ranks, rank 0 writes the weights and `state.json` and each rank its optimizer part
+    /// ([`checkpoints::save_ranks`]); every rank calls it at the same steps.
     fn save(&mut self, step: u64, setup: &Setup) -> anyhow::Result<PathBuf> {
         let snapshot = self.engine.snapshot()?;
+        let (rank, world) = (setup.dist.rank, setup.dist.world_size);
         // Saved as f32 whatever the device trains in (bf16 and f16 widen exactly), so that every
-        // checkpoint resumes and exports the same way.
-        let weights: Vec<f32> = self
-            .engine
-            .device()
-            .download(self.engine.params())?
-            .into_iter()
-            .map(Float::to_f32)
-            .collect();
+        // checkpoint resumes and exports the same way. Every rank holds the same weights.
+        let weights: Option<Vec<f32>> = if rank == 0 {
+            let weights = self.engine.device().download(self.engine.params())?;
+            Some(weights.into_iter().map(Float::to_f32).collect())
+        } else {
+            None
+        };
+        // Stages 1 and 2 partition the optimizer state, one part per rank; without partitioning
+        // every rank holds all of it, and rank 0's copy is the checkpoint's one part.
+        let parts =
+            if snapshot.part.flat.len() < self.engine.layout().padded_len() { world } else { 1 };
+        let meta = self.meta(step, setup, &snapshot, parts);
+        if world == 1 {
+            let weights = weights.expect("rank 0 downloads the weights");
+            let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
+            return checkpoints::save(out, step, keep, &meta, &weights, tensors, &[snapshot.part]);
+        }
+        let share = checkpoints::Share {
+            rank,
+            weights: weights.as_deref(),
+            part: (rank < parts).then_some(&snapshot.part),
+        };
+        let group = self.group.as_mut().expect("the group lives until the end of the run");
+        checkpoints::save_ranks(&setup.out, step, setup.keep, &meta, &self.tensors, share, group)
+    }
+
+    /// The checkpoint's `state.json`: the engine's counters and layout, `parts` optimizer parts,
+    /// and the trainer's [`Extra`].
+    fn meta(&self, step: u64, setup: &Setup, snapshot: &Snapshot, parts: usize) -> Meta {
         let extra = Extra {
             model: setup.model,
             config: setup.config.to_json(),
@@ -266,13 +327,14 @@ impl<M: Model> Trainer<M> {
                 eval_every: setup.eval_every,
             },
         };
-        let meta = Meta {
+        Meta {
             format: checkpoint::FORMAT.into(),
             version: checkpoint::VERSION,
             optimizer_steps: snapshot.optimizer_steps,
             micro_steps: snapshot.micro_steps,
-            world_size: 1,
-            scaler: snapshot.scaler,
+            // The number of optimizer parts, which `checkpoint::load` reads back.
+            world_size: parts,
+            scaler: snapshot.scaler.clone(),
             upload_pending: snapshot.upload_pending,
             weights_dtype: "F32".into(),
             params: self
@@ -287,16 +349,7 @@ impl<M: Model> Trainer<M> {
                 })
                 .collect(),
             extra: serde_json::to_value(&extra).expect("serialisable"),
-        };
-        checkpoints::save(
-            &setup.out,
-            step,
-            setup.keep,
-            &meta,
-            &weights,
-            &self.tensors,
-            &[snapshot.part],
-        )
+        }
     }
 
     /// Optimizer step `step` (from 1): its micro-batches' forward and backward, then the update.
@@ -316,7 +369,10 @@ impl<M: Model> Trainer<M> {
             report = self.engine.step()?;
         }
         self.train_time += start.elapsed();
-        let loss = loss_sum / self.accum as f64;
+        // The mean over every rank's micro-batches (the ranks' batches are the same size), so that
+        // every rank sees the same loss and the log reads as one process with the global batch.
+        let local_loss = loss_sum / self.accum as f64;
+        let loss = self.group().mean(local_loss)?;
         if !loss.is_finite() {
             anyhow::bail!("the training loss is {loss} at step {step}; try a smaller --lr");
         }
@@ -330,15 +386,22 @@ impl<M: Model> Trainer<M> {
         Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s })
     }
 
-    /// The mean loss over the evaluation set with the engine's current weights.
+    /// The mean loss over the evaluation set (every rank's slice) with the engine's current
+    /// weights.
     fn evaluate(&mut self, eval: &[Batch]) -> anyhow::Result<f64> {
+        // The forward below runs on the compute stream outside the engine's backward, so nothing
+        // orders it after the weights' last writer (the comm stream's all-gather with several
+        // ranks, the upload with offload): wait for every stream. Evaluation is rare.
+        self.engine.device().synchronize()?;
         let mut sum = 0.0;
         for batch in eval {
             self.model.set_batch(&batch.inputs, &batch.targets)?;
             self.model.forward(self.engine.params())?;
             sum += f64::from(self.model.loss()?);
         }
-        Ok(sum / eval.len() as f64)
+        // Every rank evaluated its slice of the same set: the mean is the whole set's loss.
+        let local = sum / eval.len() as f64;
+        Ok(self.group().mean(local)?)
     }
 }
 

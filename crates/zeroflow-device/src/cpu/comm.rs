@@ -15,7 +15,9 @@ use zeroflow_core::{DType, Element};
 use super::hb::Touch;
 use super::{CpuBuffer, CpuDevice, CpuStream, SendPtr, Work};
 use crate::check_range;
-use crate::comm::{Comm, ReduceOp};
+use crate::comm::{
+    ALL_GATHER_IN_PLACE, Comm, REDUCE_IN_PLACE, REDUCE_SCATTER_IN_PLACE, ReduceOp, check_placement,
+};
 use crate::error::{DeviceError, Result};
 
 /// Where a rank's input is, published for the others during a collective. Other ranks read it only
@@ -229,9 +231,12 @@ impl Comm for CpuComm {
         }
         let n = src_range.len() / world;
         let offset = self.rank * n;
+        let dst_range = dst_offset..dst_offset + n;
+        let in_place = dst_offset == src_range.start + offset;
+        let (input, output) = ((src, src_range), (dst, dst_range));
+        self.check_placement("reduce_scatter", &input, &output, in_place, REDUCE_SCATTER_IN_PLACE)?;
         let compute = move |inputs: &[&[T]], out: &mut [T]| reduce(inputs, offset, out, op);
-        let output = (dst, dst_offset..dst_offset + n);
-        self.collective("reduce_scatter", stream, (src, src_range), output, compute)
+        self.collective("reduce_scatter", stream, input, output, compute)
     }
 
     fn reduce<T: Element>(
@@ -247,9 +252,11 @@ impl Comm for CpuComm {
         self.check_root("reduce", root)?;
         // Only the root writes: the other ranks declare (and write) an empty output range.
         let len = if self.rank == root { src_range.len() } else { 0 };
+        let in_place = dst_offset == src_range.start;
+        let (input, output) = ((src, src_range), (dst, dst_offset..dst_offset + len));
+        self.check_placement("reduce", &input, &output, in_place, REDUCE_IN_PLACE)?;
         let compute = move |inputs: &[&[T]], out: &mut [T]| reduce(inputs, 0, out, op);
-        let output = (dst, dst_offset..dst_offset + len);
-        self.collective("reduce", stream, (src, src_range), output, compute)
+        self.collective("reduce", stream, input, output, compute)
     }
 
     fn all_gather<T: Element>(
@@ -267,12 +274,15 @@ impl Comm for CpuComm {
                 right: src_range.len() * self.group.world,
             });
         }
+        let in_place = src_range.start == dst_range.start + self.rank * src_range.len();
+        let (input, output) = ((src, src_range), (dst, dst_range));
+        self.check_placement("all_gather", &input, &output, in_place, ALL_GATHER_IN_PLACE)?;
         let compute = |inputs: &[&[T]], out: &mut [T]| {
             for (chunk, input) in out.chunks_mut(inputs[0].len().max(1)).zip(inputs) {
                 chunk.copy_from_slice(input);
             }
         };
-        self.collective("all_gather", stream, (src, src_range), (dst, dst_range), compute)
+        self.collective("all_gather", stream, input, output, compute)
     }
 
     fn broadcast<T: Element>(
@@ -289,6 +299,22 @@ impl Comm for CpuComm {
 }
 
 impl CpuComm {
+    /// Bounds-checks both ranges, then refuses an overlap of input and output that is not the
+    /// collective's in-place form, as `NcclComm` does (see [`check_placement`]).
+    fn check_placement<T: Element>(
+        &self,
+        op: &'static str,
+        (src, src_range): &(&CpuBuffer<T>, Range<usize>),
+        (dst, dst_range): &(&CpuBuffer<T>, Range<usize>),
+        in_place: bool,
+        rule: &str,
+    ) -> Result<()> {
+        check_range(op, src_range, src.len)?;
+        check_range(op, dst_range, dst.len)?;
+        let same = src.id == dst.id;
+        check_placement(op, self.rank, same, (src_range, dst_range), in_place, rule)
+    }
+
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         if root < self.group.world {
             return Ok(());

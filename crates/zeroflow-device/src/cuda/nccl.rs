@@ -35,7 +35,9 @@ use zeroflow_core::{DType, Element};
 
 use super::library::CudaLibrary;
 use super::{CudaBuffer, CudaDevice, CudaStream};
-use crate::comm::{Comm, ReduceOp};
+use crate::comm::{
+    ALL_GATHER_IN_PLACE, Comm, REDUCE_IN_PLACE, REDUCE_SCATTER_IN_PLACE, ReduceOp, check_placement,
+};
 use crate::error::{DeviceError, Result};
 use crate::host::ErrorSink;
 use crate::{DeviceBuffer, check_range};
@@ -225,30 +227,6 @@ impl NcclComm {
         Err(self.collective_error(op, reason))
     }
 
-    /// Refuses an output that overlaps the input of the same buffer unless it is the one placement
-    /// NCCL allows for in-place operation (`in_place`).
-    fn check_overlap<T: Element>(
-        &self,
-        op: &'static str,
-        src: (&CudaBuffer<T>, &Range<usize>),
-        dst: (&CudaBuffer<T>, &Range<usize>),
-        in_place: bool,
-        rule: &str,
-    ) -> Result<()> {
-        let ((src, src_range), (dst, dst_range)) = (src, dst);
-        let overlap = std::ptr::eq(src, dst)
-            && src_range.start < dst_range.end
-            && dst_range.start < src_range.end;
-        if overlap && !in_place {
-            let reason = format!(
-                "the input {src_range:?} overlaps the output {dst_range:?} of the same buffer \
-                 without being in place ({rule})"
-            );
-            return Err(self.collective_error(op, reason));
-        }
-        Ok(())
-    }
-
     /// Makes the GPU's context current and runs one NCCL call, naming it in the error.
     fn call(
         &self,
@@ -364,8 +342,9 @@ impl Comm for NcclComm {
         let dst_range = dst_offset..dst_offset + n;
         check_range(OP, &dst_range, dst.len())?;
         let in_place = dst_offset == src_range.start + self.rank * n;
-        let rule = "in place, the output must be this rank's chunk of the input";
-        self.check_overlap(OP, (src, &src_range), (dst, &dst_range), in_place, rule)?;
+        let ranges = (&src_range, &dst_range);
+        let same = std::ptr::eq(src, dst);
+        check_placement(OP, self.rank, same, ranges, in_place, REDUCE_SCATTER_IN_PLACE)?;
         let dtype = data_type(OP, self.rank, T::DTYPE)?;
         if n == 0 {
             return Ok(());
@@ -409,8 +388,9 @@ impl Comm for NcclComm {
         let dst_range = dst_offset..dst_offset + len;
         check_range(OP, &dst_range, dst.len())?;
         let in_place = dst_offset == src_range.start;
-        let rule = "in place, the output must start where the input does";
-        self.check_overlap(OP, (src, &src_range), (dst, &dst_range), in_place, rule)?;
+        let ranges = (&src_range, &dst_range);
+        let same = std::ptr::eq(src, dst);
+        check_placement(OP, self.rank, same, ranges, in_place, REDUCE_IN_PLACE)?;
         let dtype = data_type(OP, self.rank, T::DTYPE)?;
         if src_range.is_empty() {
             return Ok(());
@@ -455,10 +435,12 @@ impl Comm for NcclComm {
                 right: n * self.world,
             });
         }
-        // ZeRO gathers the partitions in place: each rank's input is its own chunk of the output.
+        // ZeRO gathers the partitions in place: each rank's input is its own chunk of the output,
+        // so the send pointer is `recvbuff + rank × n`, which is what NCCL's in-place form needs.
         let in_place = src_range.start == dst_range.start + self.rank * n;
-        let rule = "in place, the input must be this rank's chunk of the output";
-        self.check_overlap(OP, (src, &src_range), (dst, &dst_range), in_place, rule)?;
+        let ranges = (&src_range, &dst_range);
+        let same = std::ptr::eq(src, dst);
+        check_placement(OP, self.rank, same, ranges, in_place, ALL_GATHER_IN_PLACE)?;
         let dtype = data_type(OP, self.rank, T::DTYPE)?;
         if n == 0 {
             return Ok(());

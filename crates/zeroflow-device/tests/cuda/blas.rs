@@ -6,6 +6,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use zeroflow_core::DType;
 use zeroflow_core::dtype::bf16;
 use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::{
@@ -450,8 +451,19 @@ fn bad_operands_are_refused_before_reaching_cublaslt() {
     assert!(misaligned.to_string().contains("aligned"), "{misaligned}");
     let beyond = blas.matmul(stream, &p, ok(Operand::of(&x, 16))).unwrap_err();
     assert!(matches!(beyond, DeviceError::OutOfBounds { .. }), "{beyond}");
+    // An f32 buffer where the problem says bf16 (Matmul::col_major's default types).
     let wrong_type = blas.matmul(stream, &p, ok(Operand::of(&floats, 0))).unwrap_err();
-    assert!(wrong_type.to_string().contains("f32"), "{wrong_type}");
+    assert!(
+        matches!(
+            wrong_type,
+            DeviceError::DTypeMismatch {
+                what: "matmul operand a",
+                expected: DType::Bf16,
+                found: DType::F32
+            }
+        ),
+        "{wrong_type}"
+    );
     let no_bias = blas.matmul(stream, &p.with_epilogue(Epilogue::Bias), ok(Operand::of(&x, 0)));
     assert!(no_bias.unwrap_err().to_string().contains("bias"));
     let in_place =

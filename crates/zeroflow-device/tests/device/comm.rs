@@ -77,17 +77,72 @@ fn reduce_scatter_gives_each_rank_the_sum_of_its_chunk() {
 
 #[test]
 fn in_place_all_gather_assembles_every_partition_on_every_rank() {
-    let world = 4;
-    let out = on_ranks(world, true, |rank, dev, comm| {
-        let mut full = vec![-1.0f32; 4 * 6];
-        full[rank * 6..rank * 6 + 6].copy_from_slice(&rank_data(rank, 6));
-        let buf = dev.upload(&full).unwrap();
-        comm.all_gather(dev.stream(StreamKind::Comm), &buf, rank * 6..rank * 6 + 6, &buf, 0..24)
-            .unwrap();
-        dev.download(&buf).unwrap()
+    // As the engine gathers: `all_gather(params, own_partition, params, 0..padded_len)`, then the
+    // same inside a larger buffer whose ends must keep their values. World 1 included: its input
+    // is the whole output.
+    for world in 1..=4 {
+        for pad in [0, 3] {
+            let n = 6;
+            let out = on_ranks(world, true, |rank, dev, comm| {
+                let mine = pad + rank * n..pad + (rank + 1) * n;
+                let mut full = vec![-1.0f32; world * n + 2 * pad];
+                full[mine.clone()].copy_from_slice(&rank_data(rank, n));
+                let buf = dev.upload(&full).unwrap();
+                let everything = pad..pad + world * n;
+                comm.all_gather(dev.stream(StreamKind::Comm), &buf, mine, &buf, everything)
+                    .unwrap();
+                dev.download(&buf).unwrap()
+            });
+            let padding = vec![-1.0f32; pad];
+            let gathered = (0..world).flat_map(|r| rank_data(r, n));
+            let expect: Vec<f32> =
+                padding.iter().copied().chain(gathered).chain(padding.iter().copied()).collect();
+            for (rank, got) in out.iter().enumerate() {
+                assert_eq!(got, &expect, "world {world} pad {pad} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn overlaps_that_are_not_the_in_place_form_are_refused_as_nccl_refuses_them() {
+    let out = on_ranks(2, false, |rank, dev, comm| {
+        let stream = dev.stream(StreamKind::Comm);
+        let buf = dev.upload(&rank_data(rank, 40)).unwrap();
+        // all_gather: the input must be this rank's chunk (rank × 5) of the output.
+        let gather = comm.all_gather(stream, &buf, 1..6, &buf, 0..10);
+        // reduce_scatter: the output must be this rank's chunk of the input.
+        let scatter = comm.reduce_scatter(stream, &buf, 0..10, &buf, 1, ReduceOp::Sum);
+        // The in-place forms themselves, and inputs and outputs that only share the buffer, are
+        // accepted; a non-root's `reduce` output is empty, so it overlaps nothing wherever it is.
+        let n = 5;
+        comm.all_gather(stream, &buf, rank * n..(rank + 1) * n, &buf, 0..2 * n).unwrap();
+        comm.reduce_scatter(stream, &buf, 10..20, &buf, 10 + rank * n, ReduceOp::Sum).unwrap();
+        let reduce_at = if rank == 0 { 20 } else { 23 };
+        comm.reduce(stream, &buf, 20..30, &buf, reduce_at, 0, ReduceOp::Sum).unwrap();
+        comm.all_gather(stream, &buf, 30 + rank..31 + rank, &buf, 38..40).unwrap();
+        dev.synchronize().unwrap();
+        [gather, scatter]
     });
-    let expect: Vec<f32> = (0..world).flat_map(|r| rank_data(r, 6)).collect();
-    assert!(out.iter().all(|o| o == &expect));
+    for (rank, refusals) in out.into_iter().enumerate() {
+        for (op, refused) in ["all_gather", "reduce_scatter"].into_iter().zip(refusals) {
+            assert!(
+                matches!(&refused, Err(DeviceError::Collective { op: o, reason, .. })
+                    if *o == op && reason.contains("in place")),
+                "rank {rank}: {refused:?}"
+            );
+        }
+    }
+    // reduce: on the root, the output must start where the input does.
+    let refused = on_ranks(1, false, |_, dev, comm| {
+        let buf = dev.upload(&rank_data(0, 20)).unwrap();
+        comm.reduce(dev.stream(StreamKind::Comm), &buf, 0..10, &buf, 3, 0, ReduceOp::Sum)
+    });
+    assert!(
+        matches!(&refused[0], Err(DeviceError::Collective { op: "reduce", reason, .. })
+            if reason.contains("in place")),
+        "{refused:?}"
+    );
 }
 
 #[test]

@@ -9,7 +9,7 @@ use zeroflow_engine::{LossScaler, Stage};
 
 use crate::harness::{Outcome, Resume, Setup, train_from};
 
-fn tensors(world: usize) -> Vec<NamedTensor> {
+pub(crate) fn tensors(world: usize) -> Vec<NamedTensor> {
     layout(world)
         .params()
         .iter()
@@ -18,7 +18,7 @@ fn tensors(world: usize) -> Vec<NamedTensor> {
 }
 
 /// Saves rank 0's weights and every rank's optimizer part as a checkpoint in `dir`.
-fn save(dir: &Path, setup: &Setup, out: &Outcome<f32>) {
+pub(crate) fn save(dir: &Path, setup: &Setup, out: &Outcome<f32>) {
     let snapshot = &out.snapshots[0];
     let layout = layout(setup.world);
     let meta = Meta {
@@ -61,6 +61,12 @@ fn load(dir: &Path, world: usize) -> Resume<f32> {
 fn resuming_from_a_checkpoint_is_bit_exact() {
     for (setup, name) in [
         (Setup { steps: 6, delayed: Some(2), ..Setup::new(Stage::Zero2, 2, 2, true) }, "offload"),
+        // One micro-step per step: the streaming step, with and without the delayed update.
+        (
+            Setup { steps: 6, delayed: Some(2), ..Setup::new(Stage::Zero2, 2, 1, true) },
+            "streaming offload, delayed",
+        ),
+        (Setup { steps: 6, ..Setup::new(Stage::Zero1, 2, 1, true) }, "streaming offload"),
         (Setup { steps: 6, ..Setup::new(Stage::Zero1, 2, 1, false) }, "device"),
     ] {
         let dir = tempfile::tempdir().unwrap();

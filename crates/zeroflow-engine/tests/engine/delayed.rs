@@ -14,6 +14,9 @@ fn the_delayed_update_equals_adamw_with_one_step_stale_gradients() {
         (Stage::Zero1, 4, 1, Some(3)),
         (Stage::Zero0, 2, 3, Some(4)),
         (Stage::Zero2, 1, 4, Some(5)),
+        // One micro-step per step: the streaming delayed step.
+        (Stage::Zero2, 2, 1, Some(6)),
+        (Stage::Zero0, 1, 1, None),
     ] {
         let setup =
             Setup { steps: 12, delayed: Some(3), chaos, ..Setup::new(stage, world, accum, true) };

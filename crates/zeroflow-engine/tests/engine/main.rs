@@ -6,4 +6,5 @@ mod chaos;
 mod checkpoint;
 mod delayed;
 mod equivalence;
+mod fuzz_checkpoint;
 mod precision;

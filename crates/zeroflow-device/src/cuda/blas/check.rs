@@ -148,11 +148,20 @@ fn check_operand(
     len: usize,
     device: usize,
 ) -> Result<()> {
+    let what = match name {
+        "a" => "matmul operand a",
+        "b" => "matmul operand b",
+        "c" => "matmul operand c",
+        "d" => "matmul operand d",
+        "bias" => "matmul bias",
+        _ => "matmul aux",
+    };
     if operand.dtype != ty.dtype() {
-        return Err(invalid(format!(
-            "operand {name} is a {} buffer but the problem says {ty:?}",
-            operand.dtype
-        )));
+        return Err(DeviceError::DTypeMismatch {
+            what,
+            expected: ty.dtype(),
+            found: operand.dtype,
+        });
     }
     if operand.device != device {
         return Err(invalid(format!(
@@ -169,18 +178,7 @@ fn check_operand(
         )));
     }
     if len > operand.available {
-        return Err(DeviceError::OutOfBounds {
-            what: match name {
-                "a" => "matmul operand a",
-                "b" => "matmul operand b",
-                "c" => "matmul operand c",
-                "d" => "matmul operand d",
-                "bias" => "matmul bias",
-                _ => "matmul aux",
-            },
-            range: 0..len,
-            len: operand.available,
-        });
+        return Err(DeviceError::OutOfBounds { what, range: 0..len, len: operand.available });
     }
     Ok(())
 }

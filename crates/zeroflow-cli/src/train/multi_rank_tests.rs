@@ -1,0 +1,229 @@
+//! The training loop with several ranks, on the CPU: one thread per rank, each with its own
+//! device, the ranks' communicators in one process, and the real rendezvous and side channel over
+//! localhost. What `train --device cuda` does with one process per GPU, minus NCCL.
+
+use std::path::{Path, PathBuf};
+use std::thread;
+use std::time::Duration;
+
+use clap::Parser;
+use zeroflow_device::CpuDevice;
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_engine::checkpoint;
+use zeroflow_gpt::CpuGpt;
+
+use super::backend::Opened;
+use super::{Setup, run};
+use crate::cmd::train::Args;
+use crate::dist::env::Master;
+use crate::dist::rendezvous::tests::free_port;
+use crate::dist::{self, DistEnv};
+
+/// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
+const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
+
+/// ZeRO-2 with the optimizer offloaded: the partitioned path of the GPU runs.
+const ZERO2_OFFLOAD: &str = r#"{
+  "train_micro_batch_size_per_gpu": "auto",
+  "gradient_accumulation_steps": "auto",
+  "gradient_clipping": 1.0,
+  "optimizer": { "type": "AdamW", "params": { "lr": 1e-2, "weight_decay": 0.01 } },
+  "zero_optimization": { "stage": 2, "offload_optimizer": { "device": "cpu" } }
+}"#;
+
+#[derive(Debug, Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: Args,
+}
+
+/// Ranks are threads here: a lost rank fails the others' next barrier instead of ending the
+/// process.
+fn log_lost() -> dist::OnLost {
+    std::sync::Arc::new(|lost: &dist::Lost| eprintln!("lost {lost}"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zeroflow-ranks-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Trains `world` ranks in this process with the `train` flags `flags`; each rank's result.
+fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
+    let port = free_port();
+    let devices: Vec<CpuDevice> = (0..world).map(|_| CpuDevice::new().unwrap()).collect();
+    let comms = CpuComm::group(&devices, Duration::from_secs(60));
+    let handles: Vec<_> = devices
+        .into_iter()
+        .zip(comms)
+        .enumerate()
+        .map(|(rank, (device, comm))| {
+            let argv: Vec<String> =
+                ["train".to_owned()].into_iter().chain(flags.to_vec()).collect();
+            thread::spawn(move || {
+                let args = Cli::try_parse_from(argv)?.args;
+                let dist = DistEnv {
+                    rank,
+                    local_rank: rank,
+                    world_size: world,
+                    local_world_size: world,
+                    master: Some(Master { addr: "127.0.0.1".into(), port }),
+                    rendezvous_timeout: Duration::from_secs(20),
+                    step_timeout: None,
+                };
+                let setup = Setup::for_rank(args, dist)?;
+                run::run_on::<CpuGpt>(setup, move |model, micro_batch, layout, dist| {
+                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+                    let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
+                    Ok(Opened { device, comm, model: gpt, group })
+                })
+            })
+        })
+        .collect();
+    let results: Vec<anyhow::Result<()>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (rank, result) in results.iter().enumerate() {
+        if let Err(e) = result {
+            eprintln!("rank {rank}: {e:#}");
+        }
+    }
+    results
+}
+
+fn flags(config: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let common = ["--model", MINI, "--eval-every", "0", "--log-every", "100"];
+    let paths = ["--config", config.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    common.iter().chain(&paths).chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// The training losses of metrics.jsonl, by step.
+fn losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|value| value.get("loss").and_then(serde_json::Value::as_f64))
+        .collect()
+}
+
+fn summary(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
+}
+
+fn assert_close(got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= 1e-4 * w.abs(), "{got:?} vs {want:?}");
+    }
+}
+
+#[test]
+fn two_ranks_train_as_one_rank_with_their_global_batch() {
+    let dir = scratch("global-batch");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    let steps = ["--steps", "6", "--save-every", "0"];
+    // Each rank reads its own half of every step's 8 sequences.
+    for result in
+        train_ranks(1, &flags(&config, &one, &[&steps[..], &["--micro-batch", "8"]].concat()))
+    {
+        result.unwrap();
+    }
+    for result in
+        train_ranks(2, &flags(&config, &two, &[&steps[..], &["--micro-batch", "4"]].concat()))
+    {
+        result.unwrap();
+    }
+    let (one_losses, two_losses) = (losses(&one), losses(&two));
+    assert_eq!(one_losses.len(), 6);
+    assert_close(&two_losses, &one_losses);
+    let (one_summary, two_summary) = (summary(&one), summary(&two));
+    assert_eq!(two_summary["world_size"], 2);
+    assert_eq!(two_summary["config"]["train_batch_size"], 8);
+    assert_eq!(two_summary["tokens"], one_summary["tokens"]);
+    let eval = |s: &serde_json::Value| s["final_eval_loss"].as_f64().unwrap();
+    assert_close(&[eval(&two_summary)], &[eval(&one_summary)]);
+    // The last checkpoint holds one optimizer part per rank, which together resume one rank.
+    let saved = checkpoint::load::<f32>(&two.join("checkpoints/step-00000006")).unwrap();
+    assert_eq!((saved.meta.world_size, saved.parts.len()), (2, 2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_ranks_resume_their_checkpoint_exactly() {
+    let dir = scratch("resume");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (whole, split) = (dir.join("whole"), dir.join("split"));
+    let batch = ["--micro-batch", "4", "--save-every", "3"];
+    for result in train_ranks(2, &flags(&config, &whole, &[&batch[..], &["--steps", "6"]].concat()))
+    {
+        result.unwrap();
+    }
+    for result in train_ranks(2, &flags(&config, &split, &[&batch[..], &["--steps", "3"]].concat()))
+    {
+        result.unwrap();
+    }
+    let resume = ["--steps", "6", "--resume", "latest"];
+    for result in train_ranks(2, &flags(&config, &split, &[&batch[..], &resume].concat())) {
+        result.unwrap();
+    }
+    assert_eq!(losses(&split), losses(&whole));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_that_fails_fails_the_others_instead_of_hanging() {
+    // Rank 1 is given data that does not exist: it fails before the rendezvous, so rank 0 gives
+    // up waiting for it and names it.
+    let dir = scratch("missing-rank");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let out = dir.join("run");
+    let port = free_port();
+    let devices: Vec<CpuDevice> = (0..2).map(|_| CpuDevice::new().unwrap()).collect();
+    let mut comms = CpuComm::group(&devices, Duration::from_secs(60));
+    let (device, comm) = (devices.into_iter().next().unwrap(), comms.remove(0));
+    let argv: Vec<String> =
+        ["train".to_owned()].into_iter().chain(flags(&config, &out, &["--steps", "2"])).collect();
+    let args = Cli::try_parse_from(argv).unwrap().args;
+    let dist = DistEnv {
+        rank: 0,
+        local_rank: 0,
+        world_size: 2,
+        local_world_size: 2,
+        master: Some(Master { addr: "127.0.0.1".into(), port }),
+        rendezvous_timeout: Duration::from_millis(500),
+        step_timeout: None,
+    };
+    let setup = Setup::for_rank(args, dist).unwrap();
+    let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, layout, dist| {
+        let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+        let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
+        Ok(Opened { device, comm, model: gpt, group })
+    })
+    .unwrap_err();
+    assert!(format!("{error:#}").contains("rank 1 of 2 did not join"), "{error:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn without_partitioning_rank_0_saves_the_one_optimizer_part() {
+    let dir = scratch("stage0");
+    let config = dir.join("zero0.json");
+    let zero0 = ZERO2_OFFLOAD
+        .replace(r#""stage": 2, "offload_optimizer": { "device": "cpu" }"#, r#""stage": 0"#);
+    assert_ne!(zero0, ZERO2_OFFLOAD);
+    std::fs::write(&config, zero0).unwrap();
+    let out = dir.join("run");
+    let run = ["--micro-batch", "4", "--steps", "2", "--save-every", "0"];
+    for result in train_ranks(2, &flags(&config, &out, &run)) {
+        result.unwrap();
+    }
+    let saved = checkpoint::load::<f32>(&out.join("checkpoints/step-00000002")).unwrap();
+    assert_eq!((saved.meta.world_size, saved.parts.len()), (1, 1));
+    assert_eq!(saved.parts[0].flat.start, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
