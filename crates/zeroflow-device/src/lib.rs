@@ -29,7 +29,7 @@ pub use cpu::{Chaos, CpuDevice};
 pub use cuda::CudaDevice;
 pub use error::{DeviceError, Race, Result};
 pub use host::{Draining, Filling, HostBuffer};
-pub use ops::Kernels;
+pub use ops::{Kernels, Matrix};
 use zeroflow_core::Element;
 
 /// The four streams every device has.

@@ -5,9 +5,43 @@
 
 use std::ops::Range;
 
-use zeroflow_core::Float;
+use zeroflow_core::{Element, Float};
 
 use crate::{Device, Result};
+
+/// A row-major `[rows, cols]` matrix stored in `buffer[offset..offset + rows × cols]`: the view
+/// that [`Kernels::gather_columns`] and [`Kernels::scatter_columns`] take.
+pub struct Matrix<'a, D: Device + ?Sized, T: Element> {
+    pub buffer: &'a D::Buffer<T>,
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<D: Device + ?Sized, T: Element> Matrix<'_, D, T> {
+    /// The elements of the matrix in its buffer.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.rows * self.cols
+    }
+}
+
+impl<D: Device + ?Sized, T: Element> Clone for Matrix<'_, D, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<D: Device + ?Sized, T: Element> Copy for Matrix<'_, D, T> {}
+
+impl<D: Device + ?Sized, T: Element> std::fmt::Debug for Matrix<'_, D, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Matrix")
+            .field("offset", &self.offset)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .finish_non_exhaustive()
+    }
+}
 
 /// Element-wise kernels of the ZeRO engine.
 pub trait Kernels: Device {
@@ -51,5 +85,29 @@ pub trait Kernels: Device {
         range: Range<usize>,
         out: &Self::Buffer<f32>,
         slot: usize,
+    ) -> Result<()>;
+
+    /// `dst[r, j] = src[r, index[j]]` for every row `r` and every `j` in `index_range`: `dst` is
+    /// `[src.rows, index_range.len()]` (ZenFlow's compact buffer of selected columns). An index
+    /// `>= src.cols` gives NaN.
+    fn gather_columns<T: Float>(
+        &self,
+        stream: &Self::Stream,
+        src: Matrix<'_, Self, T>,
+        index: &Self::Buffer<u32>,
+        index_range: Range<usize>,
+        dst: Matrix<'_, Self, T>,
+    ) -> Result<()>;
+
+    /// `dst[r, index[j]] = src[r, j]` for every row `r` and every `j` in `index_range`: `src` is
+    /// `[dst.rows, index_range.len()]`; the other columns of `dst` are left as they are. An index
+    /// `>= dst.cols` is skipped; with duplicate indices one of the values is written.
+    fn scatter_columns<T: Float>(
+        &self,
+        stream: &Self::Stream,
+        src: Matrix<'_, Self, T>,
+        index: &Self::Buffer<u32>,
+        index_range: Range<usize>,
+        dst: Matrix<'_, Self, T>,
     ) -> Result<()>;
 }

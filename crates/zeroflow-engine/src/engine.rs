@@ -28,6 +28,10 @@ use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
 use crate::host::{Carried, Chunks, HostState, Offloader, OptimizerSlot, stream_chunks};
 use crate::reduction::{Reduction, Sink};
+use crate::zenflow::ZenFlow;
+
+#[path = "engine_zenflow.rs"]
+mod zenflow_step;
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
 /// What the model gets for one forward and backward.
@@ -104,6 +108,8 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     optimizer: Optimizer<D, P>,
     /// The streaming delayed update's device buffers (see [`Engine::start_delayed_stream`]).
     aside: Option<Aside<D, P>>,
+    /// ZenFlow's selection and device state (see `zenflow.rs`).
+    zenflow: Option<ZenFlow<D, P>>,
     norm: D::Buffer<f32>,
     norm_host: zeroflow_device::HostBuffer<f32>,
     events: Events<D>,
@@ -155,6 +161,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         if opts.grad_accum == 0 {
             return Err(EngineError::Usage("gradient accumulation steps must be at least 1"));
         }
+        if opts.zenflow.is_some() {
+            check_zenflow(&opts)?;
+        }
         let world = comm.world_size();
         let owned = match opts.stage {
             Stage::Zero0 => 0..layout.padded_len(),
@@ -181,13 +190,16 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             }
             Some(memory) => {
                 let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?;
-                let delayed = opts.delayed_update.is_some();
+                let overlap = opts.zenflow.is_some_and(|z| z.overlap_step);
+                let delayed = opts.delayed_update.is_some() || overlap;
                 let bucket = opts.reduce_bucket;
                 // One micro-step per step and no delayed update: nothing needs the gradients on
                 // the host between backward and step, so the step streams them (the CPU reads
                 // f32 and bf16 gradients as they are; f16 goes through the accumulator).
-                let streaming =
-                    opts.grad_accum == 1 && matches!(P::DTYPE, DType::F32 | DType::Bf16);
+                // ZenFlow keeps a window of steps in the accumulator.
+                let streaming = opts.grad_accum == 1
+                    && opts.zenflow.is_none()
+                    && matches!(P::DTYPE, DType::F32 | DType::Bf16);
                 let own = owned.clone();
                 let fill_master = move |master: &mut [f32]| {
                     let chunk = 1 << 16;
@@ -219,6 +231,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         } else {
             None
         };
+        let zenflow = match &opts.zenflow {
+            Some(z) => Some(ZenFlow::new(&device, &layout, &owned, z, opts.adamw)?),
+            None => None,
+        };
         let events = Events {
             bucket_ready: device.new_event()?,
             reduced: device.new_event()?,
@@ -247,6 +263,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             reduced,
             optimizer,
             aside,
+            zenflow,
             events,
             micro_steps: 0,
             backward_pending: false,
@@ -284,6 +301,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// Sets the learning rate of the following optimizer steps (for schedules).
     pub fn set_lr(&mut self, lr: f64) -> Result<(), EngineError> {
+        if let Some(zenflow) = &mut self.zenflow {
+            zenflow.cpu_adamw.set_lr(lr)?;
+        }
         Ok(self.adamw.set_lr(lr)?)
     }
 
@@ -310,7 +330,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// With the delayed update, waits for a running step first (see [`Engine::flush`]).
     pub fn master_weights(&mut self) -> Result<Vec<f32>, EngineError> {
         match &mut self.optimizer {
-            Optimizer::Host(host) => Ok(host.join()?.master.to_vec()),
+            Optimizer::Host(host) => {
+                let mut master = host.join()?.master.to_vec();
+                let (mut exp_avg, mut exp_avg_sq) = (Vec::new(), Vec::new());
+                self.merge_zenflow_state([&mut master, &mut exp_avg, &mut exp_avg_sq])?;
+                Ok(master)
+            }
             Optimizer::Device { state, .. } => Ok(self.device.download(&state.master)?),
         }
     }
@@ -342,8 +367,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let (master, exp_avg, exp_avg_sq, upload_pending) = match &mut self.optimizer {
             Optimizer::Host(host) => {
                 let opt = host.join()?;
-                let state = (opt.master.to_vec(), opt.exp_avg.to_vec(), opt.exp_avg_sq.to_vec());
-                (state.0, state.1, state.2, host.upload_pending)
+                let mut state =
+                    (opt.master.to_vec(), opt.exp_avg.to_vec(), opt.exp_avg_sq.to_vec());
+                let pending = host.upload_pending;
+                self.merge_zenflow_state([&mut state.0, &mut state.1, &mut state.2])?;
+                (state.0, state.1, state.2, pending)
             }
             Optimizer::Device { state, .. } => (
                 self.device.download(&state.master)?,
@@ -371,6 +399,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         if self.backward_pending || !micro_steps.is_multiple_of(self.opts.grad_accum) {
             return Err(EngineError::Usage("restore only at an optimizer-step boundary"));
+        }
+        if self.zenflow.is_some() {
+            return Err(EngineError::Usage(
+                "resuming a ZenFlow run from a checkpoint is not supported yet (the selection, \
+                 the window's host accumulator and its position are not saved)",
+            ));
         }
         let [master, exp_avg, exp_avg_sq] = assemble(&self.layout, &self.owned, parts)?;
         self.device.synchronize()?;
@@ -502,6 +536,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let grad_norm = sum_squares.sqrt() / summed;
         if !grad_norm.is_finite() {
             tracing::warn!(loss_scale, "non-finite gradients: step skipped");
+            if let Some(zenflow) = &mut self.zenflow {
+                // The window's accumulator holds the poisoned gradients: the window restarts.
+                tracing::warn!("ZenFlow: the host window's gradients are dropped");
+                zenflow.steps_in_window = 0;
+            }
             self.scaler.update(true);
             self.zero_accumulator()?;
             return Ok(StepReport::Skipped { loss_scale: self.scaler.scale() });
@@ -521,6 +560,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     fn global_sum_squares(&mut self) -> Result<f64, EngineError> {
         let comm_stream = self.device.stream(StreamKind::Comm);
         let across_ranks = self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0;
+        let on_device = self.zenflow.is_some();
         match &mut self.optimizer {
             Optimizer::Device { grad_acc, .. } => {
                 self.device.sum_squares(
@@ -531,9 +571,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                     0,
                 )?;
             }
-            Optimizer::Host(host) if host.streaming() => {
+            Optimizer::Host(host) if host.streaming() || on_device => {
                 // The reduced gradients are still on the device: the compute stream wrote them
-                // (one rank) or the comm stream reduced them after it.
+                // (one rank) or the comm stream reduced them after it. (ZenFlow: the host
+                // accumulator holds the whole window, the device this step.)
                 let compute_done = &self.events.compute_done;
                 self.device.wait_event(comm_stream, compute_done)?;
                 let (source, at) = match &self.reduced {
@@ -543,20 +584,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 let range = at..at + self.owned.len();
                 self.device.sum_squares(comm_stream, source, range, &self.norm, 0)?;
             }
-            Optimizer::Host(host) => {
-                let acc = host.grad_acc.as_deref().unwrap_or_default();
-                let local: f64 = acc
-                    .par_chunks(1 << 16)
-                    .map(|chunk| chunk.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
-                    .sum();
-                if !across_ranks {
-                    return Ok(local);
-                }
-                // Uploaded and waited for, so the all-reduce below is ordered after it.
-                self.norm_host[0] = local as f32;
-                let h2d = self.device.stream(StreamKind::H2d);
-                self.device.copy_h2d(h2d, &self.norm_host, 0..1, &self.norm, 0)?.wait()?;
-            }
+            Optimizer::Host(_) => return self.host_sum_squares(),
         }
         if across_ranks {
             self.comm.all_reduce(comm_stream, &self.norm, 0..1, ReduceOp::Sum)?;
@@ -568,9 +596,38 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         Ok(f64::from(norm[0]))
     }
 
+    /// Σ g² over the host accumulators of all ranks (in loss-scaled, summed units).
+    fn host_sum_squares(&mut self) -> Result<f64, EngineError> {
+        let Optimizer::Host(host) = &self.optimizer else {
+            return Err(EngineError::Usage("a host norm without offload"));
+        };
+        let acc = host.grad_acc.as_deref().unwrap_or_default();
+        let local: f64 = acc
+            .par_chunks(1 << 16)
+            .map(|chunk| chunk.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
+            .sum();
+        if self.comm.world_size() == 1 || self.opts.stage == Stage::Zero0 {
+            return Ok(local);
+        }
+        // Uploaded and waited for, so the all-reduce below is ordered after it.
+        self.norm_host[0] = local as f32;
+        let h2d = self.device.stream(StreamKind::H2d);
+        self.device.copy_h2d(h2d, &self.norm_host, 0..1, &self.norm, 0)?.wait()?;
+        let comm_stream = self.device.stream(StreamKind::Comm);
+        self.comm.all_reduce(comm_stream, &self.norm, 0..1, ReduceOp::Sum)?;
+        let d2h = self.device.stream(StreamKind::D2h);
+        self.device.record(&mut self.events.norm_done, comm_stream)?;
+        self.device.wait_event(d2h, &self.events.norm_done)?;
+        let norm = self.device.copy_d2h(d2h, &self.norm, 0..1, &mut self.norm_host, 0)?.wait()?;
+        Ok(f64::from(norm[0]))
+    }
+
     /// One AdamW step over the partition, then the updated weights back into every rank's flat
     /// buffer.
     fn update_weights(&mut self, step: &zeroflow_optim::AdamWStep) -> Result<(), EngineError> {
+        if self.zenflow.is_some() {
+            return self.zenflow_update(step);
+        }
         let compute = self.device.stream(StreamKind::Compute);
         let comm_stream = self.device.stream(StreamKind::Comm);
         let len = self.owned.len();
@@ -721,6 +778,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         if let Some(gathered) = &self.events.params_ready {
             self.device.wait_event(h2d, gathered)?;
         }
+        // ZenFlow: after the device step wrote its columns (and the compact weights).
+        if let Some(done) = self.zenflow.as_ref().and_then(|z| z.device_done.as_ref()) {
+            self.device.wait_event(h2d, done)?;
+        }
         let len = self.owned.len();
         match (&optimizer.upload, &self.aside) {
             (Some(upload), _) => {
@@ -739,6 +800,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             (None, None) => {
                 return Err(EngineError::Usage("a whole-partition upload while the step streams"));
             }
+        }
+        // ZenFlow: the CPU's result for the selected columns is discarded, the device's kept.
+        if let Some(zenflow) = &self.zenflow {
+            zenflow.scatter_weights(&self.device, h2d, &self.params)?;
         }
         self.gather_from(StreamKind::H2d)
     }
@@ -775,6 +840,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 self.device.wait_event(comm_stream, &self.events.optimizer_done)?;
                 self.device.fill(comm_stream, grad_acc, 0..self.owned.len(), 0.0)?;
             }
+            // ZenFlow clears it only when a window ends (or restarts).
+            Optimizer::Host(_) if self.zenflow.as_ref().is_some_and(|z| z.steps_in_window > 0) => {}
             Optimizer::Host(host) => host.clear_accumulator(),
         }
         Ok(())
@@ -885,4 +952,31 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> std::fmt::Debug for Engine<D
             .field("micro_steps", &self.micro_steps)
             .finish_non_exhaustive()
     }
+}
+
+/// What ZenFlow needs from the rest of the options.
+fn check_zenflow(opts: &EngineOptions) -> Result<(), EngineError> {
+    if opts.offload.is_none() {
+        return Err(EngineError::Usage("ZenFlow needs CPU optimizer offload"));
+    }
+    if opts.delayed_update.is_some() {
+        return Err(EngineError::Usage(
+            "ZenFlow and the delayed update exclude each other; ZenFlow's overlap_step is its \
+             delayed update",
+        ));
+    }
+    if opts.grad_accum != 1 {
+        return Err(EngineError::Usage(
+            "ZenFlow needs gradient_accumulation_steps 1: every step is one ZenFlow iteration, and \
+             update_interval is its accumulation window (DeepSpeed sets gradient_accumulation_steps \
+             to update_interval instead)",
+        ));
+    }
+    if matches!(opts.scaler, LossScaler::Dynamic(_)) {
+        return Err(EngineError::Usage(
+            "ZenFlow does not support dynamic loss scaling (a window's host accumulator would mix \
+             scales); use bf16, fp32 or a static loss scale",
+        ));
+    }
+    Ok(())
 }

@@ -1,6 +1,7 @@
 //! The ZeRO engine: data-parallel training with partitioned optimizer state (stages 0, 1 and 2),
 //! mixed precision with loss scaling, gradient clipping, gradient accumulation and CPU optimizer
-//! offload, on any [`zeroflow_device::Device`] (DESIGN.md §4–5).
+//! offload, and ZenFlow's importance-aware split update, on any [`zeroflow_device::Device`]
+//! (DESIGN.md §4–6).
 //!
 //! The training loop drives it like DeepSpeed's engine:
 //!
@@ -21,6 +22,7 @@ mod reduction;
 mod scaler;
 pub mod stress;
 pub mod synthetic;
+mod zenflow;
 
 use std::ops::Range;
 
@@ -31,6 +33,7 @@ use zeroflow_optim::{AdamWConfig, OptimError};
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use scaler::{DynamicScaler, LossScaler};
+pub use zenflow::ZenFlowOptions;
 
 /// Which ZeRO stage partitions what.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +65,8 @@ pub struct EngineOptions {
     /// The ZeRO-Offload paper's delayed parameter update (offload only): after this many exact
     /// steps, the CPU step of step t runs while step t + 1 computes with the weights of t − 1.
     pub delayed_update: Option<u64>,
+    /// ZenFlow's split update (offload only; see [`ZenFlowOptions`]).
+    pub zenflow: Option<ZenFlowOptions>,
 }
 
 /// What can go wrong in the engine.

@@ -4,7 +4,7 @@ use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
 use zeroflow_device::HostMemory;
 use zeroflow_optim::{AdamWConfig, WeightDecayMode};
 
-use crate::{DynamicScaler, EngineOptions, LossScaler, Stage};
+use crate::{DynamicScaler, EngineOptions, LossScaler, Stage, ZenFlowOptions};
 
 impl EngineOptions {
     /// The options a resolved config asks for; `cpu_threads` is this rank's share of the host's
@@ -12,6 +12,13 @@ impl EngineOptions {
     ///
     /// Non-finite gradients always skip the step, also in bf16 with `check_grad_overflow: false`
     /// (DeepSpeed would apply the NaNs to the weights).
+    ///
+    /// ZenFlow's settings are passed on as they are; [`crate::Engine::new`] refuses what it cannot
+    /// run (the epoch-based and automatic intervals, gradient accumulation, the delayed update, a
+    /// dynamic loss scale) with an error that says what to change. DeepSpeed makes
+    /// `update_interval` its accumulation boundary and steps the selected columns every
+    /// micro-step; here one engine step (with `gradient_accumulation_steps: 1`) is one ZenFlow
+    /// iteration.
     pub fn from_config(config: &Config, cpu_threads: usize) -> Self {
         let stage = match config.zero.stage {
             ZeroStage::Disabled => Stage::Zero0,
@@ -60,6 +67,12 @@ impl EngineOptions {
                 .delayed_update
                 .enabled
                 .then_some(config.zeroflow.delayed_update.warmup_steps),
+            zenflow: config.zero.zenflow.map(|z| ZenFlowOptions {
+                topk_ratio: z.topk_ratio,
+                selection: z.selection,
+                update_interval: z.update_interval,
+                overlap_step: z.overlap_step,
+            }),
         }
     }
 }

@@ -152,6 +152,7 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         scaler: LossScaler::None,
         cpu_threads: 1,
         delayed_update: None,
+        zenflow: None,
     };
     let init = initial::<f32>(&layout);
     let mut engine: Engine<D, C, f32> =

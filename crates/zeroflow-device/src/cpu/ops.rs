@@ -5,8 +5,8 @@ use std::ops::Range;
 use zeroflow_core::Float;
 
 use super::{CpuBuffer, CpuDevice, CpuStream, KernelArgs};
-use crate::Result;
-use crate::ops::Kernels;
+use crate::ops::{Kernels, Matrix};
+use crate::{DeviceError, Result};
 
 impl Kernels for CpuDevice {
     fn accumulate<S: Float>(
@@ -72,4 +72,80 @@ impl Kernels for CpuDevice {
             Ok(())
         })
     }
+
+    fn gather_columns<T: Float>(
+        &self,
+        stream: &CpuStream,
+        src: Matrix<'_, Self, T>,
+        index: &CpuBuffer<u32>,
+        index_range: Range<usize>,
+        dst: Matrix<'_, Self, T>,
+    ) -> Result<()> {
+        check_columns(src.rows, dst, &index_range)?;
+        let (rows, cols, k) = (src.rows, src.cols, index_range.len());
+        let args = KernelArgs::new()
+            .input(src.buffer, src.range())
+            .input(index, index_range)
+            .output(dst.buffer, dst.range());
+        self.launch(stream, "gather_columns", args, move |ctx| {
+            let (src, index, dst) = (ctx.input::<T>(0), ctx.input::<u32>(1), ctx.output::<T>(2));
+            for r in 0..rows {
+                for (j, &c) in index.iter().enumerate() {
+                    let c = c as usize;
+                    dst[r * k + j] = if c < cols { src[r * cols + c] } else { T::from_f32(f32::NAN) };
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn scatter_columns<T: Float>(
+        &self,
+        stream: &CpuStream,
+        src: Matrix<'_, Self, T>,
+        index: &CpuBuffer<u32>,
+        index_range: Range<usize>,
+        dst: Matrix<'_, Self, T>,
+    ) -> Result<()> {
+        check_columns(dst.rows, src, &index_range)?;
+        let (rows, cols, k) = (dst.rows, dst.cols, index_range.len());
+        // The other columns of `dst` keep their values: the kernel reads and updates the matrix.
+        let args = KernelArgs::new()
+            .input(src.buffer, src.range())
+            .input(index, index_range)
+            .in_out(dst.buffer, dst.range());
+        self.launch(stream, "scatter_columns", args, move |ctx| {
+            let (src, index, dst) = (ctx.input::<T>(0), ctx.input::<u32>(1), ctx.output::<T>(2));
+            for r in 0..rows {
+                for (j, &c) in index.iter().enumerate() {
+                    let c = c as usize;
+                    if c < cols {
+                        dst[r * cols + c] = src[r * k + j];
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The compact matrix of a gather or scatter has the full matrix's rows and one column per index.
+fn check_columns<T: Float>(
+    rows: usize,
+    compact: Matrix<'_, CpuDevice, T>,
+    index_range: &Range<usize>,
+) -> Result<()> {
+    if compact.rows != rows {
+        let (left, right) = (compact.rows, rows);
+        return Err(DeviceError::LengthMismatch { what: "rows of the two matrices", left, right });
+    }
+    if compact.cols != index_range.len() {
+        let (left, right) = (compact.cols, index_range.len());
+        return Err(DeviceError::LengthMismatch {
+            what: "selected columns vs indices",
+            left,
+            right,
+        });
+    }
+    Ok(())
 }

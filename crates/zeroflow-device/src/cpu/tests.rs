@@ -141,3 +141,26 @@ fn under_chaos_a_read_that_bypasses_the_token_is_observed_stale() {
 fn filling_buffer<'a, T: zeroflow_core::Element>(filling: &'a Filling<'_, T>) -> &'a HostBuffer<T> {
     filling.buffer_for_race_demo()
 }
+
+#[test]
+fn gather_then_scatter_of_columns_moves_exactly_the_indexed_columns() {
+    use crate::ops::{Kernels, Matrix};
+    let dev = CpuDevice::new().unwrap();
+    let stream = dev.stream(StreamKind::Compute);
+    // A [3, 4] matrix at offset 2 of its buffer.
+    let data: Vec<f32> = (0..14).map(|i| i as f32).collect();
+    let full = dev.upload(&data).unwrap();
+    let index = dev.upload(&[9u32, 3, 1]).unwrap();
+    let compact = dev.alloc::<f32>(6).unwrap();
+    let matrix = Matrix { buffer: &full, offset: 2, rows: 3, cols: 4 };
+    let selected = Matrix { buffer: &compact, offset: 0, rows: 3, cols: 2 };
+    dev.gather_columns(stream, matrix, &index, 1..3, selected).unwrap();
+    assert_eq!(dev.download(&compact).unwrap(), [5.0, 3.0, 9.0, 7.0, 13.0, 11.0]);
+    dev.fill(stream, &compact, 0..6, -1.0).unwrap();
+    dev.scatter_columns(stream, selected, &index, 1..3, matrix).unwrap();
+    let got = dev.download(&full).unwrap();
+    let want = [0., 1., 2., -1., 4., -1., 6., -1., 8., -1., 10., -1., 12., -1.];
+    assert_eq!(got, want);
+    let wrong = Matrix { buffer: &compact, offset: 0, rows: 2, cols: 2 };
+    assert!(dev.gather_columns(stream, matrix, &index, 1..3, wrong).is_err());
+}

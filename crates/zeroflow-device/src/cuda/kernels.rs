@@ -22,7 +22,7 @@ use zeroflow_core::{DType, Element, Float};
 use super::library::driver_error;
 use super::{CudaBuffer, CudaDevice, CudaFunction, CudaStream, Dim3, KernelParams};
 use crate::error::{DeviceError, Result};
-use crate::ops::Kernels;
+use crate::ops::{Kernels, Matrix};
 use crate::{DeviceBuffer, check_range};
 
 /// The CUDA C source of the engine's kernels (compiled after the prelude).
@@ -629,6 +629,33 @@ impl Kernels for CudaDevice {
     ) -> Result<()> {
         self.sum_squares_with(stream, src, range, out, slot, Accumulation::F64)
     }
+
+    fn gather_columns<T: Float>(
+        &self,
+        stream: &CudaStream,
+        src: Matrix<'_, Self, T>,
+        index: &CudaBuffer<u32>,
+        index_range: Range<usize>,
+        dst: Matrix<'_, Self, T>,
+    ) -> Result<()> {
+        CudaDevice::gather_columns(self, stream, row_major(src), index, index_range, row_major(dst))
+    }
+
+    fn scatter_columns<T: Float>(
+        &self,
+        stream: &CudaStream,
+        src: Matrix<'_, Self, T>,
+        index: &CudaBuffer<u32>,
+        index_range: Range<usize>,
+        dst: Matrix<'_, Self, T>,
+    ) -> Result<()> {
+        CudaDevice::scatter_columns(self, stream, row_major(src), index, index_range, row_major(dst))
+    }
+}
+
+/// The device-generic matrix view as the CUDA kernels' own.
+fn row_major<T: Element>(m: Matrix<'_, CudaDevice, T>) -> RowMajor<'_, T> {
+    RowMajor { buffer: m.buffer, offset: m.offset, rows: m.rows, cols: m.cols }
 }
 
 #[cfg(test)]

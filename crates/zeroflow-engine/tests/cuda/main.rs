@@ -48,6 +48,7 @@ fn options(case: &Case) -> EngineOptions {
         scaler: LossScaler::None,
         cpu_threads: 2,
         delayed_update: case.delayed,
+        zenflow: None,
     }
 }
 

@@ -1,0 +1,200 @@
+//! The engine's ZenFlow step (DESIGN.md §6; the selection and the compact state are in
+//! `zenflow.rs`).
+//!
+//! At every step: the selected columns' gradients are gathered on the compute stream (after the
+//! comm stream's `norm_done`), stepped by the device AdamW and scattered into the flat weights,
+//! and `device_done` is recorded. The host accumulator keeps summing the whole partition; at the
+//! end of a window of `update_interval` steps the CPU steps it, and its weights are uploaded on
+//! the h2d stream (after `device_done`) with the device's columns scattered over them again. With
+//! `overlap_step` the CPU step of a window runs on a worker during the next window and is applied
+//! at that window's end.
+
+use zeroflow_core::Float;
+use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
+use zeroflow_optim::AdamWStep;
+
+use super::{Engine, Optimizer, overwrite, slot};
+use crate::device_adamw::DeviceAdamW;
+use crate::{EngineError, Stage};
+
+impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
+    /// One ZenFlow step: a selection if one is due, the device step of the selected columns, and
+    /// at the end of a window the CPU step of the rest.
+    pub(super) fn zenflow_update(&mut self, step: &AdamWStep) -> Result<(), EngineError> {
+        if self.zenflow.as_ref().is_some_and(|z| z.selection_due()) {
+            self.reselect()?;
+        }
+        self.zenflow_device_step(step)?;
+        let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
+        zenflow.steps_in_window += 1;
+        zenflow.since_selection = zenflow.since_selection.map(|s| s + 1);
+        if zenflow.steps_in_window < zenflow.update_interval {
+            return self.gather_from(StreamKind::Compute);
+        }
+        zenflow.steps_in_window = 0;
+        let overlap = zenflow.overlap;
+        let cpu_step = self.window_step(step)?;
+        let Optimizer::Host(host) = &mut self.optimizer else {
+            return Err(EngineError::Usage("ZenFlow without offload"));
+        };
+        if !overlap {
+            host.step_now(&cpu_step)?;
+            return self.upload_and_gather();
+        }
+        // The last window's CPU step finished meanwhile: its weights go to the device now; this
+        // window's runs in the background until the next window ends.
+        if host.weights_ahead() {
+            host.join()?;
+            self.upload_and_gather()?;
+        } else {
+            self.gather_from(StreamKind::Compute)?;
+        }
+        let Optimizer::Host(host) = &mut self.optimizer else { unreachable!("checked above") };
+        host.start_delayed(cpu_step)
+    }
+
+    /// The CPU's step for the window that ends now: the gradients are its mean over the window's
+    /// steps, clipped by the window's own norm. A window of one step is the step itself, so its
+    /// scale is the device step's (no second norm).
+    fn window_step(&mut self, step: &AdamWStep) -> Result<AdamWStep, EngineError> {
+        let update_interval = self.zenflow.as_ref().map_or(1, |z| z.update_interval);
+        let grad_scale = if update_interval == 1 {
+            step.scalars().grad_scale
+        } else {
+            let summed = f64::from(self.scaler.scale())
+                * self.comm.world_size() as f64
+                * update_interval as f64;
+            let norm = self.host_sum_squares()?.sqrt() / summed;
+            let clip_coef = match self.opts.clip {
+                Some(max) if norm + 1e-6 > max => max / (norm + 1e-6),
+                _ => 1.0,
+            };
+            (clip_coef / summed) as f32
+        };
+        let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
+        Ok(zenflow.cpu_adamw.next_step(grad_scale))
+    }
+
+    /// The selected columns: gather their gradients, AdamW over the compact state, scatter the
+    /// weights back, all on the compute stream.
+    fn zenflow_device_step(&mut self, step: &AdamWStep) -> Result<(), EngineError> {
+        let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
+        let len = zenflow.compact_len;
+        if len == 0 {
+            return Ok(());
+        }
+        let compute = self.device.stream(StreamKind::Compute);
+        // The gradients are final once the comm stream has computed the norm over them.
+        self.device.wait_event(compute, &self.events.norm_done)?;
+        let (source, shift) = match &self.reduced {
+            Some(reduced) => (reduced, self.owned.start),
+            None => (&self.grads, 0),
+        };
+        for block in &zenflow.blocks {
+            let (full, index) = (block.full(source, shift), block.index.clone());
+            let compact = block.compact(&zenflow.grads);
+            self.device.gather_columns(compute, full, &zenflow.index, index, compact)?;
+        }
+        self.device.cast(compute, &zenflow.grads, 0..len, &zenflow.grads_f32, 0)?;
+        let (state, grads) = (&zenflow.state, &zenflow.grads_f32);
+        self.device.adamw(compute, step, state, 0..len, grads, &zenflow.weights, 0)?;
+        zenflow.scatter_weights(&self.device, compute, &self.params)?;
+        let done = slot(&mut zenflow.device_done, &self.device)?;
+        self.device.record(done, compute)?;
+        Ok(())
+    }
+
+    /// A new selection from this step's gradients (the host accumulator at a window's start),
+    /// with the state re-synchronised (see `zenflow.rs`). Waits for the device and for a CPU step
+    /// still running: the state it exchanges must be current.
+    fn reselect(&mut self) -> Result<(), EngineError> {
+        if let Optimizer::Host(host) = &mut self.optimizer
+            && host.weights_ahead()
+        {
+            host.join()?;
+            self.upload_and_gather()?;
+        }
+        self.device.synchronize()?;
+        let owned_start = self.owned.start;
+        let (Optimizer::Host(host), Some(zenflow)) = (&mut self.optimizer, &mut self.zenflow)
+        else {
+            return Err(EngineError::Usage("ZenFlow without offload"));
+        };
+        let optimizer = host.join()?;
+        // The columns leaving the selection: their device state is the current one.
+        if zenflow.compact_len > 0 {
+            let len = zenflow.compact_len;
+            let state = &zenflow.state;
+            let device_state = [&state.master, &state.exp_avg, &state.exp_avg_sq]
+                .map(|buffer| self.device.download(buffer));
+            let [master, exp_avg, exp_avg_sq] = device_state;
+            let (master, exp_avg, exp_avg_sq) = (master?, exp_avg?, exp_avg_sq?);
+            for (j, flat) in zenflow.selected_elements().enumerate().take(len) {
+                let i = flat - owned_start;
+                optimizer.master[i] = master[j];
+                optimizer.exp_avg[i] = exp_avg[j];
+                optimizer.exp_avg_sq[i] = exp_avg_sq[j];
+            }
+        }
+        let acc = host.grad_acc.as_deref().ok_or(EngineError::Usage("ZenFlow streams"))?;
+        zenflow.local_importance(acc, owned_start);
+        let columns = zenflow.importance_host.len();
+        if self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0 && columns > 0 {
+            // Summed over ranks, so that every rank selects the same columns.
+            let (h2d, comm) =
+                (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Comm));
+            let importance = &zenflow.importance;
+            self.device.copy_h2d(h2d, &zenflow.importance_host, 0..columns, importance, 0)?.wait()?;
+            self.comm.all_reduce(comm, importance, 0..columns, ReduceOp::Sum)?;
+            let d2h = self.device.stream(StreamKind::D2h);
+            self.device.record(&mut self.events.norm_done, comm)?;
+            self.device.wait_event(d2h, &self.events.norm_done)?;
+            let host_importance = &mut zenflow.importance_host;
+            self.device.copy_d2h(d2h, importance, 0..columns, host_importance, 0)?.wait()?;
+        }
+        zenflow.select();
+        // The columns entering the selection: their host state is the current one.
+        let optimizer = host.join()?;
+        let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
+        if selected.is_empty() {
+            return Ok(());
+        }
+        let state = &zenflow.state;
+        for (buffer, host_state) in [
+            (&state.master, &optimizer.master),
+            (&state.exp_avg, &optimizer.exp_avg),
+            (&state.exp_avg_sq, &optimizer.exp_avg_sq),
+        ] {
+            let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
+            overwrite(&self.device, buffer, &compact)?;
+        }
+        overwrite(&self.device, &zenflow.index, &zenflow.indices)?;
+        Ok(())
+    }
+
+    /// Overwrites the selected elements of a partition's host-side state (master, moments; a
+    /// shorter vector is skipped) with the device's, which is the current state of those columns.
+    pub(super) fn merge_zenflow_state(
+        &self,
+        state: [&mut Vec<f32>; 3],
+    ) -> Result<(), EngineError> {
+        let Some(zenflow) = &self.zenflow else { return Ok(()) };
+        if zenflow.compact_len == 0 {
+            return Ok(());
+        }
+        let device = &zenflow.state;
+        for (buffer, host) in
+            [&device.master, &device.exp_avg, &device.exp_avg_sq].into_iter().zip(state)
+        {
+            if host.len() < self.owned.len() {
+                continue;
+            }
+            let compact = self.device.download(buffer)?;
+            for (j, flat) in zenflow.selected_elements().enumerate() {
+                host[flat - self.owned.start] = compact[j];
+            }
+        }
+        Ok(())
+    }
+}
+
