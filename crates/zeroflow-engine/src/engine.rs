@@ -28,7 +28,7 @@ use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
 use crate::host::{Carried, Chunks, HostState, Offloader, OptimizerSlot, stream_chunks};
 use crate::reduction::{Reduction, Sink};
-use crate::zenflow::ZenFlow;
+use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
 
 #[path = "engine_zenflow.rs"]
 mod zenflow_step;
@@ -386,25 +386,33 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             optimizer_steps: self.adamw.steps_taken(),
             micro_steps: self.micro_steps,
             scaler: self.scaler.clone(),
+            zenflow: self.zenflow_snapshot()?,
         })
     }
 
     /// Continues from a checkpoint: the flat weights (in this engine's layout), the optimizer
     /// state of any set of parts that together cover this rank's parameters (saved at any world
     /// size), and the counters. Call it between optimizer steps, before the next backward.
+    ///
+    /// A ZenFlow engine resumes with [`Engine::restore_with_zenflow`].
     pub fn restore(&mut self, weights: &[P], from: &Restore<'_>) -> Result<(), EngineError> {
+        if self.zenflow.is_some() {
+            return Err(EngineError::Usage(
+                "a ZenFlow run resumes only with its ZenFlow state (selection, window and host \
+                 accumulator); the checkpoint files do not carry it yet",
+            ));
+        }
+        self.restore_state(weights, from)
+    }
+
+    /// [`Engine::restore`] without the ZenFlow check.
+    fn restore_state(&mut self, weights: &[P], from: &Restore<'_>) -> Result<(), EngineError> {
         let Restore { parts, optimizer_steps, micro_steps, upload_pending, .. } = *from;
         if weights.len() != self.layout.padded_len() {
             return Err(EngineError::Usage("restored weights must fill the whole flat buffer"));
         }
         if self.backward_pending || !micro_steps.is_multiple_of(self.opts.grad_accum) {
             return Err(EngineError::Usage("restore only at an optimizer-step boundary"));
-        }
-        if self.zenflow.is_some() {
-            return Err(EngineError::Usage(
-                "resuming a ZenFlow run from a checkpoint is not supported yet (the selection, \
-                 the window's host accumulator and its position are not saved)",
-            ));
         }
         let [master, exp_avg, exp_avg_sq] = assemble(&self.layout, &self.owned, parts)?;
         self.device.synchronize()?;
@@ -857,6 +865,9 @@ pub struct Snapshot {
     pub optimizer_steps: u64,
     pub micro_steps: u64,
     pub scaler: LossScaler,
+    /// ZenFlow's selection, window and host accumulator (`part` holds the consolidated optimizer
+    /// state: the device's for the selected columns).
+    pub zenflow: Option<ZenFlowSnapshot>,
 }
 
 /// What [`Engine::restore`] continues from, besides the weights.

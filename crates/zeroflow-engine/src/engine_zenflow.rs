@@ -10,11 +10,12 @@
 //! at that window's end.
 
 use zeroflow_core::Float;
-use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
+use zeroflow_device::{Comm, ReduceOp, StreamKind};
 use zeroflow_optim::AdamWStep;
 
-use super::{Engine, Optimizer, overwrite, slot};
+use super::{Engine, Optimizer, OptimizerPart, Restore, assemble, overwrite, slot};
 use crate::device_adamw::DeviceAdamW;
+use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, Stage};
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
@@ -144,7 +145,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             let (h2d, comm) =
                 (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Comm));
             let importance = &zenflow.importance;
-            self.device.copy_h2d(h2d, &zenflow.importance_host, 0..columns, importance, 0)?.wait()?;
+            self.device
+                .copy_h2d(h2d, &zenflow.importance_host, 0..columns, importance, 0)?
+                .wait()?;
             self.comm.all_reduce(comm, importance, 0..columns, ReduceOp::Sum)?;
             let d2h = self.device.stream(StreamKind::D2h);
             self.device.record(&mut self.events.norm_done, comm)?;
@@ -174,10 +177,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// Overwrites the selected elements of a partition's host-side state (master, moments; a
     /// shorter vector is skipped) with the device's, which is the current state of those columns.
-    pub(super) fn merge_zenflow_state(
-        &self,
-        state: [&mut Vec<f32>; 3],
-    ) -> Result<(), EngineError> {
+    pub(super) fn merge_zenflow_state(&self, state: [&mut Vec<f32>; 3]) -> Result<(), EngineError> {
         let Some(zenflow) = &self.zenflow else { return Ok(()) };
         if zenflow.compact_len == 0 {
             return Ok(());
@@ -196,5 +196,85 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         Ok(())
     }
-}
 
+    /// ZenFlow's part of a snapshot (the optimizer has been joined).
+    pub(super) fn zenflow_snapshot(&self) -> Result<Option<ZenFlowSnapshot>, EngineError> {
+        let (Some(zenflow), Optimizer::Host(host)) = (&self.zenflow, &self.optimizer) else {
+            return Ok(None);
+        };
+        let window = host.grad_acc.as_deref().ok_or(EngineError::Usage("ZenFlow streams"))?;
+        Ok(Some(ZenFlowSnapshot {
+            selection: zenflow.selection(),
+            steps_in_window: zenflow.steps_in_window,
+            since_selection: zenflow.since_selection,
+            cpu_steps: zenflow.cpu_adamw.steps_taken(),
+            window_flat: self.owned.clone(),
+            window_grads: window.to_vec(),
+        }))
+    }
+
+    /// [`Engine::restore`] for a ZenFlow run: also the selection, the window's position and its
+    /// host accumulator, from the ZenFlow snapshots of any number of ranks (`from.parts` hold
+    /// the consolidated optimizer state). The selected columns' device state is taken from it.
+    pub fn restore_with_zenflow(
+        &mut self,
+        weights: &[P],
+        from: &Restore<'_>,
+        saved: &[ZenFlowSnapshot],
+    ) -> Result<(), EngineError> {
+        if self.zenflow.is_none() {
+            return Err(EngineError::Usage("ZenFlow state given to an engine without ZenFlow"));
+        }
+        let first = saved.first().ok_or(EngineError::Usage("no ZenFlow state to restore"))?;
+        let counters = |s: &ZenFlowSnapshot| (s.steps_in_window, s.since_selection, s.cpu_steps);
+        if saved.iter().any(|s| counters(s) != counters(first)) {
+            return Err(EngineError::Usage("the ranks' ZenFlow states disagree"));
+        }
+        let window: Vec<OptimizerPart> = saved
+            .iter()
+            .map(|s| OptimizerPart {
+                flat: s.window_flat.clone(),
+                master: s.window_grads.clone(),
+                exp_avg: vec![0.0; s.window_grads.len()],
+                exp_avg_sq: vec![0.0; s.window_grads.len()],
+            })
+            .collect();
+        let [window, _, _] = assemble(&self.layout, &self.owned, &window)?;
+        self.restore_state(weights, from)?;
+        let (Optimizer::Host(host), Some(zenflow)) = (&mut self.optimizer, &mut self.zenflow)
+        else {
+            unreachable!("checked above")
+        };
+        host.grad_acc
+            .as_mut()
+            .ok_or(EngineError::Usage("ZenFlow streams"))?
+            .copy_from_slice(&window);
+        let selection: Vec<(usize, Vec<u32>)> =
+            saved.iter().flat_map(|s| s.selection.iter().cloned()).collect();
+        zenflow.restore_selection(&selection)?;
+        zenflow.steps_in_window = first.steps_in_window;
+        zenflow.since_selection = first.since_selection;
+        zenflow.cpu_adamw.resume_at(first.cpu_steps);
+        zenflow.device_done = None;
+        let optimizer = host.join()?;
+        let owned_start = self.owned.start;
+        let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
+        if selected.is_empty() {
+            return Ok(());
+        }
+        let state = &zenflow.state;
+        for (buffer, host_state) in [
+            (&state.master, &optimizer.master),
+            (&state.exp_avg, &optimizer.exp_avg),
+            (&state.exp_avg_sq, &optimizer.exp_avg_sq),
+        ] {
+            let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
+            overwrite(&self.device, buffer, &compact)?;
+        }
+        // The selected columns' weights, as the device step would have left them.
+        let compact: Vec<P> = selected.iter().map(|&i| P::from_f32(optimizer.master[i])).collect();
+        overwrite(&self.device, &zenflow.weights, &compact)?;
+        overwrite(&self.device, &zenflow.index, &zenflow.indices)?;
+        Ok(())
+    }
+}

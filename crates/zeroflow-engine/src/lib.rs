@@ -33,7 +33,7 @@ use zeroflow_optim::{AdamWConfig, OptimError};
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use scaler::{DynamicScaler, LossScaler};
-pub use zenflow::ZenFlowOptions;
+pub use zenflow::{ZenFlowOptions, ZenFlowSnapshot};
 
 /// Which ZeRO stage partitions what.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

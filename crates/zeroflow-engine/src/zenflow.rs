@@ -82,9 +82,10 @@ impl ZenFlowOptions {
 /// One parameter as a row-major matrix, and the part of it this rank owns.
 #[derive(Clone, Debug)]
 pub(crate) struct MatrixParam {
+    /// Its index in the layout.
+    param: usize,
     /// The flat index of element `[0, 0]`.
     start: usize,
-    rows: usize,
     cols: usize,
     /// Selected columns per selection.
     k: usize,
@@ -129,8 +130,9 @@ impl Block {
     /// The flat indices of the block's selected elements, in compact order.
     pub fn selected<'a>(&'a self, indices: &'a [u32]) -> impl Iterator<Item = usize> + 'a {
         let columns = &indices[self.index.clone()];
-        (0..self.rows)
-            .flat_map(move |r| columns.iter().map(move |&c| self.start + r * self.cols + c as usize))
+        (0..self.rows).flat_map(move |r| {
+            columns.iter().map(move |&c| self.start + r * self.cols + c as usize)
+        })
     }
 }
 
@@ -142,6 +144,8 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     /// False with `topk_ratio: 0`: nothing is ever selected.
     pub selects: bool,
     pub matrices: Vec<MatrixParam>,
+    /// The selected columns of each matrix, ascending (empty before the first selection).
+    pub selected: Vec<Vec<u32>>,
     pub blocks: Vec<Block>,
     /// The selected columns of every block, relative to its first column (host copy of `index`).
     pub indices: Vec<u32>,
@@ -192,6 +196,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             update_interval,
             overlap: options.overlap_step,
             selects: options.topk_ratio > 0.0,
+            selected: vec![Vec::new(); matrices.len()],
             matrices,
             blocks: Vec::new(),
             indices: Vec::new(),
@@ -240,11 +245,8 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
 
     /// Selects from the model-wide importances in `importance_host` and lays out the blocks.
     pub fn select(&mut self) {
-        self.blocks.clear();
-        self.indices.clear();
-        let mut compact = 0;
-        for m in &self.matrices {
-            let mut columns: Vec<u32> = match m.importance_at {
+        for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
+            *selected = match m.importance_at {
                 None => (0..m.k as u32).collect(),
                 Some(at) => {
                     let importance = &self.importance_host[at..at + m.cols];
@@ -257,11 +259,22 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
                     order
                 }
             };
-            columns.sort_unstable();
+            selected.sort_unstable();
+        }
+        self.lay_out();
+        self.since_selection = Some(0);
+    }
+
+    /// The blocks and compact offsets of the selection in `selected`.
+    fn lay_out(&mut self) {
+        self.blocks.clear();
+        self.indices.clear();
+        let mut compact = 0;
+        for (m, columns) in self.matrices.iter().zip(&self.selected) {
             for (rows, cols, first) in block_shapes(m) {
-                let in_block = columns.iter().filter(|&&c| (c as usize) >= first.1);
-                let in_block: Vec<u32> = in_block
-                    .filter(|&&c| (c as usize) < first.1 + cols)
+                let in_block: Vec<u32> = columns
+                    .iter()
+                    .filter(|&&c| (first.1..first.1 + cols).contains(&(c as usize)))
                     .map(|&c| c - first.1 as u32)
                     .collect();
                 if in_block.is_empty() {
@@ -275,7 +288,30 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             }
         }
         self.compact_len = compact;
-        self.since_selection = Some(0);
+    }
+
+    /// The selection by parameter index, for a checkpoint.
+    pub fn selection(&self) -> Vec<(usize, Vec<u32>)> {
+        let matrices = self.matrices.iter().zip(&self.selected);
+        matrices.filter(|(_, s)| !s.is_empty()).map(|(m, s)| (m.param, s.clone())).collect()
+    }
+
+    /// Takes the selection of a checkpoint (saved by any number of ranks), or an error naming a
+    /// column that cannot be selected.
+    pub fn restore_selection(&mut self, saved: &[(usize, Vec<u32>)]) -> Result<(), EngineError> {
+        for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
+            selected.clear();
+            if let Some((_, columns)) = saved.iter().find(|(param, _)| *param == m.param) {
+                if columns.len() > m.k || columns.iter().any(|&c| c as usize >= m.cols) {
+                    return Err(EngineError::Usage(
+                        "a checkpoint's ZenFlow selection does not fit this model and topk_ratio",
+                    ));
+                }
+                selected.clone_from(columns);
+            }
+        }
+        self.lay_out();
+        Ok(())
     }
 
     /// Writes the selected columns' updated weights into the flat weights on `stream`.
@@ -298,15 +334,31 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
     }
 }
 
+/// ZenFlow's state besides the optimizer's (DESIGN.md §7: ZenFlow state is part of checkpoints).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ZenFlowSnapshot {
+    /// The selected columns of each parameter this rank holds part of, by index in the layout
+    /// (a 1-D parameter's one column is `0`); the same on every rank that holds it.
+    pub selection: Vec<(usize, Vec<u32>)>,
+    /// Steps taken in the current window, and since the last selection (`None`: none yet).
+    pub steps_in_window: u64,
+    pub since_selection: Option<u64>,
+    /// CPU steps (windows) taken.
+    pub cpu_steps: u64,
+    /// The host accumulator of the window so far: the gradients of `window_flat` (this rank's
+    /// partition, global flat indices), summed over ranks and the window's steps.
+    pub window_flat: Range<usize>,
+    pub window_grads: Vec<f32>,
+}
+
 /// Every parameter with elements in `owned`, as a matrix, with its `k` for `ratio`.
 fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<MatrixParam> {
     let mut importance_at = 0;
     let mut out = Vec::new();
-    for param in layout.params() {
-        let (rows, cols) = match param.shape.as_slice() {
-            [n] => (*n, 1),
-            [leading @ .., cols] => (leading.iter().product(), *cols),
-            [] => (1, 1),
+    for (index, param) in layout.params().iter().enumerate() {
+        let cols = match param.shape.as_slice() {
+            [_] | [] => 1,
+            [.., cols] => *cols,
         };
         let two_d = param.shape.len() >= 2;
         let at = two_d.then_some(importance_at);
@@ -320,7 +372,14 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
         }
         let k = if two_d { ((ratio * cols as f64).round() as usize).clamp(1, cols) } else { 1 };
         let owned = inside.start - range.start..inside.end - range.start;
-        out.push(MatrixParam { start: range.start, rows, cols, k, owned, importance_at: at });
+        out.push(MatrixParam {
+            param: index,
+            start: range.start,
+            cols,
+            k,
+            owned,
+            importance_at: at,
+        });
     }
     out
 }

@@ -92,7 +92,8 @@ impl Kernels for CpuDevice {
             for r in 0..rows {
                 for (j, &c) in index.iter().enumerate() {
                     let c = c as usize;
-                    dst[r * k + j] = if c < cols { src[r * cols + c] } else { T::from_f32(f32::NAN) };
+                    dst[r * k + j] =
+                        if c < cols { src[r * cols + c] } else { T::from_f32(f32::NAN) };
                 }
             }
             Ok(())

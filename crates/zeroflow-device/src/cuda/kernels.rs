@@ -649,7 +649,14 @@ impl Kernels for CudaDevice {
         index_range: Range<usize>,
         dst: Matrix<'_, Self, T>,
     ) -> Result<()> {
-        CudaDevice::scatter_columns(self, stream, row_major(src), index, index_range, row_major(dst))
+        CudaDevice::scatter_columns(
+            self,
+            stream,
+            row_major(src),
+            index,
+            index_range,
+            row_major(dst),
+        )
     }
 }
 

@@ -52,6 +52,7 @@ fn load(dir: &Path, world: usize) -> Resume<f32> {
         micro_steps: loaded.meta.micro_steps,
         upload_pending: loaded.meta.upload_pending,
         scaler: loaded.meta.scaler,
+        zenflow: Vec::new(),
     }
 }
 

@@ -10,7 +10,8 @@ use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore, Snapshot, Stage, StepReport,
+    Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore, Snapshot, Stage,
+    StepReport, ZenFlowOptions, ZenFlowSnapshot,
 };
 
 #[derive(Clone, Debug)]
@@ -25,6 +26,8 @@ pub struct Setup {
     pub bucket: usize,
     /// Delayed update after this many exact steps.
     pub delayed: Option<u64>,
+    /// ZenFlow's split update (needs `offload` and `accum` 1).
+    pub zenflow: Option<ZenFlowOptions>,
 }
 
 impl Setup {
@@ -39,6 +42,7 @@ impl Setup {
             chaos: None,
             bucket: 23,
             delayed: None,
+            zenflow: None,
         }
     }
 }
@@ -54,6 +58,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
         scaler,
         cpu_threads: 2,
         delayed_update: setup.delayed,
+        zenflow: setup.zenflow,
     }
 }
 
@@ -88,6 +93,8 @@ pub struct Resume<P> {
     pub micro_steps: u64,
     pub upload_pending: bool,
     pub scaler: LossScaler,
+    /// Every rank's ZenFlow state (empty without ZenFlow).
+    pub zenflow: Vec<ZenFlowSnapshot>,
 }
 
 /// [`train`] for `setup.steps` more steps, starting from `resume` if given.
@@ -137,7 +144,11 @@ pub fn train_from<P: Float>(
                             upload_pending: r.upload_pending,
                             scaler: &r.scaler,
                         };
-                        engine.restore(&r.weights, &from).unwrap();
+                        if r.zenflow.is_empty() {
+                            engine.restore(&r.weights, &from).unwrap();
+                        } else {
+                            engine.restore_with_zenflow(&r.weights, &from, &r.zenflow).unwrap();
+                        }
                     }
                     let mut reports = Vec::new();
                     let first = engine.micro_steps();
