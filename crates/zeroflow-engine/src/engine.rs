@@ -14,6 +14,9 @@
 //!    the clip coefficient, one AdamW step over the partition (on the device, or on the CPU with
 //!    the result uploaded on the h2d stream), and the all-gather of the updated partitions, after
 //!    which `params_ready` is recorded.
+//!
+//! With ZenFlow, step 2 splits: the selected columns are stepped on the device every step and
+//! the rest on the CPU once per window (`engine_zenflow.rs`, DESIGN.md §6).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -585,10 +588,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 // accumulator holds the whole window, the device this step.)
                 let compute_done = &self.events.compute_done;
                 self.device.wait_event(comm_stream, compute_done)?;
-                let (source, at) = match &self.reduced {
-                    Some(reduced) => (reduced, 0),
-                    None => (&self.grads, self.owned.start),
-                };
+                let (source, at) =
+                    reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
                 let range = at..at + self.owned.len();
                 self.device.sum_squares(comm_stream, source, range, &self.norm, 0)?;
             }
@@ -685,10 +686,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let OptimizerSlot::Ready(optimizer) = optimizer else {
             return Err(EngineError::Usage("streaming step while the optimizer steps"));
         };
-        let (source, at) = match &self.reduced {
-            Some(reduced) => (reduced, 0),
-            None => (&self.grads, self.owned.start),
-        };
+        let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
         let (d2h, h2d) = (self.device.stream(StreamKind::D2h), self.device.stream(StreamKind::H2d));
         // The gradients are final once the comm stream has computed the norm over them; the
         // weights are free once forward/backward and the last gather are past them.
@@ -719,10 +717,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let Optimizer::Host(host) = &mut self.optimizer else {
             return Err(EngineError::Usage("delayed step without offload"));
         };
-        let (source, at) = match &self.reduced {
-            Some(reduced) => (reduced, 0),
-            None => (&self.grads, self.owned.start),
-        };
+        let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
         let len = self.owned.len();
         let (comm, d2h) =
             (self.device.stream(StreamKind::Comm), self.device.stream(StreamKind::D2h));
@@ -990,4 +985,17 @@ fn check_zenflow(opts: &EngineOptions) -> Result<(), EngineError> {
         ));
     }
     Ok(())
+}
+
+/// Where this rank's reduced gradients are: the `reduced` buffer from its start (stages 1 and 2
+/// with several ranks), or the gradient buffer at the partition's start.
+fn reduced_source<'a, D: Device, P: Float>(
+    reduced: &'a Option<D::Buffer<P>>,
+    grads: &'a D::Buffer<P>,
+    owned_start: usize,
+) -> (&'a D::Buffer<P>, usize) {
+    match reduced {
+        Some(reduced) => (reduced, 0),
+        None => (grads, owned_start),
+    }
 }

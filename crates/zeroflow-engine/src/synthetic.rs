@@ -241,3 +241,16 @@ impl Reference {
         norm
     }
 }
+
+/// Largest relative difference over the parameter elements of `layout` (padding ignored), relative
+/// to max(|reference|, 1e-3): how the tests compare trained weights with [`Reference`].
+pub fn max_rel_diff(layout: &FlatLayout, got: &[f32], want: &[f32]) -> f64 {
+    let mut worst = 0f64;
+    for p in layout.params() {
+        for i in p.flat_range() {
+            let (g, w) = (f64::from(got[i]), f64::from(want[i]));
+            worst = worst.max((g - w).abs() / w.abs().max(1e-3));
+        }
+    }
+    worst
+}

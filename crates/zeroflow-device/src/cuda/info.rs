@@ -150,3 +150,20 @@ pub fn is_absent(error: &DeviceError) -> bool {
         _ => false,
     }
 }
+
+/// For tests and tools that need a GPU: GPU `ordinal`, or `None` after printing
+/// `skipped: no CUDA device (<reason>)` where this machine has no driver or no GPU — unless
+/// `ZEROFLOW_REQUIRE_GPU` is set (as on the GPU machine), which makes a missing GPU a panic.
+///
+/// # Panics
+/// If the GPU exists but does not open, or if it is missing while `ZEROFLOW_REQUIRE_GPU` is set.
+pub fn gpu_or_skip(ordinal: usize) -> Option<super::CudaDevice> {
+    match super::CudaDevice::new(ordinal) {
+        Ok(device) => Some(device),
+        Err(error) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&error) => {
+            println!("skipped: no CUDA device ({})", short_reason(&error));
+            None
+        }
+        Err(error) => panic!("opening GPU {ordinal} failed: {error}"),
+    }
+}

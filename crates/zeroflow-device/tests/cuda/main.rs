@@ -15,19 +15,12 @@ mod pinned;
 
 use zeroflow_core::dtype::bf16;
 use zeroflow_device::cuda::blas::{Blas, Matmul, MatmulOperands, Operand};
-use zeroflow_device::cuda::{CudaBuffer, CudaStream, is_absent, short_reason};
+use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CudaDevice, Device};
 
 /// GPU 0, or `None` (after printing why) where this machine has none.
 fn gpu() -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(device) => Some(device),
-        Err(error) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&error) => {
-            println!("skipped: no CUDA device ({})", short_reason(&error));
-            None
-        }
-        Err(error) => panic!("opening GPU 0 failed: {error}"),
-    }
+    zeroflow_device::cuda::info::gpu_or_skip(0)
 }
 
 /// A number from the environment, or `default`.

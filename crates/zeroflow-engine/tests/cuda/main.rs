@@ -6,24 +6,17 @@
 //! Every test first opens GPU 0; where there is none it prints `skipped: no CUDA device (…)` and
 //! passes (`ZEROFLOW_REQUIRE_GPU=1` makes that a failure). Run with `--test-threads=1 --nocapture`.
 
-use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::nccl::NcclComm;
-use zeroflow_device::cuda::{is_absent, short_reason};
 use zeroflow_device::{CudaDevice, Device, HostMemory};
-use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward_cuda, initial, layout};
+use zeroflow_engine::synthetic::{
+    Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
+};
 use zeroflow_engine::{Engine, EngineOptions, LossScaler, Stage, StepReport};
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
 fn gpu() -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(device) => Some(device),
-        Err(error) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&error) => {
-            println!("skipped: no CUDA device ({})", short_reason(&error));
-            None
-        }
-        Err(error) => panic!("opening GPU 0 failed: {error}"),
-    }
+    zeroflow_device::cuda::info::gpu_or_skip(0)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -105,18 +98,6 @@ fn reference<P: Float>(case: &Case) -> (Vec<f32>, Vec<f64>) {
         previous = current;
     }
     (reference.master, norms)
-}
-
-/// Largest relative difference over parameter elements, relative to max(|reference|, 1e-3).
-fn max_rel_diff(layout: &FlatLayout, got: &[f32], want: &[f32]) -> f64 {
-    let mut worst = 0f64;
-    for p in layout.params() {
-        for i in p.flat_range() {
-            let (g, w) = (f64::from(got[i]), f64::from(want[i]));
-            worst = worst.max((g - w).abs() / w.abs().max(1e-3));
-        }
-    }
-    worst
 }
 
 /// Checks every rank of `case` against the reference; returns the worst weight difference.

@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory};
@@ -221,17 +220,7 @@ pub fn norms(reports: &[StepReport]) -> Vec<f64> {
         .collect()
 }
 
-/// Largest relative difference over parameter elements, relative to max(|reference|, 1e-3).
-pub fn max_rel_diff(layout: &FlatLayout, got: &[f32], want: &[f32]) -> f64 {
-    let mut worst = 0f64;
-    for p in layout.params() {
-        for i in p.flat_range() {
-            let (g, w) = (f64::from(got[i]), f64::from(want[i]));
-            worst = worst.max((g - w).abs() / w.abs().max(1e-3));
-        }
-    }
-    worst
-}
+pub use zeroflow_engine::synthetic::max_rel_diff;
 
 pub fn to_f32<P: Float>(flat: &[P]) -> Vec<f32> {
     flat.iter().map(|p| p.to_f32()).collect()

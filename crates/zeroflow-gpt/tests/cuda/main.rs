@@ -10,16 +10,8 @@ mod attention;
 mod model;
 
 use zeroflow_device::CudaDevice;
-use zeroflow_device::cuda::{is_absent, short_reason};
 
 /// GPU 0, or `None` (after printing why) where this machine has none.
 fn gpu() -> Option<CudaDevice> {
-    match CudaDevice::new(0) {
-        Ok(device) => Some(device),
-        Err(error) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&error) => {
-            println!("skipped: no CUDA device ({})", short_reason(&error));
-            None
-        }
-        Err(error) => panic!("opening GPU 0 failed: {error}"),
-    }
+    zeroflow_device::cuda::info::gpu_or_skip(0)
 }
