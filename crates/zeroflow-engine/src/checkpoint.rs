@@ -5,7 +5,9 @@
 //!   trainer adds (`extra`: config, data position, RNG, schedule);
 //! - `model.safetensors`: the weights as named tensors (Hugging Face names for the GPT model);
 //! - `optim/rank-R.safetensors`: `master`, `exp_avg`, `exp_avg_sq` of one flat range, with the
-//!   range in the metadata, so a checkpoint saved at one world size resumes at another.
+//!   range in the metadata, so a checkpoint saved at one world size resumes at another; for a
+//!   ZenFlow run also `zenflow.window_grads` (the window's host accumulator of the same range)
+//!   and, as JSON in the metadata key `zenflow`, the selection and the window's position.
 //!
 //! A checkpoint is never written over an existing directory, and a truncated or foreign one is a
 //! typed error naming the file.
@@ -21,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroflow_core::{Element, bf16, f16};
 
-use crate::{LossScaler, OptimizerPart};
+use crate::{LossScaler, OptimizerPart, ZenFlowSnapshot};
 
 pub const FORMAT: &str = "zeroflow-checkpoint";
 pub const VERSION: u32 = 1;
@@ -134,6 +136,18 @@ pub fn save<P: Stored>(
     tensors: &[NamedTensor],
     parts: &[OptimizerPart],
 ) -> Result<(), CheckpointError> {
+    save_with_zenflow(dir, meta, weights, tensors, parts, &[])
+}
+
+/// [`save`] for a ZenFlow run: `zenflow[r]` is saved with `parts[r]` (empty: no ZenFlow state).
+pub fn save_with_zenflow<P: Stored>(
+    dir: &Path,
+    meta: &Meta,
+    weights: &[P],
+    tensors: &[NamedTensor],
+    parts: &[OptimizerPart],
+    zenflow: &[ZenFlowSnapshot],
+) -> Result<(), CheckpointError> {
     if dir.exists() {
         return Err(CheckpointError::AlreadyExists(dir.to_path_buf()));
     }
@@ -150,7 +164,7 @@ pub fn save<P: Stored>(
     write_synced(&temp.join("model.safetensors"), &model_bytes(weights, tensors)?)?;
     for (rank, part) in parts.iter().enumerate() {
         let path = temp.join(format!("optim/rank-{rank}.safetensors"));
-        write_synced(&path, &part_bytes(part, &path)?)?;
+        write_synced(&path, &part_bytes(part, zenflow.get(rank), &path)?)?;
     }
     sync_dir(&temp.join("optim"))?;
     sync_dir(&temp)?;
@@ -176,8 +190,30 @@ pub fn write_state(path: &Path, meta: &Meta) -> Result<(), CheckpointError> {
 /// Writes `rank`'s optimizer part as `optim/rank-R.safetensors` into the checkpoint directory
 /// being written, `dir` (fsynced; `dir/optim` must exist).
 pub fn write_part(dir: &Path, rank: usize, part: &OptimizerPart) -> Result<(), CheckpointError> {
+    write_part_with_zenflow(dir, rank, part, None)
+}
+
+/// [`write_part`] with the rank's ZenFlow state, if the run has one.
+pub fn write_part_with_zenflow(
+    dir: &Path,
+    rank: usize,
+    part: &OptimizerPart,
+    zenflow: Option<&ZenFlowSnapshot>,
+) -> Result<(), CheckpointError> {
     let path = dir.join(format!("optim/rank-{rank}.safetensors"));
-    write_synced(&path, &part_bytes(part, &path)?)
+    write_synced(&path, &part_bytes(part, zenflow, &path)?)
+}
+
+/// A rank's ZenFlow state besides the window's gradients, as the JSON of the metadata key
+/// `zenflow`.
+#[derive(Serialize, Deserialize)]
+struct ZenFlowMeta {
+    selection: Vec<(usize, Vec<u32>)>,
+    steps_in_window: u64,
+    since_selection: Option<u64>,
+    cpu_steps: u64,
+    window_start: usize,
+    window_end: usize,
 }
 
 /// The weights the run would have after its pending delayed update: the fp32 master weights of
@@ -224,17 +260,35 @@ fn model_bytes<P: Stored>(
     serialize(&data, P::SAFETENSORS, None, Path::new("model.safetensors"))
 }
 
-fn part_bytes(part: &OptimizerPart, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+fn part_bytes(
+    part: &OptimizerPart,
+    zenflow: Option<&ZenFlowSnapshot>,
+    path: &Path,
+) -> Result<Vec<u8>, CheckpointError> {
     let shape = vec![part.flat.len()];
-    let data = vec![
+    let mut data = vec![
         ("master".to_string(), shape.clone(), to_bytes(&part.master)),
         ("exp_avg".to_string(), shape.clone(), to_bytes(&part.exp_avg)),
         ("exp_avg_sq".to_string(), shape, to_bytes(&part.exp_avg_sq)),
     ];
-    let metadata = HashMap::from([
+    let mut metadata = HashMap::from([
         ("flat_start".to_string(), part.flat.start.to_string()),
         ("flat_end".to_string(), part.flat.end.to_string()),
     ]);
+    if let Some(z) = zenflow {
+        let window = vec![z.window_grads.len()];
+        data.push(("zenflow.window_grads".to_string(), window, to_bytes(&z.window_grads)));
+        let meta = ZenFlowMeta {
+            selection: z.selection.clone(),
+            steps_in_window: z.steps_in_window,
+            since_selection: z.since_selection,
+            cpu_steps: z.cpu_steps,
+            window_start: z.window_flat.start,
+            window_end: z.window_flat.end,
+        };
+        let json = serde_json::to_string(&meta).expect("serializable");
+        metadata.insert("zenflow".to_string(), json);
+    }
     serialize(&data, Dtype::F32, Some(metadata), path)
 }
 
@@ -275,6 +329,8 @@ pub struct Loaded<P> {
     /// The named weight tensors: shape and elements.
     pub tensors: Tensors<P>,
     pub parts: Vec<OptimizerPart>,
+    /// Every rank's ZenFlow state, in rank order (empty if the run had none).
+    pub zenflow: Vec<ZenFlowSnapshot>,
 }
 
 /// Reads the checkpoint in `dir`, checking everything it can without knowing the run.
@@ -310,10 +366,16 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
     }
     // Never sized from `world_size`: a damaged count fails at the first missing file instead.
     let mut parts: Vec<OptimizerPart> = Vec::new();
+    let mut zenflow = Vec::new();
     for rank in 0..meta.world_size {
         let path = dir.join(format!("optim/rank-{rank}.safetensors"));
         let bytes = fs::read(&path).map_err(io(&path))?;
-        let part = read_part(&bytes, &path)?;
+        let (part, rank_zenflow) = read_part(&bytes, &path)?;
+        if rank > 0 && rank_zenflow.is_some() != (zenflow.len() == rank) {
+            let reason = "some ranks saved ZenFlow state and others did not".to_string();
+            return Err(CheckpointError::Corrupt { path, reason });
+        }
+        zenflow.extend(rank_zenflow);
         // Rank r saved partition r, so the parts tile the flat buffer from 0 in rank order; what
         // reads them (`weights_from_master`, `Engine::restore`) relies on that.
         let expected_start = parts.last().map_or(0, |previous| previous.flat.end);
@@ -326,7 +388,7 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
         }
         parts.push(part);
     }
-    Ok(Loaded { meta, tensors, parts })
+    Ok(Loaded { meta, tensors, parts, zenflow })
 }
 
 fn corrupt(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> CheckpointError + '_ {
@@ -349,7 +411,10 @@ pub fn read_tensors<P: Stored>(bytes: &[u8], path: &Path) -> Result<Tensors<P>, 
         .collect()
 }
 
-fn read_part(bytes: &[u8], path: &Path) -> Result<OptimizerPart, CheckpointError> {
+fn read_part(
+    bytes: &[u8],
+    path: &Path,
+) -> Result<(OptimizerPart, Option<ZenFlowSnapshot>), CheckpointError> {
     let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(corrupt(path))?;
     let bound = |key: &str| -> Result<usize, CheckpointError> {
         metadata
@@ -381,12 +446,33 @@ fn read_part(bytes: &[u8], path: &Path) -> Result<OptimizerPart, CheckpointError
         }
         Ok(from_bytes(view.data()))
     };
-    Ok(OptimizerPart {
+    let part = OptimizerPart {
         master: array("master")?,
         exp_avg: array("exp_avg")?,
         exp_avg_sq: array("exp_avg_sq")?,
-        flat,
-    })
+        flat: flat.clone(),
+    };
+    let Some(json) = metadata.metadata().as_ref().and_then(|m| m.get("zenflow")) else {
+        return Ok((part, None));
+    };
+    let z: ZenFlowMeta = serde_json::from_str(json).map_err(|e| CheckpointError::Corrupt {
+        path: path.into(),
+        reason: format!("its ZenFlow state: {e}"),
+    })?;
+    if (z.window_start..z.window_end) != flat {
+        let reason = "the ZenFlow window's range differs from the optimizer part's".to_string();
+        return Err(CheckpointError::Corrupt { path: path.into(), reason });
+    }
+    let window_grads = array("zenflow.window_grads")?;
+    let zenflow = ZenFlowSnapshot {
+        selection: z.selection,
+        steps_in_window: z.steps_in_window,
+        since_selection: z.since_selection,
+        cpu_steps: z.cpu_steps,
+        window_flat: flat,
+        window_grads,
+    };
+    Ok((part, Some(zenflow)))
 }
 
 /// The flat weights of a run whose tensors are `tensors` (padding zero), from a checkpoint's

@@ -76,3 +76,38 @@ impl EngineOptions {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_core::config::{Context, Selection, UpdateInterval, resolve_str};
+
+    use super::*;
+
+    /// A DeepSpeed config's `zero_optimization.zenflow` reaches the engine as it is written.
+    #[test]
+    fn the_zenflow_section_becomes_the_engine_options() {
+        let text = r#"{
+            "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 4,
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu"},
+                "zenflow": {"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 8,
+                            "update_interval": 4, "overlap_step": true}
+            }
+        }"#;
+        let resolved = resolve_str(text, &Context::default()).expect("a valid config");
+        let options = EngineOptions::from_config(&resolved.config, 1);
+        let want = ZenFlowOptions {
+            topk_ratio: 0.25,
+            selection: Selection::Step { interval: 8 },
+            update_interval: UpdateInterval::Every(4),
+            overlap_step: true,
+        };
+        assert_eq!(options.zenflow, Some(want));
+        assert_eq!(want.intervals().expect("supported settings"), (8, 4));
+        let without = text.replace(r#""zenflow""#, r#""zenflow_unused""#);
+        let without = resolve_str(&without, &Context::default()).expect("unknown keys warn");
+        assert_eq!(EngineOptions::from_config(&without.config, 1).zenflow, None);
+    }
+}

@@ -25,9 +25,9 @@
 
 use std::ops::Range;
 
-use zeroflow_core::Float;
 use zeroflow_core::config::{Selection, UpdateInterval};
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Element, Float};
 use zeroflow_device::{Device, Kernels, Matrix};
 
 use crate::EngineError;
@@ -111,7 +111,7 @@ pub(crate) struct Block {
 
 impl Block {
     /// The block in a buffer whose element 0 is flat element `shift`.
-    pub fn full<'a, D: Device, T: zeroflow_core::Element>(
+    pub fn full<'a, D: Device, T: Element>(
         &self,
         buffer: &'a D::Buffer<T>,
         shift: usize,
@@ -120,10 +120,7 @@ impl Block {
     }
 
     /// The block's selected elements in a compact buffer.
-    pub fn compact<'a, D: Device, T: zeroflow_core::Element>(
-        &self,
-        buffer: &'a D::Buffer<T>,
-    ) -> Matrix<'a, D, T> {
+    pub fn compact<'a, D: Device, T: Element>(&self, buffer: &'a D::Buffer<T>) -> Matrix<'a, D, T> {
         Matrix { buffer, offset: self.compact, rows: self.rows, cols: self.index.len() }
     }
 

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
-use zeroflow_engine::OptimizerPart;
 use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded, Meta, NamedTensor};
+use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
 use zeroflow_gpt::GptConfig;
 use zeroflow_gpt::data::DataPosition;
 
@@ -89,6 +89,7 @@ pub fn list(out: &Path) -> anyhow::Result<Vec<(u64, PathBuf)>> {
 }
 
 /// Saves the checkpoint of `step` and then deletes all but the newest `keep`.
+#[allow(clippy::too_many_arguments, reason = "one checkpoint's pieces")]
 pub fn save(
     out: &Path,
     step: u64,
@@ -97,11 +98,12 @@ pub fn save(
     weights: &[f32],
     tensors: &[NamedTensor],
     parts: &[OptimizerPart],
+    zenflow: &[ZenFlowSnapshot],
 ) -> anyhow::Result<PathBuf> {
     let dir = step_dir(out, step);
     std::fs::create_dir_all(out.join(FOLDER))
         .with_context(|| format!("cannot create {}", out.join(FOLDER).display()))?;
-    checkpoint::save(&dir, meta, weights, tensors, parts)?;
+    checkpoint::save_with_zenflow(&dir, meta, weights, tensors, parts, zenflow)?;
     let all = list(out)?;
     let old = all.len().saturating_sub(keep as usize);
     for (_, older) in &all[..old] {
@@ -119,6 +121,8 @@ pub struct Share<'a> {
     pub weights: Option<&'a [f32]>,
     /// This rank's optimizer part, where the checkpoint has one per rank (and rank 0's otherwise).
     pub part: Option<&'a OptimizerPart>,
+    /// This rank's ZenFlow state, written with its part (runs with ZenFlow only).
+    pub zenflow: Option<&'a ZenFlowSnapshot>,
 }
 
 /// Saves the checkpoint of `step` from several processes, then deletes all but the newest
@@ -178,7 +182,7 @@ fn write_share(
         checkpoint::write_model(&temp.join("model.safetensors"), weights, tensors)?;
     }
     if let Some(part) = share.part {
-        checkpoint::write_part(temp, share.rank, part)?;
+        checkpoint::write_part_with_zenflow(temp, share.rank, part, share.zenflow)?;
     }
     Ok(())
 }
@@ -389,7 +393,7 @@ mod tests {
                 thread::spawn(move || {
                     let (meta, tensors, weights, parts) = fixture();
                     let weights = (rank == 0).then_some(weights.as_slice());
-                    let share = Share { rank, weights, part: Some(&parts[rank]) };
+                    let share = Share { rank, weights, part: Some(&parts[rank]), zenflow: None };
                     let saved = save_ranks(&out, 5, 2, &meta, &tensors, share, &mut group);
                     group.finish().unwrap();
                     saved

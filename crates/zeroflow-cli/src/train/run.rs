@@ -12,7 +12,9 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_core::Float;
 use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
-use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport};
+use zeroflow_engine::{
+    Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport, ZenFlowSnapshot,
+};
 use zeroflow_gpt::data::{Batch, DataLoader};
 use zeroflow_gpt::{GptError, flat_layout, hf_tensors, init_params};
 
@@ -244,9 +246,13 @@ impl<M: Model> Trainer<M> {
                 upload_pending: meta.upload_pending,
                 scaler: &meta.scaler,
             };
-            engine
-                .restore(&convert(&weights), &restore)
-                .map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
+            let zenflow = &point.loaded.zenflow;
+            let restored = if zenflow.is_empty() {
+                engine.restore(&convert(&weights), &restore)
+            } else {
+                engine.restore_with_zenflow(&convert(&weights), &restore, zenflow)
+            };
+            restored.map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
         }
         let batch = config.batch.micro_batch_size_per_gpu;
@@ -292,12 +298,15 @@ impl<M: Model> Trainer<M> {
         if world == 1 {
             let weights = weights.expect("rank 0 downloads the weights");
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
-            return checkpoints::save(out, step, keep, &meta, &weights, tensors, &[snapshot.part]);
+            let zenflow: Vec<ZenFlowSnapshot> = snapshot.zenflow.iter().cloned().collect();
+            let parts = [snapshot.part];
+            return checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
         }
         let share = checkpoints::Share {
             rank,
             weights: weights.as_deref(),
             part: (rank < parts).then_some(&snapshot.part),
+            zenflow: snapshot.zenflow.as_ref().filter(|_| rank < parts),
         };
         let group = self.group.as_mut().expect("the group lives until the end of the run");
         checkpoints::save_ranks(&setup.out, step, setup.keep, &meta, &self.tensors, share, group)

@@ -26,6 +26,17 @@ const OFFLOAD_DELAYED: &str = r#"{
   "zeroflow": {"delayed_update": {"enabled": true, "warmup_steps": 2}}
 }"#;
 
+/// ZenFlow with the CPU step overlapped: a quarter of each weight's columns on the device every
+/// step, the rest every 2 steps on the CPU, reselected every 4; N = 5 cuts a window in two.
+const ZENFLOW: &str = r#"{
+  "train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                        "zenflow": {"topk_ratio": 0.25, "select_strategy": "step",
+                                    "select_interval": 4, "update_interval": 2,
+                                    "overlap_step": true}}
+}"#;
+
 const N: u64 = 5;
 
 fn checkpoint(run: &Path, step: u64) -> PathBuf {
@@ -87,12 +98,16 @@ fn assert_same_run(straight: &Path, resumed: &Path, name: &str) {
 }
 
 /// `--steps 2N` straight and `--steps N`, then `--resume latest --steps 2N`, end with the same
-/// bytes in the final checkpoint and the same metrics, with a warm-up schedule and with offload,
-/// accumulation and the delayed update (whose pending weights the checkpoint must carry).
+/// bytes in the final checkpoint and the same metrics, with a warm-up schedule, with offload,
+/// accumulation and the delayed update (whose pending weights the checkpoint must carry), and with
+/// ZenFlow (whose selection, window and running CPU step the checkpoint must carry).
 #[test]
 fn resume_latest_continues_bit_identically() {
-    for (name, config) in [("warmup", CONSTANT_AFTER_WARMUP), ("offload_delayed", OFFLOAD_DELAYED)]
-    {
+    for (name, config) in [
+        ("warmup", CONSTANT_AFTER_WARMUP),
+        ("offload_delayed", OFFLOAD_DELAYED),
+        ("zenflow", ZENFLOW),
+    ] {
         let dir = scratch(&format!("resume_{name}"));
         let (straight, split) = (dir.join("straight"), dir.join("split"));
         let (half, full) = (N.to_string(), (2 * N).to_string());

@@ -38,11 +38,13 @@ pub(crate) fn save(dir: &Path, setup: &Setup, out: &Outcome<f32>) {
         extra: serde_json::json!({"note": "test"}),
     };
     let parts: Vec<_> = out.snapshots.iter().map(|s| s.part.clone()).collect();
-    checkpoint::save(dir, &meta, &out.device_weights[0], &tensors(setup.world), &parts).unwrap();
+    let zenflow: Vec<_> = out.snapshots.iter().filter_map(|s| s.zenflow.clone()).collect();
+    let (weights, tensors) = (&out.device_weights[0], tensors(setup.world));
+    checkpoint::save_with_zenflow(dir, &meta, weights, &tensors, &parts, &zenflow).unwrap();
 }
 
 /// Loads the checkpoint in `dir` as a resume point for a run of `world` ranks.
-fn load(dir: &Path, world: usize) -> Resume<f32> {
+pub(crate) fn load(dir: &Path, world: usize) -> Resume<f32> {
     let loaded = checkpoint::load::<f32>(dir).unwrap();
     let padded = layout(world).padded_len();
     Resume {
@@ -52,7 +54,7 @@ fn load(dir: &Path, world: usize) -> Resume<f32> {
         micro_steps: loaded.meta.micro_steps,
         upload_pending: loaded.meta.upload_pending,
         scaler: loaded.meta.scaler,
-        zenflow: Vec::new(),
+        zenflow: loaded.zenflow,
     }
 }
 

@@ -8,3 +8,4 @@ mod delayed;
 mod equivalence;
 mod fuzz_checkpoint;
 mod precision;
+mod zenflow;

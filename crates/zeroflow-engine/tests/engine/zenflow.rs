@@ -1,0 +1,440 @@
+//! ZenFlow's split update (DESIGN.md §6): the selected columns on the device every step, the
+//! rest on the CPU once per window, on CPU-device ranks with the synthetic model.
+
+use zeroflow_core::config::{Selection, UpdateInterval};
+use zeroflow_engine::synthetic::{Reference, adamw_config, initial};
+use zeroflow_engine::{LossScaler, Stage, ZenFlowOptions};
+
+use crate::harness::{Bf16, Setup, layout, max_rel_diff, reference, train, train_from};
+
+fn zenflow(topk_ratio: f64, select: u64, update: u64, overlap_step: bool) -> ZenFlowOptions {
+    ZenFlowOptions {
+        topk_ratio,
+        selection: Selection::Step { interval: select },
+        update_interval: UpdateInterval::Every(update),
+        overlap_step,
+    }
+}
+
+/// A ZenFlow run: offload, one micro-step per step.
+fn setup(stage: Stage, world: usize, steps: u32, options: ZenFlowOptions) -> Setup {
+    Setup { steps, zenflow: Some(options), ..Setup::new(stage, world, 1, true) }
+}
+
+const LAYOUTS: [(Stage, usize); 5] =
+    [(Stage::Zero2, 1), (Stage::Zero1, 2), (Stage::Zero2, 2), (Stage::Zero0, 2), (Stage::Zero2, 3)];
+
+/// `topk_ratio: 1` selects every column: the whole model is updated by the device AdamW every
+/// step, and the CPU's results are all discarded, so the run equals the engine without offload
+/// (bit for bit), with and without overlap, whatever the intervals.
+#[test]
+fn topk_ratio_one_reproduces_the_device_adamw() {
+    for (stage, world) in LAYOUTS {
+        for overlap in [false, true] {
+            let zenflow_run = setup(stage, world, 12, zenflow(1.0, 4, 2, overlap));
+            let device_run = Setup::new(stage, world, 1, false);
+            let device_run = Setup { steps: 12, ..device_run };
+            let got = train::<f32>(&zenflow_run, LossScaler::None, None);
+            let want = train::<f32>(&device_run, LossScaler::None, None);
+            assert_eq!(got.weights, want.weights, "{zenflow_run:?}");
+            assert_eq!(got.reports, want.reports, "{zenflow_run:?}");
+        }
+    }
+    // bf16 weights and gradients: the compact gradients are cast to f32 like the accumulator's.
+    let zenflow_run = setup(Stage::Zero2, 2, 12, zenflow(1.0, 4, 2, true));
+    let device_run = Setup { steps: 12, ..Setup::new(Stage::Zero2, 2, 1, false) };
+    let got = train::<Bf16>(&zenflow_run, LossScaler::None, None);
+    let want = train::<Bf16>(&device_run, LossScaler::None, None);
+    assert_eq!(got.weights, want.weights, "bf16 {zenflow_run:?}");
+}
+
+/// `topk_ratio: 0` selects nothing: with `update_interval: 1` and no overlap the run is
+/// ZeRO-Offload, bit for bit.
+#[test]
+fn topk_ratio_zero_with_a_window_of_one_reproduces_zero_offload() {
+    for (stage, world) in LAYOUTS {
+        let zenflow_run = setup(stage, world, 12, zenflow(0.0, 1, 1, false));
+        let offload_run = Setup { steps: 12, ..Setup::new(stage, world, 1, true) };
+        let got = train::<f32>(&zenflow_run, LossScaler::None, None);
+        let want = train::<f32>(&offload_run, LossScaler::None, None);
+        assert_eq!(got.weights, want.weights, "{zenflow_run:?}");
+        assert_eq!(got.reports, want.reports, "{zenflow_run:?}");
+    }
+}
+
+/// With nothing selected the weights stay fixed within a window, so a window of `U` steps is
+/// gradient accumulation over `U` micro-steps: ZenFlow equals plain AdamW with accumulation `U`
+/// (the window's mean gradient, clipped by its own norm), and with `overlap_step` plain AdamW
+/// whose gradients are one window stale (the delayed update without warm-up).
+#[test]
+fn the_host_window_is_gradient_accumulation_with_an_explicit_scale() {
+    for (stage, world) in [(Stage::Zero2, 1), (Stage::Zero1, 2), (Stage::Zero2, 2)] {
+        for overlap in [false, true] {
+            let run = setup(stage, world, 4 * 6, zenflow(0.0, 4, 4, overlap));
+            let got = train::<f32>(&run, LossScaler::None, None);
+            let accumulating = Setup {
+                steps: 6,
+                delayed: overlap.then_some(0),
+                ..Setup::new(stage, world, 4, true)
+            };
+            let (want, _) = reference::<f32>(&accumulating);
+            for (rank, weights) in got.weights.iter().enumerate() {
+                let diff = max_rel_diff(&layout(1), &weights[..want.len()], &want);
+                // The window sums each step's rank-summed gradients in f32 (the reference sums
+                // in f64; plain accumulation sums micro-steps before ranks): rounding, 1e-6 scale.
+                assert!(diff <= 1e-5, "{run:?} rank {rank}: max relative difference {diff:e}");
+            }
+        }
+    }
+}
+
+/// The first step selects, per weight, the `round(ratio × cols)` columns with the largest L1
+/// norm of the rank-summed gradient, and every 1-D parameter; within the first window only those
+/// change.
+#[test]
+fn the_first_step_updates_exactly_the_top_columns_and_the_vectors() {
+    let ratio = 0.4;
+    for (stage, world) in LAYOUTS {
+        let run = setup(stage, world, 1, zenflow(ratio, 4, 4, false));
+        let got = train::<f32>(&run, LossScaler::None, None);
+        let single = layout(1);
+        let start = initial::<f32>(&single);
+        let reference = Reference::new::<f32>(world, 1, None, adamw_config());
+        for param in single.params() {
+            let range = param.flat_range();
+            let grads = reference.window_sum::<f32>(range.clone(), 1);
+            let cols = if param.shape.len() >= 2 { param.shape[param.shape.len() - 1] } else { 1 };
+            let selected: Vec<bool> = if param.shape.len() < 2 {
+                vec![true]
+            } else {
+                let mut importance = vec![0f64; cols];
+                grads.iter().enumerate().for_each(|(i, g)| importance[i % cols] += g.abs());
+                let mut order: Vec<usize> = (0..cols).collect();
+                order.sort_by(|&a, &b| importance[b].total_cmp(&importance[a]));
+                let k = ((ratio * cols as f64).round() as usize).max(1);
+                (0..cols).map(|c| order[..k].contains(&c)).collect()
+            };
+            for (rank, weights) in got.weights.iter().enumerate() {
+                for i in range.clone() {
+                    let changed = weights[i] != start[i];
+                    let want = selected[(i - range.start) % cols];
+                    assert_eq!(changed, want, "{run:?} rank {rank} `{}` element {i}", param.name);
+                }
+            }
+        }
+    }
+}
+
+/// Under chaos (random delays before every device operation) ZenFlow's runs, the overlapped CPU
+/// step and reselections included, are bit-identical to the calm run.
+#[test]
+fn zenflow_chaos_runs_are_bit_identical_to_the_calm_run() {
+    for (stage, world) in [(Stage::Zero2, 2), (Stage::Zero1, 2), (Stage::Zero2, 1)] {
+        for overlap in [true, false] {
+            let run = setup(stage, world, 24, zenflow(0.3, 4, 2, overlap));
+            let calm = train::<f32>(&run, LossScaler::None, None);
+            for seed in 1..=3 {
+                let chaotic = Setup { chaos: Some(seed), ..run.clone() };
+                let chaotic = train::<f32>(&chaotic, LossScaler::None, None);
+                assert_eq!(chaotic.weights, calm.weights, "{run:?} chaos seed {seed}");
+            }
+        }
+    }
+}
+
+/// The selection uses the reduced gradients, so ranks agree on it: stages 1 and 2, whose ranks
+/// each own part of the weights (partitions cut through rows and columns), train the same model
+/// as stage 0, whose ranks own everything, and every rank ends with the same weights.
+#[test]
+fn partitioned_stages_agree_with_stage_zero_and_ranks_agree() {
+    for world in [2, 3] {
+        for overlap in [false, true] {
+            let options = zenflow(0.4, 4, 2, overlap);
+            let whole =
+                train::<f32>(&setup(Stage::Zero0, world, 16, options), LossScaler::None, None);
+            let want = &whole.weights[0];
+            for stage in [Stage::Zero1, Stage::Zero2] {
+                let run = setup(stage, world, 16, options);
+                let got = train::<f32>(&run, LossScaler::None, None);
+                assert!(got.weights.windows(2).all(|w| w[0] == w[1]), "{run:?}: ranks disagree");
+                let n = layout(1).padded_len().min(want.len());
+                let diff = max_rel_diff(&layout(1), &got.weights[0][..n], &want[..n]);
+                // All-reduce and reduce add the ranks' f32 gradients in different orders, and the
+                // importances of a partitioned column are partial sums: rounding, 1e-6 scale.
+                assert!(diff <= 1e-5, "{run:?}: max relative difference {diff:e} to stage 0");
+            }
+        }
+    }
+}
+
+/// The configurations ZenFlow cannot run are refused with an error, not run wrongly.
+#[test]
+fn unsupported_zenflow_settings_are_refused() {
+    use zeroflow_device::CpuDevice;
+    use zeroflow_device::cpu::CpuComm;
+    use zeroflow_engine::{Engine, EngineError, EngineOptions};
+
+    let device = CpuDevice::new().unwrap();
+    let layout = layout(1);
+    let init = initial::<f32>(&layout);
+    let base = crate::harness::options(
+        &setup(Stage::Zero2, 1, 1, zenflow(0.1, 2, 1, false)),
+        LossScaler::None,
+    );
+    let cases = [
+        EngineOptions { grad_accum: 2, ..base.clone() },
+        EngineOptions { offload: None, ..base.clone() },
+        EngineOptions { delayed_update: Some(1), ..base.clone() },
+        EngineOptions {
+            zenflow: Some(ZenFlowOptions {
+                selection: Selection::Auto,
+                ..zenflow(0.1, 2, 1, false)
+            }),
+            ..base.clone()
+        },
+        EngineOptions {
+            zenflow: Some(ZenFlowOptions {
+                update_interval: UpdateInterval::Auto,
+                ..zenflow(0.1, 2, 1, false)
+            }),
+            ..base.clone()
+        },
+        EngineOptions { zenflow: Some(zenflow(0.1, 1, 2, false)), ..base.clone() },
+    ];
+    for options in cases {
+        let comm = CpuComm::group(std::slice::from_ref(&device), std::time::Duration::from_secs(5))
+            .remove(0);
+        let result = Engine::<CpuDevice, CpuComm, f32>::new(
+            device.clone(),
+            comm,
+            layout.clone(),
+            options.clone(),
+            &init,
+        );
+        assert!(matches!(result, Err(EngineError::Usage(_))), "{options:?} was accepted");
+    }
+}
+
+/// N steps, checkpoint (written and read back), restore into fresh engines, N more steps:
+/// bit-identical to 2N steps straight, with the checkpoint in the middle of a window (the host
+/// accumulator holds part of it), after a reselection, with and without an overlapped CPU step in
+/// flight, and resumed at the other partitioned stage.
+#[test]
+fn resuming_from_a_zenflow_checkpoint_is_bit_exact() {
+    for (stage, resumed_stage, world, overlap) in [
+        (Stage::Zero2, Stage::Zero2, 2, true),
+        (Stage::Zero1, Stage::Zero1, 2, false),
+        (Stage::Zero2, Stage::Zero2, 1, true),
+        (Stage::Zero2, Stage::Zero1, 3, true),
+    ] {
+        // Selections at steps 1, 5 and 9 (window starts); the checkpoint after step 10.
+        let run = setup(stage, world, 10, zenflow(0.4, 4, 4, overlap));
+        let straight = Setup { steps: 20, ..run.clone() };
+        let straight = train_from::<f32>(&straight, LossScaler::None, None, None);
+        let first = train_from::<f32>(&run, LossScaler::None, None, None);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("step-10");
+        crate::checkpoint::save(&path, &run, &first);
+        let resume = crate::checkpoint::load(&path, world);
+        assert_eq!(resume.zenflow.len(), world, "{run:?}");
+        let state = &resume.zenflow[0];
+        assert_eq!((state.steps_in_window, state.since_selection), (2, Some(2)), "{run:?}");
+        let resumed = Setup { stage: resumed_stage, ..run.clone() };
+        let second = train_from(&resumed, LossScaler::None, None, Some(&resume));
+        assert_eq!(second.weights, straight.weights, "{run:?}: weights");
+        if resumed_stage == stage {
+            assert_eq!(
+                second.snapshots, straight.snapshots,
+                "{run:?}: optimizer and ZenFlow state"
+            );
+        }
+    }
+}
+
+/// ZenFlow on the host, one rank, written from DESIGN.md §6 and `zenflow.rs`'s rules, element by
+/// element: the oracle for the engine's mixed runs.
+struct ZenFlowReference {
+    ratio: f64,
+    select_interval: u64,
+    update_interval: u64,
+    overlap: bool,
+    clip: f64,
+    /// The weights the model reads.
+    weights: Vec<f32>,
+    /// The CPU optimizer's state and the device's (meaningful where selected).
+    host: [Vec<f32>; 3],
+    device: [Vec<f32>; 3],
+    selected: Vec<bool>,
+    acc: Vec<f32>,
+    steps_in_window: u64,
+    since_selection: Option<u64>,
+    /// With overlap: the last window's weights, not yet applied.
+    pending: Option<Vec<f32>>,
+    device_adamw: zeroflow_optim::AdamW,
+    cpu_adamw: zeroflow_optim::AdamW,
+    adam: zeroflow_optim::CpuAdam,
+}
+
+impl ZenFlowReference {
+    fn new(options: ZenFlowOptions, clip: f64) -> Self {
+        let (Selection::Step { interval: select }, UpdateInterval::Every(update)) =
+            (options.selection, options.update_interval)
+        else {
+            panic!("fixed intervals only")
+        };
+        let weights = initial::<f32>(&layout(1));
+        let n = weights.len();
+        let zeros = || [weights.clone(), vec![0.0; n], vec![0.0; n]];
+        ZenFlowReference {
+            ratio: options.topk_ratio,
+            select_interval: select,
+            update_interval: update,
+            overlap: options.overlap_step,
+            clip,
+            host: zeros(),
+            device: zeros(),
+            weights,
+            selected: vec![false; n],
+            acc: vec![0.0; n],
+            steps_in_window: 0,
+            since_selection: None,
+            pending: None,
+            device_adamw: zeroflow_optim::AdamW::new(adamw_config()).unwrap(),
+            cpu_adamw: zeroflow_optim::AdamW::new(adamw_config()).unwrap(),
+            adam: zeroflow_optim::CpuAdam::new(1, zeroflow_optim::SimdLevel::detect()).unwrap(),
+        }
+    }
+
+    fn clip_scale(&self, sum_squares: f64, summed: f64) -> f32 {
+        let norm = f64::from(sum_squares as f32).sqrt() / summed;
+        let coef = if norm + 1e-6 > self.clip { self.clip / (norm + 1e-6) } else { 1.0 };
+        (coef / summed) as f32
+    }
+
+    /// The CPU's weights reach the model where the device does not update.
+    fn apply(&mut self, weights: &[f32]) {
+        for (i, w) in weights.iter().enumerate() {
+            if !self.selected[i] {
+                self.weights[i] = *w;
+            }
+        }
+    }
+
+    fn select(&mut self) {
+        if let Some(pending) = self.pending.take() {
+            self.apply(&pending);
+        }
+        for (i, _) in self.selected.iter().enumerate().filter(|(_, s)| **s) {
+            (0..3).for_each(|s| self.host[s][i] = self.device[s][i]);
+        }
+        let single = layout(1);
+        for p in single.params() {
+            let range = p.flat_range();
+            let two_d = p.shape.len() >= 2;
+            let cols = if two_d { p.shape[p.shape.len() - 1] } else { 1 };
+            let mut importance = vec![0f64; cols];
+            range
+                .clone()
+                .for_each(|i| importance[(i - range.start) % cols] += f64::from(self.acc[i].abs()));
+            let importance: Vec<f32> = importance.iter().map(|x| *x as f32).collect();
+            let mut order: Vec<usize> = (0..cols).collect();
+            order.sort_by(|&a, &b| importance[b].total_cmp(&importance[a]).then(a.cmp(&b)));
+            let k = if two_d {
+                ((self.ratio * cols as f64).round() as usize).clamp(1, cols)
+            } else {
+                1
+            };
+            for i in range.clone() {
+                self.selected[i] = order[..k].contains(&((i - range.start) % cols));
+            }
+        }
+        for (i, _) in self.selected.iter().enumerate().filter(|(_, s)| **s) {
+            (0..3).for_each(|s| self.device[s][i] = self.host[s][i]);
+        }
+        self.since_selection = Some(0);
+    }
+
+    fn step(&mut self, k: u64) {
+        let single = layout(1);
+        let mut grads = vec![0f32; self.weights.len()];
+        for p in single.params() {
+            for i in p.flat_range() {
+                grads[i] = zeroflow_engine::synthetic::grad(i, self.weights[i], 0, k);
+            }
+        }
+        self.acc.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
+        let due = self.since_selection.is_none_or(|s| s >= self.select_interval);
+        if self.ratio > 0.0 && self.steps_in_window == 0 && due {
+            self.select();
+        }
+        let sum: f64 = grads.iter().map(|g| f64::from(*g).powi(2)).sum();
+        let scale = self.clip_scale(sum, 1.0);
+        let step = self.device_adamw.next_step(scale);
+        let chosen: Vec<usize> = (0..grads.len()).filter(|&i| self.selected[i]).collect();
+        let mut compact: [Vec<f32>; 3] =
+            std::array::from_fn(|s| chosen.iter().map(|&i| self.device[s][i]).collect());
+        let compact_grads: Vec<f32> = chosen.iter().map(|&i| grads[i]).collect();
+        let [params, exp_avg, exp_avg_sq] = &mut compact;
+        let state = zeroflow_optim::AdamState { params, exp_avg, exp_avg_sq };
+        let (grads_in, out) =
+            (zeroflow_optim::Grads::F32(&compact_grads), zeroflow_optim::Output::MasterOnly);
+        self.adam.step(&step, state, grads_in, out).unwrap();
+        for (j, &i) in chosen.iter().enumerate() {
+            (0..3).for_each(|s| self.device[s][i] = compact[s][j]);
+            self.weights[i] = self.device[0][i];
+        }
+        self.steps_in_window += 1;
+        self.since_selection = self.since_selection.map(|s| s + 1);
+        if self.steps_in_window < self.update_interval {
+            return;
+        }
+        self.steps_in_window = 0;
+        let cpu_scale = if self.update_interval == 1 {
+            scale
+        } else {
+            let sum: f64 = self.acc.iter().map(|g| f64::from(*g).powi(2)).sum();
+            self.clip_scale(sum, self.update_interval as f64)
+        };
+        let cpu_step = self.cpu_adamw.next_step(cpu_scale);
+        let [params, exp_avg, exp_avg_sq] = &mut self.host;
+        let state = zeroflow_optim::AdamState { params, exp_avg, exp_avg_sq };
+        let (grads_in, out) =
+            (zeroflow_optim::Grads::F32(&self.acc), zeroflow_optim::Output::MasterOnly);
+        self.adam.step(&cpu_step, state, grads_in, out).unwrap();
+        let result = self.host[0].clone();
+        match self.overlap {
+            true => {
+                if let Some(last) = self.pending.replace(result) {
+                    self.apply(&last);
+                }
+            }
+            false => self.apply(&result),
+        }
+        self.acc.fill(0.0);
+    }
+
+    /// The weights after `steps` steps, any pending CPU result applied.
+    fn train(mut self, steps: u64) -> Vec<f32> {
+        (0..steps).for_each(|k| self.step(k));
+        if let Some(pending) = self.pending.take() {
+            self.apply(&pending);
+        }
+        self.weights
+    }
+}
+
+/// A mixed run (some columns on the device, the rest in host windows, reselections, with and
+/// without overlap) equals the element-by-element host reference of ZenFlow's rules.
+#[test]
+fn a_mixed_run_equals_the_host_reference() {
+    for (ratio, select, update, overlap) in
+        [(0.4, 4, 2, false), (0.4, 4, 2, true), (0.3, 3, 1, false), (0.5, 6, 3, true)]
+    {
+        let options = zenflow(ratio, select, update, overlap);
+        let run = setup(Stage::Zero2, 1, 18, options);
+        let got = train::<f32>(&run, LossScaler::None, None);
+        let want = ZenFlowReference::new(options, 0.8).train(18);
+        let diff = max_rel_diff(&layout(1), &got.weights[0], &want);
+        assert!(diff <= 1e-6, "{run:?}: max relative difference {diff:e}");
+    }
+}
