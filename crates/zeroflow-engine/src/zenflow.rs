@@ -38,14 +38,18 @@ use crate::device_adamw::DeviceAdamState;
 pub struct ZenFlowOptions {
     /// The fraction of each weight's columns updated on the device every step; 0 selects none.
     pub topk_ratio: f64,
-    /// When the columns are selected again. Only [`Selection::Step`] is supported: the engine
-    /// does not know the epoch length that DeepSpeed's `"auto"` and `"epoch"` strategies need.
+    /// When the columns are selected again. With DeepSpeed's `"auto"` and `"epoch"` strategies,
+    /// whose epoch length the engine is not told, the columns are selected once (at the first
+    /// step), as DeepSpeed does when it does not own the dataloader.
     pub selection: Selection,
     /// Steps per CPU update. Only [`UpdateInterval::Every`] is supported.
     pub update_interval: UpdateInterval,
     /// Run the CPU update on a worker thread; its result reaches the weights one window later.
     pub overlap_step: bool,
 }
+
+/// A select interval that is never reached: the columns chosen at the first step stay.
+const NEVER: u64 = u64::MAX;
 
 impl ZenFlowOptions {
     /// The select and update intervals in steps, or why the engine cannot run these settings.
@@ -56,10 +60,16 @@ impl ZenFlowOptions {
         let select = match self.selection {
             Selection::Step { interval } => interval,
             Selection::Auto | Selection::Epoch { .. } => {
-                return Err(EngineError::Usage(
-                    "ZenFlow's select_strategy \"auto\" and \"epoch\" need the epoch length, which \
-                     the engine does not know; use select_strategy \"step\" with a select_interval",
-                ));
+                // DeepSpeed reselects once per epoch (or every `select_interval` epochs) when it
+                // owns the dataloader, and otherwise selects once and never again; the engine is
+                // never told the epoch's length, so it does the latter, and says so.
+                tracing::warn!(
+                    "ZenFlow: select_strategy \"auto\"/\"epoch\" reselects once per epoch, whose \
+                     length the engine does not know: the columns are selected at the first step \
+                     and kept (as DeepSpeed does without a dataloader); use select_strategy \
+                     \"step\" with a select_interval to reselect"
+                );
+                NEVER
             }
         };
         let UpdateInterval::Every(update) = self.update_interval else {
@@ -70,7 +80,7 @@ impl ZenFlowOptions {
         if update == 0 || select == 0 {
             return Err(EngineError::Usage("ZenFlow's intervals must be at least 1"));
         }
-        if select < update {
+        if select != NEVER && select < update {
             return Err(EngineError::Usage(
                 "ZenFlow's select_interval must be at least its update_interval",
             ));
