@@ -16,7 +16,8 @@
 # 5. `bare`: the same without the launcher (ranks started by hand): rank 0 must exit with status 3
 #    within 60 s, naming rank 1.
 # Logs and run directories go under $OUT; a table of RESULT lines is printed last. QUICK=1 runs
-# only 1 and 2.
+# only 1 and 2. The ZeRO-1/ZeRO-2 × offload matrix with the final weights compared is
+# scripts/gpu-multi-matrix.sh; the gpt-1.3b two-GPU benchmark, scripts/bench-multi-gpu.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

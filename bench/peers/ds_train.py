@@ -4,11 +4,27 @@ attention, bf16), the peer of `zeroflow bench train`:
 
     python3 bench/peers/ds_train.py --mode offload --model gpt-1.3b --micro-batch 8 --steps 12
 
+A custom size instead of a named one: `--n-layer 40 --d-model 4096 --n-head 32` (vocabulary 50304,
+context 1024 unless `--vocab`/`--context` say otherwise), as scripts/largest-model.sh uses it;
+`--init-device cuda` builds the model on the GPU instead of the CPU (faster for large models, and
+without the CPU copy of the fp32 weights).
+
 Modes: `gpu` (ZeRO-2, optimizer on the GPU), `offload` (ZeRO-2 + CPU optimizer offload, pinned),
 `zenflow` (ZeRO-2 + offload + ZenFlow: topk 0.05, update_interval 4, overlap_step). Prints one JSON
 object: median and mean seconds per optimizer step (after the warm-up steps), tokens/s, peak GPU
 memory. Needs DeepSpeed on PYTHONPATH (bench/peers/README.md) and, for one process,
-RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>."""
+RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=<free port>.
+
+Several processes, one per GPU, under torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT; deepspeed.initialize then initialises torch.distributed from them):
+
+    OMP_NUM_THREADS=16 python3 -m torch.distributed.run --nproc-per-node 2 \
+        bench/peers/ds_train.py --mode offload --model gpt-1.3b --micro-batch 8
+
+`--micro-batch` is per GPU. Each rank uses the GPU of its LOCAL_RANK and trains on its own rows of
+one global batch; only rank 0 prints, and its tokens/s counts every rank's tokens (over the slowest
+rank's mean step). Set OMP_NUM_THREADS to the host's cores / the processes: torchrun sets it to 1
+with several processes unless it is set, which would leave DeepSpeed's CPU Adam one thread."""
 
 import argparse
 import json
@@ -60,11 +76,23 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="offload", choices=["gpu", "offload", "zenflow"])
     parser.add_argument("--model", default="gpt-1.3b", choices=sorted(SIZES))
+    parser.add_argument("--n-layer", type=int, help="custom size: layers (with --d-model, --n-head)")
+    parser.add_argument("--d-model", type=int, help="custom size: width")
+    parser.add_argument("--n-head", type=int, help="custom size: attention heads")
+    parser.add_argument("--vocab", type=int, default=50304, help="custom size: vocabulary")
+    parser.add_argument("--context", type=int, default=1024, help="custom size: positions")
+    parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the model is built before deepspeed.initialize")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     args = parser.parse_args()
+    custom = (args.n_layer, args.d_model, args.n_head)
+    if any(custom) and not all(custom):
+        parser.error("a custom size needs --n-layer, --d-model and --n-head")
+    if all(custom) and args.d_model % args.n_head:
+        parser.error("--d-model must be a multiple of --n-head")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -72,18 +100,32 @@ def main():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    n_layer, d, n_head, vocab, context = SIZES[args.model]
+    # torchrun's variables (one process without them). The GPU is chosen before anything touches
+    # CUDA, so that no rank opens a context on GPU 0.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if all(custom):
+        n_layer, d, n_head, vocab, context = (*custom, args.vocab, args.context)
+        name = f"custom-{n_layer}x{d}"
+    else:
+        n_layer, d, n_head, vocab, context = SIZES[args.model]
+        name = args.model
     config = GPT2Config(
         n_layer=n_layer, n_embd=d, n_head=n_head, vocab_size=vocab, n_positions=context,
         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
+    with torch.device(args.init_device):
+        model = GPT2LMHeadModel(config)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(),
         config=ds_config(args.mode, args.micro_batch))
-    tokens = torch.randint(0, vocab, (args.micro_batch, args.seq + 1), device=engine.device)
+    # One global batch of world × micro-batch rows, the same on every rank (the seed); each rank
+    # takes its own rows.
+    tokens = torch.randint(0, vocab, (world * args.micro_batch, args.seq + 1), device=engine.device)
+    tokens = tokens[rank * args.micro_batch:(rank + 1) * args.micro_batch]
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     times, losses = [], []
     for i in range(args.warmup + args.steps):
@@ -97,23 +139,43 @@ def main():
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+        if world > 1:
+            # The ranks' mean, after the clock stopped.
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss)
+            loss /= world
         losses.append(loss.item())
-    tokens_per_step = args.micro_batch * args.seq
+    tokens_per_step = world * args.micro_batch * args.seq
+    mean = statistics.mean(times)
+    slowest = mean
+    if world > 1:
+        slowest = torch.tensor(mean, device=engine.device)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        slowest = slowest.item()
     # Peak resident set of this process (ru_maxrss is in KiB on Linux). ZenFlow's and the
     # offload's worker processes, if any, are not included.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if rank != 0:
+        return
     print(json.dumps({
         "system": "deepspeed",
         "deepspeed": deepspeed.__version__,
         "torch": torch.__version__,
         "mode": args.mode,
-        "model": args.model,
+        "model": name,
+        "n_layer": n_layer,
+        "d_model": d,
+        "n_head": n_head,
+        "init_device": args.init_device,
+        "world_size": world,
         "parameters": sum(p.numel() for p in model.parameters()),
         "micro_batch": args.micro_batch,
         "seq": args.seq,
+        "tokens_per_step": tokens_per_step,
         "s_per_step_median": statistics.median(times),
-        "s_per_step_mean": statistics.mean(times),
-        "tokens_per_s": tokens_per_step / statistics.mean(times),
+        "s_per_step_mean": mean,
+        "tokens_per_s": tokens_per_step / slowest,
+        "tokens_per_s_per_gpu": tokens_per_step / slowest / world,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_rss_bytes": rss,
         "peak_rss_bytes_per_param": rss / sum(p.numel() for p in model.parameters()),

@@ -159,16 +159,40 @@ fn init_of(config: &GptConfig, spec: &ParamSpec) -> Init {
     }
 }
 
+/// Elements of one parameter that one task of [`init_params`] draws (even: every block starts on
+/// a Box–Muller pair). 2^20 keeps the largest parameters of an 8 B model (the 200 M-element token
+/// embedding at width 4096) from being a single thread's tail.
+const NORMAL_BLOCK: usize = 1 << 20;
+
+/// ChaCha8 words (`u32`) one Box–Muller pair consumes: two `f64` draws of one `u64` each.
+const WORDS_PER_PAIR: u128 = 4;
+
 /// Initialises the parameters like GPT-2 / llm.c: weights normal(0, 0.02), residual projections
 /// (`c_proj`) scaled by 1/sqrt(2·n_layer), LayerNorm weights 1, biases 0, padded embedding rows 0.
 /// Each parameter draws from its own ChaCha8 stream (seed, parameter index), so the values do not
 /// depend on the layout's alignment or world size. Padding of the flat buffer is left untouched.
+///
+/// Parameters are filled in parallel, and each large one in blocks: a block seeks its parameter's
+/// stream to its first pair, so the values are those of one sequential pass over the stream,
+/// whatever the number of threads.
 pub fn init_params<F: Float>(
     config: &GptConfig,
     layout: &FlatLayout,
     seed: u64,
     params: &mut [F],
 ) -> Result<(), GptError> {
+    init_params_in_blocks(config, layout, seed, params, NORMAL_BLOCK)
+}
+
+/// [`init_params`] with the normal draws cut into tasks of `block` elements (even, non-zero).
+fn init_params_in_blocks<F: Float>(
+    config: &GptConfig,
+    layout: &FlatLayout,
+    seed: u64,
+    params: &mut [F],
+    block: usize,
+) -> Result<(), GptError> {
+    debug_assert!(block > 0 && block.is_multiple_of(2), "blocks start on a Box–Muller pair");
     if params.len() != layout.padded_len() {
         return Err(GptError::Length {
             what: "flat parameter buffer",
@@ -199,10 +223,13 @@ pub fn init_params<F: Float>(
         Init::Zero => slice.fill(F::zero()),
         Init::One => slice.fill(F::one()),
         Init::Normal { std, real } => {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            rng.set_stream(index as u64);
             let (real, pad) = slice.split_at_mut(real);
-            fill_normal(&mut rng, std, real);
+            real.par_chunks_mut(block).enumerate().for_each(|(number, part)| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(index as u64);
+                rng.set_word_pos(WORDS_PER_PAIR * (number * block / 2) as u128);
+                fill_normal(&mut rng, std, part);
+            });
             pad.fill(F::zero());
         }
     });
@@ -294,4 +321,53 @@ pub fn hf_tensors(config: &GptConfig, layout: &FlatLayout) -> Result<Vec<HfTenso
             HfTensor { name: spec.name, shape, flat_range: view.offset..view.offset + numel }
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flat_layout;
+
+    /// The values of the first implementation: one sequential pass over each parameter's stream.
+    fn sequential_reference(config: &GptConfig, layout: &FlatLayout, seed: u64) -> Vec<f32> {
+        let mut params = vec![f32::NAN; layout.padded_len()];
+        for (index, spec) in param_specs(config).iter().enumerate() {
+            let view = layout.param(&spec.name).expect("every parameter is in the layout");
+            let slice = &mut params[view.offset..view.offset + view.numel()];
+            match init_of(config, spec) {
+                Init::Zero => slice.fill(0.0),
+                Init::One => slice.fill(1.0),
+                Init::Normal { std, real } => {
+                    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                    rng.set_stream(index as u64);
+                    let (real, pad) = slice.split_at_mut(real);
+                    fill_normal(&mut rng, std, real);
+                    pad.fill(0.0);
+                }
+            }
+        }
+        params
+    }
+
+    #[test]
+    fn blocked_parallel_init_is_bit_identical_to_one_sequential_pass_for_any_thread_count() {
+        // Odd widths and vocabulary make odd-length parameters, so the last block of a parameter
+        // ends inside a Box–Muller pair; blocks of 4 and 6 put many block starts in every one.
+        let config: GptConfig =
+            r#"{"n_layer": 2, "n_head": 3, "d_model": 9, "vocab_size": 7, "context": 5}"#
+                .parse()
+                .unwrap();
+        let layout = flat_layout(&config, 1).unwrap();
+        let expected = sequential_reference(&config, &layout, 11);
+        for threads in [1, 2, 3, 8] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for block in [2, 4, 6, NORMAL_BLOCK] {
+                let mut params = vec![f32::NAN; layout.padded_len()];
+                pool.install(|| init_params_in_blocks(&config, &layout, 11, &mut params, block))
+                    .unwrap();
+                let same = params.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{threads} threads, blocks of {block}: values differ");
+            }
+        }
+    }
 }

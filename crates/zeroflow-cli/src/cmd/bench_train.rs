@@ -1,7 +1,14 @@
 //! `zeroflow bench step`: optimizer steps of the GPT model through the ZeRO engine, timed, in the
 //! configurations DeepSpeed is measured in (`bench/peers/ds_train.py`): ZeRO-2 with the optimizer
 //! on the device, with CPU optimizer offload, and with offload and the one-step delayed update.
+//!
+//! With several ranks (`zeroflow launch --nproc-per-node 2 -- bench step --device cuda …`, or
+//! torchrun and srun as for `train`), each rank steps the model on its GPU over its slice of one
+//! global batch, the host's cores split between the ranks; rank 0 alone prints the report: the
+//! job's tokens/s (every rank's tokens), its own step times, breakdown and memory, and each rank's
+//! means.
 
+use std::num::NonZeroU32;
 use std::time::Instant;
 
 use anyhow::Context as _;
@@ -15,9 +22,10 @@ use zeroflow_engine::{Engine, EngineOptions, StepReport};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
+use crate::dist::{DistEnv, Group};
 use crate::train::DeviceKind;
 use crate::train::backend::{self, Model, Opened};
-use crate::train::run::forward_backward;
+use crate::train::run::{ModelEngine, forward_backward};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -92,43 +100,125 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--micro-batch, --accum and --steps must be at least 1",
         ));
     }
-    match args.device {
-        DeviceKind::Cpu => bench(&args, &model, backend::open_cpu),
-        DeviceKind::Cuda => bench(&args, &model, backend::open_cuda),
+    let dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    check_job(args.device, &dist)?;
+    let report = match args.device {
+        DeviceKind::Cpu => bench(&args, &model, &dist, backend::open_cpu)?,
+        DeviceKind::Cuda => bench(&args, &model, &dist, backend::open_cuda)?,
+    };
+    // Only rank 0 reports, for the whole job.
+    if let Some(report) = report {
+        print_report(&args, &report)?;
+    }
+    Ok(())
+}
+
+/// Several ranks (under `zeroflow launch`, torchrun or srun) need `--device cuda`: one GPU each,
+/// as for `train`.
+fn check_job(device: DeviceKind, dist: &DistEnv) -> anyhow::Result<()> {
+    if dist.world_size > 1 && device == DeviceKind::Cpu {
+        return Err(InputError::from_display(format!(
+            "this process is rank {} of {}, but --device cpu runs in one process: bench several \
+             ranks with --device cuda (one GPU each)",
+            dist.rank, dist.world_size
+        )));
+    }
+    Ok(())
+}
+
+/// What one rank measured over the timed steps.
+struct Measured {
+    /// Seconds per timed optimizer step.
+    times: Vec<f64>,
+    /// The forward-and-backward part of each timed step.
+    compute_times: Vec<f64>,
+    /// Every step's loss (warm-up included), the mean over the ranks.
+    losses: Vec<f32>,
+    device_memory: Option<usize>,
+}
+
+impl Measured {
+    fn mean(&self) -> f64 {
+        self.times.iter().sum::<f64>() / self.times.len() as f64
+    }
+
+    fn compute_mean(&self) -> f64 {
+        self.compute_times.iter().sum::<f64>() / self.compute_times.len() as f64
     }
 }
 
-fn bench<M: Model>(args: &Args, model: &GptConfig, open: backend::Open<M>) -> anyhow::Result<()> {
+/// Benchmarks this rank's share of the job and returns the report on rank 0 (`None` on the
+/// others). Every rank runs the same steps on its own slice of one global batch; the engine's
+/// collectives keep the ranks in step.
+fn bench<M: Model>(
+    args: &Args,
+    model: &GptConfig,
+    dist: &DistEnv,
+    open: impl backend::OpenFn<M>,
+) -> anyhow::Result<Option<serde_json::Value>> {
     let bf16 = args.device == DeviceKind::Cuda;
     let text = ds_config(args.mode, args.micro_batch, args.accum, bf16, args.warmup);
-    let resolved = config::resolve_str(&text, &Context::default()).context("the bench config")?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let world = u32::try_from(dist.world_size).ok().and_then(NonZeroU32::new);
+    let world = world.with_context(|| format!("a job of {} ranks", dist.world_size))?;
+    let context = Context { world_size: world, ..Context::default() };
+    let resolved = config::resolve_str(&text, &context).context("the bench config")?;
+    // The ranks of one host share its cores.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = dist.cpu_threads(cores);
     let options = EngineOptions::from_config(&resolved.config, threads);
-    let layout = flat_layout(model, 1)?;
+    let layout = flat_layout(model, dist.world_size)?;
     let mut weights = vec![0.0f32; layout.padded_len()];
     init_params(model, &layout, 0, &mut weights)?;
     let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
     drop(weights);
-    // One process: the benchmark measures one GPU.
-    let single = crate::dist::DistEnv::single();
-    let Opened { device, comm, model: mut gpt, .. } =
-        open(model, args.micro_batch, &layout, &single)?;
+    let Opened { device, comm, model: mut gpt, mut group } =
+        open(model, args.micro_batch, &layout, dist)?;
     let description = device.describe();
     let mut engine = Engine::with_weights(device, comm, layout, options, initial)?;
-    let tokens_per_micro = args.micro_batch * model.context;
-    let tokens = tokens_per_micro * args.accum as usize;
+    let batch = rank_batch(model, args.micro_batch, dist);
+    let measured = measure(args, &mut engine, &mut gpt, &batch, &mut group)?;
+    let ranks = gather_ranks(&measured, &mut group)?;
+    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
+    group.finish()?;
+    if dist.rank != 0 {
+        return Ok(None);
+    }
+    let job = Job { world: dist.world_size, threads, description };
+    Ok(Some(report(args, model, &job, &measured, &ranks)))
+}
+
+/// This rank's inputs and targets: its slice of one global batch of `world × micro_batch`
+/// random sequences (the same tokens whatever the number of ranks, so that one rank with the
+/// global batch sees what the ranks see together).
+fn rank_batch(model: &GptConfig, micro_batch: usize, dist: &DistEnv) -> (Vec<u32>, Vec<u32>) {
+    let tokens = micro_batch * model.context;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let vocab = model.vocab_size as u32;
-    let batch: Vec<u32> = (0..tokens_per_micro + 1).map(|_| rng.random_range(0..vocab)).collect();
-    let (inputs, targets) = (&batch[..tokens_per_micro], &batch[1..]);
-    let mut times = Vec::new();
-    let mut compute_times = Vec::new();
-    let mut losses = Vec::new();
+    let global: Vec<u32> =
+        (0..tokens * dist.world_size + 1).map(|_| rng.random_range(0..vocab)).collect();
+    let mine = &global[dist.rank * tokens..(dist.rank + 1) * tokens + 1];
+    (mine[..tokens].to_vec(), mine[1..].to_vec())
+}
+
+/// The warm-up and timed steps on this rank.
+fn measure<M: Model>(
+    args: &Args,
+    engine: &mut ModelEngine<M>,
+    gpt: &mut M,
+    (inputs, targets): &(Vec<u32>, Vec<u32>),
+    group: &mut Group,
+) -> anyhow::Result<Measured> {
+    let mut measured = Measured {
+        times: Vec::new(),
+        compute_times: Vec::new(),
+        losses: Vec::new(),
+        device_memory: None,
+    };
     for step in 0..args.warmup + args.steps {
         let start = Instant::now();
         for _ in 0..args.accum {
             gpt.set_batch(inputs, targets)?;
-            forward_backward(&mut engine, &mut gpt)?;
+            forward_backward(engine, gpt)?;
             if !engine.is_gradient_accumulation_boundary() {
                 engine.step()?;
             }
@@ -140,73 +230,152 @@ fn bench<M: Model>(args: &Args, model: &GptConfig, open: backend::Open<M>) -> an
         let report = engine.step()?;
         engine.device().synchronize()?;
         let seconds = start.elapsed().as_secs_f64();
-        // Read after the clock stops: the loss copy is not part of a training step's cost.
-        losses.push(gpt.loss()?);
+        // Read after the clock stops: the loss copy and the ranks' mean are not part of a
+        // training step's cost.
+        let loss = group.mean(f64::from(gpt.loss()?))?;
+        measured.losses.push(loss as f32);
         if !matches!(report, StepReport::Stepped { .. }) {
             anyhow::bail!("step {step} did not update the weights: {report:?}");
         }
         if step >= args.warmup {
-            times.push(seconds);
-            compute_times.push(compute);
+            measured.times.push(seconds);
+            measured.compute_times.push(compute);
         }
     }
-    let device_memory = M::memory_in_use(engine.device());
+    measured.device_memory = M::memory_in_use(engine.device());
     engine.flush()?;
-    let mut sorted = times.clone();
+    Ok(measured)
+}
+
+/// One rank's means and memory, as rank 0 reports them.
+struct RankFigures {
+    s_per_step_mean: f64,
+    forward_backward_s_mean: f64,
+    peak_rss_bytes: Option<u64>,
+    device_memory_in_use_bytes: Option<u64>,
+}
+
+/// Every rank's figures, in rank order (a barrier of the side channel per figure).
+fn gather_ranks(measured: &Measured, group: &mut Group) -> anyhow::Result<Vec<RankFigures>> {
+    // `u64::MAX` stands for "unknown".
+    let known = |value: Option<u64>| value.unwrap_or(u64::MAX);
+    let unknown = |value: u64| (value != u64::MAX).then_some(value);
+    let means = group.gather(measured.mean().to_bits())?;
+    let computes = group.gather(measured.compute_mean().to_bits())?;
+    let rss = group.gather(known(peak_rss_bytes()))?;
+    let memory = group.gather(known(measured.device_memory.map(|b| b as u64)))?;
+    Ok((0..means.len())
+        .map(|rank| RankFigures {
+            s_per_step_mean: f64::from_bits(means[rank]),
+            forward_backward_s_mean: f64::from_bits(computes[rank]),
+            peak_rss_bytes: unknown(rss[rank]),
+            device_memory_in_use_bytes: unknown(memory[rank]),
+        })
+        .collect())
+}
+
+/// The job as the report describes it.
+struct Job {
+    world: usize,
+    /// CPU threads of each rank's optimizer.
+    threads: usize,
+    /// Rank 0's device.
+    description: String,
+}
+
+/// Rank 0's report: the job's throughput (every rank's tokens over the slowest rank's mean step),
+/// rank 0's step times, breakdown and memory, and each rank's means.
+fn report(
+    args: &Args,
+    model: &GptConfig,
+    job: &Job,
+    measured: &Measured,
+    ranks: &[RankFigures],
+) -> serde_json::Value {
+    let mut sorted = measured.times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
-    let mean = times.iter().sum::<f64>() / times.len() as f64;
-    let compute_mean = compute_times.iter().sum::<f64>() / compute_times.len() as f64;
-    let rss = peak_rss_bytes();
+    let (mean, compute_mean) = (measured.mean(), measured.compute_mean());
+    let slowest = ranks.iter().map(|r| r.s_per_step_mean).fold(mean, f64::max);
+    let tokens = args.micro_batch * model.context * args.accum as usize * job.world;
+    let rss = ranks[0].peak_rss_bytes;
     let params = model.num_params();
-    let out = json!({
+    json!({
         "system": "zeroflow",
-        "mode": match args.mode {
-            Mode::Gpu => "gpu",
-            Mode::Offload => "offload",
-            Mode::OffloadDelayed => "offload-delayed",
-        },
-        "device": description,
+        "mode": mode_name(args.mode),
+        "device": job.description,
+        "world_size": job.world,
+        "cpu_threads_per_rank": job.threads,
         "model": args.model,
         "parameters": params,
         "micro_batch": args.micro_batch,
         "accum": args.accum,
         "seq": model.context,
+        "tokens_per_step": tokens,
         "s_per_step_median": median,
         "s_per_step_mean": mean,
-        "tokens_per_s": tokens as f64 / mean,
+        "tokens_per_s": tokens as f64 / slowest,
+        "tokens_per_s_per_gpu": tokens as f64 / slowest / job.world as f64,
         "forward_backward_s_mean": compute_mean,
         "exposed_optimizer_s_mean": mean - compute_mean,
         "peak_rss_bytes": rss,
-        "device_memory_in_use_bytes": device_memory,
+        "device_memory_in_use_bytes": measured.device_memory,
         "peak_rss_bytes_per_param": rss.map(|r| r as f64 / params as f64),
-        "times": times,
-        "losses": losses,
-    });
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        println!(
-            "{} {} on {description}: {median:.4} s/step median, {mean:.4} s mean, {:.0} tokens/s; \
-             forward+backward {compute_mean:.4} s, exposed optimizer {:.4} s; loss {:.3} → {:.3}; \
-             peak RSS {}; device memory in use {}",
-            args.model,
-            out["mode"].as_str().unwrap_or_default(),
-            tokens as f64 / mean,
-            mean - compute_mean,
-            losses.first().copied().unwrap_or(f32::NAN),
-            losses.last().copied().unwrap_or(f32::NAN),
-            rss.map_or("unknown".into(), |r| format!(
-                "{:.2} GiB ({:.1} B/param)",
-                r as f64 / f64::from(1u32 << 30),
-                r as f64 / params as f64
-            )),
-            device_memory.map_or("unknown".into(), |b| format!(
-                "{:.2} GiB",
-                b as f64 / f64::from(1u32 << 30)
-            )),
-        );
+        "ranks": ranks.iter().enumerate().map(|(rank, r)| json!({
+            "rank": rank,
+            "s_per_step_mean": r.s_per_step_mean,
+            "forward_backward_s_mean": r.forward_backward_s_mean,
+            "exposed_optimizer_s_mean": r.s_per_step_mean - r.forward_backward_s_mean,
+            "peak_rss_bytes": r.peak_rss_bytes,
+            "device_memory_in_use_bytes": r.device_memory_in_use_bytes,
+        })).collect::<Vec<_>>(),
+        "times": measured.times,
+        "losses": measured.losses,
+    })
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Gpu => "gpu",
+        Mode::Offload => "offload",
+        Mode::OffloadDelayed => "offload-delayed",
     }
+}
+
+fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(out)?);
+        return Ok(());
+    }
+    let number = |key: &str| out[key].as_f64().unwrap_or(f64::NAN);
+    let gib = |bytes: f64| bytes / f64::from(1u32 << 30);
+    let losses = out["losses"].as_array().map_or(&[][..], Vec::as_slice);
+    let loss = |value: Option<&serde_json::Value>| {
+        value.and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN)
+    };
+    let rss = out["peak_rss_bytes"].as_f64().map_or("unknown".into(), |r| {
+        format!("{:.2} GiB ({:.1} B/param)", gib(r), number("peak_rss_bytes_per_param"))
+    });
+    let memory = out["device_memory_in_use_bytes"]
+        .as_f64()
+        .map_or("unknown".into(), |b| format!("{:.2} GiB", gib(b)));
+    println!(
+        "{} {} on {} × {}: {:.0} tokens/s ({:.0} per rank); rank 0: {:.4} s/step median, {:.4} s \
+         mean, forward+backward {:.4} s, exposed optimizer {:.4} s, peak RSS {rss}, device memory \
+         in use {memory}; loss {:.3} → {:.3}",
+        args.model,
+        mode_name(args.mode),
+        out["world_size"],
+        out["device"].as_str().unwrap_or_default(),
+        number("tokens_per_s"),
+        number("tokens_per_s_per_gpu"),
+        number("s_per_step_median"),
+        number("s_per_step_mean"),
+        number("forward_backward_s_mean"),
+        number("exposed_optimizer_s_mean"),
+        loss(losses.first()),
+        loss(losses.last()),
+    );
     Ok(())
 }
 
@@ -217,3 +386,6 @@ fn peak_rss_bytes() -> Option<u64> {
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
+
+#[cfg(test)]
+mod multi_rank_tests;

@@ -356,9 +356,20 @@ pub(crate) mod tests {
     use super::{Joined, RendezvousError, Spec, join};
     use crate::dist::env::Master;
 
-    /// A port nobody listens on now (the OS's pick, released).
+    /// A port nobody listens on now (the OS's pick, released), never handed out before in this
+    /// process: the tests of one binary run at once, and two rendezvous of world size 2 on the same
+    /// port would take each other's ranks (which showed as two "ranks" starting from different
+    /// weights under load).
     pub fn free_port() -> u16 {
-        TcpListener::bind("0.0.0.0:0").unwrap().local_addr().unwrap().port()
+        static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let port = TcpListener::bind("0.0.0.0:0").unwrap().local_addr().unwrap().port();
+            if !given.contains(&port) {
+                given.push(port);
+                return port;
+            }
+        }
     }
 
     pub fn spec(rank: usize, world_size: usize, port: u16, timeout_ms: u64) -> Spec {

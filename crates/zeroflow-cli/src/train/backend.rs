@@ -87,12 +87,10 @@ impl Model for CpuGpt {
     }
 }
 
-/// How to open a device kind: the model's shape, the micro-batch (sequences), the flat layout (for
-/// the job's world size) and this process's rank in the job.
-pub type Open<M> = fn(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>;
-
-/// What opens a device for the trainer: an [`Open`] function, or (in tests) a closure holding
-/// devices made beforehand.
+/// What opens a device kind for the trainer and `bench step`, from the model's shape, the
+/// micro-batch (sequences), the flat layout (for the job's world size) and this process's rank in
+/// the job: [`open_cpu`] or [`open_cuda`], or (in tests) a closure holding devices made
+/// beforehand.
 pub trait OpenFn<M: Model>:
     FnOnce(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
 {

@@ -177,7 +177,11 @@ fn auto_selection_selects_once_and_keeps_the_columns() {
         let options = ZenFlowOptions { selection, ..zenflow(0.25, 2, 1, false) };
         let out = train::<f32>(&setup(Stage::Zero2, 1, 9, options), LossScaler::None, None);
         let state = out.snapshots[0].zenflow.as_ref().expect("a ZenFlow run has ZenFlow state");
-        assert_eq!(state.since_selection, Some(9), "{selection:?}: selected at the first of 9 steps only");
+        assert_eq!(
+            state.since_selection,
+            Some(9),
+            "{selection:?}: selected at the first of 9 steps only"
+        );
     }
     let out = train::<f32>(
         &setup(Stage::Zero2, 1, 9, zenflow(0.25, 2, 1, false)),

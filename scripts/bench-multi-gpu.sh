@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The multi-GPU benchmark (acceptance (c)), on `nvidia-h200-x2`: gpt-1.3b, ZeRO-2 with CPU
+# optimizer offload, bf16, micro-batch 8 per GPU, one call:
+#
+#   zf-1gpu  zeroflow `bench step --mode offload` on GPU 0, with all the host's cores;
+#   zf-2gpu  the same under `zeroflow launch --nproc-per-node 2` (the cores split between ranks);
+#   ds-2gpu  DeepSpeed ZeRO-2 offload on the same 2 GPUs: `python3 -m torch.distributed.run
+#            --nproc-per-node 2 bench/peers/ds_train.py --mode offload` (OMP_NUM_THREADS = cores
+#            / 2, which torchrun would otherwise set to 1);
+#   ds-1gpu  (DS1=1 only) DeepSpeed on one GPU.
+#
+# and prints the ratios the issue asks for: zeroflow 2 GPUs ÷ 1 GPU (≥ 1.8×) and zeroflow 2 GPUs ÷
+# DeepSpeed 2 GPUs (≥ 2.0×), tokens/s counting every rank's tokens.
+#
+#   here:  bash scripts/gpu-check.sh                 (stages .gpu/zeroflow)
+#          bench/peers/fetch-wheels.sh               (once: DeepSpeed into .peers/)
+#   there: run  kind: nvidia-h200-x2  command: bash scripts/bench-multi-gpu.sh
+#               carry: [".gpu", ".peers"]            (≤ 600 s; about 4 minutes expected)
+#
+# Environment: MODEL (gpt-1.3b), MODE (offload; zeroflow's offload-delayed or gpu also work, the
+# DeepSpeed runs use DS_MODE, default offload), MICRO_BATCH (8, per GPU), STEPS (10), WARMUP (4),
+# SKIP_ZF=1 or SKIP_DS=1 to split the work over two calls (results append to
+# $OUT/bench-multi-MODEL.jsonl, each row tagged with its run), DS1=1.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL=${MODEL:-gpt-1.3b}
+MODE=${MODE:-offload}
+DS_MODE=${DS_MODE:-offload}
+MICRO_BATCH=${MICRO_BATCH:-8}
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-4}
+OUT=${OUT:-$PWD/.gpu/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+# NVLink multicast must stay off on the lent machines: keep this in every environment.
+export NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+Z=${ZEROFLOW:-.gpu/zeroflow}
+RESULTS=$OUT/bench-multi-$MODEL.jsonl
+touch "$RESULTS"
+CORES=$(nproc)
+started=$SECONDS
+
+# record RUN LOG: appends the last result object of LOG (`{"system": …`; its lines may carry
+# launch's `[rank R] ` prefix, and it may span lines) to $RESULTS, tagged `"run": RUN`.
+record() {
+    env -u LD_LIBRARY_PATH python3 - "$1" "$2" "$RESULTS" <<'PY'
+import json, re, sys
+run, log, results = sys.argv[1:]
+text = "\n".join(re.sub(r"^\[rank \d+\] ", "", line) for line in open(log, errors="replace"))
+found, decoder = None, json.JSONDecoder()
+for match in re.finditer(r'\{\s*"system"', text):
+    try:
+        value, _ = decoder.raw_decode(text, match.start())
+    except ValueError:
+        continue
+    if isinstance(value, dict) and "tokens_per_s" in value:
+        found = value
+if found is None:
+    sys.exit(f"{run}: no result in {log}")
+found["run"] = run
+with open(results, "a") as out:
+    out.write(json.dumps(found) + "\n")
+print(f"{run}: {found['tokens_per_s']:.0f} tokens/s, {found['s_per_step_mean']:.4f} s/step mean")
+PY
+}
+
+nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
+echo "host: $CORES cores, $(nvidia-smi -L 2>/dev/null | wc -l) GPUs"
+ZF=(bench step --device cuda --model "$MODEL" --mode "$MODE" --micro-batch "$MICRO_BATCH"
+    --steps "$STEPS" --warmup "$WARMUP" --json)
+
+if [[ -z "${SKIP_ZF:-}" ]]; then
+    log=$OUT/bench-multi-zf-1gpu.log
+    timeout 240 "$Z" "${ZF[@]}" >"$log" 2>"$log.err"
+    echo "zeroflow 1 GPU: exit $? ($((SECONDS - started)) s)"
+    record zf-1gpu "$log" || tail -5 "$log" "$log.err"
+
+    log=$OUT/bench-multi-zf-2gpu.log
+    timeout 240 "$Z" launch --nproc-per-node 2 -- "${ZF[@]}" >"$log" 2>"$log.err"
+    echo "zeroflow 2 GPUs: exit $? ($((SECONDS - started)) s)"
+    record zf-2gpu "$log" || tail -5 "$log" "$log.err"
+fi
+
+if [[ -z "${SKIP_DS:-}" ]]; then
+    # DeepSpeed from .peers (bench/peers/README.md), as scripts/bench-vs-deepspeed.sh installs it.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/wheels/*.whl >/dev/null 2>&1
+    mkdir -p /tmp/ds && tar -xzf .peers/deepspeed-0.19.8.tar.gz -C /tmp/ds
+    (cd /tmp/ds/deepspeed-0.19.8 && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
+        --no-build-isolation --target /tmp/site . >/dev/null 2>&1)
+    # Unbuffered: rank 0's result line is written whole, not cut by rank 1's output.
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    # The CPU Adam op is built (JIT) once here, not by two ranks racing for it inside the timing.
+    timeout 200 python3 -c 'import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])
+print("DeepSpeedCPUAdam built")' >"$OUT/bench-multi-ds-build.log" 2>&1
+    echo "DeepSpeed CPU Adam build: exit $? ($((SECONDS - started)) s)"
+    DS=(bench/peers/ds_train.py --mode "$DS_MODE" --model "$MODEL" --micro-batch "$MICRO_BATCH"
+        --steps "$STEPS" --warmup "$WARMUP")
+    port=$((29600 + RANDOM % 300))
+
+    log=$OUT/bench-multi-ds-2gpu.log
+    OMP_NUM_THREADS=$((CORES / 2)) timeout 300 python3 -m torch.distributed.run \
+        --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" "${DS[@]}" >"$log" 2>&1
+    echo "DeepSpeed 2 GPUs: exit $? ($((SECONDS - started)) s)"
+    record ds-2gpu "$log" || tail -8 "$log"
+
+    if [[ -n "${DS1:-}" ]]; then
+        log=$OUT/bench-multi-ds-1gpu.log
+        RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((port + 1)) \
+            OMP_NUM_THREADS=$CORES timeout 300 python3 "${DS[@]}" >"$log" 2>&1
+        echo "DeepSpeed 1 GPU: exit $? ($((SECONDS - started)) s)"
+        record ds-1gpu "$log" || tail -8 "$log"
+    fi
+fi
+
+env -u LD_LIBRARY_PATH python3 - "$RESULTS" <<'PY'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    if line.strip():
+        row = json.loads(line)
+        rows[row.get("run")] = row  # the last of each run
+nan = float("nan")
+print(f"\n{'run':8} {'GPUs':>4} {'tokens/s':>9} {'per GPU':>8} {'s/step mean':>11} {'fwd+bwd s':>9} "
+      f"{'exposed opt s':>13} {'RSS B/param':>11} {'GPU GiB':>7}")
+for run, r in rows.items():
+    gpu = r.get("device_memory_in_use_bytes")
+    gpu = gpu / 2**30 if gpu else r.get("peak_gib", nan)
+    world = r.get("world_size", 1)
+    print(f"{run:8} {world:4} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / world:8.0f} "
+          f"{r['s_per_step_mean']:11.4f} {r.get('forward_backward_s_mean', nan):9.4f} "
+          f"{r.get('exposed_optimizer_s_mean', nan):13.4f} "
+          f"{r.get('peak_rss_bytes_per_param') or nan:11.1f} {gpu:7.1f}")
+    for rank in r.get("ranks", [])[1:]:
+        print(f"  rank {rank['rank']}: {rank['s_per_step_mean']:.4f} s/step mean, fwd+bwd "
+              f"{rank['forward_backward_s_mean']:.4f} s")
+print()
+for a, b, want in [("zf-2gpu", "zf-1gpu", 1.8), ("zf-2gpu", "ds-2gpu", 2.0), ("ds-2gpu", "ds-1gpu", None)]:
+    if a in rows and b in rows:
+        ratio = rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+        verdict = "" if want is None else f" (wanted >= {want}: {'PASS' if ratio >= want else 'FAIL'})"
+        print(f"RATIO {a} / {b}: {ratio:.2f}x tokens/s{verdict}")
+    elif want is not None:
+        print(f"RATIO {a} / {b}: missing {[r for r in (a, b) if r not in rows]}")
+PY
+echo "total $((SECONDS - started)) s"
