@@ -28,8 +28,9 @@ PAIRS = [
      "offload + delayed update (`offload-delayed`) vs DeepSpeed offload"),
     ("offload-delayed", "zenflow",
      "offload + delayed update vs DeepSpeed ZenFlow (topk 0.05, interval 4, overlap)"),
+    ("zenflow", "zenflow", "ZenFlow, same settings (topk 0.05, interval 4, overlap)"),
 ]
-ZF_MODES = ["gpu", "offload", "offload-delayed"]
+ZF_MODES = ["gpu", "offload", "offload-delayed", "zenflow"]
 DS_NAMES = {"gpu": "DeepSpeed `gpu`", "offload": "DeepSpeed `offload`", "zenflow": "DeepSpeed ZenFlow"}
 MODEL_ORDER = ["tiny", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt-1.3b", "gpt2-1.5b"]
 COLORS = {"zeroflow": "#1f6fb4", "deepspeed": "#e07b28", "fwd_bwd": "#1f6fb4", "optimizer": "#9ecae9"}

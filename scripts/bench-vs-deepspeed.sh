@@ -15,7 +15,7 @@
 #   PARTS     what to run, any of: zeroflow (bench step per mode), fwd-bwd (zeroflow bench gpt and
 #             the PyTorch forward+backward floor), deepspeed (ds_train.py per DS mode), cpu-adam
 #             (the CPU AdamW row, once, not per model). Default "zeroflow fwd-bwd deepspeed".
-#   MODES     zeroflow modes (default "gpu offload offload-delayed")
+#   MODES     zeroflow modes (default "gpu offload offload-delayed zenflow")
 #   DS_MODES  DeepSpeed modes (default "gpu offload zenflow")
 #   STEPS (10), WARMUP (4), MICRO_BATCH (8), CPU_ADAM_PARAMS (5e8), CPU_ADAM_THREADS (nproc)
 #   OUT       where logs and bench.jsonl go (default $OUT of the device tool, else .gpu/out)
@@ -37,7 +37,7 @@ MODELS=${MODELS:-gpt-1.3b}
 PARTS=${PARTS:-zeroflow fwd-bwd deepspeed}
 [[ -n "${SKIP_DS:-}" ]] && PARTS=${PARTS//deepspeed/}
 [[ -n "${SKIP_ZF:-}" ]] && PARTS=$(sed 's/zeroflow//; s/fwd-bwd//' <<<"$PARTS")
-MODES=${MODES:-gpu offload offload-delayed}
+MODES=${MODES:-gpu offload offload-delayed zenflow}
 DS_MODES=${DS_MODES:-gpu offload zenflow}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-4}
@@ -211,6 +211,7 @@ print()
 models = sorted({r["model"] for r in rows if r.get("model")})
 pairs = [("gpu", "deepspeed", "gpu"), ("offload", "deepspeed", "offload"),
          ("offload-delayed", "deepspeed", "offload"), ("offload-delayed", "deepspeed", "zenflow"),
+         ("zenflow", "deepspeed", "zenflow"),
          ("fwd-bwd", "pytorch", "fwd-bwd")]
 for model in models:
     for ours, system, theirs in pairs:

@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use serde_json::json;
 use zeroflow_core::Float;
 use zeroflow_core::config::{self, Context};
@@ -36,6 +37,9 @@ pub enum Mode {
     /// Offload with the one-step delayed update (the CPU step overlaps the next forward/backward).
     #[value(name = "offload-delayed", alias = "dpu")]
     OffloadDelayed,
+    /// Offload with ZenFlow as DeepSpeed's benchmark runs it: the top 5 % of each weight's columns
+    /// on the device every step, the rest on the CPU every 4 steps, overlapped.
+    Zenflow,
 }
 
 #[derive(Debug, clap::Args)]
@@ -71,13 +75,17 @@ fn ds_config(mode: Mode, micro_batch: usize, accum: u64, bf16: bool, warmup: u32
         Mode::Offload | Mode::OffloadDelayed => {
             r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#.to_owned()
         }
+        Mode::Zenflow => r#", "offload_optimizer": { "device": "cpu", "pin_memory": true },
+                          "zenflow": { "topk_ratio": 0.05, "update_interval": 4,
+                                       "full_warm_up_rounds": 0, "overlap_step": true }"#
+            .to_owned(),
     };
     let delayed = match mode {
         Mode::OffloadDelayed => format!(
             r#", "zeroflow": {{ "delayed_update": {{ "enabled": true, "warmup_steps": {} }} }}"#,
             warmup.saturating_sub(1)
         ),
-        Mode::Gpu | Mode::Offload => String::new(),
+        Mode::Gpu | Mode::Offload | Mode::Zenflow => String::new(),
     };
     format!(
         r#"{{
@@ -169,7 +177,7 @@ fn bench<M: Model>(
     let layout = flat_layout(model, dist.world_size)?;
     let mut weights = vec![0.0f32; layout.padded_len()];
     init_params(model, &layout, 0, &mut weights)?;
-    let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
+    let initial: Vec<M::P> = weights.par_iter().map(|&w| M::P::from_f32(w)).collect();
     drop(weights);
     let Opened { device, comm, model: mut gpt, mut group } =
         open(model, args.micro_batch, &layout, dist)?;
@@ -339,6 +347,7 @@ fn mode_name(mode: Mode) -> &'static str {
         Mode::Gpu => "gpu",
         Mode::Offload => "offload",
         Mode::OffloadDelayed => "offload-delayed",
+        Mode::Zenflow => "zenflow",
     }
 }
 
