@@ -6,13 +6,14 @@
 //! Every test first opens GPU 0; where there is none it prints `skipped: no CUDA device (…)` and
 //! passes (`ZEROFLOW_REQUIRE_GPU=1` makes that a failure). Run with `--test-threads=1 --nocapture`.
 
+use zeroflow_core::config::{Selection, UpdateInterval};
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_engine::synthetic::{
     Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
 };
-use zeroflow_engine::{Engine, EngineOptions, LossScaler, Stage, StepReport};
+use zeroflow_engine::{Engine, EngineOptions, LossScaler, Stage, StepReport, ZenFlowOptions};
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
 fn gpu() -> Option<CudaDevice> {
@@ -28,6 +29,8 @@ struct Case {
     steps: u64,
     /// The delayed update after this many exact steps.
     delayed: Option<u64>,
+    /// ZenFlow, with offload.
+    zenflow: Option<ZenFlowOptions>,
 }
 
 fn options(case: &Case) -> EngineOptions {
@@ -41,7 +44,7 @@ fn options(case: &Case) -> EngineOptions {
         scaler: LossScaler::None,
         cpu_threads: 2,
         delayed_update: case.delayed,
-        zenflow: None,
+        zenflow: case.zenflow,
     }
 }
 
@@ -125,7 +128,15 @@ fn cases(world: usize) -> Vec<Case> {
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
         for accum in [1, 3] {
             for offload in [false, true] {
-                cases.push(Case { stage, world, accum, offload, steps: 12, delayed: None });
+                cases.push(Case {
+                    stage,
+                    world,
+                    accum,
+                    offload,
+                    steps: 12,
+                    delayed: None,
+                    zenflow: None,
+                });
             }
         }
     }
@@ -160,12 +171,77 @@ fn one_gpu_matches_plain_adamw_in_bf16() {
 fn one_gpu_delayed_update_matches_stale_adamw() {
     let Some(device) = gpu() else { return };
     for (stage, accum) in [(Stage::Zero2, 1), (Stage::Zero1, 2), (Stage::Zero0, 1)] {
-        let case = Case { stage, world: 1, accum, offload: true, steps: 12, delayed: Some(3) };
+        let case = Case {
+            stage,
+            world: 1,
+            accum,
+            offload: true,
+            steps: 12,
+            delayed: Some(3),
+            zenflow: None,
+        };
         let worst = check::<f32>(std::slice::from_ref(&device), case, 1e-5, 1e-5);
         println!("RESULT engine_gpu delayed f32 {case:?} max_rel={worst:.2e}");
         let worst = check::<bf16>(std::slice::from_ref(&device), case, 2e-2, 2e-2);
         println!("RESULT engine_gpu delayed bf16 {case:?} max_rel={worst:.2e}");
     }
+}
+
+/// ZenFlow on the GPU: `topk_ratio` 1 (every column on the device) gives the engine without offload
+/// bit for bit, and `topk_ratio` 0 with a window of one step gives plain offload bit for bit, with
+/// and without the overlapped CPU step where that applies; a mixed run (a quarter of the columns,
+/// windows of 2, overlapped) is deterministic and agrees across stages 1 and 2.
+#[test]
+fn one_gpu_zenflow_matches_its_limits() {
+    let Some(device) = gpu() else { return };
+    let devices = std::slice::from_ref(&device);
+    let zenflow = |topk_ratio, update, overlap_step| ZenFlowOptions {
+        topk_ratio,
+        selection: Selection::Step { interval: 4 },
+        update_interval: UpdateInterval::Every(update),
+        overlap_step,
+    };
+    let base = Case {
+        stage: Stage::Zero2,
+        world: 1,
+        accum: 1,
+        offload: true,
+        steps: 12,
+        delayed: None,
+        zenflow: None,
+    };
+    for overlap in [false, true] {
+        let all = Case { zenflow: Some(zenflow(1.0, 2, overlap)), ..base };
+        let got = train::<f32>(devices, &all);
+        let want = train::<f32>(devices, &Case { offload: false, ..base });
+        let diff = same_run(&got, &want, "topk 1 vs the device optimizer");
+        println!("RESULT engine_gpu zenflow topk=1 overlap={overlap} vs_device_adamw={diff:.2e}");
+    }
+    let none = Case { zenflow: Some(zenflow(0.0, 1, false)), ..base };
+    let diff = same_run(&train::<f32>(devices, &none), &train::<f32>(devices, &base), "topk 0");
+    println!("RESULT engine_gpu zenflow topk=0 update=1 vs_offload={diff:.2e}");
+    let mixed = Case { zenflow: Some(zenflow(0.25, 2, true)), ..base };
+    let (a, b) = (train::<f32>(devices, &mixed), train::<f32>(devices, &mixed));
+    assert_eq!(a, b, "a mixed ZenFlow run is deterministic");
+    let z1 = train::<f32>(devices, &Case { stage: Stage::Zero1, ..mixed });
+    let diff = max_rel_diff(&layout(1), &a[0].0, &z1[0].0);
+    assert!(diff <= 1e-5, "stage 1 vs stage 2: {diff:e}");
+    println!(
+        "RESULT engine_gpu zenflow topk=0.25 update=2 overlap deterministic=true zero1_vs_zero2={diff:.2e}"
+    );
+}
+
+/// The largest relative weight difference of two runs of one rank, after checking that their
+/// weights agree within 1e-6 and their gradient norms within 1e-9 (0 when bit-identical, as on the
+/// CPU device; the GPU may sum a norm in another order on another path).
+fn same_run(got: &[(Vec<f32>, Vec<f64>)], want: &[(Vec<f32>, Vec<f64>)], what: &str) -> f64 {
+    let diff = max_rel_diff(&layout(1), &got[0].0, &want[0].0);
+    assert!(diff <= 1e-6, "{what}: weights differ by {diff:e}");
+    for (step, (a, b)) in got[0].1.iter().zip(&want[0].1).enumerate() {
+        assert!((a - b).abs() <= 1e-9 * b.abs(), "{what}: step {step} norm {a} vs {b}");
+    }
+    assert_eq!(got[0].1.len(), want[0].1.len(), "{what}: steps");
+    diff
 }
 
 /// Every visible GPU as one data-parallel job (skipped with fewer than two).
