@@ -29,12 +29,15 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
         zenflow.steps_in_window += 1;
         zenflow.since_selection = zenflow.since_selection.map(|s| s + 1);
-        if zenflow.steps_in_window < zenflow.update_interval {
+        // Steps 1..=full_warm_up_rounds each end a window (DeepSpeed's rule: warm-up steps are
+        // update boundaries, and the windows of update_interval count from the last of them).
+        let warming_up = step.step() <= zenflow.full_warm_up_rounds;
+        if !warming_up && zenflow.steps_in_window < zenflow.update_interval {
             return self.gather_from(StreamKind::Compute);
         }
-        zenflow.steps_in_window = 0;
+        let window = std::mem::take(&mut zenflow.steps_in_window);
         let overlap = zenflow.overlap;
-        let cpu_step = self.window_step(step)?;
+        let cpu_step = self.window_step(step, window)?;
         let Optimizer::Host(host) = &mut self.optimizer else {
             return Err(EngineError::Usage("ZenFlow without offload"));
         };
@@ -54,11 +57,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         host.start_delayed(cpu_step)
     }
 
-    /// The CPU's step for the window that ends now: the gradients are its mean over the window's
-    /// steps, clipped by the window's own norm. A window of one step is the step itself, so its
-    /// scale is the device step's (no second norm).
-    fn window_step(&mut self, step: &AdamWStep) -> Result<AdamWStep, EngineError> {
-        let update_interval = self.zenflow.as_ref().map_or(1, |z| z.update_interval);
+    /// The CPU's step for the window of `window` steps that ends now: the gradients are its mean
+    /// over the window's steps, clipped by the window's own norm. A window of one step is the step
+    /// itself, so its scale is the device step's (no second norm).
+    fn window_step(&mut self, step: &AdamWStep, window: u64) -> Result<AdamWStep, EngineError> {
+        let update_interval = window.max(1);
         let grad_scale = if update_interval == 1 {
             step.scalars().grad_scale
         } else {

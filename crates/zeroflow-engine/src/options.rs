@@ -72,6 +72,7 @@ impl EngineOptions {
                 selection: z.selection,
                 update_interval: z.update_interval,
                 overlap_step: z.overlap_step,
+                full_warm_up_rounds: z.full_warm_up_rounds,
             }),
         }
     }
@@ -93,7 +94,7 @@ mod tests {
                 "stage": 2,
                 "offload_optimizer": {"device": "cpu"},
                 "zenflow": {"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 8,
-                            "update_interval": 4, "overlap_step": true}
+                            "update_interval": 4, "overlap_step": true, "full_warm_up_rounds": 3}
             }
         }"#;
         let resolved = resolve_str(text, &Context::default()).expect("a valid config");
@@ -103,6 +104,7 @@ mod tests {
             selection: Selection::Step { interval: 8 },
             update_interval: UpdateInterval::Every(4),
             overlap_step: true,
+            full_warm_up_rounds: 3,
         };
         assert_eq!(options.zenflow, Some(want));
         assert_eq!(want.intervals().expect("supported settings"), (8, 4));

@@ -46,6 +46,9 @@ pub struct ZenFlowOptions {
     pub update_interval: UpdateInterval,
     /// Run the CPU update on a worker thread; its result reaches the weights one window later.
     pub overlap_step: bool,
+    /// The first this many steps end a window each (the CPU updates everything every step), as
+    /// DeepSpeed's `full_warm_up_rounds`; the windows of `update_interval` steps start after them.
+    pub full_warm_up_rounds: u64,
 }
 
 /// A select interval that is never reached: the columns chosen at the first step stay.
@@ -147,6 +150,7 @@ impl Block {
 pub(crate) struct ZenFlow<D: Device, P: Float> {
     pub select_interval: u64,
     pub update_interval: u64,
+    pub full_warm_up_rounds: u64,
     pub overlap: bool,
     /// False with `topk_ratio: 0`: nothing is ever selected.
     pub selects: bool,
@@ -201,6 +205,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         Ok(ZenFlow {
             select_interval,
             update_interval,
+            full_warm_up_rounds: options.full_warm_up_rounds,
             overlap: options.overlap_step,
             selects: options.topk_ratio > 0.0,
             selected: vec![Vec::new(); matrices.len()],

@@ -200,6 +200,7 @@ fn one_gpu_zenflow_matches_its_limits() {
         selection: Selection::Step { interval: 4 },
         update_interval: UpdateInterval::Every(update),
         overlap_step,
+        full_warm_up_rounds: 0,
     };
     let base = Case {
         stage: Stage::Zero2,

@@ -13,6 +13,7 @@ fn zenflow(topk_ratio: f64, select: u64, update: u64, overlap_step: bool) -> Zen
         selection: Selection::Step { interval: select },
         update_interval: UpdateInterval::Every(update),
         overlap_step,
+        full_warm_up_rounds: 0,
     }
 }
 
@@ -190,6 +191,30 @@ fn auto_selection_selects_once_and_keeps_the_columns() {
     );
     let state = out.snapshots[0].zenflow.as_ref().expect("ZenFlow state");
     assert!(state.since_selection.unwrap() <= 2, "a step interval of 2 reselects: {state:?}");
+}
+
+/// `full_warm_up_rounds`: the first steps each end a window. With every step in the warm-up the
+/// run is plain offload (nothing selected, a CPU step every step) bit for bit; with 4 warm-up steps
+/// of 12 its first four steps are plain offload's, and the run as a whole equals neither plain
+/// offload nor windows of 4 from the start.
+#[test]
+fn warm_up_rounds_end_a_window_every_step() {
+    let windows =
+        |warm_up| ZenFlowOptions { full_warm_up_rounds: warm_up, ..zenflow(0.0, 4, 4, false) };
+    let plain = train::<f32>(
+        &Setup { steps: 12, ..Setup::new(Stage::Zero2, 2, 1, true) },
+        LossScaler::None,
+        None,
+    );
+    let all_warm = train::<f32>(&setup(Stage::Zero2, 2, 12, windows(12)), LossScaler::None, None);
+    assert_eq!(all_warm.weights, plain.weights, "all warm-up = plain offload");
+    let some_warm = train::<f32>(&setup(Stage::Zero2, 2, 12, windows(4)), LossScaler::None, None);
+    let no_warm = train::<f32>(&setup(Stage::Zero2, 2, 12, windows(0)), LossScaler::None, None);
+    assert_ne!(some_warm.weights, plain.weights);
+    assert_ne!(some_warm.weights, no_warm.weights);
+    // Steps 1..=4 are windows of one, exactly plain offload's first four steps.
+    assert_eq!(some_warm.reports[0][..4], plain.reports[0][..4], "the warm-up steps");
+    assert_eq!(some_warm.weights[0], some_warm.weights[1], "ranks agree");
 }
 
 #[test]
