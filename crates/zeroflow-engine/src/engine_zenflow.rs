@@ -13,7 +13,7 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, ReduceOp, StreamKind};
 use zeroflow_optim::AdamWStep;
 
-use super::{Engine, Optimizer, OptimizerPart, Restore, assemble, overwrite, slot};
+use super::{Engine, Optimizer, OptimizerPart, Restore, assemble, overwrite, reduced_source, slot};
 use crate::device_adamw::DeviceAdamW;
 use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, Stage};
@@ -90,10 +90,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let compute = self.device.stream(StreamKind::Compute);
         // The gradients are final once the comm stream has computed the norm over them.
         self.device.wait_event(compute, &self.events.norm_done)?;
-        let (source, shift) = match &self.reduced {
-            Some(reduced) => (reduced, self.owned.start),
-            None => (&self.grads, 0),
-        };
+        // Flat element `i` of the partition is at `i - shift` of `source`.
+        let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
+        let shift = self.owned.start - at;
         for block in &zenflow.blocks {
             let (full, index) = (block.full(source, shift), block.index.clone());
             let compact = block.compact(&zenflow.grads);

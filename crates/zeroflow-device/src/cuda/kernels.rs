@@ -50,14 +50,29 @@ const PER_TYPE_KERNELS: [&str; 8] = [
     "scatter_columns",
 ];
 
+/// A kernel of the module: its operation and element types, `("cast", "bf16", "f32")` for
+/// `cast_bf16_f32` (unused parts empty). Launches look kernels up by key, so that finding one
+/// allocates nothing.
+type Key = (&'static str, &'static str, &'static str);
+
+/// The keys of every kernel the device loads from [`ENGINE_SOURCE`].
+fn kernel_keys() -> Vec<Key> {
+    let mut keys = vec![("sum_squares_finish", "", ""), ("nonfinite_finish", "", "")];
+    for s in FLOAT_SUFFIXES {
+        keys.extend(FLOAT_SUFFIXES.iter().map(|t| ("cast", s, *t)));
+        keys.extend(PER_TYPE_KERNELS.iter().map(|op| (*op, s, "")));
+    }
+    keys
+}
+
+/// The kernel's name in the source: the key's non-empty parts joined by `_`.
+fn kernel_name((op, a, b): Key) -> String {
+    [op, a, b].iter().filter(|part| !part.is_empty()).copied().collect::<Vec<_>>().join("_")
+}
+
 /// Every kernel the device loads from [`ENGINE_SOURCE`].
 pub fn kernel_names() -> Vec<String> {
-    let mut names = vec!["sum_squares_finish".to_string(), "nonfinite_finish".to_string()];
-    for s in FLOAT_SUFFIXES {
-        names.extend(FLOAT_SUFFIXES.iter().map(|t| format!("cast_{s}_{t}")));
-        names.extend(PER_TYPE_KERNELS.iter().map(|op| format!("{op}_{s}")));
-    }
-    names
+    kernel_keys().into_iter().map(kernel_name).collect()
 }
 
 /// How [`CudaDevice::sum_squares_with`] accumulates within a thread (blocks and the final sum
@@ -93,28 +108,21 @@ pub struct AdamWBuffers<'a> {
     pub grads: &'a CudaBuffer<f32>,
 }
 
-/// A row-major `[rows, cols]` matrix stored in `buffer[offset..offset + rows * cols]`.
-#[derive(Clone, Copy, Debug)]
-pub struct RowMajor<'a, T: Element> {
-    pub buffer: &'a CudaBuffer<T>,
-    pub offset: usize,
-    pub rows: usize,
-    pub cols: usize,
-}
+/// A row-major `[rows, cols]` matrix stored in `buffer[offset..offset + rows * cols]`: the
+/// device contract's [`Matrix`] on this device.
+pub type RowMajor<'a, T> = Matrix<'a, CudaDevice, T>;
 
-impl<T: Element> RowMajor<'_, T> {
-    /// The elements of the matrix in its buffer, checked to fit.
-    fn range(&self, what: &'static str) -> Result<Range<usize>> {
-        let len = self.rows.saturating_mul(self.cols);
-        let range = self.offset..self.offset.saturating_add(len);
-        check_range(what, &range, self.buffer.len())?;
-        Ok(range)
-    }
+/// The elements of `m` in its buffer, checked to fit (without overflowing).
+fn checked_range<T: Element>(m: &RowMajor<'_, T>, what: &'static str) -> Result<Range<usize>> {
+    let len = m.rows.saturating_mul(m.cols);
+    let range = m.offset..m.offset.saturating_add(len);
+    check_range(what, &range, m.buffer.len())?;
+    Ok(range)
 }
 
 /// The engine module of one device: its kernels, the SM count, and the reductions' scratch.
 pub(super) struct EngineKernels {
-    kernels: HashMap<String, Kernel>,
+    kernels: HashMap<Key, Kernel>,
     sm_count: u32,
     /// One scratch area per stream that has run a reduction. Held locked while a reduction queues
     /// its two kernels, so that two host threads cannot interleave theirs on one stream.
@@ -139,12 +147,12 @@ impl EngineKernels {
     fn load(device: &CudaDevice) -> Result<Self> {
         let module = device.load_module("engine", ENGINE_SOURCE)?;
         device.inner.bind()?;
-        let kernels = kernel_names()
+        let kernels = kernel_keys()
             .into_iter()
-            .map(|name| {
-                let function = module.function(&name)?;
+            .map(|key| {
+                let function = module.function(&kernel_name(key))?;
                 let blocks_per_sm = function.max_active_blocks_per_sm(BLOCK, 0)?.max(1);
-                Ok((name, Kernel { function, blocks_per_sm }))
+                Ok((key, Kernel { function, blocks_per_sm }))
             })
             .collect::<Result<HashMap<_, _>>>()?;
         let ctx = device.inner.ctx.clone();
@@ -155,10 +163,10 @@ impl EngineKernels {
         Ok(EngineKernels { kernels, sm_count, scratch: Mutex::default(), ctx })
     }
 
-    fn kernel(&self, name: &str) -> Result<&Kernel> {
-        self.kernels.get(name).ok_or_else(|| DeviceError::Kernel {
+    fn kernel(&self, key: Key) -> Result<&Kernel> {
+        self.kernels.get(&key).ok_or_else(|| DeviceError::Kernel {
             kernel: "engine",
-            reason: format!("the engine module has no kernel `{name}`"),
+            reason: format!("the engine module has no kernel `{}`", kernel_name(key)),
         })
     }
 
@@ -287,7 +295,7 @@ impl CudaDevice {
     unsafe fn launch_elementwise(
         &self,
         stream: &CudaStream,
-        name: &str,
+        name: Key,
         pointers: &[(u64, usize)],
         n: usize,
         scalars: &[f32],
@@ -316,8 +324,8 @@ impl CudaDevice {
     unsafe fn launch_reduction<S: Float>(
         &self,
         stream: &CudaStream,
-        partial: &str,
-        finish: &str,
+        partial: Key,
+        finish: Key,
         src: &CudaBuffer<S>,
         range: Range<usize>,
         out: u64,
@@ -362,18 +370,18 @@ impl CudaDevice {
             "sum_squares",
             &[(span(src, &range), false), (span(out, &slot_range), true)],
         )?;
-        let accumulator = match accumulation {
-            Accumulation::F32 => "f32",
-            Accumulation::F64 => "f64",
+        let op = match accumulation {
+            Accumulation::F32 => "sum_squares_f32",
+            Accumulation::F64 => "sum_squares_f64",
         };
-        let partial = format!("sum_squares_{accumulator}_{}", suffix::<S>()?);
+        let partial = (op, suffix::<S>()?, "");
         // SAFETY: `sum_squares_{acc}_{S}` takes (const S*, i64, i64, double*) and
         // `sum_squares_finish` (const double*, u32, float*); `out[slot]` was checked to fit.
         unsafe {
             self.launch_reduction(
                 stream,
-                &partial,
-                "sum_squares_finish",
+                partial,
+                ("sum_squares_finish", "", ""),
                 src,
                 range,
                 out.address(slot),
@@ -395,14 +403,14 @@ impl CudaDevice {
         let slot_range = range_at(slot, 1);
         check_range("nonfinite output", &slot_range, out.len())?;
         check_disjoint("nonfinite", &[(span(src, &range), false), (span(out, &slot_range), true)])?;
-        let partial = format!("nonfinite_{}", suffix::<S>()?);
+        let partial = ("nonfinite", suffix::<S>()?, "");
         // SAFETY: `nonfinite_{S}` takes (const S*, i64, i64, u64*) and `nonfinite_finish`
         // (const u64*, u32, u32*); `out[slot]` was checked to fit.
         unsafe {
             self.launch_reduction(
                 stream,
-                &partial,
-                "nonfinite_finish",
+                partial,
+                ("nonfinite_finish", "", ""),
                 src,
                 range,
                 out.address(slot),
@@ -440,7 +448,7 @@ impl CudaDevice {
                 (span(out, &out_range), true),
             ],
         )?;
-        let name = format!("adamw_{}", suffix::<P>()?);
+        let name = ("adamw", suffix::<P>()?, "");
         let pointers = [
             (master.address(range.start), 4),
             (exp_avg.address(range.start), 4),
@@ -461,7 +469,7 @@ impl CudaDevice {
         ];
         // SAFETY: `adamw_{P}` takes (float*, float*, float*, const float*, P*, i64, i64, 8 ×
         // float); every range was checked to fit and the written ones not to overlap anything.
-        unsafe { self.launch_elementwise(stream, &name, &pointers, range.len(), &scalars) }
+        unsafe { self.launch_elementwise(stream, name, &pointers, range.len(), &scalars) }
     }
 
     /// `dst[r, j] = src[r, index[j]]` for every row `r` and every `j` in `index_range`: `dst` is
@@ -505,8 +513,8 @@ impl CudaDevice {
         scatter: bool,
     ) -> Result<()> {
         check_range(kernel, &index_range, index.len())?;
-        let src_range = src.range(kernel)?;
-        let dst_range = dst.range(kernel)?;
+        let src_range = checked_range(&src, kernel)?;
+        let dst_range = checked_range(&dst, kernel)?;
         let (full, selected) = if scatter { (&dst, &src) } else { (&src, &dst) };
         let k = index_range.len();
         if selected.rows != full.rows {
@@ -537,7 +545,7 @@ impl CudaDevice {
             return Ok(());
         }
         let engine = self.engine()?;
-        let function = &engine.kernel(&format!("{kernel}_{}", suffix::<T>()?))?.function;
+        let function = &engine.kernel((kernel, suffix::<T>()?, ""))?.function;
         let block_x = u32::try_from(k.next_multiple_of(32)).unwrap_or(BLOCK).min(BLOCK);
         let grid_x = u32::try_from(k.div_ceil(block_x as usize)).unwrap_or(u32::MAX).min(65_535);
         let grid_y = u32::try_from(full.rows).unwrap_or(u32::MAX).min(65_535);
@@ -575,12 +583,12 @@ impl Kernels for CudaDevice {
             "accumulate",
             &[(span(src, &src_range), false), (span(dst, &dst_range), true)],
         )?;
-        let name = format!("accumulate_{}", suffix::<S>()?);
+        let name = ("accumulate", suffix::<S>()?, "");
         let pointers =
             [(src.address(src_range.start), size_of::<S>()), (dst.address(dst_offset), 4)];
         // SAFETY: `accumulate_{S}` takes (const S*, float*, i64, i64, float); both ranges were
         // checked to fit and not to overlap.
-        unsafe { self.launch_elementwise(stream, &name, &pointers, src_range.len(), &[scale]) }
+        unsafe { self.launch_elementwise(stream, name, &pointers, src_range.len(), &[scale]) }
     }
 
     fn cast<S: Float, T: Float>(
@@ -595,14 +603,14 @@ impl Kernels for CudaDevice {
         let dst_range = range_at(dst_offset, src_range.len());
         check_range("cast destination", &dst_range, dst.len())?;
         check_disjoint("cast", &[(span(src, &src_range), false), (span(dst, &dst_range), true)])?;
-        let name = format!("cast_{}_{}", suffix::<S>()?, suffix::<T>()?);
+        let name = ("cast", suffix::<S>()?, suffix::<T>()?);
         let pointers = [
             (src.address(src_range.start), size_of::<S>()),
             (dst.address(dst_offset), size_of::<T>()),
         ];
         // SAFETY: `cast_{S}_{T}` takes (const S*, T*, i64, i64); both ranges were checked to fit
         // and not to overlap.
-        unsafe { self.launch_elementwise(stream, &name, &pointers, src_range.len(), &[]) }
+        unsafe { self.launch_elementwise(stream, name, &pointers, src_range.len(), &[]) }
     }
 
     fn scale<S: Float>(
@@ -613,10 +621,10 @@ impl Kernels for CudaDevice {
         alpha: f32,
     ) -> Result<()> {
         check_range("scale", &range, buf.len())?;
-        let name = format!("scale_{}", suffix::<S>()?);
+        let name = ("scale", suffix::<S>()?, "");
         let pointers = [(buf.address(range.start), size_of::<S>())];
         // SAFETY: `scale_{S}` takes (S*, i64, i64, float); the range was checked to fit.
-        unsafe { self.launch_elementwise(stream, &name, &pointers, range.len(), &[alpha]) }
+        unsafe { self.launch_elementwise(stream, name, &pointers, range.len(), &[alpha]) }
     }
 
     fn sum_squares<S: Float>(
@@ -638,7 +646,7 @@ impl Kernels for CudaDevice {
         index_range: Range<usize>,
         dst: Matrix<'_, Self, T>,
     ) -> Result<()> {
-        CudaDevice::gather_columns(self, stream, row_major(src), index, index_range, row_major(dst))
+        CudaDevice::gather_columns(self, stream, src, index, index_range, dst)
     }
 
     fn scatter_columns<T: Float>(
@@ -649,20 +657,8 @@ impl Kernels for CudaDevice {
         index_range: Range<usize>,
         dst: Matrix<'_, Self, T>,
     ) -> Result<()> {
-        CudaDevice::scatter_columns(
-            self,
-            stream,
-            row_major(src),
-            index,
-            index_range,
-            row_major(dst),
-        )
+        CudaDevice::scatter_columns(self, stream, src, index, index_range, dst)
     }
-}
-
-/// The device-generic matrix view as the CUDA kernels' own.
-fn row_major<T: Element>(m: Matrix<'_, CudaDevice, T>) -> RowMajor<'_, T> {
-    RowMajor { buffer: m.buffer, offset: m.offset, rows: m.rows, cols: m.cols }
 }
 
 #[cfg(test)]

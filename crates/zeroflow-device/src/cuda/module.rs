@@ -109,6 +109,18 @@ fn nvrtc_ok(status: nvrtc_sys::nvrtcResult, call: &str) -> Result<()> {
     }
 }
 
+/// The NVRTC and driver versions, part of every cache key (asked once per process).
+fn versions() -> Result<&'static str> {
+    static VERSIONS: std::sync::OnceLock<Result<String>> = std::sync::OnceLock::new();
+    VERSIONS
+        .get_or_init(|| {
+            let (nvrtc, driver) = (CudaLibrary::Nvrtc.version()?, CudaLibrary::Driver.version()?);
+            Ok(format!("nvrtc {nvrtc} driver {driver}"))
+        })
+        .as_deref()
+        .map_err(Clone::clone)
+}
+
 /// What decides a compiled module: the text on the first line of its cache file.
 fn cache_key(source: &str, arch: (i32, i32), options: &[&str], versions: &str) -> String {
     let mut hash = Fnv::default();
@@ -264,16 +276,34 @@ impl From<(u32, u32, u32)> for Dim3 {
     }
 }
 
+/// The most parameters one kernel takes.
+const MAX_PARAMS: usize = 32;
+
 /// The arguments of one launch, in the kernel's parameter order. Each is stored in an 8-byte slot
-/// (every parameter type zeroflow's kernels take fits one).
+/// (every parameter type zeroflow's kernels take fits one), inline: building and launching them
+/// allocates nothing, so launches in the training loop stay allocation-free.
 #[derive(Clone, Debug, Default)]
 pub struct KernelParams {
-    slots: Vec<u64>,
+    slots: [u64; MAX_PARAMS],
+    len: usize,
+    /// More than [`MAX_PARAMS`] were pushed: the launch refuses.
+    overflow: bool,
 }
 
 impl KernelParams {
     pub fn new() -> Self {
         KernelParams::default()
+    }
+
+    fn push(mut self, value: u64) -> Self {
+        match self.slots.get_mut(self.len) {
+            Some(slot) => {
+                *slot = value;
+                self.len += 1;
+            }
+            None => self.overflow = true,
+        }
+        self
     }
 
     /// A pointer to element `index` of `buffer` (`T*` in the kernel).
@@ -284,45 +314,38 @@ impl KernelParams {
 
     /// A raw device address.
     #[must_use]
-    pub fn raw_ptr(mut self, address: cu_sys::CUdeviceptr) -> Self {
-        self.slots.push(address);
-        self
+    pub fn raw_ptr(self, address: cu_sys::CUdeviceptr) -> Self {
+        self.push(address)
     }
 
     #[must_use]
-    pub fn u32(mut self, value: u32) -> Self {
-        self.slots.push(u64::from(value));
-        self
+    pub fn u32(self, value: u32) -> Self {
+        self.push(u64::from(value))
     }
 
     #[must_use]
-    pub fn i32(mut self, value: i32) -> Self {
-        self.slots.push(u64::from(value as u32));
-        self
+    pub fn i32(self, value: i32) -> Self {
+        self.push(u64::from(value as u32))
     }
 
     #[must_use]
-    pub fn u64(mut self, value: u64) -> Self {
-        self.slots.push(value);
-        self
+    pub fn u64(self, value: u64) -> Self {
+        self.push(value)
     }
 
     #[must_use]
-    pub fn i64(mut self, value: i64) -> Self {
-        self.slots.push(value as u64);
-        self
+    pub fn i64(self, value: i64) -> Self {
+        self.push(value as u64)
     }
 
     #[must_use]
-    pub fn f32(mut self, value: f32) -> Self {
-        self.slots.push(u64::from(value.to_bits()));
-        self
+    pub fn f32(self, value: f32) -> Self {
+        self.push(u64::from(value.to_bits()))
     }
 
     #[must_use]
-    pub fn f64(mut self, value: f64) -> Self {
-        self.slots.push(value.to_bits());
-        self
+    pub fn f64(self, value: f64) -> Self {
+        self.push(value.to_bits())
     }
 }
 
@@ -352,12 +375,7 @@ impl CudaDevice {
         options: &[&str],
     ) -> Result<Arc<CudaModule>> {
         let arch = self.compute_capability();
-        let versions = format!(
-            "nvrtc {} driver {}",
-            CudaLibrary::Nvrtc.version()?,
-            CudaLibrary::Driver.version()?
-        );
-        let key = cache_key(source, arch, options, &versions);
+        let key = cache_key(source, arch, options, versions()?);
         let memo = format!("{name}\n{key}");
         let loaded = &self.inner.modules;
         if let Some(module) = loaded.0.lock().unwrap_or_else(|e| e.into_inner()).get(&memo) {
@@ -426,10 +444,18 @@ impl CudaDevice {
         if grid.x == 0 || grid.y == 0 || grid.z == 0 {
             return Ok(());
         }
+        if params.overflow {
+            return Err(DeviceError::Kernel {
+                kernel: "launch",
+                reason: format!("{} takes more than {MAX_PARAMS} parameters", function.name),
+            });
+        }
         self.inner.bind()?;
-        let mut slots = params.slots.clone();
-        let mut pointers: Vec<*mut c_void> =
-            slots.iter_mut().map(|slot| std::ptr::from_mut(slot).cast()).collect();
+        let mut slots = params.slots;
+        let mut pointers = [std::ptr::null_mut::<c_void>(); MAX_PARAMS];
+        for (pointer, slot) in pointers.iter_mut().zip(&mut slots[..params.len]) {
+            *pointer = std::ptr::from_mut(slot).cast();
+        }
         // SAFETY: the context is current; the caller vouches for the parameters (see above); the
         // parameter storage outlives the call, which copies it.
         unsafe {
@@ -439,7 +465,7 @@ impl CudaDevice {
                 (block.x, block.y, block.z),
                 shared_bytes,
                 stream.cu(),
-                &mut pointers,
+                &mut pointers[..params.len],
             )
         }
         .map_err(|e| DeviceError::Kernel {

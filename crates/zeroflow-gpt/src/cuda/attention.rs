@@ -270,7 +270,7 @@ impl CudaAttention {
         // scores = q · kᵀ (the softmax scales them).
         self.per_head(stream, x_yt, Operand::of(q, 0), Operand::of(k, 0), Operand::of(scores, 0))?;
         // scores = att = causal_softmax(scale · scores).
-        self.softmax_forward(stream, att)?;
+        self.softmax(stream, &self.kernels.softmax_forward, att)?;
         // y = att · v.
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(v, 0), Operand::of(y, 0))?;
         self.heads_to_rows(stream, out, self.shape.c, y)
@@ -309,7 +309,7 @@ impl CudaAttention {
         )?;
         // scores = dy · vᵀ: the gradient of att; then, in place, the gradient of the raw scores.
         self.per_head(stream, x_yt, Operand::of(dy, 0), Operand::of(v, 0), Operand::of(scores, 0))?;
-        self.softmax_backward(stream, att)?;
+        self.softmax(stream, &self.kernels.softmax_backward, att)?;
         // dq = dscores · k, over dy (read by nothing after the product above).
         let dq = dy;
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(k, 0), Operand::of(dq, 0))?;
@@ -422,43 +422,32 @@ impl CudaAttention {
         Dim3::from(packs.next_multiple_of(32).min(256) as u32)
     }
 
-    /// The causal softmax of the raw scores in our `scores`, in place and into `att`.
-    fn softmax_forward(&self, stream: &CudaStream, att: CUdeviceptr) -> Result<(), DeviceError> {
+    /// One of the two causal-softmax kernels over our `scores` and the caller's `att`: forward
+    /// (`kernels.softmax_forward`: the raw scores in place, and the weights into `att`) or
+    /// backward (`kernels.softmax_backward`: d loss / d att in our `scores` becomes d loss / d raw
+    /// scores, in place, with the weights read from `att`).
+    fn softmax(
+        &self,
+        stream: &CudaStream,
+        functions: &[CudaFunction],
+        att: CUdeviceptr,
+    ) -> Result<(), DeviceError> {
         let (_, index) = pack_width(self.shape.seq, &[att]);
-        let function = &self.kernels.softmax_forward[index];
         let params = KernelParams::new()
             .ptr(&self.scores, 0)
             .raw_ptr(att)
             .u32(self.shape.att_rows() as u32)
             .u32(self.shape.seq as u32)
             .f32(self.shape.scale());
-        // SAFETY: the parameters match `causal_softmax_forward_*(bf16_t*, bf16_t*, u32, u32,
-        // float)`. Each warp reads and writes one of the `B·NH·T` rows of `T` elements of our
-        // `scores` (`B·NH·T·T` elements) and writes the same row of att, which the caller vouches
-        // holds as many; both are aligned to the pack width (`pack_width`; ours is 256-byte
-        // aligned, and `T` is a multiple of the width, so every row is).
+        // SAFETY: the parameters match `causal_softmax_{forward,backward}_*(bf16_t*, bf16_t*, u32,
+        // u32, float)`. Each warp handles one of the `B·NH·T` rows of `T` elements: it reads and
+        // writes that row of our `scores` (`B·NH·T·T` elements) and writes (forward) or reads
+        // (backward) the same row of att, which the caller vouches holds as many; both are
+        // aligned to the pack width (`pack_width`; ours is 256-byte aligned, and `T` is a
+        // multiple of the width, so every row is).
         unsafe {
-            self.device.launch(stream, function, self.softmax_grid(), SOFTMAX_THREADS, 0, &params)
-        }
-    }
-
-    /// The softmax backward, in place on our `scores` (d loss / d att in, d loss / d raw scores
-    /// out), with the weights `att`.
-    fn softmax_backward(&self, stream: &CudaStream, att: CUdeviceptr) -> Result<(), DeviceError> {
-        let (_, index) = pack_width(self.shape.seq, &[att]);
-        let function = &self.kernels.softmax_backward[index];
-        let params = KernelParams::new()
-            .ptr(&self.scores, 0)
-            .raw_ptr(att)
-            .u32(self.shape.att_rows() as u32)
-            .u32(self.shape.seq as u32)
-            .f32(self.shape.scale());
-        // SAFETY: the parameters match `causal_softmax_backward_*(bf16_t*, const bf16_t*, u32,
-        // u32, float)`. Each warp reads one row of att (the caller vouches for `B·NH·T·T`
-        // elements) and reads and writes the same row of our `scores` (that many); both are
-        // aligned to the pack width.
-        unsafe {
-            self.device.launch(stream, function, self.softmax_grid(), SOFTMAX_THREADS, 0, &params)
+            let grid = self.softmax_grid();
+            self.device.launch(stream, &functions[index], grid, SOFTMAX_THREADS, 0, &params)
         }
     }
 
