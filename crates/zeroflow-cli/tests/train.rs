@@ -182,6 +182,15 @@ const BAD_INPUTS: &[BadInput] = &[
         message: "--micro-batch 4 conflicts with",
     },
     BadInput {
+        name: "zenflow_auto_interval",
+        args: &[],
+        config: Some(
+            r#"{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2,
+                "offload_optimizer": {"device": "cpu"}, "zenflow": {"update_interval": "auto"}}}"#,
+        ),
+        message: "update_interval \"auto\" is not supported",
+    },
+    BadInput {
         name: "fp16_on_cuda",
         args: &["--device", "cuda"],
         config: Some(r#"{"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": true}}"#),

@@ -60,6 +60,11 @@ impl ZenFlowOptions {
         if !(0.0..=1.0).contains(&self.topk_ratio) {
             return Err(EngineError::Usage("ZenFlow's topk_ratio must lie in [0, 1]"));
         }
+        let UpdateInterval::Every(update) = self.update_interval else {
+            return Err(EngineError::Usage(
+                "ZenFlow's update_interval \"auto\" is not supported; give a number of steps",
+            ));
+        };
         let select = match self.selection {
             Selection::Step { interval } => interval,
             Selection::Auto | Selection::Epoch { .. } => {
@@ -74,11 +79,6 @@ impl ZenFlowOptions {
                 );
                 NEVER
             }
-        };
-        let UpdateInterval::Every(update) = self.update_interval else {
-            return Err(EngineError::Usage(
-                "ZenFlow's update_interval \"auto\" is not supported; give a number of steps",
-            ));
         };
         if update == 0 || select == 0 {
             return Err(EngineError::Usage("ZenFlow's intervals must be at least 1"));

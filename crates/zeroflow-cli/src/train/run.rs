@@ -235,7 +235,15 @@ impl<M: Model> Trainer<M> {
         let convert =
             |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };
         let mut engine =
-            Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))?;
+            Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))
+                .map_err(|e| match e {
+                    // What the engine refuses at set-up is a combination the config asked for.
+                    EngineError::Usage(reason) => super::input(match &setup.config_file {
+                        Some(file) => format!("config {}: {reason}", file.display()),
+                        None => format!("the default config: {reason}"),
+                    }),
+                    other => other.into(),
+                })?;
         let mut train_time = Duration::ZERO;
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
