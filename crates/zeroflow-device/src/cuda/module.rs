@@ -480,6 +480,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn kernel_params_fill_slots_in_order_and_flag_too_many() {
+        let params = KernelParams::new().u32(7).i32(-1).f32(1.5).u64(u64::MAX);
+        assert_eq!(params.len, 4);
+        assert_eq!(
+            params.slots[..4],
+            [7, u64::from(u32::MAX), u64::from(1.5f32.to_bits()), u64::MAX]
+        );
+        assert!(!params.overflow);
+        let full = (0..MAX_PARAMS as u64).fold(KernelParams::new(), KernelParams::u64);
+        assert!(!full.overflow);
+        assert!(full.u64(0).overflow, "one more than the slots is refused at launch");
+    }
+
+    #[test]
     fn cache_key_changes_with_everything_that_changes_the_cubin() {
         let base = cache_key("a", (9, 0), &[], "nvrtc 13.0 driver 13.0");
         assert_ne!(base, cache_key("b", (9, 0), &[], "nvrtc 13.0 driver 13.0"));
