@@ -1,5 +1,6 @@
 // The ZeRO engine's element-wise kernels: casts, scale, accumulate, sum of squares, non-finite
-// counts, AdamW, and column gather/scatter. Compiled after `prelude.cuh` (nothing is included).
+// counts, AdamW, column gather/scatter, and column sums of absolute values. Compiled after
+// `prelude.cuh` (nothing is included).
 //
 // Every kernel is written once as a template over its element types and exported under an
 // explicit name (`cast_bf16_f32`, `adamw_bf16`, ...), the names `src/cuda/kernels.rs` loads.
@@ -14,7 +15,8 @@
 //
 // The reductions (`sum_squares_*`, `nonfinite_*`) are deterministic: each block writes one
 // partial to a scratch slot in a fixed order, and a second one-block kernel adds the partials in
-// a fixed order. Every kernel is launched with BLOCK threads per block.
+// a fixed order. Every kernel is launched with BLOCK threads per block (`column_abs_sums` as
+// 32 x 8 = BLOCK threads).
 
 #define BLOCK 256
 
@@ -315,6 +317,60 @@ static __device__ void scatter_columns_impl(const T* __restrict__ src, i64 rows,
     }
 }
 
+// ---- column sums of absolute values: out[c] += sum over r of |src[r, c]|, in f32 ----
+//
+// Deterministic: one block of COLUMN_STRIPE x COLUMN_GROUPS threads per stripe of COLUMN_STRIPE
+// consecutive columns. Thread (tx, ty) sums column c0 + tx over the rows ty, ty + 8, ty + 16, ...
+// in increasing order (a warp reads COLUMN_STRIPE consecutive elements of a row); thread ty == 0
+// then adds the COLUMN_GROUPS partials in the order ty = 0, 1, ..., 7 and adds the total to out.
+// Stripes are numbered blockIdx.y * gridDim.x + blockIdx.x and the grid strides over the rest.
+
+#define COLUMN_STRIPE 32
+#define COLUMN_GROUPS 8
+
+template <typename S>
+static __device__ void column_abs_sums_impl(const S* __restrict__ src, i64 rows, i64 cols,
+                                            float* __restrict__ out) {
+    __shared__ float partials[COLUMN_GROUPS][COLUMN_STRIPE];
+    const i64 stripes = (cols + COLUMN_STRIPE - 1) / COLUMN_STRIPE;
+    const i64 grid = (i64)gridDim.x * gridDim.y;
+    // The stripe is the same for every thread of the block, so every thread reaches the barriers.
+    for (i64 stripe = (i64)blockIdx.y * gridDim.x + blockIdx.x; stripe < stripes; stripe += grid) {
+        const i64 c = stripe * COLUMN_STRIPE + threadIdx.x;
+        float acc = 0.0f;
+        if (c < cols) {
+            const S* column = src + c;
+            i64 r = threadIdx.y;
+            // Four loads in flight before their additions, which stay in increasing row order.
+            for (; r + 3 * COLUMN_GROUPS < rows; r += 4 * COLUMN_GROUPS) {
+                const float x0 = to_f32(column[r * cols]);
+                const float x1 = to_f32(column[(r + COLUMN_GROUPS) * cols]);
+                const float x2 = to_f32(column[(r + 2 * COLUMN_GROUPS) * cols]);
+                const float x3 = to_f32(column[(r + 3 * COLUMN_GROUPS) * cols]);
+                acc = __fadd_rn(acc, fabsf(x0));
+                acc = __fadd_rn(acc, fabsf(x1));
+                acc = __fadd_rn(acc, fabsf(x2));
+                acc = __fadd_rn(acc, fabsf(x3));
+            }
+            for (; r < rows; r += COLUMN_GROUPS) {
+                acc = __fadd_rn(acc, fabsf(to_f32(column[r * cols])));
+            }
+        }
+        partials[threadIdx.y][threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.y == 0 && c < cols) {
+            float total = partials[0][threadIdx.x];
+#pragma unroll
+            for (int g = 1; g < COLUMN_GROUPS; ++g) {
+                total = __fadd_rn(total, partials[g][threadIdx.x]);
+            }
+            out[c] = __fadd_rn(out[c], total);
+        }
+        // The partials are read before the next stripe overwrites them.
+        __syncthreads();
+    }
+}
+
 // ---- exported names ----
 
 #define CAST(SN, S, TN, T)                                                                  \
@@ -364,6 +420,10 @@ CAST_FROM(f16, F16)
     extern "C" __global__ void scatter_columns_##N(const S* src, i64 rows, i64 cols,        \
                                                    const u32* index, i64 k, S* dst) {        \
         scatter_columns_impl<S>(src, rows, cols, index, k, dst);                             \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                      \
+        column_abs_sums_##N(const S* src, i64 rows, i64 cols, float* out) {                  \
+        column_abs_sums_impl<S>(src, rows, cols, out);                                       \
     }
 PER_TYPE(f32, float)
 PER_TYPE(bf16, Bf16)

@@ -59,6 +59,36 @@ impl StreamKind {
     }
 }
 
+/// Bytes a device's copies have moved between host and device memory since it was opened (each
+/// copy counted when it is queued): what crossed PCIe, for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopiedBytes {
+    pub host_to_device: u64,
+    pub device_to_host: u64,
+}
+
+/// The counters behind [`Device::copied_bytes`].
+#[derive(Debug, Default)]
+pub(crate) struct CopyCounters {
+    host_to_device: std::sync::atomic::AtomicU64,
+    device_to_host: std::sync::atomic::AtomicU64,
+}
+
+impl CopyCounters {
+    pub(crate) fn add(&self, to_device: bool, bytes: usize) {
+        let counter = if to_device { &self.host_to_device } else { &self.device_to_host };
+        counter.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> CopiedBytes {
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        CopiedBytes {
+            host_to_device: load(&self.host_to_device),
+            device_to_host: load(&self.device_to_host),
+        }
+    }
+}
+
 /// What kind of host memory to allocate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostMemory {
@@ -120,6 +150,9 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
 
     /// Takes the errors parked since the last call (from dropped tokens or failed operations).
     fn take_errors(&self) -> Vec<DeviceError>;
+
+    /// The bytes host↔device copies have moved so far (see [`CopiedBytes`]).
+    fn copied_bytes(&self) -> CopiedBytes;
 
     /// Copies `src[src_range]` into `dst[dst_offset..]` on `stream`. `dst` stays borrowed by the
     /// returned token until the copy has completed.

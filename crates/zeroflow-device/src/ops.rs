@@ -10,7 +10,8 @@ use zeroflow_core::{Element, Float};
 use crate::{Device, Result};
 
 /// A row-major `[rows, cols]` matrix stored in `buffer[offset..offset + rows × cols]`: the view
-/// that [`Kernels::gather_columns`] and [`Kernels::scatter_columns`] take.
+/// that [`Kernels::gather_columns`], [`Kernels::scatter_columns`] and
+/// [`Kernels::column_abs_sums`] take.
 pub struct Matrix<'a, D: Device + ?Sized, T: Element> {
     pub buffer: &'a D::Buffer<T>,
     pub offset: usize,
@@ -109,5 +110,17 @@ pub trait Kernels: Device {
         index: &Self::Buffer<u32>,
         index_range: Range<usize>,
         dst: Matrix<'_, Self, T>,
+    ) -> Result<()>;
+
+    /// `out[out_offset + c] += Σ_r |src[r, c]|` for every column `c` of `src` (ZenFlow's column
+    /// importance: the L1 norm of each gradient column). Summed in `f32` in an order fixed by the
+    /// shape (deterministic: the same inputs give the same bits, run after run); `out` must hold
+    /// `out_offset + src.cols` elements. A non-finite element makes its column's sum non-finite.
+    fn column_abs_sums<S: Float>(
+        &self,
+        stream: &Self::Stream,
+        src: Matrix<'_, Self, S>,
+        out: &Self::Buffer<f32>,
+        out_offset: usize,
     ) -> Result<()>;
 }

@@ -49,6 +49,7 @@ struct Inner {
     errors: Arc<ErrorList>,
     chaos: Option<Chaos>,
     next_buffer: AtomicU64,
+    copied: crate::CopyCounters,
 }
 
 impl Drop for Inner {
@@ -224,6 +225,7 @@ impl CpuDevice {
                 errors,
                 chaos,
                 next_buffer: AtomicU64::new(1),
+                copied: crate::CopyCounters::default(),
             }),
         })
     }
@@ -381,6 +383,10 @@ impl Device for CpuDevice {
         std::mem::take(&mut *self.inner.errors.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    fn copied_bytes(&self) -> crate::CopiedBytes {
+        self.inner.copied.get()
+    }
+
     fn copy_d2h<'a, T: Element>(
         &self,
         stream: &CpuStream,
@@ -392,6 +398,7 @@ impl Device for CpuDevice {
         check_range("copy_d2h source", &src_range, src.len)?;
         let len = src_range.len();
         check_range("copy_d2h destination", &(dst_offset..dst_offset + len), dst.len())?;
+        self.inner.copied.add(false, len * size_of::<T>());
         let touches = [Self::touch(src, &src_range, false)];
         Filling::start(dst, |host, _| {
             // SAFETY: both offsets were bounds-checked above.
@@ -415,6 +422,7 @@ impl Device for CpuDevice {
         let len = src_range.len();
         let dst_range = dst_offset..dst_offset + len;
         check_range("copy_h2d destination", &dst_range, dst.len)?;
+        self.inner.copied.add(true, len * size_of::<T>());
         let touches = [Self::touch(dst, &dst_range, true)];
         Draining::start(src, |host, _| {
             // SAFETY: both offsets were bounds-checked above.

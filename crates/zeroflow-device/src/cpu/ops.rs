@@ -128,6 +128,36 @@ impl Kernels for CpuDevice {
             Ok(())
         })
     }
+
+    fn column_abs_sums<S: Float>(
+        &self,
+        stream: &CpuStream,
+        src: Matrix<'_, Self, S>,
+        out: &CpuBuffer<f32>,
+        out_offset: usize,
+    ) -> Result<()> {
+        // Saturating, so that a shape too large for any buffer is refused as out of bounds by the
+        // launch's checks rather than overflowing here.
+        let elements = src.rows.saturating_mul(src.cols);
+        let src_range = src.offset..src.offset.saturating_add(elements);
+        let out_range = out_offset..out_offset.saturating_add(src.cols);
+        let cols = src.cols;
+        // `out` is read and updated: the sums are added to what it holds.
+        let args = KernelArgs::new().input(src.buffer, src_range).in_out(out, out_range);
+        self.launch(stream, "column_abs_sums", args, move |ctx| {
+            let (src, out) = (ctx.input::<S>(0), ctx.output::<f32>(1));
+            if cols == 0 {
+                return Ok(());
+            }
+            // Each column summed over its rows in increasing row order, then added to `out`.
+            let mut sums = vec![0.0f32; cols];
+            for row in src.chunks_exact(cols) {
+                sums.iter_mut().zip(row).for_each(|(s, x)| *s += x.to_f32().abs());
+            }
+            out.iter_mut().zip(&sums).for_each(|(o, s)| *o += s);
+            Ok(())
+        })
+    }
 }
 
 /// The compact matrix of a gather or scatter has the full matrix's rows and one column per index.

@@ -164,3 +164,80 @@ fn gather_then_scatter_of_columns_moves_exactly_the_indexed_columns() {
     let wrong = Matrix { buffer: &compact, offset: 0, rows: 2, cols: 2 };
     assert!(dev.gather_columns(stream, matrix, &index, 1..3, wrong).is_err());
 }
+
+#[test]
+fn column_abs_sums_add_each_columns_l1_norm_to_out() {
+    use zeroflow_core::dtype::bf16;
+
+    use crate::ops::{Kernels, Matrix};
+    let dev = CpuDevice::new().unwrap();
+    let stream = dev.stream(StreamKind::Compute);
+    // A [3, 4] matrix at offset 2 of its buffer; the two elements either side must not count.
+    #[rustfmt::skip]
+    let data = [
+        100.0f32, 100.0,
+        1.0, -2.0, 0.5, 0.0,
+        -3.0, 4.0, -0.25, 0.0,
+        5.0, -6.0, 0.25, -8.0,
+        100.0, 100.0,
+    ];
+    let full = dev.upload(&data).unwrap();
+    let matrix = Matrix { buffer: &full, offset: 2, rows: 3, cols: 4 };
+    // The sums land at offset 1 of `out` and are added to what it holds.
+    let out = dev.upload(&[7.0f32, 10.0, 20.0, 30.0, 40.0, 7.0]).unwrap();
+    dev.column_abs_sums(stream, matrix, &out, 1).unwrap();
+    assert_eq!(dev.download(&out).unwrap(), [7.0, 19.0, 32.0, 31.0, 48.0, 7.0]);
+    dev.column_abs_sums(stream, matrix, &out, 1).unwrap();
+    assert_eq!(dev.download(&out).unwrap(), [7.0, 28.0, 44.0, 32.0, 56.0, 7.0]);
+
+    // bf16 sources are summed in f32; a non-finite element makes only its column non-finite.
+    let half: Vec<bf16> = [1.5f32, f32::NAN, -2.0, -0.5, 1.0, f32::NEG_INFINITY]
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let half = dev.upload(&half).unwrap();
+    let sums = dev.upload(&[0.0f32; 3]).unwrap();
+    let matrix16 = Matrix { buffer: &half, offset: 0, rows: 2, cols: 3 };
+    dev.column_abs_sums(stream, matrix16, &sums, 0).unwrap();
+    let got = dev.download(&sums).unwrap();
+    assert_eq!(got[0], 2.0);
+    assert!(got[1].is_nan(), "{got:?}");
+    assert_eq!(got[2], f32::INFINITY);
+
+    // Empty shapes change nothing.
+    let empty = Matrix { buffer: &full, offset: 2, rows: 0, cols: 4 };
+    dev.column_abs_sums(stream, empty, &out, 1).unwrap();
+    let no_columns = Matrix { buffer: &full, offset: 2, rows: 3, cols: 0 };
+    dev.column_abs_sums(stream, no_columns, &out, 6).unwrap();
+    assert_eq!(dev.download(&out).unwrap(), [7.0, 28.0, 44.0, 32.0, 56.0, 7.0]);
+
+    // Refusals, before anything is queued: `out` too short, the matrix beyond its buffer (also
+    // with a shape whose element count overflows), and `out` overlapping the matrix.
+    let err = dev.column_abs_sums(stream, matrix, &out, 3).unwrap_err();
+    assert!(matches!(err, DeviceError::OutOfBounds { .. }), "{err}");
+    let beyond = Matrix { buffer: &full, offset: 3, rows: 4, cols: 4 };
+    let err = dev.column_abs_sums(stream, beyond, &out, 0).unwrap_err();
+    assert!(matches!(err, DeviceError::OutOfBounds { .. }), "{err}");
+    let huge = Matrix { buffer: &full, offset: 0, rows: usize::MAX, cols: 2 };
+    let err = dev.column_abs_sums(stream, huge, &out, 0).unwrap_err();
+    assert!(matches!(err, DeviceError::OutOfBounds { .. }), "{err}");
+    let err = dev.column_abs_sums(stream, matrix, &full, 0).unwrap_err();
+    assert!(matches!(err, DeviceError::AliasedArguments { .. }), "{err}");
+    dev.synchronize().unwrap();
+    assert_eq!(dev.download(&out).unwrap(), [7.0, 28.0, 44.0, 32.0, 56.0, 7.0]);
+    assert_eq!(dev.download(&full).unwrap(), data);
+}
+
+/// The device counts the bytes its host↔device copies move, when they are queued.
+#[test]
+fn copied_bytes_count_both_directions() {
+    let dev = CpuDevice::new().unwrap();
+    let before = dev.copied_bytes();
+    let buffer = dev.upload(&[1.0f32; 100]).unwrap();
+    let mut host = dev.alloc_host::<f32>(10, HostMemory::Pageable).unwrap();
+    let stream = dev.stream(StreamKind::D2h);
+    dev.copy_d2h(stream, &buffer, 5..15, &mut host, 0).unwrap().wait().unwrap();
+    let after = dev.copied_bytes();
+    assert_eq!(after.host_to_device - before.host_to_device, 400);
+    assert_eq!(after.device_to_host - before.device_to_host, 40);
+}

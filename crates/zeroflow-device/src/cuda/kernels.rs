@@ -3,8 +3,8 @@
 //!
 //! [`Kernels`] (cast, scale, accumulate, sum of squares) plus what only the GPU path needs:
 //! [`CudaDevice::nonfinite`], [`CudaDevice::sum_squares_with`] (f32 or f64 accumulation),
-//! [`CudaDevice::adamw_step`], [`CudaDevice::gather_columns`] and
-//! [`CudaDevice::scatter_columns`]. Every call checks its ranges and the aliasing of what it
+//! [`CudaDevice::adamw_step`], [`CudaDevice::gather_columns`], [`CudaDevice::scatter_columns`]
+//! and [`CudaDevice::column_abs_sums`]. Every call checks its ranges and the aliasing of what it
 //! writes before anything is queued, and returns an error rather than panicking.
 //!
 //! Element-wise kernels move 8 elements per access where every pointer can be 16-byte aligned at
@@ -35,11 +35,19 @@ const BLOCK: u32 = 256;
 const MAX_PARTIALS: u32 = 1024;
 /// Element-wise kernels handle this many elements per vector access.
 const PACK: usize = 8;
+/// Columns per block of `column_abs_sums` (`COLUMN_STRIPE` in engine.cu): the block's x threads.
+const COLUMN_STRIPE: u32 = 32;
+/// Row groups per block of `column_abs_sums` (`COLUMN_GROUPS` in engine.cu): the block's y
+/// threads, so that a block has `COLUMN_STRIPE × COLUMN_GROUPS = BLOCK` threads.
+const COLUMN_GROUPS: u32 = 8;
+const _: () = assert!(COLUMN_STRIPE * COLUMN_GROUPS == BLOCK, "launch_bounds(BLOCK) in engine.cu");
+/// The most blocks of a grid's y dimension.
+const MAX_GRID_Y: u32 = 65_535;
 
 /// The name suffix of each floating type's kernels.
 const FLOAT_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
 /// Kernels that exist once per floating type, as `{name}_{suffix}`.
-const PER_TYPE_KERNELS: [&str; 8] = [
+const PER_TYPE_KERNELS: [&str; 9] = [
     "scale",
     "accumulate",
     "sum_squares_f64",
@@ -48,6 +56,7 @@ const PER_TYPE_KERNELS: [&str; 8] = [
     "adamw",
     "gather_columns",
     "scatter_columns",
+    "column_abs_sums",
 ];
 
 /// A kernel of the module: its operation and element types, `("cast", "bf16", "f32")` for
@@ -564,6 +573,55 @@ impl CudaDevice {
             self.launch(stream, function, Dim3 { x: grid_x, y: grid_y, z: 1 }, block_x, 0, &params)
         }
     }
+
+    /// `out[out_offset + c] += Σ_r |src[r, c]|` for every column `c` of `src`, summed in f32.
+    /// Deterministic: one block per stripe of 32 columns, whose 8 row groups each sum their rows
+    /// in increasing order and are then added in a fixed order; `out` must hold
+    /// `out_offset + src.cols` elements. A non-finite element makes its column's sum non-finite.
+    pub fn column_abs_sums<S: Float>(
+        &self,
+        stream: &CudaStream,
+        src: RowMajor<'_, S>,
+        out: &CudaBuffer<f32>,
+        out_offset: usize,
+    ) -> Result<()> {
+        let src_range = checked_range(&src, "column_abs_sums source")?;
+        let out_range = range_at(out_offset, src.cols);
+        check_range("column_abs_sums output", &out_range, out.len())?;
+        check_disjoint(
+            "column_abs_sums",
+            &[(span(src.buffer, &src_range), false), (span(out, &out_range), true)],
+        )?;
+        if src.rows == 0 || src.cols == 0 {
+            return Ok(());
+        }
+        let engine = self.engine()?;
+        let function = &engine.kernel(("column_abs_sums", suffix::<S>()?, ""))?.function;
+        // One block per stripe along x; y takes the stripes beyond x's limit (2³¹ - 1), and the
+        // kernel strides over any left beyond the whole grid.
+        let stripes = src.cols.div_ceil(COLUMN_STRIPE as usize);
+        let grid_x = u32::try_from(stripes).unwrap_or(u32::MAX).min(i32::MAX as u32);
+        let grid_y =
+            u32::try_from(stripes.div_ceil(grid_x as usize)).unwrap_or(u32::MAX).min(MAX_GRID_Y);
+        let params = KernelParams::new()
+            .ptr(src.buffer, src.offset)
+            .u64(src.rows as u64)
+            .u64(src.cols as u64)
+            .ptr(out, out_offset);
+        // SAFETY: `column_abs_sums_{S}` takes (const S*, i64, i64, float*); it reads rows 0..rows
+        // of the matrix (checked to fit its buffer) and updates `out[out_offset..][..cols]`
+        // (checked to fit and not to overlap the matrix).
+        unsafe {
+            self.launch(
+                stream,
+                function,
+                Dim3 { x: grid_x, y: grid_y, z: 1 },
+                Dim3 { x: COLUMN_STRIPE, y: COLUMN_GROUPS, z: 1 },
+                0,
+                &params,
+            )
+        }
+    }
 }
 
 impl Kernels for CudaDevice {
@@ -658,6 +716,16 @@ impl Kernels for CudaDevice {
         dst: Matrix<'_, Self, T>,
     ) -> Result<()> {
         CudaDevice::scatter_columns(self, stream, src, index, index_range, dst)
+    }
+
+    fn column_abs_sums<S: Float>(
+        &self,
+        stream: &CudaStream,
+        src: Matrix<'_, Self, S>,
+        out: &CudaBuffer<f32>,
+        out_offset: usize,
+    ) -> Result<()> {
+        CudaDevice::column_abs_sums(self, stream, src, out, out_offset)
     }
 }
 

@@ -55,6 +55,7 @@ struct Inner {
     compute_capability: (i32, i32),
     modules: module::ModuleCache,
     engine_kernels: std::sync::OnceLock<kernels::EngineKernels>,
+    copied: crate::CopyCounters,
 }
 
 impl Inner {
@@ -206,6 +207,7 @@ impl CudaDevice {
                 compute_capability: gpu.compute_capability,
                 modules: module::ModuleCache::default(),
                 engine_kernels: std::sync::OnceLock::new(),
+                copied: crate::CopyCounters::default(),
             }),
         })
     }
@@ -355,6 +357,10 @@ impl Device for CudaDevice {
         std::mem::take(&mut *self.inner.errors.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    fn copied_bytes(&self) -> crate::CopiedBytes {
+        self.inner.copied.get()
+    }
+
     fn copy_d2h<'a, T: Element>(
         &self,
         stream: &CudaStream,
@@ -366,6 +372,7 @@ impl Device for CudaDevice {
         check_range("copy_d2h source", &src_range, src.len())?;
         let len = src_range.len();
         check_range("copy_d2h destination", &(dst_offset..dst_offset + len), dst.len())?;
+        self.inner.copied.add(false, len * size_of::<T>());
         let from = src.address(src_range.start);
         Filling::start(dst, |host, _| {
             self.enqueue_tracked(stream, || {
@@ -400,6 +407,7 @@ impl Device for CudaDevice {
         check_range("copy_h2d source", &src_range, src.len())?;
         let len = src_range.len();
         check_range("copy_h2d destination", &(dst_offset..dst_offset + len), dst.len())?;
+        self.inner.copied.add(true, len * size_of::<T>());
         let to = dst.address(dst_offset);
         Draining::start(src, |host, _| {
             self.enqueue_tracked(stream, || {
