@@ -182,13 +182,14 @@ const BAD_INPUTS: &[BadInput] = &[
         message: "--micro-batch 4 conflicts with",
     },
     BadInput {
-        name: "zenflow_auto_interval",
+        name: "zenflow_with_accumulation",
         args: &[],
         config: Some(
-            r#"{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2,
-                "offload_optimizer": {"device": "cpu"}, "zenflow": {"update_interval": "auto"}}}"#,
+            r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                "zenflow": {"update_interval": 4}}}"#,
         ),
-        message: "update_interval \"auto\" is not supported",
+        message: "ZenFlow needs gradient_accumulation_steps 1",
     },
     BadInput {
         name: "fp16_on_cuda",
@@ -260,4 +261,39 @@ fn text_data_for_a_model_with_fewer_than_256_symbols_is_refused() {
     assert_eq!(run.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("read as bytes (256 symbols)") && stderr.contains("vocab_size is 64"));
     assert!(!out.exists());
+}
+
+/// A glob of text files trains on all but the last and evaluates on the last (held out), and says
+/// so in the summary; a glob that mixes token shards and text is refused.
+#[test]
+fn a_glob_of_text_files_holds_the_last_out_for_eval() {
+    let dir = scratch("text_glob");
+    let corpus = dir.join("corpus");
+    std::fs::create_dir_all(&corpus).unwrap();
+    for (name, words) in [("a.txt", "hello zeroflow "), ("b.txt", "train me "), ("c.txt", "eval ")]
+    {
+        std::fs::write(corpus.join(name), words.repeat(400)).unwrap();
+    }
+    let model = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
+    let out = dir.join("run");
+    let data = corpus.join("*.txt");
+    let args = ["--model", model, "--steps", "2", "--micro-batch", "2", "--eval-every", "2"];
+    let paths = ["--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    let run = train(&[&args[..], &paths[..]].concat());
+    let stderr = text(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let summary = std::fs::read_to_string(out.join("summary.json")).unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    let described = summary["data"].as_str().unwrap_or_default();
+    assert!(
+        described.contains("3 text files") && described.contains("c.txt, for eval"),
+        "{described}"
+    );
+    std::fs::write(corpus.join("d.bin"), [0u8; 8]).unwrap();
+    let mixed = corpus.join("*");
+    let out = dir.join("mixed");
+    let mixed = ["--data", mixed.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    let run = train(&[&["--model", model][..], &mixed[..]].concat());
+    assert_eq!(run.status.code(), Some(2), "{}", text(&run.stderr));
+    assert!(text(&run.stderr).contains("both .bin token shards and other files"));
 }

@@ -214,6 +214,9 @@ struct ZenFlowMeta {
     cpu_steps: u64,
     window_start: usize,
     window_end: usize,
+    /// Zen-auto's window state (absent in checkpoints without it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    auto: Vec<f64>,
 }
 
 /// The weights the run would have after its pending delayed update: the fp32 master weights of
@@ -285,6 +288,7 @@ fn part_bytes(
             cpu_steps: z.cpu_steps,
             window_start: z.window_flat.start,
             window_end: z.window_flat.end,
+            auto: z.auto.clone(),
         };
         let json = serde_json::to_string(&meta).expect("serializable");
         metadata.insert("zenflow".to_string(), json);
@@ -471,6 +475,7 @@ fn read_part(
         cpu_steps: z.cpu_steps,
         window_flat: flat,
         window_grads,
+        auto: z.auto,
     };
     Ok((part, Some(zenflow)))
 }

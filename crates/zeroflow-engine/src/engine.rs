@@ -121,6 +121,9 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     scaler: LossScaler,
     micro_steps: u64,
     backward_pending: bool,
+    /// Time the calling thread has spent on or waiting for the CPU optimizer (see
+    /// [`Engine::cpu_wait`]).
+    cpu_wait: std::time::Duration,
     /// The mutation of the self-check (see [`Engine::mutate_remove_d2h_wait`]); always false in
     /// a normal build.
     skip_d2h_wait: bool,
@@ -195,11 +198,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?;
                 let overlap = opts.zenflow.is_some_and(|z| z.overlap_step);
                 let delayed = opts.delayed_update.is_some() || overlap;
-                let bucket = opts.reduce_bucket;
+                let bucket = if opts.zenflow.is_some() { 1 } else { opts.reduce_bucket };
                 // One micro-step per step and no delayed update: nothing needs the gradients on
                 // the host between backward and step, so the step streams them (the CPU reads
                 // f32 and bf16 gradients as they are; f16 goes through the accumulator).
-                // ZenFlow keeps a window of steps in the accumulator.
+                // ZenFlow sums a window of steps on the device and copies the sum into the
+                // accumulator once per window (no staging: nothing goes out bucket by bucket).
                 let streaming = opts.grad_accum == 1
                     && opts.zenflow.is_none()
                     && matches!(P::DTYPE, DType::F32 | DType::Bf16);
@@ -270,6 +274,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             events,
             micro_steps: 0,
             backward_pending: false,
+            cpu_wait: std::time::Duration::ZERO,
             skip_d2h_wait: false,
         })
     }
@@ -327,6 +332,13 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             Optimizer::Host(host) => host.grad_acc.as_deref(),
             Optimizer::Device { .. } => None,
         }
+    }
+
+    /// Time `step` has spent so far on the CPU optimizer's work or waiting for it (a CPU step
+    /// run in line, streamed, or joined from the background): the part of the step time in which
+    /// the GPU gets no new work because of the CPU. Zero without offload.
+    pub fn cpu_wait(&self) -> std::time::Duration {
+        self.cpu_wait
     }
 
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
@@ -490,6 +502,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             reduced_event: &mut self.events.reduced,
             sink: match &mut self.optimizer {
                 Optimizer::Device { grad_acc, .. } => Sink::Device(grad_acc),
+                // ZenFlow adds each step into its window on the device (`engine_zenflow.rs`).
+                Optimizer::Host(_) if self.zenflow.is_some() => Sink::Keep,
                 Optimizer::Host(host) => match &mut host.grad_acc {
                     Some(acc) => Sink::Host(Offloader::new(&mut host.staging, acc)),
                     None => Sink::Keep,
@@ -546,12 +560,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             f64::from(loss_scale) * self.comm.world_size() as f64 * self.opts.grad_accum as f64;
         let grad_norm = sum_squares.sqrt() / summed;
         if !grad_norm.is_finite() {
+            // (ZenFlow's window is untouched: a step's gradients join it only once stepped.)
             tracing::warn!(loss_scale, "non-finite gradients: step skipped");
-            if let Some(zenflow) = &mut self.zenflow {
-                // The window's accumulator holds the poisoned gradients: the window restarts.
-                tracing::warn!("ZenFlow: the host window's gradients are dropped");
-                zenflow.steps_in_window = 0;
-            }
             self.scaler.update(true);
             self.zero_accumulator()?;
             return Ok(StepReport::Skipped { loss_scale: self.scaler.scale() });
@@ -561,7 +571,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             _ => 1.0,
         };
         let step = self.adamw.next_step((clip_coef / summed) as f32);
+        let started = std::time::Instant::now();
         self.update_weights(&step)?;
+        // An offloaded step is the CPU's; ZenFlow counts its own waits (its device step is not).
+        if self.zenflow.is_none() && matches!(self.optimizer, Optimizer::Host(_)) {
+            self.cpu_wait += started.elapsed();
+        }
         self.zero_accumulator()?;
         self.scaler.update(false);
         Ok(StepReport::Stepped { grad_norm, clip_coef, loss_scale })
@@ -584,8 +599,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             }
             Optimizer::Host(host) if host.streaming() || on_device => {
                 // The reduced gradients are still on the device: the compute stream wrote them
-                // (one rank) or the comm stream reduced them after it. (ZenFlow: the host
-                // accumulator holds the whole window, the device this step.)
+                // (one rank) or the comm stream reduced them after it. (ZenFlow: this step's,
+                // not the window's.)
                 let compute_done = &self.events.compute_done;
                 self.device.wait_event(comm_stream, compute_done)?;
                 let (source, at) =
@@ -786,7 +801,15 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             self.device.wait_event(h2d, done)?;
         }
         let len = self.owned.len();
+        // ZenFlow's worker uploaded its weights into the aside buffer on this stream.
+        let zenflow_aside = self.zenflow.as_mut().and_then(|z| {
+            let ready = std::mem::take(&mut z.aside_ready);
+            z.aside.as_ref().filter(|_| ready)
+        });
         match (&optimizer.upload, &self.aside) {
+            _ if let Some(aside) = zenflow_aside => {
+                self.device.copy_d2d(h2d, aside, 0..len, &self.params, self.owned.start)?;
+            }
             (Some(upload), _) => {
                 self.device
                     .copy_h2d(h2d, upload, 0..len, &self.params, self.owned.start)?
@@ -843,8 +866,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 self.device.wait_event(comm_stream, &self.events.optimizer_done)?;
                 self.device.fill(comm_stream, grad_acc, 0..self.owned.len(), 0.0)?;
             }
-            // ZenFlow clears it only when a window ends (or restarts).
-            Optimizer::Host(_) if self.zenflow.as_ref().is_some_and(|z| z.steps_in_window > 0) => {}
+            // ZenFlow's window is on the device, cleared when a window ends.
+            Optimizer::Host(_) if self.zenflow.is_some() => {}
             Optimizer::Host(host) => host.clear_accumulator(),
         }
         Ok(())

@@ -19,42 +19,132 @@ use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, Stage};
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
-    /// One ZenFlow step: a selection if one is due, the device step of the selected columns, and
-    /// at the end of a window the CPU step of the rest.
+    /// One ZenFlow step: a selection if one is due, the device step of the selected columns,
+    /// this step's gradients added into the window, and at the end of a window the CPU step of
+    /// the rest.
     pub(super) fn zenflow_update(&mut self, step: &AdamWStep) -> Result<(), EngineError> {
-        if self.zenflow.as_ref().is_some_and(|z| z.selection_due()) {
+        // The gradients are final once the comm stream has computed the norm over them.
+        let compute = self.device.stream(StreamKind::Compute);
+        self.device.wait_event(compute, &self.events.norm_done)?;
+        let selecting = self.zenflow.as_ref().is_some_and(|z| z.selection_due());
+        if selecting {
             self.reselect()?;
         }
         self.zenflow_device_step(step)?;
+        self.add_to_window()?;
+        // Zen-auto weighs this step's column masses (a selection has just computed them).
+        let auto = self.zenflow.as_ref().is_some_and(|z| z.auto.is_some());
+        if auto && !selecting {
+            self.column_importance()?;
+        }
         let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
         zenflow.steps_in_window += 1;
         zenflow.since_selection = zenflow.since_selection.map(|s| s + 1);
+        let ends = match &mut zenflow.auto {
+            Some(auto) => auto.observe(&zenflow.importance_host, zenflow.steps_in_window),
+            None => zenflow.steps_in_window >= zenflow.update_interval,
+        };
         // Steps 1..=full_warm_up_rounds each end a window (DeepSpeed's rule: warm-up steps are
         // update boundaries, and the windows of update_interval count from the last of them).
         let warming_up = step.step() <= zenflow.full_warm_up_rounds;
-        if !warming_up && zenflow.steps_in_window < zenflow.update_interval {
+        if !warming_up && !ends {
             return self.gather_from(StreamKind::Compute);
+        }
+        if let Some(auto) = &mut zenflow.auto {
+            auto.reset();
         }
         let window = std::mem::take(&mut zenflow.steps_in_window);
         let overlap = zenflow.overlap;
+        let begun = std::time::Instant::now();
         let cpu_step = self.window_step(step, window)?;
+        let normed = begun.elapsed();
+        self.take_window()?;
+        let taken = begun.elapsed();
         let Optimizer::Host(host) = &mut self.optimizer else {
             return Err(EngineError::Usage("ZenFlow without offload"));
         };
+        let started = std::time::Instant::now();
         if !overlap {
             host.step_now(&cpu_step)?;
+            self.cpu_wait += started.elapsed();
             return self.upload_and_gather();
         }
         // The last window's CPU step finished meanwhile: its weights go to the device now; this
         // window's runs in the background until the next window ends.
         if host.weights_ahead() {
             host.join()?;
+            self.cpu_wait += started.elapsed();
             self.upload_and_gather()?;
         } else {
             self.gather_from(StreamKind::Compute)?;
         }
-        let Optimizer::Host(host) = &mut self.optimizer else { unreachable!("checked above") };
-        host.start_delayed(cpu_step)
+        let applied = begun.elapsed();
+        self.start_worker(cpu_step)?;
+        tracing::debug!(
+            window,
+            ?normed,
+            ?taken,
+            ?applied,
+            started = ?begun.elapsed(),
+            "ZenFlow window end: norm, window copy queued, last CPU step applied, next started"
+        );
+        Ok(())
+    }
+
+    /// Adds this step's gradients into the window, on the compute stream (after the last
+    /// window's copy has cleared it), and marks the window ready.
+    fn add_to_window(&mut self) -> Result<(), EngineError> {
+        let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
+        let compute = self.device.stream(StreamKind::Compute);
+        if let Some(copied) = &zenflow.window_copied {
+            self.device.wait_event(compute, copied)?;
+        }
+        let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
+        let len = self.owned.len();
+        self.device.accumulate(compute, source, at..at + len, &zenflow.window, 0, 1.0)?;
+        let ready = slot(&mut zenflow.window_ready, &self.device)?;
+        self.device.record(ready, compute)?;
+        Ok(())
+    }
+
+    /// Copies the window into the host accumulator and clears it, on the d2h stream. The copy's
+    /// token is let go: the accumulator remembers the copy, and the CPU step's first read of it
+    /// (here or on the worker) waits for it.
+    fn take_window(&mut self) -> Result<(), EngineError> {
+        let (Optimizer::Host(host), Some(zenflow)) = (&mut self.optimizer, &mut self.zenflow)
+        else {
+            return Err(EngineError::Usage("ZenFlow without offload"));
+        };
+        let d2h = self.device.stream(StreamKind::D2h);
+        let ready = zenflow.window_ready.as_ref().ok_or(EngineError::Usage("an empty window"))?;
+        self.device.wait_event(d2h, ready)?;
+        let acc = host.grad_acc.as_mut().ok_or(EngineError::Usage("ZenFlow streams"))?;
+        let len = self.owned.len();
+        let copy = self.device.copy_d2h(d2h, &zenflow.window, 0..len, acc, 0)?;
+        std::mem::forget(copy);
+        self.device.fill(d2h, &zenflow.window, 0..len, 0.0)?;
+        let copied = slot(&mut zenflow.window_copied, &self.device)?;
+        self.device.record(copied, d2h)?;
+        Ok(())
+    }
+
+    /// Starts the CPU step of the window just taken on the worker, which then uploads its
+    /// weights into the aside buffer on the h2d stream (after the last application of the aside
+    /// buffer, queued there before).
+    fn start_worker(&mut self, cpu_step: AdamWStep) -> Result<(), EngineError> {
+        let (Optimizer::Host(host), Some(zenflow)) = (&mut self.optimizer, &mut self.zenflow)
+        else {
+            return Err(EngineError::Usage("ZenFlow without offload"));
+        };
+        let aside = zenflow.aside.clone().ok_or(EngineError::Usage("overlap without aside"))?;
+        let (device, len) = (self.device.clone(), self.owned.len());
+        zenflow.aside_ready = true;
+        host.start_delayed_then(cpu_step, move |optimizer| {
+            let upload = optimizer.upload.as_ref().ok_or(EngineError::Usage("no upload"))?;
+            let h2d = device.stream(StreamKind::H2d);
+            device.copy_h2d(h2d, upload, 0..len, &aside, 0)?.wait()?;
+            Ok(())
+        })
     }
 
     /// The CPU's step for the window of `window` steps that ends now: the gradients are its mean
@@ -68,7 +158,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             let summed = f64::from(self.scaler.scale())
                 * self.comm.world_size() as f64
                 * update_interval as f64;
-            let norm = self.host_sum_squares()?.sqrt() / summed;
+            let norm = self.window_sum_squares()?.sqrt() / summed;
             let clip_coef = match self.opts.clip {
                 Some(max) if norm + 1e-6 > max => max / (norm + 1e-6),
                 _ => 1.0,
@@ -77,6 +167,26 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         };
         let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
         Ok(zenflow.cpu_adamw.next_step(grad_scale))
+    }
+
+    /// Σ g² over the windows of all ranks (in loss-scaled, summed units), on the device.
+    fn window_sum_squares(&mut self) -> Result<f64, EngineError> {
+        let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
+        let (compute, comm) =
+            (self.device.stream(StreamKind::Compute), self.device.stream(StreamKind::Comm));
+        let len = self.owned.len();
+        self.device.sum_squares(compute, &zenflow.window, 0..len, &self.norm, 0)?;
+        let ready = slot(&mut zenflow.window_ready, &self.device)?;
+        self.device.record(ready, compute)?;
+        if self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0 {
+            self.device.wait_event(comm, ready)?;
+            self.comm.all_reduce(comm, &self.norm, 0..1, ReduceOp::Sum)?;
+            self.device.record(ready, comm)?;
+        }
+        let d2h = self.device.stream(StreamKind::D2h);
+        self.device.wait_event(d2h, ready)?;
+        let norm = self.device.copy_d2h(d2h, &self.norm, 0..1, &mut self.norm_host, 0)?.wait()?;
+        Ok(f64::from(norm[0]))
     }
 
     /// The selected columns: gather their gradients, AdamW over the compact state, scatter the
@@ -88,8 +198,6 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             return Ok(());
         }
         let compute = self.device.stream(StreamKind::Compute);
-        // The gradients are final once the comm stream has computed the norm over them.
-        self.device.wait_event(compute, &self.events.norm_done)?;
         // Flat element `i` of the partition is at `i - shift` of `source`.
         let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
         let shift = self.owned.start - at;
@@ -139,24 +247,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 optimizer.exp_avg_sq[i] = exp_avg_sq[j];
             }
         }
-        let acc = host.grad_acc.as_deref().ok_or(EngineError::Usage("ZenFlow streams"))?;
-        zenflow.local_importance(acc, owned_start);
-        let columns = zenflow.importance_host.len();
-        if self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0 && columns > 0 {
-            // Summed over ranks, so that every rank selects the same columns.
-            let (h2d, comm) =
-                (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Comm));
-            let importance = &zenflow.importance;
-            self.device
-                .copy_h2d(h2d, &zenflow.importance_host, 0..columns, importance, 0)?
-                .wait()?;
-            self.comm.all_reduce(comm, importance, 0..columns, ReduceOp::Sum)?;
-            let d2h = self.device.stream(StreamKind::D2h);
-            self.device.record(&mut self.events.norm_done, comm)?;
-            self.device.wait_event(d2h, &self.events.norm_done)?;
-            let host_importance = &mut zenflow.importance_host;
-            self.device.copy_d2h(d2h, importance, 0..columns, host_importance, 0)?.wait()?;
-        }
+        self.column_importance()?;
+        let (Optimizer::Host(host), Some(zenflow)) = (&mut self.optimizer, &mut self.zenflow)
+        else {
+            unreachable!("checked above")
+        };
         zenflow.select();
         // The columns entering the selection: their host state is the current one.
         let optimizer = host.join()?;
@@ -174,6 +269,30 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             overwrite(&self.device, buffer, &compact)?;
         }
         overwrite(&self.device, &zenflow.index, &zenflow.indices)?;
+        Ok(())
+    }
+
+    /// This step's column importances (Σ|g| per column of every 2-D weight, summed over ranks,
+    /// so that every rank selects the same columns and ends the same windows) into
+    /// `importance_host`: computed on the compute stream from the reduced gradients.
+    fn column_importance(&mut self) -> Result<(), EngineError> {
+        let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
+        let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
+        let compute = self.device.stream(StreamKind::Compute);
+        zenflow.queue_importance(&self.device, compute, source, self.owned.start - at)?;
+        let columns = zenflow.importance_host.len();
+        let ready = slot(&mut zenflow.window_ready, &self.device)?;
+        self.device.record(ready, compute)?;
+        if self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0 {
+            let comm = self.device.stream(StreamKind::Comm);
+            self.device.wait_event(comm, ready)?;
+            self.comm.all_reduce(comm, &zenflow.importance, 0..columns, ReduceOp::Sum)?;
+            self.device.record(ready, comm)?;
+        }
+        let d2h = self.device.stream(StreamKind::D2h);
+        self.device.wait_event(d2h, ready)?;
+        let (importance, host_importance) = (&zenflow.importance, &mut zenflow.importance_host);
+        self.device.copy_d2h(d2h, importance, 0..columns, host_importance, 0)?.wait()?;
         Ok(())
     }
 
@@ -201,17 +320,17 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// ZenFlow's part of a snapshot (the optimizer has been joined).
     pub(super) fn zenflow_snapshot(&self) -> Result<Option<ZenFlowSnapshot>, EngineError> {
-        let (Some(zenflow), Optimizer::Host(host)) = (&self.zenflow, &self.optimizer) else {
-            return Ok(None);
-        };
-        let window = host.grad_acc.as_deref().ok_or(EngineError::Usage("ZenFlow streams"))?;
+        let Some(zenflow) = &self.zenflow else { return Ok(None) };
+        let mut window = self.device.download(&zenflow.window)?;
+        window.truncate(self.owned.len());
         Ok(Some(ZenFlowSnapshot {
             selection: zenflow.selection(),
             steps_in_window: zenflow.steps_in_window,
             since_selection: zenflow.since_selection,
             cpu_steps: zenflow.cpu_adamw.steps_taken(),
             window_flat: self.owned.clone(),
-            window_grads: window.to_vec(),
+            window_grads: window,
+            auto: zenflow.auto.as_ref().map(|a| a.state()).unwrap_or_default(),
         }))
     }
 
@@ -247,13 +366,14 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         else {
             unreachable!("checked above")
         };
-        host.grad_acc
-            .as_mut()
-            .ok_or(EngineError::Usage("ZenFlow streams"))?
-            .copy_from_slice(&window);
+        overwrite(&self.device, &zenflow.window, &window)?;
+        zenflow.aside_ready = false;
         let selection: Vec<(usize, Vec<u32>)> =
             saved.iter().flat_map(|s| s.selection.iter().cloned()).collect();
         zenflow.restore_selection(&selection)?;
+        if let Some(auto) = &mut zenflow.auto {
+            auto.restore(&first.auto)?;
+        }
         zenflow.steps_in_window = first.steps_in_window;
         zenflow.since_selection = first.since_selection;
         zenflow.cpu_adamw.resume_at(first.cpu_steps);

@@ -332,6 +332,16 @@ impl<P: Float> HostState<P> {
     /// Starts a delayed step of the (joined) optimizer on a worker thread, handing it the full
     /// accumulator and swapping in the spare for the next window.
     pub(crate) fn start_delayed(&mut self, step: AdamWStep) -> Result<(), EngineError> {
+        self.start_delayed_then(step, |_| Ok(()))
+    }
+
+    /// [`HostState::start_delayed`], with `then` run on the worker after the step (ZenFlow
+    /// uploads the new weights from there).
+    pub(crate) fn start_delayed_then(
+        &mut self,
+        step: AdamWStep,
+        then: impl FnOnce(&HostOptimizer<P>) -> Result<(), EngineError> + Send + 'static,
+    ) -> Result<(), EngineError> {
         let OptimizerSlot::Ready(mut optimizer) =
             std::mem::replace(&mut self.optimizer, OptimizerSlot::Lost)
         else {
@@ -350,6 +360,7 @@ impl<P: Float> HostState<P> {
             .name("zeroflow-delayed-step".into())
             .spawn(move || {
                 optimizer.step(&step, &acc)?;
+                then(&optimizer)?;
                 Ok((optimizer, Carried::Accumulator(acc)))
             })
             .map_err(|_| EngineError::Usage("could not start the delayed optimizer thread"))?;

@@ -14,12 +14,29 @@ impl EngineOptions {
     /// (DeepSpeed would apply the NaNs to the weights).
     ///
     /// ZenFlow's settings are passed on as they are; [`crate::Engine::new`] refuses what it cannot
-    /// run (the epoch-based and automatic intervals, gradient accumulation, the delayed update, a
-    /// dynamic loss scale) with an error that says what to change. DeepSpeed makes
-    /// `update_interval` its accumulation boundary and steps the selected columns every
-    /// micro-step; here one engine step (with `gradient_accumulation_steps: 1`) is one ZenFlow
-    /// iteration.
+    /// run (gradient accumulation, the delayed update, a dynamic loss scale) with an error that
+    /// says what to change. DeepSpeed makes `update_interval` its accumulation boundary and steps
+    /// the selected columns every micro-step; here one engine step (with
+    /// `gradient_accumulation_steps: 1`) is one ZenFlow iteration. With `overlap_step`, the CPU
+    /// step runs on the cores `pt_reserved_cores_perc` does not reserve for the training thread
+    /// (at least one); ZenFlow's own `offload` (the selected columns' moments in host memory) is
+    /// not supported: they stay on the device (`topk_ratio` × 8 bytes per parameter), with a
+    /// warning.
     pub fn from_config(config: &Config, cpu_threads: usize) -> Self {
+        let cpu_threads = match &config.zero.zenflow {
+            Some(z) if z.overlap_step => {
+                let reserved = (cpu_threads as f64 * z.pt_reserved_cores_perc).round() as usize;
+                cpu_threads.saturating_sub(reserved).max(1)
+            }
+            _ => cpu_threads,
+        };
+        if config.zero.zenflow.is_some_and(|z| z.offload) {
+            tracing::warn!(
+                "zero_optimization.zenflow.offload: the selected columns' moments stay in GPU \
+                 memory (topk_ratio × 8 bytes per parameter); host-resident ZenFlow moments are \
+                 not supported"
+            );
+        }
         let stage = match config.zero.stage {
             ZeroStage::Disabled => Stage::Zero0,
             ZeroStage::OptimizerStates => Stage::Zero1,
@@ -71,6 +88,7 @@ impl EngineOptions {
                 topk_ratio: z.topk_ratio,
                 selection: z.selection,
                 update_interval: z.update_interval,
+                auto_ratio: z.auto_ratio,
                 overlap_step: z.overlap_step,
                 full_warm_up_rounds: z.full_warm_up_rounds,
             }),
@@ -103,11 +121,22 @@ mod tests {
             topk_ratio: 0.25,
             selection: Selection::Step { interval: 8 },
             update_interval: UpdateInterval::Every(4),
+            auto_ratio: 0.99,
             overlap_step: true,
             full_warm_up_rounds: 3,
         };
         assert_eq!(options.zenflow, Some(want));
         assert_eq!(want.intervals().expect("supported settings"), (8, 4));
+        // overlap_step: DeepSpeed's default pt_reserved_cores_perc 0.5 leaves half the cores to
+        // the CPU step, and always one.
+        assert_eq!(EngineOptions::from_config(&resolved.config, 16).cpu_threads, 8);
+        assert_eq!(options.cpu_threads, 1);
+        let quarter = text.replace(
+            r#""full_warm_up_rounds": 3"#,
+            r#""full_warm_up_rounds": 3, "pt_reserved_cores_perc": 0.25"#,
+        );
+        let quarter = resolve_str(&quarter, &Context::default()).expect("a valid config");
+        assert_eq!(EngineOptions::from_config(&quarter.config, 16).cpu_threads, 12);
         let without = text.replace(r#""zenflow""#, r#""zenflow_unused""#);
         let without = resolve_str(&without, &Context::default()).expect("unknown keys warn");
         assert_eq!(EngineOptions::from_config(&without.config, 1).zenflow, None);

@@ -28,7 +28,7 @@ use std::ops::Range;
 use zeroflow_core::config::{Selection, UpdateInterval};
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Element, Float};
-use zeroflow_device::{Device, Kernels, Matrix};
+use zeroflow_device::{Device, DeviceBuffer, Kernels, Matrix};
 
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamState;
@@ -42,8 +42,11 @@ pub struct ZenFlowOptions {
     /// whose epoch length the engine is not told, the columns are selected once (at the first
     /// step), as DeepSpeed does when it does not own the dataloader.
     pub selection: Selection,
-    /// Steps per CPU update. Only [`UpdateInterval::Every`] is supported.
+    /// Steps per CPU update: a fixed number, or Zen-auto ([`AutoWindow`]).
     pub update_interval: UpdateInterval,
+    /// Zen-auto's threshold: a window ends once this fraction of the model's 2-D weights have
+    /// left at least as much gradient to the CPU as they gave the device (DeepSpeed's 0.99).
+    pub auto_ratio: f64,
     /// Run the CPU update on a worker thread; its result reaches the weights one window later.
     pub overlap_step: bool,
     /// The first this many steps end a window each (the CPU updates everything every step), as
@@ -55,15 +58,18 @@ pub struct ZenFlowOptions {
 const NEVER: u64 = u64::MAX;
 
 impl ZenFlowOptions {
-    /// The select and update intervals in steps, or why the engine cannot run these settings.
-    pub(crate) fn intervals(&self) -> Result<(u64, u64), EngineError> {
+    /// The select and update intervals in steps (an update interval of `u64::MAX` with
+    /// Zen-auto: its windows end by [`AutoWindow`]), or why the engine cannot run these settings.
+    pub fn intervals(&self) -> Result<(u64, u64), EngineError> {
         if !(0.0..=1.0).contains(&self.topk_ratio) {
             return Err(EngineError::Usage("ZenFlow's topk_ratio must lie in [0, 1]"));
         }
-        let UpdateInterval::Every(update) = self.update_interval else {
-            return Err(EngineError::Usage(
-                "ZenFlow's update_interval \"auto\" is not supported; give a number of steps",
-            ));
+        if !(0.0..=1.0).contains(&self.auto_ratio) {
+            return Err(EngineError::Usage("ZenFlow's auto_ratio must lie in [0, 1]"));
+        }
+        let update = match self.update_interval {
+            UpdateInterval::Every(update) => update,
+            UpdateInterval::Auto => NEVER,
         };
         let select = match self.selection {
             Selection::Step { interval } => interval,
@@ -83,7 +89,7 @@ impl ZenFlowOptions {
         if update == 0 || select == 0 {
             return Err(EngineError::Usage("ZenFlow's intervals must be at least 1"));
         }
-        if select != NEVER && select < update {
+        if select != NEVER && update != NEVER && select < update {
             return Err(EngineError::Usage(
                 "ZenFlow's select_interval must be at least its update_interval",
             ));
@@ -170,8 +176,22 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     /// Σ|g| per column of every 2-D parameter, model-wide, for the all-reduce.
     pub importance: D::Buffer<f32>,
     pub importance_host: zeroflow_device::HostBuffer<f32>,
+    /// The window: this rank's partition of the gradients summed over the window's steps, in
+    /// `f32` on the device. Copied into the host accumulator when the window ends, then cleared.
+    pub window: D::Buffer<f32>,
+    /// Compute → d2h (and comm): the window holds this step's gradients.
+    pub window_ready: Option<D::Event>,
+    /// D2h → compute: the last window has been copied out and cleared.
+    pub window_copied: Option<D::Event>,
+    /// With `overlap_step`: where the worker uploads the weights of its CPU step (this rank's
+    /// partition), so that applying them is a copy on the device; `aside_ready` says they are
+    /// there and not yet applied.
+    pub aside: Option<std::sync::Arc<D::Buffer<P>>>,
+    pub aside_ready: bool,
     /// The CPU's AdamW schedule: one step per window.
     pub cpu_adamw: zeroflow_optim::AdamW,
+    /// Zen-auto's state (`update_interval: "auto"`).
+    pub auto: Option<AutoWindow>,
     /// Steps taken in the current window.
     pub steps_in_window: u64,
     /// Steps since the last selection (`None` before the first).
@@ -224,8 +244,20 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             weights: device.alloc(capacity.max(1))?,
             importance: alloc(columns)?,
             importance_host: device
-                .alloc_host(columns.max(1), zeroflow_device::HostMemory::Pageable)?,
+                .alloc_host(columns.max(1), zeroflow_device::HostMemory::Pinned)?,
+            window: device.alloc(owned.len().max(1))?,
+            window_ready: None,
+            window_copied: None,
+            aside: match options.overlap_step {
+                true => Some(std::sync::Arc::new(device.alloc(owned.len().max(1))?)),
+                false => None,
+            },
+            aside_ready: false,
             cpu_adamw: zeroflow_optim::AdamW::new(adamw)?,
+            auto: match options.update_interval {
+                UpdateInterval::Auto => Some(AutoWindow::new(layout, options)),
+                UpdateInterval::Every(_) => None,
+            },
             steps_in_window: 0,
             since_selection: None,
             device_done: None,
@@ -239,20 +271,27 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             && self.since_selection.is_none_or(|since| since >= self.select_interval)
     }
 
-    /// This rank's partial column importances (Σ|g| over its elements of each column) from the
-    /// host accumulator of `owned`, into `importance_host`.
-    pub fn local_importance(&mut self, grad_acc: &[f32], owned_start: usize) {
-        self.importance_host.fill(0.0);
+    /// Queues this rank's partial column importances (Σ|g| over its elements of each column)
+    /// into `importance` on `stream`, from the gradients of `owned` in `source`, whose element 0
+    /// is flat element `shift`.
+    pub fn queue_importance(
+        &self,
+        device: &D,
+        stream: &D::Stream,
+        source: &D::Buffer<P>,
+        shift: usize,
+    ) -> Result<(), EngineError> {
+        let columns = self.importance.len();
+        device.fill(stream, &self.importance, 0..columns, 0.0)?;
         for m in &self.matrices {
             let Some(at) = m.importance_at else { continue };
-            let mut sums = vec![0f64; m.cols];
-            for i in m.owned.clone() {
-                sums[i % m.cols] += f64::from(grad_acc[m.start + i - owned_start].abs());
-            }
-            for (c, sum) in sums.into_iter().enumerate() {
-                self.importance_host[at + c] = sum as f32;
+            for (rows, cols, (row, col)) in block_shapes(m) {
+                let offset = m.start + row * m.cols + col - shift;
+                let block = Matrix { buffer: source, offset, rows, cols };
+                device.column_abs_sums(stream, block, &self.importance, at + col)?;
             }
         }
+        Ok(())
     }
 
     /// Selects from the model-wide importances in `importance_host` and lays out the blocks.
@@ -260,18 +299,13 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
             *selected = match m.importance_at {
                 None => (0..m.k as u32).collect(),
-                Some(at) => {
-                    let importance = &self.importance_host[at..at + m.cols];
-                    let mut order: Vec<u32> = (0..m.cols as u32).collect();
-                    // Descending importance, ties to the lower column: the same on every rank.
-                    order.sort_by(|&a, &b| {
-                        importance[b as usize].total_cmp(&importance[a as usize]).then(a.cmp(&b))
-                    });
-                    order.truncate(m.k);
-                    order
-                }
+                Some(at) => top_k(&self.importance_host[at..at + m.cols], m.k),
             };
-            selected.sort_unstable();
+        }
+        if let Some(auto) = &mut self.auto {
+            for p in &mut auto.params {
+                p.selected = top_k(&self.importance_host[p.at..p.at + p.cols], p.k);
+            }
         }
         self.lay_out();
         self.since_selection = Some(0);
@@ -322,6 +356,12 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
                 selected.clone_from(columns);
             }
         }
+        if let Some(auto) = &mut self.auto {
+            for p in &mut auto.params {
+                let saved = saved.iter().find(|(param, _)| *param == p.param);
+                p.selected = saved.map(|(_, columns)| columns.clone()).unwrap_or_default();
+            }
+        }
         self.lay_out();
         Ok(())
     }
@@ -361,6 +401,8 @@ pub struct ZenFlowSnapshot {
     /// partition, global flat indices), summed over ranks and the window's steps.
     pub window_flat: Range<usize>,
     pub window_grads: Vec<f32>,
+    /// Zen-auto's window state (empty without it): model-wide, the same on every rank.
+    pub auto: Vec<f64>,
 }
 
 /// Every parameter with elements in `owned`, as a matrix, with its `k` for `ratio`.
@@ -382,7 +424,7 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
         if inside.is_empty() || ratio == 0.0 {
             continue;
         }
-        let k = if two_d { ((ratio * cols as f64).round() as usize).clamp(1, cols) } else { 1 };
+        let k = if two_d { selected_columns(ratio, cols) } else { 1 };
         let owned = inside.start - range.start..inside.end - range.start;
         out.push(MatrixParam {
             param: index,
@@ -394,6 +436,129 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
         });
     }
     out
+}
+
+/// How many of a weight's `cols` columns a selection takes: `round(ratio × cols)`, at least one
+/// (none with `ratio` 0).
+fn selected_columns(ratio: f64, cols: usize) -> usize {
+    if ratio == 0.0 { 0 } else { ((ratio * cols as f64).round() as usize).clamp(1, cols) }
+}
+
+/// The `k` most important columns, ascending. Descending importance, ties to the lower column:
+/// the same on every rank.
+fn top_k(importance: &[f32], k: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..importance.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        importance[b as usize].total_cmp(&importance[a as usize]).then(a.cmp(&b))
+    });
+    order.truncate(k);
+    order.sort_unstable();
+    order
+}
+
+/// Zen-auto (`update_interval: "auto"`): the window ends when enough of the model's weights have
+/// left as much gradient mass to the CPU as they give the device. Per 2-D weight with `k` of `n`
+/// columns selected, after the window's `u`-th step: `critic` is the mean over the window's steps
+/// of the selected columns' L1 mass per column, `left` the unselected columns' L1 mass per column
+/// summed over the window; the weight is ready when `left ≥ critic`, and the window ends when at
+/// least `⌊auto_ratio × (2-D weights)⌋` are ready (a weight with every or no column selected is
+/// always ready: nothing of it waits for the CPU, or nothing goes to the device).
+///
+/// This is DeepSpeed's rule (`zenflow_stage_1_and_2.py`) with its scale made explicit: DeepSpeed
+/// divides the selected mass by `10 × topk_ratio` and the unselected by `10 × (1 − topk_ratio)`,
+/// which is the per-column normalisation above up to a common factor, except that it divides the
+/// running mean again at every step (so its windows depend on `topk_ratio` beyond the
+/// normalisation unless `topk_ratio` is 0.1). The masses are the gradients summed over ranks, so
+/// every rank ends the same windows.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct AutoWindow {
+    /// The number of ready weights that ends a window.
+    threshold: usize,
+    /// Every 2-D weight of the model.
+    pub(crate) params: Vec<AutoParam>,
+    /// Per weight: the selected columns' mean mass per column, the unselected columns' summed
+    /// mass per column (the window's so far).
+    pub(crate) critic: Vec<f64>,
+    pub(crate) left: Vec<f64>,
+}
+
+/// One 2-D weight as Zen-auto sees it: model-wide, whichever rank holds it.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct AutoParam {
+    /// Its index in the layout.
+    param: usize,
+    /// Where its columns are in the importance vector.
+    at: usize,
+    cols: usize,
+    k: usize,
+    /// Its selected columns (the same on every rank).
+    selected: Vec<u32>,
+}
+
+impl AutoWindow {
+    fn new(layout: &FlatLayout, options: &ZenFlowOptions) -> Self {
+        let mut at = 0;
+        let mut params = Vec::new();
+        for (param, spec) in layout.params().iter().enumerate() {
+            if spec.shape.len() < 2 {
+                continue;
+            }
+            let cols = spec.shape[spec.shape.len() - 1];
+            let k = selected_columns(options.topk_ratio, cols);
+            params.push(AutoParam { param, at, cols, k, selected: Vec::new() });
+            at += cols;
+        }
+        let threshold = (options.auto_ratio * params.len() as f64) as usize;
+        let n = params.len();
+        AutoWindow { threshold, params, critic: vec![0.0; n], left: vec![0.0; n] }
+    }
+
+    /// Takes the column masses of the window's `step`-th step (from 1; `importance`: Σ|g| per
+    /// column, model-wide, summed over ranks) and says whether the window ends with it.
+    pub(crate) fn observe(&mut self, importance: &[f32], step: u64) -> bool {
+        let u = step.max(1) as f64;
+        let mut ready = 0;
+        for (i, p) in self.params.iter().enumerate() {
+            let (k, n) = (p.selected.len(), p.cols);
+            if k == 0 || k == n {
+                ready += 1;
+                continue;
+            }
+            let masses = &importance[p.at..p.at + n];
+            let total: f64 = masses.iter().map(|&m| f64::from(m)).sum();
+            let critic: f64 = p.selected.iter().map(|&c| f64::from(masses[c as usize])).sum();
+            self.critic[i] = (self.critic[i] * (u - 1.0) + critic / k as f64) / u;
+            self.left[i] += (total - critic) / (n - k) as f64;
+            if self.left[i] >= self.critic[i] {
+                ready += 1;
+            }
+        }
+        ready >= self.threshold
+    }
+
+    /// A new window.
+    pub(crate) fn reset(&mut self) {
+        self.critic.fill(0.0);
+        self.left.fill(0.0);
+    }
+
+    /// The state a checkpoint keeps: `critic` then `left`.
+    pub(crate) fn state(&self) -> Vec<f64> {
+        self.critic.iter().chain(&self.left).copied().collect()
+    }
+
+    /// Takes a checkpoint's state back, or an error if it is for another model.
+    pub(crate) fn restore(&mut self, state: &[f64]) -> Result<(), EngineError> {
+        let n = self.params.len();
+        if state.len() != 2 * n {
+            return Err(EngineError::Usage(
+                "a checkpoint's Zen-auto state does not fit this model",
+            ));
+        }
+        self.critic.copy_from_slice(&state[..n]);
+        self.left.copy_from_slice(&state[n..]);
+        Ok(())
+    }
 }
 
 /// Columns of every parameter of two or more dimensions: the length of the importance vector.
@@ -423,6 +588,7 @@ fn block_shapes(m: &MatrixParam) -> Vec<(usize, usize, (usize, usize))> {
 
 #[cfg(test)]
 mod tests {
+    use zeroflow_core::config::Selection;
     use zeroflow_core::layout::{Alignment, ParamSpec};
 
     use super::*;
@@ -453,5 +619,62 @@ mod tests {
                 assert!(p.flat_range().all(|i| seen[i] == 1), "world {world}: {seen:?}");
             }
         }
+    }
+
+    /// Zen-auto's rule, step by step on hand-computed masses: a weight is ready once the mass
+    /// per unselected column summed over the window reaches the selected columns' mean mass per
+    /// column; the window ends at ⌊auto_ratio × weights⌋ ready weights; a weight whose columns
+    /// are all selected is always ready.
+    #[test]
+    fn zen_auto_ends_the_window_when_the_left_mass_catches_up() {
+        let specs = [
+            ParamSpec::new("a", vec![3, 4]),
+            ParamSpec::new("b", vec![5]),
+            ParamSpec::new("c", vec![2, 2]),
+        ];
+        let layout =
+            FlatLayout::new(&specs, 1, Alignment { param: 1, partition: 1 }).expect("a layout");
+        let options = |auto_ratio| ZenFlowOptions {
+            topk_ratio: 0.25,
+            selection: Selection::Step { interval: 8 },
+            update_interval: UpdateInterval::Auto,
+            auto_ratio,
+            overlap_step: false,
+            full_warm_up_rounds: 0,
+        };
+        let window = |auto_ratio| {
+            let mut auto = AutoWindow::new(&layout, &options(auto_ratio));
+            // a: 1 of 4 columns (column 2), c: 1 of 2 (column 0); b is 1-D and not weighed.
+            assert_eq!(
+                auto.params.iter().map(|p| (p.at, p.cols, p.k)).collect::<Vec<_>>(),
+                [(0, 4, 1), (4, 2, 1)]
+            );
+            auto.params[0].selected = vec![2];
+            auto.params[1].selected = vec![0];
+            auto
+        };
+        // Step by step: a's (critic, left) = (4, 1), (4, 3), (4, 4): ready at step 3;
+        // c's = (2, 1), (2, 4), (2, 4): ready from step 2.
+        let steps: [[f32; 6]; 3] =
+            [[1., 1., 4., 1., 2., 1.], [2., 2., 4., 2., 2., 3.], [1., 1., 4., 1., 2., 0.]];
+        let mut all = window(1.0);
+        let ends: Vec<bool> = steps.iter().zip(1..).map(|(m, u)| all.observe(m, u)).collect();
+        assert_eq!(ends, [false, false, true]);
+        assert_eq!((all.critic.clone(), all.left.clone()), (vec![4.0, 2.0], vec![4.0, 4.0]));
+        let mut half = window(0.5);
+        let ends: Vec<bool> = steps.iter().zip(1..).map(|(m, u)| half.observe(m, u)).collect();
+        assert_eq!(ends, [false, true, true]);
+        // A new window starts from nothing; a state round-trips through a checkpoint.
+        let state = all.state();
+        all.reset();
+        assert!(!all.observe(&steps[0], 1));
+        all.restore(&state).expect("the same model");
+        assert_eq!(all.state(), state);
+        assert!(all.restore(&state[1..]).is_err());
+        // Every column of c selected: c is always ready, which is enough at threshold 1.
+        let mut full = window(0.5);
+        full.params[1].selected = vec![0, 1];
+        let ends: Vec<bool> = steps.iter().zip(1..).map(|(m, u)| full.observe(m, u)).collect();
+        assert_eq!(ends, [true, true, true]);
     }
 }

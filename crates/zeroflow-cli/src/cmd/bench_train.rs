@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use serde_json::json;
 use zeroflow_core::Float;
 use zeroflow_core::config::{self, Context};
-use zeroflow_device::Device as _;
+use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
 use zeroflow_engine::{Engine, EngineOptions, StepReport};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
@@ -143,6 +143,10 @@ struct Measured {
     /// Every step's loss (warm-up included), the mean over the ranks.
     losses: Vec<f32>,
     device_memory: Option<usize>,
+    /// Over the timed steps: the training thread's time on or waiting for the CPU optimizer, and
+    /// the bytes copied host → device and device → host.
+    cpu_wait: f64,
+    copied: CopiedBytes,
 }
 
 impl Measured {
@@ -221,8 +225,27 @@ fn measure<M: Model>(
         compute_times: Vec::new(),
         losses: Vec::new(),
         device_memory: None,
+        cpu_wait: 0.0,
+        copied: CopiedBytes::default(),
+    };
+    let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
+    // A step ends when the compute stream has finished it: work the step left on the copy and
+    // collective streams (ZenFlow's window copy, the last weight uploads) overlaps the next step
+    // as in training, and is charged to whichever step waits for it; the timed steps together
+    // end with every stream idle, so their times add up to the wall time.
+    let mut compute_done = engine.device().new_event()?;
+    let mut finish_compute = |engine: &ModelEngine<M>| -> anyhow::Result<()> {
+        let device = engine.device();
+        device.record(&mut compute_done, device.stream(StreamKind::Compute))?;
+        device.sync_event(&compute_done)?;
+        Ok(())
     };
     for step in 0..args.warmup + args.steps {
+        if step == args.warmup {
+            engine.device().synchronize()?;
+            (waited, copied) = (engine.cpu_wait(), engine.device().copied_bytes());
+        }
+        let last = step + 1 == args.warmup + args.steps;
         let start = Instant::now();
         for _ in 0..args.accum {
             gpt.set_batch(inputs, targets)?;
@@ -231,16 +254,23 @@ fn measure<M: Model>(
                 engine.step()?;
             }
         }
-        // The split point of the breakdown: the GPU has finished forward and backward (and the
-        // reductions and copies they started).
-        engine.device().synchronize()?;
+        // The split point of the breakdown: the GPU has finished forward and backward.
+        finish_compute(engine)?;
         let compute = start.elapsed().as_secs_f64();
+        // Read before the optimizer step, as `zeroflow train` does: a step may leave a bulk copy
+        // on the copy engine (ZenFlow's window) that a later small copy would queue behind.
+        let loss = gpt.loss()?;
         let report = engine.step()?;
-        engine.device().synchronize()?;
+        let stepped = start.elapsed().as_secs_f64();
+        if last {
+            engine.device().synchronize()?;
+        } else {
+            finish_compute(engine)?;
+        }
         let seconds = start.elapsed().as_secs_f64();
-        // Read after the clock stops: the loss copy and the ranks' mean are not part of a
-        // training step's cost.
-        let loss = group.mean(f64::from(gpt.loss()?))?;
+        tracing::debug!(step, compute, stepped, seconds, "bench step (s from its start)");
+        // The ranks' mean, after the clock stops (a barrier of the side channel).
+        let loss = group.mean(f64::from(loss))?;
         measured.losses.push(loss as f32);
         if !matches!(report, StepReport::Stepped { .. }) {
             anyhow::bail!("step {step} did not update the weights: {report:?}");
@@ -250,6 +280,12 @@ fn measure<M: Model>(
             measured.compute_times.push(compute);
         }
     }
+    measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
+    let now = engine.device().copied_bytes();
+    measured.copied = CopiedBytes {
+        host_to_device: now.host_to_device - copied.host_to_device,
+        device_to_host: now.device_to_host - copied.device_to_host,
+    };
     measured.device_memory = M::memory_in_use(engine.device());
     engine.flush()?;
     Ok(measured)
@@ -326,6 +362,12 @@ fn report(
         "tokens_per_s_per_gpu": tokens as f64 / slowest / job.world as f64,
         "forward_backward_s_mean": compute_mean,
         "exposed_optimizer_s_mean": mean - compute_mean,
+        // The training thread on or waiting for the CPU optimizer, per step and as a fraction
+        // of the step time (the GPU gets no new work meanwhile), and PCIe traffic per step.
+        "cpu_wait_s_mean": measured.cpu_wait / measured.times.len() as f64,
+        "cpu_wait_fraction": measured.cpu_wait / measured.times.iter().sum::<f64>(),
+        "h2d_bytes_per_step": measured.copied.host_to_device as f64 / measured.times.len() as f64,
+        "d2h_bytes_per_step": measured.copied.device_to_host as f64 / measured.times.len() as f64,
         "peak_rss_bytes": rss,
         "device_memory_in_use_bytes": measured.device_memory,
         "peak_rss_bytes_per_param": rss.map(|r| r as f64 / params as f64),
@@ -370,8 +412,9 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         .map_or("unknown".into(), |b| format!("{:.2} GiB", gib(b)));
     println!(
         "{} {} on {} × {}: {:.0} tokens/s ({:.0} per rank); rank 0: {:.4} s/step median, {:.4} s \
-         mean, forward+backward {:.4} s, exposed optimizer {:.4} s, peak RSS {rss}, device memory \
-         in use {memory}; loss {:.3} → {:.3}",
+         mean, forward+backward {:.4} s, exposed optimizer {:.4} s, CPU wait {:.1} % of the \
+         step, PCIe {:.2} GB in / {:.2} GB out per step, peak RSS {rss}, device memory in use \
+         {memory}; loss {:.3} → {:.3}",
         args.model,
         mode_name(args.mode),
         out["world_size"],
@@ -382,6 +425,9 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         number("s_per_step_mean"),
         number("forward_backward_s_mean"),
         number("exposed_optimizer_s_mean"),
+        100.0 * number("cpu_wait_fraction"),
+        number("h2d_bytes_per_step") / 1e9,
+        number("d2h_bytes_per_step") / 1e9,
         loss(losses.first()),
         loss(losses.last()),
     );

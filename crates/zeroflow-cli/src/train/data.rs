@@ -17,8 +17,8 @@ pub enum Spec {
     Synthetic,
     /// llm.c token shards, in order.
     Shards(Vec<PathBuf>),
-    /// A text file, read as bytes.
-    Text(PathBuf),
+    /// Text files, read as bytes, in order (a glob of several: the last for eval).
+    Text(Vec<PathBuf>),
 }
 
 impl Spec {
@@ -28,9 +28,20 @@ impl Spec {
         }
         let path = Path::new(data);
         let what_to_do = "pass `synthetic`, a directory or glob of llm.c .bin token shards, or a \
-                          text file";
+                          text file or glob of text files";
+        let is_shard = |p: &Path| p.extension().is_some_and(|ext| ext == "bin");
         let shards = if data.contains(['*', '?']) {
-            glob(path)?
+            let paths = glob(path)?;
+            if !paths.is_empty() && !paths.iter().any(|p| is_shard(p)) {
+                return Ok(Spec::Text(paths));
+            }
+            if !paths.iter().all(|p| is_shard(p)) {
+                return Err(input(format!(
+                    "--data {data}: matches both .bin token shards and other files; give a glob \
+                     of one kind"
+                )));
+            }
+            paths
         } else if path.is_dir() {
             let entries = std::fs::read_dir(path)
                 .map_err(|e| input(format!("--data {data}: cannot read the directory: {e}")))?;
@@ -41,10 +52,10 @@ impl Spec {
             shards.sort();
             shards
         } else if path.is_file() {
-            if path.extension().is_some_and(|ext| ext == "bin") {
+            if is_shard(path) {
                 vec![path.to_owned()]
             } else {
-                return Ok(Spec::Text(path.to_owned()));
+                return Ok(Spec::Text(vec![path.to_owned()]));
             }
         } else {
             return Err(input(format!("--data {data}: no such file or directory; {what_to_do}")));
@@ -190,23 +201,30 @@ impl Data {
                     format!("{} (eval on its start, not held out)", paths[0].display());
                 (Source::Shards(paths.clone()), Source::Shards(paths.clone()), None, description)
             }
-            Spec::Text(path) if vocab < 256 => {
+            Spec::Text(paths) if vocab < 256 => {
                 return Err(input(format!(
                     "--data {} is read as bytes (256 symbols) but the model's vocab_size is \
                      {vocab}; drop --model, or give one with vocab_size of at least 256",
-                    path.display()
+                    paths[0].display()
                 )));
             }
-            Spec::Text(path) => {
-                tracing::warn!("one text file: evaluating on its start, which is also trained on");
+            Spec::Text(paths) if paths.len() > 1 => {
+                let (last, rest) = paths.split_last().expect("more than one");
+                let description = format!(
+                    "{} text files as bytes; the last, {}, for eval",
+                    paths.len(),
+                    last.display()
+                );
+                (Source::Text(rest.to_vec()), Source::Text(vec![last.clone()]), None, description)
+            }
+            Spec::Text(paths) => {
+                tracing::warn!(
+                    "one text file: evaluating on its start, which is also trained on (a glob of \
+                     several holds the last out for eval)"
+                );
                 let description =
-                    format!("{} as bytes (eval on its start, not held out)", path.display());
-                (
-                    Source::Text(vec![path.clone()]),
-                    Source::Text(vec![path.clone()]),
-                    None,
-                    description,
-                )
+                    format!("{} as bytes (eval on its start, not held out)", paths[0].display());
+                (Source::Text(paths.clone()), Source::Text(paths.clone()), None, description)
             }
         };
         let train = loader(train, rank, world)?;

@@ -199,6 +199,7 @@ fn one_gpu_zenflow_matches_its_limits() {
         topk_ratio,
         selection: Selection::Step { interval: 4 },
         update_interval: UpdateInterval::Every(update),
+        auto_ratio: 0.99,
         overlap_step,
         full_warm_up_rounds: 0,
     };
@@ -229,6 +230,24 @@ fn one_gpu_zenflow_matches_its_limits() {
     assert!(diff <= 1e-5, "stage 1 vs stage 2: {diff:e}");
     println!(
         "RESULT engine_gpu zenflow topk=0.25 update=2 overlap deterministic=true zero1_vs_zero2={diff:.2e}"
+    );
+    // Zen-auto: with auto_ratio 0 every step ends a window (= update_interval 1); with 0.99 the
+    // windows follow the column masses, the same ones run after run.
+    let auto = |auto_ratio| Case {
+        zenflow: Some(ZenFlowOptions {
+            update_interval: UpdateInterval::Auto,
+            auto_ratio,
+            ..zenflow(0.25, 1, true)
+        }),
+        ..base
+    };
+    let every = Case { zenflow: Some(zenflow(0.25, 1, true)), ..base };
+    let diff =
+        same_run(&train::<f32>(devices, &auto(0.0)), &train::<f32>(devices, &every), "auto 0");
+    let (a, b) = (train::<f32>(devices, &auto(0.99)), train::<f32>(devices, &auto(0.99)));
+    assert_eq!(a, b, "a Zen-auto run is deterministic");
+    println!(
+        "RESULT engine_gpu zenflow auto_ratio=0 vs_update_1={diff:.2e} auto_ratio=0.99 deterministic=true"
     );
 }
 

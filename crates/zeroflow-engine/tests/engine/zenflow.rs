@@ -5,15 +5,25 @@ use zeroflow_core::config::{Selection, UpdateInterval};
 use zeroflow_engine::synthetic::{Reference, adamw_config, initial};
 use zeroflow_engine::{LossScaler, Stage, ZenFlowOptions};
 
-use crate::harness::{Bf16, Setup, layout, max_rel_diff, reference, train, train_from};
+use crate::harness::{Bf16, Resume, Setup, layout, max_rel_diff, reference, train, train_from};
 
 fn zenflow(topk_ratio: f64, select: u64, update: u64, overlap_step: bool) -> ZenFlowOptions {
     ZenFlowOptions {
         topk_ratio,
         selection: Selection::Step { interval: select },
         update_interval: UpdateInterval::Every(update),
+        auto_ratio: 0.99,
         overlap_step,
         full_warm_up_rounds: 0,
+    }
+}
+
+/// Zen-auto (`update_interval: "auto"`) with reselection every `select` steps.
+fn zen_auto(topk_ratio: f64, select: u64, auto_ratio: f64, overlap_step: bool) -> ZenFlowOptions {
+    ZenFlowOptions {
+        update_interval: UpdateInterval::Auto,
+        auto_ratio,
+        ..zenflow(topk_ratio, select, 1, overlap_step)
     }
 }
 
@@ -132,7 +142,8 @@ fn the_first_step_updates_exactly_the_top_columns_and_the_vectors() {
 fn zenflow_chaos_runs_are_bit_identical_to_the_calm_run() {
     for (stage, world) in [(Stage::Zero2, 2), (Stage::Zero1, 2), (Stage::Zero2, 1)] {
         for overlap in [true, false] {
-            let run = setup(stage, world, 24, zenflow(0.3, 4, 2, overlap));
+            let options = [zenflow(0.3, 4, 2, overlap), zen_auto(0.3, 4, 0.5, overlap)];
+            let run = setup(stage, world, 24, options[usize::from(overlap) ^ (world & 1)]);
             let calm = train::<f32>(&run, LossScaler::None, None);
             for seed in 1..=3 {
                 let chaotic = Setup { chaos: Some(seed), ..run.clone() };
@@ -149,8 +160,9 @@ fn zenflow_chaos_runs_are_bit_identical_to_the_calm_run() {
 #[test]
 fn partitioned_stages_agree_with_stage_zero_and_ranks_agree() {
     for world in [2, 3] {
-        for overlap in [false, true] {
-            let options = zenflow(0.4, 4, 2, overlap);
+        for (overlap, auto) in [(false, false), (true, false), (false, true), (true, true)] {
+            let options =
+                if auto { zen_auto(0.4, 4, 0.5, overlap) } else { zenflow(0.4, 4, 2, overlap) };
             let whole =
                 train::<f32>(&setup(Stage::Zero0, world, 16, options), LossScaler::None, None);
             let want = &whole.weights[0];
@@ -234,13 +246,8 @@ fn unsupported_zenflow_settings_are_refused() {
         EngineOptions { grad_accum: 2, ..base.clone() },
         EngineOptions { offload: None, ..base.clone() },
         EngineOptions { delayed_update: Some(1), ..base.clone() },
-        EngineOptions {
-            zenflow: Some(ZenFlowOptions {
-                update_interval: UpdateInterval::Auto,
-                ..zenflow(0.1, 2, 1, false)
-            }),
-            ..base.clone()
-        },
+        EngineOptions { zenflow: Some(zen_auto(0.1, 2, 1.5, false)), ..base.clone() },
+        EngineOptions { zenflow: Some(zenflow(1.5, 2, 1, false)), ..base.clone() },
         EngineOptions { zenflow: Some(zenflow(0.1, 1, 2, false)), ..base.clone() },
     ];
     for options in cases {
@@ -271,26 +278,37 @@ fn resuming_from_a_zenflow_checkpoint_is_bit_exact() {
     ] {
         // Selections at steps 1, 5 and 9 (window starts); the checkpoint after step 10.
         let run = setup(stage, world, 10, zenflow(0.4, 4, 4, overlap));
-        let straight = Setup { steps: 20, ..run.clone() };
-        let straight = train_from::<f32>(&straight, LossScaler::None, None, None);
-        let first = train_from::<f32>(&run, LossScaler::None, None, None);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("step-10");
-        crate::checkpoint::save(&path, &run, &first);
-        let resume = crate::checkpoint::load(&path, world);
-        assert_eq!(resume.zenflow.len(), world, "{run:?}");
+        let resume = check_resume(&run, resumed_stage);
         let state = &resume.zenflow[0];
         assert_eq!((state.steps_in_window, state.since_selection), (2, Some(2)), "{run:?}");
-        let resumed = Setup { stage: resumed_stage, ..run.clone() };
-        let second = train_from(&resumed, LossScaler::None, None, Some(&resume));
-        assert_eq!(second.weights, straight.weights, "{run:?}: weights");
-        if resumed_stage == stage {
-            assert_eq!(
-                second.snapshots, straight.snapshots,
-                "{run:?}: optimizer and ZenFlow state"
-            );
-        }
     }
+    // Zen-auto: its window state (the masses so far) is part of the checkpoint.
+    for (world, overlap) in [(2, true), (1, false)] {
+        let run = setup(Stage::Zero2, world, 10, zen_auto(0.3, 6, 0.99, overlap));
+        let resume = check_resume(&run, Stage::Zero2);
+        assert!(!resume.zenflow[0].auto.is_empty(), "{run:?}: no Zen-auto state saved");
+    }
+}
+
+/// Trains `run`, checkpoints, resumes at `resumed_stage` for as many steps again and checks the
+/// result bit-identical to the straight run of twice the steps; returns the checkpoint.
+fn check_resume(run: &Setup, resumed_stage: Stage) -> Resume<f32> {
+    let world = run.world;
+    let straight = Setup { steps: 2 * run.steps, ..run.clone() };
+    let straight = train_from::<f32>(&straight, LossScaler::None, None, None);
+    let first = train_from::<f32>(run, LossScaler::None, None, None);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("checkpoint");
+    crate::checkpoint::save(&path, run, &first);
+    let resume = crate::checkpoint::load(&path, world);
+    assert_eq!(resume.zenflow.len(), world, "{run:?}");
+    let resumed = Setup { stage: resumed_stage, ..run.clone() };
+    let second = train_from(&resumed, LossScaler::None, None, Some(&resume));
+    assert_eq!(second.weights, straight.weights, "{run:?}: weights");
+    if resumed_stage == run.stage {
+        assert_eq!(second.snapshots, straight.snapshots, "{run:?}: optimizer and ZenFlow state");
+    }
+    resume
 }
 
 /// ZenFlow on the host, one rank, written from DESIGN.md §6 and `zenflow.rs`'s rules, element by
@@ -479,4 +497,40 @@ fn a_mixed_run_equals_the_host_reference() {
         let diff = max_rel_diff(&layout(1), &got.weights[0], &want);
         assert!(diff <= 1e-6, "{run:?}: max relative difference {diff:e}");
     }
+}
+
+/// Zen-auto with `auto_ratio: 0` ends every window at once (no weight needs to be ready), so it
+/// equals `update_interval: 1` bit for bit, with and without overlap and at every layout.
+#[test]
+fn zen_auto_with_auto_ratio_zero_is_a_window_of_one() {
+    for (stage, world) in LAYOUTS {
+        for overlap in [false, true] {
+            let auto = train::<f32>(
+                &setup(stage, world, 10, zen_auto(0.3, 4, 0.0, overlap)),
+                LossScaler::None,
+                None,
+            );
+            let every = train::<f32>(
+                &setup(stage, world, 10, zenflow(0.3, 4, 1, overlap)),
+                LossScaler::None,
+                None,
+            );
+            assert_eq!(auto.weights, every.weights, "{stage:?} world {world} overlap {overlap}");
+        }
+    }
+}
+
+/// Zen-auto's windows are longer than one step on the synthetic model (its unselected columns
+/// carry less mass than the selected ones), so the CPU steps fewer times than the device, and the
+/// windows it chose are the same on every rank.
+#[test]
+fn zen_auto_windows_span_several_steps_and_ranks_agree() {
+    let run = setup(Stage::Zero2, 2, 16, zen_auto(0.3, 16, 0.99, false));
+    let got = train::<f32>(&run, LossScaler::None, None);
+    assert!(got.weights.windows(2).all(|w| w[0] == w[1]), "ranks disagree");
+    let windows =
+        got.snapshots.iter().map(|s| s.zenflow.as_ref().expect("ZenFlow state").cpu_steps);
+    let cpu_steps: Vec<u64> = windows.collect();
+    assert!(cpu_steps.windows(2).all(|w| w[0] == w[1]), "ranks disagree on windows: {cpu_steps:?}");
+    assert!((1..16).contains(&cpu_steps[0]), "CPU steps over 16 steps: {}", cpu_steps[0]);
 }

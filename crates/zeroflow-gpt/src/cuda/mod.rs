@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use zeroflow_core::bf16;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cuda::blas::Blas;
-use zeroflow_device::cuda::{CudaBuffer, CudaEvent, CudaStream};
+use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
 
 use self::attention::CudaAttention;
@@ -63,7 +63,6 @@ pub struct CudaGpt {
     column_partials: CudaBuffer<f32>,
     tokens: Tokens,
     loss_host: HostBuffer<f32>,
-    loss_written: CudaEvent,
 }
 
 /// The GPU memory a [`CudaGpt`] holds, in bytes (the parameters and gradients are the engine's).
@@ -139,10 +138,6 @@ impl CudaGpt {
         let attention =
             CudaAttention::new(device, blas.clone(), batch, seq, config.d_model, config.n_head)?;
         let partials = column_partials_len(&schedule);
-        let compute = device.stream(StreamKind::Compute);
-        let mut loss_written = device.new_event()?;
-        // Recorded once so that `loss` before any forward waits for nothing and reads 0.
-        device.record(&mut loss_written, compute)?;
         Ok(CudaGpt {
             kernels: GptKernels::load(device)?,
             acts: device.alloc(schedule.acts_len)?,
@@ -151,7 +146,6 @@ impl CudaGpt {
             column_partials: device.alloc(partials)?,
             tokens: Tokens::new(device, plan.tokens())?,
             loss_host: device.alloc_host(1, HostMemory::Pinned)?,
-            loss_written,
             device: device.clone(),
             config: *config,
             padded_len: layout.padded_len(),
@@ -202,18 +196,19 @@ impl CudaGpt {
         for op in &self.schedule.forward {
             self.run(op, params, None, 1.0)?;
         }
-        let compute = self.device.stream(StreamKind::Compute);
-        self.device.record(&mut self.loss_written, compute)?;
         Ok(())
     }
 
-    /// Waits for the last forward and returns its mean loss (copied out on the D2H stream).
+    /// Waits for the last forward and returns its mean loss (copied out on the compute stream).
     pub fn loss(&mut self) -> Result<f32, GptError> {
-        let d2h = self.device.stream(StreamKind::D2h);
-        self.device.wait_event(d2h, &self.loss_written)?;
+        // On the compute stream, which wrote it: four bytes, which must not queue behind the
+        // engine's bulk copies on the d2h stream.
+        let compute = self.device.stream(StreamKind::Compute);
         let at = self.schedule.loss_offset;
-        let filled =
-            self.device.copy_d2h(d2h, &self.stats, at..at + 1, &mut self.loss_host, 0)?.wait()?;
+        let filled = self
+            .device
+            .copy_d2h(compute, &self.stats, at..at + 1, &mut self.loss_host, 0)?
+            .wait()?;
         Ok(filled[0])
     }
 
