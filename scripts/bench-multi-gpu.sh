@@ -31,6 +31,8 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-4}
 OUT=${OUT:-$PWD/.gpu/out}
+# Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
+trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 # NVLink multicast must stay off on the lent machines: keep this in every environment.

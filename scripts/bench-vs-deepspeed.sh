@@ -45,6 +45,8 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 CPU_ADAM_PARAMS=${CPU_ADAM_PARAMS:-5e8}
 CPU_ADAM_THREADS=${CPU_ADAM_THREADS:-$(nproc)}
 OUT=${OUT:-$PWD/.gpu/out}
+# Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
+trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
 RUN_DATE=${RUN_DATE:-$(date -u +%F)}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}

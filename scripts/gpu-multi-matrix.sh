@@ -24,6 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/.gpu/out}
+# Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
+trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
 DIR=$OUT/matrix
 mkdir -p "$DIR"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}

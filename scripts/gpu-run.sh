@@ -9,6 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$PWD/.gpu/out}
+# Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
+trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 # NVLink multicast must stay off on the lent machines: keep this in every environment.

@@ -67,6 +67,8 @@ ATTEMPT_TIMEOUT=${ATTEMPT_TIMEOUT:-200}
 BUDGET=${BUDGET:-560}
 RUNGS=(${RUNGS:-24x2048 48x2048 16x4096 20x4096 24x4096 28x4096 32x4096 36x4096 40x4096 44x4096 48x4096 52x4096 56x4096})
 OUT=${OUT:-$PWD/.gpu/out}
+# Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
+trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
 RUN_DATE=${RUN_DATE:-$(date -u +%F)}
 RESULTS=$OUT/largest.jsonl
 mkdir -p "$OUT"
