@@ -20,7 +20,8 @@
 # Environment: MODEL (gpt-1.3b), MODE (offload; zeroflow's offload-delayed or gpu also work, the
 # DeepSpeed runs use DS_MODE, default offload), MICRO_BATCH (8, per GPU), STEPS (10), WARMUP (4),
 # SKIP_ZF=1 or SKIP_DS=1 to split the work over two calls (results append to
-# $OUT/bench-multi-MODEL.jsonl, each row tagged with its run), DS1=1.
+# $OUT/bench-multi-MODEL.jsonl, each row tagged with its run), DS1=1, BIND_AB=1 (zeroflow on two
+# GPUs once more with ZEROFLOW_CPU_BIND=off: the A/B of binding ranks to their GPUs' CPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,6 +70,9 @@ PY
 
 nvidia-smi >"$OUT/nvidia-smi.log" 2>&1 || true
 echo "host: $CORES cores, $(nvidia-smi -L 2>/dev/null | wc -l) GPUs"
+# The topology the CPU binding follows (docs/multi-gpu.md, "CPU binding").
+nvidia-smi topo -m 2>/dev/null | head -8
+lscpu 2>/dev/null | grep -E '^(NUMA|Socket|Core|Thread)' || true
 ZF=(bench step --device cuda --model "$MODEL" --mode "$MODE" --micro-batch "$MICRO_BATCH"
     --steps "$STEPS" --warmup "$WARMUP" --json)
 
@@ -81,7 +85,16 @@ if [[ -z "${SKIP_ZF:-}" ]]; then
     log=$OUT/bench-multi-zf-2gpu.log
     timeout 240 "$Z" launch --nproc-per-node 2 -- "${ZF[@]}" >"$log" 2>"$log.err"
     echo "zeroflow 2 GPUs: exit $? ($((SECONDS - started)) s)"
+    grep -h 'bound to CPUs\|cannot bind' "$log.err" | head -2
     record zf-2gpu "$log" || tail -5 "$log" "$log.err"
+
+    if [[ -n "${BIND_AB:-}" ]]; then
+        # The same without binding each rank to its GPU's CPUs (the A/B of ZEROFLOW_CPU_BIND).
+        log=$OUT/bench-multi-zf-2gpu-unbound.log
+        ZEROFLOW_CPU_BIND=off timeout 240 "$Z" launch --nproc-per-node 2 -- "${ZF[@]}" >"$log" 2>"$log.err"
+        echo "zeroflow 2 GPUs, unbound: exit $? ($((SECONDS - started)) s)"
+        record zf-2gpu-unbound "$log" || tail -5 "$log" "$log.err"
+    fi
 fi
 
 if [[ -z "${SKIP_DS:-}" ]]; then
@@ -139,7 +152,8 @@ for run, r in rows.items():
         print(f"  rank {rank['rank']}: {rank['s_per_step_mean']:.4f} s/step mean, fwd+bwd "
               f"{rank['forward_backward_s_mean']:.4f} s")
 print()
-for a, b, want in [("zf-2gpu", "zf-1gpu", 1.8), ("zf-2gpu", "ds-2gpu", 2.0), ("ds-2gpu", "ds-1gpu", None)]:
+for a, b, want in [("zf-2gpu", "zf-1gpu", 1.8), ("zf-2gpu", "ds-2gpu", 2.0), ("ds-2gpu", "ds-1gpu", None),
+                   ("zf-2gpu", "zf-2gpu-unbound", None)]:
     if a in rows and b in rows:
         ratio = rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
         verdict = "" if want is None else f" (wanted >= {want}: {'PASS' if ratio >= want else 'FAIL'})"

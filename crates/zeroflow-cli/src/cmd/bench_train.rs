@@ -23,7 +23,7 @@ use zeroflow_engine::{Engine, EngineOptions, StepReport};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
-use crate::dist::{DistEnv, Group};
+use crate::dist::{DistEnv, Group, affinity};
 use crate::train::DeviceKind;
 use crate::train::backend::{self, Model, Opened};
 use crate::train::run::{ModelEngine, forward_backward};
@@ -168,15 +168,17 @@ fn bench<M: Model>(
     dist: &DistEnv,
     open: impl backend::OpenFn<M>,
 ) -> anyhow::Result<Option<serde_json::Value>> {
+    // First, before anything starts a thread (rayon's pool in `init_params`, the optimizer's):
+    // they inherit the binding.
+    let binding = if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist) } else { None };
     let bf16 = args.device == DeviceKind::Cuda;
     let text = ds_config(args.mode, args.micro_batch, args.accum, bf16, args.warmup);
     let world = u32::try_from(dist.world_size).ok().and_then(NonZeroU32::new);
     let world = world.with_context(|| format!("a job of {} ranks", dist.world_size))?;
     let context = Context { world_size: world, ..Context::default() };
     let resolved = config::resolve_str(&text, &context).context("the bench config")?;
-    // The ranks of one host share its cores.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = dist.cpu_threads(cores);
+    // The ranks of one host share its cores: those near its GPU where bound.
+    let threads = affinity::optimizer_threads(binding.as_ref(), dist);
     let options = EngineOptions::from_config(&resolved.config, threads);
     let layout = flat_layout(model, dist.world_size)?;
     let mut weights = vec![0.0f32; layout.padded_len()];

@@ -1,7 +1,12 @@
 //! `zeroflow env`: what this machine is and what zeroflow found on it.
 
+use std::path::Path;
+
 use serde_json::json;
+use zeroflow_device::CudaDevice;
 use zeroflow_device::cuda::{CudaReport, GpuInfo, is_absent, short_reason};
+
+use crate::dist::affinity;
 
 /// Print versions, devices, libraries, host cores and memory.
 #[derive(Debug, clap::Args)]
@@ -53,7 +58,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     println!("simd      {}", show(&env["simd"]));
     println!("gpu       {}", show(&env["cuda_driver"]));
     for gpu in env["cuda"]["gpus"].as_array().into_iter().flatten() {
-        println!("  gpu {}   {}", show(&gpu["ordinal"]), show(&gpu["description"]));
+        let node = gpu["numa_node"].as_i64().map(|node| format!("; NUMA node {node}"));
+        let cpus = gpu["local_cpus"].as_str().filter(|cpus| !cpus.is_empty());
+        let cpus = cpus.map(|cpus| format!("; local CPUs {cpus}"));
+        println!(
+            "  gpu {}   {}{}{}",
+            show(&gpu["ordinal"]),
+            show(&gpu["description"]),
+            node.unwrap_or_default(),
+            cpus.unwrap_or_default()
+        );
     }
     for (name, library) in env["cuda"]["libraries"].as_object().into_iter().flatten() {
         println!("  {name:<12} {}", show(&library["summary"]));
@@ -103,12 +117,20 @@ fn cuda_details(report: &CudaReport) -> serde_json::Value {
         Ok(gpus) => gpus
             .iter()
             .map(|gpu| {
+                // Where sysfs says (Linux): the GPU's NUMA node and the CPUs local to it.
+                let bus_id = CudaDevice::pci_bus_id(gpu.ordinal).ok();
+                let locality = bus_id
+                    .as_deref()
+                    .and_then(|id| affinity::locality(Path::new("/sys"), id).ok());
                 json!({
                     "ordinal": gpu.ordinal,
                     "name": gpu.name,
                     "compute_capability": format!("{}.{}", gpu.compute_capability.0, gpu.compute_capability.1),
                     "memory_bytes": gpu.memory_bytes,
                     "description": gpu.to_string(),
+                    "pci_bus_id": bus_id,
+                    "numa_node": locality.as_ref().and_then(|l| l.node),
+                    "local_cpus": locality.map(|l| affinity::format_cpulist(&l.cpus)),
                 })
             })
             .collect(),

@@ -1,8 +1,10 @@
 //! Several processes training together, one per GPU: where this process stands in the job
 //! ([`DistEnv`], from the launcher's environment), how the processes meet ([`rendezvous`]: rank 0
 //! hands out the NCCL id), and the side channel that stays open beside NCCL ([`Group`]: barriers,
-//! and the watch that ends every rank when one is lost, since NCCL would wait for it forever).
+//! and the watch that ends every rank when one is lost, since NCCL would wait for it forever), and
+//! where each rank's CPU optimizer runs ([`affinity`]: on the CPUs near its GPU).
 
+pub mod affinity;
 pub mod env;
 pub mod group;
 pub mod rendezvous;

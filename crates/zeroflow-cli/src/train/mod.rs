@@ -24,6 +24,7 @@ use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 use crate::InputError;
 use crate::cmd::train::Args;
 use crate::dist::DistEnv;
+use crate::dist::affinity::{self, Binding};
 
 use checkpoints::ResumePoint;
 pub use data::Data;
@@ -97,14 +98,24 @@ pub struct Setup {
     pub start: Start,
     /// This process's rank in the job (one process unless a launcher says otherwise).
     pub dist: DistEnv,
+    /// The CPUs near its GPU that this rank's threads were bound to (`--device cuda`,
+    /// `ZEROFLOW_CPU_BIND`); `None`: unbound, the host's cores shared evenly between its ranks.
+    pub cpu_binding: Option<Binding>,
 }
 
 impl Setup {
     /// Checks the flags, the model, the data, the config, the checkpoint or initial weights, and
-    /// that the output directory may be written; creates and changes nothing.
+    /// that the output directory may be written; creates and changes nothing, except that with
+    /// `--device cuda` it first binds this rank's threads to its GPU's CPUs
+    /// ([`affinity::bind_for_gpu`]).
     pub fn from_args(args: Args) -> anyhow::Result<Setup> {
         let dist = job(&args)?;
-        Setup::for_rank(args, dist)
+        // First, before anything starts a thread (rayon's pool, the optimizer's): they inherit
+        // the binding.
+        let cpu_binding =
+            if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(&dist) } else { None };
+        let setup = Setup::for_rank(args, dist)?;
+        Ok(Setup { cpu_binding, ..setup })
     }
 
     /// [`Setup::from_args`] for the rank `dist` (the process environment is not read).
@@ -175,6 +186,7 @@ impl Setup {
             seed,
             start,
             dist,
+            cpu_binding: None,
         })
     }
 

@@ -23,7 +23,7 @@ use super::checkpoints::{self, Extra, LrPosition, RunInfo};
 use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
 use super::{DeviceKind, Setup, Start};
-use crate::dist::Group;
+use crate::dist::{Group, affinity};
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -228,9 +228,8 @@ impl<M: Model> Trainer<M> {
         let backend::Opened { device, comm, model: gpt, group } =
             open(model, micro_batch, &layout, &setup.dist)?;
         let device_description = device.describe();
-        // The ranks of one host share its cores.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = setup.dist.cpu_threads(cores);
+        // The ranks of one host share its cores: those near its GPU where bound.
+        let threads = affinity::optimizer_threads(setup.cpu_binding.as_ref(), &setup.dist);
         let options = EngineOptions::from_config(config, threads);
         let convert =
             |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };

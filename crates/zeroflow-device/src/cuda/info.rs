@@ -27,9 +27,42 @@ impl fmt::Display for GpuInfo {
 
 /// The GPUs the driver sees, in ordinal order. Needs no context.
 pub fn list_gpus() -> Result<Vec<GpuInfo>> {
-    library::init_driver()?;
-    let count = cu::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
-    (0..count.max(0)).map(|ordinal| gpu(ordinal as usize)).collect()
+    (0..super::CudaDevice::count()?).map(gpu).collect()
+}
+
+impl super::CudaDevice {
+    /// How many GPUs the driver sees (those `CUDA_VISIBLE_DEVICES` leaves). Needs no context.
+    pub fn count() -> Result<usize> {
+        library::init_driver()?;
+        let count = cu::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+        Ok(usize::try_from(count).unwrap_or(0))
+    }
+
+    /// The PCI address of GPU `ordinal` in lower case, "0000:1b:00.0" (domain:bus:device.function,
+    /// as the driver writes it), where `/sys/bus/pci/devices/` names it. Needs no context: nothing
+    /// is opened on the GPU.
+    pub fn pci_bus_id(ordinal: usize) -> Result<String> {
+        library::init_driver()?;
+        let ordinal = i32::try_from(ordinal).map_err(|_| DeviceError::Library {
+            library: CudaLibrary::Driver.name(),
+            reason: format!("{} {ordinal}: not a CUDA device ordinal", library::NO_DEVICE),
+        })?;
+        let device = cu::device::get(ordinal).map_err(|e| driver_error("cuDeviceGet", e))?;
+        // "dddd:bb:dd.f" needs 13 bytes with its NUL; the driver truncates to the length given.
+        let mut text = [0u8; 64];
+        let len = text.len() as i32;
+        // SAFETY: `device` is a valid device handle of the initialised driver; the buffer is valid
+        // for writes of `len` bytes.
+        let status = unsafe { cu_sys::cuDeviceGetPCIBusId(text.as_mut_ptr().cast(), len, device) };
+        status.result().map_err(|e| driver_error("cuDeviceGetPCIBusId", e))?;
+        Ok(bus_id_text(&text))
+    }
+}
+
+/// The NUL-terminated text `cuDeviceGetPCIBusId` wrote, trimmed and in lower case.
+fn bus_id_text(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).trim().to_ascii_lowercase()
 }
 
 fn gpu(ordinal: usize) -> Result<GpuInfo> {
@@ -165,5 +198,43 @@ pub fn gpu_or_skip(ordinal: usize) -> Option<super::CudaDevice> {
             None
         }
         Err(error) => panic!("opening GPU {ordinal} failed: {error}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{bus_id_text, is_absent};
+    use crate::CudaDevice;
+
+    #[test]
+    fn bus_ids_are_read_up_to_the_nul_in_lower_case() {
+        let mut bytes = [0u8; 64];
+        bytes[..12].copy_from_slice(b"0000:1B:00.0");
+        assert_eq!(bus_id_text(&bytes), "0000:1b:00.0");
+        assert_eq!(bus_id_text(b"0000:AB:01.1"), "0000:ab:01.1");
+        assert_eq!(bus_id_text(&[0u8; 4]), "");
+    }
+
+    /// On a GPU machine, every GPU has a bus id of the sysfs form; elsewhere the driver is absent.
+    #[test]
+    fn every_gpu_has_a_pci_bus_id() {
+        let count = match CudaDevice::count() {
+            Ok(count) => count,
+            Err(error)
+                if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&error) =>
+            {
+                println!("skipped: no CUDA device ({error})");
+                return;
+            }
+            Err(error) => panic!("cuDeviceGetCount: {error}"),
+        };
+        for ordinal in 0..count {
+            let id = CudaDevice::pci_bus_id(ordinal).unwrap();
+            let parts: Vec<&str> = id.split([':', '.']).collect();
+            assert_eq!(parts.len(), 4, "{id}");
+            assert!(id.chars().all(|c| c.is_ascii_hexdigit() || c == ':' || c == '.'), "{id}");
+            assert_eq!(id, id.to_ascii_lowercase());
+        }
+        assert!(CudaDevice::pci_bus_id(count).is_err());
     }
 }
