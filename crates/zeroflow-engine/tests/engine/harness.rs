@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{Chaos, CpuDevice, Device, HostMemory};
+use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
@@ -69,6 +69,16 @@ pub struct Outcome<P> {
     pub snapshots: Vec<Snapshot>,
     /// Every rank's device weights at the snapshot: what a checkpoint saves.
     pub device_weights: Vec<Vec<P>>,
+    /// Every rank's host-link traffic and CPU-optimizer time over its steps.
+    pub traffic: Vec<Traffic>,
+}
+
+/// What a rank's steps copied between host and device and spent on the CPU optimizer: from after
+/// the engine was set up (and restored) to right after the last step, before the snapshot.
+#[derive(Clone, Copy, Debug)]
+pub struct Traffic {
+    pub copied: CopiedBytes,
+    pub cpu_wait: Duration,
 }
 
 /// Trains the synthetic model with the engine; `inject(rank, k)` may poison micro-step `k`.
@@ -80,8 +90,8 @@ pub fn train<P: Float>(
     train_from(setup, scaler, poison, None)
 }
 
-/// One rank's flushed weights, step reports, snapshot and weights at the snapshot.
-type RankResult<P> = (Vec<P>, Vec<StepReport>, Snapshot, Vec<P>);
+/// One rank's flushed weights, step reports, snapshot, weights at the snapshot and traffic.
+type RankResult<P> = (Vec<P>, Vec<StepReport>, Snapshot, Vec<P>, Traffic);
 
 /// A point to resume from: the flat weights and the optimizer state as saved.
 #[derive(Clone, Debug)]
@@ -150,6 +160,7 @@ pub fn train_from<P: Float>(
                         }
                     }
                     let mut reports = Vec::new();
+                    let (copied, waited) = (device.copied_bytes(), engine.cpu_wait());
                     let first = engine.micro_steps();
                     for k in first..first + u64::from(setup.steps * setup.accum) {
                         engine
@@ -166,10 +177,19 @@ pub fn train_from<P: Float>(
                             reports.push(report);
                         }
                     }
+                    let now = device.copied_bytes();
+                    let traffic = Traffic {
+                        copied: CopiedBytes {
+                            host_to_device: now.host_to_device - copied.host_to_device,
+                            device_to_host: now.device_to_host - copied.device_to_host,
+                        },
+                        cpu_wait: engine.cpu_wait() - waited,
+                    };
                     let snapshot = engine.snapshot().unwrap();
                     let device_weights = device.download(engine.params()).unwrap();
                     engine.flush().unwrap();
-                    (device.download(engine.params()).unwrap(), reports, snapshot, device_weights)
+                    let weights = device.download(engine.params()).unwrap();
+                    (weights, reports, snapshot, device_weights, traffic)
                 })
             })
             .collect();
@@ -180,12 +200,14 @@ pub fn train_from<P: Float>(
         reports: Vec::new(),
         snapshots: Vec::new(),
         device_weights: Vec::new(),
+        traffic: Vec::new(),
     };
-    for (weights, reports, snapshot, device_weights) in results {
+    for (weights, reports, snapshot, device_weights, traffic) in results {
         outcome.weights.push(weights);
         outcome.reports.push(reports);
         outcome.snapshots.push(snapshot);
         outcome.device_weights.push(device_weights);
+        outcome.traffic.push(traffic);
     }
     outcome
 }

@@ -534,3 +534,35 @@ fn zen_auto_windows_span_several_steps_and_ranks_agree() {
     assert!(cpu_steps.windows(2).all(|w| w[0] == w[1]), "ranks disagree on windows: {cpu_steps:?}");
     assert!((1..16).contains(&cpu_steps[0]), "CPU steps over 16 steps: {}", cpu_steps[0]);
 }
+
+/// ZenFlow's host link carries one fp32 window out and one partition of weights in per window,
+/// plus four bytes per step (the gradient norm) — not every step's gradients: one more window
+/// (8 more steps) adds exactly that to the device's copy counters, on every rank. Without overlap
+/// the CPU step is the training thread's wait; without offload there is none.
+#[test]
+fn zenflow_moves_one_window_out_and_one_partition_in_per_window() {
+    for world in [1, 2] {
+        let short = setup(Stage::Zero2, world, 8, zenflow(0.3, 64, 8, false));
+        let long = Setup { steps: 16, ..short.clone() };
+        let (short, long) = (
+            train::<f32>(&short, LossScaler::None, None),
+            train::<f32>(&long, LossScaler::None, None),
+        );
+        for rank in 0..world {
+            let owned = layout(world).partition_range(rank).len() as u64;
+            let (a, b) = (short.traffic[rank], long.traffic[rank]);
+            let out = b.copied.device_to_host - a.copied.device_to_host;
+            let into = b.copied.host_to_device - a.copied.host_to_device;
+            // 8 step norms and the window's norm, 4 bytes each.
+            assert_eq!(out, 4 * owned + 9 * 4, "world {world} rank {rank}: bytes out");
+            assert_eq!(into, 4 * owned, "world {world} rank {rank}: bytes in");
+            assert!(a.cpu_wait > std::time::Duration::ZERO, "the inline CPU step is a wait");
+        }
+    }
+    let device_run = train::<f32>(
+        &Setup { steps: 4, ..Setup::new(Stage::Zero2, 1, 1, false) },
+        LossScaler::None,
+        None,
+    );
+    assert_eq!(device_run.traffic[0].cpu_wait, std::time::Duration::ZERO);
+}
