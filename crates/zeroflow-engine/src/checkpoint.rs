@@ -6,7 +6,7 @@
 //! - `model.safetensors`: the weights as named tensors (Hugging Face names for the GPT model);
 //! - `optim/rank-R.safetensors`: `master`, `exp_avg`, `exp_avg_sq` of one flat range, with the
 //!   range in the metadata, so a checkpoint saved at one world size resumes at another; for a
-//!   ZenFlow run also `zenflow.window_grads` (the window's host accumulator of the same range)
+//!   ZenFlow run also `zenflow.window_grads` (the window's gradient sums of the same range)
 //!   and, as JSON in the metadata key `zenflow`, the selection and the window's position.
 //!
 //! A checkpoint is never written over an existing directory, and a truncated or foreign one is a

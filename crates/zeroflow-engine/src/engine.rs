@@ -413,8 +413,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     pub fn restore(&mut self, weights: &[P], from: &Restore<'_>) -> Result<(), EngineError> {
         if self.zenflow.is_some() {
             return Err(EngineError::Usage(
-                "a ZenFlow run resumes only with its ZenFlow state (selection, window and host \
-                 accumulator); the checkpoint files do not carry it yet",
+                "a ZenFlow run resumes only with its ZenFlow state (selection, window position \
+                 and sums): use restore_with_zenflow",
             ));
         }
         self.restore_state(weights, from)
@@ -883,7 +883,7 @@ pub struct Snapshot {
     pub optimizer_steps: u64,
     pub micro_steps: u64,
     pub scaler: LossScaler,
-    /// ZenFlow's selection, window and host accumulator (`part` holds the consolidated optimizer
+    /// ZenFlow's selection, window position and window sums (`part` holds the consolidated optimizer
     /// state: the device's for the selected columns).
     pub zenflow: Option<ZenFlowSnapshot>,
 }
@@ -1003,7 +1003,7 @@ fn check_zenflow(opts: &EngineOptions) -> Result<(), EngineError> {
     }
     if matches!(opts.scaler, LossScaler::Dynamic(_)) {
         return Err(EngineError::Usage(
-            "ZenFlow does not support dynamic loss scaling (a window's host accumulator would mix \
+            "ZenFlow does not support dynamic loss scaling (a window's gradient sum would mix \
              scales); use bf16, fp32 or a static loss scale",
         ));
     }

@@ -3,11 +3,13 @@
 //!
 //! At every step: the selected columns' gradients are gathered on the compute stream (after the
 //! comm stream's `norm_done`), stepped by the device AdamW and scattered into the flat weights,
-//! and `device_done` is recorded. The host accumulator keeps summing the whole partition; at the
-//! end of a window of `update_interval` steps the CPU steps it, and its weights are uploaded on
-//! the h2d stream (after `device_done`) with the device's columns scattered over them again. With
-//! `overlap_step` the CPU step of a window runs on a worker during the next window and is applied
-//! at that window's end.
+//! and `device_done` is recorded; then the whole partition's gradients are added into the device
+//! window. When a window ends (after `update_interval` steps, or when Zen-auto says so) the window
+//! is copied into the host accumulator and cleared on the d2h stream, the CPU steps the partition
+//! with it, and its weights reach the flat weights on the h2d stream (after `device_done`) with
+//! the device's columns scattered over them again. With `overlap_step` the CPU step of a window
+//! runs on a worker during the next window, uploads into the aside buffer, and is applied at that
+//! window's end by a device copy.
 
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, ReduceOp, StreamKind};
@@ -215,7 +217,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         Ok(())
     }
 
-    /// A new selection from this step's gradients (the host accumulator at a window's start),
+    /// A new selection from this step's gradients (a selection starts a window),
     /// with the state re-synchronised (see `zenflow.rs`). Waits for the device and for a CPU step
     /// still running: the state it exchanges must be current.
     fn reselect(&mut self) -> Result<(), EngineError> {
@@ -335,7 +337,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     }
 
     /// [`Engine::restore`] for a ZenFlow run: also the selection, the window's position and its
-    /// host accumulator, from the ZenFlow snapshots of any number of ranks (`from.parts` hold
+    /// device window, from the ZenFlow snapshots of any number of ranks (`from.parts` hold
     /// the consolidated optimizer state). The selected columns' device state is taken from it.
     pub fn restore_with_zenflow(
         &mut self,

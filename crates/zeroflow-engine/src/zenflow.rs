@@ -11,9 +11,10 @@
 //! The selected elements of this rank's partition live in compact device buffers, block by block
 //! ([`Block`]): their fp32 master weights and moments, the gathered gradients and the updated
 //! weights, which are scattered back into the flat weights every step. Everything else goes
-//! through the offload path: the host accumulator sums the gradients of a window of
-//! `update_interval` steps and the CPU steps the whole partition once per window, its results for
-//! the selected columns discarded (the device's weights are scattered over them again).
+//! through the offload path: the device window sums the gradients of a window of
+//! `update_interval` steps (or a Zen-auto window, [`AutoWindow`]), and the CPU steps the whole
+//! partition once per window with the window copied to the host, its results for the selected
+//! columns discarded (the device's weights are scattered over them again).
 //!
 //! Selections happen at the start of a window (the first step, then the first window start at
 //! least `select_interval` steps after the last selection), from the gradients of that step. They
