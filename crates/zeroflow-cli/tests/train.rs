@@ -297,3 +297,54 @@ fn a_glob_of_text_files_holds_the_last_out_for_eval() {
     assert_eq!(run.status.code(), Some(2), "{}", text(&run.stderr));
     assert!(text(&run.stderr).contains("both .bin token shards and other files"));
 }
+
+/// `zeroflow train` tells ZenFlow where its data's epochs end: with `select_strategy` "epoch" and
+/// `select_interval` 2 the columns are selected again after every second pass over the text, which
+/// the checkpoint's ZenFlow state shows (steps since the last selection); without epochs ending
+/// within the run they stay from the first step.
+#[test]
+fn zenflow_epoch_selection_follows_the_data() {
+    let dir = scratch("zenflow_epochs");
+    // 3 steps of 2 × 16 bytes per pass, the first byte of the next pass as the last target.
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, &"abcdefghijklmnopqrstuvwxyz0123456789".repeat(3).as_bytes()[..97])
+        .unwrap();
+    let config = dir.join("ds.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
+            "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.5,
+            "select_strategy": "epoch", "select_interval": 2, "update_interval": 1}}}"#,
+    )
+    .unwrap();
+    let model = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
+    let since_selection = |steps: &str, name: &str| {
+        let out = dir.join(name);
+        let args = ["--model", model, "--steps", steps, "--eval-every", "0", "--save-every", "0"];
+        let paths = [
+            "--data",
+            corpus.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        let run = train(&[&args[..], &paths[..]].concat());
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        let checkpoint =
+            std::fs::read_dir(out.join("checkpoints")).unwrap().next().unwrap().unwrap();
+        let part =
+            std::fs::read(checkpoint.path().join("optim").join("rank-0.safetensors")).unwrap();
+        let header_len = u64::from_le_bytes(part[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&part[8..8 + header_len]).unwrap();
+        let zenflow =
+            header["__metadata__"]["zenflow"].as_str().expect("ZenFlow state").to_string();
+        let zenflow: serde_json::Value = serde_json::from_str(&zenflow).unwrap();
+        zenflow["since_selection"].as_u64().expect("selected")
+    };
+    // A pass is 3 steps; the loader wraps (an epoch ends) as steps 4 and 7 read their batches,
+    // so the second epoch's end is reported after step 7 and step 8 selects again.
+    assert_eq!(since_selection("8", "eight"), 1);
+    // Within the first two passes the first selection stays.
+    assert_eq!(since_selection("5", "five"), 5);
+}

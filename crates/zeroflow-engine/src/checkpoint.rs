@@ -211,6 +211,9 @@ struct ZenFlowMeta {
     selection: Vec<(usize, Vec<u32>)>,
     steps_in_window: u64,
     since_selection: Option<u64>,
+    /// Epochs reported since the last selection (absent in older checkpoints: 0).
+    #[serde(default)]
+    epochs_since_selection: u64,
     cpu_steps: u64,
     window_start: usize,
     window_end: usize,
@@ -285,6 +288,7 @@ fn part_bytes(
             selection: z.selection.clone(),
             steps_in_window: z.steps_in_window,
             since_selection: z.since_selection,
+            epochs_since_selection: z.epochs_since_selection,
             cpu_steps: z.cpu_steps,
             window_start: z.window_flat.start,
             window_end: z.window_flat.end,
@@ -472,6 +476,7 @@ fn read_part(
         selection: z.selection,
         steps_in_window: z.steps_in_window,
         since_selection: z.since_selection,
+        epochs_since_selection: z.epochs_since_selection,
         cpu_steps: z.cpu_steps,
         window_flat: flat,
         window_grads,

@@ -274,6 +274,18 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         Ok(())
     }
 
+    /// Tells ZenFlow that the trainer's data has completed an epoch. With `select_strategy`
+    /// `"epoch"` (or `"auto"`: every epoch) the columns are selected again at the next window
+    /// start once `select_interval` epochs have ended since the last selection. Call it between
+    /// steps, on every rank alike; without ZenFlow, or with step-based selection, it does nothing.
+    pub fn end_epoch(&mut self) {
+        if let Some(zenflow) = &mut self.zenflow
+            && zenflow.select_epochs.is_some()
+        {
+            zenflow.epochs_since_selection += 1;
+        }
+    }
+
     /// This step's column importances (Σ|g| per column of every 2-D weight, summed over ranks,
     /// so that every rank selects the same columns and ends the same windows) into
     /// `importance_host`: computed on the compute stream from the reduced gradients.
@@ -329,6 +341,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             selection: zenflow.selection(),
             steps_in_window: zenflow.steps_in_window,
             since_selection: zenflow.since_selection,
+            epochs_since_selection: zenflow.epochs_since_selection,
             cpu_steps: zenflow.cpu_adamw.steps_taken(),
             window_flat: self.owned.clone(),
             window_grads: window,
@@ -349,7 +362,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             return Err(EngineError::Usage("ZenFlow state given to an engine without ZenFlow"));
         }
         let first = saved.first().ok_or(EngineError::Usage("no ZenFlow state to restore"))?;
-        let counters = |s: &ZenFlowSnapshot| (s.steps_in_window, s.since_selection, s.cpu_steps);
+        let counters = |s: &ZenFlowSnapshot| {
+            (s.steps_in_window, s.since_selection, s.epochs_since_selection, s.cpu_steps)
+        };
         if saved.iter().any(|s| counters(s) != counters(first)) {
             return Err(EngineError::Usage("the ranks' ZenFlow states disagree"));
         }
@@ -378,6 +393,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         zenflow.steps_in_window = first.steps_in_window;
         zenflow.since_selection = first.since_selection;
+        zenflow.epochs_since_selection = first.epochs_since_selection;
         zenflow.cpu_adamw.resume_at(first.cpu_steps);
         zenflow.device_done = None;
         let optimizer = host.join()?;

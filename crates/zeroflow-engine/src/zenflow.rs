@@ -39,9 +39,11 @@ use crate::device_adamw::DeviceAdamState;
 pub struct ZenFlowOptions {
     /// The fraction of each weight's columns updated on the device every step; 0 selects none.
     pub topk_ratio: f64,
-    /// When the columns are selected again. With DeepSpeed's `"auto"` and `"epoch"` strategies,
-    /// whose epoch length the engine is not told, the columns are selected once (at the first
-    /// step), as DeepSpeed does when it does not own the dataloader.
+    /// When the columns are selected again. With DeepSpeed's `"auto"` and `"epoch"` strategies
+    /// the trainer reports the epochs ([`crate::Engine::end_epoch`]): the columns are selected
+    /// again at the first window start after every `select_interval` epochs (one for `"auto"`);
+    /// without such reports they are selected once, at the first step, as DeepSpeed does when it
+    /// does not own the dataloader.
     pub selection: Selection,
     /// Steps per CPU update: a fixed number, or Zen-auto ([`AutoWindow`]).
     pub update_interval: UpdateInterval,
@@ -74,20 +76,10 @@ impl ZenFlowOptions {
         };
         let select = match self.selection {
             Selection::Step { interval } => interval,
-            Selection::Auto | Selection::Epoch { .. } => {
-                // DeepSpeed reselects once per epoch (or every `select_interval` epochs) when it
-                // owns the dataloader, and otherwise selects once and never again; the engine is
-                // never told the epoch's length, so it does the latter, and says so.
-                tracing::warn!(
-                    "ZenFlow: select_strategy \"auto\"/\"epoch\" reselects once per epoch, whose \
-                     length the engine does not know: the columns are selected at the first step \
-                     and kept (as DeepSpeed does without a dataloader); use select_strategy \
-                     \"step\" with a select_interval to reselect"
-                );
-                NEVER
-            }
+            // By epochs, as the trainer reports them (`select_epochs`), not by steps.
+            Selection::Auto | Selection::Epoch { .. } => NEVER,
         };
-        if update == 0 || select == 0 {
+        if update == 0 || select == 0 || self.select_epochs() == Some(0) {
             return Err(EngineError::Usage("ZenFlow's intervals must be at least 1"));
         }
         if select != NEVER && update != NEVER && select < update {
@@ -96,6 +88,15 @@ impl ZenFlowOptions {
             ));
         }
         Ok((select, update))
+    }
+
+    /// Epochs between selections with the `"auto"` (one) and `"epoch"` strategies.
+    pub fn select_epochs(&self) -> Option<u64> {
+        match self.selection {
+            Selection::Auto => Some(1),
+            Selection::Epoch { interval } => Some(interval),
+            Selection::Step { .. } => None,
+        }
     }
 }
 
@@ -197,6 +198,10 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     pub steps_in_window: u64,
     /// Steps since the last selection (`None` before the first).
     pub since_selection: Option<u64>,
+    /// With epoch-based selection: epochs between selections, and the epochs the trainer has
+    /// reported since the last one.
+    pub select_epochs: Option<u64>,
+    pub epochs_since_selection: u64,
     /// Compute → h2d: the device step has written the weights and the compact weights.
     pub device_done: Option<D::Event>,
 }
@@ -261,6 +266,8 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             },
             steps_in_window: 0,
             since_selection: None,
+            select_epochs: options.select_epochs(),
+            epochs_since_selection: 0,
             device_done: None,
         })
     }
@@ -269,7 +276,8 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
     pub fn selection_due(&self) -> bool {
         self.selects
             && self.steps_in_window == 0
-            && self.since_selection.is_none_or(|since| since >= self.select_interval)
+            && (self.since_selection.is_none_or(|since| since >= self.select_interval)
+                || self.select_epochs.is_some_and(|e| self.epochs_since_selection >= e))
     }
 
     /// Queues this rank's partial column importances (Σ|g| over its elements of each column)
@@ -310,6 +318,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         }
         self.lay_out();
         self.since_selection = Some(0);
+        self.epochs_since_selection = 0;
     }
 
     /// The blocks and compact offsets of the selection in `selected`.
@@ -396,6 +405,8 @@ pub struct ZenFlowSnapshot {
     /// Steps taken in the current window, and since the last selection (`None`: none yet).
     pub steps_in_window: u64,
     pub since_selection: Option<u64>,
+    /// Epochs reported since the last selection (epoch-based selection).
+    pub epochs_since_selection: u64,
     /// CPU steps (windows) taken.
     pub cpu_steps: u64,
     /// The host accumulator of the window so far: the gradients of `window_flat` (this rank's

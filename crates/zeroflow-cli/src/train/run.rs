@@ -231,6 +231,16 @@ impl<M: Model> Trainer<M> {
         // The ranks of one host share its cores: those near its GPU where bound.
         let threads = affinity::optimizer_threads(setup.cpu_binding.as_ref(), &setup.dist);
         let options = EngineOptions::from_config(config, threads);
+        // The synthetic corpus is one endless stream (its entropy floor is known): no epochs end.
+        if options.zenflow.is_some_and(|z| z.select_epochs().is_some())
+            && setup.data.floor.is_some()
+        {
+            tracing::warn!(
+                "ZenFlow: select_strategy \"auto\"/\"epoch\" selects again when an epoch of the \
+                 data ends, and the synthetic corpus has none: the columns selected at the first \
+                 step are kept (select_strategy \"step\" with a select_interval reselects)"
+            );
+        }
         let convert =
             |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };
         let mut engine =
@@ -376,6 +386,7 @@ impl<M: Model> Trainer<M> {
         let lr = self.engine.lr();
         let mut loss_sum = 0.0;
         let mut report = StepReport::Accumulated;
+        let epoch = data.position().epoch;
         for _ in 0..self.accum {
             data.next_into(&mut self.micro_batch)
                 .map_err(|e| super::input(format!("--data: {e}")))?;
@@ -383,6 +394,11 @@ impl<M: Model> Trainer<M> {
             forward_backward(&mut self.engine, &mut self.model)?;
             loss_sum += f64::from(self.model.loss()?);
             report = self.engine.step()?;
+        }
+        // Every rank reads the same stream positions, so every rank reports the same epochs
+        // (ZenFlow's epoch-based selection counts them).
+        for _ in epoch..data.position().epoch {
+            self.engine.end_epoch();
         }
         self.train_time += start.elapsed();
         // The mean over every rank's micro-batches (the ranks' batches are the same size), so that

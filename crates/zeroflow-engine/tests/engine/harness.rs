@@ -27,6 +27,8 @@ pub struct Setup {
     pub delayed: Option<u64>,
     /// ZenFlow's split update (needs `offload` and `accum` 1).
     pub zenflow: Option<ZenFlowOptions>,
+    /// Report the end of an epoch to the engine after every this many steps.
+    pub epoch_steps: Option<u64>,
 }
 
 impl Setup {
@@ -42,6 +44,7 @@ impl Setup {
             bucket: 23,
             delayed: None,
             zenflow: None,
+            epoch_steps: None,
         }
     }
 }
@@ -175,6 +178,13 @@ pub fn train_from<P: Float>(
                             engine.step().unwrap_or_else(|e| panic!("rank {rank} step {k}: {e}"));
                         if report != StepReport::Accumulated {
                             reports.push(report);
+                        }
+                        let (done, accum) = (engine.micro_steps(), u64::from(setup.accum));
+                        let epoch_ends = setup.epoch_steps.is_some_and(|e| {
+                            done.is_multiple_of(accum) && (done / accum).is_multiple_of(e)
+                        });
+                        if epoch_ends {
+                            engine.end_epoch();
                         }
                     }
                     let now = device.copied_bytes();

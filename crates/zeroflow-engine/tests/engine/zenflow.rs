@@ -180,12 +180,11 @@ fn partitioned_stages_agree_with_stage_zero_and_ranks_agree() {
     }
 }
 
-/// The configurations ZenFlow cannot run are refused with an error, not run wrongly.
-/// DeepSpeed's `"auto"` and `"epoch"` strategies reselect once per epoch, whose length the engine
-/// is not told: the columns are selected at the first step and kept, as DeepSpeed does without a
+/// DeepSpeed's `"auto"` and `"epoch"` strategies reselect at epoch ends; without the trainer
+/// reporting any, the columns are selected at the first step and kept, as DeepSpeed does without a
 /// dataloader of its own, while a step interval reselects.
 #[test]
-fn auto_selection_selects_once_and_keeps_the_columns() {
+fn auto_selection_without_epochs_keeps_the_first_columns() {
     for selection in [Selection::Auto, Selection::Epoch { interval: 2 }] {
         let options = ZenFlowOptions { selection, ..zenflow(0.25, 2, 1, false) };
         let out = train::<f32>(&setup(Stage::Zero2, 1, 9, options), LossScaler::None, None);
@@ -565,4 +564,29 @@ fn zenflow_moves_one_window_out_and_one_partition_in_per_window() {
         None,
     );
     assert_eq!(device_run.traffic[0].cpu_wait, std::time::Duration::ZERO);
+}
+
+/// With `select_strategy` "epoch" the columns are selected again once `select_interval` reported
+/// epochs have ended (at the next window start): epochs of 2 steps and an interval of 2 epochs
+/// are a selection every 4 steps, bit for bit, and so is "auto" (every epoch) with epochs of 4;
+/// without epoch reports the first selection stays. The epoch count survives a checkpoint.
+#[test]
+fn epoch_selection_follows_the_reported_epochs() {
+    let by_steps = setup(Stage::Zero2, 2, 16, zenflow(0.3, 4, 2, true));
+    let want = train::<f32>(&by_steps, LossScaler::None, None);
+    let epochs = |selection, epoch_steps| Setup {
+        epoch_steps: Some(epoch_steps),
+        ..setup(Stage::Zero2, 2, 16, ZenFlowOptions { selection, ..zenflow(0.3, 4, 2, true) })
+    };
+    let every_two = epochs(Selection::Epoch { interval: 2 }, 2);
+    assert_eq!(train::<f32>(&every_two, LossScaler::None, None).weights, want.weights, "epoch");
+    let auto = epochs(Selection::Auto, 4);
+    assert_eq!(train::<f32>(&auto, LossScaler::None, None).weights, want.weights, "auto");
+    let unreported = Setup { epoch_steps: None, ..auto.clone() };
+    let once = train::<f32>(&unreported, LossScaler::None, None);
+    assert_ne!(once.weights, want.weights, "without epoch reports the selection stays");
+    // Checkpointed after 4 steps (one epoch reported, its reselection due at step 5): resumes
+    // exactly, the reported epoch included.
+    let resume = check_resume(&Setup { steps: 4, ..auto }, Stage::Zero2);
+    assert_eq!(resume.zenflow[0].epochs_since_selection, 1, "the epoch reported at step 4");
 }
