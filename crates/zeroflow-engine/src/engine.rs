@@ -24,7 +24,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, Float};
-use zeroflow_device::{Comm, Device, HostMemory, ReduceOp, StreamKind};
+use zeroflow_device::{Comm, Device, HostBuffer, HostMemory, ReduceOp, StreamKind};
 use zeroflow_optim::{AdamW, CpuAdam, SimdLevel};
 
 use crate::buckets::Bucketer;
@@ -114,7 +114,7 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     /// ZenFlow's selection and device state (see `zenflow.rs`).
     zenflow: Option<ZenFlow<D, P>>,
     norm: D::Buffer<f32>,
-    norm_host: zeroflow_device::HostBuffer<f32>,
+    norm_host: HostBuffer<f32>,
     events: Events<D>,
     bucketer: Bucketer,
     adamw: AdamW,
@@ -585,7 +585,6 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// Σ g² over the accumulated gradients of all ranks (in loss-scaled, summed units).
     fn global_sum_squares(&mut self) -> Result<f64, EngineError> {
         let comm_stream = self.device.stream(StreamKind::Comm);
-        let across_ranks = self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0;
         let on_device = self.zenflow.is_some();
         match &mut self.optimizer {
             Optimizer::Device { grad_acc, .. } => {
@@ -610,14 +609,18 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             }
             Optimizer::Host(_) => return self.host_sum_squares(),
         }
-        if across_ranks {
-            self.comm.all_reduce(comm_stream, &self.norm, 0..1, ReduceOp::Sum)?;
-        }
-        let d2h = self.device.stream(StreamKind::D2h);
-        self.device.record(&mut self.events.norm_done, comm_stream)?;
-        self.device.wait_event(d2h, &self.events.norm_done)?;
-        let norm = self.device.copy_d2h(d2h, &self.norm, 0..1, &mut self.norm_host, 0)?.wait()?;
-        Ok(f64::from(norm[0]))
+        let across = self.across_ranks();
+        let (norm, host) = (&self.norm, &mut self.norm_host);
+        let done = &mut self.events.norm_done;
+        let read =
+            sum_to_host(&self.device, &self.comm, across, StreamKind::Comm, done, norm, host)?;
+        Ok(f64::from(read[0]))
+    }
+
+    /// True if the ranks hold parts of the gradients (stages 1 and 2 with several ranks), so
+    /// that sums over them need an all-reduce.
+    fn across_ranks(&self) -> bool {
+        self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0
     }
 
     /// Σ g² over the host accumulators of all ranks (in loss-scaled, summed units).
@@ -630,20 +633,17 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             .par_chunks(1 << 16)
             .map(|chunk| chunk.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
             .sum();
-        if self.comm.world_size() == 1 || self.opts.stage == Stage::Zero0 {
+        if !self.across_ranks() {
             return Ok(local);
         }
-        // Uploaded and waited for, so the all-reduce below is ordered after it.
+        // Uploaded and waited for, so the all-reduce is ordered after it.
         self.norm_host[0] = local as f32;
         let h2d = self.device.stream(StreamKind::H2d);
         self.device.copy_h2d(h2d, &self.norm_host, 0..1, &self.norm, 0)?.wait()?;
-        let comm_stream = self.device.stream(StreamKind::Comm);
-        self.comm.all_reduce(comm_stream, &self.norm, 0..1, ReduceOp::Sum)?;
-        let d2h = self.device.stream(StreamKind::D2h);
-        self.device.record(&mut self.events.norm_done, comm_stream)?;
-        self.device.wait_event(d2h, &self.events.norm_done)?;
-        let norm = self.device.copy_d2h(d2h, &self.norm, 0..1, &mut self.norm_host, 0)?.wait()?;
-        Ok(f64::from(norm[0]))
+        let (norm, host) = (&self.norm, &mut self.norm_host);
+        let done = &mut self.events.norm_done;
+        let read = sum_to_host(&self.device, &self.comm, true, StreamKind::Comm, done, norm, host)?;
+        Ok(f64::from(read[0]))
     }
 
     /// One AdamW step over the partition, then the updated weights back into every rank's flat
@@ -1008,6 +1008,31 @@ fn check_zenflow(opts: &EngineOptions) -> Result<(), EngineError> {
         ));
     }
     Ok(())
+}
+
+/// Reads `buf[..host.len()]` into `host` once what `writer` has queued so far is done, summed
+/// over the ranks first when `across` (an all-reduce on the comm stream): `event` is recorded on
+/// the writer (and again after the all-reduce), the copy runs on the d2h stream and is waited for.
+fn sum_to_host<'h, D: Device, C: Comm<Device = D>>(
+    device: &D,
+    comm: &C,
+    across: bool,
+    writer: StreamKind,
+    event: &mut D::Event,
+    buf: &D::Buffer<f32>,
+    host: &'h mut HostBuffer<f32>,
+) -> Result<&'h mut HostBuffer<f32>, EngineError> {
+    let len = host.len();
+    device.record(event, device.stream(writer))?;
+    if across {
+        let comm_stream = device.stream(StreamKind::Comm);
+        device.wait_event(comm_stream, event)?;
+        comm.all_reduce(comm_stream, buf, 0..len, ReduceOp::Sum)?;
+        device.record(event, comm_stream)?;
+    }
+    let d2h = device.stream(StreamKind::D2h);
+    device.wait_event(d2h, event)?;
+    Ok(device.copy_d2h(d2h, buf, 0..len, host, 0)?.wait()?)
 }
 
 /// Where this rank's reduced gradients are: the `reduced` buffer from its start (stages 1 and 2

@@ -12,13 +12,17 @@
 //! window's end by a device copy.
 
 use zeroflow_core::Float;
-use zeroflow_device::{Comm, ReduceOp, StreamKind};
+use zeroflow_device::{Comm, StreamKind};
 use zeroflow_optim::AdamWStep;
 
-use super::{Engine, Optimizer, OptimizerPart, Restore, assemble, overwrite, reduced_source, slot};
+use super::{
+    Engine, Optimizer, OptimizerPart, Restore, assemble, overwrite, reduced_source, slot,
+    sum_to_host,
+};
+use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
-use crate::zenflow::ZenFlowSnapshot;
-use crate::{EngineError, Stage};
+use crate::host::HostOptimizer;
+use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// One ZenFlow step: a selection if one is due, the device step of the selected columns,
@@ -173,22 +177,15 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// Σ g² over the windows of all ranks (in loss-scaled, summed units), on the device.
     fn window_sum_squares(&mut self) -> Result<f64, EngineError> {
+        let across = self.across_ranks();
         let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
-        let (compute, comm) =
-            (self.device.stream(StreamKind::Compute), self.device.stream(StreamKind::Comm));
-        let len = self.owned.len();
-        self.device.sum_squares(compute, &zenflow.window, 0..len, &self.norm, 0)?;
+        let compute = self.device.stream(StreamKind::Compute);
+        self.device.sum_squares(compute, &zenflow.window, 0..self.owned.len(), &self.norm, 0)?;
         let ready = slot(&mut zenflow.window_ready, &self.device)?;
-        self.device.record(ready, compute)?;
-        if self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0 {
-            self.device.wait_event(comm, ready)?;
-            self.comm.all_reduce(comm, &self.norm, 0..1, ReduceOp::Sum)?;
-            self.device.record(ready, comm)?;
-        }
-        let d2h = self.device.stream(StreamKind::D2h);
-        self.device.wait_event(d2h, ready)?;
-        let norm = self.device.copy_d2h(d2h, &self.norm, 0..1, &mut self.norm_host, 0)?.wait()?;
-        Ok(f64::from(norm[0]))
+        let (norm, host) = (&self.norm, &mut self.norm_host);
+        let read =
+            sum_to_host(&self.device, &self.comm, across, StreamKind::Compute, ready, norm, host)?;
+        Ok(f64::from(read[0]))
     }
 
     /// The selected columns: gather their gradients, AdamW over the compact state, scatter the
@@ -256,21 +253,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         };
         zenflow.select();
         // The columns entering the selection: their host state is the current one.
-        let optimizer = host.join()?;
-        let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
-        if selected.is_empty() {
-            return Ok(());
-        }
-        let state = &zenflow.state;
-        for (buffer, host_state) in [
-            (&state.master, &optimizer.master),
-            (&state.exp_avg, &optimizer.exp_avg),
-            (&state.exp_avg_sq, &optimizer.exp_avg_sq),
-        ] {
-            let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
-            overwrite(&self.device, buffer, &compact)?;
-        }
-        overwrite(&self.device, &zenflow.index, &zenflow.indices)?;
+        load_selected(&self.device, zenflow, host.join()?, owned_start)?;
         Ok(())
     }
 
@@ -290,23 +273,22 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// so that every rank selects the same columns and ends the same windows) into
     /// `importance_host`: computed on the compute stream from the reduced gradients.
     fn column_importance(&mut self) -> Result<(), EngineError> {
+        let across = self.across_ranks();
         let Some(zenflow) = &mut self.zenflow else { unreachable!("a ZenFlow step") };
         let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
         let compute = self.device.stream(StreamKind::Compute);
         zenflow.queue_importance(&self.device, compute, source, self.owned.start - at)?;
-        let columns = zenflow.importance_host.len();
         let ready = slot(&mut zenflow.window_ready, &self.device)?;
-        self.device.record(ready, compute)?;
-        if self.comm.world_size() > 1 && self.opts.stage != Stage::Zero0 {
-            let comm = self.device.stream(StreamKind::Comm);
-            self.device.wait_event(comm, ready)?;
-            self.comm.all_reduce(comm, &zenflow.importance, 0..columns, ReduceOp::Sum)?;
-            self.device.record(ready, comm)?;
-        }
-        let d2h = self.device.stream(StreamKind::D2h);
-        self.device.wait_event(d2h, ready)?;
-        let (importance, host_importance) = (&zenflow.importance, &mut zenflow.importance_host);
-        self.device.copy_d2h(d2h, importance, 0..columns, host_importance, 0)?.wait()?;
+        let (importance, host) = (&zenflow.importance, &mut zenflow.importance_host);
+        sum_to_host(
+            &self.device,
+            &self.comm,
+            across,
+            StreamKind::Compute,
+            ready,
+            importance,
+            host,
+        )?;
         Ok(())
     }
 
@@ -397,24 +379,39 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         zenflow.cpu_adamw.resume_at(first.cpu_steps);
         zenflow.device_done = None;
         let optimizer = host.join()?;
-        let owned_start = self.owned.start;
-        let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
+        let selected = load_selected(&self.device, zenflow, optimizer, self.owned.start)?;
         if selected.is_empty() {
             return Ok(());
-        }
-        let state = &zenflow.state;
-        for (buffer, host_state) in [
-            (&state.master, &optimizer.master),
-            (&state.exp_avg, &optimizer.exp_avg),
-            (&state.exp_avg_sq, &optimizer.exp_avg_sq),
-        ] {
-            let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
-            overwrite(&self.device, buffer, &compact)?;
         }
         // The selected columns' weights, as the device step would have left them.
         let compact: Vec<P> = selected.iter().map(|&i| P::from_f32(optimizer.master[i])).collect();
         overwrite(&self.device, &zenflow.weights, &compact)?;
-        overwrite(&self.device, &zenflow.index, &zenflow.indices)?;
         Ok(())
     }
+}
+
+/// Loads the selected elements' master weights and moments from the host optimizer (the current
+/// state of those columns) into the compact device state, and the selection's column indices;
+/// returns the selected elements' indices in the partition (empty: nothing to load).
+fn load_selected<D: DeviceAdamW, P: Float>(
+    device: &D,
+    zenflow: &ZenFlow<D, P>,
+    optimizer: &HostOptimizer<P>,
+    owned_start: usize,
+) -> Result<Vec<usize>, EngineError> {
+    let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
+    if selected.is_empty() {
+        return Ok(selected);
+    }
+    let state = &zenflow.state;
+    for (buffer, host_state) in [
+        (&state.master, &optimizer.master),
+        (&state.exp_avg, &optimizer.exp_avg),
+        (&state.exp_avg_sq, &optimizer.exp_avg_sq),
+    ] {
+        let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
+        overwrite(device, buffer, &compact)?;
+    }
+    overwrite(device, &zenflow.index, &zenflow.indices)?;
+    Ok(selected)
 }

@@ -177,6 +177,9 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     pub weights: D::Buffer<P>,
     /// Σ|g| per column of every 2-D parameter, model-wide, for the all-reduce.
     pub importance: D::Buffer<f32>,
+    /// The row-major blocks of this rank's elements of every 2-D parameter, as `(flat index of
+    /// the first element, rows, cols, where its first column's sum goes in importance)`.
+    importance_blocks: Vec<(usize, usize, usize, usize)>,
     pub importance_host: zeroflow_device::HostBuffer<f32>,
     /// The window: this rank's partition of the gradients summed over the window's steps, in
     /// `f32` on the device. Copied into the host accumulator when the window ends, then cleared.
@@ -217,6 +220,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
     ) -> Result<Self, EngineError> {
         let (select_interval, update_interval) = options.intervals()?;
         let matrices = matrices(layout, owned, options.topk_ratio);
+        let importance_blocks = importance_blocks(&matrices);
         // The largest selection: every block holds min(k, its columns) selected columns.
         let (mut capacity, mut index_capacity) = (0, 0);
         for m in &matrices {
@@ -249,6 +253,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             grads_f32: alloc(capacity)?,
             weights: device.alloc(capacity.max(1))?,
             importance: alloc(columns)?,
+            importance_blocks,
             importance_host: device
                 .alloc_host(columns.max(1), zeroflow_device::HostMemory::Pinned)?,
             window: device.alloc(owned.len().max(1))?,
@@ -290,15 +295,10 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         source: &D::Buffer<P>,
         shift: usize,
     ) -> Result<(), EngineError> {
-        let columns = self.importance.len();
-        device.fill(stream, &self.importance, 0..columns, 0.0)?;
-        for m in &self.matrices {
-            let Some(at) = m.importance_at else { continue };
-            for (rows, cols, (row, col)) in block_shapes(m) {
-                let offset = m.start + row * m.cols + col - shift;
-                let block = Matrix { buffer: source, offset, rows, cols };
-                device.column_abs_sums(stream, block, &self.importance, at + col)?;
-            }
+        device.fill(stream, &self.importance, 0..self.importance.len(), 0.0)?;
+        for &(start, rows, cols, at) in &self.importance_blocks {
+            let block = Matrix { buffer: source, offset: start - shift, rows, cols };
+            device.column_abs_sums(stream, block, &self.importance, at)?;
         }
         Ok(())
     }
@@ -448,6 +448,18 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
         });
     }
     out
+}
+
+/// The blocks [`ZenFlow::queue_importance`] sums, once per ZenFlow (see its field).
+fn importance_blocks(matrices: &[MatrixParam]) -> Vec<(usize, usize, usize, usize)> {
+    let mut blocks = Vec::new();
+    for m in matrices {
+        let Some(at) = m.importance_at else { continue };
+        for (rows, cols, (row, col)) in block_shapes(m) {
+            blocks.push((m.start + row * m.cols + col, rows, cols, at + col));
+        }
+    }
+    blocks
 }
 
 /// How many of a weight's `cols` columns a selection takes: `round(ratio × cols)`, at least one
