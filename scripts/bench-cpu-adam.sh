@@ -23,10 +23,7 @@ run --params 5e8 --bf16-copy
 run --params 5e8 --threads 8
 run --params 2e8 --threads 1 --iters 5
 echo "== DeepSpeed 0.19.8 install"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/wheels/*.whl 2>&1 | tail -3
-mkdir -p /tmp/ds && tar -xzf .peers/deepspeed-0.19.8.tar.gz -C /tmp/ds
-(cd /tmp/ds/deepspeed-0.19.8 && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
-    --no-build-isolation --target /tmp/site . 2>&1 | tail -5)
+bash bench/peers/install-deepspeed.sh
 export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0
 echo "== peers"
 PYTHONUNBUFFERED=1 timeout 400 python3 bench/peers/cpu_adam.py --params 5e8 --threads 16 2>"$OUT/peers.err" | tee "$OUT/peers.jsonl"

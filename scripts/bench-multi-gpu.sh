@@ -98,11 +98,8 @@ if [[ -z "${SKIP_ZF:-}" ]]; then
 fi
 
 if [[ -z "${SKIP_DS:-}" ]]; then
-    # DeepSpeed from .peers (bench/peers/README.md), as scripts/bench-vs-deepspeed.sh installs it.
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/wheels/*.whl >/dev/null 2>&1
-    mkdir -p /tmp/ds && tar -xzf .peers/deepspeed-0.19.8.tar.gz -C /tmp/ds
-    (cd /tmp/ds/deepspeed-0.19.8 && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
-        --no-build-isolation --target /tmp/site . >/dev/null 2>&1)
+    # DeepSpeed from .peers (bench/peers/README.md).
+    bash bench/peers/install-deepspeed.sh
     # Unbuffered: rank 0's result line is written whole, not cut by rank 1's output.
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     # The CPU Adam op is built (JIT) once here, not by two ranks racing for it inside the timing.

@@ -95,13 +95,6 @@ sys.exit(0 if objects else 1)
 PY
 }
 
-install_deepspeed() {
-    [[ -d /tmp/site/deepspeed ]] && return
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/wheels/*.whl >/dev/null 2>&1
-    mkdir -p /tmp/ds && tar -xzf .peers/deepspeed-0.19.8.tar.gz -C /tmp/ds
-    (cd /tmp/ds/deepspeed-0.19.8 && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
-        --no-build-isolation --target /tmp/site . >/dev/null 2>&1)
-}
 
 for MODEL in $MODELS; do
     if has_part zeroflow; then
@@ -144,7 +137,7 @@ PY
         emit "$log" mode=fwd-bwd || tail -n 5 "$log"
     fi
     if has_part deepspeed; then
-        install_deepspeed
+        bash bench/peers/install-deepspeed.sh
         export PYTHONPATH=/tmp/site RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
         port=${port:-29600}
         for mode in $DS_MODES; do
@@ -165,7 +158,7 @@ if has_part cpu-adam; then
         --grad f32 --json >"$log" 2>&1
     echo "zeroflow cpu-adam: exit $?"
     emit "$log" system=zeroflow mode=cpu-adam optimizer=zeroflow || tail -n 5 "$log"
-    install_deepspeed
+    bash bench/peers/install-deepspeed.sh
     log=$OUT/peers-cpu-adam.log
     PYTHONPATH=/tmp/site timeout 400 python3 bench/peers/cpu_adam.py --params "$CPU_ADAM_PARAMS" \
         --threads "$CPU_ADAM_THREADS" >"$log" 2>"$log.err"

@@ -98,13 +98,6 @@ oom_kills() { # the cgroup's count of OOM kills (0 where there is no cgroup v2 f
     awk '$1 == "oom_kill" { n = $2 } END { print n + 0 }' /sys/fs/cgroup/memory.events 2>/dev/null || echo 0
 }
 
-install_deepspeed() {
-    [[ -d /tmp/site/deepspeed ]] && return
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .peers/wheels/*.whl >/dev/null 2>&1
-    mkdir -p /tmp/ds && tar -xzf .peers/deepspeed-0.19.8.tar.gz -C /tmp/ds
-    (cd /tmp/ds/deepspeed-0.19.8 && DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
-        --no-build-isolation --target /tmp/site . >/dev/null 2>&1)
-}
 
 # attempt SYSTEM MODE RUNG: runs one size; prints ok or the failure's status; appends the JSON line.
 attempt() {
@@ -226,7 +219,7 @@ ladder() {
 }
 
 for system in $SYSTEMS; do
-    [[ $system == deepspeed ]] && install_deepspeed
+    [[ $system == deepspeed ]] && bash bench/peers/install-deepspeed.sh
     for mode in $MODES; do
         ladder "$system" "$mode"
     done
