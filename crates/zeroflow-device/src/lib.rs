@@ -67,6 +67,16 @@ pub struct CopiedBytes {
     pub device_to_host: u64,
 }
 
+impl CopiedBytes {
+    /// What was copied after `earlier` (a reading of the same device's counters).
+    pub fn since(self, earlier: CopiedBytes) -> CopiedBytes {
+        CopiedBytes {
+            host_to_device: self.host_to_device - earlier.host_to_device,
+            device_to_host: self.device_to_host - earlier.device_to_host,
+        }
+    }
+}
+
 /// The counters behind [`Device::copied_bytes`].
 #[derive(Debug, Default)]
 pub(crate) struct CopyCounters {

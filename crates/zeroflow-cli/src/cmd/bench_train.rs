@@ -286,11 +286,7 @@ fn measure<M: Model>(
         }
     }
     measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
-    let now = engine.device().copied_bytes();
-    measured.copied = CopiedBytes {
-        host_to_device: now.host_to_device - copied.host_to_device,
-        device_to_host: now.device_to_host - copied.device_to_host,
-    };
+    measured.copied = engine.device().copied_bytes().since(copied);
     measured.device_memory = M::memory_in_use(engine.device());
     engine.flush()?;
     Ok(measured)

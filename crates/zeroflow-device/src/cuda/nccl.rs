@@ -207,6 +207,20 @@ impl NcclComm {
         Err(self.collective_error(op, reason))
     }
 
+    /// Checks where a collective from `src[src_range]` into `dst[dst_range]` writes (see
+    /// [`check_placement`]) and gives NCCL's element type.
+    fn placed<T: Element>(
+        &self,
+        op: &'static str,
+        (src, dst): (&CudaBuffer<T>, &CudaBuffer<T>),
+        ranges: (&Range<usize>, &Range<usize>),
+        in_place: bool,
+        rule: &str,
+    ) -> Result<sys::ncclDataType_t> {
+        check_placement(op, self.rank, std::ptr::eq(src, dst), ranges, in_place, rule)?;
+        data_type(op, self.rank, T::DTYPE)
+    }
+
     /// Refuses a stream or buffer of another GPU than the communicator's.
     fn check_device<T: Element>(
         &self,
@@ -343,9 +357,7 @@ impl Comm for NcclComm {
         check_range(OP, &dst_range, dst.len())?;
         let in_place = dst_offset == src_range.start + self.rank * n;
         let ranges = (&src_range, &dst_range);
-        let same = std::ptr::eq(src, dst);
-        check_placement(OP, self.rank, same, ranges, in_place, REDUCE_SCATTER_IN_PLACE)?;
-        let dtype = data_type(OP, self.rank, T::DTYPE)?;
+        let dtype = self.placed(OP, (src, dst), ranges, in_place, REDUCE_SCATTER_IN_PLACE)?;
         if n == 0 {
             return Ok(());
         }
@@ -389,9 +401,7 @@ impl Comm for NcclComm {
         check_range(OP, &dst_range, dst.len())?;
         let in_place = dst_offset == src_range.start;
         let ranges = (&src_range, &dst_range);
-        let same = std::ptr::eq(src, dst);
-        check_placement(OP, self.rank, same, ranges, in_place, REDUCE_IN_PLACE)?;
-        let dtype = data_type(OP, self.rank, T::DTYPE)?;
+        let dtype = self.placed(OP, (src, dst), ranges, in_place, REDUCE_IN_PLACE)?;
         if src_range.is_empty() {
             return Ok(());
         }
@@ -439,9 +449,7 @@ impl Comm for NcclComm {
         // so the send pointer is `recvbuff + rank × n`, which is what NCCL's in-place form needs.
         let in_place = src_range.start == dst_range.start + self.rank * n;
         let ranges = (&src_range, &dst_range);
-        let same = std::ptr::eq(src, dst);
-        check_placement(OP, self.rank, same, ranges, in_place, ALL_GATHER_IN_PLACE)?;
-        let dtype = data_type(OP, self.rank, T::DTYPE)?;
+        let dtype = self.placed(OP, (src, dst), ranges, in_place, ALL_GATHER_IN_PLACE)?;
         if n == 0 {
             return Ok(());
         }

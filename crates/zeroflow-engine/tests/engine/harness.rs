@@ -187,12 +187,8 @@ pub fn train_from<P: Float>(
                             engine.end_epoch();
                         }
                     }
-                    let now = device.copied_bytes();
                     let traffic = Traffic {
-                        copied: CopiedBytes {
-                            host_to_device: now.host_to_device - copied.host_to_device,
-                            device_to_host: now.device_to_host - copied.device_to_host,
-                        },
+                        copied: device.copied_bytes().since(copied),
                         cpu_wait: engine.cpu_wait() - waited,
                     };
                     let snapshot = engine.snapshot().unwrap();
