@@ -21,7 +21,10 @@
 # DeepSpeed runs use DS_MODE, default offload), MICRO_BATCH (8, per GPU), STEPS (10), WARMUP (4),
 # SKIP_ZF=1 or SKIP_DS=1 to split the work over two calls (results append to
 # $OUT/bench-multi-MODEL.jsonl, each row tagged with its run), DS1=1, BIND_AB=1 (zeroflow on two
-# GPUs once more with ZEROFLOW_CPU_BIND=off: the A/B of binding ranks to their GPUs' CPUs).
+# GPUs once more with ZEROFLOW_CPU_BIND=off: the A/B of binding ranks to their GPUs' CPUs),
+# VARIANTS (more two-GPU zeroflow runs, each NAME:VAR=VALUE[,VAR=VALUE...], recorded as
+# zf-2gpu-NAME and compared with zf-2gpu; e.g. VARIANTS="c4:ZEROFLOW_STREAM_CHUNK_MIB=4
+# c4n:ZEROFLOW_STREAM_CHUNK_MIB=4,ZEROFLOW_COPY_STORES=normal", docs/multi-gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,6 +98,15 @@ if [[ -z "${SKIP_ZF:-}" ]]; then
         echo "zeroflow 2 GPUs, unbound: exit $? ($((SECONDS - started)) s)"
         record zf-2gpu-unbound "$log" || tail -5 "$log" "$log.err"
     fi
+
+    for variant in ${VARIANTS:-}; do
+        name=${variant%%:*}
+        IFS=, read -r -a vars <<<"${variant#*:}"
+        log=$OUT/bench-multi-zf-2gpu-$name.log
+        env "${vars[@]}" timeout 240 "$Z" launch --nproc-per-node 2 -- "${ZF[@]}" >"$log" 2>"$log.err"
+        echo "zeroflow 2 GPUs, $name (${vars[*]}): exit $? ($((SECONDS - started)) s)"
+        record "zf-2gpu-$name" "$log" || tail -5 "$log" "$log.err"
+    done
 fi
 
 if [[ -z "${SKIP_DS:-}" ]]; then
@@ -135,13 +147,13 @@ for line in open(sys.argv[1]):
         row = json.loads(line)
         rows[row.get("run")] = row  # the last of each run
 nan = float("nan")
-print(f"\n{'run':8} {'GPUs':>4} {'tokens/s':>9} {'per GPU':>8} {'s/step mean':>11} {'fwd+bwd s':>9} "
+print(f"\n{'run':16} {'GPUs':>4} {'tokens/s':>9} {'per GPU':>8} {'s/step mean':>11} {'fwd+bwd s':>9} "
       f"{'exposed opt s':>13} {'RSS B/param':>11} {'GPU GiB':>7}")
 for run, r in rows.items():
     gpu = r.get("device_memory_in_use_bytes")
     gpu = gpu / 2**30 if gpu else r.get("peak_gib", nan)
     world = r.get("world_size", 1)
-    print(f"{run:8} {world:4} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / world:8.0f} "
+    print(f"{run:16} {world:4} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / world:8.0f} "
           f"{r['s_per_step_mean']:11.4f} {r.get('forward_backward_s_mean', nan):9.4f} "
           f"{r.get('exposed_optimizer_s_mean', nan):13.4f} "
           f"{r.get('peak_rss_bytes_per_param') or nan:11.1f} {gpu:7.1f}")
@@ -149,8 +161,12 @@ for run, r in rows.items():
         print(f"  rank {rank['rank']}: {rank['s_per_step_mean']:.4f} s/step mean, fwd+bwd "
               f"{rank['forward_backward_s_mean']:.4f} s")
 print()
-for a, b, want in [("zf-2gpu", "zf-1gpu", 1.8), ("zf-2gpu", "ds-2gpu", 2.0), ("ds-2gpu", "ds-1gpu", None),
-                   ("zf-2gpu", "zf-2gpu-unbound", None)]:
+pairs = [("zf-2gpu", "zf-1gpu", 1.8), ("zf-2gpu", "ds-2gpu", 2.0), ("ds-2gpu", "ds-1gpu", None),
+         ("zf-2gpu", "zf-2gpu-unbound", None)]
+for run in rows:
+    if run.startswith("zf-2gpu-") and run != "zf-2gpu-unbound":
+        pairs += [(run, "zf-2gpu", None), (run, "zf-1gpu", 1.8), (run, "ds-2gpu", 2.0)]
+for a, b, want in pairs:
     if a in rows and b in rows:
         ratio = rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
         verdict = "" if want is None else f" (wanted >= {want}: {'PASS' if ratio >= want else 'FAIL'})"
