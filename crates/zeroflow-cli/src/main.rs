@@ -3,6 +3,7 @@
 mod cmd;
 mod dist;
 mod error;
+mod stream_tuning;
 mod train;
 
 use std::process::ExitCode;

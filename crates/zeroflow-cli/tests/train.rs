@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 
 #[path = "train/checkpoints.rs"]
 mod checkpoints;
+#[path = "train/stream_tuning.rs"]
+mod stream_tuning;
 
 /// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
 const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;

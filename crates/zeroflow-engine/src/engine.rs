@@ -167,6 +167,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         if opts.grad_accum == 0 {
             return Err(EngineError::Usage("gradient accumulation steps must be at least 1"));
         }
+        if opts.stream_chunk == 0 {
+            return Err(EngineError::Usage(
+                "the offload stream's chunk must be at least 1 element",
+            ));
+        }
         if opts.zenflow.is_some() {
             check_zenflow(&opts)?;
         }
@@ -195,7 +200,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 }
             }
             Some(memory) => {
-                let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?;
+                let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?
+                    .with_copy_stores(opts.copy_stores);
                 let overlap = opts.zenflow.is_some_and(|z| z.overlap_step);
                 let delayed = opts.delayed_update.is_some() || overlap;
                 let bucket = if opts.zenflow.is_some() { 1 } else { opts.reduce_bucket };
@@ -221,6 +227,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                     owned.len(),
                     fill_master,
                     bucket,
+                    opts.stream_chunk,
                     memory,
                     adam,
                     delayed,

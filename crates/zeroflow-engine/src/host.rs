@@ -14,9 +14,10 @@ use crate::EngineError;
 /// How many staging buffers gradients cycle through on their way to the host.
 pub(crate) const STAGING_BUFFERS: usize = 4;
 
-/// The most elements one staging buffer holds (32 MiB of bf16): host staging stays this size
-/// whatever the model and the bucket size, and a bucket larger than it is copied in pieces.
-pub(crate) const STAGING_CHUNK: usize = 1 << 24;
+/// The default of [`crate::EngineOptions::stream_chunk`], the most elements one staging buffer
+/// holds (32 MiB of bf16): host staging stays this size whatever the model and the bucket size, a
+/// bucket larger than it is copied in pieces, and the streaming step goes in chunks of it.
+pub const DEFAULT_STREAM_CHUNK: usize = 1 << 24;
 
 /// How many buffers updated weights cycle through on their way back in the streaming step.
 pub(crate) const OUTGOING_BUFFERS: usize = 2;
@@ -218,7 +219,8 @@ pub(crate) struct HostState<P: Float> {
 impl<P: Float> HostState<P> {
     /// The host side of a partition starting at `master`. `streaming`: the step copies the
     /// gradients out of the device and the weights back chunk by chunk, with no accumulator and
-    /// no whole-partition upload buffer (about 12 bytes per parameter in all).
+    /// no whole-partition upload buffer (about 12 bytes per parameter in all). Each staging (and
+    /// outgoing) buffer holds at most `stream_chunk` elements (at least one).
     ///
     /// `fill_master` writes the initial fp32 master weights; it is called (and dropped, with
     /// whatever it owns) before the moments are allocated, so that the host never holds the
@@ -229,6 +231,7 @@ impl<P: Float> HostState<P> {
         partition: usize,
         fill_master: impl FnOnce(&mut [f32]),
         bucket: usize,
+        stream_chunk: usize,
         memory: HostMemory,
         adam: CpuAdam,
         delayed: bool,
@@ -237,7 +240,7 @@ impl<P: Float> HostState<P> {
         let mut master = device.alloc_host::<f32>(partition, memory)?;
         fill_master(&mut master);
         let staging_len = if streaming { partition } else { bucket.min(partition) };
-        let staging_len = staging_len.clamp(1, STAGING_CHUNK);
+        let staging_len = staging_len.min(stream_chunk).max(1);
         let staging = (0..STAGING_BUFFERS)
             .map(|_| device.alloc_host::<P>(staging_len, memory))
             .collect::<Result<_, _>>()?;
@@ -416,8 +419,8 @@ impl<'s, P: Float> Offloader<'s, P> {
         self.count -= 1;
         let staged = filling.wait()?;
         let acc = &mut self.grad_acc[offset..offset + len];
-        // In parallel: a piece is up to STAGING_CHUNK elements, and the accumulation of a whole
-        // partition per micro-step must keep up with the copies.
+        // In parallel: a piece is up to a staging buffer's length (the stream chunk), and the
+        // accumulation of a whole partition per micro-step must keep up with the copies.
         acc.par_chunks_mut(PAR_CHUNK).zip(staged[..len].par_chunks(PAR_CHUNK)).for_each(
             |(acc, staged)| {
                 acc.iter_mut().zip(staged).for_each(|(a, g)| *a += g.to_f32());
@@ -434,5 +437,47 @@ impl<'s, P: Float> Offloader<'s, P> {
             self.retire_oldest()?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_device::CpuDevice;
+    use zeroflow_optim::SimdLevel;
+
+    use super::*;
+
+    /// The lengths of the staging and outgoing buffers of a host side over 60 elements with
+    /// buckets of 23 and `stream_chunk`.
+    fn buffer_lens(streaming: bool, stream_chunk: usize) -> (Vec<usize>, Vec<usize>) {
+        let device = CpuDevice::new().unwrap();
+        let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
+        let host = HostState::<f32>::new(
+            &device,
+            60,
+            |master| master.fill(0.0),
+            23,
+            stream_chunk,
+            HostMemory::Pinned,
+            adam,
+            false,
+            streaming,
+        )
+        .unwrap();
+        let lens = |buffers: &[HostBuffer<f32>]| buffers.iter().map(|b| b.len()).collect();
+        (lens(&host.staging), lens(&host.outgoing))
+    }
+
+    /// A staging buffer holds one chunk of the stream (or one bucket, or the whole partition,
+    /// where that is less), and never nothing.
+    #[test]
+    fn staging_and_outgoing_buffers_hold_one_stream_chunk() {
+        assert_eq!(buffer_lens(true, 7), (vec![7; STAGING_BUFFERS], vec![7; OUTGOING_BUFFERS]));
+        assert_eq!(buffer_lens(true, 100), (vec![60; STAGING_BUFFERS], vec![60; OUTGOING_BUFFERS]));
+        assert_eq!(buffer_lens(false, 7), (vec![7; STAGING_BUFFERS], vec![]));
+        assert_eq!(buffer_lens(false, 100), (vec![23; STAGING_BUFFERS], vec![]));
+        assert_eq!(buffer_lens(true, 0), (vec![1; STAGING_BUFFERS], vec![1; OUTGOING_BUFFERS]));
+        let (staging, _) = buffer_lens(false, DEFAULT_STREAM_CHUNK);
+        assert_eq!(staging, vec![23; STAGING_BUFFERS]);
     }
 }

@@ -28,10 +28,11 @@ use std::ops::Range;
 
 use thiserror::Error;
 use zeroflow_device::{DeviceError, HostMemory};
-use zeroflow_optim::{AdamWConfig, OptimError};
+use zeroflow_optim::{AdamWConfig, OptimError, Stores};
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
+pub use host::DEFAULT_STREAM_CHUNK;
 pub use scaler::{DynamicScaler, LossScaler};
 pub use zenflow::{ZenFlowOptions, ZenFlowSnapshot};
 
@@ -67,6 +68,18 @@ pub struct EngineOptions {
     pub delayed_update: Option<u64>,
     /// ZenFlow's split update (offload only; see [`ZenFlowOptions`]).
     pub zenflow: Option<ZenFlowOptions>,
+    /// Offload: the most elements of the model's dtype that one host staging buffer holds, and so
+    /// the chunk of the streaming step (gradients out, weights back) and the largest piece a
+    /// bucket's gradients are copied to the host in (default [`DEFAULT_STREAM_CHUNK`]). Host
+    /// staging is 4 such buffers, and the streaming step's outgoing weights 2 more. Any value
+    /// gives bit-identical results; it trades per-copy overhead against the chance that a chunk
+    /// is still in the CPU's caches when it is next read. At least 1 ([`Engine::new`] refuses 0).
+    pub stream_chunk: usize,
+    /// Offload: how the CPU AdamW writes the copy of the updated weights in the model's dtype
+    /// that goes back to the device, where that copy is bf16 (default [`Stores::NonTemporal`]:
+    /// straight to memory, without reading the lines first; [`Stores::Normal`] leaves it in the
+    /// caches, where the device's read may find it). Results are bit-identical either way.
+    pub copy_stores: Stores,
 }
 
 /// What can go wrong in the engine.

@@ -2,13 +2,16 @@
 
 use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
 use zeroflow_device::HostMemory;
-use zeroflow_optim::{AdamWConfig, WeightDecayMode};
+use zeroflow_optim::{AdamWConfig, Stores, WeightDecayMode};
 
-use crate::{DynamicScaler, EngineOptions, LossScaler, Stage, ZenFlowOptions};
+use crate::{
+    DEFAULT_STREAM_CHUNK, DynamicScaler, EngineOptions, LossScaler, Stage, ZenFlowOptions,
+};
 
 impl EngineOptions {
     /// The options a resolved config asks for; `cpu_threads` is this rank's share of the host's
-    /// cores for the CPU optimizer.
+    /// cores for the CPU optimizer. The offload stream's tuning, which a DeepSpeed config does not
+    /// have, takes its defaults: [`DEFAULT_STREAM_CHUNK`] and [`Stores::NonTemporal`].
     ///
     /// Non-finite gradients always skip the step, also in bf16 with `check_grad_overflow: false`
     /// (DeepSpeed would apply the NaNs to the weights).
@@ -92,6 +95,8 @@ impl EngineOptions {
                 overlap_step: z.overlap_step,
                 full_warm_up_rounds: z.full_warm_up_rounds,
             }),
+            stream_chunk: DEFAULT_STREAM_CHUNK,
+            copy_stores: Stores::NonTemporal,
         }
     }
 }
@@ -101,6 +106,20 @@ mod tests {
     use zeroflow_core::config::{Context, Selection, UpdateInterval, resolve_str};
 
     use super::*;
+
+    /// A DeepSpeed config has no offload stream tuning: the engine streams as it always has, in
+    /// chunks of 2^24 elements with non-temporal stores of the weight copy.
+    #[test]
+    fn the_offload_stream_tuning_takes_its_defaults() {
+        let text = r#"{
+            "train_batch_size": 4,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        }"#;
+        let resolved = resolve_str(text, &Context::default()).expect("a valid config");
+        let options = EngineOptions::from_config(&resolved.config, 1);
+        assert_eq!(options.stream_chunk, 1 << 24);
+        assert_eq!(options.copy_stores, Stores::NonTemporal);
+    }
 
     /// A DeepSpeed config's `zero_optimization.zenflow` reaches the engine as it is written.
     #[test]

@@ -153,6 +153,8 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         cpu_threads: 1,
         delayed_update: None,
         zenflow: None,
+        stream_chunk: crate::DEFAULT_STREAM_CHUNK,
+        copy_stores: zeroflow_optim::Stores::NonTemporal,
     };
     let init = initial::<f32>(&layout);
     let mut engine: Engine<D, C, f32> =

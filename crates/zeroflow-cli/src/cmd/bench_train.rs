@@ -24,6 +24,7 @@ use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
 use crate::dist::{DistEnv, Group, affinity};
+use crate::stream_tuning;
 use crate::train::DeviceKind;
 use crate::train::backend::{self, Model, Opened};
 use crate::train::run::{ModelEngine, forward_backward};
@@ -179,7 +180,8 @@ fn bench<M: Model>(
     let resolved = config::resolve_str(&text, &context).context("the bench config")?;
     // The ranks of one host share its cores: those near its GPU where bound.
     let threads = affinity::optimizer_threads(binding.as_ref(), dist);
-    let options = EngineOptions::from_config(&resolved.config, threads);
+    let mut options = EngineOptions::from_config(&resolved.config, threads);
+    stream_tuning::apply_env::<M::P>(&mut options, dist.rank)?;
     // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
     // thread: pt_reserved_cores_perc).
     let threads = options.cpu_threads;

@@ -24,6 +24,7 @@ use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
 use super::{DeviceKind, Setup, Start};
 use crate::dist::{Group, affinity};
+use crate::stream_tuning;
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -230,7 +231,8 @@ impl<M: Model> Trainer<M> {
         let device_description = device.describe();
         // The ranks of one host share its cores: those near its GPU where bound.
         let threads = affinity::optimizer_threads(setup.cpu_binding.as_ref(), &setup.dist);
-        let options = EngineOptions::from_config(config, threads);
+        let mut options = EngineOptions::from_config(config, threads);
+        stream_tuning::apply_env::<M::P>(&mut options, setup.dist.rank)?;
         // The synthetic corpus is one endless stream (its entropy floor is known): no epochs end.
         if options.zenflow.is_some_and(|z| z.select_epochs().is_some())
             && setup.data.floor.is_some()

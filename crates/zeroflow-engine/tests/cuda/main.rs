@@ -45,6 +45,8 @@ fn options(case: &Case) -> EngineOptions {
         cpu_threads: 2,
         delayed_update: case.delayed,
         zenflow: case.zenflow,
+        stream_chunk: zeroflow_engine::DEFAULT_STREAM_CHUNK,
+        copy_stores: zeroflow_optim::Stores::NonTemporal,
     }
 }
 

@@ -9,9 +9,10 @@ use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore, Snapshot, Stage,
-    StepReport, ZenFlowOptions, ZenFlowSnapshot,
+    DEFAULT_STREAM_CHUNK, Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore,
+    Snapshot, Stage, StepReport, ZenFlowOptions, ZenFlowSnapshot,
 };
+use zeroflow_optim::Stores;
 
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -29,6 +30,10 @@ pub struct Setup {
     pub zenflow: Option<ZenFlowOptions>,
     /// Report the end of an epoch to the engine after every this many steps.
     pub epoch_steps: Option<u64>,
+    /// Elements per host staging buffer and streaming-step chunk (offload).
+    pub stream_chunk: usize,
+    /// How the CPU AdamW writes the bf16 weight copy (offload).
+    pub copy_stores: Stores,
 }
 
 impl Setup {
@@ -45,6 +50,8 @@ impl Setup {
             delayed: None,
             zenflow: None,
             epoch_steps: None,
+            stream_chunk: DEFAULT_STREAM_CHUNK,
+            copy_stores: Stores::NonTemporal,
         }
     }
 }
@@ -61,6 +68,8 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
         cpu_threads: 2,
         delayed_update: setup.delayed,
         zenflow: setup.zenflow,
+        stream_chunk: setup.stream_chunk,
+        copy_stores: setup.copy_stores,
     }
 }
 

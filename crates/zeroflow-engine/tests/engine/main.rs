@@ -8,4 +8,5 @@ mod delayed;
 mod equivalence;
 mod fuzz_checkpoint;
 mod precision;
+mod stream_tuning;
 mod zenflow;

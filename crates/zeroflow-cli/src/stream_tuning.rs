@@ -1,0 +1,169 @@
+//! Tuning the CPU-offload stream from the environment, for measurements (docs/multi-gpu.md,
+//! "Tuning the offload stream"): [`STREAM_CHUNK_VAR`] sets the chunk the gradients go to the host
+//! and the weights come back in ([`EngineOptions::stream_chunk`]), [`COPY_STORES_VAR`] how the
+//! CPU AdamW writes the weights' bf16 copy ([`EngineOptions::copy_stores`]). Unset or blank: the
+//! engine's defaults. The results are bit-identical whatever the values; only the speed changes.
+
+use zeroflow_core::{DType, Element};
+use zeroflow_engine::EngineOptions;
+use zeroflow_optim::Stores;
+
+use crate::InputError;
+
+/// The chunk of the offload stream, in MiB of the parameter dtype: a positive number, fractions
+/// allowed.
+pub const STREAM_CHUNK_VAR: &str = "ZEROFLOW_STREAM_CHUNK_MIB";
+
+/// How the CPU AdamW writes the weights' bf16 copy: `normal` or `non-temporal`.
+pub const COPY_STORES_VAR: &str = "ZEROFLOW_COPY_STORES";
+
+const MIB: f64 = (1 << 20) as f64;
+
+/// What the two variables ask for; `None` keeps the engine's default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct StreamTuning {
+    /// Elements of the parameter dtype per chunk (at least one).
+    pub stream_chunk: Option<usize>,
+    pub copy_stores: Option<Stores>,
+}
+
+impl StreamTuning {
+    /// The tuning that the variables' values ask for (`None` or blank: the default; spaces and
+    /// case ignored) with parameters of `dtype`, or why a value is refused.
+    pub fn parse(
+        chunk_mib: Option<&str>,
+        copy_stores: Option<&str>,
+        dtype: DType,
+    ) -> Result<StreamTuning, String> {
+        let chunk_mib = chunk_mib.map(str::trim).unwrap_or_default();
+        let stream_chunk = if chunk_mib.is_empty() {
+            None
+        } else {
+            let mib = chunk_mib.parse::<f64>().ok().filter(|mib| mib.is_finite() && *mib > 0.0);
+            let mib = mib.ok_or_else(|| {
+                format!("{STREAM_CHUNK_VAR}={chunk_mib:?} is not a positive number of MiB")
+            })?;
+            // Whole elements, rounded down (`as` saturates for the absurdly large).
+            let elements = (mib * MIB / dtype.size() as f64) as usize;
+            if elements == 0 {
+                return Err(format!(
+                    "{STREAM_CHUNK_VAR}={chunk_mib:?} is less than one {dtype} element ({} bytes)",
+                    dtype.size()
+                ));
+            }
+            Some(elements)
+        };
+        let copy_stores = copy_stores.map(str::trim).unwrap_or_default();
+        let copy_stores = match copy_stores.to_ascii_lowercase().as_str() {
+            "" => None,
+            "normal" => Some(Stores::Normal),
+            "non-temporal" => Some(Stores::NonTemporal),
+            _ => {
+                return Err(format!(
+                    "{COPY_STORES_VAR}={copy_stores:?} is not normal or non-temporal"
+                ));
+            }
+        };
+        Ok(StreamTuning { stream_chunk, copy_stores })
+    }
+
+    /// The tuning the environment asks for, with parameters of `dtype`; an [`InputError`] for a
+    /// value that is refused.
+    pub fn from_env(dtype: DType) -> anyhow::Result<StreamTuning> {
+        let read = |name| std::env::var_os(name).map(|value| value.to_string_lossy().into_owned());
+        let (chunk_mib, copy_stores) = (read(STREAM_CHUNK_VAR), read(COPY_STORES_VAR));
+        StreamTuning::parse(chunk_mib.as_deref(), copy_stores.as_deref(), dtype)
+            .map_err(InputError::from_display)
+    }
+}
+
+/// Applies the environment's tuning (if any) to `options` for rank `rank`'s parameters of type
+/// `P`, saying once what it chose; an [`InputError`] for a value that is refused.
+pub fn apply_env<P: Element>(options: &mut EngineOptions, rank: usize) -> anyhow::Result<()> {
+    let dtype = P::DTYPE;
+    let tuning = StreamTuning::from_env(dtype)?;
+    if tuning == StreamTuning::default() {
+        return Ok(());
+    }
+    options.stream_chunk = tuning.stream_chunk.unwrap_or(options.stream_chunk);
+    options.copy_stores = tuning.copy_stores.unwrap_or(options.copy_stores);
+    let mib = options.stream_chunk as f64 * dtype.size() as f64 / MIB;
+    let default = |set: bool| if set { "" } else { " (the default)" };
+    tracing::info!(
+        "rank {rank}: offload stream tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}: chunks of {} \
+         elements ({mib} MiB of {dtype}){}, {} stores of the weight copy{}",
+        options.stream_chunk,
+        default(tuning.stream_chunk.is_some()),
+        options.copy_stores.name(),
+        default(tuning.copy_stores.is_some()),
+    );
+    if options.offload.is_none() {
+        tracing::warn!(
+            "rank {rank}: {STREAM_CHUNK_VAR} and {COPY_STORES_VAR} tune the CPU optimizer \
+             offload, which this config does not use: they change nothing"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(chunk_mib: Option<&str>, copy_stores: Option<&str>) -> Result<StreamTuning, String> {
+        StreamTuning::parse(chunk_mib, copy_stores, DType::Bf16)
+    }
+
+    #[test]
+    fn unset_or_blank_variables_keep_the_defaults() {
+        let default = Ok(StreamTuning::default());
+        assert_eq!(parse(None, None), default);
+        assert_eq!(parse(Some(""), Some("")), default);
+        assert_eq!(parse(Some(" \n"), Some("  ")), default);
+    }
+
+    /// MiB of the parameter dtype become whole elements: bf16 and f16 have 2 bytes, f32 4.
+    #[test]
+    fn a_chunk_in_mib_becomes_elements_of_the_parameter_dtype() {
+        let chunk = |mib, dtype| StreamTuning::parse(Some(mib), None, dtype).unwrap().stream_chunk;
+        assert_eq!(chunk("32", DType::Bf16), Some(1 << 24));
+        assert_eq!(chunk(" 4\n", DType::F16), Some(1 << 21));
+        assert_eq!(chunk("4", DType::F32), Some(1 << 20));
+        assert_eq!(chunk("0.5", DType::Bf16), Some(1 << 18));
+        // 104.86 bytes: 52 whole bf16 elements.
+        assert_eq!(chunk("1e-4", DType::Bf16), Some(52));
+        assert_eq!(parse(Some("2"), None).unwrap().copy_stores, None);
+    }
+
+    #[test]
+    fn copy_stores_accept_normal_and_non_temporal_in_any_case() {
+        let stores = |value| parse(None, Some(value)).unwrap().copy_stores;
+        assert_eq!(stores("normal"), Some(Stores::Normal));
+        assert_eq!(stores(" Normal\n"), Some(Stores::Normal));
+        assert_eq!(stores("non-temporal"), Some(Stores::NonTemporal));
+        assert_eq!(stores("NON-TEMPORAL"), Some(Stores::NonTemporal));
+        assert_eq!(parse(None, Some("normal")).unwrap().stream_chunk, None);
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_the_variable_and_what_it_accepts() {
+        for bad in ["0", "-1", "abc", "1MiB", "inf", "NaN", "0x10"] {
+            let reason = parse(Some(bad), None).unwrap_err();
+            assert!(reason.contains(STREAM_CHUNK_VAR), "{reason}");
+            assert!(reason.contains(&format!("{bad:?}")), "{reason}");
+            assert!(reason.contains("positive number of MiB"), "{reason}");
+        }
+        // Less than one 4-byte element.
+        let reason = StreamTuning::parse(Some("1e-7"), None, DType::F32).unwrap_err();
+        assert!(reason.contains(STREAM_CHUNK_VAR) && reason.contains("less than one"), "{reason}");
+        for bad in ["nt", "streaming", "non_temporal", "1"] {
+            let reason = parse(None, Some(bad)).unwrap_err();
+            assert!(reason.contains(COPY_STORES_VAR), "{reason}");
+            assert!(reason.contains(&format!("{bad:?}")), "{reason}");
+            assert!(reason.contains("normal or non-temporal"), "{reason}");
+        }
+        // A good value does not excuse a bad one in the other variable.
+        assert!(parse(Some("4"), Some("fast")).is_err());
+        assert!(parse(Some("fast"), Some("normal")).is_err());
+    }
+}

@@ -1,0 +1,81 @@
+//! The offload stream's tuning (`ZEROFLOW_STREAM_CHUNK_MIB`, `ZEROFLOW_COPY_STORES`) as a user sets
+//! it for `zeroflow train`: it changes how the step travels, not what it computes, and a value it
+//! does not accept exits 2 before anything is written.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use super::{MINI, read_lines, scratch, text};
+
+/// Stage 2 with the optimizer offloaded and one micro-step per step: the streaming step.
+const OFFLOAD: &str = r#"{
+  "train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+}"#;
+
+/// `zeroflow train` of `MINI` with `OFFLOAD` for 4 steps into `dir/run`, with `tuning` set (and
+/// only that) of the two variables, logging at info level.
+fn train_tuned(dir: &Path, tuning: &[(&str, &str)]) -> Output {
+    let config = dir.join("ds.json");
+    std::fs::write(&config, OFFLOAD).unwrap();
+    let (config, out) = (config.to_str().unwrap(), dir.join("run"));
+    let args = ["--config", config, "--model", MINI, "--steps", "4", "--out"];
+    Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .arg("train")
+        .args(args)
+        .arg(&out)
+        .env("ZEROFLOW_LOG", "info")
+        .env_remove("ZEROFLOW_STREAM_CHUNK_MIB")
+        .env_remove("ZEROFLOW_COPY_STORES")
+        .envs(tuning.iter().copied())
+        .output()
+        .expect("run zeroflow")
+}
+
+/// Every step's loss and gradient norm, as metrics.jsonl has them.
+fn losses_and_norms(dir: &Path) -> Vec<(serde_json::Value, serde_json::Value)> {
+    let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
+    let steps = lines.iter().filter(|l| l.get("loss").is_some());
+    steps.map(|l| (l["loss"].clone(), l["grad_norm"].clone())).collect()
+}
+
+/// 1e-4 MiB of f32 (the CPU device's dtype) is 26 elements: the stream goes in hundreds of
+/// uneven chunks, with ordinary stores, and every step's loss and norm are the default's.
+#[test]
+fn offload_stream_tuning_is_logged_and_trains_exactly_as_the_default() {
+    let default_dir = scratch("stream_tuning_default");
+    let run = train_tuned(&default_dir, &[]);
+    assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+    assert!(!text(&run.stderr).contains("offload stream tuned"), "{}", text(&run.stderr));
+
+    let tuned_dir = scratch("stream_tuning_tuned");
+    let tuning = [("ZEROFLOW_STREAM_CHUNK_MIB", "1e-4"), ("ZEROFLOW_COPY_STORES", "Normal")];
+    let run = train_tuned(&tuned_dir, &tuning);
+    let stderr = text(&run.stderr);
+    assert!(run.status.success(), "stderr: {stderr}");
+    assert!(
+        stderr.contains("chunks of 26 elements") && stderr.contains("normal stores"),
+        "the chosen tuning is logged: {stderr}"
+    );
+    let default = losses_and_norms(&default_dir);
+    assert_eq!(default.len(), 4);
+    assert_eq!(losses_and_norms(&tuned_dir), default);
+}
+
+#[test]
+fn a_bad_offload_stream_tuning_exits_2_naming_the_variable() {
+    for (name, value, accepted) in [
+        ("ZEROFLOW_STREAM_CHUNK_MIB", "0", "positive number of MiB"),
+        ("ZEROFLOW_STREAM_CHUNK_MIB", "32MiB", "positive number of MiB"),
+        ("ZEROFLOW_COPY_STORES", "streaming", "normal or non-temporal"),
+    ] {
+        let dir = scratch(&format!("stream_tuning_bad_{value}"));
+        let run = train_tuned(&dir, &[(name, value)]);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{name}={value}: {stderr}");
+        assert!(stderr.contains(name) && stderr.contains(accepted), "{name}={value}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!dir.join("run").exists(), "{name}={value}: the output directory was created");
+    }
+}
