@@ -33,6 +33,9 @@ PAIRS = [
 ZF_MODES = ["gpu", "offload", "offload-delayed", "zenflow"]
 DS_NAMES = {"gpu": "DeepSpeed `gpu`", "offload": "DeepSpeed `offload`", "zenflow": "DeepSpeed ZenFlow"}
 MODEL_ORDER = ["tiny", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt-1.3b", "gpt2-1.5b"]
+# (layers, width) of the named sizes, for the model FLOPs of rows that do not carry their shape.
+MODEL_SHAPES = {"gpt2-124m": (12, 768), "gpt2-350m": (24, 1024), "gpt2-774m": (36, 1280),
+                "gpt-1.3b": (24, 2048), "gpt2-1.5b": (48, 1600)}
 COLORS = {"zeroflow": "#1f6fb4", "deepspeed": "#e07b28", "fwd_bwd": "#1f6fb4", "optimizer": "#9ecae9"}
 
 
@@ -76,6 +79,23 @@ def gpu_gib(row):
     return row.get("peak_gib") or row.get("device_used_gib")
 
 
+def model_tflops(row, model, params=None):
+    """Model TFLOP/s from the measured tokens/s: 6 N + 12 L d T FLOPs per trained token (the
+    weights' matmuls forward and backward, and attention's two batched matmuls over T positions;
+    PaLM's accounting, the causal mask not discounted). The row's own figure where it has one;
+    `params`: the model's parameter count where the row lacks it."""
+    if row.get("model_tflops"):
+        return row["model_tflops"]
+    layers, width = row.get("n_layer"), row.get("d_model")
+    if not (layers and width) and model in MODEL_SHAPES:
+        layers, width = MODEL_SHAPES[model]
+    params = row.get("parameters") or params
+    seq, tokens = row.get("seq"), row.get("tokens_per_s")
+    if not (layers and width and params and seq and tokens):
+        return None
+    return tokens * (6 * params + 12 * layers * width * seq) / 1e12
+
+
 def describe_model(rows, model):
     any_row = next((r for (_, _, m), r in rows.items() if m == model and "parameters" in r), None)
     if any_row is None:
@@ -115,26 +135,40 @@ def row_line(label, a, b, median=False):
 
 
 def breakdown_table(rows, model):
-    out = ["| system, mode | forward + backward | exposed optimizer / offload | host RSS per parameter "
-           "| GPU memory |", "| --- | --- | --- | --- | --- |"]
+    """Per system and mode: the step's parts, the model FLOP rate and memory. The forward and
+    backward columns appear where a row has them (`bench step` before they were added did not)."""
+    split = any(r.get("forward_s_mean") for (_, _, m), r in rows.items() if m == model)
+    head = ["system, mode", *(["forward", "backward"] if split else []), "forward + backward",
+            "exposed optimizer / offload", "model TFLOP/s", "host RSS per parameter", "GPU memory"]
+    out = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    params = next((r["parameters"] for (_, _, m), r in rows.items()
+                   if m == model and r.get("parameters")), None)
+
+    def seconds(row, key):
+        return fmt(row.get(key), ".4f", " s")
+
+    def line(name, row, total):
+        cells = [name]
+        if split:
+            cells += [seconds(row, "forward_s_mean"), seconds(row, "backward_s_mean")]
+        cells += [total, seconds(row, "exposed_optimizer_s_mean"),
+                  fmt(model_tflops(row, model, params), ".0f"),
+                  fmt(row.get("peak_rss_bytes_per_param"), ".1f", " B"),
+                  fmt(gpu_gib(row), ".1f", " GiB")]
+        return "| " + " | ".join(cells) + " |"
     for mode in ZF_MODES:
         row = rows.get(("zeroflow", mode, model))
         if row:
-            out.append(f"| zeroflow `{mode}` | {fmt(row.get('forward_backward_s_mean'), '.4f', ' s')} "
-                       f"| {fmt(row.get('exposed_optimizer_s_mean'), '.4f', ' s')} "
-                       f"| {fmt(row.get('peak_rss_bytes_per_param'), '.1f', ' B')} "
-                       f"| {fmt(gpu_gib(row), '.1f', ' GiB')} |")
+            out.append(line(f"zeroflow `{mode}`", row, seconds(row, "forward_backward_s_mean")))
     for mode, name in DS_NAMES.items():
         row = rows.get(("deepspeed", mode, model))
         if row:
-            out.append(f"| {name} | — | — | {fmt(row.get('peak_rss_bytes_per_param'), '.1f', ' B')} "
-                       f"| {fmt(gpu_gib(row), '.1f', ' GiB')} |")
+            out.append(line(name, row, "—"))
     for system in ("zeroflow", "pytorch"):
         row = rows.get((system, "fwd-bwd", model))
         if row:
             name = "zeroflow `bench gpt`" if system == "zeroflow" else "PyTorch forward + backward"
-            out.append(f"| {name} | {fmt(s_per_step(row), '.4f', ' s')} | — | — "
-                       f"| {fmt(gpu_gib(row), '.1f', ' GiB')} |")
+            out.append(line(name, row, fmt(s_per_step(row), ".4f", " s")))
     return out
 
 

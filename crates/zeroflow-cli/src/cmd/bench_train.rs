@@ -141,6 +141,8 @@ struct Measured {
     times: Vec<f64>,
     /// The forward-and-backward part of each timed step.
     compute_times: Vec<f64>,
+    /// Forward alone, on the same batch after the timed steps (see [`time_forward`]).
+    forward_times: Vec<f64>,
     /// Every step's loss (warm-up included), the mean over the ranks.
     losses: Vec<f32>,
     device_memory: Option<usize>,
@@ -158,6 +160,20 @@ impl Measured {
     fn compute_mean(&self) -> f64 {
         self.compute_times.iter().sum::<f64>() / self.compute_times.len() as f64
     }
+
+    fn forward_mean(&self) -> f64 {
+        self.forward_times.iter().sum::<f64>() / self.forward_times.len() as f64
+    }
+}
+
+/// Model FLOPs per trained token: 6 N for the weights' matmuls forward and backward (the tied
+/// output projection included), plus 12 L d T for attention's two batched matmuls over T
+/// positions (PaLM's accounting; the causal mask is not discounted). The same formula as
+/// scripts/bench-report.py's for the peers.
+pub(crate) fn flops_per_token(model: &GptConfig) -> f64 {
+    let (layers, width, context) =
+        (model.n_layer as f64, model.d_model as f64, model.context as f64);
+    6.0 * model.num_params() as f64 + 12.0 * layers * width * context
 }
 
 /// Benchmarks this rank's share of the job and returns the report on rank 0 (`None` on the
@@ -230,6 +246,7 @@ fn measure<M: Model>(
     let mut measured = Measured {
         times: Vec::new(),
         compute_times: Vec::new(),
+        forward_times: Vec::new(),
         losses: Vec::new(),
         device_memory: None,
         cpu_wait: 0.0,
@@ -291,13 +308,37 @@ fn measure<M: Model>(
     measured.copied = engine.device().copied_bytes().since(copied);
     measured.device_memory = M::memory_in_use(engine.device());
     engine.flush()?;
+    measured.forward_times = time_forward(args.steps as usize, engine, gpt, inputs, targets)?;
     Ok(measured)
+}
+
+/// Forward alone, `passes` times on the same batch with the trained weights, each from an idle
+/// device to its loss on the host: the forward part of the breakdown (a training step's forward
+/// queues the same kernels; backward is the rest of forward + backward).
+fn time_forward<M: Model>(
+    passes: usize,
+    engine: &ModelEngine<M>,
+    gpt: &mut M,
+    inputs: &[u32],
+    targets: &[u32],
+) -> anyhow::Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(passes);
+    for _ in 0..passes.max(1) {
+        gpt.set_batch(inputs, targets)?;
+        engine.device().synchronize()?;
+        let start = Instant::now();
+        gpt.forward(engine.params())?;
+        gpt.loss()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    Ok(times)
 }
 
 /// One rank's means and memory, as rank 0 reports them.
 struct RankFigures {
     s_per_step_mean: f64,
     forward_backward_s_mean: f64,
+    forward_s_mean: f64,
     peak_rss_bytes: Option<u64>,
     device_memory_in_use_bytes: Option<u64>,
 }
@@ -309,12 +350,14 @@ fn gather_ranks(measured: &Measured, group: &mut Group) -> anyhow::Result<Vec<Ra
     let unknown = |value: u64| (value != u64::MAX).then_some(value);
     let means = group.gather(measured.mean().to_bits())?;
     let computes = group.gather(measured.compute_mean().to_bits())?;
+    let forwards = group.gather(measured.forward_mean().to_bits())?;
     let rss = group.gather(known(peak_rss_bytes()))?;
     let memory = group.gather(known(measured.device_memory.map(|b| b as u64)))?;
     Ok((0..means.len())
         .map(|rank| RankFigures {
             s_per_step_mean: f64::from_bits(means[rank]),
             forward_backward_s_mean: f64::from_bits(computes[rank]),
+            forward_s_mean: f64::from_bits(forwards[rank]),
             peak_rss_bytes: unknown(rss[rank]),
             device_memory_in_use_bytes: unknown(memory[rank]),
         })
@@ -343,6 +386,7 @@ fn report(
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let (mean, compute_mean) = (measured.mean(), measured.compute_mean());
+    let forward_mean = measured.forward_mean();
     let slowest = ranks.iter().map(|r| r.s_per_step_mean).fold(mean, f64::max);
     let tokens = args.micro_batch * model.context * args.accum as usize * job.world;
     let rss = ranks[0].peak_rss_bytes;
@@ -363,6 +407,10 @@ fn report(
         "s_per_step_mean": mean,
         "tokens_per_s": tokens as f64 / slowest,
         "tokens_per_s_per_gpu": tokens as f64 / slowest / job.world as f64,
+        "flops_per_token": flops_per_token(model),
+        "model_tflops": tokens as f64 / slowest * flops_per_token(model) / 1e12,
+        "forward_s_mean": forward_mean,
+        "backward_s_mean": compute_mean - forward_mean,
         "forward_backward_s_mean": compute_mean,
         "exposed_optimizer_s_mean": mean - compute_mean,
         // The training thread on or waiting for the CPU optimizer, per step and as a fraction
@@ -378,6 +426,7 @@ fn report(
             "rank": rank,
             "s_per_step_mean": r.s_per_step_mean,
             "forward_backward_s_mean": r.forward_backward_s_mean,
+            "forward_s_mean": r.forward_s_mean,
             "exposed_optimizer_s_mean": r.s_per_step_mean - r.forward_backward_s_mean,
             "peak_rss_bytes": r.peak_rss_bytes,
             "device_memory_in_use_bytes": r.device_memory_in_use_bytes,
@@ -407,6 +456,8 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
     let loss = |value: Option<&serde_json::Value>| {
         value.and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN)
     };
+    let tflops = number("model_tflops");
+    let tflops = if tflops < 10.0 { format!("{tflops:.3}") } else { format!("{tflops:.0}") };
     let rss = out["peak_rss_bytes"].as_f64().map_or("unknown".into(), |r| {
         format!("{:.2} GiB ({:.1} B/param)", gib(r), number("peak_rss_bytes_per_param"))
     });
@@ -414,8 +465,9 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         .as_f64()
         .map_or("unknown".into(), |b| format!("{:.2} GiB", gib(b)));
     println!(
-        "{} {} on {} × {}: {:.0} tokens/s ({:.0} per rank); rank 0: {:.4} s/step median, {:.4} s \
-         mean, forward+backward {:.4} s, exposed optimizer {:.4} s, CPU wait {:.1} % of the \
+        "{} {} on {} × {}: {:.0} tokens/s ({:.0} per rank), {tflops} model TFLOP/s; rank 0: {:.4} \
+         s/step median, {:.4} s mean, forward {:.4} s + backward {:.4} s, exposed optimizer \
+         {:.4} s, CPU wait {:.1} % of the \
          step, PCIe {:.2} GB in / {:.2} GB out per step, peak RSS {rss}, device memory in use \
          {memory}; loss {:.3} → {:.3}",
         args.model,
@@ -426,7 +478,8 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         number("tokens_per_s_per_gpu"),
         number("s_per_step_median"),
         number("s_per_step_mean"),
-        number("forward_backward_s_mean"),
+        number("forward_s_mean"),
+        number("backward_s_mean"),
         number("exposed_optimizer_s_mean"),
         100.0 * number("cpu_wait_fraction"),
         number("h2d_bytes_per_step") / 1e9,
@@ -447,3 +500,16 @@ fn peak_rss_bytes() -> Option<u64> {
 
 #[cfg(test)]
 mod multi_rank_tests;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_flops_count_the_weights_and_attention() {
+        // gpt2-124m: 124,439,808 parameters, 12 layers of width 768, context 1024.
+        let model = GptConfig::named("gpt2-124m").unwrap();
+        let want = 6.0 * 124_439_808.0 + 12.0 * 12.0 * 768.0 * 1024.0;
+        assert_eq!(flops_per_token(&model), want);
+    }
+}

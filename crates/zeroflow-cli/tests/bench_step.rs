@@ -1,0 +1,38 @@
+//! `zeroflow bench step` from the outside, on the CPU: the report's breakdown and throughput
+//! figures are consistent with one another.
+
+use std::process::Command;
+
+const MODEL: &str = r#"{"n_layer":2,"n_head":2,"d_model":64,"vocab_size":256,"context":64}"#;
+
+fn bench_step(mode: &str) -> serde_json::Value {
+    let args = ["bench", "step", "--model", MODEL, "--mode", mode, "--micro-batch", "2"];
+    let out = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(args)
+        .args(["--steps", "3", "--warmup", "1", "--json"])
+        .output()
+        .expect("runs");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(out.status.success(), "{}\n{}", text(&out.stdout), text(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+#[test]
+fn the_breakdown_splits_the_step_and_the_flops_follow_the_throughput() {
+    for mode in ["gpu", "offload", "offload-delayed", "zenflow"] {
+        let r = bench_step(mode);
+        let number = |key: &str| r[key].as_f64().unwrap_or_else(|| panic!("{key} in {r}"));
+        let (forward, backward) = (number("forward_s_mean"), number("backward_s_mean"));
+        let compute = number("forward_backward_s_mean");
+        assert!(forward > 0.0 && forward < compute, "{mode}: forward {forward} of {compute}");
+        assert!((forward + backward - compute).abs() < 1e-12, "{mode}: {r}");
+        let exposed = number("exposed_optimizer_s_mean");
+        assert!((compute + exposed - number("s_per_step_mean")).abs() < 1e-12, "{mode}: {r}");
+        // 6 N + 12 L d T per token, at the measured tokens/s.
+        let want = 6.0 * number("parameters") + 12.0 * 2.0 * 64.0 * 64.0;
+        assert_eq!(number("flops_per_token"), want, "{mode}");
+        let tflops = number("tokens_per_s") * want / 1e12;
+        assert!((number("model_tflops") - tflops).abs() <= 1e-9 * tflops, "{mode}: {r}");
+        assert_eq!(r["times"].as_array().map(Vec::len), Some(3), "{mode}: {r}");
+    }
+}
