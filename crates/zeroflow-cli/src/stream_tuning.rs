@@ -1,8 +1,10 @@
 //! Tuning the CPU-offload stream from the environment, for measurements (docs/multi-gpu.md,
 //! "Tuning the offload stream"): [`STREAM_CHUNK_VAR`] sets the chunk the gradients go to the host
 //! and the weights come back in ([`EngineOptions::stream_chunk`]), [`COPY_STORES_VAR`] how the
-//! CPU AdamW writes the weights' bf16 copy ([`EngineOptions::copy_stores`]). Unset or blank: the
-//! engine's defaults. The results are bit-identical whatever the values; only the speed changes.
+//! CPU AdamW writes the weights' bf16 copy ([`EngineOptions::copy_stores`]), [`CPU_THREADS_VAR`]
+//! how many threads the CPU optimizer runs on ([`EngineOptions::cpu_threads`]; by default the
+//! host's cores shared between its ranks, or the CPUs a rank is bound to). Unset or blank: the
+//! defaults. The results are bit-identical whatever the values; only the speed changes.
 
 use zeroflow_core::{DType, Element};
 use zeroflow_engine::EngineOptions;
@@ -17,6 +19,9 @@ pub const STREAM_CHUNK_VAR: &str = "ZEROFLOW_STREAM_CHUNK_MIB";
 /// How the CPU AdamW writes the weights' bf16 copy: `normal` or `non-temporal`.
 pub const COPY_STORES_VAR: &str = "ZEROFLOW_COPY_STORES";
 
+/// Threads of the CPU optimizer: a positive whole number.
+pub const CPU_THREADS_VAR: &str = "ZEROFLOW_CPU_THREADS";
+
 const MIB: f64 = (1 << 20) as f64;
 
 /// What the two variables ask for; `None` keeps the engine's default.
@@ -25,6 +30,7 @@ pub struct StreamTuning {
     /// Elements of the parameter dtype per chunk (at least one).
     pub stream_chunk: Option<usize>,
     pub copy_stores: Option<Stores>,
+    pub cpu_threads: Option<usize>,
 }
 
 impl StreamTuning {
@@ -64,7 +70,20 @@ impl StreamTuning {
                 ));
             }
         };
-        Ok(StreamTuning { stream_chunk, copy_stores })
+        Ok(StreamTuning { stream_chunk, copy_stores, cpu_threads: None })
+    }
+
+    /// The CPU optimizer's thread count that `value` asks for (`None` or blank: the default), or
+    /// why it is refused.
+    pub fn parse_threads(value: Option<&str>) -> Result<Option<usize>, String> {
+        let value = value.map(str::trim).unwrap_or_default();
+        if value.is_empty() {
+            return Ok(None);
+        }
+        match value.parse::<usize>() {
+            Ok(threads) if threads > 0 => Ok(Some(threads)),
+            _ => Err(format!("{CPU_THREADS_VAR}={value:?} is not a positive whole number")),
+        }
     }
 
     /// The tuning the environment asks for, with parameters of `dtype`; an [`InputError`] for a
@@ -72,8 +91,13 @@ impl StreamTuning {
     pub fn from_env(dtype: DType) -> anyhow::Result<StreamTuning> {
         let read = |name| std::env::var_os(name).map(|value| value.to_string_lossy().into_owned());
         let (chunk_mib, copy_stores) = (read(STREAM_CHUNK_VAR), read(COPY_STORES_VAR));
-        StreamTuning::parse(chunk_mib.as_deref(), copy_stores.as_deref(), dtype)
-            .map_err(InputError::from_display)
+        let threads = read(CPU_THREADS_VAR);
+        let tuning = StreamTuning::parse(chunk_mib.as_deref(), copy_stores.as_deref(), dtype)
+            .and_then(|tuning| {
+                let cpu_threads = StreamTuning::parse_threads(threads.as_deref())?;
+                Ok(StreamTuning { cpu_threads, ..tuning })
+            });
+        tuning.map_err(InputError::from_display)
     }
 }
 
@@ -87,20 +111,24 @@ pub fn apply_env<P: Element>(options: &mut EngineOptions, rank: usize) -> anyhow
     }
     options.stream_chunk = tuning.stream_chunk.unwrap_or(options.stream_chunk);
     options.copy_stores = tuning.copy_stores.unwrap_or(options.copy_stores);
+    options.cpu_threads = tuning.cpu_threads.unwrap_or(options.cpu_threads);
     let mib = options.stream_chunk as f64 * dtype.size() as f64 / MIB;
     let default = |set: bool| if set { "" } else { " (the default)" };
     tracing::info!(
-        "rank {rank}: offload stream tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}: chunks of {} \
-         elements ({mib} MiB of {dtype}){}, {} stores of the weight copy{}",
+        "rank {rank}: offload tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}/{CPU_THREADS_VAR}: \
+         chunks of {} elements ({mib} MiB of {dtype}){}, {} stores of the weight copy{}, the CPU \
+         optimizer on {} threads{}",
         options.stream_chunk,
         default(tuning.stream_chunk.is_some()),
         options.copy_stores.name(),
         default(tuning.copy_stores.is_some()),
+        options.cpu_threads,
+        default(tuning.cpu_threads.is_some()),
     );
     if options.offload.is_none() {
         tracing::warn!(
-            "rank {rank}: {STREAM_CHUNK_VAR} and {COPY_STORES_VAR} tune the CPU optimizer \
-             offload, which this config does not use: they change nothing"
+            "rank {rank}: {STREAM_CHUNK_VAR}, {COPY_STORES_VAR} and {CPU_THREADS_VAR} tune the \
+             CPU optimizer offload, which this config does not use: they change nothing"
         );
     }
     Ok(())
@@ -136,6 +164,13 @@ mod tests {
     }
 
     #[test]
+    fn cpu_threads_take_a_positive_whole_number() {
+        assert_eq!(StreamTuning::parse_threads(None), Ok(None));
+        assert_eq!(StreamTuning::parse_threads(Some(" ")), Ok(None));
+        assert_eq!(StreamTuning::parse_threads(Some("15\n")), Ok(Some(15)));
+    }
+
+    #[test]
     fn copy_stores_accept_normal_and_non_temporal_in_any_case() {
         let stores = |value| parse(None, Some(value)).unwrap().copy_stores;
         assert_eq!(stores("normal"), Some(Stores::Normal));
@@ -161,6 +196,11 @@ mod tests {
             assert!(reason.contains(COPY_STORES_VAR), "{reason}");
             assert!(reason.contains(&format!("{bad:?}")), "{reason}");
             assert!(reason.contains("normal or non-temporal"), "{reason}");
+        }
+        for bad in ["0", "-2", "1.5", "eight"] {
+            let reason = StreamTuning::parse_threads(Some(bad)).unwrap_err();
+            assert!(reason.contains(CPU_THREADS_VAR), "{reason}");
+            assert!(reason.contains("positive whole number"), "{reason}");
         }
         // A good value does not excuse a bad one in the other variable.
         assert!(parse(Some("4"), Some("fast")).is_err());
