@@ -73,6 +73,11 @@ struct Aside<D: Device, P: Float> {
     params: Arc<D::Buffer<P>>,
 }
 
+/// The streaming step gathers its uploaded chunks in pieces of at least this many elements (32
+/// MiB of bf16), however small the chunks, or an eighth of the partition where that is less: one
+/// collective per rank and piece.
+const GATHER_PIECE: usize = 1 << 24;
+
 /// Events the engine owns, each recorded in one place and waited on in another.
 struct Events<D: Device> {
     /// Compute → comm: a bucket's gradients are complete.
@@ -94,6 +99,8 @@ struct Events<D: Device> {
     optimizer_done: D::Event,
     /// Comm → d2h: the delayed step's gradients are set aside.
     aside_taken: D::Event,
+    /// H2d → comm: a chunk of the streaming step is uploaded, for its gather.
+    chunk_uploaded: D::Event,
 }
 
 /// One rank of a ZeRO job. See the crate documentation for the loop that drives it.
@@ -260,6 +267,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             accumulated: device.new_event()?,
             optimizer_done: device.new_event()?,
             aside_taken: device.new_event()?,
+            chunk_uploaded: device.new_event()?,
         };
         Ok(Engine {
             norm: device.alloc(1)?,
@@ -679,8 +687,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                         host.step_now(step)?;
                         return self.upload_and_gather();
                     }
-                    self.stream_step(step)?;
-                    return self.gather_from(StreamKind::H2d);
+                    return self.stream_step(step);
                 }
                 // The step before this one finished meanwhile: its weights go to the device now
                 // and the next window computes with them; this step runs in the background.
@@ -699,7 +706,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     }
 
     /// The streaming CPU step, inline (see [`stream_chunks`]): from the reduced gradients on the
-    /// device to the updated weights in this rank's partition of the flat weights.
+    /// device to the updated weights in this rank's partition of the flat weights, and into the
+    /// other ranks' copies chunk by chunk: each chunk, once uploaded, goes from every rank to
+    /// every rank on the comm stream (one broadcast per rank, the same chunk of each partition),
+    /// while the CPU steps the next ones (pieces of at least [`GATHER_PIECE`] elements). Only the
+    /// last piece's gather is left when the CPU is done, not the whole partition's.
     fn stream_step(&mut self, step: &zeroflow_optim::AdamWStep) -> Result<(), EngineError> {
         let Optimizer::Host(host) = &mut self.optimizer else {
             return Err(EngineError::Usage("streaming step without offload"));
@@ -710,6 +721,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         };
         let (source, at) = reduced_source::<D, P>(&self.reduced, &self.grads, self.owned.start);
         let (d2h, h2d) = (self.device.stream(StreamKind::D2h), self.device.stream(StreamKind::H2d));
+        let comm_stream = self.device.stream(StreamKind::Comm);
         // The gradients are final once the comm stream has computed the norm over them; the
         // weights are free once forward/backward and the last gather are past them.
         self.device.wait_event(d2h, &self.events.norm_done)?;
@@ -717,12 +729,43 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         if let Some(gathered) = &self.events.params_ready {
             self.device.wait_event(h2d, gathered)?;
         }
-        let chunks =
-            Chunks { source, source_at: at, target: &self.params, target_at: self.owned.start };
+        // The gathers write the other ranks' partitions, which the last forward/backward read.
+        let gathers = self.owned.len() < self.layout.padded_len();
+        if gathers {
+            self.device.wait_event(comm_stream, &self.events.compute_done)?;
+        }
+        let (device, comm, params) = (&self.device, &self.comm, &self.params);
+        let (partition, uploaded_event) = (self.owned.len(), &mut self.events.chunk_uploaded);
+        // Uploaded chunks not gathered yet: gathered together once they make a piece (small
+        // stream chunks would otherwise cost a collective each) or reach the end.
+        let piece_len = GATHER_PIECE.min(partition.div_ceil(8)).max(1);
+        let mut pending: Option<Range<usize>> = None;
+        let mut gather = |chunk: Range<usize>| -> Result<(), EngineError> {
+            if !gathers {
+                return Ok(());
+            }
+            let piece = pending.take().map_or(chunk.clone(), |p| p.start..chunk.end);
+            if piece.len() < piece_len && piece.end < partition {
+                pending = Some(piece);
+                return Ok(());
+            }
+            device.record(uploaded_event, h2d)?;
+            device.wait_event(comm_stream, uploaded_event)?;
+            for root in 0..comm.world_size() {
+                let at = root * partition;
+                comm.broadcast(comm_stream, params, at + piece.start..at + piece.end, root)?;
+            }
+            Ok(())
+        };
+        let (target, target_at) = (&self.params, self.owned.start);
+        let chunks = Chunks { source, source_at: at, target, target_at, uploaded: &mut gather };
         stream_chunks(&self.device, step, optimizer, staging, outgoing, chunks, self.owned.len())?;
         // The next backward overwrites the gradients only after these copies read them.
         let d2h_done = slot(&mut self.events.d2h_done, &self.device)?;
         self.device.record(d2h_done, d2h)?;
+        // The weights are current once the last upload (one rank) or gather is done.
+        let params_ready = slot(&mut self.events.params_ready, &self.device)?;
+        self.device.record(params_ready, if gathers { comm_stream } else { h2d })?;
         Ok(())
     }
 
@@ -765,7 +808,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let handle = std::thread::Builder::new()
             .name("zeroflow-delayed-step".into())
             .spawn(move || {
-                let chunks = Chunks { source: &*grads, source_at: 0, target: &*next, target_at: 0 };
+                // The weights stay aside until the next step applies and gathers them.
+                let uploaded = &mut |_| Ok(());
+                let (source, target) = (&*grads, &*next);
+                let chunks = Chunks { source, source_at: 0, target, target_at: 0, uploaded };
                 stream_chunks(
                     &device,
                     &step,

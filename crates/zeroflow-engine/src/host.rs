@@ -2,6 +2,7 @@
 //! host memory, and the queue of device-to-host copies in flight during a backward.
 
 use std::any::TypeId;
+use std::ops::Range;
 use std::thread::JoinHandle;
 
 use rayon::prelude::*;
@@ -112,12 +113,15 @@ pub(crate) type DelayedStep<P> =
     JoinHandle<Result<(Box<HostOptimizer<P>>, Carried<P>), EngineError>>;
 
 /// Where the streaming step reads gradients and writes weights: `len` elements of each, from
-/// element `source_at` of `source` and `target_at` of `target`.
+/// element `source_at` of `source` and `target_at` of `target`; `uploaded` hears of each chunk
+/// (its range in the partition) once its upload is queued on the h2d stream (the engine gathers
+/// it from there).
 pub(crate) struct Chunks<'a, D: Device, P: Float> {
     pub source: &'a D::Buffer<P>,
     pub source_at: usize,
     pub target: &'a D::Buffer<P>,
     pub target_at: usize,
+    pub uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
 }
 
 /// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
@@ -180,6 +184,7 @@ pub(crate) fn stream_chunks<D: Device, P: Float>(
         // Not waited on here: the buffer remembers the copy, and its next write (two chunks on,
         // or the next step) waits for it. That is what lets the upload overlap the CPU.
         std::mem::forget(draining);
+        (io.uploaded)(range)?;
         *free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") = Some(staged);
     }
     Ok(())
