@@ -3,7 +3,9 @@
 //! and the weights come back in ([`EngineOptions::stream_chunk`]), [`COPY_STORES_VAR`] how the
 //! CPU AdamW writes the weights' bf16 copy ([`EngineOptions::copy_stores`]), [`CPU_THREADS_VAR`]
 //! how many threads the CPU optimizer runs on ([`EngineOptions::cpu_threads`]; by default the
-//! host's cores shared between its ranks, or the CPUs a rank is bound to). Unset or blank: the
+//! host's cores shared between its ranks, or the CPUs a rank is bound to), [`GATHER_VAR`] whether
+//! the streaming step gathers the ranks' weights piece by piece while it steps or after it
+//! ([`EngineOptions::gather_in_pieces`]). Unset or blank: the
 //! defaults. The results are bit-identical whatever the values; only the speed changes.
 
 use zeroflow_core::{DType, Element};
@@ -22,6 +24,9 @@ pub const COPY_STORES_VAR: &str = "ZEROFLOW_COPY_STORES";
 /// Threads of the CPU optimizer: a positive whole number.
 pub const CPU_THREADS_VAR: &str = "ZEROFLOW_CPU_THREADS";
 
+/// When the streaming step gathers the updated partitions: `pieces` or `after-step`.
+pub const GATHER_VAR: &str = "ZEROFLOW_STREAM_GATHER";
+
 const MIB: f64 = (1 << 20) as f64;
 
 /// What the two variables ask for; `None` keeps the engine's default.
@@ -31,6 +36,7 @@ pub struct StreamTuning {
     pub stream_chunk: Option<usize>,
     pub copy_stores: Option<Stores>,
     pub cpu_threads: Option<usize>,
+    pub gather_in_pieces: Option<bool>,
 }
 
 impl StreamTuning {
@@ -70,7 +76,7 @@ impl StreamTuning {
                 ));
             }
         };
-        Ok(StreamTuning { stream_chunk, copy_stores, cpu_threads: None })
+        Ok(StreamTuning { stream_chunk, copy_stores, cpu_threads: None, gather_in_pieces: None })
     }
 
     /// The CPU optimizer's thread count that `value` asks for (`None` or blank: the default), or
@@ -86,16 +92,29 @@ impl StreamTuning {
         }
     }
 
+    /// Whether the streaming step gathers in pieces, as `value` asks (`None` or blank: the
+    /// default; case ignored), or why it is refused.
+    pub fn parse_gather(value: Option<&str>) -> Result<Option<bool>, String> {
+        let value = value.map(str::trim).unwrap_or_default();
+        match value.to_ascii_lowercase().as_str() {
+            "" => Ok(None),
+            "pieces" => Ok(Some(true)),
+            "after-step" => Ok(Some(false)),
+            _ => Err(format!("{GATHER_VAR}={value:?} is not pieces or after-step")),
+        }
+    }
+
     /// The tuning the environment asks for, with parameters of `dtype`; an [`InputError`] for a
     /// value that is refused.
     pub fn from_env(dtype: DType) -> anyhow::Result<StreamTuning> {
         let read = |name| std::env::var_os(name).map(|value| value.to_string_lossy().into_owned());
         let (chunk_mib, copy_stores) = (read(STREAM_CHUNK_VAR), read(COPY_STORES_VAR));
-        let threads = read(CPU_THREADS_VAR);
+        let (threads, gather) = (read(CPU_THREADS_VAR), read(GATHER_VAR));
         let tuning = StreamTuning::parse(chunk_mib.as_deref(), copy_stores.as_deref(), dtype)
             .and_then(|tuning| {
                 let cpu_threads = StreamTuning::parse_threads(threads.as_deref())?;
-                Ok(StreamTuning { cpu_threads, ..tuning })
+                let gather_in_pieces = StreamTuning::parse_gather(gather.as_deref())?;
+                Ok(StreamTuning { cpu_threads, gather_in_pieces, ..tuning })
             });
         tuning.map_err(InputError::from_display)
     }
@@ -112,23 +131,27 @@ pub fn apply_env<P: Element>(options: &mut EngineOptions, rank: usize) -> anyhow
     options.stream_chunk = tuning.stream_chunk.unwrap_or(options.stream_chunk);
     options.copy_stores = tuning.copy_stores.unwrap_or(options.copy_stores);
     options.cpu_threads = tuning.cpu_threads.unwrap_or(options.cpu_threads);
+    options.gather_in_pieces = tuning.gather_in_pieces.unwrap_or(options.gather_in_pieces);
     let mib = options.stream_chunk as f64 * dtype.size() as f64 / MIB;
     let default = |set: bool| if set { "" } else { " (the default)" };
     tracing::info!(
-        "rank {rank}: offload tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}/{CPU_THREADS_VAR}: \
-         chunks of {} elements ({mib} MiB of {dtype}){}, {} stores of the weight copy{}, the CPU \
-         optimizer on {} threads{}",
+        "rank {rank}: offload tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}/{CPU_THREADS_VAR}/\
+         {GATHER_VAR}: chunks of {} elements ({mib} MiB of {dtype}){}, {} stores of the weight \
+         copy{}, the CPU optimizer on {} threads{}, the ranks' weights gathered {}{}",
         options.stream_chunk,
         default(tuning.stream_chunk.is_some()),
         options.copy_stores.name(),
         default(tuning.copy_stores.is_some()),
         options.cpu_threads,
         default(tuning.cpu_threads.is_some()),
+        if options.gather_in_pieces { "in pieces while stepping" } else { "after the step" },
+        default(tuning.gather_in_pieces.is_some()),
     );
     if options.offload.is_none() {
         tracing::warn!(
-            "rank {rank}: {STREAM_CHUNK_VAR}, {COPY_STORES_VAR} and {CPU_THREADS_VAR} tune the \
-             CPU optimizer offload, which this config does not use: they change nothing"
+            "rank {rank}: {STREAM_CHUNK_VAR}, {COPY_STORES_VAR}, {CPU_THREADS_VAR} and \
+             {GATHER_VAR} tune the CPU optimizer offload, which this config does not use: they \
+             change nothing"
         );
     }
     Ok(())
@@ -168,6 +191,18 @@ mod tests {
         assert_eq!(StreamTuning::parse_threads(None), Ok(None));
         assert_eq!(StreamTuning::parse_threads(Some(" ")), Ok(None));
         assert_eq!(StreamTuning::parse_threads(Some("15\n")), Ok(Some(15)));
+    }
+
+    #[test]
+    fn the_gather_is_in_pieces_or_after_the_step() {
+        assert_eq!(StreamTuning::parse_gather(None), Ok(None));
+        assert_eq!(StreamTuning::parse_gather(Some("")), Ok(None));
+        assert_eq!(StreamTuning::parse_gather(Some("Pieces")), Ok(Some(true)));
+        assert_eq!(StreamTuning::parse_gather(Some(" after-step\n")), Ok(Some(false)));
+        for bad in ["after", "end", "1"] {
+            let reason = StreamTuning::parse_gather(Some(bad)).unwrap_err();
+            assert!(reason.contains(GATHER_VAR) && reason.contains("pieces or after-step"));
+        }
     }
 
     #[test]

@@ -80,6 +80,10 @@ pub struct EngineOptions {
     /// straight to memory, without reading the lines first; [`Stores::Normal`] leaves it in the
     /// caches, where the device's read may find it). Results are bit-identical either way.
     pub copy_stores: Stores,
+    /// Offload with several ranks, the streaming step: gather each uploaded piece of the
+    /// partition while the CPU steps the next (default), or all of it after the step. Results
+    /// are bit-identical either way.
+    pub gather_in_pieces: bool,
 }
 
 /// What can go wrong in the engine.

@@ -34,6 +34,8 @@ pub struct Setup {
     pub stream_chunk: usize,
     /// How the CPU AdamW writes the bf16 weight copy (offload).
     pub copy_stores: Stores,
+    /// The streaming step gathers in pieces while it steps (offload, several ranks).
+    pub gather_in_pieces: bool,
 }
 
 impl Setup {
@@ -52,6 +54,7 @@ impl Setup {
             epoch_steps: None,
             stream_chunk: DEFAULT_STREAM_CHUNK,
             copy_stores: Stores::NonTemporal,
+            gather_in_pieces: true,
         }
     }
 }
@@ -70,6 +73,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
         zenflow: setup.zenflow,
         stream_chunk: setup.stream_chunk,
         copy_stores: setup.copy_stores,
+        gather_in_pieces: setup.gather_in_pieces,
     }
 }
 

@@ -1,8 +1,9 @@
-//! The offload stream's tuning (`EngineOptions::stream_chunk` and `copy_stores`) changes how the
-//! gradients and weights travel between host and device, never the results: small, uneven chunks
-//! and ordinary stores of the weight copy give the default run's weights bit for bit, with and
-//! without chaos (randomly delayed streams, so every chunk's hand-off must be ordered by its own
-//! wait).
+//! The offload stream's tuning (`EngineOptions::stream_chunk`, `copy_stores` and
+//! `gather_in_pieces`) changes how the gradients and weights travel between host and device and
+//! between ranks, never the results: small, uneven chunks, ordinary stores of the weight copy and
+//! a gather after the step instead of piece by piece give the default run's weights bit for bit,
+//! with and without chaos (randomly delayed streams, so every chunk's hand-off must be ordered by
+//! its own wait).
 
 use zeroflow_core::Float;
 use zeroflow_engine::{DEFAULT_STREAM_CHUNK, LossScaler, Stage};
@@ -24,12 +25,13 @@ fn offload_setups() -> [Setup; 4] {
 
 /// Trains every setup with the default tuning and with each of `tunings` (calm and under chaos)
 /// and checks that the final weights and the step reports are identical.
-fn check_tunings_are_bit_identical<P: Float>(tunings: &[(usize, Stores)]) {
+fn check_tunings_are_bit_identical<P: Float>(tunings: &[(usize, Stores, bool)]) {
     for setup in offload_setups() {
         let default = train::<P>(&setup, LossScaler::None, None);
-        for &(stream_chunk, copy_stores) in tunings {
+        for &(stream_chunk, copy_stores, gather_in_pieces) in tunings {
             for chaos in [None, Some(7)] {
-                let tuned = Setup { stream_chunk, copy_stores, chaos, ..setup.clone() };
+                let tuned =
+                    Setup { stream_chunk, copy_stores, gather_in_pieces, chaos, ..setup.clone() };
                 let out = train::<P>(&tuned, LossScaler::None, None);
                 assert_eq!(out.weights, default.weights, "{tuned:?}: weights differ");
                 assert_eq!(out.reports, default.reports, "{tuned:?}: step reports differ");
@@ -39,12 +41,15 @@ fn check_tunings_are_bit_identical<P: Float>(tunings: &[(usize, Stores)]) {
 }
 
 /// 7 elements cut a partition of the synthetic model (about 60 elements per rank) into many
-/// chunks, the last one shorter; 1 element is the smallest chunk there is.
-const TUNINGS: [(usize, Stores); 4] = [
-    (7, Stores::Normal),
-    (7, Stores::NonTemporal),
-    (1, Stores::Normal),
-    (DEFAULT_STREAM_CHUNK, Stores::Normal),
+/// chunks, the last one shorter, gathered in pieces of an eighth of the partition; 1 element is
+/// the smallest chunk there is.
+const TUNINGS: [(usize, Stores, bool); 6] = [
+    (7, Stores::Normal, true),
+    (7, Stores::NonTemporal, true),
+    (1, Stores::Normal, true),
+    (DEFAULT_STREAM_CHUNK, Stores::Normal, true),
+    (7, Stores::NonTemporal, false),
+    (DEFAULT_STREAM_CHUNK, Stores::NonTemporal, false),
 ];
 
 /// bf16: the CPU AdamW writes the weights' bf16 copy itself, with the stores asked for.
@@ -56,7 +61,7 @@ fn a_small_stream_chunk_and_normal_copy_stores_give_the_default_bf16_weights() {
 /// f32: the streaming step reads f32 gradients and converts the weights after the step.
 #[test]
 fn a_small_stream_chunk_gives_the_default_f32_weights() {
-    check_tunings_are_bit_identical::<f32>(&TUNINGS[..2]);
+    check_tunings_are_bit_identical::<f32>(&[TUNINGS[0], TUNINGS[1], TUNINGS[4]]);
 }
 
 #[test]
