@@ -34,5 +34,13 @@ fn the_breakdown_splits_the_step_and_the_flops_follow_the_throughput() {
         let tflops = number("tokens_per_s") * want / 1e12;
         assert!((number("model_tflops") - tflops).abs() <= 1e-9 * tflops, "{mode}: {r}");
         assert_eq!(r["times"].as_array().map(Vec::len), Some(3), "{mode}: {r}");
+        // The optimizer's parts: every step waits for the norm; only the streamed offload step
+        // (plain `offload`: one micro-step, no delayed update) runs AdamW on this thread.
+        assert!(number("norm_wait_s_mean") > 0.0, "{mode}: {r}");
+        let adam = number("cpu_adam_s_mean");
+        assert_eq!(adam > 0.0, mode == "offload", "{mode}: CPU AdamW {adam} s per step");
+        for key in ["chunk_wait_s_mean", "upload_wait_s_mean"] {
+            assert!(number(key) >= 0.0 && number(key) <= number("s_per_step_mean"), "{mode}: {r}");
+        }
     }
 }

@@ -29,7 +29,7 @@ use zeroflow_optim::{AdamW, CpuAdam, SimdLevel};
 
 use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
-use crate::host::{Carried, Chunks, HostState, Offloader, OptimizerSlot, stream_chunks};
+use crate::host::{Carried, Chunks, HostState, Offloader, OptimizerSlot, StepTimes, stream_chunks};
 use crate::reduction::{Reduction, Sink};
 use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
 
@@ -131,6 +131,8 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     /// Time the calling thread has spent on or waiting for the CPU optimizer (see
     /// [`Engine::cpu_wait`]).
     cpu_wait: std::time::Duration,
+    /// Where the training thread's optimizer steps went ([`Engine::step_times`]).
+    step_times: StepTimes,
     /// The mutation of the self-check (see [`Engine::mutate_remove_d2h_wait`]); always false in
     /// a normal build.
     skip_d2h_wait: bool,
@@ -290,6 +292,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             micro_steps: 0,
             backward_pending: false,
             cpu_wait: std::time::Duration::ZERO,
+            step_times: StepTimes::default(),
             skip_d2h_wait: false,
         })
     }
@@ -354,6 +357,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// the GPU gets no new work because of the CPU. Zero without offload.
     pub fn cpu_wait(&self) -> std::time::Duration {
         self.cpu_wait
+    }
+
+    /// Where the training thread's optimizer steps have gone so far (see [`StepTimes`]): the
+    /// wait for the gradient norm, and the inline streaming step's waits and CPU work.
+    pub fn step_times(&self) -> StepTimes {
+        self.step_times
     }
 
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
@@ -569,7 +578,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         let compute = self.device.stream(StreamKind::Compute);
         self.device.record(&mut self.events.compute_done, compute)?;
+        let waiting = std::time::Instant::now();
         let sum_squares = self.global_sum_squares()?;
+        self.step_times.norm_wait += waiting.elapsed();
         let loss_scale = self.scaler.scale();
         let summed =
             f64::from(loss_scale) * self.comm.world_size() as f64 * self.opts.grad_accum as f64;
@@ -759,7 +770,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             Ok(())
         };
         let (target, target_at) = (&self.params, self.owned.start);
-        let chunks = Chunks { source, source_at: at, target, target_at, uploaded: &mut gather };
+        let (uploaded, times) = (&mut gather, &mut self.step_times);
+        let chunks = Chunks { source, source_at: at, target, target_at, uploaded, times };
         stream_chunks(&self.device, step, optimizer, staging, outgoing, chunks, self.owned.len())?;
         // The next backward overwrites the gradients only after these copies read them.
         let d2h_done = slot(&mut self.events.d2h_done, &self.device)?;
@@ -814,8 +826,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             .spawn(move || {
                 // The weights stay aside until the next step applies and gathers them.
                 let uploaded = &mut |_| Ok(());
+                // On its own thread: not the training thread's time.
+                let times = &mut StepTimes::default();
                 let (source, target) = (&*grads, &*next);
-                let chunks = Chunks { source, source_at: 0, target, target_at: 0, uploaded };
+                let chunks = Chunks { source, source_at: 0, target, target_at: 0, uploaded, times };
                 stream_chunks(
                     &device,
                     &step,

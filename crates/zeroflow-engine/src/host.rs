@@ -4,6 +4,7 @@
 use std::any::TypeId;
 use std::ops::Range;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use zeroflow_core::{Float, bf16};
@@ -112,16 +113,45 @@ pub(crate) enum Carried<P: Float> {
 pub(crate) type DelayedStep<P> =
     JoinHandle<Result<(Box<HostOptimizer<P>>, Carried<P>), EngineError>>;
 
+/// Where the training thread spent its optimizer steps, by the host's clock and summed over the
+/// steps: the breakdown a benchmark reports ([`crate::Engine::step_times`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepTimes {
+    /// Waiting for the global gradient norm: the last reductions, the norm and its copy to the
+    /// host (every mode).
+    pub norm_wait: Duration,
+    /// Offload, the streaming step on the training thread: waiting for gradient chunks to reach
+    /// the host,
+    pub chunk_wait: Duration,
+    /// for an outgoing buffer's last upload to finish before the next chunk's weights go there,
+    pub upload_wait: Duration,
+    /// and the CPU AdamW over the chunks (with the weights' copy in the model's dtype).
+    pub adam: Duration,
+}
+
+impl StepTimes {
+    /// What was added since `earlier` (an earlier reading of the same engine).
+    pub fn since(&self, earlier: &StepTimes) -> StepTimes {
+        StepTimes {
+            norm_wait: self.norm_wait.saturating_sub(earlier.norm_wait),
+            chunk_wait: self.chunk_wait.saturating_sub(earlier.chunk_wait),
+            upload_wait: self.upload_wait.saturating_sub(earlier.upload_wait),
+            adam: self.adam.saturating_sub(earlier.adam),
+        }
+    }
+}
+
 /// Where the streaming step reads gradients and writes weights: `len` elements of each, from
 /// element `source_at` of `source` and `target_at` of `target`; `uploaded` hears of each chunk
 /// (its range in the partition) once its upload is queued on the h2d stream (the engine gathers
-/// it from there).
+/// it from there); `times` adds up where the calling thread's time went.
 pub(crate) struct Chunks<'a, D: Device, P: Float> {
     pub source: &'a D::Buffer<P>,
     pub source_at: usize,
     pub target: &'a D::Buffer<P>,
     pub target_at: usize,
     pub uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    pub times: &'a mut StepTimes,
 }
 
 /// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
@@ -140,6 +170,7 @@ pub(crate) fn stream_chunks<D: Device, P: Float>(
     io: Chunks<'_, D, P>,
     len: usize,
 ) -> Result<(), EngineError> {
+    let times = io.times;
     let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
     let chunk = staging.first().map_or(1, |b| b.len()).max(1);
     let chunks = len.div_ceil(chunk);
@@ -162,11 +193,16 @@ pub(crate) fn stream_chunks<D: Device, P: Float>(
         }
         let range = piece(c);
         let filling = in_flight[c % STAGING_BUFFERS].take().expect("issued above");
+        let waiting = Instant::now();
         let staged = filling.wait()?;
+        times.chunk_wait += waiting.elapsed();
         let grads = as_grads(&staged[..range.len()])
             .ok_or(EngineError::Usage("the streaming step reads f32 or bf16 gradients"))?;
         // Waits for the upload that last read this buffer (its token was let go below).
+        let waiting = Instant::now();
         let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
+        let stepping = Instant::now();
+        times.upload_wait += stepping - waiting;
         let HostOptimizer { master, exp_avg, exp_avg_sq, adam, .. } = optimizer;
         let state = AdamState { params: master, exp_avg, exp_avg_sq };
         match as_bf16_mut(out) {
@@ -178,6 +214,7 @@ pub(crate) fn stream_chunks<D: Device, P: Float>(
                 convert_into(adam, out, &master[range.clone()]);
             }
         }
+        times.adam += stepping.elapsed();
         let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
         let target = io.target_at + range.start;
         let draining = device.copy_h2d(h2d, outgoing_buffer, 0..range.len(), io.target, target)?;

@@ -32,7 +32,7 @@ use zeroflow_optim::{AdamWConfig, OptimError, Stores};
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
-pub use host::DEFAULT_STREAM_CHUNK;
+pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use scaler::{DynamicScaler, LossScaler};
 pub use zenflow::{ZenFlowOptions, ZenFlowSnapshot};
 

@@ -19,7 +19,7 @@ use serde_json::json;
 use zeroflow_core::Float;
 use zeroflow_core::config::{self, Context};
 use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
-use zeroflow_engine::{Engine, EngineOptions, StepReport};
+use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
@@ -150,6 +150,8 @@ struct Measured {
     /// the bytes copied host → device and device → host.
     cpu_wait: f64,
     copied: CopiedBytes,
+    /// Over the timed steps: where the training thread's optimizer steps went.
+    step_times: StepTimes,
 }
 
 impl Measured {
@@ -251,8 +253,10 @@ fn measure<M: Model>(
         device_memory: None,
         cpu_wait: 0.0,
         copied: CopiedBytes::default(),
+        step_times: StepTimes::default(),
     };
     let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
+    let mut step_times = engine.step_times();
     // A step ends when the compute stream has finished it: work the step left on the copy and
     // collective streams (ZenFlow's window copy, the last weight uploads) overlaps the next step
     // as in training, and is charged to whichever step waits for it; the timed steps together
@@ -268,6 +272,7 @@ fn measure<M: Model>(
         if step == args.warmup {
             engine.device().synchronize()?;
             (waited, copied) = (engine.cpu_wait(), engine.device().copied_bytes());
+            step_times = engine.step_times();
         }
         let last = step + 1 == args.warmup + args.steps;
         let start = Instant::now();
@@ -306,6 +311,7 @@ fn measure<M: Model>(
     }
     measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
     measured.copied = engine.device().copied_bytes().since(copied);
+    measured.step_times = engine.step_times().since(&step_times);
     measured.device_memory = M::memory_in_use(engine.device());
     engine.flush()?;
     measured.forward_times = time_forward(args.steps as usize, engine, gpt, inputs, targets)?;
@@ -391,6 +397,7 @@ fn report(
     let tokens = args.micro_batch * model.context * args.accum as usize * job.world;
     let rss = ranks[0].peak_rss_bytes;
     let params = model.num_params();
+    let per_step = |time: std::time::Duration| time.as_secs_f64() / measured.times.len() as f64;
     json!({
         "system": "zeroflow",
         "mode": mode_name(args.mode),
@@ -419,6 +426,12 @@ fn report(
         "cpu_wait_fraction": measured.cpu_wait / measured.times.iter().sum::<f64>(),
         "h2d_bytes_per_step": measured.copied.host_to_device as f64 / measured.times.len() as f64,
         "d2h_bytes_per_step": measured.copied.device_to_host as f64 / measured.times.len() as f64,
+        // Rank 0's optimizer step by the host clock: waiting for the gradient norm, and the
+        // streamed CPU step's waits for gradient chunks and for uploads, and its AdamW.
+        "norm_wait_s_mean": per_step(measured.step_times.norm_wait),
+        "chunk_wait_s_mean": per_step(measured.step_times.chunk_wait),
+        "upload_wait_s_mean": per_step(measured.step_times.upload_wait),
+        "cpu_adam_s_mean": per_step(measured.step_times.adam),
         "peak_rss_bytes": rss,
         "device_memory_in_use_bytes": measured.device_memory,
         "peak_rss_bytes_per_param": rss.map(|r| r as f64 / params as f64),
@@ -468,8 +481,9 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         "{} {} on {} × {}: {:.0} tokens/s ({:.0} per rank), {tflops} model TFLOP/s; rank 0: {:.4} \
          s/step median, {:.4} s mean, forward {:.4} s + backward {:.4} s, exposed optimizer \
          {:.4} s, CPU wait {:.1} % of the \
-         step, PCIe {:.2} GB in / {:.2} GB out per step, peak RSS {rss}, device memory in use \
-         {memory}; loss {:.3} → {:.3}",
+         step (norm wait {:.4} s, CPU AdamW {:.4} s, waits for gradient chunks {:.4} s and \
+         uploads {:.4} s), PCIe {:.2} GB in / {:.2} GB out per step, peak RSS {rss}, device \
+         memory in use {memory}; loss {:.3} → {:.3}",
         args.model,
         mode_name(args.mode),
         out["world_size"],
@@ -482,6 +496,10 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         number("backward_s_mean"),
         number("exposed_optimizer_s_mean"),
         100.0 * number("cpu_wait_fraction"),
+        number("norm_wait_s_mean"),
+        number("cpu_adam_s_mean"),
+        number("chunk_wait_s_mean"),
+        number("upload_wait_s_mean"),
         number("h2d_bytes_per_step") / 1e9,
         number("d2h_bytes_per_step") / 1e9,
         loss(losses.first()),
