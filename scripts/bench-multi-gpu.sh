@@ -157,6 +157,11 @@ for run, r in rows.items():
           f"{r['s_per_step_mean']:11.4f} {r.get('forward_backward_s_mean', nan):9.4f} "
           f"{r.get('exposed_optimizer_s_mean', nan):13.4f} "
           f"{r.get('peak_rss_bytes_per_param') or nan:11.1f} {gpu:7.1f}")
+    if r.get("cpu_adam_s_mean") is not None:
+        print(f"  rank 0's optimizer step: norm wait {r['norm_wait_s_mean']:.4f} s, CPU AdamW "
+              f"{r['cpu_adam_s_mean']:.4f} s, waits for gradient chunks {r['chunk_wait_s_mean']:.4f}"
+              f" s and uploads {r['upload_wait_s_mean']:.4f} s; forward "
+              f"{r.get('forward_s_mean', nan):.4f} s")
     for rank in r.get("ranks", [])[1:]:
         print(f"  rank {rank['rank']}: {rank['s_per_step_mean']:.4f} s/step mean, fwd+bwd "
               f"{rank['forward_backward_s_mean']:.4f} s")
