@@ -21,6 +21,7 @@
 
 pub mod attention;
 mod exec;
+pub mod flash;
 pub mod kernels;
 pub mod schedule;
 mod tokens;

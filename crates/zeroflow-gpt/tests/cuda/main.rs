@@ -7,6 +7,7 @@
 //! `RESULT ` are collected by `scripts/gpu-run.sh` into its table.
 
 mod attention;
+mod flash;
 mod model;
 
 use zeroflow_device::CudaDevice;

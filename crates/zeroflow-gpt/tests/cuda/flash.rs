@@ -1,0 +1,449 @@
+//! `FlashAttention` against the CPU reference (`kernels::attention`, in f64 on the same bf16
+//! inputs) and against `CudaAttention` on the same inputs: at head sizes 64 and 128, sequences
+//! that end inside a 64-row tile (1, 37, 65, 200) or on its edge (64, 128), several sequences and
+//! heads. Every tensor of the caller sits between NaN guards and the outputs start as NaN, so an
+//! element not written, a write outside a tensor or a read outside one (a tile row past `T` not
+//! masked) shows up. Also: the module compiles with NVRTC (no GPU needed), a second run repeats
+//! the first, bad shapes and alignments are refused, and an `#[ignore]`d benchmark against
+//! `CudaAttention` at gpt-1.3b's and gpt2-350m's shapes.
+
+use std::iter::repeat_n;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::blas::Blas;
+use zeroflow_device::cuda::module::compile;
+use zeroflow_device::cuda::{CudaBuffer, CudaLibrary, CudaStream};
+use zeroflow_device::{CudaDevice, Device, DeviceError, StreamKind};
+use zeroflow_gpt::cuda::attention::CudaAttention;
+use zeroflow_gpt::cuda::flash::{FlashAttention, SOURCE, kernel_names};
+use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
+
+use crate::gpu;
+
+/// The largest relative error (‖gpu − cpu‖ / ‖cpu‖) allowed for out and each third of dqkv: the
+/// GPU rounds P, dS and the outputs to bf16 (the same bound as `CudaAttention`'s test).
+const TOLERANCE: f64 = 2e-2;
+
+/// The largest relative error of the log-sum-exp: f32 sums of exact bf16 products, exp2 and log2.
+const LSE_TOLERANCE: f64 = 1e-4;
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    batch: usize,
+    seq: usize,
+    c: usize,
+    n_head: usize,
+}
+
+impl Shape {
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    fn head_size(&self) -> usize {
+        self.c / self.n_head
+    }
+
+    fn att_len(&self) -> usize {
+        self.batch * self.n_head * self.seq * self.seq
+    }
+}
+
+const SHAPES: [Shape; 8] = [
+    Shape { batch: 2, seq: 1, c: 192, n_head: 3 },
+    Shape { batch: 2, seq: 37, c: 128, n_head: 2 },
+    Shape { batch: 3, seq: 37, c: 256, n_head: 2 },
+    Shape { batch: 2, seq: 64, c: 256, n_head: 2 },
+    Shape { batch: 2, seq: 65, c: 192, n_head: 3 },
+    Shape { batch: 2, seq: 128, c: 128, n_head: 2 },
+    Shape { batch: 2, seq: 200, c: 256, n_head: 2 },
+    Shape { batch: 1, seq: 200, c: 256, n_head: 4 },
+];
+
+/// Uniform values in ±`bound`, none zero, rounded to bf16.
+fn random_bf16(len: usize, bound: f64, seed: u64) -> Vec<bf16> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len)
+        .map(|_| {
+            let x: f64 = rng.random_range(-bound..bound);
+            bf16::from_f64(if x == 0.0 { bound / 2.0 } else { x })
+        })
+        .collect()
+}
+
+fn widen(values: &[bf16]) -> Vec<f64> {
+    values.iter().map(|x| x.to_f64()).collect()
+}
+
+/// ‖gpu − cpu‖₂ / ‖cpu‖₂; NaN (a failure) if the GPU left a NaN. Where the reference is all
+/// zeros (dq and dk at T = 1: one key, so the softmax passes no gradient), the root mean square
+/// of the GPU's values instead: those are rounding residues of `dP − delta`, near 1e-7.
+fn relative_error(gpu: &[f64], cpu: &[f64]) -> f64 {
+    assert_eq!(gpu.len(), cpu.len());
+    let (mut diff, mut norm) = (0.0, 0.0);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        diff += (g - c).powi(2);
+        norm += c * c;
+    }
+    if norm == 0.0 { (diff / gpu.len().max(1) as f64).sqrt() } else { (diff / norm).sqrt() }
+}
+
+/// Part `part` (0 q, 1 k, 2 v) of every row of a `[rows, 3c]` tensor.
+fn third<T: Copy>(rows: &[T], c: usize, part: usize) -> Vec<T> {
+    rows.chunks(3 * c).flat_map(|row| &row[part * c..(part + 1) * c]).copied().collect()
+}
+
+/// `log Σ_{k ≤ t} exp(scale · q_t·k)` of every query row, `[B, NH, T]`, in f64.
+fn reference_lse(qkv: &[f64], shape: Shape) -> Vec<f64> {
+    let Shape { batch, seq, c, n_head } = shape;
+    let hs = shape.head_size();
+    let scale = 1.0 / (hs as f64).sqrt();
+    let head = |b: usize, t: usize, part: usize, h: usize| {
+        &qkv[(b * seq + t) * 3 * c + part * c + h * hs..][..hs]
+    };
+    let mut lse = Vec::with_capacity(batch * n_head * seq);
+    for b in 0..batch {
+        for h in 0..n_head {
+            for t in 0..seq {
+                let scores: Vec<f64> = (0..=t)
+                    .map(|key| {
+                        let dot: f64 = head(b, t, 0, h)
+                            .iter()
+                            .zip(head(b, key, 1, h))
+                            .map(|(q, k)| q * k)
+                            .sum();
+                        dot * scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                lse.push(max + scores.iter().map(|s| (s - max).exp()).sum::<f64>().ln());
+            }
+        }
+    }
+    lse
+}
+
+/// Elements before each of the caller's tensors (16 bytes: the kernels need 16-byte aligned
+/// tensors) and after it, all NaN.
+const OFFSET: usize = 8;
+const GUARD: usize = 16;
+
+/// One of the caller's tensors: `len` elements at [`OFFSET`] in a buffer whose other elements
+/// are NaN guards.
+struct Placed {
+    buffer: CudaBuffer<bf16>,
+    len: usize,
+}
+
+impl Placed {
+    /// `len` NaNs (so that an element the kernels fail to write shows up) between the guards.
+    fn poisoned(device: &CudaDevice, len: usize) -> Self {
+        let total = OFFSET + len + GUARD;
+        let buffer = device.alloc::<bf16>(total).unwrap();
+        device.fill(device.stream(StreamKind::Compute), &buffer, 0..total, bf16::NAN).unwrap();
+        Placed { buffer, len }
+    }
+
+    /// `values` between the guards (a read outside them would spread a NaN into the results).
+    fn holding(device: &CudaDevice, values: &[bf16]) -> Self {
+        let all: Vec<bf16> = repeat_n(bf16::NAN, OFFSET)
+            .chain(values.iter().copied())
+            .chain(repeat_n(bf16::NAN, GUARD))
+            .collect();
+        Placed { buffer: device.upload(&all).unwrap(), len: values.len() }
+    }
+
+    fn address(&self) -> u64 {
+        self.buffer.address(OFFSET)
+    }
+
+    /// The tensor widened to f64, after checking that nothing was written outside it.
+    fn read(&self, device: &CudaDevice, what: &str) -> Vec<f64> {
+        let all = device.download(&self.buffer).unwrap();
+        let (before, rest) = all.split_at(OFFSET);
+        let (inside, after) = rest.split_at(self.len);
+        let written = before.iter().chain(after).filter(|x| !x.is_nan()).count();
+        assert_eq!(written, 0, "{what}: {written} elements outside the tensor were written");
+        widen(inside)
+    }
+}
+
+/// The inputs of one shape: `qkv` and `dout`, random, on the host and placed on the GPU.
+struct Inputs {
+    qkv: Vec<bf16>,
+    dout: Vec<bf16>,
+    qkv_gpu: Placed,
+    dout_gpu: Placed,
+}
+
+impl Inputs {
+    fn new(device: &CudaDevice, shape: Shape, seed: u64) -> Self {
+        let qkv = random_bf16(shape.rows() * 3 * shape.c, 2.0, seed);
+        let dout = random_bf16(shape.rows() * shape.c, 1.0, seed + 1);
+        let (qkv_gpu, dout_gpu) = (Placed::holding(device, &qkv), Placed::holding(device, &dout));
+        Inputs { qkv, dout, qkv_gpu, dout_gpu }
+    }
+}
+
+/// `out` and `dqkv` of one forward and backward, widened to f64.
+struct Outputs {
+    out: Vec<f64>,
+    dqkv: Vec<f64>,
+}
+
+/// Forward then backward of `flash` on `inputs`, into fresh NaN-filled outputs.
+fn run_flash(
+    device: &CudaDevice,
+    flash: &FlashAttention,
+    shape: Shape,
+    inputs: &Inputs,
+) -> Outputs {
+    let stream = device.stream(StreamKind::Compute);
+    let out = Placed::poisoned(device, shape.rows() * shape.c);
+    let dqkv = Placed::poisoned(device, shape.rows() * 3 * shape.c);
+    let (qkv_at, dout_at) = (inputs.qkv_gpu.address(), inputs.dout_gpu.address());
+    flash.forward(stream, qkv_at, out.address()).unwrap();
+    flash.backward(stream, qkv_at, out.address(), dout_at, dqkv.address()).unwrap();
+    device.synchronize().unwrap();
+    Outputs { out: out.read(device, "out"), dqkv: dqkv.read(device, "dqkv") }
+}
+
+/// Forward then backward of `CudaAttention` on `inputs`.
+fn run_cuda_attention(
+    device: &CudaDevice,
+    blas: &Arc<Blas>,
+    shape: Shape,
+    inputs: &Inputs,
+) -> Outputs {
+    let Shape { batch, seq, c, n_head } = shape;
+    let stream = device.stream(StreamKind::Compute);
+    let attention = CudaAttention::new(device, blas.clone(), batch, seq, c, n_head).unwrap();
+    let out = Placed::poisoned(device, shape.rows() * c);
+    let att = Placed::poisoned(device, shape.att_len());
+    let dqkv = Placed::poisoned(device, shape.rows() * 3 * c);
+    let dscores = Placed::poisoned(device, shape.att_len());
+    let (qkv_at, dout_at) = (inputs.qkv_gpu.address(), inputs.dout_gpu.address());
+    attention.forward(stream, qkv_at, out.address(), att.address()).unwrap();
+    let (att_at, dqkv_at, dscores_at) = (att.address(), dqkv.address(), dscores.address());
+    attention.backward(stream, dout_at, qkv_at, att_at, dqkv_at, dscores_at).unwrap();
+    device.synchronize().unwrap();
+    Outputs { out: out.read(device, "out"), dqkv: dqkv.read(device, "dqkv") }
+}
+
+/// The CPU reference in f64: out and dqkv.
+fn run_reference(shape: Shape, inputs: &Inputs) -> Outputs {
+    let Shape { seq, c, n_head, .. } = shape;
+    let (qkv, dout) = (widen(&inputs.qkv), widen(&inputs.dout));
+    let mut out = vec![0.0; shape.rows() * c];
+    let mut att = vec![0.0; shape.att_len()];
+    attention_forward(&mut out, &mut att, &qkv, seq, c, n_head);
+    let mut dqkv = vec![0.0; qkv.len()];
+    let mut dscores = vec![0.0; shape.att_len()];
+    attention_backward(&mut dqkv, &mut dscores, &dout, &qkv, &att, seq, c, n_head);
+    Outputs { out, dqkv }
+}
+
+/// The relative error of out and of each third of dqkv of `gpu` against `expected`.
+fn errors(gpu: &Outputs, expected: &Outputs, c: usize) -> [(&'static str, f64); 4] {
+    let part = |outputs: &Outputs, part| third(&outputs.dqkv, c, part);
+    [
+        ("out", relative_error(&gpu.out, &expected.out)),
+        ("dq", relative_error(&part(gpu, 0), &part(expected, 0))),
+        ("dk", relative_error(&part(gpu, 1), &part(expected, 1))),
+        ("dv", relative_error(&part(gpu, 2), &part(expected, 2))),
+    ]
+}
+
+#[test]
+fn forward_and_backward_match_the_cpu_reference_and_cuda_attention() {
+    let Some(device) = gpu() else { return };
+    let blas = Arc::new(Blas::new(&device).unwrap());
+    let mut worst: f64 = 0.0;
+    for (index, &shape) in SHAPES.iter().enumerate() {
+        let Shape { batch, seq, c, n_head } = shape;
+        let inputs = Inputs::new(&device, shape, 100 * index as u64);
+        let flash = FlashAttention::new(&device, batch, seq, c, n_head).unwrap();
+        let outputs = run_flash(&device, &flash, shape, &inputs);
+        let lse: Vec<f64> =
+            device.download(flash.lse()).unwrap().iter().map(|&x| f64::from(x)).collect();
+        let lse_rel = relative_error(&lse, &reference_lse(&widen(&inputs.qkv), shape));
+        let hs = shape.head_size();
+        let label = format!("B{batch} T{seq} C{c} NH{n_head} hs{hs}");
+        println!("RESULT flash lse {label} rel={lse_rel:.3e}");
+        assert!(lse_rel <= LSE_TOLERANCE, "{shape:?}: lse is off by {lse_rel:.3e} (relative)");
+        let expected = [
+            ("reference", run_reference(shape, &inputs)),
+            ("attention", run_cuda_attention(&device, &blas, shape, &inputs)),
+        ];
+        for (against, expected) in &expected {
+            for (what, rel) in errors(&outputs, expected, c) {
+                println!("RESULT flash {what} vs {against} {label} rel={rel:.3e}");
+                assert!(
+                    rel <= TOLERANCE,
+                    "{shape:?}: {what} is off from {against} by {rel:.3e} (relative)"
+                );
+                worst = worst.max(rel);
+            }
+        }
+    }
+    println!("RESULT flash accuracy max_rel={worst:.3e} over {} shapes", SHAPES.len());
+}
+
+/// Runs forward and backward twice on the same inputs: the second run sees the lse, the scratch
+/// and the dq sums the first left behind. out, dk and dv involve no atomics and must repeat bit
+/// for bit; dq differs only by the order of its f32 atomic additions (and would double if the
+/// sums were not reset).
+#[test]
+fn a_second_run_repeats_the_first_up_to_the_order_of_the_dq_atomics() {
+    let Some(device) = gpu() else { return };
+    let shape = SHAPES[6];
+    let Shape { batch, seq, c, n_head } = shape;
+    let flash = FlashAttention::new(&device, batch, seq, c, n_head).unwrap();
+    let inputs = Inputs::new(&device, shape, 7);
+    let first = run_flash(&device, &flash, shape, &inputs);
+    let second = run_flash(&device, &flash, shape, &inputs);
+    assert!(first.out == second.out, "out differs between two runs");
+    for (part, what) in [(1, "dk"), (2, "dv")] {
+        assert!(
+            third(&first.dqkv, c, part) == third(&second.dqkv, c, part),
+            "{what} differs between two runs"
+        );
+    }
+    let dq_rel = relative_error(&third(&second.dqkv, c, 0), &third(&first.dqkv, c, 0));
+    println!("RESULT flash repeat dq rel={dq_rel:.3e}");
+    assert!(dq_rel <= 1e-3, "dq: the second run differs from the first by {dq_rel:.3e}");
+}
+
+#[test]
+fn unsupported_head_sizes_and_unaligned_tensors_are_refused() {
+    let Some(device) = gpu() else { return };
+    let refused = FlashAttention::new(&device, 1, 8, 96, 2).unwrap_err().to_string();
+    assert!(refused.contains("head size 48"), "{refused}");
+    let flash = FlashAttention::new(&device, 1, 8, 128, 2).unwrap();
+    let qkv = device.alloc::<bf16>(8 * 3 * 128 + 8).unwrap();
+    let out = device.alloc::<bf16>(8 * 128).unwrap();
+    let stream = device.stream(StreamKind::Compute);
+    let unaligned = flash.forward(stream, qkv.address(1), out.address(0)).unwrap_err();
+    assert!(unaligned.to_string().contains("16-byte"), "{unaligned}");
+    println!("RESULT flash refusals ok");
+}
+
+/// Whether the cubin's symbol table holds `name` (as a whole NUL-terminated string).
+fn exports(cubin: &[u8], name: &str) -> bool {
+    let needle: Vec<u8> = name.bytes().chain([0]).collect();
+    cubin.windows(needle.len()).any(|window| window == needle)
+}
+
+/// Runs without a GPU wherever libnvrtc loads (and prints `skipped: libnvrtc not found`
+/// elsewhere).
+#[test]
+fn flash_kernels_compile_for_sm80_and_sm90_and_export_every_kernel() {
+    for arch in [(8, 0), (9, 0)] {
+        let cubin = match compile("flash_attention", SOURCE, arch, &[]) {
+            Ok(cubin) => cubin,
+            Err(DeviceError::Library { library, reason })
+                if library == CudaLibrary::Nvrtc.name() =>
+            {
+                println!("skipped: libnvrtc not found ({reason})");
+                return;
+            }
+            Err(error) => panic!("{error}"),
+        };
+        let names = kernel_names();
+        let missing: Vec<&String> = names.iter().filter(|name| !exports(&cubin, name)).collect();
+        assert!(
+            missing.is_empty(),
+            "sm_{}{}: flash_attention.cu lacks {missing:?}",
+            arch.0,
+            arch.1
+        );
+        assert!(
+            !exports(&cubin, "flash_forward_96"),
+            "the symbol check finds names that do not exist"
+        );
+        println!(
+            "RESULT flash compile sm_{}{}: {} bytes of cubin, {} kernels",
+            arch.0,
+            arch.1,
+            cubin.len(),
+            names.len()
+        );
+    }
+}
+
+/// The median time of `run` over [`BENCH_RUNS`] runs (after one warm-up), in milliseconds.
+fn median_ms(device: &CudaDevice, run: &dyn Fn()) -> f64 {
+    run();
+    device.synchronize().unwrap();
+    let mut times: Vec<f64> = (0..BENCH_RUNS)
+        .map(|_| {
+            let started = Instant::now();
+            run();
+            device.synchronize().unwrap();
+            started.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[BENCH_RUNS / 2]
+}
+
+const BENCH_RUNS: usize = 21;
+
+/// Median forward and backward times of one layer's attention, FlashAttention against
+/// CudaAttention, at gpt-1.3b's shapes (B 8, T 1024, C 2048, 16 heads of 128) and gpt2-350m's
+/// (C 1024, 16 heads of 64). TFLOP/s count the causal products only: forward 2·2·B·NH·T²·hs/2,
+/// backward 2.5 times that. Prints `RESULT flash-bench ...`; asserts nothing.
+#[test]
+#[ignore = "a benchmark: run with --ignored on a GPU"]
+fn bench_flash_against_cuda_attention() {
+    let Some(device) = gpu() else { return };
+    let blas = Arc::new(Blas::new(&device).unwrap());
+    let stream = device.stream(StreamKind::Compute);
+    for (name, c) in [("gpt-1.3b", 2048), ("gpt2-350m", 1024)] {
+        let shape = Shape { batch: 8, seq: 1024, c, n_head: 16 };
+        let Shape { batch, seq, n_head, .. } = shape;
+        let flash = FlashAttention::new(&device, batch, seq, c, n_head).unwrap();
+        let attention = CudaAttention::new(&device, blas.clone(), batch, seq, c, n_head).unwrap();
+        let qkv = device.upload(&random_bf16(shape.rows() * 3 * c, 2.0, 1)).unwrap();
+        let dout = device.upload(&random_bf16(shape.rows() * c, 1.0, 2)).unwrap();
+        let out = device.alloc::<bf16>(shape.rows() * c).unwrap();
+        let dqkv = device.alloc::<bf16>(shape.rows() * 3 * c).unwrap();
+        let att = device.alloc::<bf16>(shape.att_len()).unwrap();
+        let dscores = device.alloc::<bf16>(shape.att_len()).unwrap();
+        let [qkv_at, dout_at, out_at, dqkv_at] =
+            [&qkv, &dout, &out, &dqkv].map(|buffer| buffer.address(0));
+        let (att_at, dscores_at) = (att.address(0), dscores.address(0));
+        let times = |forward: &dyn Fn(&CudaStream), backward: &dyn Fn(&CudaStream)| {
+            (median_ms(&device, &|| forward(stream)), median_ms(&device, &|| backward(stream)))
+        };
+        let (flash_fwd, flash_bwd) = times(&|s| flash.forward(s, qkv_at, out_at).unwrap(), &|s| {
+            flash.backward(s, qkv_at, out_at, dout_at, dqkv_at).unwrap()
+        });
+        let (attention_fwd, attention_bwd) =
+            times(&|s| attention.forward(s, qkv_at, out_at, att_at).unwrap(), &|s| {
+                attention.backward(s, dout_at, qkv_at, att_at, dqkv_at, dscores_at).unwrap()
+            });
+        let hs = shape.head_size();
+        let forward_flops = 2.0 * (batch * n_head * seq * seq * hs) as f64;
+        let tflops = |flops: f64, ms: f64| flops / ms / 1e9;
+        println!(
+            "RESULT flash-bench {name} B{batch} T{seq} C{c} NH{n_head} hs{hs}: flash fwd \
+             {flash_fwd:.3} ms ({:.0} TFLOP/s) bwd {flash_bwd:.3} ms ({:.0} TFLOP/s); attention \
+             fwd {attention_fwd:.3} ms ({:.0}) bwd {attention_bwd:.3} ms ({:.0}); speedup fwd \
+             {:.2}x bwd {:.2}x; scratch flash {} MiB, attention {} MiB + att {} MiB per layer",
+            tflops(forward_flops, flash_fwd),
+            tflops(2.5 * forward_flops, flash_bwd),
+            tflops(forward_flops, attention_fwd),
+            tflops(2.5 * forward_flops, attention_bwd),
+            attention_fwd / flash_fwd,
+            attention_bwd / flash_bwd,
+            flash.scratch_bytes() >> 20,
+            attention.scratch_bytes() >> 20,
+            (shape.att_len() * size_of::<bf16>()) >> 20,
+        );
+    }
+}
