@@ -24,7 +24,9 @@
 # GPUs once more with ZEROFLOW_CPU_BIND=off: the A/B of binding ranks to their GPUs' CPUs),
 # VARIANTS (more two-GPU zeroflow runs, each NAME:VAR=VALUE[,VAR=VALUE...], recorded as
 # zf-2gpu-NAME and compared with zf-2gpu; e.g. VARIANTS="c4:ZEROFLOW_STREAM_CHUNK_MIB=4
-# c4n:ZEROFLOW_STREAM_CHUNK_MIB=4,ZEROFLOW_COPY_STORES=normal", docs/multi-gpu.md).
+# c4n:ZEROFLOW_STREAM_CHUNK_MIB=4,ZEROFLOW_COPY_STORES=normal", docs/multi-gpu.md; NCCL's own
+# variables work too, e.g. nc4:NCCL_MAX_NCHANNELS=4), ONE_GPU_VARIANTS (the same for more one-GPU
+# runs, recorded as zf-1gpu-NAME).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -98,6 +100,15 @@ if [[ -z "${SKIP_ZF:-}" ]]; then
         echo "zeroflow 2 GPUs, unbound: exit $? ($((SECONDS - started)) s)"
         record zf-2gpu-unbound "$log" || tail -5 "$log" "$log.err"
     fi
+
+    for variant in ${ONE_GPU_VARIANTS:-}; do
+        name=${variant%%:*}
+        IFS=, read -r -a vars <<<"${variant#*:}"
+        log=$OUT/bench-multi-zf-1gpu-$name.log
+        env "${vars[@]}" timeout 240 "$Z" "${ZF[@]}" >"$log" 2>"$log.err"
+        echo "zeroflow 1 GPU, $name (${vars[*]}): exit $? ($((SECONDS - started)) s)"
+        record "zf-1gpu-$name" "$log" || tail -5 "$log" "$log.err"
+    done
 
     for variant in ${VARIANTS:-}; do
         name=${variant%%:*}
