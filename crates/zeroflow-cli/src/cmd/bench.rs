@@ -20,8 +20,9 @@ pub enum Bench {
     CpuAdam(CpuAdamArgs),
     /// Copy bandwidth between host memory (pinned and pageable) and the GPU.
     Copy(super::bench_copy::Args),
-    /// Optimizer steps of the GPT model through the ZeRO engine (gpu, offload, offload-delayed),
-    /// with the breakdown and memory; on several GPUs under `zeroflow launch`.
+    /// Optimizer steps of the GPT model through the ZeRO engine (gpu, offload, offload-delayed,
+    /// zenflow): tokens/s, model TFLOP/s, forward / backward / optimizer breakdown, PCIe traffic
+    /// and memory; on several GPUs under `zeroflow launch`.
     #[command(alias = "train")]
     Step(super::bench_train::Args),
     /// bf16 GEMM throughput through cuBLASLt (TFLOP/s).
