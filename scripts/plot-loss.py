@@ -31,8 +31,9 @@ import math
 import pathlib
 import sys
 
-WIDTH, HEIGHT = 760, 420
-MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 66, 20, 44, 52
+WIDTH, HEIGHT = 960, 420
+# The legend sits in the right margin, clear of the curves.
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 66, 220, 44, 52
 PALETTE = ["#1f6fb4", "#e07b28", "#2ca02c", "#d62728", "#9467bd",
            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 MAX_POLYLINE_POINTS = 2000  # longer training curves are thinned (evenly, keeping the last point)
@@ -321,13 +322,13 @@ def eval_curve(panel, points, color):
 
 
 def legend(panel, entries):
-    """A box at the panel's top-right: (name, colour, kind) with kind 'train' or 'eval'."""
+    """A box right of the panel's top: (name, colour, kind) with kind 'train' or 'eval'."""
     if not entries:
         return []
     row, sample = 17, 26
     width = sample + 16 + max(len(name) for name, _, _ in entries) * 6.4
     height = row * len(entries) + 8
-    x0, y0 = panel.right - width - 8, panel.top + 8
+    x0, y0 = panel.right + 12, panel.top
     parts = [f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{width:.1f}" height="{height}" '
              f'fill="white" fill-opacity="0.85" stroke="#bbb"/>']
     for i, (name, color, kind) in enumerate(entries):
