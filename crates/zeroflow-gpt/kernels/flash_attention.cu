@@ -7,10 +7,9 @@
 //
 //   qkv      [B, T, 3C]  bf16  rows `[q | k | v]`, head h at columns h·hs .. (h+1)·hs of each third
 //   out      [B, T, C]   bf16  head h at columns h·hs ..
-//   lse      [B, NH, T]  f32   log Σ_keys exp(scale · q·k) of each query: forward keeps it for
-//                              backward
+//   lse      [B, NH, T]  f32   log Σ_keys exp(scale · q·k) of each query: forward writes it into
+//                              the caller's buffer, backward reads it from there
 //   delta    [B, NH, T]  f32   Σ_d dout·out of each query (backward's first kernel)
-//   dq_accum [B, T, C]   f32   dq summed over the key blocks with atomics, then rounded into dqkv
 //   dqkv     [B, T, 3C]  bf16  every element overwritten: dq, dk, dv in out's head layout
 //
 // The tile kernels read q, k, v and dout in place (no head-major copies) with 16-byte loads, so
@@ -18,8 +17,8 @@
 // `x = log2(e)·scale·q·k`, so that each exponential is one exp2f.
 //
 // Tiles: BR = 64 query rows and BC = 64 keys; 128 threads (4 warps), each warp owning 16 rows of
-// the tile (queries in forward, keys in backward), so the softmax statistics and the dK and dV
-// accumulators never leave their warp. The head size HS (64 or 128) is a template parameter.
+// the tile (queries in forward and in the dq kernel, keys in the dk/dv kernel), so the softmax
+// statistics and the dQ, dK and dV accumulators never leave their warp. The head size HS (64 or 128) is a template parameter.
 // Shared-memory rows are padded by 8 bf16 so the eight rows one `ldmatrix` reads fall in distinct
 // banks.
 //
@@ -33,20 +32,27 @@
 //       O = O·2^(m − m') + P·V  (P rounded to bf16 straight from the accumulators of S)
 //   out = O / l;  lse = (m + log2 l)·ln 2
 //
-// Backward (FA2's), three kernels:
+// Backward, three kernels, none with atomics: every output element is written once by one
+// thread, after sums in a fixed order, so forward and backward repeat bit for bit. P and dP are
+// computed twice (once per kernel below), the price of dq without atomics.
 //
-//   flash_backward_preprocess: delta, and dq_accum set to zero (one CTA per token row).
-//   flash_backward, one CTA per (key block j, head h, sequence b), the most work first:
+//   flash_backward_preprocess: delta (one CTA per token row).
+//   flash_backward_dq, one CTA per (query block i, head h, sequence b), the longest rows first:
+//       Q, dO tiles → shared;  lse, delta of this lane's two rows → registers;  dQ = 0
+//       for key block j = 0 ..= i:
+//           K, V tiles → shared
+//           P = 2^(Q·Kᵀ·log2(e)·scale − lse·log2(e))   (each warp 16 queries × 64 keys; masked
+//                entries, key > query on the diagonal block, zero)
+//           dS = P ∘ (dO·Vᵀ − delta);  dQ += dS·K
+//       the q third of dqkv = scale · dQ (bf16)
+//   flash_backward_dkdv, one CTA per (key block j, head h, sequence b), the most work first:
 //       K, V tiles → shared;  dK = dV = 0 in registers (each warp its 16 keys × HS)
 //       for query block i = j .. (the blocks before the diagonal see none of these keys):
 //           Q, dO tiles, lse and delta of the block → shared
 //           Pᵀ = 2^(K·Qᵀ·log2(e)·scale − lse·log2(e))   (each warp 16 keys × 64 queries;
 //                masked entries, key > query or query ≥ T, zero)
 //           dV += Pᵀ·dO;  dPᵀ = V·dOᵀ;  dSᵀ = scale · Pᵀ ∘ (dPᵀ − delta);  dK += dSᵀ·Q
-//           dSᵀ → shared (bf16);  dq_accum[block i] += dS·K  (each warp 16 queries; fp32
-//                atomicAdd, so dq's low bits depend on the order the CTAs reach them)
 //       dK, dV → their thirds of dqkv (bf16)
-//   flash_dq_to_bf16: the q third of dqkv = dq_accum rounded to bf16.
 //
 // Masking: a key block holds keys above some query only on the diagonal (BR = BC, aligned), and
 // rows at or past T only in the last block, so the tile kernels test the mask only there. Rows past
@@ -55,7 +61,8 @@
 //
 // The GPU test (`tests/cuda/flash.rs`) checks out and the three thirds of dqkv against the CPU
 // reference in f64 and against `CudaAttention`, at head sizes 64 and 128 and T = 1, 37, 64, 65,
-// 128 and 200 with B, NH > 1, between NaN guards; and that a second run repeats the first.
+// 128 and 200 with B, NH > 1, between NaN guards; and that a second run repeats the first bit for
+// bit.
 
 static constexpr int BR = 64;
 static constexpr int BC = 64;
@@ -64,8 +71,9 @@ static constexpr int PAD = 8;
 static constexpr float LOG2E = 1.4426950408889634f;
 static constexpr float LN2 = 0.6931471805599453f;
 
-// The dynamic shared memory of the two tile kernels, 16-byte aligned (tiles move in 16-byte
-// vectors). Its size is the host's `forward_shared_bytes` / `backward_shared_bytes`.
+// The dynamic shared memory of the three tile kernels, 16-byte aligned (tiles move in 16-byte
+// vectors). Its size is the host's `forward_shared_bytes` / `backward_dq_shared_bytes` /
+// `backward_dkdv_shared_bytes`.
 extern __shared__ U32x4 flash_smem[];
 
 // ---------------------------------------------------------------------------------------------
@@ -121,13 +129,6 @@ static __device__ __forceinline__ void load_a(u32 a[4], const bf16_t* tile, int 
     ldmatrix_x4(a, tile + (m + lane % 8 + lane / 8 % 2 * 8) * STRIDE + k + lane / 16 * 8);
 }
 
-// The A fragment of rows m..m+15, columns k..k+15 of `tile`ᵀ (tile[k][m]).
-template <int STRIDE>
-static __device__ __forceinline__ void load_a_trans(u32 a[4], const bf16_t* tile, int k, int m) {
-    const int lane = lane_id();
-    ldmatrix_x4_trans(a, tile + (k + lane % 8 + lane / 16 * 8) * STRIDE + m + lane / 8 % 2 * 8);
-}
-
 // The B fragments of columns n..n+7 (b[0..2)) and n+8..n+15 (b[2..4)), rows k..k+15, of
 // B = `tile`ᵀ (tile[n][k]): the keys of S = Q·Kᵀ, for example.
 template <int STRIDE>
@@ -155,8 +156,8 @@ static __device__ __forceinline__ void c_to_a(u32 a[4], const float (&c)[N][4], 
 }
 
 // acc[N][4] (a warp's 16 × 8N block) += A (16 × 16·K_STEPS, C fragments of `a_c`, k-step s) ·
-// B (rows 16s.., tile[k][n] with n = 0 .. 8N): the P·V of forward and the Pᵀ·dO, dSᵀ·Q of
-// backward.
+// B (rows 16s.., tile[k][n] with n = 0 .. 8N): the P·V of forward, the dS·K of the dq kernel and
+// the Pᵀ·dO, dSᵀ·Q of the dk/dv kernel.
 template <int N, int K, int STRIDE>
 static __device__ __forceinline__ void accumulate_c_times_tile(float (&acc)[N][4],
                                                                const float (&a_c)[K][4],
@@ -176,7 +177,7 @@ static __device__ __forceinline__ void accumulate_c_times_tile(float (&acc)[N][4
 }
 
 // acc[N][4] = rows m..m+15 of `a_tile` · `b_tile`ᵀ (both [rows][HS]), N·8 rows of b_tile: the
-// scores Q·Kᵀ (backward: K·Qᵀ) and V·dOᵀ.
+// scores Q·Kᵀ (the dk/dv kernel: K·Qᵀ), dO·Vᵀ and V·dOᵀ.
 template <int N, int HS, int STRIDE>
 static __device__ __forceinline__ void tile_times_tile_t(float (&acc)[N][4], const bf16_t* a_tile,
                                                          int m, const bf16_t* b_tile) {
@@ -368,11 +369,10 @@ static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
-// delta[b, h, t] = Σ_d dout[b, t, h·hs + d] · out[b, t, h·hs + d] in f32, and row (b, t) of
-// dq_accum set to zero. One CTA per token row, a warp per head at a time, two elements per lane
-// (`head_size` even; the pointers 4-byte aligned).
+// delta[b, h, t] = Σ_d dout[b, t, h·hs + d] · out[b, t, h·hs + d] in f32. One CTA per token row,
+// a warp per head at a time, two elements per lane (`head_size` even; the pointers 4-byte
+// aligned); the warp's sum is a fixed butterfly, so delta repeats bit for bit.
 extern "C" __global__ void flash_backward_preprocess(float* __restrict__ delta,
-                                                     float* __restrict__ dq_accum,
                                                      const bf16_t* __restrict__ out,
                                                      const bf16_t* __restrict__ dout, u32 seq,
                                                      u32 n_head, u32 head_size) {
@@ -391,61 +391,105 @@ extern "C" __global__ void flash_backward_preprocess(float* __restrict__ delta,
         sum = warp_sum(sum);
         if (lane == 0) delta[((i64)b * n_head + h) * seq + t] = sum;
     }
-    float* dq_row = dq_accum + (i64)row * c;
-    for (u32 i = threadIdx.x; i < c; i += blockDim.x) dq_row[i] = 0.0f;
 }
 
-// dq_accum += dS·K for this warp's 16 queries of the block starting at `q0` (rows `stride` apart,
-// `dq` at the head's first column; rows at or past `seq` skipped). dS is read as the transpose of
-// the block's dSᵀ tile (which holds the scale already) and K from its tile, 64 keys deep.
-template <int HS, int STRIDE, int DS_STRIDE>
-static __device__ __forceinline__ void accumulate_dq(float* dq, i64 stride, const bf16_t* ds_tile,
-                                                     const bf16_t* k_tile, u32 q0, u32 seq) {
+// dQ of one query block: one CTA per (query block i, head h, sequence b), the longest rows first,
+// each warp its 16 queries. dq accumulates in registers over key blocks 0 ..= i in that order and
+// is stored once, so it repeats bit for bit.
+template <int HS>
+static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t* __restrict__ qkv,
+                                         const bf16_t* __restrict__ dout,
+                                         const float* __restrict__ lse,
+                                         const float* __restrict__ delta, u32 seq, u32 n_head,
+                                         float scale) {
+    constexpr int STRIDE = HS + PAD;
+    bf16_t* q_tile = reinterpret_cast<bf16_t*>(flash_smem);
+    bf16_t* dout_tile = q_tile + BR * STRIDE;
+    bf16_t* k_tile = dout_tile + BR * STRIDE;
+    bf16_t* v_tile = k_tile + BC * STRIDE;
+
+    const u32 block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const u32 c = n_head * HS;
+    const i64 qkv_stride = 3 * (i64)c;
+    const bf16_t* q = qkv + (i64)b * seq * qkv_stride + h * HS;
+    const bf16_t* k = q + c;
+    const bf16_t* v = q + 2 * c;
+    const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
+    const float* lse_head = lse + ((i64)b * n_head + h) * seq;
+    const float* delta_head = delta + ((i64)b * n_head + h) * seq;
     const int warp = threadIdx.x / 32, lane = lane_id();
-    u32 a[BC / 16][4];
+    // This lane's two query rows (those of its C fragments), and its first key in each block of 8.
+    const u32 row_lo = block * BR + warp * 16 + lane / 4, row_hi = row_lo + 8;
+    const u32 key_col = 2 * (lane % 4);
+    const float to_base2 = scale * LOG2E;
+    // The rows' lse in base 2 and delta. Rows past T take zeros: their Q and dO rows are zeros too,
+    // so their dS is 0 (finite) and their dq, never stored, harms nothing.
+    const float lse_lo = row_lo < seq ? lse_head[row_lo] * LOG2E : 0.0f;
+    const float lse_hi = row_hi < seq ? lse_head[row_hi] * LOG2E : 0.0f;
+    const float delta_lo = row_lo < seq ? delta_head[row_lo] : 0.0f;
+    const float delta_hi = row_hi < seq ? delta_head[row_hi] : 0.0f;
+
+    load_tile<HS>(q_tile, q, qkv_stride, block * BR, seq);
+    load_tile<HS>(dout_tile, dout_head, c, block * BR, seq);
+    float dq[HS / 8][4] = {};
+    for (u32 key_block = 0; key_block <= block; key_block++) {
+        __syncthreads();  // Q and dO are in; every warp is done with the last K and V tiles
+        load_tile<HS>(k_tile, k, qkv_stride, key_block * BC, seq);
+        load_tile<HS>(v_tile, v, qkv_stride, key_block * BC, seq);
+        __syncthreads();
+
+        // 32 keys at a time (fewer live registers): P for the warp's 16 queries × those keys,
+        // masked (zero) where key > query on the diagonal block, where the keys ≥ T lie too; then
+        // dS = P ∘ (dO·Vᵀ − delta) over dP's registers, and dQ += dS·K (the scale comes at the end).
+        const bool diagonal = key_block == block;
 #pragma unroll
-    for (int s = 0; s < BC / 16; s++) load_a_trans<DS_STRIDE>(a[s], ds_tile, 16 * s, warp * 16);
-    const u32 row_lo = q0 + warp * 16 + lane / 4, row_hi = row_lo + 8;
-    const int col = 2 * (lane % 4);
+        for (int half = 0; half < 2; half++) {
+            constexpr int N = BC / 16;  // blocks of 8 keys per half
+            const int first = 32 * half;
+            float p[N][4];
+            tile_times_tile_t<N, HS, STRIDE>(p, q_tile, warp * 16, k_tile + first * STRIDE);
 #pragma unroll
-    for (int n = 0; n < HS / 8; n += 2) {
-        float acc[2][4] = {};
+            for (int n = 0; n < N; n++) {
 #pragma unroll
-        for (int s = 0; s < BC / 16; s++) {
-            u32 b[4];
-            load_b_pair_trans<STRIDE>(b, k_tile, 16 * s, 8 * n);
-            mma_16816(acc[0], a[s], b);
-            mma_16816(acc[1], a[s], b + 2);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            float* at = dq + 8 * (n + j) + col;
-            if (row_lo < seq) {
-                atomicAdd(at + row_lo * stride, acc[j][0]);
-                atomicAdd(at + row_lo * stride + 1, acc[j][1]);
+                for (int i = 0; i < 4; i++) {
+                    const u32 key = key_block * BC + first + 8 * n + key_col + i % 2;
+                    const u32 row = i < 2 ? row_lo : row_hi;
+                    const bool masked = diagonal && key > row;
+                    const float lse_row = i < 2 ? lse_lo : lse_hi;
+                    p[n][i] = masked ? 0.0f : exp2f(p[n][i] * to_base2 - lse_row);
+                }
             }
-            if (row_hi < seq) {
-                atomicAdd(at + row_hi * stride, acc[j][2]);
-                atomicAdd(at + row_hi * stride + 1, acc[j][3]);
+            float ds[N][4];
+            tile_times_tile_t<N, HS, STRIDE>(ds, dout_tile, warp * 16, v_tile + first * STRIDE);
+#pragma unroll
+            for (int n = 0; n < N; n++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ds[n][i] = p[n][i] * (ds[n][i] - (i < 2 ? delta_lo : delta_hi));
+                }
             }
+            accumulate_c_times_tile<HS / 8, N, STRIDE>(dq, ds, k_tile + first * STRIDE);
         }
     }
+    store_rows<HS / 8>(dqkv + (i64)b * seq * qkv_stride + h * HS, qkv_stride, dq, row_lo, seq,
+                       scale, scale);
 }
 
+// dK and dV of one key block: one CTA per (key block j, head h, sequence b), the most work first,
+// each warp its 16 keys. Both accumulate in registers over query blocks j .. in that order.
 template <int HS>
-static __device__ void flash_backward(bf16_t* __restrict__ dqkv, float* __restrict__ dq_accum,
-                                      const bf16_t* __restrict__ qkv,
-                                      const bf16_t* __restrict__ dout,
-                                      const float* __restrict__ lse,
-                                      const float* __restrict__ delta, u32 seq, u32 n_head,
-                                      float scale) {
-    constexpr int STRIDE = HS + PAD, DS_STRIDE = BR + PAD;
+static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
+                                           const bf16_t* __restrict__ qkv,
+                                           const bf16_t* __restrict__ dout,
+                                           const float* __restrict__ lse,
+                                           const float* __restrict__ delta, u32 seq, u32 n_head,
+                                           float scale) {
+    constexpr int STRIDE = HS + PAD;
     bf16_t* k_tile = reinterpret_cast<bf16_t*>(flash_smem);
     bf16_t* v_tile = k_tile + BC * STRIDE;
     bf16_t* q_tile = v_tile + BC * STRIDE;
     bf16_t* dout_tile = q_tile + BR * STRIDE;
-    bf16_t* ds_tile = dout_tile + BR * STRIDE;  // dSᵀ [key][query]
-    float* lse_tile = reinterpret_cast<float*>(ds_tile + BC * DS_STRIDE);
+    float* lse_tile = reinterpret_cast<float*>(dout_tile + BR * STRIDE);
     float* delta_tile = lse_tile + BR;
 
     const u32 key_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -456,7 +500,6 @@ static __device__ void flash_backward(bf16_t* __restrict__ dqkv, float* __restri
     const bf16_t* k = q + c;
     const bf16_t* v = q + 2 * c;
     const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
-    float* dq_head = dq_accum + (i64)b * seq * c + h * HS;
     const float* lse_head = lse + ((i64)b * n_head + h) * seq;
     const float* delta_head = delta + ((i64)b * n_head + h) * seq;
     const int warp = threadIdx.x / 32, lane = lane_id();
@@ -470,8 +513,7 @@ static __device__ void flash_backward(bf16_t* __restrict__ dqkv, float* __restri
     float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
     for (u32 query_block = key_block; query_block < query_blocks; query_block++) {
         const u32 q0 = query_block * BR;
-        // No barrier first: the last step read Q, dO, lse and delta only before its barrier on
-        // dSᵀ, and dSᵀ is written again only after the barrier below.
+        __syncthreads();  // every warp is done with the last Q, dO, lse and delta
         load_tile<HS>(q_tile, q, qkv_stride, q0, seq);
         load_tile<HS>(dout_tile, dout_head, c, q0, seq);
         for (int r = threadIdx.x; r < BR; r += THREADS) {
@@ -497,40 +539,27 @@ static __device__ void flash_backward(bf16_t* __restrict__ dqkv, float* __restri
         }
         accumulate_c_times_tile<HS / 8, BR / 8, STRIDE>(dv, p, dout_tile);
 
-        // dSᵀ = scale · Pᵀ ∘ (V·dOᵀ − delta), over dPᵀ's registers.
-        float ds[BR / 8][4];
-        tile_times_tile_t<BR / 8, HS, STRIDE>(ds, v_tile, warp * 16, dout_tile);
+        // dSᵀ = scale · Pᵀ ∘ (V·dOᵀ − delta) and dK += dSᵀ·Q, 32 queries at a time: half of dPᵀ
+        // live beside dK, dV and Pᵀ rather than all of it (fewer registers, no spills at HS 128).
 #pragma unroll
-        for (int n = 0; n < BR / 8; n++) {
+        for (int half = 0; half < 2; half++) {
+            constexpr int N = BR / 16;  // blocks of 8 queries per half
+            float ds[N][4];
+            tile_times_tile_t<N, HS, STRIDE>(ds, v_tile, warp * 16, dout_tile + 32 * half * STRIDE);
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                ds[n][i] = scale * p[n][i] * (ds[n][i] - delta_tile[8 * n + query_col + i % 2]);
+            for (int n = 0; n < N; n++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float d = delta_tile[32 * half + 8 * n + query_col + i % 2];
+                    ds[n][i] = scale * p[N * half + n][i] * (ds[n][i] - d);
+                }
             }
+            accumulate_c_times_tile<HS / 8, N, STRIDE>(dk, ds, q_tile + 32 * half * STRIDE);
         }
-        accumulate_c_times_tile<HS / 8, BR / 8, STRIDE>(dk, ds, q_tile);
-        const int ds_row = warp * 16 + lane / 4;
-#pragma unroll
-        for (int n = 0; n < BR / 8; n++) {
-            bf16_t* at = ds_tile + ds_row * DS_STRIDE + 8 * n + query_col;
-            *reinterpret_cast<u32*>(at) = pack_bf16x2(ds[n][0], ds[n][1]);
-            *reinterpret_cast<u32*>(at + 8 * DS_STRIDE) = pack_bf16x2(ds[n][2], ds[n][3]);
-        }
-        __syncthreads();
-        accumulate_dq<HS, STRIDE, DS_STRIDE>(dq_head, c, ds_tile, k_tile, q0, seq);
     }
     bf16_t* dk_head = dqkv + (i64)b * seq * qkv_stride + c + h * HS;
     store_rows<HS / 8>(dk_head, qkv_stride, dk, key_lo, seq, 1.0f, 1.0f);
     store_rows<HS / 8>(dk_head + c, qkv_stride, dv, key_lo, seq, 1.0f, 1.0f);
-}
-
-// The q third of dqkv [rows, 3C] = dq_accum [rows, C] rounded to bf16, two elements per thread.
-extern "C" __global__ void flash_dq_to_bf16(bf16_t* __restrict__ dqkv,
-                                            const float* __restrict__ dq_accum, u32 rows, u32 c) {
-    FOR_EACH_INDEX(pair, (i64)rows * c / 2) {
-        const i64 row = 2 * pair / c, col = 2 * pair % c;
-        *reinterpret_cast<u32*>(dqkv + row * 3 * c + col) =
-            pack_bf16x2(dq_accum[2 * pair], dq_accum[2 * pair + 1]);
-    }
 }
 
 #define FLASH_KERNELS(HS)                                                                         \
@@ -539,10 +568,15 @@ extern "C" __global__ void flash_dq_to_bf16(bf16_t* __restrict__ dqkv,
                            float scale) {                                                         \
         flash_forward<HS>(out, lse, qkv, seq, n_head, scale);                                     \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_##HS(                    \
-        bf16_t* dqkv, float* dq_accum, const bf16_t* qkv, const bf16_t* dout, const float* lse,   \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##HS(                 \
+        bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
         const float* delta, u32 seq, u32 n_head, float scale) {                                   \
-        flash_backward<HS>(dqkv, dq_accum, qkv, dout, lse, delta, seq, n_head, scale);            \
+        flash_backward_dq<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, scale);                   \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##HS(               \
+        bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
+        const float* delta, u32 seq, u32 n_head, float scale) {                                   \
+        flash_backward_dkdv<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, scale);                 \
     }
 
 FLASH_KERNELS(64)

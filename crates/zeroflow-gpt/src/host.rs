@@ -10,7 +10,7 @@ use crate::error::GptError;
 use crate::float::Float;
 use crate::kernels::{self, ArgSlices, Slot};
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{Access, Buf, Launch, Plan, Step};
+use crate::plan::{Access, AttentionKind, Buf, Launch, Plan, Step};
 
 /// A model for one (batch, seq) whose activations live in host vectors.
 #[derive(Debug)]
@@ -41,7 +41,20 @@ impl<F: Float> HostGpt<F> {
         batch: usize,
         seq: usize,
     ) -> Result<Self, GptError> {
-        let plan = Plan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
+        Self::with_attention(config, layout, batch, seq, AttentionKind::Gemm)
+    }
+
+    /// [`HostGpt::new`] whose attention keeps what `attention` says: the plan the CUDA model runs
+    /// with that attention, on the host.
+    pub fn with_attention(
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        attention: AttentionKind,
+    ) -> Result<Self, GptError> {
+        let params = ParamRanges::new(config, layout)?;
+        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
         let len = plan.acts.len;
         Ok(HostGpt {
             config: *config,

@@ -30,7 +30,7 @@ pub use host::HostGpt;
 pub use params::{
     GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, param_specs,
 };
-pub use plan::Plan;
+pub use plan::{AttentionKind, Plan};
 
 use zeroflow_core::layout::{Alignment, FlatLayout};
 

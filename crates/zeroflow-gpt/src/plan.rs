@@ -61,6 +61,41 @@ pub enum Step {
     GradsReady(GradsReady),
 }
 
+/// How the attention of every block keeps what its backward needs. The CUDA model takes it from
+/// `ZEROFLOW_ATTENTION` (`crate::cuda::ATTENTION_VAR`); the CPU models use [`AttentionKind::Gemm`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AttentionKind {
+    /// The softmax weights `att [batch, n_head, seq, seq]` ([`Kernel::Attention`]; on the GPU,
+    /// `CudaAttention`'s cuBLASLt products and softmax kernels). The default.
+    #[default]
+    Gemm,
+    /// Only the log-sum-exp of each query row, `lse [batch, n_head, seq]`, from which backward
+    /// recomputes the weights ([`Kernel::FlashAttention`]; on the GPU, `FlashAttention`, for head
+    /// sizes 64 and 128).
+    Flash,
+}
+
+impl AttentionKind {
+    /// The name `ZEROFLOW_ATTENTION` takes: `gemm` or `flash`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Gemm => "gemm",
+            AttentionKind::Flash => "flash",
+        }
+    }
+}
+
+/// What a block's attention keeps from forward for backward, as a range of the activation buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AttentionActs {
+    /// The weights `att [batch, n_head, seq, seq]` ([`AttentionKind::Gemm`]); at the same range of
+    /// the activation-gradient buffer, backward keeps the gradient of the scores (scratch).
+    Weights(Range<usize>),
+    /// The log-sum-exp `lse [batch, n_head, seq]` ([`AttentionKind::Flash`]); the CUDA model keeps
+    /// it in f32 with the other statistics.
+    LogSumExp(Range<usize>),
+}
+
 /// The activations of one block, as ranges of the activation buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockActs {
@@ -69,9 +104,8 @@ pub struct BlockActs {
     pub ln_1_rstd: Range<usize>,
     pub qkv: Range<usize>,
     pub atty: Range<usize>,
-    /// Attention weights `[batch, n_head, seq, seq]`; at the same range of the activation-gradient
-    /// buffer, backward keeps the gradient of the scores (scratch).
-    pub att: Range<usize>,
+    /// The weights or the log-sum-exp, by [`AttentionKind`].
+    pub attention: AttentionActs,
     pub attproj: Range<usize>,
     pub residual2: Range<usize>,
     pub ln_2: Range<usize>,
@@ -88,6 +122,7 @@ pub struct BlockActs {
 pub struct ActLayout {
     pub batch: usize,
     pub seq: usize,
+    pub attention: AttentionKind,
     pub encoded: Range<usize>,
     pub blocks: Vec<BlockActs>,
     pub ln_f: Range<usize>,
@@ -116,7 +151,7 @@ impl Bump {
 }
 
 impl ActLayout {
-    pub fn new(config: &GptConfig, batch: usize, seq: usize) -> Self {
+    pub fn new(config: &GptConfig, batch: usize, seq: usize, attention: AttentionKind) -> Self {
         let (n, c, nh) = (batch * seq, config.d_model, config.n_head);
         let mut bump = Bump(0);
         let encoded = bump.take(n * c);
@@ -127,7 +162,12 @@ impl ActLayout {
                 ln_1_rstd: bump.take(n),
                 qkv: bump.take(n * 3 * c),
                 atty: bump.take(n * c),
-                att: bump.take(batch * nh * seq * seq),
+                attention: match attention {
+                    AttentionKind::Gemm => {
+                        AttentionActs::Weights(bump.take(batch * nh * seq * seq))
+                    }
+                    AttentionKind::Flash => AttentionActs::LogSumExp(bump.take(batch * nh * seq)),
+                },
                 attproj: bump.take(n * c),
                 residual2: bump.take(n * c),
                 ln_2: bump.take(n * c),
@@ -150,6 +190,7 @@ impl ActLayout {
         ActLayout {
             batch,
             seq,
+            attention,
             encoded,
             blocks,
             ln_f,
@@ -193,12 +234,25 @@ fn update(buf: Buf, range: &Range<usize>) -> Arg {
 use Buf::{ActGrads as AG, Acts as A, Grads as G, Params as P};
 
 impl Plan {
-    /// The plan for micro-batches of `batch` sequences of `seq` tokens.
+    /// The plan for micro-batches of `batch` sequences of `seq` tokens, with
+    /// [`AttentionKind::Gemm`].
     pub fn new(
         config: &GptConfig,
         params: &ParamRanges,
         batch: usize,
         seq: usize,
+    ) -> Result<Plan, GptError> {
+        Self::with_attention(config, params, batch, seq, AttentionKind::Gemm)
+    }
+
+    /// The plan for micro-batches of `batch` sequences of `seq` tokens whose attention keeps what
+    /// `attention` says.
+    pub fn with_attention(
+        config: &GptConfig,
+        params: &ParamRanges,
+        batch: usize,
+        seq: usize,
+        attention: AttentionKind,
     ) -> Result<Plan, GptError> {
         if batch == 0 || seq == 0 || seq > config.context {
             return Err(GptError::Batch(format!(
@@ -206,7 +260,7 @@ impl Plan {
                 config.context
             )));
         }
-        let acts = ActLayout::new(config, batch, seq);
+        let acts = ActLayout::new(config, batch, seq, attention);
         let mut forward = Builder::new(config, &acts);
         forward.forward(params);
         let forward = forward.steps.into_iter().map(|step| match step {
@@ -318,8 +372,8 @@ impl<'a> Builder<'a> {
     }
 
     /// Puts first a launch that zeroes every activation gradient that backward adds to (and no
-    /// other: the gradients of the softmax output, the attention weights and the LayerNorm
-    /// statistics are never formed).
+    /// other: the gradients of the softmax output, the attention weights, the log-sum-exp and the
+    /// LayerNorm statistics are never formed).
     fn zero_accumulated_activation_grads(&mut self) {
         let mut ranges: Vec<Range<usize>> = self
             .steps
@@ -351,7 +405,10 @@ impl<'a> Builder<'a> {
         let conv = WeightLayout::InOut;
         self.layernorm(&a.ln_1, &a.ln_1_mean, &a.ln_1_rstd, residual, &p.ln_1_weight, &p.ln_1_bias);
         self.matmul(&a.qkv, &a.ln_1, &p.c_attn_weight, Some(&p.c_attn_bias), (c, 3 * c), conv);
-        self.attention(&a.atty, &a.att, &a.qkv);
+        match &a.attention {
+            AttentionActs::Weights(att) => self.attention(&a.atty, att, &a.qkv),
+            AttentionActs::LogSumExp(lse) => self.flash_attention(&a.atty, lse, &a.qkv),
+        }
         let (w, b) = (&p.attn_c_proj_weight, &p.attn_c_proj_bias);
         self.matmul(&a.attproj, &a.atty, w, Some(b), (c, c), conv);
         self.residual(&a.residual2, residual, &a.attproj);
@@ -384,7 +441,10 @@ impl<'a> Builder<'a> {
         self.residual_backward(&a.residual2, residual, &a.attproj);
         let (w, b) = (&p.attn_c_proj_weight, &p.attn_c_proj_bias);
         self.matmul_backward(&a.attproj, &a.atty, w, Some(b), (c, c), conv);
-        self.attention_backward(&a.atty, &a.att, &a.qkv);
+        match &a.attention {
+            AttentionActs::Weights(att) => self.attention_backward(&a.atty, att, &a.qkv),
+            AttentionActs::LogSumExp(lse) => self.flash_attention_backward(&a.atty, lse, &a.qkv),
+        }
         let (w, b) = (&p.c_attn_weight, &p.c_attn_bias);
         self.matmul_backward(&a.qkv, &a.ln_1, w, Some(b), (c, 3 * c), conv);
         let (w, b) = (&p.ln_1_weight, &p.ln_1_bias);
@@ -477,6 +537,23 @@ impl<'a> Builder<'a> {
         let (t, c, n_head) = self.attention_kernel_sizes();
         let args = vec![update(AG, qkv), write(AG, att), read(AG, out), read(A, qkv), read(A, att)];
         self.launch(Kernel::AttentionBackward { t, c, n_head }, args);
+    }
+
+    fn flash_attention(&mut self, out: &Range<usize>, lse: &Range<usize>, qkv: &Range<usize>) {
+        let (t, c, n_head) = self.attention_kernel_sizes();
+        let args = vec![write(A, out), write(A, lse), read(A, qkv)];
+        self.launch(Kernel::FlashAttention { t, c, n_head }, args);
+    }
+
+    fn flash_attention_backward(
+        &mut self,
+        out: &Range<usize>,
+        lse: &Range<usize>,
+        qkv: &Range<usize>,
+    ) {
+        let (t, c, n_head) = self.attention_kernel_sizes();
+        let args = vec![update(AG, qkv), read(AG, out), read(A, qkv), read(A, out), read(A, lse)];
+        self.launch(Kernel::FlashAttentionBackward { t, c, n_head }, args);
     }
 
     fn gelu(&mut self, out: &Range<usize>, inp: &Range<usize>) {

@@ -4,6 +4,7 @@ mod support;
 
 mod data;
 mod device;
+mod flash_plan;
 mod gradcheck;
 mod grads_ready;
 mod init_loss;

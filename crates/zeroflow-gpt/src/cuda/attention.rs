@@ -249,7 +249,15 @@ impl CudaAttention {
 
     /// Bytes of GPU memory this attention holds as scratch.
     pub fn scratch_bytes(&self) -> usize {
-        (5 * self.shape.heads_len() + self.shape.att_len()) * size_of::<bf16>()
+        let Shape { batch, seq, c, n_head, .. } = self.shape;
+        Self::scratch_bytes_for(batch, seq, c, n_head)
+    }
+
+    /// [`scratch_bytes`](Self::scratch_bytes) of a `CudaAttention` of this shape: five head-major
+    /// `[B, T, C]` tensors and the `[B, NH, T, T]` scores, bf16.
+    pub fn scratch_bytes_for(batch: usize, seq: usize, c: usize, n_head: usize) -> usize {
+        let (heads_len, att_len) = (batch * seq * c, batch * n_head * seq * seq);
+        (5 * heads_len + att_len) * size_of::<bf16>()
     }
 
     /// `out = attention(qkv)`; `att` receives the softmax weights (masked entries zero).

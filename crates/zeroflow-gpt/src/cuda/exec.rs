@@ -124,12 +124,25 @@ impl CudaGpt {
             }
             Kernel::Attention { .. } => {
                 let (out, att, qkv) = (v.addr(&a[0]), v.addr(&a[1]), v.addr(&a[2]));
-                Ok(self.attention.forward(self.compute(), qkv, out, att)?)
+                Ok(self.gemm_attention().forward(self.compute(), qkv, out, att)?)
             }
             Kernel::AttentionBackward { .. } => {
                 let (dqkv, dscores) = (v.addr(&a[0]), v.addr(&a[1]));
                 let (dout, qkv, att) = (v.addr(&a[2]), v.addr(&a[3]), v.addr(&a[4]));
-                Ok(self.attention.backward(self.compute(), dout, qkv, att, dqkv, dscores)?)
+                let attention = self.gemm_attention();
+                Ok(attention.backward(self.compute(), dout, qkv, att, dqkv, dscores)?)
+            }
+            Kernel::FlashAttention { .. } => {
+                // [out, lse (f32, in Stats), qkv]
+                let (out, lse, qkv) = (v.addr(&a[0]), v.addr(&a[1]), v.addr(&a[2]));
+                Ok(self.flash_attention().forward(self.compute(), qkv, out, lse)?)
+            }
+            Kernel::FlashAttentionBackward { .. } => {
+                // [dqkv (overwritten: the schedule checks it is its first write), dout, qkv, out,
+                // lse]
+                let [dqkv, dout, qkv, out, lse] = [0, 1, 2, 3, 4].map(|i| v.addr(&a[i]));
+                let flash = self.flash_attention();
+                Ok(flash.backward(self.compute(), qkv, out, dout, lse, dqkv)?)
             }
             Kernel::Gelu => self.elementwise(&self.kernels.gelu_forward, v, a, &[]),
             Kernel::GeluBackward => {

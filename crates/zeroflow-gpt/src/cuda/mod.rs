@@ -7,17 +7,23 @@
 //! gradients, activations, activation gradients); every kernel and matmul accumulates in f32, and
 //! the LayerNorm statistics and the losses are kept in f32.
 //!
-//! Matmuls go through cuBLASLt ([`Blas`]), attention through [`attention::CudaAttention`], the
-//! rest through the kernels of `kernels/*.cu` ([`kernels`]). Everything is allocated and loaded in
+//! Matmuls go through cuBLASLt ([`Blas`]), attention through [`attention::CudaAttention`] or, with
+//! `ZEROFLOW_ATTENTION=flash` ([`ATTENTION_VAR`]), through [`flash::FlashAttention`], the rest
+//! through the kernels of `kernels/*.cu` ([`kernels`]). Everything is allocated and loaded in
 //! [`CudaGpt::new`]; forward and backward only queue work on the compute stream and never wait
 //! for the GPU.
+//!
+//! The two attentions differ in what they keep for backward ([`AttentionKind`]): `gemm`, the
+//! default, keeps the softmax weights `att [B, NH, T, T]` of every layer as bf16 activations;
+//! `flash` keeps only the log-sum-exp of each query row, `lse [B, NH, T]`, in f32 with the
+//! LayerNorm statistics, and recomputes the weights in backward (head sizes 64 and 128 only).
 //!
 //! Gradients of parameters are added deterministically: weight gradients by cuBLASLt with
 //! `beta = 1`, bias and LayerNorm gradients by column sums in two fixed-order steps in f32 (then
 //! added to the bf16 gradient once), the token embedding's by buckets of equal tokens sorted on
 //! the host, the position embedding's by one thread per element. The model's kernels use no
-//! atomics, so with cuBLASLt's algorithms fixed (they are picked once per problem) the same batch
-//! gives the same bits.
+//! atomics (FlashAttention's included), so with cuBLASLt's algorithms fixed (they are picked once
+//! per problem) the same batch gives the same bits.
 
 pub mod attention;
 mod exec;
@@ -26,7 +32,7 @@ pub mod kernels;
 pub mod schedule;
 mod tokens;
 
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use zeroflow_core::bf16;
@@ -36,6 +42,7 @@ use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
 
 use self::attention::CudaAttention;
+use self::flash::FlashAttention;
 use self::kernels::{GptKernels, chunks_for};
 use self::schedule::{BackwardOp, OpKind, Schedule};
 use self::tokens::Tokens;
@@ -43,7 +50,11 @@ use crate::GptConfig;
 use crate::error::GptError;
 use crate::kernels::Kernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::Plan;
+use crate::plan::{AttentionKind, Plan};
+
+/// The environment variable that picks the model's attention when it is built: `gemm` (the
+/// default; unset or blank too) or `flash`. See [`attention_from_env`].
+pub const ATTENTION_VAR: &str = "ZEROFLOW_ATTENTION";
 
 /// A model for one (batch, seq) whose activations live on a GPU. The engine owns the flat bf16
 /// parameter and gradient buffers and passes them to each call.
@@ -56,7 +67,7 @@ pub struct CudaGpt {
     schedule: Schedule,
     kernels: GptKernels,
     blas: Arc<Blas>,
-    attention: CudaAttention,
+    attention: ModelAttention,
     acts: CudaBuffer<bf16>,
     act_grads: CudaBuffer<bf16>,
     stats: CudaBuffer<f32>,
@@ -66,16 +77,58 @@ pub struct CudaGpt {
     loss_host: HostBuffer<f32>,
 }
 
+/// The attention of every layer, as the plan's [`AttentionKind`] says.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant, reason = "one per model, made once")]
+enum ModelAttention {
+    Gemm(CudaAttention),
+    Flash(FlashAttention),
+}
+
+impl ModelAttention {
+    /// The attention `kind` for micro-batches of `batch` sequences of `seq` tokens (the head size
+    /// checked already); says once per process, at info level, when it is flash.
+    fn new(
+        device: &CudaDevice,
+        blas: &Arc<Blas>,
+        config: &GptConfig,
+        (batch, seq): (usize, usize),
+        kind: AttentionKind,
+    ) -> Result<Self, GptError> {
+        let (c, n_head) = (config.d_model, config.n_head);
+        Ok(match kind {
+            AttentionKind::Gemm => {
+                let attention = CudaAttention::new(device, blas.clone(), batch, seq, c, n_head)?;
+                ModelAttention::Gemm(attention)
+            }
+            AttentionKind::Flash => {
+                let flash = FlashAttention::new(device, batch, seq, c, n_head)?;
+                static ANNOUNCED: Once = Once::new();
+                ANNOUNCED.call_once(|| {
+                    tracing::info!(
+                        "attention: FlashAttention-2 kernels ({ATTENTION_VAR}=flash), keeping the \
+                         log-sum-exp of each query row for backward instead of the attention \
+                         weights"
+                    );
+                });
+                ModelAttention::Flash(flash)
+            }
+        })
+    }
+}
+
 /// The GPU memory a [`CudaGpt`] holds, in bytes (the parameters and gradients are the engine's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ActivationMemory {
-    /// bf16 activations kept from forward for backward (the attention weights included).
+    /// bf16 activations kept from forward for backward: the attention weights of every layer with
+    /// gemm attention; a bf16 slot (unused) for each f32 statistic.
     pub activations: usize,
     /// bf16 activation gradients, packed by liveness.
     pub activation_grads: usize,
-    /// f32 LayerNorm statistics and losses.
+    /// f32 LayerNorm statistics, losses and, with flash attention, the lse of every layer.
     pub stats: usize,
-    /// Scratch: attention's head-major tensors, column-sum partials, token ids.
+    /// Scratch: attention's (gemm: head-major tensors and scores; flash: delta), column-sum
+    /// partials, token ids.
     pub scratch: usize,
 }
 
@@ -98,6 +151,79 @@ impl ActivationMemory {
     pub fn total(&self) -> usize {
         self.activations + self.activation_grads + self.stats + self.scratch
     }
+
+    /// The memory a [`CudaGpt::with_attention`] of these arguments holds, computed without a GPU
+    /// (what [`CudaGpt::activation_memory`] reports once it is built).
+    pub fn planned(
+        config: &GptConfig,
+        layout: &FlatLayout,
+        (batch, seq): (usize, usize),
+        options: CudaGptOptions,
+        attention: AttentionKind,
+    ) -> Result<Self, GptError> {
+        let params = ParamRanges::new(config, layout)?;
+        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
+        let schedule = Schedule::new(&plan, options.fuse_gelu)?;
+        let (c, n_head) = (config.d_model, config.n_head);
+        let attention_scratch = match attention {
+            AttentionKind::Gemm => CudaAttention::scratch_bytes_for(batch, seq, c, n_head),
+            AttentionKind::Flash => FlashAttention::scratch_bytes_for(batch, seq, n_head),
+        };
+        Ok(ActivationMemory {
+            activations: schedule.acts_len * size_of::<bf16>(),
+            activation_grads: schedule.act_grads_len * size_of::<bf16>(),
+            stats: schedule.stats_len * size_of::<f32>(),
+            scratch: attention_scratch
+                + column_partials_len(&schedule) * size_of::<f32>()
+                + Tokens::bytes_for(plan.tokens()),
+        })
+    }
+}
+
+/// The attention `ZEROFLOW_ATTENTION` ([`ATTENTION_VAR`]) asks for: [`AttentionKind::Gemm`] where
+/// it is unset or blank, or the error [`parse_attention`] gives.
+pub fn attention_from_env() -> Result<AttentionKind, GptError> {
+    match std::env::var(ATTENTION_VAR) {
+        Ok(value) => parse_attention(Some(&value)),
+        Err(std::env::VarError::NotPresent) => parse_attention(None),
+        Err(std::env::VarError::NotUnicode(value)) => Err(GptError::InvalidConfig(format!(
+            "{ATTENTION_VAR}={value:?} is not `gemm` or `flash`"
+        ))),
+    }
+}
+
+/// The attention a value of `ZEROFLOW_ATTENTION` asks for: `gemm` (also `None` or blank) or
+/// `flash`, spaces and case ignored; anything else is an error naming the variable and the
+/// accepted values.
+pub fn parse_attention(value: Option<&str>) -> Result<AttentionKind, GptError> {
+    let value = value.map(str::trim).unwrap_or_default();
+    match value.to_ascii_lowercase().as_str() {
+        "" | "gemm" => Ok(AttentionKind::Gemm),
+        "flash" => Ok(AttentionKind::Flash),
+        _ => Err(GptError::InvalidConfig(format!(
+            "{ATTENTION_VAR}={value:?} is not `gemm` (the default: cuBLASLt products, the \
+             attention weights kept for backward) or `flash` (FlashAttention-2 kernels, head \
+             sizes {:?})",
+            flash::HEAD_SIZES
+        ))),
+    }
+}
+
+/// An error unless `attention` can run `config`: flash attention has kernels for head sizes 64
+/// and 128 only ([`flash::HEAD_SIZES`]).
+fn check_attention_fits(config: &GptConfig, attention: AttentionKind) -> Result<(), GptError> {
+    let head_size = config.d_model / config.n_head;
+    if attention == AttentionKind::Gemm || flash::HEAD_SIZES.contains(&head_size) {
+        return Ok(());
+    }
+    Err(GptError::InvalidConfig(format!(
+        "{ATTENTION_VAR}=flash: the flash kernels take head sizes {:?}, and this model's is \
+         {head_size} (d_model {} / {} heads); use {ATTENTION_VAR}=gemm (or leave it unset) for \
+         this model",
+        flash::HEAD_SIZES,
+        config.d_model,
+        config.n_head
+    )))
 }
 
 impl CudaGpt {
@@ -115,7 +241,8 @@ impl CudaGpt {
     }
 
     /// [`CudaGpt::new`] with a cuBLASLt handle shared with other users of the compute stream,
-    /// and options.
+    /// and options; the attention is the one `ZEROFLOW_ATTENTION` asks for
+    /// ([`attention_from_env`]).
     pub fn with_options(
         device: &CudaDevice,
         blas: Arc<Blas>,
@@ -125,7 +252,26 @@ impl CudaGpt {
         seq: usize,
         options: CudaGptOptions,
     ) -> Result<Self, GptError> {
-        let plan = Plan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
+        let attention = attention_from_env()?;
+        Self::with_attention(device, blas, config, layout, batch, seq, options, attention)
+    }
+
+    /// [`CudaGpt::with_options`] with the attention given rather than taken from the environment.
+    /// [`AttentionKind::Flash`] needs a head size of 64 or 128 ([`flash::HEAD_SIZES`]).
+    #[allow(clippy::too_many_arguments, reason = "with_options' arguments and the attention")]
+    pub fn with_attention(
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: CudaGptOptions,
+        attention: AttentionKind,
+    ) -> Result<Self, GptError> {
+        check_attention_fits(config, attention)?;
+        let params = ParamRanges::new(config, layout)?;
+        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
         let widest = [plan.tokens(), config.padded_vocab_size(), 4 * config.d_model];
         if widest.iter().any(|&size| u32::try_from(size + 1).is_err()) {
             return Err(GptError::Batch(format!(
@@ -136,8 +282,7 @@ impl CudaGpt {
             )));
         }
         let schedule = Schedule::new(&plan, options.fuse_gelu)?;
-        let attention =
-            CudaAttention::new(device, blas.clone(), batch, seq, config.d_model, config.n_head)?;
+        let attention = ModelAttention::new(device, &blas, config, (batch, seq), attention)?;
         let partials = column_partials_len(&schedule);
         Ok(CudaGpt {
             kernels: GptKernels::load(device)?,
@@ -165,6 +310,14 @@ impl CudaGpt {
         &self.plan
     }
 
+    /// The attention every layer uses.
+    pub fn attention(&self) -> AttentionKind {
+        match self.attention {
+            ModelAttention::Gemm(_) => AttentionKind::Gemm,
+            ModelAttention::Flash(_) => AttentionKind::Flash,
+        }
+    }
+
     /// The GPU memory this model holds besides the engine's parameters and gradients.
     pub fn activation_memory(&self) -> ActivationMemory {
         let bf16_bytes = size_of::<bf16>();
@@ -172,7 +325,7 @@ impl CudaGpt {
             activations: self.acts.len() * bf16_bytes,
             activation_grads: self.act_grads.len() * bf16_bytes,
             stats: self.stats.len() * size_of::<f32>(),
-            scratch: self.attention.scratch_bytes()
+            scratch: self.attention_scratch_bytes()
                 + self.column_partials.len() * size_of::<f32>()
                 + self.tokens.bytes(),
         }
@@ -280,6 +433,29 @@ impl CudaGpt {
         self.device.stream(StreamKind::Compute)
     }
 
+    fn attention_scratch_bytes(&self) -> usize {
+        match &self.attention {
+            ModelAttention::Gemm(attention) => attention.scratch_bytes(),
+            ModelAttention::Flash(flash) => flash.scratch_bytes(),
+        }
+    }
+
+    /// The gemm attention, for the plan's `Attention` launches.
+    fn gemm_attention(&self) -> &CudaAttention {
+        match &self.attention {
+            ModelAttention::Gemm(attention) => attention,
+            ModelAttention::Flash(_) => unreachable!("a flash model's plan has no gemm attention"),
+        }
+    }
+
+    /// The flash attention, for the plan's `FlashAttention` launches.
+    fn flash_attention(&self) -> &FlashAttention {
+        match &self.attention {
+            ModelAttention::Flash(flash) => flash,
+            ModelAttention::Gemm(_) => unreachable!("a gemm model's plan has no flash attention"),
+        }
+    }
+
     fn check_flat(&self, what: &'static str, buffer: &CudaBuffer<bf16>) -> Result<(), GptError> {
         if buffer.len() == self.padded_len {
             Ok(())
@@ -322,10 +498,86 @@ fn column_partials_len(schedule: &Schedule) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::{
+        ActivationMemory, AttentionKind, CudaGptOptions, check_attention_fits, parse_attention,
+    };
+    use crate::{GptConfig, flat_layout};
+
     /// The engine may run each rank's model on a thread of its own.
     #[test]
     fn the_model_can_move_between_threads() {
         fn send<T: Send>() {}
         send::<super::CudaGpt>();
+    }
+
+    #[test]
+    fn zeroflow_attention_takes_gemm_or_flash_and_names_itself_otherwise() {
+        for (value, kind) in [
+            (None, AttentionKind::Gemm),
+            (Some(""), AttentionKind::Gemm),
+            (Some(" gemm "), AttentionKind::Gemm),
+            (Some("flash"), AttentionKind::Flash),
+            (Some("FLASH"), AttentionKind::Flash),
+        ] {
+            assert_eq!(parse_attention(value).unwrap(), kind, "{value:?}");
+        }
+        let message = parse_attention(Some("flash2")).unwrap_err().to_string();
+        for needed in ["ZEROFLOW_ATTENTION=\"flash2\"", "`gemm`", "`flash`"] {
+            assert!(message.contains(needed), "{message}");
+        }
+    }
+
+    /// Flash attention takes the named sizes' heads of 64 and 128, and no other; gemm any.
+    #[test]
+    fn flash_attention_refuses_head_sizes_it_has_no_kernels_for() {
+        for name in ["gpt2-124m", "gpt-1.3b"] {
+            let config = GptConfig::named(name).unwrap();
+            assert!(check_attention_fits(&config, AttentionKind::Flash).is_ok(), "{name}");
+        }
+        let odd = GptConfig { n_layer: 2, n_head: 4, d_model: 200, vocab_size: 301, context: 40 };
+        assert!(check_attention_fits(&odd, AttentionKind::Gemm).is_ok());
+        let message = check_attention_fits(&odd, AttentionKind::Flash).unwrap_err().to_string();
+        for needed in ["ZEROFLOW_ATTENTION=flash", "head sizes [64, 128]", "is 50", "=gemm"] {
+            assert!(message.contains(needed), "{message}");
+        }
+    }
+
+    /// gpt-1.3b at micro-batch 8 × 1024 tokens: flash attention holds, per layer, no bf16 weights
+    /// `att [B, NH, T, T]` but a bf16 slot for the lse in the activation plan (unused: the lse
+    /// lives in f32 with the statistics), an f32 lse `[B, NH, T]` with the statistics, and delta
+    /// instead of CudaAttention's scratch. The activation gradients do not grow (here they are
+    /// equal: the logits' gradient, not attention's, sets their peak).
+    #[test]
+    fn flash_attention_holds_the_log_sum_exp_instead_of_the_weights() {
+        let config = GptConfig::named("gpt-1.3b").unwrap();
+        let layout = flat_layout(&config, 1).unwrap();
+        let (batch, seq) = (8, 1024);
+        let planned = |attention| {
+            let options = CudaGptOptions::default();
+            ActivationMemory::planned(&config, &layout, (batch, seq), options, attention).unwrap()
+        };
+        let (gemm, flash) = (planned(AttentionKind::Gemm), planned(AttentionKind::Flash));
+        let (layers, c) = (config.n_layer, config.d_model);
+        let rows = batch * config.n_head * seq;
+        let (att, lse) = (layers * rows * seq, layers * rows);
+        assert_eq!(gemm.activations - flash.activations, (att - lse) * 2);
+        assert_eq!(flash.stats - gemm.stats, lse * 4);
+        let cuda_attention_scratch = (5 * batch * seq * c + rows * seq) * 2;
+        assert_eq!(gemm.scratch - flash.scratch, cuda_attention_scratch - rows * 4);
+        assert!(flash.activation_grads <= gemm.activation_grads);
+        let gib = |bytes: usize| bytes as f64 / f64::from(1u32 << 30);
+        for (name, memory) in [("gemm", gemm), ("flash", flash)] {
+            println!(
+                "gpt-1.3b B{batch} T{seq} {name}: activations {} ({:.2} GiB), activation grads {}, \
+                 stats {}, scratch {}, total {} ({:.2} GiB)",
+                memory.activations,
+                gib(memory.activations),
+                memory.activation_grads,
+                memory.stats,
+                memory.scratch,
+                memory.total(),
+                gib(memory.total())
+            );
+        }
     }
 }

@@ -5,7 +5,8 @@
 //! Three decisions are made here:
 //!
 //! - **Where each range lives.** Activations are bf16 at the plan's own offsets, except the
-//!   LayerNorm statistics and the losses, which live in a small f32 buffer (`Stats`). Activation
+//!   LayerNorm statistics, the losses and flash attention's log-sum-exp, which live in a small f32
+//!   buffer (`Stats`; their bf16 slots in the activation buffer stay unused). Activation
 //!   gradients are packed into a buffer allocated by liveness: a range gets memory from the launch
 //!   that first writes it to the launch that last reads it, first fit, so the blocks of backward
 //!   reuse the same few gigabytes instead of holding one gradient per activation.
@@ -26,7 +27,7 @@ use std::ops::Range;
 use crate::error::GptError;
 use crate::kernels::{Kernel, WeightLayout};
 use crate::params::GradsReady;
-use crate::plan::{Access, Arg, Buf, Launch, Plan, Step};
+use crate::plan::{Access, Arg, AttentionActs, Buf, Launch, Plan, Step};
 
 /// Activation-gradient offsets are multiples of this many elements (128 bytes of bf16), so every
 /// range satisfies the 16-byte alignment of vector loads and cuBLASLt.
@@ -43,7 +44,7 @@ pub enum Space {
     Acts,
     /// The packed bf16 activation gradients.
     ActGrads,
-    /// The f32 LayerNorm statistics and losses.
+    /// The f32 LayerNorm statistics, losses and flash attention's log-sum-exp.
     Stats,
     /// The u32 token buffer: inputs at 0, targets at `tokens` (see [`Schedule::targets_offset`]).
     Tokens,
@@ -172,7 +173,8 @@ impl Schedule {
     }
 }
 
-/// The activation ranges kept in f32, and their offsets in the statistics buffer.
+/// The activation ranges kept in f32 (LayerNorm statistics, flash attention's log-sum-exp, the
+/// losses), and their offsets in the statistics buffer.
 struct StatsMap {
     offsets: HashMap<(usize, usize), usize>,
     len: usize,
@@ -184,6 +186,9 @@ impl StatsMap {
         let mut ranges: Vec<&Range<usize>> = Vec::new();
         for block in &a.blocks {
             ranges.extend([&block.ln_1_mean, &block.ln_1_rstd, &block.ln_2_mean, &block.ln_2_rstd]);
+            if let AttentionActs::LogSumExp(lse) = &block.attention {
+                ranges.push(lse);
+            }
         }
         ranges.extend([&a.ln_f_mean, &a.ln_f_rstd, &a.losses, &a.loss]);
         let mut offsets = HashMap::new();
@@ -289,7 +294,8 @@ fn accumulate_flags(steps: &[Step]) -> Result<Vec<Vec<bool>>, GptError> {
             };
             mine.push(accumulate);
         }
-        if let Kernel::AttentionBackward { .. } = launch.kernel
+        if let Kernel::AttentionBackward { .. } | Kernel::FlashAttentionBackward { .. } =
+            launch.kernel
             && mine[0]
         {
             return Err(schedule_error(
@@ -469,12 +475,22 @@ impl FreeList {
 mod tests {
     use super::*;
     use crate::params::ParamRanges;
+    use crate::plan::AttentionKind;
     use crate::{GptConfig, flat_layout};
 
     fn schedule(config: &GptConfig, batch: usize, seq: usize) -> (Plan, Schedule) {
+        schedule_with(config, batch, seq, AttentionKind::Gemm)
+    }
+
+    fn schedule_with(
+        config: &GptConfig,
+        batch: usize,
+        seq: usize,
+        attention: AttentionKind,
+    ) -> (Plan, Schedule) {
         let layout = flat_layout(config, 1).unwrap();
-        let plan = Plan::new(config, &ParamRanges::new(config, &layout).unwrap(), batch, seq);
-        let plan = plan.unwrap();
+        let params = ParamRanges::new(config, &layout).unwrap();
+        let plan = Plan::with_attention(config, &params, batch, seq, attention).unwrap();
         let schedule = Schedule::new(&plan, true).unwrap();
         (plan, schedule)
     }
@@ -588,5 +604,40 @@ mod tests {
             }
         }
         assert!(s.stats_len < plan.acts.len);
+    }
+
+    /// With flash attention, each block's forward writes its lse into the f32 statistics and its
+    /// backward reads it from the same place, the backward overwrites dqkv (its first write), and
+    /// no place anywhere has the size of the weights `[batch, n_head, seq, seq]`.
+    #[test]
+    fn flash_attention_keeps_its_lse_with_the_statistics() {
+        let (batch, seq) = (3, 37);
+        let (plan, s) = schedule_with(&TAILS, batch, seq, AttentionKind::Flash);
+        let rows = batch * TAILS.n_head * seq;
+        let forward: Vec<&Op> = s
+            .forward
+            .iter()
+            .filter(|op| matches!(op.kind, OpKind::Kernel(Kernel::FlashAttention { .. })))
+            .collect();
+        let backward: Vec<&Op> = s
+            .ops()
+            .filter(|op| matches!(op.kind, OpKind::Kernel(Kernel::FlashAttentionBackward { .. })))
+            .collect();
+        assert_eq!((forward.len(), backward.len()), (TAILS.n_layer, TAILS.n_layer));
+        for (forward, backward) in forward.iter().zip(backward.iter().rev()) {
+            // [out, lse, qkv] and [dqkv, dout, qkv, out, lse]
+            let lse = forward.args[1];
+            assert_eq!((lse.space, lse.len), (Space::Stats, rows));
+            assert!(lse.offset.is_multiple_of(4), "16-byte aligned f32");
+            assert_eq!(backward.args[4], lse);
+            assert_eq!(backward.args[3], forward.args[0]);
+            assert_eq!(backward.args[2], forward.args[2]);
+            assert!(!backward.args[0].accumulate, "flash backward overwrites dqkv");
+        }
+        assert!(s.ops().all(|op| op.args.iter().all(|arg| arg.len != rows * seq)));
+        let (_, gemm) = schedule(&TAILS, batch, seq);
+        assert_eq!(s.stats_len - gemm.stats_len, TAILS.n_layer * rows.div_ceil(4) * 4);
+        assert!(s.act_grads_len <= gemm.act_grads_len);
+        assert!(s.acts_len < gemm.acts_len && s.acts_len == plan.acts.len);
     }
 }

@@ -45,13 +45,18 @@ impl Tokens {
         5 * n + 1
     }
 
+    /// Bytes of the device buffer for micro-batches of `n` tokens.
+    pub fn bytes_for(n: usize) -> usize {
+        Self::len_for(n) * size_of::<u32>()
+    }
+
     /// The device buffer (inputs at 0, targets at n).
     pub fn buffer(&self) -> &CudaBuffer<u32> {
         &self.device_tokens
     }
 
     pub fn bytes(&self) -> usize {
-        Self::len_for(self.n) * size_of::<u32>()
+        Self::bytes_for(self.n)
     }
 
     /// The number of distinct input tokens of the last batch.

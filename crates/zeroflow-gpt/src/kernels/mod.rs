@@ -38,6 +38,10 @@ pub enum Kernel {
     Attention { t: usize, c: usize, n_head: usize },
     /// W dqkv, W dscores (scratch), R dout, R qkv, R att.
     AttentionBackward { t: usize, c: usize, n_head: usize },
+    /// W out, W lse, R qkv: [`Kernel::Attention`] keeping only the log-sum-exp of each query row.
+    FlashAttention { t: usize, c: usize, n_head: usize },
+    /// W dqkv, R dout, R qkv, R out, R lse.
+    FlashAttentionBackward { t: usize, c: usize, n_head: usize },
     /// W out, R inp.
     Gelu,
     /// W dinp, R inp, R dout.
@@ -67,6 +71,8 @@ impl Kernel {
             Kernel::MatmulBackward { .. } => "matmul_backward",
             Kernel::Attention { .. } => "attention_forward",
             Kernel::AttentionBackward { .. } => "attention_backward",
+            Kernel::FlashAttention { .. } => "flash_attention_forward",
+            Kernel::FlashAttentionBackward { .. } => "flash_attention_backward",
             Kernel::Gelu => "gelu_forward",
             Kernel::GeluBackward => "gelu_backward",
             Kernel::Residual => "residual_forward",
@@ -185,6 +191,15 @@ pub fn run<F: Float>(kernel: &Kernel, a: &mut ArgSlices<'_, F>) -> Result<(), St
             let (dqkv, dscores) = (a.write(0), a.write(1));
             let (dout, qkv, att) = (a.read(2), a.read(3), a.read(4));
             attention::attention_backward(dqkv, dscores, dout, qkv, att, t, c, n_head);
+        }
+        Kernel::FlashAttention { t, c, n_head } => {
+            let (out, lse) = (a.write(0), a.write(1));
+            attention::flash_attention_forward(out, lse, a.read(2), t, c, n_head);
+        }
+        Kernel::FlashAttentionBackward { t, c, n_head } => {
+            let dqkv = a.write(0);
+            let (dout, qkv, out, lse) = (a.read(1), a.read(2), a.read(3), a.read(4));
+            attention::flash_attention_backward(dqkv, dout, qkv, out, lse, t, c, n_head);
         }
         Kernel::Gelu => pointwise::gelu_forward(a.write(0), a.read(1)),
         Kernel::GeluBackward => pointwise::gelu_backward(a.write(0), a.read(1), a.read(2)),

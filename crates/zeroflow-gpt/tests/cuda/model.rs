@@ -1,7 +1,8 @@
 //! `CudaGpt` against the CPU model: logits, loss and every parameter gradient against the f64
-//! host path on the same bf16-rounded weights, at sizes with tails everywhere; the loss at
-//! initialisation; the kernels compiled by NVRTC without a GPU; and the forward + backward
-//! benchmark at gpt-1.3b's size (ignored).
+//! host path on the same bf16-rounded weights, at sizes with tails everywhere, with either
+//! attention (`gemm`, `flash`); the two attentions against each other, and each run twice for the
+//! same bits; the loss at initialisation; the kernels compiled by NVRTC without a GPU; and the
+//! forward + backward benchmark at gpt-1.3b's size (ignored).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,9 +12,11 @@ use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::module::compile;
 use zeroflow_device::cuda::{CudaBuffer, CudaLibrary};
 use zeroflow_device::{CudaDevice, Device, DeviceError};
-use zeroflow_gpt::cuda::CudaGptOptions;
 use zeroflow_gpt::cuda::kernels::SOURCES;
-use zeroflow_gpt::{CudaGpt, GptConfig, GradGroup, GradsReady, HostGpt, flat_layout, init_params};
+use zeroflow_gpt::cuda::{ActivationMemory, CudaGptOptions};
+use zeroflow_gpt::{
+    AttentionKind, CudaGpt, GptConfig, GradGroup, GradsReady, HostGpt, flat_layout, init_params,
+};
 
 use crate::gpu;
 
@@ -21,6 +24,14 @@ use crate::gpu;
 /// used at 37 tokens, two layers, batch 3: 111 rows, a multiple of nothing.
 const TAILS: GptConfig =
     GptConfig { n_layer: 2, n_head: 4, d_model: 200, vocab_size: 301, context: 40 };
+
+/// Shapes flash attention takes: three heads of 64 and two of 128, with a context of 80 used at
+/// 70 and 65 tokens (sequences that end inside a second 64-row tile).
+const FLASH_64: GptConfig =
+    GptConfig { n_layer: 2, n_head: 3, d_model: 192, vocab_size: 301, context: 80 };
+const FLASH_128: GptConfig =
+    GptConfig { n_layer: 2, n_head: 2, d_model: 256, vocab_size: 301, context: 80 };
+const FLASH_SHAPES: [(GptConfig, usize, usize); 2] = [(FLASH_64, 3, 70), (FLASH_128, 2, 65)];
 
 /// The largest relative error (‖gpu − cpu‖ / max(‖gpu‖, ‖cpu‖)) allowed per tensor: the GPU keeps
 /// every activation and gradient in bf16.
@@ -64,21 +75,42 @@ fn upload(device: &CudaDevice, values: &[bf16]) -> CudaBuffer<bf16> {
     device.upload(values).unwrap()
 }
 
+/// A model of `config` with `attention` (not the one `ZEROFLOW_ATTENTION` asks for: each test
+/// says which it checks), its own cuBLASLt handle and the default options.
+fn model_with(
+    device: &CudaDevice,
+    config: &GptConfig,
+    (batch, seq): (usize, usize),
+    options: CudaGptOptions,
+    attention: AttentionKind,
+) -> CudaGpt {
+    let layout = flat_layout(config, 1).unwrap();
+    let blas = Arc::new(Blas::new(device).unwrap());
+    CudaGpt::with_attention(device, blas, config, &layout, batch, seq, options, attention).unwrap()
+}
+
+/// The bits of a gradient buffer (bf16 `==` would equate +0 and −0 and never NaN).
+fn bits(values: &[bf16]) -> Vec<u16> {
+    values.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Forward and backward run twice on the same batch, with loss scales 1 and 3: the second run must
 /// find nothing left over from the first in the activation gradients (their first write
 /// overwrites) and must add to the parameter gradients, which end at 4 times the reference's.
+/// The host runs the plan of the same attention (whose maths is the same either way).
 fn check_against_cpu(
     device: &CudaDevice,
     config: &GptConfig,
     (batch, seq): (usize, usize),
     options: CudaGptOptions,
+    attention: AttentionKind,
 ) {
     let layout = flat_layout(config, 1).unwrap();
     let params = random_params(config, 5);
     let params64: Vec<f64> = params.iter().map(|x| x.to_f64()).collect();
     let (inputs, targets) = random_tokens(config.vocab_size, batch * seq, 6);
 
-    let mut host = HostGpt::<f64>::new(config, &layout, batch, seq).unwrap();
+    let mut host = HostGpt::<f64>::with_attention(config, &layout, batch, seq, attention).unwrap();
     let loss_ref = host.forward(&params64, &inputs, &targets).unwrap();
     let logits_ref = host.activations()[host.plan().acts.logits.clone()].to_vec();
     let mut grads_ref = vec![0.0; layout.padded_len()];
@@ -88,9 +120,8 @@ fn check_against_cpu(
 
     let params_gpu = upload(device, &params);
     let grads_gpu = device.alloc::<bf16>(layout.padded_len()).unwrap();
-    let blas = Arc::new(Blas::new(device).unwrap());
-    let mut model =
-        CudaGpt::with_options(device, blas, config, &layout, batch, seq, options).unwrap();
+    let mut model = model_with(device, config, (batch, seq), options, attention);
+    assert_eq!(model.attention(), attention);
     model.set_batch(&inputs, &targets).unwrap();
     let mut groups = Vec::new();
     for loss_scale in [1.0, 3.0] {
@@ -103,7 +134,12 @@ fn check_against_cpu(
     let grads: Vec<f64> =
         device.download(&grads_gpu).unwrap().iter().map(|g| g.to_f64() / 4.0).collect();
 
-    let d = format!("d{}{}", config.d_model, if options.fuse_gelu { "" } else { "_unfused" });
+    let d = format!(
+        "d{}{}{}",
+        config.d_model,
+        if options.fuse_gelu { "" } else { "_unfused" },
+        if attention == AttentionKind::Flash { "_flash" } else { "" }
+    );
     let loss_error = (loss - loss_ref).abs() / loss_ref;
     println!("RESULT gpt_loss {d} gpu={loss:.5} cpu={loss_ref:.5} rel={loss_error:.3e}");
     assert!(loss_error <= 1e-2, "loss {loss} vs {loss_ref}");
@@ -131,7 +167,7 @@ fn check_against_cpu(
 #[test]
 fn logits_loss_and_every_gradient_match_the_cpu_model_at_odd_sizes() {
     let Some(device) = gpu() else { return };
-    check_against_cpu(&device, &TAILS, (3, 37), CudaGptOptions::default());
+    check_against_cpu(&device, &TAILS, (3, 37), CudaGptOptions::default(), AttentionKind::Gemm);
 }
 
 /// The same without the GELU fusions: the GELU kernels and plain cuBLASLt epilogues (a failure
@@ -139,7 +175,8 @@ fn logits_loss_and_every_gradient_match_the_cpu_model_at_odd_sizes() {
 #[test]
 fn without_the_gelu_fusions_too() {
     let Some(device) = gpu() else { return };
-    check_against_cpu(&device, &TAILS, (3, 37), CudaGptOptions { fuse_gelu: false });
+    let options = CudaGptOptions { fuse_gelu: false };
+    check_against_cpu(&device, &TAILS, (3, 37), options, AttentionKind::Gemm);
 }
 
 /// Width 15 in 3 heads of 5: the scalar paths of every kernel and the unfused GELU kernels (the
@@ -148,28 +185,142 @@ fn without_the_gelu_fusions_too() {
 fn logits_loss_and_every_gradient_match_the_cpu_model_at_a_width_of_15() {
     let Some(device) = gpu() else { return };
     let narrow = GptConfig { n_layer: 2, n_head: 3, d_model: 15, vocab_size: 70, context: 11 };
-    check_against_cpu(&device, &narrow, (2, 9), CudaGptOptions::default());
+    check_against_cpu(&device, &narrow, (2, 9), CudaGptOptions::default(), AttentionKind::Gemm);
 }
 
-/// The same batch on the same weights gives the same bits twice (no atomics in the kernels).
+/// With flash attention (`ZEROFLOW_ATTENTION=flash`), at head sizes 64 and 128.
 #[test]
-fn the_same_batch_gives_the_same_bits() {
+fn with_flash_attention_logits_loss_and_every_gradient_match_the_cpu_model() {
     let Some(device) = gpu() else { return };
-    let (batch, seq) = (3, 37);
-    let layout = flat_layout(&TAILS, 1).unwrap();
-    let params = upload(&device, &random_params(&TAILS, 7));
-    let (inputs, targets) = random_tokens(TAILS.vocab_size, batch * seq, 8);
-    let mut model = CudaGpt::new(&device, &TAILS, &layout, batch, seq).unwrap();
+    for (config, batch, seq) in FLASH_SHAPES {
+        check_against_cpu(
+            &device,
+            &config,
+            (batch, seq),
+            CudaGptOptions::default(),
+            AttentionKind::Flash,
+        );
+    }
+}
+
+/// One forward and backward of a fresh model with `attention` on the weights and batch of seeds 7
+/// and 8: the loss, the gradients (bf16) and the memory the model reports.
+fn loss_and_grads(
+    device: &CudaDevice,
+    config: &GptConfig,
+    (batch, seq): (usize, usize),
+    attention: AttentionKind,
+) -> (f32, Vec<bf16>, ActivationMemory) {
+    let layout = flat_layout(config, 1).unwrap();
+    let params = upload(device, &random_params(config, 7));
+    let (inputs, targets) = random_tokens(config.vocab_size, batch * seq, 8);
+    let options = CudaGptOptions::default();
+    let mut model = model_with(device, config, (batch, seq), options, attention);
+    model.set_batch(&inputs, &targets).unwrap();
+    let grads = device.alloc::<bf16>(layout.padded_len()).unwrap();
+    model.forward(&params).unwrap();
+    model.backward(&params, &grads, 1.0, |_| {}).unwrap();
+    (model.loss().unwrap(), device.download(&grads).unwrap(), model.activation_memory())
+}
+
+/// The same weights and batch through a gemm and a flash model: the loss and every parameter
+/// gradient agree within the tolerance both meet against the CPU model, and each model holds the
+/// memory `ActivationMemory::planned` computes without a GPU (flash the less).
+#[test]
+fn flash_and_gemm_models_agree_on_the_loss_and_every_gradient() {
+    let Some(device) = gpu() else { return };
+    for (config, batch, seq) in FLASH_SHAPES {
+        let layout = flat_layout(&config, 1).unwrap();
+        let run = |attention| {
+            let (loss, grads, memory) = loss_and_grads(&device, &config, (batch, seq), attention);
+            let planned = ActivationMemory::planned(
+                &config,
+                &layout,
+                (batch, seq),
+                CudaGptOptions::default(),
+                attention,
+            );
+            assert_eq!(memory, planned.unwrap(), "{attention:?}: the planned memory is off");
+            let grads: Vec<f64> = grads.iter().map(|g| g.to_f64()).collect();
+            (f64::from(loss), grads, memory)
+        };
+        let (gemm, flash) = (run(AttentionKind::Gemm), run(AttentionKind::Flash));
+        let d = config.d_model;
+        let loss_error = (flash.0 - gemm.0).abs() / gemm.0;
+        println!(
+            "RESULT gpt_flash_vs_gemm d{d} loss flash={:.5} gemm={:.5} rel={loss_error:.3e}",
+            flash.0, gemm.0
+        );
+        assert!(loss_error <= 1e-2, "d{d}: loss {} (flash) vs {} (gemm)", flash.0, gemm.0);
+        let mut failures = Vec::new();
+        for view in layout.params() {
+            let range = view.flat_range();
+            let rel = relative_error(&flash.1[range.clone()], &gemm.1[range]);
+            println!("RESULT gpt_flash_vs_gemm d{d} {} rel={rel:.3e}", view.name);
+            if rel.is_nan() || rel > TOLERANCE {
+                failures.push(format!("{} {rel:.3e}", view.name));
+            }
+        }
+        assert!(failures.is_empty(), "d{d}: gradients of flash and gemm differ: {failures:?}");
+        assert!(flash.2.total() < gemm.2.total(), "{:?} vs {:?}", flash.2, gemm.2);
+    }
+}
+
+/// The same batch on the same weights gives the same bits twice (no atomics in the kernels), a
+/// second model's run included.
+fn check_same_bits(
+    device: &CudaDevice,
+    config: &GptConfig,
+    (batch, seq): (usize, usize),
+    attention: AttentionKind,
+) {
+    let layout = flat_layout(config, 1).unwrap();
+    let params = upload(device, &random_params(config, 7));
+    let (inputs, targets) = random_tokens(config.vocab_size, batch * seq, 8);
+    let mut model = model_with(device, config, (batch, seq), CudaGptOptions::default(), attention);
     model.set_batch(&inputs, &targets).unwrap();
     let mut run = || {
         let grads = device.alloc::<bf16>(layout.padded_len()).unwrap();
         model.forward(&params).unwrap();
         model.backward(&params, &grads, 1.0, |_| {}).unwrap();
-        (model.loss().unwrap(), device.download(&grads).unwrap())
+        (model.loss().unwrap(), bits(&device.download(&grads).unwrap()))
     };
     let (first, second) = (run(), run());
-    assert_eq!(first.0.to_bits(), second.0.to_bits());
-    assert!(first.1 == second.1, "the gradients differ between two identical runs");
+    assert_eq!(first.0.to_bits(), second.0.to_bits(), "{attention:?}: the loss differs");
+    assert!(first.1 == second.1, "{attention:?}: the gradients differ between two identical runs");
+    let (loss, grads, _) = loss_and_grads(device, config, (batch, seq), attention);
+    assert_eq!(first.0.to_bits(), loss.to_bits(), "{attention:?}: another model's loss differs");
+    assert!(first.1 == bits(&grads), "{attention:?}: another model's gradients differ");
+}
+
+#[test]
+fn the_same_batch_gives_the_same_bits() {
+    let Some(device) = gpu() else { return };
+    check_same_bits(&device, &TAILS, (3, 37), AttentionKind::Gemm);
+}
+
+/// FlashAttention's backward sums dq in registers, in a fixed order: no atomics either.
+#[test]
+fn with_flash_attention_the_same_batch_gives_the_same_bits() {
+    let Some(device) = gpu() else { return };
+    for (config, batch, seq) in FLASH_SHAPES {
+        check_same_bits(&device, &config, (batch, seq), AttentionKind::Flash);
+    }
+}
+
+/// Flash attention refuses a head size it has no kernels for, saying what to do.
+#[test]
+fn flash_attention_refuses_other_head_sizes() {
+    let Some(device) = gpu() else { return };
+    let layout = flat_layout(&TAILS, 1).unwrap();
+    let blas = Arc::new(Blas::new(&device).unwrap());
+    let (options, flash) = (CudaGptOptions::default(), AttentionKind::Flash);
+    let error = CudaGpt::with_attention(&device, blas, &TAILS, &layout, 3, 37, options, flash)
+        .unwrap_err()
+        .to_string();
+    for needed in ["ZEROFLOW_ATTENTION=flash", "head sizes [64, 128]", "is 50", "gemm"] {
+        assert!(error.contains(needed), "{error}");
+    }
 }
 
 /// A token id outside the vocabulary is refused when the batch is set, naming the id.
@@ -229,7 +380,8 @@ fn model_kernels_compile_with_nvrtc() {
 
 /// Forward + backward of gpt-1.3b (24 layers, width 2048, 16 heads, vocabulary 50304) at
 /// micro-batch 8 × 1024 tokens, timed with device synchronisation: the median of 10 after 3
-/// warm-up steps. Prints `RESULT gpt_bench ...`; asserts nothing. Also `zeroflow bench gpt`.
+/// warm-up steps, with the attention `ZEROFLOW_ATTENTION` asks for (`gemm` unless set). Prints
+/// `RESULT gpt_bench ...`; asserts nothing. Also `zeroflow bench gpt`.
 #[test]
 #[ignore = "a benchmark: run with --ignored on a GPU"]
 fn bench_gpt_1_3b_forward_backward() {
@@ -265,11 +417,12 @@ fn bench_gpt_1_3b_forward_backward() {
     let loss = model.loss().unwrap();
     let gib = |bytes: usize| bytes as f64 / f64::from(1u32 << 30);
     let memory = model.activation_memory();
+    let attention = model.attention().name();
     let in_use = zeroflow_gpt::cuda::device_memory_in_use(&device).unwrap();
     println!(
-        "RESULT gpt_bench model=gpt-1.3b micro_batch={batch} seq={seq} s_per_step={median:.4} \
-         tokens_per_s={:.0} activations_gib={:.2} act_grads_gib={:.2} model_total_gib={:.2} \
-         device_used_gib={:.2} loss={loss:.3}",
+        "RESULT gpt_bench model=gpt-1.3b attention={attention} micro_batch={batch} seq={seq} \
+         s_per_step={median:.4} tokens_per_s={:.0} activations_gib={:.2} act_grads_gib={:.2} \
+         model_total_gib={:.2} device_used_gib={:.2} loss={loss:.3}",
         (batch * seq) as f64 / median,
         gib(memory.activations),
         gib(memory.activation_grads),
