@@ -41,6 +41,51 @@ pub fn cache_dir() -> Option<PathBuf> {
     Some(base.join("zeroflow").join("kernels"))
 }
 
+/// Whether `cubin`'s symbol table holds `name` (as a whole NUL-terminated string).
+pub fn exports(cubin: &[u8], name: &str) -> bool {
+    let needle: Vec<u8> = name.bytes().chain([0]).collect();
+    cubin.windows(needle.len()).any(|window| window == needle)
+}
+
+/// The architectures a module was compiled for by [`compile_for_tests`], each with its cubin's
+/// size in bytes.
+pub type CompiledSizes = Vec<((i32, i32), usize)>;
+
+/// For the compile tests, which run without a GPU: compiles `source` as module `name` for sm_80
+/// and sm_90 and checks that each cubin exports every name of `kernels`, and not `absent` (a name
+/// that does not exist, the check's own check; empty: not checked). Returns each architecture with
+/// its cubin's size, `Ok(None)` where libnvrtc does not load (after printing `skipped: libnvrtc
+/// not found`), or what failed.
+pub fn compile_for_tests(
+    name: &str,
+    source: &str,
+    kernels: &[String],
+    absent: &str,
+) -> std::result::Result<Option<CompiledSizes>, String> {
+    let mut compiled = Vec::new();
+    for arch in [(8, 0), (9, 0)] {
+        let cubin = match compile(name, source, arch, &[]) {
+            Ok(cubin) => cubin,
+            Err(DeviceError::Library { library, reason })
+                if library == CudaLibrary::Nvrtc.name() =>
+            {
+                println!("skipped: libnvrtc not found ({reason})");
+                return Ok(None);
+            }
+            Err(error) => return Err(format!("{name} for sm_{}{}: {error}", arch.0, arch.1)),
+        };
+        let missing: Vec<&String> = kernels.iter().filter(|k| !exports(&cubin, k)).collect();
+        if !missing.is_empty() {
+            return Err(format!("sm_{}{}: {name} does not export {missing:?}", arch.0, arch.1));
+        }
+        if !absent.is_empty() && exports(&cubin, absent) {
+            return Err(format!("the symbol check finds {absent:?}, which does not exist"));
+        }
+        compiled.push((arch, cubin.len()));
+    }
+    Ok(Some(compiled))
+}
+
 /// Compiles `source` (after the prelude) with NVRTC into a cubin for `sm_{major}{minor}`.
 /// `name` names the module in errors. Needs only libnvrtc, not a GPU.
 pub fn compile(name: &str, source: &str, arch: (i32, i32), options: &[&str]) -> Result<Vec<u8>> {

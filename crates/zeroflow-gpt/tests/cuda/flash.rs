@@ -15,9 +15,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_core::{Element, bf16};
 use zeroflow_device::cuda::blas::Blas;
-use zeroflow_device::cuda::module::compile;
-use zeroflow_device::cuda::{CudaBuffer, CudaLibrary, CudaStream};
-use zeroflow_device::{CudaDevice, Device, DeviceError, StreamKind};
+use zeroflow_device::cuda::module::compile_for_tests;
+use zeroflow_device::cuda::{CudaBuffer, CudaStream};
+use zeroflow_device::{CudaDevice, Device, StreamKind};
 use zeroflow_gpt::cuda::attention::CudaAttention;
 use zeroflow_gpt::cuda::flash::{FlashAttention, SOURCE, kernel_names};
 use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
@@ -350,44 +350,15 @@ fn unsupported_head_sizes_and_unaligned_tensors_are_refused() {
     println!("RESULT flash refusals ok");
 }
 
-/// Whether the cubin's symbol table holds `name` (as a whole NUL-terminated string).
-fn exports(cubin: &[u8], name: &str) -> bool {
-    let needle: Vec<u8> = name.bytes().chain([0]).collect();
-    cubin.windows(needle.len()).any(|window| window == needle)
-}
-
 /// Runs without a GPU wherever libnvrtc loads (and prints `skipped: libnvrtc not found`
 /// elsewhere).
 #[test]
 fn flash_kernels_compile_for_sm80_and_sm90_and_export_every_kernel() {
-    for arch in [(8, 0), (9, 0)] {
-        let cubin = match compile("flash_attention", SOURCE, arch, &[]) {
-            Ok(cubin) => cubin,
-            Err(DeviceError::Library { library, reason })
-                if library == CudaLibrary::Nvrtc.name() =>
-            {
-                println!("skipped: libnvrtc not found ({reason})");
-                return;
-            }
-            Err(error) => panic!("{error}"),
-        };
-        let names = kernel_names();
-        let missing: Vec<&String> = names.iter().filter(|name| !exports(&cubin, name)).collect();
-        assert!(
-            missing.is_empty(),
-            "sm_{}{}: flash_attention.cu lacks {missing:?}",
-            arch.0,
-            arch.1
-        );
-        assert!(
-            !exports(&cubin, "flash_forward_96"),
-            "the symbol check finds names that do not exist"
-        );
+    let names = kernel_names();
+    let compiled = compile_for_tests("flash_attention", SOURCE, &names, "flash_forward_96");
+    for ((major, minor), bytes) in compiled.unwrap_or_else(|e| panic!("{e}")).unwrap_or_default() {
         println!(
-            "RESULT flash compile sm_{}{}: {} bytes of cubin, {} kernels",
-            arch.0,
-            arch.1,
-            cubin.len(),
+            "RESULT flash compile sm_{major}{minor}: {bytes} bytes of cubin, {} kernels",
             names.len()
         );
     }
