@@ -221,6 +221,35 @@ static __device__ __forceinline__ void load_tile(bf16_t* tile, const bf16_t* src
     }
 }
 
+// Head h of sequence b in qkv [B, T, 3C]: c = n_head · HS, the row stride 3c, and the head's first
+// element of q, k and v. (The kernels point into lse and delta themselves: the same through a
+// helper costs their loads the read-only cache, ld.global.nc, in the backward kernels.)
+struct HeadQkv {
+    u32 c;
+    i64 qkv_stride;
+    const bf16_t* q;
+    const bf16_t* k;
+    const bf16_t* v;
+};
+
+template <int HS>
+static __device__ __forceinline__ HeadQkv head_qkv(const bf16_t* qkv, u32 b, u32 h, u32 seq,
+                                                   u32 n_head) {
+    const u32 c = n_head * HS;
+    const i64 qkv_stride = 3 * (i64)c;
+    const bf16_t* q = qkv + (i64)b * seq * qkv_stride + h * HS;
+    return {c, qkv_stride, q, q + c, q + 2 * c};
+}
+
+// The K and V tiles of keys row0 .. row0+63 (`load_tile`, rows `stride` apart).
+template <int HS>
+static __device__ __forceinline__ void load_kv_tiles(bf16_t* k_tile, bf16_t* v_tile,
+                                                     const bf16_t* k, const bf16_t* v, i64 stride,
+                                                     u32 row0, u32 seq) {
+    load_tile<HS>(k_tile, k, stride, row0, seq);
+    load_tile<HS>(v_tile, v, stride, row0, seq);
+}
+
 // Stores a warp's 16 × HS block of C fragments (rows `row` and `row + 8` of this lane, `row`
 // counted from `dst`'s row 0, rows `stride` apart) as bf16, times `factor`; rows at or past `seq`
 // are skipped.
@@ -301,11 +330,7 @@ static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict
     bf16_t* v_tile = k_tile + BC * STRIDE;
 
     const u32 block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const u32 c = n_head * HS;
-    const i64 qkv_stride = 3 * (i64)c;
-    const bf16_t* q = qkv + (i64)b * seq * qkv_stride + h * HS;
-    const bf16_t* k = q + c;
-    const bf16_t* v = q + 2 * c;
+    const auto [c, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head);
     const int warp = threadIdx.x / 32, lane = lane_id();
     // This lane's two query rows (those of its C fragments), and its first key in each block of 8.
     const u32 row_lo = block * BR + warp * 16 + lane / 4, row_hi = row_lo + 8;
@@ -324,8 +349,7 @@ static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     for (u32 key_block = 0; key_block <= block; key_block++) {
         __syncthreads();  // every warp is done with the last K and V tiles
-        load_tile<HS>(k_tile, k, qkv_stride, key_block * BC, seq);
-        load_tile<HS>(v_tile, v, qkv_stride, key_block * BC, seq);
+        load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
         __syncthreads();
 
         float s[BC / 8][4] = {};
@@ -409,11 +433,7 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
     bf16_t* v_tile = k_tile + BC * STRIDE;
 
     const u32 block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const u32 c = n_head * HS;
-    const i64 qkv_stride = 3 * (i64)c;
-    const bf16_t* q = qkv + (i64)b * seq * qkv_stride + h * HS;
-    const bf16_t* k = q + c;
-    const bf16_t* v = q + 2 * c;
+    const auto [c, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head);
     const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
     const float* lse_head = lse + ((i64)b * n_head + h) * seq;
     const float* delta_head = delta + ((i64)b * n_head + h) * seq;
@@ -434,8 +454,7 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
     float dq[HS / 8][4] = {};
     for (u32 key_block = 0; key_block <= block; key_block++) {
         __syncthreads();  // Q and dO are in; every warp is done with the last K and V tiles
-        load_tile<HS>(k_tile, k, qkv_stride, key_block * BC, seq);
-        load_tile<HS>(v_tile, v, qkv_stride, key_block * BC, seq);
+        load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
         __syncthreads();
 
         // 32 keys at a time (fewer live registers): P for the warp's 16 queries × those keys,
@@ -494,11 +513,7 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
 
     const u32 key_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const u32 query_blocks = (seq + BR - 1) / BR;
-    const u32 c = n_head * HS;
-    const i64 qkv_stride = 3 * (i64)c;
-    const bf16_t* q = qkv + (i64)b * seq * qkv_stride + h * HS;
-    const bf16_t* k = q + c;
-    const bf16_t* v = q + 2 * c;
+    const auto [c, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head);
     const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
     const float* lse_head = lse + ((i64)b * n_head + h) * seq;
     const float* delta_head = delta + ((i64)b * n_head + h) * seq;
@@ -508,8 +523,7 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
     const int query_col = 2 * (lane % 4);
     const float to_base2 = scale * LOG2E;
 
-    load_tile<HS>(k_tile, k, qkv_stride, key_block * BC, seq);
-    load_tile<HS>(v_tile, v, qkv_stride, key_block * BC, seq);
+    load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
     float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
     for (u32 query_block = key_block; query_block < query_blocks; query_block++) {
         const u32 q0 = query_block * BR;

@@ -81,16 +81,47 @@ pub struct CudaAttention {
     scores: CudaBuffer<bf16>,
 }
 
+/// The shape of one attention: `batch` sequences of `seq` tokens, `c` channels in `n_head` heads
+/// of `head_size`. [`FlashAttention`](super::flash::FlashAttention)'s too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Shape {
-    batch: usize,
-    seq: usize,
-    c: usize,
-    n_head: usize,
-    head_size: usize,
+pub(super) struct Shape {
+    pub(super) batch: usize,
+    pub(super) seq: usize,
+    pub(super) c: usize,
+    pub(super) n_head: usize,
+    pub(super) head_size: usize,
 }
 
 impl Shape {
+    /// The shape, or an error (made by `invalid`) unless every size is positive and the channels
+    /// a multiple of the heads.
+    pub(super) fn new(
+        batch: usize,
+        seq: usize,
+        c: usize,
+        n_head: usize,
+        invalid: fn(String) -> DeviceError,
+    ) -> Result<Self, DeviceError> {
+        if batch == 0 || seq == 0 || n_head == 0 || c == 0 || !c.is_multiple_of(n_head) {
+            return Err(invalid(format!(
+                "batch {batch}, seq {seq}, channels {c}, heads {n_head}: every size must be \
+                 positive and the channels a multiple of the heads"
+            )));
+        }
+        Ok(Shape { batch, seq, c, n_head, head_size: c / n_head })
+    }
+
+    /// An error (made by `invalid`) unless batch · seq and 3 · channels fit the kernels' 32-bit
+    /// sizes (they index with 32-bit sizes and 64-bit offsets).
+    pub(super) fn check_32_bit_sizes(
+        &self,
+        invalid: fn(String) -> DeviceError,
+    ) -> Result<(), DeviceError> {
+        to_u32(self.batch * self.seq, "batch · seq", invalid)?;
+        to_u32(3 * self.c, "3 · channels", invalid)?;
+        Ok(())
+    }
+
     /// Elements of one head-major tensor `[batch, n_head, seq, head_size]` (= of `[B, T, C]`).
     fn heads_len(&self) -> usize {
         self.batch * self.seq * self.c
@@ -101,13 +132,14 @@ impl Shape {
         self.batch * self.n_head * self.seq * self.seq
     }
 
-    /// Rows of `att`: one per (sequence, head, query).
-    fn att_rows(&self) -> usize {
+    /// One per (sequence, head, query): the rows of `att`, the elements of flash's `lse` and
+    /// `delta`, `[B, NH, T]`.
+    pub(super) fn query_rows(&self) -> usize {
         self.batch * self.n_head * self.seq
     }
 
     /// `1 / sqrt(head_size)`, the scale of the scores.
-    fn scale(&self) -> f32 {
+    pub(super) fn scale(&self) -> f32 {
         1.0 / (self.head_size as f32).sqrt()
     }
 }
@@ -202,8 +234,12 @@ fn invalid(reason: String) -> DeviceError {
     DeviceError::Kernel { kernel: "attention", reason }
 }
 
-/// `value` as a kernel's `u32` argument, or an error naming what is too large.
-fn to_u32(value: usize, what: &str) -> Result<u32, DeviceError> {
+/// `value` as a kernel's `u32` argument, or an error (made by `invalid`) naming what is too large.
+fn to_u32(
+    value: usize,
+    what: &str,
+    invalid: fn(String) -> DeviceError,
+) -> Result<u32, DeviceError> {
     u32::try_from(value)
         .map_err(|_| invalid(format!("{what} = {value} does not fit the kernels' 32-bit sizes")))
 }
@@ -219,17 +255,9 @@ impl CudaAttention {
         c: usize,
         n_head: usize,
     ) -> Result<Self, DeviceError> {
-        if batch == 0 || seq == 0 || n_head == 0 || c == 0 || !c.is_multiple_of(n_head) {
-            return Err(invalid(format!(
-                "batch {batch}, seq {seq}, channels {c}, heads {n_head}: every size must be \
-                 positive and the channels a multiple of the heads"
-            )));
-        }
-        let shape = Shape { batch, seq, c, n_head, head_size: c / n_head };
-        // The kernels index with 32-bit sizes and 64-bit offsets.
-        to_u32(batch * seq, "batch · seq")?;
-        to_u32(3 * c, "3 · channels")?;
-        to_u32(shape.att_rows(), "batch · heads · seq")?;
+        let shape = Shape::new(batch, seq, c, n_head, invalid)?;
+        shape.check_32_bit_sizes(invalid)?;
+        to_u32(shape.query_rows(), "batch · heads · seq", invalid)?;
         let kernels = Kernels::load(device)?;
         let heads = || device.alloc::<bf16>(shape.heads_len());
         Ok(CudaAttention {
@@ -444,7 +472,7 @@ impl CudaAttention {
         let params = KernelParams::new()
             .ptr(&self.scores, 0)
             .raw_ptr(att)
-            .u32(self.shape.att_rows() as u32)
+            .u32(self.shape.query_rows() as u32)
             .u32(self.shape.seq as u32)
             .f32(self.shape.scale());
         // SAFETY: the parameters match `causal_softmax_{forward,backward}_*(bf16_t*, bf16_t*, u32,
@@ -474,7 +502,7 @@ impl CudaAttention {
 
     fn softmax_grid(&self) -> Dim3 {
         let rows_per_block = (SOFTMAX_THREADS / 32) as usize;
-        Dim3::from(self.shape.att_rows().div_ceil(rows_per_block) as u32)
+        Dim3::from(self.shape.query_rows().div_ceil(rows_per_block) as u32)
     }
 }
 

@@ -25,6 +25,8 @@ use cudarc::driver::sys::CUdeviceptr;
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, Dim3, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceError};
 
+use super::attention::Shape;
+
 /// The CUDA source of the kernels: the shared header, then `flash_attention.cu`.
 pub const SOURCE: &str = concat!(
     include_str!("../../kernels/common.cuh"),
@@ -57,50 +59,25 @@ pub struct FlashAttention {
     delta: CudaBuffer<f32>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Shape {
-    batch: usize,
-    seq: usize,
-    c: usize,
-    n_head: usize,
-    head_size: usize,
-}
-
 impl Shape {
-    /// The shape, or an error saying which size the kernels cannot take.
-    fn new(batch: usize, seq: usize, c: usize, n_head: usize) -> Result<Self, DeviceError> {
-        if batch == 0 || seq == 0 || n_head == 0 || c == 0 || !c.is_multiple_of(n_head) {
-            return Err(invalid(format!(
-                "batch {batch}, seq {seq}, channels {c}, heads {n_head}: every size must be \
-                 positive and the channels a multiple of the heads"
-            )));
-        }
-        let head_size = c / n_head;
+    /// The shape, or an error saying which size the flash kernels cannot take.
+    fn for_flash(batch: usize, seq: usize, c: usize, n_head: usize) -> Result<Self, DeviceError> {
+        let shape = Shape::new(batch, seq, c, n_head, invalid)?;
+        let head_size = shape.head_size;
         if !HEAD_SIZES.contains(&head_size) {
             return Err(invalid(format!(
                 "head size {head_size} (channels {c} / heads {n_head}) has no flash kernel: they \
                  are compiled for head sizes {HEAD_SIZES:?} (CudaAttention takes any)"
             )));
         }
-        // The kernels index with 32-bit sizes and 64-bit offsets; batch and heads are grid axes.
-        to_u32(batch * seq, "batch · seq")?;
-        to_u32(3 * c, "3 · channels")?;
+        shape.check_32_bit_sizes(invalid)?;
+        // Batch and heads are grid axes.
         if batch > usize::from(u16::MAX) || n_head > usize::from(u16::MAX) {
             return Err(invalid(format!(
                 "batch {batch} and heads {n_head} must each be at most 65535 (grid axes)"
             )));
         }
-        Ok(Shape { batch, seq, c, n_head, head_size })
-    }
-
-    /// Elements of `lse` and of `delta`, `[B, NH, T]`.
-    fn rows_len(&self) -> usize {
-        self.batch * self.n_head * self.seq
-    }
-
-    /// `1 / sqrt(head_size)`, the scale of the scores.
-    fn scale(&self) -> f32 {
-        1.0 / (self.head_size as f32).sqrt()
+        Ok(shape)
     }
 
     /// One tile kernel's block per (64-row block of the sequence, head, sequence).
@@ -194,12 +171,6 @@ fn invalid(reason: String) -> DeviceError {
     DeviceError::Kernel { kernel: "flash attention", reason }
 }
 
-/// `value` as a kernel's `u32` argument, or an error naming what is too large.
-fn to_u32(value: usize, what: &str) -> Result<u32, DeviceError> {
-    u32::try_from(value)
-        .map_err(|_| invalid(format!("{what} = {value} does not fit the kernels' 32-bit sizes")))
-}
-
 /// An error unless every named address is aligned to its number of bytes.
 fn check_aligned(addresses: &[(&str, CUdeviceptr, u64)]) -> Result<(), DeviceError> {
     let misaligned = addresses.iter().find(|(_, address, bytes)| !address.is_multiple_of(*bytes));
@@ -223,10 +194,10 @@ impl FlashAttention {
         c: usize,
         n_head: usize,
     ) -> Result<Self, DeviceError> {
-        let shape = Shape::new(batch, seq, c, n_head)?;
+        let shape = Shape::for_flash(batch, seq, c, n_head)?;
         Ok(FlashAttention {
             kernels: Kernels::load(device, shape.head_size)?,
-            delta: device.alloc(shape.rows_len())?,
+            delta: device.alloc(shape.query_rows())?,
             device: device.clone(),
             shape,
         })
@@ -234,7 +205,7 @@ impl FlashAttention {
 
     /// Elements of the caller's `lse` (f32), `[B, NH, T]`: one per query row and head.
     pub fn lse_len(&self) -> usize {
-        self.shape.rows_len()
+        self.shape.query_rows()
     }
 
     /// Bytes of GPU memory this attention holds: backward's delta (see the module documentation
@@ -396,16 +367,16 @@ mod tests {
 
     #[test]
     fn only_the_compiled_head_sizes_and_sizes_that_fit_the_kernels_are_accepted() {
-        assert_eq!(Shape::new(2, 37, 128, 2).unwrap().head_size, 64);
-        assert_eq!(Shape::new(8, 1024, 2048, 16).unwrap().head_size, 128);
+        assert_eq!(Shape::for_flash(2, 37, 128, 2).unwrap().head_size, 64);
+        assert_eq!(Shape::for_flash(8, 1024, 2048, 16).unwrap().head_size, 128);
         let refused = [(1, 8, 96, 2), (1, 8, 768, 3), (0, 8, 128, 2), (1, 8, 130, 2)];
         for (batch, seq, c, n_head) in refused {
-            assert!(Shape::new(batch, seq, c, n_head).is_err(), "{batch} {seq} {c} {n_head}");
+            assert!(Shape::for_flash(batch, seq, c, n_head).is_err(), "{batch} {seq} {c} {n_head}");
         }
-        let message = Shape::new(1, 8, 96, 2).unwrap_err().to_string();
+        let message = Shape::for_flash(1, 8, 96, 2).unwrap_err().to_string();
         assert!(message.contains("head size 48"), "{message}");
-        assert!(Shape::new(1 << 16, 1, 128, 2).is_err(), "batch beyond the grid's z axis");
-        assert!(Shape::new(1, 1 << 32, 128, 2).is_err(), "sequence beyond 32 bits");
+        assert!(Shape::for_flash(1 << 16, 1, 128, 2).is_err(), "batch beyond the grid's z axis");
+        assert!(Shape::for_flash(1, 1 << 32, 128, 2).is_err(), "sequence beyond 32 bits");
     }
 
     #[test]

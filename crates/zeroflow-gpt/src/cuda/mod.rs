@@ -139,11 +139,21 @@ pub struct CudaGptOptions {
     /// (`DGelu`), where the width is a multiple of 8. On by default; off runs the GELU kernels
     /// (for comparisons).
     pub fuse_gelu: bool,
+    /// How attention keeps what its backward needs ([`AttentionKind`]; default `Gemm`).
+    /// [`AttentionKind::Flash`] needs a head size of 64 or 128 ([`flash::HEAD_SIZES`]).
+    pub attention: AttentionKind,
 }
 
 impl Default for CudaGptOptions {
     fn default() -> Self {
-        CudaGptOptions { fuse_gelu: true }
+        CudaGptOptions { fuse_gelu: true, attention: AttentionKind::Gemm }
+    }
+}
+
+impl CudaGptOptions {
+    /// The defaults, with the attention `ZEROFLOW_ATTENTION` asks for ([`attention_from_env`]).
+    pub fn from_env() -> Result<Self, GptError> {
+        Ok(CudaGptOptions { attention: attention_from_env()?, ..CudaGptOptions::default() })
     }
 }
 
@@ -152,15 +162,15 @@ impl ActivationMemory {
         self.activations + self.activation_grads + self.stats + self.scratch
     }
 
-    /// The memory a [`CudaGpt::with_attention`] of these arguments holds, computed without a GPU
+    /// The memory a [`CudaGpt::with_options`] of these arguments holds, computed without a GPU
     /// (what [`CudaGpt::activation_memory`] reports once it is built).
     pub fn planned(
         config: &GptConfig,
         layout: &FlatLayout,
         (batch, seq): (usize, usize),
         options: CudaGptOptions,
-        attention: AttentionKind,
     ) -> Result<Self, GptError> {
+        let attention = options.attention;
         let params = ParamRanges::new(config, layout)?;
         let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
         let schedule = Schedule::new(&plan, options.fuse_gelu)?;
@@ -237,12 +247,12 @@ impl CudaGpt {
         seq: usize,
     ) -> Result<Self, GptError> {
         let blas = Arc::new(Blas::new(device)?);
-        Self::with_options(device, blas, config, layout, batch, seq, CudaGptOptions::default())
+        let options = CudaGptOptions::from_env()?;
+        Self::with_options(device, blas, config, layout, batch, seq, options)
     }
 
     /// [`CudaGpt::new`] with a cuBLASLt handle shared with other users of the compute stream,
-    /// and options; the attention is the one `ZEROFLOW_ATTENTION` asks for
-    /// ([`attention_from_env`]).
+    /// and the options given (the attention among them: not read from the environment).
     pub fn with_options(
         device: &CudaDevice,
         blas: Arc<Blas>,
@@ -252,23 +262,7 @@ impl CudaGpt {
         seq: usize,
         options: CudaGptOptions,
     ) -> Result<Self, GptError> {
-        let attention = attention_from_env()?;
-        Self::with_attention(device, blas, config, layout, batch, seq, options, attention)
-    }
-
-    /// [`CudaGpt::with_options`] with the attention given rather than taken from the environment.
-    /// [`AttentionKind::Flash`] needs a head size of 64 or 128 ([`flash::HEAD_SIZES`]).
-    #[allow(clippy::too_many_arguments, reason = "with_options' arguments and the attention")]
-    pub fn with_attention(
-        device: &CudaDevice,
-        blas: Arc<Blas>,
-        config: &GptConfig,
-        layout: &FlatLayout,
-        batch: usize,
-        seq: usize,
-        options: CudaGptOptions,
-        attention: AttentionKind,
-    ) -> Result<Self, GptError> {
+        let attention = options.attention;
         check_attention_fits(config, attention)?;
         let params = ParamRanges::new(config, layout)?;
         let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
@@ -553,8 +547,8 @@ mod tests {
         let layout = flat_layout(&config, 1).unwrap();
         let (batch, seq) = (8, 1024);
         let planned = |attention| {
-            let options = CudaGptOptions::default();
-            ActivationMemory::planned(&config, &layout, (batch, seq), options, attention).unwrap()
+            let options = CudaGptOptions { attention, ..CudaGptOptions::default() };
+            ActivationMemory::planned(&config, &layout, (batch, seq), options).unwrap()
         };
         let (gemm, flash) = (planned(AttentionKind::Gemm), planned(AttentionKind::Flash));
         let (layers, c) = (config.n_layer, config.d_model);

@@ -5,21 +5,18 @@
 //! guards, and the outputs start as NaN: an element not written, a write outside a tensor or a
 //! read outside one shows up.
 
-use std::iter::repeat_n;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use zeroflow_core::bf16;
-use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::module::compile_for_tests;
-use zeroflow_device::{CudaDevice, Device, StreamKind};
+use zeroflow_device::{Device, StreamKind};
 use zeroflow_gpt::cuda::attention::{CudaAttention, SOURCE, kernel_names};
 use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
 
 use crate::gpu;
+use crate::support::{Placed, random_bf16, relative_error, widen};
 
 /// The largest relative error (‖gpu − cpu‖ / ‖cpu‖) allowed: the GPU rounds the scores, the
 /// weights and every intermediate to bf16.
@@ -54,76 +51,6 @@ const SHAPES: [Shape; 5] = [
     Shape { batch: 3, seq: 24, c: 128, n_head: 4, offset: 3 },
 ];
 
-/// Uniform values in ±`bound`, none zero, rounded to bf16.
-fn random_bf16(len: usize, bound: f64, seed: u64) -> Vec<bf16> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..len)
-        .map(|_| {
-            let x: f64 = rng.random_range(-bound..bound);
-            bf16::from_f64(if x == 0.0 { bound / 2.0 } else { x })
-        })
-        .collect()
-}
-
-fn widen(values: &[bf16]) -> Vec<f64> {
-    values.iter().map(|x| x.to_f64()).collect()
-}
-
-/// ‖gpu − cpu‖₂ / ‖cpu‖₂; NaN (a failure) if the GPU left a NaN.
-fn relative_error(gpu: &[bf16], cpu: &[f64]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let (mut diff, mut norm) = (0.0, 0.0);
-    for (&g, &c) in gpu.iter().zip(cpu) {
-        diff += (g.to_f64() - c).powi(2);
-        norm += c * c;
-    }
-    (diff / norm.max(1e-300)).sqrt()
-}
-
-/// Elements of NaN after each of the caller's tensors, which must stay NaN.
-const GUARD: usize = 16;
-
-/// One of the caller's tensors: `len` elements at `offset` in a buffer whose other elements are
-/// NaN guards.
-struct Placed {
-    buffer: CudaBuffer<bf16>,
-    offset: usize,
-    len: usize,
-}
-
-impl Placed {
-    /// `len` NaNs (so that an element the kernels fail to write shows up) between the guards.
-    fn poisoned(device: &CudaDevice, len: usize, offset: usize) -> Self {
-        let total = offset + len + GUARD;
-        let buffer = device.alloc::<bf16>(total).unwrap();
-        device.fill(device.stream(StreamKind::Compute), &buffer, 0..total, bf16::NAN).unwrap();
-        Placed { buffer, offset, len }
-    }
-
-    /// `values` between the guards (a read outside them would spread a NaN into the results).
-    fn holding(device: &CudaDevice, values: &[bf16], offset: usize) -> Self {
-        let all: Vec<bf16> = repeat_n(bf16::NAN, offset)
-            .chain(values.iter().copied())
-            .chain(repeat_n(bf16::NAN, GUARD))
-            .collect();
-        Placed { buffer: device.upload(&all).unwrap(), offset, len: values.len() }
-    }
-
-    fn address(&self) -> u64 {
-        self.buffer.address(self.offset)
-    }
-
-    /// The tensor, after checking that nothing was written outside it.
-    fn read(&self, device: &CudaDevice, what: &str) -> Vec<bf16> {
-        let all = device.download(&self.buffer).unwrap();
-        let (before, rest) = all.split_at(self.offset);
-        let (inside, after) = rest.split_at(self.len);
-        let written = before.iter().chain(after).filter(|x| !x.is_nan()).count();
-        assert_eq!(written, 0, "{what}: {written} elements outside the tensor were written");
-        inside.to_vec()
-    }
-}
-
 #[test]
 fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
     let Some(device) = gpu() else { return };
@@ -131,6 +58,7 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
     let stream = device.stream(StreamKind::Compute);
     for (index, &shape) in SHAPES.iter().enumerate() {
         let Shape { batch, seq, c, n_head, offset } = shape;
+        let at = offset * size_of::<bf16>();
         let seed = 100 * index as u64;
         let qkv = random_bf16(shape.rows() * 3 * c, 2.0, seed);
         let dout = random_bf16(shape.rows() * c, 1.0, seed + 1);
@@ -153,12 +81,12 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
         );
 
         let attention = CudaAttention::new(&device, blas.clone(), batch, seq, c, n_head).unwrap();
-        let qkv_gpu = Placed::holding(&device, &qkv, offset);
-        let dout_gpu = Placed::holding(&device, &dout, offset);
-        let out = Placed::poisoned(&device, shape.rows() * c, offset);
-        let att = Placed::poisoned(&device, shape.att_len(), offset);
-        let dqkv = Placed::poisoned(&device, qkv.len(), offset);
-        let dscores = Placed::poisoned(&device, shape.att_len(), offset);
+        let qkv_gpu = Placed::holding(&device, &qkv, at);
+        let dout_gpu = Placed::holding(&device, &dout, at);
+        let out = Placed::<bf16>::poisoned(&device, shape.rows() * c, at);
+        let att = Placed::<bf16>::poisoned(&device, shape.att_len(), at);
+        let dqkv = Placed::<bf16>::poisoned(&device, qkv.len(), at);
+        let dscores = Placed::<bf16>::poisoned(&device, shape.att_len(), at);
         attention.forward(stream, qkv_gpu.address(), out.address(), att.address()).unwrap();
         let (dout_at, qkv_at, att_at) = (dout_gpu.address(), qkv_gpu.address(), att.address());
         let (dqkv_at, dscores_at) = (dqkv.address(), dscores.address());
@@ -180,7 +108,7 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
         }
         // The masked weights are exactly zero, not merely small.
         let masked_nonzero = (0..shape.att_len())
-            .filter(|&i| i % seq > (i / seq) % seq && att_gpu[i] != bf16::ZERO)
+            .filter(|&i| i % seq > (i / seq) % seq && att_gpu[i] != 0.0)
             .count();
         assert_eq!(masked_nonzero, 0, "{shape:?}: weights above the diagonal are not zero");
     }
@@ -199,10 +127,10 @@ fn a_second_run_on_the_same_inputs_gives_the_same_results() {
     let attention = CudaAttention::new(&device, blas, batch, seq, c, n_head).unwrap();
     let qkv = Placed::holding(&device, &random_bf16(shape.rows() * 3 * c, 2.0, 7), 0);
     let dout = Placed::holding(&device, &random_bf16(shape.rows() * c, 1.0, 8), 0);
-    let out = Placed::poisoned(&device, shape.rows() * c, 0);
-    let att = Placed::poisoned(&device, shape.att_len(), 0);
-    let dqkv = Placed::poisoned(&device, shape.rows() * 3 * c, 0);
-    let dscores = Placed::poisoned(&device, shape.att_len(), 0);
+    let out = Placed::<bf16>::poisoned(&device, shape.rows() * c, 0);
+    let att = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
+    let dqkv = Placed::<bf16>::poisoned(&device, shape.rows() * 3 * c, 0);
+    let dscores = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
     let mut runs = Vec::new();
     for _ in 0..2 {
         attention.forward(stream, qkv.address(), out.address(), att.address()).unwrap();
@@ -212,7 +140,7 @@ fn a_second_run_on_the_same_inputs_gives_the_same_results() {
         runs.push([out.read(&device, "out"), dqkv.read(&device, "dqkv")]);
     }
     for (what, (first, second)) in ["out", "dqkv"].iter().zip(runs[0].iter().zip(&runs[1])) {
-        let rel = relative_error(second, &widen(first));
+        let rel = relative_error(second, first);
         assert!(rel <= 1e-3, "{what}: the second run differs from the first by {rel:.3e}");
     }
 }

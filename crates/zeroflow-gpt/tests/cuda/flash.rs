@@ -7,22 +7,23 @@
 //! the first bit for bit (no atomics), bad shapes and alignments are refused, and an `#[ignore]`d
 //! benchmark against `CudaAttention` at gpt-1.3b's and gpt2-350m's shapes.
 
-use std::iter::repeat_n;
 use std::sync::Arc;
 use std::time::Instant;
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use zeroflow_core::{Element, bf16};
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::CudaStream;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::module::compile_for_tests;
-use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CudaDevice, Device, StreamKind};
 use zeroflow_gpt::cuda::attention::CudaAttention;
 use zeroflow_gpt::cuda::flash::{FlashAttention, SOURCE, kernel_names};
 use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
 
 use crate::gpu;
+use crate::support::{Placed, random_bf16, relative_error, widen};
+
+/// Bytes before each of the caller's tensors (the kernels need 16-byte aligned tensors), all NaN.
+const OFFSET_BYTES: usize = 16;
 
 /// The largest relative error (‖gpu − cpu‖ / ‖cpu‖) allowed for out and each third of dqkv: the
 /// GPU rounds P, dS and the outputs to bf16 (the same bound as `CudaAttention`'s test).
@@ -64,34 +65,6 @@ const SHAPES: [Shape; 8] = [
     Shape { batch: 1, seq: 200, c: 256, n_head: 4 },
 ];
 
-/// Uniform values in ±`bound`, none zero, rounded to bf16.
-fn random_bf16(len: usize, bound: f64, seed: u64) -> Vec<bf16> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..len)
-        .map(|_| {
-            let x: f64 = rng.random_range(-bound..bound);
-            bf16::from_f64(if x == 0.0 { bound / 2.0 } else { x })
-        })
-        .collect()
-}
-
-fn widen(values: &[bf16]) -> Vec<f64> {
-    values.iter().map(|x| x.to_f64()).collect()
-}
-
-/// ‖gpu − cpu‖₂ / ‖cpu‖₂; NaN (a failure) if the GPU left a NaN. Where the reference is all
-/// zeros (dq and dk at T = 1: one key, so the softmax passes no gradient), the root mean square
-/// of the GPU's values instead: those are rounding residues of `dP − delta`, near 1e-7.
-fn relative_error(gpu: &[f64], cpu: &[f64]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let (mut diff, mut norm) = (0.0, 0.0);
-    for (&g, &c) in gpu.iter().zip(cpu) {
-        diff += (g - c).powi(2);
-        norm += c * c;
-    }
-    if norm == 0.0 { (diff / gpu.len().max(1) as f64).sqrt() } else { (diff / norm).sqrt() }
-}
-
 /// Part `part` (0 q, 1 k, 2 v) of every row of a `[rows, 3c]` tensor.
 fn third<T: Copy>(rows: &[T], c: usize, part: usize) -> Vec<T> {
     rows.chunks(3 * c).flat_map(|row| &row[part * c..(part + 1) * c]).copied().collect()
@@ -127,55 +100,6 @@ fn reference_lse(qkv: &[f64], shape: Shape) -> Vec<f64> {
     lse
 }
 
-/// Bytes before each of the caller's tensors (the kernels need 16-byte aligned tensors), and
-/// elements after it, all NaN.
-const OFFSET_BYTES: usize = 16;
-const GUARD: usize = 16;
-
-/// One of the caller's tensors (bf16, or f32 for lse): `len` elements after [`OFFSET_BYTES`] in a
-/// buffer whose other elements are NaN guards.
-struct Placed<T: Element> {
-    buffer: CudaBuffer<T>,
-    len: usize,
-}
-
-impl<T: Element> Placed<T> {
-    const OFFSET: usize = OFFSET_BYTES / size_of::<T>();
-
-    /// `len` NaNs (so that an element the kernels fail to write shows up) between the guards.
-    fn poisoned(device: &CudaDevice, len: usize) -> Self {
-        let total = Self::OFFSET + len + GUARD;
-        let buffer = device.alloc::<T>(total).unwrap();
-        let nan = T::from_f64(f64::NAN);
-        device.fill(device.stream(StreamKind::Compute), &buffer, 0..total, nan).unwrap();
-        Placed { buffer, len }
-    }
-
-    /// `values` between the guards (a read outside them would spread a NaN into the results).
-    fn holding(device: &CudaDevice, values: &[T]) -> Self {
-        let nan = T::from_f64(f64::NAN);
-        let all: Vec<T> = repeat_n(nan, Self::OFFSET)
-            .chain(values.iter().copied())
-            .chain(repeat_n(nan, GUARD))
-            .collect();
-        Placed { buffer: device.upload(&all).unwrap(), len: values.len() }
-    }
-
-    fn address(&self) -> u64 {
-        self.buffer.address(Self::OFFSET)
-    }
-
-    /// The tensor widened to f64 (exactly), after checking that nothing was written outside it.
-    fn read(&self, device: &CudaDevice, what: &str) -> Vec<f64> {
-        let all = device.download(&self.buffer).unwrap();
-        let (before, rest) = all.split_at(Self::OFFSET);
-        let (inside, after) = rest.split_at(self.len);
-        let written = before.iter().chain(after).filter(|x| !x.to_f64().is_nan()).count();
-        assert_eq!(written, 0, "{what}: {written} elements outside the tensor were written");
-        inside.iter().map(|x| x.to_f64()).collect()
-    }
-}
-
 /// The inputs of one shape: `qkv` and `dout`, random, on the host and placed on the GPU.
 struct Inputs {
     qkv: Vec<bf16>,
@@ -188,7 +112,10 @@ impl Inputs {
     fn new(device: &CudaDevice, shape: Shape, seed: u64) -> Self {
         let qkv = random_bf16(shape.rows() * 3 * shape.c, 2.0, seed);
         let dout = random_bf16(shape.rows() * shape.c, 1.0, seed + 1);
-        let (qkv_gpu, dout_gpu) = (Placed::holding(device, &qkv), Placed::holding(device, &dout));
+        let (qkv_gpu, dout_gpu) = (
+            Placed::holding(device, &qkv, OFFSET_BYTES),
+            Placed::holding(device, &dout, OFFSET_BYTES),
+        );
         Inputs { qkv, dout, qkv_gpu, dout_gpu }
     }
 }
@@ -208,9 +135,9 @@ fn run_flash(
     inputs: &Inputs,
 ) -> (Outputs, Vec<f64>) {
     let stream = device.stream(StreamKind::Compute);
-    let out = Placed::<bf16>::poisoned(device, shape.rows() * shape.c);
-    let lse = Placed::<f32>::poisoned(device, flash.lse_len());
-    let dqkv = Placed::<bf16>::poisoned(device, shape.rows() * 3 * shape.c);
+    let out = Placed::<bf16>::poisoned(device, shape.rows() * shape.c, OFFSET_BYTES);
+    let lse = Placed::<f32>::poisoned(device, flash.lse_len(), OFFSET_BYTES);
+    let dqkv = Placed::<bf16>::poisoned(device, shape.rows() * 3 * shape.c, OFFSET_BYTES);
     let (qkv_at, dout_at) = (inputs.qkv_gpu.address(), inputs.dout_gpu.address());
     let (out_at, lse_at) = (out.address(), lse.address());
     flash.forward(stream, qkv_at, out_at, lse_at).unwrap();
@@ -230,10 +157,10 @@ fn run_cuda_attention(
     let Shape { batch, seq, c, n_head } = shape;
     let stream = device.stream(StreamKind::Compute);
     let attention = CudaAttention::new(device, blas.clone(), batch, seq, c, n_head).unwrap();
-    let out = Placed::<bf16>::poisoned(device, shape.rows() * c);
-    let att = Placed::<bf16>::poisoned(device, shape.att_len());
-    let dqkv = Placed::<bf16>::poisoned(device, shape.rows() * 3 * c);
-    let dscores = Placed::<bf16>::poisoned(device, shape.att_len());
+    let out = Placed::<bf16>::poisoned(device, shape.rows() * c, OFFSET_BYTES);
+    let att = Placed::<bf16>::poisoned(device, shape.att_len(), OFFSET_BYTES);
+    let dqkv = Placed::<bf16>::poisoned(device, shape.rows() * 3 * c, OFFSET_BYTES);
+    let dscores = Placed::<bf16>::poisoned(device, shape.att_len(), OFFSET_BYTES);
     let (qkv_at, dout_at) = (inputs.qkv_gpu.address(), inputs.dout_gpu.address());
     attention.forward(stream, qkv_at, out.address(), att.address()).unwrap();
     let (att_at, dqkv_at, dscores_at) = (att.address(), dqkv.address(), dscores.address());

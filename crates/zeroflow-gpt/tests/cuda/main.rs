@@ -9,6 +9,7 @@
 mod attention;
 mod flash;
 mod model;
+mod support;
 
 use zeroflow_device::CudaDevice;
 

@@ -86,7 +86,8 @@ fn model_with(
 ) -> CudaGpt {
     let layout = flat_layout(config, 1).unwrap();
     let blas = Arc::new(Blas::new(device).unwrap());
-    CudaGpt::with_attention(device, blas, config, &layout, batch, seq, options, attention).unwrap()
+    let options = CudaGptOptions { attention, ..options };
+    CudaGpt::with_options(device, blas, config, &layout, batch, seq, options).unwrap()
 }
 
 /// The bits of a gradient buffer (bf16 `==` would equate +0 and −0 and never NaN).
@@ -175,7 +176,7 @@ fn logits_loss_and_every_gradient_match_the_cpu_model_at_odd_sizes() {
 #[test]
 fn without_the_gelu_fusions_too() {
     let Some(device) = gpu() else { return };
-    let options = CudaGptOptions { fuse_gelu: false };
+    let options = CudaGptOptions { fuse_gelu: false, ..CudaGptOptions::default() };
     check_against_cpu(&device, &TAILS, (3, 37), options, AttentionKind::Gemm);
 }
 
@@ -233,13 +234,8 @@ fn flash_and_gemm_models_agree_on_the_loss_and_every_gradient() {
         let layout = flat_layout(&config, 1).unwrap();
         let run = |attention| {
             let (loss, grads, memory) = loss_and_grads(&device, &config, (batch, seq), attention);
-            let planned = ActivationMemory::planned(
-                &config,
-                &layout,
-                (batch, seq),
-                CudaGptOptions::default(),
-                attention,
-            );
+            let options = CudaGptOptions { attention, ..CudaGptOptions::default() };
+            let planned = ActivationMemory::planned(&config, &layout, (batch, seq), options);
             assert_eq!(memory, planned.unwrap(), "{attention:?}: the planned memory is off");
             let grads: Vec<f64> = grads.iter().map(|g| g.to_f64()).collect();
             (f64::from(loss), grads, memory)
@@ -314,8 +310,8 @@ fn flash_attention_refuses_other_head_sizes() {
     let Some(device) = gpu() else { return };
     let layout = flat_layout(&TAILS, 1).unwrap();
     let blas = Arc::new(Blas::new(&device).unwrap());
-    let (options, flash) = (CudaGptOptions::default(), AttentionKind::Flash);
-    let error = CudaGpt::with_attention(&device, blas, &TAILS, &layout, 3, 37, options, flash)
+    let options = CudaGptOptions { attention: AttentionKind::Flash, ..CudaGptOptions::default() };
+    let error = CudaGpt::with_options(&device, blas, &TAILS, &layout, 3, 37, options)
         .unwrap_err()
         .to_string();
     for needed in ["ZEROFLOW_ATTENTION=flash", "head sizes [64, 128]", "is 50", "gemm"] {
