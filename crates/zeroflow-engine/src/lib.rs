@@ -81,8 +81,8 @@ pub struct EngineOptions {
     /// caches, where the device's read may find it). Results are bit-identical either way.
     pub copy_stores: Stores,
     /// Offload with several ranks, the streaming step: gather each uploaded piece of the
-    /// partition while the CPU steps the next (default), or all of it after the step. Results
-    /// are bit-identical either way.
+    /// partition while the CPU steps the next, or all of it after the step (the default, until
+    /// the piece-wise gather is measured on GPUs). Results are bit-identical either way.
     pub gather_in_pieces: bool,
 }
 

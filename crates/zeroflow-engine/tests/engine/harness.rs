@@ -34,7 +34,9 @@ pub struct Setup {
     pub stream_chunk: usize,
     /// How the CPU AdamW writes the bf16 weight copy (offload).
     pub copy_stores: Stores,
-    /// The streaming step gathers in pieces while it steps (offload, several ranks).
+    /// The streaming step gathers in pieces while it steps (offload, several ranks). On in the
+    /// tests' default setup (the engine's default is off), so that every multi-rank streaming test
+    /// exercises the piece-wise gather; `stream_tuning` checks the gather after the step against it.
     pub gather_in_pieces: bool,
 }
 
