@@ -100,47 +100,37 @@ lscpu 2>/dev/null | grep -E '^(NUMA|Socket|Core|Thread)' || true
 ZF=(bench step --device cuda --model "$ZF_MODEL" --mode "$MODE" --micro-batch "$MICRO_BATCH"
     --steps "$STEPS" --warmup "$WARMUP" --json)
 
+# zf_run RUN GPUS [VAR=VALUE...]: zeroflow's bench step on GPUS GPUs (under `zeroflow launch`
+# where more than one) with the given environment, its log under $OUT, its result recorded as RUN.
+zf_run() {
+    local run=$1 gpus=$2
+    shift 2
+    local log=$OUT/bench-multi-$run.log command=("$Z" "${ZF[@]}")
+    ((gpus > 1)) && command=("$Z" launch --nproc-per-node "$gpus" -- "${ZF[@]}")
+    env "$@" timeout 240 "${command[@]}" >"$log" 2>"$log.err"
+    echo "zeroflow $run ($gpus GPUs${*:+, $*}): exit $? ($((SECONDS - started)) s)"
+    grep -h 'bound to CPUs\|cannot bind' "$log.err" | head -2
+    record "$run" "$log" || tail -5 "$log" "$log.err"
+}
+
+# variants GPUS LIST: zf_run for each NAME:VAR=VALUE[,VAR=VALUE...] of LIST, as zf-Ngpu-NAME.
+variants() {
+    local gpus=$1 variant vars
+    for variant in $2; do
+        IFS=, read -r -a vars <<<"${variant#*:}"
+        zf_run "zf-${gpus}gpu-${variant%%:*}" "$gpus" "${vars[@]}"
+    done
+}
+
 if [[ -z "${SKIP_ZF:-}" ]]; then
-    log=$OUT/bench-multi-zf-1gpu.log
-    timeout 240 "$Z" "${ZF[@]}" >"$log" 2>"$log.err"
-    echo "zeroflow 1 GPU: exit $? ($((SECONDS - started)) s)"
-    record zf-1gpu "$log" || tail -5 "$log" "$log.err"
-
+    zf_run zf-1gpu 1
     for n in $NPROCS; do
-        log=$OUT/bench-multi-zf-${n}gpu.log
-        timeout 240 "$Z" launch --nproc-per-node "$n" -- "${ZF[@]}" >"$log" 2>"$log.err"
-        echo "zeroflow $n GPUs: exit $? ($((SECONDS - started)) s)"
-        grep -h 'bound to CPUs\|cannot bind' "$log.err" | head -2
-        record "zf-${n}gpu" "$log" || tail -5 "$log" "$log.err"
+        zf_run "zf-${n}gpu" "$n"
     done
-
-    if [[ -n "${BIND_AB:-}" ]]; then
-        # The same without binding each rank to its GPU's CPUs (the A/B of ZEROFLOW_CPU_BIND).
-        log=$OUT/bench-multi-zf-${FIRST_N}gpu-unbound.log
-        ZEROFLOW_CPU_BIND=off timeout 240 "$Z" launch --nproc-per-node "$FIRST_N" -- "${ZF[@]}" \
-            >"$log" 2>"$log.err"
-        echo "zeroflow $FIRST_N GPUs, unbound: exit $? ($((SECONDS - started)) s)"
-        record "zf-${FIRST_N}gpu-unbound" "$log" || tail -5 "$log" "$log.err"
-    fi
-
-    for variant in ${ONE_GPU_VARIANTS:-}; do
-        name=${variant%%:*}
-        IFS=, read -r -a vars <<<"${variant#*:}"
-        log=$OUT/bench-multi-zf-1gpu-$name.log
-        env "${vars[@]}" timeout 240 "$Z" "${ZF[@]}" >"$log" 2>"$log.err"
-        echo "zeroflow 1 GPU, $name (${vars[*]}): exit $? ($((SECONDS - started)) s)"
-        record "zf-1gpu-$name" "$log" || tail -5 "$log" "$log.err"
-    done
-
-    for variant in ${VARIANTS:-}; do
-        name=${variant%%:*}
-        IFS=, read -r -a vars <<<"${variant#*:}"
-        log=$OUT/bench-multi-zf-${FIRST_N}gpu-$name.log
-        env "${vars[@]}" timeout 240 "$Z" launch --nproc-per-node "$FIRST_N" -- "${ZF[@]}" \
-            >"$log" 2>"$log.err"
-        echo "zeroflow $FIRST_N GPUs, $name (${vars[*]}): exit $? ($((SECONDS - started)) s)"
-        record "zf-${FIRST_N}gpu-$name" "$log" || tail -5 "$log" "$log.err"
-    done
+    # The same without binding each rank to its GPU's CPUs (the A/B of ZEROFLOW_CPU_BIND).
+    [[ -n "${BIND_AB:-}" ]] && zf_run "zf-${FIRST_N}gpu-unbound" "$FIRST_N" ZEROFLOW_CPU_BIND=off
+    variants 1 "${ONE_GPU_VARIANTS:-}"
+    variants "$FIRST_N" "${VARIANTS:-}"
 fi
 
 if [[ -z "${SKIP_DS:-}" ]]; then

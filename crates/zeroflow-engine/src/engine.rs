@@ -741,8 +741,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             self.device.wait_event(h2d, gathered)?;
         }
         // The gathers write the other ranks' partitions, which the last forward/backward read.
-        let partitioned = self.owned.len() < self.layout.padded_len();
-        let gathers = partitioned && self.opts.gather_in_pieces;
+        let gathers = self.opts.gather_in_pieces && self.owned.len() < self.layout.padded_len();
         if gathers {
             self.device.wait_event(comm_stream, &self.events.compute_done)?;
         }
@@ -776,12 +775,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         // The next backward overwrites the gradients only after these copies read them.
         let d2h_done = slot(&mut self.events.d2h_done, &self.device)?;
         self.device.record(d2h_done, d2h)?;
-        if partitioned && !gathers {
+        if !gathers {
             return self.gather_from(StreamKind::H2d);
         }
-        // The weights are current once the last upload (one rank) or gather is done.
+        // The weights are current once the last piece's gather is done.
         let params_ready = slot(&mut self.events.params_ready, &self.device)?;
-        self.device.record(params_ready, if gathers { comm_stream } else { h2d })?;
+        self.device.record(params_ready, comm_stream)?;
         Ok(())
     }
 

@@ -156,23 +156,27 @@ struct Measured {
 
 impl Measured {
     fn mean(&self) -> f64 {
-        self.times.iter().sum::<f64>() / self.times.len() as f64
+        mean(&self.times)
     }
 
     fn compute_mean(&self) -> f64 {
-        self.compute_times.iter().sum::<f64>() / self.compute_times.len() as f64
+        mean(&self.compute_times)
     }
 
     fn forward_mean(&self) -> f64 {
-        self.forward_times.iter().sum::<f64>() / self.forward_times.len() as f64
+        mean(&self.forward_times)
     }
+}
+
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
 }
 
 /// Model FLOPs per trained token: 6 N for the weights' matmuls forward and backward (the tied
 /// output projection included), plus 12 L d T for attention's two batched matmuls over T
 /// positions (PaLM's accounting; the causal mask is not discounted). The same formula as
 /// scripts/bench-report.py's for the peers.
-pub(crate) fn flops_per_token(model: &GptConfig) -> f64 {
+fn flops_per_token(model: &GptConfig) -> f64 {
     let (layers, width, context) =
         (model.n_layer as f64, model.d_model as f64, model.context as f64);
     6.0 * model.num_params() as f64 + 12.0 * layers * width * context

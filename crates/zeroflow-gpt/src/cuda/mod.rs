@@ -193,13 +193,8 @@ impl ActivationMemory {
 /// The attention `ZEROFLOW_ATTENTION` ([`ATTENTION_VAR`]) asks for: [`AttentionKind::Gemm`] where
 /// it is unset or blank, or the error [`parse_attention`] gives.
 pub fn attention_from_env() -> Result<AttentionKind, GptError> {
-    match std::env::var(ATTENTION_VAR) {
-        Ok(value) => parse_attention(Some(&value)),
-        Err(std::env::VarError::NotPresent) => parse_attention(None),
-        Err(std::env::VarError::NotUnicode(value)) => Err(GptError::InvalidConfig(format!(
-            "{ATTENTION_VAR}={value:?} is not `gemm` or `flash`"
-        ))),
-    }
+    let value = std::env::var_os(ATTENTION_VAR).map(|value| value.to_string_lossy().into_owned());
+    parse_attention(value.as_deref())
 }
 
 /// The attention a value of `ZEROFLOW_ATTENTION` asks for: `gemm` (also `None` or blank) or

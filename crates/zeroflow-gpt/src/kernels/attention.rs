@@ -189,7 +189,15 @@ pub fn flash_attention_backward<F: Float>(
         let dp = dot(dout_at(b, t1, h), heads.v(b, t2, h));
         (p, p * (dp - delta) * heads.scale)
     };
-    let delta = |b: usize, h: usize, t1: usize| dot(dout_at(b, t1, h), out_at(b, t1, h));
+    // delta of every query row, `[b, n_head, t]` like lse: each row's is read by every key.
+    let mut deltas = vec![F::zero(); lse.len()];
+    deltas.par_chunks_mut(t).enumerate().for_each(|(bh, deltas)| {
+        let (b, h) = (bh / n_head, bh % n_head);
+        for (t1, d) in deltas.iter_mut().enumerate() {
+            *d = dot(dout_at(b, t1, h), out_at(b, t1, h));
+        }
+    });
+    let delta = |b: usize, h: usize, t1: usize| deltas[(b * n_head + h) * t + t1];
     // Each token row: dq from its own scores row, dk and dv from its column of every later row.
     dqkv.par_chunks_mut(3 * c).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, drow)| {
         let (b, t0) = (bt / t, bt % t);
