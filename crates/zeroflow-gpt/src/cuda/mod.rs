@@ -7,14 +7,15 @@
 //! gradients, activations, activation gradients); every kernel and matmul accumulates in f32, and
 //! the LayerNorm statistics and the losses are kept in f32.
 //!
-//! Matmuls go through cuBLASLt ([`Blas`]), attention through [`attention::CudaAttention`] or, with
-//! `ZEROFLOW_ATTENTION=flash` ([`ATTENTION_VAR`]), through [`flash::FlashAttention`], the rest
+//! Matmuls go through cuBLASLt ([`Blas`]), attention through [`flash::FlashAttention`] where its
+//! kernels take the head size or else (or with `ZEROFLOW_ATTENTION=gemm`, [`ATTENTION_VAR`])
+//! through [`attention::CudaAttention`], the rest
 //! through the kernels of `kernels/*.cu` ([`kernels`]). Everything is allocated and loaded in
 //! [`CudaGpt::new`]; forward and backward only queue work on the compute stream and never wait
 //! for the GPU.
 //!
-//! The two attentions differ in what they keep for backward ([`AttentionKind`]): `gemm`, the
-//! default, keeps the softmax weights `att [B, NH, T, T]` of every layer as bf16 activations;
+//! The two attentions differ in what they keep for backward ([`AttentionKind`]): `gemm` keeps
+//! the softmax weights `att [B, NH, T, T]` of every layer as bf16 activations;
 //! `flash` keeps only the log-sum-exp of each query row, `lse [B, NH, T]`, in f32 with the
 //! LayerNorm statistics, and recomputes the weights in backward (head sizes 64 and 128 only).
 //!
@@ -52,8 +53,9 @@ use crate::kernels::Kernel;
 use crate::params::{GradsReady, ParamRanges};
 use crate::plan::{AttentionKind, Plan};
 
-/// The environment variable that picks the model's attention when it is built: `gemm` (the
-/// default; unset or blank too) or `flash`. See [`attention_from_env`].
+/// The environment variable that picks the model's attention when it is built: `auto` (the
+/// default; unset or blank too: `flash` where its kernels take the model, `gemm` otherwise),
+/// `flash` or `gemm`. See [`attention_from_env`].
 pub const ATTENTION_VAR: &str = "ZEROFLOW_ATTENTION";
 
 /// A model for one (batch, seq) whose activations live on a GPU. The engine owns the flat bf16
@@ -106,9 +108,9 @@ impl ModelAttention {
                 static ANNOUNCED: Once = Once::new();
                 ANNOUNCED.call_once(|| {
                     tracing::info!(
-                        "attention: FlashAttention-2 kernels ({ATTENTION_VAR}=flash), keeping the \
-                         log-sum-exp of each query row for backward instead of the attention \
-                         weights"
+                        "attention: FlashAttention-2 kernels, keeping the log-sum-exp of each \
+                         query row for backward instead of the attention weights \
+                         ({ATTENTION_VAR}=gemm for the cuBLASLt products)"
                     );
                 });
                 ModelAttention::Flash(flash)
@@ -139,7 +141,8 @@ pub struct CudaGptOptions {
     /// (`DGelu`), where the width is a multiple of 8. On by default; off runs the GELU kernels
     /// (for comparisons).
     pub fuse_gelu: bool,
-    /// How attention keeps what its backward needs ([`AttentionKind`]; default `Gemm`).
+    /// How attention keeps what its backward needs ([`AttentionKind`]; `Gemm` in `default()`,
+    /// which takes any model; [`CudaGptOptions::for_model`] picks `Flash` where it can).
     /// [`AttentionKind::Flash`] needs a head size of 64 or 128 ([`flash::HEAD_SIZES`]).
     pub attention: AttentionKind,
 }
@@ -151,9 +154,11 @@ impl Default for CudaGptOptions {
 }
 
 impl CudaGptOptions {
-    /// The defaults, with the attention `ZEROFLOW_ATTENTION` asks for ([`attention_from_env`]).
-    pub fn from_env() -> Result<Self, GptError> {
-        Ok(CudaGptOptions { attention: attention_from_env()?, ..CudaGptOptions::default() })
+    /// The defaults, with the attention `ZEROFLOW_ATTENTION` asks for ([`attention_from_env`])
+    /// or, where it asks for none, the fastest that takes `config` ([`auto_attention`]).
+    pub fn for_model(config: &GptConfig) -> Result<Self, GptError> {
+        let attention = attention_from_env()?.unwrap_or_else(|| auto_attention(config));
+        Ok(CudaGptOptions { attention, ..CudaGptOptions::default() })
     }
 }
 
@@ -190,27 +195,38 @@ impl ActivationMemory {
     }
 }
 
-/// The attention `ZEROFLOW_ATTENTION` ([`ATTENTION_VAR`]) asks for: [`AttentionKind::Gemm`] where
-/// it is unset or blank, or the error [`parse_attention`] gives.
-pub fn attention_from_env() -> Result<AttentionKind, GptError> {
+/// The attention `ZEROFLOW_ATTENTION` ([`ATTENTION_VAR`]) asks for: `None` where it is unset,
+/// blank or `auto`, or the error [`parse_attention`] gives.
+pub fn attention_from_env() -> Result<Option<AttentionKind>, GptError> {
     let value = std::env::var_os(ATTENTION_VAR).map(|value| value.to_string_lossy().into_owned());
     parse_attention(value.as_deref())
 }
 
-/// The attention a value of `ZEROFLOW_ATTENTION` asks for: `gemm` (also `None` or blank) or
-/// `flash`, spaces and case ignored; anything else is an error naming the variable and the
-/// accepted values.
-pub fn parse_attention(value: Option<&str>) -> Result<AttentionKind, GptError> {
+/// The attention a value of `ZEROFLOW_ATTENTION` asks for: none (`None`, blank or `auto`: the
+/// model's choice, [`auto_attention`]), `gemm` or `flash`, spaces and case ignored; anything else
+/// is an error naming the variable and the accepted values.
+pub fn parse_attention(value: Option<&str>) -> Result<Option<AttentionKind>, GptError> {
     let value = value.map(str::trim).unwrap_or_default();
     match value.to_ascii_lowercase().as_str() {
-        "" | "gemm" => Ok(AttentionKind::Gemm),
-        "flash" => Ok(AttentionKind::Flash),
+        "" | "auto" => Ok(None),
+        "gemm" => Ok(Some(AttentionKind::Gemm)),
+        "flash" => Ok(Some(AttentionKind::Flash)),
         _ => Err(GptError::InvalidConfig(format!(
-            "{ATTENTION_VAR}={value:?} is not `gemm` (the default: cuBLASLt products, the \
-             attention weights kept for backward) or `flash` (FlashAttention-2 kernels, head \
-             sizes {:?})",
+            "{ATTENTION_VAR}={value:?} is not `auto` (the default: `flash` where the model's head \
+             size has kernels, `gemm` otherwise), `flash` (FlashAttention-2 kernels, head sizes \
+             {:?}) or `gemm` (cuBLASLt products, the attention weights kept for backward)",
             flash::HEAD_SIZES
         ))),
+    }
+}
+
+/// The attention a model gets unless `ZEROFLOW_ATTENTION` says otherwise: flash where its kernels
+/// take the head size (faster and smaller on the H200: gpt-1.3b at micro-batch 8 × 1024 trains
+/// 6 % faster in 6.4 GiB less memory, BENCHMARKS.md), gemm otherwise.
+pub fn auto_attention(config: &GptConfig) -> AttentionKind {
+    match check_attention_fits(config, AttentionKind::Flash) {
+        Ok(()) => AttentionKind::Flash,
+        Err(_) => AttentionKind::Gemm,
     }
 }
 
@@ -242,7 +258,7 @@ impl CudaGpt {
         seq: usize,
     ) -> Result<Self, GptError> {
         let blas = Arc::new(Blas::new(device)?);
-        let options = CudaGptOptions::from_env()?;
+        let options = CudaGptOptions::for_model(config)?;
         Self::with_options(device, blas, config, layout, batch, seq, options)
     }
 
@@ -488,7 +504,8 @@ fn column_partials_len(schedule: &Schedule) -> usize {
 #[cfg(test)]
 mod tests {
     use super::{
-        ActivationMemory, AttentionKind, CudaGptOptions, check_attention_fits, parse_attention,
+        ActivationMemory, AttentionKind, CudaGptOptions, auto_attention, check_attention_fits,
+        parse_attention,
     };
     use crate::{GptConfig, flat_layout};
 
@@ -500,20 +517,33 @@ mod tests {
     }
 
     #[test]
-    fn zeroflow_attention_takes_gemm_or_flash_and_names_itself_otherwise() {
+    fn zeroflow_attention_takes_auto_gemm_or_flash_and_names_itself_otherwise() {
         for (value, kind) in [
-            (None, AttentionKind::Gemm),
-            (Some(""), AttentionKind::Gemm),
-            (Some(" gemm "), AttentionKind::Gemm),
-            (Some("flash"), AttentionKind::Flash),
-            (Some("FLASH"), AttentionKind::Flash),
+            (None, None),
+            (Some(""), None),
+            (Some(" Auto"), None),
+            (Some(" gemm "), Some(AttentionKind::Gemm)),
+            (Some("flash"), Some(AttentionKind::Flash)),
+            (Some("FLASH"), Some(AttentionKind::Flash)),
         ] {
             assert_eq!(parse_attention(value).unwrap(), kind, "{value:?}");
         }
         let message = parse_attention(Some("flash2")).unwrap_err().to_string();
-        for needed in ["ZEROFLOW_ATTENTION=\"flash2\"", "`gemm`", "`flash`"] {
+        for needed in ["ZEROFLOW_ATTENTION=\"flash2\"", "`auto`", "`gemm`", "`flash`"] {
             assert!(message.contains(needed), "{message}");
         }
+    }
+
+    /// Unless told otherwise, a model gets flash attention where its head size has kernels (the
+    /// named sizes: 64 and 128) and gemm where it has not.
+    #[test]
+    fn auto_attention_is_flash_where_the_kernels_take_the_head_size() {
+        for name in ["gpt2-124m", "gpt2-350m", "gpt-1.3b"] {
+            let config = GptConfig::named(name).unwrap();
+            assert_eq!(auto_attention(&config), AttentionKind::Flash, "{name}");
+        }
+        let odd = GptConfig { n_layer: 2, n_head: 4, d_model: 200, vocab_size: 301, context: 40 };
+        assert_eq!(auto_attention(&odd), AttentionKind::Gemm);
     }
 
     /// Flash attention takes the named sizes' heads of 64 and 128, and no other; gemm any.
