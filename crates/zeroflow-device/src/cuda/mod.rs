@@ -136,6 +136,74 @@ impl ErrorSink for ErrorList {
     }
 }
 
+/// The environment variable that says how a host thread waits for the GPU: `block` (the default)
+/// or `spin` ([`HostWaits`]).
+pub const HOST_WAITS_VAR: &str = "ZEROFLOW_CUDA_WAIT";
+
+/// How a host thread that waits for the GPU (an event, a copy's completion, the context) spends
+/// the wait: the primary context's scheduling flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostWaits {
+    /// Sleeps on an OS primitive (`CU_CTX_SCHED_BLOCKING_SYNC`), freeing its core: the CPU
+    /// optimizer runs on every core of the rank while the thread that drives the GPU waits for
+    /// it (the delayed update, ZenFlow's worker). A wake-up costs microseconds; the waits are
+    /// once per chunk or step.
+    Block,
+    /// Spins (`CU_CTX_SCHED_SPIN`): the lowest latency, one core busy for the whole wait (the
+    /// driver's default with fewer contexts than cores), which slows a CPU optimizer using every
+    /// core by making one of its threads share a core.
+    Spin,
+}
+
+impl HostWaits {
+    /// [`HOST_WAITS_VAR`]'s choice: `block` where unset or blank, `spin`, or an error naming the
+    /// variable and its values.
+    pub fn from_env() -> Result<Self> {
+        let value = std::env::var_os(HOST_WAITS_VAR).map(|v| v.to_string_lossy().into_owned());
+        Self::parse(value.as_deref())
+    }
+
+    fn parse(value: Option<&str>) -> Result<Self> {
+        let value = value.map(str::trim).unwrap_or_default();
+        match value.to_ascii_lowercase().as_str() {
+            "" | "block" => Ok(HostWaits::Block),
+            "spin" => Ok(HostWaits::Spin),
+            _ => Err(DeviceError::Library {
+                library: HOST_WAITS_VAR,
+                reason: format!(
+                    "{value:?} is not `block` (the default: a thread waiting for the GPU sleeps, \
+                     leaving its core to the CPU optimizer) or `spin` (it spins)"
+                ),
+            }),
+        }
+    }
+
+    fn flag(self) -> cu_sys::CUctx_flags {
+        match self {
+            HostWaits::Block => cu_sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC,
+            HostWaits::Spin => cu_sys::CUctx_flags::CU_CTX_SCHED_SPIN,
+        }
+    }
+}
+
+/// Sets the scheduling flag of GPU `ordinal`'s primary context before it is retained. Best
+/// effort: where the driver refuses (the context is already active with other flags, in another
+/// library's hands), the waits stay as they are, with a debug message.
+fn set_host_waits(ordinal: usize, waits: HostWaits) {
+    let set = i32::try_from(ordinal).map_err(|_| "ordinal out of range".to_string()).and_then(
+        |ordinal| {
+            let device = cu::device::get(ordinal).map_err(|e| e.to_string())?;
+            // SAFETY: `device` is a valid handle from cuDeviceGet; the call takes no pointers.
+            unsafe { cu_sys::cuDevicePrimaryCtxSetFlags_v2(device, waits.flag() as u32) }
+                .result()
+                .map_err(|e| e.to_string())
+        },
+    );
+    if let Err(reason) = set {
+        tracing::debug!(ordinal, ?waits, %reason, "could not set how host threads wait for the GPU");
+    }
+}
+
 /// The completion of one asynchronous copy: an event recorded right after it on its stream.
 #[derive(Debug)]
 struct CudaCompletion {
@@ -181,6 +249,7 @@ impl CudaDevice {
                 gpus.len()
             ),
         })?;
+        set_host_waits(ordinal, HostWaits::from_env()?);
         let ctx = driver::CudaContext::new(ordinal)
             .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: nothing has been allocated in this context by us yet, and nothing we allocate
@@ -484,6 +553,27 @@ impl Device for CudaDevice {
         // other streams is the caller's events' job.
         unsafe {
             pattern.enqueue(dst.address(range.start), range.len(), size_of::<T>(), stream.cu())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostWaits;
+
+    #[test]
+    fn host_waits_block_unless_told_to_spin_and_a_bad_value_names_the_variable() {
+        for (value, waits) in [
+            (None, HostWaits::Block),
+            (Some(" "), HostWaits::Block),
+            (Some("Block"), HostWaits::Block),
+            (Some("spin"), HostWaits::Spin),
+        ] {
+            assert_eq!(HostWaits::parse(value).unwrap(), waits, "{value:?}");
+        }
+        let message = HostWaits::parse(Some("yield")).unwrap_err().to_string();
+        for needed in ["ZEROFLOW_CUDA_WAIT", "\"yield\"", "`block`", "`spin`"] {
+            assert!(message.contains(needed), "{message}");
         }
     }
 }
