@@ -129,7 +129,7 @@ pub fn apply_env<P: Element>(options: &mut EngineOptions, rank: usize) -> anyhow
         return Ok(());
     }
     options.stream_chunk = tuning.stream_chunk.unwrap_or(options.stream_chunk);
-    options.copy_stores = tuning.copy_stores.unwrap_or(options.copy_stores);
+    options.copy_stores = tuning.copy_stores.or(options.copy_stores);
     options.cpu_threads = tuning.cpu_threads.unwrap_or(options.cpu_threads);
     options.gather_in_pieces = tuning.gather_in_pieces.unwrap_or(options.gather_in_pieces);
     let mib = options.stream_chunk as f64 * dtype.size() as f64 / MIB;
@@ -140,7 +140,7 @@ pub fn apply_env<P: Element>(options: &mut EngineOptions, rank: usize) -> anyhow
          copy{}, the CPU optimizer on {} threads{}, the ranks' weights gathered {}{}",
         options.stream_chunk,
         default(tuning.stream_chunk.is_some()),
-        options.copy_stores.name(),
+        options.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
         default(tuning.copy_stores.is_some()),
         options.cpu_threads,
         default(tuning.cpu_threads.is_some()),

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, Float};
 use zeroflow_device::{Comm, Device, HostBuffer, HostMemory, ReduceOp, StreamKind};
-use zeroflow_optim::{AdamW, CpuAdam, SimdLevel};
+use zeroflow_optim::{AdamW, CpuAdam, SimdLevel, Stores};
 
 use crate::buckets::Bucketer;
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
@@ -209,8 +209,6 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 }
             }
             Some(memory) => {
-                let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?
-                    .with_copy_stores(opts.copy_stores);
                 let overlap = opts.zenflow.is_some_and(|z| z.overlap_step);
                 let delayed = opts.delayed_update.is_some() || overlap;
                 let bucket = if opts.zenflow.is_some() { 1 } else { opts.reduce_bucket };
@@ -222,6 +220,15 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 let streaming = opts.grad_accum == 1
                     && opts.zenflow.is_none()
                     && matches!(P::DTYPE, DType::F32 | DType::Bf16);
+                // A streamed chunk is uploaded as soon as it is written: from the caches. A whole
+                // partition's copy is too big for them: past them, without reading its lines.
+                let stores = opts.copy_stores.unwrap_or(if streaming {
+                    Stores::Normal
+                } else {
+                    Stores::NonTemporal
+                });
+                let adam = CpuAdam::new(opts.cpu_threads.max(1), SimdLevel::detect())?
+                    .with_copy_stores(stores);
                 let own = owned.clone();
                 let fill_master = move |master: &mut [f32]| {
                     let chunk = 1 << 16;

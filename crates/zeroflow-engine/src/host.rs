@@ -17,9 +17,12 @@ use crate::EngineError;
 pub(crate) const STAGING_BUFFERS: usize = 4;
 
 /// The default of [`crate::EngineOptions::stream_chunk`], the most elements one staging buffer
-/// holds (32 MiB of bf16): host staging stays this size whatever the model and the bucket size, a
-/// bucket larger than it is copied in pieces, and the streaming step goes in chunks of it.
-pub const DEFAULT_STREAM_CHUNK: usize = 1 << 24;
+/// holds (16 MiB of bf16): host staging stays this size whatever the model and the bucket size, a
+/// bucket larger than it is copied in pieces, and the streaming step goes in chunks of it. On the
+/// H200's host (300 MiB of L3), gpt-1.3b's offload step took 0.379 s with 16 MiB chunks and the
+/// weight copy in the caches, against 0.403–0.409 s with 32 MiB and non-temporal stores and 0.67 s
+/// with 1 MiB (per-chunk overhead): BENCHMARKS.md.
+pub const DEFAULT_STREAM_CHUNK: usize = 1 << 23;
 
 /// How many buffers updated weights cycle through on their way back in the streaming step.
 pub(crate) const OUTGOING_BUFFERS: usize = 2;

@@ -76,10 +76,12 @@ pub struct EngineOptions {
     /// is still in the CPU's caches when it is next read. At least 1 ([`Engine::new`] refuses 0).
     pub stream_chunk: usize,
     /// Offload: how the CPU AdamW writes the copy of the updated weights in the model's dtype
-    /// that goes back to the device, where that copy is bf16 (default [`Stores::NonTemporal`]:
-    /// straight to memory, without reading the lines first; [`Stores::Normal`] leaves it in the
-    /// caches, where the device's read may find it). Results are bit-identical either way.
-    pub copy_stores: Stores,
+    /// that goes back to the device, where that copy is bf16: [`Stores::Normal`] leaves it in the
+    /// caches, where the device's read finds it, [`Stores::NonTemporal`] sends it straight to
+    /// memory without reading the lines first. `None` (the default) picks per path: normal where
+    /// the step streams (each chunk is uploaded as soon as it is written), non-temporal where the
+    /// whole partition's copy is written before its upload. Results are bit-identical either way.
+    pub copy_stores: Option<Stores>,
     /// Offload with several ranks, the streaming step: gather each uploaded piece of the
     /// partition while the CPU steps the next, or all of it after the step (the default, until
     /// the piece-wise gather is measured on GPUs). Results are bit-identical either way.

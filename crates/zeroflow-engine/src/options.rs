@@ -2,7 +2,7 @@
 
 use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
 use zeroflow_device::HostMemory;
-use zeroflow_optim::{AdamWConfig, Stores, WeightDecayMode};
+use zeroflow_optim::{AdamWConfig, WeightDecayMode};
 
 use crate::{
     DEFAULT_STREAM_CHUNK, DynamicScaler, EngineOptions, LossScaler, Stage, ZenFlowOptions,
@@ -11,7 +11,7 @@ use crate::{
 impl EngineOptions {
     /// The options a resolved config asks for; `cpu_threads` is this rank's share of the host's
     /// cores for the CPU optimizer. The offload stream's tuning, which a DeepSpeed config does not
-    /// have, takes its defaults: [`DEFAULT_STREAM_CHUNK`] and [`Stores::NonTemporal`].
+    /// have, takes its defaults: [`DEFAULT_STREAM_CHUNK`] and the stores the engine picks per path.
     ///
     /// Non-finite gradients always skip the step, also in bf16 with `check_grad_overflow: false`
     /// (DeepSpeed would apply the NaNs to the weights).
@@ -96,7 +96,7 @@ impl EngineOptions {
                 full_warm_up_rounds: z.full_warm_up_rounds,
             }),
             stream_chunk: DEFAULT_STREAM_CHUNK,
-            copy_stores: Stores::NonTemporal,
+            copy_stores: None,
             gather_in_pieces: false,
         }
     }
@@ -108,8 +108,8 @@ mod tests {
 
     use super::*;
 
-    /// A DeepSpeed config has no offload stream tuning: the engine streams as it always has, in
-    /// chunks of 2^24 elements with non-temporal stores of the weight copy.
+    /// A DeepSpeed config has no offload stream tuning: the engine streams in chunks of 2^23
+    /// elements and picks the stores of the weight copy itself.
     #[test]
     fn the_offload_stream_tuning_takes_its_defaults() {
         let text = r#"{
@@ -118,8 +118,8 @@ mod tests {
         }"#;
         let resolved = resolve_str(text, &Context::default()).expect("a valid config");
         let options = EngineOptions::from_config(&resolved.config, 1);
-        assert_eq!(options.stream_chunk, 1 << 24);
-        assert_eq!(options.copy_stores, Stores::NonTemporal);
+        assert_eq!(options.stream_chunk, 1 << 23);
+        assert_eq!(options.copy_stores, None);
         assert!(!options.gather_in_pieces);
     }
 

@@ -154,7 +154,7 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         delayed_update: None,
         zenflow: None,
         stream_chunk: crate::DEFAULT_STREAM_CHUNK,
-        copy_stores: zeroflow_optim::Stores::NonTemporal,
+        copy_stores: None,
         gather_in_pieces: false,
     };
     let init = initial::<f32>(&layout);

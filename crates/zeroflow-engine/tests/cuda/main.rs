@@ -46,7 +46,7 @@ fn options(case: &Case) -> EngineOptions {
         delayed_update: case.delayed,
         zenflow: case.zenflow,
         stream_chunk: zeroflow_engine::DEFAULT_STREAM_CHUNK,
-        copy_stores: zeroflow_optim::Stores::NonTemporal,
+        copy_stores: None,
         gather_in_pieces: false,
     }
 }

@@ -32,8 +32,8 @@ pub struct Setup {
     pub epoch_steps: Option<u64>,
     /// Elements per host staging buffer and streaming-step chunk (offload).
     pub stream_chunk: usize,
-    /// How the CPU AdamW writes the bf16 weight copy (offload).
-    pub copy_stores: Stores,
+    /// How the CPU AdamW writes the bf16 weight copy (offload; `None`: the engine's choice).
+    pub copy_stores: Option<Stores>,
     /// The streaming step gathers in pieces while it steps (offload, several ranks). On in the
     /// tests' default setup (the engine's default is off), so that every multi-rank streaming test
     /// exercises the piece-wise gather; `stream_tuning` checks the gather after the step against it.
@@ -55,7 +55,7 @@ impl Setup {
             zenflow: None,
             epoch_steps: None,
             stream_chunk: DEFAULT_STREAM_CHUNK,
-            copy_stores: Stores::NonTemporal,
+            copy_stores: None,
             gather_in_pieces: true,
         }
     }
