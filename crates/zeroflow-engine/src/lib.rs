@@ -83,8 +83,9 @@ pub struct EngineOptions {
     /// whole partition's copy is written before its upload. Results are bit-identical either way.
     pub copy_stores: Option<Stores>,
     /// Offload with several ranks, the streaming step: gather each uploaded piece of the
-    /// partition while the CPU steps the next, or all of it after the step (the default, until
-    /// the piece-wise gather is measured on GPUs). Results are bit-identical either way.
+    /// partition while the CPU steps the next (the default: gpt-1.3b on two H200s, 0.366 s per
+    /// step against 0.384 s, BENCHMARKS.md), or all of it after the step. Results are
+    /// bit-identical either way.
     pub gather_in_pieces: bool,
 }
 

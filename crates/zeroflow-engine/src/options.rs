@@ -97,7 +97,7 @@ impl EngineOptions {
             }),
             stream_chunk: DEFAULT_STREAM_CHUNK,
             copy_stores: None,
-            gather_in_pieces: false,
+            gather_in_pieces: true,
         }
     }
 }
@@ -120,7 +120,7 @@ mod tests {
         let options = EngineOptions::from_config(&resolved.config, 1);
         assert_eq!(options.stream_chunk, 1 << 23);
         assert_eq!(options.copy_stores, None);
-        assert!(!options.gather_in_pieces);
+        assert!(options.gather_in_pieces);
     }
 
     /// A DeepSpeed config's `zero_optimization.zenflow` reaches the engine as it is written.

@@ -155,7 +155,7 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         zenflow: None,
         stream_chunk: crate::DEFAULT_STREAM_CHUNK,
         copy_stores: None,
-        gather_in_pieces: false,
+        gather_in_pieces: true,
     };
     let init = initial::<f32>(&layout);
     let mut engine: Engine<D, C, f32> =

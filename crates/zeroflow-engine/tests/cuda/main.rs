@@ -47,7 +47,7 @@ fn options(case: &Case) -> EngineOptions {
         zenflow: case.zenflow,
         stream_chunk: zeroflow_engine::DEFAULT_STREAM_CHUNK,
         copy_stores: None,
-        gather_in_pieces: false,
+        gather_in_pieces: true,
     }
 }
 

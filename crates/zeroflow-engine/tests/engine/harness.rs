@@ -34,9 +34,8 @@ pub struct Setup {
     pub stream_chunk: usize,
     /// How the CPU AdamW writes the bf16 weight copy (offload; `None`: the engine's choice).
     pub copy_stores: Option<Stores>,
-    /// The streaming step gathers in pieces while it steps (offload, several ranks). On in the
-    /// tests' default setup (the engine's default is off), so that every multi-rank streaming test
-    /// exercises the piece-wise gather; `stream_tuning` checks the gather after the step against it.
+    /// The streaming step gathers in pieces while it steps (offload, several ranks; the engine's
+    /// default); `stream_tuning` checks the gather after the step against it.
     pub gather_in_pieces: bool,
 }
 
