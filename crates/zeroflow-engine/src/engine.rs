@@ -460,6 +460,14 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         if self.backward_pending || !micro_steps.is_multiple_of(self.opts.grad_accum) {
             return Err(EngineError::Usage("restore only at an optimizer-step boundary"));
         }
+        // Each optimizer step ends a window of micro-steps (skipped steps count none): more is a
+        // damaged or hand-made checkpoint, and the next step must still be countable.
+        if micro_steps == u64::MAX || optimizer_steps > micro_steps / self.opts.grad_accum {
+            return Err(EngineError::Usage(
+                "the checkpoint's step counters are inconsistent: more optimizer steps than its \
+                 micro-steps allow, or no step left to count",
+            ));
+        }
         let [master, exp_avg, exp_avg_sq] = assemble(&self.layout, &self.owned, parts)?;
         self.device.synchronize()?;
         overwrite(&self.device, &self.params, weights)?;

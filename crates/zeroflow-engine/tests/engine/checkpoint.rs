@@ -191,3 +191,44 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// Step counters no run can have (more optimizer steps than micro-steps, or no micro-step left to
+/// count) are refused before anything is restored: the next step would overflow the count its
+/// bias correction uses.
+#[test]
+fn a_checkpoint_with_impossible_step_counters_is_refused() {
+    use zeroflow_device::CpuDevice;
+    use zeroflow_device::cpu::CpuComm;
+    use zeroflow_engine::synthetic::initial;
+    use zeroflow_engine::{Engine, EngineError, Restore};
+
+    let setup = Setup { steps: 2, ..Setup::new(Stage::Zero2, 1, 1, true) };
+    let out = train_from::<f32>(&setup, LossScaler::None, None, None);
+    let snapshot = &out.snapshots[0];
+    let device = CpuDevice::new().unwrap();
+    let layout = layout(1);
+    let init = initial::<f32>(&layout);
+    let options = crate::harness::options(&setup, LossScaler::None);
+    let comm =
+        CpuComm::group(std::slice::from_ref(&device), std::time::Duration::from_secs(5)).remove(0);
+    let mut engine = Engine::<CpuDevice, CpuComm, f32>::new(device, comm, layout, options, &init)
+        .expect("an engine");
+    let parts = std::slice::from_ref(&snapshot.part);
+    let restore = |optimizer_steps, micro_steps| Restore {
+        parts,
+        optimizer_steps,
+        micro_steps,
+        upload_pending: false,
+        scaler: &snapshot.scaler,
+    };
+    let weights = &out.device_weights[0];
+    for (optimizer_steps, micro_steps) in [(3, 2), (u64::MAX, u64::MAX), (1, u64::MAX)] {
+        let refused = engine.restore(weights, &restore(optimizer_steps, micro_steps));
+        assert!(
+            matches!(&refused, Err(EngineError::Usage(m)) if m.contains("step counters")),
+            "{optimizer_steps} optimizer steps after {micro_steps} micro-steps: {refused:?}"
+        );
+    }
+    engine.restore(weights, &restore(2, 2)).expect("the saved counters restore");
+    assert_eq!(engine.optimizer_steps(), 2);
+}
