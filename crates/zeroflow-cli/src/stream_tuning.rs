@@ -8,7 +8,7 @@
 //! ([`EngineOptions::gather_in_pieces`]). Unset or blank: the
 //! defaults. The results are bit-identical whatever the values; only the speed changes.
 
-use zeroflow_core::{DType, Element};
+use zeroflow_core::{DType, Element, env};
 use zeroflow_engine::EngineOptions;
 use zeroflow_optim::Stores;
 
@@ -65,17 +65,10 @@ impl StreamTuning {
             }
             Some(elements)
         };
-        let copy_stores = copy_stores.map(str::trim).unwrap_or_default();
-        let copy_stores = match copy_stores.to_ascii_lowercase().as_str() {
-            "" => None,
-            "normal" => Some(Stores::Normal),
-            "non-temporal" => Some(Stores::NonTemporal),
-            _ => {
-                return Err(format!(
-                    "{COPY_STORES_VAR}={copy_stores:?} is not normal or non-temporal"
-                ));
-            }
-        };
+        let stores = [("normal", Stores::Normal), ("non-temporal", Stores::NonTemporal)];
+        let copy_stores = env::choice(copy_stores, &stores).map_err(|value| {
+            format!("{COPY_STORES_VAR}={value:?} is not normal or non-temporal")
+        })?;
         Ok(StreamTuning { stream_chunk, copy_stores, cpu_threads: None, gather_in_pieces: None })
     }
 
@@ -95,21 +88,15 @@ impl StreamTuning {
     /// Whether the streaming step gathers in pieces, as `value` asks (`None` or blank: the
     /// default; case ignored), or why it is refused.
     pub fn parse_gather(value: Option<&str>) -> Result<Option<bool>, String> {
-        let value = value.map(str::trim).unwrap_or_default();
-        match value.to_ascii_lowercase().as_str() {
-            "" => Ok(None),
-            "pieces" => Ok(Some(true)),
-            "after-step" => Ok(Some(false)),
-            _ => Err(format!("{GATHER_VAR}={value:?} is not pieces or after-step")),
-        }
+        env::choice(value, &[("pieces", true), ("after-step", false)])
+            .map_err(|value| format!("{GATHER_VAR}={value:?} is not pieces or after-step"))
     }
 
     /// The tuning the environment asks for, with parameters of `dtype`; an [`InputError`] for a
     /// value that is refused.
     pub fn from_env(dtype: DType) -> anyhow::Result<StreamTuning> {
-        let read = |name| std::env::var_os(name).map(|value| value.to_string_lossy().into_owned());
-        let (chunk_mib, copy_stores) = (read(STREAM_CHUNK_VAR), read(COPY_STORES_VAR));
-        let (threads, gather) = (read(CPU_THREADS_VAR), read(GATHER_VAR));
+        let (chunk_mib, copy_stores) = (env::var(STREAM_CHUNK_VAR), env::var(COPY_STORES_VAR));
+        let (threads, gather) = (env::var(CPU_THREADS_VAR), env::var(GATHER_VAR));
         let tuning = StreamTuning::parse(chunk_mib.as_deref(), copy_stores.as_deref(), dtype)
             .and_then(|tuning| {
                 let cpu_threads = StreamTuning::parse_threads(threads.as_deref())?;

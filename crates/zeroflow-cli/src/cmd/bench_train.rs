@@ -401,6 +401,7 @@ fn report(
     let tokens = args.micro_batch * model.context * args.accum as usize * job.world;
     let rss = ranks[0].peak_rss_bytes;
     let params = model.num_params();
+    let flops = flops_per_token(model);
     let per_step = |time: std::time::Duration| time.as_secs_f64() / measured.times.len() as f64;
     json!({
         "system": "zeroflow",
@@ -418,8 +419,8 @@ fn report(
         "s_per_step_mean": mean,
         "tokens_per_s": tokens as f64 / slowest,
         "tokens_per_s_per_gpu": tokens as f64 / slowest / job.world as f64,
-        "flops_per_token": flops_per_token(model),
-        "model_tflops": tokens as f64 / slowest * flops_per_token(model) / 1e12,
+        "flops_per_token": flops,
+        "model_tflops": tokens as f64 / slowest * flops / 1e12,
         "forward_s_mean": forward_mean,
         "backward_s_mean": compute_mean - forward_mean,
         "forward_backward_s_mean": compute_mean,

@@ -20,6 +20,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use zeroflow_core::env;
+
 use super::DistEnv;
 
 /// The variable that switches the binding: `auto`, `on` or `off` ([`BindMode`]).
@@ -44,12 +46,10 @@ impl BindMode {
     /// The mode `value` names (`None` or blank: `auto`; case and spaces ignored), or why it is
     /// refused.
     pub fn parse(value: Option<&str>) -> Result<BindMode, String> {
-        let value = value.map(str::trim).unwrap_or_default();
-        match value.to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(BindMode::Auto),
-            "on" => Ok(BindMode::On),
-            "off" => Ok(BindMode::Off),
-            _ => Err(format!("{CPU_BIND_VAR}={value:?} is not auto, on or off")),
+        let modes = [("auto", BindMode::Auto), ("on", BindMode::On), ("off", BindMode::Off)];
+        match env::choice(value, &modes) {
+            Ok(mode) => Ok(mode.unwrap_or(BindMode::Auto)),
+            Err(value) => Err(format!("{CPU_BIND_VAR}={value:?} is not auto, on or off")),
         }
     }
 
@@ -271,7 +271,7 @@ pub fn optimizer_threads(binding: Option<&Binding>, dist: &DistEnv) -> usize {
 /// starts a thread. `None` where it does not bind, with a debug message saying why; never an
 /// error. A no-op except on Linux.
 pub fn bind_for_gpu(dist: &DistEnv) -> Option<Binding> {
-    let value = std::env::var_os(CPU_BIND_VAR).map(|value| value.to_string_lossy().into_owned());
+    let value = env::var(CPU_BIND_VAR);
     let mode = match BindMode::parse(value.as_deref()) {
         Ok(mode) => mode,
         Err(reason) => {

@@ -160,17 +160,15 @@ impl HostWaits {
     /// [`HOST_WAITS_VAR`]'s choice: `auto` where unset or blank, `block`, `spin`, or an error
     /// naming the variable and its values.
     pub fn from_env() -> Result<Self> {
-        let value = std::env::var_os(HOST_WAITS_VAR).map(|v| v.to_string_lossy().into_owned());
-        Self::parse(value.as_deref())
+        Self::parse(zeroflow_core::env::var(HOST_WAITS_VAR).as_deref())
     }
 
     fn parse(value: Option<&str>) -> Result<Self> {
-        let value = value.map(str::trim).unwrap_or_default();
-        match value.to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(HostWaits::Auto),
-            "block" => Ok(HostWaits::Block),
-            "spin" => Ok(HostWaits::Spin),
-            _ => Err(DeviceError::Library {
+        let waits =
+            [("auto", HostWaits::Auto), ("block", HostWaits::Block), ("spin", HostWaits::Spin)];
+        match zeroflow_core::env::choice(value, &waits) {
+            Ok(waits) => Ok(waits.unwrap_or(HostWaits::Auto)),
+            Err(value) => Err(DeviceError::Library {
                 library: HOST_WAITS_VAR,
                 reason: format!(
                     "{value:?} is not `auto` (the default: the driver's choice), `block` (a thread \

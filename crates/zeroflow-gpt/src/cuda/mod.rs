@@ -198,26 +198,26 @@ impl ActivationMemory {
 /// The attention `ZEROFLOW_ATTENTION` ([`ATTENTION_VAR`]) asks for: `None` where it is unset,
 /// blank or `auto`, or the error [`parse_attention`] gives.
 pub fn attention_from_env() -> Result<Option<AttentionKind>, GptError> {
-    let value = std::env::var_os(ATTENTION_VAR).map(|value| value.to_string_lossy().into_owned());
-    parse_attention(value.as_deref())
+    parse_attention(zeroflow_core::env::var(ATTENTION_VAR).as_deref())
 }
 
 /// The attention a value of `ZEROFLOW_ATTENTION` asks for: none (`None`, blank or `auto`: the
 /// model's choice, [`auto_attention`]), `gemm` or `flash`, spaces and case ignored; anything else
 /// is an error naming the variable and the accepted values.
 pub fn parse_attention(value: Option<&str>) -> Result<Option<AttentionKind>, GptError> {
-    let value = value.map(str::trim).unwrap_or_default();
-    match value.to_ascii_lowercase().as_str() {
-        "" | "auto" => Ok(None),
-        "gemm" => Ok(Some(AttentionKind::Gemm)),
-        "flash" => Ok(Some(AttentionKind::Flash)),
-        _ => Err(GptError::InvalidConfig(format!(
+    let kinds = [
+        ("auto", None),
+        ("gemm", Some(AttentionKind::Gemm)),
+        ("flash", Some(AttentionKind::Flash)),
+    ];
+    zeroflow_core::env::choice(value, &kinds).map(Option::flatten).map_err(|value| {
+        GptError::InvalidConfig(format!(
             "{ATTENTION_VAR}={value:?} is not `auto` (the default: `flash` where the model's head \
              size has kernels, `gemm` otherwise), `flash` (FlashAttention-2 kernels, head sizes \
              {:?}) or `gemm` (cuBLASLt products, the attention weights kept for backward)",
             flash::HEAD_SIZES
-        ))),
-    }
+        ))
+    })
 }
 
 /// The attention a model gets unless `ZEROFLOW_ATTENTION` says otherwise: flash where its kernels
