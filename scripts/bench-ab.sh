@@ -25,6 +25,8 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 ROUNDS=${ROUNDS:-1}
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
+# Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
+trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 RESULTS=$OUT/ab.jsonl
@@ -36,13 +38,17 @@ record() {
 import json, sys
 results, binary, mode, log = sys.argv[1:]
 row = None
-for line in open(log, errors="replace"):
+text = open(log, errors="replace").read()
+for line in text.splitlines():
     if line.startswith("RESULT gpt_fwd_bwd "):
         fields = dict(pair.split("=", 1) for pair in line.split()[2:])
         row = {"tokens_per_s": float(fields["tokens_per_s"]),
                "s_per_step_median": float(fields["s_per_step"])}
-    elif line.startswith("{") and '"tokens_per_s"' in line:
-        row = json.loads(line)
+if row is None and "{" in text:
+    # bench step --json prints one pretty-printed object.
+    row, _ = json.JSONDecoder().raw_decode(text, text.index("{"))
+    row.pop("times", None)
+    row.pop("losses", None)
 if row is None:
     print(f"  no result in {log}")
     sys.exit(1)
