@@ -1,4 +1,4 @@
-//! Errors of the model (data errors are in [`crate::data::DataError`]).
+//! Errors of the model (data errors are `zeroflow_data::DataError`).
 
 use thiserror::Error;
 use zeroflow_device::DeviceError;

@@ -1,4 +1,4 @@
-//! The GPT-2 family model of zeroflow and its data.
+//! The GPT-2 family model of zeroflow (its data is `zeroflow-data`'s).
 //!
 //! - [`GptConfig`]: shapes (named sizes and custom JSON); [`params`]: Hugging Face names and
 //!   shapes in a fixed order for the flat layout, initialisation, gradient groups.
@@ -7,13 +7,10 @@
 //! - [`plan`]: the model as a list of kernel launches over flat buffers, for one (batch, seq).
 //! - [`CpuGpt`] runs the plan on the [`zeroflow_device::CpuDevice`]'s compute stream;
 //!   [`HostGpt`] runs it on host vectors (the f64 oracle).
-//! - [`data`]: the synthetic corpus with a known entropy floor, llm.c token shards, plain text
-//!   (bytes or GPT-2 BPE).
 
 pub mod config;
 pub mod cpu;
 pub mod cuda;
-pub mod data;
 pub mod error;
 pub mod float;
 pub mod host;
