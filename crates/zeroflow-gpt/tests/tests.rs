@@ -8,4 +8,5 @@ mod gradcheck;
 mod grads_ready;
 mod init_loss;
 mod params;
+mod schedule;
 mod train;

@@ -1,25 +1,21 @@
-//! The model on the [`CpuDevice`]: every launch of the plan is a kernel queued on the compute
-//! stream, in f32, with its buffers' ranges declared, so the device's happens-before checker sees
-//! exactly what each kernel reads and writes.
+//! A plan on the [`CpuDevice`]: every launch is a kernel queued on the compute stream, in f32,
+//! with its buffers' ranges declared, so the device's happens-before checker sees exactly what
+//! each kernel reads and writes.
 
-use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::{CpuBuffer, CpuEvent, KernelArgs, KernelCtx};
 use zeroflow_device::{CpuDevice, Device, HostBuffer, HostMemory, StreamKind};
 
-use crate::GptConfig;
-use crate::error::GptError;
-use crate::kernels::{self, ArgSlices, Kernel, Slot};
-use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{Access, Buf, Launch, Plan, Step};
+use crate::error::NnError;
+use crate::kernels::{self, ArgSlices, Kernel, LayerKernel, Slot};
+use crate::plan::{Access, Buf, GradsReady, Launch, Plan, Step};
 
-/// A model for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
-/// flat parameter and gradient buffers and passes them to each call.
+/// A plan for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
+/// flat parameter and gradient buffers (of `padded_len` elements) and passes them to each call.
 #[derive(Debug)]
-pub struct CpuGpt {
+pub struct CpuRunner<X> {
     device: CpuDevice,
-    config: GptConfig,
     padded_len: usize,
-    plan: Plan,
+    plan: Plan<X>,
     acts: CpuBuffer<f32>,
     act_grads: CpuBuffer<f32>,
     inputs: CpuBuffer<u32>,
@@ -28,45 +24,34 @@ pub struct CpuGpt {
     loss_written: CpuEvent,
 }
 
-impl CpuGpt {
-    /// Allocates the activations for micro-batches of `batch` sequences of `seq` tokens.
-    pub fn new(
-        device: &CpuDevice,
-        config: &GptConfig,
-        layout: &FlatLayout,
-        batch: usize,
-        seq: usize,
-    ) -> Result<Self, GptError> {
-        let plan = Plan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
-        Ok(CpuGpt {
-            acts: device.alloc(plan.acts.len)?,
-            act_grads: device.alloc(plan.acts.len)?,
+impl<X: LayerKernel> CpuRunner<X> {
+    /// Allocates the activations of `plan`, whose flat parameter and gradient buffers have
+    /// `padded_len` elements.
+    pub fn new(device: &CpuDevice, plan: Plan<X>, padded_len: usize) -> Result<Self, NnError> {
+        Ok(CpuRunner {
+            acts: device.alloc(plan.acts_len)?,
+            act_grads: device.alloc(plan.acts_len)?,
             inputs: device.alloc(plan.tokens())?,
             targets: device.alloc(plan.tokens())?,
             loss_host: device.alloc_host(1, HostMemory::Pinned)?,
             loss_written: device.new_event()?,
             device: device.clone(),
-            config: *config,
-            padded_len: layout.padded_len(),
+            padded_len,
             plan,
         })
     }
 
-    pub fn config(&self) -> &GptConfig {
-        &self.config
-    }
-
-    pub fn plan(&self) -> &Plan {
+    pub fn plan(&self) -> &Plan<X> {
         &self.plan
     }
 
     /// Queues the upload of a micro-batch (`[batch, seq]` inputs and targets) on the compute
     /// stream. Token ids are checked against the vocabulary by the kernels that read them.
-    pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
+    pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), NnError> {
         let n = self.plan.tokens();
         for (what, tokens) in [("inputs", inputs), ("targets", targets)] {
             if tokens.len() != n {
-                return Err(GptError::Length { what, expected: n, found: tokens.len() });
+                return Err(NnError::Length { what, expected: n, found: tokens.len() });
             }
         }
         let (inputs, targets) = (inputs.to_vec(), targets.to_vec());
@@ -80,7 +65,7 @@ impl CpuGpt {
     }
 
     /// Queues forward on the compute stream.
-    pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), GptError> {
+    pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), NnError> {
         self.check_flat("parameter buffer", params)?;
         for launch in &self.plan.forward {
             self.launch(launch, launch.kernel.clone(), params, None)?;
@@ -90,10 +75,10 @@ impl CpuGpt {
     }
 
     /// Waits for the last forward and returns its mean loss (copied out on the D2H stream).
-    pub fn loss(&mut self) -> Result<f32, GptError> {
+    pub fn loss(&mut self) -> Result<f32, NnError> {
         let d2h = self.device.stream(StreamKind::D2h);
         self.device.wait_event(d2h, &self.loss_written)?;
-        let range = self.plan.acts.loss.clone();
+        let range = self.plan.loss.clone();
         let filled =
             self.device.copy_d2h(d2h, &self.acts, range, &mut self.loss_host, 0)?.wait()?;
         Ok(filled[0])
@@ -109,7 +94,7 @@ impl CpuGpt {
         grads: &CpuBuffer<f32>,
         loss_scale: f64,
         mut on_ready: impl FnMut(&GradsReady),
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         self.check_flat("parameter buffer", params)?;
         self.check_flat("gradient buffer", grads)?;
         for step in &self.plan.backward {
@@ -130,22 +115,22 @@ impl CpuGpt {
         self.device.stream(StreamKind::Compute)
     }
 
-    fn check_flat(&self, what: &'static str, buffer: &CpuBuffer<f32>) -> Result<(), GptError> {
+    fn check_flat(&self, what: &'static str, buffer: &CpuBuffer<f32>) -> Result<(), NnError> {
         use zeroflow_device::DeviceBuffer;
         if buffer.len() == self.padded_len {
             Ok(())
         } else {
-            Err(GptError::Length { what, expected: self.padded_len, found: buffer.len() })
+            Err(NnError::Length { what, expected: self.padded_len, found: buffer.len() })
         }
     }
 
     fn launch(
         &self,
-        launch: &Launch,
-        kernel: Kernel,
+        launch: &Launch<X>,
+        kernel: Kernel<X>,
         params: &CpuBuffer<f32>,
         grads: Option<&CpuBuffer<f32>>,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let mut args = KernelArgs::new();
         for arg in &launch.args {
             let range = arg.range.clone();
@@ -167,29 +152,6 @@ impl CpuGpt {
         })?;
         Ok(())
     }
-}
-
-/// Queues the initialisation of a flat parameter buffer on the device's compute stream (see
-/// [`crate::init_params`]): no host copy of the parameters is made.
-pub fn init_params_on_device(
-    device: &CpuDevice,
-    params: &CpuBuffer<f32>,
-    config: &GptConfig,
-    layout: &FlatLayout,
-    seed: u64,
-) -> Result<(), GptError> {
-    use zeroflow_device::DeviceBuffer;
-    ParamRanges::new(config, layout)?;
-    if params.len() != layout.padded_len() {
-        let (expected, found) = (layout.padded_len(), params.len());
-        return Err(GptError::Length { what: "parameter buffer", expected, found });
-    }
-    let (config, layout) = (*config, layout.clone());
-    let args = KernelArgs::new().output(params, 0..layout.padded_len());
-    device.launch(device.stream(StreamKind::Compute), "init_params", args, move |ctx| {
-        crate::init_params(&config, &layout, seed, ctx.output::<f32>(0)).map_err(|e| e.to_string())
-    })?;
-    Ok(())
 }
 
 fn declare(

@@ -1,23 +1,18 @@
-//! The plan run directly on host vectors, in any [`Float`]: the f64 oracle of the tests (finite
+//! A plan run directly on host vectors, in any [`Float`]: the f64 oracle of the tests (finite
 //! differences) and a device-free reference. Launches run synchronously, one after the other.
 
 use std::ops::Range;
 
-use zeroflow_core::layout::FlatLayout;
-
-use crate::GptConfig;
-use crate::error::GptError;
+use crate::error::NnError;
 use crate::float::Float;
-use crate::kernels::{self, ArgSlices, Slot};
-use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{Access, AttentionKind, Buf, Launch, Plan, Step};
+use crate::kernels::{self, ArgSlices, LayerKernel, Slot};
+use crate::plan::{Access, Buf, GradsReady, Launch, Plan, Step};
 
-/// A model for one (batch, seq) whose activations live in host vectors.
+/// A plan for one (batch, seq) whose activations live in host vectors.
 #[derive(Debug)]
-pub struct HostGpt<F> {
-    config: GptConfig,
+pub struct HostRunner<F, X> {
     padded_len: usize,
-    plan: Plan,
+    plan: Plan<X>,
     acts: Vec<F>,
     act_grads: Vec<F>,
     inputs: Vec<u32>,
@@ -34,59 +29,32 @@ struct Buffers<'a, F> {
     targets: &'a [u32],
 }
 
-impl<F: Float> HostGpt<F> {
-    pub fn new(
-        config: &GptConfig,
-        layout: &FlatLayout,
-        batch: usize,
-        seq: usize,
-    ) -> Result<Self, GptError> {
-        Self::with_attention(config, layout, batch, seq, AttentionKind::Gemm)
-    }
-
-    /// [`HostGpt::new`] whose attention keeps what `attention` says: the plan the CUDA model runs
-    /// with that attention, on the host.
-    pub fn with_attention(
-        config: &GptConfig,
-        layout: &FlatLayout,
-        batch: usize,
-        seq: usize,
-        attention: AttentionKind,
-    ) -> Result<Self, GptError> {
-        let params = ParamRanges::new(config, layout)?;
-        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
-        let len = plan.acts.len;
-        Ok(HostGpt {
-            config: *config,
-            padded_len: layout.padded_len(),
+impl<F: Float, X: LayerKernel> HostRunner<F, X> {
+    /// Allocates the activations of `plan`, whose flat parameter and gradient buffers have
+    /// `padded_len` elements.
+    pub fn new(plan: Plan<X>, padded_len: usize) -> Self {
+        let len = plan.acts_len;
+        HostRunner {
+            padded_len,
             acts: vec![F::zero(); len],
             act_grads: vec![F::zero(); len],
             inputs: vec![0; plan.tokens()],
             targets: vec![0; plan.tokens()],
             plan,
-        })
+        }
     }
 
-    pub fn config(&self) -> &GptConfig {
-        &self.config
-    }
-
-    pub fn plan(&self) -> &Plan {
+    pub fn plan(&self) -> &Plan<X> {
         &self.plan
     }
 
-    /// The activations of the last forward, laid out as [`Plan::acts`] says.
+    /// The activations of the last forward, laid out as the family's plan says.
     pub fn activations(&self) -> &[F] {
         &self.acts
     }
 
     /// Runs forward on `inputs` → `targets` (each `[batch, seq]`) and returns the mean loss.
-    pub fn forward(
-        &mut self,
-        params: &[F],
-        inputs: &[u32],
-        targets: &[u32],
-    ) -> Result<F, GptError> {
+    pub fn forward(&mut self, params: &[F], inputs: &[u32], targets: &[u32]) -> Result<F, NnError> {
         check_len("parameter buffer", params.len(), self.padded_len)?;
         check_len("inputs", inputs.len(), self.plan.tokens())?;
         check_len("targets", targets.len(), self.plan.tokens())?;
@@ -104,7 +72,7 @@ impl<F: Float> HostGpt<F> {
             };
             execute(launch, &launch.kernel, &mut buffers)?;
         }
-        Ok(self.acts[self.plan.acts.loss.start])
+        Ok(self.acts[self.plan.loss.start])
     }
 
     /// Adds the gradient of `loss_scale` × (the last forward's mean loss) to `grads`. After each
@@ -115,7 +83,7 @@ impl<F: Float> HostGpt<F> {
         grads: &mut [F],
         loss_scale: f64,
         mut on_ready: impl FnMut(&GradsReady, &[F]),
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         check_len("parameter buffer", params.len(), self.padded_len)?;
         check_len("gradient buffer", grads.len(), self.padded_len)?;
         for step in &self.plan.backward {
@@ -138,14 +106,14 @@ impl<F: Float> HostGpt<F> {
     }
 }
 
-impl<F: Float> HostGpt<F> {
+impl<F: Float, X: LayerKernel> HostRunner<F, X> {
     /// Runs forward and backward once more on the last batch and returns the time each kernel
     /// took, summed by kernel name, in first-launch order (for benchmarks).
     pub fn profile(
         &mut self,
         params: &[F],
         grads: &mut [F],
-    ) -> Result<Vec<(&'static str, std::time::Duration)>, GptError> {
+    ) -> Result<Vec<(&'static str, std::time::Duration)>, NnError> {
         let mut times: Vec<(&'static str, std::time::Duration)> = Vec::new();
         let launches =
             self.plan.forward.iter().chain(self.plan.backward.iter().filter_map(|s| match s {
@@ -176,16 +144,16 @@ impl<F: Float> HostGpt<F> {
     }
 }
 
-fn check_len(what: &'static str, found: usize, expected: usize) -> Result<(), GptError> {
-    if found == expected { Ok(()) } else { Err(GptError::Length { what, expected, found }) }
+fn check_len(what: &'static str, found: usize, expected: usize) -> Result<(), NnError> {
+    if found == expected { Ok(()) } else { Err(NnError::Length { what, expected, found }) }
 }
 
 /// Runs one launch: hands each argument its slice and calls the kernel.
-fn execute<F: Float>(
-    launch: &Launch,
-    kernel: &kernels::Kernel,
+fn execute<F: Float, X: LayerKernel>(
+    launch: &Launch<X>,
+    kernel: &kernels::Kernel<X>,
     b: &mut Buffers<'_, F>,
-) -> Result<(), GptError> {
+) -> Result<(), NnError> {
     let mut slots: Vec<Option<Slot<'_, F>>> = launch.args.iter().map(|_| None).collect();
     for (i, arg) in launch.args.iter().enumerate() {
         match arg.buf {
@@ -217,7 +185,7 @@ fn execute<F: Float>(
     }
     let slots = slots.into_iter().map(|s| s.expect("every argument has a buffer")).collect();
     kernels::run(kernel, &mut ArgSlices::new(slots))
-        .map_err(|reason| GptError::Kernel { kernel: kernel.name(), reason })
+        .map_err(|reason| NnError::Kernel { kernel: kernel.name(), reason })
 }
 
 /// Splits `data` into the given disjoint ranges, returned with their argument indices.

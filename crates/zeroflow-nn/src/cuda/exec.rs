@@ -1,50 +1,116 @@
-//! Runs one operation of the schedule: resolves its places to device addresses and queues the
-//! kernel, the cuBLASLt call or the attention on the compute stream.
+//! Runs one operation of the schedule: resolves its places to slices of the GPU's buffers and
+//! queues the kernel, the cuBLASLt call or the attention on the compute stream. A family's own
+//! kernels get the same view of the buffers, [`LayerCtx`], through [`super::CudaLayers`].
 //!
-//! Every launch below relies on the same facts, established once in [`Schedule::new`] (every
-//! place lies inside its buffer, tested in `schedule`'s tests) and [`CudaGpt::new`] /
+//! Every launch below relies on the same facts, established once in
+//! [`Schedule::new`](super::schedule::Schedule::new) (every place lies inside its buffer, tested
+//! with GPT-2's plans) and [`CudaRunner::new`] /
 //! `check_flat` (the buffers have the lengths the schedule assumes): each kernel indexes only
 //! `[offset, offset + len)` of each place it is given, for the sizes passed with it, which are
 //! those of the plan's launch. All work is queued on the one compute stream, in order, so no other
 //! stream touches these buffers meanwhile unless the caller orders it with events (the contract).
 
-use cudarc::driver::sys::CUdeviceptr;
 use zeroflow_core::bf16;
-use zeroflow_device::cuda::blas::{Epilogue, Matmul, MatmulOperands, Operand};
-use zeroflow_device::cuda::{CudaBuffer, CudaFunction, Dim3, KernelParams};
-use zeroflow_device::{Device, DeviceBuffer};
+use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
+use zeroflow_device::cuda::{
+    CudaBuffer, CudaFunction, CudaStream, DeviceSlice, DeviceSliceMut, Dim3, KernelParams,
+};
+use zeroflow_device::{CudaDevice, Device, DeviceBuffer};
 
-use super::CudaGpt;
-use super::kernels::{ROWS_PER_BLOCK, ROWS_PER_CHUNK, THREADS, blocks_for, chunks_for};
+use super::kernels::{NnKernels, ROWS_PER_CHUNK, THREADS, blocks_for, chunks_for};
 use super::schedule::{Op, OpKind, Place, Space};
-use crate::error::GptError;
+use super::tokens::Tokens;
+use super::{CudaLayerKernel, CudaLayers, CudaRunner};
+use crate::error::NnError;
 use crate::kernels::{Kernel, WeightLayout};
 
-/// The buffers of one call: the model's own and the engine's parameters and gradients.
-struct View<'a> {
-    gpt: &'a CudaGpt,
+/// What one operation runs with: the executor's buffers and the engine's parameters and
+/// gradients, the device, its compute stream and the shared kernels. The places of an operation
+/// (from the schedule) become slices of these buffers here.
+#[derive(Debug)]
+pub struct LayerCtx<'a> {
+    device: &'a CudaDevice,
+    stream: &'a CudaStream,
+    kernels: &'a NnKernels,
+    blas: &'a Blas,
+    tokens: &'a Tokens,
+    acts: &'a CudaBuffer<bf16>,
+    act_grads: &'a CudaBuffer<bf16>,
+    stats: &'a CudaBuffer<f32>,
+    column_partials: &'a CudaBuffer<f32>,
     params: &'a CudaBuffer<bf16>,
     grads: Option<&'a CudaBuffer<bf16>>,
 }
 
-impl<'a> View<'a> {
+impl<'a> LayerCtx<'a> {
     fn bf16_buffer(&self, space: Space) -> &'a CudaBuffer<bf16> {
         match space {
             Space::Params => self.params,
             Space::Grads => self.grads.expect("only backward has gradient places"),
-            Space::Acts => &self.gpt.acts,
-            Space::ActGrads => &self.gpt.act_grads,
+            Space::Acts => self.acts,
+            Space::ActGrads => self.act_grads,
             Space::Stats | Space::Tokens => unreachable!("{space:?} is not a bf16 buffer"),
         }
     }
 
-    /// The device address of a place.
-    fn addr(&self, place: &Place) -> CUdeviceptr {
+    /// A bf16 place, read.
+    pub fn bf16(&self, place: &Place) -> DeviceSlice<'a, bf16> {
+        self.bf16_buffer(place.space).slice(place.offset..place.end())
+    }
+
+    /// A bf16 place, written.
+    pub fn bf16_mut(&self, place: &Place) -> DeviceSliceMut<'a, bf16> {
+        self.bf16_buffer(place.space).slice_mut(place.offset..place.end())
+    }
+
+    /// An f32 place (in the statistics), read.
+    pub fn f32(&self, place: &Place) -> DeviceSlice<'a, f32> {
+        debug_assert_eq!(place.space, Space::Stats);
+        self.stats.slice(place.offset..place.end())
+    }
+
+    /// An f32 place (in the statistics), written.
+    pub fn f32_mut(&self, place: &Place) -> DeviceSliceMut<'a, f32> {
+        debug_assert_eq!(place.space, Space::Stats);
+        self.stats.slice_mut(place.offset..place.end())
+    }
+
+    /// `params` with a place the kernel reads, of whichever element type its space holds.
+    pub fn read(&self, params: KernelParams, place: &Place) -> KernelParams {
         match place.space {
-            Space::Stats => self.gpt.stats.address(place.offset),
-            Space::Tokens => self.gpt.tokens.buffer().address(place.offset),
-            space => self.bf16_buffer(space).address(place.offset),
+            Space::Stats => params.slice(self.f32(place)),
+            Space::Tokens => params.slice(self.tokens.buffer().slice(place.offset..place.end())),
+            _ => params.slice(self.bf16(place)),
         }
+    }
+
+    /// `params` with a place the kernel writes, of whichever element type its space holds.
+    pub fn write(&self, params: KernelParams, place: &Place) -> KernelParams {
+        match place.space {
+            Space::Stats => params.slice_mut(self.f32_mut(place)),
+            Space::Tokens => unreachable!("no kernel writes the token ids"),
+            _ => params.slice_mut(self.bf16_mut(place)),
+        }
+    }
+
+    /// `params` with the places the kernel writes (`written`) and then those it reads.
+    pub fn places(&self, written: &[&Place], read: &[&Place]) -> KernelParams {
+        let params = written.iter().fold(KernelParams::new(), |p, place| self.write(p, place));
+        read.iter().fold(params, |p, place| self.read(p, place))
+    }
+
+    /// Whether every place starts 16-byte aligned (the kernels' vector paths).
+    pub fn aligned(&self, places: &[&Place]) -> bool {
+        places.iter().all(|place| match place.space {
+            Space::Stats => self.f32(place).is_aligned(16),
+            Space::Tokens => self.tokens.buffer().slice(place.offset..place.end()).is_aligned(16),
+            _ => self.bf16(place).is_aligned(16),
+        })
+    }
+
+    /// The f32 scratch of column sums (`column_partials_len` of the schedule's widest).
+    pub fn column_partials(&self) -> DeviceSliceMut<'a, f32> {
+        self.column_partials.as_slice_mut()
     }
 
     /// A bf16 place as a cuBLASLt operand.
@@ -53,50 +119,66 @@ impl<'a> View<'a> {
     }
 }
 
-/// Whether every address is 16-byte aligned (the kernels' vector paths).
-fn aligned(addresses: &[CUdeviceptr]) -> bool {
-    addresses.iter().all(|address| address % 16 == 0)
-}
-
 fn flag(value: bool) -> u32 {
     u32::from(value)
 }
 
-impl CudaGpt {
+impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
+    /// The buffers of one call.
+    fn ctx<'a>(
+        &'a self,
+        params: &'a CudaBuffer<bf16>,
+        grads: Option<&'a CudaBuffer<bf16>>,
+    ) -> LayerCtx<'a> {
+        LayerCtx {
+            device: &self.device,
+            stream: self.compute(),
+            kernels: &self.kernels,
+            blas: &self.blas,
+            tokens: &self.tokens,
+            acts: &self.acts,
+            act_grads: &self.act_grads,
+            stats: &self.stats,
+            column_partials: &self.column_partials,
+            params,
+            grads,
+        }
+    }
+
     /// Queues `op`; `loss_scale` scales the gradient of the loss (backward only).
     pub(super) fn run(
         &self,
-        op: &Op,
+        op: &Op<X>,
         params: &CudaBuffer<bf16>,
         grads: Option<&CudaBuffer<bf16>>,
         loss_scale: f64,
-    ) -> Result<(), GptError> {
-        let v = View { gpt: self, params, grads };
+    ) -> Result<(), NnError> {
+        let v = self.ctx(params, grads);
         let a = &op.args;
         match &op.kind {
             OpKind::Kernel(kernel) => self.run_kernel(&v, kernel, a, loss_scale),
             &OpKind::MatmulBiasGelu { c, oc, layout } => {
                 // [out after GELU, pre-GELU, inp, weight, bias]
                 let layer = Linear { inp: &a[2], weight: &a[3], c, oc, layout };
-                self.matmul_forward(&v, &layer, &a[0], Some(&a[4]), Some(&a[1]))
+                v.matmul_forward(&layer, &a[0], Some(&a[4]), Some(&a[1]))
             }
             &OpKind::MatmulBackwardDGelu { c, oc, layout, bias } => {
                 // [d pre-GELU, dweight, (dbias), dout, inp, weight, pre-GELU]
                 let (dbias, rest) = if bias { (Some(&a[2]), &a[3..]) } else { (None, &a[2..]) };
                 let grads = MatmulGrads { dinp: &a[0], dweight: &a[1], dbias };
                 let layer = Linear { inp: &rest[1], weight: &rest[2], c, oc, layout };
-                self.matmul_backward(&v, &layer, grads, &rest[0], Some(&rest[3]))
+                v.matmul_backward(&layer, grads, &rest[0], Some(&rest[3]))
             }
         }
     }
 
     fn run_kernel(
         &self,
-        v: &View<'_>,
-        kernel: &Kernel,
+        v: &LayerCtx<'_>,
+        kernel: &Kernel<X>,
         a: &[Place],
         loss_scale: f64,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         match *kernel {
             Kernel::Zero { .. } => {
                 for place in a {
@@ -106,60 +188,65 @@ impl CudaGpt {
                 }
                 Ok(())
             }
-            Kernel::Encoder { t, c, .. } => self.encoder_forward(v, a, t, c),
-            Kernel::EncoderBackward { t, c } => self.encoder_backward(v, a, t, c),
-            Kernel::LayerNorm { c } => self.layernorm_forward(v, a, c),
-            Kernel::LayerNormBackward { c } => self.layernorm_backward(v, a, c),
+            Kernel::Encoder { t, c, .. } => v.encoder_forward(a, t, c),
+            Kernel::EncoderBackward { t, c } => v.encoder_backward(a, t, c),
             Kernel::Matmul { c, oc, layout, bias } => {
                 // [out, inp, weight, (bias)]
                 let layer = Linear { inp: &a[1], weight: &a[2], c, oc, layout };
-                self.matmul_forward(v, &layer, &a[0], bias.then(|| &a[3]), None)
+                v.matmul_forward(&layer, &a[0], bias.then(|| &a[3]), None)
             }
             Kernel::MatmulBackward { c, oc, layout, bias } => {
                 // [dinp, dweight, (dbias), dout, inp, weight]
                 let (dbias, rest) = if bias { (Some(&a[2]), &a[3..]) } else { (None, &a[2..]) };
                 let grads = MatmulGrads { dinp: &a[0], dweight: &a[1], dbias };
                 let layer = Linear { inp: &rest[1], weight: &rest[2], c, oc, layout };
-                self.matmul_backward(v, &layer, grads, &rest[0], None)
+                v.matmul_backward(&layer, grads, &rest[0], None)
             }
-            Kernel::Attention { .. } => {
-                let (out, att, qkv) = (v.addr(&a[0]), v.addr(&a[1]), v.addr(&a[2]));
+            Kernel::Attention(_) => {
+                let (out, att, qkv) = (v.bf16_mut(&a[0]), v.bf16_mut(&a[1]), v.bf16(&a[2]));
                 Ok(self.gemm_attention().forward(self.compute(), qkv, out, att)?)
             }
-            Kernel::AttentionBackward { .. } => {
-                let (dqkv, dscores) = (v.addr(&a[0]), v.addr(&a[1]));
-                let (dout, qkv, att) = (v.addr(&a[2]), v.addr(&a[3]), v.addr(&a[4]));
+            Kernel::AttentionBackward(_) => {
+                let (dqkv, dscores) = (v.bf16_mut(&a[0]), v.bf16_mut(&a[1]));
+                let (dout, qkv, att) = (v.bf16(&a[2]), v.bf16(&a[3]), v.bf16(&a[4]));
                 let attention = self.gemm_attention();
                 Ok(attention.backward(self.compute(), dout, qkv, att, dqkv, dscores)?)
             }
-            Kernel::FlashAttention { .. } => {
+            Kernel::FlashAttention(_) => {
                 // [out, lse (f32, in Stats), qkv]
-                let (out, lse, qkv) = (v.addr(&a[0]), v.addr(&a[1]), v.addr(&a[2]));
+                let (out, lse, qkv) = (v.bf16_mut(&a[0]), v.f32_mut(&a[1]), v.bf16(&a[2]));
                 Ok(self.flash_attention().forward(self.compute(), qkv, out, lse)?)
             }
-            Kernel::FlashAttentionBackward { .. } => {
+            Kernel::FlashAttentionBackward(_) => {
                 // [dqkv (overwritten: the schedule checks it is its first write), dout, qkv, out,
                 // lse]
-                let [dqkv, dout, qkv, out, lse] = [0, 1, 2, 3, 4].map(|i| v.addr(&a[i]));
+                let dqkv = v.bf16_mut(&a[0]);
+                let (dout, qkv, out, lse) =
+                    (v.bf16(&a[1]), v.bf16(&a[2]), v.bf16(&a[3]), v.f32(&a[4]));
                 let flash = self.flash_attention();
                 Ok(flash.backward(self.compute(), qkv, out, dout, lse, dqkv)?)
             }
-            Kernel::Gelu => self.elementwise(&self.kernels.gelu_forward, v, a, &[]),
-            Kernel::GeluBackward => {
-                self.elementwise(&self.kernels.gelu_backward, v, a, &[a[0].accumulate])
+            Kernel::Residual => {
+                // SAFETY: `residual_forward(bf16_t* out, const bf16_t* a, const bf16_t* b, u64 n,
+                // u32 vec)` is an element-wise kernel of the form `elementwise` asks for.
+                unsafe { v.elementwise(&self.kernels.residual_forward, a, 1, &[]) }
             }
-            Kernel::Residual => self.elementwise(&self.kernels.residual_forward, v, a, &[]),
             Kernel::ResidualBackward => {
                 let flags = [a[0].accumulate, a[1].accumulate];
-                self.elementwise(&self.kernels.residual_backward, v, a, &flags)
+                // SAFETY: `residual_backward(bf16_t* da, bf16_t* db, const bf16_t* dout, u64 n,
+                // u32 vec, u32 accumulate_a, u32 accumulate_b)`: element-wise, two outputs first.
+                unsafe { v.elementwise(&self.kernels.residual_backward, a, 2, &flags) }
             }
             Kernel::SoftmaxXent { vocab, padded_vocab } => {
-                self.softmax_xent_forward(v, a, vocab, padded_vocab)
+                v.softmax_xent_forward(a, vocab, padded_vocab)
             }
             Kernel::MeanLoss => {
-                let (loss, losses) = (v.addr(&a[0]), v.addr(&a[1]));
-                let params = KernelParams::new().raw_ptr(loss).raw_ptr(losses).u32(a[1].len as u32);
-                self.launch(&self.kernels.mean_loss, 1, 1024, params)
+                // [loss, losses]
+                let params = v.places(&[&a[0]], &[&a[1]]).u32(a[1].len as u32);
+                // SAFETY: the parameters match `mean_loss(float* loss, const float* losses, u32
+                // n)`, both places f32 statistics of the schedule; one block of 1024 threads
+                // reads the `n` losses and writes the one loss.
+                unsafe { v.launch(&self.kernels.mean_loss, 1, 1024, params) }
             }
             Kernel::SoftmaxXentBackward { .. } => {
                 let Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss } =
@@ -167,255 +254,225 @@ impl CudaGpt {
                 else {
                     unreachable!("with_loss_scale keeps the kernel")
                 };
-                self.softmax_xent_backward(v, a, vocab, padded_vocab, dloss as f32)
+                v.softmax_xent_backward(a, vocab, padded_vocab, dloss as f32)
             }
+            Kernel::Layer(ref kernel) => self.layers.run(v, kernel, a),
         }
     }
+}
 
+impl LayerCtx<'_> {
     /// Queues `function` on the compute stream.
-    fn launch(
+    ///
+    /// # Safety
+    /// `params` must be the parameters `function` declares, in order and type, made of places of
+    /// this operation (which the schedule checked against their buffers), and the kernel must
+    /// touch only the elements the sizes passed with them cover.
+    pub unsafe fn launch(
         &self,
         function: &CudaFunction,
         grid: impl Into<Dim3>,
         block: impl Into<Dim3>,
         params: KernelParams,
-    ) -> Result<(), GptError> {
-        // SAFETY: every caller passes the parameters its kernel declares, in order and type, and
-        // device addresses of places the schedule checked against their buffers (the module
-        // documentation); the kernels touch only the elements the sizes passed with them cover.
-        unsafe { self.device.launch(self.compute(), function, grid, block, 0, &params) }?;
+    ) -> Result<(), NnError> {
+        // SAFETY: the caller's obligations above are the launch's.
+        unsafe { self.device.launch(self.stream, function, grid, block, 0, &params) }?;
         Ok(())
     }
 
-    /// An element-wise kernel over `a` (the output first, all of one length), with `flags` after
-    /// the length and the vector flag.
-    fn elementwise(
+    /// An element-wise kernel over `a` (the `outputs` first, all of one length), with `flags`
+    /// after the length and the vector flag.
+    ///
+    /// # Safety
+    /// `function` must take `(T* outputs…, const T* inputs…, u64 n, u32 vec, u32 flags…)`, bf16
+    /// pointers, as many as `a` has places, and touch elements `0..n` of each (16-byte vectors
+    /// where `vec` is 1, which needs every pointer 16-byte aligned).
+    pub unsafe fn elementwise(
         &self,
         function: &CudaFunction,
-        v: &View<'_>,
         a: &[Place],
+        outputs: usize,
         flags: &[bool],
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let n = a[0].len;
         debug_assert!(a.iter().all(|place| place.len == n));
-        // No allocation per launch: the addresses go straight into the parameters.
-        let vec = a.iter().all(|place| v.addr(place).is_multiple_of(16));
-        let mut params = KernelParams::new();
-        for place in a {
-            params = params.raw_ptr(v.addr(place));
-        }
+        // No allocation per launch: the slices go straight into the parameters.
+        let vec = a.iter().all(|place| self.aligned(&[place]));
+        let (written, read) = a.split_at(outputs);
+        let params = written.iter().fold(KernelParams::new(), |p, place| self.write(p, place));
+        let mut params = read.iter().fold(params, |p, place| self.read(p, place));
         params = params.u64(n as u64).u32(flag(vec));
         for &f in flags {
             params = params.u32(flag(f));
         }
         let work = if vec { n / 8 + n % 8 } else { n };
-        self.launch(function, blocks_for(work), THREADS, params)
+        // SAFETY: the caller vouches for the kernel's form; the places are this operation's.
+        unsafe { self.launch(function, blocks_for(work), THREADS, params) }
     }
 
     /// [out, tokens, wte, wpe]
-    fn encoder_forward(
-        &self,
-        v: &View<'_>,
-        a: &[Place],
-        t: usize,
-        c: usize,
-    ) -> Result<(), GptError> {
+    fn encoder_forward(&self, a: &[Place], t: usize, c: usize) -> Result<(), NnError> {
         let rows = a[0].len / c;
-        let (out, tokens, wte, wpe) = (v.addr(&a[0]), v.addr(&a[1]), v.addr(&a[2]), v.addr(&a[3]));
-        let vec = c.is_multiple_of(8) && aligned(&[out, wte, wpe]);
-        let params = KernelParams::new()
-            .raw_ptr(out)
-            .raw_ptr(tokens)
-            .raw_ptr(wte)
-            .raw_ptr(wpe)
+        let vec = c.is_multiple_of(8) && self.aligned(&[&a[0], &a[2], &a[3]]);
+        // [out, tokens, wte, wpe]
+        let params = self
+            .places(&[&a[0]], &[&a[1], &a[2], &a[3]])
             .u32(rows as u32)
             .u32(t as u32)
             .u32(c as u32)
             .u32(flag(vec));
         let work = if vec { rows * c / 8 } else { rows * c };
-        self.launch(&self.kernels.encoder_forward, blocks_for(work), THREADS, params)
+        // SAFETY: the parameters match `encoder_forward(bf16_t* out, const u32* tokens, const
+        // bf16_t* wte, const bf16_t* wpe, u32 rows, u32 t, u32 c, u32 vec)`; it writes the `rows`
+        // rows of `c` of out and reads as many token ids and rows of wte and wpe (the token ids
+        // were checked against the vocabulary on upload).
+        unsafe { self.launch(&self.kernels.encoder_forward, blocks_for(work), THREADS, params) }
     }
 
     /// [dwte, dwpe, dout, tokens]
-    fn encoder_backward(
-        &self,
-        v: &View<'_>,
-        a: &[Place],
-        t: usize,
-        c: usize,
-    ) -> Result<(), GptError> {
-        let (dwte, dwpe, dout) = (v.addr(&a[0]), v.addr(&a[1]), v.addr(&a[2]));
+    fn encoder_backward(&self, a: &[Place], t: usize, c: usize) -> Result<(), NnError> {
+        let (dwte, dwpe, dout) = (&a[0], &a[1], &a[2]);
         let tokens = self.tokens.buffer();
-        let params = KernelParams::new()
-            .raw_ptr(dwte)
-            .raw_ptr(dout)
+        let params = self
+            .places(&[dwte], &[dout])
             .ptr(tokens, self.tokens.order().start)
             .ptr(tokens, self.tokens.bucket_token().start)
             .ptr(tokens, self.tokens.bucket_start().start)
             .u32(c as u32);
         let grid = (self.tokens.buckets() as u32, c.div_ceil(THREADS as usize) as u32);
-        self.launch(&self.kernels.encoder_backward_wte, grid, THREADS, params)?;
+        // SAFETY: the parameters match `encoder_backward_wte(bf16_t* dwte, const bf16_t* dout,
+        // const u32* order, const u32* bucket_token, const u32* bucket_start, u32 c)`; block
+        // (bucket, ·) adds the rows of dout of its bucket to its token's row of dwte, the buckets
+        // being the ones `Tokens::set` sorted for this batch.
+        unsafe { self.launch(&self.kernels.encoder_backward_wte, grid, THREADS, params) }?;
         let batch = a[2].len / c / t;
-        let params = KernelParams::new()
-            .raw_ptr(dwpe)
-            .raw_ptr(dout)
-            .u32(batch as u32)
-            .u32(t as u32)
-            .u32(c as u32);
-        self.launch(&self.kernels.encoder_backward_wpe, blocks_for(t * c), THREADS, params)
+        let params = self.places(&[dwpe], &[dout]).u32(batch as u32).u32(t as u32).u32(c as u32);
+        let grid = blocks_for(t * c);
+        // SAFETY: the parameters match `encoder_backward_wpe(bf16_t* dwpe, const bf16_t* dout,
+        // u32 batch, u32 t, u32 c)`: one thread per element of the `t` rows of dwpe, summing the
+        // `batch` rows of dout at that position.
+        unsafe { self.launch(&self.kernels.encoder_backward_wpe, grid, THREADS, params) }
     }
 
-    /// [out, mean, rstd, inp, weight, bias]
-    fn layernorm_forward(&self, v: &View<'_>, a: &[Place], c: usize) -> Result<(), GptError> {
-        let rows = a[0].len / c;
-        let [out, mean, rstd, inp, weight, bias] = [0, 1, 2, 3, 4, 5].map(|i| v.addr(&a[i]));
-        let vec = c.is_multiple_of(8) && aligned(&[out, inp, weight, bias]);
-        let params = KernelParams::new()
-            .raw_ptr(out)
-            .raw_ptr(mean)
-            .raw_ptr(rstd)
-            .raw_ptr(inp)
-            .raw_ptr(weight)
-            .raw_ptr(bias)
-            .u32(rows as u32)
-            .u32(c as u32)
-            .u32(flag(vec));
-        let grid = rows.div_ceil(ROWS_PER_BLOCK as usize) as u32;
-        self.launch(&self.kernels.layernorm_forward, grid, THREADS, params)
-    }
-
-    /// [dinp, dweight, dbias, dout, inp, weight, mean, rstd]
-    fn layernorm_backward(&self, v: &View<'_>, a: &[Place], c: usize) -> Result<(), GptError> {
-        let rows = a[0].len / c;
-        let [dinp, dweight, dbias, dout, inp, weight, mean, rstd] =
-            [0, 1, 2, 3, 4, 5, 6, 7].map(|i| v.addr(&a[i]));
-        let vec = c.is_multiple_of(8) && aligned(&[dinp, dout, inp, weight]);
-        let params = KernelParams::new()
-            .raw_ptr(dinp)
-            .raw_ptr(dout)
-            .raw_ptr(inp)
-            .raw_ptr(weight)
-            .raw_ptr(mean)
-            .raw_ptr(rstd)
-            .u32(rows as u32)
-            .u32(c as u32)
-            .u32(flag(vec))
-            .u32(flag(a[0].accumulate));
-        let grid = rows.div_ceil(ROWS_PER_BLOCK as usize) as u32;
-        self.launch(&self.kernels.layernorm_backward_input, grid, THREADS, params)?;
-        let chunks = chunks_for(rows);
-        debug_assert!(chunks * 2 * c <= self.column_partials.len());
-        let params = KernelParams::new()
-            .ptr(&self.column_partials, 0)
-            .raw_ptr(dout)
-            .raw_ptr(inp)
-            .raw_ptr(mean)
-            .raw_ptr(rstd)
-            .u32(rows as u32)
-            .u32(c as u32)
-            .u32(ROWS_PER_CHUNK as u32);
-        let grid = (c.div_ceil(32) as u32, chunks as u32);
-        self.launch(&self.kernels.layernorm_param_grads_partial, grid, (32, 8), params)?;
-        self.column_sum_finish(dweight, 0, chunks, 2 * c, c)?;
-        self.column_sum_finish(dbias, c, chunks, 2 * c, c)
-    }
-
-    /// `out[j] += Σ_chunk partials[first + chunk · stride + j]` for `j < cols`.
-    fn column_sum_finish(
+    /// `out[j] += Σ_chunk partials[first + chunk · stride + j]` for `j < cols`: the second step
+    /// of a column sum whose first wrote [`column_partials`](Self::column_partials).
+    pub fn column_sum_finish(
         &self,
-        out: CUdeviceptr,
+        out: DeviceSliceMut<'_, bf16>,
         first: usize,
         chunks: usize,
         stride: usize,
         cols: usize,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
+        let read_end = first + chunks.saturating_sub(1) * stride + cols;
+        if out.len() < cols || (chunks > 0 && read_end > self.column_partials.len()) {
+            return Err(NnError::Kernel {
+                kernel: "column_sum_finish",
+                reason: format!(
+                    "{cols} columns of {chunks} chunks (stride {stride}, from {first}) do not fit \
+                     {} output elements and {} partials",
+                    out.len(),
+                    self.column_partials.len()
+                ),
+            });
+        }
         let params = KernelParams::new()
-            .raw_ptr(out)
-            .ptr(&self.column_partials, first)
+            .slice_mut(out)
+            .ptr(self.column_partials, first)
             .u32(chunks as u32)
             .u32(stride as u32)
             .u32(cols as u32);
-        self.launch(&self.kernels.column_sum_finish, blocks_for(cols), THREADS, params)
+        // SAFETY: the parameters match `column_sum_finish(bf16_t* out, const float* partial, u32
+        // chunks, u32 chunk_stride, u32 cols)`; it reads `partial[first + chunk · stride + j]`
+        // and updates `out[j]` for `j < cols`, both inside their buffers (checked above).
+        unsafe { self.launch(&self.kernels.column_sum_finish, blocks_for(cols), THREADS, params) }
     }
 
     /// `dbias += Σ_rows dout` for `dout [rows, cols]`.
     fn bias_grad(
         &self,
-        dbias: CUdeviceptr,
-        dout: CUdeviceptr,
+        dbias: DeviceSliceMut<'_, bf16>,
+        dout: DeviceSlice<'_, bf16>,
         rows: usize,
         cols: usize,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let chunks = chunks_for(rows);
         debug_assert!(chunks * cols <= self.column_partials.len());
         let params = KernelParams::new()
-            .ptr(&self.column_partials, 0)
-            .raw_ptr(dout)
+            .ptr(self.column_partials, 0)
+            .slice(dout)
             .u32(rows as u32)
             .u32(cols as u32)
             .u32(ROWS_PER_CHUNK as u32);
         let grid = (cols.div_ceil(32) as u32, chunks as u32);
-        self.launch(&self.kernels.column_sum_partial, grid, (32, 8), params)?;
+        // SAFETY: the parameters match `column_sum_partial(float* partial, const bf16_t* dout, u32
+        // rows, u32 cols, u32 rows_per_chunk)`; block (x, y) reads rows of chunk y of columns 32x
+        // .. 32x + 31 of dout (`rows · cols`, its place) and writes `partial[y · cols + column]`,
+        // inside the partials (`column_partials_len` covers the widest bias).
+        unsafe { self.launch(&self.kernels.column_sum_partial, grid, (32, 8), params) }?;
         self.column_sum_finish(dbias, 0, chunks, cols, cols)
     }
 
     /// [probs, losses, logits, targets]
     fn softmax_xent_forward(
         &self,
-        v: &View<'_>,
         a: &[Place],
         vocab: usize,
         padded_vocab: usize,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let rows = a[0].len / padded_vocab;
-        let [probs, losses, logits, targets] = [0, 1, 2, 3].map(|i| v.addr(&a[i]));
-        check_rows_vectorised("softmax_xent_forward", padded_vocab, &[probs, logits])?;
-        let params = KernelParams::new()
-            .raw_ptr(probs)
-            .raw_ptr(losses)
-            .raw_ptr(logits)
-            .raw_ptr(targets)
+        let [probs, losses, logits, targets] = [0, 1, 2, 3].map(|i| &a[i]);
+        let aligned = self.aligned(&[probs, logits]);
+        check_rows_vectorised("softmax_xent_forward", padded_vocab, aligned)?;
+        let params = self
+            .places(&[probs, losses], &[logits, targets])
             .u32(vocab as u32)
             .u32(padded_vocab as u32);
         let threads = (padded_vocab / 8).next_multiple_of(32).clamp(32, 1024) as u32;
-        self.launch(&self.kernels.softmax_xent_forward, rows as u32, threads, params)
+        // SAFETY: the parameters match `softmax_xent_forward(bf16_t* probs, float* losses, const
+        // bf16_t* logits, const u32* targets, u32 vocab, u32 padded_vocab)`; block `r` reads row
+        // `r` of logits and target `r` and writes row `r` of probs and loss `r` (rows of whole
+        // 16-byte vectors, checked above).
+        unsafe { self.launch(&self.kernels.softmax_xent_forward, rows as u32, threads, params) }
     }
 
     /// [dlogits, probs, targets]
     fn softmax_xent_backward(
         &self,
-        v: &View<'_>,
         a: &[Place],
         vocab: usize,
         padded_vocab: usize,
         dloss: f32,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let rows = a[0].len / padded_vocab;
-        let [dlogits, probs, targets] = [0, 1, 2].map(|i| v.addr(&a[i]));
-        check_rows_vectorised("softmax_xent_backward", padded_vocab, &[dlogits, probs])?;
-        let params = KernelParams::new()
-            .raw_ptr(dlogits)
-            .raw_ptr(probs)
-            .raw_ptr(targets)
+        let [dlogits, probs, targets] = [0, 1, 2].map(|i| &a[i]);
+        let aligned = self.aligned(&[dlogits, probs]);
+        check_rows_vectorised("softmax_xent_backward", padded_vocab, aligned)?;
+        let params = self
+            .places(&[dlogits], &[probs, targets])
             .u32(rows as u32)
             .u32(vocab as u32)
             .u32(padded_vocab as u32)
             .f32(dloss)
             .u32(flag(a[0].accumulate));
         let work = rows * padded_vocab / 8;
-        self.launch(&self.kernels.softmax_xent_backward, blocks_for(work), THREADS, params)
+        let function = &self.kernels.softmax_xent_backward;
+        // SAFETY: the parameters match `softmax_xent_backward(bf16_t* dlogits, const bf16_t*
+        // probs, const u32* targets, u32 rows, u32 vocab, u32 padded_vocab, float dloss, u32
+        // accumulate)`; a grid-stride loop over the `rows · padded_vocab / 8` vectors of dlogits
+        // and probs (whole rows of 16-byte vectors, checked above).
+        unsafe { self.launch(function, blocks_for(work), THREADS, params) }
     }
 
     /// `out = inp · W (+ bias)`, or with `pre_gelu`, `pre_gelu = inp · W + bias; out =
     /// gelu(pre_gelu)` (cuBLASLt's `BiasGelu` epilogue).
     fn matmul_forward(
         &self,
-        v: &View<'_>,
         layer: &Linear<'_>,
         out: &Place,
         bias: Option<&Place>,
         pre_gelu: Option<&Place>,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let Linear { inp, weight, c, oc, layout } = *layer;
         let rows = inp.len / c;
         let problem = match layout {
@@ -425,33 +482,32 @@ impl CudaGpt {
             WeightLayout::OutIn => Matmul::linear_forward(rows, c, oc),
         };
         let mut operands =
-            MatmulOperands::row_major(v.operand(inp), v.operand(weight), v.operand(out));
+            MatmulOperands::row_major(self.operand(inp), self.operand(weight), self.operand(out));
         let epilogue = match (bias, pre_gelu) {
             (Some(bias), Some(pre_gelu)) => {
-                operands = operands.with_bias(v.operand(bias)).with_aux(v.operand(pre_gelu));
+                operands = operands.with_bias(self.operand(bias)).with_aux(self.operand(pre_gelu));
                 Epilogue::BiasGelu
             }
             (Some(bias), None) => {
-                operands = operands.with_bias(v.operand(bias));
+                operands = operands.with_bias(self.operand(bias));
                 Epilogue::Bias
             }
             (None, None) => Epilogue::None,
             (None, Some(_)) => unreachable!("the schedule fuses GELU only after a bias"),
         };
         let problem = problem.with_epilogue(epilogue);
-        Ok(self.blas.matmul(self.compute(), &problem, operands)?)
+        Ok(self.blas.matmul(self.stream, &problem, operands)?)
     }
 
     /// `dinp (+)= dout · Wᵀ` (times `gelu'(pre_gelu)` with `pre_gelu`, cuBLASLt's `DGelu`),
     /// `dweight += inpᵀ · dout` in the weight's layout, `dbias += Σ_rows dout`.
     fn matmul_backward(
         &self,
-        v: &View<'_>,
         layer: &Linear<'_>,
         grads: MatmulGrads<'_>,
         dout: &Place,
         pre_gelu: Option<&Place>,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let Linear { inp, weight, c, oc, layout } = *layer;
         let rows = dout.len / oc;
         let beta = if grads.dinp.accumulate { 1.0 } else { 0.0 };
@@ -461,26 +517,32 @@ impl CudaGpt {
             // dinp[rows, c] = dout[rows, oc] · weight[oc, c]
             WeightLayout::OutIn => Matmul::linear_backward_input(rows, c, oc),
         };
-        let mut operands =
-            MatmulOperands::row_major(v.operand(dout), v.operand(weight), v.operand(grads.dinp));
+        let mut operands = MatmulOperands::row_major(
+            self.operand(dout),
+            self.operand(weight),
+            self.operand(grads.dinp),
+        );
         let mut problem = problem.with_beta(beta);
         if let Some(pre_gelu) = pre_gelu {
             debug_assert!(!grads.dinp.accumulate, "DGelu overwrites");
-            operands = operands.with_aux(v.operand(pre_gelu));
+            operands = operands.with_aux(self.operand(pre_gelu));
             problem = problem.with_epilogue(Epilogue::DGelu);
         }
-        self.blas.matmul(self.compute(), &problem, operands)?;
+        self.blas.matmul(self.stream, &problem, operands)?;
         let (problem, x, y) = match layout {
             // dweight[c, oc] += inp[rows, c]ᵀ · dout[rows, oc]
             WeightLayout::InOut => (Matmul::row_major(c, oc, rows, true, false), inp, dout),
             // dweight[oc, c] += dout[rows, oc]ᵀ · inp[rows, c]
             WeightLayout::OutIn => (Matmul::linear_backward_weight(rows, c, oc), dout, inp),
         };
-        let operands =
-            MatmulOperands::row_major(v.operand(x), v.operand(y), v.operand(grads.dweight));
-        self.blas.matmul(self.compute(), &problem.with_beta(1.0), operands)?;
+        let operands = MatmulOperands::row_major(
+            self.operand(x),
+            self.operand(y),
+            self.operand(grads.dweight),
+        );
+        self.blas.matmul(self.stream, &problem.with_beta(1.0), operands)?;
         match grads.dbias {
-            Some(dbias) => self.bias_grad(v.addr(dbias), v.addr(dout), rows, oc),
+            Some(dbias) => self.bias_grad(self.bf16_mut(dbias), self.bf16(dout), rows, oc),
             None => Ok(()),
         }
     }
@@ -503,16 +565,13 @@ struct MatmulGrads<'a> {
     dbias: Option<&'a Place>,
 }
 
-/// The loss kernels move whole rows of `width` in 16-byte vectors.
-fn check_rows_vectorised(
-    kernel: &'static str,
-    width: usize,
-    addresses: &[CUdeviceptr],
-) -> Result<(), GptError> {
-    if width.is_multiple_of(8) && aligned(addresses) {
+/// The loss kernels move whole rows of `width` in 16-byte vectors (`aligned`: their rows start
+/// 16-byte aligned).
+fn check_rows_vectorised(kernel: &'static str, width: usize, aligned: bool) -> Result<(), NnError> {
+    if width.is_multiple_of(8) && aligned {
         Ok(())
     } else {
-        Err(GptError::Kernel {
+        Err(NnError::Kernel {
             kernel,
             reason: format!("rows of {width} elements must be whole 16-byte vectors"),
         })

@@ -1,51 +1,88 @@
-//! The layer math, llm.c style: every kernel a pure function over slices, forward and backward
-//! side by side, generic over [`Float`] so that the device runs it in f32 and the tests in f64.
+//! The shared layer math, llm.c style: every kernel a pure function over slices, forward and
+//! backward side by side, generic over [`Float`] so that the device runs it in f32 and the tests in
+//! f64.
 //!
-//! A [`Kernel`] names one launch of one of these functions with its sizes; [`run`] calls it with
-//! the launch's arguments ([`ArgSlices`]). The order of the arguments of each kernel is fixed here
-//! and in [`crate::plan`], which builds the launches.
+//! A [`Kernel`] names one launch of one of these functions with its sizes, or of a model family's
+//! own kernel ([`Kernel::Layer`], a [`LayerKernel`]); [`run`] calls it with the launch's arguments
+//! ([`ArgSlices`]). The order of the arguments of each kernel is fixed here and in the family's
+//! plan, which builds the launches.
 
 pub mod attention;
 pub mod encoder;
-pub mod layernorm;
 pub mod loss;
 pub mod matmul;
 pub mod pointwise;
 
+use std::fmt::Debug;
+
+pub use attention::AttentionShape;
 pub use matmul::WeightLayout;
 
 use crate::float::Float;
 
+/// A kernel of a model family (its norm or activation, say), beside the shared ones of
+/// [`Kernel`]: what the plan IR and the host executors need of it.
+pub trait LayerKernel: Clone + Debug + PartialEq + Send + Sync + 'static {
+    /// The kernel's name, for launches and error messages.
+    fn name(&self) -> &'static str;
+
+    /// Runs the kernel on `args` (in the order the family's plan gives them). The only failures
+    /// are bad data.
+    fn run<F: Float>(&self, args: &mut ArgSlices<'_, F>) -> Result<(), String>;
+
+    /// Whether the CUDA executor may fuse this kernel into the matmul before it (or after it,
+    /// backward) as a cuBLASLt epilogue, and as which.
+    fn fusable(&self) -> Option<Fusable> {
+        None
+    }
+}
+
+/// An activation a cuBLASLt epilogue computes, so that the CUDA executor can fuse a family's
+/// kernel that computes it into the neighbouring matmul.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fusable {
+    /// `out = gelu(inp)` (tanh approximation), arguments W out, R inp (cuBLASLt's `BiasGelu`).
+    Gelu,
+    /// `dinp (+)= gelu'(inp) · dout`, arguments W dinp, R inp, R dout (cuBLASLt's `DGelu`).
+    GeluBackward,
+}
+
+/// The kernel of a family without kernels of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoLayers {}
+
+impl LayerKernel for NoLayers {
+    fn name(&self) -> &'static str {
+        match *self {}
+    }
+
+    fn run<F: Float>(&self, _: &mut ArgSlices<'_, F>) -> Result<(), String> {
+        match *self {}
+    }
+}
+
 /// One kernel launch's sizes. The comment lists the arguments in order (W: written or updated,
 /// R: read, T: tokens).
 #[derive(Clone, Debug, PartialEq)]
-pub enum Kernel {
+pub enum Kernel<X> {
     /// W out (`ranges` arguments, each zeroed).
     Zero { ranges: usize },
     /// W out, T tokens, R wte, R wpe.
     Encoder { t: usize, c: usize, vocab: usize },
     /// W dwte, W dwpe, R dout, T tokens.
     EncoderBackward { t: usize, c: usize },
-    /// W out, W mean, W rstd, R inp, R weight, R bias.
-    LayerNorm { c: usize },
-    /// W dinp, W dweight, W dbias, R dout, R inp, R weight, R mean, R rstd.
-    LayerNormBackward { c: usize },
     /// W out, R inp, R weight, [R bias].
     Matmul { c: usize, oc: usize, layout: WeightLayout, bias: bool },
     /// W dinp, W dweight, [W dbias], R dout, R inp, R weight.
     MatmulBackward { c: usize, oc: usize, layout: WeightLayout, bias: bool },
     /// W out, W att, R qkv.
-    Attention { t: usize, c: usize, n_head: usize },
+    Attention(AttentionShape),
     /// W dqkv, W dscores (scratch), R dout, R qkv, R att.
-    AttentionBackward { t: usize, c: usize, n_head: usize },
+    AttentionBackward(AttentionShape),
     /// W out, W lse, R qkv: [`Kernel::Attention`] keeping only the log-sum-exp of each query row.
-    FlashAttention { t: usize, c: usize, n_head: usize },
+    FlashAttention(AttentionShape),
     /// W dqkv, R dout, R qkv, R out, R lse.
-    FlashAttentionBackward { t: usize, c: usize, n_head: usize },
-    /// W out, R inp.
-    Gelu,
-    /// W dinp, R inp, R dout.
-    GeluBackward,
+    FlashAttentionBackward(AttentionShape),
     /// W out, R a, R b.
     Residual,
     /// W da, W db, R dout.
@@ -56,36 +93,43 @@ pub enum Kernel {
     MeanLoss,
     /// W dlogits, R probs, T targets.
     SoftmaxXentBackward { vocab: usize, padded_vocab: usize, dloss: f64 },
+    /// A kernel of the model family, its arguments in the order it documents.
+    Layer(X),
 }
 
-impl Kernel {
+impl<X: LayerKernel> Kernel<X> {
     /// The kernel's name, for launches and error messages.
     pub fn name(&self) -> &'static str {
         match self {
             Kernel::Zero { .. } => "zero",
             Kernel::Encoder { .. } => "encoder_forward",
             Kernel::EncoderBackward { .. } => "encoder_backward",
-            Kernel::LayerNorm { .. } => "layernorm_forward",
-            Kernel::LayerNormBackward { .. } => "layernorm_backward",
             Kernel::Matmul { .. } => "matmul_forward",
             Kernel::MatmulBackward { .. } => "matmul_backward",
             Kernel::Attention { .. } => "attention_forward",
             Kernel::AttentionBackward { .. } => "attention_backward",
             Kernel::FlashAttention { .. } => "flash_attention_forward",
             Kernel::FlashAttentionBackward { .. } => "flash_attention_backward",
-            Kernel::Gelu => "gelu_forward",
-            Kernel::GeluBackward => "gelu_backward",
             Kernel::Residual => "residual_forward",
             Kernel::ResidualBackward => "residual_backward",
             Kernel::SoftmaxXent { .. } => "softmax_xent_forward",
             Kernel::MeanLoss => "mean_loss",
             Kernel::SoftmaxXentBackward { .. } => "softmax_xent_backward",
+            Kernel::Layer(kernel) => kernel.name(),
+        }
+    }
+
+    /// What a cuBLASLt epilogue may fuse of this kernel ([`LayerKernel::fusable`]).
+    pub fn fusable(&self) -> Option<Fusable> {
+        match self {
+            Kernel::Layer(kernel) => kernel.fusable(),
+            _ => None,
         }
     }
 
     /// This launch's kernel for an objective `loss_scale` × mean loss (the plan's backward is for
     /// `loss_scale` 1).
-    pub fn with_loss_scale(&self, loss_scale: f64) -> Kernel {
+    pub fn with_loss_scale(&self, loss_scale: f64) -> Kernel<X> {
         match *self {
             Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss } => {
                 Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss: dloss * loss_scale }
@@ -119,7 +163,7 @@ impl<'a, F: Float> ArgSlices<'a, F> {
     ///
     /// # Panics
     /// If argument `i` is not a read argument (a bug in the plan).
-    fn read(&self, i: usize) -> &'a [F] {
+    pub fn read(&self, i: usize) -> &'a [F] {
         match self.slots[i] {
             Slot::Read(slice) => slice,
             _ => panic!("argument {i} is not a read argument"),
@@ -130,7 +174,7 @@ impl<'a, F: Float> ArgSlices<'a, F> {
     ///
     /// # Panics
     /// If argument `i` is not a written argument or was taken already (a bug in the plan).
-    fn write(&mut self, i: usize) -> &'a mut [F] {
+    pub fn write(&mut self, i: usize) -> &'a mut [F] {
         match &mut self.slots[i] {
             Slot::Write(slice) => slice.take().expect("a written argument is taken once"),
             _ => panic!("argument {i} is not a written argument"),
@@ -141,7 +185,7 @@ impl<'a, F: Float> ArgSlices<'a, F> {
     ///
     /// # Panics
     /// If argument `i` is not a token argument (a bug in the plan).
-    fn tokens(&self, i: usize) -> &'a [u32] {
+    pub fn tokens(&self, i: usize) -> &'a [u32] {
         match self.slots[i] {
             Slot::Tokens(slice) => slice,
             _ => panic!("argument {i} is not a token argument"),
@@ -150,7 +194,10 @@ impl<'a, F: Float> ArgSlices<'a, F> {
 }
 
 /// Runs `kernel` on `args`. The only failures are bad data (a token id out of range).
-pub fn run<F: Float>(kernel: &Kernel, a: &mut ArgSlices<'_, F>) -> Result<(), String> {
+pub fn run<F: Float, X: LayerKernel>(
+    kernel: &Kernel<X>,
+    a: &mut ArgSlices<'_, F>,
+) -> Result<(), String> {
     match *kernel {
         Kernel::Zero { ranges } => (0..ranges).for_each(|i| pointwise::zero(a.write(i))),
         Kernel::Encoder { t, c, vocab } => {
@@ -160,16 +207,6 @@ pub fn run<F: Float>(kernel: &Kernel, a: &mut ArgSlices<'_, F>) -> Result<(), St
         Kernel::EncoderBackward { t, c } => {
             let (dwte, dwpe) = (a.write(0), a.write(1));
             encoder::encoder_backward(dwte, dwpe, a.read(2), a.tokens(3), t, c);
-        }
-        Kernel::LayerNorm { c } => {
-            let (out, mean, rstd) = (a.write(0), a.write(1), a.write(2));
-            layernorm::layernorm_forward(out, mean, rstd, a.read(3), a.read(4), a.read(5), c);
-        }
-        Kernel::LayerNormBackward { c } => {
-            let (dinp, dweight, dbias) = (a.write(0), a.write(1), a.write(2));
-            let (dout, inp, weight, mean, rstd) =
-                (a.read(3), a.read(4), a.read(5), a.read(6), a.read(7));
-            layernorm::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, c);
         }
         Kernel::Matmul { c, oc, layout, bias } => {
             let out = a.write(0);
@@ -183,26 +220,24 @@ pub fn run<F: Float>(kernel: &Kernel, a: &mut ArgSlices<'_, F>) -> Result<(), St
             let (dout, inp, weight) = (a.read(first), a.read(first + 1), a.read(first + 2));
             matmul::matmul_backward(dinp, dweight, dbias, dout, inp, weight, c, oc, layout);
         }
-        Kernel::Attention { t, c, n_head } => {
+        Kernel::Attention(shape) => {
             let (out, att) = (a.write(0), a.write(1));
-            attention::attention_forward(out, att, a.read(2), t, c, n_head);
+            attention::attention_forward(out, att, a.read(2), shape);
         }
-        Kernel::AttentionBackward { t, c, n_head } => {
+        Kernel::AttentionBackward(shape) => {
             let (dqkv, dscores) = (a.write(0), a.write(1));
             let (dout, qkv, att) = (a.read(2), a.read(3), a.read(4));
-            attention::attention_backward(dqkv, dscores, dout, qkv, att, t, c, n_head);
+            attention::attention_backward(dqkv, dscores, dout, qkv, att, shape);
         }
-        Kernel::FlashAttention { t, c, n_head } => {
+        Kernel::FlashAttention(shape) => {
             let (out, lse) = (a.write(0), a.write(1));
-            attention::flash_attention_forward(out, lse, a.read(2), t, c, n_head);
+            attention::flash_attention_forward(out, lse, a.read(2), shape);
         }
-        Kernel::FlashAttentionBackward { t, c, n_head } => {
+        Kernel::FlashAttentionBackward(shape) => {
             let dqkv = a.write(0);
             let (dout, qkv, out, lse) = (a.read(1), a.read(2), a.read(3), a.read(4));
-            attention::flash_attention_backward(dqkv, dout, qkv, out, lse, t, c, n_head);
+            attention::flash_attention_backward(dqkv, dout, qkv, out, lse, shape);
         }
-        Kernel::Gelu => pointwise::gelu_forward(a.write(0), a.read(1)),
-        Kernel::GeluBackward => pointwise::gelu_backward(a.write(0), a.read(1), a.read(2)),
         Kernel::Residual => pointwise::residual_forward(a.write(0), a.read(1), a.read(2)),
         Kernel::ResidualBackward => {
             let (da, db) = (a.write(0), a.write(1));
@@ -218,6 +253,7 @@ pub fn run<F: Float>(kernel: &Kernel, a: &mut ArgSlices<'_, F>) -> Result<(), St
             let (probs, targets) = (a.read(1), a.tokens(2));
             loss::softmax_xent_backward(dlogits, probs, targets, F::of(dloss), vocab, padded_vocab);
         }
+        Kernel::Layer(ref kernel) => kernel.run(a)?,
     }
     Ok(())
 }

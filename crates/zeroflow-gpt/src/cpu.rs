@@ -1,0 +1,105 @@
+//! GPT-2 on the [`CpuDevice`]: its plan run by zeroflow-nn's [`CpuRunner`] (every launch a kernel
+//! queued on the compute stream, in f32, with its buffers' ranges declared, so the device's
+//! happens-before checker sees exactly what each kernel reads and writes).
+
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::cpu::{CpuBuffer, KernelArgs};
+use zeroflow_device::{CpuDevice, Device, StreamKind};
+use zeroflow_nn::CpuRunner;
+
+use crate::GptConfig;
+use crate::error::GptError;
+use crate::kernels::GptKernel;
+use crate::params::{GradsReady, ParamRanges};
+use crate::plan::{ActLayout, GptPlan, Plan};
+
+/// A model for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
+/// flat parameter and gradient buffers and passes them to each call.
+#[derive(Debug)]
+pub struct CpuGpt {
+    config: GptConfig,
+    acts: ActLayout,
+    runner: CpuRunner<GptKernel>,
+}
+
+impl CpuGpt {
+    /// Allocates the activations for micro-batches of `batch` sequences of `seq` tokens.
+    pub fn new(
+        device: &CpuDevice,
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Self, GptError> {
+        let GptPlan { acts, plan } =
+            GptPlan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
+        let runner = CpuRunner::new(device, plan, layout.padded_len())?;
+        Ok(CpuGpt { config: *config, acts, runner })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    pub fn plan(&self) -> &Plan {
+        self.runner.plan()
+    }
+
+    /// Where the activations lie.
+    pub fn acts(&self) -> &ActLayout {
+        &self.acts
+    }
+
+    /// Queues the upload of a micro-batch (`[batch, seq]` inputs and targets) on the compute
+    /// stream. Token ids are checked against the vocabulary by the kernels that read them.
+    pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
+        Ok(self.runner.set_batch(inputs, targets)?)
+    }
+
+    /// Queues forward on the compute stream.
+    pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), GptError> {
+        Ok(self.runner.forward(params)?)
+    }
+
+    /// Waits for the last forward and returns its mean loss (copied out on the D2H stream).
+    pub fn loss(&mut self) -> Result<f32, GptError> {
+        Ok(self.runner.loss()?)
+    }
+
+    /// Queues backward on the compute stream: adds the gradient of `loss_scale` × (the last
+    /// forward's mean loss) to `grads`. Right after the launches that complete a group of
+    /// parameter gradients are queued, `on_ready` is told (in backward order), so the caller can
+    /// record an event and start reducing or offloading that range while the rest runs.
+    pub fn backward(
+        &mut self,
+        params: &CpuBuffer<f32>,
+        grads: &CpuBuffer<f32>,
+        loss_scale: f64,
+        on_ready: impl FnMut(&GradsReady),
+    ) -> Result<(), GptError> {
+        Ok(self.runner.backward(params, grads, loss_scale, on_ready)?)
+    }
+}
+
+/// Queues the initialisation of a flat parameter buffer on the device's compute stream (see
+/// [`crate::init_params`]): no host copy of the parameters is made.
+pub fn init_params_on_device(
+    device: &CpuDevice,
+    params: &CpuBuffer<f32>,
+    config: &GptConfig,
+    layout: &FlatLayout,
+    seed: u64,
+) -> Result<(), GptError> {
+    use zeroflow_device::DeviceBuffer;
+    ParamRanges::new(config, layout)?;
+    if params.len() != layout.padded_len() {
+        let (expected, found) = (layout.padded_len(), params.len());
+        return Err(GptError::Length { what: "parameter buffer", expected, found });
+    }
+    let (config, layout) = (*config, layout.clone());
+    let args = KernelArgs::new().output(params, 0..layout.padded_len());
+    device.launch(device.stream(StreamKind::Compute), "init_params", args, move |ctx| {
+        crate::init_params(&config, &layout, seed, ctx.output::<f32>(0)).map_err(|e| e.to_string())
+    })?;
+    Ok(())
+}
