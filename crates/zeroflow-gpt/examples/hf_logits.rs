@@ -37,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut model = HostGpt::<f64>::new(&config, &layout, 1, seq)?;
     let targets: Vec<u32> = tokens.iter().skip(1).chain(&tokens[..1]).copied().collect();
     let loss = model.forward(&weights, &tokens, &targets)?;
-    let acts = &model.activations()[model.plan().acts.logits.clone()];
+    let acts = &model.activations()[model.acts().logits.clone()];
     let padded = config.padded_vocab_size();
     let logits: Vec<&[f64]> = acts.chunks(padded).map(|row| &row[..config.vocab_size]).collect();
     println!("{}", serde_json::json!({ "tokens": tokens, "loss": loss, "logits": logits }));

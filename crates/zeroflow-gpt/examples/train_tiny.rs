@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use zeroflow_data::{DataLoader, Source, SyntheticCorpus};
 use zeroflow_device::{CpuDevice, Device};
-use zeroflow_gpt::data::{DataLoader, Source, SyntheticCorpus};
 use zeroflow_gpt::{CpuGpt, GptConfig, flat_layout, init_params};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

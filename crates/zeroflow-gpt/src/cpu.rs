@@ -1,31 +1,25 @@
-//! The model on the [`CpuDevice`]: every launch of the plan is a kernel queued on the compute
-//! stream, in f32, with its buffers' ranges declared, so the device's happens-before checker sees
-//! exactly what each kernel reads and writes.
+//! GPT-2 on the [`CpuDevice`]: its plan run by zeroflow-nn's [`CpuRunner`] (every launch a kernel
+//! queued on the compute stream, in f32, with its buffers' ranges declared, so the device's
+//! happens-before checker sees exactly what each kernel reads and writes).
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::cpu::{CpuBuffer, CpuEvent, KernelArgs, KernelCtx};
-use zeroflow_device::{CpuDevice, Device, HostBuffer, HostMemory, StreamKind};
+use zeroflow_device::cpu::{CpuBuffer, KernelArgs};
+use zeroflow_device::{CpuDevice, Device, StreamKind};
+use zeroflow_nn::CpuRunner;
 
 use crate::GptConfig;
 use crate::error::GptError;
-use crate::kernels::{self, ArgSlices, Kernel, Slot};
+use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{Access, Buf, Launch, Plan, Step};
+use crate::plan::{ActLayout, GptPlan, Plan};
 
 /// A model for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
 /// flat parameter and gradient buffers and passes them to each call.
 #[derive(Debug)]
 pub struct CpuGpt {
-    device: CpuDevice,
     config: GptConfig,
-    padded_len: usize,
-    plan: Plan,
-    acts: CpuBuffer<f32>,
-    act_grads: CpuBuffer<f32>,
-    inputs: CpuBuffer<u32>,
-    targets: CpuBuffer<u32>,
-    loss_host: HostBuffer<f32>,
-    loss_written: CpuEvent,
+    acts: ActLayout,
+    runner: CpuRunner<GptKernel>,
 }
 
 impl CpuGpt {
@@ -37,19 +31,10 @@ impl CpuGpt {
         batch: usize,
         seq: usize,
     ) -> Result<Self, GptError> {
-        let plan = Plan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
-        Ok(CpuGpt {
-            acts: device.alloc(plan.acts.len)?,
-            act_grads: device.alloc(plan.acts.len)?,
-            inputs: device.alloc(plan.tokens())?,
-            targets: device.alloc(plan.tokens())?,
-            loss_host: device.alloc_host(1, HostMemory::Pinned)?,
-            loss_written: device.new_event()?,
-            device: device.clone(),
-            config: *config,
-            padded_len: layout.padded_len(),
-            plan,
-        })
+        let GptPlan { acts, plan } =
+            GptPlan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
+        let runner = CpuRunner::new(device, plan, layout.padded_len())?;
+        Ok(CpuGpt { config: *config, acts, runner })
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -57,46 +42,28 @@ impl CpuGpt {
     }
 
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        self.runner.plan()
+    }
+
+    /// Where the activations lie.
+    pub fn acts(&self) -> &ActLayout {
+        &self.acts
     }
 
     /// Queues the upload of a micro-batch (`[batch, seq]` inputs and targets) on the compute
     /// stream. Token ids are checked against the vocabulary by the kernels that read them.
     pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        let n = self.plan.tokens();
-        for (what, tokens) in [("inputs", inputs), ("targets", targets)] {
-            if tokens.len() != n {
-                return Err(GptError::Length { what, expected: n, found: tokens.len() });
-            }
-        }
-        let (inputs, targets) = (inputs.to_vec(), targets.to_vec());
-        let args = KernelArgs::new().output(&self.inputs, 0..n).output(&self.targets, 0..n);
-        self.device.launch(self.compute(), "upload_tokens", args, move |ctx| {
-            ctx.output::<u32>(0).copy_from_slice(&inputs);
-            ctx.output::<u32>(1).copy_from_slice(&targets);
-            Ok(())
-        })?;
-        Ok(())
+        Ok(self.runner.set_batch(inputs, targets)?)
     }
 
     /// Queues forward on the compute stream.
     pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), GptError> {
-        self.check_flat("parameter buffer", params)?;
-        for launch in &self.plan.forward {
-            self.launch(launch, launch.kernel.clone(), params, None)?;
-        }
-        self.device.record(&mut self.loss_written, self.device.stream(StreamKind::Compute))?;
-        Ok(())
+        Ok(self.runner.forward(params)?)
     }
 
     /// Waits for the last forward and returns its mean loss (copied out on the D2H stream).
     pub fn loss(&mut self) -> Result<f32, GptError> {
-        let d2h = self.device.stream(StreamKind::D2h);
-        self.device.wait_event(d2h, &self.loss_written)?;
-        let range = self.plan.acts.loss.clone();
-        let filled =
-            self.device.copy_d2h(d2h, &self.acts, range, &mut self.loss_host, 0)?.wait()?;
-        Ok(filled[0])
+        Ok(self.runner.loss()?)
     }
 
     /// Queues backward on the compute stream: adds the gradient of `loss_scale` × (the last
@@ -108,64 +75,9 @@ impl CpuGpt {
         params: &CpuBuffer<f32>,
         grads: &CpuBuffer<f32>,
         loss_scale: f64,
-        mut on_ready: impl FnMut(&GradsReady),
+        on_ready: impl FnMut(&GradsReady),
     ) -> Result<(), GptError> {
-        self.check_flat("parameter buffer", params)?;
-        self.check_flat("gradient buffer", grads)?;
-        for step in &self.plan.backward {
-            match step {
-                Step::Launch(launch) => self.launch(
-                    launch,
-                    launch.kernel.with_loss_scale(loss_scale),
-                    params,
-                    Some(grads),
-                )?,
-                Step::GradsReady(ready) => on_ready(ready),
-            }
-        }
-        Ok(())
-    }
-
-    fn compute(&self) -> &zeroflow_device::cpu::CpuStream {
-        self.device.stream(StreamKind::Compute)
-    }
-
-    fn check_flat(&self, what: &'static str, buffer: &CpuBuffer<f32>) -> Result<(), GptError> {
-        use zeroflow_device::DeviceBuffer;
-        if buffer.len() == self.padded_len {
-            Ok(())
-        } else {
-            Err(GptError::Length { what, expected: self.padded_len, found: buffer.len() })
-        }
-    }
-
-    fn launch(
-        &self,
-        launch: &Launch,
-        kernel: Kernel,
-        params: &CpuBuffer<f32>,
-        grads: Option<&CpuBuffer<f32>>,
-    ) -> Result<(), GptError> {
-        let mut args = KernelArgs::new();
-        for arg in &launch.args {
-            let range = arg.range.clone();
-            args = match arg.buf {
-                Buf::Inputs => args.input(&self.inputs, range),
-                Buf::Targets => args.input(&self.targets, range),
-                Buf::Params => declare(args, params, range, arg.access),
-                Buf::Grads => {
-                    let grads = grads.expect("only backward touches gradients");
-                    declare(args, grads, range, arg.access)
-                }
-                Buf::Acts => declare(args, &self.acts, range, arg.access),
-                Buf::ActGrads => declare(args, &self.act_grads, range, arg.access),
-            };
-        }
-        let kinds: Vec<(Buf, Access)> = launch.args.iter().map(|a| (a.buf, a.access)).collect();
-        self.device.launch(self.compute(), kernel.name(), args, move |ctx| {
-            kernels::run(&kernel, &mut arg_slices(ctx, &kinds))
-        })?;
-        Ok(())
+        Ok(self.runner.backward(params, grads, loss_scale, on_ready)?)
     }
 }
 
@@ -190,31 +102,4 @@ pub fn init_params_on_device(
         crate::init_params(&config, &layout, seed, ctx.output::<f32>(0)).map_err(|e| e.to_string())
     })?;
     Ok(())
-}
-
-fn declare(
-    args: KernelArgs,
-    buffer: &CpuBuffer<f32>,
-    range: std::ops::Range<usize>,
-    access: Access,
-) -> KernelArgs {
-    match access {
-        Access::Read => args.input(buffer, range),
-        Access::Write => args.output(buffer, range),
-        Access::Update => args.in_out(buffer, range),
-    }
-}
-
-/// The declared arguments of a running kernel as the slices [`kernels::run`] takes.
-fn arg_slices<'a>(ctx: &'a KernelCtx, kinds: &[(Buf, Access)]) -> ArgSlices<'a, f32> {
-    let slots = kinds
-        .iter()
-        .enumerate()
-        .map(|(i, &(buf, access))| match (buf, access) {
-            (Buf::Inputs | Buf::Targets, _) => Slot::Tokens(ctx.input::<u32>(i)),
-            (_, Access::Read) => Slot::Read(ctx.input::<f32>(i)),
-            (_, Access::Write | Access::Update) => Slot::Write(Some(ctx.output::<f32>(i))),
-        })
-        .collect();
-    ArgSlices::new(slots)
 }

@@ -1,7 +1,8 @@
-//! Errors of the model (data errors are in [`crate::data::DataError`]).
+//! Errors of the model (data errors are `zeroflow_data::DataError`).
 
 use thiserror::Error;
 use zeroflow_device::DeviceError;
+use zeroflow_nn::NnError;
 
 #[derive(Debug, Error)]
 pub enum GptError {
@@ -27,4 +28,17 @@ pub enum GptError {
     Kernel { kernel: &'static str, reason: String },
     #[error(transparent)]
     Device(#[from] DeviceError),
+}
+
+/// The executors' errors as the model's own: the same kinds, so that a caller matching on
+/// [`GptError::Length`] or [`GptError::Kernel`] sees them whichever layer found them.
+impl From<NnError> for GptError {
+    fn from(error: NnError) -> Self {
+        match error {
+            NnError::Length { what, expected, found } => GptError::Length { what, expected, found },
+            NnError::Batch(reason) => GptError::Batch(reason),
+            NnError::Kernel { kernel, reason } => GptError::Kernel { kernel, reason },
+            NnError::Device(error) => GptError::Device(error),
+        }
+    }
 }

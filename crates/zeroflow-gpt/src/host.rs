@@ -1,37 +1,22 @@
-//! The plan run directly on host vectors, in any [`Float`]: the f64 oracle of the tests (finite
-//! differences) and a device-free reference. Launches run synchronously, one after the other.
-
-use std::ops::Range;
+//! GPT-2 run directly on host vectors, in any [`Float`], by zeroflow-nn's [`HostRunner`]: the f64
+//! oracle of the tests (finite differences) and a device-free reference. Launches run
+//! synchronously, one after the other.
 
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_nn::{AttentionKind, Float, HostRunner};
 
 use crate::GptConfig;
 use crate::error::GptError;
-use crate::float::Float;
-use crate::kernels::{self, ArgSlices, Slot};
+use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{Access, AttentionKind, Buf, Launch, Plan, Step};
+use crate::plan::{ActLayout, GptPlan, Plan};
 
 /// A model for one (batch, seq) whose activations live in host vectors.
 #[derive(Debug)]
 pub struct HostGpt<F> {
     config: GptConfig,
-    padded_len: usize,
-    plan: Plan,
-    acts: Vec<F>,
-    act_grads: Vec<F>,
-    inputs: Vec<u32>,
-    targets: Vec<u32>,
-}
-
-/// The buffers one launch may touch.
-struct Buffers<'a, F> {
-    params: &'a [F],
-    grads: &'a mut [F],
-    acts: &'a mut [F],
-    act_grads: &'a mut [F],
-    inputs: &'a [u32],
-    targets: &'a [u32],
+    acts: ActLayout,
+    runner: HostRunner<F, GptKernel>,
 }
 
 impl<F: Float> HostGpt<F> {
@@ -54,17 +39,10 @@ impl<F: Float> HostGpt<F> {
         attention: AttentionKind,
     ) -> Result<Self, GptError> {
         let params = ParamRanges::new(config, layout)?;
-        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
-        let len = plan.acts.len;
-        Ok(HostGpt {
-            config: *config,
-            padded_len: layout.padded_len(),
-            acts: vec![F::zero(); len],
-            act_grads: vec![F::zero(); len],
-            inputs: vec![0; plan.tokens()],
-            targets: vec![0; plan.tokens()],
-            plan,
-        })
+        let GptPlan { acts, plan } =
+            GptPlan::with_attention(config, &params, batch, seq, attention)?;
+        let runner = HostRunner::new(plan, layout.padded_len());
+        Ok(HostGpt { config: *config, acts, runner })
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -72,12 +50,17 @@ impl<F: Float> HostGpt<F> {
     }
 
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        self.runner.plan()
     }
 
-    /// The activations of the last forward, laid out as [`Plan::acts`] says.
-    pub fn activations(&self) -> &[F] {
+    /// Where the activations lie.
+    pub fn acts(&self) -> &ActLayout {
         &self.acts
+    }
+
+    /// The activations of the last forward, laid out as [`HostGpt::acts`] says.
+    pub fn activations(&self) -> &[F] {
+        self.runner.activations()
     }
 
     /// Runs forward on `inputs` → `targets` (each `[batch, seq]`) and returns the mean loss.
@@ -87,24 +70,7 @@ impl<F: Float> HostGpt<F> {
         inputs: &[u32],
         targets: &[u32],
     ) -> Result<F, GptError> {
-        check_len("parameter buffer", params.len(), self.padded_len)?;
-        check_len("inputs", inputs.len(), self.plan.tokens())?;
-        check_len("targets", targets.len(), self.plan.tokens())?;
-        self.inputs.copy_from_slice(inputs);
-        self.targets.copy_from_slice(targets);
-        let mut no_grads: [F; 0] = [];
-        for launch in &self.plan.forward {
-            let mut buffers = Buffers {
-                params,
-                grads: &mut no_grads,
-                acts: &mut self.acts,
-                act_grads: &mut self.act_grads,
-                inputs: &self.inputs,
-                targets: &self.targets,
-            };
-            execute(launch, &launch.kernel, &mut buffers)?;
-        }
-        Ok(self.acts[self.plan.acts.loss.start])
+        Ok(self.runner.forward(params, inputs, targets)?)
     }
 
     /// Adds the gradient of `loss_scale` × (the last forward's mean loss) to `grads`. After each
@@ -114,31 +80,11 @@ impl<F: Float> HostGpt<F> {
         params: &[F],
         grads: &mut [F],
         loss_scale: f64,
-        mut on_ready: impl FnMut(&GradsReady, &[F]),
+        on_ready: impl FnMut(&GradsReady, &[F]),
     ) -> Result<(), GptError> {
-        check_len("parameter buffer", params.len(), self.padded_len)?;
-        check_len("gradient buffer", grads.len(), self.padded_len)?;
-        for step in &self.plan.backward {
-            match step {
-                Step::Launch(launch) => {
-                    let mut buffers = Buffers {
-                        params,
-                        grads: &mut *grads,
-                        acts: &mut self.acts,
-                        act_grads: &mut self.act_grads,
-                        inputs: &self.inputs,
-                        targets: &self.targets,
-                    };
-                    execute(launch, &launch.kernel.with_loss_scale(loss_scale), &mut buffers)?;
-                }
-                Step::GradsReady(ready) => on_ready(ready, grads),
-            }
-        }
-        Ok(())
+        Ok(self.runner.backward(params, grads, loss_scale, on_ready)?)
     }
-}
 
-impl<F: Float> HostGpt<F> {
     /// Runs forward and backward once more on the last batch and returns the time each kernel
     /// took, summed by kernel name, in first-launch order (for benchmarks).
     pub fn profile(
@@ -146,99 +92,6 @@ impl<F: Float> HostGpt<F> {
         params: &[F],
         grads: &mut [F],
     ) -> Result<Vec<(&'static str, std::time::Duration)>, GptError> {
-        let mut times: Vec<(&'static str, std::time::Duration)> = Vec::new();
-        let launches =
-            self.plan.forward.iter().chain(self.plan.backward.iter().filter_map(|s| match s {
-                Step::Launch(launch) => Some(launch),
-                Step::GradsReady(_) => None,
-            }));
-        let mut no_grads: [F; 0] = [];
-        let forward_len = self.plan.forward.len();
-        for (i, launch) in launches.enumerate() {
-            let grads = if i < forward_len { &mut no_grads[..] } else { &mut *grads };
-            let mut buffers = Buffers {
-                params,
-                grads,
-                acts: &mut self.acts,
-                act_grads: &mut self.act_grads,
-                inputs: &self.inputs,
-                targets: &self.targets,
-            };
-            let start = std::time::Instant::now();
-            execute(launch, &launch.kernel, &mut buffers)?;
-            let name = launch.kernel.name();
-            match times.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, total)) => *total += start.elapsed(),
-                None => times.push((name, start.elapsed())),
-            }
-        }
-        Ok(times)
+        Ok(self.runner.profile(params, grads)?)
     }
-}
-
-fn check_len(what: &'static str, found: usize, expected: usize) -> Result<(), GptError> {
-    if found == expected { Ok(()) } else { Err(GptError::Length { what, expected, found }) }
-}
-
-/// Runs one launch: hands each argument its slice and calls the kernel.
-fn execute<F: Float>(
-    launch: &Launch,
-    kernel: &kernels::Kernel,
-    b: &mut Buffers<'_, F>,
-) -> Result<(), GptError> {
-    let mut slots: Vec<Option<Slot<'_, F>>> = launch.args.iter().map(|_| None).collect();
-    for (i, arg) in launch.args.iter().enumerate() {
-        match arg.buf {
-            Buf::Params => {
-                assert_eq!(arg.access, Access::Read, "the model never writes parameters");
-                slots[i] = Some(Slot::Read(&b.params[arg.range.clone()]));
-            }
-            Buf::Inputs => slots[i] = Some(Slot::Tokens(&b.inputs[arg.range.clone()])),
-            Buf::Targets => slots[i] = Some(Slot::Tokens(&b.targets[arg.range.clone()])),
-            Buf::Grads | Buf::Acts | Buf::ActGrads => {}
-        }
-    }
-    for (buf, data) in
-        [(Buf::Grads, &mut *b.grads), (Buf::Acts, &mut *b.acts), (Buf::ActGrads, &mut *b.act_grads)]
-    {
-        let mine: Vec<(usize, Range<usize>)> = launch
-            .args
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.buf == buf)
-            .map(|(i, a)| (i, a.range.clone()))
-            .collect();
-        for (i, slice) in split_disjoint(data, mine) {
-            slots[i] = Some(match launch.args[i].access {
-                Access::Read => Slot::Read(slice),
-                Access::Write | Access::Update => Slot::Write(Some(slice)),
-            });
-        }
-    }
-    let slots = slots.into_iter().map(|s| s.expect("every argument has a buffer")).collect();
-    kernels::run(kernel, &mut ArgSlices::new(slots))
-        .map_err(|reason| GptError::Kernel { kernel: kernel.name(), reason })
-}
-
-/// Splits `data` into the given disjoint ranges, returned with their argument indices.
-///
-/// # Panics
-/// If two ranges overlap (a plan bug: the device would refuse the launch as aliased).
-fn split_disjoint<F>(
-    data: &mut [F],
-    mut ranges: Vec<(usize, Range<usize>)>,
-) -> Vec<(usize, &mut [F])> {
-    ranges.sort_by_key(|(_, r)| r.start);
-    let mut out = Vec::with_capacity(ranges.len());
-    let mut rest = data;
-    let mut consumed = 0;
-    for (i, range) in ranges {
-        assert!(range.start >= consumed, "arguments overlap at element {}", range.start);
-        let (_, tail) = rest.split_at_mut(range.start - consumed);
-        let (mine, tail) = tail.split_at_mut(range.len());
-        consumed = range.end;
-        rest = tail;
-        out.push((i, mine));
-    }
-    out
 }

@@ -1,21 +1,19 @@
-//! The GPT-2 family model of zeroflow and its data.
+//! The GPT-2 family model of zeroflow, built on zeroflow-nn's layers (its data is
+//! `zeroflow-data`'s).
 //!
 //! - [`GptConfig`]: shapes (named sizes and custom JSON); [`params`]: Hugging Face names and
 //!   shapes in a fixed order for the flat layout, initialisation, gradient groups.
-//! - [`kernels`]: every layer's forward and backward as pure functions over slices, generic over
-//!   [`Float`] (f32 on the device, f64 in tests).
-//! - [`plan`]: the model as a list of kernel launches over flat buffers, for one (batch, seq).
+//! - [`kernels`]: GPT-2's own layers (LayerNorm, GELU) as pure functions over slices, generic
+//!   over [`Float`] (f32 on the device, f64 in tests), and [`GptKernel`], their launches.
+//! - [`plan`]: the model as zeroflow-nn's plan of kernel launches over flat buffers, for one
+//!   (batch, seq).
 //! - [`CpuGpt`] runs the plan on the [`zeroflow_device::CpuDevice`]'s compute stream;
-//!   [`HostGpt`] runs it on host vectors (the f64 oracle).
-//! - [`data`]: the synthetic corpus with a known entropy floor, llm.c token shards, plain text
-//!   (bytes or GPT-2 BPE).
+//!   [`HostGpt`] runs it on host vectors (the f64 oracle); [`CudaGpt`] on a GPU.
 
 pub mod config;
 pub mod cpu;
 pub mod cuda;
-pub mod data;
 pub mod error;
-pub mod float;
 pub mod host;
 pub mod kernels;
 pub mod params;
@@ -25,12 +23,13 @@ pub use config::{GptConfig, NAMED_SIZES};
 pub use cpu::{CpuGpt, init_params_on_device};
 pub use cuda::CudaGpt;
 pub use error::GptError;
-pub use float::Float;
 pub use host::HostGpt;
+pub use kernels::GptKernel;
 pub use params::{
     GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, param_specs,
 };
-pub use plan::{AttentionKind, Plan};
+pub use plan::{ActLayout, GptPlan, Plan};
+pub use zeroflow_nn::{AttentionKind, Float};
 
 use zeroflow_core::layout::{Alignment, FlatLayout};
 

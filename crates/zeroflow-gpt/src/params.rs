@@ -11,7 +11,8 @@ use zeroflow_core::layout::{FlatLayout, ParamSpec};
 
 use crate::GptConfig;
 use crate::error::GptError;
-use crate::float::Float;
+use zeroflow_nn::Float;
+pub use zeroflow_nn::plan::{GradGroup, GradsReady};
 
 /// The parameters of one transformer block, as flat ranges.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -249,29 +250,6 @@ fn fill_normal<F: Float>(rng: &mut ChaCha8Rng, std: f64, out: &mut [F]) {
             *second = F::of(radius * angle.sin());
         }
     }
-}
-
-/// Which parameters a [`GradsReady`] notice is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GradGroup {
-    /// The final LayerNorm (`transformer.ln_f.*`).
-    FinalNorm,
-    /// Transformer block `i` (`transformer.h.{i}.*`).
-    Block(usize),
-    /// The token and position embeddings (`transformer.wte`, `transformer.wpe`); the token
-    /// embedding is complete only here because the tied LM head also writes it.
-    Embeddings,
-}
-
-/// A group of parameters whose gradients are complete: every kernel that adds to them has been
-/// queued on the compute stream. Sent during backward, in backward order: `FinalNorm`, the blocks
-/// from last to first, `Embeddings`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GradsReady {
-    pub group: GradGroup,
-    /// The elements of the flat buffer the group spans, from its first parameter's first element to
-    /// its last parameter's last (alignment gaps between them included; they stay zero).
-    pub flat_range: Range<usize>,
 }
 
 impl ParamRanges {

@@ -1,89 +1,25 @@
-//! The model as a list of kernel launches: the activation layout for one (batch, sequence length),
-//! and the forward and backward launches over the four flat buffers (parameters, gradients,
-//! activations, activation gradients) and the two token buffers.
+//! GPT-2 as a plan of zeroflow-nn: the activation layout for one (batch, sequence length), and the
+//! forward and backward launches over the four flat buffers (parameters, gradients, activations,
+//! activation gradients) and the two token buffers.
 //!
-//! A backend runs a plan by launching each [`Launch`] with the declared ranges of its buffers; the
-//! CPU device and the host path ([`crate::host`]) both call [`crate::kernels::run`]. A CUDA backend
-//! maps each [`Kernel`] to its device kernel (cuBLASLt for the matmuls) over the same ranges.
+//! zeroflow-nn's executors run the plan ([`zeroflow_nn::host::HostRunner`],
+//! [`zeroflow_nn::cpu::CpuRunner`], [`zeroflow_nn::cuda::CudaRunner`]); GPT-2's own kernels
+//! (LayerNorm, GELU) are [`GptKernel`]s in it.
 
 use std::ops::Range;
 
+use zeroflow_nn::plan::{
+    ActAllocator, Buf, Launch, Step, read, update, write, zero_accumulated_activation_grads,
+};
+use zeroflow_nn::{AttentionKind, AttentionShape, WeightLayout};
+
 use crate::GptConfig;
 use crate::error::GptError;
-use crate::kernels::{Kernel, WeightLayout};
-use crate::params::{BlockParams, GradsReady, ParamRanges};
+use crate::kernels::{GptKernel, Kernel};
+use crate::params::{BlockParams, ParamRanges};
 
-/// The buffers a launch can touch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Buf {
-    /// The flat parameter buffer (read-only to the model).
-    Params,
-    /// The flat gradient buffer (the model adds to it).
-    Grads,
-    /// The activations of the current micro-batch.
-    Acts,
-    /// The gradients of the activations (same layout as `Acts`).
-    ActGrads,
-    /// Input token ids `[batch, seq]`.
-    Inputs,
-    /// Target token ids `[batch, seq]`.
-    Targets,
-}
-
-/// How a launch uses an argument.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Access {
-    Read,
-    /// Overwritten.
-    Write,
-    /// Read and updated in place (gradient accumulation: `+=`).
-    Update,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Arg {
-    pub buf: Buf,
-    pub range: Range<usize>,
-    pub access: Access,
-}
-
-/// One kernel launch and its arguments, in the order [`Kernel`] documents.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Launch {
-    pub kernel: Kernel,
-    pub args: Vec<Arg>,
-}
-
-/// One step of backward: a launch, or a notice that a group's gradients are complete.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Step {
-    Launch(Launch),
-    GradsReady(GradsReady),
-}
-
-/// How the attention of every block keeps what its backward needs. The CUDA model takes it from
-/// `ZEROFLOW_ATTENTION` (`crate::cuda::ATTENTION_VAR`); the CPU models use [`AttentionKind::Gemm`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum AttentionKind {
-    /// The softmax weights `att [batch, n_head, seq, seq]` ([`Kernel::Attention`]; on the GPU,
-    /// `CudaAttention`'s cuBLASLt products and softmax kernels). The default.
-    #[default]
-    Gemm,
-    /// Only the log-sum-exp of each query row, `lse [batch, n_head, seq]`, from which backward
-    /// recomputes the weights ([`Kernel::FlashAttention`]; on the GPU, `FlashAttention`, for head
-    /// sizes 64 and 128).
-    Flash,
-}
-
-impl AttentionKind {
-    /// The name `ZEROFLOW_ATTENTION` takes: `gemm` or `flash`.
-    pub fn name(self) -> &'static str {
-        match self {
-            AttentionKind::Gemm => "gemm",
-            AttentionKind::Flash => "flash",
-        }
-    }
-}
+/// GPT-2's plan: zeroflow-nn's [`zeroflow_nn::Plan`] of [`GptKernel`]s.
+pub type Plan = zeroflow_nn::Plan<GptKernel>;
 
 /// What a block's attention keeps from forward for backward, as a range of the activation buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -139,21 +75,10 @@ pub struct ActLayout {
     pub len: usize,
 }
 
-/// Hands out consecutive ranges, each starting at a multiple of 16 elements (64 bytes of f32).
-struct Bump(usize);
-
-impl Bump {
-    fn take(&mut self, len: usize) -> Range<usize> {
-        let start = self.0.div_ceil(16) * 16;
-        self.0 = start + len;
-        start..self.0
-    }
-}
-
 impl ActLayout {
     pub fn new(config: &GptConfig, batch: usize, seq: usize, attention: AttentionKind) -> Self {
         let (n, c, nh) = (batch * seq, config.d_model, config.n_head);
-        let mut bump = Bump(0);
+        let mut bump = ActAllocator::default();
         let encoded = bump.take(n * c);
         let blocks = (0..config.n_layer)
             .map(|_| BlockActs {
@@ -186,7 +111,7 @@ impl ActLayout {
         let probs = bump.take(n * config.padded_vocab_size());
         let losses = bump.take(n);
         let loss = bump.take(1);
-        let len = bump.0;
+        let len = bump.len();
         ActLayout {
             batch,
             seq,
@@ -211,29 +136,33 @@ impl ActLayout {
             _ => self.blocks[layer - 1].residual3.clone(),
         }
     }
+
+    /// The activations kept in f32 on the GPU, in the order of its f32 buffer: each block's
+    /// LayerNorm statistics (and flash attention's log-sum-exp), the final LayerNorm's, the
+    /// losses and the mean loss.
+    fn f32_acts(&self) -> Vec<Range<usize>> {
+        let mut ranges = Vec::new();
+        for block in &self.blocks {
+            ranges.extend([&block.ln_1_mean, &block.ln_1_rstd, &block.ln_2_mean, &block.ln_2_rstd]);
+            if let AttentionActs::LogSumExp(lse) = &block.attention {
+                ranges.push(lse);
+            }
+        }
+        ranges.extend([&self.ln_f_mean, &self.ln_f_rstd, &self.losses, &self.loss]);
+        ranges.into_iter().cloned().collect()
+    }
 }
 
-/// The launches of forward and backward for one (batch, seq).
+/// GPT-2's plan for one (batch, seq) and where its activations lie.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Plan {
+pub struct GptPlan {
     pub acts: ActLayout,
-    pub forward: Vec<Launch>,
-    pub backward: Vec<Step>,
-}
-
-fn read(buf: Buf, range: &Range<usize>) -> Arg {
-    Arg { buf, range: range.clone(), access: Access::Read }
-}
-fn write(buf: Buf, range: &Range<usize>) -> Arg {
-    Arg { buf, range: range.clone(), access: Access::Write }
-}
-fn update(buf: Buf, range: &Range<usize>) -> Arg {
-    Arg { buf, range: range.clone(), access: Access::Update }
+    pub plan: Plan,
 }
 
 use Buf::{ActGrads as AG, Acts as A, Grads as G, Params as P};
 
-impl Plan {
+impl GptPlan {
     /// The plan for micro-batches of `batch` sequences of `seq` tokens, with
     /// [`AttentionKind::Gemm`].
     pub fn new(
@@ -241,7 +170,7 @@ impl Plan {
         params: &ParamRanges,
         batch: usize,
         seq: usize,
-    ) -> Result<Plan, GptError> {
+    ) -> Result<GptPlan, GptError> {
         Self::with_attention(config, params, batch, seq, AttentionKind::Gemm)
     }
 
@@ -253,7 +182,7 @@ impl Plan {
         batch: usize,
         seq: usize,
         attention: AttentionKind,
-    ) -> Result<Plan, GptError> {
+    ) -> Result<GptPlan, GptError> {
         if batch == 0 || seq == 0 || seq > config.context {
             return Err(GptError::Batch(format!(
                 "batch {batch} × seq {seq}: both must be at least 1 and seq at most the context {}",
@@ -269,12 +198,16 @@ impl Plan {
         });
         let mut backward = Builder::new(config, &acts);
         backward.backward(params);
-        Ok(Plan { forward: forward.collect(), backward: backward.steps, acts })
-    }
-
-    /// Tokens per micro-batch.
-    pub fn tokens(&self) -> usize {
-        self.acts.batch * self.acts.seq
+        let plan = Plan {
+            batch,
+            seq,
+            acts_len: acts.len,
+            forward: forward.collect(),
+            backward: backward.steps,
+            loss: acts.loss.clone(),
+            f32_acts: acts.f32_acts(),
+        };
+        Ok(GptPlan { acts, plan })
     }
 }
 
@@ -284,7 +217,7 @@ impl Plan {
 struct Builder<'a> {
     config: &'a GptConfig,
     acts: &'a ActLayout,
-    steps: Vec<Step>,
+    steps: Vec<Step<GptKernel>>,
 }
 
 impl<'a> Builder<'a> {
@@ -292,7 +225,7 @@ impl<'a> Builder<'a> {
         Builder { config, acts, steps: Vec::new() }
     }
 
-    fn launch(&mut self, kernel: Kernel, args: Vec<Arg>) {
+    fn launch(&mut self, kernel: Kernel, args: Vec<zeroflow_nn::Arg>) {
         self.steps.push(Step::Launch(Launch { kernel, args }));
     }
 
@@ -336,7 +269,7 @@ impl<'a> Builder<'a> {
         let (a, c) = (self.acts, self.config.d_model);
         let (wpe, tokens) = (self.wpe_rows(p), self.tokens());
         let mut groups = p.grad_groups().into_iter().map(Step::GradsReady);
-        let mut ready = |steps: &mut Vec<Step>| steps.extend(groups.next());
+        let mut ready = |steps: &mut Vec<Step<GptKernel>>| steps.extend(groups.next());
         let (vocab, padded_vocab) = (self.config.vocab_size, self.config.padded_vocab_size());
         self.launch(
             Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss: 1.0 / tokens.len() as f64 },
@@ -375,28 +308,7 @@ impl<'a> Builder<'a> {
     /// other: the gradients of the softmax output, the attention weights, the log-sum-exp and the
     /// LayerNorm statistics are never formed).
     fn zero_accumulated_activation_grads(&mut self) {
-        let mut ranges: Vec<Range<usize>> = self
-            .steps
-            .iter()
-            .filter_map(|step| match step {
-                Step::Launch(launch) => Some(launch.args.iter()),
-                Step::GradsReady(_) => None,
-            })
-            .flatten()
-            .filter(|arg| arg.buf == AG && arg.access == Access::Update)
-            .map(|arg| arg.range.clone())
-            .collect();
-        ranges.sort_by_key(|r| r.start);
-        let mut merged: Vec<Range<usize>> = Vec::new();
-        for range in ranges {
-            match merged.last_mut() {
-                // Ranges start 16-aligned: zero the alignment gap too rather than split.
-                Some(last) if range.start <= last.end + 16 => last.end = last.end.max(range.end),
-                _ => merged.push(range),
-            }
-        }
-        let args: Vec<Arg> = merged.iter().map(|range| write(AG, range)).collect();
-        let zero = Launch { kernel: Kernel::Zero { ranges: args.len() }, args };
+        let zero: Launch<GptKernel> = zero_accumulated_activation_grads(&self.steps);
         self.steps.insert(0, Step::Launch(zero));
     }
 
@@ -468,7 +380,7 @@ impl<'a> Builder<'a> {
             read(P, weight),
             read(P, bias),
         ];
-        self.launch(Kernel::LayerNorm { c: self.config.d_model }, args);
+        self.launch(Kernel::Layer(GptKernel::LayerNorm { c: self.config.d_model }), args);
     }
 
     fn layernorm_backward(
@@ -490,7 +402,7 @@ impl<'a> Builder<'a> {
             read(A, mean),
             read(A, rstd),
         ];
-        self.launch(Kernel::LayerNormBackward { c: self.config.d_model }, args);
+        self.launch(Kernel::Layer(GptKernel::LayerNormBackward { c: self.config.d_model }), args);
     }
 
     /// `out = inp @ weight + bias` with `inp` of width `c` and `out` of width `oc`.
@@ -523,26 +435,24 @@ impl<'a> Builder<'a> {
         self.launch(Kernel::MatmulBackward { c, oc, layout, bias: bias.is_some() }, args);
     }
 
-    fn attention_kernel_sizes(&self) -> (usize, usize, usize) {
-        (self.acts.seq, self.config.d_model, self.config.n_head)
+    /// GPT-2's attention: multi-head, as many key/value heads as query heads.
+    fn attention_shape(&self) -> AttentionShape {
+        AttentionShape::multi_head(self.acts.seq, self.config.d_model, self.config.n_head)
     }
 
     fn attention(&mut self, out: &Range<usize>, att: &Range<usize>, qkv: &Range<usize>) {
-        let (t, c, n_head) = self.attention_kernel_sizes();
         let args = vec![write(A, out), write(A, att), read(A, qkv)];
-        self.launch(Kernel::Attention { t, c, n_head }, args);
+        self.launch(Kernel::Attention(self.attention_shape()), args);
     }
 
     fn attention_backward(&mut self, out: &Range<usize>, att: &Range<usize>, qkv: &Range<usize>) {
-        let (t, c, n_head) = self.attention_kernel_sizes();
         let args = vec![update(AG, qkv), write(AG, att), read(AG, out), read(A, qkv), read(A, att)];
-        self.launch(Kernel::AttentionBackward { t, c, n_head }, args);
+        self.launch(Kernel::AttentionBackward(self.attention_shape()), args);
     }
 
     fn flash_attention(&mut self, out: &Range<usize>, lse: &Range<usize>, qkv: &Range<usize>) {
-        let (t, c, n_head) = self.attention_kernel_sizes();
         let args = vec![write(A, out), write(A, lse), read(A, qkv)];
-        self.launch(Kernel::FlashAttention { t, c, n_head }, args);
+        self.launch(Kernel::FlashAttention(self.attention_shape()), args);
     }
 
     fn flash_attention_backward(
@@ -551,17 +461,17 @@ impl<'a> Builder<'a> {
         lse: &Range<usize>,
         qkv: &Range<usize>,
     ) {
-        let (t, c, n_head) = self.attention_kernel_sizes();
         let args = vec![update(AG, qkv), read(AG, out), read(A, qkv), read(A, out), read(A, lse)];
-        self.launch(Kernel::FlashAttentionBackward { t, c, n_head }, args);
+        self.launch(Kernel::FlashAttentionBackward(self.attention_shape()), args);
     }
 
     fn gelu(&mut self, out: &Range<usize>, inp: &Range<usize>) {
-        self.launch(Kernel::Gelu, vec![write(A, out), read(A, inp)]);
+        self.launch(Kernel::Layer(GptKernel::Gelu), vec![write(A, out), read(A, inp)]);
     }
 
     fn gelu_backward(&mut self, out: &Range<usize>, inp: &Range<usize>) {
-        self.launch(Kernel::GeluBackward, vec![update(AG, inp), read(A, inp), read(AG, out)]);
+        let args = vec![update(AG, inp), read(A, inp), read(AG, out)];
+        self.launch(Kernel::Layer(GptKernel::GeluBackward), args);
     }
 
     fn residual(&mut self, out: &Range<usize>, a: &Range<usize>, b: &Range<usize>) {

@@ -4,7 +4,7 @@
 //! layout without the `[batch, n_head, seq, seq]` weights. The CUDA model runs the same plans.
 
 use zeroflow_gpt::plan::AttentionActs;
-use zeroflow_gpt::{AttentionKind, GradsReady, HostGpt};
+use zeroflow_gpt::{AttentionKind, GptPlan, GradsReady, HostGpt};
 
 use crate::support::{ODD, perturbed_params, random_batch, relative_error};
 
@@ -19,7 +19,7 @@ fn flash_and_gemm_plans_give_the_same_loss_and_gradients() {
             let mut model =
                 HostGpt::<f64>::with_attention(&ODD, &layout, batch, seq, attention).unwrap();
             let loss = model.forward(&params, &inputs, &targets).unwrap();
-            let logits = model.activations()[model.plan().acts.logits.clone()].to_vec();
+            let logits = model.activations()[model.acts().logits.clone()].to_vec();
             let mut grads = vec![0.0; layout.padded_len()];
             let mut groups: Vec<GradsReady> = Vec::new();
             model
@@ -47,7 +47,8 @@ fn the_flash_layout_keeps_the_log_sum_exp_instead_of_the_weights() {
     let (layout, _) = perturbed_params(&ODD, 1);
     let (batch, seq) = (4, 8);
     let plan = |attention| {
-        HostGpt::<f64>::with_attention(&ODD, &layout, batch, seq, attention).unwrap().plan().clone()
+        let model = HostGpt::<f64>::with_attention(&ODD, &layout, batch, seq, attention).unwrap();
+        GptPlan { acts: model.acts().clone(), plan: model.plan().clone() }
     };
     let (gemm, flash) = (plan(AttentionKind::Gemm), plan(AttentionKind::Flash));
     let rows = batch * ODD.n_head * seq;
@@ -60,8 +61,8 @@ fn the_flash_layout_keeps_the_log_sum_exp_instead_of_the_weights() {
         assert_eq!(att.len(), rows * seq);
     }
     assert_eq!(gemm.acts.len - flash.acts.len, ODD.n_layer * (rows * seq - rows));
-    let names = |plan: &zeroflow_gpt::Plan| -> Vec<&str> {
-        plan.forward.iter().map(|launch| launch.kernel.name()).collect()
+    let names = |plan: &GptPlan| -> Vec<&str> {
+        plan.plan.forward.iter().map(|launch| launch.kernel.name()).collect()
     };
     assert!(names(&flash).contains(&"flash_attention_forward"));
     assert!(!names(&flash).contains(&"attention_forward"));

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
+use zeroflow_data::{DataLoader, Source, SyntheticCorpus};
 use zeroflow_device::{CpuDevice, Device};
-use zeroflow_gpt::data::{DataLoader, Source, SyntheticCorpus};
 use zeroflow_gpt::{CpuGpt, GptConfig, flat_layout, init_params};
 
 /// Thirty Adam steps of a one-layer model on a first-order chain (entropy 1.28 nats) take the

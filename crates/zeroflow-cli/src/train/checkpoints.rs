@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
+use zeroflow_data::DataPosition;
 use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded, Meta, NamedTensor};
 use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
 use zeroflow_gpt::GptConfig;
-use zeroflow_gpt::data::DataPosition;
 
 use super::input;
 use crate::dist::Group;

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use zeroflow_data::{DataLoader, Source, SyntheticCorpus};
 use zeroflow_gpt::GptConfig;
-use zeroflow_gpt::data::{DataLoader, Source, SyntheticCorpus};
 
 use super::input;
 
@@ -70,7 +70,7 @@ impl Spec {
     pub fn default_vocab(&self) -> usize {
         match self {
             Spec::Synthetic => SyntheticCorpus::default().vocab,
-            Spec::Shards(_) => zeroflow_gpt::data::GPT2_VOCAB,
+            Spec::Shards(_) => zeroflow_data::GPT2_VOCAB,
             Spec::Text(_) => 256,
         }
     }
@@ -137,7 +137,7 @@ pub struct Data {
     pub train: DataLoader,
     /// This rank's part of the evaluation set: [`EVAL_BATCHES`] micro-batches, the same at every
     /// evaluation.
-    pub eval: Vec<zeroflow_gpt::data::Batch>,
+    pub eval: Vec<zeroflow_data::Batch>,
     /// The lowest loss a model can reach, where known (the synthetic corpus).
     pub floor: Option<f64>,
     /// What the data is, for the log and the summary.

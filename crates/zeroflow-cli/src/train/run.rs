@@ -10,12 +10,12 @@ use anyhow::Context as _;
 use serde_json::json;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_core::Float;
+use zeroflow_data::{Batch, DataLoader};
 use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
 use zeroflow_engine::{
     Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport, ZenFlowSnapshot,
 };
-use zeroflow_gpt::data::{Batch, DataLoader};
 use zeroflow_gpt::{GptError, flat_layout, hf_tensors, init_params};
 
 use super::backend::{self, Model};

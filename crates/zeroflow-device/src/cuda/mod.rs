@@ -22,6 +22,7 @@ pub mod load;
 mod memory;
 pub mod module;
 pub mod nccl;
+mod slice;
 
 use std::fmt;
 use std::ops::Range;
@@ -33,6 +34,7 @@ pub use info::{CudaReport, GpuInfo, LibraryReport, LoadedLibrary, is_absent, sho
 pub use library::{CudaLibrary, LIBRARY_PATH_FIX};
 pub use memory::CudaBuffer;
 pub use module::{CudaFunction, CudaModule, Dim3, KernelParams};
+pub use slice::{DeviceSlice, DeviceSliceMut};
 use zeroflow_core::Element;
 
 use self::library::driver_error;
@@ -297,6 +299,19 @@ impl CudaDevice {
     /// The cudarc context, for kernels and libraries. Its event tracking is off.
     pub fn context(&self) -> &Arc<driver::CudaContext> {
         &self.inner.ctx
+    }
+
+    /// Makes the device's context current on this thread (before calls on its [`CudaFunction`]s
+    /// that take no stream, such as [`CudaFunction::set_max_dynamic_shared`]).
+    pub fn bind(&self) -> Result<()> {
+        self.inner.bind()
+    }
+
+    /// The GPU's free and total memory now, in bytes (`cuMemGetInfo`), counting every process
+    /// and context on it.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.inner.bind()?;
+        cu::mem_get_info().map_err(|e| driver_error("cuMemGetInfo", e))
     }
 
     /// A new stream beyond the standard four (for example one that loads the GPU).

@@ -19,7 +19,7 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use zeroflow_core::Element;
 
 use super::library::{CudaLibrary, driver_error};
-use super::{CudaBuffer, CudaDevice, CudaStream};
+use super::{CudaBuffer, CudaDevice, CudaStream, DeviceSlice, DeviceSliceMut};
 use crate::error::{DeviceError, Result};
 
 /// The source every module is compiled after.
@@ -355,6 +355,18 @@ impl KernelParams {
     #[must_use]
     pub fn ptr<T: Element>(self, buffer: &CudaBuffer<T>, index: usize) -> Self {
         self.raw_ptr(buffer.address(index))
+    }
+
+    /// A slice the kernel reads (`const T*` in the kernel, pointing at the slice's first element).
+    #[must_use]
+    pub fn slice<T: Element>(self, slice: DeviceSlice<'_, T>) -> Self {
+        self.raw_ptr(slice.address())
+    }
+
+    /// A slice the kernel writes (`T*` in the kernel, pointing at the slice's first element).
+    #[must_use]
+    pub fn slice_mut<T: Element>(self, slice: DeviceSliceMut<'_, T>) -> Self {
+        self.raw_ptr(slice.address())
     }
 
     /// A raw device address.

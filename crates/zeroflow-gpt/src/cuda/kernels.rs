@@ -1,99 +1,143 @@
-//! The model's own CUDA kernels (`kernels/*.cu`): their sources, loaded once per model, and the
-//! launch geometry shared by the backend.
+//! GPT-2's own CUDA kernels (`kernels/layernorm.cu`, `kernels/gelu.cu`): their sources, loaded
+//! once per model, and how they run the plan's [`GptKernel`] launches on zeroflow-nn's executor
+//! ([`CudaLayers`]).
 
-use zeroflow_device::CudaDevice;
-use zeroflow_device::DeviceError;
-use zeroflow_device::cuda::CudaFunction;
+use zeroflow_device::cuda::{CudaFunction, KernelParams};
+use zeroflow_device::{CudaDevice, DeviceError};
+use zeroflow_nn::NnError;
+use zeroflow_nn::cuda::kernels::{COMMON, ROWS_PER_BLOCK, ROWS_PER_CHUNK, THREADS, chunks_for};
+use zeroflow_nn::cuda::schedule::Place;
+use zeroflow_nn::cuda::{CudaLayerKernel, CudaLayers, LayerCtx};
 
-/// The shared header every module of the model is compiled with (after the device prelude).
-const COMMON: &str = include_str!("../../kernels/common.cuh");
+use crate::kernels::GptKernel;
 
-/// Each module's name and source (the shared header first).
-pub const SOURCES: [(&str, &str); 4] = [
-    (
-        "gpt_pointwise",
-        concat!(
-            include_str!("../../kernels/common.cuh"),
-            include_str!("../../kernels/pointwise.cu")
-        ),
-    ),
-    (
-        "gpt_layernorm",
-        concat!(
-            include_str!("../../kernels/common.cuh"),
-            include_str!("../../kernels/layernorm.cu")
-        ),
-    ),
-    (
-        "gpt_encoder",
-        concat!(include_str!("../../kernels/common.cuh"), include_str!("../../kernels/encoder.cu")),
-    ),
-    (
-        "gpt_loss",
-        concat!(include_str!("../../kernels/common.cuh"), include_str!("../../kernels/loss.cu")),
-    ),
+/// The sources of GPT-2's modules, each compiled after zeroflow-nn's shared header
+/// ([`COMMON`]): [`sources`] puts them together.
+const OWN_SOURCES: [(&str, &str); 2] = [
+    ("gpt_layernorm", include_str!("../../kernels/layernorm.cu")),
+    ("gpt_gelu", include_str!("../../kernels/gelu.cu")),
 ];
 
-/// Threads per block of the element-wise kernels.
-pub const THREADS: u32 = 256;
-/// Rows per warp-per-row block (256 threads).
-pub const ROWS_PER_BLOCK: u32 = THREADS / 32;
-/// Rows each block of a column sum adds up (the first of its two steps).
-pub const ROWS_PER_CHUNK: usize = 256;
-
-/// Blocks for a grid-stride loop over `work` items (at most 65536 blocks; 0 for no work).
-pub fn blocks_for(work: usize) -> u32 {
-    work.div_ceil(THREADS as usize).min(1 << 16) as u32
+/// Each module's name and source (zeroflow-nn's shared header first).
+pub fn sources() -> [(&'static str, String); 2] {
+    OWN_SOURCES.map(|(name, source)| (name, format!("{COMMON}{source}")))
 }
 
-/// Chunks of rows of a column sum over `rows` rows.
-pub fn chunks_for(rows: usize) -> usize {
-    rows.div_ceil(ROWS_PER_CHUNK)
-}
-
-/// Every kernel of the model, looked up once.
+/// Every kernel of GPT-2's own, looked up once.
 #[derive(Debug)]
 pub struct GptKernels {
-    pub residual_forward: CudaFunction,
-    pub residual_backward: CudaFunction,
-    pub gelu_forward: CudaFunction,
-    pub gelu_backward: CudaFunction,
-    pub column_sum_partial: CudaFunction,
-    pub column_sum_finish: CudaFunction,
     pub layernorm_forward: CudaFunction,
     pub layernorm_backward_input: CudaFunction,
     pub layernorm_param_grads_partial: CudaFunction,
-    pub encoder_forward: CudaFunction,
-    pub encoder_backward_wte: CudaFunction,
-    pub encoder_backward_wpe: CudaFunction,
-    pub softmax_xent_forward: CudaFunction,
-    pub mean_loss: CudaFunction,
-    pub softmax_xent_backward: CudaFunction,
+    pub gelu_forward: CudaFunction,
+    pub gelu_backward: CudaFunction,
 }
 
 impl GptKernels {
     /// Compiles (or takes from the kernel cache) and loads the model's modules.
     pub fn load(device: &CudaDevice) -> Result<Self, DeviceError> {
-        debug_assert!(SOURCES.iter().all(|(_, source)| source.starts_with(COMMON)));
-        let [pointwise, layernorm, encoder, loss] =
-            SOURCES.map(|(name, source)| device.load_module(name, source));
-        let (pointwise, layernorm, encoder, loss) = (pointwise?, layernorm?, encoder?, loss?);
+        let [layernorm, gelu] = sources().map(|(name, source)| device.load_module(name, &source));
+        let (layernorm, gelu) = (layernorm?, gelu?);
         Ok(GptKernels {
-            residual_forward: pointwise.function("residual_forward")?,
-            residual_backward: pointwise.function("residual_backward")?,
-            gelu_forward: pointwise.function("gelu_forward")?,
-            gelu_backward: pointwise.function("gelu_backward")?,
-            column_sum_partial: pointwise.function("column_sum_partial")?,
-            column_sum_finish: pointwise.function("column_sum_finish")?,
             layernorm_forward: layernorm.function("layernorm_forward")?,
             layernorm_backward_input: layernorm.function("layernorm_backward_input")?,
             layernorm_param_grads_partial: layernorm.function("layernorm_param_grads_partial")?,
-            encoder_forward: encoder.function("encoder_forward")?,
-            encoder_backward_wte: encoder.function("encoder_backward_wte")?,
-            encoder_backward_wpe: encoder.function("encoder_backward_wpe")?,
-            softmax_xent_forward: loss.function("softmax_xent_forward")?,
-            mean_loss: loss.function("mean_loss")?,
-            softmax_xent_backward: loss.function("softmax_xent_backward")?,
+            gelu_forward: gelu.function("gelu_forward")?,
+            gelu_backward: gelu.function("gelu_backward")?,
         })
+    }
+}
+
+impl CudaLayerKernel for GptKernel {
+    /// LayerNorm's backward sums its weight and bias gradients through the partials: `2c`
+    /// columns per chunk of rows.
+    fn column_partials_len(&self, args: &[Place]) -> usize {
+        match *self {
+            GptKernel::LayerNormBackward { c } => chunks_for(args[0].len / c) * 2 * c,
+            _ => 0,
+        }
+    }
+}
+
+impl CudaLayers<GptKernel> for GptKernels {
+    fn run(&self, ctx: &LayerCtx<'_>, kernel: &GptKernel, a: &[Place]) -> Result<(), NnError> {
+        match *kernel {
+            GptKernel::LayerNorm { c } => self.layernorm_forward(ctx, a, c),
+            GptKernel::LayerNormBackward { c } => self.layernorm_backward(ctx, a, c),
+            // SAFETY: `gelu_forward(bf16_t* out, const bf16_t* inp, u64 n, u32 vec)` is an
+            // element-wise kernel of the form `elementwise` asks for, its output first.
+            GptKernel::Gelu => unsafe { ctx.elementwise(&self.gelu_forward, a, 1, &[]) },
+            GptKernel::GeluBackward => {
+                let flags = [a[0].accumulate];
+                // SAFETY: `gelu_backward(bf16_t* dinp, const bf16_t* inp, const bf16_t* dout, u64
+                // n, u32 vec, u32 accumulate)`: element-wise, its output first, one flag.
+                unsafe { ctx.elementwise(&self.gelu_backward, a, 1, &flags) }
+            }
+        }
+    }
+}
+
+fn flag(value: bool) -> u32 {
+    u32::from(value)
+}
+
+impl GptKernels {
+    /// [out, mean, rstd, inp, weight, bias]
+    fn layernorm_forward(&self, ctx: &LayerCtx<'_>, a: &[Place], c: usize) -> Result<(), NnError> {
+        let rows = a[0].len / c;
+        let [out, mean, rstd, inp, weight, bias] = [0, 1, 2, 3, 4, 5].map(|i| &a[i]);
+        let vec = c.is_multiple_of(8) && ctx.aligned(&[out, inp, weight, bias]);
+        let params = ctx
+            .places(&[out, mean, rstd], &[inp, weight, bias])
+            .u32(rows as u32)
+            .u32(c as u32)
+            .u32(flag(vec));
+        let grid = rows.div_ceil(ROWS_PER_BLOCK as usize) as u32;
+        // SAFETY: the parameters match `layernorm_forward(bf16_t* out, float* mean, float* rstd,
+        // const bf16_t* inp, const bf16_t* weight, const bf16_t* bias, u32 rows, u32 c, u32
+        // vec)`; each warp normalises one of the `rows` rows of `c` of inp into out and writes its
+        // mean and rstd (f32 places), reading `c` of weight and bias; `vec` only where every bf16
+        // place is 16-byte aligned and `c` a multiple of 8.
+        unsafe { ctx.launch(&self.layernorm_forward, grid, THREADS, params) }
+    }
+
+    /// [dinp, dweight, dbias, dout, inp, weight, mean, rstd]
+    fn layernorm_backward(&self, ctx: &LayerCtx<'_>, a: &[Place], c: usize) -> Result<(), NnError> {
+        let rows = a[0].len / c;
+        let [dinp, dweight, dbias, dout, inp, weight, mean, rstd] =
+            [0, 1, 2, 3, 4, 5, 6, 7].map(|i| &a[i]);
+        let vec = c.is_multiple_of(8) && ctx.aligned(&[dinp, dout, inp, weight]);
+        let params = ctx
+            .places(&[dinp], &[dout, inp, weight, mean, rstd])
+            .u32(rows as u32)
+            .u32(c as u32)
+            .u32(flag(vec))
+            .u32(flag(a[0].accumulate));
+        let grid = rows.div_ceil(ROWS_PER_BLOCK as usize) as u32;
+        // SAFETY: the parameters match `layernorm_backward_input(bf16_t* dinp, const bf16_t*
+        // dout, const bf16_t* inp, const bf16_t* weight, const float* mean, const float* rstd, u32
+        // rows, u32 c, u32 vec, u32 accumulate)`; each warp writes (or adds to) one row of dinp
+        // from the same row of dout and inp and its statistics.
+        unsafe { ctx.launch(&self.layernorm_backward_input, grid, THREADS, params) }?;
+        let chunks = chunks_for(rows);
+        let partials = ctx.column_partials();
+        if chunks * 2 * c > partials.len() {
+            return Err(NnError::Kernel {
+                kernel: "layernorm_backward",
+                reason: format!("{chunks} chunks of 2 × {c} columns exceed the partials"),
+            });
+        }
+        let params = KernelParams::new().slice_mut(partials);
+        let params = [dout, inp, mean, rstd].iter().fold(params, |p, place| ctx.read(p, place));
+        let params = params.u32(rows as u32).u32(c as u32).u32(ROWS_PER_CHUNK as u32);
+        let grid = (c.div_ceil(32) as u32, chunks as u32);
+        // SAFETY: the parameters match `layernorm_param_grads_partial(float* partial, const
+        // bf16_t* dout, const bf16_t* inp, const float* mean, const float* rstd, u32 rows, u32 c,
+        // u32 rows_per_chunk)`; block (x, y) reads the rows of chunk y of columns 32x .. 32x + 31
+        // and writes `partial[y · 2c + column]` and `partial[y · 2c + c + column]`, inside the
+        // partials (checked above).
+        unsafe { ctx.launch(&self.layernorm_param_grads_partial, grid, (32, 8), params) }?;
+        ctx.column_sum_finish(ctx.bf16_mut(dweight), 0, chunks, 2 * c, c)?;
+        ctx.column_sum_finish(ctx.bf16_mut(dbias), c, chunks, 2 * c, c)
     }
 }

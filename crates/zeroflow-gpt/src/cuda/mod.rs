@@ -1,57 +1,33 @@
-//! The GPT model on an NVIDIA GPU: [`CudaGpt`], the twin of [`crate::CpuGpt`] for the engine.
+//! GPT-2 on an NVIDIA GPU: [`CudaGpt`], the twin of [`crate::CpuGpt`] for the engine: its plan
+//! run by zeroflow-nn's [`CudaRunner`] (bf16 storage with f32 accumulation, cuBLASLt matmuls with
+//! GELU fused into the fc matmul's epilogues, gemm or flash attention, activation gradients packed
+//! by liveness; see [`zeroflow_nn::cuda`]), with GPT-2's LayerNorm and GELU kernels
+//! (`kernels/*.cu`, [`kernels`]).
 //!
-//! It walks the same [`Plan`] (so the ranges, the order of the launches and the
-//! [`GradsReady`] notices are single-sourced), through a [`schedule::Schedule`] that places the
-//! plan's ranges in GPU buffers, fuses the fc matmul with its GELU (forward and backward), and
-//! lets the first write of each activation gradient overwrite it. Storage is bf16 (parameters,
-//! gradients, activations, activation gradients); every kernel and matmul accumulates in f32, and
-//! the LayerNorm statistics and the losses are kept in f32.
-//!
-//! Matmuls go through cuBLASLt ([`Blas`]), attention through [`flash::FlashAttention`] where its
-//! kernels take the head size or else (or with `ZEROFLOW_ATTENTION=gemm`, [`ATTENTION_VAR`])
-//! through [`attention::CudaAttention`], the rest
-//! through the kernels of `kernels/*.cu` ([`kernels`]). Everything is allocated and loaded in
-//! [`CudaGpt::new`]; forward and backward only queue work on the compute stream and never wait
-//! for the GPU.
-//!
-//! The two attentions differ in what they keep for backward ([`AttentionKind`]): `gemm` keeps
-//! the softmax weights `att [B, NH, T, T]` of every layer as bf16 activations;
-//! `flash` keeps only the log-sum-exp of each query row, `lse [B, NH, T]`, in f32 with the
-//! LayerNorm statistics, and recomputes the weights in backward (head sizes 64 and 128 only).
-//!
-//! Gradients of parameters are added deterministically: weight gradients by cuBLASLt with
-//! `beta = 1`, bias and LayerNorm gradients by column sums in two fixed-order steps in f32 (then
-//! added to the bf16 gradient once), the token embedding's by buckets of equal tokens sorted on
-//! the host, the position embedding's by one thread per element. The model's kernels use no
-//! atomics (FlashAttention's included), so with cuBLASLt's algorithms fixed (they are picked once
-//! per problem) the same batch gives the same bits.
+//! This module picks the attention: [`flash::FlashAttention`](zeroflow_nn::cuda::flash) where its
+//! kernels take the head size, or else (or with `ZEROFLOW_ATTENTION=gemm`, [`ATTENTION_VAR`])
+//! [`attention::CudaAttention`](zeroflow_nn::cuda::attention).
 
-pub mod attention;
-mod exec;
-pub mod flash;
 pub mod kernels;
-pub mod schedule;
-mod tokens;
 
 use std::sync::{Arc, Once};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use zeroflow_core::bf16;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::CudaDevice;
+use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::Blas;
-use zeroflow_device::cuda::{CudaBuffer, CudaStream};
-use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
+use zeroflow_nn::AttentionKind;
+pub use zeroflow_nn::cuda::ActivationMemory;
+use zeroflow_nn::cuda::{CudaRunner, flash};
 
-use self::attention::CudaAttention;
-use self::flash::FlashAttention;
-use self::kernels::{GptKernels, chunks_for};
-use self::schedule::{BackwardOp, OpKind, Schedule};
-use self::tokens::Tokens;
+use self::kernels::GptKernels;
 use crate::GptConfig;
 use crate::error::GptError;
-use crate::kernels::Kernel;
+use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{AttentionKind, Plan};
+use crate::plan::{ActLayout, GptPlan, Plan};
 
 /// The environment variable that picks the model's attention when it is built: `auto` (the
 /// default; unset or blank too: `flash` where its kernels take the model, `gemm` otherwise),
@@ -62,76 +38,35 @@ pub const ATTENTION_VAR: &str = "ZEROFLOW_ATTENTION";
 /// parameter and gradient buffers and passes them to each call.
 #[derive(Debug)]
 pub struct CudaGpt {
-    device: CudaDevice,
     config: GptConfig,
-    padded_len: usize,
-    plan: Plan,
-    schedule: Schedule,
-    kernels: GptKernels,
-    blas: Arc<Blas>,
-    attention: ModelAttention,
-    acts: CudaBuffer<bf16>,
-    act_grads: CudaBuffer<bf16>,
-    stats: CudaBuffer<f32>,
-    /// The first step's partial sums of the column sums (bias and LayerNorm gradients).
-    column_partials: CudaBuffer<f32>,
-    tokens: Tokens,
-    loss_host: HostBuffer<f32>,
+    acts: ActLayout,
+    runner: CudaRunner<GptKernel, GptKernels>,
 }
 
-/// The attention of every layer, as the plan's [`AttentionKind`] says.
-#[derive(Debug)]
-#[allow(clippy::large_enum_variant, reason = "one per model, made once")]
-enum ModelAttention {
-    Gemm(CudaAttention),
-    Flash(FlashAttention),
+/// The memory a [`CudaGpt::with_options`] of these arguments holds, computed without a GPU (what
+/// [`CudaGpt::activation_memory`] reports once it is built).
+pub fn planned_memory(
+    config: &GptConfig,
+    layout: &FlatLayout,
+    (batch, seq): (usize, usize),
+    options: CudaGptOptions,
+) -> Result<ActivationMemory, GptError> {
+    let params = ParamRanges::new(config, layout)?;
+    let GptPlan { plan, .. } =
+        GptPlan::with_attention(config, &params, batch, seq, options.attention)?;
+    Ok(ActivationMemory::planned(&plan, options.fuse_gelu)?)
 }
 
-impl ModelAttention {
-    /// The attention `kind` for micro-batches of `batch` sequences of `seq` tokens (the head size
-    /// checked already); says once per process, at info level, when it is flash.
-    fn new(
-        device: &CudaDevice,
-        blas: &Arc<Blas>,
-        config: &GptConfig,
-        (batch, seq): (usize, usize),
-        kind: AttentionKind,
-    ) -> Result<Self, GptError> {
-        let (c, n_head) = (config.d_model, config.n_head);
-        Ok(match kind {
-            AttentionKind::Gemm => {
-                let attention = CudaAttention::new(device, blas.clone(), batch, seq, c, n_head)?;
-                ModelAttention::Gemm(attention)
-            }
-            AttentionKind::Flash => {
-                let flash = FlashAttention::new(device, batch, seq, c, n_head)?;
-                static ANNOUNCED: Once = Once::new();
-                ANNOUNCED.call_once(|| {
-                    tracing::info!(
-                        "attention: FlashAttention-2 kernels, keeping the log-sum-exp of each \
-                         query row for backward instead of the attention weights \
-                         ({ATTENTION_VAR}=gemm for the cuBLASLt products)"
-                    );
-                });
-                ModelAttention::Flash(flash)
-            }
-        })
-    }
-}
-
-/// The GPU memory a [`CudaGpt`] holds, in bytes (the parameters and gradients are the engine's).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ActivationMemory {
-    /// bf16 activations kept from forward for backward: the attention weights of every layer with
-    /// gemm attention; a bf16 slot (unused) for each f32 statistic.
-    pub activations: usize,
-    /// bf16 activation gradients, packed by liveness.
-    pub activation_grads: usize,
-    /// f32 LayerNorm statistics, losses and, with flash attention, the lse of every layer.
-    pub stats: usize,
-    /// Scratch: attention's (gemm: head-major tensors and scores; flash: delta), column-sum
-    /// partials, token ids.
-    pub scratch: usize,
+/// Says once per process, at info level, that the model's attention is flash.
+fn announce_flash() {
+    static ANNOUNCED: Once = Once::new();
+    ANNOUNCED.call_once(|| {
+        tracing::info!(
+            "attention: FlashAttention-2 kernels, keeping the log-sum-exp of each query row for \
+             backward instead of the attention weights ({ATTENTION_VAR}=gemm for the cuBLASLt \
+             products)"
+        );
+    });
 }
 
 /// Choices of [`CudaGpt::with_options`].
@@ -159,39 +94,6 @@ impl CudaGptOptions {
     pub fn for_model(config: &GptConfig) -> Result<Self, GptError> {
         let attention = attention_from_env()?.unwrap_or_else(|| auto_attention(config));
         Ok(CudaGptOptions { attention, ..CudaGptOptions::default() })
-    }
-}
-
-impl ActivationMemory {
-    pub fn total(&self) -> usize {
-        self.activations + self.activation_grads + self.stats + self.scratch
-    }
-
-    /// The memory a [`CudaGpt::with_options`] of these arguments holds, computed without a GPU
-    /// (what [`CudaGpt::activation_memory`] reports once it is built).
-    pub fn planned(
-        config: &GptConfig,
-        layout: &FlatLayout,
-        (batch, seq): (usize, usize),
-        options: CudaGptOptions,
-    ) -> Result<Self, GptError> {
-        let attention = options.attention;
-        let params = ParamRanges::new(config, layout)?;
-        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
-        let schedule = Schedule::new(&plan, options.fuse_gelu)?;
-        let (c, n_head) = (config.d_model, config.n_head);
-        let attention_scratch = match attention {
-            AttentionKind::Gemm => CudaAttention::scratch_bytes_for(batch, seq, c, n_head),
-            AttentionKind::Flash => FlashAttention::scratch_bytes_for(batch, seq, n_head),
-        };
-        Ok(ActivationMemory {
-            activations: schedule.acts_len * size_of::<bf16>(),
-            activation_grads: schedule.act_grads_len * size_of::<bf16>(),
-            stats: schedule.stats_len * size_of::<f32>(),
-            scratch: attention_scratch
-                + column_partials_len(&schedule) * size_of::<f32>()
-                + Tokens::bytes_for(plan.tokens()),
-        })
     }
 }
 
@@ -276,7 +178,8 @@ impl CudaGpt {
         let attention = options.attention;
         check_attention_fits(config, attention)?;
         let params = ParamRanges::new(config, layout)?;
-        let plan = Plan::with_attention(config, &params, batch, seq, attention)?;
+        let GptPlan { acts, plan } =
+            GptPlan::with_attention(config, &params, batch, seq, attention)?;
         let widest = [plan.tokens(), config.padded_vocab_size(), 4 * config.d_model];
         if widest.iter().any(|&size| u32::try_from(size + 1).is_err()) {
             return Err(GptError::Batch(format!(
@@ -286,25 +189,13 @@ impl CudaGpt {
                 config.padded_vocab_size()
             )));
         }
-        let schedule = Schedule::new(&plan, options.fuse_gelu)?;
-        let attention = ModelAttention::new(device, &blas, config, (batch, seq), attention)?;
-        let partials = column_partials_len(&schedule);
-        Ok(CudaGpt {
-            kernels: GptKernels::load(device)?,
-            acts: device.alloc(schedule.acts_len)?,
-            act_grads: device.alloc(schedule.act_grads_len)?,
-            stats: device.alloc(schedule.stats_len)?,
-            column_partials: device.alloc(partials)?,
-            tokens: Tokens::new(device, plan.tokens())?,
-            loss_host: device.alloc_host(1, HostMemory::Pinned)?,
-            device: device.clone(),
-            config: *config,
-            padded_len: layout.padded_len(),
-            plan,
-            schedule,
-            blas,
-            attention,
-        })
+        let padded_len = layout.padded_len();
+        let layers = GptKernels::load(device)?;
+        let runner = CudaRunner::new(device, blas, plan, padded_len, options.fuse_gelu, layers)?;
+        if attention == AttentionKind::Flash {
+            announce_flash();
+        }
+        Ok(CudaGpt { config: *config, acts, runner })
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -312,28 +203,22 @@ impl CudaGpt {
     }
 
     pub fn plan(&self) -> &Plan {
-        &self.plan
+        self.runner.plan()
+    }
+
+    /// Where the activations lie.
+    pub fn acts(&self) -> &ActLayout {
+        &self.acts
     }
 
     /// The attention every layer uses.
     pub fn attention(&self) -> AttentionKind {
-        match self.attention {
-            ModelAttention::Gemm(_) => AttentionKind::Gemm,
-            ModelAttention::Flash(_) => AttentionKind::Flash,
-        }
+        self.runner.attention().unwrap_or_default()
     }
 
     /// The GPU memory this model holds besides the engine's parameters and gradients.
     pub fn activation_memory(&self) -> ActivationMemory {
-        let bf16_bytes = size_of::<bf16>();
-        ActivationMemory {
-            activations: self.acts.len() * bf16_bytes,
-            activation_grads: self.act_grads.len() * bf16_bytes,
-            stats: self.stats.len() * size_of::<f32>(),
-            scratch: self.attention_scratch_bytes()
-                + self.column_partials.len() * size_of::<f32>()
-                + self.tokens.bytes(),
-        }
+        self.runner.activation_memory()
     }
 
     /// [`ActivationMemory::total`]: every byte of GPU memory the model holds.
@@ -344,31 +229,17 @@ impl CudaGpt {
     /// Checks a micro-batch (`[batch, seq]` inputs and targets, ids below the vocabulary) and
     /// queues its upload on the compute stream. Does not wait for the GPU.
     pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        let compute = self.device.stream(StreamKind::Compute);
-        let vocab = self.config.vocab_size;
-        self.tokens.set(&self.device, compute, inputs, targets, vocab)
+        Ok(self.runner.set_batch(inputs, targets, self.config.vocab_size)?)
     }
 
     /// Queues forward on the compute stream.
     pub fn forward(&mut self, params: &CudaBuffer<bf16>) -> Result<(), GptError> {
-        self.check_flat("parameter buffer", params)?;
-        for op in &self.schedule.forward {
-            self.run(op, params, None, 1.0)?;
-        }
-        Ok(())
+        Ok(self.runner.forward(params)?)
     }
 
     /// Waits for the last forward and returns its mean loss (copied out on the compute stream).
     pub fn loss(&mut self) -> Result<f32, GptError> {
-        // On the compute stream, which wrote it: four bytes, which must not queue behind the
-        // engine's bulk copies on the d2h stream.
-        let compute = self.device.stream(StreamKind::Compute);
-        let at = self.schedule.loss_offset;
-        let filled = self
-            .device
-            .copy_d2h(compute, &self.stats, at..at + 1, &mut self.loss_host, 0)?
-            .wait()?;
-        Ok(filled[0])
+        Ok(self.runner.loss()?)
     }
 
     /// Queues backward on the compute stream: adds the gradient of `loss_scale` × (the last
@@ -380,17 +251,9 @@ impl CudaGpt {
         params: &CudaBuffer<bf16>,
         grads: &CudaBuffer<bf16>,
         loss_scale: f64,
-        mut on_ready: impl FnMut(&GradsReady),
+        on_ready: impl FnMut(&GradsReady),
     ) -> Result<(), GptError> {
-        self.check_flat("parameter buffer", params)?;
-        self.check_flat("gradient buffer", grads)?;
-        for step in &self.schedule.backward {
-            match step {
-                BackwardOp::Op(op) => self.run(op, params, Some(grads), loss_scale)?,
-                BackwardOp::Ready(ready) => on_ready(ready),
-            }
-        }
-        Ok(())
+        Ok(self.runner.backward(params, grads, loss_scale, on_ready)?)
     }
 
     /// Runs forward and backward once more on the last batch, waiting for the GPU after each
@@ -401,111 +264,28 @@ impl CudaGpt {
         params: &CudaBuffer<bf16>,
         grads: &CudaBuffer<bf16>,
     ) -> Result<Vec<(String, Duration)>, GptError> {
-        self.check_flat("parameter buffer", params)?;
-        self.check_flat("gradient buffer", grads)?;
-        self.device.synchronize()?;
-        let mut times: Vec<(String, Duration)> = Vec::new();
-        let forward = self.schedule.forward.iter().map(|op| (op, None));
-        let backward = self.schedule.backward.iter().filter_map(|step| match step {
-            BackwardOp::Op(op) => Some((op, Some(grads))),
-            BackwardOp::Ready(_) => None,
-        });
-        for (op, grads) in forward.chain(backward) {
-            let started = Instant::now();
-            self.run(op, params, grads, 1.0)?;
-            self.device.synchronize()?;
-            let name = op.name();
-            match times.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, total)) => *total += started.elapsed(),
-                None => times.push((name, started.elapsed())),
-            }
-        }
-        Ok(times)
+        Ok(self.runner.profile(params, grads)?)
     }
 
     /// The logits of the last forward, `[batch, seq, padded_vocab]`. Waits for the GPU: for tests
     /// and tools, not for the training loop.
     pub fn logits(&self) -> Result<Vec<f32>, GptError> {
-        let range = self.plan.acts.logits.clone();
-        let mut host = self.device.alloc_host::<bf16>(range.len(), HostMemory::Pageable)?;
-        self.device.synchronize()?;
-        let d2h = self.device.stream(StreamKind::D2h);
-        let filled = self.device.copy_d2h(d2h, &self.acts, range, &mut host, 0)?.wait()?;
-        Ok(filled.iter().map(|x| x.to_f32()).collect())
-    }
-
-    fn compute(&self) -> &CudaStream {
-        self.device.stream(StreamKind::Compute)
-    }
-
-    fn attention_scratch_bytes(&self) -> usize {
-        match &self.attention {
-            ModelAttention::Gemm(attention) => attention.scratch_bytes(),
-            ModelAttention::Flash(flash) => flash.scratch_bytes(),
-        }
-    }
-
-    /// The gemm attention, for the plan's `Attention` launches.
-    fn gemm_attention(&self) -> &CudaAttention {
-        match &self.attention {
-            ModelAttention::Gemm(attention) => attention,
-            ModelAttention::Flash(_) => unreachable!("a flash model's plan has no gemm attention"),
-        }
-    }
-
-    /// The flash attention, for the plan's `FlashAttention` launches.
-    fn flash_attention(&self) -> &FlashAttention {
-        match &self.attention {
-            ModelAttention::Flash(flash) => flash,
-            ModelAttention::Gemm(_) => unreachable!("a gemm model's plan has no flash attention"),
-        }
-    }
-
-    fn check_flat(&self, what: &'static str, buffer: &CudaBuffer<bf16>) -> Result<(), GptError> {
-        if buffer.len() == self.padded_len {
-            Ok(())
-        } else {
-            Err(GptError::Length { what, expected: self.padded_len, found: buffer.len() })
-        }
+        Ok(self.runner.download_activations(self.acts.logits.clone())?)
     }
 }
 
 /// Bytes of the GPU's memory in use now, by every process and context (`cuMemGetInfo`): the
 /// model allocates everything up front, so after a step this is the peak. For reports.
 pub fn device_memory_in_use(device: &CudaDevice) -> Result<usize, GptError> {
-    let failed = |e: cudarc::driver::DriverError| GptError::Kernel {
-        kernel: "cuMemGetInfo",
-        reason: e.to_string(),
-    };
-    device.context().bind_to_thread().map_err(failed)?;
-    let (free, total) = cudarc::driver::result::mem_get_info().map_err(failed)?;
+    let (free, total) = device.memory_info()?;
     Ok(total - free)
-}
-
-/// Elements of the column-sum partials the widest column sum of `schedule` needs.
-fn column_partials_len(schedule: &Schedule) -> usize {
-    schedule
-        .ops()
-        .map(|op| match op.kind {
-            OpKind::Kernel(Kernel::LayerNormBackward { c }) => {
-                chunks_for(op.args[0].len / c) * 2 * c
-            }
-            OpKind::Kernel(Kernel::MatmulBackward { oc, bias: true, .. })
-            | OpKind::MatmulBackwardDGelu { oc, bias: true, .. } => {
-                // The output gradient (dout) follows dinp, dweight and dbias.
-                chunks_for(op.args[3].len / oc) * oc
-            }
-            _ => 0,
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 #[cfg(test)]
 mod tests {
     use super::{
-        ActivationMemory, AttentionKind, CudaGptOptions, auto_attention, check_attention_fits,
-        parse_attention,
+        AttentionKind, CudaGptOptions, auto_attention, check_attention_fits, parse_attention,
+        planned_memory,
     };
     use crate::{GptConfig, flat_layout};
 
@@ -573,7 +353,7 @@ mod tests {
         let (batch, seq) = (8, 1024);
         let planned = |attention| {
             let options = CudaGptOptions { attention, ..CudaGptOptions::default() };
-            ActivationMemory::planned(&config, &layout, (batch, seq), options).unwrap()
+            planned_memory(&config, &layout, (batch, seq), options).unwrap()
         };
         let (gemm, flash) = (planned(AttentionKind::Gemm), planned(AttentionKind::Flash));
         let (layers, c) = (config.n_layer, config.d_model);

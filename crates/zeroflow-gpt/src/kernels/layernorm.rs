@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::float::Float;
+use zeroflow_nn::Float;
 
 const EPS: f64 = 1e-5;
 /// Columns per task when summing the weight and bias gradients over rows.

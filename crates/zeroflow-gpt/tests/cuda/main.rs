@@ -1,4 +1,5 @@
-//! Tests of the GPT model's CUDA kernels on a real GPU, compiled as one test binary.
+//! Tests of the GPT model on a real GPU against the CPU model, compiled as one test binary (the
+//! attention kernels' own tests are zeroflow-nn's).
 //!
 //! Every test first opens GPU 0. Where there is no CUDA driver or no GPU it prints
 //! `skipped: no CUDA device (<reason>)` and passes, so CI on CPU-only machines stays green and
@@ -6,10 +7,7 @@
 //! `--test-threads=1 --nocapture`: the tests share the GPU and print figures. Lines starting with
 //! `RESULT ` are collected by `scripts/gpu-run.sh` into its table.
 
-mod attention;
-mod flash;
 mod model;
-mod support;
 
 use zeroflow_device::CudaDevice;
 

@@ -12,8 +12,8 @@ use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::module::compile_for_tests;
 use zeroflow_device::{CudaDevice, Device};
-use zeroflow_gpt::cuda::kernels::SOURCES;
-use zeroflow_gpt::cuda::{ActivationMemory, CudaGptOptions};
+use zeroflow_gpt::cuda::kernels::sources;
+use zeroflow_gpt::cuda::{ActivationMemory, CudaGptOptions, planned_memory};
 use zeroflow_gpt::{
     AttentionKind, CudaGpt, GptConfig, GradGroup, GradsReady, HostGpt, flat_layout, init_params,
 };
@@ -113,7 +113,7 @@ fn check_against_cpu(
 
     let mut host = HostGpt::<f64>::with_attention(config, &layout, batch, seq, attention).unwrap();
     let loss_ref = host.forward(&params64, &inputs, &targets).unwrap();
-    let logits_ref = host.activations()[host.plan().acts.logits.clone()].to_vec();
+    let logits_ref = host.activations()[host.acts().logits.clone()].to_vec();
     let mut grads_ref = vec![0.0; layout.padded_len()];
     let mut groups_ref = Vec::new();
     host.backward(&params64, &mut grads_ref, 1.0, |ready, _| groups_ref.push(ready.clone()))
@@ -226,7 +226,7 @@ fn loss_and_grads(
 
 /// The same weights and batch through a gemm and a flash model: the loss and every parameter
 /// gradient agree within the tolerance both meet against the CPU model, and each model holds the
-/// memory `ActivationMemory::planned` computes without a GPU (flash the less).
+/// memory `planned_memory` computes without a GPU (flash the less).
 #[test]
 fn flash_and_gemm_models_agree_on_the_loss_and_every_gradient() {
     let Some(device) = gpu() else { return };
@@ -235,7 +235,7 @@ fn flash_and_gemm_models_agree_on_the_loss_and_every_gradient() {
         let run = |attention| {
             let (loss, grads, memory) = loss_and_grads(&device, &config, (batch, seq), attention);
             let options = CudaGptOptions { attention, ..CudaGptOptions::default() };
-            let planned = ActivationMemory::planned(&config, &layout, (batch, seq), options);
+            let planned = planned_memory(&config, &layout, (batch, seq), options);
             assert_eq!(memory, planned.unwrap(), "{attention:?}: the planned memory is off");
             let grads: Vec<f64> = grads.iter().map(|g| g.to_f64()).collect();
             (f64::from(loss), grads, memory)
@@ -355,11 +355,13 @@ fn the_loss_at_initialisation_is_ln_vocab() {
 }
 
 /// Runs without a GPU wherever libnvrtc loads (and prints `skipped: libnvrtc not found`
-/// elsewhere): every module of the model compiles for sm_80 and sm_90.
+/// elsewhere): every module of the model (zeroflow-nn's shared ones and GPT-2's own) compiles for
+/// sm_80 and sm_90.
 #[test]
 fn model_kernels_compile_with_nvrtc() {
-    for (name, source) in SOURCES {
-        let compiled = compile_for_tests(name, source, &[], "");
+    let shared = zeroflow_nn::cuda::kernels::SOURCES.map(|(name, source)| (name, source.into()));
+    for (name, source) in shared.into_iter().chain(sources()) {
+        let compiled = compile_for_tests(name, &source, &[], "");
         if compiled.unwrap_or_else(|e| panic!("{e}")).is_none() {
             return;
         }

@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::shard::read_shard;
-use super::text::{read_bytes, read_gpt2_text};
-use super::{DataError, DataErrorKind, SyntheticCorpus};
+use crate::shard::read_shard;
+use crate::text::{read_bytes, read_gpt2_text};
+use crate::{DataError, DataErrorKind, SyntheticCorpus};
 
 /// Where the tokens come from.
 #[derive(Clone, Debug)]

@@ -6,7 +6,7 @@ use std::iter::repeat_n;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_core::{Element, bf16};
-use zeroflow_device::cuda::CudaBuffer;
+use zeroflow_device::cuda::{CudaBuffer, DeviceSlice, DeviceSliceMut};
 use zeroflow_device::{CudaDevice, Device, StreamKind};
 
 /// Uniform values in ±`bound`, none zero, rounded to bf16.
@@ -76,8 +76,14 @@ impl<T: Element> Placed<T> {
         Placed { buffer: device.upload(&all).unwrap(), offset, len: values.len() }
     }
 
-    pub fn address(&self) -> u64 {
-        self.buffer.address(self.offset)
+    /// The tensor, to be read by the GPU.
+    pub fn slice(&self) -> DeviceSlice<'_, T> {
+        self.buffer.slice(self.offset..self.offset + self.len)
+    }
+
+    /// The tensor, to be written by the GPU.
+    pub fn slice_mut(&self) -> DeviceSliceMut<'_, T> {
+        self.buffer.slice_mut(self.offset..self.offset + self.len)
     }
 
     /// The tensor widened to f64 (exactly), after checking that nothing was written outside it.

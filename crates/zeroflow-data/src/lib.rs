@@ -1,11 +1,13 @@
-//! Training data: token streams from the built-in synthetic corpus, llm.c token shards, or plain
-//! text (bytes, or GPT-2 BPE), cut into micro-batches of `[batch, seq + 1]` tokens per rank by a deterministic,
-//! resumable [`DataLoader`].
+//! Training data for zeroflow's models, whatever the family: token streams from the built-in
+//! synthetic corpus, llm.c token shards, or plain text (bytes, or GPT-2 BPE: [`tokenizer`]), cut
+//! into micro-batches of `[batch, seq + 1]` tokens per rank by a deterministic, resumable
+//! [`DataLoader`].
 
 mod loader;
 mod shard;
 mod synthetic;
 mod text;
+pub mod tokenizer;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -15,7 +17,7 @@ use thiserror::Error;
 pub use loader::{Batch, DataLoader, DataPosition, Source};
 pub use shard::{SHARD_MAGIC, SHARD_VERSION, read_shard, write_shard};
 pub use synthetic::SyntheticCorpus;
-pub use text::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
+pub use tokenizer::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
 
 /// What was wrong with a data file.
 #[derive(Clone, Debug, PartialEq, Eq)]

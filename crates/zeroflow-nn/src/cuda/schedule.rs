@@ -4,9 +4,10 @@
 //!
 //! Three decisions are made here:
 //!
-//! - **Where each range lives.** Activations are bf16 at the plan's own offsets, except the
-//!   LayerNorm statistics, the losses and flash attention's log-sum-exp, which live in a small f32
-//!   buffer (`Stats`; their bf16 slots in the activation buffer stay unused). Activation
+//! - **Where each range lives.** Activations are bf16 at the plan's own offsets, except those the
+//!   plan lists as f32 ([`Plan::f32_acts`]: norm statistics, the losses and flash attention's
+//!   log-sum-exp), which live in a small f32 buffer (`Stats`; their bf16 slots in the activation
+//!   buffer stay unused). Activation
 //!   gradients are packed into a buffer allocated by liveness: a range gets memory from the launch
 //!   that first writes it to the launch that last reads it, first fit, so the blocks of backward
 //!   reuse the same few gigabytes instead of holding one gradient per activation.
@@ -14,7 +15,8 @@
 //!   then adds to it. Here the first launch that writes a gradient overwrites it instead (cuBLASLt
 //!   `beta = 0`, an `accumulate` flag of 0), later ones add, and the zeroing launch is dropped. The
 //!   schedule refuses a plan where that is not exact (a partial overlap, a read before any write).
-//! - **Fusions.** A forward matmul with bias followed by the GELU of its output becomes one
+//! - **Fusions.** A forward matmul with bias followed by the GELU of its output (a family kernel
+//!   that is [`Fusable::Gelu`]) becomes one
 //!   cuBLASLt call with the `BiasGelu` epilogue (the pre-GELU values go to the GELU's input, as
 //!   the plan keeps them). A backward matmul whose input gradient only feeds the GELU backward
 //!   becomes one call with the `DGelu` epilogue writing the GELU input's gradient directly. Both
@@ -24,10 +26,9 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::error::GptError;
-use crate::kernels::{Kernel, WeightLayout};
-use crate::params::GradsReady;
-use crate::plan::{Access, Arg, AttentionActs, Buf, Launch, Plan, Step};
+use crate::error::NnError;
+use crate::kernels::{Fusable, Kernel, LayerKernel, WeightLayout};
+use crate::plan::{Access, Arg, Buf, GradsReady, Launch, Plan, Step};
 
 /// Activation-gradient offsets are multiples of this many elements (128 bytes of bf16), so every
 /// range satisfies the 16-byte alignment of vector loads and cuBLASLt.
@@ -44,7 +45,7 @@ pub enum Space {
     Acts,
     /// The packed bf16 activation gradients.
     ActGrads,
-    /// The f32 LayerNorm statistics, losses and flash attention's log-sum-exp.
+    /// The f32 activations: norm statistics, losses and flash attention's log-sum-exp.
     Stats,
     /// The u32 token buffer: inputs at 0, targets at `tokens` (see [`Schedule::targets_offset`]).
     Tokens,
@@ -68,9 +69,9 @@ impl Place {
 
 /// What an operation computes.
 #[derive(Clone, Debug, PartialEq)]
-pub enum OpKind {
+pub enum OpKind<X> {
     /// One launch of the plan, its arguments in the order [`Kernel`] documents.
-    Kernel(Kernel),
+    Kernel(Kernel<X>),
     /// `Matmul { bias: true }` + `Gelu`. Arguments: W out (after GELU), W pre-GELU, R inp, R
     /// weight, R bias.
     MatmulBiasGelu { c: usize, oc: usize, layout: WeightLayout },
@@ -80,12 +81,12 @@ pub enum OpKind {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct Op {
-    pub kind: OpKind,
+pub struct Op<X> {
+    pub kind: OpKind<X>,
     pub args: Vec<Place>,
 }
 
-impl Op {
+impl<X: LayerKernel> Op<X> {
     /// A name for reports: the kernel's, with the shape for matmuls.
     pub fn name(&self) -> String {
         match &self.kind {
@@ -102,16 +103,16 @@ impl Op {
 
 /// One step of backward.
 #[derive(Clone, Debug, PartialEq)]
-pub enum BackwardOp {
-    Op(Op),
+pub enum BackwardOp<X> {
+    Op(Op<X>),
     Ready(GradsReady),
 }
 
 /// The operations of forward and backward and the sizes of the buffers they use.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Schedule {
-    pub forward: Vec<Op>,
-    pub backward: Vec<BackwardOp>,
+pub struct Schedule<X> {
+    pub forward: Vec<Op<X>>,
+    pub backward: Vec<BackwardOp<X>>,
     /// Elements of the bf16 activation buffer.
     pub acts_len: usize,
     /// Elements of the packed bf16 activation-gradient buffer.
@@ -124,12 +125,12 @@ pub struct Schedule {
     pub loss_offset: usize,
 }
 
-impl Schedule {
+impl<X: LayerKernel> Schedule<X> {
     /// The schedule of `plan`; `fuse_gelu` allows the GELU fusions (where the widths permit).
-    pub fn new(plan: &Plan, fuse_gelu: bool) -> Result<Self, GptError> {
+    pub fn new(plan: &Plan<X>, fuse_gelu: bool) -> Result<Self, NnError> {
         let stats = StatsMap::new(plan);
         let tokens = plan.tokens();
-        let place = |arg: &Arg, accumulate: bool| -> Result<Place, GptError> {
+        let place = |arg: &Arg, accumulate: bool| -> Result<Place, NnError> {
             let (space, offset) = match arg.buf {
                 Buf::Params => (Space::Params, arg.range.start),
                 Buf::Grads => (Space::Grads, arg.range.start),
@@ -148,15 +149,38 @@ impl Schedule {
         let flags = accumulate_flags(&plan.backward)?;
         let mut backward = fuse_backward(&plan.backward, &flags, fuse_gelu, &place)?;
         let act_grads_len = pack_act_grads(&mut backward);
+        let loss_offset = stats.get(&plan.loss).ok_or_else(|| {
+            schedule_error(format!("the loss {:?} is not among the f32 activations", plan.loss))
+        })?;
         Ok(Schedule {
             forward,
             backward,
-            acts_len: plan.acts.len,
+            acts_len: plan.acts_len,
             act_grads_len,
             stats_len: stats.len,
             tokens_len: 2 * tokens,
-            loss_offset: stats.get(&plan.acts.loss).expect("the loss is a statistic"),
+            loss_offset,
         })
+    }
+
+    /// The backward operations of `plan` as [`Schedule::new`] makes them before it packs the
+    /// activation gradients (each at its plan offset): for tests of the packing.
+    pub fn unpacked_backward(
+        plan: &Plan<X>,
+        fuse_gelu: bool,
+    ) -> Result<Vec<BackwardOp<X>>, NnError> {
+        let place = |arg: &Arg, accumulate: bool| -> Result<Place, NnError> {
+            let space = if arg.buf == Buf::ActGrads { Space::ActGrads } else { Space::Acts };
+            Ok(Place { space, offset: arg.range.start, len: arg.range.len(), accumulate })
+        };
+        let flags = accumulate_flags(&plan.backward)?;
+        fuse_backward(&plan.backward, &flags, fuse_gelu, &place)
+    }
+
+    /// Whether each argument of each backward launch of `plan` accumulates (see
+    /// [`Schedule::new`]; none for the zeroing launch and the notices): for tests.
+    pub fn accumulate_flags(plan: &Plan<X>) -> Result<Vec<Vec<bool>>, NnError> {
+        accumulate_flags(&plan.backward)
     }
 
     /// Where the targets start in the token buffer.
@@ -165,7 +189,7 @@ impl Schedule {
     }
 
     /// Every operation of forward and backward.
-    pub fn ops(&self) -> impl Iterator<Item = &Op> {
+    pub fn ops(&self) -> impl Iterator<Item = &Op<X>> {
         self.forward.iter().chain(self.backward.iter().filter_map(|step| match step {
             BackwardOp::Op(op) => Some(op),
             BackwardOp::Ready(_) => None,
@@ -173,27 +197,18 @@ impl Schedule {
     }
 }
 
-/// The activation ranges kept in f32 (LayerNorm statistics, flash attention's log-sum-exp, the
-/// losses), and their offsets in the statistics buffer.
+/// The activation ranges kept in f32 (the plan's [`Plan::f32_acts`]), and their offsets in the
+/// statistics buffer.
 struct StatsMap {
     offsets: HashMap<(usize, usize), usize>,
     len: usize,
 }
 
 impl StatsMap {
-    fn new(plan: &Plan) -> Self {
-        let a = &plan.acts;
-        let mut ranges: Vec<&Range<usize>> = Vec::new();
-        for block in &a.blocks {
-            ranges.extend([&block.ln_1_mean, &block.ln_1_rstd, &block.ln_2_mean, &block.ln_2_rstd]);
-            if let AttentionActs::LogSumExp(lse) = &block.attention {
-                ranges.push(lse);
-            }
-        }
-        ranges.extend([&a.ln_f_mean, &a.ln_f_rstd, &a.losses, &a.loss]);
+    fn new<X>(plan: &Plan<X>) -> Self {
         let mut offsets = HashMap::new();
         let mut len = 0;
-        for range in ranges {
+        for range in &plan.f32_acts {
             offsets.insert((range.start, range.end), len);
             // Keep 16-byte alignment for every range.
             len += range.len().div_ceil(4) * 4;
@@ -206,29 +221,29 @@ impl StatsMap {
     }
 }
 
-type PlaceFn<'a> = dyn Fn(&Arg, bool) -> Result<Place, GptError> + 'a;
+type PlaceFn<'a> = dyn Fn(&Arg, bool) -> Result<Place, NnError> + 'a;
 
-fn schedule_error(reason: String) -> GptError {
-    GptError::Kernel { kernel: "cuda schedule", reason }
+fn schedule_error(reason: String) -> NnError {
+    NnError::Kernel { kernel: "cuda schedule", reason }
 }
 
 /// The forward launches as operations, with matmul + GELU fused.
-fn fuse_forward(
-    launches: &[Launch],
+fn fuse_forward<X: LayerKernel>(
+    launches: &[Launch<X>],
     fuse_gelu: bool,
     place: &PlaceFn<'_>,
-) -> Result<Vec<Op>, GptError> {
+) -> Result<Vec<Op<X>>, NnError> {
     let mut ops = Vec::with_capacity(launches.len());
     let mut i = 0;
     while i < launches.len() {
         let launch = &launches[i];
-        let args = |launch: &Launch| -> Result<Vec<Place>, GptError> {
+        let args = |launch: &Launch<X>| -> Result<Vec<Place>, NnError> {
             launch.args.iter().map(|arg| place(arg, false)).collect()
         };
         if let (Kernel::Matmul { c, oc, layout, bias: true }, Some(next)) =
             (&launch.kernel, launches.get(i + 1))
             && fuse_gelu
-            && next.kernel == Kernel::Gelu
+            && next.kernel.fusable() == Some(Fusable::Gelu)
             && oc.is_multiple_of(8)
             && next.args[1].range == launch.args[0].range
             && next.args[1].buf == launch.args[0].buf
@@ -251,7 +266,7 @@ fn fuse_forward(
 /// For every argument of every backward launch: whether it accumulates. Gradients of parameters
 /// always do; an activation gradient is overwritten by the first launch that writes it and
 /// accumulated by the later ones. The plan's zeroing launch gets no flags (it is dropped).
-fn accumulate_flags(steps: &[Step]) -> Result<Vec<Vec<bool>>, GptError> {
+fn accumulate_flags<X: LayerKernel>(steps: &[Step<X>]) -> Result<Vec<Vec<bool>>, NnError> {
     let mut written: Vec<Range<usize>> = Vec::new();
     let mut flags = Vec::with_capacity(steps.len());
     for step in steps {
@@ -294,8 +309,7 @@ fn accumulate_flags(steps: &[Step]) -> Result<Vec<Vec<bool>>, GptError> {
             };
             mine.push(accumulate);
         }
-        if let Kernel::AttentionBackward { .. } | Kernel::FlashAttentionBackward { .. } =
-            launch.kernel
+        if let Kernel::AttentionBackward(_) | Kernel::FlashAttentionBackward(_) = launch.kernel
             && mine[0]
         {
             return Err(schedule_error(
@@ -309,14 +323,14 @@ fn accumulate_flags(steps: &[Step]) -> Result<Vec<Vec<bool>>, GptError> {
 
 /// The backward launches as operations, with matmul backward + GELU backward fused where the
 /// matmul's input gradient is written first there and read only by the GELU backward.
-fn fuse_backward(
-    steps: &[Step],
+fn fuse_backward<X: LayerKernel>(
+    steps: &[Step<X>],
     flags: &[Vec<bool>],
     fuse_gelu: bool,
     place: &PlaceFn<'_>,
-) -> Result<Vec<BackwardOp>, GptError> {
+) -> Result<Vec<BackwardOp<X>>, NnError> {
     let mut ops = Vec::with_capacity(steps.len());
-    let args = |i: usize| -> Result<Vec<Place>, GptError> {
+    let args = |i: usize| -> Result<Vec<Place>, NnError> {
         let Step::Launch(launch) = &steps[i] else { unreachable!("a launch") };
         launch.args.iter().zip(&flags[i]).map(|(arg, &acc)| place(arg, acc)).collect()
     };
@@ -341,7 +355,7 @@ fn fuse_backward(
         if let Kernel::MatmulBackward { c, oc, layout, bias } = launch.kernel
             && fuse_gelu
             && let Some(next) = launch_at(i + 1)
-            && next.kernel == Kernel::GeluBackward
+            && next.kernel.fusable() == Some(Fusable::GeluBackward)
             && c.is_multiple_of(8)
             && next.args[2].range == launch.args[0].range
             && !flags[i][0]
@@ -370,7 +384,7 @@ fn fuse_backward(
 }
 
 /// Whether `step` uses the buffer range of `arg`.
-fn touches(step: &Step, arg: &Arg) -> bool {
+fn touches<X>(step: &Step<X>, arg: &Arg) -> bool {
     match step {
         Step::Launch(launch) => launch.args.iter().any(|other| {
             other.buf == arg.buf
@@ -384,7 +398,7 @@ fn touches(step: &Step, arg: &Arg) -> bool {
 /// Packs the activation gradients by liveness (first fit) and rewrites their offsets; returns the
 /// buffer's length. A range is live from the operation that first uses it to the one that last
 /// does, both included, so an operation's inputs and outputs never share memory.
-fn pack_act_grads(backward: &mut [BackwardOp]) -> usize {
+fn pack_act_grads<X>(backward: &mut [BackwardOp<X>]) -> usize {
     // The plan offset of each range → (first op, last op, length).
     let mut lives: HashMap<usize, (usize, usize, usize)> = HashMap::new();
     for (i, step) in backward.iter().enumerate() {
@@ -468,176 +482,5 @@ impl FreeList {
             self.free[at - 1].end = self.free[at].end;
             self.free.remove(at);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::params::ParamRanges;
-    use crate::plan::AttentionKind;
-    use crate::{GptConfig, flat_layout};
-
-    fn schedule(config: &GptConfig, batch: usize, seq: usize) -> (Plan, Schedule) {
-        schedule_with(config, batch, seq, AttentionKind::Gemm)
-    }
-
-    fn schedule_with(
-        config: &GptConfig,
-        batch: usize,
-        seq: usize,
-        attention: AttentionKind,
-    ) -> (Plan, Schedule) {
-        let layout = flat_layout(config, 1).unwrap();
-        let params = ParamRanges::new(config, &layout).unwrap();
-        let plan = Plan::with_attention(config, &params, batch, seq, attention).unwrap();
-        let schedule = Schedule::new(&plan, true).unwrap();
-        (plan, schedule)
-    }
-
-    const TAILS: GptConfig =
-        GptConfig { n_layer: 3, n_head: 4, d_model: 200, vocab_size: 301, context: 40 };
-
-    /// No two activation gradients that are live at the same time share memory: packing the
-    /// backward of `TAILS` again, each argument is known by its plan offset before packing.
-    #[test]
-    fn live_activation_gradients_never_overlap() {
-        let (plan, s) = schedule(&TAILS, 3, 37);
-        let place = |arg: &Arg, accumulate: bool| -> Result<Place, GptError> {
-            let space = if arg.buf == Buf::ActGrads { Space::ActGrads } else { Space::Acts };
-            Ok(Place { space, offset: arg.range.start, len: arg.range.len(), accumulate })
-        };
-        let flags = accumulate_flags(&plan.backward).unwrap();
-        let unpacked = fuse_backward(&plan.backward, &flags, true, &place).unwrap();
-        let ops = |steps: &[BackwardOp]| -> Vec<Op> {
-            steps
-                .iter()
-                .filter_map(|step| match step {
-                    BackwardOp::Op(op) => Some(op.clone()),
-                    BackwardOp::Ready(_) => None,
-                })
-                .collect()
-        };
-        let (unpacked, packed) = (ops(&unpacked), ops(&s.backward));
-        // Plan offset → (first op, last op, packed place).
-        let mut lives: HashMap<usize, (usize, usize, Place)> = HashMap::new();
-        for (i, (before, after)) in unpacked.iter().zip(&packed).enumerate() {
-            for (arg, place) in before.args.iter().zip(&after.args) {
-                if arg.space != Space::ActGrads {
-                    continue;
-                }
-                let life = lives.entry(arg.offset).or_insert((i, i, *place));
-                assert_eq!(life.2, Place { accumulate: life.2.accumulate, ..*place });
-                life.1 = i;
-            }
-        }
-        assert!(lives.len() > 10);
-        for (key_a, a) in &lives {
-            assert!(a.2.end() <= s.act_grads_len);
-            for (key_b, b) in &lives {
-                let same_time = a.0 <= b.1 && b.0 <= a.1;
-                let same_memory = a.2.offset < b.2.end() && b.2.offset < a.2.end();
-                assert!(key_a == key_b || !(same_time && same_memory), "{a:?} and {b:?}");
-            }
-        }
-    }
-
-    /// Each block's fc matmul is fused with its GELU forward and backward, the zeroing launch is
-    /// gone, and the packed activation gradients take far less than one per activation.
-    #[test]
-    fn fusions_apply_once_per_block_and_packing_saves_memory() {
-        let config = GptConfig { n_layer: 6, ..TAILS };
-        let (plan, s) = schedule(&config, 2, 40);
-        let count = |pred: &dyn Fn(&OpKind) -> bool| s.ops().filter(|op| pred(&op.kind)).count();
-        assert_eq!(count(&|k| matches!(k, OpKind::MatmulBiasGelu { .. })), 6);
-        assert_eq!(count(&|k| matches!(k, OpKind::MatmulBackwardDGelu { .. })), 6);
-        assert_eq!(count(&|k| matches!(k, OpKind::Kernel(Kernel::Gelu))), 0);
-        assert_eq!(count(&|k| matches!(k, OpKind::Kernel(Kernel::GeluBackward))), 0);
-        assert_eq!(count(&|k| matches!(k, OpKind::Kernel(Kernel::Zero { .. }))), 0);
-        let unfused = Schedule::new(&plan, false).unwrap();
-        assert!(unfused.ops().all(|op| matches!(op.kind, OpKind::Kernel(_))));
-        assert!(s.act_grads_len * 3 < plan.acts.len, "{} vs {}", s.act_grads_len, plan.acts.len);
-        let ready = s.backward.iter().filter(|s| matches!(s, BackwardOp::Ready(_))).count();
-        assert_eq!(ready, config.n_layer + 2);
-    }
-
-    /// Where the GELU's width is no multiple of 8, the GELU kernels stay separate.
-    #[test]
-    fn odd_widths_keep_the_gelu_kernels() {
-        let narrow = GptConfig { n_layer: 2, n_head: 3, d_model: 15, vocab_size: 70, context: 11 };
-        let (_, s) = schedule(&narrow, 2, 9);
-        let count = |pred: &dyn Fn(&OpKind) -> bool| s.ops().filter(|op| pred(&op.kind)).count();
-        assert_eq!(count(&|k| matches!(k, OpKind::MatmulBiasGelu { .. })), 0);
-        assert_eq!(count(&|k| matches!(k, OpKind::MatmulBackwardDGelu { .. })), 0);
-        assert_eq!(count(&|k| matches!(k, OpKind::Kernel(Kernel::Gelu))), 2);
-        assert_eq!(count(&|k| matches!(k, OpKind::Kernel(Kernel::GeluBackward))), 2);
-    }
-
-    /// The first write of every activation gradient overwrites, the others add, parameter
-    /// gradients always add, and every place lies inside its buffer.
-    #[test]
-    fn first_writes_overwrite_and_places_fit_their_buffers() {
-        let (plan, s) = schedule(&TAILS, 3, 37);
-        let mut seen = std::collections::HashSet::new();
-        for op in s.ops() {
-            for arg in &op.args {
-                let len = match arg.space {
-                    Space::Acts => s.acts_len,
-                    Space::ActGrads => s.act_grads_len,
-                    Space::Stats => s.stats_len,
-                    Space::Tokens => s.tokens_len,
-                    Space::Params | Space::Grads => usize::MAX,
-                };
-                assert!(arg.end() <= len, "{arg:?}");
-                if arg.space == Space::Grads {
-                    assert!(arg.accumulate);
-                }
-            }
-        }
-        let flags = accumulate_flags(&plan.backward).unwrap();
-        for (step, flags) in plan.backward.iter().zip(&flags) {
-            let Step::Launch(launch) = step else { continue };
-            for (arg, &accumulate) in launch.args.iter().zip(flags) {
-                if arg.buf == Buf::ActGrads && arg.access == Access::Update {
-                    assert_eq!(accumulate, !seen.insert(arg.range.clone()), "{launch:?}");
-                }
-            }
-        }
-        assert!(s.stats_len < plan.acts.len);
-    }
-
-    /// With flash attention, each block's forward writes its lse into the f32 statistics and its
-    /// backward reads it from the same place, the backward overwrites dqkv (its first write), and
-    /// no place anywhere has the size of the weights `[batch, n_head, seq, seq]`.
-    #[test]
-    fn flash_attention_keeps_its_lse_with_the_statistics() {
-        let (batch, seq) = (3, 37);
-        let (plan, s) = schedule_with(&TAILS, batch, seq, AttentionKind::Flash);
-        let rows = batch * TAILS.n_head * seq;
-        let forward: Vec<&Op> = s
-            .forward
-            .iter()
-            .filter(|op| matches!(op.kind, OpKind::Kernel(Kernel::FlashAttention { .. })))
-            .collect();
-        let backward: Vec<&Op> = s
-            .ops()
-            .filter(|op| matches!(op.kind, OpKind::Kernel(Kernel::FlashAttentionBackward { .. })))
-            .collect();
-        assert_eq!((forward.len(), backward.len()), (TAILS.n_layer, TAILS.n_layer));
-        for (forward, backward) in forward.iter().zip(backward.iter().rev()) {
-            // [out, lse, qkv] and [dqkv, dout, qkv, out, lse]
-            let lse = forward.args[1];
-            assert_eq!((lse.space, lse.len), (Space::Stats, rows));
-            assert!(lse.offset.is_multiple_of(4), "16-byte aligned f32");
-            assert_eq!(backward.args[4], lse);
-            assert_eq!(backward.args[3], forward.args[0]);
-            assert_eq!(backward.args[2], forward.args[2]);
-            assert!(!backward.args[0].accumulate, "flash backward overwrites dqkv");
-        }
-        assert!(s.ops().all(|op| op.args.iter().all(|arg| arg.len != rows * seq)));
-        let (_, gemm) = schedule(&TAILS, batch, seq);
-        assert_eq!(s.stats_len - gemm.stats_len, TAILS.n_layer * rows.div_ceil(4) * 4);
-        assert!(s.act_grads_len <= gemm.act_grads_len);
-        assert!(s.acts_len < gemm.acts_len && s.acts_len == plan.acts.len);
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use super::{DataError, DataErrorKind};
+use crate::{DataError, DataErrorKind};
 
 pub const SHARD_MAGIC: i32 = 20240520;
 pub const SHARD_VERSION: i32 = 1;

@@ -13,7 +13,7 @@ use std::ops::Range;
 use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CudaDevice, Device, HostBuffer, HostMemory};
 
-use crate::error::GptError;
+use crate::error::NnError;
 use crate::kernels::encoder::check_tokens;
 
 #[derive(Debug)]
@@ -27,7 +27,7 @@ pub struct Tokens {
 }
 
 impl Tokens {
-    pub fn new(device: &CudaDevice, n: usize) -> Result<Self, GptError> {
+    pub fn new(device: &CudaDevice, n: usize) -> Result<Self, NnError> {
         let len = Self::len_for(n);
         Ok(Tokens {
             n,
@@ -85,17 +85,17 @@ impl Tokens {
         inputs: &[u32],
         targets: &[u32],
         vocab: usize,
-    ) -> Result<(), GptError> {
+    ) -> Result<(), NnError> {
         let n = self.n;
         for (what, tokens) in [("inputs", inputs), ("targets", targets)] {
             if tokens.len() != n {
-                return Err(GptError::Length { what, expected: n, found: tokens.len() });
+                return Err(NnError::Length { what, expected: n, found: tokens.len() });
             }
         }
         check_tokens(inputs, vocab)
-            .map_err(|reason| GptError::Kernel { kernel: "encoder_forward", reason })?;
+            .map_err(|reason| NnError::Kernel { kernel: "encoder_forward", reason })?;
         check_tokens(targets, vocab)
-            .map_err(|reason| GptError::Kernel { kernel: "softmax_xent_forward", reason })?;
+            .map_err(|reason| NnError::Kernel { kernel: "softmax_xent_forward", reason })?;
         // Writing the staging buffer first waits for the copy that last read it (two batches
         // ago; see below), so the host never overwrites a buffer a copy is still reading.
         let staging = &mut self.staging[self.next];

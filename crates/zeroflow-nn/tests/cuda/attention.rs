@@ -12,8 +12,8 @@ use zeroflow_core::bf16;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::module::compile_for_tests;
 use zeroflow_device::{Device, StreamKind};
-use zeroflow_gpt::cuda::attention::{CudaAttention, SOURCE, kernel_names};
-use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
+use zeroflow_nn::cuda::attention::{CudaAttention, SOURCE, kernel_names};
+use zeroflow_nn::kernels::attention::{AttentionShape, attention_backward, attention_forward};
 
 use crate::gpu;
 use crate::support::{Placed, random_bf16, relative_error, widen};
@@ -65,20 +65,12 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
 
         let mut out_ref = vec![0.0; shape.rows() * c];
         let mut att_ref = vec![0.0; shape.att_len()];
-        attention_forward(&mut out_ref, &mut att_ref, &widen(&qkv), seq, c, n_head);
+        let heads = AttentionShape::multi_head(seq, c, n_head);
+        attention_forward(&mut out_ref, &mut att_ref, &widen(&qkv), heads);
         let mut dqkv_ref = vec![0.0; qkv.len()];
         let mut dscores_ref = vec![0.0; shape.att_len()];
         let (dout_wide, qkv_wide) = (widen(&dout), widen(&qkv));
-        attention_backward(
-            &mut dqkv_ref,
-            &mut dscores_ref,
-            &dout_wide,
-            &qkv_wide,
-            &att_ref,
-            seq,
-            c,
-            n_head,
-        );
+        attention_backward(&mut dqkv_ref, &mut dscores_ref, &dout_wide, &qkv_wide, &att_ref, heads);
 
         let attention = CudaAttention::new(&device, blas.clone(), batch, seq, c, n_head).unwrap();
         let qkv_gpu = Placed::holding(&device, &qkv, at);
@@ -87,10 +79,10 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
         let att = Placed::<bf16>::poisoned(&device, shape.att_len(), at);
         let dqkv = Placed::<bf16>::poisoned(&device, qkv.len(), at);
         let dscores = Placed::<bf16>::poisoned(&device, shape.att_len(), at);
-        attention.forward(stream, qkv_gpu.address(), out.address(), att.address()).unwrap();
-        let (dout_at, qkv_at, att_at) = (dout_gpu.address(), qkv_gpu.address(), att.address());
-        let (dqkv_at, dscores_at) = (dqkv.address(), dscores.address());
-        attention.backward(stream, dout_at, qkv_at, att_at, dqkv_at, dscores_at).unwrap();
+        attention.forward(stream, qkv_gpu.slice(), out.slice_mut(), att.slice_mut()).unwrap();
+        let (dout_in, qkv_in, att_in) = (dout_gpu.slice(), qkv_gpu.slice(), att.slice());
+        let (dqkv_out, dscores_out) = (dqkv.slice_mut(), dscores.slice_mut());
+        attention.backward(stream, dout_in, qkv_in, att_in, dqkv_out, dscores_out).unwrap();
         device.synchronize().unwrap();
 
         let att_gpu = att.read(&device, "att");
@@ -133,9 +125,9 @@ fn a_second_run_on_the_same_inputs_gives_the_same_results() {
     let dscores = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
     let mut runs = Vec::new();
     for _ in 0..2 {
-        attention.forward(stream, qkv.address(), out.address(), att.address()).unwrap();
-        let (a, d) = (att.address(), dscores.address());
-        attention.backward(stream, dout.address(), qkv.address(), a, dqkv.address(), d).unwrap();
+        attention.forward(stream, qkv.slice(), out.slice_mut(), att.slice_mut()).unwrap();
+        let (a, d) = (att.slice(), dscores.slice_mut());
+        attention.backward(stream, dout.slice(), qkv.slice(), a, dqkv.slice_mut(), d).unwrap();
         device.synchronize().unwrap();
         runs.push([out.read(&device, "out"), dqkv.read(&device, "dqkv")]);
     }
@@ -163,11 +155,13 @@ fn bench_attention_at_gpt_1_3b_shapes() {
     let dqkv = device.alloc::<bf16>(shape.rows() * 3 * c).unwrap();
     let dscores = device.alloc::<bf16>(shape.att_len()).unwrap();
     let forward = || {
-        attention.forward(stream, qkv.address(0), out.address(0), att.address(0)).unwrap();
+        attention.forward(stream, qkv.as_slice(), out.as_slice_mut(), att.as_slice_mut()).unwrap();
     };
     let backward = || {
-        let (a, d) = (att.address(0), dscores.address(0));
-        attention.backward(stream, dout.address(0), qkv.address(0), a, dqkv.address(0), d).unwrap();
+        let (a, d) = (att.as_slice(), dscores.as_slice_mut());
+        attention
+            .backward(stream, dout.as_slice(), qkv.as_slice(), a, dqkv.as_slice_mut(), d)
+            .unwrap();
     };
     let time_ms = |run: &dyn Fn(), iterations: u32| {
         run();

@@ -14,10 +14,10 @@ use zeroflow_core::bf16;
 use zeroflow_device::cuda::CudaStream;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::module::compile_for_tests;
-use zeroflow_device::{CudaDevice, Device, StreamKind};
-use zeroflow_gpt::cuda::attention::CudaAttention;
-use zeroflow_gpt::cuda::flash::{FlashAttention, SOURCE, kernel_names};
-use zeroflow_gpt::kernels::attention::{attention_backward, attention_forward};
+use zeroflow_device::{CudaDevice, Device, DeviceBuffer, StreamKind};
+use zeroflow_nn::cuda::attention::CudaAttention;
+use zeroflow_nn::cuda::flash::{FlashAttention, SOURCE, kernel_names};
+use zeroflow_nn::kernels::attention::{AttentionShape, attention_backward, attention_forward};
 
 use crate::gpu;
 use crate::support::{Placed, random_bf16, relative_error, widen};
@@ -138,10 +138,10 @@ fn run_flash(
     let out = Placed::<bf16>::poisoned(device, shape.rows() * shape.c, OFFSET_BYTES);
     let lse = Placed::<f32>::poisoned(device, flash.lse_len(), OFFSET_BYTES);
     let dqkv = Placed::<bf16>::poisoned(device, shape.rows() * 3 * shape.c, OFFSET_BYTES);
-    let (qkv_at, dout_at) = (inputs.qkv_gpu.address(), inputs.dout_gpu.address());
-    let (out_at, lse_at) = (out.address(), lse.address());
-    flash.forward(stream, qkv_at, out_at, lse_at).unwrap();
-    flash.backward(stream, qkv_at, out_at, dout_at, lse_at, dqkv.address()).unwrap();
+    let (qkv_in, dout_in) = (inputs.qkv_gpu.slice(), inputs.dout_gpu.slice());
+    flash.forward(stream, qkv_in, out.slice_mut(), lse.slice_mut()).unwrap();
+    let (out_in, lse_in) = (out.slice(), lse.slice());
+    flash.backward(stream, qkv_in, out_in, dout_in, lse_in, dqkv.slice_mut()).unwrap();
     device.synchronize().unwrap();
     let outputs = Outputs { out: out.read(device, "out"), dqkv: dqkv.read(device, "dqkv") };
     (outputs, lse.read(device, "lse"))
@@ -161,10 +161,10 @@ fn run_cuda_attention(
     let att = Placed::<bf16>::poisoned(device, shape.att_len(), OFFSET_BYTES);
     let dqkv = Placed::<bf16>::poisoned(device, shape.rows() * 3 * c, OFFSET_BYTES);
     let dscores = Placed::<bf16>::poisoned(device, shape.att_len(), OFFSET_BYTES);
-    let (qkv_at, dout_at) = (inputs.qkv_gpu.address(), inputs.dout_gpu.address());
-    attention.forward(stream, qkv_at, out.address(), att.address()).unwrap();
-    let (att_at, dqkv_at, dscores_at) = (att.address(), dqkv.address(), dscores.address());
-    attention.backward(stream, dout_at, qkv_at, att_at, dqkv_at, dscores_at).unwrap();
+    let (qkv_in, dout_in) = (inputs.qkv_gpu.slice(), inputs.dout_gpu.slice());
+    attention.forward(stream, qkv_in, out.slice_mut(), att.slice_mut()).unwrap();
+    let (att_in, dqkv_out, dscores_out) = (att.slice(), dqkv.slice_mut(), dscores.slice_mut());
+    attention.backward(stream, dout_in, qkv_in, att_in, dqkv_out, dscores_out).unwrap();
     device.synchronize().unwrap();
     Outputs { out: out.read(device, "out"), dqkv: dqkv.read(device, "dqkv") }
 }
@@ -175,10 +175,11 @@ fn run_reference(shape: Shape, inputs: &Inputs) -> Outputs {
     let (qkv, dout) = (widen(&inputs.qkv), widen(&inputs.dout));
     let mut out = vec![0.0; shape.rows() * c];
     let mut att = vec![0.0; shape.att_len()];
-    attention_forward(&mut out, &mut att, &qkv, seq, c, n_head);
+    let heads = AttentionShape::multi_head(seq, c, n_head);
+    attention_forward(&mut out, &mut att, &qkv, heads);
     let mut dqkv = vec![0.0; qkv.len()];
     let mut dscores = vec![0.0; shape.att_len()];
-    attention_backward(&mut dqkv, &mut dscores, &dout, &qkv, &att, seq, c, n_head);
+    attention_backward(&mut dqkv, &mut dscores, &dout, &qkv, &att, heads);
     Outputs { out, dqkv }
 }
 
@@ -266,13 +267,16 @@ fn unsupported_head_sizes_and_unaligned_tensors_are_refused() {
     let out = device.alloc::<bf16>(8 * 128).unwrap();
     let lse = device.alloc::<f32>(flash.lse_len() + 1).unwrap();
     let stream = device.stream(StreamKind::Compute);
-    let (out_at, lse_at) = (out.address(0), lse.address(0));
-    let unaligned = flash.forward(stream, qkv.address(1), out_at, lse_at).unwrap_err();
+    let (out_slice, lse_slice) = (out.as_slice_mut(), lse.as_slice_mut());
+    let qkv_shifted = qkv.slice(1..qkv.len());
+    let unaligned = flash.forward(stream, qkv_shifted, out_slice, lse_slice).unwrap_err();
     assert!(unaligned.to_string().contains("16-byte"), "{unaligned}");
-    let qkv_at = qkv.address(0);
-    let unaligned = flash.forward(stream, qkv_at, out_at, lse_at + 2).unwrap_err();
-    assert!(unaligned.to_string().contains("lse at"), "{unaligned}");
-    flash.forward(stream, qkv_at, out_at, lse.address(1)).unwrap();
+    // An lse off its 4-byte alignment cannot be made any more (an f32 slice starts at an f32),
+    // so the lse may start at any element.
+    let too_short = flash.forward(stream, qkv.as_slice(), out_slice, lse.slice_mut(2..lse.len()));
+    let too_short = too_short.unwrap_err().to_string();
+    assert!(too_short.contains("lse holds"), "{too_short}");
+    flash.forward(stream, qkv.as_slice(), out_slice, lse.slice_mut(1..lse.len())).unwrap();
     device.synchronize().unwrap();
     println!("RESULT flash refusals ok");
 }
@@ -332,19 +336,22 @@ fn bench_flash_against_cuda_attention() {
         let dqkv = device.alloc::<bf16>(shape.rows() * 3 * c).unwrap();
         let att = device.alloc::<bf16>(shape.att_len()).unwrap();
         let dscores = device.alloc::<bf16>(shape.att_len()).unwrap();
-        let [qkv_at, dout_at, out_at, dqkv_at] =
-            [&qkv, &dout, &out, &dqkv].map(|buffer| buffer.address(0));
-        let (att_at, dscores_at, lse_at) = (att.address(0), dscores.address(0), lse.address(0));
+        let (qkv_in, dout_in, out_in, lse_in) =
+            (qkv.as_slice(), dout.as_slice(), out.as_slice(), lse.as_slice());
+        let (out_out, dqkv_out, lse_out) =
+            (out.as_slice_mut(), dqkv.as_slice_mut(), lse.as_slice_mut());
+        let (att_in, att_out, dscores_out) =
+            (att.as_slice(), att.as_slice_mut(), dscores.as_slice_mut());
         let times = |forward: &dyn Fn(&CudaStream), backward: &dyn Fn(&CudaStream)| {
             (median_ms(&device, &|| forward(stream)), median_ms(&device, &|| backward(stream)))
         };
         let (flash_fwd, flash_bwd) =
-            times(&|s| flash.forward(s, qkv_at, out_at, lse_at).unwrap(), &|s| {
-                flash.backward(s, qkv_at, out_at, dout_at, lse_at, dqkv_at).unwrap()
+            times(&|s| flash.forward(s, qkv_in, out_out, lse_out).unwrap(), &|s| {
+                flash.backward(s, qkv_in, out_in, dout_in, lse_in, dqkv_out).unwrap()
             });
         let (attention_fwd, attention_bwd) =
-            times(&|s| attention.forward(s, qkv_at, out_at, att_at).unwrap(), &|s| {
-                attention.backward(s, dout_at, qkv_at, att_at, dqkv_at, dscores_at).unwrap()
+            times(&|s| attention.forward(s, qkv_in, out_out, att_out).unwrap(), &|s| {
+                attention.backward(s, dout_in, qkv_in, att_in, dqkv_out, dscores_out).unwrap()
             });
         let hs = shape.head_size();
         let forward_flops = 2.0 * (batch * n_head * seq * seq * hs) as f64;

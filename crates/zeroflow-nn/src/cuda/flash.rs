@@ -21,11 +21,13 @@
 //! price is that backward computes the probabilities and their gradient twice, once for dq
 //! (parallel over query blocks) and once for dk and dv (parallel over key blocks).
 
-use cudarc::driver::sys::CUdeviceptr;
-use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, Dim3, KernelParams};
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::{
+    CudaBuffer, CudaFunction, CudaStream, DeviceSlice, DeviceSliceMut, Dim3, KernelParams,
+};
 use zeroflow_device::{CudaDevice, Device, DeviceError};
 
-use super::attention::Shape;
+use super::attention::{Shape, check_tensor};
 
 /// The CUDA source of the kernels: the shared header, then `flash_attention.cu`.
 pub const SOURCE: &str = concat!(
@@ -89,11 +91,11 @@ impl Shape {
 
 /// The caller's tensors the backward tile kernels take.
 #[derive(Clone, Copy)]
-struct BackwardAddresses {
-    dqkv: CUdeviceptr,
-    qkv: CUdeviceptr,
-    dout: CUdeviceptr,
-    lse: CUdeviceptr,
+struct BackwardTensors<'a> {
+    dqkv: DeviceSliceMut<'a, bf16>,
+    qkv: DeviceSlice<'a, bf16>,
+    dout: DeviceSlice<'a, bf16>,
+    lse: DeviceSlice<'a, f32>,
 }
 
 /// Bytes of one shared-memory tile of 64 rows of `head_size` bf16 (padded).
@@ -136,10 +138,7 @@ impl Kernels {
             function("flash_backward_dkdv")?,
         );
         // Each may need more than the 48 KiB of shared memory a kernel gets by default.
-        device
-            .context()
-            .bind_to_thread()
-            .map_err(|e| invalid(format!("binding the context: {e}")))?;
+        device.bind()?;
         forward.set_max_dynamic_shared(forward_shared_bytes(head_size) as u32)?;
         backward_dq.set_max_dynamic_shared(backward_dq_shared_bytes(head_size) as u32)?;
         backward_dkdv.set_max_dynamic_shared(backward_dkdv_shared_bytes(head_size) as u32)?;
@@ -172,7 +171,7 @@ fn invalid(reason: String) -> DeviceError {
 }
 
 /// An error unless every named address is aligned to its number of bytes.
-fn check_aligned(addresses: &[(&str, CUdeviceptr, u64)]) -> Result<(), DeviceError> {
+fn check_aligned(addresses: &[(&str, u64, u64)]) -> Result<(), DeviceError> {
     let misaligned = addresses.iter().find(|(_, address, bytes)| !address.is_multiple_of(*bytes));
     match misaligned {
         None => Ok(()),
@@ -187,6 +186,9 @@ impl FlashAttention {
     /// Loads the kernels and allocates the scratch ([`scratch_bytes`](Self::scratch_bytes)) for
     /// inputs of `batch` sequences of `seq` tokens, `c` channels and `n_head` heads. The head size
     /// `c / n_head` must be one of [`HEAD_SIZES`].
+    ///
+    /// Multi-head attention only, as [`CudaAttention::new`](super::attention::CudaAttention::new)
+    /// says: grouped-query attention is refused by the executor until its kernels come.
     pub fn new(
         device: &CudaDevice,
         batch: usize,
@@ -224,34 +226,40 @@ impl FlashAttention {
     /// `out = attention(qkv)`, and `lse` = the log-sum-exp `log Σ_k exp(scale · q·k)` of each
     /// query row, which [`backward`](Self::backward) reads.
     ///
-    /// `qkv [B, T, 3C]` and `out [B, T, C]` are 16-byte aligned bf16 device addresses of this GPU
-    /// holding at least those many elements, `lse [B, NH, T]` a 4-byte aligned f32 one
-    /// ([`lse_len`](Self::lse_len) elements); `out` and `lse` overlap nothing else. Ordering them
-    /// against other streams is the caller's (the device contract).
+    /// `qkv [B, T, 3C]` and `out [B, T, C]` are 16-byte aligned bf16 slices of this GPU holding
+    /// at least those many elements, `lse [B, NH, T]` a 4-byte aligned f32 one
+    /// ([`lse_len`](Self::lse_len) elements), or an error says which is not; `out` and `lse`
+    /// should overlap nothing else. Ordering them against other streams is the caller's (the
+    /// device contract).
     pub fn forward(
         &self,
         stream: &CudaStream,
-        qkv: CUdeviceptr,
-        out: CUdeviceptr,
-        lse: CUdeviceptr,
+        qkv: DeviceSlice<'_, bf16>,
+        out: DeviceSliceMut<'_, bf16>,
+        lse: DeviceSliceMut<'_, f32>,
     ) -> Result<(), DeviceError> {
+        let (rows_len, lse_len) =
+            (self.shape.batch * self.shape.seq * self.shape.c, self.lse_len());
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * rows_len)?;
+        self.check(("out", out.len(), out.is_on(&self.device)), rows_len)?;
+        self.check(("lse", lse.len(), lse.is_on(&self.device)), lse_len)?;
         check_aligned(&[
-            ("qkv", qkv, ALIGNMENT),
-            ("out", out, ALIGNMENT),
-            ("lse", lse, LSE_ALIGNMENT),
+            ("qkv", qkv.address(), ALIGNMENT),
+            ("out", out.address(), ALIGNMENT),
+            ("lse", lse.address(), LSE_ALIGNMENT),
         ])?;
         let Shape { seq, n_head, head_size, .. } = self.shape;
         let params = KernelParams::new()
-            .raw_ptr(out)
-            .raw_ptr(lse)
-            .raw_ptr(qkv)
+            .slice_mut(out)
+            .slice_mut(lse)
+            .slice(qkv)
             .u32(seq as u32)
             .u32(n_head as u32)
             .f32(self.shape.scale());
         // SAFETY: the parameters match `flash_forward_{hs}(bf16_t*, float*, const bf16_t*, u32,
         // u32, float)` with `hs` the head size the function was loaded for. Block (i, h, b) reads
-        // rows 64i .. 64i+63 below `T` of sequence `b` of qkv (head h's columns of each third; the
-        // caller vouches for `B·T·3C` elements), writes the same rows of out (`B·T·C`) and of lse
+        // rows 64i .. 64i+63 below `T` of sequence `b` of qkv (head h's columns of each third; it
+        // holds `B·T·3C` elements, checked above), writes the same rows of out (`B·T·C`) and of lse
         // (`B·NH·T`), both the caller's. Every bf16 address is 16-byte aligned (checked above) and
         // `C` is a multiple of 8, so every 16-byte access is too; lse is 4-byte aligned (checked).
         // The shared memory asked for is what the kernel's tiles take, allowed in `Kernels::load`.
@@ -270,25 +278,33 @@ impl FlashAttention {
     /// Overwrites `dqkv [B, T, 3C]` with d(loss)/d(qkv), given `dout [B, T, C]` = d(loss)/d(out)
     /// and the `qkv`, `out` and `lse` of the [`forward`](Self::forward) that made `out`.
     ///
-    /// The same address requirements as [`forward`](Self::forward); `dqkv` overlaps nothing else.
+    /// The same requirements as [`forward`](Self::forward) (`dqkv` as `qkv`, `dout` as `out`);
+    /// `dqkv` should overlap nothing else.
     pub fn backward(
         &self,
         stream: &CudaStream,
-        qkv: CUdeviceptr,
-        out: CUdeviceptr,
-        dout: CUdeviceptr,
-        lse: CUdeviceptr,
-        dqkv: CUdeviceptr,
+        qkv: DeviceSlice<'_, bf16>,
+        out: DeviceSlice<'_, bf16>,
+        dout: DeviceSlice<'_, bf16>,
+        lse: DeviceSlice<'_, f32>,
+        dqkv: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
+        let (rows_len, lse_len) =
+            (self.shape.batch * self.shape.seq * self.shape.c, self.lse_len());
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * rows_len)?;
+        self.check(("out", out.len(), out.is_on(&self.device)), rows_len)?;
+        self.check(("dout", dout.len(), dout.is_on(&self.device)), rows_len)?;
+        self.check(("lse", lse.len(), lse.is_on(&self.device)), lse_len)?;
+        self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), 3 * rows_len)?;
         check_aligned(&[
-            ("qkv", qkv, ALIGNMENT),
-            ("out", out, ALIGNMENT),
-            ("dout", dout, ALIGNMENT),
-            ("lse", lse, LSE_ALIGNMENT),
-            ("dqkv", dqkv, ALIGNMENT),
+            ("qkv", qkv.address(), ALIGNMENT),
+            ("out", out.address(), ALIGNMENT),
+            ("dout", dout.address(), ALIGNMENT),
+            ("lse", lse.address(), LSE_ALIGNMENT),
+            ("dqkv", dqkv.address(), ALIGNMENT),
         ])?;
         self.preprocess(stream, out, dout)?;
-        let addresses = BackwardAddresses { dqkv, qkv, dout, lse };
+        let addresses = BackwardTensors { dqkv, qkv, dout, lse };
         let head_size = self.shape.head_size;
         let dq = (&self.kernels.backward_dq, backward_dq_shared_bytes(head_size));
         let dkdv = (&self.kernels.backward_dkdv, backward_dkdv_shared_bytes(head_size));
@@ -296,24 +312,29 @@ impl FlashAttention {
         self.backward_tiles(stream, dkdv, addresses)
     }
 
+    /// An error unless a caller's tensor holds `needed` elements of this GPU.
+    fn check(&self, tensor: (&str, usize, bool), needed: usize) -> Result<(), DeviceError> {
+        check_tensor(tensor, needed, invalid)
+    }
+
     /// `delta = rowsum(dout ∘ out)` per head.
     fn preprocess(
         &self,
         stream: &CudaStream,
-        out: CUdeviceptr,
-        dout: CUdeviceptr,
+        out: DeviceSlice<'_, bf16>,
+        dout: DeviceSlice<'_, bf16>,
     ) -> Result<(), DeviceError> {
         let Shape { batch, seq, n_head, head_size, .. } = self.shape;
         let params = KernelParams::new()
             .ptr(&self.delta, 0)
-            .raw_ptr(out)
-            .raw_ptr(dout)
+            .slice(out)
+            .slice(dout)
             .u32(seq as u32)
             .u32(n_head as u32)
             .u32(head_size as u32);
         // SAFETY: the parameters match `flash_backward_preprocess(float*, const bf16_t*, const
         // bf16_t*, u32, u32, u32)`. Block `r` (one per token row `b·T + t`) reads row `r` of out
-        // and dout (`C` elements each; the caller vouches for `B·T·C`) and writes `delta[b, ·, t]`
+        // and dout (`C` elements each; `backward` checked they hold `B·T·C`) and writes `delta[b, ·, t]`
         // (ours, `B·NH·T`). The addresses are 16-byte aligned and `hs` even, so the kernel's
         // 4-byte loads are aligned.
         unsafe {
@@ -328,15 +349,15 @@ impl FlashAttention {
         &self,
         stream: &CudaStream,
         (function, shared_bytes): (&CudaFunction, usize),
-        addresses: BackwardAddresses,
+        addresses: BackwardTensors<'_>,
     ) -> Result<(), DeviceError> {
-        let BackwardAddresses { dqkv, qkv, dout, lse } = addresses;
+        let BackwardTensors { dqkv, qkv, dout, lse } = addresses;
         let Shape { seq, n_head, .. } = self.shape;
         let params = KernelParams::new()
-            .raw_ptr(dqkv)
-            .raw_ptr(qkv)
-            .raw_ptr(dout)
-            .raw_ptr(lse)
+            .slice_mut(dqkv)
+            .slice(qkv)
+            .slice(dout)
+            .slice(lse)
             .ptr(&self.delta, 0)
             .u32(seq as u32)
             .u32(n_head as u32)
@@ -344,8 +365,8 @@ impl FlashAttention {
         // SAFETY: the parameters match `flash_backward_{dq,dkdv}_{hs}(bf16_t*, const bf16_t*,
         // const bf16_t*, const float*, const float*, u32, u32, float)`, `hs` the head size both
         // were loaded for. Block (x, h, b) reads rows below `T` of sequence `b` of qkv and dout
-        // (head h's columns; the caller vouches for `B·T·3C` and `B·T·C` elements), of lse (the
-        // caller's, `B·NH·T`) and of our delta (`B·NH·T`, written by `preprocess` earlier on this
+        // (head h's columns; `backward` checked they hold `B·T·3C` and `B·T·C` elements), of lse
+        // (the caller's, `B·NH·T`, checked) and of our delta (`B·NH·T`, written by `preprocess` earlier on this
         // stream). It writes rows 64x .. 64x+63 below `T` of head h's columns of dqkv (`B·T·3C`,
         // the caller's): of the q third in the dq kernel, of the k and v thirds in the dk/dv
         // kernel, which no other block of either writes. Alignment as in `forward`; the shared

@@ -1,16 +1,16 @@
-//! Data loaders: typed errors naming the file, the synthetic corpus' entropy, resume, ranks.
+//! Integration tests of the data loaders: typed errors naming the file, the synthetic corpus' entropy, resume, ranks.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use zeroflow_gpt::data::{
+use zeroflow_data::{
     DataErrorKind, DataLoader, SHARD_MAGIC, Source, SyntheticCorpus, read_shard, write_shard,
 };
 
 /// A scratch directory for this test, emptied first.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("zeroflow-gpt-{}-{name}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("zeroflow-data-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -240,7 +240,7 @@ fn the_synthetic_source_and_text_source_make_batches() {
 /// UTF-8, or a model vocabulary below GPT-2's, is a typed error naming the file.
 #[test]
 fn gpt2_text_is_tokenized_with_gpt2_bpe() {
-    use zeroflow_gpt::data::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
+    use zeroflow_data::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
     assert_eq!(gpt2_encode("Hello world").unwrap(), [15496, 995]);
     let text = "Language models are unsupervised multitask learners. ".repeat(20);
     assert_eq!(gpt2_decode(&gpt2_encode(&text).unwrap()).unwrap(), text);

@@ -1,8 +1,12 @@
-//! Causal multi-head self-attention over a fused `qkv` row `[q | k | v]` of width `3c`.
+//! Causal self-attention over a fused `qkv` row `[q | k | v]`: `n_head` query heads and
+//! `n_kv_head` key/value heads of the same size `hs`, so a row is `(n_head + 2 n_kv_head) hs`
+//! wide (`3c` with as many key/value heads as query heads). Query head `h` attends with key/value
+//! head `h / (n_head / n_kv_head)` (grouped-query attention; multi-head where the counts are
+//! equal, multi-query where there is one key/value head).
 //!
 //! Each kernel works in parallel phases so that every task owns what it writes: one task per
 //! (sequence, head) over that head's `t × t` block of attention weights (or its `t` log-sum-exps),
-//! one task per token row over its output row.
+//! one task per token row over its output row (and the gradients of its q, k and v).
 //!
 //! Two forms, which the plan picks by [`crate::plan::AttentionKind`]: [`attention_forward`] keeps
 //! the softmax output `att` for [`attention_backward`]; [`flash_attention_forward`] keeps only the
@@ -16,27 +20,71 @@ use crate::float::Float;
 /// Token rows per task at least, in the per-row phases (each row is little work).
 const ROWS_PER_TASK: usize = 8;
 
+/// The sizes of one attention: `t` tokens per sequence, `c = n_head · hs` channels of queries (and
+/// of the output), `n_kv_head` key/value heads, which must divide `n_head`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttentionShape {
+    pub t: usize,
+    pub c: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+}
+
+impl AttentionShape {
+    /// Multi-head attention: as many key/value heads as query heads (GPT-2's).
+    pub fn multi_head(t: usize, c: usize, n_head: usize) -> Self {
+        AttentionShape { t, c, n_head, n_kv_head: n_head }
+    }
+
+    /// The size of every head.
+    pub fn head_size(&self) -> usize {
+        self.c / self.n_head
+    }
+
+    /// The width of the keys (and of the values) of a token row: `n_kv_head · hs`.
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_head * self.head_size()
+    }
+
+    /// The width of a `qkv` row: `c + 2 · n_kv_head · hs`.
+    pub fn qkv_width(&self) -> usize {
+        self.c + 2 * self.kv_width()
+    }
+
+    /// Whether every query head has a key/value head of its own.
+    pub fn is_multi_head(&self) -> bool {
+        self.n_kv_head == self.n_head
+    }
+
+    /// The key/value head query head `h` attends with.
+    fn kv_head(&self, h: usize) -> usize {
+        h / (self.n_head / self.n_kv_head)
+    }
+
+    /// The columns of a `qkv` row where head `h`'s query starts, and where its key/value head's
+    /// key and value start.
+    fn columns(&self, h: usize) -> (usize, usize, usize) {
+        let (hs, kv) = (self.head_size(), self.kv_head(h));
+        (h * hs, self.c + kv * hs, self.c + self.kv_width() + kv * hs)
+    }
+}
+
 /// Shapes: `out [b, t, c]`, `att [b, n_head, t, t]` (the attention weights; the masked entries
-/// above the diagonal are zero), `qkv [b, t, 3c]`.
-pub fn attention_forward<F: Float>(
-    out: &mut [F],
-    att: &mut [F],
-    qkv: &[F],
-    t: usize,
-    c: usize,
-    n_head: usize,
-) {
-    let hs = c / n_head;
+/// above the diagonal are zero), `qkv [b, t, qkv_width]`.
+pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], shape: AttentionShape) {
+    let AttentionShape { t, c, n_head, .. } = shape;
+    let (hs, width) = (shape.head_size(), shape.qkv_width());
     let scale = F::one() / F::of(hs as f64).sqrt();
-    let at = |b: usize, row: usize, column: usize| b * t * 3 * c + row * 3 * c + column;
+    let at = |b: usize, row: usize, column: usize| b * t * width + row * width + column;
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, att)| {
         let (b, h) = (bh / n_head, bh % n_head);
+        let (q_column, k_column, _) = shape.columns(h);
         for t1 in 0..t {
-            let query = &qkv[at(b, t1, h * hs)..][..hs];
+            let query = &qkv[at(b, t1, q_column)..][..hs];
             let (row, masked) = att[t1 * t..][..t].split_at_mut(t1 + 1);
             let mut max = F::neg_infinity();
             for (t2, score) in row.iter_mut().enumerate() {
-                *score = dot(query, &qkv[at(b, t2, c + h * hs)..][..hs]) * scale;
+                *score = dot(query, &qkv[at(b, t2, k_column)..][..hs]) * scale;
                 max = max.max(*score);
             }
             let mut sum = F::zero();
@@ -55,8 +103,9 @@ pub fn attention_forward<F: Float>(
         for h in 0..n_head {
             let weights = &att[((b * n_head + h) * t + t1) * t..][..=t1];
             let out = &mut out[h * hs..][..hs];
+            let (_, _, v_column) = shape.columns(h);
             for (t2, &a) in weights.iter().enumerate() {
-                let value = &qkv[at(b, t2, 2 * c + h * hs)..][..hs];
+                let value = &qkv[at(b, t2, v_column)..][..hs];
                 out.iter_mut().zip(value).for_each(|(o, &v)| *o += a * v);
             }
         }
@@ -64,31 +113,31 @@ pub fn attention_forward<F: Float>(
 }
 
 /// Adds the gradients of [`attention_forward`] to `dqkv`. `dscores [b, n_head, t, t]` is scratch:
-/// it is overwritten with the gradient of the pre-softmax scores.
-#[allow(clippy::too_many_arguments, reason = "the kernel's inputs and outputs, as in llm.c")]
+/// it is overwritten with the gradient of the pre-softmax scores. A key/value head's gradients
+/// sum over the query heads of its group, in head order.
 pub fn attention_backward<F: Float>(
     dqkv: &mut [F],
     dscores: &mut [F],
     dout: &[F],
     qkv: &[F],
     att: &[F],
-    t: usize,
-    c: usize,
-    n_head: usize,
+    shape: AttentionShape,
 ) {
-    let hs = c / n_head;
+    let AttentionShape { t, c, n_head, .. } = shape;
+    let (hs, width, kv_width) = (shape.head_size(), shape.qkv_width(), shape.kv_width());
     let scale = F::one() / F::of(hs as f64).sqrt();
-    let at = |b: usize, row: usize, column: usize| b * t * 3 * c + row * 3 * c + column;
+    let at = |b: usize, row: usize, column: usize| b * t * width + row * width + column;
     let dout_at = |b: usize, row: usize, h: usize| &dout[b * t * c + row * c + h * hs..][..hs];
     // The gradient of the scores: through `out = att @ v`, then the softmax.
     dscores.par_chunks_mut(t * t).enumerate().for_each(|(bh, dscores)| {
         let (b, h) = (bh / n_head, bh % n_head);
+        let (_, _, v_column) = shape.columns(h);
         for t1 in 0..t {
             let weights = &att[(bh * t + t1) * t..][..=t1];
             let (row, masked) = dscores[t1 * t..][..t].split_at_mut(t1 + 1);
             let dout_row = dout_at(b, t1, h);
             for (t2, datt) in row.iter_mut().enumerate() {
-                *datt = dot(&qkv[at(b, t2, 2 * c + h * hs)..][..hs], dout_row);
+                *datt = dot(&qkv[at(b, t2, v_column)..][..hs], dout_row);
             }
             let weighted: F = weights.iter().zip(row.iter()).map(|(&a, &d)| a * d).sum();
             row.iter_mut().zip(weights).for_each(|(g, &a)| *g = a * (*g - weighted));
@@ -97,22 +146,25 @@ pub fn attention_backward<F: Float>(
     });
     let dscores = &*dscores;
     // Each token row: dq from its own scores row, dk and dv from its column of every later row.
-    dqkv.par_chunks_mut(3 * c).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, drow)| {
+    dqkv.par_chunks_mut(width).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, drow)| {
         let (b, t0) = (bt / t, bt % t);
+        let (dq_row, rest) = drow.split_at_mut(c);
+        let (dk_row, dv_row) = rest.split_at_mut(kv_width);
         for h in 0..n_head {
             let block = (b * n_head + h) * t * t;
-            let (dq, rest) = drow[h * hs..].split_at_mut(c);
-            let (dk, rest) = rest.split_at_mut(c);
-            let dv = &mut rest[..hs];
+            let (q_column, k_column, _) = shape.columns(h);
+            let kv = shape.kv_head(h) * hs;
+            let (dq, dk, dv) =
+                (&mut dq_row[h * hs..][..hs], &mut dk_row[kv..][..hs], &mut dv_row[kv..][..hs]);
             for t2 in 0..=t0 {
                 let g = dscores[block + t0 * t + t2] * scale;
-                let key = &qkv[at(b, t2, c + h * hs)..][..hs];
-                dq[..hs].iter_mut().zip(key).for_each(|(d, &k)| *d += g * k);
+                let key = &qkv[at(b, t2, k_column)..][..hs];
+                dq.iter_mut().zip(key).for_each(|(d, &k)| *d += g * k);
             }
             for t1 in t0..t {
                 let g = dscores[block + t1 * t + t0] * scale;
-                let query = &qkv[at(b, t1, h * hs)..][..hs];
-                dk[..hs].iter_mut().zip(query).for_each(|(d, &q)| *d += g * q);
+                let query = &qkv[at(b, t1, q_column)..][..hs];
+                dk.iter_mut().zip(query).for_each(|(d, &q)| *d += g * q);
                 let a = att[block + t1 * t + t0];
                 dv.iter_mut().zip(dout_at(b, t1, h)).for_each(|(d, &o)| *d += a * o);
             }
@@ -122,17 +174,16 @@ pub fn attention_backward<F: Float>(
 
 /// [`attention_forward`] keeping, instead of the weights, `lse [b, n_head, t]`: the log-sum-exp
 /// `log Σ_{t2 ≤ t1} exp(scale · q_t1·k_t2)` of each query row, so that a weight is
-/// `exp(scale · q·k − lse)`. `out [b, t, c]` and `qkv [b, t, 3c]` as there.
+/// `exp(scale · q·k − lse)`. `out [b, t, c]` and `qkv [b, t, qkv_width]` as there.
 pub fn flash_attention_forward<F: Float>(
     out: &mut [F],
     lse: &mut [F],
     qkv: &[F],
-    t: usize,
-    c: usize,
-    n_head: usize,
+    shape: AttentionShape,
 ) {
-    let hs = c / n_head;
-    let heads = Heads { qkv, t, c, hs, scale: F::one() / F::of(hs as f64).sqrt() };
+    let AttentionShape { t, c, n_head, .. } = shape;
+    let hs = shape.head_size();
+    let heads = Heads { qkv, shape, hs, scale: F::one() / F::of(hs as f64).sqrt() };
     // The log-sum-exp of each row in one pass over its scores (the running max and sum).
     lse.par_chunks_mut(t).enumerate().for_each(|(bh, lse)| {
         let (b, h) = (bh / n_head, bh % n_head);
@@ -168,19 +219,17 @@ pub fn flash_attention_forward<F: Float>(
 /// weights recomputed as `P = exp(score − lse)`, and the softmax's backward through `delta = Σ_d
 /// dout·out` of each query row, as FlashAttention does. The gradients of [`attention_backward`],
 /// without its `t × t` scratch.
-#[allow(clippy::too_many_arguments, reason = "the kernel's inputs and outputs, as in llm.c")]
 pub fn flash_attention_backward<F: Float>(
     dqkv: &mut [F],
     dout: &[F],
     qkv: &[F],
     out: &[F],
     lse: &[F],
-    t: usize,
-    c: usize,
-    n_head: usize,
+    shape: AttentionShape,
 ) {
-    let hs = c / n_head;
-    let heads = Heads { qkv, t, c, hs, scale: F::one() / F::of(hs as f64).sqrt() };
+    let AttentionShape { t, c, n_head, .. } = shape;
+    let (hs, width, kv_width) = (shape.head_size(), shape.qkv_width(), shape.kv_width());
+    let heads = Heads { qkv, shape, hs, scale: F::one() / F::of(hs as f64).sqrt() };
     let dout_at = |b: usize, t1: usize, h: usize| &dout[b * t * c + t1 * c + h * hs..][..hs];
     let out_at = |b: usize, t1: usize, h: usize| &out[b * t * c + t1 * c + h * hs..][..hs];
     // The weight of (query t1, key t2) and the gradient of its scaled score, given delta of t1.
@@ -199,52 +248,56 @@ pub fn flash_attention_backward<F: Float>(
     });
     let delta = |b: usize, h: usize, t1: usize| deltas[(b * n_head + h) * t + t1];
     // Each token row: dq from its own scores row, dk and dv from its column of every later row.
-    dqkv.par_chunks_mut(3 * c).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, drow)| {
+    dqkv.par_chunks_mut(width).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, drow)| {
         let (b, t0) = (bt / t, bt % t);
+        let (dq_row, rest) = drow.split_at_mut(c);
+        let (dk_row, dv_row) = rest.split_at_mut(kv_width);
         for h in 0..n_head {
-            let (dq, rest) = drow[h * hs..].split_at_mut(c);
-            let (dk, rest) = rest.split_at_mut(c);
-            let dv = &mut rest[..hs];
+            let kv = shape.kv_head(h) * hs;
+            let (dq, dk, dv) =
+                (&mut dq_row[h * hs..][..hs], &mut dk_row[kv..][..hs], &mut dv_row[kv..][..hs]);
             let delta_t0 = delta(b, h, t0);
             for t2 in 0..=t0 {
                 let (_, g) = weight_and_grad(b, h, t0, t2, delta_t0);
-                dq[..hs].iter_mut().zip(heads.k(b, t2, h)).for_each(|(d, &k)| *d += g * k);
+                dq.iter_mut().zip(heads.k(b, t2, h)).for_each(|(d, &k)| *d += g * k);
             }
             for t1 in t0..t {
                 let (p, g) = weight_and_grad(b, h, t1, t0, delta(b, h, t1));
-                dk[..hs].iter_mut().zip(heads.q(b, t1, h)).for_each(|(d, &q)| *d += g * q);
+                dk.iter_mut().zip(heads.q(b, t1, h)).for_each(|(d, &q)| *d += g * q);
                 dv.iter_mut().zip(dout_at(b, t1, h)).for_each(|(d, &o)| *d += p * o);
             }
         }
     });
 }
 
-/// The heads of a `qkv [b, t, 3c]` tensor and the scale of their scores.
+/// The heads of a `qkv [b, t, qkv_width]` tensor and the scale of their scores.
 struct Heads<'a, F> {
     qkv: &'a [F],
-    t: usize,
-    c: usize,
+    shape: AttentionShape,
     hs: usize,
     scale: F,
 }
 
 impl<F: Float> Heads<'_, F> {
-    /// Part `part` (0 q, 1 k, 2 v) of head `h` of token `t1` of sequence `b`.
-    fn head(&self, b: usize, t1: usize, part: usize, h: usize) -> &[F] {
-        let Heads { t, c, hs, .. } = *self;
-        &self.qkv[(b * t + t1) * 3 * c + part * c + h * hs..][..hs]
+    /// The `hs` elements at `column` of token `t1` of sequence `b`.
+    fn head(&self, b: usize, t1: usize, column: usize) -> &[F] {
+        let (t, width) = (self.shape.t, self.shape.qkv_width());
+        &self.qkv[(b * t + t1) * width + column..][..self.hs]
     }
 
+    /// The query of head `h`.
     fn q(&self, b: usize, t1: usize, h: usize) -> &[F] {
-        self.head(b, t1, 0, h)
+        self.head(b, t1, self.shape.columns(h).0)
     }
 
+    /// The key query head `h` attends with.
     fn k(&self, b: usize, t1: usize, h: usize) -> &[F] {
-        self.head(b, t1, 1, h)
+        self.head(b, t1, self.shape.columns(h).1)
     }
 
+    /// The value query head `h` attends with.
     fn v(&self, b: usize, t1: usize, h: usize) -> &[F] {
-        self.head(b, t1, 2, h)
+        self.head(b, t1, self.shape.columns(h).2)
     }
 
     /// `scale · q_t1·k_t2` of head `h` of sequence `b`.

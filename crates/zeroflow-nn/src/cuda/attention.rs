@@ -28,8 +28,8 @@
 //! dk      = scoresᵀ · q                              → dq, dk, dv scattered into dqkv
 //! ```
 //!
-//! Every matmul operand is a buffer of ours: cuBLASLt operands are [`Operand`]s, which borrow a
-//! [`CudaBuffer`], while the caller's tensors come as addresses. So the scores live in our own
+//! Every matmul operand is a buffer of ours: cuBLASLt operands are [`Operand`]s made from a whole
+//! [`CudaBuffer`] of ours, while the caller's tensors come as [`DeviceSlice`]s of theirs. So the scores live in our own
 //! `scores` scratch of att's size; the softmax writes the weights both there and into the
 //! caller's `att`, and backward copies `att` into it. (With operands made from addresses, att
 //! itself could hold the scores and `datt_scratch` their gradient: forward would save one write of
@@ -40,10 +40,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUdeviceptr;
 use zeroflow_core::bf16;
 use zeroflow_device::cuda::blas::{Blas, Matmul, MatmulOperands, Operand};
-use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, Dim3, KernelParams};
+use zeroflow_device::cuda::{
+    CudaBuffer, CudaFunction, CudaStream, DeviceSlice, DeviceSliceMut, Dim3, KernelParams,
+};
 use zeroflow_device::{CudaDevice, Device, DeviceError};
 
 /// The CUDA source of the row kernels.
@@ -216,7 +217,7 @@ pub fn kernel_names() -> Vec<String> {
 
 /// The widest pack width that divides `len` and to which every address is aligned, and its index
 /// in [`PACK_WIDTHS`].
-fn pack_width(len: usize, addresses: &[CUdeviceptr]) -> (usize, usize) {
+fn pack_width(len: usize, addresses: &[u64]) -> (usize, usize) {
     PACK_WIDTHS
         .iter()
         .copied()
@@ -234,6 +235,24 @@ fn invalid(reason: String) -> DeviceError {
     DeviceError::Kernel { kernel: "attention", reason }
 }
 
+/// An error (made by `invalid`) unless a caller's tensor `what`, of `len` elements, holds at least
+/// `needed` and lies on the attention's GPU (`on_device`).
+pub(super) fn check_tensor(
+    (what, len, on_device): (&str, usize, bool),
+    needed: usize,
+    invalid: fn(String) -> DeviceError,
+) -> Result<(), DeviceError> {
+    if !on_device {
+        return Err(invalid(format!("{what} is memory of another GPU than the attention's")));
+    }
+    if len < needed {
+        return Err(invalid(format!(
+            "{what} holds {len} elements, fewer than the {needed} of this shape"
+        )));
+    }
+    Ok(())
+}
+
 /// `value` as a kernel's `u32` argument, or an error (made by `invalid`) naming what is too large.
 fn to_u32(
     value: usize,
@@ -247,6 +266,11 @@ fn to_u32(
 impl CudaAttention {
     /// Loads the kernels and allocates the scratch ([`scratch_bytes`](Self::scratch_bytes)) for
     /// inputs of `batch` sequences of `seq` tokens, `c` channels and `n_head` heads.
+    ///
+    /// Multi-head attention only: as many key/value heads as query heads (`qkv` rows of `3C`).
+    /// Grouped-query attention has no kernels here yet (they come with the Llama family); the
+    /// executor refuses such a plan with an error ([`super::check_multi_head`]), and the CPU
+    /// twin ([`crate::kernels::attention`]) runs it.
     pub fn new(
         device: &CudaDevice,
         blas: Arc<Blas>,
@@ -290,23 +314,27 @@ impl CudaAttention {
 
     /// `out = attention(qkv)`; `att` receives the softmax weights (masked entries zero).
     ///
-    /// `qkv [B, T, 3C]`, `out [B, T, C]` and `att [B, NH, T, T]` are bf16 device addresses of
-    /// this GPU holding at least those many elements; `out` and `att` overlap nothing else.
-    /// Ordering them against other streams is the caller's (the device contract).
+    /// `qkv [B, T, 3C]`, `out [B, T, C]` and `att [B, NH, T, T]` are bf16 slices of this GPU
+    /// holding at least those many elements (an error otherwise); `out` and `att` should overlap
+    /// nothing else. Ordering them against other streams is the caller's (the device contract).
     pub fn forward(
         &self,
         stream: &CudaStream,
-        qkv: CUdeviceptr,
-        out: CUdeviceptr,
-        att: CUdeviceptr,
+        qkv: DeviceSlice<'_, bf16>,
+        out: DeviceSliceMut<'_, bf16>,
+        att: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
+        let (heads_len, att_len) = (self.shape.heads_len(), self.shape.att_len());
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * heads_len)?;
+        self.check(("out", out.len(), out.is_on(&self.device)), heads_len)?;
+        self.check(("att", att.len(), att.is_on(&self.device)), att_len)?;
         let (q, k, v, y, scores) = (&self.q, &self.k, &self.v, &self.y, &self.scores);
         let Products { x_yt, x_y, .. } = self.products;
         self.split_qkv(stream, qkv)?;
         // scores = q · kᵀ (the softmax scales them).
         self.per_head(stream, x_yt, Operand::of(q, 0), Operand::of(k, 0), Operand::of(scores, 0))?;
         // scores = att = causal_softmax(scale · scores).
-        self.softmax(stream, &self.kernels.softmax_forward, att)?;
+        self.softmax_forward(stream, att)?;
         // y = att · v.
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(v, 0), Operand::of(y, 0))?;
         self.heads_to_rows(stream, out, self.shape.c, y)
@@ -315,19 +343,24 @@ impl CudaAttention {
     /// Overwrites `dqkv [B, T, 3C]` with d(loss)/d(qkv), given `dout [B, T, C]` = d(loss)/d(out)
     /// and the `qkv` and `att` of the forward pass.
     ///
-    /// The same address requirements as [`forward`](Self::forward); `dqkv` overlaps nothing else.
-    /// `datt_scratch` (of att's size) is not used: the gradient of the scores lives in our own
-    /// scratch (see the module documentation).
+    /// The same requirements as [`forward`](Self::forward) (`dqkv` as `qkv`, `dout` as `out`);
+    /// `dqkv` should overlap nothing else. `datt_scratch` (of att's size) is not used: the
+    /// gradient of the scores lives in our own scratch (see the module documentation).
     pub fn backward(
         &self,
         stream: &CudaStream,
-        dout: CUdeviceptr,
-        qkv: CUdeviceptr,
-        att: CUdeviceptr,
-        dqkv: CUdeviceptr,
-        datt_scratch: CUdeviceptr,
+        dout: DeviceSlice<'_, bf16>,
+        qkv: DeviceSlice<'_, bf16>,
+        att: DeviceSlice<'_, bf16>,
+        dqkv: DeviceSliceMut<'_, bf16>,
+        datt_scratch: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
         let _ = datt_scratch;
+        let (heads_len, att_len) = (self.shape.heads_len(), self.shape.att_len());
+        self.check(("dout", dout.len(), dout.is_on(&self.device)), heads_len)?;
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * heads_len)?;
+        self.check(("att", att.len(), att.is_on(&self.device)), att_len)?;
+        self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), 3 * heads_len)?;
         let c = self.shape.c;
         let (q, k, v, dy, dv, scores) =
             (&self.q, &self.k, &self.v, &self.y, &self.dv, &self.scores);
@@ -345,26 +378,33 @@ impl CudaAttention {
         )?;
         // scores = dy · vᵀ: the gradient of att; then, in place, the gradient of the raw scores.
         self.per_head(stream, x_yt, Operand::of(dy, 0), Operand::of(v, 0), Operand::of(scores, 0))?;
-        self.softmax(stream, &self.kernels.softmax_backward, att)?;
+        self.softmax_backward(stream, att)?;
         // dq = dscores · k, over dy (read by nothing after the product above).
         let dq = dy;
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(k, 0), Operand::of(dq, 0))?;
         // dk = dscoresᵀ · q, over k (read by nothing after dq).
         let dk = k;
         self.per_head(stream, xt_y, Operand::of(scores, 0), Operand::of(q, 0), Operand::of(dk, 0))?;
-        let third = (c * size_of::<bf16>()) as u64;
         self.heads_to_rows(stream, dqkv, 3 * c, dq)?;
-        self.heads_to_rows(stream, dqkv + third, 3 * c, dk)?;
-        self.heads_to_rows(stream, dqkv + 2 * third, 3 * c, dv)
+        self.heads_to_rows(stream, dqkv.skip(c), 3 * c, dk)?;
+        self.heads_to_rows(stream, dqkv.skip(2 * c), 3 * c, dv)
+    }
+
+    /// An error unless a caller's tensor holds `needed` elements of this GPU.
+    fn check(&self, tensor: (&str, usize, bool), needed: usize) -> Result<(), DeviceError> {
+        check_tensor(tensor, needed, invalid)
     }
 
     /// Gathers the heads of q, k and v from `qkv [B, T, 3C]`.
-    fn split_qkv(&self, stream: &CudaStream, qkv: CUdeviceptr) -> Result<(), DeviceError> {
+    fn split_qkv(
+        &self,
+        stream: &CudaStream,
+        qkv: DeviceSlice<'_, bf16>,
+    ) -> Result<(), DeviceError> {
         let c = self.shape.c;
-        let third = (c * size_of::<bf16>()) as u64;
         self.rows_to_heads(stream, &self.q, qkv, 3 * c)?;
-        self.rows_to_heads(stream, &self.k, qkv + third, 3 * c)?;
-        self.rows_to_heads(stream, &self.v, qkv + 2 * third, 3 * c)
+        self.rows_to_heads(stream, &self.k, qkv.skip(c), 3 * c)?;
+        self.rows_to_heads(stream, &self.v, qkv.skip(2 * c), 3 * c)
     }
 
     /// `product` (a [`Matmul::row_major`] product `out = op(x) · op(y)` of one head) for each of
@@ -392,15 +432,16 @@ impl CudaAttention {
         &self,
         stream: &CudaStream,
         heads: &CudaBuffer<bf16>,
-        rows: CUdeviceptr,
+        rows: DeviceSlice<'_, bf16>,
         row_stride: usize,
     ) -> Result<(), DeviceError> {
-        let (width, index) = pack_width(self.shape.head_size, &[rows]);
+        let (width, index) = pack_width(self.shape.head_size, &[rows.address()]);
         let function = &self.kernels.rows_to_heads[index];
-        let params = self.heads_params(KernelParams::new().ptr(heads, 0).raw_ptr(rows), row_stride);
+        let params = self.heads_params(KernelParams::new().ptr(heads, 0).slice(rows), row_stride);
         // SAFETY: the parameters match `rows_to_heads_*(bf16_t*, const bf16_t*, u32, u32, u32,
         // u32)`. Block `r` of the grid (one per row `b·T + t`) reads columns `0..C` of row `r` of
-        // `rows`, which the caller vouches holds `B·T` rows of `row_stride ≥ C` elements; it
+        // `rows`, which holds `B·T` rows of `row_stride ≥ C` elements (`forward` and `backward`
+        // checked the caller's slices: the k and v thirds start `C` and `2C` into qkv); it
         // writes row `t` of every head `(b, ·)` of `heads`, a buffer of `B·T·C` elements. Both
         // addresses are aligned to the pack width (`pack_width`; our buffers are 256-byte aligned).
         unsafe {
@@ -420,13 +461,14 @@ impl CudaAttention {
     fn heads_to_rows(
         &self,
         stream: &CudaStream,
-        rows: CUdeviceptr,
+        rows: DeviceSliceMut<'_, bf16>,
         row_stride: usize,
         heads: &CudaBuffer<bf16>,
     ) -> Result<(), DeviceError> {
-        let (width, index) = pack_width(self.shape.head_size, &[rows]);
+        let (width, index) = pack_width(self.shape.head_size, &[rows.address()]);
         let function = &self.kernels.heads_to_rows[index];
-        let params = self.heads_params(KernelParams::new().raw_ptr(rows).ptr(heads, 0), row_stride);
+        let params =
+            self.heads_params(KernelParams::new().slice_mut(rows).ptr(heads, 0), row_stride);
         // SAFETY: as in `rows_to_heads`, with the roles of the two tensors swapped: each block
         // writes columns `0..C` of its row of `rows` (the caller's) and reads `heads` (ours).
         unsafe {
@@ -458,44 +500,64 @@ impl CudaAttention {
         Dim3::from(packs.next_multiple_of(32).min(256) as u32)
     }
 
-    /// One of the two causal-softmax kernels over our `scores` and the caller's `att`: forward
-    /// (`kernels.softmax_forward`: the raw scores in place, and the weights into `att`) or
-    /// backward (`kernels.softmax_backward`: d loss / d att in our `scores` becomes d loss / d raw
-    /// scores, in place, with the weights read from `att`).
+    /// The forward causal softmax: the raw scores in our `scores` in place, and the weights into
+    /// the caller's `att`.
+    fn softmax_forward(
+        &self,
+        stream: &CudaStream,
+        att: DeviceSliceMut<'_, bf16>,
+    ) -> Result<(), DeviceError> {
+        let (_, index) = pack_width(self.shape.seq, &[att.address()]);
+        let params = KernelParams::new().ptr(&self.scores, 0).slice_mut(att);
+        self.softmax(stream, &self.kernels.softmax_forward[index], params)
+    }
+
+    /// The backward causal softmax: d loss / d att in our `scores` becomes d loss / d raw scores,
+    /// in place, with the weights read from the caller's `att`.
+    fn softmax_backward(
+        &self,
+        stream: &CudaStream,
+        att: DeviceSlice<'_, bf16>,
+    ) -> Result<(), DeviceError> {
+        let (_, index) = pack_width(self.shape.seq, &[att.address()]);
+        let params = KernelParams::new().ptr(&self.scores, 0).slice(att);
+        self.softmax(stream, &self.kernels.softmax_backward[index], params)
+    }
+
+    /// One of the two causal-softmax kernels (`function`, for att's pack width), `params` holding
+    /// our `scores` and the caller's `att`.
     fn softmax(
         &self,
         stream: &CudaStream,
-        functions: &[CudaFunction],
-        att: CUdeviceptr,
+        function: &CudaFunction,
+        params: KernelParams,
     ) -> Result<(), DeviceError> {
-        let (_, index) = pack_width(self.shape.seq, &[att]);
-        let params = KernelParams::new()
-            .ptr(&self.scores, 0)
-            .raw_ptr(att)
+        let params = params
             .u32(self.shape.query_rows() as u32)
             .u32(self.shape.seq as u32)
             .f32(self.shape.scale());
         // SAFETY: the parameters match `causal_softmax_{forward,backward}_*(bf16_t*, bf16_t*, u32,
         // u32, float)`. Each warp handles one of the `B·NH·T` rows of `T` elements: it reads and
         // writes that row of our `scores` (`B·NH·T·T` elements) and writes (forward) or reads
-        // (backward) the same row of att, which the caller vouches holds as many; both are
+        // (backward) the same row of att, which holds as many (checked in `forward` and
+        // `backward`); both are
         // aligned to the pack width (`pack_width`; ours is 256-byte aligned, and `T` is a
         // multiple of the width, so every row is).
         unsafe {
             let grid = self.softmax_grid();
-            self.device.launch(stream, &functions[index], grid, SOFTMAX_THREADS, 0, &params)
+            self.device.launch(stream, function, grid, SOFTMAX_THREADS, 0, &params)
         }
     }
 
     /// Copies the caller's `att` into our `scores`.
-    fn copy_att(&self, stream: &CudaStream, att: CUdeviceptr) -> Result<(), DeviceError> {
+    fn copy_att(&self, stream: &CudaStream, att: DeviceSlice<'_, bf16>) -> Result<(), DeviceError> {
         let len = self.shape.att_len();
-        let (width, index) = pack_width(len, &[att]);
+        let (width, index) = pack_width(len, &[att.address()]);
         let function = &self.kernels.copy[index];
-        let params = KernelParams::new().ptr(&self.scores, 0).raw_ptr(att).u64(len as u64);
+        let params = KernelParams::new().ptr(&self.scores, 0).slice(att).u64(len as u64);
         let blocks = len.div_ceil(width * COPY_THREADS as usize).min(COPY_MAX_BLOCKS) as u32;
         // SAFETY: the parameters match `copy_packs_*(bf16_t*, const bf16_t*, u64)`. The grid-stride
-        // loop copies elements `0..len` from att (the caller vouches it holds them) into our
+        // loop copies elements `0..len` from att (checked in `backward` to hold them) into our
         // `scores` (exactly `len`), two distinct allocations; both are aligned to the width.
         unsafe { self.device.launch(stream, function, blocks, COPY_THREADS, 0, &params) }
     }

@@ -1,0 +1,208 @@
+//! The plan IR: a model as a list of kernel launches over four flat buffers (parameters,
+//! gradients, activations, activation gradients) and the two token buffers, for one (batch,
+//! sequence length). A model family builds its [`Plan`] from its shapes and parameter layout; the
+//! executors run any plan:
+//!
+//! - [`crate::host::HostRunner`] on host vectors, in any [`crate::Float`] (the f64 oracle);
+//! - [`crate::cpu::CpuRunner`] on the `CpuDevice`'s compute stream, in f32;
+//! - [`crate::cuda::CudaRunner`] on a GPU, through a schedule ([`crate::cuda::schedule`]) that
+//!   places the plan's ranges in the GPU's buffers.
+//!
+//! Every launch names its kernel ([`Kernel`], with the family's own kernels as
+//! [`Kernel::Layer`]) and its arguments in the order the kernel documents.
+
+use std::ops::Range;
+
+use crate::kernels::{Kernel, LayerKernel};
+
+/// The buffers a launch can touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Buf {
+    /// The flat parameter buffer (read-only to the model).
+    Params,
+    /// The flat gradient buffer (the model adds to it).
+    Grads,
+    /// The activations of the current micro-batch.
+    Acts,
+    /// The gradients of the activations (same layout as `Acts`).
+    ActGrads,
+    /// Input token ids `[batch, seq]`.
+    Inputs,
+    /// Target token ids `[batch, seq]`.
+    Targets,
+}
+
+/// How a launch uses an argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    /// Overwritten.
+    Write,
+    /// Read and updated in place (gradient accumulation: `+=`).
+    Update,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Arg {
+    pub buf: Buf,
+    pub range: Range<usize>,
+    pub access: Access,
+}
+
+/// An argument `range` of `buf` that the launch reads.
+pub fn read(buf: Buf, range: &Range<usize>) -> Arg {
+    Arg { buf, range: range.clone(), access: Access::Read }
+}
+
+/// An argument `range` of `buf` that the launch overwrites.
+pub fn write(buf: Buf, range: &Range<usize>) -> Arg {
+    Arg { buf, range: range.clone(), access: Access::Write }
+}
+
+/// An argument `range` of `buf` that the launch adds to.
+pub fn update(buf: Buf, range: &Range<usize>) -> Arg {
+    Arg { buf, range: range.clone(), access: Access::Update }
+}
+
+/// One kernel launch and its arguments, in the order [`Kernel`] documents.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch<X> {
+    pub kernel: Kernel<X>,
+    pub args: Vec<Arg>,
+}
+
+/// Which parameters a [`GradsReady`] notice is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GradGroup {
+    /// The final norm (GPT-2's `transformer.ln_f.*`).
+    FinalNorm,
+    /// Transformer block `i` (GPT-2's `transformer.h.{i}.*`).
+    Block(usize),
+    /// The token and position embeddings (GPT-2's `transformer.wte`, `transformer.wpe`); a token
+    /// embedding tied to the LM head is complete only here, because the head also writes it.
+    Embeddings,
+}
+
+/// A group of parameters whose gradients are complete: every kernel that adds to them has been
+/// queued on the compute stream. Sent during backward, in backward order (for a transformer:
+/// `FinalNorm`, the blocks from last to first, `Embeddings`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GradsReady {
+    pub group: GradGroup,
+    /// The elements of the flat buffer the group spans, from its first parameter's first element to
+    /// its last parameter's last (alignment gaps between them included; they stay zero).
+    pub flat_range: Range<usize>,
+}
+
+/// One step of backward: a launch, or a notice that a group's gradients are complete.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step<X> {
+    Launch(Launch<X>),
+    GradsReady(GradsReady),
+}
+
+/// How the attention of every block keeps what its backward needs. The CUDA model takes it from
+/// its options; the CPU models use [`AttentionKind::Gemm`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AttentionKind {
+    /// The softmax weights `att [batch, n_head, seq, seq]` ([`Kernel::Attention`]; on the GPU,
+    /// `CudaAttention`'s cuBLASLt products and softmax kernels). The default.
+    #[default]
+    Gemm,
+    /// Only the log-sum-exp of each query row, `lse [batch, n_head, seq]`, from which backward
+    /// recomputes the weights ([`Kernel::FlashAttention`]; on the GPU, `FlashAttention`, for head
+    /// sizes 64 and 128).
+    Flash,
+}
+
+impl AttentionKind {
+    /// The name `ZEROFLOW_ATTENTION` takes: `gemm` or `flash`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Gemm => "gemm",
+            AttentionKind::Flash => "flash",
+        }
+    }
+}
+
+/// Hands out consecutive ranges of the activation buffer, each starting at a multiple of 16
+/// elements (64 bytes of f32).
+#[derive(Debug, Default)]
+pub struct ActAllocator(usize);
+
+impl ActAllocator {
+    /// The next `len` elements.
+    pub fn take(&mut self, len: usize) -> Range<usize> {
+        let start = self.0.div_ceil(16) * 16;
+        self.0 = start + len;
+        start..self.0
+    }
+
+    /// Elements handed out so far (the length of the buffer).
+    pub fn len(&self) -> usize {
+        self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+}
+
+/// The launches of forward and backward for micro-batches of `batch` sequences of `seq` tokens,
+/// and what the executors must know of the activation buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan<X> {
+    pub batch: usize,
+    pub seq: usize,
+    /// Elements of the activation buffer (and of the activation-gradient buffer).
+    pub acts_len: usize,
+    pub forward: Vec<Launch<X>>,
+    pub backward: Vec<Step<X>>,
+    /// The mean loss (one element of the activations).
+    pub loss: Range<usize>,
+    /// The activation ranges that the CUDA executor keeps in f32 rather than bf16 (norm
+    /// statistics, attention's log-sum-exp, the losses, the mean loss), in the order they are
+    /// placed in its f32 buffer.
+    pub f32_acts: Vec<Range<usize>>,
+}
+
+impl<X: LayerKernel> Plan<X> {
+    /// Tokens per micro-batch.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// Every launch of forward and then backward.
+    pub fn launches(&self) -> impl Iterator<Item = &Launch<X>> {
+        self.forward.iter().chain(self.backward.iter().filter_map(|step| match step {
+            Step::Launch(launch) => Some(launch),
+            Step::GradsReady(_) => None,
+        }))
+    }
+}
+
+/// A launch that zeroes every activation gradient that `backward` adds to (and no other), to put
+/// first: the gradients that backward only overwrites, or never forms, stay as they are.
+pub fn zero_accumulated_activation_grads<X>(backward: &[Step<X>]) -> Launch<X> {
+    let mut ranges: Vec<Range<usize>> = backward
+        .iter()
+        .filter_map(|step| match step {
+            Step::Launch(launch) => Some(launch.args.iter()),
+            Step::GradsReady(_) => None,
+        })
+        .flatten()
+        .filter(|arg| arg.buf == Buf::ActGrads && arg.access == Access::Update)
+        .map(|arg| arg.range.clone())
+        .collect();
+    ranges.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<usize>> = Vec::new();
+    for range in ranges {
+        match merged.last_mut() {
+            // Ranges start 16-aligned: zero the alignment gap too rather than split.
+            Some(last) if range.start <= last.end + 16 => last.end = last.end.max(range.end),
+            _ => merged.push(range),
+        }
+    }
+    let args: Vec<Arg> = merged.iter().map(|range| write(Buf::ActGrads, range)).collect();
+    Launch { kernel: Kernel::Zero { ranges: args.len() }, args }
+}

@@ -1,0 +1,3 @@
+//! Integration tests of the shared layers, compiled as one binary.
+
+mod gqa;
