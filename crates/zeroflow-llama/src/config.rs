@@ -102,9 +102,9 @@ pub struct LlamaConfig {
     pub attention_bias: AttentionBias,
     /// Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, `head_dim` wide).
     pub qk_norm: bool,
-    /// The sliding window in effect, if any (Mistral's `sliding_window`; Qwen's with
-    /// `use_sliding_window` on layers from `max_window_layers`). Derived: the fields it comes from
-    /// are kept in [`LlamaConfig::extra`]. See [`LlamaConfig::check_sequence_len`].
+    /// The sliding window in effect, if any: Mistral's `sliding_window`; Qwen's with
+    /// `use_sliding_window` on the layers from `max_window_layers` (Qwen's window fields are kept
+    /// in [`LlamaConfig::extra`] as read). See [`LlamaConfig::check_sequence_len`].
     pub sliding_window: Option<usize>,
     /// `torch_dtype` (or transformers 5's `dtype`) as given: the dtype the weights were saved in.
     pub torch_dtype: Option<String>,
@@ -236,14 +236,15 @@ impl LlamaConfig {
         Value::Object(map.into_iter().collect())
     }
 
-    /// For a configuration built in code (the sliding-window fields not in `extra`): the fields
-    /// that give `transformers` the same window.
+    /// Mistral's `sliding_window` (always written: `MistralConfig` defaults to 4096); for Qwen,
+    /// whose window fields are kept in `extra` as read, the fields that give `transformers` the
+    /// window of a configuration built in code.
     fn put_sliding_window(&self, map: &mut BTreeMap<String, Value>) {
         let window = self.sliding_window.map_or(Value::Null, Value::from);
         match self.architecture {
             Architecture::Llama => {}
             Architecture::Mistral => {
-                map.entry("sliding_window".into()).or_insert(window);
+                map.insert("sliding_window".into(), window);
             }
             Architecture::Qwen2 | Architecture::Qwen3 => {
                 if !map.contains_key("use_sliding_window") && self.sliding_window.is_some() {
@@ -280,7 +281,9 @@ impl LlamaConfig {
 }
 
 fn interpreted(architecture: Architecture, key: &str) -> bool {
-    INTERPRETED.contains(&key) || (key == "attention_bias" && architecture.reads_attention_bias())
+    INTERPRETED.contains(&key)
+        || (key == "attention_bias" && architecture.reads_attention_bias())
+        || (key == "sliding_window" && architecture == Architecture::Mistral)
 }
 
 /// The architecture from `architectures` (its one entry), else from `model_type`.

@@ -2,6 +2,7 @@
 //! field refused by name, the round trip through `to_hf_config`, and the named shapes.
 
 mod fixtures;
+mod hf_dir;
 mod params;
 mod unsupported;
 
