@@ -167,6 +167,11 @@ fn write_into(
             .map(|i| format!("model-{i:05}-of-{:05}.safetensors", shards.len()))
             .collect()
     };
+    let config_path = dir.join(CONFIG_FILE);
+    write_json(&config_path, &with_dtype(config, dtype))?;
+    // The safetensors writer creates its files readable by the owner only (a temporary file
+    // renamed); they get the permissions an ordinary new file gets, config.json's.
+    let permissions = fs::metadata(&config_path).map_err(io(&config_path))?.permissions();
     let mut weight_map = BTreeMap::new();
     for (file, range) in files.iter().zip(&shards) {
         let path = dir.join(file);
@@ -177,6 +182,7 @@ fn write_into(
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         safetensors::serialize_to_file(views, Some(metadata), &path)
             .map_err(|e| HfError::Serialize { path: path.clone(), reason: e.to_string() })?;
+        fs::set_permissions(&path, permissions.clone()).map_err(io(&path))?;
         sync(&path)?;
     }
     let total_size = sizes.iter().sum();
@@ -187,7 +193,6 @@ fn write_into(
         });
         write_json(&dir.join(INDEX_FILE), &index)?;
     }
-    write_json(&dir.join(CONFIG_FILE), &with_dtype(config, dtype))?;
     let tokenizer_files = match &options.tokenizer_from {
         Some(from) => copy_tokenizer_files(from, dir)?,
         None => Vec::new(),

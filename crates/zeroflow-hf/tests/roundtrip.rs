@@ -95,6 +95,19 @@ fn safetensors_files_carry_the_pt_format_metadata() {
 }
 
 #[test]
+fn weight_files_get_the_permissions_of_config_json() {
+    let scratch = Scratch::new("permissions");
+    let dir = scratch.0.join("out");
+    let tensors = sample_tensors();
+    let saved =
+        save(&dir, &json!({}), &out_tensors(&tensors), &options(SaveDtype::Bf16, 100)).unwrap();
+    let config = std::fs::metadata(dir.join("config.json")).unwrap().permissions();
+    for file in &saved.weight_files {
+        assert_eq!(std::fs::metadata(dir.join(file)).unwrap().permissions(), config, "{file}");
+    }
+}
+
+#[test]
 fn shards_split_where_the_next_tensor_does_not_fit() {
     assert_eq!(plan_shards(&[40, 40, 40], 100), [0..2, 2..3]);
     assert_eq!(plan_shards(&[40, 200, 10], 100), [0..1, 1..2, 2..3]);
