@@ -4,6 +4,7 @@
 mod fixtures;
 mod hf_dir;
 mod params;
+mod transformers_dir;
 mod unsupported;
 
 use serde_json::Value;
