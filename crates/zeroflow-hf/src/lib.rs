@@ -1,0 +1,30 @@
+//! Hugging Face model directories in and out, for every model family of zeroflow.
+//!
+//! - [`HfCheckpoint::open`] reads a directory: `config.json` (handed to the family as JSON) and
+//!   the weights of `model.safetensors`, or of the `model-0000N-of-0000M.safetensors` shards that
+//!   `model.safetensors.index.json` maps, in BF16, F16 or F32, read by name into f32.
+//!   [`HfCheckpoint::check`] compares the names and shapes with the family's.
+//! - [`save`] writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
+//!   `config.json`, the weights in BF16 or F32 (sharded above [`SaveOptions::max_shard_bytes`],
+//!   with the index), and the tokenizer files of a source directory, atomically.
+//!
+//! The crate knows no family: names, shapes and `config.json`'s meaning are the family's.
+
+pub mod error;
+pub mod read;
+pub mod write;
+
+pub use error::HfError;
+pub use read::{HfCheckpoint, TensorEntry, read_config};
+pub use safetensors::Dtype;
+pub use write::{
+    DEFAULT_MAX_SHARD_BYTES, OutTensor, SaveDtype, SaveOptions, Saved, TOKENIZER_FILES,
+    plan_shards, save,
+};
+
+/// The model's configuration file.
+pub const CONFIG_FILE: &str = "config.json";
+/// The weights of an unsharded model.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The index of a sharded model's weights.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";

@@ -1,0 +1,332 @@
+//! Reading a Hugging Face model directory: `config.json` and the weights, from one
+//! `model.safetensors` or from the shards that `model.safetensors.index.json` lists.
+//!
+//! Opening reads only the safetensors headers (names, dtypes, shapes, where each tensor's bytes
+//! are); a tensor's elements are read, and converted to f32, when asked for, so that a model of
+//! many gigabytes is never held twice.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+use safetensors::tensor::Metadata;
+use serde_json::Value;
+
+use crate::error::{HfError, io};
+use crate::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+
+/// The largest safetensors header read (the format's own limit is 100 MB).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor of the directory: its shape and dtype as stored, and where its bytes are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    pub shape: Vec<usize>,
+    pub dtype: Dtype,
+    shard: usize,
+    /// Byte range in the shard file (absolute, header included).
+    bytes: Range<u64>,
+}
+
+impl TensorEntry {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A Hugging Face model directory, opened: its `config.json` (if there is one) and the index of
+/// its weights by name.
+#[derive(Debug)]
+pub struct HfCheckpoint {
+    dir: PathBuf,
+    config: Option<Value>,
+    /// The weight files, in the order the index first names them.
+    shards: Vec<PathBuf>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+impl HfCheckpoint {
+    /// Opens `dir`: `config.json` where present, and the weights of `model.safetensors.index.json`
+    /// (every shard it names must be there and hold the tensors it lists) or else of
+    /// `model.safetensors`.
+    pub fn open(dir: &Path) -> Result<HfCheckpoint, HfError> {
+        let config = read_config(dir)?;
+        let index = dir.join(INDEX_FILE);
+        let single = dir.join(SINGLE_FILE);
+        let (shards, tensors) = if index.is_file() {
+            open_sharded(dir, &index)?
+        } else if single.is_file() {
+            open_single(&single)?
+        } else {
+            return Err(HfError::NoWeights { dir: dir.to_path_buf() });
+        };
+        Ok(HfCheckpoint { dir: dir.to_path_buf(), config, shards, tensors })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `config.json`, as JSON, for the family to read; `None` where the directory has none.
+    pub fn config(&self) -> Option<&Value> {
+        self.config.as_ref()
+    }
+
+    /// The tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.get(name)
+    }
+
+    /// The file that holds `entry`.
+    pub fn file_of(&self, entry: &TensorEntry) -> &Path {
+        &self.shards[entry.shard]
+    }
+
+    /// Checks the tensors against the model's: every `expected` name is there with its shape
+    /// and a dtype zeroflow reads, and every other name is `ignored` (buffers that
+    /// `transformers` skips too, such as old files' `rotary_emb.inv_freq`). The error lists all
+    /// missing and unexpected names at once.
+    pub fn check<'a>(
+        &self,
+        expected: impl IntoIterator<Item = (&'a str, &'a [usize])>,
+        ignored: impl Fn(&str) -> bool,
+    ) -> Result<(), HfError> {
+        let expected: BTreeMap<&str, &[usize]> = expected.into_iter().collect();
+        let missing: Vec<String> = expected
+            .keys()
+            .filter(|name| !self.tensors.contains_key(**name))
+            .map(|name| name.to_string())
+            .collect();
+        let unexpected: Vec<String> = self
+            .names()
+            .filter(|name| !expected.contains_key(name) && !ignored(name))
+            .map(str::to_string)
+            .collect();
+        if !missing.is_empty() || !unexpected.is_empty() {
+            return Err(HfError::Names { dir: self.dir.clone(), missing, unexpected });
+        }
+        for (name, shape) in expected {
+            let entry = &self.tensors[name];
+            self.check_entry(name, entry, shape)?;
+        }
+        Ok(())
+    }
+
+    fn check_entry(&self, name: &str, entry: &TensorEntry, shape: &[usize]) -> Result<(), HfError> {
+        if entry.shape != shape {
+            return Err(HfError::ShapeMismatch {
+                path: self.file_of(entry).to_path_buf(),
+                tensor: name.to_string(),
+                expected: shape.to_vec(),
+                found: entry.shape.clone(),
+            });
+        }
+        if !matches!(entry.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+            return Err(HfError::UnsupportedDtype {
+                path: self.file_of(entry).to_path_buf(),
+                tensor: name.to_string(),
+                dtype: format!("{:?}", entry.dtype),
+            });
+        }
+        Ok(())
+    }
+
+    /// The elements of tensor `name` as f32 (row-major, as stored).
+    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, HfError> {
+        let entry = self.entry(name)?;
+        let mut out = vec![0.0; entry.numel()];
+        self.read_entry(name, entry, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads tensor `name`, which must have `shape`, into `out` (as many elements as the shape).
+    pub fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), HfError> {
+        let entry = self.entry(name)?;
+        self.check_entry(name, entry, shape)?;
+        if out.len() != entry.numel() {
+            return Err(HfError::DataLength {
+                tensor: name.to_string(),
+                shape: shape.to_vec(),
+                expected: entry.numel(),
+                found: out.len(),
+            });
+        }
+        self.read_entry(name, entry, out)
+    }
+
+    fn entry(&self, name: &str) -> Result<&TensorEntry, HfError> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| HfError::NoSuchTensor { dir: self.dir.clone(), tensor: name.into() })
+    }
+
+    fn read_entry(&self, name: &str, entry: &TensorEntry, out: &mut [f32]) -> Result<(), HfError> {
+        let path = self.file_of(entry);
+        let width = match entry.dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => {
+                return Err(HfError::UnsupportedDtype {
+                    path: path.to_path_buf(),
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        let mut file = File::open(path).map_err(io(path))?;
+        file.seek(SeekFrom::Start(entry.bytes.start)).map_err(io(path))?;
+        // Converted in pieces so that a large tensor's bytes are never all in memory beside it.
+        const PIECE: usize = 1 << 20;
+        let mut bytes = vec![0u8; PIECE.min(out.len()) * width];
+        for piece in out.chunks_mut(PIECE) {
+            let bytes = &mut bytes[..piece.len() * width];
+            file.read_exact(bytes).map_err(io(path))?;
+            decode(entry.dtype, bytes, piece);
+        }
+        Ok(())
+    }
+}
+
+/// Little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`.
+fn decode(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        Dtype::F32 => {
+            for (value, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *value = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Dtype::BF16 => {
+            for (value, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *value = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        Dtype::F16 => {
+            for (value, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *value = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        other => unreachable!("decode is called for BF16, F16 and F32 only, not {other:?}"),
+    }
+}
+
+/// `dir/config.json` as JSON, if the file exists.
+pub fn read_config(dir: &Path) -> Result<Option<Value>, HfError> {
+    let path = dir.join(CONFIG_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(HfError::Io { path, source: e }),
+    };
+    serde_json::from_str(&text).map(Some).map_err(|e| HfError::Json { path, reason: e.to_string() })
+}
+
+type Opened = (Vec<PathBuf>, BTreeMap<String, TensorEntry>);
+
+fn open_single(path: &Path) -> Result<Opened, HfError> {
+    let file = File::open(path).map_err(io(path))?;
+    let (data_start, metadata) = read_header(file, path)?;
+    let tensors = metadata
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, entry(info, 0, data_start)))
+        .collect();
+    Ok((vec![path.to_path_buf()], tensors))
+}
+
+fn open_sharded(dir: &Path, index: &Path) -> Result<Opened, HfError> {
+    let weight_map = read_weight_map(index)?;
+    let mut shards: Vec<PathBuf> = Vec::new();
+    let mut headers: Vec<(u64, Metadata)> = Vec::new();
+    let mut shard_of: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut tensors = BTreeMap::new();
+    for (tensor, shard) in &weight_map {
+        let at = match shard_of.get(shard.as_str()) {
+            Some(&at) => at,
+            None => {
+                let path = dir.join(shard);
+                let file = File::open(&path).map_err(|source| HfError::MissingShard {
+                    index: index.to_path_buf(),
+                    shard: shard.clone(),
+                    source,
+                })?;
+                headers.push(read_header(file, &path)?);
+                shards.push(path);
+                shard_of.insert(shard, shards.len() - 1);
+                shards.len() - 1
+            }
+        };
+        let (data_start, metadata) = &headers[at];
+        let info = metadata.info(tensor).ok_or_else(|| HfError::TensorNotInShard {
+            index: index.to_path_buf(),
+            shard: shard.clone(),
+            tensor: tensor.clone(),
+        })?;
+        tensors.insert(tensor.clone(), entry(info, at, *data_start));
+    }
+    Ok((shards, tensors))
+}
+
+/// The `weight_map` of an index file: tensor name to shard file name (a plain file name in the
+/// same directory).
+fn read_weight_map(index: &Path) -> Result<BTreeMap<String, String>, HfError> {
+    let bad = |reason: String| HfError::BadIndex { index: index.to_path_buf(), reason };
+    let text = std::fs::read_to_string(index).map_err(io(index))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    map.iter()
+        .map(|(tensor, shard)| {
+            let shard = shard
+                .as_str()
+                .filter(|s| !s.is_empty() && Path::new(s).file_name() == Some(s.as_ref()))
+                .ok_or_else(|| bad(format!("weight_map.{tensor} is not a file name: {shard}")))?;
+            Ok((tensor.clone(), shard.to_string()))
+        })
+        .collect()
+}
+
+fn entry(info: &safetensors::tensor::TensorInfo, shard: usize, data_start: u64) -> TensorEntry {
+    let (start, end) = info.data_offsets;
+    TensorEntry {
+        shape: info.shape.clone(),
+        dtype: info.dtype,
+        shard,
+        bytes: data_start + start as u64..data_start + end as u64,
+    }
+}
+
+/// The header of the safetensors file `file` (at `path`): where the data starts and the
+/// tensors' metadata, checked against the file's length.
+fn read_header(mut file: File, path: &Path) -> Result<(u64, Metadata), HfError> {
+    let bad = |reason: String| HfError::BadSafetensors { path: path.to_path_buf(), reason };
+    let len = file.metadata().map_err(io(path))?.len();
+    let mut size = [0u8; 8];
+    file.read_exact(&mut size).map_err(|e| bad(format!("no header ({e})")))?;
+    let header_len = u64::from_le_bytes(size);
+    if header_len > MAX_HEADER_BYTES || 8 + header_len > len {
+        return Err(bad(format!("header length {header_len} for a file of {len} bytes")));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(io(path))?;
+    let metadata: Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("bad header ({e})")))?;
+    let data_start = 8 + header_len;
+    let data_len = metadata.data_len() as u64;
+    if data_start + data_len != len {
+        return Err(bad(format!(
+            "the header describes {data_len} bytes of data, the file has {}",
+            len - data_start
+        )));
+    }
+    Ok((data_start, metadata))
+}

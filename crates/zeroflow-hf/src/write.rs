@@ -1,0 +1,285 @@
+//! Writing a Hugging Face model directory that `transformers` loads: `config.json`, the weights
+//! as one `model.safetensors` or, above a size, as `model-0000N-of-0000M.safetensors` shards with
+//! `model.safetensors.index.json`, in BF16 or F32, and the tokenizer files of a source directory.
+//!
+//! The directory appears whole or not at all: everything is written (and fsynced) into a
+//! temporary sibling directory that is then renamed.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{self, File};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+use safetensors::tensor::View;
+use serde_json::Value;
+
+use crate::error::{HfError, io};
+use crate::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+
+/// `transformers`' default `max_shard_size` ("5GB", decimal).
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// The tokenizer and generation files copied from the source directory, when present.
+pub const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// The dtype the weights are written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaveDtype {
+    Bf16,
+    F32,
+}
+
+impl SaveDtype {
+    /// The name `config.json`'s `torch_dtype` gives it.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            SaveDtype::Bf16 => "bfloat16",
+            SaveDtype::F32 => "float32",
+        }
+    }
+
+    fn safetensors(self) -> Dtype {
+        match self {
+            SaveDtype::Bf16 => Dtype::BF16,
+            SaveDtype::F32 => Dtype::F32,
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            SaveDtype::Bf16 => 2,
+            SaveDtype::F32 => 4,
+        }
+    }
+}
+
+/// How [`save`] writes a directory.
+#[derive(Clone, Debug)]
+pub struct SaveOptions {
+    pub dtype: SaveDtype,
+    /// Shards hold at most this many bytes of tensor data (a tensor larger than that is a shard
+    /// of its own); one shard is written as `model.safetensors` without an index.
+    pub max_shard_bytes: u64,
+    /// The directory whose [`TOKENIZER_FILES`] are copied.
+    pub tokenizer_from: Option<PathBuf>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            dtype: SaveDtype::Bf16,
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            tokenizer_from: None,
+        }
+    }
+}
+
+/// One tensor to write: HF name, shape, and its row-major elements.
+#[derive(Clone, Copy, Debug)]
+pub struct OutTensor<'a> {
+    pub name: &'a str,
+    pub shape: &'a [usize],
+    pub values: &'a [f32],
+}
+
+/// What [`save`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Saved {
+    /// The weight files, in order.
+    pub weight_files: Vec<String>,
+    /// Bytes of tensor data in all of them (the index's `metadata.total_size`).
+    pub total_size: u64,
+    /// The tokenizer files copied.
+    pub tokenizer_files: Vec<String>,
+}
+
+/// Writes `tensors` and `config` (its `torch_dtype`, and `dtype` where it has one, set to the
+/// written dtype) as the Hugging Face model directory `dir`, which must not exist or be empty.
+pub fn save(
+    dir: &Path,
+    config: &Value,
+    tensors: &[OutTensor<'_>],
+    options: &SaveOptions,
+) -> Result<Saved, HfError> {
+    check_tensors(tensors)?;
+    if dir.exists() && fs::read_dir(dir).map_err(io(dir))?.next().is_some() {
+        return Err(HfError::OutputExists { dir: dir.to_path_buf() });
+    }
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("model");
+    let temp = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    if temp.exists() {
+        fs::remove_dir_all(&temp).map_err(io(&temp))?;
+    }
+    fs::create_dir_all(&temp).map_err(io(&temp))?;
+    let saved = write_into(&temp, config, tensors, options)?;
+    sync(&temp)?;
+    if dir.exists() {
+        fs::remove_dir(dir).map_err(io(dir))?;
+    }
+    fs::rename(&temp, dir).map_err(io(dir))?;
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    sync(parent)?;
+    Ok(saved)
+}
+
+fn check_tensors(tensors: &[OutTensor<'_>]) -> Result<(), HfError> {
+    let mut seen = HashSet::new();
+    for t in tensors {
+        let expected: usize = t.shape.iter().product();
+        if t.values.len() != expected {
+            return Err(HfError::DataLength {
+                tensor: t.name.to_string(),
+                shape: t.shape.to_vec(),
+                expected,
+                found: t.values.len(),
+            });
+        }
+        if !seen.insert(t.name) {
+            return Err(HfError::DuplicateOutput { tensor: t.name.to_string() });
+        }
+    }
+    Ok(())
+}
+
+fn write_into(
+    dir: &Path,
+    config: &Value,
+    tensors: &[OutTensor<'_>],
+    options: &SaveOptions,
+) -> Result<Saved, HfError> {
+    let dtype = options.dtype;
+    let sizes: Vec<u64> = tensors.iter().map(|t| (t.values.len() * dtype.bytes()) as u64).collect();
+    let shards = plan_shards(&sizes, options.max_shard_bytes);
+    let files: Vec<String> = if shards.len() == 1 {
+        vec![SINGLE_FILE.to_string()]
+    } else {
+        (1..=shards.len())
+            .map(|i| format!("model-{i:05}-of-{:05}.safetensors", shards.len()))
+            .collect()
+    };
+    let config_path = dir.join(CONFIG_FILE);
+    write_json(&config_path, &with_dtype(config, dtype))?;
+    // The safetensors writer creates its files readable by the owner only (a temporary file
+    // renamed); they get the permissions an ordinary new file gets, config.json's.
+    let permissions = fs::metadata(&config_path).map_err(io(&config_path))?.permissions();
+    let mut weight_map = BTreeMap::new();
+    for (file, range) in files.iter().zip(&shards) {
+        let path = dir.join(file);
+        let views = tensors[range.clone()].iter().map(|t| {
+            weight_map.insert(t.name.to_string(), file.clone());
+            (t.name, Encoded { dtype, tensor: *t })
+        });
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(metadata), &path)
+            .map_err(|e| HfError::Serialize { path: path.clone(), reason: e.to_string() })?;
+        fs::set_permissions(&path, permissions.clone()).map_err(io(&path))?;
+        sync(&path)?;
+    }
+    let total_size = sizes.iter().sum();
+    if files.len() > 1 {
+        let index = serde_json::json!({
+            "metadata": { "total_size": total_size },
+            "weight_map": weight_map,
+        });
+        write_json(&dir.join(INDEX_FILE), &index)?;
+    }
+    let tokenizer_files = match &options.tokenizer_from {
+        Some(from) => copy_tokenizer_files(from, dir)?,
+        None => Vec::new(),
+    };
+    Ok(Saved { weight_files: files, total_size, tokenizer_files })
+}
+
+/// Consecutive tensors into shards of at most `max` bytes, as `huggingface_hub` splits a state
+/// dict: a tensor that does not fit in the current shard starts the next one.
+pub fn plan_shards(sizes: &[u64], max: u64) -> Vec<Range<usize>> {
+    let mut shards = Vec::new();
+    let (mut start, mut bytes) = (0, 0u64);
+    for (i, &size) in sizes.iter().enumerate() {
+        if i > start && bytes + size > max {
+            shards.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    shards.push(start..sizes.len());
+    shards
+}
+
+fn with_dtype(config: &Value, dtype: SaveDtype) -> Value {
+    let mut config = config.clone();
+    if let Some(map) = config.as_object_mut() {
+        map.insert("torch_dtype".into(), dtype.torch_name().into());
+        if map.contains_key("dtype") {
+            map.insert("dtype".into(), dtype.torch_name().into());
+        }
+    }
+    config
+}
+
+fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<Vec<String>, HfError> {
+    let mut copied = Vec::new();
+    for name in TOKENIZER_FILES {
+        let source = from.join(name);
+        if source.is_file() {
+            let target = to.join(name);
+            fs::copy(&source, &target).map_err(io(&source))?;
+            sync(&target)?;
+            copied.push(name.to_string());
+        }
+    }
+    Ok(copied)
+}
+
+fn write_json(path: &Path, json: &Value) -> Result<(), HfError> {
+    let text = serde_json::to_string_pretty(json).expect("JSON values serialize") + "\n";
+    fs::write(path, text).map_err(io(path))?;
+    sync(path)
+}
+
+/// fsyncs a file or a directory.
+fn sync(path: &Path) -> Result<(), HfError> {
+    File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
+}
+
+/// A tensor's f32 elements, encoded in the written dtype when the file is written (one tensor's
+/// bytes at a time).
+struct Encoded<'a> {
+    dtype: SaveDtype,
+    tensor: OutTensor<'a>,
+}
+
+impl View for Encoded<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype.safetensors()
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.tensor.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let values = self.tensor.values;
+        let bytes: Vec<u8> = match self.dtype {
+            SaveDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            SaveDtype::Bf16 => {
+                values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect()
+            }
+        };
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.values.len() * self.dtype.bytes()
+    }
+}

@@ -1,0 +1,217 @@
+//! Directories written by `save` read back to the same tensors (exactly in F32, rounded to
+//! bfloat16 in BF16), whole or in shards, and files in each dtype read as f32.
+
+use std::collections::HashMap;
+
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use serde_json::json;
+use zeroflow_hf::{HfCheckpoint, SaveDtype, SaveOptions, plan_shards, save};
+
+use crate::{Scratch, out_tensors, sample_tensors};
+
+fn options(dtype: SaveDtype, max_shard_bytes: u64) -> SaveOptions {
+    SaveOptions { dtype, max_shard_bytes, tokenizer_from: None }
+}
+
+#[test]
+fn f32_single_file_round_trip_is_exact_and_records_the_dtype() {
+    let scratch = Scratch::new("f32-single");
+    let dir = scratch.0.join("out");
+    let tensors = sample_tensors();
+    let config = json!({"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"});
+    let saved =
+        save(&dir, &config, &out_tensors(&tensors), &options(SaveDtype::F32, u64::MAX)).unwrap();
+    assert_eq!(saved.weight_files, ["model.safetensors"]);
+    assert!(!dir.join("model.safetensors.index.json").exists());
+    let read = HfCheckpoint::open(&dir).unwrap();
+    assert_eq!(read.config().unwrap()["torch_dtype"], "float32");
+    assert_eq!(read.config().unwrap()["architectures"][0], "LlamaForCausalLM");
+    for (name, shape, values) in &tensors {
+        let entry = read.tensor(name).unwrap();
+        assert_eq!((&entry.shape, entry.dtype), (shape, Dtype::F32));
+        assert_eq!(&read.read_f32(name).unwrap(), values, "{name}");
+    }
+    assert_eq!(read.names().count(), tensors.len());
+}
+
+#[test]
+fn bf16_sharded_round_trip_rounds_each_value_to_bfloat16() {
+    let scratch = Scratch::new("bf16-sharded");
+    let dir = scratch.0.join("out");
+    let tensors = sample_tensors();
+    // 100 bytes per shard: every tensor but the small ones alone in a shard.
+    let saved = save(
+        &dir,
+        &json!({"dtype": "float32"}),
+        &out_tensors(&tensors),
+        &options(SaveDtype::Bf16, 100),
+    )
+    .unwrap();
+    let n = saved.weight_files.len();
+    assert!(n >= 3, "{:?}", saved.weight_files);
+    for (i, file) in saved.weight_files.iter().enumerate() {
+        assert_eq!(file, &format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+    }
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let elements: usize = tensors.iter().map(|t| t.2.len()).sum();
+    assert_eq!(index["metadata"]["total_size"], (elements * 2) as u64);
+    assert_eq!(saved.total_size, (elements * 2) as u64);
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), tensors.len());
+    let read = HfCheckpoint::open(&dir).unwrap();
+    let config = read.config().unwrap();
+    assert_eq!(
+        (config["torch_dtype"].as_str(), config["dtype"].as_str()),
+        (Some("bfloat16"), Some("bfloat16"))
+    );
+    for (name, shape, values) in &tensors {
+        let entry = read.tensor(name).unwrap();
+        assert_eq!((&entry.shape, entry.dtype), (shape, Dtype::BF16));
+        assert_eq!(read.file_of(entry).file_name().unwrap().to_str(), map[name].as_str());
+        let rounded: Vec<f32> = values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        let back = read.read_f32(name).unwrap();
+        assert_eq!(back, rounded, "{name}");
+        assert_ne!(&back, values, "{name}: the values must not be exact in bfloat16");
+    }
+}
+
+#[test]
+fn safetensors_files_carry_the_pt_format_metadata() {
+    let scratch = Scratch::new("format-pt");
+    let dir = scratch.0.join("out");
+    let tensors = sample_tensors();
+    let saved =
+        save(&dir, &json!({}), &out_tensors(&tensors), &options(SaveDtype::Bf16, 100)).unwrap();
+    for file in &saved.weight_files {
+        let bytes = std::fs::read(dir.join(file)).unwrap();
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let format = metadata.metadata().as_ref().and_then(|m| m.get("format")).cloned();
+        assert_eq!(format.as_deref(), Some("pt"), "{file}");
+    }
+}
+
+#[test]
+fn weight_files_get_the_permissions_of_config_json() {
+    let scratch = Scratch::new("permissions");
+    let dir = scratch.0.join("out");
+    let tensors = sample_tensors();
+    let saved =
+        save(&dir, &json!({}), &out_tensors(&tensors), &options(SaveDtype::Bf16, 100)).unwrap();
+    let config = std::fs::metadata(dir.join("config.json")).unwrap().permissions();
+    for file in &saved.weight_files {
+        assert_eq!(std::fs::metadata(dir.join(file)).unwrap().permissions(), config, "{file}");
+    }
+}
+
+#[test]
+fn shards_split_where_the_next_tensor_does_not_fit() {
+    assert_eq!(plan_shards(&[40, 40, 40], 100), [0..2, 2..3]);
+    assert_eq!(plan_shards(&[40, 200, 10], 100), [0..1, 1..2, 2..3]);
+    assert_eq!(plan_shards(&[50, 50], 100), vec![(0..2)]);
+    assert_eq!(plan_shards(&[], 100), vec![(0..0)]);
+}
+
+#[test]
+fn tokenizer_files_present_in_the_source_are_copied_and_others_ignored() {
+    let scratch = Scratch::new("tokenizer");
+    let source = scratch.0.join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("tokenizer.json"), "{\"model\": 1}").unwrap();
+    std::fs::write(source.join("generation_config.json"), "{\"eos\": 2}").unwrap();
+    std::fs::write(source.join("README.md"), "not copied").unwrap();
+    let dir = scratch.0.join("out");
+    let tensors = sample_tensors();
+    let options = SaveOptions { tokenizer_from: Some(source.clone()), ..SaveOptions::default() };
+    let saved = save(&dir, &json!({}), &out_tensors(&tensors), &options).unwrap();
+    assert_eq!(saved.tokenizer_files, ["tokenizer.json", "generation_config.json"]);
+    assert_eq!(std::fs::read_to_string(dir.join("tokenizer.json")).unwrap(), "{\"model\": 1}");
+    assert!(dir.join("generation_config.json").is_file());
+    assert!(!dir.join("README.md").exists());
+    assert!(!dir.join("special_tokens_map.json").exists());
+}
+
+#[test]
+fn an_existing_empty_directory_is_replaced_and_no_temporary_is_left() {
+    let scratch = Scratch::new("empty-out");
+    let dir = scratch.0.join("out");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tensors = sample_tensors();
+    save(&dir, &json!({}), &out_tensors(&tensors), &SaveOptions::default()).unwrap();
+    let names: Vec<String> = std::fs::read_dir(&scratch.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, ["out"]);
+    assert!(HfCheckpoint::open(&dir).is_ok());
+}
+
+/// Writes a single `model.safetensors` in `dir` holding `tensors` (name, dtype, shape, bytes).
+pub fn write_raw(dir: &std::path::Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            (name.to_string(), TensorView::new(*dtype, shape.clone(), bytes).unwrap())
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None::<HashMap<String, String>>).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+}
+
+#[test]
+fn bf16_f16_and_f32_files_read_as_the_same_f32_values() {
+    let scratch = Scratch::new("dtypes");
+    // Values exact in all three dtypes.
+    let values = [1.5f32, -0.25, 3.0, 0.0, -96.0, 0.0078125];
+    let bf16: Vec<u8> =
+        values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+    let f16: Vec<u8> = values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect();
+    let f32: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_raw(
+        &scratch.0,
+        &[
+            ("a.bf16", Dtype::BF16, vec![2, 3], bf16),
+            ("b.f16", Dtype::F16, vec![3, 2], f16),
+            ("c.f32", Dtype::F32, vec![6], f32),
+        ],
+    );
+    let read = HfCheckpoint::open(&scratch.0).unwrap();
+    assert!(read.config().is_none());
+    for (name, dtype) in [("a.bf16", Dtype::BF16), ("b.f16", Dtype::F16), ("c.f32", Dtype::F32)] {
+        assert_eq!(read.tensor(name).unwrap().dtype, dtype);
+        assert_eq!(read.read_f32(name).unwrap(), values, "{name}");
+    }
+    let mut out = [0.0f32; 6];
+    read.read_into("a.bf16", &[2, 3], &mut out).unwrap();
+    assert_eq!(out, values);
+    // A value that only f16 holds exactly reads back exactly from f16 (not via bfloat16).
+    let fine = 1.0f32 + 1.0 / 1024.0;
+    write_raw(
+        &scratch.0.join("fine"),
+        &[("x", Dtype::F16, vec![1], half::f16::from_f32(fine).to_le_bytes().to_vec())],
+    );
+    let fine_read = HfCheckpoint::open(&scratch.0.join("fine")).unwrap();
+    assert_eq!(fine_read.read_f32("x").unwrap(), [fine]);
+}
+
+#[test]
+fn check_accepts_the_expected_names_and_shapes_and_skips_ignored_buffers() {
+    let scratch = Scratch::new("check-ok");
+    let f32 = |n: usize| vec![0u8; 4 * n];
+    write_raw(
+        &scratch.0,
+        &[
+            ("w", Dtype::F32, vec![2, 3], f32(6)),
+            ("b", Dtype::F32, vec![3], f32(3)),
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", Dtype::F32, vec![2], f32(2)),
+        ],
+    );
+    let read = HfCheckpoint::open(&scratch.0).unwrap();
+    let expected: [(&str, &[usize]); 2] = [("w", &[2, 3]), ("b", &[3])];
+    read.check(expected, |name| name.ends_with("rotary_emb.inv_freq")).unwrap();
+    assert!(read.check(expected, |_| false).is_err(), "the buffer is unexpected unless ignored");
+}
