@@ -131,7 +131,6 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
     use zeroflow_core::dtype::bf16;
     use zeroflow_device::StreamKind;
-    use zeroflow_device::cuda::is_absent;
     use zeroflow_optim::{AdamW, AdamWConfig};
 
     use super::*;
@@ -174,14 +173,7 @@ mod tests {
         // The CPU side first, so that machines without a GPU run it too.
         let cpu = CpuDevice::new().unwrap();
         let (cpu_master, cpu_out) = run(&cpu, &init, &grads, &steps, range.clone());
-        let gpu = match CudaDevice::new(0) {
-            Ok(gpu) => gpu,
-            Err(e) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&e) => {
-                println!("skipped: no CUDA device ({e})");
-                return;
-            }
-            Err(e) => panic!("opening GPU 0 failed: {e}"),
-        };
+        let Some(gpu) = zeroflow_device::cuda::info::gpu_or_skip(0) else { return };
         let (gpu_master, gpu_out) = run(&gpu, &init, &grads, &steps, range);
         let mut worst = 0.0f32;
         for (i, (g, c)) in gpu_master.iter().zip(&cpu_master).enumerate() {
