@@ -1,6 +1,6 @@
 //! The streaming offload path (one micro-step per step, f32 or bf16 weights): the reduced
 //! gradients stay on the device until the step, which copies them out chunk by chunk, steps each
-//! chunk on the CPU as it arrives and uploads its weights at once (`host.rs`, `stream_chunks`).
+//! chunk on the CPU as it arrives and uploads its weights at once ([`stream_chunks`]).
 //!
 //! Inline, the d2h stream waits on `norm_done` (the gradients are final) and the h2d stream on
 //! `compute_done` and `params_ready` (the weights are free); with several ranks each uploaded
@@ -17,16 +17,20 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use zeroflow_core::Float;
-use zeroflow_device::{Comm, Device, HostBuffer, StreamKind};
-use zeroflow_optim::AdamWStep;
+use zeroflow_device::{Comm, Device, Filling, HostBuffer, StreamKind};
+use zeroflow_optim::{AdamState, AdamWStep, Output};
 
 use super::shared::{Shared, reduced_source, slot};
 use super::state::PathState;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{Chunks, StepTimes, StreamBuffers, Worker, stream_chunks};
+use crate::host::{
+    HostOptimizer, OUTGOING_BUFFERS, STAGING_BUFFERS, StepTimes, StreamBuffers, Worker,
+    as_bf16_mut, as_grads, convert_into,
+};
 
 /// The streaming step gathers its uploaded chunks in pieces of at least this many elements (32
 /// MiB of bf16), however small the chunks, or an eighth of the partition where that is less: one
@@ -322,5 +326,91 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     // The weights are current once the last piece's gather is done.
     let params_ready = slot(&mut shared.events.params_ready, &shared.device)?;
     shared.device.record(params_ready, shared.device.stream(StreamKind::Comm))?;
+    Ok(())
+}
+
+/// Where the streaming step reads gradients and writes weights: `len` elements of each, from
+/// element `source_at` of `source` and `target_at` of `target`; `uploaded` hears of each chunk
+/// (its range in the partition) once its upload is queued on the h2d stream (the engine gathers
+/// it from there); `times` adds up where the calling thread's time went.
+struct Chunks<'a, D: Device, P: Float> {
+    source: &'a D::Buffer<P>,
+    source_at: usize,
+    target: &'a D::Buffer<P>,
+    target_at: usize,
+    uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    times: &'a mut StepTimes,
+}
+
+/// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
+/// by chunk on the d2h stream (up to [`STAGING_BUFFERS`] chunks ahead), the CPU steps each chunk
+/// as soon as its copy's token has been waited on, writing the new weights as `P` into an
+/// outgoing buffer, and that buffer's upload on the h2d stream starts at once, overlapping the
+/// next chunks. The caller orders the d2h stream after the gradients' writers and the h2d stream
+/// after the target's readers; the uploads are not waited for (each outgoing buffer remembers its
+/// copy, and its next write waits for it).
+fn stream_chunks<D: Device, P: Float>(
+    device: &D,
+    step: &AdamWStep,
+    optimizer: &mut HostOptimizer,
+    staging: &mut [HostBuffer<P>],
+    outgoing: &mut [HostBuffer<P>],
+    io: Chunks<'_, D, P>,
+    len: usize,
+) -> Result<(), EngineError> {
+    let times = io.times;
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    let chunk = staging.first().map_or(1, |b| b.len()).max(1);
+    let chunks = len.div_ceil(chunk);
+    let piece = |c: usize| c * chunk..((c + 1) * chunk).min(len);
+    let mut free: [Option<&mut HostBuffer<P>>; STAGING_BUFFERS] = {
+        let mut buffers = staging.iter_mut();
+        std::array::from_fn(|_| buffers.next())
+    };
+    let mut in_flight: [Option<Filling<'_, P>>; STAGING_BUFFERS] = Default::default();
+    let mut issued = 0;
+    for c in 0..chunks {
+        // Keep the d2h stream busy: every free staging buffer receives the next chunk.
+        while issued < chunks {
+            let Some(buffer) = free.iter_mut().find_map(Option::take) else { break };
+            let range = piece(issued);
+            let from = io.source_at + range.start..io.source_at + range.end;
+            let filling = device.copy_d2h(d2h, io.source, from, buffer, 0)?;
+            in_flight[issued % STAGING_BUFFERS] = Some(filling);
+            issued += 1;
+        }
+        let range = piece(c);
+        let filling = in_flight[c % STAGING_BUFFERS].take().expect("issued above");
+        let waiting = Instant::now();
+        let staged = filling.wait()?;
+        times.chunk_wait += waiting.elapsed();
+        let grads = as_grads(&staged[..range.len()])
+            .ok_or(EngineError::Internal("the streaming step reads f32 or bf16 gradients"))?;
+        // Waits for the upload that last read this buffer (its token was let go below).
+        let waiting = Instant::now();
+        let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
+        let stepping = Instant::now();
+        times.upload_wait += stepping - waiting;
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = optimizer;
+        let state = AdamState { params: master, exp_avg, exp_avg_sq };
+        match as_bf16_mut(out) {
+            Some(out) => {
+                adam.step_range(step, state, range.clone(), grads, Output::AlsoBf16(out))?
+            }
+            None => {
+                adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
+                convert_into(adam, out, &master[range.clone()]);
+            }
+        }
+        times.adam += stepping.elapsed();
+        let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
+        let target = io.target_at + range.start;
+        let draining = device.copy_h2d(h2d, outgoing_buffer, 0..range.len(), io.target, target)?;
+        // Not waited on here: the buffer remembers the copy, and its next write (two chunks on,
+        // or the next step) waits for it. That is what lets the upload overlap the CPU.
+        draining.detach();
+        (io.uploaded)(range)?;
+        *free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") = Some(staged);
+    }
     Ok(())
 }
