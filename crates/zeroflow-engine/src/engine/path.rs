@@ -16,9 +16,9 @@
 //! |---|---|---|
 //! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
 //! | `reduced` (shared) | comm, per bucket, offload (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
-//! | `comm_done` (shared) | comm, after a reducing backward (`Shared::record_consumers`); delayed stream also after the set-aside copy (`stream.rs`) | compute, at the next backward |
-//! | `d2h_done` (shared) | d2h, after a reducing backward with offload (`Shared::record_d2h_done`); stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy |
-//! | `params_ready` (shared) | the writer of the partition, then comm after the gather (`Shared::gather_from`); inline stream with pieces: comm after the last piece | compute, at the next backward; h2d, before an upload |
+//! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
+//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy |
+//! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
 //! | `compute_done` (shared) | compute, at the start of every step (`Engine::step`) | comm (norm on the device, gathers), h2d (uploads) |
 //! | `norm_done` (shared) | comm, after the norm (and its all-reduce) (`sum_to_host`) | d2h (its copy; inline stream's first chunk); compute (ZenFlow's device step) |
 //! | `accumulated` (device) | comm, at the step | compute, before AdamW |

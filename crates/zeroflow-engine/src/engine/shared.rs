@@ -82,11 +82,25 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Shared<D, C, P> {
     /// Records where the gradients of this backward were last read (the comm stream, and the
     /// d2h stream where the path copies them out), so the next backward waits.
     pub fn record_consumers(&mut self, offloads: bool) -> Result<(), EngineError> {
-        let comm_done = slot(&mut self.events.comm_done, &self.device)?;
-        self.device.record(comm_done, self.device.stream(StreamKind::Comm))?;
+        self.record_comm_done()?;
         if offloads {
             self.record_d2h_done()?;
         }
+        Ok(())
+    }
+
+    /// Records `comm_done` on the comm stream: what it has queued so far is the last read of the
+    /// gradients.
+    pub fn record_comm_done(&mut self) -> Result<(), EngineError> {
+        let comm_done = slot(&mut self.events.comm_done, &self.device)?;
+        self.device.record(comm_done, self.device.stream(StreamKind::Comm))?;
+        Ok(())
+    }
+
+    /// Records `params_ready` on `stream`: what it has queued so far writes the weights last.
+    pub fn record_params_ready(&mut self, stream: StreamKind) -> Result<(), EngineError> {
+        let params_ready = slot(&mut self.events.params_ready, &self.device)?;
+        self.device.record(params_ready, self.device.stream(stream))?;
         Ok(())
     }
 
@@ -146,19 +160,19 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Shared<D, C, P> {
     /// Records that `writer` has written this rank's partition of the weights and gathers the
     /// other partitions after it; `params_ready` then marks the weights current.
     pub fn gather_from(&mut self, writer: StreamKind) -> Result<(), EngineError> {
-        let comm_stream = self.device.stream(StreamKind::Comm);
-        let writer = self.device.stream(writer);
-        let params_ready = slot(&mut self.events.params_ready, &self.device)?;
-        self.device.record(params_ready, writer)?;
-        if self.owned.len() < self.layout.padded_len() {
+        self.record_params_ready(writer)?;
+        if let Some(written) = &self.events.params_ready
+            && self.owned.len() < self.layout.padded_len()
+        {
             // Gather the other partitions once this rank's is written and nothing reads the
             // weights any more.
-            self.device.wait_event(comm_stream, params_ready)?;
+            let comm_stream = self.device.stream(StreamKind::Comm);
+            self.device.wait_event(comm_stream, written)?;
             self.device.wait_event(comm_stream, &self.events.compute_done)?;
             let everything = 0..self.layout.padded_len();
             let own = self.owned.clone();
             self.comm.all_gather(comm_stream, &self.params, own, &self.params, everything)?;
-            self.device.record(params_ready, comm_stream)?;
+            self.record_params_ready(StreamKind::Comm)?;
         }
         Ok(())
     }

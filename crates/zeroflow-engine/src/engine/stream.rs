@@ -23,7 +23,7 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, Filling, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamState, AdamWStep, Output};
 
-use super::shared::{Shared, reduced_source, slot};
+use super::shared::{Shared, reduced_source};
 use super::state::PathState;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
@@ -230,9 +230,8 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
         device.record(&mut self.aside_taken, comm)?;
         device.wait_event(d2h, &self.aside_taken)?;
         // The next backward overwrites the gradients only after the copy above read them.
-        let comm_done = slot(&mut shared.events.comm_done, device)?;
-        device.record(comm_done, comm)?;
-        let device = device.clone();
+        shared.record_comm_done()?;
+        let device = shared.device.clone();
         let (grads, next) = (Arc::clone(&self.grads), Arc::clone(&self.params));
         self.worker.start(move |buffers| {
             let StreamBuffers { state, staging, outgoing } = buffers;
@@ -324,9 +323,7 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
         return shared.gather_from(StreamKind::H2d);
     }
     // The weights are current once the last piece's gather is done.
-    let params_ready = slot(&mut shared.events.params_ready, &shared.device)?;
-    shared.device.record(params_ready, shared.device.stream(StreamKind::Comm))?;
-    Ok(())
+    shared.record_params_ready(StreamKind::Comm)
 }
 
 /// Where the streaming step reads gradients and writes weights: `len` elements of each, from
