@@ -1,15 +1,17 @@
 //! Tuning the CPU-offload stream from the environment, for measurements (docs/multi-gpu.md,
 //! "Tuning the offload stream"): [`STREAM_CHUNK_VAR`] sets the chunk the gradients go to the host
-//! and the weights come back in ([`EngineOptions::stream_chunk`]), [`COPY_STORES_VAR`] how the
-//! CPU AdamW writes the weights' bf16 copy ([`EngineOptions::copy_stores`]), [`CPU_THREADS_VAR`]
-//! how many threads the CPU optimizer runs on ([`EngineOptions::cpu_threads`]; by default the
-//! host's cores shared between its ranks, or the CPUs a rank is bound to), [`GATHER_VAR`] whether
-//! the streaming step gathers the ranks' weights piece by piece while it steps or after it
-//! ([`EngineOptions::gather_in_pieces`]). Unset or blank: the
+//! and the weights come back in ([`StreamOptions::chunk`]), [`COPY_STORES_VAR`] how the CPU
+//! AdamW writes the weights' bf16 copy ([`StreamOptions::copy_stores`]), [`CPU_THREADS_VAR`] how
+//! many threads the CPU optimizer runs on ([`Offload::cpu_threads`]; by default the host's cores
+//! shared between its ranks, or the CPUs a rank is bound to), [`GATHER_VAR`] whether the
+//! streaming step gathers the ranks' weights piece by piece while it steps or after it
+//! ([`StreamOptions::gather_in_pieces`]). Unset or blank: the
 //! defaults. The results are bit-identical whatever the values; only the speed changes.
 
 use zeroflow_core::{DType, Element, env};
 use zeroflow_engine::EngineOptions;
+#[cfg(doc)]
+use zeroflow_engine::{Offload, StreamOptions};
 use zeroflow_optim::Stores;
 
 use crate::InputError;
@@ -115,32 +117,35 @@ pub fn apply_env<P: Element>(options: &mut EngineOptions, rank: usize) -> anyhow
     if tuning == StreamTuning::default() {
         return Ok(());
     }
-    options.stream_chunk = tuning.stream_chunk.unwrap_or(options.stream_chunk);
-    options.copy_stores = tuning.copy_stores.or(options.copy_stores);
-    options.cpu_threads = tuning.cpu_threads.unwrap_or(options.cpu_threads);
-    options.gather_in_pieces = tuning.gather_in_pieces.unwrap_or(options.gather_in_pieces);
-    let mib = options.stream_chunk as f64 * dtype.size() as f64 / MIB;
-    let default = |set: bool| if set { "" } else { " (the default)" };
-    tracing::info!(
-        "rank {rank}: offload tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}/{CPU_THREADS_VAR}/\
-         {GATHER_VAR}: chunks of {} elements ({mib} MiB of {dtype}){}, {} stores of the weight \
-         copy{}, the CPU optimizer on {} threads{}, the ranks' weights gathered {}{}",
-        options.stream_chunk,
-        default(tuning.stream_chunk.is_some()),
-        options.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
-        default(tuning.copy_stores.is_some()),
-        options.cpu_threads,
-        default(tuning.cpu_threads.is_some()),
-        if options.gather_in_pieces { "in pieces while stepping" } else { "after the step" },
-        default(tuning.gather_in_pieces.is_some()),
-    );
-    if options.offload.is_none() {
+    let Some(offload) = options.offload_mut() else {
         tracing::warn!(
             "rank {rank}: {STREAM_CHUNK_VAR}, {COPY_STORES_VAR}, {CPU_THREADS_VAR} and \
              {GATHER_VAR} tune the CPU optimizer offload, which this config does not use: they \
              change nothing"
         );
-    }
+        return Ok(());
+    };
+    let stream = &mut offload.stream;
+    stream.chunk = tuning.stream_chunk.unwrap_or(stream.chunk);
+    stream.copy_stores = tuning.copy_stores.or(stream.copy_stores);
+    stream.gather_in_pieces = tuning.gather_in_pieces.unwrap_or(stream.gather_in_pieces);
+    offload.cpu_threads = tuning.cpu_threads.unwrap_or(offload.cpu_threads);
+    let stream = offload.stream;
+    let mib = stream.chunk as f64 * dtype.size() as f64 / MIB;
+    let default = |set: bool| if set { "" } else { " (the default)" };
+    tracing::info!(
+        "rank {rank}: offload tuned by {STREAM_CHUNK_VAR}/{COPY_STORES_VAR}/{CPU_THREADS_VAR}/\
+         {GATHER_VAR}: chunks of {} elements ({mib} MiB of {dtype}){}, {} stores of the weight \
+         copy{}, the CPU optimizer on {} threads{}, the ranks' weights gathered {}{}",
+        stream.chunk,
+        default(tuning.stream_chunk.is_some()),
+        stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
+        default(tuning.copy_stores.is_some()),
+        offload.cpu_threads,
+        default(tuning.cpu_threads.is_some()),
+        if stream.gather_in_pieces { "in pieces while stepping" } else { "after the step" },
+        default(tuning.gather_in_pieces.is_some()),
+    );
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 //! pick named settings. Nothing here touches a device, a thread or a file except to read a
 //! config.
 
+pub mod adamw;
 pub mod config;
 pub mod dtype;
 pub mod env;

@@ -9,7 +9,8 @@
 //!   the copy.
 //! - A host-to-device copy returns a [`Draining`] token that borrows the source buffer shared: the
 //!   host may read it meanwhile but not overwrite it.
-//! - A token that is leaked (`mem::forget`) ends the borrow without waiting. The buffer remembers
+//! - A token that is detached ([`Filling::detach`], [`Draining::detach`], or leaked with
+//!   `mem::forget`) ends the borrow without waiting. The buffer remembers
 //!   its pending copies, so the next access waits for them: leaking a token costs a stall, never a
 //!   stale read. Safe code cannot observe a half-finished copy.
 
@@ -161,7 +162,7 @@ impl<T: Element> HostBuffer<T> {
     }
 
     /// Waits for every pending copy that conflicts with the access (`write` = the host will write).
-    fn settle(&self, write: bool) {
+    fn settle_for(&self, write: bool) {
         if !self.has_pending.load(Ordering::Acquire) {
             return;
         }
@@ -176,6 +177,12 @@ impl<T: Element> HostBuffer<T> {
         }
         let empty = pending.write.is_none() && pending.reads.is_empty();
         self.has_pending.store(!empty, Ordering::Release);
+    }
+
+    /// Waits for every copy still using the buffer (into it or out of it) whose token was
+    /// detached ([`Filling::detach`], [`Draining::detach`]); an error of such a copy is parked.
+    pub fn settle(&mut self) {
+        self.settle_for(true);
     }
 
     fn park_err(&self, result: Result<()>) {
@@ -226,7 +233,7 @@ impl<T: Element> Deref for HostBuffer<T> {
 
     /// Waits for any copy into the buffer whose token was leaked, then gives the elements.
     fn deref(&self) -> &[T] {
-        self.settle(false);
+        self.settle_for(false);
         // SAFETY: `ptr` points to `len` initialised elements (zero-filled, and every bit pattern of
         // an Element is valid); no copy writes them any more (settled above, and a live `Filling`
         // token would hold `&mut self`, so none can start while this borrow lives).
@@ -236,7 +243,7 @@ impl<T: Element> Deref for HostBuffer<T> {
 
 impl<T: Element> DerefMut for HostBuffer<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        self.settle(true);
+        self.settle_for(true);
         // SAFETY: as in `deref`, and additionally no copy reads the elements any more, and `&mut
         // self` excludes every other borrow.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
@@ -246,7 +253,7 @@ impl<T: Element> DerefMut for HostBuffer<T> {
 impl<T: Element> Drop for HostBuffer<T> {
     fn drop(&mut self) {
         // The memory must outlive every copy that uses it, even those whose token leaked.
-        self.settle(true);
+        self.settle_for(true);
     }
 }
 
@@ -276,7 +283,7 @@ impl<'a, T: Element> Filling<'a, T> {
         buffer: &'a mut HostBuffer<T>,
         enqueue: impl FnOnce(NonNull<T>, usize) -> Result<Arc<dyn Completion>>,
     ) -> Result<Self> {
-        buffer.settle(true);
+        buffer.settle_for(true);
         let done = enqueue(buffer.raw_ptr(), buffer.len())?;
         buffer.add_pending(done.clone(), true);
         Ok(Filling { buffer, done: Some(done) })
@@ -297,6 +304,12 @@ impl<'a, T: Element> Filling<'a, T> {
 }
 
 impl<T: Element> Filling<'_, T> {
+    /// Lets the copy run on without waiting for it here: the borrow ends, and the buffer, which
+    /// remembers the copy, waits for it at its next access (or [`HostBuffer::settle`]).
+    pub fn detach(mut self) {
+        self.done = None;
+    }
+
     /// The buffer being filled, for the race demonstration only (see
     /// [`HostBuffer::read_unsynchronized`]): safe code can do nothing with it but that.
     #[cfg(any(test, feature = "race-demo"))]
@@ -331,7 +344,7 @@ impl<'a, T: Element> Draining<'a, T> {
         buffer: &'a HostBuffer<T>,
         enqueue: impl FnOnce(NonNull<T>, usize) -> Result<Arc<dyn Completion>>,
     ) -> Result<Self> {
-        buffer.settle(false);
+        buffer.settle_for(false);
         let done = enqueue(buffer.raw_ptr(), buffer.len())?;
         buffer.add_pending(done.clone(), false);
         Ok(Draining { buffer, done: Some(done) })
@@ -340,6 +353,12 @@ impl<'a, T: Element> Draining<'a, T> {
     /// The buffer being copied, for reading.
     pub fn buffer(&self) -> &HostBuffer<T> {
         self.buffer
+    }
+
+    /// Lets the copy run on without waiting for it here: the borrow ends, and the buffer, which
+    /// remembers the copy, waits for it before its next write (or at [`HostBuffer::settle`]).
+    pub fn detach(mut self) {
+        self.done = None;
     }
 
     /// Waits for the copy (its event).

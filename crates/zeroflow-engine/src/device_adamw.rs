@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use zeroflow_core::Float;
 use zeroflow_device::cpu::{CpuBuffer, CpuStream, KernelArgs};
-use zeroflow_device::cuda::kernels::{AdamWBuffers, AdamWScalars};
+use zeroflow_device::cuda::kernels::AdamWBuffers;
 use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CpuDevice, CudaDevice, Device, DeviceError, Kernels};
-use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output, StepScalars};
+use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 /// The fp32 optimizer state of one partition on the device.
 #[derive(Debug)]
@@ -94,22 +94,7 @@ impl DeviceAdamW for CudaDevice {
             exp_avg_sq: &state.exp_avg_sq,
             grads,
         };
-        let scalars = gpu_scalars(&step.scalars());
-        self.adamw_step(stream, &scalars, buffers, range, out, out_offset)
-    }
-}
-
-/// The optimizer's per-step scalars in the device crate's type (which cannot name the optimizer's).
-fn gpu_scalars(s: &StepScalars) -> AdamWScalars {
-    AdamWScalars {
-        grad_scale: s.grad_scale,
-        l2: s.l2,
-        one_minus_beta1: s.one_minus_beta1,
-        one_minus_beta2: s.one_minus_beta2,
-        inv_sqrt_bias_correction2: s.inv_sqrt_bias_correction2,
-        eps: s.eps,
-        neg_lr_weight_decay: s.neg_lr_weight_decay,
-        neg_step_size: s.neg_step_size,
+        self.adamw_step(stream, &step.scalars(), buffers, range, out, out_offset)
     }
 }
 
@@ -131,7 +116,6 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
     use zeroflow_core::dtype::bf16;
     use zeroflow_device::StreamKind;
-    use zeroflow_device::cuda::is_absent;
     use zeroflow_optim::{AdamW, AdamWConfig};
 
     use super::*;
@@ -174,14 +158,7 @@ mod tests {
         // The CPU side first, so that machines without a GPU run it too.
         let cpu = CpuDevice::new().unwrap();
         let (cpu_master, cpu_out) = run(&cpu, &init, &grads, &steps, range.clone());
-        let gpu = match CudaDevice::new(0) {
-            Ok(gpu) => gpu,
-            Err(e) if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_absent(&e) => {
-                println!("skipped: no CUDA device ({e})");
-                return;
-            }
-            Err(e) => panic!("opening GPU 0 failed: {e}"),
-        };
+        let Some(gpu) = zeroflow_device::cuda::info::gpu_or_skip(0) else { return };
         let (gpu_master, gpu_out) = run(&gpu, &init, &grads, &steps, range);
         let mut worst = 0.0f32;
         for (i, (g, c)) in gpu_master.iter().zip(&cpu_master).enumerate() {

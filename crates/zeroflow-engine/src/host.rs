@@ -2,13 +2,12 @@
 //! host memory, and the queue of device-to-host copies in flight during a backward.
 
 use std::any::TypeId;
-use std::ops::Range;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rayon::prelude::*;
 use zeroflow_core::{Float, bf16};
-use zeroflow_device::{Device, Filling, HostBuffer, HostMemory, StreamKind};
+use zeroflow_device::{Device, Filling, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
@@ -16,7 +15,7 @@ use crate::EngineError;
 /// How many staging buffers gradients cycle through on their way to the host.
 pub(crate) const STAGING_BUFFERS: usize = 4;
 
-/// The default of [`crate::EngineOptions::stream_chunk`], the most elements one staging buffer
+/// The default of [`crate::StreamOptions::chunk`], the most elements one staging buffer
 /// holds (16 MiB of bf16): host staging stays this size whatever the model and the bucket size, a
 /// bucket larger than it is copied in pieces, and the streaming step goes in chunks of it. On the
 /// H200's host (300 MiB of L3), gpt-1.3b's offload step took 0.379 s with 16 MiB chunks and the
@@ -30,33 +29,34 @@ pub(crate) const OUTGOING_BUFFERS: usize = 2;
 /// Elements per task of the host's parallel loops.
 const PAR_CHUNK: usize = 1 << 16;
 
-/// The CPU optimizer's own state for this rank's partition: what a delayed step takes to its
-/// worker thread and brings back.
+/// The CPU optimizer's own state for this rank's partition.
 #[derive(Debug)]
-pub(crate) struct HostOptimizer<P: Float> {
+pub(crate) struct HostOptimizer {
     pub master: HostBuffer<f32>,
     pub exp_avg: HostBuffer<f32>,
     pub exp_avg_sq: HostBuffer<f32>,
-    /// The updated weights, as the model's dtype, on their way back (the whole partition; `None`
-    /// when the step streams, chunk by chunk through [`HostState::outgoing`]).
-    pub upload: Option<HostBuffer<P>>,
     pub adam: CpuAdam,
 }
 
-impl<P: Float> HostOptimizer<P> {
+/// The accumulating paths' CPU optimizer: the state, and the whole partition's updated weights
+/// as `P` on their way back to the device.
+#[derive(Debug)]
+pub(crate) struct WholeStep<P: Float> {
+    pub state: HostOptimizer,
+    pub upload: HostBuffer<P>,
+}
+
+impl<P: Float> WholeStep<P> {
     /// One AdamW step over the partition with the accumulated gradients, then the weights as `P`
     /// into the upload buffer.
     pub(crate) fn step(&mut self, step: &AdamWStep, grad_acc: &[f32]) -> Result<(), EngineError> {
-        let HostOptimizer { master, exp_avg, exp_avg_sq, upload, adam } = self;
-        let upload = upload
-            .as_mut()
-            .ok_or(EngineError::Usage("a whole-partition step while the step streams"))?;
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut self.state;
         let state = AdamState { params: master, exp_avg, exp_avg_sq };
-        match as_bf16_mut(upload) {
+        match as_bf16_mut(&mut self.upload) {
             Some(out) => adam.step(step, state, Grads::F32(grad_acc), Output::AlsoBf16(out))?,
             None => {
                 adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
-                convert_into(adam, upload, master);
+                convert_into(adam, &mut self.upload, master);
             }
         }
         Ok(())
@@ -64,9 +64,7 @@ impl<P: Float> HostOptimizer<P> {
 
     /// Writes the master weights as `P` into the upload buffer (after a restore).
     pub(crate) fn refresh_upload(&mut self) {
-        if let Some(upload) = &mut self.upload {
-            convert_into(&self.adam, upload, &self.master);
-        }
+        convert_into(&self.state.adam, &mut self.upload, &self.state.master);
     }
 }
 
@@ -103,18 +101,80 @@ pub(crate) fn as_grads<P: Float>(slice: &[P]) -> Option<Grads<'_>> {
     }
 }
 
-/// What a delayed step takes to its worker thread besides the optimizer, and gives back.
-#[derive(Debug)]
-pub(crate) enum Carried<P: Float> {
-    /// The accumulator it read (accumulating mode).
-    Accumulator(HostBuffer<f32>),
-    /// The staging and outgoing buffers it streamed through (streaming mode).
-    Buffers { staging: Vec<HostBuffer<P>>, outgoing: Vec<HostBuffer<P>> },
+/// Host staging: [`STAGING_BUFFERS`] buffers of `len` elements (at most `stream_chunk`, at
+/// least one).
+pub(crate) fn alloc_staging<D: Device, P: Float>(
+    device: &D,
+    len: usize,
+    stream_chunk: usize,
+    memory: HostMemory,
+    count: usize,
+) -> Result<Vec<HostBuffer<P>>, EngineError> {
+    let len = len.min(stream_chunk).max(1);
+    Ok((0..count).map(|_| device.alloc_host::<P>(len, memory)).collect::<Result<_, _>>()?)
 }
 
-/// The result of a delayed step: the optimizer and what it carried, given back.
-pub(crate) type DelayedStep<P> =
-    JoinHandle<Result<(Box<HostOptimizer<P>>, Carried<P>), EngineError>>;
+/// Where a CPU step that runs in the background is: here, or on its worker thread.
+#[derive(Debug)]
+pub(crate) enum Worker<T> {
+    /// Here (its weights uploaded, or about to be in the same step).
+    Ready(Box<T>),
+    /// On a worker thread, stepping.
+    Stepping(JoinHandle<Result<Box<T>, EngineError>>),
+    /// Lost to a failed or panicked step.
+    Lost,
+}
+
+impl<T: Send + 'static> Worker<T> {
+    pub(crate) fn is_stepping(&self) -> bool {
+        matches!(self, Worker::Stepping(_))
+    }
+
+    /// Waits for a running step, if there is one, and gives the state back, with whether a step
+    /// was joined.
+    pub(crate) fn join(&mut self) -> Result<(&mut T, bool), EngineError> {
+        let mut joined = false;
+        match std::mem::replace(self, Worker::Lost) {
+            Worker::Stepping(handle) => {
+                joined = true;
+                let result = handle
+                    .join()
+                    .map_err(|_| EngineError::Internal("the delayed optimizer step panicked"))?;
+                *self = Worker::Ready(result?);
+            }
+            other => *self = other,
+        }
+        match self {
+            Worker::Ready(state) => Ok((state, joined)),
+            Worker::Stepping(_) | Worker::Lost => Err(EngineError::Misuse(
+                "the CPU optimizer was lost to an earlier failure; the engine cannot go on",
+            )),
+        }
+    }
+
+    /// Runs `work` with the (joined) state on a worker thread.
+    pub(crate) fn start(
+        &mut self,
+        work: impl FnOnce(&mut T) -> Result<(), EngineError> + Send + 'static,
+    ) -> Result<(), EngineError> {
+        let mut state = match std::mem::replace(self, Worker::Lost) {
+            Worker::Ready(state) => state,
+            other => {
+                *self = other;
+                return Err(EngineError::Internal("a delayed step started while another runs"));
+            }
+        };
+        let handle = std::thread::Builder::new()
+            .name("zeroflow-delayed-step".into())
+            .spawn(move || {
+                work(&mut state)?;
+                Ok(state)
+            })
+            .map_err(EngineError::Thread)?;
+        *self = Worker::Stepping(handle);
+        Ok(())
+    }
+}
 
 /// Where the training thread spent its optimizer steps, by the host's clock and summed over the
 /// steps: the breakdown a benchmark reports ([`crate::Engine::step_times`]).
@@ -144,132 +204,43 @@ impl StepTimes {
     }
 }
 
-/// Where the streaming step reads gradients and writes weights: `len` elements of each, from
-/// element `source_at` of `source` and `target_at` of `target`; `uploaded` hears of each chunk
-/// (its range in the partition) once its upload is queued on the h2d stream (the engine gathers
-/// it from there); `times` adds up where the calling thread's time went.
-pub(crate) struct Chunks<'a, D: Device, P: Float> {
-    pub source: &'a D::Buffer<P>,
-    pub source_at: usize,
-    pub target: &'a D::Buffer<P>,
-    pub target_at: usize,
-    pub uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    pub times: &'a mut StepTimes,
-}
-
-/// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
-/// by chunk on the d2h stream (up to [`STAGING_BUFFERS`] chunks ahead), the CPU steps each chunk
-/// as soon as its copy's token has been waited on, writing the new weights as `P` into an
-/// outgoing buffer, and that buffer's upload on the h2d stream starts at once, overlapping the
-/// next chunks. The caller orders the d2h stream after the gradients' writers and the h2d stream
-/// after the target's readers; the uploads are not waited for (each outgoing buffer remembers its
-/// copy, and its next write waits for it).
-pub(crate) fn stream_chunks<D: Device, P: Float>(
-    device: &D,
-    step: &AdamWStep,
-    optimizer: &mut HostOptimizer<P>,
-    staging: &mut [HostBuffer<P>],
-    outgoing: &mut [HostBuffer<P>],
-    io: Chunks<'_, D, P>,
-    len: usize,
-) -> Result<(), EngineError> {
-    let times = io.times;
-    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
-    let chunk = staging.first().map_or(1, |b| b.len()).max(1);
-    let chunks = len.div_ceil(chunk);
-    let piece = |c: usize| c * chunk..((c + 1) * chunk).min(len);
-    let mut free: [Option<&mut HostBuffer<P>>; STAGING_BUFFERS] = {
-        let mut buffers = staging.iter_mut();
-        std::array::from_fn(|_| buffers.next())
-    };
-    let mut in_flight: [Option<Filling<'_, P>>; STAGING_BUFFERS] = Default::default();
-    let mut issued = 0;
-    for c in 0..chunks {
-        // Keep the d2h stream busy: every free staging buffer receives the next chunk.
-        while issued < chunks {
-            let Some(buffer) = free.iter_mut().find_map(Option::take) else { break };
-            let range = piece(issued);
-            let from = io.source_at + range.start..io.source_at + range.end;
-            let filling = device.copy_d2h(d2h, io.source, from, buffer, 0)?;
-            in_flight[issued % STAGING_BUFFERS] = Some(filling);
-            issued += 1;
-        }
-        let range = piece(c);
-        let filling = in_flight[c % STAGING_BUFFERS].take().expect("issued above");
-        let waiting = Instant::now();
-        let staged = filling.wait()?;
-        times.chunk_wait += waiting.elapsed();
-        let grads = as_grads(&staged[..range.len()])
-            .ok_or(EngineError::Usage("the streaming step reads f32 or bf16 gradients"))?;
-        // Waits for the upload that last read this buffer (its token was let go below).
-        let waiting = Instant::now();
-        let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
-        let stepping = Instant::now();
-        times.upload_wait += stepping - waiting;
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam, .. } = optimizer;
-        let state = AdamState { params: master, exp_avg, exp_avg_sq };
-        match as_bf16_mut(out) {
-            Some(out) => {
-                adam.step_range(step, state, range.clone(), grads, Output::AlsoBf16(out))?
-            }
-            None => {
-                adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
-                convert_into(adam, out, &master[range.clone()]);
-            }
-        }
-        times.adam += stepping.elapsed();
-        let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
-        let target = io.target_at + range.start;
-        let draining = device.copy_h2d(h2d, outgoing_buffer, 0..range.len(), io.target, target)?;
-        // Not waited on here: the buffer remembers the copy, and its next write (two chunks on,
-        // or the next step) waits for it. That is what lets the upload overlap the CPU.
-        std::mem::forget(draining);
-        (io.uploaded)(range)?;
-        *free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") = Some(staged);
-    }
-    Ok(())
-}
-
-/// Where the CPU optimizer is.
+/// The host side of the accumulating paths (ZeRO-Offload's exact and delayed step, and
+/// ZenFlow's CPU step): the gradient accumulator, the staging that fills it during backward, and
+/// the CPU optimizer.
 #[derive(Debug)]
-pub(crate) enum OptimizerSlot<P: Float> {
-    /// Here, its weights uploaded (or about to be, in the same step).
-    Ready(Box<HostOptimizer<P>>),
-    /// On a worker thread, stepping with the accumulator it took (delayed update).
-    Stepping(DelayedStep<P>),
-    /// Lost to a failed or panicked delayed step.
-    Lost,
-}
-
-/// Everything the offload path keeps in host memory for this rank's partition.
-#[derive(Debug)]
-pub(crate) struct HostState<P: Float> {
-    pub optimizer: OptimizerSlot<P>,
+pub(crate) struct HostAccumulator<P: Float> {
     /// The rank's gradient partition, summed over ranks and micro-steps (in the loss-scaled
-    /// model's units). `None` when the step streams: with one micro-step per step and no delayed
-    /// update, the gradients stay on the device until the step copies them out chunk by chunk.
-    pub grad_acc: Option<HostBuffer<f32>>,
-    /// With the delayed update: the accumulator a running step does not hold, swapped in at each
-    /// step.
-    pub spare_acc: Option<HostBuffer<f32>>,
-    /// Device-to-host staging of one bucket piece (or step chunk) each.
+    /// model's units).
+    pub acc: HostBuffer<f32>,
+    /// Device-to-host staging of one bucket piece each.
     pub staging: Vec<HostBuffer<P>>,
-    /// Streaming step: updated weights on their way back to the device, one chunk each.
-    pub outgoing: Vec<HostBuffer<P>>,
-    /// With the delayed update: the optimizer holds weights newer than the device's, to be
-    /// uploaded at the next step (set when a delayed step was joined for a snapshot, or restored).
+    pub cpu: CpuStep<P>,
+    /// The optimizer holds weights newer than the device's, to be uploaded at the next step
+    /// (set when a delayed step was joined for a snapshot, or restored).
     pub upload_pending: bool,
 }
 
-impl<P: Float> HostState<P> {
-    /// The host side of a partition starting at `master`. `streaming`: the step copies the
-    /// gradients out of the device and the weights back chunk by chunk, with no accumulator and
-    /// no whole-partition upload buffer (about 12 bytes per parameter in all). Each staging (and
-    /// outgoing) buffer holds at most `stream_chunk` elements (at least one).
-    ///
-    /// `fill_master` writes the initial fp32 master weights; it is called (and dropped, with
-    /// whatever it owns) before the moments are allocated, so that the host never holds the
-    /// initial weights and the whole optimizer state at once.
+/// Where the accumulating paths' CPU step runs.
+#[derive(Debug)]
+pub(crate) enum CpuStep<P: Float> {
+    /// On the training thread, inside `step`.
+    Inline(Box<WholeStep<P>>),
+    /// After `warmup` inline steps, on a worker thread while the next window computes (the
+    /// delayed update; ZenFlow's `overlap_step`, whose `warmup` is 0).
+    Delayed { warmup: u64, worker: Worker<Swapped<P>> },
+}
+
+/// What a delayed step takes to its worker: the optimizer, and the accumulator it steps with
+/// (swapped with the engine's at its start, so the next window fills the other one).
+#[derive(Debug)]
+pub(crate) struct Swapped<P: Float> {
+    pub whole: WholeStep<P>,
+    pub stepped: HostBuffer<f32>,
+}
+
+impl<P: Float> HostAccumulator<P> {
+    /// The host side of a partition of `partition` elements with buckets of `bucket` elements,
+    /// delayed after `warmup` steps where `delayed` says so.
     #[allow(clippy::too_many_arguments, reason = "the options of the host side, once")]
     pub(crate) fn new<D: Device>(
         device: &D,
@@ -279,141 +250,166 @@ impl<P: Float> HostState<P> {
         stream_chunk: usize,
         memory: HostMemory,
         adam: CpuAdam,
-        delayed: bool,
-        streaming: bool,
+        delayed: Option<u64>,
     ) -> Result<Self, EngineError> {
         let mut master = device.alloc_host::<f32>(partition, memory)?;
         fill_master(&mut master);
-        let staging_len = if streaming { partition } else { bucket.min(partition) };
-        let staging_len = staging_len.min(stream_chunk).max(1);
-        let staging = (0..STAGING_BUFFERS)
-            .map(|_| device.alloc_host::<P>(staging_len, memory))
-            .collect::<Result<_, _>>()?;
-        let outgoing = if streaming {
-            (0..OUTGOING_BUFFERS)
-                .map(|_| device.alloc_host::<P>(staging_len, memory))
-                .collect::<Result<_, _>>()?
-        } else {
-            Vec::new()
-        };
-        let optimizer = HostOptimizer {
+        let staging_len = bucket.min(partition);
+        let staging = alloc_staging(device, staging_len, stream_chunk, memory, STAGING_BUFFERS)?;
+        let state = HostOptimizer {
             master,
             exp_avg: device.alloc_host(partition, memory)?,
             exp_avg_sq: device.alloc_host(partition, memory)?,
-            upload: if streaming { None } else { Some(device.alloc_host(partition, memory)?) },
             adam,
         };
-        let spare_acc =
-            if delayed && !streaming { Some(device.alloc_host(partition, memory)?) } else { None };
-        let grad_acc = if streaming { None } else { Some(device.alloc_host(partition, memory)?) };
-        Ok(HostState {
-            optimizer: OptimizerSlot::Ready(Box::new(optimizer)),
-            grad_acc,
-            spare_acc,
-            staging,
-            outgoing,
-            upload_pending: false,
-        })
+        let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
+        let cpu = match delayed {
+            None => CpuStep::Inline(Box::new(whole)),
+            Some(warmup) => {
+                let stepped = device.alloc_host(partition, memory)?;
+                CpuStep::Delayed {
+                    warmup,
+                    worker: Worker::Ready(Box::new(Swapped { whole, stepped })),
+                }
+            }
+        };
+        let acc = device.alloc_host(partition, memory)?;
+        Ok(HostAccumulator { acc, staging, cpu, upload_pending: false })
     }
 
-    /// True if the step streams (see [`HostState::new`]).
-    pub(crate) fn streaming(&self) -> bool {
-        self.grad_acc.is_none()
-    }
-
-    /// Zeroes the accumulator (on the optimizer's threads), if there is one.
+    /// Zeroes the accumulator (on the optimizer's threads where they are here).
     pub(crate) fn clear_accumulator(&mut self) {
-        if let (Some(acc), OptimizerSlot::Ready(optimizer)) = (&mut self.grad_acc, &self.optimizer)
-        {
-            optimizer.adam.for_each_chunk_mut(acc, |_, chunk| chunk.fill(0.0));
-        } else if let Some(acc) = &mut self.grad_acc {
-            acc.fill(0.0);
+        let adam = match &self.cpu {
+            CpuStep::Inline(whole) => Some(&whole.state.adam),
+            CpuStep::Delayed { worker: Worker::Ready(swapped), .. } => {
+                Some(&swapped.whole.state.adam)
+            }
+            CpuStep::Delayed { .. } => None,
+        };
+        match adam {
+            Some(adam) => adam.for_each_chunk_mut(&mut self.acc, |_, chunk| chunk.fill(0.0)),
+            None => self.acc.fill(0.0),
         }
     }
 
     /// True if the optimizer's weights have not reached the device yet.
     pub(crate) fn weights_ahead(&self) -> bool {
-        self.upload_pending || matches!(self.optimizer, OptimizerSlot::Stepping(_))
+        self.upload_pending
+            || matches!(&self.cpu, CpuStep::Delayed { worker, .. } if worker.is_stepping())
     }
 
-    /// Waits for a delayed step, if one runs, and takes the optimizer back; its accumulator
-    /// becomes the spare, and its weights are pending upload.
-    pub(crate) fn join(&mut self) -> Result<&mut HostOptimizer<P>, EngineError> {
-        if let OptimizerSlot::Stepping(_) = self.optimizer {
-            self.upload_pending = true;
-            let OptimizerSlot::Stepping(handle) =
-                std::mem::replace(&mut self.optimizer, OptimizerSlot::Lost)
-            else {
-                unreachable!("matched above")
-            };
-            let (optimizer, carried) = handle
-                .join()
-                .map_err(|_| EngineError::Usage("the delayed optimizer step panicked"))??;
-            match carried {
-                Carried::Accumulator(acc) => self.spare_acc = Some(acc),
-                Carried::Buffers { staging, outgoing } => {
-                    self.staging = staging;
-                    self.outgoing = outgoing;
-                }
-            }
-            self.optimizer = OptimizerSlot::Ready(optimizer);
-        }
-        match &mut self.optimizer {
-            OptimizerSlot::Ready(optimizer) => Ok(optimizer),
-            OptimizerSlot::Stepping(_) => unreachable!("joined above"),
-            OptimizerSlot::Lost => {
-                Err(EngineError::Usage("the CPU optimizer was lost to an earlier failure"))
-            }
-        }
+    /// Waits for a delayed step, if one runs, and gives the optimizer back; the weights of a
+    /// step joined here are pending upload.
+    pub(crate) fn join(&mut self) -> Result<&mut WholeStep<P>, EngineError> {
+        join_cpu(&mut self.cpu, &mut self.upload_pending)
     }
 
     /// One step now, on this thread (waiting for a delayed step first).
     pub(crate) fn step_now(&mut self, step: &AdamWStep) -> Result<(), EngineError> {
-        self.join()?;
-        let OptimizerSlot::Ready(optimizer) = &mut self.optimizer else {
-            unreachable!("joined above")
-        };
-        let acc = self.grad_acc.as_ref().ok_or(EngineError::Usage("step_now while streaming"))?;
-        optimizer.step(step, acc)
+        let HostAccumulator { acc, cpu, upload_pending, .. } = self;
+        join_cpu(cpu, upload_pending)?.step(step, acc)
     }
 
-    /// Starts a delayed step of the (joined) optimizer on a worker thread, handing it the full
-    /// accumulator and swapping in the spare for the next window.
-    pub(crate) fn start_delayed(&mut self, step: AdamWStep) -> Result<(), EngineError> {
-        self.start_delayed_then(step, |_| Ok(()))
+    /// The optimizer's weights for the device (waiting for a delayed step first), no longer
+    /// pending once the caller has queued their upload.
+    pub(crate) fn upload(&mut self) -> Result<&HostBuffer<P>, EngineError> {
+        let HostAccumulator { cpu, upload_pending, .. } = self;
+        let whole = join_cpu(cpu, upload_pending)?;
+        *upload_pending = false;
+        Ok(&whole.upload)
     }
 
-    /// [`HostState::start_delayed`], with `then` run on the worker after the step (ZenFlow
-    /// uploads the new weights from there).
-    pub(crate) fn start_delayed_then(
+    /// Starts a delayed step of the (joined) optimizer on its worker, handing it the full
+    /// accumulator and putting the one it stepped with last in its place for the next window;
+    /// `then` runs on the worker after the step (ZenFlow uploads the new weights from there).
+    pub(crate) fn start_delayed(
         &mut self,
         step: AdamWStep,
-        then: impl FnOnce(&HostOptimizer<P>) -> Result<(), EngineError> + Send + 'static,
+        then: impl FnOnce(&WholeStep<P>) -> Result<(), EngineError> + Send + 'static,
     ) -> Result<(), EngineError> {
-        let OptimizerSlot::Ready(mut optimizer) =
-            std::mem::replace(&mut self.optimizer, OptimizerSlot::Lost)
-        else {
-            return Err(EngineError::Usage("a delayed step started while another runs"));
+        let CpuStep::Delayed { worker, .. } = &mut self.cpu else {
+            return Err(EngineError::Internal("a delayed step on the inline path"));
         };
-        let spare = self
-            .spare_acc
-            .take()
-            .ok_or(EngineError::Usage("the delayed update needs a spare accumulator"))?;
-        let current = self
-            .grad_acc
-            .as_mut()
-            .ok_or(EngineError::Usage("the delayed update needs an accumulator"))?;
-        let acc = std::mem::replace(current, spare);
-        let handle = std::thread::Builder::new()
-            .name("zeroflow-delayed-step".into())
-            .spawn(move || {
-                optimizer.step(&step, &acc)?;
-                then(&optimizer)?;
-                Ok((optimizer, Carried::Accumulator(acc)))
-            })
-            .map_err(|_| EngineError::Usage("could not start the delayed optimizer thread"))?;
-        self.optimizer = OptimizerSlot::Stepping(handle);
+        if let Worker::Ready(swapped) = worker {
+            std::mem::swap(&mut self.acc, &mut swapped.stepped);
+        }
+        worker.start(move |swapped| {
+            swapped.whole.step(&step, &swapped.stepped)?;
+            then(&swapped.whole)
+        })
+    }
+
+    /// This rank's optimizer state, copied (waiting for a delayed step first).
+    pub(crate) fn state(&mut self) -> Result<[Vec<f32>; 3], EngineError> {
+        let state = &self.join()?.state;
+        Ok([state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()])
+    }
+
+    /// Takes a checkpoint's state, with an empty accumulator and the upload buffer refreshed.
+    pub(crate) fn restore(
+        &mut self,
+        [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3],
+        upload_pending: bool,
+    ) -> Result<(), EngineError> {
+        let whole = self.join()?;
+        whole.state.master.copy_from_slice(master);
+        whole.state.exp_avg.copy_from_slice(exp_avg);
+        whole.state.exp_avg_sq.copy_from_slice(exp_avg_sq);
+        whole.refresh_upload();
+        self.clear_accumulator();
+        self.upload_pending = upload_pending;
         Ok(())
+    }
+}
+
+/// See [`HostAccumulator::join`].
+fn join_cpu<'c, P: Float>(
+    cpu: &'c mut CpuStep<P>,
+    upload_pending: &mut bool,
+) -> Result<&'c mut WholeStep<P>, EngineError> {
+    match cpu {
+        CpuStep::Inline(whole) => Ok(whole),
+        CpuStep::Delayed { worker, .. } => {
+            let (swapped, joined) = worker.join()?;
+            *upload_pending |= joined;
+            Ok(&mut swapped.whole)
+        }
+    }
+}
+
+/// The streaming paths' CPU optimizer and the host buffers the step streams through: no
+/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all).
+#[derive(Debug)]
+pub(crate) struct StreamBuffers<P: Float> {
+    pub state: HostOptimizer,
+    /// Device-to-host staging of one step chunk each.
+    pub staging: Vec<HostBuffer<P>>,
+    /// Updated weights on their way back to the device, one chunk each.
+    pub outgoing: Vec<HostBuffer<P>>,
+}
+
+impl<P: Float> StreamBuffers<P> {
+    /// The host side of a streamed partition of `partition` elements, in chunks of at most
+    /// `stream_chunk` elements (at least one).
+    pub(crate) fn new<D: Device>(
+        device: &D,
+        partition: usize,
+        fill_master: impl FnOnce(&mut [f32]),
+        stream_chunk: usize,
+        memory: HostMemory,
+        adam: CpuAdam,
+    ) -> Result<Self, EngineError> {
+        let mut master = device.alloc_host::<f32>(partition, memory)?;
+        fill_master(&mut master);
+        let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
+        let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
+        let state = HostOptimizer {
+            master,
+            exp_avg: device.alloc_host(partition, memory)?,
+            exp_avg_sq: device.alloc_host(partition, memory)?,
+            adam,
+        };
+        Ok(StreamBuffers { state, staging, outgoing })
     }
 }
 
@@ -497,20 +493,27 @@ mod tests {
     fn buffer_lens(streaming: bool, stream_chunk: usize) -> (Vec<usize>, Vec<usize>) {
         let device = CpuDevice::new().unwrap();
         let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
-        let host = HostState::<f32>::new(
-            &device,
-            60,
-            |master| master.fill(0.0),
-            23,
-            stream_chunk,
-            HostMemory::Pinned,
-            adam,
-            false,
-            streaming,
-        )
-        .unwrap();
+        let fill = |master: &mut [f32]| master.fill(0.0);
         let lens = |buffers: &[HostBuffer<f32>]| buffers.iter().map(|b| b.len()).collect();
-        (lens(&host.staging), lens(&host.outgoing))
+        let memory = HostMemory::Pinned;
+        if streaming {
+            let host =
+                StreamBuffers::<f32>::new(&device, 60, fill, stream_chunk, memory, adam).unwrap();
+            (lens(&host.staging), lens(&host.outgoing))
+        } else {
+            let host = HostAccumulator::<f32>::new(
+                &device,
+                60,
+                fill,
+                23,
+                stream_chunk,
+                memory,
+                adam,
+                None,
+            )
+            .unwrap();
+            (lens(&host.staging), vec![])
+        }
     }
 
     /// A staging buffer holds one chunk of the stream (or one bucket, or the whole partition,

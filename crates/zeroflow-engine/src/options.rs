@@ -1,31 +1,192 @@
-//! Engine options from a resolved DeepSpeed config.
+//! How the engine runs ([`EngineOptions`]), and the options a resolved DeepSpeed config asks for.
+//!
+//! The options say in their types which update path the engine takes (DESIGN.md §5): the
+//! optimizer on the device, or offloaded to the CPU with the exact step, the delayed update or
+//! ZenFlow; combinations no path runs (a delayed update without offload, ZenFlow with the
+//! delayed update) cannot be written down.
 
 use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
 use zeroflow_device::HostMemory;
-use zeroflow_optim::{AdamWConfig, WeightDecayMode};
+use zeroflow_optim::{AdamWConfig, Stores, WeightDecayMode};
 
-use crate::{
-    DEFAULT_STREAM_CHUNK, DynamicScaler, EngineOptions, LossScaler, Stage, ZenFlowOptions,
-};
+use crate::{DEFAULT_STREAM_CHUNK, DynamicScaler, EngineError, LossScaler, ZenFlowOptions};
+
+/// Which ZeRO stage partitions what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Plain data parallelism: gradients are all-reduced, every rank holds all optimizer state.
+    Zero0,
+    /// Optimizer state partitioned; gradients reduced once per optimizer step.
+    Zero1,
+    /// Optimizer state and gradients partitioned; gradients reduced every micro-step.
+    Zero2,
+}
+
+/// How the engine runs.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub stage: Stage,
+    /// Micro-steps per optimizer step (at least 1; ZenFlow: exactly 1).
+    pub grad_accum: u64,
+    /// Clip the global gradient norm to this value.
+    pub clip: Option<f64>,
+    /// Elements per reduction bucket.
+    pub reduce_bucket: usize,
+    pub adamw: AdamWConfig,
+    pub scaler: LossScaler,
+    /// Where the fp32 optimizer state lives and how it is stepped.
+    pub placement: Placement,
+}
+
+/// Where the fp32 optimizer state lives.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placement {
+    /// In device memory, stepped by the device's AdamW.
+    Device,
+    /// In host memory, stepped on the CPU (ZeRO-Offload).
+    Offload(Offload),
+}
+
+/// CPU optimizer offload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Offload {
+    /// Pinned or pageable host memory for the optimizer state and the staging buffers.
+    pub memory: HostMemory,
+    /// Threads of the CPU optimizer.
+    pub cpu_threads: usize,
+    /// How the CPU step relates to the device's next forward and backward.
+    pub update: OffloadUpdate,
+    /// The tuning of the stream of gradients out and weights back.
+    pub stream: StreamOptions,
+}
+
+/// How the offloaded optimizer step is taken.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OffloadUpdate {
+    /// Every step's weights are on the device before the next forward.
+    Exact,
+    /// The ZeRO-Offload paper's delayed parameter update: after `warmup` exact steps, the CPU
+    /// step of step t runs while step t + 1 computes with the weights of t − 1.
+    Delayed { warmup: u64 },
+    /// ZenFlow's split update (see [`ZenFlowOptions`]; its `overlap_step` is its delayed update).
+    ZenFlow(ZenFlowOptions),
+}
+
+/// The offload stream's tuning. Any values give bit-identical results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamOptions {
+    /// The most elements of the model's dtype that one host staging buffer holds, and so the
+    /// chunk of the streaming step (gradients out, weights back) and the largest piece a
+    /// bucket's gradients are copied to the host in (default [`DEFAULT_STREAM_CHUNK`]). Host
+    /// staging is 4 such buffers, and the streaming step's outgoing weights 2 more. It trades
+    /// per-copy overhead against the chance that a chunk is still in the CPU's caches when it is
+    /// next read. At least 1 ([`crate::Engine::new`] refuses 0).
+    pub chunk: usize,
+    /// How the CPU AdamW writes the copy of the updated weights in the model's dtype that goes
+    /// back to the device, where that copy is bf16: [`Stores::Normal`] leaves it in the caches,
+    /// where the device's read finds it, [`Stores::NonTemporal`] sends it straight to memory
+    /// without reading the lines first. `None` (the default) picks per path: normal where the
+    /// step streams (each chunk is uploaded as soon as it is written), non-temporal where the
+    /// whole partition's copy is written before its upload.
+    pub copy_stores: Option<Stores>,
+    /// With several ranks, the streaming step: gather each uploaded piece of the partition while
+    /// the CPU steps the next (the default: gpt-1.3b on two H200s, 0.366 s per step against
+    /// 0.384 s, BENCHMARKS.md), or all of it after the step.
+    pub gather_in_pieces: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions { chunk: DEFAULT_STREAM_CHUNK, copy_stores: None, gather_in_pieces: true }
+    }
+}
+
+impl Offload {
+    /// Offload with the exact step, `cpu_threads` threads and the default stream tuning.
+    pub fn exact(memory: HostMemory, cpu_threads: usize) -> Self {
+        Offload {
+            memory,
+            cpu_threads,
+            update: OffloadUpdate::Exact,
+            stream: StreamOptions::default(),
+        }
+    }
+}
+
+impl EngineOptions {
+    /// The offload settings, if the optimizer is offloaded.
+    pub fn offload(&self) -> Option<&Offload> {
+        match &self.placement {
+            Placement::Offload(offload) => Some(offload),
+            Placement::Device => None,
+        }
+    }
+
+    /// The offload settings to change, if the optimizer is offloaded.
+    pub fn offload_mut(&mut self) -> Option<&mut Offload> {
+        match &mut self.placement {
+            Placement::Offload(offload) => Some(offload),
+            Placement::Device => None,
+        }
+    }
+
+    /// ZenFlow's settings, if the engine runs ZenFlow.
+    pub fn zenflow(&self) -> Option<&ZenFlowOptions> {
+        match self.offload().map(|o| &o.update) {
+            Some(OffloadUpdate::ZenFlow(zenflow)) => Some(zenflow),
+            _ => None,
+        }
+    }
+
+    /// What the types do not rule out: counts of zero, and what ZenFlow needs from the rest.
+    pub(crate) fn check(&self) -> Result<(), EngineError> {
+        if self.grad_accum == 0 {
+            return Err(EngineError::Config("gradient accumulation steps must be at least 1"));
+        }
+        if self.offload().is_some_and(|o| o.stream.chunk == 0) {
+            return Err(EngineError::Config(
+                "the offload stream's chunk must be at least 1 element",
+            ));
+        }
+        if self.zenflow().is_none() {
+            return Ok(());
+        }
+        if self.grad_accum != 1 {
+            return Err(EngineError::Config(
+                "ZenFlow needs gradient_accumulation_steps 1: every step is one ZenFlow iteration, \
+                 and update_interval is its accumulation window (DeepSpeed sets \
+                 gradient_accumulation_steps to update_interval instead)",
+            ));
+        }
+        if matches!(self.scaler, LossScaler::Dynamic(_)) {
+            return Err(EngineError::Config(
+                "ZenFlow does not support dynamic loss scaling (a window's gradient sum would mix \
+                 scales); use bf16, fp32 or a static loss scale",
+            ));
+        }
+        Ok(())
+    }
+}
 
 impl EngineOptions {
     /// The options a resolved config asks for; `cpu_threads` is this rank's share of the host's
     /// cores for the CPU optimizer. The offload stream's tuning, which a DeepSpeed config does not
-    /// have, takes its defaults: [`DEFAULT_STREAM_CHUNK`] and the stores the engine picks per path.
+    /// have, takes its defaults ([`StreamOptions::default`]).
     ///
     /// Non-finite gradients always skip the step, also in bf16 with `check_grad_overflow: false`
     /// (DeepSpeed would apply the NaNs to the weights).
     ///
-    /// ZenFlow's settings are passed on as they are; [`crate::Engine::new`] refuses what it cannot
-    /// run (gradient accumulation, the delayed update, a dynamic loss scale) with an error that
-    /// says what to change. DeepSpeed makes `update_interval` its accumulation boundary and steps
-    /// the selected columns every micro-step; here one engine step (with
-    /// `gradient_accumulation_steps: 1`) is one ZenFlow iteration. With `overlap_step`, the CPU
-    /// step runs on the cores `pt_reserved_cores_perc` does not reserve for the training thread
-    /// (at least one); ZenFlow's own `offload` (the selected columns' moments in host memory) is
-    /// not supported: they stay on the device (`topk_ratio` × 8 bytes per parameter), with a
-    /// warning.
-    pub fn from_config(config: &Config, cpu_threads: usize) -> Self {
+    /// The delayed update needs optimizer offload and excludes ZenFlow: a config asking for
+    /// either is refused here. ZenFlow's other settings are passed on as they are;
+    /// [`crate::Engine::new`] refuses what it cannot run (gradient accumulation, a dynamic loss
+    /// scale) with an error that says what to change. DeepSpeed makes `update_interval` its
+    /// accumulation boundary and steps the selected columns every micro-step; here one engine
+    /// step (with `gradient_accumulation_steps: 1`) is one ZenFlow iteration. With
+    /// `overlap_step`, the CPU step runs on the cores `pt_reserved_cores_perc` does not reserve
+    /// for the training thread (at least one); ZenFlow's own `offload` (the selected columns'
+    /// moments in host memory) is not supported: they stay on the device (`topk_ratio` × 8 bytes
+    /// per parameter), with a warning.
+    pub fn from_config(config: &Config, cpu_threads: usize) -> Result<Self, EngineError> {
         let cpu_threads = match &config.zero.zenflow {
             Some(z) if z.overlap_step => {
                 let reserved = (cpu_threads as f64 * z.pt_reserved_cores_perc).round() as usize;
@@ -63,14 +224,10 @@ impl EngineOptions {
             zeroflow_core::config::WeightDecayMode::Decoupled => WeightDecayMode::Decoupled,
             zeroflow_core::config::WeightDecayMode::L2 => WeightDecayMode::L2,
         };
-        EngineOptions {
+        Ok(EngineOptions {
             stage,
             grad_accum: config.batch.gradient_accumulation_steps,
             clip: (config.gradient_clipping > 0.0).then_some(config.gradient_clipping),
-            offload: config
-                .zero
-                .offload_optimizer
-                .map(|o| if o.pin_memory { HostMemory::Pinned } else { HostMemory::Pageable }),
             reduce_bucket: usize::try_from(config.zero.reduce_bucket_size).unwrap_or(usize::MAX),
             adamw: AdamWConfig {
                 lr: opt.lr,
@@ -81,25 +238,46 @@ impl EngineOptions {
                 bias_correction: opt.bias_correction,
             },
             scaler,
-            cpu_threads,
-            delayed_update: config
-                .zeroflow
-                .delayed_update
-                .enabled
-                .then_some(config.zeroflow.delayed_update.warmup_steps),
-            zenflow: config.zero.zenflow.map(|z| ZenFlowOptions {
-                topk_ratio: z.topk_ratio,
-                selection: z.selection,
-                update_interval: z.update_interval,
-                auto_ratio: z.auto_ratio,
-                overlap_step: z.overlap_step,
-                full_warm_up_rounds: z.full_warm_up_rounds,
-            }),
-            stream_chunk: DEFAULT_STREAM_CHUNK,
-            copy_stores: None,
-            gather_in_pieces: true,
-        }
+            placement: placement(config, cpu_threads)?,
+        })
     }
+}
+
+/// Where a config puts the optimizer state, and how an offloaded one steps.
+fn placement(config: &Config, cpu_threads: usize) -> Result<Placement, EngineError> {
+    let delayed = &config.zeroflow.delayed_update;
+    let Some(offload) = config.zero.offload_optimizer else {
+        if delayed.enabled {
+            return Err(EngineError::Config("the delayed update needs CPU optimizer offload"));
+        }
+        // (The config's own checks refuse ZenFlow without offload.)
+        return Ok(Placement::Device);
+    };
+    let update = match (config.zero.zenflow, delayed.enabled) {
+        (Some(_), true) => {
+            return Err(EngineError::Config(
+                "ZenFlow and the delayed update exclude each other; ZenFlow's overlap_step is its \
+                 delayed update",
+            ));
+        }
+        (Some(z), false) => OffloadUpdate::ZenFlow(ZenFlowOptions {
+            topk_ratio: z.topk_ratio,
+            selection: z.selection,
+            update_interval: z.update_interval,
+            auto_ratio: z.auto_ratio,
+            overlap_step: z.overlap_step,
+            full_warm_up_rounds: z.full_warm_up_rounds,
+        }),
+        (None, true) => OffloadUpdate::Delayed { warmup: delayed.warmup_steps },
+        (None, false) => OffloadUpdate::Exact,
+    };
+    let memory = if offload.pin_memory { HostMemory::Pinned } else { HostMemory::Pageable };
+    Ok(Placement::Offload(Offload {
+        memory,
+        cpu_threads,
+        update,
+        stream: StreamOptions::default(),
+    }))
 }
 
 #[cfg(test)]
@@ -117,10 +295,11 @@ mod tests {
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
         }"#;
         let resolved = resolve_str(text, &Context::default()).expect("a valid config");
-        let options = EngineOptions::from_config(&resolved.config, 1);
-        assert_eq!(options.stream_chunk, 1 << 23);
-        assert_eq!(options.copy_stores, None);
-        assert!(options.gather_in_pieces);
+        let options = EngineOptions::from_config(&resolved.config, 1).expect("valid options");
+        let stream = options.offload().expect("offload").stream;
+        assert_eq!(stream.chunk, 1 << 23);
+        assert_eq!(stream.copy_stores, None);
+        assert!(stream.gather_in_pieces);
     }
 
     /// A DeepSpeed config's `zero_optimization.zenflow` reaches the engine as it is written.
@@ -137,7 +316,7 @@ mod tests {
             }
         }"#;
         let resolved = resolve_str(text, &Context::default()).expect("a valid config");
-        let options = EngineOptions::from_config(&resolved.config, 1);
+        let options = EngineOptions::from_config(&resolved.config, 1).expect("valid options");
         let want = ZenFlowOptions {
             topk_ratio: 0.25,
             selection: Selection::Step { interval: 8 },
@@ -146,20 +325,51 @@ mod tests {
             overlap_step: true,
             full_warm_up_rounds: 3,
         };
-        assert_eq!(options.zenflow, Some(want));
+        assert_eq!(options.zenflow(), Some(&want));
         assert_eq!(want.intervals().expect("supported settings"), (8, 4));
         // overlap_step: DeepSpeed's default pt_reserved_cores_perc 0.5 leaves half the cores to
         // the CPU step, and always one.
-        assert_eq!(EngineOptions::from_config(&resolved.config, 16).cpu_threads, 8);
-        assert_eq!(options.cpu_threads, 1);
+        let threads = |config| {
+            let options = EngineOptions::from_config(config, 16).expect("valid options");
+            options.offload().expect("offload").cpu_threads
+        };
+        assert_eq!(threads(&resolved.config), 8);
+        assert_eq!(options.offload().expect("offload").cpu_threads, 1);
         let quarter = text.replace(
             r#""full_warm_up_rounds": 3"#,
             r#""full_warm_up_rounds": 3, "pt_reserved_cores_perc": 0.25"#,
         );
         let quarter = resolve_str(&quarter, &Context::default()).expect("a valid config");
-        assert_eq!(EngineOptions::from_config(&quarter.config, 16).cpu_threads, 12);
+        assert_eq!(threads(&quarter.config), 12);
         let without = text.replace(r#""zenflow""#, r#""zenflow_unused""#);
         let without = resolve_str(&without, &Context::default()).expect("unknown keys warn");
-        assert_eq!(EngineOptions::from_config(&without.config, 1).zenflow, None);
+        let without = EngineOptions::from_config(&without.config, 1).expect("valid options");
+        assert_eq!(without.zenflow(), None);
+    }
+
+    /// The delayed update needs offload and excludes ZenFlow: options that say otherwise cannot
+    /// be written, so a config asking for them is refused when it becomes options.
+    #[test]
+    fn a_config_with_a_delayed_update_the_engine_cannot_run_is_refused() {
+        let delayed = r#", "zeroflow": {"delayed_update": {"enabled": true, "warmup_steps": 2}}"#;
+        let refused = |zero: &str| {
+            let text =
+                format!(r#"{{"train_batch_size": 4, "zero_optimization": {zero}{delayed}}}"#);
+            let resolved = resolve_str(&text, &Context::default()).expect("a valid config");
+            match EngineOptions::from_config(&resolved.config, 1) {
+                Err(EngineError::Config(reason)) => reason,
+                other => panic!("{zero}: {other:?}"),
+            }
+        };
+        assert!(refused(r#"{"stage": 2}"#).contains("needs CPU optimizer offload"));
+        let zenflow = r#"{"stage": 2, "offload_optimizer": {"device": "cpu"},
+                          "zenflow": {"topk_ratio": 0.1}}"#;
+        assert!(refused(zenflow).contains("exclude each other"));
+        let offload = r#"{"stage": 2, "offload_optimizer": {"device": "cpu"}}"#;
+        let text = format!(r#"{{"train_batch_size": 4, "zero_optimization": {offload}{delayed}}}"#);
+        let resolved = resolve_str(&text, &Context::default()).expect("a valid config");
+        let options = EngineOptions::from_config(&resolved.config, 1).expect("offload delays");
+        let update = options.offload().expect("offload").update;
+        assert_eq!(update, OffloadUpdate::Delayed { warmup: 2 });
     }
 }

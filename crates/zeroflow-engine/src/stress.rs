@@ -18,7 +18,9 @@ use zeroflow_device::{Chaos, Comm, CpuDevice, CudaDevice, HostMemory};
 use crate::synthetic::{
     Reference, adamw_config, forward_backward, forward_backward_cuda, initial, layout,
 };
-use crate::{DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Stage};
+use crate::{
+    DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Offload, Placement, Stage,
+};
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -146,16 +148,10 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         stage: Stage::Zero2,
         grad_accum: opts.accum,
         clip: Some(1.0),
-        offload: Some(HostMemory::Pinned),
         reduce_bucket: 23,
         adamw: adamw_config(),
         scaler: LossScaler::None,
-        cpu_threads: 1,
-        delayed_update: None,
-        zenflow: None,
-        stream_chunk: crate::DEFAULT_STREAM_CHUNK,
-        copy_stores: None,
-        gather_in_pieces: true,
+        placement: Placement::Offload(Offload::exact(HostMemory::Pinned, 1)),
     };
     let init = initial::<f32>(&layout);
     let mut engine: Engine<D, C, f32> =

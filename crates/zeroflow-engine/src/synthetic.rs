@@ -108,7 +108,7 @@ pub fn forward_backward_cuda<P: Float>(
         DType::F32 => "synthetic_backward_f32",
         DType::Bf16 => "synthetic_backward_bf16",
         DType::F16 => "synthetic_backward_f16",
-        _ => return Err(EngineError::Usage("the synthetic model computes in f32, bf16 or f16")),
+        _ => return Err(EngineError::Misuse("the synthetic model computes in f32, bf16 or f16")),
     };
     let module = device.load_module("synthetic", include_str!("../kernels/synthetic.cu"))?;
     let function = module.function(kernel)?;

@@ -65,10 +65,10 @@ impl ZenFlowOptions {
     /// Zen-auto: its windows end by [`AutoWindow`]), or why the engine cannot run these settings.
     pub fn intervals(&self) -> Result<(u64, u64), EngineError> {
         if !(0.0..=1.0).contains(&self.topk_ratio) {
-            return Err(EngineError::Usage("ZenFlow's topk_ratio must lie in [0, 1]"));
+            return Err(EngineError::Config("ZenFlow's topk_ratio must lie in [0, 1]"));
         }
         if !(0.0..=1.0).contains(&self.auto_ratio) {
-            return Err(EngineError::Usage("ZenFlow's auto_ratio must lie in [0, 1]"));
+            return Err(EngineError::Config("ZenFlow's auto_ratio must lie in [0, 1]"));
         }
         let update = match self.update_interval {
             UpdateInterval::Every(update) => update,
@@ -80,10 +80,10 @@ impl ZenFlowOptions {
             Selection::Auto | Selection::Epoch { .. } => NEVER,
         };
         if update == 0 || select == 0 || self.select_epochs() == Some(0) {
-            return Err(EngineError::Usage("ZenFlow's intervals must be at least 1"));
+            return Err(EngineError::Config("ZenFlow's intervals must be at least 1"));
         }
         if select != NEVER && update != NEVER && select < update {
-            return Err(EngineError::Usage(
+            return Err(EngineError::Config(
                 "ZenFlow's select_interval must be at least its update_interval",
             ));
         }
@@ -159,7 +159,6 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     pub select_interval: u64,
     pub update_interval: u64,
     pub full_warm_up_rounds: u64,
-    pub overlap: bool,
     /// False with `topk_ratio: 0`: nothing is ever selected.
     pub selects: bool,
     pub matrices: Vec<MatrixParam>,
@@ -185,7 +184,7 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     /// `f32` on the device. Copied into the host accumulator when the window ends, then cleared.
     pub window: D::Buffer<f32>,
     /// Compute → d2h (and comm): the window holds this step's gradients.
-    pub window_ready: Option<D::Event>,
+    pub window_ready: D::Event,
     /// D2h → compute: the last window has been copied out and cleared.
     pub window_copied: Option<D::Event>,
     /// With `overlap_step`: where the worker uploads the weights of its CPU step (this rank's
@@ -236,7 +235,6 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             select_interval,
             update_interval,
             full_warm_up_rounds: options.full_warm_up_rounds,
-            overlap: options.overlap_step,
             selects: options.topk_ratio > 0.0,
             selected: vec![Vec::new(); matrices.len()],
             matrices,
@@ -257,7 +255,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             importance_host: device
                 .alloc_host(columns.max(1), zeroflow_device::HostMemory::Pinned)?,
             window: device.alloc(owned.len().max(1))?,
-            window_ready: None,
+            window_ready: device.new_event()?,
             window_copied: None,
             aside: match options.overlap_step {
                 true => Some(std::sync::Arc::new(device.alloc(owned.len().max(1))?)),
@@ -354,14 +352,19 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
 
     /// Takes the selection of a checkpoint (saved by any number of ranks), or an error naming a
     /// column that cannot be selected.
-    pub fn restore_selection(&mut self, saved: &[(usize, Vec<u32>)]) -> Result<(), EngineError> {
+    pub fn restore_selection(
+        &mut self,
+        saved: &[(usize, Vec<u32>)],
+        rank: usize,
+    ) -> Result<(), EngineError> {
         for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
             selected.clear();
             if let Some((_, columns)) = saved.iter().find(|(param, _)| *param == m.param) {
                 if columns.len() > m.k || columns.iter().any(|&c| c as usize >= m.cols) {
-                    return Err(EngineError::Usage(
-                        "a checkpoint's ZenFlow selection does not fit this model and topk_ratio",
-                    ));
+                    return Err(EngineError::Restore {
+                        rank,
+                        reason: "its ZenFlow selection does not fit this model and topk_ratio",
+                    });
                 }
                 selected.clone_from(columns);
             }
@@ -572,12 +575,11 @@ impl AutoWindow {
     }
 
     /// Takes a checkpoint's state back, or an error if it is for another model.
-    pub(crate) fn restore(&mut self, state: &[f64]) -> Result<(), EngineError> {
+    pub(crate) fn restore(&mut self, state: &[f64], rank: usize) -> Result<(), EngineError> {
         let n = self.params.len();
         if state.len() != 2 * n {
-            return Err(EngineError::Usage(
-                "a checkpoint's Zen-auto state does not fit this model",
-            ));
+            let reason = "its Zen-auto state does not fit this model";
+            return Err(EngineError::Restore { rank, reason });
         }
         self.critic.copy_from_slice(&state[..n]);
         self.left.copy_from_slice(&state[n..]);
@@ -692,9 +694,9 @@ mod tests {
         let state = all.state();
         all.reset();
         assert!(!all.observe(&steps[0], 1));
-        all.restore(&state).expect("the same model");
+        all.restore(&state, 0).expect("the same model");
         assert_eq!(all.state(), state);
-        assert!(all.restore(&state[1..]).is_err());
+        assert!(all.restore(&state[1..], 0).is_err());
         // Every column of c selected: c is always ready, which is enough at threshold 1.
         let mut full = window(0.5);
         full.params[1].selected = vec![0, 1];

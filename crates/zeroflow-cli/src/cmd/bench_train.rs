@@ -202,11 +202,12 @@ fn bench<M: Model>(
     let resolved = config::resolve_str(&text, &context).context("the bench config")?;
     // The ranks of one host share its cores: those near its GPU where bound.
     let threads = affinity::optimizer_threads(binding.as_ref(), dist);
-    let mut options = EngineOptions::from_config(&resolved.config, threads);
+    let mut options =
+        EngineOptions::from_config(&resolved.config, threads).context("the bench config")?;
     stream_tuning::apply_env::<M::P>(&mut options, dist.rank)?;
     // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
     // thread: pt_reserved_cores_perc).
-    let threads = options.cpu_threads;
+    let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
     let layout = flat_layout(model, dist.world_size)?;
     let mut weights = vec![0.0f32; layout.padded_len()];
     init_params(model, &layout, 0, &mut weights)?;

@@ -16,7 +16,7 @@ use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
 use zeroflow_engine::{
     Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport, ZenFlowSnapshot,
 };
-use zeroflow_gpt::{GptError, flat_layout, hf_tensors, init_params};
+use zeroflow_gpt::{flat_layout, hf_tensors, init_params};
 
 use super::backend::{self, Model};
 use super::checkpoints::{self, Extra, LrPosition, RunInfo};
@@ -231,10 +231,18 @@ impl<M: Model> Trainer<M> {
         let device_description = device.describe();
         // The ranks of one host share its cores: those near its GPU where bound.
         let threads = affinity::optimizer_threads(setup.cpu_binding.as_ref(), &setup.dist);
-        let mut options = EngineOptions::from_config(config, threads);
+        // What the engine refuses at set-up is a combination the config asked for.
+        let config_error = |e| match e {
+            EngineError::Config(reason) => super::input(match &setup.config_file {
+                Some(file) => format!("config {}: {reason}", file.display()),
+                None => format!("the default config: {reason}"),
+            }),
+            other => other.into(),
+        };
+        let mut options = EngineOptions::from_config(config, threads).map_err(config_error)?;
         stream_tuning::apply_env::<M::P>(&mut options, setup.dist.rank)?;
         // The synthetic corpus is one endless stream (its entropy floor is known): no epochs end.
-        if options.zenflow.is_some_and(|z| z.select_epochs().is_some())
+        if options.zenflow().is_some_and(|z| z.select_epochs().is_some())
             && setup.data.floor.is_some()
         {
             tracing::warn!(
@@ -247,14 +255,7 @@ impl<M: Model> Trainer<M> {
             |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };
         let mut engine =
             Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))
-                .map_err(|e| match e {
-                    // What the engine refuses at set-up is a combination the config asked for.
-                    EngineError::Usage(reason) => super::input(match &setup.config_file {
-                        Some(file) => format!("config {}: {reason}", file.display()),
-                        None => format!("the default config: {reason}"),
-                    }),
-                    other => other.into(),
-                })?;
+                .map_err(config_error)?;
         let mut train_time = Duration::ZERO;
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
@@ -264,13 +265,9 @@ impl<M: Model> Trainer<M> {
                 micro_steps: meta.micro_steps,
                 upload_pending: meta.upload_pending,
                 scaler: &meta.scaler,
+                zenflow: &point.loaded.zenflow,
             };
-            let zenflow = &point.loaded.zenflow;
-            let restored = if zenflow.is_empty() {
-                engine.restore(&convert(&weights), &restore)
-            } else {
-                engine.restore_with_zenflow(&convert(&weights), &restore, zenflow)
-            };
+            let restored = engine.restore(&convert(&weights), &restore);
             restored.map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
         }
@@ -445,26 +442,17 @@ pub(crate) fn forward_backward<M: Model>(
     engine: &mut ModelEngine<M>,
     model: &mut M,
 ) -> anyhow::Result<()> {
-    let mut model_error: Option<GptError> = None;
-    let result = engine.backward(|io, grads_ready| {
+    engine.backward(|io, grads_ready| -> anyhow::Result<()> {
+        // The model's callback cannot fail: the engine's first error is kept and returned.
         let mut engine_error: Option<EngineError> = None;
-        let queued = model.forward(io.params).and_then(|()| {
-            model.backward(io.params, io.grads, f64::from(io.loss_scale), &mut |ready| {
-                if engine_error.is_none() {
-                    engine_error = grads_ready(ready.flat_range.clone()).err();
-                }
-            })
-        });
-        if let Err(e) = queued {
-            model_error = Some(e);
-            return Err(EngineError::Usage("the model failed"));
-        }
-        engine_error.map_or(Ok(()), Err)
-    });
-    match (model_error, result) {
-        (Some(e), _) => Err(e.into()),
-        (None, result) => Ok(result?),
-    }
+        model.forward(io.params)?;
+        model.backward(io.params, io.grads, f64::from(io.loss_scale), &mut |ready| {
+            if engine_error.is_none() {
+                engine_error = grads_ready(ready.flat_range.clone()).err();
+            }
+        })?;
+        engine_error.map_or(Ok(()), |e| Err(e.into()))
+    })
 }
 
 fn eval_line(step: u64, eval_loss: f64, floor: Option<f64>) -> String {

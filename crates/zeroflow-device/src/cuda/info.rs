@@ -184,6 +184,12 @@ pub fn is_absent(error: &DeviceError) -> bool {
     }
 }
 
+/// True if `error` says that a CUDA library (the driver, NCCL, cuBLAS, …) is not on this
+/// machine's library path, as opposed to one that loaded and failed.
+pub fn is_library_missing(error: &DeviceError) -> bool {
+    matches!(error, DeviceError::Library { reason, .. } if reason.starts_with(library::NOT_FOUND))
+}
+
 /// For tests and tools that need a GPU: GPU `ordinal`, or `None` after printing
 /// `skipped: no CUDA device (<reason>)` where this machine has no driver or no GPU — unless
 /// `ZEROFLOW_REQUIRE_GPU` is set (as on the GPU machine), which makes a missing GPU a panic.

@@ -17,6 +17,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{self as driver, result as cu, sys as cu_sys};
+use zeroflow_core::adamw::StepScalars;
 use zeroflow_core::{DType, Element, Float};
 
 use super::library::driver_error;
@@ -92,19 +93,6 @@ pub enum Accumulation {
     F32,
     /// Each thread sums its squares in f64, like the CPU device.
     F64,
-}
-
-/// The per-step scalars of AdamW, as zeroflow-optim's `StepScalars` computes them.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWScalars {
-    pub grad_scale: f32,
-    pub l2: f32,
-    pub one_minus_beta1: f32,
-    pub one_minus_beta2: f32,
-    pub inv_sqrt_bias_correction2: f32,
-    pub eps: f32,
-    pub neg_lr_weight_decay: f32,
-    pub neg_step_size: f32,
 }
 
 /// The f32 buffers one AdamW step reads and updates: master weights, moments (updated in place)
@@ -434,7 +422,7 @@ impl CudaDevice {
     pub fn adamw_step<P: Float>(
         &self,
         stream: &CudaStream,
-        scalars: &AdamWScalars,
+        scalars: &StepScalars,
         buffers: AdamWBuffers<'_>,
         range: Range<usize>,
         out: &CudaBuffer<P>,

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_core::dtype::{bf16, f16};
 use zeroflow_core::{DType, Float};
-use zeroflow_device::cuda::kernels::{Accumulation, AdamWBuffers, AdamWScalars, RowMajor};
+use zeroflow_device::cuda::kernels::{Accumulation, AdamWBuffers, RowMajor};
 use zeroflow_device::{CpuDevice, CudaDevice, Device, DeviceError, Kernels, StreamKind};
 use zeroflow_optim::{
     AdamState, AdamW, AdamWConfig, CpuAdam, Grads, Output, SimdLevel, WeightDecayMode,
@@ -456,20 +456,6 @@ fn nonfinite_counts_injected_inf_and_nan_exactly() {
 
 // ---- AdamW ----
 
-fn gpu_scalars(step: &zeroflow_optim::AdamWStep) -> AdamWScalars {
-    let s = step.scalars();
-    AdamWScalars {
-        grad_scale: s.grad_scale,
-        l2: s.l2,
-        one_minus_beta1: s.one_minus_beta1,
-        one_minus_beta2: s.one_minus_beta2,
-        inv_sqrt_bias_correction2: s.inv_sqrt_bias_correction2,
-        eps: s.eps,
-        neg_lr_weight_decay: s.neg_lr_weight_decay,
-        neg_step_size: s.neg_step_size,
-    }
-}
-
 /// Three AdamW steps over `state[offset..offset + n]` on the GPU and with `CpuAdam`.
 fn check_adamw<P: Float>(
     gpu: &CudaDevice,
@@ -510,7 +496,7 @@ fn check_adamw<P: Float>(
                 exp_avg_sq: &buffers[2],
                 grads: &grads_buf,
             };
-            let (stream, scalars) = (gpu.stream(StreamKind::Compute), gpu_scalars(&step));
+            let (stream, scalars) = (gpu.stream(StreamKind::Compute), step.scalars());
             gpu.adamw_step(stream, &scalars, gpu_buffers, range.clone(), &out, out_offset).unwrap();
             let state = AdamState {
                 params: &mut master[range.clone()],
@@ -776,7 +762,7 @@ fn kernels_refuse_bad_ranges_and_aliasing_before_queueing() {
     assert!(matches!(err, DeviceError::OutOfBounds { .. }), "{err}");
     let err = gpu.sum_squares(stream, &a, 0..64, &a, 3).unwrap_err();
     assert!(matches!(err, DeviceError::AliasedArguments { .. }), "{err}");
-    let scalars = gpu_scalars(&AdamW::new(AdamWConfig::default()).unwrap().next_step(1.0));
+    let scalars = AdamW::new(AdamWConfig::default()).unwrap().next_step(1.0).scalars();
     let buffers = AdamWBuffers { master: &a, exp_avg: &out, exp_avg_sq: &out, grads: &out };
     let err = gpu.adamw_step(stream, &scalars, buffers, 0..4, &b, 0).unwrap_err();
     assert!(matches!(err, DeviceError::AliasedArguments { .. }), "{err}");
@@ -825,7 +811,7 @@ fn kernel_bandwidth_on_1e9_elements() {
     let half = gpu.alloc::<bf16>(n).unwrap();
     let out = gpu.alloc::<f32>(1).unwrap();
     let flags = gpu.alloc::<u32>(1).unwrap();
-    let scalars = gpu_scalars(&AdamW::new(AdamWConfig::default()).unwrap().next_step(1.0));
+    let scalars = AdamW::new(AdamWConfig::default()).unwrap().next_step(1.0).scalars();
     let copy = best_seconds(&gpu, repeats, || gpu.copy_d2d(stream, &a, 0..n, &b, 0).unwrap());
     let copy_gbps = 8.0 * n as f64 / copy / 1e9;
     println!("RESULT kernels_gbps copy_d2d_f32 gbps={copy_gbps:.0}");

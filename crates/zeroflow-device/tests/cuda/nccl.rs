@@ -12,8 +12,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_core::dtype::{bf16, f16};
 use zeroflow_core::{DType, Element};
+use zeroflow_device::cuda::info::is_library_missing;
 use zeroflow_device::cuda::nccl::{self, NcclComm, NcclId};
-use zeroflow_device::cuda::{info, is_absent, short_reason};
+use zeroflow_device::cuda::{info, short_reason};
 use zeroflow_device::{Comm, CudaDevice, Device, DeviceError, ReduceOp, StreamKind};
 
 use crate::gpu;
@@ -29,7 +30,7 @@ fn or_skip<T>(made: Result<T, DeviceError>) -> Option<T> {
     match made {
         Ok(made) => Some(made),
         Err(error @ DeviceError::Library { .. })
-            if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() || is_absent(&error) =>
+            if std::env::var_os("ZEROFLOW_REQUIRE_GPU").is_none() && is_library_missing(&error) =>
         {
             println!("skipped: NCCL unavailable ({})", short_reason(&error));
             None

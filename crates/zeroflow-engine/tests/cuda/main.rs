@@ -13,7 +13,10 @@ use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_engine::synthetic::{
     Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
 };
-use zeroflow_engine::{Engine, EngineOptions, LossScaler, Stage, StepReport, ZenFlowOptions};
+use zeroflow_engine::{
+    Engine, EngineOptions, LossScaler, Offload, OffloadUpdate, Placement, Stage, StepReport,
+    ZenFlowOptions,
+};
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
 fn gpu() -> Option<CudaDevice> {
@@ -34,20 +37,23 @@ struct Case {
 }
 
 fn options(case: &Case) -> EngineOptions {
+    let update = match (case.zenflow, case.delayed) {
+        (Some(zenflow), _) => OffloadUpdate::ZenFlow(zenflow),
+        (None, Some(warmup)) => OffloadUpdate::Delayed { warmup },
+        (None, None) => OffloadUpdate::Exact,
+    };
+    let placement = match case.offload {
+        true => Placement::Offload(Offload { update, ..Offload::exact(HostMemory::Pinned, 2) }),
+        false => Placement::Device,
+    };
     EngineOptions {
         stage: case.stage,
         grad_accum: case.accum,
         clip: Some(0.8),
-        offload: case.offload.then_some(HostMemory::Pinned),
         reduce_bucket: 23,
         adamw: adamw_config(),
         scaler: LossScaler::None,
-        cpu_threads: 2,
-        delayed_update: case.delayed,
-        zenflow: case.zenflow,
-        stream_chunk: zeroflow_engine::DEFAULT_STREAM_CHUNK,
-        copy_stores: None,
-        gather_in_pieces: true,
+        placement,
     }
 }
 

@@ -220,12 +220,13 @@ fn a_checkpoint_with_impossible_step_counters_is_refused() {
         micro_steps,
         upload_pending: false,
         scaler: &snapshot.scaler,
+        zenflow: &[],
     };
     let weights = &out.device_weights[0];
     for (optimizer_steps, micro_steps) in [(3, 2), (u64::MAX, u64::MAX), (1, u64::MAX)] {
         let refused = engine.restore(weights, &restore(optimizer_steps, micro_steps));
         assert!(
-            matches!(&refused, Err(EngineError::Usage(m)) if m.contains("step counters")),
+            matches!(&refused, Err(EngineError::Restore { reason, .. }) if reason.contains("step counters")),
             "{optimizer_steps} optimizer steps after {micro_steps} micro-steps: {refused:?}"
         );
     }

@@ -9,8 +9,9 @@ use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    DEFAULT_STREAM_CHUNK, Engine, EngineOptions, LossScaler, ModelIo, OptimizerPart, Restore,
-    Snapshot, Stage, StepReport, ZenFlowOptions, ZenFlowSnapshot,
+    DEFAULT_STREAM_CHUNK, Engine, EngineOptions, LossScaler, ModelIo, Offload, OffloadUpdate,
+    OptimizerPart, Placement, Restore, Snapshot, Stage, StepReport, StreamOptions, ZenFlowOptions,
+    ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
 
@@ -61,20 +62,36 @@ impl Setup {
 }
 
 pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
+    let update = match (setup.zenflow, setup.delayed) {
+        (None, None) => OffloadUpdate::Exact,
+        (None, Some(warmup)) => OffloadUpdate::Delayed { warmup },
+        (Some(zenflow), None) => OffloadUpdate::ZenFlow(zenflow),
+        (Some(_), Some(_)) => panic!("ZenFlow and the delayed update exclude each other"),
+    };
+    let placement = match setup.offload {
+        true => Placement::Offload(Offload {
+            memory: HostMemory::Pinned,
+            cpu_threads: 2,
+            update,
+            stream: StreamOptions {
+                chunk: setup.stream_chunk,
+                copy_stores: setup.copy_stores,
+                gather_in_pieces: setup.gather_in_pieces,
+            },
+        }),
+        false => {
+            assert_eq!(update, OffloadUpdate::Exact, "the delayed update and ZenFlow offload");
+            Placement::Device
+        }
+    };
     EngineOptions {
         stage: setup.stage,
         grad_accum: u64::from(setup.accum),
         clip: setup.clip,
-        offload: setup.offload.then_some(HostMemory::Pinned),
         reduce_bucket: setup.bucket,
         adamw: adamw_config(),
         scaler,
-        cpu_threads: 2,
-        delayed_update: setup.delayed,
-        zenflow: setup.zenflow,
-        stream_chunk: setup.stream_chunk,
-        copy_stores: setup.copy_stores,
-        gather_in_pieces: setup.gather_in_pieces,
+        placement,
     }
 }
 
@@ -169,12 +186,9 @@ pub fn train_from<P: Float>(
                             micro_steps: r.micro_steps,
                             upload_pending: r.upload_pending,
                             scaler: &r.scaler,
+                            zenflow: &r.zenflow,
                         };
-                        if r.zenflow.is_empty() {
-                            engine.restore(&r.weights, &from).unwrap();
-                        } else {
-                            engine.restore_with_zenflow(&r.weights, &from, &r.zenflow).unwrap();
-                        }
+                        engine.restore(&r.weights, &from).unwrap();
                     }
                     let mut reports = Vec::new();
                     let (copied, waited) = (device.copied_bytes(), engine.cpu_wait());

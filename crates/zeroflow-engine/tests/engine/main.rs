@@ -6,6 +6,7 @@ mod chaos;
 mod checkpoint;
 mod delayed;
 mod equivalence;
+mod errors;
 mod fuzz_checkpoint;
 mod precision;
 mod stream_tuning;

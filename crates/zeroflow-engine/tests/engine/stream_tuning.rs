@@ -79,5 +79,5 @@ fn a_stream_chunk_of_zero_is_refused() {
     let comm =
         CpuComm::group(std::slice::from_ref(&device), std::time::Duration::from_secs(5)).remove(0);
     let result = Engine::<CpuDevice, CpuComm, f32>::new(device, comm, layout, options, &init);
-    assert!(matches!(result, Err(EngineError::Usage(_))), "a chunk of 0 elements was accepted");
+    assert!(matches!(result, Err(EngineError::Config(_))), "a chunk of 0 elements was accepted");
 }

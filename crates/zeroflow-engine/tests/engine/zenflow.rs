@@ -232,7 +232,9 @@ fn warm_up_rounds_end_a_window_every_step() {
 fn unsupported_zenflow_settings_are_refused() {
     use zeroflow_device::CpuDevice;
     use zeroflow_device::cpu::CpuComm;
-    use zeroflow_engine::{Engine, EngineError, EngineOptions};
+    use zeroflow_engine::{
+        DynamicScaler, Engine, EngineError, EngineOptions, OffloadUpdate, ZenFlowOptions,
+    };
 
     let device = CpuDevice::new().unwrap();
     let layout = layout(1);
@@ -241,13 +243,23 @@ fn unsupported_zenflow_settings_are_refused() {
         &setup(Stage::Zero2, 1, 1, zenflow(0.1, 2, 1, false)),
         LossScaler::None,
     );
+    let with = |zenflow: ZenFlowOptions| {
+        let mut options = base.clone();
+        let offload = options.offload_mut().expect("ZenFlow offloads");
+        offload.update = OffloadUpdate::ZenFlow(zenflow);
+        options
+    };
+    // ZenFlow without offload, or with the delayed update, cannot be written as options (the
+    // config's refusal of them is `options::tests`).
     let cases = [
         EngineOptions { grad_accum: 2, ..base.clone() },
-        EngineOptions { offload: None, ..base.clone() },
-        EngineOptions { delayed_update: Some(1), ..base.clone() },
-        EngineOptions { zenflow: Some(zen_auto(0.1, 2, 1.5, false)), ..base.clone() },
-        EngineOptions { zenflow: Some(zenflow(1.5, 2, 1, false)), ..base.clone() },
-        EngineOptions { zenflow: Some(zenflow(0.1, 1, 2, false)), ..base.clone() },
+        EngineOptions {
+            scaler: LossScaler::Dynamic(DynamicScaler::new(8, 10, 1.0, 2, false)),
+            ..base.clone()
+        },
+        with(zen_auto(0.1, 2, 1.5, false)),
+        with(zenflow(1.5, 2, 1, false)),
+        with(zenflow(0.1, 1, 2, false)),
     ];
     for options in cases {
         let comm = CpuComm::group(std::slice::from_ref(&device), std::time::Duration::from_secs(5))
@@ -259,7 +271,7 @@ fn unsupported_zenflow_settings_are_refused() {
             options.clone(),
             &init,
         );
-        assert!(matches!(result, Err(EngineError::Usage(_))), "{options:?} was accepted");
+        assert!(matches!(result, Err(EngineError::Config(_))), "{options:?} was accepted");
     }
 }
 

@@ -1,0 +1,118 @@
+//! The accumulating offload path (gradient accumulation, or f16 weights): each reduced bucket is
+//! copied to the host during backward and added into the host accumulator; at the step the CPU
+//! steps the whole partition with it, and the updated weights go back in one upload.
+//!
+//! During backward the d2h stream waits on `reduced` (comm, `reduction.rs`) before each copy into
+//! staging, and the training thread adds a staged piece only after waiting on its copy's token;
+//! `d2h_done` is recorded after the backward's last copy. At the step the norm is summed on the
+//! host (uploaded and all-reduced where the ranks hold parts). Inline, the CPU step runs at once
+//! and its upload on the h2d stream waits on `compute_done` and `params_ready`, then the gather
+//! follows. Delayed (after the warm-up), the step before this one is joined and uploaded the same
+//! way, and this step's runs on a worker, with the accumulator swapped for the spare one.
+
+use rayon::prelude::*;
+use zeroflow_core::Float;
+use zeroflow_device::{Comm, HostBuffer, StreamKind};
+use zeroflow_optim::AdamWStep;
+
+use super::shared::{Shared, sum_to_host};
+use super::state::PathState;
+use crate::EngineError;
+use crate::device_adamw::DeviceAdamW;
+use crate::host::{CpuStep, HostAccumulator};
+
+/// The accumulating path's host side.
+pub(super) struct Accumulate<P: Float> {
+    pub(super) host: HostAccumulator<P>,
+}
+
+impl<P: Float> Accumulate<P> {
+    /// Σ g² over the host accumulators of all ranks (in loss-scaled, summed units).
+    pub fn sum_squares<D: DeviceAdamW, C: Comm<Device = D>>(
+        &self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<f64, EngineError> {
+        host_sum_squares(shared, &self.host.acc)
+    }
+
+    /// The CPU step: inline (and the warm-up of the delayed update), or the last step's weights
+    /// applied and this one started on the worker.
+    pub fn update<D: DeviceAdamW, C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+    ) -> Result<(), EngineError> {
+        let started = std::time::Instant::now();
+        let host = &mut self.host;
+        let delayed = matches!(&host.cpu, CpuStep::Delayed { warmup, .. } if step.step() > *warmup);
+        if delayed {
+            // The step before this one finished meanwhile: its weights go to the device now and
+            // the next window computes with them; this step runs in the background.
+            if host.weights_ahead() {
+                upload_and_gather(shared, host.upload()?)?;
+            }
+            host.start_delayed(*step, |_| Ok(()))?;
+        } else {
+            host.step_now(step)?;
+            upload_and_gather(shared, host.upload()?)?;
+        }
+        shared.cpu_wait += started.elapsed();
+        Ok(())
+    }
+
+    /// Waits for a delayed step still running and brings its weights into the model.
+    pub fn flush<D: DeviceAdamW, C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        if self.host.weights_ahead() {
+            upload_and_gather(shared, self.host.upload()?)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer state (a running step is waited for; its weights stay pending).
+    pub fn state(&mut self) -> Result<PathState, EngineError> {
+        let [master, exp_avg, exp_avg_sq] = self.host.state()?;
+        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
+    }
+}
+
+/// Σ g² over the host accumulators of all ranks (in loss-scaled, summed units): on the host, then
+/// uploaded and summed on the comm stream where the ranks hold parts.
+pub(super) fn host_sum_squares<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+    shared: &mut Shared<D, C, P>,
+    acc: &HostBuffer<f32>,
+) -> Result<f64, EngineError> {
+    let local: f64 = acc
+        .par_chunks(1 << 16)
+        .map(|chunk| chunk.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
+        .sum();
+    if !shared.across_ranks() {
+        return Ok(local);
+    }
+    // Uploaded and waited for, so the all-reduce is ordered after it.
+    shared.norm_host[0] = local as f32;
+    let h2d = shared.device.stream(StreamKind::H2d);
+    shared.device.copy_h2d(h2d, &shared.norm_host, 0..1, &shared.norm, 0)?.wait()?;
+    let (norm, host) = (&shared.norm, &mut shared.norm_host);
+    let done = &mut shared.events.norm_done;
+    let (device, comm) = (&shared.device, &shared.comm);
+    let read = sum_to_host(device, comm, true, StreamKind::Comm, done, norm, host)?;
+    Ok(f64::from(read[0]))
+}
+
+/// Uploads the host optimizer's weights into this rank's partition of the flat weights, then
+/// gathers the other partitions. The weights are free once the last forward/backward has read
+/// them and the last gather (after the previous upload, which a flush can follow directly) has
+/// written them.
+pub(super) fn upload_and_gather<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+    shared: &mut Shared<D, C, P>,
+    upload: &HostBuffer<P>,
+) -> Result<(), EngineError> {
+    shared.h2d_after_weights_free()?;
+    let h2d = shared.device.stream(StreamKind::H2d);
+    let (len, at) = (shared.owned.len(), shared.owned.start);
+    shared.device.copy_h2d(h2d, upload, 0..len, &shared.params, at)?.wait()?;
+    shared.gather_from(StreamKind::H2d)
+}

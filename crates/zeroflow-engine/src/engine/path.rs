@@ -1,0 +1,322 @@
+//! The update path: where each reduced bucket goes during backward, how the gradient norm is
+//! taken, how the weights are updated and what a checkpoint holds. One of four types, chosen
+//! once from the options ([`UpdatePath::new`]):
+//!
+//! | path | options | the CPU step |
+//! |---|---|---|
+//! | [`DeviceUpdate`] | `Placement::Device` | none: AdamW on the compute stream |
+//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 | inline, or delayed after the warm-up |
+//! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline, or on a worker after the warm-up |
+//! | [`ZenFlowUpdate`] | offload, `ZenFlow` | once per window: inline, or on a worker (`overlap_step`) |
+//!
+//! Every hand-off between streams is an event recorded on one stream and waited on by another.
+//! Where each is recorded and waited on:
+//!
+//! | event (owner) | recorded | waited on |
+//! |---|---|---|
+//! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
+//! | `reduced` (shared) | comm, per bucket, offload (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
+//! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
+//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy |
+//! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
+//! | `compute_done` (shared) | compute, at the start of every step (`Engine::step`) | comm (norm on the device, gathers), h2d (uploads) |
+//! | `norm_done` (shared) | comm, after the norm (and its all-reduce) (`sum_to_host`) | d2h (its copy; inline stream's first chunk); compute (ZenFlow's device step) |
+//! | `accumulated` (device) | comm, at the step | compute, before AdamW |
+//! | `optimizer_done` (device) | compute, after AdamW | comm, before zeroing the accumulator |
+//! | `chunk_uploaded` (stream) | h2d, after each gathered piece's upload | comm, before its broadcasts |
+//! | `aside_taken` (delayed stream) | comm, after the set-aside copy | d2h, before the worker's copies |
+//! | `window_ready` (ZenFlow) | compute: after the window add, and before the window norm's and the importances' reads (`sum_to_host`) | d2h, before the window copy and the reads |
+//! | `window_copied` (ZenFlow) | d2h, after the window copy and clear | compute, before the next window add |
+//! | `device_done` (ZenFlow) | compute, after the device step | h2d, before the CPU's weights are applied |
+//!
+//! The host side waits by tokens, not events: a staged piece is added only after its copy's
+//! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, the
+//! ZenFlow window copy) are waited on by the host buffer at its next access.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{DType, Float};
+use zeroflow_device::Comm;
+use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
+
+pub(super) use super::accumulate::Accumulate;
+pub(super) use super::device::DeviceUpdate;
+use super::shared::Shared;
+use super::state::{PathState, Restore};
+pub(super) use super::stream::Stream;
+pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
+use crate::device_adamw::DeviceAdamW;
+use crate::host::{HostAccumulator, Offloader, StreamBuffers};
+use crate::reduction::Sink;
+use crate::zenflow::ZenFlowSnapshot;
+use crate::{EngineError, EngineOptions, OffloadUpdate, Placement};
+
+/// The engine's update path (see the module documentation).
+pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
+    Device(DeviceUpdate<D>),
+    Accumulate(Accumulate<P>),
+    Stream(Stream<D, P>),
+    ZenFlow(Box<ZenFlowUpdate<D, P>>),
+}
+
+impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
+    /// The path the options ask for, with its buffers, for the partition `owned` of the
+    /// `initial` weights (dropped once they are in the master weights).
+    pub fn new(
+        device: &D,
+        layout: &FlatLayout,
+        owned: &Range<usize>,
+        opts: &EngineOptions,
+        initial: Vec<P>,
+    ) -> Result<Self, EngineError> {
+        let offload = match &opts.placement {
+            Placement::Device => {
+                let master: Vec<f32> = initial[owned.clone()].iter().map(|p| p.to_f32()).collect();
+                drop(initial);
+                return Ok(UpdatePath::Device(DeviceUpdate::new(device, &master)?));
+            }
+            Placement::Offload(offload) => offload,
+        };
+        // One micro-step per step and no ZenFlow: nothing needs the gradients on the host
+        // between backward and step, so the step streams them (the CPU reads f32 and bf16
+        // gradients as they are; f16 goes through the accumulator). ZenFlow sums a window of
+        // steps on the device and copies the sum into the accumulator once per window (no
+        // staging: nothing goes out bucket by bucket).
+        let zenflow = matches!(offload.update, OffloadUpdate::ZenFlow(_));
+        let streaming =
+            opts.grad_accum == 1 && !zenflow && matches!(P::DTYPE, DType::F32 | DType::Bf16);
+        // A streamed chunk is uploaded as soon as it is written: from the caches. A whole
+        // partition's copy is too big for them: past them, without reading its lines.
+        let default_stores = if streaming { Stores::Normal } else { Stores::NonTemporal };
+        let stores = offload.stream.copy_stores.unwrap_or(default_stores);
+        let adam =
+            CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?.with_copy_stores(stores);
+        let own = owned.clone();
+        let fill_master = move |master: &mut [f32]| {
+            let chunk = 1 << 16;
+            master.par_chunks_mut(chunk).zip(initial[own].par_chunks(chunk)).for_each(
+                |(master, initial)| {
+                    master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
+                },
+            );
+        };
+        let (memory, chunk, len) = (offload.memory, offload.stream.chunk, owned.len());
+        let delayed = match offload.update {
+            OffloadUpdate::Exact => None,
+            OffloadUpdate::Delayed { warmup } => Some(warmup),
+            OffloadUpdate::ZenFlow(z) => {
+                // ZenFlow's overlap_step is its delayed update, from the first window on.
+                let delayed = z.overlap_step.then_some(0);
+                let host = HostAccumulator::new(
+                    device,
+                    len,
+                    fill_master,
+                    1,
+                    chunk,
+                    memory,
+                    adam,
+                    delayed,
+                )?;
+                let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host)?;
+                return Ok(UpdatePath::ZenFlow(Box::new(path)));
+            }
+        };
+        if streaming {
+            let buffers = StreamBuffers::new(device, len, fill_master, chunk, memory, adam)?;
+            let pieces = offload.stream.gather_in_pieces;
+            return Ok(UpdatePath::Stream(Stream::new(device, buffers, delayed, len, pieces)?));
+        }
+        let bucket = opts.reduce_bucket;
+        let host =
+            HostAccumulator::new(device, len, fill_master, bucket, chunk, memory, adam, delayed)?;
+        Ok(UpdatePath::Accumulate(Accumulate { host }))
+    }
+
+    /// Where the reduced gradient pieces of a backward go.
+    pub fn sink(&mut self) -> Sink<'_, D, P> {
+        match self {
+            UpdatePath::Device(device) => Sink::Device(&device.grad_acc),
+            UpdatePath::Accumulate(a) => {
+                Sink::Host(Offloader::new(&mut a.host.staging, &mut a.host.acc))
+            }
+            // ZenFlow adds each step into its window on the device at the step.
+            UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Sink::Keep,
+        }
+    }
+
+    /// True if the d2h stream reads the gradients (everything but the device path).
+    pub fn offloads(&self) -> bool {
+        !matches!(self, UpdatePath::Device(_))
+    }
+
+    /// Σ g² over the accumulated gradients of all ranks (in loss-scaled, summed units).
+    pub fn sum_squares<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<f64, EngineError> {
+        match self {
+            UpdatePath::Device(device) => device.sum_squares(shared),
+            UpdatePath::Accumulate(a) => a.sum_squares(shared),
+            // (ZenFlow: this step's, not the window's.)
+            UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => shared.reduced_sum_squares(),
+        }
+    }
+
+    /// One optimizer step over the partition, then the updated weights into every rank's flat
+    /// buffer (now, or with the delayed update at the next step).
+    pub fn update<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+        loss_scale: f32,
+    ) -> Result<(), EngineError> {
+        match self {
+            UpdatePath::Device(device) => device.update(shared, step),
+            UpdatePath::Accumulate(a) => a.update(shared, step),
+            UpdatePath::Stream(s) => s.update(shared, step),
+            UpdatePath::ZenFlow(z) => z.update(shared, step, loss_scale),
+        }
+    }
+
+    /// Clears the gradient accumulator for the next window, after everything that reads it.
+    pub fn zero_accumulator<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        match self {
+            UpdatePath::Device(device) => {
+                device.zero_accumulator(&shared.device, shared.owned.len())
+            }
+            UpdatePath::Accumulate(a) => {
+                a.host.clear_accumulator();
+                Ok(())
+            }
+            // Nothing accumulates; ZenFlow's window is cleared when a window ends.
+            UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Ok(()),
+        }
+    }
+
+    /// Brings a delayed step's weights into the model (see [`crate::Engine::flush`]).
+    pub fn flush<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        match self {
+            UpdatePath::Device(_) => Ok(()),
+            UpdatePath::Accumulate(a) => a.flush(shared),
+            UpdatePath::Stream(s) => s.flush(shared),
+            UpdatePath::ZenFlow(z) => z.flush(shared),
+        }
+    }
+
+    /// The optimizer state of the partition (a running CPU step is waited for).
+    pub fn state<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<PathState, EngineError> {
+        match self {
+            UpdatePath::Device(device) => device.state(&shared.device),
+            UpdatePath::Accumulate(a) => a.state(),
+            UpdatePath::Stream(s) => s.state(),
+            UpdatePath::ZenFlow(z) => z.state(shared, false),
+        }
+    }
+
+    /// The master weights of the partition (a running CPU step is waited for).
+    pub fn master_weights<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<Vec<f32>, EngineError> {
+        match self {
+            UpdatePath::Device(device) => device.master(&shared.device),
+            UpdatePath::Accumulate(a) => Ok(a.host.join()?.state.master.to_vec()),
+            UpdatePath::Stream(s) => s.master(),
+            UpdatePath::ZenFlow(z) => Ok(z.state(shared, true)?.master),
+        }
+    }
+
+    /// ZenFlow's part of a snapshot.
+    pub fn zenflow_snapshot<C: Comm<Device = D>>(
+        &self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<Option<ZenFlowSnapshot>, EngineError> {
+        match self {
+            UpdatePath::ZenFlow(z) => Ok(Some(z.snapshot(shared)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// What this path refuses in a checkpoint, checked before anything is restored; for ZenFlow
+    /// its state, assembled for this rank.
+    pub fn check_restore<C: Comm<Device = D>>(
+        &self,
+        shared: &Shared<D, C, P>,
+        from: &Restore<'_>,
+    ) -> Result<Option<ZenFlowRestore>, EngineError> {
+        let rank = shared.comm.rank();
+        match self {
+            UpdatePath::ZenFlow(_) => Ok(Some(ZenFlowUpdate::check_restore(shared, from.zenflow)?)),
+            _ if !from.zenflow.is_empty() => Err(EngineError::Restore {
+                rank,
+                reason: "the checkpoint holds ZenFlow state, and this run does not use ZenFlow",
+            }),
+            UpdatePath::Stream(s) if from.upload_pending && s.refuses_pending() => {
+                Err(EngineError::Restore {
+                    rank,
+                    reason: "its newest weights are still in the delayed update's optimizer: \
+                             resume it with the delayed update, or with gradient accumulation",
+                })
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Takes a checkpoint's optimizer state (`[master, exp_avg, exp_avg_sq]` of the partition),
+    /// then ZenFlow's (checked by [`UpdatePath::check_restore`]).
+    pub fn restore<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        state: [Vec<f32>; 3],
+        upload_pending: bool,
+        zenflow: Option<ZenFlowRestore>,
+    ) -> Result<(), EngineError> {
+        match self {
+            UpdatePath::Device(device) => device.restore(&shared.device, state),
+            UpdatePath::Accumulate(a) => a.host.restore(&state, upload_pending),
+            UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
+            UpdatePath::ZenFlow(z) => {
+                z.host.restore(&state, upload_pending)?;
+                match zenflow {
+                    Some(saved) => z.restore(shared, saved),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// The host gradient accumulator (the accumulating paths).
+    pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
+        match self {
+            UpdatePath::Accumulate(a) => Some(&a.host.acc),
+            UpdatePath::ZenFlow(z) => Some(&z.host.acc),
+            UpdatePath::Device(_) | UpdatePath::Stream(_) => None,
+        }
+    }
+
+    /// Sets the learning rate of ZenFlow's CPU schedule (the engine sets its own).
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), EngineError> {
+        if let UpdatePath::ZenFlow(z) = self {
+            z.zenflow.cpu_adamw.set_lr(lr)?;
+        }
+        Ok(())
+    }
+
+    /// An epoch of the trainer's data has ended (ZenFlow's epoch-based selection).
+    pub fn end_epoch(&mut self) {
+        if let UpdatePath::ZenFlow(z) = self {
+            z.end_epoch();
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! What a checkpoint takes from the engine ([`Snapshot`]) and gives back ([`Restore`]), and the
+//! assembly of a rank's optimizer state from parts saved at any world size.
+
+use std::ops::Range;
+
+use zeroflow_core::layout::FlatLayout;
+
+use crate::{EngineError, LossScaler, ZenFlowSnapshot};
+
+/// This rank's optimizer state and the engine's counters (see [`crate::Engine::snapshot`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub part: OptimizerPart,
+    /// The delayed update's weights are newer than the saved device weights.
+    pub upload_pending: bool,
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    pub scaler: LossScaler,
+    /// ZenFlow's selection, window position and window sums (`part` holds the consolidated
+    /// optimizer state: the device's for the selected columns).
+    pub zenflow: Option<ZenFlowSnapshot>,
+}
+
+/// What [`crate::Engine::restore`] continues from, besides the weights.
+#[derive(Clone, Copy, Debug)]
+pub struct Restore<'a> {
+    /// Optimizer state saved by any number of ranks.
+    pub parts: &'a [OptimizerPart],
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    /// See [`Snapshot::upload_pending`].
+    pub upload_pending: bool,
+    pub scaler: &'a LossScaler,
+    /// A ZenFlow run's state, saved by any number of ranks (`parts` hold the consolidated
+    /// optimizer state); empty for any other run.
+    pub zenflow: &'a [ZenFlowSnapshot],
+}
+
+/// The fp32 optimizer state of one flat range: a rank's partition, as saved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerPart {
+    pub flat: Range<usize>,
+    pub master: Vec<f32>,
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
+}
+
+/// A rank's optimizer state, as an update path hands it out for a snapshot and takes it back.
+pub(super) struct PathState {
+    pub master: Vec<f32>,
+    pub exp_avg: Vec<f32>,
+    pub exp_avg_sq: Vec<f32>,
+    /// See [`Snapshot::upload_pending`].
+    pub upload_pending: bool,
+}
+
+/// Master weights and moments of `owned` from parts saved at any world size, for `rank`.
+/// Parameter elements must be covered; padding may be missing (it is zero).
+pub(super) fn assemble(
+    layout: &FlatLayout,
+    owned: &Range<usize>,
+    parts: &[OptimizerPart],
+    rank: usize,
+) -> Result<[Vec<f32>; 3], EngineError> {
+    let mut out = [vec![0f32; owned.len()], vec![0f32; owned.len()], vec![0f32; owned.len()]];
+    let mut covered = vec![false; owned.len()];
+    for part in parts {
+        let lens = [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()];
+        if lens.iter().any(|&len| len != part.flat.len()) {
+            let reason = "an optimizer part's arrays differ from its range";
+            return Err(EngineError::Restore { rank, reason });
+        }
+        let start = part.flat.start.max(owned.start);
+        let end = part.flat.end.min(owned.end);
+        for i in start..end {
+            let (src, dst) = (i - part.flat.start, i - owned.start);
+            out[0][dst] = part.master[src];
+            out[1][dst] = part.exp_avg[src];
+            out[2][dst] = part.exp_avg_sq[src];
+            covered[dst] = true;
+        }
+    }
+    for index in layout.params_in(owned.clone()) {
+        let param = &layout.params()[index];
+        let range = param.flat_range();
+        let inside = range.start.max(owned.start)..range.end.min(owned.end);
+        if inside.clone().any(|i| !covered[i - owned.start]) {
+            return Err(EngineError::IncompleteOptimizerState { rank, param: param.name.clone() });
+        }
+    }
+    Ok(out)
+}

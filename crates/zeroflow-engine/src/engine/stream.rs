@@ -1,0 +1,413 @@
+//! The streaming offload path (one micro-step per step, f32 or bf16 weights): the reduced
+//! gradients stay on the device until the step, which copies them out chunk by chunk, steps each
+//! chunk on the CPU as it arrives and uploads its weights at once ([`stream_chunks`]).
+//!
+//! Inline, the d2h stream waits on `norm_done` (the gradients are final) and the h2d stream on
+//! `compute_done` and `params_ready` (the weights are free); with several ranks each uploaded
+//! piece is gathered on the comm stream after `chunk_uploaded` (h2d → comm), and `params_ready`
+//! is recorded after the last piece's gather (or by the gather after the step, without pieces).
+//! `d2h_done` is recorded after the last chunk's copy.
+//!
+//! Delayed (after the warm-up), the step's gradients are first set aside on the comm stream
+//! (after `d2h_done`: the last delayed step's copies have read the aside buffer), `aside_taken`
+//! (comm → d2h) orders the worker's copies after that, and `comm_done` is recorded so the next
+//! backward may overwrite the gradients. The worker streams the step into the aside weights; the
+//! next step (or a flush) joins it, copies them into the weights on the h2d stream, records
+//! `d2h_done` (the joined copies are done reading the aside gradients) and gathers.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use zeroflow_core::Float;
+use zeroflow_device::{Comm, Device, Filling, HostBuffer, StreamKind};
+use zeroflow_optim::{AdamState, AdamWStep, Output};
+
+use super::shared::{Shared, reduced_source};
+use super::state::PathState;
+use crate::EngineError;
+use crate::device_adamw::DeviceAdamW;
+use crate::host::{
+    HostOptimizer, OUTGOING_BUFFERS, STAGING_BUFFERS, StepTimes, StreamBuffers, Worker,
+    as_bf16_mut, as_grads, convert_into,
+};
+
+/// The streaming step gathers its uploaded chunks in pieces of at least this many elements (32
+/// MiB of bf16), however small the chunks, or an eighth of the partition where that is less: one
+/// collective per rank and piece.
+const GATHER_PIECE: usize = 1 << 24;
+
+/// The streaming path's buffers and events.
+pub(super) struct Stream<D: Device, P: Float> {
+    pub(super) cpu: StreamCpu<D, P>,
+    /// H2d → comm: a chunk of the streaming step is uploaded, for its gather.
+    chunk_uploaded: D::Event,
+    /// Gather each uploaded piece while the CPU steps the next (several ranks).
+    gather_in_pieces: bool,
+}
+
+/// Where the streaming step runs.
+pub(super) enum StreamCpu<D: Device, P: Float> {
+    /// On the training thread, inside `step`.
+    Inline(Box<StreamBuffers<P>>),
+    /// After the warm-up, on a worker while the next forward and backward run.
+    Delayed(Box<DelayedStream<D, P>>),
+}
+
+/// The delayed streaming step's worker and the device buffers it works between: this rank's
+/// partition of a step's gradients, set aside while the next backward writes the gradient
+/// buffer, and of the updated weights, while the next forward reads the weights (shared with the
+/// worker).
+pub(super) struct DelayedStream<D: Device, P: Float> {
+    warmup: u64,
+    worker: Worker<StreamBuffers<P>>,
+    grads: Arc<D::Buffer<P>>,
+    params: Arc<D::Buffer<P>>,
+    /// Comm → d2h: the step's gradients are set aside.
+    aside_taken: D::Event,
+    /// The worker's weights are newer than the device's (joined, or restored).
+    upload_pending: bool,
+}
+
+impl<D: DeviceAdamW, P: Float> Stream<D, P> {
+    /// The path over `buffers`, delayed after `warmup` steps where `delayed` says so.
+    pub fn new(
+        device: &D,
+        buffers: StreamBuffers<P>,
+        delayed: Option<u64>,
+        partition: usize,
+        gather_in_pieces: bool,
+    ) -> Result<Self, EngineError> {
+        let cpu = match delayed {
+            None => StreamCpu::Inline(Box::new(buffers)),
+            Some(warmup) => StreamCpu::Delayed(Box::new(DelayedStream {
+                warmup,
+                worker: Worker::Ready(Box::new(buffers)),
+                grads: Arc::new(device.alloc::<P>(partition)?),
+                params: Arc::new(device.alloc::<P>(partition)?),
+                aside_taken: device.new_event()?,
+                upload_pending: false,
+            })),
+        };
+        Ok(Stream { cpu, chunk_uploaded: device.new_event()?, gather_in_pieces })
+    }
+
+    /// The streaming step: inline (and the warm-up of the delayed update), or the last step's
+    /// weights applied and this one started on the worker.
+    pub fn update<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+    ) -> Result<(), EngineError> {
+        let started = std::time::Instant::now();
+        let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
+        match &mut self.cpu {
+            StreamCpu::Inline(buffers) => stream_step(shared, buffers, uploaded, pieces, step)?,
+            StreamCpu::Delayed(delayed) if step.step() <= delayed.warmup => {
+                let (buffers, joined) = delayed.worker.join()?;
+                delayed.upload_pending |= joined;
+                stream_step(shared, buffers, uploaded, pieces, step)?;
+            }
+            StreamCpu::Delayed(delayed) => {
+                // The step before this one finished meanwhile: its weights go to the device now
+                // and the next window computes with them; this step runs in the background.
+                if delayed.weights_ahead() {
+                    delayed.apply(shared)?;
+                }
+                delayed.start(shared, *step)?;
+            }
+        }
+        shared.cpu_wait += started.elapsed();
+        Ok(())
+    }
+
+    /// Waits for a delayed step still running and brings its weights into the model.
+    pub fn flush<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        match &mut self.cpu {
+            StreamCpu::Delayed(delayed) if delayed.weights_ahead() => delayed.apply(shared),
+            StreamCpu::Inline(_) | StreamCpu::Delayed(_) => Ok(()),
+        }
+    }
+
+    /// The CPU optimizer's buffers (a running step is waited for; its weights stay pending),
+    /// and whether its weights are pending.
+    fn buffers(&mut self) -> Result<(&mut StreamBuffers<P>, bool), EngineError> {
+        match &mut self.cpu {
+            StreamCpu::Inline(buffers) => Ok((buffers, false)),
+            StreamCpu::Delayed(delayed) => {
+                let (buffers, joined) = delayed.worker.join()?;
+                delayed.upload_pending |= joined;
+                Ok((buffers, delayed.upload_pending))
+            }
+        }
+    }
+
+    /// The master weights.
+    pub fn master(&mut self) -> Result<Vec<f32>, EngineError> {
+        Ok(self.buffers()?.0.state.master.to_vec())
+    }
+
+    /// The optimizer state.
+    pub fn state(&mut self) -> Result<PathState, EngineError> {
+        let (buffers, upload_pending) = self.buffers()?;
+        let state = &buffers.state;
+        let (master, exp_avg) = (state.master.to_vec(), state.exp_avg.to_vec());
+        let exp_avg_sq = state.exp_avg_sq.to_vec();
+        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
+    }
+
+    /// True if a checkpoint whose newest weights are still on the host cannot resume here: the
+    /// inline streaming step has no buffer to upload them from before its first step.
+    pub fn refuses_pending(&self) -> bool {
+        matches!(self.cpu, StreamCpu::Inline(_))
+    }
+
+    /// Takes a checkpoint's state; the delayed step's weights not yet on the device go aside.
+    pub fn restore(
+        &mut self,
+        device: &D,
+        [master, exp_avg, exp_avg_sq]: [Vec<f32>; 3],
+        upload_pending: bool,
+    ) -> Result<(), EngineError> {
+        let (buffers, _) = self.buffers()?;
+        buffers.state.master.copy_from_slice(&master);
+        buffers.state.exp_avg.copy_from_slice(&exp_avg);
+        buffers.state.exp_avg_sq.copy_from_slice(&exp_avg_sq);
+        if let StreamCpu::Delayed(delayed) = &mut self.cpu {
+            delayed.upload_pending = upload_pending;
+            // Where the streaming delayed update keeps weights not yet on the device.
+            let weights: Vec<P> = master.iter().map(|m| P::from_f32(*m)).collect();
+            super::shared::overwrite(device, &delayed.params, &weights)?;
+        }
+        Ok(())
+    }
+}
+
+impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
+    /// True if the optimizer's weights have not reached the device yet.
+    fn weights_ahead(&self) -> bool {
+        self.upload_pending || self.worker.is_stepping()
+    }
+
+    /// Joins the worker and copies its weights, left on the device, into this rank's partition
+    /// of the weights, then gathers: after the worker's uploads on the same stream, and before
+    /// the next one writes there (same stream again).
+    fn apply<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        self.worker.join()?;
+        self.upload_pending = false;
+        shared.h2d_after_weights_free()?;
+        let h2d = shared.device.stream(StreamKind::H2d);
+        let (len, at) = (shared.owned.len(), shared.owned.start);
+        shared.device.copy_d2d(h2d, &self.params, 0..len, &shared.params, at)?;
+        // The copies of the delayed step read the gradients set aside: done (joined).
+        shared.record_d2h_done()?;
+        shared.gather_from(StreamKind::H2d)
+    }
+
+    /// Sets this step's reduced gradients aside on the device and starts the worker, which
+    /// streams them through the CPU into the aside weights while the GPU runs the next forward
+    /// and backward.
+    fn start<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: AdamWStep,
+    ) -> Result<(), EngineError> {
+        let (source, at) = shared.reduced_source();
+        let len = shared.owned.len();
+        let device = &shared.device;
+        let (comm, d2h) = (device.stream(StreamKind::Comm), device.stream(StreamKind::D2h));
+        // After the norm (same stream), and after the last delayed step's copies read the copy.
+        if let Some(read) = &shared.events.d2h_done {
+            device.wait_event(comm, read)?;
+        }
+        device.copy_d2d(comm, source, at..at + len, &self.grads, 0)?;
+        device.record(&mut self.aside_taken, comm)?;
+        device.wait_event(d2h, &self.aside_taken)?;
+        // The next backward overwrites the gradients only after the copy above read them.
+        shared.record_comm_done()?;
+        let device = shared.device.clone();
+        let (grads, next) = (Arc::clone(&self.grads), Arc::clone(&self.params));
+        self.worker.start(move |buffers| {
+            let StreamBuffers { state, staging, outgoing } = buffers;
+            // The weights stay aside until the next step applies and gathers them.
+            let uploaded = &mut |_| Ok(());
+            // On its own thread: not the training thread's time.
+            let times = &mut StepTimes::default();
+            let (source, target) = (&*grads, &*next);
+            let chunks = Chunks { source, source_at: 0, target, target_at: 0, uploaded, times };
+            stream_chunks(&device, &step, state, staging, outgoing, chunks, len)?;
+            // Wait for the last uploads.
+            outgoing.iter_mut().for_each(HostBuffer::settle);
+            Ok(())
+        })
+    }
+}
+
+/// The streaming CPU step, inline (see [`stream_chunks`]): from the reduced gradients on the
+/// device to the updated weights in this rank's partition of the flat weights, and into the
+/// other ranks' copies chunk by chunk: each chunk, once uploaded, goes from every rank to every
+/// rank on the comm stream (one broadcast per rank, the same chunk of each partition), while the
+/// CPU steps the next ones (pieces of at least [`GATHER_PIECE`] elements). Only the last piece's
+/// gather is left when the CPU is done, not the whole partition's.
+fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+    shared: &mut Shared<D, C, P>,
+    buffers: &mut StreamBuffers<P>,
+    uploaded_event: &mut D::Event,
+    gather_in_pieces: bool,
+    step: &AdamWStep,
+) -> Result<(), EngineError> {
+    let Shared {
+        ref device,
+        ref comm,
+        ref params,
+        ref events,
+        ref owned,
+        ref layout,
+        ref reduced,
+        ref grads,
+        ref mut step_times,
+        ..
+    } = *shared;
+    let (source, at) = reduced_source::<D, P>(reduced, grads, owned.start);
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    let comm_stream = device.stream(StreamKind::Comm);
+    // The gradients are final once the comm stream has computed the norm over them; the
+    // weights are free once forward/backward and the last gather are past them.
+    device.wait_event(d2h, &events.norm_done)?;
+    device.wait_event(h2d, &events.compute_done)?;
+    if let Some(gathered) = &events.params_ready {
+        device.wait_event(h2d, gathered)?;
+    }
+    // The gathers write the other ranks' partitions, which the last forward/backward read.
+    let gathers = gather_in_pieces && owned.len() < layout.padded_len();
+    if gathers {
+        device.wait_event(comm_stream, &events.compute_done)?;
+    }
+    let partition = owned.len();
+    // Uploaded chunks not gathered yet: gathered together once they make a piece (small
+    // stream chunks would otherwise cost a collective each) or reach the end.
+    let piece_len = GATHER_PIECE.min(partition.div_ceil(8)).max(1);
+    let mut pending: Option<Range<usize>> = None;
+    let (dev, params_ref) = (device, params);
+    let mut gather = |chunk: Range<usize>| -> Result<(), EngineError> {
+        if !gathers {
+            return Ok(());
+        }
+        let piece = pending.take().map_or(chunk.clone(), |p| p.start..chunk.end);
+        if piece.len() < piece_len && piece.end < partition {
+            pending = Some(piece);
+            return Ok(());
+        }
+        dev.record(uploaded_event, h2d)?;
+        dev.wait_event(comm_stream, uploaded_event)?;
+        for root in 0..comm.world_size() {
+            let at = root * partition;
+            comm.broadcast(comm_stream, params_ref, at + piece.start..at + piece.end, root)?;
+        }
+        Ok(())
+    };
+    let (target, target_at) = (params_ref, owned.start);
+    let (uploaded, times) = (&mut gather, step_times);
+    let chunks = Chunks { source, source_at: at, target, target_at, uploaded, times };
+    let StreamBuffers { state, staging, outgoing } = buffers;
+    stream_chunks(dev, step, state, staging, outgoing, chunks, partition)?;
+    // The next backward overwrites the gradients only after these copies read them.
+    shared.record_d2h_done()?;
+    if !gathers {
+        return shared.gather_from(StreamKind::H2d);
+    }
+    // The weights are current once the last piece's gather is done.
+    shared.record_params_ready(StreamKind::Comm)
+}
+
+/// Where the streaming step reads gradients and writes weights: `len` elements of each, from
+/// element `source_at` of `source` and `target_at` of `target`; `uploaded` hears of each chunk
+/// (its range in the partition) once its upload is queued on the h2d stream (the engine gathers
+/// it from there); `times` adds up where the calling thread's time went.
+struct Chunks<'a, D: Device, P: Float> {
+    source: &'a D::Buffer<P>,
+    source_at: usize,
+    target: &'a D::Buffer<P>,
+    target_at: usize,
+    uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    times: &'a mut StepTimes,
+}
+
+/// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
+/// by chunk on the d2h stream (up to [`STAGING_BUFFERS`] chunks ahead), the CPU steps each chunk
+/// as soon as its copy's token has been waited on, writing the new weights as `P` into an
+/// outgoing buffer, and that buffer's upload on the h2d stream starts at once, overlapping the
+/// next chunks. The caller orders the d2h stream after the gradients' writers and the h2d stream
+/// after the target's readers; the uploads are not waited for (each outgoing buffer remembers its
+/// copy, and its next write waits for it).
+fn stream_chunks<D: Device, P: Float>(
+    device: &D,
+    step: &AdamWStep,
+    optimizer: &mut HostOptimizer,
+    staging: &mut [HostBuffer<P>],
+    outgoing: &mut [HostBuffer<P>],
+    io: Chunks<'_, D, P>,
+    len: usize,
+) -> Result<(), EngineError> {
+    let times = io.times;
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    let chunk = staging.first().map_or(1, |b| b.len()).max(1);
+    let chunks = len.div_ceil(chunk);
+    let piece = |c: usize| c * chunk..((c + 1) * chunk).min(len);
+    let mut free: [Option<&mut HostBuffer<P>>; STAGING_BUFFERS] = {
+        let mut buffers = staging.iter_mut();
+        std::array::from_fn(|_| buffers.next())
+    };
+    let mut in_flight: [Option<Filling<'_, P>>; STAGING_BUFFERS] = Default::default();
+    let mut issued = 0;
+    for c in 0..chunks {
+        // Keep the d2h stream busy: every free staging buffer receives the next chunk.
+        while issued < chunks {
+            let Some(buffer) = free.iter_mut().find_map(Option::take) else { break };
+            let range = piece(issued);
+            let from = io.source_at + range.start..io.source_at + range.end;
+            let filling = device.copy_d2h(d2h, io.source, from, buffer, 0)?;
+            in_flight[issued % STAGING_BUFFERS] = Some(filling);
+            issued += 1;
+        }
+        let range = piece(c);
+        let filling = in_flight[c % STAGING_BUFFERS].take().expect("issued above");
+        let waiting = Instant::now();
+        let staged = filling.wait()?;
+        times.chunk_wait += waiting.elapsed();
+        let grads = as_grads(&staged[..range.len()])
+            .ok_or(EngineError::Internal("the streaming step reads f32 or bf16 gradients"))?;
+        // Waits for the upload that last read this buffer (its token was let go below).
+        let waiting = Instant::now();
+        let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
+        let stepping = Instant::now();
+        times.upload_wait += stepping - waiting;
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = optimizer;
+        let state = AdamState { params: master, exp_avg, exp_avg_sq };
+        match as_bf16_mut(out) {
+            Some(out) => {
+                adam.step_range(step, state, range.clone(), grads, Output::AlsoBf16(out))?
+            }
+            None => {
+                adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
+                convert_into(adam, out, &master[range.clone()]);
+            }
+        }
+        times.adam += stepping.elapsed();
+        let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
+        let target = io.target_at + range.start;
+        let draining = device.copy_h2d(h2d, outgoing_buffer, 0..range.len(), io.target, target)?;
+        // Not waited on here: the buffer remembers the copy, and its next write (two chunks on,
+        // or the next step) waits for it. That is what lets the upload overlap the CPU.
+        draining.detach();
+        (io.uploaded)(range)?;
+        *free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") = Some(staged);
+    }
+    Ok(())
+}

@@ -1,0 +1,526 @@
+//! The ZenFlow path (DESIGN.md §6; the selection and the compact state are in the crate's
+//! `zenflow.rs`).
+//!
+//! At every step: the selected columns' gradients are gathered on the compute stream (after the
+//! comm stream's `norm_done`), stepped by the device AdamW and scattered into the flat weights,
+//! and `device_done` is recorded; then the whole partition's gradients are added into the device
+//! window (after `window_copied`: the last window is out) and `window_ready` is recorded. When a
+//! window ends (after `update_interval` steps, or when Zen-auto says so) the window is copied into
+//! the host accumulator and cleared on the d2h stream (after `window_ready`), `window_copied` is
+//! recorded, the CPU steps the partition with it, and its weights reach the flat weights on the
+//! h2d stream (after `compute_done`, `params_ready` and `device_done`) with the device's columns
+//! scattered over them again. With `overlap_step` the CPU step of a window runs on a worker
+//! during the next window, uploads into the aside buffer, and is applied at that window's end by
+//! a device copy. `window_ready` is also the event the window's norm and the column importances
+//! go to the host by (recorded on the compute stream before each of those reads).
+
+use zeroflow_core::Float;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::{Comm, StreamKind};
+use zeroflow_optim::{AdamWConfig, AdamWStep};
+
+use super::shared::{Shared, normalise, overwrite, slot, sum_to_host};
+use super::state::{OptimizerPart, PathState, assemble};
+use crate::device_adamw::DeviceAdamW;
+use crate::host::{CpuStep, HostAccumulator, HostOptimizer};
+use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
+use crate::{EngineError, ZenFlowOptions};
+
+/// The ZenFlow path: the device side of the selection and the window, and the host side of the
+/// CPU step (inline, or delayed with `overlap_step`).
+pub(super) struct ZenFlowUpdate<D: DeviceAdamW, P: Float> {
+    pub(super) zenflow: ZenFlow<D, P>,
+    pub(super) host: HostAccumulator<P>,
+}
+
+/// A ZenFlow checkpoint's state, checked and assembled for this rank before anything is restored.
+pub(super) struct ZenFlowRestore {
+    window: Vec<f32>,
+    first: ZenFlowSnapshot,
+    selection: Vec<(usize, Vec<u32>)>,
+}
+
+impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
+    pub fn new(
+        device: &D,
+        layout: &FlatLayout,
+        owned: &std::ops::Range<usize>,
+        options: &ZenFlowOptions,
+        adamw: AdamWConfig,
+        host: HostAccumulator<P>,
+    ) -> Result<Self, EngineError> {
+        Ok(ZenFlowUpdate { zenflow: ZenFlow::new(device, layout, owned, options, adamw)?, host })
+    }
+
+    /// One ZenFlow step: a selection if one is due, the device step of the selected columns,
+    /// this step's gradients added into the window, and at the end of a window the CPU step of
+    /// the rest.
+    pub fn update<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+        loss_scale: f32,
+    ) -> Result<(), EngineError> {
+        // The gradients are final once the comm stream has computed the norm over them.
+        let compute = shared.device.stream(StreamKind::Compute);
+        shared.device.wait_event(compute, &shared.events.norm_done)?;
+        let selecting = self.zenflow.selection_due();
+        if selecting {
+            self.reselect(shared)?;
+        }
+        self.device_step(shared, step)?;
+        self.add_to_window(shared)?;
+        // Zen-auto weighs this step's column masses (a selection has just computed them).
+        if self.zenflow.auto.is_some() && !selecting {
+            self.column_importance(shared)?;
+        }
+        let zenflow = &mut self.zenflow;
+        zenflow.steps_in_window += 1;
+        zenflow.since_selection = zenflow.since_selection.map(|s| s + 1);
+        let ends = match &mut zenflow.auto {
+            Some(auto) => auto.observe(&zenflow.importance_host, zenflow.steps_in_window),
+            None => zenflow.steps_in_window >= zenflow.update_interval,
+        };
+        // Steps 1..=full_warm_up_rounds each end a window (DeepSpeed's rule: warm-up steps are
+        // update boundaries, and the windows of update_interval count from the last of them).
+        let warming_up = step.step() <= zenflow.full_warm_up_rounds;
+        if !warming_up && !ends {
+            return shared.gather_from(StreamKind::Compute);
+        }
+        if let Some(auto) = &mut zenflow.auto {
+            auto.reset();
+        }
+        let window = std::mem::take(&mut zenflow.steps_in_window);
+        self.end_window(shared, step, window, loss_scale)
+    }
+
+    /// The end of a window of `window` steps: the window to the host and the CPU step, inline or
+    /// (with `overlap_step`) on the worker after the last window's weights are applied.
+    fn end_window<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+        window: u64,
+        loss_scale: f32,
+    ) -> Result<(), EngineError> {
+        let begun = std::time::Instant::now();
+        let cpu_step = self.window_step(shared, step, window, loss_scale)?;
+        let normed = begun.elapsed();
+        self.take_window(shared)?;
+        let taken = begun.elapsed();
+        let started = std::time::Instant::now();
+        if let CpuStep::Inline(_) = self.host.cpu {
+            self.host.step_now(&cpu_step)?;
+            shared.cpu_wait += started.elapsed();
+            return self.upload_and_gather(shared);
+        }
+        // The last window's CPU step finished meanwhile: its weights go to the device now; this
+        // window's runs in the background until the next window ends.
+        if self.host.weights_ahead() {
+            self.host.join()?;
+            shared.cpu_wait += started.elapsed();
+            self.upload_and_gather(shared)?;
+        } else {
+            shared.gather_from(StreamKind::Compute)?;
+        }
+        let applied = begun.elapsed();
+        self.start_worker(shared, cpu_step)?;
+        tracing::debug!(
+            window,
+            ?normed,
+            ?taken,
+            ?applied,
+            started = ?begun.elapsed(),
+            "ZenFlow window end: norm, window copy queued, last CPU step applied, next started"
+        );
+        Ok(())
+    }
+
+    /// Adds this step's gradients into the window, on the compute stream (after the last
+    /// window's copy has cleared it), and marks the window ready.
+    fn add_to_window<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let zenflow = &mut self.zenflow;
+        let device = &shared.device;
+        let compute = device.stream(StreamKind::Compute);
+        if let Some(copied) = &zenflow.window_copied {
+            device.wait_event(compute, copied)?;
+        }
+        let (source, at) = shared.reduced_source();
+        let len = shared.owned.len();
+        device.accumulate(compute, source, at..at + len, &zenflow.window, 0, 1.0)?;
+        device.record(&mut zenflow.window_ready, compute)?;
+        Ok(())
+    }
+
+    /// Copies the window into the host accumulator and clears it, on the d2h stream. The copy's
+    /// token is detached: the accumulator remembers the copy, and the CPU step's first read of
+    /// it (here or on the worker) waits for it.
+    fn take_window<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let (device, zenflow) = (&shared.device, &mut self.zenflow);
+        let d2h = device.stream(StreamKind::D2h);
+        device.wait_event(d2h, &zenflow.window_ready)?;
+        let len = shared.owned.len();
+        device.copy_d2h(d2h, &zenflow.window, 0..len, &mut self.host.acc, 0)?.detach();
+        device.fill(d2h, &zenflow.window, 0..len, 0.0)?;
+        let copied = slot(&mut zenflow.window_copied, device)?;
+        device.record(copied, d2h)?;
+        Ok(())
+    }
+
+    /// Starts the CPU step of the window just taken on the worker, which then uploads its
+    /// weights into the aside buffer on the h2d stream (after the last application of the aside
+    /// buffer, queued there before).
+    fn start_worker<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+        cpu_step: AdamWStep,
+    ) -> Result<(), EngineError> {
+        let aside = self.zenflow.aside.clone();
+        let aside = aside.ok_or(EngineError::Internal("overlap_step without its aside buffer"))?;
+        let (device, len) = (shared.device.clone(), shared.owned.len());
+        self.zenflow.aside_ready = true;
+        self.host.start_delayed(cpu_step, move |whole| {
+            let h2d = device.stream(StreamKind::H2d);
+            device.copy_h2d(h2d, &whole.upload, 0..len, &aside, 0)?.wait()?;
+            Ok(())
+        })
+    }
+
+    /// Brings the CPU's weights into this rank's partition of the flat weights (from the aside
+    /// buffer where the worker uploaded them, else from the host), with the device's columns
+    /// over them, then gathers.
+    fn upload_and_gather<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let upload = self.host.upload()?;
+        shared.h2d_after_weights_free()?;
+        let device = &shared.device;
+        let h2d = device.stream(StreamKind::H2d);
+        // After the device step wrote its columns (and the compact weights).
+        if let Some(done) = &self.zenflow.device_done {
+            device.wait_event(h2d, done)?;
+        }
+        let (len, at) = (shared.owned.len(), shared.owned.start);
+        // The worker uploaded its weights into the aside buffer on this stream.
+        let ready = std::mem::take(&mut self.zenflow.aside_ready);
+        match self.zenflow.aside.as_ref().filter(|_| ready) {
+            Some(aside) => device.copy_d2d(h2d, aside, 0..len, &shared.params, at)?,
+            None => device.copy_h2d(h2d, upload, 0..len, &shared.params, at)?.wait()?,
+        }
+        // The CPU's result for the selected columns is discarded, the device's kept.
+        self.zenflow.scatter_weights(device, h2d, &shared.params)?;
+        shared.gather_from(StreamKind::H2d)
+    }
+
+    /// Waits for a CPU step still running and brings its weights into the model.
+    pub fn flush<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        if self.host.weights_ahead() {
+            self.host.join()?;
+            self.upload_and_gather(shared)?;
+        }
+        Ok(())
+    }
+
+    /// The CPU's step for the window of `window` steps that ends now: the gradients are its mean
+    /// over the window's steps, clipped by the window's own norm. A window of one step is the
+    /// step itself, so its scale is the device step's (no second norm).
+    fn window_step<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+        window: u64,
+        loss_scale: f32,
+    ) -> Result<AdamWStep, EngineError> {
+        let update_interval = window.max(1);
+        let grad_scale = if update_interval == 1 {
+            step.scalars().grad_scale
+        } else {
+            let sum_squares = self.window_sum_squares(shared)?;
+            let world = shared.comm.world_size();
+            normalise(sum_squares, loss_scale, world, update_interval, shared.clip).grad_scale
+        };
+        Ok(self.zenflow.cpu_adamw.next_step(grad_scale))
+    }
+
+    /// Σ g² over the windows of all ranks (in loss-scaled, summed units), on the device.
+    fn window_sum_squares<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<f64, EngineError> {
+        let across = shared.across_ranks();
+        let zenflow = &mut self.zenflow;
+        let device = &shared.device;
+        let compute = device.stream(StreamKind::Compute);
+        let len = shared.owned.len();
+        device.sum_squares(compute, &zenflow.window, 0..len, &shared.norm, 0)?;
+        let ready = &mut zenflow.window_ready;
+        let (norm, host) = (&shared.norm, &mut shared.norm_host);
+        let read =
+            sum_to_host(device, &shared.comm, across, StreamKind::Compute, ready, norm, host)?;
+        Ok(f64::from(read[0]))
+    }
+
+    /// The selected columns: gather their gradients, AdamW over the compact state, scatter the
+    /// weights back, all on the compute stream.
+    fn device_step<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+    ) -> Result<(), EngineError> {
+        let zenflow = &mut self.zenflow;
+        let len = zenflow.compact_len;
+        if len == 0 {
+            return Ok(());
+        }
+        let device = &shared.device;
+        let compute = device.stream(StreamKind::Compute);
+        // Flat element `i` of the partition is at `i - shift` of `source`.
+        let (source, at) = shared.reduced_source();
+        let shift = shared.owned.start - at;
+        for block in &zenflow.blocks {
+            let (full, index) = (block.full(source, shift), block.index.clone());
+            let compact = block.compact(&zenflow.grads);
+            device.gather_columns(compute, full, &zenflow.index, index, compact)?;
+        }
+        device.cast(compute, &zenflow.grads, 0..len, &zenflow.grads_f32, 0)?;
+        let (state, grads) = (&zenflow.state, &zenflow.grads_f32);
+        device.adamw(compute, step, state, 0..len, grads, &zenflow.weights, 0)?;
+        zenflow.scatter_weights(device, compute, &shared.params)?;
+        let done = slot(&mut zenflow.device_done, device)?;
+        device.record(done, compute)?;
+        Ok(())
+    }
+
+    /// A new selection from this step's gradients (a selection starts a window), with the state
+    /// re-synchronised (see `zenflow.rs`). Waits for the device and for a CPU step still
+    /// running: the state it exchanges must be current.
+    fn reselect<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        if self.host.weights_ahead() {
+            self.host.join()?;
+            self.upload_and_gather(shared)?;
+        }
+        shared.device.synchronize()?;
+        let owned_start = shared.owned.start;
+        let optimizer = &mut self.host.join()?.state;
+        let zenflow = &self.zenflow;
+        // The columns leaving the selection: their device state is the current one.
+        if zenflow.compact_len > 0 {
+            let len = zenflow.compact_len;
+            let state = &zenflow.state;
+            let device_state = [&state.master, &state.exp_avg, &state.exp_avg_sq]
+                .map(|buffer| shared.device.download(buffer));
+            let [master, exp_avg, exp_avg_sq] = device_state;
+            let (master, exp_avg, exp_avg_sq) = (master?, exp_avg?, exp_avg_sq?);
+            for (j, flat) in zenflow.selected_elements().enumerate().take(len) {
+                let i = flat - owned_start;
+                optimizer.master[i] = master[j];
+                optimizer.exp_avg[i] = exp_avg[j];
+                optimizer.exp_avg_sq[i] = exp_avg_sq[j];
+            }
+        }
+        self.column_importance(shared)?;
+        self.zenflow.select();
+        // The columns entering the selection: their host state is the current one.
+        let optimizer = &self.host.join()?.state;
+        load_selected(&shared.device, &self.zenflow, optimizer, owned_start)?;
+        Ok(())
+    }
+
+    /// Tells ZenFlow that the trainer's data has completed an epoch: with `select_strategy`
+    /// `"epoch"` (or `"auto"`: every epoch) the columns are selected again at the next window
+    /// start once `select_interval` epochs have ended since the last selection.
+    pub fn end_epoch(&mut self) {
+        if self.zenflow.select_epochs.is_some() {
+            self.zenflow.epochs_since_selection += 1;
+        }
+    }
+
+    /// This step's column importances (Σ|g| per column of every 2-D weight, summed over ranks,
+    /// so that every rank selects the same columns and ends the same windows) into
+    /// `importance_host`: computed on the compute stream from the reduced gradients.
+    fn column_importance<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let across = shared.across_ranks();
+        let zenflow = &mut self.zenflow;
+        let (source, at) = shared.reduced_source();
+        let device = &shared.device;
+        let compute = device.stream(StreamKind::Compute);
+        zenflow.queue_importance(device, compute, source, shared.owned.start - at)?;
+        let ready = &mut zenflow.window_ready;
+        let (importance, host) = (&zenflow.importance, &mut zenflow.importance_host);
+        let comm = &shared.comm;
+        sum_to_host(device, comm, across, StreamKind::Compute, ready, importance, host)?;
+        Ok(())
+    }
+
+    /// The consolidated optimizer state (the host's, with the device's for the selected
+    /// columns); a running CPU step is waited for, its weights staying pending. `master_only`
+    /// leaves the moments empty.
+    pub fn state<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+        master_only: bool,
+    ) -> Result<PathState, EngineError> {
+        let [mut master, mut exp_avg, mut exp_avg_sq] = match master_only {
+            true => [self.host.join()?.state.master.to_vec(), Vec::new(), Vec::new()],
+            false => self.host.state()?,
+        };
+        self.merge_device_state(shared, [&mut master, &mut exp_avg, &mut exp_avg_sq])?;
+        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
+    }
+
+    /// Overwrites the selected elements of a partition's host-side state (master, moments; a
+    /// shorter vector is skipped) with the device's, which is the current state of those columns.
+    fn merge_device_state<C: Comm<Device = D>>(
+        &self,
+        shared: &Shared<D, C, P>,
+        state: [&mut Vec<f32>; 3],
+    ) -> Result<(), EngineError> {
+        let zenflow = &self.zenflow;
+        if zenflow.compact_len == 0 {
+            return Ok(());
+        }
+        let device = &zenflow.state;
+        let owned = &shared.owned;
+        for (buffer, host) in
+            [&device.master, &device.exp_avg, &device.exp_avg_sq].into_iter().zip(state)
+        {
+            if host.len() < owned.len() {
+                continue;
+            }
+            let compact = shared.device.download(buffer)?;
+            for (j, flat) in zenflow.selected_elements().enumerate() {
+                host[flat - owned.start] = compact[j];
+            }
+        }
+        Ok(())
+    }
+
+    /// ZenFlow's part of a snapshot (the optimizer has been joined).
+    pub fn snapshot<C: Comm<Device = D>>(
+        &self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<ZenFlowSnapshot, EngineError> {
+        let zenflow = &self.zenflow;
+        let mut window = shared.device.download(&zenflow.window)?;
+        window.truncate(shared.owned.len());
+        Ok(ZenFlowSnapshot {
+            selection: zenflow.selection(),
+            steps_in_window: zenflow.steps_in_window,
+            since_selection: zenflow.since_selection,
+            epochs_since_selection: zenflow.epochs_since_selection,
+            cpu_steps: zenflow.cpu_adamw.steps_taken(),
+            window_flat: shared.owned.clone(),
+            window_grads: window,
+            auto: zenflow.auto.as_ref().map(|a| a.state()).unwrap_or_default(),
+        })
+    }
+
+    /// Checks the ZenFlow snapshots of any number of ranks and assembles this rank's window from
+    /// them, before anything is restored.
+    pub fn check_restore<C: Comm<Device = D>>(
+        shared: &Shared<D, C, P>,
+        saved: &[ZenFlowSnapshot],
+    ) -> Result<ZenFlowRestore, EngineError> {
+        let rank = shared.comm.rank();
+        let Some(first) = saved.first() else {
+            let reason = "a ZenFlow run resumes only with its ZenFlow state (selection, window \
+                          position and sums), and the checkpoint has none";
+            return Err(EngineError::Restore { rank, reason });
+        };
+        let counters = |s: &ZenFlowSnapshot| {
+            (s.steps_in_window, s.since_selection, s.epochs_since_selection, s.cpu_steps)
+        };
+        if saved.iter().any(|s| counters(s) != counters(first)) {
+            return Err(EngineError::Restore {
+                rank,
+                reason: "the ranks' ZenFlow states disagree",
+            });
+        }
+        let window: Vec<OptimizerPart> = saved
+            .iter()
+            .map(|s| OptimizerPart {
+                flat: s.window_flat.clone(),
+                master: s.window_grads.clone(),
+                exp_avg: vec![0.0; s.window_grads.len()],
+                exp_avg_sq: vec![0.0; s.window_grads.len()],
+            })
+            .collect();
+        let [window, _, _] = assemble(&shared.layout, &shared.owned, &window, rank)?;
+        let selection = saved.iter().flat_map(|s| s.selection.iter().cloned()).collect();
+        Ok(ZenFlowRestore { window, first: first.clone(), selection })
+    }
+
+    /// The selection, the window's position and its device window from a checked checkpoint
+    /// (after the optimizer state): the selected columns' device state is taken from the host's.
+    pub fn restore<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+        saved: ZenFlowRestore,
+    ) -> Result<(), EngineError> {
+        let ZenFlowRestore { window, first, selection } = saved;
+        let (device, rank) = (&shared.device, shared.comm.rank());
+        let zenflow = &mut self.zenflow;
+        overwrite(device, &zenflow.window, &window)?;
+        zenflow.aside_ready = false;
+        zenflow.restore_selection(&selection, rank)?;
+        if let Some(auto) = &mut zenflow.auto {
+            auto.restore(&first.auto, rank)?;
+        }
+        zenflow.steps_in_window = first.steps_in_window;
+        zenflow.since_selection = first.since_selection;
+        zenflow.epochs_since_selection = first.epochs_since_selection;
+        zenflow.cpu_adamw.resume_at(first.cpu_steps);
+        zenflow.device_done = None;
+        let optimizer = &self.host.join()?.state;
+        let selected = load_selected(device, &self.zenflow, optimizer, shared.owned.start)?;
+        if selected.is_empty() {
+            return Ok(());
+        }
+        // The selected columns' weights, as the device step would have left them.
+        let compact: Vec<P> = selected.iter().map(|&i| P::from_f32(optimizer.master[i])).collect();
+        overwrite(device, &self.zenflow.weights, &compact)?;
+        Ok(())
+    }
+}
+
+/// Loads the selected elements' master weights and moments from the host optimizer (the current
+/// state of those columns) into the compact device state, and the selection's column indices;
+/// returns the selected elements' indices in the partition (empty: nothing to load).
+fn load_selected<D: DeviceAdamW, P: Float>(
+    device: &D,
+    zenflow: &ZenFlow<D, P>,
+    optimizer: &HostOptimizer,
+    owned_start: usize,
+) -> Result<Vec<usize>, EngineError> {
+    let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
+    if selected.is_empty() {
+        return Ok(selected);
+    }
+    let state = &zenflow.state;
+    for (buffer, host_state) in [
+        (&state.master, &optimizer.master),
+        (&state.exp_avg, &optimizer.exp_avg),
+        (&state.exp_avg_sq, &optimizer.exp_avg_sq),
+    ] {
+        let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
+        overwrite(device, buffer, &compact)?;
+    }
+    overwrite(device, &zenflow.index, &zenflow.indices)?;
+    Ok(selected)
+}
