@@ -43,15 +43,16 @@ struct Rendezvous {
     slots: Vec<Option<Published>>,
     /// Each rank's collectives queued on its streams and not yet finished (or dropped unrun).
     pending: Vec<usize>,
-    /// Each rank's communicator has been dropped.
-    dropped: Vec<bool>,
+    /// The ranks whose communicator has been dropped, in the order they were.
+    dropped: Vec<usize>,
 }
 
 impl Rendezvous {
     /// The first rank that has left the group: its communicator is gone and so is every
-    /// collective it queued, so it can never arrive again.
+    /// collective it queued, so it can never arrive again. The first to go is named, not a rank
+    /// that failed because of it and went too.
     fn departed(&self) -> Option<usize> {
-        (0..self.dropped.len()).find(|&rank| self.dropped[rank] && self.pending[rank] == 0)
+        self.dropped.iter().copied().find(|&rank| self.pending[rank] == 0)
     }
 }
 
@@ -128,7 +129,7 @@ impl CpuComm {
                 arrived: 0,
                 slots: vec![None; world],
                 pending: vec![0; world],
-                dropped: vec![false; world],
+                dropped: Vec::with_capacity(world),
             }),
             changed: Condvar::new(),
         });
@@ -178,7 +179,7 @@ impl CpuComm {
 impl Drop for CpuComm {
     /// This rank leaves the group once its queued collectives are done (see the module's docs).
     fn drop(&mut self) {
-        self.group.lock().dropped[self.rank] = true;
+        self.group.lock().dropped.push(self.rank);
         self.group.changed.notify_all();
     }
 }
