@@ -136,6 +136,55 @@ fn write_file(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// The line an evaluation prints, with the entropy floor where it is known.
+pub fn eval_line(step: u64, eval_loss: f64, floor: Option<f64>) -> String {
+    match floor {
+        Some(floor) => format!(
+            "step {step}: eval loss {eval_loss:.4} ({:+.1}% over the floor {floor:.4})",
+            100.0 * (eval_loss / floor - 1.0)
+        ),
+        None => format!("step {step}: eval loss {eval_loss:.4}"),
+    }
+}
+
+/// The line a run ends with, e.g. `final eval loss 1.12 nats/token; entropy floor 1.09 (+2.6%)`.
+pub fn final_line(last_eval: Option<(u64, f64)>, floor: Option<f64>) -> String {
+    let Some((_, eval_loss)) = last_eval else { return "no evaluation was made".to_owned() };
+    match floor {
+        Some(floor) => format!(
+            "final eval loss {eval_loss:.3} nats/token; entropy floor {floor:.3} ({:+.1}%)",
+            100.0 * (eval_loss / floor - 1.0)
+        ),
+        None => format!("final eval loss {eval_loss:.3} nats/token"),
+    }
+}
+
+/// The line an interrupted run ends with: the step it stopped at, its checkpoint, and the latest
+/// evaluation with its step.
+pub fn interrupted_line(
+    done: u64,
+    steps: u64,
+    saved: Option<&Path>,
+    last_eval: Option<(u64, f64)>,
+    floor: Option<f64>,
+) -> String {
+    let saved = match saved {
+        Some(dir) => format!("checkpoint {}", dir.display()),
+        None => "no checkpoint: no step was taken".to_owned(),
+    };
+    let eval = match last_eval {
+        Some((step, loss)) => match floor {
+            Some(floor) => format!(
+                "eval loss {loss:.3} nats/token at step {step} (entropy floor {floor:.3}, {:+.1}%)",
+                100.0 * (loss / floor - 1.0)
+            ),
+            None => format!("eval loss {loss:.3} nats/token at step {step}"),
+        },
+        None => "no evaluation yet".to_owned(),
+    };
+    format!("interrupted at step {done} of {steps} ({saved}); {eval}")
+}
+
 /// How often, without a terminal, a line says what the run is doing when nothing else was printed
 /// (`ZEROFLOW_PROGRESS_SECS`, seconds, fractions allowed; default 30).
 pub fn progress_interval() -> anyhow::Result<Duration> {

@@ -82,7 +82,16 @@ pub(super) fn run_on<M: Model>(
     if ended.interrupted {
         let (code, signal) = stop.exit();
         if leader {
-            println!("{}", interrupted_line(&ended, setup.steps, setup.data.floor));
+            println!(
+                "{}",
+                output::interrupted_line(
+                    ended.done,
+                    setup.steps,
+                    ended.saved.as_deref(),
+                    ended.last_eval,
+                    setup.data.floor
+                )
+            );
         }
         let message = format!(
             "stopped by {signal}; continue with: zeroflow train --resume latest --out {}",
@@ -91,7 +100,7 @@ pub(super) fn run_on<M: Model>(
         return Err(Exit { code, message }.into());
     }
     if leader {
-        println!("{}", final_line(ended.last_eval, setup.data.floor));
+        println!("{}", output::final_line(ended.last_eval, setup.data.floor));
     }
     Ok(())
 }
@@ -154,7 +163,7 @@ fn train_steps<M: Model>(
             return Ok(ended);
         };
         recorder.eval(0, loss)?;
-        progress.println(&eval_line(0, loss, setup.data.floor));
+        progress.println(&output::eval_line(0, loss, setup.data.floor));
         ended.last_eval = Some((0, loss));
     }
     for step in first..=setup.steps {
@@ -194,7 +203,7 @@ fn train_steps<M: Model>(
             };
             tick();
             recorder.eval(step, loss)?;
-            progress.println(&eval_line(step, loss, setup.data.floor));
+            progress.println(&output::eval_line(step, loss, setup.data.floor));
             ended.last_eval = Some((step, loss));
         }
     }
@@ -592,46 +601,4 @@ pub(crate) fn forward_backward<M: Model>(
         (Some(e), _) => Err(e.into()),
         (None, result) => Ok(result?),
     }
-}
-
-fn eval_line(step: u64, eval_loss: f64, floor: Option<f64>) -> String {
-    match floor {
-        Some(floor) => format!(
-            "step {step}: eval loss {eval_loss:.4} ({:+.1}% over the floor {floor:.4})",
-            100.0 * (eval_loss / floor - 1.0)
-        ),
-        None => format!("step {step}: eval loss {eval_loss:.4}"),
-    }
-}
-
-/// The line a run ends with, e.g. `final eval loss 1.12 nats/token; entropy floor 1.09 (+2.6%)`.
-fn final_line(last_eval: Option<(u64, f64)>, floor: Option<f64>) -> String {
-    let Some((_, eval_loss)) = last_eval else { return "no evaluation was made".to_owned() };
-    match floor {
-        Some(floor) => format!(
-            "final eval loss {eval_loss:.3} nats/token; entropy floor {floor:.3} ({:+.1}%)",
-            100.0 * (eval_loss / floor - 1.0)
-        ),
-        None => format!("final eval loss {eval_loss:.3} nats/token"),
-    }
-}
-
-/// The line an interrupted run ends with: the step it stopped at, its checkpoint, and the latest
-/// evaluation with its step.
-fn interrupted_line(ended: &Ended, steps: u64, floor: Option<f64>) -> String {
-    let saved = match &ended.saved {
-        Some(dir) => format!("checkpoint {}", dir.display()),
-        None => "no checkpoint: no step was taken".to_owned(),
-    };
-    let eval = match ended.last_eval {
-        Some((step, loss)) => match floor {
-            Some(floor) => format!(
-                "eval loss {loss:.3} nats/token at step {step} (entropy floor {floor:.3}, {:+.1}%)",
-                100.0 * (loss / floor - 1.0)
-            ),
-            None => format!("eval loss {loss:.3} nats/token at step {step}"),
-        },
-        None => "no evaluation yet".to_owned(),
-    };
-    format!("interrupted at step {} of {steps} ({saved}); {eval}", ended.done)
 }
