@@ -378,6 +378,8 @@ fn resume_out(
         .into_iter()
         .flatten()
         .filter(|(key, value)| saved.get(key.as_str()) != Some(value))
+        // A schedule re-planned on purpose is said by check_schedule.
+        .filter(|(key, _)| !(args.extend_schedule && key.as_str() == "scheduler"))
         .map(|(key, _)| key.as_str())
         .collect();
     resume::check_schedule(point, config, steps, args.extend_schedule)?;
