@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 
 #[path = "train/checkpoints.rs"]
 mod checkpoints;
+#[path = "train/run_control.rs"]
+mod run_control;
 #[path = "train/stream_tuning.rs"]
 mod stream_tuning;
 

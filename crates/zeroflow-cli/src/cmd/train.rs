@@ -33,27 +33,40 @@ pub struct Args {
     /// Where the model runs.
     #[arg(long, value_enum, default_value_t = train::DeviceKind::Cpu)]
     pub device: train::DeviceKind,
-    /// Optimizer steps in all (with --resume: counting the checkpoint's).
-    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(DEFAULT_STEPS).expect("non-zero"))]
-    pub steps: NonZeroU64,
+    /// Optimizer steps in all. Default: 1000 (with --resume: the checkpoint's run's own total, so
+    /// a resumed run ends where it was planned to; a different total that would change the
+    /// learning-rate schedule needs --extend-schedule).
+    #[arg(long, value_name = "N")]
+    pub steps: Option<NonZeroU64>,
+    /// With --resume and a --steps other than the checkpoint's total: re-plan the learning-rate
+    /// schedule (its "auto" warm-up and total) over the new total, on purpose. The learning rate
+    /// of the next step then differs from the one the checkpoint's run planned.
+    #[arg(long, requires = "resume")]
+    pub extend_schedule: bool,
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end).
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub eval_every: u64,
-    /// Without a terminal (no progress bar), print a progress line every N steps.
+    /// Without a terminal (no progress bar), print a progress line every N steps, and at least
+    /// every 30 s (ZEROFLOW_PROGRESS_SECS sets the interval) while a step, an evaluation or a
+    /// checkpoint runs long.
     #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(50).expect("non-zero"))]
     pub log_every: NonZeroU64,
-    /// Directory for metrics.jsonl, loss.svg and summary.json. Default: runs/<UTC time>.
+    /// Directory for metrics.jsonl, loss.svg and summary.json. Default: runs/<UTC time>, made
+    /// for this run alone (runs/<UTC time>-2, ... when that name is taken).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Save a checkpoint into <out>/checkpoints/step-NNNNNNNN every N optimizer steps, and always
-    /// at the end or on SIGINT/SIGTERM (0: only then).
+    /// at the end or on SIGINT/SIGTERM (0: only then). A signal stops the run after its current
+    /// step (an evaluation is abandoned), saves, and exits with 130 (SIGINT) or 143 (SIGTERM); a
+    /// second signal exits at once without saving.
     #[arg(long, value_name = "N", default_value_t = 200)]
     pub save_every: u64,
     /// Keep the newest K checkpoints; older ones are deleted once a newer one is complete.
     #[arg(long, value_name = "K", default_value_t = NonZeroU64::new(3).expect("non-zero"))]
     pub keep: NonZeroU64,
     /// Continue a run exactly from a checkpoint directory, or from the newest complete checkpoint
-    /// under --out (`latest`), in that checkpoint's run directory, up to --steps in all.
+    /// under --out (`latest`), in that checkpoint's run directory, with its config, data (from
+    /// any directory; a changed file is an error) and seed, to its planned total (or --steps).
     #[arg(long, value_name = "DIR|latest")]
     pub resume: Option<String>,
     /// Start from the weights of a Hugging Face GPT-2 directory (model.safetensors, and

@@ -13,6 +13,7 @@ use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded, Meta, NamedTens
 use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
 use zeroflow_gpt::GptConfig;
 
+use super::data_files::DataFile;
 use super::input;
 use crate::dist::Group;
 
@@ -26,8 +27,13 @@ pub struct Extra {
     pub model: GptConfig,
     /// The resolved DeepSpeed config of the run.
     pub config: serde_json::Value,
-    /// `--data` as given.
+    /// `--data` resolved to an absolute path ([`super::data_files::resolve`]; as given, in checkpoints
+    /// from before that), or `synthetic`.
     pub data: String,
+    /// The data files and their fingerprints, to notice a file that changed (none for the
+    /// synthetic corpus, and in checkpoints from before fingerprints).
+    #[serde(default)]
+    pub data_files: Vec<DataFile>,
     /// Where the training stream's next step starts (the evaluation set is fixed by the seed).
     pub data_position: DataPosition,
     pub seed: u64,
@@ -36,6 +42,10 @@ pub struct Extra {
     pub lr_schedule: LrPosition,
     /// Training time so far (evaluation excluded), for tokens per second across a resume.
     pub train_s: f64,
+    /// Wall-clock time of the run so far, every process that trained it up to this checkpoint
+    /// (set-up, evaluations and checkpoints included); absent in checkpoints from before it.
+    #[serde(default)]
+    pub wall_s: Option<f64>,
     pub run: RunInfo,
 }
 
@@ -86,6 +96,33 @@ pub fn list(out: &Path) -> anyhow::Result<Vec<(u64, PathBuf)>> {
         .collect();
     found.sort();
     Ok(found)
+}
+
+/// Removes the hidden `.step-N.partial-*` directories under `out`'s checkpoints, which only a
+/// write cut short leaves (a second signal, a crash, SIGKILL): none is ever a checkpoint. Returns
+/// what it removed.
+pub fn remove_unfinished(out: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let folder = out.join(FOLDER);
+    if !folder.is_dir() {
+        return Ok(Vec::new());
+    }
+    let entries =
+        std::fs::read_dir(&folder).with_context(|| format!("cannot read {}", folder.display()))?;
+    let mut removed = Vec::new();
+    for entry in entries.filter_map(|entry| entry.ok()) {
+        let name = entry.file_name();
+        let unfinished = name
+            .to_str()
+            .and_then(|name| name.strip_prefix(".step-"))
+            .is_some_and(|rest| rest.contains(".partial-"));
+        if unfinished && entry.path().is_dir() {
+            std::fs::remove_dir_all(entry.path()).with_context(|| {
+                format!("cannot remove the unfinished checkpoint {}", entry.path().display())
+            })?;
+            removed.push(entry.path());
+        }
+    }
+    Ok(removed)
 }
 
 /// Saves the checkpoint of `step` and then deletes all but the newest `keep`.

@@ -66,6 +66,14 @@ impl Spec {
         Ok(Spec::Shards(shards))
     }
 
+    /// The files the data is read from (none for the synthetic corpus).
+    pub fn files(&self) -> &[PathBuf] {
+        match self {
+            Spec::Synthetic => &[],
+            Spec::Shards(paths) | Spec::Text(paths) => paths,
+        }
+    }
+
     /// The vocabulary of the default model for this data.
     pub fn default_vocab(&self) -> usize {
         match self {

@@ -5,13 +5,17 @@
 pub mod backend;
 mod checkpoints;
 mod data;
+mod data_files;
 mod init;
 #[cfg(test)]
 mod multi_rank_tests;
 mod output;
 mod plot;
+mod resume;
 pub(crate) mod run;
+mod run_dir;
 mod schedule;
+mod signals;
 
 use std::num::{NonZeroU32, NonZeroU64};
 use std::path::{Path, PathBuf};
@@ -83,8 +87,10 @@ pub struct Setup {
     pub device: DeviceKind,
     pub model: GptConfig,
     pub data: Data,
-    /// `--data` as given (or as the resumed checkpoint recorded it).
+    /// `--data` resolved to an absolute path (or as the resumed checkpoint recorded it).
     pub data_arg: String,
+    /// The data files with their fingerprints, for the checkpoints.
+    pub data_files: Vec<data_files::DataFile>,
     pub config: Config,
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
@@ -94,6 +100,9 @@ pub struct Setup {
     pub save_every: u64,
     pub keep: u64,
     pub out: PathBuf,
+    /// `out` is the default `runs/<UTC time>`, which the run claims for itself when it starts
+    /// ([`run_dir::claim`]), under another name where that one is taken.
+    pub default_out: bool,
     pub seed: u64,
     pub start: Start,
     /// This process's rank in the job (one process unless a launcher says otherwise).
@@ -128,16 +137,34 @@ impl Setup {
             default_to_saved(&mut args, &point.extra.config);
         }
         let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
-        let data_arg =
-            same_as_saved("--data", args.data.clone(), saved.map(|(e, d)| (e.data.clone(), d)))?
-                .unwrap_or_else(|| "synthetic".to_owned());
+        let data_arg = match &resume {
+            Some(point) => resume::data_arg(args.data.clone(), point)?,
+            None => args.data.clone().unwrap_or_else(|| "synthetic".to_owned()),
+        };
         let spec = data::Spec::parse(&data_arg)?;
+        let data_files = data_files::fingerprints(spec.files())?;
+        if let Some(point) = &resume {
+            resume::check_data_unchanged(point, &data_files)?;
+        }
+        // Recorded resolved, so that the run resumes from any directory.
+        let data_arg = data_files::resolve(&data_arg).unwrap_or(data_arg);
         let hf = args.init_from.as_deref().map(init::read).transpose()?;
         let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
         let seed =
             same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
-        let steps = args.steps.get();
-        let config = resolve_config(&args, &model, steps, dist.world_size)?;
+        let steps = resume::total_steps(args.steps.map(NonZeroU64::get), resume.as_ref());
+        // A resumed run that was given a config file keeps its resolved config, unless --config
+        // says otherwise (a run of the default config resolves it again, to the same values).
+        let saved_config = resume
+            .as_ref()
+            .filter(|point| point.extra.run.config_file.is_some())
+            .map(|point| &point.extra.config);
+        let config = resolve_config(&args, &model, steps, dist.world_size, saved_config)?;
+        let config_file = args.config.clone().or_else(|| {
+            saved_config?;
+            resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
+        });
+        let default_out = resume.is_none() && args.out.is_none();
         let out = match &resume {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => {
@@ -175,14 +202,16 @@ impl Setup {
             model,
             data,
             data_arg,
+            data_files,
             config,
-            config_file: args.config.clone(),
+            config_file,
             steps,
             eval_every: args.eval_every,
             log_every: args.log_every.get(),
             save_every: args.save_every,
             keep: args.keep.get(),
             out,
+            default_out,
             seed,
             start,
             dist,
@@ -349,21 +378,16 @@ fn resume_out(
         .into_iter()
         .flatten()
         .filter(|(key, value)| saved.get(key.as_str()) != Some(value))
+        // A schedule re-planned on purpose is said by check_schedule.
+        .filter(|(key, _)| !(args.extend_schedule && key.as_str() == "scheduler"))
         .map(|(key, _)| key.as_str())
         .collect();
+    resume::check_schedule(point, config, steps, args.extend_schedule)?;
     if !changed.is_empty() {
-        // The default schedule is sized from --steps, so a longer resumed run changes it.
         tracing::warn!(
             "the config differs from the checkpoint's ({dir}) in {}; continuing with this run's",
             changed.join(", ")
         );
-    }
-    let at = point.extra.step;
-    if steps <= at {
-        return Err(input(format!(
-            "--resume {dir}: the checkpoint is at step {at}, --steps is {steps}; pass a larger \
-             --steps (the total, counting the checkpoint's)"
-        )));
     }
     Ok(point.run_dir.clone())
 }
@@ -373,14 +397,16 @@ fn input(message: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(InputError(message.into()))
 }
 
-/// The resolved config of the run: `--config` or [`DEFAULT_CONFIG`], its `"auto"` values filled
-/// from the flags, for `world_size` ranks (`train_batch_size` is micro-batch × accumulation ×
-/// ranks, as in DeepSpeed). A flag that contradicts a value written in the file is an error.
+/// The resolved config of the run: `--config`, else the resumed checkpoint's (`saved`), else
+/// [`DEFAULT_CONFIG`], its `"auto"` values filled from the flags, for `world_size` ranks
+/// (`train_batch_size` is micro-batch × accumulation × ranks, as in DeepSpeed). A flag that
+/// contradicts a value written in the file is an error.
 fn resolve_config(
     args: &Args,
     model: &GptConfig,
     steps: u64,
     world_size: usize,
+    saved: Option<&serde_json::Value>,
 ) -> anyhow::Result<Config> {
     if let Some(lr) = args.lr
         && !(lr.is_finite() && lr > 0.0)
@@ -403,13 +429,18 @@ fn resolve_config(
         .and_then(NonZeroU32::new)
         .ok_or_else(|| input(format!("a job of {world_size} ranks is not supported")))?;
     let context = Context { world_size, overrides };
-    let (resolved, name) = match &args.config {
-        Some(file) => {
+    let (resolved, name) = match (&args.config, saved) {
+        (Some(file), _) => {
             let resolved = config::resolve_file(file, &context)
                 .map_err(|e| input(format!("config {}: {e}", file.display())))?;
             (resolved, file.display().to_string())
         }
-        None => {
+        (None, Some(saved)) => {
+            let resolved = config::resolve_str(&saved.to_string(), &context)
+                .map_err(|e| input(format!("the checkpoint's config: {e}")))?;
+            (resolved, "the checkpoint's config".to_owned())
+        }
+        (None, None) => {
             // The CUDA model computes in bf16; the CPU one in f32.
             let default = match args.device {
                 DeviceKind::Cpu => DEFAULT_CONFIG.to_owned(),

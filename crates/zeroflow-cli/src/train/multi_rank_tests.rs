@@ -10,9 +10,9 @@ use clap::Parser;
 use zeroflow_device::CpuDevice;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_engine::checkpoint;
-use zeroflow_gpt::CpuGpt;
+use zeroflow_gpt::{CpuGpt, GptError, GradsReady};
 
-use super::backend::Opened;
+use super::backend::{Buffer, Model, Opened};
 use super::{Setup, run};
 use crate::cmd::train::Args;
 use crate::dist::env::Master;
@@ -289,5 +289,100 @@ fn without_partitioning_rank_0_saves_the_one_optimizer_part() {
     let saved = checkpoint::load::<f32>(&out.join("checkpoints/step-00000002")).unwrap();
     assert_eq!((saved.meta.world_size, saved.parts.len()), (1, 1));
     assert_eq!(saved.parts[0].flat.start, 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The CPU model, failing in its forward from the `fail_at`-th on (a rank that fails mid-run).
+struct FailingGpt {
+    gpt: CpuGpt,
+    forwards: u64,
+    fail_at: Option<u64>,
+}
+
+impl Model for FailingGpt {
+    type Device = CpuDevice;
+    type Comm = CpuComm;
+    type P = f32;
+
+    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
+        self.gpt.set_batch(inputs, targets)
+    }
+
+    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
+        self.forwards += 1;
+        if self.fail_at.is_some_and(|at| self.forwards >= at) {
+            let reason = format!("injected failure at forward {}", self.forwards);
+            return Err(GptError::Kernel { kernel: "forward", reason });
+        }
+        self.gpt.forward(params)
+    }
+
+    fn loss(&mut self) -> Result<f32, GptError> {
+        self.gpt.loss()
+    }
+
+    fn backward(
+        &mut self,
+        params: &Buffer<Self>,
+        grads: &Buffer<Self>,
+        loss_scale: f64,
+        on_ready: &mut dyn FnMut(&GradsReady),
+    ) -> Result<(), GptError> {
+        self.gpt.backward(params, grads, loss_scale, on_ready)
+    }
+}
+
+/// Rank 1 of 2 fails in the forward of step 3 (ZeRO-2, the gradients reduce-scattered between
+/// the ranks). Rank 0 fails too, with an error naming rank 1, and every thread ends: its step-3
+/// collectives, which rank 1 never joins, fail at once when rank 1's communicator goes, instead
+/// of holding rank 0's device (which waits for its streams when dropped) for the communicators'
+/// timeout, an hour here.
+#[test]
+fn a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it() {
+    let dir = scratch("fails-mid-run");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, zero_config(2, false)).unwrap();
+    let out = dir.join("run");
+    let flags = flags(&config, &out, &["--micro-batch", "4", "--steps", "6", "--save-every", "0"]);
+    let port = free_port();
+    let devices: Vec<CpuDevice> = (0..2).map(|_| CpuDevice::new().unwrap()).collect();
+    let comms = CpuComm::group(&devices, Duration::from_secs(3600));
+    let handles: Vec<_> = devices
+        .into_iter()
+        .zip(comms)
+        .enumerate()
+        .map(|(rank, (device, comm))| {
+            let argv: Vec<String> = ["train".to_owned()].into_iter().chain(flags.clone()).collect();
+            thread::spawn(move || -> anyhow::Result<()> {
+                let args = Cli::try_parse_from(argv)?.args;
+                let dist = DistEnv {
+                    rank,
+                    local_rank: rank,
+                    world_size: 2,
+                    local_world_size: 2,
+                    master: Some(Master { addr: "127.0.0.1".into(), port }),
+                    rendezvous_timeout: Duration::from_secs(20),
+                    step_timeout: None,
+                };
+                let setup = Setup::for_rank(args, dist)?;
+                run::run_on::<FailingGpt>(setup, move |model, micro_batch, layout, dist| {
+                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+                    let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
+                    let fail_at = (rank == 1).then_some(3);
+                    let model = FailingGpt { gpt, forwards: 0, fail_at };
+                    Ok(Opened { device, comm, model, group })
+                })
+            })
+        })
+        .collect();
+    let results: Vec<anyhow::Result<()>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let message = |rank: usize| format!("{:#}", results[rank].as_ref().unwrap_err());
+    assert!(message(1).contains("injected failure at forward 3"), "rank 1: {}", message(1));
+    // Through the communicator, or through the side channel where rank 0 reaches it first.
+    let rank_0 = message(0);
+    assert!(
+        rank_0.contains("rank 1 left the group") || rank_0.contains("rank 1 is gone"),
+        "rank 0: {rank_0}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

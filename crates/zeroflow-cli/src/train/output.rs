@@ -4,7 +4,8 @@
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -135,28 +136,109 @@ fn write_file(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// What the user watches: a progress bar on a terminal, else a line every `log_every` steps;
-/// nothing on the ranks other than 0.
+/// The line an evaluation prints, with the entropy floor where it is known.
+pub fn eval_line(step: u64, eval_loss: f64, floor: Option<f64>) -> String {
+    match floor {
+        Some(floor) => format!(
+            "step {step}: eval loss {eval_loss:.4} ({:+.1}% over the floor {floor:.4})",
+            100.0 * (eval_loss / floor - 1.0)
+        ),
+        None => format!("step {step}: eval loss {eval_loss:.4}"),
+    }
+}
+
+/// The line a run ends with, e.g. `final eval loss 1.12 nats/token; entropy floor 1.09 (+2.6%)`.
+pub fn final_line(last_eval: Option<(u64, f64)>, floor: Option<f64>) -> String {
+    let Some((_, eval_loss)) = last_eval else { return "no evaluation was made".to_owned() };
+    match floor {
+        Some(floor) => format!(
+            "final eval loss {eval_loss:.3} nats/token; entropy floor {floor:.3} ({:+.1}%)",
+            100.0 * (eval_loss / floor - 1.0)
+        ),
+        None => format!("final eval loss {eval_loss:.3} nats/token"),
+    }
+}
+
+/// The line an interrupted run ends with: the step it stopped at, its checkpoint, and the latest
+/// evaluation with its step.
+pub fn interrupted_line(
+    done: u64,
+    steps: u64,
+    saved: Option<&Path>,
+    last_eval: Option<(u64, f64)>,
+    floor: Option<f64>,
+) -> String {
+    let saved = match saved {
+        Some(dir) => format!("checkpoint {}", dir.display()),
+        None => "no checkpoint: no step was taken".to_owned(),
+    };
+    let eval = match last_eval {
+        Some((step, loss)) => match floor {
+            Some(floor) => format!(
+                "eval loss {loss:.3} nats/token at step {step} (entropy floor {floor:.3}, {:+.1}%)",
+                100.0 * (loss / floor - 1.0)
+            ),
+            None => format!("eval loss {loss:.3} nats/token at step {step}"),
+        },
+        None => "no evaluation yet".to_owned(),
+    };
+    format!("interrupted at step {done} of {steps} ({saved}); {eval}")
+}
+
+/// How often, without a terminal, a line says what the run is doing when nothing else was printed
+/// (`ZEROFLOW_PROGRESS_SECS`, seconds, fractions allowed; default 30).
+pub fn progress_interval() -> anyhow::Result<Duration> {
+    let Some(text) = zeroflow_core::env::var("ZEROFLOW_PROGRESS_SECS") else {
+        return Ok(Duration::from_secs(30));
+    };
+    text.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|secs| secs.is_finite() && *secs > 0.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            crate::InputError::from_display(format!(
+                "ZEROFLOW_PROGRESS_SECS={text}: not a positive number of seconds"
+            ))
+        })
+}
+
+/// What the user watches: a progress bar on a terminal, else lines (every `log_every` steps, and
+/// by time: see [`Lines`]); nothing on the ranks other than 0.
 #[derive(Debug)]
 pub enum Progress {
     Bar(ProgressBar),
-    Lines { steps: u64, log_every: u64 },
+    Lines(Lines),
     Silent,
 }
 
 impl Progress {
-    pub fn new(steps: u64, log_every: u64) -> Progress {
+    /// Starts showing the progress of a run of `steps` steps, `done` of them already taken.
+    pub fn new(steps: u64, done: u64, log_every: u64, interval: Duration) -> Progress {
         if !std::io::stderr().is_terminal() {
-            return Progress::Lines { steps, log_every };
+            return Progress::Lines(Lines::start(steps, log_every, interval));
         }
         let bar = ProgressBar::new(steps);
-        let style =
-            ProgressStyle::with_template("{bar:20.cyan/blue} step {pos}/{len} {msg} ETA {eta}")
-                .expect("the template is valid")
-                .progress_chars("=> ");
+        let style = ProgressStyle::with_template(
+            "{spinner} {bar:20.cyan/blue} step {pos}/{len} {msg} [{elapsed}, ETA {eta}]",
+        )
+        .expect("the template is valid")
+        .progress_chars("=> ");
         bar.set_style(style);
+        bar.set_position(done);
+        bar.reset_eta();
         bar.enable_steady_tick(Duration::from_millis(200));
         Progress::Bar(bar)
+    }
+
+    /// Says what the run is doing now (building the model, a step, an evaluation, a checkpoint):
+    /// the bar's message, or, without a terminal, what a line says when it runs long.
+    pub fn doing(&self, activity: impl Into<String>) {
+        match self {
+            Progress::Bar(bar) => bar.set_message(activity.into()),
+            Progress::Lines(lines) => lines.doing(activity.into()),
+            Progress::Silent => {}
+        }
     }
 
     pub fn step(&self, record: &StepRecord) {
@@ -169,11 +251,7 @@ impl Progress {
                 bar.set_position(record.step);
                 bar.set_message(text);
             }
-            Progress::Lines { steps, log_every } => {
-                if record.step.is_multiple_of(*log_every) || record.step == *steps {
-                    tracing::info!("step {}/{steps} {text}", record.step);
-                }
-            }
+            Progress::Lines(lines) => lines.step(record.step, &text),
             Progress::Silent => {}
         }
     }
@@ -182,7 +260,7 @@ impl Progress {
     pub fn println(&self, message: &str) {
         match self {
             Progress::Bar(bar) => bar.println(message),
-            Progress::Lines { .. } => tracing::info!("{message}"),
+            Progress::Lines(lines) => lines.println(message),
             Progress::Silent => {}
         }
     }
@@ -191,5 +269,177 @@ impl Progress {
         if let Progress::Bar(bar) = self {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// Progress as log lines, for a run without a terminal: a line every `log_every` steps, or after a
+/// step that ends `interval` or more after the last line; and, from a thread, a line saying what
+/// runs whenever `interval` (at least [`MIN_REPEAT`]) passes without any (a long step, evaluation,
+/// checkpoint or model build), so that a slow run is never silent for long.
+pub struct Lines {
+    steps: u64,
+    log_every: u64,
+    interval: Duration,
+    shared: Arc<LinesShared>,
+    watcher: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Lines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lines")
+            .field("steps", &self.steps)
+            .field("interval", &self.interval)
+            .finish()
+    }
+}
+
+/// How often the watcher of [`Lines`] may speak, whatever the interval.
+pub const MIN_REPEAT: Duration = Duration::from_millis(10);
+
+/// Where [`Lines`] write a line: the log, or (in tests) a list.
+pub type Say = Arc<dyn Fn(&str) + Send + Sync>;
+
+struct LinesShared {
+    state: Mutex<LinesState>,
+    wake: Condvar,
+    say: Say,
+}
+
+struct LinesState {
+    /// What runs, and since when.
+    activity: Option<(String, Instant)>,
+    last_line: Instant,
+    done: bool,
+}
+
+impl Lines {
+    fn start(steps: u64, log_every: u64, interval: Duration) -> Lines {
+        Lines::start_with(steps, log_every, interval, Arc::new(|line| tracing::info!("{line}")))
+    }
+
+    fn start_with(steps: u64, log_every: u64, interval: Duration, say: Say) -> Lines {
+        let state = LinesState { activity: None, last_line: Instant::now(), done: false };
+        let shared = Arc::new(LinesShared { state: Mutex::new(state), wake: Condvar::new(), say });
+        let watched = Arc::clone(&shared);
+        let watcher = std::thread::Builder::new()
+            .name("zeroflow-progress".into())
+            .spawn(move || watch(&watched, interval.max(MIN_REPEAT)))
+            .ok();
+        Lines { steps, log_every, interval, shared, watcher }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LinesState> {
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn doing(&self, activity: String) {
+        self.lock().activity = Some((activity, Instant::now()));
+    }
+
+    fn step(&self, step: u64, text: &str) {
+        let mut state = self.lock();
+        let due = step.is_multiple_of(self.log_every)
+            || step == self.steps
+            || state.last_line.elapsed() >= self.interval;
+        if due {
+            (self.shared.say)(&format!("step {step}/{} {text}", self.steps));
+            state.last_line = Instant::now();
+        }
+    }
+
+    fn println(&self, message: &str) {
+        let mut state = self.lock();
+        (self.shared.say)(message);
+        state.last_line = Instant::now();
+    }
+}
+
+impl Drop for Lines {
+    fn drop(&mut self) {
+        self.lock().done = true;
+        self.shared.wake.notify_all();
+        if let Some(watcher) = self.watcher.take() {
+            let _ = watcher.join();
+        }
+    }
+}
+
+/// The thread of [`Lines`]: once `interval` has passed since the last line, says what runs.
+fn watch(shared: &LinesShared, interval: Duration) {
+    let lock = || shared.state.lock().unwrap_or_else(|e| e.into_inner());
+    let mut state = lock();
+    while !state.done {
+        let (due, now) = (state.last_line + interval, Instant::now());
+        if now < due {
+            state = shared.wake.wait_timeout(state, due - now).unwrap_or_else(|e| e.into_inner()).0;
+            continue;
+        }
+        let Some((activity, since)) = &state.activity else {
+            // Nothing to name yet: look again in an interval.
+            state = shared.wake.wait_timeout(state, interval).unwrap_or_else(|e| e.into_inner()).0;
+            continue;
+        };
+        let line = format!("{activity} (for {:.0} s)", since.elapsed().as_secs_f64());
+        state.last_line = now;
+        // Said without the lock: the training thread is not held up by a slow log.
+        drop(state);
+        (shared.say)(&line);
+        state = lock();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::{Lines, Say};
+
+    /// Lines that collect what they say.
+    fn collecting(log_every: u64, interval: Duration) -> (Lines, Arc<Mutex<Vec<String>>>) {
+        let said = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&said);
+        let say: Say = Arc::new(move |line: &str| sink.lock().unwrap().push(line.to_owned()));
+        (Lines::start_with(10, log_every, interval, say), said)
+    }
+
+    /// An activity that outlasts the interval is named, with how long it has run, without the
+    /// training thread printing anything.
+    #[test]
+    fn a_long_activity_is_named_once_the_interval_passes_without_a_line() {
+        let (lines, said) = collecting(1000, Duration::from_millis(20));
+        lines.doing("evaluating after step 3: batch 2/16".into());
+        let waited = Instant::now();
+        while said.lock().unwrap().is_empty() && waited.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(lines);
+        let said = said.lock().unwrap();
+        assert!(!said.is_empty(), "no line in a minute");
+        assert!(said[0].starts_with("evaluating after step 3: batch 2/16 (for "), "{said:?}");
+    }
+
+    /// Step lines come every `log_every` steps and at the last; with an interval that has passed,
+    /// after every step.
+    #[test]
+    fn step_lines_come_by_steps_and_by_time() {
+        let (lines, said) = collecting(4, Duration::from_secs(3600));
+        for step in 1..=10 {
+            lines.step(step, "loss 1");
+        }
+        drop(lines);
+        assert_eq!(
+            *said.lock().unwrap(),
+            ["step 4/10 loss 1", "step 8/10 loss 1", "step 10/10 loss 1"]
+        );
+        let (lines, said) = collecting(1000, Duration::from_nanos(1));
+        for step in 1..=3 {
+            std::thread::sleep(Duration::from_millis(1));
+            lines.step(step, "loss 1");
+        }
+        drop(lines);
+        let steps: Vec<String> =
+            said.lock().unwrap().iter().filter(|l| l.contains("loss")).cloned().collect();
+        assert_eq!(steps, ["step 1/10 loss 1", "step 2/10 loss 1", "step 3/10 loss 1"]);
     }
 }

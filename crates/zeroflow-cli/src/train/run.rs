@@ -2,13 +2,10 @@
 //! engine.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use serde_json::json;
-use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_core::Float;
 use zeroflow_data::{Batch, DataLoader};
 use zeroflow_device::Device as _;
@@ -20,10 +17,13 @@ use zeroflow_gpt::{flat_layout, hf_tensors, init_params};
 
 use super::backend::{self, Model};
 use super::checkpoints::{self, Extra, LrPosition, RunInfo};
-use super::output::{Progress, Recorder, StepRecord};
+use super::output::{self, Progress, Recorder, StepRecord};
+use super::run_dir;
 use super::schedule::LrSchedule;
+use super::signals::Stop;
 use super::{DeviceKind, Setup, Start};
 use crate::dist::{Group, affinity};
+use crate::error::Exit;
 use crate::stream_tuning;
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
@@ -31,7 +31,8 @@ pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm
 /// Trains as `setup` says (from its start: fresh, `--init-from` or `--resume`), saves
 /// checkpoints, writes the metrics, plot and summary, and prints the final evaluation loss (next
 /// to the entropy floor where it is known). SIGINT or SIGTERM ends the run after the current step
-/// with a checkpoint and the summary; a second one exits at once with code 130.
+/// with a checkpoint and the summary, and an [`Exit`] error of status 130 or 143
+/// ([`signals`](super::signals)).
 pub fn run(setup: Setup) -> anyhow::Result<()> {
     match setup.device {
         DeviceKind::Cpu => run_on(setup, backend::open_cpu),
@@ -43,56 +44,147 @@ pub(super) fn run_on<M: Model>(
     mut setup: Setup,
     open: impl backend::OpenFn<M>,
 ) -> anyhow::Result<()> {
-    let start = Instant::now();
-    let mut trainer = Trainer::<M>::new(&setup, open)?;
-    // Caught from here on: before, there is nothing to save, and a signal must end a rank that
-    // waits at the rendezvous or in NCCL's initialisation (the launcher stopping a failed job).
-    let stop = stop_on_signals()?;
-    // Off unless ZEROFLOW_STEP_TIMEOUT is set; ticked after each step, checkpoint and evaluation.
-    let watchdog = crate::dist::step_watchdog(&setup.dist)?;
-    let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
+    let started = Instant::now();
     // Rank 0 writes the metrics, the plot, the summary and the progress; every rank trains.
     let leader = setup.dist.rank == 0;
+    let interval = output::progress_interval()?;
     if leader {
         log_start(&setup);
     }
-    let first = setup.start_step() + 1;
-    let mut recorder = match &setup.start {
-        _ if !leader => Recorder::discard(&setup.out),
+    let progress = if leader {
+        Progress::new(setup.steps, setup.start_step(), setup.log_every, interval)
+    } else {
+        Progress::Silent
+    };
+    progress.doing(format!("building the model ({} parameters)", setup.model.num_params()));
+    let mut trainer = Trainer::<M>::new(&setup, open, started)?;
+    progress.println(&format!(
+        "model ready on {} in {:.1} s",
+        trainer.device_description,
+        started.elapsed().as_secs_f64()
+    ));
+    // Caught from here on: before, there is nothing to save, and a signal must end a rank that
+    // waits at the rendezvous or in NCCL's initialisation (the launcher stopping a failed job).
+    let stop = Stop::on_signals()?;
+    if leader && setup.default_out {
+        setup.out = run_dir::claim(&setup.out)?;
+    }
+    let mut recorder = open_recorder(&setup, leader)?;
+    let ended = train_steps(&mut setup, &mut trainer, &mut recorder, &progress, &stop)?;
+    progress.finish();
+    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
+    trainer.group.take().expect("the group is taken once, here").finish()?;
+    if leader {
+        let summary = summary(&setup, &trainer, &recorder, &ended, started.elapsed());
+        recorder.finish(setup.data.floor, &summary)?;
+        tracing::info!("{} steps; wrote {}", ended.done, setup.out.display());
+    }
+    if ended.interrupted {
+        let (code, signal) = stop.exit();
+        if leader {
+            println!(
+                "{}",
+                output::interrupted_line(
+                    ended.done,
+                    setup.steps,
+                    ended.saved.as_deref(),
+                    ended.last_eval,
+                    setup.data.floor
+                )
+            );
+        }
+        let message = format!(
+            "stopped by {signal}; continue with: zeroflow train --resume latest --out {}",
+            setup.out.display()
+        );
+        return Err(Exit { code, message }.into());
+    }
+    if leader {
+        println!("{}", output::final_line(ended.last_eval, setup.data.floor));
+    }
+    Ok(())
+}
+
+/// How the steps of a run ended.
+#[derive(Debug)]
+struct Ended {
+    /// The last step taken.
+    done: u64,
+    /// The latest evaluation: its step and loss.
+    last_eval: Option<(u64, f64)>,
+    /// The newest checkpoint this process saved.
+    saved: Option<PathBuf>,
+    /// A signal stopped the run (after `done`).
+    interrupted: bool,
+}
+
+/// Rank 0's recorder (the others write nothing), after removing what an interrupted checkpoint
+/// write left in the run directory, and when resuming setting aside damaged checkpoints.
+fn open_recorder(setup: &Setup, leader: bool) -> anyhow::Result<Recorder> {
+    if !leader {
+        return Ok(Recorder::discard(&setup.out));
+    }
+    for removed in checkpoints::remove_unfinished(&setup.out)? {
+        tracing::warn!(
+            "removed {}: a checkpoint whose writing was cut short (a second signal, or the \
+             process killed)",
+            removed.display()
+        );
+    }
+    match &setup.start {
         Start::Resume { point, .. } => {
             checkpoints::set_aside(&point.damaged)?;
-            tracing::info!("resuming from {} at step {}", point.dir.display(), first - 1);
-            Recorder::resume(&setup.out, first - 1, setup.eval_every)?
+            let at = point.extra.step;
+            tracing::info!("resuming from {} at step {at} of {}", point.dir.display(), setup.steps);
+            Recorder::resume(&setup.out, at, setup.eval_every)
         }
-        _ => Recorder::create(&setup.out)?,
-    };
-    let progress =
-        if leader { Progress::new(setup.steps, setup.log_every) } else { Progress::Silent };
-    let mut eval_loss = recorder.eval.last().map_or(f64::NAN, |&(_, loss)| loss);
-    if let Start::InitFrom { .. } = setup.start {
-        eval_loss = trainer.evaluate(&setup.data.eval)?;
-        recorder.eval(0, eval_loss)?;
-        progress.println(&eval_line(0, eval_loss, setup.data.floor));
+        _ => Recorder::create(&setup.out),
     }
-    let mut done = first - 1;
+}
+
+/// The training loop: every step, with its checkpoints and evaluations, until the last step or
+/// a signal.
+fn train_steps<M: Model>(
+    setup: &mut Setup,
+    trainer: &mut Trainer<M>,
+    recorder: &mut Recorder,
+    progress: &Progress,
+    stop: &Stop,
+) -> anyhow::Result<Ended> {
+    // Off unless ZEROFLOW_STEP_TIMEOUT is set; ticked after each step, checkpoint and evaluation.
+    let watchdog = crate::dist::step_watchdog(&setup.dist)?;
+    let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
+    let first = setup.start_step() + 1;
+    let last_eval = recorder.eval.last().copied();
+    let mut ended = Ended { done: first - 1, last_eval, saved: None, interrupted: false };
+    if let Start::InitFrom { .. } = setup.start {
+        let Some(loss) = trainer.evaluate(0, &setup.data.eval, stop, progress)? else {
+            ended.interrupted = true;
+            return Ok(ended);
+        };
+        recorder.eval(0, loss)?;
+        progress.println(&output::eval_line(0, loss, setup.data.floor));
+        ended.last_eval = Some((0, loss));
+    }
     for step in first..=setup.steps {
+        stop.at_step(step);
+        progress.doing(format!("step {step}/{} running", setup.steps));
         let record = trainer.step(step, &mut setup.data.train)?;
         tick();
         recorder.step(&record)?;
         progress.step(&record);
-        done = step;
+        ended.done = step;
         // Every rank stops after the same step: a signal may reach the ranks at different times.
-        let interrupted = trainer.group().any(stop.load(Ordering::Relaxed))?;
-        let last = step == setup.steps || interrupted;
-        if last || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
+        let interrupted = trainer.group().any(stop.requested())?;
+        let last = step == setup.steps;
+        if last || interrupted || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
             // Saved before the flush below: the delayed update's pending weights are part of
             // the state, so a resumed run continues exactly as this one would have.
-            let dir = trainer.save(step, &setup)?;
+            ended.saved = Some(save_and_say(trainer, step, setup, progress)?);
             tick();
-            progress.println(&format!("step {step}: saved {}", dir.display()));
         }
         if interrupted {
-            progress.println(&format!("interrupted: stopped after step {step}"));
+            ended.interrupted = true;
             break;
         }
         if last {
@@ -100,62 +192,70 @@ pub(super) fn run_on<M: Model>(
             trainer.engine.flush()?;
         }
         if last || (setup.eval_every > 0 && step.is_multiple_of(setup.eval_every)) {
-            eval_loss = trainer.evaluate(&setup.data.eval)?;
+            let Some(loss) = trainer.evaluate(step, &setup.data.eval, stop, progress)? else {
+                // Abandoned for a signal: the run stops here, with a checkpoint of this step.
+                if ended.saved.as_deref() != Some(checkpoints::step_dir(&setup.out, step).as_path())
+                {
+                    ended.saved = Some(save_and_say(trainer, step, setup, progress)?);
+                }
+                ended.interrupted = true;
+                break;
+            };
             tick();
-            recorder.eval(step, eval_loss)?;
-            progress.println(&eval_line(step, eval_loss, setup.data.floor));
+            recorder.eval(step, loss)?;
+            progress.println(&output::eval_line(step, loss, setup.data.floor));
+            ended.last_eval = Some((step, loss));
         }
     }
-    progress.finish();
-    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
-    trainer.group.take().expect("the group is taken once, here").finish()?;
-    if !leader {
-        return Ok(());
-    }
-    let summary = summary(&setup, &trainer, &recorder, done, eval_loss, start.elapsed());
-    recorder.finish(setup.data.floor, &summary)?;
-    tracing::info!("{done} steps; wrote {}", setup.out.display());
-    println!("{}", final_line(eval_loss, setup.data.floor));
-    Ok(())
+    Ok(ended)
 }
 
-/// A flag that the first SIGINT or SIGTERM sets; the second exits the process with code 130.
-fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [SIGINT, SIGTERM] {
-        // Registered first, so it sees the flag as the previous signal left it.
-        signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&stop))
-            .context("cannot handle signals")?;
-        signal_hook::flag::register(signal, Arc::clone(&stop)).context("cannot handle signals")?;
-    }
-    Ok(stop)
+/// Saves the checkpoint of `step`, saying so.
+fn save_and_say<M: Model>(
+    trainer: &mut Trainer<M>,
+    step: u64,
+    setup: &Setup,
+    progress: &Progress,
+) -> anyhow::Result<PathBuf> {
+    progress.doing(format!("saving the checkpoint of step {step}"));
+    let saving = Instant::now();
+    let dir = trainer.save(step, setup)?;
+    let secs = saving.elapsed().as_secs_f64();
+    progress.println(&format!("step {step}: saved {} in {secs:.1} s", dir.display()));
+    Ok(dir)
 }
 
+/// `summary.json`. Its times: `wall_s` is the run's wall-clock time so far, every process that
+/// trained it included (set-up, evaluations and checkpoints too; up to the checkpoint each resumed
+/// from); `process_wall_s` is this process's; `train_s` the time in training steps alone, over the
+/// whole run like `wall_s` (so `train_s` ≤ `wall_s`), which `tokens_per_s` divides by.
 fn summary<M: Model>(
     setup: &Setup,
     trainer: &Trainer<M>,
     recorder: &Recorder,
-    done: u64,
-    eval_loss: f64,
-    wall: Duration,
+    ended: &Ended,
+    process_wall: Duration,
 ) -> serde_json::Value {
     let train_s = trainer.train_time.as_secs_f64();
-    let tokens = done * trainer.tokens_per_step;
+    let tokens = ended.done * trainer.tokens_per_step;
     let (resumed_from, init_from) = match &setup.start {
         Start::Resume { point, .. } => (Some(point.dir.display().to_string()), None),
         Start::InitFrom { dir, .. } => (None, Some(dir.display().to_string())),
         Start::Seed => (None, None),
     };
+    let eval_loss = ended.last_eval.map(|(_, loss)| loss);
     json!({
         "final_eval_loss": eval_loss,
+        "eval_step": ended.last_eval.map(|(step, _)| step),
         "entropy_floor": setup.data.floor,
-        "over_floor": setup.data.floor.map(|floor| eval_loss / floor - 1.0),
+        "over_floor": setup.data.floor.zip(eval_loss).map(|(floor, loss)| loss / floor - 1.0),
         "final_train_loss": recorder.train.last().map(|&(_, loss)| loss),
-        "steps": done,
-        "interrupted": done < setup.steps,
+        "steps": ended.done,
+        "interrupted": ended.interrupted,
         "tokens": tokens,
         "tokens_per_s": tokens as f64 / train_s,
-        "wall_s": wall.as_secs_f64(),
+        "wall_s": trainer.wall_time().as_secs_f64(),
+        "process_wall_s": process_wall.as_secs_f64(),
         "train_s": train_s,
         "seed": setup.seed,
         "device": trainer.device_description,
@@ -206,14 +306,18 @@ struct Trainer<M: Model> {
     tokens_per_step: u64,
     /// Reused for every micro-batch.
     micro_batch: Batch,
-    /// Time spent in training steps (evaluation excluded).
+    /// Time spent in training steps (evaluation excluded), over the whole run.
     train_time: Duration,
+    /// The run's wall-clock time before this process: up to the checkpoint it resumed from.
+    wall_before: Duration,
+    /// When this process started the run.
+    started: Instant,
     /// The side channel to the other ranks (taken for its last barrier at the end of the run).
     group: Option<Group>,
 }
 
 impl<M: Model> Trainer<M> {
-    fn new(setup: &Setup, open: impl backend::OpenFn<M>) -> anyhow::Result<Self> {
+    fn new(setup: &Setup, open: impl backend::OpenFn<M>, started: Instant) -> anyhow::Result<Self> {
         let (model, config) = (&setup.model, &setup.config);
         let world = setup.dist.world_size;
         let layout = flat_layout(model, world).context("cannot lay out the model")?;
@@ -256,7 +360,7 @@ impl<M: Model> Trainer<M> {
         let mut engine =
             Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))
                 .map_err(config_error)?;
-        let mut train_time = Duration::ZERO;
+        let (mut train_time, mut wall_before) = (Duration::ZERO, Duration::ZERO);
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
             let restore = Restore {
@@ -270,6 +374,9 @@ impl<M: Model> Trainer<M> {
             let restored = engine.restore(&convert(&weights), &restore);
             restored.map_err(|e| super::input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
+            // Checkpoints from before wall_s was recorded: their training time, a lower bound.
+            let wall = point.extra.wall_s.unwrap_or(point.extra.train_s);
+            wall_before = Duration::from_secs_f64(wall.max(0.0));
         }
         let batch = config.batch.micro_batch_size_per_gpu;
         let accum = config.batch.gradient_accumulation_steps;
@@ -283,8 +390,15 @@ impl<M: Model> Trainer<M> {
             tokens_per_step: accum * batch * model.context as u64 * world as u64,
             micro_batch: Batch::default(),
             train_time,
+            wall_before,
+            started,
             group: Some(group),
         })
+    }
+
+    /// The run's wall-clock time so far, every process that trained it included.
+    fn wall_time(&self) -> Duration {
+        self.wall_before + self.started.elapsed()
     }
 
     fn group(&mut self) -> &mut Group {
@@ -335,11 +449,13 @@ impl<M: Model> Trainer<M> {
             model: setup.model,
             config: setup.config.to_json(),
             data: setup.data_arg.clone(),
+            data_files: setup.data_files.clone(),
             data_position: setup.data.train.position(),
             seed: setup.seed,
             step,
             lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
             train_s: self.train_time.as_secs_f64(),
+            wall_s: Some(self.wall_time().as_secs_f64()),
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),
@@ -418,21 +534,41 @@ impl<M: Model> Trainer<M> {
     }
 
     /// The mean loss over the evaluation set (every rank's slice) with the engine's current
-    /// weights.
-    fn evaluate(&mut self, eval: &[Batch]) -> anyhow::Result<f64> {
+    /// weights after step `after`; `None` where a signal (on any rank) abandoned it.
+    fn evaluate(
+        &mut self,
+        after: u64,
+        eval: &[Batch],
+        stop: &Stop,
+        progress: &Progress,
+    ) -> anyhow::Result<Option<f64>> {
         // The forward below runs on the compute stream outside the engine's backward, so nothing
         // orders it after the weights' last writer (the comm stream's all-gather with several
         // ranks, the upload with offload): wait for every stream. Evaluation is rare.
         self.engine.device().synchronize()?;
         let mut sum = 0.0;
-        for batch in eval {
+        let mut evaluated = 0;
+        for (i, batch) in eval.iter().enumerate() {
+            if stop.requested() {
+                break;
+            }
+            progress.doing(format!(
+                "evaluating after step {after}: batch {}/{}",
+                i + 1,
+                eval.len()
+            ));
             self.model.set_batch(&batch.inputs, &batch.targets)?;
             self.model.forward(self.engine.params())?;
             sum += f64::from(self.model.loss()?);
+            evaluated += 1;
+        }
+        // Every rank abandons it where one did.
+        if self.group().any(evaluated < eval.len())? {
+            return Ok(None);
         }
         // Every rank evaluated its slice of the same set: the mean is the whole set's loss.
         let local = sum / eval.len() as f64;
-        Ok(self.group().mean(local)?)
+        Ok(Some(self.group().mean(local)?))
     }
 }
 
@@ -453,25 +589,4 @@ pub(crate) fn forward_backward<M: Model>(
         })?;
         engine_error.map_or(Ok(()), |e| Err(e.into()))
     })
-}
-
-fn eval_line(step: u64, eval_loss: f64, floor: Option<f64>) -> String {
-    match floor {
-        Some(floor) => format!(
-            "step {step}: eval loss {eval_loss:.4} ({:+.1}% over the floor {floor:.4})",
-            100.0 * (eval_loss / floor - 1.0)
-        ),
-        None => format!("step {step}: eval loss {eval_loss:.4}"),
-    }
-}
-
-/// The line a run ends with, e.g. `final eval loss 1.12 nats/token; entropy floor 1.09 (+2.6%)`.
-fn final_line(eval_loss: f64, floor: Option<f64>) -> String {
-    match floor {
-        Some(floor) => format!(
-            "final eval loss {eval_loss:.3} nats/token; entropy floor {floor:.3} ({:+.1}%)",
-            100.0 * (eval_loss / floor - 1.0)
-        ),
-        None => format!("final eval loss {eval_loss:.3} nats/token"),
-    }
 }

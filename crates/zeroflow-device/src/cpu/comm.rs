@@ -5,6 +5,10 @@
 //! computes its own output into scratch from everybody's input, all wait until every input has been
 //! read, then each writes its output. Reads therefore finish before any write, so in-place
 //! collectives are correct. Reductions add in rank order in `f64`, so every rank gets the same bits.
+//!
+//! A rank whose communicator is dropped (its thread failed, or ended) leaves the group once its
+//! queued collectives have run: from then on every collective of the others, already waiting or
+//! started later, fails at once with an error naming that rank, instead of waiting out the timeout.
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
@@ -37,6 +41,19 @@ struct Rendezvous {
     generation: u64,
     arrived: usize,
     slots: Vec<Option<Published>>,
+    /// Each rank's collectives queued on its streams and not yet finished (or dropped unrun).
+    pending: Vec<usize>,
+    /// The ranks whose communicator has been dropped, in the order they were.
+    dropped: Vec<usize>,
+}
+
+impl Rendezvous {
+    /// The first rank that has left the group: its communicator is gone and so is every
+    /// collective it queued, so it can never arrive again. The first to go is named, not a rank
+    /// that failed because of it and went too.
+    fn departed(&self) -> Option<usize> {
+        self.dropped.iter().copied().find(|&rank| self.pending[rank] == 0)
+    }
 }
 
 #[derive(Debug)]
@@ -48,9 +65,14 @@ struct Group {
 }
 
 impl Group {
-    /// A barrier among all ranks; fails if they do not all arrive within the timeout.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Rendezvous> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A barrier among all ranks; fails if they do not all arrive within the timeout, or at once
+    /// when a rank has left the group.
     fn barrier(&self, op: &'static str, rank: usize) -> Result<()> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.lock();
         let generation = state.generation;
         state.arrived += 1;
         if state.arrived == self.world {
@@ -61,6 +83,16 @@ impl Group {
         }
         let deadline = Instant::now() + self.timeout;
         while state.generation == generation {
+            if let Some(departed) = state.departed() {
+                return Err(DeviceError::Collective {
+                    op,
+                    rank,
+                    reason: format!(
+                        "rank {departed} left the group (it failed or ended) and will never \
+                         arrive"
+                    ),
+                });
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 let missing = self.world - state.arrived;
@@ -92,7 +124,13 @@ impl CpuComm {
         let group = Arc::new(Group {
             world,
             timeout,
-            state: Mutex::new(Rendezvous { generation: 0, arrived: 0, slots: vec![None; world] }),
+            state: Mutex::new(Rendezvous {
+                generation: 0,
+                arrived: 0,
+                slots: vec![None; world],
+                pending: vec![0; world],
+                dropped: Vec::with_capacity(world),
+            }),
             changed: Condvar::new(),
         });
         devices
@@ -128,12 +166,42 @@ impl CpuComm {
         let mine =
             Published { op, dtype: T::DTYPE, ptr: SendPtr(from.0.cast()), len: src_range.len() };
         let out_len = dst_range.len();
+        let queued = Queued::new(group.clone(), rank);
         let work: Work = Box::new(move || {
             let result = run_collective(&group, rank, mine, to, out_len, compute);
-            drop(keep);
+            drop((keep, queued));
             result
         });
         self.device.enqueue(stream, op, &touches, work).map(drop)
+    }
+}
+
+impl Drop for CpuComm {
+    /// This rank leaves the group once its queued collectives are done (see the module's docs).
+    fn drop(&mut self) {
+        self.group.lock().dropped.push(self.rank);
+        self.group.changed.notify_all();
+    }
+}
+
+/// A collective queued on a rank's stream, counted in [`Rendezvous::pending`] until it has run or
+/// its work was dropped unrun.
+struct Queued {
+    group: Arc<Group>,
+    rank: usize,
+}
+
+impl Queued {
+    fn new(group: Arc<Group>, rank: usize) -> Queued {
+        group.lock().pending[rank] += 1;
+        Queued { group, rank }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.group.lock().pending[self.rank] -= 1;
+        self.group.changed.notify_all();
     }
 }
 

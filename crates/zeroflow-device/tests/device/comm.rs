@@ -201,3 +201,78 @@ fn a_rank_that_never_arrives_times_out_instead_of_hanging() {
         "{err}"
     );
 }
+
+/// Three ranks; rank 2 fails (its thread ends, dropping its communicator) before its second
+/// all-reduce. Ranks 0 and 1 wait in that collective; they fail at once, naming rank 2, instead of
+/// waiting out the group's timeout (an hour here, so a pass cannot come from the timeout, whose
+/// error says "did not arrive").
+#[test]
+fn a_rank_that_leaves_the_group_fails_the_others_collectives_at_once() {
+    let devices: Vec<CpuDevice> = (0..3).map(|_| CpuDevice::new().unwrap()).collect();
+    let comms = CpuComm::group(&devices, Duration::from_secs(3600));
+    let results: Vec<Result<(), DeviceError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(rank, (dev, comm))| {
+                s.spawn(move || {
+                    let stream = dev.stream(StreamKind::Comm);
+                    let buf = dev.upload(&[1.0f32; 4])?;
+                    comm.all_reduce(stream, &buf, 0..4, ReduceOp::Sum)?;
+                    dev.synchronize()?;
+                    if rank == 2 {
+                        drop(comm);
+                        return Ok(());
+                    }
+                    comm.all_reduce(stream, &buf, 0..4, ReduceOp::Sum)?;
+                    dev.synchronize()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[2].is_ok());
+    for (rank, result) in results.iter().enumerate().take(2) {
+        assert!(
+            matches!(result, Err(DeviceError::Collective { op: "all_reduce", rank: r, reason })
+                if *r == rank && reason.contains("rank 2 left the group")),
+            "rank {rank}: {result:?}"
+        );
+    }
+}
+
+/// A rank may drop its communicator while a collective it queued is still waiting for the others
+/// (the normal end of a thread that does not synchronize): that collective still completes, on
+/// every rank, with the right result.
+#[test]
+fn a_dropped_communicator_still_runs_the_collectives_it_queued() {
+    let devices: Vec<CpuDevice> = (0..2).map(|_| CpuDevice::new().unwrap()).collect();
+    let comms = CpuComm::group(&devices, Duration::from_secs(3600));
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(rank, (dev, comm))| {
+                s.spawn(move || {
+                    let buf = dev.upload(&[rank as f32 + 1.0; 4]).unwrap();
+                    if rank == 1 {
+                        // Rank 1 arrives late: rank 0's collective waits for it when rank 0's
+                        // communicator is dropped.
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    let stream = dev.stream(StreamKind::Comm);
+                    comm.all_reduce(stream, &buf, 0..4, ReduceOp::Sum).unwrap();
+                    if rank == 0 {
+                        drop(comm);
+                    }
+                    dev.synchronize().unwrap();
+                    dev.download(&buf).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(sums, [vec![3.0f32; 4], vec![3.0f32; 4]]);
+}

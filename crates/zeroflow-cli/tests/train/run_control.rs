@@ -1,0 +1,382 @@
+//! How a run is steered and stopped: what a resume continues to (its planned total, on its
+//! planned learning-rate schedule), which data it accepts, the run directories two runs get, the
+//! signals, and the progress lines without a terminal.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+use super::{MINI, read_lines, scratch, text, train};
+
+/// A constant learning rate: a resumed run may change its total of steps freely.
+const CONSTANT_LR: &str = r#"{
+  "train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}
+}"#;
+
+fn checkpoint(run: &Path, step: u64) -> PathBuf {
+    run.join("checkpoints").join(format!("step-{step:08}"))
+}
+
+fn zeroflow_in(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .current_dir(dir)
+        .arg("train")
+        .args(args)
+        .env("ZEROFLOW_LOG", "warn")
+        .output()
+        .expect("run zeroflow")
+}
+
+/// Each step's learning rate in metrics.jsonl, by step.
+fn lrs(run: &Path) -> Vec<(u64, f64)> {
+    read_lines(&run.join("metrics.jsonl"))
+        .iter()
+        .filter_map(|l| Some((l["step"].as_u64()?, l.get("lr")?.as_f64()?)))
+        .collect()
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// A run of 8 steps (the default config: warm-up and cosine decay sized from the total) stopped
+/// after its checkpoint at step 4 continues, with `--resume latest` alone, to step 8 on the same
+/// schedule: every resumed step's learning rate is the uninterrupted run's (regression: it went on
+/// to 1,000 steps, re-warming the learning rate). A new total that would re-plan the schedule is
+/// refused, saying how to do it on purpose; `--extend-schedule` does it.
+#[test]
+fn a_resume_finishes_its_planned_run_on_its_planned_schedule() {
+    let dir = scratch("resume_planned_total");
+    let (straight, split) = (dir.join("straight"), dir.join("split"));
+    let base = ["--model", MINI, "--micro-batch", "2", "--steps", "8", "--save-every", "4"];
+    for out in [&straight, &split] {
+        let run = train(&[&base[..], &["--out", out.to_str().unwrap()]].concat());
+        assert!(run.status.success(), "{}", text(&run.stderr));
+    }
+    // As if the run had stopped after its checkpoint at step 4.
+    std::fs::remove_dir_all(checkpoint(&split, 8)).unwrap();
+    let out = split.to_str().unwrap();
+    let resumed = train(&["--resume", "latest", "--out", out]);
+    assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+    let (want, got) = (lrs(&straight), lrs(&split));
+    assert_eq!(got.len(), 8, "{got:?}");
+    assert_eq!(got[4], want[4], "the first resumed step's learning rate");
+    assert_eq!(got, want);
+    assert_eq!(json(&split.join("summary.json"))["steps"], 8);
+
+    let longer = train(&["--resume", "latest", "--out", out, "--steps", "12"]);
+    let stderr = text(&longer.stderr);
+    assert_eq!(longer.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("planned 8 steps") && stderr.contains("--extend-schedule"), "{stderr}");
+    assert!(!checkpoint(&split, 12).exists());
+    let extended =
+        train(&["--resume", "latest", "--out", out, "--steps", "12", "--extend-schedule"]);
+    let stderr = text(&extended.stderr);
+    assert!(extended.status.success(), "{stderr}");
+    assert!(stderr.contains("re-planned over 12 steps"), "{stderr}");
+    assert_eq!(lrs(&split).len(), 12);
+}
+
+/// A run started with a relative `--data` resumes from another directory, and under another
+/// spelling of the same file; a checkpoint from before paths were resolved (a relative `data`, no
+/// fingerprints) still resumes from the directory its run started in; a changed file is refused,
+/// saying what changed.
+#[test]
+fn a_resume_finds_its_data_from_anywhere_and_refuses_a_changed_file() {
+    let dir = scratch("resume_data_paths");
+    let (home, elsewhere) = (dir.join("home"), dir.join("elsewhere"));
+    std::fs::create_dir_all(home.join("sub")).unwrap();
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::write(home.join("corpus.txt"), "hello zeroflow ".repeat(300)).unwrap();
+    std::fs::write(home.join("ds.json"), CONSTANT_LR).unwrap();
+    let model = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
+    let run = home.join("run");
+    let args = ["--model", model, "--config", "ds.json", "--data", "corpus.txt", "--steps", "2"];
+    // Every path relative to `home`.
+    let first = zeroflow_in(&home, &[&args[..], &["--out", "run"]].concat());
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let state = json(&checkpoint(&run, 2).join("state.json"));
+    let recorded = state["extra"]["data"].as_str().unwrap().to_owned();
+    assert!(Path::new(&recorded).is_absolute() && recorded.ends_with("corpus.txt"), "{recorded}");
+    assert_eq!(state["extra"]["data_files"].as_array().unwrap().len(), 1);
+    let out = run.to_str().unwrap();
+    let resume = |cwd: &Path, steps: &str, extra: &[&str]| {
+        zeroflow_in(
+            cwd,
+            &[&["--resume", "latest", "--out", out, "--steps", steps][..], extra].concat(),
+        )
+    };
+    let from_elsewhere = resume(&elsewhere, "3", &[]);
+    assert!(from_elsewhere.status.success(), "{}", text(&from_elsewhere.stderr));
+    let detour = home.join("sub").join("..").join("corpus.txt");
+    let spelled = resume(&elsewhere, "4", &["--data", detour.to_str().unwrap()]);
+    assert!(spelled.status.success(), "{}", text(&spelled.stderr));
+
+    // The checkpoint as an older zeroflow wrote it.
+    let state_path = checkpoint(&run, 4).join("state.json");
+    let mut old = json(&state_path);
+    old["extra"]["data"] = "corpus.txt".into();
+    old["extra"].as_object_mut().unwrap().remove("data_files");
+    std::fs::write(&state_path, serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+    let lost = resume(&elsewhere, "5", &[]);
+    let stderr = text(&lost.stderr);
+    assert_eq!(lost.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("relative to the directory its run was started in"), "{stderr}");
+    let from_home = resume(&home, "5", &[]);
+    assert!(from_home.status.success(), "{}", text(&from_home.stderr));
+
+    let mut bytes = std::fs::read(home.join("corpus.txt")).unwrap();
+    let before = bytes.len();
+    bytes.extend_from_slice(b"more text");
+    std::fs::write(home.join("corpus.txt"), &bytes).unwrap();
+    let changed = resume(&elsewhere, "6", &[]);
+    let stderr = text(&changed.stderr);
+    assert_eq!(changed.status.code(), Some(2), "{stderr}");
+    let said = format!("was {before} bytes and is {} now", bytes.len());
+    assert!(stderr.contains("the data changed") && stderr.contains(&said), "{stderr}");
+    assert!(!checkpoint(&run, 6).exists());
+}
+
+/// Two runs started at once with the default `--out` each get their own directory under `runs/`
+/// (regression: both wrote into `runs/<UTC second>`, interleaving their metrics, and the second
+/// failed at its first checkpoint).
+#[test]
+fn runs_started_at_once_get_a_run_directory_each() {
+    let dir = scratch("default_out_at_once");
+    let args =
+        ["train", "--model", MINI, "--micro-batch", "2", "--steps", "6", "--save-every", "2"];
+    let start = || {
+        Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .current_dir(&dir)
+            .args(args)
+            .env("ZEROFLOW_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start zeroflow")
+    };
+    let children: Vec<Child> = (0..3).map(|_| start()).collect();
+    for child in children {
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success(), "{}", text(&output.stderr));
+    }
+    let runs: Vec<PathBuf> =
+        std::fs::read_dir(dir.join("runs")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(runs.len(), 3, "{runs:?}");
+    for run in &runs {
+        let steps: Vec<u64> = read_lines(&run.join("metrics.jsonl"))
+            .iter()
+            .filter(|l| l.get("loss").is_some())
+            .map(|l| l["step"].as_u64().unwrap())
+            .collect();
+        assert_eq!(steps, (1..=6).collect::<Vec<_>>(), "{}", run.display());
+        assert!(checkpoint(run, 6).is_dir(), "{}", run.display());
+    }
+}
+
+/// Starts a long CPU run of `model` in `run` with `flags`, and waits for its first step.
+fn start_long_run(dir: &Path, run: &Path, model: &str, flags: &[&str]) -> Child {
+    let config = dir.join("ds.json");
+    std::fs::write(&config, CONSTANT_LR).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["train", "--model", model, "--steps", "100000", "--config"])
+        .arg(&config)
+        .args(flags)
+        .arg("--out")
+        .arg(run)
+        .env("ZEROFLOW_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start zeroflow");
+    let metrics = run.join("metrics.jsonl");
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.is_empty()) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
+}
+
+fn signal(child: &Child, name: &str) {
+    let sent = Command::new("kill").args([&format!("-{name}"), &child.id().to_string()]).status();
+    assert!(sent.unwrap().success(), "kill -{name}");
+}
+
+/// SIGINT and SIGTERM say at once what will happen, stop after the current step (abandoning an
+/// evaluation: the run evaluates every step), save a checkpoint there, write the summary, and exit
+/// with 130 and 143 (regression: they were silent and exited 0, so `train && export` went on). The
+/// last line names the step the run stopped at and the step of the eval loss it prints; the run
+/// resumes from its checkpoint.
+#[test]
+fn sigint_and_sigterm_save_a_checkpoint_and_exit_130_and_143() {
+    for (name, status) in [("INT", 130), ("TERM", 143)] {
+        let dir = scratch(&format!("signal_{name}"));
+        let run = dir.join("run");
+        // An evaluation after every step: the signal often arrives during one.
+        let flags = ["--eval-every", "1", "--save-every", "0"];
+        let child = start_long_run(&dir, &run, MINI, &flags);
+        signal(&child, name);
+        let output = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+        assert_eq!(output.status.code(), Some(status), "SIG{name}: {stderr}");
+        assert!(stderr.contains(&format!("SIG{name} during step")), "{stderr}");
+        assert!(stderr.contains(&format!("exiting with status {status}")), "{stderr}");
+        let lines = read_lines(&run.join("metrics.jsonl"));
+        let last = lines.iter().filter(|l| l.get("loss").is_some()).count() as u64;
+        let last_eval = lines.iter().rev().find(|l| l.get("eval_loss").is_some());
+        let last_eval = last_eval.and_then(|l| l["step"].as_u64());
+        assert!(checkpoint(&run, last).join("state.json").is_file(), "a checkpoint at {last}");
+        let final_line = stdout.lines().last().unwrap_or_default();
+        assert!(
+            final_line.starts_with(&format!("interrupted at step {last} of 100000")),
+            "{final_line}"
+        );
+        assert!(!final_line.contains("NaN"), "{final_line}");
+        match last_eval {
+            Some(step) => assert!(final_line.contains(&format!("at step {step} ")), "{final_line}"),
+            None => assert!(final_line.contains("no evaluation yet"), "{final_line}"),
+        }
+        let summary = json(&run.join("summary.json"));
+        assert_eq!(
+            (summary["steps"].as_u64(), summary["interrupted"].as_bool()),
+            (Some(last), Some(true))
+        );
+        let more = (last + 2).to_string();
+        let resumed =
+            train(&["--resume", "latest", "--out", run.to_str().unwrap(), "--steps", &more]);
+        assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+        assert!(checkpoint(&run, last + 2).is_dir());
+    }
+}
+
+/// A second signal exits at once, without saving or a summary. The test sends SIGINT, waits
+/// for its notice (so the first signal has been caught), stops the process (SIGSTOP), queues
+/// SIGTERM and lets it go on; where the run had already saved and exited before the SIGSTOP,
+/// that attempt shows nothing and is repeated. What a write cut short leaves
+/// (`.step-N.partial-PID`, also after SIGKILL) is removed when the run resumes.
+#[test]
+fn a_second_signal_exits_at_once_and_a_resume_removes_unfinished_checkpoints() {
+    let dir = scratch("second_signal");
+    let run = dir.join("run");
+    // Steps long enough that the run is still in one when it is stopped.
+    let model = r#"{"n_layer":2,"n_head":2,"d_model":128,"vocab_size":64,"context":64}"#;
+    let mut attempts = 0;
+    let (output, stderr) = loop {
+        attempts += 1;
+        let _ = std::fs::remove_dir_all(&run);
+        let mut child =
+            start_long_run(&dir, &run, model, &["--eval-every", "0", "--save-every", "1"]);
+        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines().map(Result::unwrap);
+        // A checkpoint to resume from below.
+        while !checkpoint(&run, 1).is_dir() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        signal(&child, "INT");
+        let mut seen: Vec<String> = stderr.by_ref().take_while(|l| !l.contains("SIGINT")).collect();
+        signal(&child, "STOP");
+        if child.try_wait().unwrap().is_some() && attempts < 5 {
+            // It had finished (checkpoint, summary, exit) before the SIGSTOP: try again.
+            continue;
+        }
+        signal(&child, "TERM");
+        signal(&child, "CONT");
+        seen.extend(stderr);
+        break (child.wait_with_output().unwrap(), seen);
+    };
+    let stdout = text(&output.stdout);
+    assert_eq!(output.status.code(), Some(143), "{stderr:?}");
+    assert!(!stdout.contains("interrupted at step"), "it stopped at once: {stdout}");
+    assert!(!run.join("summary.json").exists(), "it wrote no summary");
+
+    let planted = run.join("checkpoints").join(".step-00999999.partial-4242");
+    std::fs::create_dir_all(planted.join("optim")).unwrap();
+    let newest = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
+        .max()
+        .expect("a checkpoint of an earlier step");
+    let more = (newest + 1).to_string();
+    let resumed = train(&["--resume", "latest", "--out", run.to_str().unwrap(), "--steps", &more]);
+    let said = text(&resumed.stderr);
+    assert!(resumed.status.success(), "{said}");
+    assert!(said.contains("removed") && said.contains(".step-00999999.partial-4242"), "{said}");
+    let left: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.contains(".partial-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// Without a terminal, progress lines come by time as well as every `--log-every` steps
+/// (`ZEROFLOW_PROGRESS_SECS` sets the interval): with a tiny interval every step has its line
+/// although `--log-every` asks for one in 1000; with the default 30 s a short run prints only the
+/// last step's. The model build and the checkpoints say so too. (What the watcher thread says of
+/// a long activity: `train::output`'s unit tests.)
+#[test]
+fn without_a_terminal_progress_lines_come_by_time_too() {
+    let dir = scratch("progress_by_time");
+    let run_with = |interval: Option<&str>, name: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_zeroflow"));
+        command
+            .args(["train", "--model", MINI, "--micro-batch", "2", "--steps", "6"])
+            .args(["--log-every", "1000", "--eval-every", "2", "--save-every", "3"])
+            .arg("--out")
+            .arg(dir.join(name))
+            .env("ZEROFLOW_LOG", "info");
+        if let Some(interval) = interval {
+            command.env("ZEROFLOW_PROGRESS_SECS", interval);
+        }
+        let output = command.output().unwrap();
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        text(&output.stderr)
+    };
+    let steps_shown = |stderr: &str| -> Vec<u64> {
+        BufReader::new(stderr.as_bytes())
+            .lines()
+            .map(Result::unwrap)
+            .filter_map(|line| {
+                let (_, rest) = line.split_once(" step ")?;
+                rest.split_once("/6 loss")?.0.parse().ok()
+            })
+            .collect()
+    };
+    let quiet = run_with(None, "default");
+    assert_eq!(steps_shown(&quiet), [6], "{quiet}");
+    let timed = run_with(Some("0.000001"), "timed");
+    assert_eq!(steps_shown(&timed), [1, 2, 3, 4, 5, 6], "{timed}");
+    assert!(timed.contains("model ready on") && timed.contains("step 3: saved"), "{timed}");
+    let bad = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["train", "--model", MINI, "--steps", "1", "--out"])
+        .arg(dir.join("bad"))
+        .env("ZEROFLOW_PROGRESS_SECS", "soon")
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad.stderr).contains("ZEROFLOW_PROGRESS_SECS=soon"), "{}", text(&bad.stderr));
+}
+
+/// After a resume, `summary.json`'s `wall_s` is the whole run's wall-clock time (up to the
+/// checkpoint, plus this process's `process_wall_s`), so it is at least `train_s`, which is
+/// the whole run's too (regression: `wall_s` was this process's alone, less than `train_s`).
+#[test]
+fn after_a_resume_wall_time_covers_the_whole_run() {
+    let dir = scratch("resume_wall_time");
+    std::fs::write(dir.join("ds.json"), CONSTANT_LR).unwrap();
+    let run = dir.join("run");
+    let config = dir.join("ds.json");
+    let base =
+        ["--model", MINI, "--config", config.to_str().unwrap(), "--out", run.to_str().unwrap()];
+    let first = train(&[&base[..], &["--steps", "30"]].concat());
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let saved = json(&checkpoint(&run, 30).join("state.json"))["extra"]["wall_s"].as_f64().unwrap();
+    let second = train(&["--resume", "latest", "--out", run.to_str().unwrap(), "--steps", "31"]);
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    let summary = json(&run.join("summary.json"));
+    let seconds = |key: &str| summary[key].as_f64().unwrap_or_else(|| panic!("{key}: {summary}"));
+    let (wall, process, train_s) =
+        (seconds("wall_s"), seconds("process_wall_s"), seconds("train_s"));
+    assert!(wall >= train_s, "wall_s {wall} < train_s {train_s}");
+    assert!(wall >= saved + process - 1e-6 && wall <= saved + process + 1e-3, "{summary}");
+    assert!(process < wall);
+}
