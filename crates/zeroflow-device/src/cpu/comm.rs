@@ -37,6 +37,9 @@ struct Rendezvous {
     generation: u64,
     arrived: usize,
     slots: Vec<Option<Published>>,
+    /// Why the group can no longer meet (a rank timed out or left); every later collective of
+    /// every rank fails at once with this reason instead of waiting.
+    poisoned: Option<String>,
 }
 
 #[derive(Debug)]
@@ -51,6 +54,14 @@ impl Group {
     /// A barrier among all ranks; fails if they do not all arrive within the timeout.
     fn barrier(&self, op: &'static str, rank: usize) -> Result<()> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let failed = |reason: &str| DeviceError::Collective {
+            op,
+            rank,
+            reason: format!("the group of ranks failed earlier: {reason}"),
+        };
+        if let Some(reason) = &state.poisoned {
+            return Err(failed(reason));
+        }
         let generation = state.generation;
         state.arrived += 1;
         if state.arrived == self.world {
@@ -61,22 +72,35 @@ impl Group {
         }
         let deadline = Instant::now() + self.timeout;
         while state.generation == generation {
+            if let Some(reason) = &state.poisoned {
+                return Err(failed(reason));
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 let missing = self.world - state.arrived;
-                return Err(DeviceError::Collective {
-                    op,
-                    rank,
-                    reason: format!("{missing} rank(s) did not arrive within {:?}", self.timeout),
-                });
+                let reason = format!("{missing} rank(s) did not arrive within {:?}", self.timeout);
+                state.poisoned.get_or_insert_with(|| format!("{op} on rank {rank}: {reason}"));
+                self.changed.notify_all();
+                return Err(DeviceError::Collective { op, rank, reason });
             }
             state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         Ok(())
     }
+
+    /// Marks the group failed for `reason` (the first reason is kept) and wakes every waiter.
+    fn poison(&self, reason: String) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.poisoned.get_or_insert(reason);
+        self.changed.notify_all();
+    }
 }
 
 /// One rank's communicator among in-process ranks.
+///
+/// Dropping it (a rank that returned early, or panicked) fails every collective the other ranks
+/// are waiting in or start later, at once: no rank waits for one that has gone. Ranks that all
+/// finished their collectives drop theirs harmlessly.
 #[derive(Debug)]
 pub struct CpuComm {
     rank: usize,
@@ -92,7 +116,12 @@ impl CpuComm {
         let group = Arc::new(Group {
             world,
             timeout,
-            state: Mutex::new(Rendezvous { generation: 0, arrived: 0, slots: vec![None; world] }),
+            state: Mutex::new(Rendezvous {
+                generation: 0,
+                arrived: 0,
+                slots: vec![None; world],
+                poisoned: None,
+            }),
             changed: Condvar::new(),
         });
         devices
@@ -100,6 +129,12 @@ impl CpuComm {
             .enumerate()
             .map(|(rank, device)| CpuComm { rank, device: device.clone(), group: group.clone() })
             .collect()
+    }
+
+    /// Fails the group for every rank: each collective waiting or started later returns an error
+    /// naming `reason` (a rank that stops at an error calls this, so the others stop too).
+    pub fn abort(&self, reason: &str) {
+        self.group.poison(format!("rank {} stopped: {reason}", self.rank));
     }
 
     /// Queues one collective: `input` is published to the other ranks; `compute` builds this
@@ -134,6 +169,12 @@ impl CpuComm {
             result
         });
         self.device.enqueue(stream, op, &touches, work).map(drop)
+    }
+}
+
+impl Drop for CpuComm {
+    fn drop(&mut self) {
+        self.group.poison(format!("rank {} left the group", self.rank));
     }
 }
 

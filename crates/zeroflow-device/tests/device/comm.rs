@@ -201,3 +201,22 @@ fn a_rank_that_never_arrives_times_out_instead_of_hanging() {
         "{err}"
     );
 }
+
+/// A rank whose communicator is gone (it returned early or panicked) fails the collective the
+/// other rank waits in, at once and naming it, although the timeout is an hour.
+#[test]
+fn a_rank_that_leaves_fails_the_others_at_once() {
+    let devices = vec![CpuDevice::new().unwrap(), CpuDevice::new().unwrap()];
+    let mut comms = CpuComm::group(&devices, Duration::from_secs(3600));
+    let buf = devices[0].upload(&[1.0f32; 4]).unwrap();
+    comms[0].all_reduce(devices[0].stream(StreamKind::Comm), &buf, 0..4, ReduceOp::Sum).unwrap();
+    drop(comms.pop());
+    let err = devices[0].synchronize().unwrap_err();
+    assert!(
+        matches!(&err, DeviceError::Collective { rank: 0, reason, .. } if reason.contains("rank 1 left the group")),
+        "{err}"
+    );
+    // Later collectives fail at once too.
+    comms[0].all_reduce(devices[0].stream(StreamKind::Comm), &buf, 0..4, ReduceOp::Sum).unwrap();
+    assert!(devices[0].synchronize().is_err());
+}
