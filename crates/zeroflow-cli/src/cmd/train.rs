@@ -30,15 +30,25 @@ pub struct Args {
     /// Default: synthetic (with --resume: the checkpoint's).
     #[arg(long, value_name = "synthetic|PATH")]
     pub data: Option<String>,
-    /// Where the model runs.
+    /// Where the model runs (`gpu` is accepted for cuda).
     #[arg(long, value_enum, default_value_t = train::DeviceKind::Cpu)]
     pub device: train::DeviceKind,
+    /// With --device cuda in one process: the GPU to train on, counted among the GPUs
+    /// CUDA_VISIBLE_DEVICES leaves visible. Default: 0 (under a launcher: LOCAL_RANK).
+    #[arg(long, value_name = "N")]
+    pub gpu: Option<usize>,
     /// Optimizer steps in all (with --resume: counting the checkpoint's).
     #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(DEFAULT_STEPS).expect("non-zero"))]
     pub steps: NonZeroU64,
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end).
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub eval_every: u64,
+    /// Micro-batches in each evaluation (of --micro-batch sequences each, on every rank).
+    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(crate::train::EVAL_BATCHES as u64).expect("non-zero"))]
+    pub eval_batches: NonZeroU64,
+    /// Tokens per training sequence, at most the model's context. Default: the model's context.
+    #[arg(long, value_name = "N")]
+    pub seq: Option<NonZeroU64>,
     /// Without a terminal (no progress bar), print a progress line every N steps.
     #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(50).expect("non-zero"))]
     pub log_every: NonZeroU64,
@@ -76,6 +86,13 @@ pub struct Args {
     /// Peak learning rate (fills an "auto" optimizer lr). Default: 3e-3.
     #[arg(long, value_name = "LR")]
     pub lr: Option<f64>,
+    /// Warm-up steps of the learning rate (fills an "auto" scheduler warmup_num_steps).
+    /// Default: 5% of --steps (at least 2).
+    #[arg(long, value_name = "N")]
+    pub warmup: Option<NonZeroU64>,
+    /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0.
+    #[arg(long, value_name = "X")]
+    pub weight_decay: Option<f64>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

@@ -74,8 +74,8 @@ fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
                     step_timeout: None,
                 };
                 let setup = Setup::for_rank(args, dist)?;
-                run::run_on::<CpuGpt>(setup, move |model, micro_batch, layout, dist| {
-                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+                run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
                     Ok(Opened { device, comm, model: gpt, group })
                 })
@@ -263,8 +263,8 @@ fn a_rank_that_fails_fails_the_others_instead_of_hanging() {
         step_timeout: None,
     };
     let setup = Setup::for_rank(args, dist).unwrap();
-    let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, layout, dist| {
-        let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+    let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+        let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
         let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
         Ok(Opened { device, comm, model: gpt, group })
     })
