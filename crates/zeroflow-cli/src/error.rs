@@ -37,3 +37,36 @@ impl fmt::Display for Exit {
 }
 
 impl std::error::Error for Exit {}
+
+/// What to lower when `err` is an out-of-memory failure: a host or device allocation that failed
+/// (`DeviceError::OutOfMemory` anywhere in its chain) or a CUDA out-of-memory status in its
+/// message; `None` for any other error.
+pub fn out_of_memory_hint(err: &anyhow::Error) -> Option<&'static str> {
+    let typed = err.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<zeroflow_device::DeviceError>(),
+            Some(zeroflow_device::DeviceError::OutOfMemory { .. })
+        )
+    });
+    let text = format!("{err:#}");
+    (typed || text.contains("OUT_OF_MEMORY") || text.contains("out of memory")).then_some(
+        "out of memory: lower --micro-batch (activations grow with it and with --seq), or \
+         offload the optimizer (zero_optimization.offload_optimizer, see zeroflow models for \
+         the memory of each mode), or use a smaller --model",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_errors_say_which_flag_to_lower_and_others_do_not() {
+        let device = zeroflow_device::DeviceError::OutOfMemory { memory: "host", bytes: 1 << 40 };
+        let wrapped = anyhow::Error::new(device).context("building the model");
+        assert!(out_of_memory_hint(&wrapped).is_some_and(|hint| hint.contains("--micro-batch")));
+        let cuda = anyhow::anyhow!("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY");
+        assert!(out_of_memory_hint(&cuda).is_some());
+        assert_eq!(out_of_memory_hint(&anyhow::anyhow!("no such file")), None);
+    }
+}

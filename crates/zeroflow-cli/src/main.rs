@@ -23,11 +23,14 @@ struct Cli {
 enum Command {
     /// Validate a DeepSpeed JSON config and print its fully resolved values.
     Config(cmd::config::Args),
-    /// Measure this machine: CPU AdamW against the memory roofline.
+    /// Measure this machine: CPU AdamW, host-GPU copies, training steps, GEMMs, the GPT model
+    /// (cpu-adam, copy, step, gemm, gpt).
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
     /// Print versions, devices, libraries, host cores and memory.
     Env(cmd::env::Args),
+    /// List the named model sizes with parameter counts and the memory each mode needs.
+    Models(cmd::models::Args),
     /// Repeat the offload + gradient-accumulation race check and report counts and environment.
     Stress(cmd::stress::Args),
     /// Write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors + config.json).
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Command::Config(args) => cmd::config::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Env(args) => cmd::env::run(args),
+        Command::Models(args) => cmd::models::run(args),
         Command::Stress(args) => cmd::stress::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Train(args) => cmd::train::run(*args),
@@ -60,6 +64,9 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
+            if let Some(hint) = error::out_of_memory_hint(&err) {
+                eprintln!("hint: {hint}");
+            }
             if let Some(exit) = err.downcast_ref::<error::Exit>() {
                 ExitCode::from(exit.code)
             } else if err.downcast_ref::<InputError>().is_some() {

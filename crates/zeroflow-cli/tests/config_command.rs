@@ -395,9 +395,9 @@ fn a_valid_config_prints_resolved_json_and_warns_once_per_unknown_key() {
         "train_batch_size": 64,
         "train_micro_batch_size_per_gpu": 4,
         "bf16": {"enabled": true},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1e9,
-                              "overlap_com": true},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1e9},
         "tensorboard": {"enabled": true},
+        "gradient_cliping": 1.0,
         "seed": 42
     }"#;
     std::fs::write(&file, config).expect("the scratch file is writable");
@@ -414,10 +414,10 @@ fn a_valid_config_prints_resolved_json_and_warns_once_per_unknown_key() {
         [
             "warning: ignored key zero_optimization.sub_group_size (a ZeRO stage 3 setting; \
              zeroflow implements stages 0 to 2)",
-            "warning: unknown key zero_optimization.overlap_com (ignored; did you mean \
-             \"overlap_comm\"?)",
             "warning: ignored key tensorboard (DeepSpeed monitoring or profiling; zeroflow does \
              not use it)",
+            "warning: unknown key gradient_cliping (ignored; did you mean \
+             \"gradient_clipping\"?)",
             "warning: unknown key seed (ignored; not a DeepSpeed or zeroflow setting)",
         ]
     );

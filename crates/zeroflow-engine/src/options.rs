@@ -341,8 +341,10 @@ mod tests {
         );
         let quarter = resolve_str(&quarter, &Context::default()).expect("a valid config");
         assert_eq!(threads(&quarter.config), 12);
-        let without = text.replace(r#""zenflow""#, r#""zenflow_unused""#);
-        let without = resolve_str(&without, &Context::default()).expect("unknown keys warn");
+        // Without the section (an unknown key in zero_optimization is an error, as in DeepSpeed).
+        let without = r#"{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}"#;
+        let without = resolve_str(without, &Context::default()).expect("a valid config");
         let without = EngineOptions::from_config(&without.config, 1).expect("valid options");
         assert_eq!(without.zenflow(), None);
     }

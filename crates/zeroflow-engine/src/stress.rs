@@ -8,6 +8,7 @@
 //! counterpart fails about twice in a hundred CI runs because a host read races a device-to-host
 //! copy; here the read cannot be written before the copy's wait.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use zeroflow_core::layout::FlatLayout;
@@ -32,6 +33,12 @@ pub struct StressOptions {
     /// Chaos seed; `None` runs without delays.
     pub chaos: Option<u64>,
     pub accum: u64,
+    /// How long a CPU rank waits in a collective for the others before the group fails.
+    pub collective_timeout: Duration,
+    /// Makes this rank panic at the start of this iteration, to prove that a failing rank ends
+    /// every rank instead of leaving them waiting.
+    #[cfg(any(test, feature = "mutation-self-check"))]
+    pub panic_at: Option<(usize, u64)>,
     /// Removes the event wait that orders each device-to-host gradient copy after its reduction
     /// (the wait the DeepSpeed race is about), to prove the check can fail.
     #[cfg(any(test, feature = "mutation-self-check"))]
@@ -45,6 +52,9 @@ impl StressOptions {
             world,
             chaos,
             accum: 4,
+            collective_timeout: Duration::from_secs(5),
+            #[cfg(any(test, feature = "mutation-self-check"))]
+            panic_at: None,
             #[cfg(any(test, feature = "mutation-self-check"))]
             mutate_remove_d2h_wait: false,
         }
@@ -77,7 +87,7 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
         .expect("the CPU device starts its stream threads");
     // A collective of this model takes microseconds; a rank that stopped at an error makes the
     // others fail this long after, instead of hanging.
-    let comms = CpuComm::group(&devices, Duration::from_secs(5));
+    let comms = CpuComm::group(&devices, opts.collective_timeout);
     run_ranks(opts, devices, comms, forward_backward::<f32>)
 }
 
@@ -101,7 +111,9 @@ type Backward<D> = fn(
     u64,
 ) -> Result<(), EngineError>;
 
-/// Runs every rank on its own thread and counts the iterations that passed on all of them.
+/// Runs every rank on its own thread and counts the iterations that passed on all of them. A rank
+/// that fails or panics drops its engine and with it its communicator, which fails the
+/// collectives the other ranks wait in: every rank ends, none waits for the one that is gone.
 fn run_ranks<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
     opts: &StressOptions,
     devices: Vec<D>,
@@ -115,16 +127,36 @@ fn run_ranks<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
             .zip(comms)
             .enumerate()
             .map(|(rank, (device, comm))| {
-                s.spawn(move || run_rank(opts, rank, device, comm, backward))
+                s.spawn(move || {
+                    let mut outcomes = Vec::new();
+                    let run = AssertUnwindSafe(|| {
+                        run_rank(opts, rank, device, comm, backward, &mut outcomes)
+                    });
+                    if let Err(panic) = catch_unwind(run) {
+                        let message = panic_message(&*panic);
+                        let iteration = outcomes.len();
+                        outcomes.push(Some(format!(
+                            "iteration {iteration}, rank {rank}: panicked: {message}"
+                        )));
+                    }
+                    outcomes
+                })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("a stress rank panicked")).collect()
+        handles.into_iter().map(|h| h.join().expect("a rank's panic is caught")).collect()
     });
     let iterations = outcomes.iter().map(Vec::len).min().unwrap_or(0);
     let mut report =
         StressReport { iterations: iterations as u64, passed: 0, failed: 0, first_failure: None };
     for i in 0..iterations {
-        match outcomes.iter().find_map(|rank| rank[i].clone()) {
+        // The cause first: the failure of the rank that stopped first, before the others' that
+        // follow from it (a failed group, stale gradients).
+        let failure = outcomes
+            .iter()
+            .filter_map(|rank| Some((rank.len(), rank[i].clone()?)))
+            .min_by_key(|(len, failure)| (*len, failure.contains("failed earlier")))
+            .map(|(_, failure)| failure);
+        match failure {
             None => report.passed += 1,
             Some(failure) => {
                 report.failed += 1;
@@ -135,14 +167,25 @@ fn run_ranks<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
     report
 }
 
-/// One rank's loop; stops at the first engine error (after recording it as a failure).
+/// The text of a caught panic.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(text), _) => (*text).to_owned(),
+        (_, Some(text)) => text.clone(),
+        _ => "(no message)".to_owned(),
+    }
+}
+
+/// One rank's loop, pushing one outcome per iteration to `outcomes`; stops at the first engine
+/// error (after recording it as a failure).
 fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
     opts: &StressOptions,
     rank: usize,
     device: D,
     comm: C,
     backward: Backward<D>,
-) -> Vec<Option<String>> {
+    outcomes: &mut Vec<Option<String>>,
+) {
     let layout = layout(opts.world);
     let options = EngineOptions {
         stage: Stage::Zero2,
@@ -157,7 +200,10 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
     let mut engine: Engine<D, C, f32> =
         match Engine::new(device.clone(), comm, layout.clone(), options, &init) {
             Ok(engine) => engine,
-            Err(e) => return vec![Some(format!("rank {rank}: engine set-up failed: {e}"))],
+            Err(e) => {
+                outcomes.push(Some(format!("rank {rank}: engine set-up failed: {e}")));
+                return;
+            }
         };
     #[cfg(any(test, feature = "mutation-self-check"))]
     if opts.mutate_remove_d2h_wait {
@@ -165,8 +211,11 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
     }
     let mut reference = Reference::new::<f32>(opts.world, opts.accum, Some(1.0), adamw_config());
     let owned = engine.owned_range();
-    let mut outcomes = Vec::new();
     for iteration in 0..opts.iters {
+        #[cfg(any(test, feature = "mutation-self-check"))]
+        if opts.panic_at == Some((rank, iteration)) {
+            panic!("the injected failure of rank {rank}");
+        }
         let mut failure = None;
         for micro in 1..=opts.accum {
             let k = iteration * opts.accum + micro - 1;
@@ -176,38 +225,35 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
                 outcomes.push(Some(format!(
                     "iteration {iteration}, rank {rank}, micro-step {micro}: {e}"
                 )));
-                return outcomes;
+                return;
             }
             let acc = engine.host_grad_accumulator().expect("the stress run offloads");
             let want = reference.window_sum::<f32>(owned.clone(), micro);
-            failure = failure.or_else(|| check_accumulator(acc, &want, &layout, &owned)).map(|f| {
-                format!("iteration {iteration}, rank {rank}, after micro-step {micro}: {f}")
+            failure = failure.or_else(|| {
+                check_accumulator(acc, &want, &layout, &owned).map(|f| {
+                    format!("iteration {iteration}, rank {rank}, after micro-step {micro}: {f}")
+                })
             });
             if let Err(e) = engine.step() {
                 outcomes
                     .push(Some(format!("iteration {iteration}, rank {rank}: step failed: {e}")));
-                return outcomes;
+                return;
             }
         }
         reference.step::<f32>();
         let master = match engine.master_weights() {
             Ok(master) => master,
             Err(e) => {
-                return push_err(outcomes, format!("iteration {iteration}, rank {rank}: {e}"));
+                outcomes.push(Some(format!("iteration {iteration}, rank {rank}: {e}")));
+                return;
             }
         };
         failure = failure.or_else(|| {
-            check_master(&master, &reference.master[owned.clone()], &layout, &owned)
+            check_master(&master, &reference.master_in(owned.clone()), &layout, &owned)
                 .map(|f| format!("iteration {iteration}, rank {rank}, after the step: {f}"))
         });
         outcomes.push(failure);
     }
-    outcomes
-}
-
-fn push_err(mut outcomes: Vec<Option<String>>, failure: String) -> Vec<Option<String>> {
-    outcomes.push(Some(failure));
-    outcomes
 }
 
 /// (a) the accumulator is not all zero, (b) it equals the independent sum within f32 bounds.
@@ -264,6 +310,30 @@ mod tests {
             assert_eq!(report.failed, 0, "seed {seed}: {:?}", report.first_failure);
             assert_eq!(report.passed, 200);
         }
+    }
+
+    /// Regression (issue 24): worlds whose padded layout is longer than the single-rank
+    /// reference's (4, 8, 40, 64, …) panicked slicing the reference's weights. Every world from
+    /// 1 to 8, and two large ones, passes.
+    #[test]
+    fn every_world_size_passes() {
+        for world in (1..=8).chain([40, 64]) {
+            let report = run_cpu(&StressOptions::new(2, world, None));
+            assert_eq!((report.passed, report.failed), (2, 0), "world {world}: {report:?}");
+        }
+    }
+
+    /// Regression (issue 24): a rank that panics ends every rank with a failure naming it; the
+    /// others do not wait for it (the collective timeout is an hour, so waiting would hang).
+    #[test]
+    fn a_panicking_rank_fails_the_run_instead_of_hanging_it() {
+        let mut opts = StressOptions::new(5, 4, Some(3));
+        opts.collective_timeout = Duration::from_secs(3600);
+        opts.panic_at = Some((2, 1));
+        let report = run_cpu(&opts);
+        assert!(report.failed > 0 && report.iterations < 5, "{report:?}");
+        let failure = report.first_failure.expect("a failure is reported");
+        assert!(failure.contains("rank 2") && failure.contains("panicked"), "{failure}");
     }
 
     /// Mutation self-check: with the wait that orders each gradient copy after its reduction

@@ -210,6 +210,14 @@ impl Reference {
             .collect()
     }
 
+    /// The reference's master weights over `range` of the layout of any world size: the
+    /// parameters sit at the same offsets in every world's layout (their alignment does not
+    /// depend on it), only the padding at the end grows with the world size, so elements past
+    /// the single-rank buffer are padding (0).
+    pub fn master_in(&self, range: Range<usize>) -> Vec<f32> {
+        range.map(|i| self.master.get(i).copied().unwrap_or(0.0)).collect()
+    }
+
     /// One optimizer step over the whole window; returns the gradient norm.
     pub fn step<P: Float>(&mut self) -> f64 {
         let weights = self.master.clone();

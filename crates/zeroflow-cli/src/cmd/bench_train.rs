@@ -214,7 +214,7 @@ fn bench<M: Model>(
     let initial: Vec<M::P> = weights.par_iter().map(|&w| M::P::from_f32(w)).collect();
     drop(weights);
     let Opened { device, comm, model: mut gpt, mut group } =
-        open(model, args.micro_batch, &layout, dist)?;
+        open(model, args.micro_batch, model.context, &layout, dist)?;
     let description = device.describe();
     let mut engine = Engine::with_weights(device, comm, layout, options, initial)?;
     let batch = rank_batch(model, args.micro_batch, dist);

@@ -1,16 +1,20 @@
-//! `zeroflow config FILE`: validate a DeepSpeed JSON config and print its resolved values.
+//! `zeroflow config FILE`: validate a DeepSpeed JSON config and print its resolved values, as
+//! `zeroflow train` with the same flags would resolve it (one code path: [`run_config::resolve`]).
 //!
 //! The resolved config goes to stdout as pretty JSON under DeepSpeed's key names; warnings
 //! (`warning: …`) and the values that `"auto"` entries became (`note: …`) go to stderr. Any
 //! problem with the file is an [`InputError`]: `error: <json.path>: <message>` and exit code 2.
 
 use std::io::{self, Write};
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 
-use zeroflow_core::config::{self, Context, Overrides};
+use zeroflow_gpt::GptConfig;
 
 use crate::InputError;
+use crate::cmd::train::DEFAULT_STEPS;
+use crate::train::DeviceKind;
+use crate::train::run_config::{self, RunFlags};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -20,11 +24,59 @@ pub struct Args {
     /// Data-parallel world size that the batch sizes are derived for.
     #[arg(long, value_name = "N", default_value_t = NonZeroU32::MIN)]
     pub world_size: NonZeroU32,
+    /// The device `train` would run on: checks the precision against it and fills an "auto"
+    /// bf16/fp16 as `train --device` does. Default: not checked, "auto" precisions off.
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceKind>,
+    /// Model size or JSON shape, as `train --model` (an "auto" reduce_bucket_size is its hidden
+    /// size squared). Default: tiny.
+    #[arg(long, value_name = "NAME|JSON")]
+    pub model: Option<String>,
+    /// Optimizer steps, as `train --steps` (fills an "auto" total_num_steps; 5% of it is the
+    /// default warm-up).
+    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(DEFAULT_STEPS).expect("non-zero"))]
+    pub steps: NonZeroU64,
+    /// As `train --micro-batch` (fills an "auto" train_micro_batch_size_per_gpu). Default: 16.
+    #[arg(long, value_name = "N")]
+    pub micro_batch: Option<NonZeroU64>,
+    /// As `train --accum` (fills an "auto" gradient_accumulation_steps). Default: 1.
+    #[arg(long, value_name = "N")]
+    pub accum: Option<NonZeroU64>,
+    /// As `train --lr` (fills an "auto" optimizer lr). Default: 3e-3.
+    #[arg(long, value_name = "LR")]
+    pub lr: Option<f64>,
+    /// As `train --warmup` (fills an "auto" warmup_num_steps). Default: 5% of --steps.
+    #[arg(long, value_name = "N")]
+    pub warmup: Option<NonZeroU64>,
+    /// As `train --weight-decay` (fills an "auto" weight_decay). Default: 0.
+    #[arg(long, value_name = "X")]
+    pub weight_decay: Option<f64>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let context = Context { world_size: args.world_size, overrides: Overrides::default() };
-    let resolved = config::resolve_file(&args.file, &context).map_err(InputError::from_display)?;
+    let model = match &args.model {
+        Some(text) => text
+            .parse::<GptConfig>()
+            .map_err(|e| InputError::from_display(format!("--model {text}: {e}")))?,
+        None => GptConfig::TINY,
+    };
+    let flags = RunFlags {
+        config_file: Some(&args.file),
+        saved_config: None,
+        device: args.device,
+        micro_batch: args.micro_batch,
+        accum: args.accum,
+        lr: args.lr,
+        warmup: args.warmup,
+        weight_decay: args.weight_decay,
+        steps: args.steps.get(),
+        world_size: args.world_size.get() as usize,
+        hidden_size: model.d_model,
+    };
+    run_config::check_flag_values(&flags)?;
+    let run = run_config::resolve_unchecked(&flags).map_err(InputError::from_display)?;
+    run_config::check(&flags, &run)?;
+    let resolved = run.resolved;
     let mut stderr = io::stderr().lock();
     for warning in &resolved.warnings {
         // A closed stderr must not turn a valid config into a failure.

@@ -42,37 +42,55 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&env)?);
         return Ok(());
     }
+    for line in text_lines(&env) {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+/// The environment as `zeroflow env` prints it: one line per part, GPUs and libraries indented.
+pub fn text_lines(env: &serde_json::Value) -> Vec<String> {
+    let mut lines = Vec::new();
     let show = |v: &serde_json::Value| match v {
         serde_json::Value::String(s) => s.clone(),
         serde_json::Value::Null => "unknown".into(),
         other => other.to_string(),
     };
-    println!("zeroflow {} (commit {})", show(&env["zeroflow_version"]), show(&env["git_commit"]));
-    println!("host      {} {}, {}", show(&env["os"]), show(&env["arch"]), show(&env["cpu_model"]));
-    println!("cores     {}", show(&env["host_cores"]));
-    println!(
+    lines.push(format!(
+        "zeroflow {} (commit {})",
+        show(&env["zeroflow_version"]),
+        show(&env["git_commit"])
+    ));
+    lines.push(format!(
+        "host      {} {}, {}",
+        show(&env["os"]),
+        show(&env["arch"]),
+        show(&env["cpu_model"])
+    ));
+    lines.push(format!("cores     {}", show(&env["host_cores"])));
+    lines.push(format!(
         "memory    {} GiB total, {} GiB available",
         show(&env["host_memory_gib"]),
         show(&env["host_memory_available_gib"])
-    );
-    println!("simd      {}", show(&env["simd"]));
-    println!("gpu       {}", show(&env["cuda_driver"]));
+    ));
+    lines.push(format!("simd      {}", show(&env["simd"])));
+    lines.push(format!("gpu       {}", show(&env["cuda_driver"])));
     for gpu in env["cuda"]["gpus"].as_array().into_iter().flatten() {
         let node = gpu["numa_node"].as_i64().map(|node| format!("; NUMA node {node}"));
         let cpus = gpu["local_cpus"].as_str().filter(|cpus| !cpus.is_empty());
         let cpus = cpus.map(|cpus| format!("; local CPUs {cpus}"));
-        println!(
+        lines.push(format!(
             "  gpu {}   {}{}{}",
             show(&gpu["ordinal"]),
             show(&gpu["description"]),
             node.unwrap_or_default(),
             cpus.unwrap_or_default()
-        );
+        ));
     }
     for (name, library) in env["cuda"]["libraries"].as_object().into_iter().flatten() {
-        println!("  {name:<12} {}", show(&library["summary"]));
+        lines.push(format!("  {name:<12} {}", show(&library["summary"])));
     }
-    Ok(())
+    lines
 }
 
 /// One line about the GPUs: what the driver sees, or why there is none.

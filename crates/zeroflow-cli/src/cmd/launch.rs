@@ -37,8 +37,9 @@ const LAUNCHER_PID_VAR: &str = "ZEROFLOW_LAUNCHER_PID";
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Processes to start on this host, one per GPU (rank r of this host uses GPU r).
-    #[arg(long, value_name = "N")]
+    /// Processes to start on this host, one per GPU (rank r of this host uses GPU r). Also
+    /// spelled --nproc_per_node, as torchrun spells it.
+    #[arg(long, value_name = "N", alias = "nproc_per_node")]
     pub nproc_per_node: NonZeroUsize,
     /// Hosts in the job (run `zeroflow launch` once on each).
     #[arg(long, value_name = "N", default_value_t = NonZeroUsize::MIN)]

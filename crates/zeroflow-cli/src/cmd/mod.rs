@@ -10,5 +10,6 @@ pub mod dist_check;
 pub mod env;
 pub mod export;
 pub mod launch;
+pub mod models;
 pub mod stress;
 pub mod train;

@@ -110,15 +110,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("command     {}", command.join(" "));
         println!("protocol    {protocol}");
         println!("device      {device}");
-        println!("environment {}", serde_json::to_string(&env)?);
+        println!("environment");
+        for line in super::env::text_lines(&env) {
+            println!("  {line}");
+        }
         println!("iterations  {} of {} ({wall_s:.1} s)", report.iterations, args.iters);
         println!("passed      {}", report.passed);
         println!("failed      {}", report.failed);
         if let Some(failure) = &report.first_failure {
             println!("first failure: {failure}");
         }
+        println!("stress: {} passed, {} failed", report.passed, report.failed);
     }
-    println!("stress: {} passed, {} failed", report.passed, report.failed);
     if report.failed > 0 || report.iterations < args.iters {
         bail!("stress failed: {} of {} iterations failed", report.failed, args.iters);
     }

@@ -30,9 +30,13 @@ pub struct Args {
     /// Default: synthetic (with --resume: the checkpoint's).
     #[arg(long, value_name = "synthetic|PATH")]
     pub data: Option<String>,
-    /// Where the model runs.
+    /// Where the model runs (`gpu` is accepted for cuda).
     #[arg(long, value_enum, default_value_t = train::DeviceKind::Cpu)]
     pub device: train::DeviceKind,
+    /// With --device cuda in one process: the GPU to train on, counted among the GPUs
+    /// CUDA_VISIBLE_DEVICES leaves visible. Default: 0 (under a launcher: LOCAL_RANK).
+    #[arg(long, value_name = "N")]
+    pub gpu: Option<usize>,
     /// Optimizer steps in all. Default: 1000 (with --resume: the checkpoint's run's own total, so
     /// a resumed run ends where it was planned to; a different total that would change the
     /// learning-rate schedule needs --extend-schedule).
@@ -46,6 +50,12 @@ pub struct Args {
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end).
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub eval_every: u64,
+    /// Micro-batches in each evaluation (of --micro-batch sequences each, on every rank).
+    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(crate::train::EVAL_BATCHES as u64).expect("non-zero"))]
+    pub eval_batches: NonZeroU64,
+    /// Tokens per training sequence, at most the model's context. Default: the model's context.
+    #[arg(long, value_name = "N")]
+    pub seq: Option<NonZeroU64>,
     /// Without a terminal (no progress bar), print a progress line every N steps, and at least
     /// every 30 s (ZEROFLOW_PROGRESS_SECS sets the interval) while a step, an evaluation or a
     /// checkpoint runs long.
@@ -89,6 +99,13 @@ pub struct Args {
     /// Peak learning rate (fills an "auto" optimizer lr). Default: 3e-3.
     #[arg(long, value_name = "LR")]
     pub lr: Option<f64>,
+    /// Warm-up steps of the learning rate (fills an "auto" scheduler warmup_num_steps).
+    /// Default: 5% of --steps (at least 2).
+    #[arg(long, value_name = "N")]
+    pub warmup: Option<NonZeroU64>,
+    /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0.
+    #[arg(long, value_name = "X")]
+    pub weight_decay: Option<f64>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

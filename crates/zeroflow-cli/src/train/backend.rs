@@ -88,16 +88,17 @@ impl Model for CpuGpt {
 }
 
 /// What opens a device kind for the trainer and `bench step`, from the model's shape, the
-/// micro-batch (sequences), the flat layout (for the job's world size) and this process's rank in
+/// micro-batch (sequences), the sequence length (tokens, at most the model's context), the flat
+/// layout (for the job's world size) and this process's rank in
 /// the job: [`open_cpu`] or [`open_cuda`], or (in tests) a closure holding devices made
 /// beforehand.
 pub trait OpenFn<M: Model>:
-    FnOnce(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
+    FnOnce(&GptConfig, usize, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
 {
 }
 
 impl<M: Model, F> OpenFn<M> for F where
-    F: FnOnce(&GptConfig, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
+    F: FnOnce(&GptConfig, usize, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
 {
 }
 
@@ -105,6 +106,7 @@ impl<M: Model, F> OpenFn<M> for F where
 pub fn open_cpu(
     model: &GptConfig,
     micro_batch: usize,
+    seq: usize,
     layout: &FlatLayout,
     dist: &DistEnv,
 ) -> anyhow::Result<Opened<CpuGpt>> {
@@ -113,7 +115,7 @@ pub fn open_cpu(
     let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
         .pop()
         .expect("a group of one");
-    let model = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+    let model = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
     let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
     Ok(Opened { device, comm, model, group })
 }
@@ -157,6 +159,7 @@ impl Model for CudaGpt {
 pub fn open_cuda(
     model: &GptConfig,
     micro_batch: usize,
+    seq: usize,
     layout: &FlatLayout,
     dist: &DistEnv,
 ) -> anyhow::Result<Opened<CudaGpt>> {
@@ -177,10 +180,43 @@ pub fn open_cuda(
         tracing::info!("rank {rank} of {world} on GPU {}: NCCL group joined", dist.local_rank);
         (device, comm, group)
     };
-    let model = CudaGpt::new(&device, model, layout, micro_batch, model.context)?;
+    let model = CudaGpt::new(&device, model, layout, micro_batch, seq)?;
     tracing::info!(
         "GPU model: {:.2} GiB of activations and scratch",
         model.activation_bytes() as f64 / f64::from(1u32 << 30)
     );
     Ok(Opened { device, comm, model, group })
+}
+
+/// Checks that GPU `ordinal` exists before anything else is done, so that `train --device cuda`
+/// on a machine without one says so in a sentence ("no CUDA GPU found" and what to check), as the
+/// benchmarks do, instead of the loader's list of library names tried.
+pub fn check_cuda_gpu(ordinal: usize) -> anyhow::Result<()> {
+    use zeroflow_device::cuda::{info, is_absent, short_reason};
+    let what_to_check = "check `nvidia-smi` and `zeroflow env` (driver, libraries, \
+                         CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu";
+    let gpus = match info::list_gpus() {
+        Ok(gpus) => gpus,
+        Err(error) if is_absent(&error) => {
+            return Err(crate::InputError::from_display(format!(
+                "no CUDA GPU found ({}); --device cuda trains on an NVIDIA GPU: {what_to_check}",
+                short_reason(&error)
+            )));
+        }
+        Err(error) => return Err(anyhow::Error::new(error).context("listing the CUDA GPUs")),
+    };
+    if gpus.is_empty() {
+        return Err(crate::InputError::from_display(format!(
+            "no CUDA GPU found (the driver sees none); {what_to_check}"
+        )));
+    }
+    if ordinal >= gpus.len() {
+        return Err(crate::InputError::from_display(format!(
+            "GPU {ordinal} does not exist: the driver sees {} GPU(s), 0 to {} (numbered among \
+             those CUDA_VISIBLE_DEVICES leaves visible)",
+            gpus.len(),
+            gpus.len() - 1
+        )));
+    }
+    Ok(())
 }

@@ -230,7 +230,8 @@ fn commit(temp: &Path, dir: &Path, parts: usize, out: &Path, keep: u64) -> anyho
         let path = temp.join(format!("optim/rank-{rank}.safetensors"));
         if !path.is_file() {
             anyhow::bail!(
-                "{} is missing although rank {rank} wrote it: --out must be a directory that                  every host shares",
+                "{} is missing although rank {rank} wrote it: --out must be a directory that \
+                 every host shares",
                 path.display()
             );
         }

@@ -8,7 +8,7 @@ use zeroflow_gpt::GptConfig;
 
 use super::input;
 
-/// Micro-batches in the evaluation set.
+/// Micro-batches in the evaluation set unless `--eval-batches` says otherwise.
 pub const EVAL_BATCHES: usize = 16;
 
 /// What `--data` names.
@@ -51,12 +51,20 @@ impl Spec {
                 .collect();
             shards.sort();
             shards
+        } else if path.is_file() && path.metadata().is_ok_and(|m| m.len() == 0) {
+            return Err(input(format!("--data {data}: the file is empty; {what_to_do}")));
         } else if path.is_file() {
             if is_shard(path) {
                 vec![path.to_owned()]
             } else {
                 return Ok(Spec::Text(vec![path.to_owned()]));
             }
+        } else if path.exists() {
+            // /dev/null, a FIFO, a device: nothing a run can read tokens from twice.
+            return Err(input(format!(
+                "--data {data}: not a regular file or directory (a device, pipe or socket, read \
+                 as empty); {what_to_do}"
+            )));
         } else {
             return Err(input(format!("--data {data}: no such file or directory; {what_to_do}")));
         };
@@ -137,13 +145,17 @@ pub struct Shape {
     pub micro_steps: u64,
     pub rank: usize,
     pub world_size: usize,
+    /// Tokens per sequence (`--seq`, at most the model's context).
+    pub seq: usize,
+    /// Micro-batches of the evaluation set (`--eval-batches`).
+    pub eval_batches: usize,
 }
 
 /// The training and evaluation data of a run.
 #[derive(Debug)]
 pub struct Data {
     pub train: DataLoader,
-    /// This rank's part of the evaluation set: [`EVAL_BATCHES`] micro-batches, the same at every
+    /// This rank's part of the evaluation set: `--eval-batches` micro-batches, the same at every
     /// evaluation.
     pub eval: Vec<zeroflow_data::Batch>,
     /// The lowest loss a model can reach, where known (the synthetic corpus).
@@ -162,7 +174,7 @@ impl Data {
     /// last shard when there are several (it is then not trained on) and on the start of the only
     /// one otherwise (not held out: the log says so).
     pub fn open(spec: &Spec, model: &GptConfig, shape: Shape, seed: u64) -> anyhow::Result<Data> {
-        let (batch, seq, vocab) = (shape.batch as usize, model.context, model.vocab_size);
+        let (batch, seq, vocab) = (shape.batch as usize, shape.seq, model.vocab_size);
         let (rank, world) = (shape.rank, shape.world_size);
         let loader = |source, rank, world| {
             DataLoader::new(source, vocab, batch, seq, rank, world)
@@ -186,7 +198,7 @@ impl Data {
                     stream_seed: 2 * seed,
                     len: train_len.min(1 << 26),
                 };
-                let eval_len = EVAL_BATCHES * world * batch * seq + 1;
+                let eval_len = shape.eval_batches * world * batch * seq + 1;
                 let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
                 (train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into())
             }
@@ -237,7 +249,7 @@ impl Data {
         };
         let train = loader(train, rank, world)?;
         let mut eval_loader = loader(eval_source, rank, world)?;
-        let eval = (0..EVAL_BATCHES)
+        let eval = (0..shape.eval_batches)
             .map(|_| eval_loader.next_batch().map_err(|e| input(format!("--data: {e}"))))
             .collect::<anyhow::Result<_>>()?;
         Ok(Data { train, eval, floor, description })

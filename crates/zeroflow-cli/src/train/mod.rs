@@ -7,21 +7,23 @@ mod checkpoints;
 mod data;
 mod data_files;
 mod init;
+mod limits;
 #[cfg(test)]
 mod multi_rank_tests;
 mod output;
 mod plot;
 mod resume;
 pub(crate) mod run;
+pub mod run_config;
 mod run_dir;
 mod schedule;
 mod signals;
 
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use zeroflow_core::config::{self, Config, Context, MixedPrecision, Overrides};
+use zeroflow_core::config::Config;
 use zeroflow_engine::checkpoint::{self, NamedTensor};
 use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 
@@ -31,42 +33,15 @@ use crate::dist::DistEnv;
 use crate::dist::affinity::{self, Binding};
 
 use checkpoints::ResumePoint;
-pub use data::Data;
+pub use data::{Data, EVAL_BATCHES};
 pub use run::run;
-
-/// Defaults of the run that the flags and an `"auto"` in the config can change.
-const DEFAULT_MICRO_BATCH: u64 = 16;
-const DEFAULT_LR: f64 = 3e-3;
-
-/// The config of a run without `--config`: AdamW with GPT betas, no weight decay, clipping at 1,
-/// a linear warm-up over the first 5% of the steps and a cosine decay to 10% of the peak, ZeRO
-/// stage 0 in fp32; the batch sizes, the peak learning rate and the step counts come from the
-/// flags.
-const DEFAULT_CONFIG: &str = r#"{
-  "train_micro_batch_size_per_gpu": "auto",
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": 1.0,
-  "optimizer": {
-    "type": "AdamW",
-    "params": { "lr": "auto", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 }
-  },
-  "scheduler": {
-    "type": "WarmupCosineLR",
-    "params": {
-      "warmup_min_ratio": 0.0,
-      "warmup_num_steps": "auto",
-      "warmup_type": "linear",
-      "cos_min_ratio": 0.1,
-      "total_num_steps": "auto"
-    }
-  },
-  "zero_optimization": { "stage": 0 }
-}"#;
 
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceKind {
     Cpu,
+    /// An NVIDIA GPU (also spelled `gpu`).
+    #[value(alias = "gpu")]
     Cuda,
 }
 
@@ -95,6 +70,8 @@ pub struct Setup {
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
     pub steps: u64,
+    /// Tokens per training sequence (`--seq`; at most the model's context).
+    pub seq: usize,
     pub eval_every: u64,
     pub log_every: u64,
     pub save_every: u64,
@@ -124,6 +101,10 @@ impl Setup {
         let cpu_binding =
             if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(&dist) } else { None };
         let setup = Setup::for_rank(args, dist)?;
+        // Last, so that a mistake in the flags or the config is reported first.
+        if setup.device == DeviceKind::Cuda {
+            backend::check_cuda_gpu(setup.dist.local_rank)?;
+        }
         Ok(Setup { cpu_binding, ..setup })
     }
 
@@ -165,6 +146,15 @@ impl Setup {
             resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
         });
         let default_out = resume.is_none() && args.out.is_none();
+        let seq = training_seq(args.seq, &model)?;
+        limits::check_micro_batch(
+            &model,
+            config.batch.micro_batch_size_per_gpu,
+            seq,
+            args.device,
+            limits::available_host_memory(),
+        )
+        .map_err(input)?;
         let out = match &resume {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => {
@@ -190,6 +180,8 @@ impl Setup {
             micro_steps,
             rank: dist.rank,
             world_size: dist.world_size,
+            seq,
+            eval_batches: args.eval_batches.get() as usize,
         };
         let mut data = Data::open(&spec, &model, shape, seed)?;
         if let Start::Resume { point, .. } = &start {
@@ -206,6 +198,7 @@ impl Setup {
             config,
             config_file,
             steps,
+            seq,
             eval_every: args.eval_every,
             log_every: args.log_every.get(),
             save_every: args.save_every,
@@ -228,22 +221,49 @@ impl Setup {
     }
 }
 
-/// This process's place in the job, from the launcher's environment. Several ranks need
-/// `--device cuda` (one GPU each) and a run directory they agree on.
+/// `--seq`, checked against the model's context; the context when not given.
+fn training_seq(flag: Option<NonZeroU64>, model: &GptConfig) -> anyhow::Result<usize> {
+    match flag.map(|seq| seq.get()) {
+        None => Ok(model.context),
+        Some(seq) if seq <= model.context as u64 => Ok(seq as usize),
+        Some(seq) => Err(input(format!(
+            "--seq {seq} is longer than the model's context of {} tokens; give at most {} (or a \
+             model with a longer context)",
+            model.context, model.context
+        ))),
+    }
+}
+
+/// This process's place in the job, from the launcher's environment, with `--gpu` as its GPU.
+/// Several ranks need `--device cuda` (one GPU each) and a run directory they agree on.
 fn job(args: &Args) -> anyhow::Result<DistEnv> {
-    let dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    let mut dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    if let Some(gpu) = args.gpu {
+        if args.device != DeviceKind::Cuda {
+            return Err(input("--gpu chooses a GPU: it needs --device cuda"));
+        }
+        if dist.world_size > 1 {
+            return Err(input(format!(
+                "--gpu {gpu}: under a launcher each rank trains on the GPU of its LOCAL_RANK; \
+                 drop --gpu (choose the GPUs with CUDA_VISIBLE_DEVICES)"
+            )));
+        }
+        dist.local_rank = gpu;
+    }
     if dist.world_size == 1 {
         return Ok(dist);
     }
     if args.device == DeviceKind::Cpu {
         return Err(input(format!(
-            "this process is rank {} of {}, but --device cpu trains in one process: train on              several ranks with --device cuda (one GPU each)",
+            "this process is rank {} of {}, but --device cpu trains in one process: train on \
+             several ranks with --device cuda (one GPU each)",
             dist.rank, dist.world_size
         )));
     }
     if args.out.is_none() && args.resume.is_none() {
         return Err(input(format!(
-            "--out is needed with {} ranks: every rank writes its part of the checkpoints into              the same run directory (on a file system all hosts share)",
+            "--out is needed with {} ranks: every rank writes its part of the checkpoints into \
+             the same run directory (on a file system all hosts share)",
             dist.world_size
         )));
     }
@@ -397,10 +417,8 @@ fn input(message: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(InputError(message.into()))
 }
 
-/// The resolved config of the run: `--config`, else the resumed checkpoint's (`saved`), else
-/// [`DEFAULT_CONFIG`], its `"auto"` values filled from the flags, for `world_size` ranks
-/// (`train_batch_size` is micro-batch × accumulation × ranks, as in DeepSpeed). A flag that
-/// contradicts a value written in the file is an error.
+/// The resolved config of the run, through the resolution `zeroflow config` shares
+/// ([`run_config::resolve`]); its warnings are logged.
 fn resolve_config(
     args: &Args,
     model: &GptConfig,
@@ -408,111 +426,27 @@ fn resolve_config(
     world_size: usize,
     saved: Option<&serde_json::Value>,
 ) -> anyhow::Result<Config> {
-    if let Some(lr) = args.lr
-        && !(lr.is_finite() && lr > 0.0)
-    {
-        return Err(input(format!("--lr {lr}: the learning rate must be a positive number")));
-    }
-    let overrides = Overrides {
-        micro_batch_size_per_gpu: Some(
-            args.micro_batch.unwrap_or(NonZeroU64::new(DEFAULT_MICRO_BATCH).expect("non-zero")),
-        ),
-        gradient_accumulation_steps: args.accum,
-        lr: Some(args.lr.unwrap_or(DEFAULT_LR)),
-        total_num_steps: NonZeroU64::new(steps),
-        warmup_num_steps: NonZeroU64::new((steps / 20).max(2)),
-        hidden_size: NonZeroU64::new(model.d_model as u64),
-        ..Overrides::default()
+    let flags = run_config::RunFlags {
+        config_file: args.config.as_deref(),
+        saved_config: saved,
+        device: Some(args.device),
+        micro_batch: args.micro_batch,
+        accum: args.accum,
+        lr: args.lr,
+        warmup: args.warmup,
+        weight_decay: args.weight_decay,
+        steps,
+        world_size,
+        hidden_size: model.d_model,
     };
-    let world_size = u32::try_from(world_size)
-        .ok()
-        .and_then(NonZeroU32::new)
-        .ok_or_else(|| input(format!("a job of {world_size} ranks is not supported")))?;
-    let context = Context { world_size, overrides };
-    let (resolved, name) = match (&args.config, saved) {
-        (Some(file), _) => {
-            let resolved = config::resolve_file(file, &context)
-                .map_err(|e| input(format!("config {}: {e}", file.display())))?;
-            (resolved, file.display().to_string())
-        }
-        (None, Some(saved)) => {
-            let resolved = config::resolve_str(&saved.to_string(), &context)
-                .map_err(|e| input(format!("the checkpoint's config: {e}")))?;
-            (resolved, "the checkpoint's config".to_owned())
-        }
-        (None, None) => {
-            // The CUDA model computes in bf16; the CPU one in f32.
-            let default = match args.device {
-                DeviceKind::Cpu => DEFAULT_CONFIG.to_owned(),
-                DeviceKind::Cuda => DEFAULT_CONFIG.replace(
-                    r#""zero_optimization""#,
-                    r#""bf16": { "enabled": true },
-  "zero_optimization""#,
-                ),
-            };
-            let resolved =
-                config::resolve_str(&default, &context).expect("the default config is valid");
-            (resolved, "the default config".to_owned())
-        }
-    };
+    let run_config::RunConfig { resolved, name } = run_config::resolve(&flags)?;
     for warning in &resolved.warnings {
         tracing::warn!("{name}: {warning}");
     }
     for auto_value in &resolved.auto_values {
         tracing::debug!("{name}: {auto_value}");
     }
-    let config = resolved.config;
-    check_flags_agree(args, &config, &name)?;
-    match (args.device, config.precision) {
-        (DeviceKind::Cpu, MixedPrecision::Fp32)
-        | (DeviceKind::Cuda, MixedPrecision::Bf16 { .. }) => {}
-        (DeviceKind::Cpu, precision) => {
-            let precision = format!("{:?}", precision.precision()).to_lowercase();
-            return Err(input(format!(
-                "{name} enables {precision}, but only fp32 works on the CPU: set \
-                 {precision}.enabled to false (mixed precision needs --device cuda)"
-            )));
-        }
-        (DeviceKind::Cuda, precision) => {
-            let precision = format!("{:?}", precision.precision()).to_lowercase();
-            return Err(input(format!(
-                "{name} trains in {precision}, but the CUDA model computes in bf16: set \
-                 bf16.enabled to true (and fp16.enabled to false)"
-            )));
-        }
-    }
-    Ok(config)
-}
-
-/// A flag that fills an `"auto"` must agree with the value the file writes.
-fn check_flags_agree(args: &Args, config: &Config, name: &str) -> anyhow::Result<()> {
-    let batch = &config.batch;
-    let conflicts = [
-        (
-            "--micro-batch",
-            args.micro_batch.map(|v| v.get() as f64),
-            "train_micro_batch_size_per_gpu",
-            batch.micro_batch_size_per_gpu as f64,
-        ),
-        (
-            "--accum",
-            args.accum.map(|v| v.get() as f64),
-            "gradient_accumulation_steps",
-            batch.gradient_accumulation_steps as f64,
-        ),
-        ("--lr", args.lr, "optimizer.params.lr", config.optimizer.lr),
-    ];
-    for (flag, given, key, resolved) in conflicts {
-        if let Some(given) = given
-            && given != resolved
-        {
-            return Err(input(format!(
-                "{flag} {given} conflicts with {name}, where {key} is {resolved}; drop the flag \
-                 or set {key} to \"auto\" in the config"
-            )));
-        }
-    }
-    Ok(())
+    Ok(resolved.config)
 }
 
 /// Refuses an output directory that holds anything, unless `force`.
@@ -555,4 +489,28 @@ fn utc_stamp() -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rest / 3600, rest / 60 % 60, rest % 60)
+}
+
+#[cfg(test)]
+mod gpu_flag_tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// `--gpu N` is the GPU a one-process run opens (the ordinal `CudaDevice::new` gets, among
+    /// the GPUs CUDA_VISIBLE_DEVICES leaves), instead of GPU 0.
+    #[test]
+    fn gpu_is_the_ordinal_of_a_one_process_run() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(argv).expect("valid flags").args;
+        let dist = job(&parse(&["train", "--device", "cuda", "--gpu", "3"])).expect("one process");
+        assert_eq!((dist.world_size, dist.local_rank), (1, 3));
+        let dist = job(&parse(&["train", "--device", "cuda"])).expect("one process");
+        assert_eq!(dist.local_rank, 0);
+    }
 }

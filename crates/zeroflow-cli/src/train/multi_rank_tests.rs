@@ -74,8 +74,8 @@ fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
                     step_timeout: None,
                 };
                 let setup = Setup::for_rank(args, dist)?;
-                run::run_on::<CpuGpt>(setup, move |model, micro_batch, layout, dist| {
-                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+                run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
                     Ok(Opened { device, comm, model: gpt, group })
                 })
@@ -263,8 +263,8 @@ fn a_rank_that_fails_fails_the_others_instead_of_hanging() {
         step_timeout: None,
     };
     let setup = Setup::for_rank(args, dist).unwrap();
-    let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, layout, dist| {
-        let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+    let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+        let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
         let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
         Ok(Opened { device, comm, model: gpt, group })
     })
@@ -365,8 +365,8 @@ fn a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it() {
                     step_timeout: None,
                 };
                 let setup = Setup::for_rank(args, dist)?;
-                run::run_on::<FailingGpt>(setup, move |model, micro_batch, layout, dist| {
-                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, model.context)?;
+                run::run_on::<FailingGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+                    let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
                     let fail_at = (rank == 1).then_some(3);
                     let model = FailingGpt { gpt, forwards: 0, fail_at };

@@ -278,20 +278,43 @@ fn log_start(setup: &Setup) {
     let batch = &config.batch;
     tracing::info!(
         "training {} parameters ({} layers, d_model {}) for {} steps of {} sequences of {} \
-         tokens (micro-batch {}, accumulation {}), ZeRO stage {}, lr {} ({}); data: {}",
+         tokens (micro-batch {}, accumulation {}), {}, ZeRO stage {}, {}, lr {} ({}); data: {}",
         model.num_params(),
         model.n_layer,
         model.d_model,
         setup.steps,
         batch.train_batch_size,
-        model.context,
+        setup.seq,
         batch.micro_batch_size_per_gpu,
         batch.gradient_accumulation_steps,
+        precision_name(config.precision),
         config.zero.stage.number(),
+        offload_description(&config.zero),
         config.optimizer.lr,
         config.scheduler.map_or("constant", |s| s.type_name()),
         setup.data.description,
     );
+}
+
+/// The precision as the run header states it.
+fn precision_name(precision: zeroflow_core::config::MixedPrecision) -> &'static str {
+    match precision.precision() {
+        zeroflow_core::config::Precision::Fp32 => "fp32",
+        zeroflow_core::config::Precision::Bf16 => "bf16 (fp32 master weights)",
+        zeroflow_core::config::Precision::Fp16 => "fp16 (fp32 master weights)",
+    }
+}
+
+/// Where the optimizer runs, as the run header states it: on the device, offloaded to the CPU,
+/// or ZenFlow (offloaded, with the important columns on the device).
+fn offload_description(zero: &zeroflow_core::config::ZeroConfig) -> String {
+    match (&zero.offload_optimizer, &zero.zenflow) {
+        (None, _) => "no optimizer offload, no ZenFlow".to_owned(),
+        (Some(_), None) => "optimizer offloaded to the CPU, no ZenFlow".to_owned(),
+        (Some(_), Some(zenflow)) => {
+            format!("optimizer offloaded to the CPU, ZenFlow (topk_ratio {})", zenflow.topk_ratio)
+        }
+    }
 }
 
 /// The engine, the model on its device, and what a step needs.
@@ -331,7 +354,7 @@ impl<M: Model> Trainer<M> {
         };
         let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
         let backend::Opened { device, comm, model: gpt, group } =
-            open(model, micro_batch, &layout, &setup.dist)?;
+            open(model, micro_batch, setup.seq, &layout, &setup.dist)?;
         let device_description = device.describe();
         // The ranks of one host share its cores: those near its GPU where bound.
         let threads = affinity::optimizer_threads(setup.cpu_binding.as_ref(), &setup.dist);
@@ -387,7 +410,7 @@ impl<M: Model> Trainer<M> {
             tensors: super::checkpoints_tensors(&hf_tensors(model, &layout)?),
             schedule: LrSchedule::from_config(config),
             accum,
-            tokens_per_step: accum * batch * model.context as u64 * world as u64,
+            tokens_per_step: accum * batch * setup.seq as u64 * world as u64,
             micro_batch: Batch::default(),
             train_time,
             wall_before,

@@ -34,6 +34,14 @@ pub enum ConfigError {
     /// Values that are each fine but contradict one another.
     #[error("{path}: {message}")]
     Conflict { path: String, message: String },
+    /// A key that no DeepSpeed version knows, in a section that DeepSpeed validates strictly
+    /// (`zero_optimization` and its offload and ZenFlow sections, `bf16`, `fp16`: pydantic models
+    /// that forbid extra keys). `suggestion`: a known key of the section spelled alike.
+    #[error(
+        "{path}: unknown key (DeepSpeed refuses unknown keys in this section too){}",
+        suggestion.map_or(String::new(), |known| format!("; did you mean \"{known}\"?"))
+    )]
+    UnknownKey { path: String, suggestion: Option<&'static str> },
 }
 
 impl ConfigError {
@@ -46,7 +54,8 @@ impl ConfigError {
             | ConfigError::BadValue { path, .. }
             | ConfigError::Unsupported { path, .. }
             | ConfigError::Missing { path, .. }
-            | ConfigError::Conflict { path, .. } => Some(path),
+            | ConfigError::Conflict { path, .. }
+            | ConfigError::UnknownKey { path, .. } => Some(path),
         }
     }
 

@@ -133,7 +133,7 @@ fn read_bf16(
     let check_path = section.path_of("check_grad_overflow");
     let check_grad_overflow =
         section.bool("check_grad_overflow")?.or_default(&check_path, true, diagnostics);
-    section.finish(known_keys::BF16, diagnostics);
+    section.finish_strict(known_keys::BF16, diagnostics)?;
     Ok(enabled.then_some(check_grad_overflow))
 }
 
@@ -158,7 +158,7 @@ fn read_fp16(
     let hysteresis = section.integer("hysteresis", count)?;
     let consecutive = section.bool("consecutive_hysteresis")?;
     let min_loss_scale = section.integer("min_loss_scale", count)?;
-    section.finish(known_keys::FP16, diagnostics);
+    section.finish_strict(known_keys::FP16, diagnostics)?;
     if !enabled {
         return Ok(None);
     }

@@ -366,6 +366,26 @@ impl<'a> Section<'a> {
         ConfigError::WrongType { path: self.path_of(key), expected, found: describe_type(found) }
     }
 
+    /// [`Section::finish`] for a section DeepSpeed validates strictly: a key that is neither read
+    /// nor in `ignored` is an error ([`ConfigError::UnknownKey`]), as in DeepSpeed; ignored keys
+    /// still warn.
+    pub fn finish_strict(
+        self,
+        ignored: &[IgnoredKey],
+        diagnostics: &mut Diagnostics,
+    ) -> Result<(), ConfigError> {
+        let unknown = self.entries.keys().find(|key| {
+            !self.asked.iter().any(|asked| asked == key) && !ignored.iter().any(|e| e.key == *key)
+        });
+        if let Some(key) = unknown {
+            let known = self.asked.iter().copied().chain(ignored.iter().map(|e| e.key));
+            let suggestion = suggest(key, known);
+            return Err(ConfigError::UnknownKey { path: self.path_of(key), suggestion });
+        }
+        self.finish(ignored, diagnostics);
+        Ok(())
+    }
+
     /// Warns once about every key that was not read: as ignored when it is in `ignored` (a real
     /// DeepSpeed key with no meaning in zeroflow), as unknown otherwise.
     pub fn finish(self, ignored: &[IgnoredKey], diagnostics: &mut Diagnostics) {

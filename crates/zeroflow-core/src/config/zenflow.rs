@@ -111,7 +111,7 @@ pub(crate) fn read_zenflow(
                 diagnostics,
             ),
         };
-    section.finish(known_keys::ZENFLOW, diagnostics);
+    section.finish_strict(known_keys::ZENFLOW, diagnostics)?;
     Ok(Some(config))
 }
 

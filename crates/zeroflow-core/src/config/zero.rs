@@ -95,7 +95,7 @@ pub(crate) fn read_zero(
                 return Ok(ZeroConfig::DEEPSPEED_DEFAULT);
             };
             let config = read_section(&mut section, overrides, diagnostics)?;
-            section.finish(known_keys::ZERO_OPTIMIZATION, diagnostics);
+            section.finish_strict(known_keys::ZERO_OPTIMIZATION, diagnostics)?;
             Ok(config)
         }
     }
@@ -234,7 +234,7 @@ fn read_offload(
     }
     let Some(mut offload) = offload_section else { return Ok(None) };
     let result = read_offload_section(&mut offload, diagnostics)?;
-    offload.finish(known_keys::OFFLOAD_OPTIMIZER, diagnostics);
+    offload.finish_strict(known_keys::OFFLOAD_OPTIMIZER, diagnostics)?;
     Ok(result.map(|cpu| (cpu, "zero_optimization.offload_optimizer".to_owned())))
 }
 

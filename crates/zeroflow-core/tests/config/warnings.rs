@@ -1,6 +1,7 @@
-//! Keys that have no effect: one warning each, with the full JSON path, never an error.
+//! Keys that have no effect: one warning each, with the full JSON path; an error only where
+//! DeepSpeed itself refuses unknown keys (`zero_optimization` and its sections, `bf16`, `fp16`).
 
-use zeroflow_core::config::{Warning, WarningKind};
+use zeroflow_core::config::{ConfigError, Warning, WarningKind};
 
 use super::{resolve, warning_paths};
 
@@ -13,29 +14,17 @@ fn each_unknown_key_gives_one_warning_with_its_full_path() {
     let text = r#"{
         "train_batch_size": 8,
         "mystery": 1,
-        "zero_optimization": {
-            "stage": 2,
-            "turbo": true,
-            "offload_optimizer": {"device": "cpu", "speed": "fast"},
-            "zenflow": {"magic": 3}
-        },
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
         "optimizer": {"type": "AdamW", "flavor": "x", "params": {"lr": 1e-3, "gamma": 2}},
         "scheduler": {"type": "WarmupLR", "params": {"shape": "log"}},
-        "fp16": {"enabled": false, "foo": 1},
-        "bf16": {"enabled": false, "bar": 2},
         "zeroflow": {"warp": true, "delayed_update": {"enabled": false, "later": 1}}
     }"#;
     assert_eq!(
         warning_paths(text),
         [
-            "bf16.bar",
-            "fp16.foo",
             "optimizer.params.gamma",
             "optimizer.flavor",
             "scheduler.params.shape",
-            "zero_optimization.offload_optimizer.speed",
-            "zero_optimization.zenflow.magic",
-            "zero_optimization.turbo",
             "zeroflow.delayed_update.later",
             "zeroflow.warp",
             "mystery",
@@ -63,19 +52,53 @@ fn unknown_and_ignored_keys_are_told_apart() {
 
 #[test]
 fn a_misspelled_key_suggests_the_known_one_of_its_section() {
-    let warnings = warnings_of(
-        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "reduce_bucket_sise": 1}}"#,
-    );
+    let warnings = warnings_of(r#"{"train_batch_size": 8, "gradient_cliping": 1.0}"#);
     assert_eq!(warnings.len(), 1);
-    assert_eq!(
-        warnings[0].kind,
-        WarningKind::UnknownKey { suggestion: Some("reduce_bucket_size") }
-    );
+    assert_eq!(warnings[0].kind, WarningKind::UnknownKey { suggestion: Some("gradient_clipping") });
     assert_eq!(
         warnings[0].to_string(),
-        "unknown key zero_optimization.reduce_bucket_sise (ignored; did you mean \
-         \"reduce_bucket_size\"?)"
+        "unknown key gradient_cliping (ignored; did you mean \"gradient_clipping\"?)"
     );
+}
+
+/// Regression (issue 24): DeepSpeed's `zero_optimization`, its offload and ZenFlow sections,
+/// `bf16` and `fp16` are pydantic models that forbid extra keys, so a misspelling there fails
+/// DeepSpeed; zeroflow refused nothing and warned. Each is an error naming the path, with the
+/// known key spelled alike; a real DeepSpeed key zeroflow ignores there still only warns.
+#[test]
+fn unknown_keys_in_strictly_validated_sections_are_errors_as_in_deepspeed() {
+    let cases = [
+        (
+            r#""zero_optimization": {"stage": 2, "reduce_bucket_sise": 1}"#,
+            "zero_optimization.reduce_bucket_sise",
+            Some("reduce_bucket_size"),
+        ),
+        (r#""zero_optimization": {"stage": 2, "turbo": true}"#, "zero_optimization.turbo", None),
+        (
+            r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": true}}"#,
+            "zero_optimization.offload_optimizer.pin_memroy",
+            Some("pin_memory"),
+        ),
+        (
+            r#""zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"magic": 3}}"#,
+            "zero_optimization.zenflow.magic",
+            None,
+        ),
+        (r#""bf16": {"enabled": false, "bar": 2}"#, "bf16.bar", None),
+        (r#""fp16": {"enabled": false, "foo": 1}"#, "fp16.foo", None),
+    ];
+    for (section, path, suggestion) in cases {
+        let text = format!(r#"{{"train_batch_size": 8, {section}}}"#);
+        match super::resolve(&text) {
+            Err(ConfigError::UnknownKey { path: got, suggestion: hint }) => {
+                assert_eq!((got.as_str(), hint), (path, suggestion), "{text}");
+            }
+            other => panic!("{text}: expected an unknown-key error, got {other:?}"),
+        }
+    }
+    let ignored =
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "sub_group_size": 1e9}}"#;
+    assert_eq!(warning_paths(ignored), ["zero_optimization.sub_group_size"]);
 }
 
 #[test]

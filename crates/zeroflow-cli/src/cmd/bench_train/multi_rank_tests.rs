@@ -62,8 +62,8 @@ fn bench_ranks(world: usize, flags: &[&str]) -> Vec<Option<serde_json::Value>> {
                     &args,
                     &model,
                     &rank(r, world, port),
-                    move |model, batch, layout, d| {
-                        let gpt = CpuGpt::new(&device, model, layout, batch, model.context)?;
+                    move |model, batch, seq, layout, d| {
+                        let gpt = CpuGpt::new(&device, model, layout, batch, seq)?;
                         let (_, group) = dist::join_with(d, || Ok(Vec::new()), on_lost)?;
                         Ok(Opened { device, comm, model: gpt, group })
                     },

@@ -1,0 +1,195 @@
+//! The flags users expect (issue 24, item 10), each shown to take effect.
+
+use super::*;
+
+fn train_ok(args: &[&str]) -> Output {
+    let run = zeroflow(&[&["train"][..], args].concat());
+    assert!(run.status.success(), "{args:?}: {}", text(&run.stderr));
+    run
+}
+
+/// The step whose learning rate is the highest: the first after the warm-up.
+fn peak_lr_step(out: &Path) -> u64 {
+    let lines = step_lines(out);
+    let lr = |line: &serde_json::Value| line["lr"].as_f64().expect("lr");
+    let peak = lines.iter().max_by(|a, b| lr(a).total_cmp(&lr(b))).expect("steps");
+    peak["step"].as_u64().expect("step")
+}
+
+#[test]
+fn warmup_sets_the_length_of_the_learning_rates_warm_up() {
+    let dir = scratch("warmup");
+    let base = [
+        "--model",
+        MINI,
+        "--steps",
+        "10",
+        "--micro-batch",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+    ];
+    let default = dir.join("default");
+    train_ok(&[&base[..], &["--out", default.to_str().unwrap()]].concat());
+    // 5 % of 10 steps, raised to DeepSpeed's minimum of 2: the peak is at step 3.
+    assert_eq!(peak_lr_step(&default), 3);
+    let long = dir.join("long");
+    train_ok(&[&base[..], &["--warmup", "6", "--out", long.to_str().unwrap()]].concat());
+    assert_eq!(peak_lr_step(&long), 7);
+    let too_long = zeroflow(&[&["train"][..], &base, &["--warmup", "11"]].concat());
+    assert_eq!(too_long.status.code(), Some(2), "{}", text(&too_long.stderr));
+}
+
+#[test]
+fn seq_sets_the_training_sequence_length_up_to_the_context() {
+    let dir = scratch("seq");
+    let out = dir.join("run");
+    let run = train_ok(&[
+        "--model",
+        MINI,
+        "--seq",
+        "8",
+        "--steps",
+        "2",
+        "--micro-batch",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = text(&run.stderr);
+    assert!(stderr.contains("2 sequences of 8 tokens"), "the run header: {stderr}");
+    let summary = read_json(&out.join("summary.json"));
+    assert_eq!(summary["tokens"], 2 * 2 * 8, "{summary}");
+    let long = zeroflow(&["train", "--model", MINI, "--seq", "17", "--steps", "2"]);
+    let stderr = text(&long.stderr);
+    assert_eq!(long.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--seq 17") && stderr.contains("context of 16"), "{stderr}");
+}
+
+#[test]
+fn weight_decay_fills_the_optimizer_and_changes_the_training() {
+    let dir = scratch("weight_decay");
+    let base = [
+        "--model",
+        MINI,
+        "--steps",
+        "4",
+        "--micro-batch",
+        "2",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+    ];
+    let losses = |decay: &str| {
+        let out = dir.join(decay);
+        train_ok(&[&base[..], &["--weight-decay", decay, "--out", out.to_str().unwrap()]].concat());
+        let summary = read_json(&out.join("summary.json"));
+        let used = summary["config"]["optimizer"]["params"]["weight_decay"].as_f64();
+        assert_eq!(used, Some(decay.parse().unwrap()), "{summary}");
+        step_lines(&out).iter().map(|l| l["loss"].as_f64().unwrap()).collect::<Vec<_>>()
+    };
+    let (without, with) = (losses("0"), losses("0.5"));
+    // The same seed and data: the first step's loss is the same, later ones differ by the decay.
+    assert_eq!(without[0], with[0]);
+    assert_ne!(without[3], with[3]);
+}
+
+/// The same training (the synthetic training stream does not depend on the evaluation), evaluated
+/// over 1 and over 4 batches of the held-out stream: the final eval losses are means over
+/// different data, so they differ, and the default (16) differs from both.
+#[test]
+fn eval_batches_sets_how_much_data_an_evaluation_reads() {
+    let dir = scratch("eval_batches");
+    let final_eval = |batches: &str| {
+        let out = dir.join(batches);
+        train_ok(&[
+            "--model",
+            MINI,
+            "--steps",
+            "2",
+            "--micro-batch",
+            "2",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            batches,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let summary = read_json(&out.join("summary.json"));
+        let lines = step_lines(&out);
+        (summary["final_eval_loss"].as_f64().expect("an eval loss"), lines[1]["loss"].clone())
+    };
+    let (one, one_train) = final_eval("1");
+    let (four, four_train) = final_eval("4");
+    let (sixteen, _) = final_eval("16");
+    assert_eq!(one_train, four_train, "the training is the same");
+    assert!(one != four && four != sixteen && one != sixteen, "{one} {four} {sixteen}");
+}
+
+#[test]
+fn gpu_needs_cuda_and_one_process() {
+    let run = zeroflow(&["train", "--gpu", "1", "--steps", "2"]);
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--gpu") && stderr.contains("--device cuda"), "{stderr}");
+}
+
+#[test]
+fn launch_accepts_torchruns_spelling_of_nproc_per_node() {
+    let run = zeroflow(&["launch", "--nproc_per_node", "2", "--", "dist-check"]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let stdout = text(&run.stdout);
+    assert!(stdout.contains("[rank 1]"), "two ranks ran: {stdout}");
+}
+
+#[test]
+fn every_new_flag_is_in_the_help() {
+    let help = text(&zeroflow(&["train", "--help"]).stdout);
+    for flag in ["--seq", "--warmup", "--weight-decay", "--eval-batches", "--gpu"] {
+        assert!(help.contains(flag), "{flag} in train --help");
+    }
+    let help = text(&zeroflow(&["config", "--help"]).stdout);
+    for flag in [
+        "--micro-batch",
+        "--accum",
+        "--lr",
+        "--steps",
+        "--warmup",
+        "--weight-decay",
+        "--device",
+        "--model",
+    ] {
+        assert!(help.contains(flag), "{flag} in config --help");
+    }
+    assert!(text(&zeroflow(&["launch", "--help"]).stdout).contains("--nproc_per_node"));
+}
+
+#[test]
+fn models_lists_every_named_size_with_parameters_and_memory_per_mode() {
+    let run = zeroflow(&["models"]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let table = text(&run.stdout);
+    for name in ["tiny", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "gpt-1.3b"] {
+        assert!(table.lines().any(|line| line.starts_with(name)), "{name} in {table}");
+    }
+    assert!(table.contains("124439808") && table.contains("offload: GPU / host"), "{table}");
+    assert!(table.contains("bf16 weights 2 B"), "the assumptions are stated: {table}");
+
+    let run = zeroflow(&["models", "--json", "--world-size", "2"]);
+    let out: serde_json::Value = serde_json::from_slice(&run.stdout).expect("JSON");
+    let gpt2 = out["models"].as_array().unwrap().iter().find(|m| m["name"] == "gpt2-124m").unwrap();
+    let params = 124_439_808f64;
+    // Weights whole on each GPU, the rest halved by ZeRO-2 over 2 ranks.
+    assert_eq!(gpt2["memory"]["gpu"]["gpu_bytes"].as_f64(), Some(params * (2.0 + 14.0 / 2.0)));
+    assert_eq!(gpt2["memory"]["offload"]["host_bytes"].as_f64(), Some(params * 12.0 / 2.0));
+}
