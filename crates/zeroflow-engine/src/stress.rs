@@ -154,7 +154,7 @@ fn run_ranks<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         let failure = outcomes
             .iter()
             .filter_map(|rank| Some((rank.len(), rank[i].clone()?)))
-            .min_by_key(|(len, failure)| (*len, failure.contains("failed earlier")))
+            .min_by_key(|(len, failure)| (*len, failure.contains("left the group")))
             .map(|(_, failure)| failure);
         match failure {
             None => report.passed += 1,
