@@ -6,6 +6,8 @@ use std::process::{Command, Output};
 
 #[path = "train/checkpoints.rs"]
 mod checkpoints;
+#[path = "train/settings.rs"]
+mod settings;
 #[path = "train/stream_tuning.rs"]
 mod stream_tuning;
 

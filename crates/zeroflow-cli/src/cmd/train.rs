@@ -8,6 +8,7 @@
 use std::num::NonZeroU64;
 use std::path::PathBuf;
 
+use crate::settings;
 use crate::train;
 
 /// How many optimizer steps the default run takes: enough for `tiny` to get within 5% of the
@@ -76,6 +77,10 @@ pub struct Args {
     /// Peak learning rate (fills an "auto" optimizer lr). Default: 3e-3.
     #[arg(long, value_name = "LR")]
     pub lr: Option<f64>,
+    #[command(flatten)]
+    pub gpu: settings::GpuFlags,
+    #[command(flatten)]
+    pub host: settings::HostFlags,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

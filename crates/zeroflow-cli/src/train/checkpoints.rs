@@ -37,6 +37,10 @@ pub struct Extra {
     /// Training time so far (evaluation excluded), for tokens per second across a resume.
     pub train_s: f64,
     pub run: RunInfo,
+    /// The run-time settings in effect (`crate::settings::Effective`); `null` in checkpoints
+    /// written before they were recorded.
+    #[serde(default)]
+    pub settings: serde_json::Value,
 }
 
 /// Where the learning-rate schedule is.

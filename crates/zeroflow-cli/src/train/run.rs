@@ -24,7 +24,7 @@ use super::output::{Progress, Recorder, StepRecord};
 use super::schedule::LrSchedule;
 use super::{DeviceKind, Setup, Start};
 use crate::dist::{Group, affinity};
-use crate::stream_tuning;
+use crate::settings::{self, Effective};
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -35,7 +35,11 @@ pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm
 pub fn run(setup: Setup) -> anyhow::Result<()> {
     match setup.device {
         DeviceKind::Cpu => run_on(setup, backend::open_cpu),
-        DeviceKind::Cuda => run_on(setup, backend::open_cuda),
+        DeviceKind::Cuda => {
+            let device = settings::cuda_device_options(&setup.settings);
+            let open = backend::CudaOpen { device, attention: setup.attention };
+            run_on(setup, open.opener())
+        }
     }
 }
 
@@ -62,6 +66,7 @@ pub(super) fn run_on<M: Model>(
         Start::Resume { point, .. } => {
             checkpoints::set_aside(&point.damaged)?;
             tracing::info!("resuming from {} at step {}", point.dir.display(), first - 1);
+            settings::warn_on_resume(&point.extra.settings, &trainer.settings, &point.dir);
             Recorder::resume(&setup.out, first - 1, setup.eval_every)?
         }
         _ => Recorder::create(&setup.out)?,
@@ -170,6 +175,7 @@ fn summary<M: Model>(
         }),
         "config_file": setup.config_file.as_ref().map(|p| p.display().to_string()),
         "config": setup.config.to_json(),
+        "settings": trainer.settings.to_json(),
     })
 }
 
@@ -210,6 +216,8 @@ struct Trainer<M: Model> {
     train_time: Duration,
     /// The side channel to the other ranks (taken for its last barrier at the end of the run).
     group: Option<Group>,
+    /// The run-time settings in effect, for the summary and the checkpoints.
+    settings: Effective,
 }
 
 impl<M: Model> Trainer<M> {
@@ -240,7 +248,15 @@ impl<M: Model> Trainer<M> {
             other => other.into(),
         };
         let mut options = EngineOptions::from_config(config, threads).map_err(config_error)?;
-        stream_tuning::apply_env::<M::P>(&mut options, setup.dist.rank)?;
+        settings::apply_offload::<M::P>(&setup.settings, &mut options, setup.dist.rank)?;
+        let settings = Effective::new(
+            setup.device,
+            setup.attention,
+            &setup.settings,
+            &options,
+            <M::P as zeroflow_core::Element>::DTYPE,
+            setup.cpu_binding.as_ref(),
+        );
         // The synthetic corpus is one endless stream (its entropy floor is known): no epochs end.
         if options.zenflow().is_some_and(|z| z.select_epochs().is_some())
             && setup.data.floor.is_some()
@@ -284,6 +300,7 @@ impl<M: Model> Trainer<M> {
             micro_batch: Batch::default(),
             train_time,
             group: Some(group),
+            settings,
         })
     }
 
@@ -340,6 +357,7 @@ impl<M: Model> Trainer<M> {
             step,
             lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
             train_s: self.train_time.as_secs_f64(),
+            settings: self.settings.to_json(),
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),
