@@ -3,7 +3,7 @@
 mod cmd;
 mod dist;
 mod error;
-mod stream_tuning;
+mod settings;
 mod train;
 
 use std::process::ExitCode;

@@ -16,6 +16,42 @@ const fn case(name: &'static str, json: &'static str, path: &'static str) -> Mal
 }
 
 const MALFORMED: &[Malformed] = &[
+    // zeroflow's run-time settings
+    case(
+        "attention",
+        r#"{"train_batch_size": 8, "zeroflow": {"attention": "fast"}}"#,
+        "zeroflow.attention",
+    ),
+    case(
+        "cuda_wait",
+        r#"{"train_batch_size": 8, "zeroflow": {"cuda_wait": "yield"}}"#,
+        "zeroflow.cuda_wait",
+    ),
+    case(
+        "cpu_bind",
+        r#"{"train_batch_size": 8, "zeroflow": {"cpu_bind": "of"}}"#,
+        "zeroflow.cpu_bind",
+    ),
+    case(
+        "stream_chunk",
+        r#"{"train_batch_size": 8, "zeroflow": {"offload": {"stream_chunk_mib": 0}}}"#,
+        "zeroflow.offload.stream_chunk_mib",
+    ),
+    case(
+        "copy_stores",
+        r#"{"train_batch_size": 8, "zeroflow": {"offload": {"copy_stores": "nt"}}}"#,
+        "zeroflow.offload.copy_stores",
+    ),
+    case(
+        "gather",
+        r#"{"train_batch_size": 8, "zeroflow": {"offload": {"gather": "end"}}}"#,
+        "zeroflow.offload.gather",
+    ),
+    case(
+        "cpu_threads",
+        r#"{"train_batch_size": 8, "zeroflow": {"offload": {"cpu_threads": -1}}}"#,
+        "zeroflow.offload.cpu_threads",
+    ),
     // ZeRO
     case(
         "stage3",
@@ -421,6 +457,27 @@ fn a_valid_config_prints_resolved_json_and_warns_once_per_unknown_key() {
             "warning: unknown key seed (ignored; not a DeepSpeed or zeroflow setting)",
         ]
     );
+}
+
+/// The `zeroflow` section's settings come out resolved: as given, or `null` for the default.
+#[test]
+fn the_run_time_settings_are_printed_with_the_resolved_config() {
+    let dir = scratch_dir("settings");
+    let file = dir.join("ds.json");
+    let json = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cpu_bind": "off",
+        "offload": {"stream_chunk_mib": 8, "gather": "pieces"}}}"#;
+    std::fs::write(&file, json).unwrap();
+    let output = zeroflow_config(&file, &[]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let resolved: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let zeroflow = &resolved["zeroflow"];
+    assert_eq!(zeroflow["attention"], "flash");
+    assert_eq!(zeroflow["cpu_bind"], "off");
+    assert_eq!(zeroflow["cuda_wait"], serde_json::Value::Null);
+    assert_eq!(zeroflow["offload"]["stream_chunk_mib"], 8.0);
+    assert_eq!(zeroflow["offload"]["gather"], "pieces");
+    assert_eq!(zeroflow["offload"]["copy_stores"], serde_json::Value::Null);
+    assert_eq!(zeroflow["offload"]["cpu_threads"], serde_json::Value::Null);
 }
 
 #[test]

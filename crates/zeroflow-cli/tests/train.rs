@@ -8,6 +8,8 @@ use std::process::{Command, Output};
 mod checkpoints;
 #[path = "train/run_control.rs"]
 mod run_control;
+#[path = "train/settings.rs"]
+mod settings;
 #[path = "train/stream_tuning.rs"]
 mod stream_tuning;
 

@@ -1,6 +1,7 @@
-//! The `ZEROFLOW_*` environment variables that pick one of a few named settings (attention,
-//! CPU binding, how host threads wait, the offload stream's stores and gather): one reading and
-//! one matching for all of them, so that each accepts the same spellings.
+//! Reading the `ZEROFLOW_*` environment variables that pick one of a few named settings
+//! (attention, CPU binding, how host threads wait, the offload stream's stores and gather): one
+//! reading and one matching for all of them, so that each accepts the same spellings. Only the
+//! binary reads them (its `settings` module); the libraries take options.
 
 /// The value of environment variable `name`, if it is set (converted lossily to UTF-8).
 pub fn var(name: &str) -> Option<String> {

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::cuda::CudaDeviceOptions;
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{Chaos, Comm, CpuDevice, CudaDevice, HostMemory};
 
@@ -91,12 +92,16 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
     run_ranks(opts, devices, comms, forward_backward::<f32>)
 }
 
-/// Runs the protocol on GPUs `0..opts.world`, one thread per rank, NCCL between them. `chaos`
+/// Runs the protocol on GPUs `0..opts.world` (each opened as `device` says), one thread per
+/// rank, NCCL between them. `chaos`
 /// does not apply (the GPU's own asynchrony is the test); load the GPU from another stream
 /// meanwhile to widen the windows in which a missing wait would show.
-pub fn run_cuda(opts: &StressOptions) -> Result<StressReport, EngineError> {
-    let devices: Vec<CudaDevice> =
-        (0..opts.world).map(CudaDevice::new).collect::<Result<_, _>>()?;
+pub fn run_cuda(
+    opts: &StressOptions,
+    device: &CudaDeviceOptions,
+) -> Result<StressReport, EngineError> {
+    let open = |ordinal| CudaDevice::with_options(ordinal, device.clone());
+    let devices: Vec<CudaDevice> = (0..opts.world).map(open).collect::<Result<_, _>>()?;
     let comms = NcclComm::group(&devices)?;
     Ok(run_ranks(opts, devices, comms, forward_backward_cuda::<f32>))
 }

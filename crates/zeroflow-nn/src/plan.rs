@@ -116,7 +116,7 @@ pub enum AttentionKind {
 }
 
 impl AttentionKind {
-    /// The name `ZEROFLOW_ATTENTION` takes: `gemm` or `flash`.
+    /// Its name in the settings (`--attention`, `zeroflow.attention`): `gemm` or `flash`.
     pub fn name(self) -> &'static str {
         match self {
             AttentionKind::Gemm => "gemm",

@@ -38,7 +38,8 @@ enum MemoryArg {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let bytes = usize::try_from(args.mib << 20)
         .map_err(|_| InputError::from_display("--mib is too large for this machine"))?;
-    let device = CudaDevice::new(args.gpu).map_err(|error| {
+    let options = crate::settings::cuda_device_options(&crate::settings::env::from_process()?);
+    let device = CudaDevice::with_options(args.gpu, options).map_err(|error| {
         if is_absent(&error) {
             anyhow::anyhow!(
                 "no CUDA GPU found ({}); `zeroflow bench copy` measures copies to a GPU and needs \

@@ -26,7 +26,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let device = CudaDevice::new(args.gpu).map_err(|error| {
+    let options = crate::settings::cuda_device_options(&crate::settings::env::from_process()?);
+    let device = CudaDevice::with_options(args.gpu, options).map_err(|error| {
         if is_absent(&error) {
             anyhow::anyhow!(
                 "no CUDA GPU found ({}); `zeroflow bench gemm` measures cuBLASLt on a GPU and \

@@ -14,6 +14,9 @@ use zeroflow_device::{CudaDevice, Device};
 use zeroflow_gpt::cuda::{CudaGptOptions, device_memory_in_use};
 use zeroflow_gpt::{CudaGpt, GptConfig, flat_layout, init_params};
 
+use crate::settings::{self, Requested};
+use crate::train::DeviceKind;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Model size: a named size (gpt-1.3b, gpt2-124m, …) or a JSON object.
@@ -40,12 +43,18 @@ pub struct Args {
     /// Run GELU as its own kernels instead of in the fc matmul's cuBLASLt epilogues.
     #[arg(long)]
     no_gelu_fusion: bool,
+    #[command(flatten)]
+    gpu_settings: settings::GpuFlags,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config: GptConfig = args.model.parse().context("--model")?;
     let (batch, seq) = (args.micro_batch as usize, args.seq.map_or(config.context, |s| s as usize));
-    let device = CudaDevice::new(args.gpu).map_err(|error| {
+    let flags = settings::from_flags(args.gpu_settings, settings::HostFlags::default());
+    let requested = settings::resolve(flags, settings::env::from_process()?, Requested::default());
+    let attention = settings::attention(DeviceKind::Cuda, &config, &requested)?;
+    let options = settings::cuda_device_options(&requested);
+    let device = CudaDevice::with_options(args.gpu, options).map_err(|error| {
         if is_absent(&error) {
             anyhow::anyhow!(
                 "no CUDA GPU found ({}); `zeroflow bench gpt` runs the model on a GPU and needs one",
@@ -63,8 +72,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(host);
     let grads = device.alloc::<bf16>(layout.padded_len())?;
     let blas = Arc::new(Blas::new(&device)?);
-    let options =
-        CudaGptOptions { fuse_gelu: !args.no_gelu_fusion, ..CudaGptOptions::for_model(&config)? };
+    let options = CudaGptOptions { fuse_gelu: !args.no_gelu_fusion, attention };
     let mut model = CudaGpt::with_options(&device, blas, &config, &layout, batch, seq, options)
         .with_context(|| format!("setting up {} at micro-batch {batch} × {seq}", args.model))?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);

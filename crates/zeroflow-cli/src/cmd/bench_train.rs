@@ -23,8 +23,9 @@ use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
-use crate::dist::{DistEnv, Group, affinity};
-use crate::stream_tuning;
+use crate::dist::affinity::{self, BindMode};
+use crate::dist::{DistEnv, Group};
+use crate::settings::{self, Effective, Requested};
 use crate::train::DeviceKind;
 use crate::train::backend::{self, Model, Opened};
 use crate::train::run::{ModelEngine, forward_backward};
@@ -67,6 +68,13 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    gpu: settings::GpuFlags,
+    #[command(flatten)]
+    host: settings::HostFlags,
+    /// What the environment asks for (read by [`run`]; none in tests).
+    #[arg(skip)]
+    env: Requested,
 }
 
 /// The DeepSpeed config of a mode, as `bench/peers/ds_train.py` writes it.
@@ -101,7 +109,7 @@ fn ds_config(mode: Mode, micro_batch: usize, accum: u64, bf16: bool, warmup: u32
     )
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(mut args: Args) -> anyhow::Result<()> {
     let model: GptConfig =
         args.model.parse().map_err(|e| InputError::from_display(format!("--model: {e}")))?;
     if args.micro_batch == 0 || args.steps == 0 || args.accum == 0 {
@@ -111,15 +119,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let dist = DistEnv::from_process().map_err(InputError::from_display)?;
     check_job(args.device, &dist)?;
+    args.env = settings::env::from_process()?;
     let report = match args.device {
         DeviceKind::Cpu => bench(&args, &model, &dist, backend::open_cpu)?,
-        DeviceKind::Cuda => bench(&args, &model, &dist, backend::open_cuda)?,
+        DeviceKind::Cuda => {
+            let requested = requested(&args);
+            let attention = settings::attention(args.device, &model, &requested)?;
+            let device = settings::cuda_device_options(&requested);
+            bench(&args, &model, &dist, backend::CudaOpen { device, attention }.opener())?
+        }
     };
     // Only rank 0 reports, for the whole job.
     if let Some(report) = report {
         print_report(&args, &report)?;
     }
     Ok(())
+}
+
+/// The settings `args` ask for: the flags over the environment (the bench config has no
+/// `zeroflow` section).
+fn requested(args: &Args) -> Requested {
+    settings::resolve(settings::from_flags(args.gpu, args.host), args.env, Requested::default())
 }
 
 /// Several ranks (under `zeroflow launch`, torchrun or srun) need `--device cuda`: one GPU each,
@@ -193,7 +213,10 @@ fn bench<M: Model>(
 ) -> anyhow::Result<Option<serde_json::Value>> {
     // First, before anything starts a thread (rayon's pool in `init_params`, the optimizer's):
     // they inherit the binding.
-    let binding = if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist) } else { None };
+    let requested = requested(args);
+    let bind = requested.cpu_bind.unwrap_or(BindMode::Auto);
+    let binding =
+        if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist, bind) } else { None };
     let bf16 = args.device == DeviceKind::Cuda;
     let text = ds_config(args.mode, args.micro_batch, args.accum, bf16, args.warmup);
     let world = u32::try_from(dist.world_size).ok().and_then(NonZeroU32::new);
@@ -204,7 +227,11 @@ fn bench<M: Model>(
     let threads = affinity::optimizer_threads(binding.as_ref(), dist);
     let mut options =
         EngineOptions::from_config(&resolved.config, threads).context("the bench config")?;
-    stream_tuning::apply_env::<M::P>(&mut options, dist.rank)?;
+    settings::apply_offload::<M::P>(&requested, &mut options, dist.rank)?;
+    let attention = settings::attention(args.device, model, &requested)?;
+    let dtype = <M::P as zeroflow_core::Element>::DTYPE;
+    let effective =
+        Effective::new(args.device, attention, &requested, &options, dtype, binding.as_ref());
     // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
     // thread: pt_reserved_cores_perc).
     let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
@@ -225,7 +252,7 @@ fn bench<M: Model>(
     if dist.rank != 0 {
         return Ok(None);
     }
-    let job = Job { world: dist.world_size, threads, description };
+    let job = Job { world: dist.world_size, threads, description, settings: effective.to_json() };
     Ok(Some(report(args, model, &job, &measured, &ranks)))
 }
 
@@ -382,6 +409,8 @@ struct Job {
     threads: usize,
     /// Rank 0's device.
     description: String,
+    /// Rank 0's run-time settings ([`Effective`]).
+    settings: serde_json::Value,
 }
 
 /// Rank 0's report: the job's throughput (every rank's tokens over the slowest rank's mean step),
@@ -404,7 +433,7 @@ fn report(
     let params = model.num_params();
     let flops = flops_per_token(model);
     let per_step = |time: std::time::Duration| time.as_secs_f64() / measured.times.len() as f64;
-    json!({
+    let mut out = json!({
         "system": "zeroflow",
         "mode": mode_name(args.mode),
         "device": job.description,
@@ -452,7 +481,9 @@ fn report(
         })).collect::<Vec<_>>(),
         "times": measured.times,
         "losses": measured.losses,
-    })
+    });
+    out["settings"] = job.settings.clone();
+    out
 }
 
 fn mode_name(mode: Mode) -> &'static str {

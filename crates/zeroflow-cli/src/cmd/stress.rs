@@ -59,13 +59,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let opts = StressOptions::new(args.iters, world, args.chaos);
     let (report, load_gemms) = if cuda {
+        let env = crate::settings::env::from_process()?;
+        let device_options = crate::settings::cuda_device_options(&env);
         let load = if args.gpu_load {
-            let device = CudaDevice::new(0)?;
+            let device = CudaDevice::with_options(0, device_options.clone())?;
             Some(GemmLoad::start(&device, 8192)?)
         } else {
             None
         };
-        let report = run_cuda(&opts)?;
+        let report = run_cuda(&opts, &device_options)?;
         (report, load.map(GemmLoad::finish).transpose()?)
     } else {
         (run_cpu(&opts), None)

@@ -8,6 +8,7 @@
 use std::num::NonZeroU64;
 use std::path::PathBuf;
 
+use crate::settings;
 use crate::train;
 
 /// How many optimizer steps the default run takes: enough for `tiny` to get within 5% of the
@@ -106,6 +107,10 @@ pub struct Args {
     /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0.
     #[arg(long, value_name = "X")]
     pub weight_decay: Option<f64>,
+    #[command(flatten)]
+    pub gpu_flags: settings::GpuFlags,
+    #[command(flatten)]
+    pub host_flags: settings::HostFlags,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

@@ -5,8 +5,9 @@
 //! that allocates them is bound. What `numactl --cpunodebind` and DeepSpeed's
 //! `--bind_cores_to_rank` do.
 //!
-//! [`CPU_BIND_VAR`] switches it: `auto` (the default: bind when the host runs several ranks), `on`
-//! (a rank alone on its host too), `off`. Binding is best effort: whatever fails leaves the
+//! [`BindMode`] switches it (`--cpu-bind`, `ZEROFLOW_CPU_BIND`, `zeroflow.cpu_bind`:
+//! [`crate::settings`]): `auto` (the default: bind when the host runs several ranks), `on` (a rank
+//! alone on its host too), `off`. Binding is best effort: whatever fails leaves the
 //! process as it was, with a debug message saying why.
 //!
 //! The binding holds for the calling thread and the threads it starts afterwards, so
@@ -20,18 +21,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use zeroflow_core::env;
-
 use super::DistEnv;
-
-/// The variable that switches the binding: `auto`, `on` or `off` ([`BindMode`]).
-pub const CPU_BIND_VAR: &str = "ZEROFLOW_CPU_BIND";
 
 /// The largest CPU number a CPU list may name: far beyond any host, small enough that a mask of
 /// that many bits is cheap.
 const MAX_CPU: usize = 1 << 16;
 
-/// When to bind ([`CPU_BIND_VAR`]).
+/// When to bind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BindMode {
     /// Bind when the host runs several ranks (the default).
@@ -43,16 +39,6 @@ pub enum BindMode {
 }
 
 impl BindMode {
-    /// The mode `value` names (`None` or blank: `auto`; case and spaces ignored), or why it is
-    /// refused.
-    pub fn parse(value: Option<&str>) -> Result<BindMode, String> {
-        let modes = [("auto", BindMode::Auto), ("on", BindMode::On), ("off", BindMode::Off)];
-        match env::choice(value, &modes) {
-            Ok(mode) => Ok(mode.unwrap_or(BindMode::Auto)),
-            Err(value) => Err(format!("{CPU_BIND_VAR}={value:?} is not auto, on or off")),
-        }
-    }
-
     /// Whether a rank of a host that runs `local_world_size` ranks binds.
     pub fn binds(self, local_world_size: usize) -> bool {
         match self {
@@ -266,23 +252,14 @@ pub fn optimizer_threads(binding: Option<&Binding>, dist: &DistEnv) -> usize {
 }
 
 /// Binds the calling thread, and so the threads it starts afterwards, to the CPUs of this rank's
-/// GPU (GPU `dist.local_rank`) as [`CPU_BIND_VAR`] says: the ranks whose GPUs are local to the
+/// GPU (GPU `dist.local_rank`) as `mode` says: the ranks whose GPUs are local to the
 /// same CPUs split them ([`plan`]), within the CPUs this process may use. Call it before anything
 /// starts a thread. `None` where it does not bind, with a debug message saying why; never an
 /// error. A no-op except on Linux.
-pub fn bind_for_gpu(dist: &DistEnv) -> Option<Binding> {
-    let value = env::var(CPU_BIND_VAR);
-    let mode = match BindMode::parse(value.as_deref()) {
-        Ok(mode) => mode,
-        Err(reason) => {
-            tracing::debug!("rank {}: not binding the CPU optimizer: {reason}", dist.rank);
-            return None;
-        }
-    };
+pub fn bind_for_gpu(dist: &DistEnv, mode: BindMode) -> Option<Binding> {
     if !mode.binds(dist.local_world_size) {
         tracing::debug!(
-            "rank {}: not binding the CPU optimizer ({CPU_BIND_VAR}={mode}, {} rank(s) on this \
-             host)",
+            "rank {}: not binding the CPU optimizer (cpu bind {mode}, {} rank(s) on this host)",
             dist.rank,
             dist.local_world_size
         );
@@ -504,18 +481,9 @@ mod tests {
         assert_eq!(plan(&[vec![], vec![]], 0, &range(0, 7), alone), None);
     }
 
+    /// (Its spellings are checked with the other settings', in `settings::env`.)
     #[test]
-    fn bind_mode_accepts_auto_on_off_and_refuses_the_rest() {
-        assert_eq!(BindMode::parse(None), Ok(BindMode::Auto));
-        assert_eq!(BindMode::parse(Some("")), Ok(BindMode::Auto));
-        assert_eq!(BindMode::parse(Some("auto")), Ok(BindMode::Auto));
-        assert_eq!(BindMode::parse(Some(" ON\n")), Ok(BindMode::On));
-        assert_eq!(BindMode::parse(Some("off")), Ok(BindMode::Off));
-        for bad in ["1", "yes", "true", "numa", "of"] {
-            let reason = BindMode::parse(Some(bad)).unwrap_err();
-            assert!(reason.contains("ZEROFLOW_CPU_BIND"), "{reason}");
-            assert!(reason.contains(&format!("{bad:?}")), "{reason}");
-        }
+    fn auto_binds_with_several_ranks_on_a_host_on_always_off_never() {
         assert!(!BindMode::Auto.binds(1));
         assert!(BindMode::Auto.binds(2));
         assert!(BindMode::On.binds(1));

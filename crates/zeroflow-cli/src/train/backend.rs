@@ -1,16 +1,19 @@
 //! What the training loop needs of a model on a device, and how each device kind is opened.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::cuda::CudaDeviceOptions;
+use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::nccl::{NcclComm, NcclId};
 use zeroflow_device::{Comm, CpuDevice, CudaDevice, Device};
 use zeroflow_engine::DeviceAdamW;
-use zeroflow_gpt::cuda::CudaGpt;
-use zeroflow_gpt::{CpuGpt, GptConfig, GptError, GradsReady};
+use zeroflow_gpt::cuda::{CudaGpt, CudaGptOptions};
+use zeroflow_gpt::{AttentionKind, CpuGpt, GptConfig, GptError, GradsReady};
 
 use crate::dist::{self, DistEnv, Group};
 
@@ -152,7 +155,26 @@ impl Model for CudaGpt {
     }
 }
 
-/// The GPU of this process's local rank, its NCCL communicator in the job, and the model in bf16.
+/// How [`open_cuda`] opens the GPU and the model: the settings the binary resolved.
+#[derive(Clone, Debug)]
+pub struct CudaOpen {
+    pub device: CudaDeviceOptions,
+    pub attention: AttentionKind,
+}
+
+impl CudaOpen {
+    /// [`open_cuda`] with these options, as an [`OpenFn`].
+    pub fn opener(self) -> impl OpenFn<CudaGpt> {
+        move |model: &GptConfig,
+              micro_batch: usize,
+              seq: usize,
+              layout: &FlatLayout,
+              dist: &DistEnv| { open_cuda(model, micro_batch, seq, layout, dist, &self) }
+    }
+}
+
+/// The GPU of this process's local rank (opened as `open` says), its NCCL communicator in the
+/// job, and the model in bf16 with `open`'s attention.
 ///
 /// With several ranks, the processes meet first ([`dist::join`]: rank 0 makes the NCCL id and
 /// hands its bytes to the others), then each joins the NCCL group on its GPU.
@@ -162,9 +184,10 @@ pub fn open_cuda(
     seq: usize,
     layout: &FlatLayout,
     dist: &DistEnv,
+    open: &CudaOpen,
 ) -> anyhow::Result<Opened<CudaGpt>> {
     let (device, comm, group) = if dist.world_size == 1 {
-        let device = CudaDevice::new(dist.local_rank)?;
+        let device = CudaDevice::with_options(dist.local_rank, open.device.clone())?;
         let comm = NcclComm::group(std::slice::from_ref(&device))?.pop().expect("a group of one");
         let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
         (device, comm, group)
@@ -173,14 +196,16 @@ pub fn open_cuda(
             dist::join(dist, || Ok(NcclId::new().map_err(|e| e.to_string())?.to_bytes().to_vec()))?;
         let id = NcclId::from_bytes(&id).context("the NCCL id rank 0 sent")?;
         let (rank, world) = (dist.rank, dist.world_size);
-        let device = CudaDevice::new(dist.local_rank)
+        let device = CudaDevice::with_options(dist.local_rank, open.device.clone())
             .with_context(|| format!("rank {rank}: cannot open GPU {}", dist.local_rank))?;
         let comm = NcclComm::new(&device, &id, rank, world)
             .with_context(|| format!("rank {rank}: cannot join the NCCL group of {world}"))?;
         tracing::info!("rank {rank} of {world} on GPU {}: NCCL group joined", dist.local_rank);
         (device, comm, group)
     };
-    let model = CudaGpt::new(&device, model, layout, micro_batch, seq)?;
+    let blas = Arc::new(Blas::new(&device)?);
+    let options = CudaGptOptions { attention: open.attention, ..CudaGptOptions::default() };
+    let model = CudaGpt::with_options(&device, blas, model, layout, micro_batch, seq, options)?;
     tracing::info!(
         "GPU model: {:.2} GiB of activations and scratch",
         model.activation_bytes() as f64 / f64::from(1u32 << 30)

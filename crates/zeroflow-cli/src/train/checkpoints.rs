@@ -47,6 +47,10 @@ pub struct Extra {
     #[serde(default)]
     pub wall_s: Option<f64>,
     pub run: RunInfo,
+    /// The run-time settings in effect (`crate::settings::Effective`); `null` in checkpoints
+    /// written before they were recorded.
+    #[serde(default)]
+    pub settings: serde_json::Value,
 }
 
 /// Where the learning-rate schedule is.

@@ -30,7 +30,8 @@ use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 use crate::InputError;
 use crate::cmd::train::Args;
 use crate::dist::DistEnv;
-use crate::dist::affinity::{self, Binding};
+use crate::dist::affinity::{self, BindMode, Binding};
+use crate::settings::{self, Requested};
 
 use checkpoints::ResumePoint;
 pub use data::{Data, EVAL_BATCHES};
@@ -85,8 +86,12 @@ pub struct Setup {
     /// This process's rank in the job (one process unless a launcher says otherwise).
     pub dist: DistEnv,
     /// The CPUs near its GPU that this rank's threads were bound to (`--device cuda`,
-    /// `ZEROFLOW_CPU_BIND`); `None`: unbound, the host's cores shared evenly between its ranks.
+    /// `--cpu-bind`); `None`: unbound, the host's cores shared evenly between its ranks.
     pub cpu_binding: Option<Binding>,
+    /// The run-time settings, every layer resolved ([`settings::resolve`]).
+    pub settings: Requested,
+    /// The attention the model runs ([`settings::attention`]).
+    pub attention: zeroflow_gpt::AttentionKind,
 }
 
 impl Setup {
@@ -96,11 +101,15 @@ impl Setup {
     /// ([`affinity::bind_for_gpu`]).
     pub fn from_args(args: Args) -> anyhow::Result<Setup> {
         let dist = job(&args)?;
+        let env = settings::env::from_process()?;
         // First, before anything starts a thread (rayon's pool, the optimizer's): they inherit
-        // the binding.
-        let cpu_binding =
-            if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(&dist) } else { None };
-        let setup = Setup::for_rank(args, dist)?;
+        // the binding. The config is resolved later; its `cpu_bind` is looked up here.
+        let flags = settings::from_flags(args.gpu_flags, args.host_flags);
+        let bind = flags.cpu_bind.or(env.cpu_bind).or_else(|| config_cpu_bind(&args));
+        let cpu_binding = (args.device == DeviceKind::Cuda)
+            .then(|| affinity::bind_for_gpu(&dist, bind.unwrap_or(BindMode::Auto)))
+            .flatten();
+        let setup = Setup::for_rank(args, dist, env)?;
         // Last, so that a mistake in the flags or the config is reported first.
         if setup.device == DeviceKind::Cuda {
             backend::check_cuda_gpu(setup.dist.local_rank)?;
@@ -108,8 +117,9 @@ impl Setup {
         Ok(Setup { cpu_binding, ..setup })
     }
 
-    /// [`Setup::from_args`] for the rank `dist` (the process environment is not read).
-    pub(crate) fn for_rank(mut args: Args, dist: DistEnv) -> anyhow::Result<Setup> {
+    /// [`Setup::from_args`] for the rank `dist`, with `env` as what the environment asks for
+    /// (the process environment is not read).
+    pub(crate) fn for_rank(mut args: Args, dist: DistEnv, env: Requested) -> anyhow::Result<Setup> {
         let resume = match &args.resume {
             Some(arg) => Some(checkpoints::find(arg, args.out.as_deref())?),
             None => None,
@@ -155,6 +165,9 @@ impl Setup {
             limits::available_host_memory(),
         )
         .map_err(input)?;
+        let flags = settings::from_flags(args.gpu_flags, args.host_flags);
+        let settings = settings::resolve(flags, env, settings::from_config(&config.zeroflow));
+        let attention = settings::attention(args.device, &model, &settings)?;
         let out = match &resume {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => {
@@ -209,6 +222,8 @@ impl Setup {
             start,
             dist,
             cpu_binding: None,
+            settings,
+            attention,
         })
     }
 
@@ -339,6 +354,16 @@ fn default_to_saved(args: &mut Args, saved: &serde_json::Value) {
     args.lr = args
         .lr
         .or_else(|| saved.pointer("/optimizer/params/lr").and_then(serde_json::Value::as_f64));
+}
+
+/// The `zeroflow.cpu_bind` of `--config`, looked up before the config is resolved (binding comes
+/// before anything else); `None` where the file does not say or cannot be read (resolving it
+/// reports why).
+fn config_cpu_bind(args: &Args) -> Option<BindMode> {
+    let text = std::fs::read_to_string(args.config.as_ref()?).ok()?;
+    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let name = value.pointer("/zeroflow/cpu_bind")?.as_str()?;
+    settings::names::CPU_BIND.iter().find(|(n, _)| *n == name).map(|&(_, mode)| mode)
 }
 
 /// A flag's value when resuming: the checkpoint's, unless the flag says otherwise (an error).

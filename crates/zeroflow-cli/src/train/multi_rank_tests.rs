@@ -18,6 +18,7 @@ use crate::cmd::train::Args;
 use crate::dist::env::Master;
 use crate::dist::rendezvous::tests::free_port;
 use crate::dist::{self, DistEnv};
+use crate::settings::Requested;
 
 /// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
 const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
@@ -73,7 +74,7 @@ fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
                     rendezvous_timeout: Duration::from_secs(20),
                     step_timeout: None,
                 };
-                let setup = Setup::for_rank(args, dist)?;
+                let setup = Setup::for_rank(args, dist, Requested::default())?;
                 run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
                     let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
@@ -262,7 +263,7 @@ fn a_rank_that_fails_fails_the_others_instead_of_hanging() {
         rendezvous_timeout: Duration::from_millis(500),
         step_timeout: None,
     };
-    let setup = Setup::for_rank(args, dist).unwrap();
+    let setup = Setup::for_rank(args, dist, Requested::default()).unwrap();
     let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
         let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
         let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
@@ -364,7 +365,7 @@ fn a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it() {
                     rendezvous_timeout: Duration::from_secs(20),
                     step_timeout: None,
                 };
-                let setup = Setup::for_rank(args, dist)?;
+                let setup = Setup::for_rank(args, dist, Requested::default())?;
                 run::run_on::<FailingGpt>(setup, move |model, micro_batch, seq, layout, dist| {
                     let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;

@@ -24,7 +24,7 @@ use super::signals::Stop;
 use super::{DeviceKind, Setup, Start};
 use crate::dist::{Group, affinity};
 use crate::error::Exit;
-use crate::stream_tuning;
+use crate::settings::{self, Effective};
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -36,7 +36,11 @@ pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm
 pub fn run(setup: Setup) -> anyhow::Result<()> {
     match setup.device {
         DeviceKind::Cpu => run_on(setup, backend::open_cpu),
-        DeviceKind::Cuda => run_on(setup, backend::open_cuda),
+        DeviceKind::Cuda => {
+            let device = settings::cuda_device_options(&setup.settings);
+            let open = backend::CudaOpen { device, attention: setup.attention };
+            run_on(setup, open.opener())
+        }
     }
 }
 
@@ -68,6 +72,9 @@ pub(super) fn run_on<M: Model>(
     let stop = Stop::on_signals()?;
     if leader && setup.default_out {
         setup.out = run_dir::claim(&setup.out)?;
+    }
+    if let Start::Resume { point, .. } = &setup.start {
+        settings::warn_on_resume(&point.extra.settings, &trainer.settings, &point.dir);
     }
     let mut recorder = open_recorder(&setup, leader)?;
     let ended = train_steps(&mut setup, &mut trainer, &mut recorder, &progress, &stop)?;
@@ -270,6 +277,7 @@ fn summary<M: Model>(
         }),
         "config_file": setup.config_file.as_ref().map(|p| p.display().to_string()),
         "config": setup.config.to_json(),
+        "settings": trainer.settings.to_json(),
     })
 }
 
@@ -337,6 +345,8 @@ struct Trainer<M: Model> {
     started: Instant,
     /// The side channel to the other ranks (taken for its last barrier at the end of the run).
     group: Option<Group>,
+    /// The run-time settings in effect, for the summary and the checkpoints.
+    settings: Effective,
 }
 
 impl<M: Model> Trainer<M> {
@@ -367,7 +377,15 @@ impl<M: Model> Trainer<M> {
             other => other.into(),
         };
         let mut options = EngineOptions::from_config(config, threads).map_err(config_error)?;
-        stream_tuning::apply_env::<M::P>(&mut options, setup.dist.rank)?;
+        settings::apply_offload::<M::P>(&setup.settings, &mut options, setup.dist.rank)?;
+        let settings = Effective::new(
+            setup.device,
+            setup.attention,
+            &setup.settings,
+            &options,
+            <M::P as zeroflow_core::Element>::DTYPE,
+            setup.cpu_binding.as_ref(),
+        );
         // The synthetic corpus is one endless stream (its entropy floor is known): no epochs end.
         if options.zenflow().is_some_and(|z| z.select_epochs().is_some())
             && setup.data.floor.is_some()
@@ -416,6 +434,7 @@ impl<M: Model> Trainer<M> {
             wall_before,
             started,
             group: Some(group),
+            settings,
         })
     }
 
@@ -479,6 +498,7 @@ impl<M: Model> Trainer<M> {
             lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
             train_s: self.train_time.as_secs_f64(),
             wall_s: Some(self.wall_time().as_secs_f64()),
+            settings: self.settings.to_json(),
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),

@@ -3,17 +3,40 @@
 //! under DeepSpeed, without these features.
 //!
 //! ```json
-//! "zeroflow": { "delayed_update": { "enabled": true, "warmup_steps": 10 } }
+//! "zeroflow": {
+//!   "delayed_update": { "enabled": true, "warmup_steps": 10 },
+//!   "attention": "auto",
+//!   "cuda_wait": "auto",
+//!   "cpu_bind": "auto",
+//!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto" }
+//! }
 //! ```
+//!
+//! Every key but `delayed_update` is the config layer of a run-time setting that a flag of the
+//! same name and a `ZEROFLOW_*` variable override (docs/DESIGN.md, "The configuration surface").
+//! `"auto"` or an absent key leaves the setting to those layers or zeroflow's default; the
+//! resolved config writes it as `null`.
+
+use std::num::NonZeroU64;
+
+use serde_json::{Value, json};
 
 use super::diagnostics::Diagnostics;
 use super::error::ConfigError;
-use super::reader::{NON_NEGATIVE_INT, Section};
+use super::reader::{NON_NEGATIVE_INT, POSITIVE_INT, Section, Setting};
 
 /// zeroflow's own settings.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ZeroflowExtensions {
     pub delayed_update: DelayedUpdate,
+    /// `zeroflow.attention`; `None` (`"auto"`): flash where the model's head size has kernels.
+    /// Changes the numbers.
+    pub attention: Option<Attention>,
+    /// `zeroflow.cuda_wait`; `None` (`"auto"`): the driver's choice.
+    pub cuda_wait: Option<CudaWait>,
+    /// `zeroflow.cpu_bind`; `None` (`"auto"`): bind where a host runs several ranks.
+    pub cpu_bind: Option<CpuBind>,
+    pub offload: OffloadTuning,
 }
 
 /// The ZeRO-Offload paper's delayed parameter update: after a warm-up, the host optimizer step of
@@ -33,6 +56,107 @@ impl Default for DelayedUpdate {
     }
 }
 
+/// How attention keeps what its backward needs (`zeroflow.attention`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// cuBLASLt products; the attention weights are kept for backward.
+    Gemm,
+    /// FlashAttention-2 kernels; the log-sum-exp of each query row is kept instead.
+    Flash,
+}
+
+/// How a host thread waits for the GPU (`zeroflow.cuda_wait`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaWait {
+    /// It sleeps, leaving its core to the CPU optimizer.
+    Block,
+    /// It spins.
+    Spin,
+}
+
+/// Whether a rank's CPU optimizer is bound to the CPUs near its GPU (`zeroflow.cpu_bind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuBind {
+    /// Bind, even a rank alone on its host.
+    On,
+    /// Never bind.
+    Off,
+}
+
+/// How the CPU AdamW writes the weights' bf16 copy (`zeroflow.offload.copy_stores`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyStores {
+    Normal,
+    NonTemporal,
+}
+
+/// When the streaming step gathers the updated partitions (`zeroflow.offload.gather`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gather {
+    /// Piece by piece while it steps.
+    Pieces,
+    /// After the step.
+    AfterStep,
+}
+
+/// The CPU-offload stream's tuning (`zeroflow.offload`): `None` keeps the engine's default. None
+/// of it changes the numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OffloadTuning {
+    /// The chunk the gradients go to the host and the weights come back in, in MiB of the
+    /// parameter dtype (a positive number).
+    pub stream_chunk_mib: Option<f64>,
+    pub copy_stores: Option<CopyStores>,
+    pub gather: Option<Gather>,
+    /// Threads of the CPU optimizer.
+    pub cpu_threads: Option<NonZeroU64>,
+}
+
+const ATTENTIONS: &[(&str, Option<Attention>)] =
+    &[("auto", None), ("gemm", Some(Attention::Gemm)), ("flash", Some(Attention::Flash))];
+const CUDA_WAITS: &[(&str, Option<CudaWait>)] =
+    &[("auto", None), ("block", Some(CudaWait::Block)), ("spin", Some(CudaWait::Spin))];
+const CPU_BINDS: &[(&str, Option<CpuBind>)] =
+    &[("auto", None), ("on", Some(CpuBind::On)), ("off", Some(CpuBind::Off))];
+const COPY_STORES: &[(&str, Option<CopyStores>)] = &[
+    ("auto", None),
+    ("normal", Some(CopyStores::Normal)),
+    ("non-temporal", Some(CopyStores::NonTemporal)),
+];
+const GATHERS: &[(&str, Option<Gather>)] =
+    &[("auto", None), ("pieces", Some(Gather::Pieces)), ("after-step", Some(Gather::AfterStep))];
+
+/// The name `choices` gives `value` (`None`: JSON `null`, the default).
+fn name_of<T: Copy + PartialEq>(choices: &[(&'static str, Option<T>)], value: Option<T>) -> Value {
+    match value {
+        None => Value::Null,
+        Some(_) => json!(choices.iter().find(|(_, c)| *c == value).map(|(name, _)| *name)),
+    }
+}
+
+impl ZeroflowExtensions {
+    /// The section as the resolved config writes it (`null` for a setting left to the default).
+    pub fn to_json(&self) -> Value {
+        let delayed_update = self.delayed_update;
+        let offload = self.offload;
+        json!({
+            "delayed_update": {
+                "enabled": delayed_update.enabled,
+                "warmup_steps": delayed_update.warmup_steps,
+            },
+            "attention": name_of(ATTENTIONS, self.attention),
+            "cuda_wait": name_of(CUDA_WAITS, self.cuda_wait),
+            "cpu_bind": name_of(CPU_BINDS, self.cpu_bind),
+            "offload": {
+                "stream_chunk_mib": offload.stream_chunk_mib,
+                "copy_stores": name_of(COPY_STORES, offload.copy_stores),
+                "gather": name_of(GATHERS, offload.gather),
+                "cpu_threads": offload.cpu_threads,
+            },
+        })
+    }
+}
+
 /// Reads the `zeroflow` section, if any.
 pub(crate) fn read_extensions(
     root: &mut Section<'_>,
@@ -42,22 +166,83 @@ pub(crate) fn read_extensions(
         return Ok(ZeroflowExtensions::default());
     };
     let delayed_update = match section.section("delayed_update")? {
-        Some(mut delayed) => {
-            let defaults = DelayedUpdate::default();
-            let enabled_path = delayed.path_of("enabled");
-            let warmup_path = delayed.path_of("warmup_steps");
-            let enabled =
-                delayed.bool("enabled")?.or_default(&enabled_path, defaults.enabled, diagnostics);
-            let warmup_steps = delayed.integer("warmup_steps", NON_NEGATIVE_INT)?.or_default(
-                &warmup_path,
-                defaults.warmup_steps,
-                diagnostics,
-            );
-            delayed.finish(&[], diagnostics);
-            DelayedUpdate { enabled, warmup_steps }
-        }
+        Some(delayed) => read_delayed_update(delayed, diagnostics)?,
         None => DelayedUpdate::default(),
     };
+    let attention =
+        named(&mut section, "attention", ATTENTIONS, "\"auto\", \"gemm\" or \"flash\"")?;
+    let cuda_wait =
+        named(&mut section, "cuda_wait", CUDA_WAITS, "\"auto\", \"block\" or \"spin\"")?;
+    let cpu_bind = named(&mut section, "cpu_bind", CPU_BINDS, "\"auto\", \"on\" or \"off\"")?;
+    let offload = match section.section("offload")? {
+        Some(offload) => read_offload(offload, diagnostics)?,
+        None => OffloadTuning::default(),
+    };
     section.finish(&[], diagnostics);
-    Ok(ZeroflowExtensions { delayed_update })
+    Ok(ZeroflowExtensions { delayed_update, attention, cuda_wait, cpu_bind, offload })
+}
+
+fn read_delayed_update(
+    mut delayed: Section<'_>,
+    diagnostics: &mut Diagnostics,
+) -> Result<DelayedUpdate, ConfigError> {
+    let defaults = DelayedUpdate::default();
+    let enabled_path = delayed.path_of("enabled");
+    let warmup_path = delayed.path_of("warmup_steps");
+    let enabled = delayed.bool("enabled")?.or_default(&enabled_path, defaults.enabled, diagnostics);
+    let warmup_steps = delayed.integer("warmup_steps", NON_NEGATIVE_INT)?.or_default(
+        &warmup_path,
+        defaults.warmup_steps,
+        diagnostics,
+    );
+    delayed.finish(&[], diagnostics);
+    Ok(DelayedUpdate { enabled, warmup_steps })
+}
+
+fn read_offload(
+    mut offload: Section<'_>,
+    diagnostics: &mut Diagnostics,
+) -> Result<OffloadTuning, ConfigError> {
+    let stream_chunk_mib = match offload.value("stream_chunk_mib") {
+        None => None,
+        Some(Value::String(text)) if text == "auto" => None,
+        Some(Value::Number(number))
+            if number.as_f64().is_some_and(|mib| mib.is_finite() && mib > 0.0) =>
+        {
+            number.as_f64()
+        }
+        Some(other) => {
+            return Err(ConfigError::bad_value(
+                offload.path_of("stream_chunk_mib"),
+                "a positive number of MiB or \"auto\"",
+                super::reader::describe(other),
+            ));
+        }
+    };
+    let copy_stores = named(
+        &mut offload,
+        "copy_stores",
+        COPY_STORES,
+        "\"auto\", \"normal\" or \"non-temporal\"",
+    )?;
+    let gather = named(&mut offload, "gather", GATHERS, "\"auto\", \"pieces\" or \"after-step\"")?;
+    let cpu_threads = match offload.integer("cpu_threads", POSITIVE_INT)? {
+        Setting::Given(threads) => NonZeroU64::new(threads),
+        Setting::Absent | Setting::Auto => None,
+    };
+    offload.finish(&[], diagnostics);
+    Ok(OffloadTuning { stream_chunk_mib, copy_stores, gather, cpu_threads })
+}
+
+/// A key whose value is one of `choices` by name (`"auto"` among them, read as `None`).
+fn named<T: Copy>(
+    section: &mut Section<'_>,
+    key: &'static str,
+    choices: &[(&str, Option<T>)],
+    expected: &str,
+) -> Result<Option<T>, ConfigError> {
+    match section.choice(key, choices, expected)? {
+        Setting::Given(choice) => Ok(choice),
+        Setting::Absent | Setting::Auto => Ok(None),
+    }
 }

@@ -42,7 +42,10 @@ use serde_json::Value;
 pub use batch::{BatchSizes, derive_batch_sizes};
 pub use diagnostics::{AutoSource, AutoValue, Warning, WarningKind};
 pub use error::{ConfigError, ROOT};
-pub use extensions::{DelayedUpdate, ZeroflowExtensions};
+pub use extensions::{
+    Attention, CopyStores, CpuBind, CudaWait, DelayedUpdate, Gather, OffloadTuning,
+    ZeroflowExtensions,
+};
 pub use optimizer::{AdamConfig, WeightDecayMode};
 pub use overrides::Overrides;
 pub use precision::{DynamicLossScale, LossScaling, MixedPrecision, Precision};

@@ -30,16 +30,7 @@ impl Config {
             put("scheduler", scheduler_json(scheduler));
         }
         put("zero_optimization", zero_json(&self.zero));
-        let delayed_update = self.zeroflow.delayed_update;
-        put(
-            "zeroflow",
-            json!({
-                "delayed_update": {
-                    "enabled": delayed_update.enabled,
-                    "warmup_steps": delayed_update.warmup_steps,
-                },
-            }),
-        );
+        put("zeroflow", self.zeroflow.to_json());
         Value::Object(object)
     }
 

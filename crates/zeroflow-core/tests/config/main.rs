@@ -10,6 +10,7 @@ mod fuzz;
 mod realistic;
 mod round_trip;
 mod warnings;
+mod zeroflow_section;
 
 use std::{num::NonZeroU32, path::PathBuf};
 

@@ -27,6 +27,7 @@ mod slice;
 use std::fmt;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{self as driver, result as cu, sys as cu_sys};
@@ -56,6 +57,8 @@ struct Inner {
     description: String,
     compute_capability: (i32, i32),
     modules: module::ModuleCache,
+    /// Where compiled kernels are cached ([`CudaDeviceOptions::kernel_cache`]).
+    kernel_cache: Option<PathBuf>,
     engine_kernels: std::sync::OnceLock<kernels::EngineKernels>,
     copied: crate::CopyCounters,
 }
@@ -138,10 +141,6 @@ impl ErrorSink for ErrorList {
     }
 }
 
-/// The environment variable that says how a host thread waits for the GPU: `auto` (the default:
-/// the driver's choice), `block` or `spin` ([`HostWaits`]).
-pub const HOST_WAITS_VAR: &str = "ZEROFLOW_CUDA_WAIT";
-
 /// How a host thread that waits for the GPU (an event, a copy's completion, the context) spends
 /// the wait: the primary context's scheduling flag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,25 +158,16 @@ pub enum HostWaits {
 }
 
 impl HostWaits {
-    /// [`HOST_WAITS_VAR`]'s choice: `auto` where unset or blank, `block`, `spin`, or an error
-    /// naming the variable and its values.
-    pub fn from_env() -> Result<Self> {
-        Self::parse(zeroflow_core::env::var(HOST_WAITS_VAR).as_deref())
-    }
+    /// Each setting by its name: `auto`, `block`, `spin`.
+    pub const NAMES: [(&'static str, HostWaits); 3] =
+        [("auto", HostWaits::Auto), ("block", HostWaits::Block), ("spin", HostWaits::Spin)];
 
-    fn parse(value: Option<&str>) -> Result<Self> {
-        let waits =
-            [("auto", HostWaits::Auto), ("block", HostWaits::Block), ("spin", HostWaits::Spin)];
-        match zeroflow_core::env::choice(value, &waits) {
-            Ok(waits) => Ok(waits.unwrap_or(HostWaits::Auto)),
-            Err(value) => Err(DeviceError::Library {
-                library: HOST_WAITS_VAR,
-                reason: format!(
-                    "{value:?} is not `auto` (the default: the driver's choice), `block` (a thread \
-                     waiting for the GPU sleeps, leaving its core to the CPU optimizer) or `spin` \
-                     (it spins)"
-                ),
-            }),
+    /// The setting's name in [`HostWaits::NAMES`].
+    pub fn name(self) -> &'static str {
+        match self {
+            HostWaits::Auto => "auto",
+            HostWaits::Block => "block",
+            HostWaits::Spin => "spin",
         }
     }
 
@@ -229,14 +219,37 @@ impl Completion for CudaCompletion {
     }
 }
 
+/// How [`CudaDevice::with_options`] opens a GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaDeviceOptions {
+    /// How host threads wait for the GPU.
+    pub host_waits: HostWaits,
+    /// The folder compiled kernels are cached in ([`module`]); `None`: they are compiled every
+    /// time a device loads them.
+    pub kernel_cache: Option<PathBuf>,
+}
+
+impl Default for CudaDeviceOptions {
+    /// The driver's waits, and the kernel cache in the user's cache folder
+    /// ([`module::default_cache_dir`]).
+    fn default() -> Self {
+        CudaDeviceOptions { host_waits: HostWaits::Auto, kernel_cache: module::default_cache_dir() }
+    }
+}
+
 impl CudaDevice {
-    /// Opens GPU `ordinal`: loads the driver, creates the context with cudarc's event tracking
-    /// off, and the four streams.
+    /// Opens GPU `ordinal` with the default [`CudaDeviceOptions`].
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_options(ordinal, CudaDeviceOptions::default())
+    }
+
+    /// Opens GPU `ordinal` as `options` say: loads the driver, sets how host threads wait,
+    /// creates the context with cudarc's event tracking off, and the four streams.
+    pub fn with_options(ordinal: usize, options: CudaDeviceOptions) -> Result<Self> {
         library::init_driver()?;
         // cudarc panics on a symbol it cannot find; the driver version was checked above, so this
         // is a last resort that turns such a panic into an error.
-        catch_unwind(AssertUnwindSafe(|| Self::open(ordinal))).unwrap_or_else(|panic| {
+        catch_unwind(AssertUnwindSafe(|| Self::open(ordinal, options))).unwrap_or_else(|panic| {
             Err(DeviceError::Library {
                 library: CudaLibrary::Driver.name(),
                 reason: format!("cudarc panicked opening GPU {ordinal}: {}", panic_text(&*panic)),
@@ -244,7 +257,7 @@ impl CudaDevice {
         })
     }
 
-    fn open(ordinal: usize) -> Result<Self> {
+    fn open(ordinal: usize, options: CudaDeviceOptions) -> Result<Self> {
         let gpus = info::list_gpus()?;
         let gpu = gpus.get(ordinal).ok_or_else(|| DeviceError::Library {
             library: CudaLibrary::Driver.name(),
@@ -254,7 +267,7 @@ impl CudaDevice {
                 gpus.len()
             ),
         })?;
-        set_host_waits(ordinal, HostWaits::from_env()?);
+        set_host_waits(ordinal, options.host_waits);
         let ctx = driver::CudaContext::new(ordinal)
             .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: nothing has been allocated in this context by us yet, and nothing we allocate
@@ -280,6 +293,7 @@ impl CudaDevice {
                 description: gpu.to_string(),
                 compute_capability: gpu.compute_capability,
                 modules: module::ModuleCache::default(),
+                kernel_cache: options.kernel_cache,
                 engine_kernels: std::sync::OnceLock::new(),
                 copied: crate::CopyCounters::default(),
             }),
@@ -580,19 +594,9 @@ mod tests {
     use super::HostWaits;
 
     #[test]
-    fn host_waits_are_the_drivers_unless_told_and_a_bad_value_names_the_variable() {
-        for (value, waits) in [
-            (None, HostWaits::Auto),
-            (Some(" "), HostWaits::Auto),
-            (Some("auto"), HostWaits::Auto),
-            (Some("Block"), HostWaits::Block),
-            (Some("spin"), HostWaits::Spin),
-        ] {
-            assert_eq!(HostWaits::parse(value).unwrap(), waits, "{value:?}");
-        }
-        let message = HostWaits::parse(Some("yield")).unwrap_err().to_string();
-        for needed in ["ZEROFLOW_CUDA_WAIT", "\"yield\"", "`auto`", "`block`", "`spin`"] {
-            assert!(message.contains(needed), "{message}");
+    fn every_host_wait_is_named_by_its_name() {
+        for (name, waits) in HostWaits::NAMES {
+            assert_eq!(waits.name(), name);
         }
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Every source is compiled after [`PRELUDE`] (zeroflow's own bf16/f16 conversions: the kernels
 //! include no CUDA header, so no toolkit include folder is needed at run time). The cubin is cached
-//! under [`cache_dir`] in a file named by a hash of everything that changes the result — the
+//! under the device's cache folder ([`super::CudaDeviceOptions::kernel_cache`], by default
+//! [`default_cache_dir`]) in a file named by a hash of everything that changes the result — the
 //! prelude, the source, the options, the architecture, and the NVRTC and driver versions — and
 //! whose first line spells that key out again, so that a collision or a truncated file is a miss,
 //! never a wrong module. A cache that cannot be read or written is a warning, not an error.
@@ -28,13 +29,10 @@ pub const PRELUDE: &str = include_str!("../../kernels/prelude.cuh");
 /// The options every module is compiled with (besides `-arch`).
 const BASE_OPTIONS: [&str; 3] = ["--std=c++17", "-default-device", "-lineinfo"];
 
-/// Where compiled kernels are cached: `$ZEROFLOW_KERNEL_CACHE`, else
-/// `$XDG_CACHE_HOME/zeroflow/kernels`, else `~/.cache/zeroflow/kernels`. `None` when none of those
-/// can be named (no home): kernels are then compiled every run.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("ZEROFLOW_KERNEL_CACHE") {
-        return Some(PathBuf::from(dir));
-    }
+/// Where compiled kernels are cached unless the device's options say otherwise (the binary's
+/// `ZEROFLOW_KERNEL_CACHE`): `$XDG_CACHE_HOME/zeroflow/kernels`, else `~/.cache/zeroflow/kernels`.
+/// `None` when neither can be named (no home): kernels are then compiled every run.
+pub fn default_cache_dir() -> Option<PathBuf> {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))?;
@@ -459,7 +457,7 @@ impl CudaDevice {
         options: &[&str],
         key: &str,
     ) -> Result<Vec<u8>> {
-        let Some(dir) = cache_dir() else {
+        let Some(dir) = self.inner.kernel_cache.as_deref() else {
             return compile(name, source, arch, options);
         };
         let path = dir.join(format!("{name}-{}.cubin", Fnv::hex(key)));
@@ -470,7 +468,7 @@ impl CudaDevice {
         let started = std::time::Instant::now();
         let cubin = compile(name, source, arch, options)?;
         tracing::debug!(module = name, seconds = started.elapsed().as_secs_f64(), "compiled");
-        if let Err(e) = write_cached(&dir, &path, key, &cubin) {
+        if let Err(e) = write_cached(dir, &path, key, &cubin) {
             tracing::warn!(
                 module = name,
                 path = %path.display(),

@@ -5,7 +5,8 @@
 //! (`kernels/*.cu`, [`kernels`]).
 //!
 //! This module picks the attention: [`flash::FlashAttention`](zeroflow_nn::cuda::flash) where its
-//! kernels take the head size, or else (or with `ZEROFLOW_ATTENTION=gemm`, [`ATTENTION_VAR`])
+//! kernels take the head size, or else (or where its options ask for gemm: the binary's
+//! `--attention`, `zeroflow.attention`, `ZEROFLOW_ATTENTION`)
 //! [`attention::CudaAttention`](zeroflow_nn::cuda::attention).
 
 pub mod kernels;
@@ -28,11 +29,6 @@ use crate::error::GptError;
 use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
 use crate::plan::{ActLayout, GptPlan, Plan};
-
-/// The environment variable that picks the model's attention when it is built: `auto` (the
-/// default; unset or blank too: `flash` where its kernels take the model, `gemm` otherwise),
-/// `flash` or `gemm`. See [`attention_from_env`].
-pub const ATTENTION_VAR: &str = "ZEROFLOW_ATTENTION";
 
 /// A model for one (batch, seq) whose activations live on a GPU. The engine owns the flat bf16
 /// parameter and gradient buffers and passes them to each call.
@@ -63,7 +59,7 @@ fn announce_flash() {
     ANNOUNCED.call_once(|| {
         tracing::info!(
             "attention: FlashAttention-2 kernels, keeping the log-sum-exp of each query row for \
-             backward instead of the attention weights ({ATTENTION_VAR}=gemm for the cuBLASLt \
+             backward instead of the attention weights (attention gemm for the cuBLASLt \
              products)"
         );
     });
@@ -89,40 +85,15 @@ impl Default for CudaGptOptions {
 }
 
 impl CudaGptOptions {
-    /// The defaults, with the attention `ZEROFLOW_ATTENTION` asks for ([`attention_from_env`])
-    /// or, where it asks for none, the fastest that takes `config` ([`auto_attention`]).
-    pub fn for_model(config: &GptConfig) -> Result<Self, GptError> {
-        let attention = attention_from_env()?.unwrap_or_else(|| auto_attention(config));
-        Ok(CudaGptOptions { attention, ..CudaGptOptions::default() })
+    /// The defaults, with the attention `requested` (`None`: the fastest that takes `config`,
+    /// [`auto_attention`]). Whether the attention takes the model is checked when it is built.
+    pub fn for_model(config: &GptConfig, requested: Option<AttentionKind>) -> Self {
+        let attention = requested.unwrap_or_else(|| auto_attention(config));
+        CudaGptOptions { attention, ..CudaGptOptions::default() }
     }
 }
 
-/// The attention `ZEROFLOW_ATTENTION` ([`ATTENTION_VAR`]) asks for: `None` where it is unset,
-/// blank or `auto`, or the error [`parse_attention`] gives.
-pub fn attention_from_env() -> Result<Option<AttentionKind>, GptError> {
-    parse_attention(zeroflow_core::env::var(ATTENTION_VAR).as_deref())
-}
-
-/// The attention a value of `ZEROFLOW_ATTENTION` asks for: none (`None`, blank or `auto`: the
-/// model's choice, [`auto_attention`]), `gemm` or `flash`, spaces and case ignored; anything else
-/// is an error naming the variable and the accepted values.
-pub fn parse_attention(value: Option<&str>) -> Result<Option<AttentionKind>, GptError> {
-    let kinds = [
-        ("auto", None),
-        ("gemm", Some(AttentionKind::Gemm)),
-        ("flash", Some(AttentionKind::Flash)),
-    ];
-    zeroflow_core::env::choice(value, &kinds).map(Option::flatten).map_err(|value| {
-        GptError::InvalidConfig(format!(
-            "{ATTENTION_VAR}={value:?} is not `auto` (the default: `flash` where the model's head \
-             size has kernels, `gemm` otherwise), `flash` (FlashAttention-2 kernels, head sizes \
-             {:?}) or `gemm` (cuBLASLt products, the attention weights kept for backward)",
-            flash::HEAD_SIZES
-        ))
-    })
-}
-
-/// The attention a model gets unless `ZEROFLOW_ATTENTION` says otherwise: flash where its kernels
+/// The attention a model gets unless its options ask for another: flash where its kernels
 /// take the head size (faster and smaller on the H200: gpt-1.3b at micro-batch 8 × 1024 trains
 /// 6 % faster in 6.4 GiB less memory, BENCHMARKS.md), gemm otherwise.
 pub fn auto_attention(config: &GptConfig) -> AttentionKind {
@@ -140,9 +111,8 @@ fn check_attention_fits(config: &GptConfig, attention: AttentionKind) -> Result<
         return Ok(());
     }
     Err(GptError::InvalidConfig(format!(
-        "{ATTENTION_VAR}=flash: the flash kernels take head sizes {:?}, and this model's is \
-         {head_size} (d_model {} / {} heads); use {ATTENTION_VAR}=gemm (or leave it unset) for \
-         this model",
+        "attention flash: the flash kernels take head sizes {:?}, and this model's is \
+         {head_size} (d_model {} / {} heads); use attention gemm (or auto) for this model",
         flash::HEAD_SIZES,
         config.d_model,
         config.n_head
@@ -151,7 +121,8 @@ fn check_attention_fits(config: &GptConfig, attention: AttentionKind) -> Result<
 
 impl CudaGpt {
     /// Loads the kernels, creates a cuBLASLt handle and allocates everything forward and backward
-    /// use, for micro-batches of `batch` sequences of `seq` tokens.
+    /// use, for micro-batches of `batch` sequences of `seq` tokens, with the attention that fits
+    /// the model best ([`auto_attention`]).
     pub fn new(
         device: &CudaDevice,
         config: &GptConfig,
@@ -160,12 +131,12 @@ impl CudaGpt {
         seq: usize,
     ) -> Result<Self, GptError> {
         let blas = Arc::new(Blas::new(device)?);
-        let options = CudaGptOptions::for_model(config)?;
+        let options = CudaGptOptions::for_model(config, None);
         Self::with_options(device, blas, config, layout, batch, seq, options)
     }
 
     /// [`CudaGpt::new`] with a cuBLASLt handle shared with other users of the compute stream,
-    /// and the options given (the attention among them: not read from the environment).
+    /// and the options given (the attention among them).
     pub fn with_options(
         device: &CudaDevice,
         blas: Arc<Blas>,
@@ -284,8 +255,7 @@ pub fn device_memory_in_use(device: &CudaDevice) -> Result<usize, GptError> {
 #[cfg(test)]
 mod tests {
     use super::{
-        AttentionKind, CudaGptOptions, auto_attention, check_attention_fits, parse_attention,
-        planned_memory,
+        AttentionKind, CudaGptOptions, auto_attention, check_attention_fits, planned_memory,
     };
     use crate::{GptConfig, flat_layout};
 
@@ -296,22 +266,15 @@ mod tests {
         send::<super::CudaGpt>();
     }
 
+    /// The options keep the attention asked for, and pick the model's best where none is.
     #[test]
-    fn zeroflow_attention_takes_auto_gemm_or_flash_and_names_itself_otherwise() {
-        for (value, kind) in [
-            (None, None),
-            (Some(""), None),
-            (Some(" Auto"), None),
-            (Some(" gemm "), Some(AttentionKind::Gemm)),
-            (Some("flash"), Some(AttentionKind::Flash)),
-            (Some("FLASH"), Some(AttentionKind::Flash)),
-        ] {
-            assert_eq!(parse_attention(value).unwrap(), kind, "{value:?}");
-        }
-        let message = parse_attention(Some("flash2")).unwrap_err().to_string();
-        for needed in ["ZEROFLOW_ATTENTION=\"flash2\"", "`auto`", "`gemm`", "`flash`"] {
-            assert!(message.contains(needed), "{message}");
-        }
+    fn the_options_take_the_attention_asked_for_else_the_models_best() {
+        let config = GptConfig::named("gpt2-124m").unwrap();
+        let options = |requested| CudaGptOptions::for_model(&config, requested).attention;
+        assert_eq!(options(None), AttentionKind::Flash);
+        assert_eq!(options(Some(AttentionKind::Gemm)), AttentionKind::Gemm);
+        assert_eq!(options(Some(AttentionKind::Flash)), AttentionKind::Flash);
+        assert!(CudaGptOptions::for_model(&config, None).fuse_gelu);
     }
 
     /// Unless told otherwise, a model gets flash attention where its head size has kernels (the
@@ -336,7 +299,7 @@ mod tests {
         let odd = GptConfig { n_layer: 2, n_head: 4, d_model: 200, vocab_size: 301, context: 40 };
         assert!(check_attention_fits(&odd, AttentionKind::Gemm).is_ok());
         let message = check_attention_fits(&odd, AttentionKind::Flash).unwrap_err().to_string();
-        for needed in ["ZEROFLOW_ATTENTION=flash", "head sizes [64, 128]", "is 50", "=gemm"] {
+        for needed in ["attention flash", "head sizes [64, 128]", "is 50", "attention gemm"] {
             assert!(message.contains(needed), "{message}");
         }
     }

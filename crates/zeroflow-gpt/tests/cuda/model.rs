@@ -75,7 +75,7 @@ fn upload(device: &CudaDevice, values: &[bf16]) -> CudaBuffer<bf16> {
     device.upload(values).unwrap()
 }
 
-/// A model of `config` with `attention` (not the one `ZEROFLOW_ATTENTION` asks for: each test
+/// A model of `config` with `attention` (not the one that fits it best: each test
 /// says which it checks), its own cuBLASLt handle and the default options.
 fn model_with(
     device: &CudaDevice,
@@ -189,7 +189,7 @@ fn logits_loss_and_every_gradient_match_the_cpu_model_at_a_width_of_15() {
     check_against_cpu(&device, &narrow, (2, 9), CudaGptOptions::default(), AttentionKind::Gemm);
 }
 
-/// With flash attention (`ZEROFLOW_ATTENTION=flash`), at head sizes 64 and 128.
+/// With flash attention, at head sizes 64 and 128.
 #[test]
 fn with_flash_attention_logits_loss_and_every_gradient_match_the_cpu_model() {
     let Some(device) = gpu() else { return };
@@ -314,7 +314,7 @@ fn flash_attention_refuses_other_head_sizes() {
     let error = CudaGpt::with_options(&device, blas, &TAILS, &layout, 3, 37, options)
         .unwrap_err()
         .to_string();
-    for needed in ["ZEROFLOW_ATTENTION=flash", "head sizes [64, 128]", "is 50", "gemm"] {
+    for needed in ["attention flash", "head sizes [64, 128]", "is 50", "gemm"] {
         assert!(error.contains(needed), "{error}");
     }
 }
@@ -370,7 +370,7 @@ fn model_kernels_compile_with_nvrtc() {
 
 /// Forward + backward of gpt-1.3b (24 layers, width 2048, 16 heads, vocabulary 50304) at
 /// micro-batch 8 × 1024 tokens, timed with device synchronisation: the median of 10 after 3
-/// warm-up steps, with the attention `ZEROFLOW_ATTENTION` asks for (`gemm` unless set). Prints
+/// warm-up steps, with the attention that fits it best (flash). Prints
 /// `RESULT gpt_bench ...`; asserts nothing. Also `zeroflow bench gpt`.
 #[test]
 #[ignore = "a benchmark: run with --ignored on a GPU"]

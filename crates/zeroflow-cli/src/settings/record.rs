@@ -1,0 +1,114 @@
+//! What a run's settings were once every layer had spoken, as `summary.json` and every
+//! checkpoint's `state.json` record them (`"settings"`), and the warning a resume gives when it
+//! would change one that changes the numbers.
+
+use std::path::Path;
+
+use serde::Serialize;
+use serde_json::Value;
+use zeroflow_core::DType;
+use zeroflow_device::cuda::HostWaits;
+use zeroflow_engine::EngineOptions;
+use zeroflow_gpt::AttentionKind;
+use zeroflow_optim::Stores;
+
+use super::{Requested, mib_of, names};
+use crate::dist::affinity::{self, BindMode, Binding};
+use crate::train::DeviceKind;
+
+/// The settings a run used. Only `attention` changes the numbers; the rest change the speed
+/// (the offload stream's results are bit-identical whatever its tuning).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Effective {
+    /// `gemm` or `flash`.
+    pub attention: &'static str,
+    /// `auto`, `block` or `spin`; `None` on the CPU device.
+    pub cuda_wait: Option<&'static str>,
+    /// `auto`, `on` or `off`; `None` on the CPU device (which never binds).
+    pub cpu_bind: Option<&'static str>,
+    /// The CPUs the rank's threads were bound to (a CPU list), if any.
+    pub cpu_binding: Option<String>,
+    /// `None` without CPU optimizer offload.
+    pub offload: Option<EffectiveOffload>,
+}
+
+/// The offload stream's settings as the engine runs them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EffectiveOffload {
+    pub stream_chunk_mib: f64,
+    pub stream_chunk_elements: usize,
+    /// `normal`, `non-temporal`, or `per-path` (normal where the step streams).
+    pub copy_stores: &'static str,
+    /// `pieces` or `after-step`.
+    pub gather: &'static str,
+    pub cpu_threads: usize,
+}
+
+/// The settings that change the numbers (the keys of [`Effective`] a resume compares).
+pub const NUMERICS: [&str; 1] = ["attention"];
+
+impl Effective {
+    /// The settings of a run on `device` whose model runs `attention`, whose engine has
+    /// `options` (parameters of `dtype`), and whose threads are bound as `binding` says.
+    pub fn new(
+        device: DeviceKind,
+        attention: AttentionKind,
+        requested: &Requested,
+        options: &EngineOptions,
+        dtype: DType,
+        binding: Option<&Binding>,
+    ) -> Effective {
+        let on_gpu = device == DeviceKind::Cuda;
+        let offload = options.offload().map(|offload| EffectiveOffload {
+            stream_chunk_mib: mib_of(offload.stream.chunk, dtype),
+            stream_chunk_elements: offload.stream.chunk,
+            copy_stores: offload.stream.copy_stores.map_or("per-path", Stores::name),
+            gather: names::name_of(&names::GATHER, &offload.stream.gather_in_pieces),
+            cpu_threads: offload.cpu_threads,
+        });
+        Effective {
+            attention: attention.name(),
+            cuda_wait: on_gpu.then(|| requested.cuda_wait.unwrap_or(HostWaits::Auto).name()),
+            cpu_bind: on_gpu.then(|| {
+                names::name_of(&names::CPU_BIND, &requested.cpu_bind.unwrap_or(BindMode::Auto))
+            }),
+            cpu_binding: binding.map(|binding| affinity::format_cpulist(&binding.cpus)),
+            offload,
+        }
+    }
+
+    /// As JSON, for `summary.json` and `state.json`.
+    pub fn to_json(&self) -> Value {
+        serde_json::to_value(self).expect("plain data serialises")
+    }
+}
+
+/// The numerics-affecting settings whose value in `saved` (a checkpoint's `settings`; `null` for
+/// one written before they were recorded) differs from `now`'s: (key, saved, now).
+pub fn changed_numerics(saved: &Value, now: &Value) -> Vec<(&'static str, String, String)> {
+    let shown = |value: Option<&Value>| match value {
+        Some(Value::String(text)) => text.clone(),
+        Some(other) => other.to_string(),
+        None => "not recorded".to_owned(),
+    };
+    NUMERICS
+        .iter()
+        .filter_map(|&key| {
+            let (before, after) = (saved.get(key), now.get(key));
+            (saved.is_object() && before != after).then(|| (key, shown(before), shown(after)))
+        })
+        .collect()
+}
+
+/// Warns, once for each, about the settings that change the numbers and that this resumed run
+/// sets differently from the checkpoint at `dir` (not an error: the run continues with the new).
+pub fn warn_on_resume(saved: &Value, now: &Effective, dir: &Path) {
+    for (key, before, after) in changed_numerics(saved, &now.to_json()) {
+        tracing::warn!(
+            "--resume {}: the checkpoint was trained with {key} {before}, this run uses {key} \
+             {after}; the numbers will differ from an uninterrupted run (--{key} {before} keeps \
+             them)",
+            dir.display()
+        );
+    }
+}

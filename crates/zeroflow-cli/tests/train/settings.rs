@@ -1,0 +1,144 @@
+//! The run-time settings as a user gives them to `zeroflow train` (docs/DESIGN.md, "The
+//! configuration surface"): the config's `zeroflow` section, the `ZEROFLOW_*` variables over it,
+//! the flags over both; what the run used is in `summary.json` and every checkpoint's
+//! `state.json`, and a resume that changes the attention says so.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+use super::{MINI, scratch, text};
+
+/// Stage 2 with the optimizer offloaded, the offload stream tuned by the config.
+const TUNED: &str = r#"{
+  "train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+  "zeroflow": {
+    "attention": "gemm",
+    "offload": {"stream_chunk_mib": 1e-4, "gather": "after-step", "cpu_threads": 2}
+  }
+}"#;
+
+const VARIABLES: [&str; 7] = [
+    "ZEROFLOW_ATTENTION",
+    "ZEROFLOW_CUDA_WAIT",
+    "ZEROFLOW_CPU_BIND",
+    "ZEROFLOW_STREAM_CHUNK_MIB",
+    "ZEROFLOW_COPY_STORES",
+    "ZEROFLOW_STREAM_GATHER",
+    "ZEROFLOW_CPU_THREADS",
+];
+
+/// `zeroflow train` with `args`, only the variables of `env` set among the settings'.
+fn train_with(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_zeroflow"));
+    command.arg("train").args(args).env("ZEROFLOW_LOG", "warn");
+    for name in VARIABLES {
+        command.env_remove(name);
+    }
+    command.envs(env.iter().copied()).output().expect("run zeroflow")
+}
+
+fn json_of(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).expect("JSON")
+}
+
+/// The config asks for a chunk, a gather and 2 threads; the variable's chunk (2e-4 MiB of f32:
+/// 52 elements) beats the config's (26), the flag's 3 threads beat the config's 2; what nobody
+/// overrides is the config's. The summary and the checkpoint record the same.
+#[test]
+fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
+    let dir = scratch("settings_recorded");
+    let config = dir.join("ds.json");
+    std::fs::write(&config, TUNED).unwrap();
+    let out = dir.join("run");
+    let args = [
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        MINI,
+        "--steps",
+        "2",
+        "--cpu-threads",
+        "3",
+        "--save-every",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let run = train_with(&args, &[("ZEROFLOW_STREAM_CHUNK_MIB", "2e-4")]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let summary = json_of(&out.join("summary.json"))["settings"].clone();
+    assert_eq!(summary["attention"], "gemm");
+    assert_eq!(summary["cuda_wait"], Value::Null, "the CPU device has no host waits");
+    let offload = &summary["offload"];
+    assert_eq!(offload["stream_chunk_elements"], 52, "{summary}");
+    assert_eq!(offload["gather"], "after-step", "{summary}");
+    assert_eq!(offload["cpu_threads"], 3, "{summary}");
+    assert_eq!(offload["copy_stores"], "per-path", "{summary}");
+    for step in [1, 2] {
+        let state = out.join("checkpoints").join(format!("step-{step:08}")).join("state.json");
+        assert_eq!(json_of(&state)["extra"]["settings"], summary, "step {step}");
+    }
+}
+
+/// A checkpoint trained with flash attention (as on a GPU) resumed where the model runs gemm:
+/// the run continues, and says which value changed from what to what.
+#[test]
+fn a_resume_that_changes_the_attention_warns_naming_both() {
+    let dir = scratch("settings_resume");
+    let out = dir.join("run");
+    let base = ["--model", MINI, "--micro-batch", "2", "--out", out.to_str().unwrap()];
+    let first = train_with(&[&base[..], &["--steps", "2"]].concat(), &[]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let resume = [&base[..], &["--steps", "3", "--resume", "latest"]].concat();
+    let same = train_with(&resume, &[]);
+    let stderr = text(&same.stderr);
+    assert!(same.status.success(), "{stderr}");
+    assert!(!stderr.contains("attention"), "nothing changed, nothing said: {stderr}");
+
+    let state_path = out.join("checkpoints").join("step-00000003").join("state.json");
+    let mut state = json_of(&state_path);
+    assert_eq!(state["extra"]["settings"]["attention"], "gemm");
+    state["extra"]["settings"]["attention"] = "flash".into();
+    std::fs::write(&state_path, serde_json::to_string_pretty(&state).unwrap()).unwrap();
+    let resume = [&base[..], &["--steps", "4", "--resume", "latest"]].concat();
+    let changed = train_with(&resume, &[]);
+    let stderr = text(&changed.stderr);
+    assert!(changed.status.success(), "a warning, not an error: {stderr}");
+    assert!(
+        stderr.contains("trained with attention flash")
+            && stderr.contains("this run uses attention gemm"),
+        "{stderr}"
+    );
+}
+
+/// Flags, variables, and what the error must name.
+type BadCase = (&'static [&'static str], &'static [(&'static str, &'static str)], &'static str);
+
+/// A typo in any of the variables, `ZEROFLOW_CPU_BIND` included (once silently ignored), or a
+/// flag's bad value, exits 2 before anything is written; so does flash asked of the CPU model.
+#[test]
+fn bad_settings_exit_2_and_write_nothing() {
+    let cases: [BadCase; 5] = [
+        (&[], &[("ZEROFLOW_CPU_BIND", "of")], "ZEROFLOW_CPU_BIND=\"of\""),
+        (&[], &[("ZEROFLOW_ATTENTION", "flashy")], "ZEROFLOW_ATTENTION=\"flashy\""),
+        (&[], &[("ZEROFLOW_CUDA_WAIT", "yield")], "ZEROFLOW_CUDA_WAIT=\"yield\""),
+        (&["--gather", "later"], &[], "--gather"),
+        (&["--attention", "flash"], &[], "attention flash"),
+    ];
+    for (i, (flags, env, named)) in cases.into_iter().enumerate() {
+        let dir = scratch(&format!("settings_bad_{i}"));
+        let out = dir.join("run");
+        let args = [&["--model", MINI, "--steps", "1", "--out", out.to_str().unwrap()], flags];
+        let run = train_with(&args.concat(), env);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{flags:?} {env:?}: {stderr}");
+        assert!(stderr.contains(named), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!out.exists(), "{flags:?} {env:?}: the output directory was created");
+    }
+}

@@ -1,0 +1,108 @@
+//! The run-time settings of the `zeroflow` section (attention, host waits, CPU binding, the
+//! offload stream's tuning): each is read by name, `"auto"` leaves it to the default, and a bad
+//! value is an error naming its JSON path.
+
+use std::num::NonZeroU64;
+
+use zeroflow_core::config::{
+    Attention, ConfigError, CopyStores, CpuBind, CudaWait, Gather, OffloadTuning,
+};
+
+use super::{error_of, resolve};
+
+fn with_zeroflow(section: &str) -> String {
+    format!(r#"{{"train_batch_size": 8, "zeroflow": {section}}}"#)
+}
+
+#[test]
+fn every_setting_is_read_by_name() {
+    let text = with_zeroflow(
+        r#"{"attention": "flash", "cuda_wait": "block", "cpu_bind": "off",
+            "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
+                        "gather": "after-step", "cpu_threads": 12}}"#,
+    );
+    let resolved = resolve(&text).expect("valid");
+    assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
+    let zeroflow = resolved.config.zeroflow;
+    assert_eq!(zeroflow.attention, Some(Attention::Flash));
+    assert_eq!(zeroflow.cuda_wait, Some(CudaWait::Block));
+    assert_eq!(zeroflow.cpu_bind, Some(CpuBind::Off));
+    assert_eq!(
+        zeroflow.offload,
+        OffloadTuning {
+            stream_chunk_mib: Some(0.5),
+            copy_stores: Some(CopyStores::NonTemporal),
+            gather: Some(Gather::AfterStep),
+            cpu_threads: NonZeroU64::new(12),
+        }
+    );
+}
+
+#[test]
+fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
+    let text = with_zeroflow(
+        r#"{"attention": "auto", "cuda_wait": "auto", "cpu_bind": "auto",
+            "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
+                        "cpu_threads": "auto"}}"#,
+    );
+    let resolved = resolve(&text).expect("valid");
+    let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
+    assert_eq!(resolved.config.zeroflow, absent.config.zeroflow);
+    assert!(resolved.auto_values.is_empty(), "{:?}", resolved.auto_values);
+    let json = resolved.config.to_json();
+    for pointer in ["/zeroflow/attention", "/zeroflow/cuda_wait", "/zeroflow/offload/gather"] {
+        assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");
+    }
+}
+
+#[test]
+fn set_settings_round_trip_through_the_resolved_json() {
+    let text = with_zeroflow(
+        r#"{"attention": "gemm", "cuda_wait": "spin", "cpu_bind": "on",
+            "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
+                        "cpu_threads": 3}}"#,
+    );
+    let first = resolve(&text).expect("valid");
+    let json = first.config.to_json();
+    assert_eq!(json["zeroflow"]["attention"], "gemm");
+    assert_eq!(json["zeroflow"]["offload"]["copy_stores"], "normal");
+    let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
+    assert_eq!(again.config, first.config);
+    assert!(again.warnings.is_empty(), "{:?}", again.warnings);
+}
+
+#[test]
+fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
+    let cases = [
+        (r#"{"attention": "flashy"}"#, "zeroflow.attention", "\"flashy\""),
+        (r#"{"attention": 1}"#, "zeroflow.attention", "the number 1"),
+        (r#"{"cuda_wait": "sleep"}"#, "zeroflow.cuda_wait", "\"sleep\""),
+        (r#"{"cpu_bind": "yes"}"#, "zeroflow.cpu_bind", "\"yes\""),
+        (r#"{"cpu_bind": true}"#, "zeroflow.cpu_bind", "true"),
+        (r#"{"offload": {"stream_chunk_mib": 0}}"#, "zeroflow.offload.stream_chunk_mib", "0"),
+        (r#"{"offload": {"stream_chunk_mib": -4}}"#, "zeroflow.offload.stream_chunk_mib", "-4"),
+        (r#"{"offload": {"stream_chunk_mib": "big"}}"#, "zeroflow.offload.stream_chunk_mib", "big"),
+        (r#"{"offload": {"copy_stores": "nt"}}"#, "zeroflow.offload.copy_stores", "\"nt\""),
+        (r#"{"offload": {"gather": "later"}}"#, "zeroflow.offload.gather", "\"later\""),
+        (r#"{"offload": {"cpu_threads": 0}}"#, "zeroflow.offload.cpu_threads", "0"),
+        (r#"{"offload": {"cpu_threads": 1.5}}"#, "zeroflow.offload.cpu_threads", "1.5"),
+        (r#"{"offload": 4}"#, "zeroflow.offload", "the number 4"),
+    ];
+    for (section, path, found) in cases {
+        let error = error_of(&with_zeroflow(section));
+        assert_eq!(error.path(), Some(path), "{section}: {error}");
+        let message = error.to_string();
+        assert!(message.starts_with(&format!("{path}: expected ")), "{message}");
+        assert!(message.contains(found), "{section}: {message}");
+        assert!(
+            matches!(error, ConfigError::BadValue { .. } | ConfigError::WrongType { .. }),
+            "{error:?}"
+        );
+    }
+}
+
+#[test]
+fn the_names_are_exact_as_elsewhere_in_the_config() {
+    let error = error_of(&with_zeroflow(r#"{"attention": "Flash"}"#));
+    assert_eq!(error.path(), Some("zeroflow.attention"));
+}
