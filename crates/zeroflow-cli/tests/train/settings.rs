@@ -94,7 +94,8 @@ fn a_resume_that_changes_the_attention_warns_naming_both() {
     let base = ["--model", MINI, "--micro-batch", "2", "--out", out.to_str().unwrap()];
     let first = train_with(&[&base[..], &["--steps", "2"]].concat(), &[]);
     assert!(first.status.success(), "{}", text(&first.stderr));
-    let resume = [&base[..], &["--steps", "3", "--resume", "latest"]].concat();
+    // Each resume runs on past its run's planned total, on purpose (--extend-schedule).
+    let resume = [&base[..], &["--steps", "3", "--extend-schedule", "--resume", "latest"]].concat();
     let same = train_with(&resume, &[]);
     let stderr = text(&same.stderr);
     assert!(same.status.success(), "{stderr}");
@@ -105,7 +106,7 @@ fn a_resume_that_changes_the_attention_warns_naming_both() {
     assert_eq!(state["extra"]["settings"]["attention"], "gemm");
     state["extra"]["settings"]["attention"] = "flash".into();
     std::fs::write(&state_path, serde_json::to_string_pretty(&state).unwrap()).unwrap();
-    let resume = [&base[..], &["--steps", "4", "--resume", "latest"]].concat();
+    let resume = [&base[..], &["--steps", "4", "--extend-schedule", "--resume", "latest"]].concat();
     let changed = train_with(&resume, &[]);
     let stderr = text(&changed.stderr);
     assert!(changed.status.success(), "a warning, not an error: {stderr}");
