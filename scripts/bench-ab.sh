@@ -10,7 +10,7 @@
 #   there: bash scripts/bench-ab.sh gpt-1.3b           carry: [".gpu"]
 #
 # Environment: A (default .gpu/before/zeroflow), B (default .gpu/zeroflow), MODES (default
-# "gpu offload offload-delayed zenflow"), STEPS (8), WARMUP (3), MICRO_BATCH (8), ROUNDS (1),
+# "gpu offload offload-delayed zenflow"), FWD_BWD (1: also `bench gpt`; 0: not), STEPS (8), WARMUP (3), MICRO_BATCH (8), ROUNDS (1),
 # OUT (the device tool's folder, else .gpu/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,9 @@ STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
 MICRO_BATCH=${MICRO_BATCH:-8}
 ROUNDS=${ROUNDS:-1}
+FWD_BWD=${FWD_BWD:-1}
+EXTRA=fwd-bwd
+((FWD_BWD)) || EXTRA=
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
 # Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
@@ -60,7 +63,7 @@ PY
 }
 
 for ((round = 1; round <= ROUNDS; round++)); do
-    for mode in $MODES fwd-bwd; do
+    for mode in $MODES $EXTRA; do
         for side in A B; do
             binary=${!side}
             log=$OUT/ab-$MODEL-$mode-$side-$round.log

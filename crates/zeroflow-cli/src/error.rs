@@ -49,7 +49,12 @@ pub fn out_of_memory_hint(err: &anyhow::Error) -> Option<&'static str> {
         )
     });
     let text = format!("{err:#}");
-    (typed || text.contains("OUT_OF_MEMORY") || text.contains("out of memory")).then_some(
+    // DeviceError::OutOfMemory's text, where a layer between kept only the message (as the CUDA
+    // model's set-up did on the H200: "out of device memory allocating 2076018999298 bytes").
+    let said = text.contains("OUT_OF_MEMORY")
+        || text.contains("out of memory")
+        || text.contains(" memory allocating ");
+    (typed || said).then_some(
         "out of memory: lower --micro-batch (activations grow with it and with --seq), or \
          offload the optimizer (zero_optimization.offload_optimizer, see zeroflow models for \
          the memory of each mode), or use a smaller --model",
@@ -67,6 +72,9 @@ mod tests {
         assert!(out_of_memory_hint(&wrapped).is_some_and(|hint| hint.contains("--micro-batch")));
         let cuda = anyhow::anyhow!("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY");
         assert!(out_of_memory_hint(&cuda).is_some());
+        // Regression: the CUDA model's allocation failure on the H200 reached main as text.
+        let as_text = anyhow::anyhow!("out of device memory allocating 2076018999298 bytes");
+        assert!(out_of_memory_hint(&as_text).is_some());
         assert_eq!(out_of_memory_hint(&anyhow::anyhow!("no such file")), None);
     }
 }

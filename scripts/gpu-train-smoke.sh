@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine: what a new user does first with `zeroflow train --device cuda`, with the
+# binary scripts/gpu-check.sh staged in .gpu/: a short run (its summary names the settings it ran
+# with), Ctrl-C in the middle of a run (exit 130, a checkpoint, a resume that finishes the run), a
+# micro-batch too large for the GPU (an error naming the flag to lower), and a GPU ordinal that
+# does not exist. Each check prints one `SMOKE name: ok|FAILED ...` line; logs go to $OUT.
+#
+#   there: bash scripts/gpu-train-smoke.sh        carry: [".gpu"]   (about a minute on the H200)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/.gpu/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+Z=${ZEROFLOW:-.gpu/zeroflow}
+MODEL=${MODEL:-gpt2-124m}
+run=$OUT/smoke-run
+rm -rf "$run" "$OUT/smoke-sigint" "$OUT/smoke-oom"
+
+say() { # say NAME OK? DETAIL
+    if [[ $2 == 0 ]]; then echo "SMOKE $1: ok $3"; else echo "SMOKE $1: FAILED $3"; fi
+}
+
+# A short run: exit 0, the summary records the attention and host waits it used.
+timeout 120 "$Z" train --device cuda --model "$MODEL" --micro-batch 8 --steps 20 --eval-every 10 \
+    --out "$run" >"$OUT/smoke-run.log" 2>&1
+status=$?
+settings=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["settings"]))' \
+    "$run/summary.json" 2>/dev/null)
+[[ $status == 0 && $settings == *'"attention": "flash"'* ]]
+say run $? "exit $status, settings $settings; $(tail -n 1 "$OUT/smoke-run.log")"
+
+# Ctrl-C during a run: a message at once, exit 130, a checkpoint; the resume finishes the run.
+sig=$OUT/smoke-sigint
+timeout 200 "$Z" train --device cuda --model "$MODEL" --micro-batch 8 --steps 400 --eval-every 0 \
+    --out "$sig" >"$OUT/smoke-sigint.log" 2>&1 &
+pid=$!
+sleep "${SIGINT_AFTER:-20}"
+kill -INT "$pid"
+wait "$pid"
+status=$?
+saved=$(ls "$sig/checkpoints" 2>/dev/null | tail -n 1)
+[[ $status == 130 && -n $saved ]]
+say sigint $? "exit $status, checkpoint ${saved:-none}; $(grep -m1 SIGINT "$OUT/smoke-sigint.log" | cut -c1-160)"
+timeout 200 "$Z" train --device cuda --resume latest --out "$sig" >"$OUT/smoke-resume.log" 2>&1
+status=$?
+[[ $status == 0 ]] && grep -q "step 400/400" "$OUT/smoke-resume.log"
+say resume $? "exit $status; $(tail -n 1 "$OUT/smoke-resume.log")"
+
+# A micro-batch the GPU cannot hold: exit 2 and a message naming --micro-batch.
+timeout 120 "$Z" train --device cuda --model gpt-1.3b --micro-batch 1024 --steps 1 \
+    --out "$OUT/smoke-oom" >"$OUT/smoke-oom.log" 2>&1
+status=$?
+[[ $status != 0 ]] && grep -q -- "--micro-batch" "$OUT/smoke-oom.log"
+say oom $? "exit $status; $(grep -m1 -i 'error\|hint' "$OUT/smoke-oom.log" | cut -c1-240)"
+
+# A GPU that is not there.
+count=$(nvidia-smi -L 2>/dev/null | wc -l)
+timeout 60 "$Z" train --device cuda --gpu "$count" --steps 1 --out "$OUT/smoke-gpu" \
+    >"$OUT/smoke-gpu.log" 2>&1
+status=$?
+[[ $status == 2 ]]
+say gpu-ordinal $? "exit $status; $(grep -m1 error "$OUT/smoke-gpu.log" | cut -c1-240)"
