@@ -3,6 +3,7 @@
 mod cmd;
 mod dist;
 mod error;
+mod model_spec;
 mod stream_tuning;
 mod train;
 

@@ -11,11 +11,11 @@ use serde::{Deserialize, Serialize};
 use zeroflow_data::DataPosition;
 use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded, Meta, NamedTensor};
 use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
-use zeroflow_gpt::GptConfig;
 
 use super::data_files::DataFile;
 use super::input;
 use crate::dist::Group;
+use crate::model_spec::ModelSpec;
 
 /// The folder of a run directory that holds its checkpoints.
 pub const FOLDER: &str = "checkpoints";
@@ -23,8 +23,10 @@ pub const FOLDER: &str = "checkpoints";
 /// What `zeroflow train` adds to a checkpoint's `state.json` (`extra`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Extra {
-    /// The model's shape (what `zeroflow export` reads).
-    pub model: GptConfig,
+    /// The model's family and shape (what `zeroflow export` reads); a bare GPT-2 shape in
+    /// checkpoints from before the family was recorded.
+    #[serde(deserialize_with = "ModelSpec::deserialize_tagged_or_bare")]
+    pub model: ModelSpec,
     /// The resolved DeepSpeed config of the run.
     pub config: serde_json::Value,
     /// `--data` resolved to an absolute path ([`super::data_files::resolve`]; as given, in checkpoints

@@ -31,6 +31,7 @@ use crate::InputError;
 use crate::cmd::train::Args;
 use crate::dist::DistEnv;
 use crate::dist::affinity::{self, Binding};
+use crate::model_spec::ModelSpec;
 
 use checkpoints::ResumePoint;
 pub use data::{Data, EVAL_BATCHES};
@@ -285,7 +286,11 @@ fn choose_model(
         }
         None => None,
     };
-    Ok(same_as_saved("--model", given, saved.map(|(e, d)| (e.model, d)))?
+    // Only GPT-2 trains today: a family without a trainer gets no arm here.
+    let saved = saved.map(|(extra, dir)| match extra.model {
+        ModelSpec::Gpt2(shape) => (shape, dir),
+    });
+    Ok(same_as_saved("--model", given, saved)?
         .or_else(|| hf.and_then(|hf| hf.config))
         .unwrap_or(GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY }))
 }

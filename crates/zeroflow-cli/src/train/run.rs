@@ -24,6 +24,7 @@ use super::signals::Stop;
 use super::{DeviceKind, Setup, Start};
 use crate::dist::{Group, affinity};
 use crate::error::Exit;
+use crate::model_spec::ModelSpec;
 use crate::stream_tuning;
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
@@ -469,7 +470,7 @@ impl<M: Model> Trainer<M> {
     /// and the trainer's [`Extra`].
     fn meta(&self, step: u64, setup: &Setup, snapshot: &Snapshot, parts: usize) -> Meta {
         let extra = Extra {
-            model: setup.model,
+            model: ModelSpec::Gpt2(setup.model),
             config: setup.config.to_json(),
             data: setup.data_arg.clone(),
             data_files: setup.data_files.clone(),
