@@ -23,11 +23,11 @@ use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
-use crate::dist::{DistEnv, Group, affinity};
 use crate::stream_tuning;
 use crate::train::DeviceKind;
 use crate::train::backend::{self, Model, Opened};
 use crate::train::run::{ModelEngine, forward_backward};
+use zeroflow_train::dist::{DistEnv, Group, affinity};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use signal_hook::consts::{SIGINT, SIGTERM};
 
-use crate::dist::{self, DistEnv};
 use crate::error::Exit;
+use zeroflow_train::dist::{self, DistEnv};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

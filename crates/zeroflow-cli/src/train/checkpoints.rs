@@ -14,8 +14,8 @@ use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
 
 use super::data_files::DataFile;
 use super::input;
-use crate::dist::Group;
 use crate::model_spec::ModelSpec;
+use zeroflow_train::dist::Group;
 
 /// The folder of a run directory that holds its checkpoints.
 pub const FOLDER: &str = "checkpoints";
@@ -274,7 +274,7 @@ fn agree(
     }
     anyhow::bail!(
         "{} could not {phase} the checkpoint {} (its log says why)",
-        crate::dist::rendezvous::rank_list(&failed),
+        zeroflow_train::dist::rendezvous::rank_list(&failed),
         dir.display()
     )
 }
@@ -396,7 +396,7 @@ mod tests {
     use zeroflow_engine::{LossScaler, OptimizerPart};
 
     use super::{Share, save_ranks};
-    use crate::dist::group::tests::local_groups;
+    use zeroflow_train::dist::testing::local_groups;
 
     /// A model of one 4-element tensor, its flat weights split between two ranks' parts.
     fn fixture() -> (Meta, Vec<NamedTensor>, Vec<f32>, [OptimizerPart; 2]) {

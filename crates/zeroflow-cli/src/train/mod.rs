@@ -29,9 +29,9 @@ use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 
 use crate::InputError;
 use crate::cmd::train::Args;
-use crate::dist::DistEnv;
-use crate::dist::affinity::{self, Binding};
 use crate::model_spec::ModelSpec;
+use zeroflow_train::dist::DistEnv;
+use zeroflow_train::dist::affinity::{self, Binding};
 
 use checkpoints::ResumePoint;
 pub use data::{Data, EVAL_BATCHES};

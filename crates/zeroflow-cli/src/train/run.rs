@@ -22,10 +22,10 @@ use super::run_dir;
 use super::schedule::LrSchedule;
 use super::signals::Stop;
 use super::{DeviceKind, Setup, Start};
-use crate::dist::{Group, affinity};
 use crate::error::Exit;
 use crate::model_spec::ModelSpec;
 use crate::stream_tuning;
+use zeroflow_train::dist::{Group, affinity};
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -153,8 +153,8 @@ fn train_steps<M: Model>(
     stop: &Stop,
 ) -> anyhow::Result<Ended> {
     // Off unless ZEROFLOW_STEP_TIMEOUT is set; ticked after each step, checkpoint and evaluation.
-    let watchdog = crate::dist::step_watchdog(&setup.dist)?;
-    let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
+    let watchdog = zeroflow_train::dist::step_watchdog(&setup.dist)?;
+    let tick = || watchdog.iter().for_each(zeroflow_train::dist::Watchdog::tick);
     let first = setup.start_step() + 1;
     let last_eval = recorder.eval.last().copied();
     let mut ended = Ended { done: first - 1, last_eval, saved: None, interrupted: false };

@@ -1,0 +1,11 @@
+//! zeroflow's trainer library (docs/DESIGN.md §2): the [`Model`] trait every family implements
+//! for the trainer (GPT-2's impls in [`gpt2`]), and the distributed runtime ([`dist`]): where a
+//! process stands in a multi-process job, how the processes meet, the side channel beside NCCL,
+//! the CPU binding of each rank's optimizer and the step watchdog. The trainer itself and
+//! checkpoint orchestration are still in the binary (`zeroflow-cli/src/train`).
+
+pub mod dist;
+pub mod gpt2;
+pub mod model;
+
+pub use model::{Buffer, Model, Opened};
