@@ -2,7 +2,6 @@
 
 mod cmd;
 mod error;
-mod model_spec;
 mod stream_tuning;
 mod train;
 

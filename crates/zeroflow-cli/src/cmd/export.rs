@@ -9,9 +9,9 @@
 use std::path::{Path, PathBuf};
 
 use crate::InputError;
-use crate::model_spec::ModelSpec;
 use anyhow::Context as _;
 use zeroflow_engine::checkpoint::{self, CheckpointError};
+use zeroflow_train::ModelSpec;
 
 /// Write a checkpoint as a Hugging Face GPT-2 model directory.
 #[derive(Debug, clap::Args)]

@@ -14,7 +14,7 @@ use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
 
 use super::data_files::DataFile;
 use super::input;
-use crate::model_spec::ModelSpec;
+use zeroflow_train::ModelSpec;
 use zeroflow_train::dist::Group;
 
 /// The folder of a run directory that holds its checkpoints.

@@ -16,7 +16,6 @@ mod resume;
 pub(crate) mod run;
 pub mod run_config;
 mod run_dir;
-mod schedule;
 mod signals;
 
 use std::num::NonZeroU64;
@@ -29,7 +28,7 @@ use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 
 use crate::InputError;
 use crate::cmd::train::Args;
-use crate::model_spec::ModelSpec;
+use zeroflow_train::ModelSpec;
 use zeroflow_train::dist::DistEnv;
 use zeroflow_train::dist::affinity::{self, Binding};
 

@@ -19,13 +19,13 @@ use super::backend::{self, Model};
 use super::checkpoints::{self, Extra, LrPosition, RunInfo};
 use super::output::{self, Progress, Recorder, StepRecord};
 use super::run_dir;
-use super::schedule::LrSchedule;
 use super::signals::Stop;
 use super::{DeviceKind, Setup, Start};
 use crate::error::Exit;
-use crate::model_spec::ModelSpec;
 use crate::stream_tuning;
+use zeroflow_train::ModelSpec;
 use zeroflow_train::dist::{Group, affinity};
+use zeroflow_train::schedule::LrSchedule;
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
