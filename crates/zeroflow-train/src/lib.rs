@@ -5,6 +5,7 @@
 //! binding of each rank's optimizer and the step watchdog. The trainer itself and checkpoint
 //! orchestration are still in the binary (`zeroflow-cli/src/train`).
 
+pub mod checkpoints;
 pub mod dist;
 pub mod gpt2;
 pub mod model;

@@ -454,7 +454,9 @@ impl<M: Model> Trainer<M> {
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
             let zenflow: Vec<ZenFlowSnapshot> = snapshot.zenflow.iter().cloned().collect();
             let parts = [snapshot.part];
-            return checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
+            let saved =
+                checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
+            return Ok(saved?);
         }
         let share = checkpoints::Share {
             rank,
@@ -463,7 +465,15 @@ impl<M: Model> Trainer<M> {
             zenflow: snapshot.zenflow.as_ref().filter(|_| rank < parts),
         };
         let group = self.group.as_mut().expect("the group lives until the end of the run");
-        checkpoints::save_ranks(&setup.out, step, setup.keep, &meta, &self.tensors, share, group)
+        Ok(checkpoints::save_ranks(
+            &setup.out,
+            step,
+            setup.keep,
+            &meta,
+            &self.tensors,
+            share,
+            group,
+        )?)
     }
 
     /// The checkpoint's `state.json`: the engine's counters and layout, `parts` optimizer parts,
