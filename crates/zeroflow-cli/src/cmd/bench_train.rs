@@ -109,7 +109,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--micro-batch, --accum and --steps must be at least 1",
         ));
     }
-    let dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    let dist =
+        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
     check_job(args.device, &dist)?;
     let report = match args.device {
         DeviceKind::Cpu => bench(&args, &model, &dist, backend::open_cpu)?,

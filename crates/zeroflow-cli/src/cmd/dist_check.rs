@@ -43,7 +43,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let env = DistEnv::from_process().map_err(crate::InputError::from_display)?;
+    let env = DistEnv::from_lookup(|name| std::env::var(name).ok())
+        .map_err(crate::InputError::from_display)?;
     let me = env.rank;
     let signal = Arc::new(AtomicBool::new(false));
     if args.catch_signals || args.ignore_sigterm {

@@ -237,7 +237,8 @@ fn training_seq(flag: Option<NonZeroU64>, model: &GptConfig) -> anyhow::Result<u
 /// This process's place in the job, from the launcher's environment, with `--gpu` as its GPU.
 /// Several ranks need `--device cuda` (one GPU each) and a run directory they agree on.
 fn job(args: &Args) -> anyhow::Result<DistEnv> {
-    let mut dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    let mut dist =
+        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
     if let Some(gpu) = args.gpu {
         if args.device != DeviceKind::Cuda {
             return Err(input("--gpu chooses a GPU: it needs --device cuda"));
