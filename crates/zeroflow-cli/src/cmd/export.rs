@@ -79,10 +79,7 @@ fn read_model_config(dir: &Path) -> anyhow::Result<(ModelSpec, bool)> {
         ))
     })?;
     let model = ModelSpec::from_json(model).map_err(|e| {
-        InputError::from_display(format!(
-            "{}: extra.model in state.json: {e}; this zeroflow exports the model family gpt2",
-            dir.display()
-        ))
+        InputError::from_display(format!("{}: extra.model in state.json: {e}", dir.display()))
     })?;
     if meta.upload_pending && meta.weights_dtype != "F32" {
         return Err(InputError::from_display(format!(
