@@ -1,7 +1,6 @@
 //! `zeroflow`: data-parallel ZeRO training with CPU optimizer offload, in one binary.
 
 mod cmd;
-mod dist;
 mod error;
 mod settings;
 mod train;

@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[path = "train/checkpoint_fixture.rs"]
+mod checkpoint_fixture;
 #[path = "train/checkpoints.rs"]
 mod checkpoints;
 #[path = "train/run_control.rs"]

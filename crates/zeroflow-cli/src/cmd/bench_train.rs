@@ -23,12 +23,12 @@ use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
 use zeroflow_gpt::{GptConfig, flat_layout, init_params};
 
 use crate::InputError;
-use crate::dist::affinity::{self, BindMode};
-use crate::dist::{DistEnv, Group};
 use crate::settings::{self, Effective, Requested};
 use crate::train::DeviceKind;
 use crate::train::backend::{self, Model, Opened};
 use crate::train::run::{ModelEngine, forward_backward};
+use zeroflow_train::dist::affinity::{self, BindMode};
+use zeroflow_train::dist::{DistEnv, Group};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
@@ -117,7 +117,8 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             "--micro-batch, --accum and --steps must be at least 1",
         ));
     }
-    let dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    let dist =
+        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
     check_job(args.device, &dist)?;
     args.env = settings::env::from_process()?;
     let report = match args.device {

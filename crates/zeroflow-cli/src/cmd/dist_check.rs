@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use signal_hook::consts::{SIGINT, SIGTERM};
 
-use crate::dist::{self, DistEnv};
 use crate::error::Exit;
+use zeroflow_train::dist::{self, DistEnv};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -43,7 +43,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let env = DistEnv::from_process().map_err(crate::InputError::from_display)?;
+    let env = DistEnv::from_lookup(|name| std::env::var(name).ok())
+        .map_err(crate::InputError::from_display)?;
     let me = env.rank;
     let signal = Arc::new(AtomicBool::new(false));
     if args.catch_signals || args.ignore_sigterm {

@@ -6,7 +6,7 @@ use serde_json::json;
 use zeroflow_device::CudaDevice;
 use zeroflow_device::cuda::{CudaReport, GpuInfo, is_absent, short_reason};
 
-use crate::dist::affinity;
+use zeroflow_train::dist::affinity;
 
 /// Print versions, devices, libraries, host cores and memory.
 #[derive(Debug, clap::Args)]

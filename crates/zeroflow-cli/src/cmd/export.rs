@@ -1,5 +1,6 @@
 //! `zeroflow export`: a checkpoint to a Hugging Face GPT-2 directory (`model.safetensors` and
-//! `config.json`) that `transformers.GPT2LMHeadModel.from_pretrained` loads.
+//! `config.json`) that `transformers.GPT2LMHeadModel.from_pretrained` loads. The checkpoint's
+//! `extra.model` says the family ([`ModelSpec`]); GPT-2 is the one there is.
 //!
 //! A checkpoint's `model.safetensors` already holds the weights under Hugging Face's names and
 //! shapes (the vocabulary padding dropped, `lm_head` tied to `wte`), so exporting checks the
@@ -7,11 +8,10 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::InputError;
 use anyhow::Context as _;
 use zeroflow_engine::checkpoint::{self, CheckpointError};
-use zeroflow_gpt::GptConfig;
-
-use crate::InputError;
+use zeroflow_train::ModelSpec;
 
 /// Write a checkpoint as a Hugging Face GPT-2 model directory.
 #[derive(Debug, clap::Args)]
@@ -46,16 +46,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         std::fs::copy(&from, &to)
             .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
     }
-    let config = model.to_hf_config();
+    let config = hf_config(&model);
     std::fs::write(args.out.join("config.json"), serde_json::to_string_pretty(&config)? + "\n")
         .with_context(|| format!("writing {}", args.out.join("config.json").display()))?;
     println!("exported {} to {}", args.checkpoint.display(), args.out.display());
     Ok(())
 }
 
-/// Checks the checkpoint fully (every file parses, dtypes agree) and returns its model's shape
-/// and whether a delayed update's weights were pending when it was saved.
-fn read_model_config(dir: &Path) -> anyhow::Result<(GptConfig, bool)> {
+/// The Hugging Face `config.json` of the checkpoint's model. A family that export cannot write
+/// gets an arm that refuses it, naming the family.
+fn hf_config(model: &ModelSpec) -> serde_json::Value {
+    match model {
+        ModelSpec::Gpt2(shape) => shape.to_hf_config(),
+    }
+}
+
+/// Checks the checkpoint fully (every file parses, dtypes agree) and returns its model (a bare
+/// shape, from before the family was recorded, is GPT-2's) and whether a delayed update's weights
+/// were pending when it was saved.
+fn read_model_config(dir: &Path) -> anyhow::Result<(ModelSpec, bool)> {
     let meta = match checkpoint::load::<f32>(dir) {
         Ok(loaded) => loaded.meta,
         Err(CheckpointError::Mismatch { .. }) => {
@@ -69,7 +78,7 @@ fn read_model_config(dir: &Path) -> anyhow::Result<(GptConfig, bool)> {
             dir.display()
         ))
     })?;
-    let model = serde_json::from_value(model).map_err(|e| {
+    let model = ModelSpec::from_json(model).map_err(|e| {
         InputError::from_display(format!("{}: extra.model in state.json: {e}", dir.display()))
     })?;
     if meta.upload_pending && meta.weights_dtype != "F32" {

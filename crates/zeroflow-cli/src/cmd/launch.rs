@@ -26,8 +26,8 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use zeroflow_device::cuda::nccl::NVLS_ENV;
 
 use crate::InputError;
-use crate::dist::LOST_RANK_EXIT;
 use crate::error::Exit;
+use zeroflow_train::dist::LOST_RANK_EXIT;
 
 /// How often the launcher looks at its children and at the signals it got.
 const POLL: Duration = Duration::from_millis(20);

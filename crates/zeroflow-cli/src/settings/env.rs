@@ -91,8 +91,8 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::dist::affinity::BindMode;
     use crate::settings::Attention;
+    use zeroflow_train::dist::affinity::BindMode;
 
     fn read(vars: &[(&str, &str)]) -> Result<Requested, String> {
         let vars: HashMap<String, String> =

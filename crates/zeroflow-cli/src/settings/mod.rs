@@ -21,8 +21,8 @@ use zeroflow_gpt::cuda::CudaGptOptions;
 use zeroflow_optim::Stores;
 
 use crate::InputError;
-use crate::dist::affinity::BindMode;
 use crate::train::DeviceKind;
+use zeroflow_train::dist::affinity::BindMode;
 
 pub use record::{Effective, warn_on_resume};
 

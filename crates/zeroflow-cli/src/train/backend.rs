@@ -1,94 +1,22 @@
-//! What the training loop needs of a model on a device, and how each device kind is opened.
+//! How each device kind is opened for the trainer and `bench step`; what the training loop needs
+//! of a model is [`zeroflow_train::Model`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::cuda::CudaDeviceOptions;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::nccl::{NcclComm, NcclId};
-use zeroflow_device::{Comm, CpuDevice, CudaDevice, Device};
-use zeroflow_engine::DeviceAdamW;
+use zeroflow_device::{CpuDevice, CudaDevice};
 use zeroflow_gpt::cuda::{CudaGpt, CudaGptOptions};
-use zeroflow_gpt::{AttentionKind, CpuGpt, GptConfig, GptError, GradsReady};
+use zeroflow_gpt::{AttentionKind, CpuGpt, GptConfig};
 
-use crate::dist::{self, DistEnv, Group};
+use zeroflow_train::dist::{self, DistEnv};
 
-/// A model the trainer drives through the engine: the CPU model or the CUDA one.
-pub trait Model: Sized {
-    type Device: DeviceAdamW;
-    type Comm: Comm<Device = Self::Device>;
-    /// The element type of the weights and gradients on the device.
-    type P: Float;
-
-    /// Queues the upload of a micro-batch.
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError>;
-
-    /// Queues forward.
-    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError>;
-
-    /// Waits for the last forward and returns its mean loss.
-    fn loss(&mut self) -> Result<f32, GptError>;
-
-    /// The device memory in use (all of it, the driver's context included), where the device
-    /// can say.
-    fn memory_in_use(_device: &Self::Device) -> Option<usize> {
-        None
-    }
-
-    /// Queues backward, adding the gradients into `grads` and telling `on_ready` as each group's
-    /// gradients are complete.
-    fn backward(
-        &mut self,
-        params: &Buffer<Self>,
-        grads: &Buffer<Self>,
-        loss_scale: f64,
-        on_ready: &mut dyn FnMut(&GradsReady),
-    ) -> Result<(), GptError>;
-}
-
-/// A model's flat weight or gradient buffer.
-pub type Buffer<M> = <<M as Model>::Device as Device>::Buffer<<M as Model>::P>;
-
-/// A device, this rank's communicator, the model on that device, and the side channel to the
-/// other ranks' processes.
-pub struct Opened<M: Model> {
-    pub device: M::Device,
-    pub comm: M::Comm,
-    pub model: M,
-    pub group: Group,
-}
-
-impl Model for CpuGpt {
-    type Device = CpuDevice;
-    type Comm = CpuComm;
-    type P = f32;
-
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        CpuGpt::set_batch(self, inputs, targets)
-    }
-
-    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
-        CpuGpt::forward(self, params)
-    }
-
-    fn loss(&mut self) -> Result<f32, GptError> {
-        CpuGpt::loss(self)
-    }
-
-    fn backward(
-        &mut self,
-        params: &Buffer<Self>,
-        grads: &Buffer<Self>,
-        loss_scale: f64,
-        on_ready: &mut dyn FnMut(&GradsReady),
-    ) -> Result<(), GptError> {
-        CpuGpt::backward(self, params, grads, loss_scale, on_ready)
-    }
-}
+pub use zeroflow_train::{Model, Opened};
 
 /// What opens a device kind for the trainer and `bench step`, from the model's shape, the
 /// micro-batch (sequences), the sequence length (tokens, at most the model's context), the flat
@@ -121,38 +49,6 @@ pub fn open_cpu(
     let model = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
     let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
     Ok(Opened { device, comm, model, group })
-}
-
-impl Model for CudaGpt {
-    type Device = CudaDevice;
-    type Comm = NcclComm;
-    type P = bf16;
-
-    fn memory_in_use(device: &CudaDevice) -> Option<usize> {
-        zeroflow_gpt::cuda::device_memory_in_use(device).ok()
-    }
-
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        CudaGpt::set_batch(self, inputs, targets)
-    }
-
-    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
-        CudaGpt::forward(self, params)
-    }
-
-    fn loss(&mut self) -> Result<f32, GptError> {
-        CudaGpt::loss(self)
-    }
-
-    fn backward(
-        &mut self,
-        params: &Buffer<Self>,
-        grads: &Buffer<Self>,
-        loss_scale: f64,
-        on_ready: &mut dyn FnMut(&GradsReady),
-    ) -> Result<(), GptError> {
-        CudaGpt::backward(self, params, grads, loss_scale, on_ready)
-    }
 }
 
 /// How [`open_cuda`] opens the GPU and the model: the settings the binary resolved.

@@ -16,7 +16,6 @@ mod resume;
 pub(crate) mod run;
 pub mod run_config;
 mod run_dir;
-mod schedule;
 mod signals;
 
 use std::num::NonZeroU64;
@@ -29,9 +28,10 @@ use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
 
 use crate::InputError;
 use crate::cmd::train::Args;
-use crate::dist::DistEnv;
-use crate::dist::affinity::{self, BindMode, Binding};
 use crate::settings::{self, Requested};
+use zeroflow_train::ModelSpec;
+use zeroflow_train::dist::DistEnv;
+use zeroflow_train::dist::affinity::{self, BindMode, Binding};
 
 use checkpoints::ResumePoint;
 pub use data::{Data, EVAL_BATCHES};
@@ -252,7 +252,8 @@ fn training_seq(flag: Option<NonZeroU64>, model: &GptConfig) -> anyhow::Result<u
 /// This process's place in the job, from the launcher's environment, with `--gpu` as its GPU.
 /// Several ranks need `--device cuda` (one GPU each) and a run directory they agree on.
 fn job(args: &Args) -> anyhow::Result<DistEnv> {
-    let mut dist = DistEnv::from_process().map_err(InputError::from_display)?;
+    let mut dist =
+        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
     if let Some(gpu) = args.gpu {
         if args.device != DeviceKind::Cuda {
             return Err(input("--gpu chooses a GPU: it needs --device cuda"));
@@ -300,7 +301,11 @@ fn choose_model(
         }
         None => None,
     };
-    Ok(same_as_saved("--model", given, saved.map(|(e, d)| (e.model, d)))?
+    // Only GPT-2 trains today: a family without a trainer gets no arm here.
+    let saved = saved.map(|(extra, dir)| match extra.model {
+        ModelSpec::Gpt2(shape) => (shape, dir),
+    });
+    Ok(same_as_saved("--model", given, saved)?
         .or_else(|| hf.and_then(|hf| hf.config))
         .unwrap_or(GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY }))
 }

@@ -12,13 +12,13 @@ use zeroflow_device::cpu::CpuComm;
 use zeroflow_engine::checkpoint;
 use zeroflow_gpt::{CpuGpt, GptError, GradsReady};
 
-use super::backend::{Buffer, Model, Opened};
 use super::{Setup, run};
 use crate::cmd::train::Args;
-use crate::dist::env::Master;
-use crate::dist::rendezvous::tests::free_port;
-use crate::dist::{self, DistEnv};
 use crate::settings::Requested;
+use zeroflow_train::dist::env::Master;
+use zeroflow_train::dist::testing::free_port;
+use zeroflow_train::dist::{self, DistEnv};
+use zeroflow_train::{Buffer, Model, Opened};
 
 /// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
 const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
@@ -304,6 +304,7 @@ impl Model for FailingGpt {
     type Device = CpuDevice;
     type Comm = CpuComm;
     type P = f32;
+    type Error = GptError;
 
     fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
         self.gpt.set_batch(inputs, targets)

@@ -9,8 +9,8 @@ use zeroflow_core::config::Config;
 use super::checkpoints::ResumePoint;
 use super::data_files::{self, DataFile};
 use super::input;
-use super::schedule::LrSchedule;
 use crate::cmd::train::DEFAULT_STEPS;
+use zeroflow_train::schedule::LrSchedule;
 
 /// The run's total of optimizer steps: `--steps`, else the checkpoint's run's own total when
 /// resuming, else [`DEFAULT_STEPS`].

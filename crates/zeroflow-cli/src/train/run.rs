@@ -19,12 +19,13 @@ use super::backend::{self, Model};
 use super::checkpoints::{self, Extra, LrPosition, RunInfo};
 use super::output::{self, Progress, Recorder, StepRecord};
 use super::run_dir;
-use super::schedule::LrSchedule;
 use super::signals::Stop;
 use super::{DeviceKind, Setup, Start};
-use crate::dist::{Group, affinity};
 use crate::error::Exit;
 use crate::settings::{self, Effective};
+use zeroflow_train::ModelSpec;
+use zeroflow_train::dist::{Group, affinity};
+use zeroflow_train::schedule::LrSchedule;
 
 pub(crate) type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
 
@@ -159,8 +160,8 @@ fn train_steps<M: Model>(
     stop: &Stop,
 ) -> anyhow::Result<Ended> {
     // Off unless ZEROFLOW_STEP_TIMEOUT is set; ticked after each step, checkpoint and evaluation.
-    let watchdog = crate::dist::step_watchdog(&setup.dist)?;
-    let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
+    let watchdog = zeroflow_train::dist::step_watchdog(&setup.dist)?;
+    let tick = || watchdog.iter().for_each(zeroflow_train::dist::Watchdog::tick);
     let first = setup.start_step() + 1;
     let last_eval = recorder.eval.last().copied();
     let mut ended = Ended { done: first - 1, last_eval, saved: None, interrupted: false };
@@ -472,7 +473,9 @@ impl<M: Model> Trainer<M> {
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
             let zenflow: Vec<ZenFlowSnapshot> = snapshot.zenflow.iter().cloned().collect();
             let parts = [snapshot.part];
-            return checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
+            let saved =
+                checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
+            return Ok(saved?);
         }
         let share = checkpoints::Share {
             rank,
@@ -481,14 +484,22 @@ impl<M: Model> Trainer<M> {
             zenflow: snapshot.zenflow.as_ref().filter(|_| rank < parts),
         };
         let group = self.group.as_mut().expect("the group lives until the end of the run");
-        checkpoints::save_ranks(&setup.out, step, setup.keep, &meta, &self.tensors, share, group)
+        Ok(checkpoints::save_ranks(
+            &setup.out,
+            step,
+            setup.keep,
+            &meta,
+            &self.tensors,
+            share,
+            group,
+        )?)
     }
 
     /// The checkpoint's `state.json`: the engine's counters and layout, `parts` optimizer parts,
     /// and the trainer's [`Extra`].
     fn meta(&self, step: u64, setup: &Setup, snapshot: &Snapshot, parts: usize) -> Meta {
         let extra = Extra {
-            model: setup.model,
+            model: ModelSpec::Gpt2(setup.model),
             config: setup.config.to_json(),
             data: setup.data_arg.clone(),
             data_files: setup.data_files.clone(),

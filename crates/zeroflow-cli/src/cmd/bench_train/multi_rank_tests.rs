@@ -12,10 +12,10 @@ use zeroflow_device::cpu::CpuComm;
 use zeroflow_gpt::{CpuGpt, GptConfig};
 
 use super::{Args, DeviceKind, bench, check_job};
-use crate::dist::env::Master;
-use crate::dist::rendezvous::tests::free_port;
-use crate::dist::{self, DistEnv};
 use crate::train::backend::Opened;
+use zeroflow_train::dist::env::Master;
+use zeroflow_train::dist::testing::free_port;
+use zeroflow_train::dist::{self, DistEnv};
 
 /// One layer of width 16, a vocabulary of 64, context 16.
 const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;

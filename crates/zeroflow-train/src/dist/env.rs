@@ -94,14 +94,9 @@ impl DistEnv {
         }
     }
 
-    /// Reads the process's environment.
-    pub fn from_process() -> Result<DistEnv, EnvError> {
-        DistEnv::from_lookup(|name| std::env::var(name).ok())
-    }
-
-    /// Reads the variables through `lookup` (the process environment, or a test's map). The
-    /// torchrun names win over Slurm's; Slurm's count only when `SLURM_PROCID` is set (an `srun`
-    /// task, not an allocation's shell).
+    /// Reads the variables through `lookup`: the binary passes the process environment (so that
+    /// the library reads none itself), a test its own map. The torchrun names win over Slurm's;
+    /// Slurm's count only when `SLURM_PROCID` is set (an `srun` task, not an allocation's shell).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<DistEnv, EnvError> {
         let lookup = |name: &str| lookup(name).filter(|value| !value.trim().is_empty());
         let rendezvous_timeout =

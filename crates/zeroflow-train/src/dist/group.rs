@@ -419,7 +419,7 @@ fn read_frame(mut stream: &TcpStream) -> io::Result<Frame> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use std::sync::mpsc;
     use std::sync::{Arc, Mutex};
     use std::thread;
@@ -427,7 +427,7 @@ pub(crate) mod tests {
 
     use super::{Group, Heartbeat, Lost, OnLost};
     use crate::dist::rendezvous::join;
-    use crate::dist::rendezvous::tests::{free_port, spec};
+    use crate::dist::testing::{free_port, spec};
 
     const FAST: Heartbeat =
         Heartbeat { interval: Duration::from_millis(50), timeout: Duration::from_millis(1500) };
@@ -456,21 +456,6 @@ pub(crate) mod tests {
                     let (on_lost, seen) = recorder();
                     let group = Group::start(rank, world, joined.links, FAST, on_lost).unwrap();
                     body(group, seen)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
-    /// A group of `world` ranks in this process, in rank order (for other modules' tests).
-    pub(crate) fn local_groups(world: usize) -> Vec<Group> {
-        let port = free_port();
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                thread::spawn(move || {
-                    let joined = join(&spec(rank, world, port, 10_000), || Ok(Vec::new())).unwrap();
-                    let (on_lost, _) = recorder();
-                    Group::start(rank, world, joined.links, FAST, on_lost).unwrap()
                 })
             })
             .collect();

@@ -348,34 +348,13 @@ fn follow(spec: &Spec) -> Result<Joined, RendezvousError> {
 const MIN_CONNECT: Duration = Duration::from_millis(100);
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use std::net::TcpListener;
     use std::thread;
     use std::time::{Duration, Instant};
 
     use super::{Joined, RendezvousError, Spec, join};
-    use crate::dist::env::Master;
-
-    /// A port nobody listens on now (the OS's pick, released), never handed out before in this
-    /// process: the tests of one binary run at once, and two rendezvous of world size 2 on the same
-    /// port would take each other's ranks (which showed as two "ranks" starting from different
-    /// weights under load).
-    pub fn free_port() -> u16 {
-        static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            let port = TcpListener::bind("0.0.0.0:0").unwrap().local_addr().unwrap().port();
-            if !given.contains(&port) {
-                given.push(port);
-                return port;
-            }
-        }
-    }
-
-    pub fn spec(rank: usize, world_size: usize, port: u16, timeout_ms: u64) -> Spec {
-        let master = Master { addr: "127.0.0.1".into(), port };
-        Spec { rank, world_size, master, timeout: Duration::from_millis(timeout_ms) }
-    }
+    use crate::dist::testing::{free_port, spec};
 
     const PAYLOAD: &[u8] = b"the group's id";
 

@@ -8,13 +8,30 @@ pub mod affinity;
 pub mod env;
 pub mod group;
 pub mod rendezvous;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testing;
 pub mod watchdog;
 
 use std::sync::Arc;
 
 pub use env::DistEnv;
 pub use group::{Group, Heartbeat, Lost, OnLost};
+pub use rendezvous::RendezvousError;
 pub use watchdog::Watchdog;
+
+/// Why a process could not join its job, or start its watchdog.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// The ranks did not meet.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// Rank `rank` met the others but could not start the side channel's threads and sockets.
+    #[error("rank {rank}: cannot start the side channel to the other ranks: {source}")]
+    SideChannel { rank: usize, source: std::io::Error },
+    /// The step watchdog's thread could not start.
+    #[error("rank {rank}: cannot start the step watchdog: {source}")]
+    Watchdog { rank: usize, source: std::io::Error },
+}
 
 /// The exit status of a rank that ends because another rank was lost. `zeroflow launch` names
 /// the rank that failed first rather than the ones that followed it with this status.
@@ -30,7 +47,7 @@ pub const STALLED_EXIT: i32 = 4;
 pub fn join(
     env: &DistEnv,
     payload: impl FnOnce() -> Result<Vec<u8>, String>,
-) -> anyhow::Result<(Vec<u8>, Group)> {
+) -> Result<(Vec<u8>, Group), DistError> {
     join_with(env, payload, exit_on_lost(env.rank))
 }
 
@@ -39,7 +56,7 @@ pub fn join_with(
     env: &DistEnv,
     payload: impl FnOnce() -> Result<Vec<u8>, String>,
     on_lost: OnLost,
-) -> anyhow::Result<(Vec<u8>, Group)> {
+) -> Result<(Vec<u8>, Group), DistError> {
     let master =
         env.master.clone().unwrap_or_else(|| env::Master { addr: "127.0.0.1".into(), port: 0 });
     let spec = rendezvous::Spec {
@@ -59,8 +76,8 @@ pub fn join_with(
         );
     }
     let joined = rendezvous::join(&spec, payload)?;
-    let group =
-        Group::start(env.rank, env.world_size, joined.links, Heartbeat::default(), on_lost)?;
+    let group = Group::start(env.rank, env.world_size, joined.links, Heartbeat::default(), on_lost)
+        .map_err(|source| DistError::SideChannel { rank: env.rank, source })?;
     Ok((joined.payload, group))
 }
 
@@ -80,7 +97,7 @@ pub fn exit_on_lost(me: usize) -> OnLost {
 /// The watchdog of `ZEROFLOW_STEP_TIMEOUT`, if set: when the training loop makes no progress for
 /// that long (a collective waiting for a rank that is stuck), this process says so and ends with
 /// [`STALLED_EXIT`].
-pub fn step_watchdog(env: &DistEnv) -> anyhow::Result<Option<Watchdog>> {
+pub fn step_watchdog(env: &DistEnv) -> Result<Option<Watchdog>, DistError> {
     let Some(timeout) = env.step_timeout else { return Ok(None) };
     let me = env.rank;
     let on_stall: watchdog::OnStall = Arc::new(move |idle: std::time::Duration| {
@@ -91,5 +108,7 @@ pub fn step_watchdog(env: &DistEnv) -> anyhow::Result<Option<Watchdog>> {
         );
         signal_hook::low_level::exit(STALLED_EXIT)
     });
-    Ok(Some(Watchdog::start(timeout, on_stall)?))
+    let watchdog = Watchdog::start(timeout, on_stall)
+        .map_err(|source| DistError::Watchdog { rank: me, source })?;
+    Ok(Some(watchdog))
 }
