@@ -262,7 +262,8 @@ fn summary<M: Model>(
         "interrupted": ended.interrupted,
         "tokens": tokens,
         "tokens_per_s": tokens as f64 / train_s,
-        "wall_s": trainer.wall_time().as_secs_f64(),
+        // The same reading of the clock as process_wall_s, so that the two agree exactly.
+        "wall_s": (trainer.wall_before + process_wall).as_secs_f64(),
         "process_wall_s": process_wall.as_secs_f64(),
         "train_s": train_s,
         "seed": setup.seed,

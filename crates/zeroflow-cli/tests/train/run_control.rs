@@ -377,6 +377,7 @@ fn after_a_resume_wall_time_covers_the_whole_run() {
     let (wall, process, train_s) =
         (seconds("wall_s"), seconds("process_wall_s"), seconds("train_s"));
     assert!(wall >= train_s, "wall_s {wall} < train_s {train_s}");
-    assert!(wall >= saved + process - 1e-6 && wall <= saved + process + 1e-3, "{summary}");
+    // wall_s is the saved run's time plus this process's, from one reading of the clock.
+    assert!((wall - (saved + process)).abs() <= 1e-6 * wall.max(1.0), "{summary}");
     assert!(process < wall);
 }
