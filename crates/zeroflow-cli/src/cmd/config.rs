@@ -36,21 +36,8 @@ pub struct Args {
     /// default warm-up).
     #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(DEFAULT_STEPS).expect("non-zero"))]
     pub steps: NonZeroU64,
-    /// As `train --micro-batch` (fills an "auto" train_micro_batch_size_per_gpu). Default: 16.
-    #[arg(long, value_name = "N")]
-    pub micro_batch: Option<NonZeroU64>,
-    /// As `train --accum` (fills an "auto" gradient_accumulation_steps). Default: 1.
-    #[arg(long, value_name = "N")]
-    pub accum: Option<NonZeroU64>,
-    /// As `train --lr` (fills an "auto" optimizer lr). Default: 3e-3.
-    #[arg(long, value_name = "LR")]
-    pub lr: Option<f64>,
-    /// As `train --warmup` (fills an "auto" warmup_num_steps). Default: 5% of --steps.
-    #[arg(long, value_name = "N")]
-    pub warmup: Option<NonZeroU64>,
-    /// As `train --weight-decay` (fills an "auto" weight_decay). Default: 0.
-    #[arg(long, value_name = "X")]
-    pub weight_decay: Option<f64>,
+    #[command(flatten)]
+    pub auto: crate::cmd::train::AutoFlags,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -64,11 +51,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         config_file: Some(&args.file),
         saved_config: None,
         device: args.device,
-        micro_batch: args.micro_batch,
-        accum: args.accum,
-        lr: args.lr,
-        warmup: args.warmup,
-        weight_decay: args.weight_decay,
+        micro_batch: args.auto.micro_batch,
+        accum: args.auto.accum,
+        lr: args.auto.lr,
+        warmup: args.auto.warmup,
+        weight_decay: args.auto.weight_decay,
         steps: args.steps.get(),
         world_size: args.world_size.get() as usize,
         hidden_size: model.d_model,

@@ -91,6 +91,23 @@ pub struct Args {
     /// checkpoint's).
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+    #[command(flatten)]
+    pub auto: AutoFlags,
+    #[command(flatten)]
+    pub gpu_flags: settings::GpuFlags,
+    #[command(flatten)]
+    pub host_flags: settings::HostFlags,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let setup = train::Setup::from_args(args)?;
+    train::run(setup)
+}
+
+/// The flags that fill a config's `"auto"` values, the same for `train` and `zeroflow config`
+/// (which previews what `train` resolves).
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct AutoFlags {
     /// Sequences per micro-step (fills an "auto" train_micro_batch_size_per_gpu). Default: 16.
     #[arg(long, value_name = "N")]
     pub micro_batch: Option<NonZeroU64>,
@@ -107,13 +124,4 @@ pub struct Args {
     /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0.
     #[arg(long, value_name = "X")]
     pub weight_decay: Option<f64>,
-    #[command(flatten)]
-    pub gpu_flags: settings::GpuFlags,
-    #[command(flatten)]
-    pub host_flags: settings::HostFlags,
-}
-
-pub fn run(args: Args) -> anyhow::Result<()> {
-    let setup = train::Setup::from_args(args)?;
-    train::run(setup)
 }

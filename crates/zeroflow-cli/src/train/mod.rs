@@ -351,12 +351,14 @@ pub fn checkpoints_tensors(tensors: &[HfTensor]) -> Vec<NamedTensor> {
 /// that the command that started a run, with `--resume latest` added, continues it.
 fn default_to_saved(args: &mut Args, saved: &serde_json::Value) {
     let number = |key: &str| saved.get(key).and_then(serde_json::Value::as_u64);
-    args.micro_batch = args
+    args.auto.micro_batch = args
+        .auto
         .micro_batch
         .or_else(|| number("train_micro_batch_size_per_gpu").and_then(NonZeroU64::new));
-    args.accum =
-        args.accum.or_else(|| number("gradient_accumulation_steps").and_then(NonZeroU64::new));
-    args.lr = args
+    args.auto.accum =
+        args.auto.accum.or_else(|| number("gradient_accumulation_steps").and_then(NonZeroU64::new));
+    args.auto.lr = args
+        .auto
         .lr
         .or_else(|| saved.pointer("/optimizer/params/lr").and_then(serde_json::Value::as_f64));
 }
@@ -460,11 +462,11 @@ fn resolve_config(
         config_file: args.config.as_deref(),
         saved_config: saved,
         device: Some(args.device),
-        micro_batch: args.micro_batch,
-        accum: args.accum,
-        lr: args.lr,
-        warmup: args.warmup,
-        weight_decay: args.weight_decay,
+        micro_batch: args.auto.micro_batch,
+        accum: args.auto.accum,
+        lr: args.auto.lr,
+        warmup: args.auto.warmup,
+        weight_decay: args.auto.weight_decay,
         steps,
         world_size,
         hidden_size: model.d_model,
