@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod support;
+
 /// A malformed config and the JSON path its error must name (for syntax errors, the position).
 struct Malformed {
     name: &'static str,
@@ -346,11 +348,7 @@ const MALFORMED: &[Malformed] = &[
 
 /// A fresh directory for this test's files.
 fn scratch_dir(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("config_command").join(test);
-    // Leftovers of an earlier run would be overwritten anyway; a missing directory is fine.
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("the target directory is writable");
-    dir
+    support::scratch_in("config_command", test)
 }
 
 fn zeroflow_config(file: &Path, extra_args: &[&str]) -> Output {

@@ -12,15 +12,12 @@ mod flags;
 #[path = "new_user/messages.rs"]
 mod messages;
 
-/// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
-const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
+mod support;
+use support::MINI;
 
 /// A fresh, empty directory for one test.
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("new_user").join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("create the scratch directory");
-    dir
+    support::scratch_in("new_user", name)
 }
 
 fn zeroflow(args: &[&str]) -> Output {

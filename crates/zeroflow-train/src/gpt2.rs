@@ -12,64 +12,51 @@ use zeroflow_nn::GradsReady;
 
 use crate::model::{Buffer, Model};
 
-impl Model for CpuGpt {
-    type Device = CpuDevice;
-    type Comm = CpuComm;
-    type P = f32;
-    type Error = GptError;
+/// `impl Model for $model`, each method the model's own of the same name.
+macro_rules! gpt2_model {
+    ($model:ty, $device:ty, $comm:ty, $element:ty $(, memory_in_use: $memory:expr)?) => {
+        impl Model for $model {
+            type Device = $device;
+            type Comm = $comm;
+            type P = $element;
+            type Error = GptError;
 
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        CpuGpt::set_batch(self, inputs, targets)
-    }
+            $(
+                fn memory_in_use(device: &$device) -> Option<usize> {
+                    $memory(device).ok()
+                }
+            )?
 
-    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
-        CpuGpt::forward(self, params)
-    }
+            fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
+                <$model>::set_batch(self, inputs, targets)
+            }
 
-    fn loss(&mut self) -> Result<f32, GptError> {
-        CpuGpt::loss(self)
-    }
+            fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
+                <$model>::forward(self, params)
+            }
 
-    fn backward(
-        &mut self,
-        params: &Buffer<Self>,
-        grads: &Buffer<Self>,
-        loss_scale: f64,
-        on_ready: &mut dyn FnMut(&GradsReady),
-    ) -> Result<(), GptError> {
-        CpuGpt::backward(self, params, grads, loss_scale, on_ready)
-    }
+            fn loss(&mut self) -> Result<f32, GptError> {
+                <$model>::loss(self)
+            }
+
+            fn backward(
+                &mut self,
+                params: &Buffer<Self>,
+                grads: &Buffer<Self>,
+                loss_scale: f64,
+                on_ready: &mut dyn FnMut(&GradsReady),
+            ) -> Result<(), GptError> {
+                <$model>::backward(self, params, grads, loss_scale, on_ready)
+            }
+        }
+    };
 }
 
-impl Model for CudaGpt {
-    type Device = CudaDevice;
-    type Comm = NcclComm;
-    type P = zeroflow_core::bf16;
-    type Error = GptError;
-
-    fn memory_in_use(device: &CudaDevice) -> Option<usize> {
-        zeroflow_gpt::cuda::device_memory_in_use(device).ok()
-    }
-
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        CudaGpt::set_batch(self, inputs, targets)
-    }
-
-    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
-        CudaGpt::forward(self, params)
-    }
-
-    fn loss(&mut self) -> Result<f32, GptError> {
-        CudaGpt::loss(self)
-    }
-
-    fn backward(
-        &mut self,
-        params: &Buffer<Self>,
-        grads: &Buffer<Self>,
-        loss_scale: f64,
-        on_ready: &mut dyn FnMut(&GradsReady),
-    ) -> Result<(), GptError> {
-        CudaGpt::backward(self, params, grads, loss_scale, on_ready)
-    }
-}
+gpt2_model!(CpuGpt, CpuDevice, CpuComm, f32);
+gpt2_model!(
+    CudaGpt,
+    CudaDevice,
+    NcclComm,
+    zeroflow_core::bf16,
+    memory_in_use: zeroflow_gpt::cuda::device_memory_in_use
+);

@@ -232,11 +232,12 @@ impl Progress {
     }
 
     /// Says what the run is doing now (building the model, a step, an evaluation, a checkpoint):
-    /// the bar's message, or, without a terminal, what a line says when it runs long.
-    pub fn doing(&self, activity: impl Into<String>) {
+    /// the bar's message, or, without a terminal, what a line says when it runs long. The text
+    /// is made only where it is shown (not on the ranks that print nothing).
+    pub fn doing(&self, activity: impl FnOnce() -> String) {
         match self {
-            Progress::Bar(bar) => bar.set_message(activity.into()),
-            Progress::Lines(lines) => lines.doing(activity.into()),
+            Progress::Bar(bar) => bar.set_message(activity()),
+            Progress::Lines(lines) => lines.doing(activity()),
             Progress::Silent => {}
         }
     }

@@ -61,7 +61,7 @@ pub(super) fn run_on<M: Model>(
     } else {
         Progress::Silent
     };
-    progress.doing(format!("building the model ({} parameters)", setup.model.num_params()));
+    progress.doing(|| format!("building the model ({} parameters)", setup.model.num_params()));
     let mut trainer = Trainer::<M>::new(&setup, open, started)?;
     progress.println(&format!(
         "model ready on {} in {:.1} s",
@@ -176,7 +176,7 @@ fn train_steps<M: Model>(
     }
     for step in first..=setup.steps {
         stop.at_step(step);
-        progress.doing(format!("step {step}/{} running", setup.steps));
+        progress.doing(|| format!("step {step}/{} running", setup.steps));
         let record = trainer.step(step, &mut setup.data.train)?;
         tick();
         recorder.step(&record)?;
@@ -225,7 +225,7 @@ fn save_and_say<M: Model>(
     setup: &Setup,
     progress: &Progress,
 ) -> anyhow::Result<PathBuf> {
-    progress.doing(format!("saving the checkpoint of step {step}"));
+    progress.doing(|| format!("saving the checkpoint of step {step}"));
     let saving = Instant::now();
     let dir = trainer.save(step, setup)?;
     let secs = saving.elapsed().as_secs_f64();
@@ -607,11 +607,8 @@ impl<M: Model> Trainer<M> {
             if stop.requested() {
                 break;
             }
-            progress.doing(format!(
-                "evaluating after step {after}: batch {}/{}",
-                i + 1,
-                eval.len()
-            ));
+            progress
+                .doing(|| format!("evaluating after step {after}: batch {}/{}", i + 1, eval.len()));
             self.model.set_batch(&batch.inputs, &batch.targets)?;
             self.model.forward(self.engine.params())?;
             sum += f64::from(self.model.loss()?);
