@@ -18,6 +18,11 @@
 #   MODES     zeroflow modes (default "gpu offload offload-delayed zenflow")
 #   DS_MODES  DeepSpeed modes (default "gpu offload zenflow")
 #   STEPS (10), WARMUP (4), MICRO_BATCH (8), CPU_ADAM_PARAMS (5e8), CPU_ADAM_THREADS (nproc)
+#   SEQ       sequence length for every system (default: each one's own, 1024)
+#   CHECKPOINTING=1  activation checkpointing everywhere: zeroflow's --activation-checkpointing,
+#             the peers' --gradient-checkpointing (transformers' own)
+#   Llama shapes (llama-1b, llama-3b, llama-8b) run as LlamaForCausalLM in the peers, e.g.
+#   MICRO_BATCH=4 SEQ=2048 bash scripts/bench-vs-deepspeed.sh llama-1b
 #   OUT       where logs and bench.jsonl go (default $OUT of the device tool, else .gpu/out)
 #   SKIP_DS=1 / SKIP_ZF=1 still work (drop deepspeed / zeroflow+fwd-bwd from PARTS).
 #
@@ -55,6 +60,10 @@ export PYTHONUNBUFFERED=1
 RESULTS=$OUT/bench.jsonl
 touch "$RESULTS"
 Z=${ZEROFLOW:-.gpu/zeroflow}
+SEQ_ARGS=()
+[[ -n "${SEQ:-}" ]] && SEQ_ARGS=(--seq "$SEQ")
+ZF_CKPT=() PEER_CKPT=()
+[[ -n "${CHECKPOINTING:-}" ]] && ZF_CKPT=(--activation-checkpointing) PEER_CKPT=(--gradient-checkpointing)
 has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 echo "bench-vs-deepspeed: models [$MODELS], parts [$PARTS], $RUN_DATE, results in $RESULTS"
 # The machine, for BENCHMARKS.md's "Machine:" line.
@@ -101,15 +110,16 @@ for MODEL in $MODELS; do
         for mode in $MODES; do
             log=$OUT/zeroflow-$MODEL-$mode.log
             timeout 300 $Z bench step --device cuda --model "$MODEL" --mode "$mode" \
-                --micro-batch "$MICRO_BATCH" --steps "$STEPS" --warmup "$WARMUP" --json \
-                >"$log" 2>"$log.err"
+                --micro-batch "$MICRO_BATCH" "${SEQ_ARGS[@]}" "${ZF_CKPT[@]}" --steps "$STEPS" \
+                --warmup "$WARMUP" --json >"$log" 2>"$log.err"
             echo "zeroflow $MODEL $mode: exit $?"
             emit "$log" || tail -n 5 "$log" "$log.err"
         done
     fi
     if has_part fwd-bwd; then
         log=$OUT/zeroflow-$MODEL-fwd-bwd.log
-        timeout 200 $Z bench gpt --model "$MODEL" --micro-batch "$MICRO_BATCH" >"$log" 2>&1
+        timeout 200 $Z bench gpt --model "$MODEL" --micro-batch "$MICRO_BATCH" "${SEQ_ARGS[@]}" \
+            "${ZF_CKPT[@]}" >"$log" 2>&1
         echo "zeroflow $MODEL fwd-bwd: exit $?"
         # The RESULT line (key=value pairs) as a JSON object.
         python3 - "$log" >"$log.json" <<'PY'
@@ -132,7 +142,7 @@ PY
         emit "$log.json" || tail -n 5 "$log"
         log=$OUT/torch-$MODEL.log
         timeout 300 python3 bench/peers/gpt_fwd_bwd.py --model "$MODEL" --micro-batch "$MICRO_BATCH" \
-            >"$log" 2>&1
+            "${SEQ_ARGS[@]}" "${PEER_CKPT[@]}" >"$log" 2>&1
         echo "pytorch $MODEL fwd-bwd: exit $?"
         emit "$log" mode=fwd-bwd || tail -n 5 "$log"
     fi
@@ -144,8 +154,8 @@ PY
             port=$((port + 1))
             log=$OUT/deepspeed-$MODEL-$mode.log
             MASTER_PORT=$port timeout 400 python3 bench/peers/ds_train.py --mode "$mode" \
-                --model "$MODEL" --micro-batch "$MICRO_BATCH" --steps "$STEPS" --warmup "$WARMUP" \
-                >"$log" 2>&1
+                --model "$MODEL" --micro-batch "$MICRO_BATCH" "${SEQ_ARGS[@]}" "${PEER_CKPT[@]}" \
+                --steps "$STEPS" --warmup "$WARMUP" >"$log" 2>&1
             echo "deepspeed $MODEL $mode: exit $?"
             emit "$log" || tail -n 5 "$log"
         done

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""DeepSpeed ZeRO-2 training steps of a GPT-2-family model (Hugging Face GPT2LMHeadModel, sdpa
-attention, bf16), the peer of `zeroflow bench train`:
+"""DeepSpeed ZeRO-2 training steps of a Hugging Face GPT2LMHeadModel or LlamaForCausalLM (sdpa
+attention, bf16; shapes in models.py), the peer of `zeroflow bench step`:
 
     python3 bench/peers/ds_train.py --mode offload --model gpt-1.3b --micro-batch 8 --steps 12
+    python3 bench/peers/ds_train.py --mode zenflow --model llama-1b --micro-batch 4 --seq 2048
+
+`--gradient-checkpointing` turns on transformers' own (non-reentrant) checkpointing.
 
 A custom size instead of a named one: `--n-layer 40 --d-model 4096 --n-head 32` (vocabulary 50304,
 context 1024 unless `--vocab`/`--context` say otherwise), as scripts/largest-model.sh uses it;
@@ -33,11 +36,8 @@ import resource
 import statistics
 import time
 
-SIZES = {
-    "gpt2-124m": (12, 768, 12, 50304, 1024),
-    "gpt2-350m": (24, 1024, 16, 50304, 1024),
-    "gpt-1.3b": (24, 2048, 16, 50304, 1024),
-}
+from models import NAMES, build
+
 
 
 def ds_config(mode, micro_batch):
@@ -75,7 +75,7 @@ def ds_config(mode, micro_batch):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", default="offload", choices=["gpu", "offload", "zenflow"])
-    parser.add_argument("--model", default="gpt-1.3b", choices=sorted(SIZES))
+    parser.add_argument("--model", default="gpt-1.3b", choices=NAMES)
     parser.add_argument("--n-layer", type=int, help="custom size: layers (with --d-model, --n-head)")
     parser.add_argument("--d-model", type=int, help="custom size: width")
     parser.add_argument("--n-head", type=int, help="custom size: attention heads")
@@ -87,6 +87,8 @@ def main():
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each layer's forward in backward (transformers' own)")
     args = parser.parse_args()
     custom = (args.n_layer, args.d_model, args.n_head)
     if any(custom) and not all(custom):
@@ -98,27 +100,21 @@ def main():
 
     import deepspeed
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     # torchrun's variables (one process without them). The GPU is chosen before anything touches
     # CUDA, so that no rank opens a context on GPU 0.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if all(custom):
-        n_layer, d, n_head, vocab, context = (*custom, args.vocab, args.context)
-        name = f"custom-{n_layer}x{d}"
-    else:
-        n_layer, d, n_head, vocab, context = SIZES[args.model]
-        name = args.model
-    config = GPT2Config(
-        n_layer=n_layer, n_embd=d, n_head=n_head, vocab_size=vocab, n_positions=context,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        attn_implementation="sdpa",
-    )
+    name = f"custom-{args.n_layer}x{args.d_model}" if all(custom) else args.model
     torch.manual_seed(0)
     with torch.device(args.init_device):
-        model = GPT2LMHeadModel(config)
+        model, vocab = build(
+            args.model, context=args.seq,
+            custom=(*custom, args.vocab, args.context) if all(custom) else None)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = model.config
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(),
         config=ds_config(args.mode, args.micro_batch))
@@ -163,9 +159,10 @@ def main():
         "torch": torch.__version__,
         "mode": args.mode,
         "model": name,
-        "n_layer": n_layer,
-        "d_model": d,
-        "n_head": n_head,
+        "n_layer": config.num_hidden_layers,
+        "d_model": config.hidden_size,
+        "n_head": config.num_attention_heads,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "init_device": args.init_device,
         "world_size": world,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -174,6 +171,7 @@ def main():
         "tokens_per_step": tokens_per_step,
         "s_per_step_median": statistics.median(times),
         "s_per_step_mean": mean,
+        "s_per_step_p90": sorted(times)[min(len(times) - 1, int(0.9 * len(times)))],
         "tokens_per_s": tokens_per_step / slowest,
         "tokens_per_s_per_gpu": tokens_per_step / slowest / world,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
