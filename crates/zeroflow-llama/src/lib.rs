@@ -13,12 +13,14 @@
 pub mod config;
 pub mod error;
 mod json;
+pub mod kernels;
 pub mod params;
 pub mod rope;
 pub mod shapes;
 
 pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use error::LlamaConfigError;
+pub use kernels::LlamaKernel;
 pub use params::{HfParam, ParamKind, hf_params, param_count};
-pub use rope::Llama3RopeScaling;
+pub use rope::{Llama3RopeScaling, RopeFreqs};
 pub use shapes::{NAMED_SHAPES, named_shape};

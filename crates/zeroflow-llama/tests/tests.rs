@@ -3,6 +3,7 @@
 
 mod fixtures;
 mod hf_dir;
+mod kernels;
 mod params;
 mod transformers_dir;
 mod unsupported;
