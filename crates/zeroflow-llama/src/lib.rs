@@ -12,6 +12,8 @@
 //!   embedding) as pure functions generic over [`zeroflow_nn::Float`], and [`LlamaKernel`].
 //! - [`plan`]: the model as zeroflow-nn's plan ([`LlamaPlan`]); [`HostLlama`] runs it on host
 //!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`.
+//! - [`hf`]: Hugging Face directories in ([`HfLlama`], into the flat buffer by name) and out
+//!   ([`save_hf_dir`]).
 //!
 //! This crate does not depend on the engine, the trainer or GPT-2.
 
@@ -19,6 +21,7 @@ pub mod acts;
 pub mod config;
 pub mod cpu;
 pub mod error;
+pub mod hf;
 pub mod host;
 pub mod init;
 mod json;
@@ -33,6 +36,7 @@ pub use acts::ActLayout;
 pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use cpu::{CpuLlama, init_params_on_device};
 pub use error::{LlamaConfigError, LlamaError};
+pub use hf::{HfLlama, save_hf_dir};
 pub use host::HostLlama;
 pub use init::init_params;
 pub use kernels::LlamaKernel;
