@@ -72,7 +72,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(host);
     let grads = device.alloc::<bf16>(layout.padded_len())?;
     let blas = Arc::new(Blas::new(&device)?);
-    let options = CudaGptOptions { fuse_gelu: !args.no_gelu_fusion, attention };
+    let options =
+        CudaGptOptions { fuse_gelu: !args.no_gelu_fusion, attention, ..CudaGptOptions::default() };
     let mut model = CudaGpt::with_options(&device, blas, &config, &layout, batch, seq, options)
         .with_context(|| format!("setting up {} at micro-batch {batch} × {seq}", args.model))?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
