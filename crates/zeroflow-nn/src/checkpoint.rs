@@ -14,6 +14,17 @@
 //! and a launch zeroing the activation gradients of the shared region that the layer's backward
 //! adds to (the layer before left its own there). The executors run them as any other launches;
 //! recomputation is the same kernels on the same inputs, so it gives the same values, bit for bit.
+//!
+//! A family's plan builder uses it in two places (GPT-2's `ActLayout` and `Builder::backward`):
+//!
+//! ```text
+//! let blocks = layer_acts(&mut bump, n_layer, checkpointing, |acts| Block {
+//!     norm: acts.internal(n * c), …, output: acts.kept(n * c),
+//! });
+//! // in backward, for each layer from the last:
+//! steps.extend(blocks.checkpointing.layer_backward(&its_forward_launches, its_backward_steps,
+//!                                                  layer + 1 != n_layer));
+//! ```
 
 use std::ops::Range;
 
