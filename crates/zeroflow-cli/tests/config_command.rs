@@ -25,6 +25,11 @@ const MALFORMED: &[Malformed] = &[
         "zeroflow.attention",
     ),
     case(
+        "activation_checkpointing",
+        r#"{"train_batch_size": 8, "zeroflow": {"activation_checkpointing": "on"}}"#,
+        "zeroflow.activation_checkpointing",
+    ),
+    case(
         "cuda_wait",
         r#"{"train_batch_size": 8, "zeroflow": {"cuda_wait": "yield"}}"#,
         "zeroflow.cuda_wait",
@@ -463,7 +468,7 @@ fn the_run_time_settings_are_printed_with_the_resolved_config() {
     let dir = scratch_dir("settings");
     let file = dir.join("ds.json");
     let json = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cpu_bind": "off",
-        "offload": {"stream_chunk_mib": 8, "gather": "pieces"}}}"#;
+        "activation_checkpointing": true, "offload": {"stream_chunk_mib": 8, "gather": "pieces"}}}"#;
     std::fs::write(&file, json).unwrap();
     let output = zeroflow_config(&file, &[]);
     assert!(output.status.success(), "{}", text(&output.stderr));
@@ -471,6 +476,7 @@ fn the_run_time_settings_are_printed_with_the_resolved_config() {
     let zeroflow = &resolved["zeroflow"];
     assert_eq!(zeroflow["attention"], "flash");
     assert_eq!(zeroflow["cpu_bind"], "off");
+    assert_eq!(zeroflow["activation_checkpointing"], true);
     assert_eq!(zeroflow["cuda_wait"], serde_json::Value::Null);
     assert_eq!(zeroflow["offload"]["stream_chunk_mib"], 8.0);
     assert_eq!(zeroflow["offload"]["gather"], "pieces");

@@ -11,7 +11,7 @@ use crate::GptConfig;
 use crate::error::GptError;
 use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{ActLayout, GptPlan, Plan};
+use crate::plan::{ActLayout, GptPlan, Plan, PlanOptions};
 
 /// A model for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
 /// flat parameter and gradient buffers and passes them to each call.
@@ -31,8 +31,21 @@ impl CpuGpt {
         batch: usize,
         seq: usize,
     ) -> Result<Self, GptError> {
-        let GptPlan { acts, plan } =
-            GptPlan::new(config, &ParamRanges::new(config, layout)?, batch, seq)?;
+        Self::with_options(device, config, layout, batch, seq, PlanOptions::default())
+    }
+
+    /// [`CpuGpt::new`] with the plan built as `options` say (activation checkpointing; the
+    /// attention, gemm by default).
+    pub fn with_options(
+        device: &CpuDevice,
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<Self, GptError> {
+        let params = ParamRanges::new(config, layout)?;
+        let GptPlan { acts, plan } = GptPlan::with_options(config, &params, batch, seq, options)?;
         let runner = CpuRunner::new(device, plan, layout.padded_len())?;
         Ok(CpuGpt { config: *config, acts, runner })
     }

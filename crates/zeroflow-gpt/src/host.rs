@@ -9,7 +9,7 @@ use crate::GptConfig;
 use crate::error::GptError;
 use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{ActLayout, GptPlan, Plan};
+use crate::plan::{ActLayout, GptPlan, Plan, PlanOptions};
 
 /// A model for one (batch, seq) whose activations live in host vectors.
 #[derive(Debug)]
@@ -38,9 +38,21 @@ impl<F: Float> HostGpt<F> {
         seq: usize,
         attention: AttentionKind,
     ) -> Result<Self, GptError> {
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(config, layout, batch, seq, options)
+    }
+
+    /// The model whose plan is built as `options` say (the attention, activation
+    /// checkpointing).
+    pub fn with_options(
+        config: &GptConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<Self, GptError> {
         let params = ParamRanges::new(config, layout)?;
-        let GptPlan { acts, plan } =
-            GptPlan::with_attention(config, &params, batch, seq, attention)?;
+        let GptPlan { acts, plan } = GptPlan::with_options(config, &params, batch, seq, options)?;
         let runner = HostRunner::new(plan, layout.padded_len());
         Ok(HostGpt { config: *config, acts, runner })
     }

@@ -28,7 +28,7 @@ pub use kernels::GptKernel;
 pub use params::{
     GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, param_specs,
 };
-pub use plan::{ActLayout, GptPlan, Plan};
+pub use plan::{ActLayout, GptPlan, Plan, PlanOptions};
 pub use zeroflow_nn::{AttentionKind, Float};
 
 use zeroflow_core::layout::{Alignment, FlatLayout};

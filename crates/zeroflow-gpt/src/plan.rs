@@ -11,7 +11,7 @@ use std::ops::Range;
 use zeroflow_nn::plan::{
     ActAllocator, Buf, Launch, Step, read, update, write, zero_accumulated_activation_grads,
 };
-use zeroflow_nn::{AttentionKind, AttentionShape, WeightLayout};
+use zeroflow_nn::{AttentionKind, AttentionShape, Checkpointing, WeightLayout, layer_acts};
 
 use crate::GptConfig;
 use crate::error::GptError;
@@ -32,7 +32,19 @@ pub enum AttentionActs {
     LogSumExp(Range<usize>),
 }
 
-/// The activations of one block, as ranges of the activation buffer.
+/// How a [`GptPlan`] is built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PlanOptions {
+    /// What each block's attention keeps for backward.
+    pub attention: AttentionKind,
+    /// Keep only each block's output from forward to backward and recompute the rest of the
+    /// block right before its backward ([`zeroflow_nn::checkpoint`]): every block's internal
+    /// activations share one region. Off by default.
+    pub activation_checkpointing: bool,
+}
+
+/// The activations of one block, as ranges of the activation buffer. With activation
+/// checkpointing every block has the same ranges, but for `residual3` (its output).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockActs {
     pub ln_1: Range<usize>,
@@ -59,6 +71,8 @@ pub struct ActLayout {
     pub batch: usize,
     pub seq: usize,
     pub attention: AttentionKind,
+    /// Whether the blocks' internals share one region, recomputed in backward.
+    pub checkpointing: Checkpointing,
     pub encoded: Range<usize>,
     pub blocks: Vec<BlockActs>,
     pub ln_f: Range<usize>,
@@ -76,34 +90,52 @@ pub struct ActLayout {
 }
 
 impl ActLayout {
+    /// The layout of the plain plan (every block's activations its own) with `attention`.
     pub fn new(config: &GptConfig, batch: usize, seq: usize, attention: AttentionKind) -> Self {
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(config, batch, seq, options)
+    }
+
+    /// The layout of the plan `options` say (with activation checkpointing, the blocks'
+    /// internals in one shared region).
+    pub fn with_options(
+        config: &GptConfig,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Self {
         let (n, c, nh) = (batch * seq, config.d_model, config.n_head);
+        let attention = options.attention;
         let mut bump = ActAllocator::default();
         let encoded = bump.take(n * c);
-        let blocks = (0..config.n_layer)
-            .map(|_| BlockActs {
-                ln_1: bump.take(n * c),
-                ln_1_mean: bump.take(n),
-                ln_1_rstd: bump.take(n),
-                qkv: bump.take(n * 3 * c),
-                atty: bump.take(n * c),
-                attention: match attention {
-                    AttentionKind::Gemm => {
-                        AttentionActs::Weights(bump.take(batch * nh * seq * seq))
-                    }
-                    AttentionKind::Flash => AttentionActs::LogSumExp(bump.take(batch * nh * seq)),
-                },
-                attproj: bump.take(n * c),
-                residual2: bump.take(n * c),
-                ln_2: bump.take(n * c),
-                ln_2_mean: bump.take(n),
-                ln_2_rstd: bump.take(n),
-                fch: bump.take(n * 4 * c),
-                fch_gelu: bump.take(n * 4 * c),
-                fcproj: bump.take(n * c),
-                residual3: bump.take(n * c),
-            })
-            .collect();
+        let blocks =
+            layer_acts(&mut bump, config.n_layer, options.activation_checkpointing, |acts| {
+                BlockActs {
+                    ln_1: acts.internal(n * c),
+                    ln_1_mean: acts.internal(n),
+                    ln_1_rstd: acts.internal(n),
+                    qkv: acts.internal(n * 3 * c),
+                    atty: acts.internal(n * c),
+                    attention: match attention {
+                        AttentionKind::Gemm => {
+                            AttentionActs::Weights(acts.internal(batch * nh * seq * seq))
+                        }
+                        AttentionKind::Flash => {
+                            AttentionActs::LogSumExp(acts.internal(batch * nh * seq))
+                        }
+                    },
+                    attproj: acts.internal(n * c),
+                    residual2: acts.internal(n * c),
+                    ln_2: acts.internal(n * c),
+                    ln_2_mean: acts.internal(n),
+                    ln_2_rstd: acts.internal(n),
+                    fch: acts.internal(n * 4 * c),
+                    fch_gelu: acts.internal(n * 4 * c),
+                    fcproj: acts.internal(n * c),
+                    residual3: acts.kept(n * c),
+                }
+            });
+        let (checkpointing, blocks) = (blocks.checkpointing, blocks.layers);
         let ln_f = bump.take(n * c);
         let ln_f_mean = bump.take(n);
         let ln_f_rstd = bump.take(n);
@@ -116,6 +148,7 @@ impl ActLayout {
             batch,
             seq,
             attention,
+            checkpointing,
             encoded,
             blocks,
             ln_f,
@@ -138,8 +171,8 @@ impl ActLayout {
     }
 
     /// The activations kept in f32 on the GPU, in the order of its f32 buffer: each block's
-    /// LayerNorm statistics (and flash attention's log-sum-exp), the final LayerNorm's, the
-    /// losses and the mean loss.
+    /// LayerNorm statistics (and flash attention's log-sum-exp; with checkpointing every block
+    /// lists the same ranges, placed once), the final LayerNorm's, the losses and the mean loss.
     fn f32_acts(&self) -> Vec<Range<usize>> {
         let mut ranges = Vec::new();
         for block in &self.blocks {
@@ -183,19 +216,28 @@ impl GptPlan {
         seq: usize,
         attention: AttentionKind,
     ) -> Result<GptPlan, GptError> {
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(config, params, batch, seq, options)
+    }
+
+    /// The plan for micro-batches of `batch` sequences of `seq` tokens, built as `options` say.
+    pub fn with_options(
+        config: &GptConfig,
+        params: &ParamRanges,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<GptPlan, GptError> {
         if batch == 0 || seq == 0 || seq > config.context {
             return Err(GptError::Batch(format!(
                 "batch {batch} × seq {seq}: both must be at least 1 and seq at most the context {}",
                 config.context
             )));
         }
-        let acts = ActLayout::new(config, batch, seq, attention);
+        let acts = ActLayout::with_options(config, batch, seq, options);
         let mut forward = Builder::new(config, &acts);
         forward.forward(params);
-        let forward = forward.steps.into_iter().map(|step| match step {
-            Step::Launch(launch) => launch,
-            Step::GradsReady(_) => unreachable!("forward has no gradients"),
-        });
+        let forward = forward.steps.into_iter().filter_map(Step::into_launch);
         let mut backward = Builder::new(config, &acts);
         backward.backward(params);
         let plan = Plan {
@@ -223,6 +265,11 @@ struct Builder<'a> {
 impl<'a> Builder<'a> {
     fn new(config: &'a GptConfig, acts: &'a ActLayout) -> Self {
         Builder { config, acts, steps: Vec::new() }
+    }
+
+    /// A builder of the same model with no steps yet.
+    fn sub(&self) -> Self {
+        Builder::new(self.config, self.acts)
     }
 
     fn launch(&mut self, kernel: Kernel, args: Vec<zeroflow_nn::Arg>) {
@@ -288,7 +335,15 @@ impl<'a> Builder<'a> {
         self.layernorm_backward(&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &last, w, b);
         ready(&mut self.steps);
         for (layer, (bp, ba)) in p.blocks.iter().zip(&a.blocks).enumerate().rev() {
-            self.block_backward(&a.residual_in(layer), bp, ba);
+            let residual = a.residual_in(layer);
+            let (mut forward, mut backward) = (self.sub(), self.sub());
+            forward.block_forward(&residual, bp, ba);
+            backward.block_backward(&residual, bp, ba);
+            let forward: Vec<_> = forward.steps.into_iter().filter_map(Step::into_launch).collect();
+            // The last block's internals are still in place: its forward wrote them last.
+            let recompute = layer + 1 != self.config.n_layer;
+            let steps = a.checkpointing.layer_backward(&forward, backward.steps, recompute);
+            self.steps.extend(steps);
             ready(&mut self.steps);
         }
         self.launch(

@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 
 use zeroflow_gpt::kernels::Kernel;
-use zeroflow_gpt::{AttentionKind, GptConfig, GptKernel, GptPlan, ParamRanges, Plan, flat_layout};
+use zeroflow_gpt::{
+    AttentionKind, GptConfig, GptKernel, GptPlan, ParamRanges, Plan, PlanOptions, flat_layout,
+};
 use zeroflow_nn::cuda::schedule::{BackwardOp, Op, OpKind, Place, Schedule, Space};
 use zeroflow_nn::{Access, Buf, Step};
 
@@ -33,7 +35,25 @@ const TAILS: GptConfig =
 /// backward of `TAILS` again, each argument is known by its plan offset before packing.
 #[test]
 fn live_activation_gradients_never_overlap() {
-    let (plan, s) = schedule(&TAILS, 3, 37);
+    check_live_activation_gradients_never_overlap(PlanOptions::default());
+}
+
+/// The same with activation checkpointing, where every block's internal gradients use the same
+/// plan ranges: each life of a range (between the zeroing launches before each block) is packed
+/// on its own, and no two live at once share memory.
+#[test]
+fn with_activation_checkpointing_live_activation_gradients_never_overlap() {
+    check_live_activation_gradients_never_overlap(PlanOptions {
+        activation_checkpointing: true,
+        ..PlanOptions::default()
+    });
+}
+
+fn check_live_activation_gradients_never_overlap(options: PlanOptions) {
+    let layout = flat_layout(&TAILS, 1).unwrap();
+    let params = ParamRanges::new(&TAILS, &layout).unwrap();
+    let plan = GptPlan::with_options(&TAILS, &params, 3, 37, options).unwrap().plan;
+    let s = GptSchedule::new(&plan, true).unwrap();
     let unpacked = Schedule::unpacked_backward(&plan, true).unwrap();
     let ops = |steps: &[BackwardOp<GptKernel>]| -> Vec<Op<GptKernel>> {
         steps

@@ -2,6 +2,8 @@
 //!
 //! - [`plan`]: the plan IR, a model as a list of kernel launches ([`Launch`], [`Step`]) over flat
 //!   buffers, for one (batch, seq); a family builds its [`Plan`].
+//! - [`checkpoint`]: activation checkpointing for any family: layers' internals in one shared
+//!   region, recomputed in backward from each layer's kept input.
 //! - [`kernels`]: the shared layers' forward and backward as pure functions over slices, generic
 //!   over [`Float`] (f32 on the device, f64 in tests): matmul, attention (with `n_kv_head`
 //!   key/value heads), softmax cross-entropy, the embedding, the residual sum; a family adds its
@@ -10,6 +12,7 @@
 //!   the `CpuDevice`, [`cuda::CudaRunner`] on a GPU (bf16, cuBLASLt, the liveness schedule, gemm
 //!   or flash attention).
 
+pub mod checkpoint;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
@@ -18,6 +21,7 @@ pub mod host;
 pub mod kernels;
 pub mod plan;
 
+pub use checkpoint::{Checkpointing, LayerActs, LayerAllocator, layer_acts};
 pub use cpu::CpuRunner;
 pub use cuda::CudaRunner;
 pub use error::NnError;

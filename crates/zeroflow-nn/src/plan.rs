@@ -101,6 +101,16 @@ pub enum Step<X> {
     GradsReady(GradsReady),
 }
 
+impl<X> Step<X> {
+    /// The launch, if the step is one.
+    pub fn into_launch(self) -> Option<Launch<X>> {
+        match self {
+            Step::Launch(launch) => Some(launch),
+            Step::GradsReady(_) => None,
+        }
+    }
+}
+
 /// How the attention of every block keeps what its backward needs. The CUDA model takes it from
 /// its options; the CPU models use [`AttentionKind::Gemm`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -131,6 +141,12 @@ impl AttentionKind {
 pub struct ActAllocator(usize);
 
 impl ActAllocator {
+    /// An allocator whose first range starts at `offset` (or the next multiple of 16): for a
+    /// region of a buffer that another allocator handed out.
+    pub fn starting_at(offset: usize) -> Self {
+        ActAllocator(offset)
+    }
+
     /// The next `len` elements.
     pub fn take(&mut self, len: usize) -> Range<usize> {
         let start = self.0.div_ceil(16) * 16;
@@ -162,7 +178,8 @@ pub struct Plan<X> {
     pub loss: Range<usize>,
     /// The activation ranges that the CUDA executor keeps in f32 rather than bf16 (norm
     /// statistics, attention's log-sum-exp, the losses, the mean loss), in the order they are
-    /// placed in its f32 buffer.
+    /// placed in its f32 buffer (a range listed again, as the layers of a checkpointed plan list
+    /// the internals they share, is placed once).
     pub f32_acts: Vec<Range<usize>>,
 }
 
@@ -184,7 +201,7 @@ impl<X: LayerKernel> Plan<X> {
 /// A launch that zeroes every activation gradient that `backward` adds to (and no other), to put
 /// first: the gradients that backward only overwrites, or never forms, stay as they are.
 pub fn zero_accumulated_activation_grads<X>(backward: &[Step<X>]) -> Launch<X> {
-    let mut ranges: Vec<Range<usize>> = backward
+    let ranges: Vec<Range<usize>> = backward
         .iter()
         .filter_map(|step| match step {
             Step::Launch(launch) => Some(launch.args.iter()),
@@ -194,6 +211,11 @@ pub fn zero_accumulated_activation_grads<X>(backward: &[Step<X>]) -> Launch<X> {
         .filter(|arg| arg.buf == Buf::ActGrads && arg.access == Access::Update)
         .map(|arg| arg.range.clone())
         .collect();
+    zero_launch(ranges)
+}
+
+/// A launch that zeroes the activation gradients `ranges` (sorted and merged first).
+pub fn zero_launch<X>(mut ranges: Vec<Range<usize>>) -> Launch<X> {
     ranges.sort_by_key(|r| r.start);
     let mut merged: Vec<Range<usize>> = Vec::new();
     for range in ranges {

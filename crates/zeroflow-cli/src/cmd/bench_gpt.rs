@@ -72,7 +72,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop(host);
     let grads = device.alloc::<bf16>(layout.padded_len())?;
     let blas = Arc::new(Blas::new(&device)?);
-    let options = CudaGptOptions { fuse_gelu: !args.no_gelu_fusion, attention };
+    let options = CudaGptOptions {
+        fuse_gelu: !args.no_gelu_fusion,
+        attention,
+        activation_checkpointing: settings::activation_checkpointing(DeviceKind::Cuda, &requested),
+    };
     let mut model = CudaGpt::with_options(&device, blas, &config, &layout, batch, seq, options)
         .with_context(|| format!("setting up {} at micro-batch {batch} × {seq}", args.model))?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
@@ -99,9 +103,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let memory = model.activation_memory();
     let in_use = device_memory_in_use(&device)?;
     println!(
-        "{} forward+backward, micro-batch {batch} × {seq}, bf16 on {}: {median:.4} s/step \
+        "{} forward+backward{}, micro-batch {batch} × {seq}, bf16 on {}: {median:.4} s/step \
          (median of {}; best {:.4}), {tokens_per_s:.0} tokens/s",
         args.model,
+        if options.activation_checkpointing { " with activation checkpointing" } else { "" },
         device.describe(),
         times.len(),
         times[0]
@@ -128,9 +133,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     // For the result table of scripts/gpu-run.sh.
     println!(
-        "RESULT gpt_fwd_bwd model={} micro_batch={batch} seq={seq} s_per_step={median:.4} \
-         tokens_per_s={tokens_per_s:.0} activation_gib={:.2} device_used_gib={:.2}",
+        "RESULT gpt_fwd_bwd model={} micro_batch={batch} seq={seq} checkpointing={} \
+         s_per_step={median:.4} tokens_per_s={tokens_per_s:.0} activation_gib={:.2} \
+         device_used_gib={:.2}",
         args.model,
+        options.activation_checkpointing,
         gib(memory.total()),
         gib(in_use)
     );

@@ -127,7 +127,10 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
             let requested = requested(&args);
             let attention = settings::attention(args.device, &model, &requested)?;
             let device = settings::cuda_device_options(&requested);
-            bench(&args, &model, &dist, backend::CudaOpen { device, attention }.opener())?
+            let activation_checkpointing =
+                settings::activation_checkpointing(args.device, &requested);
+            let open = backend::CudaOpen { device, attention, activation_checkpointing };
+            bench(&args, &model, &dist, open.opener())?
         }
     };
     // Only rank 0 reports, for the whole job.

@@ -13,6 +13,8 @@ use crate::InputError;
 
 /// The model's attention: `auto`, `gemm` or `flash` ([`super::Attention`]).
 pub const ATTENTION_VAR: &str = "ZEROFLOW_ATTENTION";
+/// Activation checkpointing of the CUDA model: `on` or `off`.
+pub const ACTIVATION_CHECKPOINTING_VAR: &str = "ZEROFLOW_ACTIVATION_CHECKPOINTING";
 /// How host threads wait for the GPU: `auto`, `block` or `spin` ([`HostWaits`]).
 pub const CUDA_WAIT_VAR: &str = "ZEROFLOW_CUDA_WAIT";
 /// Whether the CPU optimizer is bound to the CPUs near its GPU: `auto`, `on` or `off`.
@@ -45,6 +47,11 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
     let value = |name: &str| lookup(name);
     Ok(Requested {
         attention: named(ATTENTION_VAR, value(ATTENTION_VAR), &names::ATTENTION)?,
+        activation_checkpointing: named(
+            ACTIVATION_CHECKPOINTING_VAR,
+            value(ACTIVATION_CHECKPOINTING_VAR),
+            &names::SWITCH,
+        )?,
         cuda_wait: named(CUDA_WAIT_VAR, value(CUDA_WAIT_VAR), &HostWaits::NAMES)?,
         cpu_bind: named(CPU_BIND_VAR, value(CPU_BIND_VAR), &names::CPU_BIND)?,
         stream_chunk_mib: chunk_mib(value(STREAM_CHUNK_VAR).as_deref())?,
@@ -105,6 +112,7 @@ mod tests {
         assert_eq!(read(&[]), Ok(Requested::default()));
         let blank: Vec<(&str, &str)> = [
             ATTENTION_VAR,
+            ACTIVATION_CHECKPOINTING_VAR,
             CUDA_WAIT_VAR,
             CPU_BIND_VAR,
             STREAM_CHUNK_VAR,
@@ -122,6 +130,7 @@ mod tests {
     fn each_variable_is_read_with_case_and_spaces_ignored() {
         let requested = read(&[
             (ATTENTION_VAR, " Flash"),
+            (ACTIVATION_CHECKPOINTING_VAR, "On"),
             (CUDA_WAIT_VAR, "BLOCK"),
             (CPU_BIND_VAR, "off\n"),
             (STREAM_CHUNK_VAR, " 4\n"),
@@ -134,6 +143,7 @@ mod tests {
             requested,
             Requested {
                 attention: Some(Attention::Flash),
+                activation_checkpointing: Some(true),
                 cuda_wait: Some(HostWaits::Block),
                 cpu_bind: Some(BindMode::Off),
                 stream_chunk_mib: Some(4.0),
@@ -156,6 +166,7 @@ mod tests {
     fn bad_values_are_refused_naming_the_variable_and_what_it_accepts() {
         let cases: &[(&str, &[&str], &str)] = &[
             (ATTENTION_VAR, &["flash2", "fast"], "auto, gemm or flash"),
+            (ACTIVATION_CHECKPOINTING_VAR, &["yes", "1", "auto"], "on or off"),
             (CUDA_WAIT_VAR, &["yield", "1"], "auto, block or spin"),
             (CPU_BIND_VAR, &["of", "yes", "true", "numa", "1"], "auto, on or off"),
             (

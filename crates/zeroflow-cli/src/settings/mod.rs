@@ -1,5 +1,5 @@
-//! The run-time settings (docs/DESIGN.md, "The configuration surface"): the model's attention,
-//! how host threads wait for the GPU, the CPU optimizer's binding and threads, and the offload
+//! The run-time settings (docs/DESIGN.md, "The configuration surface"): the model's attention
+//! and activation checkpointing, how host threads wait for the GPU, the CPU optimizer's binding and threads, and the offload
 //! stream's tuning. Each comes from four layers, the first that says something winning: a flag
 //! of `train` or `bench` ([`GpuFlags`], [`HostFlags`]), a `ZEROFLOW_*` variable ([`env`]), the
 //! config's `zeroflow` section ([`from_config`]), zeroflow's default. [`resolve`] is that rule;
@@ -55,6 +55,8 @@ pub mod names {
         [("auto", BindMode::Auto), ("on", BindMode::On), ("off", BindMode::Off)];
     pub const STORES: [(&str, Stores); 2] =
         [("normal", Stores::Normal), ("non-temporal", Stores::NonTemporal)];
+    /// Activation checkpointing (and any other switch).
+    pub const SWITCH: [(&str, bool); 2] = [("on", true), ("off", false)];
     /// Whether the streaming step gathers in pieces.
     pub const GATHER: [(&str, bool); 2] = [("pieces", true), ("after-step", false)];
 
@@ -78,6 +80,7 @@ pub mod names {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Requested {
     pub attention: Option<Attention>,
+    pub activation_checkpointing: Option<bool>,
     pub cuda_wait: Option<HostWaits>,
     pub cpu_bind: Option<BindMode>,
     /// MiB of the parameter dtype, positive.
@@ -92,6 +95,9 @@ impl Requested {
     pub fn over(self, lower: Requested) -> Requested {
         Requested {
             attention: self.attention.or(lower.attention),
+            activation_checkpointing: self
+                .activation_checkpointing
+                .or(lower.activation_checkpointing),
             cuda_wait: self.cuda_wait.or(lower.cuda_wait),
             cpu_bind: self.cpu_bind.or(lower.cpu_bind),
             stream_chunk_mib: self.stream_chunk_mib.or(lower.stream_chunk_mib),
@@ -125,6 +131,7 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
             config::Attention::Gemm => Attention::Gemm,
             config::Attention::Flash => Attention::Flash,
         }),
+        activation_checkpointing: zeroflow.activation_checkpointing,
         cuda_wait: zeroflow.cuda_wait.map(|wait| match wait {
             config::CudaWait::Block => HostWaits::Block,
             config::CudaWait::Spin => HostWaits::Spin,
@@ -150,6 +157,19 @@ pub struct GpuFlags {
     /// flash; changes the numbers. Over ZEROFLOW_ATTENTION and zeroflow.attention.
     #[arg(long, value_name = "auto|gemm|flash", value_parser = flag(&names::ATTENTION))]
     pub attention: Option<Attention>,
+    /// Keep only each block's input for backward and recompute the rest of the block there:
+    /// far less activation memory on the GPU for about one more forward of the blocks (the CUDA
+    /// model only). `--activation-checkpointing` alone is `=on`. Over
+    /// ZEROFLOW_ACTIVATION_CHECKPOINTING and zeroflow.activation_checkpointing.
+    #[arg(
+        long,
+        value_name = "on|off",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "on",
+        value_parser = flag(&names::SWITCH)
+    )]
+    pub activation_checkpointing: Option<bool>,
     /// How host threads wait for the GPU: auto (the driver's choice), block or spin. Over
     /// ZEROFLOW_CUDA_WAIT and zeroflow.cuda_wait.
     #[arg(long, value_name = "auto|block|spin", value_parser = flag(&HostWaits::NAMES))]
@@ -184,6 +204,7 @@ pub struct HostFlags {
 pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
     Requested {
         attention: gpu.attention,
+        activation_checkpointing: gpu.activation_checkpointing,
         cuda_wait: gpu.cuda_wait,
         cpu_bind: host.cpu_bind,
         stream_chunk_mib: host.stream_chunk_mib,
@@ -243,6 +264,22 @@ pub fn attention(
         DeviceKind::Cpu => Ok(AttentionKind::Gemm),
         DeviceKind::Cuda => Ok(CudaGptOptions::for_model(config, asked).attention),
     }
+}
+
+/// Whether the model of a run on `device` recomputes its blocks' activations in backward: as
+/// asked (off by default) on the GPU; never on the CPU device, whose model keeps every
+/// activation (asking it for checkpointing is warned about, not refused: the numbers are the
+/// same either way).
+pub fn activation_checkpointing(device: DeviceKind, requested: &Requested) -> bool {
+    let asked = requested.activation_checkpointing.unwrap_or(false);
+    if asked && device == DeviceKind::Cpu {
+        tracing::warn!(
+            "activation checkpointing applies to the CUDA model; the CPU model keeps every \
+             activation (--activation-checkpointing, ZEROFLOW_ACTIVATION_CHECKPOINTING, \
+             zeroflow.activation_checkpointing change nothing here)"
+        );
+    }
+    asked && device == DeviceKind::Cuda
 }
 
 /// Applies the offload stream's settings asked for to `options` for rank `rank`'s parameters of

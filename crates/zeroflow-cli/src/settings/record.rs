@@ -22,6 +22,8 @@ use zeroflow_train::dist::affinity::{self, BindMode, Binding};
 pub struct Effective {
     /// `gemm` or `flash`.
     pub attention: &'static str,
+    /// Whether the model recomputes its blocks' activations in backward (the CUDA model only).
+    pub activation_checkpointing: bool,
     /// `auto`, `block` or `spin`; `None` on the CPU device.
     pub cuda_wait: Option<&'static str>,
     /// `auto`, `on` or `off`; `None` on the CPU device (which never binds).
@@ -68,6 +70,7 @@ impl Effective {
         });
         Effective {
             attention: attention.name(),
+            activation_checkpointing: super::activation_checkpointing(device, requested),
             cuda_wait: on_gpu.then(|| requested.cuda_wait.unwrap_or(HostWaits::Auto).name()),
             cpu_bind: on_gpu.then(|| {
                 names::name_of(&names::CPU_BIND, &requested.cpu_bind.unwrap_or(BindMode::Auto))

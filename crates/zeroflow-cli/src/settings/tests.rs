@@ -15,6 +15,7 @@ fn requested_attention(attention: Attention) -> Requested {
 fn a_flag_beats_the_environment_which_beats_the_config() {
     let config = Requested {
         attention: Some(Attention::Gemm),
+        activation_checkpointing: Some(true),
         cuda_wait: Some(HostWaits::Spin),
         cpu_bind: Some(BindMode::Off),
         stream_chunk_mib: Some(8.0),
@@ -24,6 +25,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
     };
     let env = Requested {
         attention: Some(Attention::Flash),
+        activation_checkpointing: Some(false),
         cuda_wait: Some(HostWaits::Block),
         stream_chunk_mib: Some(4.0),
         ..Requested::default()
@@ -39,6 +41,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         resolved,
         Requested {
             attention: Some(Attention::Auto),
+            activation_checkpointing: Some(false),
             cuda_wait: Some(HostWaits::Block),
             cpu_bind: Some(BindMode::Off),
             stream_chunk_mib: Some(2.0),
@@ -56,13 +59,14 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
 #[test]
 fn the_config_section_becomes_the_config_layer() {
     let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
-        "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
+        "activation_checkpointing": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
         Requested {
             attention: Some(Attention::Flash),
+            activation_checkpointing: Some(true),
             cuda_wait: Some(HostWaits::Spin),
             cpu_bind: Some(BindMode::On),
             stream_chunk_mib: Some(0.5),
@@ -89,6 +93,7 @@ fn the_flags_take_the_names_the_variables_take() {
         "x",
         "--attention",
         "Gemm",
+        "--activation-checkpointing",
         "--cuda-wait",
         "spin",
         "--cpu-bind",
@@ -107,6 +112,7 @@ fn the_flags_take_the_names_the_variables_take() {
         from_flags(command.gpu, command.host),
         Requested {
             attention: Some(Attention::Gemm),
+            activation_checkpointing: Some(true),
             cuda_wait: Some(HostWaits::Spin),
             cpu_bind: Some(BindMode::Off),
             stream_chunk_mib: Some(0.25),
@@ -127,6 +133,12 @@ fn the_flags_take_the_names_the_variables_take() {
         let error = Command::try_parse_from(["x", bad[0], bad[1]]).unwrap_err().to_string();
         assert!(error.contains(bad[0]) && error.contains(bad[1]), "{error}");
     }
+    // A switch takes its value after `=` only (`--activation-checkpointing model.json` is not it).
+    let error = Command::try_parse_from(["x", "--activation-checkpointing=yes"]).unwrap_err();
+    let error = error.to_string();
+    assert!(error.contains("--activation-checkpointing") && error.contains("yes"), "{error}");
+    let off = Command::try_parse_from(["x", "--activation-checkpointing=off"]).unwrap();
+    assert_eq!(off.gpu.activation_checkpointing, Some(false));
 }
 
 /// MiB of the parameter dtype become whole elements: bf16 and f16 have 2 bytes, f32 4; less
@@ -170,6 +182,18 @@ fn only_a_changed_attention_counts_as_changing_the_numbers() {
     );
     // A checkpoint written before the settings were recorded says nothing to compare.
     assert!(changed_numerics(&serde_json::Value::Null, &gemm).is_empty());
+}
+
+/// Activation checkpointing is the CUDA model's: as asked on the GPU (off unless asked), never
+/// on the CPU device.
+#[test]
+fn activation_checkpointing_applies_to_the_cuda_model_only() {
+    let asked = |on| Requested { activation_checkpointing: on, ..Requested::default() };
+    let on = |device, requested: Requested| super::activation_checkpointing(device, &requested);
+    assert!(on(DeviceKind::Cuda, asked(Some(true))));
+    assert!(!on(DeviceKind::Cuda, asked(Some(false))));
+    assert!(!on(DeviceKind::Cuda, asked(None)));
+    assert!(!on(DeviceKind::Cpu, asked(Some(true))));
 }
 
 #[test]

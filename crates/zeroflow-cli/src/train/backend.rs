@@ -56,6 +56,7 @@ pub fn open_cpu(
 pub struct CudaOpen {
     pub device: CudaDeviceOptions,
     pub attention: AttentionKind,
+    pub activation_checkpointing: bool,
 }
 
 impl CudaOpen {
@@ -100,7 +101,11 @@ pub fn open_cuda(
         (device, comm, group)
     };
     let blas = Arc::new(Blas::new(&device)?);
-    let options = CudaGptOptions { attention: open.attention, ..CudaGptOptions::default() };
+    let options = CudaGptOptions {
+        attention: open.attention,
+        activation_checkpointing: open.activation_checkpointing,
+        ..CudaGptOptions::default()
+    };
     let model = CudaGpt::with_options(&device, blas, model, layout, micro_batch, seq, options)?;
     tracing::info!(
         "GPU model: {:.2} GiB of activations and scratch",

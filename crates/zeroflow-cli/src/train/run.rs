@@ -39,7 +39,10 @@ pub fn run(setup: Setup) -> anyhow::Result<()> {
         DeviceKind::Cpu => run_on(setup, backend::open_cpu),
         DeviceKind::Cuda => {
             let device = settings::cuda_device_options(&setup.settings);
-            let open = backend::CudaOpen { device, attention: setup.attention };
+            let activation_checkpointing =
+                settings::activation_checkpointing(setup.device, &setup.settings);
+            let open =
+                backend::CudaOpen { device, attention: setup.attention, activation_checkpointing };
             run_on(setup, open.opener())
         }
     }

@@ -6,6 +6,7 @@
 //! "zeroflow": {
 //!   "delayed_update": { "enabled": true, "warmup_steps": 10 },
 //!   "attention": "auto",
+//!   "activation_checkpointing": false,
 //!   "cuda_wait": "auto",
 //!   "cpu_bind": "auto",
 //!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto" }
@@ -32,6 +33,9 @@ pub struct ZeroflowExtensions {
     /// `zeroflow.attention`; `None` (`"auto"`): flash where the model's head size has kernels.
     /// Changes the numbers.
     pub attention: Option<Attention>,
+    /// `zeroflow.activation_checkpointing` (a boolean); `None` (`"auto"`, absent): off. Keeps
+    /// only each layer's input for backward and recomputes the rest of the layer there.
+    pub activation_checkpointing: Option<bool>,
     /// `zeroflow.cuda_wait`; `None` (`"auto"`): the driver's choice.
     pub cuda_wait: Option<CudaWait>,
     /// `zeroflow.cpu_bind`; `None` (`"auto"`): bind where a host runs several ranks.
@@ -145,6 +149,7 @@ impl ZeroflowExtensions {
                 "warmup_steps": delayed_update.warmup_steps,
             },
             "attention": name_of(ATTENTIONS, self.attention),
+            "activation_checkpointing": self.activation_checkpointing,
             "cuda_wait": name_of(CUDA_WAITS, self.cuda_wait),
             "cpu_bind": name_of(CPU_BINDS, self.cpu_bind),
             "offload": {
@@ -171,6 +176,7 @@ pub(crate) fn read_extensions(
     };
     let attention =
         named(&mut section, "attention", ATTENTIONS, "\"auto\", \"gemm\" or \"flash\"")?;
+    let activation_checkpointing = section.bool("activation_checkpointing")?.given();
     let cuda_wait =
         named(&mut section, "cuda_wait", CUDA_WAITS, "\"auto\", \"block\" or \"spin\"")?;
     let cpu_bind = named(&mut section, "cpu_bind", CPU_BINDS, "\"auto\", \"on\" or \"off\"")?;
@@ -179,7 +185,14 @@ pub(crate) fn read_extensions(
         None => OffloadTuning::default(),
     };
     section.finish(&[], diagnostics);
-    Ok(ZeroflowExtensions { delayed_update, attention, cuda_wait, cpu_bind, offload })
+    Ok(ZeroflowExtensions {
+        delayed_update,
+        attention,
+        activation_checkpointing,
+        cuda_wait,
+        cpu_bind,
+        offload,
+    })
 }
 
 fn read_delayed_update(

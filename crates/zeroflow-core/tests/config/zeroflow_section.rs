@@ -1,5 +1,5 @@
-//! The run-time settings of the `zeroflow` section (attention, host waits, CPU binding, the
-//! offload stream's tuning): each is read by name, `"auto"` leaves it to the default, and a bad
+//! The run-time settings of the `zeroflow` section (attention, activation checkpointing, host
+//! waits, CPU binding, the offload stream's tuning): each is read by name, `"auto"` leaves it to the default, and a bad
 //! value is an error naming its JSON path.
 
 use std::num::NonZeroU64;
@@ -18,6 +18,7 @@ fn with_zeroflow(section: &str) -> String {
 fn every_setting_is_read_by_name() {
     let text = with_zeroflow(
         r#"{"attention": "flash", "cuda_wait": "block", "cpu_bind": "off",
+            "activation_checkpointing": true,
             "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
                         "gather": "after-step", "cpu_threads": 12}}"#,
     );
@@ -25,6 +26,7 @@ fn every_setting_is_read_by_name() {
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
     let zeroflow = resolved.config.zeroflow;
     assert_eq!(zeroflow.attention, Some(Attention::Flash));
+    assert_eq!(zeroflow.activation_checkpointing, Some(true));
     assert_eq!(zeroflow.cuda_wait, Some(CudaWait::Block));
     assert_eq!(zeroflow.cpu_bind, Some(CpuBind::Off));
     assert_eq!(
@@ -42,6 +44,7 @@ fn every_setting_is_read_by_name() {
 fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
     let text = with_zeroflow(
         r#"{"attention": "auto", "cuda_wait": "auto", "cpu_bind": "auto",
+            "activation_checkpointing": "auto",
             "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
                         "cpu_threads": "auto"}}"#,
     );
@@ -50,7 +53,13 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
     assert_eq!(resolved.config.zeroflow, absent.config.zeroflow);
     assert!(resolved.auto_values.is_empty(), "{:?}", resolved.auto_values);
     let json = resolved.config.to_json();
-    for pointer in ["/zeroflow/attention", "/zeroflow/cuda_wait", "/zeroflow/offload/gather"] {
+    let pointers = [
+        "/zeroflow/attention",
+        "/zeroflow/activation_checkpointing",
+        "/zeroflow/cuda_wait",
+        "/zeroflow/offload/gather",
+    ];
+    for pointer in pointers {
         assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");
     }
 }
@@ -59,12 +68,14 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
 fn set_settings_round_trip_through_the_resolved_json() {
     let text = with_zeroflow(
         r#"{"attention": "gemm", "cuda_wait": "spin", "cpu_bind": "on",
+            "activation_checkpointing": false,
             "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
                         "cpu_threads": 3}}"#,
     );
     let first = resolve(&text).expect("valid");
     let json = first.config.to_json();
     assert_eq!(json["zeroflow"]["attention"], "gemm");
+    assert_eq!(json["zeroflow"]["activation_checkpointing"], false);
     assert_eq!(json["zeroflow"]["offload"]["copy_stores"], "normal");
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);
@@ -79,6 +90,7 @@ fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
         (r#"{"cuda_wait": "sleep"}"#, "zeroflow.cuda_wait", "\"sleep\""),
         (r#"{"cpu_bind": "yes"}"#, "zeroflow.cpu_bind", "\"yes\""),
         (r#"{"cpu_bind": true}"#, "zeroflow.cpu_bind", "true"),
+        (r#"{"activation_checkpointing": "on"}"#, "zeroflow.activation_checkpointing", "\"on\""),
         (r#"{"offload": {"stream_chunk_mib": 0}}"#, "zeroflow.offload.stream_chunk_mib", "0"),
         (r#"{"offload": {"stream_chunk_mib": -4}}"#, "zeroflow.offload.stream_chunk_mib", "-4"),
         (r#"{"offload": {"stream_chunk_mib": "big"}}"#, "zeroflow.offload.stream_chunk_mib", "big"),

@@ -28,7 +28,7 @@ use crate::GptConfig;
 use crate::error::GptError;
 use crate::kernels::GptKernel;
 use crate::params::{GradsReady, ParamRanges};
-use crate::plan::{ActLayout, GptPlan, Plan};
+use crate::plan::{ActLayout, GptPlan, Plan, PlanOptions};
 
 /// A model for one (batch, seq) whose activations live on a GPU. The engine owns the flat bf16
 /// parameter and gradient buffers and passes them to each call.
@@ -49,7 +49,7 @@ pub fn planned_memory(
 ) -> Result<ActivationMemory, GptError> {
     let params = ParamRanges::new(config, layout)?;
     let GptPlan { plan, .. } =
-        GptPlan::with_attention(config, &params, batch, seq, options.attention)?;
+        GptPlan::with_options(config, &params, batch, seq, options.plan_options())?;
     Ok(ActivationMemory::planned(&plan, options.fuse_gelu)?)
 }
 
@@ -76,11 +76,19 @@ pub struct CudaGptOptions {
     /// which takes any model; [`CudaGptOptions::for_model`] picks `Flash` where it can).
     /// [`AttentionKind::Flash`] needs a head size of 64 or 128 ([`flash::HEAD_SIZES`]).
     pub attention: AttentionKind,
+    /// Keep only each block's output from forward to backward and recompute the rest right
+    /// before the block's backward ([`PlanOptions::activation_checkpointing`]): less activation
+    /// memory for about one more forward of the blocks. Off by default.
+    pub activation_checkpointing: bool,
 }
 
 impl Default for CudaGptOptions {
     fn default() -> Self {
-        CudaGptOptions { fuse_gelu: true, attention: AttentionKind::Gemm }
+        CudaGptOptions {
+            fuse_gelu: true,
+            attention: AttentionKind::Gemm,
+            activation_checkpointing: false,
+        }
     }
 }
 
@@ -90,6 +98,14 @@ impl CudaGptOptions {
     pub fn for_model(config: &GptConfig, requested: Option<AttentionKind>) -> Self {
         let attention = requested.unwrap_or_else(|| auto_attention(config));
         CudaGptOptions { attention, ..CudaGptOptions::default() }
+    }
+
+    /// How the model's plan is built.
+    pub fn plan_options(&self) -> PlanOptions {
+        PlanOptions {
+            attention: self.attention,
+            activation_checkpointing: self.activation_checkpointing,
+        }
     }
 }
 
@@ -150,7 +166,7 @@ impl CudaGpt {
         check_attention_fits(config, attention)?;
         let params = ParamRanges::new(config, layout)?;
         let GptPlan { acts, plan } =
-            GptPlan::with_attention(config, &params, batch, seq, attention)?;
+            GptPlan::with_options(config, &params, batch, seq, options.plan_options())?;
         let widest = [plan.tokens(), config.padded_vocab_size(), 4 * config.d_model];
         if widest.iter().any(|&size| u32::try_from(size + 1).is_err()) {
             return Err(GptError::Batch(format!(

@@ -212,10 +212,20 @@ fn loss_and_grads(
     (batch, seq): (usize, usize),
     attention: AttentionKind,
 ) -> (f32, Vec<bf16>, ActivationMemory) {
+    loss_and_grads_with(device, config, (batch, seq), CudaGptOptions::default(), attention)
+}
+
+/// [`loss_and_grads`] of a model with `options` (and `attention`).
+fn loss_and_grads_with(
+    device: &CudaDevice,
+    config: &GptConfig,
+    (batch, seq): (usize, usize),
+    options: CudaGptOptions,
+    attention: AttentionKind,
+) -> (f32, Vec<bf16>, ActivationMemory) {
     let layout = flat_layout(config, 1).unwrap();
     let params = upload(device, &random_params(config, 7));
     let (inputs, targets) = random_tokens(config.vocab_size, batch * seq, 8);
-    let options = CudaGptOptions::default();
     let mut model = model_with(device, config, (batch, seq), options, attention);
     model.set_batch(&inputs, &targets).unwrap();
     let grads = device.alloc::<bf16>(layout.padded_len()).unwrap();
@@ -259,6 +269,55 @@ fn flash_and_gemm_models_agree_on_the_loss_and_every_gradient() {
         }
         assert!(failures.is_empty(), "d{d}: gradients of flash and gemm differ: {failures:?}");
         assert!(flash.2.total() < gemm.2.total(), "{:?} vs {:?}", flash.2, gemm.2);
+    }
+}
+
+/// Activation checkpointing on the GPU: the same weights and batch through a checkpointed and a
+/// plain model, with either attention, give the same loss and every gradient within the
+/// tolerance both meet against the CPU model (printed: whether the bits are the same, which they
+/// are where cuBLASLt picks the same algorithms for both layouts: the recomputed forward is the
+/// same kernels on the same inputs), and the checkpointed model holds the memory planned for it,
+/// less than the plain one's.
+#[test]
+fn activation_checkpointing_gives_the_plain_gradients_in_less_memory() {
+    let Some(device) = gpu() else { return };
+    let shapes = [(TAILS, 3, 37, AttentionKind::Gemm)]
+        .into_iter()
+        .chain(FLASH_SHAPES.map(|(config, batch, seq)| (config, batch, seq, AttentionKind::Flash)));
+    for (config, batch, seq, attention) in shapes {
+        let layout = flat_layout(&config, 1).unwrap();
+        let run = |activation_checkpointing| {
+            let options = CudaGptOptions { activation_checkpointing, ..CudaGptOptions::default() };
+            let (loss, grads, memory) =
+                loss_and_grads_with(&device, &config, (batch, seq), options, attention);
+            let options = CudaGptOptions { attention, ..options };
+            let planned = planned_memory(&config, &layout, (batch, seq), options).unwrap();
+            assert_eq!(memory, planned, "checkpointing {activation_checkpointing}: memory");
+            (loss, grads, memory)
+        };
+        let (plain, checkpointed) = (run(false), run(true));
+        let d = config.d_model;
+        let same_bits = plain.0.to_bits() == checkpointed.0.to_bits()
+            && bits(&plain.1) == bits(&checkpointed.1);
+        println!(
+            "RESULT gpt_checkpointing d{d} {attention:?} loss plain={:.6} checkpointed={:.6} \
+             same_bits={same_bits} memory plain={} checkpointed={}",
+            plain.0,
+            checkpointed.0,
+            plain.2.total(),
+            checkpointed.2.total()
+        );
+        let loss_error =
+            (f64::from(checkpointed.0) - f64::from(plain.0)).abs() / f64::from(plain.0);
+        assert!(loss_error <= 1e-2, "d{d}: loss {} vs {}", checkpointed.0, plain.0);
+        let widen = |grads: &[bf16]| grads.iter().map(|g| g.to_f64()).collect::<Vec<f64>>();
+        let (plain_grads, checkpointed_grads) = (widen(&plain.1), widen(&checkpointed.1));
+        for view in layout.params() {
+            let range = view.flat_range();
+            let rel = relative_error(&checkpointed_grads[range.clone()], &plain_grads[range]);
+            assert!(rel <= TOLERANCE, "d{d} {attention:?} {}: relative error {rel:e}", view.name);
+        }
+        assert!(checkpointed.2.total() < plain.2.total(), "{:?} vs {:?}", checkpointed.2, plain.2);
     }
 }
 

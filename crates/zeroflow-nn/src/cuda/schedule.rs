@@ -15,8 +15,12 @@
 //!   then adds to it. Here the first launch that writes a gradient overwrites it instead (cuBLASLt
 //!   `beta = 0`, an `accumulate` flag of 0), later ones add, and the zeroing launch is dropped. The
 //!   schedule refuses a plan where that is not exact (a partial overlap, a read before any write).
+//!   A checkpointed plan ([`crate::checkpoint`]) zeroes its layers' shared internal gradients
+//!   again before each layer's backward: each such launch (and each whole overwrite) ends a life
+//!   of the ranges it covers, the next write overwrites, and liveness packs every life on its
+//!   own (the `lives` module).
 //! - **Fusions.** A forward matmul with bias followed by the GELU of its output (a family kernel
-//!   that is [`Fusable::Gelu`]) becomes one
+//!   that is [`Fusable::Gelu`]; in forward, or recomputed in a checkpointed backward) becomes one
 //!   cuBLASLt call with the `BiasGelu` epilogue (the pre-GELU values go to the GELU's input, as
 //!   the plan keeps them). A backward matmul whose input gradient only feeds the GELU backward
 //!   becomes one call with the `DGelu` epilogue writing the GELU input's gradient directly. Both
@@ -26,9 +30,12 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
+use self::lives::{ArgUse, accumulate_flags};
 use crate::error::NnError;
 use crate::kernels::{Fusable, Kernel, LayerKernel, WeightLayout};
-use crate::plan::{Access, Arg, Buf, GradsReady, Launch, Plan, Step};
+use crate::plan::{Arg, Buf, GradsReady, Launch, Plan, Step};
+
+mod lives;
 
 /// Activation-gradient offsets are multiples of this many elements (128 bytes of bf16), so every
 /// range satisfies the 16-byte alignment of vector loads and cuBLASLt.
@@ -130,7 +137,7 @@ impl<X: LayerKernel> Schedule<X> {
     pub fn new(plan: &Plan<X>, fuse_gelu: bool) -> Result<Self, NnError> {
         let stats = StatsMap::new(plan);
         let tokens = plan.tokens();
-        let place = |arg: &Arg, accumulate: bool| -> Result<Place, NnError> {
+        let place = |arg: &Arg, using: ArgUse| -> Result<Place, NnError> {
             let (space, offset) = match arg.buf {
                 Buf::Params => (Space::Params, arg.range.start),
                 Buf::Grads => (Space::Grads, arg.range.start),
@@ -138,17 +145,18 @@ impl<X: LayerKernel> Schedule<X> {
                     Some(offset) => (Space::Stats, offset),
                     None => (Space::Acts, arg.range.start),
                 },
-                // Placeholder offsets: the plan's, replaced once liveness has packed them.
-                Buf::ActGrads => (Space::ActGrads, arg.range.start),
+                // Placeholder offsets, one per life of a range, replaced once liveness has
+                // packed them.
+                Buf::ActGrads => (Space::ActGrads, using.life_key(arg, plan.acts_len)),
                 Buf::Inputs => (Space::Tokens, arg.range.start),
                 Buf::Targets => (Space::Tokens, tokens + arg.range.start),
             };
-            Ok(Place { space, offset, len: arg.range.len(), accumulate })
+            Ok(Place { space, offset, len: arg.range.len(), accumulate: using.accumulate })
         };
         let forward = fuse_forward(&plan.forward, fuse_gelu, &place)?;
         let flags = accumulate_flags(&plan.backward)?;
         let mut backward = fuse_backward(&plan.backward, &flags, fuse_gelu, &place)?;
-        let act_grads_len = pack_act_grads(&mut backward);
+        let act_grads_len = pack_act_grads(&mut backward, plan.acts_len.max(1));
         let loss_offset = stats.get(&plan.loss).ok_or_else(|| {
             schedule_error(format!("the loss {:?} is not among the f32 activations", plan.loss))
         })?;
@@ -164,14 +172,19 @@ impl<X: LayerKernel> Schedule<X> {
     }
 
     /// The backward operations of `plan` as [`Schedule::new`] makes them before it packs the
-    /// activation gradients (each at its plan offset): for tests of the packing.
+    /// activation gradients (each at a key of its life: its plan offset, plus the plan's
+    /// activation length for every time a zeroing launch has ended a life of the range before):
+    /// for tests of the packing.
     pub fn unpacked_backward(
         plan: &Plan<X>,
         fuse_gelu: bool,
     ) -> Result<Vec<BackwardOp<X>>, NnError> {
-        let place = |arg: &Arg, accumulate: bool| -> Result<Place, NnError> {
-            let space = if arg.buf == Buf::ActGrads { Space::ActGrads } else { Space::Acts };
-            Ok(Place { space, offset: arg.range.start, len: arg.range.len(), accumulate })
+        let place = |arg: &Arg, using: ArgUse| -> Result<Place, NnError> {
+            let (space, offset) = match arg.buf {
+                Buf::ActGrads => (Space::ActGrads, using.life_key(arg, plan.acts_len)),
+                _ => (Space::Acts, arg.range.start),
+            };
+            Ok(Place { space, offset, len: arg.range.len(), accumulate: using.accumulate })
         };
         let flags = accumulate_flags(&plan.backward)?;
         fuse_backward(&plan.backward, &flags, fuse_gelu, &place)
@@ -180,7 +193,8 @@ impl<X: LayerKernel> Schedule<X> {
     /// Whether each argument of each backward launch of `plan` accumulates (see
     /// [`Schedule::new`]; none for the zeroing launch and the notices): for tests.
     pub fn accumulate_flags(plan: &Plan<X>) -> Result<Vec<Vec<bool>>, NnError> {
-        accumulate_flags(&plan.backward)
+        let uses = accumulate_flags(&plan.backward)?;
+        Ok(uses.iter().map(|args| args.iter().map(|using| using.accumulate).collect()).collect())
     }
 
     /// Where the targets start in the token buffer.
@@ -209,6 +223,9 @@ impl StatsMap {
         let mut offsets = HashMap::new();
         let mut len = 0;
         for range in &plan.f32_acts {
+            if offsets.contains_key(&(range.start, range.end)) {
+                continue;
+            }
             offsets.insert((range.start, range.end), len);
             // Keep 16-byte alignment for every range.
             len += range.len().div_ceil(4) * 4;
@@ -221,7 +238,7 @@ impl StatsMap {
     }
 }
 
-type PlaceFn<'a> = dyn Fn(&Arg, bool) -> Result<Place, NnError> + 'a;
+type PlaceFn<'a> = dyn Fn(&Arg, ArgUse) -> Result<Place, NnError> + 'a;
 
 fn schedule_error(reason: String) -> NnError {
     NnError::Kernel { kernel: "cuda schedule", reason }
@@ -237,102 +254,62 @@ fn fuse_forward<X: LayerKernel>(
     let mut i = 0;
     while i < launches.len() {
         let launch = &launches[i];
-        let args = |launch: &Launch<X>| -> Result<Vec<Place>, NnError> {
-            launch.args.iter().map(|arg| place(arg, false)).collect()
-        };
-        if let (Kernel::Matmul { c, oc, layout, bias: true }, Some(next)) =
-            (&launch.kernel, launches.get(i + 1))
-            && fuse_gelu
-            && next.kernel.fusable() == Some(Fusable::Gelu)
-            && oc.is_multiple_of(8)
-            && next.args[1].range == launch.args[0].range
-            && next.args[1].buf == launch.args[0].buf
-        {
-            // [out, inp, weight, bias] and [gelu out, gelu inp = out].
-            let (matmul, gelu) = (args(launch)?, args(next)?);
-            ops.push(Op {
-                kind: OpKind::MatmulBiasGelu { c: *c, oc: *oc, layout: *layout },
-                args: vec![gelu[0], matmul[0], matmul[1], matmul[2], matmul[3]],
-            });
+        if let Some(fused) = fuse_matmul_gelu(launch, launches.get(i + 1), fuse_gelu, place)? {
+            ops.push(fused);
             i += 2;
             continue;
         }
-        ops.push(Op { kind: OpKind::Kernel(launch.kernel.clone()), args: args(launch)? });
+        let args = launch.args.iter().map(|arg| place(arg, ArgUse::default()));
+        ops.push(Op {
+            kind: OpKind::Kernel(launch.kernel.clone()),
+            args: args.collect::<Result<_, _>>()?,
+        });
         i += 1;
     }
     Ok(ops)
 }
 
-/// For every argument of every backward launch: whether it accumulates. Gradients of parameters
-/// always do; an activation gradient is overwritten by the first launch that writes it and
-/// accumulated by the later ones. The plan's zeroing launch gets no flags (it is dropped).
-fn accumulate_flags<X: LayerKernel>(steps: &[Step<X>]) -> Result<Vec<Vec<bool>>, NnError> {
-    let mut written: Vec<Range<usize>> = Vec::new();
-    let mut flags = Vec::with_capacity(steps.len());
-    for step in steps {
-        let Step::Launch(launch) = step else {
-            flags.push(Vec::new());
-            continue;
-        };
-        if matches!(launch.kernel, Kernel::Zero { .. }) {
-            flags.push(Vec::new());
-            continue;
-        }
-        let mut mine = Vec::with_capacity(launch.args.len());
-        for arg in &launch.args {
-            let seen = written.iter().find(|r| r.start < arg.range.end && arg.range.start < r.end);
-            let exact = seen.is_some_and(|r| *r == arg.range);
-            let accumulate = match (arg.buf, arg.access) {
-                (Buf::Grads, _) => true,
-                (Buf::ActGrads, Access::Read) if exact => false,
-                (Buf::ActGrads, Access::Read) => {
-                    return Err(schedule_error(format!(
-                        "{} reads activation gradients {:?} before any launch writes them",
-                        launch.kernel.name(),
-                        arg.range
-                    )));
-                }
-                (Buf::ActGrads, Access::Write | Access::Update) if seen.is_none() => {
-                    written.push(arg.range.clone());
-                    false
-                }
-                (Buf::ActGrads, Access::Update) if exact => true,
-                (Buf::ActGrads, Access::Write) if exact => false,
-                (Buf::ActGrads, _) => {
-                    return Err(schedule_error(format!(
-                        "{} writes activation gradients {:?} that overlap others partly",
-                        launch.kernel.name(),
-                        arg.range
-                    )));
-                }
-                _ => false,
-            };
-            mine.push(accumulate);
-        }
-        if let Kernel::AttentionBackward(_) | Kernel::FlashAttentionBackward(_) = launch.kernel
-            && mine[0]
-        {
-            return Err(schedule_error(
-                "attention backward overwrites dqkv, but another launch wrote it first".into(),
-            ));
-        }
-        flags.push(mine);
+/// A forward matmul with bias and the GELU of its output after it (`next`) as one operation,
+/// where `fuse_gelu` allows it and the width permits; `None` otherwise.
+fn fuse_matmul_gelu<X: LayerKernel>(
+    launch: &Launch<X>,
+    next: Option<&Launch<X>>,
+    fuse_gelu: bool,
+    place: &PlaceFn<'_>,
+) -> Result<Option<Op<X>>, NnError> {
+    let args = |launch: &Launch<X>| -> Result<Vec<Place>, NnError> {
+        launch.args.iter().map(|arg| place(arg, ArgUse::default())).collect()
+    };
+    if let (Kernel::Matmul { c, oc, layout, bias: true }, Some(next)) = (&launch.kernel, next)
+        && fuse_gelu
+        && next.kernel.fusable() == Some(Fusable::Gelu)
+        && oc.is_multiple_of(8)
+        && next.args[1].range == launch.args[0].range
+        && next.args[1].buf == launch.args[0].buf
+    {
+        // [out, inp, weight, bias] and [gelu out, gelu inp = out].
+        let (matmul, gelu) = (args(launch)?, args(next)?);
+        return Ok(Some(Op {
+            kind: OpKind::MatmulBiasGelu { c: *c, oc: *oc, layout: *layout },
+            args: vec![gelu[0], matmul[0], matmul[1], matmul[2], matmul[3]],
+        }));
     }
-    Ok(flags)
+    Ok(None)
 }
 
 /// The backward launches as operations, with matmul backward + GELU backward fused where the
-/// matmul's input gradient is written first there and read only by the GELU backward.
+/// matmul's input gradient is written first there and read only by the GELU backward, and the
+/// forward launches a checkpointed plan recomputes fused as forward's are.
 fn fuse_backward<X: LayerKernel>(
     steps: &[Step<X>],
-    flags: &[Vec<bool>],
+    flags: &[Vec<ArgUse>],
     fuse_gelu: bool,
     place: &PlaceFn<'_>,
 ) -> Result<Vec<BackwardOp<X>>, NnError> {
     let mut ops = Vec::with_capacity(steps.len());
     let args = |i: usize| -> Result<Vec<Place>, NnError> {
         let Step::Launch(launch) = &steps[i] else { unreachable!("a launch") };
-        launch.args.iter().zip(&flags[i]).map(|(arg, &acc)| place(arg, acc)).collect()
+        launch.args.iter().zip(&flags[i]).map(|(arg, &using)| place(arg, using)).collect()
     };
     let launch_at = |i: usize| match steps.get(i) {
         Some(Step::Launch(launch)) => Some(launch),
@@ -352,15 +329,20 @@ fn fuse_backward<X: LayerKernel>(
             i += 1;
             continue;
         }
+        if let Some(fused) = fuse_matmul_gelu(launch, launch_at(i + 1), fuse_gelu, place)? {
+            ops.push(BackwardOp::Op(fused));
+            i += 2;
+            continue;
+        }
         if let Kernel::MatmulBackward { c, oc, layout, bias } = launch.kernel
             && fuse_gelu
             && let Some(next) = launch_at(i + 1)
             && next.kernel.fusable() == Some(Fusable::GeluBackward)
             && c.is_multiple_of(8)
             && next.args[2].range == launch.args[0].range
-            && !flags[i][0]
-            && !flags[i + 1][0]
-            && !steps[i + 2..].iter().any(|step| touches(step, &launch.args[0]))
+            && !flags[i][0].accumulate
+            && !flags[i + 1][0].accumulate
+            && !used_again(&steps[i + 2..], &launch.args[0])
         {
             // [dinp, dweight, (dbias), dout, inp, weight] and [gelu dinp, gelu inp, gelu dout].
             let (matmul, gelu) = (args(i)?, args(i + 1)?);
@@ -383,6 +365,27 @@ fn fuse_backward<X: LayerKernel>(
     Ok(ops)
 }
 
+/// Whether a step of `steps` uses the range of `arg` before a zeroing launch covers it (which
+/// ends that life of the range).
+fn used_again<X>(steps: &[Step<X>], arg: &Arg) -> bool {
+    for step in steps {
+        if let Step::Launch(launch) = step
+            && matches!(launch.kernel, crate::kernels::Kernel::Zero { .. })
+            && launch.args.iter().any(|zeroed| {
+                zeroed.buf == arg.buf
+                    && zeroed.range.start <= arg.range.start
+                    && arg.range.end <= zeroed.range.end
+            })
+        {
+            return false;
+        }
+        if touches(step, arg) {
+            return true;
+        }
+    }
+    false
+}
+
 /// Whether `step` uses the buffer range of `arg`.
 fn touches<X>(step: &Step<X>, arg: &Arg) -> bool {
     match step {
@@ -398,7 +401,7 @@ fn touches<X>(step: &Step<X>, arg: &Arg) -> bool {
 /// Packs the activation gradients by liveness (first fit) and rewrites their offsets; returns the
 /// buffer's length. A range is live from the operation that first uses it to the one that last
 /// does, both included, so an operation's inputs and outputs never share memory.
-fn pack_act_grads<X>(backward: &mut [BackwardOp<X>]) -> usize {
+fn pack_act_grads<X>(backward: &mut [BackwardOp<X>], acts_len: usize) -> usize {
     // The plan offset of each range → (first op, last op, length).
     let mut lives: HashMap<usize, (usize, usize, usize)> = HashMap::new();
     for (i, step) in backward.iter().enumerate() {
@@ -409,7 +412,8 @@ fn pack_act_grads<X>(backward: &mut [BackwardOp<X>]) -> usize {
     }
     let mut by_first: Vec<(usize, usize, usize, usize)> =
         lives.iter().map(|(&key, &(first, last, len))| (first, key, last, len)).collect();
-    by_first.sort_unstable();
+    // Ranges born together are placed in the order of their plan offsets (a key less its lives).
+    by_first.sort_unstable_by_key(|&(first, key, ..)| (first, key % acts_len, key));
     let mut free = FreeList::default();
     let mut packed: HashMap<usize, usize> = HashMap::new();
     let mut ending: Vec<(usize, usize, usize)> = Vec::new(); // (last, offset, size)
