@@ -8,8 +8,9 @@ cache. For each it runs `zeroflow tokenize` on a `.jsonl` of documents and compa
 document of the shards with `[end-of-text] + tokenizer.encode(text).ids`; it also times
 `zeroflow tokenize` against `encode_batch` on the same texts.
 
-Then chat: for a Llama-3-style and a ChatML (Qwen-style) template with `{% generation %}`
-markers it compares ids and loss masks of `zeroflow tokenize` with transformers'
+Then chat: for a Llama-3-style, a ChatML (Qwen-style) and a Qwen-2.5-style tool-calling template
+(`tojson`, `is defined`, `set`, neighbours through `loop.index0`) with `{% generation %}` markers
+it compares ids and loss masks of `zeroflow tokenize` with transformers'
 `apply_chat_template(..., return_assistant_tokens_mask=True)` on many multi-turn conversations,
 and the prefix-rendering fallback (the same templates with the markers removed, through
 `--chat-template`) with the same masks.
@@ -72,6 +73,57 @@ CHATML_TEMPLATE = r"""{%- if messages[0].role != 'system' %}
 {%- endfor %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# Qwen2.5-style: tool calls with `tojson` arguments, `is defined`, `set` in a loop, tool results
+# grouped by looking at neighbours (`loop.index0`, `loop.last`), and generation markers.
+QWEN_TOOLS_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- generation %}
+        {%- if message.content %}
+            {{- message.content.lstrip('\n') }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if (loop.first and message.content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {{- tool_call.arguments | tojson }}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>' }}
+        {%- endgeneration %}
+        {{- '\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
 
@@ -224,6 +276,26 @@ def conversations(rng, count):
     return result
 
 
+def tool_conversations(rng, count):
+    """Conversations with tool calls (arguments as dicts, unicode and nesting) and tool results."""
+    result = []
+    for messages in conversations(rng, count):
+        with_tools = []
+        for m in messages:
+            with_tools.append(m)
+            if m["role"] == "assistant" and rng.random() < 0.5:
+                calls = [{"type": "function", "function": {"name": rng.choice(["search", "weather", "calc"]),
+                          "arguments": {"q": mixed_text(rng)[:40], "n": rng.randint(0, 99),
+                                        "opts": {"deep": rng.random() < 0.5, "tags": ["é", "x<y"]}}}}
+                         for _ in range(rng.randint(1, 2))]
+                content = rng.choice(["", mixed_text(rng)[:80]])
+                with_tools.append({"role": "assistant", "content": content, "tool_calls": calls})
+                with_tools.extend({"role": "tool", "content": mixed_text(rng)[:60]} for _ in calls)
+                with_tools.append({"role": "assistant", "content": mixed_text(rng)[:100]})
+        result.append(with_tools)
+    return result
+
+
 def without_markers(template):
     for tag in ["{% generation %}", "{% endgeneration %}", "{%- generation %}", "{%- endgeneration %}"]:
         template = template.replace(tag, "")
@@ -304,6 +376,8 @@ def main():
         chats = conversations(rng, args.conversations)
         for name, template in [("llama3", LLAMA3_TEMPLATE), ("chatml", CHATML_TEMPLATE)]:
             check_chat(name, template, llama3, work, zeroflow, chats, failures)
+        tool_chats = tool_conversations(rng, args.conversations)
+        check_chat("qwen-tools", QWEN_TOOLS_TEMPLATE, llama3, work, zeroflow, tool_chats, failures)
     if failures.count:
         print(f"FAILED: {failures.count} mismatches")
         sys.exit(1)

@@ -89,7 +89,7 @@ pub fn tokenize_corpus(
     options: &TokenizeOptions<'_>,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<TokenizeSummary, TokenizeError> {
-    if tokenizer.eot().is_none() && tokenizer.name() != "bytes" {
+    if tokenizer.eot().is_none() && !tokenizer.is_bytes() {
         return Err(TokenizeError::NoEndOfText(tokenizer.name().into()));
     }
     prepare_out_dir(&options.out_dir)?;

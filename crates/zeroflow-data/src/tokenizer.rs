@@ -49,6 +49,8 @@ pub enum TokenizerErrorKind {
     Io(String),
     /// A directory without `tokenizer.json`.
     NoTokenizerJson,
+    /// Neither `gpt2`, `bytes`, nor an existing file or directory.
+    NotFound,
     /// The `tokenizers` crate could not load the file (the message names the JSON position).
     Load(String),
     /// A field of `tokenizer_config.json` has the wrong type.
@@ -65,6 +67,11 @@ impl fmt::Display for TokenizerErrorKind {
                 f,
                 "no tokenizer.json in this directory (give a tokenizer.json, a model directory \
                  that has one, `gpt2` or `bytes`)"
+            ),
+            TokenizerErrorKind::NotFound => write!(
+                f,
+                "no such file or directory (give `gpt2`, `bytes`, a tokenizer.json or a model \
+                 directory)"
             ),
             TokenizerErrorKind::Load(e) => write!(f, "not a tokenizer.json: {e}"),
             TokenizerErrorKind::Field { field, message } => write!(f, "{field}: {message}"),
@@ -215,6 +222,9 @@ impl Tokenizer {
             "gpt2" => Tokenizer::gpt2(),
             "bytes" => Ok(Tokenizer::bytes()),
             _ if Path::new(spec).is_dir() => Tokenizer::from_dir(Path::new(spec)),
+            _ if !Path::new(spec).exists() => {
+                Err(TokenizerError::new(spec, TokenizerErrorKind::NotFound))
+            }
             _ => Tokenizer::from_file(Path::new(spec), TokenizerConfig::default()),
         }
     }
@@ -267,6 +277,11 @@ impl Tokenizer {
     /// needs.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// Whether this is the bytes tokenizer (which has no end-of-text token).
+    pub fn is_bytes(&self) -> bool {
+        matches!(self.kind, Kind::Bytes)
     }
 
     /// The token that ends a document, if the tokenizer has one.

@@ -211,3 +211,27 @@ fn a_large_vocabulary_writes_u32_shards() {
     assert_eq!(read, ShardTokens::U32(vec![70000, 1, 69999, 2]));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The bytes tokenizer has no end-of-text token: documents follow each other directly and the
+/// index alone says where each starts; any other tokenizer without one is refused.
+#[test]
+fn without_an_end_of_text_token_only_bytes_may_tokenize() {
+    let dir = scratch("corpus-no-eot");
+    let jsonl = dir.join("d.jsonl");
+    std::fs::write(&jsonl, "{\"text\": \"ab\"}\n{\"text\": \"c\"}\n").unwrap();
+    let summary =
+        run(&Tokenizer::bytes(), std::slice::from_ref(&jsonl), &options(&dir.join("b"), 100))
+            .unwrap();
+    assert_eq!(tokens(&summary.shards[0]), [97, 98, 99]);
+    assert_eq!(read_document_index(&summary.shards[0].with_extension("idx")).unwrap(), [0, 2, 3]);
+
+    let mut json = word_level_big();
+    json["added_tokens"] = json!([]);
+    json["model"]["vocab"].as_object_mut().unwrap().remove("</s>");
+    model_dir(&dir.join("model"), &json, None);
+    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    assert_eq!(tokenizer.eot(), None);
+    let error = run(&tokenizer, &[jsonl], &options(&dir.join("w"), 100)).unwrap_err();
+    assert!(matches!(error, TokenizeError::NoEndOfText(_)), "{error}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

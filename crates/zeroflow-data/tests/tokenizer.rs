@@ -85,7 +85,9 @@ fn tokenizer_errors_name_the_file() {
 
     let missing = dir.join("missing.json");
     let error = Tokenizer::load(missing.to_str().unwrap()).unwrap_err();
-    assert!(matches!(error.kind, TokenizerErrorKind::Io(_)), "{error}");
+    assert_eq!((error.path, error.kind), (missing, TokenizerErrorKind::NotFound));
+    let error = Tokenizer::load("gtp2").unwrap_err();
+    assert!(error.to_string().starts_with("gtp2: no such file"), "{error}");
 
     let model = dir.join("model");
     model_dir(&model, &byte_level_bpe(), Some(&json!({"eos_token": "<nope>"})));
