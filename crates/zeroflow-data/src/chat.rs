@@ -1,7 +1,7 @@
 //! Chat templates: a model's Jinja `chat_template` rendered with `minijinja` the way transformers'
 //! `apply_chat_template` renders it (`trim_blocks`, `lstrip_blocks`, Python's string methods,
-//! `raise_exception`, a Python-style `tojson`, the variables `messages`, `add_generation_prompt`
-//! and the special tokens), and the loss mask that covers only the assistant's tokens.
+//! `raise_exception`, a Python-style `tojson`, `True`/`False`/`None` printed as Python prints them,
+//! the variables `messages`, `add_generation_prompt` and the special tokens), and the loss mask that covers only the assistant's tokens.
 //!
 //! The assistant's text is found in one of two ways:
 //! - templates with `{% generation %}…{% endgeneration %}` (transformers' marker for
@@ -86,6 +86,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", python_tojson);
+        env.set_formatter(python_formatter);
         env.add_template_owned(TEMPLATE_NAME, rewritten)
             .map_err(|e| ChatTemplateError { path: path.clone(), message: describe(&e) })?;
         Ok(ChatTemplate { env, path, has_generation_markers })
@@ -278,6 +279,22 @@ fn cut_markers(rendered: &str) -> Result<(String, Vec<Range<usize>>), Conversati
         return Err(ConversationError::Render("{% generation %} without its end".into()));
     }
     Ok((text, spans))
+}
+
+/// Prints values as Jinja2 (Python) does where minijinja differs: `True`, `False`, `None`.
+fn python_formatter(
+    out: &mut minijinja::Output<'_>,
+    state: &mut minijinja::State<'_, '_>,
+    value: &Value,
+) -> Result<(), JinjaError> {
+    use minijinja::value::ValueKind;
+    let python = match value.kind() {
+        ValueKind::Bool if value.is_true() => "True",
+        ValueKind::Bool => "False",
+        ValueKind::None => "None",
+        _ => return minijinja::escape_formatter(out, state, value),
+    };
+    out.write_str(python).map_err(JinjaError::from)
 }
 
 fn raise_exception(message: String) -> Result<Value, JinjaError> {

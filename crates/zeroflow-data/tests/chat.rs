@@ -145,14 +145,14 @@ fn raise_exception_python_methods_and_tojson_work_as_in_transformers() {
         "{error}"
     );
 
-    let source = "{{ messages[0] | tojson }}|{% if messages[0].content.upper().startswith('A<') %}yes{% endif %}|\
+    let source = "{{ messages[0] | tojson }}|{{ messages[0].content.upper().startswith('A<') }}|{{ none }}|\
                   {{ messages[0]['content'].split('<') | tojson }}|{{ {'k': [1, 2]} | tojson(indent=2) }}";
     let template = ChatTemplate::new(source, "t").unwrap();
     let messages = [json!({"role": "user", "content": "a<b é"})];
     let text = template.render(&messages, false, &config()).unwrap();
     assert_eq!(
         text,
-        "{\"role\": \"user\", \"content\": \"a<b é\"}|yes|[\"a\", \"b é\"]|{\n  \"k\": [\n    1,\n    2\n  ]\n}"
+        "{\"role\": \"user\", \"content\": \"a<b é\"}|True|None|[\"a\", \"b é\"]|{\n  \"k\": [\n    1,\n    2\n  ]\n}"
     );
 }
 

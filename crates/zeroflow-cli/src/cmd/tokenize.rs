@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use zeroflow_data::{
     ChatTemplate, TokenWidth, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus,
 };
@@ -53,14 +53,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let total: u64 =
         args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
-    let bar = ProgressBar::new(total);
-    let style = ProgressStyle::with_template(
-        "{spinner} {bar:30.cyan/blue} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} [{elapsed}, ETA {eta}]",
-    )
-    .expect("the template is valid")
-    .progress_chars("=> ");
-    bar.set_style(style);
-    bar.enable_steady_tick(Duration::from_millis(200));
+    let bar = progress_bar(total);
 
     let options = TokenizeOptions {
         out_dir: args.out.clone(),
@@ -76,7 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         e => InputError::from_display(e),
     })?;
     let seconds = start.elapsed().as_secs_f64();
-    let megabytes = summary.input_bytes as f64 / 1e6;
+    let per_second = HumanBytes((summary.input_bytes as f64 / seconds.max(1e-9)) as u64);
     println!(
         "wrote {} documents ({} conversations, {} assistant tokens), {} tokens in {} shard(s) to {}",
         summary.documents,
@@ -87,14 +80,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.out.display()
     );
     println!(
-        "read {megabytes:.2} MB in {seconds:.2} s ({:.2} MB/s, {} threads)",
-        megabytes / seconds.max(1e-9),
+        "read {} in {seconds:.2} s ({per_second}/s, {} threads)",
+        HumanBytes(summary.input_bytes),
         rayon::current_num_threads()
     );
     if summary.bad_lines > 0 {
         println!("skipped {} bad line(s)", summary.bad_lines);
     }
     Ok(())
+}
+
+/// A bar of input bytes with the rate (hidden when stderr is not a terminal).
+fn progress_bar(total_bytes: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total_bytes);
+    let style = ProgressStyle::with_template(
+        "{spinner} {bar:30.cyan/blue} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} \
+         [{elapsed}, ETA {eta}]",
+    )
+    .expect("the template is valid")
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
 }
 
 fn print_header(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) {
