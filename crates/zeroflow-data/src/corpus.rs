@@ -194,7 +194,11 @@ fn process_batch(
     Ok(())
 }
 
+/// A text file as one document; it must be UTF-8 unless the tokens are its bytes.
 fn text_file(tokenizer: &Tokenizer, bytes: &[u8]) -> Result<Document, String> {
+    if tokenizer.is_bytes() {
+        return Ok(Document { tokens: bytes.iter().map(|&b| u32::from(b)).collect(), mask: None });
+    }
     let text = std::str::from_utf8(bytes)
         .map_err(|e| format!("not UTF-8 (invalid bytes at offset {})", e.valid_up_to()))?;
     Ok(Document { tokens: tokenizer.encode(text)?, mask: None })

@@ -224,6 +224,11 @@ fn without_an_end_of_text_token_only_bytes_may_tokenize() {
             .unwrap();
     assert_eq!(tokens(&summary.shards[0]), [97, 98, 99]);
     assert_eq!(read_document_index(&summary.shards[0].with_extension("idx")).unwrap(), [0, 2, 3]);
+    // Bytes take any file, UTF-8 or not.
+    let latin1 = dir.join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    let summary = run(&Tokenizer::bytes(), &[latin1], &options(&dir.join("l"), 100)).unwrap();
+    assert_eq!(tokens(&summary.shards[0]), [99, 97, 102, 0xe9]);
 
     let mut json = word_level_big();
     json["added_tokens"] = json!([]);
