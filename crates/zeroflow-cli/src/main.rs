@@ -32,6 +32,9 @@ enum Command {
     Models(cmd::models::Args),
     /// Repeat the offload + gradient-accumulation race check and report counts and environment.
     Stress(cmd::stress::Args),
+    /// Tokenize text and chat files (.txt, .jsonl with "text" or "messages") into llm.c token
+    /// shards, with a document index and, for chat, a loss mask on the assistant's tokens.
+    Tokenize(cmd::tokenize::Args),
     /// Write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors + config.json).
     Export(cmd::export::Args),
     /// Train a GPT model (default: the tiny model on the synthetic corpus, on the CPU).
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
         Command::Env(args) => cmd::env::run(args),
         Command::Models(args) => cmd::models::run(args),
         Command::Stress(args) => cmd::stress::run(args),
+        Command::Tokenize(args) => cmd::tokenize::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Train(args) => cmd::train::run(*args),
         Command::Launch(args) => cmd::launch::run(args),

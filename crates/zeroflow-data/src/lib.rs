@@ -1,8 +1,12 @@
 //! Training data for zeroflow's models, whatever the family: token streams from the built-in
-//! synthetic corpus, llm.c token shards, or plain text (bytes, or GPT-2 BPE: [`tokenizer`]), cut
-//! into micro-batches of `[batch, seq + 1]` tokens per rank by a deterministic, resumable
-//! [`DataLoader`].
+//! synthetic corpus, llm.c token shards, or plain text (bytes, or GPT-2 BPE), cut into
+//! micro-batches of `[batch, seq + 1]` tokens per rank by a deterministic, resumable
+//! [`DataLoader`]; and the making of shards: [`Tokenizer`] (bytes, GPT-2, Hugging Face
+//! `tokenizer.json`), [`ChatTemplate`] (chat templates and assistant-only loss masks) and
+//! [`tokenize_corpus`] (`zeroflow tokenize`).
 
+mod chat;
+mod corpus;
 mod loader;
 mod shard;
 mod synthetic;
@@ -14,10 +18,19 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
+pub use chat::{ChatTemplate, ChatTemplateError, ConversationError};
+pub use corpus::{BATCH_BYTES, TokenizeError, TokenizeOptions, TokenizeSummary, tokenize_corpus};
 pub use loader::{Batch, DataLoader, DataPosition, Source};
-pub use shard::{SHARD_MAGIC, SHARD_VERSION, read_shard, write_shard};
+pub use shard::{
+    DOCUMENT_INDEX_MAGIC, LOSS_MASK_MAGIC, SHARD_MAGIC, SHARD_MAGIC_U32, SHARD_VERSION,
+    SHARD_VERSION_U32, SIDECAR_VERSION, ShardTokens, TokenWidth, read_document_index,
+    read_loss_mask, read_shard, write_document_index, write_loss_mask, write_shard, write_shard_as,
+};
 pub use synthetic::SyntheticCorpus;
-pub use tokenizer::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
+pub use tokenizer::{
+    GPT2_EOT, GPT2_VOCAB, TokenOffsets, Tokenizer, TokenizerConfig, TokenizerError,
+    TokenizerErrorKind, gpt2_decode, gpt2_encode,
+};
 
 /// What was wrong with a data file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,10 +39,10 @@ pub enum DataErrorKind {
     Io(String),
     /// The file (or its token count) is empty.
     Empty,
-    /// The header's magic number is not llm.c's 20240520.
+    /// The header's magic number is not one this kind of file has.
     WrongMagic { found: i32 },
-    /// The header's version is not 1.
-    WrongVersion { found: i32 },
+    /// The header's version is not the one its magic number goes with.
+    WrongVersion { found: i32, expected: i32 },
     /// The file is shorter than its header says.
     Truncated { expected_bytes: u64, found_bytes: u64 },
     /// The file is longer than its header says.
@@ -40,6 +53,8 @@ pub enum DataErrorKind {
     NotUtf8 { offset: usize },
     /// The GPT-2 tokenizer could not be set up.
     Tokenizer(String),
+    /// The file's contents break its format's rules.
+    Corrupt(String),
     /// The file holds fewer tokens than one step of all ranks needs.
     TooShort { tokens: usize, needed: usize },
 }
@@ -49,11 +64,13 @@ impl fmt::Display for DataErrorKind {
         match self {
             DataErrorKind::Io(e) => write!(f, "cannot read: {e}"),
             DataErrorKind::Empty => write!(f, "empty: no tokens"),
-            DataErrorKind::WrongMagic { found } => {
-                write!(f, "not an llm.c token shard: magic {found}, expected {SHARD_MAGIC}")
-            }
-            DataErrorKind::WrongVersion { found } => {
-                write!(f, "unsupported shard version {found}, expected {SHARD_VERSION}")
+            DataErrorKind::WrongMagic { found } => write!(
+                f,
+                "not a file of this kind: magic {found} (llm.c token shards have \
+                 {SHARD_MAGIC} or {SHARD_MAGIC_U32})"
+            ),
+            DataErrorKind::WrongVersion { found, expected } => {
+                write!(f, "unsupported version {found}, expected {expected}")
             }
             DataErrorKind::Truncated { expected_bytes, found_bytes } => write!(
                 f,
@@ -74,6 +91,7 @@ impl fmt::Display for DataErrorKind {
                 )
             }
             DataErrorKind::Tokenizer(e) => write!(f, "GPT-2 tokenizer: {e}"),
+            DataErrorKind::Corrupt(e) => write!(f, "corrupt: {e}"),
             DataErrorKind::TooShort { tokens, needed } => write!(
                 f,
                 "{tokens} tokens, but one step of all ranks needs {needed} (batch × seq × world \

@@ -12,14 +12,14 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::shard::read_shard;
+use crate::shard::{ShardTokens, read_shard};
 use crate::text::{read_bytes, read_gpt2_text};
 use crate::{DataError, DataErrorKind, SyntheticCorpus};
 
 /// Where the tokens come from.
 #[derive(Clone, Debug)]
 pub enum Source {
-    /// llm.c `.bin` token shards, read in this order.
+    /// llm.c `.bin` token shards (u16 or u32 tokens), read in this order.
     Shards(Vec<PathBuf>),
     /// Plain text files read as bytes (vocabulary 256).
     Text(Vec<PathBuf>),
@@ -48,31 +48,6 @@ pub struct Batch {
     pub targets: Vec<u32>,
 }
 
-/// Tokens of the shard in memory.
-#[derive(Debug)]
-enum Tokens {
-    U16(Vec<u16>),
-    U32(Vec<u32>),
-}
-
-impl Tokens {
-    fn len(&self) -> usize {
-        match self {
-            Tokens::U16(t) => t.len(),
-            Tokens::U32(t) => t.len(),
-        }
-    }
-
-    fn copy_to(&self, start: usize, out: &mut [u32]) {
-        match self {
-            Tokens::U16(t) => {
-                out.iter_mut().zip(&t[start..]).for_each(|(o, &x)| *o = u32::from(x));
-            }
-            Tokens::U32(t) => out.copy_from_slice(&t[start..start + out.len()]),
-        }
-    }
-}
-
 /// Cuts a token source into micro-batches for one rank.
 #[derive(Debug)]
 pub struct DataLoader {
@@ -84,7 +59,7 @@ pub struct DataLoader {
     world_size: usize,
     position: DataPosition,
     /// The shard in memory and its index.
-    loaded: Option<(usize, Tokens)>,
+    loaded: Option<(usize, ShardTokens)>,
     window: Vec<u32>,
 }
 
@@ -181,14 +156,12 @@ impl DataLoader {
             return Ok(tokens.len());
         }
         let (path, tokens) = match &self.source {
-            Source::Shards(paths) => {
-                (paths[index].clone(), Tokens::U16(read_shard(&paths[index], self.vocab)?))
-            }
+            Source::Shards(paths) => (paths[index].clone(), read_shard(&paths[index], self.vocab)?),
             Source::Text(paths) => {
-                (paths[index].clone(), Tokens::U32(read_bytes(&paths[index], self.vocab)?))
+                (paths[index].clone(), ShardTokens::U32(read_bytes(&paths[index], self.vocab)?))
             }
             Source::Gpt2Text(paths) => {
-                (paths[index].clone(), Tokens::U32(read_gpt2_text(&paths[index], self.vocab)?))
+                (paths[index].clone(), ShardTokens::U32(read_gpt2_text(&paths[index], self.vocab)?))
             }
             Source::Synthetic { corpus, stream_seed, len } => {
                 let tokens = corpus.sample(*stream_seed, *len);
@@ -197,7 +170,7 @@ impl DataLoader {
                     let kind = DataErrorKind::TokenOutOfRange { token, index, vocab };
                     return Err(DataError::new("<synthetic>", kind));
                 }
-                ("<synthetic>".into(), Tokens::U32(tokens))
+                ("<synthetic>".into(), ShardTokens::U32(tokens))
             }
         };
         let needed = self.step_tokens();

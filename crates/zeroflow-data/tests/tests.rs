@@ -1,12 +1,21 @@
-//! Integration tests of the data loaders: typed errors naming the file, the synthetic corpus' entropy, resume, ranks.
+//! Integration tests of the data loaders (typed errors naming the file, the synthetic corpus'
+//! entropy, resume, ranks), and in the modules the shard formats, tokenizers, chat templates and
+//! `tokenize_corpus`.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use zeroflow_data::{
-    DataErrorKind, DataLoader, SHARD_MAGIC, Source, SyntheticCorpus, read_shard, write_shard,
+    DataErrorKind, DataLoader, SHARD_MAGIC, SHARD_MAGIC_U32, ShardTokens, Source, SyntheticCorpus,
+    read_shard, write_shard,
 };
+
+mod chat;
+mod corpus;
+mod fixtures;
+mod shards;
+mod tokenizer;
 
 /// A scratch directory for this test, emptied first.
 fn scratch(name: &str) -> PathBuf {
@@ -48,12 +57,18 @@ fn each_kind_of_bad_shard_is_a_typed_error_naming_the_file() {
     expect_error(&no_tokens, 50257, |k| *k == DataErrorKind::Empty);
 
     let magic = dir.join("magic.bin");
-    std::fs::write(&magic, [header(20240801, 1, 9), tokens.clone()].concat()).unwrap();
-    expect_error(&magic, 50257, |k| *k == DataErrorKind::WrongMagic { found: 20240801 });
+    std::fs::write(&magic, [header(20240522, 1, 9), tokens.clone()].concat()).unwrap();
+    expect_error(&magic, 50257, |k| *k == DataErrorKind::WrongMagic { found: 20240522 });
 
     let version = dir.join("version.bin");
     std::fs::write(&version, [header(SHARD_MAGIC, 2, 9), tokens.clone()].concat()).unwrap();
-    expect_error(&version, 50257, |k| *k == DataErrorKind::WrongVersion { found: 2 });
+    expect_error(&version, 50257, |k| *k == DataErrorKind::WrongVersion { found: 2, expected: 1 });
+    // llm.c's u32 format goes with version 7.
+    let version_u32 = dir.join("version_u32.bin");
+    std::fs::write(&version_u32, [header(SHARD_MAGIC_U32, 1, 9), tokens.clone()].concat()).unwrap();
+    expect_error(&version_u32, 50257, |k| {
+        *k == DataErrorKind::WrongVersion { found: 1, expected: 7 }
+    });
 
     let truncated = dir.join("truncated.bin");
     std::fs::write(&truncated, [header(SHARD_MAGIC, 1, 10), tokens.clone()].concat()).unwrap();
@@ -111,7 +126,7 @@ fn a_written_shard_reads_back() {
     let path = dir.join("ok.bin");
     let tokens: Vec<u16> = (0..1000).map(|i| (i * 37 % 50257) as u16).collect();
     write_shard(&path, &tokens).unwrap();
-    assert_eq!(read_shard(&path, 50257).unwrap(), tokens);
+    assert_eq!(read_shard(&path, 50257).unwrap(), ShardTokens::U16(tokens));
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -12,4 +12,5 @@ pub mod export;
 pub mod launch;
 pub mod models;
 pub mod stress;
+pub mod tokenize;
 pub mod train;

@@ -1,0 +1,129 @@
+//! `zeroflow tokenize`: text, `.jsonl` documents and `.jsonl` conversations into llm.c token
+//! shards with a document index and (for conversations) a loss mask beside each, on all cores
+//! (`zeroflow_data::tokenize_corpus`; the formats are in docs/data-formats.md).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
+use zeroflow_data::{
+    ChatTemplate, TokenWidth, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus,
+};
+
+use crate::InputError;
+
+/// Tokenize text and chat files into token shards.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// `gpt2`, `bytes`, a `tokenizer.json`, or a model directory (its `tokenizer.json` and
+    /// `tokenizer_config.json`).
+    #[arg(long)]
+    tokenizer: String,
+    /// Input files: plain text (each file one document), or `.jsonl` with one `{"text": ...}`
+    /// or `{"messages": [...]}` per line.
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// The directory to write `tokens_NNNNNN.bin` (+ `.idx`, `.mask`) and `manifest.json` to.
+    #[arg(long)]
+    out: PathBuf,
+    /// A Jinja chat template for the conversations, instead of the tokenizer's own.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
+    /// Close a shard before a document that would take it past this many tokens.
+    #[arg(long, default_value_t = 100_000_000, value_name = "N")]
+    shard_tokens: usize,
+    /// Skip `.jsonl` lines that are not a document or conversation (and count them) instead of
+    /// stopping at the first.
+    #[arg(long)]
+    skip_bad_lines: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.shard_tokens == 0 {
+        return Err(InputError::from_display("--shard-tokens must be at least 1"));
+    }
+    let tokenizer = Tokenizer::load(&args.tokenizer).map_err(InputError::from_display)?;
+    let template = match &args.chat_template {
+        Some(path) => Some(ChatTemplate::from_file(path)),
+        None => ChatTemplate::from_config(tokenizer.config()),
+    }
+    .transpose()
+    .map_err(InputError::from_display)?;
+    print_header(&tokenizer, template.as_ref());
+
+    let total: u64 =
+        args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let bar = progress_bar(total);
+
+    let options = TokenizeOptions {
+        out_dir: args.out.clone(),
+        shard_tokens: args.shard_tokens,
+        skip_bad_lines: args.skip_bad_lines,
+        chat_template: template.as_ref(),
+    };
+    let start = Instant::now();
+    let result = tokenize_corpus(&tokenizer, &args.inputs, &options, &|bytes| bar.inc(bytes));
+    bar.finish_and_clear();
+    let summary = result.map_err(|e| match e {
+        TokenizeError::Output { .. } => anyhow::Error::new(e),
+        e => InputError::from_display(e),
+    })?;
+    let seconds = start.elapsed().as_secs_f64();
+    let per_second = HumanBytes((summary.input_bytes as f64 / seconds.max(1e-9)) as u64);
+    println!(
+        "wrote {} documents ({} conversations, {} assistant tokens), {} tokens in {} shard(s) to {}",
+        summary.documents,
+        summary.conversations,
+        summary.assistant_tokens,
+        summary.tokens,
+        summary.shards.len(),
+        args.out.display()
+    );
+    println!(
+        "read {} in {seconds:.2} s ({per_second}/s, {} threads)",
+        HumanBytes(summary.input_bytes),
+        rayon::current_num_threads()
+    );
+    if summary.bad_lines > 0 {
+        println!("skipped {} bad line(s)", summary.bad_lines);
+    }
+    Ok(())
+}
+
+/// A bar of input bytes with the rate (hidden when stderr is not a terminal).
+fn progress_bar(total_bytes: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total_bytes);
+    let style = ProgressStyle::with_template(
+        "{spinner} {bar:30.cyan/blue} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} \
+         [{elapsed}, ETA {eta}]",
+    )
+    .expect("the template is valid")
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+fn print_header(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) {
+    let eot = match tokenizer.eot() {
+        Some(id) => format!("end-of-text {id}"),
+        None => "no end-of-text token".into(),
+    };
+    let width = match TokenWidth::for_vocab(tokenizer.vocab_size()) {
+        TokenWidth::U16 => "u16",
+        TokenWidth::U32 => "u32",
+    };
+    println!(
+        "tokenizer {} (vocabulary {}, {eot}): {width} shards",
+        tokenizer.name(),
+        tokenizer.vocab_size()
+    );
+    if let Some(template) = template {
+        let how = if template.has_generation_markers() {
+            "assistant tokens from its {% generation %} markers"
+        } else {
+            "assistant tokens by rendering prefixes (no {% generation %} markers)"
+        };
+        println!("chat template {}: {how}", template.path().display());
+    }
+}

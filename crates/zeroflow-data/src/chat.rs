@@ -1,0 +1,366 @@
+//! Chat templates: a model's Jinja `chat_template` rendered with `minijinja` the way transformers'
+//! `apply_chat_template` renders it (`trim_blocks`, `lstrip_blocks`, Python's string methods,
+//! `raise_exception`, a Python-style `tojson`, `True`/`False`/`None` printed as Python prints them,
+//! the variables `messages`, `add_generation_prompt` and the special tokens), and the loss mask that covers only the assistant's tokens.
+//!
+//! The assistant's text is found in one of two ways:
+//! - templates with `{% generation %}…{% endgeneration %}` (transformers' marker for
+//!   `return_assistant_tokens_mask`): minijinja has no such tag, so the tags are rewritten to raw
+//!   blocks that print two private-use characters, which are then cut out of the rendered text
+//!   with the byte ranges they enclosed;
+//! - other templates, by rendering prefixes: for the assistant message `i`, the text it adds is
+//!   what `messages[..=i]` renders beyond `messages[..i]` with the generation prompt, less trailing
+//!   whitespace (generation stops at the end-of-turn token; the newline after it is not trained).
+//!
+//! A span becomes tokens as in transformers: from the token holding its first byte through the
+//! token holding its last.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, Error as JinjaError, ErrorKind as JinjaErrorKind};
+use serde_json::Value as Json;
+use thiserror::Error;
+
+use crate::tokenizer::{Tokenizer, TokenizerConfig};
+
+const GENERATION_START: char = '\u{E000}';
+const GENERATION_END: char = '\u{E001}';
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// A chat template error, naming the template's file.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("{}: {message}", path.display())]
+pub struct ChatTemplateError {
+    pub path: PathBuf,
+    pub message: String,
+}
+
+/// A conversation that could not be rendered or tokenized.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum ConversationError {
+    /// The template failed (including its own `raise_exception`).
+    #[error("chat template: {0}")]
+    Render(String),
+    /// The `messages` are not a list of objects with a string `role`.
+    #[error("{0}")]
+    Messages(String),
+    /// Without generation markers the template does not render each prefix of the conversation
+    /// as a prefix of the whole, so the assistant's tokens cannot be found.
+    #[error(
+        "the chat template renders message {index} differently once later messages follow, so \
+         the assistant's tokens cannot be found by rendering prefixes; use a template with \
+         {{% generation %}} markers (--chat-template)"
+    )]
+    NotPrefixStable { index: usize },
+    /// The tokenizer failed on the rendered text.
+    #[error("tokenizer: {0}")]
+    Tokenize(String),
+    /// The content contains the characters that stand for the generation markers.
+    #[error("the conversation contains U+E000 or U+E001, which mark the assistant's text")]
+    MarkerInContent,
+}
+
+/// A compiled chat template.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    path: PathBuf,
+    has_generation_markers: bool,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; `path` names where it came from in errors.
+    pub fn new(source: &str, path: impl Into<PathBuf>) -> Result<ChatTemplate, ChatTemplateError> {
+        let path = path.into();
+        let (rewritten, has_generation_markers) = rewrite_generation_tags(source);
+        let mut env = Environment::new();
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .expect("the default delimiters are valid"),
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", python_tojson);
+        env.set_formatter(python_formatter);
+        env.add_template_owned(TEMPLATE_NAME, rewritten)
+            .map_err(|e| ChatTemplateError { path: path.clone(), message: describe(&e) })?;
+        Ok(ChatTemplate { env, path, has_generation_markers })
+    }
+
+    /// Reads and compiles a template file.
+    pub fn from_file(path: &Path) -> Result<ChatTemplate, ChatTemplateError> {
+        let source = std::fs::read_to_string(path)
+            .map_err(|e| ChatTemplateError { path: path.into(), message: e.to_string() })?;
+        ChatTemplate::new(&source, path)
+    }
+
+    /// The tokenizer's own template (from `tokenizer_config.json` or `chat_template.jinja`).
+    pub fn from_config(
+        config: &TokenizerConfig,
+    ) -> Option<Result<ChatTemplate, ChatTemplateError>> {
+        let (source, path) = config.chat_template.as_ref()?;
+        Some(ChatTemplate::new(source, path))
+    }
+
+    /// Where the template came from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether the template marks the assistant's text with `{% generation %}`.
+    pub fn has_generation_markers(&self) -> bool {
+        self.has_generation_markers
+    }
+
+    /// The text of `messages` (markers cut out) and the byte ranges the markers enclosed.
+    fn render_marked(
+        &self,
+        messages: &[Json],
+        add_generation_prompt: bool,
+        config: &TokenizerConfig,
+    ) -> Result<(String, Vec<Range<usize>>), ConversationError> {
+        let context = minijinja::context! {
+            messages => Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => config.bos_token.as_deref().unwrap_or(""),
+            eos_token => config.eos_token.as_deref().unwrap_or(""),
+            unk_token => config.unk_token.as_deref(),
+            pad_token => config.pad_token.as_deref(),
+        };
+        let template = self.env.get_template(TEMPLATE_NAME).expect("added in new");
+        let rendered =
+            template.render(context).map_err(|e| ConversationError::Render(describe(&e)))?;
+        cut_markers(&rendered)
+    }
+
+    /// The text of a conversation as `apply_chat_template(messages, tokenize=False)` renders it.
+    pub fn render(
+        &self,
+        messages: &[Json],
+        add_generation_prompt: bool,
+        config: &TokenizerConfig,
+    ) -> Result<String, ConversationError> {
+        Ok(self.render_marked(messages, add_generation_prompt, config)?.0)
+    }
+
+    /// The text of a conversation and the byte ranges of the assistant's text in it: the
+    /// generation markers' ranges, or, without markers, the ranges found by rendering prefixes.
+    pub fn assistant_spans(
+        &self,
+        messages: &[Json],
+        config: &TokenizerConfig,
+    ) -> Result<(String, Vec<Range<usize>>), ConversationError> {
+        check_messages(messages)?;
+        if messages.iter().any(|m| m.to_string().contains([GENERATION_START, GENERATION_END])) {
+            return Err(ConversationError::MarkerInContent);
+        }
+        let (text, spans) = self.render_marked(messages, false, config)?;
+        if self.has_generation_markers {
+            return Ok((text, spans));
+        }
+        let mut spans = Vec::new();
+        for (index, message) in messages.iter().enumerate() {
+            if message["role"] != "assistant" {
+                continue;
+            }
+            let before = self.render(&messages[..index], true, config)?;
+            let through = self.render(&messages[..=index], false, config)?;
+            if !through.starts_with(&before) || !text.starts_with(&through) {
+                return Err(ConversationError::NotPrefixStable { index });
+            }
+            let end = through.trim_end().len().max(before.len());
+            spans.push(before.len()..end);
+        }
+        Ok((text, spans))
+    }
+
+    /// The token ids of a conversation and its loss mask (1 on the assistant's tokens).
+    pub fn encode(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[Json],
+    ) -> Result<(Vec<u32>, Vec<u8>), ConversationError> {
+        let (text, spans) = self.assistant_spans(messages, tokenizer.config())?;
+        let tokens = tokenizer.encode_with_offsets(&text).map_err(ConversationError::Tokenize)?;
+        let mut mask = vec![0u8; tokens.ids.len()];
+        for span in spans.iter().filter(|s| !s.is_empty()) {
+            // As transformers: a span whose first byte no token holds ends the marking.
+            let Some(first) = tokens.token_at(span.start) else { break };
+            let last = tokens.token_at(span.end - 1).unwrap_or(mask.len() - 1);
+            mask[first..=last.max(first)].fill(1);
+        }
+        Ok((tokens.ids, mask))
+    }
+}
+
+/// Every message is an object with a string `role`.
+fn check_messages(messages: &[Json]) -> Result<(), ConversationError> {
+    for (index, message) in messages.iter().enumerate() {
+        if !message.get("role").is_some_and(Json::is_string) {
+            let what = format!("messages[{index}] is not an object with a string \"role\"");
+            return Err(ConversationError::Messages(what));
+        }
+    }
+    Ok(())
+}
+
+/// The template with `{% generation %}` / `{% endgeneration %}` (any whitespace control) turned
+/// into raw blocks printing the marker characters, which keeps the tags' whitespace behaviour
+/// (`lstrip_blocks` before the tag, `trim_blocks` after it); and whether there were any.
+fn rewrite_generation_tags(source: &str) -> (String, bool) {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    let mut found = false;
+    while let Some(open) = rest.find("{%") {
+        out.push_str(&rest[..open]);
+        let tag = &rest[open..];
+        match parse_generation_tag(tag) {
+            Some((len, left, right, is_end)) => {
+                let marker = if is_end { GENERATION_END } else { GENERATION_START };
+                out.push_str(&format!("{{%{left} raw %}}{marker}{{% endraw {right}%}}"));
+                rest = &tag[len..];
+                found = true;
+            }
+            None => {
+                out.push_str("{%");
+                rest = &tag[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    (out, found)
+}
+
+/// `{%[-+]? (end)?generation [-+]?%}` at the start of `tag`: its length, the whitespace-control
+/// characters on each side, and whether it is the end tag.
+fn parse_generation_tag(tag: &str) -> Option<(usize, &str, &str, bool)> {
+    let body_start = 2;
+    fn control(s: &str) -> &str {
+        if s.starts_with(['-', '+']) { &s[..1] } else { "" }
+    }
+    let left = control(&tag[body_start..]);
+    let inner = tag[body_start + left.len()..].trim_start();
+    let (is_end, after_word) = if let Some(r) = inner.strip_prefix("endgeneration") {
+        (true, r)
+    } else {
+        (false, inner.strip_prefix("generation")?)
+    };
+    let after_space = after_word.trim_start();
+    if after_space.len() == after_word.len() && !after_word.starts_with(['-', '+', '%']) {
+        return None; // `{% generations %}` or the like.
+    }
+    let right = control(after_space);
+    let close = after_space[right.len()..].strip_prefix("%}")?;
+    Some((tag.len() - close.len(), left, right, is_end))
+}
+
+/// The rendered text without the marker characters, and the byte ranges they enclosed.
+fn cut_markers(rendered: &str) -> Result<(String, Vec<Range<usize>>), ConversationError> {
+    let mut text = String::with_capacity(rendered.len());
+    let mut spans = Vec::new();
+    let mut open = None;
+    for c in rendered.chars() {
+        match c {
+            GENERATION_START if open.is_none() => open = Some(text.len()),
+            GENERATION_END if open.is_some() => spans.push(open.take().expect("open")..text.len()),
+            GENERATION_START | GENERATION_END => {
+                let what = "{% generation %} blocks are nested or unbalanced";
+                return Err(ConversationError::Render(what.into()));
+            }
+            c => text.push(c),
+        }
+    }
+    if open.is_some() {
+        return Err(ConversationError::Render("{% generation %} without its end".into()));
+    }
+    Ok((text, spans))
+}
+
+/// Prints values as Jinja2 (Python) does where minijinja differs: `True`, `False`, `None`.
+fn python_formatter(
+    out: &mut minijinja::Output<'_>,
+    state: &mut minijinja::State<'_, '_>,
+    value: &Value,
+) -> Result<(), JinjaError> {
+    use minijinja::value::ValueKind;
+    let python = match value.kind() {
+        ValueKind::Bool if value.is_true() => "True",
+        ValueKind::Bool => "False",
+        ValueKind::None => "None",
+        _ => return minijinja::escape_formatter(out, state, value),
+    };
+    out.write_str(python).map_err(JinjaError::from)
+}
+
+fn raise_exception(message: String) -> Result<Value, JinjaError> {
+    Err(JinjaError::new(JinjaErrorKind::InvalidOperation, message))
+}
+
+/// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=indent)`, whose
+/// separators are `", "` and `": "` (minijinja's own is compact and escapes HTML characters).
+fn python_tojson(value: Value, kwargs: Kwargs) -> Result<Value, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| JinjaError::new(JinjaErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = Vec::new();
+    let result = match indent {
+        Some(n) => {
+            let indent = vec![b' '; n];
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(&indent);
+            serde::Serialize::serialize(
+                &json,
+                &mut serde_json::Serializer::with_formatter(&mut out, formatter),
+            )
+        }
+        None => serde::Serialize::serialize(
+            &json,
+            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
+        ),
+    };
+    result.map_err(|e| JinjaError::new(JinjaErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(Value::from_safe_string(String::from_utf8(out).expect("serde_json writes UTF-8")))
+}
+
+/// serde_json's compact output with Python's default separators.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { writer.write_all(b", ") }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
+        writer.write_all(b": ")
+    }
+}
+
+/// A minijinja error (which names the template's line) and the errors that caused it.
+fn describe(error: &JinjaError) -> String {
+    let mut message = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        message.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    message
+}

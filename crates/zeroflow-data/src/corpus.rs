@@ -1,0 +1,344 @@
+//! `zeroflow tokenize`'s library part: text files, `.jsonl` documents (`{"text": ...}`) and
+//! `.jsonl` conversations (`{"messages": [...]}`) into llm.c token shards, each with a document
+//! index and, where it holds a conversation, a loss mask (formats in docs/data-formats.md).
+//!
+//! Inputs are read in order, in batches of about [`BATCH_BYTES`]; the units of a batch (lines of
+//! a `.jsonl`, whole text files) are tokenized on all cores and written in input order, so the
+//! shards do not depend on the number of threads. A plain text file is one document.
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde_json::Value as Json;
+use thiserror::Error;
+
+use crate::chat::ChatTemplate;
+use crate::shard::{TokenWidth, write_document_index, write_loss_mask, write_shard_as};
+use crate::tokenizer::Tokenizer;
+
+/// About how many input bytes are tokenized at once.
+pub const BATCH_BYTES: usize = 4 << 20;
+
+/// How to tokenize a corpus.
+#[derive(Debug)]
+pub struct TokenizeOptions<'a> {
+    /// The directory the shards go to (created; it must not hold shards already).
+    pub out_dir: PathBuf,
+    /// A shard is closed before a document that would take it past this many tokens (a longer
+    /// document gets a shard of its own; documents are never split).
+    pub shard_tokens: usize,
+    /// Go on past a bad `.jsonl` line (and count it) instead of stopping.
+    pub skip_bad_lines: bool,
+    /// The chat template for conversations.
+    pub chat_template: Option<&'a ChatTemplate>,
+}
+
+/// What a tokenize run wrote.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenizeSummary {
+    pub documents: u64,
+    pub conversations: u64,
+    /// Tokens written, end-of-text tokens included.
+    pub tokens: u64,
+    /// Tokens of conversations that the loss mask keeps (the assistant's).
+    pub assistant_tokens: u64,
+    pub bad_lines: u64,
+    pub input_bytes: u64,
+    pub shards: Vec<PathBuf>,
+}
+
+/// Why a corpus could not be tokenized.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum TokenizeError {
+    /// A `.jsonl` line that is not a document or conversation (file and 1-based line number).
+    #[error("{}:{line}: {message} (--skip-bad-lines skips such lines)", path.display())]
+    BadLine { path: PathBuf, line: u64, message: String },
+    /// An input file that cannot be read or tokenized.
+    #[error("{}: {message}", path.display())]
+    Input { path: PathBuf, message: String },
+    /// The output cannot be written.
+    #[error("{}: {message}", path.display())]
+    Output { path: PathBuf, message: String },
+    /// A tokenizer without an end-of-text token to put between documents.
+    #[error(
+        "the tokenizer {0} has no end-of-text token to put between documents (tokenizer_config.json's \
+         eos_token names it)"
+    )]
+    NoEndOfText(String),
+}
+
+/// One unit of input: a `.jsonl` line or a whole text file.
+struct Unit {
+    input: usize,
+    line: Option<u64>,
+    bytes: Vec<u8>,
+}
+
+/// A tokenized document: its tokens, and for a conversation its loss mask.
+struct Document {
+    tokens: Vec<u32>,
+    mask: Option<Vec<u8>>,
+}
+
+/// Tokenizes `inputs` into shards in `options.out_dir`; `progress` is called with the input
+/// bytes each batch consumed.
+pub fn tokenize_corpus(
+    tokenizer: &Tokenizer,
+    inputs: &[PathBuf],
+    options: &TokenizeOptions<'_>,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<TokenizeSummary, TokenizeError> {
+    if tokenizer.eot().is_none() && !tokenizer.is_bytes() {
+        return Err(TokenizeError::NoEndOfText(tokenizer.name().into()));
+    }
+    prepare_out_dir(&options.out_dir)?;
+    let mut writer = ShardWriter::new(tokenizer, options);
+    let mut batch = Vec::new();
+    let mut batch_bytes = 0;
+    for (input, path) in inputs.iter().enumerate() {
+        let mut flush = |unit: Unit, writer: &mut ShardWriter<'_>| {
+            batch_bytes += unit.bytes.len();
+            writer.summary.input_bytes += unit.bytes.len() as u64;
+            batch.push(unit);
+            if batch_bytes < BATCH_BYTES {
+                return Ok(());
+            }
+            let consumed = std::mem::take(&mut batch_bytes) as u64;
+            let units = std::mem::take(&mut batch);
+            process_batch(tokenizer, inputs, units, options, writer)?;
+            progress(consumed);
+            Ok(())
+        };
+        if path.extension().is_some_and(|e| e == "jsonl") {
+            read_lines(path, input, &mut |unit| flush(unit, &mut writer))?;
+        } else {
+            let bytes = std::fs::read(path).map_err(|e| input_error(path, e))?;
+            flush(Unit { input, line: None, bytes }, &mut writer)?;
+        }
+    }
+    process_batch(tokenizer, inputs, batch, options, &mut writer)?;
+    progress(batch_bytes as u64);
+    writer.finish()
+}
+
+fn input_error(path: &Path, e: impl ToString) -> TokenizeError {
+    TokenizeError::Input { path: path.into(), message: e.to_string() }
+}
+
+fn output_error(path: &Path, e: impl ToString) -> TokenizeError {
+    TokenizeError::Output { path: path.into(), message: e.to_string() }
+}
+
+/// Creates the output directory; refuses one that holds shards or a manifest already.
+fn prepare_out_dir(dir: &Path) -> Result<(), TokenizeError> {
+    std::fs::create_dir_all(dir).map_err(|e| output_error(dir, e))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| output_error(dir, e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(SHARD_PREFIX) || name == MANIFEST {
+            let message = format!("already holds {name}; give an empty or new directory");
+            return Err(output_error(dir, message));
+        }
+    }
+    Ok(())
+}
+
+/// Calls `each` with every line of a `.jsonl` file (its number counted from 1).
+fn read_lines(
+    path: &Path,
+    input: usize,
+    each: &mut dyn FnMut(Unit) -> Result<(), TokenizeError>,
+) -> Result<(), TokenizeError> {
+    let file = std::fs::File::open(path).map_err(|e| input_error(path, e))?;
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
+    let mut line = 0;
+    loop {
+        let mut bytes = Vec::new();
+        if reader.read_until(b'\n', &mut bytes).map_err(|e| input_error(path, e))? == 0 {
+            return Ok(());
+        }
+        line += 1;
+        each(Unit { input, line: Some(line), bytes })?;
+    }
+}
+
+/// Tokenizes a batch on all cores, then writes its documents in order.
+fn process_batch(
+    tokenizer: &Tokenizer,
+    inputs: &[PathBuf],
+    units: Vec<Unit>,
+    options: &TokenizeOptions<'_>,
+    writer: &mut ShardWriter<'_>,
+) -> Result<(), TokenizeError> {
+    let template = options.chat_template;
+    let documents: Vec<_> = units
+        .par_iter()
+        .map(|unit| match unit.line {
+            Some(_) => json_line(tokenizer, template, &unit.bytes),
+            None => text_file(tokenizer, &unit.bytes).map(Some),
+        })
+        .collect();
+    for (unit, document) in units.iter().zip(documents) {
+        let path = &inputs[unit.input];
+        match (document, unit.line) {
+            (Ok(Some(document)), _) => writer.push(document)?,
+            (Ok(None), _) => {}
+            (Err(_), Some(_)) if options.skip_bad_lines => writer.summary.bad_lines += 1,
+            (Err(message), Some(line)) => {
+                return Err(TokenizeError::BadLine { path: path.clone(), line, message });
+            }
+            (Err(message), None) => return Err(input_error(path, message)),
+        }
+    }
+    Ok(())
+}
+
+/// A text file as one document; it must be UTF-8 unless the tokens are its bytes.
+fn text_file(tokenizer: &Tokenizer, bytes: &[u8]) -> Result<Document, String> {
+    if tokenizer.is_bytes() {
+        return Ok(Document { tokens: bytes.iter().map(|&b| u32::from(b)).collect(), mask: None });
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| format!("not UTF-8 (invalid bytes at offset {})", e.valid_up_to()))?;
+    Ok(Document { tokens: tokenizer.encode(text)?, mask: None })
+}
+
+/// A `.jsonl` line: nothing (blank), a document, a conversation, or what is wrong with it.
+fn json_line(
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    bytes: &[u8],
+) -> Result<Option<Document>, String> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    let json: Json = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    if let Some(text) = json.get("text") {
+        let text = text.as_str().ok_or("\"text\" is not a string")?;
+        return Ok(Some(Document { tokens: tokenizer.encode(text)?, mask: None }));
+    }
+    if let Some(messages) = json.get("messages") {
+        let messages = messages.as_array().ok_or("\"messages\" is not a list")?;
+        let template = template.ok_or(
+            "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
+        )?;
+        let (tokens, mask) = template.encode(tokenizer, messages).map_err(|e| e.to_string())?;
+        return Ok(Some(Document { tokens, mask: Some(mask) }));
+    }
+    Err("expected a JSON object with \"text\" (a string) or \"messages\" (a list)".into())
+}
+
+const SHARD_PREFIX: &str = "tokens_";
+const MANIFEST: &str = "manifest.json";
+
+/// Collects documents into shards and writes each with its index and mask.
+struct ShardWriter<'a> {
+    tokenizer: &'a Tokenizer,
+    options: &'a TokenizeOptions<'a>,
+    width: TokenWidth,
+    tokens: Vec<u32>,
+    mask: Vec<u8>,
+    has_conversation: bool,
+    document_starts: Vec<u64>,
+    manifest_shards: Vec<Json>,
+    summary: TokenizeSummary,
+}
+
+impl<'a> ShardWriter<'a> {
+    fn new(tokenizer: &'a Tokenizer, options: &'a TokenizeOptions<'a>) -> Self {
+        ShardWriter {
+            tokenizer,
+            options,
+            width: TokenWidth::for_vocab(tokenizer.vocab_size()),
+            tokens: Vec::new(),
+            mask: Vec::new(),
+            has_conversation: false,
+            document_starts: Vec::new(),
+            manifest_shards: Vec::new(),
+            summary: TokenizeSummary::default(),
+        }
+    }
+
+    /// Appends a document, preceded by the end-of-text token (as llm.c's data scripts do).
+    fn push(&mut self, document: Document) -> Result<(), TokenizeError> {
+        let eot: Vec<u32> = self.tokenizer.eot().into_iter().collect();
+        let len = eot.len() + document.tokens.len();
+        if !self.tokens.is_empty() && self.tokens.len() + len > self.options.shard_tokens {
+            self.write_shard()?;
+        }
+        self.document_starts.push(self.tokens.len() as u64);
+        self.tokens.extend_from_slice(&eot);
+        self.tokens.extend_from_slice(&document.tokens);
+        self.mask.extend(eot.iter().map(|_| 0));
+        self.summary.documents += 1;
+        self.summary.tokens += len as u64;
+        match document.mask {
+            Some(mask) => {
+                self.has_conversation = true;
+                self.summary.conversations += 1;
+                self.summary.assistant_tokens += mask.iter().map(|&m| u64::from(m)).sum::<u64>();
+                self.mask.extend_from_slice(&mask);
+            }
+            None => self.mask.extend(document.tokens.iter().map(|_| 1)),
+        }
+        Ok(())
+    }
+
+    fn write_shard(&mut self) -> Result<(), TokenizeError> {
+        let stem = format!("{SHARD_PREFIX}{:06}", self.summary.shards.len());
+        let dir = &self.options.out_dir;
+        let (bin, idx, mask) = (
+            dir.join(format!("{stem}.bin")),
+            dir.join(format!("{stem}.idx")),
+            dir.join(format!("{stem}.mask")),
+        );
+        write_shard_as(&bin, self.width, &self.tokens).map_err(|e| output_error(&bin, e))?;
+        self.document_starts.push(self.tokens.len() as u64);
+        write_document_index(&idx, &self.document_starts).map_err(|e| output_error(&idx, e))?;
+        let file_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
+        let mask_name = if self.has_conversation {
+            write_loss_mask(&mask, &self.mask).map_err(|e| output_error(&mask, e))?;
+            file_name(&mask)
+        } else {
+            None
+        };
+        self.manifest_shards.push(serde_json::json!({
+            "tokens": file_name(&bin),
+            "documents": file_name(&idx),
+            "loss_mask": mask_name,
+            "token_count": self.tokens.len(),
+            "document_count": self.document_starts.len() - 1,
+        }));
+        self.summary.shards.push(bin);
+        self.tokens.clear();
+        self.mask.clear();
+        self.document_starts.clear();
+        self.has_conversation = false;
+        Ok(())
+    }
+
+    /// Writes the last shard and `manifest.json`.
+    fn finish(mut self) -> Result<TokenizeSummary, TokenizeError> {
+        if !self.tokens.is_empty() {
+            self.write_shard()?;
+        }
+        let summary = &self.summary;
+        let manifest = serde_json::json!({
+            "tokenizer": self.tokenizer.name(),
+            "vocab_size": self.tokenizer.vocab_size(),
+            "end_of_text": self.tokenizer.eot(),
+            "token_width": match self.width { TokenWidth::U16 => "u16", TokenWidth::U32 => "u32" },
+            "documents": summary.documents,
+            "conversations": summary.conversations,
+            "tokens": summary.tokens,
+            "assistant_tokens": summary.assistant_tokens,
+            "bad_lines": summary.bad_lines,
+            "shards": self.manifest_shards,
+        });
+        let path = self.options.out_dir.join(MANIFEST);
+        let text = serde_json::to_string_pretty(&manifest).expect("JSON values serialize");
+        std::fs::write(&path, text + "\n").map_err(|e| output_error(&path, e))?;
+        Ok(self.summary)
+    }
+}

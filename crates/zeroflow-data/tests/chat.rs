@@ -1,0 +1,176 @@
+//! Chat templates: rendering as transformers does, the assistant's spans from generation markers
+//! and from prefix rendering, and the loss mask on tokens.
+
+use serde_json::{Value, json};
+use zeroflow_data::{ChatTemplate, ConversationError, Tokenizer, TokenizerConfig};
+
+use crate::fixtures::{
+    CHATML_TEMPLATE, LLAMA3_TEMPLATE, byte_level_bpe, model_dir, scratch, three_turns,
+    without_markers,
+};
+
+fn config() -> TokenizerConfig {
+    TokenizerConfig {
+        bos_token: Some("<|begin_of_text|>".into()),
+        eos_token: Some("<|eot_id|>".into()),
+        ..TokenizerConfig::default()
+    }
+}
+
+fn content(message: &Value) -> &str {
+    message["content"].as_str().unwrap()
+}
+
+/// What the Llama-3-style template renders, and the assistant's parts of it.
+fn llama3_expected(messages: &[Value]) -> (String, Vec<String>) {
+    let mut text = "<|begin_of_text|>".to_string();
+    let mut spans = Vec::new();
+    for m in messages {
+        let role = m["role"].as_str().unwrap();
+        text += &format!("<|start_header_id|>{role}<|end_header_id|>\n\n");
+        let turn = format!("{}<|eot_id|>", content(m).trim());
+        if role == "assistant" {
+            spans.push(turn.clone());
+        }
+        text += &turn;
+    }
+    (text, spans)
+}
+
+/// What the ChatML template renders, and the assistant's parts of it.
+fn chatml_expected(messages: &[Value]) -> (String, Vec<String>) {
+    let mut text = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n".to_string();
+    let mut spans = Vec::new();
+    for m in messages {
+        let role = m["role"].as_str().unwrap();
+        if role == "assistant" {
+            let turn = format!("{}<|im_end|>", content(m).trim());
+            text += &format!("<|im_start|>assistant\n{turn}\n");
+            spans.push(turn);
+        } else {
+            text += &format!("<|im_start|>{role}\n{}<|im_end|>\n", content(m));
+        }
+    }
+    (text, spans)
+}
+
+fn span_texts(text: &str, spans: &[std::ops::Range<usize>]) -> Vec<String> {
+    spans.iter().map(|s| text[s.clone()].to_string()).collect()
+}
+
+/// With generation markers, the rendered text is the template's (markers cut out) and the spans
+/// are exactly the assistant's turns; the prefix-rendering fallback, on the same templates with
+/// the markers removed, finds the same spans.
+#[test]
+fn markers_and_the_prefix_fallback_find_the_assistant_turns_of_a_three_turn_chat() {
+    let messages = three_turns();
+    let cases = [
+        ("llama3", LLAMA3_TEMPLATE, llama3_expected(&messages)),
+        ("chatml", CHATML_TEMPLATE, chatml_expected(&messages)),
+    ];
+    for (name, source, (expected_text, expected_spans)) in cases {
+        let marked = ChatTemplate::new(source, name).unwrap();
+        assert!(marked.has_generation_markers(), "{name}");
+        let (text, spans) = marked.assistant_spans(&messages, &config()).unwrap();
+        assert_eq!(text, expected_text, "{name}");
+        assert_eq!(span_texts(&text, &spans), expected_spans, "{name}");
+
+        let plain = ChatTemplate::new(&without_markers(source), name).unwrap();
+        assert!(!plain.has_generation_markers(), "{name}");
+        let (plain_text, plain_spans) = plain.assistant_spans(&messages, &config()).unwrap();
+        assert_eq!((plain_text, plain_spans), (text, spans), "{name}: fallback");
+    }
+}
+
+/// Rewriting `{% generation %}` keeps the tags' whitespace rules: the text equals that of the
+/// template with the tags replaced by `{% if true %}` / `{% endif %}` (block tags too).
+#[test]
+fn rewriting_generation_tags_keeps_the_whitespace_of_block_tags() {
+    let as_if = |t: &str| {
+        t.replace("{% generation %}", "{% if true %}")
+            .replace("{%- generation %}", "{%- if true %}")
+            .replace("{% endgeneration %}", "{% endif %}")
+            .replace("{%- endgeneration %}", "{%- endif %}")
+    };
+    let messages = three_turns();
+    for source in [LLAMA3_TEMPLATE, CHATML_TEMPLATE] {
+        let marked = ChatTemplate::new(source, "marked").unwrap();
+        let reference = ChatTemplate::new(&as_if(source), "if").unwrap();
+        for prompt in [false, true] {
+            assert_eq!(
+                marked.render(&messages, prompt, &config()).unwrap(),
+                reference.render(&messages, prompt, &config()).unwrap()
+            );
+        }
+    }
+    let prompt = ChatTemplate::new(CHATML_TEMPLATE, "chatml").unwrap();
+    let text = prompt.render(&messages[..1], true, &config()).unwrap();
+    assert!(text.ends_with("<|im_end|>\n<|im_start|>assistant\n"), "{text:?}");
+}
+
+/// On tokens, the mask keeps exactly the assistant's turns: the masked tokens decode to the
+/// turns, the others to the rest of the text, for both templates.
+#[test]
+fn the_loss_mask_covers_exactly_the_assistant_tokens() {
+    let dir = scratch("chat-mask");
+    let config = json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"});
+    model_dir(&dir, &byte_level_bpe(), Some(&config));
+    let tokenizer = Tokenizer::load(dir.to_str().unwrap()).unwrap();
+    let messages = three_turns();
+    for (source, (text, spans)) in [
+        (LLAMA3_TEMPLATE, llama3_expected(&messages)),
+        (CHATML_TEMPLATE, chatml_expected(&messages)),
+    ] {
+        let template = ChatTemplate::new(source, "t").unwrap();
+        let (ids, mask) = template.encode(&tokenizer, &messages).unwrap();
+        assert_eq!(ids.len(), mask.len());
+        assert_eq!(tokenizer.decode(&ids).unwrap(), text);
+        let kept: Vec<u32> =
+            ids.iter().zip(&mask).filter(|(_, m)| **m == 1).map(|(t, _)| *t).collect();
+        assert_eq!(tokenizer.decode(&kept).unwrap(), spans.concat());
+        // Three separate runs of ones, one per assistant turn.
+        let runs = mask.windows(2).filter(|w| w == &[0, 1]).count();
+        assert_eq!(runs, 3);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn raise_exception_python_methods_and_tojson_work_as_in_transformers() {
+    let template = ChatTemplate::new(CHATML_TEMPLATE, "chatml.jinja").unwrap();
+    let tool = [json!({"role": "tool", "content": "x"})];
+    let error = template.assistant_spans(&tool, &config()).unwrap_err();
+    assert!(
+        matches!(&error, ConversationError::Render(m) if m.contains("Unknown role: tool")),
+        "{error}"
+    );
+
+    let source = "{{ messages[0] | tojson }}|{{ messages[0].content.upper().startswith('A<') }}|{{ none }}|\
+                  {{ messages[0]['content'].split('<') | tojson }}|{{ {'k': [1, 2]} | tojson(indent=2) }}";
+    let template = ChatTemplate::new(source, "t").unwrap();
+    let messages = [json!({"role": "user", "content": "a<b é"})];
+    let text = template.render(&messages, false, &config()).unwrap();
+    assert_eq!(
+        text,
+        "{\"role\": \"user\", \"content\": \"a<b é\"}|True|None|[\"a\", \"b é\"]|{\n  \"k\": [\n    1,\n    2\n  ]\n}"
+    );
+}
+
+#[test]
+fn templates_that_cannot_work_are_errors() {
+    let error = ChatTemplate::new("{% if %}", "broken.jinja").unwrap_err();
+    assert_eq!(error.path, std::path::Path::new("broken.jinja"));
+    // A template that renders a turn differently once more turns follow cannot use prefixes.
+    let last_aware =
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m.content }}{% endfor %}";
+    let template = ChatTemplate::new(last_aware, "t").unwrap();
+    let messages = [
+        json!({"role": "user", "content": "a"}),
+        json!({"role": "assistant", "content": "b"}),
+        json!({"role": "user", "content": "c"}),
+    ];
+    let error = template.assistant_spans(&messages, &config()).unwrap_err();
+    assert_eq!(error, ConversationError::NotPrefixStable { index: 1 });
+    let error = template.assistant_spans(&[json!({"content": "no role"})], &config()).unwrap_err();
+    assert!(matches!(error, ConversationError::Messages(_)), "{error}");
+}

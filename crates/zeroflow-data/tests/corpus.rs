@@ -1,0 +1,242 @@
+//! `tokenize_corpus`: documents and conversations into shards with their index and loss mask,
+//! shard sizes, u32 shards, and bad lines.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde_json::json;
+use zeroflow_data::{
+    ChatTemplate, SHARD_MAGIC_U32, ShardTokens, TokenizeError, TokenizeOptions, TokenizeSummary,
+    Tokenizer, read_document_index, read_loss_mask, read_shard, tokenize_corpus,
+};
+
+use crate::fixtures::{
+    LLAMA3_TEMPLATE, byte_level_bpe, model_dir, scratch, special_id, three_turns, word_level_big,
+};
+
+fn options(out_dir: &Path, shard_tokens: usize) -> TokenizeOptions<'static> {
+    TokenizeOptions {
+        out_dir: out_dir.into(),
+        shard_tokens,
+        skip_bad_lines: false,
+        chat_template: None,
+    }
+}
+
+fn run(
+    tokenizer: &Tokenizer,
+    inputs: &[PathBuf],
+    options: &TokenizeOptions<'_>,
+) -> Result<TokenizeSummary, TokenizeError> {
+    let consumed = AtomicU64::new(0);
+    let summary = tokenize_corpus(tokenizer, inputs, options, &|n| {
+        consumed.fetch_add(n, Ordering::Relaxed);
+    })?;
+    assert_eq!(consumed.into_inner(), summary.input_bytes, "progress counts every input byte");
+    Ok(summary)
+}
+
+fn bpe_tokenizer(dir: &Path) -> Tokenizer {
+    model_dir(dir, &byte_level_bpe(), None);
+    Tokenizer::load(dir.to_str().unwrap()).unwrap()
+}
+
+fn tokens(path: &Path) -> Vec<u32> {
+    read_shard(path, usize::MAX).unwrap().to_u32()
+}
+
+/// A text file and `.jsonl` documents become one shard: each document preceded by the
+/// end-of-text token, blank lines skipped, the index at each document's start, no loss mask.
+#[test]
+fn documents_are_written_in_order_with_end_of_text_between_them() {
+    let dir = scratch("corpus-docs");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let (text, jsonl) = (dir.join("a.txt"), dir.join("b.jsonl"));
+    std::fs::write(&text, "hello world").unwrap();
+    std::fs::write(&jsonl, "{\"text\": \"hello\"}\n\n{\"text\": \"world hello\"}\n").unwrap();
+    let out = dir.join("out");
+    let summary = run(&tokenizer, &[text, jsonl], &options(&out, 1000)).unwrap();
+
+    let eot = special_id("<|endoftext|>");
+    let encode = |t: &str| tokenizer.encode(t).unwrap();
+    let expected = [
+        vec![eot],
+        encode("hello world"),
+        vec![eot],
+        encode("hello"),
+        vec![eot],
+        encode("world hello"),
+    ]
+    .concat();
+    assert_eq!(summary.shards, [out.join("tokens_000000.bin")]);
+    assert_eq!(tokens(&summary.shards[0]), expected);
+    assert!(matches!(read_shard(&summary.shards[0], 272).unwrap(), ShardTokens::U16(_)));
+    let starts = [0, 3, 5, expected.len() as u64];
+    assert_eq!(read_document_index(&out.join("tokens_000000.idx")).unwrap(), starts);
+    assert!(!out.join("tokens_000000.mask").exists());
+    assert_eq!(
+        (summary.documents, summary.tokens, summary.bad_lines),
+        (3, expected.len() as u64, 0)
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["shards"][0]["document_count"], 3);
+    assert_eq!(manifest["token_width"], "u16");
+
+    // The directory now holds shards: a second run there is refused.
+    let error = run(&tokenizer, &[dir.join("a.txt")], &options(&out, 1000)).unwrap_err();
+    assert!(matches!(error, TokenizeError::Output { .. }), "{error}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A shard is closed before a document that would take it past `shard_tokens`; a longer
+/// document gets a shard of its own; documents are never split.
+#[test]
+fn shards_end_at_document_boundaries() {
+    let dir = scratch("corpus-sizes");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let jsonl = dir.join("docs.jsonl");
+    // Documents of 3, 2, 2 and 9 tokens with their end-of-text token.
+    let lines = ["hello world", "hello", "hello", "abcdefgh"];
+    let text: String = lines.iter().map(|t| format!("{}\n", json!({"text": t}))).collect();
+    std::fs::write(&jsonl, text).unwrap();
+    let out = dir.join("out");
+    let summary = run(&tokenizer, &[jsonl], &options(&out, 5)).unwrap();
+    let lengths: Vec<usize> = summary.shards.iter().map(|s| tokens(s).len()).collect();
+    assert_eq!(lengths, [5, 2, 9]);
+    for (i, shard) in summary.shards.iter().enumerate() {
+        let index = read_document_index(&shard.with_extension("idx")).unwrap();
+        let eot = special_id("<|endoftext|>");
+        let shard_tokens = tokens(shard);
+        assert!(
+            index[..index.len() - 1].iter().all(|&s| shard_tokens[s as usize] == eot),
+            "shard {i}"
+        );
+        assert_eq!(*index.last().unwrap(), shard_tokens.len() as u64);
+    }
+    assert_eq!(summary.documents, 4);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A chat `.jsonl` writes a loss mask beside the shard: 0 on the end-of-text tokens and on all
+/// but the assistant's tokens of a conversation, 1 on a text document's tokens.
+#[test]
+fn conversations_write_a_loss_mask_on_the_assistant_tokens() {
+    let dir = scratch("corpus-chat");
+    let config = json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>",
+                        "chat_template": LLAMA3_TEMPLATE});
+    model_dir(&dir.join("model"), &byte_level_bpe(), Some(&config));
+    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    let template = ChatTemplate::from_config(tokenizer.config()).unwrap().unwrap();
+    let jsonl = dir.join("chat.jsonl");
+    let lines = [json!({"messages": three_turns()}), json!({"text": "hello"})];
+    std::fs::write(&jsonl, lines.map(|l| l.to_string() + "\n").concat()).unwrap();
+    let out = dir.join("out");
+    let options = TokenizeOptions { chat_template: Some(&template), ..options(&out, 1 << 20) };
+    let summary = run(&tokenizer, &[jsonl], &options).unwrap();
+
+    let shard_tokens = tokens(&summary.shards[0]);
+    let mask = read_loss_mask(&out.join("tokens_000000.mask")).unwrap();
+    let (conversation, conversation_mask) = template.encode(&tokenizer, &three_turns()).unwrap();
+    let eot = tokenizer.eot().unwrap();
+    let hello = tokenizer.encode("hello").unwrap();
+    assert_eq!(shard_tokens, [vec![eot], conversation.clone(), vec![eot], hello.clone()].concat());
+    assert_eq!(mask, [vec![0], conversation_mask.clone(), vec![0], vec![1; hello.len()]].concat());
+    let assistant: u64 = conversation_mask.iter().map(|&m| u64::from(m)).sum();
+    assert!(assistant > 0 && (assistant as usize) < conversation.len());
+    assert_eq!((summary.conversations, summary.assistant_tokens), (1, assistant));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A bad line stops the run with its file and line number; with `skip_bad_lines` the run goes
+/// on and counts it. A conversation without a chat template is a bad line too.
+#[test]
+fn a_bad_line_names_its_file_and_line_unless_skipped() {
+    let dir = scratch("corpus-bad");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let jsonl = dir.join("mixed.jsonl");
+    let lines = [
+        "{\"text\": \"hello\"}",
+        "not json",
+        "{\"foo\": 1}",
+        "{\"text\": 5}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}",
+        "{\"text\": \"world\"}",
+    ];
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    let error =
+        run(&tokenizer, std::slice::from_ref(&jsonl), &options(&dir.join("out"), 100)).unwrap_err();
+    let TokenizeError::BadLine { path, line, message } = &error else { panic!("{error}") };
+    assert_eq!((path, *line), (&jsonl, 2), "{message}");
+    assert!(error.to_string().starts_with(&format!("{}:2: not JSON", jsonl.display())), "{error}");
+
+    let skip = TokenizeOptions { skip_bad_lines: true, ..options(&dir.join("skipped"), 100) };
+    let summary = run(&tokenizer, std::slice::from_ref(&jsonl), &skip).unwrap();
+    assert_eq!((summary.documents, summary.bad_lines), (2, 4));
+
+    // The conversation's message, alone.
+    std::fs::write(&jsonl, format!("{}\n{}\n", lines[0], lines[4])).unwrap();
+    let error = run(&tokenizer, std::slice::from_ref(&jsonl), &options(&dir.join("chat"), 100))
+        .unwrap_err();
+    assert!(
+        matches!(&error, TokenizeError::BadLine { line: 2, message, .. } if message.contains("--chat-template"))
+    );
+
+    let latin1 = dir.join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    let error = run(&tokenizer, std::slice::from_ref(&latin1), &options(&dir.join("latin"), 100))
+        .unwrap_err();
+    assert_eq!(
+        error,
+        TokenizeError::Input {
+            path: latin1,
+            message: "not UTF-8 (invalid bytes at offset 3)".into()
+        }
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A vocabulary past 65536 ids gives llm.c's u32 shards, which read back.
+#[test]
+fn a_large_vocabulary_writes_u32_shards() {
+    let dir = scratch("corpus-u32");
+    model_dir(&dir.join("model"), &word_level_big(), None);
+    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    let text = dir.join("t.txt");
+    std::fs::write(&text, "hello big world").unwrap();
+    let summary = run(&tokenizer, &[text], &options(&dir.join("out"), 100)).unwrap();
+    let bytes = std::fs::read(&summary.shards[0]).unwrap();
+    assert_eq!(i32::from_le_bytes(bytes[..4].try_into().unwrap()), SHARD_MAGIC_U32);
+    let read = read_shard(&summary.shards[0], tokenizer.vocab_size()).unwrap();
+    assert_eq!(read, ShardTokens::U32(vec![70000, 1, 69999, 2]));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The bytes tokenizer has no end-of-text token: documents follow each other directly and the
+/// index alone says where each starts; any other tokenizer without one is refused.
+#[test]
+fn without_an_end_of_text_token_only_bytes_may_tokenize() {
+    let dir = scratch("corpus-no-eot");
+    let jsonl = dir.join("d.jsonl");
+    std::fs::write(&jsonl, "{\"text\": \"ab\"}\n{\"text\": \"c\"}\n").unwrap();
+    let summary =
+        run(&Tokenizer::bytes(), std::slice::from_ref(&jsonl), &options(&dir.join("b"), 100))
+            .unwrap();
+    assert_eq!(tokens(&summary.shards[0]), [97, 98, 99]);
+    assert_eq!(read_document_index(&summary.shards[0].with_extension("idx")).unwrap(), [0, 2, 3]);
+    // Bytes take any file, UTF-8 or not.
+    let latin1 = dir.join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    let summary = run(&Tokenizer::bytes(), &[latin1], &options(&dir.join("l"), 100)).unwrap();
+    assert_eq!(tokens(&summary.shards[0]), [99, 97, 102, 0xe9]);
+
+    let mut json = word_level_big();
+    json["added_tokens"] = json!([]);
+    json["model"]["vocab"].as_object_mut().unwrap().remove("</s>");
+    model_dir(&dir.join("model"), &json, None);
+    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    assert_eq!(tokenizer.eot(), None);
+    let error = run(&tokenizer, &[jsonl], &options(&dir.join("w"), 100)).unwrap_err();
+    assert!(matches!(error, TokenizeError::NoEndOfText(_)), "{error}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

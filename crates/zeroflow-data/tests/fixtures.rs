@@ -1,0 +1,183 @@
+//! Small tokenizers and chat templates written by the tests (no network): a byte-level BPE
+//! `tokenizer.json` (GPT-2 / Llama-3 style, a handful of merges), a WordLevel one whose ids need
+//! u32 shards, and a Llama-3-style and a ChatML (Qwen-style) template with generation markers.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+/// A scratch directory for this test, emptied first.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zeroflow-data-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// GPT-2's map from bytes to the printable characters that byte-level BPE vocabularies use.
+pub fn byte_to_char(byte: u8) -> char {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let b = u32::from(byte);
+    if printable(b) {
+        return char::from_u32(b).unwrap();
+    }
+    let shift = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + shift).unwrap()
+}
+
+/// The merges of [`byte_level_bpe`], in rank order; merge `i` makes token `256 + i`.
+pub const MERGES: [(&str, &str); 9] = [
+    ("h", "e"),
+    ("l", "l"),
+    ("he", "ll"),
+    ("hell", "o"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("Ġw", "or"),
+    ("l", "d"),
+    ("Ġwor", "ld"),
+];
+
+/// Special tokens of [`byte_level_bpe`], ids from 265, right after the merges (`tokenizers` gives
+/// added tokens the ids after the model's vocabulary, whatever the file says).
+pub const SPECIAL: [&str; 7] = [
+    "<|endoftext|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+];
+
+pub fn special_id(token: &str) -> u32 {
+    265 + SPECIAL.iter().position(|&t| t == token).unwrap() as u32
+}
+
+fn added_token(id: u32, content: &str) -> Value {
+    json!({
+        "id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": true
+    })
+}
+
+/// A byte-level BPE tokenizer.json: byte `b` is token `b`, merges from 256, specials from 265.
+pub fn byte_level_bpe() -> Value {
+    let mut vocab = serde_json::Map::new();
+    for b in 0..=255u8 {
+        vocab.insert(byte_to_char(b).to_string(), json!(b));
+    }
+    for (i, (a, b)) in MERGES.iter().enumerate() {
+        vocab.insert(format!("{a}{b}"), json!(256 + i));
+    }
+    let byte_level = json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
+    });
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": SPECIAL.iter().enumerate()
+            .map(|(i, t)| added_token(265 + i as u32, t)).collect::<Vec<_>>(),
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": MERGES.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>(),
+        }
+    })
+}
+
+/// A WordLevel tokenizer.json (whitespace-split words) with ids up to 70000: u32 shards.
+pub fn word_level_big() -> Value {
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [added_token(70000, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": { "type": "WhitespaceSplit" },
+        "post_processor": null,
+        "decoder": null,
+        "model": {
+            "type": "WordLevel",
+            "vocab": { "[UNK]": 0, "hello": 1, "world": 2, "big": 69999, "</s>": 70000 },
+            "unk_token": "[UNK]"
+        }
+    })
+}
+
+/// Writes a model directory: tokenizer.json and, if given, tokenizer_config.json.
+pub fn model_dir(dir: &Path, tokenizer: &Value, config: Option<&Value>) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    if let Some(config) = config {
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    }
+    dir.to_path_buf()
+}
+
+/// A Llama-3-style template (BOS, header tokens, `| trim`, `<|eot_id|>`) with generation markers.
+pub const LLAMA3_TEMPLATE: &str = r#"{{- bos_token }}
+{%- for message in messages %}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+{%- if message['role'] == 'assistant' %}
+{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}
+{%- else %}
+{{- message['content'] | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"#;
+
+/// A ChatML (Qwen-style) template: a default system prompt, Python's `.strip()`,
+/// `raise_exception` on an unknown role, and generation markers around the assistant's content
+/// and `<|im_end|>` (not the newline after it).
+pub const CHATML_TEMPLATE: &str = r#"{%- if messages[0].role != 'system' %}
+{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role not in ['system', 'user', 'assistant'] %}
+{{- raise_exception('Unknown role: ' + message.role) }}
+{%- endif %}
+{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- generation %}
+{{- message.content.strip() + '<|im_end|>' }}
+{%- endgeneration %}
+{{- '\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"#;
+
+/// `template` without its generation markers (for the prefix-rendering fallback).
+pub fn without_markers(template: &str) -> String {
+    ["{% generation %}", "{% endgeneration %}", "{%- generation %}", "{%- endgeneration %}"]
+        .iter()
+        .fold(template.to_string(), |t, tag| t.replace(tag, ""))
+}
+
+/// A three-turn conversation (user, assistant, user, assistant, user, assistant) with unicode,
+/// digits and whitespace to trim.
+pub fn three_turns() -> Vec<Value> {
+    vec![
+        json!({"role": "user", "content": "hello world"}),
+        json!({"role": "assistant", "content": " hello! 42 \n"}),
+        json!({"role": "user", "content": "naïve café?"}),
+        json!({"role": "assistant", "content": "world\tworld"}),
+        json!({"role": "user", "content": "  and  then"}),
+        json!({"role": "assistant", "content": "ünïcode ✓ done"}),
+    ]
+}

@@ -1,0 +1,70 @@
+//! Shards of both widths, document indexes and loss masks: round trips and their errors.
+
+use zeroflow_data::{
+    DataErrorKind, DataLoader, SHARD_MAGIC, SHARD_MAGIC_U32, ShardTokens, Source, TokenWidth,
+    read_document_index, read_loss_mask, read_shard, write_document_index, write_loss_mask,
+    write_shard_as,
+};
+
+use crate::fixtures::scratch;
+
+fn magic(path: &std::path::Path) -> i32 {
+    let bytes = std::fs::read(path).unwrap();
+    i32::from_le_bytes(bytes[..4].try_into().unwrap())
+}
+
+#[test]
+fn the_token_width_follows_the_vocabulary() {
+    assert_eq!(TokenWidth::for_vocab(50257), TokenWidth::U16);
+    assert_eq!(TokenWidth::for_vocab(65536), TokenWidth::U16);
+    assert_eq!(TokenWidth::for_vocab(65537), TokenWidth::U32);
+    assert_eq!(TokenWidth::for_vocab(128256), TokenWidth::U32);
+}
+
+/// Both widths read back exactly (u32 ids above 65535 included), with llm.c's magic numbers, and
+/// the loader reads a u32 shard; a u16 shard refuses an id that does not fit.
+#[test]
+fn u16_and_u32_shards_round_trip() {
+    let dir = scratch("widths");
+    let narrow: Vec<u32> = (0..1000).map(|i| i * 65 % 65536).collect();
+    let wide: Vec<u32> = (0..1000).map(|i| 60000 + i * 97).collect();
+    let (u16_path, u32_path) = (dir.join("narrow.bin"), dir.join("wide.bin"));
+    write_shard_as(&u16_path, TokenWidth::U16, &narrow).unwrap();
+    write_shard_as(&u32_path, TokenWidth::U32, &wide).unwrap();
+    assert_eq!((magic(&u16_path), magic(&u32_path)), (SHARD_MAGIC, SHARD_MAGIC_U32));
+    assert_eq!(std::fs::metadata(&u32_path).unwrap().len(), 1024 + 4 * 1000);
+    let expected_u16 = ShardTokens::U16(narrow.iter().map(|&t| t as u16).collect());
+    assert_eq!(read_shard(&u16_path, 65536).unwrap(), expected_u16);
+    assert_eq!(read_shard(&u32_path, 200_000).unwrap(), ShardTokens::U32(wide.clone()));
+
+    let mut loader =
+        DataLoader::new(Source::Shards(vec![u32_path.clone()]), 200_000, 2, 8, 0, 1).unwrap();
+    assert_eq!(loader.next_batch().unwrap().inputs, wide[..16]);
+
+    let error = read_shard(&u32_path, 100_000).unwrap_err();
+    assert!(matches!(error.kind, DataErrorKind::TokenOutOfRange { vocab: 100_000, .. }), "{error}");
+    assert!(write_shard_as(&dir.join("no.bin"), TokenWidth::U16, &[1, 70000]).is_err());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn document_indexes_and_loss_masks_round_trip_and_are_checked() {
+    let dir = scratch("sidecars");
+    let index = dir.join("a.idx");
+    write_document_index(&index, &[0, 5, 5, 12]).unwrap();
+    assert_eq!(read_document_index(&index).unwrap(), [0, 5, 5, 12]);
+    write_document_index(&index, &[0, 7, 3]).unwrap();
+    let error = read_document_index(&index).unwrap_err();
+    assert!(matches!(error.kind, DataErrorKind::Corrupt(_)), "{error}");
+
+    let mask = dir.join("a.mask");
+    write_loss_mask(&mask, &[0, 0, 1, 1, 0]).unwrap();
+    assert_eq!(read_loss_mask(&mask).unwrap(), [0, 0, 1, 1, 0]);
+    write_loss_mask(&mask, &[0, 2]).unwrap();
+    let error = read_loss_mask(&mask).unwrap_err();
+    assert!(matches!(error.kind, DataErrorKind::Corrupt(_)), "{error}");
+    // A mask is not a shard.
+    let error = read_shard(&mask, 10).unwrap_err();
+    assert!(matches!(error.kind, DataErrorKind::WrongMagic { .. }), "{error}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

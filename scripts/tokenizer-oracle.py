@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""Checks `zeroflow tokenize` against the Python `tokenizers` and `transformers` packages.
+
+Builds its own tokenizers (no network): a Llama-3-style byte-level BPE (its split regex, a BOS
+post-processor) and a Llama-2-style Metaspace BPE with byte fallback, both trained here on mixed
+text (unicode, digits, whitespace runs, code); and GPT-2's own if it is in the local Hugging Face
+cache. For each it runs `zeroflow tokenize` on a `.jsonl` of documents and compares every
+document of the shards with `[end-of-text] + tokenizer.encode(text).ids`; it also times
+`zeroflow tokenize` against `encode_batch` on the same texts.
+
+Then chat: for a Llama-3-style, a ChatML (Qwen-style) and a Qwen-2.5-style tool-calling template
+(`tojson`, `is defined`, `set`, neighbours through `loop.index0`) with `{% generation %}` markers
+it compares ids and loss masks of `zeroflow tokenize` with transformers'
+`apply_chat_template(..., return_assistant_tokens_mask=True)` on many multi-turn conversations,
+and the prefix-rendering fallback (the same templates with the markers removed, through
+`--chat-template`) with the same masks.
+
+Exits 1 on any mismatch.
+
+    python3 scripts/tokenizer-oracle.py --zeroflow target/release/zeroflow [--megabytes 1]
+"""
+
+import argparse
+import array
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+           "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+
+LLAMA3_TEMPLATE = r"""{{- bos_token }}
+{%- for message in messages %}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+{%- if message['role'] == 'assistant' %}
+{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}
+{%- else %}
+{{- message['content'] | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+CHATML_TEMPLATE = r"""{%- if messages[0].role != 'system' %}
+{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role not in ['system', 'user', 'assistant'] %}
+{{- raise_exception('Unknown role: ' + message.role) }}
+{%- endif %}
+{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- generation %}
+{{- message.content.strip() + '<|im_end|>' }}
+{%- endgeneration %}
+{{- '\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# Qwen2.5-style: tool calls with `tojson` arguments, `is defined`, `set` in a loop, tool results
+# grouped by looking at neighbours (`loop.index0`, `loop.last`), and generation markers.
+QWEN_TOOLS_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- generation %}
+        {%- if message.content %}
+            {{- message.content.lstrip('\n') }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if (loop.first and message.content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {{- tool_call.arguments | tojson }}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>' }}
+        {%- endgeneration %}
+        {{- '\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+WORDS = ["the", "model", "naïve", "café", "Straße", "日本語", "テキスト", "données", "🙂", "✓",
+         "résumé", "über", "Ελληνικά", "русский", "العربية", "x", "tokens", "loss", "ZeRO"]
+CODE = ["def f(x):\n    return x * 2\n", "for (int i = 0; i < n; ++i) {\n\tsum += a[i];\n}\n",
+        "fn main() { println!(\"{}\", 1 + 2); }\n", "    if x:\n        y = {'a': [1, 2]}\n"]
+
+
+def mixed_text(rng):
+    """One document: words, numbers, whitespace runs, code, newlines."""
+    parts = []
+    for _ in range(rng.randint(5, 60)):
+        r = rng.random()
+        if r < 0.55:
+            parts.append(rng.choice(WORDS) + rng.choice([" ", " ", ", ", ". ", "\n"]))
+        elif r < 0.7:
+            parts.append(str(rng.randint(0, 10 ** rng.randint(1, 9))) + rng.choice([" ", "-", "\n"]))
+        elif r < 0.8:
+            parts.append(rng.choice(["  ", "   ", "\t", "\n\n", " \n ", "\r\n"]))
+        else:
+            parts.append(rng.choice(CODE))
+    return "".join(parts)
+
+
+def corpus(rng, megabytes):
+    texts, size = [], 0
+    while size < megabytes * 1e6:
+        texts.append(mixed_text(rng))
+        size += len(texts[-1].encode())
+    return texts
+
+
+def llama3_style(texts):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                      special_tokens=[("<|begin_of_text|>", 0)]),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def metaspace_byte_fallback(texts):
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<unk>", "<s>", "</s>"] + bytes_)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def read_file(path, magics):
+    data = Path(path).read_bytes()
+    header = array.array("i", data[:1024])
+    if sys.byteorder != "little":
+        header.byteswap()
+    magic, version, count = header[0], header[1], header[2]
+    if magic not in magics:
+        raise SystemExit(f"{path}: magic {magic}, expected one of {magics}")
+    kind = magics[magic]
+    body = array.array(kind, data[1024:])
+    if sys.byteorder != "little":
+        body.byteswap()
+    return list(body)
+
+
+def read_output(out_dir):
+    """The documents of `zeroflow tokenize`'s output: (tokens, mask or None) per document."""
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    documents = []
+    for shard in manifest["shards"]:
+        tokens = read_file(out_dir / shard["tokens"], {20240520: "H", 20240801: "I"})
+        offsets = read_file(out_dir / shard["documents"], {20261201: "Q"})
+        mask = None
+        if shard["loss_mask"]:
+            mask = list(Path(out_dir / shard["loss_mask"]).read_bytes()[1024:])
+        for start, end in zip(offsets, offsets[1:]):
+            documents.append((tokens[start:end], mask[start:end] if mask else None))
+    return manifest, documents
+
+
+def run_zeroflow(zeroflow, tokenizer, inputs, out_dir, extra=()):
+    command = [zeroflow, "tokenize", "--tokenizer", str(tokenizer), *map(str, inputs),
+               "--out", str(out_dir), *extra]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}")
+    return seconds, result.stdout
+
+
+class Failures:
+    def __init__(self):
+        self.count = 0
+
+    def check(self, ok, what):
+        if not ok:
+            self.count += 1
+            if self.count <= 20:
+                print(f"MISMATCH {what}")
+        return ok
+
+
+def check_documents(name, tok, tokenizer_arg, eot, texts, work, zeroflow, failures, ordinary=False):
+    jsonl = work / f"{name}.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+    out = work / f"{name}-out"
+    seconds, stdout = run_zeroflow(zeroflow, tokenizer_arg, [jsonl], out)
+    _, documents = read_output(out)
+    failures.check(len(documents) == len(texts), f"{name}: {len(documents)} documents, expected {len(texts)}")
+    start = time.perf_counter()
+    encodings = tok.encode_batch(texts)
+    python_seconds = time.perf_counter() - start
+    bad = 0
+    for i, (text, encoding, (tokens, _)) in enumerate(zip(texts, encodings, documents)):
+        expected = [eot] + encoding.ids
+        if not failures.check(tokens == expected, f"{name}: document {i} {text[:40]!r}: zeroflow "
+                                                  f"{tokens[:12]}..., tokenizers {expected[:12]}..."):
+            bad += 1
+    megabytes = sum(len(t.encode()) for t in texts) / 1e6
+    print(f"{name}: {len(texts)} documents, {megabytes:.2f} MB, {bad} mismatched; zeroflow tokenize "
+          f"{megabytes / seconds:.2f} MB/s (process wall time, start-up included), tokenizers "
+          f"encode_batch {megabytes / python_seconds:.2f} MB/s, ratio {python_seconds / seconds:.2f}")
+    print("   ", stdout.strip().splitlines()[-1])
+
+
+def conversations(rng, count):
+    result = []
+    for _ in range(count):
+        messages = []
+        if rng.random() < 0.3:
+            messages.append({"role": "system", "content": mixed_text(rng)[:200]})
+        for _ in range(rng.randint(1, 4)):
+            messages.append({"role": "user", "content": mixed_text(rng)[:300]})
+            messages.append({"role": "assistant", "content": rng.choice(["", " "]) + mixed_text(rng)[:300]})
+        result.append(messages)
+    return result
+
+
+def tool_conversations(rng, count):
+    """Conversations with tool calls (arguments as dicts, unicode and nesting) and tool results."""
+    result = []
+    for messages in conversations(rng, count):
+        with_tools = []
+        for m in messages:
+            with_tools.append(m)
+            if m["role"] == "assistant" and rng.random() < 0.5:
+                calls = [{"type": "function", "function": {"name": rng.choice(["search", "weather", "calc"]),
+                          "arguments": {"q": mixed_text(rng)[:40], "n": rng.randint(0, 99),
+                                        "opts": {"deep": rng.random() < 0.5, "tags": ["é", "x<y"]}}}}
+                         for _ in range(rng.randint(1, 2))]
+                content = rng.choice(["", mixed_text(rng)[:80]])
+                with_tools.append({"role": "assistant", "content": content, "tool_calls": calls})
+                with_tools.extend({"role": "tool", "content": mixed_text(rng)[:60]} for _ in calls)
+                with_tools.append({"role": "assistant", "content": mixed_text(rng)[:100]})
+        result.append(with_tools)
+    return result
+
+
+def without_markers(template):
+    for tag in ["{% generation %}", "{% endgeneration %}", "{%- generation %}", "{%- endgeneration %}"]:
+        template = template.replace(tag, "")
+    return template
+
+
+def check_chat(name, template, tok, work, zeroflow, chats, failures):
+    from transformers import PreTrainedTokenizerFast
+
+    model = work / f"{name}-model"
+    model.mkdir()
+    tok.save(str(model / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": template,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
+                                 bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    hf.chat_template = template
+    jsonl = work / f"{name}.jsonl"
+    jsonl.write_text("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in chats))
+    plain = work / f"{name}-plain.jinja"
+    plain.write_text(without_markers(template))
+    eot = hf.convert_tokens_to_ids("<|end_of_text|>")
+    for how, extra in [("markers", []), ("prefix fallback", ["--chat-template", str(plain)])]:
+        out = work / f"{name}-{how.replace(' ', '-')}"
+        run_zeroflow(zeroflow, model, [jsonl], out, extra)
+        _, documents = read_output(out)
+        bad = 0
+        for i, (messages, (tokens, mask)) in enumerate(zip(chats, documents)):
+            expected = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+            ids, expected_mask = list(expected["input_ids"]), list(expected["assistant_masks"])
+            ok = failures.check(tokens == [eot] + ids, f"{name} {how}: conversation {i} ids")
+            ok &= failures.check(mask == [0] + expected_mask,
+                                 f"{name} {how}: conversation {i} mask: zeroflow {mask[1:]}, "
+                                 f"transformers {expected_mask}")
+            bad += not ok
+        print(f"{name} chat ({how}): {len(chats)} conversations, "
+              f"{sum(len(m) for m in chats)} messages, {bad} mismatched")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zeroflow", default=None, help="the zeroflow binary (default: target/release, then debug)")
+    parser.add_argument("--megabytes", type=float, default=1.0, help="text per tokenizer (default 1)")
+    parser.add_argument("--conversations", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    zeroflow = args.zeroflow
+    if zeroflow is None:
+        root = Path(__file__).resolve().parent.parent
+        found = [p for p in (root / "target/release/zeroflow", root / "target/debug/zeroflow") if p.exists()]
+        if not found:
+            raise SystemExit("no zeroflow binary: cargo build --release, or give --zeroflow")
+        zeroflow = str(found[0])
+    rng = random.Random(args.seed)
+    texts = corpus(rng, args.megabytes)
+    failures = Failures()
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        llama3 = llama3_style(texts)
+        for name, tok, eot_token in [("llama3-style", llama3, "<|end_of_text|>"),
+                                     ("metaspace-byte-fallback", metaspace_byte_fallback(texts), "</s>")]:
+            path = work / f"{name}.json"
+            tok.save(str(path))
+            check_documents(name, tok, path, tok.token_to_id(eot_token), texts, work, zeroflow, failures)
+        try:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            gpt2 = Tokenizer.from_pretrained("gpt2")
+        except Exception as e:  # not cached: nothing to compare with
+            print(f"gpt2: skipped (not in the local Hugging Face cache: {type(e).__name__})")
+        else:
+            # zeroflow's bundled GPT-2 BPE reads "<|endoftext|>" in text as text; these texts have none.
+            check_documents("gpt2", gpt2, "gpt2", 50256, texts, work, zeroflow, failures)
+            gpt2_path = work / "gpt2.json"
+            gpt2.save(str(gpt2_path))
+            check_documents("gpt2-tokenizer.json", gpt2, gpt2_path, 50256, texts, work, zeroflow, failures)
+        chats = conversations(rng, args.conversations)
+        for name, template in [("llama3", LLAMA3_TEMPLATE), ("chatml", CHATML_TEMPLATE)]:
+            check_chat(name, template, llama3, work, zeroflow, chats, failures)
+        tool_chats = tool_conversations(rng, args.conversations)
+        check_chat("qwen-tools", QWEN_TOOLS_TEMPLATE, llama3, work, zeroflow, tool_chats, failures)
+    if failures.count:
+        print(f"FAILED: {failures.count} mismatches")
+        sys.exit(1)
+    print("all ids and masks agree")
+
+
+if __name__ == "__main__":
+    main()
