@@ -4,9 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use zeroflow_data::{DataLoader, Source, SyntheticCorpus};
-use zeroflow_gpt::GptConfig;
 
-use super::input;
+use crate::error::{Result, input};
 
 /// Micro-batches in the evaluation set unless `--eval-batches` says otherwise.
 pub const EVAL_BATCHES: usize = 16;
@@ -22,7 +21,7 @@ pub enum Spec {
 }
 
 impl Spec {
-    pub fn parse(data: &str) -> anyhow::Result<Spec> {
+    pub fn parse(data: &str) -> Result<Spec> {
         if data == "synthetic" {
             return Ok(Spec::Synthetic);
         }
@@ -93,7 +92,7 @@ impl Spec {
 }
 
 /// The files matching a glob whose wildcards (`*`, `?`) are in the file name only.
-fn glob(pattern: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn glob(pattern: &Path) -> Result<Vec<PathBuf>> {
     let shown = pattern.display();
     let dir = match pattern.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
@@ -165,16 +164,16 @@ pub struct Data {
 }
 
 impl Data {
-    /// Opens the data for `shape.micro_steps` micro-batches of `shape.batch` sequences of the
-    /// model's context: this rank's slices of the training stream and of the evaluation set (the
+    /// Opens the data for `shape.micro_steps` micro-batches of `shape.batch` sequences of
+    /// `shape.seq` tokens of a model of `vocab` symbols: this rank's slices of the training stream and of the evaluation set (the
     /// ranks read disjoint sequences of each step, together what one process with `world_size`
     /// times the micro-batch reads).
     ///
     /// The synthetic corpus evaluates on another stream of the same chain. Files evaluate on the
     /// last shard when there are several (it is then not trained on) and on the start of the only
     /// one otherwise (not held out: the log says so).
-    pub fn open(spec: &Spec, model: &GptConfig, shape: Shape, seed: u64) -> anyhow::Result<Data> {
-        let (batch, seq, vocab) = (shape.batch as usize, shape.seq, model.vocab_size);
+    pub fn open(spec: &Spec, vocab: usize, shape: Shape, seed: u64) -> Result<Data> {
+        let (batch, seq) = (shape.batch as usize, shape.seq);
         let (rank, world) = (shape.rank, shape.world_size);
         let loader = |source, rank, world| {
             DataLoader::new(source, vocab, batch, seq, rank, world)
@@ -251,7 +250,7 @@ impl Data {
         let mut eval_loader = loader(eval_source, rank, world)?;
         let eval = (0..shape.eval_batches)
             .map(|_| eval_loader.next_batch().map_err(|e| input(format!("--data: {e}"))))
-            .collect::<anyhow::Result<_>>()?;
+            .collect::<Result<_>>()?;
         Ok(Data { train, eval, floor, description })
     }
 }

@@ -9,12 +9,12 @@ use serde_json::Value;
 use zeroflow_core::DType;
 use zeroflow_device::cuda::HostWaits;
 use zeroflow_engine::EngineOptions;
-use zeroflow_gpt::AttentionKind;
+use zeroflow_nn::AttentionKind;
 use zeroflow_optim::Stores;
 
 use super::{Requested, mib_of, names};
-use crate::train::DeviceKind;
-use zeroflow_train::dist::affinity::{self, BindMode, Binding};
+use crate::DeviceKind;
+use crate::dist::affinity::{self, BindMode, Binding};
 
 /// The settings a run used. Only `attention` changes the numbers; the rest change the speed
 /// (the offload stream's results are bit-identical whatever its tuning).
