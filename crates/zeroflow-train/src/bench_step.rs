@@ -472,8 +472,8 @@ fn report(
 }
 
 /// The bench config's error (resolving it, or the engine's options of it).
-fn bench_config(error: impl std::error::Error + Send + Sync + 'static) -> TrainError {
-    TrainError::model(error).context("the bench config")
+fn bench_config(error: impl Into<TrainError>) -> TrainError {
+    error.into().context("the bench config")
 }
 
 /// The process's peak resident set (VmHWM), where Linux reports it.

@@ -180,27 +180,7 @@ impl Data {
                 .map_err(|e| input(format!("--data: {e}")))
         };
         let (train, eval_source, floor, description) = match spec {
-            Spec::Synthetic => {
-                let corpus = Arc::new(SyntheticCorpus::default());
-                if corpus.vocab > vocab {
-                    return Err(input(format!(
-                        "the synthetic corpus has {} symbols but the model's vocab_size is \
-                         {vocab}; use a model with vocab_size of at least {}",
-                        corpus.vocab, corpus.vocab
-                    )));
-                }
-                let floor = corpus.loss_floor(seq);
-                let train_len =
-                    (shape.micro_steps as usize).saturating_mul(world * batch * seq) + 1;
-                let train = Source::Synthetic {
-                    corpus: corpus.clone(),
-                    stream_seed: 2 * seed,
-                    len: train_len.min(1 << 26),
-                };
-                let eval_len = shape.eval_batches * world * batch * seq + 1;
-                let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
-                (train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into())
-            }
+            Spec::Synthetic => synthetic(vocab, shape, seed)?,
             Spec::Shards(paths) if paths.len() > 1 => {
                 let (last, rest) = paths.split_last().expect("more than one");
                 let description =
@@ -253,6 +233,34 @@ impl Data {
             .collect::<Result<_>>()?;
         Ok(Data { train, eval, floor, description })
     }
+}
+
+/// The training and evaluation sources of a run, its entropy floor where known, and what the
+/// data is (for the log and the summary).
+type Sources = (Source, Source, Option<f64>, String);
+
+/// The synthetic corpus' sources: two streams of the same chain, for `shape.micro_steps`
+/// micro-batches and the evaluation set.
+fn synthetic(vocab: usize, shape: Shape, seed: u64) -> Result<Sources> {
+    let (batch, seq, world) = (shape.batch as usize, shape.seq, shape.world_size);
+    let corpus = Arc::new(SyntheticCorpus::default());
+    if corpus.vocab > vocab {
+        return Err(input(format!(
+            "the synthetic corpus has {} symbols but the model's vocab_size is {vocab}; use a \
+             model with vocab_size of at least {}",
+            corpus.vocab, corpus.vocab
+        )));
+    }
+    let floor = corpus.loss_floor(seq);
+    let train_len = (shape.micro_steps as usize).saturating_mul(world * batch * seq) + 1;
+    let train = Source::Synthetic {
+        corpus: corpus.clone(),
+        stream_seed: 2 * seed,
+        len: train_len.min(1 << 26),
+    };
+    let eval_len = shape.eval_batches * world * batch * seq + 1;
+    let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
+    Ok((train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into()))
 }
 
 #[cfg(test)]

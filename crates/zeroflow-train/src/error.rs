@@ -32,6 +32,9 @@ pub enum TrainError {
     /// The family's model failed (GPT-2's `GptError`, …).
     #[error(transparent)]
     Model(Box<dyn std::error::Error + Send + Sync>),
+    /// A config (`bench step`'s own) does not resolve.
+    #[error(transparent)]
+    Config(#[from] zeroflow_core::config::ConfigError),
     #[error(transparent)]
     Engine(#[from] EngineError),
     #[error(transparent)]
