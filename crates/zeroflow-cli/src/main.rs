@@ -72,7 +72,9 @@ fn main() -> ExitCode {
             }
             if let Some(exit) = err.downcast_ref::<error::Exit>() {
                 ExitCode::from(exit.code)
-            } else if err.downcast_ref::<InputError>().is_some() {
+            } else if err.downcast_ref::<InputError>().is_some()
+                || err.downcast_ref::<zeroflow_train::TrainError>().is_some_and(|e| e.is_input())
+            {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE

@@ -13,6 +13,9 @@ use zeroflow_nn::plan::{
 };
 use zeroflow_nn::{AttentionKind, AttentionShape, Checkpointing, WeightLayout, layer_acts};
 
+/// How a [`GptPlan`] is built (zeroflow-nn's options of every family's plan).
+pub use zeroflow_nn::PlanOptions;
+
 use crate::GptConfig;
 use crate::error::GptError;
 use crate::kernels::{GptKernel, Kernel};
@@ -30,17 +33,6 @@ pub enum AttentionActs {
     /// The log-sum-exp `lse [batch, n_head, seq]` ([`AttentionKind::Flash`]); the CUDA model keeps
     /// it in f32 with the other statistics.
     LogSumExp(Range<usize>),
-}
-
-/// How a [`GptPlan`] is built.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct PlanOptions {
-    /// What each block's attention keeps for backward.
-    pub attention: AttentionKind,
-    /// Keep only each block's output from forward to backward and recompute the rest of the
-    /// block right before its backward ([`zeroflow_nn::checkpoint`]): every block's internal
-    /// activations share one region. Off by default.
-    pub activation_checkpointing: bool,
 }
 
 /// The activations of one block, as ranges of the activation buffer. With activation

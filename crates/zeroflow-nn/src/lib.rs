@@ -28,4 +28,6 @@ pub use error::NnError;
 pub use float::Float;
 pub use host::HostRunner;
 pub use kernels::{ArgSlices, AttentionShape, Fusable, Kernel, LayerKernel, WeightLayout};
-pub use plan::{Access, Arg, AttentionKind, Buf, GradGroup, GradsReady, Launch, Plan, Step};
+pub use plan::{
+    Access, Arg, AttentionKind, Buf, GradGroup, GradsReady, Launch, Plan, PlanOptions, Step,
+};

@@ -135,6 +135,17 @@ impl AttentionKind {
     }
 }
 
+/// How a family builds its plan: the options every family's plan takes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PlanOptions {
+    /// What each layer's attention keeps for backward.
+    pub attention: AttentionKind,
+    /// Keep only each layer's output from forward to backward and recompute the rest of the
+    /// layer right before its backward ([`crate::checkpoint`]): every layer's internal
+    /// activations share one region. Off by default.
+    pub activation_checkpointing: bool,
+}
+
 /// Hands out consecutive ranges of the activation buffer, each starting at a multiple of 16
 /// elements (64 bytes of f32).
 #[derive(Debug, Default)]

@@ -54,4 +54,4 @@ pub use error::OptimError;
 pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Stores};
 pub use half::bf16;
 pub use simd::{SimdLevel, UnknownSimdLevel};
-pub use workload::{GradDtype, Workload};
+pub use workload::{GradDtype, Timings, Workload, measure};

@@ -4,7 +4,9 @@ use half::bf16;
 use half::vec::HalfBitsVecExt;
 
 use crate::roofline::{self, RooflineVariant};
-use crate::{AdamState, AdamWStep, CpuAdam, Grads, OptimError, Output};
+use std::time::Instant;
+
+use crate::{AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, OptimError, Output};
 
 /// The element type of the benchmark's gradients.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -219,4 +221,63 @@ fn splitmix64(x: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// The medians of [`measure`], in seconds per pass.
+#[derive(Debug)]
+pub struct Timings {
+    pub adamw: f64,
+    /// One median per way of streaming that the roofline tried.
+    pub roofline: Vec<(RooflineVariant, f64)>,
+}
+
+impl Timings {
+    /// The fastest roofline variant: the ceiling.
+    pub fn best_roofline(&self) -> (RooflineVariant, f64) {
+        let by_time =
+            |a: &&(RooflineVariant, f64), b: &&(RooflineVariant, f64)| a.1.total_cmp(&b.1);
+        *self.roofline.iter().min_by(by_time).expect("at least one roofline variant")
+    }
+}
+
+/// Warm-up, then `iters` rounds of one AdamW step and one roofline pass of each variant over
+/// `workload`, interleaved so that a noisy neighbour or a clock change hits all of them alike
+/// (`zeroflow bench cpu-adam`).
+pub fn measure(
+    adam: &CpuAdam,
+    workload: &mut Workload,
+    warmup: u32,
+    iters: u32,
+) -> Result<Timings, OptimError> {
+    let mut optimizer = AdamW::new(AdamWConfig::default())?;
+    let grad_scale = 1.0 / 1024.0;
+    let variants = RooflineVariant::candidates(workload.has_bf16_copy());
+    let mut adamw = Vec::with_capacity(iters as usize);
+    let mut roofline = vec![Vec::with_capacity(iters as usize); variants.len()];
+    for round in 0..warmup + iters {
+        let step = optimizer.next_step(grad_scale);
+        let adamw_s = time(|| workload.step(adam, &step))?;
+        let roofline_s: Vec<f64> = variants
+            .iter()
+            .map(|&variant| time(|| workload.roofline_pass(adam, variant)))
+            .collect::<Result<_, _>>()?;
+        if round >= warmup {
+            adamw.push(adamw_s);
+            roofline.iter_mut().zip(roofline_s).for_each(|(samples, s)| samples.push(s));
+        }
+    }
+    let roofline = variants.into_iter().zip(roofline.iter_mut().map(|s| median(s))).collect();
+    Ok(Timings { adamw: median(&mut adamw), roofline })
+}
+
+fn time<E>(f: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
+    let start = Instant::now();
+    f()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    let mid = samples.len() / 2;
+    if samples.len() % 2 == 1 { samples[mid] } else { (samples[mid - 1] + samples[mid]) / 2.0 }
 }

@@ -1,16 +1,23 @@
-//! GPT-2 ([`zeroflow_gpt`]) as a [`Model`]: its CPU model in f32 and its CUDA model in bf16.
+//! GPT-2 ([`zeroflow_gpt`]) as a [`Model`] (its CPU model in f32 and its CUDA model in bf16) and
+//! its shape as a [`Family`].
 //!
 //! The impls live here, not in `zeroflow-gpt`, so that the family crate does not depend on the
 //! trainer (docs/DESIGN.md §2); each is the model's own methods under the trait's names.
 
+use std::sync::Arc;
+
+use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{CpuDevice, CudaDevice};
-use zeroflow_gpt::cuda::CudaGpt;
-use zeroflow_gpt::{CpuGpt, GptError};
-use zeroflow_nn::GradsReady;
+use zeroflow_engine::checkpoint::NamedTensor;
+use zeroflow_gpt::cuda::{CudaGpt, CudaGptOptions};
+use zeroflow_gpt::{ActLayout, CpuGpt, GptConfig, GptError};
+use zeroflow_nn::{AttentionKind, GradsReady, PlanOptions};
 
 use crate::model::{Buffer, Model};
+use crate::{Family, ModelSpec, TrainError};
 
 /// `impl Model for $model`, each method the model's own of the same name.
 macro_rules! gpt2_model {
@@ -60,3 +67,98 @@ gpt2_model!(
     zeroflow_core::bf16,
     memory_in_use: zeroflow_gpt::cuda::device_memory_in_use
 );
+
+impl From<GptError> for TrainError {
+    fn from(error: GptError) -> TrainError {
+        TrainError::model(error)
+    }
+}
+
+impl Family for GptConfig {
+    type Cpu = CpuGpt;
+    type Cuda = CudaGpt;
+
+    fn spec(&self) -> ModelSpec {
+        ModelSpec::Gpt2(*self)
+    }
+
+    fn num_params(&self) -> usize {
+        GptConfig::num_params(self)
+    }
+
+    fn n_layer(&self) -> usize {
+        self.n_layer
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.d_model
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn context(&self) -> usize {
+        self.context
+    }
+
+    fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError> {
+        zeroflow_gpt::flat_layout(self, world_size)
+            .map_err(|e| TrainError::model(e).context("cannot lay out the model"))
+    }
+
+    fn tensors(&self, layout: &FlatLayout) -> Result<Vec<NamedTensor>, TrainError> {
+        let tensors = zeroflow_gpt::hf_tensors(self, layout)?;
+        Ok(tensors
+            .into_iter()
+            .map(|t| NamedTensor { name: t.name, shape: t.shape, flat: t.flat_range })
+            .collect())
+    }
+
+    fn init(&self, layout: &FlatLayout, seed: u64, weights: &mut [f32]) -> Result<(), TrainError> {
+        Ok(zeroflow_gpt::init_params(self, layout, seed, weights)?)
+    }
+
+    fn cpu_activations(&self, batch: usize, seq: usize) -> usize {
+        ActLayout::new(self, batch, seq, AttentionKind::Gemm).len
+    }
+
+    fn cuda_attention(&self, asked: Option<AttentionKind>) -> AttentionKind {
+        CudaGptOptions::for_model(self, asked).attention
+    }
+
+    fn cpu_model(
+        &self,
+        device: &CpuDevice,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+    ) -> Result<CpuGpt, TrainError> {
+        Ok(CpuGpt::new(device, self, layout, batch, seq)?)
+    }
+
+    fn cuda_model(
+        &self,
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        plan: PlanOptions,
+    ) -> Result<CudaGpt, TrainError> {
+        let options = CudaGptOptions {
+            attention: plan.attention,
+            activation_checkpointing: plan.activation_checkpointing,
+            ..CudaGptOptions::default()
+        };
+        Ok(CudaGpt::with_options(device, blas, self, layout, batch, seq, options)?)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        self.to_hf_config()
+    }
+
+    fn cuda_activation_bytes(model: &CudaGpt) -> usize {
+        model.activation_bytes()
+    }
+}

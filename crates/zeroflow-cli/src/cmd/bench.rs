@@ -5,12 +5,8 @@
 //! and chunking (the roofline): the optimizer is memory-bound, so the fraction of the roofline it
 //! reaches is what tuning can still win.
 
-use std::time::Instant;
-
-use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
-use zeroflow_optim::roofline::RooflineVariant;
-use zeroflow_optim::{AdamW, AdamWConfig, CpuAdam, GradDtype, SimdLevel, Stores, Workload};
+use zeroflow_optim::{CpuAdam, GradDtype, SimdLevel, Stores, Timings, Workload, measure};
 
 use crate::InputError;
 
@@ -100,23 +96,6 @@ pub fn run(bench: Bench) -> anyhow::Result<()> {
     }
 }
 
-/// The medians of one run, in seconds per pass.
-#[derive(Debug)]
-struct Timings {
-    adamw: f64,
-    /// One median per way of streaming that the roofline tried.
-    roofline: Vec<(RooflineVariant, f64)>,
-}
-
-impl Timings {
-    /// The fastest roofline variant: the ceiling.
-    fn best_roofline(&self) -> (RooflineVariant, f64) {
-        let by_time =
-            |a: &&(RooflineVariant, f64), b: &&(RooflineVariant, f64)| a.1.total_cmp(&b.1);
-        *self.roofline.iter().min_by(by_time).expect("at least one roofline variant")
-    }
-}
-
 fn cpu_adam(args: CpuAdamArgs) -> anyhow::Result<()> {
     let level = match args.simd {
         SimdArg::Auto => SimdLevel::detect(),
@@ -158,7 +137,7 @@ fn cpu_adam(args: CpuAdamArgs) -> anyhow::Result<()> {
 
 /// Refuses sizes that do not fit in the memory the kernel says is available.
 fn check_memory(params: usize, bytes_per_param: usize) -> anyhow::Result<()> {
-    let Some(available) = mem_available_bytes() else {
+    let Some(available) = zeroflow_train::limits::available_host_memory() else {
         return Ok(()); // Not Linux, or no MemAvailable: nothing to check against.
     };
     let needed = params as u128 * bytes_per_param as u128;
@@ -176,55 +155,6 @@ fn check_memory(params: usize, bytes_per_param: usize) -> anyhow::Result<()> {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// MemAvailable from /proc/meminfo, in bytes.
-fn mem_available_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|line| line.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-/// Warm-up, then `iters` rounds of one AdamW step and one roofline pass of each variant,
-/// interleaved so that a noisy neighbour or a clock change hits all of them alike.
-fn measure(
-    adam: &CpuAdam,
-    workload: &mut Workload,
-    warmup: u32,
-    iters: u32,
-) -> anyhow::Result<Timings> {
-    let mut optimizer = AdamW::new(AdamWConfig::default())?;
-    let grad_scale = 1.0 / 1024.0;
-    let variants = RooflineVariant::candidates(workload.has_bf16_copy());
-    let mut adamw = Vec::with_capacity(iters as usize);
-    let mut roofline = vec![Vec::with_capacity(iters as usize); variants.len()];
-    for round in 0..warmup + iters {
-        let step = optimizer.next_step(grad_scale);
-        let adamw_s = time(|| workload.step(adam, &step)).context("AdamW step")?;
-        let roofline_s: Vec<f64> = variants
-            .iter()
-            .map(|&variant| time(|| workload.roofline_pass(adam, variant)))
-            .collect::<Result<_, _>>()?;
-        if round >= warmup {
-            adamw.push(adamw_s);
-            roofline.iter_mut().zip(roofline_s).for_each(|(samples, s)| samples.push(s));
-        }
-    }
-    let roofline = variants.into_iter().zip(roofline.iter_mut().map(|s| median(s))).collect();
-    Ok(Timings { adamw: median(&mut adamw), roofline })
-}
-
-fn time<E>(f: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {
-    let start = Instant::now();
-    f()?;
-    Ok(start.elapsed().as_secs_f64())
-}
-
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    let mid = samples.len() / 2;
-    if samples.len() % 2 == 1 { samples[mid] } else { (samples[mid - 1] + samples[mid]) / 2.0 }
-}
 
 fn report(args: &CpuAdamArgs, adam: &CpuAdam, grad: GradDtype, timings: &Timings) {
     let params = args.params as f64;

@@ -1,6 +1,7 @@
-//! `zeroflow bench step`: optimizer steps of the GPT model through the ZeRO engine, timed, in the
-//! configurations DeepSpeed is measured in (`bench/peers/ds_train.py`): ZeRO-2 with the optimizer
-//! on the device, with CPU optimizer offload, and with offload and the one-step delayed update.
+//! `zeroflow bench step`: optimizer steps of the GPT model through the ZeRO engine, timed
+//! ([`zeroflow_train::bench_step`]), in the configurations DeepSpeed is measured in
+//! (`bench/peers/ds_train.py`): ZeRO-2 with the optimizer on the device, with CPU optimizer
+//! offload, and with offload and the one-step delayed update.
 //!
 //! With several ranks (`zeroflow launch --nproc-per-node 2 -- bench step --device cuda …`, or
 //! torchrun and srun as for `train`), each rank steps the model on its GPU over its slice of one
@@ -8,30 +9,17 @@
 //! job's tokens/s (every rank's tokens), its own step times, breakdown and memory, and each rank's
 //! means.
 
-use std::num::NonZeroU32;
-use std::time::Instant;
-
-use anyhow::Context as _;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use rayon::prelude::*;
-use serde_json::json;
-use zeroflow_core::Float;
-use zeroflow_core::config::{self, Context};
-use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
-use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
-use zeroflow_gpt::{GptConfig, flat_layout, init_params};
+use zeroflow_gpt::GptConfig;
+use zeroflow_train::ModelSpec;
+use zeroflow_train::bench_step::{self, BenchOptions, Mode};
+use zeroflow_train::dist::DistEnv;
 
 use crate::InputError;
-use crate::settings::{self, Effective, Requested};
-use crate::train::DeviceKind;
-use crate::train::backend::{self, Model, Opened};
-use crate::train::run::{ModelEngine, forward_backward};
-use zeroflow_train::dist::affinity::{self, BindMode};
-use zeroflow_train::dist::{DistEnv, Group};
+use crate::settings::{self, Requested};
+use crate::train::DeviceFlag;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
+pub enum ModeFlag {
     /// ZeRO-2, AdamW on the device.
     Gpu,
     /// ZeRO-2 with CPU optimizer offload (pinned memory).
@@ -46,13 +34,13 @@ pub enum Mode {
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    #[arg(long, value_enum, default_value_t = Mode::Offload)]
-    mode: Mode,
+    #[arg(long, value_enum, default_value_t = ModeFlag::Offload)]
+    mode: ModeFlag,
     /// A named size (tiny, gpt2-124m, …, gpt-1.3b) or a custom shape.
     #[arg(long, default_value = "tiny")]
     model: String,
-    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
-    device: DeviceKind,
+    #[arg(long, value_enum, default_value_t = DeviceFlag::Cpu)]
+    device: DeviceFlag,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 8)]
     micro_batch: usize,
@@ -72,44 +60,20 @@ pub struct Args {
     gpu: settings::GpuFlags,
     #[command(flatten)]
     host: settings::HostFlags,
-    /// What the environment asks for (read by [`run`]; none in tests).
-    #[arg(skip)]
-    env: Requested,
 }
 
-/// The DeepSpeed config of a mode, as `bench/peers/ds_train.py` writes it.
-fn ds_config(mode: Mode, micro_batch: usize, accum: u64, bf16: bool, warmup: u32) -> String {
-    let offload = match mode {
-        Mode::Gpu => String::new(),
-        Mode::Offload | Mode::OffloadDelayed => {
-            r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#.to_owned()
+impl From<ModeFlag> for Mode {
+    fn from(flag: ModeFlag) -> Mode {
+        match flag {
+            ModeFlag::Gpu => Mode::Gpu,
+            ModeFlag::Offload => Mode::Offload,
+            ModeFlag::OffloadDelayed => Mode::OffloadDelayed,
+            ModeFlag::Zenflow => Mode::Zenflow,
         }
-        Mode::Zenflow => r#", "offload_optimizer": { "device": "cpu", "pin_memory": true },
-                          "zenflow": { "topk_ratio": 0.05, "update_interval": 4,
-                                       "full_warm_up_rounds": 0, "overlap_step": true }"#
-            .to_owned(),
-    };
-    let delayed = match mode {
-        Mode::OffloadDelayed => format!(
-            r#", "zeroflow": {{ "delayed_update": {{ "enabled": true, "warmup_steps": {} }} }}"#,
-            warmup.saturating_sub(1)
-        ),
-        Mode::Gpu | Mode::Offload | Mode::Zenflow => String::new(),
-    };
-    format!(
-        r#"{{
-  "train_micro_batch_size_per_gpu": {micro_batch},
-  "gradient_accumulation_steps": {accum},
-  "gradient_clipping": 1.0,
-  "bf16": {{ "enabled": {bf16} }},
-  "optimizer": {{ "type": "AdamW", "params": {{ "lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 }} }},
-  "zero_optimization": {{ "stage": 2, "overlap_comm": true, "contiguous_gradients": true,
-                          "reduce_bucket_size": 5e8{offload} }}{delayed}
-}}"#
-    )
+    }
 }
 
-pub fn run(mut args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args) -> anyhow::Result<()> {
     let model: GptConfig =
         args.model.parse().map_err(|e| InputError::from_display(format!("--model: {e}")))?;
     if args.micro_batch == 0 || args.steps == 0 || args.accum == 0 {
@@ -119,384 +83,26 @@ pub fn run(mut args: Args) -> anyhow::Result<()> {
     }
     let dist =
         DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
-    check_job(args.device, &dist)?;
-    args.env = settings::env::from_process()?;
-    let report = match args.device {
-        DeviceKind::Cpu => bench(&args, &model, &dist, backend::open_cpu)?,
-        DeviceKind::Cuda => {
-            let requested = requested(&args);
-            let attention = settings::attention(args.device, &model, &requested)?;
-            let device = settings::cuda_device_options(&requested);
-            let activation_checkpointing =
-                settings::activation_checkpointing(args.device, &requested);
-            let open = backend::CudaOpen { device, attention, activation_checkpointing };
-            bench(&args, &model, &dist, open.opener())?
-        }
+    bench_step::check_job(args.device.into(), &dist)?;
+    // The flags over the environment (the bench config has no `zeroflow` section).
+    let flags = settings::from_flags(args.gpu, args.host);
+    let requested = settings::resolve(flags, settings::env::from_process()?, Requested::default());
+    let options = BenchOptions {
+        mode: args.mode.into(),
+        model_name: args.model.clone(),
+        device: args.device.into(),
+        micro_batch: args.micro_batch,
+        accum: args.accum,
+        steps: args.steps,
+        warmup: args.warmup,
+        settings: requested,
+        kernel_cache: settings::env::kernel_cache(),
     };
     // Only rank 0 reports, for the whole job.
-    if let Some(report) = report {
+    if let Some(report) = bench_step::run(&options, ModelSpec::Gpt2(model), &dist)? {
         print_report(&args, &report)?;
     }
     Ok(())
-}
-
-/// The settings `args` ask for: the flags over the environment (the bench config has no
-/// `zeroflow` section).
-fn requested(args: &Args) -> Requested {
-    settings::resolve(settings::from_flags(args.gpu, args.host), args.env, Requested::default())
-}
-
-/// Several ranks (under `zeroflow launch`, torchrun or srun) need `--device cuda`: one GPU each,
-/// as for `train`.
-fn check_job(device: DeviceKind, dist: &DistEnv) -> anyhow::Result<()> {
-    if dist.world_size > 1 && device == DeviceKind::Cpu {
-        return Err(InputError::from_display(format!(
-            "this process is rank {} of {}, but --device cpu runs in one process: bench several \
-             ranks with --device cuda (one GPU each)",
-            dist.rank, dist.world_size
-        )));
-    }
-    Ok(())
-}
-
-/// What one rank measured over the timed steps.
-struct Measured {
-    /// Seconds per timed optimizer step.
-    times: Vec<f64>,
-    /// The forward-and-backward part of each timed step.
-    compute_times: Vec<f64>,
-    /// Forward alone, on the same batch after the timed steps (see [`time_forward`]).
-    forward_times: Vec<f64>,
-    /// Every step's loss (warm-up included), the mean over the ranks.
-    losses: Vec<f32>,
-    device_memory: Option<usize>,
-    /// Over the timed steps: the training thread's time on or waiting for the CPU optimizer, and
-    /// the bytes copied host → device and device → host.
-    cpu_wait: f64,
-    copied: CopiedBytes,
-    /// Over the timed steps: where the training thread's optimizer steps went.
-    step_times: StepTimes,
-}
-
-impl Measured {
-    fn mean(&self) -> f64 {
-        mean(&self.times)
-    }
-
-    fn compute_mean(&self) -> f64 {
-        mean(&self.compute_times)
-    }
-
-    fn forward_mean(&self) -> f64 {
-        mean(&self.forward_times)
-    }
-}
-
-fn mean(values: &[f64]) -> f64 {
-    values.iter().sum::<f64>() / values.len() as f64
-}
-
-/// Model FLOPs per trained token: 6 N for the weights' matmuls forward and backward (the tied
-/// output projection included), plus 12 L d T for attention's two batched matmuls over T
-/// positions (PaLM's accounting; the causal mask is not discounted). The same formula as
-/// scripts/bench-report.py's for the peers.
-fn flops_per_token(model: &GptConfig) -> f64 {
-    let (layers, width, context) =
-        (model.n_layer as f64, model.d_model as f64, model.context as f64);
-    6.0 * model.num_params() as f64 + 12.0 * layers * width * context
-}
-
-/// Benchmarks this rank's share of the job and returns the report on rank 0 (`None` on the
-/// others). Every rank runs the same steps on its own slice of one global batch; the engine's
-/// collectives keep the ranks in step.
-fn bench<M: Model>(
-    args: &Args,
-    model: &GptConfig,
-    dist: &DistEnv,
-    open: impl backend::OpenFn<M>,
-) -> anyhow::Result<Option<serde_json::Value>> {
-    // First, before anything starts a thread (rayon's pool in `init_params`, the optimizer's):
-    // they inherit the binding.
-    let requested = requested(args);
-    let bind = requested.cpu_bind.unwrap_or(BindMode::Auto);
-    let binding =
-        if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist, bind) } else { None };
-    let bf16 = args.device == DeviceKind::Cuda;
-    let text = ds_config(args.mode, args.micro_batch, args.accum, bf16, args.warmup);
-    let world = u32::try_from(dist.world_size).ok().and_then(NonZeroU32::new);
-    let world = world.with_context(|| format!("a job of {} ranks", dist.world_size))?;
-    let context = Context { world_size: world, ..Context::default() };
-    let resolved = config::resolve_str(&text, &context).context("the bench config")?;
-    // The ranks of one host share its cores: those near its GPU where bound.
-    let threads = affinity::optimizer_threads(binding.as_ref(), dist);
-    let mut options =
-        EngineOptions::from_config(&resolved.config, threads).context("the bench config")?;
-    settings::apply_offload::<M::P>(&requested, &mut options, dist.rank)?;
-    let attention = settings::attention(args.device, model, &requested)?;
-    let dtype = <M::P as zeroflow_core::Element>::DTYPE;
-    let effective =
-        Effective::new(args.device, attention, &requested, &options, dtype, binding.as_ref());
-    // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
-    // thread: pt_reserved_cores_perc).
-    let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
-    let layout = flat_layout(model, dist.world_size)?;
-    let mut weights = vec![0.0f32; layout.padded_len()];
-    init_params(model, &layout, 0, &mut weights)?;
-    let initial: Vec<M::P> = weights.par_iter().map(|&w| M::P::from_f32(w)).collect();
-    drop(weights);
-    let Opened { device, comm, model: mut gpt, mut group } =
-        open(model, args.micro_batch, model.context, &layout, dist)?;
-    let description = device.describe();
-    let mut engine = Engine::with_weights(device, comm, layout, options, initial)?;
-    let batch = rank_batch(model, args.micro_batch, dist);
-    let measured = measure(args, &mut engine, &mut gpt, &batch, &mut group)?;
-    let ranks = gather_ranks(&measured, &mut group)?;
-    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
-    group.finish()?;
-    if dist.rank != 0 {
-        return Ok(None);
-    }
-    let job = Job { world: dist.world_size, threads, description, settings: effective.to_json() };
-    Ok(Some(report(args, model, &job, &measured, &ranks)))
-}
-
-/// This rank's inputs and targets: its slice of one global batch of `world × micro_batch`
-/// random sequences (the same tokens whatever the number of ranks, so that one rank with the
-/// global batch sees what the ranks see together).
-fn rank_batch(model: &GptConfig, micro_batch: usize, dist: &DistEnv) -> (Vec<u32>, Vec<u32>) {
-    let tokens = micro_batch * model.context;
-    let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let vocab = model.vocab_size as u32;
-    let global: Vec<u32> =
-        (0..tokens * dist.world_size + 1).map(|_| rng.random_range(0..vocab)).collect();
-    let mine = &global[dist.rank * tokens..(dist.rank + 1) * tokens + 1];
-    (mine[..tokens].to_vec(), mine[1..].to_vec())
-}
-
-/// The warm-up and timed steps on this rank.
-fn measure<M: Model>(
-    args: &Args,
-    engine: &mut ModelEngine<M>,
-    gpt: &mut M,
-    (inputs, targets): &(Vec<u32>, Vec<u32>),
-    group: &mut Group,
-) -> anyhow::Result<Measured> {
-    let mut measured = Measured {
-        times: Vec::new(),
-        compute_times: Vec::new(),
-        forward_times: Vec::new(),
-        losses: Vec::new(),
-        device_memory: None,
-        cpu_wait: 0.0,
-        copied: CopiedBytes::default(),
-        step_times: StepTimes::default(),
-    };
-    let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
-    let mut step_times = engine.step_times();
-    // A step ends when the compute stream has finished it: work the step left on the copy and
-    // collective streams (ZenFlow's window copy, the last weight uploads) overlaps the next step
-    // as in training, and is charged to whichever step waits for it; the timed steps together
-    // end with every stream idle, so their times add up to the wall time.
-    let mut compute_done = engine.device().new_event()?;
-    let mut finish_compute = |engine: &ModelEngine<M>| -> anyhow::Result<()> {
-        let device = engine.device();
-        device.record(&mut compute_done, device.stream(StreamKind::Compute))?;
-        device.sync_event(&compute_done)?;
-        Ok(())
-    };
-    for step in 0..args.warmup + args.steps {
-        if step == args.warmup {
-            engine.device().synchronize()?;
-            (waited, copied) = (engine.cpu_wait(), engine.device().copied_bytes());
-            step_times = engine.step_times();
-        }
-        let last = step + 1 == args.warmup + args.steps;
-        let start = Instant::now();
-        for _ in 0..args.accum {
-            gpt.set_batch(inputs, targets)?;
-            forward_backward(engine, gpt)?;
-            if !engine.is_gradient_accumulation_boundary() {
-                engine.step()?;
-            }
-        }
-        // The split point of the breakdown: the GPU has finished forward and backward.
-        finish_compute(engine)?;
-        let compute = start.elapsed().as_secs_f64();
-        // Read before the optimizer step, as `zeroflow train` does: a step may leave a bulk copy
-        // on the copy engine (ZenFlow's window) that a later small copy would queue behind.
-        let loss = gpt.loss()?;
-        let report = engine.step()?;
-        let stepped = start.elapsed().as_secs_f64();
-        if last {
-            engine.device().synchronize()?;
-        } else {
-            finish_compute(engine)?;
-        }
-        let seconds = start.elapsed().as_secs_f64();
-        tracing::debug!(step, compute, stepped, seconds, "bench step (s from its start)");
-        // The ranks' mean, after the clock stops (a barrier of the side channel).
-        let loss = group.mean(f64::from(loss))?;
-        measured.losses.push(loss as f32);
-        if !matches!(report, StepReport::Stepped { .. }) {
-            anyhow::bail!("step {step} did not update the weights: {report:?}");
-        }
-        if step >= args.warmup {
-            measured.times.push(seconds);
-            measured.compute_times.push(compute);
-        }
-    }
-    measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
-    measured.copied = engine.device().copied_bytes().since(copied);
-    measured.step_times = engine.step_times().since(&step_times);
-    measured.device_memory = M::memory_in_use(engine.device());
-    engine.flush()?;
-    measured.forward_times = time_forward(args.steps as usize, engine, gpt, inputs, targets)?;
-    Ok(measured)
-}
-
-/// Forward alone, `passes` times on the same batch with the trained weights, each from an idle
-/// device to its loss on the host: the forward part of the breakdown (a training step's forward
-/// queues the same kernels; backward is the rest of forward + backward).
-fn time_forward<M: Model>(
-    passes: usize,
-    engine: &ModelEngine<M>,
-    gpt: &mut M,
-    inputs: &[u32],
-    targets: &[u32],
-) -> anyhow::Result<Vec<f64>> {
-    let mut times = Vec::with_capacity(passes);
-    for _ in 0..passes.max(1) {
-        gpt.set_batch(inputs, targets)?;
-        engine.device().synchronize()?;
-        let start = Instant::now();
-        gpt.forward(engine.params())?;
-        gpt.loss()?;
-        times.push(start.elapsed().as_secs_f64());
-    }
-    Ok(times)
-}
-
-/// One rank's means and memory, as rank 0 reports them.
-struct RankFigures {
-    s_per_step_mean: f64,
-    forward_backward_s_mean: f64,
-    forward_s_mean: f64,
-    peak_rss_bytes: Option<u64>,
-    device_memory_in_use_bytes: Option<u64>,
-}
-
-/// Every rank's figures, in rank order (a barrier of the side channel per figure).
-fn gather_ranks(measured: &Measured, group: &mut Group) -> anyhow::Result<Vec<RankFigures>> {
-    // `u64::MAX` stands for "unknown".
-    let known = |value: Option<u64>| value.unwrap_or(u64::MAX);
-    let unknown = |value: u64| (value != u64::MAX).then_some(value);
-    let means = group.gather(measured.mean().to_bits())?;
-    let computes = group.gather(measured.compute_mean().to_bits())?;
-    let forwards = group.gather(measured.forward_mean().to_bits())?;
-    let rss = group.gather(known(peak_rss_bytes()))?;
-    let memory = group.gather(known(measured.device_memory.map(|b| b as u64)))?;
-    Ok((0..means.len())
-        .map(|rank| RankFigures {
-            s_per_step_mean: f64::from_bits(means[rank]),
-            forward_backward_s_mean: f64::from_bits(computes[rank]),
-            forward_s_mean: f64::from_bits(forwards[rank]),
-            peak_rss_bytes: unknown(rss[rank]),
-            device_memory_in_use_bytes: unknown(memory[rank]),
-        })
-        .collect())
-}
-
-/// The job as the report describes it.
-struct Job {
-    world: usize,
-    /// CPU threads of each rank's optimizer.
-    threads: usize,
-    /// Rank 0's device.
-    description: String,
-    /// Rank 0's run-time settings ([`Effective`]).
-    settings: serde_json::Value,
-}
-
-/// Rank 0's report: the job's throughput (every rank's tokens over the slowest rank's mean step),
-/// rank 0's step times, breakdown and memory, and each rank's means.
-fn report(
-    args: &Args,
-    model: &GptConfig,
-    job: &Job,
-    measured: &Measured,
-    ranks: &[RankFigures],
-) -> serde_json::Value {
-    let mut sorted = measured.times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
-    let (mean, compute_mean) = (measured.mean(), measured.compute_mean());
-    let forward_mean = measured.forward_mean();
-    let slowest = ranks.iter().map(|r| r.s_per_step_mean).fold(mean, f64::max);
-    let tokens = args.micro_batch * model.context * args.accum as usize * job.world;
-    let rss = ranks[0].peak_rss_bytes;
-    let params = model.num_params();
-    let flops = flops_per_token(model);
-    let per_step = |time: std::time::Duration| time.as_secs_f64() / measured.times.len() as f64;
-    let mut out = json!({
-        "system": "zeroflow",
-        "mode": mode_name(args.mode),
-        "device": job.description,
-        "world_size": job.world,
-        "cpu_threads_per_rank": job.threads,
-        "model": args.model,
-        "parameters": params,
-        "micro_batch": args.micro_batch,
-        "accum": args.accum,
-        "seq": model.context,
-        "tokens_per_step": tokens,
-        "s_per_step_median": median,
-        "s_per_step_mean": mean,
-        "tokens_per_s": tokens as f64 / slowest,
-        "tokens_per_s_per_gpu": tokens as f64 / slowest / job.world as f64,
-        "flops_per_token": flops,
-        "model_tflops": tokens as f64 / slowest * flops / 1e12,
-        "forward_s_mean": forward_mean,
-        "backward_s_mean": compute_mean - forward_mean,
-        "forward_backward_s_mean": compute_mean,
-        "exposed_optimizer_s_mean": mean - compute_mean,
-        // The training thread on or waiting for the CPU optimizer, per step and as a fraction
-        // of the step time (the GPU gets no new work meanwhile), and PCIe traffic per step.
-        "cpu_wait_s_mean": measured.cpu_wait / measured.times.len() as f64,
-        "cpu_wait_fraction": measured.cpu_wait / measured.times.iter().sum::<f64>(),
-        "h2d_bytes_per_step": measured.copied.host_to_device as f64 / measured.times.len() as f64,
-        "d2h_bytes_per_step": measured.copied.device_to_host as f64 / measured.times.len() as f64,
-        // Rank 0's optimizer step by the host clock: waiting for the gradient norm, and the
-        // streamed CPU step's waits for gradient chunks and for uploads, and its AdamW.
-        "norm_wait_s_mean": per_step(measured.step_times.norm_wait),
-        "chunk_wait_s_mean": per_step(measured.step_times.chunk_wait),
-        "upload_wait_s_mean": per_step(measured.step_times.upload_wait),
-        "cpu_adam_s_mean": per_step(measured.step_times.adam),
-        "peak_rss_bytes": rss,
-        "device_memory_in_use_bytes": measured.device_memory,
-        "peak_rss_bytes_per_param": rss.map(|r| r as f64 / params as f64),
-        "ranks": ranks.iter().enumerate().map(|(rank, r)| json!({
-            "rank": rank,
-            "s_per_step_mean": r.s_per_step_mean,
-            "forward_backward_s_mean": r.forward_backward_s_mean,
-            "forward_s_mean": r.forward_s_mean,
-            "exposed_optimizer_s_mean": r.s_per_step_mean - r.forward_backward_s_mean,
-            "peak_rss_bytes": r.peak_rss_bytes,
-            "device_memory_in_use_bytes": r.device_memory_in_use_bytes,
-        })).collect::<Vec<_>>(),
-        "times": measured.times,
-        "losses": measured.losses,
-    });
-    out["settings"] = job.settings.clone();
-    out
-}
-
-fn mode_name(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Gpu => "gpu",
-        Mode::Offload => "offload",
-        Mode::OffloadDelayed => "offload-delayed",
-        Mode::Zenflow => "zenflow",
-    }
 }
 
 fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
@@ -526,7 +132,7 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
          uploads {:.4} s), PCIe {:.2} GB in / {:.2} GB out per step, peak RSS {rss}, device \
          memory in use {memory}; loss {:.3} → {:.3}",
         args.model,
-        mode_name(args.mode),
+        out["mode"].as_str().unwrap_or_default(),
         out["world_size"],
         out["device"].as_str().unwrap_or_default(),
         number("tokens_per_s"),
@@ -547,28 +153,4 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         loss(losses.last()),
     );
     Ok(())
-}
-
-/// The process's peak resident set (VmHWM), where Linux reports it.
-fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-#[cfg(test)]
-mod multi_rank_tests;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_flops_count_the_weights_and_attention() {
-        // gpt2-124m: 124,439,808 parameters, 12 layers of width 768, context 1024.
-        let model = GptConfig::named("gpt2-124m").unwrap();
-        let want = 6.0 * 124_439_808.0 + 12.0 * 12.0 * 768.0 * 1024.0;
-        assert_eq!(flops_per_token(&model), want);
-    }
 }

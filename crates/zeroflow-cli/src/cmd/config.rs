@@ -13,8 +13,8 @@ use zeroflow_gpt::GptConfig;
 
 use crate::InputError;
 use crate::cmd::train::DEFAULT_STEPS;
-use crate::train::DeviceKind;
-use crate::train::run_config::{self, RunFlags};
+use crate::train::DeviceFlag;
+use zeroflow_train::run_config::{self, RunFlags};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -27,7 +27,7 @@ pub struct Args {
     /// The device `train` would run on: checks the precision against it and fills an "auto"
     /// bf16/fp16 as `train --device` does. Default: not checked, "auto" precisions off.
     #[arg(long, value_enum)]
-    pub device: Option<DeviceKind>,
+    pub device: Option<DeviceFlag>,
     /// Model size or JSON shape, as `train --model` (an "auto" reduce_bucket_size is its hidden
     /// size squared). Default: tiny.
     #[arg(long, value_name = "NAME|JSON")]
@@ -50,7 +50,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let flags = RunFlags {
         config_file: Some(&args.file),
         saved_config: None,
-        device: args.device,
+        device: args.device.map(Into::into),
         micro_batch: args.auto.micro_batch,
         accum: args.auto.accum,
         lr: args.auto.lr,

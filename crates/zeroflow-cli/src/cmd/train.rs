@@ -8,12 +8,14 @@
 use std::num::NonZeroU64;
 use std::path::PathBuf;
 
+use zeroflow_train::dist::DistEnv;
+use zeroflow_train::setup::{AutoValues, TrainOptions};
+
+use crate::InputError;
 use crate::settings;
 use crate::train;
 
-/// How many optimizer steps the default run takes: enough for `tiny` to get within 5% of the
-/// synthetic corpus' entropy floor.
-pub const DEFAULT_STEPS: u64 = 1000;
+pub use zeroflow_train::setup::DEFAULT_STEPS;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -32,8 +34,8 @@ pub struct Args {
     #[arg(long, value_name = "synthetic|PATH")]
     pub data: Option<String>,
     /// Where the model runs (`gpu` is accepted for cuda).
-    #[arg(long, value_enum, default_value_t = train::DeviceKind::Cpu)]
-    pub device: train::DeviceKind,
+    #[arg(long, value_enum, default_value_t = train::DeviceFlag::Cpu)]
+    pub device: train::DeviceFlag,
     /// With --device cuda in one process: the GPU to train on, counted among the GPUs
     /// CUDA_VISIBLE_DEVICES leaves visible. Default: 0 (under a launcher: LOCAL_RANK).
     #[arg(long, value_name = "N")]
@@ -52,7 +54,7 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub eval_every: u64,
     /// Micro-batches in each evaluation (of --micro-batch sequences each, on every rank).
-    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(crate::train::EVAL_BATCHES as u64).expect("non-zero"))]
+    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(zeroflow_train::data::EVAL_BATCHES as u64).expect("non-zero"))]
     pub eval_batches: NonZeroU64,
     /// Tokens per training sequence, at most the model's context. Default: the model's context.
     #[arg(long, value_name = "N")]
@@ -99,9 +101,49 @@ pub struct Args {
     pub host_flags: settings::HostFlags,
 }
 
+/// Checks everything the flags and files say (with the launcher's and `ZEROFLOW_*` variables),
+/// then trains.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let setup = train::Setup::from_args(args)?;
+    let dist =
+        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
+    let env = settings::env::from_process()?;
+    let setup = zeroflow_train::Setup::from_options(args.options(), dist, env)?;
     train::run(setup)
+}
+
+impl Args {
+    /// The flags as the library's options.
+    pub fn options(&self) -> TrainOptions {
+        let auto = &self.auto;
+        TrainOptions {
+            config: self.config.clone(),
+            model: self.model.clone(),
+            data: self.data.clone(),
+            device: self.device.into(),
+            gpu: self.gpu,
+            steps: self.steps,
+            extend_schedule: self.extend_schedule,
+            eval_every: self.eval_every,
+            eval_batches: self.eval_batches,
+            seq: self.seq,
+            log_every: self.log_every,
+            out: self.out.clone(),
+            save_every: self.save_every,
+            keep: self.keep,
+            resume: self.resume.clone(),
+            init_from: self.init_from.clone(),
+            force: self.force,
+            seed: self.seed,
+            auto: AutoValues {
+                micro_batch: auto.micro_batch,
+                accum: auto.accum,
+                lr: auto.lr,
+                warmup: auto.warmup,
+                weight_decay: auto.weight_decay,
+            },
+            settings: settings::from_flags(self.gpu_flags, self.host_flags),
+        }
+    }
 }
 
 /// The flags that fill a config's `"auto"` values, the same for `train` and `zeroflow config`
@@ -124,4 +166,30 @@ pub struct AutoFlags {
     /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0.
     #[arg(long, value_name = "X")]
     pub weight_decay: Option<f64>,
+}
+
+#[cfg(test)]
+mod gpu_flag_tests {
+    use clap::Parser;
+    use zeroflow_train::setup::job;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// `--gpu N` is the GPU a one-process run opens (the ordinal `CudaDevice::new` gets, among
+    /// the GPUs CUDA_VISIBLE_DEVICES leaves), instead of GPU 0.
+    #[test]
+    fn gpu_is_the_ordinal_of_a_one_process_run() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(argv).expect("valid flags").args.options();
+        let one = DistEnv::single;
+        let dist = job(&parse(&["train", "--device", "cuda", "--gpu", "3"]), one()).expect("one");
+        assert_eq!((dist.world_size, dist.local_rank), (1, 3));
+        let dist = job(&parse(&["train", "--device", "cuda"]), one()).expect("one process");
+        assert_eq!(dist.local_rank, 0);
+    }
 }

@@ -1,548 +1,166 @@
-//! `zeroflow train`: what a run is made of ([`Setup`], checked from the flags before anything is
-//! written: fresh, `--init-from` a Hugging Face directory, or `--resume` a checkpoint), the
-//! training loop ([`run`]), and what it leaves behind (metrics, plot, summary, checkpoints).
+//! `zeroflow train` in the binary: the flags made into the library's options, a run of
+//! [`zeroflow_train::run`] shown on the terminal ([`Shown`]: the progress bar or lines, the loss
+//! plot, SIGINT and SIGTERM caught), and the line the run ends with.
 
-pub mod backend;
-mod checkpoints;
-mod data;
-mod data_files;
-mod init;
-mod limits;
 #[cfg(test)]
 mod multi_rank_tests;
 mod output;
 mod plot;
-mod resume;
-pub(crate) mod run;
-pub mod run_config;
-mod run_dir;
 mod signals;
 
-use std::num::NonZeroU64;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::Context as _;
-use zeroflow_core::config::Config;
-use zeroflow_engine::checkpoint::{self, NamedTensor};
-use zeroflow_gpt::{GptConfig, HfTensor, flat_layout, hf_tensors};
+use zeroflow_train::metrics::StepRecord;
+use zeroflow_train::observer::{Activity, ObserverError, StopHandle, TrainObserver};
+use zeroflow_train::open::CudaOpen;
+use zeroflow_train::run::Outcome;
+use zeroflow_train::{DeviceKind, Setup, TrainError};
 
-use crate::InputError;
-use crate::cmd::train::Args;
-use crate::settings::{self, Requested};
-use zeroflow_train::ModelSpec;
-use zeroflow_train::dist::DistEnv;
-use zeroflow_train::dist::affinity::{self, BindMode, Binding};
+use crate::error::Exit;
+use crate::settings;
+use output::Progress;
+use signals::Stop;
 
-use checkpoints::ResumePoint;
-pub use data::{Data, EVAL_BATCHES};
-pub use run::run;
-
-/// Where the model runs.
+/// Where the model runs (`--device`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DeviceKind {
+pub enum DeviceFlag {
     Cpu,
     /// An NVIDIA GPU (also spelled `gpu`).
     #[value(alias = "gpu")]
     Cuda,
 }
 
-/// How the weights and the optimizer start.
-#[derive(Debug)]
-pub enum Start {
-    /// Fresh weights from the seed.
-    Seed,
-    /// The weights of a Hugging Face directory (`--init-from`), fresh optimizer state.
-    InitFrom { dir: PathBuf, weights: Vec<f32> },
-    /// Everything from a checkpoint (`--resume`).
-    Resume { point: Box<ResumePoint>, weights: Vec<f32> },
-}
-
-/// Everything a run needs, checked.
-#[derive(Debug)]
-pub struct Setup {
-    pub device: DeviceKind,
-    pub model: GptConfig,
-    pub data: Data,
-    /// `--data` resolved to an absolute path (or as the resumed checkpoint recorded it).
-    pub data_arg: String,
-    /// The data files with their fingerprints, for the checkpoints.
-    pub data_files: Vec<data_files::DataFile>,
-    pub config: Config,
-    /// Where `config` came from, for the summary.
-    pub config_file: Option<PathBuf>,
-    pub steps: u64,
-    /// Tokens per training sequence (`--seq`; at most the model's context).
-    pub seq: usize,
-    pub eval_every: u64,
-    pub log_every: u64,
-    pub save_every: u64,
-    pub keep: u64,
-    pub out: PathBuf,
-    /// `out` is the default `runs/<UTC time>`, which the run claims for itself when it starts
-    /// ([`run_dir::claim`]), under another name where that one is taken.
-    pub default_out: bool,
-    pub seed: u64,
-    pub start: Start,
-    /// This process's rank in the job (one process unless a launcher says otherwise).
-    pub dist: DistEnv,
-    /// The CPUs near its GPU that this rank's threads were bound to (`--device cuda`,
-    /// `--cpu-bind`); `None`: unbound, the host's cores shared evenly between its ranks.
-    pub cpu_binding: Option<Binding>,
-    /// The run-time settings, every layer resolved ([`settings::resolve`]).
-    pub settings: Requested,
-    /// The attention the model runs ([`settings::attention`]).
-    pub attention: zeroflow_gpt::AttentionKind,
-}
-
-impl Setup {
-    /// Checks the flags, the model, the data, the config, the checkpoint or initial weights, and
-    /// that the output directory may be written; creates and changes nothing, except that with
-    /// `--device cuda` it first binds this rank's threads to its GPU's CPUs
-    /// ([`affinity::bind_for_gpu`]).
-    pub fn from_args(args: Args) -> anyhow::Result<Setup> {
-        let dist = job(&args)?;
-        let env = settings::env::from_process()?;
-        // First, before anything starts a thread (rayon's pool, the optimizer's): they inherit
-        // the binding. The config is resolved later; its `cpu_bind` is looked up here.
-        let flags = settings::from_flags(args.gpu_flags, args.host_flags);
-        let bind = flags.cpu_bind.or(env.cpu_bind).or_else(|| config_cpu_bind(&args));
-        let cpu_binding = (args.device == DeviceKind::Cuda)
-            .then(|| affinity::bind_for_gpu(&dist, bind.unwrap_or(BindMode::Auto)))
-            .flatten();
-        let setup = Setup::for_rank(args, dist, env)?;
-        // Last, so that a mistake in the flags or the config is reported first.
-        if setup.device == DeviceKind::Cuda {
-            backend::check_cuda_gpu(setup.dist.local_rank)?;
-        }
-        Ok(Setup { cpu_binding, ..setup })
-    }
-
-    /// [`Setup::from_args`] for the rank `dist`, with `env` as what the environment asks for
-    /// (the process environment is not read).
-    pub(crate) fn for_rank(mut args: Args, dist: DistEnv, env: Requested) -> anyhow::Result<Setup> {
-        let resume = match &args.resume {
-            Some(arg) => Some(checkpoints::find(arg, args.out.as_deref())?),
-            None => None,
-        };
-        if let Some(point) = &resume {
-            default_to_saved(&mut args, &point.extra.config);
-        }
-        let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
-        let data_arg = match &resume {
-            Some(point) => resume::data_arg(args.data.clone(), point)?,
-            None => args.data.clone().unwrap_or_else(|| "synthetic".to_owned()),
-        };
-        let spec = data::Spec::parse(&data_arg)?;
-        let data_files = data_files::fingerprints(spec.files())?;
-        if let Some(point) = &resume {
-            resume::check_data_unchanged(point, &data_files)?;
-        }
-        // Recorded resolved, so that the run resumes from any directory.
-        let data_arg = data_files::resolve(&data_arg).unwrap_or(data_arg);
-        let hf = args.init_from.as_deref().map(init::read).transpose()?;
-        let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
-        let seed =
-            same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
-        let steps = resume::total_steps(args.steps.map(NonZeroU64::get), resume.as_ref());
-        // A resumed run that was given a config file keeps its resolved config, unless --config
-        // says otherwise (a run of the default config resolves it again, to the same values).
-        let saved_config = resume
-            .as_ref()
-            .filter(|point| point.extra.run.config_file.is_some())
-            .map(|point| &point.extra.config);
-        let config = resolve_config(&args, &model, steps, dist.world_size, saved_config)?;
-        let config_file = args.config.clone().or_else(|| {
-            saved_config?;
-            resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
-        });
-        let default_out = resume.is_none() && args.out.is_none();
-        let seq = training_seq(args.seq, &model)?;
-        limits::check_micro_batch(
-            &model,
-            config.batch.micro_batch_size_per_gpu,
-            seq,
-            args.device,
-            limits::available_host_memory(),
-        )
-        .map_err(input)?;
-        let flags = settings::from_flags(args.gpu_flags, args.host_flags);
-        let settings = settings::resolve(flags, env, settings::from_config(&config.zeroflow));
-        let attention = settings::attention(args.device, &model, &settings)?;
-        let out = match &resume {
-            Some(point) => resume_out(point, &args, &config, steps)?,
-            None => {
-                let out =
-                    args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
-                check_out_dir(&out, args.force)?;
-                if let Some((_, newest)) = checkpoints::list(&out)?.last() {
-                    return Err(input(format!(
-                        "--out {}: holds checkpoints of an earlier run ({}); continue it with \
-                         --resume latest, or choose another --out",
-                        out.display(),
-                        newest.display()
-                    )));
-                }
-                out
-            }
-        };
-        let start = initial_state(resume, hf, &model, dist.world_size)?;
-        let batch = &config.batch;
-        let micro_steps = steps * batch.gradient_accumulation_steps;
-        let shape = data::Shape {
-            batch: batch.micro_batch_size_per_gpu,
-            micro_steps,
-            rank: dist.rank,
-            world_size: dist.world_size,
-            seq,
-            eval_batches: args.eval_batches.get() as usize,
-        };
-        let mut data = Data::open(&spec, &model, shape, seed)?;
-        if let Start::Resume { point, .. } = &start {
-            data.train.seek(point.extra.data_position).map_err(|e| {
-                input(format!("--resume {}: the data position: {e}", point.dir.display()))
-            })?;
-        }
-        Ok(Setup {
-            device: args.device,
-            model,
-            data,
-            data_arg,
-            data_files,
-            config,
-            config_file,
-            steps,
-            seq,
-            eval_every: args.eval_every,
-            log_every: args.log_every.get(),
-            save_every: args.save_every,
-            keep: args.keep.get(),
-            out,
-            default_out,
-            seed,
-            start,
-            dist,
-            cpu_binding: None,
-            settings,
-            attention,
-        })
-    }
-
-    /// The step the run has already reached (0 unless resuming).
-    pub fn start_step(&self) -> u64 {
-        match &self.start {
-            Start::Resume { point, .. } => point.extra.step,
-            _ => 0,
+impl From<DeviceFlag> for DeviceKind {
+    fn from(flag: DeviceFlag) -> DeviceKind {
+        match flag {
+            DeviceFlag::Cpu => DeviceKind::Cpu,
+            DeviceFlag::Cuda => DeviceKind::Cuda,
         }
     }
 }
 
-/// `--seq`, checked against the model's context; the context when not given.
-fn training_seq(flag: Option<NonZeroU64>, model: &GptConfig) -> anyhow::Result<usize> {
-    match flag.map(|seq| seq.get()) {
-        None => Ok(model.context),
-        Some(seq) if seq <= model.context as u64 => Ok(seq as usize),
-        Some(seq) => Err(input(format!(
-            "--seq {seq} is longer than the model's context of {} tokens; give at most {} (or a \
-             model with a longer context)",
-            model.context, model.context
-        ))),
-    }
+/// Trains as `setup` says, showing it on rank 0, and prints the final evaluation loss (next to
+/// the entropy floor where it is known). SIGINT or SIGTERM ends the run after the current step
+/// with a checkpoint and the summary, and an [`Exit`] error of status 130 or 143
+/// ([`signals`]).
+pub fn run(setup: Setup) -> anyhow::Result<()> {
+    let device = settings::cuda_device_options(&setup.settings);
+    let activation_checkpointing =
+        settings::activation_checkpointing(setup.device, &setup.settings);
+    let cuda = CudaOpen { device, attention: setup.attention, activation_checkpointing };
+    let mut shown = Shown::new(&setup)?;
+    let stop = shown.stop_handle.clone();
+    let outcome = zeroflow_train::run::run(setup, cuda, &mut shown, &stop);
+    shown.end(outcome)
 }
 
-/// This process's place in the job, from the launcher's environment, with `--gpu` as its GPU.
-/// Several ranks need `--device cuda` (one GPU each) and a run directory they agree on.
-fn job(args: &Args) -> anyhow::Result<DistEnv> {
-    let mut dist =
-        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
-    if let Some(gpu) = args.gpu {
-        if args.device != DeviceKind::Cuda {
-            return Err(input("--gpu chooses a GPU: it needs --device cuda"));
-        }
-        if dist.world_size > 1 {
-            return Err(input(format!(
-                "--gpu {gpu}: under a launcher each rank trains on the GPU of its LOCAL_RANK; \
-                 drop --gpu (choose the GPUs with CUDA_VISIBLE_DEVICES)"
-            )));
-        }
-        dist.local_rank = gpu;
-    }
-    if dist.world_size == 1 {
-        return Ok(dist);
-    }
-    if args.device == DeviceKind::Cpu {
-        return Err(input(format!(
-            "this process is rank {} of {}, but --device cpu trains in one process: train on \
-             several ranks with --device cuda (one GPU each)",
-            dist.rank, dist.world_size
-        )));
-    }
-    if args.out.is_none() && args.resume.is_none() {
-        return Err(input(format!(
-            "--out is needed with {} ranks: every rank writes its part of the checkpoints into \
-             the same run directory (on a file system all hosts share)",
-            dist.world_size
-        )));
-    }
-    Ok(dist)
-}
-
-/// The model: `--model`, else the checkpoint's when resuming, else the shape in `--init-from`'s
-/// config.json, else `tiny` with the data's vocabulary. A `--model` other than the checkpoint's is
-/// an error.
-fn choose_model(
-    flag: Option<&str>,
-    saved: Option<(&checkpoints::Extra, &Path)>,
-    hf: Option<&init::HfModel>,
-    spec: &data::Spec,
-) -> anyhow::Result<GptConfig> {
-    let given = match flag {
-        Some(text) => {
-            Some(text.parse::<GptConfig>().map_err(|e| input(format!("--model {text}: {e}")))?)
-        }
-        None => None,
-    };
-    // Only GPT-2 trains today: a family without a trainer gets no arm here.
-    let saved = saved.map(|(extra, dir)| match extra.model {
-        ModelSpec::Gpt2(shape) => (shape, dir),
-    });
-    Ok(same_as_saved("--model", given, saved)?
-        .or_else(|| hf.and_then(|hf| hf.config))
-        .unwrap_or(GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY }))
-}
-
-/// How the run starts, with the initial weights checked against the model's tensors.
-fn initial_state(
-    resume: Option<ResumePoint>,
-    hf: Option<init::HfModel>,
-    model: &GptConfig,
-    world_size: usize,
-) -> anyhow::Result<Start> {
-    let layout = flat_layout(model, world_size).context("cannot lay out the model")?;
-    let tensors = hf_tensors(model, &layout)?;
-    Ok(match (resume, hf) {
-        (Some(point), _) => {
-            let named = checkpoints_tensors(&tensors);
-            let weights =
-                checkpoint::flat_weights(&point.loaded, &named, layout.padded_len(), &point.dir)
-                    .map_err(|e| checkpoints::resume_error(&e))?;
-            Start::Resume { point: Box::new(point), weights }
-        }
-        (None, Some(hf)) => {
-            let weights = hf.flat_weights(&tensors, layout.padded_len())?;
-            Start::InitFrom { dir: hf.dir, weights }
-        }
-        (None, None) => Start::Seed,
-    })
-}
-
-/// The checkpoint's tensors of a model: its Hugging Face names, shapes and flat ranges.
-pub fn checkpoints_tensors(tensors: &[HfTensor]) -> Vec<NamedTensor> {
-    tensors
-        .iter()
-        .map(|t| NamedTensor {
-            name: t.name.clone(),
-            shape: t.shape.clone(),
-            flat: t.flat_range.clone(),
-        })
-        .collect()
-}
-
-/// When resuming, `--micro-batch`, `--accum` and `--lr` default to the checkpoint's values, so
-/// that the command that started a run, with `--resume latest` added, continues it.
-fn default_to_saved(args: &mut Args, saved: &serde_json::Value) {
-    let number = |key: &str| saved.get(key).and_then(serde_json::Value::as_u64);
-    args.auto.micro_batch = args
-        .auto
-        .micro_batch
-        .or_else(|| number("train_micro_batch_size_per_gpu").and_then(NonZeroU64::new));
-    args.auto.accum =
-        args.auto.accum.or_else(|| number("gradient_accumulation_steps").and_then(NonZeroU64::new));
-    args.auto.lr = args
-        .auto
-        .lr
-        .or_else(|| saved.pointer("/optimizer/params/lr").and_then(serde_json::Value::as_f64));
-}
-
-/// The `zeroflow.cpu_bind` of `--config`, looked up before the config is resolved (binding comes
-/// before anything else); `None` where the file does not say or cannot be read (resolving it
-/// reports why).
-fn config_cpu_bind(args: &Args) -> Option<BindMode> {
-    let text = std::fs::read_to_string(args.config.as_ref()?).ok()?;
-    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let name = value.pointer("/zeroflow/cpu_bind")?.as_str()?;
-    settings::names::CPU_BIND.iter().find(|(n, _)| *n == name).map(|&(_, mode)| mode)
-}
-
-/// A flag's value when resuming: the checkpoint's, unless the flag says otherwise (an error).
-fn same_as_saved<T: PartialEq + serde::Serialize>(
-    flag: &str,
-    given: Option<T>,
-    saved: Option<(T, &Path)>,
-) -> anyhow::Result<Option<T>> {
-    match (given, saved) {
-        (Some(given), Some((saved, dir))) if given != saved => {
-            let json = |value: &T| serde_json::to_string(value).expect("serialisable");
-            Err(input(format!(
-                "{flag} {} differs from the checkpoint's {} ({}); drop {flag} to continue the \
-                 run as it was saved",
-                json(&given),
-                json(&saved),
-                dir.join("state.json").display()
-            )))
-        }
-        (Some(value), _) | (None, Some((value, _))) => Ok(Some(value)),
-        (None, None) => Ok(None),
-    }
-}
-
-/// Checks that the run can continue from `point` with this config and step count, and returns
-/// its run directory.
-fn resume_out(
-    point: &ResumePoint,
-    args: &Args,
-    config: &Config,
-    steps: u64,
-) -> anyhow::Result<PathBuf> {
-    let dir = point.dir.display();
-    if let Some(out) = &args.out
-        && std::fs::canonicalize(out).ok() != std::fs::canonicalize(&point.run_dir).ok()
-    {
-        return Err(input(format!(
-            "--out {}: --resume {dir} continues in its run directory {}; drop --out",
-            out.display(),
-            point.run_dir.display()
-        )));
-    }
-    let saved = &point.extra.config;
-    let now = config.to_json();
-    for key in ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps"] {
-        if saved.get(key) != now.get(key) {
-            return Err(input(format!(
-                "--resume {dir}: the checkpoint's {key} is {}, this run's {}; give the batch \
-                 flags and config it was saved with",
-                saved.get(key).unwrap_or(&serde_json::Value::Null),
-                now.get(key).unwrap_or(&serde_json::Value::Null),
-            )));
-        }
-    }
-    let changed: Vec<&str> = now
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(key, value)| saved.get(key.as_str()) != Some(value))
-        // A schedule re-planned on purpose is said by check_schedule.
-        .filter(|(key, _)| !(args.extend_schedule && key.as_str() == "scheduler"))
-        .map(|(key, _)| key.as_str())
-        .collect();
-    resume::check_schedule(point, config, steps, args.extend_schedule)?;
-    if !changed.is_empty() {
-        tracing::warn!(
-            "the config differs from the checkpoint's ({dir}) in {}; continuing with this run's",
-            changed.join(", ")
-        );
-    }
-    Ok(point.run_dir.clone())
-}
-
-/// An [`InputError`] with `message`.
-fn input(message: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(InputError(message.into()))
-}
-
-/// The resolved config of the run, through the resolution `zeroflow config` shares
-/// ([`run_config::resolve`]); its warnings are logged.
-fn resolve_config(
-    args: &Args,
-    model: &GptConfig,
-    steps: u64,
-    world_size: usize,
-    saved: Option<&serde_json::Value>,
-) -> anyhow::Result<Config> {
-    let flags = run_config::RunFlags {
-        config_file: args.config.as_deref(),
-        saved_config: saved,
-        device: Some(args.device),
-        micro_batch: args.auto.micro_batch,
-        accum: args.auto.accum,
-        lr: args.auto.lr,
-        warmup: args.auto.warmup,
-        weight_decay: args.auto.weight_decay,
-        steps,
-        world_size,
-        hidden_size: model.d_model,
-    };
-    let run_config::RunConfig { resolved, name } = run_config::resolve(&flags)?;
-    for warning in &resolved.warnings {
-        tracing::warn!("{name}: {warning}");
-    }
-    for auto_value in &resolved.auto_values {
-        tracing::debug!("{name}: {auto_value}");
-    }
-    Ok(resolved.config)
-}
-
-/// Refuses an output directory that holds anything, unless `force`.
-fn check_out_dir(out: &Path, force: bool) -> anyhow::Result<()> {
-    if out.exists() && !out.is_dir() {
-        return Err(input(format!(
-            "--out {}: exists and is not a directory; choose another --out",
-            out.display()
-        )));
-    }
-    let non_empty = out.is_dir()
-        && std::fs::read_dir(out)
-            .with_context(|| format!("cannot read {}", out.display()))?
-            .next()
-            .is_some();
-    if non_empty && !force {
-        return Err(input(format!(
-            "--out {}: the directory is not empty; choose another --out, or pass --force to \
-             write into it (its metrics.jsonl, loss.svg and summary.json are replaced)",
-            out.display()
-        )));
-    }
-    Ok(())
-}
-
-/// The current UTC time as `YYYYmmdd-HHMMSS`, for default run directories.
-fn utc_stamp() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rest) = (secs / 86_400, secs % 86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rest / 3600, rest / 60 % 60, rest % 60)
-}
-
+/// [`run`] with the model `family` opened by `open` (tests: ranks as threads).
 #[cfg(test)]
-mod gpu_flag_tests {
-    use clap::Parser;
+fn run_on<F: zeroflow_train::Family, M: zeroflow_train::Model>(
+    setup: Setup,
+    family: &F,
+    open: impl zeroflow_train::open::OpenFn<F, M>,
+) -> anyhow::Result<()> {
+    let mut shown = Shown::new(&setup)?;
+    let stop = shown.stop_handle.clone();
+    let outcome = zeroflow_train::run::run_on(setup, family, open, &mut shown, &stop);
+    shown.end(outcome)
+}
 
-    use super::*;
+/// A run as the user watches it: rank 0's progress, and the signals that stop it.
+struct Shown {
+    /// Silent until the run starts building its model (after its header line): then rank 0's.
+    progress: Progress,
+    /// What rank 0's progress shows once the run starts: steps, those taken, `--log-every`, and
+    /// the interval of its lines.
+    pending: Option<(u64, u64, u64, std::time::Duration)>,
+    leader: bool,
+    stop_handle: StopHandle,
+    /// Catches SIGINT and SIGTERM once the model is ready.
+    stop: Option<Stop>,
+}
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: Args,
+impl Shown {
+    fn new(setup: &Setup) -> anyhow::Result<Shown> {
+        let leader = setup.dist.rank == 0;
+        let interval = output::progress_interval()?;
+        let pending =
+            leader.then_some((setup.steps, setup.start_step(), setup.log_every, interval));
+        let (progress, stop_handle) = (Progress::Silent, StopHandle::default());
+        Ok(Shown { progress, pending, leader, stop_handle, stop: None })
     }
 
-    /// `--gpu N` is the GPU a one-process run opens (the ordinal `CudaDevice::new` gets, among
-    /// the GPUs CUDA_VISIBLE_DEVICES leaves), instead of GPU 0.
-    #[test]
-    fn gpu_is_the_ordinal_of_a_one_process_run() {
-        let parse = |argv: &[&str]| Cli::try_parse_from(argv).expect("valid flags").args;
-        let dist = job(&parse(&["train", "--device", "cuda", "--gpu", "3"])).expect("one process");
-        assert_eq!((dist.world_size, dist.local_rank), (1, 3));
-        let dist = job(&parse(&["train", "--device", "cuda"])).expect("one process");
-        assert_eq!(dist.local_rank, 0);
+    /// Prints the line the run ends with; a stopped run is an [`Exit`] error.
+    fn end(self, outcome: Result<Outcome, TrainError>) -> anyhow::Result<()> {
+        let outcome = outcome?;
+        let (done, steps, saved) = (outcome.done, outcome.steps, outcome.saved.as_deref());
+        let (last_eval, floor) = (outcome.last_eval, outcome.floor);
+        if !outcome.interrupted {
+            if self.leader {
+                println!("{}", output::final_line(last_eval, floor));
+            }
+            return Ok(());
+        }
+        let (code, signal) = self.stop.as_ref().map_or(signals::ELSEWHERE, Stop::exit);
+        if self.leader {
+            println!("{}", output::interrupted_line(done, steps, saved, last_eval, floor));
+        }
+        let message = format!(
+            "stopped by {signal}; continue with: zeroflow train --resume latest --out {}",
+            outcome.out.display()
+        );
+        Err(Exit { code, message }.into())
+    }
+}
+
+impl TrainObserver for Shown {
+    fn doing(&mut self, activity: Activity) {
+        if let Some((steps, done, log_every, interval)) = self.pending.take() {
+            self.progress = Progress::new(steps, done, log_every, interval);
+        }
+        self.progress.doing(|| match activity {
+            Activity::Building { parameters } => {
+                format!("building the model ({parameters} parameters)")
+            }
+            Activity::Step { step, steps } => format!("step {step}/{steps} running"),
+            Activity::Evaluating { after, batch, batches } => {
+                format!("evaluating after step {after}: batch {batch}/{batches}")
+            }
+            Activity::Saving { step } => format!("saving the checkpoint of step {step}"),
+        });
+    }
+
+    fn on_model_ready(&mut self, device: &str, seconds: f64) -> Result<(), ObserverError> {
+        self.progress.println(&format!("model ready on {device} in {seconds:.1} s"));
+        // Caught from here on: before, there is nothing to save, and a signal must end a rank
+        // that waits at the rendezvous or in NCCL's initialisation (the launcher stopping a
+        // failed job).
+        self.stop = Some(Stop::on_signals(&self.stop_handle)?);
+        Ok(())
+    }
+
+    fn on_step(&mut self, record: &StepRecord) {
+        self.progress.step(record);
+    }
+
+    fn on_eval(&mut self, step: u64, loss: f64, floor: Option<f64>) {
+        self.progress.println(&output::eval_line(step, loss, floor));
+    }
+
+    fn on_checkpoint(&mut self, step: u64, dir: &Path, seconds: f64) {
+        self.progress.println(&format!("step {step}: saved {} in {seconds:.1} s", dir.display()));
+    }
+
+    fn on_steps_done(&mut self) {
+        self.progress.finish();
+    }
+
+    fn loss_svg(
+        &mut self,
+        train: &[(u64, f64)],
+        eval: &[(u64, f64)],
+        floor: Option<f64>,
+    ) -> Option<String> {
+        Some(plot::loss_svg(train, eval, floor))
     }
 }

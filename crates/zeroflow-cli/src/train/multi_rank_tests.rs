@@ -10,15 +10,15 @@ use clap::Parser;
 use zeroflow_device::CpuDevice;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_engine::checkpoint;
-use zeroflow_gpt::{CpuGpt, GptError, GradsReady};
-
-use super::{Setup, run};
-use crate::cmd::train::Args;
-use crate::settings::Requested;
+use zeroflow_gpt::{CpuGpt, GptConfig, GptError, GradsReady};
 use zeroflow_train::dist::env::Master;
 use zeroflow_train::dist::testing::free_port;
 use zeroflow_train::dist::{self, DistEnv};
-use zeroflow_train::{Buffer, Model, Opened};
+use zeroflow_train::open::OpenFn;
+use zeroflow_train::{Buffer, Model, ModelSpec, Opened, Setup};
+
+use crate::cmd::train::Args;
+use crate::settings::Requested;
 
 /// One layer of width 16 over the synthetic corpus' 64 symbols, context 16.
 const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
@@ -36,6 +36,12 @@ const ZERO2_OFFLOAD: &str = r#"{
 struct Cli {
     #[command(flatten)]
     args: Args,
+}
+
+/// [`super::run_on`] of the GPT-2 shape `setup` holds, opened by `open`.
+fn run_gpt2<M: Model>(setup: Setup, open: impl OpenFn<GptConfig, M>) -> anyhow::Result<()> {
+    let ModelSpec::Gpt2(shape) = setup.model;
+    super::run_on(setup, &shape, open)
 }
 
 /// Ranks are threads here: a lost rank fails the others' next barrier instead of ending the
@@ -74,8 +80,8 @@ fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
                     rendezvous_timeout: Duration::from_secs(20),
                     step_timeout: None,
                 };
-                let setup = Setup::for_rank(args, dist, Requested::default())?;
-                run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+                let setup = Setup::for_rank(args.options(), dist, Requested::default())?;
+                run_gpt2(setup, move |model, micro_batch, seq, layout, dist| {
                     let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
                     Ok(Opened { device, comm, model: gpt, group })
@@ -263,8 +269,8 @@ fn a_rank_that_fails_fails_the_others_instead_of_hanging() {
         rendezvous_timeout: Duration::from_millis(500),
         step_timeout: None,
     };
-    let setup = Setup::for_rank(args, dist, Requested::default()).unwrap();
-    let error = run::run_on::<CpuGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+    let setup = Setup::for_rank(args.options(), dist, Requested::default()).unwrap();
+    let error = run_gpt2(setup, move |model, micro_batch, seq, layout, dist| {
         let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
         let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
         Ok(Opened { device, comm, model: gpt, group })
@@ -366,8 +372,8 @@ fn a_rank_that_fails_mid_run_ends_every_rank_with_an_error_naming_it() {
                     rendezvous_timeout: Duration::from_secs(20),
                     step_timeout: None,
                 };
-                let setup = Setup::for_rank(args, dist, Requested::default())?;
-                run::run_on::<FailingGpt>(setup, move |model, micro_batch, seq, layout, dist| {
+                let setup = Setup::for_rank(args.options(), dist, Requested::default())?;
+                run_gpt2(setup, move |model, micro_batch, seq, layout, dist| {
                     let gpt = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
                     let (_, group) = dist::join_with(dist, || Ok(Vec::new()), log_lost())?;
                     let fail_at = (rank == 1).then_some(3);

@@ -6,34 +6,31 @@
 //! removes.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Context as _;
 use signal_hook::SigId;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::{Handle, Signals};
+use zeroflow_train::observer::StopHandle;
 
-/// The exit status of a run that a signal stopped on another rank only.
-const STOPPED_ELSEWHERE: u8 = 130;
+/// The exit status and the cause of a run that a signal stopped on another rank only.
+pub const ELSEWHERE: (u8, &str) = (130, "a signal to another rank");
 
 /// What the signals asked of the run, while it is alive; dropping it restores the default
 /// handling of the signals.
 pub struct Stop {
-    requested: Arc<AtomicBool>,
     /// 128 + the number of the first signal (0: none yet).
     status: Arc<AtomicUsize>,
-    /// The step the run is in, for the message.
-    step: Arc<AtomicU64>,
     registered: Vec<SigId>,
     notices: Handle,
 }
 
 impl Stop {
-    /// Catches SIGINT and SIGTERM from now on.
-    pub fn on_signals() -> anyhow::Result<Stop> {
-        let requested = Arc::new(AtomicBool::new(false));
+    /// Catches SIGINT and SIGTERM from now on, asking `handle`'s run to stop.
+    pub fn on_signals(handle: &StopHandle) -> anyhow::Result<Stop> {
+        let requested = Arc::clone(handle.flag());
         let status = Arc::new(AtomicUsize::new(0));
-        let step = Arc::new(AtomicU64::new(0));
         let mut registered = Vec::new();
         for (signal, exit) in [(SIGINT, 130), (SIGTERM, 143)] {
             use signal_hook::flag;
@@ -44,26 +41,16 @@ impl Stop {
         }
         let mut signals = Signals::new([SIGINT, SIGTERM]).context("cannot handle signals")?;
         let notices = signals.handle();
-        let at = Arc::clone(&step);
+        let at = handle.clone();
         std::thread::Builder::new()
             .name("zeroflow-signals".into())
             .spawn(move || {
                 if let Some(signal) = signals.forever().next() {
-                    eprintln!("{}", notice(signal, at.load(Ordering::Relaxed)));
+                    eprintln!("{}", notice(signal, at.step()));
                 }
             })
             .context("cannot start the signal thread")?;
-        Ok(Stop { requested, status, step, registered, notices })
-    }
-
-    /// Whether a signal asked the run to stop.
-    pub fn requested(&self) -> bool {
-        self.requested.load(Ordering::Relaxed)
-    }
-
-    /// Tells the message of a first signal which step runs.
-    pub fn at_step(&self, step: u64) {
-        self.step.store(step, Ordering::Relaxed);
+        Ok(Stop { status, registered, notices })
     }
 
     /// The exit status of the stopped run, and the signal's name.
@@ -71,7 +58,7 @@ impl Stop {
         match self.status.load(Ordering::Relaxed) {
             130 => (130, "SIGINT"),
             143 => (143, "SIGTERM"),
-            _ => (STOPPED_ELSEWHERE, "a signal to another rank"),
+            _ => ELSEWHERE,
         }
     }
 }

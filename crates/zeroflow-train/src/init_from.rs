@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use zeroflow_engine::checkpoint::{self, Tensors};
-use zeroflow_gpt::{GptConfig, HfTensor};
+use zeroflow_engine::checkpoint::{self, NamedTensor, Tensors};
+use zeroflow_gpt::GptConfig;
 
-use super::input;
+use crate::error::{Result, input};
 
 /// A Hugging Face GPT-2 directory, read.
 #[derive(Debug)]
@@ -22,7 +22,7 @@ const WHAT_TO_DO: &str = "--init-from needs a Hugging Face GPT-2 directory with 
                           model.safetensors (such as `zeroflow export` writes)";
 
 /// Reads `dir/model.safetensors` (F32 tensors) and, where present, `dir/config.json`.
-pub fn read(dir: &Path) -> anyhow::Result<HfModel> {
+pub fn read(dir: &Path) -> Result<HfModel> {
     let path = dir.join("model.safetensors");
     let bytes = std::fs::read(&path)
         .map_err(|e| input(format!("--init-from {}: {e}; {WHAT_TO_DO}", path.display())))?;
@@ -33,7 +33,7 @@ pub fn read(dir: &Path) -> anyhow::Result<HfModel> {
 }
 
 /// The model shape in `dir/config.json` (transformers' `GPT2Config` keys), if the file exists.
-fn read_config(dir: &Path) -> anyhow::Result<Option<GptConfig>> {
+fn read_config(dir: &Path) -> Result<Option<GptConfig>> {
     let path = dir.join("config.json");
     let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
     let bad = |what: String| {
@@ -51,11 +51,7 @@ impl HfModel {
     /// The flat weights (padding zero) of a model whose tensors are `tensors`. Names are looked up
     /// as given and without the `transformer.` prefix (the original OpenAI GPT-2 files omit it);
     /// every tensor must be there with the model's shape.
-    pub fn flat_weights(
-        &self,
-        tensors: &[HfTensor],
-        padded_len: usize,
-    ) -> anyhow::Result<Vec<f32>> {
+    pub fn flat_weights(&self, tensors: &[NamedTensor], padded_len: usize) -> Result<Vec<f32>> {
         let path = self.dir.join("model.safetensors");
         let mut flat = vec![0.0; padded_len];
         for tensor in tensors {
@@ -79,7 +75,7 @@ impl HfModel {
                     tensor.shape
                 )));
             }
-            flat[tensor.flat_range.clone()].copy_from_slice(values);
+            flat[tensor.flat.clone()].copy_from_slice(values);
         }
         Ok(flat)
     }
@@ -125,7 +121,8 @@ mod tests {
         std::fs::create_dir_all(&root).unwrap();
         let (first, second) = (root.join("first"), root.join("second"));
         checkpoint::save(&first, &meta, &weights, &named, &[]).unwrap();
-        let imported = super::read(&first).unwrap().flat_weights(&hf, layout.padded_len()).unwrap();
+        let imported =
+            super::read(&first).unwrap().flat_weights(&named, layout.padded_len()).unwrap();
         checkpoint::save(&second, &meta, &imported, &named, &[]).unwrap();
         let bytes = |dir: &std::path::Path| std::fs::read(dir.join("model.safetensors")).unwrap();
         assert_eq!(bytes(&first), bytes(&second));

@@ -6,11 +6,11 @@ use std::path::Path;
 
 use zeroflow_core::config::Config;
 
-use super::checkpoints::ResumePoint;
-use super::data_files::{self, DataFile};
-use super::input;
-use crate::cmd::train::DEFAULT_STEPS;
-use zeroflow_train::schedule::LrSchedule;
+use crate::data_files::{self, DataFile};
+use crate::error::{Result, input};
+use crate::resume_point::ResumePoint;
+use crate::schedule::LrSchedule;
+use crate::setup::DEFAULT_STEPS;
 
 /// The run's total of optimizer steps: `--steps`, else the checkpoint's run's own total when
 /// resuming, else [`DEFAULT_STEPS`].
@@ -28,7 +28,7 @@ pub fn check_schedule(
     config: &Config,
     steps: u64,
     extend_schedule: bool,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let (at, planned) = (point.extra.step, point.extra.run.steps);
     let dir = point.dir.display();
     if steps <= at {
@@ -84,7 +84,7 @@ pub fn check_schedule(
 /// relative path from another directory, an absolute one, through a link); another file is an
 /// error. Checkpoints before paths were resolved hold `--data` as given, which resolves from the
 /// directory their run started in.
-pub fn data_arg(given: Option<String>, point: &ResumePoint) -> anyhow::Result<String> {
+pub fn data_arg(given: Option<String>, point: &ResumePoint) -> Result<String> {
     let saved = &point.extra.data;
     let saved_resolved = data_files::resolve(saved);
     let Some(given) = given else {
@@ -126,7 +126,7 @@ pub fn data_arg(given: Option<String>, point: &ResumePoint) -> anyhow::Result<St
 /// The data files now against those the checkpoint recorded (none in checkpoints that predate
 /// fingerprints): a file that is missing, added, or changed in size or contents is an error that
 /// says which and how.
-pub fn check_data_unchanged(point: &ResumePoint, now: &[DataFile]) -> anyhow::Result<()> {
+pub fn check_data_unchanged(point: &ResumePoint, now: &[DataFile]) -> Result<()> {
     let saved = &point.extra.data_files;
     if saved.is_empty() {
         return Ok(());

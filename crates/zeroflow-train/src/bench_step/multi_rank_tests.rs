@@ -6,29 +6,34 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use clap::Parser;
 use zeroflow_device::CpuDevice;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_gpt::{CpuGpt, GptConfig};
 
-use super::{Args, DeviceKind, bench, check_job};
-use crate::train::backend::Opened;
-use zeroflow_train::dist::env::Master;
-use zeroflow_train::dist::testing::free_port;
-use zeroflow_train::dist::{self, DistEnv};
+use super::{BenchOptions, DeviceKind, Mode, bench, check_job};
+use crate::Opened;
+use crate::dist::env::Master;
+use crate::dist::testing::free_port;
+use crate::dist::{self, DistEnv};
 
 /// One layer of width 16, a vocabulary of 64, context 16.
-const MINI: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":64,"context":16}"#;
+const MINI: GptConfig =
+    GptConfig { n_layer: 1, n_head: 2, d_model: 16, vocab_size: 64, context: 16 };
 
-#[derive(Debug, Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: Args,
-}
-
-fn args(extra: &[&str]) -> Args {
-    let argv = ["step", "--model", MINI, "--steps", "3", "--warmup", "1"];
-    Cli::try_parse_from(argv.iter().chain(extra)).unwrap().args
+/// `bench step --model MINI --steps 3 --warmup 1 --micro-batch micro_batch` (the default mode,
+/// offload, on the CPU).
+fn args(micro_batch: usize) -> BenchOptions {
+    BenchOptions {
+        mode: Mode::Offload,
+        model_name: "mini".to_owned(),
+        device: DeviceKind::Cpu,
+        micro_batch,
+        accum: 1,
+        steps: 3,
+        warmup: 1,
+        settings: Default::default(),
+        kernel_cache: None,
+    }
 }
 
 fn rank(rank: usize, world: usize, port: u16) -> DistEnv {
@@ -44,7 +49,7 @@ fn rank(rank: usize, world: usize, port: u16) -> DistEnv {
 }
 
 /// Runs `bench step` with `flags` on `world` ranks in this process; each rank's report.
-fn bench_ranks(world: usize, flags: &[&str]) -> Vec<Option<serde_json::Value>> {
+fn bench_ranks(world: usize, micro_batch: usize) -> Vec<Option<serde_json::Value>> {
     let port = free_port();
     let devices: Vec<CpuDevice> = (0..world).map(|_| CpuDevice::new().unwrap()).collect();
     let comms = CpuComm::group(&devices, Duration::from_secs(60));
@@ -53,14 +58,13 @@ fn bench_ranks(world: usize, flags: &[&str]) -> Vec<Option<serde_json::Value>> {
         .zip(comms)
         .enumerate()
         .map(|(r, (device, comm))| {
-            let args = args(flags);
+            let args = args(micro_batch);
             thread::spawn(move || {
-                let model: GptConfig = args.model.parse().unwrap();
                 // Ranks are threads here: a lost rank fails the others' next barrier.
                 let on_lost: dist::OnLost = Arc::new(|lost: &dist::Lost| eprintln!("lost {lost}"));
-                bench::<CpuGpt>(
+                bench::<GptConfig, CpuGpt>(
                     &args,
-                    &model,
+                    &MINI,
                     &rank(r, world, port),
                     move |model, batch, seq, layout, d| {
                         let gpt = CpuGpt::new(&device, model, layout, batch, seq)?;
@@ -80,7 +84,7 @@ fn numbers(value: &serde_json::Value) -> Vec<f64> {
 
 #[test]
 fn only_rank_0_reports_and_counts_every_ranks_tokens() {
-    let reports = bench_ranks(2, &["--micro-batch", "4"]);
+    let reports = bench_ranks(2, 4);
     assert!(reports[1].is_none(), "rank 1 must not report");
     let report = reports[0].as_ref().expect("rank 0 reports");
     assert_eq!(report["world_size"], 2);
@@ -100,8 +104,8 @@ fn only_rank_0_reports_and_counts_every_ranks_tokens() {
 fn two_ranks_step_as_one_rank_with_their_global_batch() {
     // Each rank's 4 sequences are its half of the one rank's 8: the losses (the ranks' mean) and
     // so the updates must agree.
-    let one = bench_ranks(1, &["--micro-batch", "8"]).remove(0).unwrap();
-    let two = bench_ranks(2, &["--micro-batch", "4"]).remove(0).unwrap();
+    let one = bench_ranks(1, 8).remove(0).unwrap();
+    let two = bench_ranks(2, 4).remove(0).unwrap();
     assert_eq!(one["tokens_per_step"], two["tokens_per_step"]);
     let (one, two) = (numbers(&one["losses"]), numbers(&two["losses"]));
     assert_eq!(one.len(), two.len());

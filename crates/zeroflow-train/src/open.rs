@@ -1,57 +1,56 @@
-//! How each device kind is opened for the trainer and `bench step`; what the training loop needs
-//! of a model is [`zeroflow_train::Model`].
+//! How each device kind is opened for the trainer and `bench step`: the device, this rank's
+//! communicator in the job, the family's model on that device, and the side channel
+//! ([`Opened`]).
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::cuda::CudaDeviceOptions;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::nccl::{NcclComm, NcclId};
 use zeroflow_device::{CpuDevice, CudaDevice};
-use zeroflow_gpt::cuda::{CudaGpt, CudaGptOptions};
-use zeroflow_gpt::{AttentionKind, CpuGpt, GptConfig};
+use zeroflow_nn::{AttentionKind, PlanOptions};
 
-use zeroflow_train::dist::{self, DistEnv};
-
-pub use zeroflow_train::{Model, Opened};
+use crate::dist::{self, DistEnv};
+use crate::error::{Result, TrainError, input};
+use crate::{Family, Model, Opened};
 
 /// What opens a device kind for the trainer and `bench step`, from the model's shape, the
 /// micro-batch (sequences), the sequence length (tokens, at most the model's context), the flat
-/// layout (for the job's world size) and this process's rank in
-/// the job: [`open_cpu`] or [`open_cuda`], or (in tests) a closure holding devices made
-/// beforehand.
-pub trait OpenFn<M: Model>:
-    FnOnce(&GptConfig, usize, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
+/// layout (for the job's world size) and this process's rank in the job: [`open_cpu`] or
+/// [`CudaOpen::opener`], or (in tests) a closure holding devices made beforehand.
+pub trait OpenFn<F: Family, M: Model>:
+    FnOnce(&F, usize, usize, &FlatLayout, &DistEnv) -> Result<Opened<M>>
 {
 }
 
-impl<M: Model, F> OpenFn<M> for F where
-    F: FnOnce(&GptConfig, usize, usize, &FlatLayout, &DistEnv) -> anyhow::Result<Opened<M>>
+impl<F: Family, M: Model, O> OpenFn<F, M> for O where
+    O: FnOnce(&F, usize, usize, &FlatLayout, &DistEnv) -> Result<Opened<M>>
 {
 }
 
-/// The CPU device, a communicator of one, and the model in f32 (a job of one process).
-pub fn open_cpu(
-    model: &GptConfig,
+/// The CPU device, a communicator of one, and the family's model in f32 (a job of one process).
+pub fn open_cpu<F: Family>(
+    model: &F,
     micro_batch: usize,
     seq: usize,
     layout: &FlatLayout,
     dist: &DistEnv,
-) -> anyhow::Result<Opened<CpuGpt>> {
-    anyhow::ensure!(dist.world_size == 1, "the CPU device trains in one process");
+) -> Result<Opened<F::Cpu>> {
+    if dist.world_size != 1 {
+        return Err(input("the CPU device trains in one process"));
+    }
     let device = CpuDevice::new()?;
     let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
         .pop()
         .expect("a group of one");
-    let model = CpuGpt::new(&device, model, layout, micro_batch, seq)?;
+    let model = model.cpu_model(&device, layout, micro_batch, seq)?;
     let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
     Ok(Opened { device, comm, model, group })
 }
 
-/// How [`open_cuda`] opens the GPU and the model: the settings the binary resolved.
+/// How a GPU and the model on it are opened: the settings the binary resolved.
 #[derive(Clone, Debug)]
 pub struct CudaOpen {
     pub device: CudaDeviceOptions,
@@ -61,28 +60,26 @@ pub struct CudaOpen {
 
 impl CudaOpen {
     /// [`open_cuda`] with these options, as an [`OpenFn`].
-    pub fn opener(self) -> impl OpenFn<CudaGpt> {
-        move |model: &GptConfig,
-              micro_batch: usize,
-              seq: usize,
-              layout: &FlatLayout,
-              dist: &DistEnv| { open_cuda(model, micro_batch, seq, layout, dist, &self) }
+    pub fn opener<F: Family>(self) -> impl OpenFn<F, F::Cuda> {
+        move |model: &F, micro_batch: usize, seq: usize, layout: &FlatLayout, dist: &DistEnv| {
+            open_cuda(model, micro_batch, seq, layout, dist, &self)
+        }
     }
 }
 
 /// The GPU of this process's local rank (opened as `open` says), its NCCL communicator in the
-/// job, and the model in bf16 with `open`'s attention.
+/// job, and the family's model in bf16 with `open`'s attention.
 ///
 /// With several ranks, the processes meet first ([`dist::join`]: rank 0 makes the NCCL id and
 /// hands its bytes to the others), then each joins the NCCL group on its GPU.
-pub fn open_cuda(
-    model: &GptConfig,
+pub fn open_cuda<F: Family>(
+    model: &F,
     micro_batch: usize,
     seq: usize,
     layout: &FlatLayout,
     dist: &DistEnv,
     open: &CudaOpen,
-) -> anyhow::Result<Opened<CudaGpt>> {
+) -> Result<Opened<F::Cuda>> {
     let (device, comm, group) = if dist.world_size == 1 {
         let device = CudaDevice::with_options(dist.local_rank, open.device.clone())?;
         let comm = NcclComm::group(std::slice::from_ref(&device))?.pop().expect("a group of one");
@@ -91,25 +88,30 @@ pub fn open_cuda(
     } else {
         let (id, group) =
             dist::join(dist, || Ok(NcclId::new().map_err(|e| e.to_string())?.to_bytes().to_vec()))?;
-        let id = NcclId::from_bytes(&id).context("the NCCL id rank 0 sent")?;
+        let id = NcclId::from_bytes(&id)
+            .map_err(|e| TrainError::from(e).context("the NCCL id rank 0 sent"))?;
         let (rank, world) = (dist.rank, dist.world_size);
-        let device = CudaDevice::with_options(dist.local_rank, open.device.clone())
-            .with_context(|| format!("rank {rank}: cannot open GPU {}", dist.local_rank))?;
-        let comm = NcclComm::new(&device, &id, rank, world)
-            .with_context(|| format!("rank {rank}: cannot join the NCCL group of {world}"))?;
+        let device =
+            CudaDevice::with_options(dist.local_rank, open.device.clone()).map_err(|e| {
+                TrainError::from(e)
+                    .context(format!("rank {rank}: cannot open GPU {}", dist.local_rank))
+            })?;
+        let comm = NcclComm::new(&device, &id, rank, world).map_err(|e| {
+            TrainError::from(e)
+                .context(format!("rank {rank}: cannot join the NCCL group of {world}"))
+        })?;
         tracing::info!("rank {rank} of {world} on GPU {}: NCCL group joined", dist.local_rank);
         (device, comm, group)
     };
-    let blas = Arc::new(Blas::new(&device)?);
-    let options = CudaGptOptions {
+    let blas = std::sync::Arc::new(Blas::new(&device)?);
+    let options = PlanOptions {
         attention: open.attention,
         activation_checkpointing: open.activation_checkpointing,
-        ..CudaGptOptions::default()
     };
-    let model = CudaGpt::with_options(&device, blas, model, layout, micro_batch, seq, options)?;
+    let model = model.cuda_model(&device, blas, layout, micro_batch, seq, options)?;
     tracing::info!(
         "GPU model: {:.2} GiB of activations and scratch",
-        model.activation_bytes() as f64 / f64::from(1u32 << 30)
+        F::cuda_activation_bytes(&model) as f64 / f64::from(1u32 << 30)
     );
     Ok(Opened { device, comm, model, group })
 }
@@ -117,27 +119,25 @@ pub fn open_cuda(
 /// Checks that GPU `ordinal` exists before anything else is done, so that `train --device cuda`
 /// on a machine without one says so in a sentence ("no CUDA GPU found" and what to check), as the
 /// benchmarks do, instead of the loader's list of library names tried.
-pub fn check_cuda_gpu(ordinal: usize) -> anyhow::Result<()> {
+pub fn check_cuda_gpu(ordinal: usize) -> Result<()> {
     use zeroflow_device::cuda::{info, is_absent, short_reason};
     let what_to_check = "check `nvidia-smi` and `zeroflow env` (driver, libraries, \
                          CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu";
     let gpus = match info::list_gpus() {
         Ok(gpus) => gpus,
         Err(error) if is_absent(&error) => {
-            return Err(crate::InputError::from_display(format!(
+            return Err(input(format!(
                 "no CUDA GPU found ({}); --device cuda trains on an NVIDIA GPU: {what_to_check}",
                 short_reason(&error)
             )));
         }
-        Err(error) => return Err(anyhow::Error::new(error).context("listing the CUDA GPUs")),
+        Err(error) => return Err(TrainError::from(error).context("listing the CUDA GPUs")),
     };
     if gpus.is_empty() {
-        return Err(crate::InputError::from_display(format!(
-            "no CUDA GPU found (the driver sees none); {what_to_check}"
-        )));
+        return Err(input(format!("no CUDA GPU found (the driver sees none); {what_to_check}")));
     }
     if ordinal >= gpus.len() {
-        return Err(crate::InputError::from_display(format!(
+        return Err(input(format!(
             "GPU {ordinal} does not exist: the driver sees {} GPU(s), 0 to {} (numbered among \
              those CUDA_VISIBLE_DEVICES leaves visible)",
             gpus.len(),

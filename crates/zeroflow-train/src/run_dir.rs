@@ -5,17 +5,16 @@
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
-use anyhow::Context as _;
+use crate::error::{Result, TrainError, io};
 
 /// How many names [`claim`] tries after the first.
 const MAX_SUFFIX: u32 = 1000;
 
 /// Creates `wanted` (its parents as needed), or where it exists `wanted-2`, `wanted-3`, ...: the
 /// directory is created, not merely found free, so no other process can be handed the same one.
-pub fn claim(wanted: &Path) -> anyhow::Result<PathBuf> {
+pub fn claim(wanted: &Path) -> Result<PathBuf> {
     if let Some(parent) = wanted.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("cannot create {}", parent.display()))?;
+        std::fs::create_dir_all(parent).map_err(io(format!("create {}", parent.display())))?;
     }
     let name = wanted.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     for suffix in 1..=MAX_SUFFIX + 1 {
@@ -27,13 +26,10 @@ pub fn claim(wanted: &Path) -> anyhow::Result<PathBuf> {
         match std::fs::create_dir(&dir) {
             Ok(()) => return Ok(dir),
             Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e).with_context(|| format!("cannot create {}", dir.display())),
+            Err(e) => return Err(io(format!("create {}", dir.display()))(e)),
         }
     }
-    anyhow::bail!(
-        "{} and {MAX_SUFFIX} names after it are taken; choose a directory with --out",
-        wanted.display()
-    )
+    Err(TrainError::RunDirsTaken { wanted: wanted.to_path_buf(), tried: MAX_SUFFIX })
 }
 
 #[cfg(test)]

@@ -2,10 +2,7 @@
 //! too large for the machine is an error naming the flag to lower, not an allocation failure that
 //! aborts the process.
 
-use zeroflow_gpt::GptConfig;
-use zeroflow_gpt::{ActLayout, AttentionKind};
-
-use super::DeviceKind;
+use crate::{DeviceKind, ModelSpec};
 
 /// The most tokens one micro-batch may hold (`--micro-batch` × `--seq`): 2^31, so that every
 /// index into the activations and the logits stays far inside the address space.
@@ -14,7 +11,7 @@ pub const MAX_MICRO_BATCH_TOKENS: u64 = 1 << 31;
 /// Refuses a micro-batch of more than [`MAX_MICRO_BATCH_TOKENS`] tokens, and on the CPU one whose
 /// activations and their gradients (f32, allocated once) need more than `available_host` bytes.
 pub fn check_micro_batch(
-    model: &GptConfig,
+    model: &ModelSpec,
     micro_batch: u64,
     seq: usize,
     device: DeviceKind,
@@ -28,9 +25,9 @@ pub fn check_micro_batch(
         ));
     }
     let (DeviceKind::Cpu, Some(available)) = (device, available_host) else { return Ok(()) };
-    let acts = ActLayout::new(model, micro_batch as usize, seq, AttentionKind::Gemm);
+    let acts = model.cpu_activations(micro_batch as usize, seq);
     // Activations and their gradients, f32 each.
-    let needed = acts.len as u128 * 2 * 4;
+    let needed = acts as u128 * 2 * 4;
     if needed > u128::from(available) {
         let gib = |bytes: u128| bytes as f64 / f64::from(1u32 << 30);
         return Err(format!(
@@ -53,11 +50,15 @@ pub fn available_host_memory() -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use zeroflow_gpt::GptConfig;
+
     use super::*;
+
+    const TINY: ModelSpec = ModelSpec::Gpt2(GptConfig::TINY);
 
     #[test]
     fn a_micro_batch_past_the_token_limit_names_the_flag_and_the_limit() {
-        let error = check_micro_batch(&GptConfig::TINY, 1 << 40, 64, DeviceKind::Cuda, None)
+        let error = check_micro_batch(&TINY, 1 << 40, 64, DeviceKind::Cuda, None)
             .expect_err("2^46 tokens are refused");
         assert!(error.starts_with("--micro-batch 1099511627776:"), "{error}");
         assert!(error.contains("2147483648"), "{error}");
@@ -66,7 +67,7 @@ mod tests {
     #[test]
     fn on_the_cpu_activations_larger_than_the_memory_are_refused_and_smaller_ones_pass() {
         let check = |batch, available| {
-            check_micro_batch(&GptConfig::TINY, batch, 64, DeviceKind::Cpu, Some(available))
+            check_micro_batch(&TINY, batch, 64, DeviceKind::Cpu, Some(available))
         };
         let error = check(4096, 1 << 30).expect_err("4096 × 64 tokens of tiny need over 1 GiB");
         assert!(error.contains("lower --micro-batch"), "{error}");

@@ -8,8 +8,8 @@ use std::path::Path;
 
 use zeroflow_core::config::{self, Config, ConfigError, Context, MixedPrecision, Overrides};
 
-use super::DeviceKind;
-use crate::InputError;
+use crate::DeviceKind;
+use crate::error::{Result, input};
 
 /// Sequences per micro-step when neither the flags nor the config say.
 pub const DEFAULT_MICRO_BATCH: u64 = 16;
@@ -77,7 +77,7 @@ pub struct RunConfig {
 /// as in DeepSpeed). A problem with the file is reported as `config FILE: <json.path>: …`; a flag
 /// that contradicts a value written in the file is an error, and so is a precision the device
 /// cannot run.
-pub fn resolve(flags: &RunFlags<'_>) -> anyhow::Result<RunConfig> {
+pub fn resolve(flags: &RunFlags<'_>) -> Result<RunConfig> {
     check_flag_values(flags)?;
     let run = resolve_unchecked(flags).map_err(|e| match (e, flags.config_file) {
         // The message names the file already.
@@ -144,7 +144,7 @@ pub fn resolve_unchecked(flags: &RunFlags<'_>) -> Result<RunConfig, ConfigError>
 
 /// The end of [`resolve`]: the flags' agreement with the values the file writes, and the
 /// precision against the device.
-pub fn check(flags: &RunFlags<'_>, run: &RunConfig) -> anyhow::Result<()> {
+pub fn check(flags: &RunFlags<'_>, run: &RunConfig) -> Result<()> {
     check_flags_agree(flags, &run.resolved.config, &run.name)?;
     if let Some(device) = flags.device {
         check_precision(device, run.resolved.config.precision, &run.name)?;
@@ -153,7 +153,7 @@ pub fn check(flags: &RunFlags<'_>, run: &RunConfig) -> anyhow::Result<()> {
 }
 
 /// The start of [`resolve`]: the flags' own values.
-pub fn check_flag_values(flags: &RunFlags<'_>) -> anyhow::Result<()> {
+pub fn check_flag_values(flags: &RunFlags<'_>) -> Result<()> {
     if u32::try_from(flags.world_size).is_err() || flags.world_size == 0 {
         return Err(input(format!("a job of {} ranks is not supported", flags.world_size)));
     }
@@ -179,11 +179,7 @@ pub fn check_flag_values(flags: &RunFlags<'_>) -> anyhow::Result<()> {
 }
 
 /// The precision must be one the device runs; the message names the key to change.
-fn check_precision(
-    device: DeviceKind,
-    precision: MixedPrecision,
-    name: &str,
-) -> anyhow::Result<()> {
+fn check_precision(device: DeviceKind, precision: MixedPrecision, name: &str) -> Result<()> {
     match (device, precision) {
         (DeviceKind::Cpu, MixedPrecision::Fp32)
         | (DeviceKind::Cuda, MixedPrecision::Bf16 { .. }) => Ok(()),
@@ -206,7 +202,7 @@ fn check_precision(
 }
 
 /// A flag that fills an `"auto"` must agree with the value the file writes.
-fn check_flags_agree(flags: &RunFlags<'_>, config: &Config, name: &str) -> anyhow::Result<()> {
+fn check_flags_agree(flags: &RunFlags<'_>, config: &Config, name: &str) -> Result<()> {
     let batch = &config.batch;
     let warmup = match config.scheduler {
         Some(config::Scheduler::WarmupLr(warmup))
@@ -254,9 +250,4 @@ fn check_flags_agree(flags: &RunFlags<'_>, config: &Config, name: &str) -> anyho
         }
     }
     Ok(())
-}
-
-/// An [`InputError`] with `message`.
-fn input(message: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(InputError(message.into()))
 }

@@ -4,9 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use zeroflow_data::{DataLoader, Source, SyntheticCorpus};
-use zeroflow_gpt::GptConfig;
 
-use super::input;
+use crate::error::{Result, input};
 
 /// Micro-batches in the evaluation set unless `--eval-batches` says otherwise.
 pub const EVAL_BATCHES: usize = 16;
@@ -22,7 +21,7 @@ pub enum Spec {
 }
 
 impl Spec {
-    pub fn parse(data: &str) -> anyhow::Result<Spec> {
+    pub fn parse(data: &str) -> Result<Spec> {
         if data == "synthetic" {
             return Ok(Spec::Synthetic);
         }
@@ -93,7 +92,7 @@ impl Spec {
 }
 
 /// The files matching a glob whose wildcards (`*`, `?`) are in the file name only.
-fn glob(pattern: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn glob(pattern: &Path) -> Result<Vec<PathBuf>> {
     let shown = pattern.display();
     let dir = match pattern.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
@@ -165,43 +164,23 @@ pub struct Data {
 }
 
 impl Data {
-    /// Opens the data for `shape.micro_steps` micro-batches of `shape.batch` sequences of the
-    /// model's context: this rank's slices of the training stream and of the evaluation set (the
+    /// Opens the data for `shape.micro_steps` micro-batches of `shape.batch` sequences of
+    /// `shape.seq` tokens of a model of `vocab` symbols: this rank's slices of the training stream and of the evaluation set (the
     /// ranks read disjoint sequences of each step, together what one process with `world_size`
     /// times the micro-batch reads).
     ///
     /// The synthetic corpus evaluates on another stream of the same chain. Files evaluate on the
     /// last shard when there are several (it is then not trained on) and on the start of the only
     /// one otherwise (not held out: the log says so).
-    pub fn open(spec: &Spec, model: &GptConfig, shape: Shape, seed: u64) -> anyhow::Result<Data> {
-        let (batch, seq, vocab) = (shape.batch as usize, shape.seq, model.vocab_size);
+    pub fn open(spec: &Spec, vocab: usize, shape: Shape, seed: u64) -> Result<Data> {
+        let (batch, seq) = (shape.batch as usize, shape.seq);
         let (rank, world) = (shape.rank, shape.world_size);
         let loader = |source, rank, world| {
             DataLoader::new(source, vocab, batch, seq, rank, world)
                 .map_err(|e| input(format!("--data: {e}")))
         };
         let (train, eval_source, floor, description) = match spec {
-            Spec::Synthetic => {
-                let corpus = Arc::new(SyntheticCorpus::default());
-                if corpus.vocab > vocab {
-                    return Err(input(format!(
-                        "the synthetic corpus has {} symbols but the model's vocab_size is \
-                         {vocab}; use a model with vocab_size of at least {}",
-                        corpus.vocab, corpus.vocab
-                    )));
-                }
-                let floor = corpus.loss_floor(seq);
-                let train_len =
-                    (shape.micro_steps as usize).saturating_mul(world * batch * seq) + 1;
-                let train = Source::Synthetic {
-                    corpus: corpus.clone(),
-                    stream_seed: 2 * seed,
-                    len: train_len.min(1 << 26),
-                };
-                let eval_len = shape.eval_batches * world * batch * seq + 1;
-                let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
-                (train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into())
-            }
+            Spec::Synthetic => synthetic(vocab, shape, seed)?,
             Spec::Shards(paths) if paths.len() > 1 => {
                 let (last, rest) = paths.split_last().expect("more than one");
                 let description =
@@ -251,9 +230,37 @@ impl Data {
         let mut eval_loader = loader(eval_source, rank, world)?;
         let eval = (0..shape.eval_batches)
             .map(|_| eval_loader.next_batch().map_err(|e| input(format!("--data: {e}"))))
-            .collect::<anyhow::Result<_>>()?;
+            .collect::<Result<_>>()?;
         Ok(Data { train, eval, floor, description })
     }
+}
+
+/// The training and evaluation sources of a run, its entropy floor where known, and what the
+/// data is (for the log and the summary).
+type Sources = (Source, Source, Option<f64>, String);
+
+/// The synthetic corpus' sources: two streams of the same chain, for `shape.micro_steps`
+/// micro-batches and the evaluation set.
+fn synthetic(vocab: usize, shape: Shape, seed: u64) -> Result<Sources> {
+    let (batch, seq, world) = (shape.batch as usize, shape.seq, shape.world_size);
+    let corpus = Arc::new(SyntheticCorpus::default());
+    if corpus.vocab > vocab {
+        return Err(input(format!(
+            "the synthetic corpus has {} symbols but the model's vocab_size is {vocab}; use a \
+             model with vocab_size of at least {}",
+            corpus.vocab, corpus.vocab
+        )));
+    }
+    let floor = corpus.loss_floor(seq);
+    let train_len = (shape.micro_steps as usize).saturating_mul(world * batch * seq) + 1;
+    let train = Source::Synthetic {
+        corpus: corpus.clone(),
+        stream_seed: 2 * seed,
+        len: train_len.min(1 << 26),
+    };
+    let eval_len = shape.eval_batches * world * batch * seq + 1;
+    let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
+    Ok((train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into()))
 }
 
 #[cfg(test)]

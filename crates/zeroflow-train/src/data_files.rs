@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Result, input};
+
 /// Bytes hashed at each end of a file.
 pub const EDGE: u64 = 64 * 1024;
 
@@ -43,12 +45,12 @@ pub fn resolve(data: &str) -> std::io::Result<String> {
 }
 
 /// The fingerprints of `paths`, in order.
-pub fn fingerprints(paths: &[PathBuf]) -> anyhow::Result<Vec<DataFile>> {
+pub fn fingerprints(paths: &[PathBuf]) -> Result<Vec<DataFile>> {
     paths
         .iter()
         .map(|path| {
             fingerprint(path)
-                .map_err(|e| super::input(format!("--data: cannot read {}: {e}", path.display())))
+                .map_err(|e| input(format!("--data: cannot read {}: {e}", path.display())))
         })
         .collect()
 }

@@ -9,12 +9,12 @@ use serde_json::Value;
 use zeroflow_core::DType;
 use zeroflow_device::cuda::HostWaits;
 use zeroflow_engine::EngineOptions;
-use zeroflow_gpt::AttentionKind;
+use zeroflow_nn::AttentionKind;
 use zeroflow_optim::Stores;
 
 use super::{Requested, mib_of, names};
-use crate::train::DeviceKind;
-use zeroflow_train::dist::affinity::{self, BindMode, Binding};
+use crate::DeviceKind;
+use crate::dist::affinity::{self, BindMode, Binding};
 
 /// The settings a run used. Only `attention` changes the numbers; the rest change the speed
 /// (the offload stream's results are bit-identical whatever its tuning).
@@ -22,7 +22,7 @@ use zeroflow_train::dist::affinity::{self, BindMode, Binding};
 pub struct Effective {
     /// `gemm` or `flash`.
     pub attention: &'static str,
-    /// Whether the model recomputes its blocks' activations in backward (the CUDA model only).
+    /// Whether the model recomputes each layer's activations in backward (the same numbers).
     pub activation_checkpointing: bool,
     /// `auto`, `block` or `spin`; `None` on the CPU device.
     pub cuda_wait: Option<&'static str>,

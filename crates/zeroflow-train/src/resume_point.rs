@@ -1,25 +1,22 @@
-//! The checkpoints of `zeroflow train` (DESIGN.md §7): what it adds to `state.json`, and finding the
+//! The checkpoints of a run (DESIGN.md §7): what the trainer adds to `state.json`, and finding the
 //! one `--resume` names. Listing, saving (by one process or every rank) and cleaning up are in
-//! [`zeroflow_train::checkpoints`].
+//! [`crate::checkpoints`].
 //!
 //! `state.json`'s `extra` is [`Extra`]: with the engine's counters in the checkpoint's own fields,
 //! it is everything a run needs to continue exactly.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 use zeroflow_data::DataPosition;
 use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded};
 
-use super::data_files::DataFile;
-use super::input;
-use zeroflow_train::ModelSpec;
-pub use zeroflow_train::checkpoints::{
-    FOLDER, Share, list, remove_unfinished, save, save_ranks, step_dir,
-};
+use crate::ModelSpec;
+use crate::checkpoints::{FOLDER, list};
+use crate::data_files::DataFile;
+use crate::error::{Result, TrainError, input, io};
 
-/// What `zeroflow train` adds to a checkpoint's `state.json` (`extra`).
+/// What the trainer adds to a checkpoint's `state.json` (`extra`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Extra {
     /// The model's family and shape (what `zeroflow export` reads); a bare GPT-2 shape in
@@ -28,7 +25,7 @@ pub struct Extra {
     pub model: ModelSpec,
     /// The resolved DeepSpeed config of the run.
     pub config: serde_json::Value,
-    /// `--data` resolved to an absolute path ([`super::data_files::resolve`]; as given, in checkpoints
+    /// `--data` resolved to an absolute path ([`crate::data_files::resolve`]; as given, in checkpoints
     /// from before that), or `synthetic`.
     pub data: String,
     /// The data files and their fingerprints, to notice a file that changed (none for the
@@ -48,7 +45,7 @@ pub struct Extra {
     #[serde(default)]
     pub wall_s: Option<f64>,
     pub run: RunInfo,
-    /// The run-time settings in effect (`crate::settings::Effective`); `null` in checkpoints
+    /// The run-time settings in effect ([`crate::settings::Effective`]); `null` in checkpoints
     /// written before they were recorded.
     #[serde(default)]
     pub settings: serde_json::Value,
@@ -90,7 +87,7 @@ pub struct ResumePoint {
 
 /// The checkpoint `--resume` names: a directory, or `latest` under `--out`. Reads it fully; any
 /// problem is an input error that names the file and says what to do. Nothing is changed.
-pub fn find(arg: &str, out: Option<&Path>) -> anyhow::Result<ResumePoint> {
+pub fn find(arg: &str, out: Option<&Path>) -> Result<ResumePoint> {
     let (dir, loaded, damaged) = if arg == "latest" {
         latest(out)?
     } else {
@@ -136,7 +133,7 @@ pub fn find(arg: &str, out: Option<&Path>) -> anyhow::Result<ResumePoint> {
 /// The newest checkpoint under `out` that loads. A damaged newer one (which an atomic write
 /// cannot leave, so the disk or a person changed it) is passed over with a warning and later set
 /// aside, never deleted; a foreign or mismatched one is an error.
-fn latest(out: Option<&Path>) -> anyhow::Result<(PathBuf, Loaded<f32>, Vec<PathBuf>)> {
+fn latest(out: Option<&Path>) -> Result<(PathBuf, Loaded<f32>, Vec<PathBuf>)> {
     let out = out.ok_or_else(|| {
         input("--resume latest needs --out: the run directory whose newest checkpoint to continue")
     })?;
@@ -160,20 +157,22 @@ fn latest(out: Option<&Path>) -> anyhow::Result<(PathBuf, Loaded<f32>, Vec<PathB
 
 /// Moves the damaged checkpoints that `--resume latest` passed over out of the way of the steps
 /// the run is about to save: `step-N` becomes the hidden `.step-N.damaged`.
-pub fn set_aside(damaged: &[PathBuf]) -> anyhow::Result<()> {
+pub fn set_aside(damaged: &[PathBuf]) -> Result<()> {
     for dir in damaged {
         let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("step");
         let aside = dir.with_file_name(format!(".{name}.damaged"));
-        std::fs::rename(dir, &aside).with_context(|| {
-            format!("cannot move the damaged {} to {}", dir.display(), aside.display())
-        })?;
+        std::fs::rename(dir, &aside).map_err(io(format!(
+            "move the damaged {} to {}",
+            dir.display(),
+            aside.display()
+        )))?;
         tracing::warn!("moved the damaged {} to {}", dir.display(), aside.display());
     }
     Ok(())
 }
 
 /// A checkpoint that cannot be resumed from, as an input error with what to do.
-pub fn resume_error(e: &CheckpointError) -> anyhow::Error {
+pub fn resume_error(e: &CheckpointError) -> TrainError {
     let hint = match e {
         CheckpointError::Corrupt { .. } => "",
         CheckpointError::Mismatch { .. } => {

@@ -1,0 +1,506 @@
+//! `bench step`'s measurement: optimizer steps of a model through the ZeRO engine, timed, in the
+//! configurations DeepSpeed is measured in (`bench/peers/ds_train.py`): ZeRO-2 with the optimizer
+//! on the device, with CPU optimizer offload, and with offload and the one-step delayed update.
+//!
+//! With several ranks each rank steps the model on its GPU over its slice of one global batch,
+//! the host's cores split between the ranks; rank 0 alone gets the report ([`run`]): the job's
+//! tokens/s (every rank's tokens), its own step times, breakdown and memory, and each rank's
+//! means.
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use serde_json::json;
+use zeroflow_core::Float;
+use zeroflow_core::config::{self, Context};
+use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
+use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
+
+use crate::dist::affinity::{self, BindMode};
+use crate::dist::{DistEnv, Group};
+use crate::error::{Result, TrainError, input};
+use crate::open::{self, CudaOpen, OpenFn};
+use crate::settings::{self, Effective, Requested};
+use crate::trainer::{ModelEngine, forward_backward};
+use crate::{DeviceKind, Family, Model, ModelSpec, Opened, with_family};
+
+/// Where the optimizer runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// ZeRO-2, AdamW on the device.
+    Gpu,
+    /// ZeRO-2 with CPU optimizer offload (pinned memory).
+    Offload,
+    /// Offload with the one-step delayed update (the CPU step overlaps the next forward/backward).
+    OffloadDelayed,
+    /// Offload with ZenFlow as DeepSpeed's benchmark runs it: the top 5 % of each weight's columns
+    /// on the device every step, the rest on the CPU every 4 steps, overlapped.
+    Zenflow,
+}
+
+impl Mode {
+    /// The mode as `bench step --mode` and the report spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Gpu => "gpu",
+            Mode::Offload => "offload",
+            Mode::OffloadDelayed => "offload-delayed",
+            Mode::Zenflow => "zenflow",
+        }
+    }
+}
+
+/// What `bench step` measures.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub mode: Mode,
+    /// The model as `--model` named it, for the report.
+    pub model_name: String,
+    pub device: DeviceKind,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub accum: u64,
+    /// Timed optimizer steps.
+    pub steps: u32,
+    /// Untimed steps first.
+    pub warmup: u32,
+    /// The run-time settings asked for (the flags over the environment).
+    pub settings: Requested,
+    /// Where compiled CUDA kernels are cached (`None`: the user's cache folder).
+    pub kernel_cache: Option<PathBuf>,
+}
+
+/// Benchmarks this rank's share of the job on `model` and returns the report on rank 0 (`None`
+/// on the others).
+pub fn run(
+    options: &BenchOptions,
+    model: ModelSpec,
+    dist: &DistEnv,
+) -> Result<Option<serde_json::Value>> {
+    check_job(options.device, dist)?;
+    with_family!(model, family => match options.device {
+        DeviceKind::Cpu => bench(options, &family, dist, open::open_cpu),
+        DeviceKind::Cuda => {
+            let requested = &options.settings;
+            let attention = settings::attention(options.device, &model, requested)?;
+            let cache = options.kernel_cache.clone();
+            let device = settings::cuda_device_options(requested, cache);
+            let activation_checkpointing =
+                settings::activation_checkpointing(options.device, requested);
+            let open = CudaOpen { device, attention, activation_checkpointing };
+            bench(options, &family, dist, open.opener())
+        }
+    })
+}
+
+/// The DeepSpeed config of a mode, as `bench/peers/ds_train.py` writes it.
+fn ds_config(mode: Mode, micro_batch: usize, accum: u64, bf16: bool, warmup: u32) -> String {
+    let offload = match mode {
+        Mode::Gpu => String::new(),
+        Mode::Offload | Mode::OffloadDelayed => {
+            r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#.to_owned()
+        }
+        Mode::Zenflow => r#", "offload_optimizer": { "device": "cpu", "pin_memory": true },
+                          "zenflow": { "topk_ratio": 0.05, "update_interval": 4,
+                                       "full_warm_up_rounds": 0, "overlap_step": true }"#
+            .to_owned(),
+    };
+    let delayed = match mode {
+        Mode::OffloadDelayed => format!(
+            r#", "zeroflow": {{ "delayed_update": {{ "enabled": true, "warmup_steps": {} }} }}"#,
+            warmup.saturating_sub(1)
+        ),
+        Mode::Gpu | Mode::Offload | Mode::Zenflow => String::new(),
+    };
+    format!(
+        r#"{{
+  "train_micro_batch_size_per_gpu": {micro_batch},
+  "gradient_accumulation_steps": {accum},
+  "gradient_clipping": 1.0,
+  "bf16": {{ "enabled": {bf16} }},
+  "optimizer": {{ "type": "AdamW", "params": {{ "lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 }} }},
+  "zero_optimization": {{ "stage": 2, "overlap_comm": true, "contiguous_gradients": true,
+                          "reduce_bucket_size": 5e8{offload} }}{delayed}
+}}"#
+    )
+}
+
+/// Several ranks (under `zeroflow launch`, torchrun or srun) need `--device cuda`: one GPU each,
+/// as for `train`.
+pub fn check_job(device: DeviceKind, dist: &DistEnv) -> Result<()> {
+    if dist.world_size > 1 && device == DeviceKind::Cpu {
+        return Err(input(format!(
+            "this process is rank {} of {}, but --device cpu runs in one process: bench several \
+             ranks with --device cuda (one GPU each)",
+            dist.rank, dist.world_size
+        )));
+    }
+    Ok(())
+}
+
+/// What one rank measured over the timed steps.
+struct Measured {
+    /// Seconds per timed optimizer step.
+    times: Vec<f64>,
+    /// The forward-and-backward part of each timed step.
+    compute_times: Vec<f64>,
+    /// Forward alone, on the same batch after the timed steps (see [`time_forward`]).
+    forward_times: Vec<f64>,
+    /// Every step's loss (warm-up included), the mean over the ranks.
+    losses: Vec<f32>,
+    device_memory: Option<usize>,
+    /// Over the timed steps: the training thread's time on or waiting for the CPU optimizer, and
+    /// the bytes copied host → device and device → host.
+    cpu_wait: f64,
+    copied: CopiedBytes,
+    /// Over the timed steps: where the training thread's optimizer steps went.
+    step_times: StepTimes,
+}
+
+impl Measured {
+    fn mean(&self) -> f64 {
+        mean(&self.times)
+    }
+
+    fn compute_mean(&self) -> f64 {
+        mean(&self.compute_times)
+    }
+
+    fn forward_mean(&self) -> f64 {
+        mean(&self.forward_times)
+    }
+}
+
+fn mean(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len() as f64
+}
+
+/// Model FLOPs per trained token: 6 N for the weights' matmuls forward and backward (the tied
+/// output projection included), plus 12 L d T for attention's two batched matmuls over T
+/// positions (PaLM's accounting; the causal mask is not discounted). The same formula as
+/// scripts/bench-report.py's for the peers.
+fn flops_per_token(model: &impl Family) -> f64 {
+    let (layers, width, context) =
+        (model.n_layer() as f64, model.hidden_size() as f64, model.context() as f64);
+    6.0 * model.num_params() as f64 + 12.0 * layers * width * context
+}
+
+/// Benchmarks this rank's share of the job and returns the report on rank 0 (`None` on the
+/// others). Every rank runs the same steps on its own slice of one global batch; the engine's
+/// collectives keep the ranks in step.
+fn bench<F: Family, M: Model>(
+    args: &BenchOptions,
+    model: &F,
+    dist: &DistEnv,
+    open: impl OpenFn<F, M>,
+) -> Result<Option<serde_json::Value>> {
+    // First, before anything starts a thread (rayon's pool in `init_params`, the optimizer's):
+    // they inherit the binding.
+    let requested = args.settings;
+    let bind = requested.cpu_bind.unwrap_or(BindMode::Auto);
+    let binding =
+        if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist, bind) } else { None };
+    let bf16 = args.device == DeviceKind::Cuda;
+    let text = ds_config(args.mode, args.micro_batch, args.accum, bf16, args.warmup);
+    let world = u32::try_from(dist.world_size).ok().and_then(NonZeroU32::new);
+    let world = world.ok_or_else(|| input(format!("a job of {} ranks", dist.world_size)))?;
+    let context = Context { world_size: world, ..Context::default() };
+    let resolved = config::resolve_str(&text, &context).map_err(bench_config)?;
+    // The ranks of one host share its cores: those near its GPU where bound.
+    let threads = affinity::optimizer_threads(binding.as_ref(), dist);
+    let mut options =
+        EngineOptions::from_config(&resolved.config, threads).map_err(bench_config)?;
+    settings::apply_offload::<M::P>(&requested, &mut options, dist.rank)?;
+    let attention = settings::attention(args.device, &model.spec(), &requested)?;
+    let dtype = <M::P as zeroflow_core::Element>::DTYPE;
+    let effective =
+        Effective::new(args.device, attention, &requested, &options, dtype, binding.as_ref());
+    // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
+    // thread: pt_reserved_cores_perc).
+    let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
+    let layout = model.flat_layout(dist.world_size)?;
+    let mut weights = vec![0.0f32; layout.padded_len()];
+    model.init(&layout, 0, &mut weights)?;
+    let initial: Vec<M::P> = weights.par_iter().map(|&w| M::P::from_f32(w)).collect();
+    drop(weights);
+    let Opened { device, comm, model: mut gpt, mut group } =
+        open(model, args.micro_batch, model.context(), &layout, dist)?;
+    let description = device.describe();
+    let mut engine = Engine::with_weights(device, comm, layout, options, initial)?;
+    let batch = rank_batch(model, args.micro_batch, dist);
+    let measured = measure(args, &mut engine, &mut gpt, &batch, &mut group)?;
+    let ranks = gather_ranks(&measured, &mut group)?;
+    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
+    group.finish()?;
+    if dist.rank != 0 {
+        return Ok(None);
+    }
+    let job = Job { world: dist.world_size, threads, description, settings: effective.to_json() };
+    Ok(Some(report(args, model, &job, &measured, &ranks)))
+}
+
+/// This rank's inputs and targets: its slice of one global batch of `world × micro_batch`
+/// random sequences (the same tokens whatever the number of ranks, so that one rank with the
+/// global batch sees what the ranks see together).
+fn rank_batch(model: &impl Family, micro_batch: usize, dist: &DistEnv) -> (Vec<u32>, Vec<u32>) {
+    let tokens = micro_batch * model.context();
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let vocab = model.vocab_size() as u32;
+    let global: Vec<u32> =
+        (0..tokens * dist.world_size + 1).map(|_| rng.random_range(0..vocab)).collect();
+    let mine = &global[dist.rank * tokens..(dist.rank + 1) * tokens + 1];
+    (mine[..tokens].to_vec(), mine[1..].to_vec())
+}
+
+/// The warm-up and timed steps on this rank.
+fn measure<M: Model>(
+    args: &BenchOptions,
+    engine: &mut ModelEngine<M>,
+    gpt: &mut M,
+    (inputs, targets): &(Vec<u32>, Vec<u32>),
+    group: &mut Group,
+) -> Result<Measured> {
+    let mut measured = Measured {
+        times: Vec::new(),
+        compute_times: Vec::new(),
+        forward_times: Vec::new(),
+        losses: Vec::new(),
+        device_memory: None,
+        cpu_wait: 0.0,
+        copied: CopiedBytes::default(),
+        step_times: StepTimes::default(),
+    };
+    let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
+    let mut step_times = engine.step_times();
+    // A step ends when the compute stream has finished it: work the step left on the copy and
+    // collective streams (ZenFlow's window copy, the last weight uploads) overlaps the next step
+    // as in training, and is charged to whichever step waits for it; the timed steps together
+    // end with every stream idle, so their times add up to the wall time.
+    let mut compute_done = engine.device().new_event()?;
+    let mut finish_compute = |engine: &ModelEngine<M>| -> Result<()> {
+        let device = engine.device();
+        device.record(&mut compute_done, device.stream(StreamKind::Compute))?;
+        device.sync_event(&compute_done)?;
+        Ok(())
+    };
+    for step in 0..args.warmup + args.steps {
+        if step == args.warmup {
+            engine.device().synchronize()?;
+            (waited, copied) = (engine.cpu_wait(), engine.device().copied_bytes());
+            step_times = engine.step_times();
+        }
+        let last = step + 1 == args.warmup + args.steps;
+        let start = Instant::now();
+        for _ in 0..args.accum {
+            gpt.set_batch(inputs, targets).map_err(TrainError::model)?;
+            forward_backward(engine, gpt)?;
+            if !engine.is_gradient_accumulation_boundary() {
+                engine.step()?;
+            }
+        }
+        // The split point of the breakdown: the GPU has finished forward and backward.
+        finish_compute(engine)?;
+        let compute = start.elapsed().as_secs_f64();
+        // Read before the optimizer step, as `zeroflow train` does: a step may leave a bulk copy
+        // on the copy engine (ZenFlow's window) that a later small copy would queue behind.
+        let loss = gpt.loss().map_err(TrainError::model)?;
+        let report = engine.step()?;
+        let stepped = start.elapsed().as_secs_f64();
+        if last {
+            engine.device().synchronize()?;
+        } else {
+            finish_compute(engine)?;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        tracing::debug!(step, compute, stepped, seconds, "bench step (s from its start)");
+        // The ranks' mean, after the clock stops (a barrier of the side channel).
+        let loss = group.mean(f64::from(loss))?;
+        measured.losses.push(loss as f32);
+        if !matches!(report, StepReport::Stepped { .. }) {
+            return Err(TrainError::NotStepped { step, report: format!("{report:?}") });
+        }
+        if step >= args.warmup {
+            measured.times.push(seconds);
+            measured.compute_times.push(compute);
+        }
+    }
+    measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
+    measured.copied = engine.device().copied_bytes().since(copied);
+    measured.step_times = engine.step_times().since(&step_times);
+    measured.device_memory = M::memory_in_use(engine.device());
+    engine.flush()?;
+    measured.forward_times = time_forward(args.steps as usize, engine, gpt, inputs, targets)?;
+    Ok(measured)
+}
+
+/// Forward alone, `passes` times on the same batch with the trained weights, each from an idle
+/// device to its loss on the host: the forward part of the breakdown (a training step's forward
+/// queues the same kernels; backward is the rest of forward + backward).
+fn time_forward<M: Model>(
+    passes: usize,
+    engine: &ModelEngine<M>,
+    gpt: &mut M,
+    inputs: &[u32],
+    targets: &[u32],
+) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(passes);
+    for _ in 0..passes.max(1) {
+        gpt.set_batch(inputs, targets).map_err(TrainError::model)?;
+        engine.device().synchronize()?;
+        let start = Instant::now();
+        gpt.forward(engine.params()).map_err(TrainError::model)?;
+        gpt.loss().map_err(TrainError::model)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    Ok(times)
+}
+
+/// One rank's means and memory, as rank 0 reports them.
+struct RankFigures {
+    s_per_step_mean: f64,
+    forward_backward_s_mean: f64,
+    forward_s_mean: f64,
+    peak_rss_bytes: Option<u64>,
+    device_memory_in_use_bytes: Option<u64>,
+}
+
+/// Every rank's figures, in rank order (a barrier of the side channel per figure).
+fn gather_ranks(measured: &Measured, group: &mut Group) -> Result<Vec<RankFigures>> {
+    // `u64::MAX` stands for "unknown".
+    let known = |value: Option<u64>| value.unwrap_or(u64::MAX);
+    let unknown = |value: u64| (value != u64::MAX).then_some(value);
+    let means = group.gather(measured.mean().to_bits())?;
+    let computes = group.gather(measured.compute_mean().to_bits())?;
+    let forwards = group.gather(measured.forward_mean().to_bits())?;
+    let rss = group.gather(known(peak_rss_bytes()))?;
+    let memory = group.gather(known(measured.device_memory.map(|b| b as u64)))?;
+    Ok((0..means.len())
+        .map(|rank| RankFigures {
+            s_per_step_mean: f64::from_bits(means[rank]),
+            forward_backward_s_mean: f64::from_bits(computes[rank]),
+            forward_s_mean: f64::from_bits(forwards[rank]),
+            peak_rss_bytes: unknown(rss[rank]),
+            device_memory_in_use_bytes: unknown(memory[rank]),
+        })
+        .collect())
+}
+
+/// The job as the report describes it.
+struct Job {
+    world: usize,
+    /// CPU threads of each rank's optimizer.
+    threads: usize,
+    /// Rank 0's device.
+    description: String,
+    /// Rank 0's run-time settings ([`Effective`]).
+    settings: serde_json::Value,
+}
+
+/// Rank 0's report: the job's throughput (every rank's tokens over the slowest rank's mean step),
+/// rank 0's step times, breakdown and memory, and each rank's means.
+fn report(
+    args: &BenchOptions,
+    model: &impl Family,
+    job: &Job,
+    measured: &Measured,
+    ranks: &[RankFigures],
+) -> serde_json::Value {
+    let mut sorted = measured.times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let (mean, compute_mean) = (measured.mean(), measured.compute_mean());
+    let forward_mean = measured.forward_mean();
+    let slowest = ranks.iter().map(|r| r.s_per_step_mean).fold(mean, f64::max);
+    let tokens = args.micro_batch * model.context() * args.accum as usize * job.world;
+    let rss = ranks[0].peak_rss_bytes;
+    let params = model.num_params();
+    let flops = flops_per_token(model);
+    let per_step = |time: std::time::Duration| time.as_secs_f64() / measured.times.len() as f64;
+    let mut out = json!({
+        "system": "zeroflow",
+        "mode": args.mode.name(),
+        "device": job.description,
+        "world_size": job.world,
+        "cpu_threads_per_rank": job.threads,
+        "model": args.model_name,
+        "parameters": params,
+        "micro_batch": args.micro_batch,
+        "accum": args.accum,
+        "seq": model.context(),
+        "tokens_per_step": tokens,
+        "s_per_step_median": median,
+        "s_per_step_mean": mean,
+        "tokens_per_s": tokens as f64 / slowest,
+        "tokens_per_s_per_gpu": tokens as f64 / slowest / job.world as f64,
+        "flops_per_token": flops,
+        "model_tflops": tokens as f64 / slowest * flops / 1e12,
+        "forward_s_mean": forward_mean,
+        "backward_s_mean": compute_mean - forward_mean,
+        "forward_backward_s_mean": compute_mean,
+        "exposed_optimizer_s_mean": mean - compute_mean,
+        // The training thread on or waiting for the CPU optimizer, per step and as a fraction
+        // of the step time (the GPU gets no new work meanwhile), and PCIe traffic per step.
+        "cpu_wait_s_mean": measured.cpu_wait / measured.times.len() as f64,
+        "cpu_wait_fraction": measured.cpu_wait / measured.times.iter().sum::<f64>(),
+        "h2d_bytes_per_step": measured.copied.host_to_device as f64 / measured.times.len() as f64,
+        "d2h_bytes_per_step": measured.copied.device_to_host as f64 / measured.times.len() as f64,
+        // Rank 0's optimizer step by the host clock: waiting for the gradient norm, and the
+        // streamed CPU step's waits for gradient chunks and for uploads, and its AdamW.
+        "norm_wait_s_mean": per_step(measured.step_times.norm_wait),
+        "chunk_wait_s_mean": per_step(measured.step_times.chunk_wait),
+        "upload_wait_s_mean": per_step(measured.step_times.upload_wait),
+        "cpu_adam_s_mean": per_step(measured.step_times.adam),
+        "peak_rss_bytes": rss,
+        "device_memory_in_use_bytes": measured.device_memory,
+        "peak_rss_bytes_per_param": rss.map(|r| r as f64 / params as f64),
+        "ranks": ranks.iter().enumerate().map(|(rank, r)| json!({
+            "rank": rank,
+            "s_per_step_mean": r.s_per_step_mean,
+            "forward_backward_s_mean": r.forward_backward_s_mean,
+            "forward_s_mean": r.forward_s_mean,
+            "exposed_optimizer_s_mean": r.s_per_step_mean - r.forward_backward_s_mean,
+            "peak_rss_bytes": r.peak_rss_bytes,
+            "device_memory_in_use_bytes": r.device_memory_in_use_bytes,
+        })).collect::<Vec<_>>(),
+        "times": measured.times,
+        "losses": measured.losses,
+    });
+    out["settings"] = job.settings.clone();
+    out
+}
+
+/// The bench config's error (resolving it, or the engine's options of it).
+fn bench_config(error: impl Into<TrainError>) -> TrainError {
+    error.into().context("the bench config")
+}
+
+/// The process's peak resident set (VmHWM), where Linux reports it.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod multi_rank_tests;
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_gpt::GptConfig;
+
+    use super::*;
+
+    #[test]
+    fn model_flops_count_the_weights_and_attention() {
+        // gpt2-124m: 124,439,808 parameters, 12 layers of width 768, context 1024.
+        let model = GptConfig::named("gpt2-124m").unwrap();
+        let want = 6.0 * 124_439_808.0 + 12.0 * 12.0 * 768.0 * 1024.0;
+        assert_eq!(flops_per_token(&model), want);
+    }
+}

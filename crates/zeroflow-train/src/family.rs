@@ -1,0 +1,117 @@
+//! What the trainer needs of a model family's shape ([`Family`]), and the one place that maps a
+//! checkpoint's [`ModelSpec`] to its family ([`with_family!`](crate::with_family)): adding a
+//! family is one arm there and one file of impls (docs/DESIGN.md §2, "Adding a family").
+
+use std::sync::Arc;
+
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::cuda::blas::Blas;
+use zeroflow_device::cuda::nccl::NcclComm;
+use zeroflow_device::{CpuDevice, CudaDevice};
+use zeroflow_engine::checkpoint::NamedTensor;
+use zeroflow_nn::{AttentionKind, PlanOptions};
+
+use crate::{Model, ModelSpec, TrainError};
+
+/// A model family's shape, as the trainer uses it: its size, its flat layout and checkpoint
+/// tensors, its initial weights, and its models on each device kind.
+pub trait Family: Copy + std::fmt::Debug + serde::Serialize + Send + 'static {
+    /// The family's model on the CPU device (f32).
+    type Cpu: Model<Device = CpuDevice, Comm = CpuComm>;
+    /// The family's model on a GPU.
+    type Cuda: Model<Device = CudaDevice, Comm = NcclComm>;
+
+    /// This shape as a checkpoint records it.
+    fn spec(&self) -> ModelSpec;
+    fn num_params(&self) -> usize;
+    fn n_layer(&self) -> usize;
+    /// The width of the residual stream (fills an `"auto"` `reduce_bucket_size`).
+    fn hidden_size(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+    /// The longest sequence the model takes.
+    fn context(&self) -> usize;
+    /// The flat layout of the parameters, padded for `world_size` ranks.
+    fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError>;
+    /// The checkpoint's tensors: Hugging Face names and shapes over the flat buffer.
+    fn tensors(&self, layout: &FlatLayout) -> Result<Vec<NamedTensor>, TrainError>;
+    /// Fresh weights from `seed` into `weights` (the padded flat buffer).
+    fn init(&self, layout: &FlatLayout, seed: u64, weights: &mut [f32]) -> Result<(), TrainError>;
+    /// Elements (f32) of the CPU model's activations for `batch` sequences of `seq` tokens.
+    fn cpu_activations(&self, batch: usize, seq: usize) -> usize;
+    /// The attention the GPU model runs: `asked`, else the family's best for this shape.
+    fn cuda_attention(&self, asked: Option<AttentionKind>) -> AttentionKind;
+    /// The CPU model for micro-batches of `batch` sequences of `seq` tokens.
+    fn cpu_model(
+        &self,
+        device: &CpuDevice,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Self::Cpu, TrainError>;
+    /// The GPU model, sharing `blas` with the device's other users, built with `options`
+    /// (attention, activation checkpointing).
+    fn cuda_model(
+        &self,
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<Self::Cuda, TrainError>;
+    /// The Hugging Face `config.json` of this shape (what `zeroflow export` writes).
+    fn hf_config(&self) -> serde_json::Value;
+    /// Bytes of activations and scratch the GPU model holds, for the log.
+    fn cuda_activation_bytes(model: &Self::Cuda) -> usize;
+}
+
+/// `$body` with `$family` bound to the [`Family`] that the [`ModelSpec`] `$spec` holds: the one
+/// `match` over the families the trainer trains (a new family is a new arm).
+#[macro_export]
+macro_rules! with_family {
+    ($spec:expr, $family:ident => $body:expr) => {
+        match $spec {
+            $crate::ModelSpec::Gpt2($family) => $body,
+        }
+    };
+}
+
+impl ModelSpec {
+    pub fn num_params(&self) -> usize {
+        with_family!(self, family => family.num_params())
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        with_family!(self, family => family.hidden_size())
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        with_family!(self, family => family.vocab_size())
+    }
+
+    pub fn context(&self) -> usize {
+        with_family!(self, family => family.context())
+    }
+
+    pub fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError> {
+        with_family!(self, family => family.flat_layout(world_size))
+    }
+
+    pub fn tensors(&self, layout: &FlatLayout) -> Result<Vec<NamedTensor>, TrainError> {
+        with_family!(self, family => family.tensors(layout))
+    }
+
+    pub fn cpu_activations(&self, batch: usize, seq: usize) -> usize {
+        with_family!(self, family => family.cpu_activations(batch, seq))
+    }
+
+    pub fn cuda_attention(&self, asked: Option<AttentionKind>) -> AttentionKind {
+        with_family!(self, family => family.cuda_attention(asked))
+    }
+
+    /// The shape alone, as `summary.json` records it (without the family tag).
+    pub fn shape_json(&self) -> serde_json::Value {
+        with_family!(self, family => serde_json::to_value(family).expect("serialisable"))
+    }
+}

@@ -1,0 +1,320 @@
+//! The training loop of one rank: the model (on the CPU device or a GPU) driven through the ZeRO
+//! engine, step by step, with its evaluations and checkpoints, until the last step or a stop
+//! request; and what it leaves in the run directory.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::checkpoints;
+use crate::error::Result;
+use crate::metrics::Recorder;
+use crate::observer::{Activity, StopHandle, TrainObserver};
+use crate::open::{self, CudaOpen, OpenFn};
+use crate::resume_point;
+use crate::settings;
+use crate::setup::{DeviceKind, Setup, Start};
+use crate::trainer::Trainer;
+use crate::{Family, Model, run_dir, with_family};
+
+/// How a run ended.
+#[derive(Debug)]
+pub struct Outcome {
+    /// The last step taken.
+    pub done: u64,
+    /// The run's total of steps.
+    pub steps: u64,
+    /// The latest evaluation: its step and loss.
+    pub last_eval: Option<(u64, f64)>,
+    /// The newest checkpoint this process saved.
+    pub saved: Option<PathBuf>,
+    /// A stop request ended the run (after `done`).
+    pub interrupted: bool,
+    /// The run directory (claimed under another name where the default one was taken).
+    pub out: PathBuf,
+    /// The data's entropy floor, where known.
+    pub floor: Option<f64>,
+}
+
+/// Trains as `setup` says (from its start: fresh, `--init-from` or `--resume`) on its device
+/// (`cuda`: how a GPU is opened), saves checkpoints, and on rank 0 writes the metrics, the plot
+/// and the summary. A request on `stop` ends the run after the current step, with a checkpoint
+/// and the summary ([`Outcome::interrupted`]).
+pub fn run(
+    setup: Setup,
+    cuda: CudaOpen,
+    observer: &mut dyn TrainObserver,
+    stop: &StopHandle,
+) -> Result<Outcome> {
+    let model = setup.model;
+    with_family!(model, family => match setup.device {
+        DeviceKind::Cpu => run_on(setup, &family, open::open_cpu, observer, stop),
+        DeviceKind::Cuda => run_on(setup, &family, cuda.opener(), observer, stop),
+    })
+}
+
+/// [`run`] with the model `family` opened by `open`.
+pub fn run_on<F: Family, M: Model>(
+    mut setup: Setup,
+    family: &F,
+    open: impl OpenFn<F, M>,
+    observer: &mut dyn TrainObserver,
+    stop: &StopHandle,
+) -> Result<Outcome> {
+    let started = Instant::now();
+    // Rank 0 writes the metrics, the plot and the summary; every rank trains.
+    let leader = setup.dist.rank == 0;
+    if leader {
+        log_start(&setup, family);
+    }
+    observer.doing(Activity::Building { parameters: family.num_params() });
+    let mut trainer = Trainer::<M>::new(&setup, family, open, started)?;
+    let seconds = started.elapsed().as_secs_f64();
+    observer.on_model_ready(&trainer.device_description, seconds).map_err(observer_error)?;
+    if leader && setup.default_out {
+        setup.out = run_dir::claim(&setup.out)?;
+    }
+    if let Start::Resume { point, .. } = &setup.start {
+        settings::warn_on_resume(&point.extra.settings, &trainer.settings, &point.dir);
+    }
+    let mut recorder = open_recorder(&setup, leader)?;
+    let ended = train_steps(&mut setup, &mut trainer, &mut recorder, observer, stop)?;
+    observer.on_steps_done();
+    // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
+    trainer.group.take().expect("the group is taken once, here").finish()?;
+    if leader {
+        let summary = summary(&setup, family, &trainer, &recorder, &ended, started.elapsed());
+        let floor = setup.data.floor;
+        recorder.finish(|train, eval| observer.loss_svg(train, eval, floor), &summary)?;
+        tracing::info!("{} steps; wrote {}", ended.done, setup.out.display());
+    }
+    Ok(Outcome {
+        done: ended.done,
+        steps: setup.steps,
+        last_eval: ended.last_eval,
+        saved: ended.saved,
+        interrupted: ended.interrupted,
+        out: setup.out,
+        floor: setup.data.floor,
+    })
+}
+
+/// An observer's error as the run's.
+fn observer_error(error: crate::observer::ObserverError) -> crate::TrainError {
+    crate::TrainError::Observer(error)
+}
+
+/// How the steps of a run ended.
+#[derive(Debug)]
+struct Ended {
+    /// The last step taken.
+    done: u64,
+    /// The latest evaluation: its step and loss.
+    last_eval: Option<(u64, f64)>,
+    /// The newest checkpoint this process saved.
+    saved: Option<PathBuf>,
+    /// A signal stopped the run (after `done`).
+    interrupted: bool,
+}
+
+/// Rank 0's recorder (the others write nothing), after removing what an interrupted checkpoint
+/// write left in the run directory, and when resuming setting aside damaged checkpoints.
+fn open_recorder(setup: &Setup, leader: bool) -> Result<Recorder> {
+    if !leader {
+        return Ok(Recorder::discard(&setup.out));
+    }
+    for removed in checkpoints::remove_unfinished(&setup.out)? {
+        tracing::warn!(
+            "removed {}: a checkpoint whose writing was cut short (a second signal, or the \
+             process killed)",
+            removed.display()
+        );
+    }
+    match &setup.start {
+        Start::Resume { point, .. } => {
+            resume_point::set_aside(&point.damaged)?;
+            let at = point.extra.step;
+            tracing::info!("resuming from {} at step {at} of {}", point.dir.display(), setup.steps);
+            Recorder::resume(&setup.out, at, setup.eval_every)
+        }
+        _ => Recorder::create(&setup.out),
+    }
+}
+
+/// The training loop: every step, with its checkpoints and evaluations, until the last step or
+/// a stop request.
+fn train_steps<M: Model>(
+    setup: &mut Setup,
+    trainer: &mut Trainer<M>,
+    recorder: &mut Recorder,
+    observer: &mut dyn TrainObserver,
+    stop: &StopHandle,
+) -> Result<Ended> {
+    // Off unless ZEROFLOW_STEP_TIMEOUT is set; ticked after each step, checkpoint and evaluation.
+    let watchdog = crate::dist::step_watchdog(&setup.dist)?;
+    let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
+    let first = setup.start_step() + 1;
+    let last_eval = recorder.eval.last().copied();
+    let mut ended = Ended { done: first - 1, last_eval, saved: None, interrupted: false };
+    if let Start::InitFrom { .. } = setup.start {
+        let Some(loss) = trainer.evaluate(0, &setup.data.eval, stop, observer)? else {
+            ended.interrupted = true;
+            return Ok(ended);
+        };
+        recorder.eval(0, loss)?;
+        observer.on_eval(0, loss, setup.data.floor);
+        ended.last_eval = Some((0, loss));
+    }
+    for step in first..=setup.steps {
+        stop.at_step(step);
+        observer.doing(Activity::Step { step, steps: setup.steps });
+        let record = trainer.step(step, &mut setup.data.train)?;
+        tick();
+        recorder.step(&record)?;
+        observer.on_step(&record);
+        ended.done = step;
+        // Every rank stops after the same step: a signal may reach the ranks at different times.
+        let interrupted = trainer.group().any(stop.requested())?;
+        let last = step == setup.steps;
+        if last || interrupted || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
+            // Saved before the flush below: the delayed update's pending weights are part of
+            // the state, so a resumed run continues exactly as this one would have.
+            ended.saved = Some(save_and_say(trainer, step, setup, observer)?);
+            tick();
+        }
+        if interrupted {
+            ended.interrupted = true;
+            break;
+        }
+        if last {
+            // The delayed update may still hold the last step's weights.
+            trainer.engine.flush()?;
+        }
+        if last || (setup.eval_every > 0 && step.is_multiple_of(setup.eval_every)) {
+            let Some(loss) = trainer.evaluate(step, &setup.data.eval, stop, observer)? else {
+                // Abandoned for a signal: the run stops here, with a checkpoint of this step.
+                if ended.saved.as_deref() != Some(checkpoints::step_dir(&setup.out, step).as_path())
+                {
+                    ended.saved = Some(save_and_say(trainer, step, setup, observer)?);
+                }
+                ended.interrupted = true;
+                break;
+            };
+            tick();
+            recorder.eval(step, loss)?;
+            observer.on_eval(step, loss, setup.data.floor);
+            ended.last_eval = Some((step, loss));
+        }
+    }
+    Ok(ended)
+}
+
+/// Saves the checkpoint of `step`, saying so.
+fn save_and_say<M: Model>(
+    trainer: &mut Trainer<M>,
+    step: u64,
+    setup: &Setup,
+    observer: &mut dyn TrainObserver,
+) -> Result<PathBuf> {
+    observer.doing(Activity::Saving { step });
+    let saving = Instant::now();
+    let dir = trainer.save(step, setup)?;
+    observer.on_checkpoint(step, &dir, saving.elapsed().as_secs_f64());
+    Ok(dir)
+}
+
+/// `summary.json`. Its times: `wall_s` is the run's wall-clock time so far, every process that
+/// trained it included (set-up, evaluations and checkpoints too; up to the checkpoint each resumed
+/// from); `process_wall_s` is this process's; `train_s` the time in training steps alone, over the
+/// whole run like `wall_s` (so `train_s` ≤ `wall_s`), which `tokens_per_s` divides by.
+fn summary<F: Family, M: Model>(
+    setup: &Setup,
+    family: &F,
+    trainer: &Trainer<M>,
+    recorder: &Recorder,
+    ended: &Ended,
+    process_wall: Duration,
+) -> serde_json::Value {
+    let train_s = trainer.train_time.as_secs_f64();
+    let tokens = ended.done * trainer.tokens_per_step;
+    let (resumed_from, init_from) = match &setup.start {
+        Start::Resume { point, .. } => (Some(point.dir.display().to_string()), None),
+        Start::InitFrom { dir, .. } => (None, Some(dir.display().to_string())),
+        Start::Seed => (None, None),
+    };
+    let eval_loss = ended.last_eval.map(|(_, loss)| loss);
+    json!({
+        "final_eval_loss": eval_loss,
+        "eval_step": ended.last_eval.map(|(step, _)| step),
+        "entropy_floor": setup.data.floor,
+        "over_floor": setup.data.floor.zip(eval_loss).map(|(floor, loss)| loss / floor - 1.0),
+        "final_train_loss": recorder.train.last().map(|&(_, loss)| loss),
+        "steps": ended.done,
+        "interrupted": ended.interrupted,
+        "tokens": tokens,
+        "tokens_per_s": tokens as f64 / train_s,
+        // The same reading of the clock as process_wall_s, so that the two agree exactly.
+        "wall_s": (trainer.wall_before + process_wall).as_secs_f64(),
+        "process_wall_s": process_wall.as_secs_f64(),
+        "train_s": train_s,
+        "seed": setup.seed,
+        "device": trainer.device_description,
+        "world_size": setup.dist.world_size,
+        "data": setup.data.description,
+        "model": family,
+        "parameters": family.num_params(),
+        "resumed_from": resumed_from,
+        "init_from": init_from,
+        "checkpoints": checkpoints::list(&setup.out).ok().map(|all| {
+            all.into_iter().map(|(_, dir)| dir.display().to_string()).collect::<Vec<_>>()
+        }),
+        "config_file": setup.config_file.as_ref().map(|p| p.display().to_string()),
+        "config": setup.config.to_json(),
+        "settings": trainer.settings.to_json(),
+    })
+}
+
+fn log_start(setup: &Setup, model: &impl Family) {
+    let config = &setup.config;
+    let batch = &config.batch;
+    tracing::info!(
+        "training {} parameters ({} layers, d_model {}) for {} steps of {} sequences of {} \
+         tokens (micro-batch {}, accumulation {}), {}, ZeRO stage {}, {}, lr {} ({}); data: {}",
+        model.num_params(),
+        model.n_layer(),
+        model.hidden_size(),
+        setup.steps,
+        batch.train_batch_size,
+        setup.seq,
+        batch.micro_batch_size_per_gpu,
+        batch.gradient_accumulation_steps,
+        precision_name(config.precision),
+        config.zero.stage.number(),
+        offload_description(&config.zero),
+        config.optimizer.lr,
+        config.scheduler.map_or("constant", |s| s.type_name()),
+        setup.data.description,
+    );
+}
+
+/// The precision as the run header states it.
+fn precision_name(precision: zeroflow_core::config::MixedPrecision) -> &'static str {
+    match precision.precision() {
+        zeroflow_core::config::Precision::Fp32 => "fp32",
+        zeroflow_core::config::Precision::Bf16 => "bf16 (fp32 master weights)",
+        zeroflow_core::config::Precision::Fp16 => "fp16 (fp32 master weights)",
+    }
+}
+
+/// Where the optimizer runs, as the run header states it: on the device, offloaded to the CPU,
+/// or ZenFlow (offloaded, with the important columns on the device).
+fn offload_description(zero: &zeroflow_core::config::ZeroConfig) -> String {
+    match (&zero.offload_optimizer, &zero.zenflow) {
+        (None, _) => "no optimizer offload, no ZenFlow".to_owned(),
+        (Some(_), None) => "optimizer offloaded to the CPU, no ZenFlow".to_owned(),
+        (Some(_), Some(zenflow)) => {
+            format!("optimizer offloaded to the CPU, ZenFlow (topk_ratio {})", zenflow.topk_ratio)
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! The run-time settings (docs/DESIGN.md, "The configuration surface"): the model's attention
+//! and activation checkpointing, how host threads wait for the GPU, the CPU optimizer's binding and threads, and the offload
+//! stream's tuning. Each comes from four layers, the first that says something winning: a flag
+//! of `train` or `bench`, a `ZEROFLOW_*` variable (both read by the binary), the config's
+//! `zeroflow` section ([`from_config`]), zeroflow's default. [`resolve`] is that rule; the
+//! libraries below get the result as options. What a run used is written into its
+//! `summary.json` and every checkpoint's `state.json` ([`Effective`]).
+
+pub mod env;
+mod record;
+
+use std::path::PathBuf;
+
+use zeroflow_core::config::{self, ZeroflowExtensions};
+use zeroflow_core::{DType, Element};
+use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
+use zeroflow_engine::EngineOptions;
+use zeroflow_nn::AttentionKind;
+use zeroflow_optim::Stores;
+
+use crate::dist::affinity::BindMode;
+use crate::error::{Result, input};
+use crate::{DeviceKind, ModelSpec};
+
+pub use record::{Effective, EffectiveOffload, NUMERICS, changed_numerics, warn_on_resume};
+
+/// The attention asked for: `auto` picks flash where the model's head size has kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    Auto,
+    Gemm,
+    Flash,
+}
+
+impl Attention {
+    /// The attention it names (`None`: the model's best).
+    pub fn kind(self) -> Option<AttentionKind> {
+        match self {
+            Attention::Auto => None,
+            Attention::Gemm => Some(AttentionKind::Gemm),
+            Attention::Flash => Some(AttentionKind::Flash),
+        }
+    }
+}
+
+/// The names each setting is spelled with, in flags, variables and the config alike.
+pub mod names {
+    use super::{Attention, BindMode, Stores};
+
+    pub const ATTENTION: [(&str, Attention); 3] =
+        [("auto", Attention::Auto), ("gemm", Attention::Gemm), ("flash", Attention::Flash)];
+    pub const CPU_BIND: [(&str, BindMode); 3] =
+        [("auto", BindMode::Auto), ("on", BindMode::On), ("off", BindMode::Off)];
+    pub const STORES: [(&str, Stores); 2] =
+        [("normal", Stores::Normal), ("non-temporal", Stores::NonTemporal)];
+    /// Activation checkpointing (and any other switch).
+    pub const SWITCH: [(&str, bool); 2] = [("on", true), ("off", false)];
+    /// Whether the streaming step gathers in pieces.
+    pub const GATHER: [(&str, bool); 2] = [("pieces", true), ("after-step", false)];
+
+    /// "a, b or c".
+    pub fn alternatives<T>(choices: &[(&str, T)]) -> String {
+        let names: Vec<&str> = choices.iter().map(|(name, _)| *name).collect();
+        match names.split_last() {
+            Some((last, [])) => (*last).to_owned(),
+            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+            None => String::new(),
+        }
+    }
+
+    /// The name of `value` in `choices`.
+    pub fn name_of<T: PartialEq>(choices: &[(&'static str, T)], value: &T) -> &'static str {
+        choices.iter().find(|(_, choice)| choice == value).map_or("?", |(name, _)| name)
+    }
+}
+
+/// One layer's requests; `None` leaves a setting to the layers below.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Requested {
+    pub attention: Option<Attention>,
+    pub activation_checkpointing: Option<bool>,
+    pub cuda_wait: Option<HostWaits>,
+    pub cpu_bind: Option<BindMode>,
+    /// MiB of the parameter dtype, positive.
+    pub stream_chunk_mib: Option<f64>,
+    pub copy_stores: Option<Stores>,
+    pub gather_in_pieces: Option<bool>,
+    pub cpu_threads: Option<usize>,
+}
+
+impl Requested {
+    /// `self`'s requests, and `lower`'s where `self` has none.
+    pub fn over(self, lower: Requested) -> Requested {
+        Requested {
+            attention: self.attention.or(lower.attention),
+            activation_checkpointing: self
+                .activation_checkpointing
+                .or(lower.activation_checkpointing),
+            cuda_wait: self.cuda_wait.or(lower.cuda_wait),
+            cpu_bind: self.cpu_bind.or(lower.cpu_bind),
+            stream_chunk_mib: self.stream_chunk_mib.or(lower.stream_chunk_mib),
+            copy_stores: self.copy_stores.or(lower.copy_stores),
+            gather_in_pieces: self.gather_in_pieces.or(lower.gather_in_pieces),
+            cpu_threads: self.cpu_threads.or(lower.cpu_threads),
+        }
+    }
+
+    /// Whether any of the offload stream's settings is asked for.
+    pub fn tunes_offload(&self) -> bool {
+        let Requested { stream_chunk_mib, copy_stores, gather_in_pieces, cpu_threads, .. } = self;
+        stream_chunk_mib.is_some()
+            || copy_stores.is_some()
+            || gather_in_pieces.is_some()
+            || cpu_threads.is_some()
+    }
+}
+
+/// The settings a run uses: each from the flags, else the environment, else the config; what
+/// none of them asks for stays `None` (zeroflow's default).
+pub fn resolve(flags: Requested, env: Requested, config: Requested) -> Requested {
+    flags.over(env).over(config)
+}
+
+/// What the config's `zeroflow` section asks for.
+pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
+    let offload = zeroflow.offload;
+    Requested {
+        attention: zeroflow.attention.map(|attention| match attention {
+            config::Attention::Gemm => Attention::Gemm,
+            config::Attention::Flash => Attention::Flash,
+        }),
+        activation_checkpointing: zeroflow.activation_checkpointing,
+        cuda_wait: zeroflow.cuda_wait.map(|wait| match wait {
+            config::CudaWait::Block => HostWaits::Block,
+            config::CudaWait::Spin => HostWaits::Spin,
+        }),
+        cpu_bind: zeroflow.cpu_bind.map(|bind| match bind {
+            config::CpuBind::On => BindMode::On,
+            config::CpuBind::Off => BindMode::Off,
+        }),
+        stream_chunk_mib: offload.stream_chunk_mib,
+        copy_stores: offload.copy_stores.map(|stores| match stores {
+            config::CopyStores::Normal => Stores::Normal,
+            config::CopyStores::NonTemporal => Stores::NonTemporal,
+        }),
+        gather_in_pieces: offload.gather.map(|gather| gather == config::Gather::Pieces),
+        cpu_threads: offload.cpu_threads.and_then(|n| usize::try_from(n.get()).ok()),
+    }
+}
+
+/// A chunk of MiB: a positive number, fractions allowed.
+pub fn parse_chunk_mib(value: &str) -> Result<f64, String> {
+    let mib = value.trim().parse::<f64>().ok().filter(|mib| mib.is_finite() && *mib > 0.0);
+    mib.ok_or_else(|| "is not a positive number of MiB".to_owned())
+}
+
+/// A thread count: a positive whole number.
+pub fn parse_threads(value: &str) -> Result<usize, String> {
+    match value.trim().parse::<usize>() {
+        Ok(threads) if threads > 0 => Ok(threads),
+        _ => Err("is not a positive whole number".to_owned()),
+    }
+}
+
+/// How the GPU is opened: the host waits asked for, and `kernel_cache` (else the user's cache
+/// folder) for the compiled kernels.
+pub fn cuda_device_options(
+    requested: &Requested,
+    kernel_cache: Option<PathBuf>,
+) -> CudaDeviceOptions {
+    let defaults = CudaDeviceOptions::default();
+    CudaDeviceOptions {
+        host_waits: requested.cuda_wait.unwrap_or(HostWaits::Auto),
+        kernel_cache: kernel_cache.or(defaults.kernel_cache),
+    }
+}
+
+/// The attention the model `model` runs on `device`: the CPU model has only the gemm form
+/// (asking it for flash is an input error); on the GPU, what was asked, else the model's best.
+pub fn attention(
+    device: DeviceKind,
+    model: &ModelSpec,
+    requested: &Requested,
+) -> Result<AttentionKind> {
+    let asked = requested.attention.and_then(Attention::kind);
+    match device {
+        DeviceKind::Cpu if asked == Some(AttentionKind::Flash) => Err(input(
+            "attention flash: the CPU model computes attention in the gemm form only; ask for \
+             gemm or auto (--attention, ZEROFLOW_ATTENTION, zeroflow.attention)",
+        )),
+        DeviceKind::Cpu => Ok(AttentionKind::Gemm),
+        DeviceKind::Cuda => Ok(model.cuda_attention(asked)),
+    }
+}
+
+/// Whether the model of a run on `device` recomputes its layers' activations in backward: as
+/// asked (off by default) on the GPU; never on the CPU device, whose model keeps every
+/// activation (asking it for checkpointing is warned about, not refused: the numbers are the
+/// same either way).
+pub fn activation_checkpointing(device: DeviceKind, requested: &Requested) -> bool {
+    let asked = requested.activation_checkpointing.unwrap_or(false);
+    if asked && device == DeviceKind::Cpu {
+        tracing::warn!(
+            "activation checkpointing applies to the CUDA model; the CPU model keeps every \
+             activation (--activation-checkpointing, ZEROFLOW_ACTIVATION_CHECKPOINTING, \
+             zeroflow.activation_checkpointing change nothing here)"
+        );
+    }
+    asked && device == DeviceKind::Cuda
+}
+
+/// Applies the offload stream's settings asked for to `options` for rank `rank`'s parameters of
+/// type `P`, saying once what it chose; an input error for a chunk smaller than one element.
+pub fn apply_offload<P: Element>(
+    requested: &Requested,
+    options: &mut EngineOptions,
+    rank: usize,
+) -> Result<()> {
+    if !requested.tunes_offload() {
+        return Ok(());
+    }
+    let dtype = P::DTYPE;
+    let Some(offload) = options.offload_mut() else {
+        tracing::warn!(
+            "rank {rank}: the stream chunk, copy stores, gather and CPU threads tune the CPU \
+             optimizer offload, which this config does not use: they change nothing"
+        );
+        return Ok(());
+    };
+    let chunk = requested.stream_chunk_mib.map(|mib| chunk_elements(mib, dtype)).transpose();
+    let stream = &mut offload.stream;
+    stream.chunk = chunk.map_err(input)?.unwrap_or(stream.chunk);
+    stream.copy_stores = requested.copy_stores.or(stream.copy_stores);
+    stream.gather_in_pieces = requested.gather_in_pieces.unwrap_or(stream.gather_in_pieces);
+    offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
+    let stream = offload.stream;
+    tracing::info!(
+        "rank {rank}: offload tuned: chunks of {} elements ({} MiB of {dtype}), {} stores of \
+         the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}",
+        stream.chunk,
+        mib_of(stream.chunk, dtype),
+        stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
+        offload.cpu_threads,
+        if stream.gather_in_pieces { "in pieces while stepping" } else { "after the step" },
+    );
+    Ok(())
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+/// Whole elements of `dtype` in `mib` MiB (rounded down), or why that is none.
+pub fn chunk_elements(mib: f64, dtype: DType) -> Result<usize, String> {
+    // `as` saturates for the absurdly large.
+    let elements = (mib * MIB / dtype.size() as f64) as usize;
+    if elements == 0 {
+        return Err(format!(
+            "a stream chunk of {mib} MiB is less than one {dtype} element ({} bytes)",
+            dtype.size()
+        ));
+    }
+    Ok(elements)
+}
+
+/// `elements` of `dtype` in MiB.
+pub fn mib_of(elements: usize, dtype: DType) -> f64 {
+    elements as f64 * dtype.size() as f64 / MIB
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,140 @@
+use serde_json::json;
+use zeroflow_core::config::{Context, resolve_str};
+
+use super::record::changed_numerics;
+use super::*;
+
+fn requested_attention(attention: Attention) -> Requested {
+    Requested { attention: Some(attention), ..Requested::default() }
+}
+
+/// Every setting comes from the flags, else the environment, else the config; a layer that says
+/// nothing about a setting passes it on, whatever it says about the others.
+#[test]
+fn a_flag_beats_the_environment_which_beats_the_config() {
+    let config = Requested {
+        attention: Some(Attention::Gemm),
+        activation_checkpointing: Some(true),
+        cuda_wait: Some(HostWaits::Spin),
+        cpu_bind: Some(BindMode::Off),
+        stream_chunk_mib: Some(8.0),
+        copy_stores: Some(Stores::Normal),
+        gather_in_pieces: Some(false),
+        cpu_threads: Some(3),
+    };
+    let env = Requested {
+        attention: Some(Attention::Flash),
+        activation_checkpointing: Some(false),
+        cuda_wait: Some(HostWaits::Block),
+        stream_chunk_mib: Some(4.0),
+        ..Requested::default()
+    };
+    let flags = Requested {
+        attention: Some(Attention::Auto),
+        stream_chunk_mib: Some(2.0),
+        cpu_threads: Some(7),
+        ..Requested::default()
+    };
+    let resolved = resolve(flags, env, config);
+    assert_eq!(
+        resolved,
+        Requested {
+            attention: Some(Attention::Auto),
+            activation_checkpointing: Some(false),
+            cuda_wait: Some(HostWaits::Block),
+            cpu_bind: Some(BindMode::Off),
+            stream_chunk_mib: Some(2.0),
+            copy_stores: Some(Stores::Normal),
+            gather_in_pieces: Some(false),
+            cpu_threads: Some(7),
+        }
+    );
+    assert_eq!(resolve(Requested::default(), env, config).attention, Some(Attention::Flash));
+    assert_eq!(resolve(Requested::default(), Requested::default(), config), config);
+    let nothing = Requested::default();
+    assert_eq!(resolve(nothing, nothing, nothing), nothing);
+}
+
+#[test]
+fn the_config_section_becomes_the_config_layer() {
+    let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
+        "activation_checkpointing": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
+        "gather": "after-step", "cpu_threads": 5}}}"#;
+    let config = resolve_str(text, &Context::default()).unwrap().config;
+    assert_eq!(
+        from_config(&config.zeroflow),
+        Requested {
+            attention: Some(Attention::Flash),
+            activation_checkpointing: Some(true),
+            cuda_wait: Some(HostWaits::Spin),
+            cpu_bind: Some(BindMode::On),
+            stream_chunk_mib: Some(0.5),
+            copy_stores: Some(Stores::NonTemporal),
+            gather_in_pieces: Some(false),
+            cpu_threads: Some(5),
+        }
+    );
+    let plain = resolve_str(r#"{"train_batch_size": 8}"#, &Context::default()).unwrap().config;
+    assert_eq!(from_config(&plain.zeroflow), Requested::default());
+}
+
+/// MiB of the parameter dtype become whole elements: bf16 and f16 have 2 bytes, f32 4; less
+/// than one element is refused.
+#[test]
+fn a_chunk_in_mib_becomes_elements_of_the_parameter_dtype() {
+    assert_eq!(chunk_elements(32.0, DType::Bf16), Ok(1 << 24));
+    assert_eq!(chunk_elements(4.0, DType::F16), Ok(1 << 21));
+    assert_eq!(chunk_elements(4.0, DType::F32), Ok(1 << 20));
+    assert_eq!(chunk_elements(0.5, DType::Bf16), Ok(1 << 18));
+    // 104.86 bytes: 52 whole bf16 elements.
+    assert_eq!(chunk_elements(1e-4, DType::Bf16), Ok(52));
+    let reason = chunk_elements(1e-7, DType::F32).unwrap_err();
+    assert!(reason.contains("less than one F32 element"), "{reason}");
+    assert_eq!(mib_of(1 << 24, DType::Bf16), 32.0);
+}
+
+/// Activation checkpointing is the CUDA model's: as asked on the GPU (off unless asked), never
+/// on the CPU device.
+#[test]
+fn activation_checkpointing_applies_to_the_cuda_model_only() {
+    let asked = |on| Requested { activation_checkpointing: on, ..Requested::default() };
+    let on = |device, requested: Requested| super::activation_checkpointing(device, &requested);
+    assert!(on(DeviceKind::Cuda, asked(Some(true))));
+    assert!(!on(DeviceKind::Cuda, asked(Some(false))));
+    assert!(!on(DeviceKind::Cuda, asked(None)));
+    assert!(!on(DeviceKind::Cpu, asked(Some(true))));
+}
+
+/// The CPU model has one attention; flash asked of it is refused, auto and gemm are gemm.
+#[test]
+fn the_cpu_model_runs_gemm_attention_and_refuses_flash() {
+    let model = ModelSpec::Gpt2(zeroflow_gpt::GptConfig::named("gpt2-124m").unwrap());
+    let on = |device, attention| super::attention(device, &model, &requested_attention(attention));
+    assert_eq!(on(DeviceKind::Cpu, Attention::Auto).unwrap(), AttentionKind::Gemm);
+    assert_eq!(on(DeviceKind::Cpu, Attention::Gemm).unwrap(), AttentionKind::Gemm);
+    let error = on(DeviceKind::Cpu, Attention::Flash).unwrap_err().to_string();
+    assert!(error.contains("attention flash") && error.contains("gemm"), "{error}");
+    // On the GPU, auto is flash where the head size (64 here) has kernels.
+    assert_eq!(on(DeviceKind::Cuda, Attention::Auto).unwrap(), AttentionKind::Flash);
+    assert_eq!(on(DeviceKind::Cuda, Attention::Gemm).unwrap(), AttentionKind::Gemm);
+}
+
+#[test]
+fn only_a_changed_attention_counts_as_changing_the_numbers() {
+    let saved = json!({"attention": "flash", "cuda_wait": "block", "offload": null});
+    let same = json!({"attention": "flash", "cuda_wait": "spin", "offload": {"cpu_threads": 4}});
+    assert!(changed_numerics(&saved, &same).is_empty());
+    let gemm = json!({"attention": "gemm"});
+    assert_eq!(
+        changed_numerics(&saved, &gemm),
+        [("attention", "flash".to_owned(), "gemm".to_owned())]
+    );
+    // A checkpoint written before the settings were recorded says nothing to compare.
+    assert!(changed_numerics(&serde_json::Value::Null, &gemm).is_empty());
+}
+
+#[test]
+fn alternatives_read_as_a_list() {
+    assert_eq!(names::alternatives(&names::ATTENTION), "auto, gemm or flash");
+    assert_eq!(names::alternatives(&names::GATHER), "pieces or after-step");
+}

@@ -1,0 +1,548 @@
+//! What a run is made of ([`Setup`], checked from the options before anything is written: fresh,
+//! `--init-from` a Hugging Face directory, or `--resume` a checkpoint).
+
+use std::num::NonZeroU64;
+use std::path::{Path, PathBuf};
+
+use zeroflow_core::config::Config;
+use zeroflow_engine::checkpoint;
+use zeroflow_gpt::GptConfig;
+
+use crate::ModelSpec;
+use crate::data::{self, Data};
+use crate::data_files::{self, DataFile};
+use crate::dist::DistEnv;
+use crate::dist::affinity::{self, BindMode, Binding};
+use crate::error::{Result, input, io};
+use crate::resume_point::{self, Extra, ResumePoint};
+use crate::settings::{self, Requested};
+use crate::{init_from, limits, open, resume, run_config};
+
+/// How many optimizer steps a run takes unless told: enough for `tiny` to get within 5% of the
+/// synthetic corpus' entropy floor.
+pub const DEFAULT_STEPS: u64 = 1000;
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    /// An NVIDIA GPU.
+    Cuda,
+}
+
+/// The values that fill a config's `"auto"` entries (`None`: zeroflow's default).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AutoValues {
+    pub micro_batch: Option<NonZeroU64>,
+    pub accum: Option<NonZeroU64>,
+    pub lr: Option<f64>,
+    pub warmup: Option<NonZeroU64>,
+    pub weight_decay: Option<f64>,
+}
+
+/// What a `train` command asks for: its flags, each as `zeroflow train --help` describes it.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    pub config: Option<PathBuf>,
+    pub model: Option<String>,
+    pub data: Option<String>,
+    pub device: DeviceKind,
+    pub gpu: Option<usize>,
+    pub steps: Option<NonZeroU64>,
+    pub extend_schedule: bool,
+    pub eval_every: u64,
+    pub eval_batches: NonZeroU64,
+    pub seq: Option<NonZeroU64>,
+    pub log_every: NonZeroU64,
+    pub out: Option<PathBuf>,
+    pub save_every: u64,
+    pub keep: NonZeroU64,
+    pub resume: Option<String>,
+    pub init_from: Option<PathBuf>,
+    pub force: bool,
+    pub seed: Option<u64>,
+    pub auto: AutoValues,
+    /// What the flags ask of the run-time settings (the layer above the environment's).
+    pub settings: Requested,
+}
+
+/// How the weights and the optimizer start.
+#[derive(Debug)]
+pub enum Start {
+    /// Fresh weights from the seed.
+    Seed,
+    /// The weights of a Hugging Face directory (`--init-from`), fresh optimizer state.
+    InitFrom { dir: PathBuf, weights: Vec<f32> },
+    /// Everything from a checkpoint (`--resume`).
+    Resume { point: Box<ResumePoint>, weights: Vec<f32> },
+}
+
+/// Everything a run needs, checked.
+#[derive(Debug)]
+pub struct Setup {
+    pub device: DeviceKind,
+    pub model: ModelSpec,
+    pub data: Data,
+    /// `--data` resolved to an absolute path (or as the resumed checkpoint recorded it).
+    pub data_arg: String,
+    /// The data files with their fingerprints, for the checkpoints.
+    pub data_files: Vec<DataFile>,
+    pub config: Config,
+    /// Where `config` came from, for the summary.
+    pub config_file: Option<PathBuf>,
+    pub steps: u64,
+    /// Tokens per training sequence (`--seq`; at most the model's context).
+    pub seq: usize,
+    pub eval_every: u64,
+    pub log_every: u64,
+    pub save_every: u64,
+    pub keep: u64,
+    pub out: PathBuf,
+    /// `out` is the default `runs/<UTC time>`, which the run claims for itself when it starts
+    /// ([`run_dir::claim`]), under another name where that one is taken.
+    pub default_out: bool,
+    pub seed: u64,
+    pub start: Start,
+    /// This process's rank in the job (one process unless a launcher says otherwise).
+    pub dist: DistEnv,
+    /// The CPUs near its GPU that this rank's threads were bound to (`--device cuda`,
+    /// `--cpu-bind`); `None`: unbound, the host's cores shared evenly between its ranks.
+    pub cpu_binding: Option<Binding>,
+    /// The run-time settings, every layer resolved ([`settings::resolve`]).
+    pub settings: Requested,
+    /// The attention the model runs ([`settings::attention`]).
+    pub attention: zeroflow_nn::AttentionKind,
+}
+
+impl Setup {
+    /// Checks the options, the model, the data, the config, the checkpoint or initial weights,
+    /// and that the output directory may be written, for the process at `dist` in its job (as
+    /// the launcher's environment says) with `env` as what the `ZEROFLOW_*` variables ask for;
+    /// creates and changes nothing, except that with `--device cuda` it first binds this rank's
+    /// threads to its GPU's CPUs ([`affinity::bind_for_gpu`]).
+    pub fn from_options(options: TrainOptions, dist: DistEnv, env: Requested) -> Result<Setup> {
+        let dist = job(&options, dist)?;
+        // First, before anything starts a thread (rayon's pool, the optimizer's): they inherit
+        // the binding. The config is resolved later; its `cpu_bind` is looked up here.
+        let bind = options
+            .settings
+            .cpu_bind
+            .or(env.cpu_bind)
+            .or_else(|| options.config.as_deref().and_then(config_cpu_bind));
+        let cpu_binding = (options.device == DeviceKind::Cuda)
+            .then(|| affinity::bind_for_gpu(&dist, bind.unwrap_or(BindMode::Auto)))
+            .flatten();
+        let setup = Setup::for_rank(options, dist, env)?;
+        // Last, so that a mistake in the flags or the config is reported first.
+        if setup.device == DeviceKind::Cuda {
+            open::check_cuda_gpu(setup.dist.local_rank)?;
+        }
+        Ok(Setup { cpu_binding, ..setup })
+    }
+
+    /// [`Setup::from_options`] for the rank `dist` (placed in its job already), without binding
+    /// threads or looking for the GPU.
+    pub fn for_rank(mut args: TrainOptions, dist: DistEnv, env: Requested) -> Result<Setup> {
+        let resume = match &args.resume {
+            Some(arg) => Some(resume_point::find(arg, args.out.as_deref())?),
+            None => None,
+        };
+        if let Some(point) = &resume {
+            default_to_saved(&mut args, &point.extra.config);
+        }
+        let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
+        let (data_arg, spec, data_files) = run_data(&args, resume.as_ref())?;
+        let hf = args.init_from.as_deref().map(init_from::read).transpose()?;
+        let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
+        let seed =
+            same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
+        let steps = resume::total_steps(args.steps.map(NonZeroU64::get), resume.as_ref());
+        // A resumed run that was given a config file keeps its resolved config, unless --config
+        // says otherwise (a run of the default config resolves it again, to the same values).
+        let saved_config = resume
+            .as_ref()
+            .filter(|point| point.extra.run.config_file.is_some())
+            .map(|point| &point.extra.config);
+        let config = resolve_config(&args, &model, steps, dist.world_size, saved_config)?;
+        let config_file = args.config.clone().or_else(|| {
+            saved_config?;
+            resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
+        });
+        let default_out = resume.is_none() && args.out.is_none();
+        let seq = training_seq(args.seq, &model)?;
+        limits::check_micro_batch(
+            &model,
+            config.batch.micro_batch_size_per_gpu,
+            seq,
+            args.device,
+            limits::available_host_memory(),
+        )
+        .map_err(input)?;
+        let flags = args.settings;
+        let settings = settings::resolve(flags, env, settings::from_config(&config.zeroflow));
+        let attention = settings::attention(args.device, &model, &settings)?;
+        let out = match &resume {
+            Some(point) => resume_out(point, &args, &config, steps)?,
+            None => fresh_out(&args)?,
+        };
+        let start = initial_state(resume, hf, &model, dist.world_size)?;
+        let batch = &config.batch;
+        let shape = data::Shape {
+            batch: batch.micro_batch_size_per_gpu,
+            micro_steps: steps * batch.gradient_accumulation_steps,
+            rank: dist.rank,
+            world_size: dist.world_size,
+            seq,
+            eval_batches: args.eval_batches.get() as usize,
+        };
+        let data = open_data(&spec, &model, shape, seed, &start)?;
+        Ok(Setup {
+            device: args.device,
+            model,
+            data,
+            data_arg,
+            data_files,
+            config,
+            config_file,
+            steps,
+            seq,
+            eval_every: args.eval_every,
+            log_every: args.log_every.get(),
+            save_every: args.save_every,
+            keep: args.keep.get(),
+            out,
+            default_out,
+            seed,
+            start,
+            dist,
+            cpu_binding: None,
+            settings,
+            attention,
+        })
+    }
+
+    /// The step the run has already reached (0 unless resuming).
+    pub fn start_step(&self) -> u64 {
+        match &self.start {
+            Start::Resume { point, .. } => point.extra.step,
+            _ => 0,
+        }
+    }
+}
+
+/// The run's `--data` (the checkpoint's when resuming), what it names, and its files'
+/// fingerprints, checked against the checkpoint's; `--data` is recorded resolved, so that the run
+/// resumes from any directory.
+fn run_data(
+    args: &TrainOptions,
+    resume: Option<&ResumePoint>,
+) -> Result<(String, data::Spec, Vec<DataFile>)> {
+    let data_arg = match resume {
+        Some(point) => resume::data_arg(args.data.clone(), point)?,
+        None => args.data.clone().unwrap_or_else(|| "synthetic".to_owned()),
+    };
+    let spec = data::Spec::parse(&data_arg)?;
+    let data_files = data_files::fingerprints(spec.files())?;
+    if let Some(point) = resume {
+        resume::check_data_unchanged(point, &data_files)?;
+    }
+    Ok((data_files::resolve(&data_arg).unwrap_or(data_arg), spec, data_files))
+}
+
+/// The run directory of a run that does not resume: `--out`, else `runs/<UTC time>`; refused
+/// where it holds files (unless `--force`) or an earlier run's checkpoints.
+fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
+    check_out_dir(&out, args.force)?;
+    if let Some((_, newest)) = crate::checkpoints::list(&out)?.last() {
+        return Err(input(format!(
+            "--out {}: holds checkpoints of an earlier run ({}); continue it with --resume \
+             latest, or choose another --out",
+            out.display(),
+            newest.display()
+        )));
+    }
+    Ok(out)
+}
+
+/// The run's data, its training stream at the checkpoint's position when resuming.
+fn open_data(
+    spec: &data::Spec,
+    model: &ModelSpec,
+    shape: data::Shape,
+    seed: u64,
+    start: &Start,
+) -> Result<Data> {
+    let mut data = Data::open(spec, model.vocab_size(), shape, seed)?;
+    if let Start::Resume { point, .. } = start {
+        data.train.seek(point.extra.data_position).map_err(|e| {
+            input(format!("--resume {}: the data position: {e}", point.dir.display()))
+        })?;
+    }
+    Ok(data)
+}
+
+/// `--seq`, checked against the model's context; the context when not given.
+fn training_seq(flag: Option<NonZeroU64>, model: &ModelSpec) -> Result<usize> {
+    let context = model.context();
+    match flag.map(|seq| seq.get()) {
+        None => Ok(context),
+        Some(seq) if seq <= context as u64 => Ok(seq as usize),
+        Some(seq) => Err(input(format!(
+            "--seq {seq} is longer than the model's context of {context} tokens; give at most \
+             {context} (or a model with a longer context)"
+        ))),
+    }
+}
+
+/// This process's place in the job, `dist` from the launcher's environment, with `--gpu` as its
+/// GPU. Several ranks need `--device cuda` (one GPU each) and a run directory they agree on.
+pub fn job(args: &TrainOptions, mut dist: DistEnv) -> Result<DistEnv> {
+    if let Some(gpu) = args.gpu {
+        if args.device != DeviceKind::Cuda {
+            return Err(input("--gpu chooses a GPU: it needs --device cuda"));
+        }
+        if dist.world_size > 1 {
+            return Err(input(format!(
+                "--gpu {gpu}: under a launcher each rank trains on the GPU of its LOCAL_RANK; \
+                 drop --gpu (choose the GPUs with CUDA_VISIBLE_DEVICES)"
+            )));
+        }
+        dist.local_rank = gpu;
+    }
+    if dist.world_size == 1 {
+        return Ok(dist);
+    }
+    if args.device == DeviceKind::Cpu {
+        return Err(input(format!(
+            "this process is rank {} of {}, but --device cpu trains in one process: train on \
+             several ranks with --device cuda (one GPU each)",
+            dist.rank, dist.world_size
+        )));
+    }
+    if args.out.is_none() && args.resume.is_none() {
+        return Err(input(format!(
+            "--out is needed with {} ranks: every rank writes its part of the checkpoints into \
+             the same run directory (on a file system all hosts share)",
+            dist.world_size
+        )));
+    }
+    Ok(dist)
+}
+
+/// The model: `--model`, else the checkpoint's when resuming, else the shape in `--init-from`'s
+/// config.json, else `tiny` with the data's vocabulary. A `--model` other than the checkpoint's is
+/// an error.
+fn choose_model(
+    flag: Option<&str>,
+    saved: Option<(&Extra, &Path)>,
+    hf: Option<&init_from::HfModel>,
+    spec: &data::Spec,
+) -> Result<ModelSpec> {
+    let given = match flag {
+        Some(text) => {
+            Some(text.parse::<GptConfig>().map_err(|e| input(format!("--model {text}: {e}")))?)
+        }
+        None => None,
+    };
+    // Only GPT-2 trains today: a family without a trainer gets no arm here.
+    let saved = saved.map(|(extra, dir)| match extra.model {
+        ModelSpec::Gpt2(shape) => (shape, dir),
+    });
+    let shape = same_as_saved("--model", given, saved)?
+        .or_else(|| hf.and_then(|hf| hf.config))
+        .unwrap_or(GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY });
+    Ok(ModelSpec::Gpt2(shape))
+}
+
+/// How the run starts, with the initial weights checked against the model's tensors.
+fn initial_state(
+    resume: Option<ResumePoint>,
+    hf: Option<init_from::HfModel>,
+    model: &ModelSpec,
+    world_size: usize,
+) -> Result<Start> {
+    let layout = model.flat_layout(world_size)?;
+    let tensors = model.tensors(&layout)?;
+    Ok(match (resume, hf) {
+        (Some(point), _) => {
+            let weights =
+                checkpoint::flat_weights(&point.loaded, &tensors, layout.padded_len(), &point.dir)
+                    .map_err(|e| resume_point::resume_error(&e))?;
+            Start::Resume { point: Box::new(point), weights }
+        }
+        (None, Some(hf)) => {
+            let weights = hf.flat_weights(&tensors, layout.padded_len())?;
+            Start::InitFrom { dir: hf.dir, weights }
+        }
+        (None, None) => Start::Seed,
+    })
+}
+
+/// When resuming, `--micro-batch`, `--accum` and `--lr` default to the checkpoint's values, so
+/// that the command that started a run, with `--resume latest` added, continues it.
+fn default_to_saved(args: &mut TrainOptions, saved: &serde_json::Value) {
+    let number = |key: &str| saved.get(key).and_then(serde_json::Value::as_u64);
+    args.auto.micro_batch = args
+        .auto
+        .micro_batch
+        .or_else(|| number("train_micro_batch_size_per_gpu").and_then(NonZeroU64::new));
+    args.auto.accum =
+        args.auto.accum.or_else(|| number("gradient_accumulation_steps").and_then(NonZeroU64::new));
+    args.auto.lr = args
+        .auto
+        .lr
+        .or_else(|| saved.pointer("/optimizer/params/lr").and_then(serde_json::Value::as_f64));
+}
+
+/// The `zeroflow.cpu_bind` of the config file, looked up before the config is resolved (binding
+/// comes before anything else); `None` where the file does not say or cannot be read (resolving
+/// it reports why).
+fn config_cpu_bind(config_file: &Path) -> Option<BindMode> {
+    let text = std::fs::read_to_string(config_file).ok()?;
+    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let name = value.pointer("/zeroflow/cpu_bind")?.as_str()?;
+    settings::names::CPU_BIND.iter().find(|(n, _)| *n == name).map(|&(_, mode)| mode)
+}
+
+/// A flag's value when resuming: the checkpoint's, unless the flag says otherwise (an error).
+fn same_as_saved<T: PartialEq + serde::Serialize>(
+    flag: &str,
+    given: Option<T>,
+    saved: Option<(T, &Path)>,
+) -> Result<Option<T>> {
+    match (given, saved) {
+        (Some(given), Some((saved, dir))) if given != saved => {
+            let json = |value: &T| serde_json::to_string(value).expect("serialisable");
+            Err(input(format!(
+                "{flag} {} differs from the checkpoint's {} ({}); drop {flag} to continue the \
+                 run as it was saved",
+                json(&given),
+                json(&saved),
+                dir.join("state.json").display()
+            )))
+        }
+        (Some(value), _) | (None, Some((value, _))) => Ok(Some(value)),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Checks that the run can continue from `point` with this config and step count, and returns
+/// its run directory.
+fn resume_out(
+    point: &ResumePoint,
+    args: &TrainOptions,
+    config: &Config,
+    steps: u64,
+) -> Result<PathBuf> {
+    let dir = point.dir.display();
+    if let Some(out) = &args.out
+        && std::fs::canonicalize(out).ok() != std::fs::canonicalize(&point.run_dir).ok()
+    {
+        return Err(input(format!(
+            "--out {}: --resume {dir} continues in its run directory {}; drop --out",
+            out.display(),
+            point.run_dir.display()
+        )));
+    }
+    let saved = &point.extra.config;
+    let now = config.to_json();
+    for key in ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps"] {
+        if saved.get(key) != now.get(key) {
+            return Err(input(format!(
+                "--resume {dir}: the checkpoint's {key} is {}, this run's {}; give the batch \
+                 flags and config it was saved with",
+                saved.get(key).unwrap_or(&serde_json::Value::Null),
+                now.get(key).unwrap_or(&serde_json::Value::Null),
+            )));
+        }
+    }
+    let changed: Vec<&str> = now
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(key, value)| saved.get(key.as_str()) != Some(value))
+        // A schedule re-planned on purpose is said by check_schedule.
+        .filter(|(key, _)| !(args.extend_schedule && key.as_str() == "scheduler"))
+        .map(|(key, _)| key.as_str())
+        .collect();
+    resume::check_schedule(point, config, steps, args.extend_schedule)?;
+    if !changed.is_empty() {
+        tracing::warn!(
+            "the config differs from the checkpoint's ({dir}) in {}; continuing with this run's",
+            changed.join(", ")
+        );
+    }
+    Ok(point.run_dir.clone())
+}
+
+/// The resolved config of the run, through the resolution `zeroflow config` shares
+/// ([`run_config::resolve`]); its warnings are logged.
+fn resolve_config(
+    args: &TrainOptions,
+    model: &ModelSpec,
+    steps: u64,
+    world_size: usize,
+    saved: Option<&serde_json::Value>,
+) -> Result<Config> {
+    let flags = run_config::RunFlags {
+        config_file: args.config.as_deref(),
+        saved_config: saved,
+        device: Some(args.device),
+        micro_batch: args.auto.micro_batch,
+        accum: args.auto.accum,
+        lr: args.auto.lr,
+        warmup: args.auto.warmup,
+        weight_decay: args.auto.weight_decay,
+        steps,
+        world_size,
+        hidden_size: model.hidden_size(),
+    };
+    let run_config::RunConfig { resolved, name } = run_config::resolve(&flags)?;
+    for warning in &resolved.warnings {
+        tracing::warn!("{name}: {warning}");
+    }
+    for auto_value in &resolved.auto_values {
+        tracing::debug!("{name}: {auto_value}");
+    }
+    Ok(resolved.config)
+}
+
+/// Refuses an output directory that holds anything, unless `force`.
+fn check_out_dir(out: &Path, force: bool) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        return Err(input(format!(
+            "--out {}: exists and is not a directory; choose another --out",
+            out.display()
+        )));
+    }
+    let non_empty = out.is_dir()
+        && std::fs::read_dir(out).map_err(io(format!("read {}", out.display())))?.next().is_some();
+    if non_empty && !force {
+        return Err(input(format!(
+            "--out {}: the directory is not empty; choose another --out, or pass --force to \
+             write into it (its metrics.jsonl, loss.svg and summary.json are replaced)",
+            out.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The current UTC time as `YYYYmmdd-HHMMSS`, for default run directories.
+fn utc_stamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rest / 3600, rest / 60 % 60, rest % 60)
+}

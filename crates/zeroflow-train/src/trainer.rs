@@ -1,0 +1,364 @@
+//! One rank's trainer: the engine, the family's model on its device, and what a step, an
+//! evaluation and a checkpoint need ([`Trainer`]).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use zeroflow_core::Float;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_data::{Batch, DataLoader};
+use zeroflow_device::Device as _;
+use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
+use zeroflow_engine::{
+    Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport, ZenFlowSnapshot,
+};
+
+use crate::checkpoints;
+use crate::dist::{Group, affinity};
+use crate::error::{Result, TrainError, input};
+use crate::metrics::StepRecord;
+use crate::observer::{Activity, StopHandle, TrainObserver};
+use crate::open::OpenFn;
+use crate::resume_point::{Extra, LrPosition, RunInfo};
+use crate::schedule::LrSchedule;
+use crate::settings::{self, Effective};
+use crate::setup::{Setup, Start};
+use crate::{Family, Model, Opened};
+
+/// The engine a model of `M` is trained through.
+pub type ModelEngine<M> = Engine<<M as Model>::Device, <M as Model>::Comm, <M as Model>::P>;
+
+/// The engine, the model on its device, and what a step needs.
+pub(crate) struct Trainer<M: Model> {
+    pub(crate) engine: ModelEngine<M>,
+    model: M,
+    pub(crate) device_description: String,
+    /// The checkpoint's tensors: Hugging Face names over the flat buffer.
+    tensors: Vec<NamedTensor>,
+    schedule: LrSchedule,
+    accum: u64,
+    pub(crate) tokens_per_step: u64,
+    /// Reused for every micro-batch.
+    micro_batch: Batch,
+    /// Time spent in training steps (evaluation excluded), over the whole run.
+    pub(crate) train_time: Duration,
+    /// The run's wall-clock time before this process: up to the checkpoint it resumed from.
+    pub(crate) wall_before: Duration,
+    /// When this process started the run.
+    started: Instant,
+    /// The side channel to the other ranks (taken for its last barrier at the end of the run).
+    pub(crate) group: Option<Group>,
+    /// The run-time settings in effect, for the summary and the checkpoints.
+    pub(crate) settings: Effective,
+}
+
+impl<M: Model> Trainer<M> {
+    pub(crate) fn new<F: Family>(
+        setup: &Setup,
+        family: &F,
+        open: impl OpenFn<F, M>,
+        started: Instant,
+    ) -> Result<Self> {
+        let (config, world) = (&setup.config, setup.dist.world_size);
+        let layout = family.flat_layout(world)?;
+        let weights = initial_weights(setup, family, &layout)?;
+        let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
+        let Opened { device, comm, model: gpt, group } =
+            open(family, micro_batch, setup.seq, &layout, &setup.dist)?;
+        let device_description = device.describe();
+        let (options, settings) = engine_options::<M::P>(setup)?;
+        let convert =
+            |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };
+        let mut engine =
+            Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))
+                .map_err(|e| config_error(setup, e))?;
+        let (mut train_time, mut wall_before) = (Duration::ZERO, Duration::ZERO);
+        if let Start::Resume { point, .. } = &setup.start {
+            let meta = &point.loaded.meta;
+            let restore = Restore {
+                parts: &point.loaded.parts,
+                optimizer_steps: meta.optimizer_steps,
+                micro_steps: meta.micro_steps,
+                upload_pending: meta.upload_pending,
+                scaler: &meta.scaler,
+                zenflow: &point.loaded.zenflow,
+            };
+            let restored = engine.restore(&convert(&weights), &restore);
+            restored.map_err(|e| input(format!("--resume {}: {e}", point.dir.display())))?;
+            train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
+            // Checkpoints from before wall_s was recorded: their training time, a lower bound.
+            let wall = point.extra.wall_s.unwrap_or(point.extra.train_s);
+            wall_before = Duration::from_secs_f64(wall.max(0.0));
+        }
+        let batch = config.batch.micro_batch_size_per_gpu;
+        let accum = config.batch.gradient_accumulation_steps;
+        Ok(Trainer {
+            engine,
+            model: gpt,
+            device_description,
+            tensors: family.tensors(&layout)?,
+            schedule: LrSchedule::from_config(config),
+            accum,
+            tokens_per_step: accum * batch * setup.seq as u64 * world as u64,
+            micro_batch: Batch::default(),
+            train_time,
+            wall_before,
+            started,
+            group: Some(group),
+            settings,
+        })
+    }
+
+    /// The run's wall-clock time so far, every process that trained it included.
+    pub(crate) fn wall_time(&self) -> Duration {
+        self.wall_before + self.started.elapsed()
+    }
+
+    pub(crate) fn group(&mut self) -> &mut Group {
+        self.group.as_mut().expect("the group lives until the end of the run")
+    }
+
+    /// Saves the checkpoint of `step`: the engine's current device weights (not flushed), its
+    /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]). With
+    /// several ranks, rank 0 writes the weights and `state.json` and each rank its optimizer part
+    /// ([`checkpoints::save_ranks`]); every rank calls it at the same steps.
+    pub(crate) fn save(&mut self, step: u64, setup: &Setup) -> Result<PathBuf> {
+        let snapshot = self.engine.snapshot()?;
+        let (rank, world) = (setup.dist.rank, setup.dist.world_size);
+        // Saved as f32 whatever the device trains in (bf16 and f16 widen exactly), so that every
+        // checkpoint resumes and exports the same way. Every rank holds the same weights.
+        let weights: Option<Vec<f32>> = if rank == 0 {
+            let weights = self.engine.device().download(self.engine.params())?;
+            Some(weights.into_iter().map(Float::to_f32).collect())
+        } else {
+            None
+        };
+        // Stages 1 and 2 partition the optimizer state, one part per rank; without partitioning
+        // every rank holds all of it, and rank 0's copy is the checkpoint's one part.
+        let parts =
+            if snapshot.part.flat.len() < self.engine.layout().padded_len() { world } else { 1 };
+        let meta = self.meta(step, setup, &snapshot, parts);
+        if world == 1 {
+            let weights = weights.expect("rank 0 downloads the weights");
+            let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
+            let zenflow: Vec<ZenFlowSnapshot> = snapshot.zenflow.iter().cloned().collect();
+            let parts = [snapshot.part];
+            let saved =
+                checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
+            return Ok(saved?);
+        }
+        let share = checkpoints::Share {
+            rank,
+            weights: weights.as_deref(),
+            part: (rank < parts).then_some(&snapshot.part),
+            zenflow: snapshot.zenflow.as_ref().filter(|_| rank < parts),
+        };
+        let group = self.group.as_mut().expect("the group lives until the end of the run");
+        Ok(checkpoints::save_ranks(
+            &setup.out,
+            step,
+            setup.keep,
+            &meta,
+            &self.tensors,
+            share,
+            group,
+        )?)
+    }
+
+    /// The checkpoint's `state.json`: the engine's counters and layout, `parts` optimizer parts,
+    /// and the trainer's [`Extra`].
+    fn meta(&self, step: u64, setup: &Setup, snapshot: &Snapshot, parts: usize) -> Meta {
+        let extra = Extra {
+            model: setup.model,
+            config: setup.config.to_json(),
+            data: setup.data_arg.clone(),
+            data_files: setup.data_files.clone(),
+            data_position: setup.data.train.position(),
+            seed: setup.seed,
+            step,
+            lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
+            train_s: self.train_time.as_secs_f64(),
+            wall_s: Some(self.wall_time().as_secs_f64()),
+            settings: self.settings.to_json(),
+            run: RunInfo {
+                zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
+                config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),
+                data_description: setup.data.description.clone(),
+                init_from: match &setup.start {
+                    Start::InitFrom { dir, .. } => Some(dir.display().to_string()),
+                    _ => None,
+                },
+                steps: setup.steps,
+                eval_every: setup.eval_every,
+            },
+        };
+        Meta {
+            format: checkpoint::FORMAT.into(),
+            version: checkpoint::VERSION,
+            optimizer_steps: snapshot.optimizer_steps,
+            micro_steps: snapshot.micro_steps,
+            // The number of optimizer parts, which `checkpoint::load` reads back.
+            world_size: parts,
+            scaler: snapshot.scaler.clone(),
+            upload_pending: snapshot.upload_pending,
+            weights_dtype: "F32".into(),
+            params: self
+                .engine
+                .layout()
+                .params()
+                .iter()
+                .map(|p| ParamEntry {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    offset: p.offset,
+                })
+                .collect(),
+            extra: serde_json::to_value(&extra).expect("serialisable"),
+        }
+    }
+
+    /// Optimizer step `step` (from 1): its micro-batches' forward and backward, then the update.
+    pub(crate) fn step(&mut self, step: u64, data: &mut DataLoader) -> Result<StepRecord> {
+        let start = Instant::now();
+        self.engine.set_lr(self.schedule.lr(step - 1))?;
+        // What the optimizer step uses, as the engine holds it.
+        let lr = self.engine.lr();
+        let mut loss_sum = 0.0;
+        let mut report = StepReport::Accumulated;
+        let epoch = data.position().epoch;
+        for _ in 0..self.accum {
+            data.next_into(&mut self.micro_batch).map_err(|e| input(format!("--data: {e}")))?;
+            let batch = &self.micro_batch;
+            self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
+            forward_backward(&mut self.engine, &mut self.model)?;
+            loss_sum += f64::from(self.model.loss().map_err(TrainError::model)?);
+            report = self.engine.step()?;
+        }
+        // Every rank reads the same stream positions, so every rank reports the same epochs
+        // (ZenFlow's epoch-based selection counts them).
+        for _ in epoch..data.position().epoch {
+            self.engine.end_epoch();
+        }
+        self.train_time += start.elapsed();
+        // The mean over every rank's micro-batches (the ranks' batches are the same size), so that
+        // every rank sees the same loss and the log reads as one process with the global batch.
+        let local_loss = loss_sum / self.accum as f64;
+        let loss = self.group().mean(local_loss)?;
+        if !loss.is_finite() {
+            return Err(TrainError::NonFiniteLoss { loss, step });
+        }
+        let (grad_norm, loss_scale) = match report {
+            StepReport::Stepped { grad_norm, loss_scale, .. } => (Some(grad_norm), loss_scale),
+            StepReport::Skipped { loss_scale } => (None, loss_scale),
+            StepReport::Accumulated => unreachable!("the last micro-step of a window steps"),
+        };
+        let tokens = step * self.tokens_per_step;
+        let tokens_per_s = tokens as f64 / self.train_time.as_secs_f64();
+        Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s })
+    }
+
+    /// The mean loss over the evaluation set (every rank's slice) with the engine's current
+    /// weights after step `after`; `None` where a signal (on any rank) abandoned it.
+    pub(crate) fn evaluate(
+        &mut self,
+        after: u64,
+        eval: &[Batch],
+        stop: &StopHandle,
+        observer: &mut dyn TrainObserver,
+    ) -> Result<Option<f64>> {
+        // The forward below runs on the compute stream outside the engine's backward, so nothing
+        // orders it after the weights' last writer (the comm stream's all-gather with several
+        // ranks, the upload with offload): wait for every stream. Evaluation is rare.
+        self.engine.device().synchronize()?;
+        let mut sum = 0.0;
+        let mut evaluated = 0;
+        for (i, batch) in eval.iter().enumerate() {
+            if stop.requested() {
+                break;
+            }
+            observer.doing(Activity::Evaluating { after, batch: i + 1, batches: eval.len() });
+            self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
+            self.model.forward(self.engine.params()).map_err(TrainError::model)?;
+            sum += f64::from(self.model.loss().map_err(TrainError::model)?);
+            evaluated += 1;
+        }
+        // Every rank abandons it where one did.
+        if self.group().any(evaluated < eval.len())? {
+            return Ok(None);
+        }
+        // Every rank evaluated its slice of the same set: the mean is the whole set's loss.
+        let local = sum / eval.len() as f64;
+        Ok(Some(self.group().mean(local)?))
+    }
+}
+
+/// The weights the run starts from: fresh from the seed, or those `--init-from` or `--resume`
+/// read.
+fn initial_weights<F: Family>(setup: &Setup, family: &F, layout: &FlatLayout) -> Result<Vec<f32>> {
+    Ok(match &setup.start {
+        Start::Seed => {
+            let mut weights = vec![0.0f32; layout.padded_len()];
+            family.init(layout, setup.seed, &mut weights)?;
+            weights
+        }
+        Start::InitFrom { weights, .. } | Start::Resume { weights, .. } => weights.clone(),
+    })
+}
+
+/// The engine's options for parameters of type `P` (the config's, tuned by the run-time
+/// settings), and the settings in effect.
+fn engine_options<P: Float>(setup: &Setup) -> Result<(EngineOptions, Effective)> {
+    // The ranks of one host share its cores: those near its GPU where bound.
+    let threads = affinity::optimizer_threads(setup.cpu_binding.as_ref(), &setup.dist);
+    let mut options =
+        EngineOptions::from_config(&setup.config, threads).map_err(|e| config_error(setup, e))?;
+    settings::apply_offload::<P>(&setup.settings, &mut options, setup.dist.rank)?;
+    let settings = Effective::new(
+        setup.device,
+        setup.attention,
+        &setup.settings,
+        &options,
+        P::DTYPE,
+        setup.cpu_binding.as_ref(),
+    );
+    // The synthetic corpus is one endless stream (its entropy floor is known): no epochs end.
+    if options.zenflow().is_some_and(|z| z.select_epochs().is_some()) && setup.data.floor.is_some()
+    {
+        tracing::warn!(
+            "ZenFlow: select_strategy \"auto\"/\"epoch\" selects again when an epoch of the data \
+             ends, and the synthetic corpus has none: the columns selected at the first step are \
+             kept (select_strategy \"step\" with a select_interval reselects)"
+        );
+    }
+    Ok((options, settings))
+}
+
+/// What the engine refuses at set-up is a combination the config asked for.
+fn config_error(setup: &Setup, e: EngineError) -> TrainError {
+    match e {
+        EngineError::Config(reason) => input(match &setup.config_file {
+            Some(file) => format!("config {}: {reason}", file.display()),
+            None => format!("the default config: {reason}"),
+        }),
+        other => other.into(),
+    }
+}
+
+/// One micro-step's forward and backward through the engine. The model reports each group of
+/// finished gradients to the engine as backward queues it.
+pub fn forward_backward<M: Model>(engine: &mut ModelEngine<M>, model: &mut M) -> Result<()> {
+    engine.backward(|io, grads_ready| -> Result<()> {
+        // The model's callback cannot fail: the engine's first error is kept and returned.
+        let mut engine_error: Option<EngineError> = None;
+        model.forward(io.params).map_err(TrainError::model)?;
+        let loss_scale = f64::from(io.loss_scale);
+        model
+            .backward(io.params, io.grads, loss_scale, &mut |ready| {
+                if engine_error.is_none() {
+                    engine_error = grads_ready(ready.flat_range.clone()).err();
+                }
+            })
+            .map_err(TrainError::model)?;
+        engine_error.map_or(Ok(()), |e| Err(e.into()))
+    })
+}
