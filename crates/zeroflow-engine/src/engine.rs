@@ -43,6 +43,7 @@ use crate::buckets::Bucketer;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::StepTimes;
 use crate::reduction::{Reduction, Sink};
+use crate::speculation::{Assumed, SpeculationStats};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
 /// What the model gets for one forward and backward.
@@ -225,6 +226,13 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         self.shared.step_times
     }
 
+    /// What the exact offload step's speculation did so far: the steps it stepped pieces of
+    /// during backward, and those it had to redo or undo (`redone_steps`). Zero where it does not
+    /// run (no offload, the delayed update, ZenFlow, a budget of 0).
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        self.path.speculation_stats()
+    }
+
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
     /// With the delayed update, waits for a running step first (see [`Engine::flush`]).
     pub fn master_weights(&mut self) -> Result<Vec<f32>, EngineError> {
@@ -320,6 +328,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         E: From<EngineError>,
     {
         let reduce_now = self.begin_backward()?;
+        let assumed =
+            (reduce_now && self.is_gradient_accumulation_boundary()).then(|| self.assumed_step());
         let Engine { shared, path, bucketer, .. } = self;
         let Shared { device, comm, layout, events, .. } = shared;
         let io = ModelIo {
@@ -336,7 +346,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             reduced: shared.reduced.as_ref(),
             bucket_ready: &mut events.bucket_ready,
             reduced_event: &mut events.reduced,
-            sink: path.sink(),
+            sink: path.sink(assumed),
             enabled: reduce_now,
             skip_d2h_wait: self.skip_d2h_wait,
         };
@@ -354,6 +364,16 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         self.backward_pending = true;
         Ok(())
+    }
+
+    /// The step that the backward ending this optimizer step speculates on: the next step's
+    /// scalars if the norm is within the clip, exactly as [`Engine::step`] will compute them then.
+    fn assumed_step(&self) -> Assumed {
+        let (loss_scale, world) = (self.scaler.scale(), self.shared.comm.world_size());
+        let unclipped = normalise(0.0, loss_scale, world, self.grad_accum, None);
+        let summed = f64::from(loss_scale) * world as f64 * self.grad_accum as f64;
+        let step = self.adamw.clone().next_step(unclipped.grad_scale);
+        Assumed { step, summed, clip: self.shared.clip }
     }
 
     /// The start of a backward: the compute stream waits until the gradients are free and the
@@ -416,6 +436,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             // (ZenFlow's window is untouched: a step's gradients join it only once stepped.)
             tracing::warn!(loss_scale, "non-finite gradients: step skipped");
             self.scaler.update(true);
+            self.path.skip();
             self.path.zero_accumulator(&mut self.shared)?;
             return Ok(StepReport::Skipped { loss_scale: self.scaler.scale() });
         }

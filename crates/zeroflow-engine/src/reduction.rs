@@ -9,7 +9,7 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
 
 use crate::EngineError;
-use crate::host::Offloader;
+use crate::offloader::Offloader;
 
 /// Where reduced gradient pieces go.
 #[allow(
@@ -19,7 +19,7 @@ use crate::host::Offloader;
 pub(crate) enum Sink<'s, D: Device, P: Float> {
     /// Added into the device accumulator on the comm stream.
     Device(&'s D::Buffer<f32>),
-    /// Copied to the host and added there.
+    /// Copied to the host, and added there or stepped speculatively (see [`Offloader`]).
     Host(Offloader<'s, P>),
     /// Left where the reduction put them, for the streaming step to copy out.
     Keep,
@@ -94,14 +94,15 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
                 if !self.skip_d2h_wait {
                     self.device.wait_event(d2h, self.reduced_event)?;
                 }
-                // In pieces of at most one staging buffer.
+                // In pieces of at most one staging buffer, as long as the landing takes them.
                 let mut start = 0;
                 while start < at_source.len() {
+                    let len = offloader.piece_len().min(at_source.len() - start);
+                    let Some(room) = offloader.admit(len) else { break };
                     let staging = offloader.staging()?;
-                    let len = staging.len().min(at_source.len() - start);
                     let from = at_source.start + start..at_source.start + start + len;
                     let filling = self.device.copy_d2h(d2h, source, from, staging, 0)?;
-                    offloader.push(at_acc + start, len, filling);
+                    offloader.push(at_acc + start, len, room, filling);
                     start += len;
                 }
             }

@@ -19,14 +19,50 @@ use super::shared::{Shared, sum_to_host};
 use super::state::PathState;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{CpuStep, HostAccumulator};
+use crate::host::{CpuStep, HostAccumulator, WholeStep};
+use crate::offloader::{Landing, Offloader, Speculating};
+use crate::reduction::Sink;
+use crate::speculation::{Assumed, Speculation, Verdict};
 
 /// The accumulating path's host side.
 pub(super) struct Accumulate<P: Float> {
     pub(super) host: HostAccumulator<P>,
+    /// The exact inline step's speculation (`None`: off, or the delayed update).
+    pub(super) speculation: Option<Speculation<P>>,
 }
 
 impl<P: Float> Accumulate<P> {
+    /// Backward's sink: the staging that fills the accumulator and, at a boundary of the exact
+    /// inline step, the speculative step of each final piece.
+    pub fn sink<D: DeviceAdamW>(&mut self, assumed: Option<Assumed>) -> Sink<'_, D, P> {
+        let HostAccumulator { acc, staging, cpu, .. } = &mut self.host;
+        let speculate = match (cpu, &mut self.speculation) {
+            (CpuStep::Inline(whole), Some(speculation)) => {
+                let WholeStep { state, upload } = &mut **whole;
+                speculation.begin(state, assumed);
+                Some(Speculating { speculation, state, upload: Some(upload) })
+            }
+            _ => None,
+        };
+        Sink::Host(Offloader::new(staging, Landing::Accumulate { acc, speculate }))
+    }
+
+    /// Restores the pieces stepped speculatively and not yet validated (a skipped step, or a
+    /// state read before the step).
+    pub fn abandon_speculation(&mut self) {
+        if let (Some(speculation), CpuStep::Inline(whole)) =
+            (&mut self.speculation, &mut self.host.cpu)
+        {
+            speculation.abandon(&mut whole.state);
+        }
+    }
+
+    /// The master weights (a running step is waited for).
+    pub fn master(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.abandon_speculation();
+        Ok(self.host.join()?.state.master.to_vec())
+    }
+
     /// Σ g² over the host accumulators of all ranks (in loss-scaled, summed units).
     pub fn sum_squares<D: DeviceAdamW, C: Comm<Device = D>>(
         &self,
@@ -53,7 +89,21 @@ impl<P: Float> Accumulate<P> {
             }
             host.start_delayed(*step, |_| Ok(()))?;
         } else {
-            host.step_now(step)?;
+            let verdict = match (&mut self.speculation, &mut host.cpu) {
+                (Some(speculation), CpuStep::Inline(whole)) => {
+                    match speculation.validate(&mut whole.state, Some(step)) {
+                        Verdict::Stands => {
+                            whole.step_except(step, &host.acc, speculation.stepped())?;
+                            Verdict::Stands
+                        }
+                        other => other,
+                    }
+                }
+                _ => Verdict::Nothing,
+            };
+            if verdict != Verdict::Stands {
+                host.step_now(step)?;
+            }
             upload_and_gather(shared, host.upload()?)?;
         }
         shared.cpu_wait += started.elapsed();
@@ -73,6 +123,7 @@ impl<P: Float> Accumulate<P> {
 
     /// The optimizer state (a running step is waited for; its weights stay pending).
     pub fn state(&mut self) -> Result<PathState, EngineError> {
+        self.abandon_speculation();
         let [master, exp_avg, exp_avg_sq] = self.host.state()?;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
     }

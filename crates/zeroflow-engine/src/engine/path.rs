@@ -5,8 +5,8 @@
 //! | path | options | the CPU step |
 //! |---|---|---|
 //! | [`DeviceUpdate`] | `Placement::Device` | none: AdamW on the compute stream |
-//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 | inline, or delayed after the warm-up |
-//! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline, or on a worker after the warm-up |
+//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 | inline (the speculated pieces stepped during the last backward), or delayed after the warm-up |
+//! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline (the speculated pieces stepped during backward), or on a worker after the warm-up |
 //! | [`ZenFlowUpdate`] | offload, `ZenFlow` | once per window: inline, or on a worker (`overlap_step`) |
 //!
 //! Every hand-off between streams is an event recorded on one stream and waited on by another.
@@ -15,7 +15,7 @@
 //! | event (owner) | recorded | waited on |
 //! |---|---|---|
 //! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
-//! | `reduced` (shared) | comm, per bucket, offload (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
+//! | `reduced` (shared) | comm, per bucket, accumulating offload, and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
 //! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
 //! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy |
 //! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
@@ -48,8 +48,9 @@ use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{HostAccumulator, Offloader, StreamBuffers};
+use crate::host::{HostAccumulator, StreamBuffers};
 use crate::reduction::Sink;
+use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, EngineOptions, OffloadUpdate, Placement};
 
@@ -123,27 +124,54 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
             }
         };
+        // Only the exact update speculates: the delayed one already hides the CPU step.
+        let budget = match delayed {
+            None => offload.stream.speculation_budget,
+            Some(_) => 0,
+        };
         if streaming {
+            let speculation = Speculation::new(device, len, budget, true, memory)?;
             let buffers = StreamBuffers::new(device, len, fill_master, chunk, memory, adam)?;
             let pieces = offload.stream.gather_in_pieces;
-            return Ok(UpdatePath::Stream(Stream::new(device, buffers, delayed, len, pieces)?));
+            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation)?;
+            return Ok(UpdatePath::Stream(stream));
         }
+        let speculation = Speculation::new(device, len, budget, false, memory)?;
         let bucket = opts.reduce_bucket;
         let host =
             HostAccumulator::new(device, len, fill_master, bucket, chunk, memory, adam, delayed)?;
-        Ok(UpdatePath::Accumulate(Accumulate { host }))
+        Ok(UpdatePath::Accumulate(Accumulate { host, speculation }))
     }
 
-    /// Where the reduced gradient pieces of a backward go.
-    pub fn sink(&mut self) -> Sink<'_, D, P> {
+    /// Where the reduced gradient pieces of a backward go; `assumed`: the backward ends an
+    /// optimizer step, which the exact offload step speculates on.
+    pub fn sink(&mut self, assumed: Option<Assumed>) -> Sink<'_, D, P> {
         match self {
             UpdatePath::Device(device) => Sink::Device(&device.grad_acc),
-            UpdatePath::Accumulate(a) => {
-                Sink::Host(Offloader::new(&mut a.host.staging, &mut a.host.acc))
-            }
+            UpdatePath::Accumulate(a) => a.sink(assumed),
+            UpdatePath::Stream(s) => s.sink(assumed),
             // ZenFlow adds each step into its window on the device at the step.
-            UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Sink::Keep,
+            UpdatePath::ZenFlow(_) => Sink::Keep,
         }
+    }
+
+    /// The step is skipped: speculatively stepped pieces are restored.
+    pub fn skip(&mut self) {
+        match self {
+            UpdatePath::Accumulate(a) => a.abandon_speculation(),
+            UpdatePath::Stream(s) => s.abandon_speculation(),
+            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => {}
+        }
+    }
+
+    /// What the speculative step did so far (zero where the path does not speculate).
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        let speculation = match self {
+            UpdatePath::Accumulate(a) => a.speculation.as_ref(),
+            UpdatePath::Stream(s) => s.speculation.as_ref(),
+            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => None,
+        };
+        speculation.map_or_else(SpeculationStats::default, Speculation::stats)
     }
 
     /// True if the d2h stream reads the gradients (everything but the device path).
@@ -231,7 +259,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     ) -> Result<Vec<f32>, EngineError> {
         match self {
             UpdatePath::Device(device) => device.master(&shared.device),
-            UpdatePath::Accumulate(a) => Ok(a.host.join()?.state.master.to_vec()),
+            UpdatePath::Accumulate(a) => a.master(),
             UpdatePath::Stream(s) => s.master(),
             UpdatePath::ZenFlow(z) => Ok(z.state(shared, true)?.master),
         }
@@ -284,7 +312,10 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     ) -> Result<(), EngineError> {
         match self {
             UpdatePath::Device(device) => device.restore(&shared.device, state),
-            UpdatePath::Accumulate(a) => a.host.restore(&state, upload_pending),
+            UpdatePath::Accumulate(a) => {
+                a.abandon_speculation();
+                a.host.restore(&state, upload_pending)
+            }
             UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
             UpdatePath::ZenFlow(z) => {
                 z.host.restore(&state, upload_pending)?;

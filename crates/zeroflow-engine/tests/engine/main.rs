@@ -9,5 +9,6 @@ mod equivalence;
 mod errors;
 mod fuzz_checkpoint;
 mod precision;
+mod speculation;
 mod stream_tuning;
 mod zenflow;
