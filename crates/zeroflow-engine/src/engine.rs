@@ -208,7 +208,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// The host gradient accumulator of this rank's partition (the accumulating offload paths).
     /// Every copy into it has been waited on before `backward` returns, so it shows only
-    /// completed data.
+    /// completed data. Where the window is summed on the device ([`crate::AccumulateOn`]), it
+    /// holds the window's sum only after the window's last backward (zero before).
     pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
         self.path.host_grad_accumulator()
     }
@@ -328,8 +329,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         E: From<EngineError>,
     {
         let reduce_now = self.begin_backward()?;
-        let assumed =
-            (reduce_now && self.is_gradient_accumulation_boundary()).then(|| self.assumed_step());
+        let boundary = reduce_now && self.is_gradient_accumulation_boundary();
+        let assumed = boundary.then(|| self.assumed_step());
         let Engine { shared, path, bucketer, .. } = self;
         let Shared { device, comm, layout, events, .. } = shared;
         let io = ModelIo {
@@ -346,7 +347,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             reduced: shared.reduced.as_ref(),
             bucket_ready: &mut events.bucket_ready,
             reduced_event: &mut events.reduced,
-            sink: path.sink(assumed),
+            sink: path.sink(assumed, boundary),
             enabled: reduce_now,
             skip_d2h_wait: self.skip_d2h_wait,
         };
@@ -355,8 +356,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
         })?;
         bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket))?;
-        if let Sink::Host(offloader) = &mut flow.sink {
-            offloader.drain()?;
+        match &mut flow.sink {
+            Sink::Host(offloader) => offloader.drain()?,
+            Sink::DeviceThenHost { offloader: Some(offloader), .. } => offloader.drain()?,
+            Sink::Device(_) | Sink::DeviceThenHost { .. } | Sink::Keep => {}
         }
         drop(flow);
         if reduce_now {

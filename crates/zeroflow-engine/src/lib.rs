@@ -31,7 +31,9 @@ pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
-pub use options::{EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions};
+pub use options::{
+    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions,
+};
 pub use scaler::{DynamicScaler, LossScaler};
 pub use speculation::{DEFAULT_SPECULATION_BUDGET, SpeculationStats};
 pub use zenflow::{ZenFlowOptions, ZenFlowSnapshot};

@@ -52,23 +52,24 @@ impl<P: Float> Speculating<'_, P> {
 
 /// One copy in flight: the piece's offset in the partition, its length, the backup room reserved
 /// for it (streaming speculation), and the copy's token.
-type InFlight<'s, P> = (usize, usize, Option<usize>, Filling<'s, P>);
+type InFlight<'s, S> = (usize, usize, Option<usize>, Filling<'s, S>);
 
-/// Copies of gradient pieces to the host that are in flight, and the staging buffers they fill.
+/// Copies of gradient pieces (of type `S`: the model's dtype, or f32 from a device accumulator)
+/// to the host that are in flight, and the staging buffers they fill; `P` is the model's dtype.
 /// A piece lands ([`Landing`]) only after its copy's token has been waited on: there is no way to
 /// read a staging buffer earlier. Fixed-size arrays, so a backward allocates nothing.
-pub(crate) struct Offloader<'s, P: Float> {
-    free: [Option<&'s mut HostBuffer<P>>; STAGING_BUFFERS],
+pub(crate) struct Offloader<'s, S: Float, P: Float> {
+    free: [Option<&'s mut HostBuffer<S>>; STAGING_BUFFERS],
     /// A ring of copies in flight, oldest at `head`.
-    in_flight: [Option<InFlight<'s, P>>; STAGING_BUFFERS],
+    in_flight: [Option<InFlight<'s, S>>; STAGING_BUFFERS],
     head: usize,
     count: usize,
     piece_len: usize,
     landing: Landing<'s, P>,
 }
 
-impl<'s, P: Float> Offloader<'s, P> {
-    pub(crate) fn new(staging: &'s mut [HostBuffer<P>], landing: Landing<'s, P>) -> Self {
+impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
+    pub(crate) fn new(staging: &'s mut [HostBuffer<S>], landing: Landing<'s, P>) -> Self {
         let piece_len = staging.first().map_or(1, |b| b.len()).max(1);
         let mut buffers = staging.iter_mut();
         Offloader {
@@ -97,7 +98,7 @@ impl<'s, P: Float> Offloader<'s, P> {
     }
 
     /// A free staging buffer, waiting for the oldest copy if all are in flight.
-    pub(crate) fn staging(&mut self) -> Result<&'s mut HostBuffer<P>, EngineError> {
+    pub(crate) fn staging(&mut self) -> Result<&'s mut HostBuffer<S>, EngineError> {
         if self.free.iter().all(Option::is_none) {
             self.retire_oldest()?;
         }
@@ -112,7 +113,7 @@ impl<'s, P: Float> Offloader<'s, P> {
         offset: usize,
         len: usize,
         room: Option<usize>,
-        filling: Filling<'s, P>,
+        filling: Filling<'s, S>,
     ) {
         let slot = (self.head + self.count) % STAGING_BUFFERS;
         self.in_flight[slot] = Some((offset, len, room, filling));

@@ -103,6 +103,23 @@ pub struct StreamOptions {
     /// turns speculation off. Default [`DEFAULT_SPECULATION_BUDGET`]. The delayed update and
     /// ZenFlow do not speculate.
     pub speculation_budget: usize,
+    /// Where ZeRO-2 with gradient accumulation sums a window's reduced gradients: on the host,
+    /// each micro-step's copied out and added there, or on the device, in an f32 accumulator of
+    /// the partition (4 bytes per element of device memory), copied out once per window. The sum
+    /// is the same, bit for bit (the same f32 additions in the same order). Stages 0 and 1 reduce
+    /// once per window and need neither.
+    pub accumulate_on: AccumulateOn,
+}
+
+/// Where the accumulating offload path sums the micro-steps' gradients ([`StreamOptions`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AccumulateOn {
+    /// On the device where its free memory at set-up is at least four times the accumulator's
+    /// size, else on the host (the CPU device: on the host).
+    #[default]
+    Auto,
+    Device,
+    Host,
 }
 
 impl Default for StreamOptions {
@@ -112,6 +129,7 @@ impl Default for StreamOptions {
             copy_stores: None,
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
+            accumulate_on: AccumulateOn::Auto,
         }
     }
 }

@@ -20,7 +20,10 @@ pub(crate) enum Sink<'s, D: Device, P: Float> {
     /// Added into the device accumulator on the comm stream.
     Device(&'s D::Buffer<f32>),
     /// Copied to the host, and added there or stepped speculatively (see [`Offloader`]).
-    Host(Offloader<'s, P>),
+    Host(Offloader<'s, P, P>),
+    /// Added into the device accumulator on the comm stream; at the end of the window (an
+    /// offloader), the piece's sum is copied to the host from there, and lands as above.
+    DeviceThenHost { acc: &'s D::Buffer<f32>, offloader: Option<Offloader<'s, f32, P>> },
     /// Left where the reduction put them, for the streaming step to copy out.
     Keep,
 }
@@ -84,30 +87,63 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
         }
         let at_source = mine.start - source_offset..mine.end - source_offset;
         let at_acc = mine.start - self.owned.start;
+        let (device, skip_wait) = (self.device, self.skip_d2h_wait);
+        let reduced = &mut *self.reduced_event;
         match &mut self.sink {
             Sink::Device(grad_acc) => {
-                self.device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
+                device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
             }
             Sink::Host(offloader) => {
-                let d2h = self.device.stream(StreamKind::D2h);
-                self.device.record(self.reduced_event, comm_stream)?;
-                if !self.skip_d2h_wait {
-                    self.device.wait_event(d2h, self.reduced_event)?;
-                }
-                // In pieces of at most one staging buffer, as long as the landing takes them.
-                let mut start = 0;
-                while start < at_source.len() {
-                    let len = offloader.piece_len().min(at_source.len() - start);
-                    let Some(room) = offloader.admit(len) else { break };
-                    let staging = offloader.staging()?;
-                    let from = at_source.start + start..at_source.start + start + len;
-                    let filling = self.device.copy_d2h(d2h, source, from, staging, 0)?;
-                    offloader.push(at_acc + start, len, room, filling);
-                    start += len;
+                order_d2h_after_comm(device, reduced, skip_wait)?;
+                copy_out(device, offloader, source, at_source, at_acc)?;
+            }
+            Sink::DeviceThenHost { acc, offloader } => {
+                device.accumulate(comm_stream, source, at_source.clone(), acc, at_acc, 1.0)?;
+                if let Some(offloader) = offloader {
+                    order_d2h_after_comm(device, reduced, skip_wait)?;
+                    let summed = at_acc..at_acc + at_source.len();
+                    copy_out(device, offloader, acc, summed, at_acc)?;
                 }
             }
             Sink::Keep => {}
         }
         Ok(())
     }
+}
+
+/// Orders the d2h stream after what the comm stream has queued (the bucket's reduction), through
+/// `reduced`; the mutation self-check skips the wait.
+fn order_d2h_after_comm<D: Device>(
+    device: &D,
+    reduced: &mut D::Event,
+    skip_wait: bool,
+) -> Result<(), EngineError> {
+    device.record(reduced, device.stream(StreamKind::Comm))?;
+    if !skip_wait {
+        device.wait_event(device.stream(StreamKind::D2h), reduced)?;
+    }
+    Ok(())
+}
+
+/// Copies `range` of `source` to the host on the d2h stream, in pieces of at most one staging
+/// buffer as long as the landing takes them, destined for the partition from `offset`.
+fn copy_out<'s, D: Device, S: Float, P: Float>(
+    device: &D,
+    offloader: &mut Offloader<'s, S, P>,
+    source: &D::Buffer<S>,
+    range: Range<usize>,
+    offset: usize,
+) -> Result<(), EngineError> {
+    let d2h = device.stream(StreamKind::D2h);
+    let mut start = 0;
+    while start < range.len() {
+        let len = offloader.piece_len().min(range.len() - start);
+        let Some(room) = offloader.admit(len) else { break };
+        let staging = offloader.staging()?;
+        let from = range.start + start..range.start + start + len;
+        let filling = device.copy_d2h(d2h, source, from, staging, 0)?;
+        offloader.push(offset + start, len, room, filling);
+        start += len;
+    }
+    Ok(())
 }

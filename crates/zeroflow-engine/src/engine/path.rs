@@ -15,9 +15,9 @@
 //! | event (owner) | recorded | waited on |
 //! |---|---|---|
 //! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
-//! | `reduced` (shared) | comm, per bucket, accumulating offload, and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
+//! | `reduced` (shared) | comm, per bucket, accumulating offload (with the device sum: the window's last backward, after the add), and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
 //! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
-//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy |
+//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy and before the device sum is cleared (`accumulate.rs`) |
 //! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
 //! | `compute_done` (shared) | compute, at the start of every step (`Engine::step`) | comm (norm on the device, gathers), h2d (uploads) |
 //! | `norm_done` (shared) | comm, after the norm (and its all-reduce) (`sum_to_host`) | d2h (its copy; inline stream's first chunk); compute (ZenFlow's device step) |
@@ -41,7 +41,7 @@ use zeroflow_core::{DType, Float};
 use zeroflow_device::Comm;
 use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
 
-pub(super) use super::accumulate::Accumulate;
+pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
 use super::shared::Shared;
 use super::state::{PathState, Restore};
@@ -57,7 +57,7 @@ use crate::{EngineError, EngineOptions, OffloadUpdate, Placement};
 /// The engine's update path (see the module documentation).
 pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
     Device(DeviceUpdate<D>),
-    Accumulate(Accumulate<P>),
+    Accumulate(Accumulate<D, P>),
     Stream(Stream<D, P>),
     ZenFlow(Box<ZenFlowUpdate<D, P>>),
 }
@@ -138,17 +138,19 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         }
         let speculation = Speculation::new(device, len, budget, false, memory)?;
         let bucket = opts.reduce_bucket;
+        let on = offload.stream.accumulate_on;
+        let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
         let host =
             HostAccumulator::new(device, len, fill_master, bucket, chunk, memory, adam, delayed)?;
-        Ok(UpdatePath::Accumulate(Accumulate { host, speculation }))
+        Ok(UpdatePath::Accumulate(Accumulate { host, speculation, on_device }))
     }
 
-    /// Where the reduced gradient pieces of a backward go; `assumed`: the backward ends an
-    /// optimizer step, which the exact offload step speculates on.
-    pub fn sink(&mut self, assumed: Option<Assumed>) -> Sink<'_, D, P> {
+    /// Where the reduced gradient pieces of a backward go; `boundary`: the backward ends an
+    /// optimizer step, `assumed` the step the exact offload step speculates on then.
+    pub fn sink(&mut self, assumed: Option<Assumed>, boundary: bool) -> Sink<'_, D, P> {
         match self {
             UpdatePath::Device(device) => Sink::Device(&device.grad_acc),
-            UpdatePath::Accumulate(a) => a.sink(assumed),
+            UpdatePath::Accumulate(a) => a.sink(assumed, boundary),
             UpdatePath::Stream(s) => s.sink(assumed),
             // ZenFlow adds each step into its window on the device at the step.
             UpdatePath::ZenFlow(_) => Sink::Keep,
@@ -217,10 +219,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => {
                 device.zero_accumulator(&shared.device, shared.owned.len())
             }
-            UpdatePath::Accumulate(a) => {
-                a.host.clear_accumulator();
-                Ok(())
-            }
+            UpdatePath::Accumulate(a) => a.zero_accumulator(shared),
             // Nothing accumulates; ZenFlow's window is cleared when a window ends.
             UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Ok(()),
         }

@@ -9,9 +9,9 @@ use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, Engine, EngineOptions, LossScaler, ModelIo,
-    Offload, OffloadUpdate, OptimizerPart, Placement, Restore, Snapshot, SpeculationStats, Stage,
-    StepReport, StreamOptions, ZenFlowOptions, ZenFlowSnapshot,
+    AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, Engine, EngineOptions,
+    LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore, Snapshot,
+    SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowOptions, ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
 
@@ -40,6 +40,8 @@ pub struct Setup {
     pub gather_in_pieces: bool,
     /// Bytes of host memory for the exact offload step's speculative backups (0: off).
     pub speculation_budget: usize,
+    /// Where ZeRO-2 with accumulation sums a window (offload).
+    pub accumulate_on: AccumulateOn,
 }
 
 impl Setup {
@@ -60,6 +62,7 @@ impl Setup {
             copy_stores: None,
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
+            accumulate_on: AccumulateOn::Auto,
         }
     }
 }
@@ -81,6 +84,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 copy_stores: setup.copy_stores,
                 gather_in_pieces: setup.gather_in_pieces,
                 speculation_budget: setup.speculation_budget,
+                accumulate_on: setup.accumulate_on,
             },
         }),
         false => {

@@ -5,6 +5,7 @@ mod harness;
 mod chaos;
 mod checkpoint;
 mod delayed;
+mod device_accumulation;
 mod equivalence;
 mod errors;
 mod fuzz_checkpoint;
