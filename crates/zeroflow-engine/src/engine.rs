@@ -7,7 +7,9 @@
 //!    stage asks for it, and runs the model. As the model reports ranges complete, whole buckets
 //!    are handed on: the comm stream waits on `bucket_ready` (compute) and reduces the bucket so
 //!    that each rank holds the sum of its own partition, which goes where the update path's sink
-//!    says (`reduction.rs`).
+//!    says (`reduction.rs`): pieces for the host go to a courier thread (`courier.rs`), which
+//!    copies them out and lands them (and, in the backward that ends an exact offload step,
+//!    steps them speculatively: `speculation.rs`) while the model's backward is being queued.
 //! 2. `step` at the accumulation boundary: `compute_done` is recorded, the path gives the
 //!    gradient norm over all ranks, the overflow check and the clip coefficient follow
 //!    ([`normalise`]), and the path updates the weights, after which `params_ready` is recorded.
@@ -37,12 +39,13 @@ use zeroflow_device::{Comm, Device, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
 
 use self::path::UpdatePath;
-use self::shared::{Events, Shared, normalise, overwrite};
+use self::shared::{Events, Shared, normalise, overwrite, reduced_source};
 pub use self::state::{OptimizerPart, Restore, Snapshot};
 use crate::buckets::Bucketer;
+use crate::courier;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::StepTimes;
-use crate::reduction::{Reduction, Sink};
+use crate::reduction::Reduction;
 use crate::speculation::{Assumed, SpeculationStats};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
@@ -331,37 +334,34 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let reduce_now = self.begin_backward()?;
         let boundary = reduce_now && self.is_gradient_accumulation_boundary();
         let assumed = boundary.then(|| self.assumed_step());
+        let (loss_scale, skip_d2h_wait) = (self.scaler.scale(), self.skip_d2h_wait);
         let Engine { shared, path, bucketer, .. } = self;
-        let Shared { device, comm, layout, events, .. } = shared;
-        let io = ModelIo {
-            params: &shared.params,
-            grads: &shared.grads,
-            loss_scale: self.scaler.scale(),
-        };
-        let mut flow = Reduction {
-            device,
-            comm,
-            layout,
-            owned: shared.owned.clone(),
-            grads: &shared.grads,
-            reduced: shared.reduced.as_ref(),
-            bucket_ready: &mut events.bucket_ready,
-            reduced_event: &mut events.reduced,
-            sink: path.sink(assumed, boundary),
-            enabled: reduce_now,
-            skip_d2h_wait: self.skip_d2h_wait,
-        };
-        bucketer.reset();
-        forward_backward(io, &mut |range| {
-            bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
-        })?;
-        bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket))?;
-        match &mut flow.sink {
-            Sink::Host(offloader) => offloader.drain()?,
-            Sink::DeviceThenHost { offloader: Some(offloader), .. } => offloader.drain()?,
-            Sink::Device(_) | Sink::DeviceThenHost { .. } | Sink::Keep => {}
-        }
-        drop(flow);
+        let Shared { device, comm, layout, events, params, grads, reduced, owned, .. } = shared;
+        let (device, grads) = (&*device, &*grads);
+        let io = ModelIo { params, grads, loss_scale };
+        let (source, _) = reduced_source::<D, P>(reduced, grads, owned.start);
+        let sink = path.sink(assumed, boundary);
+        let (model, landed) = courier::run(device, sink, source, |route| {
+            let mut flow = Reduction {
+                device,
+                comm,
+                layout,
+                owned: owned.clone(),
+                grads,
+                reduced: reduced.as_ref(),
+                bucket_ready: &mut events.bucket_ready,
+                route,
+                enabled: reduce_now,
+                skip_d2h_wait,
+            };
+            bucketer.reset();
+            forward_backward(io, &mut |range| {
+                bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
+            })?;
+            bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket)).map_err(E::from)
+        });
+        model?;
+        landed?;
         if reduce_now {
             self.shared.record_consumers(self.path.offloads())?;
         }

@@ -14,6 +14,7 @@
 
 mod buckets;
 pub mod checkpoint;
+mod courier;
 mod device_adamw;
 mod engine;
 mod error;

@@ -57,7 +57,8 @@ type InFlight<'s, S> = (usize, usize, Option<usize>, Filling<'s, S>);
 /// Copies of gradient pieces (of type `S`: the model's dtype, or f32 from a device accumulator)
 /// to the host that are in flight, and the staging buffers they fill; `P` is the model's dtype.
 /// A piece lands ([`Landing`]) only after its copy's token has been waited on: there is no way to
-/// read a staging buffer earlier. Fixed-size arrays, so a backward allocates nothing.
+/// read a staging buffer earlier. Fixed-size arrays: the ring allocates nothing (the courier
+/// that runs it, `courier.rs`, is a thread and a channel per backward).
 pub(crate) struct Offloader<'s, S: Float, P: Float> {
     free: [Option<&'s mut HostBuffer<S>>; STAGING_BUFFERS],
     /// A ring of copies in flight, oldest at `head`.

@@ -1,6 +1,6 @@
 //! The reduction pipeline of one backward: each bucket of complete gradients is reduced so that
 //! every rank holds the sum of its own partition, and the rank's piece goes on to the device
-//! accumulator or, through pinned staging, to the host accumulator.
+//! accumulator or, through the courier and pinned staging, to the host (`courier.rs`).
 
 use std::ops::Range;
 
@@ -9,6 +9,7 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
 
 use crate::EngineError;
+use crate::courier::{Request, Route};
 use crate::offloader::Offloader;
 
 /// Where reduced gradient pieces go.
@@ -37,8 +38,7 @@ pub(crate) struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
     pub(crate) grads: &'s D::Buffer<P>,
     pub(crate) reduced: Option<&'s D::Buffer<P>>,
     pub(crate) bucket_ready: &'s mut D::Event,
-    pub(crate) reduced_event: &'s mut D::Event,
-    pub(crate) sink: Sink<'s, D, P>,
+    pub(crate) route: Route<'s, D>,
     pub(crate) enabled: bool,
     pub(crate) skip_d2h_wait: bool,
 }
@@ -87,63 +87,35 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
         }
         let at_source = mine.start - source_offset..mine.end - source_offset;
         let at_acc = mine.start - self.owned.start;
+        let summed = at_acc..at_acc + at_source.len();
         let (device, skip_wait) = (self.device, self.skip_d2h_wait);
-        let reduced = &mut *self.reduced_event;
-        match &mut self.sink {
-            Sink::Device(grad_acc) => {
-                device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
+        match &self.route {
+            Route::Keep => {}
+            Route::Add(acc) => {
+                device.accumulate(comm_stream, source, at_source, acc, at_acc, 1.0)?;
             }
-            Sink::Host(offloader) => {
-                order_d2h_after_comm(device, reduced, skip_wait)?;
-                copy_out(device, offloader, source, at_source, at_acc)?;
+            Route::Copy(courier) => {
+                let reduced = reduced_marker(device, skip_wait)?;
+                // A courier that stopped has its error; the backward goes on without it.
+                let _ = courier.send(Request { range: at_source, offset: at_acc, reduced });
             }
-            Sink::DeviceThenHost { acc, offloader } => {
-                device.accumulate(comm_stream, source, at_source.clone(), acc, at_acc, 1.0)?;
-                if let Some(offloader) = offloader {
-                    order_d2h_after_comm(device, reduced, skip_wait)?;
-                    let summed = at_acc..at_acc + at_source.len();
-                    copy_out(device, offloader, acc, summed, at_acc)?;
-                }
+            Route::AddThenCopy(acc, courier) => {
+                device.accumulate(comm_stream, source, at_source, acc, at_acc, 1.0)?;
+                let reduced = reduced_marker(device, skip_wait)?;
+                let _ = courier.send(Request { range: summed, offset: at_acc, reduced });
             }
-            Sink::Keep => {}
         }
         Ok(())
     }
 }
 
-/// Orders the d2h stream after what the comm stream has queued (the bucket's reduction), through
-/// `reduced`; the mutation self-check skips the wait.
-fn order_d2h_after_comm<D: Device>(
-    device: &D,
-    reduced: &mut D::Event,
-    skip_wait: bool,
-) -> Result<(), EngineError> {
-    device.record(reduced, device.stream(StreamKind::Comm))?;
-    if !skip_wait {
-        device.wait_event(device.stream(StreamKind::D2h), reduced)?;
+/// A fresh event recorded on the comm stream after what it has queued (the bucket's reduction,
+/// and its add), for the courier's d2h wait; none where the mutation self-check skips the wait.
+fn reduced_marker<D: Device>(device: &D, skip_wait: bool) -> Result<Option<D::Event>, EngineError> {
+    if skip_wait {
+        return Ok(None);
     }
-    Ok(())
-}
-
-/// Copies `range` of `source` to the host on the d2h stream, in pieces of at most one staging
-/// buffer as long as the landing takes them, destined for the partition from `offset`.
-fn copy_out<'s, D: Device, S: Float, P: Float>(
-    device: &D,
-    offloader: &mut Offloader<'s, S, P>,
-    source: &D::Buffer<S>,
-    range: Range<usize>,
-    offset: usize,
-) -> Result<(), EngineError> {
-    let d2h = device.stream(StreamKind::D2h);
-    let mut start = 0;
-    while start < range.len() {
-        let len = offloader.piece_len().min(range.len() - start);
-        let Some(room) = offloader.admit(len) else { break };
-        let staging = offloader.staging()?;
-        let from = range.start + start..range.start + start + len;
-        let filling = device.copy_d2h(d2h, source, from, staging, 0)?;
-        offloader.push(offset + start, len, room, filling);
-        start += len;
-    }
-    Ok(())
+    let mut reduced = device.new_event()?;
+    device.record(&mut reduced, device.stream(StreamKind::Comm))?;
+    Ok(Some(reduced))
 }

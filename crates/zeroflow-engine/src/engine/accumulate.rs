@@ -2,8 +2,9 @@
 //! copied to the host during backward and added into the host accumulator; at the step the CPU
 //! steps the whole partition with it, and the updated weights go back in one upload.
 //!
-//! During backward the d2h stream waits on `reduced` (comm, `reduction.rs`) before each copy into
-//! staging, and the training thread adds a staged piece only after waiting on its copy's token;
+//! During backward the d2h stream waits on each bucket's `reduced` (comm, `reduction.rs`) before
+//! its copies into staging, and the courier (`courier.rs`) adds a staged piece only after waiting
+//! on its copy's token;
 //! `d2h_done` is recorded after the backward's last copy. At the step the norm is summed on the
 //! host (uploaded and all-reduced where the ranks hold parts). Inline, the CPU step runs at once
 //! and its upload on the h2d stream waits on `compute_done` and `params_ready`, then the gather

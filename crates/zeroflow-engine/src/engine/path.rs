@@ -15,7 +15,7 @@
 //! | event (owner) | recorded | waited on |
 //! |---|---|---|
 //! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
-//! | `reduced` (shared) | comm, per bucket, accumulating offload (with the device sum: the window's last backward, after the add), and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
+//! | `reduced` (one per bucket, sent to the courier) | comm, per bucket, accumulating offload (with the device sum: the window's last backward, after the add), and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, by the courier before the bucket's copies (`courier.rs`; the mutation self-check skips it) |
 //! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
 //! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy and before the device sum is cleared (`accumulate.rs`) |
 //! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
