@@ -310,3 +310,122 @@ pub(crate) fn segments(len: usize, stepped: &[Stepped]) -> Vec<(Range<usize>, Op
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_device::CpuDevice;
+    use zeroflow_optim::{AdamW, AdamWConfig, CpuAdam, SimdLevel};
+
+    use super::*;
+
+    fn speculation(budget: usize) -> Option<Speculation<f32>> {
+        let device = CpuDevice::new().unwrap();
+        Speculation::new(&device, 100, budget, true, HostMemory::Pageable).unwrap()
+    }
+
+    fn assumed(clip: Option<f64>) -> Assumed {
+        let step = AdamW::new(AdamWConfig::default()).unwrap().next_step(1.0);
+        Assumed { step, summed: 1.0, clip }
+    }
+
+    /// The stretches of a partition cover it in order, the stepped ones where they are.
+    #[test]
+    fn segments_cover_the_partition_in_order() {
+        let stepped = [Stepped { range: 10..20, at: 5 }, Stepped { range: 20..30, at: 0 }];
+        let want = vec![(0..10, None), (10..20, Some(5)), (20..30, Some(0)), (30..40, None)];
+        assert_eq!(segments(40, &stepped), want);
+        assert_eq!(segments(30, &stepped[1..]), vec![(0..20, None), (20..30, Some(0))]);
+        assert_eq!(segments(7, &[]), vec![(0..7, None)]);
+    }
+
+    /// The budget holds whole elements of backup (16 bytes each here, with the f32 weights) and
+    /// never more than the partition; rooms are handed out only while a step is speculated.
+    #[test]
+    fn the_budget_bounds_the_rooms() {
+        assert!(speculation(15).is_none());
+        let mut spec = speculation(16 * 30 + 15).unwrap();
+        assert_eq!(spec.capacity, 30);
+        assert_eq!(speculation(usize::MAX).unwrap().capacity, 100);
+        assert_eq!(spec.reserve(10), None, "no step is speculated yet");
+        let mut state = host_optimizer();
+        spec.begin(&mut state, Some(assumed(None)));
+        assert_eq!(spec.reserve(20), Some(0));
+        assert_eq!(spec.reserve(11), None);
+        assert_eq!(spec.reserve(10), Some(20));
+    }
+
+    /// The running Σ g² stops a step's speculation once it alone puts the norm above the clip,
+    /// or is not finite; without a clip it is not kept.
+    #[test]
+    fn the_running_norm_stops_speculating_once_the_clip_will_fire() {
+        let mut state = host_optimizer();
+        let mut spec = speculation(usize::MAX).unwrap();
+        spec.begin(&mut state, Some(assumed(Some(5.0))));
+        spec.observe(Grads::F32(&[3.0, 3.0]));
+        assert!(spec.active(), "norm 4.24 is within 5");
+        spec.observe(Grads::F32(&[2.0]));
+        assert!(spec.active(), "norm 4.69 is within 5");
+        spec.observe(Grads::F32(&[2.0]));
+        assert!(!spec.active(), "norm 5.10 is not");
+        assert_eq!(spec.reserve(1), None);
+        spec.begin(&mut state, Some(assumed(Some(5.0))));
+        assert!(spec.active(), "a new step speculates again");
+        spec.observe(Grads::F32(&[f32::INFINITY]));
+        assert!(!spec.active(), "an infinite norm");
+        spec.begin(&mut state, Some(assumed(None)));
+        spec.observe(Grads::F32(&[1e30, f32::INFINITY]));
+        assert!(spec.active(), "without a clip only the step's check decides");
+    }
+
+    /// A stepped piece is put back bit for bit when the step differs (or is skipped), and stands,
+    /// equal to stepping it directly, when the step is the one assumed.
+    #[test]
+    fn a_piece_rolls_back_exactly_or_stands() {
+        let mut state = host_optimizer();
+        state.master.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 0.25 - 7.0);
+        state.exp_avg.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 1e-3);
+        state.exp_avg_sq.iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 1e-4);
+        let before = [state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()];
+        let grads: Vec<f32> = (0..20).map(|i| i as f32 - 9.5).collect();
+        let assumed = assumed(None);
+        let mut spec = speculation(usize::MAX).unwrap();
+        for actual in [None, Some(AdamW::new(AdamWConfig::default()).unwrap().next_step(0.5))] {
+            spec.begin(&mut state, Some(assumed));
+            let at = spec.reserve(20).unwrap();
+            spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
+            assert_ne!(state.master.to_vec(), before[0]);
+            assert_eq!(spec.validate(&mut state, actual.as_ref()), Verdict::RolledBack);
+            let after = [state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()];
+            assert_eq!(after, before, "restored after {actual:?}");
+        }
+        spec.begin(&mut state, Some(assumed));
+        let at = spec.reserve(20).unwrap();
+        spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
+        assert_eq!(spec.validate(&mut state, Some(&assumed.step)), Verdict::Stands);
+        let mut direct = host_optimizer();
+        direct.master.copy_from_slice(&before[0]);
+        direct.exp_avg.copy_from_slice(&before[1]);
+        direct.exp_avg_sq.copy_from_slice(&before[2]);
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut direct;
+        let direct_state = AdamState { params: master, exp_avg, exp_avg_sq };
+        let out = Output::MasterOnly;
+        adam.step_range(&assumed.step, direct_state, 10..30, Grads::F32(&grads), out).unwrap();
+        assert_eq!(state.master.to_vec(), direct.master.to_vec());
+        assert_eq!(state.exp_avg_sq.to_vec(), direct.exp_avg_sq.to_vec());
+        let weights = &spec.weights().unwrap()[..20];
+        assert_eq!(weights, &direct.master[10..30], "the weights awaiting upload");
+        assert_eq!(spec.stats().redone_steps, 2);
+        assert_eq!(spec.stats().speculated_steps, 3);
+    }
+
+    fn host_optimizer() -> HostOptimizer {
+        let device = CpuDevice::new().unwrap();
+        let alloc = || device.alloc_host::<f32>(100, HostMemory::Pageable).unwrap();
+        HostOptimizer {
+            master: alloc(),
+            exp_avg: alloc(),
+            exp_avg_sq: alloc(),
+            adam: CpuAdam::new(1, SimdLevel::detect()).unwrap(),
+        }
+    }
+}

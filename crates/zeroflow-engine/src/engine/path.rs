@@ -125,18 +125,14 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             }
         };
         // Only the exact update speculates: the delayed one already hides the CPU step.
-        let budget = match delayed {
-            None => offload.stream.speculation_budget,
-            Some(_) => 0,
-        };
+        let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
+        let speculation = Speculation::new(device, len, budget, streaming, memory)?;
         if streaming {
-            let speculation = Speculation::new(device, len, budget, true, memory)?;
             let buffers = StreamBuffers::new(device, len, fill_master, chunk, memory, adam)?;
             let pieces = offload.stream.gather_in_pieces;
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation)?;
             return Ok(UpdatePath::Stream(stream));
         }
-        let speculation = Speculation::new(device, len, budget, false, memory)?;
         let bucket = opts.reduce_bucket;
         let on = offload.stream.accumulate_on;
         let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
