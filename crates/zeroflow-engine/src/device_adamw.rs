@@ -36,6 +36,12 @@ pub trait DeviceAdamW: Kernels + Clone {
     ) -> Result<(), DeviceError>
     where
         Self: Sized;
+
+    /// The device memory free now, in bytes, where the device can tell (for the choice of
+    /// [`crate::AccumulateOn::Auto`]); `None` for the CPU device, whose memory is the host's.
+    fn free_memory(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// The CPU device runs zeroflow's CPU AdamW (one thread per kernel: the device's streams are the
@@ -95,6 +101,10 @@ impl DeviceAdamW for CudaDevice {
             grads,
         };
         self.adamw_step(stream, &step.scalars(), buffers, range, out, out_offset)
+    }
+
+    fn free_memory(&self) -> Option<usize> {
+        self.memory_info().ok().map(|(free, _total)| free)
     }
 }
 

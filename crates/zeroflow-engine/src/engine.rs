@@ -7,7 +7,9 @@
 //!    stage asks for it, and runs the model. As the model reports ranges complete, whole buckets
 //!    are handed on: the comm stream waits on `bucket_ready` (compute) and reduces the bucket so
 //!    that each rank holds the sum of its own partition, which goes where the update path's sink
-//!    says (`reduction.rs`).
+//!    says (`reduction.rs`): pieces for the host go to a courier thread (`courier.rs`), which
+//!    copies them out and lands them (and, in the backward that ends an exact offload step,
+//!    steps them speculatively: `speculation.rs`) while the model's backward is being queued.
 //! 2. `step` at the accumulation boundary: `compute_done` is recorded, the path gives the
 //!    gradient norm over all ranks, the overflow check and the clip coefficient follow
 //!    ([`normalise`]), and the path updates the weights, after which `params_ready` is recorded.
@@ -37,12 +39,14 @@ use zeroflow_device::{Comm, Device, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
 
 use self::path::UpdatePath;
-use self::shared::{Events, Shared, normalise, overwrite};
+use self::shared::{Events, Shared, normalise, overwrite, reduced_source};
 pub use self::state::{OptimizerPart, Restore, Snapshot};
 use crate::buckets::Bucketer;
+use crate::courier;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::StepTimes;
-use crate::reduction::{Reduction, Sink};
+use crate::reduction::Reduction;
+use crate::speculation::{Assumed, SpeculationStats};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
 
 /// What the model gets for one forward and backward.
@@ -207,7 +211,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// The host gradient accumulator of this rank's partition (the accumulating offload paths).
     /// Every copy into it has been waited on before `backward` returns, so it shows only
-    /// completed data.
+    /// completed data. Where the window is summed on the device ([`crate::AccumulateOn`]), it
+    /// holds the window's sum only after the window's last backward (zero before).
     pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
         self.path.host_grad_accumulator()
     }
@@ -223,6 +228,13 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// wait for the gradient norm, and the inline streaming step's waits and CPU work.
     pub fn step_times(&self) -> StepTimes {
         self.shared.step_times
+    }
+
+    /// What the exact offload step's speculation did so far: the steps it stepped pieces of
+    /// during backward, and those it had to redo or undo (`redone_steps`). Zero where it does not
+    /// run (no offload, the delayed update, ZenFlow, a budget of 0).
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        self.path.speculation_stats()
     }
 
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
@@ -320,40 +332,51 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         E: From<EngineError>,
     {
         let reduce_now = self.begin_backward()?;
+        let boundary = reduce_now && self.is_gradient_accumulation_boundary();
+        let assumed = boundary.then(|| self.assumed_step());
+        let (loss_scale, skip_d2h_wait) = (self.scaler.scale(), self.skip_d2h_wait);
         let Engine { shared, path, bucketer, .. } = self;
-        let Shared { device, comm, layout, events, .. } = shared;
-        let io = ModelIo {
-            params: &shared.params,
-            grads: &shared.grads,
-            loss_scale: self.scaler.scale(),
-        };
-        let mut flow = Reduction {
-            device,
-            comm,
-            layout,
-            owned: shared.owned.clone(),
-            grads: &shared.grads,
-            reduced: shared.reduced.as_ref(),
-            bucket_ready: &mut events.bucket_ready,
-            reduced_event: &mut events.reduced,
-            sink: path.sink(),
-            enabled: reduce_now,
-            skip_d2h_wait: self.skip_d2h_wait,
-        };
-        bucketer.reset();
-        forward_backward(io, &mut |range| {
-            bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
-        })?;
-        bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket))?;
-        if let Sink::Host(offloader) = &mut flow.sink {
-            offloader.drain()?;
-        }
-        drop(flow);
+        let Shared { device, comm, layout, events, params, grads, reduced, owned, .. } = shared;
+        let (device, grads) = (&*device, &*grads);
+        let io = ModelIo { params, grads, loss_scale };
+        let (source, _) = reduced_source::<D, P>(reduced, grads, owned.start);
+        let sink = path.sink(assumed, boundary);
+        let (model, landed) = courier::run(device, sink, source, |route| {
+            let mut flow = Reduction {
+                device,
+                comm,
+                layout,
+                owned: owned.clone(),
+                grads,
+                reduced: reduced.as_ref(),
+                bucket_ready: &mut events.bucket_ready,
+                route,
+                enabled: reduce_now,
+                skip_d2h_wait,
+            };
+            bucketer.reset();
+            forward_backward(io, &mut |range| {
+                bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
+            })?;
+            bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket)).map_err(E::from)
+        });
+        model?;
+        landed?;
         if reduce_now {
             self.shared.record_consumers(self.path.offloads())?;
         }
         self.backward_pending = true;
         Ok(())
+    }
+
+    /// The step that the backward ending this optimizer step speculates on: the next step's
+    /// scalars if the norm is within the clip, exactly as [`Engine::step`] will compute them then.
+    fn assumed_step(&self) -> Assumed {
+        let (loss_scale, world) = (self.scaler.scale(), self.shared.comm.world_size());
+        let unclipped = normalise(0.0, loss_scale, world, self.grad_accum, None);
+        let summed = f64::from(loss_scale) * world as f64 * self.grad_accum as f64;
+        let step = self.adamw.clone().next_step(unclipped.grad_scale);
+        Assumed { step, summed, clip: self.shared.clip }
     }
 
     /// The start of a backward: the compute stream waits until the gradients are free and the
@@ -416,6 +439,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             // (ZenFlow's window is untouched: a step's gradients join it only once stepped.)
             tracing::warn!(loss_scale, "non-finite gradients: step skipped");
             self.scaler.update(true);
+            self.path.skip();
             self.path.zero_accumulator(&mut self.shared)?;
             return Ok(StepReport::Skipped { loss_scale: self.scaler.scale() });
         }

@@ -1,16 +1,16 @@
 //! The offload side: fp32 optimizer state, the gradient accumulator and the staging buffers in
-//! host memory, and the queue of device-to-host copies in flight during a backward.
+//! host memory (the copies in flight during a backward are `offloader.rs`'s).
 
 use std::any::TypeId;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rayon::prelude::*;
 use zeroflow_core::{Float, bf16};
-use zeroflow_device::{Device, Filling, HostBuffer, HostMemory};
+use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
+use crate::speculation::{Stepped, segments};
 
 /// How many staging buffers gradients cycle through on their way to the host.
 pub(crate) const STAGING_BUFFERS: usize = 4;
@@ -27,7 +27,7 @@ pub const DEFAULT_STREAM_CHUNK: usize = 1 << 23;
 pub(crate) const OUTGOING_BUFFERS: usize = 2;
 
 /// Elements per task of the host's parallel loops.
-const PAR_CHUNK: usize = 1 << 16;
+pub(crate) const PAR_CHUNK: usize = 1 << 16;
 
 /// The CPU optimizer's own state for this rank's partition.
 #[derive(Debug)]
@@ -57,6 +57,33 @@ impl<P: Float> WholeStep<P> {
             None => {
                 adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
                 convert_into(adam, &mut self.upload, master);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`WholeStep::step`] over the partition except the pieces already `stepped` (sorted, as
+    /// the speculation hands them): the same elements' results, range by range.
+    pub(crate) fn step_except(
+        &mut self,
+        step: &AdamWStep,
+        grad_acc: &[f32],
+        stepped: &[Stepped],
+    ) -> Result<(), EngineError> {
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut self.state;
+        for (range, speculated) in segments(grad_acc.len(), stepped) {
+            if speculated.is_some() {
+                continue;
+            }
+            let state = AdamState { params: master, exp_avg, exp_avg_sq };
+            let grads = Grads::F32(&grad_acc[range.clone()]);
+            let out = &mut self.upload[range.clone()];
+            match as_bf16_mut(out) {
+                Some(out) => adam.step_range(step, state, range, grads, Output::AlsoBf16(out))?,
+                None => {
+                    adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
+                    convert_into(adam, out, &master[range]);
+                }
             }
         }
         Ok(())
@@ -410,74 +437,6 @@ impl<P: Float> StreamBuffers<P> {
             adam,
         };
         Ok(StreamBuffers { state, staging, outgoing })
-    }
-}
-
-/// Copies of gradient pieces to the host that are in flight, and the staging buffers they fill.
-/// A piece is added into the accumulator only after its copy's token has been waited on: there is
-/// no way to read a staging buffer earlier. Fixed-size arrays, so a backward allocates nothing.
-pub(crate) struct Offloader<'s, P: Float> {
-    free: [Option<&'s mut HostBuffer<P>>; STAGING_BUFFERS],
-    /// A ring of copies in flight, oldest at `head`: (offset in the accumulator, length, token).
-    in_flight: [Option<(usize, usize, Filling<'s, P>)>; STAGING_BUFFERS],
-    head: usize,
-    count: usize,
-    grad_acc: &'s mut HostBuffer<f32>,
-}
-
-impl<'s, P: Float> Offloader<'s, P> {
-    pub(crate) fn new(staging: &'s mut [HostBuffer<P>], grad_acc: &'s mut HostBuffer<f32>) -> Self {
-        let mut buffers = staging.iter_mut();
-        Offloader {
-            free: std::array::from_fn(|_| buffers.next()),
-            in_flight: std::array::from_fn(|_| None),
-            head: 0,
-            count: 0,
-            grad_acc,
-        }
-    }
-
-    /// A free staging buffer, waiting for the oldest copy if all are in flight.
-    pub(crate) fn staging(&mut self) -> Result<&'s mut HostBuffer<P>, EngineError> {
-        if self.free.iter().all(Option::is_none) {
-            self.retire_oldest()?;
-        }
-        Ok(self.free.iter_mut().find_map(Option::take).expect("a buffer is free"))
-    }
-
-    /// Registers a copy of `len` gradients into the staging buffer that `filling` holds,
-    /// destined for `grad_acc[offset..offset + len]`.
-    pub(crate) fn push(&mut self, offset: usize, len: usize, filling: Filling<'s, P>) {
-        let slot = (self.head + self.count) % STAGING_BUFFERS;
-        self.in_flight[slot] = Some((offset, len, filling));
-        self.count += 1;
-    }
-
-    /// Waits for the oldest copy and adds its piece into the accumulator.
-    fn retire_oldest(&mut self) -> Result<(), EngineError> {
-        let (offset, len, filling) = self.in_flight[self.head].take().expect("a copy is in flight");
-        self.head = (self.head + 1) % STAGING_BUFFERS;
-        self.count -= 1;
-        let staged = filling.wait()?;
-        let acc = &mut self.grad_acc[offset..offset + len];
-        // In parallel: a piece is up to a staging buffer's length (the stream chunk), and the
-        // accumulation of a whole partition per micro-step must keep up with the copies.
-        acc.par_chunks_mut(PAR_CHUNK).zip(staged[..len].par_chunks(PAR_CHUNK)).for_each(
-            |(acc, staged)| {
-                acc.iter_mut().zip(staged).for_each(|(a, g)| *a += g.to_f32());
-            },
-        );
-        let slot = self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty");
-        *slot = Some(staged);
-        Ok(())
-    }
-
-    /// Waits for every copy and adds it in, in the order the copies were made.
-    pub(crate) fn drain(&mut self) -> Result<(), EngineError> {
-        while self.count > 0 {
-            self.retire_oldest()?;
-        }
-        Ok(())
     }
 }
 

@@ -14,13 +14,16 @@
 
 mod buckets;
 pub mod checkpoint;
+mod courier;
 mod device_adamw;
 mod engine;
 mod error;
 mod host;
+mod offloader;
 mod options;
 mod reduction;
 mod scaler;
+mod speculation;
 pub mod stress;
 pub mod synthetic;
 mod zenflow;
@@ -29,6 +32,9 @@ pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
-pub use options::{EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions};
+pub use options::{
+    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions,
+};
 pub use scaler::{DynamicScaler, LossScaler};
+pub use speculation::{DEFAULT_SPECULATION_BUDGET, SpeculationStats};
 pub use zenflow::{ZenFlowOptions, ZenFlowSnapshot};

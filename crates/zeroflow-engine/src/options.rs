@@ -9,7 +9,10 @@ use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
 use zeroflow_device::HostMemory;
 use zeroflow_optim::{AdamWConfig, Stores, WeightDecayMode};
 
-use crate::{DEFAULT_STREAM_CHUNK, DynamicScaler, EngineError, LossScaler, ZenFlowOptions};
+use crate::{
+    DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, DynamicScaler, EngineError, LossScaler,
+    ZenFlowOptions,
+};
 
 /// Which ZeRO stage partitions what.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,11 +96,41 @@ pub struct StreamOptions {
     /// the CPU steps the next (the default: gpt-1.3b on two H200s, 0.366 s per step against
     /// 0.384 s, BENCHMARKS.md), or all of it after the step.
     pub gather_in_pieces: bool,
+    /// The exact update's speculative step (DESIGN.md §5): the most bytes of host memory the
+    /// backups of pieces stepped during backward, before the norm is known, may take (12 bytes
+    /// per element, 12 + the dtype's size on the streaming path, which also holds their weights
+    /// until the upload). Pieces beyond it are stepped at the step, as without speculation; 0
+    /// turns speculation off. Default [`DEFAULT_SPECULATION_BUDGET`]. The delayed update and
+    /// ZenFlow do not speculate.
+    pub speculation_budget: usize,
+    /// Where ZeRO-2 with gradient accumulation sums a window's reduced gradients: on the host,
+    /// each micro-step's copied out and added there, or on the device, in an f32 accumulator of
+    /// the partition (4 bytes per element of device memory), copied out once per window. The sum
+    /// is the same, bit for bit (the same f32 additions in the same order). Stages 0 and 1 reduce
+    /// once per window and need neither.
+    pub accumulate_on: AccumulateOn,
+}
+
+/// Where the accumulating offload path sums the micro-steps' gradients ([`StreamOptions`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AccumulateOn {
+    /// On the device where its free memory at set-up is at least four times the accumulator's
+    /// size, else on the host (the CPU device: on the host).
+    #[default]
+    Auto,
+    Device,
+    Host,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        StreamOptions { chunk: DEFAULT_STREAM_CHUNK, copy_stores: None, gather_in_pieces: true }
+        StreamOptions {
+            chunk: DEFAULT_STREAM_CHUNK,
+            copy_stores: None,
+            gather_in_pieces: true,
+            speculation_budget: DEFAULT_SPECULATION_BUDGET,
+            accumulate_on: AccumulateOn::Auto,
+        }
     }
 }
 

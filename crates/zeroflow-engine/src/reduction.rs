@@ -1,6 +1,6 @@
 //! The reduction pipeline of one backward: each bucket of complete gradients is reduced so that
 //! every rank holds the sum of its own partition, and the rank's piece goes on to the device
-//! accumulator or, through pinned staging, to the host accumulator.
+//! accumulator or, through the courier and pinned staging, to the host (`courier.rs`).
 
 use std::ops::Range;
 
@@ -9,7 +9,8 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
 
 use crate::EngineError;
-use crate::host::Offloader;
+use crate::courier::{Request, Route};
+use crate::offloader::Offloader;
 
 /// Where reduced gradient pieces go.
 #[allow(
@@ -19,8 +20,11 @@ use crate::host::Offloader;
 pub(crate) enum Sink<'s, D: Device, P: Float> {
     /// Added into the device accumulator on the comm stream.
     Device(&'s D::Buffer<f32>),
-    /// Copied to the host and added there.
-    Host(Offloader<'s, P>),
+    /// Copied to the host, and added there or stepped speculatively (see [`Offloader`]).
+    Host(Offloader<'s, P, P>),
+    /// Added into the device accumulator on the comm stream; at the end of the window (an
+    /// offloader), the piece's sum is copied to the host from there, and lands as above.
+    DeviceThenHost { acc: &'s D::Buffer<f32>, offloader: Option<Offloader<'s, f32, P>> },
     /// Left where the reduction put them, for the streaming step to copy out.
     Keep,
 }
@@ -34,8 +38,7 @@ pub(crate) struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
     pub(crate) grads: &'s D::Buffer<P>,
     pub(crate) reduced: Option<&'s D::Buffer<P>>,
     pub(crate) bucket_ready: &'s mut D::Event,
-    pub(crate) reduced_event: &'s mut D::Event,
-    pub(crate) sink: Sink<'s, D, P>,
+    pub(crate) route: Route<'s, D>,
     pub(crate) enabled: bool,
     pub(crate) skip_d2h_wait: bool,
 }
@@ -84,29 +87,35 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
         }
         let at_source = mine.start - source_offset..mine.end - source_offset;
         let at_acc = mine.start - self.owned.start;
-        match &mut self.sink {
-            Sink::Device(grad_acc) => {
-                self.device.accumulate(comm_stream, source, at_source, grad_acc, at_acc, 1.0)?;
+        let summed = at_acc..at_acc + at_source.len();
+        let (device, skip_wait) = (self.device, self.skip_d2h_wait);
+        match &self.route {
+            Route::Keep => {}
+            Route::Add(acc) => {
+                device.accumulate(comm_stream, source, at_source, acc, at_acc, 1.0)?;
             }
-            Sink::Host(offloader) => {
-                let d2h = self.device.stream(StreamKind::D2h);
-                self.device.record(self.reduced_event, comm_stream)?;
-                if !self.skip_d2h_wait {
-                    self.device.wait_event(d2h, self.reduced_event)?;
-                }
-                // In pieces of at most one staging buffer.
-                let mut start = 0;
-                while start < at_source.len() {
-                    let staging = offloader.staging()?;
-                    let len = staging.len().min(at_source.len() - start);
-                    let from = at_source.start + start..at_source.start + start + len;
-                    let filling = self.device.copy_d2h(d2h, source, from, staging, 0)?;
-                    offloader.push(at_acc + start, len, filling);
-                    start += len;
-                }
+            Route::Copy(courier) => {
+                let reduced = reduced_marker(device, skip_wait)?;
+                // A courier that stopped has its error; the backward goes on without it.
+                let _ = courier.send(Request { range: at_source, offset: at_acc, reduced });
             }
-            Sink::Keep => {}
+            Route::AddThenCopy(acc, courier) => {
+                device.accumulate(comm_stream, source, at_source, acc, at_acc, 1.0)?;
+                let reduced = reduced_marker(device, skip_wait)?;
+                let _ = courier.send(Request { range: summed, offset: at_acc, reduced });
+            }
         }
         Ok(())
     }
+}
+
+/// A fresh event recorded on the comm stream after what it has queued (the bucket's reduction,
+/// and its add), for the courier's d2h wait; none where the mutation self-check skips the wait.
+fn reduced_marker<D: Device>(device: &D, skip_wait: bool) -> Result<Option<D::Event>, EngineError> {
+    if skip_wait {
+        return Ok(None);
+    }
+    let mut reduced = device.new_event()?;
+    device.record(&mut reduced, device.stream(StreamKind::Comm))?;
+    Ok(Some(reduced))
 }

@@ -21,7 +21,8 @@ use crate::synthetic::{
     Reference, adamw_config, forward_backward, forward_backward_cuda, initial, layout,
 };
 use crate::{
-    DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Offload, Placement, Stage,
+    AccumulateOn, DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Offload,
+    Placement, Stage,
 };
 
 /// What to run.
@@ -199,7 +200,7 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         reduce_bucket: 23,
         adamw: adamw_config(),
         scaler: LossScaler::None,
-        placement: Placement::Offload(Offload::exact(HostMemory::Pinned, 1)),
+        placement: Placement::Offload(host_sum_offload()),
     };
     let init = initial::<f32>(&layout);
     let mut engine: Engine<D, C, f32> =
@@ -259,6 +260,14 @@ fn run_rank<D: DeviceAdamW + Clone, C: Comm<Device = D>>(
         });
         outcomes.push(failure);
     }
+}
+/// The exact offload step, summing on the host: the protocol checks the host accumulator after
+/// every backward, which the device sum ([`AccumulateOn::Device`]) fills only at the window's
+/// end.
+fn host_sum_offload() -> Offload {
+    let mut offload = Offload::exact(HostMemory::Pinned, 1);
+    offload.stream.accumulate_on = AccumulateOn::Host;
+    offload
 }
 
 /// (a) the accumulator is not all zero, (b) it equals the independent sum within f32 bounds.

@@ -18,7 +18,7 @@ use serde_json::json;
 use zeroflow_core::Float;
 use zeroflow_core::config::{self, Context};
 use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
-use zeroflow_engine::{Engine, EngineOptions, StepReport, StepTimes};
+use zeroflow_engine::{Engine, EngineOptions, SpeculationStats, StepReport, StepTimes};
 
 use crate::dist::affinity::{self, BindMode};
 use crate::dist::{DistEnv, Group};
@@ -160,6 +160,8 @@ struct Measured {
     copied: CopiedBytes,
     /// Over the timed steps: where the training thread's optimizer steps went.
     step_times: StepTimes,
+    /// Over all steps, warm-up included: the exact offload step's speculation.
+    speculation: SpeculationStats,
 }
 
 impl Measured {
@@ -274,6 +276,7 @@ fn measure<M: Model>(
         cpu_wait: 0.0,
         copied: CopiedBytes::default(),
         step_times: StepTimes::default(),
+        speculation: SpeculationStats::default(),
     };
     let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
     let mut step_times = engine.step_times();
@@ -333,6 +336,7 @@ fn measure<M: Model>(
     measured.copied = engine.device().copied_bytes().since(copied);
     measured.step_times = engine.step_times().since(&step_times);
     measured.device_memory = M::memory_in_use(engine.device());
+    measured.speculation = engine.speculation_stats();
     engine.flush()?;
     measured.forward_times = time_forward(args.steps as usize, engine, gpt, inputs, targets)?;
     Ok(measured)
@@ -471,6 +475,10 @@ fn report(
         "losses": measured.losses,
     });
     out["settings"] = job.settings.clone();
+    // Rank 0's speculative exact step, warm-up included: steps it stepped pieces of during
+    // backward, and those it redid (clipping, a changed learning rate) or undid (overflow).
+    out["speculated_steps"] = json!(measured.speculation.speculated_steps);
+    out["redone_steps"] = json!(measured.speculation.redone_steps);
     out
 }
 

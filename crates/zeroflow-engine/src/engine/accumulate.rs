@@ -2,8 +2,9 @@
 //! copied to the host during backward and added into the host accumulator; at the step the CPU
 //! steps the whole partition with it, and the updated weights go back in one upload.
 //!
-//! During backward the d2h stream waits on `reduced` (comm, `reduction.rs`) before each copy into
-//! staging, and the training thread adds a staged piece only after waiting on its copy's token;
+//! During backward the d2h stream waits on each bucket's `reduced` (comm, `reduction.rs`) before
+//! its copies into staging, and the courier (`courier.rs`) adds a staged piece only after waiting
+//! on its copy's token;
 //! `d2h_done` is recorded after the backward's last copy. At the step the norm is summed on the
 //! host (uploaded and all-reduced where the ranks hold parts). Inline, the CPU step runs at once
 //! and its upload on the h2d stream waits on `compute_done` and `params_ready`, then the gather
@@ -12,23 +13,125 @@
 
 use rayon::prelude::*;
 use zeroflow_core::Float;
-use zeroflow_device::{Comm, HostBuffer, StreamKind};
+use zeroflow_device::{Comm, Device, HostBuffer, HostMemory, StreamKind};
 use zeroflow_optim::AdamWStep;
 
 use super::shared::{Shared, sum_to_host};
 use super::state::PathState;
-use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{CpuStep, HostAccumulator};
+use crate::host::{CpuStep, HostAccumulator, STAGING_BUFFERS, WholeStep, alloc_staging};
+use crate::offloader::{Landing, Offloader, Speculating};
+use crate::reduction::Sink;
+use crate::speculation::{Assumed, Speculation, Verdict};
+use crate::{AccumulateOn, EngineError, EngineOptions, Stage};
 
-/// The accumulating path's host side.
-pub(super) struct Accumulate<P: Float> {
+/// The accumulating path's buffers.
+pub(super) struct Accumulate<D: Device, P: Float> {
     pub(super) host: HostAccumulator<P>,
+    /// The exact inline step's speculation (`None`: off, or the delayed update).
+    pub(super) speculation: Option<Speculation<P>>,
+    /// ZeRO-2's window summed on the device ([`crate::AccumulateOn`]), if it is.
+    pub(super) on_device: Option<DeviceSum<D>>,
 }
 
-impl<P: Float> Accumulate<P> {
+/// The device accumulator of a window's reduced gradients and the f32 staging its sum leaves by.
+pub(super) struct DeviceSum<D: Device> {
+    acc: D::Buffer<f32>,
+    staging: Vec<HostBuffer<f32>>,
+}
+
+impl<D: Device> DeviceSum<D> {
+    /// The accumulator of a partition of `partition` elements where `on` and the device's free
+    /// memory say so (ZeRO-2 with accumulation only: the other stages reduce once per window),
+    /// and its staging of buffers of at most `piece` elements.
+    pub fn new(
+        device: &D,
+        opts: &EngineOptions,
+        on: AccumulateOn,
+        partition: usize,
+        piece: usize,
+        memory: HostMemory,
+    ) -> Result<Option<Self>, EngineError>
+    where
+        D: DeviceAdamW,
+    {
+        let summing = opts.stage == Stage::Zero2 && opts.grad_accum > 1;
+        let bytes = partition.saturating_mul(4);
+        let wanted = match on {
+            AccumulateOn::Host => false,
+            AccumulateOn::Device => true,
+            AccumulateOn::Auto => device.free_memory().is_some_and(|free| bytes <= free / 4),
+        };
+        if !(summing && wanted) {
+            return Ok(None);
+        }
+        let acc = device.alloc::<f32>(partition)?;
+        let staging = alloc_staging(device, piece.min(partition), piece, memory, STAGING_BUFFERS)?;
+        Ok(Some(DeviceSum { acc, staging }))
+    }
+}
+
+impl<D: DeviceAdamW, P: Float> Accumulate<D, P> {
+    /// Backward's sink: the staging that fills the accumulator (each micro-step, or from the
+    /// device accumulator at the window's last) and, at a boundary of the exact inline step, the
+    /// speculative step of each final piece.
+    pub fn sink(&mut self, assumed: Option<Assumed>, boundary: bool) -> Sink<'_, D, P> {
+        let HostAccumulator { acc, staging, cpu, .. } = &mut self.host;
+        let speculate = match (cpu, &mut self.speculation) {
+            (CpuStep::Inline(whole), Some(speculation)) => {
+                let WholeStep { state, upload } = &mut **whole;
+                speculation.begin(state, assumed);
+                Some(Speculating { speculation, state, upload: Some(upload) })
+            }
+            _ => None,
+        };
+        let landing = Landing::Accumulate { acc, speculate };
+        match &mut self.on_device {
+            None => Sink::Host(Offloader::new(staging, landing)),
+            Some(DeviceSum { acc, staging }) => {
+                let offloader = boundary.then(|| Offloader::new(staging, landing));
+                Sink::DeviceThenHost { acc, offloader }
+            }
+        }
+    }
+
+    /// Clears the accumulators for the next window: the host's, and the device's on the comm
+    /// stream before the next micro-step's sums (same stream) and after the window's copies out
+    /// of it (`d2h_done`; their tokens were waited on in backward already, so this keeps the
+    /// streams' order without relying on it).
+    pub fn zero_accumulator<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        self.host.clear_accumulator();
+        if let Some(DeviceSum { acc, .. }) = &self.on_device {
+            let comm = shared.device.stream(StreamKind::Comm);
+            if let Some(copied) = &shared.events.d2h_done {
+                shared.device.wait_event(comm, copied)?;
+            }
+            shared.device.fill(comm, acc, 0..shared.owned.len(), 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Restores the pieces stepped speculatively and not yet validated (a skipped step, or a
+    /// state read before the step).
+    pub fn abandon_speculation(&mut self) {
+        if let (Some(speculation), CpuStep::Inline(whole)) =
+            (&mut self.speculation, &mut self.host.cpu)
+        {
+            speculation.abandon(&mut whole.state);
+        }
+    }
+
+    /// The master weights (a running step is waited for).
+    pub fn master(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.abandon_speculation();
+        Ok(self.host.join()?.state.master.to_vec())
+    }
+
     /// Σ g² over the host accumulators of all ranks (in loss-scaled, summed units).
-    pub fn sum_squares<D: DeviceAdamW, C: Comm<Device = D>>(
+    pub fn sum_squares<C: Comm<Device = D>>(
         &self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<f64, EngineError> {
@@ -37,7 +140,7 @@ impl<P: Float> Accumulate<P> {
 
     /// The CPU step: inline (and the warm-up of the delayed update), or the last step's weights
     /// applied and this one started on the worker.
-    pub fn update<D: DeviceAdamW, C: Comm<Device = D>>(
+    pub fn update<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
         step: &AdamWStep,
@@ -53,7 +156,21 @@ impl<P: Float> Accumulate<P> {
             }
             host.start_delayed(*step, |_| Ok(()))?;
         } else {
-            host.step_now(step)?;
+            let verdict = match (&mut self.speculation, &mut host.cpu) {
+                (Some(speculation), CpuStep::Inline(whole)) => {
+                    match speculation.validate(&mut whole.state, Some(step)) {
+                        Verdict::Stands => {
+                            whole.step_except(step, &host.acc, speculation.stepped())?;
+                            Verdict::Stands
+                        }
+                        other => other,
+                    }
+                }
+                _ => Verdict::Nothing,
+            };
+            if verdict != Verdict::Stands {
+                host.step_now(step)?;
+            }
             upload_and_gather(shared, host.upload()?)?;
         }
         shared.cpu_wait += started.elapsed();
@@ -61,7 +178,7 @@ impl<P: Float> Accumulate<P> {
     }
 
     /// Waits for a delayed step still running and brings its weights into the model.
-    pub fn flush<D: DeviceAdamW, C: Comm<Device = D>>(
+    pub fn flush<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
@@ -73,6 +190,7 @@ impl<P: Float> Accumulate<P> {
 
     /// The optimizer state (a running step is waited for; its weights stay pending).
     pub fn state(&mut self) -> Result<PathState, EngineError> {
+        self.abandon_speculation();
         let [master, exp_avg, exp_avg_sq] = self.host.state()?;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
     }

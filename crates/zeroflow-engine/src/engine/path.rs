@@ -5,8 +5,8 @@
 //! | path | options | the CPU step |
 //! |---|---|---|
 //! | [`DeviceUpdate`] | `Placement::Device` | none: AdamW on the compute stream |
-//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 | inline, or delayed after the warm-up |
-//! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline, or on a worker after the warm-up |
+//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 | inline (the speculated pieces stepped during the last backward), or delayed after the warm-up |
+//! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline (the speculated pieces stepped during backward), or on a worker after the warm-up |
 //! | [`ZenFlowUpdate`] | offload, `ZenFlow` | once per window: inline, or on a worker (`overlap_step`) |
 //!
 //! Every hand-off between streams is an event recorded on one stream and waited on by another.
@@ -15,9 +15,9 @@
 //! | event (owner) | recorded | waited on |
 //! |---|---|---|
 //! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
-//! | `reduced` (shared) | comm, per bucket, offload (`reduction.rs`) | d2h, before its copies (the mutation self-check skips it) |
+//! | `reduced` (one per bucket, sent to the courier) | comm, per bucket, accumulating offload (with the device sum: the window's last backward, after the add), and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, by the courier before the bucket's copies (`courier.rs`; the mutation self-check skips it) |
 //! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
-//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy |
+//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy and before the device sum is cleared (`accumulate.rs`) |
 //! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
 //! | `compute_done` (shared) | compute, at the start of every step (`Engine::step`) | comm (norm on the device, gathers), h2d (uploads) |
 //! | `norm_done` (shared) | comm, after the norm (and its all-reduce) (`sum_to_host`) | d2h (its copy; inline stream's first chunk); compute (ZenFlow's device step) |
@@ -41,22 +41,23 @@ use zeroflow_core::{DType, Float};
 use zeroflow_device::Comm;
 use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
 
-pub(super) use super::accumulate::Accumulate;
+pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
 use super::shared::Shared;
 use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{HostAccumulator, Offloader, StreamBuffers};
+use crate::host::{HostAccumulator, StreamBuffers};
 use crate::reduction::Sink;
+use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, EngineOptions, OffloadUpdate, Placement};
 
 /// The engine's update path (see the module documentation).
 pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
     Device(DeviceUpdate<D>),
-    Accumulate(Accumulate<P>),
+    Accumulate(Accumulate<D, P>),
     Stream(Stream<D, P>),
     ZenFlow(Box<ZenFlowUpdate<D, P>>),
 }
@@ -123,27 +124,52 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
             }
         };
+        // Only the exact update speculates: the delayed one already hides the CPU step.
+        let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
+        let speculation = Speculation::new(device, len, budget, streaming, memory)?;
         if streaming {
             let buffers = StreamBuffers::new(device, len, fill_master, chunk, memory, adam)?;
             let pieces = offload.stream.gather_in_pieces;
-            return Ok(UpdatePath::Stream(Stream::new(device, buffers, delayed, len, pieces)?));
+            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation)?;
+            return Ok(UpdatePath::Stream(stream));
         }
         let bucket = opts.reduce_bucket;
+        let on = offload.stream.accumulate_on;
+        let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
         let host =
             HostAccumulator::new(device, len, fill_master, bucket, chunk, memory, adam, delayed)?;
-        Ok(UpdatePath::Accumulate(Accumulate { host }))
+        Ok(UpdatePath::Accumulate(Accumulate { host, speculation, on_device }))
     }
 
-    /// Where the reduced gradient pieces of a backward go.
-    pub fn sink(&mut self) -> Sink<'_, D, P> {
+    /// Where the reduced gradient pieces of a backward go; `boundary`: the backward ends an
+    /// optimizer step, `assumed` the step the exact offload step speculates on then.
+    pub fn sink(&mut self, assumed: Option<Assumed>, boundary: bool) -> Sink<'_, D, P> {
         match self {
             UpdatePath::Device(device) => Sink::Device(&device.grad_acc),
-            UpdatePath::Accumulate(a) => {
-                Sink::Host(Offloader::new(&mut a.host.staging, &mut a.host.acc))
-            }
+            UpdatePath::Accumulate(a) => a.sink(assumed, boundary),
+            UpdatePath::Stream(s) => s.sink(assumed),
             // ZenFlow adds each step into its window on the device at the step.
-            UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Sink::Keep,
+            UpdatePath::ZenFlow(_) => Sink::Keep,
         }
+    }
+
+    /// The step is skipped: speculatively stepped pieces are restored.
+    pub fn skip(&mut self) {
+        match self {
+            UpdatePath::Accumulate(a) => a.abandon_speculation(),
+            UpdatePath::Stream(s) => s.abandon_speculation(),
+            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => {}
+        }
+    }
+
+    /// What the speculative step did so far (zero where the path does not speculate).
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        let speculation = match self {
+            UpdatePath::Accumulate(a) => a.speculation.as_ref(),
+            UpdatePath::Stream(s) => s.speculation.as_ref(),
+            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => None,
+        };
+        speculation.map_or_else(SpeculationStats::default, Speculation::stats)
     }
 
     /// True if the d2h stream reads the gradients (everything but the device path).
@@ -189,10 +215,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => {
                 device.zero_accumulator(&shared.device, shared.owned.len())
             }
-            UpdatePath::Accumulate(a) => {
-                a.host.clear_accumulator();
-                Ok(())
-            }
+            UpdatePath::Accumulate(a) => a.zero_accumulator(shared),
             // Nothing accumulates; ZenFlow's window is cleared when a window ends.
             UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Ok(()),
         }
@@ -231,7 +254,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     ) -> Result<Vec<f32>, EngineError> {
         match self {
             UpdatePath::Device(device) => device.master(&shared.device),
-            UpdatePath::Accumulate(a) => Ok(a.host.join()?.state.master.to_vec()),
+            UpdatePath::Accumulate(a) => a.master(),
             UpdatePath::Stream(s) => s.master(),
             UpdatePath::ZenFlow(z) => Ok(z.state(shared, true)?.master),
         }
@@ -284,7 +307,10 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     ) -> Result<(), EngineError> {
         match self {
             UpdatePath::Device(device) => device.restore(&shared.device, state),
-            UpdatePath::Accumulate(a) => a.host.restore(&state, upload_pending),
+            UpdatePath::Accumulate(a) => {
+                a.abandon_speculation();
+                a.host.restore(&state, upload_pending)
+            }
             UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
             UpdatePath::ZenFlow(z) => {
                 z.host.restore(&state, upload_pending)?;

@@ -16,8 +16,6 @@ use crate::{EngineError, Stage};
 pub(super) struct Events<D: Device> {
     /// Compute → comm: a bucket's gradients are complete.
     pub bucket_ready: D::Event,
-    /// Comm → d2h: a bucket is reduced.
-    pub reduced: D::Event,
     /// Comm and d2h → compute: the last backward's gradients have been consumed.
     pub comm_done: Option<D::Event>,
     pub d2h_done: Option<D::Event>,
@@ -33,7 +31,6 @@ impl<D: Device> Events<D> {
     pub fn new(device: &D) -> Result<Self, EngineError> {
         Ok(Events {
             bucket_ready: device.new_event()?,
-            reduced: device.new_event()?,
             comm_done: None,
             d2h_done: None,
             params_ready: None,

@@ -31,9 +31,12 @@ use crate::host::{
     HostOptimizer, OUTGOING_BUFFERS, STAGING_BUFFERS, StepTimes, StreamBuffers, Worker,
     as_bf16_mut, as_grads, convert_into,
 };
+use crate::offloader::{Landing, Offloader, Speculating};
+use crate::reduction::Sink;
+use crate::speculation::{Assumed, Speculation, Verdict, segments};
 
-/// The streaming step gathers its uploaded chunks in pieces of at least this many elements (32
-/// MiB of bf16), however small the chunks, or an eighth of the partition where that is less: one
+/// The streaming step gathers its uploaded chunks in pieces of this many elements (32 MiB of
+/// bf16), however small the chunks, or an eighth of the partition where that is less: one
 /// collective per rank and piece.
 const GATHER_PIECE: usize = 1 << 24;
 
@@ -44,6 +47,8 @@ pub(super) struct Stream<D: Device, P: Float> {
     chunk_uploaded: D::Event,
     /// Gather each uploaded piece while the CPU steps the next (several ranks).
     gather_in_pieces: bool,
+    /// The exact inline step's speculation (`None`: off, or the delayed update).
+    pub(super) speculation: Option<Speculation<P>>,
 }
 
 /// Where the streaming step runs.
@@ -77,6 +82,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         delayed: Option<u64>,
         partition: usize,
         gather_in_pieces: bool,
+        speculation: Option<Speculation<P>>,
     ) -> Result<Self, EngineError> {
         let cpu = match delayed {
             None => StreamCpu::Inline(Box::new(buffers)),
@@ -89,7 +95,35 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
                 upload_pending: false,
             })),
         };
-        Ok(Stream { cpu, chunk_uploaded: device.new_event()?, gather_in_pieces })
+        let chunk_uploaded = device.new_event()?;
+        Ok(Stream { cpu, chunk_uploaded, gather_in_pieces, speculation })
+    }
+
+    /// Backward's sink: where the exact inline step speculates, the pieces that fit the budget
+    /// go to the host and are stepped there at once; the rest stay on the device for the step.
+    pub fn sink(&mut self, assumed: Option<Assumed>) -> Sink<'_, D, P> {
+        match (&mut self.cpu, &mut self.speculation) {
+            (StreamCpu::Inline(buffers), Some(speculation)) => {
+                let StreamBuffers { state, staging, .. } = &mut **buffers;
+                speculation.begin(state, assumed);
+                if !speculation.active() {
+                    return Sink::Keep;
+                }
+                let speculating = Speculating { speculation, state, upload: None };
+                Sink::Host(Offloader::new(staging, Landing::Step(speculating)))
+            }
+            _ => Sink::Keep,
+        }
+    }
+
+    /// Restores the pieces stepped speculatively and not yet validated (a skipped step, or a
+    /// state read before the step).
+    pub fn abandon_speculation(&mut self) {
+        if let (StreamCpu::Inline(buffers), Some(speculation)) =
+            (&mut self.cpu, &mut self.speculation)
+        {
+            speculation.abandon(&mut buffers.state);
+        }
     }
 
     /// The streaming step: inline (and the warm-up of the delayed update), or the last step's
@@ -102,11 +136,22 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let started = std::time::Instant::now();
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
         match &mut self.cpu {
-            StreamCpu::Inline(buffers) => stream_step(shared, buffers, uploaded, pieces, step)?,
+            StreamCpu::Inline(buffers) => {
+                let speculated = match &mut self.speculation {
+                    Some(speculation) => {
+                        match speculation.validate(&mut buffers.state, Some(step)) {
+                            Verdict::Stands => Some(&*speculation),
+                            Verdict::Nothing | Verdict::RolledBack => None,
+                        }
+                    }
+                    None => None,
+                };
+                stream_step(shared, buffers, uploaded, pieces, step, speculated)?;
+            }
             StreamCpu::Delayed(delayed) if step.step() <= delayed.warmup => {
                 let (buffers, joined) = delayed.worker.join()?;
                 delayed.upload_pending |= joined;
-                stream_step(shared, buffers, uploaded, pieces, step)?;
+                stream_step(shared, buffers, uploaded, pieces, step, None)?;
             }
             StreamCpu::Delayed(delayed) => {
                 // The step before this one finished meanwhile: its weights go to the device now
@@ -147,11 +192,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
 
     /// The master weights.
     pub fn master(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.abandon_speculation();
         Ok(self.buffers()?.0.state.master.to_vec())
     }
 
     /// The optimizer state.
     pub fn state(&mut self) -> Result<PathState, EngineError> {
+        self.abandon_speculation();
         let (buffers, upload_pending) = self.buffers()?;
         let state = &buffers.state;
         let (master, exp_avg) = (state.master.to_vec(), state.exp_avg.to_vec());
@@ -172,6 +219,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         [master, exp_avg, exp_avg_sq]: [Vec<f32>; 3],
         upload_pending: bool,
     ) -> Result<(), EngineError> {
+        self.abandon_speculation();
         let (buffers, _) = self.buffers()?;
         buffers.state.master.copy_from_slice(&master);
         buffers.state.exp_avg.copy_from_slice(&exp_avg);
@@ -240,7 +288,8 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
             // On its own thread: not the training thread's time.
             let times = &mut StepTimes::default();
             let (source, target) = (&*grads, &*next);
-            let chunks = Chunks { source, source_at: 0, target, target_at: 0, uploaded, times };
+            let chunks =
+                Chunks { state_at: 0, source, source_at: 0, target, target_at: 0, uploaded, times };
             stream_chunks(&device, &step, state, staging, outgoing, chunks, len)?;
             // Wait for the last uploads.
             outgoing.iter_mut().for_each(HostBuffer::settle);
@@ -251,16 +300,18 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
 
 /// The streaming CPU step, inline (see [`stream_chunks`]): from the reduced gradients on the
 /// device to the updated weights in this rank's partition of the flat weights, and into the
-/// other ranks' copies chunk by chunk: each chunk, once uploaded, goes from every rank to every
-/// rank on the comm stream (one broadcast per rank, the same chunk of each partition), while the
-/// CPU steps the next ones (pieces of at least [`GATHER_PIECE`] elements). Only the last piece's
-/// gather is left when the CPU is done, not the whole partition's.
+/// other ranks' copies piece by piece: each piece, once uploaded, goes from every rank to every
+/// rank on the comm stream (one broadcast per rank, the same piece of each partition), while the
+/// CPU steps the next chunks ([`PieceGather`]). Only the last piece's gather is left when the CPU
+/// is done, not the whole partition's. Where a speculation stands, its pieces are stepped
+/// already: their weights are uploaded from where it keeps them, and only the rest is streamed.
 fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &mut Shared<D, C, P>,
     buffers: &mut StreamBuffers<P>,
     uploaded_event: &mut D::Event,
     gather_in_pieces: bool,
     step: &AdamWStep,
+    speculated: Option<&Speculation<P>>,
 ) -> Result<(), EngineError> {
     let Shared {
         ref device,
@@ -276,7 +327,6 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     } = *shared;
     let (source, at) = reduced_source::<D, P>(reduced, grads, owned.start);
     let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
-    let comm_stream = device.stream(StreamKind::Comm);
     // The gradients are final once the comm stream has computed the norm over them; the
     // weights are free once forward/backward and the last gather are past them.
     device.wait_event(d2h, &events.norm_done)?;
@@ -287,36 +337,30 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     // The gathers write the other ranks' partitions, which the last forward/backward read.
     let gathers = gather_in_pieces && owned.len() < layout.padded_len();
     if gathers {
-        device.wait_event(comm_stream, &events.compute_done)?;
+        device.wait_event(device.stream(StreamKind::Comm), &events.compute_done)?;
     }
     let partition = owned.len();
-    // Uploaded chunks not gathered yet: gathered together once they make a piece (small
-    // stream chunks would otherwise cost a collective each) or reach the end.
-    let piece_len = GATHER_PIECE.min(partition.div_ceil(8)).max(1);
-    let mut pending: Option<Range<usize>> = None;
-    let (dev, params_ref) = (device, params);
-    let mut gather = |chunk: Range<usize>| -> Result<(), EngineError> {
-        if !gathers {
-            return Ok(());
-        }
-        let piece = pending.take().map_or(chunk.clone(), |p| p.start..chunk.end);
-        if piece.len() < piece_len && piece.end < partition {
-            pending = Some(piece);
-            return Ok(());
-        }
-        dev.record(uploaded_event, h2d)?;
-        dev.wait_event(comm_stream, uploaded_event)?;
-        for root in 0..comm.world_size() {
-            let at = root * partition;
-            comm.broadcast(comm_stream, params_ref, at + piece.start..at + piece.end, root)?;
-        }
-        Ok(())
-    };
-    let (target, target_at) = (params_ref, owned.start);
-    let (uploaded, times) = (&mut gather, step_times);
-    let chunks = Chunks { source, source_at: at, target, target_at, uploaded, times };
+    let mut gather = PieceGather::new(device, comm, params, uploaded_event, partition, gathers);
+    let stepped = speculated.map_or(&[][..], Speculation::stepped);
     let StreamBuffers { state, staging, outgoing } = buffers;
-    stream_chunks(dev, step, state, staging, outgoing, chunks, partition)?;
+    for (segment, speculated_at) in segments(partition, stepped) {
+        let target_at = owned.start + segment.start;
+        if let (Some(from), Some(weights)) =
+            (speculated_at, speculated.and_then(Speculation::weights))
+        {
+            let len = segment.len();
+            device.copy_h2d(h2d, weights, from..from + len, params, target_at)?.detach();
+            gather.uploaded(segment)?;
+            continue;
+        }
+        let offset = segment.start;
+        let uploaded = &mut |r: Range<usize>| gather.uploaded(offset + r.start..offset + r.end);
+        let times = &mut *step_times;
+        let source_at = at + offset;
+        let (state_at, target) = (offset, params);
+        let chunks = Chunks { state_at, source, source_at, target, target_at, uploaded, times };
+        stream_chunks(device, step, state, staging, outgoing, chunks, segment.len())?;
+    }
     // The next backward overwrites the gradients only after these copies read them.
     shared.record_d2h_done()?;
     if !gathers {
@@ -326,11 +370,89 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared.record_params_ready(StreamKind::Comm)
 }
 
+/// The streaming step's gather in pieces: every rank's partition is cut into the same pieces
+/// (of [`GATHER_PIECE`] elements, or an eighth of the partition where that is less), and each
+/// piece goes from every rank to every rank once this rank's uploads cover it. The pieces do not
+/// depend on how the uploads are cut (chunks, speculated pieces), so the ranks' collectives match.
+struct PieceGather<'a, D: Device, C: Comm<Device = D>, P: Float> {
+    device: &'a D,
+    comm: &'a C,
+    params: &'a D::Buffer<P>,
+    uploaded_event: &'a mut D::Event,
+    partition: usize,
+    piece_len: usize,
+    /// Uploads are queued for the partition up to here.
+    uploaded_to: usize,
+    /// Pieces are gathered up to here.
+    gathered_to: usize,
+    enabled: bool,
+}
+
+impl<'a, D: Device, C: Comm<Device = D>, P: Float> PieceGather<'a, D, C, P> {
+    fn new(
+        device: &'a D,
+        comm: &'a C,
+        params: &'a D::Buffer<P>,
+        uploaded_event: &'a mut D::Event,
+        partition: usize,
+        enabled: bool,
+    ) -> Self {
+        let piece_len = GATHER_PIECE.min(partition.div_ceil(8)).max(1);
+        let (uploaded_to, gathered_to) = (0, 0);
+        PieceGather {
+            device,
+            comm,
+            params,
+            uploaded_event,
+            partition,
+            piece_len,
+            uploaded_to,
+            gathered_to,
+            enabled,
+        }
+    }
+
+    /// The upload of `range` of the partition (the next after the last) is queued on the h2d
+    /// stream: gathers the pieces it completes.
+    fn uploaded(&mut self, range: Range<usize>) -> Result<(), EngineError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if range.start != self.uploaded_to {
+            return Err(EngineError::Internal("the streaming step's uploads skipped a range"));
+        }
+        self.uploaded_to = range.end;
+        let (device, comm_stream) = (self.device, self.device.stream(StreamKind::Comm));
+        let mut recorded = false;
+        while self.gathered_to < self.partition {
+            let end = (self.gathered_to + self.piece_len).min(self.partition);
+            if end > self.uploaded_to {
+                break;
+            }
+            if !recorded {
+                device.record(self.uploaded_event, device.stream(StreamKind::H2d))?;
+                device.wait_event(comm_stream, self.uploaded_event)?;
+                recorded = true;
+            }
+            for root in 0..self.comm.world_size() {
+                let at = root * self.partition;
+                let piece = at + self.gathered_to..at + end;
+                self.comm.broadcast(comm_stream, self.params, piece, root)?;
+            }
+            self.gathered_to = end;
+        }
+        Ok(())
+    }
+}
+
 /// Where the streaming step reads gradients and writes weights: `len` elements of each, from
-/// element `source_at` of `source` and `target_at` of `target`; `uploaded` hears of each chunk
-/// (its range in the partition) once its upload is queued on the h2d stream (the engine gathers
+/// element `source_at` of `source` and `target_at` of `target`, stepping the optimizer's state
+/// from `state_at`; `uploaded` hears of each chunk (its range from the first element) once its
+/// upload is queued on the h2d stream (the engine gathers
 /// it from there); `times` adds up where the calling thread's time went.
 struct Chunks<'a, D: Device, P: Float> {
+    /// Where the elements start in the optimizer's state (the partition).
+    state_at: usize,
     source: &'a D::Buffer<P>,
     source_at: usize,
     target: &'a D::Buffer<P>,
@@ -390,13 +512,12 @@ fn stream_chunks<D: Device, P: Float>(
         times.upload_wait += stepping - waiting;
         let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = optimizer;
         let state = AdamState { params: master, exp_avg, exp_avg_sq };
+        let in_state = io.state_at + range.start..io.state_at + range.end;
         match as_bf16_mut(out) {
-            Some(out) => {
-                adam.step_range(step, state, range.clone(), grads, Output::AlsoBf16(out))?
-            }
+            Some(out) => adam.step_range(step, state, in_state, grads, Output::AlsoBf16(out))?,
             None => {
-                adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
-                convert_into(adam, out, &master[range.clone()]);
+                adam.step_range(step, state, in_state.clone(), grads, Output::MasterOnly)?;
+                convert_into(adam, out, &master[in_state]);
             }
         }
         times.adam += stepping.elapsed();

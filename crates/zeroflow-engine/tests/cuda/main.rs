@@ -14,14 +14,17 @@ use zeroflow_engine::synthetic::{
     Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
 };
 use zeroflow_engine::{
-    Engine, EngineOptions, LossScaler, Offload, OffloadUpdate, Placement, Stage, StepReport,
-    ZenFlowOptions,
+    AccumulateOn, Engine, EngineOptions, LossScaler, Offload, OffloadUpdate, Placement, Stage,
+    StepReport, ZenFlowOptions,
 };
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
 fn gpu() -> Option<CudaDevice> {
     zeroflow_device::cuda::info::gpu_or_skip(0)
 }
+
+/// A speculation budget that covers the whole partition (4 GiB; the default is none).
+const WHOLE_BUDGET: usize = 4 << 30;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -34,6 +37,28 @@ struct Case {
     delayed: Option<u64>,
     /// ZenFlow, with offload.
     zenflow: Option<ZenFlowOptions>,
+    /// Offload: the exact step's speculation budget (bytes, 0 off) and where ZeRO-2 sums a window.
+    speculation_budget: usize,
+    accumulate_on: AccumulateOn,
+    clip: Option<f64>,
+}
+
+impl Case {
+    /// Offload's defaults, clipping at 0.8.
+    fn new(stage: Stage, world: usize, accum: u64, offload: bool, steps: u64) -> Self {
+        Case {
+            stage,
+            world,
+            accum,
+            offload,
+            steps,
+            delayed: None,
+            zenflow: None,
+            speculation_budget: WHOLE_BUDGET,
+            accumulate_on: AccumulateOn::Auto,
+            clip: Some(0.8),
+        }
+    }
 }
 
 fn options(case: &Case) -> EngineOptions {
@@ -43,13 +68,18 @@ fn options(case: &Case) -> EngineOptions {
         (None, None) => OffloadUpdate::Exact,
     };
     let placement = match case.offload {
-        true => Placement::Offload(Offload { update, ..Offload::exact(HostMemory::Pinned, 2) }),
+        true => {
+            let mut offload = Offload { update, ..Offload::exact(HostMemory::Pinned, 2) };
+            offload.stream.speculation_budget = case.speculation_budget;
+            offload.stream.accumulate_on = case.accumulate_on;
+            Placement::Offload(offload)
+        }
         false => Placement::Device,
     };
     EngineOptions {
         stage: case.stage,
         grad_accum: case.accum,
-        clip: Some(0.8),
+        clip: case.clip,
         reduce_bucket: 23,
         adamw: adamw_config(),
         scaler: LossScaler::None,
@@ -137,15 +167,7 @@ fn cases(world: usize) -> Vec<Case> {
     for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
         for accum in [1, 3] {
             for offload in [false, true] {
-                cases.push(Case {
-                    stage,
-                    world,
-                    accum,
-                    offload,
-                    steps: 12,
-                    delayed: None,
-                    zenflow: None,
-                });
+                cases.push(Case::new(stage, world, accum, offload, 12));
             }
         }
     }
@@ -180,15 +202,7 @@ fn one_gpu_matches_plain_adamw_in_bf16() {
 fn one_gpu_delayed_update_matches_stale_adamw() {
     let Some(device) = gpu() else { return };
     for (stage, accum) in [(Stage::Zero2, 1), (Stage::Zero1, 2), (Stage::Zero0, 1)] {
-        let case = Case {
-            stage,
-            world: 1,
-            accum,
-            offload: true,
-            steps: 12,
-            delayed: Some(3),
-            zenflow: None,
-        };
+        let case = Case { delayed: Some(3), ..Case::new(stage, 1, accum, true, 12) };
         let worst = check::<f32>(std::slice::from_ref(&device), case, 1e-5, 1e-5);
         println!("RESULT engine_gpu delayed f32 {case:?} max_rel={worst:.2e}");
         let worst = check::<bf16>(std::slice::from_ref(&device), case, 2e-2, 2e-2);
@@ -212,15 +226,7 @@ fn one_gpu_zenflow_matches_its_limits() {
         overlap_step,
         full_warm_up_rounds: 0,
     };
-    let base = Case {
-        stage: Stage::Zero2,
-        world: 1,
-        accum: 1,
-        offload: true,
-        steps: 12,
-        delayed: None,
-        zenflow: None,
-    };
+    let base = Case::new(Stage::Zero2, 1, 1, true, 12);
     for overlap in [false, true] {
         let all = Case { zenflow: Some(zenflow(1.0, 2, overlap)), ..base };
         let got = train::<f32>(devices, &all);
@@ -288,4 +294,59 @@ fn every_gpu_matches_plain_adamw() {
         let worst = check::<f32>(&devices, case, 1e-5, 1e-5);
         println!("RESULT engine_gpu world {count} f32 {case:?} max_rel={worst:.2e}");
     }
+}
+
+/// The exact offload step's speculation and ZeRO-2's window summed on the device, on `devices`:
+/// for stages 1 and 2, accumulation 1 and 3, no clip, a clip that never fires and one that fires
+/// on some steps, every budget (none, part of the partition, all of it) and both accumulators
+/// give the plain run (no speculation, host sum) bit for bit on every rank.
+fn check_speculation_and_device_sum(devices: &[CudaDevice]) {
+    let world = devices.len();
+    for stage in [Stage::Zero1, Stage::Zero2] {
+        for accum in [1, 3] {
+            // The median of the unclipped norms: a clip that fires on about half the steps.
+            let unclipped = Case { clip: None, ..Case::new(stage, world, accum, true, 8) };
+            let mut norms = train::<f32>(devices, &unclipped)[0].1.clone();
+            norms.sort_by(f64::total_cmp);
+            for clip in [None, Some(1e9), Some(norms[norms.len() / 2])] {
+                let plain = Case {
+                    speculation_budget: 0,
+                    accumulate_on: AccumulateOn::Host,
+                    clip,
+                    ..Case::new(stage, world, accum, true, 8)
+                };
+                let want = train::<f32>(devices, &plain);
+                for budget in [300, WHOLE_BUDGET] {
+                    for on in [AccumulateOn::Host, AccumulateOn::Device] {
+                        let case = Case { speculation_budget: budget, accumulate_on: on, ..plain };
+                        assert_eq!(train::<f32>(devices, &case), want, "{case:?}");
+                        println!(
+                            "RESULT engine_gpu speculation world {world} {case:?} bit_identical=true"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`check_speculation_and_device_sum`] on one GPU.
+#[test]
+fn one_gpu_speculation_and_device_sum_are_bit_identical() {
+    let Some(device) = gpu() else { return };
+    check_speculation_and_device_sum(std::slice::from_ref(&device));
+}
+
+/// [`check_speculation_and_device_sum`] on every visible GPU (skipped with fewer than two).
+#[test]
+fn every_gpu_speculation_and_device_sum_are_bit_identical() {
+    let Some(first) = gpu() else { return };
+    let count = zeroflow_device::cuda::info::list_gpus().map_or(1, |gpus| gpus.len());
+    if count < 2 {
+        println!("skipped: one GPU visible, the multi-GPU check needs two or more");
+        return;
+    }
+    let mut devices = vec![first];
+    devices.extend((1..count).map(|i| CudaDevice::new(i).expect("every visible GPU opens")));
+    check_speculation_and_device_sum(&devices);
 }

@@ -9,11 +9,14 @@ use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    DEFAULT_STREAM_CHUNK, Engine, EngineOptions, LossScaler, ModelIo, Offload, OffloadUpdate,
-    OptimizerPart, Placement, Restore, Snapshot, Stage, StepReport, StreamOptions, ZenFlowOptions,
-    ZenFlowSnapshot,
+    AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, Engine, EngineOptions,
+    LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore, Snapshot,
+    SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowOptions, ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
+
+/// A speculation budget that covers every test's whole partition (4 GiB; the default is none).
+pub const WHOLE_BUDGET: usize = 4 << 30;
 
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -38,6 +41,10 @@ pub struct Setup {
     /// The streaming step gathers in pieces while it steps (offload, several ranks; the engine's
     /// default); `stream_tuning` checks the gather after the step against it.
     pub gather_in_pieces: bool,
+    /// Bytes of host memory for the exact offload step's speculative backups (0: off).
+    pub speculation_budget: usize,
+    /// Where ZeRO-2 with accumulation sums a window (offload).
+    pub accumulate_on: AccumulateOn,
 }
 
 impl Setup {
@@ -57,6 +64,8 @@ impl Setup {
             stream_chunk: DEFAULT_STREAM_CHUNK,
             copy_stores: None,
             gather_in_pieces: true,
+            speculation_budget: DEFAULT_SPECULATION_BUDGET,
+            accumulate_on: AccumulateOn::Auto,
         }
     }
 }
@@ -77,6 +86,8 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 chunk: setup.stream_chunk,
                 copy_stores: setup.copy_stores,
                 gather_in_pieces: setup.gather_in_pieces,
+                speculation_budget: setup.speculation_budget,
+                accumulate_on: setup.accumulate_on,
             },
         }),
         false => {
@@ -113,6 +124,8 @@ pub struct Outcome<P> {
 pub struct Traffic {
     pub copied: CopiedBytes,
     pub cpu_wait: Duration,
+    /// What the speculative step did over the steps.
+    pub speculation: SpeculationStats,
 }
 
 /// Trains the synthetic model with the engine; `inject(rank, k)` may poison micro-step `k`.
@@ -218,6 +231,7 @@ pub fn train_from<P: Float>(
                     let traffic = Traffic {
                         copied: device.copied_bytes().since(copied),
                         cpu_wait: engine.cpu_wait() - waited,
+                        speculation: engine.speculation_stats(),
                     };
                     let snapshot = engine.snapshot().unwrap();
                     let device_weights = device.download(engine.params()).unwrap();

@@ -1,0 +1,135 @@
+//! The courier: a thread that, during a backward, brings this rank's reduced gradient pieces to
+//! the host and lands them (adds them into the host accumulator, steps them speculatively), so
+//! that the training thread goes on queueing the model's backward meanwhile and the GPU is not
+//! left waiting for the CPU's work.
+//!
+//! For each reduced bucket the training thread records a fresh event on the comm stream after
+//! the reduction (and after the device sum's add) and sends it with the piece; the courier has
+//! the d2h stream wait on that event before the piece's copies, so each copy waits for its own
+//! bucket only. It waits on each copy's token before the piece lands ([`Offloader`]), and the
+//! backward returns only after the courier has landed every piece.
+
+use std::ops::Range;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+
+use zeroflow_core::Float;
+use zeroflow_device::{Device, StreamKind};
+
+use crate::EngineError;
+use crate::offloader::Offloader;
+use crate::reduction::Sink;
+
+/// Pieces the training thread may send ahead of the courier before it waits.
+const REQUESTS: usize = 1024;
+
+/// One reduced piece for the courier: `range` of its source, destined for the partition from
+/// `offset`, ready once `reduced` has fired (`None`: the mutation self-check's missing wait).
+pub(crate) struct Request<D: Device> {
+    pub range: Range<usize>,
+    pub offset: usize,
+    pub reduced: Option<D::Event>,
+}
+
+/// What the reduction does with each reduced piece of this rank (from the path's [`Sink`]).
+pub(crate) enum Route<'s, D: Device> {
+    /// Leaves it where the reduction put it.
+    Keep,
+    /// Adds it into a device accumulator on the comm stream.
+    Add(&'s D::Buffer<f32>),
+    /// Sends it to the courier.
+    Copy(SyncSender<Request<D>>),
+    /// Adds it into the device accumulator, then sends the sum's piece to the courier.
+    AddThenCopy(&'s D::Buffer<f32>, SyncSender<Request<D>>),
+}
+
+/// Runs `backward` with the route `sink` asks for, and the courier where pieces go to the host
+/// (from `source`, where the reduction leaves this rank's pieces, or from the device sum). Gives
+/// `backward`'s result and the courier's (it has landed every piece by then).
+pub(crate) fn run<'s, D: Device, P: Float, R>(
+    device: &'s D,
+    sink: Sink<'s, D, P>,
+    source: &'s D::Buffer<P>,
+    backward: impl FnOnce(Route<'s, D>) -> R,
+) -> (R, Result<(), EngineError>) {
+    match sink {
+        Sink::Keep => (backward(Route::Keep), Ok(())),
+        Sink::Device(acc) | Sink::DeviceThenHost { acc, offloader: None } => {
+            (backward(Route::Add(acc)), Ok(()))
+        }
+        Sink::Host(offloader) => {
+            with_courier(device, offloader, source, |requests| backward(Route::Copy(requests)))
+        }
+        Sink::DeviceThenHost { acc, offloader: Some(offloader) } => {
+            with_courier(device, offloader, acc, |requests| {
+                backward(Route::AddThenCopy(acc, requests))
+            })
+        }
+    }
+}
+
+/// Runs `backward` while a courier thread delivers the requests it sends from `source` through
+/// `offloader`.
+fn with_courier<'s, D: Device, S: Float, P: Float, R>(
+    device: &'s D,
+    offloader: Offloader<'s, S, P>,
+    source: &'s D::Buffer<S>,
+    backward: impl FnOnce(SyncSender<Request<D>>) -> R,
+) -> (R, Result<(), EngineError>) {
+    let (requests, received) = sync_channel(REQUESTS);
+    std::thread::scope(|scope| {
+        let courier = std::thread::Builder::new()
+            .name("zeroflow-courier".into())
+            .spawn_scoped(scope, move || deliver(device, offloader, source, received));
+        // Without a courier the requests go nowhere (their receiver is gone): the backward runs
+        // and the error is the courier's.
+        let result = backward(requests);
+        let landed = match courier {
+            Ok(courier) => courier
+                .join()
+                .unwrap_or(Err(EngineError::Internal("the gradient courier panicked"))),
+            Err(e) => Err(EngineError::Thread(e)),
+        };
+        (result, landed)
+    })
+}
+
+/// The courier's loop: each request's copies once its reduction is done, then every piece
+/// landed.
+fn deliver<D: Device, S: Float, P: Float>(
+    device: &D,
+    mut offloader: Offloader<'_, S, P>,
+    source: &D::Buffer<S>,
+    requests: Receiver<Request<D>>,
+) -> Result<(), EngineError> {
+    let d2h = device.stream(StreamKind::D2h);
+    for Request { range, offset, reduced } in requests {
+        if let Some(reduced) = &reduced {
+            device.wait_event(d2h, reduced)?;
+        }
+        copy_out(device, &mut offloader, source, range, offset)?;
+    }
+    offloader.drain()
+}
+
+/// Copies `range` of `source` to the host on the d2h stream, in pieces of at most one staging
+/// buffer as long as the landing takes them, destined for the partition from `offset`.
+fn copy_out<'s, D: Device, S: Float, P: Float>(
+    device: &D,
+    offloader: &mut Offloader<'s, S, P>,
+    source: &D::Buffer<S>,
+    range: Range<usize>,
+    offset: usize,
+) -> Result<(), EngineError> {
+    let d2h = device.stream(StreamKind::D2h);
+    let mut start = 0;
+    while start < range.len() {
+        let len = offloader.piece_len().min(range.len() - start);
+        let Some(room) = offloader.admit(len) else { break };
+        let staging = offloader.staging()?;
+        let from = range.start + start..range.start + start + len;
+        let filling = device.copy_d2h(d2h, source, from, staging, 0)?;
+        offloader.push(offset + start, len, room, filling);
+        start += len;
+    }
+    Ok(())
+}

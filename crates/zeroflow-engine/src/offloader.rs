@@ -1,0 +1,165 @@
+//! The copies of gradient pieces to the host during a backward ([`Offloader`]), and where each
+//! piece lands once its copy is waited on ([`Landing`]): the host accumulator, the speculative
+//! step, or both.
+
+use rayon::prelude::*;
+use zeroflow_core::Float;
+use zeroflow_device::{Filling, HostBuffer};
+use zeroflow_optim::Grads;
+
+use crate::EngineError;
+use crate::host::{HostOptimizer, PAR_CHUNK, STAGING_BUFFERS, as_grads};
+use crate::speculation::Speculation;
+
+/// Where a staged gradient piece goes once its copy is waited on.
+pub(crate) enum Landing<'s, P: Float> {
+    /// Added into the accumulator (the accumulating paths), then stepped speculatively where
+    /// `speculate` is given and the step is speculated.
+    Accumulate { acc: &'s mut HostBuffer<f32>, speculate: Option<Speculating<'s, P>> },
+    /// Stepped speculatively as it is (the streaming path, whose pieces reach the host during
+    /// backward only to be stepped).
+    Step(Speculating<'s, P>),
+}
+
+/// The speculative step's part of a backward: the speculation, the optimizer state it steps and,
+/// on the accumulating path, the upload buffer the updated weights go into.
+pub(crate) struct Speculating<'s, P: Float> {
+    pub speculation: &'s mut Speculation<P>,
+    pub state: &'s mut HostOptimizer,
+    pub upload: Option<&'s mut HostBuffer<P>>,
+}
+
+impl<P: Float> Speculating<'_, P> {
+    /// A final piece of the partition's gradients, `offset..offset + grads.len()`, is on the
+    /// host: counted into the running norm, and stepped if the step is still speculated and the
+    /// budget has room (`at`: room reserved when its copy was issued).
+    fn land(
+        &mut self,
+        offset: usize,
+        at: Option<usize>,
+        grads: Grads<'_>,
+    ) -> Result<(), EngineError> {
+        self.speculation.observe(grads);
+        if !self.speculation.active() {
+            return Ok(());
+        }
+        let len = grads.len();
+        let Some(at) = at.or_else(|| self.speculation.reserve(len)) else { return Ok(()) };
+        let out = self.upload.as_deref_mut().map(|upload| &mut upload[offset..offset + len]);
+        self.speculation.step_piece(self.state, offset..offset + len, at, grads, out)
+    }
+}
+
+/// One copy in flight: the piece's offset in the partition, its length, the backup room reserved
+/// for it (streaming speculation), and the copy's token.
+type InFlight<'s, S> = (usize, usize, Option<usize>, Filling<'s, S>);
+
+/// Copies of gradient pieces (of type `S`: the model's dtype, or f32 from a device accumulator)
+/// to the host that are in flight, and the staging buffers they fill; `P` is the model's dtype.
+/// A piece lands ([`Landing`]) only after its copy's token has been waited on: there is no way to
+/// read a staging buffer earlier. Fixed-size arrays: the ring allocates nothing (the courier
+/// that runs it, `courier.rs`, is a thread and a channel per backward).
+pub(crate) struct Offloader<'s, S: Float, P: Float> {
+    free: [Option<&'s mut HostBuffer<S>>; STAGING_BUFFERS],
+    /// A ring of copies in flight, oldest at `head`.
+    in_flight: [Option<InFlight<'s, S>>; STAGING_BUFFERS],
+    head: usize,
+    count: usize,
+    piece_len: usize,
+    landing: Landing<'s, P>,
+}
+
+impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
+    pub(crate) fn new(staging: &'s mut [HostBuffer<S>], landing: Landing<'s, P>) -> Self {
+        let piece_len = staging.first().map_or(1, |b| b.len()).max(1);
+        let mut buffers = staging.iter_mut();
+        Offloader {
+            free: std::array::from_fn(|_| buffers.next()),
+            in_flight: std::array::from_fn(|_| None),
+            head: 0,
+            count: 0,
+            piece_len,
+            landing,
+        }
+    }
+
+    /// The most elements one copy moves (a staging buffer's length).
+    pub(crate) fn piece_len(&self) -> usize {
+        self.piece_len
+    }
+
+    /// Whether a piece of `len` elements is to be copied: always where it is accumulated; on the
+    /// streaming path, while the step is speculated and the budget has room for it (then
+    /// `Some(Some(room))`).
+    pub(crate) fn admit(&mut self, len: usize) -> Option<Option<usize>> {
+        match &mut self.landing {
+            Landing::Accumulate { .. } => Some(None),
+            Landing::Step(speculating) => speculating.speculation.reserve(len).map(Some),
+        }
+    }
+
+    /// A free staging buffer, waiting for the oldest copy if all are in flight.
+    pub(crate) fn staging(&mut self) -> Result<&'s mut HostBuffer<S>, EngineError> {
+        if self.free.iter().all(Option::is_none) {
+            self.retire_oldest()?;
+        }
+        Ok(self.free.iter_mut().find_map(Option::take).expect("a buffer is free"))
+    }
+
+    /// Registers a copy of `len` gradients into the staging buffer that `filling` holds,
+    /// destined for `offset..offset + len` of the partition, with the room [`Offloader::admit`]
+    /// gave it.
+    pub(crate) fn push(
+        &mut self,
+        offset: usize,
+        len: usize,
+        room: Option<usize>,
+        filling: Filling<'s, S>,
+    ) {
+        let slot = (self.head + self.count) % STAGING_BUFFERS;
+        self.in_flight[slot] = Some((offset, len, room, filling));
+        self.count += 1;
+    }
+
+    /// Waits for the oldest copy and lands its piece.
+    fn retire_oldest(&mut self) -> Result<(), EngineError> {
+        let (offset, len, room, filling) =
+            self.in_flight[self.head].take().expect("a copy is in flight");
+        self.head = (self.head + 1) % STAGING_BUFFERS;
+        self.count -= 1;
+        let staged = filling.wait()?;
+        match &mut self.landing {
+            Landing::Accumulate { acc, speculate } => {
+                let acc = &mut acc[offset..offset + len];
+                // In parallel: a piece is up to a staging buffer's length (the stream chunk), and
+                // the accumulation of a whole partition per micro-step must keep up with the
+                // copies.
+                acc.par_chunks_mut(PAR_CHUNK).zip(staged[..len].par_chunks(PAR_CHUNK)).for_each(
+                    |(acc, staged)| {
+                        acc.iter_mut().zip(staged).for_each(|(a, g)| *a += g.to_f32());
+                    },
+                );
+                if let Some(speculating) = speculate {
+                    speculating.land(offset, None, Grads::F32(acc))?;
+                }
+            }
+            Landing::Step(speculating) => {
+                let grads = as_grads(&staged[..len]).ok_or(EngineError::Internal(
+                    "the streaming step reads f32 or bf16 gradients",
+                ))?;
+                speculating.land(offset, room, grads)?;
+            }
+        }
+        let slot = self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty");
+        *slot = Some(staged);
+        Ok(())
+    }
+
+    /// Waits for every copy and lands it, in the order the copies were made.
+    pub(crate) fn drain(&mut self) -> Result<(), EngineError> {
+        while self.count > 0 {
+            self.retire_oldest()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,432 @@
+//! The speculative CPU step (DESIGN.md §5): as the pieces of this rank's partition reach the host
+//! during the backward that ends an optimizer step, the CPU steps each one as if no clipping
+//! applied, after saving its master weights and moments. At the step, once the global norm and
+//! the overflow check are known, the speculation stands if the step's scalars are the ones it
+//! assumed (the common case: no clipping, no overflow, no change of learning rate), and otherwise
+//! every stepped piece is put back from its backup and stepped again with the real scalars, or
+//! left restored where the step is skipped. The backup, not an algebraic inverse of Adam, is what
+//! makes this bit-identical to the step without speculation.
+//!
+//! Host memory is bounded by a budget: pieces are stepped while their backups (and, on the
+//! streaming path, their updated weights awaiting upload) fit; the rest is stepped at the step,
+//! as without speculation. Once the running Σ g² of this rank's pieces alone says that the
+//! global norm will be clipped, no further piece of that step is stepped speculatively.
+
+use std::ops::Range;
+
+use zeroflow_core::Float;
+use zeroflow_device::{Device, HostBuffer, HostMemory};
+use zeroflow_optim::{AdamState, AdamWStep, Grads, Output};
+
+use crate::EngineError;
+use crate::host::{HostOptimizer, as_bf16_mut, convert_into};
+
+/// The default of [`crate::StreamOptions::speculation_budget`]: none (speculation off). Measured
+/// on the H200 at gpt-1.3b (micro-batch 8 × 1024, clipping 1.0), a 4 GiB budget made the exact
+/// offload step slower (0.63 s against 0.42 s): the clip fired on every step, so every
+/// speculated piece was redone, and the CPU AdamW running beside the backward slowed the backward
+/// itself (0.22 s against 0.09 s). A budget is opt-in until it pays (BENCHMARKS.md).
+pub const DEFAULT_SPECULATION_BUDGET: usize = 0;
+
+/// What the speculative step did so far ([`crate::Engine::speculation_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    /// Optimizer steps (or skipped steps) for which at least one piece was stepped
+    /// speculatively.
+    pub speculated_steps: u64,
+    /// Elements stepped speculatively, over all those steps.
+    pub speculated_elements: u64,
+    /// Steps whose speculative pieces were rolled back: redone with the step's real scalars
+    /// (the clip coefficient, a changed learning rate), or restored because the step was
+    /// skipped (non-finite gradients).
+    pub redone_steps: u64,
+}
+
+/// What a boundary backward speculates with: the step it assumes, and how to tell early that
+/// clipping will fire.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Assumed {
+    /// The step as it will be if the norm is within the clip: the scalars of
+    /// `normalise(_, loss scale, world, accumulation, None)`.
+    pub step: AdamWStep,
+    /// The factor between Σ g² in the gradients' units and the norm: loss scale × ranks × steps.
+    pub summed: f64,
+    /// The clip threshold of the norm.
+    pub clip: Option<f64>,
+}
+
+/// A piece stepped speculatively: its range in the partition and where its backup starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Stepped {
+    pub range: Range<usize>,
+    pub at: usize,
+}
+
+/// How the speculation of a step ended ([`Speculation::validate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Nothing was stepped speculatively.
+    Nothing,
+    /// The stepped pieces stand ([`Speculation::stepped`] lists them).
+    Stands,
+    /// The stepped pieces were restored from their backups.
+    RolledBack,
+}
+
+/// The backups of the speculatively stepped pieces of one step, and its bookkeeping.
+pub(crate) struct Speculation<P: Float> {
+    /// Elements the budget allows.
+    capacity: usize,
+    /// Master weights, first and second moments of the stepped pieces before their step.
+    backup: [Vec<f32>; 3],
+    /// The streaming path's updated weights as `P`, awaiting their upload at the step.
+    weights: Option<HostBuffer<P>>,
+    stepped: Vec<Stepped>,
+    /// Backup elements handed out this step.
+    reserved: usize,
+    /// The step being speculated, from the boundary backward to its validation.
+    assumed: Option<Assumed>,
+    /// No further piece of this step is stepped (the clip will fire).
+    stopped: bool,
+    /// Σ g² of the pieces seen this step (this rank's only: a lower bound of the global sum).
+    partial: f64,
+    stats: SpeculationStats,
+}
+
+impl<P: Float> Speculation<P> {
+    /// Bytes of host memory one speculated element costs: its backup, and on the streaming path
+    /// its weights awaiting upload.
+    pub(crate) fn bytes_per_element(with_weights: bool) -> usize {
+        12 + if with_weights { std::mem::size_of::<P>() } else { 0 }
+    }
+
+    /// The speculation of a partition of `partition` elements within `budget` bytes, or `None`
+    /// where the budget holds no element. `with_weights`: the streaming path, which keeps the
+    /// updated weights until their upload (the accumulating path writes them into its upload
+    /// buffer).
+    pub(crate) fn new<D: Device>(
+        device: &D,
+        partition: usize,
+        budget: usize,
+        with_weights: bool,
+        memory: HostMemory,
+    ) -> Result<Option<Self>, EngineError> {
+        let capacity = (budget / Self::bytes_per_element(with_weights)).min(partition);
+        if capacity == 0 {
+            return Ok(None);
+        }
+        let weights = match with_weights {
+            true => Some(device.alloc_host::<P>(capacity, memory)?),
+            false => None,
+        };
+        Ok(Some(Speculation {
+            capacity,
+            backup: std::array::from_fn(|_| vec![0.0; capacity]),
+            weights,
+            stepped: Vec::new(),
+            reserved: 0,
+            assumed: None,
+            stopped: false,
+            partial: 0.0,
+            stats: SpeculationStats::default(),
+        }))
+    }
+
+    pub(crate) fn stats(&self) -> SpeculationStats {
+        self.stats
+    }
+
+    /// Starts a step's speculation (`None`: this backward does not end a step). Pieces of an
+    /// earlier speculation never validated (a backward that failed) are restored first.
+    pub(crate) fn begin(&mut self, state: &mut HostOptimizer, assumed: Option<Assumed>) {
+        self.abandon(state);
+        self.stepped.clear();
+        self.reserved = 0;
+        self.partial = 0.0;
+        self.stopped = false;
+        self.assumed = assumed;
+    }
+
+    /// True while pieces of this step may still be stepped.
+    pub(crate) fn active(&self) -> bool {
+        self.assumed.is_some() && !self.stopped
+    }
+
+    /// Hands out backup room for `len` elements, if the step is speculated and the budget has
+    /// it: the offset of the room.
+    pub(crate) fn reserve(&mut self, len: usize) -> Option<usize> {
+        if !self.active() || self.reserved + len > self.capacity {
+            return None;
+        }
+        let at = self.reserved;
+        self.reserved += len;
+        Some(at)
+    }
+
+    /// Adds a piece's Σ g² to the running sum, and stops the step's speculation once that sum
+    /// alone makes the norm exceed the clip (or is not finite): the step will not stand.
+    pub(crate) fn observe(&mut self, grads: Grads<'_>) {
+        let Some(assumed) = self.assumed.filter(|_| !self.stopped) else { return };
+        let Some(max) = assumed.clip else { return };
+        self.partial += sum_squares(grads);
+        // The global Σ g² is at least this rank's part of it: `normalise` clips above this.
+        let norm = self.partial.sqrt() / assumed.summed;
+        if !norm.is_finite() || norm + 1e-6 > max {
+            self.stopped = true;
+        }
+    }
+
+    /// Steps `range` of the partition speculatively with `grads`, after saving its state into
+    /// the backup at `at` (from [`Speculation::reserve`]). The updated weights go into `out`
+    /// where given (the accumulating path's upload buffer), else into this speculation's own
+    /// weights at `at`.
+    pub(crate) fn step_piece(
+        &mut self,
+        state: &mut HostOptimizer,
+        range: Range<usize>,
+        at: usize,
+        grads: Grads<'_>,
+        out: Option<&mut [P]>,
+    ) -> Result<(), EngineError> {
+        let Some(assumed) = self.assumed.filter(|_| !self.stopped) else {
+            return Err(EngineError::Internal("a speculative step without a step to assume"));
+        };
+        let len = range.len();
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = state;
+        for (backup, from) in self.backup.iter_mut().zip([&**master, &**exp_avg, &**exp_avg_sq]) {
+            let from = &from[range.clone()];
+            adam.for_each_chunk_mut(&mut backup[at..at + len], |offset, chunk| {
+                chunk.copy_from_slice(&from[offset..offset + chunk.len()]);
+            });
+        }
+        let out = match (out, &mut self.weights) {
+            (Some(out), _) => out,
+            (None, Some(weights)) => &mut weights[at..at + len],
+            (None, None) => return Err(EngineError::Internal("speculated weights have no place")),
+        };
+        let state = AdamState { params: master, exp_avg, exp_avg_sq };
+        match as_bf16_mut(out) {
+            Some(out) => {
+                adam.step_range(&assumed.step, state, range.clone(), grads, Output::AlsoBf16(out))?
+            }
+            None => {
+                adam.step_range(&assumed.step, state, range.clone(), grads, Output::MasterOnly)?;
+                convert_into(adam, out, &master[range.clone()]);
+            }
+        }
+        self.stepped.push(Stepped { range, at });
+        self.stats.speculated_elements += len as u64;
+        Ok(())
+    }
+
+    /// Ends the step's speculation: it stands if `actual` (the step taken; `None` where it is
+    /// skipped) is the step assumed, else every stepped piece is restored from its backup.
+    pub(crate) fn validate(
+        &mut self,
+        state: &mut HostOptimizer,
+        actual: Option<&AdamWStep>,
+    ) -> Verdict {
+        let assumed = self.assumed.take().map(|assumed| assumed.step);
+        if self.stepped.is_empty() {
+            return Verdict::Nothing;
+        }
+        self.stats.speculated_steps += 1;
+        if actual.is_some() && actual == assumed.as_ref() {
+            self.stepped.sort_by_key(|piece| piece.range.start);
+            return Verdict::Stands;
+        }
+        self.rollback(state);
+        Verdict::RolledBack
+    }
+
+    /// Restores the pieces of a speculation not validated yet (a skipped step, a state read
+    /// between the backward and the step, a backward that failed), counted as redone.
+    pub(crate) fn abandon(&mut self, state: &mut HostOptimizer) {
+        if self.assumed.take().is_some() {
+            self.stats.speculated_steps += u64::from(!self.stepped.is_empty());
+            self.rollback(state);
+        }
+    }
+
+    /// Puts every stepped piece back from its backup and forgets it (counted as redone).
+    fn rollback(&mut self, state: &mut HostOptimizer) {
+        if self.stepped.is_empty() {
+            return;
+        }
+        self.stats.redone_steps += 1;
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = state;
+        for piece in self.stepped.drain(..) {
+            let backups = self.backup.iter().map(|b| &b[piece.at..piece.at + piece.range.len()]);
+            for (to, backup) in
+                [&mut **master, &mut **exp_avg, &mut **exp_avg_sq].into_iter().zip(backups)
+            {
+                adam.for_each_chunk_mut(&mut to[piece.range.clone()], |offset, chunk| {
+                    chunk.copy_from_slice(&backup[offset..offset + chunk.len()]);
+                });
+            }
+        }
+    }
+
+    /// The pieces that stand after [`Speculation::validate`], in ascending order of their ranges.
+    pub(crate) fn stepped(&self) -> &[Stepped] {
+        &self.stepped
+    }
+
+    /// The streaming path's updated weights of the stepped pieces.
+    pub(crate) fn weights(&self) -> Option<&HostBuffer<P>> {
+        self.weights.as_ref()
+    }
+}
+
+/// Σ g² of a piece in f64 (only to decide whether to go on speculating; the norm the step uses
+/// is computed where it always is).
+fn sum_squares(grads: Grads<'_>) -> f64 {
+    use rayon::prelude::*;
+    const PAR: usize = 1 << 16;
+    match grads {
+        Grads::F32(g) => {
+            g.par_chunks(PAR).map(|c| c.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>()).sum()
+        }
+        Grads::Bf16(g) => g
+            .par_chunks(PAR)
+            .map(|c| c.iter().map(|g| f64::from(g.to_f32()).powi(2)).sum::<f64>())
+            .sum(),
+    }
+}
+
+/// The stretches of a partition of `len` elements in ascending order, each either stepped
+/// speculatively (`Some` of the piece) or not (`None`): `stepped` sorted by start and disjoint.
+pub(crate) fn segments(len: usize, stepped: &[Stepped]) -> Vec<(Range<usize>, Option<usize>)> {
+    let mut out = Vec::with_capacity(2 * stepped.len() + 1);
+    let mut cursor = 0;
+    for piece in stepped {
+        if cursor < piece.range.start {
+            out.push((cursor..piece.range.start, None));
+        }
+        out.push((piece.range.clone(), Some(piece.at)));
+        cursor = piece.range.end;
+    }
+    if cursor < len {
+        out.push((cursor..len, None));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_device::CpuDevice;
+    use zeroflow_optim::{AdamW, AdamWConfig, CpuAdam, SimdLevel};
+
+    use super::*;
+
+    fn speculation(budget: usize) -> Option<Speculation<f32>> {
+        let device = CpuDevice::new().unwrap();
+        Speculation::new(&device, 100, budget, true, HostMemory::Pageable).unwrap()
+    }
+
+    fn assumed(clip: Option<f64>) -> Assumed {
+        let step = AdamW::new(AdamWConfig::default()).unwrap().next_step(1.0);
+        Assumed { step, summed: 1.0, clip }
+    }
+
+    /// The stretches of a partition cover it in order, the stepped ones where they are.
+    #[test]
+    fn segments_cover_the_partition_in_order() {
+        let stepped = [Stepped { range: 10..20, at: 5 }, Stepped { range: 20..30, at: 0 }];
+        let want = vec![(0..10, None), (10..20, Some(5)), (20..30, Some(0)), (30..40, None)];
+        assert_eq!(segments(40, &stepped), want);
+        assert_eq!(segments(30, &stepped[1..]), vec![(0..20, None), (20..30, Some(0))]);
+        assert_eq!(segments(7, &[]), vec![(0..7, None)]);
+    }
+
+    /// The budget holds whole elements of backup (16 bytes each here, with the f32 weights) and
+    /// never more than the partition; rooms are handed out only while a step is speculated.
+    #[test]
+    fn the_budget_bounds_the_rooms() {
+        assert!(speculation(15).is_none());
+        let mut spec = speculation(16 * 30 + 15).unwrap();
+        assert_eq!(spec.capacity, 30);
+        assert_eq!(speculation(usize::MAX).unwrap().capacity, 100);
+        assert_eq!(spec.reserve(10), None, "no step is speculated yet");
+        let mut state = host_optimizer();
+        spec.begin(&mut state, Some(assumed(None)));
+        assert_eq!(spec.reserve(20), Some(0));
+        assert_eq!(spec.reserve(11), None);
+        assert_eq!(spec.reserve(10), Some(20));
+    }
+
+    /// The running Σ g² stops a step's speculation once it alone puts the norm above the clip,
+    /// or is not finite; without a clip it is not kept.
+    #[test]
+    fn the_running_norm_stops_speculating_once_the_clip_will_fire() {
+        let mut state = host_optimizer();
+        let mut spec = speculation(usize::MAX).unwrap();
+        spec.begin(&mut state, Some(assumed(Some(5.0))));
+        spec.observe(Grads::F32(&[3.0, 3.0]));
+        assert!(spec.active(), "norm 4.24 is within 5");
+        spec.observe(Grads::F32(&[2.0]));
+        assert!(spec.active(), "norm 4.69 is within 5");
+        spec.observe(Grads::F32(&[2.0]));
+        assert!(!spec.active(), "norm 5.10 is not");
+        assert_eq!(spec.reserve(1), None);
+        spec.begin(&mut state, Some(assumed(Some(5.0))));
+        assert!(spec.active(), "a new step speculates again");
+        spec.observe(Grads::F32(&[f32::INFINITY]));
+        assert!(!spec.active(), "an infinite norm");
+        spec.begin(&mut state, Some(assumed(None)));
+        spec.observe(Grads::F32(&[1e30, f32::INFINITY]));
+        assert!(spec.active(), "without a clip only the step's check decides");
+    }
+
+    /// A stepped piece is put back bit for bit when the step differs (or is skipped), and stands,
+    /// equal to stepping it directly, when the step is the one assumed.
+    #[test]
+    fn a_piece_rolls_back_exactly_or_stands() {
+        let mut state = host_optimizer();
+        state.master.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 0.25 - 7.0);
+        state.exp_avg.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 1e-3);
+        state.exp_avg_sq.iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 1e-4);
+        let before = [state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()];
+        let grads: Vec<f32> = (0..20).map(|i| i as f32 - 9.5).collect();
+        let assumed = assumed(None);
+        let mut spec = speculation(usize::MAX).unwrap();
+        for actual in [None, Some(AdamW::new(AdamWConfig::default()).unwrap().next_step(0.5))] {
+            spec.begin(&mut state, Some(assumed));
+            let at = spec.reserve(20).unwrap();
+            spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
+            assert_ne!(state.master.to_vec(), before[0]);
+            assert_eq!(spec.validate(&mut state, actual.as_ref()), Verdict::RolledBack);
+            let after = [state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()];
+            assert_eq!(after, before, "restored after {actual:?}");
+        }
+        spec.begin(&mut state, Some(assumed));
+        let at = spec.reserve(20).unwrap();
+        spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
+        assert_eq!(spec.validate(&mut state, Some(&assumed.step)), Verdict::Stands);
+        let mut direct = host_optimizer();
+        direct.master.copy_from_slice(&before[0]);
+        direct.exp_avg.copy_from_slice(&before[1]);
+        direct.exp_avg_sq.copy_from_slice(&before[2]);
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut direct;
+        let direct_state = AdamState { params: master, exp_avg, exp_avg_sq };
+        let out = Output::MasterOnly;
+        adam.step_range(&assumed.step, direct_state, 10..30, Grads::F32(&grads), out).unwrap();
+        assert_eq!(state.master.to_vec(), direct.master.to_vec());
+        assert_eq!(state.exp_avg_sq.to_vec(), direct.exp_avg_sq.to_vec());
+        let weights = &spec.weights().unwrap()[..20];
+        assert_eq!(weights, &direct.master[10..30], "the weights awaiting upload");
+        assert_eq!(spec.stats().redone_steps, 2);
+        assert_eq!(spec.stats().speculated_steps, 3);
+    }
+
+    fn host_optimizer() -> HostOptimizer {
+        let device = CpuDevice::new().unwrap();
+        let alloc = || device.alloc_host::<f32>(100, HostMemory::Pageable).unwrap();
+        HostOptimizer {
+            master: alloc(),
+            exp_avg: alloc(),
+            exp_avg_sq: alloc(),
+            adam: CpuAdam::new(1, SimdLevel::detect()).unwrap(),
+        }
+    }
+}

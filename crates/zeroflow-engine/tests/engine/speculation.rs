@@ -1,0 +1,217 @@
+//! The exact offload step's speculation (pieces stepped during backward, before the norm is
+//! known, then kept or rolled back and redone) gives the step without speculation bit for bit:
+//! the final weights on every rank, the master weights and both moments, and every step report,
+//! whether clipping fires or not, with overflowing steps skipped, for any backup budget, calm and
+//! under chaos; and it counts the steps it had to redo.
+
+use std::time::Duration;
+
+use zeroflow_core::{Float, f16};
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::{CpuDevice, Device};
+use zeroflow_engine::synthetic::{forward_backward, initial};
+use zeroflow_engine::{
+    DynamicScaler, Engine, LossScaler, Snapshot, SpeculationStats, Stage, StepReport,
+};
+
+use crate::harness::{Bf16, Outcome, Setup, WHOLE_BUDGET, layout, norms, options, train};
+
+/// Room for about 20 elements of backup (12 bytes each, 14–16 on the streaming path): some of a
+/// rank's pieces (buckets of up to 23 elements of a partition of 41–122) fit, not all.
+const PARTIAL_BUDGET: usize = 300;
+
+/// The budgets checked against speculation off: part of the partition, and all of it.
+const BUDGETS: [usize; 2] = [PARTIAL_BUDGET, WHOLE_BUDGET];
+
+/// Trains `setup` with speculation off and with `budget`, and checks that both end alike in
+/// every respect: weights (after the final flush and as a checkpoint saw them), each rank's
+/// optimizer state, and the step reports. Returns the speculating run.
+fn check_bit_identical<P: Float>(
+    setup: &Setup,
+    budget: usize,
+    scaler: &LossScaler,
+    poison: Option<(usize, u64)>,
+) -> Outcome<P> {
+    let off = Setup { speculation_budget: 0, chaos: None, ..setup.clone() };
+    let plain = train::<P>(&off, scaler.clone(), poison);
+    let speculating = Setup { speculation_budget: budget, ..setup.clone() };
+    let out = train::<P>(&speculating, scaler.clone(), poison);
+    assert_eq!(out.weights, plain.weights, "{speculating:?}: weights differ");
+    assert_eq!(out.device_weights, plain.device_weights, "{speculating:?}: device weights differ");
+    for (rank, (got, want)) in out.snapshots.iter().zip(&plain.snapshots).enumerate() {
+        assert_eq!(got.part, want.part, "{speculating:?} rank {rank}: master or moments differ");
+    }
+    assert_eq!(out.reports, plain.reports, "{speculating:?}: step reports differ");
+    for traffic in &plain.traffic {
+        assert_eq!(traffic.speculation.speculated_elements, 0, "a budget of 0 speculated");
+    }
+    out
+}
+
+/// A clip threshold that fires on some of the steps of `setup` and not on others: the median of
+/// its unclipped norms.
+fn median_norm(setup: &Setup) -> f64 {
+    let unclipped = Setup { clip: None, speculation_budget: 0, ..setup.clone() };
+    let mut norms = norms(&train::<f32>(&unclipped, LossScaler::None, None).reports[0]);
+    norms.sort_by(f64::total_cmp);
+    norms[norms.len() / 2]
+}
+
+/// Stages 1 and 2, 1–3 ranks, accumulation 1–4 (the streaming step and the accumulating one),
+/// no clip, a clip that never fires and one that fires on about half the steps, partial and
+/// whole budgets: all bit-identical to speculation off. Without clipping every step stands
+/// (nothing is redone); where the clip fires, redone steps are counted.
+#[test]
+fn speculation_is_bit_identical_to_the_plain_exact_step() {
+    for stage in [Stage::Zero1, Stage::Zero2] {
+        for world in [1, 2, 3] {
+            for accum in 1..=4 {
+                let setup = Setup { steps: 8, ..Setup::new(stage, world, accum, true) };
+                let sometimes = median_norm(&setup);
+                for clip in [None, Some(1e9), Some(sometimes)] {
+                    for budget in BUDGETS {
+                        let setup = Setup { clip, ..setup.clone() };
+                        let out =
+                            check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
+                        for (rank, traffic) in out.traffic.iter().enumerate() {
+                            let stats = traffic.speculation;
+                            assert!(
+                                stats.speculated_elements > 0,
+                                "{setup:?} rank {rank}: {stats:?}"
+                            );
+                            if clip != Some(sometimes) {
+                                assert_eq!(stats.redone_steps, 0, "{setup:?} rank {rank}");
+                                assert_eq!(stats.speculated_steps, 8, "{setup:?} rank {rank}");
+                            }
+                        }
+                        if clip == Some(sometimes) {
+                            let redone: u64 =
+                                out.traffic.iter().map(|t| t.speculation.redone_steps).sum();
+                            assert!(redone > 0, "{setup:?}: the clip fired, nothing was redone");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// bf16 weights: the streaming step reads bf16 gradients and the kernel writes the bf16 copy of
+/// the speculated pieces itself.
+#[test]
+fn speculation_is_bit_identical_in_bf16() {
+    for (stage, world, accum) in [(Stage::Zero2, 2, 1), (Stage::Zero1, 3, 1), (Stage::Zero2, 3, 3)]
+    {
+        let setup = Setup { steps: 8, ..Setup::new(stage, world, accum, true) };
+        for clip in [None, Some(median_norm(&setup))] {
+            for budget in BUDGETS {
+                let setup = Setup { clip, ..setup.clone() };
+                check_bit_identical::<Bf16>(&setup, budget, &LossScaler::None, None);
+            }
+        }
+    }
+}
+
+/// An overflow on one rank (fp16 with a dynamic loss scale; f32 and bf16 weights, whose step
+/// streams at accumulation 1) skips the step on every rank. The overflow falls on the last
+/// micro-step of step 2, or on its first (then the window's sum is already infinite when its last
+/// backward speculates); the reduction carries it into every rank's partition. Without a clip
+/// the pieces are stepped speculatively with infinite gradients and restored at the step (the
+/// run continues exactly as without speculation, and the restore is counted); with one, the
+/// running norm is infinite at the first piece and nothing is stepped.
+#[test]
+fn an_overflow_restores_the_speculated_pieces() {
+    let scaler = LossScaler::Dynamic(DynamicScaler::new(10, 1000, 1.0, 1, false));
+    for (stage, world, accum) in [(Stage::Zero2, 2, 1), (Stage::Zero1, 3, 2), (Stage::Zero2, 1, 4)]
+    {
+        for clip in [None, Some(1e9)] {
+            let setup = Setup { steps: 5, clip, ..Setup::new(stage, world, accum, true) };
+            let accum = u64::from(accum);
+            for k in [2 * accum + accum - 1, 2 * accum] {
+                for budget in BUDGETS {
+                    let poison = Some((world - 1, k));
+                    let out = check_bit_identical::<f16>(&setup, budget, &scaler, poison);
+                    let skipped = |reports: &Vec<StepReport>| matches!(reports[2], StepReport::Skipped { loss_scale } if loss_scale == 512.0);
+                    assert!(out.reports.iter().all(skipped), "{setup:?}: step 2 not skipped");
+                    check_bit_identical::<f32>(&setup, budget, &scaler, poison);
+                    let out = check_bit_identical::<Bf16>(&setup, budget, &scaler, poison);
+                    for traffic in &out.traffic {
+                        let redone = traffic.speculation.redone_steps;
+                        match clip {
+                            None => assert_eq!(redone, 1, "{setup:?} poisoned at {k}"),
+                            Some(_) => assert_eq!(redone, 0, "{setup:?} poisoned at {k}"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Under chaos (random delays before every device operation) the speculating runs equal the
+/// calm run without speculation: the pieces copied out during backward wait for their
+/// reductions, and their uploads at the step for the weights to be free.
+#[test]
+fn speculation_under_chaos_is_bit_identical() {
+    for (stage, world, accum) in [(Stage::Zero2, 2, 1), (Stage::Zero1, 3, 1), (Stage::Zero2, 2, 3)]
+    {
+        let setup = Setup { steps: 8, ..Setup::new(stage, world, accum, true) };
+        let clip = Some(median_norm(&setup));
+        for seed in 1..=3 {
+            for budget in BUDGETS {
+                let setup = Setup { clip, chaos: Some(seed), ..setup.clone() };
+                check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
+            }
+        }
+    }
+}
+
+/// One rank trained for 6 steps with `budget`, whose learning rate changes between each
+/// backward and its step after the first two, and which is snapshotted between the backward and
+/// the step of step 4: its final weights, optimizer state and speculation counters.
+fn train_with_schedule(accum: u64, budget: usize) -> (Vec<f32>, Snapshot, SpeculationStats) {
+    let device = CpuDevice::new().unwrap();
+    let layout = layout(1);
+    let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(5)).remove(0);
+    let setup = Setup {
+        speculation_budget: budget,
+        clip: None,
+        ..Setup::new(Stage::Zero2, 1, accum.try_into().unwrap(), true)
+    };
+    let options = options(&setup, LossScaler::None);
+    let mut engine: Engine<CpuDevice, CpuComm, f32> =
+        Engine::new(device.clone(), comm, layout.clone(), options, &initial::<f32>(&layout))
+            .unwrap();
+    for k in 0..6 * accum {
+        engine.backward(|io, ready| forward_backward(&device, &layout, io, ready, 0, k)).unwrap();
+        let step = k / accum;
+        if engine.is_gradient_accumulation_boundary() {
+            if step >= 2 {
+                engine.set_lr(1e-2 / (step as f64)).unwrap();
+            }
+            if step == 4 {
+                engine.snapshot().unwrap();
+            }
+        }
+        engine.step().unwrap();
+    }
+    let snapshot = engine.snapshot().unwrap();
+    (device.download(engine.params()).unwrap(), snapshot, engine.speculation_stats())
+}
+
+/// A learning rate set between a backward and its step changes the step the speculation assumed:
+/// the speculated pieces are redone with it; a snapshot taken there restores them first (and the
+/// step then runs in full). Either way the run equals the one without speculation bit for bit.
+#[test]
+fn a_learning_rate_changed_after_backward_redoes_the_speculated_step() {
+    for accum in [1, 3] {
+        let (plain_weights, plain, _) = train_with_schedule(accum, 0);
+        let (weights, speculated, stats) = train_with_schedule(accum, WHOLE_BUDGET);
+        assert_eq!(weights, plain_weights, "accumulation {accum}: weights differ");
+        assert_eq!(speculated.part, plain.part, "accumulation {accum}: optimizer state differs");
+        // Steps 2, 3 and 5 are redone for their learning rate; step 4 is restored by the
+        // snapshot; steps 0 and 1 stand.
+        assert_eq!(stats.redone_steps, 4, "accumulation {accum}: {stats:?}");
+        assert_eq!(stats.speculated_steps, 6, "accumulation {accum}: {stats:?}");
+    }
+}
