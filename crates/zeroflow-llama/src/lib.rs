@@ -1,24 +1,44 @@
 //! The Llama family of zeroflow: Llama 2/3.x (`LlamaForCausalLM`), Qwen2/2.5
-//! (`Qwen2ForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) and Mistral (`MistralForCausalLM`).
+//! (`Qwen2ForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) and Mistral (`MistralForCausalLM`), a thin
+//! family over zeroflow-nn's layers.
 //!
 //! - [`LlamaConfig`]: `config.json` in ([`LlamaConfig::from_hf_config`], refusing what zeroflow
 //!   does not implement, naming the field) and out ([`LlamaConfig::to_hf_config`]).
 //! - [`named_shape`]: `llama-1b`, `llama-3b`, `llama-8b`.
 //! - [`hf_params`]: every parameter's Hugging Face name, `[out, in]` shape and axes (ZenFlow's
-//!   column axis among them), and [`param_count`].
+//!   column axis among them), and [`param_count`]; [`ParamRanges`] finds them in a flat layout
+//!   ([`flat_layout`]), [`init_params`] initialises them as `transformers` does.
+//! - [`kernels`]: the family's own layers (RMSNorm, rotary embeddings, SwiGLU, the token
+//!   embedding) as pure functions generic over [`zeroflow_nn::Float`], and [`LlamaKernel`].
+//! - [`plan`]: the model as zeroflow-nn's plan ([`LlamaPlan`]); [`HostLlama`] runs it on host
+//!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`.
 //!
-//! The model itself (its plan over the shared layers) comes later; this crate does not depend on
-//! the engine or on GPT-2.
+//! This crate does not depend on the engine, the trainer or GPT-2.
 
+pub mod acts;
 pub mod config;
+pub mod cpu;
 pub mod error;
+pub mod host;
+pub mod init;
 mod json;
+pub mod kernels;
 pub mod params;
+pub mod plan;
+pub mod ranges;
 pub mod rope;
 pub mod shapes;
 
+pub use acts::ActLayout;
 pub use config::{Architecture, AttentionBias, LlamaConfig};
-pub use error::LlamaConfigError;
+pub use cpu::{CpuLlama, init_params_on_device};
+pub use error::{LlamaConfigError, LlamaError};
+pub use host::HostLlama;
+pub use init::init_params;
+pub use kernels::LlamaKernel;
 pub use params::{HfParam, ParamKind, hf_params, param_count};
-pub use rope::Llama3RopeScaling;
+pub use plan::{LlamaPlan, Plan};
+pub use ranges::{LayerParams, ParamRanges, flat_layout, param_specs};
+pub use rope::{Llama3RopeScaling, RopeFreqs};
 pub use shapes::{NAMED_SHAPES, named_shape};
+pub use zeroflow_nn::{AttentionKind, Float};

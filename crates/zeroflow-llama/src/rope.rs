@@ -88,3 +88,49 @@ fn scaling(object: &Object, prefix: &str) -> Result<Option<Llama3RopeScaling>, L
         }),
     }
 }
+
+impl Llama3RopeScaling {
+    /// One inverse frequency after the scaling, as `transformers`' `_compute_llama3_parameters`:
+    /// wavelengths shorter than `original / high_freq_factor` kept, longer than
+    /// `original / low_freq_factor` divided by `factor`, and between them interpolated by
+    /// `smooth = (original / wavelength − low_freq_factor) / (high_freq_factor − low_freq_factor)`.
+    pub fn scale_inv_freq(&self, inv_freq: f64) -> f64 {
+        let original = self.original_max_position_embeddings as f64;
+        let (low, high) = (self.low_freq_factor, self.high_freq_factor);
+        let wavelength = 2.0 * std::f64::consts::PI / inv_freq;
+        if wavelength < original / high {
+            inv_freq
+        } else if wavelength > original / low {
+            inv_freq / self.factor
+        } else {
+            let smooth = (original / wavelength - low) / (high - low);
+            (1.0 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        }
+    }
+}
+
+/// The rotary frequencies of a model: `head_dim` (even), `rope_theta` and the `llama3` scaling if
+/// any. The rotation of pair `i` of a head at position `p` is by the angle `p · inv_freq[i]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeFreqs {
+    pub head_dim: usize,
+    pub theta: f64,
+    pub scaling: Option<Llama3RopeScaling>,
+}
+
+impl RopeFreqs {
+    /// `inv_freq[i] = theta^(−2i / head_dim)` for `i < head_dim / 2` (`transformers`'
+    /// `_compute_default_rope_parameters`, here in f64), then scaled.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let dim = self.head_dim as f64;
+        (0..self.head_dim / 2)
+            .map(|i| {
+                let inv_freq = 1.0 / self.theta.powf((2 * i) as f64 / dim);
+                match &self.scaling {
+                    Some(scaling) => scaling.scale_inv_freq(inv_freq),
+                    None => inv_freq,
+                }
+            })
+            .collect()
+    }
+}

@@ -1,9 +1,15 @@
-//! The Llama family's configuration: published `config.json` files read, every unsupported
-//! field refused by name, the round trip through `to_hf_config`, and the named shapes.
+//! The Llama family: published `config.json` files read, every unsupported field refused by
+//! name, the round trip through `to_hf_config`, the named shapes, the kernels, and the model
+//! (finite differences, the device, Hugging Face directories).
 
+mod device;
 mod fixtures;
+mod gradcheck;
 mod hf_dir;
+mod kernels;
 mod params;
+mod reference;
+mod support;
 mod transformers_dir;
 mod unsupported;
 

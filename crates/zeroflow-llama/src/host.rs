@@ -1,0 +1,83 @@
+//! A Llama-family model run directly on host vectors, in any [`Float`], by zeroflow-nn's
+//! [`HostRunner`]: the f64 oracle of the tests (finite differences) and a device-free reference.
+
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_nn::plan::GradsReady;
+use zeroflow_nn::{AttentionKind, Float, HostRunner};
+
+use crate::acts::ActLayout;
+use crate::config::LlamaConfig;
+use crate::error::LlamaError;
+use crate::kernels::LlamaKernel;
+use crate::plan::{LlamaPlan, Plan};
+use crate::ranges::ParamRanges;
+
+/// A model for one (batch, seq) whose activations live in host vectors.
+#[derive(Debug)]
+pub struct HostLlama<F> {
+    config: LlamaConfig,
+    acts: ActLayout,
+    runner: HostRunner<F, LlamaKernel>,
+}
+
+impl<F: Float> HostLlama<F> {
+    /// The model over `layout` for micro-batches of `batch` sequences of `seq` tokens, whose
+    /// attention keeps what `attention` says.
+    pub fn new(
+        config: &LlamaConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        attention: AttentionKind,
+    ) -> Result<Self, LlamaError> {
+        let params = ParamRanges::new(config, layout)?;
+        let LlamaPlan { acts, plan } = LlamaPlan::new(config, &params, batch, seq, attention)?;
+        let runner = HostRunner::new(plan, layout.padded_len());
+        Ok(HostLlama { config: config.clone(), acts, runner })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn plan(&self) -> &Plan {
+        self.runner.plan()
+    }
+
+    /// Where the activations lie.
+    pub fn acts(&self) -> &ActLayout {
+        &self.acts
+    }
+
+    /// The activations of the last forward, laid out as [`HostLlama::acts`] says.
+    pub fn activations(&self) -> &[F] {
+        self.runner.activations()
+    }
+
+    /// The logits `[batch, seq, vocab]` of the last forward.
+    pub fn logits(&self) -> &[F] {
+        &self.runner.activations()[self.acts.logits.clone()]
+    }
+
+    /// Runs forward on `inputs` → `targets` (each `[batch, seq]`) and returns the mean loss.
+    pub fn forward(
+        &mut self,
+        params: &[F],
+        inputs: &[u32],
+        targets: &[u32],
+    ) -> Result<F, LlamaError> {
+        Ok(self.runner.forward(params, inputs, targets)?)
+    }
+
+    /// Adds the gradient of `loss_scale` × (the last forward's mean loss) to `grads`. After each
+    /// group's launches, `on_ready` gets the group and the gradient buffer.
+    pub fn backward(
+        &mut self,
+        params: &[F],
+        grads: &mut [F],
+        loss_scale: f64,
+        on_ready: impl FnMut(&GradsReady, &[F]),
+    ) -> Result<(), LlamaError> {
+        Ok(self.runner.backward(params, grads, loss_scale, on_ready)?)
+    }
+}
