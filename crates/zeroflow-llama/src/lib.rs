@@ -11,13 +11,15 @@
 //! - [`kernels`]: the family's own layers (RMSNorm, rotary embeddings, SwiGLU, the token
 //!   embedding) as pure functions generic over [`zeroflow_nn::Float`], and [`LlamaKernel`].
 //! - [`plan`]: the model as zeroflow-nn's plan ([`LlamaPlan`]); [`HostLlama`] runs it on host
-//!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`.
+//!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`, [`CudaLlama`] on an NVIDIA GPU
+//!   (bf16, with the family's kernels in CUDA: [`cuda::kernels`]).
 //!
 //! This crate does not depend on the engine, the trainer or GPT-2.
 
 pub mod acts;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod host;
 pub mod init;
@@ -32,6 +34,7 @@ pub mod shapes;
 pub use acts::ActLayout;
 pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use cpu::{CpuLlama, init_params_on_device};
+pub use cuda::{CudaLlama, CudaLlamaOptions};
 pub use error::{LlamaConfigError, LlamaError};
 pub use host::HostLlama;
 pub use init::init_params;

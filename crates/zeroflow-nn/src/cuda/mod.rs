@@ -249,6 +249,11 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
         &self.plan
     }
 
+    /// The family's kernels this runner was made with.
+    pub fn layers(&self) -> &L {
+        &self.layers
+    }
+
     /// The attention every layer uses (`None` for a plan without attention).
     pub fn attention(&self) -> Option<AttentionKind> {
         match self.attention {

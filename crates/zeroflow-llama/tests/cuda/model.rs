@@ -1,0 +1,199 @@
+//! `CudaLlama` against the f64 host model: loss, logits and every parameter gradient on the same
+//! bf16-rounded weights, at the odd tiny shapes of the CPU tests (grouped-query 3:1 and
+//! multi-query, `head_dim` ≠ hidden / heads, q/k/v and o biases, Qwen3's q/k norm, llama3 rope
+//! scaling, tied and untied heads) with gemm attention, and at head sizes 64 and 128 with both
+//! attentions; each run twice (loss scales 1 and 3) so that leftovers in the activation gradients
+//! show and the parameter gradients add up; the grads-ready notices in the host's order; and the
+//! memory the model holds is what `planned_memory` computes without a GPU.
+
+use std::sync::Arc;
+
+use serde_json::json;
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::blas::Blas;
+use zeroflow_device::{CudaDevice, Device};
+use zeroflow_llama::cuda::{CudaLlamaOptions, planned_memory};
+use zeroflow_llama::{AttentionKind, CudaLlama, HostLlama, LlamaConfig};
+use zeroflow_nn::GradsReady;
+
+use crate::gpu;
+use crate::support::{models, perturbed_params, random_batch, relative_error, tiny};
+
+/// The largest relative error (‖gpu − cpu‖ / max(‖gpu‖, ‖cpu‖)) allowed per tensor: the GPU keeps
+/// every activation and gradient in bf16.
+const TOLERANCE: f64 = 2e-2;
+
+/// Models flash attention takes: 6 query heads of 64 on 2 key/value heads with Qwen3's q/k norm
+/// (q width 384 over hidden 96), and 2 heads of 128 on 1 with Qwen2's q/k/v biases; both at
+/// sequences that end inside a second 64-row tile.
+fn flash_models() -> Vec<(&'static str, LlamaConfig, (usize, usize))> {
+    vec![
+        (
+            "qwen3 gqa 3:1 head_dim 64",
+            tiny(
+                "Qwen3ForCausalLM",
+                json!({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2,
+                       "head_dim": 64, "intermediate_size": 40, "initializer_range": 0.05}),
+            ),
+            (2, 70),
+        ),
+        (
+            "qwen2 mqa head_dim 128 biases",
+            tiny(
+                "Qwen2ForCausalLM",
+                json!({"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+                       "head_dim": null, "intermediate_size": 72, "initializer_range": 0.05}),
+            ),
+            (2, 65),
+        ),
+    ]
+}
+
+fn to_bf16(values: &[f64]) -> Vec<bf16> {
+    values.iter().map(|&x| bf16::from_f64(x)).collect()
+}
+
+/// A model of `config` with `attention`, its own cuBLASLt handle.
+fn model_with(
+    device: &CudaDevice,
+    config: &LlamaConfig,
+    (batch, seq): (usize, usize),
+    attention: AttentionKind,
+) -> CudaLlama {
+    let layout = zeroflow_llama::flat_layout(config, 1).unwrap();
+    let blas = Arc::new(Blas::new(device).unwrap());
+    let options = CudaLlamaOptions { attention };
+    CudaLlama::with_options(device, blas, config, &layout, (batch, seq), options).unwrap()
+}
+
+/// Forward and backward twice on the same batch, with loss scales 1 and 3: the second run must
+/// find nothing left from the first in the activation gradients (their first write overwrites)
+/// and must add to the parameter gradients, which end at 4 times the host's. The host runs the
+/// plan of the same attention on the bf16-rounded weights in f64.
+fn check_against_host(
+    device: &CudaDevice,
+    what: &str,
+    config: &LlamaConfig,
+    (batch, seq): (usize, usize),
+    attention: AttentionKind,
+) {
+    let (layout, params64) = perturbed_params(config, 5);
+    let params = to_bf16(&params64);
+    let params64: Vec<f64> = params.iter().map(|x| x.to_f64()).collect();
+    let (inputs, targets) = random_batch(config.vocab_size, batch * seq, 6);
+
+    let mut host = HostLlama::<f64>::new(config, &layout, batch, seq, attention).unwrap();
+    let loss_ref = host.forward(&params64, &inputs, &targets).unwrap();
+    let logits_ref = host.logits().to_vec();
+    let mut grads_ref = vec![0.0; layout.padded_len()];
+    let mut groups_ref = Vec::new();
+    host.backward(&params64, &mut grads_ref, 1.0, |ready, _| groups_ref.push(ready.clone()))
+        .unwrap();
+
+    let params_gpu = device.upload(&params).unwrap();
+    let grads_gpu = device.alloc::<bf16>(layout.padded_len()).unwrap();
+    let mut model = model_with(device, config, (batch, seq), attention);
+    assert_eq!(model.attention(), attention);
+    model.set_batch(&inputs, &targets).unwrap();
+    let mut groups = Vec::new();
+    for loss_scale in [1.0, 3.0] {
+        model.forward(&params_gpu).unwrap();
+        let on_ready = |ready: &GradsReady| groups.push(ready.clone());
+        model.backward(&params_gpu, &grads_gpu, loss_scale, on_ready).unwrap();
+    }
+    let loss = f64::from(model.loss().unwrap());
+    let logits: Vec<f64> = model.logits().unwrap().into_iter().map(f64::from).collect();
+    let grads: Vec<f64> =
+        device.download(&grads_gpu).unwrap().iter().map(|g| g.to_f64() / 4.0).collect();
+
+    let label = format!("{what} {attention:?} B{batch} T{seq}").replace(' ', "_");
+    let loss_error = (loss - loss_ref).abs() / loss_ref;
+    println!("RESULT llama_loss {label} gpu={loss:.5} cpu={loss_ref:.5} rel={loss_error:.3e}");
+    assert!(loss_error <= 1e-2, "{what}: loss {loss} vs {loss_ref}");
+    let logits_error = relative_error(&logits, &logits_ref);
+    println!("RESULT llama_logits {label} rel={logits_error:.3e}");
+    assert!(logits_error <= TOLERANCE, "{what}: logits off by {logits_error:.3e}");
+    let mut failures = Vec::new();
+    for view in layout.params() {
+        let range = view.flat_range();
+        let rel = relative_error(&grads[range.clone()], &grads_ref[range]);
+        println!("RESULT llama_grad {label} {} rel={rel:.3e}", view.name);
+        // A NaN fails too.
+        if rel.is_nan() || rel > TOLERANCE {
+            failures.push(format!("{} {rel:.3e}", view.name));
+        }
+    }
+    assert!(failures.is_empty(), "{what}: gradients off: {failures:?}");
+    let twice: Vec<_> = groups_ref.iter().chain(&groups_ref).cloned().collect();
+    assert_eq!(groups, twice, "{what}: GradsReady notices differ from the host model's");
+
+    let options = CudaLlamaOptions { attention };
+    let planned = planned_memory(config, &layout, (batch, seq), options).unwrap();
+    assert_eq!(model.activation_memory(), planned, "{what}: the planned memory is off");
+}
+
+/// Every tiny model of the CPU tests (head sizes 4 and 6: gemm attention), at 3 sequences of 7.
+#[test]
+fn loss_logits_and_every_gradient_match_the_host_model_at_odd_shapes() {
+    let Some(device) = gpu() else { return };
+    for (what, config) in models() {
+        check_against_host(&device, what, &config, (3, 7), AttentionKind::Gemm);
+    }
+}
+
+/// Head sizes 64 and 128, with flash and with gemm attention.
+#[test]
+fn with_flash_and_gemm_attention_at_head_sizes_64_and_128() {
+    let Some(device) = gpu() else { return };
+    for (what, config, batch_seq) in flash_models() {
+        for attention in [AttentionKind::Flash, AttentionKind::Gemm] {
+            check_against_host(&device, what, &config, batch_seq, attention);
+        }
+    }
+}
+
+/// The same weights and batch twice through one flash model give the same bits: no kernel of
+/// the family or of the flash attention uses atomics.
+#[test]
+fn a_second_step_repeats_the_first_bit_for_bit() {
+    let Some(device) = gpu() else { return };
+    let (what, config, (batch, seq)) = flash_models().remove(0);
+    let (layout, params64) = perturbed_params(&config, 7);
+    let params = device.upload(&to_bf16(&params64)).unwrap();
+    let (inputs, targets) = random_batch(config.vocab_size, batch * seq, 8);
+    let mut model = model_with(&device, &config, (batch, seq), AttentionKind::Flash);
+    model.set_batch(&inputs, &targets).unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let grads = device.alloc::<bf16>(layout.padded_len()).unwrap();
+        model.forward(&params).unwrap();
+        model.backward(&params, &grads, 1.0, |_| {}).unwrap();
+        let bits: Vec<u16> = device.download(&grads).unwrap().iter().map(|g| g.to_bits()).collect();
+        runs.push((model.loss().unwrap().to_bits(), bits));
+    }
+    assert!(runs[0] == runs[1], "{what}: a second step differs from the first");
+    println!("RESULT llama_repeat {} bit-identical", what.replace(' ', "_"));
+}
+
+/// Without a GPU: the CUDA executor's schedule takes the plan of every model of these tests
+/// with either attention (every activation gradient written before it is read, attention's
+/// backward the first to write dqkv), and the memory it plans grows with the flash models'
+/// weights only under gemm attention.
+#[test]
+fn the_cuda_schedule_takes_every_model_of_these_tests() {
+    let tiny = models().into_iter().map(|(what, config)| (what, config, (3, 7)));
+    for (what, config, batch_seq) in tiny.chain(flash_models()) {
+        let layout = zeroflow_llama::flat_layout(&config, 1).unwrap();
+        let memory = |attention| {
+            let options = CudaLlamaOptions { attention };
+            planned_memory(&config, &layout, batch_seq, options)
+                .unwrap_or_else(|e| panic!("{what} {attention:?}: {e}"))
+        };
+        let gemm = memory(AttentionKind::Gemm);
+        assert!(gemm.activations > 0 && gemm.scratch > 0, "{what}: {gemm:?}");
+        if config.head_dim == 64 || config.head_dim == 128 {
+            let flash = memory(AttentionKind::Flash);
+            assert!(flash.activations < gemm.activations, "{what}: {flash:?} vs {gemm:?}");
+        }
+    }
+}
