@@ -32,6 +32,12 @@ pub enum LlamaConfigError {
 pub enum LlamaError {
     #[error("config.json: {0}")]
     Config(#[from] LlamaConfigError),
+    /// A Hugging Face directory's `config.json` is not one zeroflow reads.
+    #[error("{path}: {error}")]
+    ConfigFile { path: std::path::PathBuf, error: LlamaConfigError },
+    /// A Hugging Face directory has no `config.json`.
+    #[error("{dir}: no config.json; a Hugging Face model directory needs one")]
+    NoConfig { dir: std::path::PathBuf },
     /// The flat layout handed to the model lacks a parameter or holds it with another shape.
     #[error("parameter `{name}`: {reason}")]
     Layout { name: String, reason: String },

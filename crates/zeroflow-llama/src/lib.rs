@@ -13,6 +13,8 @@
 //! - [`plan`]: the model as zeroflow-nn's plan ([`LlamaPlan`]); [`HostLlama`] runs it on host
 //!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`, [`CudaLlama`] on an NVIDIA GPU
 //!   (bf16, with the family's kernels in CUDA: [`cuda::kernels`]).
+//! - [`hf`]: Hugging Face directories in ([`HfLlama`], into the flat buffer by name) and out
+//!   ([`save_hf_dir`]).
 //!
 //! This crate does not depend on the engine, the trainer or GPT-2.
 
@@ -21,6 +23,7 @@ pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod hf;
 pub mod host;
 pub mod init;
 mod json;
@@ -36,6 +39,7 @@ pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use cpu::{CpuLlama, init_params_on_device};
 pub use cuda::{CudaLlama, CudaLlamaOptions};
 pub use error::{LlamaConfigError, LlamaError};
+pub use hf::{HfLlama, save_hf_dir};
 pub use host::HostLlama;
 pub use init::init_params;
 pub use kernels::LlamaKernel;

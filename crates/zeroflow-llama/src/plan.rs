@@ -25,7 +25,7 @@ use zeroflow_nn::{Arg, AttentionKind, AttentionShape, WeightLayout};
 
 use crate::acts::{ActLayout, AttentionActs, LayerActs};
 use crate::config::LlamaConfig;
-use crate::error::LlamaError;
+use crate::error::{LlamaConfigError, LlamaError};
 use crate::kernels::{Kernel, LlamaKernel, Rotary};
 use crate::ranges::{LayerParams, ParamRanges};
 use crate::rope::RopeFreqs;
@@ -59,10 +59,13 @@ impl LlamaPlan {
         }
         config.check_sequence_len(seq)?;
         if !config.head_dim.is_multiple_of(2) {
-            return Err(LlamaError::Batch(format!(
-                "head_dim {} is odd; rotary embeddings rotate pairs of channels",
-                config.head_dim
-            )));
+            return Err(LlamaError::Config(LlamaConfigError::Invalid {
+                field: "head_dim".into(),
+                reason: format!(
+                    "{} is odd; rotary embeddings rotate pairs of channels",
+                    config.head_dim
+                ),
+            }));
         }
         let acts = ActLayout::new(config, batch, seq, attention);
         let mut forward = Builder::new(config, &acts);

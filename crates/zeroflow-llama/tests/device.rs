@@ -147,3 +147,23 @@ fn a_token_outside_the_vocabulary_is_a_kernel_error() {
     let error = device.synchronize().unwrap_err().to_string();
     assert!(error.contains("embedding_forward") && error.contains("token id 11"), "{error}");
 }
+
+/// Shapes the model cannot run are errors naming what is wrong: an odd `head_dim` (rotary
+/// embeddings rotate pairs), a sequence longer than a sliding window, an empty batch.
+#[test]
+fn shapes_the_model_cannot_run_are_errors_naming_the_field() {
+    use serde_json::json;
+    use zeroflow_llama::{LlamaConfig, LlamaPlan};
+    let odd = crate::support::tiny("LlamaForCausalLM", json!({"head_dim": 3}));
+    let params = ParamRanges::new(&odd, &flat_layout(&odd, 1).unwrap()).unwrap();
+    let error = LlamaPlan::new(&odd, &params, 1, 4, AttentionKind::Gemm).unwrap_err();
+    assert!(error.to_string().contains("head_dim: 3 is odd"), "{error}");
+    let windowed: LlamaConfig =
+        crate::support::tiny("MistralForCausalLM", json!({"sliding_window": 4}));
+    let params = ParamRanges::new(&windowed, &flat_layout(&windowed, 1).unwrap()).unwrap();
+    assert!(LlamaPlan::new(&windowed, &params, 1, 4, AttentionKind::Gemm).is_ok());
+    let error = LlamaPlan::new(&windowed, &params, 1, 5, AttentionKind::Gemm).unwrap_err();
+    assert!(error.to_string().contains("sliding_window"), "{error}");
+    let error = LlamaPlan::new(&windowed, &params, 0, 4, AttentionKind::Gemm).unwrap_err();
+    assert!(error.to_string().contains("batch 0"), "{error}");
+}

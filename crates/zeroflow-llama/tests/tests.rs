@@ -6,6 +6,7 @@ mod device;
 mod fixtures;
 mod gradcheck;
 mod hf_dir;
+mod hf_model;
 mod kernels;
 mod params;
 mod reference;

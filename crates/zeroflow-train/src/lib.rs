@@ -8,6 +8,7 @@
 pub mod checkpoints;
 pub mod dist;
 pub mod gpt2;
+pub mod llama;
 pub mod model;
 pub mod model_spec;
 pub mod schedule;

@@ -6,17 +6,29 @@ use serde::{Deserialize, Deserializer, Serialize};
 use zeroflow_gpt::GptConfig;
 
 /// A model family and its shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// The `llama` variant is behind the `llama` feature until the trainer (moving from
+/// zeroflow-cli) has an arm for it in each `match`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(not(feature = "llama"), derive(Copy, Eq))]
 #[serde(tag = "family")]
 pub enum ModelSpec {
     /// GPT-2 (`zeroflow-gpt`).
     #[serde(rename = "gpt2")]
     Gpt2(GptConfig),
+    /// The Llama family (`zeroflow-llama`): its `config.json`'s fields beside the tag.
+    #[cfg(feature = "llama")]
+    #[serde(rename = "llama")]
+    Llama(crate::llama::LlamaSpec),
 }
 
 impl ModelSpec {
     /// The families there are, as `family` spells them.
-    pub const FAMILIES: [&str; 1] = ["gpt2"];
+    pub const FAMILIES: &[&str] = &[
+        "gpt2",
+        #[cfg(feature = "llama")]
+        "llama",
+    ];
 
     /// Reads `extra.model`: tagged with its family, or (checkpoints from before the tag) a bare
     /// GPT-2 shape. An unknown family, or a field the family's shape does not have, is an error.
@@ -74,15 +86,35 @@ mod tests {
     /// have is refused, as the bare shape always was.
     #[test]
     fn unknown_families_and_fields_are_errors() {
-        let mut llama = serde_json::to_value(ModelSpec::Gpt2(SHAPE)).unwrap();
-        llama["family"] = "llama".into();
-        let e = ModelSpec::from_json(llama).unwrap_err().to_string();
-        assert_eq!(e, r#"unknown model family "llama" (this zeroflow knows gpt2)"#);
+        let mut mamba = serde_json::to_value(ModelSpec::Gpt2(SHAPE)).unwrap();
+        mamba["family"] = "mamba".into();
+        let e = ModelSpec::from_json(mamba).unwrap_err().to_string();
+        let known = if cfg!(feature = "llama") { "gpt2, llama" } else { "gpt2" };
+        assert_eq!(e, format!(r#"unknown model family "mamba" (this zeroflow knows {known})"#));
         let mut extra_field = serde_json::to_value(ModelSpec::Gpt2(SHAPE)).unwrap();
         extra_field["n_kv_head"] = 2.into();
         let e = ModelSpec::from_json(extra_field).unwrap_err().to_string();
         assert!(e.contains("n_kv_head"), "{e}");
         let e = ModelSpec::from_json(serde_json::json!({"n_layer": 1, "rope": true}));
         assert!(e.unwrap_err().to_string().contains("rope"));
+    }
+
+    /// `{"family": "llama", …}` holds the fields of the model's `config.json` beside the tag and
+    /// reads back as the same configuration.
+    #[cfg(feature = "llama")]
+    #[test]
+    fn a_llama_spec_is_tagged_beside_its_config_json_fields() {
+        let config = serde_json::json!({
+            "architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "tie_word_embeddings": true,
+        });
+        let llama = zeroflow_llama::LlamaConfig::from_hf_config(&config).unwrap();
+        let spec = ModelSpec::Llama(crate::llama::LlamaSpec(llama));
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(json["family"], "llama");
+        assert_eq!(json["architectures"], serde_json::json!(["Qwen2ForCausalLM"]));
+        assert_eq!(json["num_key_value_heads"], 2);
+        assert_eq!(ModelSpec::from_json(json).unwrap(), spec);
     }
 }
