@@ -4,7 +4,8 @@
 //! scaling, tied and untied heads) with gemm attention, and at head sizes 64 and 128 with both
 //! attentions; each run twice (loss scales 1 and 3) so that leftovers in the activation gradients
 //! show and the parameter gradients add up; the grads-ready notices in the host's order; and the
-//! memory the model holds is what `planned_memory` computes without a GPU.
+//! memory the model holds is what `planned_memory` computes without a GPU; and a benchmark at
+//! llama-1b's size (ignored).
 
 use std::sync::Arc;
 
@@ -195,5 +196,52 @@ fn the_cuda_schedule_takes_every_model_of_these_tests() {
             let flash = memory(AttentionKind::Flash);
             assert!(flash.activations < gemm.activations, "{what}: {flash:?} vs {gemm:?}");
         }
+    }
+}
+
+/// Forward + backward of llama-1b (16 layers, hidden 2048, 32 query heads on 8 key/value heads
+/// of 64, vocabulary 128256, tied) at micro-batch 4 × 1024 tokens with flash attention: the
+/// median of 5 steps after 2, then one profiled step (the five most expensive kinds of
+/// operation). Prints `RESULT llama_bench ...`; asserts nothing.
+#[test]
+#[ignore = "a benchmark: run with --ignored on a GPU"]
+fn bench_llama_1b_forward_backward() {
+    let Some(device) = gpu() else { return };
+    let config = zeroflow_llama::named_shape("llama-1b").unwrap();
+    let (batch, seq) = (4, 1024);
+    let layout = zeroflow_llama::flat_layout(&config, 1).unwrap();
+    let mut params = vec![0.0f32; layout.padded_len()];
+    zeroflow_llama::init_params(&config, &layout, 1, &mut params).unwrap();
+    let params: Vec<bf16> = params.iter().map(|&x| bf16::from_f32(x)).collect();
+    let params = device.upload(&params).unwrap();
+    let grads = device.alloc::<bf16>(layout.padded_len()).unwrap();
+    let mut model = CudaLlama::new(&device, &config, &layout, batch, seq).unwrap();
+    let (inputs, targets) = random_batch(config.vocab_size, batch * seq, 2);
+    model.set_batch(&inputs, &targets).unwrap();
+    let mut times: Vec<f64> = (0..7)
+        .map(|_| {
+            let started = std::time::Instant::now();
+            model.forward(&params).unwrap();
+            model.backward(&params, &grads, 1.0, |_| {}).unwrap();
+            device.synchronize().unwrap();
+            started.elapsed().as_secs_f64()
+        })
+        .skip(2)
+        .collect();
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let loss = model.loss().unwrap();
+    let memory = model.activation_memory();
+    println!(
+        "RESULT llama_bench model=llama-1b attention={} micro_batch={batch} seq={seq} \
+         s_per_step={median:.4} tokens_per_s={:.0} model_total_gib={:.2} loss={loss:.3}",
+        model.attention().name(),
+        (batch * seq) as f64 / median,
+        memory.total() as f64 / f64::from(1u32 << 30),
+    );
+    let mut profile = model.profile(&params, &grads).unwrap();
+    profile.sort_by_key(|(_, time)| std::cmp::Reverse(*time));
+    for (name, time) in profile.iter().take(5) {
+        println!("RESULT llama_bench_op {name} ms={:.3}", time.as_secs_f64() * 1e3);
     }
 }
