@@ -2,10 +2,11 @@
 //! bf16-rounded weights, at the odd tiny shapes of the CPU tests (grouped-query 3:1 and
 //! multi-query, `head_dim` ≠ hidden / heads, q/k/v and o biases, Qwen3's q/k norm, llama3 rope
 //! scaling, tied and untied heads) with gemm attention, and at head sizes 64 and 128 with both
-//! attentions; each run twice (loss scales 1 and 3) so that leftovers in the activation gradients
-//! show and the parameter gradients add up; the grads-ready notices in the host's order; and the
-//! memory the model holds is what `planned_memory` computes without a GPU; and a benchmark at
-//! llama-1b's size (ignored).
+//! attentions, each gradient within 2e-2 or twice its bf16 floor (how much the host's f64 gradient
+//! moves when the weights move by one bf16 rounding), whichever is larger; each run twice (loss
+//! scales 1 and 3) so that leftovers in the activation gradients show and the parameter gradients
+//! add up; the grads-ready notices in the host's order; the memory the model holds is what
+//! `planned_memory` computes without a GPU; and a benchmark at llama-1b's size (ignored).
 
 use std::sync::Arc;
 
@@ -20,9 +21,19 @@ use zeroflow_nn::GradsReady;
 use crate::gpu;
 use crate::support::{models, perturbed_params, random_batch, relative_error, tiny};
 
-/// The largest relative error (‖gpu − cpu‖ / max(‖gpu‖, ‖cpu‖)) allowed per tensor: the GPU keeps
-/// every activation and gradient in bf16.
+/// The largest relative error (‖gpu − cpu‖ / max(‖gpu‖, ‖cpu‖)) allowed per tensor, at least: the
+/// GPU keeps every activation and gradient in bf16. A gradient more sensitive to bf16 rounding
+/// than that gets [`FLOOR_FACTOR`] times its [`bf16_floors`] instead.
 const TOLERANCE: f64 = 2e-2;
+
+/// How far above its bf16 floor a gradient of the GPU may be: the floor moves the weights alone
+/// by one rounding, the GPU also rounds every activation and activation gradient, each at the
+/// same scale.
+const FLOOR_FACTOR: f64 = 2.0;
+
+/// The largest floor the check takes: past it a tensor's gradient is too ill-conditioned at these
+/// sizes for a comparison at bf16 precision to mean anything (none of the models here is near).
+const MAX_FLOOR: f64 = 5e-2;
 
 /// Models flash attention takes: 6 query heads of 64 on 2 key/value heads with Qwen3's q/k norm
 /// (q width 384 over hidden 96), and 2 heads of 128 on 1 with Qwen2's q/k/v biases; both at
@@ -67,10 +78,54 @@ fn model_with(
     CudaLlama::with_options(device, blas, config, &layout, (batch, seq), options).unwrap()
 }
 
+/// The host's gradients of `params` on one batch, and the grads-ready notices.
+fn host_grads(
+    config: &LlamaConfig,
+    params: &[f64],
+    batch: (&[u32], &[u32], usize, usize),
+    attention: AttentionKind,
+) -> (f64, Vec<f64>, Vec<f64>, Vec<GradsReady>) {
+    let (inputs, targets, batch, seq) = batch;
+    let layout = zeroflow_llama::flat_layout(config, 1).unwrap();
+    let mut host = HostLlama::<f64>::new(config, &layout, batch, seq, attention).unwrap();
+    let loss = host.forward(params, inputs, targets).unwrap();
+    let logits = host.logits().to_vec();
+    let mut grads = vec![0.0; layout.padded_len()];
+    let mut groups = Vec::new();
+    host.backward(params, &mut grads, 1.0, |ready, _| groups.push(ready.clone())).unwrap();
+    (loss, logits, grads, groups)
+}
+
+/// Each parameter's bf16 floor: the relative change of the host's (f64) gradient of that tensor
+/// when every weight is moved by a random relative amount within ±2⁻⁸, the largest rounding of a
+/// value to bf16. Gradients that sum many terms of both signs over few rows (norm weights and
+/// biases of these tiny models: 21 to 140 rows) have floors of 1e-2 to 4e-2, as large as the
+/// GPU's error; most others sit near 5e-3.
+fn bf16_floors(
+    config: &LlamaConfig,
+    params: &[f64],
+    batch: (&[u32], &[u32], usize, usize),
+    attention: AttentionKind,
+    reference: &[f64],
+) -> Vec<f64> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+    let moved: Vec<f64> =
+        params.iter().map(|&w| w * (1.0 + rng.random_range(-1.0..1.0) / 256.0)).collect();
+    let (_, _, grads, _) = host_grads(config, &moved, batch, attention);
+    let layout = zeroflow_llama::flat_layout(config, 1).unwrap();
+    let floors = layout
+        .params()
+        .iter()
+        .map(|view| relative_error(&grads[view.flat_range()], &reference[view.flat_range()]));
+    floors.collect()
+}
+
 /// Forward and backward twice on the same batch, with loss scales 1 and 3: the second run must
 /// find nothing left from the first in the activation gradients (their first write overwrites)
 /// and must add to the parameter gradients, which end at 4 times the host's. The host runs the
-/// plan of the same attention on the bf16-rounded weights in f64.
+/// plan of the same attention on the bf16-rounded weights in f64. Each gradient tensor must be
+/// within [`TOLERANCE`], or [`FLOOR_FACTOR`] times its bf16 floor where that is larger.
 fn check_against_host(
     device: &CudaDevice,
     what: &str,
@@ -82,14 +137,10 @@ fn check_against_host(
     let params = to_bf16(&params64);
     let params64: Vec<f64> = params.iter().map(|x| x.to_f64()).collect();
     let (inputs, targets) = random_batch(config.vocab_size, batch * seq, 6);
-
-    let mut host = HostLlama::<f64>::new(config, &layout, batch, seq, attention).unwrap();
-    let loss_ref = host.forward(&params64, &inputs, &targets).unwrap();
-    let logits_ref = host.logits().to_vec();
-    let mut grads_ref = vec![0.0; layout.padded_len()];
-    let mut groups_ref = Vec::new();
-    host.backward(&params64, &mut grads_ref, 1.0, |ready, _| groups_ref.push(ready.clone()))
-        .unwrap();
+    let tokens = (&inputs[..], &targets[..], batch, seq);
+    let (loss_ref, logits_ref, grads_ref, groups_ref) =
+        host_grads(config, &params64, tokens, attention);
+    let floors = bf16_floors(config, &params64, tokens, attention, &grads_ref);
 
     let params_gpu = device.upload(&params).unwrap();
     let grads_gpu = device.alloc::<bf16>(layout.padded_len()).unwrap();
@@ -115,13 +166,18 @@ fn check_against_host(
     println!("RESULT llama_logits {label} rel={logits_error:.3e}");
     assert!(logits_error <= TOLERANCE, "{what}: logits off by {logits_error:.3e}");
     let mut failures = Vec::new();
-    for view in layout.params() {
+    for (view, &floor) in layout.params().iter().zip(&floors) {
         let range = view.flat_range();
         let rel = relative_error(&grads[range.clone()], &grads_ref[range]);
-        println!("RESULT llama_grad {label} {} rel={rel:.3e}", view.name);
+        let bound = TOLERANCE.max(FLOOR_FACTOR * floor);
+        println!(
+            "RESULT llama_grad {label} {} rel={rel:.3e} bf16_floor={floor:.3e} bound={bound:.3e}",
+            view.name
+        );
+        assert!(floor <= MAX_FLOOR, "{what}: {} has a bf16 floor of {floor:.3e}", view.name);
         // A NaN fails too.
-        if rel.is_nan() || rel > TOLERANCE {
-            failures.push(format!("{} {rel:.3e}", view.name));
+        if rel.is_nan() || rel > bound {
+            failures.push(format!("{} {rel:.3e} (bound {bound:.3e})", view.name));
         }
     }
     assert!(failures.is_empty(), "{what}: gradients off: {failures:?}");
