@@ -1,16 +1,19 @@
-// FlashAttention-2 (Dao, 2023) for the GPT's causal self-attention: forward and backward without
-// the [B, NH, T, T] attention matrix, its products on the tensor cores (bf16 `mma.sync`, fp32
-// accumulators). Compiled after common.cuh (see `src/cuda/flash.rs`).
+// FlashAttention-2 (Dao, 2023) for causal self-attention, multi-head or grouped-query: forward
+// and backward without the [B, NH, T, T] attention matrix, its products on the tensor cores (bf16
+// `mma.sync`, fp32 accumulators). Compiled after common.cuh (see `src/cuda/flash.rs`).
 //
 // Layouts (those of attention.cu and of the CPU reference `kernels::attention`), `hs` the head
-// size, `scale = 1/sqrt(hs)`:
+// size, `scale = 1/sqrt(hs)`, NH query heads and NKV key/value heads (NKV divides NH; query head h
+// attends with key/value head h / (NH / NKV); NKV = NH is multi-head attention), C = NH·hs,
+// KV = NKV·hs, W = C + 2·KV:
 //
-//   qkv      [B, T, 3C]  bf16  rows `[q | k | v]`, head h at columns h·hs .. (h+1)·hs of each third
+//   qkv      [B, T, W]   bf16  rows `[q | k | v]`: query head h at columns h·hs ..; key/value head
+//                              j at C + j·hs .. (k) and C + KV + j·hs .. (v)
 //   out      [B, T, C]   bf16  head h at columns h·hs ..
 //   lse      [B, NH, T]  f32   log Σ_keys exp(scale · q·k) of each query: forward writes it into
 //                              the caller's buffer, backward reads it from there
 //   delta    [B, NH, T]  f32   Σ_d dout·out of each query (backward's first kernel)
-//   dqkv     [B, T, 3C]  bf16  every element overwritten: dq, dk, dv in out's head layout
+//   dqkv     [B, T, W]   bf16  every element overwritten: dq, dk, dv in qkv's head layout
 //
 // The tile kernels read q, k, v and dout in place (no head-major copies) with 16-byte loads, so
 // those tensors must be 16-byte aligned (the host checks). Scores are kept in base 2,
@@ -37,32 +40,35 @@
 // computed twice (once per kernel below), the price of dq without atomics.
 //
 //   flash_backward_preprocess: delta (one CTA per token row).
-//   flash_backward_dq, one CTA per (query block i, head h, sequence b), the longest rows first:
+//   flash_backward_dq, one CTA per (query block i, query head h, sequence b), the longest rows
+//   first (K, V those of h's key/value head):
 //       Q, dO tiles → shared;  lse, delta of this lane's two rows → registers;  dQ = 0
 //       for key block j = 0 ..= i:
 //           K, V tiles → shared
 //           P = 2^(Q·Kᵀ·log2(e)·scale − lse·log2(e))   (each warp 16 queries × 64 keys; masked
 //                entries, key > query on the diagonal block, zero)
 //           dS = P ∘ (dO·Vᵀ − delta);  dQ += dS·K
-//       the q third of dqkv = scale · dQ (bf16)
-//   flash_backward_dkdv, one CTA per (key block j, head h, sequence b), the most work first:
+//       the q part of dqkv = scale · dQ (bf16)
+//   flash_backward_dkdv, one CTA per (key block j, key/value head, sequence b), the most work
+//   first:
 //       K, V tiles → shared;  dK = dV = 0 in registers (each warp its 16 keys × HS)
-//       for query block i = j .. (the blocks before the diagonal see none of these keys):
-//           Q, dO tiles, lse and delta of the block → shared
+//       for each query head h of the key/value head's group, in order (one with multi-head):
+//         for query block i = j .. (the blocks before the diagonal see none of these keys):
+//           Q, dO tiles, lse and delta of the block (head h) → shared
 //           Pᵀ = 2^(K·Qᵀ·log2(e)·scale − lse·log2(e))   (each warp 16 keys × 64 queries;
 //                masked entries, key > query or query ≥ T, zero)
 //           dV += Pᵀ·dO;  dPᵀ = V·dOᵀ;  dSᵀ = scale · Pᵀ ∘ (dPᵀ − delta);  dK += dSᵀ·Q
-//       dK, dV → their thirds of dqkv (bf16)
+//       dK, dV → their parts of dqkv (bf16)
 //
 // Masking: a key block holds keys above some query only on the diagonal (BR = BC, aligned), and
 // rows at or past T only in the last block, so the tile kernels test the mask only there. Rows past
 // T are loaded as zeros and never stored; in forward every row of every visited block keeps at
 // least one key (key 64·j ≤ query), so m is finite after the first block.
 //
-// The GPU test (`tests/cuda/flash.rs`) checks out and the three thirds of dqkv against the CPU
+// The GPU test (`tests/cuda/flash.rs`) checks out and the three parts of dqkv against the CPU
 // reference in f64 and against `CudaAttention`, at head sizes 64 and 128 and T = 1, 37, 64, 65,
-// 128 and 200 with B, NH > 1, between NaN guards; and that a second run repeats the first bit for
-// bit.
+// 128 and 200 with B, NH > 1, multi-head and grouped-query (NH/NKV 6/2, 8/1), between NaN
+// guards; and that a second run repeats the first bit for bit.
 
 static constexpr int BR = 64;
 static constexpr int BC = 64;
@@ -221,11 +227,14 @@ static __device__ __forceinline__ void load_tile(bf16_t* tile, const bf16_t* src
     }
 }
 
-// Head h of sequence b in qkv [B, T, 3C]: c = n_head · HS, the row stride 3c, and the head's first
-// element of q, k and v. (The kernels point into lse and delta themselves: the same through a
-// helper costs their loads the read-only cache, ld.global.nc, in the backward kernels.)
+// Query head h of sequence b in qkv [B, T, W]: c = n_head · HS, kv = n_kv_head · HS, the row
+// stride W = c + 2·kv, the query head's first element and those of the key and value of its
+// key/value head h / (n_head / n_kv_head). (The kernels point into lse and delta themselves: the
+// same through a helper costs their loads the read-only cache, ld.global.nc, in the backward
+// kernels.)
 struct HeadQkv {
     u32 c;
+    u32 kv;
     i64 qkv_stride;
     const bf16_t* q;
     const bf16_t* k;
@@ -234,11 +243,12 @@ struct HeadQkv {
 
 template <int HS>
 static __device__ __forceinline__ HeadQkv head_qkv(const bf16_t* qkv, u32 b, u32 h, u32 seq,
-                                                   u32 n_head) {
-    const u32 c = n_head * HS;
-    const i64 qkv_stride = 3 * (i64)c;
-    const bf16_t* q = qkv + (i64)b * seq * qkv_stride + h * HS;
-    return {c, qkv_stride, q, q + c, q + 2 * c};
+                                                   u32 n_head, u32 n_kv_head) {
+    const u32 c = n_head * HS, kv = n_kv_head * HS;
+    const i64 qkv_stride = (i64)c + 2 * (i64)kv;
+    const bf16_t* row = qkv + (i64)b * seq * qkv_stride;
+    const bf16_t* k = row + c + h / (n_head / n_kv_head) * HS;
+    return {c, kv, qkv_stride, row + h * HS, k, k + kv};
 }
 
 // The K and V tiles of keys row0 .. row0+63 (`load_tile`, rows `stride` apart).
@@ -323,14 +333,14 @@ static __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], flo
 template <int HS>
 static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict__ lse,
                                      const bf16_t* __restrict__ qkv, u32 seq, u32 n_head,
-                                     float scale) {
+                                     u32 n_kv_head, float scale) {
     constexpr int STRIDE = HS + PAD;
     bf16_t* q_tile = reinterpret_cast<bf16_t*>(flash_smem);
     bf16_t* k_tile = q_tile + BR * STRIDE;
     bf16_t* v_tile = k_tile + BC * STRIDE;
 
     const u32 block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const auto [c, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head);
+    const auto [c, kv, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head, n_kv_head);
     const int warp = threadIdx.x / 32, lane = lane_id();
     // This lane's two query rows (those of its C fragments), and its first key in each block of 8.
     const u32 row_lo = block * BR + warp * 16 + lane / 4, row_hi = row_lo + 8;
@@ -425,7 +435,7 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
                                          const bf16_t* __restrict__ dout,
                                          const float* __restrict__ lse,
                                          const float* __restrict__ delta, u32 seq, u32 n_head,
-                                         float scale) {
+                                         u32 n_kv_head, float scale) {
     constexpr int STRIDE = HS + PAD;
     bf16_t* q_tile = reinterpret_cast<bf16_t*>(flash_smem);
     bf16_t* dout_tile = q_tile + BR * STRIDE;
@@ -433,7 +443,7 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
     bf16_t* v_tile = k_tile + BC * STRIDE;
 
     const u32 block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const auto [c, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head);
+    const auto [c, kv, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head, n_kv_head);
     const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
     const float* lse_head = lse + ((i64)b * n_head + h) * seq;
     const float* delta_head = delta + ((i64)b * n_head + h) * seq;
@@ -494,15 +504,17 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
                        scale, scale);
 }
 
-// dK and dV of one key block: one CTA per (key block j, head h, sequence b), the most work first,
-// each warp its 16 keys. Both accumulate in registers over query blocks j .. in that order.
+// dK and dV of one key block: one CTA per (key block j, key/value head, sequence b), the most work
+// first, each warp its 16 keys. Both accumulate in registers over the query heads of the key/value
+// head's group and, for each, over query blocks j .., in that order: the group's sum needs no
+// atomics, and with multi-head attention the group is the one head of the same index.
 template <int HS>
 static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
                                            const bf16_t* __restrict__ qkv,
                                            const bf16_t* __restrict__ dout,
                                            const float* __restrict__ lse,
                                            const float* __restrict__ delta, u32 seq, u32 n_head,
-                                           float scale) {
+                                           u32 n_kv_head, float scale) {
     constexpr int STRIDE = HS + PAD;
     bf16_t* k_tile = reinterpret_cast<bf16_t*>(flash_smem);
     bf16_t* v_tile = k_tile + BC * STRIDE;
@@ -511,12 +523,12 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
     float* lse_tile = reinterpret_cast<float*>(dout_tile + BR * STRIDE);
     float* delta_tile = lse_tile + BR;
 
-    const u32 key_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const u32 key_block = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
     const u32 query_blocks = (seq + BR - 1) / BR;
-    const auto [c, qkv_stride, q, k, v] = head_qkv<HS>(qkv, b, h, seq, n_head);
-    const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
-    const float* lse_head = lse + ((i64)b * n_head + h) * seq;
-    const float* delta_head = delta + ((i64)b * n_head + h) * seq;
+    const u32 group = n_head / n_kv_head, first_head = kv_head * group;
+    // k and v are the key/value head's; q is the group's first query head's (the next are HS on).
+    const auto [c, kv, qkv_stride, q_first, k, v] =
+        head_qkv<HS>(qkv, b, first_head, seq, n_head, n_kv_head);
     const int warp = threadIdx.x / 32, lane = lane_id();
     // This lane's two keys (the rows of its C fragments of Sᵀ), and its first query column.
     const u32 key_lo = key_block * BC + warp * 16 + lane / 4, key_hi = key_lo + 8;
@@ -525,72 +537,80 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
 
     load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
     float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
-    for (u32 query_block = key_block; query_block < query_blocks; query_block++) {
-        const u32 q0 = query_block * BR;
-        __syncthreads();  // every warp is done with the last Q, dO, lse and delta
-        load_tile<HS>(q_tile, q, qkv_stride, q0, seq);
-        load_tile<HS>(dout_tile, dout_head, c, q0, seq);
-        for (int r = threadIdx.x; r < BR; r += THREADS) {
-            const bool real = q0 + r < seq;
-            lse_tile[r] = real ? lse_head[q0 + r] * LOG2E : 0.0f;
-            delta_tile[r] = real ? delta_head[q0 + r] : 0.0f;
-        }
-        __syncthreads();
-
-        // Pᵀ for the warp's 16 keys × the block's 64 queries.
-        float p[BR / 8][4];
-        tile_times_tile_t<BR / 8, HS, STRIDE>(p, k_tile, warp * 16, q_tile);
-        const bool edge = query_block == key_block || query_block == query_blocks - 1;
-#pragma unroll
-        for (int n = 0; n < BR / 8; n++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int column = 8 * n + query_col + i % 2;
-                const u32 query = q0 + column, key = i < 2 ? key_lo : key_hi;
-                const bool masked = edge && (key > query || query >= seq);
-                p[n][i] = masked ? 0.0f : exp2f(p[n][i] * to_base2 - lse_tile[column]);
+    for (u32 h = first_head; h < first_head + group; h++) {
+        const bf16_t* q = q_first + (h - first_head) * HS;
+        const bf16_t* dout_head = dout + (i64)b * seq * c + h * HS;
+        const float* lse_head = lse + ((i64)b * n_head + h) * seq;
+        const float* delta_head = delta + ((i64)b * n_head + h) * seq;
+        for (u32 query_block = key_block; query_block < query_blocks; query_block++) {
+            const u32 q0 = query_block * BR;
+            __syncthreads();  // every warp is done with the last Q, dO, lse and delta
+            load_tile<HS>(q_tile, q, qkv_stride, q0, seq);
+            load_tile<HS>(dout_tile, dout_head, c, q0, seq);
+            for (int r = threadIdx.x; r < BR; r += THREADS) {
+                const bool real = q0 + r < seq;
+                lse_tile[r] = real ? lse_head[q0 + r] * LOG2E : 0.0f;
+                delta_tile[r] = real ? delta_head[q0 + r] : 0.0f;
             }
-        }
-        accumulate_c_times_tile<HS / 8, BR / 8, STRIDE>(dv, p, dout_tile);
+            __syncthreads();
 
-        // dSᵀ = scale · Pᵀ ∘ (V·dOᵀ − delta) and dK += dSᵀ·Q, 32 queries at a time: half of dPᵀ
-        // live beside dK, dV and Pᵀ rather than all of it (fewer registers, no spills at HS 128).
+            // Pᵀ for the warp's 16 keys × the block's 64 queries.
+            float p[BR / 8][4];
+            tile_times_tile_t<BR / 8, HS, STRIDE>(p, k_tile, warp * 16, q_tile);
+            const bool edge = query_block == key_block || query_block == query_blocks - 1;
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            constexpr int N = BR / 16;  // blocks of 8 queries per half
-            float ds[N][4];
-            tile_times_tile_t<N, HS, STRIDE>(ds, v_tile, warp * 16, dout_tile + 32 * half * STRIDE);
-#pragma unroll
-            for (int n = 0; n < N; n++) {
+            for (int n = 0; n < BR / 8; n++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const float d = delta_tile[32 * half + 8 * n + query_col + i % 2];
-                    ds[n][i] = scale * p[N * half + n][i] * (ds[n][i] - d);
+                    const int column = 8 * n + query_col + i % 2;
+                    const u32 query = q0 + column, key = i < 2 ? key_lo : key_hi;
+                    const bool masked = edge && (key > query || query >= seq);
+                    p[n][i] = masked ? 0.0f : exp2f(p[n][i] * to_base2 - lse_tile[column]);
                 }
             }
-            accumulate_c_times_tile<HS / 8, N, STRIDE>(dk, ds, q_tile + 32 * half * STRIDE);
+            accumulate_c_times_tile<HS / 8, BR / 8, STRIDE>(dv, p, dout_tile);
+
+            // dSᵀ = scale · Pᵀ ∘ (V·dOᵀ − delta) and dK += dSᵀ·Q, 32 queries at a time: half of
+            // dPᵀ live beside dK, dV and Pᵀ rather than all of it (fewer registers, no spills at
+            // HS 128).
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                constexpr int N = BR / 16;  // blocks of 8 queries per half
+                float ds[N][4];
+                const bf16_t* dout_half = dout_tile + 32 * half * STRIDE;
+                tile_times_tile_t<N, HS, STRIDE>(ds, v_tile, warp * 16, dout_half);
+#pragma unroll
+                for (int n = 0; n < N; n++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float d = delta_tile[32 * half + 8 * n + query_col + i % 2];
+                        ds[n][i] = scale * p[N * half + n][i] * (ds[n][i] - d);
+                    }
+                }
+                accumulate_c_times_tile<HS / 8, N, STRIDE>(dk, ds, q_tile + 32 * half * STRIDE);
+            }
         }
     }
-    bf16_t* dk_head = dqkv + (i64)b * seq * qkv_stride + c + h * HS;
+    bf16_t* dk_head = dqkv + (i64)b * seq * qkv_stride + c + kv_head * HS;
     store_rows<HS / 8>(dk_head, qkv_stride, dk, key_lo, seq, 1.0f, 1.0f);
-    store_rows<HS / 8>(dk_head + c, qkv_stride, dv, key_lo, seq, 1.0f, 1.0f);
+    store_rows<HS / 8>(dk_head + kv, qkv_stride, dv, key_lo, seq, 1.0f, 1.0f);
 }
 
 #define FLASH_KERNELS(HS)                                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS)                                         \
         flash_forward_##HS(bf16_t* out, float* lse, const bf16_t* qkv, u32 seq, u32 n_head,       \
-                           float scale) {                                                         \
-        flash_forward<HS>(out, lse, qkv, seq, n_head, scale);                                     \
+                           u32 n_kv_head, float scale) {                                          \
+        flash_forward<HS>(out, lse, qkv, seq, n_head, n_kv_head, scale);                          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##HS(                 \
         bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
-        const float* delta, u32 seq, u32 n_head, float scale) {                                   \
-        flash_backward_dq<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, scale);                   \
+        const float* delta, u32 seq, u32 n_head, u32 n_kv_head, float scale) {                    \
+        flash_backward_dq<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, n_kv_head, scale);        \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##HS(               \
         bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
-        const float* delta, u32 seq, u32 n_head, float scale) {                                   \
-        flash_backward_dkdv<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, scale);                 \
+        const float* delta, u32 seq, u32 n_head, u32 n_kv_head, float scale) {                    \
+        flash_backward_dkdv<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, n_kv_head, scale);      \
     }
 
 FLASH_KERNELS(64)

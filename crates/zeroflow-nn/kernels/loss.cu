@@ -1,6 +1,25 @@
 // Softmax + cross-entropy over the real vocabulary (the padded columns are masked), the mean
-// loss, and the gradient of the logits. Rows are `padded_vocab` wide, a multiple of 64, and the
-// pointers 16-byte aligned (checked on the host), so rows go in 16-byte vectors.
+// loss, and the gradient of the logits. Rows are `padded_vocab` wide. `vec`: the width a multiple
+// of 8 and the pointers 16-byte aligned (the host checks), so rows go in 16-byte vectors (GPT-2's
+// padded vocabulary); else one element at a time (a vocabulary of any size). Each kernel is one
+// template over the values a thread moves at a time, W = 8 or 1.
+
+// W values of `p` (16-byte aligned when W = 8) as f32, and their store.
+template <int W> static __device__ __forceinline__ void load_w(const bf16_t* p, float v[W]) {
+    if constexpr (W == 8) {
+        load8(p, v);
+    } else {
+        v[0] = load1(p);
+    }
+}
+
+template <int W> static __device__ __forceinline__ void store_w(bf16_t* p, const float v[W]) {
+    if constexpr (W == 8) {
+        store8(p, v);
+    } else {
+        store1(p, v[0]);
+    }
+}
 
 // Folds (m2, s2) into the running softmax (m, s): s is Σ exp(x - m).
 static __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
@@ -17,24 +36,25 @@ static __device__ __forceinline__ void softmax_merge(float& m, float& s, float m
 
 // One block per row: probs = softmax(logits[:vocab]) (0 in the padded columns), losses[row] =
 // log Σ exp(logits) - logits[target] (f32). Block size a multiple of 32, at most 1024.
-extern "C" __global__ void softmax_xent_forward(bf16_t* probs, float* losses, const bf16_t* logits,
-                                                const u32* targets, u32 vocab, u32 padded_vocab) {
+template <int W>
+static __device__ void softmax_xent_rows(bf16_t* probs, float* losses, const bf16_t* logits,
+                                         const u32* targets, u32 vocab, u32 padded_vocab) {
     __shared__ float maxes[WARP], sums[WARP];
     i64 row = blockIdx.x;
     const bf16_t* x = logits + row * padded_vocab;
     float m = NEG_INF, s = 0.0f;
-    for (u32 i = threadIdx.x * 8; i < padded_vocab; i += blockDim.x * 8) {
-        float v[8];
-        load8(x + i, v);
+    for (u32 i = threadIdx.x * W; i < padded_vocab; i += blockDim.x * W) {
+        float v[W];
+        load_w<W>(x + i, v);
         float top = NEG_INF;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < W; k++) {
             if (i + k < vocab) top = fmaxf(top, v[k]);
         }
         if (top == NEG_INF) continue;
         float sum = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < W; k++) {
             if (i + k < vocab) sum += expf(v[k] - top);
         }
         softmax_merge(m, s, top, sum);
@@ -57,14 +77,24 @@ extern "C" __global__ void softmax_xent_forward(bf16_t* probs, float* losses, co
     for (u32 w = 0; w < warps; w++) softmax_merge(m, s, maxes[w], sums[w]);
     float inverse = 1.0f / s;
     bf16_t* p = probs + row * padded_vocab;
-    for (u32 i = threadIdx.x * 8; i < padded_vocab; i += blockDim.x * 8) {
-        float v[8];
-        load8(x + i, v);
+    for (u32 i = threadIdx.x * W; i < padded_vocab; i += blockDim.x * W) {
+        float v[W];
+        load_w<W>(x + i, v);
 #pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = i + k < vocab ? expf(v[k] - m) * inverse : 0.0f;
-        store8(p + i, v);
+        for (int k = 0; k < W; k++) v[k] = i + k < vocab ? expf(v[k] - m) * inverse : 0.0f;
+        store_w<W>(p + i, v);
     }
     if (threadIdx.x == 0) losses[row] = logf(s) + m - load1(x + targets[row]);
+}
+
+extern "C" __global__ void softmax_xent_forward(bf16_t* probs, float* losses, const bf16_t* logits,
+                                                const u32* targets, u32 vocab, u32 padded_vocab,
+                                                u32 vec) {
+    if (vec) {
+        softmax_xent_rows<8>(probs, losses, logits, targets, vocab, padded_vocab);
+    } else {
+        softmax_xent_rows<1>(probs, losses, logits, targets, vocab, padded_vocab);
+    }
 }
 
 // loss[0] = mean of losses[0..n] (one block; fixed summation order).
@@ -78,28 +108,42 @@ extern "C" __global__ void mean_loss(float* loss, const float* losses, u32 n) {
 
 // dlogits (+)= (probs - onehot(target)) * dloss over the real vocabulary; the padded columns are
 // written 0 (or, accumulating, left alone).
-extern "C" __global__ void softmax_xent_backward(bf16_t* dlogits, const bf16_t* probs,
-                                                 const u32* targets, u32 rows, u32 vocab,
-                                                 u32 padded_vocab, float dloss, u32 accumulate) {
-    u32 per_row = padded_vocab / 8;
+template <int W>
+static __device__ void softmax_xent_grads(bf16_t* dlogits, const bf16_t* probs, const u32* targets,
+                                          u32 rows, u32 vocab, u32 padded_vocab, float dloss,
+                                          u32 accumulate) {
+    u32 per_row = padded_vocab / W;
     FOR_EACH_INDEX(v, (i64)rows * per_row) {
         i64 row = v / per_row;
-        u32 column = (u32)(v % per_row) * 8;
+        u32 column = (u32)(v % per_row) * W;
         i64 at = row * padded_vocab + column;
         u32 target = targets[row];
-        float p[8], g[8];
-        load8(probs + at, p);
+        float p[W], g[W];
+        load_w<W>(probs + at, p);
         if (accumulate) {
-            load8(dlogits + at, g);
+            load_w<W>(dlogits + at, g);
         } else {
 #pragma unroll
-            for (int k = 0; k < 8; k++) g[k] = 0.0f;
+            for (int k = 0; k < W; k++) g[k] = 0.0f;
         }
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < W; k++) {
             u32 j = column + k;
             if (j < vocab) g[k] += (p[k] - (j == target ? 1.0f : 0.0f)) * dloss;
         }
-        store8(dlogits + at, g);
+        store_w<W>(dlogits + at, g);
+    }
+}
+
+extern "C" __global__ void softmax_xent_backward(bf16_t* dlogits, const bf16_t* probs,
+                                                 const u32* targets, u32 rows, u32 vocab,
+                                                 u32 padded_vocab, float dloss, u32 accumulate,
+                                                 u32 vec) {
+    if (vec) {
+        softmax_xent_grads<8>(dlogits, probs, targets, rows, vocab, padded_vocab, dloss,
+                              accumulate);
+    } else {
+        softmax_xent_grads<1>(dlogits, probs, targets, rows, vocab, padded_vocab, dloss,
+                              accumulate);
     }
 }

@@ -1,27 +1,37 @@
-//! Causal multi-head attention on the GPU, llm.c's way: the heads are gathered into head-major
-//! tensors, the two products of each direction are cuBLASLt strided-batched matmuls over the
-//! `batch · n_head` heads, and the causal softmax (and its backward) is a row kernel of
-//! `kernels/attention.cu`.
+//! Causal attention on the GPU, llm.c's way: the heads are gathered into head-major tensors, the
+//! two products of each direction are cuBLASLt strided-batched matmuls over the
+//! `batch · n_kv_head` key/value heads, and the causal softmax (and its backward) is a row kernel
+//! of `kernels/attention.cu`.
 //!
-//! The maths and the layouts are those of [`crate::kernels::attention`]: `qkv [B, T, 3C]` holds
-//! `[q | k | v]` with head `h` at columns `h·hs ..`, `att [B, NH, T, T]` holds the softmax weights
-//! with the masked entries zero, `out [B, T, C]`. Every tensor is bf16; the matmuls accumulate in
-//! fp32 and the softmax runs in fp32.
+//! The maths and the layouts are those of [`crate::kernels::attention`]: `qkv [B, T, W]` holds
+//! `[q | k | v]`, `W = C + 2·KV` with `KV = n_kv_head · hs`, query head `h` at columns `h·hs ..`
+//! and key/value head `j` at columns `C + j·hs ..` and `C + KV + j·hs ..`; query head `h` attends
+//! with key/value head `h / G`, `G = n_head / n_kv_head` the group (multi-head attention is
+//! `G = 1`, `W = 3C`). `att [B, NH, T, T]` holds the softmax weights with the masked entries zero,
+//! `out [B, T, C]`. Every tensor is bf16; the matmuls accumulate in fp32 and the softmax runs in
+//! fp32.
 //!
-//! Forward, per head (row-major, `hs` the head size):
+//! Grouped-query attention costs no kernel of its own: the query heads of a group are adjacent,
+//! so head-major q `[B, NH, T, hs]` is `[B, n_kv_head, G·T, hs]`, and one product per key/value
+//! head with `G·T` rows covers its whole group; the scores `[B, n_kv_head, G·T, T]` are
+//! `[B, NH, T, T]`, and row `r` of them belongs to query `r % T` (the causal mask of the softmax
+//! kernels). In backward the products with the group on their inner dimension (`dv`, `dk`) sum
+//! over the group's query heads.
+//!
+//! Forward, per key/value head (row-major, `hs` the head size):
 //!
 //! ```text
-//! q, k, v [T, hs] = heads of qkv
-//! scores  [T, T]  = q · kᵀ
-//! scores          = causal_softmax(scale · scores)   (in place; zeros above the diagonal) → att
-//! y       [T, hs] = scores · v                       → scattered into out
+//! q       [G·T, hs] = the group's query heads of qkv;  k, v [T, hs] its key/value head
+//! scores  [G·T, T]  = q · kᵀ
+//! scores            = causal_softmax(scale · scores)   (in place; zeros above the diagonal) → att
+//! y       [G·T, hs] = scores · v                       → scattered into out
 //! ```
 //!
 //! Backward, with `dy` the heads of `dout`:
 //!
 //! ```text
 //! scores  = att                                      (a copy)
-//! dv      = scoresᵀ · dy
+//! dv      = scoresᵀ · dy                             ([T, hs]: summed over the group)
 //! scores  = dy · vᵀ                                  (d loss / d att)
 //! scores  = scale · att ⊙ (scores − rowsum(att ⊙ scores))   (in place: d loss / d raw scores)
 //! dq      = scores · k
@@ -47,6 +57,9 @@ use zeroflow_device::cuda::{
 };
 use zeroflow_device::{CudaDevice, Device, DeviceError};
 
+use super::attention_shape::{Shape, check_tensor, to_u32};
+use crate::kernels::AttentionShape;
+
 /// The CUDA source of the row kernels.
 pub const SOURCE: &str = include_str!("../../kernels/attention.cu");
 
@@ -60,8 +73,8 @@ const SOFTMAX_THREADS: u32 = 256;
 const COPY_THREADS: u32 = 256;
 const COPY_MAX_BLOCKS: usize = 8192;
 
-/// Causal multi-head self-attention for one (batch, seq, channels, heads) shape, with its scratch
-/// allocated once.
+/// Causal self-attention (multi-head or grouped-query) for one (batch, [`AttentionShape`]), with
+/// its scratch allocated once.
 #[derive(Debug)]
 pub struct CudaAttention {
     device: CudaDevice,
@@ -69,9 +82,10 @@ pub struct CudaAttention {
     shape: Shape,
     products: Products,
     kernels: Kernels,
-    /// Head-major `[batch, n_head, seq, head_size]` scratch: the heads of q, k and v, the
-    /// output heads `y` (forward) or `dy` (backward), and `dv`. See the module documentation for
-    /// how backward reuses them.
+    /// Head-major scratch: the query heads `q` and the output heads `y` (forward) or `dy`
+    /// (backward), `[batch, n_head, seq, head_size]`; the key/value heads `k`, `v` and `dv`,
+    /// `[batch, n_kv_head, seq, head_size]`. See the module documentation for how backward reuses
+    /// them.
     q: CudaBuffer<bf16>,
     k: CudaBuffer<bf16>,
     v: CudaBuffer<bf16>,
@@ -82,87 +96,28 @@ pub struct CudaAttention {
     scores: CudaBuffer<bf16>,
 }
 
-/// The shape of one attention: `batch` sequences of `seq` tokens, `c` channels in `n_head` heads
-/// of `head_size`. [`FlashAttention`](super::flash::FlashAttention)'s too.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Shape {
-    pub(super) batch: usize,
-    pub(super) seq: usize,
-    pub(super) c: usize,
-    pub(super) n_head: usize,
-    pub(super) head_size: usize,
-}
-
-impl Shape {
-    /// The shape, or an error (made by `invalid`) unless every size is positive and the channels
-    /// a multiple of the heads.
-    pub(super) fn new(
-        batch: usize,
-        seq: usize,
-        c: usize,
-        n_head: usize,
-        invalid: fn(String) -> DeviceError,
-    ) -> Result<Self, DeviceError> {
-        if batch == 0 || seq == 0 || n_head == 0 || c == 0 || !c.is_multiple_of(n_head) {
-            return Err(invalid(format!(
-                "batch {batch}, seq {seq}, channels {c}, heads {n_head}: every size must be \
-                 positive and the channels a multiple of the heads"
-            )));
-        }
-        Ok(Shape { batch, seq, c, n_head, head_size: c / n_head })
-    }
-
-    /// An error (made by `invalid`) unless batch · seq and 3 · channels fit the kernels' 32-bit
-    /// sizes (they index with 32-bit sizes and 64-bit offsets).
-    pub(super) fn check_32_bit_sizes(
-        &self,
-        invalid: fn(String) -> DeviceError,
-    ) -> Result<(), DeviceError> {
-        to_u32(self.batch * self.seq, "batch · seq", invalid)?;
-        to_u32(3 * self.c, "3 · channels", invalid)?;
-        Ok(())
-    }
-
-    /// Elements of one head-major tensor `[batch, n_head, seq, head_size]` (= of `[B, T, C]`).
-    fn heads_len(&self) -> usize {
-        self.batch * self.seq * self.c
-    }
-
-    /// Elements of `att [batch, n_head, seq, seq]`.
-    fn att_len(&self) -> usize {
-        self.batch * self.n_head * self.seq * self.seq
-    }
-
-    /// One per (sequence, head, query): the rows of `att`, the elements of flash's `lse` and
-    /// `delta`, `[B, NH, T]`.
-    pub(super) fn query_rows(&self) -> usize {
-        self.batch * self.n_head * self.seq
-    }
-
-    /// `1 / sqrt(head_size)`, the scale of the scores.
-    pub(super) fn scale(&self) -> f32 {
-        1.0 / (self.head_size as f32).sqrt()
-    }
-}
-
-/// The per-head products, row-major (`T` the sequence, `hs` the head size), as
-/// [`Matmul::row_major`] problems of one head.
+/// The products of one key/value head, row-major (`T` the sequence, `hs` the head size, `G·T` the
+/// query rows of its group, `T` with multi-head attention), as [`Matmul::row_major`] problems.
 #[derive(Clone, Copy, Debug)]
 struct Products {
-    /// `[T, T] = x[T, hs] · y[T, hs]ᵀ`: the scores `q · kᵀ`, and the gradient of att `dy · vᵀ`.
+    /// `[G·T, T] = x[G·T, hs] · y[T, hs]ᵀ`: the scores `q · kᵀ`, and the gradient of att
+    /// `dy · vᵀ`.
     x_yt: Matmul,
-    /// `[T, hs] = x[T, T] · y[T, hs]`: the output `att · v`, and `dq = dscores · k`.
+    /// `[G·T, hs] = x[G·T, T] · y[T, hs]`: the output `att · v`, and `dq = dscores · k`.
     x_y: Matmul,
-    /// `[T, hs] = x[T, T]ᵀ · y[T, hs]`: `dv = attᵀ · dy` and `dk = dscoresᵀ · q`.
+    /// `[T, hs] = x[G·T, T]ᵀ · y[G·T, hs]`: `dv = attᵀ · dy` and `dk = dscoresᵀ · q`, each a sum
+    /// over the group.
     xt_y: Matmul,
 }
 
 impl Products {
-    fn new(Shape { seq, head_size, .. }: Shape) -> Self {
+    fn new(shape: Shape) -> Self {
+        let Shape { seq, head_size, .. } = shape;
+        let query_rows = shape.group() * seq;
         Products {
-            x_yt: Matmul::row_major(seq, seq, head_size, false, true),
-            x_y: Matmul::row_major(seq, head_size, seq, false, false),
-            xt_y: Matmul::row_major(seq, head_size, seq, true, false),
+            x_yt: Matmul::row_major(query_rows, seq, head_size, false, true),
+            x_y: Matmul::row_major(query_rows, head_size, seq, false, false),
+            xt_y: Matmul::row_major(seq, head_size, query_rows, true, false),
         }
     }
 }
@@ -235,55 +190,22 @@ fn invalid(reason: String) -> DeviceError {
     DeviceError::Kernel { kernel: "attention", reason }
 }
 
-/// An error (made by `invalid`) unless a caller's tensor `what`, of `len` elements, holds at least
-/// `needed` and lies on the attention's GPU (`on_device`).
-pub(super) fn check_tensor(
-    (what, len, on_device): (&str, usize, bool),
-    needed: usize,
-    invalid: fn(String) -> DeviceError,
-) -> Result<(), DeviceError> {
-    if !on_device {
-        return Err(invalid(format!("{what} is memory of another GPU than the attention's")));
-    }
-    if len < needed {
-        return Err(invalid(format!(
-            "{what} holds {len} elements, fewer than the {needed} of this shape"
-        )));
-    }
-    Ok(())
-}
-
-/// `value` as a kernel's `u32` argument, or an error (made by `invalid`) naming what is too large.
-fn to_u32(
-    value: usize,
-    what: &str,
-    invalid: fn(String) -> DeviceError,
-) -> Result<u32, DeviceError> {
-    u32::try_from(value)
-        .map_err(|_| invalid(format!("{what} = {value} does not fit the kernels' 32-bit sizes")))
-}
-
 impl CudaAttention {
     /// Loads the kernels and allocates the scratch ([`scratch_bytes`](Self::scratch_bytes)) for
-    /// inputs of `batch` sequences of `seq` tokens, `c` channels and `n_head` heads.
-    ///
-    /// Multi-head attention only: as many key/value heads as query heads (`qkv` rows of `3C`).
-    /// Grouped-query attention has no kernels here yet (they come with the Llama family); the
-    /// executor refuses such a plan with an error ([`super::check_multi_head`]), and the CPU
-    /// twin ([`crate::kernels::attention`]) runs it.
+    /// inputs of `batch` sequences of `shape` (its `t` tokens, `c` channels, `n_head` query heads
+    /// and `n_kv_head` key/value heads, which must divide `n_head`).
     pub fn new(
         device: &CudaDevice,
         blas: Arc<Blas>,
         batch: usize,
-        seq: usize,
-        c: usize,
-        n_head: usize,
+        shape: AttentionShape,
     ) -> Result<Self, DeviceError> {
-        let shape = Shape::new(batch, seq, c, n_head, invalid)?;
+        let shape = Shape::new(batch, shape, invalid)?;
         shape.check_32_bit_sizes(invalid)?;
         to_u32(shape.query_rows(), "batch · heads · seq", invalid)?;
         let kernels = Kernels::load(device)?;
         let heads = || device.alloc::<bf16>(shape.heads_len());
+        let kv_heads = || device.alloc::<bf16>(shape.kv_heads_len());
         Ok(CudaAttention {
             device: device.clone(),
             blas,
@@ -291,32 +213,36 @@ impl CudaAttention {
             products: Products::new(shape),
             kernels,
             q: heads()?,
-            k: heads()?,
-            v: heads()?,
+            k: kv_heads()?,
+            v: kv_heads()?,
             y: heads()?,
-            dv: heads()?,
+            dv: kv_heads()?,
             scores: device.alloc::<bf16>(shape.att_len())?,
         })
     }
 
     /// Bytes of GPU memory this attention holds as scratch.
     pub fn scratch_bytes(&self) -> usize {
-        let Shape { batch, seq, c, n_head, .. } = self.shape;
-        Self::scratch_bytes_for(batch, seq, c, n_head)
+        let Shape { batch, seq, c, n_head, n_kv_head, .. } = self.shape;
+        Self::scratch_bytes_for(batch, AttentionShape { t: seq, c, n_head, n_kv_head })
     }
 
-    /// [`scratch_bytes`](Self::scratch_bytes) of a `CudaAttention` of this shape: five head-major
-    /// `[B, T, C]` tensors and the `[B, NH, T, T]` scores, bf16.
-    pub fn scratch_bytes_for(batch: usize, seq: usize, c: usize, n_head: usize) -> usize {
-        let (heads_len, att_len) = (batch * seq * c, batch * n_head * seq * seq);
-        (5 * heads_len + att_len) * size_of::<bf16>()
+    /// [`scratch_bytes`](Self::scratch_bytes) of a `CudaAttention` of this shape: two head-major
+    /// `[B, T, C]` tensors (q, y), three `[B, T, n_kv_head · hs]` ones (k, v, dv) and the
+    /// `[B, NH, T, T]` scores, bf16.
+    pub fn scratch_bytes_for(batch: usize, shape: AttentionShape) -> usize {
+        let AttentionShape { t, c, n_head, .. } = shape;
+        let (heads_len, kv_heads_len) = (batch * t * c, batch * t * shape.kv_width());
+        let att_len = batch * n_head * t * t;
+        (2 * heads_len + 3 * kv_heads_len + att_len) * size_of::<bf16>()
     }
 
     /// `out = attention(qkv)`; `att` receives the softmax weights (masked entries zero).
     ///
-    /// `qkv [B, T, 3C]`, `out [B, T, C]` and `att [B, NH, T, T]` are bf16 slices of this GPU
-    /// holding at least those many elements (an error otherwise); `out` and `att` should overlap
-    /// nothing else. Ordering them against other streams is the caller's (the device contract).
+    /// `qkv [B, T, C + 2·n_kv_head·hs]`, `out [B, T, C]` and `att [B, NH, T, T]` are bf16 slices
+    /// of this GPU holding at least those many elements (an error otherwise); `out` and `att`
+    /// should overlap nothing else. Ordering them against other streams is the caller's (the
+    /// device contract).
     pub fn forward(
         &self,
         stream: &CudaStream,
@@ -325,7 +251,7 @@ impl CudaAttention {
         att: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
         let (heads_len, att_len) = (self.shape.heads_len(), self.shape.att_len());
-        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * heads_len)?;
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), self.shape.qkv_len())?;
         self.check(("out", out.len(), out.is_on(&self.device)), heads_len)?;
         self.check(("att", att.len(), att.is_on(&self.device)), att_len)?;
         let (q, k, v, y, scores) = (&self.q, &self.k, &self.v, &self.y, &self.scores);
@@ -337,10 +263,10 @@ impl CudaAttention {
         self.softmax_forward(stream, att)?;
         // y = att · v.
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(v, 0), Operand::of(y, 0))?;
-        self.heads_to_rows(stream, out, self.shape.c, y)
+        self.heads_to_rows(stream, out, self.shape.c, y, self.shape.n_head)
     }
 
-    /// Overwrites `dqkv [B, T, 3C]` with d(loss)/d(qkv), given `dout [B, T, C]` = d(loss)/d(out)
+    /// Overwrites `dqkv` (qkv's shape) with d(loss)/d(qkv), given `dout [B, T, C]` = d(loss)/d(out)
     /// and the `qkv` and `att` of the forward pass.
     ///
     /// The same requirements as [`forward`](Self::forward) (`dqkv` as `qkv`, `dout` as `out`);
@@ -358,15 +284,17 @@ impl CudaAttention {
         let _ = datt_scratch;
         let (heads_len, att_len) = (self.shape.heads_len(), self.shape.att_len());
         self.check(("dout", dout.len(), dout.is_on(&self.device)), heads_len)?;
-        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * heads_len)?;
+        let qkv_len = self.shape.qkv_len();
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), qkv_len)?;
         self.check(("att", att.len(), att.is_on(&self.device)), att_len)?;
-        self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), 3 * heads_len)?;
-        let c = self.shape.c;
+        self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), qkv_len)?;
+        let Shape { c, n_head, n_kv_head, .. } = self.shape;
+        let (width, kv_width) = (self.shape.qkv_width(), self.shape.kv_width());
         let (q, k, v, dy, dv, scores) =
             (&self.q, &self.k, &self.v, &self.y, &self.dv, &self.scores);
         let Products { x_yt, x_y, xt_y } = self.products;
         self.split_qkv(stream, qkv)?;
-        self.rows_to_heads(stream, dy, dout, c)?;
+        self.rows_to_heads(stream, dy, dout, c, n_head)?;
         // dv = attᵀ · dy, through a copy of att in our scratch.
         self.copy_att(stream, att)?;
         self.per_head(
@@ -385,9 +313,9 @@ impl CudaAttention {
         // dk = dscoresᵀ · q, over k (read by nothing after dq).
         let dk = k;
         self.per_head(stream, xt_y, Operand::of(scores, 0), Operand::of(q, 0), Operand::of(dk, 0))?;
-        self.heads_to_rows(stream, dqkv, 3 * c, dq)?;
-        self.heads_to_rows(stream, dqkv.skip(c), 3 * c, dk)?;
-        self.heads_to_rows(stream, dqkv.skip(2 * c), 3 * c, dv)
+        self.heads_to_rows(stream, dqkv, width, dq, n_head)?;
+        self.heads_to_rows(stream, dqkv.skip(c), width, dk, n_kv_head)?;
+        self.heads_to_rows(stream, dqkv.skip(c + kv_width), width, dv, n_kv_head)
     }
 
     /// An error unless a caller's tensor holds `needed` elements of this GPU.
@@ -395,21 +323,23 @@ impl CudaAttention {
         check_tensor(tensor, needed, invalid)
     }
 
-    /// Gathers the heads of q, k and v from `qkv [B, T, 3C]`.
+    /// Gathers the heads of q, k and v from `qkv [B, T, W]`.
     fn split_qkv(
         &self,
         stream: &CudaStream,
         qkv: DeviceSlice<'_, bf16>,
     ) -> Result<(), DeviceError> {
-        let c = self.shape.c;
-        self.rows_to_heads(stream, &self.q, qkv, 3 * c)?;
-        self.rows_to_heads(stream, &self.k, qkv.skip(c), 3 * c)?;
-        self.rows_to_heads(stream, &self.v, qkv.skip(2 * c), 3 * c)
+        let Shape { c, n_head, n_kv_head, .. } = self.shape;
+        let (width, kv_width) = (self.shape.qkv_width(), self.shape.kv_width());
+        self.rows_to_heads(stream, &self.q, qkv, width, n_head)?;
+        self.rows_to_heads(stream, &self.k, qkv.skip(c), width, n_kv_head)?;
+        self.rows_to_heads(stream, &self.v, qkv.skip(c + kv_width), width, n_kv_head)
     }
 
-    /// `product` (a [`Matmul::row_major`] product `out = op(x) · op(y)` of one head) for each of
-    /// the `batch · n_head` heads. Every operand is contiguous per head, so its batch stride is
-    /// its size.
+    /// `product` (a [`Matmul::row_major`] product `out = op(x) · op(y)` of one key/value head
+    /// and its group of query heads) for each of the `batch · n_kv_head` key/value heads. Every
+    /// operand is contiguous per key/value head (a group's query heads are adjacent), so its
+    /// batch stride is its size.
     fn per_head(
         &self,
         stream: &CudaStream,
@@ -418,7 +348,7 @@ impl CudaAttention {
         y: Operand<'_>,
         out: Operand<'_>,
     ) -> Result<(), DeviceError> {
-        let heads = self.shape.batch * self.shape.n_head;
+        let heads = self.shape.batch * self.shape.n_kv_head;
         // Row-major `out[rows, cols] = op(x)[rows, inner] · op(y)[inner, cols]` is the column-major
         // problem m = cols, n = rows, k = inner.
         let (rows, cols, inner) = (product.n as i64, product.m as i64, product.k as i64);
@@ -426,30 +356,36 @@ impl CudaAttention {
         self.blas.matmul(stream, &product, MatmulOperands::row_major(x, y, out))
     }
 
-    /// Gathers the heads of a row-major `[B, T, ·]` tensor whose head `h` is at columns
-    /// `h·hs ..` from `rows` (row stride `row_stride` elements) into head-major `heads`.
+    /// Gathers the `heads` heads of a row-major `[B, T, ·]` tensor whose head `h` is at columns
+    /// `h·hs ..` from `rows` (row stride `row_stride` elements) into head-major `into`
+    /// (`[B, heads, T, hs]`).
     fn rows_to_heads(
         &self,
         stream: &CudaStream,
-        heads: &CudaBuffer<bf16>,
+        into: &CudaBuffer<bf16>,
         rows: DeviceSlice<'_, bf16>,
         row_stride: usize,
+        heads: usize,
     ) -> Result<(), DeviceError> {
         let (width, index) = pack_width(self.shape.head_size, &[rows.address()]);
         let function = &self.kernels.rows_to_heads[index];
-        let params = self.heads_params(KernelParams::new().ptr(heads, 0).slice(rows), row_stride);
+        let params = KernelParams::new().ptr(into, 0).slice(rows);
+        let params = self.heads_params(params, row_stride, heads);
         // SAFETY: the parameters match `rows_to_heads_*(bf16_t*, const bf16_t*, u32, u32, u32,
-        // u32)`. Block `r` of the grid (one per row `b·T + t`) reads columns `0..C` of row `r` of
-        // `rows`, which holds `B·T` rows of `row_stride ≥ C` elements (`forward` and `backward`
-        // checked the caller's slices: the k and v thirds start `C` and `2C` into qkv); it
-        // writes row `t` of every head `(b, ·)` of `heads`, a buffer of `B·T·C` elements. Both
-        // addresses are aligned to the pack width (`pack_width`; our buffers are 256-byte aligned).
+        // u32)`. Block `r` of the grid (one per row `b·T + t`) reads columns `0..heads·hs` of row
+        // `r` of `rows`, which holds `B·T` rows of `row_stride = W` elements, those columns
+        // inside each (`forward` and `backward` checked the caller's slices hold `B·T·W`; the
+        // k and v parts start `C` and `C + KV` into qkv and are `KV = n_kv_head·hs` wide); it
+        // writes row `t` of every head `(b, ·)` of `into`, a buffer of `B·T·heads·hs` elements
+        // (q and y of `B·T·C`, k, v and dv of `B·T·KV`, and the callers pass their head counts).
+        // Both addresses are aligned to the pack width (`pack_width`; our buffers are 256-byte
+        // aligned, and every head starts at a multiple of `hs`).
         unsafe {
             self.device.launch(
                 stream,
                 function,
                 self.rows_grid(),
-                self.rows_block(width),
+                self.rows_block(width, heads),
                 0,
                 &params,
             )
@@ -457,36 +393,38 @@ impl CudaAttention {
     }
 
     /// The inverse of [`rows_to_heads`](Self::rows_to_heads): writes columns `h·hs ..` of every
-    /// row of `rows` from head-major `heads`.
+    /// row of `rows` for each of the `heads` heads of head-major `from`.
     fn heads_to_rows(
         &self,
         stream: &CudaStream,
         rows: DeviceSliceMut<'_, bf16>,
         row_stride: usize,
-        heads: &CudaBuffer<bf16>,
+        from: &CudaBuffer<bf16>,
+        heads: usize,
     ) -> Result<(), DeviceError> {
         let (width, index) = pack_width(self.shape.head_size, &[rows.address()]);
         let function = &self.kernels.heads_to_rows[index];
-        let params =
-            self.heads_params(KernelParams::new().slice_mut(rows).ptr(heads, 0), row_stride);
+        let params = KernelParams::new().slice_mut(rows).ptr(from, 0);
+        let params = self.heads_params(params, row_stride, heads);
         // SAFETY: as in `rows_to_heads`, with the roles of the two tensors swapped: each block
-        // writes columns `0..C` of its row of `rows` (the caller's) and reads `heads` (ours).
+        // writes columns `0..heads·hs` of its row of `rows` (the caller's) and reads `from` (ours).
         unsafe {
             self.device.launch(
                 stream,
                 function,
                 self.rows_grid(),
-                self.rows_block(width),
+                self.rows_block(width, heads),
                 0,
                 &params,
             )
         }
     }
 
-    fn heads_params(&self, params: KernelParams, row_stride: usize) -> KernelParams {
-        let Shape { seq, n_head, head_size, .. } = self.shape;
-        // The sizes fit u32: checked in `new` (`row_stride ≤ 3C`, `T ≤ B·T`, `hs ≤ C`).
-        params.u32(row_stride as u32).u32(seq as u32).u32(n_head as u32).u32(head_size as u32)
+    fn heads_params(&self, params: KernelParams, row_stride: usize, heads: usize) -> KernelParams {
+        let Shape { seq, head_size, .. } = self.shape;
+        // The sizes fit u32: checked in `new` (`row_stride ≤ W`, `T ≤ B·T`, `heads ≤ hs·heads ≤
+        // W`, `hs ≤ C`).
+        params.u32(row_stride as u32).u32(seq as u32).u32(heads as u32).u32(head_size as u32)
     }
 
     /// One block per token row.
@@ -494,9 +432,10 @@ impl CudaAttention {
         Dim3::from((self.shape.batch * self.shape.seq) as u32)
     }
 
-    /// Enough threads for one pack each of a row (`C / width` packs), whole warps, at most 256.
-    fn rows_block(&self, width: usize) -> Dim3 {
-        let packs = self.shape.c / width;
+    /// Enough threads for one pack each of a row's `heads` heads (`heads·hs / width` packs),
+    /// whole warps, at most 256.
+    fn rows_block(&self, width: usize, heads: usize) -> Dim3 {
+        let packs = heads * self.shape.head_size / width;
         Dim3::from(packs.next_multiple_of(32).min(256) as u32)
     }
 
@@ -570,7 +509,40 @@ impl CudaAttention {
 
 #[cfg(test)]
 mod tests {
-    use super::pack_width;
+    use super::{CudaAttention, Products, Shape, invalid, pack_width};
+    use crate::kernels::AttentionShape;
+
+    /// With groups of query heads the key/value scratch (k, v, dv) shrinks to the key/value
+    /// heads' width, while q, y and the scores keep the query heads'.
+    #[test]
+    fn grouped_query_scratch_holds_the_key_value_heads_only() {
+        let (batch, t) = (2, 37);
+        let mha = CudaAttention::scratch_bytes_for(batch, AttentionShape::multi_head(t, 384, 6));
+        let gqa = AttentionShape { t, c: 384, n_head: 6, n_kv_head: 2 };
+        let kv_saved = 3 * batch * t * (384 - 128) * size_of::<u16>();
+        assert_eq!(CudaAttention::scratch_bytes_for(batch, gqa), mha - kv_saved);
+        let heads = 2 * batch * t * 384 + 3 * batch * t * 128 + batch * 6 * t * t;
+        assert_eq!(CudaAttention::scratch_bytes_for(batch, gqa), heads * size_of::<u16>());
+    }
+
+    /// Each product runs once per key/value head over the `group · T` query rows of its group;
+    /// with multi-head attention (a group of one) they are the per-head products of `T` rows.
+    #[test]
+    fn the_products_cover_a_whole_group_of_query_heads() {
+        let gqa = Shape::new(2, AttentionShape { t: 37, c: 384, n_head: 6, n_kv_head: 2 }, invalid)
+            .unwrap();
+        let Products { x_yt, x_y, xt_y } = Products::new(gqa);
+        // Column-major m × n: row-major rows are n, columns m.
+        assert_eq!((x_yt.n, x_yt.m, x_yt.k), (3 * 37, 37, 64));
+        assert_eq!((x_y.n, x_y.m, x_y.k), (3 * 37, 64, 37));
+        assert_eq!((xt_y.n, xt_y.m, xt_y.k), (37, 64, 3 * 37));
+        let mha = Shape::new(2, AttentionShape::multi_head(37, 384, 6), invalid).unwrap();
+        let Products { x_yt, .. } = Products::new(mha);
+        assert_eq!((x_yt.n, x_yt.m, x_yt.k), (37, 37, 64));
+        let refused =
+            Shape::new(2, AttentionShape { t: 37, c: 384, n_head: 6, n_kv_head: 4 }, invalid);
+        assert!(refused.unwrap_err().to_string().contains("must divide the query heads"));
+    }
 
     #[test]
     fn pack_width_is_the_widest_that_divides_the_length_and_every_alignment() {

@@ -332,6 +332,36 @@ impl LayerCtx<'_> {
     /// [dwte, dwpe, dout, tokens]
     fn encoder_backward(&self, a: &[Place], t: usize, c: usize) -> Result<(), NnError> {
         let (dwte, dwpe, dout) = (&a[0], &a[1], &a[2]);
+        self.token_embedding_backward(dwte, dout, c)?;
+        let batch = a[2].len / c / t;
+        let params = self.places(&[dwpe], &[dout]).u32(batch as u32).u32(t as u32).u32(c as u32);
+        let grid = blocks_for(t * c);
+        // SAFETY: the parameters match `encoder_backward_wpe(bf16_t* dwpe, const bf16_t* dout,
+        // u32 batch, u32 t, u32 c)`: one thread per element of the `t` rows of dwpe, summing the
+        // `batch` rows of dout at that position.
+        unsafe { self.launch(&self.kernels.encoder_backward_wpe, grid, THREADS, params) }
+    }
+
+    /// `dwte[token] += Σ dout[row]` over the rows whose input token is `token`, for rows of `c`
+    /// (`dout` holds one per input token of the batch), deterministically: the rows of each token
+    /// are summed in order by one thread per column (the buckets `set_batch` sorted on the host).
+    /// A token embedding's backward, GPT-2's (with its position embedding's) or a family's.
+    pub fn token_embedding_backward(
+        &self,
+        dwte: &Place,
+        dout: &Place,
+        c: usize,
+    ) -> Result<(), NnError> {
+        if dout.len != self.tokens.tokens() * c {
+            return Err(NnError::Kernel {
+                kernel: "token_embedding_backward",
+                reason: format!(
+                    "dout holds {} elements, not {} tokens × {c}",
+                    dout.len,
+                    self.tokens.tokens()
+                ),
+            });
+        }
         let tokens = self.tokens.buffer();
         let params = self
             .places(&[dwte], &[dout])
@@ -342,16 +372,11 @@ impl LayerCtx<'_> {
         let grid = (self.tokens.buckets() as u32, c.div_ceil(THREADS as usize) as u32);
         // SAFETY: the parameters match `encoder_backward_wte(bf16_t* dwte, const bf16_t* dout,
         // const u32* order, const u32* bucket_token, const u32* bucket_start, u32 c)`; block
-        // (bucket, ·) adds the rows of dout of its bucket to its token's row of dwte, the buckets
-        // being the ones `Tokens::set` sorted for this batch.
-        unsafe { self.launch(&self.kernels.encoder_backward_wte, grid, THREADS, params) }?;
-        let batch = a[2].len / c / t;
-        let params = self.places(&[dwpe], &[dout]).u32(batch as u32).u32(t as u32).u32(c as u32);
-        let grid = blocks_for(t * c);
-        // SAFETY: the parameters match `encoder_backward_wpe(bf16_t* dwpe, const bf16_t* dout,
-        // u32 batch, u32 t, u32 c)`: one thread per element of the `t` rows of dwpe, summing the
-        // `batch` rows of dout at that position.
-        unsafe { self.launch(&self.kernels.encoder_backward_wpe, grid, THREADS, params) }
+        // (bucket, ·) adds the rows of dout of its bucket (rows below the batch's tokens, which
+        // dout holds, checked above) to its token's row of dwte (tokens were checked against the
+        // vocabulary on upload, and dwte is the embedding's gradient place), the buckets being
+        // the ones `Tokens::set` sorted for this batch.
+        unsafe { self.launch(&self.kernels.encoder_backward_wte, grid, THREADS, params) }
     }
 
     /// `out[j] += Σ_chunk partials[first + chunk · stride + j]` for `j < cols`: the second step
@@ -422,17 +447,18 @@ impl LayerCtx<'_> {
     ) -> Result<(), NnError> {
         let rows = a[0].len / padded_vocab;
         let [probs, losses, logits, targets] = [0, 1, 2, 3].map(|i| &a[i]);
-        let aligned = self.aligned(&[probs, logits]);
-        check_rows_vectorised("softmax_xent_forward", padded_vocab, aligned)?;
+        let vec = padded_vocab.is_multiple_of(8) && self.aligned(&[probs, logits]);
         let params = self
             .places(&[probs, losses], &[logits, targets])
             .u32(vocab as u32)
-            .u32(padded_vocab as u32);
-        let threads = (padded_vocab / 8).next_multiple_of(32).clamp(32, 1024) as u32;
+            .u32(padded_vocab as u32)
+            .u32(flag(vec));
+        let width = if vec { 8 } else { 1 };
+        let threads = (padded_vocab / width).next_multiple_of(32).clamp(32, 1024) as u32;
         // SAFETY: the parameters match `softmax_xent_forward(bf16_t* probs, float* losses, const
-        // bf16_t* logits, const u32* targets, u32 vocab, u32 padded_vocab)`; block `r` reads row
-        // `r` of logits and target `r` and writes row `r` of probs and loss `r` (rows of whole
-        // 16-byte vectors, checked above).
+        // bf16_t* logits, const u32* targets, u32 vocab, u32 padded_vocab, u32 vec)`; block `r`
+        // reads row `r` of logits and target `r` and writes row `r` of probs and loss `r` (in
+        // 16-byte vectors only where `vec`: rows of whole aligned vectors).
         unsafe { self.launch(&self.kernels.softmax_xent_forward, rows as u32, threads, params) }
     }
 
@@ -446,21 +472,21 @@ impl LayerCtx<'_> {
     ) -> Result<(), NnError> {
         let rows = a[0].len / padded_vocab;
         let [dlogits, probs, targets] = [0, 1, 2].map(|i| &a[i]);
-        let aligned = self.aligned(&[dlogits, probs]);
-        check_rows_vectorised("softmax_xent_backward", padded_vocab, aligned)?;
+        let vec = padded_vocab.is_multiple_of(8) && self.aligned(&[dlogits, probs]);
         let params = self
             .places(&[dlogits], &[probs, targets])
             .u32(rows as u32)
             .u32(vocab as u32)
             .u32(padded_vocab as u32)
             .f32(dloss)
-            .u32(flag(a[0].accumulate));
-        let work = rows * padded_vocab / 8;
+            .u32(flag(a[0].accumulate))
+            .u32(flag(vec));
+        let work = rows * padded_vocab / if vec { 8 } else { 1 };
         let function = &self.kernels.softmax_xent_backward;
         // SAFETY: the parameters match `softmax_xent_backward(bf16_t* dlogits, const bf16_t*
         // probs, const u32* targets, u32 rows, u32 vocab, u32 padded_vocab, float dloss, u32
-        // accumulate)`; a grid-stride loop over the `rows · padded_vocab / 8` vectors of dlogits
-        // and probs (whole rows of 16-byte vectors, checked above).
+        // accumulate, u32 vec)`; a grid-stride loop over the `rows · padded_vocab` elements of
+        // dlogits and probs (in 16-byte vectors only where `vec`: rows of whole aligned vectors).
         unsafe { self.launch(function, blocks_for(work), THREADS, params) }
     }
 
@@ -563,17 +589,4 @@ struct MatmulGrads<'a> {
     dinp: &'a Place,
     dweight: &'a Place,
     dbias: Option<&'a Place>,
-}
-
-/// The loss kernels move whole rows of `width` in 16-byte vectors (`aligned`: their rows start
-/// 16-byte aligned).
-fn check_rows_vectorised(kernel: &'static str, width: usize, aligned: bool) -> Result<(), NnError> {
-    if width.is_multiple_of(8) && aligned {
-        Ok(())
-    } else {
-        Err(NnError::Kernel {
-            kernel,
-            reason: format!("rows of {width} elements must be whole 16-byte vectors"),
-        })
-    }
 }

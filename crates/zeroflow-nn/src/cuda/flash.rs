@@ -1,10 +1,13 @@
-//! Causal multi-head attention on the GPU as FlashAttention-2: one fused kernel for forward and
-//! two (after a small one) for backward, with the tiles of q, k and v read straight from `qkv` and
-//! the attention matrix never stored. The algorithm, the tiles and the layouts are in the header
-//! of `kernels/flash_attention.cu`; the maths is that of [`crate::kernels::attention`] and of
-//! [`CudaAttention`](super::attention::CudaAttention): `qkv [B, T, 3C]` holds `[q | k | v]` with
-//! head `h` at columns `h·hs ..`, `out [B, T, C]`, scale `1/sqrt(hs)`, bf16 storage, f32 softmax
-//! and accumulators.
+//! Causal attention (multi-head or grouped-query) on the GPU as FlashAttention-2: one fused
+//! kernel for forward and two (after a small one) for backward, with the tiles of q, k and v read
+//! straight from `qkv` and the attention matrix never stored. The algorithm, the tiles and the
+//! layouts are in the header of `kernels/flash_attention.cu`; the maths is that of
+//! [`crate::kernels::attention`] and of [`CudaAttention`](super::attention::CudaAttention):
+//! `qkv [B, T, W]` holds `[q | k | v]`, `W = C + 2·n_kv_head·hs`, query head `h` attending with
+//! key/value head `h / (n_head / n_kv_head)`; `out [B, T, C]`, scale `1/sqrt(hs)`, bf16 storage,
+//! f32 softmax and accumulators. With grouped-query attention the dk/dv kernel's blocks are one
+//! per key/value head and sum over the query heads of its group in a fixed order, so the kernels
+//! still use no atomics.
 //!
 //! Memory. [`CudaAttention`](super::attention::CudaAttention) holds five head-major `[B, T, C]`
 //! bf16 tensors and a `[B, NH, T, T]` bf16 scores tensor as scratch, and its caller keeps the
@@ -27,7 +30,8 @@ use zeroflow_device::cuda::{
 };
 use zeroflow_device::{CudaDevice, Device, DeviceError};
 
-use super::attention::{Shape, check_tensor};
+use super::attention_shape::{Shape, check_tensor};
+use crate::kernels::AttentionShape;
 
 /// The CUDA source of the kernels: the shared header, then `flash_attention.cu`.
 pub const SOURCE: &str = concat!(
@@ -50,8 +54,8 @@ const ALIGNMENT: u64 = 16;
 /// The alignment, in bytes, of `lse` (read and written one f32 at a time).
 const LSE_ALIGNMENT: u64 = 4;
 
-/// Causal multi-head self-attention for one (batch, seq, channels, heads) shape, FlashAttention-2
-/// style, with its scratch allocated once.
+/// Causal self-attention for one (batch, [`AttentionShape`]), FlashAttention-2 style, with its
+/// scratch allocated once.
 #[derive(Debug)]
 pub struct FlashAttention {
     device: CudaDevice,
@@ -63,9 +67,9 @@ pub struct FlashAttention {
 
 impl Shape {
     /// The shape, or an error saying which size the flash kernels cannot take.
-    fn for_flash(batch: usize, seq: usize, c: usize, n_head: usize) -> Result<Self, DeviceError> {
-        let shape = Shape::new(batch, seq, c, n_head, invalid)?;
-        let head_size = shape.head_size;
+    fn for_flash(batch: usize, attention: AttentionShape) -> Result<Self, DeviceError> {
+        let shape = Shape::new(batch, attention, invalid)?;
+        let Shape { c, n_head, head_size, .. } = shape;
         if !HEAD_SIZES.contains(&head_size) {
             return Err(invalid(format!(
                 "head size {head_size} (channels {c} / heads {n_head}) has no flash kernel: they \
@@ -82,10 +86,11 @@ impl Shape {
         Ok(shape)
     }
 
-    /// One tile kernel's block per (64-row block of the sequence, head, sequence).
-    fn tile_grid(&self) -> Dim3 {
+    /// One tile kernel's block per (64-row block of the sequence, head, sequence), `heads` the
+    /// query heads (forward, dq) or the key/value heads (dk/dv).
+    fn tile_grid(&self, heads: usize) -> Dim3 {
         let blocks = self.seq.div_ceil(TILE);
-        Dim3::from((blocks as u32, self.n_head as u32, self.batch as u32))
+        Dim3::from((blocks as u32, heads as u32, self.batch as u32))
     }
 }
 
@@ -184,19 +189,15 @@ fn check_aligned(addresses: &[(&str, u64, u64)]) -> Result<(), DeviceError> {
 
 impl FlashAttention {
     /// Loads the kernels and allocates the scratch ([`scratch_bytes`](Self::scratch_bytes)) for
-    /// inputs of `batch` sequences of `seq` tokens, `c` channels and `n_head` heads. The head size
-    /// `c / n_head` must be one of [`HEAD_SIZES`].
-    ///
-    /// Multi-head attention only, as [`CudaAttention::new`](super::attention::CudaAttention::new)
-    /// says: grouped-query attention is refused by the executor until its kernels come.
+    /// inputs of `batch` sequences of `shape` (its `t` tokens, `c` channels, `n_head` query heads
+    /// and `n_kv_head` key/value heads, which must divide `n_head`). The head size `c / n_head`
+    /// must be one of [`HEAD_SIZES`].
     pub fn new(
         device: &CudaDevice,
         batch: usize,
-        seq: usize,
-        c: usize,
-        n_head: usize,
+        shape: AttentionShape,
     ) -> Result<Self, DeviceError> {
-        let shape = Shape::for_flash(batch, seq, c, n_head)?;
+        let shape = Shape::for_flash(batch, shape)?;
         Ok(FlashAttention {
             kernels: Kernels::load(device, shape.head_size)?,
             delta: device.alloc(shape.query_rows())?,
@@ -205,7 +206,7 @@ impl FlashAttention {
         })
     }
 
-    /// Elements of the caller's `lse` (f32), `[B, NH, T]`: one per query row and head.
+    /// Elements of the caller's `lse` (f32), `[B, NH, T]`: one per query row and query head.
     pub fn lse_len(&self) -> usize {
         self.shape.query_rows()
     }
@@ -226,7 +227,7 @@ impl FlashAttention {
     /// `out = attention(qkv)`, and `lse` = the log-sum-exp `log Σ_k exp(scale · q·k)` of each
     /// query row, which [`backward`](Self::backward) reads.
     ///
-    /// `qkv [B, T, 3C]` and `out [B, T, C]` are 16-byte aligned bf16 slices of this GPU holding
+    /// `qkv [B, T, C + 2·n_kv_head·hs]` and `out [B, T, C]` are 16-byte aligned bf16 slices of this GPU holding
     /// at least those many elements, `lse [B, NH, T]` a 4-byte aligned f32 one
     /// ([`lse_len`](Self::lse_len) elements), or an error says which is not; `out` and `lse`
     /// should overlap nothing else. Ordering them against other streams is the caller's (the
@@ -240,7 +241,7 @@ impl FlashAttention {
     ) -> Result<(), DeviceError> {
         let (rows_len, lse_len) =
             (self.shape.batch * self.shape.seq * self.shape.c, self.lse_len());
-        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * rows_len)?;
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), self.shape.qkv_len())?;
         self.check(("out", out.len(), out.is_on(&self.device)), rows_len)?;
         self.check(("lse", lse.len(), lse.is_on(&self.device)), lse_len)?;
         check_aligned(&[
@@ -248,26 +249,29 @@ impl FlashAttention {
             ("out", out.address(), ALIGNMENT),
             ("lse", lse.address(), LSE_ALIGNMENT),
         ])?;
-        let Shape { seq, n_head, head_size, .. } = self.shape;
+        let Shape { seq, n_head, n_kv_head, head_size, .. } = self.shape;
         let params = KernelParams::new()
             .slice_mut(out)
             .slice_mut(lse)
             .slice(qkv)
             .u32(seq as u32)
             .u32(n_head as u32)
+            .u32(n_kv_head as u32)
             .f32(self.shape.scale());
         // SAFETY: the parameters match `flash_forward_{hs}(bf16_t*, float*, const bf16_t*, u32,
-        // u32, float)` with `hs` the head size the function was loaded for. Block (i, h, b) reads
-        // rows 64i .. 64i+63 below `T` of sequence `b` of qkv (head h's columns of each third; it
-        // holds `B·T·3C` elements, checked above), writes the same rows of out (`B·T·C`) and of lse
-        // (`B·NH·T`), both the caller's. Every bf16 address is 16-byte aligned (checked above) and
-        // `C` is a multiple of 8, so every 16-byte access is too; lse is 4-byte aligned (checked).
-        // The shared memory asked for is what the kernel's tiles take, allowed in `Kernels::load`.
+        // u32, u32, float)` with `hs` the head size the function was loaded for. Block (i, h, b)
+        // reads rows 64i .. 64i+63 below `T` of sequence `b` of qkv (query head h's columns and
+        // those of its key/value head `h / (NH / NKV)`, which `Shape::new` checked divides; qkv
+        // holds `B·T·W` elements, checked above), writes the same rows of out (`B·T·C`) and of
+        // lse (`B·NH·T`), both the caller's. Every bf16 address is 16-byte aligned (checked
+        // above) and `C` and `W` are multiples of 8, so every 16-byte access is too; lse is
+        // 4-byte aligned (checked). The shared memory asked for is what the kernel's tiles take,
+        // allowed in `Kernels::load`.
         unsafe {
             self.device.launch(
                 stream,
                 &self.kernels.forward,
-                self.shape.tile_grid(),
+                self.shape.tile_grid(n_head),
                 TILE_THREADS,
                 forward_shared_bytes(head_size) as u32,
                 &params,
@@ -275,7 +279,7 @@ impl FlashAttention {
         }
     }
 
-    /// Overwrites `dqkv [B, T, 3C]` with d(loss)/d(qkv), given `dout [B, T, C]` = d(loss)/d(out)
+    /// Overwrites `dqkv` (qkv's shape) with d(loss)/d(qkv), given `dout [B, T, C]` = d(loss)/d(out)
     /// and the `qkv`, `out` and `lse` of the [`forward`](Self::forward) that made `out`.
     ///
     /// The same requirements as [`forward`](Self::forward) (`dqkv` as `qkv`, `dout` as `out`);
@@ -291,11 +295,12 @@ impl FlashAttention {
     ) -> Result<(), DeviceError> {
         let (rows_len, lse_len) =
             (self.shape.batch * self.shape.seq * self.shape.c, self.lse_len());
-        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), 3 * rows_len)?;
+        let qkv_len = self.shape.qkv_len();
+        self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), qkv_len)?;
         self.check(("out", out.len(), out.is_on(&self.device)), rows_len)?;
         self.check(("dout", dout.len(), dout.is_on(&self.device)), rows_len)?;
         self.check(("lse", lse.len(), lse.is_on(&self.device)), lse_len)?;
-        self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), 3 * rows_len)?;
+        self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), qkv_len)?;
         check_aligned(&[
             ("qkv", qkv.address(), ALIGNMENT),
             ("out", out.address(), ALIGNMENT),
@@ -305,11 +310,12 @@ impl FlashAttention {
         ])?;
         self.preprocess(stream, out, dout)?;
         let addresses = BackwardTensors { dqkv, qkv, dout, lse };
-        let head_size = self.shape.head_size;
+        let Shape { n_head, n_kv_head, head_size, .. } = self.shape;
         let dq = (&self.kernels.backward_dq, backward_dq_shared_bytes(head_size));
         let dkdv = (&self.kernels.backward_dkdv, backward_dkdv_shared_bytes(head_size));
-        self.backward_tiles(stream, dq, addresses)?;
-        self.backward_tiles(stream, dkdv, addresses)
+        // The dq kernel's blocks are per query head, the dk/dv kernel's per key/value head.
+        self.backward_tiles(stream, dq, self.shape.tile_grid(n_head), addresses)?;
+        self.backward_tiles(stream, dkdv, self.shape.tile_grid(n_kv_head), addresses)
     }
 
     /// An error unless a caller's tensor holds `needed` elements of this GPU.
@@ -344,15 +350,17 @@ impl FlashAttention {
     }
 
     /// One of the two backward tile kernels, `flash_backward_dq_{hs}` or
-    /// `flash_backward_dkdv_{hs}` (which take the same parameters), with its shared memory.
+    /// `flash_backward_dkdv_{hs}` (which take the same parameters), with its shared memory and
+    /// grid.
     fn backward_tiles(
         &self,
         stream: &CudaStream,
         (function, shared_bytes): (&CudaFunction, usize),
+        grid: Dim3,
         addresses: BackwardTensors<'_>,
     ) -> Result<(), DeviceError> {
         let BackwardTensors { dqkv, qkv, dout, lse } = addresses;
-        let Shape { seq, n_head, .. } = self.shape;
+        let Shape { seq, n_head, n_kv_head, .. } = self.shape;
         let params = KernelParams::new()
             .slice_mut(dqkv)
             .slice(qkv)
@@ -361,18 +369,21 @@ impl FlashAttention {
             .ptr(&self.delta, 0)
             .u32(seq as u32)
             .u32(n_head as u32)
+            .u32(n_kv_head as u32)
             .f32(self.shape.scale());
         // SAFETY: the parameters match `flash_backward_{dq,dkdv}_{hs}(bf16_t*, const bf16_t*,
-        // const bf16_t*, const float*, const float*, u32, u32, float)`, `hs` the head size both
-        // were loaded for. Block (x, h, b) reads rows below `T` of sequence `b` of qkv and dout
-        // (head h's columns; `backward` checked they hold `B·T·3C` and `B·T·C` elements), of lse
-        // (the caller's, `B·NH·T`, checked) and of our delta (`B·NH·T`, written by `preprocess` earlier on this
-        // stream). It writes rows 64x .. 64x+63 below `T` of head h's columns of dqkv (`B·T·3C`,
-        // the caller's): of the q third in the dq kernel, of the k and v thirds in the dk/dv
-        // kernel, which no other block of either writes. Alignment as in `forward`; the shared
-        // memory is what the kernel's tiles take, allowed in `Kernels::load`.
+        // const bf16_t*, const float*, const float*, u32, u32, u32, float)`, `hs` the head size
+        // both were loaded for. Block (x, h, b) of the dq kernel (`h` a query head) or of the
+        // dk/dv kernel (`h` a key/value head, looping over the query heads of its group) reads
+        // rows below `T` of sequence `b` of qkv and dout (those heads' columns; `backward`
+        // checked they hold `B·T·W` and `B·T·C` elements), of lse (the caller's, `B·NH·T`,
+        // checked) and of our delta (`B·NH·T`, written by `preprocess` earlier on this stream).
+        // It writes rows 64x .. 64x+63 below `T` of head h's columns of dqkv (`B·T·W`, the
+        // caller's): of the q part in the dq kernel, of the k and v parts in the dk/dv kernel,
+        // which no other block of either writes (one dk/dv block per key/value head). Alignment
+        // as in `forward`; the shared memory is what the kernel's tiles take, allowed in
+        // `Kernels::load`; `grid` is `tile_grid` of the kernel's heads (`backward`).
         unsafe {
-            let grid = self.shape.tile_grid();
             let shared_bytes = shared_bytes as u32;
             self.device.launch(stream, function, grid, TILE_THREADS, shared_bytes, &params)
         }
@@ -385,19 +396,36 @@ mod tests {
         ALIGNMENT, HEAD_SIZES, LSE_ALIGNMENT, Shape, backward_dkdv_shared_bytes,
         backward_dq_shared_bytes, check_aligned, forward_shared_bytes, kernel_names,
     };
+    use crate::kernels::AttentionShape;
 
     #[test]
     fn only_the_compiled_head_sizes_and_sizes_that_fit_the_kernels_are_accepted() {
-        assert_eq!(Shape::for_flash(2, 37, 128, 2).unwrap().head_size, 64);
-        assert_eq!(Shape::for_flash(8, 1024, 2048, 16).unwrap().head_size, 128);
+        let mha = |t, c, n_head| AttentionShape::multi_head(t, c, n_head);
+        assert_eq!(Shape::for_flash(2, mha(37, 128, 2)).unwrap().head_size, 64);
+        assert_eq!(Shape::for_flash(8, mha(1024, 2048, 16)).unwrap().head_size, 128);
         let refused = [(1, 8, 96, 2), (1, 8, 768, 3), (0, 8, 128, 2), (1, 8, 130, 2)];
         for (batch, seq, c, n_head) in refused {
-            assert!(Shape::for_flash(batch, seq, c, n_head).is_err(), "{batch} {seq} {c} {n_head}");
+            let shape = mha(seq, c, n_head);
+            assert!(Shape::for_flash(batch, shape).is_err(), "{batch} {seq} {c} {n_head}");
         }
-        let message = Shape::for_flash(1, 8, 96, 2).unwrap_err().to_string();
+        let message = Shape::for_flash(1, mha(8, 96, 2)).unwrap_err().to_string();
         assert!(message.contains("head size 48"), "{message}");
-        assert!(Shape::for_flash(1 << 16, 1, 128, 2).is_err(), "batch beyond the grid's z axis");
-        assert!(Shape::for_flash(1, 1 << 32, 128, 2).is_err(), "sequence beyond 32 bits");
+        assert!(Shape::for_flash(1 << 16, mha(1, 128, 2)).is_err(), "batch beyond the grid's z");
+        assert!(Shape::for_flash(1, mha(1 << 32, 128, 2)).is_err(), "sequence beyond 32 bits");
+    }
+
+    /// Grouped-query shapes are taken when the key/value heads divide the query heads, and the
+    /// qkv row then holds `C + 2·n_kv_head·hs` channels.
+    #[test]
+    fn grouped_query_shapes_need_key_value_heads_that_divide_the_query_heads() {
+        let gqa = |n_head, n_kv_head| AttentionShape { t: 65, c: 64 * n_head, n_head, n_kv_head };
+        let shape = Shape::for_flash(2, gqa(6, 2)).unwrap();
+        assert_eq!((shape.group(), shape.kv_width(), shape.qkv_width()), (3, 128, 384 + 256));
+        assert_eq!(Shape::for_flash(1, gqa(8, 1)).unwrap().qkv_len(), 65 * (512 + 128));
+        for (n_head, n_kv_head) in [(6, 4), (4, 0), (2, 4)] {
+            let message = Shape::for_flash(1, gqa(n_head, n_kv_head)).unwrap_err().to_string();
+            assert!(message.contains("must divide the query heads"), "{message}");
+        }
     }
 
     #[test]

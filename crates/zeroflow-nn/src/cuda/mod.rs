@@ -16,9 +16,9 @@
 //! The two attentions differ in what they keep for backward ([`AttentionKind`]): `gemm` keeps
 //! the softmax weights `att [B, NH, T, T]` of every layer as bf16 activations; `flash` keeps only
 //! the log-sum-exp of each query row, `lse [B, NH, T]`, in f32 with the statistics, and recomputes
-//! the weights in backward (head sizes 64 and 128 only). Both take multi-head attention only
-//! (`n_kv_head == n_head`); a plan with grouped-query attention is refused with an error until
-//! their GQA kernels come (with the Llama family). The CPU executors run GQA.
+//! the weights in backward (head sizes 64 and 128 only). Both take multi-head and grouped-query
+//! attention (`n_kv_head` a divisor of `n_head`; multi-head runs the same products and kernels as
+//! before grouped-query attention came: a group of one).
 //!
 //! Gradients of parameters are added deterministically: weight gradients by cuBLASLt with
 //! `beta = 1`, bias gradients by column sums in two fixed-order steps in f32 (then added to the
@@ -28,6 +28,7 @@
 //! problem) the same batch gives the same bits.
 
 pub mod attention;
+mod attention_shape;
 mod exec;
 pub mod flash;
 pub mod kernels;
@@ -135,26 +136,7 @@ fn plan_attention<X: LayerKernel>(
             }
         }
     }
-    if let Some((_, shape)) = found {
-        check_multi_head(shape)?;
-    }
     Ok(found)
-}
-
-/// An error unless `shape` is multi-head attention: the CUDA attentions have no grouped-query
-/// kernels yet (they come with the Llama family); the CPU executors run any `n_kv_head`.
-pub fn check_multi_head(shape: AttentionShape) -> Result<(), NnError> {
-    if shape.is_multi_head() {
-        return Ok(());
-    }
-    Err(NnError::Kernel {
-        kernel: "attention",
-        reason: format!(
-            "grouped-query attention ({} query heads, {} key/value heads) has no CUDA kernels \
-             yet: both CUDA attentions take n_kv_head == n_head only (the CPU device runs it)",
-            shape.n_head, shape.n_kv_head
-        ),
-    })
 }
 
 impl Attentions {
@@ -166,11 +148,11 @@ impl Attentions {
     ) -> Result<Self, NnError> {
         Ok(match attention {
             None => Attentions::None,
-            Some((AttentionKind::Gemm, AttentionShape { t, c, n_head, .. })) => {
-                Attentions::Gemm(CudaAttention::new(device, blas.clone(), batch, t, c, n_head)?)
+            Some((AttentionKind::Gemm, shape)) => {
+                Attentions::Gemm(CudaAttention::new(device, blas.clone(), batch, shape)?)
             }
-            Some((AttentionKind::Flash, AttentionShape { t, c, n_head, .. })) => {
-                Attentions::Flash(FlashAttention::new(device, batch, t, c, n_head)?)
+            Some((AttentionKind::Flash, shape)) => {
+                Attentions::Flash(FlashAttention::new(device, batch, shape)?)
             }
         })
     }
@@ -210,8 +192,8 @@ impl ActivationMemory {
         let schedule = Schedule::new(plan, fuse_gelu)?;
         let attention_scratch = match plan_attention(plan)? {
             None => 0,
-            Some((AttentionKind::Gemm, AttentionShape { t, c, n_head, .. })) => {
-                CudaAttention::scratch_bytes_for(plan.batch, t, c, n_head)
+            Some((AttentionKind::Gemm, shape)) => {
+                CudaAttention::scratch_bytes_for(plan.batch, shape)
             }
             Some((AttentionKind::Flash, AttentionShape { t, n_head, .. })) => {
                 FlashAttention::scratch_bytes_for(plan.batch, t, n_head)
@@ -265,6 +247,11 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
 
     pub fn plan(&self) -> &Plan<X> {
         &self.plan
+    }
+
+    /// The family's kernels this runner was made with.
+    pub fn layers(&self) -> &L {
+        &self.layers
     }
 
     /// The attention every layer uses (`None` for a plan without attention).
@@ -434,8 +421,9 @@ fn column_partials_len<X: CudaLayerKernel>(schedule: &Schedule<X>) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{CudaRunner, check_multi_head};
-    use crate::kernels::{AttentionShape, NoLayers};
+    use super::{CudaRunner, plan_attention};
+    use crate::kernels::{AttentionShape, Kernel, NoLayers};
+    use crate::plan::{AttentionKind, Launch, Plan, Step};
 
     /// The engine may run each rank's model on a thread of its own.
     #[test]
@@ -444,15 +432,25 @@ mod tests {
         send::<CudaRunner<NoLayers, ()>>();
     }
 
-    /// Grouped-query attention is refused by the CUDA executor with a message that says what is
-    /// missing; multi-head attention is taken.
+    /// A plan with grouped-query attention is taken (the CUDA attentions run it), with its shape;
+    /// the plan's attentions must still agree on one kind and shape.
     #[test]
-    fn the_cuda_attentions_refuse_grouped_query_attention_by_name() {
-        assert!(check_multi_head(AttentionShape::multi_head(16, 64, 4)).is_ok());
+    fn the_cuda_executor_takes_grouped_query_attention_of_one_shape() {
         let gqa = AttentionShape { t: 16, c: 64, n_head: 4, n_kv_head: 2 };
-        let message = check_multi_head(gqa).unwrap_err().to_string();
-        for needed in ["grouped-query", "4 query heads, 2 key/value heads", "n_kv_head == n_head"] {
-            assert!(message.contains(needed), "{message}");
-        }
+        let launch = |kernel| Launch { kernel, args: Vec::new() };
+        let plan = |forward| Plan::<NoLayers> {
+            batch: 2,
+            seq: 16,
+            acts_len: 0,
+            forward,
+            backward: vec![Step::Launch(launch(Kernel::FlashAttentionBackward(gqa)))],
+            loss: 0..1,
+            f32_acts: Vec::new(),
+        };
+        let taken = plan_attention(&plan(vec![launch(Kernel::FlashAttention(gqa))])).unwrap();
+        assert_eq!(taken, Some((AttentionKind::Flash, gqa)));
+        let mixed = plan(vec![launch(Kernel::Attention(gqa))]);
+        let message = plan_attention(&mixed).unwrap_err().to_string();
+        assert!(message.contains("the plan's attentions differ"), "{message}");
     }
 }

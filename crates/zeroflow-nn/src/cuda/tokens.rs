@@ -59,6 +59,11 @@ impl Tokens {
         Self::bytes_for(self.n)
     }
 
+    /// Tokens per micro-batch (of the inputs, and of the targets).
+    pub fn tokens(&self) -> usize {
+        self.n
+    }
+
     /// The number of distinct input tokens of the last batch.
     pub fn buckets(&self) -> usize {
         self.buckets

@@ -1,7 +1,8 @@
 //! `CudaAttention` against the CPU reference (`kernels::attention`, in f64 on the same bf16
 //! inputs), at sizes that exercise every tail: a sequence of 37 (rows not a multiple of 8, so the
 //! scalar softmax), a head size of 50 (2-element packs), a sequence of one token, sizes where the
-//! 16-byte paths run, and tensors at odd offsets. Every tensor of the caller sits between NaN
+//! 16-byte paths run, tensors at odd offsets, and grouped-query attention (6 query heads on 2
+//! key/value heads at head size 48, 8 on 1 at head size 80, 4 on 2 at odd offsets). Every tensor of the caller sits between NaN
 //! guards, and the outputs start as NaN: an element not written, a write outside a tensor or a
 //! read outside one shows up.
 
@@ -28,12 +29,18 @@ struct Shape {
     seq: usize,
     c: usize,
     n_head: usize,
+    /// Key/value heads: `n_head` for multi-head attention, a divisor of it for grouped-query.
+    n_kv_head: usize,
     /// Elements before each of the caller's tensors in its buffer (3 makes every address only
     /// 2-byte aligned, so every kernel takes its one-element path).
     offset: usize,
 }
 
 impl Shape {
+    const fn mha(batch: usize, seq: usize, c: usize, n_head: usize, offset: usize) -> Self {
+        Shape { batch, seq, c, n_head, n_kv_head: n_head, offset }
+    }
+
     fn rows(&self) -> usize {
         self.batch * self.seq
     }
@@ -41,14 +48,27 @@ impl Shape {
     fn att_len(&self) -> usize {
         self.batch * self.n_head * self.seq * self.seq
     }
+
+    fn attention(&self) -> AttentionShape {
+        let Shape { seq, c, n_head, n_kv_head, .. } = *self;
+        AttentionShape { t: seq, c, n_head, n_kv_head }
+    }
+
+    /// Elements of `qkv [B, T, C + 2·n_kv_head·hs]`.
+    fn qkv_len(&self) -> usize {
+        self.rows() * self.attention().qkv_width()
+    }
 }
 
-const SHAPES: [Shape; 5] = [
-    Shape { batch: 2, seq: 37, c: 200, n_head: 4, offset: 0 },
-    Shape { batch: 2, seq: 1, c: 200, n_head: 4, offset: 0 },
-    Shape { batch: 3, seq: 64, c: 256, n_head: 2, offset: 0 },
-    Shape { batch: 3, seq: 20, c: 96, n_head: 3, offset: 0 },
-    Shape { batch: 3, seq: 24, c: 128, n_head: 4, offset: 3 },
+const SHAPES: [Shape; 8] = [
+    Shape::mha(2, 37, 200, 4, 0),
+    Shape::mha(2, 1, 200, 4, 0),
+    Shape::mha(3, 64, 256, 2, 0),
+    Shape::mha(3, 20, 96, 3, 0),
+    Shape::mha(3, 24, 128, 4, 3),
+    Shape { batch: 2, seq: 37, c: 288, n_head: 6, n_kv_head: 2, offset: 0 },
+    Shape { batch: 2, seq: 45, c: 640, n_head: 8, n_kv_head: 1, offset: 0 },
+    Shape { batch: 3, seq: 24, c: 128, n_head: 4, n_kv_head: 2, offset: 3 },
 ];
 
 #[test]
@@ -57,22 +77,22 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
     let blas = Arc::new(Blas::new(&device).unwrap());
     let stream = device.stream(StreamKind::Compute);
     for (index, &shape) in SHAPES.iter().enumerate() {
-        let Shape { batch, seq, c, n_head, offset } = shape;
+        let Shape { batch, seq, c, n_head, n_kv_head, offset } = shape;
         let at = offset * size_of::<bf16>();
         let seed = 100 * index as u64;
-        let qkv = random_bf16(shape.rows() * 3 * c, 2.0, seed);
+        let qkv = random_bf16(shape.qkv_len(), 2.0, seed);
         let dout = random_bf16(shape.rows() * c, 1.0, seed + 1);
 
         let mut out_ref = vec![0.0; shape.rows() * c];
         let mut att_ref = vec![0.0; shape.att_len()];
-        let heads = AttentionShape::multi_head(seq, c, n_head);
+        let heads = shape.attention();
         attention_forward(&mut out_ref, &mut att_ref, &widen(&qkv), heads);
         let mut dqkv_ref = vec![0.0; qkv.len()];
         let mut dscores_ref = vec![0.0; shape.att_len()];
         let (dout_wide, qkv_wide) = (widen(&dout), widen(&qkv));
         attention_backward(&mut dqkv_ref, &mut dscores_ref, &dout_wide, &qkv_wide, &att_ref, heads);
 
-        let attention = CudaAttention::new(&device, blas.clone(), batch, seq, c, n_head).unwrap();
+        let attention = CudaAttention::new(&device, blas.clone(), batch, heads).unwrap();
         let qkv_gpu = Placed::holding(&device, &qkv, at);
         let dout_gpu = Placed::holding(&device, &dout, at);
         let out = Placed::<bf16>::poisoned(&device, shape.rows() * c, at);
@@ -93,8 +113,8 @@ fn forward_and_backward_match_the_cpu_reference_at_odd_sizes() {
         ];
         for (what, rel) in errors {
             println!(
-                "RESULT attention {what} B{batch} T{seq} C{c} NH{n_head} offset{offset} \
-                 rel={rel:.3e}"
+                "RESULT attention {what} B{batch} T{seq} C{c} NH{n_head} NKV{n_kv_head} \
+                 offset{offset} rel={rel:.3e}"
             );
             assert!(rel <= TOLERANCE, "{shape:?}: {what} is off by {rel:.3e} (relative)");
         }
@@ -114,26 +134,28 @@ fn a_second_run_on_the_same_inputs_gives_the_same_results() {
     let Some(device) = gpu() else { return };
     let blas = Arc::new(Blas::new(&device).unwrap());
     let stream = device.stream(StreamKind::Compute);
-    let shape = SHAPES[0];
-    let Shape { batch, seq, c, n_head, .. } = shape;
-    let attention = CudaAttention::new(&device, blas, batch, seq, c, n_head).unwrap();
-    let qkv = Placed::holding(&device, &random_bf16(shape.rows() * 3 * c, 2.0, 7), 0);
-    let dout = Placed::holding(&device, &random_bf16(shape.rows() * c, 1.0, 8), 0);
-    let out = Placed::<bf16>::poisoned(&device, shape.rows() * c, 0);
-    let att = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
-    let dqkv = Placed::<bf16>::poisoned(&device, shape.rows() * 3 * c, 0);
-    let dscores = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
-    let mut runs = Vec::new();
-    for _ in 0..2 {
-        attention.forward(stream, qkv.slice(), out.slice_mut(), att.slice_mut()).unwrap();
-        let (a, d) = (att.slice(), dscores.slice_mut());
-        attention.backward(stream, dout.slice(), qkv.slice(), a, dqkv.slice_mut(), d).unwrap();
-        device.synchronize().unwrap();
-        runs.push([out.read(&device, "out"), dqkv.read(&device, "dqkv")]);
-    }
-    for (what, (first, second)) in ["out", "dqkv"].iter().zip(runs[0].iter().zip(&runs[1])) {
-        let rel = relative_error(second, first);
-        assert!(rel <= 1e-3, "{what}: the second run differs from the first by {rel:.3e}");
+    for shape in [SHAPES[0], SHAPES[5]] {
+        let Shape { batch, c, .. } = shape;
+        let attention = CudaAttention::new(&device, blas.clone(), batch, shape.attention());
+        let attention = attention.unwrap();
+        let qkv = Placed::holding(&device, &random_bf16(shape.qkv_len(), 2.0, 7), 0);
+        let dout = Placed::holding(&device, &random_bf16(shape.rows() * c, 1.0, 8), 0);
+        let out = Placed::<bf16>::poisoned(&device, shape.rows() * c, 0);
+        let att = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
+        let dqkv = Placed::<bf16>::poisoned(&device, shape.qkv_len(), 0);
+        let dscores = Placed::<bf16>::poisoned(&device, shape.att_len(), 0);
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            attention.forward(stream, qkv.slice(), out.slice_mut(), att.slice_mut()).unwrap();
+            let (a, d, dqkv_out) = (att.slice(), dscores.slice_mut(), dqkv.slice_mut());
+            attention.backward(stream, dout.slice(), qkv.slice(), a, dqkv_out, d).unwrap();
+            device.synchronize().unwrap();
+            runs.push([out.read(&device, "out"), dqkv.read(&device, "dqkv")]);
+        }
+        for (what, (first, second)) in ["out", "dqkv"].iter().zip(runs[0].iter().zip(&runs[1])) {
+            let rel = relative_error(second, first);
+            assert!(rel <= 1e-3, "{shape:?}: {what}: the second run differs by {rel:.3e}");
+        }
     }
 }
 
@@ -144,10 +166,10 @@ fn a_second_run_on_the_same_inputs_gives_the_same_results() {
 fn bench_attention_at_gpt_1_3b_shapes() {
     let Some(device) = gpu() else { return };
     let (batch, seq, c, n_head) = (8, 1024, 2048, 16);
-    let shape = Shape { batch, seq, c, n_head, offset: 0 };
+    let shape = Shape::mha(batch, seq, c, n_head, 0);
     let blas = Arc::new(Blas::new(&device).unwrap());
     let stream = device.stream(StreamKind::Compute);
-    let attention = CudaAttention::new(&device, blas, batch, seq, c, n_head).unwrap();
+    let attention = CudaAttention::new(&device, blas, batch, shape.attention()).unwrap();
     let qkv = device.upload(&random_bf16(shape.rows() * 3 * c, 2.0, 1)).unwrap();
     let dout = device.upload(&random_bf16(shape.rows() * c, 1.0, 2)).unwrap();
     let out = device.alloc::<bf16>(shape.rows() * c).unwrap();
