@@ -1,12 +1,14 @@
 //! Where every activation of a Llama-family model lives in the activation buffer, for one
-//! (batch, sequence length).
+//! (batch, sequence length). With activation checkpointing ([`PlanOptions`]) every layer's
+//! activations but its output are *internal* and share one region ([`zeroflow_nn::checkpoint`]).
 
 use std::ops::Range;
 
-use zeroflow_nn::AttentionKind;
 use zeroflow_nn::plan::ActAllocator;
+use zeroflow_nn::{AttentionKind, Checkpointing, LayerAllocator, layer_acts};
 
 use crate::config::LlamaConfig;
+use crate::plan::PlanOptions;
 
 /// What a layer's attention keeps from forward for backward, as a range of the activation buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,7 +33,8 @@ pub struct QkNormActs {
     pub k_rstd: Range<usize>,
 }
 
-/// The activations of one decoder layer (`n = batch · seq` token rows).
+/// The activations of one decoder layer (`n = batch · seq` token rows). With activation
+/// checkpointing every layer has the same ranges, but for `residual_out` (its output).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerActs {
     /// `input_layernorm`'s output `[n, hidden]` and `rstd [n]`.
@@ -69,6 +72,8 @@ pub struct ActLayout {
     pub batch: usize,
     pub seq: usize,
     pub attention: AttentionKind,
+    /// Whether the layers' internals share one region, recomputed in backward.
+    pub checkpointing: Checkpointing,
     /// The token embeddings `[n, hidden]`.
     pub embedded: Range<usize>,
     pub layers: Vec<LayerActs>,
@@ -86,13 +91,30 @@ pub struct ActLayout {
 }
 
 impl ActLayout {
+    /// The layout of the plain plan (every layer's activations its own) with `attention`.
     pub fn new(config: &LlamaConfig, batch: usize, seq: usize, attention: AttentionKind) -> Self {
-        let n = batch * seq;
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(config, batch, seq, options)
+    }
+
+    /// The layout of the plan `options` say (with activation checkpointing, the layers'
+    /// internals in one shared region).
+    pub fn with_options(
+        config: &LlamaConfig,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Self {
+        let (n, attention) = (batch * seq, options.attention);
         let mut bump = ActAllocator::default();
         let embedded = bump.take(n * config.hidden_size);
-        let layers =
-            (0..config.num_hidden_layers).map(|_| layer(config, &mut bump, batch, seq, attention));
-        let layers = layers.collect();
+        let layers = layer_acts(
+            &mut bump,
+            config.num_hidden_layers,
+            options.activation_checkpointing,
+            |acts| layer(config, acts, batch, seq, attention),
+        );
+        let (checkpointing, layers) = (layers.checkpointing, layers.layers);
         let norm = bump.take(n * config.hidden_size);
         let norm_rstd = bump.take(n);
         let logits = bump.take(n * config.vocab_size);
@@ -104,6 +126,7 @@ impl ActLayout {
             batch,
             seq,
             attention,
+            checkpointing,
             embedded,
             layers,
             norm,
@@ -126,8 +149,8 @@ impl ActLayout {
     }
 
     /// The activations kept in f32 on the GPU, in the order of its f32 buffer: each layer's
-    /// norm statistics (and flash attention's log-sum-exp), the final norm's, the losses and the
-    /// mean loss.
+    /// norm statistics (and flash attention's log-sum-exp; with checkpointing every layer lists
+    /// the same ranges, placed once), the final norm's, the losses and the mean loss.
     pub fn f32_acts(&self) -> Vec<Range<usize>> {
         let mut ranges = Vec::new();
         for layer in &self.layers {
@@ -145,9 +168,10 @@ impl ActLayout {
     }
 }
 
+/// One layer's activations: its output kept, the rest internal (in the order of its forward).
 fn layer(
     config: &LlamaConfig,
-    bump: &mut ActAllocator,
+    acts: &mut LayerAllocator<'_>,
     batch: usize,
     seq: usize,
     attention: AttentionKind,
@@ -155,14 +179,15 @@ fn layer(
     let (n, d, ffn) = (batch * seq, config.hidden_size, config.intermediate_size);
     let (heads, kv_heads) = (config.num_attention_heads, config.num_key_value_heads);
     let (q_dim, kv_dim) = (config.q_dim(), config.kv_dim());
-    let input_norm = bump.take(n * d);
-    let input_rstd = bump.take(n);
-    let (q, k, v) = (bump.take(n * q_dim), bump.take(n * kv_dim), bump.take(n * kv_dim));
+    let input_norm = acts.internal(n * d);
+    let input_rstd = acts.internal(n);
+    let (q, k, v) =
+        (acts.internal(n * q_dim), acts.internal(n * kv_dim), acts.internal(n * kv_dim));
     let qk_norm = config.qk_norm.then(|| QkNormActs {
-        q: bump.take(n * q_dim),
-        q_rstd: bump.take(n * heads),
-        k: bump.take(n * kv_dim),
-        k_rstd: bump.take(n * kv_heads),
+        q: acts.internal(n * q_dim),
+        q_rstd: acts.internal(n * heads),
+        k: acts.internal(n * kv_dim),
+        k_rstd: acts.internal(n * kv_heads),
     });
     LayerActs {
         input_norm,
@@ -171,20 +196,20 @@ fn layer(
         k,
         v,
         qk_norm,
-        qkv: bump.take(n * (q_dim + 2 * kv_dim)),
+        qkv: acts.internal(n * (q_dim + 2 * kv_dim)),
         attention: match attention {
-            AttentionKind::Gemm => AttentionActs::Weights(bump.take(batch * heads * seq * seq)),
-            AttentionKind::Flash => AttentionActs::LogSumExp(bump.take(batch * heads * seq)),
+            AttentionKind::Gemm => AttentionActs::Weights(acts.internal(batch * heads * seq * seq)),
+            AttentionKind::Flash => AttentionActs::LogSumExp(acts.internal(batch * heads * seq)),
         },
-        atty: bump.take(n * q_dim),
-        attn_out: bump.take(n * d),
-        residual_mid: bump.take(n * d),
-        post_norm: bump.take(n * d),
-        post_rstd: bump.take(n),
-        gate: bump.take(n * ffn),
-        up: bump.take(n * ffn),
-        swiglu: bump.take(n * ffn),
-        mlp_out: bump.take(n * d),
-        residual_out: bump.take(n * d),
+        atty: acts.internal(n * q_dim),
+        attn_out: acts.internal(n * d),
+        residual_mid: acts.internal(n * d),
+        post_norm: acts.internal(n * d),
+        post_rstd: acts.internal(n),
+        gate: acts.internal(n * ffn),
+        up: acts.internal(n * ffn),
+        swiglu: acts.internal(n * ffn),
+        mlp_out: acts.internal(n * d),
+        residual_out: acts.kept(n * d),
     }
 }

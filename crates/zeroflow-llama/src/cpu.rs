@@ -12,7 +12,7 @@ use crate::acts::ActLayout;
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
 use crate::kernels::LlamaKernel;
-use crate::plan::{LlamaPlan, Plan};
+use crate::plan::{LlamaPlan, Plan, PlanOptions};
 use crate::ranges::ParamRanges;
 
 /// A model for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
@@ -35,8 +35,23 @@ impl CpuLlama {
         seq: usize,
         attention: AttentionKind,
     ) -> Result<Self, LlamaError> {
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(device, config, layout, batch, seq, options)
+    }
+
+    /// The model over `layout` for micro-batches of `batch` sequences of `seq` tokens, its plan
+    /// built as `options` say.
+    pub fn with_options(
+        device: &CpuDevice,
+        config: &LlamaConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<Self, LlamaError> {
         let params = ParamRanges::new(config, layout)?;
-        let LlamaPlan { acts, plan } = LlamaPlan::new(config, &params, batch, seq, attention)?;
+        let LlamaPlan { acts, plan } =
+            LlamaPlan::with_options(config, &params, batch, seq, options)?;
         let runner = CpuRunner::new(device, plan, layout.padded_len())?;
         Ok(CpuLlama { config: config.clone(), acts, runner })
     }

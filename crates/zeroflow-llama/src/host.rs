@@ -9,7 +9,7 @@ use crate::acts::ActLayout;
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
 use crate::kernels::LlamaKernel;
-use crate::plan::{LlamaPlan, Plan};
+use crate::plan::{LlamaPlan, Plan, PlanOptions};
 use crate::ranges::ParamRanges;
 
 /// A model for one (batch, seq) whose activations live in host vectors.
@@ -30,8 +30,22 @@ impl<F: Float> HostLlama<F> {
         seq: usize,
         attention: AttentionKind,
     ) -> Result<Self, LlamaError> {
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(config, layout, batch, seq, options)
+    }
+
+    /// The model over `layout` for micro-batches of `batch` sequences of `seq` tokens, its plan
+    /// built as `options` say.
+    pub fn with_options(
+        config: &LlamaConfig,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<Self, LlamaError> {
         let params = ParamRanges::new(config, layout)?;
-        let LlamaPlan { acts, plan } = LlamaPlan::new(config, &params, batch, seq, attention)?;
+        let LlamaPlan { acts, plan } =
+            LlamaPlan::with_options(config, &params, batch, seq, options)?;
         let runner = HostRunner::new(plan, layout.padded_len());
         Ok(HostLlama { config: config.clone(), acts, runner })
     }

@@ -44,7 +44,7 @@ pub use host::HostLlama;
 pub use init::init_params;
 pub use kernels::LlamaKernel;
 pub use params::{HfParam, ParamKind, hf_params, param_count};
-pub use plan::{LlamaPlan, Plan};
+pub use plan::{LlamaPlan, Plan, PlanOptions};
 pub use ranges::{LayerParams, ParamRanges, flat_layout, param_specs};
 pub use rope::{Llama3RopeScaling, RopeFreqs};
 pub use shapes::{NAMED_SHAPES, named_shape};

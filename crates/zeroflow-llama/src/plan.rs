@@ -14,7 +14,9 @@
 //!
 //! The builder works layer by layer: [`Builder::layer_forward`] emits one layer's forward from
 //! the range of its input (the residual stream entering it), and [`Builder::layer_backward`] its
-//! backward from the same ranges.
+//! backward from the same ranges. With activation checkpointing ([`PlanOptions`]) each layer's
+//! backward steps go through [`zeroflow_nn::Checkpointing::layer_backward`] with that layer's
+//! forward launches, which recompute what the backward reads.
 
 use std::ops::Range;
 
@@ -32,6 +34,17 @@ use crate::rope::RopeFreqs;
 
 /// The Llama family's plan: zeroflow-nn's [`zeroflow_nn::Plan`] of [`LlamaKernel`]s.
 pub type Plan = zeroflow_nn::Plan<LlamaKernel>;
+
+/// How a [`LlamaPlan`] is built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PlanOptions {
+    /// What each layer's attention keeps for backward.
+    pub attention: AttentionKind,
+    /// Keep only each layer's output from forward to backward and recompute the rest of the
+    /// layer right before its backward ([`zeroflow_nn::checkpoint`]): every layer's internal
+    /// activations share one region. Off by default.
+    pub activation_checkpointing: bool,
+}
 
 /// A Llama plan for one (batch, seq) and where its activations lie.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,6 +65,18 @@ impl LlamaPlan {
         seq: usize,
         attention: AttentionKind,
     ) -> Result<LlamaPlan, LlamaError> {
+        let options = PlanOptions { attention, ..PlanOptions::default() };
+        Self::with_options(config, params, batch, seq, options)
+    }
+
+    /// The plan for micro-batches of `batch` sequences of `seq` tokens, built as `options` say.
+    pub fn with_options(
+        config: &LlamaConfig,
+        params: &ParamRanges,
+        batch: usize,
+        seq: usize,
+        options: PlanOptions,
+    ) -> Result<LlamaPlan, LlamaError> {
         if batch == 0 || seq == 0 {
             return Err(LlamaError::Batch(format!(
                 "batch {batch} × seq {seq}: both must be at least 1"
@@ -67,13 +92,10 @@ impl LlamaPlan {
                 ),
             }));
         }
-        let acts = ActLayout::new(config, batch, seq, attention);
+        let acts = ActLayout::with_options(config, batch, seq, options);
         let mut forward = Builder::new(config, &acts);
         forward.forward(params);
-        let forward = forward.steps.into_iter().map(|step| match step {
-            Step::Launch(launch) => launch,
-            Step::GradsReady(_) => unreachable!("forward has no gradients"),
-        });
+        let forward = forward.steps.into_iter().filter_map(Step::into_launch);
         let mut backward = Builder::new(config, &acts);
         backward.backward(params);
         let plan = Plan {
@@ -105,6 +127,11 @@ pub struct Builder<'a> {
 impl<'a> Builder<'a> {
     pub fn new(config: &'a LlamaConfig, acts: &'a ActLayout) -> Self {
         Builder { config, acts, steps: Vec::new() }
+    }
+
+    /// A builder of the same model with no steps yet.
+    fn sub(&self) -> Self {
+        Builder::new(self.config, self.acts)
     }
 
     fn launch(&mut self, kernel: Kernel, args: Vec<Arg>) {
@@ -162,7 +189,14 @@ impl<'a> Builder<'a> {
         self.rmsnorm_backward(&a.norm, &a.norm_rstd, last, &p.norm, d);
         ready(&mut self.steps);
         for (layer, (lp, la)) in p.layers.iter().zip(&a.layers).enumerate().rev() {
-            self.layer_backward(a.residual_in(layer), lp, la);
+            let input = a.residual_in(layer);
+            let (mut forward, mut backward) = (self.sub(), self.sub());
+            forward.layer_forward(input, lp, la);
+            backward.layer_backward(input, lp, la);
+            let forward: Vec<_> = forward.steps.into_iter().filter_map(Step::into_launch).collect();
+            // The last layer's internals are still in place: its forward wrote them last.
+            let recompute = layer + 1 != self.config.num_hidden_layers;
+            self.steps.extend(a.checkpointing.layer_backward(&forward, backward.steps, recompute));
             ready(&mut self.steps);
         }
         self.layer_kernel(
