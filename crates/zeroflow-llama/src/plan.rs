@@ -35,16 +35,8 @@ use crate::rope::RopeFreqs;
 /// The Llama family's plan: zeroflow-nn's [`zeroflow_nn::Plan`] of [`LlamaKernel`]s.
 pub type Plan = zeroflow_nn::Plan<LlamaKernel>;
 
-/// How a [`LlamaPlan`] is built.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct PlanOptions {
-    /// What each layer's attention keeps for backward.
-    pub attention: AttentionKind,
-    /// Keep only each layer's output from forward to backward and recompute the rest of the
-    /// layer right before its backward ([`zeroflow_nn::checkpoint`]): every layer's internal
-    /// activations share one region. Off by default.
-    pub activation_checkpointing: bool,
-}
+/// How a [`LlamaPlan`] is built (zeroflow-nn's options of every family's plan).
+pub use zeroflow_nn::PlanOptions;
 
 /// A Llama plan for one (batch, seq) and where its activations lie.
 #[derive(Clone, Debug, PartialEq)]

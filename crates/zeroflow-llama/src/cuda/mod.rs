@@ -28,7 +28,7 @@ use crate::acts::ActLayout;
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
 use crate::kernels::LlamaKernel;
-use crate::plan::{LlamaPlan, Plan};
+use crate::plan::{LlamaPlan, Plan, PlanOptions};
 use crate::ranges::ParamRanges;
 
 /// A model for one (batch, seq) whose activations live on a GPU. The engine owns the flat bf16
@@ -47,13 +47,27 @@ pub struct CudaLlamaOptions {
     /// which takes any model; [`CudaLlamaOptions::for_model`] picks `Flash` where it can).
     /// [`AttentionKind::Flash`] needs a `head_dim` of 64 or 128 ([`flash::HEAD_SIZES`]).
     pub attention: AttentionKind,
+    /// Keep only each layer's output for backward and recompute the rest of the layer there
+    /// ([`PlanOptions::activation_checkpointing`]). Off by default.
+    pub activation_checkpointing: bool,
 }
 
 impl CudaLlamaOptions {
+    /// The plan options these ask for.
+    fn plan(&self) -> PlanOptions {
+        PlanOptions {
+            attention: self.attention,
+            activation_checkpointing: self.activation_checkpointing,
+        }
+    }
+
     /// The defaults, with the attention `requested` (`None`: the fastest that takes `config`,
     /// [`auto_attention`]). Whether the attention takes the model is checked when it is built.
     pub fn for_model(config: &LlamaConfig, requested: Option<AttentionKind>) -> Self {
-        CudaLlamaOptions { attention: requested.unwrap_or_else(|| auto_attention(config)) }
+        CudaLlamaOptions {
+            attention: requested.unwrap_or_else(|| auto_attention(config)),
+            activation_checkpointing: false,
+        }
     }
 }
 
@@ -110,7 +124,8 @@ pub fn planned_memory(
     options: CudaLlamaOptions,
 ) -> Result<ActivationMemory, LlamaError> {
     let params = ParamRanges::new(config, layout)?;
-    let LlamaPlan { plan, .. } = LlamaPlan::new(config, &params, batch, seq, options.attention)?;
+    let LlamaPlan { plan, .. } =
+        LlamaPlan::with_options(config, &params, batch, seq, options.plan())?;
     let mut memory = ActivationMemory::planned(&plan, false)?;
     memory.scratch += kernels::table_bytes(&plan)?;
     Ok(memory)
@@ -146,7 +161,7 @@ impl CudaLlama {
         check_32_bit_sizes(config, batch * seq)?;
         let params = ParamRanges::new(config, layout)?;
         let LlamaPlan { acts, plan } =
-            LlamaPlan::new(config, &params, batch, seq, options.attention)?;
+            LlamaPlan::with_options(config, &params, batch, seq, options.plan())?;
         let layers = LlamaKernels::load(device, &plan)?;
         // No GELU to fuse: the family's kernels have no cuBLASLt epilogue.
         let runner = CudaRunner::new(device, blas, plan, layout.padded_len(), false, layers)?;

@@ -74,7 +74,7 @@ fn model_with(
 ) -> CudaLlama {
     let layout = zeroflow_llama::flat_layout(config, 1).unwrap();
     let blas = Arc::new(Blas::new(device).unwrap());
-    let options = CudaLlamaOptions { attention };
+    let options = CudaLlamaOptions { attention, ..CudaLlamaOptions::default() };
     CudaLlama::with_options(device, blas, config, &layout, (batch, seq), options).unwrap()
 }
 
@@ -184,7 +184,7 @@ fn check_against_host(
     let twice: Vec<_> = groups_ref.iter().chain(&groups_ref).cloned().collect();
     assert_eq!(groups, twice, "{what}: GradsReady notices differ from the host model's");
 
-    let options = CudaLlamaOptions { attention };
+    let options = CudaLlamaOptions { attention, ..CudaLlamaOptions::default() };
     let planned = planned_memory(config, &layout, (batch, seq), options).unwrap();
     assert_eq!(model.activation_memory(), planned, "{what}: the planned memory is off");
 }
@@ -242,7 +242,7 @@ fn the_cuda_schedule_takes_every_model_of_these_tests() {
     for (what, config, batch_seq) in tiny.chain(flash_models()) {
         let layout = zeroflow_llama::flat_layout(&config, 1).unwrap();
         let memory = |attention| {
-            let options = CudaLlamaOptions { attention };
+            let options = CudaLlamaOptions { attention, ..CudaLlamaOptions::default() };
             planned_memory(&config, &layout, batch_seq, options)
                 .unwrap_or_else(|e| panic!("{what} {attention:?}: {e}"))
         };
