@@ -9,10 +9,13 @@
 //!   (batch, seq).
 //! - [`CpuGpt`] runs the plan on the [`zeroflow_device::CpuDevice`]'s compute stream;
 //!   [`HostGpt`] runs it on host vectors (the f64 oracle); [`CudaGpt`] on a GPU.
+//! - [`GptDecoder`]: the forward with a key/value cache (zeroflow-nn's `infer::Decoder`), for
+//!   generation.
 
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod decode;
 pub mod error;
 pub mod host;
 pub mod kernels;
@@ -22,6 +25,7 @@ pub mod plan;
 pub use config::{GptConfig, NAMED_SIZES};
 pub use cpu::{CpuGpt, init_params_on_device};
 pub use cuda::CudaGpt;
+pub use decode::GptDecoder;
 pub use error::GptError;
 pub use host::HostGpt;
 pub use kernels::GptKernel;

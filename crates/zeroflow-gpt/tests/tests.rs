@@ -2,6 +2,7 @@
 
 mod support;
 
+mod decode;
 mod device;
 mod flash_plan;
 mod gradcheck;
