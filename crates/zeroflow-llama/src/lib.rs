@@ -11,7 +11,8 @@
 //! - [`kernels`]: the family's own layers (RMSNorm, rotary embeddings, SwiGLU, the token
 //!   embedding) as pure functions generic over [`zeroflow_nn::Float`], and [`LlamaKernel`].
 //! - [`plan`]: the model as zeroflow-nn's plan ([`LlamaPlan`]); [`HostLlama`] runs it on host
-//!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`.
+//!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`; [`LlamaDecoder`] is the
+//!   forward with a key/value cache (zeroflow-nn's `infer::Decoder`), for generation.
 //! - [`hf`]: Hugging Face directories in ([`HfLlama`], into the flat buffer by name) and out
 //!   ([`save_hf_dir`]).
 //!
@@ -20,6 +21,7 @@
 pub mod acts;
 pub mod config;
 pub mod cpu;
+pub mod decode;
 pub mod error;
 pub mod hf;
 pub mod host;
@@ -35,6 +37,7 @@ pub mod shapes;
 pub use acts::ActLayout;
 pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use cpu::{CpuLlama, init_params_on_device};
+pub use decode::LlamaDecoder;
 pub use error::{LlamaConfigError, LlamaError};
 pub use hf::{HfLlama, save_hf_dir};
 pub use host::HostLlama;

@@ -2,6 +2,7 @@
 //! name, the round trip through `to_hf_config`, the named shapes, the kernels, and the model
 //! (finite differences, the device, Hugging Face directories).
 
+mod decode;
 mod device;
 mod fixtures;
 mod gradcheck;
