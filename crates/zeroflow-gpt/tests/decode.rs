@@ -104,3 +104,25 @@ fn seeded_sampling_is_reproducible_and_a_stop_token_ends_a_sequence() {
     let end = first[0].iter().position(|&t| t == stop).unwrap();
     assert_eq!(stopped[0], first[0][..=end].to_vec());
 }
+
+#[test]
+fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
+    let (layout, params) = perturbed_params(&ODD, 8);
+    let stream: Vec<u32> = (0..21).map(|i| (i * 17 % 70) as u32).collect();
+    let loss_of = |inputs: &[u32], targets: &[u32]| {
+        let mut model = HostGpt::<f64>::new(&ODD, &layout, 1, inputs.len()).unwrap();
+        model.forward(&params, inputs, targets).unwrap()
+    };
+    // Windows of 8 inputs: [0, 8), [8, 16), [16, 20).
+    let result = zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, 8).unwrap();
+    let expected = (8.0 * loss_of(&stream[0..8], &stream[1..9])
+        + 8.0 * loss_of(&stream[8..16], &stream[9..17])
+        + 4.0 * loss_of(&stream[16..20], &stream[17..21]))
+        / 20.0;
+    assert_eq!(result.tokens, 20);
+    assert!((result.loss - expected).abs() < 1e-12, "{} against {expected}", result.loss);
+    assert!(
+        zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, 13).is_err(),
+        "13 > context"
+    );
+}

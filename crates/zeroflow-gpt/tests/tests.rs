@@ -7,6 +7,7 @@ mod device;
 mod flash_plan;
 mod gradcheck;
 mod grads_ready;
+mod hf_dir;
 mod init_loss;
 mod params;
 mod schedule;

@@ -40,7 +40,7 @@ pub use cpu::{CpuLlama, init_params_on_device};
 pub use decode::LlamaDecoder;
 pub use error::{LlamaConfigError, LlamaError};
 pub use hf::{HfLlama, save_hf_dir};
-pub use host::HostLlama;
+pub use host::{HostLlama, eval_stream};
 pub use init::init_params;
 pub use kernels::LlamaKernel;
 pub use params::{HfParam, ParamKind, hf_params, param_count};

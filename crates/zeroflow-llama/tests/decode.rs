@@ -84,3 +84,23 @@ fn greedy_generation_equals_argmax_of_the_recomputed_prefix() {
         }
     }
 }
+
+#[test]
+fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
+    let (_, config) = models().swap_remove(0);
+    let (layout, params) = perturbed_params(&config, 9);
+    let stream: Vec<u32> = (0..15).map(|i| (i * 7 % 11) as u32).collect();
+    let loss_of = |inputs: &[u32], targets: &[u32]| {
+        let mut model =
+            HostLlama::<f64>::new(&config, &layout, 1, inputs.len(), AttentionKind::Gemm).unwrap();
+        model.forward(&params, inputs, targets).unwrap()
+    };
+    // Windows of 6 inputs: [0, 6), [6, 12), [12, 14).
+    let result = zeroflow_llama::eval_stream(&config, &layout, &params, &stream, 6).unwrap();
+    let expected = (6.0 * loss_of(&stream[0..6], &stream[1..7])
+        + 6.0 * loss_of(&stream[6..12], &stream[7..13])
+        + 2.0 * loss_of(&stream[12..14], &stream[13..15]))
+        / 14.0;
+    assert_eq!(result.tokens, 14);
+    assert!((result.loss - expected).abs() < 1e-12, "{} against {expected}", result.loss);
+}
