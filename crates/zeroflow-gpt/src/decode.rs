@@ -8,7 +8,8 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_nn::Float;
 use zeroflow_nn::WeightLayout::{InOut, OutIn};
 use zeroflow_nn::infer::{CachedAttention, CachedRow, Decoder, KvCache, StepRows};
-use zeroflow_nn::kernels::{encoder, matmul::matmul_forward, pointwise::residual_forward};
+use zeroflow_nn::kernels::matmul::matmul_forward_few_rows;
+use zeroflow_nn::kernels::{encoder, pointwise::residual_forward};
 
 use crate::GptConfig;
 use crate::error::GptError;
@@ -67,7 +68,7 @@ impl<'a, F: Float> GptDecoder<'a, F> {
         let normed = layernorm(&picked, &w[p.ln_f_weight.clone()], &w[p.ln_f_bias.clone()], c);
         let padded = self.config.padded_vocab_size();
         let mut logits = vec![F::zero(); m * padded];
-        matmul_forward(&mut logits, &normed, &w[p.wte.clone()], None, c, padded, OutIn);
+        matmul_forward_few_rows(&mut logits, &normed, &w[p.wte.clone()], None, c, padded, OutIn);
         let vocab = self.config.vocab_size;
         Ok(logits.chunks(padded).flat_map(|row| row[..vocab].iter().copied()).collect())
     }
@@ -85,7 +86,7 @@ fn block_forward<F: Float>(
     let (n, c) = (rows.len(), config.d_model);
     let linear = |inp: &[F], weight: &std::ops::Range<usize>, bias: &std::ops::Range<usize>, oc| {
         let mut out = vec![F::zero(); n * oc];
-        matmul_forward(
+        matmul_forward_few_rows(
             &mut out,
             inp,
             &w[weight.clone()],

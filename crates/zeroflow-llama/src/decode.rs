@@ -11,7 +11,8 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_nn::Float;
 use zeroflow_nn::WeightLayout::OutIn;
 use zeroflow_nn::infer::{CachedAttention, CachedRow, Decoder, KvCache, StepRows};
-use zeroflow_nn::kernels::{matmul::matmul_forward, pointwise::residual_forward};
+use zeroflow_nn::kernels::matmul::matmul_forward_few_rows;
+use zeroflow_nn::kernels::pointwise::residual_forward;
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaConfigError, LlamaError};
@@ -151,7 +152,7 @@ fn linear<F: Float>(
 ) -> Vec<F> {
     let mut out = vec![F::zero(); inp.len() / c * oc];
     let bias = bias.map(|b| &w[b.clone()]);
-    matmul_forward(&mut out, inp, &w[weight.clone()], bias, c, oc, OutIn);
+    matmul_forward_few_rows(&mut out, inp, &w[weight.clone()], bias, c, oc, OutIn);
     out
 }
 
