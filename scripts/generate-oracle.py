@@ -61,9 +61,12 @@ def build(kind, seed):
     """The random model of `kind` in float32, eager attention, evaluation mode, no end token."""
     import torch
     if kind == "gpt2-odd":
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import AutoModelForCausalLM, GPT2Config
         torch.manual_seed(seed)
-        model = GPT2LMHeadModel(GPT2Config(**GPT2, attn_implementation="eager")).float()
+        model = AutoModelForCausalLM.from_config(GPT2Config(**GPT2), attn_implementation="eager",
+                                                 **LLAMA.dtype_argument(torch.float32))
+        if type(model).__name__ != "GPT2LMHeadModel":
+            raise RuntimeError(f"{kind}: transformers built {type(model).__name__}")
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".ln_" in name and name.endswith(".weight"):
@@ -132,7 +135,9 @@ def check(args, kind, directory, model, generator):
     for number, (prompt, generated) in enumerate(zip(prompts, ours["generated"])):
         reference, gap = transformers_generate(model, prompt, args.new_tokens)
         divergence = next((i for i, (a, b) in enumerate(zip(reference, generated)) if a != b),
-                          None if len(reference) == len(generated) else min(map(len, (reference, generated))))
+                          None)
+        if divergence is None and len(reference) != len(generated):
+            divergence = min(len(reference), len(generated))
         if divergence is None:
             print(f"ok {kind}: prompt {number} ({len(prompt)} ids): the same {len(reference)} "
                   f"ids (smallest top-2 logit gap {gap:.3f})")
