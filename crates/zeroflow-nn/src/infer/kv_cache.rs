@@ -199,3 +199,41 @@ impl<F: Float> KvCache<F> {
 fn dot<F: Float>(a: &[F], b: &[F]) -> F {
     a.iter().zip(b).map(|(&x, &y)| x * y).sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: CachedAttention = CachedAttention { n_head: 4, n_kv_head: 2, head_dim: 2 };
+
+    #[test]
+    fn rows_take_each_sequences_next_positions_and_the_capacity_is_kept() {
+        let mut cache = KvCache::<f32>::new(1, SHAPE, 2, 4);
+        let step = cache.prefill(&[&[5, 6, 7], &[8]]).unwrap();
+        let positions: Vec<(usize, usize)> = step.rows.iter().map(|r| (r.seq, r.pos)).collect();
+        assert_eq!(positions, vec![(0, 0), (0, 1), (0, 2), (1, 0)]);
+        assert_eq!(step.tokens, vec![5, 6, 7, 8]);
+        assert_eq!(step.logits_of, vec![2, 3], "each prompt's last row");
+        let step = cache.decode(&[(1, 9), (0, 3)]).unwrap();
+        assert_eq!(step.rows, vec![CachedRow { seq: 1, pos: 1 }, CachedRow { seq: 0, pos: 3 }]);
+        assert_eq!((cache.len(0), cache.len(1)), (4, 2));
+        assert!(cache.decode(&[(0, 1)]).unwrap_err().contains("sequence 0"), "past the capacity");
+        assert!(cache.decode(&[(2, 1)]).is_err(), "no sequence 2");
+        assert_eq!((cache.len(0), cache.len(1)), (4, 2), "a refused step holds nothing more");
+        let mut fresh = KvCache::<f32>::new(1, SHAPE, 2, 4);
+        assert!(fresh.prefill(&[&[1], &[]]).unwrap_err().contains("prompt 1 is empty"));
+    }
+
+    #[test]
+    fn a_single_position_attends_to_its_own_value_only() {
+        // One position: every query head's weights are [1], so its output is its key/value
+        // head's value (heads 0, 1 read kv head 0, whose value is [0, 0]; heads 2, 3 kv head 1).
+        let mut cache = KvCache::<f64>::new(1, SHAPE, 1, 2);
+        let step = cache.prefill(&[&[0]]).unwrap();
+        let qkv =
+            [0.3, -1.0, 2.0, 0.5, 1.0, 1.0, -2.0, 4.0, 0.1, 0.2, 0.7, 0.9, 0.0, 0.0, 1.5, -0.5];
+        let mut out = [0.0; 8];
+        cache.attend(0, &qkv, &step.rows, &mut out);
+        assert_eq!(out, [0.0, 0.0, 0.0, 0.0, 1.5, -0.5, 1.5, -0.5]);
+    }
+}
