@@ -19,8 +19,8 @@ use crate::params::hf_tensors;
 pub struct HfGpt {
     pub config: GptConfig,
     pub checkpoint: HfCheckpoint,
-    /// The end-of-text token (`eos_token_id`), where `config.json` gives one.
-    pub eos_token_id: Option<u32>,
+    /// The end-of-text tokens (`config.json`'s `eos_token_id`, none where it has none).
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// Tensors a directory may hold that the model does not read: the causal-mask buffers of older
@@ -41,8 +41,8 @@ impl HfGpt {
         let config = check_config(json)
             .and_then(|()| GptConfig::from_hf_config(json)?.validate())
             .map_err(|error| GptError::ConfigJson(format!("{}: {error}", path.display())))?;
-        let eos_token_id = json.get("eos_token_id").and_then(Value::as_u64).map(|id| id as u32);
-        let hf = HfGpt { config, checkpoint, eos_token_id };
+        let eos_token_ids = zeroflow_hf::eos_token_ids(json);
+        let hf = HfGpt { config, checkpoint, eos_token_ids };
         let layout = crate::flat_layout(&config, 1)?;
         let (mut missing, mut expected) = (Vec::new(), Vec::new());
         for tensor in hf_tensors(&config, &layout)? {

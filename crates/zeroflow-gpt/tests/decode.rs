@@ -65,7 +65,7 @@ fn greedy_generation_equals_argmax_of_the_recomputed_prefix() {
         max_new_tokens: 6,
         sampling: Sampling::GREEDY,
         seed: 0,
-        stop_token: None,
+        stop_tokens: Vec::new(),
     };
     let generated = generate(&mut decoder, &prompts, &options).unwrap();
     for (prompt, new) in prompts.iter().zip(&generated) {
@@ -88,19 +88,23 @@ fn seeded_sampling_is_reproducible_and_a_stop_token_ends_a_sequence() {
     let mut decoder = GptDecoder::new(&ODD, &layout, &params).unwrap();
     let prompts = vec![vec![1, 2, 3], vec![5], vec![9, 9]];
     let sampling = Sampling { temperature: 1.5, top_k: Some(20), top_p: Some(0.95) };
-    let options = GenerateOptions { max_new_tokens: 8, sampling, seed: 42, stop_token: None };
+    let options =
+        GenerateOptions { max_new_tokens: 8, sampling, seed: 42, stop_tokens: Vec::new() };
     let first = generate(&mut decoder, &prompts, &options).unwrap();
     let again = generate(&mut decoder, &prompts, &options).unwrap();
     assert_eq!(first, again, "the same seed gives the same tokens");
     let alone = generate(&mut decoder, &prompts[..1], &options).unwrap();
     assert_eq!(alone[0], first[0], "a sequence's tokens do not depend on the rest of the batch");
-    let other = GenerateOptions { seed: 43, ..options };
+    let other = GenerateOptions { seed: 43, ..options.clone() };
     assert_ne!(generate(&mut decoder, &prompts, &other).unwrap(), first, "another seed differs");
     // Stopping at the third token sequence 0 drew: it ends there, the stop token kept.
     let stop = first[0][2];
-    let stopped =
-        generate(&mut decoder, &prompts, &GenerateOptions { stop_token: Some(stop), ..options })
-            .unwrap();
+    let stopped = generate(
+        &mut decoder,
+        &prompts,
+        &GenerateOptions { stop_tokens: vec![stop], ..options.clone() },
+    )
+    .unwrap();
     let end = first[0].iter().position(|&t| t == stop).unwrap();
     assert_eq!(stopped[0], first[0][..=end].to_vec());
 }

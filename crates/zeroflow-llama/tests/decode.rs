@@ -69,7 +69,7 @@ fn greedy_generation_equals_argmax_of_the_recomputed_prefix() {
         max_new_tokens: 7,
         sampling: Sampling::GREEDY,
         seed: 0,
-        stop_token: None,
+        stop_tokens: Vec::new(),
     };
     let generated = generate(&mut decoder, &prompts, &options).unwrap();
     for (prompt, new) in prompts.iter().zip(&generated) {

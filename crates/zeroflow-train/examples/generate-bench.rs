@@ -59,7 +59,7 @@ fn run(args: Vec<String>) -> Result<(), Error> {
             max_new_tokens,
             sampling: Sampling::GREEDY,
             seed: 0,
-            stop_token: None,
+            stop_tokens: Vec::new(),
         };
         let start = Instant::now();
         model.generate(&prompts, &greedy(1))?;

@@ -53,7 +53,7 @@ fn run(args: Vec<String>) -> Result<(), Error> {
         max_new_tokens: max_new,
         sampling: Sampling::GREEDY,
         seed: 0,
-        stop_token: None,
+        stop_tokens: Vec::new(),
     };
     let generated = model.generate(&prompts, &options)?;
     let eval = match eval {

@@ -26,7 +26,7 @@ impl Sampling {
 }
 
 /// What [`generate`] does.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct GenerateOptions {
     /// Tokens to add to each prompt at most.
     pub max_new_tokens: usize,
@@ -34,8 +34,9 @@ pub struct GenerateOptions {
     /// Sequence `b` draws from a ChaCha8 stream `b` of this seed: the same seed gives the same
     /// tokens, whatever else is in the batch.
     pub seed: u64,
-    /// A sequence ends after it produces this token (kept in its output); `None` never ends early.
-    pub stop_token: Option<u32>,
+    /// A sequence ends after it produces one of these tokens (kept in its output), such as the
+    /// model's end-of-text tokens (`zeroflow_hf::eos_token_ids`); empty never ends early.
+    pub stop_tokens: Vec<u32>,
 }
 
 /// The next token from one row of logits: greedy at temperature 0, else a draw from `rng`.
@@ -121,7 +122,7 @@ pub fn generate<D: Decoder>(
                 sample_token(&logits[row * vocab..][..vocab], &options.sampling, &mut rngs[seq]);
             out[seq].push(token);
             let done = out[seq].len() >= options.max_new_tokens
-                || Some(token) == options.stop_token
+                || options.stop_tokens.contains(&token)
                 || prompts[seq].len() + out[seq].len() >= capacity;
             if !done {
                 next.push((seq, token));
