@@ -58,7 +58,7 @@ KINDS = ["gpt2-odd", *LLAMA.KINDS]
 
 
 def build(kind, seed):
-    """The random model of `kind` in float32, eager attention, evaluation mode, no end token."""
+    """The random model of `kind` in float32, eager attention, evaluation mode."""
     import torch
     if kind == "gpt2-odd":
         from transformers import AutoModelForCausalLM, GPT2Config
@@ -78,6 +78,11 @@ def build(kind, seed):
         model = model.eval()
     else:
         model = LLAMA.build(kind, seed)
+    return model
+
+
+def without_end_token(model):
+    """`model` generating exactly the tokens asked for (no end-of-text token ends it early)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -96,8 +101,7 @@ def transformers_generate(model, prompt, new_tokens):
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             output_scores=True, return_dict_in_generate=True)
+                             max_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True)
     generated = out.sequences[0, len(prompt):].tolist()
     gaps = [(s[0].topk(2).values[0] - s[0].topk(2).values[1]).item() for s in out.scores]
     return generated, min(gaps)
@@ -179,6 +183,7 @@ def main():
             model = build(kind, args.seed + number)
             directory = out / kind
             model.save_pretrained(directory, safe_serialization=True)
+            without_end_token(model)
             generator = torch.Generator().manual_seed(args.seed + 100 + number)
             failures += check(args, kind, directory, model, generator)
     if failures:
