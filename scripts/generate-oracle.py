@@ -8,8 +8,8 @@ needed, everything on the CPU in float32).
 
 For each kind (default: all) a random model is built with transformers (float32, eager
 attention; GPT-2 as GPT2LMHeadModel at an odd shape, and the six Llama-family kinds of
-scripts/llama-oracle.py), its weights drawn wide (N(0, 0.15), norm weights 1 + N(0, 0.1),
-biases N(0, 0.1)) so that greedy choices are not near-ties, and saved with save_pretrained
+scripts/llama-oracle.py), its weights drawn wide (N(0, 0.15), GPT-2's N(0, 0.3); norm weights
+1 + N(0, 0.1), biases N(0, 0.1)) so that greedy choices are not near-ties, and saved with save_pretrained
 under OUT (default: a temporary directory). Then:
 
 - generation: three prompts of different lengths, each through transformers'
@@ -54,6 +54,9 @@ LLAMA = llama_oracle()
 GPT2 = dict(vocab_size=97, n_positions=64, n_embd=36, n_layer=3, n_head=3,
             activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             tie_word_embeddings=True)
+# At N(0, 0.15) a random GPT-2 (its head tied to the embedding) greedily repeats one token;
+# at 0.3 its sequences vary, which is what the comparison needs.
+GPT2_STD = 0.3
 KINDS = ["gpt2-odd", *LLAMA.KINDS]
 
 
@@ -74,7 +77,7 @@ def build(kind, seed):
                 elif name.endswith(".bias"):
                     p.normal_(0.0, 0.1)
                 else:
-                    p.normal_(0.0, 0.15)
+                    p.normal_(0.0, GPT2_STD)
         model = model.eval()
     else:
         model = LLAMA.build(kind, seed)
