@@ -28,6 +28,9 @@ pub enum GptError {
     Kernel { kernel: &'static str, reason: String },
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// Reading a Hugging Face directory (the error names the file and the tensor).
+    #[error(transparent)]
+    Hf(#[from] zeroflow_hf::HfError),
 }
 
 /// The executors' errors as the model's own: the same kinds, so that a caller matching on

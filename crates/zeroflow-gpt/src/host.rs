@@ -3,6 +3,7 @@
 //! synchronously, one after the other.
 
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_nn::infer::{EvalResult, eval_windows};
 use zeroflow_nn::{AttentionKind, Float, HostRunner};
 
 use crate::GptConfig;
@@ -106,4 +107,27 @@ impl<F: Float> HostGpt<F> {
     ) -> Result<Vec<(&'static str, std::time::Duration)>, GptError> {
         Ok(self.runner.profile(params, grads)?)
     }
+}
+
+/// The loss and perplexity of the model `params` (of `layout`) over `stream` in windows of
+/// `window` inputs (zeroflow-nn's [`eval_windows`]), each window by the training forward.
+pub fn eval_stream<F: Float>(
+    config: &GptConfig,
+    layout: &FlatLayout,
+    params: &[F],
+    stream: &[u32],
+    window: usize,
+) -> Result<EvalResult, GptError> {
+    // A model per window length: the full windows' and the last one's.
+    let mut models: Vec<HostGpt<F>> = Vec::new();
+    eval_windows(stream, window, |inputs, targets| {
+        let model = match models.iter().position(|m| m.plan().seq == inputs.len()) {
+            Some(i) => &mut models[i],
+            None => {
+                models.push(HostGpt::new(config, layout, 1, inputs.len())?);
+                models.last_mut().expect("just pushed")
+            }
+        };
+        Ok(model.forward(params, inputs, targets)?.to_f64())
+    })
 }

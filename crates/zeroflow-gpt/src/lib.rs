@@ -9,11 +9,16 @@
 //!   (batch, seq).
 //! - [`CpuGpt`] runs the plan on the [`zeroflow_device::CpuDevice`]'s compute stream;
 //!   [`HostGpt`] runs it on host vectors (the f64 oracle); [`CudaGpt`] on a GPU.
+//! - [`HfGpt`]: Hugging Face GPT-2 directories in (`config.json` and the weights by name).
+//! - [`GptDecoder`]: the forward with a key/value cache (zeroflow-nn's `infer::Decoder`), for
+//!   generation.
 
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod decode;
 pub mod error;
+pub mod hf;
 pub mod host;
 pub mod kernels;
 pub mod params;
@@ -22,8 +27,10 @@ pub mod plan;
 pub use config::{GptConfig, NAMED_SIZES};
 pub use cpu::{CpuGpt, init_params_on_device};
 pub use cuda::CudaGpt;
+pub use decode::GptDecoder;
 pub use error::GptError;
-pub use host::HostGpt;
+pub use hf::HfGpt;
+pub use host::{HostGpt, eval_stream};
 pub use kernels::GptKernel;
 pub use params::{
     GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, param_specs,

@@ -3,10 +3,12 @@
 mod support;
 
 mod checkpointing;
+mod decode;
 mod device;
 mod flash_plan;
 mod gradcheck;
 mod grads_ready;
+mod hf_dir;
 mod init_loss;
 mod params;
 mod schedule;

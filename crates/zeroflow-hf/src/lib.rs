@@ -28,3 +28,28 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The index of a sharded model's weights.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The end-of-text tokens of a `config.json`: its `eos_token_id`, a number or a list of numbers
+/// (Llama 3's), empty where it has none.
+pub fn eos_token_ids(config: &serde_json::Value) -> Vec<u32> {
+    let id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    match config.get("eos_token_id") {
+        Some(serde_json::Value::Array(ids)) => ids.iter().filter_map(id).collect(),
+        Some(value) => id(value).into_iter().collect(),
+        None => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod eos_tests {
+    use super::*;
+
+    #[test]
+    fn eos_token_ids_read_a_number_a_list_or_nothing() {
+        assert_eq!(eos_token_ids(&serde_json::json!({"eos_token_id": 50256})), vec![50256]);
+        let llama3 = serde_json::json!({"eos_token_id": [128001, 128008, 128009]});
+        assert_eq!(eos_token_ids(&llama3), vec![128001, 128008, 128009]);
+        assert_eq!(eos_token_ids(&serde_json::json!({"eos_token_id": null})), Vec::<u32>::new());
+        assert_eq!(eos_token_ids(&serde_json::json!({})), Vec::<u32>::new());
+    }
+}

@@ -2,6 +2,7 @@
 //! [`HostRunner`]: the f64 oracle of the tests (finite differences) and a device-free reference.
 
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_nn::infer::{EvalResult, eval_windows};
 use zeroflow_nn::plan::GradsReady;
 use zeroflow_nn::{AttentionKind, Float, HostRunner};
 
@@ -94,4 +95,28 @@ impl<F: Float> HostLlama<F> {
     ) -> Result<(), LlamaError> {
         Ok(self.runner.backward(params, grads, loss_scale, on_ready)?)
     }
+}
+
+/// The loss and perplexity of the model `params` (of `layout`) over `stream` in windows of
+/// `window` inputs (zeroflow-nn's [`eval_windows`]), each window by the training forward.
+pub fn eval_stream<F: Float>(
+    config: &LlamaConfig,
+    layout: &FlatLayout,
+    params: &[F],
+    stream: &[u32],
+    window: usize,
+) -> Result<EvalResult, LlamaError> {
+    // A model per window length: the full windows' and the last one's.
+    let mut models: Vec<HostLlama<F>> = Vec::new();
+    eval_windows(stream, window, |inputs, targets| {
+        let model = match models.iter().position(|m| m.plan().seq == inputs.len()) {
+            Some(i) => &mut models[i],
+            None => {
+                let model = HostLlama::new(config, layout, 1, inputs.len(), AttentionKind::Gemm)?;
+                models.push(model);
+                models.last_mut().expect("just pushed")
+            }
+        };
+        Ok(model.forward(params, inputs, targets)?.to_f64())
+    })
 }

@@ -12,7 +12,8 @@
 //!   embedding) as pure functions generic over [`zeroflow_nn::Float`], and [`LlamaKernel`].
 //! - [`plan`]: the model as zeroflow-nn's plan ([`LlamaPlan`]); [`HostLlama`] runs it on host
 //!   vectors (the f64 oracle), [`CpuLlama`] on the `CpuDevice`, [`CudaLlama`] on an NVIDIA GPU
-//!   (bf16, with the family's kernels in CUDA: [`cuda::kernels`]).
+//!   (bf16, with the family's kernels in CUDA: [`cuda::kernels`]); [`LlamaDecoder`] is the
+//!   forward with a key/value cache (zeroflow-nn's `infer::Decoder`), for generation.
 //! - [`hf`]: Hugging Face directories in ([`HfLlama`], into the flat buffer by name) and out
 //!   ([`save_hf_dir`]).
 //!
@@ -22,6 +23,7 @@ pub mod acts;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod decode;
 pub mod error;
 pub mod hf;
 pub mod host;
@@ -38,9 +40,10 @@ pub use acts::ActLayout;
 pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use cpu::{CpuLlama, init_params_on_device};
 pub use cuda::{CudaLlama, CudaLlamaOptions};
+pub use decode::LlamaDecoder;
 pub use error::{LlamaConfigError, LlamaError};
 pub use hf::{HfLlama, save_hf_dir};
-pub use host::HostLlama;
+pub use host::{HostLlama, eval_stream};
 pub use init::init_params;
 pub use kernels::LlamaKernel;
 pub use params::{HfParam, ParamKind, hf_params, param_count};

@@ -3,6 +3,7 @@
 //! (finite differences, the device, Hugging Face directories).
 
 mod checkpointing;
+mod decode;
 mod device;
 mod fixtures;
 mod gradcheck;

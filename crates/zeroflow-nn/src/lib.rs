@@ -11,6 +11,8 @@
 //! - The executors: [`host::HostRunner`] on host vectors (the f64 oracle), [`cpu::CpuRunner`] on
 //!   the `CpuDevice`, [`cuda::CudaRunner`] on a GPU (bf16, cuBLASLt, the liveness schedule, gemm
 //!   or flash attention).
+//! - [`infer`]: inference over any family: the key/value cache, the [`infer::Decoder`] a family's
+//!   cached forward implements, sampling and [`infer::generate`], the loss over a stream's windows.
 
 pub mod checkpoint;
 pub mod cpu;
@@ -18,6 +20,7 @@ pub mod cuda;
 pub mod error;
 pub mod float;
 pub mod host;
+pub mod infer;
 pub mod kernels;
 pub mod plan;
 

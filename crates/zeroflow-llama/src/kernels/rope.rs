@@ -80,11 +80,24 @@ fn rotate_back<F: Float>(dx: &mut [F], dy: &[F], cos: &[F], sin: &[F]) {
 /// Shapes: `qkv [b·t, qkv_width]`, `q [b·t, n_head·d]`, `k` and `v [b·t, n_kv_head·d]`. Writes
 /// `qkv = [rope(q) | rope(k) | v]` per token row.
 pub fn rope_forward<F: Float>(qkv: &mut [F], q: &[F], k: &[F], v: &[F], shape: &Rotary) {
+    rope_forward_at(qkv, q, k, v, shape, |row| row % shape.t);
+}
+
+/// [`rope_forward`] with each row's position given (the rows of a key/value-cached step);
+/// `shape.t` is not used.
+pub fn rope_forward_at<F: Float>(
+    qkv: &mut [F],
+    q: &[F],
+    k: &[F],
+    v: &[F],
+    shape: &Rotary,
+    position: impl Fn(usize) -> usize + Sync,
+) {
     let (qw, kw) = (shape.q_width(), shape.kv_width());
     let inv_freq = shape.freqs.inv_freq();
     qkv.par_chunks_mut(shape.qkv_width()).enumerate().with_min_len(ROWS_PER_TASK).for_each(
         |(row, out)| {
-            let (cos, sin) = shape.angles::<F>(&inv_freq, row % shape.t);
+            let (cos, sin) = shape.angles::<F>(&inv_freq, position(row));
             let (out_q, rest) = out.split_at_mut(qw);
             let (out_k, out_v) = rest.split_at_mut(kw);
             rotate(out_q, &q[row * qw..][..qw], &cos, &sin);

@@ -14,10 +14,24 @@ pub fn encoder_forward<F: Float>(
     c: usize,
     vocab: usize,
 ) -> Result<(), String> {
+    encoder_forward_at(out, tokens, wte, wpe, c, vocab, |row| row % t)
+}
+
+/// `out[row, :] = wte[tokens[row], :] + wpe[position(row), :]`: [`encoder_forward`] with each
+/// row's position given (the rows of a key/value-cached step).
+pub fn encoder_forward_at<F: Float>(
+    out: &mut [F],
+    tokens: &[u32],
+    wte: &[F],
+    wpe: &[F],
+    c: usize,
+    vocab: usize,
+    position: impl Fn(usize) -> usize + Sync,
+) -> Result<(), String> {
     check_tokens(tokens, vocab)?;
     out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(row, (out, &token))| {
         let word = &wte[token as usize * c..][..c];
-        let position = &wpe[(row % t) * c..][..c];
+        let position = &wpe[position(row) * c..][..c];
         for ((o, &w), &p) in out.iter_mut().zip(word).zip(position) {
             *o = w + p;
         }

@@ -106,3 +106,72 @@ pub fn matmul_backward<F: Float>(
         });
     }
 }
+
+/// Output columns per task in [`matmul_forward_few_rows`].
+const COLUMNS_PER_TASK: usize = 256;
+
+/// [`matmul_forward`] for a few rows (a decode step's, one per sequence): the output's columns
+/// are split among the threads, each task multiplying every row by its block of the weight's
+/// columns, so that one row still runs on every core. With rows enough for every thread, it is
+/// [`matmul_forward`].
+pub fn matmul_forward_few_rows<F: Float>(
+    out: &mut [F],
+    inp: &[F],
+    weight: &[F],
+    bias: Option<&[F]>,
+    c: usize,
+    oc: usize,
+    layout: WeightLayout,
+) {
+    let n = inp.len() / c;
+    if n >= ROWS_PER_TASK * rayon::current_num_threads() {
+        return matmul_forward(out, inp, weight, bias, c, oc, layout);
+    }
+    let (w, x) = (weight_view(weight, c, oc, layout), matrix(inp, c));
+    let starts: Vec<usize> = (0..oc).step_by(COLUMNS_PER_TASK).collect();
+    let blocks: Vec<Vec<F>> = starts
+        .par_iter()
+        .map(|&first| {
+            let last = (first + COLUMNS_PER_TASK).min(oc);
+            let width = last - first;
+            let (mut block, beta) = match bias {
+                Some(bias) => (bias[first..last].repeat(n), F::one()),
+                None => (vec![F::zero(); n * width], F::zero()),
+            };
+            let columns = w.slice(s![.., first..last]);
+            general_mat_mul(F::one(), &x, &columns, beta, &mut matrix_mut(&mut block, width));
+            block
+        })
+        .collect();
+    for (&first, block) in starts.iter().zip(&blocks) {
+        let width = block.len() / n.max(1);
+        for (row, values) in block.chunks(width.max(1)).enumerate() {
+            out[row * oc + first..][..width].copy_from_slice(values);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn few_rows_by_column_blocks_equal_the_row_blocked_product() {
+        // 600 output columns: blocks of 256, 256 and 88; both layouts, with and without bias.
+        let (n, c, oc) = (3, 7, 600);
+        let inp: Vec<f64> = (0..n * c).map(|i| (i as f64 * 0.37).sin()).collect();
+        let weight: Vec<f64> = (0..c * oc).map(|i| (i as f64 * 0.11).cos()).collect();
+        let bias: Vec<f64> = (0..oc).map(|i| i as f64 * 0.01).collect();
+        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+            for bias in [None, Some(&bias[..])] {
+                let mut expected = vec![0.0; n * oc];
+                let mut found = vec![f64::NAN; n * oc];
+                matmul_forward(&mut expected, &inp, &weight, bias, c, oc, layout);
+                matmul_forward_few_rows(&mut found, &inp, &weight, bias, c, oc, layout);
+                let error =
+                    expected.iter().zip(&found).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(error < 1e-12, "{layout:?}, bias {}: {error}", bias.is_some());
+            }
+        }
+    }
+}

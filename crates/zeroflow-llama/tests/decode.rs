@@ -1,0 +1,106 @@
+//! The key/value-cached decoder against the training forward on every odd model of
+//! `support::models` (GQA 3:1 untied, llama3 rope scaling with biases and tied embeddings, Qwen2
+//! biases, Qwen3 q/k norm with head_dim ≠ hidden / heads, Mistral tied, MQA): at every step each
+//! sequence's logits equal those of the whole prefix recomputed by `HostLlama` (f64), with
+//! prompts of different lengths in one batch and a sequence that stops early.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use zeroflow_llama::{AttentionKind, HostLlama, LlamaConfig, LlamaDecoder, flat_layout};
+use zeroflow_nn::infer::{Decoder, GenerateOptions, Sampling, generate};
+
+use crate::support::{models, perturbed_params, relative_error};
+
+/// The logits of the last position of `prefix`, by the training forward over the whole prefix.
+fn recomputed(config: &LlamaConfig, params: &[f64], prefix: &[u32]) -> Vec<f64> {
+    let layout = flat_layout(config, 1).unwrap();
+    let mut model =
+        HostLlama::<f64>::new(config, &layout, 1, prefix.len(), AttentionKind::Gemm).unwrap();
+    model.forward(params, prefix, prefix).unwrap();
+    let vocab = config.vocab_size;
+    model.logits()[(prefix.len() - 1) * vocab..][..vocab].to_vec()
+}
+
+#[test]
+fn cached_logits_equal_the_recomputed_prefix_at_every_step_for_every_odd_model() {
+    const LONGEST: usize = 11;
+    for (name, config) in models() {
+        let (layout, params) = perturbed_params(&config, 3);
+        let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
+        let vocab = config.vocab_size;
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let mut seqs: Vec<Vec<u32>> = [2usize, 5, 1]
+            .iter()
+            .map(|&len| (0..len).map(|_| rng.random_range(0..vocab as u32)).collect())
+            .collect();
+        let views: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        let logits = decoder.prefill(&views, LONGEST).unwrap();
+        for (b, seq) in seqs.iter().enumerate() {
+            let expected = recomputed(&config, &params, seq);
+            let error = relative_error(&logits[b * vocab..][..vocab], &expected);
+            assert!(error < 1e-12, "{name}: prefill, sequence {b}: relative error {error}");
+        }
+        for step in 0..LONGEST - 1 {
+            // Sequence 0 stops after 4 steps; the others run to LONGEST positions.
+            let next: Vec<(usize, u32)> = (0..3)
+                .filter(|&b| seqs[b].len() < LONGEST && (b != 0 || step < 4))
+                .map(|b| (b, rng.random_range(0..vocab as u32)))
+                .collect();
+            let logits = decoder.decode(&next).unwrap();
+            for (row, &(b, token)) in next.iter().enumerate() {
+                seqs[b].push(token);
+                let expected = recomputed(&config, &params, &seqs[b]);
+                let error = relative_error(&logits[row * vocab..][..vocab], &expected);
+                assert!(error < 1e-12, "{name}: step {step}, sequence {b}: relative error {error}");
+            }
+        }
+        assert_eq!(seqs[2].len(), LONGEST, "{name}: sequence 2 filled the cache");
+        assert!(decoder.decode(&[(2, 0)]).is_err(), "{name}: a step past the cache is refused");
+    }
+}
+
+#[test]
+fn greedy_generation_equals_argmax_of_the_recomputed_prefix() {
+    let (_, config) = models().swap_remove(3);
+    let (layout, params) = perturbed_params(&config, 8);
+    let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
+    let prompts = vec![vec![1, 7, 3], vec![10]];
+    let options = GenerateOptions {
+        max_new_tokens: 7,
+        sampling: Sampling::GREEDY,
+        seed: 0,
+        stop_tokens: Vec::new(),
+    };
+    let generated = generate(&mut decoder, &prompts, &options).unwrap();
+    for (prompt, new) in prompts.iter().zip(&generated) {
+        assert_eq!(new.len(), 7);
+        let mut prefix = prompt.clone();
+        for &token in new {
+            let logits = recomputed(&config, &params, &prefix);
+            let argmax = (0..logits.len())
+                .fold(0, |best, i| if logits[i] > logits[best] { i } else { best });
+            assert_eq!(token as usize, argmax, "after {prefix:?}");
+            prefix.push(token);
+        }
+    }
+}
+
+#[test]
+fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
+    let (_, config) = models().swap_remove(0);
+    let (layout, params) = perturbed_params(&config, 9);
+    let stream: Vec<u32> = (0..15).map(|i| (i * 7 % 11) as u32).collect();
+    let loss_of = |inputs: &[u32], targets: &[u32]| {
+        let mut model =
+            HostLlama::<f64>::new(&config, &layout, 1, inputs.len(), AttentionKind::Gemm).unwrap();
+        model.forward(&params, inputs, targets).unwrap()
+    };
+    // Windows of 6 inputs: [0, 6), [6, 12), [12, 14).
+    let result = zeroflow_llama::eval_stream(&config, &layout, &params, &stream, 6).unwrap();
+    let expected = (6.0 * loss_of(&stream[0..6], &stream[1..7])
+        + 6.0 * loss_of(&stream[6..12], &stream[7..13])
+        + 2.0 * loss_of(&stream[12..14], &stream[13..15]))
+        / 14.0;
+    assert_eq!(result.tokens, 14);
+    assert!((result.loss - expected).abs() < 1e-12, "{} against {expected}", result.loss);
+}

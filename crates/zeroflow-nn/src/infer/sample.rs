@@ -1,0 +1,192 @@
+//! Choosing the next token from logits (greedy, temperature, top-k, top-p, from a seeded RNG),
+//! and [`generate`]: a batch of prompts through a [`Decoder`], the prompts in one pass, then one
+//! token per sequence per step.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::Decoder;
+use crate::float::Float;
+
+/// How the next token is chosen from the logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0 is greedy (the first largest logit, as `argmax`); otherwise the logits are divided by it
+    /// before the softmax.
+    pub temperature: f64,
+    /// Only the `k` most likely tokens are drawn from (`None`: all).
+    pub top_k: Option<usize>,
+    /// Only the smallest set of most likely tokens whose probabilities sum to at least `p` is
+    /// drawn from (`None`: all).
+    pub top_p: Option<f64>,
+}
+
+impl Sampling {
+    pub const GREEDY: Sampling = Sampling { temperature: 0.0, top_k: None, top_p: None };
+}
+
+/// What [`generate`] does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOptions {
+    /// Tokens to add to each prompt at most.
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    /// Sequence `b` draws from a ChaCha8 stream `b` of this seed: the same seed gives the same
+    /// tokens, whatever else is in the batch.
+    pub seed: u64,
+    /// A sequence ends after it produces one of these tokens (kept in its output), such as the
+    /// model's end-of-text tokens (`zeroflow_hf::eos_token_ids`); empty never ends early.
+    pub stop_tokens: Vec<u32>,
+}
+
+/// The next token from one row of logits: greedy at temperature 0, else a draw from `rng`.
+pub fn sample_token<F: Float>(logits: &[F], sampling: &Sampling, rng: &mut ChaCha8Rng) -> u32 {
+    let greedy = || {
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    if sampling.temperature <= 0.0 {
+        return greedy();
+    }
+    let mut candidates: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| (i as u32, x.to_f64() / sampling.temperature))
+        .collect();
+    // Most likely first; equal logits keep their order.
+    candidates.sort_by(|a, b| b.1.total_cmp(&a.1));
+    if let Some(k) = sampling.top_k {
+        candidates.truncate(k.max(1));
+    }
+    let max = candidates[0].1;
+    let mut probs: Vec<f64> = candidates.iter().map(|&(_, x)| (x - max).exp()).collect();
+    let sum: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= sum);
+    if let Some(top_p) = sampling.top_p {
+        let mut cumulative = 0.0;
+        let keep = probs
+            .iter()
+            .position(|&p| {
+                cumulative += p;
+                cumulative >= top_p
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut draw = rng.random::<f64>() * total;
+    for (i, &p) in probs.iter().enumerate() {
+        if draw < p {
+            return candidates[i].0;
+        }
+        draw -= p;
+    }
+    candidates[probs.len() - 1].0
+}
+
+/// Adds up to `options.max_new_tokens` tokens to each of `prompts` (each at least one token),
+/// and returns the new tokens of each (the stop token included where one ended it). The prompts
+/// run in one pass of `model`'s prefill, then every unfinished sequence one token per decode
+/// step.
+pub fn generate<D: Decoder>(
+    model: &mut D,
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+) -> Result<Vec<Vec<u32>>, D::Error> {
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    if prompts.is_empty() || options.max_new_tokens == 0 {
+        return Ok(out);
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let capacity = (longest + options.max_new_tokens).min(model.max_positions());
+    let vocab = model.vocab_size();
+    let mut rngs: Vec<ChaCha8Rng> = (0..prompts.len())
+        .map(|b| {
+            let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+            rng.set_stream(b as u64);
+            rng
+        })
+        .collect();
+    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let mut logits = model.prefill(&views, capacity)?;
+    let mut active: Vec<usize> = (0..prompts.len()).collect();
+    loop {
+        let mut next = Vec::with_capacity(active.len());
+        for (row, &seq) in active.iter().enumerate() {
+            let token =
+                sample_token(&logits[row * vocab..][..vocab], &options.sampling, &mut rngs[seq]);
+            out[seq].push(token);
+            let done = out[seq].len() >= options.max_new_tokens
+                || options.stop_tokens.contains(&token)
+                || prompts[seq].len() + out[seq].len() >= capacity;
+            if !done {
+                next.push((seq, token));
+            }
+        }
+        if next.is_empty() {
+            return Ok(out);
+        }
+        active = next.iter().map(|&(seq, _)| seq).collect();
+        logits = model.decode(&next)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: u64) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(seed)
+    }
+
+    #[test]
+    fn greedy_takes_the_first_largest_logit() {
+        let logits = [0.5f32, 2.0, -1.0, 2.0];
+        assert_eq!(sample_token(&logits, &Sampling::GREEDY, &mut rng(0)), 1);
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_of_the_tempered_logits() {
+        let logits = [0.0f64, 1.0, 2.0, -1.0];
+        let sampling = Sampling { temperature: 2.0, top_k: None, top_p: None };
+        let weights: Vec<f64> = logits.iter().map(|x| (x / 2.0f64).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        let mut counts = [0usize; 4];
+        let mut r = rng(7);
+        let draws = 40_000;
+        for _ in 0..draws {
+            counts[sample_token(&logits, &sampling, &mut r) as usize] += 1;
+        }
+        for (i, &count) in counts.iter().enumerate() {
+            let expected = weights[i] / sum;
+            let found = count as f64 / draws as f64;
+            // Five standard deviations of a binomial frequency at this many draws.
+            let bound = 5.0 * (expected * (1.0 - expected) / draws as f64).sqrt();
+            assert!((found - expected).abs() < bound, "token {i}: {found} against {expected}");
+        }
+    }
+
+    #[test]
+    fn top_k_and_top_p_draw_only_from_the_most_likely_tokens() {
+        let logits = [3.0f32, 0.0, 2.9, 1.0, 2.8];
+        let top_k = Sampling { temperature: 1.0, top_k: Some(2), top_p: None };
+        // Softmax: 3.0 → 0.38, 2.9 → 0.34, 2.8 → 0.31: the first two sum to 0.72 < 0.75.
+        let top_p = Sampling { temperature: 1.0, top_k: None, top_p: Some(0.75) };
+        let mut r = rng(3);
+        let mut seen_k = std::collections::BTreeSet::new();
+        let mut seen_p = std::collections::BTreeSet::new();
+        for _ in 0..2000 {
+            seen_k.insert(sample_token(&logits, &top_k, &mut r));
+            seen_p.insert(sample_token(&logits, &top_p, &mut r));
+        }
+        assert_eq!(seen_k.into_iter().collect::<Vec<_>>(), vec![0, 2]);
+        assert_eq!(seen_p.into_iter().collect::<Vec<_>>(), vec![0, 2, 4]);
+        let one = Sampling { temperature: 1.0, top_k: Some(1), top_p: None };
+        assert!((0..100).all(|_| sample_token(&logits, &one, &mut r) == 0));
+    }
+}
