@@ -8,6 +8,8 @@ use std::process::{Command, Output};
 mod checkpoint_fixture;
 #[path = "train/checkpoints.rs"]
 mod checkpoints;
+#[path = "train/llama.rs"]
+mod llama;
 #[path = "train/run_control.rs"]
 mod run_control;
 #[path = "train/settings.rs"]

@@ -1,4 +1,4 @@
-//! `bench gpt`'s measurement: forward + backward of the GPT-2 model on one GPU (bf16, no
+//! `bench gpt`'s measurement: forward + backward of a model of any family on one GPU (bf16, no
 //! optimizer), timed, with the memory it holds and, where asked, the time of each kind of
 //! operation.
 
@@ -9,20 +9,23 @@ use rand::{Rng, SeedableRng};
 use zeroflow_core::bf16;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::{CudaDevice, Device};
-use zeroflow_gpt::cuda::{ActivationMemory, CudaGptOptions, device_memory_in_use};
-use zeroflow_gpt::{CudaGpt, GptConfig, flat_layout, init_params};
+pub use zeroflow_nn::PlanOptions;
+use zeroflow_nn::cuda::ActivationMemory;
 
 use crate::error::{Result, TrainError};
+use crate::{Family, Model, ModelSpec, with_family};
 
 /// What to measure: `iters` timed steps of micro-batches of `batch` × `seq` tokens after
-/// `warmup` untimed ones, the model built with `options`.
+/// `warmup` untimed ones, the model built with `options` (and GPT-2's GELU fused into its
+/// matmuls unless `fuse_gelu` is false).
 #[derive(Clone, Copy, Debug)]
 pub struct GptBenchOptions {
     pub batch: usize,
     pub seq: usize,
     pub iters: u32,
     pub warmup: u32,
-    pub options: CudaGptOptions,
+    pub options: PlanOptions,
+    pub fuse_gelu: bool,
     /// Also one step waiting after each operation, timed by kind.
     pub profile: bool,
 }
@@ -42,37 +45,47 @@ pub struct GptBench {
     pub profile: Option<Vec<(String, Duration)>>,
 }
 
-/// Builds `config`'s model on `device` (`name` for the error) and times its forward + backward
-/// on random tokens.
+/// Builds `model`'s GPU model on `device` (`name` for the error) and times its forward +
+/// backward on random tokens.
 pub fn measure(
     device: &CudaDevice,
-    config: &GptConfig,
+    model: &ModelSpec,
+    name: &str,
+    bench: &GptBenchOptions,
+) -> Result<GptBench> {
+    with_family!(model, family => measure_family(device, family, name, bench))
+}
+
+fn measure_family<F: Family>(
+    device: &CudaDevice,
+    family: &F,
     name: &str,
     bench: &GptBenchOptions,
 ) -> Result<GptBench> {
     let (batch, seq) = (bench.batch, bench.seq);
-    let layout = flat_layout(config, 1)?;
+    let layout = family.flat_layout(1)?;
     let mut host = vec![0.0f32; layout.padded_len()];
-    init_params(config, &layout, 1, &mut host)?;
+    family.init(&layout, 1, &mut host)?;
     let host: Vec<bf16> = host.iter().map(|&x| bf16::from_f32(x)).collect();
     let params = device.upload(&host)?;
     drop(host);
     let grads = device.alloc::<bf16>(layout.padded_len())?;
     let blas = Arc::new(Blas::new(device)?);
-    let mut model = CudaGpt::with_options(device, blas, config, &layout, batch, seq, bench.options)
-        .map_err(|e| {
-            TrainError::from(e).context(format!("setting up {name} at micro-batch {batch} × {seq}"))
-        })?;
+    let shape = (batch, seq);
+    let mut model = family
+        .cuda_bench_model(device, blas, &layout, shape, bench.options, bench.fuse_gelu)
+        .map_err(|e| e.context(format!("setting up {name} at micro-batch {batch} × {seq}")))?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
-    let mut draw = || -> Vec<u32> {
-        (0..batch * seq).map(|_| rng.random_range(0..config.vocab_size as u32)).collect()
-    };
+    let vocab = family.vocab_size() as u32;
+    let mut draw =
+        || -> Vec<u32> { (0..batch * seq).map(|_| rng.random_range(0..vocab)).collect() };
     let (inputs, targets) = (draw(), draw());
-    model.set_batch(&inputs, &targets)?;
+    let model_error = |e| TrainError::model(e);
+    model.set_batch(&inputs, &targets).map_err(model_error)?;
     let mut step = || -> Result<f64> {
         let started = Instant::now();
-        model.forward(&params)?;
-        model.backward(&params, &grads, 1.0, |_| {})?;
+        model.forward(&params).map_err(model_error)?;
+        model.backward(&params, &grads, 1.0, &mut |_| {}).map_err(model_error)?;
         device.synchronize()?;
         Ok(started.elapsed().as_secs_f64())
     };
@@ -81,9 +94,11 @@ pub fn measure(
     }
     let mut times = (0..bench.iters).map(|_| step()).collect::<Result<Vec<f64>>>()?;
     times.sort_by(f64::total_cmp);
-    let (memory, in_use, loss) =
-        (model.activation_memory(), device_memory_in_use(device)?, model.loss()?);
-    let profile = if bench.profile { Some(model.profile(&params, &grads)?) } else { None };
+    let memory = F::cuda_activation_memory(&model);
+    let in_use = <F::Cuda as Model>::memory_in_use(device).unwrap_or(0);
+    let loss = model.loss().map_err(model_error)?;
+    let profile =
+        if bench.profile { Some(F::cuda_profile(&mut model, &params, &grads)?) } else { None };
     let params_and_grads = 2 * layout.padded_len() * size_of::<bf16>();
     Ok(GptBench { times, memory, params_and_grads, in_use, loss, profile })
 }

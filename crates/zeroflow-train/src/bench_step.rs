@@ -63,6 +63,8 @@ pub struct BenchOptions {
     pub device: DeviceKind,
     /// Sequences per micro-batch.
     pub micro_batch: usize,
+    /// Tokens per sequence (`None`: the family's default, [`Family::default_seq`]).
+    pub seq: Option<usize>,
     /// Micro-batches per optimizer step.
     pub accum: u64,
     /// Timed optimizer steps.
@@ -83,8 +85,8 @@ pub fn run(
     dist: &DistEnv,
 ) -> Result<Option<serde_json::Value>> {
     check_job(options.device, dist)?;
-    with_family!(model, family => match options.device {
-        DeviceKind::Cpu => bench(options, &family, dist, open::open_cpu),
+    with_family!(&model, family => match options.device {
+        DeviceKind::Cpu => bench(options, family, dist, open::open_cpu),
         DeviceKind::Cuda => {
             let requested = &options.settings;
             let attention = settings::attention(options.device, &model, requested)?;
@@ -93,7 +95,7 @@ pub fn run(
             let activation_checkpointing =
                 settings::activation_checkpointing(options.device, requested);
             let open = CudaOpen { device, attention, activation_checkpointing };
-            bench(options, &family, dist, open.opener())
+            bench(options, family, dist, open.opener())
         }
     })
 }
@@ -185,11 +187,23 @@ fn mean(values: &[f64]) -> f64 {
 /// Model FLOPs per trained token: 6 N for the weights' matmuls forward and backward (the tied
 /// output projection included), plus 12 L d T for attention's two batched matmuls over T
 /// positions (PaLM's accounting; the causal mask is not discounted). The same formula as
-/// scripts/bench-report.py's for the peers.
-fn flops_per_token(model: &impl Family) -> f64 {
-    let (layers, width, context) =
-        (model.n_layer() as f64, model.hidden_size() as f64, model.context() as f64);
-    6.0 * model.num_params() as f64 + 12.0 * layers * width * context
+/// scripts/bench-report.py's for the peers, with T the benchmarked sequence length `seq`.
+fn flops_per_token(model: &impl Family, seq: usize) -> f64 {
+    let (layers, width) = (model.n_layer() as f64, model.hidden_size() as f64);
+    6.0 * model.num_params() as f64 + 12.0 * layers * width * seq as f64
+}
+
+/// `--seq`, or the family's default; at most the model's context.
+fn bench_seq(args: &BenchOptions, model: &impl Family) -> Result<usize> {
+    let seq = args.seq.unwrap_or_else(|| model.default_seq());
+    if seq == 0 || seq > model.context() {
+        return Err(input(format!(
+            "--seq {seq}: give 1 to the model's context of {} tokens",
+            model.context()
+        )));
+    }
+    model.check_seq(seq)?;
+    Ok(seq)
 }
 
 /// Benchmarks this rank's share of the job and returns the report on rank 0 (`None` on the
@@ -204,6 +218,7 @@ fn bench<F: Family, M: Model>(
     // First, before anything starts a thread (rayon's pool in `init_params`, the optimizer's):
     // they inherit the binding.
     let requested = args.settings;
+    let seq = bench_seq(args, model)?;
     let bind = requested.cpu_bind.unwrap_or(BindMode::Auto);
     let binding =
         if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist, bind) } else { None };
@@ -231,10 +246,10 @@ fn bench<F: Family, M: Model>(
     let initial: Vec<M::P> = weights.par_iter().map(|&w| M::P::from_f32(w)).collect();
     drop(weights);
     let Opened { device, comm, model: mut gpt, mut group } =
-        open(model, args.micro_batch, model.context(), &layout, dist)?;
+        open(model, args.micro_batch, seq, &layout, dist)?;
     let description = device.describe();
     let mut engine = Engine::with_weights(device, comm, layout, options, initial)?;
-    let batch = rank_batch(model, args.micro_batch, dist);
+    let batch = rank_batch(model, args.micro_batch * seq, dist);
     let measured = measure(args, &mut engine, &mut gpt, &batch, &mut group)?;
     let ranks = gather_ranks(&measured, &mut group)?;
     // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
@@ -243,14 +258,13 @@ fn bench<F: Family, M: Model>(
         return Ok(None);
     }
     let job = Job { world: dist.world_size, threads, description, settings: effective.to_json() };
-    Ok(Some(report(args, model, &job, &measured, &ranks)))
+    Ok(Some(report(args, (model, seq), &job, &measured, &ranks)))
 }
 
-/// This rank's inputs and targets: its slice of one global batch of `world × micro_batch`
-/// random sequences (the same tokens whatever the number of ranks, so that one rank with the
-/// global batch sees what the ranks see together).
-fn rank_batch(model: &impl Family, micro_batch: usize, dist: &DistEnv) -> (Vec<u32>, Vec<u32>) {
-    let tokens = micro_batch * model.context();
+/// This rank's inputs and targets: its slice of one global batch of `world × tokens` random
+/// tokens (the same tokens whatever the number of ranks, so that one rank with the global batch
+/// sees what the ranks see together).
+fn rank_batch(model: &impl Family, tokens: usize, dist: &DistEnv) -> (Vec<u32>, Vec<u32>) {
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let vocab = model.vocab_size() as u32;
     let global: Vec<u32> =
@@ -409,7 +423,7 @@ struct Job {
 /// rank 0's step times, breakdown and memory, and each rank's means.
 fn report(
     args: &BenchOptions,
-    model: &impl Family,
+    (model, seq): (&impl Family, usize),
     job: &Job,
     measured: &Measured,
     ranks: &[RankFigures],
@@ -420,10 +434,10 @@ fn report(
     let (mean, compute_mean) = (measured.mean(), measured.compute_mean());
     let forward_mean = measured.forward_mean();
     let slowest = ranks.iter().map(|r| r.s_per_step_mean).fold(mean, f64::max);
-    let tokens = args.micro_batch * model.context() * args.accum as usize * job.world;
+    let tokens = args.micro_batch * seq * args.accum as usize * job.world;
     let rss = ranks[0].peak_rss_bytes;
     let params = model.num_params();
-    let flops = flops_per_token(model);
+    let flops = flops_per_token(model, seq);
     let per_step = |time: std::time::Duration| time.as_secs_f64() / measured.times.len() as f64;
     let mut out = json!({
         "system": "zeroflow",
@@ -435,7 +449,7 @@ fn report(
         "parameters": params,
         "micro_batch": args.micro_batch,
         "accum": args.accum,
-        "seq": model.context(),
+        "seq": seq,
         "tokens_per_step": tokens,
         "s_per_step_median": median,
         "s_per_step_mean": mean,
@@ -509,6 +523,6 @@ mod tests {
         // gpt2-124m: 124,439,808 parameters, 12 layers of width 768, context 1024.
         let model = GptConfig::named("gpt2-124m").unwrap();
         let want = 6.0 * 124_439_808.0 + 12.0 * 12.0 * 768.0 * 1024.0;
-        assert_eq!(flops_per_token(&model), want);
+        assert_eq!(flops_per_token(&model, 1024), want);
     }
 }

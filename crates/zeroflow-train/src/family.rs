@@ -3,6 +3,11 @@
 //! family is one arm there and one file of impls (docs/DESIGN.md §2, "Adding a family").
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::CudaBuffer;
+use zeroflow_nn::cuda::ActivationMemory;
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
@@ -16,21 +21,35 @@ use crate::{Model, ModelSpec, TrainError};
 
 /// A model family's shape, as the trainer uses it: its size, its flat layout and checkpoint
 /// tensors, its initial weights, and its models on each device kind.
-pub trait Family: Copy + std::fmt::Debug + serde::Serialize + Send + 'static {
+pub trait Family: Clone + std::fmt::Debug + serde::Serialize + Send + 'static {
     /// The family's model on the CPU device (f32).
     type Cpu: Model<Device = CpuDevice, Comm = CpuComm>;
     /// The family's model on a GPU.
-    type Cuda: Model<Device = CudaDevice, Comm = NcclComm>;
+    type Cuda: Model<Device = CudaDevice, Comm = NcclComm, P = bf16>;
 
     /// This shape as a checkpoint records it.
     fn spec(&self) -> ModelSpec;
+    /// The family, as the checkpoint's `family` tag spells it.
+    fn family_name(&self) -> &'static str;
     fn num_params(&self) -> usize;
     fn n_layer(&self) -> usize;
+    /// Attention heads (the query heads, where the family groups key/value heads).
+    fn n_head(&self) -> usize;
     /// The width of the residual stream (fills an `"auto"` `reduce_bucket_size`).
     fn hidden_size(&self) -> usize;
     fn vocab_size(&self) -> usize;
     /// The longest sequence the model takes.
     fn context(&self) -> usize;
+    /// The sequence length `train` and `bench step` use unless `--seq` says: GPT-2's context,
+    /// the Llama family's 2048 (or its context where shorter).
+    fn default_seq(&self) -> usize {
+        self.context()
+    }
+    /// An input error unless the model trains on sequences of `seq` tokens (at most its
+    /// context, checked by the caller; the Llama family's sliding window).
+    fn check_seq(&self, _seq: usize) -> Result<(), TrainError> {
+        Ok(())
+    }
     /// The flat layout of the parameters, padded for `world_size` ranks.
     fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError>;
     /// The checkpoint's tensors: Hugging Face names and shapes over the flat buffer.
@@ -62,8 +81,36 @@ pub trait Family: Copy + std::fmt::Debug + serde::Serialize + Send + 'static {
     ) -> Result<Self::Cuda, TrainError>;
     /// The Hugging Face `config.json` of this shape (what `zeroflow export` writes).
     fn hf_config(&self) -> serde_json::Value;
-    /// Bytes of activations and scratch the GPU model holds, for the log.
-    fn cuda_activation_bytes(model: &Self::Cuda) -> usize;
+    /// [`Family::cuda_model`] as `bench gpt` builds it: GPT-2's GELU runs as its own kernels
+    /// unless `fuse_gelu` (a family without that fusion ignores it).
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_bench_model(
+        &self,
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        layout: &FlatLayout,
+        (batch, seq): (usize, usize),
+        options: PlanOptions,
+        _fuse_gelu: bool,
+    ) -> Result<Self::Cuda, TrainError> {
+        self.cuda_model(device, blas, layout, batch, seq, options)
+    }
+    /// The activations, their gradients and the scratch the GPU model holds.
+    fn cuda_activation_memory(model: &Self::Cuda) -> ActivationMemory;
+    /// One more forward and backward of the GPU model's last batch, waiting after each
+    /// operation: the time of each kind, in first-run order (`bench gpt --profile`).
+    fn cuda_profile(
+        model: &mut Self::Cuda,
+        params: &CudaBuffer<bf16>,
+        grads: &CudaBuffer<bf16>,
+    ) -> Result<Vec<(String, Duration)>, TrainError>;
+    /// Writes the checkpoint `from` as the Hugging Face directory `out` (created, empty): the
+    /// weights and this shape's `config.json` ([`crate::export`]).
+    fn export(
+        &self,
+        from: &crate::export::Checkpoint,
+        out: &std::path::Path,
+    ) -> Result<(), TrainError>;
 }
 
 /// `$body` with `$family` bound to the [`Family`] that the [`ModelSpec`] `$spec` holds: the one
@@ -73,6 +120,7 @@ macro_rules! with_family {
     ($spec:expr, $family:ident => $body:expr) => {
         match $spec {
             $crate::ModelSpec::Gpt2($family) => $body,
+            $crate::ModelSpec::Llama($family) => $body,
         }
     };
 }
@@ -80,6 +128,19 @@ macro_rules! with_family {
 impl ModelSpec {
     pub fn num_params(&self) -> usize {
         with_family!(self, family => family.num_params())
+    }
+
+    pub fn n_layer(&self) -> usize {
+        with_family!(self, family => family.n_layer())
+    }
+
+    pub fn n_head(&self) -> usize {
+        with_family!(self, family => family.n_head())
+    }
+
+    /// The family as the checkpoint's `family` tag spells it.
+    pub fn family(&self) -> &'static str {
+        with_family!(self, family => family.family_name())
     }
 
     pub fn hidden_size(&self) -> usize {
@@ -92,6 +153,10 @@ impl ModelSpec {
 
     pub fn context(&self) -> usize {
         with_family!(self, family => family.context())
+    }
+
+    pub fn default_seq(&self) -> usize {
+        with_family!(self, family => family.default_seq())
     }
 
     pub fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError> {

@@ -5,6 +5,11 @@
 //! trainer (docs/DESIGN.md §2); each is the model's own methods under the trait's names.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::CudaBuffer;
+use zeroflow_nn::cuda::ActivationMemory;
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
@@ -82,12 +87,20 @@ impl Family for GptConfig {
         ModelSpec::Gpt2(*self)
     }
 
+    fn family_name(&self) -> &'static str {
+        "gpt2"
+    }
+
     fn num_params(&self) -> usize {
         GptConfig::num_params(self)
     }
 
     fn n_layer(&self) -> usize {
         self.n_layer
+    }
+
+    fn n_head(&self) -> usize {
+        self.n_head
     }
 
     fn hidden_size(&self) -> usize {
@@ -158,7 +171,40 @@ impl Family for GptConfig {
         self.to_hf_config()
     }
 
-    fn cuda_activation_bytes(model: &CudaGpt) -> usize {
-        model.activation_bytes()
+    fn cuda_bench_model(
+        &self,
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        layout: &FlatLayout,
+        (batch, seq): (usize, usize),
+        plan: PlanOptions,
+        fuse_gelu: bool,
+    ) -> Result<CudaGpt, TrainError> {
+        let options = CudaGptOptions {
+            fuse_gelu,
+            attention: plan.attention,
+            activation_checkpointing: plan.activation_checkpointing,
+        };
+        Ok(CudaGpt::with_options(device, blas, self, layout, batch, seq, options)?)
+    }
+
+    fn cuda_activation_memory(model: &CudaGpt) -> ActivationMemory {
+        model.activation_memory()
+    }
+
+    fn cuda_profile(
+        model: &mut CudaGpt,
+        params: &CudaBuffer<bf16>,
+        grads: &CudaBuffer<bf16>,
+    ) -> Result<Vec<(String, Duration)>, TrainError> {
+        Ok(model.profile(params, grads)?)
+    }
+
+    fn export(
+        &self,
+        from: &crate::export::Checkpoint,
+        out: &std::path::Path,
+    ) -> Result<(), TrainError> {
+        crate::export::copy_weights(from, out, &self.to_hf_config())
     }
 }

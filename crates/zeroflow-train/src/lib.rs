@@ -1,12 +1,13 @@
 //! zeroflow's trainer library (docs/DESIGN.md §2): the [`Model`] trait every family implements
-//! for the trainer (GPT-2's impls in [`gpt2`]), the model a checkpoint holds ([`ModelSpec`]), the
-//! learning-rate schedule ([`schedule`]), and the distributed runtime ([`dist`]): where a process
-//! stands in a multi-process job, how the processes meet, the side channel beside NCCL, the CPU
-//! binding of each rank's optimizer and the step watchdog. Above them the trainer: a run's set-up
-//! from its options ([`setup`]: data, config, resume point, initial weights), its loop
-//! ([`run`], [`trainer`]), what it writes ([`metrics`], [`checkpoints`]) and tells its caller
-//! ([`observer`]); and `bench step`'s timed engine steps ([`bench_step`]). Which family a
-//! [`ModelSpec`] holds is decided in one place ([`with_family!`], [`family`]).
+//! for the trainer (GPT-2's in [`gpt2`], the Llama family's in [`llama`]), the model a checkpoint
+//! holds ([`ModelSpec`]), the learning-rate schedule ([`schedule`]), and the distributed runtime
+//! ([`dist`]): where a process stands in a multi-process job, how the processes meet, the side
+//! channel beside NCCL, the CPU binding of each rank's optimizer and the step watchdog. Above them
+//! the trainer: a run's set-up from its options ([`setup`]: data, config, resume point, initial
+//! weights), its loop ([`run`], [`trainer`]), what it writes ([`metrics`], [`checkpoints`]) and
+//! tells its caller ([`observer`]); `bench step`'s timed engine steps ([`bench_step`]) and
+//! `bench gpt`'s forward + backward ([`bench_gpt`]). Which family a [`ModelSpec`] holds is
+//! decided in one place ([`with_family!`], [`family`]).
 
 pub mod bench_gpt;
 pub mod bench_step;

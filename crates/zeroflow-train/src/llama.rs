@@ -1,17 +1,39 @@
-//! The Llama family ([`zeroflow_llama`]) as a [`Model`]: its CPU model in f32 (it has no CUDA
-//! model yet); and [`LlamaSpec`], the model a checkpoint holds, `{"family": "llama", …}` with
-//! the fields of its `config.json` beside the tag.
+//! The Llama family ([`zeroflow_llama`]) as a [`Model`] (its CPU model in f32 and its CUDA model
+//! in bf16), and [`LlamaSpec`], the model a checkpoint holds (`{"family": "llama", …}` with the
+//! fields of its `config.json` beside the tag), as a [`Family`].
 //!
-//! The impl lives here, not in `zeroflow-llama`, so that the family crate does not depend on the
+//! The impls live here, not in `zeroflow-llama`, so that the family crate does not depend on the
 //! trainer (docs/DESIGN.md §2); each method is the model's own of the same name.
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use zeroflow_device::CpuDevice;
-use zeroflow_device::cpu::CpuComm;
-use zeroflow_llama::{CpuLlama, LlamaConfig, LlamaError};
-use zeroflow_nn::GradsReady;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
+use zeroflow_core::bf16;
+use zeroflow_device::cuda::CudaBuffer;
+use zeroflow_nn::cuda::ActivationMemory;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_device::cuda::blas::Blas;
+use zeroflow_device::cuda::nccl::NcclComm;
+use zeroflow_device::{CpuDevice, CudaDevice};
+use zeroflow_engine::checkpoint::NamedTensor;
+use zeroflow_hf::{SaveDtype, SaveOptions};
+use zeroflow_llama::{
+    ActLayout, CpuLlama, CudaLlama, CudaLlamaOptions, LlamaConfig, LlamaError, hf_params,
+};
+use zeroflow_nn::{AttentionKind, GradsReady, PlanOptions};
+
+use crate::error::input;
+use crate::export::Checkpoint;
 use crate::model::{Buffer, Model};
+use crate::{Family, ModelSpec, TrainError};
+
+/// The sequence length a Llama-family run trains on unless `--seq` says (its context where
+/// shorter): the benchmarks' 2048, not the 128k context of Llama 3.x.
+pub const DEFAULT_SEQ: usize = 2048;
 
 /// A Llama-family model as a checkpoint records it: its configuration, serialized as the
 /// `config.json` that [`LlamaConfig::to_hf_config`] writes and read back by
@@ -32,32 +54,199 @@ impl<'de> Deserialize<'de> for LlamaSpec {
     }
 }
 
-impl Model for CpuLlama {
-    type Device = CpuDevice;
-    type Comm = CpuComm;
-    type P = f32;
-    type Error = LlamaError;
+/// `impl Model for $model`, each method the model's own of the same name.
+macro_rules! llama_model {
+    ($model:ty, $device:ty, $comm:ty, $element:ty $(, memory_in_use: $memory:expr)?) => {
+        impl Model for $model {
+            type Device = $device;
+            type Comm = $comm;
+            type P = $element;
+            type Error = LlamaError;
 
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), LlamaError> {
-        CpuLlama::set_batch(self, inputs, targets)
+            $(
+                fn memory_in_use(device: &$device) -> Option<usize> {
+                    $memory(device)
+                }
+            )?
+
+            fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), LlamaError> {
+                <$model>::set_batch(self, inputs, targets)
+            }
+
+            fn forward(&mut self, params: &Buffer<Self>) -> Result<(), LlamaError> {
+                <$model>::forward(self, params)
+            }
+
+            fn loss(&mut self) -> Result<f32, LlamaError> {
+                <$model>::loss(self)
+            }
+
+            fn backward(
+                &mut self,
+                params: &Buffer<Self>,
+                grads: &Buffer<Self>,
+                loss_scale: f64,
+                on_ready: &mut dyn FnMut(&GradsReady),
+            ) -> Result<(), LlamaError> {
+                <$model>::backward(self, params, grads, loss_scale, on_ready)
+            }
+        }
+    };
+}
+
+/// Bytes of the GPU's memory in use now, by every process and context.
+fn cuda_memory_in_use(device: &CudaDevice) -> Option<usize> {
+    device.memory_info().ok().map(|(free, total)| total - free)
+}
+
+llama_model!(CpuLlama, CpuDevice, CpuComm, f32);
+llama_model!(
+    CudaLlama,
+    CudaDevice,
+    NcclComm,
+    bf16,
+    memory_in_use: cuda_memory_in_use
+);
+
+impl From<LlamaError> for TrainError {
+    fn from(error: LlamaError) -> TrainError {
+        TrainError::model(error)
+    }
+}
+
+impl Family for LlamaSpec {
+    type Cpu = CpuLlama;
+    type Cuda = CudaLlama;
+
+    fn spec(&self) -> ModelSpec {
+        ModelSpec::Llama(self.clone())
     }
 
-    fn forward(&mut self, params: &Buffer<Self>) -> Result<(), LlamaError> {
-        CpuLlama::forward(self, params)
+    fn family_name(&self) -> &'static str {
+        "llama"
     }
 
-    fn loss(&mut self) -> Result<f32, LlamaError> {
-        CpuLlama::loss(self)
+    fn num_params(&self) -> usize {
+        zeroflow_llama::param_count(&self.0) as usize
     }
 
-    fn backward(
-        &mut self,
-        params: &Buffer<Self>,
-        grads: &Buffer<Self>,
-        loss_scale: f64,
-        on_ready: &mut dyn FnMut(&GradsReady),
-    ) -> Result<(), LlamaError> {
-        CpuLlama::backward(self, params, grads, loss_scale, on_ready)
+    fn n_layer(&self) -> usize {
+        self.0.num_hidden_layers
+    }
+
+    fn n_head(&self) -> usize {
+        self.0.num_attention_heads
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.0.hidden_size
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size
+    }
+
+    fn context(&self) -> usize {
+        self.0.max_position_embeddings
+    }
+
+    fn default_seq(&self) -> usize {
+        DEFAULT_SEQ.min(self.context())
+    }
+
+    fn check_seq(&self, seq: usize) -> Result<(), TrainError> {
+        self.0.check_sequence_len(seq).map_err(|e| input(format!("--seq {seq}: {e}")))
+    }
+
+    fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError> {
+        zeroflow_llama::flat_layout(&self.0, world_size)
+            .map_err(|e| TrainError::model(e).context("cannot lay out the model"))
+    }
+
+    fn tensors(&self, layout: &FlatLayout) -> Result<Vec<NamedTensor>, TrainError> {
+        hf_params(&self.0)
+            .into_iter()
+            .map(|p| {
+                let flat =
+                    layout.param(&p.name).map(|view| view.flat_range()).ok_or_else(|| {
+                        TrainError::Input(format!("the flat layout has no parameter {}", p.name))
+                    })?;
+                Ok(NamedTensor { name: p.name, shape: p.shape, flat })
+            })
+            .collect()
+    }
+
+    fn init(&self, layout: &FlatLayout, seed: u64, weights: &mut [f32]) -> Result<(), TrainError> {
+        Ok(zeroflow_llama::init_params(&self.0, layout, seed, weights)?)
+    }
+
+    fn cpu_activations(&self, batch: usize, seq: usize) -> usize {
+        ActLayout::new(&self.0, batch, seq, AttentionKind::Gemm).len
+    }
+
+    fn cuda_attention(&self, asked: Option<AttentionKind>) -> AttentionKind {
+        CudaLlamaOptions::for_model(&self.0, asked).attention
+    }
+
+    fn cpu_model(
+        &self,
+        device: &CpuDevice,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+    ) -> Result<CpuLlama, TrainError> {
+        Ok(CpuLlama::new(device, &self.0, layout, batch, seq, AttentionKind::Gemm)?)
+    }
+
+    fn cuda_model(
+        &self,
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        layout: &FlatLayout,
+        batch: usize,
+        seq: usize,
+        plan: PlanOptions,
+    ) -> Result<CudaLlama, TrainError> {
+        let options = CudaLlamaOptions {
+            attention: plan.attention,
+            activation_checkpointing: plan.activation_checkpointing,
+        };
+        Ok(CudaLlama::with_options(device, blas, &self.0, layout, (batch, seq), options)?)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        self.0.to_hf_config()
+    }
+
+    fn cuda_activation_memory(model: &CudaLlama) -> ActivationMemory {
+        model.activation_memory()
+    }
+
+    fn cuda_profile(
+        model: &mut CudaLlama,
+        params: &CudaBuffer<bf16>,
+        grads: &CudaBuffer<bf16>,
+    ) -> Result<Vec<(String, Duration)>, TrainError> {
+        Ok(model.profile(params, grads)?)
+    }
+
+    /// `config.json` of the same architecture and the weights through
+    /// [`zeroflow_llama::save_hf_dir`] (in the checkpoint's dtype, sharded above 5 GB), with the
+    /// tokenizer files of the run's `--init-from` directory where it still exists.
+    fn export(&self, from: &Checkpoint, out: &Path) -> Result<(), TrainError> {
+        let layout = self.flat_layout(1)?;
+        let weights = from.f32_weights(&layout, &self.tensors(&layout)?)?;
+        let dtype = if from.weights_dtype == "F32" { SaveDtype::F32 } else { SaveDtype::Bf16 };
+        let tokenizer_from = from.init_from.clone().filter(|dir| dir.is_dir());
+        if let Some(dir) = from.init_from.as_ref().filter(|dir| !dir.is_dir()) {
+            tracing::warn!(
+                "the run's --init-from {} is gone: exporting without its tokenizer files",
+                dir.display()
+            );
+        }
+        let options = SaveOptions { dtype, tokenizer_from, ..SaveOptions::default() };
+        zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
+        Ok(())
     }
 }
 
@@ -119,6 +308,40 @@ mod tests {
         let expected =
             [GradGroup::FinalNorm, GradGroup::Block(1), GradGroup::Block(0), GradGroup::Embeddings];
         assert_eq!(groups, expected);
+    }
+
+    /// The family's checkpoint tensors are `transformers`' parameters in the flat layout's order,
+    /// covering every parameter once; the named shapes train on 2048 tokens unless told; a
+    /// sliding window shorter than the sequence is an input error naming the field.
+    #[test]
+    fn the_llama_family_lays_out_its_hf_tensors() {
+        let spec = LlamaSpec(zeroflow_llama::named_shape("llama-1b").unwrap());
+        assert_eq!(
+            (spec.num_params(), spec.default_seq(), spec.context()),
+            (1_235_814_400, 2048, 131_072)
+        );
+        let tiny = LlamaSpec(
+            LlamaConfig::from_hf_config(&json!({
+                "architectures": ["MistralForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+                "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "max_position_embeddings": 64, "sliding_window": 16,
+                "tie_word_embeddings": false,
+            }))
+            .unwrap(),
+        );
+        let layout = tiny.flat_layout(3).unwrap();
+        let tensors = tiny.tensors(&layout).unwrap();
+        let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+        let expected: Vec<String> = hf_params(&tiny.0).into_iter().map(|p| p.name).collect();
+        assert_eq!(names, expected);
+        assert_eq!(names.last(), Some(&"lm_head.weight"));
+        assert!(tensors.windows(2).all(|w| w[0].flat.end <= w[1].flat.start));
+        let numel: usize = tensors.iter().map(|t| t.flat.len()).sum();
+        assert_eq!(numel, tiny.num_params());
+        assert_eq!(tiny.default_seq(), 64);
+        tiny.check_seq(16).unwrap();
+        let error = tiny.check_seq(17).unwrap_err();
+        assert!(error.is_input() && error.to_string().contains("sliding_window"), "{error}");
     }
 
     /// A spec is its `config.json`'s fields; written and read back it is the same configuration,

@@ -111,7 +111,7 @@ pub fn open_cuda<F: Family>(
     let model = model.cuda_model(&device, blas, layout, micro_batch, seq, options)?;
     tracing::info!(
         "GPU model: {:.2} GiB of activations and scratch",
-        F::cuda_activation_bytes(&model) as f64 / f64::from(1u32 << 30)
+        F::cuda_activation_memory(&model).total() as f64 / f64::from(1u32 << 30)
     );
     Ok(Opened { device, comm, model, group })
 }

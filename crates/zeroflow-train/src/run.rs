@@ -47,7 +47,7 @@ pub fn run(
     observer: &mut dyn TrainObserver,
     stop: &StopHandle,
 ) -> Result<Outcome> {
-    let model = setup.model;
+    let model = setup.model.clone();
     with_family!(model, family => match setup.device {
         DeviceKind::Cpu => run_on(setup, &family, open::open_cpu, observer, stop),
         DeviceKind::Cuda => run_on(setup, &family, cuda.opener(), observer, stop),

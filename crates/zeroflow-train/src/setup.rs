@@ -8,7 +8,6 @@ use zeroflow_core::config::Config;
 use zeroflow_engine::checkpoint;
 use zeroflow_gpt::GptConfig;
 
-use crate::ModelSpec;
 use crate::data::{self, Data};
 use crate::data_files::{self, DataFile};
 use crate::dist::DistEnv;
@@ -16,6 +15,7 @@ use crate::dist::affinity::{self, BindMode, Binding};
 use crate::error::{Result, input, io};
 use crate::resume_point::{self, Extra, ResumePoint};
 use crate::settings::{self, Requested};
+use crate::{Family, ModelSpec};
 use crate::{init_from, limits, open, resume, run_config};
 
 /// How many optimizer steps a run takes unless told: enough for `tiny` to get within 5% of the
@@ -282,17 +282,22 @@ fn open_data(
     Ok(data)
 }
 
-/// `--seq`, checked against the model's context; the context when not given.
-fn training_seq(flag: Option<NonZeroU64>, model: &ModelSpec) -> Result<usize> {
+/// `--seq`, checked against the model's context (and the Llama family's sliding window); the
+/// family's default ([`ModelSpec::default_seq`]) when not given.
+pub fn training_seq(flag: Option<NonZeroU64>, model: &ModelSpec) -> Result<usize> {
     let context = model.context();
-    match flag.map(|seq| seq.get()) {
-        None => Ok(context),
-        Some(seq) if seq <= context as u64 => Ok(seq as usize),
-        Some(seq) => Err(input(format!(
-            "--seq {seq} is longer than the model's context of {context} tokens; give at most \
-             {context} (or a model with a longer context)"
-        ))),
-    }
+    let seq = match flag.map(|seq| seq.get()) {
+        None => model.default_seq(),
+        Some(seq) if seq <= context as u64 => seq as usize,
+        Some(seq) => {
+            return Err(input(format!(
+                "--seq {seq} is longer than the model's context of {context} tokens; give at \
+                 most {context} (or a model with a longer context)"
+            )));
+        }
+    };
+    crate::with_family!(model, family => family.check_seq(seq))?;
+    Ok(seq)
 }
 
 /// This process's place in the job, `dist` from the launcher's environment, with `--gpu` as its
@@ -330,9 +335,9 @@ pub fn job(args: &TrainOptions, mut dist: DistEnv) -> Result<DistEnv> {
     Ok(dist)
 }
 
-/// The model: `--model`, else the checkpoint's when resuming, else the shape in `--init-from`'s
-/// config.json, else `tiny` with the data's vocabulary. A `--model` other than the checkpoint's is
-/// an error.
+/// The model: `--model` ([`ModelSpec::parse`]), else the checkpoint's when resuming, else the
+/// model of `--init-from`'s config.json, else `tiny` with the data's vocabulary. A `--model`
+/// other than the checkpoint's is an error.
 fn choose_model(
     flag: Option<&str>,
     saved: Option<(&Extra, &Path)>,
@@ -341,18 +346,17 @@ fn choose_model(
 ) -> Result<ModelSpec> {
     let given = match flag {
         Some(text) => {
-            Some(text.parse::<GptConfig>().map_err(|e| input(format!("--model {text}: {e}")))?)
+            Some(ModelSpec::parse(text).map_err(|e| input(format!("--model {text}: {e}")))?)
         }
         None => None,
     };
-    // Only GPT-2 trains today: a family without a trainer gets no arm here.
-    let saved = saved.map(|(extra, dir)| match extra.model {
-        ModelSpec::Gpt2(shape) => (shape, dir),
-    });
-    let shape = same_as_saved("--model", given, saved)?
-        .or_else(|| hf.and_then(|hf| hf.config))
-        .unwrap_or(GptConfig { vocab_size: spec.default_vocab(), ..GptConfig::TINY });
-    Ok(ModelSpec::Gpt2(shape))
+    let saved = saved.map(|(extra, dir)| (extra.model.clone(), dir));
+    Ok(same_as_saved("--model", given, saved)?
+        .or_else(|| hf.and_then(|hf| hf.model.clone()))
+        .unwrap_or(ModelSpec::Gpt2(GptConfig {
+            vocab_size: spec.default_vocab(),
+            ..GptConfig::TINY
+        })))
 }
 
 /// How the run starts, with the initial weights checked against the model's tensors.
@@ -372,7 +376,7 @@ fn initial_state(
             Start::Resume { point: Box::new(point), weights }
         }
         (None, Some(hf)) => {
-            let weights = hf.flat_weights(&tensors, layout.padded_len())?;
+            let weights = hf.flat_weights(model, &layout, &tensors)?;
             Start::InitFrom { dir: hf.dir, weights }
         }
         (None, None) => Start::Seed,

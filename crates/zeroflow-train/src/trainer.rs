@@ -169,7 +169,7 @@ impl<M: Model> Trainer<M> {
     /// and the trainer's [`Extra`].
     fn meta(&self, step: u64, setup: &Setup, snapshot: &Snapshot, parts: usize) -> Meta {
         let extra = Extra {
-            model: setup.model,
+            model: setup.model.clone(),
             config: setup.config.to_json(),
             data: setup.data_arg.clone(),
             data_files: setup.data_files.clone(),
@@ -184,9 +184,14 @@ impl<M: Model> Trainer<M> {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),
                 data_description: setup.data.description.clone(),
+                // Resolved (`export` copies its tokenizer files from any directory), and kept
+                // across a resume.
                 init_from: match &setup.start {
-                    Start::InitFrom { dir, .. } => Some(dir.display().to_string()),
-                    _ => None,
+                    Start::InitFrom { dir, .. } => Some(
+                        std::fs::canonicalize(dir).unwrap_or(dir.clone()).display().to_string(),
+                    ),
+                    Start::Resume { point, .. } => point.extra.run.init_from.clone(),
+                    Start::Seed => None,
                 },
                 steps: setup.steps,
                 eval_every: setup.eval_every,

@@ -1,26 +1,24 @@
-//! `zeroflow bench gpt`: forward + backward of the GPT model on one GPU (bf16, no optimizer),
-//! the figure to hold against PyTorch's 50,289 tokens/s for gpt-1.3b at micro-batch 8 × 1024 on
-//! an H200 (DEVICE.md).
+//! `zeroflow bench gpt`: forward + backward of a model (GPT-2 or the Llama family) on one GPU
+//! (bf16, no optimizer), the figure to hold against PyTorch's 50,289 tokens/s for gpt-1.3b at
+//! micro-batch 8 × 1024 on an H200 (DEVICE.md).
 
 use anyhow::Context;
 use zeroflow_device::cuda::{is_absent, short_reason};
 use zeroflow_device::{CudaDevice, Device};
-use zeroflow_gpt::GptConfig;
-use zeroflow_gpt::cuda::CudaGptOptions;
-use zeroflow_train::bench_gpt::{self, GptBenchOptions};
+use zeroflow_train::bench_gpt::{self, GptBenchOptions, PlanOptions};
 
 use crate::settings::{self, Requested};
 use zeroflow_train::{DeviceKind, ModelSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Model size: a named size (gpt-1.3b, gpt2-124m, …) or a JSON object.
+    /// A named shape (gpt-1.3b, gpt2-124m, llama-1b, …), a JSON object or a config.json file.
     #[arg(long, default_value = "gpt-1.3b")]
     model: String,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     micro_batch: u32,
-    /// Tokens per sequence [default: the model's context].
+    /// Tokens per sequence [default: GPT-2's context, the Llama family's 2048].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     seq: Option<u32>,
     /// Timed steps after the warm-up; the median is reported.
@@ -35,7 +33,7 @@ pub struct Args {
     /// Also run one step waiting after each operation and print the time of each kind.
     #[arg(long)]
     profile: bool,
-    /// Run GELU as its own kernels instead of in the fc matmul's cuBLASLt epilogues.
+    /// GPT-2: run GELU as its own kernels instead of in the fc matmul's cuBLASLt epilogues.
     #[arg(long)]
     no_gelu_fusion: bool,
     #[command(flatten)]
@@ -43,11 +41,12 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let config: GptConfig = args.model.parse().context("--model")?;
-    let (batch, seq) = (args.micro_batch as usize, args.seq.map_or(config.context, |s| s as usize));
+    let model = ModelSpec::parse(&args.model).map_err(anyhow::Error::msg).context("--model")?;
+    let (batch, seq) =
+        (args.micro_batch as usize, args.seq.map_or(model.default_seq(), |s| s as usize));
     let flags = settings::from_flags(args.gpu_settings, settings::HostFlags::default());
     let requested = settings::resolve(flags, settings::env::from_process()?, Requested::default());
-    let attention = settings::attention(DeviceKind::Cuda, &ModelSpec::Gpt2(config), &requested)?;
+    let attention = settings::attention(DeviceKind::Cuda, &model, &requested)?;
     let options = settings::cuda_device_options(&requested);
     let device = CudaDevice::with_options(args.gpu, options).map_err(|error| {
         if is_absent(&error) {
@@ -59,14 +58,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             anyhow::Error::new(error).context(format!("opening GPU {}", args.gpu))
         }
     })?;
-    let options = CudaGptOptions {
-        fuse_gelu: !args.no_gelu_fusion,
-        attention,
-        activation_checkpointing: settings::activation_checkpointing(DeviceKind::Cuda, &requested),
-    };
-    let (iters, warmup, profile) = (args.iters, args.warmup, args.profile);
-    let bench = GptBenchOptions { batch, seq, iters, warmup, options, profile };
-    let measured = bench_gpt::measure(&device, &config, &args.model, &bench)?;
+    let activation_checkpointing = settings::activation_checkpointing(DeviceKind::Cuda, &requested);
+    let options = PlanOptions { attention, activation_checkpointing };
+    let (iters, warmup, profile, fuse_gelu) =
+        (args.iters, args.warmup, args.profile, !args.no_gelu_fusion);
+    let bench = GptBenchOptions { batch, seq, iters, warmup, options, fuse_gelu, profile };
+    let measured = bench_gpt::measure(&device, &model, &args.model, &bench)?;
     let times = &measured.times;
     let median = times[times.len() / 2];
     let tokens_per_s = (batch * seq) as f64 / median;

@@ -1,4 +1,4 @@
-//! `zeroflow bench step`: optimizer steps of the GPT model through the ZeRO engine, timed
+//! `zeroflow bench step`: optimizer steps of a model (GPT-2 or the Llama family) through the ZeRO engine, timed
 //! ([`zeroflow_train::bench_step`]), in the configurations DeepSpeed is measured in
 //! (`bench/peers/ds_train.py`): ZeRO-2 with the optimizer on the device, with CPU optimizer
 //! offload, and with offload and the one-step delayed update.
@@ -9,7 +9,6 @@
 //! job's tokens/s (every rank's tokens), its own step times, breakdown and memory, and each rank's
 //! means.
 
-use zeroflow_gpt::GptConfig;
 use zeroflow_train::ModelSpec;
 use zeroflow_train::bench_step::{self, BenchOptions, Mode};
 use zeroflow_train::dist::DistEnv;
@@ -36,9 +35,13 @@ pub enum ModeFlag {
 pub struct Args {
     #[arg(long, value_enum, default_value_t = ModeFlag::Offload)]
     mode: ModeFlag,
-    /// A named size (tiny, gpt2-124m, …, gpt-1.3b) or a custom shape.
+    /// A named shape (tiny, gpt2-124m, …, gpt-1.3b, llama-1b, llama-3b, llama-8b), a JSON
+    /// object or a config.json file.
     #[arg(long, default_value = "tiny")]
     model: String,
+    /// Tokens per sequence [default: GPT-2's context, the Llama family's 2048].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    seq: Option<u32>,
     #[arg(long, value_enum, default_value_t = DeviceFlag::Cpu)]
     device: DeviceFlag,
     /// Sequences per micro-batch.
@@ -74,8 +77,8 @@ impl From<ModeFlag> for Mode {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let model: GptConfig =
-        args.model.parse().map_err(|e| InputError::from_display(format!("--model: {e}")))?;
+    let model = ModelSpec::parse(&args.model)
+        .map_err(|e| InputError::from_display(format!("--model: {e}")))?;
     if args.micro_batch == 0 || args.steps == 0 || args.accum == 0 {
         return Err(InputError::from_display(
             "--micro-batch, --accum and --steps must be at least 1",
@@ -92,6 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model_name: args.model.clone(),
         device: args.device.into(),
         micro_batch: args.micro_batch,
+        seq: args.seq.map(|seq| seq as usize),
         accum: args.accum,
         steps: args.steps,
         warmup: args.warmup,
@@ -99,7 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         kernel_cache: settings::env::kernel_cache(),
     };
     // Only rank 0 reports, for the whole job.
-    if let Some(report) = bench_step::run(&options, ModelSpec::Gpt2(model), &dist)? {
+    if let Some(report) = bench_step::run(&options, model, &dist)? {
         print_report(&args, &report)?;
     }
     Ok(())

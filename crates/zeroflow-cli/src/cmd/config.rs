@@ -10,6 +10,7 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::path::PathBuf;
 
 use zeroflow_gpt::GptConfig;
+use zeroflow_train::ModelSpec;
 
 use crate::InputError;
 use crate::cmd::train::DEFAULT_STEPS;
@@ -42,10 +43,9 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let model = match &args.model {
-        Some(text) => text
-            .parse::<GptConfig>()
+        Some(text) => ModelSpec::parse(text)
             .map_err(|e| InputError::from_display(format!("--model {text}: {e}")))?,
-        None => GptConfig::TINY,
+        None => ModelSpec::Gpt2(GptConfig::TINY),
     };
     let flags = RunFlags {
         config_file: Some(&args.file),
@@ -58,7 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         weight_decay: args.auto.weight_decay,
         steps: args.steps.get(),
         world_size: args.world_size.get() as usize,
-        hidden_size: model.d_model,
+        hidden_size: model.hidden_size(),
     };
     run_config::check_flag_values(&flags)?;
     let run = run_config::resolve_unchecked(&flags).map_err(InputError::from_display)?;

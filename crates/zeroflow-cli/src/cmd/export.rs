@@ -1,15 +1,15 @@
-//! `zeroflow export`: a checkpoint to a Hugging Face GPT-2 directory (`model.safetensors` and
-//! `config.json`) that `transformers.GPT2LMHeadModel.from_pretrained` loads
-//! ([`zeroflow_train::export`]).
+//! `zeroflow export`: a checkpoint to a Hugging Face directory of its family (weights and
+//! `config.json`) that `transformers`' `from_pretrained` loads ([`zeroflow_train::export`]).
 
 use std::path::PathBuf;
 
-/// Write a checkpoint as a Hugging Face GPT-2 model directory.
+/// Write a checkpoint as a Hugging Face model directory (GPT-2 or the Llama family).
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The checkpoint directory (a `step-…` directory under a run's `checkpoints/`).
     checkpoint: PathBuf,
-    /// Where to write `model.safetensors` and `config.json` (must not exist, or be empty).
+    /// Where to write the weights, config.json and (for a run started --init-from a directory)
+    /// its tokenizer files; must not exist, or be empty.
     #[arg(long)]
     out: PathBuf,
 }

@@ -2,7 +2,7 @@
 //! optimizer mode needs for them, from the bytes per parameter the engine keeps.
 
 use serde_json::json;
-use zeroflow_gpt::{GptConfig, NAMED_SIZES};
+use zeroflow_train::ModelSpec;
 use zeroflow_train::memory::{ASSUMPTIONS, BytesPerParam, modes, per_rank};
 
 /// List the named model shapes with parameter counts and memory per mode.
@@ -22,7 +22,7 @@ pub struct Args {
 /// One named model and the (GPU, host) bytes per rank of each mode of [`modes`].
 struct Row {
     name: &'static str,
-    model: GptConfig,
+    model: ModelSpec,
     memory: Vec<(f64, f64)>,
 }
 
@@ -34,10 +34,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Err(crate::InputError::from_display("--topk-ratio must be between 0 and 1"));
     }
     let modes = modes(args.topk_ratio);
-    let rows: Vec<Row> = NAMED_SIZES
-        .iter()
-        .map(|&name| {
-            let model = GptConfig::named(name).expect("a named size");
+    let rows: Vec<Row> = ModelSpec::named_shapes()
+        .into_iter()
+        .map(|(name, model)| {
             let memory =
                 modes.iter().map(|m| per_rank(m, model.num_params(), args.world_size)).collect();
             Row { name, model, memory }
@@ -65,7 +64,8 @@ fn print_json(args: &Args, modes: &[BytesPerParam], rows: &[Row]) -> anyhow::Res
                 .collect();
             json!({
                 "name": row.name,
-                "shape": row.model,
+                "family": row.model.family(),
+                "shape": row.model.shape_json(),
                 "parameters": row.model.num_params(),
                 "memory": memory,
             })
@@ -104,10 +104,10 @@ fn print_table(args: &Args, rows: &[Row]) {
         println!(
             "{:<10} {:>6} {:>5} {:>7} {:>7} {:>13}   {}",
             row.name,
-            model.n_layer,
-            model.n_head,
-            model.d_model,
-            model.context,
+            model.n_layer(),
+            model.n_head(),
+            model.hidden_size(),
+            model.context(),
             model.num_params(),
             memory.join("   ")
         );

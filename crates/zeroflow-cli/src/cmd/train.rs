@@ -23,10 +23,10 @@ pub struct Args {
     /// offload, precision. Its "auto" values are filled from the flags below.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Model size (tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt-1.3b) or a JSON object
-    /// such as '{"n_layer":2,"n_head":4,"d_model":128,"vocab_size":64,"context":64}'.
-    /// Default: tiny, with the vocabulary of the data.
-    #[arg(long, value_name = "NAME|JSON")]
+    /// A named shape (tiny, gpt2-124m, …, gpt-1.3b, llama-1b, llama-3b, llama-8b), a JSON object
+    /// such as '{"n_layer":2,"n_head":4,"d_model":128,"vocab_size":64,"context":64}', or a
+    /// Hugging Face config.json (a file or its JSON). Default: tiny, with the data's vocabulary.
+    #[arg(long, value_name = "NAME|JSON|FILE")]
     pub model: Option<String>,
     /// `synthetic` (the built-in corpus with a known entropy floor), a directory or glob of llm.c
     /// `.bin` token shards, or a text file read as bytes.
@@ -56,7 +56,8 @@ pub struct Args {
     /// Micro-batches in each evaluation (of --micro-batch sequences each, on every rank).
     #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(zeroflow_train::data::EVAL_BATCHES as u64).expect("non-zero"))]
     pub eval_batches: NonZeroU64,
-    /// Tokens per training sequence, at most the model's context. Default: the model's context.
+    /// Tokens per training sequence, at most the model's context. Default: GPT-2's context, the
+    /// Llama family's 2048.
     #[arg(long, value_name = "N")]
     pub seq: Option<NonZeroU64>,
     /// Without a terminal (no progress bar), print a progress line every N steps, and at least
@@ -82,8 +83,9 @@ pub struct Args {
     /// any directory; a changed file is an error) and seed, to its planned total (or --steps).
     #[arg(long, value_name = "DIR|latest")]
     pub resume: Option<String>,
-    /// Start from the weights of a Hugging Face GPT-2 directory (model.safetensors, and
-    /// config.json for the shape when --model is not given), e.g. one `zeroflow export` wrote.
+    /// Start from the weights of a Hugging Face directory: its config.json's architectures says
+    /// the family (GPT2LMHeadModel, or Llama/Qwen2/Qwen3/Mistral ForCausalLM), e.g. one
+    /// `zeroflow export` wrote.
     #[arg(long, value_name = "DIR", conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
     /// Write into --out even if it is not empty (files of the same names are replaced).

@@ -40,7 +40,10 @@ struct Cli {
 
 /// [`super::run_on`] of the GPT-2 shape `setup` holds, opened by `open`.
 fn run_gpt2<M: Model>(setup: Setup, open: impl OpenFn<GptConfig, M>) -> anyhow::Result<()> {
-    let ModelSpec::Gpt2(shape) = setup.model;
+    let shape = match &setup.model {
+        ModelSpec::Gpt2(shape) => *shape,
+        other => anyhow::bail!("these tests train GPT-2, not {}", other.family()),
+    };
     super::run_on(setup, &shape, open)
 }
 

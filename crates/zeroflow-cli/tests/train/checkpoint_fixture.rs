@@ -124,18 +124,18 @@ fn a_checkpoint_from_before_the_family_tag_exports_as_gpt2() {
 fn a_checkpoint_of_an_unknown_family_is_refused_by_name() {
     let run = fixture_copy("fixture_unknown_family");
     let mut edited = state(&step_4(&run));
-    edited["extra"]["model"]["family"] = "llama".into();
+    edited["extra"]["model"]["family"] = "mamba".into();
     std::fs::write(step_4(&run).join("state.json"), edited.to_string()).unwrap();
 
     let exported = export(&step_4(&run), &run.with_file_name("exported"));
     let stderr = text(&exported.stderr);
     assert_eq!(exported.status.code(), Some(2), "{stderr}");
     assert!(
-        stderr.contains("unknown model family \"llama\" (this zeroflow knows gpt2)"),
+        stderr.contains("unknown model family \"mamba\" (this zeroflow knows gpt2, llama)"),
         "{stderr}"
     );
     let resumed = train(&["--resume", "latest", "--steps", "8", "--out", run.to_str().unwrap()]);
     let stderr = text(&resumed.stderr);
     assert_eq!(resumed.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("unknown model family \"llama\""), "{stderr}");
+    assert!(stderr.contains("unknown model family \"mamba\""), "{stderr}");
 }

@@ -28,6 +28,7 @@ fn args(micro_batch: usize) -> BenchOptions {
         model_name: "mini".to_owned(),
         device: DeviceKind::Cpu,
         micro_batch,
+        seq: None,
         accum: 1,
         steps: 3,
         warmup: 1,
