@@ -20,6 +20,7 @@ pub mod family;
 pub mod gpt2;
 pub mod init_from;
 pub mod limits;
+pub mod machine;
 pub mod llama;
 pub mod memory;
 pub mod metrics;
