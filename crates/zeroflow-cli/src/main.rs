@@ -35,6 +35,10 @@ enum Command {
     /// Tokenize text and chat files (.txt, .jsonl with "text" or "messages") into llm.c token
     /// shards, with a document index and, for chat, a loss mask on the assistant's tokens.
     Tokenize(cmd::tokenize::Args),
+    /// Continue a prompt with a Hugging Face model (GPT-2 or the Llama family) on the CPU.
+    Generate(cmd::generate::Args),
+    /// The loss and perplexity of a Hugging Face model over token shards or text, on the CPU.
+    Eval(cmd::eval::Args),
     /// Write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors + config.json).
     Export(cmd::export::Args),
     /// Train a GPT model (default: the tiny model on the synthetic corpus, on the CPU).
@@ -58,6 +62,8 @@ fn main() -> ExitCode {
         Command::Models(args) => cmd::models::run(args),
         Command::Stress(args) => cmd::stress::run(args),
         Command::Tokenize(args) => cmd::tokenize::run(args),
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Train(args) => cmd::train::run(*args),
         Command::Launch(args) => cmd::launch::run(args),

@@ -48,6 +48,52 @@ pub struct TokenizeSummary {
     pub shards: Vec<PathBuf>,
 }
 
+impl TokenizeSummary {
+    /// What was written to `out`, as `zeroflow tokenize` says it: one line, and a second where
+    /// bad lines were skipped.
+    pub fn describe(&self, out: &Path) -> String {
+        let mut text = format!(
+            "wrote {} documents ({} conversations, {} assistant tokens), {} tokens in {} shard(s) \
+             to {}",
+            self.documents,
+            self.conversations,
+            self.assistant_tokens,
+            self.tokens,
+            self.shards.len(),
+            out.display()
+        );
+        if self.bad_lines > 0 {
+            text.push_str(&format!("\nskipped {} bad line(s)", self.bad_lines));
+        }
+        text
+    }
+}
+
+/// What [`tokenize_corpus`] will do with `tokenizer` and `template`, as `zeroflow tokenize` says
+/// before it starts: the tokenizer, its vocabulary and end-of-text token, the shards' token
+/// width, and how the conversations' assistant tokens are found.
+pub fn describe_setup(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) -> String {
+    let eot = match tokenizer.eot() {
+        Some(id) => format!("end-of-text {id}"),
+        None => "no end-of-text token".into(),
+    };
+    let width = match TokenWidth::for_vocab(tokenizer.vocab_size()) {
+        TokenWidth::U16 => "u16",
+        TokenWidth::U32 => "u32",
+    };
+    let (name, vocab) = (tokenizer.name(), tokenizer.vocab_size());
+    let mut text = format!("tokenizer {name} (vocabulary {vocab}, {eot}): {width} shards");
+    if let Some(template) = template {
+        let how = if template.has_generation_markers() {
+            "assistant tokens from its {% generation %} markers"
+        } else {
+            "assistant tokens by rendering prefixes (no {% generation %} markers)"
+        };
+        text.push_str(&format!("\nchat template {}: {how}", template.path().display()));
+    }
+    text
+}
+
 /// Why a corpus could not be tokenized.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum TokenizeError {

@@ -19,7 +19,9 @@ use std::path::PathBuf;
 use thiserror::Error;
 
 pub use chat::{ChatTemplate, ChatTemplateError, ConversationError};
-pub use corpus::{BATCH_BYTES, TokenizeError, TokenizeOptions, TokenizeSummary, tokenize_corpus};
+pub use corpus::{
+    BATCH_BYTES, TokenizeError, TokenizeOptions, TokenizeSummary, describe_setup, tokenize_corpus,
+};
 pub use loader::{Batch, DataLoader, DataPosition, Source};
 pub use shard::{
     DOCUMENT_INDEX_MAGIC, LOSS_MASK_MAGIC, SHARD_MAGIC, SHARD_MAGIC_U32, SHARD_VERSION,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde_json::json;
 use zeroflow_data::{
     ChatTemplate, SHARD_MAGIC_U32, ShardTokens, TokenizeError, TokenizeOptions, TokenizeSummary,
-    Tokenizer, read_document_index, read_loss_mask, read_shard, tokenize_corpus,
+    Tokenizer, describe_setup, read_document_index, read_loss_mask, read_shard, tokenize_corpus,
 };
 
 use crate::fixtures::{
@@ -194,6 +194,30 @@ fn a_bad_line_names_its_file_and_line_unless_skipped() {
         }
     );
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// What `zeroflow tokenize` prints: the tokenizer's vocabulary, end-of-text token and shard width
+/// before, the counts after, and the skipped lines only where there were some.
+#[test]
+fn the_setup_and_the_summary_describe_themselves() {
+    assert_eq!(
+        describe_setup(&Tokenizer::bytes(), None),
+        "tokenizer bytes (vocabulary 256, no end-of-text token): u16 shards"
+    );
+    let mut summary = TokenizeSummary {
+        documents: 3,
+        conversations: 1,
+        tokens: 40,
+        assistant_tokens: 7,
+        shards: vec![PathBuf::from("a"), PathBuf::from("b")],
+        ..TokenizeSummary::default()
+    };
+    let out = Path::new("out");
+    let line =
+        "wrote 3 documents (1 conversations, 7 assistant tokens), 40 tokens in 2 shard(s) to out";
+    assert_eq!(summary.describe(out), line);
+    summary.bad_lines = 5;
+    assert_eq!(summary.describe(out), format!("{line}\nskipped 5 bad line(s)"));
 }
 
 /// A vocabulary past 65536 ids gives llm.c's u32 shards, which read back.

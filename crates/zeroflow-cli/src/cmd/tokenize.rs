@@ -6,9 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-use zeroflow_data::{
-    ChatTemplate, TokenWidth, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus,
-};
+use zeroflow_data::{ChatTemplate, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus};
 
 use crate::InputError;
 
@@ -49,7 +47,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     .transpose()
     .map_err(InputError::from_display)?;
-    print_header(&tokenizer, template.as_ref());
+    println!("{}", zeroflow_data::describe_setup(&tokenizer, template.as_ref()));
 
     let total: u64 =
         args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
@@ -70,23 +68,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     let seconds = start.elapsed().as_secs_f64();
     let per_second = HumanBytes((summary.input_bytes as f64 / seconds.max(1e-9)) as u64);
-    println!(
-        "wrote {} documents ({} conversations, {} assistant tokens), {} tokens in {} shard(s) to {}",
-        summary.documents,
-        summary.conversations,
-        summary.assistant_tokens,
-        summary.tokens,
-        summary.shards.len(),
-        args.out.display()
-    );
+    println!("{}", summary.describe(&args.out));
     println!(
         "read {} in {seconds:.2} s ({per_second}/s, {} threads)",
         HumanBytes(summary.input_bytes),
         rayon::current_num_threads()
     );
-    if summary.bad_lines > 0 {
-        println!("skipped {} bad line(s)", summary.bad_lines);
-    }
     Ok(())
 }
 
@@ -102,28 +89,4 @@ fn progress_bar(total_bytes: u64) -> ProgressBar {
     bar.set_style(style);
     bar.enable_steady_tick(Duration::from_millis(200));
     bar
-}
-
-fn print_header(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) {
-    let eot = match tokenizer.eot() {
-        Some(id) => format!("end-of-text {id}"),
-        None => "no end-of-text token".into(),
-    };
-    let width = match TokenWidth::for_vocab(tokenizer.vocab_size()) {
-        TokenWidth::U16 => "u16",
-        TokenWidth::U32 => "u32",
-    };
-    println!(
-        "tokenizer {} (vocabulary {}, {eot}): {width} shards",
-        tokenizer.name(),
-        tokenizer.vocab_size()
-    );
-    if let Some(template) = template {
-        let how = if template.has_generation_markers() {
-            "assistant tokens from its {% generation %} markers"
-        } else {
-            "assistant tokens by rendering prefixes (no {% generation %} markers)"
-        };
-        println!("chat template {}: {how}", template.path().display());
-    }
 }

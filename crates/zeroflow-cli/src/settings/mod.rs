@@ -10,9 +10,11 @@ use std::num::NonZeroUsize;
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
 use zeroflow_optim::Stores;
 
+use zeroflow_engine::AccumulateOn;
 use zeroflow_train::dist::affinity::BindMode;
 pub use zeroflow_train::settings::{
-    Attention, Requested, activation_checkpointing, attention, names, parse_chunk_mib, resolve,
+    Attention, Requested, activation_checkpointing, attention, names, parse_budget_mib,
+    parse_chunk_mib, resolve,
 };
 
 /// The settings of the model on its device (`train`, `bench step`, `bench gpt`).
@@ -63,6 +65,14 @@ pub struct HostFlags {
     /// Threads of the CPU optimizer. Over ZEROFLOW_CPU_THREADS and zeroflow.offload.cpu_threads.
     #[arg(long, value_name = "N")]
     pub cpu_threads: Option<NonZeroUsize>,
+    /// MiB of host memory for the exact offload step's speculation (0: off, the default). Over
+    /// ZEROFLOW_SPECULATION_BUDGET_MIB and zeroflow.offload.speculation_budget_mib.
+    #[arg(long, value_name = "MIB", value_parser = parse_budget_mib)]
+    pub speculation_budget_mib: Option<f64>,
+    /// Where ZeRO-2 sums an accumulation window: auto (the device where it has room), device or
+    /// host. Over ZEROFLOW_ACCUMULATE_ON and zeroflow.offload.accumulate_on.
+    #[arg(long, value_name = "auto|device|host", value_parser = flag(&names::ACCUMULATE_ON))]
+    pub accumulate_on: Option<AccumulateOn>,
 }
 
 /// What the flags ask for.
@@ -76,6 +86,8 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         copy_stores: host.copy_stores,
         gather_in_pieces: host.gather,
         cpu_threads: host.cpu_threads.map(NonZeroUsize::get),
+        speculation_budget_mib: host.speculation_budget_mib,
+        accumulate_on: host.accumulate_on,
     }
 }
 

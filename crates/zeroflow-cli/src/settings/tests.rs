@@ -1,5 +1,6 @@
 use clap::Parser;
 use zeroflow_device::cuda::HostWaits;
+use zeroflow_engine::AccumulateOn;
 
 use super::*;
 
@@ -30,6 +31,10 @@ fn the_flags_take_the_names_the_variables_take() {
         "after-step",
         "--cpu-threads",
         "9",
+        "--speculation-budget-mib",
+        "0",
+        "--accumulate-on",
+        "Host",
     ])
     .unwrap();
     assert_eq!(
@@ -43,6 +48,8 @@ fn the_flags_take_the_names_the_variables_take() {
             copy_stores: Some(Stores::NonTemporal),
             gather_in_pieces: Some(false),
             cpu_threads: Some(9),
+            speculation_budget_mib: Some(0.0),
+            accumulate_on: Some(AccumulateOn::Host),
         }
     );
     for bad in [
@@ -53,10 +60,17 @@ fn the_flags_take_the_names_the_variables_take() {
         ["--copy-stores", "nt"],
         ["--gather", "later"],
         ["--cpu-threads", "0"],
+        ["--speculation-budget-mib", "none"],
+        ["--speculation-budget-mib", "4GiB"],
+        ["--accumulate-on", "gpu"],
     ] {
         let error = Command::try_parse_from(["x", bad[0], bad[1]]).unwrap_err().to_string();
         assert!(error.contains(bad[0]) && error.contains(bad[1]), "{error}");
     }
+    // A negative budget (after `=`: alone, `-1` reads as a flag).
+    let error = Command::try_parse_from(["x", "--speculation-budget-mib=-1"]).unwrap_err();
+    let error = error.to_string();
+    assert!(error.contains("-1") && error.contains("non-negative"), "{error}");
     // A switch takes its value after `=` only (`--activation-checkpointing model.json` is not it).
     let error = Command::try_parse_from(["x", "--activation-checkpointing=yes"]).unwrap_err();
     let error = error.to_string();

@@ -21,7 +21,7 @@ const TUNED: &str = r#"{
   }
 }"#;
 
-const VARIABLES: [&str; 7] = [
+const VARIABLES: [&str; 9] = [
     "ZEROFLOW_ATTENTION",
     "ZEROFLOW_CUDA_WAIT",
     "ZEROFLOW_CPU_BIND",
@@ -29,6 +29,8 @@ const VARIABLES: [&str; 7] = [
     "ZEROFLOW_COPY_STORES",
     "ZEROFLOW_STREAM_GATHER",
     "ZEROFLOW_CPU_THREADS",
+    "ZEROFLOW_SPECULATION_BUDGET_MIB",
+    "ZEROFLOW_ACCUMULATE_ON",
 ];
 
 /// `zeroflow train` with `args`, only the variables of `env` set among the settings'.
@@ -48,7 +50,8 @@ fn json_of(path: &Path) -> Value {
 
 /// The config asks for a chunk, a gather and 2 threads; the variable's chunk (2e-4 MiB of f32:
 /// 52 elements) beats the config's (26), the flag's 3 threads beat the config's 2; what nobody
-/// overrides is the config's. The summary and the checkpoint record the same.
+/// overrides is the config's; the flag's speculation budget and the variable's accumulation
+/// place are recorded as given. The summary and the checkpoint record the same.
 #[test]
 fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
     let dir = scratch("settings_recorded");
@@ -64,12 +67,15 @@ fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
         "2",
         "--cpu-threads",
         "3",
+        "--speculation-budget-mib",
+        "0.5",
         "--save-every",
         "1",
         "--out",
         out.to_str().unwrap(),
     ];
-    let run = train_with(&args, &[("ZEROFLOW_STREAM_CHUNK_MIB", "2e-4")]);
+    let env = [("ZEROFLOW_STREAM_CHUNK_MIB", "2e-4"), ("ZEROFLOW_ACCUMULATE_ON", "host")];
+    let run = train_with(&args, &env);
     assert!(run.status.success(), "{}", text(&run.stderr));
     let summary = json_of(&out.join("summary.json"))["settings"].clone();
     assert_eq!(summary["attention"], "gemm");
@@ -79,6 +85,8 @@ fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
     assert_eq!(offload["gather"], "after-step", "{summary}");
     assert_eq!(offload["cpu_threads"], 3, "{summary}");
     assert_eq!(offload["copy_stores"], "per-path", "{summary}");
+    assert_eq!(offload["speculation_budget_mib"], 0.5, "{summary}");
+    assert_eq!(offload["accumulate_on"], "host", "{summary}");
     for step in [1, 2] {
         let state = out.join("checkpoints").join(format!("step-{step:08}")).join("state.json");
         assert_eq!(json_of(&state)["extra"]["settings"], summary, "step {step}");
@@ -124,11 +132,17 @@ type BadCase = (&'static [&'static str], &'static [(&'static str, &'static str)]
 /// flag's bad value, exits 2 before anything is written; so does flash asked of the CPU model.
 #[test]
 fn bad_settings_exit_2_and_write_nothing() {
-    let cases: [BadCase; 5] = [
+    let cases: [BadCase; 7] = [
         (&[], &[("ZEROFLOW_CPU_BIND", "of")], "ZEROFLOW_CPU_BIND=\"of\""),
         (&[], &[("ZEROFLOW_ATTENTION", "flashy")], "ZEROFLOW_ATTENTION=\"flashy\""),
         (&[], &[("ZEROFLOW_CUDA_WAIT", "yield")], "ZEROFLOW_CUDA_WAIT=\"yield\""),
         (&["--gather", "later"], &[], "--gather"),
+        (
+            &[],
+            &[("ZEROFLOW_SPECULATION_BUDGET_MIB", "-1")],
+            "ZEROFLOW_SPECULATION_BUDGET_MIB=\"-1\"",
+        ),
+        (&["--accumulate-on", "gpu"], &[], "--accumulate-on"),
         (&["--attention", "flash"], &[], "attention flash"),
     ];
     for (i, (flags, env, named)) in cases.into_iter().enumerate() {

@@ -9,7 +9,8 @@
 //!   "activation_checkpointing": false,
 //!   "cuda_wait": "auto",
 //!   "cpu_bind": "auto",
-//!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto" }
+//!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto",
+//!                "speculation_budget_mib": 0, "accumulate_on": "auto" }
 //! }
 //! ```
 //!
@@ -103,6 +104,16 @@ pub enum Gather {
     AfterStep,
 }
 
+/// Where ZeRO-2 with gradient accumulation sums a window's gradients
+/// (`zeroflow.offload.accumulate_on`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccumulateOn {
+    /// In an f32 accumulator of the partition in device memory.
+    Device,
+    /// On the host, each micro-step's gradients copied out and added there.
+    Host,
+}
+
 /// The CPU-offload stream's tuning (`zeroflow.offload`): `None` keeps the engine's default. None
 /// of it changes the numbers.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -114,6 +125,10 @@ pub struct OffloadTuning {
     pub gather: Option<Gather>,
     /// Threads of the CPU optimizer.
     pub cpu_threads: Option<NonZeroU64>,
+    /// The exact step's speculation budget: MiB of host memory for the backups of the pieces
+    /// stepped during backward (a non-negative number; 0 turns speculation off).
+    pub speculation_budget_mib: Option<f64>,
+    pub accumulate_on: Option<AccumulateOn>,
 }
 
 const ATTENTIONS: &[(&str, Option<Attention>)] =
@@ -129,6 +144,8 @@ const COPY_STORES: &[(&str, Option<CopyStores>)] = &[
 ];
 const GATHERS: &[(&str, Option<Gather>)] =
     &[("auto", None), ("pieces", Some(Gather::Pieces)), ("after-step", Some(Gather::AfterStep))];
+const ACCUMULATE_ONS: &[(&str, Option<AccumulateOn>)] =
+    &[("auto", None), ("device", Some(AccumulateOn::Device)), ("host", Some(AccumulateOn::Host))];
 
 /// The name `choices` gives `value` (`None`: JSON `null`, the default).
 fn name_of<T: Copy + PartialEq>(choices: &[(&'static str, Option<T>)], value: Option<T>) -> Value {
@@ -157,6 +174,8 @@ impl ZeroflowExtensions {
                 "copy_stores": name_of(COPY_STORES, offload.copy_stores),
                 "gather": name_of(GATHERS, offload.gather),
                 "cpu_threads": offload.cpu_threads,
+                "speculation_budget_mib": offload.speculation_budget_mib,
+                "accumulate_on": name_of(ACCUMULATE_ONS, offload.accumulate_on),
             },
         })
     }
@@ -216,22 +235,9 @@ fn read_offload(
     mut offload: Section<'_>,
     diagnostics: &mut Diagnostics,
 ) -> Result<OffloadTuning, ConfigError> {
-    let stream_chunk_mib = match offload.value("stream_chunk_mib") {
-        None => None,
-        Some(Value::String(text)) if text == "auto" => None,
-        Some(Value::Number(number))
-            if number.as_f64().is_some_and(|mib| mib.is_finite() && mib > 0.0) =>
-        {
-            number.as_f64()
-        }
-        Some(other) => {
-            return Err(ConfigError::bad_value(
-                offload.path_of("stream_chunk_mib"),
-                "a positive number of MiB or \"auto\"",
-                super::reader::describe(other),
-            ));
-        }
-    };
+    let stream_chunk_mib = mib(&mut offload, "stream_chunk_mib", |mib| mib > 0.0, "a positive")?;
+    let speculation_budget_mib =
+        mib(&mut offload, "speculation_budget_mib", |mib| mib >= 0.0, "a non-negative")?;
     let copy_stores = named(
         &mut offload,
         "copy_stores",
@@ -243,8 +249,41 @@ fn read_offload(
         Setting::Given(threads) => NonZeroU64::new(threads),
         Setting::Absent | Setting::Auto => None,
     };
+    let accumulate_on =
+        named(&mut offload, "accumulate_on", ACCUMULATE_ONS, "\"auto\", \"device\" or \"host\"")?;
     offload.finish(&[], diagnostics);
-    Ok(OffloadTuning { stream_chunk_mib, copy_stores, gather, cpu_threads })
+    Ok(OffloadTuning {
+        stream_chunk_mib,
+        copy_stores,
+        gather,
+        cpu_threads,
+        speculation_budget_mib,
+        accumulate_on,
+    })
+}
+
+/// A key whose value is a finite number of MiB that `accepts`, or `"auto"` (`None`); `what`
+/// qualifies the expected number in the error ("a positive").
+fn mib(
+    section: &mut Section<'_>,
+    key: &'static str,
+    accepts: fn(f64) -> bool,
+    what: &str,
+) -> Result<Option<f64>, ConfigError> {
+    match section.value(key) {
+        None => Ok(None),
+        Some(Value::String(text)) if text == "auto" => Ok(None),
+        Some(Value::Number(number))
+            if number.as_f64().is_some_and(|mib| mib.is_finite() && accepts(mib)) =>
+        {
+            Ok(number.as_f64())
+        }
+        Some(other) => Err(ConfigError::bad_value(
+            section.path_of(key),
+            format!("{what} number of MiB or \"auto\""),
+            super::reader::describe(other),
+        )),
+    }
 }
 
 /// A key whose value is one of `choices` by name (`"auto"` among them, read as `None`).

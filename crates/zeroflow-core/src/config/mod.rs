@@ -43,7 +43,7 @@ pub use batch::{BatchSizes, derive_batch_sizes};
 pub use diagnostics::{AutoSource, AutoValue, Warning, WarningKind};
 pub use error::{ConfigError, ROOT};
 pub use extensions::{
-    Attention, CopyStores, CpuBind, CudaWait, DelayedUpdate, Gather, OffloadTuning,
+    AccumulateOn, Attention, CopyStores, CpuBind, CudaWait, DelayedUpdate, Gather, OffloadTuning,
     ZeroflowExtensions,
 };
 pub use optimizer::{AdamConfig, WeightDecayMode};

@@ -5,7 +5,7 @@
 use std::num::NonZeroU64;
 
 use zeroflow_core::config::{
-    Attention, ConfigError, CopyStores, CpuBind, CudaWait, Gather, OffloadTuning,
+    AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, Gather, OffloadTuning,
 };
 
 use super::{error_of, resolve};
@@ -20,7 +20,8 @@ fn every_setting_is_read_by_name() {
         r#"{"attention": "flash", "cuda_wait": "block", "cpu_bind": "off",
             "activation_checkpointing": true,
             "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
-                        "gather": "after-step", "cpu_threads": 12}}"#,
+                        "gather": "after-step", "cpu_threads": 12,
+                        "speculation_budget_mib": 1.5, "accumulate_on": "host"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
@@ -36,6 +37,8 @@ fn every_setting_is_read_by_name() {
             copy_stores: Some(CopyStores::NonTemporal),
             gather: Some(Gather::AfterStep),
             cpu_threads: NonZeroU64::new(12),
+            speculation_budget_mib: Some(1.5),
+            accumulate_on: Some(AccumulateOn::Host),
         }
     );
 }
@@ -46,7 +49,8 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         r#"{"attention": "auto", "cuda_wait": "auto", "cpu_bind": "auto",
             "activation_checkpointing": "auto",
             "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
-                        "cpu_threads": "auto"}}"#,
+                        "cpu_threads": "auto", "speculation_budget_mib": "auto",
+                        "accumulate_on": "auto"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
@@ -58,6 +62,8 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         "/zeroflow/activation_checkpointing",
         "/zeroflow/cuda_wait",
         "/zeroflow/offload/gather",
+        "/zeroflow/offload/speculation_budget_mib",
+        "/zeroflow/offload/accumulate_on",
     ];
     for pointer in pointers {
         assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");
@@ -70,13 +76,17 @@ fn set_settings_round_trip_through_the_resolved_json() {
         r#"{"attention": "gemm", "cuda_wait": "spin", "cpu_bind": "on",
             "activation_checkpointing": false,
             "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
-                        "cpu_threads": 3}}"#,
+                        "cpu_threads": 3, "speculation_budget_mib": 0,
+                        "accumulate_on": "device"}}"#,
     );
     let first = resolve(&text).expect("valid");
     let json = first.config.to_json();
     assert_eq!(json["zeroflow"]["attention"], "gemm");
     assert_eq!(json["zeroflow"]["activation_checkpointing"], false);
     assert_eq!(json["zeroflow"]["offload"]["copy_stores"], "normal");
+    // 0 is a budget (speculation off), not "auto".
+    assert_eq!(json["zeroflow"]["offload"]["speculation_budget_mib"], 0.0);
+    assert_eq!(json["zeroflow"]["offload"]["accumulate_on"], "device");
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);
     assert!(again.warnings.is_empty(), "{:?}", again.warnings);
@@ -84,6 +94,7 @@ fn set_settings_round_trip_through_the_resolved_json() {
 
 #[test]
 fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
+    const SPECULATION: &str = "zeroflow.offload.speculation_budget_mib";
     let cases = [
         (r#"{"attention": "flashy"}"#, "zeroflow.attention", "\"flashy\""),
         (r#"{"attention": 1}"#, "zeroflow.attention", "the number 1"),
@@ -98,6 +109,11 @@ fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
         (r#"{"offload": {"gather": "later"}}"#, "zeroflow.offload.gather", "\"later\""),
         (r#"{"offload": {"cpu_threads": 0}}"#, "zeroflow.offload.cpu_threads", "0"),
         (r#"{"offload": {"cpu_threads": 1.5}}"#, "zeroflow.offload.cpu_threads", "1.5"),
+        (r#"{"offload": {"speculation_budget_mib": -1}}"#, SPECULATION, "-1"),
+        (r#"{"offload": {"speculation_budget_mib": "4GiB"}}"#, SPECULATION, "4GiB"),
+        (r#"{"offload": {"speculation_budget_mib": true}}"#, SPECULATION, "true"),
+        (r#"{"offload": {"accumulate_on": "gpu"}}"#, "zeroflow.offload.accumulate_on", "\"gpu\""),
+        (r#"{"offload": {"accumulate_on": 1}}"#, "zeroflow.offload.accumulate_on", "the number 1"),
         (r#"{"offload": 4}"#, "zeroflow.offload", "the number 4"),
     ];
     for (section, path, found) in cases {

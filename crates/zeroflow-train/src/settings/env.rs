@@ -26,6 +26,11 @@ pub const COPY_STORES_VAR: &str = "ZEROFLOW_COPY_STORES";
 pub const GATHER_VAR: &str = "ZEROFLOW_STREAM_GATHER";
 /// Threads of the CPU optimizer: a positive whole number.
 pub const CPU_THREADS_VAR: &str = "ZEROFLOW_CPU_THREADS";
+/// The exact offload step's speculation budget, in MiB of host memory: a non-negative number,
+/// fractions allowed (0: no speculation).
+pub const SPECULATION_BUDGET_VAR: &str = "ZEROFLOW_SPECULATION_BUDGET_MIB";
+/// Where ZeRO-2 with gradient accumulation sums a window: `auto`, `device` or `host`.
+pub const ACCUMULATE_ON_VAR: &str = "ZEROFLOW_ACCUMULATE_ON";
 /// The folder compiled CUDA kernels are cached in (default: the user's cache folder).
 pub const KERNEL_CACHE_VAR: &str = "ZEROFLOW_KERNEL_CACHE";
 
@@ -41,10 +46,20 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
         )?,
         cuda_wait: named(CUDA_WAIT_VAR, value(CUDA_WAIT_VAR), &HostWaits::NAMES)?,
         cpu_bind: named(CPU_BIND_VAR, value(CPU_BIND_VAR), &names::CPU_BIND)?,
-        stream_chunk_mib: chunk_mib(value(STREAM_CHUNK_VAR).as_deref())?,
+        stream_chunk_mib: number(
+            STREAM_CHUNK_VAR,
+            value(STREAM_CHUNK_VAR),
+            super::parse_chunk_mib,
+        )?,
         copy_stores: named::<Stores>(COPY_STORES_VAR, value(COPY_STORES_VAR), &names::STORES)?,
         gather_in_pieces: named(GATHER_VAR, value(GATHER_VAR), &names::GATHER)?,
-        cpu_threads: threads(value(CPU_THREADS_VAR).as_deref())?,
+        cpu_threads: number(CPU_THREADS_VAR, value(CPU_THREADS_VAR), super::parse_threads)?,
+        speculation_budget_mib: number(
+            SPECULATION_BUDGET_VAR,
+            value(SPECULATION_BUDGET_VAR),
+            super::parse_budget_mib,
+        )?,
+        accumulate_on: named(ACCUMULATE_ON_VAR, value(ACCUMULATE_ON_VAR), &names::ACCUMULATE_ON)?,
     })
 }
 
@@ -58,25 +73,19 @@ fn named<T: Copy>(
         .map_err(|found| format!("{name}={found:?} is not {}", names::alternatives(choices)))
 }
 
-fn chunk_mib(value: Option<&str>) -> Result<Option<f64>, String> {
-    let value = value.map(str::trim).unwrap_or_default();
+/// The number variable `name`'s `value` gives as `parse` reads it.
+fn number<T>(
+    name: &str,
+    value: Option<String>,
+    parse: fn(&str) -> Result<T, String>,
+) -> Result<Option<T>, String> {
+    let value = value.as_deref().map(str::trim).unwrap_or_default();
     if value.is_empty() {
         return Ok(None);
     }
-    match super::parse_chunk_mib(value) {
-        Ok(mib) => Ok(Some(mib)),
-        Err(reason) => Err(format!("{STREAM_CHUNK_VAR}={value:?} {reason}")),
-    }
-}
-
-fn threads(value: Option<&str>) -> Result<Option<usize>, String> {
-    let value = value.map(str::trim).unwrap_or_default();
-    if value.is_empty() {
-        return Ok(None);
-    }
-    match super::parse_threads(value) {
-        Ok(threads) => Ok(Some(threads)),
-        Err(reason) => Err(format!("{CPU_THREADS_VAR}={value:?} {reason}")),
+    match parse(value) {
+        Ok(number) => Ok(Some(number)),
+        Err(reason) => Err(format!("{name}={value:?} {reason}")),
     }
 }
 
@@ -87,6 +96,7 @@ mod tests {
     use super::*;
     use crate::dist::affinity::BindMode;
     use crate::settings::Attention;
+    use zeroflow_engine::AccumulateOn;
 
     fn read(vars: &[(&str, &str)]) -> Result<Requested, String> {
         let vars: HashMap<String, String> =
@@ -106,6 +116,8 @@ mod tests {
             COPY_STORES_VAR,
             GATHER_VAR,
             CPU_THREADS_VAR,
+            SPECULATION_BUDGET_VAR,
+            ACCUMULATE_ON_VAR,
         ]
         .iter()
         .map(|&name| (name, " \n"))
@@ -124,6 +136,8 @@ mod tests {
             (COPY_STORES_VAR, "NON-TEMPORAL"),
             (GATHER_VAR, " after-step\n"),
             (CPU_THREADS_VAR, "15\n"),
+            (SPECULATION_BUDGET_VAR, " 0.5\n"),
+            (ACCUMULATE_ON_VAR, "Device "),
         ])
         .unwrap();
         assert_eq!(
@@ -137,8 +151,17 @@ mod tests {
                 copy_stores: Some(Stores::NonTemporal),
                 gather_in_pieces: Some(false),
                 cpu_threads: Some(15),
+                speculation_budget_mib: Some(0.5),
+                accumulate_on: Some(AccumulateOn::Device),
             }
         );
+        // 0 is a budget (speculation off), not "unset".
+        let off = read(&[(SPECULATION_BUDGET_VAR, "0")]).unwrap();
+        assert_eq!(off.speculation_budget_mib, Some(0.0));
+        let host = read(&[(ACCUMULATE_ON_VAR, "HOST")]).unwrap();
+        assert_eq!(host.accumulate_on, Some(AccumulateOn::Host));
+        let auto = read(&[(ACCUMULATE_ON_VAR, "auto")]).unwrap();
+        assert_eq!(auto.accumulate_on, Some(AccumulateOn::Auto));
         assert_eq!(read(&[(ATTENTION_VAR, "auto")]).unwrap().attention, Some(Attention::Auto));
         assert_eq!(read(&[(GATHER_VAR, "Pieces")]).unwrap().gather_in_pieces, Some(true));
         assert_eq!(
@@ -164,6 +187,12 @@ mod tests {
             (COPY_STORES_VAR, &["nt", "streaming", "non_temporal", "1"], "normal or non-temporal"),
             (GATHER_VAR, &["after", "end", "1"], "pieces or after-step"),
             (CPU_THREADS_VAR, &["0", "-2", "1.5", "eight"], "positive whole number"),
+            (
+                SPECULATION_BUDGET_VAR,
+                &["-1", "-0.5", "4GiB", "inf", "NaN", "off"],
+                "non-negative number of MiB",
+            ),
+            (ACCUMULATE_ON_VAR, &["gpu", "cpu", "on", "1"], "auto, device or host"),
         ];
         for &(name, bad_values, accepted) in cases {
             for bad in bad_values {

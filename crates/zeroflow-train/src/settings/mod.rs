@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use zeroflow_core::config::{self, ZeroflowExtensions};
 use zeroflow_core::{DType, Element};
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
-use zeroflow_engine::EngineOptions;
+use zeroflow_engine::{AccumulateOn, EngineOptions, OffloadUpdate};
 use zeroflow_nn::AttentionKind;
 use zeroflow_optim::Stores;
 
@@ -45,7 +45,7 @@ impl Attention {
 
 /// The names each setting is spelled with, in flags, variables and the config alike.
 pub mod names {
-    use super::{Attention, BindMode, Stores};
+    use super::{AccumulateOn, Attention, BindMode, Stores};
 
     pub const ATTENTION: [(&str, Attention); 3] =
         [("auto", Attention::Auto), ("gemm", Attention::Gemm), ("flash", Attention::Flash)];
@@ -57,6 +57,12 @@ pub mod names {
     pub const SWITCH: [(&str, bool); 2] = [("on", true), ("off", false)];
     /// Whether the streaming step gathers in pieces.
     pub const GATHER: [(&str, bool); 2] = [("pieces", true), ("after-step", false)];
+    /// Where ZeRO-2 sums an accumulation window's gradients.
+    pub const ACCUMULATE_ON: [(&str, AccumulateOn); 3] = [
+        ("auto", AccumulateOn::Auto),
+        ("device", AccumulateOn::Device),
+        ("host", AccumulateOn::Host),
+    ];
 
     /// "a, b or c".
     pub fn alternatives<T>(choices: &[(&str, T)]) -> String {
@@ -86,6 +92,9 @@ pub struct Requested {
     pub copy_stores: Option<Stores>,
     pub gather_in_pieces: Option<bool>,
     pub cpu_threads: Option<usize>,
+    /// MiB of host memory for the exact step's speculation, non-negative (0: off).
+    pub speculation_budget_mib: Option<f64>,
+    pub accumulate_on: Option<AccumulateOn>,
 }
 
 impl Requested {
@@ -102,16 +111,28 @@ impl Requested {
             copy_stores: self.copy_stores.or(lower.copy_stores),
             gather_in_pieces: self.gather_in_pieces.or(lower.gather_in_pieces),
             cpu_threads: self.cpu_threads.or(lower.cpu_threads),
+            speculation_budget_mib: self.speculation_budget_mib.or(lower.speculation_budget_mib),
+            accumulate_on: self.accumulate_on.or(lower.accumulate_on),
         }
     }
 
     /// Whether any of the offload stream's settings is asked for.
     pub fn tunes_offload(&self) -> bool {
-        let Requested { stream_chunk_mib, copy_stores, gather_in_pieces, cpu_threads, .. } = self;
+        let Requested {
+            stream_chunk_mib,
+            copy_stores,
+            gather_in_pieces,
+            cpu_threads,
+            speculation_budget_mib,
+            accumulate_on,
+            ..
+        } = self;
         stream_chunk_mib.is_some()
             || copy_stores.is_some()
             || gather_in_pieces.is_some()
             || cpu_threads.is_some()
+            || speculation_budget_mib.is_some()
+            || accumulate_on.is_some()
     }
 }
 
@@ -145,6 +166,11 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
         }),
         gather_in_pieces: offload.gather.map(|gather| gather == config::Gather::Pieces),
         cpu_threads: offload.cpu_threads.and_then(|n| usize::try_from(n.get()).ok()),
+        speculation_budget_mib: offload.speculation_budget_mib,
+        accumulate_on: offload.accumulate_on.map(|on| match on {
+            config::AccumulateOn::Device => AccumulateOn::Device,
+            config::AccumulateOn::Host => AccumulateOn::Host,
+        }),
     }
 }
 
@@ -152,6 +178,12 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
 pub fn parse_chunk_mib(value: &str) -> Result<f64, String> {
     let mib = value.trim().parse::<f64>().ok().filter(|mib| mib.is_finite() && *mib > 0.0);
     mib.ok_or_else(|| "is not a positive number of MiB".to_owned())
+}
+
+/// A budget of MiB: a non-negative number, fractions allowed (0: none).
+pub fn parse_budget_mib(value: &str) -> Result<f64, String> {
+    let mib = value.trim().parse::<f64>().ok().filter(|mib| mib.is_finite() && *mib >= 0.0);
+    mib.ok_or_else(|| "is not a non-negative number of MiB".to_owned())
 }
 
 /// A thread count: a positive whole number.
@@ -222,8 +254,9 @@ pub fn apply_offload<P: Element>(
     let dtype = P::DTYPE;
     let Some(offload) = options.offload_mut() else {
         tracing::warn!(
-            "rank {rank}: the stream chunk, copy stores, gather and CPU threads tune the CPU \
-             optimizer offload, which this config does not use: they change nothing"
+            "rank {rank}: the stream chunk, copy stores, gather, CPU threads, speculation budget \
+             and accumulation place tune the CPU optimizer offload, which this config does not \
+             use: they change nothing"
         );
         return Ok(());
     };
@@ -232,16 +265,32 @@ pub fn apply_offload<P: Element>(
     stream.chunk = chunk.map_err(input)?.unwrap_or(stream.chunk);
     stream.copy_stores = requested.copy_stores.or(stream.copy_stores);
     stream.gather_in_pieces = requested.gather_in_pieces.unwrap_or(stream.gather_in_pieces);
+    stream.speculation_budget =
+        requested.speculation_budget_mib.map_or(stream.speculation_budget, budget_bytes);
+    stream.accumulate_on = requested.accumulate_on.unwrap_or(stream.accumulate_on);
     offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
     let stream = offload.stream;
+    if stream.speculation_budget > 0 && offload.update != OffloadUpdate::Exact {
+        tracing::warn!(
+            "rank {rank}: a speculation budget applies to the exact offload step; the delayed \
+             update and ZenFlow do not speculate"
+        );
+    }
     tracing::info!(
         "rank {rank}: offload tuned: chunks of {} elements ({} MiB of {dtype}), {} stores of \
-         the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}",
+         the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}, \
+         a speculation budget of {} MiB, accumulation windows summed on {}",
         stream.chunk,
         mib_of(stream.chunk, dtype),
         stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
         offload.cpu_threads,
         if stream.gather_in_pieces { "in pieces while stepping" } else { "after the step" },
+        stream.speculation_budget as f64 / MIB,
+        match stream.accumulate_on {
+            AccumulateOn::Auto => "the device where it has room, else the host",
+            AccumulateOn::Device => "the device",
+            AccumulateOn::Host => "the host",
+        },
     );
     Ok(())
 }
@@ -259,6 +308,11 @@ pub fn chunk_elements(mib: f64, dtype: DType) -> Result<usize, String> {
         ));
     }
     Ok(elements)
+}
+
+/// Whole bytes in `mib` MiB (rounded down; `as` saturates for the absurdly large).
+pub fn budget_bytes(mib: f64) -> usize {
+    (mib * MIB) as usize
 }
 
 /// `elements` of `dtype` in MiB.

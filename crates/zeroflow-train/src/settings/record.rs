@@ -8,11 +8,11 @@ use serde::Serialize;
 use serde_json::Value;
 use zeroflow_core::DType;
 use zeroflow_device::cuda::HostWaits;
-use zeroflow_engine::EngineOptions;
+use zeroflow_engine::{EngineOptions, OffloadUpdate};
 use zeroflow_nn::AttentionKind;
 use zeroflow_optim::Stores;
 
-use super::{Requested, mib_of, names};
+use super::{MIB, Requested, mib_of, names};
 use crate::DeviceKind;
 use crate::dist::affinity::{self, BindMode, Binding};
 
@@ -44,6 +44,12 @@ pub struct EffectiveOffload {
     /// `pieces` or `after-step`.
     pub gather: &'static str,
     pub cpu_threads: usize,
+    /// The exact step's speculation budget in MiB of host memory; 0 where it does not speculate
+    /// (asked for none, or the delayed update or ZenFlow).
+    pub speculation_budget_mib: f64,
+    /// Where ZeRO-2 with accumulation sums a window: `auto` (the device where its free memory
+    /// has room), `device` or `host`.
+    pub accumulate_on: &'static str,
 }
 
 /// The settings that change the numbers (the keys of [`Effective`] a resume compares).
@@ -67,6 +73,11 @@ impl Effective {
             copy_stores: offload.stream.copy_stores.map_or("per-path", Stores::name),
             gather: names::name_of(&names::GATHER, &offload.stream.gather_in_pieces),
             cpu_threads: offload.cpu_threads,
+            speculation_budget_mib: match offload.update {
+                OffloadUpdate::Exact => offload.stream.speculation_budget as f64 / MIB,
+                OffloadUpdate::Delayed { .. } | OffloadUpdate::ZenFlow(_) => 0.0,
+            },
+            accumulate_on: names::name_of(&names::ACCUMULATE_ON, &offload.stream.accumulate_on),
         });
         Effective {
             attention: attention.name(),

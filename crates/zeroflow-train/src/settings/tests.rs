@@ -21,18 +21,23 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         copy_stores: Some(Stores::Normal),
         gather_in_pieces: Some(false),
         cpu_threads: Some(3),
+        speculation_budget_mib: Some(64.0),
+        accumulate_on: Some(AccumulateOn::Host),
     };
     let env = Requested {
         attention: Some(Attention::Flash),
         activation_checkpointing: Some(false),
         cuda_wait: Some(HostWaits::Block),
         stream_chunk_mib: Some(4.0),
+        speculation_budget_mib: Some(16.0),
+        accumulate_on: Some(AccumulateOn::Device),
         ..Requested::default()
     };
     let flags = Requested {
         attention: Some(Attention::Auto),
         stream_chunk_mib: Some(2.0),
         cpu_threads: Some(7),
+        speculation_budget_mib: Some(0.0),
         ..Requested::default()
     };
     let resolved = resolve(flags, env, config);
@@ -47,9 +52,15 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             copy_stores: Some(Stores::Normal),
             gather_in_pieces: Some(false),
             cpu_threads: Some(7),
+            speculation_budget_mib: Some(0.0),
+            accumulate_on: Some(AccumulateOn::Device),
         }
     );
     assert_eq!(resolve(Requested::default(), env, config).attention, Some(Attention::Flash));
+    let below_flags = resolve(Requested::default(), env, config);
+    assert_eq!(below_flags.speculation_budget_mib, Some(16.0));
+    let config_only = resolve(Requested::default(), Requested::default(), config);
+    assert_eq!(config_only.accumulate_on, Some(AccumulateOn::Host));
     assert_eq!(resolve(Requested::default(), Requested::default(), config), config);
     let nothing = Requested::default();
     assert_eq!(resolve(nothing, nothing, nothing), nothing);
@@ -59,7 +70,8 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
 fn the_config_section_becomes_the_config_layer() {
     let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
         "activation_checkpointing": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
-        "gather": "after-step", "cpu_threads": 5}}}"#;
+        "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
+        "accumulate_on": "host"}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
@@ -72,10 +84,64 @@ fn the_config_section_becomes_the_config_layer() {
             copy_stores: Some(Stores::NonTemporal),
             gather_in_pieces: Some(false),
             cpu_threads: Some(5),
+            speculation_budget_mib: Some(256.0),
+            accumulate_on: Some(AccumulateOn::Host),
         }
     );
     let plain = resolve_str(r#"{"train_batch_size": 8}"#, &Context::default()).unwrap().config;
     assert_eq!(from_config(&plain.zeroflow), Requested::default());
+}
+
+/// The engine options and recorded settings of a config `text` (stage 2, offloaded) tuned by
+/// `requested`, for f32 parameters on the CPU device.
+fn tuned(text: &str, requested: &Requested) -> (EngineOptions, Effective) {
+    let config = resolve_str(text, &Context::default()).unwrap().config;
+    let mut options = EngineOptions::from_config(&config, 2).unwrap();
+    apply_offload::<f32>(requested, &mut options, 0).unwrap();
+    let (device, dtype) = (DeviceKind::Cpu, DType::F32);
+    let effective = Effective::new(device, AttentionKind::Gemm, requested, &options, dtype, None);
+    (options, effective)
+}
+
+const OFFLOADED: &str = r#"{"train_batch_size": 8, "gradient_accumulation_steps": 4,
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}"#;
+
+/// The budget in MiB becomes bytes of the engine's stream options, the accumulation place its
+/// choice; both are what the run records. Unasked, the engine's defaults (off, auto) stay.
+#[test]
+fn the_speculation_budget_and_accumulation_place_reach_the_engine_and_the_record() {
+    let asked = Requested {
+        speculation_budget_mib: Some(1.5),
+        accumulate_on: Some(AccumulateOn::Host),
+        ..Requested::default()
+    };
+    let (options, effective) = tuned(&format!("{OFFLOADED}}}"), &asked);
+    let stream = options.offload().unwrap().stream;
+    assert_eq!(stream.speculation_budget, 3 << 19);
+    assert_eq!(stream.accumulate_on, AccumulateOn::Host);
+    let offload = effective.offload.unwrap();
+    assert_eq!((offload.speculation_budget_mib, offload.accumulate_on), (1.5, "host"));
+
+    let (options, effective) = tuned(&format!("{OFFLOADED}}}"), &Requested::default());
+    let stream = options.offload().unwrap().stream;
+    assert_eq!(
+        stream.speculation_budget,
+        zeroflow_engine::StreamOptions::default().speculation_budget
+    );
+    assert_eq!(stream.accumulate_on, AccumulateOn::Auto);
+    let offload = effective.offload.unwrap();
+    assert_eq!((offload.speculation_budget_mib, offload.accumulate_on), (0.0, "auto"));
+}
+
+/// The delayed update does not speculate: its record says 0 whatever the budget asked.
+#[test]
+fn the_delayed_update_records_no_speculation_budget() {
+    let asked = Requested { speculation_budget_mib: Some(8.0), ..Requested::default() };
+    let delayed =
+        format!(r#"{OFFLOADED}, "zeroflow": {{"delayed_update": {{"enabled": true}}}}}}"#);
+    let (options, effective) = tuned(&delayed, &asked);
+    assert_eq!(options.offload().unwrap().stream.speculation_budget, 8 << 20);
+    assert_eq!(effective.offload.unwrap().speculation_budget_mib, 0.0);
 }
 
 /// MiB of the parameter dtype become whole elements: bf16 and f16 have 2 bytes, f32 4; less
@@ -137,4 +203,5 @@ fn only_a_changed_attention_counts_as_changing_the_numbers() {
 fn alternatives_read_as_a_list() {
     assert_eq!(names::alternatives(&names::ATTENTION), "auto, gemm or flash");
     assert_eq!(names::alternatives(&names::GATHER), "pieces or after-step");
+    assert_eq!(names::alternatives(&names::ACCUMULATE_ON), "auto, device or host");
 }

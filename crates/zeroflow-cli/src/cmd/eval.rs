@@ -1,0 +1,36 @@
+//! `zeroflow eval`: a Hugging Face model's loss and perplexity over token shards or text, on the
+//! CPU (`zeroflow_train::infer`).
+
+use std::path::PathBuf;
+
+use zeroflow_train::data::Spec;
+use zeroflow_train::infer::HostModel;
+
+/// The loss of a Hugging Face model directory (GPT-2 or the Llama family) over data.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The model's directory (`config.json`, `model.safetensors`).
+    model: PathBuf,
+    /// llm.c `.bin` token shards (a file, directory or glob) or text files (bytes as tokens).
+    #[arg(long)]
+    data: String,
+    /// Inputs per window (stride the same, every token predicted once; default: the context).
+    #[arg(long, value_name = "W")]
+    window: Option<usize>,
+    /// Print `{"loss": ..., "tokens": ...}`.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let spec = Spec::parse(&args.data)?;
+    let model = HostModel::open(&args.model)?;
+    let result = model.eval_data(&spec, args.window)?;
+    if args.json {
+        println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));
+    } else {
+        let (loss, perplexity, tokens) = (result.loss, result.perplexity(), result.tokens);
+        println!("loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens");
+    }
+    Ok(())
+}

@@ -1,0 +1,157 @@
+use std::path::{Path, PathBuf};
+
+use zeroflow_hf::{SaveDtype, SaveOptions};
+use zeroflow_llama::{LlamaConfig, LlamaDecoder};
+
+use super::*;
+
+/// A Llama-family model small enough for a test: 2 layers, grouped-query attention.
+fn tiny_llama() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 50,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 4,
+        max_position_embeddings: 32,
+        rope_scaling: None,
+        ..zeroflow_llama::named_shape("llama-1b").expect("a named shape")
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("zeroflow-infer-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// `tiny_llama` with random weights written as a Hugging Face directory `dir` (f32), its
+/// `config.json`'s `eos_token_id` set to `eos`; the weights.
+fn write_llama(dir: &Path, eos: Option<u32>) -> (FlatLayout, Vec<f32>) {
+    let config = tiny_llama();
+    let layout = zeroflow_llama::flat_layout(&config, 1).unwrap();
+    let mut params = vec![0.0f32; layout.padded_len()];
+    zeroflow_llama::init_params(&config, &layout, 7, &mut params).unwrap();
+    let options = SaveOptions { dtype: SaveDtype::F32, ..SaveOptions::default() };
+    zeroflow_llama::save_hf_dir(dir, &config, &layout, &params, &options).unwrap();
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["eos_token_id"] = eos.into();
+    std::fs::write(&path, json.to_string()).unwrap();
+    (layout, params)
+}
+
+const GREEDY: Completion =
+    Completion { max_new_tokens: 6, sampling: Sampling::GREEDY, seed: 0, stop: false };
+
+/// A Llama directory opens as the Llama family with its weights: greedy completion equals the
+/// family's decoder run directly on the weights that were written.
+#[test]
+fn a_llama_directory_completes_as_its_decoder_generates() {
+    let dir = scratch("llama");
+    let (layout, params) = write_llama(&dir, None);
+    let model = HostModel::open(&dir).unwrap();
+    assert_eq!((model.family(), model.vocab_size(), model.context()), ("llama", 50, 32));
+    let prompt = [3, 1, 4, 1, 5];
+    let options = GenerateOptions {
+        max_new_tokens: 6,
+        sampling: Sampling::GREEDY,
+        seed: 0,
+        stop_tokens: Vec::new(),
+    };
+    let config = tiny_llama();
+    let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
+    let direct = generate(&mut decoder, &[prompt.to_vec()], &options).unwrap();
+    let completed = model.complete(&prompt, &GREEDY).unwrap();
+    assert_eq!(completed.len(), 6);
+    assert_eq!(completed, direct[0]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// With `stop`, the completion ends at the model's end-of-text token (kept); without, it runs
+/// to `max_new_tokens`.
+#[test]
+fn a_completion_stops_at_the_end_of_text_token_unless_told_not_to() {
+    let probe = scratch("llama-probe");
+    write_llama(&probe, None);
+    let prompt = [2, 7, 1];
+    let free = HostModel::open(&probe).unwrap().complete(&prompt, &GREEDY).unwrap();
+    // The greedy tokens do not depend on eos_token_id: make the second one the end of text.
+    let eos = free[1];
+    let dir = scratch("llama-eos");
+    write_llama(&dir, Some(eos));
+    let model = HostModel::open(&dir).unwrap();
+    assert_eq!(model.end_of_text(), [eos]);
+    let stopped = model.complete(&prompt, &Completion { stop: true, ..GREEDY }).unwrap();
+    let first_eos = free.iter().position(|&t| t == eos).unwrap();
+    assert_eq!(stopped, free[..=first_eos]);
+    assert_eq!(model.complete(&prompt, &GREEDY).unwrap(), free);
+    std::fs::remove_dir_all(probe).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Two shards are two streams: the loss is their losses weighted by their predicted tokens,
+/// each the model's `eval` of that stream.
+#[test]
+fn the_loss_over_shards_weights_each_shard_by_its_tokens() {
+    let dir = scratch("llama-eval");
+    write_llama(&dir.join("model"), None);
+    let model = HostModel::open(&dir.join("model")).unwrap();
+    let (a, b): (Vec<u16>, Vec<u16>) = ((0..40).map(|i| i % 50).collect(), vec![9, 8, 7, 6]);
+    zeroflow_data::write_shard(&dir.join("a.bin"), &a).unwrap();
+    zeroflow_data::write_shard(&dir.join("b.bin"), &b).unwrap();
+    let spec = Spec::parse(&format!("{}/*.bin", dir.display())).unwrap();
+    let result = model.eval_data(&spec, Some(8)).unwrap();
+    let stream = |s: &[u16]| s.iter().map(|&t| u32::from(t)).collect::<Vec<u32>>();
+    let (ea, eb) = (model.eval(&stream(&a), 8).unwrap(), model.eval(&stream(&b), 8).unwrap());
+    assert_eq!((ea.tokens, eb.tokens, result.tokens), (39, 3, 42));
+    let weighted = (ea.loss * 39.0 + eb.loss * 3.0) / 42.0;
+    assert!((result.loss - weighted).abs() < 1e-12, "{} vs {weighted}", result.loss);
+    // The default window is the context (32): one window of 32 and one of 7 in shard a.
+    let by_context = model.eval_data(&spec, None).unwrap();
+    assert_eq!(by_context.tokens, 42);
+    let refused = |window| model.eval_data(&spec, Some(window)).unwrap_err().to_string();
+    assert!(refused(33).contains("--window 33"), "{}", refused(33));
+    assert!(refused(0).contains("--window 0"), "{}", refused(0));
+    let synthetic = model.eval_data(&Spec::Synthetic, None).unwrap_err().to_string();
+    assert!(synthetic.contains("--data synthetic"), "{synthetic}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// What a model cannot continue or draw from is an input error saying which value is wrong.
+#[test]
+fn bad_prompts_and_samplings_are_input_errors_naming_the_value() {
+    let model = HostModel::named("tiny", 0).unwrap();
+    let error = |prompt: &[u32], sampling: Sampling| {
+        let completion = Completion { sampling, ..GREEDY };
+        let error = model.complete(prompt, &completion).unwrap_err();
+        assert!(error.is_input(), "{error}");
+        error.to_string()
+    };
+    let greedy = Sampling::GREEDY;
+    assert!(error(&[], greedy).contains("no tokens"));
+    assert!(error(&[1, 64], greedy).contains("token 64 is outside the vocabulary (64)"));
+    assert!(error(&[1], Sampling { temperature: -1.0, ..greedy }).contains("--temperature -1"));
+    assert!(error(&[1], Sampling { temperature: f64::NAN, ..greedy }).contains("--temperature"));
+    assert!(error(&[1], Sampling { top_k: Some(0), ..greedy }).contains("--top-k 0"));
+    assert!(error(&[1], Sampling { top_p: Some(1.5), ..greedy }).contains("--top-p 1.5"));
+    assert!(error(&[1], Sampling { top_p: Some(0.0), ..greedy }).contains("--top-p 0"));
+    let sampled = Sampling { temperature: 0.8, top_k: Some(10), top_p: Some(0.9) };
+    let once = Completion { sampling: sampled, seed: 3, ..GREEDY };
+    let first = model.complete(&[1, 2], &once).unwrap();
+    assert_eq!(model.complete(&[1, 2], &once).unwrap(), first, "a seed repeats its draw");
+    assert!(first.iter().all(|&t| t < 64));
+}
+
+#[test]
+fn token_ids_are_read_from_a_comma_separated_list() {
+    assert_eq!(parse_ids("1,2, 3"), Ok(vec![1, 2, 3]));
+    assert_eq!(parse_ids("50256"), Ok(vec![50256]));
+    for bad in ["", "1,,2", "a", "-1", "1.5", "4294967296"] {
+        let reason = parse_ids(bad).unwrap_err();
+        assert!(reason.contains(&format!("{bad:?}")), "{reason}");
+    }
+}

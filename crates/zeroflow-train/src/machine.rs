@@ -1,0 +1,177 @@
+//! What this machine is and what zeroflow finds on it (`zeroflow env`): the host's CPU, cores,
+//! memory and SIMD level, the CUDA driver, each GPU with its NUMA node and local CPUs, and the
+//! CUDA libraries.
+
+use std::path::Path;
+
+use serde_json::json;
+use zeroflow_device::CudaDevice;
+use zeroflow_device::cuda::{CudaReport, GpuInfo, is_absent, short_reason};
+
+use crate::dist::affinity;
+
+/// The machine as one JSON object, for the binary of `version` built from `commit`:
+/// `zeroflow env --json` prints it, `zeroflow stress` and the benchmarks embed it.
+pub fn describe(version: &str, commit: &str) -> serde_json::Value {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cuda = CudaReport::collect();
+    json!({
+        "zeroflow_version": version,
+        "git_commit": commit,
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+        "cpu_model": field(&cpuinfo, "model name"),
+        "host_cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "host_memory_gib": kib_field(&meminfo, "MemTotal").map(gib),
+        "host_memory_available_gib": kib_field(&meminfo, "MemAvailable").map(gib),
+        "simd": zeroflow_optim::SimdLevel::detect().name(),
+        "cuda_driver": cuda_driver(&cuda),
+        "cuda": cuda_details(&cuda),
+    })
+}
+
+/// The environment as `zeroflow env` prints it: one line per part, GPUs and libraries indented.
+pub fn text_lines(env: &serde_json::Value) -> Vec<String> {
+    let mut lines = Vec::new();
+    let show = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "unknown".into(),
+        other => other.to_string(),
+    };
+    lines.push(format!(
+        "zeroflow {} (commit {})",
+        show(&env["zeroflow_version"]),
+        show(&env["git_commit"])
+    ));
+    lines.push(format!(
+        "host      {} {}, {}",
+        show(&env["os"]),
+        show(&env["arch"]),
+        show(&env["cpu_model"])
+    ));
+    lines.push(format!("cores     {}", show(&env["host_cores"])));
+    lines.push(format!(
+        "memory    {} GiB total, {} GiB available",
+        show(&env["host_memory_gib"]),
+        show(&env["host_memory_available_gib"])
+    ));
+    lines.push(format!("simd      {}", show(&env["simd"])));
+    lines.push(format!("gpu       {}", show(&env["cuda_driver"])));
+    for gpu in env["cuda"]["gpus"].as_array().into_iter().flatten() {
+        let node = gpu["numa_node"].as_i64().map(|node| format!("; NUMA node {node}"));
+        let cpus = gpu["local_cpus"].as_str().filter(|cpus| !cpus.is_empty());
+        let cpus = cpus.map(|cpus| format!("; local CPUs {cpus}"));
+        lines.push(format!(
+            "  gpu {}   {}{}{}",
+            show(&gpu["ordinal"]),
+            show(&gpu["description"]),
+            node.unwrap_or_default(),
+            cpus.unwrap_or_default()
+        ));
+    }
+    for (name, library) in env["cuda"]["libraries"].as_object().into_iter().flatten() {
+        lines.push(format!("  {name:<12} {}", show(&library["summary"])));
+    }
+    lines
+}
+
+/// One line about the GPUs: what the driver sees, or why there is none.
+fn cuda_driver(report: &CudaReport) -> String {
+    let driver = match &report.driver {
+        Ok(cuda) => cuda,
+        Err(error) if error.to_string().contains("CUDA_ERROR_NO_DEVICE") => {
+            return "no GPU found (the CUDA driver sees none); zeroflow runs on the CPU".into();
+        }
+        Err(error) if is_absent(error) => {
+            return format!(
+                "no GPU found (no CUDA driver: {}); zeroflow runs on the CPU",
+                short_reason(error)
+            );
+        }
+        Err(error) => {
+            return format!(
+                "no GPU usable (the CUDA driver fails: {error}); zeroflow runs on the CPU"
+            );
+        }
+    };
+    let kernel =
+        report.kernel_driver.as_deref().map(|v| format!("driver {v}, ")).unwrap_or_default();
+    match &report.gpus {
+        Ok(gpus) if gpus.is_empty() => {
+            format!(
+                "no GPU found ({kernel}CUDA {driver}, but no GPU visible: check \
+                 CUDA_VISIBLE_DEVICES); zeroflow runs on the CPU"
+            )
+        }
+        Ok(gpus) => {
+            let names: Vec<String> = gpus.iter().map(GpuInfo::to_string).collect();
+            format!("{} GPU(s): {}; {kernel}CUDA {driver}", gpus.len(), names.join(", "))
+        }
+        Err(error) => format!("{kernel}CUDA {driver}, but listing the GPUs failed: {error}"),
+    }
+}
+
+/// The GPUs and CUDA libraries, for the JSON output.
+fn cuda_details(report: &CudaReport) -> serde_json::Value {
+    let gpus: Vec<serde_json::Value> = match &report.gpus {
+        Ok(gpus) => gpus
+            .iter()
+            .map(|gpu| {
+                // Where sysfs says (Linux): the GPU's NUMA node and the CPUs local to it.
+                let bus_id = CudaDevice::pci_bus_id(gpu.ordinal).ok();
+                let locality = bus_id
+                    .as_deref()
+                    .and_then(|id| affinity::locality(Path::new("/sys"), id).ok());
+                json!({
+                    "ordinal": gpu.ordinal,
+                    "name": gpu.name,
+                    "compute_capability": format!("{}.{}", gpu.compute_capability.0, gpu.compute_capability.1),
+                    "memory_bytes": gpu.memory_bytes,
+                    "description": gpu.to_string(),
+                    "pci_bus_id": bus_id,
+                    "numa_node": locality.as_ref().and_then(|l| l.node),
+                    "local_cpus": locality.map(|l| affinity::format_cpulist(&l.cpus)),
+                })
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    let libraries: serde_json::Map<String, serde_json::Value> = report
+        .libraries
+        .iter()
+        .map(|library| {
+            let entry = match &library.outcome {
+                Ok(loaded) => json!({
+                    "file": loaded.file,
+                    "version": loaded.version,
+                    "summary": library.summary(),
+                }),
+                Err(error) => json!({ "error": error.to_string(), "summary": library.summary() }),
+            };
+            (library.library.name().to_string(), entry)
+        })
+        .collect();
+    json!({
+        "kernel_driver": report.kernel_driver,
+        "cuda_version": report.driver.as_ref().ok(),
+        "error": report.driver.as_ref().err().map(ToString::to_string),
+        "gpus": gpus,
+        "libraries": libraries,
+    })
+}
+
+fn field<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines()
+        .find(|line| line.split(':').next().is_some_and(|k| k.trim() == key))
+        .and_then(|line| line.split_once(':'))
+        .map(|(_, value)| value.trim())
+}
+
+fn kib_field(text: &str, key: &str) -> Option<u64> {
+    field(text, key)?.split_whitespace().next()?.parse().ok()
+}
+
+fn gib(kib: u64) -> f64 {
+    (kib as f64 / (1024.0 * 1024.0) * 10.0).round() / 10.0
+}
