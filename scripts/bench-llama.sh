@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Last device call: the Llama family on the H200 against PyTorch and DeepSpeed, and the CUDA
+# One device call: the Llama family on the H200 against PyTorch and DeepSpeed, and the CUDA
 # train -> export -> transformers check. Each part bounded; later parts skipped when time is short.
 cd "$(dirname "$0")/.."
 # Runs on the GPU machine with .gpu (scripts/gpu-check.sh) and .peers (bench/peers/fetch-wheels.sh)
