@@ -19,59 +19,13 @@ use zeroflow_device::{CpuDevice, CudaDevice};
 use zeroflow_engine::checkpoint::NamedTensor;
 use zeroflow_gpt::cuda::{CudaGpt, CudaGptOptions};
 use zeroflow_gpt::{ActLayout, CpuGpt, GptConfig, GptError};
-use zeroflow_nn::{AttentionKind, GradsReady, PlanOptions};
+use zeroflow_nn::{AttentionKind, PlanOptions};
 
-use crate::model::{Buffer, Model};
+use crate::model::{cuda_memory_in_use, model_impl};
 use crate::{Family, ModelSpec, TrainError};
 
-/// `impl Model for $model`, each method the model's own of the same name.
-macro_rules! gpt2_model {
-    ($model:ty, $device:ty, $comm:ty, $element:ty $(, memory_in_use: $memory:expr)?) => {
-        impl Model for $model {
-            type Device = $device;
-            type Comm = $comm;
-            type P = $element;
-            type Error = GptError;
-
-            $(
-                fn memory_in_use(device: &$device) -> Option<usize> {
-                    $memory(device).ok()
-                }
-            )?
-
-            fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-                <$model>::set_batch(self, inputs, targets)
-            }
-
-            fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {
-                <$model>::forward(self, params)
-            }
-
-            fn loss(&mut self) -> Result<f32, GptError> {
-                <$model>::loss(self)
-            }
-
-            fn backward(
-                &mut self,
-                params: &Buffer<Self>,
-                grads: &Buffer<Self>,
-                loss_scale: f64,
-                on_ready: &mut dyn FnMut(&GradsReady),
-            ) -> Result<(), GptError> {
-                <$model>::backward(self, params, grads, loss_scale, on_ready)
-            }
-        }
-    };
-}
-
-gpt2_model!(CpuGpt, CpuDevice, CpuComm, f32);
-gpt2_model!(
-    CudaGpt,
-    CudaDevice,
-    NcclComm,
-    zeroflow_core::bf16,
-    memory_in_use: zeroflow_gpt::cuda::device_memory_in_use
-);
+model_impl!(CpuGpt, CpuDevice, CpuComm, f32, GptError);
+model_impl!(CudaGpt, CudaDevice, NcclComm, bf16, GptError, memory_in_use: cuda_memory_in_use);
 
 impl From<GptError> for TrainError {
     fn from(error: GptError) -> TrainError {

@@ -24,11 +24,11 @@ use zeroflow_hf::{SaveDtype, SaveOptions};
 use zeroflow_llama::{
     ActLayout, CpuLlama, CudaLlama, CudaLlamaOptions, LlamaConfig, LlamaError, hf_params,
 };
-use zeroflow_nn::{AttentionKind, GradsReady, PlanOptions};
+use zeroflow_nn::{AttentionKind, PlanOptions};
 
 use crate::error::input;
 use crate::export::Checkpoint;
-use crate::model::{Buffer, Model};
+use crate::model::{cuda_memory_in_use, model_impl};
 use crate::{Family, ModelSpec, TrainError};
 
 /// The sequence length a Llama-family run trains on unless `--seq` says (its context where
@@ -54,59 +54,8 @@ impl<'de> Deserialize<'de> for LlamaSpec {
     }
 }
 
-/// `impl Model for $model`, each method the model's own of the same name.
-macro_rules! llama_model {
-    ($model:ty, $device:ty, $comm:ty, $element:ty $(, memory_in_use: $memory:expr)?) => {
-        impl Model for $model {
-            type Device = $device;
-            type Comm = $comm;
-            type P = $element;
-            type Error = LlamaError;
-
-            $(
-                fn memory_in_use(device: &$device) -> Option<usize> {
-                    $memory(device)
-                }
-            )?
-
-            fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), LlamaError> {
-                <$model>::set_batch(self, inputs, targets)
-            }
-
-            fn forward(&mut self, params: &Buffer<Self>) -> Result<(), LlamaError> {
-                <$model>::forward(self, params)
-            }
-
-            fn loss(&mut self) -> Result<f32, LlamaError> {
-                <$model>::loss(self)
-            }
-
-            fn backward(
-                &mut self,
-                params: &Buffer<Self>,
-                grads: &Buffer<Self>,
-                loss_scale: f64,
-                on_ready: &mut dyn FnMut(&GradsReady),
-            ) -> Result<(), LlamaError> {
-                <$model>::backward(self, params, grads, loss_scale, on_ready)
-            }
-        }
-    };
-}
-
-/// Bytes of the GPU's memory in use now, by every process and context.
-fn cuda_memory_in_use(device: &CudaDevice) -> Option<usize> {
-    device.memory_info().ok().map(|(free, total)| total - free)
-}
-
-llama_model!(CpuLlama, CpuDevice, CpuComm, f32);
-llama_model!(
-    CudaLlama,
-    CudaDevice,
-    NcclComm,
-    bf16,
-    memory_in_use: cuda_memory_in_use
-);
+model_impl!(CpuLlama, CpuDevice, CpuComm, f32, LlamaError);
+model_impl!(CudaLlama, CudaDevice, NcclComm, bf16, LlamaError, memory_in_use: cuda_memory_in_use);
 
 impl From<LlamaError> for TrainError {
     fn from(error: LlamaError) -> TrainError {
@@ -256,6 +205,8 @@ mod tests {
     use zeroflow_device::{Device, DeviceBuffer};
     use zeroflow_llama::{AttentionKind, flat_layout, init_params};
     use zeroflow_nn::GradGroup;
+
+    use crate::Model;
 
     use super::*;
 

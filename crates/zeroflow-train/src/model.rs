@@ -45,6 +45,55 @@ pub trait Model: Sized {
     ) -> Result<(), Self::Error>;
 }
 
+/// `impl Model for $model` for a family's model whose own methods of the trait's names fail with
+/// `$error`: each trait method is the model's own (the families' CPU and CUDA models alike). A
+/// CUDA model names how it reports the memory in use (`memory_in_use: cuda_memory_in_use`).
+macro_rules! model_impl {
+    ($model:ty, $device:ty, $comm:ty, $element:ty, $error:ty $(, memory_in_use: $memory:path)?) => {
+        impl $crate::model::Model for $model {
+            type Device = $device;
+            type Comm = $comm;
+            type P = $element;
+            type Error = $error;
+
+            $(
+                fn memory_in_use(device: &$device) -> Option<usize> {
+                    $memory(device)
+                }
+            )?
+
+            fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), $error> {
+                <$model>::set_batch(self, inputs, targets)
+            }
+
+            fn forward(&mut self, params: &$crate::model::Buffer<Self>) -> Result<(), $error> {
+                <$model>::forward(self, params)
+            }
+
+            fn loss(&mut self) -> Result<f32, $error> {
+                <$model>::loss(self)
+            }
+
+            fn backward(
+                &mut self,
+                params: &$crate::model::Buffer<Self>,
+                grads: &$crate::model::Buffer<Self>,
+                loss_scale: f64,
+                on_ready: &mut dyn FnMut(&zeroflow_nn::GradsReady),
+            ) -> Result<(), $error> {
+                <$model>::backward(self, params, grads, loss_scale, on_ready)
+            }
+        }
+    };
+}
+pub(crate) use model_impl;
+
+/// Bytes of the GPU's memory in use now, by every process and context (`cuMemGetInfo`): a CUDA
+/// model allocates everything up front, so after a step this is the peak.
+pub fn cuda_memory_in_use(device: &zeroflow_device::CudaDevice) -> Option<usize> {
+    device.memory_info().ok().map(|(free, total)| total - free)
+}
+
 /// A model's flat weight or gradient buffer.
 pub type Buffer<M> = <<M as Model>::Device as Device>::Buffer<<M as Model>::P>;
 
