@@ -3,8 +3,9 @@
 
 Builds its own tokenizers (no network): a Llama-3-style byte-level BPE (its split regex, a BOS
 post-processor) and a Llama-2-style Metaspace BPE with byte fallback, both trained here on mixed
-text (unicode, digits, whitespace runs, code); and GPT-2's own if it is in the local Hugging Face
-cache. For each it runs `zeroflow tokenize` on a `.jsonl` of documents and compares every
+text (unicode, digits, whitespace runs, code); and GPT-2's own, from the local Hugging Face cache
+or built from GPT-2's original encoder.json and vocab.bpe (--gpt2-files, or tiktoken-rs's copy in
+the cargo registry). For each it runs `zeroflow tokenize` on a `.jsonl` of documents and compares every
 document of the shards with `[end-of-text] + tokenizer.encode(text).ids`; it also times
 `zeroflow tokenize` against `encode_batch` on the same texts.
 
@@ -337,12 +338,38 @@ def check_chat(name, template, tok, work, zeroflow, chats, failures):
               f"{sum(len(m) for m in chats)} messages, {bad} mismatched")
 
 
+def gpt2_tokenizer(files):
+    """GPT-2's own tokenizer as `tokenizers` has it: from the local Hugging Face cache, else built
+    from GPT-2's original `encoder.json` and `vocab.bpe` (byte-level BPE, no prefix space, as
+    the hub's `gpt2/tokenizer.json`) in `files` or in the cargo registry's copy of tiktoken-rs."""
+    try:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return Tokenizer.from_pretrained("gpt2")
+    except Exception as e:
+        cached = type(e).__name__
+    candidates = [Path(files)] if files else sorted(
+        Path(os.environ.get("CARGO_HOME", Path.home() / ".cargo")).glob("registry/src/*/tiktoken-rs-*/assets"))
+    for folder in candidates:
+        vocab, merges = folder / "encoder.json", folder / "vocab.bpe"
+        if vocab.exists() and merges.exists():
+            tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            tok.add_special_tokens(["<|endoftext|>"])
+            print(f"gpt2: built from {merges.parent.name}/{{encoder.json,vocab.bpe}} (not in the cache: {cached})")
+            return tok
+    print(f"gpt2: skipped (not in the local Hugging Face cache: {cached}; no encoder.json/vocab.bpe found)")
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zeroflow", default=None, help="the zeroflow binary (default: target/release, then debug)")
     parser.add_argument("--megabytes", type=float, default=1.0, help="text per tokenizer (default 1)")
     parser.add_argument("--conversations", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpt2-files", default=None,
+                        help="a folder with GPT-2's encoder.json and vocab.bpe (default: the cache, then tiktoken-rs's)")
     args = parser.parse_args()
     zeroflow = args.zeroflow
     if zeroflow is None:
@@ -362,12 +389,8 @@ def main():
             path = work / f"{name}.json"
             tok.save(str(path))
             check_documents(name, tok, path, tok.token_to_id(eot_token), texts, work, zeroflow, failures)
-        try:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            gpt2 = Tokenizer.from_pretrained("gpt2")
-        except Exception as e:  # not cached: nothing to compare with
-            print(f"gpt2: skipped (not in the local Hugging Face cache: {type(e).__name__})")
-        else:
+        gpt2 = gpt2_tokenizer(args.gpt2_files)
+        if gpt2 is not None:
             # zeroflow's bundled GPT-2 BPE reads "<|endoftext|>" in text as text; these texts have none.
             check_documents("gpt2", gpt2, "gpt2", 50256, texts, work, zeroflow, failures)
             gpt2_path = work / "gpt2.json"
