@@ -4,7 +4,7 @@ families (run where torch and transformers are installed, e.g. the GPU machine; 
 needed, everything on the CPU in float32).
 
     python3 scripts/generate-oracle.py [OUT] [--kind KIND] [--bin-dir DIR] [--seed 0]
-                                       [--new-tokens 32]
+                                       [--new-tokens 32] [--device cpu|cuda]
 
 For each kind (default: all) a random model is built with transformers (float32, eager
 attention; GPT-2 as GPT2LMHeadModel at an odd shape, and the six Llama-family kinds of
@@ -22,6 +22,12 @@ under OUT (default: a temporary directory). Then:
   `model(ids, labels=ids)` of each window `stream[s : s + W + 1]` weighted by its tokens,
   against zeroflow's (relative difference bound 1e-4).
 
+With `--device cuda` zeroflow runs on GPU 0 in bf16 (the weights rounded, every activation
+bf16), against transformers in float32 on the CPU as before: greedy ids cannot be expected to
+agree all the way, so each prompt reports its first divergence with transformers' top-2 logit
+gap at that token (a divergence is a failure only where that gap is above CUDA_GAP_BOUND, which
+bf16 rounding does not explain), and the loss bound is CUDA_LOSS_BOUND.
+
 Exit status 1 when a model fails either check (all are run and listed first), 0 when all agree.
 zeroflow's binary runs as `cargo run -q --release -p zeroflow-train --example generate --`
 unless --bin-dir names a directory holding the built `generate` (target/release/examples).
@@ -37,6 +43,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_BOUND = 1e-4
+# bf16 on the GPU: the loss's relative bound, and the top-2 logit gap above which a greedy
+# divergence is more than rounding.
+CUDA_LOSS_BOUND = 2e-2
+CUDA_GAP_BOUND = 1.0
 PROMPT_LENS = (5, 1, 9)
 STREAM_LEN, WINDOW = 50, 16
 
@@ -99,7 +109,7 @@ def zeroflow(args):
 
 
 def transformers_generate(model, prompt, new_tokens):
-    """transformers' greedy ids after `prompt`, and the smallest top-1/top-2 logit gap."""
+    """transformers' greedy ids after `prompt`, and the top-1/top-2 logit gap of each."""
     import torch
     ids = torch.tensor([prompt])
     with torch.no_grad():
@@ -107,7 +117,7 @@ def transformers_generate(model, prompt, new_tokens):
                              max_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True)
     generated = out.sequences[0, len(prompt):].tolist()
     gaps = [(s[0].topk(2).values[0] - s[0].topk(2).values[1]).item() for s in out.scores]
-    return generated, min(gaps)
+    return generated, gaps
 
 
 def transformers_eval(model, stream):
@@ -131,7 +141,8 @@ def check(args, kind, directory, model, generator):
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENS]
     stream = torch.randint(0, vocab, (STREAM_LEN,), generator=generator).tolist()
     command = zeroflow(args) + [str(directory), "--max-new-tokens", str(args.new_tokens),
-                                "--eval", ",".join(map(str, stream)), "--window", str(WINDOW)]
+                                "--eval", ",".join(map(str, stream)), "--window", str(WINDOW),
+                                "--device", args.device]
     for prompt in prompts:
         command += ["--prompt", ",".join(map(str, prompt))]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -139,8 +150,10 @@ def check(args, kind, directory, model, generator):
         return [f"{kind}: {' '.join(command[:3])} …: {done.stderr.strip()}"]
     ours = json.loads(done.stdout)
     failures = []
+    cuda = args.device == "cuda"
     for number, (prompt, generated) in enumerate(zip(prompts, ours["generated"])):
-        reference, gap = transformers_generate(model, prompt, args.new_tokens)
+        reference, gaps = transformers_generate(model, prompt, args.new_tokens)
+        gap = min(gaps)
         divergence = next((i for i, (a, b) in enumerate(zip(reference, generated)) if a != b),
                           None)
         if divergence is None and len(reference) != len(generated):
@@ -148,19 +161,24 @@ def check(args, kind, directory, model, generator):
         if divergence is None:
             print(f"ok {kind}: prompt {number} ({len(prompt)} ids): the same {len(reference)} "
                   f"ids (smallest top-2 logit gap {gap:.3f})")
+            continue
+        at = gaps[divergence] if divergence < len(gaps) else float("nan")
+        message = (f"{kind}: prompt {number} ({len(prompt)} ids): first divergence at new "
+                   f"token {divergence}: transformers {reference[divergence:divergence + 4]}, "
+                   f"zeroflow {generated[divergence:divergence + 4]} (top-2 logit gap there "
+                   f"{at:.3g}, smallest {gap:.3g})")
+        if cuda and not at > CUDA_GAP_BOUND:
+            print(f"ok {message}: within bf16 rounding (gap bound {CUDA_GAP_BOUND:g})")
         else:
-            message = (f"{kind}: prompt {number} ({len(prompt)} ids): first divergence at new "
-                       f"token {divergence}: transformers {reference[divergence:divergence + 4]}, "
-                       f"zeroflow {generated[divergence:divergence + 4]} (smallest top-2 logit "
-                       f"gap {gap:.3g})")
             print(f"FAIL {message}")
             failures.append(message)
     reference_loss, tokens = transformers_eval(model, stream)
     difference = abs(ours["eval"]["loss"] - reference_loss) / abs(reference_loss)
-    ok = difference <= LOSS_BOUND and ours["eval"]["tokens"] == tokens
+    bound = CUDA_LOSS_BOUND if cuda else LOSS_BOUND
+    ok = difference <= bound and ours["eval"]["tokens"] == tokens
     print(f"{'ok' if ok else 'FAIL'} {kind}: eval over {tokens} tokens in windows of {WINDOW}: "
           f"transformers {reference_loss:.6f} zeroflow {ours['eval']['loss']:.6f}, relative "
-          f"difference {difference:.2e} (bound {LOSS_BOUND:g})")
+          f"difference {difference:.2e} (bound {bound:g}, {args.device})")
     if not ok:
         failures.append(f"{kind}: eval relative difference {difference:.2e}, tokens "
                         f"{ours['eval']['tokens']} against {tokens}")
@@ -174,6 +192,8 @@ def main():
     parser.add_argument("--bin-dir", help="directory of the built generate example")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where zeroflow runs (cuda: GPU 0, bf16)")
     args = parser.parse_args()
     import torch
     import transformers

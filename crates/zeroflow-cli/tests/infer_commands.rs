@@ -109,3 +109,64 @@ fn bad_input_exits_2_naming_it() {
         assert!(stderr.contains(named), "{args:?}: {stderr}");
     }
 }
+
+/// The checkpoint itself (and its run directory) as MODEL: `generate` and `eval` print what its
+/// Hugging Face export gives.
+#[test]
+fn a_checkpoint_or_its_run_directory_serves_as_the_model() {
+    let exported = hf_dir("checkpoint");
+    let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join(FIXTURE);
+    let run_dir = checkpoint.parent().unwrap().parent().unwrap();
+    let generate = |model: &Path| {
+        let args = ["generate", model.to_str().unwrap(), "--prompt-tokens", "40,33,48"];
+        json_of(&zeroflow(&[&args[..], &["--max-new-tokens", "6", "--no-stop", "--json"]].concat()))
+    };
+    let expected = generate(&exported);
+    assert_eq!(expected["tokens"].as_array().map(Vec::len), Some(6));
+    assert_eq!(generate(&checkpoint), expected);
+    assert_eq!(generate(run_dir), expected);
+    let shard = exported.with_file_name("data.bin");
+    zeroflow_data::write_shard(&shard, &(0..40).map(|i| (i * 5 % 64) as u16).collect::<Vec<_>>())
+        .unwrap();
+    let eval = |model: &Path| {
+        let args = ["eval", model.to_str().unwrap(), "--data", shard.to_str().unwrap(), "--json"];
+        json_of(&zeroflow(&args))
+    };
+    assert_eq!(eval(&checkpoint), eval(&exported));
+}
+
+/// `--prompts` runs every prompt of the file as one batch and prints a JSON line per prompt, in
+/// order, each the tokens that prompt gets alone (greedy); text prompts need a tokenizer.
+#[test]
+fn a_prompts_file_prints_one_json_line_per_prompt() {
+    let dir = hf_dir("prompts");
+    let model_dir = dir.to_str().unwrap();
+    let alone = |prompt: &str| {
+        let args = ["generate", model_dir, "--prompt-tokens", prompt, "--max-new-tokens", "5"];
+        json_of(&zeroflow(&[&args[..], &["--no-stop", "--json"]].concat()))["tokens"].clone()
+    };
+    let jsonl = dir.with_file_name("prompts.jsonl");
+    let lines =
+        "{\"prompt_tokens\": [40, 33, 48]}\n\n{\"prompt\": \"1\"}\n{\"prompt_tokens\": [7]}\n";
+    std::fs::write(&jsonl, lines).unwrap();
+    let args = ["generate", model_dir, "--prompts", jsonl.to_str().unwrap(), "--json"];
+    let run = zeroflow(
+        &[&args[..], &["--max-new-tokens", "5", "--no-stop", "--tokenizer", "bytes"]].concat(),
+    );
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let out: Vec<Value> =
+        text(&run.stdout).lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    assert_eq!(out.len(), 3, "blank lines are skipped");
+    // The text prompt "1" through the byte tokenizer is the id 49.
+    for (index, (line, prompt)) in out.iter().zip(["40,33,48", "49", "7"]).enumerate() {
+        assert_eq!(line["index"], index);
+        assert_eq!(line["tokens"], alone(prompt), "prompt {index}");
+    }
+    let plain = dir.with_file_name("prompts.txt");
+    std::fs::write(&plain, "40,33,48\nnot ids\n").unwrap();
+    let args =
+        ["generate", model_dir, "--prompts", plain.to_str().unwrap(), "--max-new-tokens", "2"];
+    let refused = zeroflow(&args);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(text(&refused.stderr).contains("prompt 2"), "{}", text(&refused.stderr));
+}

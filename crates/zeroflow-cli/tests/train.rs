@@ -355,3 +355,30 @@ fn zenflow_epoch_selection_follows_the_data() {
     // Within the first two passes the first selection stays.
     assert_eq!(since_selection("5", "five"), 5);
 }
+
+/// `--sample-every 2 --sample-prompt IDS` (the synthetic vocabulary is under 256: the prompt is
+/// ids) appends a sample at steps 2, 4 and the last to `samples.jsonl`; the last is the greedy
+/// continuation by the final checkpoint's weights. A prompt outside the vocabulary exits 2.
+#[test]
+fn samples_during_training_continue_the_prompt_with_the_current_weights() {
+    use zeroflow_train::infer::{Completion, HostModel, Sampling};
+    let out = scratch("samples").join("run");
+    let args = ["--model", MINI, "--steps", "5", "--micro-batch", "2", "--eval-every", "0"];
+    let sample = ["--sample-every", "2", "--sample-prompt", "1,2,3"];
+    let run = train(&[&args[..], &sample, &["--out", out.to_str().unwrap()]].concat());
+    assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+    let samples = read_lines(&out.join("samples.jsonl"));
+    let steps: Vec<u64> = samples.iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 4, 5]);
+    assert!(samples.iter().all(|s| s["prompt"] == "1,2,3" && s["text"].is_null()));
+    let model = HostModel::open(&out.join("checkpoints/step-00000005")).unwrap();
+    let greedy =
+        Completion { max_new_tokens: 32, sampling: Sampling::GREEDY, seed: 0, stop: false };
+    let expected = model.complete(&[1, 2, 3], &greedy).unwrap();
+    assert_eq!(samples[2]["tokens"], serde_json::json!(expected));
+
+    let refused =
+        train(&[&args[..], &["--sample-every", "2", "--sample-prompt", "1,9999"]].concat());
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    assert!(text(&refused.stderr).contains("outside the vocabulary"), "{}", text(&refused.stderr));
+}

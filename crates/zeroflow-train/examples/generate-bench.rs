@@ -1,11 +1,13 @@
-//! Generation speed with the key/value cache on the CPU (f32): tokens per second of the prefill
-//! and of the decode steps, at each batch size, for a named shape with random weights or a
-//! Hugging Face directory. Numbers are printed, not asserted.
+//! Generation speed: tokens per second of the prefill and of the decode steps, at each batch
+//! size, for a named shape with random weights or a model directory, on the CPU (f32, the
+//! key/value-cached decoder) or a GPU (`--device cuda`: bf16, the family's cached GPU decoder;
+//! its prefill includes allocating the batch's buffers and cache).
+//! Numbers are printed, not asserted.
 //!
-//! `generate-bench MODEL [--batch 1,16] [--prompt-len 16] [--new-tokens 32]`
+//! `generate-bench MODEL [--batch 1,16] [--prompt-len 16] [--new-tokens 32] [--device cuda]`
 //!
 //! MODEL is a named shape (`tiny`, `gpt2-124m`, `llama-1b`, …) or a directory. Prints one JSON
-//! line per batch size: `model`, `family`, `batch`, `prompt_len`, `new_tokens`, `prefill_s`,
+//! line per batch size: `model`, `family`, `device`, `batch`, `prompt_len`, `new_tokens`, `prefill_s`,
 //! `prefill_tokens_per_s`, `decode_s`, `decode_tokens_per_s` (new tokens of the whole batch per
 //! second, the first one, from the prefill's logits, included in the prefill).
 
@@ -13,7 +15,8 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use zeroflow_nn::infer::{GenerateOptions, Sampling};
+use zeroflow_nn::infer::{GenerateOptions, Sampling, generate};
+use zeroflow_train::infer::InferDevice;
 
 #[allow(dead_code, reason = "each example uses part of the shared support")]
 mod support;
@@ -26,7 +29,8 @@ fn main() -> ExitCode {
         Err(message) => {
             eprintln!("{message}");
             eprintln!(
-                "usage: generate-bench MODEL [--batch 1,16] [--prompt-len 16] [--new-tokens 32]"
+                "usage: generate-bench MODEL [--batch 1,16] [--prompt-len 16] [--new-tokens 32] \
+                 [--device cpu|cuda|cuda:N]"
             );
             ExitCode::from(2)
         }
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
 
 fn run(args: Vec<String>) -> Result<(), Error> {
     let (mut name, mut batches, mut prompt_len, mut new_tokens) = (None, vec![1, 16], 16, 32);
+    let mut device = InferDevice::Cpu;
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{arg} takes a value"));
@@ -42,6 +47,7 @@ fn run(args: Vec<String>) -> Result<(), Error> {
             "--batch" => batches = ids(&value()?)?.into_iter().map(|b| b as usize).collect(),
             "--prompt-len" => prompt_len = value()?.parse()?,
             "--new-tokens" => new_tokens = value()?.parse()?,
+            "--device" => device = value()?.parse()?,
             _ if name.is_none() && !arg.starts_with("--") => name = Some(arg),
             _ => return Err(format!("unknown argument {arg}").into()),
         }
@@ -50,6 +56,16 @@ fn run(args: Vec<String>) -> Result<(), Error> {
     let model = match Path::new(&name).is_dir() {
         true => Model::open(Path::new(&name))?,
         false => Model::named(&name, 0)?,
+    };
+    let mut cuda = match device {
+        InferDevice::Cuda(ordinal) => Some(model.cuda_decoder(ordinal)?),
+        InferDevice::Cpu => None,
+    };
+    let mut run = |prompts: &[Vec<u32>], options: &GenerateOptions| -> Result<_, Error> {
+        Ok(match cuda.as_mut() {
+            Some(decoder) => generate(decoder, prompts, options)?,
+            None => model.generate(prompts, options)?,
+        })
     };
     for batch in batches {
         let prompts: Vec<Vec<u32>> = (0..batch)
@@ -61,16 +77,19 @@ fn run(args: Vec<String>) -> Result<(), Error> {
             seed: 0,
             stop_tokens: Vec::new(),
         };
+        // A warm-up (the GPU compiles its kernels, or loads them from the cache, on the first).
+        run(&prompts, &greedy(1))?;
         let start = Instant::now();
-        model.generate(&prompts, &greedy(1))?;
+        run(&prompts, &greedy(1))?;
         let prefill_s = start.elapsed().as_secs_f64();
         let start = Instant::now();
-        let generated = model.generate(&prompts, &greedy(new_tokens))?;
+        let generated = run(&prompts, &greedy(new_tokens))?;
         let total_s = start.elapsed().as_secs_f64();
         let decode_s = (total_s - prefill_s).max(f64::MIN_POSITIVE);
         let decoded: usize = generated.iter().map(|g| g.len().saturating_sub(1)).sum();
         let line = serde_json::json!({
-            "model": name, "family": model.family(), "batch": batch,
+            "model": name, "family": model.family(), "device": format!("{device:?}"),
+            "batch": batch,
             "prompt_len": prompt_len, "new_tokens": new_tokens,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": (batch * prompt_len) as f64 / prefill_s,

@@ -116,7 +116,7 @@ fn to_f32<P: Stored + Float>(tensors: checkpoint::Tensors<P>) -> checkpoint::Ten
 /// Checks the checkpoint fully (every file parses, dtypes agree) and reads its model (a bare
 /// shape, from before the family was recorded, is GPT-2's), whether a delayed update's weights
 /// were pending when it was saved, and the run's `--init-from`.
-fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
+pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let meta: Meta = match checkpoint::load::<f32>(dir) {
         Ok(loaded) => loaded.meta,
         Err(CheckpointError::Mismatch { .. }) => {

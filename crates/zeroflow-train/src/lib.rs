@@ -35,6 +35,7 @@ pub mod resume_point;
 pub mod run;
 pub mod run_config;
 pub mod run_dir;
+pub mod sample;
 pub mod schedule;
 pub mod settings;
 pub mod setup;

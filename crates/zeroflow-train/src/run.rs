@@ -183,6 +183,13 @@ fn train_steps<M: Model>(
             ended.saved = Some(save_and_say(trainer, step, setup, observer)?);
             tick();
         }
+        if let Some(sampler) = &setup.sampler
+            && setup.dist.rank == 0
+            && sampler.due(step, last || interrupted)
+        {
+            let (weights, layout) = trainer.host_weights()?;
+            sampler.sample(step, &setup.model, layout, &weights)?;
+        }
         if interrupted {
             ended.interrupted = true;
             break;

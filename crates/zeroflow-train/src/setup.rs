@@ -14,6 +14,7 @@ use crate::dist::DistEnv;
 use crate::dist::affinity::{self, BindMode, Binding};
 use crate::error::{Result, input, io};
 use crate::resume_point::{self, Extra, ResumePoint};
+use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
 use crate::{Family, ModelSpec};
 use crate::{init_from, limits, open, resume, run_config};
@@ -61,6 +62,8 @@ pub struct TrainOptions {
     pub init_from: Option<PathBuf>,
     pub force: bool,
     pub seed: Option<u64>,
+    /// `--sample-every` and `--sample-prompt` ([`crate::sample`]).
+    pub sample: Option<SampleOptions>,
     pub auto: AutoValues,
     /// What the flags ask of the run-time settings (the layer above the environment's).
     pub settings: Requested,
@@ -112,6 +115,8 @@ pub struct Setup {
     pub settings: Requested,
     /// The attention the model runs ([`settings::attention`]).
     pub attention: zeroflow_nn::AttentionKind,
+    /// The samples during training, where asked for.
+    pub sampler: Option<Sampler>,
 }
 
 impl Setup {
@@ -196,6 +201,9 @@ impl Setup {
             eval_batches: args.eval_batches.get() as usize,
         };
         let data = open_data(&spec, &model, shape, seed, &start)?;
+        let init_from = args.init_from.as_deref();
+        let sampler =
+            args.sample.as_ref().map(|sample| Sampler::new(sample, &model, &spec, init_from, &out));
         Ok(Setup {
             device: args.device,
             model,
@@ -218,6 +226,7 @@ impl Setup {
             cpu_binding: None,
             settings,
             attention,
+            sampler: sampler.transpose()?,
         })
     }
 

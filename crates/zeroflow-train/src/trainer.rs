@@ -118,6 +118,13 @@ impl<M: Model> Trainer<M> {
         self.group.as_mut().expect("the group lives until the end of the run")
     }
 
+    /// The engine's current device weights as f32, in its flat layout (the weights a checkpoint
+    /// of this step saves; waits for the device).
+    pub(crate) fn host_weights(&self) -> Result<(Vec<f32>, &FlatLayout)> {
+        let weights = self.engine.device().download(self.engine.params())?;
+        Ok((weights.into_iter().map(Float::to_f32).collect(), self.engine.layout()))
+    }
+
     /// Saves the checkpoint of `step`: the engine's current device weights (not flushed), its
     /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]). With
     /// several ranks, rank 0 writes the weights and `state.json` and each rank its optimizer part

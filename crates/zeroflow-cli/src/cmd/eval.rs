@@ -1,16 +1,19 @@
-//! `zeroflow eval`: a Hugging Face model's loss and perplexity over token shards or text, on the
-//! CPU (`zeroflow_train::infer`).
+//! `zeroflow eval`: a model's loss and perplexity over token shards or text, on the CPU or a GPU
+//! (`zeroflow_train::infer`).
 
 use std::path::PathBuf;
 
 use zeroflow_train::data::Spec;
-use zeroflow_train::infer::HostModel;
+use zeroflow_train::infer::{HostModel, InferDevice};
 
-/// The loss of a Hugging Face model directory (GPT-2 or the Llama family) over data.
+/// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The model's directory (`config.json`, `model.safetensors`).
+    /// A Hugging Face directory, a checkpoint (`state.json`) or a run directory (its newest).
     model: PathBuf,
+    /// `cpu` (f32), `cuda` or `cuda:N` (bf16 on that GPU, the training forward).
+    #[arg(long, default_value = "cpu")]
+    device: InferDevice,
     /// llm.c `.bin` token shards (a file, directory or glob) or text files (bytes as tokens).
     #[arg(long)]
     data: String,
@@ -25,7 +28,7 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
     let model = HostModel::open(&args.model)?;
-    let result = model.eval_data(&spec, args.window)?;
+    let result = model.eval_data_on(&spec, args.window, args.device)?;
     if args.json {
         println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));
     } else {

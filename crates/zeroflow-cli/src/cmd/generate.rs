@@ -1,21 +1,31 @@
-//! `zeroflow generate`: what a Hugging Face model writes after a prompt, on the CPU
-//! (`zeroflow_train::infer`).
+//! `zeroflow generate`: what a model (a Hugging Face directory or a zeroflow checkpoint) writes
+//! after a prompt or a file of prompts, on the CPU or a GPU (`zeroflow_train::infer`).
 
 use std::path::PathBuf;
 
 use zeroflow_data::Tokenizer;
-use zeroflow_train::infer::{Completion, HostModel, Sampling, parse_ids};
+use zeroflow_train::infer::{
+    Completion, HostModel, InferDevice, Sampling, parse_ids, read_prompts,
+};
 
 use crate::InputError;
 
-/// Continue a prompt with a Hugging Face model directory (GPT-2 or the Llama family).
+/// Continue a prompt with a model (GPT-2 or the Llama family).
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The model's directory (`config.json`, `model.safetensors`).
+    /// A Hugging Face directory, a checkpoint (`state.json`) or a run directory (its newest).
     model: PathBuf,
     /// The prompt as token ids (`1,2,3`).
-    #[arg(long, value_name = "IDS", required_unless_present = "prompt", conflicts_with = "prompt")]
+    #[arg(long, value_name = "IDS", required_unless_present_any = ["prompt", "prompts"])]
+    #[arg(conflicts_with_all = ["prompt", "prompts"])]
     prompt_tokens: Option<String>,
+    /// A file of prompts generated as one batch: a prompt per line (text, or ids without
+    /// --tokenizer), or `.jsonl` lines with "prompt" or "prompt_tokens"; one output line each.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
+    prompts: Option<PathBuf>,
+    /// `cpu` (f32), `cuda` or `cuda:N` (bf16 on that GPU).
+    #[arg(long, default_value = "cpu")]
+    device: InferDevice,
     /// The prompt as text, encoded by --tokenizer.
     #[arg(long, requires = "tokenizer")]
     prompt: Option<String>,
@@ -36,7 +46,8 @@ pub struct Args {
     /// Go on past the model's end-of-text token.
     #[arg(long)]
     no_stop: bool,
-    /// Print `{"tokens": [the new ids], "text": the new text or null}`.
+    /// Print `{"tokens": [the new ids], "text": the new text or null}` (with "index", from 0, per
+    /// prompt of --prompts).
     #[arg(long)]
     json: bool,
 }
@@ -44,14 +55,22 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let tokenizer = args.tokenizer.as_deref().map(Tokenizer::load).transpose();
     let tokenizer = tokenizer.map_err(InputError::from_display)?;
-    let prompt = match (&args.prompt_tokens, &args.prompt, &tokenizer) {
-        (Some(ids), ..) => {
-            parse_ids(ids).map_err(|e| InputError(format!("--prompt-tokens {e}")))?
+    let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt, &tokenizer) {
+        (Some(file), ..) => read_prompts(file)?
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                p.tokens(tokenizer.as_ref())
+                    .map_err(|e| InputError(format!("prompt {}: {e}", i + 1)))
+            })
+            .collect::<Result<_, _>>()?,
+        (None, Some(ids), ..) => {
+            vec![parse_ids(ids).map_err(|e| InputError(format!("--prompt-tokens {e}")))?]
         }
-        (None, Some(text), Some(tokenizer)) => {
-            tokenizer.encode(text).map_err(|e| InputError(format!("--prompt: {e}")))?
+        (None, None, Some(text), Some(tokenizer)) => {
+            vec![tokenizer.encode(text).map_err(|e| InputError(format!("--prompt: {e}")))?]
         }
-        _ => unreachable!("clap requires --prompt-tokens, or --prompt with --tokenizer"),
+        _ => unreachable!("clap requires --prompt-tokens, --prompts, or --prompt with --tokenizer"),
     };
     let model = HostModel::open(&args.model)?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p };
@@ -61,13 +80,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed,
         stop: !args.no_stop,
     };
-    let tokens = model.complete(&prompt, &completion)?;
-    let text = tokenizer.map(|t| t.decode(&tokens)).transpose().map_err(InputError)?;
-    if args.json {
-        println!("{}", serde_json::json!({ "tokens": tokens, "text": text }));
-    } else {
-        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
-        println!("{}", text.unwrap_or_else(|| ids.join(",")));
+    let generated = model.complete_batch_on(&prompts, &completion, args.device)?;
+    for (index, tokens) in generated.iter().enumerate() {
+        let text = tokenizer.as_ref().map(|t| t.decode(tokens)).transpose().map_err(InputError)?;
+        if args.json {
+            let mut line = serde_json::json!({ "tokens": tokens, "text": text });
+            if args.prompts.is_some() {
+                line["index"] = index.into();
+            }
+            println!("{line}");
+        } else {
+            let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+            println!("{}", text.unwrap_or_else(|| ids.join(",")));
+        }
     }
     Ok(())
 }

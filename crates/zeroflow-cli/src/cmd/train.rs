@@ -95,6 +95,13 @@ pub struct Args {
     /// checkpoint's).
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+    /// Every N optimizer steps and at the end, log a greedy continuation of --sample-prompt by
+    /// the current weights (on the CPU) and append it to <out>/samples.jsonl.
+    #[arg(long, value_name = "N", requires = "sample_prompt")]
+    pub sample_every: Option<u64>,
+    /// The text the samples continue (token ids `1,2,3` for a vocabulary under 256).
+    #[arg(long, value_name = "TEXT", requires = "sample_every")]
+    pub sample_prompt: Option<String>,
     #[command(flatten)]
     pub auto: AutoFlags,
     #[command(flatten)]
@@ -136,6 +143,10 @@ impl Args {
             init_from: self.init_from.clone(),
             force: self.force,
             seed: self.seed,
+            sample: self
+                .sample_every
+                .zip(self.sample_prompt.clone())
+                .map(|(every, prompt)| zeroflow_train::sample::SampleOptions { every, prompt }),
             auto: AutoValues {
                 micro_batch: auto.micro_batch,
                 accum: auto.accum,

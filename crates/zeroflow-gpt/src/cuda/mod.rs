@@ -9,6 +9,7 @@
 //! `--attention`, `zeroflow.attention`, `ZEROFLOW_ATTENTION`)
 //! [`attention::CudaAttention`](zeroflow_nn::cuda::attention).
 
+pub mod decode;
 pub mod kernels;
 
 use std::sync::{Arc, Once};

@@ -7,6 +7,7 @@
 //! `--test-threads=1 --nocapture`: the tests share the GPU and print figures. Lines starting with
 //! `RESULT ` are collected by `scripts/gpu-run.sh` into its table.
 
+mod decode;
 mod model;
 
 use zeroflow_device::CudaDevice;

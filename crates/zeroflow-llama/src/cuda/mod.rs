@@ -8,6 +8,7 @@
 //! kernels take the head size (`head_dim` 64 or 128), or else (or where its options ask for gemm)
 //! [`attention::CudaAttention`](zeroflow_nn::cuda::attention).
 
+pub mod decode;
 pub mod kernels;
 
 use std::sync::Arc;

@@ -29,6 +29,7 @@
 
 pub mod attention;
 mod attention_shape;
+pub mod decode;
 mod exec;
 pub mod flash;
 pub mod kernels;

@@ -2,6 +2,7 @@
 //! [`Decoder`] a family's cached forward implements, sampling and [`generate`] ([`sample`]),
 //! and the loss and perplexity over a token stream's windows ([`eval`]).
 
+pub mod decode_attention;
 pub mod eval;
 pub mod kv_cache;
 pub mod sample;

@@ -8,6 +8,7 @@
 //! `RESULT ` are collected by `scripts/gpu-run.sh` into its table.
 
 mod attention;
+mod decode;
 mod flash;
 mod support;
 

@@ -1,18 +1,25 @@
-//! Inference on the CPU, in f32, for `zeroflow generate`, `zeroflow eval` and the inference
-//! examples: a model of either family, from a Hugging Face directory ([`HostModel::open`]) or a
-//! named shape with random weights ([`HostModel::named`]), run through its family's
-//! key/value-cached decoder ([`HostModel::generate`]) or over a token stream's windows by the
-//! training forward ([`HostModel::eval`]).
-
-use std::path::Path;
+//! Inference for `zeroflow generate`, `zeroflow eval` and the inference examples: a model of
+//! either family, from a Hugging Face directory, a checkpoint or a run directory
+//! ([`HostModel::open`], [`source`]) or a named shape with random weights ([`HostModel::named`]),
+//! run through its family's key/value-cached decoder ([`HostModel::generate`]; on a GPU,
+//! [`cuda`]) or over a token stream's windows by the training forward ([`HostModel::eval`]).
+//! The weights are held on the host in f32; a GPU gets them in bf16.
 
 use zeroflow_data::read_shard;
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_gpt::{GptConfig, GptDecoder, HfGpt};
-use zeroflow_llama::{HfLlama, LlamaConfig, LlamaDecoder};
-use zeroflow_nn::infer::generate;
+use zeroflow_gpt::{GptConfig, GptDecoder};
+use zeroflow_llama::{LlamaConfig, LlamaDecoder};
+use zeroflow_nn::infer::{Decoder, generate};
 pub use zeroflow_nn::infer::{EvalResult, GenerateOptions, Sampling};
+
+pub mod cuda;
+mod prompts;
+pub mod source;
+
+pub use cuda::{CudaDecoder, CudaPrefixDecoder};
+pub use prompts::{Prompt, parse_prompts, read_prompts};
+pub use source::ModelDir;
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
@@ -25,6 +32,29 @@ pub struct Completion {
     pub seed: u64,
     /// End at the model's end-of-text token (kept in the output), where it has one.
     pub stop: bool,
+}
+
+/// Where inference runs: the CPU in f32, or a GPU in bf16 (`cuda`: GPU 0, `cuda:N`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum InferDevice {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for InferDevice {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let gpu = |n: &str| n.parse().map(InferDevice::Cuda).ok();
+        match text {
+            "cpu" => Ok(InferDevice::Cpu),
+            "cuda" => Ok(InferDevice::Cuda(0)),
+            _ => text.strip_prefix("cuda:").and_then(gpu).ok_or_else(|| {
+                format!("{text:?} is not a device: cpu, cuda or cuda:N (a GPU's index)")
+            }),
+        }
+    }
 }
 
 /// A model of either family with its flat f32 parameters, and its end-of-text tokens.
@@ -47,36 +77,6 @@ enum Weights {
 }
 
 impl HostModel {
-    /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s
-    /// `architectures` says `GPT2LMHeadModel` (or its `model_type` is `gpt2`), else the Llama
-    /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s.
-    pub fn open(dir: &Path) -> Result<HostModel> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| TrainError::Io {
-            what: format!("read {} (a Hugging Face model directory's config)", path.display()),
-            source,
-        })?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| input(format!("{}: not JSON: {e}", path.display())))?;
-        let end_of_text = zeroflow_hf::eos_token_ids(&json);
-        let gpt2 = json["architectures"].get(0).and_then(|a| a.as_str()) == Some("GPT2LMHeadModel")
-            || json["model_type"].as_str() == Some("gpt2");
-        let weights = if gpt2 {
-            let hf = HfGpt::open(dir).map_err(TrainError::model)?;
-            let layout = zeroflow_gpt::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
-            let mut params = vec![0.0; layout.padded_len()];
-            hf.read_params(&layout, &mut params).map_err(TrainError::model)?;
-            Weights::Gpt { config: hf.config, layout, params }
-        } else {
-            let hf = HfLlama::open(dir).map_err(TrainError::model)?;
-            let layout = zeroflow_llama::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
-            let mut params = vec![0.0; layout.padded_len()];
-            hf.read_params(&layout, &mut params).map_err(TrainError::model)?;
-            Weights::Llama { config: hf.config, layout, params }
-        };
-        Ok(HostModel { weights, end_of_text })
-    }
-
     /// A named shape (GPT-2's sizes, `llama-1b` …) with random weights from `seed`, without
     /// end-of-text tokens.
     pub fn named(name: &str, seed: u64) -> Result<HostModel> {
@@ -95,6 +95,48 @@ impl HostModel {
             Weights::Gpt { config, layout, params }
         };
         Ok(HostModel { weights, end_of_text: Vec::new() })
+    }
+
+    /// A model of `spec` over the flat f32 parameters `params` (the padded layout of `spec` for
+    /// one rank), without end-of-text tokens.
+    pub fn from_params(spec: &crate::ModelSpec, params: Vec<f32>) -> Result<HostModel> {
+        let layout = spec.flat_layout(1)?;
+        if params.len() != layout.padded_len() {
+            let (expected, found) = (layout.padded_len(), params.len());
+            return Err(input(format!("{found} parameters for a layout of {expected}")));
+        }
+        let weights = match spec {
+            crate::ModelSpec::Gpt2(config) => Weights::Gpt { config: *config, layout, params },
+            crate::ModelSpec::Llama(spec) => {
+                Weights::Llama { config: spec.0.clone(), layout, params }
+            }
+        };
+        Ok(HostModel { weights, end_of_text: Vec::new() })
+    }
+
+    /// The logits `[prompts.len(), vocab]` of the token after each of `prompts` (one prefill of
+    /// the family's decoder on `device`).
+    pub fn next_logits(&self, prompts: &[Vec<u32>], device: InferDevice) -> Result<Vec<f32>> {
+        for (b, prompt) in prompts.iter().enumerate() {
+            self.check_ids(&format!("prompt {}", b + 1), prompt)?;
+        }
+        let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+        let capacity = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        match (device, &self.weights) {
+            (InferDevice::Cuda(ordinal), _) => {
+                self.cuda_decoder(ordinal)?.prefill(&views, capacity)
+            }
+            (InferDevice::Cpu, Weights::Gpt { config, layout, params }) => {
+                let mut decoder =
+                    GptDecoder::new(config, layout, params).map_err(TrainError::model)?;
+                decoder.prefill(&views, capacity).map_err(TrainError::model)
+            }
+            (InferDevice::Cpu, Weights::Llama { config, layout, params }) => {
+                let mut decoder =
+                    LlamaDecoder::new(config, layout, params).map_err(TrainError::model)?;
+                decoder.prefill(&views, capacity).map_err(TrainError::model)
+            }
+        }
     }
 
     /// `gpt2` or `llama`.
@@ -147,6 +189,22 @@ impl HostModel {
         }
     }
 
+    /// [`HostModel::generate`] on `device`: the CPU's cached decoder, or a GPU's
+    /// [`CudaDecoder`] (the weights uploaded in bf16 first).
+    pub fn generate_on(
+        &self,
+        prompts: &[Vec<u32>],
+        options: &GenerateOptions,
+        device: InferDevice,
+    ) -> Result<Vec<Vec<u32>>> {
+        match device {
+            InferDevice::Cpu => self.generate(prompts, options),
+            InferDevice::Cuda(ordinal) => {
+                generate(&mut self.cuda_decoder(ordinal)?, prompts, options)
+            }
+        }
+    }
+
     /// The loss over `stream` in windows of `window` inputs, by the training forward.
     pub fn eval(&self, stream: &[u32], window: usize) -> Result<EvalResult> {
         match &self.weights {
@@ -164,22 +222,62 @@ impl HostModel {
     /// The tokens the model writes after `prompt` as `completion` says; an input error for an
     /// empty prompt, an id outside the vocabulary or a sampling that draws from nothing.
     pub fn complete(&self, prompt: &[u32], completion: &Completion) -> Result<Vec<u32>> {
-        self.check_ids("the prompt", prompt)?;
+        let mut generated = self.complete_batch(&[prompt.to_vec()], completion)?;
+        Ok(generated.pop().unwrap_or_default())
+    }
+
+    /// [`HostModel::complete`] of every prompt of `prompts` as one batch (one prefill, then one
+    /// decode step per token for the unfinished sequences); prompt `b` draws from stream `b` of
+    /// the seed, so that greedy tokens and a sequence's draws do not depend on the rest of the
+    /// batch. The input error of a prompt names it (`prompt 3`, from 1) where there are several.
+    pub fn complete_batch(
+        &self,
+        prompts: &[Vec<u32>],
+        completion: &Completion,
+    ) -> Result<Vec<Vec<u32>>> {
+        self.complete_batch_on(prompts, completion, InferDevice::Cpu)
+    }
+
+    /// [`HostModel::complete_batch`] on `device` (a GPU: [`CudaDecoder`]).
+    pub fn complete_batch_on(
+        &self,
+        prompts: &[Vec<u32>],
+        completion: &Completion,
+        device: InferDevice,
+    ) -> Result<Vec<Vec<u32>>> {
+        for (b, prompt) in prompts.iter().enumerate() {
+            let what =
+                if prompts.len() == 1 { "the prompt".into() } else { format!("prompt {}", b + 1) };
+            self.check_ids(&what, prompt)?;
+        }
         check_sampling(&completion.sampling)?;
-        let options = GenerateOptions {
+        self.generate_on(prompts, &self.options(completion), device)
+    }
+
+    /// What `generate` does for `completion`.
+    fn options(&self, completion: &Completion) -> GenerateOptions {
+        GenerateOptions {
             max_new_tokens: completion.max_new_tokens,
             sampling: completion.sampling,
             seed: completion.seed,
             stop_tokens: if completion.stop { self.end_of_text.clone() } else { Vec::new() },
-        };
-        let mut generated = self.generate(&[prompt.to_vec()], &options)?;
-        Ok(generated.pop().unwrap_or_default())
+        }
     }
 
     /// The loss over the data `spec` names in windows of `window` inputs (default: the model's
     /// context): each shard or text file (bytes as tokens) a stream of its own, the loss
     /// weighted by each one's predicted tokens.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
+        self.eval_data_on(spec, window, InferDevice::Cpu)
+    }
+
+    /// [`HostModel::eval_data`] on `device` (a GPU: [`HostModel::eval_cuda`]).
+    pub fn eval_data_on(
+        &self,
+        spec: &Spec,
+        window: Option<usize>,
+        device: InferDevice,
+    ) -> Result<EvalResult> {
         if let Spec::Synthetic = spec {
             return Err(input("--data synthetic: eval reads token shards or text files"));
         }
@@ -204,7 +302,10 @@ impl HostModel {
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
-            let result = self.eval(&stream, window)?;
+            let result = match device {
+                InferDevice::Cpu => self.eval(&stream, window)?,
+                InferDevice::Cuda(ordinal) => self.eval_cuda(&stream, window, ordinal)?,
+            };
             sum += result.loss * result.tokens as f64;
             tokens += result.tokens;
         }

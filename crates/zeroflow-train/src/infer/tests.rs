@@ -155,3 +155,114 @@ fn token_ids_are_read_from_a_comma_separated_list() {
         assert!(reason.contains(&format!("{bad:?}")), "{reason}");
     }
 }
+
+/// `tiny_llama` with the weights `params` saved as checkpoint `step` of the run directory `run`
+/// (as `zeroflow train` writes one: HF names in `model.safetensors`, the family-tagged shape in
+/// `state.json`), its `--init-from` the directory `init_from`; the checkpoint's directory.
+fn save_llama_checkpoint(run: &Path, step: u64, params: &[f32], init_from: &Path) -> PathBuf {
+    use zeroflow_engine::checkpoint::{Meta, ParamEntry, save};
+    let spec = crate::ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama()));
+    let layout = spec.flat_layout(1).unwrap();
+    let tensors = spec.tensors(&layout).unwrap();
+    let meta = Meta {
+        format: "zeroflow-checkpoint".into(),
+        version: 1,
+        optimizer_steps: step,
+        micro_steps: step,
+        world_size: 0,
+        scaler: zeroflow_engine::LossScaler::None,
+        upload_pending: false,
+        weights_dtype: "F32".into(),
+        params: tensors
+            .iter()
+            .map(|t| ParamEntry {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                offset: t.flat.start,
+            })
+            .collect(),
+        extra: serde_json::json!({
+            "model": serde_json::to_value(&spec).unwrap(),
+            "run": { "init_from": init_from.to_str().unwrap() },
+        }),
+    };
+    let dir = crate::checkpoints::step_dir(run, step);
+    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
+    save(&dir, &meta, params, &tensors, &[]).unwrap();
+    dir
+}
+
+/// A checkpoint opens as the model it holds: the checkpoint directory, and the run directory
+/// (its newest checkpoint), complete as the family's decoder on the saved weights does, with
+/// the end-of-text tokens of the run's `--init-from` directory.
+#[test]
+fn a_checkpoint_or_its_run_directory_opens_as_the_weights_it_holds() {
+    let root = scratch("llama-checkpoint");
+    let (layout, params) = write_llama(&root.join("init"), Some(11));
+    let older: Vec<f32> = params.iter().map(|x| -x).collect();
+    save_llama_checkpoint(&root.join("run"), 2, &older, &root.join("init"));
+    let newest = save_llama_checkpoint(&root.join("run"), 3, &params, &root.join("init"));
+    assert_eq!(ModelDir::find(&newest).unwrap(), ModelDir::Checkpoint(newest.clone()));
+    assert_eq!(ModelDir::find(&root.join("run")).unwrap(), ModelDir::Checkpoint(newest.clone()));
+    assert_eq!(
+        ModelDir::find(&root.join("init")).unwrap(),
+        ModelDir::HuggingFace(root.join("init"))
+    );
+    let options = GenerateOptions {
+        max_new_tokens: 6,
+        sampling: Sampling::GREEDY,
+        seed: 0,
+        stop_tokens: Vec::new(),
+    };
+    let prompt = [4, 9, 2];
+    let mut decoder = LlamaDecoder::new(&tiny_llama(), &layout, &params).unwrap();
+    let direct = generate(&mut decoder, &[prompt.to_vec()], &options).unwrap();
+    for dir in [newest, root.join("run")] {
+        let model = HostModel::open(&dir).unwrap();
+        assert_eq!((model.family(), model.vocab_size()), ("llama", 50));
+        assert_eq!(model.end_of_text(), [11], "the --init-from directory's eos_token_id");
+        assert_eq!(model.complete(&prompt, &GREEDY).unwrap(), direct[0], "{}", dir.display());
+    }
+    let missing = HostModel::open(&root.join("nothing")).unwrap_err().to_string();
+    assert!(missing.contains("config.json"), "{missing}");
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+/// Generating a batch of prompts of different lengths greedily gives each prompt the tokens it
+/// gets alone, in both families, with and without stopping at an end-of-text token.
+#[test]
+fn a_batch_of_prompts_generates_as_each_prompt_alone() {
+    let dir = scratch("llama-batch");
+    write_llama(&dir, None);
+    let prompts = vec![vec![7], vec![3, 1, 4, 1, 5], vec![2, 7, 1], vec![40, 41]];
+    for mut model in [HostModel::open(&dir).unwrap(), HostModel::named("tiny", 3).unwrap()] {
+        let alone: Vec<Vec<u32>> =
+            prompts.iter().map(|p| model.complete(p, &GREEDY).unwrap()).collect();
+        assert!(alone.iter().all(|tokens| tokens.len() == 6));
+        assert_eq!(model.complete_batch(&prompts, &GREEDY).unwrap(), alone, "{model:?}");
+        // A stop token that ends one sequence early: the others go on as before.
+        let eos = alone[1][2];
+        model.end_of_text = vec![eos];
+        let stop = Completion { stop: true, ..GREEDY };
+        let batch = model.complete_batch(&prompts, &stop).unwrap();
+        let one_by_one: Vec<Vec<u32>> =
+            prompts.iter().map(|p| model.complete(p, &stop).unwrap()).collect();
+        assert_eq!(batch, one_by_one);
+        let first_eos = alone[1].iter().position(|&t| t == eos).unwrap();
+        assert_eq!(batch[1], alone[1][..=first_eos], "sequence 1 ends at its stop token");
+    }
+    let error = HostModel::named("tiny", 0).unwrap().complete_batch(&[vec![1], vec![]], &GREEDY);
+    assert!(error.unwrap_err().to_string().contains("prompt 2 has no tokens"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn devices_are_cpu_cuda_or_a_numbered_gpu() {
+    assert_eq!("cpu".parse(), Ok(InferDevice::Cpu));
+    assert_eq!("cuda".parse(), Ok(InferDevice::Cuda(0)));
+    assert_eq!("cuda:3".parse(), Ok(InferDevice::Cuda(3)));
+    for bad in ["gpu", "cuda:", "cuda:x", "CPU"] {
+        let error = bad.parse::<InferDevice>().unwrap_err();
+        assert!(error.contains(&format!("{bad:?}")), "{error}");
+    }
+}

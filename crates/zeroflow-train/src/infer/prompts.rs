@@ -1,0 +1,101 @@
+//! A file of prompts for `zeroflow generate --prompts`: one prompt per line (text, or token ids
+//! `1,2,3` where no tokenizer is given), or JSON lines (a `.jsonl` file) each with `"prompt"`
+//! (text) or `"prompt_tokens"` (ids). Blank lines are skipped.
+
+use std::path::Path;
+
+use zeroflow_data::Tokenizer;
+
+use super::parse_ids;
+use crate::error::{Result, TrainError, input};
+
+/// One prompt as the file gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// The prompt's token ids: text encoded by `tokenizer`; without one, text must be ids
+    /// (`1,2,3`). An error says why not.
+    pub fn tokens(&self, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>, String> {
+        match (self, tokenizer) {
+            (Prompt::Tokens(ids), _) => Ok(ids.clone()),
+            (Prompt::Text(text), Some(tokenizer)) => tokenizer.encode(text),
+            (Prompt::Text(text), None) => {
+                parse_ids(text).map_err(|e| format!("{e}; give --tokenizer to encode text prompts"))
+            }
+        }
+    }
+}
+
+/// The prompts of `path`: JSON lines where it ends in `.jsonl`, else lines of text
+/// ([`parse_prompts`]); an input error names the file and the line.
+pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>> {
+    let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+        what: format!("read {} (the prompts file)", path.display()),
+        source,
+    })?;
+    let jsonl = path.extension().is_some_and(|ext| ext == "jsonl");
+    let prompts = parse_prompts(&text, jsonl)
+        .map_err(|e| input(format!("--prompts {}: {e}", path.display())))?;
+    if prompts.is_empty() {
+        return Err(input(format!("--prompts {}: no prompts in the file", path.display())));
+    }
+    Ok(prompts)
+}
+
+/// The prompts of `text`, one per non-blank line: JSON objects with `"prompt"` (a string) or
+/// `"prompt_tokens"` (a list of ids) where `jsonl`, else each line's text (its line ending
+/// dropped). An error names the line (from 1).
+pub fn parse_prompts(text: &str, jsonl: bool) -> Result<Vec<Prompt>, String> {
+    let lines = text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty());
+    if !jsonl {
+        return Ok(lines.map(|(_, line)| Prompt::Text(line.to_string())).collect());
+    }
+    lines
+        .map(|(i, line)| {
+            let at = |reason: String| format!("line {}: {reason}", i + 1);
+            let value: serde_json::Value =
+                serde_json::from_str(line).map_err(|e| at(format!("not JSON: {e}")))?;
+            if let Some(text) = value.get("prompt").and_then(|p| p.as_str()) {
+                return Ok(Prompt::Text(text.to_string()));
+            }
+            let ids = value.get("prompt_tokens").and_then(|p| p.as_array()).ok_or_else(|| {
+                at(r#"an object with "prompt" (a string) or "prompt_tokens" (ids)"#.into())
+            })?;
+            let id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+            let ids: Option<Vec<u32>> = ids.iter().map(id).collect();
+            ids.map(Prompt::Tokens).ok_or_else(|| at("prompt_tokens are not token ids".into()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_lines_are_prompts_and_blank_lines_are_skipped() {
+        let prompts = parse_prompts("Hello there\n\n  \n1,2,3\r\nlast", false).unwrap();
+        let texts = ["Hello there", "1,2,3", "last"].map(|t| Prompt::Text(t.into()));
+        assert_eq!(prompts, texts);
+        assert_eq!(prompts[1].tokens(None), Ok(vec![1, 2, 3]), "ids without a tokenizer");
+        let refused = prompts[0].tokens(None).unwrap_err();
+        assert!(refused.contains("--tokenizer"), "{refused}");
+        let bytes = Tokenizer::load("bytes").unwrap();
+        assert_eq!(prompts[2].tokens(Some(&bytes)), Ok(b"last".map(u32::from).to_vec()));
+    }
+
+    #[test]
+    fn json_lines_give_text_or_token_prompts_and_errors_name_the_line() {
+        let text = "{\"prompt\": \"a\\nb\"}\n\n{\"prompt_tokens\": [5, 0, 7], \"id\": 3}\n";
+        let prompts = parse_prompts(text, true).unwrap();
+        assert_eq!(prompts, [Prompt::Text("a\nb".into()), Prompt::Tokens(vec![5, 0, 7])]);
+        let error = |text| parse_prompts(text, true).unwrap_err();
+        assert!(error("{\"prompt\": \"x\"}\nnot json").starts_with("line 2: not JSON"));
+        assert!(error("{\"text\": \"x\"}").contains("line 1: an object with \"prompt\""));
+        assert!(error("{\"prompt_tokens\": [1, -2]}").contains("line 1: prompt_tokens are not"));
+    }
+}

@@ -1,0 +1,110 @@
+//! Where an inference model comes from: a Hugging Face directory, a zeroflow checkpoint
+//! (`state.json` with the family-tagged shape in `extra.model`, `model.safetensors` under
+//! Hugging Face names), or a run directory (its newest checkpoint).
+
+use std::path::{Path, PathBuf};
+
+use zeroflow_gpt::HfGpt;
+use zeroflow_llama::HfLlama;
+
+use super::{HostModel, Weights};
+use crate::error::{Result, TrainError, input};
+use crate::{Family, ModelSpec, checkpoints, export, with_family};
+
+/// What a MODEL directory is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelDir {
+    /// A Hugging Face directory (`config.json`).
+    HuggingFace(PathBuf),
+    /// A zeroflow checkpoint (`state.json`): the directory itself, or a run directory's newest.
+    Checkpoint(PathBuf),
+}
+
+impl ModelDir {
+    /// `dir` as a checkpoint where it has `state.json`, as its newest checkpoint where it is a
+    /// run directory (`checkpoints/step-N`), else as a Hugging Face directory.
+    pub fn find(dir: &Path) -> Result<ModelDir> {
+        if dir.join("state.json").is_file() {
+            return Ok(ModelDir::Checkpoint(dir.to_path_buf()));
+        }
+        let newest = checkpoints::list(dir).map_err(TrainError::model)?.pop();
+        Ok(match newest {
+            Some((_, checkpoint)) if !dir.join("config.json").exists() => {
+                ModelDir::Checkpoint(checkpoint)
+            }
+            _ => ModelDir::HuggingFace(dir.to_path_buf()),
+        })
+    }
+}
+
+impl HostModel {
+    /// The model of the directory `dir` ([`ModelDir::find`]): a Hugging Face directory
+    /// ([`HostModel::open_hf`]) or a checkpoint ([`HostModel::open_checkpoint`]).
+    pub fn open(dir: &Path) -> Result<HostModel> {
+        match ModelDir::find(dir)? {
+            ModelDir::HuggingFace(dir) => HostModel::open_hf(&dir),
+            ModelDir::Checkpoint(dir) => HostModel::open_checkpoint(&dir),
+        }
+    }
+
+    /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s
+    /// `architectures` says `GPT2LMHeadModel` (or its `model_type` is `gpt2`), else the Llama
+    /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s.
+    pub fn open_hf(dir: &Path) -> Result<HostModel> {
+        let json = read_config(&dir.join("config.json"))?;
+        let end_of_text = zeroflow_hf::eos_token_ids(&json);
+        let gpt2 = json["architectures"].get(0).and_then(|a| a.as_str()) == Some("GPT2LMHeadModel")
+            || json["model_type"].as_str() == Some("gpt2");
+        let weights = if gpt2 {
+            let hf = HfGpt::open(dir).map_err(TrainError::model)?;
+            let layout = zeroflow_gpt::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
+            let mut params = vec![0.0; layout.padded_len()];
+            hf.read_params(&layout, &mut params).map_err(TrainError::model)?;
+            Weights::Gpt { config: hf.config, layout, params }
+        } else {
+            let hf = HfLlama::open(dir).map_err(TrainError::model)?;
+            let layout = zeroflow_llama::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
+            let mut params = vec![0.0; layout.padded_len()];
+            hf.read_params(&layout, &mut params).map_err(TrainError::model)?;
+            Weights::Llama { config: hf.config, layout, params }
+        };
+        Ok(HostModel { weights, end_of_text })
+    }
+
+    /// The model of the checkpoint `dir` (what `zeroflow train` saves): the family and shape of
+    /// its `state.json`, the weights of its `model.safetensors` (the optimizer's master weights
+    /// where a delayed update was pending), as f32. Its end-of-text tokens are its shape's
+    /// `config.json`'s (GPT-2's 50256), else those of the run's `--init-from` directory.
+    pub fn open_checkpoint(dir: &Path) -> Result<HostModel> {
+        let checkpoint = export::read_checkpoint(dir)?;
+        let mut end_of_text =
+            zeroflow_hf::eos_token_ids(&with_family!(&checkpoint.model, f => f.hf_config()));
+        if let Some(init_from) = checkpoint.init_from.as_ref().filter(|d| d.is_dir())
+            && end_of_text.is_empty()
+        {
+            end_of_text = zeroflow_hf::eos_token_ids(&read_config(&init_from.join("config.json"))?);
+        }
+        let weights = match &checkpoint.model {
+            ModelSpec::Gpt2(config) => {
+                let layout = config.flat_layout(1)?;
+                let params = checkpoint.f32_weights(&layout, &config.tensors(&layout)?)?;
+                Weights::Gpt { config: *config, layout, params }
+            }
+            ModelSpec::Llama(spec) => {
+                let layout = spec.flat_layout(1)?;
+                let params = checkpoint.f32_weights(&layout, &spec.tensors(&layout)?)?;
+                Weights::Llama { config: spec.0.clone(), layout, params }
+            }
+        };
+        Ok(HostModel { weights, end_of_text })
+    }
+}
+
+/// A `config.json`, parsed.
+fn read_config(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+        what: format!("read {} (a Hugging Face model directory's config)", path.display()),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| input(format!("{}: not JSON: {e}", path.display())))
+}

@@ -1,0 +1,189 @@
+//! Generation and evaluation on a GPU (`--device cuda`: bf16, the families' key/value-cached
+//! `CudaGptDecoder` and `CudaLlamaDecoder`; eval through the CUDA training forward) against the
+//! CPU's key/value-cached decoder (f32) on the same weights,
+//! rounded to bf16 first so that only the GPU's bf16 activations differ: small random models of
+//! both families at odd shapes (GPT-2 with a padded vocabulary and heads of 12; a Llama with
+//! grouped-query attention, an untied head and heads of 8); and each cached GPU decoder against
+//! recomputing the whole prefix on the GPU (`CudaPrefixDecoder`), step by step.
+//!
+//! Where there is no CUDA driver or no GPU each test prints `skipped: no CUDA device (<reason>)`
+//! and passes; with `ZEROFLOW_REQUIRE_GPU=1` a missing GPU fails instead. Run with
+//! `--test-threads=1 --nocapture` (the tests print the first divergence and the logit gaps).
+
+use rand::{Rng, SeedableRng};
+use zeroflow_core::bf16;
+use zeroflow_gpt::GptConfig;
+use zeroflow_llama::LlamaConfig;
+use zeroflow_nn::infer::Decoder;
+use zeroflow_train::infer::{GenerateOptions, HostModel, InferDevice, Sampling};
+use zeroflow_train::llama::LlamaSpec;
+use zeroflow_train::{Family, ModelSpec, with_family};
+
+const NEW_TOKENS: usize = 32;
+/// Greedy tokens that must agree before bf16 rounding may explain a divergence.
+const AGREE_AT_LEAST: usize = 8;
+/// The largest relative difference (‖gpu − cpu‖ / ‖cpu‖) of the prompts' next-token logits.
+const LOGITS_TOLERANCE: f64 = 2e-2;
+
+fn gpu() -> bool {
+    zeroflow_device::cuda::info::gpu_or_skip(0).is_some()
+}
+
+fn gpt_odd() -> ModelSpec {
+    ModelSpec::Gpt2(GptConfig { n_layer: 3, n_head: 3, d_model: 36, vocab_size: 97, context: 64 })
+}
+
+fn llama_gqa_untied() -> ModelSpec {
+    let base = zeroflow_llama::named_shape("llama-1b").expect("a named shape");
+    ModelSpec::Llama(LlamaSpec(LlamaConfig {
+        vocab_size: 101,
+        hidden_size: 48,
+        intermediate_size: 72,
+        num_hidden_layers: 2,
+        num_attention_heads: 6,
+        num_key_value_heads: 2,
+        head_dim: 8,
+        max_position_embeddings: 64,
+        rope_scaling: None,
+        tie_word_embeddings: false,
+        ..base
+    }))
+}
+
+/// The family's initialisation moved by up to ±`spread` per element (so that greedy choices are
+/// not near-ties, as in scripts/generate-oracle.py), rounded to bf16.
+fn wide_random(spec: &ModelSpec, spread: f32, seed: u64) -> HostModel {
+    let layout = spec.flat_layout(1).unwrap();
+    let mut params = vec![0.0f32; layout.padded_len()];
+    with_family!(spec, family => family.init(&layout, seed, &mut params)).unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed + 1);
+    for x in &mut params {
+        *x = bf16::from_f32(*x + rng.random_range(-spread..spread)).to_f32();
+    }
+    HostModel::from_params(spec, params).unwrap()
+}
+
+fn relative_difference(gpu: &[f32], cpu: &[f32]) -> f64 {
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let diff = norm(&mut gpu.iter().zip(cpu).map(|(&g, &c)| f64::from(g - c)));
+    diff / norm(&mut cpu.iter().map(|&c| f64::from(c)))
+}
+
+/// The gap between the two largest of `logits`.
+fn top2_gap(logits: &[f32]) -> f32 {
+    let mut sorted = logits.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    sorted[0] - sorted[1]
+}
+
+/// Greedy tokens on the GPU against the CPU for three prompts as one batch: the first
+/// AGREE_AT_LEAST agree, and a later first divergence is reported with the CPU's top-2 gap
+/// there, which must be within what bf16 explains (a tenth of the largest logit's magnitude
+/// bounds it loosely; an exact match is what is expected of well-separated logits).
+fn check_generation(name: &str, model: &HostModel) {
+    let prompts = vec![vec![5, 17, 2, 9, 33], vec![1], vec![40, 3, 3, 8, 61, 12, 7, 0, 2]];
+    let logits_cpu = model.next_logits(&prompts, InferDevice::Cpu).unwrap();
+    let logits_gpu = model.next_logits(&prompts, InferDevice::Cuda(0)).unwrap();
+    let difference = relative_difference(&logits_gpu, &logits_cpu);
+    println!("{name}: next-token logits of the prompts differ by {difference:.2e} (relative)");
+    assert!(difference < LOGITS_TOLERANCE, "{name}: logits {difference}");
+    let options = GenerateOptions {
+        max_new_tokens: NEW_TOKENS,
+        sampling: Sampling::GREEDY,
+        seed: 0,
+        stop_tokens: Vec::new(),
+    };
+    let cpu = model.generate_on(&prompts, &options, InferDevice::Cpu).unwrap();
+    let gpu = model.generate_on(&prompts, &options, InferDevice::Cuda(0)).unwrap();
+    for (b, (cpu, gpu)) in cpu.iter().zip(&gpu).enumerate() {
+        assert_eq!((cpu.len(), gpu.len()), (NEW_TOKENS, NEW_TOKENS));
+        let Some(at) = cpu.iter().zip(gpu).position(|(c, g)| c != g) else {
+            println!("{name}: prompt {b}: the same {NEW_TOKENS} greedy tokens");
+            continue;
+        };
+        let prefix = [prompts[b].clone(), cpu[..at].to_vec()].concat();
+        let there = model.next_logits(&[prefix], InferDevice::Cpu).unwrap();
+        let (gap, largest) = (top2_gap(&there), there.iter().fold(0.0f32, |m, x| m.max(x.abs())));
+        println!(
+            "{name}: prompt {b}: first divergence at new token {at} (cpu {}, gpu {}); the CPU's \
+             top-2 logit gap there {gap:.4} of logits up to {largest:.2}",
+            cpu[at], gpu[at]
+        );
+        assert!(at >= AGREE_AT_LEAST, "{name}: prompt {b} diverges at token {at}");
+        assert!(gap <= 0.1 * largest, "{name}: prompt {b}: a gap of {gap} is not bf16 rounding");
+    }
+}
+
+#[test]
+fn cuda_generation_follows_the_cpu_decoder_on_gpt2_at_an_odd_shape() {
+    if !gpu() {
+        return;
+    }
+    check_generation("gpt2-odd", &wide_random(&gpt_odd(), 0.5, 3));
+}
+
+#[test]
+fn cuda_generation_follows_the_cpu_decoder_on_an_untied_grouped_query_llama() {
+    if !gpu() {
+        return;
+    }
+    check_generation("llama-gqa-untied", &wide_random(&llama_gqa_untied(), 0.25, 4));
+}
+
+/// The GPU's windowed loss (the CUDA training forward, a model per window length) equals the
+/// CPU's within bf16 rounding, with a shorter last window.
+#[test]
+fn cuda_eval_matches_the_cpu_loss_in_both_families() {
+    if !gpu() {
+        return;
+    }
+    for (name, spec, spread) in [("gpt2", gpt_odd(), 0.5), ("llama", llama_gqa_untied(), 0.25)] {
+        let model = wide_random(&spec, spread, 9);
+        let stream: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 97).collect();
+        let cpu = model.eval(&stream, 64).unwrap();
+        let gpu = model.eval_cuda(&stream, 64, 0).unwrap();
+        let difference = (gpu.loss - cpu.loss).abs() / cpu.loss;
+        println!("{name}: loss cpu {:.6} gpu {:.6} ({difference:.2e})", cpu.loss, gpu.loss);
+        assert_eq!((gpu.tokens, cpu.tokens), (149, 149));
+        assert!(difference < 1e-2, "{name}: {difference}");
+    }
+}
+
+/// The key/value-cached GPU decoder gives the logits of recomputing every sequence's whole
+/// prefix on the GPU (`CudaPrefixDecoder`), within bf16 rounding, at the prefill and at each of
+/// 12 decode steps fed the same tokens (one sequence left out of every third step).
+fn check_cached_against_prefix(name: &str, model: &HostModel, vocab: usize) {
+    let mut cached = model.cuda_decoder(0).unwrap();
+    let mut prefix = model.cuda_prefix_decoder(0).unwrap();
+    let prompts: [&[u32]; 3] = [&[5, 17, 2, 9, 33], &[1], &[40, 3, 3, 8, 61, 12, 7, 0, 2]];
+    let compare = |what: &str, a: &[f32], b: &[f32]| {
+        let difference = relative_difference(a, b);
+        println!("{name} {what}: cached against prefix {difference:.2e}");
+        assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+    };
+    let (a, b) = (cached.prefill(&prompts, 32).unwrap(), prefix.prefill(&prompts, 32).unwrap());
+    assert_eq!(a.len(), 3 * vocab);
+    compare("prefill", &a, &b);
+    for step in 0..12u32 {
+        let next: Vec<(usize, u32)> = (0..3)
+            .filter(|&seq| step % 3 != 2 || seq != 1)
+            .map(|seq| (seq, (step * 7 + seq as u32 * 13) % 97))
+            .collect();
+        let (a, b) = (cached.decode(&next).unwrap(), prefix.decode(&next).unwrap());
+        assert_eq!(a.len(), next.len() * vocab);
+        compare(&format!("decode step {step}"), &a, &b);
+    }
+}
+
+#[test]
+fn the_cached_gpu_decoders_match_recomputing_the_prefix_on_the_gpu() {
+    if !gpu() {
+        return;
+    }
+    check_cached_against_prefix("gpt2-odd", &wide_random(&gpt_odd(), 0.5, 5), 97);
+    check_cached_against_prefix(
+        "llama-gqa-untied",
+        &wide_random(&llama_gqa_untied(), 0.25, 6),
+        101,
+    );
+}
