@@ -305,7 +305,7 @@ fn plan_bench<F: Family>(
         tracing::info!("{}", plan.summary(&machine));
     }
     if args.plan == PlanMode::Check {
-        plan.check(&machine)?;
+        plan.check_before_start(&machine)?;
     }
     Ok(plan)
 }

@@ -64,7 +64,7 @@ pub fn per_rank(
     let buffers = mode.options.planned_buffers(&layout, 0, DType::Bf16, None);
     let total = |memory: MemoryKind| -> f64 {
         let run = buffers.iter().filter(|b| b.memory == memory && b.kind != BufferKind::SetUp);
-        run.map(|b| b.bytes as f64).sum()
+        run.map(|b| b.bytes).sum::<u64>() as f64
     };
     Ok((total(MemoryKind::Device), total(MemoryKind::Host)))
 }

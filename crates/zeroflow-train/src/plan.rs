@@ -478,6 +478,15 @@ impl MemoryPlan {
             .collect()
     }
 
+    /// [`MemoryPlan::check`] as a run does before it allocates: not where it runs on a GPU the
+    /// machine does not show (the run's own check of the GPU says so, in its words).
+    pub fn check_before_start(&self, machine: &MachineMemory) -> Result<()> {
+        if self.inputs.device == DeviceKind::Cuda && machine.gpu_total.is_none() {
+            return Ok(());
+        }
+        self.check(machine)
+    }
+
     /// An input error (exit 2) unless the plan fits `machine`: by how much it does not, and the
     /// knobs that bring it under.
     pub fn check(&self, machine: &MachineMemory) -> Result<()> {

@@ -155,7 +155,7 @@ impl Setup {
             tracing::info!("{}", planned.plan.summary(&machine));
         }
         if args.plan == PlanMode::Check {
-            planned.plan.check(&machine)?;
+            planned.plan.check_before_start(&machine)?;
         }
         let default_out = resume.is_none() && args.out.is_none();
         let out = match &resume {
