@@ -41,6 +41,9 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors + config.json).
     Export(cmd::export::Args),
+    /// The memory plan of a `train` command (the same arguments): GPU and host bytes by kind, the
+    /// totals against this machine's, and the knobs that make it fit where it does not.
+    Plan(Box<cmd::plan::PlanArgs>),
     /// Train a GPT model (default: the tiny model on the synthetic corpus, on the CPU).
     Train(Box<cmd::train::Args>),
     /// Start one process per GPU of this host running the zeroflow command after `--` (like
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Export(args) => cmd::export::run(args),
+        Command::Plan(args) => cmd::plan::run(*args),
         Command::Train(args) => cmd::train::run(*args),
         Command::Launch(args) => cmd::launch::run(args),
         Command::DistCheck(args) => cmd::dist_check::run(args),

@@ -137,8 +137,14 @@ pub(crate) fn alloc_staging<D: Device, P: Float>(
     memory: HostMemory,
     count: usize,
 ) -> Result<Vec<HostBuffer<P>>, EngineError> {
-    let len = len.min(stream_chunk).max(1);
+    let len = staging_len(len, stream_chunk);
     Ok((0..count).map(|_| device.alloc_host::<P>(len, memory)).collect::<Result<_, _>>()?)
+}
+
+/// The elements of one staging buffer for pieces of at most `len` elements: at most
+/// `stream_chunk`, at least one.
+pub(crate) fn staging_len(len: usize, stream_chunk: usize) -> usize {
+    len.min(stream_chunk).max(1)
 }
 
 /// Where a CPU step that runs in the background is: here, or on its worker thread.

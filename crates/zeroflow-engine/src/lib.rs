@@ -19,6 +19,7 @@ mod device_adamw;
 mod engine;
 mod error;
 mod host;
+mod memory;
 mod offloader;
 mod options;
 mod reduction;
@@ -32,6 +33,7 @@ pub use device_adamw::{DeviceAdamState, DeviceAdamW};
 pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
+pub use memory::{BufferKind, MemoryKind, PlannedBuffer};
 pub use options::{
     AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions,
 };

@@ -94,12 +94,6 @@ pub(crate) struct Speculation<P: Float> {
 }
 
 impl<P: Float> Speculation<P> {
-    /// Bytes of host memory one speculated element costs: its backup, and on the streaming path
-    /// its weights awaiting upload.
-    pub(crate) fn bytes_per_element(with_weights: bool) -> usize {
-        12 + if with_weights { std::mem::size_of::<P>() } else { 0 }
-    }
-
     /// The speculation of a partition of `partition` elements within `budget` bytes, or `None`
     /// where the budget holds no element. `with_weights`: the streaming path, which keeps the
     /// updated weights until their upload (the accumulating path writes them into its upload
@@ -111,7 +105,12 @@ impl<P: Float> Speculation<P> {
         with_weights: bool,
         memory: HostMemory,
     ) -> Result<Option<Self>, EngineError> {
-        let capacity = (budget / Self::bytes_per_element(with_weights)).min(partition);
+        let capacity = crate::memory::speculation_capacity(
+            partition,
+            budget,
+            with_weights,
+            std::mem::size_of::<P>(),
+        );
         if capacity == 0 {
             return Ok(None);
         }

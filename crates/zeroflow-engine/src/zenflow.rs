@@ -220,14 +220,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         let (select_interval, update_interval) = options.intervals()?;
         let matrices = matrices(layout, owned, options.topk_ratio);
         let importance_blocks = importance_blocks(&matrices);
-        // The largest selection: every block holds min(k, its columns) selected columns.
-        let (mut capacity, mut index_capacity) = (0, 0);
-        for m in &matrices {
-            for (rows, cols, _) in block_shapes(m) {
-                capacity += rows * m.k.min(cols);
-                index_capacity += m.k.min(cols);
-            }
-        }
+        let (capacity, index_capacity) = compact_capacity(&matrices);
         // Model-wide, so that every rank all-reduces the same length.
         let columns = layout_columns(layout);
         let alloc = |len: usize| device.alloc::<f32>(len.max(1));
@@ -418,6 +411,30 @@ pub struct ZenFlowSnapshot {
     pub window_grads: Vec<f32>,
     /// Zen-auto's window state (empty without it): model-wide, the same on every rank.
     pub auto: Vec<f64>,
+}
+
+/// The largest selection's elements and column indices: every block holds min(k, its columns)
+/// selected columns (the compact buffers' lengths; [`compact_elements`] for the memory plan).
+fn compact_capacity(matrices: &[MatrixParam]) -> (usize, usize) {
+    let (mut capacity, mut index_capacity) = (0, 0);
+    for m in matrices {
+        for (rows, cols, _) in block_shapes(m) {
+            capacity += rows * m.k.min(cols);
+            index_capacity += m.k.min(cols);
+        }
+    }
+    (capacity, index_capacity)
+}
+
+/// What [`ZenFlow::new`] allocates for `owned` of `layout` at `ratio`: (the compact buffers'
+/// elements, their column indices, the model's columns).
+pub(crate) fn compact_elements(
+    layout: &FlatLayout,
+    owned: &Range<usize>,
+    ratio: f64,
+) -> (usize, usize, usize) {
+    let (capacity, index_capacity) = compact_capacity(&matrices(layout, owned, ratio));
+    (capacity.max(1), index_capacity.max(1), layout_columns(layout).max(1))
 }
 
 /// Every parameter with elements in `owned`, as a matrix, with its `k` for `ratio`.

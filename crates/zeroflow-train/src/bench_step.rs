@@ -24,6 +24,8 @@ use crate::dist::affinity::{self, BindMode};
 use crate::dist::{DistEnv, Group};
 use crate::error::{Result, TrainError, input};
 use crate::open::{self, CudaOpen, OpenFn};
+pub use crate::plan::PlanMode;
+use crate::plan::{Caller, MachineMemory, MemoryPlan, PlanInputs};
 use crate::settings::{self, Effective, Requested};
 use crate::trainer::{ModelEngine, forward_backward};
 use crate::{DeviceKind, Family, Model, ModelSpec, Opened, with_family};
@@ -75,6 +77,8 @@ pub struct BenchOptions {
     pub settings: Requested,
     /// Where compiled CUDA kernels are cached (`None`: the user's cache folder).
     pub kernel_cache: Option<PathBuf>,
+    /// What to do with the memory plan before anything is allocated.
+    pub plan: PlanMode,
 }
 
 /// Benchmarks this rank's share of the job on `model` and returns the report on rank 0 (`None`
@@ -240,6 +244,14 @@ fn bench<F: Family, M: Model>(
     // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
     // thread: pt_reserved_cores_perc).
     let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
+    let activation_checkpointing = requested.activation_checkpointing.unwrap_or(false);
+    let model_options = zeroflow_nn::PlanOptions { attention, activation_checkpointing };
+    let plan = plan_bench(args, model, &options, dist, (seq, model_options))?;
+    if args.plan == PlanMode::Only {
+        let machine = MachineMemory::this_machine(args.device, dist.local_rank);
+        let out = json!({ "plan": plan.to_json(&machine), "table": plan.table(&machine) });
+        return Ok((dist.rank == 0).then_some(out));
+    }
     let layout = model.flat_layout(dist.world_size)?;
     let mut weights = vec![0.0f32; layout.padded_len()];
     model.init(&layout, 0, &mut weights)?;
@@ -258,7 +270,44 @@ fn bench<F: Family, M: Model>(
         return Ok(None);
     }
     let job = Job { world: dist.world_size, threads, description, settings: effective.to_json() };
-    Ok(Some(report(args, (model, seq), &job, &measured, &ranks)))
+    let mut out = report(args, (model, seq), &job, &measured, &ranks);
+    out["planned_gpu_bytes"] = json!(plan.gpu_total);
+    out["planned_host_bytes"] = json!(plan.host_total);
+    Ok(Some(out))
+}
+
+/// This rank's memory plan, said in one line on rank 0, and (unless `--no-plan-check`) an input
+/// error where it does not fit the machine, before anything is allocated.
+fn plan_bench<F: Family>(
+    args: &BenchOptions,
+    model: &F,
+    options: &EngineOptions,
+    dist: &DistEnv,
+    (seq, model_options): (usize, zeroflow_nn::PlanOptions),
+) -> Result<MemoryPlan> {
+    let machine = MachineMemory::this_machine(args.device, dist.local_rank);
+    let plan = MemoryPlan::new(PlanInputs {
+        model: model.spec(),
+        device: args.device,
+        options: options.clone(),
+        world_size: dist.world_size,
+        rank: dist.rank,
+        micro_batch: args.micro_batch,
+        seq,
+        model_options,
+        caller: Caller::Bench,
+        gpu_memory: machine.gpu_total,
+    })?;
+    if args.plan == PlanMode::Only {
+        return Ok(plan);
+    }
+    if dist.rank == 0 {
+        tracing::info!("{}", plan.summary(&machine));
+    }
+    if args.plan == PlanMode::Check {
+        plan.check_before_start(&machine)?;
+    }
+    Ok(plan)
 }
 
 /// This rank's inputs and targets: its slice of one global batch of `world × tokens` random

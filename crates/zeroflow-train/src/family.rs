@@ -95,6 +95,13 @@ pub trait Family: Clone + std::fmt::Debug + serde::Serialize + Send + 'static {
     ) -> Result<Self::Cuda, TrainError> {
         self.cuda_model(device, blas, layout, batch, seq, options)
     }
+    /// What [`Family::cuda_model`] of these arguments will hold, computed without a GPU.
+    fn cuda_planned_activations(
+        &self,
+        layout: &FlatLayout,
+        batch_seq: (usize, usize),
+        options: PlanOptions,
+    ) -> Result<ActivationMemory, TrainError>;
     /// The activations, their gradients and the scratch the GPU model holds.
     fn cuda_activation_memory(model: &Self::Cuda) -> ActivationMemory;
     /// One more forward and backward of the GPU model's last batch, waiting after each

@@ -121,6 +121,20 @@ impl Family for GptConfig {
         Ok(CudaGpt::with_options(device, blas, self, layout, batch, seq, options)?)
     }
 
+    fn cuda_planned_activations(
+        &self,
+        layout: &FlatLayout,
+        batch_seq: (usize, usize),
+        plan: PlanOptions,
+    ) -> Result<ActivationMemory, TrainError> {
+        let options = CudaGptOptions {
+            attention: plan.attention,
+            activation_checkpointing: plan.activation_checkpointing,
+            ..CudaGptOptions::default()
+        };
+        Ok(zeroflow_gpt::cuda::planned_memory(self, layout, batch_seq, options)?)
+    }
+
     fn hf_config(&self) -> serde_json::Value {
         self.to_hf_config()
     }

@@ -30,6 +30,7 @@ pub mod model;
 pub mod model_spec;
 pub mod observer;
 pub mod open;
+pub mod plan;
 pub mod resume;
 pub mod resume_point;
 pub mod run;

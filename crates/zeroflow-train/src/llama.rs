@@ -163,6 +163,19 @@ impl Family for LlamaSpec {
         Ok(CudaLlama::with_options(device, blas, &self.0, layout, (batch, seq), options)?)
     }
 
+    fn cuda_planned_activations(
+        &self,
+        layout: &FlatLayout,
+        batch_seq: (usize, usize),
+        plan: PlanOptions,
+    ) -> Result<ActivationMemory, TrainError> {
+        let options = CudaLlamaOptions {
+            attention: plan.attention,
+            activation_checkpointing: plan.activation_checkpointing,
+        };
+        Ok(zeroflow_llama::cuda::planned_memory(&self.0, layout, batch_seq, options)?)
+    }
+
     fn hf_config(&self) -> serde_json::Value {
         self.0.to_hf_config()
     }

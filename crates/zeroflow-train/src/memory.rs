@@ -1,84 +1,92 @@
-//! The memory each optimizer mode needs per parameter, from the engine's buffers (DESIGN.md §4,
-//! §7): what `zeroflow models` tabulates for the named sizes.
+//! The memory each optimizer mode needs for a model, from the engine's own account of its
+//! buffers ([`EngineOptions::planned_buffers`], which the whole plan of [`crate::plan`] also
+//! counts): what `zeroflow models` tabulates for the named sizes.
 
-/// Bytes per parameter of one optimizer mode, on the GPU and in host memory, split into what
-/// every rank holds whole (bf16 weights) and what ZeRO-2 partitions over the ranks.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct BytesPerParam {
+use zeroflow_core::DType;
+use zeroflow_engine::{
+    BufferKind, EngineOptions, LossScaler, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
+};
+use zeroflow_optim::AdamWConfig;
+
+use crate::{ModelSpec, TrainError};
+
+/// One optimizer mode of `zeroflow bench step`, as the engine's options.
+#[derive(Clone, Debug)]
+pub struct ModeMemory {
     pub mode: &'static str,
-    /// On every GPU whole: bf16 weights (2 B).
-    pub gpu_whole: f64,
-    /// On each GPU, its partition's share: bf16 gradients (2 B), plus fp32 master weights and
-    /// Adam moments (12 B) without offload, or ZenFlow's fp32 window (4 B) and the selected
-    /// columns' state.
-    pub gpu_partitioned: f64,
-    /// In host memory, its partition's share: fp32 master weights and moments (12 B) when
-    /// offloaded, and ZenFlow's pinned window accumulator (4 B).
-    pub host_partitioned: f64,
+    options: EngineOptions,
 }
 
-/// The three modes of `zeroflow bench step`, from the engine's buffers (DESIGN.md §4, §7).
-pub fn modes(topk_ratio: f64) -> [BytesPerParam; 3] {
-    const WEIGHTS: f64 = 2.0; // bf16
-    const GRADS: f64 = 2.0; // bf16
-    const OPTIMIZER: f64 = 12.0; // fp32 master + exp_avg + exp_avg_sq
-    const WINDOW: f64 = 4.0; // ZenFlow's fp32 gradient window
+/// The three modes of `zeroflow bench step` (ZeRO-2, one micro-step per step, bf16), with
+/// ZenFlow's `topk_ratio`.
+pub fn modes(topk_ratio: f64) -> [ModeMemory; 3] {
+    let options = |placement| EngineOptions {
+        stage: Stage::Zero2,
+        grad_accum: 1,
+        clip: Some(1.0),
+        reduce_bucket: 500_000_000,
+        adamw: AdamWConfig::default(),
+        scaler: LossScaler::None,
+        placement,
+    };
+    let offload = |update| {
+        let mut offload = Offload::exact(zeroflow_device::HostMemory::Pinned, 1);
+        offload.update = update;
+        Placement::Offload(offload)
+    };
+    let zenflow = OffloadUpdate::ZenFlow(crate::plan::zenflow_options(topk_ratio));
     [
-        BytesPerParam {
-            mode: "gpu",
-            gpu_whole: WEIGHTS,
-            gpu_partitioned: GRADS + OPTIMIZER,
-            host_partitioned: 0.0,
-        },
-        BytesPerParam {
-            mode: "offload",
-            gpu_whole: WEIGHTS,
-            gpu_partitioned: GRADS,
-            host_partitioned: OPTIMIZER,
-        },
-        BytesPerParam {
-            mode: "zenflow",
-            gpu_whole: WEIGHTS,
-            // The selected columns' master, moments and compact gradient on the device.
-            gpu_partitioned: GRADS + WINDOW + topk_ratio * (OPTIMIZER + 4.0),
-            host_partitioned: OPTIMIZER + WINDOW,
-        },
+        ModeMemory { mode: "gpu", options: options(Placement::Device) },
+        ModeMemory { mode: "offload", options: options(offload(OffloadUpdate::Exact)) },
+        ModeMemory { mode: "zenflow", options: options(offload(zenflow)) },
     ]
 }
 
-/// What the figures count, as `zeroflow models` says.
-pub const ASSUMPTIONS: &str = "Memory per rank for the parameters, gradients and optimizer state \
-    only (activations, which grow with --micro-batch × sequence length, the CUDA context and \
-    bounded staging buffers come on top). Per parameter: bf16 weights 2 B on every GPU; bf16 \
-    gradients 2 B; fp32 master weights + Adam moments 12 B (gpu: on the GPU; offload and zenflow: \
-    in pinned host memory); zenflow adds an fp32 gradient window of 4 B on the GPU and 4 B of host \
-    accumulator, and keeps the selected columns' state (topk_ratio × 16 B) on the GPU. Everything \
-    but the weights is divided by the world size (ZeRO-2). MiB/GiB = 2^20/2^30 bytes.";
+/// What `zeroflow models` counts, as it says.
+pub const ASSUMPTIONS: &str = "Memory per rank of the engine's buffers for the whole run only \
+    (activations, which grow with --micro-batch × sequence length, the CUDA context and the \
+    process come on top: `zeroflow plan` counts everything). Per parameter: bf16 weights and \
+    gradients 2 + 2 B on every GPU; gpu: fp32 master weights + Adam moments 12 B and an fp32 \
+    gradient accumulator 4 B on the GPU; offload: the 12 B in pinned host memory, plus 96 MiB \
+    of staging; zenflow: the 12 B and the host accumulator's buffers in host memory, an fp32 \
+    window (4 B) and the set-aside weights (2 B) on the GPU, and the selected columns' state \
+    (about topk_ratio × 20 B) on the GPU. Everything but the weights and gradients is divided \
+    by the world size (ZeRO-2). MiB/GiB = 2^20/2^30 bytes.";
 
-/// What a rank holds of [`ASSUMPTIONS`]' state for a model of `params` parameters in `mode` over
-/// `world` ranks: (GPU bytes, host bytes).
-pub fn per_rank(mode: &BytesPerParam, params: usize, world: u32) -> (f64, f64) {
-    let (params, world) = (params as f64, f64::from(world));
-    let gpu = params * (mode.gpu_whole + mode.gpu_partitioned / world);
-    (gpu, params * mode.host_partitioned / world)
+/// The engine's run buffers of rank 0 for `model` in `mode` over `world` ranks: (GPU bytes,
+/// host bytes).
+pub fn per_rank(
+    mode: &ModeMemory,
+    model: &ModelSpec,
+    world: u32,
+) -> Result<(f64, f64), TrainError> {
+    let layout = model.flat_layout(world as usize)?;
+    let buffers = mode.options.planned_buffers(&layout, 0, DType::Bf16, None);
+    let total = |memory: MemoryKind| -> f64 {
+        let run = buffers.iter().filter(|b| b.memory == memory && b.kind != BufferKind::SetUp);
+        run.map(|b| b.bytes).sum::<u64>() as f64
+    };
+    Ok((total(MemoryKind::Device), total(MemoryKind::Host)))
 }
 
 #[cfg(test)]
 mod tests {
+    use zeroflow_gpt::GptConfig;
+
     use super::*;
 
-    /// The modes' bytes per parameter are the engine's buffers: 16 B on the GPU without offload,
-    /// 4 B on the GPU and 12 B on the host with it, and ZenFlow in between on the GPU.
+    /// Per parameter of gpt2-124m on one rank: 20 B on the GPU without offload (weights,
+    /// gradients, master and moments, the accumulator), 4 B on the GPU and 12 B (and the
+    /// staging) on the host with it, and ZenFlow in between on the GPU.
     #[test]
     fn bytes_per_parameter_follow_the_engines_buffers() {
-        let [gpu, offload, zenflow] = modes(0.1);
-        assert_eq!((gpu.gpu_whole + gpu.gpu_partitioned, gpu.host_partitioned), (16.0, 0.0));
-        assert_eq!(
-            (offload.gpu_whole + offload.gpu_partitioned, offload.host_partitioned),
-            (4.0, 12.0)
-        );
-        let zenflow_gpu = zenflow.gpu_whole + zenflow.gpu_partitioned;
-        assert!(zenflow_gpu > 4.0 && zenflow_gpu < 16.0, "{zenflow_gpu}");
-        assert_eq!(zenflow.host_partitioned, 16.0);
+        let model = ModelSpec::Gpt2(GptConfig::named("gpt2-124m").unwrap());
+        let padded = model.flat_layout(1).unwrap().padded_len() as f64;
+        let [gpu, offload, zenflow] = modes(0.05).map(|m| per_rank(&m, &model, 1).unwrap());
+        assert_eq!(gpu, (20.0 * padded, 0.0));
+        let staging = (6 * zeroflow_engine::DEFAULT_STREAM_CHUNK * 2) as f64;
+        assert_eq!(offload, (4.0 * padded, 12.0 * padded + staging));
+        assert!(zenflow.0 > 4.0 * padded && zenflow.0 < 20.0 * padded, "{zenflow:?}");
+        assert!(zenflow.1 >= 12.0 * padded, "{zenflow:?}");
     }
 }

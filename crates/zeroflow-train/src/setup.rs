@@ -4,8 +4,9 @@
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 
+use zeroflow_core::bf16;
 use zeroflow_core::config::Config;
-use zeroflow_engine::checkpoint;
+use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
 use crate::data::{self, Data};
@@ -13,6 +14,7 @@ use crate::data_files::{self, DataFile};
 use crate::dist::DistEnv;
 use crate::dist::affinity::{self, BindMode, Binding};
 use crate::error::{Result, input, io};
+use crate::plan::{Caller, MachineMemory, MemoryPlan, PlanInputs, PlanMode};
 use crate::resume_point::{self, Extra, ResumePoint};
 use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
@@ -67,6 +69,8 @@ pub struct TrainOptions {
     pub auto: AutoValues,
     /// What the flags ask of the run-time settings (the layer above the environment's).
     pub settings: Requested,
+    /// What to do with the memory plan before anything is allocated.
+    pub plan: PlanMode,
 }
 
 /// How the weights and the optimizer start.
@@ -148,44 +152,17 @@ impl Setup {
     /// [`Setup::from_options`] for the rank `dist` (placed in its job already), without binding
     /// threads or looking for the GPU.
     pub fn for_rank(mut args: TrainOptions, dist: DistEnv, env: Requested) -> Result<Setup> {
-        let resume = match &args.resume {
-            Some(arg) => Some(resume_point::find(arg, args.out.as_deref())?),
-            None => None,
-        };
-        if let Some(point) = &resume {
-            default_to_saved(&mut args, &point.extra.config);
+        let planned = prepare(&mut args, &dist, env)?;
+        let Prepared { resume, hf, model, seed, steps, config, config_file, seq, .. } = planned;
+        let (settings, attention, spec) = (planned.settings, planned.attention, planned.spec);
+        let machine = MachineMemory::this_machine(args.device, dist.local_rank);
+        if dist.rank == 0 {
+            tracing::info!("{}", planned.plan.summary(&machine));
         }
-        let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
-        let (data_arg, spec, data_files) = run_data(&args, resume.as_ref())?;
-        let hf = args.init_from.as_deref().map(init_from::read).transpose()?;
-        let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
-        let seed =
-            same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
-        let steps = resume::total_steps(args.steps.map(NonZeroU64::get), resume.as_ref());
-        // A resumed run that was given a config file keeps its resolved config, unless --config
-        // says otherwise (a run of the default config resolves it again, to the same values).
-        let saved_config = resume
-            .as_ref()
-            .filter(|point| point.extra.run.config_file.is_some())
-            .map(|point| &point.extra.config);
-        let config = resolve_config(&args, &model, steps, dist.world_size, saved_config)?;
-        let config_file = args.config.clone().or_else(|| {
-            saved_config?;
-            resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
-        });
+        if args.plan == PlanMode::Check {
+            planned.plan.check_before_start(&machine)?;
+        }
         let default_out = resume.is_none() && args.out.is_none();
-        let seq = training_seq(args.seq, &model)?;
-        limits::check_micro_batch(
-            &model,
-            config.batch.micro_batch_size_per_gpu,
-            seq,
-            args.device,
-            limits::available_host_memory(),
-        )
-        .map_err(input)?;
-        let flags = args.settings;
-        let settings = settings::resolve(flags, env, settings::from_config(&config.zeroflow));
-        let attention = settings::attention(args.device, &model, &settings)?;
         let out = match &resume {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => fresh_out(&args)?,
@@ -208,8 +185,8 @@ impl Setup {
             device: args.device,
             model,
             data,
-            data_arg,
-            data_files,
+            data_arg: planned.data_arg,
+            data_files: planned.data_files,
             config,
             config_file,
             steps,
@@ -237,6 +214,127 @@ impl Setup {
             _ => 0,
         }
     }
+}
+
+/// What a run is, up to its memory plan: nothing read of the weights or the data yet.
+struct Prepared {
+    resume: Option<ResumePoint>,
+    hf: Option<init_from::HfModel>,
+    model: ModelSpec,
+    seed: u64,
+    steps: u64,
+    config: Config,
+    config_file: Option<PathBuf>,
+    seq: usize,
+    settings: Requested,
+    attention: zeroflow_nn::AttentionKind,
+    data_arg: String,
+    spec: data::Spec,
+    data_files: Vec<DataFile>,
+    plan: MemoryPlan,
+}
+
+/// The memory plan of the run `options` ask for on the rank `dist`, and this machine's memory,
+/// stopping before anything is read or allocated (`zeroflow plan`).
+pub fn plan(
+    mut options: TrainOptions,
+    dist: DistEnv,
+    env: Requested,
+) -> Result<(MemoryPlan, MachineMemory)> {
+    let machine = MachineMemory::this_machine(options.device, dist.local_rank);
+    Ok((prepare(&mut options, &dist, env)?.plan, machine))
+}
+
+/// The checks and resolutions of [`Setup::for_rank`] up to the memory plan.
+fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Prepared> {
+    let resume = match &args.resume {
+        Some(arg) => Some(resume_point::find(arg, args.out.as_deref())?),
+        None => None,
+    };
+    if let Some(point) = &resume {
+        default_to_saved(args, &point.extra.config);
+    }
+    let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
+    let (data_arg, spec, data_files) = run_data(args, resume.as_ref())?;
+    let hf = args.init_from.as_deref().map(init_from::read).transpose()?;
+    let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
+    let seed = same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
+    let steps = resume::total_steps(args.steps.map(NonZeroU64::get), resume.as_ref());
+    // A resumed run that was given a config file keeps its resolved config, unless --config
+    // says otherwise (a run of the default config resolves it again, to the same values).
+    let saved_config = resume
+        .as_ref()
+        .filter(|point| point.extra.run.config_file.is_some())
+        .map(|point| &point.extra.config);
+    let config = resolve_config(args, &model, steps, dist.world_size, saved_config)?;
+    let config_file = args.config.clone().or_else(|| {
+        saved_config?;
+        resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
+    });
+    let seq = training_seq(args.seq, &model)?;
+    limits::check_micro_batch(
+        &model,
+        config.batch.micro_batch_size_per_gpu,
+        seq,
+        args.device,
+        limits::available_host_memory(),
+    )
+    .map_err(input)?;
+    let settings = settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
+    let attention = settings::attention(args.device, &model, &settings)?;
+    let weights_in_setup = resume.is_some() || hf.is_some();
+    let plan =
+        train_plan(args, &model, &config, dist, (seq, &settings, attention), weights_in_setup)?;
+    Ok(Prepared {
+        resume,
+        hf,
+        model,
+        seed,
+        steps,
+        config,
+        config_file,
+        seq,
+        settings,
+        attention,
+        data_arg,
+        spec,
+        data_files,
+        plan,
+    })
+}
+
+/// The memory plan of a rank of the run, with the engine's options as the trainer will make
+/// them (the config's, tuned by the run-time settings).
+fn train_plan(
+    args: &TrainOptions,
+    model: &ModelSpec,
+    config: &Config,
+    dist: &DistEnv,
+    (seq, settings, attention): (usize, &Requested, zeroflow_nn::AttentionKind),
+    weights_in_setup: bool,
+) -> Result<MemoryPlan> {
+    let mut options =
+        EngineOptions::from_config(config, 1).map_err(|e| input(format!("the config: {e}")))?;
+    if options.offload().is_some() {
+        match args.device {
+            DeviceKind::Cpu => settings::apply_offload::<f32>(settings, &mut options, dist.rank)?,
+            DeviceKind::Cuda => settings::apply_offload::<bf16>(settings, &mut options, dist.rank)?,
+        }
+    }
+    let activation_checkpointing =
+        args.device == DeviceKind::Cuda && settings.activation_checkpointing.unwrap_or(false);
+    MemoryPlan::new(PlanInputs {
+        model: model.clone(),
+        device: args.device,
+        options,
+        world_size: dist.world_size,
+        rank: dist.rank,
+        micro_batch: config.batch.micro_batch_size_per_gpu as usize,
+        seq,
+        model_options: zeroflow_nn::PlanOptions { attention, activation_checkpointing },
+        caller: Caller::Train { weights_in_setup },
+        gpu_memory: MachineMemory::this_machine(args.device, dist.local_rank).gpu_total,
+    })
 }
 
 /// The run's `--data` (the checkpoint's when resuming), what it names, and its files'

@@ -10,7 +10,7 @@
 //! means.
 
 use zeroflow_train::ModelSpec;
-use zeroflow_train::bench_step::{self, BenchOptions, Mode};
+use zeroflow_train::bench_step::{self, BenchOptions, Mode, PlanMode};
 use zeroflow_train::dist::DistEnv;
 
 use crate::InputError;
@@ -59,6 +59,12 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Print the memory plan of this configuration (`zeroflow plan`'s table) and stop.
+    #[arg(long)]
+    plan_only: bool,
+    /// Start even where the memory plan does not fit this machine.
+    #[arg(long)]
+    no_plan_check: bool,
     #[command(flatten)]
     gpu: settings::GpuFlags,
     #[command(flatten)]
@@ -101,6 +107,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         warmup: args.warmup,
         settings: requested,
         kernel_cache: settings::env::kernel_cache(),
+        plan: match (args.plan_only, args.no_plan_check) {
+            (true, _) => PlanMode::Only,
+            (false, true) => PlanMode::NoCheck,
+            (false, false) => PlanMode::Check,
+        },
     };
     // Only rank 0 reports, for the whole job.
     if let Some(report) = bench_step::run(&options, model, &dist)? {
@@ -110,7 +121,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
+    if let (Some(table), false) = (out["table"].as_str(), args.json) {
+        print!("{table}");
+        return Ok(());
+    }
     if args.json {
+        let out = out.get("plan").unwrap_or(out);
         println!("{}", serde_json::to_string_pretty(out)?);
         return Ok(());
     }

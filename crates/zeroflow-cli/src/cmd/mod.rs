@@ -13,6 +13,7 @@ pub mod export;
 pub mod generate;
 pub mod launch;
 pub mod models;
+pub mod plan;
 pub mod stress;
 pub mod tokenize;
 pub mod train;

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use zeroflow_train::ModelSpec;
-use zeroflow_train::memory::{ASSUMPTIONS, BytesPerParam, modes, per_rank};
+use zeroflow_train::memory::{ASSUMPTIONS, ModeMemory, modes, per_rank};
 
 /// List the named model shapes with parameter counts and memory per mode.
 #[derive(Debug, clap::Args)]
@@ -36,12 +36,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let modes = modes(args.topk_ratio);
     let rows: Vec<Row> = ModelSpec::named_shapes()
         .into_iter()
-        .map(|(name, model)| {
-            let memory =
-                modes.iter().map(|m| per_rank(m, model.num_params(), args.world_size)).collect();
-            Row { name, model, memory }
+        .map(|(name, model)| -> Result<Row, zeroflow_train::TrainError> {
+            let memory = modes.iter().map(|m| per_rank(m, &model, args.world_size));
+            Ok(Row { name, memory: memory.collect::<Result<_, _>>()?, model })
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     if args.json {
         print_json(&args, &modes, &rows)
     } else {
@@ -50,7 +49,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-fn print_json(args: &Args, modes: &[BytesPerParam], rows: &[Row]) -> anyhow::Result<()> {
+fn print_json(args: &Args, modes: &[ModeMemory], rows: &[Row]) -> anyhow::Result<()> {
     let models: Vec<_> = rows
         .iter()
         .map(|row| {

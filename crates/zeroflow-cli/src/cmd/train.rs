@@ -9,6 +9,7 @@ use std::num::NonZeroU64;
 use std::path::PathBuf;
 
 use zeroflow_train::dist::DistEnv;
+use zeroflow_train::plan::PlanMode;
 use zeroflow_train::setup::{AutoValues, TrainOptions};
 
 use crate::InputError;
@@ -102,6 +103,9 @@ pub struct Args {
     /// The text the samples continue (token ids `1,2,3` for a vocabulary under 256).
     #[arg(long, value_name = "TEXT", requires = "sample_every")]
     pub sample_prompt: Option<String>,
+    /// Start even where the memory plan (`zeroflow plan`) does not fit this machine.
+    #[arg(long)]
+    pub no_plan_check: bool,
     #[command(flatten)]
     pub auto: AutoFlags,
     #[command(flatten)]
@@ -155,6 +159,7 @@ impl Args {
                 weight_decay: auto.weight_decay,
             },
             settings: settings::from_flags(self.gpu_flags, self.host_flags),
+            plan: if self.no_plan_check { PlanMode::NoCheck } else { PlanMode::Check },
         }
     }
 }

@@ -23,7 +23,7 @@ use crate::host::{CpuStep, HostAccumulator, STAGING_BUFFERS, WholeStep, alloc_st
 use crate::offloader::{Landing, Offloader, Speculating};
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, Verdict};
-use crate::{AccumulateOn, EngineError, EngineOptions, Stage};
+use crate::{AccumulateOn, EngineError, EngineOptions};
 
 /// The accumulating path's buffers.
 pub(super) struct Accumulate<D: Device, P: Float> {
@@ -55,14 +55,7 @@ impl<D: Device> DeviceSum<D> {
     where
         D: DeviceAdamW,
     {
-        let summing = opts.stage == Stage::Zero2 && opts.grad_accum > 1;
-        let bytes = partition.saturating_mul(4);
-        let wanted = match on {
-            AccumulateOn::Host => false,
-            AccumulateOn::Device => true,
-            AccumulateOn::Auto => device.free_memory().is_some_and(|free| bytes <= free / 4),
-        };
-        if !(summing && wanted) {
+        if !crate::memory::sums_on_device(opts, on, partition, || device.free_memory()) {
             return Ok(None);
         }
         let acc = device.alloc::<f32>(partition)?;

@@ -36,8 +36,8 @@
 use std::ops::Range;
 
 use rayon::prelude::*;
+use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_core::{DType, Float};
 use zeroflow_device::Comm;
 use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
 
@@ -85,9 +85,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         // gradients as they are; f16 goes through the accumulator). ZenFlow sums a window of
         // steps on the device and copies the sum into the accumulator once per window (no
         // staging: nothing goes out bucket by bucket).
-        let zenflow = matches!(offload.update, OffloadUpdate::ZenFlow(_));
-        let streaming =
-            opts.grad_accum == 1 && !zenflow && matches!(P::DTYPE, DType::F32 | DType::Bf16);
+        let streaming = opts.streams(P::DTYPE);
         // A streamed chunk is uploaded as soon as it is written: from the caches. A whole
         // partition's copy is too big for them: past them, without reading its lines.
         let default_stores = if streaming { Stores::Normal } else { Stores::NonTemporal };

@@ -10,7 +10,7 @@ use zeroflow_device::CpuDevice;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_gpt::{CpuGpt, GptConfig};
 
-use super::{BenchOptions, DeviceKind, Mode, bench, check_job};
+use super::{BenchOptions, DeviceKind, Mode, PlanMode, bench, check_job};
 use crate::Opened;
 use crate::dist::env::Master;
 use crate::dist::testing::free_port;
@@ -34,6 +34,7 @@ fn args(micro_batch: usize) -> BenchOptions {
         warmup: 1,
         settings: Default::default(),
         kernel_cache: None,
+        plan: PlanMode::Check,
     }
 }
 

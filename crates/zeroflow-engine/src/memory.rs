@@ -1,0 +1,405 @@
+//! What the engine allocates, as a function of its options, before it allocates it: the engine's
+//! lines of the memory plan (`zeroflow plan`, DESIGN.md §4, "The memory plan").
+//!
+//! Each update path's constructor allocates through the same helpers these lines are computed
+//! from (the staging length, the streaming choice, ZenFlow's compact capacity, the device sum's
+//! choice, the speculation's capacity), so that a change to a path's buffers is a change here or
+//! a failing test (`tests/engine/memory_plan.rs` on the CPU device).
+
+use std::ops::Range;
+
+use zeroflow_core::DType;
+use zeroflow_core::layout::FlatLayout;
+
+use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
+use crate::{AccumulateOn, EngineOptions, OffloadUpdate, Placement, Stage};
+
+/// Where a buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// The device's memory (on the CPU device: host memory too).
+    Device,
+    /// Host memory (pinned or pageable, as the offload's `memory` says).
+    Host,
+}
+
+/// What a buffer holds, for the plan's table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferKind {
+    /// The flat weights in the model's dtype.
+    Weights,
+    /// The flat gradients in the model's dtype, and a rank's reduced partition.
+    Gradients,
+    /// fp32 master weights and Adam's two moments.
+    MasterAndMoments,
+    /// fp32 sums of gradients over micro-steps or a ZenFlow window.
+    GradientAccumulator,
+    /// Copies in flight between host and device (staging, outgoing weights, upload buffers).
+    Staging,
+    /// The delayed update's second buffers (set-aside gradients, next weights).
+    DelayedUpdate,
+    /// ZenFlow's compact device state of the selected columns, and its column statistics.
+    ZenFlowSelected,
+    /// The speculative step's backups.
+    Speculation,
+    /// Held only while the engine is built: the initial weights in the model's dtype, and
+    /// (optimizer on the device) the fp32 master weights before their upload.
+    SetUp,
+}
+
+impl BufferKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferKind::Weights => "weights",
+            BufferKind::Gradients => "gradients",
+            BufferKind::MasterAndMoments => "master weights and moments",
+            BufferKind::GradientAccumulator => "gradient accumulator",
+            BufferKind::Staging => "staging and upload buffers",
+            BufferKind::DelayedUpdate => "delayed-update buffers",
+            BufferKind::ZenFlowSelected => "ZenFlow selected columns",
+            BufferKind::Speculation => "speculation backups",
+            BufferKind::SetUp => "engine set-up (transient)",
+        }
+    }
+}
+
+/// One buffer (or a group of buffers of one kind) the engine allocates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedBuffer {
+    pub memory: MemoryKind,
+    pub kind: BufferKind,
+    pub bytes: u64,
+}
+
+fn line(
+    memory: MemoryKind,
+    kind: BufferKind,
+    elements: usize,
+    element_bytes: usize,
+) -> PlannedBuffer {
+    PlannedBuffer { memory, kind, bytes: elements as u64 * element_bytes as u64 }
+}
+
+/// Bytes of host memory one speculated element costs: its backup (fp32 master and moments), and
+/// on the streaming path its weights awaiting upload.
+pub(crate) fn speculated_element_bytes(with_weights: bool, element_bytes: usize) -> usize {
+    12 + if with_weights { element_bytes } else { 0 }
+}
+
+/// Elements the speculation of a partition of `partition` elements backs up within `budget`.
+pub(crate) fn speculation_capacity(
+    partition: usize,
+    budget: usize,
+    with_weights: bool,
+    element_bytes: usize,
+) -> usize {
+    (budget / speculated_element_bytes(with_weights, element_bytes)).min(partition)
+}
+
+/// ZeRO-2 with gradient accumulation sums its window on the device: where `on` says, or (`Auto`)
+/// where the device's `free` memory is at least four times the accumulator.
+pub(crate) fn sums_on_device(
+    opts: &EngineOptions,
+    on: AccumulateOn,
+    partition: usize,
+    free: impl FnOnce() -> Option<usize>,
+) -> bool {
+    let summing = opts.stage == Stage::Zero2 && opts.grad_accum > 1;
+    let bytes = partition.saturating_mul(4);
+    summing
+        && match on {
+            AccumulateOn::Host => false,
+            AccumulateOn::Device => true,
+            AccumulateOn::Auto => free().is_some_and(|free| bytes <= free / 4),
+        }
+}
+
+impl EngineOptions {
+    /// The offload step streams (one micro-step per step, no ZenFlow, f32 or bf16 weights: the
+    /// CPU reads the gradients as they are; f16 goes through the accumulator).
+    pub fn streams(&self, dtype: DType) -> bool {
+        let zenflow = self.zenflow().is_some();
+        self.grad_accum == 1 && !zenflow && matches!(dtype, DType::F32 | DType::Bf16)
+    }
+
+    /// The buffers [`crate::Engine::with_weights`] allocates on `rank` of `layout` for weights of
+    /// `dtype`, by where they live and what they hold; `device_free` is the device's free memory
+    /// when the engine is built (for `AccumulateOn::Auto`; `None`: unknown, summed on the host).
+    /// Buffers of a few elements (the norm, events) are left out.
+    pub fn planned_buffers(
+        &self,
+        layout: &FlatLayout,
+        rank: usize,
+        dtype: DType,
+        device_free: Option<u64>,
+    ) -> Vec<PlannedBuffer> {
+        use BufferKind as K;
+        use MemoryKind::{Device, Host};
+        let p = dtype.size();
+        let owned = match self.stage {
+            Stage::Zero0 => 0..layout.padded_len(),
+            Stage::Zero1 | Stage::Zero2 => layout.partition_range(rank),
+        };
+        let n = owned.len();
+        let mut lines = vec![
+            line(Device, K::Weights, layout.padded_len(), p),
+            line(Device, K::Gradients, layout.padded_len(), p),
+            line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n, p), 1),
+        ];
+        if self.stage != Stage::Zero0 && layout.world_size() > 1 {
+            lines.push(line(Device, K::Gradients, n, p));
+        }
+        let offload = match &self.placement {
+            Placement::Device => {
+                lines.push(line(Device, K::MasterAndMoments, n, 12));
+                lines.push(line(Device, K::GradientAccumulator, n, 4));
+                return lines;
+            }
+            Placement::Offload(offload) => offload,
+        };
+        // Every offload path's host optimizer: fp32 master weights and moments.
+        lines.push(line(Host, K::MasterAndMoments, n, 12));
+        let chunk = offload.stream.chunk;
+        let delayed = match offload.update {
+            OffloadUpdate::Exact => false,
+            OffloadUpdate::Delayed { .. } => true,
+            OffloadUpdate::ZenFlow(z) => {
+                lines.extend(zenflow_buffers(layout, &owned, z.topk_ratio, z.overlap_step, p));
+                // The host accumulator's buffers, with pieces of one element.
+                lines.extend(accumulator_buffers(n, 1, chunk, z.overlap_step, p));
+                return lines;
+            }
+        };
+        let budget = if delayed { 0 } else { offload.stream.speculation_budget };
+        let streaming = self.streams(dtype);
+        let speculated = speculation_capacity(n, budget, streaming, p);
+        if speculated > 0 {
+            lines.push(line(
+                Host,
+                K::Speculation,
+                speculated,
+                speculated_element_bytes(streaming, p),
+            ));
+        }
+        if streaming {
+            let staging = staging_len(n, chunk);
+            lines.push(line(Host, K::Staging, staging, (STAGING_BUFFERS + OUTGOING_BUFFERS) * p));
+            if delayed {
+                lines.push(line(Device, K::DelayedUpdate, n, 2 * p));
+            }
+            return lines;
+        }
+        let bucket = self.reduce_bucket;
+        let free = || device_free.map(|free| usize::try_from(free).unwrap_or(usize::MAX));
+        if sums_on_device(self, offload.stream.accumulate_on, n, free) {
+            lines.push(line(Device, K::GradientAccumulator, n, 4));
+            let piece = bucket.min(chunk);
+            lines.push(line(
+                Host,
+                K::Staging,
+                staging_len(piece.min(n), piece),
+                STAGING_BUFFERS * 4,
+            ));
+        }
+        lines.extend(accumulator_buffers(n, bucket, chunk, delayed, p));
+        lines
+    }
+}
+
+/// The most host memory the engine holds while it is built, in bytes: the initial weights (`p`
+/// bytes per element of the `padded` buffer) with the pageable copy `Device::upload` makes of
+/// them; then with the fp32 master weights of the `n` elements of the partition (offload: the
+/// host's own, filled from them); on the device, the master weights with their upload's copy
+/// once the initial weights are dropped.
+fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, p: usize) -> usize {
+    let upload = 2 * padded * p;
+    let master = padded * p + 4 * n;
+    match opts.placement {
+        Placement::Device => upload.max(master).max(8 * n),
+        Placement::Offload(_) => upload.max(master),
+    }
+}
+
+/// `HostAccumulator::new`'s buffers beside the optimizer state: the upload buffer, the staging,
+/// the fp32 accumulator, and with a delayed step the second accumulator.
+fn accumulator_buffers(
+    n: usize,
+    bucket: usize,
+    chunk: usize,
+    delayed: bool,
+    p: usize,
+) -> Vec<PlannedBuffer> {
+    use BufferKind as K;
+    use MemoryKind::Host;
+    let staging = staging_len(bucket.min(n), chunk);
+    let mut lines = vec![
+        PlannedBuffer {
+            memory: Host,
+            kind: K::Staging,
+            bytes: (n * p + STAGING_BUFFERS * staging * p) as u64,
+        },
+        line(Host, K::GradientAccumulator, n, 4),
+    ];
+    if delayed {
+        lines.push(line(Host, K::DelayedUpdate, n, 4));
+    }
+    lines
+}
+
+/// `ZenFlow::new`'s device buffers: the compact state of the largest selection (fp32 master and
+/// moments, the gradients in the model's dtype and in f32, the weights), the column indices and
+/// importance, the fp32 window, and with `overlap_step` the set-aside weights; in host memory,
+/// the importance's pinned copy, and at a selection the compact master weights and moments
+/// downloaded to hand the leaving columns to the host optimizer (three f32 copies, and the
+/// download's own copy of the last: 16 bytes per compact element).
+fn zenflow_buffers(
+    layout: &FlatLayout,
+    owned: &Range<usize>,
+    ratio: f64,
+    overlap_step: bool,
+    p: usize,
+) -> Vec<PlannedBuffer> {
+    use BufferKind as K;
+    use MemoryKind::{Device, Host};
+    let (capacity, indices, columns) = crate::zenflow::compact_elements(layout, owned, ratio);
+    let n = owned.len().max(1);
+    let compact = capacity as u64 * (12 + p as u64 + 4 + p as u64) + indices as u64 * 4;
+    let mut lines = vec![
+        PlannedBuffer {
+            memory: Device,
+            kind: K::ZenFlowSelected,
+            bytes: compact + columns as u64 * 4,
+        },
+        PlannedBuffer {
+            memory: Host,
+            kind: K::ZenFlowSelected,
+            bytes: columns as u64 * 4 + capacity as u64 * 16,
+        },
+        line(Device, K::GradientAccumulator, n, 4),
+    ];
+    if overlap_step {
+        lines.push(line(Device, K::DelayedUpdate, n, p));
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_core::config::{Selection, UpdateInterval};
+    use zeroflow_core::layout::{Alignment, ParamSpec};
+    use zeroflow_device::HostMemory;
+    use zeroflow_optim::AdamWConfig;
+
+    use super::*;
+    use crate::{LossScaler, Offload, ZenFlowOptions};
+
+    fn layout_of(world: usize) -> FlatLayout {
+        let specs = [ParamSpec::new("w", [96, 40]), ParamSpec::new("b", [40])];
+        FlatLayout::new(&specs, world, Alignment::default()).unwrap()
+    }
+
+    fn options(placement: Placement, grad_accum: u64) -> EngineOptions {
+        EngineOptions {
+            stage: Stage::Zero2,
+            grad_accum,
+            clip: Some(1.0),
+            reduce_bucket: 1000,
+            adamw: AdamWConfig::default(),
+            scaler: LossScaler::None,
+            placement,
+        }
+    }
+
+    fn offload(update: OffloadUpdate, chunk: usize) -> Placement {
+        let mut offload = Offload::exact(HostMemory::Pinned, 1);
+        offload.update = update;
+        offload.stream.chunk = chunk;
+        Placement::Offload(offload)
+    }
+
+    fn total(lines: &[PlannedBuffer], memory: MemoryKind, kind: Option<BufferKind>) -> u64 {
+        let wanted = |l: &&PlannedBuffer| l.memory == memory && kind.is_none_or(|k| l.kind == k);
+        lines.iter().filter(wanted).map(|l| l.bytes).sum()
+    }
+
+    /// Without offload the device holds the weights and gradients of the whole padded buffer
+    /// (bf16) and, for its partition, fp32 master weights and moments and the fp32 accumulator:
+    /// 2 + 2 + (12 + 4) / world bytes per element, plus the reduced partition with two ranks.
+    #[test]
+    fn the_device_optimizer_holds_sixteen_bytes_per_element_of_its_partition() {
+        let layout = layout_of(2);
+        let (padded, n) = (layout.padded_len() as u64, layout.partition_len() as u64);
+        let lines = options(Placement::Device, 1).planned_buffers(&layout, 1, DType::Bf16, None);
+        assert_eq!(total(&lines, MemoryKind::Device, None), 4 * padded + 2 * n + 16 * n);
+        // Set-up on one rank: the master weights and their upload's copy, 8 B per element,
+        // more than the initial bf16 weights with theirs (4 B) or with the master (6 B).
+        let layout = layout_of(1);
+        let padded = layout.padded_len() as u64;
+        let lines = options(Placement::Device, 1).planned_buffers(&layout, 0, DType::Bf16, None);
+        assert_eq!(total(&lines, MemoryKind::Host, Some(BufferKind::SetUp)), 8 * padded);
+    }
+
+    /// The streaming exact step holds 12 bytes per element of host state and six staging
+    /// buffers of one chunk of bf16; with chunks longer than the partition, six partitions.
+    #[test]
+    fn the_streaming_offload_holds_twelve_bytes_and_six_chunks_of_staging() {
+        let layout = layout_of(1);
+        let n = layout.partition_len() as u64;
+        for (chunk, staged) in [(256, 256), (1 << 20, n)] {
+            let opts = options(offload(OffloadUpdate::Exact, chunk), 1);
+            let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
+            let host = total(&lines, MemoryKind::Host, None)
+                - total(&lines, MemoryKind::Host, Some(BufferKind::SetUp));
+            assert_eq!(host, 12 * n + 6 * staged * 2, "chunk {chunk}");
+            assert_eq!(total(&lines, MemoryKind::Device, None), 4 * n);
+        }
+    }
+
+    /// With gradient accumulation the offload accumulates on the host (Auto with an unknown
+    /// device: the host): the upload buffer, the accumulator and four staging buffers of one
+    /// bucket beside the state; `AccumulateOn::Device` moves the sum to an fp32 device buffer.
+    #[test]
+    fn the_accumulating_offload_counts_its_accumulator_where_it_sums() {
+        let layout = layout_of(1);
+        let n = layout.partition_len() as u64;
+        let mut opts = options(offload(OffloadUpdate::Exact, 1 << 20), 4);
+        let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
+        let acc = Some(BufferKind::GradientAccumulator);
+        assert_eq!(total(&lines, MemoryKind::Host, acc), 4 * n);
+        assert_eq!(total(&lines, MemoryKind::Device, acc), 0);
+        let staging = Some(BufferKind::Staging);
+        assert_eq!(total(&lines, MemoryKind::Host, staging), 2 * n + 4 * 1000 * 2);
+        opts.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Device;
+        let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
+        assert_eq!(total(&lines, MemoryKind::Device, acc), 4 * n);
+    }
+
+    /// ZenFlow with every column selected holds the whole partition in compact buffers; with
+    /// ratio 0 only one element per buffer. Its fp32 window is on the device either way.
+    #[test]
+    fn zenflow_compact_state_grows_with_the_ratio() {
+        let layout = layout_of(1);
+        let n = layout.partition_len() as u64;
+        let zenflow = |topk_ratio| {
+            let z = ZenFlowOptions {
+                topk_ratio,
+                selection: Selection::Step { interval: 8 },
+                update_interval: UpdateInterval::Every(4),
+                auto_ratio: 0.99,
+                overlap_step: true,
+                full_warm_up_rounds: 0,
+            };
+            let opts = options(offload(OffloadUpdate::ZenFlow(z), 1 << 20), 1);
+            let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
+            total(&lines, MemoryKind::Device, Some(BufferKind::ZenFlowSelected))
+        };
+        // The importance: one f32 per column of the 2-D weight.
+        let columns = 40;
+        // Every element: fp32 master and moments, bf16 and f32 gradients, bf16 weights; an
+        // index per selected column (the bias is one column of 40 rows).
+        let params = 96 * 40 + 40;
+        assert_eq!(zenflow(1.0), params * 20 + (40 + 1) * 4 + columns * 4);
+        assert_eq!(zenflow(0.0), 20 + 4 + columns * 4);
+        assert!(n >= params);
+    }
+}

@@ -1,0 +1,659 @@
+//! The memory plan of a run before anything is allocated (`zeroflow plan`, the first lines of
+//! `train` and `bench step`; DESIGN.md §4, "The memory plan"): the bytes of each kind on the GPU
+//! and in host memory, from the model's padded flat layout, the engine's options (its buffers as
+//! [`EngineOptions::planned_buffers`] says), the world size, the micro-batch and the model's
+//! activation plan, plus named estimates for what no buffer of ours holds (the CUDA context, the
+//! process itself); the totals against the machine, and when they do not fit, the knobs that
+//! bring them under, each found by planning again with it.
+
+use serde_json::json;
+use zeroflow_core::DType;
+use zeroflow_engine::{BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement};
+use zeroflow_nn::PlanOptions;
+
+use crate::error::{Result, input};
+use crate::{DeviceKind, Family, ModelSpec, with_family};
+
+/// The CUDA context of one process on one GPU: the driver's own allocations, the loaded kernel
+/// modules (NVRTC's and cuBLASLt's), the streams and events. Calibrated on the H200 from
+/// BENCHMARKS.md's `bench gpt --model gpt-1.3b --micro-batch 8` (2026-12-01, no NCCL): 21.37 GiB
+/// in use (cuMemGetInfo's total − free) less the 20.85 GiB of planned weights, gradients,
+/// activations and cuBLASLt workspace. To check again as `bench step`'s
+/// `device_memory_in_use_bytes` − `planned_gpu_bytes` on a small model.
+pub const CUDA_CONTEXT_BYTES: u64 = 532 << 20;
+
+/// NCCL's buffers of a rank's communicator (every CUDA run has one, a group of one included).
+/// Calibrated on the H200 from BENCHMARKS.md's `bench step --model gpt-1.3b --mode offload`
+/// (one rank): 22.0 GiB in use, 0.64 GiB more than `bench gpt`'s context and the same buffers.
+/// Not yet measured with several ranks (NCCL's buffers grow with the peers).
+pub const NCCL_BUFFER_BYTES: u64 = 655 << 20;
+
+/// The process without its buffers on the CPU device: the binary, its libraries, the threads'
+/// stacks. An estimate, to be calibrated as `bench step --device cpu`'s `peak_rss_bytes` less the
+/// plan's buffers for the tiny model.
+pub const HOST_BASELINE_BYTES: u64 = 64 << 20;
+
+/// The process without its buffers with a GPU: [`HOST_BASELINE_BYTES`] and what the CUDA
+/// driver, NCCL, cuBLASLt and NVRTC map and allocate in host memory. Calibrated on the H200 from
+/// BENCHMARKS.md's gpt-1.3b `bench step` peak RSS (8.6, 12.8 and 23.4 B/param in `gpu`,
+/// `offload` and `zenflow`): 0.74, 0.91 and 0.78 GiB above the planned host buffers; 0.8 GiB.
+/// To check again as `bench step`'s `peak_rss_bytes` − `planned_host_bytes`.
+pub const CUDA_HOST_BASELINE_BYTES: u64 = 819 << 20;
+
+/// What a run does with its memory plan before anything is allocated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PlanMode {
+    /// Refuse to start where it does not fit the machine (an input error naming the knobs).
+    #[default]
+    Check,
+    /// Start anyway (`--no-plan-check`).
+    NoCheck,
+    /// `bench step --plan-only`: the plan instead of the measurement, `{"plan": …}`.
+    Only,
+}
+
+/// Who holds the initial weights besides the engine, which differs between the callers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// `bench step`: fresh f32 weights, converted to the model's dtype and dropped before the
+    /// engine is built.
+    Bench,
+    /// `train`: the trainer's f32 copy while the engine is built, and with `--init-from` or
+    /// `--resume` the set-up's f32 weights for the whole run (`weights_in_setup`).
+    Train { weights_in_setup: bool },
+}
+
+/// What a plan is of: a rank of a run or of a `bench step`.
+#[derive(Clone, Debug)]
+pub struct PlanInputs {
+    pub model: ModelSpec,
+    pub device: DeviceKind,
+    pub options: EngineOptions,
+    pub world_size: usize,
+    pub rank: usize,
+    pub micro_batch: usize,
+    pub seq: usize,
+    /// The GPU model's attention and activation checkpointing.
+    pub model_options: PlanOptions,
+    pub caller: Caller,
+    /// The GPU's memory, where known: the engine sums a window of gradients on the device where
+    /// its free memory allows (`AccumulateOn::Auto`).
+    pub gpu_memory: Option<u64>,
+}
+
+impl PlanInputs {
+    /// The dtype of the weights: bf16 on a GPU, f32 on the CPU device.
+    pub fn dtype(&self) -> DType {
+        match self.device {
+            DeviceKind::Cuda => DType::Bf16,
+            DeviceKind::Cpu => DType::F32,
+        }
+    }
+}
+
+/// One line of the plan: bytes of one kind on the GPU or in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanLine {
+    pub memory: MemoryKind,
+    pub kind: &'static str,
+    pub bytes: u64,
+    /// Whose peak it is part of ([`MemoryPlan::host_total`]).
+    pub phase: Phase,
+}
+
+/// When a line's bytes are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// For the whole run.
+    Run,
+    /// The engine's own buffers for the whole run.
+    Engine,
+    /// While the engine is built (its initial weights, the master weights being filled): one
+    /// peak, not added to the engine's run buffers.
+    EngineSetUp,
+    /// Before the engine is built (`bench step`'s f32 weights and their conversion).
+    BeforeEngine,
+}
+
+/// The bytes a rank needs, by kind, and their totals.
+#[derive(Clone, Debug)]
+pub struct MemoryPlan {
+    pub inputs: PlanInputs,
+    pub lines: Vec<PlanLine>,
+    /// Bytes of GPU memory at the peak (everything is allocated up front; 0 on the CPU device).
+    pub gpu_total: u64,
+    /// Bytes of host memory at the peak (the peak RSS): the lines held for the whole run, plus
+    /// the largest of the engine's run buffers, its set-up peak and what comes before it.
+    pub host_total: u64,
+}
+
+impl MemoryPlan {
+    /// The plan of `inputs`, computed without a GPU.
+    pub fn new(inputs: PlanInputs) -> Result<MemoryPlan> {
+        let lines = with_family!(&inputs.model, family => plan_lines(&inputs, family))?;
+        let gpu_total = sum(&lines, |l| l.memory == MemoryKind::Device);
+        let host = |phase: Phase| sum(&lines, |l| l.memory == MemoryKind::Host && l.phase == phase);
+        let peak = host(Phase::Engine).max(host(Phase::EngineSetUp)).max(host(Phase::BeforeEngine));
+        let host_total = host(Phase::Run) + peak;
+        Ok(MemoryPlan { inputs, lines, gpu_total, host_total })
+    }
+}
+
+fn sum(lines: &[PlanLine], keep: impl Fn(&PlanLine) -> bool) -> u64 {
+    lines.iter().filter(|l| keep(l)).map(|l| l.bytes).sum()
+}
+
+fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>> {
+    use MemoryKind::{Device, Host};
+    let layout = family.flat_layout(inputs.world_size)?;
+    let padded = layout.padded_len() as u64;
+    let cuda = inputs.device == DeviceKind::Cuda;
+    // On the CPU device, device memory is host memory.
+    let on_device = if cuda { Device } else { Host };
+    let run = |memory, kind, bytes| PlanLine { memory, kind, bytes, phase: Phase::Run };
+    let mut lines = Vec::new();
+    if cuda {
+        lines.push(run(Device, "CUDA context (estimate)", CUDA_CONTEXT_BYTES));
+        let workspace = zeroflow_device::cuda::blas::WORKSPACE_BYTES as u64;
+        lines.push(run(Device, "cuBLASLt workspace", workspace));
+        lines.push(run(Device, "NCCL buffers (estimate)", NCCL_BUFFER_BYTES));
+        let (batch, seq) = (inputs.micro_batch, inputs.seq);
+        let acts = family.cuda_planned_activations(&layout, (batch, seq), inputs.model_options)?;
+        let checkpointed = if inputs.model_options.activation_checkpointing {
+            "activations (checkpointed)"
+        } else {
+            "activations"
+        };
+        lines.push(run(Device, checkpointed, acts.activations as u64 + acts.stats as u64));
+        lines.push(run(Device, "activation gradients", acts.activation_grads as u64));
+        lines.push(run(Device, "activation scratch", acts.scratch as u64));
+        lines.push(run(
+            Host,
+            "process, CUDA driver and libraries (estimate)",
+            CUDA_HOST_BASELINE_BYTES,
+        ));
+    } else {
+        // The CPU model's f32 activations and their gradients.
+        let acts = family.cpu_activations(inputs.micro_batch, inputs.seq) as u64;
+        lines.push(run(Host, "activations and their gradients (f32)", acts * 8));
+        lines.push(run(Host, "process (estimate)", HOST_BASELINE_BYTES));
+    }
+    // Inputs and targets (u32), the batch being read and the one in use.
+    let tokens = (inputs.micro_batch * inputs.seq) as u64;
+    lines.push(run(Host, "data loader batches", tokens * 8 * 2));
+    let dtype = inputs.dtype();
+    match inputs.caller {
+        Caller::Bench => lines.push(PlanLine {
+            memory: Host,
+            kind: "initial weights, f32 and converted (transient)",
+            bytes: padded * (4 + dtype.size() as u64),
+            phase: Phase::BeforeEngine,
+        }),
+        Caller::Train { weights_in_setup } => {
+            lines.push(run(Host, "initial weights, the trainer's f32 copy", padded * 4));
+            if weights_in_setup {
+                lines.push(run(Host, "initial weights read (f32)", padded * 4));
+            }
+        }
+    }
+    // The device's free memory when the engine is built (its `AccumulateOn::Auto` choice):
+    // after the context, the model and the flat weights and gradients.
+    let free = inputs.gpu_memory.filter(|_| cuda).map(|total| {
+        let taken = sum(&lines, |l| l.memory == Device) + 2 * padded * dtype.size() as u64;
+        total.saturating_sub(taken)
+    });
+    for buffer in inputs.options.planned_buffers(&layout, inputs.rank, dtype, free) {
+        let memory = if buffer.memory == Device { on_device } else { Host };
+        let phase = match (buffer.kind, memory) {
+            (BufferKind::SetUp, _) => Phase::EngineSetUp,
+            (_, Host) => Phase::Engine,
+            (_, Device) => Phase::Run,
+        };
+        lines.push(PlanLine { memory, kind: buffer.kind.name(), bytes: buffer.bytes, phase });
+    }
+    Ok(merge(lines))
+}
+
+/// The lines with the same place, kind and phase as one.
+fn merge(lines: Vec<PlanLine>) -> Vec<PlanLine> {
+    let mut out: Vec<PlanLine> = Vec::new();
+    for line in lines {
+        let same =
+            |l: &&mut PlanLine| (l.memory, l.kind, l.phase) == (line.memory, line.kind, line.phase);
+        match out.iter_mut().find(same) {
+            Some(existing) => existing.bytes += line.bytes,
+            None => out.push(line),
+        }
+    }
+    out
+}
+
+/// What the machine has, as far as it says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MachineMemory {
+    /// The GPU's memory (`cuDeviceTotalMem`; `None` on the CPU device or where unknown).
+    pub gpu_total: Option<u64>,
+    /// `MemTotal` and `MemAvailable` of /proc/meminfo.
+    pub host_total: Option<u64>,
+    pub host_available: Option<u64>,
+}
+
+impl MachineMemory {
+    /// This machine's, for `device` (the GPU of `gpu` among those visible), found without
+    /// creating a CUDA context.
+    pub fn this_machine(device: DeviceKind, gpu: usize) -> MachineMemory {
+        let gpu_total = match device {
+            DeviceKind::Cpu => None,
+            DeviceKind::Cuda => zeroflow_device::cuda::info::list_gpus()
+                .ok()
+                .and_then(|gpus| gpus.get(gpu).map(|g| g.memory_bytes as u64)),
+        };
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let field = |name: &str| {
+            let line = meminfo.lines().find(|line| line.starts_with(name))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
+        };
+        MachineMemory {
+            gpu_total,
+            host_total: field("MemTotal:"),
+            host_available: field("MemAvailable:"),
+        }
+    }
+}
+
+/// Whether a plan fits a machine, GPU and host apart (`true` where the machine does not say).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fit {
+    pub gpu: bool,
+    pub host: bool,
+}
+
+impl Fit {
+    pub fn fits(self) -> bool {
+        self.gpu && self.host
+    }
+}
+
+/// GiB, as the plan prints them.
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+impl MemoryPlan {
+    /// Against `machine`: the GPU total within the GPU's memory, the host total within the
+    /// memory available (the process's own is part of the plan: [`CUDA_HOST_BASELINE_BYTES`]).
+    pub fn fit(&self, machine: &MachineMemory) -> Fit {
+        Fit {
+            gpu: machine.gpu_total.is_none_or(|total| self.gpu_total <= total),
+            host: machine.host_available.is_none_or(|available| self.host_total <= available),
+        }
+    }
+
+    /// One line: the totals against the machine's, as `train` and `bench step` start with.
+    pub fn summary(&self, machine: &MachineMemory) -> String {
+        let of = |total: Option<u64>| total.map_or(String::new(), |t| format!(" of {}", gib(t)));
+        let fit = self.fit(machine);
+        format!(
+            "memory plan: GPU {}{}, host {}{} available; {}",
+            gib(self.gpu_total),
+            of(machine.gpu_total),
+            gib(self.host_total),
+            of(machine.host_available),
+            if fit.fits() { "fits" } else { "does not fit" }
+        )
+    }
+
+    /// The table `zeroflow plan` prints: each kind's GPU and host bytes, the totals, the
+    /// machine's, and whether it fits (with the knobs that would make it fit where it does not).
+    pub fn table(&self, machine: &MachineMemory) -> String {
+        let mut out = format!("{:<60} {:>12} {:>12}\n", "kind", "GPU", "host");
+        for line in &self.lines {
+            let (gpu, host) = match line.memory {
+                MemoryKind::Device => (gib(line.bytes), String::new()),
+                MemoryKind::Host => (String::new(), gib(line.bytes)),
+            };
+            let kind = match line.phase {
+                Phase::EngineSetUp | Phase::BeforeEngine => format!("{} [set-up peak]", line.kind),
+                Phase::Run | Phase::Engine => line.kind.to_owned(),
+            };
+            out += &format!("{kind:<60} {gpu:>12} {host:>12}\n");
+        }
+        out += &format!(
+            "{:<60} {:>12} {:>12}\n",
+            "total (peak)",
+            gib(self.gpu_total),
+            gib(self.host_total)
+        );
+        let machine_gpu = machine.gpu_total.map_or("-".into(), gib);
+        let available = machine.host_available.map_or("-".into(), gib);
+        out += &format!(
+            "{:<60} {machine_gpu:>12} {available:>12}\n",
+            "machine (GPU total, host available)"
+        );
+        match self.check(machine) {
+            Ok(()) => out += "fits\n",
+            Err(error) => out += &format!("does not fit: {error}\n"),
+        }
+        out
+    }
+
+    /// The plan as `zeroflow plan --json` prints it.
+    pub fn to_json(&self, machine: &MachineMemory) -> serde_json::Value {
+        let lines: Vec<_> = self
+            .lines
+            .iter()
+            .map(|l| {
+                json!({
+                    "memory": match l.memory { MemoryKind::Device => "gpu", MemoryKind::Host => "host" },
+                    "kind": l.kind,
+                    "bytes": l.bytes,
+                    "phase": format!("{:?}", l.phase),
+                })
+            })
+            .collect();
+        let fit = self.fit(machine);
+        let inputs = &self.inputs;
+        json!({
+            "model": inputs.model.shape_json(),
+            "parameters": inputs.model.num_params(),
+            "device": format!("{:?}", inputs.device).to_lowercase(),
+            "world_size": inputs.world_size,
+            "micro_batch": inputs.micro_batch,
+            "seq": inputs.seq,
+            "attention": format!("{:?}", inputs.model_options.attention).to_lowercase(),
+            "activation_checkpointing": inputs.model_options.activation_checkpointing,
+            "lines": lines,
+            "gpu_total_bytes": self.gpu_total,
+            "host_total_bytes": self.host_total,
+            "machine_gpu_bytes": machine.gpu_total,
+            "machine_host_total_bytes": machine.host_total,
+            "machine_host_available_bytes": machine.host_available,
+            "fits": fit.fits(),
+            "fits_gpu": fit.gpu,
+            "fits_host": fit.host,
+            "knobs_that_fit": self.knobs_that_fit(machine).iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// A change to the run that lowers its memory, as the caller spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Knob {
+    Checkpointing,
+    MicroBatch(usize),
+    Offload,
+    ZenFlow,
+    OptimizerOnGpu,
+}
+
+impl Knob {
+    fn flag(self, caller: Caller) -> String {
+        let bench = caller == Caller::Bench;
+        match (self, bench) {
+            (Knob::Checkpointing, _) => "--activation-checkpointing".into(),
+            (Knob::MicroBatch(n), _) => format!("--micro-batch {n}"),
+            (Knob::Offload, true) => "--mode offload".into(),
+            (Knob::Offload, false) => {
+                "offload (zero_optimization.offload_optimizer.device: \"cpu\")".into()
+            }
+            (Knob::ZenFlow, true) => "--mode zenflow".into(),
+            (Knob::ZenFlow, false) => "ZenFlow (zero_optimization.zenflow)".into(),
+            (Knob::OptimizerOnGpu, true) => "--mode gpu".into(),
+            (Knob::OptimizerOnGpu, false) => {
+                "the optimizer on the GPU (no zero_optimization.offload_optimizer)".into()
+            }
+        }
+    }
+
+    /// `inputs` with this knob turned, or `None` where it changes nothing.
+    fn apply(self, inputs: &PlanInputs) -> Option<PlanInputs> {
+        let mut out = inputs.clone();
+        let offload = |update| {
+            let mut offload = Offload::exact(zeroflow_device::HostMemory::Pinned, 1);
+            offload.update = update;
+            Placement::Offload(offload)
+        };
+        match self {
+            Knob::Checkpointing if !inputs.model_options.activation_checkpointing => {
+                out.model_options.activation_checkpointing = true;
+            }
+            Knob::MicroBatch(n) if n < inputs.micro_batch => out.micro_batch = n,
+            Knob::Offload if inputs.options.offload().is_none() => {
+                out.options.placement = offload(OffloadUpdate::Exact);
+            }
+            Knob::ZenFlow
+                if inputs.options.zenflow().is_none() && inputs.options.grad_accum == 1 =>
+            {
+                out.options.placement = offload(OffloadUpdate::ZenFlow(zenflow_options(0.05)));
+            }
+            Knob::OptimizerOnGpu if inputs.options.offload().is_some() => {
+                out.options.placement = Placement::Device;
+            }
+            _ => return None,
+        }
+        Some(out)
+    }
+}
+
+/// ZenFlow as `bench step --mode zenflow` runs it (DeepSpeed's benchmark settings) with
+/// `topk_ratio`.
+pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOptions {
+    zeroflow_engine::ZenFlowOptions {
+        topk_ratio,
+        selection: zeroflow_core::config::Selection::Step { interval: 1 },
+        update_interval: zeroflow_core::config::UpdateInterval::Every(4),
+        auto_ratio: 0.99,
+        overlap_step: true,
+        full_warm_up_rounds: 0,
+    }
+}
+
+impl MemoryPlan {
+    /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
+    /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the
+    /// optimizer on the GPU.
+    fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
+        let inputs = &self.inputs;
+        let mut knobs = vec![Knob::Checkpointing];
+        // Halving from the micro-batch: the largest that fits is named.
+        let mut batch = inputs.micro_batch / 2;
+        let mut batches = Vec::new();
+        while batch >= 1 {
+            batches.push(Knob::MicroBatch(batch));
+            batch /= 2;
+        }
+        let largest_batch = batches.into_iter().find(|knob| {
+            knob.apply(inputs)
+                .and_then(|i| MemoryPlan::new(i).ok())
+                .is_some_and(|plan| plan.fit(machine).fits())
+        });
+        knobs.extend(largest_batch);
+        knobs.extend([Knob::Offload, Knob::ZenFlow, Knob::OptimizerOnGpu]);
+        knobs
+            .into_iter()
+            .filter_map(|knob| {
+                let plan = MemoryPlan::new(knob.apply(inputs)?).ok()?;
+                plan.fit(machine).fits().then(|| (knob.flag(inputs.caller), plan))
+            })
+            .collect()
+    }
+
+    /// [`MemoryPlan::check`] as a run does before it allocates: not where it runs on a GPU the
+    /// machine does not show (the run's own check of the GPU says so, in its words).
+    pub fn check_before_start(&self, machine: &MachineMemory) -> Result<()> {
+        if self.inputs.device == DeviceKind::Cuda && machine.gpu_total.is_none() {
+            return Ok(());
+        }
+        self.check(machine)
+    }
+
+    /// An input error (exit 2) unless the plan fits `machine`: by how much it does not, and the
+    /// knobs that bring it under.
+    pub fn check(&self, machine: &MachineMemory) -> Result<()> {
+        let fit = self.fit(machine);
+        if fit.fits() {
+            return Ok(());
+        }
+        let mut message = String::new();
+        if let (false, Some(total)) = (fit.gpu, machine.gpu_total) {
+            message += &format!("GPU: needs {} of {}. ", gib(self.gpu_total), gib(total));
+        }
+        if let (false, Some(available)) = (fit.host, machine.host_available) {
+            message +=
+                &format!("Host: needs {} of {} available. ", gib(self.host_total), gib(available));
+        }
+        let knobs: Vec<String> = self
+            .knobs_that_fit(machine)
+            .iter()
+            .map(|(flag, plan)| {
+                format!("{flag} (GPU {}, host {})", gib(plan.gpu_total), gib(plan.host_total))
+            })
+            .collect();
+        if knobs.is_empty() {
+            message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
+                        ZenFlow) brings it under: use a smaller model or more ranks";
+        } else {
+            message += &format!("Fits with: {}", knobs.join("; "));
+        }
+        message += ". (--no-plan-check tries anyway.)";
+        Err(input(format!("the memory plan does not fit this machine: {message}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_core::config::{Context, resolve_str};
+    use zeroflow_nn::AttentionKind;
+
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The engine's options of `bench step --mode mode` (its DeepSpeed config).
+    fn bench_options(mode: &str) -> EngineOptions {
+        let offload = r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#;
+        let zenflow = r#", "zenflow": { "topk_ratio": 0.05, "update_interval": 4,
+                          "full_warm_up_rounds": 0, "overlap_step": true }"#;
+        let zero = match mode {
+            "gpu" => String::new(),
+            "offload" => offload.to_owned(),
+            _ => format!("{offload}{zenflow}"),
+        };
+        let text = format!(
+            r#"{{ "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0, "bf16": {{ "enabled": true }},
+                  "zero_optimization": {{ "stage": 2, "reduce_bucket_size": 5e8{zero} }} }}"#
+        );
+        let resolved = resolve_str(&text, &Context::default()).expect("a config");
+        EngineOptions::from_config(&resolved.config, 1).expect("options")
+    }
+
+    fn inputs(model: &str, mode: &str, (micro_batch, seq): (usize, usize)) -> PlanInputs {
+        PlanInputs {
+            model: ModelSpec::parse(model).expect("a named model"),
+            device: DeviceKind::Cuda,
+            options: bench_options(mode),
+            world_size: 1,
+            rank: 0,
+            micro_batch,
+            seq,
+            model_options: PlanOptions {
+                attention: AttentionKind::Flash,
+                activation_checkpointing: false,
+            },
+            caller: Caller::Bench,
+            gpu_memory: Some(140 * GIB),
+        }
+    }
+
+    fn bytes(plan: &MemoryPlan, memory: MemoryKind, kind: &str) -> u64 {
+        sum(&plan.lines, |l| l.memory == memory && l.kind == kind)
+    }
+
+    /// gpt2-124m with offload: 12 B per padded parameter of master weights and moments in host
+    /// memory, six 16 MiB staging buffers of bf16, and on the GPU the bf16 weights and gradients.
+    #[test]
+    fn offload_lines_are_the_engines_buffers_by_hand() {
+        let plan = MemoryPlan::new(inputs("gpt2-124m", "offload", (8, 1024))).unwrap();
+        let padded = plan.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+        assert!(padded >= 124_439_808);
+        let host = MemoryKind::Host;
+        assert_eq!(bytes(&plan, host, "master weights and moments"), 12 * padded);
+        assert_eq!(bytes(&plan, host, "staging and upload buffers"), 6 * (8 << 20) * 2);
+        assert_eq!(bytes(&plan, MemoryKind::Device, "weights"), 2 * padded);
+        assert_eq!(bytes(&plan, MemoryKind::Device, "gradients"), 2 * padded);
+        // The host peak: the process, the batches, and the engine's run buffers (larger than
+        // its set-up peak and the f32 weights before it).
+        let run = CUDA_HOST_BASELINE_BYTES + 8 * 1024 * 8 * 2;
+        assert_eq!(plan.host_total, run + 12 * padded + 6 * (8 << 20) * 2);
+    }
+
+    /// Checkpointing lowers the GPU total by what the activation plan says, and nothing else.
+    #[test]
+    fn checkpointing_changes_only_the_activations() {
+        let plain = MemoryPlan::new(inputs("gpt-1.3b", "gpu", (8, 1024))).unwrap();
+        let knob = Knob::Checkpointing.apply(&plain.inputs).unwrap();
+        let checkpointed = MemoryPlan::new(knob).unwrap();
+        assert!(checkpointed.gpu_total < plain.gpu_total - 10 * GIB, "{checkpointed:?}");
+        assert_eq!(checkpointed.host_total, plain.host_total);
+    }
+
+    /// Against a machine of 24 GiB of GPU memory, gpt-1.3b with the optimizer on the GPU
+    /// (about 26 GiB of engine state alone) is refused before anything is allocated, with how
+    /// much it needs and only knobs whose own plan fits: offload among them.
+    #[test]
+    fn a_plan_too_large_names_the_knobs_that_fit() {
+        let machine = MachineMemory {
+            gpu_total: Some(24 * GIB),
+            host_total: Some(512 * GIB),
+            host_available: Some(500 * GIB),
+        };
+        let plan = MemoryPlan::new(inputs("gpt-1.3b", "gpu", (8, 1024))).unwrap();
+        assert!(!plan.fit(&machine).gpu);
+        let error = plan.check(&machine).expect_err("does not fit").to_string();
+        assert!(error.contains("GPU: needs"), "{error}");
+        assert!(error.contains("of 24.00 GiB"), "{error}");
+        assert!(error.contains("--mode offload"), "{error}");
+        assert!(error.contains("--no-plan-check"), "{error}");
+        let knobs = plan.knobs_that_fit(&machine);
+        assert!(!knobs.is_empty());
+        for (flag, knob_plan) in &knobs {
+            assert!(knob_plan.fit(&machine).fits(), "{flag}");
+            assert!(error.contains(flag.as_str()), "{flag} in {error}");
+        }
+        // The optimizer is on the GPU already: that knob is not offered.
+        assert!(!error.contains("--mode gpu"), "{error}");
+    }
+
+    /// Host memory too small for offload's 12 B per parameter: the optimizer on the GPU fits
+    /// a large GPU, and is named.
+    #[test]
+    fn a_host_too_small_for_offload_names_the_gpu_optimizer() {
+        let machine = MachineMemory {
+            gpu_total: Some(140 * GIB),
+            host_total: Some(16 * GIB),
+            host_available: Some(12 * GIB),
+        };
+        let plan = MemoryPlan::new(inputs("gpt-1.3b", "offload", (8, 1024))).unwrap();
+        let error = plan.check(&machine).expect_err("does not fit").to_string();
+        assert!(error.contains("Host: needs"), "{error}");
+        assert!(error.contains("--mode gpu"), "{error}");
+        assert!(!error.contains("GPU: needs"), "{error}");
+    }
+
+    /// A plan that fits says so and checks out.
+    #[test]
+    fn a_plan_that_fits_passes_the_check() {
+        let machine = MachineMemory {
+            gpu_total: Some(140 * GIB),
+            host_total: Some(512 * GIB),
+            host_available: Some(500 * GIB),
+        };
+        let plan = MemoryPlan::new(inputs("gpt2-124m", "zenflow", (8, 1024))).unwrap();
+        assert_eq!(plan.check(&machine).map_err(|e| e.to_string()), Ok(()));
+        assert!(plan.summary(&machine).ends_with("fits"), "{}", plan.summary(&machine));
+        let json = plan.to_json(&machine);
+        assert_eq!(json["gpu_total_bytes"], plan.gpu_total);
+        assert_eq!(json["host_total_bytes"], plan.host_total);
+    }
+}
