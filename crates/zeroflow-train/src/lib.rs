@@ -11,6 +11,7 @@
 
 pub mod bench_gpt;
 pub mod bench_step;
+pub mod chat_data;
 pub mod checkpoints;
 pub mod data;
 pub mod data_files;
@@ -38,6 +39,7 @@ pub mod run_dir;
 pub mod schedule;
 pub mod settings;
 pub mod setup;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use error::TrainError;

@@ -51,7 +51,10 @@ pub struct TrainOptions {
     pub steps: Option<NonZeroU64>,
     pub extend_schedule: bool,
     pub eval_every: u64,
-    pub eval_batches: NonZeroU64,
+    /// `--eval-tokens`: tokens of the evaluation set (default: see [`data::Shape::eval_tokens`]).
+    pub eval_tokens: Option<NonZeroU64>,
+    /// `--eval-data`: what to evaluate on instead of a held-out part of `--data`.
+    pub eval_data: Option<String>,
     pub seq: Option<NonZeroU64>,
     pub log_every: NonZeroU64,
     pub out: Option<PathBuf>,
@@ -193,9 +196,23 @@ impl Setup {
             rank: dist.rank,
             world_size: dist.world_size,
             seq,
-            eval_batches: args.eval_batches.get() as usize,
+            eval_tokens: args.eval_tokens.map(|n| n.get() as usize),
         };
-        let data = open_data(&spec, &model, shape, seed, &start)?;
+        let spec = match spec {
+            data::Spec::Jsonl(path) => {
+                let dir = match &start {
+                    Start::InitFrom { dir, .. } => Some(dir.clone()),
+                    Start::Resume { point, .. } => {
+                        point.extra.run.init_from.as_ref().map(PathBuf::from)
+                    }
+                    Start::Seed => None,
+                };
+                crate::chat_data::tokenize_jsonl(&path, dir.as_deref(), &out, dist.rank)?
+            }
+            spec => spec,
+        };
+        let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
+        let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
         Ok(Setup {
             device: args.device,
             model,
@@ -268,12 +285,13 @@ fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
 /// The run's data, its training stream at the checkpoint's position when resuming.
 fn open_data(
     spec: &data::Spec,
+    eval: Option<&data::Spec>,
     model: &ModelSpec,
     shape: data::Shape,
     seed: u64,
     start: &Start,
 ) -> Result<Data> {
-    let mut data = Data::open(spec, model.vocab_size(), shape, seed)?;
+    let mut data = Data::open(spec, eval, model.vocab_size(), shape, seed)?;
     if let Start::Resume { point, .. } = start {
         data.train.seek(point.extra.data_position).map_err(|e| {
             input(format!("--resume {}: the data position: {e}", point.dir.display()))
