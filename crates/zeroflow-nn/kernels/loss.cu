@@ -6,7 +6,8 @@
 // padded vocabulary); else one element at a time (a vocabulary of any size). Each kernel is one
 // template over the values a thread moves at a time, W = 8 or 1. A target of IGNORE (the Rust
 // side's `loss::IGNORE`) is a position whose loss does not count: loss 0, no gradient, not in the
-// mean (whose count is a float: exact up to 2^24 positions).
+// mean (the ignored ones are counted in a float: exact up to 2^24 of them). With no target
+// ignored every kernel computes exactly what it did before IGNORE existed.
 
 // W values of `p` (16-byte aligned when W = 8) as f32, and their store.
 template <int W> static __device__ __forceinline__ void load_w(const bf16_t* p, float v[W]) {
@@ -103,20 +104,24 @@ extern "C" __global__ void softmax_xent_forward(bf16_t* probs, float* losses, co
 }
 
 // loss[0] = mean of losses[0..n] over the positions whose target is not IGNORE, 0 where none is
-// (one block; fixed summation order).
+// (one block; fixed summation order). With nothing ignored it is exactly the plain mean: the same
+// additions in the same order, divided by (float)n.
 extern "C" __global__ void mean_loss(float* loss, const float* losses, const u32* targets, u32 n) {
     __shared__ float scratch[WARP];
-    float sum = 0.0f, counted = 0.0f;
+    float sum = 0.0f, ignored = 0.0f;
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         if (targets[i] != IGNORE) {
             sum += losses[i];
-            counted += 1.0f;
+        } else {
+            ignored += 1.0f;
         }
     }
     sum = block_sum(sum, scratch);
-    __syncthreads();
-    counted = block_sum(counted, scratch);
-    if (threadIdx.x == 0) loss[0] = counted == 0.0f ? 0.0f : sum / counted;
+    ignored = block_sum(ignored, scratch);
+    if (threadIdx.x == 0) {
+        float counted = ignored == 0.0f ? (float)n : (float)n - ignored;
+        loss[0] = counted <= 0.0f ? 0.0f : sum / counted;
+    }
 }
 
 // dlogits (+)= (probs - onehot(target)) * dloss over the real vocabulary; the padded columns, and

@@ -246,13 +246,14 @@ impl<M: Model> Trainer<M> {
             data.next_into(batch).map_err(|e| input(format!("--data: {e}")))?;
         }
         let (weight, counted) = self.counted_weight(&batches)?;
-        // Σ over this rank's micro-batches of (mean loss × counted targets).
-        let mut loss_sum = 0.0;
+        // Σ over this rank's micro-batches of (mean loss × counted targets), and of the means.
+        let (mut loss_sum, mut mean_sum) = (0.0, 0.0);
         for batch in &batches {
             self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
             forward_backward(&mut self.engine, &mut self.model, weight)?;
             let mean = f64::from(self.model.loss().map_err(TrainError::model)?);
             loss_sum += mean * batch.counted() as f64;
+            mean_sum += mean;
             report = self.engine.step()?;
         }
         self.micro_batches = batches;
@@ -263,9 +264,16 @@ impl<M: Model> Trainer<M> {
         }
         self.train_time += start.elapsed();
         // The mean over every rank's counted targets, so that every rank sees the same loss and
-        // the log reads as one process with the global batch.
-        let total = self.group().mean(loss_sum)? * self.world as f64;
-        let loss = if counted > 0.0 { total / counted } else { 0.0 };
+        // the log reads as one process with the global batch. Without a mask every micro-batch
+        // counts alike: the mean of the means, computed as it always was.
+        let loss = if !self.masked {
+            let accum = self.micro_batches.len() as f64;
+            self.group().mean(mean_sum / accum)?
+        } else if counted > 0.0 {
+            self.group().mean(loss_sum)? * self.world as f64 / counted
+        } else {
+            0.0
+        };
         if !loss.is_finite() {
             return Err(TrainError::NonFiniteLoss { loss, step });
         }
