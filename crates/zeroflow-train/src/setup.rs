@@ -90,6 +90,9 @@ pub struct Setup {
     pub data_arg: String,
     /// The data files with their fingerprints, for the checkpoints.
     pub data_files: Vec<DataFile>,
+    /// `--eval-data` (resolved) and `--eval-tokens`, for the checkpoints.
+    pub eval_data: Option<String>,
+    pub eval_tokens: Option<u64>,
     pub config: Config,
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
@@ -152,6 +155,9 @@ impl Setup {
         };
         if let Some(point) = &resume {
             default_to_saved(&mut args, &point.extra.config);
+            args.eval_data = args.eval_data.or_else(|| point.extra.eval_data.clone());
+            args.eval_tokens =
+                args.eval_tokens.or_else(|| point.extra.eval_tokens.and_then(NonZeroU64::new));
         }
         let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
         let (data_arg, spec, data_files) = run_data(&args, resume.as_ref())?;
@@ -219,6 +225,11 @@ impl Setup {
             data,
             data_arg,
             data_files,
+            eval_data: args
+                .eval_data
+                .as_deref()
+                .map(|e| data_files::resolve(e).unwrap_or(e.into())),
+            eval_tokens: args.eval_tokens.map(NonZeroU64::get),
             config,
             config_file,
             steps,

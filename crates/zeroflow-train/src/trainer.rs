@@ -179,6 +179,8 @@ impl<M: Model> Trainer<M> {
             data: setup.data_arg.clone(),
             data_files: setup.data_files.clone(),
             data_position: setup.data.train.position(),
+            eval_data: setup.eval_data.clone(),
+            eval_tokens: setup.eval_tokens,
             seed: setup.seed,
             step,
             lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
