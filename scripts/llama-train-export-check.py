@@ -8,11 +8,11 @@
 For each kind (odd shapes: grouped-query heads 3:1, untied head; Qwen3 with q/k norm and head_dim
 ≠ hidden / heads) a random model with a vocabulary of 256 is built by transformers and saved
 (fp32); a small pseudo-English corpus is written as two text files, `a.txt` (trained on) and
-`b.txt` (held out: zeroflow evaluates on the last file of a glob); zeroflow trains from the
-directory on the GPU (`train --device cuda --init-from DIR --data 'DIR/*.txt'`, bf16, bytes as
+`b.txt` (held out: `--eval-data b.txt`); zeroflow trains from the
+directory on the GPU (`train --device cuda --init-from DIR --data a.txt`, bf16, bytes as
 tokens), then `zeroflow export` writes the last checkpoint as a Hugging Face directory. transformers
 loads it and computes the loss of the same evaluation windows zeroflow used (the first
-`eval_batches` micro-batches of `b.txt`: rows of `seq` bytes, targets shifted by one), in fp32.
+`--eval-tokens` bytes of `b.txt` in rows of `seq` bytes, targets shifted by one), in fp32.
 Printed per kind: both losses and their relative difference (bound 2e-2: zeroflow's is bf16 on the
 GPU). Exit status 1 if a kind is outside the bound or a step fails.
 """
@@ -103,9 +103,10 @@ def check(kind, root, zeroflow):
     eval_bytes = corpus(2, 40_000)
     (data / "b.txt").write_bytes(eval_bytes)
     trained = run([zeroflow, "train", "--device", "cuda", "--init-from", init,
-                   "--data", str(data / "*.txt"), "--steps", str(STEPS),
+                   "--data", str(data / "a.txt"), "--steps", str(STEPS),
                    "--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ),
-                   "--eval-batches", str(EVAL_BATCHES), "--out", runs])
+                   "--eval-data", str(data / "b.txt"),
+                   "--eval-tokens", str(EVAL_BATCHES * MICRO_BATCH * SEQ + 1), "--out", runs])
     found = re.search(r"final eval loss ([0-9.]+)", trained.stdout + trained.stderr)
     summary = json.loads((runs / "summary.json").read_text())
     ours = summary.get("final_eval_loss") or (float(found.group(1)) if found else None)

@@ -14,7 +14,8 @@
 # A pair runs side by side, one run per GPU, where the machine has two (each is deterministic:
 # timing changes nothing in it), else one after the other. The corpus is the machine's Python
 # sources as bytes, sorted by path: the last 300 files held out for evaluation (zz-eval.txt:
-# `--data 'DIR/*.txt'` holds the glob's last file out), the rest split into two halves by file,
+# `--eval-data`, its first 131,073 bytes: the 16 micro-batches of 8 × 1024 of earlier runs), the
+# rest split into two halves by file,
 # a/train.txt for pretraining and b/train.txt for the continued runs (and the scratch pair), each
 # folder with the same zz-eval.txt. Each run's metrics.jsonl, summary.json and log land in
 # $OUT/accuracy-<run>.*; the overlay plots and the final table come from scripts/plot-loss.py, and
@@ -65,7 +66,7 @@ echo "corpus: $files files; pretraining $(stat -c %s "$WORK/a/train.txt") bytes,
     "$GPUS GPUs"
 
 COMMON=(--device "$DEVICE" --model "$MODEL" --micro-batch "$MICRO_BATCH" --eval-every "$EVAL_EVERY"
-    --save-every 0 --log-every 100)
+    --save-every 0 --log-every 100 --eval-tokens 131073)
 
 # train NAME GPU ARGS...: one run on GPU (its output under $WORK/NAME, its files copied to $OUT).
 train() {
@@ -111,15 +112,15 @@ for step in sorted(set(adamw) & set(zenflow)):
 PY
 }
 
-train pretrain 0 --data "$WORK/a/*.txt" --config examples/configs/zero2-bf16.json --lr 6e-4 \
+train pretrain 0 --data "$WORK/a/train.txt" --eval-data "$WORK/a/zz-eval.txt" --config examples/configs/zero2-bf16.json --lr 6e-4 \
     --steps "$PRE_STEPS"
 checkpoint=$(ls -d "$WORK"/pretrain/checkpoints/step-* 2>/dev/null | tail -1)
 if [[ -n "$checkpoint" ]]; then
-    pair continued --data "$WORK/b/*.txt" --lr 3e-4 --steps "$FT_STEPS" --init-from "$checkpoint"
+    pair continued --data "$WORK/b/train.txt" --eval-data "$WORK/b/zz-eval.txt" --lr 3e-4 --steps "$FT_STEPS" --init-from "$checkpoint"
 else
     echo "pretrain left no checkpoint: no continued pair" >&2
 fi
 if [[ -n "${SCRATCH:-}" ]]; then
-    pair scratch --data "$WORK/b/*.txt" --lr 6e-4 --steps "$SCRATCH_STEPS"
+    pair scratch --data "$WORK/b/train.txt" --eval-data "$WORK/b/zz-eval.txt" --lr 6e-4 --steps "$SCRATCH_STEPS"
 fi
 echo "total $((SECONDS - started)) s"

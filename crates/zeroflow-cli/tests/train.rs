@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[path = "train/chat.rs"]
+mod chat;
 #[path = "train/checkpoint_fixture.rs"]
 mod checkpoint_fixture;
 #[path = "train/checkpoints.rs"]
@@ -270,10 +272,11 @@ fn text_data_for_a_model_with_fewer_than_256_symbols_is_refused() {
     assert!(!out.exists());
 }
 
-/// A glob of text files trains on all but the last and evaluates on the last (held out), and says
-/// so in the summary; a glob that mixes token shards and text is refused.
+/// A glob of text files trains on all of them but the end of the last, which it evaluates on
+/// (held out: a tenth of c.txt), and says so in the summary; a glob that mixes token shards and
+/// text is refused.
 #[test]
-fn a_glob_of_text_files_holds_the_last_out_for_eval() {
+fn a_glob_of_text_files_holds_out_the_end_of_the_last_for_eval() {
     let dir = scratch("text_glob");
     let corpus = dir.join("corpus");
     std::fs::create_dir_all(&corpus).unwrap();
@@ -292,10 +295,13 @@ fn a_glob_of_text_files_holds_the_last_out_for_eval() {
     let summary = std::fs::read_to_string(out.join("summary.json")).unwrap();
     let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
     let described = summary["data"].as_str().unwrap_or_default();
+    assert!(described.contains("3 text files"), "{described}");
+    let eval = summary["eval_data"].as_str().unwrap_or_default();
     assert!(
-        described.contains("3 text files") && described.contains("c.txt, for eval"),
-        "{described}"
+        eval.contains("200 tokens held out from the end of") && eval.contains("c.txt"),
+        "{eval}"
     );
+    assert_eq!(summary["eval_tokens"], 200, "a tenth of c.txt's 2,000 bytes");
     std::fs::write(corpus.join("d.bin"), [0u8; 8]).unwrap();
     let mixed = corpus.join("*");
     let out = dir.join("mixed");
@@ -328,8 +334,11 @@ fn zenflow_epoch_selection_follows_the_data() {
     let since_selection = |steps: &str, name: &str| {
         let out = dir.join(name);
         let args = ["--model", model, "--steps", steps, "--eval-every", "0", "--save-every", "0"];
+        // The whole file trains (the passes above), so the evaluation reads it too, on purpose.
         let paths = [
             "--data",
+            corpus.to_str().unwrap(),
+            "--eval-data",
             corpus.to_str().unwrap(),
             "--config",
             config.to_str().unwrap(),

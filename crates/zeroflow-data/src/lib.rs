@@ -7,6 +7,7 @@
 
 mod chat;
 mod corpus;
+mod eval;
 mod loader;
 mod shard;
 mod synthetic;
@@ -22,7 +23,10 @@ pub use chat::{ChatTemplate, ChatTemplateError, ConversationError};
 pub use corpus::{
     BATCH_BYTES, TokenizeError, TokenizeOptions, TokenizeSummary, describe_setup, tokenize_corpus,
 };
-pub use loader::{Batch, DataLoader, DataPosition, Source};
+pub use eval::{eval_batches, eval_windows};
+pub use loader::{
+    Batch, DataLoader, DataPosition, IGNORE_TARGET, Source, Unit, apply_mask, mask_path, read_unit,
+};
 pub use shard::{
     DOCUMENT_INDEX_MAGIC, LOSS_MASK_MAGIC, SHARD_MAGIC, SHARD_MAGIC_U32, SHARD_VERSION,
     SHARD_VERSION_U32, SIDECAR_VERSION, ShardTokens, TokenWidth, read_document_index,

@@ -6,13 +6,18 @@
 //! the ranks' inputs are disjoint and together cover the step's tokens (llm.c's scheme). When the
 //! rest of a shard is too short for a step the loader moves to the next shard, and after the last
 //! shard back to the first (a new epoch).
+//!
+//! A shard with a loss mask beside it (`tokens_NNNNNN.mask`, [`crate::read_loss_mask`]) gives
+//! [`IGNORE_TARGET`] as the target of every position whose mask byte is 0. The last
+//! [`DataLoader::hold_out_tail`] tokens of the last shard are never read (the held-out evaluation
+//! set, [`EvalSet`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::shard::{ShardTokens, read_shard};
+use crate::shard::{ShardTokens, read_loss_mask, read_shard};
 use crate::text::{read_bytes, read_gpt2_text};
 use crate::{DataError, DataErrorKind, SyntheticCorpus};
 
@@ -41,11 +46,30 @@ pub struct DataPosition {
     pub offset: usize,
 }
 
-/// One rank's micro-batch: `[batch, seq]` inputs and the targets (the inputs shifted by one).
+/// The target of a position whose loss does not count (masked out, or padding): the models'
+/// cross-entropy gives it no loss and no gradient, and leaves it out of the mean.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
+/// One rank's micro-batch: `[batch, seq]` inputs and the targets (the inputs shifted by one;
+/// [`IGNORE_TARGET`] where the loss mask or padding says the position does not count).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Batch {
     pub inputs: Vec<u32>,
     pub targets: Vec<u32>,
+}
+
+impl Batch {
+    /// The targets whose loss counts.
+    pub fn counted(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != IGNORE_TARGET).count()
+    }
+}
+
+/// A shard's tokens and, where a `.mask` lies beside it, its loss mask.
+#[derive(Debug)]
+pub struct Unit {
+    pub tokens: ShardTokens,
+    pub mask: Option<Vec<u8>>,
 }
 
 /// Cuts a token source into micro-batches for one rank.
@@ -59,8 +83,10 @@ pub struct DataLoader {
     world_size: usize,
     position: DataPosition,
     /// The shard in memory and its index.
-    loaded: Option<(usize, ShardTokens)>,
+    loaded: Option<(usize, Unit)>,
     window: Vec<u32>,
+    /// Tokens at the end of the last shard that are never read (held out for evaluation).
+    held_out: usize,
 }
 
 impl DataLoader {
@@ -89,9 +115,27 @@ impl DataLoader {
             position: DataPosition::default(),
             loaded: None,
             window: vec![0; batch * seq + 1],
+            held_out: 0,
         };
         loader.load(0)?;
         Ok(loader)
+    }
+
+    /// Never reads the last `tokens` tokens of the last shard (the held-out evaluation set):
+    /// the last target a step reads is the token before them.
+    pub fn hold_out_tail(mut self, tokens: usize) -> Result<Self, DataError> {
+        self.held_out = tokens;
+        self.loaded = None;
+        self.load(self.position.shard)?;
+        Ok(self)
+    }
+
+    /// Whether the shards carry loss masks (the first one does).
+    pub fn masked(&self) -> bool {
+        match &self.source {
+            Source::Shards(paths) => paths.iter().any(|p| mask_path(p).exists()),
+            _ => false,
+        }
     }
 
     /// Tokens one step of all ranks reads.
@@ -125,13 +169,16 @@ impl DataLoader {
             self.advance_shard()?;
         }
         let start = self.position.offset + self.rank * self.batch * self.seq;
-        let (_, tokens) = self.loaded.as_ref().expect("loaded above");
-        tokens.copy_to(start, &mut self.window);
+        let (_, unit) = self.loaded.as_ref().expect("loaded above");
+        unit.tokens.copy_to(start, &mut self.window);
         let n = self.batch * self.seq;
         out.inputs.clear();
         out.inputs.extend_from_slice(&self.window[..n]);
         out.targets.clear();
         out.targets.extend_from_slice(&self.window[1..]);
+        if let Some(mask) = &unit.mask {
+            apply_mask(&mut out.targets, &mask[start + 1..start + 1 + n]);
+        }
         self.position.offset += self.step_tokens() - 1;
         Ok(())
     }
@@ -148,42 +195,92 @@ impl DataLoader {
         Ok(())
     }
 
-    /// Makes shard `index` the one in memory; returns its length.
+    /// Makes shard `index` the one in memory; returns its length (less the held-out tail in
+    /// the last shard).
     fn load(&mut self, index: usize) -> Result<usize, DataError> {
-        if let Some((loaded, tokens)) = &self.loaded
+        if let Some((loaded, unit)) = &self.loaded
             && *loaded == index
         {
-            return Ok(tokens.len());
+            return Ok(unit.tokens.len());
         }
-        let (path, tokens) = match &self.source {
-            Source::Shards(paths) => (paths[index].clone(), read_shard(&paths[index], self.vocab)?),
-            Source::Text(paths) => {
-                (paths[index].clone(), ShardTokens::U32(read_bytes(&paths[index], self.vocab)?))
+        let mut unit = read_unit(&self.source, index, self.vocab)?;
+        if index + 1 == shard_count(&self.source) && self.held_out > 0 {
+            let keep = unit.tokens.len().saturating_sub(self.held_out);
+            unit.tokens.truncate(keep);
+            if let Some(mask) = &mut unit.mask {
+                mask.truncate(keep);
             }
-            Source::Gpt2Text(paths) => {
-                (paths[index].clone(), ShardTokens::U32(read_gpt2_text(&paths[index], self.vocab)?))
-            }
-            Source::Synthetic { corpus, stream_seed, len } => {
-                let tokens = corpus.sample(*stream_seed, *len);
-                if let Some(index) = tokens.iter().position(|&t| t as usize >= self.vocab) {
-                    let (token, vocab) = (tokens[index], self.vocab);
-                    let kind = DataErrorKind::TokenOutOfRange { token, index, vocab };
-                    return Err(DataError::new("<synthetic>", kind));
-                }
-                ("<synthetic>".into(), ShardTokens::U32(tokens))
-            }
-        };
+        }
         let needed = self.step_tokens();
-        if tokens.len() < needed {
+        if unit.tokens.len() < needed {
+            let tokens = unit.tokens.len();
             return Err(DataError::new(
-                path,
-                DataErrorKind::TooShort { tokens: tokens.len(), needed },
+                unit_path(&self.source, index),
+                DataErrorKind::TooShort { tokens, needed },
             ));
         }
-        let len = tokens.len();
-        self.loaded = Some((index, tokens));
+        let len = unit.tokens.len();
+        self.loaded = Some((index, unit));
         Ok(len)
     }
+}
+
+/// Sets the targets whose mask byte is 0 to [`IGNORE_TARGET`].
+pub fn apply_mask(targets: &mut [u32], mask: &[u8]) {
+    for (target, &keep) in targets.iter_mut().zip(mask) {
+        if keep == 0 {
+            *target = IGNORE_TARGET;
+        }
+    }
+}
+
+/// The loss mask that lies beside a shard.
+pub fn mask_path(shard: &std::path::Path) -> PathBuf {
+    shard.with_extension("mask")
+}
+
+fn unit_path(source: &Source, index: usize) -> PathBuf {
+    match source {
+        Source::Shards(paths) | Source::Text(paths) | Source::Gpt2Text(paths) => {
+            paths[index].clone()
+        }
+        Source::Synthetic { .. } => "<synthetic>".into(),
+    }
+}
+
+/// Shard `index` of `source`, checked against `vocab`, with its loss mask where there is one.
+pub fn read_unit(source: &Source, index: usize, vocab: usize) -> Result<Unit, DataError> {
+    let tokens = match source {
+        Source::Shards(paths) => read_shard(&paths[index], vocab)?,
+        Source::Text(paths) => ShardTokens::U32(read_bytes(&paths[index], vocab)?),
+        Source::Gpt2Text(paths) => ShardTokens::U32(read_gpt2_text(&paths[index], vocab)?),
+        Source::Synthetic { corpus, stream_seed, len } => {
+            let tokens = corpus.sample(*stream_seed, *len);
+            if let Some(index) = tokens.iter().position(|&t| t as usize >= vocab) {
+                let token = tokens[index];
+                let kind = DataErrorKind::TokenOutOfRange { token, index, vocab };
+                return Err(DataError::new("<synthetic>", kind));
+            }
+            ShardTokens::U32(tokens)
+        }
+    };
+    let mask = match source {
+        Source::Shards(paths) if mask_path(&paths[index]).exists() => {
+            let path = mask_path(&paths[index]);
+            let mask = read_loss_mask(&path)?;
+            if mask.len() != tokens.len() {
+                let kind = DataErrorKind::Corrupt(format!(
+                    "{} mask bytes for a shard of {} tokens",
+                    mask.len(),
+                    tokens.len()
+                ));
+                return Err(DataError::new(path, kind));
+            }
+            Some(mask)
+        }
+        _ => None,
+    };
+    Ok(Unit { tokens, mask })
 }
 
 fn shard_count(source: &Source) -> usize {

@@ -77,6 +77,14 @@ impl ShardTokens {
         }
     }
 
+    /// Keeps the first `len` tokens.
+    pub fn truncate(&mut self, len: usize) {
+        match self {
+            ShardTokens::U16(t) => t.truncate(len),
+            ShardTokens::U32(t) => t.truncate(len),
+        }
+    }
+
     /// Copies `out.len()` tokens from `start` into `out`.
     pub fn copy_to(&self, start: usize, out: &mut [u32]) {
         match self {

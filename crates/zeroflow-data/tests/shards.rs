@@ -1,9 +1,9 @@
 //! Shards of both widths, document indexes and loss masks: round trips and their errors.
 
 use zeroflow_data::{
-    DataErrorKind, DataLoader, SHARD_MAGIC, SHARD_MAGIC_U32, ShardTokens, Source, TokenWidth,
-    read_document_index, read_loss_mask, read_shard, write_document_index, write_loss_mask,
-    write_shard_as,
+    DataErrorKind, DataLoader, IGNORE_TARGET, SHARD_MAGIC, SHARD_MAGIC_U32, ShardTokens, Source,
+    TokenWidth, read_document_index, read_loss_mask, read_shard, write_document_index,
+    write_loss_mask, write_shard_as,
 };
 
 use crate::fixtures::scratch;
@@ -67,4 +67,35 @@ fn document_indexes_and_loss_masks_round_trip_and_are_checked() {
     let error = read_shard(&mask, 10).unwrap_err();
     assert!(matches!(error.kind, DataErrorKind::WrongMagic { .. }), "{error}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A shard with a loss mask beside it: the loader's targets are [`IGNORE_TARGET`] exactly where
+/// the mask byte of the target token is 0, the inputs are untouched; and a held-out tail is never
+/// read, the stream wrapping before it.
+#[test]
+fn the_loader_ignores_masked_targets_and_never_reads_the_held_out_tail() {
+    let dir = scratch("masked_loader");
+    let tokens: Vec<u16> = (0..200).collect();
+    let mask: Vec<u8> = (0..200).map(|i| u8::from(i % 5 >= 2)).collect();
+    let shard = dir.join("tokens_000000.bin");
+    zeroflow_data::write_shard(&shard, &tokens).unwrap();
+    write_loss_mask(&dir.join("tokens_000000.mask"), &mask).unwrap();
+    let source = Source::Shards(vec![shard]);
+    let mut loader = DataLoader::new(source, 256, 2, 8, 0, 1).unwrap().hold_out_tail(50).unwrap();
+    assert!(loader.masked());
+    let mut largest = 0;
+    for _ in 0..40 {
+        let batch = loader.next_batch().unwrap();
+        for (&input, &target) in batch.inputs.iter().zip(&batch.targets) {
+            let next = input as usize + 1;
+            if mask[next] == 0 {
+                assert_eq!(target, IGNORE_TARGET, "token {next} is masked out");
+            } else {
+                assert_eq!(target as usize, next);
+            }
+            largest = largest.max(next);
+        }
+    }
+    assert!(largest < 150, "read token {largest} of the held-out tail 150..200");
+    assert!(largest >= 140, "the stream reaches the end of the training part: {largest}");
 }

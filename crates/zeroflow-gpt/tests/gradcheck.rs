@@ -82,3 +82,42 @@ fn f32_backward_matches_central_finite_differences_to_f32_precision() {
     }
     println!("f32 worst finite-difference relative error: {:e} ({})", worst.1, worst.0);
 }
+
+/// Loss-masked targets ([`IGNORE`]) through the whole model: the forward's loss is the mean over
+/// the counted positions, and backward with `loss_scale = positions / counted` (what the trainer
+/// gives a micro-batch that is a whole step) is its gradient, against central finite differences
+/// of that loss in every parameter tensor.
+#[test]
+fn with_ignored_targets_backward_is_the_gradient_of_the_mean_over_the_counted_positions() {
+    use zeroflow_nn::kernels::loss::IGNORE;
+    let (batch, seq) = (2, 7);
+    let (layout, mut params) = perturbed_params(&ODD, 7);
+    let (inputs, mut targets) = random_batch(ODD.vocab_size, batch * seq, 8);
+    for (i, target) in targets.iter_mut().enumerate() {
+        if i % 3 == 0 || i >= seq + 4 {
+            *target = IGNORE;
+        }
+    }
+    let counted = targets.iter().filter(|&&t| t != IGNORE).count();
+    assert_eq!(counted, 7);
+    let mut model = HostGpt::<f64>::new(&ODD, &layout, batch, seq).unwrap();
+    model.forward(&params, &inputs, &targets).unwrap();
+    let mut grads = vec![0.0; layout.padded_len()];
+    let scale = (batch * seq) as f64 / counted as f64;
+    model.backward(&params, &mut grads, scale, |_, _| {}).unwrap();
+    let h = 1e-5;
+    for view in layout.params() {
+        let mut numeric = Vec::with_capacity(view.numel());
+        for i in view.flat_range() {
+            let original = params[i];
+            params[i] = original + h;
+            let plus = model.forward(&params, &inputs, &targets).unwrap();
+            params[i] = original - h;
+            let minus = model.forward(&params, &inputs, &targets).unwrap();
+            params[i] = original;
+            numeric.push((plus - minus) / (2.0 * h));
+        }
+        let error = relative_error(&grads[view.flat_range()], &numeric);
+        assert!(error <= 1e-4, "{}: relative error {error:e}", view.name);
+    }
+}

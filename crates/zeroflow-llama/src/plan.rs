@@ -160,7 +160,10 @@ impl<'a> Builder<'a> {
                 read(Buf::Targets, &tokens),
             ],
         );
-        self.launch(Kernel::MeanLoss, vec![write(A, &a.loss), read(A, &a.losses)]);
+        self.launch(
+            Kernel::MeanLoss,
+            vec![write(A, &a.loss), read(A, &a.losses), read(Buf::Targets, &tokens)],
+        );
     }
 
     fn backward(&mut self, p: &ParamRanges) {

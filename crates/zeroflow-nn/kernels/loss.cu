@@ -1,8 +1,13 @@
+#define IGNORE 0xffffffffu
+
 // Softmax + cross-entropy over the real vocabulary (the padded columns are masked), the mean
 // loss, and the gradient of the logits. Rows are `padded_vocab` wide. `vec`: the width a multiple
 // of 8 and the pointers 16-byte aligned (the host checks), so rows go in 16-byte vectors (GPT-2's
 // padded vocabulary); else one element at a time (a vocabulary of any size). Each kernel is one
-// template over the values a thread moves at a time, W = 8 or 1.
+// template over the values a thread moves at a time, W = 8 or 1. A target of IGNORE (the Rust
+// side's `loss::IGNORE`) is a position whose loss does not count: loss 0, no gradient, not in the
+// mean (the ignored ones are counted in a float: exact up to 2^24 of them). With no target
+// ignored every kernel computes exactly what it did before IGNORE existed.
 
 // W values of `p` (16-byte aligned when W = 8) as f32, and their store.
 template <int W> static __device__ __forceinline__ void load_w(const bf16_t* p, float v[W]) {
@@ -84,7 +89,8 @@ static __device__ void softmax_xent_rows(bf16_t* probs, float* losses, const bf1
         for (int k = 0; k < W; k++) v[k] = i + k < vocab ? expf(v[k] - m) * inverse : 0.0f;
         store_w<W>(p + i, v);
     }
-    if (threadIdx.x == 0) losses[row] = logf(s) + m - load1(x + targets[row]);
+    u32 target = targets[row];
+    if (threadIdx.x == 0) losses[row] = target == IGNORE ? 0.0f : logf(s) + m - load1(x + target);
 }
 
 extern "C" __global__ void softmax_xent_forward(bf16_t* probs, float* losses, const bf16_t* logits,
@@ -97,17 +103,29 @@ extern "C" __global__ void softmax_xent_forward(bf16_t* probs, float* losses, co
     }
 }
 
-// loss[0] = mean of losses[0..n] (one block; fixed summation order).
-extern "C" __global__ void mean_loss(float* loss, const float* losses, u32 n) {
+// loss[0] = mean of losses[0..n] over the positions whose target is not IGNORE, 0 where none is
+// (one block; fixed summation order). With nothing ignored it is exactly the plain mean: the same
+// additions in the same order, divided by (float)n.
+extern "C" __global__ void mean_loss(float* loss, const float* losses, const u32* targets, u32 n) {
     __shared__ float scratch[WARP];
-    float sum = 0.0f;
-    for (u32 i = threadIdx.x; i < n; i += blockDim.x) sum += losses[i];
+    float sum = 0.0f, ignored = 0.0f;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        if (targets[i] != IGNORE) {
+            sum += losses[i];
+        } else {
+            ignored += 1.0f;
+        }
+    }
     sum = block_sum(sum, scratch);
-    if (threadIdx.x == 0) loss[0] = sum / (float)n;
+    ignored = block_sum(ignored, scratch);
+    if (threadIdx.x == 0) {
+        float counted = ignored == 0.0f ? (float)n : (float)n - ignored;
+        loss[0] = counted <= 0.0f ? 0.0f : sum / counted;
+    }
 }
 
-// dlogits (+)= (probs - onehot(target)) * dloss over the real vocabulary; the padded columns are
-// written 0 (or, accumulating, left alone).
+// dlogits (+)= (probs - onehot(target)) * dloss over the real vocabulary; the padded columns, and
+// the rows whose target is IGNORE, get no gradient (written 0 or, accumulating, left alone).
 template <int W>
 static __device__ void softmax_xent_grads(bf16_t* dlogits, const bf16_t* probs, const u32* targets,
                                           u32 rows, u32 vocab, u32 padded_vocab, float dloss,
@@ -129,7 +147,7 @@ static __device__ void softmax_xent_grads(bf16_t* dlogits, const bf16_t* probs, 
 #pragma unroll
         for (int k = 0; k < W; k++) {
             u32 j = column + k;
-            if (j < vocab) g[k] += (p[k] - (j == target ? 1.0f : 0.0f)) * dloss;
+            if (j < vocab && target != IGNORE) g[k] += (p[k] - (j == target ? 1.0f : 0.0f)) * dloss;
         }
         store_w<W>(dlogits + at, g);
     }

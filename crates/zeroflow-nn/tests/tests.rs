@@ -1,3 +1,4 @@
 //! Integration tests of the shared layers, compiled as one binary.
 
 mod gqa;
+mod loss;

@@ -364,7 +364,7 @@ fn measure<M: Model>(
         let start = Instant::now();
         for _ in 0..args.accum {
             gpt.set_batch(inputs, targets).map_err(TrainError::model)?;
-            forward_backward(engine, gpt)?;
+            forward_backward(engine, gpt, 1.0)?;
             if !engine.is_gradient_accumulation_boundary() {
                 engine.step()?;
             }

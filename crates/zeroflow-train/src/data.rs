@@ -3,12 +3,18 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use zeroflow_data::{DataLoader, Source, SyntheticCorpus};
+use zeroflow_data::{Batch, DataLoader, IGNORE_TARGET, Source, SyntheticCorpus, Unit, read_unit};
 
 use crate::error::{Result, input};
 
-/// Micro-batches in the evaluation set unless `--eval-batches` says otherwise.
-pub const EVAL_BATCHES: usize = 16;
+/// The models' ignored target is the data's.
+const _: () = assert!(IGNORE_TARGET == zeroflow_nn::kernels::loss::IGNORE);
+
+/// Tokens of the evaluation set of files unless `--eval-tokens` says otherwise (held out from the
+/// end of the data: at most a tenth of its last file).
+pub const EVAL_TOKENS: usize = 1 << 20;
+/// Tokens of the synthetic corpus' evaluation stream unless `--eval-tokens` says otherwise.
+pub const SYNTHETIC_EVAL_TOKENS: usize = 4096;
 
 /// What `--data` names.
 #[derive(Debug)]
@@ -16,8 +22,11 @@ pub enum Spec {
     Synthetic,
     /// llm.c token shards, in order.
     Shards(Vec<PathBuf>),
-    /// Text files, read as bytes, in order (a glob of several: the last for eval).
+    /// Text files, read as bytes, in order.
     Text(Vec<PathBuf>),
+    /// A `.jsonl` of conversations (or documents), tokenized at start-up with the model's
+    /// tokenizer and chat template ([`crate::chat_data`]).
+    Jsonl(PathBuf),
 }
 
 impl Spec {
@@ -52,6 +61,8 @@ impl Spec {
             shards
         } else if path.is_file() && path.metadata().is_ok_and(|m| m.len() == 0) {
             return Err(input(format!("--data {data}: the file is empty; {what_to_do}")));
+        } else if path.is_file() && path.extension().is_some_and(|ext| ext == "jsonl") {
+            return Ok(Spec::Jsonl(path.to_owned()));
         } else if path.is_file() {
             if is_shard(path) {
                 vec![path.to_owned()]
@@ -78,6 +89,7 @@ impl Spec {
         match self {
             Spec::Synthetic => &[],
             Spec::Shards(paths) | Spec::Text(paths) => paths,
+            Spec::Jsonl(path) => std::slice::from_ref(path),
         }
     }
 
@@ -85,7 +97,7 @@ impl Spec {
     pub fn default_vocab(&self) -> usize {
         match self {
             Spec::Synthetic => SyntheticCorpus::default().vocab,
-            Spec::Shards(_) => zeroflow_data::GPT2_VOCAB,
+            Spec::Shards(_) | Spec::Jsonl(_) => zeroflow_data::GPT2_VOCAB,
             Spec::Text(_) => 256,
         }
     }
@@ -146,102 +158,195 @@ pub struct Shape {
     pub world_size: usize,
     /// Tokens per sequence (`--seq`, at most the model's context).
     pub seq: usize,
-    /// Micro-batches of the evaluation set (`--eval-batches`).
-    pub eval_batches: usize,
+    /// Tokens of the evaluation set (`--eval-tokens`; default [`EVAL_TOKENS`], or
+    /// [`SYNTHETIC_EVAL_TOKENS`] for the synthetic corpus).
+    pub eval_tokens: Option<usize>,
 }
 
 /// The training and evaluation data of a run.
 #[derive(Debug)]
 pub struct Data {
     pub train: DataLoader,
-    /// This rank's part of the evaluation set: `--eval-batches` micro-batches, the same at every
-    /// evaluation.
-    pub eval: Vec<zeroflow_data::Batch>,
+    /// This rank's part of the evaluation set, the same at every evaluation: its windows in
+    /// micro-batches, the last padded with ignored targets ([`zeroflow_data::eval_batches`]).
+    pub eval: Vec<Batch>,
+    /// The tokens of the evaluation set (all ranks'), whatever the micro-batch.
+    pub eval_tokens: usize,
     /// The lowest loss a model can reach, where known (the synthetic corpus).
     pub floor: Option<f64>,
     /// What the data is, for the log and the summary.
     pub description: String,
+    /// Where the evaluation set comes from, for the run header.
+    pub eval_description: String,
 }
 
 impl Data {
     /// Opens the data for `shape.micro_steps` micro-batches of `shape.batch` sequences of
-    /// `shape.seq` tokens of a model of `vocab` symbols: this rank's slices of the training stream and of the evaluation set (the
-    /// ranks read disjoint sequences of each step, together what one process with `world_size`
-    /// times the micro-batch reads).
+    /// `shape.seq` tokens of a model of `vocab` symbols: this rank's slices of the training stream
+    /// and of the evaluation set (the ranks read disjoint sequences of each step, together what
+    /// one process with `world_size` times the micro-batch reads).
     ///
-    /// The synthetic corpus evaluates on another stream of the same chain. Files evaluate on the
-    /// last shard when there are several (it is then not trained on) and on the start of the only
-    /// one otherwise (not held out: the log says so).
-    pub fn open(spec: &Spec, vocab: usize, shape: Shape, seed: u64) -> Result<Data> {
+    /// The evaluation set is the start of `eval` (`--eval-data`) where given; else the synthetic
+    /// corpus evaluates on another stream of the same chain, and files on the last
+    /// `shape.eval_tokens` tokens (at most a tenth) of their last file, which the training stream
+    /// never reads.
+    pub fn open(
+        spec: &Spec,
+        eval: Option<&Spec>,
+        vocab: usize,
+        shape: Shape,
+        seed: u64,
+    ) -> Result<Data> {
         let (batch, seq) = (shape.batch as usize, shape.seq);
         let (rank, world) = (shape.rank, shape.world_size);
-        let loader = |source, rank, world| {
-            DataLoader::new(source, vocab, batch, seq, rank, world)
-                .map_err(|e| input(format!("--data: {e}")))
-        };
-        let (train, eval_source, floor, description) = match spec {
+        let data_error = |e: zeroflow_data::DataError| input(format!("--data: {e}"));
+        let (train, floor, description) = match spec {
             Spec::Synthetic => synthetic(vocab, shape, seed)?,
-            Spec::Shards(paths) if paths.len() > 1 => {
-                let (last, rest) = paths.split_last().expect("more than one");
-                let description =
-                    format!("{} token shards; the last, {}, for eval", paths.len(), last.display());
-                (
-                    Source::Shards(rest.to_vec()),
-                    Source::Shards(vec![last.clone()]),
-                    None,
-                    description,
-                )
+            other => (source(other, vocab)?, None, describe(other)),
+        };
+        let mut train =
+            DataLoader::new(train, vocab, batch, seq, rank, world).map_err(data_error)?;
+        let (tokens, eval_description) = match (eval, spec) {
+            (Some(eval_spec), _) => {
+                let wanted = shape.eval_tokens.unwrap_or(EVAL_TOKENS);
+                let tokens = leading_tokens(&source(eval_spec, vocab)?, vocab, wanted)?;
+                let what =
+                    format!("the first {} tokens of --eval-data", thousands(tokens.tokens.len()));
+                (tokens, what)
             }
-            Spec::Shards(paths) => {
-                tracing::warn!(
-                    "one token shard: evaluating on its start, which is also trained on"
+            (None, Spec::Synthetic) => {
+                let len = shape.eval_tokens.unwrap_or(SYNTHETIC_EVAL_TOKENS);
+                let corpus = Arc::new(SyntheticCorpus::default());
+                let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
+                let tokens = read_unit(&eval, 0, vocab).map_err(data_error)?;
+                let what = format!("{} tokens of a held-out stream", thousands(len));
+                (EvalTokens::of(tokens), what)
+            }
+            (None, _) => {
+                let source = source(spec, vocab)?;
+                let files = spec.files();
+                let last = read_unit(&source, files.len() - 1, vocab).map_err(data_error)?;
+                let len = last.tokens.len();
+                let held = shape.eval_tokens.unwrap_or(EVAL_TOKENS).min(len / 10);
+                train = train.hold_out_tail(held).map_err(data_error)?;
+                let what = format!(
+                    "{} tokens held out from the end of {}, never trained on",
+                    thousands(held),
+                    files[files.len() - 1].display()
                 );
-                let description =
-                    format!("{} (eval on its start, not held out)", paths[0].display());
-                (Source::Shards(paths.clone()), Source::Shards(paths.clone()), None, description)
-            }
-            Spec::Text(paths) if vocab < 256 => {
-                return Err(input(format!(
-                    "--data {} is read as bytes (256 symbols) but the model's vocab_size is \
-                     {vocab}; drop --model, or give one with vocab_size of at least 256",
-                    paths[0].display()
-                )));
-            }
-            Spec::Text(paths) if paths.len() > 1 => {
-                let (last, rest) = paths.split_last().expect("more than one");
-                let description = format!(
-                    "{} text files as bytes; the last, {}, for eval",
-                    paths.len(),
-                    last.display()
-                );
-                (Source::Text(rest.to_vec()), Source::Text(vec![last.clone()]), None, description)
-            }
-            Spec::Text(paths) => {
-                tracing::warn!(
-                    "one text file: evaluating on its start, which is also trained on (a glob of \
-                     several holds the last out for eval)"
-                );
-                let description =
-                    format!("{} as bytes (eval on its start, not held out)", paths[0].display());
-                (Source::Text(paths.clone()), Source::Text(paths.clone()), None, description)
+                (EvalTokens::of(last).tail(held), what)
             }
         };
-        let train = loader(train, rank, world)?;
-        let mut eval_loader = loader(eval_source, rank, world)?;
-        let eval = (0..shape.eval_batches)
-            .map(|_| eval_loader.next_batch().map_err(|e| input(format!("--data: {e}"))))
-            .collect::<Result<_>>()?;
-        Ok(Data { train, eval, floor, description })
+        let counted = match &tokens.mask {
+            Some(mask) => mask.iter().skip(1).filter(|&&m| m != 0).count(),
+            None => tokens.tokens.len().saturating_sub(1),
+        };
+        if zeroflow_data::eval_windows(tokens.tokens.len(), seq) == 0 || counted == 0 {
+            return Err(input(format!(
+                "the evaluation set ({eval_description}) holds no window of --seq {seq} tokens \
+                 whose loss counts; give more data, a smaller --seq, a larger --eval-tokens or \
+                 --eval-data"
+            )));
+        }
+        let mask = tokens.mask.as_deref();
+        let eval = zeroflow_data::eval_batches(&tokens.tokens, mask, seq, batch, rank, world);
+        let eval_tokens = tokens.tokens.len();
+        Ok(Data { train, eval, eval_tokens, floor, description, eval_description })
     }
 }
 
-/// The training and evaluation sources of a run, its entropy floor where known, and what the
-/// data is (for the log and the summary).
-type Sources = (Source, Source, Option<f64>, String);
+/// The tokens of an evaluation set and their loss mask.
+struct EvalTokens {
+    tokens: Vec<u32>,
+    mask: Option<Vec<u8>>,
+}
 
-/// The synthetic corpus' sources: two streams of the same chain, for `shape.micro_steps`
-/// micro-batches and the evaluation set.
-fn synthetic(vocab: usize, shape: Shape, seed: u64) -> Result<Sources> {
+impl EvalTokens {
+    fn of(unit: Unit) -> EvalTokens {
+        let mut tokens = vec![0; unit.tokens.len()];
+        unit.tokens.copy_to(0, &mut tokens);
+        EvalTokens { tokens, mask: unit.mask }
+    }
+
+    /// The last `len` tokens.
+    fn tail(mut self, len: usize) -> EvalTokens {
+        let start = self.tokens.len() - len;
+        self.tokens.drain(..start);
+        if let Some(mask) = &mut self.mask {
+            mask.drain(..start);
+        }
+        self
+    }
+}
+
+/// The first `wanted` tokens of `source`'s files in order (fewer where they hold fewer).
+fn leading_tokens(source: &Source, vocab: usize, wanted: usize) -> Result<EvalTokens> {
+    let mut out = EvalTokens { tokens: Vec::new(), mask: None };
+    let (Source::Shards(paths) | Source::Text(paths)) = source else {
+        unreachable!("--eval-data is files")
+    };
+    for index in 0..paths.len() {
+        if out.tokens.len() >= wanted {
+            break;
+        }
+        let unit =
+            read_unit(source, index, vocab).map_err(|e| input(format!("--eval-data: {e}")))?;
+        let take = unit.tokens.len().min(wanted - out.tokens.len());
+        let had = out.tokens.len();
+        let mut unit = EvalTokens::of(unit);
+        if let Some(mask) = unit.mask.take() {
+            out.mask.get_or_insert_with(|| vec![1; had]).extend_from_slice(&mask[..take]);
+        } else if let Some(mask) = &mut out.mask {
+            mask.extend(std::iter::repeat_n(1, take));
+        }
+        out.tokens.extend_from_slice(&unit.tokens[..take]);
+    }
+    Ok(out)
+}
+
+/// The data source of files.
+fn source(spec: &Spec, vocab: usize) -> Result<Source> {
+    match spec {
+        Spec::Shards(paths) => Ok(Source::Shards(paths.clone())),
+        Spec::Text(paths) if vocab < 256 => Err(input(format!(
+            "--data {} is read as bytes (256 symbols) but the model's vocab_size is {vocab}; \
+             drop --model, or give one with vocab_size of at least 256",
+            paths[0].display()
+        ))),
+        Spec::Text(paths) => Ok(Source::Text(paths.clone())),
+        Spec::Synthetic => Err(input("--eval-data: give files, not `synthetic`")),
+        Spec::Jsonl(path) => Err(input(format!(
+            "{}: a .jsonl is tokenized into shards before the data is opened",
+            path.display()
+        ))),
+    }
+}
+
+fn describe(spec: &Spec) -> String {
+    match spec {
+        Spec::Shards(paths) if paths.len() == 1 => paths[0].display().to_string(),
+        Spec::Shards(paths) => format!("{} token shards", paths.len()),
+        Spec::Text(paths) if paths.len() == 1 => format!("{} as bytes", paths[0].display()),
+        Spec::Text(paths) => format!("{} text files as bytes", paths.len()),
+        Spec::Synthetic | Spec::Jsonl(_) => unreachable!("described elsewhere"),
+    }
+}
+
+/// `n` with commas between groups of three digits.
+pub fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The synthetic corpus' training source for `shape.micro_steps` micro-batches.
+fn synthetic(vocab: usize, shape: Shape, seed: u64) -> Result<(Source, Option<f64>, String)> {
     let (batch, seq, world) = (shape.batch as usize, shape.seq, shape.world_size);
     let corpus = Arc::new(SyntheticCorpus::default());
     if corpus.vocab > vocab {
@@ -253,19 +358,24 @@ fn synthetic(vocab: usize, shape: Shape, seed: u64) -> Result<Sources> {
     }
     let floor = corpus.loss_floor(seq);
     let train_len = (shape.micro_steps as usize).saturating_mul(world * batch * seq) + 1;
-    let train = Source::Synthetic {
-        corpus: corpus.clone(),
-        stream_seed: 2 * seed,
-        len: train_len.min(1 << 26),
-    };
-    let eval_len = shape.eval_batches * world * batch * seq + 1;
-    let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: eval_len };
-    Ok((train, eval, Some(floor), "the synthetic corpus (held-out stream for eval)".into()))
+    let train = Source::Synthetic { corpus, stream_seed: 2 * seed, len: train_len.min(1 << 26) };
+    Ok((train, Some(floor), "the synthetic corpus".into()))
 }
 
 #[cfg(test)]
+#[path = "data_tests.rs"]
+mod held_out_tests;
+
+#[cfg(test)]
 mod tests {
-    use super::wildcard_match;
+    use super::{thousands, wildcard_match};
+
+    #[test]
+    fn thousands_are_grouped_by_three() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_048_576), "1,048,576");
+    }
 
     #[test]
     fn wildcards_match_runs_and_single_characters() {

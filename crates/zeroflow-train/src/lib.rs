@@ -11,6 +11,7 @@
 
 pub mod bench_gpt;
 pub mod bench_step;
+pub mod chat_data;
 pub mod checkpoints;
 pub mod data;
 pub mod data_files;
@@ -40,6 +41,7 @@ pub mod sample;
 pub mod schedule;
 pub mod settings;
 pub mod setup;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use error::TrainError;

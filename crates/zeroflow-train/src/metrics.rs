@@ -1,5 +1,7 @@
 //! What a run leaves in its directory besides checkpoints: `metrics.jsonl` (a line per step and
-//! per evaluation), `summary.json`, and `loss.svg` where the caller draws one ([`Recorder`]).
+//! per evaluation), the same scalars in a TensorBoard event file
+//! (`events.out.tfevents.<secs>.<host>.zeroflow`, a new one per process: [`EventWriter`]),
+//! `summary.json`, and `loss.svg` where the caller draws one ([`Recorder`]).
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -8,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Value, json};
 
 use crate::error::{Result, io};
+use crate::tensorboard::EventWriter;
 
 /// One optimizer step as recorded.
 #[derive(Clone, Debug, PartialEq)]
@@ -30,6 +33,8 @@ pub struct Recorder {
     dir: PathBuf,
     /// `None` on the ranks that do not write.
     metrics: Option<BufWriter<File>>,
+    /// The TensorBoard events, where `metrics` is written.
+    events: Option<EventWriter>,
     pub train: Vec<(u64, f64)>,
     pub eval: Vec<(u64, f64)>,
 }
@@ -43,6 +48,7 @@ impl Recorder {
         Ok(Recorder {
             dir: dir.to_owned(),
             metrics: Some(BufWriter::new(file)),
+            events: Some(events(dir)?),
             train: Vec::new(),
             eval: Vec::new(),
         })
@@ -50,7 +56,8 @@ impl Recorder {
 
     /// A recorder that writes nothing (ranks other than 0).
     pub fn discard(dir: &Path) -> Recorder {
-        Recorder { dir: dir.to_owned(), metrics: None, train: Vec::new(), eval: Vec::new() }
+        let (train, eval) = (Vec::new(), Vec::new());
+        Recorder { dir: dir.to_owned(), metrics: None, events: None, train, eval }
     }
 
     /// Continues the `metrics.jsonl` of `dir` after the checkpoint at `step`: drops the lines of
@@ -89,11 +96,22 @@ impl Recorder {
             .append(true)
             .open(&path)
             .map_err(io(format!("open {}", path.display())))?;
-        Ok(Recorder { dir: dir.to_owned(), metrics: Some(BufWriter::new(file)), train, eval })
+        let (metrics, events) = (Some(BufWriter::new(file)), Some(events(dir)?));
+        Ok(Recorder { dir: dir.to_owned(), metrics, events, train, eval })
     }
 
     pub fn step(&mut self, record: &StepRecord) -> Result<()> {
         self.train.push((record.step, record.loss));
+        if let Some(events) = &mut self.events {
+            let mut scalars = vec![
+                ("train/loss", record.loss),
+                ("train/lr", record.lr),
+                ("train/loss_scale", f64::from(record.loss_scale)),
+                ("train/tokens_per_s", record.tokens_per_s),
+            ];
+            scalars.extend(record.grad_norm.map(|norm| ("train/grad_norm", norm)));
+            events.scalars(record.step, &scalars).map_err(io("write the event file".to_owned()))?;
+        }
         self.write(&json!({
             "step": record.step,
             "loss": record.loss,
@@ -106,6 +124,10 @@ impl Recorder {
 
     pub fn eval(&mut self, step: u64, eval_loss: f64) -> Result<()> {
         self.eval.push((step, eval_loss));
+        if let Some(events) = &mut self.events {
+            let scalars = [("eval/loss", eval_loss)];
+            events.scalars(step, &scalars).map_err(io("write the event file".to_owned()))?;
+        }
         self.write(&json!({ "step": step, "eval_loss": eval_loss }))
     }
 
@@ -136,4 +158,9 @@ impl Recorder {
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(path, bytes).map_err(io(format!("write {}", path.display())))
+}
+
+/// A new TensorBoard event file in `dir`.
+fn events(dir: &Path) -> Result<EventWriter> {
+    EventWriter::create(dir).map_err(io(format!("create an event file in {}", dir.display())))
 }

@@ -34,6 +34,12 @@ pub struct Extra {
     pub data_files: Vec<DataFile>,
     /// Where the training stream's next step starts (the evaluation set is fixed by the seed).
     pub data_position: DataPosition,
+    /// `--eval-data` and `--eval-tokens` (absent in checkpoints from before them): a resumed run
+    /// holds out the same evaluation set, so its training stream reads the same tokens.
+    #[serde(default)]
+    pub eval_data: Option<String>,
+    #[serde(default)]
+    pub eval_tokens: Option<u64>,
     pub seed: u64,
     /// Optimizer steps the trainer has taken (skipped ones included).
     pub step: u64,

@@ -269,6 +269,8 @@ fn summary<F: Family, M: Model>(
         "device": trainer.device_description,
         "world_size": setup.dist.world_size,
         "data": setup.data.description,
+        "eval_data": setup.data.eval_description,
+        "eval_tokens": setup.data.eval_tokens,
         "model": family,
         "parameters": family.num_params(),
         "resumed_from": resumed_from,
@@ -287,7 +289,8 @@ fn log_start(setup: &Setup, model: &impl Family) {
     let batch = &config.batch;
     tracing::info!(
         "training {} parameters ({} layers, d_model {}) for {} steps of {} sequences of {} \
-         tokens (micro-batch {}, accumulation {}), {}, ZeRO stage {}, {}, lr {} ({}); data: {}",
+         tokens (micro-batch {}, accumulation {}), {}, ZeRO stage {}, {}, lr {} ({}); data: {}; \
+         eval: {}",
         model.num_params(),
         model.n_layer(),
         model.hidden_size(),
@@ -302,6 +305,7 @@ fn log_start(setup: &Setup, model: &impl Family) {
         config.optimizer.lr,
         config.scheduler.map_or("constant", |s| s.type_name()),
         setup.data.description,
+        setup.data.eval_description,
     );
 }
 

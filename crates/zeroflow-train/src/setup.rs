@@ -54,7 +54,10 @@ pub struct TrainOptions {
     pub steps: Option<NonZeroU64>,
     pub extend_schedule: bool,
     pub eval_every: u64,
-    pub eval_batches: NonZeroU64,
+    /// `--eval-tokens`: tokens of the evaluation set (default: see [`data::Shape::eval_tokens`]).
+    pub eval_tokens: Option<NonZeroU64>,
+    /// `--eval-data`: what to evaluate on instead of a held-out part of `--data`.
+    pub eval_data: Option<String>,
     pub seq: Option<NonZeroU64>,
     pub log_every: NonZeroU64,
     pub out: Option<PathBuf>,
@@ -94,6 +97,9 @@ pub struct Setup {
     pub data_arg: String,
     /// The data files with their fingerprints, for the checkpoints.
     pub data_files: Vec<DataFile>,
+    /// `--eval-data` (resolved) and `--eval-tokens`, for the checkpoints.
+    pub eval_data: Option<String>,
+    pub eval_tokens: Option<u64>,
     pub config: Config,
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
@@ -175,9 +181,23 @@ impl Setup {
             rank: dist.rank,
             world_size: dist.world_size,
             seq,
-            eval_batches: args.eval_batches.get() as usize,
+            eval_tokens: args.eval_tokens.map(|n| n.get() as usize),
         };
-        let data = open_data(&spec, &model, shape, seed, &start)?;
+        let spec = match spec {
+            data::Spec::Jsonl(path) => {
+                let dir = match &start {
+                    Start::InitFrom { dir, .. } => Some(dir.clone()),
+                    Start::Resume { point, .. } => {
+                        point.extra.run.init_from.as_ref().map(PathBuf::from)
+                    }
+                    Start::Seed => None,
+                };
+                crate::chat_data::tokenize_jsonl(&path, dir.as_deref(), &out, dist.rank)?
+            }
+            spec => spec,
+        };
+        let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
+        let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
         let init_from = args.init_from.as_deref();
         let sampler =
             args.sample.as_ref().map(|sample| Sampler::new(sample, &model, &spec, init_from, &out));
@@ -187,6 +207,11 @@ impl Setup {
             data,
             data_arg: planned.data_arg,
             data_files: planned.data_files,
+            eval_data: args
+                .eval_data
+                .as_deref()
+                .map(|e| data_files::resolve(e).unwrap_or(e.into())),
+            eval_tokens: args.eval_tokens.map(NonZeroU64::get),
             config,
             config_file,
             steps,
@@ -253,6 +278,9 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     };
     if let Some(point) = &resume {
         default_to_saved(args, &point.extra.config);
+        args.eval_data = args.eval_data.take().or_else(|| point.extra.eval_data.clone());
+        args.eval_tokens =
+            args.eval_tokens.or_else(|| point.extra.eval_tokens.and_then(NonZeroU64::new));
     }
     let saved = resume.as_ref().map(|point| (&point.extra, point.dir.as_path()));
     let (data_arg, spec, data_files) = run_data(args, resume.as_ref())?;
@@ -375,12 +403,13 @@ fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
 /// The run's data, its training stream at the checkpoint's position when resuming.
 fn open_data(
     spec: &data::Spec,
+    eval: Option<&data::Spec>,
     model: &ModelSpec,
     shape: data::Shape,
     seed: u64,
     start: &Start,
 ) -> Result<Data> {
-    let mut data = Data::open(spec, model.vocab_size(), shape, seed)?;
+    let mut data = Data::open(spec, eval, model.vocab_size(), shape, seed)?;
     if let Start::Resume { point, .. } = start {
         data.train.seek(point.extra.data_position).map_err(|e| {
             input(format!("--resume {}: the data position: {e}", point.dir.display()))

@@ -36,10 +36,14 @@ pub(crate) struct Trainer<M: Model> {
     /// The checkpoint's tensors: Hugging Face names over the flat buffer.
     tensors: Vec<NamedTensor>,
     schedule: LrSchedule,
-    accum: u64,
     pub(crate) tokens_per_step: u64,
-    /// Reused for every micro-batch.
-    micro_batch: Batch,
+    /// The micro-batches of a step, reused.
+    micro_batches: Vec<Batch>,
+    /// Ranks in the job.
+    world: usize,
+    /// Whether the training data carries loss masks (the counted targets then differ between
+    /// micro-batches and are summed over the step's, on every rank).
+    masked: bool,
     /// Time spent in training steps (evaluation excluded), over the whole run.
     pub(crate) train_time: Duration,
     /// The run's wall-clock time before this process: up to the checkpoint it resumed from.
@@ -98,9 +102,10 @@ impl<M: Model> Trainer<M> {
             device_description,
             tensors: family.tensors(&layout)?,
             schedule: LrSchedule::from_config(config),
-            accum,
             tokens_per_step: accum * batch * setup.seq as u64 * world as u64,
-            micro_batch: Batch::default(),
+            micro_batches: vec![Batch::default(); accum as usize],
+            world,
+            masked: setup.data.train.masked(),
             train_time,
             wall_before,
             started,
@@ -181,6 +186,8 @@ impl<M: Model> Trainer<M> {
             data: setup.data_arg.clone(),
             data_files: setup.data_files.clone(),
             data_position: setup.data.train.position(),
+            eval_data: setup.eval_data.clone(),
+            eval_tokens: setup.eval_tokens,
             seed: setup.seed,
             step,
             lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },
@@ -230,32 +237,52 @@ impl<M: Model> Trainer<M> {
     }
 
     /// Optimizer step `step` (from 1): its micro-batches' forward and backward, then the update.
+    ///
+    /// The objective is the mean loss over the targets that count in the whole step (every
+    /// micro-batch of every rank; all of them without a loss mask), as transformers normalises
+    /// gradient accumulation: each micro-batch's backward is weighted by its share of the
+    /// counted targets ([`Trainer::counted_weight`]). A step with nothing counted has zero
+    /// gradients and reports a loss of 0.
     pub(crate) fn step(&mut self, step: u64, data: &mut DataLoader) -> Result<StepRecord> {
         let start = Instant::now();
         self.engine.set_lr(self.schedule.lr(step - 1))?;
         // What the optimizer step uses, as the engine holds it.
         let lr = self.engine.lr();
-        let mut loss_sum = 0.0;
         let mut report = StepReport::Accumulated;
         let epoch = data.position().epoch;
-        for _ in 0..self.accum {
-            data.next_into(&mut self.micro_batch).map_err(|e| input(format!("--data: {e}")))?;
-            let batch = &self.micro_batch;
+        let mut batches = std::mem::take(&mut self.micro_batches);
+        for batch in &mut batches {
+            data.next_into(batch).map_err(|e| input(format!("--data: {e}")))?;
+        }
+        let (weight, counted) = self.counted_weight(&batches)?;
+        // Σ over this rank's micro-batches of (mean loss × counted targets), and of the means.
+        let (mut loss_sum, mut mean_sum) = (0.0, 0.0);
+        for batch in &batches {
             self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
-            forward_backward(&mut self.engine, &mut self.model)?;
-            loss_sum += f64::from(self.model.loss().map_err(TrainError::model)?);
+            forward_backward(&mut self.engine, &mut self.model, weight)?;
+            let mean = f64::from(self.model.loss().map_err(TrainError::model)?);
+            loss_sum += mean * batch.counted() as f64;
+            mean_sum += mean;
             report = self.engine.step()?;
         }
+        self.micro_batches = batches;
         // Every rank reads the same stream positions, so every rank reports the same epochs
         // (ZenFlow's epoch-based selection counts them).
         for _ in epoch..data.position().epoch {
             self.engine.end_epoch();
         }
         self.train_time += start.elapsed();
-        // The mean over every rank's micro-batches (the ranks' batches are the same size), so that
-        // every rank sees the same loss and the log reads as one process with the global batch.
-        let local_loss = loss_sum / self.accum as f64;
-        let loss = self.group().mean(local_loss)?;
+        // The mean over every rank's counted targets, so that every rank sees the same loss and
+        // the log reads as one process with the global batch. Without a mask every micro-batch
+        // counts alike: the mean of the means, computed as it always was.
+        let loss = if !self.masked {
+            let accum = self.micro_batches.len() as f64;
+            self.group().mean(mean_sum / accum)?
+        } else if counted > 0.0 {
+            self.group().mean(loss_sum)? * self.world as f64 / counted
+        } else {
+            0.0
+        };
         if !loss.is_finite() {
             return Err(TrainError::NonFiniteLoss { loss, step });
         }
@@ -267,6 +294,24 @@ impl<M: Model> Trainer<M> {
         let tokens = step * self.tokens_per_step;
         let tokens_per_s = tokens as f64 / self.train_time.as_secs_f64();
         Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s })
+    }
+
+    /// The weight of each micro-batch's backward, and the targets that count in the step (all
+    /// ranks). A model's backward is the gradient of its micro-batch's summed loss over all its
+    /// `positions` (ignored targets lose 0) divided by `positions`, times the weight; the engine
+    /// averages over the step's `accum × world` micro-batches; so `weight = positions × accum ×
+    /// world / counted` makes every counted target's gradient `1 / counted`: the weight is
+    /// exactly 1 without a loss mask, and 0 where nothing counts.
+    fn counted_weight(&mut self, batches: &[Batch]) -> Result<(f64, f64)> {
+        let local: usize = batches.iter().map(Batch::counted).sum();
+        let counted = if self.masked {
+            self.group().mean(local as f64)? * self.world as f64
+        } else {
+            (local * self.world) as f64
+        };
+        let positions = batches.first().map_or(0, |b| b.targets.len());
+        let all = (positions * batches.len() * self.world) as f64;
+        Ok((if counted > 0.0 { all / counted } else { 0.0 }, counted))
     }
 
     /// The mean loss over the evaluation set (every rank's slice) with the engine's current
@@ -282,7 +327,9 @@ impl<M: Model> Trainer<M> {
         // orders it after the weights' last writer (the comm stream's all-gather with several
         // ranks, the upload with offload): wait for every stream. Evaluation is rare.
         self.engine.device().synchronize()?;
-        let mut sum = 0.0;
+        // Σ (mean loss × counted targets) and Σ counted targets: the mean over the whole set's
+        // counted targets (the padding of the last micro-batches counts for nothing).
+        let (mut sum, mut counted) = (0.0, 0.0);
         let mut evaluated = 0;
         for (i, batch) in eval.iter().enumerate() {
             if stop.requested() {
@@ -291,16 +338,19 @@ impl<M: Model> Trainer<M> {
             observer.doing(Activity::Evaluating { after, batch: i + 1, batches: eval.len() });
             self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
             self.model.forward(self.engine.params()).map_err(TrainError::model)?;
-            sum += f64::from(self.model.loss().map_err(TrainError::model)?);
+            let mean = f64::from(self.model.loss().map_err(TrainError::model)?);
+            sum += mean * batch.counted() as f64;
+            counted += batch.counted() as f64;
             evaluated += 1;
         }
         // Every rank abandons it where one did.
         if self.group().any(evaluated < eval.len())? {
             return Ok(None);
         }
-        // Every rank evaluated its slice of the same set: the mean is the whole set's loss.
-        let local = sum / eval.len() as f64;
-        Ok(Some(self.group().mean(local)?))
+        // Every rank evaluated its slice of the same set (Data::open checked that some of it
+        // counts).
+        let (sum, counted) = (self.group().mean(sum)?, self.group().mean(counted)?);
+        Ok(Some(if counted > 0.0 { sum / counted } else { 0.0 }))
     }
 }
 
@@ -356,14 +406,19 @@ fn config_error(setup: &Setup, e: EngineError) -> TrainError {
     }
 }
 
-/// One micro-step's forward and backward through the engine. The model reports each group of
-/// finished gradients to the engine as backward queues it.
-pub fn forward_backward<M: Model>(engine: &mut ModelEngine<M>, model: &mut M) -> Result<()> {
+/// One micro-step's forward and backward through the engine, the gradients scaled by `weight`
+/// (1: the micro-batch's mean loss). The model reports each group of finished gradients to the
+/// engine as backward queues it.
+pub fn forward_backward<M: Model>(
+    engine: &mut ModelEngine<M>,
+    model: &mut M,
+    weight: f64,
+) -> Result<()> {
     engine.backward(|io, grads_ready| -> Result<()> {
         // The model's callback cannot fail: the engine's first error is kept and returned.
         let mut engine_error: Option<EngineError> = None;
         model.forward(io.params).map_err(TrainError::model)?;
-        let loss_scale = f64::from(io.loss_scale);
+        let loss_scale = f64::from(io.loss_scale) * weight;
         model
             .backward(io.params, io.grads, loss_scale, &mut |ready| {
                 if engine_error.is_none() {

@@ -54,9 +54,14 @@ pub struct Args {
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end).
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub eval_every: u64,
-    /// Micro-batches in each evaluation (of --micro-batch sequences each, on every rank).
-    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(zeroflow_train::data::EVAL_BATCHES as u64).expect("non-zero"))]
-    pub eval_batches: NonZeroU64,
+    /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576 (at most a
+    /// tenth of the last file, held out from its end and never trained on); 4,096 for synthetic.
+    #[arg(long, value_name = "N")]
+    pub eval_tokens: Option<NonZeroU64>,
+    /// Evaluate on the start of these files (a file, directory or glob, as --data) instead of a
+    /// part held out from the end of --data.
+    #[arg(long, value_name = "FILE|DIR|GLOB")]
+    pub eval_data: Option<String>,
     /// Tokens per training sequence, at most the model's context. Default: GPT-2's context, the
     /// Llama family's 2048.
     #[arg(long, value_name = "N")]
@@ -137,7 +142,8 @@ impl Args {
             steps: self.steps,
             extend_schedule: self.extend_schedule,
             eval_every: self.eval_every,
-            eval_batches: self.eval_batches,
+            eval_tokens: self.eval_tokens,
+            eval_data: self.eval_data.clone(),
             seq: self.seq,
             log_every: self.log_every,
             out: self.out.clone(),

@@ -73,7 +73,7 @@ fn config_and_train_resolve_the_same_values_from_the_same_flags() {
         let out = dir.join(name);
         let out = out.to_str().unwrap();
         let run_flags =
-            ["--config", path, "--out", out, "--eval-every", "0", "--eval-batches", "1"];
+            ["--config", path, "--out", out, "--eval-every", "0", "--eval-tokens", "64"];
         let run = zeroflow(&[&["train"][..], &flags, &run_flags].concat());
         assert!(run.status.success(), "{}", text(&run.stderr));
         let summary = read_json(&Path::new(out).join("summary.json"));
@@ -126,8 +126,8 @@ fn the_cpu_example_configs_train_on_the_cpu_and_the_header_says_what_was_resolve
             "2",
             "--eval-every",
             "0",
-            "--eval-batches",
-            "1",
+            "--eval-tokens",
+            "64",
             "--out",
             out.to_str().unwrap(),
         ]);

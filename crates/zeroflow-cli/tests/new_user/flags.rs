@@ -28,8 +28,8 @@ fn warmup_sets_the_length_of_the_learning_rates_warm_up() {
         "2",
         "--eval-every",
         "0",
-        "--eval-batches",
-        "1",
+        "--eval-tokens",
+        "64",
     ];
     let default = dir.join("default");
     train_ok(&[&base[..], &["--out", default.to_str().unwrap()]].concat());
@@ -57,8 +57,8 @@ fn seq_sets_the_training_sequence_length_up_to_the_context() {
         "2",
         "--eval-every",
         "0",
-        "--eval-batches",
-        "1",
+        "--eval-tokens",
+        "64",
         "--out",
         out.to_str().unwrap(),
     ]);
@@ -86,8 +86,8 @@ fn weight_decay_fills_the_optimizer_and_changes_the_training() {
         "1e-2",
         "--eval-every",
         "0",
-        "--eval-batches",
-        "1",
+        "--eval-tokens",
+        "64",
     ];
     let losses = |decay: &str| {
         let out = dir.join(decay);
@@ -104,14 +104,14 @@ fn weight_decay_fills_the_optimizer_and_changes_the_training() {
 }
 
 /// The same training (the synthetic training stream does not depend on the evaluation), evaluated
-/// over 1 and over 4 batches of the held-out stream: the final eval losses are means over
-/// different data, so they differ, and the default (16) differs from both.
+/// over 64 and over 256 tokens of the held-out stream: the final eval losses are means over
+/// different data, so they differ, and the default (4,096 tokens) differs from both.
 #[test]
-fn eval_batches_sets_how_much_data_an_evaluation_reads() {
-    let dir = scratch("eval_batches");
-    let final_eval = |batches: &str| {
-        let out = dir.join(batches);
-        train_ok(&[
+fn eval_tokens_sets_how_much_data_an_evaluation_reads() {
+    let dir = scratch("eval_tokens");
+    let final_eval = |tokens: Option<&str>| {
+        let out = dir.join(tokens.unwrap_or("default"));
+        let mut flags = vec![
             "--model",
             MINI,
             "--steps",
@@ -120,20 +120,26 @@ fn eval_batches_sets_how_much_data_an_evaluation_reads() {
             "2",
             "--eval-every",
             "0",
-            "--eval-batches",
-            batches,
             "--out",
             out.to_str().unwrap(),
-        ]);
+        ];
+        flags.extend(tokens.map(|t| ["--eval-tokens", t]).into_iter().flatten());
+        train_ok(&flags);
         let summary = read_json(&out.join("summary.json"));
         let lines = step_lines(&out);
-        (summary["final_eval_loss"].as_f64().expect("an eval loss"), lines[1]["loss"].clone())
+        let eval_tokens = summary["eval_tokens"].as_u64().expect("the eval set's size");
+        (
+            summary["final_eval_loss"].as_f64().expect("an eval loss"),
+            lines[1]["loss"].clone(),
+            eval_tokens,
+        )
     };
-    let (one, one_train) = final_eval("1");
-    let (four, four_train) = final_eval("4");
-    let (sixteen, _) = final_eval("16");
-    assert_eq!(one_train, four_train, "the training is the same");
-    assert!(one != four && four != sixteen && one != sixteen, "{one} {four} {sixteen}");
+    let (small, small_train, small_tokens) = final_eval(Some("64"));
+    let (large, large_train, large_tokens) = final_eval(Some("256"));
+    let (default, _, default_tokens) = final_eval(None);
+    assert_eq!(small_train, large_train, "the training is the same");
+    assert_eq!((small_tokens, large_tokens, default_tokens), (64, 256, 4096));
+    assert!(small != large && large != default && small != default, "{small} {large} {default}");
 }
 
 #[test]
@@ -155,7 +161,7 @@ fn launch_accepts_torchruns_spelling_of_nproc_per_node() {
 #[test]
 fn every_new_flag_is_in_the_help() {
     let help = text(&zeroflow(&["train", "--help"]).stdout);
-    for flag in ["--seq", "--warmup", "--weight-decay", "--eval-batches", "--gpu"] {
+    for flag in ["--seq", "--warmup", "--weight-decay", "--eval-tokens", "--eval-data", "--gpu"] {
         assert!(help.contains(flag), "{flag} in train --help");
     }
     let help = text(&zeroflow(&["config", "--help"]).stdout);

@@ -17,6 +17,7 @@ use zeroflow_gpt::cuda::{ActivationMemory, CudaGptOptions, planned_memory};
 use zeroflow_gpt::{
     AttentionKind, CudaGpt, GptConfig, GradGroup, GradsReady, HostGpt, flat_layout, init_params,
 };
+use zeroflow_nn::kernels::loss::IGNORE;
 
 use crate::gpu;
 
@@ -102,14 +103,34 @@ fn bits(values: &[bf16]) -> Vec<u16> {
 fn check_against_cpu(
     device: &CudaDevice,
     config: &GptConfig,
+    shape: (usize, usize),
+    options: CudaGptOptions,
+    attention: AttentionKind,
+) {
+    check_against_cpu_masked(device, config, shape, options, attention, false);
+}
+
+/// [`check_against_cpu`], with `masked`: every third target and the whole first sequence's
+/// targets [`IGNORE`] (the loss-masked positions, which lose nothing and get no gradient).
+fn check_against_cpu_masked(
+    device: &CudaDevice,
+    config: &GptConfig,
     (batch, seq): (usize, usize),
     options: CudaGptOptions,
     attention: AttentionKind,
+    masked: bool,
 ) {
     let layout = flat_layout(config, 1).unwrap();
     let params = random_params(config, 5);
     let params64: Vec<f64> = params.iter().map(|x| x.to_f64()).collect();
-    let (inputs, targets) = random_tokens(config.vocab_size, batch * seq, 6);
+    let (inputs, mut targets) = random_tokens(config.vocab_size, batch * seq, 6);
+    if masked {
+        for (i, target) in targets.iter_mut().enumerate() {
+            if i % 3 == 0 || i < seq {
+                *target = IGNORE;
+            }
+        }
+    }
 
     let mut host = HostGpt::<f64>::with_attention(config, &layout, batch, seq, attention).unwrap();
     let loss_ref = host.forward(&params64, &inputs, &targets).unwrap();
@@ -136,10 +157,11 @@ fn check_against_cpu(
         device.download(&grads_gpu).unwrap().iter().map(|g| g.to_f64() / 4.0).collect();
 
     let d = format!(
-        "d{}{}{}",
+        "d{}{}{}{}",
         config.d_model,
         if options.fuse_gelu { "" } else { "_unfused" },
-        if attention == AttentionKind::Flash { "_flash" } else { "" }
+        if attention == AttentionKind::Flash { "_flash" } else { "" },
+        if masked { "_masked" } else { "" }
     );
     let loss_error = (loss - loss_ref).abs() / loss_ref;
     println!("RESULT gpt_loss {d} gpu={loss:.5} cpu={loss_ref:.5} rel={loss_error:.3e}");
@@ -187,6 +209,20 @@ fn logits_loss_and_every_gradient_match_the_cpu_model_at_a_width_of_15() {
     let Some(device) = gpu() else { return };
     let narrow = GptConfig { n_layer: 2, n_head: 3, d_model: 15, vocab_size: 70, context: 11 };
     check_against_cpu(&device, &narrow, (2, 9), CudaGptOptions::default(), AttentionKind::Gemm);
+}
+
+/// Loss-masked targets ([`IGNORE`]): the CUDA loss kernels (forward, mean over the counted
+/// positions, backward) against their CPU twins, through the whole model at odd sizes and at the
+/// scalar width, and with flash attention.
+#[test]
+fn with_ignored_targets_loss_and_every_gradient_match_the_cpu_model() {
+    let Some(device) = gpu() else { return };
+    let options = CudaGptOptions::default();
+    check_against_cpu_masked(&device, &TAILS, (3, 37), options, AttentionKind::Gemm, true);
+    let narrow = GptConfig { n_layer: 2, n_head: 3, d_model: 15, vocab_size: 70, context: 11 };
+    check_against_cpu_masked(&device, &narrow, (2, 9), options, AttentionKind::Gemm, true);
+    let (config, batch, seq) = FLASH_SHAPES[0];
+    check_against_cpu_masked(&device, &config, (batch, seq), options, AttentionKind::Flash, true);
 }
 
 /// With flash attention, at head sizes 64 and 128.

@@ -241,11 +241,12 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
                 v.softmax_xent_forward(a, vocab, padded_vocab)
             }
             Kernel::MeanLoss => {
-                // [loss, losses]
-                let params = v.places(&[&a[0]], &[&a[1]]).u32(a[1].len as u32);
-                // SAFETY: the parameters match `mean_loss(float* loss, const float* losses, u32
-                // n)`, both places f32 statistics of the schedule; one block of 1024 threads
-                // reads the `n` losses and writes the one loss.
+                // [loss, losses, targets]
+                let params = v.places(&[&a[0]], &[&a[1], &a[2]]).u32(a[1].len as u32);
+                // SAFETY: the parameters match `mean_loss(float* loss, const float* losses, const
+                // u32* targets, u32 n)`, the first two f32 statistics of the schedule and the
+                // third the `n` targets; one block of 1024 threads reads the `n` losses and
+                // targets and writes the one loss.
                 unsafe { v.launch(&self.kernels.mean_loss, 1, 1024, params) }
             }
             Kernel::SoftmaxXentBackward { .. } => {

@@ -15,6 +15,7 @@ use zeroflow_device::{CudaDevice, Device, HostBuffer, HostMemory};
 
 use crate::error::NnError;
 use crate::kernels::encoder::check_tokens;
+use crate::kernels::loss::check_targets;
 
 #[derive(Debug)]
 pub struct Tokens {
@@ -99,7 +100,7 @@ impl Tokens {
         }
         check_tokens(inputs, vocab)
             .map_err(|reason| NnError::Kernel { kernel: "encoder_forward", reason })?;
-        check_tokens(targets, vocab)
+        check_targets(targets, vocab)
             .map_err(|reason| NnError::Kernel { kernel: "softmax_xent_forward", reason })?;
         // Writing the staging buffer first waits for the copy that last read it (two batches
         // ago; see below), so the host never overwrites a buffer a copy is still reading.

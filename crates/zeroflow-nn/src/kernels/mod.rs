@@ -89,9 +89,12 @@ pub enum Kernel<X> {
     ResidualBackward,
     /// W probs, W losses, R logits, T targets.
     SoftmaxXent { vocab: usize, padded_vocab: usize },
-    /// W loss (one element), R losses.
+    /// W loss (one element), R losses, T targets: the mean over the targets that are not
+    /// [`loss::IGNORE`].
     MeanLoss,
-    /// W dlogits, R probs, T targets.
+    /// W dlogits, R probs, T targets: the gradient of `dloss × Σ losses` (a plan's `dloss` is
+    /// `1 / positions`: the mean over every position, the ignored ones losing 0, which is the
+    /// mean loss where none is ignored; the trainer reweights by the counted targets).
     SoftmaxXentBackward { vocab: usize, padded_vocab: usize, dloss: f64 },
     /// A kernel of the model family, its arguments in the order it documents.
     Layer(X),
@@ -247,7 +250,7 @@ pub fn run<F: Float, X: LayerKernel>(
             let (probs, losses) = (a.write(0), a.write(1));
             loss::softmax_xent_forward(probs, losses, a.read(2), a.tokens(3), vocab, padded_vocab)?;
         }
-        Kernel::MeanLoss => loss::mean_loss(a.write(0), a.read(1)),
+        Kernel::MeanLoss => loss::mean_loss(a.write(0), a.read(1), a.tokens(2)),
         Kernel::SoftmaxXentBackward { vocab, padded_vocab, dloss } => {
             let dlogits = a.write(0);
             let (probs, targets) = (a.read(1), a.tokens(2));
