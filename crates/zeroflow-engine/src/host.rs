@@ -2,12 +2,14 @@
 //! host memory (the copies in flight during a backward are `offloader.rs`'s).
 
 use std::any::TypeId;
+use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
-use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
+use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, MomentElem, Output};
 
 use crate::EngineError;
 use crate::speculation::{Stepped, segments};
@@ -29,13 +31,184 @@ pub(crate) const OUTGOING_BUFFERS: usize = 2;
 /// Elements per task of the host's parallel loops.
 pub(crate) const PAR_CHUNK: usize = 1 << 16;
 
-/// The CPU optimizer's own state for this rank's partition.
+/// The CPU optimizer's own state for this rank's partition: fp32 master weights and the Adam
+/// moments in the run's `optimizer_state_dtype`.
 #[derive(Debug)]
 pub(crate) struct HostOptimizer {
     pub master: HostBuffer<f32>,
-    pub exp_avg: HostBuffer<f32>,
-    pub exp_avg_sq: HostBuffer<f32>,
+    pub moments: HostMoments,
     pub adam: CpuAdam,
+}
+
+/// The host Adam moments of a partition: f32, or bf16 (rounded stochastically by the kernels).
+#[derive(Debug)]
+pub(crate) enum HostMoments {
+    F32 { exp_avg: HostBuffer<f32>, exp_avg_sq: HostBuffer<f32> },
+    Bf16 { exp_avg: HostBuffer<bf16>, exp_avg_sq: HostBuffer<bf16> },
+}
+
+impl HostMoments {
+    /// Zeroed moments of `len` elements as `dtype`.
+    pub(crate) fn alloc<D: Device>(
+        device: &D,
+        len: usize,
+        memory: HostMemory,
+        dtype: OptimizerStateDtype,
+    ) -> Result<Self, EngineError> {
+        Ok(match dtype {
+            OptimizerStateDtype::Fp32 => HostMoments::F32 {
+                exp_avg: device.alloc_host(len, memory)?,
+                exp_avg_sq: device.alloc_host(len, memory)?,
+            },
+            OptimizerStateDtype::Bf16 => HostMoments::Bf16 {
+                exp_avg: device.alloc_host(len, memory)?,
+                exp_avg_sq: device.alloc_host(len, memory)?,
+            },
+        })
+    }
+
+    /// `[exp_avg, exp_avg_sq]` of `range` as f32 into `to` (bf16 widens exactly).
+    pub(crate) fn read(&self, adam: &CpuAdam, range: Range<usize>, to: [&mut [f32]; 2]) {
+        match self {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => {
+                widen_into(adam, to, [&exp_avg[range.clone()], &exp_avg_sq[range]])
+            }
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                widen_into(adam, to, [&exp_avg[range.clone()], &exp_avg_sq[range]])
+            }
+        }
+    }
+
+    /// Both moments as f32 vectors (bf16 widens exactly).
+    pub(crate) fn to_f32(&self, adam: &CpuAdam) -> [Vec<f32>; 2] {
+        let len = self.len();
+        let [mut exp_avg, mut exp_avg_sq] = [vec![0.0; len], vec![0.0; len]];
+        self.read(adam, 0..len, [&mut exp_avg, &mut exp_avg_sq]);
+        [exp_avg, exp_avg_sq]
+    }
+
+    /// Overwrites `range` of both moments with `from` (f32): as they are, or rounded to the
+    /// nearest bf16, which is exact for values that were bf16 moments (backups, checkpoints of a
+    /// bf16 run).
+    pub(crate) fn write(&mut self, adam: &CpuAdam, range: Range<usize>, from: [&[f32]; 2]) {
+        match self {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => {
+                let to = [&mut exp_avg[range.clone()], &mut exp_avg_sq[range]];
+                narrow_into(adam, to, from)
+            }
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                let to = [&mut exp_avg[range.clone()], &mut exp_avg_sq[range]];
+                narrow_into(adam, to, from)
+            }
+        }
+    }
+
+    /// Element `i`'s `(exp_avg, exp_avg_sq)` as f32.
+    pub(crate) fn get(&self, i: usize) -> (f32, f32) {
+        match self {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => (exp_avg[i], exp_avg_sq[i]),
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                (exp_avg[i].to_f32(), exp_avg_sq[i].to_f32())
+            }
+        }
+    }
+
+    /// Sets element `i`'s moments (rounded to the nearest bf16 for bf16 moments).
+    pub(crate) fn set(&mut self, i: usize, (m, v): (f32, f32)) {
+        match self {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => (exp_avg[i], exp_avg_sq[i]) = (m, v),
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                (exp_avg[i], exp_avg_sq[i]) = (bf16::from_f32(m), bf16::from_f32(v));
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            HostMoments::F32 { exp_avg, .. } => exp_avg.len(),
+            HostMoments::Bf16 { exp_avg, .. } => exp_avg.len(),
+        }
+    }
+}
+
+/// `to[k][i] = from[k][i]` as f32, on the optimizer's threads.
+fn widen_into<M: MomentElem>(adam: &CpuAdam, to: [&mut [f32]; 2], from: [&[M]; 2]) {
+    for (to, from) in to.into_iter().zip(from) {
+        adam.for_each_chunk_mut(to, |offset, chunk| {
+            let from = &from[offset..offset + chunk.len()];
+            chunk.iter_mut().zip(from).for_each(|(t, f)| *t = f.to_f32());
+        });
+    }
+}
+
+/// `to[k][i] = from[k][i]` as `M` (to nearest), on the optimizer's threads.
+fn narrow_into<M: Float>(adam: &CpuAdam, to: [&mut [M]; 2], from: [&[f32]; 2]) {
+    for (to, from) in to.into_iter().zip(from) {
+        convert_into(adam, to, from);
+    }
+}
+
+impl HostOptimizer {
+    /// The state of a partition of `len` elements: master weights filled by `fill_master`,
+    /// zeroed moments as `moments`.
+    pub(crate) fn new<D: Device>(
+        device: &D,
+        len: usize,
+        fill_master: impl FnOnce(&mut [f32]),
+        memory: HostMemory,
+        adam: CpuAdam,
+        moments: OptimizerStateDtype,
+    ) -> Result<Self, EngineError> {
+        let mut master = device.alloc_host::<f32>(len, memory)?;
+        fill_master(&mut master);
+        let moments = HostMoments::alloc(device, len, memory, moments)?;
+        Ok(HostOptimizer { master, moments, adam })
+    }
+
+    /// One AdamW step over `range` of the partition with `grads` (the range's), writing the
+    /// updated weights as `P` into `out` (the range's): in the kernel's pass for bf16, after it
+    /// for another type.
+    pub(crate) fn step_range<P: Float>(
+        &mut self,
+        step: &AdamWStep,
+        range: Range<usize>,
+        grads: Grads<'_>,
+        out: &mut [P],
+    ) -> Result<(), EngineError> {
+        let HostOptimizer { master, moments, adam } = self;
+        let copy = as_bf16_mut(out);
+        let copied = copy.is_some();
+        let output = copy.map_or(Output::MasterOnly, Output::AlsoBf16);
+        let params = &mut **master;
+        match moments {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => {
+                let state = AdamState { params, exp_avg, exp_avg_sq };
+                adam.step_range(step, state, range.clone(), grads, output)?;
+            }
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                let state = AdamState { params, exp_avg, exp_avg_sq };
+                adam.step_range(step, state, range.clone(), grads, output)?;
+            }
+        }
+        if !copied {
+            convert_into(adam, out, &master[range]);
+        }
+        Ok(())
+    }
+
+    /// `[master, exp_avg, exp_avg_sq]` as f32 vectors.
+    pub(crate) fn to_f32(&self) -> [Vec<f32>; 3] {
+        let [exp_avg, exp_avg_sq] = self.moments.to_f32(&self.adam);
+        [self.master.to_vec(), exp_avg, exp_avg_sq]
+    }
+
+    /// Takes `[master, exp_avg, exp_avg_sq]` of the whole partition (moments rounded to nearest
+    /// where they are bf16).
+    pub(crate) fn restore(&mut self, [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3]) {
+        self.master.copy_from_slice(master);
+        let len = master.len();
+        self.moments.write(&self.adam, 0..len, [exp_avg, exp_avg_sq]);
+    }
 }
 
 /// The accumulating paths' CPU optimizer: the state, and the whole partition's updated weights
@@ -50,16 +223,8 @@ impl<P: Float> WholeStep<P> {
     /// One AdamW step over the partition with the accumulated gradients, then the weights as `P`
     /// into the upload buffer.
     pub(crate) fn step(&mut self, step: &AdamWStep, grad_acc: &[f32]) -> Result<(), EngineError> {
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut self.state;
-        let state = AdamState { params: master, exp_avg, exp_avg_sq };
-        match as_bf16_mut(&mut self.upload) {
-            Some(out) => adam.step(step, state, Grads::F32(grad_acc), Output::AlsoBf16(out))?,
-            None => {
-                adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
-                convert_into(adam, &mut self.upload, master);
-            }
-        }
-        Ok(())
+        let whole = 0..self.state.master.len();
+        self.state.step_range(step, whole, Grads::F32(grad_acc), &mut self.upload)
     }
 
     /// [`WholeStep::step`] over the partition except the pieces already `stepped` (sorted, as
@@ -70,21 +235,13 @@ impl<P: Float> WholeStep<P> {
         grad_acc: &[f32],
         stepped: &[Stepped],
     ) -> Result<(), EngineError> {
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut self.state;
         for (range, speculated) in segments(grad_acc.len(), stepped) {
             if speculated.is_some() {
                 continue;
             }
-            let state = AdamState { params: master, exp_avg, exp_avg_sq };
             let grads = Grads::F32(&grad_acc[range.clone()]);
             let out = &mut self.upload[range.clone()];
-            match as_bf16_mut(out) {
-                Some(out) => adam.step_range(step, state, range, grads, Output::AlsoBf16(out))?,
-                None => {
-                    adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
-                    convert_into(adam, out, &master[range]);
-                }
-            }
+            self.state.step_range(step, range, grads, out)?;
         }
         Ok(())
     }
@@ -278,17 +435,11 @@ impl<P: Float> HostAccumulator<P> {
         memory: HostMemory,
         adam: CpuAdam,
         delayed: Option<u64>,
+        moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let mut master = device.alloc_host::<f32>(partition, memory)?;
-        fill_master(&mut master);
+        let state = HostOptimizer::new(device, partition, fill_master, memory, adam, moments)?;
         let staging_len = bucket.min(partition);
         let staging = alloc_staging(device, staging_len, stream_chunk, memory, STAGING_BUFFERS)?;
-        let state = HostOptimizer {
-            master,
-            exp_avg: device.alloc_host(partition, memory)?,
-            exp_avg_sq: device.alloc_host(partition, memory)?,
-            adam,
-        };
         let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
         let cpu = match delayed {
             None => CpuStep::Inline(Box::new(whole)),
@@ -368,20 +519,17 @@ impl<P: Float> HostAccumulator<P> {
 
     /// This rank's optimizer state, copied (waiting for a delayed step first).
     pub(crate) fn state(&mut self) -> Result<[Vec<f32>; 3], EngineError> {
-        let state = &self.join()?.state;
-        Ok([state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()])
+        Ok(self.join()?.state.to_f32())
     }
 
     /// Takes a checkpoint's state, with an empty accumulator and the upload buffer refreshed.
     pub(crate) fn restore(
         &mut self,
-        [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3],
+        state: &[Vec<f32>; 3],
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         let whole = self.join()?;
-        whole.state.master.copy_from_slice(master);
-        whole.state.exp_avg.copy_from_slice(exp_avg);
-        whole.state.exp_avg_sq.copy_from_slice(exp_avg_sq);
+        whole.state.restore(state);
         whole.refresh_upload();
         self.clear_accumulator();
         self.upload_pending = upload_pending;
@@ -405,7 +553,8 @@ fn join_cpu<'c, P: Float>(
 }
 
 /// The streaming paths' CPU optimizer and the host buffers the step streams through: no
-/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all).
+/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all with
+/// fp32 moments, 8 with bf16).
 #[derive(Debug)]
 pub(crate) struct StreamBuffers<P: Float> {
     pub state: HostOptimizer,
@@ -425,17 +574,11 @@ impl<P: Float> StreamBuffers<P> {
         stream_chunk: usize,
         memory: HostMemory,
         adam: CpuAdam,
+        moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let mut master = device.alloc_host::<f32>(partition, memory)?;
-        fill_master(&mut master);
+        let state = HostOptimizer::new(device, partition, fill_master, memory, adam, moments)?;
         let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
         let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
-        let state = HostOptimizer {
-            master,
-            exp_avg: device.alloc_host(partition, memory)?,
-            exp_avg_sq: device.alloc_host(partition, memory)?,
-            adam,
-        };
         Ok(StreamBuffers { state, staging, outgoing })
     }
 }
@@ -456,8 +599,10 @@ mod tests {
         let lens = |buffers: &[HostBuffer<f32>]| buffers.iter().map(|b| b.len()).collect();
         let memory = HostMemory::Pinned;
         if streaming {
+            let moments = OptimizerStateDtype::Fp32;
             let host =
-                StreamBuffers::<f32>::new(&device, 60, fill, stream_chunk, memory, adam).unwrap();
+                StreamBuffers::<f32>::new(&device, 60, fill, stream_chunk, memory, adam, moments)
+                    .unwrap();
             (lens(&host.staging), lens(&host.outgoing))
         } else {
             let host = HostAccumulator::<f32>::new(
@@ -469,6 +614,7 @@ mod tests {
                 memory,
                 adam,
                 None,
+                OptimizerStateDtype::Fp32,
             )
             .unwrap();
             (lens(&host.staging), vec![])
