@@ -25,3 +25,60 @@ pub struct StepScalars {
     /// `-lr / (1 - β1^t)`, or `-lr` without bias correction.
     pub neg_step_size: f32,
 }
+
+/// The element type of the CPU optimizer's Adam moments (`exp_avg`, `exp_avg_sq`) in host
+/// memory (`zeroflow.optimizer_state_dtype`). The master weights stay fp32 either way.
+///
+/// bf16 halves the moments' bytes (12 to 8 bytes of optimizer state per parameter). fp16 is not
+/// offered: `exp_avg_sq` holds squared gradients, routinely below fp16's smallest normal
+/// (6.1e-5) and often below its smallest subnormal (6e-8), where it would flush to zero and
+/// turn the update into `m / eps`; bf16 has fp32's exponent range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OptimizerStateDtype {
+    /// fp32 moments, as torch and DeepSpeed keep them.
+    #[default]
+    Fp32,
+    /// bf16 moments, computed in f32 and stored with stochastic rounding (zeroflow-optim).
+    Bf16,
+}
+
+impl OptimizerStateDtype {
+    pub const ALL: [OptimizerStateDtype; 2] =
+        [OptimizerStateDtype::Fp32, OptimizerStateDtype::Bf16];
+
+    /// Bytes of one element of one moment.
+    pub const fn bytes(self) -> usize {
+        match self {
+            OptimizerStateDtype::Fp32 => 4,
+            OptimizerStateDtype::Bf16 => 2,
+        }
+    }
+
+    /// Bytes of host optimizer state per parameter: the fp32 master weight and both moments.
+    pub const fn state_bytes_per_param(self) -> usize {
+        4 + 2 * self.bytes()
+    }
+
+    /// The name in the config, flags and checkpoints: `fp32`, `bf16`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OptimizerStateDtype::Fp32 => "fp32",
+            OptimizerStateDtype::Bf16 => "bf16",
+        }
+    }
+
+    /// The dtype `name` names (`fp32`/`f32`, `bf16`), if any.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" | "float32" => Some(OptimizerStateDtype::Fp32),
+            "bf16" | "bfloat16" => Some(OptimizerStateDtype::Bf16),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for OptimizerStateDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

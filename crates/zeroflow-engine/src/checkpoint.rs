@@ -4,7 +4,8 @@
 //! - `state.json`: format and version, counters, the loss scaler, the layout, and whatever the
 //!   trainer adds (`extra`: config, data position, RNG, schedule);
 //! - `model.safetensors`: the weights as named tensors (Hugging Face names for the GPT model);
-//! - `optim/rank-R.safetensors`: `master`, `exp_avg`, `exp_avg_sq` of one flat range, with the
+//! - `optim/rank-R.safetensors`: `master` (F32), `exp_avg`, `exp_avg_sq` (F32, or BF16 for a run
+//!   with bf16 moments; `state.json` names the dtype too) of one flat range, with the
 //!   range in the metadata, so a checkpoint saved at one world size resumes at another; for a
 //!   ZenFlow run also `zenflow.window_grads` (the window's gradient sums of the same range)
 //!   and, as JSON in the metadata key `zenflow`, the selection and the window's position.
@@ -21,6 +22,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Element, bf16, f16};
 
 use crate::{LossScaler, OptimizerPart, ZenFlowSnapshot};
@@ -76,9 +78,17 @@ pub struct Meta {
     pub upload_pending: bool,
     /// The element type of `model.safetensors` (`F32`, `BF16`, `F16`).
     pub weights_dtype: String,
+    /// The element type of the optimizer parts' moments, `fp32` or `bf16` (absent in older
+    /// checkpoints, which are fp32).
+    #[serde(default = "fp32_name")]
+    pub optimizer_state_dtype: String,
     pub params: Vec<ParamEntry>,
     /// The trainer's own state.
     pub extra: serde_json::Value,
+}
+
+fn fp32_name() -> String {
+    OptimizerStateDtype::Fp32.name().to_string()
 }
 
 /// Element types that checkpoints store bit for bit.
@@ -259,11 +269,14 @@ fn model_bytes<P: Stored>(
     weights: &[P],
     tensors: &[NamedTensor],
 ) -> Result<Vec<u8>, CheckpointError> {
-    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+    let data: Vec<TensorBytes> = tensors
         .iter()
-        .map(|t| (t.name.clone(), t.shape.clone(), to_bytes(&weights[t.flat.clone()])))
+        .map(|t| {
+            let bytes = (P::SAFETENSORS, to_bytes(&weights[t.flat.clone()]));
+            (t.name.clone(), t.shape.clone(), bytes)
+        })
         .collect();
-    serialize(&data, P::SAFETENSORS, None, Path::new("model.safetensors"))
+    serialize(&data, None, Path::new("model.safetensors"))
 }
 
 fn part_bytes(
@@ -272,10 +285,19 @@ fn part_bytes(
     path: &Path,
 ) -> Result<Vec<u8>, CheckpointError> {
     let shape = vec![part.flat.len()];
+    // bf16 moments are held as f32 in the part (exactly): they are stored as the bf16 they were.
+    let moment = |values: &[f32]| match part.moments {
+        OptimizerStateDtype::Fp32 => (Dtype::F32, to_bytes(values)),
+        OptimizerStateDtype::Bf16 => {
+            let narrowed: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+            (Dtype::BF16, to_bytes(&narrowed))
+        }
+    };
+    let (exp_avg, exp_avg_sq) = (moment(&part.exp_avg), moment(&part.exp_avg_sq));
     let mut data = vec![
-        ("master".to_string(), shape.clone(), to_bytes(&part.master)),
-        ("exp_avg".to_string(), shape.clone(), to_bytes(&part.exp_avg)),
-        ("exp_avg_sq".to_string(), shape, to_bytes(&part.exp_avg_sq)),
+        ("master".to_string(), shape.clone(), (Dtype::F32, to_bytes(&part.master))),
+        ("exp_avg".to_string(), shape.clone(), exp_avg),
+        ("exp_avg_sq".to_string(), shape, exp_avg_sq),
     ];
     let mut metadata = HashMap::from([
         ("flat_start".to_string(), part.flat.start.to_string()),
@@ -283,7 +305,8 @@ fn part_bytes(
     ]);
     if let Some(z) = zenflow {
         let window = vec![z.window_grads.len()];
-        data.push(("zenflow.window_grads".to_string(), window, to_bytes(&z.window_grads)));
+        let window_grads = (Dtype::F32, to_bytes(&z.window_grads));
+        data.push(("zenflow.window_grads".to_string(), window, window_grads));
         let meta = ZenFlowMeta {
             selection: z.selection.clone(),
             steps_in_window: z.steps_in_window,
@@ -297,19 +320,21 @@ fn part_bytes(
         let json = serde_json::to_string(&meta).expect("serializable");
         metadata.insert("zenflow".to_string(), json);
     }
-    serialize(&data, Dtype::F32, Some(metadata), path)
+    serialize(&data, Some(metadata), path)
 }
 
+/// Named tensors: name, shape, and the element type with the little-endian bytes.
+type TensorBytes = (String, Vec<usize>, (Dtype, Vec<u8>));
+
 fn serialize(
-    data: &[(String, Vec<usize>, Vec<u8>)],
-    dtype: Dtype,
+    data: &[TensorBytes],
     metadata: Option<HashMap<String, String>>,
     path: &Path,
 ) -> Result<Vec<u8>, CheckpointError> {
     let views = data
         .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
+        .map(|(name, shape, (dtype, bytes))| {
+            TensorView::new(*dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
         })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| CheckpointError::Corrupt { path: path.into(), reason: e.to_string() })?;
@@ -366,6 +391,13 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
         let reason = format!("weights are {}, this run trains in {}", meta.weights_dtype, P::DTYPE);
         return Err(CheckpointError::Mismatch { path: state_path, reason });
     }
+    let Some(moments) = OptimizerStateDtype::from_name(&meta.optimizer_state_dtype) else {
+        let reason = format!(
+            "optimizer_state_dtype {:?} is neither \"fp32\" nor \"bf16\"",
+            meta.optimizer_state_dtype
+        );
+        return Err(CheckpointError::Corrupt { path: state_path, reason });
+    };
     let model_path = dir.join("model.safetensors");
     let model = fs::read(&model_path).map_err(io(&model_path))?;
     let tensors = read_tensors::<P>(&model, &model_path)?;
@@ -384,6 +416,13 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
             return Err(CheckpointError::Corrupt { path, reason });
         }
         zenflow.extend(rank_zenflow);
+        if part.moments != moments {
+            let reason = format!(
+                "its moments are {}, state.json says {}",
+                part.moments, meta.optimizer_state_dtype
+            );
+            return Err(CheckpointError::Corrupt { path, reason });
+        }
         // Rank r saved partition r, so the parts tile the flat buffer from 0 in rank order; what
         // reads them (`weights_from_master`, `Engine::restore`) relies on that.
         let expected_start = parts.last().map_or(0, |previous| previous.flat.end);
@@ -441,23 +480,41 @@ fn read_part(
         return Err(CheckpointError::Corrupt { path: path.into(), reason });
     }
     let file = SafeTensors::deserialize(bytes).map_err(corrupt(path))?;
-    let array = |name: &str| -> Result<Vec<f32>, CheckpointError> {
+    // A tensor of the part's length as f32 (bf16 widened exactly), if it is one of `dtypes`.
+    let array = |name: &str, dtypes: &[Dtype]| -> Result<(Dtype, Vec<f32>), CheckpointError> {
         let view = file.tensor(name).map_err(corrupt(path))?;
-        if view.dtype() != Dtype::F32 || view.shape() != [flat.len()] {
+        if !dtypes.contains(&view.dtype()) || view.shape() != [flat.len()] {
             let reason = format!(
-                "{name} is {:?} {:?}, expected F32 [{}]",
+                "{name} is {:?} {:?}, expected {} [{}]",
                 view.dtype(),
                 view.shape(),
+                dtypes.iter().map(|d| format!("{d:?}")).collect::<Vec<_>>().join(" or "),
                 flat.len()
             );
             return Err(CheckpointError::Mismatch { path: path.into(), reason });
         }
-        Ok(from_bytes(view.data()))
+        let values = match view.dtype() {
+            Dtype::BF16 => from_bytes::<bf16>(view.data()).iter().map(|v| v.to_f32()).collect(),
+            _ => from_bytes(view.data()),
+        };
+        Ok((view.dtype(), values))
+    };
+    let moment_dtypes = [Dtype::F32, Dtype::BF16];
+    let (exp_avg_dtype, exp_avg) = array("exp_avg", &moment_dtypes)?;
+    let (exp_avg_sq_dtype, exp_avg_sq) = array("exp_avg_sq", &moment_dtypes)?;
+    if exp_avg_dtype != exp_avg_sq_dtype {
+        let reason = format!("exp_avg is {exp_avg_dtype:?} but exp_avg_sq {exp_avg_sq_dtype:?}");
+        return Err(CheckpointError::Corrupt { path: path.into(), reason });
+    }
+    let moments = match exp_avg_dtype {
+        Dtype::BF16 => OptimizerStateDtype::Bf16,
+        _ => OptimizerStateDtype::Fp32,
     };
     let part = OptimizerPart {
-        master: array("master")?,
-        exp_avg: array("exp_avg")?,
-        exp_avg_sq: array("exp_avg_sq")?,
+        master: array("master", &[Dtype::F32])?.1,
+        exp_avg,
+        exp_avg_sq,
+        moments,
         flat: flat.clone(),
     };
     let Some(json) = metadata.metadata().as_ref().and_then(|m| m.get("zenflow")) else {
@@ -471,7 +528,7 @@ fn read_part(
         let reason = "the ZenFlow window's range differs from the optimizer part's".to_string();
         return Err(CheckpointError::Corrupt { path: path.into(), reason });
     }
-    let window_grads = array("zenflow.window_grads")?;
+    let window_grads = array("zenflow.window_grads", &[Dtype::F32])?.1;
     let zenflow = ZenFlowSnapshot {
         selection: z.selection,
         steps_in_window: z.steps_in_window,

@@ -34,6 +34,7 @@ mod zenflow;
 use std::ops::Range;
 
 use zeroflow_core::Float;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
@@ -79,6 +80,8 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     bucketer: Bucketer,
     adamw: AdamW,
     scaler: LossScaler,
+    /// The element type the optimizer keeps the moments in (fp32 on the device).
+    moments: OptimizerStateDtype,
     micro_steps: u64,
     backward_pending: bool,
     /// The mutation of the self-check (see [`Engine::mutate_remove_d2h_wait`]); always false in
@@ -152,6 +155,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             adamw: AdamW::new(opts.adamw)?,
             scaler: opts.scaler.clone(),
             grad_accum: opts.grad_accum,
+            moments: opts.offload().map_or(OptimizerStateDtype::Fp32, |offload| offload.moments),
             shared,
             path,
             micro_steps: 0,
@@ -277,6 +281,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 master: state.master,
                 exp_avg: state.exp_avg,
                 exp_avg_sq: state.exp_avg_sq,
+                moments: self.moments,
             },
             optimizer_steps: self.adamw.steps_taken(),
             micro_steps: self.micro_steps,
@@ -310,6 +315,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             });
         }
         let state = state::assemble(&self.shared.layout, &self.shared.owned, parts, rank)?;
+        self.warn_on_moment_conversion(parts);
         self.shared.device.synchronize()?;
         overwrite(&self.shared.device, &self.shared.params, weights)?;
         self.path.restore(&mut self.shared, state, upload_pending, zenflow)?;
@@ -317,6 +323,28 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         self.micro_steps = micro_steps;
         self.scaler = from.scaler.clone();
         Ok(())
+    }
+
+    /// The element type the optimizer keeps the Adam moments in.
+    pub fn optimizer_state_dtype(&self) -> OptimizerStateDtype {
+        self.moments
+    }
+
+    /// Says so where restored moments change dtype: bf16 to fp32 is exact, fp32 to bf16 rounds
+    /// each moment to the nearest bf16 (once; the run goes on with stochastic rounding).
+    fn warn_on_moment_conversion(&self, parts: &[OptimizerPart]) {
+        let Some(saved) = parts.iter().map(|p| p.moments).find(|m| *m != self.moments) else {
+            return;
+        };
+        let how = match self.moments {
+            OptimizerStateDtype::Fp32 => "widened exactly",
+            OptimizerStateDtype::Bf16 => "rounded to the nearest bf16",
+        };
+        tracing::warn!(
+            "the checkpoint's Adam moments are {saved}, this run keeps them in {}: they are {how} \
+             (zeroflow.optimizer_state_dtype)",
+            self.moments
+        );
     }
 
     /// Runs one micro-step's forward and backward. `forward_backward` queues the model on the

@@ -2,14 +2,17 @@
 //! host memory (the copies in flight during a backward are `offloader.rs`'s).
 
 use std::any::TypeId;
+use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
+pub(crate) use crate::host_moments::HostMoments;
 use crate::speculation::{Stepped, segments};
 
 /// How many staging buffers gradients cycle through on their way to the host.
@@ -29,13 +32,76 @@ pub(crate) const OUTGOING_BUFFERS: usize = 2;
 /// Elements per task of the host's parallel loops.
 pub(crate) const PAR_CHUNK: usize = 1 << 16;
 
-/// The CPU optimizer's own state for this rank's partition.
+/// The CPU optimizer's own state for this rank's partition: fp32 master weights and the Adam
+/// moments in the run's `optimizer_state_dtype`.
 #[derive(Debug)]
 pub(crate) struct HostOptimizer {
     pub master: HostBuffer<f32>,
-    pub exp_avg: HostBuffer<f32>,
-    pub exp_avg_sq: HostBuffer<f32>,
+    pub moments: HostMoments,
     pub adam: CpuAdam,
+}
+
+impl HostOptimizer {
+    /// The state of a partition of `len` elements: master weights filled by `fill_master`,
+    /// zeroed moments as `moments`.
+    pub(crate) fn new<D: Device>(
+        device: &D,
+        len: usize,
+        fill_master: impl FnOnce(&mut [f32]),
+        memory: HostMemory,
+        adam: CpuAdam,
+        moments: OptimizerStateDtype,
+    ) -> Result<Self, EngineError> {
+        let mut master = device.alloc_host::<f32>(len, memory)?;
+        fill_master(&mut master);
+        let moments = HostMoments::alloc(device, len, memory, moments)?;
+        Ok(HostOptimizer { master, moments, adam })
+    }
+
+    /// One AdamW step over `range` of the partition with `grads` (the range's), writing the
+    /// updated weights as `P` into `out` (the range's): in the kernel's pass for bf16, after it
+    /// for another type.
+    pub(crate) fn step_range<P: Float>(
+        &mut self,
+        step: &AdamWStep,
+        range: Range<usize>,
+        grads: Grads<'_>,
+        out: &mut [P],
+    ) -> Result<(), EngineError> {
+        let HostOptimizer { master, moments, adam } = self;
+        let copy = as_bf16_mut(out);
+        let copied = copy.is_some();
+        let output = copy.map_or(Output::MasterOnly, Output::AlsoBf16);
+        let params = &mut **master;
+        match moments {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => {
+                let state = AdamState { params, exp_avg, exp_avg_sq };
+                adam.step_range(step, state, range.clone(), grads, output)?;
+            }
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                let state = AdamState { params, exp_avg, exp_avg_sq };
+                adam.step_range(step, state, range.clone(), grads, output)?;
+            }
+        }
+        if !copied {
+            convert_into(adam, out, &master[range]);
+        }
+        Ok(())
+    }
+
+    /// `[master, exp_avg, exp_avg_sq]` as f32 vectors.
+    pub(crate) fn to_f32(&self) -> [Vec<f32>; 3] {
+        let [exp_avg, exp_avg_sq] = self.moments.to_f32(&self.adam);
+        [self.master.to_vec(), exp_avg, exp_avg_sq]
+    }
+
+    /// Takes `[master, exp_avg, exp_avg_sq]` of the whole partition (moments rounded to nearest
+    /// where they are bf16).
+    pub(crate) fn restore(&mut self, [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3]) {
+        self.master.copy_from_slice(master);
+        let len = master.len();
+        self.moments.write(&self.adam, 0..len, [exp_avg, exp_avg_sq]);
+    }
 }
 
 /// The accumulating paths' CPU optimizer: the state, and the whole partition's updated weights
@@ -50,16 +116,8 @@ impl<P: Float> WholeStep<P> {
     /// One AdamW step over the partition with the accumulated gradients, then the weights as `P`
     /// into the upload buffer.
     pub(crate) fn step(&mut self, step: &AdamWStep, grad_acc: &[f32]) -> Result<(), EngineError> {
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut self.state;
-        let state = AdamState { params: master, exp_avg, exp_avg_sq };
-        match as_bf16_mut(&mut self.upload) {
-            Some(out) => adam.step(step, state, Grads::F32(grad_acc), Output::AlsoBf16(out))?,
-            None => {
-                adam.step(step, state, Grads::F32(grad_acc), Output::MasterOnly)?;
-                convert_into(adam, &mut self.upload, master);
-            }
-        }
-        Ok(())
+        let whole = 0..self.state.master.len();
+        self.state.step_range(step, whole, Grads::F32(grad_acc), &mut self.upload)
     }
 
     /// [`WholeStep::step`] over the partition except the pieces already `stepped` (sorted, as
@@ -70,21 +128,13 @@ impl<P: Float> WholeStep<P> {
         grad_acc: &[f32],
         stepped: &[Stepped],
     ) -> Result<(), EngineError> {
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut self.state;
         for (range, speculated) in segments(grad_acc.len(), stepped) {
             if speculated.is_some() {
                 continue;
             }
-            let state = AdamState { params: master, exp_avg, exp_avg_sq };
             let grads = Grads::F32(&grad_acc[range.clone()]);
             let out = &mut self.upload[range.clone()];
-            match as_bf16_mut(out) {
-                Some(out) => adam.step_range(step, state, range, grads, Output::AlsoBf16(out))?,
-                None => {
-                    adam.step_range(step, state, range.clone(), grads, Output::MasterOnly)?;
-                    convert_into(adam, out, &master[range]);
-                }
-            }
+            self.state.step_range(step, range, grads, out)?;
         }
         Ok(())
     }
@@ -284,17 +334,11 @@ impl<P: Float> HostAccumulator<P> {
         memory: HostMemory,
         adam: CpuAdam,
         delayed: Option<u64>,
+        moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let mut master = device.alloc_host::<f32>(partition, memory)?;
-        fill_master(&mut master);
+        let state = HostOptimizer::new(device, partition, fill_master, memory, adam, moments)?;
         let staging_len = bucket.min(partition);
         let staging = alloc_staging(device, staging_len, stream_chunk, memory, STAGING_BUFFERS)?;
-        let state = HostOptimizer {
-            master,
-            exp_avg: device.alloc_host(partition, memory)?,
-            exp_avg_sq: device.alloc_host(partition, memory)?,
-            adam,
-        };
         let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
         let cpu = match delayed {
             None => CpuStep::Inline(Box::new(whole)),
@@ -374,20 +418,17 @@ impl<P: Float> HostAccumulator<P> {
 
     /// This rank's optimizer state, copied (waiting for a delayed step first).
     pub(crate) fn state(&mut self) -> Result<[Vec<f32>; 3], EngineError> {
-        let state = &self.join()?.state;
-        Ok([state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()])
+        Ok(self.join()?.state.to_f32())
     }
 
     /// Takes a checkpoint's state, with an empty accumulator and the upload buffer refreshed.
     pub(crate) fn restore(
         &mut self,
-        [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3],
+        state: &[Vec<f32>; 3],
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         let whole = self.join()?;
-        whole.state.master.copy_from_slice(master);
-        whole.state.exp_avg.copy_from_slice(exp_avg);
-        whole.state.exp_avg_sq.copy_from_slice(exp_avg_sq);
+        whole.state.restore(state);
         whole.refresh_upload();
         self.clear_accumulator();
         self.upload_pending = upload_pending;
@@ -411,7 +452,8 @@ fn join_cpu<'c, P: Float>(
 }
 
 /// The streaming paths' CPU optimizer and the host buffers the step streams through: no
-/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all).
+/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all with
+/// fp32 moments, 8 with bf16).
 #[derive(Debug)]
 pub(crate) struct StreamBuffers<P: Float> {
     pub state: HostOptimizer,
@@ -431,17 +473,11 @@ impl<P: Float> StreamBuffers<P> {
         stream_chunk: usize,
         memory: HostMemory,
         adam: CpuAdam,
+        moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let mut master = device.alloc_host::<f32>(partition, memory)?;
-        fill_master(&mut master);
+        let state = HostOptimizer::new(device, partition, fill_master, memory, adam, moments)?;
         let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
         let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
-        let state = HostOptimizer {
-            master,
-            exp_avg: device.alloc_host(partition, memory)?,
-            exp_avg_sq: device.alloc_host(partition, memory)?,
-            adam,
-        };
         Ok(StreamBuffers { state, staging, outgoing })
     }
 }
@@ -462,8 +498,10 @@ mod tests {
         let lens = |buffers: &[HostBuffer<f32>]| buffers.iter().map(|b| b.len()).collect();
         let memory = HostMemory::Pinned;
         if streaming {
+            let moments = OptimizerStateDtype::Fp32;
             let host =
-                StreamBuffers::<f32>::new(&device, 60, fill, stream_chunk, memory, adam).unwrap();
+                StreamBuffers::<f32>::new(&device, 60, fill, stream_chunk, memory, adam, moments)
+                    .unwrap();
             (lens(&host.staging), lens(&host.outgoing))
         } else {
             let host = HostAccumulator::<f32>::new(
@@ -475,6 +513,7 @@ mod tests {
                 memory,
                 adam,
                 None,
+                OptimizerStateDtype::Fp32,
             )
             .unwrap();
             (lens(&host.staging), vec![])

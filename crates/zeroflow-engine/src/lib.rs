@@ -19,6 +19,7 @@ mod device_adamw;
 mod engine;
 mod error;
 mod host;
+mod host_moments;
 mod memory;
 mod offloader;
 mod options;

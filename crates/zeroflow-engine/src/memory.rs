@@ -157,8 +157,9 @@ impl EngineOptions {
             }
             Placement::Offload(offload) => offload,
         };
-        // Every offload path's host optimizer: fp32 master weights and moments.
-        lines.push(line(Host, K::MasterAndMoments, n, 12));
+        // Every offload path's host optimizer: fp32 master weights and the moments in their dtype
+        // (`zeroflow.optimizer_state_dtype`: 12 bytes per element with fp32 moments, 8 with bf16).
+        lines.push(line(Host, K::MasterAndMoments, n, offload.moments.state_bytes_per_param()));
         let chunk = offload.stream.chunk;
         let delayed = match offload.update {
             OffloadUpdate::Exact => false,

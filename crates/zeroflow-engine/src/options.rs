@@ -5,6 +5,7 @@
 //! ZenFlow; combinations no path runs (a delayed update without offload, ZenFlow with the
 //! delayed update) cannot be written down.
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{Config, LossScaling, MixedPrecision, ZeroStage};
 use zeroflow_device::HostMemory;
 use zeroflow_optim::{AdamWConfig, Stores, WeightDecayMode};
@@ -61,6 +62,11 @@ pub struct Offload {
     pub update: OffloadUpdate,
     /// The tuning of the stream of gradients out and weights back.
     pub stream: StreamOptions,
+    /// The element type of the host Adam moments (`zeroflow.optimizer_state_dtype`; the master
+    /// weights are fp32 either way). Every offload path keeps its host moments in it; ZenFlow's
+    /// selected columns keep fp32 moments on the device. Changes the numbers: bf16 moments are
+    /// rounded stochastically (zeroflow-optim's `rounding`).
+    pub moments: OptimizerStateDtype,
 }
 
 /// How the offloaded optimizer step is taken.
@@ -142,6 +148,7 @@ impl Offload {
             cpu_threads,
             update: OffloadUpdate::Exact,
             stream: StreamOptions::default(),
+            moments: OptimizerStateDtype::Fp32,
         }
     }
 }
@@ -279,9 +286,16 @@ impl EngineOptions {
 /// Where a config puts the optimizer state, and how an offloaded one steps.
 fn placement(config: &Config, cpu_threads: usize) -> Result<Placement, EngineError> {
     let delayed = &config.zeroflow.delayed_update;
+    let moments = config.zeroflow.optimizer_state_dtype;
     let Some(offload) = config.zero.offload_optimizer else {
         if delayed.enabled {
             return Err(EngineError::Config("the delayed update needs CPU optimizer offload"));
+        }
+        if moments != OptimizerStateDtype::Fp32 {
+            return Err(EngineError::Config(
+                "zeroflow.optimizer_state_dtype: 16-bit moments are for the CPU optimizer \
+                 (zero_optimization.offload_optimizer); the device's AdamW keeps fp32 moments",
+            ));
         }
         // (The config's own checks refuse ZenFlow without offload.)
         return Ok(Placement::Device);
@@ -310,6 +324,7 @@ fn placement(config: &Config, cpu_threads: usize) -> Result<Placement, EngineErr
         cpu_threads,
         update,
         stream: StreamOptions::default(),
+        moments,
     }))
 }
 
@@ -406,5 +421,27 @@ mod tests {
         let options = EngineOptions::from_config(&resolved.config, 1).expect("offload delays");
         let update = options.offload().expect("offload").update;
         assert_eq!(update, OffloadUpdate::Delayed { warmup: 2 });
+    }
+
+    /// bf16 moments are for the CPU optimizer: with offload they reach its options, without it
+    /// (the device's fp32 AdamW) the config is refused saying why.
+    #[test]
+    fn bf16_moments_reach_the_offload_options_and_are_refused_without_offload() {
+        let options = |zero: &str| {
+            let text = format!(
+                r#"{{"train_batch_size": 4, "zero_optimization": {zero},
+                     "zeroflow": {{"optimizer_state_dtype": "bf16"}}}}"#
+            );
+            let resolved = resolve_str(&text, &Context::default()).expect("a valid config");
+            EngineOptions::from_config(&resolved.config, 1)
+        };
+        let offload = options(r#"{"stage": 2, "offload_optimizer": {"device": "cpu"}}"#).unwrap();
+        assert_eq!(offload.offload().unwrap().moments, OptimizerStateDtype::Bf16);
+        match options(r#"{"stage": 2}"#) {
+            Err(EngineError::Config(reason)) => {
+                assert!(reason.contains("optimizer_state_dtype") && reason.contains("offload"))
+            }
+            other => panic!("bf16 moments without offload: {other:?}"),
+        }
     }
 }

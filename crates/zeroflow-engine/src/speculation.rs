@@ -16,10 +16,10 @@ use std::ops::Range;
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, HostBuffer, HostMemory};
-use zeroflow_optim::{AdamState, AdamWStep, Grads, Output};
+use zeroflow_optim::{AdamWStep, Grads};
 
 use crate::EngineError;
-use crate::host::{HostOptimizer, as_bf16_mut, convert_into};
+use crate::host::HostOptimizer;
 
 /// The default of [`crate::StreamOptions::speculation_budget`]: none (speculation off). Measured
 /// on the H200 at gpt-1.3b (micro-batch 8 × 1024, clipping 1.0), a 4 GiB budget made the exact
@@ -191,28 +191,22 @@ impl<P: Float> Speculation<P> {
             return Err(EngineError::Internal("a speculative step without a step to assume"));
         };
         let len = range.len();
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = state;
-        for (backup, from) in self.backup.iter_mut().zip([&**master, &**exp_avg, &**exp_avg_sq]) {
-            let from = &from[range.clone()];
-            adam.for_each_chunk_mut(&mut backup[at..at + len], |offset, chunk| {
-                chunk.copy_from_slice(&from[offset..offset + chunk.len()]);
-            });
-        }
+        let HostOptimizer { master, moments, adam } = &*state;
+        let [master_backup, exp_avg_backup, exp_avg_sq_backup] = &mut self.backup;
+        let from = &master[range.clone()];
+        adam.for_each_chunk_mut(&mut master_backup[at..at + len], |offset, chunk| {
+            chunk.copy_from_slice(&from[offset..offset + chunk.len()]);
+        });
+        // bf16 moments are backed up as f32, exactly, and put back exactly.
+        let moment_backups =
+            [&mut exp_avg_backup[at..at + len], &mut exp_avg_sq_backup[at..at + len]];
+        moments.read(adam, range.clone(), moment_backups);
         let out = match (out, &mut self.weights) {
             (Some(out), _) => out,
             (None, Some(weights)) => &mut weights[at..at + len],
             (None, None) => return Err(EngineError::Internal("speculated weights have no place")),
         };
-        let state = AdamState { params: master, exp_avg, exp_avg_sq };
-        match as_bf16_mut(out) {
-            Some(out) => {
-                adam.step_range(&assumed.step, state, range.clone(), grads, Output::AlsoBf16(out))?
-            }
-            None => {
-                adam.step_range(&assumed.step, state, range.clone(), grads, Output::MasterOnly)?;
-                convert_into(adam, out, &master[range.clone()]);
-            }
-        }
+        state.step_range(&assumed.step, range.clone(), grads, out)?;
         self.stepped.push(Stepped { range, at });
         self.stats.speculated_elements += len as u64;
         Ok(())
@@ -253,16 +247,14 @@ impl<P: Float> Speculation<P> {
             return;
         }
         self.stats.redone_steps += 1;
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = state;
+        let HostOptimizer { master, moments, adam } = state;
         for piece in self.stepped.drain(..) {
-            let backups = self.backup.iter().map(|b| &b[piece.at..piece.at + piece.range.len()]);
-            for (to, backup) in
-                [&mut **master, &mut **exp_avg, &mut **exp_avg_sq].into_iter().zip(backups)
-            {
-                adam.for_each_chunk_mut(&mut to[piece.range.clone()], |offset, chunk| {
-                    chunk.copy_from_slice(&backup[offset..offset + chunk.len()]);
-                });
-            }
+            let [master_backup, exp_avg_backup, exp_avg_sq_backup] =
+                self.backup.each_ref().map(|b| &b[piece.at..piece.at + piece.range.len()]);
+            adam.for_each_chunk_mut(&mut master[piece.range.clone()], |offset, chunk| {
+                chunk.copy_from_slice(&master_backup[offset..offset + chunk.len()]);
+            });
+            moments.write(adam, piece.range.clone(), [exp_avg_backup, exp_avg_sq_backup]);
         }
     }
 
@@ -313,6 +305,7 @@ pub(crate) fn segments(len: usize, stepped: &[Stepped]) -> Vec<(Range<usize>, Op
 
 #[cfg(test)]
 mod tests {
+    use zeroflow_core::adamw::OptimizerStateDtype;
     use zeroflow_device::CpuDevice;
     use zeroflow_optim::{AdamW, AdamWConfig, CpuAdam, SimdLevel};
 
@@ -347,7 +340,7 @@ mod tests {
         assert_eq!(spec.capacity, 30);
         assert_eq!(speculation(usize::MAX).unwrap().capacity, 100);
         assert_eq!(spec.reserve(10), None, "no step is speculated yet");
-        let mut state = host_optimizer();
+        let mut state = host_optimizer(OptimizerStateDtype::Fp32);
         spec.begin(&mut state, Some(assumed(None)));
         assert_eq!(spec.reserve(20), Some(0));
         assert_eq!(spec.reserve(11), None);
@@ -358,7 +351,7 @@ mod tests {
     /// or is not finite; without a clip it is not kept.
     #[test]
     fn the_running_norm_stops_speculating_once_the_clip_will_fire() {
-        let mut state = host_optimizer();
+        let mut state = host_optimizer(OptimizerStateDtype::Fp32);
         let mut spec = speculation(usize::MAX).unwrap();
         spec.begin(&mut state, Some(assumed(Some(5.0))));
         spec.observe(Grads::F32(&[3.0, 3.0]));
@@ -378,54 +371,48 @@ mod tests {
     }
 
     /// A stepped piece is put back bit for bit when the step differs (or is skipped), and stands,
-    /// equal to stepping it directly, when the step is the one assumed.
+    /// equal to stepping it directly, when the step is the one assumed: with f32 moments and with
+    /// bf16 moments (backed up as f32).
     #[test]
     fn a_piece_rolls_back_exactly_or_stands() {
-        let mut state = host_optimizer();
-        state.master.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 0.25 - 7.0);
-        state.exp_avg.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 1e-3);
-        state.exp_avg_sq.iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 1e-4);
-        let before = [state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()];
-        let grads: Vec<f32> = (0..20).map(|i| i as f32 - 9.5).collect();
-        let assumed = assumed(None);
-        let mut spec = speculation(usize::MAX).unwrap();
-        for actual in [None, Some(AdamW::new(AdamWConfig::default()).unwrap().next_step(0.5))] {
+        for dtype in OptimizerStateDtype::ALL {
+            let mut state = host_optimizer(dtype);
+            state.master.iter_mut().enumerate().for_each(|(i, m)| *m = i as f32 * 0.25 - 7.0);
+            let exp_avg: Vec<f32> = (0..100).map(|i| i as f32 * 1e-3).collect();
+            let exp_avg_sq: Vec<f32> = (0..100).map(|i| i as f32 * 1e-4).collect();
+            state.moments.write(&state.adam, 0..100, [&exp_avg, &exp_avg_sq]);
+            let before = state.to_f32();
+            let grads: Vec<f32> = (0..20).map(|i| i as f32 - 9.5).collect();
+            let assumed = assumed(None);
+            let mut spec = speculation(usize::MAX).unwrap();
+            for actual in [None, Some(AdamW::new(AdamWConfig::default()).unwrap().next_step(0.5))] {
+                spec.begin(&mut state, Some(assumed));
+                let at = spec.reserve(20).unwrap();
+                spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
+                assert_ne!(state.to_f32(), before);
+                assert_eq!(spec.validate(&mut state, actual.as_ref()), Verdict::RolledBack);
+                assert_eq!(state.to_f32(), before, "{dtype}: restored after {actual:?}");
+            }
             spec.begin(&mut state, Some(assumed));
             let at = spec.reserve(20).unwrap();
             spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
-            assert_ne!(state.master.to_vec(), before[0]);
-            assert_eq!(spec.validate(&mut state, actual.as_ref()), Verdict::RolledBack);
-            let after = [state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()];
-            assert_eq!(after, before, "restored after {actual:?}");
+            assert_eq!(spec.validate(&mut state, Some(&assumed.step)), Verdict::Stands);
+            let mut direct = host_optimizer(dtype);
+            direct.restore(&before);
+            let mut out = vec![0.0f32; 20];
+            direct.step_range(&assumed.step, 10..30, Grads::F32(&grads), &mut out).unwrap();
+            assert_eq!(state.to_f32(), direct.to_f32(), "{dtype}");
+            let weights = &spec.weights().unwrap()[..20];
+            assert_eq!(weights, &direct.master[10..30], "the weights awaiting upload");
+            assert_eq!(spec.stats().redone_steps, 2);
+            assert_eq!(spec.stats().speculated_steps, 3);
         }
-        spec.begin(&mut state, Some(assumed));
-        let at = spec.reserve(20).unwrap();
-        spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
-        assert_eq!(spec.validate(&mut state, Some(&assumed.step)), Verdict::Stands);
-        let mut direct = host_optimizer();
-        direct.master.copy_from_slice(&before[0]);
-        direct.exp_avg.copy_from_slice(&before[1]);
-        direct.exp_avg_sq.copy_from_slice(&before[2]);
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut direct;
-        let direct_state = AdamState { params: master, exp_avg, exp_avg_sq };
-        let out = Output::MasterOnly;
-        adam.step_range(&assumed.step, direct_state, 10..30, Grads::F32(&grads), out).unwrap();
-        assert_eq!(state.master.to_vec(), direct.master.to_vec());
-        assert_eq!(state.exp_avg_sq.to_vec(), direct.exp_avg_sq.to_vec());
-        let weights = &spec.weights().unwrap()[..20];
-        assert_eq!(weights, &direct.master[10..30], "the weights awaiting upload");
-        assert_eq!(spec.stats().redone_steps, 2);
-        assert_eq!(spec.stats().speculated_steps, 3);
     }
 
-    fn host_optimizer() -> HostOptimizer {
+    fn host_optimizer(moments: OptimizerStateDtype) -> HostOptimizer {
         let device = CpuDevice::new().unwrap();
-        let alloc = || device.alloc_host::<f32>(100, HostMemory::Pageable).unwrap();
-        HostOptimizer {
-            master: alloc(),
-            exp_avg: alloc(),
-            exp_avg_sq: alloc(),
-            adam: CpuAdam::new(1, SimdLevel::detect()).unwrap(),
-        }
+        let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
+        let fill = |master: &mut [f32]| master.fill(0.0);
+        HostOptimizer::new(&device, 100, fill, HostMemory::Pageable, adam, moments).unwrap()
     }
 }

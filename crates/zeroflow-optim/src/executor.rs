@@ -6,7 +6,8 @@ use half::bf16;
 
 use crate::kernels::{self, SupportedLevel};
 pub(crate) use crate::piece::Piece;
-use crate::piece::{GradElem, Split};
+use crate::piece::{GradElem, MomentElem, Split};
+use crate::rounding::MomentSeeds;
 use crate::{AdamWStep, OptimError, SimdLevel};
 
 /// Chunk boundaries between threads fall on multiples of this many elements, counted from the
@@ -24,13 +25,14 @@ const DEFAULT_TASKS_PER_THREAD: usize = 8;
 /// costs more than it saves.
 const MIN_TASK_LEN: usize = 1 << 16;
 
-/// The fp32 optimizer state of one partition, owned by the caller (the engine keeps it in pinned
-/// host buffers): master weights and both Adam moments, all of the same length.
+/// The optimizer state of one partition, owned by the caller (the engine keeps it in pinned
+/// host buffers): fp32 master weights and both Adam moments as `M` (f32, or bf16 rounded
+/// stochastically: [`crate::rounding`]), all of the same length.
 #[derive(Debug)]
-pub struct AdamState<'a> {
+pub struct AdamState<'a, M = f32> {
     pub params: &'a mut [f32],
-    pub exp_avg: &'a mut [f32],
-    pub exp_avg_sq: &'a mut [f32],
+    pub exp_avg: &'a mut [M],
+    pub exp_avg_sq: &'a mut [M],
 }
 
 /// The gradients of the elements being updated, as they arrive: f32 (an accumulator) or bf16
@@ -110,6 +112,8 @@ pub struct CpuAdam {
     threads: usize,
     tasks_per_thread: usize,
     copy_stores: Stores,
+    /// Added to an element's index in the partition to key its bf16 moments' rounding draws.
+    rounding_offset: usize,
     /// `None` with one thread: the calling thread does the work.
     pool: Option<rayon::ThreadPool>,
 }
@@ -140,6 +144,7 @@ impl CpuAdam {
             threads,
             tasks_per_thread: DEFAULT_TASKS_PER_THREAD,
             copy_stores: Stores::NonTemporal,
+            rounding_offset: 0,
             pool,
         })
     }
@@ -161,6 +166,14 @@ impl CpuAdam {
         self
     }
 
+    /// Keys the rounding draws of bf16 moments by `offset + index in the partition` (default 0):
+    /// with the partition's start in the whole model, every element draws the same whatever the
+    /// number of ranks ([`crate::rounding`]).
+    pub fn with_rounding_offset(mut self, offset: usize) -> Self {
+        self.rounding_offset = offset;
+        self
+    }
+
     pub fn tasks_per_thread(&self) -> usize {
         self.tasks_per_thread
     }
@@ -178,10 +191,10 @@ impl CpuAdam {
     }
 
     /// One AdamW step over a whole partition: `grads` and `out` have the partition's length.
-    pub fn step(
+    pub fn step<M: MomentElem>(
         &self,
         step: &AdamWStep,
-        state: AdamState<'_>,
+        state: AdamState<'_, M>,
         grads: Grads<'_>,
         out: Output<'_>,
     ) -> Result<(), OptimError> {
@@ -192,11 +205,12 @@ impl CpuAdam {
     /// One AdamW step over the elements `range` of a partition: `state` holds the whole
     /// partition, while `grads` and `out` hold only the range (`range.len()` elements: the
     /// bucket's staging buffer and its upload buffer). Stepping every range of a partition once
-    /// gives exactly the bits of one [`CpuAdam::step`] over it.
-    pub fn step_range(
+    /// gives exactly the bits of one [`CpuAdam::step`] over it (bf16 moments included: their
+    /// rounding draws depend on the step and the element's index in the partition alone).
+    pub fn step_range<M: MomentElem>(
         &self,
         step: &AdamWStep,
-        state: AdamState<'_>,
+        state: AdamState<'_, M>,
         range: Range<usize>,
         grads: Grads<'_>,
         out: Output<'_>,
@@ -216,17 +230,19 @@ impl CpuAdam {
         let (params, exp_avg, exp_avg_sq) =
             (&mut params[range.clone()], &mut exp_avg[range.clone()], &mut exp_avg_sq[range]);
         let (scalars, level, copy_stores) = (&step.scalars, self.level, self.copy_stores);
+        let seeds = MomentSeeds::of_step(step.step());
+        let key = self.rounding_offset;
         match grads {
             Grads::F32(grads) => {
                 let piece = Piece { params, grads, exp_avg, exp_avg_sq, out };
-                self.run(piece, start, &|piece, _| {
-                    kernels::adamw(level, scalars, copy_stores, piece)
+                self.run(piece, start, &|piece, offset| {
+                    kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
                 });
             }
             Grads::Bf16(grads) => {
                 let piece = Piece { params, grads, exp_avg, exp_avg_sq, out };
-                self.run(piece, start, &|piece, _| {
-                    kernels::adamw(level, scalars, copy_stores, piece)
+                self.run(piece, start, &|piece, offset| {
+                    kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
                 });
             }
         }
@@ -279,11 +295,11 @@ fn check_len(what: &'static str, actual: usize, expected: usize) -> Result<(), O
 }
 
 /// Builds the piece for a whole-partition call of the roofline, checking the lengths.
-pub(crate) fn whole_piece<'a, G: GradElem>(
-    state: AdamState<'a>,
+pub(crate) fn whole_piece<'a, G: GradElem, M: MomentElem>(
+    state: AdamState<'a, M>,
     grads: &'a [G],
     out: Output<'a>,
-) -> Result<Piece<'a, G>, OptimError> {
+) -> Result<Piece<'a, G, M>, OptimError> {
     let len = state.params.len();
     check_len("exp_avg", state.exp_avg.len(), len)?;
     check_len("exp_avg_sq", state.exp_avg_sq.len(), len)?;

@@ -46,6 +46,7 @@ mod executor;
 mod kernels;
 mod piece;
 pub mod roofline;
+pub mod rounding;
 mod simd;
 mod workload;
 
@@ -53,5 +54,7 @@ pub use config::{AdamW, AdamWConfig, AdamWStep, StepScalars, WeightDecayMode};
 pub use error::OptimError;
 pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Stores};
 pub use half::bf16;
+pub use piece::MomentElem;
 pub use simd::{SimdLevel, UnknownSimdLevel};
 pub use workload::{GradDtype, Timings, Workload, measure};
+pub use zeroflow_core::adamw::OptimizerStateDtype;

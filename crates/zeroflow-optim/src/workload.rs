@@ -6,7 +6,10 @@ use half::vec::HalfBitsVecExt;
 use crate::roofline::{self, RooflineVariant};
 use std::time::Instant;
 
-use crate::{AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, OptimError, Output};
+use crate::{
+    AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, OptimError, OptimizerStateDtype,
+    Output,
+};
 
 /// The element type of the benchmark's gradients.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -89,35 +92,56 @@ impl FromZeroed<bf16> for Vec<bf16> {
     }
 }
 
-/// One partition's fp32 state, its gradients and optionally a bf16 copy buffer, in fresh memory
+/// Owned Adam moments of either type.
+#[derive(Debug)]
+enum MomentBuffers {
+    F32 { exp_avg: Aligned<f32>, exp_avg_sq: Aligned<f32> },
+    Bf16 { exp_avg: Aligned<bf16>, exp_avg_sq: Aligned<bf16> },
+}
+
+/// One partition's state (fp32 weights, moments of the asked dtype), its gradients and optionally a bf16 copy buffer, in fresh memory
 /// whose pages were first touched by the executor's threads with the executor's chunking (so that
 /// on a multi-socket host each chunk lives where it is updated), filled with random non-zero
 /// values.
 #[derive(Debug)]
 pub struct Workload {
     params: Aligned<f32>,
-    exp_avg: Aligned<f32>,
-    exp_avg_sq: Aligned<f32>,
+    moments: MomentBuffers,
     grads: GradBuffer,
     bf16_copy: Option<Aligned<bf16>>,
 }
 
 impl Workload {
     /// Bytes allocated per parameter: weights, both moments, gradients, the bf16 copy.
-    pub const fn bytes_allocated_per_param(grad: GradDtype, bf16_copy: bool) -> usize {
-        12 + grad.size() + if bf16_copy { 2 } else { 0 }
+    pub const fn bytes_allocated_per_param(
+        grad: GradDtype,
+        moments: OptimizerStateDtype,
+        bf16_copy: bool,
+    ) -> usize {
+        moments.state_bytes_per_param() + grad.size() + if bf16_copy { 2 } else { 0 }
     }
 
     /// Bytes one AdamW step (or roofline pass) reads and writes per parameter.
-    pub const fn bytes_moved_per_param(grad: GradDtype, bf16_copy: bool) -> usize {
-        roofline::bytes_per_param(grad.size(), bf16_copy)
+    pub const fn bytes_moved_per_param(
+        grad: GradDtype,
+        moments: OptimizerStateDtype,
+        bf16_copy: bool,
+    ) -> usize {
+        roofline::bytes_per_param(grad.size(), moments.bytes(), bf16_copy)
     }
 
     /// Allocates `len` parameters' buffers, each starting on a 64-byte line, and fills them on
     /// `adam`'s threads. Weights are ±0.5..1.5, first moments ±1e-3..0.1, second moments
-    /// 1e-6..1e-2, gradients ±1e-3..1, all non-zero and determined by `seed` and the element's
-    /// index alone.
-    pub fn new(adam: &CpuAdam, len: usize, grad: GradDtype, bf16_copy: bool, seed: u64) -> Self {
+    /// 1e-6..1e-2 (rounded to bf16 for bf16 moments), gradients ±1e-3..1, all non-zero and
+    /// determined by `seed` and the element's index alone.
+    pub fn new(
+        adam: &CpuAdam,
+        len: usize,
+        grad: GradDtype,
+        moments: OptimizerStateDtype,
+        bf16_copy: bool,
+        seed: u64,
+    ) -> Self {
         let random = |stream: u64, lo: f32, hi: f32, signed: bool| {
             move |offset: usize, chunk: &mut [f32]| {
                 for (i, x) in chunk.iter_mut().enumerate() {
@@ -125,31 +149,39 @@ impl Workload {
                 }
             }
         };
+        let random_bf16 = |stream: u64, lo: f32, hi: f32, signed: bool| {
+            move |offset: usize, chunk: &mut [bf16]| {
+                for (i, x) in chunk.iter_mut().enumerate() {
+                    let value = random_value(seed, stream, (offset + i) as u64, lo, hi, signed);
+                    *x = bf16::from_f32(value);
+                }
+            }
+        };
         let params = Aligned::new(adam, len, 0.0, random(0, 0.5, 1.5, true));
-        let exp_avg = Aligned::new(adam, len, 0.0, random(1, 1e-3, 0.1, true));
-        let exp_avg_sq = Aligned::new(adam, len, 0.0, random(2, 1e-6, 1e-2, false));
+        let moments = match moments {
+            OptimizerStateDtype::Fp32 => MomentBuffers::F32 {
+                exp_avg: Aligned::new(adam, len, 0.0, random(1, 1e-3, 0.1, true)),
+                exp_avg_sq: Aligned::new(adam, len, 0.0, random(2, 1e-6, 1e-2, false)),
+            },
+            OptimizerStateDtype::Bf16 => MomentBuffers::Bf16 {
+                exp_avg: Aligned::new(adam, len, bf16::ZERO, random_bf16(1, 1e-3, 0.1, true)),
+                exp_avg_sq: Aligned::new(adam, len, bf16::ZERO, random_bf16(2, 1e-6, 1e-2, false)),
+            },
+        };
         let grads = match grad {
             GradDtype::F32 => {
                 GradBuffer::F32(Aligned::new(adam, len, 0.0, random(3, 1e-3, 1.0, true)))
             }
-            GradDtype::Bf16 => {
-                GradBuffer::Bf16(Aligned::new(adam, len, bf16::ZERO, |offset, chunk| {
-                    for (i, x) in chunk.iter_mut().enumerate() {
-                        *x = bf16::from_f32(random_value(
-                            seed,
-                            3,
-                            (offset + i) as u64,
-                            1e-3,
-                            1.0,
-                            true,
-                        ));
-                    }
-                }))
-            }
+            GradDtype::Bf16 => GradBuffer::Bf16(Aligned::new(
+                adam,
+                len,
+                bf16::ZERO,
+                random_bf16(3, 1e-3, 1.0, true),
+            )),
         };
         let bf16_copy = bf16_copy
             .then(|| Aligned::new(adam, len, bf16::ZERO, |_, chunk| chunk.fill(bf16::ONE)));
-        Workload { params, exp_avg, exp_avg_sq, grads, bf16_copy }
+        Workload { params, moments, grads, bf16_copy }
     }
 
     pub fn len(&self) -> usize {
@@ -165,15 +197,36 @@ impl Workload {
         self.bf16_copy.is_some()
     }
 
+    /// The moments' element type.
+    pub fn moments(&self) -> OptimizerStateDtype {
+        match self.moments {
+            MomentBuffers::F32 { .. } => OptimizerStateDtype::Fp32,
+            MomentBuffers::Bf16 { .. } => OptimizerStateDtype::Bf16,
+        }
+    }
+
     /// One AdamW step over the whole workload.
     pub fn step(&mut self, adam: &CpuAdam, step: &AdamWStep) -> Result<(), OptimError> {
-        let Workload { params, exp_avg, exp_avg_sq, grads, bf16_copy } = self;
-        let state = AdamState {
-            params: params.get_mut(),
-            exp_avg: exp_avg.get_mut(),
-            exp_avg_sq: exp_avg_sq.get_mut(),
-        };
-        adam.step(step, state, grads_of(grads), output_of(bf16_copy))
+        let Workload { params, moments, grads, bf16_copy } = self;
+        let (params, grads, out) = (params.get_mut(), grads_of(grads), output_of(bf16_copy));
+        match moments {
+            MomentBuffers::F32 { exp_avg, exp_avg_sq } => {
+                let state = AdamState {
+                    params,
+                    exp_avg: exp_avg.get_mut(),
+                    exp_avg_sq: exp_avg_sq.get_mut(),
+                };
+                adam.step(step, state, grads, out)
+            }
+            MomentBuffers::Bf16 { exp_avg, exp_avg_sq } => {
+                let state = AdamState {
+                    params,
+                    exp_avg: exp_avg.get_mut(),
+                    exp_avg_sq: exp_avg_sq.get_mut(),
+                };
+                adam.step(step, state, grads, out)
+            }
+        }
     }
 
     /// One roofline pass (the traffic of a step, bf16 copy included; trivial arithmetic) over
@@ -183,13 +236,26 @@ impl Workload {
         adam: &CpuAdam,
         variant: RooflineVariant,
     ) -> Result<(), OptimError> {
-        let Workload { params, exp_avg, exp_avg_sq, grads, bf16_copy } = self;
-        let state = AdamState {
-            params: params.get_mut(),
-            exp_avg: exp_avg.get_mut(),
-            exp_avg_sq: exp_avg_sq.get_mut(),
-        };
-        roofline::pass(adam, state, grads_of(grads), output_of(bf16_copy), 0.0, variant)
+        let Workload { params, moments, grads, bf16_copy } = self;
+        let (params, grads, out) = (params.get_mut(), grads_of(grads), output_of(bf16_copy));
+        match moments {
+            MomentBuffers::F32 { exp_avg, exp_avg_sq } => {
+                let state = AdamState {
+                    params,
+                    exp_avg: exp_avg.get_mut(),
+                    exp_avg_sq: exp_avg_sq.get_mut(),
+                };
+                roofline::pass(adam, state, grads, out, 0.0, variant)
+            }
+            MomentBuffers::Bf16 { exp_avg, exp_avg_sq } => {
+                let state = AdamState {
+                    params,
+                    exp_avg: exp_avg.get_mut(),
+                    exp_avg_sq: exp_avg_sq.get_mut(),
+                };
+                roofline::pass(adam, state, grads, out, 0.0, variant)
+            }
+        }
     }
 }
 

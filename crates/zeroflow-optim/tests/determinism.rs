@@ -144,6 +144,6 @@ fn chunks_start_on_aligned_offsets_and_cover_everything_once() {
 fn an_empty_partition_steps_without_error() {
     let adam = CpuAdam::new(2, SimdLevel::detect()).unwrap();
     let step = AdamWStep::new(&test_config(WeightDecayMode::Decoupled, true), 1, 1.0).unwrap();
-    let state = AdamState { params: &mut [], exp_avg: &mut [], exp_avg_sq: &mut [] };
+    let state: AdamState<'_> = AdamState { params: &mut [], exp_avg: &mut [], exp_avg_sq: &mut [] };
     adam.step(&step, state, Grads::F32(&[]), Output::MasterOnly).expect("empty is fine");
 }

@@ -42,10 +42,11 @@ fn a_roofline_pass_updates_every_element_with_either_kind_of_store() {
     }
 }
 
-/// The byte counts per parameter: 28 with f32 gradients, 26 with bf16, 2 more with the copy.
+/// The byte counts per parameter with f32 moments: 28 with f32 gradients, 26 with bf16, 2 more
+/// with the copy.
 #[test]
 fn bytes_per_param_counts_every_stream() {
-    assert_eq!(bytes_per_param(4, false), 28);
-    assert_eq!(bytes_per_param(2, false), 26);
-    assert_eq!(bytes_per_param(4, true), 30);
+    assert_eq!(bytes_per_param(4, 4, false), 28);
+    assert_eq!(bytes_per_param(2, 4, false), 26);
+    assert_eq!(bytes_per_param(4, 4, true), 30);
 }

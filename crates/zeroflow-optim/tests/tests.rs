@@ -2,6 +2,7 @@
 
 mod accuracy;
 mod api;
+mod bf16_moments;
 mod bf16_output;
 mod determinism;
 mod roofline;

@@ -276,6 +276,7 @@ mod tests {
             scaler: LossScaler::None,
             upload_pending: false,
             weights_dtype: "F32".into(),
+            optimizer_state_dtype: "fp32".into(),
             params: vec![ParamEntry { name: "w".into(), shape: vec![4], offset: 0 }],
             extra: serde_json::Value::Null,
         };
@@ -284,6 +285,7 @@ mod tests {
             master: flat.clone().map(|i| i as f32).collect(),
             exp_avg: vec![0.5; flat.len()],
             exp_avg_sq: vec![0.25; flat.len()],
+            moments: zeroflow_core::adamw::OptimizerStateDtype::Fp32,
             flat,
         };
         (meta, tensors, vec![0.0, 1.0, 2.0, 3.0], [part(0..2), part(2..4)])

@@ -175,6 +175,7 @@ mod tests {
             scaler: LossScaler::None,
             upload_pending: false,
             weights_dtype: "F32".into(),
+            optimizer_state_dtype: "fp32".into(),
             params: Vec::new(),
             extra: serde_json::Value::Null,
         };

@@ -8,6 +8,7 @@
 
 use serde_json::json;
 use zeroflow_core::DType;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_engine::{BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement};
 use zeroflow_nn::PlanOptions;
 
@@ -384,6 +385,7 @@ enum Knob {
     Offload,
     ZenFlow,
     OptimizerOnGpu,
+    Bf16Moments,
 }
 
 impl Knob {
@@ -401,6 +403,9 @@ impl Knob {
             (Knob::OptimizerOnGpu, true) => "--mode gpu".into(),
             (Knob::OptimizerOnGpu, false) => {
                 "the optimizer on the GPU (no zero_optimization.offload_optimizer)".into()
+            }
+            (Knob::Bf16Moments, _) => {
+                "16-bit Adam moments (\"zeroflow\": {\"optimizer_state_dtype\": \"bf16\"})".into()
             }
         }
     }
@@ -428,6 +433,14 @@ impl Knob {
             }
             Knob::OptimizerOnGpu if inputs.options.offload().is_some() => {
                 out.options.placement = Placement::Device;
+            }
+            Knob::Bf16Moments
+                if inputs
+                    .options
+                    .offload()
+                    .is_some_and(|o| o.moments != OptimizerStateDtype::Bf16) =>
+            {
+                out.options.offload_mut()?.moments = OptimizerStateDtype::Bf16;
             }
             _ => return None,
         }
@@ -468,7 +481,7 @@ impl MemoryPlan {
                 .is_some_and(|plan| plan.fit(machine).fits())
         });
         knobs.extend(largest_batch);
-        knobs.extend([Knob::Offload, Knob::ZenFlow, Knob::OptimizerOnGpu]);
+        knobs.extend([Knob::Offload, Knob::ZenFlow, Knob::OptimizerOnGpu, Knob::Bf16Moments]);
         knobs
             .into_iter()
             .filter_map(|knob| {
@@ -639,6 +652,28 @@ mod tests {
         assert!(error.contains("Host: needs"), "{error}");
         assert!(error.contains("--mode gpu"), "{error}");
         assert!(!error.contains("GPU: needs"), "{error}");
+    }
+
+    /// A host that holds the offloaded optimizer with 16-bit moments but not with fp32 ones: the
+    /// error names the moments' dtype as a knob that fits, and the bf16 plan holds 4 fewer bytes
+    /// per element of host state.
+    #[test]
+    fn a_host_short_of_fp32_moments_names_16_bit_moments() {
+        let fp32 = MemoryPlan::new(inputs("gpt-1.3b", "offload", (8, 1024))).unwrap();
+        let mut bf16_inputs = inputs("gpt-1.3b", "offload", (8, 1024));
+        bf16_inputs.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
+        let bf16 = MemoryPlan::new(bf16_inputs).unwrap();
+        let state = |plan: &MemoryPlan| bytes(plan, MemoryKind::Host, "master weights and moments");
+        assert_eq!(state(&fp32) - state(&bf16), state(&fp32) / 3, "12 -> 8 bytes per element");
+        let between = (fp32.host_total + bf16.host_total) / 2;
+        let machine = MachineMemory {
+            gpu_total: Some(140 * GIB),
+            host_total: Some(between + GIB),
+            host_available: Some(between),
+        };
+        let error = fp32.check(&machine).expect_err("does not fit").to_string();
+        assert!(error.contains("optimizer_state_dtype"), "{error}");
+        assert_eq!(bf16.check(&machine).map_err(|e| e.to_string()), Ok(()));
     }
 
     /// A plan that fits says so and checks out.

@@ -221,6 +221,7 @@ impl<M: Model> Trainer<M> {
             scaler: snapshot.scaler.clone(),
             upload_pending: snapshot.upload_pending,
             weights_dtype: "F32".into(),
+            optimizer_state_dtype: snapshot.part.moments.name().into(),
             params: self
                 .engine
                 .layout()

@@ -6,7 +6,9 @@
 //! reaches is what tuning can still win.
 
 use clap::{Args, Subcommand, ValueEnum};
-use zeroflow_optim::{CpuAdam, GradDtype, SimdLevel, Stores, Timings, Workload, measure};
+use zeroflow_optim::{
+    CpuAdam, GradDtype, OptimizerStateDtype, SimdLevel, Stores, Timings, Workload, measure,
+};
 
 use crate::InputError;
 
@@ -47,6 +49,10 @@ pub struct CpuAdamArgs {
     /// Element type of the gradients read by the step.
     #[arg(long, value_enum, default_value_t = GradArg::F32)]
     grad: GradArg,
+    /// Element type of the Adam moments (`zeroflow.optimizer_state_dtype`): bf16 moves 8 bytes
+    /// fewer per parameter; the master weights stay fp32.
+    #[arg(long, value_enum, default_value_t = StateDtypeArg::Fp32)]
+    state_dtype: StateDtypeArg,
     /// Also write the bf16 copy of the updated weights in the same pass (+2 bytes per parameter).
     #[arg(long)]
     bf16_copy: bool,
@@ -81,6 +87,12 @@ enum StoresArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum StateDtypeArg {
+    Fp32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum GradArg {
     F32,
     Bf16,
@@ -107,6 +119,10 @@ fn cpu_adam(args: CpuAdamArgs) -> anyhow::Result<()> {
         GradArg::F32 => GradDtype::F32,
         GradArg::Bf16 => GradDtype::Bf16,
     };
+    let moments = match args.state_dtype {
+        StateDtypeArg::Fp32 => OptimizerStateDtype::Fp32,
+        StateDtypeArg::Bf16 => OptimizerStateDtype::Bf16,
+    };
     let threads = match args.threads {
         Some(0) => return Err(InputError::from_display("--threads must be at least 1")),
         Some(threads) => threads,
@@ -116,7 +132,8 @@ fn cpu_adam(args: CpuAdamArgs) -> anyhow::Result<()> {
         return Err(InputError::from_display("--params must be at least 1"));
     }
     if !args.skip_memory_check {
-        check_memory(args.params, Workload::bytes_allocated_per_param(grad, args.bf16_copy))?;
+        let bytes = Workload::bytes_allocated_per_param(grad, moments, args.bf16_copy);
+        check_memory(args.params, bytes)?;
     }
     let mut adam = CpuAdam::new(threads, level).map_err(InputError::from_display)?;
     if let Some(tasks) = args.tasks_per_thread {
@@ -129,9 +146,9 @@ fn cpu_adam(args: CpuAdamArgs) -> anyhow::Result<()> {
         });
     }
 
-    let mut workload = Workload::new(&adam, args.params, grad, args.bf16_copy, 0x5EED);
+    let mut workload = Workload::new(&adam, args.params, grad, moments, args.bf16_copy, 0x5EED);
     let timings = measure(&adam, &mut workload, args.warmup, args.iters)?;
-    report(&args, &adam, grad, &timings);
+    report(&args, &adam, grad, moments, &timings);
     Ok(())
 }
 
@@ -156,9 +173,15 @@ fn check_memory(params: usize, bytes_per_param: usize) -> anyhow::Result<()> {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-fn report(args: &CpuAdamArgs, adam: &CpuAdam, grad: GradDtype, timings: &Timings) {
+fn report(
+    args: &CpuAdamArgs,
+    adam: &CpuAdam,
+    grad: GradDtype,
+    moments: OptimizerStateDtype,
+    timings: &Timings,
+) {
     let params = args.params as f64;
-    let bytes_per_param = Workload::bytes_moved_per_param(grad, args.bf16_copy);
+    let bytes_per_param = Workload::bytes_moved_per_param(grad, moments, args.bf16_copy);
     let gparams = |seconds: f64| params / seconds / 1e9;
     let (roofline_variant, roofline_s) = timings.best_roofline();
     let variants: serde_json::Map<String, serde_json::Value> = timings
@@ -179,6 +202,7 @@ fn report(args: &CpuAdamArgs, adam: &CpuAdam, grad: GradDtype, timings: &Timings
             "simd": adam.simd_level().name(),
             "roofline_simd": SimdLevel::detect().name(),
             "grad_dtype": grad.name(),
+            "state_dtype": moments.name(),
             "bf16_copy": args.bf16_copy,
             "copy_stores": adam.copy_stores().name(),
             "tasks_per_thread": adam.tasks_per_thread(),
@@ -197,14 +221,15 @@ fn report(args: &CpuAdamArgs, adam: &CpuAdam, grad: GradDtype, timings: &Timings
         return;
     }
     println!(
-        "cpu-adam: {} params ({:.2e}), {} threads × {} chunks, {} kernel, {} gradients{}, \
-         median of {} passes",
+        "cpu-adam: {} params ({:.2e}), {} threads × {} chunks, {} kernel, {} gradients, {} \
+         moments{}, median of {} passes",
         args.params,
         params,
         adam.threads(),
         adam.tasks_per_thread(),
         adam.simd_level(),
         grad.name(),
+        moments.name(),
         if args.bf16_copy {
             format!(" + bf16 copy ({} stores)", adam.copy_stores().name())
         } else {

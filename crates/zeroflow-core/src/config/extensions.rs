@@ -9,12 +9,15 @@
 //!   "activation_checkpointing": false,
 //!   "cuda_wait": "auto",
 //!   "cpu_bind": "auto",
+//!   "optimizer_state_dtype": "fp32",
 //!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto",
 //!                "speculation_budget_mib": 0, "accumulate_on": "auto" }
 //! }
 //! ```
 //!
-//! Every key but `delayed_update` is the config layer of a run-time setting that a flag of the
+//! `optimizer_state_dtype` (`"fp32"`, the default, or `"bf16"`) is the element type of the CPU
+//! optimizer's Adam moments in host memory; it changes the numbers, and is read from the config
+//! only. Every other key but `delayed_update` is the config layer of a run-time setting that a flag of the
 //! same name and a `ZEROFLOW_*` variable override (docs/DESIGN.md, "The configuration surface").
 //! `"auto"` or an absent key leaves the setting to those layers or zeroflow's default; the
 //! resolved config writes it as `null`.
@@ -22,6 +25,8 @@
 use std::num::NonZeroU64;
 
 use serde_json::{Value, json};
+
+use crate::adamw::OptimizerStateDtype;
 
 use super::diagnostics::Diagnostics;
 use super::error::ConfigError;
@@ -41,6 +46,9 @@ pub struct ZeroflowExtensions {
     pub cuda_wait: Option<CudaWait>,
     /// `zeroflow.cpu_bind`; `None` (`"auto"`): bind where a host runs several ranks.
     pub cpu_bind: Option<CpuBind>,
+    /// `zeroflow.optimizer_state_dtype`: the host Adam moments' element type (default fp32;
+    /// `"auto"` is the default). Changes the numbers.
+    pub optimizer_state_dtype: OptimizerStateDtype,
     pub offload: OffloadTuning,
 }
 
@@ -144,6 +152,8 @@ const COPY_STORES: &[(&str, Option<CopyStores>)] = &[
 ];
 const GATHERS: &[(&str, Option<Gather>)] =
     &[("auto", None), ("pieces", Some(Gather::Pieces)), ("after-step", Some(Gather::AfterStep))];
+const OPTIMIZER_STATE_DTYPES: &[(&str, OptimizerStateDtype)] =
+    &[("fp32", OptimizerStateDtype::Fp32), ("bf16", OptimizerStateDtype::Bf16)];
 const ACCUMULATE_ONS: &[(&str, Option<AccumulateOn>)] =
     &[("auto", None), ("device", Some(AccumulateOn::Device)), ("host", Some(AccumulateOn::Host))];
 
@@ -169,6 +179,7 @@ impl ZeroflowExtensions {
             "activation_checkpointing": self.activation_checkpointing,
             "cuda_wait": name_of(CUDA_WAITS, self.cuda_wait),
             "cpu_bind": name_of(CPU_BINDS, self.cpu_bind),
+            "optimizer_state_dtype": self.optimizer_state_dtype.name(),
             "offload": {
                 "stream_chunk_mib": offload.stream_chunk_mib,
                 "copy_stores": name_of(COPY_STORES, offload.copy_stores),
@@ -199,6 +210,15 @@ pub(crate) fn read_extensions(
     let cuda_wait =
         named(&mut section, "cuda_wait", CUDA_WAITS, "\"auto\", \"block\" or \"spin\"")?;
     let cpu_bind = named(&mut section, "cpu_bind", CPU_BINDS, "\"auto\", \"on\" or \"off\"")?;
+    let optimizer_state_dtype = match section.choice(
+        "optimizer_state_dtype",
+        OPTIMIZER_STATE_DTYPES,
+        "\"fp32\" or \"bf16\" (fp16 moments are not offered: squared gradients underflow \
+         its range)",
+    )? {
+        Setting::Given(dtype) => dtype,
+        Setting::Absent | Setting::Auto => OptimizerStateDtype::default(),
+    };
     let offload = match section.section("offload")? {
         Some(offload) => read_offload(offload, diagnostics)?,
         None => OffloadTuning::default(),
@@ -210,6 +230,7 @@ pub(crate) fn read_extensions(
         activation_checkpointing,
         cuda_wait,
         cpu_bind,
+        optimizer_state_dtype,
         offload,
     })
 }

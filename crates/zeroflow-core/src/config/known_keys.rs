@@ -23,6 +23,8 @@ const STAGE3: &str = "a ZeRO stage 3 setting; zeroflow implements stages 0 to 2"
 const ZERO_PLUS_PLUS: &str = "a ZeRO++ setting; zeroflow does not implement ZeRO++";
 const NVME: &str = "an NVMe offload setting; zeroflow offloads to CPU memory only";
 const FP32_MASTER: &str = "zeroflow always keeps fp32 master weights and optimizer states";
+const STATE_DTYPE: &str = "zeroflow keeps fp32 master weights; its CPU optimizer's bf16 moments are asked for with \
+     zeroflow.optimizer_state_dtype";
 
 pub(crate) const TOP_LEVEL: &[IgnoredKey] = &[
     ignored("activation_checkpointing", NOT_USED),
@@ -143,7 +145,7 @@ pub(crate) const OFFLOAD_OPTIMIZER: &[IgnoredKey] = &[
 pub(crate) const BF16: &[IgnoredKey] = &[
     ignored("immediate_grad_update", NOT_USED),
     ignored("bf16_master_weights_and_grads", FP32_MASTER),
-    ignored("bf16_optimizer_states", FP32_MASTER),
+    ignored("bf16_optimizer_states", STATE_DTYPE),
 ];
 
 pub(crate) const FP16: &[IgnoredKey] =

@@ -4,6 +4,7 @@
 
 use std::num::NonZeroU64;
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{
     AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, Gather, OffloadTuning,
 };
@@ -115,6 +116,8 @@ fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
         (r#"{"offload": {"accumulate_on": "gpu"}}"#, "zeroflow.offload.accumulate_on", "\"gpu\""),
         (r#"{"offload": {"accumulate_on": 1}}"#, "zeroflow.offload.accumulate_on", "the number 1"),
         (r#"{"offload": 4}"#, "zeroflow.offload", "the number 4"),
+        (r#"{"optimizer_state_dtype": "fp16"}"#, "zeroflow.optimizer_state_dtype", "\"fp16\""),
+        (r#"{"optimizer_state_dtype": 16}"#, "zeroflow.optimizer_state_dtype", "the number 16"),
     ];
     for (section, path, found) in cases {
         let error = error_of(&with_zeroflow(section));
@@ -133,4 +136,27 @@ fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
 fn the_names_are_exact_as_elsewhere_in_the_config() {
     let error = error_of(&with_zeroflow(r#"{"attention": "Flash"}"#));
     assert_eq!(error.path(), Some("zeroflow.attention"));
+}
+
+/// `optimizer_state_dtype` is fp32 unless the config asks for bf16 (`"auto"` is the default),
+/// and the resolved config writes the dtype it resolved to.
+#[test]
+fn optimizer_state_dtype_defaults_to_fp32_and_reads_bf16() {
+    let dtype_of = |text: &str| resolve(text).expect("valid").config.zeroflow.optimizer_state_dtype;
+    assert_eq!(dtype_of(r#"{"train_batch_size": 8}"#), OptimizerStateDtype::Fp32);
+    let auto = with_zeroflow(r#"{"optimizer_state_dtype": "auto"}"#);
+    assert_eq!(dtype_of(&auto), OptimizerStateDtype::Fp32);
+    let bf16 = resolve(&with_zeroflow(r#"{"optimizer_state_dtype": "bf16"}"#)).expect("valid");
+    assert_eq!(bf16.config.zeroflow.optimizer_state_dtype, OptimizerStateDtype::Bf16);
+    assert_eq!(bf16.config.to_json()["zeroflow"]["optimizer_state_dtype"], "bf16");
+    let again = resolve(&bf16.config.to_resolved_json()).expect("the resolved JSON is valid");
+    assert_eq!(again.config, bf16.config);
+}
+
+/// fp16 moments are refused with the reason, not silently read as something else.
+#[test]
+fn fp16_moments_are_refused_saying_why() {
+    let error = error_of(&with_zeroflow(r#"{"optimizer_state_dtype": "fp16"}"#));
+    let message = error.to_string();
+    assert!(message.contains("\"bf16\"") && message.contains("underflow"), "{message}");
 }

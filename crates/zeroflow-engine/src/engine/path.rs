@@ -90,8 +90,10 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         // partition's copy is too big for them: past them, without reading its lines.
         let default_stores = if streaming { Stores::Normal } else { Stores::NonTemporal };
         let stores = offload.stream.copy_stores.unwrap_or(default_stores);
-        let adam =
-            CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?.with_copy_stores(stores);
+        // bf16 moments' rounding draws are keyed by the element's index in the model.
+        let adam = CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
+            .with_copy_stores(stores)
+            .with_rounding_offset(owned.start);
         let own = owned.clone();
         let fill_master = move |master: &mut [f32]| {
             let chunk = 1 << 16;
@@ -102,6 +104,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             );
         };
         let (memory, chunk, len) = (offload.memory, offload.stream.chunk, owned.len());
+        let moments = offload.moments;
         let delayed = match offload.update {
             OffloadUpdate::Exact => None,
             OffloadUpdate::Delayed { warmup } => Some(warmup),
@@ -117,6 +120,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                     memory,
                     adam,
                     delayed,
+                    moments,
                 )?;
                 let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host)?;
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
@@ -126,7 +130,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
         let speculation = Speculation::new(device, len, budget, streaming, memory)?;
         if streaming {
-            let buffers = StreamBuffers::new(device, len, fill_master, chunk, memory, adam)?;
+            let buffers =
+                StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
             let pieces = offload.stream.gather_in_pieces;
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation)?;
             return Ok(UpdatePath::Stream(stream));
@@ -134,8 +139,17 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let bucket = opts.reduce_bucket;
         let on = offload.stream.accumulate_on;
         let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
-        let host =
-            HostAccumulator::new(device, len, fill_master, bucket, chunk, memory, adam, delayed)?;
+        let host = HostAccumulator::new(
+            device,
+            len,
+            fill_master,
+            bucket,
+            chunk,
+            memory,
+            adam,
+            delayed,
+            moments,
+        )?;
         Ok(UpdatePath::Accumulate(Accumulate { host, speculation, on_device }))
     }
 

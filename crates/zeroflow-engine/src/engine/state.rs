@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 
 use crate::{EngineError, LossScaler, ZenFlowSnapshot};
@@ -36,13 +37,17 @@ pub struct Restore<'a> {
     pub zenflow: &'a [ZenFlowSnapshot],
 }
 
-/// The fp32 optimizer state of one flat range: a rank's partition, as saved.
+/// The optimizer state of one flat range: a rank's partition, as saved. The moments are held as
+/// f32 whatever `moments` says; where it is bf16 they are bf16 values (widened exactly), and a
+/// checkpoint stores them as bf16.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OptimizerPart {
     pub flat: Range<usize>,
     pub master: Vec<f32>,
     pub exp_avg: Vec<f32>,
     pub exp_avg_sq: Vec<f32>,
+    /// The element type the run kept the moments in.
+    pub moments: OptimizerStateDtype,
 }
 
 /// A rank's optimizer state, as an update path hands it out for a snapshot and takes it back.

@@ -21,15 +21,14 @@ use std::time::Instant;
 
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, Filling, HostBuffer, StreamKind};
-use zeroflow_optim::{AdamState, AdamWStep, Output};
+use zeroflow_optim::AdamWStep;
 
 use super::shared::{Shared, reduced_source};
 use super::state::PathState;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{
-    HostOptimizer, OUTGOING_BUFFERS, STAGING_BUFFERS, StepTimes, StreamBuffers, Worker,
-    as_bf16_mut, as_grads, convert_into,
+    HostOptimizer, OUTGOING_BUFFERS, STAGING_BUFFERS, StepTimes, StreamBuffers, Worker, as_grads,
 };
 use crate::offloader::{Landing, Offloader, Speculating};
 use crate::reduction::Sink;
@@ -200,9 +199,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
     pub fn state(&mut self) -> Result<PathState, EngineError> {
         self.abandon_speculation();
         let (buffers, upload_pending) = self.buffers()?;
-        let state = &buffers.state;
-        let (master, exp_avg) = (state.master.to_vec(), state.exp_avg.to_vec());
-        let exp_avg_sq = state.exp_avg_sq.to_vec();
+        let [master, exp_avg, exp_avg_sq] = buffers.state.to_f32();
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
     }
 
@@ -216,14 +213,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
     pub fn restore(
         &mut self,
         device: &D,
-        [master, exp_avg, exp_avg_sq]: [Vec<f32>; 3],
+        state: [Vec<f32>; 3],
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         self.abandon_speculation();
         let (buffers, _) = self.buffers()?;
-        buffers.state.master.copy_from_slice(&master);
-        buffers.state.exp_avg.copy_from_slice(&exp_avg);
-        buffers.state.exp_avg_sq.copy_from_slice(&exp_avg_sq);
+        buffers.state.restore(&state);
+        let [master, _, _] = state;
         if let StreamCpu::Delayed(delayed) = &mut self.cpu {
             delayed.upload_pending = upload_pending;
             // Where the streaming delayed update keeps weights not yet on the device.
@@ -510,16 +506,8 @@ fn stream_chunks<D: Device, P: Float>(
         let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
         let stepping = Instant::now();
         times.upload_wait += stepping - waiting;
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = optimizer;
-        let state = AdamState { params: master, exp_avg, exp_avg_sq };
         let in_state = io.state_at + range.start..io.state_at + range.end;
-        match as_bf16_mut(out) {
-            Some(out) => adam.step_range(step, state, in_state, grads, Output::AlsoBf16(out))?,
-            None => {
-                adam.step_range(step, state, in_state.clone(), grads, Output::MasterOnly)?;
-                convert_into(adam, out, &master[in_state]);
-            }
-        }
+        optimizer.step_range(step, in_state, grads, out)?;
         times.adam += stepping.elapsed();
         let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
         let target = io.target_at + range.start;

@@ -15,6 +15,7 @@
 //! go to the host by (recorded on the compute stream before each of those reads).
 
 use zeroflow_core::Float;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
@@ -327,8 +328,8 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
             for (j, flat) in zenflow.selected_elements().enumerate().take(len) {
                 let i = flat - owned_start;
                 optimizer.master[i] = master[j];
-                optimizer.exp_avg[i] = exp_avg[j];
-                optimizer.exp_avg_sq[i] = exp_avg_sq[j];
+                // The device keeps fp32 moments; bf16 host moments take them to nearest.
+                optimizer.moments.set(i, (exp_avg[j], exp_avg_sq[j]));
             }
         }
         self.column_importance(shared)?;
@@ -459,6 +460,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
                 master: s.window_grads.clone(),
                 exp_avg: vec![0.0; s.window_grads.len()],
                 exp_avg_sq: vec![0.0; s.window_grads.len()],
+                moments: OptimizerStateDtype::Fp32,
             })
             .collect();
         let [window, _, _] = assemble(&shared.layout, &shared.owned, &window, rank)?;
@@ -513,14 +515,15 @@ fn load_selected<D: DeviceAdamW, P: Float>(
         return Ok(selected);
     }
     let state = &zenflow.state;
-    for (buffer, host_state) in [
-        (&state.master, &optimizer.master),
-        (&state.exp_avg, &optimizer.exp_avg),
-        (&state.exp_avg_sq, &optimizer.exp_avg_sq),
-    ] {
-        let compact: Vec<f32> = selected.iter().map(|&i| host_state[i]).collect();
-        overwrite(device, buffer, &compact)?;
-    }
+    let moments = &optimizer.moments;
+    let [master, exp_avg, exp_avg_sq] = [
+        selected.iter().map(|&i| optimizer.master[i]).collect::<Vec<f32>>(),
+        selected.iter().map(|&i| moments.get(i).0).collect(),
+        selected.iter().map(|&i| moments.get(i).1).collect(),
+    ];
+    overwrite(device, &state.master, &master)?;
+    overwrite(device, &state.exp_avg, &exp_avg)?;
+    overwrite(device, &state.exp_avg_sq, &exp_avg_sq)?;
     overwrite(device, &zenflow.index, &zenflow.indices)?;
     Ok(selected)
 }

@@ -30,6 +30,7 @@ pub(crate) fn save(dir: &Path, setup: &Setup, out: &Outcome<f32>) {
         scaler: snapshot.scaler.clone(),
         upload_pending: snapshot.upload_pending,
         weights_dtype: "F32".into(),
+        optimizer_state_dtype: snapshot.part.moments.name().into(),
         params: layout
             .params()
             .iter()

@@ -92,6 +92,7 @@ fn wild_value() -> impl Strategy<Value = Value> {
             Just("F32"),
             Just("BF16"),
             Just("F16"),
+            Just("bf16"),
             Just("None"),
             Just("zeroflow-checkpoint")
         ]
@@ -121,6 +122,7 @@ fn json_edit() -> impl Strategy<Value = (Vec<Index>, JsonEdit)> {
             Just("optimizer_steps"),
             Just("micro_steps"),
             Just("weights_dtype"),
+            Just("optimizer_state_dtype"),
             Just("params"),
             Just("scaler"),
             Just("format"),

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
@@ -45,6 +46,8 @@ pub struct Setup {
     pub speculation_budget: usize,
     /// Where ZeRO-2 with accumulation sums a window (offload).
     pub accumulate_on: AccumulateOn,
+    /// The host Adam moments' element type (offload).
+    pub moments: OptimizerStateDtype,
 }
 
 impl Setup {
@@ -66,6 +69,7 @@ impl Setup {
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
+            moments: OptimizerStateDtype::Fp32,
         }
     }
 }
@@ -89,6 +93,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 speculation_budget: setup.speculation_budget,
                 accumulate_on: setup.accumulate_on,
             },
+            moments: setup.moments,
         }),
         false => {
             assert_eq!(update, OffloadUpdate::Exact, "the delayed update and ZenFlow offload");

@@ -11,5 +11,6 @@ mod errors;
 mod fuzz_checkpoint;
 mod precision;
 mod speculation;
+mod state_dtype;
 mod stream_tuning;
 mod zenflow;

@@ -6,7 +6,8 @@ use half::bf16;
 
 use crate::config::StepScalars;
 use crate::kernels::PREFETCH_DISTANCE;
-use crate::piece::{GradElem, Piece, Split, for_each_lanes, split_for_streaming};
+use crate::piece::{GradElem, MomentElem, Piece, Split, for_each_lanes, split_for_streaming};
+use crate::rounding::MomentSeeds;
 
 const LANES: usize = 16;
 /// Bytes of one vector of bf16 copies: the alignment their streaming store needs.
@@ -24,12 +25,22 @@ struct Broadcast {
     eps: __m512,
     neg_lr_weight_decay: __m512,
     neg_step_size: __m512,
+    /// The rounding seeds of bf16 moments.
+    seed_exp_avg: __m512i,
+    seed_exp_avg_sq: __m512i,
 }
 
-/// AdamW over one piece; with `stream_copy`, the bf16 copy's aligned body is written with
-/// streaming stores (it is write-only: this saves reading its lines before writing them).
+/// AdamW over one piece whose first element is element `start` of the partition; with
+/// `stream_copy`, the bf16 copy's aligned body is written with streaming stores (it is
+/// write-only: this saves reading its lines before writing them).
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub(super) fn adamw<G: GradElem>(s: &StepScalars, stream_copy: bool, piece: Piece<'_, G>) {
+pub(super) fn adamw<G: GradElem, M: MomentElem>(
+    s: &StepScalars,
+    seeds: MomentSeeds,
+    stream_copy: bool,
+    start: usize,
+    piece: Piece<'_, G, M>,
+) {
     let k = Broadcast {
         grad_scale: _mm512_set1_ps(s.grad_scale),
         l2: _mm512_set1_ps(s.l2),
@@ -39,30 +50,38 @@ pub(super) fn adamw<G: GradElem>(s: &StepScalars, stream_copy: bool, piece: Piec
         eps: _mm512_set1_ps(s.eps),
         neg_lr_weight_decay: _mm512_set1_ps(s.neg_lr_weight_decay),
         neg_step_size: _mm512_set1_ps(s.neg_step_size),
+        seed_exp_avg: _mm512_set1_epi32(seeds.exp_avg as i32),
+        seed_exp_avg_sq: _mm512_set1_epi32(seeds.exp_avg_sq as i32),
     };
     let Some(out_addr) = piece.out_addr().filter(|_| stream_copy) else {
-        return adamw_lanes::<G, false>(&k, piece);
+        return adamw_lanes::<G, M, false>(&k, start, piece);
     };
     let [head, body, tail] = split_for_streaming(piece, out_addr, 2, COPY_BYTES, LANES);
-    adamw_lanes::<G, false>(&k, head);
-    adamw_lanes::<G, true>(&k, body);
+    let (body_start, tail_start) = (start + head.len(), start + head.len() + body.len());
+    adamw_lanes::<G, M, false>(&k, start, head);
+    adamw_lanes::<G, M, true>(&k, body_start, body);
     _mm_sfence(); // Streaming stores are weakly ordered: fence them before the data is handed on.
-    adamw_lanes::<G, false>(&k, tail);
+    adamw_lanes::<G, M, false>(&k, tail_start, tail);
 }
 
-/// AdamW over one piece. With `STREAM_COPY`, the piece's bf16 copy must start `COPY_BYTES`-aligned
-/// and its length be a multiple of `LANES` (checked), and it is written with streaming stores.
+/// AdamW over one piece starting at element `start` of the partition. With `STREAM_COPY`, the
+/// piece's bf16 copy must start `COPY_BYTES`-aligned and its length be a multiple of `LANES`
+/// (checked), and it is written with streaming stores.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn adamw_lanes<G: GradElem, const STREAM_COPY: bool>(k: &Broadcast, piece: Piece<'_, G>) {
+fn adamw_lanes<G: GradElem, M: MomentElem, const STREAM_COPY: bool>(
+    k: &Broadcast,
+    start: usize,
+    piece: Piece<'_, G, M>,
+) {
     if STREAM_COPY {
         assert_streamable(piece.out_addr(), COPY_BYTES, piece.len());
     }
-    for_each_lanes::<G, LANES>(piece, |p, g, m, v, out| {
+    for_each_lanes::<G, M, LANES>(piece, |index, p, g, m, v, out| {
         prefetch_ahead(p, g, m, v);
         let p0 = load(p);
-        let m0 = load(m);
-        let v0 = load(v);
+        let m0 = load_moment(m);
+        let v0 = load_moment(v);
         let grad = _mm512_fmadd_ps(p0, k.l2, _mm512_mul_ps(load_grad(g), k.grad_scale));
         let m1 = _mm512_fmadd_ps(k.one_minus_beta1, _mm512_sub_ps(grad, m0), m0);
         let v1 = _mm512_fmadd_ps(k.one_minus_beta2, _mm512_fmsub_ps(grad, grad, v0), v0);
@@ -70,8 +89,14 @@ fn adamw_lanes<G: GradElem, const STREAM_COPY: bool>(k: &Broadcast, piece: Piece
         let decayed = _mm512_fmadd_ps(p0, k.neg_lr_weight_decay, p0);
         let p1 = _mm512_fmadd_ps(_mm512_div_ps(m1, denom), k.neg_step_size, decayed);
         store(p, p1);
-        store(m, m1);
-        store(v, v1);
+        if M::IS_BF16 {
+            let element = start + index;
+            store_moment::<M, false>(m, m1, Some(random_bits(k.seed_exp_avg, element)));
+            store_moment::<M, false>(v, v1, Some(random_bits(k.seed_exp_avg_sq, element)));
+        } else {
+            store_moment::<M, false>(m, m1, None);
+            store_moment::<M, false>(v, v1, None);
+        }
         if let Some(out) = out {
             store_copy::<STREAM_COPY>(out, round_to_bf16(p1));
         }
@@ -87,12 +112,12 @@ fn adamw_lanes<G: GradElem, const STREAM_COPY: bool>(k: &Broadcast, piece: Piece
 /// equally aligned); with `stream_copy`, the copy where it is aligned at the same place (or from
 /// its own first aligned element when the state is not streamed). Ordinary stores elsewhere.
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub(super) fn stream<G: GradElem>(
+pub(super) fn stream<G: GradElem, M: MomentElem>(
     c: f32,
     stream_state: bool,
     stream_copy: bool,
     prefetch: bool,
-    piece: Piece<'_, G>,
+    piece: Piece<'_, G, M>,
 ) {
     let c = _mm512_set1_ps(c);
     let anchor = if stream_state {
@@ -103,53 +128,60 @@ pub(super) fn stream<G: GradElem>(
         None
     };
     let Some((addr, elem_size, align)) = anchor else {
-        return stream_lanes::<G, false, false>(c, prefetch, piece);
+        return stream_lanes::<G, M, false, false>(c, prefetch, piece);
     };
     let [head, body, tail] = split_for_streaming(piece, addr, elem_size, align, LANES);
-    stream_lanes::<G, false, false>(c, prefetch, head);
+    stream_lanes::<G, M, false, false>(c, prefetch, head);
     let aligned = |addr: usize, align: usize| addr.is_multiple_of(align);
     let state_aligned = stream_state
-        && [body.params.as_ptr(), body.exp_avg.as_ptr(), body.exp_avg_sq.as_ptr()]
+        && aligned(body.params.as_ptr() as usize, F32_BYTES)
+        && [body.exp_avg.as_ptr(), body.exp_avg_sq.as_ptr()]
             .into_iter()
-            .all(|ptr| aligned(ptr as usize, F32_BYTES));
+            .all(|ptr| aligned(ptr as usize, moment_bytes::<M>()));
     let copy_aligned = stream_copy && body.out_addr().is_some_and(|addr| aligned(addr, COPY_BYTES));
     match (state_aligned, copy_aligned) {
-        (true, true) => stream_lanes::<G, true, true>(c, prefetch, body),
-        (true, false) => stream_lanes::<G, true, false>(c, prefetch, body),
-        (false, true) => stream_lanes::<G, false, true>(c, prefetch, body),
-        (false, false) => stream_lanes::<G, false, false>(c, prefetch, body),
+        (true, true) => stream_lanes::<G, M, true, true>(c, prefetch, body),
+        (true, false) => stream_lanes::<G, M, true, false>(c, prefetch, body),
+        (false, true) => stream_lanes::<G, M, false, true>(c, prefetch, body),
+        (false, false) => stream_lanes::<G, M, false, false>(c, prefetch, body),
     }
     _mm_sfence();
-    stream_lanes::<G, false, false>(c, prefetch, tail);
+    stream_lanes::<G, M, false, false>(c, prefetch, tail);
+}
+
+/// Bytes of one vector of moments: the alignment their streaming store needs.
+const fn moment_bytes<M: MomentElem>() -> usize {
+    LANES * size_of::<M>()
 }
 
 /// The roofline's update with streaming stores for the weights and moments (`STREAM_STATE`:
-/// they must start `F32_BYTES`-aligned) and for the copy (`STREAM_COPY`: it must start
+/// they must start `F32_BYTES`- and `moment_bytes`-aligned) and for the copy (`STREAM_COPY`: it must start
 /// `COPY_BYTES`-aligned); with either, the length must be a multiple of `LANES` (all checked).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn stream_lanes<G: GradElem, const STREAM_STATE: bool, const STREAM_COPY: bool>(
+fn stream_lanes<G: GradElem, M: MomentElem, const STREAM_STATE: bool, const STREAM_COPY: bool>(
     c: __m512,
     prefetch: bool,
-    piece: Piece<'_, G>,
+    piece: Piece<'_, G, M>,
 ) {
     if STREAM_STATE {
-        for addr in [piece.params.as_ptr(), piece.exp_avg.as_ptr(), piece.exp_avg_sq.as_ptr()] {
-            assert_streamable(Some(addr as usize), F32_BYTES, piece.len());
+        assert_streamable(Some(piece.params.as_ptr() as usize), F32_BYTES, piece.len());
+        for addr in [piece.exp_avg.as_ptr(), piece.exp_avg_sq.as_ptr()] {
+            assert_streamable(Some(addr as usize), moment_bytes::<M>(), piece.len());
         }
     }
     if STREAM_COPY {
         assert_streamable(piece.out_addr(), COPY_BYTES, piece.len());
     }
-    for_each_lanes::<G, LANES>(piece, |p, g, m, v, out| {
+    for_each_lanes::<G, M, LANES>(piece, |_, p, g, m, v, out| {
         if prefetch {
             prefetch_ahead(p, g, m, v);
         }
         let t = _mm512_mul_ps(load_grad(g), c);
         let p1 = _mm512_add_ps(load(p), t);
         store_state::<STREAM_STATE>(p, p1);
-        store_state::<STREAM_STATE>(m, _mm512_add_ps(load(m), t));
-        store_state::<STREAM_STATE>(v, _mm512_add_ps(load(v), t));
+        store_moment::<M, STREAM_STATE>(m, _mm512_add_ps(load_moment(m), t), None);
+        store_moment::<M, STREAM_STATE>(v, _mm512_add_ps(load_moment(v), t), None);
         if let Some(out) = out {
             let truncated = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_castps_si512(p1)));
             store_copy::<STREAM_COPY>(out, truncated);
@@ -173,7 +205,7 @@ fn assert_streamable(addr: Option<usize>, align: usize, len: usize) {
 /// never faults, so running past the end of the buffer is harmless).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn prefetch_ahead<G>(p: &[f32; LANES], g: &[G; LANES], m: &[f32; LANES], v: &[f32; LANES]) {
+fn prefetch_ahead<G, M>(p: &[f32; LANES], g: &[G; LANES], m: &[M; LANES], v: &[M; LANES]) {
     _mm_prefetch::<_MM_HINT_T0>(p.as_ptr().wrapping_add(PREFETCH_DISTANCE).cast::<i8>());
     _mm_prefetch::<_MM_HINT_T0>(g.as_ptr().wrapping_add(PREFETCH_DISTANCE).cast::<i8>());
     _mm_prefetch::<_MM_HINT_T0>(m.as_ptr().wrapping_add(PREFETCH_DISTANCE).cast::<i8>());
@@ -257,6 +289,77 @@ fn round_to_bf16(x: __m512) -> __m256i {
     let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
     let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
     let quiet_nan = _mm512_or_si512(upper, _mm512_set1_epi32(0x40));
+    let is_nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan))
+}
+
+/// Sixteen moments as f32: loaded directly, or widened from bf16 by a 16-bit left shift.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn load_moment<M: MomentElem>(x: &[M; LANES]) -> __m512 {
+    const { assert!(size_of::<M>() == if M::IS_BF16 { 2 } else { 4 }) };
+    if M::IS_BF16 {
+        // SAFETY: `M` is bf16 (the sealed trait's flag, size checked above): the array is 16
+        // 2-byte values, exactly the 32 bytes of an unaligned 256-bit load.
+        let bits = unsafe { _mm256_loadu_si256(x.as_ptr().cast::<__m256i>()) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+    } else {
+        // SAFETY: `M` is f32 (size checked above): the array is 16 f32, the 64 bytes of an
+        // unaligned 512-bit load.
+        unsafe { _mm512_loadu_ps(x.as_ptr().cast::<f32>()) }
+    }
+}
+
+/// Stores sixteen moments: f32 as they are; bf16 rounded stochastically with `random` (16 bits
+/// per lane) where given, else truncated (the roofline). With `STREAM`, a streaming store into an
+/// array the caller guarantees (through `assert_streamable`) to be `moment_bytes`-aligned.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn store_moment<M: MomentElem, const STREAM: bool>(
+    x: &mut [M; LANES],
+    value: __m512,
+    random: Option<__m512i>,
+) {
+    const { assert!(size_of::<M>() == if M::IS_BF16 { 2 } else { 4 }) };
+    if !M::IS_BF16 {
+        // SAFETY: `M` is f32 (size checked above), so the array is 16 f32.
+        let x = unsafe { &mut *x.as_mut_ptr().cast::<[f32; LANES]>() };
+        return store_state::<STREAM>(x, value);
+    }
+    let halves = match random {
+        Some(random) => round_stochastically(value, random),
+        None => _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_castps_si512(value))),
+    };
+    // SAFETY: `M` is bf16 (size checked above), so the array is 16 bf16, held mutably.
+    let x = unsafe { &mut *x.as_mut_ptr().cast::<[bf16; LANES]>() };
+    store_copy::<STREAM>(x, halves);
+}
+
+/// The random bits of the sixteen elements from `element` on: `rounding::random_bits`, lane by
+/// lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn random_bits(seed: __m512i, element: usize) -> __m512i {
+    let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let index = _mm512_add_epi32(_mm512_set1_epi32(element as u32 as i32), lanes);
+    let mut x = _mm512_xor_si512(index, seed);
+    x = _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB_352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32::<15>(x));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x846C_A68B_u32 as i32));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x));
+    _mm512_srli_epi32::<16>(x)
+}
+
+/// Rounds sixteen f32 to bf16 stochastically like `rounding::stochastic_bf16`: `random` added
+/// below the last place, then truncated; NaN kept quiet with its upper mantissa bits. Returns
+/// them packed in 256 bits.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn round_stochastically(x: __m512, random: __m512i) -> __m256i {
+    let bits = _mm512_castps_si512(x);
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, random));
+    let quiet_nan = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
     let is_nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
     _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan))
 }

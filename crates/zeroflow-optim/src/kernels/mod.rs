@@ -17,6 +17,11 @@
 //! f32 are off by up to 3e-8, which `m β`, `v β` and `p (1 - lr wd)` would compound every step
 //! in the same direction (1.7e-6 after 100 steps), while these forms round only the small
 //! increments.
+//!
+//! The moments are `f32` or `bf16` ([`MomentElem`]): a bf16 moment is widened to f32, updated with
+//! the same arithmetic, and stored rounded stochastically with the random bits of its element
+//! index and the step ([`crate::rounding`]); every kernel rounds with the same integer ops, so
+//! the rounding adds no difference between levels.
 
 mod scalar;
 
@@ -37,7 +42,8 @@ use crate::{SimdLevel, Stores};
 /// 1024 4.08. The T1 hint (into L2 only) was 3% slower than T0.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const PREFETCH_DISTANCE: usize = 1024;
-use crate::piece::{GradElem, Piece};
+use crate::piece::{GradElem, MomentElem, Piece};
+use crate::rounding::MomentSeeds;
 
 /// A [`SimdLevel`] that this CPU was checked to support: the proof the dispatch's `unsafe`
 /// calls rely on. It can only be made by [`SupportedLevel::new`].
@@ -60,41 +66,44 @@ impl SupportedLevel {
     }
 }
 
-/// Updates one piece with AdamW on the calling thread, writing the bf16 copy (if any) with
-/// ordinary or, where the level has them and the buffer allows, non-temporal stores.
-pub(crate) fn adamw<G: GradElem>(
+/// Updates one piece, whose first element is element `start` of the partition, with AdamW on the
+/// calling thread, writing the bf16 copy (if any) with ordinary or, where the level has them and
+/// the buffer allows, non-temporal stores.
+pub(crate) fn adamw<G: GradElem, M: MomentElem>(
     level: SupportedLevel,
     scalars: &StepScalars,
+    seeds: MomentSeeds,
     copy_stores: Stores,
-    piece: Piece<'_, G>,
+    start: usize,
+    piece: Piece<'_, G, M>,
 ) {
     let stream_copy = copy_stores == Stores::NonTemporal;
     match level.0 {
-        SimdLevel::Scalar => scalar::adamw(scalars, piece),
+        SimdLevel::Scalar => scalar::adamw(scalars, seeds, start, piece),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `SupportedLevel` is only made after `is_available` found AVX2 and FMA on
         // this CPU, which is all `avx2::adamw` requires.
-        SimdLevel::Avx2 => unsafe { avx2::adamw(scalars, stream_copy, piece) },
+        SimdLevel::Avx2 => unsafe { avx2::adamw(scalars, seeds, stream_copy, start, piece) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, with AVX-512F, AVX2 and FMA found for this level.
-        SimdLevel::Avx512 => unsafe { avx512::adamw(scalars, stream_copy, piece) },
+        SimdLevel::Avx512 => unsafe { avx512::adamw(scalars, seeds, stream_copy, start, piece) },
         #[cfg(not(target_arch = "x86_64"))]
         SimdLevel::Avx2 | SimdLevel::Avx512 => {
-            let _ = stream_copy;
+            let _ = (stream_copy, seeds, start);
             unreachable!("SupportedLevel is never an x86 level on another architecture")
         }
     }
 }
 
-/// The roofline's trivial update (`t = c g; p += t; m += t; v += t`, and the bf16 copy truncated
-/// from the new weights if the piece has one) on the calling thread, writing the state and the
+/// The roofline's trivial update (`t = c g; p += t; m += t; v += t`, bf16 moments and the bf16
+/// copy truncated) on the calling thread, writing the state and the
 /// copy with ordinary or, where the level has them and the slices allow, non-temporal stores,
 /// with or without software prefetch.
-pub(crate) fn stream<G: GradElem>(
+pub(crate) fn stream<G: GradElem, M: MomentElem>(
     level: SupportedLevel,
     c: f32,
     variant: RooflineVariant,
-    piece: Piece<'_, G>,
+    piece: Piece<'_, G, M>,
 ) {
     let stream_state = variant.state == Stores::NonTemporal;
     let stream_copy = variant.copy == Stores::NonTemporal;

@@ -5,19 +5,30 @@
 use half::bf16;
 
 use crate::config::StepScalars;
-use crate::piece::{GradElem, Piece, for_each_lanes};
+use crate::piece::{GradElem, MomentElem, Piece, for_each_lanes};
+use crate::rounding::MomentSeeds;
 
 const LANES: usize = 8;
 
-pub(super) fn adamw<G: GradElem>(s: &StepScalars, piece: Piece<'_, G>) {
-    for_each_lanes::<G, LANES>(piece, |p, g, m, v, out| {
+/// AdamW over one piece whose first element is element `start` of the partition.
+pub(super) fn adamw<G: GradElem, M: MomentElem>(
+    s: &StepScalars,
+    seeds: MomentSeeds,
+    start: usize,
+    piece: Piece<'_, G, M>,
+) {
+    for_each_lanes::<G, M, LANES>(piece, |index, p, g, m, v, out| {
         for i in 0..LANES {
+            let (m0, v0) = (m[i].to_f32(), v[i].to_f32());
             let grad = p[i] * s.l2 + g[i].to_f32() * s.grad_scale;
-            m[i] += s.one_minus_beta1 * (grad - m[i]);
-            v[i] += s.one_minus_beta2 * (grad * grad - v[i]);
-            let denom = v[i].sqrt() * s.inv_sqrt_bias_correction2 + s.eps;
+            let m1 = m0 + s.one_minus_beta1 * (grad - m0);
+            let v1 = v0 + s.one_minus_beta2 * (grad * grad - v0);
+            let denom = v1.sqrt() * s.inv_sqrt_bias_correction2 + s.eps;
             let decayed = p[i] * s.neg_lr_weight_decay + p[i];
-            p[i] = (m[i] / denom) * s.neg_step_size + decayed;
+            p[i] = (m1 / denom) * s.neg_step_size + decayed;
+            let element = start + index + i;
+            m[i] = M::store_rounded(m1, seeds.exp_avg, element);
+            v[i] = M::store_rounded(v1, seeds.exp_avg_sq, element);
         }
         if let Some(out) = out {
             for i in 0..LANES {
@@ -27,13 +38,13 @@ pub(super) fn adamw<G: GradElem>(s: &StepScalars, piece: Piece<'_, G>) {
     });
 }
 
-pub(super) fn stream<G: GradElem>(c: f32, piece: Piece<'_, G>) {
-    for_each_lanes::<G, LANES>(piece, |p, g, m, v, out| {
+pub(super) fn stream<G: GradElem, M: MomentElem>(c: f32, piece: Piece<'_, G, M>) {
+    for_each_lanes::<G, M, LANES>(piece, |_, p, g, m, v, out| {
         for i in 0..LANES {
             let t = g[i].to_f32() * c;
             p[i] += t;
-            m[i] += t;
-            v[i] += t;
+            m[i] = M::truncated(m[i].to_f32() + t);
+            v[i] = M::truncated(v[i].to_f32() + t);
         }
         if let Some(out) = out {
             for i in 0..LANES {

@@ -173,6 +173,7 @@ fn save_llama_checkpoint(run: &Path, step: u64, params: &[f32], init_from: &Path
         scaler: zeroflow_engine::LossScaler::None,
         upload_pending: false,
         weights_dtype: "F32".into(),
+        optimizer_state_dtype: "fp32".into(),
         params: tensors
             .iter()
             .map(|t| ParamEntry {

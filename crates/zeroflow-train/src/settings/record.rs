@@ -16,8 +16,8 @@ use super::{MIB, Requested, mib_of, names};
 use crate::DeviceKind;
 use crate::dist::affinity::{self, BindMode, Binding};
 
-/// The settings a run used. Only `attention` changes the numbers; the rest change the speed
-/// (the offload stream's results are bit-identical whatever its tuning).
+/// The settings a run used. Only `attention` and `optimizer_state_dtype` change the numbers; the
+/// rest change the speed (the offload stream's results are bit-identical whatever its tuning).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Effective {
     /// `gemm` or `flash`.
@@ -30,6 +30,10 @@ pub struct Effective {
     pub cpu_bind: Option<&'static str>,
     /// The CPUs the rank's threads were bound to (a CPU list), if any.
     pub cpu_binding: Option<String>,
+    /// The Adam moments' element type, `fp32` or `bf16` (the config's
+    /// `zeroflow.optimizer_state_dtype`; always `fp32` without offload). A resume across dtypes
+    /// is warned about by the engine, which converts the moments.
+    pub optimizer_state_dtype: &'static str,
     /// `None` without CPU optimizer offload.
     pub offload: Option<EffectiveOffload>,
 }
@@ -87,6 +91,9 @@ impl Effective {
                 names::name_of(&names::CPU_BIND, &requested.cpu_bind.unwrap_or(BindMode::Auto))
             }),
             cpu_binding: binding.map(|binding| affinity::format_cpulist(&binding.cpus)),
+            optimizer_state_dtype: options
+                .offload()
+                .map_or("fp32", |offload| offload.moments.name()),
             offload,
         }
     }

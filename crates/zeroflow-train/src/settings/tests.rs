@@ -133,6 +133,21 @@ fn the_speculation_budget_and_accumulation_place_reach_the_engine_and_the_record
     assert_eq!((offload.speculation_budget_mib, offload.accumulate_on), (0.0, "auto"));
 }
 
+/// The config's `optimizer_state_dtype` reaches the engine's offload options and the record;
+/// unasked it is fp32.
+#[test]
+fn the_optimizer_state_dtype_reaches_the_engine_and_the_record() {
+    use zeroflow_core::adamw::OptimizerStateDtype;
+    let bf16 = format!(r#"{OFFLOADED}, "zeroflow": {{"optimizer_state_dtype": "bf16"}}}}"#);
+    let (options, effective) = tuned(&bf16, &Requested::default());
+    assert_eq!(options.offload().unwrap().moments, OptimizerStateDtype::Bf16);
+    assert_eq!(effective.optimizer_state_dtype, "bf16");
+    assert_eq!(effective.to_json()["optimizer_state_dtype"], "bf16");
+    let (options, effective) = tuned(&format!("{OFFLOADED}}}"), &Requested::default());
+    assert_eq!(options.offload().unwrap().moments, OptimizerStateDtype::Fp32);
+    assert_eq!(effective.optimizer_state_dtype, "fp32");
+}
+
 /// The delayed update does not speculate: its record says 0 whatever the budget asked.
 #[test]
 fn the_delayed_update_records_no_speculation_budget() {
