@@ -5,7 +5,7 @@ use std::any::TypeId;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use zeroflow_core::{Float, bf16};
+use zeroflow_core::{Element, Float, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
@@ -130,7 +130,7 @@ pub(crate) fn as_grads<P: Float>(slice: &[P]) -> Option<Grads<'_>> {
 
 /// Host staging: [`STAGING_BUFFERS`] buffers of `len` elements (at most `stream_chunk`, at
 /// least one).
-pub(crate) fn alloc_staging<D: Device, P: Float>(
+pub(crate) fn alloc_staging<D: Device, P: Element>(
     device: &D,
     len: usize,
     stream_chunk: usize,
@@ -231,8 +231,8 @@ impl StepTimes {
     }
 }
 
-/// The host side of the accumulating paths (ZeRO-Offload's exact and delayed step, and
-/// ZenFlow's CPU step): the gradient accumulator, the staging that fills it during backward, and
+/// The host side of the accumulating paths (ZeRO-Offload's exact and delayed step): the
+/// gradient accumulator, the staging that fills it during backward, and
 /// the CPU optimizer.
 #[derive(Debug)]
 pub(crate) struct HostAccumulator<P: Float> {
@@ -253,7 +253,7 @@ pub(crate) enum CpuStep<P: Float> {
     /// On the training thread, inside `step`.
     Inline(Box<WholeStep<P>>),
     /// After `warmup` inline steps, on a worker thread while the next window computes (the
-    /// delayed update; ZenFlow's `overlap_step`, whose `warmup` is 0).
+    /// delayed update).
     Delayed { warmup: u64, worker: Worker<Swapped<P>> },
 }
 
@@ -347,23 +347,15 @@ impl<P: Float> HostAccumulator<P> {
     }
 
     /// Starts a delayed step of the (joined) optimizer on its worker, handing it the full
-    /// accumulator and putting the one it stepped with last in its place for the next window;
-    /// `then` runs on the worker after the step (ZenFlow uploads the new weights from there).
-    pub(crate) fn start_delayed(
-        &mut self,
-        step: AdamWStep,
-        then: impl FnOnce(&WholeStep<P>) -> Result<(), EngineError> + Send + 'static,
-    ) -> Result<(), EngineError> {
+    /// accumulator and putting the one it stepped with last in its place for the next window.
+    pub(crate) fn start_delayed(&mut self, step: AdamWStep) -> Result<(), EngineError> {
         let CpuStep::Delayed { worker, .. } = &mut self.cpu else {
             return Err(EngineError::Internal("a delayed step on the inline path"));
         };
         if let Worker::Ready(swapped) = worker {
             std::mem::swap(&mut self.acc, &mut swapped.stepped);
         }
-        worker.start(move |swapped| {
-            swapped.whole.step(&step, &swapped.stepped)?;
-            then(&swapped.whole)
-        })
+        worker.start(move |swapped| swapped.whole.step(&step, &swapped.stepped))
     }
 
     /// This rank's optimizer state, copied (waiting for a delayed step first).
@@ -405,17 +397,19 @@ fn join_cpu<'c, P: Float>(
 }
 
 /// The streaming paths' CPU optimizer and the host buffers the step streams through: no
-/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all).
+/// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all). The
+/// gradients arrive as `G`: the model's `P` (the streaming offload path), or ZenFlow's `f32`
+/// window.
 #[derive(Debug)]
-pub(crate) struct StreamBuffers<P: Float> {
+pub(crate) struct StreamBuffers<P: Float, G: Float = P> {
     pub state: HostOptimizer,
     /// Device-to-host staging of one step chunk each.
-    pub staging: Vec<HostBuffer<P>>,
+    pub staging: Vec<HostBuffer<G>>,
     /// Updated weights on their way back to the device, one chunk each.
     pub outgoing: Vec<HostBuffer<P>>,
 }
 
-impl<P: Float> StreamBuffers<P> {
+impl<P: Float, G: Float> StreamBuffers<P, G> {
     /// The host side of a streamed partition of `partition` elements, in chunks of at most
     /// `stream_chunk` elements (at least one).
     pub(crate) fn new<D: Device>(
@@ -438,6 +432,149 @@ impl<P: Float> StreamBuffers<P> {
         };
         Ok(StreamBuffers { state, staging, outgoing })
     }
+
+    /// The bytes of host memory these buffers hold: the optimizer state, the staging and the
+    /// outgoing buffers.
+    pub(crate) fn host_bytes(&self) -> usize {
+        fn bytes<T: Element>(buffer: &HostBuffer<T>) -> usize {
+            buffer.len() * std::mem::size_of::<T>()
+        }
+        let HostOptimizer { master, exp_avg, exp_avg_sq, .. } = &self.state;
+        let state = bytes(master) + bytes(exp_avg) + bytes(exp_avg_sq);
+        state
+            + self.staging.iter().map(bytes).sum::<usize>()
+            + self.outgoing.iter().map(bytes).sum::<usize>()
+    }
+}
+
+/// ZenFlow's host side: the CPU optimizer and the bounded buffers its step streams the device's
+/// fp32 window through, chunk by chunk (no accumulator, no whole-partition upload buffer: about
+/// 12 bytes per parameter), on a worker thread with `overlap_step` and on the training thread
+/// without (both through [`Worker`], which is `Ready` between steps).
+#[derive(Debug)]
+pub(crate) struct ZenFlowHost<P: Float> {
+    pub worker: Worker<ZenFlowCpu<P>>,
+    /// The optimizer holds weights newer than the device's flat weights (a step joined before
+    /// its weights were applied, or restored).
+    pub upload_pending: bool,
+}
+
+/// What ZenFlow's CPU step works with: the optimizer and its stream buffers, and with
+/// [`crate::ZenFlowAside::Host`] the window set aside in host memory.
+#[derive(Debug)]
+pub(crate) struct ZenFlowCpu<P: Float> {
+    pub buffers: StreamBuffers<P, f32>,
+    pub window: Option<HostBuffer<f32>>,
+}
+
+impl<P: Float> ZenFlowCpu<P> {
+    /// The bytes of host memory the CPU step holds.
+    pub(crate) fn host_bytes(&self) -> usize {
+        let window = self.window.as_ref().map_or(0, |w| w.len() * std::mem::size_of::<f32>());
+        self.buffers.host_bytes() + window
+    }
+}
+
+impl<P: Float> ZenFlowHost<P> {
+    /// The host side of a partition of `partition` elements, streamed in chunks of at most
+    /// `stream_chunk` elements, with a host window where `host_window` says so.
+    pub(crate) fn new<D: Device>(
+        device: &D,
+        partition: usize,
+        fill_master: impl FnOnce(&mut [f32]),
+        stream_chunk: usize,
+        memory: HostMemory,
+        adam: CpuAdam,
+        host_window: bool,
+    ) -> Result<Self, EngineError> {
+        let buffers =
+            StreamBuffers::new(device, partition, fill_master, stream_chunk, memory, adam)?;
+        let window = match host_window {
+            true => Some(device.alloc_host(partition, memory)?),
+            false => None,
+        };
+        let cpu = ZenFlowCpu { buffers, window };
+        let bytes = cpu.host_bytes();
+        tracing::debug!(partition, bytes, "ZenFlow's host side: optimizer state and staging");
+        Ok(ZenFlowHost { worker: Worker::Ready(Box::new(cpu)), upload_pending: false })
+    }
+
+    /// True if the optimizer's weights have not reached the device's flat weights yet.
+    pub(crate) fn weights_ahead(&self) -> bool {
+        self.upload_pending || self.worker.is_stepping()
+    }
+
+    /// True if the window is set aside in host memory ([`crate::ZenFlowAside::Host`]).
+    pub(crate) fn window_on_host(&self) -> bool {
+        matches!(&self.worker, Worker::Ready(cpu) if cpu.window.is_some())
+    }
+
+    /// Waits for a running CPU step, if there is one, and gives its state back; the weights of
+    /// a step joined here are pending.
+    pub(crate) fn join_cpu(&mut self) -> Result<&mut ZenFlowCpu<P>, EngineError> {
+        let (cpu, joined) = self.worker.join()?;
+        self.upload_pending |= joined;
+        Ok(cpu)
+    }
+
+    /// [`ZenFlowHost::join_cpu`]'s optimizer and stream buffers.
+    pub(crate) fn join(&mut self) -> Result<&mut StreamBuffers<P, f32>, EngineError> {
+        Ok(&mut self.join_cpu()?.buffers)
+    }
+
+    /// This rank's optimizer state, copied (waiting for a running step first).
+    pub(crate) fn state(&mut self) -> Result<[Vec<f32>; 3], EngineError> {
+        let state = &self.join()?.state;
+        Ok([state.master.to_vec(), state.exp_avg.to_vec(), state.exp_avg_sq.to_vec()])
+    }
+
+    /// Takes a checkpoint's state (waiting for a running step first).
+    pub(crate) fn restore(
+        &mut self,
+        [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3],
+        upload_pending: bool,
+    ) -> Result<(), EngineError> {
+        let state = &mut self.join()?.state;
+        state.master.copy_from_slice(master);
+        state.exp_avg.copy_from_slice(exp_avg);
+        state.exp_avg_sq.copy_from_slice(exp_avg_sq);
+        self.upload_pending = upload_pending;
+        Ok(())
+    }
+}
+
+/// ZenFlow's CPU step over a window in host memory ([`crate::ZenFlowAside::Host`]): chunk by
+/// chunk, the fused AdamW writes the new weights as `P` into an outgoing buffer whose upload into
+/// `target` on the h2d stream starts at once (not waited for: the buffer's next write waits).
+pub(crate) fn step_host_window<D: Device, P: Float>(
+    device: &D,
+    step: &AdamWStep,
+    buffers: &mut StreamBuffers<P, f32>,
+    window: &[f32],
+    target: &D::Buffer<P>,
+) -> Result<(), EngineError> {
+    let StreamBuffers { state, outgoing, .. } = buffers;
+    let h2d = device.stream(zeroflow_device::StreamKind::H2d);
+    let chunk = outgoing.first().map_or(1, |b| b.len()).max(1);
+    for (c, start) in (0..window.len()).step_by(chunk).enumerate() {
+        let range = start..(start + chunk).min(window.len());
+        let out = &mut outgoing[c % OUTGOING_BUFFERS];
+        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut *state;
+        let adam_state = AdamState { params: master, exp_avg, exp_avg_sq };
+        let grads = Grads::F32(&window[range.clone()]);
+        let n = range.len();
+        match as_bf16_mut(&mut out[..n]) {
+            Some(o) => {
+                adam.step_range(step, adam_state, range.clone(), grads, Output::AlsoBf16(o))?
+            }
+            None => {
+                adam.step_range(step, adam_state, range.clone(), grads, Output::MasterOnly)?;
+                convert_into(adam, &mut out[..n], &master[range.clone()]);
+            }
+        }
+        device.copy_h2d(h2d, out, 0..n, target, start)?.detach();
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -486,5 +623,39 @@ mod tests {
         assert_eq!(buffer_lens(true, 0), (vec![1; STAGING_BUFFERS], vec![1; OUTGOING_BUFFERS]));
         let (staging, _) = buffer_lens(false, DEFAULT_STREAM_CHUNK);
         assert_eq!(staging, vec![23; STAGING_BUFFERS]);
+    }
+
+    /// ZenFlow's host side over a partition of five million parameters holds the fp32 master
+    /// weights and moments (12 B per parameter) and, streamed in chunks of 2^16 elements, four
+    /// fp32 staging and two bf16 outgoing buffers of one chunk each: nothing else grows with the
+    /// partition (no accumulator, no second accumulator, no whole-partition upload buffer),
+    /// unless the window is set aside on the host (`ZenFlowAside::Host`: 4 B more).
+    #[test]
+    fn zenflow_host_side_is_twelve_bytes_per_parameter_and_bounded_staging() {
+        let device = CpuDevice::new().unwrap();
+        let (partition, chunk) = (5_000_000, 1 << 16);
+        let fill = |master: &mut [f32]| master.fill(0.0);
+        let memory = HostMemory::Pinned;
+        let bytes = |host_window| {
+            let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
+            let host = ZenFlowHost::<bf16>::new(
+                &device,
+                partition,
+                fill,
+                chunk,
+                memory,
+                adam,
+                host_window,
+            )
+            .unwrap();
+            let Worker::Ready(cpu) = &host.worker else { panic!("a new host side is ready") };
+            cpu.host_bytes()
+        };
+        let staging = chunk * (STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * 2);
+        assert_eq!(bytes(false), 12 * partition + staging);
+        let per_parameter = bytes(false) as f64 / partition as f64;
+        assert!(per_parameter < 12.5, "{per_parameter} B per parameter");
+        // The fallback with the window aside in host memory adds its 4 B per parameter.
+        assert_eq!(bytes(true), 16 * partition + staging);
     }
 }

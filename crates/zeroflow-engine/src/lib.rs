@@ -34,6 +34,7 @@ pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use options::{
     AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions,
+    ZenFlowAside,
 };
 pub use scaler::{DynamicScaler, LossScaler};
 pub use speculation::{DEFAULT_SPECULATION_BUDGET, SpeculationStats};

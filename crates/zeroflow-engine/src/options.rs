@@ -109,6 +109,21 @@ pub struct StreamOptions {
     /// is the same, bit for bit (the same f32 additions in the same order). Stages 0 and 1 reduce
     /// once per window and need neither.
     pub accumulate_on: AccumulateOn,
+    /// Where ZenFlow with `overlap_step` keeps the window its CPU step reads while the next
+    /// window fills: a second fp32 window on the device (4 bytes per element of device memory),
+    /// or pinned host memory (4 bytes per element of host memory: 16 in all), for a device that
+    /// cannot hold it. The CPU step reads the same window either way, bit for bit.
+    pub zenflow_aside: ZenFlowAside,
+}
+
+/// Where ZenFlow's overlapped CPU step reads its window from ([`StreamOptions`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ZenFlowAside {
+    /// A second fp32 window on the device, streamed through bounded host staging.
+    #[default]
+    Device,
+    /// Pinned host memory, the window copied into it at the window's end.
+    Host,
 }
 
 /// Where the accumulating offload path sums the micro-steps' gradients ([`StreamOptions`]).
@@ -130,6 +145,7 @@ impl Default for StreamOptions {
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
+            zenflow_aside: ZenFlowAside::Device,
         }
     }
 }

@@ -13,8 +13,8 @@
 //! weights, which are scattered back into the flat weights every step. Everything else goes
 //! through the offload path: the device window sums the gradients of a window of
 //! `update_interval` steps (or a Zen-auto window, [`AutoWindow`]), and the CPU steps the whole
-//! partition once per window with the window copied to the host, its results for the selected
-//! columns discarded (the device's weights are scattered over them again).
+//! partition once per window with the window streamed to the host chunk by chunk, its results
+//! for the selected columns discarded (the device's weights are scattered over them again).
 //!
 //! Selections happen at the start of a window (the first step, then the first window start at
 //! least `select_interval` steps after the last selection), from the gradients of that step. They
@@ -181,11 +181,17 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     importance_blocks: Vec<(usize, usize, usize, usize)>,
     pub importance_host: zeroflow_device::HostBuffer<f32>,
     /// The window: this rank's partition of the gradients summed over the window's steps, in
-    /// `f32` on the device. Copied into the host accumulator when the window ends, then cleared.
-    pub window: D::Buffer<f32>,
+    /// `f32` on the device. Streamed through the CPU step when the window ends, then cleared.
+    pub window: std::sync::Arc<D::Buffer<f32>>,
+    /// With `overlap_step` (the window aside on the device): the window that ended last, which
+    /// the worker's CPU step streams from while the next window fills `window` (the two are
+    /// swapped at each window end).
+    pub window_aside: Option<std::sync::Arc<D::Buffer<f32>>>,
+    pub overlap_step: bool,
     /// Compute → d2h (and comm): the window holds this step's gradients.
     pub window_ready: D::Event,
-    /// D2h → compute: the last window has been copied out and cleared.
+    /// D2h → compute, with the window aside on the host: the last window has been copied out
+    /// and cleared.
     pub window_copied: Option<D::Event>,
     /// With `overlap_step`: where the worker uploads the weights of its CPU step (this rank's
     /// partition), so that applying them is a copy on the device; `aside_ready` says they are
@@ -209,13 +215,15 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
 }
 
 impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
-    /// Allocates the compact buffers for the largest selection `ratio` can make in `owned`.
+    /// Allocates the compact buffers for the largest selection `ratio` can make in `owned`, and
+    /// the aside window on the device where `device_aside` says so.
     pub fn new(
         device: &D,
         layout: &FlatLayout,
         owned: &Range<usize>,
         options: &ZenFlowOptions,
         adamw: zeroflow_optim::AdamWConfig,
+        device_aside: bool,
     ) -> Result<Self, EngineError> {
         let (select_interval, update_interval) = options.intervals()?;
         let matrices = matrices(layout, owned, options.topk_ratio);
@@ -254,7 +262,12 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             importance_blocks,
             importance_host: device
                 .alloc_host(columns.max(1), zeroflow_device::HostMemory::Pinned)?,
-            window: device.alloc(owned.len().max(1))?,
+            window: std::sync::Arc::new(device.alloc(owned.len().max(1))?),
+            window_aside: match device_aside {
+                true => Some(std::sync::Arc::new(device.alloc(owned.len().max(1))?)),
+                false => None,
+            },
+            overlap_step: options.overlap_step,
             window_ready: device.new_event()?,
             window_copied: None,
             aside: match options.overlap_step {
@@ -412,8 +425,8 @@ pub struct ZenFlowSnapshot {
     pub epochs_since_selection: u64,
     /// CPU steps (windows) taken.
     pub cpu_steps: u64,
-    /// The host accumulator of the window so far: the gradients of `window_flat` (this rank's
-    /// partition, global flat indices), summed over ranks and the window's steps.
+    /// The window so far: the gradients of `window_flat` (this rank's partition, global flat
+    /// indices), summed over ranks and the window's steps.
     pub window_flat: Range<usize>,
     pub window_grads: Vec<f32>,
     /// Zen-auto's window state (empty without it): model-wide, the same on every rank.

@@ -9,11 +9,12 @@ pub struct BytesPerParam {
     /// On every GPU whole: bf16 weights (2 B).
     pub gpu_whole: f64,
     /// On each GPU, its partition's share: bf16 gradients (2 B), plus fp32 master weights and
-    /// Adam moments (12 B) without offload, or ZenFlow's fp32 window (4 B) and the selected
-    /// columns' state.
+    /// Adam moments (12 B) without offload, or ZenFlow's fp32 window and the aside window its
+    /// overlapped CPU step streams from (4 B each) and the selected columns' state.
     pub gpu_partitioned: f64,
     /// In host memory, its partition's share: fp32 master weights and moments (12 B) when
-    /// offloaded, and ZenFlow's pinned window accumulator (4 B).
+    /// offloaded (ZenFlow's window stays on the GPU; its CPU step streams it through bounded
+    /// staging).
     pub host_partitioned: f64,
 }
 
@@ -40,8 +41,9 @@ pub fn modes(topk_ratio: f64) -> [BytesPerParam; 3] {
             mode: "zenflow",
             gpu_whole: WEIGHTS,
             // The selected columns' master, moments and compact gradient on the device.
-            gpu_partitioned: GRADS + WINDOW + topk_ratio * (OPTIMIZER + 4.0),
-            host_partitioned: OPTIMIZER + WINDOW,
+            // The window, and the aside window the overlapped CPU step streams from.
+            gpu_partitioned: GRADS + 2.0 * WINDOW + topk_ratio * (OPTIMIZER + 4.0),
+            host_partitioned: OPTIMIZER,
         },
     ]
 }
@@ -51,8 +53,8 @@ pub const ASSUMPTIONS: &str = "Memory per rank for the parameters, gradients and
     only (activations, which grow with --micro-batch × sequence length, the CUDA context and \
     bounded staging buffers come on top). Per parameter: bf16 weights 2 B on every GPU; bf16 \
     gradients 2 B; fp32 master weights + Adam moments 12 B (gpu: on the GPU; offload and zenflow: \
-    in pinned host memory); zenflow adds an fp32 gradient window of 4 B on the GPU and 4 B of host \
-    accumulator, and keeps the selected columns' state (topk_ratio × 16 B) on the GPU. Everything \
+    in pinned host memory); zenflow adds two fp32 gradient windows of 4 B each on the GPU (the one \
+    filling and the one its overlapped CPU step streams from), and keeps the selected columns' state (topk_ratio × 16 B) on the GPU. Everything \
     but the weights is divided by the world size (ZeRO-2). MiB/GiB = 2^20/2^30 bytes.";
 
 /// What a rank holds of [`ASSUMPTIONS`]' state for a model of `params` parameters in `mode` over
@@ -68,7 +70,8 @@ mod tests {
     use super::*;
 
     /// The modes' bytes per parameter are the engine's buffers: 16 B on the GPU without offload,
-    /// 4 B on the GPU and 12 B on the host with it, and ZenFlow in between on the GPU.
+    /// 4 B on the GPU and 12 B on the host with it, and ZenFlow in between on the GPU with the
+    /// same 12 B on the host.
     #[test]
     fn bytes_per_parameter_follow_the_engines_buffers() {
         let [gpu, offload, zenflow] = modes(0.1);
@@ -79,6 +82,6 @@ mod tests {
         );
         let zenflow_gpu = zenflow.gpu_whole + zenflow.gpu_partitioned;
         assert!(zenflow_gpu > 4.0 && zenflow_gpu < 16.0, "{zenflow_gpu}");
-        assert_eq!(zenflow.host_partitioned, 16.0);
+        assert_eq!(zenflow.host_partitioned, 12.0);
     }
 }

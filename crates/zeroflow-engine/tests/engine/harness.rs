@@ -11,7 +11,8 @@ use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, init
 use zeroflow_engine::{
     AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, Engine, EngineOptions,
     LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore, Snapshot,
-    SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowOptions, ZenFlowSnapshot,
+    SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowAside, ZenFlowOptions,
+    ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
 
@@ -45,6 +46,8 @@ pub struct Setup {
     pub speculation_budget: usize,
     /// Where ZeRO-2 with accumulation sums a window (offload).
     pub accumulate_on: AccumulateOn,
+    /// Where ZenFlow's overlapped CPU step reads its window from.
+    pub zenflow_aside: ZenFlowAside,
 }
 
 impl Setup {
@@ -66,6 +69,7 @@ impl Setup {
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
+            zenflow_aside: ZenFlowAside::Device,
         }
     }
 }
@@ -88,6 +92,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 gather_in_pieces: setup.gather_in_pieces,
                 speculation_budget: setup.speculation_budget,
                 accumulate_on: setup.accumulate_on,
+                zenflow_aside: setup.zenflow_aside,
             },
         }),
         false => {

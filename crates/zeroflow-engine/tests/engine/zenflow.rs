@@ -3,7 +3,7 @@
 
 use zeroflow_core::config::{Selection, UpdateInterval};
 use zeroflow_engine::synthetic::{Reference, adamw_config, initial};
-use zeroflow_engine::{LossScaler, Stage, ZenFlowOptions};
+use zeroflow_engine::{LossScaler, Stage, ZenFlowAside, ZenFlowOptions};
 
 use crate::harness::{Bf16, Resume, Setup, layout, max_rel_diff, reference, train, train_from};
 
@@ -276,8 +276,8 @@ fn unsupported_zenflow_settings_are_refused() {
 }
 
 /// N steps, checkpoint (written and read back), restore into fresh engines, N more steps:
-/// bit-identical to 2N steps straight, with the checkpoint in the middle of a window (the host
-/// accumulator holds part of it), after a reselection, with and without an overlapped CPU step in
+/// bit-identical to 2N steps straight, with the checkpoint in the middle of a window (the device
+/// window holds part of it), after a reselection, with and without an overlapped CPU step in
 /// flight, and resumed at the other partitioned stage.
 #[test]
 fn resuming_from_a_zenflow_checkpoint_is_bit_exact() {
@@ -601,4 +601,45 @@ fn epoch_selection_follows_the_reported_epochs() {
     // exactly, the reported epoch included.
     let resume = check_resume(&Setup { steps: 4, ..auto }, Stage::Zero2);
     assert_eq!(resume.zenflow[0].epochs_since_selection, 1, "the epoch reported at step 4");
+}
+
+/// ZenFlow's CPU step streams the device window through the host chunk by chunk: small, uneven
+/// chunks (7 and 64 elements), calm and under chaos (randomly delayed streams, so every chunk's
+/// hand-off must be ordered by its own wait), give the run streamed in one chunk, which is one
+/// AdamW step over the whole partition's fp32 window as the host accumulator used to hold it,
+/// bit for bit: weights, step reports and snapshots (optimizer and ZenFlow state), inline and
+/// overlapped, with reselections and a window of one, on one and two ranks, in f32 and bf16.
+/// The fallback that sets the overlapped step's window aside in host memory instead of a second
+/// device window (`ZenFlowAside::Host`) gives the same bits.
+#[test]
+fn the_streamed_cpu_step_is_bit_identical_whatever_the_chunk() {
+    for (world, overlap, update) in [(1, false, 2), (1, true, 3), (2, true, 2), (2, false, 1)] {
+        let whole = Setup {
+            stream_chunk: 1 << 30,
+            ..setup(Stage::Zero2, world, 16, zenflow(0.3, 4, update, overlap))
+        };
+        let want = train::<f32>(&whole, LossScaler::None, None);
+        let on_host = ZenFlowAside::Host;
+        for (stream_chunk, chaos, zenflow_aside) in [
+            (7, None, ZenFlowAside::Device),
+            (64, Some(3), ZenFlowAside::Device),
+            (7, Some(5), ZenFlowAside::Device),
+            (1 << 30, None, on_host),
+            (7, Some(3), on_host),
+        ] {
+            let run = Setup { stream_chunk, chaos, zenflow_aside, ..whole.clone() };
+            let got = train::<f32>(&run, LossScaler::None, None);
+            assert_eq!(got.weights, want.weights, "{run:?}: weights");
+            assert_eq!(got.reports, want.reports, "{run:?}: step reports");
+            assert_eq!(got.snapshots, want.snapshots, "{run:?}: optimizer and ZenFlow state");
+        }
+    }
+    let whole =
+        Setup { stream_chunk: 1 << 30, ..setup(Stage::Zero2, 2, 12, zenflow(0.3, 4, 2, true)) };
+    let want = train::<Bf16>(&whole, LossScaler::None, None);
+    let got = train::<Bf16>(&Setup { stream_chunk: 7, ..whole.clone() }, LossScaler::None, None);
+    assert_eq!(got.weights, want.weights, "bf16: weights");
+    let on_host = Setup { stream_chunk: 7, zenflow_aside: ZenFlowAside::Host, ..whole.clone() };
+    let got = train::<Bf16>(&on_host, LossScaler::None, None);
+    assert_eq!(got.weights, want.weights, "bf16, the window aside on the host: weights");
 }
