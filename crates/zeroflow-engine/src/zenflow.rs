@@ -2,7 +2,11 @@
 //!
 //! Every parameter is a row-major matrix: `[rows, cols]` with `cols` the last dimension (and
 //! `rows` the product of the others); a 1-D parameter of `n` elements is `[n, 1]`, so that its one
-//! column is always selected. At a selection the columns of each matrix are ranked by the L1 norm
+//! column is always selected. What ZenFlow calls a weight's columns are the slices along its split
+//! axis (`ParamView::split_axis`, the last by default): with another axis the matrix is
+//! `[outer, slices × inner]` ([`ParamView::split`]) and slice `j` its columns
+//! `j × inner .. (j + 1) × inner` (a `[rows, cols]` weight split by axis 0 is `[1, rows × cols]`, its
+//! rows the slices); the text below says columns for slices. At a selection the columns of each matrix are ranked by the L1 norm
 //! of their gradient (summed over ranks) and the top `k = max(1, round(topk_ratio × cols))` are
 //! selected; `topk_ratio: 0` selects nothing at all, 1-D parameters included, so that ZenFlow then
 //! is ZeRO-Offload with a window of `update_interval` steps (DeepSpeed's stage 1/2 code lets `k`
@@ -27,7 +31,7 @@
 use std::ops::Range;
 
 use zeroflow_core::config::{Selection, UpdateInterval};
-use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::layout::{FlatLayout, ParamView};
 use zeroflow_core::{Element, Float};
 use zeroflow_device::{Device, DeviceBuffer, Kernels, Matrix};
 
@@ -107,8 +111,13 @@ pub(crate) struct MatrixParam {
     param: usize,
     /// The flat index of element `[0, 0]`.
     start: usize,
+    /// The matrix's width: `slices × inner`.
     cols: usize,
-    /// Selected columns per selection.
+    /// Slices along the split axis (columns with the last), and the contiguous elements of one
+    /// slice in a matrix row (1 with the last axis).
+    slices: usize,
+    inner: usize,
+    /// Selected slices per selection.
     k: usize,
     /// This rank's elements of it, counted from `start`.
     owned: Range<usize>,
@@ -232,8 +241,8 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         let (mut capacity, mut index_capacity) = (0, 0);
         for m in &matrices {
             for (rows, cols, _) in block_shapes(m) {
-                capacity += rows * m.k.min(cols);
-                index_capacity += m.k.min(cols);
+                capacity += rows * (m.k * m.inner).min(cols);
+                index_capacity += (m.k * m.inner).min(cols);
             }
         }
         // Model-wide, so that every rank all-reduces the same length.
@@ -319,7 +328,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
             *selected = match m.importance_at {
                 None => (0..m.k as u32).collect(),
-                Some(at) => top_k(&self.importance_host[at..at + m.cols], m.k),
+                Some(at) => top_k(&self.importance_host[at..at + m.slices], m.k),
             };
         }
         if let Some(auto) = &mut self.auto {
@@ -337,7 +346,11 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         self.blocks.clear();
         self.indices.clear();
         let mut compact = 0;
-        for (m, columns) in self.matrices.iter().zip(&self.selected) {
+        for (m, slices) in self.matrices.iter().zip(&self.selected) {
+            // A slice is `inner` adjacent columns of the matrix.
+            let inner = m.inner as u32;
+            let columns: Vec<u32> =
+                slices.iter().flat_map(|&j| j * inner..(j + 1) * inner).collect();
             for (rows, cols, first) in block_shapes(m) {
                 let in_block: Vec<u32> = columns
                     .iter()
@@ -373,7 +386,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
             selected.clear();
             if let Some((_, columns)) = saved.iter().find(|(param, _)| *param == m.param) {
-                if columns.len() > m.k || columns.iter().any(|&c| c as usize >= m.cols) {
+                if columns.len() > m.k || columns.iter().any(|&c| c as usize >= m.slices) {
                     return Err(EngineError::Restore {
                         rank,
                         reason: "its ZenFlow selection does not fit this model and topk_ratio",
@@ -438,26 +451,29 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
     let mut importance_at = 0;
     let mut out = Vec::new();
     for (index, param) in layout.params().iter().enumerate() {
-        let cols = match param.shape.as_slice() {
-            [_] | [] => 1,
-            [.., cols] => *cols,
-        };
         let two_d = param.shape.len() >= 2;
+        let (slices, inner) = match two_d {
+            true => (split_slices(param), param.split().2),
+            false => (1, 1),
+        };
+        let cols = slices * inner;
         let at = two_d.then_some(importance_at);
         if two_d {
-            importance_at += cols;
+            importance_at += slices;
         }
         let range = param.flat_range();
         let inside = range.start.max(owned.start)..range.end.min(owned.end);
         if inside.is_empty() || ratio == 0.0 {
             continue;
         }
-        let k = if two_d { selected_columns(ratio, cols) } else { 1 };
+        let k = if two_d { selected_columns(ratio, slices) } else { 1 };
         let owned = inside.start - range.start..inside.end - range.start;
         out.push(MatrixParam {
             param: index,
             start: range.start,
             cols,
+            slices,
+            inner,
             k,
             owned,
             importance_at: at,
@@ -472,7 +488,20 @@ fn importance_blocks(matrices: &[MatrixParam]) -> Vec<(usize, usize, usize, usiz
     for m in matrices {
         let Some(at) = m.importance_at else { continue };
         for (rows, cols, (row, col)) in block_shapes(m) {
-            blocks.push((m.start + row * m.cols + col, rows, cols, at + col));
+            if m.inner == 1 {
+                blocks.push((m.start + row * m.cols + col, rows, cols, at + col));
+                continue;
+            }
+            // A slice's elements in a row are contiguous: one `[len, 1]` sum per row and slice.
+            for r in row..row + rows {
+                let mut c = col;
+                while c < col + cols {
+                    let slice = c / m.inner;
+                    let end = ((slice + 1) * m.inner).min(col + cols);
+                    blocks.push((m.start + r * m.cols + c, end - c, 1, at + slice));
+                    c = end;
+                }
+            }
         }
     }
     blocks
@@ -543,7 +572,7 @@ impl AutoWindow {
             if spec.shape.len() < 2 {
                 continue;
             }
-            let cols = spec.shape[spec.shape.len() - 1];
+            let cols = split_slices(spec);
             let k = selected_columns(options.topk_ratio, cols);
             params.push(AutoParam { param, at, cols, k, selected: Vec::new() });
             at += cols;
@@ -600,9 +629,15 @@ impl AutoWindow {
     }
 }
 
-/// Columns of every parameter of two or more dimensions: the length of the importance vector.
+/// Columns (slices) of every parameter of two or more dimensions: the length of the importance
+/// vector.
 fn layout_columns(layout: &FlatLayout) -> usize {
-    layout.params().iter().filter(|p| p.shape.len() >= 2).map(|p| p.shape[p.shape.len() - 1]).sum()
+    layout.params().iter().filter(|p| p.shape.len() >= 2).map(split_slices).sum()
+}
+
+/// A parameter's slices along its split axis: the columns ZenFlow ranks.
+fn split_slices(param: &ParamView) -> usize {
+    param.split().1
 }
 
 /// The row-major blocks of a matrix's owned elements: `(rows, cols, (first row, first column))`.

@@ -2,7 +2,7 @@
 //! rest on the CPU once per window, on CPU-device ranks with the synthetic model.
 
 use zeroflow_core::config::{Selection, UpdateInterval};
-use zeroflow_engine::synthetic::{Reference, adamw_config, initial};
+use zeroflow_engine::synthetic::{self, Reference, adamw_config, initial};
 use zeroflow_engine::{LossScaler, Stage, ZenFlowAside, ZenFlowOptions};
 
 use crate::harness::{Bf16, Resume, Setup, layout, max_rel_diff, reference, train, train_from};
@@ -642,4 +642,144 @@ fn the_streamed_cpu_step_is_bit_identical_whatever_the_chunk() {
     let on_host = Setup { stream_chunk: 7, zenflow_aside: ZenFlowAside::Host, ..whole.clone() };
     let got = train::<Bf16>(&on_host, LossScaler::None, None);
     assert_eq!(got.weights, want.weights, "bf16, the window aside on the host: weights");
+}
+
+/// ZenFlow follows each parameter's split axis: a `[9, 6]` weight split by axis 0 has its rows
+/// ranked by the L1 norms of their gradients (summed over ranks) and the top rows stepped on the
+/// device. Within the first window exactly the top rows (and the vector) change; and the run
+/// equals, bit for bit, the run of its transpose `[6, 9]` split by the default last axis, whose
+/// columns are those rows, on one rank and on two (whose partitions cut through rows), inline and
+/// overlapped.
+#[test]
+fn a_split_axis_of_zero_selects_rows_as_the_transpose_selects_columns() {
+    use zeroflow_core::layout::ParamSpec;
+    let (rows, cols) = (9, 6);
+    let by_rows = [
+        ParamSpec::new("w", vec![rows, cols]).with_split_axis(Some(0)),
+        ParamSpec::new("b", vec![5]),
+    ];
+    let transposed = [ParamSpec::new("w", vec![cols, rows]), ParamSpec::new("b", vec![5])];
+    // Element [r, c] of w is flat r × cols + c by rows, and c × rows + r transposed.
+    let row_major = |flat: usize| flat;
+    let from_transposed = |flat: usize| match flat < rows * cols {
+        true => (flat % rows) * cols + flat / rows,
+        false => flat,
+    };
+    // One step of a window of four: only the device has stepped.
+    let first = split_run(&by_rows, 1, 1, zenflow(0.34, 8, 4, false), row_major);
+    let initial = split_initial(&by_rows, 1, row_major);
+    let l1 = |r: usize| -> f64 {
+        let g = |c: usize| synthetic::grad(r * cols + c, initial[r * cols + c], 0, 0);
+        (0..cols).map(|c| f64::from(g(c).abs())).sum()
+    };
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.sort_by(|&a, &b| l1(b).total_cmp(&l1(a)));
+    let top = &order[..3];
+    for r in 0..rows {
+        let changed = (0..cols).filter(|&c| first[0][r * cols + c] != initial[r * cols + c]);
+        let want = if top.contains(&r) { cols } else { 0 };
+        assert_eq!(changed.count(), want, "row {r} (top rows {top:?})");
+    }
+    let b = 56..61;
+    assert!(b.clone().all(|i| first[0][i] != initial[i]), "the vector is always selected");
+    for (world, overlap) in [(1, false), (2, true), (2, false)] {
+        let options = zenflow(0.34, 4, 2, overlap);
+        let got = split_run(&by_rows, world, 10, options, row_major);
+        let want = split_run(&transposed, world, 10, options, from_transposed);
+        for (rank, (got, want)) in got.iter().zip(&want).enumerate() {
+            // The weight's elements, then the vector's (54 and 55 are padding).
+            for flat in (0..rows * cols).chain(b.clone()) {
+                let at = if flat < rows * cols { (flat % cols) * rows + flat / cols } else { flat };
+                let (g, w) = (got[flat], want[at]);
+                assert_eq!(g.to_bits(), w.to_bits(), "world {world} rank {rank} element {flat}");
+            }
+        }
+    }
+}
+
+/// The initial weights of the split-axis test's layout: element `logical(flat)` of the weight as
+/// the row-major `[9, 6]` sees it, so that both layouts start alike (padding zero).
+fn split_initial(
+    specs: &[zeroflow_core::layout::ParamSpec],
+    world: usize,
+    logical: impl Fn(usize) -> usize,
+) -> Vec<f32> {
+    let layout = split_layout(specs, world);
+    let mut flat = vec![0.0; layout.padded_len()];
+    for p in layout.params() {
+        for i in p.flat_range() {
+            flat[i] = 0.2 * (((logical(i) * 37) % 101) as f32 / 101.0 - 0.5);
+        }
+    }
+    flat
+}
+
+fn split_layout(
+    specs: &[zeroflow_core::layout::ParamSpec],
+    world: usize,
+) -> zeroflow_core::layout::FlatLayout {
+    use zeroflow_core::layout::{Alignment, FlatLayout};
+    FlatLayout::new(specs, world, Alignment { param: 4, partition: 2 }).expect("a layout")
+}
+
+/// Trains the split-axis test's layout with ZenFlow for `steps` steps on `world` CPU ranks, the
+/// gradient of flat element `i` being the synthetic gradient of `logical(i)` (without clipping,
+/// so that the two layouts' norms, summed in different orders, do not enter); every rank's
+/// flushed weights.
+fn split_run(
+    specs: &[zeroflow_core::layout::ParamSpec],
+    world: usize,
+    steps: u64,
+    options: ZenFlowOptions,
+    logical: impl Fn(usize) -> usize + Sync,
+) -> Vec<Vec<f32>> {
+    use zeroflow_device::cpu::{CpuComm, KernelArgs};
+    use zeroflow_device::{CpuDevice, Device, StreamKind};
+    use zeroflow_engine::Engine;
+    let run =
+        Setup { zenflow: Some(options), clip: None, ..Setup::new(Stage::Zero2, world, 1, true) };
+    let devices: Vec<CpuDevice> = (0..world).map(|_| CpuDevice::new().unwrap()).collect();
+    let comms = CpuComm::group(&devices, std::time::Duration::from_secs(30));
+    let (logical, run) = (&logical, &run);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (devices.into_iter().zip(comms).enumerate())
+            .map(|(rank, (device, comm))| {
+                s.spawn(move || {
+                    let layout = split_layout(specs, world);
+                    let init = split_initial(specs, world, logical);
+                    let options = crate::harness::options(run, LossScaler::None);
+                    let mut engine: Engine<CpuDevice, CpuComm, f32> =
+                        Engine::new(device.clone(), comm, layout.clone(), options, &init).unwrap();
+                    for k in 0..steps {
+                        engine
+                            .backward(|io, ready| {
+                                let compute = device.stream(StreamKind::Compute);
+                                for p in layout.params().iter().rev() {
+                                    let range = p.flat_range();
+                                    let at: Vec<usize> = range.clone().map(logical).collect();
+                                    let args = KernelArgs::new()
+                                        .input(io.params, range.clone())
+                                        .in_out(io.grads, range.clone());
+                                    let scale = io.loss_scale;
+                                    device.launch(compute, "split_backward", args, move |ctx| {
+                                        let (w, g) = (ctx.input::<f32>(0), ctx.output::<f32>(1));
+                                        for ((g, w), &i) in g.iter_mut().zip(w).zip(&at) {
+                                            *g += scale * synthetic::grad(i, *w, rank, k);
+                                        }
+                                        Ok(())
+                                    })?;
+                                    ready(range)?;
+                                }
+                                Ok::<(), zeroflow_engine::EngineError>(())
+                            })
+                            .unwrap();
+                        engine.step().unwrap();
+                    }
+                    engine.flush().unwrap();
+                    device.download(engine.params()).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
