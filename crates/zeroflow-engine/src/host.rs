@@ -231,8 +231,8 @@ impl StepTimes {
     }
 }
 
-/// The host side of the accumulating paths (ZeRO-Offload's exact and delayed step): the
-/// gradient accumulator, the staging that fills it during backward, and
+/// The host side of the accumulating paths (ZeRO-Offload's exact and delayed step, and
+/// ZenFlow's CPU step with `ZenFlowAside::Host`): the gradient accumulator, the staging that fills it during backward, and
 /// the CPU optimizer.
 #[derive(Debug)]
 pub(crate) struct HostAccumulator<P: Float> {
@@ -253,7 +253,7 @@ pub(crate) enum CpuStep<P: Float> {
     /// On the training thread, inside `step`.
     Inline(Box<WholeStep<P>>),
     /// After `warmup` inline steps, on a worker thread while the next window computes (the
-    /// delayed update).
+    /// delayed update; ZenFlow's `overlap_step` with `ZenFlowAside::Host`, whose `warmup` is 0).
     Delayed { warmup: u64, worker: Worker<Swapped<P>> },
 }
 
@@ -347,15 +347,24 @@ impl<P: Float> HostAccumulator<P> {
     }
 
     /// Starts a delayed step of the (joined) optimizer on its worker, handing it the full
-    /// accumulator and putting the one it stepped with last in its place for the next window.
-    pub(crate) fn start_delayed(&mut self, step: AdamWStep) -> Result<(), EngineError> {
+    /// accumulator and putting the one it stepped with last in its place for the next window;
+    /// `then` runs on the worker after the step (ZenFlow's host path uploads the new weights from
+    /// there).
+    pub(crate) fn start_delayed(
+        &mut self,
+        step: AdamWStep,
+        then: impl FnOnce(&WholeStep<P>) -> Result<(), EngineError> + Send + 'static,
+    ) -> Result<(), EngineError> {
         let CpuStep::Delayed { worker, .. } = &mut self.cpu else {
             return Err(EngineError::Internal("a delayed step on the inline path"));
         };
         if let Worker::Ready(swapped) = worker {
             std::mem::swap(&mut self.acc, &mut swapped.stepped);
         }
-        worker.start(move |swapped| swapped.whole.step(&step, &swapped.stepped))
+        worker.start(move |swapped| {
+            swapped.whole.step(&step, &swapped.stepped)?;
+            then(&swapped.whole)
+        })
     }
 
     /// This rank's optimizer state, copied (waiting for a delayed step first).
@@ -453,31 +462,15 @@ impl<P: Float, G: Float> StreamBuffers<P, G> {
 /// without (both through [`Worker`], which is `Ready` between steps).
 #[derive(Debug)]
 pub(crate) struct ZenFlowHost<P: Float> {
-    pub worker: Worker<ZenFlowCpu<P>>,
+    pub worker: Worker<StreamBuffers<P, f32>>,
     /// The optimizer holds weights newer than the device's flat weights (a step joined before
     /// its weights were applied, or restored).
     pub upload_pending: bool,
 }
 
-/// What ZenFlow's CPU step works with: the optimizer and its stream buffers, and with
-/// [`crate::ZenFlowAside::Host`] the window set aside in host memory.
-#[derive(Debug)]
-pub(crate) struct ZenFlowCpu<P: Float> {
-    pub buffers: StreamBuffers<P, f32>,
-    pub window: Option<HostBuffer<f32>>,
-}
-
-impl<P: Float> ZenFlowCpu<P> {
-    /// The bytes of host memory the CPU step holds.
-    pub(crate) fn host_bytes(&self) -> usize {
-        let window = self.window.as_ref().map_or(0, |w| w.len() * std::mem::size_of::<f32>());
-        self.buffers.host_bytes() + window
-    }
-}
-
 impl<P: Float> ZenFlowHost<P> {
     /// The host side of a partition of `partition` elements, streamed in chunks of at most
-    /// `stream_chunk` elements, with a host window where `host_window` says so.
+    /// `stream_chunk` elements.
     pub(crate) fn new<D: Device>(
         device: &D,
         partition: usize,
@@ -485,18 +478,12 @@ impl<P: Float> ZenFlowHost<P> {
         stream_chunk: usize,
         memory: HostMemory,
         adam: CpuAdam,
-        host_window: bool,
     ) -> Result<Self, EngineError> {
         let buffers =
             StreamBuffers::new(device, partition, fill_master, stream_chunk, memory, adam)?;
-        let window = match host_window {
-            true => Some(device.alloc_host(partition, memory)?),
-            false => None,
-        };
-        let cpu = ZenFlowCpu { buffers, window };
-        let bytes = cpu.host_bytes();
+        let bytes = buffers.host_bytes();
         tracing::debug!(partition, bytes, "ZenFlow's host side: optimizer state and staging");
-        Ok(ZenFlowHost { worker: Worker::Ready(Box::new(cpu)), upload_pending: false })
+        Ok(ZenFlowHost { worker: Worker::Ready(Box::new(buffers)), upload_pending: false })
     }
 
     /// True if the optimizer's weights have not reached the device's flat weights yet.
@@ -504,22 +491,12 @@ impl<P: Float> ZenFlowHost<P> {
         self.upload_pending || self.worker.is_stepping()
     }
 
-    /// True if the window is set aside in host memory ([`crate::ZenFlowAside::Host`]).
-    pub(crate) fn window_on_host(&self) -> bool {
-        matches!(&self.worker, Worker::Ready(cpu) if cpu.window.is_some())
-    }
-
-    /// Waits for a running CPU step, if there is one, and gives its state back; the weights of
+    /// Waits for a running CPU step, if there is one, and gives the buffers back; the weights of
     /// a step joined here are pending.
-    pub(crate) fn join_cpu(&mut self) -> Result<&mut ZenFlowCpu<P>, EngineError> {
-        let (cpu, joined) = self.worker.join()?;
-        self.upload_pending |= joined;
-        Ok(cpu)
-    }
-
-    /// [`ZenFlowHost::join_cpu`]'s optimizer and stream buffers.
     pub(crate) fn join(&mut self) -> Result<&mut StreamBuffers<P, f32>, EngineError> {
-        Ok(&mut self.join_cpu()?.buffers)
+        let (buffers, joined) = self.worker.join()?;
+        self.upload_pending |= joined;
+        Ok(buffers)
     }
 
     /// This rank's optimizer state, copied (waiting for a running step first).
@@ -541,40 +518,6 @@ impl<P: Float> ZenFlowHost<P> {
         self.upload_pending = upload_pending;
         Ok(())
     }
-}
-
-/// ZenFlow's CPU step over a window in host memory ([`crate::ZenFlowAside::Host`]): chunk by
-/// chunk, the fused AdamW writes the new weights as `P` into an outgoing buffer whose upload into
-/// `target` on the h2d stream starts at once (not waited for: the buffer's next write waits).
-pub(crate) fn step_host_window<D: Device, P: Float>(
-    device: &D,
-    step: &AdamWStep,
-    buffers: &mut StreamBuffers<P, f32>,
-    window: &[f32],
-    target: &D::Buffer<P>,
-) -> Result<(), EngineError> {
-    let StreamBuffers { state, outgoing, .. } = buffers;
-    let h2d = device.stream(zeroflow_device::StreamKind::H2d);
-    let chunk = outgoing.first().map_or(1, |b| b.len()).max(1);
-    for (c, start) in (0..window.len()).step_by(chunk).enumerate() {
-        let range = start..(start + chunk).min(window.len());
-        let out = &mut outgoing[c % OUTGOING_BUFFERS];
-        let HostOptimizer { master, exp_avg, exp_avg_sq, adam } = &mut *state;
-        let adam_state = AdamState { params: master, exp_avg, exp_avg_sq };
-        let grads = Grads::F32(&window[range.clone()]);
-        let n = range.len();
-        match as_bf16_mut(&mut out[..n]) {
-            Some(o) => {
-                adam.step_range(step, adam_state, range.clone(), grads, Output::AlsoBf16(o))?
-            }
-            None => {
-                adam.step_range(step, adam_state, range.clone(), grads, Output::MasterOnly)?;
-                convert_into(adam, &mut out[..n], &master[range.clone()]);
-            }
-        }
-        device.copy_h2d(h2d, out, 0..n, target, start)?.detach();
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -628,34 +571,20 @@ mod tests {
     /// ZenFlow's host side over a partition of five million parameters holds the fp32 master
     /// weights and moments (12 B per parameter) and, streamed in chunks of 2^16 elements, four
     /// fp32 staging and two bf16 outgoing buffers of one chunk each: nothing else grows with the
-    /// partition (no accumulator, no second accumulator, no whole-partition upload buffer),
-    /// unless the window is set aside on the host (`ZenFlowAside::Host`: 4 B more).
+    /// partition (no accumulator, no second accumulator, no whole-partition upload buffer, which
+    /// `ZenFlowAside::Host`, the path before, still allocates: 22 B per parameter in all).
     #[test]
     fn zenflow_host_side_is_twelve_bytes_per_parameter_and_bounded_staging() {
         let device = CpuDevice::new().unwrap();
         let (partition, chunk) = (5_000_000, 1 << 16);
         let fill = |master: &mut [f32]| master.fill(0.0);
         let memory = HostMemory::Pinned;
-        let bytes = |host_window| {
-            let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
-            let host = ZenFlowHost::<bf16>::new(
-                &device,
-                partition,
-                fill,
-                chunk,
-                memory,
-                adam,
-                host_window,
-            )
-            .unwrap();
-            let Worker::Ready(cpu) = &host.worker else { panic!("a new host side is ready") };
-            cpu.host_bytes()
-        };
+        let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
+        let host = ZenFlowHost::<bf16>::new(&device, partition, fill, chunk, memory, adam).unwrap();
+        let Worker::Ready(buffers) = &host.worker else { panic!("a new host side is ready") };
         let staging = chunk * (STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * 2);
-        assert_eq!(bytes(false), 12 * partition + staging);
-        let per_parameter = bytes(false) as f64 / partition as f64;
+        assert_eq!(buffers.host_bytes(), 12 * partition + staging);
+        let per_parameter = buffers.host_bytes() as f64 / partition as f64;
         assert!(per_parameter < 12.5, "{per_parameter} B per parameter");
-        // The fallback with the window aside in host memory adds its 4 B per parameter.
-        assert_eq!(bytes(true), 16 * partition + staging);
     }
 }

@@ -33,8 +33,8 @@ pub use engine::{Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use options::{
-    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions,
-    ZenFlowAside,
+    AccumulateOn, DEFAULT_ZENFLOW_ASIDE, EngineOptions, Offload, OffloadUpdate, Placement, Stage,
+    StreamOptions, ZenFlowAside,
 };
 pub use scaler::{DynamicScaler, LossScaler};
 pub use speculation::{DEFAULT_SPECULATION_BUDGET, SpeculationStats};

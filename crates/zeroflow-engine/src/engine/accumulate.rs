@@ -154,7 +154,7 @@ impl<D: DeviceAdamW, P: Float> Accumulate<D, P> {
             if host.weights_ahead() {
                 upload_and_gather(shared, host.upload()?)?;
             }
-            host.start_delayed(*step)?;
+            host.start_delayed(*step, |_| Ok(()))?;
         } else {
             let verdict = match (&mut self.speculation, &mut host.cpu) {
                 (Some(speculation), CpuStep::Inline(whole)) => {

@@ -26,7 +26,7 @@
 //! | `chunk_uploaded` (stream) | h2d, after each gathered piece's upload | comm, before its broadcasts |
 //! | `aside_taken` (delayed stream) | comm, after the set-aside copy | d2h, before the worker's copies |
 //! | `window_ready` (ZenFlow) | compute: after the window add, and before the window norm's and the importances' reads (`sum_to_host`) | d2h, before the CPU step's copies of the window (inline, or set aside) and the reads |
-//! | `window_copied` (ZenFlow, window aside on the host) | d2h, after the window's copy into the host window and its clear | compute, before the next window add |
+//! | `window_copied` (ZenFlow's host path) | d2h, after the window's copy into the host accumulator and its clear | compute, before the next window add |
 //! | `device_done` (ZenFlow) | compute, after the device step | h2d, before the CPU's weights are applied |
 //!
 //! The host side waits by tokens, not events: a staged piece is added only after its copy's
@@ -47,6 +47,7 @@ use super::shared::Shared;
 use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
+use super::zenflow_host::HostSide;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
 use crate::reduction::Sink;
@@ -89,8 +90,9 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             opts.grad_accum == 1 && !zenflow && matches!(P::DTYPE, DType::F32 | DType::Bf16);
         // A streamed chunk is uploaded as soon as it is written: from the caches. A whole
         // partition's copy is too big for them: past them, without reading its lines.
+        let zenflow_streams = zenflow && offload.stream.zenflow_aside == ZenFlowAside::Device;
         let default_stores =
-            if streaming || zenflow { Stores::Normal } else { Stores::NonTemporal };
+            if streaming || zenflow_streams { Stores::Normal } else { Stores::NonTemporal };
         let stores = offload.stream.copy_stores.unwrap_or(default_stores);
         let adam =
             CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?.with_copy_stores(stores);
@@ -110,9 +112,32 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             OffloadUpdate::ZenFlow(z) => {
                 // Its CPU step streams the device window (inline, or on a worker with
                 // overlap_step) through bounded staging.
-                let on_host = z.overlap_step && offload.stream.zenflow_aside == ZenFlowAside::Host;
-                let host =
-                    ZenFlowHost::new(device, len, fill_master, chunk, memory, adam, on_host)?;
+                let host = match offload.stream.zenflow_aside {
+                    ZenFlowAside::Device => HostSide::Streamed(ZenFlowHost::new(
+                        device,
+                        len,
+                        fill_master,
+                        chunk,
+                        memory,
+                        adam,
+                    )?),
+                    // The path before: the window copied into the host accumulator (no
+                    // staging: nothing goes out bucket by bucket), overlap_step its delayed
+                    // update from the first window on.
+                    ZenFlowAside::Host => {
+                        let delayed = z.overlap_step.then_some(0);
+                        HostSide::Accumulated(HostAccumulator::new(
+                            device,
+                            len,
+                            fill_master,
+                            1,
+                            chunk,
+                            memory,
+                            adam,
+                            delayed,
+                        )?)
+                    }
+                };
                 let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host)?;
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
             }
@@ -313,8 +338,9 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
         match self {
             UpdatePath::Accumulate(a) => Some(&a.host.acc),
-            // ZenFlow's window stays on the device.
-            UpdatePath::Device(_) | UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => None,
+            // ZenFlow's window stays on the device unless it takes the host path.
+            UpdatePath::ZenFlow(z) => z.host.accumulator(),
+            UpdatePath::Device(_) | UpdatePath::Stream(_) => None,
         }
     }
 

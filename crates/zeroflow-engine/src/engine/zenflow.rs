@@ -12,10 +12,9 @@
 //! `compute_done`, `params_ready` and `device_done`) and the device's columns are scattered over
 //! them again. With `overlap_step` the window is swapped with the aside window, whose CPU step
 //! runs on a worker during the next window and uploads into the aside weights, applied at that
-//! window's end by a device copy (and the columns scattered over them); with
-//! `StreamOptions::zenflow_aside: Host` the window is instead copied into a host window and
-//! cleared on the d2h stream (`window_copied`, d2h → compute, orders the next add after it), and
-//! the worker steps from there. `window_ready` is also the event the window's norm and the
+//! window's end by a device copy (and the columns scattered over them). With
+//! `StreamOptions::zenflow_aside: Host` the window takes the path before instead
+//! (`zenflow_host.rs`). `window_ready` is also the event the window's norm and the
 //! column importances go to the host by (recorded on the compute stream before each of those
 //! reads).
 
@@ -29,11 +28,9 @@ use zeroflow_optim::{AdamWConfig, AdamWStep};
 use super::shared::{Shared, normalise, overwrite, slot, sum_to_host};
 use super::state::{OptimizerPart, PathState, assemble};
 use super::stream::{Chunks, stream_chunks};
+use super::zenflow_host::HostSide;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{
-    HostOptimizer, StepTimes, StreamBuffers, ZenFlowCpu, ZenFlowHost, convert_into,
-    step_host_window,
-};
+use crate::host::{HostOptimizer, StepTimes, StreamBuffers, convert_into};
 use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
 use crate::{EngineError, ZenFlowOptions};
 
@@ -41,7 +38,7 @@ use crate::{EngineError, ZenFlowOptions};
 /// CPU step (inline, or delayed with `overlap_step`).
 pub(super) struct ZenFlowUpdate<D: DeviceAdamW, P: Float> {
     pub(super) zenflow: ZenFlow<D, P>,
-    pub(super) host: ZenFlowHost<P>,
+    pub(super) host: HostSide<P>,
 }
 
 /// A ZenFlow checkpoint's state, checked and assembled for this rank before anything is restored.
@@ -58,10 +55,10 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         owned: &std::ops::Range<usize>,
         options: &ZenFlowOptions,
         adamw: AdamWConfig,
-        host: ZenFlowHost<P>,
+        host: HostSide<P>,
     ) -> Result<Self, EngineError> {
-        // With overlap_step the window ends aside on the device unless the host holds it.
-        let device_aside = options.overlap_step && !host.window_on_host();
+        // With overlap_step the streamed path sets the window aside on the device.
+        let device_aside = options.overlap_step && matches!(host, HostSide::Streamed(_));
         let zenflow = ZenFlow::new(device, layout, owned, options, adamw, device_aside)?;
         Ok(ZenFlowUpdate { zenflow, host })
     }
@@ -121,6 +118,9 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let begun = std::time::Instant::now();
         let cpu_step = self.window_step(shared, step, window, loss_scale)?;
         let normed = begun.elapsed();
+        if let HostSide::Accumulated(_) = self.host {
+            return self.end_window_on_host(shared, cpu_step);
+        }
         let started = std::time::Instant::now();
         if !self.zenflow.overlap_step {
             self.step_inline(shared, &cpu_step)?;
@@ -177,7 +177,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         shared: &mut Shared<D, C, P>,
         cpu_step: &AdamWStep,
     ) -> Result<(), EngineError> {
-        let StreamBuffers { state, staging, outgoing } = self.host.join()?;
+        let StreamBuffers { state, staging, outgoing } = self.host.streamed()?.join()?;
         shared.h2d_after_weights_free()?;
         let device = &shared.device;
         let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
@@ -195,7 +195,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
             Chunks { state_at: 0, source, source_at: 0, target, target_at: at, uploaded, times };
         stream_chunks(device, cpu_step, state, staging, outgoing, chunks, len)?;
         // This step's weights supersede any still pending.
-        self.host.upload_pending = false;
+        self.host.streamed()?.upload_pending = false;
         self.zenflow.aside_ready = false;
         // Every chunk's copy has been waited on: the window is read.
         let compute = device.stream(StreamKind::Compute);
@@ -205,12 +205,10 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         shared.gather_from(StreamKind::H2d)
     }
 
-    /// Sets the window that ends now aside (its last CPU step has been joined: nothing reads
-    /// the aside window any more) and clears the window, after its last add and reads
-    /// (`window_ready`): on the device, swapped with the aside window, cleared on the compute
-    /// stream (the worker's copies wait on the d2h stream); on the host, copied into the host
-    /// window and cleared on the d2h stream, `window_copied` recorded (the copy's token is let
-    /// go: the worker's first read of the host window waits for it).
+    /// Swaps the window that ends now with the aside window (whose last CPU step has been
+    /// joined: nothing reads it any more) and clears the new window on the compute stream; the
+    /// worker's copies of the aside window wait on the d2h stream for its last add and reads
+    /// (`window_ready`).
     fn set_window_aside<C: Comm<Device = D>>(
         &mut self,
         shared: &Shared<D, C, P>,
@@ -219,18 +217,11 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let zenflow = &mut self.zenflow;
         let d2h = device.stream(StreamKind::D2h);
         device.wait_event(d2h, &zenflow.window_ready)?;
-        if let Some(aside) = zenflow.window_aside.as_mut() {
-            std::mem::swap(&mut zenflow.window, aside);
-            let compute = device.stream(StreamKind::Compute);
-            device.fill(compute, &*zenflow.window, 0..len, 0.0)?;
-            return Ok(());
-        }
-        let host_window = self.host.join_cpu()?.window.as_mut();
-        let host_window = host_window.ok_or(EngineError::Internal("no aside window"))?;
-        device.copy_d2h(d2h, &*zenflow.window, 0..len, host_window, 0)?.detach();
-        device.fill(d2h, &*zenflow.window, 0..len, 0.0)?;
-        let copied = slot(&mut zenflow.window_copied, device)?;
-        device.record(copied, d2h)?;
+        let aside = zenflow.window_aside.as_mut();
+        let aside = aside.ok_or(EngineError::Internal("overlap_step without its aside window"))?;
+        std::mem::swap(&mut zenflow.window, aside);
+        let compute = device.stream(StreamKind::Compute);
+        device.fill(compute, &*zenflow.window, 0..len, 0.0)?;
         Ok(())
     }
 
@@ -244,43 +235,41 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     ) -> Result<(), EngineError> {
         let missing = EngineError::Internal("overlap_step without its aside weights");
         let weights = Arc::clone(self.zenflow.aside.as_ref().ok_or(missing)?);
-        let window = self.zenflow.window_aside.clone();
+        let missing = EngineError::Internal("overlap_step without its aside window");
+        let window = Arc::clone(self.zenflow.window_aside.as_ref().ok_or(missing)?);
         let (device, len) = (shared.device.clone(), shared.owned.len());
         self.zenflow.aside_ready = true;
-        self.host.worker.start(move |cpu| {
-            let ZenFlowCpu { buffers, window: host_window } = cpu;
-            match (&window, host_window) {
-                (Some(window), _) => {
-                    let StreamBuffers { state, staging, outgoing } = &mut *buffers;
-                    let (source, target) = (&**window, &*weights);
-                    let uploaded = &mut |_| Ok(());
-                    // On its own thread: not the training thread's time.
-                    let times = &mut StepTimes::default();
-                    let (state_at, source_at, target_at) = (0, 0, 0);
-                    let chunks =
-                        Chunks { state_at, source, source_at, target, target_at, uploaded, times };
-                    stream_chunks(&device, &cpu_step, state, staging, outgoing, chunks, len)?;
-                }
-                (None, Some(host_window)) => {
-                    step_host_window(&device, &cpu_step, buffers, &host_window[..], &*weights)?;
-                }
-                (None, None) => return Err(EngineError::Internal("no aside window")),
-            }
+        self.host.streamed()?.worker.start(move |buffers| {
+            let StreamBuffers { state, staging, outgoing } = buffers;
+            let (source, target) = (&*window, &*weights);
+            let uploaded = &mut |_| Ok(());
+            // On its own thread: not the training thread's time.
+            let times = &mut StepTimes::default();
+            let chunks =
+                Chunks { state_at: 0, source, source_at: 0, target, target_at: 0, uploaded, times };
+            stream_chunks(&device, &cpu_step, state, staging, outgoing, chunks, len)?;
             // Wait for the last uploads.
-            buffers.outgoing.iter_mut().for_each(HostBuffer::settle);
+            outgoing.iter_mut().for_each(HostBuffer::settle);
             Ok(())
         })
     }
 
     /// Brings the CPU's weights into this rank's partition of the flat weights from the aside
-    /// weights (where the worker uploaded them, or a restore put them), with the device's
-    /// columns over them, then gathers.
-    fn apply_and_gather<C: Comm<Device = D>>(
+    /// weights (where the worker uploaded them, or a restore put them; on the host path, else
+    /// from its upload buffer), with the device's columns over them, then gathers.
+    pub(super) fn apply_and_gather<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        self.host.join()?;
-        self.host.upload_pending = false;
+        // The host path's weights not aside are in its upload buffer.
+        let upload = match &mut self.host {
+            HostSide::Accumulated(host) => Some(host.upload()?),
+            HostSide::Streamed(host) => {
+                host.join()?;
+                host.upload_pending = false;
+                None
+            }
+        };
         shared.h2d_after_weights_free()?;
         let device = &shared.device;
         let h2d = device.stream(StreamKind::H2d);
@@ -291,9 +280,12 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let (len, at) = (shared.owned.len(), shared.owned.start);
         // The worker uploaded its weights into the aside buffer on this stream.
         let ready = std::mem::take(&mut self.zenflow.aside_ready);
-        match self.zenflow.aside.as_ref() {
-            Some(aside) if ready => device.copy_d2d(h2d, aside, 0..len, &shared.params, at)?,
-            _ => return Err(EngineError::Internal("ZenFlow's pending weights are not aside")),
+        match (self.zenflow.aside.as_ref().filter(|_| ready), upload) {
+            (Some(aside), _) => device.copy_d2d(h2d, aside, 0..len, &shared.params, at)?,
+            (None, Some(upload)) => {
+                device.copy_h2d(h2d, upload, 0..len, &shared.params, at)?.wait()?
+            }
+            (None, None) => return Err(EngineError::Internal("ZenFlow's weights are not aside")),
         }
         // The CPU's result for the selected columns is discarded, the device's kept.
         self.zenflow.scatter_weights(device, h2d, &shared.params)?;
@@ -395,7 +387,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         }
         shared.device.synchronize()?;
         let owned_start = shared.owned.start;
-        let optimizer = &mut self.host.join()?.state;
+        let optimizer = self.host.join()?;
         let zenflow = &self.zenflow;
         // The columns leaving the selection: their device state is the current one.
         if zenflow.compact_len > 0 {
@@ -415,7 +407,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         self.column_importance(shared)?;
         self.zenflow.select();
         // The columns entering the selection: their host state is the current one.
-        let optimizer = &self.host.join()?.state;
+        let optimizer = &*self.host.join()?;
         load_selected(&shared.device, &self.zenflow, optimizer, owned_start)?;
         Ok(())
     }
@@ -458,11 +450,12 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         master_only: bool,
     ) -> Result<PathState, EngineError> {
         let [mut master, mut exp_avg, mut exp_avg_sq] = match master_only {
-            true => [self.host.join()?.state.master.to_vec(), Vec::new(), Vec::new()],
+            true => [self.host.join()?.master.to_vec(), Vec::new(), Vec::new()],
             false => self.host.state()?,
         };
         self.merge_device_state(shared, [&mut master, &mut exp_avg, &mut exp_avg_sq])?;
-        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
+        let upload_pending = self.host.upload_pending();
+        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
     }
 
     /// Overwrites the selected elements of a partition's host-side state (master, moments; a
@@ -573,7 +566,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         zenflow.epochs_since_selection = first.epochs_since_selection;
         zenflow.cpu_adamw.resume_at(first.cpu_steps);
         zenflow.device_done = None;
-        let optimizer = &self.host.join()?.state;
+        let optimizer = &*self.host.join()?;
         let selected = load_selected(device, &self.zenflow, optimizer, shared.owned.start)?;
         if selected.is_empty() {
             return Ok(());
@@ -594,8 +587,10 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         shared: &Shared<D, C, P>,
         upload_pending: bool,
     ) -> Result<(), EngineError> {
-        self.zenflow.aside_ready = upload_pending;
-        if !upload_pending {
+        // The host path keeps them in its upload buffer (refreshed by its restore).
+        let host_path = matches!(self.host, HostSide::Accumulated(_));
+        self.zenflow.aside_ready = upload_pending && !host_path;
+        if !self.zenflow.aside_ready {
             return Ok(());
         }
         let (device, len) = (&shared.device, shared.owned.len());
@@ -603,7 +598,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
             self.zenflow.aside = Some(Arc::new(device.alloc(len.max(1))?));
         }
         let aside = self.zenflow.aside.as_deref().expect("allocated above");
-        let StreamBuffers { state, outgoing, .. } = self.host.join()?;
+        let StreamBuffers { state, outgoing, .. } = self.host.streamed()?.join()?;
         let out = outgoing.first_mut().ok_or(EngineError::Internal("no outgoing buffer"))?;
         let h2d = device.stream(StreamKind::H2d);
         let mut start = 0;

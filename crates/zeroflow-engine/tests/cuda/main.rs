@@ -14,8 +14,8 @@ use zeroflow_engine::synthetic::{
     Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
 };
 use zeroflow_engine::{
-    AccumulateOn, DEFAULT_STREAM_CHUNK, Engine, EngineOptions, LossScaler, Offload, OffloadUpdate,
-    Placement, Stage, StepReport, ZenFlowAside, ZenFlowOptions,
+    AccumulateOn, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine, EngineOptions, LossScaler,
+    Offload, OffloadUpdate, Placement, Stage, StepReport, ZenFlowAside, ZenFlowOptions,
 };
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
@@ -61,7 +61,7 @@ impl Case {
             speculation_budget: WHOLE_BUDGET,
             accumulate_on: AccumulateOn::Auto,
             stream_chunk: DEFAULT_STREAM_CHUNK,
-            zenflow_aside: ZenFlowAside::Device,
+            zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             clip: Some(0.8),
         }
     }
@@ -291,7 +291,11 @@ fn one_gpu_zenflow_streams_its_window_bit_identically() {
             overlap_step,
             full_warm_up_rounds: 0,
         };
-        let base = Case { zenflow: Some(zenflow), ..Case::new(Stage::Zero2, 1, 1, true, 12) };
+        let base = Case {
+            zenflow: Some(zenflow),
+            zenflow_aside: ZenFlowAside::Device,
+            ..Case::new(Stage::Zero2, 1, 1, true, 12)
+        };
         let want = train::<f32>(devices, &base);
         for (stream_chunk, zenflow_aside) in [(7, ZenFlowAside::Device), (7, ZenFlowAside::Host)] {
             let got = train::<f32>(devices, &Case { stream_chunk, zenflow_aside, ..base });

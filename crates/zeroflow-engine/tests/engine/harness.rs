@@ -9,9 +9,9 @@ use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, Engine, EngineOptions,
-    LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore, Snapshot,
-    SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowAside, ZenFlowOptions,
+    AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine,
+    EngineOptions, LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore,
+    Snapshot, SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowAside, ZenFlowOptions,
     ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
@@ -69,7 +69,7 @@ impl Setup {
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
-            zenflow_aside: ZenFlowAside::Device,
+            zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
         }
     }
 }

@@ -299,6 +299,11 @@ fn resuming_from_a_zenflow_checkpoint_is_bit_exact() {
         let resume = check_resume(&run, Stage::Zero2);
         assert!(!resume.zenflow[0].auto.is_empty(), "{run:?}: no Zen-auto state saved");
     }
+    // Both host sides, the path before (the window in the host accumulator) included.
+    for zenflow_aside in [ZenFlowAside::Device, ZenFlowAside::Host] {
+        let run = Setup { zenflow_aside, ..setup(Stage::Zero2, 2, 10, zenflow(0.4, 4, 4, true)) };
+        check_resume(&run, Stage::Zero2);
+    }
 }
 
 /// Trains `run`, checkpoints, resumes at `resumed_stage` for as many steps again and checks the
@@ -609,13 +614,14 @@ fn epoch_selection_follows_the_reported_epochs() {
 /// AdamW step over the whole partition's fp32 window as the host accumulator used to hold it,
 /// bit for bit: weights, step reports and snapshots (optimizer and ZenFlow state), inline and
 /// overlapped, with reselections and a window of one, on one and two ranks, in f32 and bf16.
-/// The fallback that sets the overlapped step's window aside in host memory instead of a second
-/// device window (`ZenFlowAside::Host`) gives the same bits.
+/// The path before, kept selectable (`ZenFlowAside::Host`: the window copied into the host
+/// accumulator, the whole partition stepped at once), gives the same bits.
 #[test]
 fn the_streamed_cpu_step_is_bit_identical_whatever_the_chunk() {
     for (world, overlap, update) in [(1, false, 2), (1, true, 3), (2, true, 2), (2, false, 1)] {
         let whole = Setup {
             stream_chunk: 1 << 30,
+            zenflow_aside: ZenFlowAside::Device,
             ..setup(Stage::Zero2, world, 16, zenflow(0.3, 4, update, overlap))
         };
         let want = train::<f32>(&whole, LossScaler::None, None);
@@ -634,8 +640,11 @@ fn the_streamed_cpu_step_is_bit_identical_whatever_the_chunk() {
             assert_eq!(got.snapshots, want.snapshots, "{run:?}: optimizer and ZenFlow state");
         }
     }
-    let whole =
-        Setup { stream_chunk: 1 << 30, ..setup(Stage::Zero2, 2, 12, zenflow(0.3, 4, 2, true)) };
+    let whole = Setup {
+        stream_chunk: 1 << 30,
+        zenflow_aside: ZenFlowAside::Device,
+        ..setup(Stage::Zero2, 2, 12, zenflow(0.3, 4, 2, true))
+    };
     let want = train::<Bf16>(&whole, LossScaler::None, None);
     let got = train::<Bf16>(&Setup { stream_chunk: 7, ..whole.clone() }, LossScaler::None, None);
     assert_eq!(got.weights, want.weights, "bf16: weights");
