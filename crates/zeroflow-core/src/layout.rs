@@ -11,16 +11,24 @@ use std::ops::Range;
 
 use thiserror::Error;
 
-/// A parameter to place: its name and shape.
+/// A parameter to place: its name and shape, and ZenFlow's split axis.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
+    /// The axis whose slices ZenFlow ranks and selects (the columns of a weight; `None`: the
+    /// last axis). Meaningful for two or more dimensions.
+    pub split_axis: Option<usize>,
 }
 
 impl ParamSpec {
     pub fn new(name: impl Into<String>, shape: impl Into<Vec<usize>>) -> Self {
-        ParamSpec { name: name.into(), shape: shape.into() }
+        ParamSpec { name: name.into(), shape: shape.into(), split_axis: None }
+    }
+
+    /// The spec with ZenFlow's split axis `axis` (`None`: the last).
+    pub fn with_split_axis(self, axis: Option<usize>) -> Self {
+        ParamSpec { split_axis: axis, ..self }
     }
 
     /// Number of elements.
@@ -36,11 +44,24 @@ pub struct ParamView {
     pub shape: Vec<usize>,
     /// First element in the flat buffer.
     pub offset: usize,
+    /// ZenFlow's split axis ([`ParamSpec::split_axis`]), checked to be one of `shape`'s.
+    pub split_axis: Option<usize>,
 }
 
 impl ParamView {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// ZenFlow's split of the parameter as `(outer, slices, inner)`: `outer × slices × inner`
+    /// elements, row-major, with `slices` the length of the split axis (the last by default):
+    /// slice `j` is the elements `[o, j, i]` for every `o < outer` and `i < inner`. Columns of a
+    /// `[rows, cols]` weight are `(rows, cols, 1)`; its rows (axis 0) are `(1, rows, cols)`.
+    pub fn split(&self) -> (usize, usize, usize) {
+        let axis = self.split_axis.unwrap_or(self.shape.len().saturating_sub(1));
+        let Some(&slices) = self.shape.get(axis) else { return (1, 1, 1) };
+        let outer = self.shape[..axis].iter().product();
+        (outer, slices, self.shape[axis + 1..].iter().product())
     }
 
     /// The elements of the flat buffer that hold this parameter.
@@ -74,6 +95,8 @@ pub enum LayoutError {
     EmptyParameter { name: String, shape: Vec<usize> },
     #[error("the layout needs more than usize::MAX elements")]
     Overflow,
+    #[error("parameter `{name}` has no axis {axis} to split (shape {shape:?})")]
+    SplitAxis { name: String, axis: usize, shape: Vec<usize> },
 }
 
 /// Named parameters placed in one padded flat buffer, split into equal partitions.
@@ -131,9 +154,15 @@ impl FlatLayout {
                     shape: spec.shape.clone(),
                 });
             }
+            if let Some(axis) = spec.split_axis.filter(|&a| a >= spec.shape.len()) {
+                let (name, shape) = (spec.name.clone(), spec.shape.clone());
+                return Err(LayoutError::SplitAxis { name, axis, shape });
+            }
             let offset = round_up(end, align.param).ok_or(LayoutError::Overflow)?;
             end = offset.checked_add(numel).ok_or(LayoutError::Overflow)?;
-            params.push(ParamView { name: spec.name.clone(), shape: spec.shape.clone(), offset });
+            let (name, shape, split_axis) =
+                (spec.name.clone(), spec.shape.clone(), spec.split_axis);
+            params.push(ParamView { name, shape, offset, split_axis });
         }
         let unit = world_size.checked_mul(align.partition).ok_or(LayoutError::Overflow)?;
         // An empty model still gets one aligned partition per rank, so no partition is empty.
@@ -393,5 +422,23 @@ mod tests {
                 prop_assert!(kind.iter().all(|&k| k == 1 || k == 2));
             }
         }
+    }
+
+    /// ZenFlow's split of a parameter: by its last axis unless told, `(outer, slices, inner)`
+    /// with the split axis's slices in the middle; an axis the shape lacks is refused.
+    #[test]
+    fn a_parameter_splits_along_its_split_axis() {
+        let specs = [
+            ParamSpec::new("w", [4, 3]),
+            ParamSpec::new("rows", [4, 3]).with_split_axis(Some(0)),
+            ParamSpec::new("middle", [2, 5, 3]).with_split_axis(Some(1)),
+            ParamSpec::new("v", [7]),
+        ];
+        let layout = FlatLayout::new(&specs, 1, Alignment { param: 1, partition: 1 }).unwrap();
+        let splits: Vec<_> = layout.params().iter().map(ParamView::split).collect();
+        assert_eq!(splits, [(4, 3, 1), (1, 4, 3), (2, 5, 3), (1, 7, 1)]);
+        let bad = [ParamSpec::new("w", [4, 3]).with_split_axis(Some(2))];
+        let err = FlatLayout::new(&bad, 1, Alignment { param: 1, partition: 1 }).unwrap_err();
+        assert!(matches!(err, LayoutError::SplitAxis { axis: 2, .. }), "{err}");
     }
 }

@@ -30,6 +30,7 @@ mod shared;
 mod state;
 mod stream;
 mod zenflow;
+mod zenflow_host;
 
 use std::ops::Range;
 

@@ -7,7 +7,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_core::{Float, bf16};
+use zeroflow_core::{Element, Float, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
@@ -180,7 +180,7 @@ pub(crate) fn as_grads<P: Float>(slice: &[P]) -> Option<Grads<'_>> {
 
 /// Host staging: [`STAGING_BUFFERS`] buffers of `len` elements (at most `stream_chunk`, at
 /// least one).
-pub(crate) fn alloc_staging<D: Device, P: Float>(
+pub(crate) fn alloc_staging<D: Device, P: Element>(
     device: &D,
     len: usize,
     stream_chunk: usize,
@@ -288,7 +288,7 @@ impl StepTimes {
 }
 
 /// The host side of the accumulating paths (ZeRO-Offload's exact and delayed step, and
-/// ZenFlow's CPU step): the gradient accumulator, the staging that fills it during backward, and
+/// ZenFlow's CPU step with `ZenFlowAside::Host`): the gradient accumulator, the staging that fills it during backward, and
 /// the CPU optimizer.
 #[derive(Debug)]
 pub(crate) struct HostAccumulator<P: Float> {
@@ -309,7 +309,7 @@ pub(crate) enum CpuStep<P: Float> {
     /// On the training thread, inside `step`.
     Inline(Box<WholeStep<P>>),
     /// After `warmup` inline steps, on a worker thread while the next window computes (the
-    /// delayed update; ZenFlow's `overlap_step`, whose `warmup` is 0).
+    /// delayed update; ZenFlow's `overlap_step` with `ZenFlowAside::Host`, whose `warmup` is 0).
     Delayed { warmup: u64, worker: Worker<Swapped<P>> },
 }
 
@@ -398,7 +398,8 @@ impl<P: Float> HostAccumulator<P> {
 
     /// Starts a delayed step of the (joined) optimizer on its worker, handing it the full
     /// accumulator and putting the one it stepped with last in its place for the next window;
-    /// `then` runs on the worker after the step (ZenFlow uploads the new weights from there).
+    /// `then` runs on the worker after the step (ZenFlow's host path uploads the new weights from
+    /// there).
     pub(crate) fn start_delayed(
         &mut self,
         step: AdamWStep,
@@ -453,17 +454,18 @@ fn join_cpu<'c, P: Float>(
 
 /// The streaming paths' CPU optimizer and the host buffers the step streams through: no
 /// accumulator and no whole-partition upload buffer (about 12 bytes per parameter in all with
-/// fp32 moments, 8 with bf16).
+/// fp32 moments, 8 with bf16). The gradients arrive as `G`: the model's `P` (the streaming
+/// offload path), or ZenFlow's `f32` window.
 #[derive(Debug)]
-pub(crate) struct StreamBuffers<P: Float> {
+pub(crate) struct StreamBuffers<P: Float, G: Float = P> {
     pub state: HostOptimizer,
     /// Device-to-host staging of one step chunk each.
-    pub staging: Vec<HostBuffer<P>>,
+    pub staging: Vec<HostBuffer<G>>,
     /// Updated weights on their way back to the device, one chunk each.
     pub outgoing: Vec<HostBuffer<P>>,
 }
 
-impl<P: Float> StreamBuffers<P> {
+impl<P: Float, G: Float> StreamBuffers<P, G> {
     /// The host side of a streamed partition of `partition` elements, in chunks of at most
     /// `stream_chunk` elements (at least one).
     pub(crate) fn new<D: Device>(
@@ -479,6 +481,87 @@ impl<P: Float> StreamBuffers<P> {
         let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
         let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
         Ok(StreamBuffers { state, staging, outgoing })
+    }
+
+    /// The bytes of host memory these buffers hold: the optimizer state, the staging and the
+    /// outgoing buffers.
+    pub(crate) fn host_bytes(&self) -> usize {
+        fn bytes<T: Element>(buffer: &HostBuffer<T>) -> usize {
+            buffer.len() * std::mem::size_of::<T>()
+        }
+        let HostOptimizer { master, moments, .. } = &self.state;
+        let state = bytes(master) + moments.host_bytes();
+        state
+            + self.staging.iter().map(bytes).sum::<usize>()
+            + self.outgoing.iter().map(bytes).sum::<usize>()
+    }
+}
+
+/// ZenFlow's host side: the CPU optimizer and the bounded buffers its step streams the device's
+/// fp32 window through, chunk by chunk (no accumulator, no whole-partition upload buffer: about
+/// 12 bytes per parameter), on a worker thread with `overlap_step` and on the training thread
+/// without (both through [`Worker`], which is `Ready` between steps).
+#[derive(Debug)]
+pub(crate) struct ZenFlowHost<P: Float> {
+    pub worker: Worker<StreamBuffers<P, f32>>,
+    /// The optimizer holds weights newer than the device's flat weights (a step joined before
+    /// its weights were applied, or restored).
+    pub upload_pending: bool,
+}
+
+impl<P: Float> ZenFlowHost<P> {
+    /// The host side of a partition of `partition` elements, streamed in chunks of at most
+    /// `stream_chunk` elements.
+    pub(crate) fn new<D: Device>(
+        device: &D,
+        partition: usize,
+        fill_master: impl FnOnce(&mut [f32]),
+        stream_chunk: usize,
+        memory: HostMemory,
+        adam: CpuAdam,
+        moments: OptimizerStateDtype,
+    ) -> Result<Self, EngineError> {
+        let buffers = StreamBuffers::new(
+            device,
+            partition,
+            fill_master,
+            stream_chunk,
+            memory,
+            adam,
+            moments,
+        )?;
+        let bytes = buffers.host_bytes();
+        tracing::debug!(partition, bytes, "ZenFlow's host side: optimizer state and staging");
+        Ok(ZenFlowHost { worker: Worker::Ready(Box::new(buffers)), upload_pending: false })
+    }
+
+    /// True if the optimizer's weights have not reached the device's flat weights yet.
+    pub(crate) fn weights_ahead(&self) -> bool {
+        self.upload_pending || self.worker.is_stepping()
+    }
+
+    /// Waits for a running CPU step, if there is one, and gives the buffers back; the weights of
+    /// a step joined here are pending.
+    pub(crate) fn join(&mut self) -> Result<&mut StreamBuffers<P, f32>, EngineError> {
+        let (buffers, joined) = self.worker.join()?;
+        self.upload_pending |= joined;
+        Ok(buffers)
+    }
+
+    /// This rank's optimizer state, copied (waiting for a running step first).
+    pub(crate) fn state(&mut self) -> Result<[Vec<f32>; 3], EngineError> {
+        Ok(self.join()?.state.to_f32())
+    }
+
+    /// Takes a checkpoint's state (waiting for a running step first).
+    pub(crate) fn restore(
+        &mut self,
+        state: &[Vec<f32>; 3],
+        upload_pending: bool,
+    ) -> Result<(), EngineError> {
+        self.join()?.state.restore(state);
+        self.upload_pending = upload_pending;
+        Ok(())
     }
 }
 
@@ -531,5 +614,30 @@ mod tests {
         assert_eq!(buffer_lens(true, 0), (vec![1; STAGING_BUFFERS], vec![1; OUTGOING_BUFFERS]));
         let (staging, _) = buffer_lens(false, DEFAULT_STREAM_CHUNK);
         assert_eq!(staging, vec![23; STAGING_BUFFERS]);
+    }
+
+    /// ZenFlow's host side over a partition of five million parameters holds the fp32 master
+    /// weights and moments (12 B per parameter) and, streamed in chunks of 2^16 elements, four
+    /// fp32 staging and two bf16 outgoing buffers of one chunk each: nothing else grows with the
+    /// partition (no accumulator, no second accumulator, no whole-partition upload buffer, which
+    /// `ZenFlowAside::Host`, the path before, still allocates: 22 B per parameter in all).
+    #[test]
+    fn zenflow_host_side_is_twelve_bytes_per_parameter_and_bounded_staging() {
+        let device = CpuDevice::new().unwrap();
+        let (partition, chunk) = (5_000_000, 1 << 16);
+        let fill = |master: &mut [f32]| master.fill(0.0);
+        let memory = HostMemory::Pinned;
+        let staging = chunk * (STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * 2);
+        // With bf16 moments (`zeroflow.optimizer_state_dtype`) the state is 8 B per parameter.
+        for (moments, state) in [(OptimizerStateDtype::Fp32, 12), (OptimizerStateDtype::Bf16, 8)] {
+            let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
+            let host =
+                ZenFlowHost::<bf16>::new(&device, partition, fill, chunk, memory, adam, moments)
+                    .unwrap();
+            let Worker::Ready(buffers) = &host.worker else { panic!("a new host side is ready") };
+            assert_eq!(buffers.host_bytes(), state * partition + staging, "{moments:?}");
+            let per_parameter = buffers.host_bytes() as f64 / partition as f64;
+            assert!(per_parameter < state as f64 + 0.5, "{per_parameter} B per parameter");
+        }
     }
 }

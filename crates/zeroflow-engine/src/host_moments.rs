@@ -94,6 +94,15 @@ impl HostMoments {
         }
     }
 
+    /// The bytes of host memory the two moments hold.
+    pub(crate) fn host_bytes(&self) -> usize {
+        let per_element = match self {
+            HostMoments::F32 { .. } => 2 * std::mem::size_of::<f32>(),
+            HostMoments::Bf16 { .. } => 2 * std::mem::size_of::<bf16>(),
+        };
+        self.len() * per_element
+    }
+
     fn len(&self) -> usize {
         match self {
             HostMoments::F32 { exp_avg, .. } => exp_avg.len(),

@@ -36,7 +36,8 @@ pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use memory::{BufferKind, MemoryKind, PlannedBuffer};
 pub use options::{
-    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, StreamOptions,
+    AccumulateOn, DEFAULT_ZENFLOW_ASIDE, EngineOptions, Offload, OffloadUpdate, Placement, Stage,
+    StreamOptions, ZenFlowAside,
 };
 pub use scaler::{DynamicScaler, LossScaler};
 pub use speculation::{DEFAULT_SPECULATION_BUDGET, SpeculationStats};

@@ -12,7 +12,7 @@ use zeroflow_core::DType;
 use zeroflow_core::layout::FlatLayout;
 
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
-use crate::{AccumulateOn, EngineOptions, OffloadUpdate, Placement, Stage};
+use crate::{AccumulateOn, EngineOptions, OffloadUpdate, Placement, Stage, ZenFlowAside};
 
 /// Where a buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -166,8 +166,22 @@ impl EngineOptions {
             OffloadUpdate::Delayed { .. } => true,
             OffloadUpdate::ZenFlow(z) => {
                 lines.extend(zenflow_buffers(layout, &owned, z.topk_ratio, z.overlap_step, p));
-                // The host accumulator's buffers, with pieces of one element.
-                lines.extend(accumulator_buffers(n, 1, chunk, z.overlap_step, p));
+                match offload.stream.zenflow_aside {
+                    // The CPU step streams the device window through bounded staging (f32 in,
+                    // the weights' type out); with overlap_step from a second, aside window.
+                    ZenFlowAside::Device => {
+                        let staging = staging_len(n, chunk);
+                        let bytes = STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * p;
+                        lines.push(line(Host, K::Staging, staging, bytes));
+                        if z.overlap_step {
+                            lines.push(line(Device, K::GradientAccumulator, n, 4));
+                        }
+                    }
+                    // The window copied into the host accumulator, pieces of one element.
+                    ZenFlowAside::Host => {
+                        lines.extend(accumulator_buffers(n, 1, chunk, z.overlap_step, p));
+                    }
+                }
                 return lines;
             }
         };

@@ -115,7 +115,26 @@ pub struct StreamOptions {
     /// is the same, bit for bit (the same f32 additions in the same order). Stages 0 and 1 reduce
     /// once per window and need neither.
     pub accumulate_on: AccumulateOn,
+    /// Where ZenFlow's CPU step reads its window from (default [`DEFAULT_ZENFLOW_ASIDE`]). The
+    /// CPU step reads the same window either way, bit for bit.
+    pub zenflow_aside: ZenFlowAside,
 }
+
+/// Where ZenFlow's CPU step reads its window from ([`StreamOptions`], DESIGN.md §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZenFlowAside {
+    /// The window stays on the device and is streamed through bounded host staging (host: 12
+    /// bytes per parameter); with `overlap_step` a second fp32 device window (4 bytes per
+    /// parameter of device memory) holds the window the worker steps.
+    Device,
+    /// The path before: the window is copied into a pinned host accumulator, with a second one
+    /// and a whole-partition upload buffer for `overlap_step` (host: 22 bytes per parameter with
+    /// bf16 weights), no second device window.
+    Host,
+}
+
+/// [`StreamOptions::zenflow_aside`]'s default.
+pub const DEFAULT_ZENFLOW_ASIDE: ZenFlowAside = ZenFlowAside::Device;
 
 /// Where the accumulating offload path sums the micro-steps' gradients ([`StreamOptions`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -136,6 +155,7 @@ impl Default for StreamOptions {
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
+            zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
         }
     }
 }

@@ -2,7 +2,11 @@
 //!
 //! Every parameter is a row-major matrix: `[rows, cols]` with `cols` the last dimension (and
 //! `rows` the product of the others); a 1-D parameter of `n` elements is `[n, 1]`, so that its one
-//! column is always selected. At a selection the columns of each matrix are ranked by the L1 norm
+//! column is always selected. What ZenFlow calls a weight's columns are the slices along its split
+//! axis (`ParamView::split_axis`, the last by default): with another axis the matrix is
+//! `[outer, slices × inner]` ([`ParamView::split`]) and slice `j` its columns
+//! `j × inner .. (j + 1) × inner` (a `[rows, cols]` weight split by axis 0 is `[1, rows × cols]`, its
+//! rows the slices); the text below says columns for slices. At a selection the columns of each matrix are ranked by the L1 norm
 //! of their gradient (summed over ranks) and the top `k = max(1, round(topk_ratio × cols))` are
 //! selected; `topk_ratio: 0` selects nothing at all, 1-D parameters included, so that ZenFlow then
 //! is ZeRO-Offload with a window of `update_interval` steps (DeepSpeed's stage 1/2 code lets `k`
@@ -13,8 +17,8 @@
 //! weights, which are scattered back into the flat weights every step. Everything else goes
 //! through the offload path: the device window sums the gradients of a window of
 //! `update_interval` steps (or a Zen-auto window, [`AutoWindow`]), and the CPU steps the whole
-//! partition once per window with the window copied to the host, its results for the selected
-//! columns discarded (the device's weights are scattered over them again).
+//! partition once per window with the window streamed to the host chunk by chunk, its results
+//! for the selected columns discarded (the device's weights are scattered over them again).
 //!
 //! Selections happen at the start of a window (the first step, then the first window start at
 //! least `select_interval` steps after the last selection), from the gradients of that step. They
@@ -27,7 +31,7 @@
 use std::ops::Range;
 
 use zeroflow_core::config::{Selection, UpdateInterval};
-use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::layout::{FlatLayout, ParamView};
 use zeroflow_core::{Element, Float};
 use zeroflow_device::{Device, DeviceBuffer, Kernels, Matrix};
 
@@ -107,8 +111,13 @@ pub(crate) struct MatrixParam {
     param: usize,
     /// The flat index of element `[0, 0]`.
     start: usize,
+    /// The matrix's width: `slices × inner`.
     cols: usize,
-    /// Selected columns per selection.
+    /// Slices along the split axis (columns with the last), and the contiguous elements of one
+    /// slice in a matrix row (1 with the last axis).
+    slices: usize,
+    inner: usize,
+    /// Selected slices per selection.
     k: usize,
     /// This rank's elements of it, counted from `start`.
     owned: Range<usize>,
@@ -181,11 +190,17 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     importance_blocks: Vec<(usize, usize, usize, usize)>,
     pub importance_host: zeroflow_device::HostBuffer<f32>,
     /// The window: this rank's partition of the gradients summed over the window's steps, in
-    /// `f32` on the device. Copied into the host accumulator when the window ends, then cleared.
-    pub window: D::Buffer<f32>,
+    /// `f32` on the device. Streamed through the CPU step when the window ends, then cleared.
+    pub window: std::sync::Arc<D::Buffer<f32>>,
+    /// With `overlap_step` (the window aside on the device): the window that ended last, which
+    /// the worker's CPU step streams from while the next window fills `window` (the two are
+    /// swapped at each window end).
+    pub window_aside: Option<std::sync::Arc<D::Buffer<f32>>>,
+    pub overlap_step: bool,
     /// Compute → d2h (and comm): the window holds this step's gradients.
     pub window_ready: D::Event,
-    /// D2h → compute: the last window has been copied out and cleared.
+    /// D2h → compute, with the window aside on the host: the last window has been copied out
+    /// and cleared.
     pub window_copied: Option<D::Event>,
     /// With `overlap_step`: where the worker uploads the weights of its CPU step (this rank's
     /// partition), so that applying them is a copy on the device; `aside_ready` says they are
@@ -209,13 +224,15 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
 }
 
 impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
-    /// Allocates the compact buffers for the largest selection `ratio` can make in `owned`.
+    /// Allocates the compact buffers for the largest selection `ratio` can make in `owned`, and
+    /// the aside window on the device where `device_aside` says so.
     pub fn new(
         device: &D,
         layout: &FlatLayout,
         owned: &Range<usize>,
         options: &ZenFlowOptions,
         adamw: zeroflow_optim::AdamWConfig,
+        device_aside: bool,
     ) -> Result<Self, EngineError> {
         let (select_interval, update_interval) = options.intervals()?;
         let matrices = matrices(layout, owned, options.topk_ratio);
@@ -247,7 +264,12 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             importance_blocks,
             importance_host: device
                 .alloc_host(columns.max(1), zeroflow_device::HostMemory::Pinned)?,
-            window: device.alloc(owned.len().max(1))?,
+            window: std::sync::Arc::new(device.alloc(owned.len().max(1))?),
+            window_aside: match device_aside {
+                true => Some(std::sync::Arc::new(device.alloc(owned.len().max(1))?)),
+                false => None,
+            },
+            overlap_step: options.overlap_step,
             window_ready: device.new_event()?,
             window_copied: None,
             aside: match options.overlap_step {
@@ -299,7 +321,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
             *selected = match m.importance_at {
                 None => (0..m.k as u32).collect(),
-                Some(at) => top_k(&self.importance_host[at..at + m.cols], m.k),
+                Some(at) => top_k(&self.importance_host[at..at + m.slices], m.k),
             };
         }
         if let Some(auto) = &mut self.auto {
@@ -317,7 +339,11 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         self.blocks.clear();
         self.indices.clear();
         let mut compact = 0;
-        for (m, columns) in self.matrices.iter().zip(&self.selected) {
+        for (m, slices) in self.matrices.iter().zip(&self.selected) {
+            // A slice is `inner` adjacent columns of the matrix.
+            let inner = m.inner as u32;
+            let columns: Vec<u32> =
+                slices.iter().flat_map(|&j| j * inner..(j + 1) * inner).collect();
             for (rows, cols, first) in block_shapes(m) {
                 let in_block: Vec<u32> = columns
                     .iter()
@@ -353,7 +379,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         for (m, selected) in self.matrices.iter().zip(&mut self.selected) {
             selected.clear();
             if let Some((_, columns)) = saved.iter().find(|(param, _)| *param == m.param) {
-                if columns.len() > m.k || columns.iter().any(|&c| c as usize >= m.cols) {
+                if columns.len() > m.k || columns.iter().any(|&c| c as usize >= m.slices) {
                     return Err(EngineError::Restore {
                         rank,
                         reason: "its ZenFlow selection does not fit this model and topk_ratio",
@@ -405,8 +431,8 @@ pub struct ZenFlowSnapshot {
     pub epochs_since_selection: u64,
     /// CPU steps (windows) taken.
     pub cpu_steps: u64,
-    /// The host accumulator of the window so far: the gradients of `window_flat` (this rank's
-    /// partition, global flat indices), summed over ranks and the window's steps.
+    /// The window so far: the gradients of `window_flat` (this rank's partition, global flat
+    /// indices), summed over ranks and the window's steps.
     pub window_flat: Range<usize>,
     pub window_grads: Vec<f32>,
     /// Zen-auto's window state (empty without it): model-wide, the same on every rank.
@@ -416,11 +442,13 @@ pub struct ZenFlowSnapshot {
 /// The largest selection's elements and column indices: every block holds min(k, its columns)
 /// selected columns (the compact buffers' lengths; [`compact_elements`] for the memory plan).
 fn compact_capacity(matrices: &[MatrixParam]) -> (usize, usize) {
+    // The largest selection: every block holds min(k, its columns) selected columns (of `inner`
+    // elements each where the split axis is not the last).
     let (mut capacity, mut index_capacity) = (0, 0);
     for m in matrices {
         for (rows, cols, _) in block_shapes(m) {
-            capacity += rows * m.k.min(cols);
-            index_capacity += m.k.min(cols);
+            capacity += rows * (m.k * m.inner).min(cols);
+            index_capacity += (m.k * m.inner).min(cols);
         }
     }
     (capacity, index_capacity)
@@ -442,26 +470,29 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
     let mut importance_at = 0;
     let mut out = Vec::new();
     for (index, param) in layout.params().iter().enumerate() {
-        let cols = match param.shape.as_slice() {
-            [_] | [] => 1,
-            [.., cols] => *cols,
-        };
         let two_d = param.shape.len() >= 2;
+        let (slices, inner) = match two_d {
+            true => (split_slices(param), param.split().2),
+            false => (1, 1),
+        };
+        let cols = slices * inner;
         let at = two_d.then_some(importance_at);
         if two_d {
-            importance_at += cols;
+            importance_at += slices;
         }
         let range = param.flat_range();
         let inside = range.start.max(owned.start)..range.end.min(owned.end);
         if inside.is_empty() || ratio == 0.0 {
             continue;
         }
-        let k = if two_d { selected_columns(ratio, cols) } else { 1 };
+        let k = if two_d { selected_columns(ratio, slices) } else { 1 };
         let owned = inside.start - range.start..inside.end - range.start;
         out.push(MatrixParam {
             param: index,
             start: range.start,
             cols,
+            slices,
+            inner,
             k,
             owned,
             importance_at: at,
@@ -476,7 +507,20 @@ fn importance_blocks(matrices: &[MatrixParam]) -> Vec<(usize, usize, usize, usiz
     for m in matrices {
         let Some(at) = m.importance_at else { continue };
         for (rows, cols, (row, col)) in block_shapes(m) {
-            blocks.push((m.start + row * m.cols + col, rows, cols, at + col));
+            if m.inner == 1 {
+                blocks.push((m.start + row * m.cols + col, rows, cols, at + col));
+                continue;
+            }
+            // A slice's elements in a row are contiguous: one `[len, 1]` sum per row and slice.
+            for r in row..row + rows {
+                let mut c = col;
+                while c < col + cols {
+                    let slice = c / m.inner;
+                    let end = ((slice + 1) * m.inner).min(col + cols);
+                    blocks.push((m.start + r * m.cols + c, end - c, 1, at + slice));
+                    c = end;
+                }
+            }
         }
     }
     blocks
@@ -547,7 +591,7 @@ impl AutoWindow {
             if spec.shape.len() < 2 {
                 continue;
             }
-            let cols = spec.shape[spec.shape.len() - 1];
+            let cols = split_slices(spec);
             let k = selected_columns(options.topk_ratio, cols);
             params.push(AutoParam { param, at, cols, k, selected: Vec::new() });
             at += cols;
@@ -604,9 +648,15 @@ impl AutoWindow {
     }
 }
 
-/// Columns of every parameter of two or more dimensions: the length of the importance vector.
+/// Columns (slices) of every parameter of two or more dimensions: the length of the importance
+/// vector.
 fn layout_columns(layout: &FlatLayout) -> usize {
-    layout.params().iter().filter(|p| p.shape.len() >= 2).map(|p| p.shape[p.shape.len() - 1]).sum()
+    layout.params().iter().filter(|p| p.shape.len() >= 2).map(split_slices).sum()
+}
+
+/// A parameter's slices along its split axis: the columns ZenFlow ranks.
+fn split_slices(param: &ParamView) -> usize {
+    param.split().1
 }
 
 /// The row-major blocks of a matrix's owned elements: `(rows, cols, (first row, first column))`.

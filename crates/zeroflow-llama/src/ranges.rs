@@ -12,7 +12,7 @@ use zeroflow_nn::plan::{GradGroup, GradsReady};
 
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
-use crate::params::hf_params;
+use crate::params::{HfParam, hf_params};
 
 /// The parameters of one decoder layer, as flat ranges. Linear weights are `[out, in]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -52,7 +52,8 @@ pub struct ParamRanges {
 
 /// The parameters of `config` in flat layout order, as the layout's specs.
 pub fn param_specs(config: &LlamaConfig) -> Vec<ParamSpec> {
-    hf_params(config).into_iter().map(|p| ParamSpec::new(p.name, p.shape)).collect()
+    let spec = |p: HfParam| ParamSpec::new(p.name, p.shape).with_split_axis(p.split_axis);
+    hf_params(config).into_iter().map(spec).collect()
 }
 
 /// The flat layout of `config`'s parameters for `world_size` ranks with the default alignment.

@@ -25,13 +25,13 @@
 //! | `optimizer_done` (device) | compute, after AdamW | comm, before zeroing the accumulator |
 //! | `chunk_uploaded` (stream) | h2d, after each gathered piece's upload | comm, before its broadcasts |
 //! | `aside_taken` (delayed stream) | comm, after the set-aside copy | d2h, before the worker's copies |
-//! | `window_ready` (ZenFlow) | compute: after the window add, and before the window norm's and the importances' reads (`sum_to_host`) | d2h, before the window copy and the reads |
-//! | `window_copied` (ZenFlow) | d2h, after the window copy and clear | compute, before the next window add |
+//! | `window_ready` (ZenFlow) | compute: after the window add, and before the window norm's and the importances' reads (`sum_to_host`) | d2h, before the CPU step's copies of the window (inline, or set aside) and the reads |
+//! | `window_copied` (ZenFlow's host path) | d2h, after the window's copy into the host accumulator and its clear | compute, before the next window add |
 //! | `device_done` (ZenFlow) | compute, after the device step | h2d, before the CPU's weights are applied |
 //!
 //! The host side waits by tokens, not events: a staged piece is added only after its copy's
-//! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, the
-//! ZenFlow window copy) are waited on by the host buffer at its next access.
+//! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, ZenFlow's
+//! included) are waited on by the host buffer at its next access.
 
 use std::ops::Range;
 
@@ -47,12 +47,13 @@ use super::shared::Shared;
 use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
+use super::zenflow_host::HostSide;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{HostAccumulator, StreamBuffers};
+use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
-use crate::{EngineError, EngineOptions, OffloadUpdate, Placement};
+use crate::{EngineError, EngineOptions, OffloadUpdate, Placement, ZenFlowAside};
 
 /// The engine's update path (see the module documentation).
 pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
@@ -83,12 +84,14 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         // One micro-step per step and no ZenFlow: nothing needs the gradients on the host
         // between backward and step, so the step streams them (the CPU reads f32 and bf16
         // gradients as they are; f16 goes through the accumulator). ZenFlow sums a window of
-        // steps on the device and copies the sum into the accumulator once per window (no
-        // staging: nothing goes out bucket by bucket).
+        // steps on the device and streams the sum through the CPU step once per window.
+        let zenflow = matches!(offload.update, OffloadUpdate::ZenFlow(_));
         let streaming = opts.streams(P::DTYPE);
         // A streamed chunk is uploaded as soon as it is written: from the caches. A whole
         // partition's copy is too big for them: past them, without reading its lines.
-        let default_stores = if streaming { Stores::Normal } else { Stores::NonTemporal };
+        let zenflow_streams = zenflow && offload.stream.zenflow_aside == ZenFlowAside::Device;
+        let default_stores =
+            if streaming || zenflow_streams { Stores::Normal } else { Stores::NonTemporal };
         let stores = offload.stream.copy_stores.unwrap_or(default_stores);
         // bf16 moments' rounding draws are keyed by the element's index in the model.
         let adam = CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
@@ -109,19 +112,36 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             OffloadUpdate::Exact => None,
             OffloadUpdate::Delayed { warmup } => Some(warmup),
             OffloadUpdate::ZenFlow(z) => {
-                // ZenFlow's overlap_step is its delayed update, from the first window on.
-                let delayed = z.overlap_step.then_some(0);
-                let host = HostAccumulator::new(
-                    device,
-                    len,
-                    fill_master,
-                    1,
-                    chunk,
-                    memory,
-                    adam,
-                    delayed,
-                    moments,
-                )?;
+                // Its CPU step streams the device window (inline, or on a worker with
+                // overlap_step) through bounded staging.
+                let host = match offload.stream.zenflow_aside {
+                    ZenFlowAside::Device => HostSide::Streamed(ZenFlowHost::new(
+                        device,
+                        len,
+                        fill_master,
+                        chunk,
+                        memory,
+                        adam,
+                        moments,
+                    )?),
+                    // The path before: the window copied into the host accumulator (no
+                    // staging: nothing goes out bucket by bucket), overlap_step its delayed
+                    // update from the first window on.
+                    ZenFlowAside::Host => {
+                        let delayed = z.overlap_step.then_some(0);
+                        HostSide::Accumulated(HostAccumulator::new(
+                            device,
+                            len,
+                            fill_master,
+                            1,
+                            chunk,
+                            memory,
+                            adam,
+                            delayed,
+                            moments,
+                        )?)
+                    }
+                };
                 let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host)?;
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
             }
@@ -324,13 +344,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 a.host.restore(&state, upload_pending)
             }
             UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
-            UpdatePath::ZenFlow(z) => {
-                z.host.restore(&state, upload_pending)?;
-                match zenflow {
-                    Some(saved) => z.restore(shared, saved),
-                    None => Ok(()),
-                }
-            }
+            UpdatePath::ZenFlow(z) => z.restore(shared, &state, upload_pending, zenflow),
         }
     }
 
@@ -338,7 +352,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
         match self {
             UpdatePath::Accumulate(a) => Some(&a.host.acc),
-            UpdatePath::ZenFlow(z) => Some(&z.host.acc),
+            // ZenFlow's window stays on the device unless it takes the host path.
+            UpdatePath::ZenFlow(z) => z.host.accumulator(),
             UpdatePath::Device(_) | UpdatePath::Stream(_) => None,
         }
     }

@@ -445,16 +445,17 @@ impl<'a, D: Device, C: Comm<Device = D>, P: Float> PieceGather<'a, D, C, P> {
 /// element `source_at` of `source` and `target_at` of `target`, stepping the optimizer's state
 /// from `state_at`; `uploaded` hears of each chunk (its range from the first element) once its
 /// upload is queued on the h2d stream (the engine gathers
-/// it from there); `times` adds up where the calling thread's time went.
-struct Chunks<'a, D: Device, P: Float> {
+/// it from there); `times` adds up where the calling thread's time went. The gradients are `G`:
+/// the model's `P`, or ZenFlow's `f32` window.
+pub(super) struct Chunks<'a, D: Device, G: Float, P: Float> {
     /// Where the elements start in the optimizer's state (the partition).
-    state_at: usize,
-    source: &'a D::Buffer<P>,
-    source_at: usize,
-    target: &'a D::Buffer<P>,
-    target_at: usize,
-    uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    times: &'a mut StepTimes,
+    pub(super) state_at: usize,
+    pub(super) source: &'a D::Buffer<G>,
+    pub(super) source_at: usize,
+    pub(super) target: &'a D::Buffer<P>,
+    pub(super) target_at: usize,
+    pub(super) uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    pub(super) times: &'a mut StepTimes,
 }
 
 /// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
@@ -464,13 +465,13 @@ struct Chunks<'a, D: Device, P: Float> {
 /// next chunks. The caller orders the d2h stream after the gradients' writers and the h2d stream
 /// after the target's readers; the uploads are not waited for (each outgoing buffer remembers its
 /// copy, and its next write waits for it).
-fn stream_chunks<D: Device, P: Float>(
+pub(super) fn stream_chunks<D: Device, G: Float, P: Float>(
     device: &D,
     step: &AdamWStep,
     optimizer: &mut HostOptimizer,
-    staging: &mut [HostBuffer<P>],
+    staging: &mut [HostBuffer<G>],
     outgoing: &mut [HostBuffer<P>],
-    io: Chunks<'_, D, P>,
+    io: Chunks<'_, D, G, P>,
     len: usize,
 ) -> Result<(), EngineError> {
     let times = io.times;
@@ -478,11 +479,11 @@ fn stream_chunks<D: Device, P: Float>(
     let chunk = staging.first().map_or(1, |b| b.len()).max(1);
     let chunks = len.div_ceil(chunk);
     let piece = |c: usize| c * chunk..((c + 1) * chunk).min(len);
-    let mut free: [Option<&mut HostBuffer<P>>; STAGING_BUFFERS] = {
+    let mut free: [Option<&mut HostBuffer<G>>; STAGING_BUFFERS] = {
         let mut buffers = staging.iter_mut();
         std::array::from_fn(|_| buffers.next())
     };
-    let mut in_flight: [Option<Filling<'_, P>>; STAGING_BUFFERS] = Default::default();
+    let mut in_flight: [Option<Filling<'_, G>>; STAGING_BUFFERS] = Default::default();
     let mut issued = 0;
     for c in 0..chunks {
         // Keep the d2h stream busy: every free staging buffer receives the next chunk.

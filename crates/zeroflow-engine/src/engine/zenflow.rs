@@ -4,26 +4,34 @@
 //! At every step: the selected columns' gradients are gathered on the compute stream (after the
 //! comm stream's `norm_done`), stepped by the device AdamW and scattered into the flat weights,
 //! and `device_done` is recorded; then the whole partition's gradients are added into the device
-//! window (after `window_copied`: the last window is out) and `window_ready` is recorded. When a
-//! window ends (after `update_interval` steps, or when Zen-auto says so) the window is copied into
-//! the host accumulator and cleared on the d2h stream (after `window_ready`), `window_copied` is
-//! recorded, the CPU steps the partition with it, and its weights reach the flat weights on the
-//! h2d stream (after `compute_done`, `params_ready` and `device_done`) with the device's columns
-//! scattered over them again. With `overlap_step` the CPU step of a window runs on a worker
-//! during the next window, uploads into the aside buffer, and is applied at that window's end by
-//! a device copy. `window_ready` is also the event the window's norm and the column importances
-//! go to the host by (recorded on the compute stream before each of those reads).
+//! window and `window_ready` is recorded. When a window ends (after `update_interval` steps, or
+//! when Zen-auto says so) the CPU step streams the window through bounded host staging chunk by
+//! chunk (`stream.rs`'s [`stream_chunks`]: d2h copies after `window_ready`, the fused AdamW, the
+//! weights' uploads on the h2d stream), and the window is cleared on the compute stream once the
+//! CPU has read it. Inline, the weights go straight into the flat weights (the h2d stream after
+//! `compute_done`, `params_ready` and `device_done`) and the device's columns are scattered over
+//! them again. With `overlap_step` the window is swapped with the aside window, whose CPU step
+//! runs on a worker during the next window and uploads into the aside weights, applied at that
+//! window's end by a device copy (and the columns scattered over them). With
+//! `StreamOptions::zenflow_aside: Host` the window takes the path before instead
+//! (`zenflow_host.rs`). `window_ready` is also the event the window's norm and the
+//! column importances go to the host by (recorded on the compute stream before each of those
+//! reads).
+
+use std::sync::Arc;
 
 use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::{Comm, StreamKind};
+use zeroflow_device::{Comm, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
 
 use super::shared::{Shared, normalise, overwrite, slot, sum_to_host};
 use super::state::{OptimizerPart, PathState, assemble};
+use super::stream::{Chunks, stream_chunks};
+use super::zenflow_host::HostSide;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{CpuStep, HostAccumulator, HostOptimizer};
+use crate::host::{HostOptimizer, StepTimes, StreamBuffers, convert_into};
 use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
 use crate::{EngineError, ZenFlowOptions};
 
@@ -31,7 +39,7 @@ use crate::{EngineError, ZenFlowOptions};
 /// CPU step (inline, or delayed with `overlap_step`).
 pub(super) struct ZenFlowUpdate<D: DeviceAdamW, P: Float> {
     pub(super) zenflow: ZenFlow<D, P>,
-    pub(super) host: HostAccumulator<P>,
+    pub(super) host: HostSide<P>,
 }
 
 /// A ZenFlow checkpoint's state, checked and assembled for this rank before anything is restored.
@@ -48,9 +56,12 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         owned: &std::ops::Range<usize>,
         options: &ZenFlowOptions,
         adamw: AdamWConfig,
-        host: HostAccumulator<P>,
+        host: HostSide<P>,
     ) -> Result<Self, EngineError> {
-        Ok(ZenFlowUpdate { zenflow: ZenFlow::new(device, layout, owned, options, adamw)?, host })
+        // With overlap_step the streamed path sets the window aside on the device.
+        let device_aside = options.overlap_step && matches!(host, HostSide::Streamed(_));
+        let zenflow = ZenFlow::new(device, layout, owned, options, adamw, device_aside)?;
+        Ok(ZenFlowUpdate { zenflow, host })
     }
 
     /// One ZenFlow step: a selection if one is due, the device step of the selected columns,
@@ -95,8 +106,9 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         self.end_window(shared, step, window, loss_scale)
     }
 
-    /// The end of a window of `window` steps: the window to the host and the CPU step, inline or
-    /// (with `overlap_step`) on the worker after the last window's weights are applied.
+    /// The end of a window of `window` steps: the CPU step streams the window inline, or (with
+    /// `overlap_step`) the last window's weights are applied and this window's step starts on
+    /// the worker.
     fn end_window<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
@@ -107,38 +119,40 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let begun = std::time::Instant::now();
         let cpu_step = self.window_step(shared, step, window, loss_scale)?;
         let normed = begun.elapsed();
-        self.take_window(shared)?;
-        let taken = begun.elapsed();
+        if let HostSide::Accumulated(_) = self.host {
+            return self.end_window_on_host(shared, cpu_step);
+        }
         let started = std::time::Instant::now();
-        if let CpuStep::Inline(_) = self.host.cpu {
-            self.host.step_now(&cpu_step)?;
+        if !self.zenflow.overlap_step {
+            self.step_inline(shared, &cpu_step)?;
             shared.cpu_wait += started.elapsed();
-            return self.upload_and_gather(shared);
+            return Ok(());
         }
         // The last window's CPU step finished meanwhile: its weights go to the device now; this
         // window's runs in the background until the next window ends.
         if self.host.weights_ahead() {
             self.host.join()?;
             shared.cpu_wait += started.elapsed();
-            self.upload_and_gather(shared)?;
+            self.apply_and_gather(shared)?;
         } else {
             shared.gather_from(StreamKind::Compute)?;
         }
         let applied = begun.elapsed();
+        self.set_window_aside(shared)?;
         self.start_worker(shared, cpu_step)?;
         tracing::debug!(
             window,
             ?normed,
-            ?taken,
             ?applied,
             started = ?begun.elapsed(),
-            "ZenFlow window end: norm, window copy queued, last CPU step applied, next started"
+            "ZenFlow window end: norm, last CPU step applied, window set aside, next started"
         );
         Ok(())
     }
 
-    /// Adds this step's gradients into the window, on the compute stream (after the last
-    /// window's copy has cleared it), and marks the window ready.
+    /// Adds this step's gradients into the window, on the compute stream (which cleared it after
+    /// the last window's CPU step read it, or after `window_copied`: the host has its copy), and
+    /// marks the window ready.
     fn add_to_window<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
@@ -151,56 +165,112 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         }
         let (source, at) = shared.reduced_source();
         let len = shared.owned.len();
-        device.accumulate(compute, source, at..at + len, &zenflow.window, 0, 1.0)?;
+        device.accumulate(compute, source, at..at + len, &*zenflow.window, 0, 1.0)?;
         device.record(&mut zenflow.window_ready, compute)?;
         Ok(())
     }
 
-    /// Copies the window into the host accumulator and clears it, on the d2h stream. The copy's
-    /// token is detached: the accumulator remembers the copy, and the CPU step's first read of
-    /// it (here or on the worker) waits for it.
-    fn take_window<C: Comm<Device = D>>(
+    /// The CPU step of the window that ends now, on this thread: the window streams through the
+    /// host chunk by chunk, the weights go straight into this rank's partition of the flat
+    /// weights with the device's columns over them, then the window is cleared and gathered.
+    fn step_inline<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
+        cpu_step: &AdamWStep,
     ) -> Result<(), EngineError> {
-        let (device, zenflow) = (&shared.device, &mut self.zenflow);
+        let StreamBuffers { state, staging, outgoing } = self.host.streamed()?.join()?;
+        shared.h2d_after_weights_free()?;
+        let device = &shared.device;
+        let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+        // After the device step wrote its columns (and the compact weights).
+        if let Some(done) = &self.zenflow.device_done {
+            device.wait_event(h2d, done)?;
+        }
+        device.wait_event(d2h, &self.zenflow.window_ready)?;
+        let (len, at) = (shared.owned.len(), shared.owned.start);
+        let (source, target) = (&*self.zenflow.window, &shared.params);
+        let uploaded = &mut |_| Ok(());
+        // Not the streaming offload path's breakdown: the window step's time is `cpu_wait`.
+        let times = &mut StepTimes::default();
+        let chunks =
+            Chunks { state_at: 0, source, source_at: 0, target, target_at: at, uploaded, times };
+        stream_chunks(device, cpu_step, state, staging, outgoing, chunks, len)?;
+        // This step's weights supersede any still pending.
+        self.host.streamed()?.upload_pending = false;
+        self.zenflow.aside_ready = false;
+        // Every chunk's copy has been waited on: the window is read.
+        let compute = device.stream(StreamKind::Compute);
+        device.fill(compute, &*self.zenflow.window, 0..len, 0.0)?;
+        // The CPU's result for the selected columns is discarded, the device's kept.
+        self.zenflow.scatter_weights(device, h2d, &shared.params)?;
+        shared.gather_from(StreamKind::H2d)
+    }
+
+    /// Swaps the window that ends now with the aside window (whose last CPU step has been
+    /// joined: nothing reads it any more) and clears the new window on the compute stream; the
+    /// worker's copies of the aside window wait on the d2h stream for its last add and reads
+    /// (`window_ready`).
+    fn set_window_aside<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let (device, len) = (&shared.device, shared.owned.len());
+        let zenflow = &mut self.zenflow;
         let d2h = device.stream(StreamKind::D2h);
         device.wait_event(d2h, &zenflow.window_ready)?;
-        let len = shared.owned.len();
-        device.copy_d2h(d2h, &zenflow.window, 0..len, &mut self.host.acc, 0)?.detach();
-        device.fill(d2h, &zenflow.window, 0..len, 0.0)?;
-        let copied = slot(&mut zenflow.window_copied, device)?;
-        device.record(copied, d2h)?;
+        let aside = zenflow.window_aside.as_mut();
+        let aside = aside.ok_or(EngineError::Internal("overlap_step without its aside window"))?;
+        std::mem::swap(&mut zenflow.window, aside);
+        let compute = device.stream(StreamKind::Compute);
+        device.fill(compute, &*zenflow.window, 0..len, 0.0)?;
         Ok(())
     }
 
-    /// Starts the CPU step of the window just taken on the worker, which then uploads its
-    /// weights into the aside buffer on the h2d stream (after the last application of the aside
-    /// buffer, queued there before).
+    /// Starts the CPU step of the window just set aside on the worker: it streams the aside
+    /// window through the host and uploads the weights into the aside weights on the h2d stream
+    /// (after the last application of the aside weights, queued there before).
     fn start_worker<C: Comm<Device = D>>(
         &mut self,
         shared: &Shared<D, C, P>,
         cpu_step: AdamWStep,
     ) -> Result<(), EngineError> {
-        let aside = self.zenflow.aside.clone();
-        let aside = aside.ok_or(EngineError::Internal("overlap_step without its aside buffer"))?;
+        let missing = EngineError::Internal("overlap_step without its aside weights");
+        let weights = Arc::clone(self.zenflow.aside.as_ref().ok_or(missing)?);
+        let missing = EngineError::Internal("overlap_step without its aside window");
+        let window = Arc::clone(self.zenflow.window_aside.as_ref().ok_or(missing)?);
         let (device, len) = (shared.device.clone(), shared.owned.len());
         self.zenflow.aside_ready = true;
-        self.host.start_delayed(cpu_step, move |whole| {
-            let h2d = device.stream(StreamKind::H2d);
-            device.copy_h2d(h2d, &whole.upload, 0..len, &aside, 0)?.wait()?;
+        self.host.streamed()?.worker.start(move |buffers| {
+            let StreamBuffers { state, staging, outgoing } = buffers;
+            let (source, target) = (&*window, &*weights);
+            let uploaded = &mut |_| Ok(());
+            // On its own thread: not the training thread's time.
+            let times = &mut StepTimes::default();
+            let chunks =
+                Chunks { state_at: 0, source, source_at: 0, target, target_at: 0, uploaded, times };
+            stream_chunks(&device, &cpu_step, state, staging, outgoing, chunks, len)?;
+            // Wait for the last uploads.
+            outgoing.iter_mut().for_each(HostBuffer::settle);
             Ok(())
         })
     }
 
-    /// Brings the CPU's weights into this rank's partition of the flat weights (from the aside
-    /// buffer where the worker uploaded them, else from the host), with the device's columns
-    /// over them, then gathers.
-    fn upload_and_gather<C: Comm<Device = D>>(
+    /// Brings the CPU's weights into this rank's partition of the flat weights from the aside
+    /// weights (where the worker uploaded them, or a restore put them; on the host path, else
+    /// from its upload buffer), with the device's columns over them, then gathers.
+    pub(super) fn apply_and_gather<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        let upload = self.host.upload()?;
+        // The host path's weights not aside are in its upload buffer.
+        let upload = match &mut self.host {
+            HostSide::Accumulated(host) => Some(host.upload()?),
+            HostSide::Streamed(host) => {
+                host.join()?;
+                host.upload_pending = false;
+                None
+            }
+        };
         shared.h2d_after_weights_free()?;
         let device = &shared.device;
         let h2d = device.stream(StreamKind::H2d);
@@ -211,9 +281,12 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let (len, at) = (shared.owned.len(), shared.owned.start);
         // The worker uploaded its weights into the aside buffer on this stream.
         let ready = std::mem::take(&mut self.zenflow.aside_ready);
-        match self.zenflow.aside.as_ref().filter(|_| ready) {
-            Some(aside) => device.copy_d2d(h2d, aside, 0..len, &shared.params, at)?,
-            None => device.copy_h2d(h2d, upload, 0..len, &shared.params, at)?.wait()?,
+        match (self.zenflow.aside.as_ref().filter(|_| ready), upload) {
+            (Some(aside), _) => device.copy_d2d(h2d, aside, 0..len, &shared.params, at)?,
+            (None, Some(upload)) => {
+                device.copy_h2d(h2d, upload, 0..len, &shared.params, at)?.wait()?
+            }
+            (None, None) => return Err(EngineError::Internal("ZenFlow's weights are not aside")),
         }
         // The CPU's result for the selected columns is discarded, the device's kept.
         self.zenflow.scatter_weights(device, h2d, &shared.params)?;
@@ -227,7 +300,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     ) -> Result<(), EngineError> {
         if self.host.weights_ahead() {
             self.host.join()?;
-            self.upload_and_gather(shared)?;
+            self.apply_and_gather(shared)?;
         }
         Ok(())
     }
@@ -263,7 +336,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let device = &shared.device;
         let compute = device.stream(StreamKind::Compute);
         let len = shared.owned.len();
-        device.sum_squares(compute, &zenflow.window, 0..len, &shared.norm, 0)?;
+        device.sum_squares(compute, &*zenflow.window, 0..len, &shared.norm, 0)?;
         let ready = &mut zenflow.window_ready;
         let (norm, host) = (&shared.norm, &mut shared.norm_host);
         let read =
@@ -311,11 +384,11 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     ) -> Result<(), EngineError> {
         if self.host.weights_ahead() {
             self.host.join()?;
-            self.upload_and_gather(shared)?;
+            self.apply_and_gather(shared)?;
         }
         shared.device.synchronize()?;
         let owned_start = shared.owned.start;
-        let optimizer = &mut self.host.join()?.state;
+        let optimizer = self.host.join()?;
         let zenflow = &self.zenflow;
         // The columns leaving the selection: their device state is the current one.
         if zenflow.compact_len > 0 {
@@ -335,7 +408,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         self.column_importance(shared)?;
         self.zenflow.select();
         // The columns entering the selection: their host state is the current one.
-        let optimizer = &self.host.join()?.state;
+        let optimizer = &*self.host.join()?;
         load_selected(&shared.device, &self.zenflow, optimizer, owned_start)?;
         Ok(())
     }
@@ -378,11 +451,12 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         master_only: bool,
     ) -> Result<PathState, EngineError> {
         let [mut master, mut exp_avg, mut exp_avg_sq] = match master_only {
-            true => [self.host.join()?.state.master.to_vec(), Vec::new(), Vec::new()],
+            true => [self.host.join()?.master.to_vec(), Vec::new(), Vec::new()],
             false => self.host.state()?,
         };
         self.merge_device_state(shared, [&mut master, &mut exp_avg, &mut exp_avg_sq])?;
-        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
+        let upload_pending = self.host.upload_pending();
+        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
     }
 
     /// Overwrites the selected elements of a partition's host-side state (master, moments; a
@@ -418,7 +492,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         shared: &Shared<D, C, P>,
     ) -> Result<ZenFlowSnapshot, EngineError> {
         let zenflow = &self.zenflow;
-        let mut window = shared.device.download(&zenflow.window)?;
+        let mut window = shared.device.download(&*zenflow.window)?;
         window.truncate(shared.owned.len());
         Ok(ZenFlowSnapshot {
             selection: zenflow.selection(),
@@ -468,18 +542,23 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         Ok(ZenFlowRestore { window, first: first.clone(), selection })
     }
 
-    /// The selection, the window's position and its device window from a checked checkpoint
-    /// (after the optimizer state): the selected columns' device state is taken from the host's.
+    /// Takes a checkpoint's optimizer state, and ZenFlow's from a checked checkpoint: the
+    /// selection, the window's position and its device window; the selected columns' device
+    /// state is taken from the host's. Master weights newer than the flat weights
+    /// (`upload_pending`) go into the aside weights, to be applied where a CPU step's would be.
     pub fn restore<C: Comm<Device = D>>(
         &mut self,
         shared: &Shared<D, C, P>,
-        saved: ZenFlowRestore,
+        state: &[Vec<f32>; 3],
+        upload_pending: bool,
+        saved: Option<ZenFlowRestore>,
     ) -> Result<(), EngineError> {
-        let ZenFlowRestore { window, first, selection } = saved;
+        self.host.restore(state, upload_pending)?;
+        self.restore_pending_weights(shared, upload_pending)?;
+        let Some(ZenFlowRestore { window, first, selection }) = saved else { return Ok(()) };
         let (device, rank) = (&shared.device, shared.comm.rank());
         let zenflow = &mut self.zenflow;
-        overwrite(device, &zenflow.window, &window)?;
-        zenflow.aside_ready = false;
+        overwrite(device, &*zenflow.window, &window)?;
         zenflow.restore_selection(&selection, rank)?;
         if let Some(auto) = &mut zenflow.auto {
             auto.restore(&first.auto, rank)?;
@@ -489,7 +568,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         zenflow.epochs_since_selection = first.epochs_since_selection;
         zenflow.cpu_adamw.resume_at(first.cpu_steps);
         zenflow.device_done = None;
-        let optimizer = &self.host.join()?.state;
+        let optimizer = &*self.host.join()?;
         let selected = load_selected(device, &self.zenflow, optimizer, shared.owned.start)?;
         if selected.is_empty() {
             return Ok(());
@@ -497,6 +576,40 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         // The selected columns' weights, as the device step would have left them.
         let compact: Vec<P> = selected.iter().map(|&i| P::from_f32(optimizer.master[i])).collect();
         overwrite(device, &self.zenflow.weights, &compact)?;
+        Ok(())
+    }
+}
+
+impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
+    /// With `upload_pending`, writes the master weights as `P` into the aside weights chunk by
+    /// chunk through an outgoing buffer (allocating them without `overlap_step`, where only a
+    /// restore needs them) and marks them ready; without, marks nothing aside.
+    fn restore_pending_weights<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+        upload_pending: bool,
+    ) -> Result<(), EngineError> {
+        // The host path keeps them in its upload buffer (refreshed by its restore).
+        let host_path = matches!(self.host, HostSide::Accumulated(_));
+        self.zenflow.aside_ready = upload_pending && !host_path;
+        if !self.zenflow.aside_ready {
+            return Ok(());
+        }
+        let (device, len) = (&shared.device, shared.owned.len());
+        if self.zenflow.aside.is_none() {
+            self.zenflow.aside = Some(Arc::new(device.alloc(len.max(1))?));
+        }
+        let aside = self.zenflow.aside.as_deref().expect("allocated above");
+        let StreamBuffers { state, outgoing, .. } = self.host.streamed()?.join()?;
+        let out = outgoing.first_mut().ok_or(EngineError::Internal("no outgoing buffer"))?;
+        let h2d = device.stream(StreamKind::H2d);
+        let mut start = 0;
+        while start < len {
+            let end = (start + out.len()).min(len);
+            convert_into(&state.adam, &mut out[..end - start], &state.master[start..end]);
+            device.copy_h2d(h2d, out, 0..end - start, aside, start)?.wait()?;
+            start = end;
+        }
         Ok(())
     }
 }

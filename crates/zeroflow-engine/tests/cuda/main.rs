@@ -14,8 +14,8 @@ use zeroflow_engine::synthetic::{
     Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
 };
 use zeroflow_engine::{
-    AccumulateOn, Engine, EngineOptions, LossScaler, Offload, OffloadUpdate, Placement, Stage,
-    StepReport, ZenFlowOptions,
+    AccumulateOn, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine, EngineOptions, LossScaler,
+    Offload, OffloadUpdate, Placement, Stage, StepReport, ZenFlowAside, ZenFlowOptions,
 };
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
@@ -40,6 +40,10 @@ struct Case {
     /// Offload: the exact step's speculation budget (bytes, 0 off) and where ZeRO-2 sums a window.
     speculation_budget: usize,
     accumulate_on: AccumulateOn,
+    /// Offload: the stream's chunk (elements), and where ZenFlow's overlapped step reads its
+    /// window from.
+    stream_chunk: usize,
+    zenflow_aside: ZenFlowAside,
     clip: Option<f64>,
 }
 
@@ -56,6 +60,8 @@ impl Case {
             zenflow: None,
             speculation_budget: WHOLE_BUDGET,
             accumulate_on: AccumulateOn::Auto,
+            stream_chunk: DEFAULT_STREAM_CHUNK,
+            zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             clip: Some(0.8),
         }
     }
@@ -72,6 +78,8 @@ fn options(case: &Case) -> EngineOptions {
             let mut offload = Offload { update, ..Offload::exact(HostMemory::Pinned, 2) };
             offload.stream.speculation_budget = case.speculation_budget;
             offload.stream.accumulate_on = case.accumulate_on;
+            offload.stream.chunk = case.stream_chunk;
+            offload.stream.zenflow_aside = case.zenflow_aside;
             Placement::Offload(offload)
         }
         false => Placement::Device,
@@ -264,6 +272,39 @@ fn one_gpu_zenflow_matches_its_limits() {
     println!(
         "RESULT engine_gpu zenflow auto_ratio=0 vs_update_1={diff:.2e} auto_ratio=0.99 deterministic=true"
     );
+}
+
+/// ZenFlow's CPU step streams the device window through the host in chunks: on the GPU, chunks
+/// of 7 elements (many copies in flight on the d2h and h2d streams, from the worker with
+/// `overlap_step`) give the one-chunk run bit for bit, inline and overlapped, and so does the
+/// overlapped step reading its window from host memory (`ZenFlowAside::Host`).
+#[test]
+fn one_gpu_zenflow_streams_its_window_bit_identically() {
+    let Some(device) = gpu() else { return };
+    let devices = std::slice::from_ref(&device);
+    for (update, overlap_step) in [(2, false), (2, true), (3, true)] {
+        let zenflow = ZenFlowOptions {
+            topk_ratio: 0.25,
+            selection: Selection::Step { interval: 6 },
+            update_interval: UpdateInterval::Every(update),
+            auto_ratio: 0.99,
+            overlap_step,
+            full_warm_up_rounds: 0,
+        };
+        let base = Case {
+            zenflow: Some(zenflow),
+            zenflow_aside: ZenFlowAside::Device,
+            ..Case::new(Stage::Zero2, 1, 1, true, 12)
+        };
+        let want = train::<f32>(devices, &base);
+        for (stream_chunk, zenflow_aside) in [(7, ZenFlowAside::Device), (7, ZenFlowAside::Host)] {
+            let got = train::<f32>(devices, &Case { stream_chunk, zenflow_aside, ..base });
+            assert_eq!(got, want, "update {update} overlap {overlap_step} {zenflow_aside:?}");
+        }
+        println!(
+            "RESULT engine_gpu zenflow streamed chunk=7 update={update} overlap={overlap_step} bit_identical=true"
+        );
+    }
 }
 
 /// The largest relative weight difference of two runs of one rank, after checking that their

@@ -10,9 +10,10 @@ use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
-    AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, Engine, EngineOptions,
-    LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore, Snapshot,
-    SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowOptions, ZenFlowSnapshot,
+    AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine,
+    EngineOptions, LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore,
+    Snapshot, SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowAside, ZenFlowOptions,
+    ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
 
@@ -48,6 +49,8 @@ pub struct Setup {
     pub accumulate_on: AccumulateOn,
     /// The host Adam moments' element type (offload).
     pub moments: OptimizerStateDtype,
+    /// Where ZenFlow's overlapped CPU step reads its window from.
+    pub zenflow_aside: ZenFlowAside,
 }
 
 impl Setup {
@@ -70,6 +73,7 @@ impl Setup {
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
             moments: OptimizerStateDtype::Fp32,
+            zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
         }
     }
 }
@@ -92,6 +96,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 gather_in_pieces: setup.gather_in_pieces,
                 speculation_budget: setup.speculation_budget,
                 accumulate_on: setup.accumulate_on,
+                zenflow_aside: setup.zenflow_aside,
             },
             moments: setup.moments,
         }),

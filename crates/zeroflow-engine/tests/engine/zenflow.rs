@@ -2,8 +2,8 @@
 //! rest on the CPU once per window, on CPU-device ranks with the synthetic model.
 
 use zeroflow_core::config::{Selection, UpdateInterval};
-use zeroflow_engine::synthetic::{Reference, adamw_config, initial};
-use zeroflow_engine::{LossScaler, Stage, ZenFlowOptions};
+use zeroflow_engine::synthetic::{self, Reference, adamw_config, initial};
+use zeroflow_engine::{LossScaler, Stage, ZenFlowAside, ZenFlowOptions};
 
 use crate::harness::{Bf16, Resume, Setup, layout, max_rel_diff, reference, train, train_from};
 
@@ -276,8 +276,8 @@ fn unsupported_zenflow_settings_are_refused() {
 }
 
 /// N steps, checkpoint (written and read back), restore into fresh engines, N more steps:
-/// bit-identical to 2N steps straight, with the checkpoint in the middle of a window (the host
-/// accumulator holds part of it), after a reselection, with and without an overlapped CPU step in
+/// bit-identical to 2N steps straight, with the checkpoint in the middle of a window (the device
+/// window holds part of it), after a reselection, with and without an overlapped CPU step in
 /// flight, and resumed at the other partitioned stage.
 #[test]
 fn resuming_from_a_zenflow_checkpoint_is_bit_exact() {
@@ -298,6 +298,11 @@ fn resuming_from_a_zenflow_checkpoint_is_bit_exact() {
         let run = setup(Stage::Zero2, world, 10, zen_auto(0.3, 6, 0.99, overlap));
         let resume = check_resume(&run, Stage::Zero2);
         assert!(!resume.zenflow[0].auto.is_empty(), "{run:?}: no Zen-auto state saved");
+    }
+    // Both host sides, the path before (the window in the host accumulator) included.
+    for zenflow_aside in [ZenFlowAside::Device, ZenFlowAside::Host] {
+        let run = Setup { zenflow_aside, ..setup(Stage::Zero2, 2, 10, zenflow(0.4, 4, 4, true)) };
+        check_resume(&run, Stage::Zero2);
     }
 }
 
@@ -601,4 +606,189 @@ fn epoch_selection_follows_the_reported_epochs() {
     // exactly, the reported epoch included.
     let resume = check_resume(&Setup { steps: 4, ..auto }, Stage::Zero2);
     assert_eq!(resume.zenflow[0].epochs_since_selection, 1, "the epoch reported at step 4");
+}
+
+/// ZenFlow's CPU step streams the device window through the host chunk by chunk: small, uneven
+/// chunks (7 and 64 elements), calm and under chaos (randomly delayed streams, so every chunk's
+/// hand-off must be ordered by its own wait), give the run streamed in one chunk, which is one
+/// AdamW step over the whole partition's fp32 window as the host accumulator used to hold it,
+/// bit for bit: weights, step reports and snapshots (optimizer and ZenFlow state), inline and
+/// overlapped, with reselections and a window of one, on one and two ranks, in f32 and bf16.
+/// The path before, kept selectable (`ZenFlowAside::Host`: the window copied into the host
+/// accumulator, the whole partition stepped at once), gives the same bits.
+#[test]
+fn the_streamed_cpu_step_is_bit_identical_whatever_the_chunk() {
+    for (world, overlap, update) in [(1, false, 2), (1, true, 3), (2, true, 2), (2, false, 1)] {
+        let whole = Setup {
+            stream_chunk: 1 << 30,
+            zenflow_aside: ZenFlowAside::Device,
+            ..setup(Stage::Zero2, world, 16, zenflow(0.3, 4, update, overlap))
+        };
+        let want = train::<f32>(&whole, LossScaler::None, None);
+        let on_host = ZenFlowAside::Host;
+        for (stream_chunk, chaos, zenflow_aside) in [
+            (7, None, ZenFlowAside::Device),
+            (64, Some(3), ZenFlowAside::Device),
+            (7, Some(5), ZenFlowAside::Device),
+            (1 << 30, None, on_host),
+            (7, Some(3), on_host),
+        ] {
+            let run = Setup { stream_chunk, chaos, zenflow_aside, ..whole.clone() };
+            let got = train::<f32>(&run, LossScaler::None, None);
+            assert_eq!(got.weights, want.weights, "{run:?}: weights");
+            assert_eq!(got.reports, want.reports, "{run:?}: step reports");
+            assert_eq!(got.snapshots, want.snapshots, "{run:?}: optimizer and ZenFlow state");
+        }
+    }
+    let whole = Setup {
+        stream_chunk: 1 << 30,
+        zenflow_aside: ZenFlowAside::Device,
+        ..setup(Stage::Zero2, 2, 12, zenflow(0.3, 4, 2, true))
+    };
+    let want = train::<Bf16>(&whole, LossScaler::None, None);
+    let got = train::<Bf16>(&Setup { stream_chunk: 7, ..whole.clone() }, LossScaler::None, None);
+    assert_eq!(got.weights, want.weights, "bf16: weights");
+    let on_host = Setup { stream_chunk: 7, zenflow_aside: ZenFlowAside::Host, ..whole.clone() };
+    let got = train::<Bf16>(&on_host, LossScaler::None, None);
+    assert_eq!(got.weights, want.weights, "bf16, the window aside on the host: weights");
+}
+
+/// ZenFlow follows each parameter's split axis: a `[9, 6]` weight split by axis 0 has its rows
+/// ranked by the L1 norms of their gradients (summed over ranks) and the top rows stepped on the
+/// device. Within the first window exactly the top rows (and the vector) change; and the run
+/// equals, bit for bit, the run of its transpose `[6, 9]` split by the default last axis, whose
+/// columns are those rows, on one rank and on two (whose partitions cut through rows), inline and
+/// overlapped.
+#[test]
+fn a_split_axis_of_zero_selects_rows_as_the_transpose_selects_columns() {
+    use zeroflow_core::layout::ParamSpec;
+    let (rows, cols) = (9, 6);
+    let by_rows = [
+        ParamSpec::new("w", vec![rows, cols]).with_split_axis(Some(0)),
+        ParamSpec::new("b", vec![5]),
+    ];
+    let transposed = [ParamSpec::new("w", vec![cols, rows]), ParamSpec::new("b", vec![5])];
+    // Element [r, c] of w is flat r × cols + c by rows, and c × rows + r transposed.
+    let row_major = |flat: usize| flat;
+    let from_transposed = |flat: usize| match flat < rows * cols {
+        true => (flat % rows) * cols + flat / rows,
+        false => flat,
+    };
+    // One step of a window of four: only the device has stepped.
+    let first = split_run(&by_rows, 1, 1, zenflow(0.34, 8, 4, false), row_major);
+    let initial = split_initial(&by_rows, 1, row_major);
+    let l1 = |r: usize| -> f64 {
+        let g = |c: usize| synthetic::grad(r * cols + c, initial[r * cols + c], 0, 0);
+        (0..cols).map(|c| f64::from(g(c).abs())).sum()
+    };
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.sort_by(|&a, &b| l1(b).total_cmp(&l1(a)));
+    let top = &order[..3];
+    for r in 0..rows {
+        let changed = (0..cols).filter(|&c| first[0][r * cols + c] != initial[r * cols + c]);
+        let want = if top.contains(&r) { cols } else { 0 };
+        assert_eq!(changed.count(), want, "row {r} (top rows {top:?})");
+    }
+    let b = 56..61;
+    assert!(b.clone().all(|i| first[0][i] != initial[i]), "the vector is always selected");
+    for (world, overlap) in [(1, false), (2, true), (2, false)] {
+        let options = zenflow(0.34, 4, 2, overlap);
+        let got = split_run(&by_rows, world, 10, options, row_major);
+        let want = split_run(&transposed, world, 10, options, from_transposed);
+        for (rank, (got, want)) in got.iter().zip(&want).enumerate() {
+            // The weight's elements, then the vector's (54 and 55 are padding).
+            for flat in (0..rows * cols).chain(b.clone()) {
+                let at = if flat < rows * cols { (flat % cols) * rows + flat / cols } else { flat };
+                let (g, w) = (got[flat], want[at]);
+                assert_eq!(g.to_bits(), w.to_bits(), "world {world} rank {rank} element {flat}");
+            }
+        }
+    }
+}
+
+/// The initial weights of the split-axis test's layout: element `logical(flat)` of the weight as
+/// the row-major `[9, 6]` sees it, so that both layouts start alike (padding zero).
+fn split_initial(
+    specs: &[zeroflow_core::layout::ParamSpec],
+    world: usize,
+    logical: impl Fn(usize) -> usize,
+) -> Vec<f32> {
+    let layout = split_layout(specs, world);
+    let mut flat = vec![0.0; layout.padded_len()];
+    for p in layout.params() {
+        for i in p.flat_range() {
+            flat[i] = 0.2 * (((logical(i) * 37) % 101) as f32 / 101.0 - 0.5);
+        }
+    }
+    flat
+}
+
+fn split_layout(
+    specs: &[zeroflow_core::layout::ParamSpec],
+    world: usize,
+) -> zeroflow_core::layout::FlatLayout {
+    use zeroflow_core::layout::{Alignment, FlatLayout};
+    FlatLayout::new(specs, world, Alignment { param: 4, partition: 2 }).expect("a layout")
+}
+
+/// Trains the split-axis test's layout with ZenFlow for `steps` steps on `world` CPU ranks, the
+/// gradient of flat element `i` being the synthetic gradient of `logical(i)` (without clipping,
+/// so that the two layouts' norms, summed in different orders, do not enter); every rank's
+/// flushed weights.
+fn split_run(
+    specs: &[zeroflow_core::layout::ParamSpec],
+    world: usize,
+    steps: u64,
+    options: ZenFlowOptions,
+    logical: impl Fn(usize) -> usize + Sync,
+) -> Vec<Vec<f32>> {
+    use zeroflow_device::cpu::{CpuComm, KernelArgs};
+    use zeroflow_device::{CpuDevice, Device, StreamKind};
+    use zeroflow_engine::Engine;
+    let run =
+        Setup { zenflow: Some(options), clip: None, ..Setup::new(Stage::Zero2, world, 1, true) };
+    let devices: Vec<CpuDevice> = (0..world).map(|_| CpuDevice::new().unwrap()).collect();
+    let comms = CpuComm::group(&devices, std::time::Duration::from_secs(30));
+    let (logical, run) = (&logical, &run);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (devices.into_iter().zip(comms).enumerate())
+            .map(|(rank, (device, comm))| {
+                s.spawn(move || {
+                    let layout = split_layout(specs, world);
+                    let init = split_initial(specs, world, logical);
+                    let options = crate::harness::options(run, LossScaler::None);
+                    let mut engine: Engine<CpuDevice, CpuComm, f32> =
+                        Engine::new(device.clone(), comm, layout.clone(), options, &init).unwrap();
+                    for k in 0..steps {
+                        engine
+                            .backward(|io, ready| {
+                                let compute = device.stream(StreamKind::Compute);
+                                for p in layout.params().iter().rev() {
+                                    let range = p.flat_range();
+                                    let at: Vec<usize> = range.clone().map(logical).collect();
+                                    let args = KernelArgs::new()
+                                        .input(io.params, range.clone())
+                                        .in_out(io.grads, range.clone());
+                                    let scale = io.loss_scale;
+                                    device.launch(compute, "split_backward", args, move |ctx| {
+                                        let (w, g) = (ctx.input::<f32>(0), ctx.output::<f32>(1));
+                                        for ((g, w), &i) in g.iter_mut().zip(w).zip(&at) {
+                                            *g += scale * synthetic::grad(i, *w, rank, k);
+                                        }
+                                        Ok(())
+                                    })?;
+                                    ready(range)?;
+                                }
+                                Ok::<(), zeroflow_engine::EngineError>(())
+                            })
+                            .unwrap();
+                        engine.step().unwrap();
+                    }
+                    engine.flush().unwrap();
+                    device.download(engine.params()).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
