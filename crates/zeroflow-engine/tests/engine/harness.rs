@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
+use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory, PinnedUse};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
@@ -45,6 +45,8 @@ pub struct Setup {
     pub speculation_budget: usize,
     /// Where ZeRO-2 with accumulation sums a window (offload).
     pub accumulate_on: AccumulateOn,
+    /// Bytes of pinned host memory each rank's device may hold (`None`: no limit).
+    pub pinned_budget: Option<usize>,
 }
 
 impl Setup {
@@ -66,6 +68,7 @@ impl Setup {
             gather_in_pieces: true,
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
+            pinned_budget: None,
         }
     }
 }
@@ -126,6 +129,8 @@ pub struct Traffic {
     pub cpu_wait: Duration,
     /// What the speculative step did over the steps.
     pub speculation: SpeculationStats,
+    /// The device's pinned host memory once the engine was set up.
+    pub pinned: PinnedUse,
 }
 
 /// Trains the synthetic model with the engine; `inject(rank, k)` may poison micro-step `k`.
@@ -184,6 +189,7 @@ pub fn train_from<P: Float>(
                 s.spawn(move || {
                     let layout = layout(setup.world);
                     let init = initial::<P>(&layout);
+                    device.pinned_budget().set_limit(setup.pinned_budget);
                     let mut engine: Engine<CpuDevice, CpuComm, P> = Engine::new(
                         device.clone(),
                         comm,
@@ -203,6 +209,7 @@ pub fn train_from<P: Float>(
                         };
                         engine.restore(&r.weights, &from).unwrap();
                     }
+                    let pinned = device.pinned_budget().usage();
                     let mut reports = Vec::new();
                     let (copied, waited) = (device.copied_bytes(), engine.cpu_wait());
                     let first = engine.micro_steps();
@@ -232,6 +239,7 @@ pub fn train_from<P: Float>(
                         copied: device.copied_bytes().since(copied),
                         cpu_wait: engine.cpu_wait() - waited,
                         speculation: engine.speculation_stats(),
+                        pinned,
                     };
                     let snapshot = engine.snapshot().unwrap();
                     let device_weights = device.download(engine.params()).unwrap();
