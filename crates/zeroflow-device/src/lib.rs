@@ -1,7 +1,8 @@
 //! The device contract of zeroflow (DESIGN.md §3) and its implementations.
 //!
-//! A [`Device`] gives device buffers, page-locked [`HostBuffer`]s, streams, events, asynchronous
-//! copies between the two, and (through [`Comm`]) collectives. Its rules are enforced by types:
+//! A [`Device`] gives device buffers, [`HostBuffer`]s (page-locked within its [`PinnedBudget`]),
+//! streams, events, asynchronous copies between the two, and (through [`Comm`]) collectives. Its
+//! rules are enforced by types:
 //!
 //! 1. A host buffer that a copy is writing cannot be read: device-to-host copies return a
 //!    [`Filling`] token that mutably borrows the buffer until the copy's own event has been waited

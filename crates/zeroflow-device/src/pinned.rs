@@ -142,8 +142,8 @@ pub fn fallback_message(usage: &PinnedUse) -> String {
          same, but copies from and to pageable memory go through the driver's own staging: \
          estimated at about half the PCIe speed, and they block the thread that queues them, so \
          they do not overlap compute. To pin them, raise {BUDGET_SETTING} if the host has the \
-         memory to spare, or lower the micro-batch or add ranks so that each rank's partition \
-         is smaller.",
+         memory to spare; or pin less: a smaller --stream-chunk-mib (staging holds six chunks), \
+         or more ranks (the upload buffer holds the rank's partition).",
         mib(usage.fell_back),
         mib(usage.held),
     )
