@@ -1,7 +1,8 @@
 //! The device contract of zeroflow (DESIGN.md §3) and its implementations.
 //!
-//! A [`Device`] gives device buffers, page-locked [`HostBuffer`]s, streams, events, asynchronous
-//! copies between the two, and (through [`Comm`]) collectives. Its rules are enforced by types:
+//! A [`Device`] gives device buffers, [`HostBuffer`]s (page-locked within its [`PinnedBudget`]),
+//! streams, events, asynchronous copies between the two, and (through [`Comm`]) collectives. Its
+//! rules are enforced by types:
 //!
 //! 1. A host buffer that a copy is writing cannot be read: device-to-host copies return a
 //!    [`Filling`] token that mutably borrows the buffer until the copy's own event has been waited
@@ -20,6 +21,7 @@ pub mod cuda;
 pub mod error;
 pub mod host;
 pub mod ops;
+pub mod pinned;
 
 use std::fmt;
 use std::ops::Range;
@@ -30,6 +32,7 @@ pub use cuda::CudaDevice;
 pub use error::{DeviceError, Race, Result};
 pub use host::{Draining, Filling, HostBuffer};
 pub use ops::{Kernels, Matrix};
+pub use pinned::{PinnedBudget, PinnedUse};
 use zeroflow_core::Element;
 
 /// The four streams every device has.
@@ -103,6 +106,8 @@ impl CopyCounters {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HostMemory {
     /// Page-locked (pinned) memory that the copy engines reach directly. The default for staging.
+    /// Counted against the device's [`PinnedBudget`]: past it, or where pinning fails, the
+    /// buffer is pageable instead ([`HostBuffer::pinned`] says which it got).
     Pinned,
     /// Ordinary pageable memory (`pin_memory: false`): copies are slower.
     Pageable,
@@ -137,8 +142,13 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
     /// Allocates a zero-filled device buffer of `len` elements.
     fn alloc<T: Element>(&self, len: usize) -> Result<Self::Buffer<T>>;
 
-    /// Allocates a zero-filled host buffer of `len` elements.
+    /// Allocates a zero-filled host buffer of `len` elements. A pinned buffer that the device's
+    /// [`PinnedBudget`] has no room for, or that the driver cannot pin, is pageable instead (and
+    /// counted there): never an error for want of pinned memory.
     fn alloc_host<T: Element>(&self, len: usize, memory: HostMemory) -> Result<HostBuffer<T>>;
+
+    /// The page-locked host memory this device holds against its limit, and what fell back.
+    fn pinned_budget(&self) -> &PinnedBudget;
 
     /// One of the device's four streams.
     fn stream(&self, kind: StreamKind) -> &Self::Stream;

@@ -151,6 +151,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             cpu_wait: std::time::Duration::ZERO,
             step_times: StepTimes::default(),
         };
+        // Every host buffer is allocated: one warning with the total, where some that the
+        // device copies from or into are pageable for want of pinned memory.
+        shared.device.pinned_budget().warn_fallback();
         Ok(Engine {
             bucketer: Bucketer::new(opts.reduce_bucket, shared.layout.params().len()),
             adamw: AdamW::new(opts.adamw)?,

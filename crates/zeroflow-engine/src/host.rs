@@ -323,7 +323,11 @@ pub(crate) struct Swapped<P: Float> {
 
 impl<P: Float> HostAccumulator<P> {
     /// The host side of a partition of `partition` elements with buckets of `bucket` elements,
-    /// delayed after `warmup` steps where `delayed` says so.
+    /// delayed after `warmup` steps where `delayed` says so. `memory` is that of the buffers
+    /// the device copies from or into (staging, the upload buffer), `acc_memory` the
+    /// accumulators' (pinned where the device copies straight into them, as ZenFlow's window;
+    /// pageable where only the CPU adds into them); the optimizer state is pageable, as only the
+    /// CPU touches it.
     #[allow(clippy::too_many_arguments, reason = "the options of the host side, once")]
     pub(crate) fn new<D: Device>(
         device: &D,
@@ -331,26 +335,33 @@ impl<P: Float> HostAccumulator<P> {
         fill_master: impl FnOnce(&mut [f32]),
         bucket: usize,
         stream_chunk: usize,
-        memory: HostMemory,
+        (memory, acc_memory): (HostMemory, HostMemory),
         adam: CpuAdam,
         delayed: Option<u64>,
         moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let state = HostOptimizer::new(device, partition, fill_master, memory, adam, moments)?;
+        let state = HostOptimizer::new(
+            device,
+            partition,
+            fill_master,
+            HostMemory::Pageable,
+            adam,
+            moments,
+        )?;
         let staging_len = bucket.min(partition);
         let staging = alloc_staging(device, staging_len, stream_chunk, memory, STAGING_BUFFERS)?;
         let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
         let cpu = match delayed {
             None => CpuStep::Inline(Box::new(whole)),
             Some(warmup) => {
-                let stepped = device.alloc_host(partition, memory)?;
+                let stepped = device.alloc_host(partition, acc_memory)?;
                 CpuStep::Delayed {
                     warmup,
                     worker: Worker::Ready(Box::new(Swapped { whole, stepped })),
                 }
             }
         };
-        let acc = device.alloc_host(partition, memory)?;
+        let acc = device.alloc_host(partition, acc_memory)?;
         Ok(HostAccumulator { acc, staging, cpu, upload_pending: false })
     }
 
@@ -467,7 +478,8 @@ pub(crate) struct StreamBuffers<P: Float, G: Float = P> {
 
 impl<P: Float, G: Float> StreamBuffers<P, G> {
     /// The host side of a streamed partition of `partition` elements, in chunks of at most
-    /// `stream_chunk` elements (at least one).
+    /// `stream_chunk` elements (at least one): the staging and outgoing buffers in `memory`,
+    /// the optimizer state pageable (only the CPU touches it).
     pub(crate) fn new<D: Device>(
         device: &D,
         partition: usize,
@@ -477,7 +489,14 @@ impl<P: Float, G: Float> StreamBuffers<P, G> {
         adam: CpuAdam,
         moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let state = HostOptimizer::new(device, partition, fill_master, memory, adam, moments)?;
+        let state = HostOptimizer::new(
+            device,
+            partition,
+            fill_master,
+            HostMemory::Pageable,
+            adam,
+            moments,
+        )?;
         let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
         let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
         Ok(StreamBuffers { state, staging, outgoing })
@@ -593,7 +612,7 @@ mod tests {
                 fill,
                 23,
                 stream_chunk,
-                memory,
+                (memory, HostMemory::Pageable),
                 adam,
                 None,
                 OptimizerStateDtype::Fp32,

@@ -260,6 +260,7 @@ fn bench<F: Family, M: Model>(
     let Opened { device, comm, model: mut gpt, mut group } =
         open(model, args.micro_batch, seq, &layout, dist)?;
     let description = device.describe();
+    device.pinned_budget().set_limit(settings::pinned_budget(&requested));
     let mut engine = Engine::with_weights(device, comm, layout, options, initial)?;
     let batch = rank_batch(model, args.micro_batch * seq, dist);
     let measured = measure(args, &mut engine, &mut gpt, &batch, &mut group)?;

@@ -70,6 +70,7 @@ impl<M: Model> Trainer<M> {
         let Opened { device, comm, model: gpt, group } =
             open(family, micro_batch, setup.seq, &layout, &setup.dist)?;
         let device_description = device.describe();
+        device.pinned_budget().set_limit(settings::pinned_budget(&setup.settings));
         let (options, settings) = engine_options::<M::P>(setup)?;
         let convert =
             |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };

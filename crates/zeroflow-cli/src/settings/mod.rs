@@ -73,6 +73,12 @@ pub struct HostFlags {
     /// host. Over ZEROFLOW_ACCUMULATE_ON and zeroflow.offload.accumulate_on.
     #[arg(long, value_name = "auto|device|host", value_parser = flag(&names::ACCUMULATE_ON))]
     pub accumulate_on: Option<AccumulateOn>,
+    /// MiB of pinned (page-locked) host memory each rank may hold (default: no limit). Past it,
+    /// or where the driver cannot pin, host buffers are pageable: training goes on, their copies
+    /// slower, with a warning. Over ZEROFLOW_PINNED_BUDGET_MIB and
+    /// zeroflow.offload.pinned_budget_mib.
+    #[arg(long, value_name = "MIB", value_parser = parse_budget_mib)]
+    pub pinned_budget_mib: Option<f64>,
 }
 
 /// What the flags ask for.
@@ -88,6 +94,7 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         cpu_threads: host.cpu_threads.map(NonZeroUsize::get),
         speculation_budget_mib: host.speculation_budget_mib,
         accumulate_on: host.accumulate_on,
+        pinned_budget_mib: host.pinned_budget_mib,
     }
 }
 

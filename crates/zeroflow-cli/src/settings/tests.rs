@@ -35,6 +35,8 @@ fn the_flags_take_the_names_the_variables_take() {
         "0",
         "--accumulate-on",
         "Host",
+        "--pinned-budget-mib",
+        "0",
     ])
     .unwrap();
     assert_eq!(
@@ -50,6 +52,7 @@ fn the_flags_take_the_names_the_variables_take() {
             cpu_threads: Some(9),
             speculation_budget_mib: Some(0.0),
             accumulate_on: Some(AccumulateOn::Host),
+            pinned_budget_mib: Some(0.0),
         }
     );
     for bad in [
@@ -63,6 +66,7 @@ fn the_flags_take_the_names_the_variables_take() {
         ["--speculation-budget-mib", "none"],
         ["--speculation-budget-mib", "4GiB"],
         ["--accumulate-on", "gpu"],
+        ["--pinned-budget-mib", "half"],
     ] {
         let error = Command::try_parse_from(["x", bad[0], bad[1]]).unwrap_err().to_string();
         assert!(error.contains(bad[0]) && error.contains(bad[1]), "{error}");

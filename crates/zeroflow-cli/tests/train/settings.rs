@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
-use super::{MINI, scratch, text};
+use super::{MINI, read_lines, scratch, text};
 
 /// Stage 2 with the optimizer offloaded, the offload stream tuned by the config.
 const TUNED: &str = r#"{
@@ -21,7 +21,7 @@ const TUNED: &str = r#"{
   }
 }"#;
 
-const VARIABLES: [&str; 9] = [
+const VARIABLES: [&str; 10] = [
     "ZEROFLOW_ATTENTION",
     "ZEROFLOW_CUDA_WAIT",
     "ZEROFLOW_CPU_BIND",
@@ -31,6 +31,7 @@ const VARIABLES: [&str; 9] = [
     "ZEROFLOW_CPU_THREADS",
     "ZEROFLOW_SPECULATION_BUDGET_MIB",
     "ZEROFLOW_ACCUMULATE_ON",
+    "ZEROFLOW_PINNED_BUDGET_MIB",
 ];
 
 /// `zeroflow train` with `args`, only the variables of `env` set among the settings'.
@@ -91,6 +92,45 @@ fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
         let state = out.join("checkpoints").join(format!("step-{step:08}")).join("state.json");
         assert_eq!(json_of(&state)["extra"]["settings"], summary, "step {step}");
     }
+}
+
+/// The losses of every step of a run's `metrics.jsonl`.
+fn losses(run: &Path) -> Vec<Value> {
+    let lines = read_lines(&run.join("metrics.jsonl"));
+    lines.into_iter().filter_map(|line| line.get("loss").cloned()).collect()
+}
+
+/// With no pinned memory allowed (`--pinned-budget-mib 0`, as on a machine that cannot pin),
+/// an offloaded run trains to the end with the same losses as with pinned memory, warns once
+/// on stderr with the bytes, the cost and the setting to raise, and records the budget; the
+/// run with pinned memory says nothing of it.
+#[test]
+fn a_zero_pinned_budget_trains_on_with_the_same_losses_and_one_warning() {
+    let dir = scratch("pinned_budget");
+    let config = dir.join("ds.json");
+    std::fs::write(&config, TUNED).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let base = ["--config", config.to_str().unwrap(), "--model", MINI, "--steps", "3"];
+        let args = [&base[..], &["--out", out.to_str().unwrap()], extra].concat();
+        let output = train_with(&args, &[]);
+        assert!(output.status.success(), "{extra:?}: {}", text(&output.stderr));
+        (out, text(&output.stderr))
+    };
+    let (pinned, quiet) = run("pinned", &[]);
+    let (pageable, stderr) = run("pageable", &["--pinned-budget-mib", "0"]);
+    assert!(!quiet.contains("pageable"), "nothing fell back, nothing said: {quiet}");
+    assert_eq!(stderr.matches("are pageable, not pinned").count(), 1, "{stderr}");
+    for part in ["within the pinned budget of 0.0 MiB", "estimated at about half the PCIe speed"] {
+        assert!(stderr.contains(part), "{part:?} not in: {stderr}");
+    }
+    assert!(stderr.contains("raise --pinned-budget-mib"), "{stderr}");
+    assert_eq!(losses(&pageable), losses(&pinned));
+    assert_eq!(losses(&pinned).len(), 3);
+    let summary = json_of(&pageable.join("summary.json"));
+    assert_eq!(summary["settings"]["offload"]["pinned_budget_mib"], 0.0, "{summary}");
+    let summary = json_of(&pinned.join("summary.json"));
+    assert_eq!(summary["settings"]["offload"]["pinned_budget_mib"], Value::Null, "{summary}");
 }
 
 /// A checkpoint trained with flash attention (as on a GPU) resumed where the model runs gemm:

@@ -11,7 +11,7 @@
 //!   "cpu_bind": "auto",
 //!   "optimizer_state_dtype": "fp32",
 //!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto",
-//!                "speculation_budget_mib": 0, "accumulate_on": "auto" }
+//!                "speculation_budget_mib": 0, "accumulate_on": "auto", "pinned_budget_mib": "auto" }
 //! }
 //! ```
 //!
@@ -137,6 +137,10 @@ pub struct OffloadTuning {
     /// stepped during backward (a non-negative number; 0 turns speculation off).
     pub speculation_budget_mib: Option<f64>,
     pub accumulate_on: Option<AccumulateOn>,
+    /// MiB of page-locked host memory a rank's device may hold (a non-negative number; 0 pins
+    /// nothing); past it, host buffers asked for as pinned are pageable, with a warning.
+    /// `None` (`"auto"`): no limit (only what the driver refuses to pin falls back).
+    pub pinned_budget_mib: Option<f64>,
 }
 
 const ATTENTIONS: &[(&str, Option<Attention>)] =
@@ -187,6 +191,7 @@ impl ZeroflowExtensions {
                 "cpu_threads": offload.cpu_threads,
                 "speculation_budget_mib": offload.speculation_budget_mib,
                 "accumulate_on": name_of(ACCUMULATE_ONS, offload.accumulate_on),
+                "pinned_budget_mib": offload.pinned_budget_mib,
             },
         })
     }
@@ -259,6 +264,8 @@ fn read_offload(
     let stream_chunk_mib = mib(&mut offload, "stream_chunk_mib", |mib| mib > 0.0, "a positive")?;
     let speculation_budget_mib =
         mib(&mut offload, "speculation_budget_mib", |mib| mib >= 0.0, "a non-negative")?;
+    let pinned_budget_mib =
+        mib(&mut offload, "pinned_budget_mib", |mib| mib >= 0.0, "a non-negative")?;
     let copy_stores = named(
         &mut offload,
         "copy_stores",
@@ -280,6 +287,7 @@ fn read_offload(
         cpu_threads,
         speculation_budget_mib,
         accumulate_on,
+        pinned_budget_mib,
     })
 }
 

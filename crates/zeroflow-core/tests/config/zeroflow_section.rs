@@ -22,7 +22,8 @@ fn every_setting_is_read_by_name() {
             "activation_checkpointing": true,
             "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
                         "gather": "after-step", "cpu_threads": 12,
-                        "speculation_budget_mib": 1.5, "accumulate_on": "host"}}"#,
+                        "speculation_budget_mib": 1.5, "accumulate_on": "host",
+                        "pinned_budget_mib": 2048}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
@@ -40,6 +41,7 @@ fn every_setting_is_read_by_name() {
             cpu_threads: NonZeroU64::new(12),
             speculation_budget_mib: Some(1.5),
             accumulate_on: Some(AccumulateOn::Host),
+            pinned_budget_mib: Some(2048.0),
         }
     );
 }
@@ -51,7 +53,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
             "activation_checkpointing": "auto",
             "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
                         "cpu_threads": "auto", "speculation_budget_mib": "auto",
-                        "accumulate_on": "auto"}}"#,
+                        "accumulate_on": "auto", "pinned_budget_mib": "auto"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
@@ -65,6 +67,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         "/zeroflow/offload/gather",
         "/zeroflow/offload/speculation_budget_mib",
         "/zeroflow/offload/accumulate_on",
+        "/zeroflow/offload/pinned_budget_mib",
     ];
     for pointer in pointers {
         assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");
@@ -78,7 +81,7 @@ fn set_settings_round_trip_through_the_resolved_json() {
             "activation_checkpointing": false,
             "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
                         "cpu_threads": 3, "speculation_budget_mib": 0,
-                        "accumulate_on": "device"}}"#,
+                        "accumulate_on": "device", "pinned_budget_mib": 0}}"#,
     );
     let first = resolve(&text).expect("valid");
     let json = first.config.to_json();
@@ -88,6 +91,8 @@ fn set_settings_round_trip_through_the_resolved_json() {
     // 0 is a budget (speculation off), not "auto".
     assert_eq!(json["zeroflow"]["offload"]["speculation_budget_mib"], 0.0);
     assert_eq!(json["zeroflow"]["offload"]["accumulate_on"], "device");
+    // 0 is a budget (pin nothing), not "auto".
+    assert_eq!(json["zeroflow"]["offload"]["pinned_budget_mib"], 0.0);
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);
     assert!(again.warnings.is_empty(), "{:?}", again.warnings);

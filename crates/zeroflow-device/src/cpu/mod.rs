@@ -34,6 +34,7 @@ use crate::error::{DeviceError, Result};
 use crate::host::{
     Completion, Draining, ErrorSink, Filling, HeapMemory, HostBuffer, RawHostMemory,
 };
+use crate::pinned::{PinnedBudget, pinned_or_pageable};
 use crate::{Device, DeviceBuffer, HostMemory, StreamKind, check_range};
 
 /// The CPU device. Cheap to clone: clones share the streams.
@@ -50,6 +51,9 @@ struct Inner {
     chaos: Option<Chaos>,
     next_buffer: AtomicU64,
     copied: crate::CopyCounters,
+    /// The pinned budget, as on a GPU: its "pinned" buffers are heap memory counted against it,
+    /// so that the fallback past the budget runs (and is tested) without a GPU.
+    pinned: Arc<PinnedBudget>,
 }
 
 impl Drop for Inner {
@@ -226,6 +230,7 @@ impl CpuDevice {
                 chaos,
                 next_buffer: AtomicU64::new(1),
                 copied: crate::CopyCounters::default(),
+                pinned: Arc::default(),
             }),
         })
     }
@@ -316,11 +321,22 @@ impl Device for CpuDevice {
         })
     }
 
-    fn alloc_host<T: Element>(&self, len: usize, _memory: HostMemory) -> Result<HostBuffer<T>> {
+    /// Heap memory either way; a pinned buffer within the budget counts as pinned.
+    fn alloc_host<T: Element>(&self, len: usize, memory: HostMemory) -> Result<HostBuffer<T>> {
         let bytes = len
             .checked_mul(size_of::<T>())
             .ok_or(DeviceError::OutOfMemory { memory: "host", bytes: usize::MAX })?;
-        Ok(HostBuffer::new(Box::new(HeapMemory::zeroed(bytes)?), len, self.inner.errors.clone()))
+        let raw: Box<dyn RawHostMemory> = match memory {
+            HostMemory::Pinned => pinned_or_pageable(&self.inner.pinned, bytes, |bytes| {
+                Ok(HeapMemory::zeroed(bytes))
+            })?,
+            HostMemory::Pageable => Box::new(HeapMemory::zeroed(bytes)?),
+        };
+        Ok(HostBuffer::new(raw, len, self.inner.errors.clone()))
+    }
+
+    fn pinned_budget(&self) -> &PinnedBudget {
+        &self.inner.pinned
     }
 
     fn stream(&self, kind: StreamKind) -> &CpuStream {

@@ -241,3 +241,46 @@ fn copied_bytes_count_both_directions() {
     assert_eq!(after.host_to_device - before.host_to_device, 400);
     assert_eq!(after.device_to_host - before.device_to_host, 40);
 }
+
+/// A pinned allocation past the budget is pageable memory, counted as a fallback, and copies
+/// through it are as correct as through pinned memory; freeing the pinned buffer makes room again.
+#[test]
+fn pinned_buffers_past_the_budget_are_pageable_and_copies_through_them_still_work() {
+    let dev = CpuDevice::new().unwrap();
+    dev.pinned_budget().set_limit(Some(400));
+    let pinned = dev.alloc_host::<f32>(100, HostMemory::Pinned).unwrap();
+    assert!(pinned.pinned(), "400 bytes fit the budget of 400");
+    let mut over = dev.alloc_host::<f32>(10, HostMemory::Pinned).unwrap();
+    assert!(!over.pinned(), "40 more bytes pass it");
+    let pageable = dev.alloc_host::<f32>(1000, HostMemory::Pageable).unwrap();
+    assert!(!pageable.pinned());
+    let usage = dev.pinned_budget().usage();
+    assert_eq!((usage.held, usage.fell_back, usage.refused), (400, 40, 0));
+
+    over.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 + 0.5);
+    let buf = dev.alloc::<f32>(10).unwrap();
+    dev.copy_h2d(dev.stream(StreamKind::H2d), &over, 0..10, &buf, 0).unwrap().wait().unwrap();
+    over.fill(0.0);
+    let mut copied = dev.new_event().unwrap();
+    dev.record(&mut copied, dev.stream(StreamKind::H2d)).unwrap();
+    dev.wait_event(dev.stream(StreamKind::D2h), &copied).unwrap();
+    let back = dev.copy_d2h(dev.stream(StreamKind::D2h), &buf, 0..10, &mut over, 0).unwrap();
+    let expected: Vec<f32> = (0..10).map(|i| i as f32 + 0.5).collect();
+    assert_eq!(&back.wait().unwrap()[..], &expected[..]);
+
+    drop(pinned);
+    assert_eq!(dev.pinned_budget().usage().held, 0);
+    assert!(dev.alloc_host::<f32>(100, HostMemory::Pinned).unwrap().pinned());
+}
+
+/// A budget of zero refuses every pinned allocation: the test hook for a machine that cannot
+/// pin (the engine's and the CLI's tests use it).
+#[test]
+fn a_zero_budget_makes_every_pinned_buffer_pageable() {
+    let dev = CpuDevice::new().unwrap();
+    dev.pinned_budget().set_limit(Some(0));
+    let buffers: Vec<HostBuffer<u32>> =
+        (0..3).map(|_| dev.alloc_host::<u32>(256, HostMemory::Pinned).unwrap()).collect();
+    assert!(buffers.iter().all(|b| !b.pinned()));
+    assert_eq!(dev.pinned_budget().usage().fell_back, 3 * 1024);
+}

@@ -108,25 +108,30 @@ pub(crate) struct PinnedMemory {
 }
 
 impl PinnedMemory {
+    /// `bytes` of zero-filled page-locked memory, or (inner `Err`) why the driver would not pin
+    /// them: the caller falls back to pageable memory then. The outer `Err` is a failure to make
+    /// the context current, which is not about the memory.
     pub(super) fn zeroed(
         ctx: Arc<CudaContext>,
         bytes: usize,
         sink: Arc<dyn ErrorSink>,
-    ) -> Result<Self> {
+    ) -> Result<Result<Self>> {
         ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))?;
         // SAFETY: the context is current; flags 0 asks for plain page-locked memory; at least one
         // byte is asked for.
-        let raw = unsafe { cu::malloc_host(bytes.max(1), 0) }.map_err(|e| match e.0 {
-            cu_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                DeviceError::OutOfMemory { memory: "pinned host", bytes }
+        let raw = match unsafe { cu::malloc_host(bytes.max(1), 0) } {
+            Ok(raw) => raw,
+            Err(e) if e.0 == cu_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                return Ok(Err(DeviceError::OutOfMemory { memory: "pinned host", bytes }));
             }
-            _ => driver_error("cuMemHostAlloc", e),
-        })?;
-        let ptr = NonNull::new(raw.cast::<u8>())
-            .ok_or(DeviceError::OutOfMemory { memory: "pinned host", bytes })?;
+            Err(e) => return Ok(Err(driver_error("cuMemHostAlloc", e))),
+        };
+        let Some(ptr) = NonNull::new(raw.cast::<u8>()) else {
+            return Ok(Err(DeviceError::OutOfMemory { memory: "pinned host", bytes }));
+        };
         // SAFETY: `ptr` points to at least `bytes` writable bytes that nobody else uses yet.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
-        Ok(PinnedMemory { ptr, bytes, ctx, sink })
+        Ok(Ok(PinnedMemory { ptr, bytes, ctx, sink }))
     }
 }
 

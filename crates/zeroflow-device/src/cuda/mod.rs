@@ -41,7 +41,10 @@ use zeroflow_core::Element;
 use self::library::driver_error;
 use self::memory::{FillPattern, PinnedMemory};
 use crate::error::{DeviceError, Result};
-use crate::host::{Completion, Draining, ErrorSink, Filling, HeapMemory, HostBuffer};
+use crate::host::{
+    Completion, Draining, ErrorSink, Filling, HeapMemory, HostBuffer, RawHostMemory,
+};
+use crate::pinned::{PinnedBudget, pinned_or_pageable};
 use crate::{Device, DeviceBuffer, HostMemory, StreamKind, check_range};
 
 /// One NVIDIA GPU. Cheap to clone: clones share the context and streams.
@@ -61,6 +64,8 @@ struct Inner {
     kernel_cache: Option<PathBuf>,
     engine_kernels: std::sync::OnceLock<kernels::EngineKernels>,
     copied: crate::CopyCounters,
+    /// Without a limit until the caller sets one ([`PinnedBudget::set_limit`]).
+    pinned: Arc<PinnedBudget>,
 }
 
 impl Inner {
@@ -296,6 +301,7 @@ impl CudaDevice {
                 kernel_cache: options.kernel_cache,
                 engine_kernels: std::sync::OnceLock::new(),
                 copied: crate::CopyCounters::default(),
+                pinned: Arc::default(),
             }),
         })
     }
@@ -397,15 +403,20 @@ impl Device for CudaDevice {
             .checked_mul(size_of::<T>())
             .ok_or(DeviceError::OutOfMemory { memory: "host", bytes: usize::MAX })?;
         let sink: Arc<dyn ErrorSink> = self.inner.errors.clone();
-        Ok(match memory {
+        let raw: Box<dyn RawHostMemory> = match memory {
             HostMemory::Pinned => {
-                let memory = PinnedMemory::zeroed(self.inner.ctx.clone(), bytes, sink.clone())?;
-                HostBuffer::new(Box::new(memory), len, sink)
+                let ctx = &self.inner.ctx;
+                pinned_or_pageable(&self.inner.pinned, bytes, |bytes| {
+                    PinnedMemory::zeroed(ctx.clone(), bytes, sink.clone())
+                })?
             }
-            HostMemory::Pageable => {
-                HostBuffer::new(Box::new(HeapMemory::zeroed(bytes)?), len, sink)
-            }
-        })
+            HostMemory::Pageable => Box::new(HeapMemory::zeroed(bytes)?),
+        };
+        Ok(HostBuffer::new(raw, len, sink))
+    }
+
+    fn pinned_budget(&self) -> &PinnedBudget {
+        &self.inner.pinned
     }
 
     fn stream(&self, kind: StreamKind) -> &CudaStream {

@@ -125,3 +125,79 @@ fn a_leaked_copy_token_still_makes_the_next_read_wait() {
     }
     device.synchronize().unwrap();
 }
+
+/// Buffers asked for as pinned past the device's pinned budget are pageable (the driver stages
+/// their copies itself): the round trips of `pinned_round_trips_under_concurrent_load_are_never_
+/// stale` through them, under the same load, with the ZenFlow path's detached copy into the
+/// host accumulator among them, are never stale either. Prints the two memories' copy times
+/// (for the cost the fallback warning estimates; nothing is asserted about them).
+#[test]
+fn buffers_past_the_pinned_budget_are_pageable_and_their_copies_are_never_stale() {
+    let Some(device) = gpu() else { return };
+    let iterations = env_usize("ZEROFLOW_PINNED_ITERS", 200);
+    device.pinned_budget().set_limit(Some(LEN * 4));
+    let pinned = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let mut down = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    let mut up = device.alloc_host::<u32>(LEN, HostMemory::Pinned).unwrap();
+    assert!(pinned.pinned() && !down.pinned() && !up.pinned(), "one buffer fits the budget");
+    let usage = device.pinned_budget().usage();
+    assert_eq!((usage.held, usage.fell_back, usage.refused), (LEN * 4, 2 * LEN * 4, 0));
+    let load = Load::new(&device);
+    let source = device.alloc::<u32>(LEN).unwrap();
+    let uploaded = device.alloc::<u32>(LEN).unwrap();
+    let compute = device.stream(StreamKind::Compute);
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    let (mut stale_down, mut stale_detached, mut stale_up) = (0usize, 0usize, 0usize);
+    for i in 0..iterations {
+        let value = (i as u32).wrapping_mul(2).wrapping_add(1);
+        let gate = load.run(&device, 1);
+        let _concurrent = load.run(&device, 2);
+        device.fill(compute, &source, 0..LEN, value).unwrap();
+        let mut filled = device.new_event().unwrap();
+        device.record(&mut filled, compute).unwrap();
+        device.wait_event(d2h, &filled).unwrap();
+        device.wait_event(d2h, &gate).unwrap();
+        let received = device.copy_d2h(d2h, &source, 0..LEN, &mut down, 0).unwrap();
+        stale_down += usize::from(received.wait().unwrap().iter().any(|&x| x != value));
+        // Detached, as ZenFlow's window copy: the next read waits for it.
+        device.fill(compute, &source, 0..LEN, !value).unwrap();
+        device.record(&mut filled, compute).unwrap();
+        device.wait_event(d2h, &filled).unwrap();
+        device.copy_d2h(d2h, &source, 0..LEN, &mut down, 0).unwrap().detach();
+        stale_detached += usize::from(down.iter().any(|&x| x != !value));
+
+        let sent = value ^ 0x5555_5555;
+        up.fill(sent);
+        device.wait_event(h2d, &gate).unwrap();
+        device.copy_h2d(h2d, &up, 0..LEN, &uploaded, 0).unwrap().wait().unwrap();
+        up.fill(0xdead_beef);
+        let echoed = device.copy_d2h(d2h, &uploaded, 0..LEN, &mut down, 0).unwrap();
+        stale_up += usize::from(echoed.wait().unwrap().iter().any(|&x| x != sent));
+    }
+    device.synchronize().unwrap();
+    let time = |buffer: &mut zeroflow_device::HostBuffer<u32>| {
+        let started = Instant::now();
+        for _ in 0..20 {
+            device.copy_d2h(d2h, &source, 0..LEN, buffer, 0).unwrap().wait().unwrap();
+        }
+        started.elapsed().as_secs_f64() / 20.0
+    };
+    let mut pinned = pinned;
+    let (pinned_s, pageable_s) = (time(&mut pinned), time(&mut down));
+    println!(
+        "pageable fallback: {iterations} round trips, stale d2h {stale_down}, detached \
+         {stale_detached}, h2d {stale_up}; a 1 MiB d2h copy takes {:.1} us pinned, {:.1} us \
+         pageable",
+        pinned_s * 1e6,
+        pageable_s * 1e6
+    );
+    println!(
+        "RESULT pinned_fallback iterations={iterations} stale_d2h={stale_down} \
+         stale_detached={stale_detached} stale_h2d={stale_up} d2h_pinned_us={:.1} \
+         d2h_pageable_us={:.1}",
+        pinned_s * 1e6,
+        pageable_s * 1e6
+    );
+    assert_eq!((stale_down, stale_detached, stale_up), (0, 0, 0), "stale (d2h, detached, h2d)");
+    device.pinned_budget().set_limit(None);
+}

@@ -38,7 +38,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::Comm;
+use zeroflow_device::{Comm, HostMemory};
 use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
 
 pub(super) use super::accumulate::{Accumulate, DeviceSum};
@@ -135,7 +135,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                             fill_master,
                             1,
                             chunk,
-                            memory,
+                            // The window is copied straight into the accumulator.
+                            (memory, memory),
                             adam,
                             delayed,
                             moments,
@@ -159,13 +160,15 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let bucket = opts.reduce_bucket;
         let on = offload.stream.accumulate_on;
         let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
+        // Only the CPU adds into the accumulator (from staging): pageable.
+        let memories = (memory, HostMemory::Pageable);
         let host = HostAccumulator::new(
             device,
             len,
             fill_master,
             bucket,
             chunk,
-            memory,
+            memories,
             adam,
             delayed,
             moments,

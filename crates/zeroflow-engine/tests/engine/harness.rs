@@ -6,7 +6,7 @@ use std::time::Duration;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
-use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory};
+use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory, PinnedUse};
 pub use zeroflow_engine::synthetic::layout;
 use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
 use zeroflow_engine::{
@@ -51,6 +51,8 @@ pub struct Setup {
     pub moments: OptimizerStateDtype,
     /// Where ZenFlow's overlapped CPU step reads its window from.
     pub zenflow_aside: ZenFlowAside,
+    /// Bytes of pinned host memory each rank's device may hold (`None`: no limit).
+    pub pinned_budget: Option<usize>,
 }
 
 impl Setup {
@@ -74,6 +76,7 @@ impl Setup {
             accumulate_on: AccumulateOn::Auto,
             moments: OptimizerStateDtype::Fp32,
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
+            pinned_budget: None,
         }
     }
 }
@@ -136,6 +139,8 @@ pub struct Traffic {
     pub cpu_wait: Duration,
     /// What the speculative step did over the steps.
     pub speculation: SpeculationStats,
+    /// The device's pinned host memory once the engine was set up.
+    pub pinned: PinnedUse,
 }
 
 /// Trains the synthetic model with the engine; `inject(rank, k)` may poison micro-step `k`.
@@ -194,6 +199,7 @@ pub fn train_from<P: Float>(
                 s.spawn(move || {
                     let layout = layout(setup.world);
                     let init = initial::<P>(&layout);
+                    device.pinned_budget().set_limit(setup.pinned_budget);
                     let mut engine: Engine<CpuDevice, CpuComm, P> = Engine::new(
                         device.clone(),
                         comm,
@@ -213,6 +219,7 @@ pub fn train_from<P: Float>(
                         };
                         engine.restore(&r.weights, &from).unwrap();
                     }
+                    let pinned = device.pinned_budget().usage();
                     let mut reports = Vec::new();
                     let (copied, waited) = (device.copied_bytes(), engine.cpu_wait());
                     let first = engine.micro_steps();
@@ -242,6 +249,7 @@ pub fn train_from<P: Float>(
                         copied: device.copied_bytes().since(copied),
                         cpu_wait: engine.cpu_wait() - waited,
                         speculation: engine.speculation_stats(),
+                        pinned,
                     };
                     let snapshot = engine.snapshot().unwrap();
                     let device_weights = device.download(engine.params()).unwrap();

@@ -9,6 +9,7 @@ mod device_accumulation;
 mod equivalence;
 mod errors;
 mod fuzz_checkpoint;
+mod pinned;
 mod precision;
 mod speculation;
 mod state_dtype;

@@ -29,6 +29,9 @@ pub const CPU_THREADS_VAR: &str = "ZEROFLOW_CPU_THREADS";
 /// The exact offload step's speculation budget, in MiB of host memory: a non-negative number,
 /// fractions allowed (0: no speculation).
 pub const SPECULATION_BUDGET_VAR: &str = "ZEROFLOW_SPECULATION_BUDGET_MIB";
+/// MiB of pinned host memory a rank's device may hold: a non-negative number, fractions allowed
+/// (0: pin nothing).
+pub const PINNED_BUDGET_VAR: &str = "ZEROFLOW_PINNED_BUDGET_MIB";
 /// Where ZeRO-2 with gradient accumulation sums a window: `auto`, `device` or `host`.
 pub const ACCUMULATE_ON_VAR: &str = "ZEROFLOW_ACCUMULATE_ON";
 /// The folder compiled CUDA kernels are cached in (default: the user's cache folder).
@@ -60,6 +63,11 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
             super::parse_budget_mib,
         )?,
         accumulate_on: named(ACCUMULATE_ON_VAR, value(ACCUMULATE_ON_VAR), &names::ACCUMULATE_ON)?,
+        pinned_budget_mib: number(
+            PINNED_BUDGET_VAR,
+            value(PINNED_BUDGET_VAR),
+            super::parse_budget_mib,
+        )?,
     })
 }
 
@@ -118,6 +126,7 @@ mod tests {
             CPU_THREADS_VAR,
             SPECULATION_BUDGET_VAR,
             ACCUMULATE_ON_VAR,
+            PINNED_BUDGET_VAR,
         ]
         .iter()
         .map(|&name| (name, " \n"))
@@ -138,6 +147,7 @@ mod tests {
             (CPU_THREADS_VAR, "15\n"),
             (SPECULATION_BUDGET_VAR, " 0.5\n"),
             (ACCUMULATE_ON_VAR, "Device "),
+            (PINNED_BUDGET_VAR, " 1024\n"),
         ])
         .unwrap();
         assert_eq!(
@@ -153,8 +163,11 @@ mod tests {
                 cpu_threads: Some(15),
                 speculation_budget_mib: Some(0.5),
                 accumulate_on: Some(AccumulateOn::Device),
+                pinned_budget_mib: Some(1024.0),
             }
         );
+        // 0 is a budget (pin nothing), not "unset".
+        assert_eq!(read(&[(PINNED_BUDGET_VAR, "0")]).unwrap().pinned_budget_mib, Some(0.0));
         // 0 is a budget (speculation off), not "unset".
         let off = read(&[(SPECULATION_BUDGET_VAR, "0")]).unwrap();
         assert_eq!(off.speculation_budget_mib, Some(0.0));

@@ -95,6 +95,8 @@ pub struct Requested {
     /// MiB of host memory for the exact step's speculation, non-negative (0: off).
     pub speculation_budget_mib: Option<f64>,
     pub accumulate_on: Option<AccumulateOn>,
+    /// MiB of pinned host memory a rank's device may hold, non-negative (`None`: no limit).
+    pub pinned_budget_mib: Option<f64>,
 }
 
 impl Requested {
@@ -113,6 +115,7 @@ impl Requested {
             cpu_threads: self.cpu_threads.or(lower.cpu_threads),
             speculation_budget_mib: self.speculation_budget_mib.or(lower.speculation_budget_mib),
             accumulate_on: self.accumulate_on.or(lower.accumulate_on),
+            pinned_budget_mib: self.pinned_budget_mib.or(lower.pinned_budget_mib),
         }
     }
 
@@ -171,6 +174,7 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
             config::AccumulateOn::Device => AccumulateOn::Device,
             config::AccumulateOn::Host => AccumulateOn::Host,
         }),
+        pinned_budget_mib: offload.pinned_budget_mib,
     }
 }
 
@@ -184,6 +188,13 @@ pub fn parse_chunk_mib(value: &str) -> Result<f64, String> {
 pub fn parse_budget_mib(value: &str) -> Result<f64, String> {
     let mib = value.trim().parse::<f64>().ok().filter(|mib| mib.is_finite() && *mib >= 0.0);
     mib.ok_or_else(|| "is not a non-negative number of MiB".to_owned())
+}
+
+/// The pinned host memory budget asked for, in bytes (`None`: no limit, zeroflow's default).
+/// The device counts its page-locked buffers against it; past it they are pageable, with one
+/// warning ([`zeroflow_device::PinnedBudget`]).
+pub fn pinned_budget(requested: &Requested) -> Option<usize> {
+    requested.pinned_budget_mib.map(budget_bytes)
 }
 
 /// A thread count: a positive whole number.

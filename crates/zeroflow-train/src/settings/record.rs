@@ -54,6 +54,8 @@ pub struct EffectiveOffload {
     /// Where ZeRO-2 with accumulation sums a window: `auto` (the device where its free memory
     /// has room), `device` or `host`.
     pub accumulate_on: &'static str,
+    /// The pinned host memory budget of the rank's device in MiB; `None` (`null`): no limit.
+    pub pinned_budget_mib: Option<f64>,
 }
 
 /// The settings that change the numbers (the keys of [`Effective`] a resume compares).
@@ -82,6 +84,7 @@ impl Effective {
                 OffloadUpdate::Delayed { .. } | OffloadUpdate::ZenFlow(_) => 0.0,
             },
             accumulate_on: names::name_of(&names::ACCUMULATE_ON, &offload.stream.accumulate_on),
+            pinned_budget_mib: super::pinned_budget(requested).map(|bytes| bytes as f64 / MIB),
         });
         Effective {
             attention: attention.name(),

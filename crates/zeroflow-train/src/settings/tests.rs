@@ -23,6 +23,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         cpu_threads: Some(3),
         speculation_budget_mib: Some(64.0),
         accumulate_on: Some(AccumulateOn::Host),
+        pinned_budget_mib: Some(4096.0),
     };
     let env = Requested {
         attention: Some(Attention::Flash),
@@ -31,6 +32,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         stream_chunk_mib: Some(4.0),
         speculation_budget_mib: Some(16.0),
         accumulate_on: Some(AccumulateOn::Device),
+        pinned_budget_mib: Some(1024.0),
         ..Requested::default()
     };
     let flags = Requested {
@@ -54,6 +56,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             cpu_threads: Some(7),
             speculation_budget_mib: Some(0.0),
             accumulate_on: Some(AccumulateOn::Device),
+            pinned_budget_mib: Some(1024.0),
         }
     );
     assert_eq!(resolve(Requested::default(), env, config).attention, Some(Attention::Flash));
@@ -71,7 +74,7 @@ fn the_config_section_becomes_the_config_layer() {
     let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
         "activation_checkpointing": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
-        "accumulate_on": "host"}}}"#;
+        "accumulate_on": "host", "pinned_budget_mib": 512}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
@@ -86,6 +89,7 @@ fn the_config_section_becomes_the_config_layer() {
             cpu_threads: Some(5),
             speculation_budget_mib: Some(256.0),
             accumulate_on: Some(AccumulateOn::Host),
+            pinned_budget_mib: Some(512.0),
         }
     );
     let plain = resolve_str(r#"{"train_batch_size": 8}"#, &Context::default()).unwrap().config;
@@ -219,4 +223,24 @@ fn alternatives_read_as_a_list() {
     assert_eq!(names::alternatives(&names::ATTENTION), "auto, gemm or flash");
     assert_eq!(names::alternatives(&names::GATHER), "pieces or after-step");
     assert_eq!(names::alternatives(&names::ACCUMULATE_ON), "auto, device or host");
+}
+
+/// The pinned budget in MiB becomes the bytes the device is given and what the run records;
+/// unasked, no limit (recorded as none), and 0 is a budget of nothing, not "unset".
+#[test]
+fn the_pinned_budget_reaches_the_device_setting_and_the_record() {
+    let asked = Requested { pinned_budget_mib: Some(1.5), ..Requested::default() };
+    assert_eq!(pinned_budget(&asked), Some(3 << 19));
+    let (_, effective) = tuned(&format!("{OFFLOADED}}}"), &asked);
+    assert_eq!(effective.offload.unwrap().pinned_budget_mib, Some(1.5));
+    let zero = Requested { pinned_budget_mib: Some(0.0), ..Requested::default() };
+    assert_eq!(pinned_budget(&zero), Some(0));
+    assert_eq!(pinned_budget(&Requested::default()), None);
+    let (_, effective) = tuned(&format!("{OFFLOADED}}}"), &Requested::default());
+    let offload = effective.offload.unwrap();
+    assert_eq!(offload.pinned_budget_mib, None);
+    assert_eq!(
+        serde_json::to_value(&offload).unwrap()["pinned_budget_mib"],
+        serde_json::Value::Null
+    );
 }
