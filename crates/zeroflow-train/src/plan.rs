@@ -59,9 +59,9 @@ pub enum Caller {
     /// `bench step`: fresh f32 weights, converted to the model's dtype and dropped before the
     /// engine is built.
     Bench,
-    /// `train`: the trainer's f32 copy while the engine is built, and with `--init-from` or
-    /// `--resume` the set-up's f32 weights for the whole run (`weights_in_setup`).
-    Train { weights_in_setup: bool },
+    /// `train`: one f32 copy of the weights until the engine holds them, and when `resumed` the
+    /// checkpoint's optimizer state until the engine has taken it.
+    Train { resumed: bool },
 }
 
 /// What a plan is of: a rank of a run or of a `bench step`.
@@ -190,10 +190,20 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
             bytes: padded * (4 + dtype.size() as u64),
             phase: Phase::BeforeEngine,
         }),
-        Caller::Train { weights_in_setup } => {
-            lines.push(run(Host, "initial weights, the trainer's f32 copy", padded * 4));
-            if weights_in_setup {
-                lines.push(run(Host, "initial weights read (f32)", padded * 4));
+        Caller::Train { resumed } => {
+            // One f32 copy (fresh, read by --init-from, or the checkpoint's), taken by the
+            // trainer and dropped once the engine holds the weights: at the peak, not after.
+            lines.push(run(Host, "initial weights, f32 (until the engine holds them)", padded * 4));
+            if resumed {
+                // The checkpoint's fp32 master and moments of the rank's partition, held until
+                // the engine has taken them (beside the engine's own).
+                let partition = layout.partition_range(inputs.rank).len() as u64;
+                lines.push(PlanLine {
+                    memory: Host,
+                    kind: "the checkpoint's optimizer state (until the engine takes it)",
+                    bytes: partition * 12,
+                    phase: Phase::Engine,
+                });
             }
         }
     }

@@ -69,7 +69,13 @@ pub fn run_on<F: Family, M: Model>(
         log_start(&setup, family);
     }
     observer.doing(Activity::Building { parameters: family.num_params() });
-    let mut trainer = Trainer::<M>::new(&setup, family, open, started)?;
+    let mut trainer = Trainer::<M>::new(&mut setup, family, open, started)?;
+    // The engine holds the checkpoint's optimizer state now (12 bytes per parameter of the
+    // partition in f32): the resume point keeps only what the run reports and records.
+    if let Start::Resume { point, .. } = &mut setup.start {
+        point.loaded.parts = Vec::new();
+        point.loaded.zenflow = Vec::new();
+    }
     let seconds = started.elapsed().as_secs_f64();
     observer.on_model_ready(&trainer.device_description, seconds).map_err(observer_error)?;
     if leader && setup.default_out {

@@ -310,9 +310,8 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     .map_err(input)?;
     let settings = settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
     let attention = settings::attention(args.device, &model, &settings)?;
-    let weights_in_setup = resume.is_some() || hf.is_some();
-    let plan =
-        train_plan(args, &model, &config, dist, (seq, &settings, attention), weights_in_setup)?;
+    let resumed = resume.is_some();
+    let plan = train_plan(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
     Ok(Prepared {
         resume,
         hf,
@@ -339,7 +338,7 @@ fn train_plan(
     config: &Config,
     dist: &DistEnv,
     (seq, settings, attention): (usize, &Requested, zeroflow_nn::AttentionKind),
-    weights_in_setup: bool,
+    resumed: bool,
 ) -> Result<MemoryPlan> {
     let mut options =
         EngineOptions::from_config(config, 1).map_err(|e| input(format!("the config: {e}")))?;
@@ -360,7 +359,7 @@ fn train_plan(
         micro_batch: config.batch.micro_batch_size_per_gpu as usize,
         seq,
         model_options: zeroflow_nn::PlanOptions { attention, activation_checkpointing },
-        caller: Caller::Train { weights_in_setup },
+        caller: Caller::Train { resumed },
         gpu_memory: MachineMemory::this_machine(args.device, dist.local_rank).gpu_total,
     })
 }
@@ -505,10 +504,12 @@ fn initial_state(
     let layout = model.flat_layout(world_size)?;
     let tensors = model.tensors(&layout)?;
     Ok(match (resume, hf) {
-        (Some(point), _) => {
+        (Some(mut point), _) => {
             let weights =
                 checkpoint::flat_weights(&point.loaded, &tensors, layout.padded_len(), &point.dir)
                     .map_err(|e| resume_point::resume_error(&e))?;
+            // The named tensors are in the flat weights now: not kept twice for the run.
+            point.loaded.tensors = Default::default();
             Start::Resume { point: Box::new(point), weights }
         }
         (None, Some(hf)) => {
