@@ -55,7 +55,7 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub eval_every: u64,
     /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576 (at most a
-    /// tenth of the last file, held out from its end and never trained on); 4,096 for synthetic.
+    /// tenth of the last file, held out from its end and never trained on); 16,384 for synthetic.
     #[arg(long, value_name = "N")]
     pub eval_tokens: Option<NonZeroU64>,
     /// Evaluate on the start of these files (a file, directory or glob, as --data) instead of a

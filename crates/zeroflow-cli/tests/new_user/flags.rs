@@ -105,7 +105,7 @@ fn weight_decay_fills_the_optimizer_and_changes_the_training() {
 
 /// The same training (the synthetic training stream does not depend on the evaluation), evaluated
 /// over 64 and over 256 tokens of the held-out stream: the final eval losses are means over
-/// different data, so they differ, and the default (4,096 tokens) differs from both.
+/// different data, so they differ, and the default (16,384 tokens) differs from both.
 #[test]
 fn eval_tokens_sets_how_much_data_an_evaluation_reads() {
     let dir = scratch("eval_tokens");
@@ -138,7 +138,7 @@ fn eval_tokens_sets_how_much_data_an_evaluation_reads() {
     let (large, large_train, large_tokens) = final_eval(Some("256"));
     let (default, _, default_tokens) = final_eval(None);
     assert_eq!(small_train, large_train, "the training is the same");
-    assert_eq!((small_tokens, large_tokens, default_tokens), (64, 256, 4096));
+    assert_eq!((small_tokens, large_tokens, default_tokens), (64, 256, 16_384));
     assert!(small != large && large != default && small != default, "{small} {large} {default}");
 }
 
