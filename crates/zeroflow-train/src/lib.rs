@@ -9,6 +9,7 @@
 //! `bench gpt`'s forward + backward ([`bench_gpt`]). Which family a [`ModelSpec`] holds is
 //! decided in one place ([`with_family!`], [`family`]).
 
+pub mod bench_cpu_adam;
 pub mod bench_gpt;
 pub mod bench_step;
 pub mod chat_data;

@@ -130,47 +130,6 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(out)?);
         return Ok(());
     }
-    let number = |key: &str| out[key].as_f64().unwrap_or(f64::NAN);
-    let gib = |bytes: f64| bytes / f64::from(1u32 << 30);
-    let losses = out["losses"].as_array().map_or(&[][..], Vec::as_slice);
-    let loss = |value: Option<&serde_json::Value>| {
-        value.and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN)
-    };
-    let tflops = number("model_tflops");
-    let tflops = if tflops < 10.0 { format!("{tflops:.3}") } else { format!("{tflops:.0}") };
-    let rss = out["peak_rss_bytes"].as_f64().map_or("unknown".into(), |r| {
-        format!("{:.2} GiB ({:.1} B/param)", gib(r), number("peak_rss_bytes_per_param"))
-    });
-    let memory = out["device_memory_in_use_bytes"]
-        .as_f64()
-        .map_or("unknown".into(), |b| format!("{:.2} GiB", gib(b)));
-    println!(
-        "{} {} on {} × {}: {:.0} tokens/s ({:.0} per rank), {tflops} model TFLOP/s; rank 0: {:.4} \
-         s/step median, {:.4} s mean, forward {:.4} s + backward {:.4} s, exposed optimizer \
-         {:.4} s, CPU wait {:.1} % of the \
-         step (norm wait {:.4} s, CPU AdamW {:.4} s, waits for gradient chunks {:.4} s and \
-         uploads {:.4} s), PCIe {:.2} GB in / {:.2} GB out per step, peak RSS {rss}, device \
-         memory in use {memory}; loss {:.3} → {:.3}",
-        args.model,
-        out["mode"].as_str().unwrap_or_default(),
-        out["world_size"],
-        out["device"].as_str().unwrap_or_default(),
-        number("tokens_per_s"),
-        number("tokens_per_s_per_gpu"),
-        number("s_per_step_median"),
-        number("s_per_step_mean"),
-        number("forward_s_mean"),
-        number("backward_s_mean"),
-        number("exposed_optimizer_s_mean"),
-        100.0 * number("cpu_wait_fraction"),
-        number("norm_wait_s_mean"),
-        number("cpu_adam_s_mean"),
-        number("chunk_wait_s_mean"),
-        number("upload_wait_s_mean"),
-        number("h2d_bytes_per_step") / 1e9,
-        number("d2h_bytes_per_step") / 1e9,
-        loss(losses.first()),
-        loss(losses.last()),
-    );
+    println!("{}", bench_step::summary(&args.model, out));
     Ok(())
 }
