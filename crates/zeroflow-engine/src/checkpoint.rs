@@ -13,13 +13,14 @@
 //! A checkpoint is never written over an existing directory, and a truncated or foreign one is a
 //! typed error naming the file.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufWriter, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroflow_core::adamw::OptimizerStateDtype;
@@ -92,10 +93,30 @@ fn fp32_name() -> String {
 }
 
 /// Element types that checkpoints store bit for bit.
-pub trait Stored: Element {
+pub trait Stored: Element + bytemuck::Pod {
     const SAFETENSORS: Dtype;
     fn put(self, out: &mut Vec<u8>);
     fn get(bytes: &[u8]) -> Self;
+}
+
+/// `values` as the little-endian bytes a safetensors file holds: borrowed where the host's byte
+/// order is the file's, so that writing a tensor copies nothing.
+fn le_bytes<T: Stored>(values: &[T]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(bytemuck::cast_slice(values))
+    } else {
+        Cow::Owned(to_bytes(values))
+    }
+}
+
+/// `values` widened to f32 (exact for every [`Stored`] type), as little-endian bytes.
+fn widened_bytes<T: Stored>(values: &[T]) -> Cow<'_, [u8]> {
+    if T::SAFETENSORS == Dtype::F32 {
+        return le_bytes(values);
+    }
+    let mut out = Vec::with_capacity(values.len() * 4);
+    values.iter().for_each(|v| (v.to_f64() as f32).put(&mut out));
+    Cow::Owned(out)
 }
 
 impl Stored for f32 {
@@ -158,6 +179,22 @@ pub fn save_with_zenflow<P: Stored>(
     parts: &[OptimizerPart],
     zenflow: &[ZenFlowSnapshot],
 ) -> Result<(), CheckpointError> {
+    let views: Vec<PartView<'_>> = parts.iter().map(OptimizerPart::view).collect();
+    save_views(dir, meta, weights, tensors, &views, zenflow)
+}
+
+/// [`save_with_zenflow`] of optimizer state borrowed from where it lives ([`PartView`]).
+/// `weights` are stored as `meta.weights_dtype` says: as they are, or widened to F32. Every file
+/// is written a tensor at a time from what it is given, so saving needs no memory beyond one
+/// tensor of widened weights (or of moments narrowed to bf16).
+pub fn save_views<P: Stored>(
+    dir: &Path,
+    meta: &Meta,
+    weights: &[P],
+    tensors: &[NamedTensor],
+    parts: &[PartView<'_>],
+    zenflow: &[ZenFlowSnapshot],
+) -> Result<(), CheckpointError> {
     if dir.exists() {
         return Err(CheckpointError::AlreadyExists(dir.to_path_buf()));
     }
@@ -167,14 +204,10 @@ pub fn save_with_zenflow<P: Stored>(
         fs::remove_dir_all(&temp).map_err(io(&temp))?;
     }
     fs::create_dir_all(temp.join("optim")).map_err(io(&temp))?;
-    write_synced(
-        &temp.join("state.json"),
-        &serde_json::to_vec_pretty(meta).expect("serializable"),
-    )?;
-    write_synced(&temp.join("model.safetensors"), &model_bytes(weights, tensors)?)?;
+    write_state(&temp.join("state.json"), meta)?;
+    write_model(&temp.join("model.safetensors"), meta, weights, tensors)?;
     for (rank, part) in parts.iter().enumerate() {
-        let path = temp.join(format!("optim/rank-{rank}.safetensors"));
-        write_synced(&path, &part_bytes(part, zenflow.get(rank), &path)?)?;
+        write_part_with_zenflow(&temp, rank, part, zenflow.get(rank))?;
     }
     sync_dir(&temp.join("optim"))?;
     sync_dir(&temp)?;
@@ -182,13 +215,42 @@ pub fn save_with_zenflow<P: Stored>(
     sync_dir(dir.parent().unwrap_or(Path::new(".")))
 }
 
-/// Writes `weights` as the named `tensors` into a safetensors file at `path` (fsynced).
+/// Writes `weights` as the named `tensors` into a safetensors file at `path` (fsynced), in the
+/// element type `meta.weights_dtype` names: `P`'s own, or F32 (narrower types widen exactly).
 pub fn write_model<P: Stored>(
     path: &Path,
+    meta: &Meta,
     weights: &[P],
     tensors: &[NamedTensor],
 ) -> Result<(), CheckpointError> {
-    write_synced(path, &model_bytes(weights, tensors)?)
+    let widen = match meta.weights_dtype.as_str() {
+        own if own == P::DTYPE.name() => false,
+        "F32" => true,
+        other => {
+            let reason = format!("weights of {} cannot be stored as {other}", P::DTYPE);
+            return Err(CheckpointError::Mismatch { path: path.into(), reason });
+        }
+    };
+    let out = tensors
+        .iter()
+        .map(|t| {
+            let values = weights.get(t.flat.clone()).ok_or_else(|| CheckpointError::Mismatch {
+                path: path.into(),
+                reason: format!("{} lies outside the flat weights", t.name),
+            })?;
+            Ok(match widen {
+                false => Out::of(&t.name, t.shape.clone(), values),
+                true => Out {
+                    name: t.name.clone(),
+                    dtype: Dtype::F32,
+                    shape: t.shape.clone(),
+                    len: values.len() * 4,
+                    bytes: Box::new(move || widened_bytes(values)),
+                },
+            })
+        })
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    write_tensors(path, out, None)
 }
 
 /// Writes `state.json` at `path` (fsynced): rank 0's share of a checkpoint that several
@@ -199,7 +261,7 @@ pub fn write_state(path: &Path, meta: &Meta) -> Result<(), CheckpointError> {
 
 /// Writes `rank`'s optimizer part as `optim/rank-R.safetensors` into the checkpoint directory
 /// being written, `dir` (fsynced; `dir/optim` must exist).
-pub fn write_part(dir: &Path, rank: usize, part: &OptimizerPart) -> Result<(), CheckpointError> {
+pub fn write_part(dir: &Path, rank: usize, part: &PartView<'_>) -> Result<(), CheckpointError> {
     write_part_with_zenflow(dir, rank, part, None)
 }
 
@@ -207,11 +269,77 @@ pub fn write_part(dir: &Path, rank: usize, part: &OptimizerPart) -> Result<(), C
 pub fn write_part_with_zenflow(
     dir: &Path,
     rank: usize,
-    part: &OptimizerPart,
+    part: &PartView<'_>,
     zenflow: Option<&ZenFlowSnapshot>,
 ) -> Result<(), CheckpointError> {
     let path = dir.join(format!("optim/rank-{rank}.safetensors"));
-    write_synced(&path, &part_bytes(part, zenflow, &path)?)
+    let (tensors, metadata) = part_tensors(part, zenflow, &path)?;
+    write_tensors(&path, tensors, Some(metadata))
+}
+
+/// One rank's optimizer state as a checkpoint writes it, borrowed from where it lives (the
+/// engine's host optimizer, see [`crate::Engine::with_checkpoint_state`], or an
+/// [`OptimizerPart`]): saving an offloaded run holds no second copy of its state.
+#[derive(Debug)]
+pub struct PartView<'a> {
+    pub flat: Range<usize>,
+    pub master: Cow<'a, [f32]>,
+    pub exp_avg: MomentView<'a>,
+    pub exp_avg_sq: MomentView<'a>,
+}
+
+/// One Adam moment of a [`PartView`], in the element type its run keeps it in.
+#[derive(Debug)]
+pub enum MomentView<'a> {
+    F32(Cow<'a, [f32]>),
+    Bf16(Cow<'a, [bf16]>),
+    /// bf16 moments held as f32 (exactly): stored as bf16, narrowed as they are written.
+    Bf16AsF32(Cow<'a, [f32]>),
+}
+
+impl MomentView<'_> {
+    fn len(&self) -> usize {
+        match self {
+            MomentView::F32(v) | MomentView::Bf16AsF32(v) => v.len(),
+            MomentView::Bf16(v) => v.len(),
+        }
+    }
+
+    fn out(&self, name: &str, shape: Vec<usize>) -> Out<'_> {
+        match self {
+            MomentView::F32(values) => Out::of(name, shape, values),
+            MomentView::Bf16(values) => Out::of(name, shape, values),
+            MomentView::Bf16AsF32(values) => Out {
+                name: name.to_string(),
+                dtype: Dtype::BF16,
+                shape,
+                len: values.len() * 2,
+                bytes: Box::new(move || {
+                    let mut out = Vec::with_capacity(values.len() * 2);
+                    values.iter().for_each(|&v| bf16::from_f32(v).put(&mut out));
+                    Cow::Owned(out)
+                }),
+            },
+        }
+    }
+}
+
+impl OptimizerPart {
+    /// This part as a checkpoint writes it (moments of a bf16 run narrowed as they are written).
+    pub fn view(&self) -> PartView<'_> {
+        fn moment(values: &[f32], dtype: OptimizerStateDtype) -> MomentView<'_> {
+            match dtype {
+                OptimizerStateDtype::Fp32 => MomentView::F32(Cow::Borrowed(values)),
+                OptimizerStateDtype::Bf16 => MomentView::Bf16AsF32(Cow::Borrowed(values)),
+            }
+        }
+        PartView {
+            flat: self.flat.clone(),
+            master: Cow::Borrowed(&self.master),
+            exp_avg: moment(&self.exp_avg, self.moments),
+            exp_avg_sq: moment(&self.exp_avg_sq, self.moments),
+        }
+    }
 }
 
 /// A rank's ZenFlow state besides the window's gradients, as the JSON of the metadata key
@@ -265,39 +393,20 @@ pub fn weights_from_master<P: Stored + zeroflow_core::Float>(
     Ok((flat, tensors))
 }
 
-fn model_bytes<P: Stored>(
-    weights: &[P],
-    tensors: &[NamedTensor],
-) -> Result<Vec<u8>, CheckpointError> {
-    let data: Vec<TensorBytes> = tensors
-        .iter()
-        .map(|t| {
-            let bytes = (P::SAFETENSORS, to_bytes(&weights[t.flat.clone()]));
-            (t.name.clone(), t.shape.clone(), bytes)
-        })
-        .collect();
-    serialize(&data, None, Path::new("model.safetensors"))
-}
-
-fn part_bytes(
-    part: &OptimizerPart,
-    zenflow: Option<&ZenFlowSnapshot>,
+fn part_tensors<'a>(
+    part: &'a PartView<'_>,
+    zenflow: Option<&'a ZenFlowSnapshot>,
     path: &Path,
-) -> Result<Vec<u8>, CheckpointError> {
-    let shape = vec![part.flat.len()];
-    // bf16 moments are held as f32 in the part (exactly): they are stored as the bf16 they were.
-    let moment = |values: &[f32]| match part.moments {
-        OptimizerStateDtype::Fp32 => (Dtype::F32, to_bytes(values)),
-        OptimizerStateDtype::Bf16 => {
-            let narrowed: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
-            (Dtype::BF16, to_bytes(&narrowed))
-        }
-    };
-    let (exp_avg, exp_avg_sq) = (moment(&part.exp_avg), moment(&part.exp_avg_sq));
-    let mut data = vec![
-        ("master".to_string(), shape.clone(), (Dtype::F32, to_bytes(&part.master))),
-        ("exp_avg".to_string(), shape.clone(), exp_avg),
-        ("exp_avg_sq".to_string(), shape, exp_avg_sq),
+) -> Result<(Vec<Out<'a>>, HashMap<String, String>), CheckpointError> {
+    let n = part.flat.len();
+    if [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()] != [n; 3] {
+        let reason = "an optimizer part's arrays differ from its range".to_string();
+        return Err(CheckpointError::Mismatch { path: path.into(), reason });
+    }
+    let mut tensors = vec![
+        Out::of("master", vec![n], &part.master),
+        part.exp_avg.out("exp_avg", vec![n]),
+        part.exp_avg_sq.out("exp_avg_sq", vec![n]),
     ];
     let mut metadata = HashMap::from([
         ("flat_start".to_string(), part.flat.start.to_string()),
@@ -305,8 +414,7 @@ fn part_bytes(
     ]);
     if let Some(z) = zenflow {
         let window = vec![z.window_grads.len()];
-        let window_grads = (Dtype::F32, to_bytes(&z.window_grads));
-        data.push(("zenflow.window_grads".to_string(), window, window_grads));
+        tensors.push(Out::of("zenflow.window_grads", window, &z.window_grads));
         let meta = ZenFlowMeta {
             selection: z.selection.clone(),
             steps_in_window: z.steps_in_window,
@@ -320,26 +428,63 @@ fn part_bytes(
         let json = serde_json::to_string(&meta).expect("serializable");
         metadata.insert("zenflow".to_string(), json);
     }
-    serialize(&data, Some(metadata), path)
+    Ok((tensors, metadata))
 }
 
-/// Named tensors: name, shape, and the element type with the little-endian bytes.
-type TensorBytes = (String, Vec<usize>, (Dtype, Vec<u8>));
+/// A tensor to write: its name, type and shape, its size in bytes, and its bytes, borrowed or
+/// made only while it is written.
+struct Out<'a> {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+    bytes: Box<dyn Fn() -> Cow<'a, [u8]> + 'a>,
+}
 
-fn serialize(
-    data: &[TensorBytes],
-    metadata: Option<HashMap<String, String>>,
+impl<'a> Out<'a> {
+    /// `values` as they are.
+    fn of<T: Stored>(name: &str, shape: Vec<usize>, values: &'a [T]) -> Self {
+        let len = std::mem::size_of_val(values);
+        let bytes = Box::new(move || le_bytes(values));
+        Out { name: name.to_string(), dtype: T::SAFETENSORS, shape, len, bytes }
+    }
+}
+
+/// Writes `tensors` (with `metadata`) as a safetensors file at `path`, a tensor at a time, and
+/// fsyncs it: the file is never whole in memory. The tensors are laid out as safetensors' own
+/// serializer lays them out (by alignment, then by name).
+fn write_tensors(
     path: &Path,
-) -> Result<Vec<u8>, CheckpointError> {
-    let views = data
-        .iter()
-        .map(|(name, shape, (dtype, bytes))| {
-            TensorView::new(*dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| CheckpointError::Corrupt { path: path.into(), reason: e.to_string() })?;
-    safetensors::serialize(views, metadata)
-        .map_err(|e| CheckpointError::Corrupt { path: path.into(), reason: e.to_string() })
+    mut tensors: Vec<Out<'_>>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<(), CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.into(), reason };
+    tensors.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name)));
+    let mut offset = 0;
+    let mut infos = Vec::with_capacity(tensors.len());
+    for t in &tensors {
+        let data_offsets = (offset, offset + t.len);
+        infos.push((
+            t.name.clone(),
+            TensorInfo { dtype: t.dtype, shape: t.shape.clone(), data_offsets },
+        ));
+        offset += t.len;
+    }
+    let metadata = Metadata::new(metadata, infos).map_err(|e| corrupt(e.to_string()))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| corrupt(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut file = BufWriter::with_capacity(1 << 20, File::create(path).map_err(io(path))?);
+    file.write_all(&(header.len() as u64).to_le_bytes()).map_err(io(path))?;
+    file.write_all(&header).map_err(io(path))?;
+    for t in &tensors {
+        let bytes = (t.bytes)();
+        if bytes.len() != t.len {
+            return Err(corrupt(format!("{}: {} bytes, expected {}", t.name, bytes.len(), t.len)));
+        }
+        file.write_all(&bytes).map_err(io(path))?;
+    }
+    let file = file.into_inner().map_err(|e| io(path)(e.into_error()))?;
+    file.sync_all().map_err(io(path))
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {

@@ -42,7 +42,7 @@ use zeroflow_optim::AdamW;
 
 use self::path::UpdatePath;
 use self::shared::{Events, Shared, normalise, overwrite, reduced_source};
-pub use self::state::{OptimizerPart, Restore, Snapshot};
+pub use self::state::{CheckpointState, OptimizerPart, Restore, Snapshot};
 use crate::buckets::Bucketer;
 use crate::courier;
 use crate::device_adamw::DeviceAdamW;

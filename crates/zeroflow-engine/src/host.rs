@@ -2,6 +2,7 @@
 //! host memory (the copies in flight during a backward are `offloader.rs`'s).
 
 use std::any::TypeId;
+use std::borrow::Cow;
 use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
+use crate::checkpoint::{MomentView, PartView};
 pub(crate) use crate::host_moments::HostMoments;
 use crate::speculation::{Stepped, segments};
 
@@ -87,6 +89,21 @@ impl HostOptimizer {
             convert_into(adam, out, &master[range]);
         }
         Ok(())
+    }
+
+    /// The state of the partition `flat`, borrowed, as a checkpoint writes it.
+    pub(crate) fn view(&self, flat: Range<usize>) -> PartView<'_> {
+        let (exp_avg, exp_avg_sq) = match &self.moments {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => (
+                MomentView::F32(Cow::Borrowed(&exp_avg[..])),
+                MomentView::F32(Cow::Borrowed(&exp_avg_sq[..])),
+            ),
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => (
+                MomentView::Bf16(Cow::Borrowed(&exp_avg[..])),
+                MomentView::Bf16(Cow::Borrowed(&exp_avg_sq[..])),
+            ),
+        };
+        PartView { flat, master: Cow::Borrowed(&self.master[..]), exp_avg, exp_avg_sq }
     }
 
     /// `[master, exp_avg, exp_avg_sq]` as f32 vectors.
@@ -211,6 +228,14 @@ pub(crate) enum Worker<T> {
 impl<T: Send + 'static> Worker<T> {
     pub(crate) fn is_stepping(&self) -> bool {
         matches!(self, Worker::Stepping(_))
+    }
+
+    /// The state, where no step is running (after [`Worker::join`]).
+    pub(crate) fn ready(&self) -> Option<&T> {
+        match self {
+            Worker::Ready(state) => Some(state),
+            Worker::Stepping(_) | Worker::Lost => None,
+        }
     }
 
     /// Waits for a running step, if there is one, and gives the state back, with whether a step
@@ -390,6 +415,14 @@ impl<P: Float> HostAccumulator<P> {
     /// step joined here are pending upload.
     pub(crate) fn join(&mut self) -> Result<&mut WholeStep<P>, EngineError> {
         join_cpu(&mut self.cpu, &mut self.upload_pending)
+    }
+
+    /// The optimizer, where no delayed step is running (after [`HostAccumulator::join`]).
+    pub(crate) fn settled(&self) -> Option<&HostOptimizer> {
+        match &self.cpu {
+            CpuStep::Inline(whole) => Some(&whole.state),
+            CpuStep::Delayed { worker, .. } => worker.ready().map(|swapped| &swapped.whole.state),
+        }
     }
 
     /// One step now, on this thread (waiting for a delayed step first).

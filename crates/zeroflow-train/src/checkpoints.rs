@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor};
-use zeroflow_engine::{OptimizerPart, ZenFlowSnapshot};
+use zeroflow_engine::ZenFlowSnapshot;
+use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor, PartView, Stored};
 
 use crate::dist::{Group, Lost, rendezvous};
 
@@ -100,20 +100,20 @@ pub fn remove_unfinished(out: &Path) -> Result<Vec<PathBuf>, CheckpointsError> {
 
 /// Saves the checkpoint of `step` and then deletes all but the newest `keep`.
 #[allow(clippy::too_many_arguments, reason = "one checkpoint's pieces")]
-pub fn save(
+pub fn save<P: Stored>(
     out: &Path,
     step: u64,
     keep: u64,
     meta: &Meta,
-    weights: &[f32],
+    weights: &[P],
     tensors: &[NamedTensor],
-    parts: &[OptimizerPart],
+    parts: &[PartView<'_>],
     zenflow: &[ZenFlowSnapshot],
 ) -> Result<PathBuf, CheckpointsError> {
     let dir = step_dir(out, step);
     std::fs::create_dir_all(out.join(FOLDER))
         .map_err(io(format!("create {}", out.join(FOLDER).display())))?;
-    checkpoint::save_with_zenflow(&dir, meta, weights, tensors, parts, zenflow)?;
+    checkpoint::save_views(&dir, meta, weights, tensors, parts, zenflow)?;
     delete_older(out, keep)?;
     Ok(dir)
 }
@@ -131,12 +131,12 @@ fn delete_older(out: &Path, keep: u64) -> Result<(), CheckpointsError> {
 
 /// What one rank of several contributes to a checkpoint.
 #[derive(Clone, Copy, Debug)]
-pub struct Share<'a> {
+pub struct Share<'a, P> {
     pub rank: usize,
-    /// Rank 0's: the flat weights, with `state.json`.
-    pub weights: Option<&'a [f32]>,
+    /// Rank 0's: the flat weights, with `state.json` (stored as `state.json` says).
+    pub weights: Option<&'a [P]>,
     /// This rank's optimizer part, where the checkpoint has one per rank (and rank 0's otherwise).
-    pub part: Option<&'a OptimizerPart>,
+    pub part: Option<&'a PartView<'a>>,
     /// This rank's ZenFlow state, written with its part (runs with ZenFlow only).
     pub zenflow: Option<&'a ZenFlowSnapshot>,
 }
@@ -147,13 +147,13 @@ pub struct Share<'a> {
 /// it (fsynced), and once all have, rank 0 renames it. Each phase ends with a barrier over
 /// `group` that also tells every rank whether another failed, so all return the same outcome.
 /// `--out` must be on a file system every host sees.
-pub fn save_ranks(
+pub fn save_ranks<P: Stored>(
     out: &Path,
     step: u64,
     keep: u64,
     meta: &Meta,
     tensors: &[NamedTensor],
-    share: Share<'_>,
+    share: Share<'_, P>,
     group: &mut Group,
 ) -> Result<PathBuf, CheckpointsError> {
     let dir = step_dir(out, step);
@@ -186,15 +186,15 @@ fn prepare(dir: &Path, temp: &Path) -> Result<(), CheckpointsError> {
     std::fs::create_dir_all(temp.join("optim")).map_err(io(format!("create {}", temp.display())))
 }
 
-fn write_share(
+fn write_share<P: Stored>(
     temp: &Path,
     meta: &Meta,
     tensors: &[NamedTensor],
-    share: &Share<'_>,
+    share: &Share<'_, P>,
 ) -> Result<(), CheckpointsError> {
     if let Some(weights) = share.weights {
         checkpoint::write_state(&temp.join("state.json"), meta)?;
-        checkpoint::write_model(&temp.join("model.safetensors"), weights, tensors)?;
+        checkpoint::write_model(&temp.join("model.safetensors"), meta, weights, tensors)?;
     }
     if let Some(part) = share.part {
         checkpoint::write_part_with_zenflow(temp, share.rank, part, share.zenflow)?;

@@ -15,7 +15,7 @@ pub trait Model: Sized {
     type Device: DeviceAdamW;
     type Comm: Comm<Device = Self::Device>;
     /// The element type of the weights and gradients on the device.
-    type P: Float;
+    type P: Float + zeroflow_engine::checkpoint::Stored;
     /// What the model's calls fail with.
     type Error: std::error::Error + Send + Sync + 'static;
 

@@ -9,9 +9,7 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_data::{Batch, DataLoader};
 use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
-use zeroflow_engine::{
-    Engine, EngineError, EngineOptions, Restore, Snapshot, StepReport, ZenFlowSnapshot,
-};
+use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, StepReport};
 
 use crate::checkpoints;
 use crate::dist::{Group, affinity};
@@ -141,35 +139,43 @@ impl<M: Model> Trainer<M> {
     /// several ranks, rank 0 writes the weights and `state.json` and each rank its optimizer part
     /// ([`checkpoints::save_ranks`]); every rank calls it at the same steps.
     pub(crate) fn save(&mut self, step: u64, setup: &Setup) -> Result<PathBuf> {
-        let snapshot = self.engine.snapshot()?;
         let (rank, world) = (setup.dist.rank, setup.dist.world_size);
-        // Saved as f32 whatever the device trains in (bf16 and f16 widen exactly), so that every
-        // checkpoint resumes and exports the same way. Every rank holds the same weights.
-        let weights: Option<Vec<f32>> = if rank == 0 {
-            let weights = self.engine.device().download(self.engine.params())?;
-            Some(weights.into_iter().map(Float::to_f32).collect())
+        let mut meta = self.meta(step, setup);
+        // Stored as f32 whatever the device trains in (bf16 and f16 widen exactly, a tensor at a
+        // time as the file is written), so that every checkpoint resumes and exports the same
+        // way. Every rank holds the same weights.
+        let weights: Option<Vec<M::P>> = if rank == 0 {
+            Some(self.engine.device().download(self.engine.params())?)
         } else {
             None
         };
+        let padded = self.engine.layout().padded_len();
+        // The optimizer state as it lies (lent, not copied, where it is in host memory).
+        let state = self.engine.checkpoint_state()?;
         // Stages 1 and 2 partition the optimizer state, one part per rank; without partitioning
         // every rank holds all of it, and rank 0's copy is the checkpoint's one part.
-        let parts =
-            if snapshot.part.flat.len() < self.engine.layout().padded_len() { world } else { 1 };
-        let meta = self.meta(step, setup, &snapshot, parts);
+        let parts = if state.part.flat.len() < padded { world } else { 1 };
+        meta.optimizer_steps = state.optimizer_steps;
+        meta.micro_steps = state.micro_steps;
+        // The number of optimizer parts, which `checkpoint::load` reads back.
+        meta.world_size = parts;
+        meta.scaler = state.scaler.clone();
+        meta.upload_pending = state.upload_pending;
+        meta.optimizer_state_dtype = state.moments.name().into();
         if world == 1 {
             let weights = weights.expect("rank 0 downloads the weights");
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
-            let zenflow: Vec<ZenFlowSnapshot> = snapshot.zenflow.iter().cloned().collect();
-            let parts = [snapshot.part];
+            let parts = [state.part];
+            let zenflow = state.zenflow.as_slice();
             let saved =
-                checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, &zenflow);
+                checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, zenflow);
             return Ok(saved?);
         }
         let share = checkpoints::Share {
             rank,
             weights: weights.as_deref(),
-            part: (rank < parts).then_some(&snapshot.part),
-            zenflow: snapshot.zenflow.as_ref().filter(|_| rank < parts),
+            part: (rank < parts).then_some(&state.part),
+            zenflow: state.zenflow.as_ref().filter(|_| rank < parts),
         };
         let group = self.group.as_mut().expect("the group lives until the end of the run");
         Ok(checkpoints::save_ranks(
@@ -183,9 +189,10 @@ impl<M: Model> Trainer<M> {
         )?)
     }
 
-    /// The checkpoint's `state.json`: the engine's counters and layout, `parts` optimizer parts,
-    /// and the trainer's [`Extra`].
-    fn meta(&self, step: u64, setup: &Setup, snapshot: &Snapshot, parts: usize) -> Meta {
+    /// The checkpoint's `state.json`: the engine's layout and the trainer's [`Extra`]; the
+    /// engine's counters, scaler and number of optimizer parts are filled in by
+    /// [`Trainer::save`] from the state it saves.
+    fn meta(&self, step: u64, setup: &Setup) -> Meta {
         let extra = Extra {
             model: setup.model.clone(),
             config: setup.config.to_json(),
@@ -220,14 +227,13 @@ impl<M: Model> Trainer<M> {
         Meta {
             format: checkpoint::FORMAT.into(),
             version: checkpoint::VERSION,
-            optimizer_steps: snapshot.optimizer_steps,
-            micro_steps: snapshot.micro_steps,
-            // The number of optimizer parts, which `checkpoint::load` reads back.
-            world_size: parts,
-            scaler: snapshot.scaler.clone(),
-            upload_pending: snapshot.upload_pending,
+            optimizer_steps: 0,
+            micro_steps: 0,
+            world_size: 1,
+            scaler: zeroflow_engine::LossScaler::None,
+            upload_pending: false,
             weights_dtype: "F32".into(),
-            optimizer_state_dtype: snapshot.part.moments.name().into(),
+            optimizer_state_dtype: String::new(),
             params: self
                 .engine
                 .layout()

@@ -11,6 +11,8 @@
 //! follows. Delayed (after the warm-up), the step before this one is joined and uploaded the same
 //! way, and this step's runs on a worker, with the accumulator swapped for the spare one.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, HostBuffer, HostMemory, StreamKind};
@@ -18,6 +20,7 @@ use zeroflow_optim::AdamWStep;
 
 use super::shared::{Shared, sum_to_host};
 use super::state::PathState;
+use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{CpuStep, HostAccumulator, STAGING_BUFFERS, WholeStep, alloc_staging};
 use crate::offloader::{Landing, Offloader, Speculating};
@@ -186,6 +189,16 @@ impl<D: DeviceAdamW, P: Float> Accumulate<D, P> {
         self.abandon_speculation();
         let [master, exp_avg, exp_avg_sq] = self.host.state()?;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: self.host.upload_pending })
+    }
+
+    /// [`Accumulate::state`] of the partition `flat`, borrowed, and whether its weights are
+    /// pending.
+    pub fn view(&mut self, flat: Range<usize>) -> Result<(PartView<'_>, bool), EngineError> {
+        self.abandon_speculation();
+        self.host.join()?;
+        let state =
+            self.host.settled().ok_or(EngineError::Internal("a joined step is not ready"))?;
+        Ok((state.view(flat), self.host.upload_pending))
     }
 }
 

@@ -33,10 +33,12 @@
 //! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, ZenFlow's
 //! included) are waited on by the host buffer at its next access.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use rayon::prelude::*;
 use zeroflow_core::Float;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, HostMemory};
 use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
@@ -48,6 +50,7 @@ use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::HostSide;
+use crate::checkpoint::{MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
 use crate::reduction::Sink;
@@ -279,6 +282,37 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Accumulate(a) => a.state(),
             UpdatePath::Stream(s) => s.state(),
             UpdatePath::ZenFlow(z) => z.state(shared, false),
+        }
+    }
+
+    /// This rank's optimizer state as a checkpoint writes it, whether its weights are newer than
+    /// the device's, and ZenFlow's state: borrowed from the host optimizer on the offload paths
+    /// without ZenFlow (no copy of a large model's state), copied otherwise (downloaded from the
+    /// device, or for ZenFlow merged with the device's columns).
+    pub fn checkpoint_view<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+        moments: OptimizerStateDtype,
+    ) -> Result<(PartView<'_>, bool, Option<ZenFlowSnapshot>), EngineError> {
+        let flat = shared.owned.clone();
+        match self {
+            UpdatePath::Accumulate(a) => a.view(flat).map(|(view, pending)| (view, pending, None)),
+            UpdatePath::Stream(s) => s.view(flat).map(|(view, pending)| (view, pending, None)),
+            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => {
+                let state = self.state(shared)?;
+                let zenflow = self.zenflow_snapshot(shared)?;
+                let moment = |values: Vec<f32>| match moments {
+                    OptimizerStateDtype::Fp32 => MomentView::F32(Cow::Owned(values)),
+                    OptimizerStateDtype::Bf16 => MomentView::Bf16AsF32(Cow::Owned(values)),
+                };
+                let view = PartView {
+                    flat,
+                    master: Cow::Owned(state.master),
+                    exp_avg: moment(state.exp_avg),
+                    exp_avg_sq: moment(state.exp_avg_sq),
+                };
+                Ok((view, state.upload_pending, zenflow))
+            }
         }
     }
 

@@ -3,9 +3,14 @@
 
 use std::ops::Range;
 
+use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::Comm;
 
+use super::Engine;
+use crate::checkpoint::PartView;
+use crate::device_adamw::DeviceAdamW;
 use crate::{EngineError, LossScaler, ZenFlowSnapshot};
 
 /// This rank's optimizer state and the engine's counters (see [`crate::Engine::snapshot`]).
@@ -20,6 +25,42 @@ pub struct Snapshot {
     /// ZenFlow's selection, window position and window sums (`part` holds the consolidated
     /// optimizer state: the device's for the selected columns).
     pub zenflow: Option<ZenFlowSnapshot>,
+}
+
+/// This rank's optimizer state, borrowed where it lives in host memory, and the engine's
+/// counters: what [`crate::Engine::checkpoint_state`] lends a checkpoint.
+#[derive(Debug)]
+pub struct CheckpointState<'a> {
+    pub part: PartView<'a>,
+    /// See [`Snapshot::upload_pending`].
+    pub upload_pending: bool,
+    pub optimizer_steps: u64,
+    pub micro_steps: u64,
+    pub scaler: LossScaler,
+    /// The element type the run keeps the moments in.
+    pub moments: OptimizerStateDtype,
+    /// See [`Snapshot::zenflow`].
+    pub zenflow: Option<ZenFlowSnapshot>,
+}
+
+impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
+    /// [`Engine::snapshot`] without copying what is in host memory already: a running CPU step
+    /// is waited for (its weights staying pending), and the offloaded optimizer state is lent
+    /// as it lies, so that saving a checkpoint of a large offloaded model does not hold its
+    /// state twice. Call it between optimizer steps.
+    pub fn checkpoint_state(&mut self) -> Result<CheckpointState<'_>, EngineError> {
+        let (part, upload_pending, zenflow) =
+            self.path.checkpoint_view(&self.shared, self.moments)?;
+        Ok(CheckpointState {
+            part,
+            upload_pending,
+            optimizer_steps: self.adamw.steps_taken(),
+            micro_steps: self.micro_steps,
+            scaler: self.scaler.clone(),
+            moments: self.moments,
+            zenflow,
+        })
+    }
 }
 
 /// What [`crate::Engine::restore`] continues from, besides the weights.

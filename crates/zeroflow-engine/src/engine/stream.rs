@@ -26,6 +26,7 @@ use zeroflow_optim::AdamWStep;
 use super::shared::{Shared, reduced_source};
 use super::state::PathState;
 use crate::EngineError;
+use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{
     HostOptimizer, OUTGOING_BUFFERS, STAGING_BUFFERS, StepTimes, StreamBuffers, Worker, as_grads,
@@ -201,6 +202,19 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let (buffers, upload_pending) = self.buffers()?;
         let [master, exp_avg, exp_avg_sq] = buffers.state.to_f32();
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
+    }
+
+    /// [`Stream::state`] of the partition `flat`, borrowed, and whether its weights are
+    /// pending.
+    pub fn view(&mut self, flat: Range<usize>) -> Result<(PartView<'_>, bool), EngineError> {
+        self.abandon_speculation();
+        let (_, upload_pending) = self.buffers()?;
+        let buffers = match &self.cpu {
+            StreamCpu::Inline(buffers) => Some(&**buffers),
+            StreamCpu::Delayed(delayed) => delayed.worker.ready(),
+        };
+        let buffers = buffers.ok_or(EngineError::Internal("a joined step is not ready"))?;
+        Ok((buffers.state.view(flat), upload_pending))
     }
 
     /// True if a checkpoint whose newest weights are still on the host cannot resume here: the
