@@ -203,12 +203,7 @@ impl CudaLlama {
     }
 
     /// Packed rows are not run on the GPU yet: always [`LlamaError::Batch`] saying so.
-    pub fn set_packed_batch(
-        &mut self,
-        _: &[u32],
-        _: &[u32],
-        _: &[u32],
-    ) -> Result<(), LlamaError> {
+    pub fn set_packed_batch(&mut self, _: &[u32], _: &[u32], _: &[u32]) -> Result<(), LlamaError> {
         Err(LlamaError::Batch(zeroflow_nn::plan::PACKING_ON_CPU_ONLY.into()))
     }
 
