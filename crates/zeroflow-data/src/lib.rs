@@ -26,7 +26,7 @@ pub use corpus::{
 pub use eval::{eval_batches, eval_windows};
 pub use loader::{
     Batch, DataLoader, DataPosition, IGNORE_TARGET, Source, Unit, apply_mask, document_positions,
-    index_path, mask_path, read_unit,
+    index_path, mask_path, read_document_starts, read_unit,
 };
 pub use shard::{
     DOCUMENT_INDEX_MAGIC, LOSS_MASK_MAGIC, SHARD_MAGIC, SHARD_MAGIC_U32, SHARD_VERSION,

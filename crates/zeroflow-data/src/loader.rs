@@ -266,9 +266,7 @@ impl DataLoader {
             ));
         }
         if let Some(starts) = &mut self.packing {
-            let Source::Shards(paths) = &self.source else { unreachable!("checked by packed") };
-            *starts = read_document_index(&index_path(&paths[index]))?;
-            starts.pop();
+            *starts = read_document_starts(&self.source, index)?;
         }
         let len = unit.tokens.len();
         self.loaded = Some((index, unit));
@@ -308,6 +306,20 @@ pub fn apply_mask(targets: &mut [u32], mask: &[u8]) {
             *target = IGNORE_TARGET;
         }
     }
+}
+
+/// Where each document of shard `index` of `source` starts (its document index, less the
+/// shard's length at its end); an error naming the shard where it has no index (text files and
+/// the synthetic corpus have none).
+pub fn read_document_starts(source: &Source, index: usize) -> Result<Vec<u64>, DataError> {
+    let path = unit_path(source, index);
+    let index_file = index_path(&path);
+    if !matches!(source, Source::Shards(_)) || !index_file.exists() {
+        return Err(DataError::new(path, DataErrorKind::NoDocumentIndex));
+    }
+    let mut starts = read_document_index(&index_file)?;
+    starts.pop();
+    Ok(starts)
 }
 
 /// The document index that lies beside a shard.

@@ -143,8 +143,10 @@ impl Family for LlamaSpec {
         layout: &FlatLayout,
         batch: usize,
         seq: usize,
+        packed: bool,
     ) -> Result<CpuLlama, TrainError> {
-        Ok(CpuLlama::new(device, &self.0, layout, batch, seq, AttentionKind::Gemm)?)
+        let options = PlanOptions { packed, ..PlanOptions::default() };
+        Ok(CpuLlama::with_options(device, &self.0, layout, batch, seq, options)?)
     }
 
     fn cuda_model(
