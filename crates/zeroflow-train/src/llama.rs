@@ -238,7 +238,7 @@ mod tests {
         for _ in 0..steps {
             let weights = device.upload(params).unwrap();
             let grads = device.alloc::<f32>(weights.len()).unwrap();
-            model.set_batch(batch.0, batch.1).unwrap();
+            model.set_batch(batch.0, batch.1, None).unwrap();
             model.forward(&weights).unwrap();
             losses.push(model.loss().unwrap());
             groups.clear();

@@ -151,6 +151,7 @@ mod tests {
             (SPECULATION_BUDGET_VAR, " 0.5\n"),
             (ACCUMULATE_ON_VAR, "Device "),
             (PINNED_BUDGET_VAR, " 1024\n"),
+            (PACK_VAR, " On\n"),
         ])
         .unwrap();
         assert_eq!(
@@ -167,6 +168,7 @@ mod tests {
                 speculation_budget_mib: Some(0.5),
                 accumulate_on: Some(AccumulateOn::Device),
                 pinned_budget_mib: Some(1024.0),
+                pack: Some(true),
             }
         );
         // 0 is a budget (pin nothing), not "unset".

@@ -128,9 +128,9 @@ pub fn changed_numerics(saved: &Value, now: &Value) -> Vec<(&'static str, String
         .iter()
         .filter_map(|&key| {
             let before = saved.get(key).cloned().or_else(|| before_recorded(key));
-            let after = now.get(key);
-            (saved.is_object() && before.as_ref() != after)
-                .then(|| (key, shown(before.as_ref()), shown(after)))
+            let after = now.get(key).cloned().or_else(|| before_recorded(key));
+            (saved.is_object() && before != after)
+                .then(|| (key, shown(before.as_ref()), shown(after.as_ref())))
         })
         .collect()
 }
