@@ -1,7 +1,7 @@
 //! The plan IR: a model as a list of kernel launches over four flat buffers (parameters,
 //! gradients, activations, activation gradients) and the token buffers (inputs, targets and, in
-//! a packed plan, positions), for one (batch, sequence length). A model family builds its [`Plan`] from its shapes and parameter layout; the
-//! executors run any plan:
+//! a packed plan, positions), for one (batch, sequence length). A model family builds its
+//! [`Plan`] from its shapes and parameter layout; the executors run any plan:
 //!
 //! - [`crate::host::HostRunner`] on host vectors, in any [`crate::Float`] (the f64 oracle);
 //! - [`crate::cpu::CpuRunner`] on the `CpuDevice`'s compute stream, in f32;

@@ -16,8 +16,9 @@ use super::{MIB, Requested, mib_of, names};
 use crate::DeviceKind;
 use crate::dist::affinity::{self, BindMode, Binding};
 
-/// The settings a run used. Only `attention`, `pack` and `optimizer_state_dtype` change the numbers; the
-/// rest change the speed (the offload stream's results are bit-identical whatever its tuning).
+/// The settings a run used. Only `attention`, `pack` and `optimizer_state_dtype` change the
+/// numbers; the rest change the speed (the offload stream's results are bit-identical whatever
+/// its tuning).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Effective {
     /// `gemm` or `flash`.
