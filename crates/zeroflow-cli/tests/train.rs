@@ -12,6 +12,8 @@ mod checkpoint_fixture;
 mod checkpoints;
 #[path = "train/llama.rs"]
 mod llama;
+#[path = "train/packing.rs"]
+mod packing;
 #[path = "train/run_control.rs"]
 mod run_control;
 #[path = "train/settings.rs"]

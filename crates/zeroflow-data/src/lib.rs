@@ -25,7 +25,8 @@ pub use corpus::{
 };
 pub use eval::{eval_batches, eval_windows};
 pub use loader::{
-    Batch, DataLoader, DataPosition, IGNORE_TARGET, Source, Unit, apply_mask, mask_path, read_unit,
+    Batch, DataLoader, DataPosition, IGNORE_TARGET, Source, Unit, apply_mask, document_positions,
+    index_path, mask_path, read_document_starts, read_unit,
 };
 pub use shard::{
     DOCUMENT_INDEX_MAGIC, LOSS_MASK_MAGIC, SHARD_MAGIC, SHARD_MAGIC_U32, SHARD_VERSION,
@@ -63,6 +64,8 @@ pub enum DataErrorKind {
     Corrupt(String),
     /// The file holds fewer tokens than one step of all ranks needs.
     TooShort { tokens: usize, needed: usize },
+    /// Packing needs the documents, and the shard has no document index beside it.
+    NoDocumentIndex,
 }
 
 impl fmt::Display for DataErrorKind {
@@ -102,6 +105,12 @@ impl fmt::Display for DataErrorKind {
                 f,
                 "{tokens} tokens, but one step of all ranks needs {needed} (batch × seq × world \
                  size + 1); use a smaller batch or more data"
+            ),
+            DataErrorKind::NoDocumentIndex => write!(
+                f,
+                "no document index (.idx) beside it, and packing (--pack) needs to know where \
+                 each document starts; make the shards with `zeroflow tokenize`, which writes \
+                 one, or train without --pack"
             ),
         }
     }

@@ -11,13 +11,20 @@
 //! [`IGNORE_TARGET`] as the target of every position whose mask byte is 0. The last
 //! [`DataLoader::hold_out_tail`] tokens of the last shard are never read (the held-out evaluation
 //! set, [`EvalSet`]).
+//!
+//! A packing loader ([`DataLoader::packed`]) cuts the same rows from the same stream and gives
+//! each token its position in its document as well ([`Batch::positions`]), from the document
+//! index beside each shard (`tokens_NNNNNN.idx`, [`crate::read_document_index`]): 0 at every
+//! document start (its end-of-text token) and at the start of every row (a document that began
+//! in an earlier row continues from position 0), one more at each token after. The model bounds
+//! attention and the position embedding by them, so a row's documents do not see each other.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::shard::{ShardTokens, read_loss_mask, read_shard};
+use crate::shard::{ShardTokens, read_document_index, read_loss_mask, read_shard};
 use crate::text::{read_bytes, read_gpt2_text};
 use crate::{DataError, DataErrorKind, SyntheticCorpus};
 
@@ -51,14 +58,22 @@ pub struct DataPosition {
 pub const IGNORE_TARGET: u32 = u32::MAX;
 
 /// One rank's micro-batch: `[batch, seq]` inputs and the targets (the inputs shifted by one;
-/// [`IGNORE_TARGET`] where the loss mask or padding says the position does not count).
+/// [`IGNORE_TARGET`] where the loss mask or padding says the position does not count), and for
+/// packed rows each input's position in its document (empty otherwise).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Batch {
     pub inputs: Vec<u32>,
     pub targets: Vec<u32>,
+    /// `[batch, seq]` for packed rows ([`DataLoader::packed`]); empty for unpacked ones.
+    pub positions: Vec<u32>,
 }
 
 impl Batch {
+    /// Each input's position in its document, for packed rows; `None` for unpacked ones.
+    pub fn positions(&self) -> Option<&[u32]> {
+        (!self.positions.is_empty()).then_some(&self.positions[..])
+    }
+
     /// The targets whose loss counts.
     pub fn counted(&self) -> usize {
         self.targets.iter().filter(|&&t| t != IGNORE_TARGET).count()
@@ -87,6 +102,9 @@ pub struct DataLoader {
     window: Vec<u32>,
     /// Tokens at the end of the last shard that are never read (held out for evaluation).
     held_out: usize,
+    /// Whether batches carry their tokens' positions in their documents, and the document
+    /// starts of the shard in memory (its `.idx` less the shard's length) where they do.
+    packing: Option<Vec<u64>>,
 }
 
 impl DataLoader {
@@ -116,6 +134,7 @@ impl DataLoader {
             loaded: None,
             window: vec![0; batch * seq + 1],
             held_out: 0,
+            packing: None,
         };
         loader.load(0)?;
         Ok(loader)
@@ -128,6 +147,29 @@ impl DataLoader {
         self.loaded = None;
         self.load(self.position.shard)?;
         Ok(self)
+    }
+
+    /// Packs rows: every batch carries its tokens' positions in their documents, read from the
+    /// document index beside each shard. The rows are the same as without packing. Every shard
+    /// must have its index (`zeroflow tokenize` writes one): the error names the first that has
+    /// none (text files and the synthetic corpus have no documents).
+    pub fn packed(mut self) -> Result<Self, DataError> {
+        for index in 0..shard_count(&self.source) {
+            let path = unit_path(&self.source, index);
+            let indexed = matches!(self.source, Source::Shards(_)) && index_path(&path).exists();
+            if !indexed {
+                return Err(DataError::new(path, DataErrorKind::NoDocumentIndex));
+            }
+        }
+        self.packing = Some(Vec::new());
+        self.loaded = None;
+        self.load(self.position.shard)?;
+        Ok(self)
+    }
+
+    /// Whether batches carry their tokens' positions ([`DataLoader::packed`]).
+    pub fn is_packed(&self) -> bool {
+        self.packing.is_some()
     }
 
     /// Whether the shards carry loss masks (the first one does).
@@ -179,6 +221,10 @@ impl DataLoader {
         if let Some(mask) = &unit.mask {
             apply_mask(&mut out.targets, &mask[start + 1..start + 1 + n]);
         }
+        out.positions.clear();
+        if let Some(starts) = &self.packing {
+            document_positions(starts, start, self.seq, n, &mut out.positions);
+        }
         self.position.offset += self.step_tokens() - 1;
         Ok(())
     }
@@ -219,9 +265,37 @@ impl DataLoader {
                 DataErrorKind::TooShort { tokens, needed },
             ));
         }
+        if let Some(starts) = &mut self.packing {
+            *starts = read_document_starts(&self.source, index)?;
+        }
         let len = unit.tokens.len();
         self.loaded = Some((index, unit));
         Ok(len)
+    }
+}
+
+/// The positions of `len` tokens from token `first` of a stream cut into rows of `seq` from
+/// `first`, whose documents start at `starts` (ascending): 0 at every row's start and every
+/// document start, one more than the previous token's otherwise. Appended to `out`.
+pub fn document_positions(
+    starts: &[u64],
+    first: usize,
+    seq: usize,
+    len: usize,
+    out: &mut Vec<u32>,
+) {
+    // The next document start at or after the token being placed.
+    let mut next = starts.partition_point(|&start| start < first as u64);
+    let mut position = 0;
+    for (i, token) in (first..first + len).enumerate() {
+        while next < starts.len() && starts[next] < token as u64 {
+            next += 1;
+        }
+        if i % seq == 0 || starts.get(next) == Some(&(token as u64)) {
+            position = 0;
+        }
+        out.push(position);
+        position += 1;
     }
 }
 
@@ -232,6 +306,25 @@ pub fn apply_mask(targets: &mut [u32], mask: &[u8]) {
             *target = IGNORE_TARGET;
         }
     }
+}
+
+/// Where each document of shard `index` of `source` starts (its document index, less the
+/// shard's length at its end); an error naming the shard where it has no index (text files and
+/// the synthetic corpus have none).
+pub fn read_document_starts(source: &Source, index: usize) -> Result<Vec<u64>, DataError> {
+    let path = unit_path(source, index);
+    let index_file = index_path(&path);
+    if !matches!(source, Source::Shards(_)) || !index_file.exists() {
+        return Err(DataError::new(path, DataErrorKind::NoDocumentIndex));
+    }
+    let mut starts = read_document_index(&index_file)?;
+    starts.pop();
+    Ok(starts)
+}
+
+/// The document index that lies beside a shard.
+pub fn index_path(shard: &std::path::Path) -> PathBuf {
+    shard.with_extension("idx")
 }
 
 /// The loss mask that lies beside a shard.

@@ -99,3 +99,79 @@ fn the_loader_ignores_masked_targets_and_never_reads_the_held_out_tail() {
     assert!(largest < 150, "read token {largest} of the held-out tail 150..200");
     assert!(largest >= 140, "the stream reaches the end of the training part: {largest}");
 }
+
+/// A packing loader cuts the same rows as a plain one (the same inputs, targets and data
+/// positions, across shards and with two ranks), and gives each token its position in its
+/// document: 0 at every document start of the `.idx` and at every row start, one more after.
+#[test]
+fn the_packing_loader_restarts_positions_at_each_document_and_cuts_the_same_rows() {
+    let dir = scratch("packing_loader");
+    let mut shards = Vec::new();
+    // Documents of lengths 1 to 9 in turn (the index's starts), in two shards.
+    for (index, len) in [(0, 120u64), (1, 90)] {
+        let shard = dir.join(format!("tokens_{index:06}.bin"));
+        let tokens: Vec<u16> = (0..len as u16).map(|i| i % 200).collect();
+        zeroflow_data::write_shard(&shard, &tokens).unwrap();
+        let mut starts = vec![0u64];
+        while let Some(&last) = starts.last() {
+            let next = last + 1 + starts.len() as u64 % 9;
+            if next >= len {
+                break;
+            }
+            starts.push(next);
+        }
+        starts.push(len);
+        write_document_index(&dir.join(format!("tokens_{index:06}.idx")), &starts).unwrap();
+        shards.push((shard, starts));
+    }
+    let source = Source::Shards(shards.iter().map(|(path, _)| path.clone()).collect());
+    let (batch, seq, world) = (2, 7, 2);
+    for rank in 0..world {
+        let plain = DataLoader::new(source.clone(), 256, batch, seq, rank, world).unwrap();
+        let packing = DataLoader::new(source.clone(), 256, batch, seq, rank, world).unwrap();
+        let (mut plain, mut packing) = (plain, packing.packed().unwrap());
+        assert!(packing.is_packed() && !plain.is_packed());
+        for _ in 0..20 {
+            let (expected, packed) = (plain.next_batch().unwrap(), packing.next_batch().unwrap());
+            assert_eq!(packed.inputs, expected.inputs);
+            assert_eq!(packed.targets, expected.targets);
+            assert_eq!(packing.position(), plain.position());
+            assert!(expected.positions().is_none());
+            // The step just read began `world × batch × seq` tokens before the next one.
+            let at = packing.position();
+            let first = at.offset - world * batch * seq + rank * batch * seq;
+            let starts = &shards[at.shard].1;
+            for (i, &position) in packed.positions().unwrap().iter().enumerate() {
+                let token = (first + i) as u64;
+                let row_start = (first + i / seq * seq) as u64;
+                let document = starts.iter().copied().filter(|&s| s <= token).max().unwrap();
+                assert_eq!(u64::from(position), token - document.max(row_start), "token {token}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Packing needs every shard's document index: a shard without one is an error naming it and
+/// saying how to make one; text files have none either.
+#[test]
+fn packing_shards_without_a_document_index_is_an_error_naming_the_shard() {
+    let dir = scratch("packing_without_index");
+    let tokens: Vec<u16> = (0..100).collect();
+    let (first, second) = (dir.join("tokens_000000.bin"), dir.join("tokens_000001.bin"));
+    zeroflow_data::write_shard(&first, &tokens).unwrap();
+    zeroflow_data::write_shard(&second, &tokens).unwrap();
+    write_document_index(&dir.join("tokens_000000.idx"), &[0, 40, 100]).unwrap();
+    let source = Source::Shards(vec![first, second.clone()]);
+    let error = DataLoader::new(source, 256, 1, 8, 0, 1).unwrap().packed().unwrap_err();
+    assert_eq!(error.kind, DataErrorKind::NoDocumentIndex);
+    assert_eq!(error.path, second);
+    assert!(error.to_string().contains("zeroflow tokenize"), "{error}");
+
+    let text = dir.join("plain.txt");
+    std::fs::write(&text, "some text without documents, long enough").unwrap();
+    let error =
+        DataLoader::new(Source::Text(vec![text]), 256, 1, 8, 0, 1).unwrap().packed().unwrap_err();
+    assert_eq!(error.kind, DataErrorKind::NoDocumentIndex);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -69,6 +69,17 @@ impl CpuGpt {
         Ok(self.runner.set_batch(inputs, targets)?)
     }
 
+    /// [`CpuGpt::set_batch`] of packed rows (a model built with [`PlanOptions::packed`]):
+    /// `positions [batch, seq]`, each token's position in its document.
+    pub fn set_packed_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<(), GptError> {
+        Ok(self.runner.set_packed_batch(inputs, targets, positions)?)
+    }
+
     /// Queues forward on the compute stream.
     pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), GptError> {
         Ok(self.runner.forward(params)?)

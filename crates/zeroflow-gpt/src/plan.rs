@@ -227,10 +227,10 @@ impl GptPlan {
             )));
         }
         let acts = ActLayout::with_options(config, batch, seq, options);
-        let mut forward = Builder::new(config, &acts);
+        let mut forward = Builder::new(config, &acts, options.packed);
         forward.forward(params);
         let forward = forward.steps.into_iter().filter_map(Step::into_launch);
-        let mut backward = Builder::new(config, &acts);
+        let mut backward = Builder::new(config, &acts, options.packed);
         backward.backward(params);
         let plan = Plan {
             batch,
@@ -251,17 +251,27 @@ impl GptPlan {
 struct Builder<'a> {
     config: &'a GptConfig,
     acts: &'a ActLayout,
+    /// Whether the rows are packed: the encoder and the attention read the tokens' positions.
+    packed: bool,
     steps: Vec<Step<GptKernel>>,
 }
 
 impl<'a> Builder<'a> {
-    fn new(config: &'a GptConfig, acts: &'a ActLayout) -> Self {
-        Builder { config, acts, steps: Vec::new() }
+    fn new(config: &'a GptConfig, acts: &'a ActLayout, packed: bool) -> Self {
+        Builder { config, acts, packed, steps: Vec::new() }
     }
 
     /// A builder of the same model with no steps yet.
     fn sub(&self) -> Self {
-        Builder::new(self.config, self.acts)
+        Builder::new(self.config, self.acts, self.packed)
+    }
+
+    /// `args` and, in a packed plan, the tokens' positions last.
+    fn with_positions(&self, mut args: Vec<zeroflow_nn::Arg>) -> Vec<zeroflow_nn::Arg> {
+        if self.packed {
+            args.push(read(Buf::Positions, &self.tokens()));
+        }
+        args
     }
 
     fn launch(&mut self, kernel: Kernel, args: Vec<zeroflow_nn::Arg>) {
@@ -281,10 +291,9 @@ impl<'a> Builder<'a> {
         let (a, c) = (self.acts, self.config.d_model);
         let (wpe, tokens) = (self.wpe_rows(p), self.tokens());
         let (t, vocab) = (a.seq, self.config.vocab_size);
-        self.launch(
-            Kernel::Encoder { t, c, vocab },
-            vec![write(A, &a.encoded), read(Buf::Inputs, &tokens), read(P, &p.wte), read(P, &wpe)],
-        );
+        let args =
+            vec![write(A, &a.encoded), read(Buf::Inputs, &tokens), read(P, &p.wte), read(P, &wpe)];
+        self.launch(Kernel::Encoder { t, c, vocab }, self.with_positions(args));
         for (layer, (bp, ba)) in p.blocks.iter().zip(&a.blocks).enumerate() {
             self.block_forward(&a.residual_in(layer), bp, ba);
         }
@@ -341,15 +350,13 @@ impl<'a> Builder<'a> {
             self.steps.extend(steps);
             ready(&mut self.steps);
         }
-        self.launch(
-            Kernel::EncoderBackward { t: a.seq, c },
-            vec![
-                update(G, &p.wte),
-                update(G, &wpe),
-                read(AG, &a.encoded),
-                read(Buf::Inputs, &tokens),
-            ],
-        );
+        let args = vec![
+            update(G, &p.wte),
+            update(G, &wpe),
+            read(AG, &a.encoded),
+            read(Buf::Inputs, &tokens),
+        ];
+        self.launch(Kernel::EncoderBackward { t: a.seq, c }, self.with_positions(args));
         ready(&mut self.steps);
         self.zero_accumulated_activation_grads();
     }
@@ -491,17 +498,18 @@ impl<'a> Builder<'a> {
     }
 
     fn attention(&mut self, out: &Range<usize>, att: &Range<usize>, qkv: &Range<usize>) {
-        let args = vec![write(A, out), write(A, att), read(A, qkv)];
+        let args = self.with_positions(vec![write(A, out), write(A, att), read(A, qkv)]);
         self.launch(Kernel::Attention(self.attention_shape()), args);
     }
 
     fn attention_backward(&mut self, out: &Range<usize>, att: &Range<usize>, qkv: &Range<usize>) {
         let args = vec![update(AG, qkv), write(AG, att), read(AG, out), read(A, qkv), read(A, att)];
+        let args = self.with_positions(args);
         self.launch(Kernel::AttentionBackward(self.attention_shape()), args);
     }
 
     fn flash_attention(&mut self, out: &Range<usize>, lse: &Range<usize>, qkv: &Range<usize>) {
-        let args = vec![write(A, out), write(A, lse), read(A, qkv)];
+        let args = self.with_positions(vec![write(A, out), write(A, lse), read(A, qkv)]);
         self.launch(Kernel::FlashAttention(self.attention_shape()), args);
     }
 
@@ -512,6 +520,7 @@ impl<'a> Builder<'a> {
         qkv: &Range<usize>,
     ) {
         let args = vec![update(AG, qkv), read(AG, out), read(A, qkv), read(A, out), read(A, lse)];
+        let args = self.with_positions(args);
         self.launch(Kernel::FlashAttentionBackward(self.attention_shape()), args);
     }
 

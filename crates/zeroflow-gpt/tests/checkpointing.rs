@@ -24,7 +24,7 @@ const FLASH: GptConfig =
     GptConfig { n_layer: 3, n_head: 2, d_model: 128, vocab_size: 37, context: 11 };
 
 fn options(attention: AttentionKind, activation_checkpointing: bool) -> PlanOptions {
-    PlanOptions { attention, activation_checkpointing }
+    PlanOptions { attention, activation_checkpointing, ..PlanOptions::default() }
 }
 
 fn plan(config: &GptConfig, (batch, seq): (usize, usize), options: PlanOptions) -> GptPlan {

@@ -10,6 +10,7 @@ mod gradcheck;
 mod grads_ready;
 mod hf_dir;
 mod init_loss;
+mod packing;
 mod params;
 mod schedule;
 mod train;

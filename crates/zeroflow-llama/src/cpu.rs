@@ -75,6 +75,18 @@ impl CpuLlama {
         Ok(self.runner.set_batch(inputs, targets)?)
     }
 
+    /// [`CpuLlama::set_batch`] of packed rows (a model built with
+    /// [`zeroflow_nn::PlanOptions::packed`]): `positions [batch, seq]`, each token's position in
+    /// its document.
+    pub fn set_packed_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<(), LlamaError> {
+        Ok(self.runner.set_packed_batch(inputs, targets, positions)?)
+    }
+
     /// Queues forward on the compute stream.
     pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), LlamaError> {
         Ok(self.runner.forward(params)?)

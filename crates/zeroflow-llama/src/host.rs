@@ -84,6 +84,18 @@ impl<F: Float> HostLlama<F> {
         Ok(self.runner.forward(params, inputs, targets)?)
     }
 
+    /// [`HostLlama::forward`] of packed rows (a model built with [`PlanOptions::packed`]):
+    /// `positions [batch, seq]`, each token's position in its document.
+    pub fn forward_packed(
+        &mut self,
+        params: &[F],
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<F, LlamaError> {
+        Ok(self.runner.forward_packed(params, inputs, targets, positions)?)
+    }
+
     /// Adds the gradient of `loss_scale` × (the last forward's mean loss) to `grads`. After each
     /// group's launches, `on_ready` gets the group and the gradient buffer.
     pub fn backward(

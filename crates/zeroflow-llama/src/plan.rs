@@ -85,10 +85,10 @@ impl LlamaPlan {
             }));
         }
         let acts = ActLayout::with_options(config, batch, seq, options);
-        let mut forward = Builder::new(config, &acts);
+        let mut forward = Builder::new(config, &acts, options.packed);
         forward.forward(params);
         let forward = forward.steps.into_iter().filter_map(Step::into_launch);
-        let mut backward = Builder::new(config, &acts);
+        let mut backward = Builder::new(config, &acts, options.packed);
         backward.backward(params);
         let plan = Plan {
             batch,
@@ -113,17 +113,28 @@ type Features = (usize, usize);
 pub struct Builder<'a> {
     config: &'a LlamaConfig,
     acts: &'a ActLayout,
+    /// Whether the rows are packed: the rotation and the attention read the tokens' positions.
+    packed: bool,
     pub steps: Vec<Step<LlamaKernel>>,
 }
 
 impl<'a> Builder<'a> {
-    pub fn new(config: &'a LlamaConfig, acts: &'a ActLayout) -> Self {
-        Builder { config, acts, steps: Vec::new() }
+    /// A builder of the plan over `acts`, for packed rows where `packed` says.
+    pub fn new(config: &'a LlamaConfig, acts: &'a ActLayout, packed: bool) -> Self {
+        Builder { config, acts, packed, steps: Vec::new() }
     }
 
     /// A builder of the same model with no steps yet.
     fn sub(&self) -> Self {
-        Builder::new(self.config, self.acts)
+        Builder::new(self.config, self.acts, self.packed)
+    }
+
+    /// `args` and, in a packed plan, the tokens' positions last.
+    fn with_positions(&self, mut args: Vec<Arg>) -> Vec<Arg> {
+        if self.packed {
+            args.push(read(Buf::Positions, &self.tokens()));
+        }
+        args
     }
 
     fn launch(&mut self, kernel: Kernel, args: Vec<Arg>) {
@@ -220,16 +231,16 @@ impl<'a> Builder<'a> {
             _ => (&a.q, &a.k),
         };
         let args = vec![write(A, &a.qkv), read(A, q), read(A, k), read(A, &a.v)];
-        self.layer_kernel(LlamaKernel::Rope(self.rotary()), args);
+        self.layer_kernel(LlamaKernel::Rope(self.rotary()), self.with_positions(args));
         let shape = self.attention_shape();
         match &a.attention {
             AttentionActs::Weights(att) => self.launch(
                 Kernel::Attention(shape),
-                vec![write(A, &a.atty), write(A, att), read(A, &a.qkv)],
+                self.with_positions(vec![write(A, &a.atty), write(A, att), read(A, &a.qkv)]),
             ),
             AttentionActs::LogSumExp(lse) => self.launch(
                 Kernel::FlashAttention(shape),
-                vec![write(A, &a.atty), write(A, lse), read(A, &a.qkv)],
+                self.with_positions(vec![write(A, &a.atty), write(A, lse), read(A, &a.qkv)]),
             ),
         }
         self.matmul(&a.attn_out, &a.atty, &p.o_weight, p.o_bias.as_ref(), (q_dim, d));
@@ -272,23 +283,23 @@ impl<'a> Builder<'a> {
         match &a.attention {
             AttentionActs::Weights(att) => self.launch(
                 Kernel::AttentionBackward(shape),
-                vec![
+                self.with_positions(vec![
                     update(AG, &a.qkv),
                     write(AG, att),
                     read(AG, &a.atty),
                     read(A, &a.qkv),
                     read(A, att),
-                ],
+                ]),
             ),
             AttentionActs::LogSumExp(lse) => self.launch(
                 Kernel::FlashAttentionBackward(shape),
-                vec![
+                self.with_positions(vec![
                     update(AG, &a.qkv),
                     read(AG, &a.atty),
                     read(A, &a.qkv),
                     read(A, &a.atty),
                     read(A, lse),
-                ],
+                ]),
             ),
         }
         let (q, k) = match &a.qk_norm {
@@ -296,7 +307,7 @@ impl<'a> Builder<'a> {
             None => (&a.q, &a.k),
         };
         let args = vec![update(AG, q), update(AG, k), update(AG, &a.v), read(AG, &a.qkv)];
-        self.layer_kernel(LlamaKernel::RopeBackward(self.rotary()), args);
+        self.layer_kernel(LlamaKernel::RopeBackward(self.rotary()), self.with_positions(args));
         if let (Some(norm), Some((q_weight, k_weight))) = (&a.qk_norm, &p.qk_norm) {
             self.rmsnorm_backward(&norm.k, &norm.k_rstd, &a.k, k_weight, c.head_dim);
             self.rmsnorm_backward(&norm.q, &norm.q_rstd, &a.q, q_weight, c.head_dim);

@@ -29,7 +29,7 @@ fn three_layer_models() -> Vec<(&'static str, LlamaConfig)> {
 }
 
 fn options(attention: AttentionKind, activation_checkpointing: bool) -> PlanOptions {
-    PlanOptions { attention, activation_checkpointing }
+    PlanOptions { attention, activation_checkpointing, ..PlanOptions::default() }
 }
 
 fn plan(config: &LlamaConfig, (batch, seq): (usize, usize), options: PlanOptions) -> LlamaPlan {

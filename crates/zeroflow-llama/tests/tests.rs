@@ -10,6 +10,7 @@ mod gradcheck;
 mod hf_dir;
 mod hf_model;
 mod kernels;
+mod packing;
 mod params;
 mod reference;
 mod support;

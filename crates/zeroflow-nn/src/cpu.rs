@@ -20,6 +20,8 @@ pub struct CpuRunner<X> {
     act_grads: CpuBuffer<f32>,
     inputs: CpuBuffer<u32>,
     targets: CpuBuffer<u32>,
+    /// Each token's position in its document (a packed plan's; one element otherwise).
+    positions: CpuBuffer<u32>,
     loss_host: HostBuffer<f32>,
     loss_written: CpuEvent,
 }
@@ -33,6 +35,7 @@ impl<X: LayerKernel> CpuRunner<X> {
             act_grads: device.alloc(plan.acts_len)?,
             inputs: device.alloc(plan.tokens())?,
             targets: device.alloc(plan.tokens())?,
+            positions: device.alloc(if plan.is_packed() { plan.tokens() } else { 1 })?,
             loss_host: device.alloc_host(1, HostMemory::Pinned)?,
             loss_written: device.new_event()?,
             device: device.clone(),
@@ -48,6 +51,31 @@ impl<X: LayerKernel> CpuRunner<X> {
     /// Queues the upload of a micro-batch (`[batch, seq]` inputs and targets) on the compute
     /// stream. Token ids are checked against the vocabulary by the kernels that read them.
     pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), NnError> {
+        self.plan.check_positions(None)?;
+        self.upload_tokens(inputs, targets)
+    }
+
+    /// [`CpuRunner::set_batch`] of packed rows (a plan built with
+    /// [`crate::plan::PlanOptions::packed`]): `positions [batch, seq]`, each token's position in
+    /// its document, uploaded with the tokens.
+    pub fn set_packed_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<(), NnError> {
+        self.plan.check_positions(Some(positions))?;
+        self.upload_tokens(inputs, targets)?;
+        let (n, positions) = (self.plan.tokens(), positions.to_vec());
+        let args = KernelArgs::new().output(&self.positions, 0..n);
+        self.device.launch(self.compute(), "upload_positions", args, move |ctx| {
+            ctx.output::<u32>(0).copy_from_slice(&positions);
+            Ok(())
+        })?;
+        Ok(())
+    }
+
+    fn upload_tokens(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), NnError> {
         let n = self.plan.tokens();
         for (what, tokens) in [("inputs", inputs), ("targets", targets)] {
             if tokens.len() != n {
@@ -137,6 +165,7 @@ impl<X: LayerKernel> CpuRunner<X> {
             args = match arg.buf {
                 Buf::Inputs => args.input(&self.inputs, range),
                 Buf::Targets => args.input(&self.targets, range),
+                Buf::Positions => args.input(&self.positions, range),
                 Buf::Params => declare(args, params, range, arg.access),
                 Buf::Grads => {
                     let grads = grads.expect("only backward touches gradients");
@@ -173,7 +202,7 @@ fn arg_slices<'a>(ctx: &'a KernelCtx, kinds: &[(Buf, Access)]) -> ArgSlices<'a, 
         .iter()
         .enumerate()
         .map(|(i, &(buf, access))| match (buf, access) {
-            (Buf::Inputs | Buf::Targets, _) => Slot::Tokens(ctx.input::<u32>(i)),
+            (Buf::Inputs | Buf::Targets | Buf::Positions, _) => Slot::Tokens(ctx.input::<u32>(i)),
             (_, Access::Read) => Slot::Read(ctx.input::<f32>(i)),
             (_, Access::Write | Access::Update) => Slot::Write(Some(ctx.output::<f32>(i))),
         })

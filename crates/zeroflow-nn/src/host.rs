@@ -17,6 +17,8 @@ pub struct HostRunner<F, X> {
     act_grads: Vec<F>,
     inputs: Vec<u32>,
     targets: Vec<u32>,
+    /// Each token's position in its document: `[batch, seq]` for a packed plan, else empty.
+    positions: Vec<u32>,
 }
 
 /// The buffers one launch may touch.
@@ -27,6 +29,7 @@ struct Buffers<'a, F> {
     act_grads: &'a mut [F],
     inputs: &'a [u32],
     targets: &'a [u32],
+    positions: &'a [u32],
 }
 
 impl<F: Float, X: LayerKernel> HostRunner<F, X> {
@@ -40,6 +43,7 @@ impl<F: Float, X: LayerKernel> HostRunner<F, X> {
             act_grads: vec![F::zero(); len],
             inputs: vec![0; plan.tokens()],
             targets: vec![0; plan.tokens()],
+            positions: Vec::new(),
             plan,
         }
     }
@@ -55,11 +59,37 @@ impl<F: Float, X: LayerKernel> HostRunner<F, X> {
 
     /// Runs forward on `inputs` → `targets` (each `[batch, seq]`) and returns the mean loss.
     pub fn forward(&mut self, params: &[F], inputs: &[u32], targets: &[u32]) -> Result<F, NnError> {
+        self.forward_with(params, inputs, targets, None)
+    }
+
+    /// [`HostRunner::forward`] of packed rows (a plan built with
+    /// [`crate::plan::PlanOptions::packed`]): `positions [batch, seq]`, each token's position in
+    /// its document.
+    pub fn forward_packed(
+        &mut self,
+        params: &[F],
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<F, NnError> {
+        self.forward_with(params, inputs, targets, Some(positions))
+    }
+
+    fn forward_with(
+        &mut self,
+        params: &[F],
+        inputs: &[u32],
+        targets: &[u32],
+        positions: Option<&[u32]>,
+    ) -> Result<F, NnError> {
         check_len("parameter buffer", params.len(), self.padded_len)?;
         check_len("inputs", inputs.len(), self.plan.tokens())?;
         check_len("targets", targets.len(), self.plan.tokens())?;
+        self.plan.check_positions(positions)?;
         self.inputs.copy_from_slice(inputs);
         self.targets.copy_from_slice(targets);
+        self.positions.clear();
+        self.positions.extend_from_slice(positions.unwrap_or_default());
         let mut no_grads: [F; 0] = [];
         for launch in &self.plan.forward {
             let mut buffers = Buffers {
@@ -69,6 +99,7 @@ impl<F: Float, X: LayerKernel> HostRunner<F, X> {
                 act_grads: &mut self.act_grads,
                 inputs: &self.inputs,
                 targets: &self.targets,
+                positions: &self.positions,
             };
             execute(launch, &launch.kernel, &mut buffers)?;
         }
@@ -96,6 +127,7 @@ impl<F: Float, X: LayerKernel> HostRunner<F, X> {
                         act_grads: &mut self.act_grads,
                         inputs: &self.inputs,
                         targets: &self.targets,
+                        positions: &self.positions,
                     };
                     execute(launch, &launch.kernel.with_loss_scale(loss_scale), &mut buffers)?;
                 }
@@ -131,6 +163,7 @@ impl<F: Float, X: LayerKernel> HostRunner<F, X> {
                 act_grads: &mut self.act_grads,
                 inputs: &self.inputs,
                 targets: &self.targets,
+                positions: &self.positions,
             };
             let start = std::time::Instant::now();
             execute(launch, &launch.kernel, &mut buffers)?;
@@ -163,6 +196,7 @@ fn execute<F: Float, X: LayerKernel>(
             }
             Buf::Inputs => slots[i] = Some(Slot::Tokens(&b.inputs[arg.range.clone()])),
             Buf::Targets => slots[i] = Some(Slot::Tokens(&b.targets[arg.range.clone()])),
+            Buf::Positions => slots[i] = Some(Slot::Tokens(&b.positions[arg.range.clone()])),
             Buf::Grads | Buf::Acts | Buf::ActGrads => {}
         }
     }

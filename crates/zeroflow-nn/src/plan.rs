@@ -1,7 +1,7 @@
 //! The plan IR: a model as a list of kernel launches over four flat buffers (parameters,
-//! gradients, activations, activation gradients) and the two token buffers, for one (batch,
-//! sequence length). A model family builds its [`Plan`] from its shapes and parameter layout; the
-//! executors run any plan:
+//! gradients, activations, activation gradients) and the token buffers (inputs, targets and, in
+//! a packed plan, positions), for one (batch, sequence length). A model family builds its
+//! [`Plan`] from its shapes and parameter layout; the executors run any plan:
 //!
 //! - [`crate::host::HostRunner`] on host vectors, in any [`crate::Float`] (the f64 oracle);
 //! - [`crate::cpu::CpuRunner`] on the `CpuDevice`'s compute stream, in f32;
@@ -13,6 +13,7 @@
 
 use std::ops::Range;
 
+use crate::error::NnError;
 use crate::kernels::{Kernel, LayerKernel};
 
 /// The buffers a launch can touch.
@@ -30,6 +31,12 @@ pub enum Buf {
     Inputs,
     /// Target token ids `[batch, seq]`.
     Targets,
+    /// Each token's position in its own document, `[batch, seq]`, read only by a packed plan
+    /// ([`PlanOptions::packed`]): 0 at a document's first token in the row, then 1, 2, ... A
+    /// query at row index `t` attends the keys `t − positions[t] ..= t` only (its document's
+    /// tokens up to its own), and the position embedding (GPT-2's `wpe`, the Llama family's
+    /// rotation) is that of `positions[t]` rather than of `t`.
+    Positions,
 }
 
 /// How a launch uses an argument.
@@ -135,6 +142,11 @@ impl AttentionKind {
     }
 }
 
+/// What the CUDA executor says of a packed plan: its kernels do not take positions yet.
+pub const PACKING_ON_CPU_ONLY: &str = "packed sequences (--pack) run on the CPU device only so \
+     far: the CUDA kernels do not bound attention by document yet; train with --device cpu, or \
+     without --pack";
+
 /// How a family builds its plan: the options every family's plan takes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PlanOptions {
@@ -144,6 +156,12 @@ pub struct PlanOptions {
     /// layer right before its backward ([`crate::checkpoint`]): every layer's internal
     /// activations share one region. Off by default.
     pub activation_checkpointing: bool,
+    /// Sequence packing: every row holds several documents, with no attention across their
+    /// boundaries and positions restarting at each ([`Buf::Positions`]). The attention, the
+    /// position embedding and the rotary embedding read the positions; a plan built without it
+    /// reads none and is the same plan as before packing existed. Off by default; the CUDA
+    /// executor refuses a packed plan (so far).
+    pub packed: bool,
 }
 
 /// Hands out consecutive ranges of the activation buffer, each starting at a multiple of 16
@@ -198,6 +216,54 @@ impl<X: LayerKernel> Plan<X> {
     /// Tokens per micro-batch.
     pub fn tokens(&self) -> usize {
         self.batch * self.seq
+    }
+
+    /// Whether some launch reads the tokens' positions ([`Buf::Positions`]): the plan was built
+    /// for packed rows.
+    pub fn is_packed(&self) -> bool {
+        self.launches().any(|launch| launch.args.iter().any(|arg| arg.buf == Buf::Positions))
+    }
+
+    /// Checks a micro-batch's positions against the plan: a packed plan needs them (`[batch,
+    /// seq]`, each 0 at a document's first token in its row and one more than the previous
+    /// token's otherwise), a plan built without packing takes none.
+    pub fn check_positions(&self, positions: Option<&[u32]>) -> Result<(), NnError> {
+        let positions = match (self.is_packed(), positions) {
+            (false, None) => return Ok(()),
+            (true, Some(positions)) => positions,
+            (true, None) => {
+                return Err(NnError::Batch(
+                    "the plan is packed (PlanOptions::packed): give each token's position in its \
+                     document"
+                        .into(),
+                ));
+            }
+            (false, Some(_)) => {
+                return Err(NnError::Batch(
+                    "positions were given to a plan built without packing; build it with \
+                     PlanOptions::packed to run packed rows"
+                        .into(),
+                ));
+            }
+        };
+        if positions.len() != self.tokens() {
+            let (expected, found) = (self.tokens(), positions.len());
+            return Err(NnError::Length { what: "positions", expected, found });
+        }
+        for (b, row) in positions.chunks(self.seq).enumerate() {
+            let mut previous = None;
+            for (t, &position) in row.iter().enumerate() {
+                if !(position == 0 || previous == Some(position - 1)) {
+                    return Err(NnError::Batch(format!(
+                        "position {position} of token {t} of row {b}: a token's position is 0 \
+                         at its document's first token in the row and one more than the \
+                         previous token's otherwise"
+                    )));
+                }
+                previous = Some(position);
+            }
+        }
+        Ok(())
     }
 
     /// Every launch of forward and then backward.

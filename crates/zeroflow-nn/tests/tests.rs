@@ -2,3 +2,4 @@
 
 mod gqa;
 mod loss;
+mod packed;

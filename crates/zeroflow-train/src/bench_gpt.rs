@@ -81,7 +81,7 @@ fn measure_family<F: Family>(
         || -> Vec<u32> { (0..batch * seq).map(|_| rng.random_range(0..vocab)).collect() };
     let (inputs, targets) = (draw(), draw());
     let model_error = |e| TrainError::model(e);
-    model.set_batch(&inputs, &targets).map_err(model_error)?;
+    model.set_batch(&inputs, &targets, None).map_err(model_error)?;
     let mut step = || -> Result<f64> {
         let started = Instant::now();
         model.forward(&params).map_err(model_error)?;

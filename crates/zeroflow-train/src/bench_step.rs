@@ -245,7 +245,11 @@ fn bench<F: Family, M: Model>(
     // thread: pt_reserved_cores_perc).
     let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
     let activation_checkpointing = requested.activation_checkpointing.unwrap_or(false);
-    let model_options = zeroflow_nn::PlanOptions { attention, activation_checkpointing };
+    let model_options = zeroflow_nn::PlanOptions {
+        attention,
+        activation_checkpointing,
+        ..zeroflow_nn::PlanOptions::default()
+    };
     let plan = plan_bench(args, model, &options, dist, (seq, model_options))?;
     if args.plan == PlanMode::Only {
         let machine = MachineMemory::this_machine(args.device, dist.local_rank);
@@ -364,7 +368,7 @@ fn measure<M: Model>(
         let last = step + 1 == args.warmup + args.steps;
         let start = Instant::now();
         for _ in 0..args.accum {
-            gpt.set_batch(inputs, targets).map_err(TrainError::model)?;
+            gpt.set_batch(inputs, targets, None).map_err(TrainError::model)?;
             forward_backward(engine, gpt, 1.0)?;
             if !engine.is_gradient_accumulation_boundary() {
                 engine.step()?;
@@ -418,7 +422,7 @@ fn time_forward<M: Model>(
 ) -> Result<Vec<f64>> {
     let mut times = Vec::with_capacity(passes);
     for _ in 0..passes.max(1) {
-        gpt.set_batch(inputs, targets).map_err(TrainError::model)?;
+        gpt.set_batch(inputs, targets, None).map_err(TrainError::model)?;
         engine.device().synchronize()?;
         let start = Instant::now();
         gpt.forward(engine.params()).map_err(TrainError::model)?;

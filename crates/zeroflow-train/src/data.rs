@@ -3,7 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use zeroflow_data::{Batch, DataLoader, IGNORE_TARGET, Source, SyntheticCorpus, Unit, read_unit};
+use zeroflow_data::{
+    Batch, DataLoader, IGNORE_TARGET, Source, SyntheticCorpus, Unit, read_document_starts,
+    read_unit,
+};
 
 use crate::error::{Result, input};
 
@@ -162,6 +165,9 @@ pub struct Shape {
     /// Tokens of the evaluation set (`--eval-tokens`; default [`EVAL_TOKENS`], or
     /// [`SYNTHETIC_EVAL_TOKENS`] for the synthetic corpus).
     pub eval_tokens: Option<usize>,
+    /// Whether rows are packed (`--pack`): the training batches and the evaluation set carry
+    /// each token's position in its document, from the shards' document indexes.
+    pub packed: bool,
 }
 
 /// The training and evaluation data of a run.
@@ -190,7 +196,9 @@ impl Data {
     /// The evaluation set is the start of `eval` (`--eval-data`) where given; else the synthetic
     /// corpus evaluates on another stream of the same chain, and files on the last
     /// `shape.eval_tokens` tokens (at most a tenth) of their last file, which the training stream
-    /// never reads.
+    /// never reads. Packed (`shape.packed`), both carry each token's position in its document
+    /// ([`DataLoader::packed`]); every file, the evaluation set's included, needs its document
+    /// index.
     pub fn open(
         spec: &Spec,
         eval: Option<&Spec>,
@@ -207,10 +215,18 @@ impl Data {
         };
         let mut train =
             DataLoader::new(train, vocab, batch, seq, rank, world).map_err(data_error)?;
+        let description = match shape.packed {
+            true => {
+                train = train.packed().map_err(data_error)?;
+                format!("{description}, packed (no attention across documents)")
+            }
+            false => description,
+        };
         let (tokens, eval_description) = match (eval, spec) {
             (Some(eval_spec), _) => {
                 let wanted = shape.eval_tokens.unwrap_or(EVAL_TOKENS);
-                let tokens = leading_tokens(&source(eval_spec, vocab)?, vocab, wanted)?;
+                let eval = source(eval_spec, vocab)?;
+                let tokens = leading_tokens(&eval, vocab, wanted, shape.packed)?;
                 let what =
                     format!("the first {} tokens of --eval-data", thousands(tokens.tokens.len()));
                 (tokens, what)
@@ -221,12 +237,18 @@ impl Data {
                 let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
                 let tokens = read_unit(&eval, 0, vocab).map_err(data_error)?;
                 let what = format!("{} tokens of a held-out stream", thousands(len));
-                (EvalTokens::of(tokens), what)
+                (EvalTokens::of(tokens, None), what)
             }
             (None, _) => {
                 let source = source(spec, vocab)?;
                 let files = spec.files();
                 let last = read_unit(&source, files.len() - 1, vocab).map_err(data_error)?;
+                let documents = match shape.packed {
+                    true => {
+                        Some(read_document_starts(&source, files.len() - 1).map_err(data_error)?)
+                    }
+                    false => None,
+                };
                 let len = last.tokens.len();
                 let held = shape.eval_tokens.unwrap_or(EVAL_TOKENS).min(len / 10);
                 train = train.hold_out_tail(held).map_err(data_error)?;
@@ -235,7 +257,7 @@ impl Data {
                     thousands(held),
                     files[files.len() - 1].display()
                 );
-                (EvalTokens::of(last).tail(held), what)
+                (EvalTokens::of(last, documents).tail(held), what)
             }
         };
         let counted = match &tokens.mask {
@@ -249,40 +271,53 @@ impl Data {
                  --eval-data"
             )));
         }
-        let mask = tokens.mask.as_deref();
-        let eval = zeroflow_data::eval_batches(&tokens.tokens, mask, seq, batch, rank, world);
+        let (mask, documents) = (tokens.mask.as_deref(), tokens.documents.as_deref());
+        let eval =
+            zeroflow_data::eval_batches(&tokens.tokens, mask, documents, seq, batch, rank, world);
         let eval_tokens = tokens.tokens.len();
         Ok(Data { train, eval, eval_tokens, floor, description, eval_description })
     }
 }
 
-/// The tokens of an evaluation set and their loss mask.
+/// The tokens of an evaluation set, their loss mask, and where packed, where its documents
+/// start.
 struct EvalTokens {
     tokens: Vec<u32>,
     mask: Option<Vec<u8>>,
+    documents: Option<Vec<u64>>,
 }
 
 impl EvalTokens {
-    fn of(unit: Unit) -> EvalTokens {
+    fn of(unit: Unit, documents: Option<Vec<u64>>) -> EvalTokens {
         let mut tokens = vec![0; unit.tokens.len()];
         unit.tokens.copy_to(0, &mut tokens);
-        EvalTokens { tokens, mask: unit.mask }
+        EvalTokens { tokens, mask: unit.mask, documents }
     }
 
-    /// The last `len` tokens.
+    /// The last `len` tokens (a document that began before them starts again at their start).
     fn tail(mut self, len: usize) -> EvalTokens {
         let start = self.tokens.len() - len;
         self.tokens.drain(..start);
         if let Some(mask) = &mut self.mask {
             mask.drain(..start);
         }
+        if let Some(documents) = &mut self.documents {
+            documents.retain(|&s| s >= start as u64);
+            documents.iter_mut().for_each(|s| *s -= start as u64);
+        }
         self
     }
 }
 
-/// The first `wanted` tokens of `source`'s files in order (fewer where they hold fewer).
-fn leading_tokens(source: &Source, vocab: usize, wanted: usize) -> Result<EvalTokens> {
-    let mut out = EvalTokens { tokens: Vec::new(), mask: None };
+/// The first `wanted` tokens of `source`'s files in order (fewer where they hold fewer), with
+/// where their documents start where `packed`.
+fn leading_tokens(
+    source: &Source,
+    vocab: usize,
+    wanted: usize,
+    packed: bool,
+) -> Result<EvalTokens> {
+    let mut out = EvalTokens { tokens: Vec::new(), mask: None, documents: packed.then(Vec::new) };
     let (Source::Shards(paths) | Source::Text(paths)) = source else {
         unreachable!("--eval-data is files")
     };
@@ -294,7 +329,13 @@ fn leading_tokens(source: &Source, vocab: usize, wanted: usize) -> Result<EvalTo
             read_unit(source, index, vocab).map_err(|e| input(format!("--eval-data: {e}")))?;
         let take = unit.tokens.len().min(wanted - out.tokens.len());
         let had = out.tokens.len();
-        let mut unit = EvalTokens::of(unit);
+        if let Some(documents) = &mut out.documents {
+            let starts = read_document_starts(source, index)
+                .map_err(|e| input(format!("--eval-data: {e}")))?;
+            let starts = starts.into_iter().filter(|&s| s < take as u64);
+            documents.extend(starts.map(|s| s + had as u64));
+        }
+        let mut unit = EvalTokens::of(unit, None);
         if let Some(mask) = unit.mask.take() {
             out.mask.get_or_insert_with(|| vec![1; had]).extend_from_slice(&mask[..take]);
         } else if let Some(mask) = &mut out.mask {

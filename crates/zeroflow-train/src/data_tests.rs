@@ -15,7 +15,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn shape(batch: u64, seq: usize, eval_tokens: Option<usize>) -> Shape {
-    Shape { batch, micro_steps: 100, rank: 0, world_size: 1, seq, eval_tokens }
+    Shape { batch, micro_steps: 100, rank: 0, world_size: 1, seq, eval_tokens, packed: false }
 }
 
 /// The tokens (inputs and counted targets) of `steps` training micro-batches and of the whole

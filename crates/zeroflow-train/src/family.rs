@@ -60,13 +60,15 @@ pub trait Family: Clone + std::fmt::Debug + serde::Serialize + Send + 'static {
     fn cpu_activations(&self, batch: usize, seq: usize) -> usize;
     /// The attention the GPU model runs: `asked`, else the family's best for this shape.
     fn cuda_attention(&self, asked: Option<AttentionKind>) -> AttentionKind;
-    /// The CPU model for micro-batches of `batch` sequences of `seq` tokens.
+    /// The CPU model for micro-batches of `batch` sequences of `seq` tokens, packed (its
+    /// batches carrying each token's position in its document) where `packed` says.
     fn cpu_model(
         &self,
         device: &CpuDevice,
         layout: &FlatLayout,
         batch: usize,
         seq: usize,
+        packed: bool,
     ) -> Result<Self::Cpu, TrainError>;
     /// The GPU model, sharing `blas` with the device's other users, built with `options`
     /// (attention, activation checkpointing).

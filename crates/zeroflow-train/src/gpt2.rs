@@ -100,8 +100,10 @@ impl Family for GptConfig {
         layout: &FlatLayout,
         batch: usize,
         seq: usize,
+        packed: bool,
     ) -> Result<CpuGpt, TrainError> {
-        Ok(CpuGpt::new(device, self, layout, batch, seq)?)
+        let options = PlanOptions { packed, ..PlanOptions::default() };
+        Ok(CpuGpt::with_options(device, self, layout, batch, seq, options)?)
     }
 
     fn cuda_model(

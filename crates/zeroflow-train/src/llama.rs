@@ -143,8 +143,10 @@ impl Family for LlamaSpec {
         layout: &FlatLayout,
         batch: usize,
         seq: usize,
+        packed: bool,
     ) -> Result<CpuLlama, TrainError> {
-        Ok(CpuLlama::new(device, &self.0, layout, batch, seq, AttentionKind::Gemm)?)
+        let options = PlanOptions { packed, ..PlanOptions::default() };
+        Ok(CpuLlama::with_options(device, &self.0, layout, batch, seq, options)?)
     }
 
     fn cuda_model(
@@ -236,7 +238,7 @@ mod tests {
         for _ in 0..steps {
             let weights = device.upload(params).unwrap();
             let grads = device.alloc::<f32>(weights.len()).unwrap();
-            model.set_batch(batch.0, batch.1).unwrap();
+            model.set_batch(batch.0, batch.1, None).unwrap();
             model.forward(&weights).unwrap();
             losses.push(model.loss().unwrap());
             groups.clear();

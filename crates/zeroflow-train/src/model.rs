@@ -19,8 +19,14 @@ pub trait Model: Sized {
     /// What the model's calls fail with.
     type Error: std::error::Error + Send + Sync + 'static;
 
-    /// Queues the upload of a micro-batch.
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), Self::Error>;
+    /// Queues the upload of a micro-batch, with each token's position in its document where the
+    /// rows are packed (the model must have been built for packing; a CUDA model refuses them).
+    fn set_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: Option<&[u32]>,
+    ) -> Result<(), Self::Error>;
 
     /// Queues forward.
     fn forward(&mut self, params: &Buffer<Self>) -> Result<(), Self::Error>;
@@ -62,8 +68,18 @@ macro_rules! model_impl {
                 }
             )?
 
-            fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), $error> {
-                <$model>::set_batch(self, inputs, targets)
+            fn set_batch(
+                &mut self,
+                inputs: &[u32],
+                targets: &[u32],
+                positions: Option<&[u32]>,
+            ) -> Result<(), $error> {
+                match positions {
+                    None => <$model>::set_batch(self, inputs, targets),
+                    Some(positions) => {
+                        <$model>::set_packed_batch(self, inputs, targets, positions)
+                    }
+                }
             }
 
             fn forward(&mut self, params: &$crate::model::Buffer<Self>) -> Result<(), $error> {

@@ -38,6 +38,25 @@ pub fn open_cpu<F: Family>(
     layout: &FlatLayout,
     dist: &DistEnv,
 ) -> Result<Opened<F::Cpu>> {
+    open_cpu_model(model, micro_batch, seq, layout, dist, false)
+}
+
+/// [`open_cpu`] whose model packs rows where `packed` says (`--pack`): its batches carry each
+/// token's position in its document.
+pub fn cpu_opener<F: Family>(packed: bool) -> impl OpenFn<F, F::Cpu> {
+    move |model: &F, micro_batch: usize, seq: usize, layout: &FlatLayout, dist: &DistEnv| {
+        open_cpu_model(model, micro_batch, seq, layout, dist, packed)
+    }
+}
+
+fn open_cpu_model<F: Family>(
+    model: &F,
+    micro_batch: usize,
+    seq: usize,
+    layout: &FlatLayout,
+    dist: &DistEnv,
+    packed: bool,
+) -> Result<Opened<F::Cpu>> {
     if dist.world_size != 1 {
         return Err(input("the CPU device trains in one process"));
     }
@@ -45,7 +64,7 @@ pub fn open_cpu<F: Family>(
     let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(60))
         .pop()
         .expect("a group of one");
-    let model = model.cpu_model(&device, layout, micro_batch, seq)?;
+    let model = model.cpu_model(&device, layout, micro_batch, seq, packed)?;
     let (_, group) = dist::join(dist, || Ok(Vec::new()))?;
     Ok(Opened { device, comm, model, group })
 }
@@ -107,6 +126,7 @@ pub fn open_cuda<F: Family>(
     let options = PlanOptions {
         attention: open.attention,
         activation_checkpointing: open.activation_checkpointing,
+        packed: false,
     };
     let model = model.cuda_model(&device, blas, layout, micro_batch, seq, options)?;
     tracing::info!(

@@ -583,6 +583,7 @@ mod tests {
             model_options: PlanOptions {
                 attention: AttentionKind::Flash,
                 activation_checkpointing: false,
+                packed: false,
             },
             caller: Caller::Bench,
             gpu_memory: Some(140 * GIB),

@@ -49,7 +49,10 @@ pub fn run(
 ) -> Result<Outcome> {
     let model = setup.model.clone();
     with_family!(model, family => match setup.device {
-        DeviceKind::Cpu => run_on(setup, &family, open::open_cpu, observer, stop),
+        DeviceKind::Cpu => {
+            let packed = setup.settings.pack.unwrap_or(false);
+            run_on(setup, &family, open::cpu_opener(packed), observer, stop)
+        }
         DeviceKind::Cuda => run_on(setup, &family, cuda.opener(), observer, stop),
     })
 }

@@ -182,6 +182,7 @@ impl Setup {
             world_size: dist.world_size,
             seq,
             eval_tokens: args.eval_tokens.map(|n| n.get() as usize),
+            packed: settings.pack.unwrap_or(false),
         };
         let spec = match spec {
             data::Spec::Jsonl(path) => {
@@ -310,6 +311,7 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     .map_err(input)?;
     let settings = settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
     let attention = settings::attention(args.device, &model, &settings)?;
+    settings::pack(args.device, &settings)?;
     let resumed = resume.is_some();
     let plan = train_plan(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
     Ok(Prepared {
@@ -358,7 +360,11 @@ fn train_plan(
         rank: dist.rank,
         micro_batch: config.batch.micro_batch_size_per_gpu as usize,
         seq,
-        model_options: zeroflow_nn::PlanOptions { attention, activation_checkpointing },
+        model_options: zeroflow_nn::PlanOptions {
+            attention,
+            activation_checkpointing,
+            ..zeroflow_nn::PlanOptions::default()
+        },
         caller: Caller::Train { resumed },
         gpu_memory: MachineMemory::this_machine(args.device, dist.local_rank).gpu_total,
     })

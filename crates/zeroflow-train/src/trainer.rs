@@ -271,7 +271,9 @@ impl<M: Model> Trainer<M> {
         // Σ over this rank's micro-batches of (mean loss × counted targets), and of the means.
         let (mut loss_sum, mut mean_sum) = (0.0, 0.0);
         for batch in &batches {
-            self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
+            self.model
+                .set_batch(&batch.inputs, &batch.targets, batch.positions())
+                .map_err(TrainError::model)?;
             forward_backward(&mut self.engine, &mut self.model, weight)?;
             let mean = f64::from(self.model.loss().map_err(TrainError::model)?);
             loss_sum += mean * batch.counted() as f64;
@@ -349,7 +351,9 @@ impl<M: Model> Trainer<M> {
                 break;
             }
             observer.doing(Activity::Evaluating { after, batch: i + 1, batches: eval.len() });
-            self.model.set_batch(&batch.inputs, &batch.targets).map_err(TrainError::model)?;
+            self.model
+                .set_batch(&batch.inputs, &batch.targets, batch.positions())
+                .map_err(TrainError::model)?;
             self.model.forward(self.engine.params()).map_err(TrainError::model)?;
             let mean = f64::from(self.model.loss().map_err(TrainError::model)?);
             sum += mean * batch.counted() as f64;

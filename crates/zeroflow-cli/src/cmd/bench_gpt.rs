@@ -59,7 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     })?;
     let activation_checkpointing = settings::activation_checkpointing(DeviceKind::Cuda, &requested);
-    let options = PlanOptions { attention, activation_checkpointing };
+    let options = PlanOptions { attention, activation_checkpointing, ..PlanOptions::default() };
     let (iters, warmup, profile, fuse_gelu) =
         (args.iters, args.warmup, args.profile, !args.no_gelu_fusion);
     let bench = GptBenchOptions { batch, seq, iters, warmup, options, fuse_gelu, profile };

@@ -111,6 +111,20 @@ pub struct Args {
     /// Start even where the memory plan (`zeroflow plan`) does not fit this machine.
     #[arg(long)]
     pub no_plan_check: bool,
+    /// Sequence packing: each sequence holds several documents with no attention across their
+    /// boundaries, positions restarting at each (from the document index, .idx, that `zeroflow
+    /// tokenize` writes beside each shard); the rows are cut as without it. The CPU device only,
+    /// so far; changes the numbers. `--pack` alone is `=on`. Over ZEROFLOW_PACK and
+    /// zeroflow.pack.
+    #[arg(
+        long,
+        value_name = "on|off",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "on",
+        value_parser = settings::flag(&settings::names::SWITCH)
+    )]
+    pub pack: Option<bool>,
     #[command(flatten)]
     pub auto: AutoFlags,
     #[command(flatten)]
@@ -164,7 +178,10 @@ impl Args {
                 warmup: auto.warmup,
                 weight_decay: auto.weight_decay,
             },
-            settings: settings::from_flags(self.gpu_flags, self.host_flags),
+            settings: settings::Requested {
+                pack: self.pack,
+                ..settings::from_flags(self.gpu_flags, self.host_flags)
+            },
             plan: if self.no_plan_check { PlanMode::NoCheck } else { PlanMode::Check },
         }
     }

@@ -95,11 +95,13 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         speculation_budget_mib: host.speculation_budget_mib,
         accumulate_on: host.accumulate_on,
         pinned_budget_mib: host.pinned_budget_mib,
+        // `train --pack` alone: not a setting of the device's flags.
+        pack: None,
     }
 }
 
 /// A flag's parser for one of `choices` (case and spaces ignored, as in the variables).
-fn flag<T: Copy + Send + Sync + 'static>(
+pub(crate) fn flag<T: Copy + Send + Sync + 'static>(
     choices: &'static [(&'static str, T)],
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
     move |value| match zeroflow_core::env::choice(Some(value), choices) {

@@ -53,6 +53,7 @@ fn the_flags_take_the_names_the_variables_take() {
             speculation_budget_mib: Some(0.0),
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(0.0),
+            pack: None,
         }
     );
     for bad in [

@@ -315,8 +315,16 @@ impl Model for FailingGpt {
     type P = f32;
     type Error = GptError;
 
-    fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), GptError> {
-        self.gpt.set_batch(inputs, targets)
+    fn set_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: Option<&[u32]>,
+    ) -> Result<(), GptError> {
+        match positions {
+            None => self.gpt.set_batch(inputs, targets),
+            Some(positions) => self.gpt.set_packed_batch(inputs, targets, positions),
+        }
     }
 
     fn forward(&mut self, params: &Buffer<Self>) -> Result<(), GptError> {

@@ -141,3 +141,45 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
         assert!(exported.join(file).is_file(), "{file} exported");
     }
 }
+
+/// `train --data chat.jsonl --pack`: the conversations tokenized at start-up come with their
+/// document index, so the Llama model trains on packed rows (each conversation attending only
+/// to itself, the loss still the assistant's only) and evaluates on packed windows.
+#[test]
+fn chat_data_trains_packed() {
+    let dir = scratch("chat_packed");
+    let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
+    write_model_dir(&model);
+    write_chat(&chat);
+    let args = [
+        "--init-from",
+        model.to_str().unwrap(),
+        "--data",
+        chat.to_str().unwrap(),
+        "--pack",
+        "--steps",
+        "10",
+        "--micro-batch",
+        "4",
+        "--seq",
+        "64",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--out",
+        run.to_str().unwrap(),
+    ];
+    let trained = train(&args);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+    assert!(run.join("tokens/rank-0/tokens_000000.idx").is_file(), "the document index");
+    let lines = read_lines(&run.join("metrics.jsonl"));
+    let losses: Vec<f64> = lines.iter().filter_map(|l| l.get("loss")?.as_f64()).collect();
+    assert_eq!(losses.len(), 10);
+    assert!(losses[9] < losses[0], "it learns: {losses:?}");
+    let evals = lines.iter().filter(|l| l.get("eval_loss").is_some()).count();
+    assert_eq!(evals, 2, "{lines:?}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["settings"]["pack"], true, "{summary}");
+}

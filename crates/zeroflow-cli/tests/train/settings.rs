@@ -21,7 +21,7 @@ const TUNED: &str = r#"{
   }
 }"#;
 
-const VARIABLES: [&str; 10] = [
+const VARIABLES: [&str; 11] = [
     "ZEROFLOW_ATTENTION",
     "ZEROFLOW_CUDA_WAIT",
     "ZEROFLOW_CPU_BIND",
@@ -32,6 +32,7 @@ const VARIABLES: [&str; 10] = [
     "ZEROFLOW_SPECULATION_BUDGET_MIB",
     "ZEROFLOW_ACCUMULATE_ON",
     "ZEROFLOW_PINNED_BUDGET_MIB",
+    "ZEROFLOW_PACK",
 ];
 
 /// `zeroflow train` with `args`, only the variables of `env` set among the settings'.

@@ -7,6 +7,7 @@
 //!   "delayed_update": { "enabled": true, "warmup_steps": 10 },
 //!   "attention": "auto",
 //!   "activation_checkpointing": false,
+//!   "pack": false,
 //!   "cuda_wait": "auto",
 //!   "cpu_bind": "auto",
 //!   "optimizer_state_dtype": "fp32",
@@ -42,6 +43,10 @@ pub struct ZeroflowExtensions {
     /// `zeroflow.activation_checkpointing` (a boolean); `None` (`"auto"`, absent): off. Keeps
     /// only each layer's input for backward and recomputes the rest of the layer there.
     pub activation_checkpointing: Option<bool>,
+    /// `zeroflow.pack` (a boolean); `None` (`"auto"`, absent): off. Sequence packing: several
+    /// documents per row with no attention across them (the CPU device only, so far). Changes
+    /// the numbers.
+    pub pack: Option<bool>,
     /// `zeroflow.cuda_wait`; `None` (`"auto"`): the driver's choice.
     pub cuda_wait: Option<CudaWait>,
     /// `zeroflow.cpu_bind`; `None` (`"auto"`): bind where a host runs several ranks.
@@ -181,6 +186,7 @@ impl ZeroflowExtensions {
             },
             "attention": name_of(ATTENTIONS, self.attention),
             "activation_checkpointing": self.activation_checkpointing,
+            "pack": self.pack,
             "cuda_wait": name_of(CUDA_WAITS, self.cuda_wait),
             "cpu_bind": name_of(CPU_BINDS, self.cpu_bind),
             "optimizer_state_dtype": self.optimizer_state_dtype.name(),
@@ -212,6 +218,7 @@ pub(crate) fn read_extensions(
     let attention =
         named(&mut section, "attention", ATTENTIONS, "\"auto\", \"gemm\" or \"flash\"")?;
     let activation_checkpointing = section.bool("activation_checkpointing")?.given();
+    let pack = section.bool("pack")?.given();
     let cuda_wait =
         named(&mut section, "cuda_wait", CUDA_WAITS, "\"auto\", \"block\" or \"spin\"")?;
     let cpu_bind = named(&mut section, "cpu_bind", CPU_BINDS, "\"auto\", \"on\" or \"off\"")?;
@@ -233,6 +240,7 @@ pub(crate) fn read_extensions(
         delayed_update,
         attention,
         activation_checkpointing,
+        pack,
         cuda_wait,
         cpu_bind,
         optimizer_state_dtype,

@@ -59,6 +59,7 @@ impl CudaLlamaOptions {
         PlanOptions {
             attention: self.attention,
             activation_checkpointing: self.activation_checkpointing,
+            packed: false,
         }
     }
 
@@ -199,6 +200,11 @@ impl CudaLlama {
     /// queues its upload on the compute stream. Does not wait for the GPU.
     pub fn set_batch(&mut self, inputs: &[u32], targets: &[u32]) -> Result<(), LlamaError> {
         Ok(self.runner.set_batch(inputs, targets, self.config.vocab_size)?)
+    }
+
+    /// Packed rows are not run on the GPU yet: always [`LlamaError::Batch`] saying so.
+    pub fn set_packed_batch(&mut self, _: &[u32], _: &[u32], _: &[u32]) -> Result<(), LlamaError> {
+        Err(LlamaError::Batch(zeroflow_nn::plan::PACKING_ON_CPU_ONLY.into()))
     }
 
     /// Queues forward on the compute stream.

@@ -34,10 +34,11 @@ pub enum LlamaKernel {
     RmsNorm { c: usize, eps: f64 },
     /// W dinp, W dweight, R dout, R inp, R weight, R rstd ([`rmsnorm::rmsnorm_backward`]).
     RmsNormBackward { c: usize },
-    /// W qkv, R q, R k, R v: `qkv = [rope(q) | rope(k) | v]` per token row
-    /// ([`rope::rope_forward`]).
+    /// W qkv, R q, R k, R v, [T positions]: `qkv = [rope(q) | rope(k) | v]` per token row
+    /// ([`rope::rope_forward`]), each rotated by its position in its sequence, or with the
+    /// positions of packed rows by its position in its document.
     Rope(Rotary),
-    /// W dq, W dk, W dv, R dqkv ([`rope::rope_backward`]).
+    /// W dq, W dk, W dv, R dqkv, [T positions] ([`rope::rope_backward`]).
     RopeBackward(Rotary),
     /// W out, R gate, R up: `out = silu(gate) · up` ([`swiglu::swiglu_forward`]).
     SwiGlu,
@@ -80,11 +81,24 @@ impl LayerKernel for LlamaKernel {
             }
             LlamaKernel::Rope(ref shape) => {
                 let qkv = a.write(0);
-                rope::rope_forward(qkv, a.read(1), a.read(2), a.read(3), shape);
+                let (q, k, v) = (a.read(1), a.read(2), a.read(3));
+                match a.optional_tokens(4) {
+                    None => rope::rope_forward(qkv, q, k, v, shape),
+                    Some(positions) => {
+                        let position = |row: usize| positions[row] as usize;
+                        rope::rope_forward_at(qkv, q, k, v, shape, position);
+                    }
+                }
             }
             LlamaKernel::RopeBackward(ref shape) => {
                 let (dq, dk, dv) = (a.write(0), a.write(1), a.write(2));
-                rope::rope_backward(dq, dk, dv, a.read(3), shape);
+                match a.optional_tokens(4) {
+                    None => rope::rope_backward(dq, dk, dv, a.read(3), shape),
+                    Some(positions) => {
+                        let position = |row: usize| positions[row] as usize;
+                        rope::rope_backward_at(dq, dk, dv, a.read(3), shape, position);
+                    }
+                }
             }
             LlamaKernel::SwiGlu => swiglu::swiglu_forward(a.write(0), a.read(1), a.read(2)),
             LlamaKernel::SwiGluBackward => {

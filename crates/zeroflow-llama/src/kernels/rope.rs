@@ -83,7 +83,8 @@ pub fn rope_forward<F: Float>(qkv: &mut [F], q: &[F], k: &[F], v: &[F], shape: &
     rope_forward_at(qkv, q, k, v, shape, |row| row % shape.t);
 }
 
-/// [`rope_forward`] with each row's position given (the rows of a key/value-cached step);
+/// [`rope_forward`] with each row's position given (the rows of a key/value-cached step, or of
+/// packed rows: each token's position in its document);
 /// `shape.t` is not used.
 pub fn rope_forward_at<F: Float>(
     qkv: &mut [F],
@@ -116,12 +117,25 @@ pub fn rope_backward<F: Float>(
     dqkv: &[F],
     shape: &Rotary,
 ) {
+    rope_backward_at(dq, dk, dv, dqkv, shape, |row| row % shape.t);
+}
+
+/// [`rope_backward`] with each row's position given (packed rows: its position in its
+/// document); `shape.t` is not used.
+pub fn rope_backward_at<F: Float>(
+    dq: &mut [F],
+    dk: &mut [F],
+    dv: &mut [F],
+    dqkv: &[F],
+    shape: &Rotary,
+    position: impl Fn(usize) -> usize + Sync,
+) {
     let (qw, kw) = (shape.q_width(), shape.kv_width());
     let inv_freq = shape.freqs.inv_freq();
     let grads = dq.par_chunks_mut(qw).zip(dk.par_chunks_mut(kw)).zip(dv.par_chunks_mut(kw));
     grads.zip(dqkv.par_chunks(shape.qkv_width())).enumerate().with_min_len(ROWS_PER_TASK).for_each(
         |(row, (((dq, dk), dv), dy))| {
-            let (cos, sin) = shape.angles::<F>(&inv_freq, row % shape.t);
+            let (cos, sin) = shape.angles::<F>(&inv_freq, position(row));
             let (dy_q, rest) = dy.split_at(qw);
             let (dy_k, dy_v) = rest.split_at(kw);
             rotate_back(dq, dy_q, &cos, &sin);

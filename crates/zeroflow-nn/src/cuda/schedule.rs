@@ -33,7 +33,7 @@ use std::ops::Range;
 use self::lives::{ArgUse, accumulate_flags};
 use crate::error::NnError;
 use crate::kernels::{Fusable, Kernel, LayerKernel, WeightLayout};
-use crate::plan::{Arg, Buf, GradsReady, Launch, Plan, Step};
+use crate::plan::{Arg, Buf, GradsReady, Launch, PACKING_ON_CPU_ONLY, Plan, Step};
 
 mod lives;
 
@@ -150,6 +150,7 @@ impl<X: LayerKernel> Schedule<X> {
                 Buf::ActGrads => (Space::ActGrads, using.life_key(arg, plan.acts_len)),
                 Buf::Inputs => (Space::Tokens, arg.range.start),
                 Buf::Targets => (Space::Tokens, tokens + arg.range.start),
+                Buf::Positions => return Err(NnError::Batch(PACKING_ON_CPU_ONLY.into())),
             };
             Ok(Place { space, offset, len: arg.range.len(), accumulate: using.accumulate })
         };

@@ -12,6 +12,12 @@
 //! the softmax output `att` for [`attention_backward`]; [`flash_attention_forward`] keeps only the
 //! log-sum-exp of each query row, from which [`flash_attention_backward`] recomputes the weights,
 //! as FlashAttention does on the GPU. Both give the same gradients (up to rounding).
+//!
+//! Packed rows (several documents per row, [`crate::plan::PlanOptions::packed`]) go through the
+//! `_packed` forms, which take each token's position in its document, `positions [b, t]`: query
+//! `t1` attends only the keys `t1 − positions[t1] ..= t1`, its own document's, so no attention
+//! crosses a document boundary. Without positions every query's first key is 0 and the
+//! arithmetic is exactly that of the plain forms (which call the same code).
 
 use rayon::prelude::*;
 
@@ -72,7 +78,31 @@ impl AttentionShape {
 /// Shapes: `out [b, t, c]`, `att [b, n_head, t, t]` (the attention weights; the masked entries
 /// above the diagonal are zero), `qkv [b, t, qkv_width]`.
 pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], shape: AttentionShape) {
+    attention_forward_within(out, att, qkv, None, shape);
+}
+
+/// [`attention_forward`] of packed rows: each query attends its own document's keys only
+/// (`positions [b, t]`, each token's position in its document); the weights outside that range
+/// are zero.
+pub fn attention_forward_packed<F: Float>(
+    out: &mut [F],
+    att: &mut [F],
+    qkv: &[F],
+    positions: &[u32],
+    shape: AttentionShape,
+) {
+    attention_forward_within(out, att, qkv, Some(positions), shape);
+}
+
+fn attention_forward_within<F: Float>(
+    out: &mut [F],
+    att: &mut [F],
+    qkv: &[F],
+    positions: Option<&[u32]>,
+    shape: AttentionShape,
+) {
     let AttentionShape { t, c, n_head, .. } = shape;
+    let first_key = FirstKey { positions, t };
     let (hs, width) = (shape.head_size(), shape.qkv_width());
     let scale = F::one() / F::of(hs as f64).sqrt();
     let at = |b: usize, row: usize, column: usize| b * t * width + row * width + column;
@@ -80,10 +110,12 @@ pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], shap
         let (b, h) = (bh / n_head, bh % n_head);
         let (q_column, k_column, _) = shape.columns(h);
         for t1 in 0..t {
+            let first = first_key.of(b, t1);
             let query = &qkv[at(b, t1, q_column)..][..hs];
             let (row, masked) = att[t1 * t..][..t].split_at_mut(t1 + 1);
+            let (other_documents, row) = row.split_at_mut(first);
             let mut max = F::neg_infinity();
-            for (t2, score) in row.iter_mut().enumerate() {
+            for (t2, score) in (first..).zip(row.iter_mut()) {
                 *score = dot(query, &qkv[at(b, t2, k_column)..][..hs]) * scale;
                 max = max.max(*score);
             }
@@ -93,6 +125,7 @@ pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], shap
                 sum += *a;
             }
             row.iter_mut().for_each(|a| *a = *a / sum);
+            other_documents.fill(F::zero());
             masked.fill(F::zero());
         }
     });
@@ -100,11 +133,12 @@ pub fn attention_forward<F: Float>(out: &mut [F], att: &mut [F], qkv: &[F], shap
     out.par_chunks_mut(c).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(bt, out)| {
         let (b, t1) = (bt / t, bt % t);
         out.fill(F::zero());
+        let first = first_key.of(b, t1);
         for h in 0..n_head {
-            let weights = &att[((b * n_head + h) * t + t1) * t..][..=t1];
+            let weights = &att[((b * n_head + h) * t + t1) * t..][first..=t1];
             let out = &mut out[h * hs..][..hs];
             let (_, _, v_column) = shape.columns(h);
-            for (t2, &a) in weights.iter().enumerate() {
+            for (t2, &a) in (first..).zip(weights) {
                 let value = &qkv[at(b, t2, v_column)..][..hs];
                 out.iter_mut().zip(value).for_each(|(o, &v)| *o += a * v);
             }
@@ -123,7 +157,33 @@ pub fn attention_backward<F: Float>(
     att: &[F],
     shape: AttentionShape,
 ) {
+    attention_backward_within(dqkv, dscores, dout, qkv, att, None, shape);
+}
+
+/// [`attention_backward`] of [`attention_forward_packed`], with the same `positions`.
+pub fn attention_backward_packed<F: Float>(
+    dqkv: &mut [F],
+    dscores: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    positions: &[u32],
+    shape: AttentionShape,
+) {
+    attention_backward_within(dqkv, dscores, dout, qkv, att, Some(positions), shape);
+}
+
+fn attention_backward_within<F: Float>(
+    dqkv: &mut [F],
+    dscores: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    att: &[F],
+    positions: Option<&[u32]>,
+    shape: AttentionShape,
+) {
     let AttentionShape { t, c, n_head, .. } = shape;
+    let first_key = FirstKey { positions, t };
     let (hs, width, kv_width) = (shape.head_size(), shape.qkv_width(), shape.kv_width());
     let scale = F::one() / F::of(hs as f64).sqrt();
     let at = |b: usize, row: usize, column: usize| b * t * width + row * width + column;
@@ -133,14 +193,17 @@ pub fn attention_backward<F: Float>(
         let (b, h) = (bh / n_head, bh % n_head);
         let (_, _, v_column) = shape.columns(h);
         for t1 in 0..t {
-            let weights = &att[(bh * t + t1) * t..][..=t1];
+            let first = first_key.of(b, t1);
+            let weights = &att[(bh * t + t1) * t..][first..=t1];
             let (row, masked) = dscores[t1 * t..][..t].split_at_mut(t1 + 1);
+            let (other_documents, row) = row.split_at_mut(first);
             let dout_row = dout_at(b, t1, h);
-            for (t2, datt) in row.iter_mut().enumerate() {
+            for (t2, datt) in (first..).zip(row.iter_mut()) {
                 *datt = dot(&qkv[at(b, t2, v_column)..][..hs], dout_row);
             }
             let weighted: F = weights.iter().zip(row.iter()).map(|(&a, &d)| a * d).sum();
             row.iter_mut().zip(weights).for_each(|(g, &a)| *g = a * (*g - weighted));
+            other_documents.fill(F::zero());
             masked.fill(F::zero());
         }
     });
@@ -156,12 +219,12 @@ pub fn attention_backward<F: Float>(
             let kv = shape.kv_head(h) * hs;
             let (dq, dk, dv) =
                 (&mut dq_row[h * hs..][..hs], &mut dk_row[kv..][..hs], &mut dv_row[kv..][..hs]);
-            for t2 in 0..=t0 {
+            for t2 in first_key.of(b, t0)..=t0 {
                 let g = dscores[block + t0 * t + t2] * scale;
                 let key = &qkv[at(b, t2, k_column)..][..hs];
                 dq.iter_mut().zip(key).for_each(|(d, &k)| *d += g * k);
             }
-            for t1 in t0..t {
+            for t1 in first_key.queries_of(b, t0) {
                 let g = dscores[block + t1 * t + t0] * scale;
                 let query = &qkv[at(b, t1, q_column)..][..hs];
                 dk.iter_mut().zip(query).for_each(|(d, &q)| *d += g * q);
@@ -181,7 +244,30 @@ pub fn flash_attention_forward<F: Float>(
     qkv: &[F],
     shape: AttentionShape,
 ) {
+    flash_attention_forward_within(out, lse, qkv, None, shape);
+}
+
+/// [`flash_attention_forward`] of packed rows: each query attends its own document's keys only
+/// (`positions [b, t]`, each token's position in its document), its log-sum-exp over them.
+pub fn flash_attention_forward_packed<F: Float>(
+    out: &mut [F],
+    lse: &mut [F],
+    qkv: &[F],
+    positions: &[u32],
+    shape: AttentionShape,
+) {
+    flash_attention_forward_within(out, lse, qkv, Some(positions), shape);
+}
+
+fn flash_attention_forward_within<F: Float>(
+    out: &mut [F],
+    lse: &mut [F],
+    qkv: &[F],
+    positions: Option<&[u32]>,
+    shape: AttentionShape,
+) {
     let AttentionShape { t, c, n_head, .. } = shape;
+    let first_key = FirstKey { positions, t };
     let hs = shape.head_size();
     let heads = Heads { qkv, shape, hs, scale: F::one() / F::of(hs as f64).sqrt() };
     // The log-sum-exp of each row in one pass over its scores (the running max and sum).
@@ -189,7 +275,7 @@ pub fn flash_attention_forward<F: Float>(
         let (b, h) = (bh / n_head, bh % n_head);
         for (t1, lse) in lse.iter_mut().enumerate() {
             let (mut max, mut sum) = (F::neg_infinity(), F::zero());
-            for t2 in 0..=t1 {
+            for t2 in first_key.of(b, t1)..=t1 {
                 let score = heads.score(b, h, t1, t2);
                 if score > max {
                     sum *= (max - score).exp();
@@ -207,7 +293,7 @@ pub fn flash_attention_forward<F: Float>(
         for h in 0..n_head {
             let lse = lse[(b * n_head + h) * t + t1];
             let out = &mut out[h * hs..][..hs];
-            for t2 in 0..=t1 {
+            for t2 in first_key.of(b, t1)..=t1 {
                 let weight = (heads.score(b, h, t1, t2) - lse).exp();
                 out.iter_mut().zip(heads.v(b, t2, h)).for_each(|(o, &v)| *o += weight * v);
             }
@@ -227,7 +313,34 @@ pub fn flash_attention_backward<F: Float>(
     lse: &[F],
     shape: AttentionShape,
 ) {
+    flash_attention_backward_within(dqkv, dout, qkv, out, lse, None, shape);
+}
+
+/// [`flash_attention_backward`] of [`flash_attention_forward_packed`], with the same
+/// `positions`.
+pub fn flash_attention_backward_packed<F: Float>(
+    dqkv: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    out: &[F],
+    lse: &[F],
+    positions: &[u32],
+    shape: AttentionShape,
+) {
+    flash_attention_backward_within(dqkv, dout, qkv, out, lse, Some(positions), shape);
+}
+
+fn flash_attention_backward_within<F: Float>(
+    dqkv: &mut [F],
+    dout: &[F],
+    qkv: &[F],
+    out: &[F],
+    lse: &[F],
+    positions: Option<&[u32]>,
+    shape: AttentionShape,
+) {
     let AttentionShape { t, c, n_head, .. } = shape;
+    let first_key = FirstKey { positions, t };
     let (hs, width, kv_width) = (shape.head_size(), shape.qkv_width(), shape.kv_width());
     let heads = Heads { qkv, shape, hs, scale: F::one() / F::of(hs as f64).sqrt() };
     let dout_at = |b: usize, t1: usize, h: usize| &dout[b * t * c + t1 * c + h * hs..][..hs];
@@ -257,17 +370,39 @@ pub fn flash_attention_backward<F: Float>(
             let (dq, dk, dv) =
                 (&mut dq_row[h * hs..][..hs], &mut dk_row[kv..][..hs], &mut dv_row[kv..][..hs]);
             let delta_t0 = delta(b, h, t0);
-            for t2 in 0..=t0 {
+            for t2 in first_key.of(b, t0)..=t0 {
                 let (_, g) = weight_and_grad(b, h, t0, t2, delta_t0);
                 dq.iter_mut().zip(heads.k(b, t2, h)).for_each(|(d, &k)| *d += g * k);
             }
-            for t1 in t0..t {
+            for t1 in first_key.queries_of(b, t0) {
                 let (p, g) = weight_and_grad(b, h, t1, t0, delta(b, h, t1));
                 dk.iter_mut().zip(heads.q(b, t1, h)).for_each(|(d, &q)| *d += g * q);
                 dv.iter_mut().zip(dout_at(b, t1, h)).for_each(|(d, &o)| *d += p * o);
             }
         }
     });
+}
+
+/// Where each query's keys start: at 0 (causal attention over the whole row), or with packed
+/// rows at its document's first token, `t1 − positions[b, t1]`.
+#[derive(Clone, Copy)]
+struct FirstKey<'a> {
+    positions: Option<&'a [u32]>,
+    t: usize,
+}
+
+impl FirstKey<'_> {
+    /// The first key query `t1` of row `b` attends.
+    fn of(&self, b: usize, t1: usize) -> usize {
+        // The executors check that no position exceeds its index in the row; saturating keeps
+        // a bad one from panicking here all the same.
+        self.positions.map_or(0, |positions| t1.saturating_sub(positions[b * self.t + t1] as usize))
+    }
+
+    /// The queries of row `b` that attend key `t0`: `t0` and the later ones of its document.
+    fn queries_of(self, b: usize, t0: usize) -> impl Iterator<Item = usize> {
+        (t0..self.t).filter(move |&t1| self.of(b, t1) <= t0)
+    }
 }
 
 /// The heads of a `qkv [b, t, qkv_width]` tensor and the scale of their scores.

@@ -18,7 +18,8 @@ pub fn encoder_forward<F: Float>(
 }
 
 /// `out[row, :] = wte[tokens[row], :] + wpe[position(row), :]`: [`encoder_forward`] with each
-/// row's position given (the rows of a key/value-cached step).
+/// row's position given (the rows of a key/value-cached step, or of packed rows: each token's
+/// position in its document).
 pub fn encoder_forward_at<F: Float>(
     out: &mut [F],
     tokens: &[u32],
@@ -48,10 +49,23 @@ pub fn encoder_backward<F: Float>(
     t: usize,
     c: usize,
 ) {
+    encoder_backward_at(dwte, dwpe, dout, tokens, c, |row| row % t);
+}
+
+/// [`encoder_backward`] with each row's position given (packed rows: its position in its
+/// document): `dwpe[position(row)] += dout[row]`.
+pub fn encoder_backward_at<F: Float>(
+    dwte: &mut [F],
+    dwpe: &mut [F],
+    dout: &[F],
+    tokens: &[u32],
+    c: usize,
+    position: impl Fn(usize) -> usize,
+) {
     for (row, (dout, &token)) in dout.chunks(c).zip(tokens).enumerate() {
         let dword = &mut dwte[token as usize * c..][..c];
         dword.iter_mut().zip(dout).for_each(|(g, &d)| *g += d);
-        let dposition = &mut dwpe[(row % t) * c..][..c];
+        let dposition = &mut dwpe[position(row) * c..][..c];
         dposition.iter_mut().zip(dout).for_each(|(g, &d)| *g += d);
     }
 }

@@ -62,26 +62,31 @@ impl LayerKernel for NoLayers {
 }
 
 /// One kernel launch's sizes. The comment lists the arguments in order (W: written or updated,
-/// R: read, T: tokens).
+/// R: read, T: tokens). An argument in brackets is optional: `[T positions]`, each token's
+/// position in its document ([`crate::plan::Buf::Positions`]), is last where the plan is packed
+/// and absent otherwise.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Kernel<X> {
     /// W out (`ranges` arguments, each zeroed).
     Zero { ranges: usize },
-    /// W out, T tokens, R wte, R wpe.
+    /// W out, T tokens, R wte, R wpe, [T positions] (packed rows: `wpe` at each token's
+    /// position in its document, not at its index in the row).
     Encoder { t: usize, c: usize, vocab: usize },
-    /// W dwte, W dwpe, R dout, T tokens.
+    /// W dwte, W dwpe, R dout, T tokens, [T positions].
     EncoderBackward { t: usize, c: usize },
     /// W out, R inp, R weight, [R bias].
     Matmul { c: usize, oc: usize, layout: WeightLayout, bias: bool },
     /// W dinp, W dweight, [W dbias], R dout, R inp, R weight.
     MatmulBackward { c: usize, oc: usize, layout: WeightLayout, bias: bool },
-    /// W out, W att, R qkv.
+    /// W out, W att, R qkv, [T positions] (packed rows: no attention across documents,
+    /// [`attention::attention_forward_packed`]).
     Attention(AttentionShape),
-    /// W dqkv, W dscores (scratch), R dout, R qkv, R att.
+    /// W dqkv, W dscores (scratch), R dout, R qkv, R att, [T positions].
     AttentionBackward(AttentionShape),
-    /// W out, W lse, R qkv: [`Kernel::Attention`] keeping only the log-sum-exp of each query row.
+    /// W out, W lse, R qkv, [T positions]: [`Kernel::Attention`] keeping only the log-sum-exp of
+    /// each query row.
     FlashAttention(AttentionShape),
-    /// W dqkv, R dout, R qkv, R out, R lse.
+    /// W dqkv, R dout, R qkv, R out, R lse, [T positions].
     FlashAttentionBackward(AttentionShape),
     /// W out, R a, R b.
     Residual,
@@ -184,6 +189,15 @@ impl<'a, F: Float> ArgSlices<'a, F> {
         }
     }
 
+    /// Argument `i` if the launch has it: the optional token ids that come last (a packed plan's
+    /// positions).
+    ///
+    /// # Panics
+    /// If argument `i` is there but not a token argument (a bug in the plan).
+    pub fn optional_tokens(&self, i: usize) -> Option<&'a [u32]> {
+        (i < self.slots.len()).then(|| self.tokens(i))
+    }
+
     /// Argument `i`, token ids.
     ///
     /// # Panics
@@ -205,11 +219,25 @@ pub fn run<F: Float, X: LayerKernel>(
         Kernel::Zero { ranges } => (0..ranges).for_each(|i| pointwise::zero(a.write(i))),
         Kernel::Encoder { t, c, vocab } => {
             let out = a.write(0);
-            encoder::encoder_forward(out, a.tokens(1), a.read(2), a.read(3), t, c, vocab)?;
+            let (tokens, wte, wpe) = (a.tokens(1), a.read(2), a.read(3));
+            match a.optional_tokens(4) {
+                None => encoder::encoder_forward(out, tokens, wte, wpe, t, c, vocab)?,
+                Some(positions) => {
+                    let position = |row: usize| positions[row] as usize;
+                    encoder::encoder_forward_at(out, tokens, wte, wpe, c, vocab, position)?;
+                }
+            }
         }
         Kernel::EncoderBackward { t, c } => {
             let (dwte, dwpe) = (a.write(0), a.write(1));
-            encoder::encoder_backward(dwte, dwpe, a.read(2), a.tokens(3), t, c);
+            let (dout, tokens) = (a.read(2), a.tokens(3));
+            match a.optional_tokens(4) {
+                None => encoder::encoder_backward(dwte, dwpe, dout, tokens, t, c),
+                Some(positions) => {
+                    let position = |row: usize| positions[row] as usize;
+                    encoder::encoder_backward_at(dwte, dwpe, dout, tokens, c, position);
+                }
+            }
         }
         Kernel::Matmul { c, oc, layout, bias } => {
             let out = a.write(0);
@@ -225,21 +253,47 @@ pub fn run<F: Float, X: LayerKernel>(
         }
         Kernel::Attention(shape) => {
             let (out, att) = (a.write(0), a.write(1));
-            attention::attention_forward(out, att, a.read(2), shape);
+            match a.optional_tokens(3) {
+                None => attention::attention_forward(out, att, a.read(2), shape),
+                Some(positions) => {
+                    attention::attention_forward_packed(out, att, a.read(2), positions, shape);
+                }
+            }
         }
         Kernel::AttentionBackward(shape) => {
             let (dqkv, dscores) = (a.write(0), a.write(1));
             let (dout, qkv, att) = (a.read(2), a.read(3), a.read(4));
-            attention::attention_backward(dqkv, dscores, dout, qkv, att, shape);
+            match a.optional_tokens(5) {
+                None => attention::attention_backward(dqkv, dscores, dout, qkv, att, shape),
+                Some(positions) => attention::attention_backward_packed(
+                    dqkv, dscores, dout, qkv, att, positions, shape,
+                ),
+            }
         }
         Kernel::FlashAttention(shape) => {
             let (out, lse) = (a.write(0), a.write(1));
-            attention::flash_attention_forward(out, lse, a.read(2), shape);
+            match a.optional_tokens(3) {
+                None => attention::flash_attention_forward(out, lse, a.read(2), shape),
+                Some(positions) => {
+                    attention::flash_attention_forward_packed(
+                        out,
+                        lse,
+                        a.read(2),
+                        positions,
+                        shape,
+                    );
+                }
+            }
         }
         Kernel::FlashAttentionBackward(shape) => {
             let dqkv = a.write(0);
             let (dout, qkv, out, lse) = (a.read(1), a.read(2), a.read(3), a.read(4));
-            attention::flash_attention_backward(dqkv, dout, qkv, out, lse, shape);
+            match a.optional_tokens(5) {
+                None => attention::flash_attention_backward(dqkv, dout, qkv, out, lse, shape),
+                Some(positions) => attention::flash_attention_backward_packed(
+                    dqkv, dout, qkv, out, lse, positions, shape,
+                ),
+            }
         }
         Kernel::Residual => pointwise::residual_forward(a.write(0), a.read(1), a.read(2)),
         Kernel::ResidualBackward => {

@@ -81,7 +81,7 @@ fn mean_loss<M: Model<P = bf16, Device = CudaDevice>>(
     targets: &[u32],
 ) -> Result<f32> {
     let run = |model: &mut M| {
-        model.set_batch(inputs, targets)?;
+        model.set_batch(inputs, targets, None)?;
         model.forward(params)?;
         model.loss()
     };

@@ -34,6 +34,8 @@ pub const SPECULATION_BUDGET_VAR: &str = "ZEROFLOW_SPECULATION_BUDGET_MIB";
 pub const PINNED_BUDGET_VAR: &str = "ZEROFLOW_PINNED_BUDGET_MIB";
 /// Where ZeRO-2 with gradient accumulation sums a window: `auto`, `device` or `host`.
 pub const ACCUMULATE_ON_VAR: &str = "ZEROFLOW_ACCUMULATE_ON";
+/// Sequence packing (`on`, `off`; the CPU device only, so far).
+pub const PACK_VAR: &str = "ZEROFLOW_PACK";
 /// The folder compiled CUDA kernels are cached in (default: the user's cache folder).
 pub const KERNEL_CACHE_VAR: &str = "ZEROFLOW_KERNEL_CACHE";
 
@@ -68,6 +70,7 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
             value(PINNED_BUDGET_VAR),
             super::parse_budget_mib,
         )?,
+        pack: named(PACK_VAR, value(PACK_VAR), &names::SWITCH)?,
     })
 }
 
@@ -148,6 +151,7 @@ mod tests {
             (SPECULATION_BUDGET_VAR, " 0.5\n"),
             (ACCUMULATE_ON_VAR, "Device "),
             (PINNED_BUDGET_VAR, " 1024\n"),
+            (PACK_VAR, " On\n"),
         ])
         .unwrap();
         assert_eq!(
@@ -164,6 +168,7 @@ mod tests {
                 speculation_budget_mib: Some(0.5),
                 accumulate_on: Some(AccumulateOn::Device),
                 pinned_budget_mib: Some(1024.0),
+                pack: Some(true),
             }
         );
         // 0 is a budget (pin nothing), not "unset".

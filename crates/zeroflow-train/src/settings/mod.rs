@@ -97,6 +97,9 @@ pub struct Requested {
     pub accumulate_on: Option<AccumulateOn>,
     /// MiB of pinned host memory a rank's device may hold, non-negative (`None`: no limit).
     pub pinned_budget_mib: Option<f64>,
+    /// Sequence packing: several documents per row, no attention across their boundaries,
+    /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
+    pub pack: Option<bool>,
 }
 
 impl Requested {
@@ -116,6 +119,7 @@ impl Requested {
             speculation_budget_mib: self.speculation_budget_mib.or(lower.speculation_budget_mib),
             accumulate_on: self.accumulate_on.or(lower.accumulate_on),
             pinned_budget_mib: self.pinned_budget_mib.or(lower.pinned_budget_mib),
+            pack: self.pack.or(lower.pack),
         }
     }
 
@@ -175,6 +179,7 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
             config::AccumulateOn::Host => AccumulateOn::Host,
         }),
         pinned_budget_mib: offload.pinned_budget_mib,
+        pack: zeroflow.pack,
     }
 }
 
@@ -234,6 +239,20 @@ pub fn attention(
         DeviceKind::Cpu => Ok(AttentionKind::Gemm),
         DeviceKind::Cuda => Ok(model.cuda_attention(asked)),
     }
+}
+
+/// Whether a run on `device` packs its rows (off unless asked): an input error on the GPU, whose
+/// kernels do not bound attention by document yet.
+pub fn pack(device: DeviceKind, requested: &Requested) -> Result<bool> {
+    let asked = requested.pack.unwrap_or(false);
+    if asked && device == DeviceKind::Cuda {
+        return Err(input(
+            "--pack: packed sequences run on the CPU device only so far (the CUDA kernels do not \
+             bound attention by document yet); train with --device cpu, or without --pack \
+             (ZEROFLOW_PACK, zeroflow.pack)",
+        ));
+    }
+    Ok(asked)
 }
 
 /// Whether the model of a run on `device` recomputes its layers' activations in backward: as

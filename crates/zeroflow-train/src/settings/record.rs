@@ -16,14 +16,18 @@ use super::{MIB, Requested, mib_of, names};
 use crate::DeviceKind;
 use crate::dist::affinity::{self, BindMode, Binding};
 
-/// The settings a run used. Only `attention` and `optimizer_state_dtype` change the numbers; the
-/// rest change the speed (the offload stream's results are bit-identical whatever its tuning).
+/// The settings a run used. Only `attention`, `pack` and `optimizer_state_dtype` change the
+/// numbers; the rest change the speed (the offload stream's results are bit-identical whatever
+/// its tuning).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Effective {
     /// `gemm` or `flash`.
     pub attention: &'static str,
     /// Whether the model recomputes each layer's activations in backward (the same numbers).
     pub activation_checkpointing: bool,
+    /// Whether rows are packed (several documents each, no attention across them; `--pack`).
+    /// Changes the numbers.
+    pub pack: bool,
     /// `auto`, `block` or `spin`; `None` on the CPU device.
     pub cuda_wait: Option<&'static str>,
     /// `auto`, `on` or `off`; `None` on the CPU device (which never binds).
@@ -59,7 +63,12 @@ pub struct EffectiveOffload {
 }
 
 /// The settings that change the numbers (the keys of [`Effective`] a resume compares).
-pub const NUMERICS: [&str; 1] = ["attention"];
+pub const NUMERICS: [&str; 2] = ["attention", "pack"];
+
+/// What a checkpoint written before `key` was recorded ran with: no packing.
+fn before_recorded(key: &str) -> Option<Value> {
+    (key == "pack").then_some(Value::Bool(false))
+}
 
 impl Effective {
     /// The settings of a run on `device` whose model runs `attention`, whose engine has
@@ -89,6 +98,7 @@ impl Effective {
         Effective {
             attention: attention.name(),
             activation_checkpointing: super::activation_checkpointing(device, requested),
+            pack: requested.pack.unwrap_or(false),
             cuda_wait: on_gpu.then(|| requested.cuda_wait.unwrap_or(HostWaits::Auto).name()),
             cpu_bind: on_gpu.then(|| {
                 names::name_of(&names::CPU_BIND, &requested.cpu_bind.unwrap_or(BindMode::Auto))
@@ -118,8 +128,10 @@ pub fn changed_numerics(saved: &Value, now: &Value) -> Vec<(&'static str, String
     NUMERICS
         .iter()
         .filter_map(|&key| {
-            let (before, after) = (saved.get(key), now.get(key));
-            (saved.is_object() && before != after).then(|| (key, shown(before), shown(after)))
+            let before = saved.get(key).cloned().or_else(|| before_recorded(key));
+            let after = now.get(key).cloned().or_else(|| before_recorded(key));
+            (saved.is_object() && before != after)
+                .then(|| (key, shown(before.as_ref()), shown(after.as_ref())))
         })
         .collect()
 }

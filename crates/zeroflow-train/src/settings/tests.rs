@@ -24,6 +24,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         speculation_budget_mib: Some(64.0),
         accumulate_on: Some(AccumulateOn::Host),
         pinned_budget_mib: Some(4096.0),
+        pack: Some(true),
     };
     let env = Requested {
         attention: Some(Attention::Flash),
@@ -57,6 +58,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             speculation_budget_mib: Some(0.0),
             accumulate_on: Some(AccumulateOn::Device),
             pinned_budget_mib: Some(1024.0),
+            pack: Some(true),
         }
     );
     assert_eq!(resolve(Requested::default(), env, config).attention, Some(Attention::Flash));
@@ -72,7 +74,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
 #[test]
 fn the_config_section_becomes_the_config_layer() {
     let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
-        "activation_checkpointing": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
+        "activation_checkpointing": true, "pack": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
         "accumulate_on": "host", "pinned_budget_mib": 512}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
@@ -90,6 +92,7 @@ fn the_config_section_becomes_the_config_layer() {
             speculation_budget_mib: Some(256.0),
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(512.0),
+            pack: Some(true),
         }
     );
     let plain = resolve_str(r#"{"train_batch_size": 8}"#, &Context::default()).unwrap().config;
@@ -205,7 +208,7 @@ fn the_cpu_model_runs_gemm_attention_and_refuses_flash() {
 }
 
 #[test]
-fn only_a_changed_attention_counts_as_changing_the_numbers() {
+fn only_a_changed_attention_or_packing_counts_as_changing_the_numbers() {
     let saved = json!({"attention": "flash", "cuda_wait": "block", "offload": null});
     let same = json!({"attention": "flash", "cuda_wait": "spin", "offload": {"cpu_threads": 4}});
     assert!(changed_numerics(&saved, &same).is_empty());
@@ -216,6 +219,14 @@ fn only_a_changed_attention_counts_as_changing_the_numbers() {
     );
     // A checkpoint written before the settings were recorded says nothing to compare.
     assert!(changed_numerics(&serde_json::Value::Null, &gemm).is_empty());
+    // One written before packing was recorded ran unpacked.
+    let unpacked = json!({"attention": "flash", "pack": false});
+    assert!(changed_numerics(&saved, &unpacked).is_empty());
+    let packed = json!({"attention": "flash", "pack": true});
+    assert_eq!(
+        changed_numerics(&saved, &packed),
+        [("pack", "false".to_owned(), "true".to_owned())]
+    );
 }
 
 #[test]

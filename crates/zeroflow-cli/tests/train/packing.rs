@@ -1,0 +1,109 @@
+//! `zeroflow train --pack` (sequence packing, the CPU device only so far): on shards that
+//! `zeroflow tokenize` wrote (with their document indexes) it trains, says so, records the
+//! setting in the summary and every checkpoint, and computes other numbers than the unpacked
+//! run; with `--device cuda`, or on shards without an index, it is an input error (exit 2)
+//! before training.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+use super::{read_lines, scratch, text, train};
+
+/// A byte-level GPT-2 (vocabulary 256, the `bytes` tokenizer's).
+const BYTES_MODEL: &str = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
+
+/// Short documents of different lengths, tokenized as bytes into `dir/tokens` (shards and
+/// their document indexes).
+fn tokenized(dir: &Path) -> PathBuf {
+    let lines: Vec<String> = (0..300)
+        .map(|i| serde_json::json!({"text": format!("doc {i}: {}", "ab ".repeat(i % 7 + 1))}))
+        .map(|line| line.to_string())
+        .collect();
+    let input = dir.join("docs.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = dir.join("tokens");
+    let tokenize = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["tokenize", "--tokenizer", "bytes", input.to_str().unwrap()])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(tokenize.status.success(), "{}", text(&tokenize.stderr));
+    assert!(out.join("tokens_000000.idx").is_file(), "tokenize writes the document index");
+    out
+}
+
+fn json_of(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The run's arguments on `data`, into `out`.
+fn args<'a>(data: &'a Path, out: &'a Path) -> Vec<&'a str> {
+    let data = data.to_str().unwrap();
+    let out = out.to_str().unwrap();
+    vec![
+        "--model",
+        BYTES_MODEL,
+        "--data",
+        data,
+        "--steps",
+        "4",
+        "--micro-batch",
+        "2",
+        "--seq",
+        "16",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "2",
+        "--out",
+        out,
+    ]
+}
+
+#[test]
+fn train_pack_trains_on_tokenized_shards_and_records_the_setting() {
+    let dir = scratch("pack");
+    let tokens = tokenized(&dir);
+    let (packed, plain) = (dir.join("packed"), dir.join("plain"));
+    let run = train(&[&args(&tokens, &packed)[..], &["--pack"]].concat());
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let stdout = text(&run.stdout);
+    assert!(stdout.contains("final eval loss"), "{stdout}");
+    let summary = json_of(&packed.join("summary.json"));
+    assert_eq!(summary["settings"]["pack"], true, "{summary}");
+    let state = json_of(&packed.join("checkpoints/step-00000002/state.json"));
+    assert_eq!(state["extra"]["settings"]["pack"], true, "{state}");
+
+    let run = train(&args(&tokens, &plain));
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    assert_eq!(json_of(&plain.join("summary.json"))["settings"]["pack"], false);
+    // The same rows, but attention bounded by documents: other losses from the first step on.
+    let first_loss = |out: &Path| read_lines(&out.join("metrics.jsonl"))[0]["loss"].as_f64();
+    let (packed_loss, plain_loss) = (first_loss(&packed), first_loss(&plain));
+    assert!(packed_loss.is_some() && packed_loss != plain_loss, "{packed_loss:?} {plain_loss:?}");
+}
+
+#[test]
+fn train_pack_on_the_gpu_or_on_shards_without_an_index_is_an_input_error() {
+    let dir = scratch("pack_refused");
+    let tokens = tokenized(&dir);
+    let run =
+        train(&[&args(&tokens, &dir.join("gpu"))[..], &["--pack", "--device", "cuda"]].concat());
+    assert_eq!(run.status.code(), Some(2), "{}", text(&run.stderr));
+    let stderr = text(&run.stderr);
+    assert!(stderr.contains("--pack") && stderr.contains("CPU device only"), "{stderr}");
+    assert!(!dir.join("gpu").exists(), "nothing is written before the error");
+
+    let bare = dir.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(tokens.join("tokens_000000.bin"), bare.join("tokens_000000.bin")).unwrap();
+    let run = train(&[&args(&bare, &dir.join("bare-run"))[..], &["--pack"]].concat());
+    assert_eq!(run.status.code(), Some(2), "{}", text(&run.stderr));
+    let stderr = text(&run.stderr);
+    assert!(
+        stderr.contains("tokens_000000.bin") && stderr.contains("zeroflow tokenize"),
+        "{stderr}"
+    );
+}
