@@ -113,6 +113,9 @@ pub enum HostMemory {
     Pageable,
 }
 
+/// The largest staging buffer [`Device::download`] copies through.
+pub const DOWNLOAD_CHUNK_BYTES: usize = 64 << 20;
+
 /// A buffer in device memory.
 pub trait DeviceBuffer: fmt::Debug + Send + Sync {
     /// Number of elements.
@@ -227,14 +230,22 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         Ok(buffer)
     }
 
-    /// Waits for every stream, then downloads `src` into a `Vec`. For tests and checkpoints, not
-    /// for the training loop.
+    /// Waits for every stream, then downloads `src` into a `Vec`, through a staging buffer of at
+    /// most [`DOWNLOAD_CHUNK_BYTES`], so that host memory holds the data once (a large model's
+    /// weights for a checkpoint). For tests and checkpoints, not for the training loop.
     fn download<T: Element>(&self, src: &Self::Buffer<T>) -> Result<Vec<T>> {
-        let mut host = self.alloc_host::<T>(src.len(), HostMemory::Pageable)?;
+        let len = src.len();
+        let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, len.max(1));
+        let mut host = self.alloc_host::<T>(chunk, HostMemory::Pageable)?;
         self.synchronize()?;
         let stream = self.stream(StreamKind::D2h);
-        let filled = self.copy_d2h(stream, src, 0..src.len(), &mut host, 0)?.wait()?;
-        Ok(filled.to_vec())
+        let mut out = Vec::with_capacity(len);
+        for start in (0..len).step_by(chunk) {
+            let end = (start + chunk).min(len);
+            let filled = self.copy_d2h(stream, src, start..end, &mut host, 0)?.wait()?;
+            out.extend_from_slice(&filled[..end - start]);
+        }
+        Ok(out)
     }
 }
 

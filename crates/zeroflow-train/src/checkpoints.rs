@@ -302,7 +302,8 @@ mod tests {
                 thread::spawn(move || {
                     let (meta, tensors, weights, parts) = fixture();
                     let weights = (rank == 0).then_some(weights.as_slice());
-                    let share = Share { rank, weights, part: Some(&parts[rank]), zenflow: None };
+                    let part = parts[rank].view();
+                    let share = Share { rank, weights, part: Some(&part), zenflow: None };
                     let saved = save_ranks(&out, 5, 2, &meta, &tensors, share, &mut group);
                     group.finish().unwrap();
                     saved

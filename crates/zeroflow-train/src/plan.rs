@@ -9,7 +9,10 @@
 use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_engine::{BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement};
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_engine::{
+    BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
+};
 use zeroflow_nn::PlanOptions;
 
 use crate::error::{Result, input};
@@ -140,6 +143,32 @@ impl MemoryPlan {
     }
 }
 
+/// What saving a checkpoint holds beside the engine, on rank 0: the weights downloaded in the
+/// model's dtype (through a bounded staging buffer), the largest tensor widened to f32 as it is
+/// written, and the optimizer state where the engine cannot lend it as it lies (on the GPU; or
+/// ZenFlow's, merged with its device columns, and its window's gradient sums).
+fn checkpoint_bytes(
+    inputs: &PlanInputs,
+    family: &impl Family,
+    layout: &FlatLayout,
+    partition: u64,
+) -> Result<u64> {
+    let (padded, dtype) = (layout.padded_len() as u64, inputs.dtype());
+    let largest = family.tensors(layout)?.iter().map(|t| t.flat.len() as u64).max().unwrap_or(0);
+    let widened = if dtype == DType::F32 { 0 } else { largest * 4 };
+    let staging = (zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64).min(padded * dtype.size() as u64);
+    let owned = match inputs.options.stage {
+        Stage::Zero0 => padded,
+        Stage::Zero1 | Stage::Zero2 => partition,
+    };
+    let copied = match &inputs.options.placement {
+        Placement::Device => owned * 12,
+        Placement::Offload(_) if inputs.options.zenflow().is_some() => owned * 16,
+        Placement::Offload(_) => 0,
+    };
+    Ok(padded * dtype.size() as u64 + staging + widened + copied)
+}
+
 fn sum(lines: &[PlanLine], keep: impl Fn(&PlanLine) -> bool) -> u64 {
     lines.iter().filter(|l| keep(l)).map(|l| l.bytes).sum()
 }
@@ -183,29 +212,32 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     let tokens = (inputs.micro_batch * inputs.seq) as u64;
     lines.push(run(Host, "data loader batches", tokens * 8 * 2));
     let dtype = inputs.dtype();
-    match inputs.caller {
-        Caller::Bench => lines.push(PlanLine {
+    // The initial weights in f32 (fresh, read by --init-from, or the checkpoint's) converted to
+    // the model's dtype, the f32 ones dropped before the engine is built.
+    lines.push(PlanLine {
+        memory: Host,
+        kind: "initial weights, f32 and converted (transient)",
+        bytes: padded * (4 + dtype.size() as u64),
+        phase: Phase::BeforeEngine,
+    });
+    let partition = layout.partition_range(inputs.rank).len() as u64;
+    if let Caller::Train { resumed: true } = inputs.caller {
+        // The checkpoint's weights (for the restore) and its fp32 master and moments of the
+        // rank's partition, held until the engine has taken them (beside the engine's own).
+        lines.push(PlanLine {
             memory: Host,
-            kind: "initial weights, f32 and converted (transient)",
-            bytes: padded * (4 + dtype.size() as u64),
-            phase: Phase::BeforeEngine,
-        }),
-        Caller::Train { resumed } => {
-            // One f32 copy (fresh, read by --init-from, or the checkpoint's), taken by the
-            // trainer and dropped once the engine holds the weights: at the peak, not after.
-            lines.push(run(Host, "initial weights, f32 (until the engine holds them)", padded * 4));
-            if resumed {
-                // The checkpoint's fp32 master and moments of the rank's partition, held until
-                // the engine has taken them (beside the engine's own).
-                let partition = layout.partition_range(inputs.rank).len() as u64;
-                lines.push(PlanLine {
-                    memory: Host,
-                    kind: "the checkpoint's optimizer state (until the engine takes it)",
-                    bytes: partition * 12,
-                    phase: Phase::Engine,
-                });
-            }
-        }
+            kind: "the checkpoint's weights and optimizer state (until the engine takes them)",
+            bytes: padded * dtype.size() as u64 + partition * 12,
+            phase: Phase::Engine,
+        });
+    }
+    if let Caller::Train { .. } = inputs.caller {
+        lines.push(PlanLine {
+            memory: Host,
+            kind: "saving a checkpoint (transient)",
+            bytes: checkpoint_bytes(inputs, family, &layout, partition)?,
+            phase: Phase::Engine,
+        });
     }
     // The device's free memory when the engine is built (its `AccumulateOn::Auto` choice):
     // after the context, the model and the flat weights and gradients.

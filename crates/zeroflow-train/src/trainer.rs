@@ -67,6 +67,12 @@ impl<M: Model> Trainer<M> {
         let world = setup.dist.world_size;
         let layout = family.flat_layout(world)?;
         let weights = initial_weights(&mut setup.start, setup.seed, family, &layout)?;
+        // The weights in the model's element type, the f32 ones dropped at once: the engine is
+        // built without them (4 B per parameter less at a large model's host peak).
+        let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
+        drop(weights);
+        // A resumed run restores the checkpoint's weights with its optimizer state.
+        let restored = matches!(setup.start, Start::Resume { .. }).then(|| initial.clone());
         let setup = &*setup;
         let config = &setup.config;
         let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
@@ -75,11 +81,8 @@ impl<M: Model> Trainer<M> {
         let device_description = device.describe();
         device.pinned_budget().set_limit(settings::pinned_budget(&setup.settings));
         let (options, settings) = engine_options::<M::P>(setup)?;
-        let convert =
-            |weights: &[f32]| -> Vec<M::P> { weights.iter().map(|&w| M::P::from_f32(w)).collect() };
-        let mut engine =
-            Engine::with_weights(device, comm, layout.clone(), options, convert(&weights))
-                .map_err(|e| config_error(setup, e))?;
+        let mut engine = Engine::with_weights(device, comm, layout.clone(), options, initial)
+            .map_err(|e| config_error(setup, e))?;
         let (mut train_time, mut wall_before) = (Duration::ZERO, Duration::ZERO);
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
@@ -91,7 +94,8 @@ impl<M: Model> Trainer<M> {
                 scaler: &meta.scaler,
                 zenflow: &point.loaded.zenflow,
             };
-            let restored = engine.restore(&convert(&weights), &restore);
+            let weights = restored.as_deref().expect("a resumed run keeps its weights");
+            let restored = engine.restore(weights, &restore);
             restored.map_err(|e| input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
             // Checkpoints from before wall_s was recorded: their training time, a lower bound.

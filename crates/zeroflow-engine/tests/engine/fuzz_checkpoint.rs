@@ -533,7 +533,8 @@ fn read_every_way(
         for tensor in &tensors {
             prop_assert!(tensor.flat.end <= flat.len(), "{} lies outside", tensor.name);
         }
-        let _ = checkpoint::write_model(&dir.join("export.safetensors"), &flat, &tensors);
+        let export = dir.join("export.safetensors");
+        let _ = checkpoint::write_model(&export, &loaded.meta, &flat, &tensors);
     }
     Ok(outcome)
 }

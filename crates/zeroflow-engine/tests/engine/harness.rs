@@ -252,6 +252,7 @@ pub fn train_from<P: Float>(
                         pinned,
                     };
                     let snapshot = engine.snapshot().unwrap();
+                    same_as_lent(&snapshot, &engine.checkpoint_state().unwrap());
                     let device_weights = device.download(engine.params()).unwrap();
                     engine.flush().unwrap();
                     let weights = device.download(engine.params()).unwrap();
@@ -316,3 +317,34 @@ pub fn to_f32<P: Float>(flat: &[P]) -> Vec<f32> {
 
 /// The bf16 type, for tests that name it.
 pub type Bf16 = bf16;
+
+/// What [`Engine::checkpoint_state`] lends a checkpoint (borrowed where the state is in host
+/// memory) is the state [`Engine::snapshot`] copies: the same master weights, moments (bf16
+/// ones widened exactly), counters and ZenFlow state.
+fn same_as_lent(snapshot: &Snapshot, lent: &zeroflow_engine::CheckpointState<'_>) {
+    use zeroflow_engine::checkpoint::MomentView;
+    let widened = |moment: &MomentView<'_>| -> Vec<f32> {
+        match moment {
+            MomentView::F32(values) | MomentView::Bf16AsF32(values) => values.to_vec(),
+            MomentView::Bf16(values) => values.iter().map(|v| v.to_f32()).collect(),
+        }
+    };
+    let part = &snapshot.part;
+    assert_eq!(lent.part.flat, part.flat);
+    assert!(
+        lent.part.master.iter().map(|v| v.to_bits()).eq(part.master.iter().map(|v| v.to_bits()))
+    );
+    for (lent, copied) in
+        [(&lent.part.exp_avg, &part.exp_avg), (&lent.part.exp_avg_sq, &part.exp_avg_sq)]
+    {
+        let lent = widened(lent);
+        assert!(lent.iter().map(|v| v.to_bits()).eq(copied.iter().map(|v| v.to_bits())));
+    }
+    assert_eq!(lent.moments, part.moments);
+    assert_eq!(
+        (lent.upload_pending, lent.optimizer_steps, lent.micro_steps),
+        (snapshot.upload_pending, snapshot.optimizer_steps, snapshot.micro_steps)
+    );
+    assert_eq!(&lent.scaler, &snapshot.scaler);
+    assert_eq!(&lent.zenflow, &snapshot.zenflow);
+}
