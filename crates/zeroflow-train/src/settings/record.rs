@@ -140,11 +140,18 @@ pub fn changed_numerics(saved: &Value, now: &Value) -> Vec<(&'static str, String
 /// sets differently from the checkpoint at `dir` (not an error: the run continues with the new).
 pub fn warn_on_resume(saved: &Value, now: &Effective, dir: &Path) {
     for (key, before, after) in changed_numerics(saved, &now.to_json()) {
+        // As the flag spells it: `--attention=gemm`, `--pack=off`.
+        let flag = match before.as_str() {
+            "true" => "on",
+            "false" => "off",
+            value => value,
+        };
         tracing::warn!(
             "--resume {}: the checkpoint was trained with {key} {before}, this run uses {key} \
-             {after}; the numbers will differ from an uninterrupted run (--{key} {before} keeps \
+             {after}; the numbers will differ from an uninterrupted run (--{}={flag} keeps \
              them)",
-            dir.display()
+            dir.display(),
+            key.replace('_', "-")
         );
     }
 }
