@@ -234,14 +234,23 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
     /// most [`DOWNLOAD_CHUNK_BYTES`], so that host memory holds the data once (a large model's
     /// weights for a checkpoint). For tests and checkpoints, not for the training loop.
     fn download<T: Element>(&self, src: &Self::Buffer<T>) -> Result<Vec<T>> {
-        let len = src.len();
+        self.download_range(src, 0..src.len())
+    }
+
+    /// [`Device::download`] of `src[range]` (a checkpoint's piece of a device buffer).
+    fn download_range<T: Element>(
+        &self,
+        src: &Self::Buffer<T>,
+        range: Range<usize>,
+    ) -> Result<Vec<T>> {
+        let len = range.len();
         let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, len.max(1));
         let mut host = self.alloc_host::<T>(chunk, HostMemory::Pageable)?;
         self.synchronize()?;
         let stream = self.stream(StreamKind::D2h);
         let mut out = Vec::with_capacity(len);
-        for start in (0..len).step_by(chunk) {
-            let end = (start + chunk).min(len);
+        for start in range.clone().step_by(chunk) {
+            let end = (start + chunk).min(range.end);
             let filled = self.copy_d2h(stream, src, start..end, &mut host, 0)?.wait()?;
             out.extend_from_slice(&filled[..end - start]);
         }

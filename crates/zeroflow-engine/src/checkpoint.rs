@@ -43,6 +43,9 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, reason: String },
     #[error("{path}: does not fit this run ({reason})")]
     Mismatch { path: PathBuf, reason: String },
+    /// What a checkpoint was being written from failed (a device's download, say).
+    #[error("{path}: cannot read what it is written from: {reason}")]
+    Source { path: PathBuf, reason: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -179,21 +182,21 @@ pub fn save_with_zenflow<P: Stored>(
     parts: &[OptimizerPart],
     zenflow: &[ZenFlowSnapshot],
 ) -> Result<(), CheckpointError> {
-    let views: Vec<PartView<'_>> = parts.iter().map(OptimizerPart::view).collect();
-    save_views(dir, meta, weights, tensors, &views, zenflow)
+    let views: Vec<PartView<'_>> =
+        parts.iter().enumerate().map(|(rank, part)| part.view(zenflow.get(rank))).collect();
+    save_views(dir, meta, &Elements::Lent(Cow::Borrowed(weights)), tensors, &views)
 }
 
-/// [`save_with_zenflow`] of optimizer state borrowed from where it lives ([`PartView`]).
-/// `weights` are stored as `meta.weights_dtype` says: as they are, or widened to F32. Every file
-/// is written a tensor at a time from what it is given, so saving needs no memory beyond one
-/// tensor of widened weights (or of moments narrowed to bf16).
+/// [`save_with_zenflow`] of state lent or fetched from where it lives ([`Elements`]): every
+/// file is written a piece at a time, so saving holds at most one piece of
+/// [`WRITE_CHUNK_BYTES`] beside what it is lent. `weights` are stored as `meta.weights_dtype`
+/// says: as they are, or widened to F32.
 pub fn save_views<P: Stored>(
     dir: &Path,
     meta: &Meta,
-    weights: &[P],
+    weights: &Elements<'_, P>,
     tensors: &[NamedTensor],
     parts: &[PartView<'_>],
-    zenflow: &[ZenFlowSnapshot],
 ) -> Result<(), CheckpointError> {
     if dir.exists() {
         return Err(CheckpointError::AlreadyExists(dir.to_path_buf()));
@@ -207,7 +210,7 @@ pub fn save_views<P: Stored>(
     write_state(&temp.join("state.json"), meta)?;
     write_model(&temp.join("model.safetensors"), meta, weights, tensors)?;
     for (rank, part) in parts.iter().enumerate() {
-        write_part_with_zenflow(&temp, rank, part, zenflow.get(rank))?;
+        write_part(&temp, rank, part)?;
     }
     sync_dir(&temp.join("optim"))?;
     sync_dir(&temp)?;
@@ -220,7 +223,7 @@ pub fn save_views<P: Stored>(
 pub fn write_model<P: Stored>(
     path: &Path,
     meta: &Meta,
-    weights: &[P],
+    weights: &Elements<'_, P>,
     tensors: &[NamedTensor],
 ) -> Result<(), CheckpointError> {
     let widen = match meta.weights_dtype.as_str() {
@@ -234,19 +237,18 @@ pub fn write_model<P: Stored>(
     let out = tensors
         .iter()
         .map(|t| {
-            let values = weights.get(t.flat.clone()).ok_or_else(|| CheckpointError::Mismatch {
-                path: path.into(),
-                reason: format!("{} lies outside the flat weights", t.name),
-            })?;
+            if t.flat.end > weights.len() || t.flat.start > t.flat.end {
+                let reason = format!("{} lies outside the flat weights", t.name);
+                return Err(CheckpointError::Mismatch { path: path.into(), reason });
+            }
+            let at = t.flat.start;
+            let source = weights.within(at..t.flat.end);
             Ok(match widen {
-                false => Out::of(&t.name, t.shape.clone(), values),
-                true => Out {
-                    name: t.name.clone(),
-                    dtype: Dtype::F32,
-                    shape: t.shape.clone(),
-                    len: values.len() * 4,
-                    bytes: Box::new(move || widened_bytes(values)),
-                },
+                false => Out::of(&t.name, t.shape.clone(), source),
+                true => Out::new(&t.name, Dtype::F32, 4, t.shape.clone(), move |range| {
+                    let values = weights.get(at + range.start..at + range.end)?;
+                    Ok(Cow::Owned(widened_bytes(&values).into_owned()))
+                }),
             })
         })
         .collect::<Result<Vec<_>, CheckpointError>>()?;
@@ -259,42 +261,117 @@ pub fn write_state(path: &Path, meta: &Meta) -> Result<(), CheckpointError> {
     write_synced(path, &serde_json::to_vec_pretty(meta).expect("serializable"))
 }
 
-/// Writes `rank`'s optimizer part as `optim/rank-R.safetensors` into the checkpoint directory
-/// being written, `dir` (fsynced; `dir/optim` must exist).
+/// Writes `rank`'s optimizer part (with its ZenFlow state, if it has one) as
+/// `optim/rank-R.safetensors` into the checkpoint directory being written, `dir` (fsynced;
+/// `dir/optim` must exist).
 pub fn write_part(dir: &Path, rank: usize, part: &PartView<'_>) -> Result<(), CheckpointError> {
-    write_part_with_zenflow(dir, rank, part, None)
-}
-
-/// [`write_part`] with the rank's ZenFlow state, if the run has one.
-pub fn write_part_with_zenflow(
-    dir: &Path,
-    rank: usize,
-    part: &PartView<'_>,
-    zenflow: Option<&ZenFlowSnapshot>,
-) -> Result<(), CheckpointError> {
     let path = dir.join(format!("optim/rank-{rank}.safetensors"));
-    let (tensors, metadata) = part_tensors(part, zenflow, &path)?;
+    let (tensors, metadata) = part_tensors(part, &path)?;
     write_tensors(&path, tensors, Some(metadata))
 }
 
-/// One rank's optimizer state as a checkpoint writes it, borrowed from where it lives (the
-/// engine's host optimizer, see [`crate::Engine::with_checkpoint_state`], or an
-/// [`OptimizerPart`]): saving an offloaded run holds no second copy of its state.
+/// The most [`save_views`] writes of a tensor at once (and so the most it fetches or converts).
+pub const WRITE_CHUNK_BYTES: usize = 64 << 20;
+
+/// Elements a checkpoint writes: lent as they lie, or fetched a range at a time while they are
+/// written (downloaded from a device, or merged with ZenFlow's device columns), so that saving
+/// never holds a whole second copy of them.
+pub enum Elements<'a, T: Clone> {
+    Lent(Cow<'a, [T]>),
+    Fetched {
+        len: usize,
+        #[allow(clippy::type_complexity, reason = "one fetch function")]
+        fetch: Box<dyn Fn(Range<usize>) -> Result<Vec<T>, String> + 'a>,
+    },
+}
+
+impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Elements::Lent(values) => write!(f, "Lent({} elements)", values.len()),
+            Elements::Fetched { len, .. } => write!(f, "Fetched({len} elements)"),
+        }
+    }
+}
+
+impl<'a, T: Clone> Elements<'a, T> {
+    /// Lent elements.
+    pub fn lent(values: &'a [T]) -> Self {
+        Elements::Lent(Cow::Borrowed(values))
+    }
+
+    /// Elements fetched by `fetch`, a range at a time.
+    pub fn fetched(
+        len: usize,
+        fetch: impl Fn(Range<usize>) -> Result<Vec<T>, String> + 'a,
+    ) -> Self {
+        Elements::Fetched { len, fetch: Box::new(fetch) }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Elements::Lent(values) => values.len(),
+            Elements::Fetched { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `range`: borrowed where they are lent, fetched otherwise.
+    pub fn get(&self, range: Range<usize>) -> Result<Cow<'_, [T]>, String> {
+        match self {
+            Elements::Lent(values) => values
+                .get(range.clone())
+                .map(Cow::Borrowed)
+                .ok_or_else(|| format!("elements {range:?} of {}", values.len())),
+            Elements::Fetched { len, fetch } => {
+                if range.end > *len {
+                    return Err(format!("elements {range:?} of {len}"));
+                }
+                let values = fetch(range.clone())?;
+                if values.len() != range.len() {
+                    return Err(format!("{} elements fetched for {range:?}", values.len()));
+                }
+                Ok(Cow::Owned(values))
+            }
+        }
+    }
+
+    /// The elements `range` as a source of their own (for one tensor of the flat weights).
+    fn within(&self, range: Range<usize>) -> Elements<'_, T> {
+        match self {
+            Elements::Lent(values) => Elements::Lent(Cow::Borrowed(&values[range])),
+            Elements::Fetched { .. } => Elements::fetched(range.len(), move |r: Range<usize>| {
+                let at = range.start;
+                self.get(at + r.start..at + r.end).map(Cow::into_owned)
+            }),
+        }
+    }
+}
+
+/// One rank's optimizer state as a checkpoint writes it, lent from where it lives (the engine's
+/// host optimizer, see [`crate::Engine::checkpoint_state`], or an [`OptimizerPart`]) or fetched
+/// in pieces: saving a large model's state holds no second copy of it.
 #[derive(Debug)]
 pub struct PartView<'a> {
     pub flat: Range<usize>,
-    pub master: Cow<'a, [f32]>,
+    pub master: Elements<'a, f32>,
     pub exp_avg: MomentView<'a>,
     pub exp_avg_sq: MomentView<'a>,
+    /// A ZenFlow run's state besides its window's sums (the snapshot's `window_grads` unused),
+    /// and those sums.
+    pub zenflow: Option<(ZenFlowSnapshot, Elements<'a, f32>)>,
 }
 
 /// One Adam moment of a [`PartView`], in the element type its run keeps it in.
 #[derive(Debug)]
 pub enum MomentView<'a> {
-    F32(Cow<'a, [f32]>),
-    Bf16(Cow<'a, [bf16]>),
+    F32(Elements<'a, f32>),
+    Bf16(Elements<'a, bf16>),
     /// bf16 moments held as f32 (exactly): stored as bf16, narrowed as they are written.
-    Bf16AsF32(Cow<'a, [f32]>),
+    Bf16AsF32(Elements<'a, f32>),
 }
 
 impl MomentView<'_> {
@@ -307,37 +384,37 @@ impl MomentView<'_> {
 
     fn out(&self, name: &str, shape: Vec<usize>) -> Out<'_> {
         match self {
-            MomentView::F32(values) => Out::of(name, shape, values),
-            MomentView::Bf16(values) => Out::of(name, shape, values),
-            MomentView::Bf16AsF32(values) => Out {
-                name: name.to_string(),
-                dtype: Dtype::BF16,
-                shape,
-                len: values.len() * 2,
-                bytes: Box::new(move || {
-                    let mut out = Vec::with_capacity(values.len() * 2);
-                    values.iter().for_each(|&v| bf16::from_f32(v).put(&mut out));
-                    Cow::Owned(out)
-                }),
-            },
+            MomentView::F32(values) => Out::of(name, shape, values.within(0..values.len())),
+            MomentView::Bf16(values) => Out::of(name, shape, values.within(0..values.len())),
+            MomentView::Bf16AsF32(values) => Out::new(name, Dtype::BF16, 2, shape, move |range| {
+                let values = values.get(range)?;
+                let mut out = Vec::with_capacity(values.len() * 2);
+                values.iter().for_each(|&v| bf16::from_f32(v).put(&mut out));
+                Ok(Cow::Owned(out))
+            }),
         }
     }
 }
 
 impl OptimizerPart {
-    /// This part as a checkpoint writes it (moments of a bf16 run narrowed as they are written).
-    pub fn view(&self) -> PartView<'_> {
+    /// This part (with the rank's ZenFlow state, if any) as a checkpoint writes it: lent, the
+    /// moments of a bf16 run narrowed as they are written.
+    pub fn view<'a>(&'a self, zenflow: Option<&'a ZenFlowSnapshot>) -> PartView<'a> {
         fn moment(values: &[f32], dtype: OptimizerStateDtype) -> MomentView<'_> {
             match dtype {
-                OptimizerStateDtype::Fp32 => MomentView::F32(Cow::Borrowed(values)),
-                OptimizerStateDtype::Bf16 => MomentView::Bf16AsF32(Cow::Borrowed(values)),
+                OptimizerStateDtype::Fp32 => MomentView::F32(Elements::lent(values)),
+                OptimizerStateDtype::Bf16 => MomentView::Bf16AsF32(Elements::lent(values)),
             }
         }
         PartView {
             flat: self.flat.clone(),
-            master: Cow::Borrowed(&self.master),
+            master: Elements::lent(&self.master),
             exp_avg: moment(&self.exp_avg, self.moments),
             exp_avg_sq: moment(&self.exp_avg_sq, self.moments),
+            zenflow: zenflow.map(|z| {
+                let meta = ZenFlowSnapshot { window_grads: Vec::new(), ..z.clone() };
+                (meta, Elements::lent(&z.window_grads))
+            }),
         }
     }
 }
@@ -395,7 +472,6 @@ pub fn weights_from_master<P: Stored + zeroflow_core::Float>(
 
 fn part_tensors<'a>(
     part: &'a PartView<'_>,
-    zenflow: Option<&'a ZenFlowSnapshot>,
     path: &Path,
 ) -> Result<(Vec<Out<'a>>, HashMap<String, String>), CheckpointError> {
     let n = part.flat.len();
@@ -404,7 +480,7 @@ fn part_tensors<'a>(
         return Err(CheckpointError::Mismatch { path: path.into(), reason });
     }
     let mut tensors = vec![
-        Out::of("master", vec![n], &part.master),
+        Out::of("master", vec![n], part.master.within(0..n)),
         part.exp_avg.out("exp_avg", vec![n]),
         part.exp_avg_sq.out("exp_avg_sq", vec![n]),
     ];
@@ -412,9 +488,9 @@ fn part_tensors<'a>(
         ("flat_start".to_string(), part.flat.start.to_string()),
         ("flat_end".to_string(), part.flat.end.to_string()),
     ]);
-    if let Some(z) = zenflow {
-        let window = vec![z.window_grads.len()];
-        tensors.push(Out::of("zenflow.window_grads", window, &z.window_grads));
+    if let Some((z, window)) = &part.zenflow {
+        let len = window.len();
+        tensors.push(Out::of("zenflow.window_grads", vec![len], window.within(0..len)));
         let meta = ZenFlowMeta {
             selection: z.selection.clone(),
             steps_in_window: z.steps_in_window,
@@ -431,28 +507,51 @@ fn part_tensors<'a>(
     Ok((tensors, metadata))
 }
 
-/// A tensor to write: its name, type and shape, its size in bytes, and its bytes, borrowed or
-/// made only while it is written.
+/// A range of a tensor's elements as the bytes to write, or why they could not be had.
+type Piece<'a> = Box<dyn Fn(Range<usize>) -> Result<Cow<'a, [u8]>, String> + 'a>;
+
+/// A tensor to write: its name, type, shape and element size, and its bytes, a range of
+/// elements at a time, borrowed or made only while they are written.
 struct Out<'a> {
     name: String,
     dtype: Dtype,
     shape: Vec<usize>,
+    /// Elements, and bytes per element.
     len: usize,
-    bytes: Box<dyn Fn() -> Cow<'a, [u8]> + 'a>,
+    size: usize,
+    bytes: Piece<'a>,
 }
 
 impl<'a> Out<'a> {
+    fn new(
+        name: &str,
+        dtype: Dtype,
+        size: usize,
+        shape: Vec<usize>,
+        bytes: impl Fn(Range<usize>) -> Result<Cow<'a, [u8]>, String> + 'a,
+    ) -> Self {
+        let len = shape.iter().product();
+        Out { name: name.to_string(), dtype, shape, len, size, bytes: Box::new(bytes) }
+    }
+
     /// `values` as they are.
-    fn of<T: Stored>(name: &str, shape: Vec<usize>, values: &'a [T]) -> Self {
-        let len = std::mem::size_of_val(values);
-        let bytes = Box::new(move || le_bytes(values));
-        Out { name: name.to_string(), dtype: T::SAFETENSORS, shape, len, bytes }
+    fn of<T: Stored>(name: &str, shape: Vec<usize>, values: Elements<'a, T>) -> Self {
+        let (dtype, size) = (T::SAFETENSORS, T::DTYPE.size());
+        match values {
+            Elements::Lent(Cow::Borrowed(slice)) => Out::new(name, dtype, size, shape, move |r| {
+                let piece = slice.get(r.clone()).ok_or_else(|| format!("elements {r:?}"))?;
+                Ok(le_bytes(piece))
+            }),
+            values => Out::new(name, dtype, size, shape, move |range| {
+                Ok(Cow::Owned(to_bytes(&values.get(range)?)))
+            }),
+        }
     }
 }
 
-/// Writes `tensors` (with `metadata`) as a safetensors file at `path`, a tensor at a time, and
-/// fsyncs it: the file is never whole in memory. The tensors are laid out as safetensors' own
-/// serializer lays them out (by alignment, then by name).
+/// Writes `tensors` (with `metadata`) as a safetensors file at `path`, a piece of at most
+/// [`WRITE_CHUNK_BYTES`] at a time, and fsyncs it: the file is never whole in memory. The
+/// tensors are laid out as safetensors' own serializer lays them out (by alignment, then name).
 fn write_tensors(
     path: &Path,
     mut tensors: Vec<Out<'_>>,
@@ -463,12 +562,10 @@ fn write_tensors(
     let mut offset = 0;
     let mut infos = Vec::with_capacity(tensors.len());
     for t in &tensors {
-        let data_offsets = (offset, offset + t.len);
-        infos.push((
-            t.name.clone(),
-            TensorInfo { dtype: t.dtype, shape: t.shape.clone(), data_offsets },
-        ));
-        offset += t.len;
+        let data_offsets = (offset, offset + t.len * t.size);
+        let (dtype, shape) = (t.dtype, t.shape.clone());
+        infos.push((t.name.clone(), TensorInfo { dtype, shape, data_offsets }));
+        offset += t.len * t.size;
     }
     let metadata = Metadata::new(metadata, infos).map_err(|e| corrupt(e.to_string()))?;
     let mut header = serde_json::to_vec(&metadata).map_err(|e| corrupt(e.to_string()))?;
@@ -477,11 +574,20 @@ fn write_tensors(
     file.write_all(&(header.len() as u64).to_le_bytes()).map_err(io(path))?;
     file.write_all(&header).map_err(io(path))?;
     for t in &tensors {
-        let bytes = (t.bytes)();
-        if bytes.len() != t.len {
-            return Err(corrupt(format!("{}: {} bytes, expected {}", t.name, bytes.len(), t.len)));
+        let chunk = (WRITE_CHUNK_BYTES / t.size).max(1);
+        for start in (0..t.len).step_by(chunk) {
+            let range = start..(start + chunk).min(t.len);
+            let expected = range.len() * t.size;
+            let bytes = (t.bytes)(range).map_err(|reason| CheckpointError::Source {
+                path: path.into(),
+                reason: format!("{}: {reason}", t.name),
+            })?;
+            if bytes.len() != expected {
+                let reason = format!("{}: {} bytes, expected {expected}", t.name, bytes.len());
+                return Err(corrupt(reason));
+            }
+            file.write_all(&bytes).map_err(io(path))?;
         }
-        file.write_all(&bytes).map_err(io(path))?;
     }
     let file = file.into_inner().map_err(|e| io(path)(e.into_error()))?;
     file.sync_all().map_err(io(path))
@@ -718,12 +824,10 @@ pub fn flat_weights<P: Stored>(
 
 #[cfg(test)]
 mod tests {
-    use std::borrow::Cow;
-
     use zeroflow_core::adamw::OptimizerStateDtype;
     use zeroflow_core::bf16;
 
-    use super::{MomentView, OptimizerPart, PartView, write_part};
+    use super::{Elements, MomentView, OptimizerPart, PartView, write_part};
 
     /// A part written from moments lent as bf16 is the file written from the same moments
     /// widened to f32 (an [`OptimizerPart`] of a bf16 run), byte for byte, and fp32 moments lent
@@ -743,22 +847,29 @@ mod tests {
                 exp_avg_sq: widen(&v),
                 moments,
             };
+            // Lent as they lie, or fetched in pieces (as from a device).
+            let fetched = |values: &[f32]| {
+                let values = values.to_vec();
+                Elements::fetched(values.len(), move |r| Ok(values[r].to_vec()))
+            };
             let lent = match moments {
                 OptimizerStateDtype::Bf16 => PartView {
                     flat: part.flat.clone(),
-                    master: Cow::Borrowed(&master),
-                    exp_avg: MomentView::Bf16(Cow::Borrowed(&m)),
-                    exp_avg_sq: MomentView::Bf16(Cow::Borrowed(&v)),
+                    master: fetched(&master),
+                    exp_avg: MomentView::Bf16(Elements::lent(&m)),
+                    exp_avg_sq: MomentView::Bf16(Elements::lent(&v)),
+                    zenflow: None,
                 },
                 OptimizerStateDtype::Fp32 => PartView {
                     flat: part.flat.clone(),
-                    master: Cow::Borrowed(&master),
-                    exp_avg: MomentView::F32(Cow::Borrowed(&part.exp_avg)),
-                    exp_avg_sq: MomentView::F32(Cow::Borrowed(&part.exp_avg_sq)),
+                    master: Elements::lent(&master),
+                    exp_avg: MomentView::F32(fetched(&part.exp_avg)),
+                    exp_avg_sq: MomentView::F32(Elements::lent(&part.exp_avg_sq)),
+                    zenflow: None,
                 },
             };
             let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
-            for (dir, view) in dirs.iter().zip([lent, part.view()]) {
+            for (dir, view) in dirs.iter().zip([lent, part.view(None)]) {
                 std::fs::create_dir(dir.path().join("optim")).unwrap();
                 write_part(dir.path(), 3, &view).unwrap();
             }

@@ -2,7 +2,6 @@
 //! host memory (the copies in flight during a backward are `offloader.rs`'s).
 
 use std::any::TypeId;
-use std::borrow::Cow;
 use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -13,7 +12,7 @@ use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
-use crate::checkpoint::{MomentView, PartView};
+use crate::checkpoint::{Elements, MomentView, PartView};
 pub(crate) use crate::host_moments::HostMoments;
 use crate::speculation::{Stepped, segments};
 
@@ -91,19 +90,20 @@ impl HostOptimizer {
         Ok(())
     }
 
-    /// The state of the partition `flat`, borrowed, as a checkpoint writes it.
+    /// The state of the partition `flat`, lent, as a checkpoint writes it.
     pub(crate) fn view(&self, flat: Range<usize>) -> PartView<'_> {
         let (exp_avg, exp_avg_sq) = match &self.moments {
             HostMoments::F32 { exp_avg, exp_avg_sq } => (
-                MomentView::F32(Cow::Borrowed(&exp_avg[..])),
-                MomentView::F32(Cow::Borrowed(&exp_avg_sq[..])),
+                MomentView::F32(Elements::lent(exp_avg)),
+                MomentView::F32(Elements::lent(exp_avg_sq)),
             ),
             HostMoments::Bf16 { exp_avg, exp_avg_sq } => (
-                MomentView::Bf16(Cow::Borrowed(&exp_avg[..])),
-                MomentView::Bf16(Cow::Borrowed(&exp_avg_sq[..])),
+                MomentView::Bf16(Elements::lent(exp_avg)),
+                MomentView::Bf16(Elements::lent(exp_avg_sq)),
             ),
         };
-        PartView { flat, master: Cow::Borrowed(&self.master[..]), exp_avg, exp_avg_sq }
+        let master = Elements::lent(&self.master);
+        PartView { flat, master, exp_avg, exp_avg_sq, zenflow: None }
     }
 
     /// `[master, exp_avg, exp_avg_sq]` as f32 vectors.
@@ -598,6 +598,11 @@ impl<P: Float> ZenFlowHost<P> {
         let (buffers, joined) = self.worker.join()?;
         self.upload_pending |= joined;
         Ok(buffers)
+    }
+
+    /// The optimizer, where no step is running (after [`ZenFlowHost::join`]).
+    pub(crate) fn settled(&self) -> Option<&HostOptimizer> {
+        self.worker.ready().map(|buffers| &buffers.state)
     }
 
     /// This rank's optimizer state, copied (waiting for a running step first).

@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use zeroflow_engine::ZenFlowSnapshot;
-use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor, PartView, Stored};
+use zeroflow_engine::checkpoint::{
+    self, CheckpointError, Elements, Meta, NamedTensor, PartView, Stored,
+};
 
 use crate::dist::{Group, Lost, rendezvous};
 
@@ -105,15 +106,14 @@ pub fn save<P: Stored>(
     step: u64,
     keep: u64,
     meta: &Meta,
-    weights: &[P],
+    weights: &Elements<'_, P>,
     tensors: &[NamedTensor],
     parts: &[PartView<'_>],
-    zenflow: &[ZenFlowSnapshot],
 ) -> Result<PathBuf, CheckpointsError> {
     let dir = step_dir(out, step);
     std::fs::create_dir_all(out.join(FOLDER))
         .map_err(io(format!("create {}", out.join(FOLDER).display())))?;
-    checkpoint::save_views(&dir, meta, weights, tensors, parts, zenflow)?;
+    checkpoint::save_views(&dir, meta, weights, tensors, parts)?;
     delete_older(out, keep)?;
     Ok(dir)
 }
@@ -131,14 +131,13 @@ fn delete_older(out: &Path, keep: u64) -> Result<(), CheckpointsError> {
 
 /// What one rank of several contributes to a checkpoint.
 #[derive(Clone, Copy, Debug)]
-pub struct Share<'a, P> {
+pub struct Share<'a, P: Clone> {
     pub rank: usize,
     /// Rank 0's: the flat weights, with `state.json` (stored as `state.json` says).
-    pub weights: Option<&'a [P]>,
-    /// This rank's optimizer part, where the checkpoint has one per rank (and rank 0's otherwise).
+    pub weights: Option<&'a Elements<'a, P>>,
+    /// This rank's optimizer part (with its ZenFlow state, if the run has one), where the
+    /// checkpoint has one per rank (and rank 0's otherwise).
     pub part: Option<&'a PartView<'a>>,
-    /// This rank's ZenFlow state, written with its part (runs with ZenFlow only).
-    pub zenflow: Option<&'a ZenFlowSnapshot>,
 }
 
 /// Saves the checkpoint of `step` from several processes, then deletes all but the newest
@@ -197,7 +196,7 @@ fn write_share<P: Stored>(
         checkpoint::write_model(&temp.join("model.safetensors"), meta, weights, tensors)?;
     }
     if let Some(part) = share.part {
-        checkpoint::write_part_with_zenflow(temp, share.rank, part, share.zenflow)?;
+        checkpoint::write_part(temp, share.rank, part)?;
     }
     Ok(())
 }
@@ -301,9 +300,10 @@ mod tests {
             .map(|(rank, (mut group, out))| {
                 thread::spawn(move || {
                     let (meta, tensors, weights, parts) = fixture();
-                    let weights = (rank == 0).then_some(weights.as_slice());
-                    let part = parts[rank].view();
-                    let share = Share { rank, weights, part: Some(&part), zenflow: None };
+                    let weights = checkpoint::Elements::lent(&weights);
+                    let weights = (rank == 0).then_some(&weights);
+                    let part = parts[rank].view(None);
+                    let share = Share { rank, weights, part: Some(&part) };
                     let saved = save_ranks(&out, 5, 2, &meta, &tensors, share, &mut group);
                     group.finish().unwrap();
                     saved

@@ -57,6 +57,7 @@ pub fn copy_weights(from: &Checkpoint, out: &Path, config: &serde_json::Value) -
         let loaded = checkpoint::load::<f32>(&from.dir).map_err(|e| input(e.to_string()))?;
         let (weights, tensors) =
             checkpoint::weights_from_master(&loaded).map_err(|e| input(e.to_string()))?;
+        let weights = checkpoint::Elements::lent(&weights);
         checkpoint::write_model(&to, &loaded.meta, &weights, &tensors)?;
     } else {
         let copying = format!("copy {} to {}", source.display(), to.display());

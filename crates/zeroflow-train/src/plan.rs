@@ -10,6 +10,7 @@ use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_engine::checkpoint::WRITE_CHUNK_BYTES;
 use zeroflow_engine::{
     BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
 };
@@ -143,30 +144,19 @@ impl MemoryPlan {
     }
 }
 
-/// What saving a checkpoint holds beside the engine, on rank 0: the weights downloaded in the
-/// model's dtype (through a bounded staging buffer), the largest tensor widened to f32 as it is
-/// written, and the optimizer state where the engine cannot lend it as it lies (on the GPU; or
-/// ZenFlow's, merged with its device columns, and its window's gradient sums).
-fn checkpoint_bytes(
-    inputs: &PlanInputs,
-    family: &impl Family,
-    layout: &FlatLayout,
-    partition: u64,
-) -> Result<u64> {
-    let (padded, dtype) = (layout.padded_len() as u64, inputs.dtype());
-    let largest = family.tensors(layout)?.iter().map(|t| t.flat.len() as u64).max().unwrap_or(0);
-    let widened = if dtype == DType::F32 { 0 } else { largest * 4 };
-    let staging = (zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64).min(padded * dtype.size() as u64);
+/// What saving a checkpoint holds beside the engine: a piece of each tensor at a time
+/// ([`WRITE_CHUNK_BYTES`]: the piece fetched or lent, its bytes converted, and the device's
+/// staging buffer), and with ZenFlow the device's state of the selected columns (12 B per
+/// selected element, at most `topk_ratio` of the partition), downloaded once to merge with the
+/// host's. The optimizer state and the weights are lent or fetched in pieces, never copied whole.
+fn checkpoint_bytes(inputs: &PlanInputs, layout: &FlatLayout, partition: u64) -> u64 {
+    let pieces = 2 * WRITE_CHUNK_BYTES as u64 + zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64;
     let owned = match inputs.options.stage {
-        Stage::Zero0 => padded,
+        Stage::Zero0 => layout.padded_len() as u64,
         Stage::Zero1 | Stage::Zero2 => partition,
     };
-    let copied = match &inputs.options.placement {
-        Placement::Device => owned * 12,
-        Placement::Offload(_) if inputs.options.zenflow().is_some() => owned * 16,
-        Placement::Offload(_) => 0,
-    };
-    Ok(padded * dtype.size() as u64 + staging + widened + copied)
+    let selected = inputs.options.zenflow().map_or(0.0, |z| z.topk_ratio * owned as f64);
+    pieces + 12 * selected.ceil() as u64
 }
 
 fn sum(lines: &[PlanLine], keep: impl Fn(&PlanLine) -> bool) -> u64 {
@@ -235,7 +225,7 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
         lines.push(PlanLine {
             memory: Host,
             kind: "saving a checkpoint (transient)",
-            bytes: checkpoint_bytes(inputs, family, &layout, partition)?,
+            bytes: checkpoint_bytes(inputs, &layout, partition),
             phase: Phase::Engine,
         });
     }

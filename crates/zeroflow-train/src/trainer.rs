@@ -145,16 +145,11 @@ impl<M: Model> Trainer<M> {
     pub(crate) fn save(&mut self, step: u64, setup: &Setup) -> Result<PathBuf> {
         let (rank, world) = (setup.dist.rank, setup.dist.world_size);
         let mut meta = self.meta(step, setup);
-        // Stored as f32 whatever the device trains in (bf16 and f16 widen exactly, a tensor at a
-        // time as the file is written), so that every checkpoint resumes and exports the same
-        // way. Every rank holds the same weights.
-        let weights: Option<Vec<M::P>> = if rank == 0 {
-            Some(self.engine.device().download(self.engine.params())?)
-        } else {
-            None
-        };
         let padded = self.engine.layout().padded_len();
-        // The optimizer state as it lies (lent, not copied, where it is in host memory).
+        // The optimizer state as it lies (lent where it is in host memory) and the weights, fetched
+        // from the device a piece at a time as they are written. The weights are stored as f32
+        // whatever the device trains in (bf16 and f16 widen exactly), so that every checkpoint
+        // resumes and exports the same way; every rank holds the same weights.
         let state = self.engine.checkpoint_state()?;
         // Stages 1 and 2 partition the optimizer state, one part per rank; without partitioning
         // every rank holds all of it, and rank 0's copy is the checkpoint's one part.
@@ -167,19 +162,15 @@ impl<M: Model> Trainer<M> {
         meta.upload_pending = state.upload_pending;
         meta.optimizer_state_dtype = state.moments.name().into();
         if world == 1 {
-            let weights = weights.expect("rank 0 downloads the weights");
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
             let parts = [state.part];
-            let zenflow = state.zenflow.as_slice();
-            let saved =
-                checkpoints::save(out, step, keep, &meta, &weights, tensors, &parts, zenflow);
+            let saved = checkpoints::save(out, step, keep, &meta, &state.weights, tensors, &parts);
             return Ok(saved?);
         }
         let share = checkpoints::Share {
             rank,
-            weights: weights.as_deref(),
+            weights: (rank == 0).then_some(&state.weights),
             part: (rank < parts).then_some(&state.part),
-            zenflow: state.zenflow.as_ref().filter(|_| rank < parts),
         };
         let group = self.group.as_mut().expect("the group lives until the end of the run");
         Ok(checkpoints::save_ranks(

@@ -18,7 +18,7 @@ use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
 
 /// The device path's buffers and events.
 pub(super) struct DeviceUpdate<D: DeviceAdamW> {
-    state: DeviceAdamState<D>,
+    pub(super) state: DeviceAdamState<D>,
     /// The reduced gradients of the partition, summed over the window's micro-steps.
     pub(super) grad_acc: D::Buffer<f32>,
     /// Comm → compute: the accumulator is complete.

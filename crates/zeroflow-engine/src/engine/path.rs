@@ -33,7 +33,6 @@
 //! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, ZenFlow's
 //! included) are waited on by the host buffer at its next access.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use rayon::prelude::*;
@@ -50,7 +49,7 @@ use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::HostSide;
-use crate::checkpoint::{MomentView, PartView};
+use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
 use crate::reduction::Sink;
@@ -285,33 +284,37 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         }
     }
 
-    /// This rank's optimizer state as a checkpoint writes it, whether its weights are newer than
-    /// the device's, and ZenFlow's state: borrowed from the host optimizer on the offload paths
-    /// without ZenFlow (no copy of a large model's state), copied otherwise (downloaded from the
-    /// device, or for ZenFlow merged with the device's columns).
-    pub fn checkpoint_view<C: Comm<Device = D>>(
-        &mut self,
-        shared: &Shared<D, C, P>,
+    /// This rank's optimizer state as a checkpoint writes it, and whether its weights are newer
+    /// than the device's: lent by the host optimizer on the offload paths, fetched a piece at a
+    /// time otherwise (downloaded from the device optimizer; ZenFlow's merged with its device
+    /// columns), so that saving holds no second copy of a large model's state.
+    pub fn checkpoint_view<'a, C: Comm<Device = D>>(
+        &'a mut self,
+        shared: &'a Shared<D, C, P>,
         moments: OptimizerStateDtype,
-    ) -> Result<(PartView<'_>, bool, Option<ZenFlowSnapshot>), EngineError> {
+    ) -> Result<(PartView<'a>, bool), EngineError> {
         let flat = shared.owned.clone();
         match self {
-            UpdatePath::Accumulate(a) => a.view(flat).map(|(view, pending)| (view, pending, None)),
-            UpdatePath::Stream(s) => s.view(flat).map(|(view, pending)| (view, pending, None)),
-            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => {
-                let state = self.state(shared)?;
-                let zenflow = self.zenflow_snapshot(shared)?;
-                let moment = |values: Vec<f32>| match moments {
-                    OptimizerStateDtype::Fp32 => MomentView::F32(Cow::Owned(values)),
-                    OptimizerStateDtype::Bf16 => MomentView::Bf16AsF32(Cow::Owned(values)),
+            UpdatePath::Accumulate(a) => a.view(flat),
+            UpdatePath::Stream(s) => s.view(flat),
+            UpdatePath::ZenFlow(z) => z.checkpoint_view(shared, moments),
+            UpdatePath::Device(d) => {
+                shared.device.synchronize()?;
+                let n = flat.len();
+                let fetched = |buffer: &'a D::Buffer<f32>| {
+                    Elements::fetched(n, move |range: Range<usize>| {
+                        shared.device.download_range(buffer, range).map_err(|e| e.to_string())
+                    })
                 };
-                let view = PartView {
+                let state = &d.state;
+                let part = PartView {
                     flat,
-                    master: Cow::Owned(state.master),
-                    exp_avg: moment(state.exp_avg),
-                    exp_avg_sq: moment(state.exp_avg_sq),
+                    master: fetched(&state.master),
+                    exp_avg: MomentView::F32(fetched(&state.exp_avg)),
+                    exp_avg_sq: MomentView::F32(fetched(&state.exp_avg_sq)),
+                    zenflow: None,
                 };
-                Ok((view, state.upload_pending, zenflow))
+                Ok((part, false))
             }
         }
     }

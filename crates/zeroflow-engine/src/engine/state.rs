@@ -6,10 +6,10 @@ use std::ops::Range;
 use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::Comm;
+use zeroflow_device::{Comm, DeviceBuffer};
 
 use super::Engine;
-use crate::checkpoint::PartView;
+use crate::checkpoint::{Elements, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::{EngineError, LossScaler, ZenFlowSnapshot};
 
@@ -27,11 +27,14 @@ pub struct Snapshot {
     pub zenflow: Option<ZenFlowSnapshot>,
 }
 
-/// This rank's optimizer state, borrowed where it lives in host memory, and the engine's
-/// counters: what [`crate::Engine::checkpoint_state`] lends a checkpoint.
+/// This rank's optimizer state (with its ZenFlow state), lent or fetched in pieces, the flat
+/// weights fetched from the device in pieces, and the engine's counters: what
+/// [`crate::Engine::checkpoint_state`] gives a checkpoint.
 #[derive(Debug)]
-pub struct CheckpointState<'a> {
+pub struct CheckpointState<'a, P: Clone> {
     pub part: PartView<'a>,
+    /// The device's flat weights (the whole flat buffer), downloaded a piece at a time.
+    pub weights: Elements<'a, P>,
     /// See [`Snapshot::upload_pending`].
     pub upload_pending: bool,
     pub optimizer_steps: u64,
@@ -39,26 +42,28 @@ pub struct CheckpointState<'a> {
     pub scaler: LossScaler,
     /// The element type the run keeps the moments in.
     pub moments: OptimizerStateDtype,
-    /// See [`Snapshot::zenflow`].
-    pub zenflow: Option<ZenFlowSnapshot>,
 }
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
-    /// [`Engine::snapshot`] without copying what is in host memory already: a running CPU step
-    /// is waited for (its weights staying pending), and the offloaded optimizer state is lent
-    /// as it lies, so that saving a checkpoint of a large offloaded model does not hold its
-    /// state twice. Call it between optimizer steps.
-    pub fn checkpoint_state(&mut self) -> Result<CheckpointState<'_>, EngineError> {
-        let (part, upload_pending, zenflow) =
-            self.path.checkpoint_view(&self.shared, self.moments)?;
+    /// [`Engine::snapshot`] without copying: a running CPU step is waited for (its weights
+    /// staying pending), the offloaded optimizer state is lent as it lies, and what is in device
+    /// memory (the weights; the device optimizer's state; ZenFlow's window and selected columns)
+    /// is fetched a piece at a time as the checkpoint is written, so that saving a large model
+    /// holds no second copy of it. Call it between optimizer steps.
+    pub fn checkpoint_state(&mut self) -> Result<CheckpointState<'_, P>, EngineError> {
+        let shared = &self.shared;
+        let (part, upload_pending) = self.path.checkpoint_view(shared, self.moments)?;
+        let weights = Elements::fetched(shared.params.len(), move |range: Range<usize>| {
+            shared.device.download_range(&shared.params, range).map_err(|e| e.to_string())
+        });
         Ok(CheckpointState {
             part,
+            weights,
             upload_pending,
             optimizer_steps: self.adamw.steps_taken(),
             micro_steps: self.micro_steps,
             scaler: self.scaler.clone(),
             moments: self.moments,
-            zenflow,
         })
     }
 }

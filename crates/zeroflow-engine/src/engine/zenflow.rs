@@ -18,11 +18,12 @@
 //! column importances go to the host by (recorded on the compute stream before each of those
 //! reads).
 
+use std::ops::Range;
 use std::sync::Arc;
 
-use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Float, bf16};
 use zeroflow_device::{Comm, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
 
@@ -30,8 +31,9 @@ use super::shared::{Shared, normalise, overwrite, slot, sum_to_host};
 use super::state::{OptimizerPart, PathState, assemble};
 use super::stream::{Chunks, stream_chunks};
 use super::zenflow_host::HostSide;
+use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{HostOptimizer, StepTimes, StreamBuffers, convert_into};
+use crate::host::{HostMoments, HostOptimizer, StepTimes, StreamBuffers, convert_into};
 use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
 use crate::{EngineError, ZenFlowOptions};
 
@@ -459,6 +461,72 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
     }
 
+    /// This rank's state as a checkpoint writes it (a running CPU step is waited for, its weights
+    /// staying pending), and whether its weights are pending: the host's optimizer state lent,
+    /// each piece merged with the device's state of the selected columns as it is written (the
+    /// device's compact state downloaded once: a few percent of the partition), the window's
+    /// sums downloaded a piece at a time.
+    pub fn checkpoint_view<'a, C: Comm<Device = D>>(
+        &'a mut self,
+        shared: &'a Shared<D, C, P>,
+        moments: OptimizerStateDtype,
+    ) -> Result<(PartView<'a>, bool), EngineError> {
+        self.host.join()?;
+        let snapshot = ZenFlowSnapshot { window_grads: Vec::new(), ..self.meta(shared) };
+        let upload_pending = self.host.upload_pending();
+        let zenflow = &self.zenflow;
+        let state = &zenflow.state;
+        let download =
+            |buffer: &D::Buffer<f32>| shared.device.download_range(buffer, 0..zenflow.compact_len);
+        let compact =
+            [download(&state.master)?, download(&state.exp_avg)?, download(&state.exp_avg_sq)?];
+        let [master_c, exp_avg_c, exp_avg_sq_c] = compact.map(Arc::new);
+        let host =
+            self.host.settled().ok_or(EngineError::Internal("a joined step is not ready"))?;
+        let owned = shared.owned.clone();
+        let n = owned.len();
+        let selection = Selection { zenflow, at: owned.start };
+        let merged_f32 = move |values: &'a [f32], compact: Arc<Vec<f32>>| {
+            Elements::fetched(n, move |range: Range<usize>| {
+                let mut piece = values[range.clone()].to_vec();
+                selection.patch(&mut piece, range, &compact, |v| v);
+                Ok(piece)
+            })
+        };
+        let master = merged_f32(&host.master, master_c);
+        let (exp_avg, exp_avg_sq) = match (&host.moments, moments) {
+            (HostMoments::F32 { exp_avg, exp_avg_sq }, _) => (
+                MomentView::F32(merged_f32(exp_avg, exp_avg_c)),
+                MomentView::F32(merged_f32(exp_avg_sq, exp_avg_sq_c)),
+            ),
+            (HostMoments::Bf16 { exp_avg, exp_avg_sq }, _) => {
+                let merged = move |values: &'a [bf16], compact: Arc<Vec<f32>>| {
+                    Elements::fetched(n, move |range: Range<usize>| {
+                        let mut piece = values[range.clone()].to_vec();
+                        selection.patch(&mut piece, range, &compact, bf16::from_f32);
+                        Ok(piece)
+                    })
+                };
+                (
+                    MomentView::Bf16(merged(exp_avg, exp_avg_c)),
+                    MomentView::Bf16(merged(exp_avg_sq, exp_avg_sq_c)),
+                )
+            }
+        };
+        let window = &*zenflow.window;
+        let window = Elements::fetched(n, move |range: Range<usize>| {
+            shared.device.download_range(window, range).map_err(|e| e.to_string())
+        });
+        let part = PartView {
+            flat: owned,
+            master,
+            exp_avg,
+            exp_avg_sq,
+            zenflow: Some((snapshot, window)),
+        };
+        Ok((part, upload_pending))
+    }
+
     /// Overwrites the selected elements of a partition's host-side state (master, moments; a
     /// shorter vector is skipped) with the device's, which is the current state of those columns.
     fn merge_device_state<C: Comm<Device = D>>(
@@ -491,19 +559,23 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         &self,
         shared: &Shared<D, C, P>,
     ) -> Result<ZenFlowSnapshot, EngineError> {
+        let window = shared.device.download_range(&*self.zenflow.window, 0..shared.owned.len());
+        Ok(ZenFlowSnapshot { window_grads: window?, ..self.meta(shared) })
+    }
+
+    /// [`ZenFlowUpdate::snapshot`] without the window's sums.
+    fn meta<C: Comm<Device = D>>(&self, shared: &Shared<D, C, P>) -> ZenFlowSnapshot {
         let zenflow = &self.zenflow;
-        let mut window = shared.device.download(&*zenflow.window)?;
-        window.truncate(shared.owned.len());
-        Ok(ZenFlowSnapshot {
+        ZenFlowSnapshot {
             selection: zenflow.selection(),
             steps_in_window: zenflow.steps_in_window,
             since_selection: zenflow.since_selection,
             epochs_since_selection: zenflow.epochs_since_selection,
             cpu_steps: zenflow.cpu_adamw.steps_taken(),
             window_flat: shared.owned.clone(),
-            window_grads: window,
+            window_grads: Vec::new(),
             auto: zenflow.auto.as_ref().map(|a| a.state()).unwrap_or_default(),
-        })
+        }
     }
 
     /// Checks the ZenFlow snapshots of any number of ranks and assembles this rank's window from
@@ -639,4 +711,51 @@ fn load_selected<D: DeviceAdamW, P: Float>(
     overwrite(device, &state.exp_avg_sq, &exp_avg_sq)?;
     overwrite(device, &zenflow.index, &zenflow.indices)?;
     Ok(selected)
+}
+
+/// Where a partition's selected elements are in ZenFlow's compact device state.
+struct Selection<'a, D: DeviceAdamW, P: Float> {
+    zenflow: &'a ZenFlow<D, P>,
+    /// The flat index of the partition's first element.
+    at: usize,
+}
+
+impl<D: DeviceAdamW, P: Float> Clone for Selection<'_, D, P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<D: DeviceAdamW, P: Float> Copy for Selection<'_, D, P> {}
+
+impl<D: DeviceAdamW, P: Float> Selection<'_, D, P> {
+    /// Overwrites the selected elements of `piece` (the partition's elements `range`) with their
+    /// values in `compact` (in compact order), made `T` by `into`.
+    fn patch<T>(
+        &self,
+        piece: &mut [T],
+        range: Range<usize>,
+        compact: &[f32],
+        into: impl Fn(f32) -> T,
+    ) {
+        let (first, last) = (self.at + range.start, self.at + range.end);
+        let zenflow = self.zenflow;
+        for block in &zenflow.blocks {
+            let end = block.start + block.rows * block.cols;
+            if end <= first || block.start >= last {
+                continue;
+            }
+            let columns = &zenflow.indices[block.index.clone()];
+            let rows = (first.max(block.start) - block.start) / block.cols
+                ..(last.min(end) - block.start).div_ceil(block.cols);
+            for r in rows {
+                for (k, &c) in columns.iter().enumerate() {
+                    let flat = block.start + r * block.cols + c as usize;
+                    if (first..last).contains(&flat) {
+                        piece[flat - first] = into(compact[block.compact + r * columns.len() + k]);
+                    }
+                }
+            }
+        }
+    }
 }

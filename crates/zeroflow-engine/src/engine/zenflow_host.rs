@@ -63,6 +63,14 @@ impl<P: Float> HostSide<P> {
         }
     }
 
+    /// The optimizer, where no step is running (after [`HostSide::join`]).
+    pub(super) fn settled(&self) -> Option<&HostOptimizer> {
+        match self {
+            HostSide::Streamed(host) => host.settled(),
+            HostSide::Accumulated(host) => host.settled(),
+        }
+    }
+
     /// The optimizer holds weights newer than the device's flat weights.
     pub(super) fn upload_pending(&self) -> bool {
         match self {

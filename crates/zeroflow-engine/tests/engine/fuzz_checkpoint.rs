@@ -452,6 +452,8 @@ fn outcome_name(result: &Result<Loaded<f32>, CheckpointError>) -> &'static str {
         Err(CheckpointError::Corrupt { .. }) => "corrupt",
         Err(CheckpointError::Mismatch { .. }) => "mismatch",
         Err(CheckpointError::AlreadyExists(_)) => "already-exists",
+        // Loading reads files, never a device: a write-side error.
+        Err(CheckpointError::Source { .. }) => "source",
     }
 }
 
@@ -534,6 +536,7 @@ fn read_every_way(
             prop_assert!(tensor.flat.end <= flat.len(), "{} lies outside", tensor.name);
         }
         let export = dir.join("export.safetensors");
+        let flat = checkpoint::Elements::lent(&flat);
         let _ = checkpoint::write_model(&export, &loaded.meta, &flat, &tensors);
     }
     Ok(outcome)

@@ -252,8 +252,8 @@ pub fn train_from<P: Float>(
                         pinned,
                     };
                     let snapshot = engine.snapshot().unwrap();
-                    same_as_lent(&snapshot, &engine.checkpoint_state().unwrap());
                     let device_weights = device.download(engine.params()).unwrap();
+                    same_as_lent(&snapshot, &engine.checkpoint_state().unwrap(), &device_weights);
                     engine.flush().unwrap();
                     let weights = device.download(engine.params()).unwrap();
                     (weights, reports, snapshot, device_weights, traffic)
@@ -318,33 +318,57 @@ pub fn to_f32<P: Float>(flat: &[P]) -> Vec<f32> {
 /// The bf16 type, for tests that name it.
 pub type Bf16 = bf16;
 
-/// What [`Engine::checkpoint_state`] lends a checkpoint (borrowed where the state is in host
-/// memory) is the state [`Engine::snapshot`] copies: the same master weights, moments (bf16
-/// ones widened exactly), counters and ZenFlow state.
-fn same_as_lent(snapshot: &Snapshot, lent: &zeroflow_engine::CheckpointState<'_>) {
-    use zeroflow_engine::checkpoint::MomentView;
-    let widened = |moment: &MomentView<'_>| -> Vec<f32> {
+/// What [`Engine::checkpoint_state`] gives a checkpoint (lent where the state is in host
+/// memory, fetched in pieces otherwise) is the state [`Engine::snapshot`] copies: the same
+/// master weights, moments (bf16 ones widened exactly), counters, ZenFlow state and window, and
+/// the device's weights.
+fn same_as_lent<P: Float>(
+    snapshot: &Snapshot,
+    lent: &zeroflow_engine::CheckpointState<'_, P>,
+    device_weights: &[P],
+) {
+    use zeroflow_engine::checkpoint::{Elements, MomentView};
+    fn all<T: Clone>(elements: &Elements<'_, T>) -> Vec<T> {
+        elements.get(0..elements.len()).unwrap().into_owned()
+    }
+    // The moments as a checkpoint stores them: f32 bits, or bf16 bits where the run keeps bf16
+    // moments (ZenFlow's selected columns are f32 on the device, rounded to bf16 when stored).
+    let stored = |moment: &MomentView<'_>| -> Vec<u32> {
         match moment {
-            MomentView::F32(values) | MomentView::Bf16AsF32(values) => values.to_vec(),
-            MomentView::Bf16(values) => values.iter().map(|v| v.to_f32()).collect(),
+            MomentView::F32(values) => all(values).iter().map(|v| v.to_bits()).collect(),
+            MomentView::Bf16AsF32(values) => {
+                all(values).iter().map(|&v| u32::from(bf16::from_f32(v).to_bits())).collect()
+            }
+            MomentView::Bf16(values) => {
+                all(values).iter().map(|v| u32::from(v.to_bits())).collect()
+            }
         }
     };
+    let copied = |values: &[f32]| -> Vec<u32> {
+        match snapshot.part.moments {
+            OptimizerStateDtype::Fp32 => values.iter().map(|v| v.to_bits()).collect(),
+            OptimizerStateDtype::Bf16 => {
+                values.iter().map(|&v| u32::from(bf16::from_f32(v).to_bits())).collect()
+            }
+        }
+    };
+    let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     let part = &snapshot.part;
     assert_eq!(lent.part.flat, part.flat);
-    assert!(
-        lent.part.master.iter().map(|v| v.to_bits()).eq(part.master.iter().map(|v| v.to_bits()))
-    );
-    for (lent, copied) in
-        [(&lent.part.exp_avg, &part.exp_avg), (&lent.part.exp_avg_sq, &part.exp_avg_sq)]
-    {
-        let lent = widened(lent);
-        assert!(lent.iter().map(|v| v.to_bits()).eq(copied.iter().map(|v| v.to_bits())));
-    }
+    assert_eq!(bits(&all(&lent.part.master)), bits(&part.master), "master");
+    assert_eq!(stored(&lent.part.exp_avg), copied(&part.exp_avg), "exp_avg");
+    assert_eq!(stored(&lent.part.exp_avg_sq), copied(&part.exp_avg_sq), "exp_avg_sq");
     assert_eq!(lent.moments, part.moments);
     assert_eq!(
         (lent.upload_pending, lent.optimizer_steps, lent.micro_steps),
         (snapshot.upload_pending, snapshot.optimizer_steps, snapshot.micro_steps)
     );
     assert_eq!(&lent.scaler, &snapshot.scaler);
-    assert_eq!(&lent.zenflow, &snapshot.zenflow);
+    let zenflow = lent
+        .part
+        .zenflow
+        .as_ref()
+        .map(|(meta, window)| ZenFlowSnapshot { window_grads: all(window), ..meta.clone() });
+    assert_eq!(zenflow, snapshot.zenflow);
+    assert!(all(&lent.weights) == device_weights, "the weights lent differ from the device's");
 }
