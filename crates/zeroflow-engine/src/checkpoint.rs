@@ -242,9 +242,8 @@ pub fn write_model<P: Stored>(
                 return Err(CheckpointError::Mismatch { path: path.into(), reason });
             }
             let at = t.flat.start;
-            let source = weights.within(at..t.flat.end);
             Ok(match widen {
-                false => Out::of(&t.name, t.shape.clone(), source),
+                false => Out::of(&t.name, t.shape.clone(), weights, at),
                 true => Out::new(&t.name, Dtype::F32, 4, t.shape.clone(), move |range| {
                     let values = weights.get(at + range.start..at + range.end)?;
                     Ok(Cow::Owned(widened_bytes(&values).into_owned()))
@@ -338,17 +337,6 @@ impl<'a, T: Clone> Elements<'a, T> {
             }
         }
     }
-
-    /// The elements `range` as a source of their own (for one tensor of the flat weights).
-    fn within(&self, range: Range<usize>) -> Elements<'_, T> {
-        match self {
-            Elements::Lent(values) => Elements::Lent(Cow::Borrowed(&values[range])),
-            Elements::Fetched { .. } => Elements::fetched(range.len(), move |r: Range<usize>| {
-                let at = range.start;
-                self.get(at + r.start..at + r.end).map(Cow::into_owned)
-            }),
-        }
-    }
 }
 
 /// One rank's optimizer state as a checkpoint writes it, lent from where it lives (the engine's
@@ -384,8 +372,8 @@ impl MomentView<'_> {
 
     fn out(&self, name: &str, shape: Vec<usize>) -> Out<'_> {
         match self {
-            MomentView::F32(values) => Out::of(name, shape, values.within(0..values.len())),
-            MomentView::Bf16(values) => Out::of(name, shape, values.within(0..values.len())),
+            MomentView::F32(values) => Out::of(name, shape, values, 0),
+            MomentView::Bf16(values) => Out::of(name, shape, values, 0),
             MomentView::Bf16AsF32(values) => Out::new(name, Dtype::BF16, 2, shape, move |range| {
                 let values = values.get(range)?;
                 let mut out = Vec::with_capacity(values.len() * 2);
@@ -480,7 +468,7 @@ fn part_tensors<'a>(
         return Err(CheckpointError::Mismatch { path: path.into(), reason });
     }
     let mut tensors = vec![
-        Out::of("master", vec![n], part.master.within(0..n)),
+        Out::of("master", vec![n], &part.master, 0),
         part.exp_avg.out("exp_avg", vec![n]),
         part.exp_avg_sq.out("exp_avg_sq", vec![n]),
     ];
@@ -490,7 +478,7 @@ fn part_tensors<'a>(
     ]);
     if let Some((z, window)) = &part.zenflow {
         let len = window.len();
-        tensors.push(Out::of("zenflow.window_grads", vec![len], window.within(0..len)));
+        tensors.push(Out::of("zenflow.window_grads", vec![len], window, 0));
         let meta = ZenFlowMeta {
             selection: z.selection.clone(),
             steps_in_window: z.steps_in_window,
@@ -534,18 +522,24 @@ impl<'a> Out<'a> {
         Out { name: name.to_string(), dtype, shape, len, size, bytes: Box::new(bytes) }
     }
 
-    /// `values` as they are.
-    fn of<T: Stored>(name: &str, shape: Vec<usize>, values: Elements<'a, T>) -> Self {
+    /// Elements `at..` of `values` as they are.
+    fn of<T: Stored>(
+        name: &str,
+        shape: Vec<usize>,
+        values: &'a Elements<'a, T>,
+        at: usize,
+    ) -> Self {
         let (dtype, size) = (T::SAFETENSORS, T::DTYPE.size());
-        match values {
-            Elements::Lent(Cow::Borrowed(slice)) => Out::new(name, dtype, size, shape, move |r| {
-                let piece = slice.get(r.clone()).ok_or_else(|| format!("elements {r:?}"))?;
-                Ok(le_bytes(piece))
-            }),
-            values => Out::new(name, dtype, size, shape, move |range| {
-                Ok(Cow::Owned(to_bytes(&values.get(range)?)))
-            }),
-        }
+        Out::new(name, dtype, size, shape, move |r| {
+            let range = at + r.start..at + r.end;
+            Ok(match values {
+                // Lent for the file's life: borrowed, not copied.
+                Elements::Lent(lent) => {
+                    le_bytes(lent.get(range.clone()).ok_or_else(|| format!("elements {range:?}"))?)
+                }
+                Elements::Fetched { .. } => Cow::Owned(to_bytes(&values.get(range)?)),
+            })
+        })
     }
 }
 

@@ -115,11 +115,7 @@ impl Family for GptConfig {
         seq: usize,
         plan: PlanOptions,
     ) -> Result<CudaGpt, TrainError> {
-        let options = CudaGptOptions {
-            attention: plan.attention,
-            activation_checkpointing: plan.activation_checkpointing,
-            ..CudaGptOptions::default()
-        };
+        let options = cuda_options(plan);
         Ok(CudaGpt::with_options(device, blas, self, layout, batch, seq, options)?)
     }
 
@@ -129,11 +125,7 @@ impl Family for GptConfig {
         batch_seq: (usize, usize),
         plan: PlanOptions,
     ) -> Result<ActivationMemory, TrainError> {
-        let options = CudaGptOptions {
-            attention: plan.attention,
-            activation_checkpointing: plan.activation_checkpointing,
-            ..CudaGptOptions::default()
-        };
+        let options = cuda_options(plan);
         Ok(zeroflow_gpt::cuda::planned_memory(self, layout, batch_seq, options)?)
     }
 
@@ -176,5 +168,14 @@ impl Family for GptConfig {
         out: &std::path::Path,
     ) -> Result<(), TrainError> {
         crate::export::copy_weights(from, out, &self.to_hf_config())
+    }
+}
+
+/// The CUDA model's options of a family-neutral [`PlanOptions`].
+fn cuda_options(plan: PlanOptions) -> CudaGptOptions {
+    CudaGptOptions {
+        attention: plan.attention,
+        activation_checkpointing: plan.activation_checkpointing,
+        ..CudaGptOptions::default()
     }
 }

@@ -158,10 +158,7 @@ impl Family for LlamaSpec {
         seq: usize,
         plan: PlanOptions,
     ) -> Result<CudaLlama, TrainError> {
-        let options = CudaLlamaOptions {
-            attention: plan.attention,
-            activation_checkpointing: plan.activation_checkpointing,
-        };
+        let options = cuda_options(plan);
         Ok(CudaLlama::with_options(device, blas, &self.0, layout, (batch, seq), options)?)
     }
 
@@ -171,10 +168,7 @@ impl Family for LlamaSpec {
         batch_seq: (usize, usize),
         plan: PlanOptions,
     ) -> Result<ActivationMemory, TrainError> {
-        let options = CudaLlamaOptions {
-            attention: plan.attention,
-            activation_checkpointing: plan.activation_checkpointing,
-        };
+        let options = cuda_options(plan);
         Ok(zeroflow_llama::cuda::planned_memory(&self.0, layout, batch_seq, options)?)
     }
 
@@ -211,6 +205,14 @@ impl Family for LlamaSpec {
         let options = SaveOptions { dtype, tokenizer_from, ..SaveOptions::default() };
         zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
         Ok(())
+    }
+}
+
+/// The CUDA model's options of a family-neutral [`PlanOptions`].
+fn cuda_options(plan: PlanOptions) -> CudaLlamaOptions {
+    CudaLlamaOptions {
+        attention: plan.attention,
+        activation_checkpointing: plan.activation_checkpointing,
     }
 }
 

@@ -144,7 +144,7 @@ impl<M: Model> Trainer<M> {
     /// ([`checkpoints::save_ranks`]); every rank calls it at the same steps.
     pub(crate) fn save(&mut self, step: u64, setup: &Setup) -> Result<PathBuf> {
         let (rank, world) = (setup.dist.rank, setup.dist.world_size);
-        let mut meta = self.meta(step, setup);
+        let (params, extra) = (self.param_entries(), self.extra(step, setup));
         let padded = self.engine.layout().padded_len();
         // The optimizer state as it lies (lent where it is in host memory) and the weights, fetched
         // from the device a piece at a time as they are written. The weights are stored as f32
@@ -154,13 +154,20 @@ impl<M: Model> Trainer<M> {
         // Stages 1 and 2 partition the optimizer state, one part per rank; without partitioning
         // every rank holds all of it, and rank 0's copy is the checkpoint's one part.
         let parts = if state.part.flat.len() < padded { world } else { 1 };
-        meta.optimizer_steps = state.optimizer_steps;
-        meta.micro_steps = state.micro_steps;
-        // The number of optimizer parts, which `checkpoint::load` reads back.
-        meta.world_size = parts;
-        meta.scaler = state.scaler.clone();
-        meta.upload_pending = state.upload_pending;
-        meta.optimizer_state_dtype = state.moments.name().into();
+        let meta = Meta {
+            format: checkpoint::FORMAT.into(),
+            version: checkpoint::VERSION,
+            optimizer_steps: state.optimizer_steps,
+            micro_steps: state.micro_steps,
+            // The number of optimizer parts, which `checkpoint::load` reads back.
+            world_size: parts,
+            scaler: state.scaler.clone(),
+            upload_pending: state.upload_pending,
+            weights_dtype: "F32".into(),
+            optimizer_state_dtype: state.moments.name().into(),
+            params,
+            extra,
+        };
         if world == 1 {
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
             let parts = [state.part];
@@ -184,10 +191,8 @@ impl<M: Model> Trainer<M> {
         )?)
     }
 
-    /// The checkpoint's `state.json`: the engine's layout and the trainer's [`Extra`]; the
-    /// engine's counters, scaler and number of optimizer parts are filled in by
-    /// [`Trainer::save`] from the state it saves.
-    fn meta(&self, step: u64, setup: &Setup) -> Meta {
+    /// The trainer's [`Extra`] of a checkpoint of `step`, as `state.json` holds it.
+    fn extra(&self, step: u64, setup: &Setup) -> serde_json::Value {
         let extra = Extra {
             model: setup.model.clone(),
             config: setup.config.to_json(),
@@ -219,29 +224,15 @@ impl<M: Model> Trainer<M> {
                 eval_every: setup.eval_every,
             },
         };
-        Meta {
-            format: checkpoint::FORMAT.into(),
-            version: checkpoint::VERSION,
-            optimizer_steps: 0,
-            micro_steps: 0,
-            world_size: 1,
-            scaler: zeroflow_engine::LossScaler::None,
-            upload_pending: false,
-            weights_dtype: "F32".into(),
-            optimizer_state_dtype: String::new(),
-            params: self
-                .engine
-                .layout()
-                .params()
-                .iter()
-                .map(|p| ParamEntry {
-                    name: p.name.clone(),
-                    shape: p.shape.clone(),
-                    offset: p.offset,
-                })
-                .collect(),
-            extra: serde_json::to_value(&extra).expect("serialisable"),
-        }
+        serde_json::to_value(&extra).expect("serialisable")
+    }
+
+    /// The layout's parameters, as `state.json` lists them.
+    fn param_entries(&self) -> Vec<ParamEntry> {
+        let params = self.engine.layout().params().iter();
+        params
+            .map(|p| ParamEntry { name: p.name.clone(), shape: p.shape.clone(), offset: p.offset })
+            .collect()
     }
 
     /// Optimizer step `step` (from 1): its micro-batches' forward and backward, then the update.

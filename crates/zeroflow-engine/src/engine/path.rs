@@ -299,7 +299,6 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Stream(s) => s.view(flat),
             UpdatePath::ZenFlow(z) => z.checkpoint_view(shared, moments),
             UpdatePath::Device(d) => {
-                shared.device.synchronize()?;
                 let n = flat.len();
                 let fetched = |buffer: &'a D::Buffer<f32>| {
                     Elements::fetched(n, move |range: Range<usize>| {
