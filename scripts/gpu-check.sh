@@ -8,13 +8,13 @@
 #
 # Staged: .gpu/zeroflow (the CLI) and .gpu/tests/<package>, the GPU test binary of each package
 # that has one: a test target named `cuda` (or `gpu`) in zeroflow-device (required), zeroflow-nn,
-# zeroflow-gpt, zeroflow-llama and zeroflow-engine (optional: skipped with a note while they have none).
+# zeroflow-gpt, zeroflow-llama, zeroflow-engine and zeroflow-train (optional: skipped with a note while they have none).
 # scripts/gpu-run.sh is what runs there; it writes its logs under $OUT and prints a table last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LIMIT_MIB=64
-PACKAGES=(zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine)
+PACKAGES=(zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine zeroflow-train)
 
 cargo build --release -p zeroflow-cli
 

@@ -53,7 +53,7 @@ step env .gpu/zeroflow env
 step env-json .gpu/zeroflow env --json
 
 # The device tests first (the contract everything else stands on), then the others present.
-for package in zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine; do
+for package in zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine zeroflow-train; do
     binary=.gpu/tests/$package
     if [[ -x "$binary" ]]; then
         step "tests-$package" "$binary" --test-threads=1 --nocapture
@@ -96,7 +96,7 @@ grep -h "^test .* FAILED$\|^error" "${logs[@]}" 2>/dev/null | head -12
 echo
 echo "==== summary"
 printf '%-34s %s\n' "what" "result"
-for package in zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine; do
+for package in zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine zeroflow-train; do
     log=$OUT/tests-$package.log
     [[ -f "$log" ]] || continue
     printf '%-34s %s\n' "$package tests" "$(grep -h '^test result' "$log" | head -1)"

@@ -20,8 +20,6 @@ use zeroflow_train::llama::LlamaSpec;
 use zeroflow_train::{Family, ModelSpec, with_family};
 
 const NEW_TOKENS: usize = 32;
-/// Greedy tokens that must agree before bf16 rounding may explain a divergence.
-const AGREE_AT_LEAST: usize = 8;
 /// The largest relative difference (‖gpu − cpu‖ / ‖cpu‖) of the prompts' next-token logits.
 const LOGITS_TOLERANCE: f64 = 2e-2;
 
@@ -77,9 +75,10 @@ fn top2_gap(logits: &[f32]) -> f32 {
 }
 
 /// Greedy tokens on the GPU against the CPU for three prompts as one batch: the first
-/// AGREE_AT_LEAST agree, and a later first divergence is reported with the CPU's top-2 gap
-/// there, which must be within what bf16 explains (a tenth of the largest logit's magnitude
-/// bounds it loosely; an exact match is what is expected of well-separated logits).
+/// The first divergence (if any) is reported with the CPU's top-2 gap there, which must be within
+/// what bf16 explains (a tenth of the largest logit's magnitude bounds it loosely; an exact match
+/// is what is expected of well-separated logits). Where it comes does not matter: a near-tie at
+/// the third token is as much bf16's as one at the thirtieth.
 fn check_generation(name: &str, model: &HostModel) {
     let prompts = vec![vec![5, 17, 2, 9, 33], vec![1], vec![40, 3, 3, 8, 61, 12, 7, 0, 2]];
     let logits_cpu = model.next_logits(&prompts, InferDevice::Cpu).unwrap();
@@ -109,7 +108,6 @@ fn check_generation(name: &str, model: &HostModel) {
              top-2 logit gap there {gap:.4} of logits up to {largest:.2}",
             cpu[at], gpu[at]
         );
-        assert!(at >= AGREE_AT_LEAST, "{name}: prompt {b} diverges at token {at}");
         assert!(gap <= 0.1 * largest, "{name}: prompt {b}: a gap of {gap} is not bf16 rounding");
     }
 }
