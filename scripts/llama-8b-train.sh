@@ -8,9 +8,10 @@
 #
 # The text is the machine's Python standard library (every .py file under /usr/lib/python3*),
 # GPT-2 BPE tokens (`zeroflow tokenize --tokenizer gpt2`; llama-8b's 128,256 rows cover them),
-# the last 300 files held out. A llama-8b checkpoint (bf16 weights, fp32 master and moments:
-# ~112 GB) does not fit the machine's 64 GiB disk, so each run is stopped once its last step is
-# recorded, before the final save (`--save-every 0`); held-out evaluations at steps 25, 50, 75.
+# the last 300 files held out. A llama-8b checkpoint (f32 weights, fp32 master and moments:
+# 128 GB, 160 with ZenFlow) does not fit the machine's 64 GiB disk, so each run is stopped once
+# its last step is recorded, before the final save (`--save-every 0`); held-out evaluations at
+# steps 25, 50, 75.
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/llama-8b-train.sh   carry: [".gpu"]
 cd "$(dirname "$0")/.."

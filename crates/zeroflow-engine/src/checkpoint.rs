@@ -46,6 +46,16 @@ pub enum CheckpointError {
     /// What a checkpoint was being written from failed (a device's download, say).
     #[error("{path}: cannot read what it is written from: {reason}")]
     Source { path: PathBuf, reason: String },
+    /// The checkpoint would not fit the free space of its file system: nothing was written.
+    #[error(
+        "{path}: not enough disk space for this checkpoint: it takes {} (the weights, the fp32 \
+         master weights and the optimizer moments), and {} are free there; free some space or \
+         start the run with --out on a larger disk (nothing was written; the run's metrics and \
+         earlier checkpoints are kept)",
+        disk_size(*needed),
+        disk_size(*free)
+    )]
+    NoSpace { path: PathBuf, needed: u64, free: u64 },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -206,16 +216,80 @@ pub fn save_views<P: Stored>(
     if temp.exists() {
         fs::remove_dir_all(&temp).map_err(io(&temp))?;
     }
-    fs::create_dir_all(temp.join("optim")).map_err(io(&temp))?;
-    write_state(&temp.join("state.json"), meta)?;
-    write_model(&temp.join("model.safetensors"), meta, weights, tensors)?;
-    for (rank, part) in parts.iter().enumerate() {
-        write_part(&temp, rank, part)?;
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let needed = model_bytes::<P>(meta, tensors) + parts.iter().map(PartView::bytes).sum::<u64>();
+    check_space(dir, needed, free_bytes(parent))?;
+    let written = (|| {
+        fs::create_dir_all(temp.join("optim")).map_err(io(&temp))?;
+        write_state(&temp.join("state.json"), meta)?;
+        write_model(&temp.join("model.safetensors"), meta, weights, tensors)?;
+        for (rank, part) in parts.iter().enumerate() {
+            write_part(&temp, rank, part)?;
+        }
+        sync_dir(&temp.join("optim"))?;
+        sync_dir(&temp)
+    })();
+    if written.is_err() {
+        // A half-written checkpoint only takes space: the error says what went wrong.
+        let _ = fs::remove_dir_all(&temp);
     }
-    sync_dir(&temp.join("optim"))?;
-    sync_dir(&temp)?;
+    written?;
     fs::rename(&temp, dir).map_err(io(dir))?;
-    sync_dir(dir.parent().unwrap_or(Path::new(".")))
+    sync_dir(parent)
+}
+
+/// Refuses a checkpoint of `needed` bytes at `dir` where its file system has `free` bytes free
+/// and they are fewer (`None`: unknown, so not refused).
+fn check_space(dir: &Path, needed: u64, free: Option<u64>) -> Result<(), CheckpointError> {
+    match free {
+        Some(free) if free < needed => {
+            Err(CheckpointError::NoSpace { path: dir.to_path_buf(), needed, free })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The bytes of the tensors [`write_model`] writes (headers not counted).
+fn model_bytes<P: Stored>(meta: &Meta, tensors: &[NamedTensor]) -> u64 {
+    let size = if meta.weights_dtype == "F32" { 4 } else { size_of::<P>() as u64 };
+    tensors.iter().map(|t| t.flat.len() as u64 * size).sum()
+}
+
+/// Bytes of disk as people read them: `128.5 GB`, `6.6 MB`, `900 B` (powers of 1000, as disks
+/// are sold and `df -H` prints).
+pub fn disk_size(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..1_000 => format!("{bytes} B"),
+        1_000..1_000_000 => format!("{:.1} kB", b / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1} MB", b / 1e6),
+        _ => format!("{:.1} GB", b / 1e9),
+    }
+}
+
+/// The bytes the file system holding `path` has free for this process (`statvfs`'s available
+/// blocks), or `None` where that cannot be asked.
+pub fn free_bytes(path: &Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+        let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: `path` is a NUL-terminated string and `stat` a buffer of the type statvfs fills.
+        let status = unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) };
+        if status != 0 {
+            return None;
+        }
+        // SAFETY: statvfs returned 0, so it filled `stat`.
+        let stat = unsafe { stat.assume_init() };
+        #[allow(clippy::unnecessary_cast)] // the fields' types differ between platforms
+        Some(stat.f_bavail as u64 * stat.f_frsize as u64)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
 }
 
 /// Writes `weights` as the named `tensors` into a safetensors file at `path` (fsynced), in the
@@ -362,7 +436,24 @@ pub enum MomentView<'a> {
     Bf16AsF32(Elements<'a, f32>),
 }
 
+impl PartView<'_> {
+    /// The bytes of the tensors [`write_part`] writes for this part (headers not counted).
+    fn bytes(&self) -> u64 {
+        let window = self.zenflow.as_ref().map_or(0, |(_, window)| window.len() as u64 * 4);
+        self.master.len() as u64 * 4 + self.exp_avg.bytes() + self.exp_avg_sq.bytes() + window
+    }
+}
+
 impl MomentView<'_> {
+    /// The bytes it is stored in.
+    fn bytes(&self) -> u64 {
+        match self {
+            MomentView::F32(values) => values.len() as u64 * 4,
+            MomentView::Bf16(values) => values.len() as u64 * 2,
+            MomentView::Bf16AsF32(values) => values.len() as u64 * 2,
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             MomentView::F32(v) | MomentView::Bf16AsF32(v) => v.len(),
@@ -821,7 +912,93 @@ mod tests {
     use zeroflow_core::adamw::OptimizerStateDtype;
     use zeroflow_core::bf16;
 
-    use super::{Elements, MomentView, OptimizerPart, PartView, write_part};
+    use super::{
+        CheckpointError, Elements, Meta, MomentView, NamedTensor, OptimizerPart, PartView,
+        check_space, free_bytes, save_views, write_part,
+    };
+
+    /// A save is refused, before anything is written, where the file system has less free space
+    /// than the checkpoint's tensors take, with a message that says what to do; allowed where it
+    /// has enough or cannot tell.
+    #[test]
+    fn a_checkpoint_larger_than_the_free_space_is_refused_before_writing() {
+        let dir = std::path::Path::new("runs/r/checkpoints/step-00000100");
+        let error = check_space(dir, 112_000_000_000, Some(60_000_000_000)).unwrap_err();
+        assert!(matches!(error, CheckpointError::NoSpace { needed: 112_000_000_000, .. }));
+        let message = error.to_string();
+        for said in ["not enough disk space", "112.0 GB", "60.0 GB", "--out", "step-00000100"] {
+            assert!(message.contains(said), "{said:?} not in: {message}");
+        }
+        check_space(dir, 100, Some(100)).unwrap();
+        let small = check_space(dir, 6_600_000, Some(1_900_000)).unwrap_err().to_string();
+        assert!(small.contains("6.6 MB") && small.contains("1.9 MB"), "{small}");
+        check_space(dir, 100, None).unwrap();
+        let here = tempfile::tempdir().unwrap();
+        assert!(free_bytes(here.path()).is_some_and(|free| free > 0));
+    }
+
+    /// What a part's tensors take is what the file holds beyond its header, for fp32 and bf16
+    /// moments: the figure the free-space check compares.
+    #[test]
+    fn a_parts_bytes_are_its_files_tensor_bytes() {
+        let n = 777;
+        let master: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let m: Vec<bf16> = (0..n).map(|i| bf16::from_f32(i as f32)).collect();
+        let views = [
+            PartView {
+                flat: 0..n,
+                master: Elements::lent(&master),
+                exp_avg: MomentView::F32(Elements::lent(&master)),
+                exp_avg_sq: MomentView::F32(Elements::lent(&master)),
+                zenflow: None,
+            },
+            PartView {
+                flat: 0..n,
+                master: Elements::lent(&master),
+                exp_avg: MomentView::Bf16(Elements::lent(&m)),
+                exp_avg_sq: MomentView::Bf16(Elements::lent(&m)),
+                zenflow: None,
+            },
+        ];
+        for view in views {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::create_dir(dir.path().join("optim")).unwrap();
+            write_part(dir.path(), 0, &view).unwrap();
+            let file = std::fs::read(dir.path().join("optim/rank-0.safetensors")).unwrap();
+            let header = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+            assert_eq!(view.bytes(), (file.len() - 8 - header) as u64);
+        }
+    }
+
+    /// A save whose source fails on the way leaves no checkpoint and no partial directory
+    /// behind (it would only take the disk's space), and says what failed.
+    #[test]
+    fn a_failed_save_leaves_nothing_behind() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("step-00000001");
+        let n = 1000;
+        // state.json is written (the partial directory exists) before the weights fail.
+        let weights =
+            Elements::<f32>::fetched(n, |_| Err("the device stopped answering".to_string()));
+        let meta = Meta {
+            format: super::FORMAT.into(),
+            version: super::VERSION,
+            optimizer_steps: 1,
+            micro_steps: 1,
+            world_size: 1,
+            scaler: crate::LossScaler::None,
+            upload_pending: false,
+            weights_dtype: "F32".into(),
+            optimizer_state_dtype: OptimizerStateDtype::Fp32.name().into(),
+            params: Vec::new(),
+            extra: serde_json::Value::Null,
+        };
+        let tensors = [NamedTensor { name: "w".into(), shape: vec![n], flat: 0..n }];
+        let error = save_views(&dir, &meta, &weights, &tensors, &[]).unwrap_err();
+        assert!(error.to_string().contains("the device stopped answering"), "{error}");
+        let left: Vec<_> = std::fs::read_dir(root.path()).unwrap().collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
 
     /// A part written from moments lent as bf16 is the file written from the same moments
     /// widened to f32 (an [`OptimizerPart`] of a bf16 run), byte for byte, and fp32 moments lent

@@ -12,6 +12,7 @@ use zeroflow_core::DType;
 use zeroflow_core::layout::FlatLayout;
 
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
+use crate::zenflow::EXCHANGE_PIECE;
 use crate::{AccumulateOn, EngineOptions, OffloadUpdate, Placement, Stage, ZenFlowAside};
 
 /// Where a buffer lives.
@@ -265,8 +266,9 @@ fn accumulator_buffers(
 /// moments, the gradients in the model's dtype and in f32, the weights), the column indices and
 /// importance, the fp32 window, and with `overlap_step` the set-aside weights; in host memory,
 /// the importance's pinned copy, and at a selection the compact master weights and moments
-/// downloaded to hand the leaving columns to the host optimizer (three f32 copies, and the
-/// download's own copy of the last: 16 bytes per compact element).
+/// downloaded a piece at a time to hand the leaving columns to the host optimizer (three f32
+/// pieces and one download's staging: 16 bytes per element of a piece of at most
+/// [`EXCHANGE_PIECE`]).
 fn zenflow_buffers(
     layout: &FlatLayout,
     owned: &Range<usize>,
@@ -288,7 +290,7 @@ fn zenflow_buffers(
         PlannedBuffer {
             memory: Host,
             kind: K::ZenFlowSelected,
-            bytes: columns as u64 * 4 + capacity as u64 * 16,
+            bytes: columns as u64 * 4 + capacity.min(EXCHANGE_PIECE) as u64 * 16,
         },
         line(Device, K::GradientAccumulator, n, 4),
     ];

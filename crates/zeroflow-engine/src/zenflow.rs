@@ -126,6 +126,11 @@ pub(crate) struct MatrixParam {
     importance_at: Option<usize>,
 }
 
+/// Selected elements whose device state a new selection hands to the host optimizer at a time:
+/// the three fp32 pieces (and one download's staging) are the exchange's host memory, 16 B per
+/// element of the piece, not of the whole selection (some 6 GiB at llama-8b).
+pub(crate) const EXCHANGE_PIECE: usize = 4 << 20;
+
 /// A row-major block of this rank's elements of one matrix: whole rows, or part of one row. The
 /// selected columns of the block are `indices[index]` (relative to the block's first column), and
 /// its selected elements are `[rows, index.len()]` at `compact` in the compact buffers.

@@ -13,6 +13,38 @@ use crate::dist::{Group, Lost, rendezvous};
 /// The folder of a run directory that holds its checkpoints.
 pub const FOLDER: &str = "checkpoints";
 
+/// What the disk under `out` holds against checkpoints of `bytes` each, the newest `keep` kept
+/// (a save writes the next one before it deletes the oldest, so a long run needs room for
+/// `keep + 1`): a warning to say now, at the start, where the saves would fail; `None` where
+/// there is room or the free space cannot be asked.
+pub fn disk_warning(out: &Path, bytes: u64, keep: u64) -> Option<String> {
+    let existing = out.ancestors().find(|dir| dir.exists())?;
+    let free = checkpoint::free_bytes(existing)?;
+    disk_warning_for(out, bytes, keep, free)
+}
+
+/// [`disk_warning`] of a disk with `free` bytes free.
+fn disk_warning_for(out: &Path, bytes: u64, keep: u64, free: u64) -> Option<String> {
+    let (out, size, room) =
+        (out.display(), checkpoint::disk_size(bytes), checkpoint::disk_size(free));
+    if free < bytes {
+        return Some(format!(
+            "a checkpoint of this run takes {size} and {out} has {room} free: every \
+             save will be refused (the last one at the end of the run too, nothing written); \
+             free some space or pass --out on a larger disk"
+        ));
+    }
+    let fits = free / bytes.max(1);
+    (fits < keep + 1).then(|| {
+        format!(
+            "a checkpoint of this run takes {size} and {out} has {room} free, room \
+             for {fits}; keeping {keep} (--keep) needs {} at once, so later saves will be \
+             refused: free some space, lower --keep or pass --out on a larger disk",
+            keep + 1
+        )
+    })
+}
+
 /// Why checkpoints could not be listed, saved or cleaned up.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointsError {
@@ -261,8 +293,28 @@ mod tests {
     use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
     use zeroflow_engine::{LossScaler, OptimizerPart};
 
-    use super::{Share, save_ranks};
+    use super::{Share, disk_warning, disk_warning_for, save_ranks};
     use crate::dist::testing::local_groups;
+
+    /// The start-of-run warning: where not even one checkpoint fits (every save refused), where
+    /// `--keep` needs more room than there is, none where there is room; and the free space of a
+    /// real directory can be asked (no warning for a 1-byte checkpoint there).
+    #[test]
+    fn the_disk_is_checked_against_the_checkpoints_a_run_keeps() {
+        let out = Path::new("runs/big");
+        let gb = 1_000_000_000;
+        let none_fit = disk_warning_for(out, 128 * gb, 3, 60 * gb).unwrap();
+        for said in ["128.0 GB", "60.0 GB free", "every save will be refused", "--out"] {
+            assert!(none_fit.contains(said), "{said:?} not in: {none_fit}");
+        }
+        let two_fit = disk_warning_for(out, 10 * gb, 3, 25 * gb).unwrap();
+        for said in ["room for 2", "needs 4 at once", "--keep"] {
+            assert!(two_fit.contains(said), "{said:?} not in: {two_fit}");
+        }
+        assert_eq!(disk_warning_for(out, 10 * gb, 3, 40 * gb), None);
+        let unmade = std::env::temp_dir().join("zeroflow-disk-warning-test/not/yet/made");
+        assert_eq!(disk_warning(&unmade, 1, 1), None);
+    }
 
     /// A model of one 4-element tensor, its flat weights split between two ranks' parts.
     fn fixture() -> (Meta, Vec<NamedTensor>, Vec<f32>, [OptimizerPart; 2]) {

@@ -9,11 +9,8 @@
 use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_core::layout::FlatLayout;
 use zeroflow_engine::checkpoint::WRITE_CHUNK_BYTES;
-use zeroflow_engine::{
-    BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
-};
+use zeroflow_engine::{BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement};
 use zeroflow_nn::PlanOptions;
 
 use crate::error::{Result, input};
@@ -130,33 +127,48 @@ pub struct MemoryPlan {
     /// Bytes of host memory at the peak (the peak RSS): the lines held for the whole run, plus
     /// the largest of the engine's run buffers, its set-up peak and what comes before it.
     pub host_total: u64,
+    /// Bytes of disk a checkpoint of the run takes (every rank's part, f32 weights).
+    pub checkpoint_disk_bytes: u64,
 }
 
 impl MemoryPlan {
     /// The plan of `inputs`, computed without a GPU.
     pub fn new(inputs: PlanInputs) -> Result<MemoryPlan> {
         let lines = with_family!(&inputs.model, family => plan_lines(&inputs, family))?;
+        let layout = with_family!(&inputs.model, family => family.flat_layout(inputs.world_size))?;
+        let checkpoint_disk_bytes = checkpoint_disk_bytes(&inputs, layout.padded_len() as u64);
         let gpu_total = sum(&lines, |l| l.memory == MemoryKind::Device);
         let host = |phase: Phase| sum(&lines, |l| l.memory == MemoryKind::Host && l.phase == phase);
         let peak = host(Phase::Engine).max(host(Phase::EngineSetUp)).max(host(Phase::BeforeEngine));
         let host_total = host(Phase::Run) + peak;
-        Ok(MemoryPlan { inputs, lines, gpu_total, host_total })
+        Ok(MemoryPlan { inputs, lines, gpu_total, host_total, checkpoint_disk_bytes })
     }
 }
 
 /// What saving a checkpoint holds beside the engine: a piece of each tensor at a time
 /// ([`WRITE_CHUNK_BYTES`]: the piece fetched or lent, its bytes converted, and the device's
-/// staging buffer), and with ZenFlow the device's state of the selected columns (12 B per
-/// selected element, at most `topk_ratio` of the partition), downloaded once to merge with the
-/// host's. The optimizer state and the weights are lent or fetched in pieces, never copied whole.
-fn checkpoint_bytes(inputs: &PlanInputs, layout: &FlatLayout, partition: u64) -> u64 {
-    let pieces = 2 * WRITE_CHUNK_BYTES as u64 + zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64;
-    let owned = match inputs.options.stage {
-        Stage::Zero0 => layout.padded_len() as u64,
-        Stage::Zero1 | Stage::Zero2 => partition,
+/// staging buffer), and with ZenFlow the device's state of the piece's selected columns (fp32,
+/// at most four bytes per element of the piece: two pieces' bytes where the piece is bf16, with
+/// its own staging buffer), downloaded for the piece to merge with the host's. The optimizer
+/// state and the weights are lent or fetched in pieces, never copied whole.
+fn checkpoint_bytes(inputs: &PlanInputs) -> u64 {
+    let staging = zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64;
+    let pieces = 2 * WRITE_CHUNK_BYTES as u64 + staging;
+    let selected = match inputs.options.zenflow() {
+        Some(_) => 2 * WRITE_CHUNK_BYTES as u64 + staging,
+        None => 0,
     };
-    let selected = inputs.options.zenflow().map_or(0.0, |z| z.topk_ratio * owned as f64);
-    pieces + 12 * selected.ceil() as u64
+    pieces + selected
+}
+
+/// The files of a checkpoint of `padded` parameters: the weights as f32, and every rank's part of
+/// the optimizer state (fp32 master weights, the moments in their dtype, and ZenFlow's window of
+/// fp32 gradient sums).
+fn checkpoint_disk_bytes(inputs: &PlanInputs, padded: u64) -> u64 {
+    let moments = inputs.options.offload().map_or(OptimizerStateDtype::Fp32, |o| o.moments);
+    let moments = 2 * moments.bytes() as u64;
+    let window = if inputs.options.zenflow().is_some() { 4 } else { 0 };
+    padded * (4 + 4 + moments + window)
 }
 
 fn sum(lines: &[PlanLine], keep: impl Fn(&PlanLine) -> bool) -> u64 {
@@ -225,7 +237,7 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
         lines.push(PlanLine {
             memory: Host,
             kind: "saving a checkpoint (transient)",
-            bytes: checkpoint_bytes(inputs, &layout, partition),
+            bytes: checkpoint_bytes(inputs),
             phase: Phase::Engine,
         });
     }

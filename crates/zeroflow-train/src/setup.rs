@@ -9,6 +9,7 @@ use zeroflow_core::config::Config;
 use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
+use crate::checkpoints;
 use crate::data::{self, Data};
 use crate::data_files::{self, DataFile};
 use crate::dist::DistEnv;
@@ -173,6 +174,12 @@ impl Setup {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => fresh_out(&args)?,
         };
+        if dist.rank == 0
+            && let Some(warning) =
+                checkpoints::disk_warning(&out, planned.plan.checkpoint_disk_bytes, args.keep.get())
+        {
+            tracing::warn!("{warning}");
+        }
         let start = initial_state(resume, hf, &model, dist.world_size)?;
         let batch = &config.batch;
         let shape = data::Shape {

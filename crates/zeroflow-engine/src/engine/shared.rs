@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::{Comm, Device, HostBuffer, HostMemory, Kernels, ReduceOp, StreamKind};
+use zeroflow_device::{
+    Comm, DOWNLOAD_CHUNK_BYTES, Device, HostBuffer, HostMemory, Kernels, ReduceOp, StreamKind,
+};
 
 use crate::host::StepTimes;
 use crate::{EngineError, Stage};
@@ -229,17 +231,33 @@ pub(super) fn sum_to_host<'h, D: Device, C: Comm<Device = D>>(
     Ok(device.copy_d2h(d2h, buf, 0..len, host, 0)?.wait()?)
 }
 
-/// Replaces the contents of `buffer` with `data` (set-up and restore only: it synchronizes).
+/// Waits for every stream, then uploads `data` into `buffer` from its start.
 pub(super) fn overwrite<D: Device, T: zeroflow_core::Element>(
     device: &D,
     buffer: &D::Buffer<T>,
     data: &[T],
 ) -> Result<(), EngineError> {
-    let mut host = device.alloc_host::<T>(data.len(), HostMemory::Pageable)?;
-    host.copy_from_slice(data);
+    overwrite_at(device, buffer, 0, data)
+}
+
+/// Waits for every stream, then uploads `data` into `buffer[at..]` through a pageable staging
+/// buffer of at most [`DOWNLOAD_CHUNK_BYTES`] (so that host memory holds `data` once), and waits
+/// for the copies. For set-up, restores and selections, not for the training loop.
+pub(super) fn overwrite_at<D: Device, T: zeroflow_core::Element>(
+    device: &D,
+    buffer: &D::Buffer<T>,
+    at: usize,
+    data: &[T],
+) -> Result<(), EngineError> {
+    let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, data.len().max(1));
+    let mut host = device.alloc_host::<T>(chunk, HostMemory::Pageable)?;
     device.synchronize()?;
     let h2d = device.stream(StreamKind::H2d);
-    device.copy_h2d(h2d, &host, 0..data.len(), buffer, 0)?.wait()?;
+    for start in (0..data.len()).step_by(chunk) {
+        let end = (start + chunk).min(data.len());
+        host[..end - start].copy_from_slice(&data[start..end]);
+        device.copy_h2d(h2d, &host, 0..end - start, buffer, at + start)?.wait()?;
+    }
     device.synchronize()?;
     Ok(())
 }

@@ -21,20 +21,21 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::{Comm, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
 
-use super::shared::{Shared, normalise, overwrite, slot, sum_to_host};
+use super::shared::{Shared, normalise, overwrite, overwrite_at, slot, sum_to_host};
 use super::state::{OptimizerPart, PathState, assemble};
 use super::stream::{Chunks, stream_chunks};
 use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostMoments, HostOptimizer, StepTimes, StreamBuffers, convert_into};
-use crate::zenflow::{ZenFlow, ZenFlowSnapshot};
+use crate::zenflow::{Block, EXCHANGE_PIECE, ZenFlow, ZenFlowSnapshot};
 use crate::{EngineError, ZenFlowOptions};
 
 /// The ZenFlow path: the device side of the selection and the window, and the host side of the
@@ -391,28 +392,32 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         shared.device.synchronize()?;
         let owned_start = shared.owned.start;
         let optimizer = self.host.join()?;
-        let zenflow = &self.zenflow;
-        // The columns leaving the selection: their device state is the current one.
-        if zenflow.compact_len > 0 {
+        {
+            let zenflow = &self.zenflow;
+            // The columns leaving the selection: their device state is the current one, handed to
+            // the host a piece of EXCHANGE_PIECE elements at a time (not the whole compact state).
             let len = zenflow.compact_len;
             let state = &zenflow.state;
-            let device_state = [&state.master, &state.exp_avg, &state.exp_avg_sq]
-                .map(|buffer| shared.device.download(buffer));
-            let [master, exp_avg, exp_avg_sq] = device_state;
-            let (master, exp_avg, exp_avg_sq) = (master?, exp_avg?, exp_avg_sq?);
-            for (j, flat) in zenflow.selected_elements().enumerate().take(len) {
-                let i = flat - owned_start;
-                optimizer.master[i] = master[j];
-                // The device keeps fp32 moments; bf16 host moments take them to nearest.
-                optimizer.moments.set(i, (exp_avg[j], exp_avg_sq[j]));
+            let mut selected = zenflow.selected_elements().take(len);
+            for start in (0..len).step_by(EXCHANGE_PIECE) {
+                let piece = start..(start + EXCHANGE_PIECE).min(len);
+                let device_state = [&state.master, &state.exp_avg, &state.exp_avg_sq]
+                    .map(|buffer| shared.device.download_range(buffer, piece.clone()));
+                let [master, exp_avg, exp_avg_sq] = device_state;
+                let (master, exp_avg, exp_avg_sq) = (master?, exp_avg?, exp_avg_sq?);
+                for (j, flat) in (&mut selected).take(piece.len()).enumerate() {
+                    let i = flat - owned_start;
+                    optimizer.master[i] = master[j];
+                    // The device keeps fp32 moments; bf16 host moments take them to nearest.
+                    optimizer.moments.set(i, (exp_avg[j], exp_avg_sq[j]));
+                }
             }
         }
         self.column_importance(shared)?;
         self.zenflow.select();
         // The columns entering the selection: their host state is the current one.
         let optimizer = &*self.host.join()?;
-        load_selected(&shared.device, &self.zenflow, optimizer, owned_start)?;
-        Ok(())
+        load_selected(&shared.device, &self.zenflow, optimizer, owned_start, false)
     }
 
     /// Tells ZenFlow that the trainer's data has completed an epoch: with `select_strategy`
@@ -476,40 +481,49 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let upload_pending = self.host.upload_pending();
         let zenflow = &self.zenflow;
         let state = &zenflow.state;
-        let download =
-            |buffer: &D::Buffer<f32>| shared.device.download_range(buffer, 0..zenflow.compact_len);
-        let compact =
-            [download(&state.master)?, download(&state.exp_avg)?, download(&state.exp_avg_sq)?];
-        let [master_c, exp_avg_c, exp_avg_sq_c] = compact.map(Arc::new);
         let host =
             self.host.settled().ok_or(EngineError::Internal("a joined step is not ready"))?;
         let owned = shared.owned.clone();
         let n = owned.len();
         let selection = Selection { zenflow, at: owned.start };
-        let merged_f32 = move |values: &'a [f32], compact: Arc<Vec<f32>>| {
+        let device = &shared.device;
+        // Each piece of the host's state with the device's state of its selected elements, that
+        // part of the compact buffer downloaded for the piece alone.
+        let merged_f32 = move |values: &'a [f32], compact: &'a D::Buffer<f32>| {
             Elements::fetched(n, move |range: Range<usize>| {
                 let mut piece = values[range.clone()].to_vec();
-                selection.patch(&mut piece, range, &compact, |v| v);
+                let within = selection.compact_range(range.clone());
+                if !within.is_empty() {
+                    let part = device.download_range(compact, within.clone());
+                    let part = part.map_err(|e| e.to_string())?;
+                    selection.patch(&mut piece, range, &part, within.start, |v| v);
+                }
                 Ok(piece)
             })
         };
-        let master = merged_f32(&host.master, master_c);
+        let master = merged_f32(&host.master, &state.master);
         let (exp_avg, exp_avg_sq) = match (&host.moments, moments) {
             (HostMoments::F32 { exp_avg, exp_avg_sq }, _) => (
-                MomentView::F32(merged_f32(exp_avg, exp_avg_c)),
-                MomentView::F32(merged_f32(exp_avg_sq, exp_avg_sq_c)),
+                MomentView::F32(merged_f32(exp_avg, &state.exp_avg)),
+                MomentView::F32(merged_f32(exp_avg_sq, &state.exp_avg_sq)),
             ),
             (HostMoments::Bf16 { exp_avg, exp_avg_sq }, _) => {
-                let merged = move |values: &'a [bf16], compact: Arc<Vec<f32>>| {
+                let merged = move |values: &'a [bf16], compact: &'a D::Buffer<f32>| {
                     Elements::fetched(n, move |range: Range<usize>| {
                         let mut piece = values[range.clone()].to_vec();
-                        selection.patch(&mut piece, range, &compact, bf16::from_f32);
+                        let within = selection.compact_range(range.clone());
+                        if !within.is_empty() {
+                            let part = device.download_range(compact, within.clone());
+                            let part = part.map_err(|e| e.to_string())?;
+                            let at = within.start;
+                            selection.patch(&mut piece, range, &part, at, bf16::from_f32);
+                        }
                         Ok(piece)
                     })
                 };
                 (
-                    MomentView::Bf16(merged(exp_avg, exp_avg_c)),
-                    MomentView::Bf16(merged(exp_avg_sq, exp_avg_sq_c)),
+                    MomentView::Bf16(merged(exp_avg, &state.exp_avg)),
+                    MomentView::Bf16(merged(exp_avg_sq, &state.exp_avg_sq)),
                 )
             }
         };
@@ -641,14 +655,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         zenflow.cpu_adamw.resume_at(first.cpu_steps);
         zenflow.device_done = None;
         let optimizer = &*self.host.join()?;
-        let selected = load_selected(device, &self.zenflow, optimizer, shared.owned.start)?;
-        if selected.is_empty() {
-            return Ok(());
-        }
-        // The selected columns' weights, as the device step would have left them.
-        let compact: Vec<P> = selected.iter().map(|&i| P::from_f32(optimizer.master[i])).collect();
-        overwrite(device, &self.zenflow.weights, &compact)?;
-        Ok(())
+        load_selected(device, &self.zenflow, optimizer, shared.owned.start, true)
     }
 }
 
@@ -686,31 +693,39 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     }
 }
 
-/// Loads the selected elements' master weights and moments from the host optimizer (the current
-/// state of those columns) into the compact device state, and the selection's column indices;
-/// returns the selected elements' indices in the partition (empty: nothing to load).
+/// Uploads the host optimizer's state of the selected elements into ZenFlow's compact device
+/// state, and with `weights` their master weights as `P` into the compact weights (as the device
+/// step would have left them: a restore), [`EXCHANGE_PIECE`] elements at a time, each piece
+/// gathered on all cores; then the column indices.
 fn load_selected<D: DeviceAdamW, P: Float>(
     device: &D,
     zenflow: &ZenFlow<D, P>,
     optimizer: &HostOptimizer,
     owned_start: usize,
-) -> Result<Vec<usize>, EngineError> {
-    let selected: Vec<usize> = zenflow.selected_elements().map(|f| f - owned_start).collect();
-    if selected.is_empty() {
-        return Ok(selected);
+    weights: bool,
+) -> Result<(), EngineError> {
+    let len = zenflow.compact_len;
+    if len == 0 {
+        return Ok(());
     }
-    let state = &zenflow.state;
-    let moments = &optimizer.moments;
-    let [master, exp_avg, exp_avg_sq] = [
-        selected.iter().map(|&i| optimizer.master[i]).collect::<Vec<f32>>(),
-        selected.iter().map(|&i| moments.get(i).0).collect(),
-        selected.iter().map(|&i| moments.get(i).1).collect(),
-    ];
-    overwrite(device, &state.master, &master)?;
-    overwrite(device, &state.exp_avg, &exp_avg)?;
-    overwrite(device, &state.exp_avg_sq, &exp_avg_sq)?;
-    overwrite(device, &zenflow.index, &zenflow.indices)?;
-    Ok(selected)
+    let (state, master, moments) = (&zenflow.state, &optimizer.master[..], &optimizer.moments);
+    let mut selected = zenflow.selected_elements().map(|flat| flat - owned_start);
+    let mut piece = Vec::with_capacity(EXCHANGE_PIECE.min(len));
+    for start in (0..len).step_by(EXCHANGE_PIECE) {
+        piece.clear();
+        piece.extend((&mut selected).take(EXCHANGE_PIECE.min(len - start)));
+        let gather = |value: &(dyn Fn(usize) -> f32 + Sync)| -> Vec<f32> {
+            piece.par_iter().map(|&i| value(i)).collect()
+        };
+        overwrite_at(device, &state.master, start, &gather(&|i| master[i]))?;
+        overwrite_at(device, &state.exp_avg, start, &gather(&|i| moments.get(i).0))?;
+        overwrite_at(device, &state.exp_avg_sq, start, &gather(&|i| moments.get(i).1))?;
+        if weights {
+            let compact: Vec<P> = piece.par_iter().map(|&i| P::from_f32(master[i])).collect();
+            overwrite_at(device, &zenflow.weights, start, &compact)?;
+        }
+    }
+    overwrite(device, &zenflow.index, &zenflow.indices)
 }
 
 /// Where a partition's selected elements are in ZenFlow's compact device state.
@@ -729,30 +744,57 @@ impl<D: DeviceAdamW, P: Float> Clone for Selection<'_, D, P> {
 impl<D: DeviceAdamW, P: Float> Copy for Selection<'_, D, P> {}
 
 impl<D: DeviceAdamW, P: Float> Selection<'_, D, P> {
+    /// The blocks that hold elements of the partition's elements `range`, each with its selected
+    /// columns and the rows of it that `range` touches.
+    fn touched(
+        &self,
+        range: Range<usize>,
+    ) -> impl Iterator<Item = (&Block, &[u32], Range<usize>)> + '_ {
+        let (first, last) = (self.at + range.start, self.at + range.end);
+        let zenflow = self.zenflow;
+        zenflow.blocks.iter().filter_map(move |block| {
+            let end = block.start + block.rows * block.cols;
+            if end <= first || block.start >= last {
+                return None;
+            }
+            let columns = &zenflow.indices[block.index.clone()];
+            let rows = (first.max(block.start) - block.start) / block.cols
+                ..(last.min(end) - block.start).div_ceil(block.cols);
+            Some((block, columns, rows))
+        })
+    }
+
+    /// The span of compact positions that [`Selection::patch`] reads for the partition's elements
+    /// `range` (empty where none of them is selected).
+    fn compact_range(&self, range: Range<usize>) -> Range<usize> {
+        let spans = self.touched(range).filter(|(_, columns, _)| !columns.is_empty()).map(
+            |(block, columns, rows)| {
+                let n = columns.len();
+                block.compact + rows.start * n..block.compact + rows.end * n
+            },
+        );
+        spans.reduce(|a, b| a.start.min(b.start)..a.end.max(b.end)).unwrap_or(0..0)
+    }
+
     /// Overwrites the selected elements of `piece` (the partition's elements `range`) with their
-    /// values in `compact` (in compact order), made `T` by `into`.
+    /// values in `compact`, the compact buffer's elements from position `compact_at` on (in
+    /// compact order), made `T` by `into`.
     fn patch<T>(
         &self,
         piece: &mut [T],
         range: Range<usize>,
         compact: &[f32],
+        compact_at: usize,
         into: impl Fn(f32) -> T,
     ) {
         let (first, last) = (self.at + range.start, self.at + range.end);
-        let zenflow = self.zenflow;
-        for block in &zenflow.blocks {
-            let end = block.start + block.rows * block.cols;
-            if end <= first || block.start >= last {
-                continue;
-            }
-            let columns = &zenflow.indices[block.index.clone()];
-            let rows = (first.max(block.start) - block.start) / block.cols
-                ..(last.min(end) - block.start).div_ceil(block.cols);
+        for (block, columns, rows) in self.touched(range) {
             for r in rows {
                 for (k, &c) in columns.iter().enumerate() {
                     let flat = block.start + r * block.cols + c as usize;
                     if (first..last).contains(&flat) {
-                        piece[flat - first] = into(compact[block.compact + r * columns.len() + k]);
+                        let at = block.compact + r * columns.len() + k - compact_at;
+                        piece[flat - first] = into(compact[at]);
                     }
                 }
             }

@@ -452,8 +452,9 @@ fn outcome_name(result: &Result<Loaded<f32>, CheckpointError>) -> &'static str {
         Err(CheckpointError::Corrupt { .. }) => "corrupt",
         Err(CheckpointError::Mismatch { .. }) => "mismatch",
         Err(CheckpointError::AlreadyExists(_)) => "already-exists",
-        // Loading reads files, never a device: a write-side error.
+        // Loading reads files, never a device or the free space: write-side errors.
         Err(CheckpointError::Source { .. }) => "source",
+        Err(CheckpointError::NoSpace { .. }) => "no-space",
     }
 }
 
