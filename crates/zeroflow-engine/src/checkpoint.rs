@@ -218,7 +218,7 @@ pub fn save_views<P: Stored>(
     }
     let parent = dir.parent().unwrap_or(Path::new("."));
     let needed = model_bytes::<P>(meta, tensors) + parts.iter().map(PartView::bytes).sum::<u64>();
-    check_space(dir, needed, free_bytes(parent))?;
+    space_for(dir, needed)?;
     let written = (|| {
         fs::create_dir_all(temp.join("optim")).map_err(io(&temp))?;
         write_state(&temp.join("state.json"), meta)?;
@@ -238,6 +238,12 @@ pub fn save_views<P: Stored>(
     sync_dir(parent)
 }
 
+/// Refuses a checkpoint of `needed` bytes at `dir` (not made yet) where the file system of its
+/// parent has fewer bytes free ([`CheckpointError::NoSpace`]); allowed where that cannot be asked.
+pub fn space_for(dir: &Path, needed: u64) -> Result<(), CheckpointError> {
+    check_space(dir, needed, free_bytes(dir.parent().unwrap_or(Path::new("."))))
+}
+
 /// Refuses a checkpoint of `needed` bytes at `dir` where its file system has `free` bytes free
 /// and they are fewer (`None`: unknown, so not refused).
 fn check_space(dir: &Path, needed: u64, free: Option<u64>) -> Result<(), CheckpointError> {
@@ -250,7 +256,7 @@ fn check_space(dir: &Path, needed: u64, free: Option<u64>) -> Result<(), Checkpo
 }
 
 /// The bytes of the tensors [`write_model`] writes (headers not counted).
-fn model_bytes<P: Stored>(meta: &Meta, tensors: &[NamedTensor]) -> u64 {
+pub fn model_bytes<P: Stored>(meta: &Meta, tensors: &[NamedTensor]) -> u64 {
     let size = if meta.weights_dtype == "F32" { 4 } else { size_of::<P>() as u64 };
     tensors.iter().map(|t| t.flat.len() as u64 * size).sum()
 }
@@ -438,7 +444,7 @@ pub enum MomentView<'a> {
 
 impl PartView<'_> {
     /// The bytes of the tensors [`write_part`] writes for this part (headers not counted).
-    fn bytes(&self) -> u64 {
+    pub fn bytes(&self) -> u64 {
         let window = self.zenflow.as_ref().map_or(0, |(_, window)| window.len() as u64 * 4);
         self.master.len() as u64 * 4 + self.exp_avg.bytes() + self.exp_avg_sq.bytes() + window
     }

@@ -191,7 +191,17 @@ pub fn save_ranks<P: Stored>(
     let temp = out.join(FOLDER).join(format!(".step-{step:08}.partial-ranks"));
     debug_assert_eq!(share.rank, group.rank(), "a rank writes its own share");
     let leader = group.rank() == 0;
-    let prepared = if leader { prepare(&dir, &temp) } else { Ok(()) };
+    // Rank 0 checks the disk for every rank: the parts are the partitions of a flat buffer padded
+    // to a multiple of the ranks, all of one length, so its own part's bytes times their number.
+    let prepared = match (leader, share.weights, share.part) {
+        (true, Some(_), Some(part)) => {
+            let parts = meta.world_size as u64 * part.bytes();
+            let needed = checkpoint::model_bytes::<P>(meta, tensors) + parts;
+            checkpoint::space_for(&dir, needed).map_err(CheckpointsError::from)
+        }
+        _ => Ok(()),
+    }
+    .and_then(|()| if leader { prepare(&dir, &temp) } else { Ok(()) });
     agree(group, prepared, "prepare", &dir)?;
     let written = write_share(&temp, meta, tensors, &share);
     if let Err(error) = agree(group, written, "write its share of", &dir) {

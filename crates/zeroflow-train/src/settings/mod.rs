@@ -262,11 +262,15 @@ pub fn pack(device: DeviceKind, requested: &Requested) -> Result<bool> {
 pub fn activation_checkpointing(device: DeviceKind, requested: &Requested) -> bool {
     let asked = requested.activation_checkpointing.unwrap_or(false);
     if asked && device == DeviceKind::Cpu {
-        tracing::warn!(
-            "activation checkpointing applies to the CUDA model; the CPU model keeps every \
-             activation (--activation-checkpointing, ZEROFLOW_ACTIVATION_CHECKPOINTING, \
-             zeroflow.activation_checkpointing change nothing here)"
-        );
+        // Asked by the plan and by the model's set-up alike: said once.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::warn!(
+                "activation checkpointing applies to the CUDA model; the CPU model keeps every \
+                 activation (--activation-checkpointing, ZEROFLOW_ACTIVATION_CHECKPOINTING, \
+                 zeroflow.activation_checkpointing change nothing here)"
+            );
+        });
     }
     asked && device == DeviceKind::Cuda
 }
