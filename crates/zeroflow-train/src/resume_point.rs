@@ -40,6 +40,10 @@ pub struct Extra {
     pub eval_data: Option<String>,
     #[serde(default)]
     pub eval_tokens: Option<u64>,
+    /// Tokens per training sequence (`--seq`; absent in checkpoints from before it was kept): a
+    /// resumed run reads its data in rows of the same length.
+    #[serde(default)]
+    pub seq: Option<u64>,
     pub seed: u64,
     /// Optimizer steps the trainer has taken (skipped ones included).
     pub step: u64,

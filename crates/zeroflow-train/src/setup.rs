@@ -307,7 +307,10 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
         saved_config?;
         resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
     });
-    let seq = training_seq(args.seq, &model)?;
+    // A resumed run reads rows of the length it was saved with (the data position counts them).
+    let saved_seq = saved.and_then(|(extra, dir)| Some((extra.seq?, dir)));
+    let seq = same_as_saved("--seq", args.seq.map(NonZeroU64::get), saved_seq)?;
+    let seq = training_seq(seq.and_then(NonZeroU64::new), &model)?;
     limits::check_micro_batch(
         &model,
         config.batch.micro_batch_size_per_gpu,

@@ -201,6 +201,7 @@ impl<M: Model> Trainer<M> {
             data_position: setup.data.train.position(),
             eval_data: setup.eval_data.clone(),
             eval_tokens: setup.eval_tokens,
+            seq: Some(setup.seq as u64),
             seed: setup.seed,
             step,
             lr_schedule: LrPosition { iteration: step, next_lr: self.schedule.lr(step) },

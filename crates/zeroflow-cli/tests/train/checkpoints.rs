@@ -128,6 +128,43 @@ fn resume_latest_continues_bit_identically() {
     }
 }
 
+/// A run trained on rows shorter than the model's context resumes on rows of the same length
+/// without being told (`state.json` keeps `--seq`), bit-identically; a resume that asks for
+/// another length is refused, naming both (exit 2), and changes nothing.
+#[test]
+fn a_resume_keeps_the_runs_sequence_length() {
+    let dir = scratch("resume_seq");
+    let (straight, split) = (dir.join("straight"), dir.join("split"));
+    let (half, full) = (N.to_string(), (2 * N).to_string());
+    let config = CONSTANT_AFTER_WARMUP;
+    train_with(
+        config,
+        &dir,
+        &["--seq", "8", "--steps", &full, "--out", straight.to_str().unwrap()],
+    );
+    train_with(config, &dir, &["--seq", "8", "--steps", &half, "--out", split.to_str().unwrap()]);
+    let out = split.to_str().unwrap();
+    let file = dir.join("ds.json");
+    let other = train(&[
+        "--config",
+        file.to_str().unwrap(),
+        "--resume",
+        "latest",
+        "--steps",
+        &full,
+        "--seq",
+        "16",
+        "--out",
+        out,
+    ]);
+    assert_eq!(other.status.code(), Some(2), "{}", text(&other.stderr));
+    let said = text(&other.stderr);
+    assert!(said.contains("--seq 16 differs from the checkpoint's 8"), "{said}");
+    assert!(!checkpoint(&split, 2 * N).exists(), "a refused resume wrote a checkpoint");
+    train_with(config, &dir, &["--resume", "latest", "--steps", &full, "--out", out]);
+    assert_same_run(&straight, &split, "seq 8");
+}
+
 /// A crash while writing the checkpoint after step N leaves a hidden partial directory; a damaged
 /// newest checkpoint (truncated by the disk, since writes are atomic) is passed over. `--resume
 /// latest` continues from the newest good checkpoint, still bit-identically, keeps the damaged
