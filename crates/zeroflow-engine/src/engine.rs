@@ -299,10 +299,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// size), the counters, and for a ZenFlow run its selection, window position and window
     /// (`from.zenflow`, which must be empty for any other run). Call it between optimizer steps,
     /// before the next backward.
-    pub fn restore(&mut self, weights: &[P], from: &Restore<'_>) -> Result<(), EngineError> {
+    pub fn restore(&mut self, weights: &[P], from: Restore<'_>) -> Result<(), EngineError> {
         let rank = self.shared.comm.rank();
-        let zenflow = self.path.check_restore(&self.shared, from)?;
-        let Restore { parts, optimizer_steps, micro_steps, upload_pending, .. } = *from;
+        let zenflow = self.path.check_restore(&self.shared, &from)?;
+        let Restore { parts, optimizer_steps, micro_steps, upload_pending, scaler, .. } = from;
         if weights.len() != self.shared.layout.padded_len() {
             return Err(EngineError::Misuse("restored weights must fill the whole flat buffer"));
         }
@@ -318,14 +318,14 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                          than its micro-steps allow, or no step left to count",
             });
         }
-        let state = state::assemble(&self.shared.layout, &self.shared.owned, parts, rank)?;
-        self.warn_on_moment_conversion(parts);
+        self.warn_on_moment_conversion(&parts);
+        let state = state::assemble_parts(&self.shared.layout, &self.shared.owned, parts, rank)?;
         self.shared.device.synchronize()?;
         overwrite(&self.shared.device, &self.shared.params, weights)?;
         self.path.restore(&mut self.shared, state, upload_pending, zenflow)?;
         self.adamw.resume_at(optimizer_steps);
         self.micro_steps = micro_steps;
-        self.scaler = from.scaler.clone();
+        self.scaler = scaler.clone();
         Ok(())
     }
 

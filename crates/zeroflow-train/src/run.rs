@@ -73,10 +73,9 @@ pub fn run_on<F: Family, M: Model>(
     }
     observer.doing(Activity::Building { parameters: family.num_params() });
     let mut trainer = Trainer::<M>::new(&mut setup, family, open, started)?;
-    // The engine holds the checkpoint's optimizer state now (12 bytes per parameter of the
-    // partition in f32): the resume point keeps only what the run reports and records.
+    // The engine holds the checkpoint's optimizer state now (its parts were given to it) and
+    // ZenFlow's: the resume point keeps only what the run reports and records.
     if let Start::Resume { point, .. } = &mut setup.start {
-        point.loaded.parts = Vec::new();
         point.loaded.zenflow = Vec::new();
     }
     let seconds = started.elapsed().as_secs_f64();

@@ -1,6 +1,7 @@
 //! What a checkpoint takes from the engine ([`Snapshot`]) and gives back ([`Restore`]), and the
 //! assembly of a rank's optimizer state from parts saved at any world size.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use zeroflow_core::Float;
@@ -69,10 +70,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 }
 
 /// What [`crate::Engine::restore`] continues from, besides the weights.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Restore<'a> {
-    /// Optimizer state saved by any number of ranks.
-    pub parts: &'a [OptimizerPart],
+    /// Optimizer state saved by any number of ranks: lent, or given (then a part that is this
+    /// rank's partition exactly becomes the engine's state without a copy).
+    pub parts: Cow<'a, [OptimizerPart]>,
     pub optimizer_steps: u64,
     pub micro_steps: u64,
     /// See [`Snapshot::upload_pending`].
@@ -107,6 +109,34 @@ pub(super) struct PathState {
 
 /// Master weights and moments of `owned` from parts saved at any world size, for `rank`.
 /// Parameter elements must be covered; padding may be missing (it is zero).
+/// [`assemble`] of parts lent or given: a given part whose range is `owned` exactly, with
+/// arrays of its length, is moved rather than copied (a resume at the world size it was saved at).
+pub(super) fn assemble_parts(
+    layout: &FlatLayout,
+    owned: &Range<usize>,
+    parts: Cow<'_, [OptimizerPart]>,
+    rank: usize,
+) -> Result<[Vec<f32>; 3], EngineError> {
+    match parts {
+        Cow::Owned(mut parts) => {
+            let whole = parts.iter().position(|part| {
+                part.flat == *owned
+                    && [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()]
+                        .iter()
+                        .all(|&len| len == owned.len())
+            });
+            match whole {
+                Some(at) => {
+                    let part = parts.swap_remove(at);
+                    Ok([part.master, part.exp_avg, part.exp_avg_sq])
+                }
+                None => assemble(layout, owned, &parts, rank),
+            }
+        }
+        Cow::Borrowed(parts) => assemble(layout, owned, parts, rank),
+    }
+}
+
 pub(super) fn assemble(
     layout: &FlatLayout,
     owned: &Range<usize>,

@@ -216,7 +216,7 @@ fn a_checkpoint_with_impossible_step_counters_is_refused() {
         .expect("an engine");
     let parts = std::slice::from_ref(&snapshot.part);
     let restore = |optimizer_steps, micro_steps| Restore {
-        parts,
+        parts: parts.into(),
         optimizer_steps,
         micro_steps,
         upload_pending: false,
@@ -225,12 +225,12 @@ fn a_checkpoint_with_impossible_step_counters_is_refused() {
     };
     let weights = &out.device_weights[0];
     for (optimizer_steps, micro_steps) in [(3, 2), (u64::MAX, u64::MAX), (1, u64::MAX)] {
-        let refused = engine.restore(weights, &restore(optimizer_steps, micro_steps));
+        let refused = engine.restore(weights, restore(optimizer_steps, micro_steps));
         assert!(
             matches!(&refused, Err(EngineError::Restore { reason, .. }) if reason.contains("step counters")),
             "{optimizer_steps} optimizer steps after {micro_steps} micro-steps: {refused:?}"
         );
     }
-    engine.restore(weights, &restore(2, 2)).expect("the saved counters restore");
+    engine.restore(weights, restore(2, 2)).expect("the saved counters restore");
     assert_eq!(engine.optimizer_steps(), 2);
 }

@@ -210,14 +210,14 @@ pub fn train_from<P: Float>(
                     .unwrap();
                     if let Some(r) = resume {
                         let from = Restore {
-                            parts: &r.parts,
+                            parts: r.parts.as_slice().into(),
                             optimizer_steps: r.optimizer_steps,
                             micro_steps: r.micro_steps,
                             upload_pending: r.upload_pending,
                             scaler: &r.scaler,
                             zenflow: &r.zenflow,
                         };
-                        engine.restore(&r.weights, &from).unwrap();
+                        engine.restore(&r.weights, from).unwrap();
                     }
                     let pinned = device.pinned_budget().usage();
                     let mut reports = Vec::new();
