@@ -241,7 +241,7 @@ pub fn save_views<P: Stored>(
 /// Refuses a checkpoint of `needed` bytes at `dir` (not made yet) where the file system of its
 /// parent has fewer bytes free ([`CheckpointError::NoSpace`]); allowed where that cannot be asked.
 pub fn space_for(dir: &Path, needed: u64) -> Result<(), CheckpointError> {
-    check_space(dir, needed, free_bytes(dir.parent().unwrap_or(Path::new("."))))
+    check_space(dir, needed, free_bytes(dir))
 }
 
 /// Refuses a checkpoint of `needed` bytes at `dir` where its file system has `free` bytes free
@@ -273,9 +273,11 @@ pub fn disk_size(bytes: u64) -> String {
     }
 }
 
-/// The bytes the file system holding `path` has free for this process (`statvfs`'s available
-/// blocks), or `None` where that cannot be asked.
+/// The bytes free for this process (`statvfs`'s available blocks) on the file system that holds
+/// `path`, or would hold it once made (its nearest existing ancestor's), or `None` where that
+/// cannot be asked.
 pub fn free_bytes(path: &Path) -> Option<u64> {
+    let path = path.ancestors().find(|dir| dir.exists())?;
     #[cfg(unix)]
     {
         use std::os::unix::ffi::OsStrExt;
@@ -370,6 +372,20 @@ impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
             Elements::Lent(values) => write!(f, "Lent({} elements)", values.len()),
             Elements::Fetched { len, .. } => write!(f, "Fetched({len} elements)"),
         }
+    }
+}
+
+impl<'a, T: Element> Elements<'a, T> {
+    /// The first `len` elements of a device buffer, downloaded a range at a time as they are
+    /// written ([`zeroflow_device::Device::download_range`]).
+    pub fn downloaded<D: zeroflow_device::Device>(
+        device: &'a D,
+        buffer: &'a D::Buffer<T>,
+        len: usize,
+    ) -> Self {
+        Elements::fetched(len, move |range| {
+            device.download_range(buffer, range).map_err(|e| e.to_string())
+        })
     }
 }
 

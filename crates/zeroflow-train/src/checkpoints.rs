@@ -18,9 +18,7 @@ pub const FOLDER: &str = "checkpoints";
 /// `keep + 1`): a warning to say now, at the start, where the saves would fail; `None` where
 /// there is room or the free space cannot be asked.
 pub fn disk_warning(out: &Path, bytes: u64, keep: u64) -> Option<String> {
-    let existing = out.ancestors().find(|dir| dir.exists())?;
-    let free = checkpoint::free_bytes(existing)?;
-    disk_warning_for(out, bytes, keep, free)
+    disk_warning_for(out, bytes, keep, checkpoint::free_bytes(out)?)
 }
 
 /// [`disk_warning`] of a disk with `free` bytes free.

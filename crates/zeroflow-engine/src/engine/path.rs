@@ -37,7 +37,6 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 use zeroflow_core::Float;
-use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, HostMemory};
 use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
@@ -291,20 +290,16 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     pub fn checkpoint_view<'a, C: Comm<Device = D>>(
         &'a mut self,
         shared: &'a Shared<D, C, P>,
-        moments: OptimizerStateDtype,
     ) -> Result<(PartView<'a>, bool), EngineError> {
         let flat = shared.owned.clone();
         match self {
             UpdatePath::Accumulate(a) => a.view(flat),
             UpdatePath::Stream(s) => s.view(flat),
-            UpdatePath::ZenFlow(z) => z.checkpoint_view(shared, moments),
+            UpdatePath::ZenFlow(z) => z.checkpoint_view(shared),
             UpdatePath::Device(d) => {
                 let n = flat.len();
-                let fetched = |buffer: &'a D::Buffer<f32>| {
-                    Elements::fetched(n, move |range: Range<usize>| {
-                        shared.device.download_range(buffer, range).map_err(|e| e.to_string())
-                    })
-                };
+                let fetched =
+                    |buffer: &'a D::Buffer<f32>| Elements::downloaded(&shared.device, buffer, n);
                 let state = &d.state;
                 let part = PartView {
                     flat,

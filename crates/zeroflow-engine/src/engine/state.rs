@@ -53,10 +53,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// holds no second copy of it. Call it between optimizer steps.
     pub fn checkpoint_state(&mut self) -> Result<CheckpointState<'_, P>, EngineError> {
         let shared = &self.shared;
-        let (part, upload_pending) = self.path.checkpoint_view(shared, self.moments)?;
-        let weights = Elements::fetched(shared.params.len(), move |range: Range<usize>| {
-            shared.device.download_range(&shared.params, range).map_err(|e| e.to_string())
-        });
+        let (part, upload_pending) = self.path.checkpoint_view(shared)?;
+        let weights = Elements::downloaded(&shared.device, &shared.params, shared.params.len());
         Ok(CheckpointState {
             part,
             weights,

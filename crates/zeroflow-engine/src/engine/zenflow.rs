@@ -474,7 +474,6 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     pub fn checkpoint_view<'a, C: Comm<Device = D>>(
         &'a mut self,
         shared: &'a Shared<D, C, P>,
-        moments: OptimizerStateDtype,
     ) -> Result<(PartView<'a>, bool), EngineError> {
         self.host.join()?;
         let snapshot = ZenFlowSnapshot { window_grads: Vec::new(), ..self.meta(shared) };
@@ -487,50 +486,21 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let n = owned.len();
         let selection = Selection { zenflow, at: owned.start };
         let device = &shared.device;
-        // Each piece of the host's state with the device's state of its selected elements, that
-        // part of the compact buffer downloaded for the piece alone.
-        let merged_f32 = move |values: &'a [f32], compact: &'a D::Buffer<f32>| {
-            Elements::fetched(n, move |range: Range<usize>| {
-                let mut piece = values[range.clone()].to_vec();
-                let within = selection.compact_range(range.clone());
-                if !within.is_empty() {
-                    let part = device.download_range(compact, within.clone());
-                    let part = part.map_err(|e| e.to_string())?;
-                    selection.patch(&mut piece, range, &part, within.start, |v| v);
-                }
-                Ok(piece)
-            })
-        };
-        let master = merged_f32(&host.master, &state.master);
-        let (exp_avg, exp_avg_sq) = match (&host.moments, moments) {
-            (HostMoments::F32 { exp_avg, exp_avg_sq }, _) => (
-                MomentView::F32(merged_f32(exp_avg, &state.exp_avg)),
-                MomentView::F32(merged_f32(exp_avg_sq, &state.exp_avg_sq)),
+        let master = selection.merged(device, &host.master, &state.master, |v| v);
+        let (exp_avg, exp_avg_sq) = match &host.moments {
+            HostMoments::F32 { exp_avg, exp_avg_sq } => (
+                MomentView::F32(selection.merged(device, exp_avg, &state.exp_avg, |v| v)),
+                MomentView::F32(selection.merged(device, exp_avg_sq, &state.exp_avg_sq, |v| v)),
             ),
-            (HostMoments::Bf16 { exp_avg, exp_avg_sq }, _) => {
-                let merged = move |values: &'a [bf16], compact: &'a D::Buffer<f32>| {
-                    Elements::fetched(n, move |range: Range<usize>| {
-                        let mut piece = values[range.clone()].to_vec();
-                        let within = selection.compact_range(range.clone());
-                        if !within.is_empty() {
-                            let part = device.download_range(compact, within.clone());
-                            let part = part.map_err(|e| e.to_string())?;
-                            let at = within.start;
-                            selection.patch(&mut piece, range, &part, at, bf16::from_f32);
-                        }
-                        Ok(piece)
-                    })
-                };
+            HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
+                let (m, v) = (&state.exp_avg, &state.exp_avg_sq);
                 (
-                    MomentView::Bf16(merged(exp_avg, &state.exp_avg)),
-                    MomentView::Bf16(merged(exp_avg_sq, &state.exp_avg_sq)),
+                    MomentView::Bf16(selection.merged(device, exp_avg, m, bf16::from_f32)),
+                    MomentView::Bf16(selection.merged(device, exp_avg_sq, v, bf16::from_f32)),
                 )
             }
         };
-        let window = &*zenflow.window;
-        let window = Elements::fetched(n, move |range: Range<usize>| {
-            shared.device.download_range(window, range).map_err(|e| e.to_string())
-        });
+        let window = Elements::downloaded(device, &*zenflow.window, n);
         let part = PartView {
             flat: owned,
             master,
@@ -743,7 +713,29 @@ impl<D: DeviceAdamW, P: Float> Clone for Selection<'_, D, P> {
 
 impl<D: DeviceAdamW, P: Float> Copy for Selection<'_, D, P> {}
 
-impl<D: DeviceAdamW, P: Float> Selection<'_, D, P> {
+impl<'a, D: DeviceAdamW, P: Float> Selection<'a, D, P> {
+    /// `values` (the host's state of the partition, as `T`) for a checkpoint, each piece merged,
+    /// as it is written, with the device's state of its selected elements: the span of `compact`
+    /// that piece touches, downloaded for it alone.
+    fn merged<T: Clone>(
+        self,
+        device: &'a D,
+        values: &'a [T],
+        compact: &'a D::Buffer<f32>,
+        into: fn(f32) -> T,
+    ) -> Elements<'a, T> {
+        Elements::fetched(values.len(), move |range: Range<usize>| {
+            let mut piece = values[range.clone()].to_vec();
+            let within = self.compact_range(range.clone());
+            if !within.is_empty() {
+                let part = device.download_range(compact, within.clone());
+                let part = part.map_err(|e| e.to_string())?;
+                self.patch(&mut piece, range, &part, within.start, into);
+            }
+            Ok(piece)
+        })
+    }
+
     /// The blocks that hold elements of the partition's elements `range`, each with its selected
     /// columns and the rows of it that `range` touches.
     fn touched(
