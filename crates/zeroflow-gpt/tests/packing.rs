@@ -2,14 +2,18 @@
 //! across their boundaries and positions restarting at each, computes what its documents compute
 //! run one by one — its loss is their token-weighted mean loss and its gradients the same
 //! weighting of theirs — on the f64 host executor and on the CPU device in f32. A plan built
-//! without packing is the plan of before; the CUDA schedule refuses a packed one.
+//! without packing is the plan of before, and so is its CUDA schedule; the packed plan's schedule
+//! adds the positions' places to the launches that read them. (The CUDA model on packed rows is
+//! tested on the GPU: `tests/cuda/packing.rs`.)
 
 use zeroflow_device::{CpuDevice, Device};
+use zeroflow_gpt::cuda::{CudaGptOptions, planned_memory};
 use zeroflow_gpt::{
     AttentionKind, CpuGpt, GptConfig, GptKernel, GptPlan, HostGpt, ParamRanges, Plan, PlanOptions,
     flat_layout,
 };
-use zeroflow_nn::cuda::schedule::Schedule;
+use zeroflow_nn::cuda::schedule::{Op, OpKind, Place, Schedule, Space};
+use zeroflow_nn::kernels::LayerKernel;
 use zeroflow_nn::{Buf, Launch};
 
 use crate::support::{ODD, perturbed_params, random_batch, relative_error};
@@ -182,14 +186,67 @@ fn packing_only_adds_the_positions_to_the_encoder_and_attention_launches() {
     }
 }
 
-/// The CUDA executor refuses a packed plan, saying that packing runs on the CPU so far (its
-/// schedule is built before anything is allocated, so no GPU is needed to check).
+/// Without a GPU: the CUDA schedule of a packed plan is that of the plain plan (the same
+/// operations, places and buffers, so the unpacked path runs what it ran before) with the
+/// positions placed after the targets in the token buffer, last among the arguments of the
+/// encoder and attention operations that read them; the model holds the positions and their
+/// buckets (`4·B·T + 1` u32) beyond the plain model's memory.
 #[test]
-fn the_cuda_schedule_refuses_a_packed_plan() {
+fn the_cuda_schedule_places_the_positions_after_the_targets() {
     let layout = flat_layout(&ODD, 1).unwrap();
     let params = ParamRanges::new(&ODD, &layout).unwrap();
-    let plan =
-        GptPlan::with_options(&ODD, &params, 2, SEQ, packed(AttentionKind::Gemm)).unwrap().plan;
-    let error = Schedule::new(&plan, true).unwrap_err().to_string();
-    assert!(error.contains("CPU device only"), "{error}");
+    let tokens = ROWS.len() * SEQ;
+    for attention in [AttentionKind::Gemm, AttentionKind::Flash] {
+        for activation_checkpointing in [false, true] {
+            let options = PlanOptions { attention, activation_checkpointing, packed: false };
+            let plain = GptPlan::with_options(&ODD, &params, 2, SEQ, options).unwrap().plan;
+            let options = PlanOptions { packed: true, ..options };
+            let packed = GptPlan::with_options(&ODD, &params, 2, SEQ, options).unwrap().plan;
+            let (plain, packed) =
+                (Schedule::new(&plain, true).unwrap(), Schedule::new(&packed, true).unwrap());
+            assert_eq!(without_position_places(&packed), without_position_places(&plain));
+            assert_eq!(without_position_places(&plain).len(), plain.ops().count());
+            let sizes = |s: &Schedule<GptKernel>| (s.acts_len, s.act_grads_len, s.stats_len);
+            assert_eq!(sizes(&packed), sizes(&plain));
+            assert_eq!((plain.tokens_len, packed.tokens_len), (2 * tokens, 3 * tokens));
+            let mut readers = 0;
+            for op in packed.ops() {
+                let at = |place: &Place| place.space == Space::Tokens && place.offset >= 2 * tokens;
+                let Some(index) = op.args.iter().position(at) else { continue };
+                assert_eq!(index, op.args.len() - 1, "{}: positions last", op.name());
+                assert_eq!(op.args[index].offset, 2 * tokens);
+                assert_eq!(op.args[index].len, tokens);
+                let name = op.name();
+                assert!(name.starts_with("encoder") || name.contains("attention"), "{name}");
+                readers += 1;
+            }
+            // The encoder and each layer's attention, forward and backward, and a checkpointed
+            // plan's recomputed attention forward of every layer but the last.
+            let recomputed = if activation_checkpointing { ODD.n_layer - 1 } else { 0 };
+            let expected = 2 + 2 * ODD.n_layer + recomputed;
+            assert_eq!(readers, expected, "{attention:?} {activation_checkpointing}");
+
+            let memory = |packed| {
+                let options = CudaGptOptions { attention, packed, ..CudaGptOptions::default() };
+                planned_memory(&ODD, &layout, (ROWS.len(), SEQ), options).unwrap()
+            };
+            let (plain, packed) = (memory(false), memory(true));
+            assert_eq!(packed.scratch - plain.scratch, (4 * tokens + 1) * size_of::<u32>());
+            assert_eq!(packed.total() - plain.total(), packed.scratch - plain.scratch);
+        }
+    }
+}
+
+/// `schedule`'s operations without the places of a packed plan's positions (those of the token
+/// buffer from `2 · tokens` on).
+fn without_position_places<X: LayerKernel>(schedule: &Schedule<X>) -> Vec<(OpKind<X>, Vec<Place>)> {
+    let positions = schedule.positions_offset();
+    let strip = |op: &Op<X>| {
+        let kept = op
+            .args
+            .iter()
+            .filter(|place| !(place.space == Space::Tokens && place.offset >= positions));
+        (op.kind.clone(), kept.copied().collect())
+    };
+    schedule.ops().map(strip).collect()
 }

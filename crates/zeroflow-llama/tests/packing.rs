@@ -4,15 +4,18 @@
 //! boundaries and each token rotated by its position in its document, computes what its
 //! documents compute run one by one — its loss is their token-weighted mean loss and its
 //! gradients the same weighting of theirs — on the f64 host executor and on the CPU device in
-//! f32. A plan built without packing is the plan of before; the CUDA schedule refuses a packed
-//! one.
+//! f32. A plan built without packing is the plan of before, and so is its CUDA schedule; the
+//! packed plan's schedule adds the positions' places to the launches that read them. (The CUDA
+//! model on packed rows is tested on the GPU: `tests/cuda/packing.rs`.)
 
 use zeroflow_device::{CpuDevice, Device};
+use zeroflow_llama::cuda::{CudaLlamaOptions, planned_memory};
 use zeroflow_llama::{
     AttentionKind, CpuLlama, HostLlama, LlamaConfig, LlamaKernel, LlamaPlan, ParamRanges, Plan,
     PlanOptions, flat_layout,
 };
-use zeroflow_nn::cuda::schedule::Schedule;
+use zeroflow_nn::cuda::schedule::{Op, OpKind, Place, Schedule, Space};
+use zeroflow_nn::kernels::LayerKernel;
 use zeroflow_nn::{Buf, Launch};
 
 use crate::support::{models, perturbed_params, random_batch, relative_error};
@@ -185,15 +188,69 @@ fn packing_only_adds_the_positions_to_the_rotary_and_attention_launches() {
     }
 }
 
-/// The CUDA executor refuses a packed plan, saying that packing runs on the CPU so far (its
-/// schedule is built before anything is allocated, so no GPU is needed to check).
+/// Without a GPU: the CUDA schedule of a packed plan is that of the plain plan (the same
+/// operations, places and buffers, so the unpacked path runs what it ran before) with the
+/// positions placed after the targets in the token buffer, last among the arguments of the
+/// rotary and attention operations that read them; the model holds the positions and their
+/// buckets (`4·B·T + 1` u32) beyond the plain model's memory.
 #[test]
-fn the_cuda_schedule_refuses_a_packed_plan() {
+fn the_cuda_schedule_places_the_positions_after_the_targets() {
     let (_, config) = models().remove(0);
     let layout = flat_layout(&config, 1).unwrap();
     let params = ParamRanges::new(&config, &layout).unwrap();
-    let options = packed(AttentionKind::Flash);
-    let plan = LlamaPlan::with_options(&config, &params, 2, SEQ, options).unwrap().plan;
-    let error = Schedule::new(&plan, false).unwrap_err().to_string();
-    assert!(error.contains("CPU device only"), "{error}");
+    let tokens = ROWS.len() * SEQ;
+    for attention in ATTENTIONS {
+        for activation_checkpointing in [false, true] {
+            let options = PlanOptions { attention, activation_checkpointing, packed: false };
+            let plain = LlamaPlan::with_options(&config, &params, 2, SEQ, options).unwrap().plan;
+            let options = PlanOptions { packed: true, ..options };
+            let packed = LlamaPlan::with_options(&config, &params, 2, SEQ, options).unwrap().plan;
+            let (plain, packed) =
+                (Schedule::new(&plain, false).unwrap(), Schedule::new(&packed, false).unwrap());
+            assert_eq!(without_position_places(&packed), without_position_places(&plain));
+            assert_eq!(without_position_places(&plain).len(), plain.ops().count());
+            let sizes = |s: &Schedule<LlamaKernel>| (s.acts_len, s.act_grads_len, s.stats_len);
+            assert_eq!(sizes(&packed), sizes(&plain));
+            assert_eq!((plain.tokens_len, packed.tokens_len), (2 * tokens, 3 * tokens));
+            let mut readers = 0;
+            for op in packed.ops() {
+                let at = |place: &Place| place.space == Space::Tokens && place.offset >= 2 * tokens;
+                let Some(index) = op.args.iter().position(at) else { continue };
+                assert_eq!(index, op.args.len() - 1, "{}: positions last", op.name());
+                assert_eq!(op.args[index].offset, 2 * tokens);
+                assert_eq!(op.args[index].len, tokens);
+                let name = op.name();
+                assert!(name.starts_with("rope") || name.contains("attention"), "{name}");
+                readers += 1;
+            }
+            // Each layer's rotation and attention, forward and backward, and a checkpointed
+            // plan's recomputed forward ones of every layer but the last.
+            let layers = config.num_hidden_layers;
+            let recomputed = if activation_checkpointing { 2 * (layers - 1) } else { 0 };
+            let expected = 4 * layers + recomputed;
+            assert_eq!(readers, expected, "{attention:?} {activation_checkpointing}");
+
+            let memory = |packed| {
+                let options = CudaLlamaOptions { attention, packed, ..CudaLlamaOptions::default() };
+                planned_memory(&config, &layout, (ROWS.len(), SEQ), options).unwrap()
+            };
+            let (plain, packed) = (memory(false), memory(true));
+            assert_eq!(packed.scratch - plain.scratch, (4 * tokens + 1) * size_of::<u32>());
+            assert_eq!(packed.total() - plain.total(), packed.scratch - plain.scratch);
+        }
+    }
+}
+
+/// `schedule`'s operations without the places of a packed plan's positions (those of the token
+/// buffer from `2 · tokens` on).
+fn without_position_places<X: LayerKernel>(schedule: &Schedule<X>) -> Vec<(OpKind<X>, Vec<Place>)> {
+    let positions = schedule.positions_offset();
+    let strip = |op: &Op<X>| {
+        let kept = op
+            .args
+            .iter()
+            .filter(|place| !(place.space == Space::Tokens && place.offset >= positions));
+        (op.kind.clone(), kept.copied().collect())
+    };
+    schedule.ops().map(strip).collect()
 }

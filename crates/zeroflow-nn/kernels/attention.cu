@@ -66,17 +66,30 @@ static __device__ __forceinline__ float rescale(float sum, float from, float to,
     return sum == 0.0f ? 0.0f : sum * exp2f((from - to) * k);
 }
 
+// The first key query row `row` of `scores [B, NH, T, T]` attends: 0, or with packed rows
+// (`PACKED`) its document's first token, `t1 − positions[b, t1]` (`t1 = row % T`, `b = row /
+// (NH·T)`; a position past `t1` counts as `t1`, as the CPU twin's saturating subtraction does).
+template <bool PACKED>
+static __device__ __forceinline__ u32 first_key(const u32* positions, u32 row, u32 seq,
+                                                u32 n_head) {
+    if (!PACKED) return 0;
+    const u32 t1 = row % seq, b = row / seq / n_head;
+    return t1 - min(positions[(i64)b * seq + t1], t1);
+}
+
 // Row `row` of `scores [rows, T]` holds the raw scores q·kᵀ of query `t1 = row % T`; it becomes
-// `softmax(scale · scores[0..=t1])` followed by zeros, and so does the same row of `att` unless
-// `att` is null. One warp per row: an online max and sum over the unmasked scores, then a second
-// pass (the row is in L1 by then) writes the weights.
-template <int VEC>
-static __device__ void causal_softmax_forward(bf16_t* scores, bf16_t* att, u32 rows, u32 seq,
-                                              float scale) {
+// `softmax(scale · scores[first..=t1])` with zeros elsewhere (`first` from `first_key`: 0 unless
+// `PACKED`), and so does the same row of `att` unless `att` is null. One warp per row: an online
+// max and sum over the unmasked scores, then a second pass (the row is in L1 by then) writes the
+// weights.
+template <int VEC, bool PACKED>
+static __device__ void causal_softmax_forward(bf16_t* scores, bf16_t* att, const u32* positions,
+                                              u32 rows, u32 seq, u32 n_head, float scale) {
     const u32 lane = threadIdx.x % 32;
     const u32 row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     const u32 valid = row % seq + 1;
+    const u32 first = first_key<PACKED>(positions, row, seq, n_head);
     bf16_t* p = scores + (i64)row * seq;
     bf16_t* out = att == nullptr ? nullptr : att + (i64)row * seq;
     const float k = scale * 1.4426950408889634f;  // exp(scale·x) = 2^(k·x)
@@ -87,12 +100,16 @@ static __device__ void causal_softmax_forward(bf16_t* scores, bf16_t* att, u32 r
         float pack_max = max;
         for (int i = 0; i < VEC; i++) {
             x[i] = bf16_to_f32(pack.v[i]);
-            if (base + i < valid) pack_max = fmaxf(pack_max, x[i]);
+            if (base + i < valid && (!PACKED || base + i >= first)) {
+                pack_max = fmaxf(pack_max, x[i]);
+            }
         }
         sum = rescale(sum, max, pack_max, k);
         max = pack_max;
         for (int i = 0; i < VEC; i++) {
-            if (base + i < valid) sum += exp2f((x[i] - max) * k);
+            if (base + i < valid && (!PACKED || base + i >= first)) {
+                sum += exp2f((x[i] - max) * k);
+            }
         }
     }
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -109,7 +126,8 @@ static __device__ void causal_softmax_forward(bf16_t* scores, bf16_t* att, u32 r
             pack = load_pack<VEC>(p + base);
             for (int i = 0; i < VEC; i++) {
                 const float x = bf16_to_f32(pack.v[i]);
-                const float a = base + i < valid ? exp2f((x - max) * k) * inverse : 0.0f;
+                const bool in = base + i < valid && (!PACKED || base + i >= first);
+                const float a = in ? exp2f((x - max) * k) * inverse : 0.0f;
                 pack.v[i] = f32_to_bf16(a);
             }
         } else {
@@ -129,14 +147,17 @@ static __device__ void copy_packs(bf16_t* __restrict__ dst, const bf16_t* __rest
 }
 
 // Row `row` of `dscores [rows, T]` holds d(loss)/d(att) of query `t1 = row % T`; it becomes the
-// gradient of the raw scores: `scale · att ⊙ (datt − Σ att ⊙ datt)` over `0..=t1`, zeros after.
-template <int VEC>
+// gradient of the raw scores: `scale · att ⊙ (datt − Σ att ⊙ datt)` over `first..=t1` (`first`
+// as in the forward), zeros elsewhere.
+template <int VEC, bool PACKED>
 static __device__ void causal_softmax_backward(bf16_t* dscores, const bf16_t* __restrict__ att,
-                                               u32 rows, u32 seq, float scale) {
+                                               const u32* positions, u32 rows, u32 seq,
+                                               u32 n_head, float scale) {
     const u32 lane = threadIdx.x % 32;
     const u32 row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     const u32 valid = row % seq + 1;
+    const u32 first = first_key<PACKED>(positions, row, seq, n_head);
     bf16_t* g = dscores + (i64)row * seq;
     const bf16_t* a = att + (i64)row * seq;
     float dot = 0.0f;
@@ -144,7 +165,9 @@ static __device__ void causal_softmax_backward(bf16_t* dscores, const bf16_t* __
         const Bf16Pack<VEC> weights = load_pack<VEC>(a + base);
         const Bf16Pack<VEC> grads = load_pack<VEC>(g + base);
         for (int i = 0; i < VEC; i++) {
-            if (base + i < valid) dot += bf16_to_f32(weights.v[i]) * bf16_to_f32(grads.v[i]);
+            if (base + i < valid && (!PACKED || base + i >= first)) {
+                dot += bf16_to_f32(weights.v[i]) * bf16_to_f32(grads.v[i]);
+            }
         }
     }
     dot = warp_sum(dot);
@@ -155,7 +178,8 @@ static __device__ void causal_softmax_backward(bf16_t* dscores, const bf16_t* __
             const Bf16Pack<VEC> grads = load_pack<VEC>(g + base);
             for (int i = 0; i < VEC; i++) {
                 const float w = bf16_to_f32(weights.v[i]), d = bf16_to_f32(grads.v[i]);
-                out.v[i] = f32_to_bf16(base + i < valid ? scale * w * (d - dot) : 0.0f);
+                const bool in = base + i < valid && (!PACKED || base + i >= first);
+                out.v[i] = f32_to_bf16(in ? scale * w * (d - dot) : 0.0f);
             }
         } else {
             for (int i = 0; i < VEC; i++) out.v[i] = 0;
@@ -177,11 +201,21 @@ static __device__ void causal_softmax_backward(bf16_t* dscores, const bf16_t* __
     }                                                                                             \
     extern "C" __global__ void causal_softmax_forward_##VEC(bf16_t* scores, bf16_t* att,         \
                                                             u32 rows, u32 seq, float scale) {    \
-        causal_softmax_forward<VEC>(scores, att, rows, seq, scale);                               \
+        causal_softmax_forward<VEC, false>(scores, att, nullptr, rows, seq, 1, scale);            \
     }                                                                                             \
     extern "C" __global__ void causal_softmax_backward_##VEC(bf16_t* dscores, const bf16_t* att, \
                                                              u32 rows, u32 seq, float scale) {   \
-        causal_softmax_backward<VEC>(dscores, att, rows, seq, scale);                             \
+        causal_softmax_backward<VEC, false>(dscores, att, nullptr, rows, seq, 1, scale);          \
+    }                                                                                             \
+    extern "C" __global__ void causal_softmax_forward_packed_##VEC(                               \
+        bf16_t* scores, bf16_t* att, const u32* positions, u32 rows, u32 seq, u32 n_head,         \
+        float scale) {                                                                            \
+        causal_softmax_forward<VEC, true>(scores, att, positions, rows, seq, n_head, scale);      \
+    }                                                                                             \
+    extern "C" __global__ void causal_softmax_backward_packed_##VEC(                              \
+        bf16_t* dscores, const bf16_t* att, const u32* positions, u32 rows, u32 seq, u32 n_head,  \
+        float scale) {                                                                            \
+        causal_softmax_backward<VEC, true>(dscores, att, positions, rows, seq, n_head, scale);    \
     }                                                                                             \
     extern "C" __global__ void copy_packs_##VEC(bf16_t* dst, const bf16_t* src, u64 n) {          \
         copy_packs<VEC>(dst, src, n);                                                             \

@@ -1,10 +1,14 @@
 // Token + position embedding and its gradients. Token ids were checked against the vocabulary on
 // the host when the batch was set.
 
-// out[r, :] = wte[tokens[r], :] + wpe[r % t, :] for n = rows × c elements. `vec`: pointers
-// 16-byte aligned and c a multiple of 8.
-extern "C" __global__ void encoder_forward(bf16_t* out, const u32* tokens, const bf16_t* wte,
-                                           const bf16_t* wpe, u32 rows, u32 t, u32 c, u32 vec) {
+// out[r, :] = wte[tokens[r], :] + wpe[p, :] for n = rows × c elements, the position p = r % t, or
+// with packed rows (`PACKED`) p = positions[r], each token's position in its document (checked on
+// the host when the batch was set: below t). `vec`: pointers 16-byte aligned and c a multiple of 8.
+template <bool PACKED>
+static __device__ __forceinline__ void encoder_rows(bf16_t* out, const u32* tokens,
+                                                    const bf16_t* wte, const bf16_t* wpe,
+                                                    const u32* positions, u32 rows, u32 t, u32 c,
+                                                    u32 vec) {
     if (vec) {
         u32 per_row = c / 8;
         FOR_EACH_INDEX(v, (i64)rows * per_row) {
@@ -12,7 +16,7 @@ extern "C" __global__ void encoder_forward(bf16_t* out, const u32* tokens, const
             i64 column = (v % per_row) * 8;
             float word[8], position[8];
             load8(wte + (i64)tokens[row] * c + column, word);
-            load8(wpe + (row % t) * c + column, position);
+            load8(wpe + (PACKED ? (i64)positions[row] : row % t) * c + column, position);
 #pragma unroll
             for (int k = 0; k < 8; k++) word[k] += position[k];
             store8(out + row * c + column, word);
@@ -21,14 +25,28 @@ extern "C" __global__ void encoder_forward(bf16_t* out, const u32* tokens, const
         FOR_EACH_INDEX(i, (i64)rows * c) {
             i64 row = i / c, column = i % c;
             float word = load1(wte + (i64)tokens[row] * c + column);
-            store1(out + i, word + load1(wpe + (row % t) * c + column));
+            i64 p = PACKED ? (i64)positions[row] : row % t;
+            store1(out + i, word + load1(wpe + p * c + column));
         }
     }
 }
 
+extern "C" __global__ void encoder_forward(bf16_t* out, const u32* tokens, const bf16_t* wte,
+                                           const bf16_t* wpe, u32 rows, u32 t, u32 c, u32 vec) {
+    encoder_rows<false>(out, tokens, wte, wpe, nullptr, rows, t, c, vec);
+}
+
+extern "C" __global__ void encoder_forward_packed(bf16_t* out, const u32* tokens,
+                                                  const bf16_t* wte, const bf16_t* wpe,
+                                                  const u32* positions, u32 rows, u32 c,
+                                                  u32 vec) {
+    encoder_rows<true>(out, tokens, wte, wpe, positions, rows, 1, c, vec);
+}
+
 // dwte[token, :] += Σ dout[r, :] over the rows r whose input is `token`, deterministically: the
 // host sorted the rows by token (`order`), and bucket b holds the rows order[bucket_start[b] ..
-// bucket_start[b + 1]] of token bucket_token[b]. Grid (buckets, ceil(c / blockDim.x)).
+// bucket_start[b + 1]] of token bucket_token[b]. Grid (buckets, ceil(c / blockDim.x)). With packed
+// rows the position embedding's gradient is the same sum over buckets of equal positions.
 extern "C" __global__ void encoder_backward_wte(bf16_t* dwte, const bf16_t* dout,
                                                 const u32* order, const u32* bucket_token,
                                                 const u32* bucket_start, u32 c) {

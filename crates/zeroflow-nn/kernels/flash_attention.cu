@@ -65,6 +65,17 @@
 // T are loaded as zeros and never stored; in forward every row of every visited block keeps at
 // least one key (key 64·j ≤ query), so m is finite after the first block.
 //
+// Packed rows (`PACKED`, the `_packed` kernels): several documents per row, `positions [B, T]`
+// u32 holding each token's position in its document, and query t attends only the keys
+// `t − positions[t] ..= t` (its document's first token, `document_start`, up to itself). As
+// positions restart at 0 at each document and grow by one otherwise (checked on the host), a
+// document's first token never decreases along the row, so the earliest key a query block attends
+// is its first row's document start: forward and the dq kernel begin at that key block (the
+// blocks wholly before it are skipped), and the dk/dv kernel stops at the first query block whose
+// first row's document starts after its last key. Inside the blocks they visit, every kernel
+// masks `key < document_start(query)` too, in any block (a document may start anywhere). With
+// `PACKED` false the kernels are those of before packing, and the plain kernels pass no positions.
+//
 // The GPU test (`tests/cuda/flash.rs`) checks out and the three parts of dqkv against the CPU
 // reference in f64 and against `CudaAttention`, at head sizes 64 and 128 and T = 1, 37, 64, 65,
 // 128 and 200 with B, NH > 1, multi-head and grouped-query (NH/NKV 6/2, 8/1), between NaN
@@ -292,6 +303,13 @@ static __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The first token of the document of token `t` of a row (`positions` the row's): `t −
+// positions[t]`, a position past `t` counting as `t` (the CPU twin's saturating subtraction); 0
+// for a padding row past the sequence (`t ≥ seq`: loaded as zeros, never stored).
+static __device__ __forceinline__ u32 document_start(const u32* positions, u32 t, u32 seq) {
+    return t < seq ? t - min(positions[t], t) : 0u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
@@ -330,9 +348,10 @@ static __device__ __forceinline__ void online_softmax(float (&s)[BC / 8][4], flo
     }
 }
 
-template <int HS>
+template <int HS, bool PACKED>
 static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict__ lse,
-                                     const bf16_t* __restrict__ qkv, u32 seq, u32 n_head,
+                                     const bf16_t* __restrict__ qkv,
+                                     const u32* __restrict__ positions, u32 seq, u32 n_head,
                                      u32 n_kv_head, float scale) {
     constexpr int STRIDE = HS + PAD;
     bf16_t* q_tile = reinterpret_cast<bf16_t*>(flash_smem);
@@ -346,6 +365,15 @@ static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict
     const u32 row_lo = block * BR + warp * 16 + lane / 4, row_hi = row_lo + 8;
     const u32 key_col = 2 * (lane % 4);
     const float to_base2 = scale * LOG2E;
+    // Packed rows: where the documents of this lane's two rows start, and the first key block any
+    // row of the query block attends.
+    u32 first_lo = 0, first_hi = 0, first_key_block = 0;
+    if (PACKED) {
+        const u32* row_positions = positions + (i64)b * seq;
+        first_lo = document_start(row_positions, row_lo, seq);
+        first_hi = document_start(row_positions, row_hi, seq);
+        first_key_block = document_start(row_positions, block * BR, seq) / BC;
+    }
 
     load_tile<HS>(q_tile, q, qkv_stride, block * BR, seq);
     __syncthreads();
@@ -357,7 +385,7 @@ static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict
 
     float o[HS / 8][4] = {};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
-    for (u32 key_block = 0; key_block <= block; key_block++) {
+    for (u32 key_block = first_key_block; key_block <= block; key_block++) {
         __syncthreads();  // every warp is done with the last K and V tiles
         load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
         __syncthreads();
@@ -380,8 +408,10 @@ static __device__ void flash_forward(bf16_t* __restrict__ out, float* __restrict
             for (int i = 0; i < 4; i++) {
                 const u32 key = key_block * BC + 8 * n + key_col + i % 2;
                 const u32 row = i < 2 ? row_lo : row_hi;
-                // On the diagonal block; keys ≥ T lie only there and above every real query.
-                const bool masked = diagonal && key > row;
+                // On the diagonal block; keys ≥ T lie only there and above every real query. With
+                // packed rows, also the keys before the row's document, in any block.
+                const bool masked = (diagonal && key > row) ||
+                                    (PACKED && key < (i < 2 ? first_lo : first_hi));
                 s[n][i] = masked ? NEG_INF : s[n][i] * to_base2;
             }
         }
@@ -430,11 +460,12 @@ extern "C" __global__ void flash_backward_preprocess(float* __restrict__ delta,
 // dQ of one query block: one CTA per (query block i, head h, sequence b), the longest rows first,
 // each warp its 16 queries. dq accumulates in registers over key blocks 0 ..= i in that order and
 // is stored once, so it repeats bit for bit.
-template <int HS>
+template <int HS, bool PACKED>
 static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t* __restrict__ qkv,
                                          const bf16_t* __restrict__ dout,
                                          const float* __restrict__ lse,
-                                         const float* __restrict__ delta, u32 seq, u32 n_head,
+                                         const float* __restrict__ delta,
+                                         const u32* __restrict__ positions, u32 seq, u32 n_head,
                                          u32 n_kv_head, float scale) {
     constexpr int STRIDE = HS + PAD;
     bf16_t* q_tile = reinterpret_cast<bf16_t*>(flash_smem);
@@ -458,11 +489,19 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
     const float lse_hi = row_hi < seq ? lse_head[row_hi] * LOG2E : 0.0f;
     const float delta_lo = row_lo < seq ? delta_head[row_lo] : 0.0f;
     const float delta_hi = row_hi < seq ? delta_head[row_hi] : 0.0f;
+    // Packed rows: as in forward.
+    u32 first_lo = 0, first_hi = 0, first_key_block = 0;
+    if (PACKED) {
+        const u32* row_positions = positions + (i64)b * seq;
+        first_lo = document_start(row_positions, row_lo, seq);
+        first_hi = document_start(row_positions, row_hi, seq);
+        first_key_block = document_start(row_positions, block * BR, seq) / BC;
+    }
 
     load_tile<HS>(q_tile, q, qkv_stride, block * BR, seq);
     load_tile<HS>(dout_tile, dout_head, c, block * BR, seq);
     float dq[HS / 8][4] = {};
-    for (u32 key_block = 0; key_block <= block; key_block++) {
+    for (u32 key_block = first_key_block; key_block <= block; key_block++) {
         __syncthreads();  // Q and dO are in; every warp is done with the last K and V tiles
         load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
         __syncthreads();
@@ -483,7 +522,8 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
                 for (int i = 0; i < 4; i++) {
                     const u32 key = key_block * BC + first + 8 * n + key_col + i % 2;
                     const u32 row = i < 2 ? row_lo : row_hi;
-                    const bool masked = diagonal && key > row;
+                    const bool masked = (diagonal && key > row) ||
+                                        (PACKED && key < (i < 2 ? first_lo : first_hi));
                     const float lse_row = i < 2 ? lse_lo : lse_hi;
                     p[n][i] = masked ? 0.0f : exp2f(p[n][i] * to_base2 - lse_row);
                 }
@@ -508,12 +548,13 @@ static __device__ void flash_backward_dq(bf16_t* __restrict__ dqkv, const bf16_t
 // first, each warp its 16 keys. Both accumulate in registers over the query heads of the key/value
 // head's group and, for each, over query blocks j .., in that order: the group's sum needs no
 // atomics, and with multi-head attention the group is the one head of the same index.
-template <int HS>
+template <int HS, bool PACKED>
 static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
                                            const bf16_t* __restrict__ qkv,
                                            const bf16_t* __restrict__ dout,
                                            const float* __restrict__ lse,
-                                           const float* __restrict__ delta, u32 seq, u32 n_head,
+                                           const float* __restrict__ delta,
+                                           const u32* __restrict__ positions, u32 seq, u32 n_head,
                                            u32 n_kv_head, float scale) {
     constexpr int STRIDE = HS + PAD;
     bf16_t* k_tile = reinterpret_cast<bf16_t*>(flash_smem);
@@ -522,6 +563,8 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
     bf16_t* dout_tile = q_tile + BR * STRIDE;
     float* lse_tile = reinterpret_cast<float*>(dout_tile + BR * STRIDE);
     float* delta_tile = lse_tile + BR;
+    // Packed rows only: where each query's document starts (its first key).
+    u32* first_tile = reinterpret_cast<u32*>(delta_tile + BR);
 
     const u32 key_block = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
     const u32 query_blocks = (seq + BR - 1) / BR;
@@ -534,6 +577,7 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
     const u32 key_lo = key_block * BC + warp * 16 + lane / 4, key_hi = key_lo + 8;
     const int query_col = 2 * (lane % 4);
     const float to_base2 = scale * LOG2E;
+    const u32* row_positions = PACKED ? positions + (i64)b * seq : nullptr;
 
     load_kv_tiles<HS>(k_tile, v_tile, k, v, qkv_stride, key_block * BC, seq);
     float dk[HS / 8][4] = {}, dv[HS / 8][4] = {};
@@ -544,6 +588,9 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
         const float* delta_head = delta + ((i64)b * n_head + h) * seq;
         for (u32 query_block = key_block; query_block < query_blocks; query_block++) {
             const u32 q0 = query_block * BR;
+            // Packed rows: no query of this block or of a later one attends a key of this block
+            // once the block's first row's document starts after the key block's last key.
+            if (PACKED && document_start(row_positions, q0, seq) >= (key_block + 1) * BC) break;
             __syncthreads();  // every warp is done with the last Q, dO, lse and delta
             load_tile<HS>(q_tile, q, qkv_stride, q0, seq);
             load_tile<HS>(dout_tile, dout_head, c, q0, seq);
@@ -551,6 +598,7 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
                 const bool real = q0 + r < seq;
                 lse_tile[r] = real ? lse_head[q0 + r] * LOG2E : 0.0f;
                 delta_tile[r] = real ? delta_head[q0 + r] : 0.0f;
+                if (PACKED) first_tile[r] = document_start(row_positions, q0 + r, seq);
             }
             __syncthreads();
 
@@ -564,7 +612,8 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
                 for (int i = 0; i < 4; i++) {
                     const int column = 8 * n + query_col + i % 2;
                     const u32 query = q0 + column, key = i < 2 ? key_lo : key_hi;
-                    const bool masked = edge && (key > query || query >= seq);
+                    const bool masked = (edge && (key > query || query >= seq)) ||
+                                        (PACKED && key < first_tile[column]);
                     p[n][i] = masked ? 0.0f : exp2f(p[n][i] * to_base2 - lse_tile[column]);
                 }
             }
@@ -600,17 +649,38 @@ static __device__ void flash_backward_dkdv(bf16_t* __restrict__ dqkv,
     extern "C" __global__ void __launch_bounds__(THREADS)                                         \
         flash_forward_##HS(bf16_t* out, float* lse, const bf16_t* qkv, u32 seq, u32 n_head,       \
                            u32 n_kv_head, float scale) {                                          \
-        flash_forward<HS>(out, lse, qkv, seq, n_head, n_kv_head, scale);                          \
+        flash_forward<HS, false>(out, lse, qkv, nullptr, seq, n_head, n_kv_head, scale);          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_##HS(                 \
         bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
         const float* delta, u32 seq, u32 n_head, u32 n_kv_head, float scale) {                    \
-        flash_backward_dq<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, n_kv_head, scale);        \
+        flash_backward_dq<HS, false>(dqkv, qkv, dout, lse, delta, nullptr, seq, n_head,           \
+                                     n_kv_head, scale);                                           \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_##HS(               \
         bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
         const float* delta, u32 seq, u32 n_head, u32 n_kv_head, float scale) {                    \
-        flash_backward_dkdv<HS>(dqkv, qkv, dout, lse, delta, seq, n_head, n_kv_head, scale);      \
+        flash_backward_dkdv<HS, false>(dqkv, qkv, dout, lse, delta, nullptr, seq, n_head,         \
+                                       n_kv_head, scale);                                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_forward_packed_##HS(              \
+        bf16_t* out, float* lse, const bf16_t* qkv, const u32* positions, u32 seq, u32 n_head,    \
+        u32 n_kv_head, float scale) {                                                             \
+        flash_forward<HS, true>(out, lse, qkv, positions, seq, n_head, n_kv_head, scale);         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dq_packed_##HS(          \
+        bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
+        const float* delta, const u32* positions, u32 seq, u32 n_head, u32 n_kv_head,             \
+        float scale) {                                                                            \
+        flash_backward_dq<HS, true>(dqkv, qkv, dout, lse, delta, positions, seq, n_head,          \
+                                    n_kv_head, scale);                                            \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_backward_dkdv_packed_##HS(        \
+        bf16_t* dqkv, const bf16_t* qkv, const bf16_t* dout, const float* lse,                    \
+        const float* delta, const u32* positions, u32 seq, u32 n_head, u32 n_kv_head,             \
+        float scale) {                                                                            \
+        flash_backward_dkdv<HS, true>(dqkv, qkv, dout, lse, delta, positions, seq, n_head,        \
+                                      n_kv_head, scale);                                          \
     }
 
 FLASH_KERNELS(64)

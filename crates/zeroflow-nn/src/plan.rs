@@ -142,11 +142,6 @@ impl AttentionKind {
     }
 }
 
-/// What the CUDA executor says of a packed plan: its kernels do not take positions yet.
-pub const PACKING_ON_CPU_ONLY: &str = "packed sequences (--pack) run on the CPU device only so \
-     far: the CUDA kernels do not bound attention by document yet; train with --device cpu, or \
-     without --pack";
-
 /// How a family builds its plan: the options every family's plan takes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PlanOptions {
@@ -159,8 +154,8 @@ pub struct PlanOptions {
     /// Sequence packing: every row holds several documents, with no attention across their
     /// boundaries and positions restarting at each ([`Buf::Positions`]). The attention, the
     /// position embedding and the rotary embedding read the positions; a plan built without it
-    /// reads none and is the same plan as before packing existed. Off by default; the CUDA
-    /// executor refuses a packed plan (so far).
+    /// reads none and is the same plan as before packing existed. Off by default. Every executor
+    /// runs a packed plan (the CUDA one through the packed forms of its kernels).
     pub packed: bool,
 }
 

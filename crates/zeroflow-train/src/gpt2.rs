@@ -146,6 +146,7 @@ impl Family for GptConfig {
             fuse_gelu,
             attention: plan.attention,
             activation_checkpointing: plan.activation_checkpointing,
+            packed: plan.packed,
         };
         Ok(CudaGpt::with_options(device, blas, self, layout, batch, seq, options)?)
     }
@@ -176,6 +177,7 @@ fn cuda_options(plan: PlanOptions) -> CudaGptOptions {
     CudaGptOptions {
         attention: plan.attention,
         activation_checkpointing: plan.activation_checkpointing,
+        packed: plan.packed,
         ..CudaGptOptions::default()
     }
 }

@@ -213,6 +213,7 @@ fn cuda_options(plan: PlanOptions) -> CudaLlamaOptions {
     CudaLlamaOptions {
         attention: plan.attention,
         activation_checkpointing: plan.activation_checkpointing,
+        packed: plan.packed,
     }
 }
 

@@ -80,24 +80,31 @@ pub struct CudaOpen {
 impl CudaOpen {
     /// [`open_cuda`] with these options, as an [`OpenFn`].
     pub fn opener<F: Family>(self) -> impl OpenFn<F, F::Cuda> {
+        self.packed_opener(false)
+    }
+
+    /// [`CudaOpen::opener`] whose model packs rows where `packed` says (`--pack`): its batches
+    /// carry each token's position in its document.
+    pub fn packed_opener<F: Family>(self, packed: bool) -> impl OpenFn<F, F::Cuda> {
         move |model: &F, micro_batch: usize, seq: usize, layout: &FlatLayout, dist: &DistEnv| {
-            open_cuda(model, micro_batch, seq, layout, dist, &self)
+            open_cuda(model, (micro_batch, seq), layout, dist, &self, packed)
         }
     }
 }
 
 /// The GPU of this process's local rank (opened as `open` says), its NCCL communicator in the
-/// job, and the family's model in bf16 with `open`'s attention.
+/// job, and the family's model in bf16 with `open`'s attention, packing rows where `packed`
+/// says.
 ///
 /// With several ranks, the processes meet first ([`dist::join`]: rank 0 makes the NCCL id and
 /// hands its bytes to the others), then each joins the NCCL group on its GPU.
 pub fn open_cuda<F: Family>(
     model: &F,
-    micro_batch: usize,
-    seq: usize,
+    (micro_batch, seq): (usize, usize),
     layout: &FlatLayout,
     dist: &DistEnv,
     open: &CudaOpen,
+    packed: bool,
 ) -> Result<Opened<F::Cuda>> {
     let (device, comm, group) = if dist.world_size == 1 {
         let device = CudaDevice::with_options(dist.local_rank, open.device.clone())?;
@@ -126,7 +133,7 @@ pub fn open_cuda<F: Family>(
     let options = PlanOptions {
         attention: open.attention,
         activation_checkpointing: open.activation_checkpointing,
-        packed: false,
+        packed,
     };
     let model = model.cuda_model(&device, blas, layout, micro_batch, seq, options)?;
     tracing::info!(

@@ -48,12 +48,10 @@ pub fn run(
     stop: &StopHandle,
 ) -> Result<Outcome> {
     let model = setup.model.clone();
+    let packed = setup.settings.pack.unwrap_or(false);
     with_family!(model, family => match setup.device {
-        DeviceKind::Cpu => {
-            let packed = setup.settings.pack.unwrap_or(false);
-            run_on(setup, &family, open::cpu_opener(packed), observer, stop)
-        }
-        DeviceKind::Cuda => run_on(setup, &family, cuda.opener(), observer, stop),
+        DeviceKind::Cpu => run_on(setup, &family, open::cpu_opener(packed), observer, stop),
+        DeviceKind::Cuda => run_on(setup, &family, cuda.packed_opener(packed), observer, stop),
     })
 }
 

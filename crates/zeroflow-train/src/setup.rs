@@ -373,7 +373,7 @@ fn train_plan(
         model_options: zeroflow_nn::PlanOptions {
             attention,
             activation_checkpointing,
-            ..zeroflow_nn::PlanOptions::default()
+            packed: settings.pack.unwrap_or(false),
         },
         caller: Caller::Train { resumed },
         gpu_memory: MachineMemory::this_machine(args.device, dist.local_rank).gpu_total,

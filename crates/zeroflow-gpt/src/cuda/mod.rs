@@ -81,6 +81,9 @@ pub struct CudaGptOptions {
     /// before the block's backward ([`PlanOptions::activation_checkpointing`]): less activation
     /// memory for about one more forward of the blocks. Off by default.
     pub activation_checkpointing: bool,
+    /// Sequence packing: several documents per row, batches through
+    /// [`CudaGpt::set_packed_batch`] ([`PlanOptions::packed`]). Off by default.
+    pub packed: bool,
 }
 
 impl Default for CudaGptOptions {
@@ -89,6 +92,7 @@ impl Default for CudaGptOptions {
             fuse_gelu: true,
             attention: AttentionKind::Gemm,
             activation_checkpointing: false,
+            packed: false,
         }
     }
 }
@@ -106,7 +110,7 @@ impl CudaGptOptions {
         PlanOptions {
             attention: self.attention,
             activation_checkpointing: self.activation_checkpointing,
-            packed: false,
+            packed: self.packed,
         }
     }
 }
@@ -221,9 +225,18 @@ impl CudaGpt {
         Ok(self.runner.set_batch(inputs, targets, self.config.vocab_size)?)
     }
 
-    /// Packed rows are not run on the GPU yet: always [`GptError::Batch`] saying so.
-    pub fn set_packed_batch(&mut self, _: &[u32], _: &[u32], _: &[u32]) -> Result<(), GptError> {
-        Err(GptError::Batch(zeroflow_nn::plan::PACKING_ON_CPU_ONLY.into()))
+    /// [`CudaGpt::set_batch`] of packed rows (a model built with [`CudaGptOptions::packed`]):
+    /// `positions [batch, seq]`, each token's position in its document (0 at a document's first
+    /// token in the row, then one more at each token), uploaded with the tokens. No attention
+    /// crosses a document boundary, and the position embedding is read at each token's position.
+    pub fn set_packed_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<(), GptError> {
+        let vocab = self.config.vocab_size;
+        Ok(self.runner.set_packed_batch(inputs, targets, positions, vocab)?)
     }
 
     /// Queues forward on the compute stream.

@@ -1,5 +1,6 @@
-//! Tests of the GPT model on a real GPU against the CPU model, compiled as one test binary (the
-//! attention kernels' own tests are zeroflow-nn's).
+//! Tests of the GPT model on a real GPU against the CPU model, on plain and on packed rows
+//! (`packing.rs`), compiled as one test binary (the attention kernels' own tests are
+//! zeroflow-nn's).
 //!
 //! Every test first opens GPU 0. Where there is no CUDA driver or no GPU it prints
 //! `skipped: no CUDA device (<reason>)` and passes, so CI on CPU-only machines stays green and
@@ -9,6 +10,7 @@
 
 mod decode;
 mod model;
+mod packing;
 
 use zeroflow_device::CudaDevice;
 

@@ -23,22 +23,22 @@ use crate::gpu;
 
 /// Width 200 (25 vectors of 8) in 4 heads of 50, vocabulary 301 padded to 320, a context of 40
 /// used at 37 tokens, two layers, batch 3: 111 rows, a multiple of nothing.
-const TAILS: GptConfig =
+pub(crate) const TAILS: GptConfig =
     GptConfig { n_layer: 2, n_head: 4, d_model: 200, vocab_size: 301, context: 40 };
 
 /// Shapes flash attention takes: three heads of 64 and two of 128, with a context of 80 used at
 /// 70 and 65 tokens (sequences that end inside a second 64-row tile).
-const FLASH_64: GptConfig =
+pub(crate) const FLASH_64: GptConfig =
     GptConfig { n_layer: 2, n_head: 3, d_model: 192, vocab_size: 301, context: 80 };
-const FLASH_128: GptConfig =
+pub(crate) const FLASH_128: GptConfig =
     GptConfig { n_layer: 2, n_head: 2, d_model: 256, vocab_size: 301, context: 80 };
 const FLASH_SHAPES: [(GptConfig, usize, usize); 2] = [(FLASH_64, 3, 70), (FLASH_128, 2, 65)];
 
 /// The largest relative error (‖gpu − cpu‖ / max(‖gpu‖, ‖cpu‖)) allowed per tensor: the GPU keeps
 /// every activation and gradient in bf16.
-const TOLERANCE: f64 = 2e-2;
+pub(crate) const TOLERANCE: f64 = 2e-2;
 
-fn relative_error(gpu: &[f64], cpu: &[f64]) -> f64 {
+pub(crate) fn relative_error(gpu: &[f64], cpu: &[f64]) -> f64 {
     let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
     let diff: Vec<f64> = gpu.iter().zip(cpu).map(|(x, y)| x - y).collect();
     norm(&diff) / norm(gpu).max(norm(cpu)).max(1e-30)
@@ -46,7 +46,7 @@ fn relative_error(gpu: &[f64], cpu: &[f64]) -> f64 {
 
 /// Random parameters (GPT-2's initialisation, then every element moved by up to ±0.05 so that
 /// LayerNorm weights and biases are not at their special values), rounded to bf16.
-fn random_params(config: &GptConfig, seed: u64) -> Vec<bf16> {
+pub(crate) fn random_params(config: &GptConfig, seed: u64) -> Vec<bf16> {
     use rand::{Rng, SeedableRng};
     let layout = flat_layout(config, 1).unwrap();
     let mut params = vec![0.0f64; layout.padded_len()];
@@ -65,7 +65,7 @@ fn random_params(config: &GptConfig, seed: u64) -> Vec<bf16> {
     params.iter().map(|&x| bf16::from_f64(x)).collect()
 }
 
-fn random_tokens(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
+pub(crate) fn random_tokens(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut draw = || (0..n).map(|_| rng.random_range(0..vocab as u32)).collect::<Vec<_>>();
@@ -78,7 +78,7 @@ fn upload(device: &CudaDevice, values: &[bf16]) -> CudaBuffer<bf16> {
 
 /// A model of `config` with `attention` (not the one that fits it best: each test
 /// says which it checks), its own cuBLASLt handle and the default options.
-fn model_with(
+pub(crate) fn model_with(
     device: &CudaDevice,
     config: &GptConfig,
     (batch, seq): (usize, usize),

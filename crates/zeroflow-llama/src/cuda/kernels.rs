@@ -8,7 +8,8 @@
 //!   to the bf16 gradient once, in a fixed order.
 //! - RoPE: one kernel rotates q and k and packs them with v into attention's `qkv` row (and one
 //!   back), from a cos/sin table of every (position, pair) made on the host as the CPU twin makes
-//!   its angles, in f32.
+//!   its angles, in f32; with packed rows their `_packed` forms, which rotate each token by its
+//!   position in its document (the plan's positions, the launch's last argument).
 //! - SwiGLU: element-wise forward and backward.
 //! - The token embedding: a gather forward; backward is zeroflow-nn's deterministic bucketed sum
 //!   ([`LayerCtx::token_embedding_backward`]).
@@ -42,7 +43,7 @@ pub fn sources() -> [(&'static str, String); 3] {
 /// Every kernel name of each module of [`sources`], in the same order.
 pub const KERNEL_NAMES: [&[&str]; 3] = [
     &["rmsnorm_forward", "rmsnorm_backward_input", "rmsnorm_weight_grad_partial"],
-    &["rope_forward", "rope_backward"],
+    &["rope_forward", "rope_backward", "rope_forward_packed", "rope_backward_packed"],
     &["swiglu_forward", "swiglu_backward", "embedding_forward"],
 ];
 
@@ -54,6 +55,8 @@ pub struct LlamaKernels {
     rmsnorm_weight_grad_partial: CudaFunction,
     rope_forward: CudaFunction,
     rope_backward: CudaFunction,
+    rope_forward_packed: CudaFunction,
+    rope_backward_packed: CudaFunction,
     swiglu_forward: CudaFunction,
     swiglu_backward: CudaFunction,
     embedding_forward: CudaFunction,
@@ -129,6 +132,8 @@ impl LlamaKernels {
             rmsnorm_weight_grad_partial: function(&rmsnorm, "rmsnorm_weight_grad_partial")?,
             rope_forward: function(&rope, "rope_forward")?,
             rope_backward: function(&rope, "rope_backward")?,
+            rope_forward_packed: function(&rope, "rope_forward_packed")?,
+            rope_backward_packed: function(&rope, "rope_backward_packed")?,
             swiglu_forward: function(&pointwise, "swiglu_forward")?,
             swiglu_backward: function(&pointwise, "swiglu_backward")?,
             embedding_forward: function(&pointwise, "embedding_forward")?,
@@ -274,7 +279,7 @@ impl LlamaKernels {
         ctx.column_sum_finish(ctx.bf16_mut(dweight), 0, chunks, c, c)
     }
 
-    /// Forward [qkv, q, k, v], or backward [dq, dk, dv, dqkv].
+    /// Forward [qkv, q, k, v, (positions)], or backward [dq, dk, dv, dqkv, (positions)].
     fn rope(
         &self,
         ctx: &LayerCtx<'_>,
@@ -292,28 +297,43 @@ impl LlamaKernels {
         } else {
             ctx.places(&[&a[0]], &[&a[1], &a[2], &a[3]])
         };
+        // Packed rows: the positions come before the table.
+        let positions = a.get(4);
+        let params = match positions {
+            Some(positions) => ctx.read(params, positions),
+            None => params,
+        };
         let params = params.ptr(table, 0).u32(rows as u32).u32(rotary.t as u32);
         let params = params
             .u32(rotary.n_head as u32)
             .u32(rotary.n_kv_head as u32)
             .u32(rotary.head_dim() as u32);
         let grid = blocks_for(rows * per_row);
+        let (forward_kernel, backward_kernel) = match positions {
+            None => (&self.rope_forward, &self.rope_backward),
+            Some(_) => (&self.rope_forward_packed, &self.rope_backward_packed),
+        };
         if backward {
             let params = [0, 1, 2].iter().fold(params, |p, &i| p.u32(flag(a[i].accumulate)));
             // SAFETY: the parameters match `rope_backward(bf16_t* dq, bf16_t* dk, bf16_t* dv,
             // const bf16_t* dqkv, const float* table, u32 rows, u32 t, u32 n_head, u32
-            // n_kv_head, u32 head_dim, u32 accumulate_q, u32 accumulate_k, u32 accumulate_v)`;
+            // n_kv_head, u32 head_dim, u32 accumulate_q, u32 accumulate_k, u32 accumulate_v)`,
+            // or with positions `rope_backward_packed` (`const u32* positions` before the table);
             // it reads the `rows` rows of `W = qkv_width` of dqkv (its place) and writes (or adds
             // to) as many rows of `n_head · d` of dq and of `n_kv_head · d` of dk and dv (their
             // places, the plan's for these sizes), reading `t · d` entries of the table (ours,
-            // made for this rotary shape).
-            unsafe { ctx.launch(&self.rope_backward, grid, THREADS, params) }
+            // made for this rotary shape) and, packed, `rows` positions (a place of the token
+            // ids, checked by the plan: each below `t`, so the entries read are those the plain
+            // kernel reads).
+            unsafe { ctx.launch(backward_kernel, grid, THREADS, params) }
         } else {
             // SAFETY: the parameters match `rope_forward(bf16_t* qkv, const bf16_t* q, const
             // bf16_t* k, const bf16_t* v, const float* table, u32 rows, u32 t, u32 n_head, u32
-            // n_kv_head, u32 head_dim)`; it writes the `rows` rows of `W` of qkv and reads as many
-            // rows of q, k and v (their places) and `t · d` entries of the table, as backward.
-            unsafe { ctx.launch(&self.rope_forward, grid, THREADS, params) }
+            // n_kv_head, u32 head_dim)`, or with positions `rope_forward_packed` (`const u32*
+            // positions` before the table); it writes the `rows` rows of `W` of qkv and reads as
+            // many rows of q, k and v (their places), `t · d` entries of the table and, packed,
+            // `rows` positions, as backward.
+            unsafe { ctx.launch(forward_kernel, grid, THREADS, params) }
         }
     }
 }

@@ -51,6 +51,9 @@ pub struct CudaLlamaOptions {
     /// Keep only each layer's output for backward and recompute the rest of the layer there
     /// ([`PlanOptions::activation_checkpointing`]). Off by default.
     pub activation_checkpointing: bool,
+    /// Sequence packing: several documents per row, batches through
+    /// [`CudaLlama::set_packed_batch`] ([`PlanOptions::packed`]). Off by default.
+    pub packed: bool,
 }
 
 impl CudaLlamaOptions {
@@ -59,7 +62,7 @@ impl CudaLlamaOptions {
         PlanOptions {
             attention: self.attention,
             activation_checkpointing: self.activation_checkpointing,
-            packed: false,
+            packed: self.packed,
         }
     }
 
@@ -68,7 +71,7 @@ impl CudaLlamaOptions {
     pub fn for_model(config: &LlamaConfig, requested: Option<AttentionKind>) -> Self {
         CudaLlamaOptions {
             attention: requested.unwrap_or_else(|| auto_attention(config)),
-            activation_checkpointing: false,
+            ..CudaLlamaOptions::default()
         }
     }
 }
@@ -202,9 +205,18 @@ impl CudaLlama {
         Ok(self.runner.set_batch(inputs, targets, self.config.vocab_size)?)
     }
 
-    /// Packed rows are not run on the GPU yet: always [`LlamaError::Batch`] saying so.
-    pub fn set_packed_batch(&mut self, _: &[u32], _: &[u32], _: &[u32]) -> Result<(), LlamaError> {
-        Err(LlamaError::Batch(zeroflow_nn::plan::PACKING_ON_CPU_ONLY.into()))
+    /// [`CudaLlama::set_batch`] of packed rows (a model built with [`CudaLlamaOptions::packed`]):
+    /// `positions [batch, seq]`, each token's position in its document (0 at a document's first
+    /// token in the row, then one more at each token), uploaded with the tokens. No attention
+    /// crosses a document boundary, and each token is rotated by its position.
+    pub fn set_packed_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+    ) -> Result<(), LlamaError> {
+        let vocab = self.config.vocab_size;
+        Ok(self.runner.set_packed_batch(inputs, targets, positions, vocab)?)
     }
 
     /// Queues forward on the compute stream.

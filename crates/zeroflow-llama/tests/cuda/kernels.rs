@@ -4,7 +4,8 @@
 //! the test uploads and downloads; RMSNorm's rstd lies in the f32 statistics, read back by its
 //! backward in the same plan). The gradient buffer starts with random values: every backward
 //! kernel adds to it (the executor's accumulate path), and so does its twin. Sizes with and
-//! without the 16-byte paths (widths that are and are not multiples of 8). Also: the modules
+//! without the 16-byte paths (widths that are and are not multiples of 8). RoPE also on packed
+//! rows: each token rotated by its position in its document (`rope_*_packed`). Also: the modules
 //! compile with NVRTC for sm_80 and sm_90 without a GPU.
 
 use std::ops::Range;
@@ -19,7 +20,9 @@ use zeroflow_device::{CudaDevice, Device};
 use zeroflow_llama::cuda::kernels::{KERNEL_NAMES, LlamaKernels, sources};
 use zeroflow_llama::kernels::embedding::{embedding_backward, embedding_forward};
 use zeroflow_llama::kernels::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-use zeroflow_llama::kernels::rope::{rope_backward, rope_forward};
+use zeroflow_llama::kernels::rope::{
+    rope_backward, rope_backward_at, rope_forward, rope_forward_at,
+};
 use zeroflow_llama::kernels::swiglu::{swiglu_backward, swiglu_forward};
 use zeroflow_llama::kernels::{LlamaKernel, Rotary};
 use zeroflow_llama::{Llama3RopeScaling, RopeFreqs};
@@ -100,7 +103,19 @@ impl OneShot {
 
     /// Runs the launches on `batch · seq` tokens (`inputs`, below `vocab`) and returns the
     /// gradient buffer.
-    fn run(self, device: &CudaDevice, (batch, seq): (usize, usize), inputs: &[u32]) -> Vec<f64> {
+    fn run(self, device: &CudaDevice, batch_seq: (usize, usize), inputs: &[u32]) -> Vec<f64> {
+        self.run_packed(device, batch_seq, inputs, None)
+    }
+
+    /// [`OneShot::run`], on packed rows where `positions` are given (each token's position in its
+    /// document; the launches read them as [`Buf::Positions`]).
+    fn run_packed(
+        self,
+        device: &CudaDevice,
+        (batch, seq): (usize, usize),
+        inputs: &[u32],
+        positions: Option<&[u32]>,
+    ) -> Vec<f64> {
         let loss = self.stats.0.next_multiple_of(64)..self.stats.0.next_multiple_of(64) + 1;
         let mut f32_acts: Vec<Range<usize>> = Vec::new();
         for launch in &self.launches {
@@ -134,7 +149,10 @@ impl OneShot {
         let blas = Arc::new(Blas::new(device).unwrap());
         let layers = LlamaKernels::load(device, &plan).unwrap();
         let mut runner = CudaRunner::new(device, blas, plan, len, false, layers).unwrap();
-        runner.set_batch(inputs, inputs, 1 << 20).unwrap();
+        match positions {
+            None => runner.set_batch(inputs, inputs, 1 << 20).unwrap(),
+            Some(positions) => runner.set_packed_batch(inputs, inputs, positions, 1 << 20).unwrap(),
+        }
         runner.backward(&params, &grads, 1.0, |_| {}).unwrap();
         device.synchronize().unwrap();
         device.download(&grads).unwrap().iter().map(|x| x.to_f64()).collect()
@@ -197,8 +215,15 @@ fn rmsnorm_forward_and_backward_match_the_cpu_twin() {
     }
 }
 
-/// RoPE forward (rotate and pack into qkv) and backward (added to random dq, dk, dv).
-fn check_rope(device: &CudaDevice, (batch, seq): (usize, usize), rotary: Rotary, seed: u64) {
+/// RoPE forward (rotate and pack into qkv) and backward (added to random dq, dk, dv); on packed
+/// rows where `positions` are given.
+fn check_rope(
+    device: &CudaDevice,
+    (batch, seq): (usize, usize),
+    rotary: Rotary,
+    positions: Option<&[u32]>,
+    seed: u64,
+) {
     let rows = batch * seq;
     let (qw, kw) = (rotary.q_width(), rotary.kv_width());
     let (q, k, v) = (
@@ -218,21 +243,36 @@ fn check_rope(device: &CudaDevice, (batch, seq): (usize, usize), rotary: Rotary,
     let qkv_at = shot.output(&vec![0.0; rows * rotary.qkv_width()]);
     let (dq_at, dk_at, dv_at) = (shot.output(&dq0), shot.output(&dk0), shot.output(&dv0));
     let (g, p) = (Buf::Grads, Buf::Params);
-    let forward = vec![write(g, &qkv_at), read(p, &q_at), read(p, &k_at), read(p, &v_at)];
+    let mut forward = vec![write(g, &qkv_at), read(p, &q_at), read(p, &k_at), read(p, &v_at)];
+    let mut backward =
+        vec![update(g, &dq_at), update(g, &dk_at), update(g, &dv_at), read(p, &dqkv_at)];
+    if positions.is_some() {
+        forward.push(read(Buf::Positions, &(0..rows)));
+        backward.push(read(Buf::Positions, &(0..rows)));
+    }
     shot.launch(LlamaKernel::Rope(rotary.clone()), forward);
-    let backward = vec![update(g, &dq_at), update(g, &dk_at), update(g, &dv_at), read(p, &dqkv_at)];
     shot.launch(LlamaKernel::RopeBackward(rotary.clone()), backward);
-    let gpu = shot.run(device, (batch, seq), &vec![0; rows]);
+    let gpu = shot.run_packed(device, (batch, seq), &vec![0; rows], positions);
 
     let mut qkv = vec![0.0; rows * rotary.qkv_width()];
-    rope_forward(&mut qkv, &q, &k, &v, &rotary);
     let (mut dq, mut dk, mut dv) = (dq0, dk0, dv0);
-    rope_backward(&mut dq, &mut dk, &mut dv, &dqkv, &rotary);
+    match positions {
+        None => {
+            rope_forward(&mut qkv, &q, &k, &v, &rotary);
+            rope_backward(&mut dq, &mut dk, &mut dv, &dqkv, &rotary);
+        }
+        Some(positions) => {
+            let position = |row: usize| positions[row] as usize;
+            rope_forward_at(&mut qkv, &q, &k, &v, &rotary, position);
+            rope_backward_at(&mut dq, &mut dk, &mut dv, &dqkv, &rotary, position);
+        }
+    }
     let label = format!(
-        "B{batch} T{seq} NH{} NKV{} d{}",
+        "B{batch} T{seq} NH{} NKV{} d{}{}",
         rotary.n_head,
         rotary.n_kv_head,
-        rotary.head_dim()
+        rotary.head_dim(),
+        if positions.is_some() { " packed" } else { "" }
     );
     check(&format!("rope qkv {label}"), &gpu, &qkv_at, &qkv);
     check(&format!("rope dq {label}"), &gpu, &dq_at, &dq);
@@ -257,7 +297,40 @@ fn rope_forward_and_backward_match_the_cpu_twin() {
         ((3, 70), Rotary { t: 70, n_head: 8, n_kv_head: 1, freqs: freqs(64, Some(scaling)) }),
     ];
     for (index, (batch_seq, rotary)) in cases.into_iter().enumerate() {
-        check_rope(&device, batch_seq, rotary, 100 + 10 * index as u64);
+        check_rope(&device, batch_seq, rotary, None, 100 + 10 * index as u64);
+    }
+}
+
+/// RoPE on packed rows (each token rotated by its position in its document, the `_packed`
+/// kernels): grouped-query heads of 6 at rows of 37 and multi-query heads of 64 with llama3
+/// scaling at rows of 70, documents of uneven lengths, one token among them.
+#[test]
+fn rope_with_positions_matches_the_cpu_twin() {
+    let Some(device) = gpu() else { return };
+    let scaling = Llama3RopeScaling {
+        factor: 4.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 16,
+    };
+    let freqs = |head_dim, scaling| RopeFreqs { head_dim, theta: 500.0, scaling };
+    let positions = |rows: &[&[u32]]| -> Vec<u32> {
+        rows.iter().flat_map(|lengths| lengths.iter().flat_map(|&len| 0..len)).collect()
+    };
+    let cases = [
+        (
+            (2, 37),
+            Rotary { t: 37, n_head: 6, n_kv_head: 2, freqs: freqs(6, None) },
+            positions(&[&[1, 20, 16], &[5, 1, 31]]),
+        ),
+        (
+            (3, 70),
+            Rotary { t: 70, n_head: 8, n_kv_head: 1, freqs: freqs(64, Some(scaling)) },
+            positions(&[&[70], &[1, 40, 29], &[33, 1, 1, 35]]),
+        ),
+    ];
+    for (index, (batch_seq, rotary, positions)) in cases.into_iter().enumerate() {
+        check_rope(&device, batch_seq, rotary, Some(&positions), 400 + 10 * index as u64);
     }
 }
 

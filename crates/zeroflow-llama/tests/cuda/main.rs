@@ -1,6 +1,7 @@
 //! Tests of the Llama family on a real GPU, compiled as one test binary: each of the family's
-//! CUDA kernels against its CPU twin (`kernels.rs`), and `CudaLlama` against the f64 host model
-//! (`model.rs`). The attention kernels' own tests are zeroflow-nn's.
+//! CUDA kernels against its CPU twin (`kernels.rs`), `CudaLlama` against the f64 host model
+//! (`model.rs`), and on packed rows against its documents run alone and against the host model
+//! on the same rows (`packing.rs`). The attention kernels' own tests are zeroflow-nn's.
 //!
 //! Every test first opens GPU 0. Where there is no CUDA driver or no GPU it prints
 //! `skipped: no CUDA device (<reason>)` and passes, so CI on CPU-only machines stays green and
@@ -11,6 +12,7 @@
 mod decode;
 mod kernels;
 mod model;
+mod packing;
 #[path = "../support.rs"]
 mod support;
 

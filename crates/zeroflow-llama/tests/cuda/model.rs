@@ -15,7 +15,7 @@ use zeroflow_core::bf16;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::{CudaDevice, Device};
 use zeroflow_llama::cuda::{CudaLlamaOptions, planned_memory};
-use zeroflow_llama::{AttentionKind, CudaLlama, HostLlama, LlamaConfig};
+use zeroflow_llama::{AttentionKind, CudaLlama, HostLlama, LlamaConfig, PlanOptions};
 use zeroflow_nn::GradsReady;
 
 use crate::gpu;
@@ -24,21 +24,21 @@ use crate::support::{models, perturbed_params, random_batch, relative_error, tin
 /// The largest relative error (‖gpu − cpu‖ / max(‖gpu‖, ‖cpu‖)) allowed per tensor, at least: the
 /// GPU keeps every activation and gradient in bf16. A gradient more sensitive to bf16 rounding
 /// than that gets [`FLOOR_FACTOR`] times its [`bf16_floors`] instead.
-const TOLERANCE: f64 = 2e-2;
+pub(crate) const TOLERANCE: f64 = 2e-2;
 
 /// How far above its bf16 floor a gradient of the GPU may be: the floor moves the weights alone
 /// by one rounding, the GPU also rounds every activation and activation gradient, each at the
 /// same scale.
-const FLOOR_FACTOR: f64 = 2.0;
+pub(crate) const FLOOR_FACTOR: f64 = 2.0;
 
 /// The largest floor the check takes: past it a tensor's gradient is too ill-conditioned at these
 /// sizes for a comparison at bf16 precision to mean anything (none of the models here is near).
-const MAX_FLOOR: f64 = 5e-2;
+pub(crate) const MAX_FLOOR: f64 = 5e-2;
 
 /// Models flash attention takes: 6 query heads of 64 on 2 key/value heads with Qwen3's q/k norm
 /// (q width 384 over hidden 96), and 2 heads of 128 on 1 with Qwen2's q/k/v biases; both at
 /// sequences that end inside a second 64-row tile.
-fn flash_models() -> Vec<(&'static str, LlamaConfig, (usize, usize))> {
+pub(crate) fn flash_models() -> Vec<(&'static str, LlamaConfig, (usize, usize))> {
     vec![
         (
             "qwen3 gqa 3:1 head_dim 64",
@@ -61,7 +61,7 @@ fn flash_models() -> Vec<(&'static str, LlamaConfig, (usize, usize))> {
     ]
 }
 
-fn to_bf16(values: &[f64]) -> Vec<bf16> {
+pub(crate) fn to_bf16(values: &[f64]) -> Vec<bf16> {
     values.iter().map(|&x| bf16::from_f64(x)).collect()
 }
 
@@ -78,17 +78,23 @@ fn model_with(
     CudaLlama::with_options(device, blas, config, &layout, (batch, seq), options).unwrap()
 }
 
-/// The host's gradients of `params` on one batch, and the grads-ready notices.
-fn host_grads(
+/// The host's gradients of `params` on one batch (of packed rows where `positions` are given),
+/// and the grads-ready notices.
+pub(crate) fn host_grads(
     config: &LlamaConfig,
     params: &[f64],
     batch: (&[u32], &[u32], usize, usize),
     attention: AttentionKind,
+    positions: Option<&[u32]>,
 ) -> (f64, Vec<f64>, Vec<f64>, Vec<GradsReady>) {
     let (inputs, targets, batch, seq) = batch;
     let layout = zeroflow_llama::flat_layout(config, 1).unwrap();
-    let mut host = HostLlama::<f64>::new(config, &layout, batch, seq, attention).unwrap();
-    let loss = host.forward(params, inputs, targets).unwrap();
+    let options = PlanOptions { attention, packed: positions.is_some(), ..PlanOptions::default() };
+    let mut host = HostLlama::<f64>::with_options(config, &layout, batch, seq, options).unwrap();
+    let loss = match positions {
+        None => host.forward(params, inputs, targets).unwrap(),
+        Some(positions) => host.forward_packed(params, inputs, targets, positions).unwrap(),
+    };
     let logits = host.logits().to_vec();
     let mut grads = vec![0.0; layout.padded_len()];
     let mut groups = Vec::new();
@@ -100,19 +106,19 @@ fn host_grads(
 /// when every weight is moved by a random relative amount within ±2⁻⁸, the largest rounding of a
 /// value to bf16. Gradients that sum many terms of both signs over few rows (norm weights and
 /// biases of these tiny models: 21 to 140 rows) have floors of 1e-2 to 4e-2, as large as the
-/// GPU's error; most others sit near 5e-3.
-fn bf16_floors(
+/// GPU's error; most others sit near 5e-3. Of packed rows where `positions` are given.
+pub(crate) fn bf16_floors(
     config: &LlamaConfig,
     params: &[f64],
     batch: (&[u32], &[u32], usize, usize),
-    attention: AttentionKind,
+    (attention, positions): (AttentionKind, Option<&[u32]>),
     reference: &[f64],
 ) -> Vec<f64> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
     let moved: Vec<f64> =
         params.iter().map(|&w| w * (1.0 + rng.random_range(-1.0..1.0) / 256.0)).collect();
-    let (_, _, grads, _) = host_grads(config, &moved, batch, attention);
+    let (_, _, grads, _) = host_grads(config, &moved, batch, attention, positions);
     let layout = zeroflow_llama::flat_layout(config, 1).unwrap();
     let floors = layout
         .params()
@@ -139,8 +145,8 @@ fn check_against_host(
     let (inputs, targets) = random_batch(config.vocab_size, batch * seq, 6);
     let tokens = (&inputs[..], &targets[..], batch, seq);
     let (loss_ref, logits_ref, grads_ref, groups_ref) =
-        host_grads(config, &params64, tokens, attention);
-    let floors = bf16_floors(config, &params64, tokens, attention, &grads_ref);
+        host_grads(config, &params64, tokens, attention, None);
+    let floors = bf16_floors(config, &params64, tokens, (attention, None), &grads_ref);
 
     let params_gpu = device.upload(&params).unwrap();
     let grads_gpu = device.alloc::<bf16>(layout.padded_len()).unwrap();

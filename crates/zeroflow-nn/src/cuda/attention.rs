@@ -47,6 +47,14 @@
 //!
 //! The head-major scratch is reused: `dq` overwrites `dy`, `dk` overwrites `k` (read only by the
 //! product before).
+//!
+//! Packed rows (several documents per row, [`crate::plan::PlanOptions::packed`]) go through
+//! [`forward_packed`](CudaAttention::forward_packed) and
+//! [`backward_packed`](CudaAttention::backward_packed), which take each token's position in its
+//! document, `positions [B, T]` (u32): the same products, and the softmax kernels' `_packed` forms,
+//! which mask the keys before the query's document (`t1 − positions[t1]`) as they mask the future
+//! ones, so those weights and their gradients are zero and the products carry nothing across a
+//! document boundary. The plain forms launch exactly what they launched before packing existed.
 
 use std::sync::Arc;
 
@@ -129,6 +137,8 @@ struct Kernels {
     heads_to_rows: Vec<CudaFunction>,
     softmax_forward: Vec<CudaFunction>,
     softmax_backward: Vec<CudaFunction>,
+    softmax_forward_packed: Vec<CudaFunction>,
+    softmax_backward_packed: Vec<CudaFunction>,
     copy: Vec<CudaFunction>,
 }
 
@@ -138,23 +148,35 @@ impl Kernels {
         let all = |kernel: &str| -> Result<Vec<CudaFunction>, DeviceError> {
             PACK_WIDTHS.iter().map(|&width| module.function(&kernel_name(kernel, width))).collect()
         };
-        let [rows_to_heads, heads_to_rows, softmax_forward, softmax_backward, copy] = KERNELS;
+        let [
+            rows_to_heads,
+            heads_to_rows,
+            softmax_forward,
+            softmax_backward,
+            softmax_forward_packed,
+            softmax_backward_packed,
+            copy,
+        ] = KERNELS;
         Ok(Kernels {
             rows_to_heads: all(rows_to_heads)?,
             heads_to_rows: all(heads_to_rows)?,
             softmax_forward: all(softmax_forward)?,
             softmax_backward: all(softmax_backward)?,
+            softmax_forward_packed: all(softmax_forward_packed)?,
+            softmax_backward_packed: all(softmax_backward_packed)?,
             copy: all(copy)?,
         })
     }
 }
 
 /// The kernels of [`SOURCE`], each exported once per pack width as `{kernel}_{width}`.
-const KERNELS: [&str; 5] = [
+const KERNELS: [&str; 7] = [
     "rows_to_heads",
     "heads_to_rows",
     "causal_softmax_forward",
     "causal_softmax_backward",
+    "causal_softmax_forward_packed",
+    "causal_softmax_backward_packed",
     "copy_packs",
 ];
 
@@ -250,17 +272,45 @@ impl CudaAttention {
         out: DeviceSliceMut<'_, bf16>,
         att: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
+        self.forward_within(stream, qkv, None, out, att)
+    }
+
+    /// [`forward`](Self::forward) of packed rows: each query attends its own document's keys
+    /// only, `t1 − positions[b, t1] ..= t1`, and the weights outside them are zero (the CPU
+    /// twin's [`attention_forward_packed`](crate::kernels::attention::attention_forward_packed)).
+    /// `positions [B, T]` (a u32 slice of this GPU, at least that long) holds each token's position
+    /// in its document, each at most its index in the row (checked where the batch is set).
+    pub fn forward_packed(
+        &self,
+        stream: &CudaStream,
+        qkv: DeviceSlice<'_, bf16>,
+        positions: DeviceSlice<'_, u32>,
+        out: DeviceSliceMut<'_, bf16>,
+        att: DeviceSliceMut<'_, bf16>,
+    ) -> Result<(), DeviceError> {
+        self.forward_within(stream, qkv, Some(positions), out, att)
+    }
+
+    fn forward_within(
+        &self,
+        stream: &CudaStream,
+        qkv: DeviceSlice<'_, bf16>,
+        positions: Option<DeviceSlice<'_, u32>>,
+        out: DeviceSliceMut<'_, bf16>,
+        att: DeviceSliceMut<'_, bf16>,
+    ) -> Result<(), DeviceError> {
         let (heads_len, att_len) = (self.shape.heads_len(), self.shape.att_len());
         self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), self.shape.qkv_len())?;
         self.check(("out", out.len(), out.is_on(&self.device)), heads_len)?;
         self.check(("att", att.len(), att.is_on(&self.device)), att_len)?;
+        self.check_positions(positions)?;
         let (q, k, v, y, scores) = (&self.q, &self.k, &self.v, &self.y, &self.scores);
         let Products { x_yt, x_y, .. } = self.products;
         self.split_qkv(stream, qkv)?;
         // scores = q · kᵀ (the softmax scales them).
         self.per_head(stream, x_yt, Operand::of(q, 0), Operand::of(k, 0), Operand::of(scores, 0))?;
         // scores = att = causal_softmax(scale · scores).
-        self.softmax_forward(stream, att)?;
+        self.softmax_forward(stream, att, positions)?;
         // y = att · v.
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(v, 0), Operand::of(y, 0))?;
         self.heads_to_rows(stream, out, self.shape.c, y, self.shape.n_head)
@@ -282,12 +332,39 @@ impl CudaAttention {
         datt_scratch: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
         let _ = datt_scratch;
+        self.backward_within(stream, dout, qkv, att, None, dqkv)
+    }
+
+    /// [`backward`](Self::backward) of [`forward_packed`](Self::forward_packed), with the same
+    /// `positions`: the gradients of the weights outside each query's document are zero.
+    pub fn backward_packed(
+        &self,
+        stream: &CudaStream,
+        dout: DeviceSlice<'_, bf16>,
+        qkv: DeviceSlice<'_, bf16>,
+        att: DeviceSlice<'_, bf16>,
+        positions: DeviceSlice<'_, u32>,
+        dqkv: DeviceSliceMut<'_, bf16>,
+    ) -> Result<(), DeviceError> {
+        self.backward_within(stream, dout, qkv, att, Some(positions), dqkv)
+    }
+
+    fn backward_within(
+        &self,
+        stream: &CudaStream,
+        dout: DeviceSlice<'_, bf16>,
+        qkv: DeviceSlice<'_, bf16>,
+        att: DeviceSlice<'_, bf16>,
+        positions: Option<DeviceSlice<'_, u32>>,
+        dqkv: DeviceSliceMut<'_, bf16>,
+    ) -> Result<(), DeviceError> {
         let (heads_len, att_len) = (self.shape.heads_len(), self.shape.att_len());
         self.check(("dout", dout.len(), dout.is_on(&self.device)), heads_len)?;
         let qkv_len = self.shape.qkv_len();
         self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), qkv_len)?;
         self.check(("att", att.len(), att.is_on(&self.device)), att_len)?;
         self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), qkv_len)?;
+        self.check_positions(positions)?;
         let Shape { c, n_head, n_kv_head, .. } = self.shape;
         let (width, kv_width) = (self.shape.qkv_width(), self.shape.kv_width());
         let (q, k, v, dy, dv, scores) =
@@ -306,7 +383,7 @@ impl CudaAttention {
         )?;
         // scores = dy · vᵀ: the gradient of att; then, in place, the gradient of the raw scores.
         self.per_head(stream, x_yt, Operand::of(dy, 0), Operand::of(v, 0), Operand::of(scores, 0))?;
-        self.softmax_backward(stream, att)?;
+        self.softmax_backward(stream, att, positions)?;
         // dq = dscores · k, over dy (read by nothing after the product above).
         let dq = dy;
         self.per_head(stream, x_y, Operand::of(scores, 0), Operand::of(k, 0), Operand::of(dq, 0))?;
@@ -321,6 +398,13 @@ impl CudaAttention {
     /// An error unless a caller's tensor holds `needed` elements of this GPU.
     fn check(&self, tensor: (&str, usize, bool), needed: usize) -> Result<(), DeviceError> {
         check_tensor(tensor, needed, invalid)
+    }
+
+    /// An error unless packed rows' `positions` (if any) hold `B·T` elements of this GPU.
+    fn check_positions(&self, positions: Option<DeviceSlice<'_, u32>>) -> Result<(), DeviceError> {
+        let Some(positions) = positions else { return Ok(()) };
+        let tokens = self.shape.batch * self.shape.seq;
+        self.check(("positions", positions.len(), positions.is_on(&self.device)), tokens)
     }
 
     /// Gathers the heads of q, k and v from `qkv [B, T, W]`.
@@ -440,27 +524,43 @@ impl CudaAttention {
     }
 
     /// The forward causal softmax: the raw scores in our `scores` in place, and the weights into
-    /// the caller's `att`.
+    /// the caller's `att`; with `positions`, the packed form.
     fn softmax_forward(
         &self,
         stream: &CudaStream,
         att: DeviceSliceMut<'_, bf16>,
+        positions: Option<DeviceSlice<'_, u32>>,
     ) -> Result<(), DeviceError> {
         let (_, index) = pack_width(self.shape.seq, &[att.address()]);
         let params = KernelParams::new().ptr(&self.scores, 0).slice_mut(att);
-        self.softmax(stream, &self.kernels.softmax_forward[index], params)
+        let kernels = &self.kernels;
+        match positions {
+            None => self.softmax(stream, &kernels.softmax_forward[index], params),
+            Some(positions) => {
+                let function = &kernels.softmax_forward_packed[index];
+                self.softmax_packed(stream, function, params, positions)
+            }
+        }
     }
 
     /// The backward causal softmax: d loss / d att in our `scores` becomes d loss / d raw scores,
-    /// in place, with the weights read from the caller's `att`.
+    /// in place, with the weights read from the caller's `att`; with `positions`, the packed form.
     fn softmax_backward(
         &self,
         stream: &CudaStream,
         att: DeviceSlice<'_, bf16>,
+        positions: Option<DeviceSlice<'_, u32>>,
     ) -> Result<(), DeviceError> {
         let (_, index) = pack_width(self.shape.seq, &[att.address()]);
         let params = KernelParams::new().ptr(&self.scores, 0).slice(att);
-        self.softmax(stream, &self.kernels.softmax_backward[index], params)
+        let kernels = &self.kernels;
+        match positions {
+            None => self.softmax(stream, &kernels.softmax_backward[index], params),
+            Some(positions) => {
+                let function = &kernels.softmax_backward_packed[index];
+                self.softmax_packed(stream, function, params, positions)
+            }
+        }
     }
 
     /// One of the two causal-softmax kernels (`function`, for att's pack width), `params` holding
@@ -482,6 +582,34 @@ impl CudaAttention {
         // `backward`); both are
         // aligned to the pack width (`pack_width`; ours is 256-byte aligned, and `T` is a
         // multiple of the width, so every row is).
+        unsafe {
+            let grid = self.softmax_grid();
+            self.device.launch(stream, function, grid, SOFTMAX_THREADS, 0, &params)
+        }
+    }
+
+    /// One of the two packed causal-softmax kernels (`function`, for att's pack width), `params`
+    /// holding our `scores` and the caller's `att`, then `positions`.
+    fn softmax_packed(
+        &self,
+        stream: &CudaStream,
+        function: &CudaFunction,
+        params: KernelParams,
+        positions: DeviceSlice<'_, u32>,
+    ) -> Result<(), DeviceError> {
+        let params = params
+            .slice(positions)
+            .u32(self.shape.query_rows() as u32)
+            .u32(self.shape.seq as u32)
+            .u32(self.shape.n_head as u32)
+            .f32(self.shape.scale());
+        // SAFETY: the parameters match `causal_softmax_{forward,backward}_packed_*(bf16_t*,
+        // bf16_t*, const u32*, u32, u32, u32, float)`. Each warp handles one of the `B·NH·T` rows
+        // of `T` elements as the plain kernels do (see `softmax`: the same rows of our `scores`
+        // and of att, the same pack-width alignment), and reads one element of positions, that of
+        // its row's sequence `b = row / (NH·T)` and query `t1 = row % T`, below `B·T` (which
+        // positions holds, checked in `forward_within` and `backward_within`). A position only
+        // moves where the row's unmasked keys start, inside the row.
         unsafe {
             let grid = self.softmax_grid();
             self.device.launch(stream, function, grid, SOFTMAX_THREADS, 0, &params)

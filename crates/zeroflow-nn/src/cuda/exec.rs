@@ -24,6 +24,8 @@ use super::{CudaLayerKernel, CudaLayers, CudaRunner};
 use crate::error::NnError;
 use crate::kernels::{Kernel, WeightLayout};
 
+mod embedding;
+
 /// What one operation runs with: the executor's buffers and the engine's parameters and
 /// gradients, the device, its compute stream and the shared kernels. The places of an operation
 /// (from the schedule) become slices of these buffers here.
@@ -63,6 +65,12 @@ impl<'a> LayerCtx<'a> {
         self.bf16_buffer(place.space).slice_mut(place.offset..place.end())
     }
 
+    /// A place of the token ids (inputs, targets or a packed plan's positions), read.
+    pub fn tokens(&self, place: &Place) -> DeviceSlice<'a, u32> {
+        debug_assert_eq!(place.space, Space::Tokens);
+        self.tokens.buffer().slice(place.offset..place.end())
+    }
+
     /// An f32 place (in the statistics), read.
     pub fn f32(&self, place: &Place) -> DeviceSlice<'a, f32> {
         debug_assert_eq!(place.space, Space::Stats);
@@ -79,7 +87,7 @@ impl<'a> LayerCtx<'a> {
     pub fn read(&self, params: KernelParams, place: &Place) -> KernelParams {
         match place.space {
             Space::Stats => params.slice(self.f32(place)),
-            Space::Tokens => params.slice(self.tokens.buffer().slice(place.offset..place.end())),
+            Space::Tokens => params.slice(self.tokens(place)),
             _ => params.slice(self.bf16(place)),
         }
     }
@@ -103,7 +111,7 @@ impl<'a> LayerCtx<'a> {
     pub fn aligned(&self, places: &[&Place]) -> bool {
         places.iter().all(|place| match place.space {
             Space::Stats => self.f32(place).is_aligned(16),
-            Space::Tokens => self.tokens.buffer().slice(place.offset..place.end()).is_aligned(16),
+            Space::Tokens => self.tokens(place).is_aligned(16),
             _ => self.bf16(place).is_aligned(16),
         })
     }
@@ -203,28 +211,58 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
                 v.matmul_backward(&layer, grads, &rest[0], None)
             }
             Kernel::Attention(_) => {
+                // [out, att, qkv, (positions)]
                 let (out, att, qkv) = (v.bf16_mut(&a[0]), v.bf16_mut(&a[1]), v.bf16(&a[2]));
-                Ok(self.gemm_attention().forward(self.compute(), qkv, out, att)?)
+                let (attention, stream) = (self.gemm_attention(), self.compute());
+                let queued = match a.get(3) {
+                    None => attention.forward(stream, qkv, out, att),
+                    Some(positions) => {
+                        attention.forward_packed(stream, qkv, v.tokens(positions), out, att)
+                    }
+                };
+                Ok(queued?)
             }
             Kernel::AttentionBackward(_) => {
+                // [dqkv, dscores (scratch), dout, qkv, att, (positions)]
                 let (dqkv, dscores) = (v.bf16_mut(&a[0]), v.bf16_mut(&a[1]));
                 let (dout, qkv, att) = (v.bf16(&a[2]), v.bf16(&a[3]), v.bf16(&a[4]));
-                let attention = self.gemm_attention();
-                Ok(attention.backward(self.compute(), dout, qkv, att, dqkv, dscores)?)
+                let (attention, stream) = (self.gemm_attention(), self.compute());
+                let queued = match a.get(5) {
+                    None => attention.backward(stream, dout, qkv, att, dqkv, dscores),
+                    Some(positions) => {
+                        let positions = v.tokens(positions);
+                        attention.backward_packed(stream, dout, qkv, att, positions, dqkv)
+                    }
+                };
+                Ok(queued?)
             }
             Kernel::FlashAttention(_) => {
-                // [out, lse (f32, in Stats), qkv]
+                // [out, lse (f32, in Stats), qkv, (positions)]
                 let (out, lse, qkv) = (v.bf16_mut(&a[0]), v.f32_mut(&a[1]), v.bf16(&a[2]));
-                Ok(self.flash_attention().forward(self.compute(), qkv, out, lse)?)
+                let (flash, stream) = (self.flash_attention(), self.compute());
+                let queued = match a.get(3) {
+                    None => flash.forward(stream, qkv, out, lse),
+                    Some(positions) => {
+                        flash.forward_packed(stream, qkv, v.tokens(positions), out, lse)
+                    }
+                };
+                Ok(queued?)
             }
             Kernel::FlashAttentionBackward(_) => {
                 // [dqkv (overwritten: the schedule checks it is its first write), dout, qkv, out,
-                // lse]
+                // lse, (positions)]
                 let dqkv = v.bf16_mut(&a[0]);
                 let (dout, qkv, out, lse) =
                     (v.bf16(&a[1]), v.bf16(&a[2]), v.bf16(&a[3]), v.f32(&a[4]));
-                let flash = self.flash_attention();
-                Ok(flash.backward(self.compute(), qkv, out, dout, lse, dqkv)?)
+                let (flash, stream) = (self.flash_attention(), self.compute());
+                let queued = match a.get(5) {
+                    None => flash.backward(stream, qkv, out, dout, lse, dqkv),
+                    Some(positions) => {
+                        let positions = v.tokens(positions);
+                        flash.backward_packed(stream, qkv, out, dout, lse, positions, dqkv)
+                    }
+                };
+                Ok(queued?)
             }
             Kernel::Residual => {
                 // SAFETY: `residual_forward(bf16_t* out, const bf16_t* a, const bf16_t* b, u64 n,
@@ -309,75 +347,6 @@ impl LayerCtx<'_> {
         let work = if vec { n / 8 + n % 8 } else { n };
         // SAFETY: the caller vouches for the kernel's form; the places are this operation's.
         unsafe { self.launch(function, blocks_for(work), THREADS, params) }
-    }
-
-    /// [out, tokens, wte, wpe]
-    fn encoder_forward(&self, a: &[Place], t: usize, c: usize) -> Result<(), NnError> {
-        let rows = a[0].len / c;
-        let vec = c.is_multiple_of(8) && self.aligned(&[&a[0], &a[2], &a[3]]);
-        // [out, tokens, wte, wpe]
-        let params = self
-            .places(&[&a[0]], &[&a[1], &a[2], &a[3]])
-            .u32(rows as u32)
-            .u32(t as u32)
-            .u32(c as u32)
-            .u32(flag(vec));
-        let work = if vec { rows * c / 8 } else { rows * c };
-        // SAFETY: the parameters match `encoder_forward(bf16_t* out, const u32* tokens, const
-        // bf16_t* wte, const bf16_t* wpe, u32 rows, u32 t, u32 c, u32 vec)`; it writes the `rows`
-        // rows of `c` of out and reads as many token ids and rows of wte and wpe (the token ids
-        // were checked against the vocabulary on upload).
-        unsafe { self.launch(&self.kernels.encoder_forward, blocks_for(work), THREADS, params) }
-    }
-
-    /// [dwte, dwpe, dout, tokens]
-    fn encoder_backward(&self, a: &[Place], t: usize, c: usize) -> Result<(), NnError> {
-        let (dwte, dwpe, dout) = (&a[0], &a[1], &a[2]);
-        self.token_embedding_backward(dwte, dout, c)?;
-        let batch = a[2].len / c / t;
-        let params = self.places(&[dwpe], &[dout]).u32(batch as u32).u32(t as u32).u32(c as u32);
-        let grid = blocks_for(t * c);
-        // SAFETY: the parameters match `encoder_backward_wpe(bf16_t* dwpe, const bf16_t* dout,
-        // u32 batch, u32 t, u32 c)`: one thread per element of the `t` rows of dwpe, summing the
-        // `batch` rows of dout at that position.
-        unsafe { self.launch(&self.kernels.encoder_backward_wpe, grid, THREADS, params) }
-    }
-
-    /// `dwte[token] += Σ dout[row]` over the rows whose input token is `token`, for rows of `c`
-    /// (`dout` holds one per input token of the batch), deterministically: the rows of each token
-    /// are summed in order by one thread per column (the buckets `set_batch` sorted on the host).
-    /// A token embedding's backward, GPT-2's (with its position embedding's) or a family's.
-    pub fn token_embedding_backward(
-        &self,
-        dwte: &Place,
-        dout: &Place,
-        c: usize,
-    ) -> Result<(), NnError> {
-        if dout.len != self.tokens.tokens() * c {
-            return Err(NnError::Kernel {
-                kernel: "token_embedding_backward",
-                reason: format!(
-                    "dout holds {} elements, not {} tokens × {c}",
-                    dout.len,
-                    self.tokens.tokens()
-                ),
-            });
-        }
-        let tokens = self.tokens.buffer();
-        let params = self
-            .places(&[dwte], &[dout])
-            .ptr(tokens, self.tokens.order().start)
-            .ptr(tokens, self.tokens.bucket_token().start)
-            .ptr(tokens, self.tokens.bucket_start().start)
-            .u32(c as u32);
-        let grid = (self.tokens.buckets() as u32, c.div_ceil(THREADS as usize) as u32);
-        // SAFETY: the parameters match `encoder_backward_wte(bf16_t* dwte, const bf16_t* dout,
-        // const u32* order, const u32* bucket_token, const u32* bucket_start, u32 c)`; block
-        // (bucket, ·) adds the rows of dout of its bucket (rows below the batch's tokens, which
-        // dout holds, checked above) to its token's row of dwte (tokens were checked against the
-        // vocabulary on upload, and dwte is the embedding's gradient place), the buckets being
-        // the ones `Tokens::set` sorted for this batch.
-        unsafe { self.launch(&self.kernels.encoder_backward_wte, grid, THREADS, params) }
     }
 
     /// `out[j] += Σ_chunk partials[first + chunk · stride + j]` for `j < cols`: the second step

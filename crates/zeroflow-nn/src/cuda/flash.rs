@@ -23,6 +23,14 @@
 //! written once, after sums in a fixed order, so forward and backward repeat bit for bit. The
 //! price is that backward computes the probabilities and their gradient twice, once for dq
 //! (parallel over query blocks) and once for dk and dv (parallel over key blocks).
+//!
+//! Packed rows (several documents per row, [`crate::plan::PlanOptions::packed`]) go through
+//! [`forward_packed`](FlashAttention::forward_packed) and
+//! [`backward_packed`](FlashAttention::backward_packed), which take each token's position in its
+//! document, `positions [B, T]` (u32), and launch the `_packed` forms of the tile kernels: each
+//! query attends its document's keys only, `t − positions[t] ..= t`, and the key tiles wholly
+//! before a query tile's documents are skipped (the header of `kernels/flash_attention.cu`). The
+//! plain forms launch exactly what they launched before packing existed.
 
 use zeroflow_core::bf16;
 use zeroflow_device::cuda::{
@@ -40,7 +48,7 @@ pub const SOURCE: &str = concat!(
 );
 
 /// The head sizes the tile kernels are compiled for (`flash_forward_{hs}`,
-/// `flash_backward_dq_{hs}`, `flash_backward_dkdv_{hs}`).
+/// `flash_backward_dq_{hs}`, `flash_backward_dkdv_{hs}`, and their `_packed_{hs}` forms).
 pub const HEAD_SIZES: [usize; 2] = [64, 128];
 
 /// Threads per block of the tile kernels (four warps) and of the preprocess kernel.
@@ -94,13 +102,14 @@ impl Shape {
     }
 }
 
-/// The caller's tensors the backward tile kernels take.
+/// The caller's tensors the backward tile kernels take (`positions` for the packed forms only).
 #[derive(Clone, Copy)]
 struct BackwardTensors<'a> {
     dqkv: DeviceSliceMut<'a, bf16>,
     qkv: DeviceSlice<'a, bf16>,
     dout: DeviceSlice<'a, bf16>,
     lse: DeviceSlice<'a, f32>,
+    positions: Option<DeviceSlice<'a, u32>>,
 }
 
 /// Bytes of one shared-memory tile of 64 rows of `head_size` bf16 (padded).
@@ -119,45 +128,67 @@ fn backward_dq_shared_bytes(head_size: usize) -> usize {
 }
 
 /// Dynamic shared memory of `flash_backward_dkdv_{hs}`: the K, V, Q and dO tiles, and the lse and
-/// delta of the query block.
-fn backward_dkdv_shared_bytes(head_size: usize) -> usize {
-    4 * tile_bytes(head_size) + 2 * TILE * size_of::<f32>()
+/// delta of the query block; the packed form's also where each query's document starts.
+fn backward_dkdv_shared_bytes(head_size: usize, packed: bool) -> usize {
+    let per_query =
+        if packed { 2 * size_of::<f32>() + size_of::<u32>() } else { 2 * size_of::<f32>() };
+    4 * tile_bytes(head_size) + TILE * per_query
+}
+
+/// The three tile kernels of [`SOURCE`] of one form (plain or packed) for one head size.
+#[derive(Debug)]
+struct TileKernels {
+    forward: CudaFunction,
+    backward_dq: CudaFunction,
+    backward_dkdv: CudaFunction,
 }
 
 /// The kernels of [`SOURCE`] for one head size.
 #[derive(Debug)]
 struct Kernels {
-    forward: CudaFunction,
+    plain: TileKernels,
+    packed: TileKernels,
     preprocess: CudaFunction,
-    backward_dq: CudaFunction,
-    backward_dkdv: CudaFunction,
 }
 
 impl Kernels {
     fn load(device: &CudaDevice, head_size: usize) -> Result<Self, DeviceError> {
         let module = device.load_module("flash_attention", SOURCE)?;
-        let function = |kernel: &str| module.function(&tile_kernel_name(kernel, head_size));
-        let (forward, backward_dq, backward_dkdv) = (
-            function("flash_forward")?,
-            function("flash_backward_dq")?,
-            function("flash_backward_dkdv")?,
-        );
-        // Each may need more than the 48 KiB of shared memory a kernel gets by default.
-        device.bind()?;
-        forward.set_max_dynamic_shared(forward_shared_bytes(head_size) as u32)?;
-        backward_dq.set_max_dynamic_shared(backward_dq_shared_bytes(head_size) as u32)?;
-        backward_dkdv.set_max_dynamic_shared(backward_dkdv_shared_bytes(head_size) as u32)?;
+        let tiles = |[forward, backward_dq, backward_dkdv]: [&str; 3], packed: bool| {
+            let function = |kernel: &str| module.function(&tile_kernel_name(kernel, head_size));
+            let tiles = TileKernels {
+                forward: function(forward)?,
+                backward_dq: function(backward_dq)?,
+                backward_dkdv: function(backward_dkdv)?,
+            };
+            // Each may need more than the 48 KiB of shared memory a kernel gets by default.
+            device.bind()?;
+            let dkdv_bytes = backward_dkdv_shared_bytes(head_size, packed);
+            tiles.forward.set_max_dynamic_shared(forward_shared_bytes(head_size) as u32)?;
+            tiles.backward_dq.set_max_dynamic_shared(backward_dq_shared_bytes(head_size) as u32)?;
+            tiles.backward_dkdv.set_max_dynamic_shared(dkdv_bytes as u32)?;
+            Ok::<_, DeviceError>(tiles)
+        };
         Ok(Kernels {
-            forward,
+            plain: tiles(TILE_KERNELS, false)?,
+            packed: tiles(PACKED_TILE_KERNELS, true)?,
             preprocess: module.function("flash_backward_preprocess")?,
-            backward_dq,
-            backward_dkdv,
         })
+    }
+
+    /// The tile kernels of rows that are packed (`true`) or not.
+    fn tiles(&self, packed: bool) -> &TileKernels {
+        if packed { &self.packed } else { &self.plain }
     }
 }
 
 /// The tile kernels of [`SOURCE`], each exported once per head size as `{kernel}_{hs}`.
 const TILE_KERNELS: [&str; 3] = ["flash_forward", "flash_backward_dq", "flash_backward_dkdv"];
+
+/// Their forms for packed rows, which take the tokens' positions in their documents after the
+/// other tensors.
+const PACKED_TILE_KERNELS: [&str; 3] =
+    ["flash_forward_packed", "flash_backward_dq_packed", "flash_backward_dkdv_packed"];
 
 fn tile_kernel_name(kernel: &str, head_size: usize) -> String {
     format!("{kernel}_{head_size}")
@@ -165,9 +196,10 @@ fn tile_kernel_name(kernel: &str, head_size: usize) -> String {
 
 /// Every kernel name [`FlashAttention`] may load from [`SOURCE`] (every head size).
 pub fn kernel_names() -> Vec<String> {
-    let tile_kernels = HEAD_SIZES
-        .iter()
-        .flat_map(|&head_size| TILE_KERNELS.map(|kernel| tile_kernel_name(kernel, head_size)));
+    let kernels = TILE_KERNELS.iter().chain(&PACKED_TILE_KERNELS);
+    let tile_kernels = HEAD_SIZES.iter().flat_map(|&head_size| {
+        kernels.clone().map(move |kernel| tile_kernel_name(kernel, head_size))
+    });
     tile_kernels.chain(["flash_backward_preprocess".to_string()]).collect()
 }
 
@@ -239,38 +271,70 @@ impl FlashAttention {
         out: DeviceSliceMut<'_, bf16>,
         lse: DeviceSliceMut<'_, f32>,
     ) -> Result<(), DeviceError> {
+        self.forward_within(stream, qkv, None, out, lse)
+    }
+
+    /// [`forward`](Self::forward) of packed rows: each query attends its own document's keys
+    /// only, `t − positions[b, t] ..= t`, its log-sum-exp over them (the CPU twin's
+    /// [`flash_attention_forward_packed`](crate::kernels::attention::flash_attention_forward_packed)).
+    /// `positions [B, T]` (a u32 slice of this GPU, at least that long, 4-byte aligned) holds each
+    /// token's position in its document, each 0 or one more than the previous token's (checked
+    /// where the batch is set).
+    pub fn forward_packed(
+        &self,
+        stream: &CudaStream,
+        qkv: DeviceSlice<'_, bf16>,
+        positions: DeviceSlice<'_, u32>,
+        out: DeviceSliceMut<'_, bf16>,
+        lse: DeviceSliceMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
+        self.forward_within(stream, qkv, Some(positions), out, lse)
+    }
+
+    fn forward_within(
+        &self,
+        stream: &CudaStream,
+        qkv: DeviceSlice<'_, bf16>,
+        positions: Option<DeviceSlice<'_, u32>>,
+        out: DeviceSliceMut<'_, bf16>,
+        lse: DeviceSliceMut<'_, f32>,
+    ) -> Result<(), DeviceError> {
         let (rows_len, lse_len) =
             (self.shape.batch * self.shape.seq * self.shape.c, self.lse_len());
         self.check(("qkv", qkv.len(), qkv.is_on(&self.device)), self.shape.qkv_len())?;
         self.check(("out", out.len(), out.is_on(&self.device)), rows_len)?;
         self.check(("lse", lse.len(), lse.is_on(&self.device)), lse_len)?;
+        self.check_positions(positions)?;
         check_aligned(&[
             ("qkv", qkv.address(), ALIGNMENT),
             ("out", out.address(), ALIGNMENT),
             ("lse", lse.address(), LSE_ALIGNMENT),
         ])?;
         let Shape { seq, n_head, n_kv_head, head_size, .. } = self.shape;
-        let params = KernelParams::new()
-            .slice_mut(out)
-            .slice_mut(lse)
-            .slice(qkv)
-            .u32(seq as u32)
-            .u32(n_head as u32)
-            .u32(n_kv_head as u32)
-            .f32(self.shape.scale());
+        let params = KernelParams::new().slice_mut(out).slice_mut(lse).slice(qkv);
+        let params = match positions {
+            Some(positions) => params.slice(positions),
+            None => params,
+        };
+        let params =
+            params.u32(seq as u32).u32(n_head as u32).u32(n_kv_head as u32).f32(self.shape.scale());
         // SAFETY: the parameters match `flash_forward_{hs}(bf16_t*, float*, const bf16_t*, u32,
-        // u32, u32, float)` with `hs` the head size the function was loaded for. Block (i, h, b)
-        // reads rows 64i .. 64i+63 below `T` of sequence `b` of qkv (query head h's columns and
-        // those of its key/value head `h / (NH / NKV)`, which `Shape::new` checked divides; qkv
-        // holds `B·T·W` elements, checked above), writes the same rows of out (`B·T·C`) and of
-        // lse (`B·NH·T`), both the caller's. Every bf16 address is 16-byte aligned (checked
-        // above) and `C` and `W` are multiples of 8, so every 16-byte access is too; lse is
-        // 4-byte aligned (checked). The shared memory asked for is what the kernel's tiles take,
-        // allowed in `Kernels::load`.
+        // u32, u32, float)` with `hs` the head size the function was loaded for, or with
+        // positions `flash_forward_packed_{hs}(bf16_t*, float*, const bf16_t*, const u32*, u32,
+        // u32, u32, float)`. Block (i, h, b) reads rows 64i .. 64i+63 below `T` of sequence `b` of
+        // qkv (query head h's columns and those of its key/value head `h / (NH / NKV)`, which
+        // `Shape::new` checked divides; qkv holds `B·T·W` elements, checked above), and of
+        // positions (`B·T`, checked; a position only narrows which of those key rows are
+        // visited, from the key block of a row's document start on, never past the query block),
+        // writes the same rows of out (`B·T·C`) and of lse (`B·NH·T`), both the caller's. Every
+        // bf16 address is 16-byte aligned (checked above) and `C` and `W` are multiples of 8, so
+        // every 16-byte access is too; lse is 4-byte aligned (checked), positions u32s of a u32
+        // slice. The shared memory asked for is what the kernel's tiles take, allowed in
+        // `Kernels::load`.
         unsafe {
             self.device.launch(
                 stream,
-                &self.kernels.forward,
+                &self.kernels.tiles(positions.is_some()).forward,
                 self.shape.tile_grid(n_head),
                 TILE_THREADS,
                 forward_shared_bytes(head_size) as u32,
@@ -293,6 +357,34 @@ impl FlashAttention {
         lse: DeviceSlice<'_, f32>,
         dqkv: DeviceSliceMut<'_, bf16>,
     ) -> Result<(), DeviceError> {
+        let tensors = BackwardTensors { dqkv, qkv, dout, lse, positions: None };
+        self.backward_within(stream, out, tensors)
+    }
+
+    /// [`backward`](Self::backward) of [`forward_packed`](Self::forward_packed), with the same
+    /// `positions`.
+    #[allow(clippy::too_many_arguments, reason = "backward's tensors and the positions")]
+    pub fn backward_packed(
+        &self,
+        stream: &CudaStream,
+        qkv: DeviceSlice<'_, bf16>,
+        out: DeviceSlice<'_, bf16>,
+        dout: DeviceSlice<'_, bf16>,
+        lse: DeviceSlice<'_, f32>,
+        positions: DeviceSlice<'_, u32>,
+        dqkv: DeviceSliceMut<'_, bf16>,
+    ) -> Result<(), DeviceError> {
+        let tensors = BackwardTensors { dqkv, qkv, dout, lse, positions: Some(positions) };
+        self.backward_within(stream, out, tensors)
+    }
+
+    fn backward_within(
+        &self,
+        stream: &CudaStream,
+        out: DeviceSlice<'_, bf16>,
+        tensors: BackwardTensors<'_>,
+    ) -> Result<(), DeviceError> {
+        let BackwardTensors { dqkv, qkv, dout, lse, positions } = tensors;
         let (rows_len, lse_len) =
             (self.shape.batch * self.shape.seq * self.shape.c, self.lse_len());
         let qkv_len = self.shape.qkv_len();
@@ -301,6 +393,7 @@ impl FlashAttention {
         self.check(("dout", dout.len(), dout.is_on(&self.device)), rows_len)?;
         self.check(("lse", lse.len(), lse.is_on(&self.device)), lse_len)?;
         self.check(("dqkv", dqkv.len(), dqkv.is_on(&self.device)), qkv_len)?;
+        self.check_positions(positions)?;
         check_aligned(&[
             ("qkv", qkv.address(), ALIGNMENT),
             ("out", out.address(), ALIGNMENT),
@@ -309,10 +402,11 @@ impl FlashAttention {
             ("dqkv", dqkv.address(), ALIGNMENT),
         ])?;
         self.preprocess(stream, out, dout)?;
-        let addresses = BackwardTensors { dqkv, qkv, dout, lse };
+        let addresses = tensors;
         let Shape { n_head, n_kv_head, head_size, .. } = self.shape;
-        let dq = (&self.kernels.backward_dq, backward_dq_shared_bytes(head_size));
-        let dkdv = (&self.kernels.backward_dkdv, backward_dkdv_shared_bytes(head_size));
+        let (tiles, packed) = (self.kernels.tiles(positions.is_some()), positions.is_some());
+        let dq = (&tiles.backward_dq, backward_dq_shared_bytes(head_size));
+        let dkdv = (&tiles.backward_dkdv, backward_dkdv_shared_bytes(head_size, packed));
         // The dq kernel's blocks are per query head, the dk/dv kernel's per key/value head.
         self.backward_tiles(stream, dq, self.shape.tile_grid(n_head), addresses)?;
         self.backward_tiles(stream, dkdv, self.shape.tile_grid(n_kv_head), addresses)
@@ -321,6 +415,13 @@ impl FlashAttention {
     /// An error unless a caller's tensor holds `needed` elements of this GPU.
     fn check(&self, tensor: (&str, usize, bool), needed: usize) -> Result<(), DeviceError> {
         check_tensor(tensor, needed, invalid)
+    }
+
+    /// An error unless packed rows' `positions` (if any) hold `B·T` elements of this GPU.
+    fn check_positions(&self, positions: Option<DeviceSlice<'_, u32>>) -> Result<(), DeviceError> {
+        let Some(positions) = positions else { return Ok(()) };
+        let tokens = self.shape.batch * self.shape.seq;
+        self.check(("positions", positions.len(), positions.is_on(&self.device)), tokens)
     }
 
     /// `delta = rowsum(dout ∘ out)` per head.
@@ -350,8 +451,8 @@ impl FlashAttention {
     }
 
     /// One of the two backward tile kernels, `flash_backward_dq_{hs}` or
-    /// `flash_backward_dkdv_{hs}` (which take the same parameters), with its shared memory and
-    /// grid.
+    /// `flash_backward_dkdv_{hs}` (which take the same parameters), or one of their packed forms
+    /// (with the positions after delta), with its shared memory and grid.
     fn backward_tiles(
         &self,
         stream: &CudaStream,
@@ -359,21 +460,26 @@ impl FlashAttention {
         grid: Dim3,
         addresses: BackwardTensors<'_>,
     ) -> Result<(), DeviceError> {
-        let BackwardTensors { dqkv, qkv, dout, lse } = addresses;
+        let BackwardTensors { dqkv, qkv, dout, lse, positions } = addresses;
         let Shape { seq, n_head, n_kv_head, .. } = self.shape;
         let params = KernelParams::new()
             .slice_mut(dqkv)
             .slice(qkv)
             .slice(dout)
             .slice(lse)
-            .ptr(&self.delta, 0)
-            .u32(seq as u32)
-            .u32(n_head as u32)
-            .u32(n_kv_head as u32)
-            .f32(self.shape.scale());
+            .ptr(&self.delta, 0);
+        let params = match positions {
+            Some(positions) => params.slice(positions),
+            None => params,
+        };
+        let params =
+            params.u32(seq as u32).u32(n_head as u32).u32(n_kv_head as u32).f32(self.shape.scale());
         // SAFETY: the parameters match `flash_backward_{dq,dkdv}_{hs}(bf16_t*, const bf16_t*,
         // const bf16_t*, const float*, const float*, u32, u32, u32, float)`, `hs` the head size
-        // both were loaded for. Block (x, h, b) of the dq kernel (`h` a query head) or of the
+        // both were loaded for, or with positions their `_packed_{hs}` forms, which take `const
+        // u32* positions` after delta and read the elements of sequence `b` below `T` of it
+        // (`B·T`, checked in `backward_within`; a position only narrows which blocks are visited
+        // and which entries are masked, inside the rows named below). Block (x, h, b) of the dq kernel (`h` a query head) or of the
         // dk/dv kernel (`h` a key/value head, looping over the query heads of its group) reads
         // rows below `T` of sequence `b` of qkv and dout (those heads' columns; `backward`
         // checked they hold `B·T·W` and `B·T·C` elements), of lse (the caller's, `B·NH·T`,
@@ -445,24 +551,28 @@ mod tests {
             for bytes in [
                 forward_shared_bytes(head_size),
                 backward_dq_shared_bytes(head_size),
-                backward_dkdv_shared_bytes(head_size),
+                backward_dkdv_shared_bytes(head_size, false),
+                backward_dkdv_shared_bytes(head_size, true),
             ] {
                 assert!(bytes <= 163 * 1024, "{head_size}: {bytes}");
             }
         }
         assert_eq!(forward_shared_bytes(128), 52_224);
         assert_eq!(backward_dq_shared_bytes(128), 69_632);
-        assert_eq!(backward_dkdv_shared_bytes(128), 70_144);
+        assert_eq!(backward_dkdv_shared_bytes(128, false), 70_144);
+        assert_eq!(backward_dkdv_shared_bytes(128, true), 70_400);
     }
 
-    /// Three tile kernels per head size and the preprocess kernel, no name twice.
+    /// Three tile kernels per head size, plain and packed, and the preprocess kernel, no name
+    /// twice.
     #[test]
     fn every_kernel_is_named_once() {
         let mut names = kernel_names();
-        assert_eq!(names.len(), 3 * HEAD_SIZES.len() + 1);
+        assert_eq!(names.len(), 6 * HEAD_SIZES.len() + 1);
         assert!(names.contains(&"flash_backward_dq_128".to_string()), "{names:?}");
+        assert!(names.contains(&"flash_backward_dkdv_packed_64".to_string()), "{names:?}");
         names.sort();
         names.dedup();
-        assert_eq!(names.len(), 3 * HEAD_SIZES.len() + 1);
+        assert_eq!(names.len(), 6 * HEAD_SIZES.len() + 1);
     }
 }

@@ -13,6 +13,12 @@
 //! Everything is allocated and loaded in [`CudaRunner::new`]; forward and backward only queue work
 //! on the compute stream and never wait for the GPU.
 //!
+//! A packed plan ([`crate::plan::PlanOptions::packed`]) takes its batches through
+//! [`CudaRunner::set_packed_batch`]: each token's position in its document goes up beside the
+//! token ids, and the launches that read it ([`crate::plan::Buf::Positions`]) run the packed forms
+//! of the kernels (attention bounded by document, the position embedding and the rotation at each
+//! token's position); a plan built without packing runs exactly the kernels it ran before.
+//!
 //! The two attentions differ in what they keep for backward ([`AttentionKind`]): `gemm` keeps
 //! the softmax weights `att [B, NH, T, T]` of every layer as bf16 activations; `flash` keeps only
 //! the log-sum-exp of each query row, `lse [B, NH, T]`, in f32 with the statistics, and recomputes
@@ -206,7 +212,7 @@ impl ActivationMemory {
             stats: schedule.stats_len * size_of::<f32>(),
             scratch: attention_scratch
                 + column_partials_len(&schedule) * size_of::<f32>()
-                + Tokens::bytes_for(plan.tokens()),
+                + Tokens::bytes_for(plan.tokens(), plan.is_packed()),
         })
     }
 }
@@ -234,7 +240,7 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
             act_grads: device.alloc(schedule.act_grads_len)?,
             stats: device.alloc(schedule.stats_len)?,
             column_partials: device.alloc(partials)?,
-            tokens: Tokens::new(device, plan.tokens())?,
+            tokens: Tokens::new(device, plan.tokens(), plan.is_packed())?,
             loss_host: device.alloc_host(1, HostMemory::Pinned)?,
             device: device.clone(),
             padded_len,
@@ -285,8 +291,24 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
         targets: &[u32],
         vocab: usize,
     ) -> Result<(), NnError> {
+        self.plan.check_positions(None)?;
         let compute = self.device.stream(StreamKind::Compute);
-        self.tokens.set(&self.device, compute, inputs, targets, vocab)
+        self.tokens.set(&self.device, compute, (inputs, targets), None, vocab)
+    }
+
+    /// [`CudaRunner::set_batch`] of packed rows (a plan built with
+    /// [`crate::plan::PlanOptions::packed`]): `positions [batch, seq]`, each token's position in
+    /// its document (checked: [`Plan::check_positions`]), uploaded with the tokens.
+    pub fn set_packed_batch(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: &[u32],
+        vocab: usize,
+    ) -> Result<(), NnError> {
+        self.plan.check_positions(Some(positions))?;
+        let compute = self.device.stream(StreamKind::Compute);
+        self.tokens.set(&self.device, compute, (inputs, targets), Some(positions), vocab)
     }
 
     /// Queues forward on the compute stream.

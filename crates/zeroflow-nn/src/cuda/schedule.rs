@@ -33,7 +33,7 @@ use std::ops::Range;
 use self::lives::{ArgUse, accumulate_flags};
 use crate::error::NnError;
 use crate::kernels::{Fusable, Kernel, LayerKernel, WeightLayout};
-use crate::plan::{Arg, Buf, GradsReady, Launch, PACKING_ON_CPU_ONLY, Plan, Step};
+use crate::plan::{Arg, Buf, GradsReady, Launch, Plan, Step};
 
 mod lives;
 
@@ -54,7 +54,8 @@ pub enum Space {
     ActGrads,
     /// The f32 activations: norm statistics, losses and flash attention's log-sum-exp.
     Stats,
-    /// The u32 token buffer: inputs at 0, targets at `tokens` (see [`Schedule::targets_offset`]).
+    /// The u32 token buffer: inputs at 0, targets at `tokens` (see [`Schedule::targets_offset`]),
+    /// a packed plan's positions at `2 · tokens` ([`Schedule::positions_offset`]).
     Tokens,
 }
 
@@ -126,7 +127,10 @@ pub struct Schedule<X> {
     pub act_grads_len: usize,
     /// Elements of the f32 statistics buffer.
     pub stats_len: usize,
-    /// Elements of the u32 token buffer the schedule addresses (inputs and targets).
+    /// Tokens per micro-batch.
+    pub tokens: usize,
+    /// Elements of the u32 token buffer the schedule addresses (inputs and targets, and a packed
+    /// plan's positions).
     pub tokens_len: usize,
     /// Where the mean loss is, in the statistics buffer.
     pub loss_offset: usize,
@@ -150,7 +154,7 @@ impl<X: LayerKernel> Schedule<X> {
                 Buf::ActGrads => (Space::ActGrads, using.life_key(arg, plan.acts_len)),
                 Buf::Inputs => (Space::Tokens, arg.range.start),
                 Buf::Targets => (Space::Tokens, tokens + arg.range.start),
-                Buf::Positions => return Err(NnError::Batch(PACKING_ON_CPU_ONLY.into())),
+                Buf::Positions => (Space::Tokens, 2 * tokens + arg.range.start),
             };
             Ok(Place { space, offset, len: arg.range.len(), accumulate: using.accumulate })
         };
@@ -167,7 +171,8 @@ impl<X: LayerKernel> Schedule<X> {
             acts_len: plan.acts_len,
             act_grads_len,
             stats_len: stats.len,
-            tokens_len: 2 * tokens,
+            tokens,
+            tokens_len: if plan.is_packed() { 3 * tokens } else { 2 * tokens },
             loss_offset,
         })
     }
@@ -200,7 +205,12 @@ impl<X: LayerKernel> Schedule<X> {
 
     /// Where the targets start in the token buffer.
     pub fn targets_offset(&self) -> usize {
-        self.tokens_len / 2
+        self.tokens
+    }
+
+    /// Where a packed plan's positions start in the token buffer (after the targets).
+    pub fn positions_offset(&self) -> usize {
+        2 * self.tokens
     }
 
     /// Every operation of forward and backward.

@@ -1,12 +1,15 @@
 //! The token ids of the current micro-batch on the GPU, and the host-side sort that makes the
 //! token-embedding gradient deterministic.
 //!
-//! One u32 device buffer holds, in order: inputs `[n]`, targets `[n]`, then for the embedding
-//! backward the rows sorted by input token (`order [n]`), the token of each bucket of equal
-//! tokens (`bucket_token [n]`, the first `buckets` used) and where each bucket starts in `order`
-//! (`bucket_start [n + 1]`). A batch is written into one of two pinned staging buffers and copied
-//! on the compute stream, so the copy is ordered before the next forward and after the last
-//! backward that read the previous batch.
+//! One u32 device buffer holds, in order: inputs `[n]`, targets `[n]`, with packed rows each
+//! token's position in its document (`positions [n]`), then for the embedding backward the rows
+//! sorted by input token (`order [n]`), the token of each bucket of equal tokens (`bucket_token
+//! [n]`, the first `buckets` used) and where each bucket starts in `order` (`bucket_start [n +
+//! 1]`), and with packed rows the same three sorted by position (the position embedding's
+//! backward, GPT-2's `wpe`, sums the rows of each position as the token embedding's sums those of
+//! each token). A batch is written into one of two pinned staging buffers and copied on the
+//! compute stream, so the copy is ordered before the next forward and after the last backward
+//! that read the previous batch.
 
 use std::ops::Range;
 
@@ -20,18 +23,23 @@ use crate::kernels::loss::check_targets;
 #[derive(Debug)]
 pub struct Tokens {
     n: usize,
+    /// Whether the batches are packed rows, which carry positions.
+    packed: bool,
     device_tokens: CudaBuffer<u32>,
     /// Two staging buffers, used in turn.
     staging: [HostBuffer<u32>; 2],
     next: usize,
     buckets: usize,
+    position_buckets: usize,
 }
 
 impl Tokens {
-    pub fn new(device: &CudaDevice, n: usize) -> Result<Self, NnError> {
-        let len = Self::len_for(n);
+    /// The buffers of micro-batches of `n` tokens, `packed` rows (with positions) or not.
+    pub fn new(device: &CudaDevice, n: usize, packed: bool) -> Result<Self, NnError> {
+        let len = Self::len_for(n, packed);
         Ok(Tokens {
             n,
+            packed,
             device_tokens: device.alloc(len)?,
             staging: [
                 device.alloc_host(len, HostMemory::Pinned)?,
@@ -39,25 +47,31 @@ impl Tokens {
             ],
             next: 0,
             buckets: 0,
+            position_buckets: 0,
         })
     }
 
-    fn len_for(n: usize) -> usize {
-        5 * n + 1
+    fn len_for(n: usize, packed: bool) -> usize {
+        if packed { 9 * n + 2 } else { 5 * n + 1 }
     }
 
-    /// Bytes of the device buffer for micro-batches of `n` tokens.
-    pub fn bytes_for(n: usize) -> usize {
-        Self::len_for(n) * size_of::<u32>()
+    /// Bytes of the device buffer for micro-batches of `n` tokens, `packed` rows or not.
+    pub fn bytes_for(n: usize, packed: bool) -> usize {
+        Self::len_for(n, packed) * size_of::<u32>()
     }
 
-    /// The device buffer (inputs at 0, targets at n).
+    /// The device buffer (inputs at 0, targets at n, packed rows' positions at 2n).
     pub fn buffer(&self) -> &CudaBuffer<u32> {
         &self.device_tokens
     }
 
     pub fn bytes(&self) -> usize {
-        Self::bytes_for(self.n)
+        Self::bytes_for(self.n, self.packed)
+    }
+
+    /// Where the ids the batch's set-up writes end and the buckets sorted from them start.
+    fn sorted_start(&self) -> usize {
+        sorted_start(self.n, self.packed)
     }
 
     /// Tokens per micro-batch (of the inputs, and of the targets).
@@ -70,30 +84,45 @@ impl Tokens {
         self.buckets
     }
 
-    pub fn order(&self) -> Range<usize> {
-        2 * self.n..3 * self.n
+    /// The buckets of equal input tokens of the last batch.
+    pub fn token_buckets(&self) -> Buckets {
+        Buckets::at(self.sorted_start(), self.n, self.buckets)
     }
 
-    pub fn bucket_token(&self) -> Range<usize> {
-        3 * self.n..4 * self.n
+    /// The buckets of equal positions of the last batch (of packed rows).
+    pub fn position_buckets(&self) -> Option<Buckets> {
+        let start = self.sorted_start() + Buckets::len_for(self.n);
+        self.packed.then(|| Buckets::at(start, self.n, self.position_buckets))
     }
 
-    pub fn bucket_start(&self) -> Range<usize> {
-        4 * self.n..5 * self.n + 1
-    }
-
-    /// Checks the ids against the vocabulary, sorts the rows by input token, and queues the upload
-    /// on `stream`.
+    /// Checks the ids against the vocabulary, sorts the rows by input token (and by position,
+    /// with packed rows), and queues the upload on `stream`. `positions` must be given with
+    /// packed rows only, and have been checked by the plan ([`crate::Plan::check_positions`]):
+    /// the kernels read the position embedding at them.
     pub fn set(
         &mut self,
         device: &CudaDevice,
         stream: &CudaStream,
-        inputs: &[u32],
-        targets: &[u32],
+        (inputs, targets): (&[u32], &[u32]),
+        positions: Option<&[u32]>,
         vocab: usize,
     ) -> Result<(), NnError> {
         let n = self.n;
-        for (what, tokens) in [("inputs", inputs), ("targets", targets)] {
+        let given: &[(&'static str, &[u32])] = match positions {
+            Some(positions) if self.packed => {
+                &[("inputs", inputs), ("targets", targets), ("positions", positions)]
+            }
+            None if !self.packed => &[("inputs", inputs), ("targets", targets)],
+            Some(_) => {
+                return Err(NnError::Batch(
+                    "positions were given for rows that are not packed".into(),
+                ));
+            }
+            None => {
+                return Err(NnError::Batch("packed rows need their tokens' positions".into()));
+            }
+        };
+        for &(what, tokens) in given {
             if tokens.len() != n {
                 return Err(NnError::Length { what, expected: n, found: tokens.len() });
             }
@@ -104,11 +133,17 @@ impl Tokens {
             .map_err(|reason| NnError::Kernel { kernel: "softmax_xent_forward", reason })?;
         // Writing the staging buffer first waits for the copy that last read it (two batches
         // ago; see below), so the host never overwrites a buffer a copy is still reading.
+        let sorted_start = self.sorted_start();
         let staging = &mut self.staging[self.next];
-        let (head, sorted) = staging.split_at_mut(2 * n);
-        head[..n].copy_from_slice(inputs);
-        head[n..].copy_from_slice(targets);
-        self.buckets = sort_into_buckets(inputs, sorted);
+        let (head, sorted) = staging.split_at_mut(sorted_start);
+        for (slot, (_, ids)) in head.chunks_mut(n).zip(given) {
+            slot.copy_from_slice(ids);
+        }
+        let (by_token, by_position) = sorted.split_at_mut(Buckets::len_for(n));
+        self.buckets = sort_into_buckets(inputs, by_token);
+        if let Some(positions) = positions {
+            self.position_buckets = sort_into_buckets(positions, by_position);
+        }
         let staging = &self.staging[self.next];
         let copy = device.copy_h2d(stream, staging, 0..staging.len(), &self.device_tokens, 0)?;
         // The token is let go without waiting (that would wait for all the work queued before the
@@ -121,9 +156,45 @@ impl Tokens {
     }
 }
 
+/// Where the buckets sorted from a batch start in the token buffer: after the inputs, the targets
+/// and (packed rows) the positions.
+fn sorted_start(n: usize, packed: bool) -> usize {
+    if packed { 3 * n } else { 2 * n }
+}
+
+/// Where the rows of a batch sorted into buckets of equal ids (input tokens, or positions) lie in
+/// the token buffer, and how many buckets there are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Buckets {
+    /// The rows, sorted by id (rows in order within an id).
+    pub order: Range<usize>,
+    /// The id of each bucket (the first `count` used).
+    pub id: Range<usize>,
+    /// Where each bucket starts in `order` (the first `count + 1` used; the last is n).
+    pub start: Range<usize>,
+    pub count: usize,
+}
+
+impl Buckets {
+    fn at(offset: usize, n: usize, count: usize) -> Self {
+        Buckets {
+            order: offset..offset + n,
+            id: offset + n..offset + 2 * n,
+            start: offset + 2 * n..offset + 3 * n + 1,
+            count,
+        }
+    }
+
+    /// Elements of the buckets of `n` rows.
+    fn len_for(n: usize) -> usize {
+        3 * n + 1
+    }
+}
+
 /// Fills `out` (`[order n | bucket_token n | bucket_start n + 1]`) with the rows sorted by input
 /// token (rows in order within a token), the token of each bucket of equal tokens and where each
-/// bucket starts in `order` (the last entry is n); returns the number of buckets.
+/// bucket starts in `order` (the last entry is n); returns the number of buckets. The same for any
+/// ids (a packed batch's positions).
 fn sort_into_buckets(inputs: &[u32], out: &mut [u32]) -> usize {
     let n = inputs.len();
     let (order, rest) = out.split_at_mut(n);
@@ -147,7 +218,28 @@ fn sort_into_buckets(inputs: &[u32], out: &mut [u32]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::sort_into_buckets;
+    use super::{Buckets, Tokens, sort_into_buckets, sorted_start};
+
+    /// The parts of the token buffer follow each other without gaps or overlaps and end at its
+    /// length: inputs, targets, (positions), the token buckets, (the position buckets).
+    #[test]
+    fn the_token_buffer_holds_its_parts_end_to_end() {
+        let n = 12;
+        for packed in [false, true] {
+            let tokens = Buckets::at(sorted_start(n, packed), n, 0);
+            assert_eq!(tokens.order.start, if packed { 3 * n } else { 2 * n });
+            assert_eq!((tokens.order.end, tokens.id.end), (tokens.id.start, tokens.start.start));
+            let end = if packed {
+                let positions = Buckets::at(tokens.start.end, n, 0);
+                assert_eq!(positions.order.start, tokens.start.end);
+                assert_eq!(positions.start.len(), n + 1);
+                positions.start.end
+            } else {
+                tokens.start.end
+            };
+            assert_eq!(end, Tokens::len_for(n, packed));
+        }
+    }
 
     /// Every row lands in the bucket of its token, once, in row order within the bucket.
     #[test]

@@ -1,5 +1,5 @@
-//! Tests of the shared layers' CUDA kernels (attention, flash attention) on a real GPU against the
-//! CPU twins, compiled as one test binary.
+//! Tests of the shared layers' CUDA kernels (attention, flash attention, and their packed forms
+//! with the encoder's) on a real GPU against the CPU twins, compiled as one test binary.
 //!
 //! Every test first opens GPU 0. Where there is no CUDA driver or no GPU it prints
 //! `skipped: no CUDA device (<reason>)` and passes, so CI on CPU-only machines stays green and
@@ -10,6 +10,7 @@
 mod attention;
 mod decode;
 mod flash;
+mod packed;
 mod support;
 
 use zeroflow_device::CudaDevice;

@@ -241,15 +241,15 @@ pub fn attention(
     }
 }
 
-/// Whether a run on `device` packs its rows (off unless asked): an input error on the GPU, whose
-/// kernels do not bound attention by document yet.
+/// Whether a run on `device` packs its rows (off unless asked): still an input error on the GPU,
+/// until the packed CUDA kernels (which the CUDA models run) have passed their GPU tests.
 pub fn pack(device: DeviceKind, requested: &Requested) -> Result<bool> {
     let asked = requested.pack.unwrap_or(false);
     if asked && device == DeviceKind::Cuda {
         return Err(input(
-            "--pack: packed sequences run on the CPU device only so far (the CUDA kernels do not \
-             bound attention by document yet); train with --device cpu, or without --pack \
-             (ZEROFLOW_PACK, zeroflow.pack)",
+            "--pack: packed sequences train on the CPU device only until the CUDA kernels that \
+             bound attention by document have passed their GPU tests; train with --device cpu, \
+             or without --pack (ZEROFLOW_PACK, zeroflow.pack)",
         ));
     }
     Ok(asked)
