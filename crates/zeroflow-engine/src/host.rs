@@ -456,7 +456,10 @@ impl<P: Float> HostAccumulator<P> {
             std::mem::swap(&mut self.acc, &mut swapped.stepped);
         }
         worker.start(move |swapped| {
+            let begun = std::time::Instant::now();
             swapped.whole.step(&step, &swapped.stepped)?;
+            let took = begun.elapsed();
+            tracing::debug!(?took, "delayed CPU step on the worker");
             then(&swapped.whole)
         })
     }

@@ -295,7 +295,8 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
             let StreamBuffers { state, staging, outgoing } = buffers;
             // The weights stay aside until the next step applies and gathers them.
             let uploaded = &mut |_| Ok(());
-            // On its own thread: not the training thread's time.
+            // On its own thread: not the training thread's time, but said at debug level.
+            let begun = Instant::now();
             let times = &mut StepTimes::default();
             let (source, target) = (&*grads, &*next);
             let chunks =
@@ -303,6 +304,15 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
             stream_chunks(&device, &step, state, staging, outgoing, chunks, len)?;
             // Wait for the last uploads.
             outgoing.iter_mut().for_each(HostBuffer::settle);
+            let StepTimes { chunk_wait, upload_wait, adam, .. } = *times;
+            let took = begun.elapsed();
+            tracing::debug!(
+                ?took,
+                ?chunk_wait,
+                ?upload_wait,
+                ?adam,
+                "delayed CPU step on the worker"
+            );
             Ok(())
         })
     }

@@ -247,13 +247,23 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
             let StreamBuffers { state, staging, outgoing } = buffers;
             let (source, target) = (&*window, &*weights);
             let uploaded = &mut |_| Ok(());
-            // On its own thread: not the training thread's time.
+            // On its own thread: not the training thread's time, but said at debug level.
+            let begun = std::time::Instant::now();
             let times = &mut StepTimes::default();
             let chunks =
                 Chunks { state_at: 0, source, source_at: 0, target, target_at: 0, uploaded, times };
             stream_chunks(&device, &cpu_step, state, staging, outgoing, chunks, len)?;
             // Wait for the last uploads.
             outgoing.iter_mut().for_each(HostBuffer::settle);
+            let StepTimes { chunk_wait, upload_wait, adam, .. } = *times;
+            let took = begun.elapsed();
+            tracing::debug!(
+                ?took,
+                ?chunk_wait,
+                ?upload_wait,
+                ?adam,
+                "ZenFlow CPU step on the worker"
+            );
             Ok(())
         })
     }
