@@ -17,8 +17,11 @@ use crate::chat::ChatTemplate;
 use crate::shard::{TokenWidth, write_document_index, write_loss_mask, write_shard_as};
 use crate::tokenizer::Tokenizer;
 
-/// About how many input bytes are tokenized at once.
-pub const BATCH_BYTES: usize = 4 << 20;
+/// About how many input bytes are tokenized at once. Each batch ends by waiting for its longest
+/// document, which one thread encodes alone while the others idle; with 16 threads a batch of
+/// 4 MiB is a fifth of a second of work, which one long document can nearly double, so batches
+/// are larger (the batch and its tokens are what the process holds at a time).
+pub const BATCH_BYTES: usize = 32 << 20;
 
 /// How to tokenize a corpus.
 #[derive(Debug)]

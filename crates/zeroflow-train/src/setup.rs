@@ -321,7 +321,6 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     .map_err(input)?;
     let settings = settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
     let attention = settings::attention(args.device, &model, &settings)?;
-    settings::pack(args.device, &settings)?;
     let resumed = resume.is_some();
     let plan = train_plan(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
     Ok(Prepared {

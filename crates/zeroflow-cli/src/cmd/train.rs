@@ -113,8 +113,8 @@ pub struct Args {
     pub no_plan_check: bool,
     /// Sequence packing: each sequence holds several documents with no attention across their
     /// boundaries, positions restarting at each (from the document index, .idx, that `zeroflow
-    /// tokenize` writes beside each shard); the rows are cut as without it. The CPU device only,
-    /// so far; changes the numbers. `--pack` alone is `=on`. Over ZEROFLOW_PACK and
+    /// tokenize` writes beside each shard); the rows are cut as without it. On the CPU and CUDA
+    /// devices; changes the numbers. `--pack` alone is `=on`. Over ZEROFLOW_PACK and
     /// zeroflow.pack.
     #[arg(
         long,

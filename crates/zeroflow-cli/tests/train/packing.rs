@@ -1,8 +1,8 @@
-//! `zeroflow train --pack` (sequence packing, the CPU device only so far): on shards that
-//! `zeroflow tokenize` wrote (with their document indexes) it trains, says so, records the
-//! setting in the summary and every checkpoint, and computes other numbers than the unpacked
-//! run; with `--device cuda`, or on shards without an index, it is an input error (exit 2)
-//! before training.
+//! `zeroflow train --pack` (sequence packing): on shards that `zeroflow tokenize` wrote (with
+//! their document indexes) it trains, says so, records the setting in the summary and every
+//! checkpoint, and computes other numbers than the unpacked run; on shards without an index it
+//! is an input error (exit 2) before training. (The CUDA device packs too: the families' GPU
+//! tests.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -86,16 +86,9 @@ fn train_pack_trains_on_tokenized_shards_and_records_the_setting() {
 }
 
 #[test]
-fn train_pack_on_the_gpu_or_on_shards_without_an_index_is_an_input_error() {
+fn train_pack_on_shards_without_an_index_is_an_input_error() {
     let dir = scratch("pack_refused");
     let tokens = tokenized(&dir);
-    let run =
-        train(&[&args(&tokens, &dir.join("gpu"))[..], &["--pack", "--device", "cuda"]].concat());
-    assert_eq!(run.status.code(), Some(2), "{}", text(&run.stderr));
-    let stderr = text(&run.stderr);
-    assert!(stderr.contains("--pack") && stderr.contains("CPU device only"), "{stderr}");
-    assert!(!dir.join("gpu").exists(), "nothing is written before the error");
-
     let bare = dir.join("bare");
     std::fs::create_dir_all(&bare).unwrap();
     std::fs::copy(tokens.join("tokens_000000.bin"), bare.join("tokens_000000.bin")).unwrap();

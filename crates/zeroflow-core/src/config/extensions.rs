@@ -44,8 +44,7 @@ pub struct ZeroflowExtensions {
     /// only each layer's input for backward and recomputes the rest of the layer there.
     pub activation_checkpointing: Option<bool>,
     /// `zeroflow.pack` (a boolean); `None` (`"auto"`, absent): off. Sequence packing: several
-    /// documents per row with no attention across them (the CPU device only, so far). Changes
-    /// the numbers.
+    /// documents per row with no attention across them. Changes the numbers.
     pub pack: Option<bool>,
     /// `zeroflow.cuda_wait`; `None` (`"auto"`): the driver's choice.
     pub cuda_wait: Option<CudaWait>,

@@ -34,7 +34,7 @@ pub const SPECULATION_BUDGET_VAR: &str = "ZEROFLOW_SPECULATION_BUDGET_MIB";
 pub const PINNED_BUDGET_VAR: &str = "ZEROFLOW_PINNED_BUDGET_MIB";
 /// Where ZeRO-2 with gradient accumulation sums a window: `auto`, `device` or `host`.
 pub const ACCUMULATE_ON_VAR: &str = "ZEROFLOW_ACCUMULATE_ON";
-/// Sequence packing (`on`, `off`; the CPU device only, so far).
+/// Sequence packing (`on`, `off`).
 pub const PACK_VAR: &str = "ZEROFLOW_PACK";
 /// The folder compiled CUDA kernels are cached in (default: the user's cache folder).
 pub const KERNEL_CACHE_VAR: &str = "ZEROFLOW_KERNEL_CACHE";

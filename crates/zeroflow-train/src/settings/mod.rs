@@ -241,20 +241,6 @@ pub fn attention(
     }
 }
 
-/// Whether a run on `device` packs its rows (off unless asked): still an input error on the GPU,
-/// until the packed CUDA kernels (which the CUDA models run) have passed their GPU tests.
-pub fn pack(device: DeviceKind, requested: &Requested) -> Result<bool> {
-    let asked = requested.pack.unwrap_or(false);
-    if asked && device == DeviceKind::Cuda {
-        return Err(input(
-            "--pack: packed sequences train on the CPU device only until the CUDA kernels that \
-             bound attention by document have passed their GPU tests; train with --device cpu, \
-             or without --pack (ZEROFLOW_PACK, zeroflow.pack)",
-        ));
-    }
-    Ok(asked)
-}
-
 /// Whether the model of a run on `device` recomputes its layers' activations in backward: as
 /// asked (off by default) on the GPU; never on the CPU device, whose model keeps every
 /// activation (asking it for checkpointing is warned about, not refused: the numbers are the
