@@ -142,6 +142,7 @@ pub fn tokenize_corpus(
         return Err(TokenizeError::NoEndOfText(tokenizer.name().into()));
     }
     prepare_out_dir(&options.out_dir)?;
+    tokenizer.prepare_threads();
     let mut writer = ShardWriter::new(tokenizer, options);
     let mut batch = Vec::new();
     let mut batch_bytes = 0;

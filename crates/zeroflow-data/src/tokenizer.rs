@@ -8,7 +8,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 use thiserror::Error;
@@ -177,7 +177,65 @@ fn chat_template_field(path: &Path, json: &Value) -> Result<Option<String>, Toke
 enum Kind {
     Bytes,
     Gpt2,
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    HuggingFace(Box<HfTokenizer>),
+}
+
+/// A Hugging Face tokenizer, and a copy of it for each thread of rayon's pool once
+/// [`Tokenizer::prepare_threads`] made them. The `tokenizers` crate's pure-Rust regex keeps its
+/// matching state in a pool that every thread using one compiled pattern takes from (and the BPE
+/// model a cache behind one lock), so threads that share one tokenizer contend where copies do
+/// not: GPT-2's own BPE here (`tiktoken-rs`) keeps a regex per thread for the same reason.
+#[derive(Clone, Debug)]
+struct HfTokenizer {
+    main: tokenizers::Tokenizer,
+    threads: Arc<OnceLock<Vec<tokenizers::Tokenizer>>>,
+}
+
+impl HfTokenizer {
+    fn new(main: tokenizers::Tokenizer) -> HfTokenizer {
+        HfTokenizer { main: own_split_regex(main), threads: Arc::default() }
+    }
+
+    /// This thread's copy where there is one (a thread of rayon's pool, after
+    /// [`Tokenizer::prepare_threads`]), else the tokenizer itself.
+    fn here(&self) -> &tokenizers::Tokenizer {
+        match (self.threads.get(), rayon::current_thread_index()) {
+            (Some(copies), Some(index)) if !copies.is_empty() => &copies[index % copies.len()],
+            _ => &self.main,
+        }
+    }
+}
+
+/// GPT-2's pre-tokenizer pattern, which the `tokenizers` crate's `ByteLevel` pre-tokenizer with
+/// `use_regex` splits by (isolating each match) from one compiled copy for the whole process.
+const GPT2_SPLIT: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// `tokenizer` with a `ByteLevel` pre-tokenizer that splits by GPT-2's pattern (`use_regex`,
+/// without `add_prefix_space`) replaced by the same split as a `Split` of its own (isolated
+/// matches of the same pattern) followed by `ByteLevel` without the split: the same ids (the
+/// tokenizer oracle checks GPT-2's `tokenizer.json`), with a compiled pattern that each copy of the
+/// tokenizer has for itself. Other pre-tokenizers are left as they are.
+fn own_split_regex(mut tokenizer: tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+    use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    let Some(PreTokenizerWrapper::ByteLevel(byte_level)) = tokenizer.get_pre_tokenizer() else {
+        return tokenizer;
+    };
+    if !byte_level.use_regex || byte_level.add_prefix_space {
+        return tokenizer;
+    }
+    let pattern = SplitPattern::Regex(GPT2_SPLIT.into());
+    let isolated = tokenizers::SplitDelimiterBehavior::Isolated;
+    let Ok(split) = Split::new(pattern, isolated, false) else { return tokenizer };
+    let bytes = (*byte_level).use_regex(false);
+    let sequence = Sequence::new(vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(bytes),
+    ]);
+    tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(sequence)));
+    tokenizer
 }
 
 /// A tokenizer: its kind, vocabulary size, end-of-text token and config.
@@ -265,7 +323,21 @@ impl Tokenizer {
             None => EOT_CANDIDATES.iter().find_map(|t| hf.token_to_id(t)),
         };
         let name = path.display().to_string();
-        Ok(Tokenizer { kind: Kind::HuggingFace(Box::new(hf)), name, vocab_size, eot, config })
+        let kind = Kind::HuggingFace(Box::new(HfTokenizer::new(hf)));
+        Ok(Tokenizer { kind, name, vocab_size, eot, config })
+    }
+
+    /// Makes a copy of a Hugging Face tokenizer for each thread of rayon's pool (once; in
+    /// parallel), which [`Tokenizer::encode`] and [`Tokenizer::encode_with_offsets`] then use on
+    /// those threads (see `HfTokenizer`). Nothing for the other kinds.
+    pub fn prepare_threads(&self) {
+        use rayon::prelude::*;
+        if let Kind::HuggingFace(hf) = &self.kind {
+            hf.threads.get_or_init(|| {
+                let threads = rayon::current_num_threads();
+                (0..threads).into_par_iter().map(|_| hf.main.clone()).collect()
+            });
+        }
     }
 
     /// `bytes`, `gpt2`, or the path of the `tokenizer.json`.
@@ -301,9 +373,11 @@ impl Tokenizer {
         match &self.kind {
             Kind::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Kind::Gpt2 => gpt2_encode(text).map_err(|e| e.to_string()),
-            Kind::HuggingFace(hf) => {
-                hf.encode_fast(text, true).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
-            }
+            Kind::HuggingFace(hf) => hf
+                .here()
+                .encode_fast(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string()),
         }
     }
 
@@ -331,7 +405,7 @@ impl Tokenizer {
                 Ok(TokenOffsets { ids, offsets })
             }
             Kind::HuggingFace(hf) => {
-                let encoding = hf.encode(text, false).map_err(|e| e.to_string())?;
+                let encoding = hf.here().encode(text, false).map_err(|e| e.to_string())?;
                 let ids = encoding.get_ids().to_vec();
                 Ok(TokenOffsets { ids, offsets: encoding.get_offsets().to_vec() })
             }
@@ -346,7 +420,7 @@ impl Tokenizer {
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
             Kind::Gpt2 => gpt2_decode(ids).map_err(|e| e.to_string()),
-            Kind::HuggingFace(hf) => hf.decode(ids, false).map_err(|e| e.to_string()),
+            Kind::HuggingFace(hf) => hf.main.decode(ids, false).map_err(|e| e.to_string()),
         }
     }
 }

@@ -123,3 +123,67 @@ fn the_chat_template_comes_from_the_config_or_chat_template_jinja() {
     assert_eq!((template.as_str(), path), ("JINJA", dir.join("chat_template.jinja")));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A text's ids and each token's byte range.
+type Encoded = (Vec<u32>, Vec<(usize, usize)>);
+
+/// A `ByteLevel` pre-tokenizer that splits by GPT-2's pattern is run as a `Split` of the same
+/// pattern and `ByteLevel` without it (each copy of the tokenizer then has its own compiled
+/// pattern): ids and offsets are the `tokenizers` crate's on the file as written, on the calling
+/// thread and on the pool's threads after `prepare_threads` alike.
+#[test]
+fn a_byte_level_split_gives_the_crates_ids_on_every_thread() {
+    use rayon::prelude::*;
+    let dir = scratch("tok-split");
+    model_dir(&dir, &byte_level_bpe(), None);
+    let path = dir.join("tokenizer.json");
+    let ours = Tokenizer::load(path.to_str().unwrap()).unwrap();
+    let theirs = tokenizers::Tokenizer::from_file(&path).unwrap();
+    let texts: Vec<String> = [
+        "hello world",
+        // Runs of spaces before a word: the pattern leaves the last space to the word (" world",
+        // one merged token), which splitting by `\s+` alone would not.
+        "hello   world\n world\t  world",
+        "don't  you've I'll we'd",
+        "  leading and trailing   ",
+        "tabs\tand\nnew\n\nlines\r\n",
+        "digits 1234567 and 3.14",
+        "naïve café ✓ 中文 emoji 🙂",
+        "fn main() { let x = 1; }  // code\n    indented",
+        "<|im_end|>hi<|im_end|>",
+        "",
+    ]
+    .iter()
+    .cycle()
+    .take(90)
+    .enumerate()
+    .map(|(i, t)| format!("{t} {i}"))
+    .collect();
+    let expected: Vec<Encoded> = texts
+        .iter()
+        .map(|t| {
+            let plain = theirs.encode_fast(t.as_str(), true).unwrap().get_ids().to_vec();
+            let chat = theirs.encode(t.as_str(), false).unwrap();
+            assert_eq!(chat.get_ids(), plain, "{t:?}: the post-processor adds nothing here");
+            (plain, chat.get_offsets().to_vec())
+        })
+        .collect();
+    let here: Vec<_> = texts
+        .iter()
+        .map(|t| {
+            let offsets = ours.encode_with_offsets(t).unwrap();
+            (ours.encode(t).unwrap(), offsets.offsets)
+        })
+        .collect();
+    assert_eq!(here, expected);
+    ours.prepare_threads();
+    let pooled: Vec<_> = texts
+        .par_iter()
+        .map(|t| {
+            let offsets = ours.encode_with_offsets(t).unwrap();
+            (ours.encode(t).unwrap(), offsets.offsets)
+        })
+        .collect();
+    assert_eq!(pooled, expected);
+    std::fs::remove_dir_all(dir).unwrap();
+}
