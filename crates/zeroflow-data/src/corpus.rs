@@ -142,7 +142,7 @@ pub fn tokenize_corpus(
         return Err(TokenizeError::NoEndOfText(tokenizer.name().into()));
     }
     prepare_out_dir(&options.out_dir)?;
-    tokenizer.prepare_threads();
+    let per_thread = tokenizer.per_thread();
     let mut writer = ShardWriter::new(tokenizer, options);
     let mut batch = Vec::new();
     let mut batch_bytes = 0;
@@ -156,7 +156,7 @@ pub fn tokenize_corpus(
             }
             let consumed = std::mem::take(&mut batch_bytes) as u64;
             let units = std::mem::take(&mut batch);
-            process_batch(tokenizer, inputs, units, options, writer)?;
+            process_batch(&per_thread, inputs, units, options, writer)?;
             progress(consumed);
             Ok(())
         };
@@ -167,7 +167,7 @@ pub fn tokenize_corpus(
             flush(Unit { input, line: None, bytes }, &mut writer)?;
         }
     }
-    process_batch(tokenizer, inputs, batch, options, &mut writer)?;
+    process_batch(&per_thread, inputs, batch, options, &mut writer)?;
     progress(batch_bytes as u64);
     writer.finish()
 }
@@ -213,9 +213,10 @@ fn read_lines(
     }
 }
 
-/// Tokenizes a batch on all cores, then writes its documents in order.
+/// Tokenizes a batch on all cores, each thread with its copy of the tokenizer
+/// ([`Tokenizer::per_thread`]), then writes its documents in order.
 fn process_batch(
-    tokenizer: &Tokenizer,
+    per_thread: &[Tokenizer],
     inputs: &[PathBuf],
     units: Vec<Unit>,
     options: &TokenizeOptions<'_>,
@@ -224,9 +225,13 @@ fn process_batch(
     let template = options.chat_template;
     let documents: Vec<_> = units
         .par_iter()
-        .map(|unit| match unit.line {
-            Some(_) => json_line(tokenizer, template, &unit.bytes),
-            None => text_file(tokenizer, &unit.bytes).map(Some),
+        .map(|unit| {
+            let thread = rayon::current_thread_index().unwrap_or(0);
+            let tokenizer = &per_thread[thread % per_thread.len()];
+            match unit.line {
+                Some(_) => json_line(tokenizer, template, &unit.bytes),
+                None => text_file(tokenizer, &unit.bytes).map(Some),
+            }
         })
         .collect();
     for (unit, document) in units.iter().zip(documents) {

@@ -8,7 +8,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use serde_json::Value;
 use thiserror::Error;
@@ -177,33 +177,7 @@ fn chat_template_field(path: &Path, json: &Value) -> Result<Option<String>, Toke
 enum Kind {
     Bytes,
     Gpt2,
-    HuggingFace(Box<HfTokenizer>),
-}
-
-/// A Hugging Face tokenizer, and a copy of it for each thread of rayon's pool once
-/// [`Tokenizer::prepare_threads`] made them. The `tokenizers` crate's pure-Rust regex keeps its
-/// matching state in a pool that every thread using one compiled pattern takes from (and the BPE
-/// model a cache behind one lock), so threads that share one tokenizer contend where copies do
-/// not: GPT-2's own BPE here (`tiktoken-rs`) keeps a regex per thread for the same reason.
-#[derive(Clone, Debug)]
-struct HfTokenizer {
-    main: tokenizers::Tokenizer,
-    threads: Arc<OnceLock<Vec<tokenizers::Tokenizer>>>,
-}
-
-impl HfTokenizer {
-    fn new(main: tokenizers::Tokenizer) -> HfTokenizer {
-        HfTokenizer { main: own_split_regex(main), threads: Arc::default() }
-    }
-
-    /// This thread's copy where there is one (a thread of rayon's pool, after
-    /// [`Tokenizer::prepare_threads`]), else the tokenizer itself.
-    fn here(&self) -> &tokenizers::Tokenizer {
-        match (self.threads.get(), rayon::current_thread_index()) {
-            (Some(copies), Some(index)) if !copies.is_empty() => &copies[index % copies.len()],
-            _ => &self.main,
-        }
-    }
+    HuggingFace(Box<tokenizers::Tokenizer>),
 }
 
 /// GPT-2's pre-tokenizer pattern, which the `tokenizers` crate's `ByteLevel` pre-tokenizer with
@@ -215,7 +189,8 @@ const GPT2_SPLIT: &str =
 /// without `add_prefix_space`) replaced by the same split as a `Split` of its own (isolated
 /// matches of the same pattern) followed by `ByteLevel` without the split: the same ids (the
 /// tokenizer oracle checks GPT-2's `tokenizer.json`), with a compiled pattern that each copy of the
-/// tokenizer has for itself. Other pre-tokenizers are left as they are.
+/// tokenizer has for itself ([`Tokenizer::per_thread`]). Other pre-tokenizers are left as they
+/// are.
 fn own_split_regex(mut tokenizer: tokenizers::Tokenizer) -> tokenizers::Tokenizer {
     use tokenizers::pre_tokenizers::PreTokenizerWrapper;
     use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -323,20 +298,24 @@ impl Tokenizer {
             None => EOT_CANDIDATES.iter().find_map(|t| hf.token_to_id(t)),
         };
         let name = path.display().to_string();
-        let kind = Kind::HuggingFace(Box::new(HfTokenizer::new(hf)));
+        let kind = Kind::HuggingFace(Box::new(own_split_regex(hf)));
         Ok(Tokenizer { kind, name, vocab_size, eot, config })
     }
 
-    /// Makes a copy of a Hugging Face tokenizer for each thread of rayon's pool (once; in
-    /// parallel), which [`Tokenizer::encode`] and [`Tokenizer::encode_with_offsets`] then use on
-    /// those threads (see `HfTokenizer`). Nothing for the other kinds.
-    pub fn prepare_threads(&self) {
+    /// Copies of this tokenizer for the threads of rayon's pool, one each (made in parallel), to
+    /// tokenize with on many threads at once: the `tokenizers` crate's pure-Rust regex keeps a
+    /// compiled pattern's matching state in a pool that every thread using that pattern takes
+    /// from (and its BPE model a cache behind one lock), so threads sharing one tokenizer contend
+    /// where copies do not — GPT-2's own BPE here (`tiktoken-rs`) keeps a pattern per thread for
+    /// the same reason. One copy (this one) for the other kinds. A copy of a large vocabulary
+    /// takes tens of MB: hold them while tokenizing only.
+    pub fn per_thread(&self) -> Vec<Tokenizer> {
         use rayon::prelude::*;
-        if let Kind::HuggingFace(hf) = &self.kind {
-            hf.threads.get_or_init(|| {
-                let threads = rayon::current_num_threads();
-                (0..threads).into_par_iter().map(|_| hf.main.clone()).collect()
-            });
+        match self.kind {
+            Kind::HuggingFace(_) => {
+                (0..rayon::current_num_threads()).into_par_iter().map(|_| self.clone()).collect()
+            }
+            Kind::Bytes | Kind::Gpt2 => vec![self.clone()],
         }
     }
 
@@ -373,11 +352,9 @@ impl Tokenizer {
         match &self.kind {
             Kind::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Kind::Gpt2 => gpt2_encode(text).map_err(|e| e.to_string()),
-            Kind::HuggingFace(hf) => hf
-                .here()
-                .encode_fast(text, true)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| e.to_string()),
+            Kind::HuggingFace(hf) => {
+                hf.encode_fast(text, true).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
+            }
         }
     }
 
@@ -405,7 +382,7 @@ impl Tokenizer {
                 Ok(TokenOffsets { ids, offsets })
             }
             Kind::HuggingFace(hf) => {
-                let encoding = hf.here().encode(text, false).map_err(|e| e.to_string())?;
+                let encoding = hf.encode(text, false).map_err(|e| e.to_string())?;
                 let ids = encoding.get_ids().to_vec();
                 Ok(TokenOffsets { ids, offsets: encoding.get_offsets().to_vec() })
             }
@@ -420,7 +397,7 @@ impl Tokenizer {
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
             Kind::Gpt2 => gpt2_decode(ids).map_err(|e| e.to_string()),
-            Kind::HuggingFace(hf) => hf.main.decode(ids, false).map_err(|e| e.to_string()),
+            Kind::HuggingFace(hf) => hf.decode(ids, false).map_err(|e| e.to_string()),
         }
     }
 }

@@ -129,8 +129,8 @@ type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 
 /// A `ByteLevel` pre-tokenizer that splits by GPT-2's pattern is run as a `Split` of the same
 /// pattern and `ByteLevel` without it (each copy of the tokenizer then has its own compiled
-/// pattern): ids and offsets are the `tokenizers` crate's on the file as written, on the calling
-/// thread and on the pool's threads after `prepare_threads` alike.
+/// pattern): ids and offsets are the `tokenizers` crate's on the file as written, by the
+/// tokenizer and by its copies for the pool's threads alike.
 #[test]
 fn a_byte_level_split_gives_the_crates_ids_on_every_thread() {
     use rayon::prelude::*;
@@ -176,12 +176,14 @@ fn a_byte_level_split_gives_the_crates_ids_on_every_thread() {
         })
         .collect();
     assert_eq!(here, expected);
-    ours.prepare_threads();
+    let copies = ours.per_thread();
+    assert_eq!(copies.len(), rayon::current_num_threads());
     let pooled: Vec<_> = texts
         .par_iter()
         .map(|t| {
-            let offsets = ours.encode_with_offsets(t).unwrap();
-            (ours.encode(t).unwrap(), offsets.offsets)
+            let copy = &copies[rayon::current_thread_index().unwrap() % copies.len()];
+            let offsets = copy.encode_with_offsets(t).unwrap();
+            (copy.encode(t).unwrap(), offsets.offsets)
         })
         .collect();
     assert_eq!(pooled, expected);
