@@ -46,3 +46,46 @@ fn the_breakdown_splits_the_step_and_the_flops_follow_the_throughput() {
         }
     }
 }
+
+/// `--state-dtype bf16`: the offloaded step keeps its Adam moments in bf16 (reported in the
+/// settings), which the memory plan counts as 4 bytes per parameter less and the process holds
+/// less for; with `--mode gpu` it is an input error naming the flag.
+#[test]
+fn sixteen_bit_moments_hold_less_host_memory_and_are_refused_on_the_gpu_path() {
+    let run = |dtype: &str| {
+        // 32 M parameters: 4 bytes each of them stand well above the process's other changes.
+        let model = r#"{"n_layer":2,"n_head":4,"d_model":512,"vocab_size":50304,"context":64}"#;
+        let args = ["bench", "step", "--model", model, "--mode", "offload", "--seq", "32"];
+        let out = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(args)
+            .args(["--micro-batch", "1", "--steps", "1", "--warmup", "1", "--json"])
+            .args(["--state-dtype", dtype])
+            .output()
+            .expect("runs");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        assert!(out.status.success(), "{}\n{}", text(&out.stdout), text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("one JSON object")
+    };
+    let (fp32, bf16) = (run("fp32"), run("bf16"));
+    assert_eq!(fp32["settings"]["optimizer_state_dtype"], "fp32");
+    assert_eq!(bf16["settings"]["optimizer_state_dtype"], "bf16");
+    let bytes =
+        |r: &serde_json::Value, key: &str| r[key].as_f64().unwrap_or_else(|| panic!("{key}"));
+    let parameters = bytes(&fp32, "parameters");
+    let planned = bytes(&fp32, "planned_host_bytes") - bytes(&bf16, "planned_host_bytes");
+    // Two moments of 2 bytes less each, over the partition (the parameters and the flat
+    // layout's padding).
+    let ratio = planned / (4.0 * parameters);
+    assert!((1.0..1.001).contains(&ratio), "{planned} bytes less for {parameters} parameters");
+    // Measured: at least three quarters of that (the rest is the allocator's and the OS's).
+    let held = bytes(&fp32, "peak_rss_bytes") - bytes(&bf16, "peak_rss_bytes");
+    assert!(held >= 3.0 * parameters, "{held} bytes less for {parameters} parameters");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["bench", "step", "--model", "tiny", "--mode", "gpu", "--state-dtype", "bf16"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--state-dtype bf16") && stderr.contains("--mode gpu"), "{stderr}");
+}

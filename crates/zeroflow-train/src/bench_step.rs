@@ -16,6 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde_json::json;
 use zeroflow_core::Float;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{self, Context};
 use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
 use zeroflow_engine::{Engine, EngineOptions, SpeculationStats, StepReport, StepTimes};
@@ -73,6 +74,9 @@ pub struct BenchOptions {
     pub steps: u32,
     /// Untimed steps first.
     pub warmup: u32,
+    /// The element type of the CPU optimizer's Adam moments (`zeroflow.optimizer_state_dtype`;
+    /// bf16 with offload only, as in a config).
+    pub state_dtype: OptimizerStateDtype,
     /// The run-time settings asked for (the flags over the environment).
     pub settings: Requested,
     /// Where compiled CUDA kernels are cached (`None`: the user's cache folder).
@@ -104,8 +108,10 @@ pub fn run(
     })
 }
 
-/// The DeepSpeed config of a mode, as `bench/peers/ds_train.py` writes it.
-fn ds_config(mode: Mode, micro_batch: usize, accum: u64, bf16: bool, warmup: u32) -> String {
+/// The DeepSpeed config of a mode, as `bench/peers/ds_train.py` writes it, with zeroflow's own
+/// section where the mode or the moments' dtype needs one.
+fn ds_config(args: &BenchOptions, bf16: bool) -> String {
+    let (mode, micro_batch, accum, warmup) = (args.mode, args.micro_batch, args.accum, args.warmup);
     let offload = match mode {
         Mode::Gpu => String::new(),
         Mode::Offload | Mode::OffloadDelayed => {
@@ -116,12 +122,19 @@ fn ds_config(mode: Mode, micro_batch: usize, accum: u64, bf16: bool, warmup: u32
                                        "full_warm_up_rounds": 0, "overlap_step": true }"#
             .to_owned(),
     };
-    let delayed = match mode {
-        Mode::OffloadDelayed => format!(
-            r#", "zeroflow": {{ "delayed_update": {{ "enabled": true, "warmup_steps": {} }} }}"#,
-            warmup.saturating_sub(1)
-        ),
-        Mode::Gpu | Mode::Offload | Mode::Zenflow => String::new(),
+    let mut zeroflow = Vec::new();
+    if mode == Mode::OffloadDelayed {
+        let warmup_steps = warmup.saturating_sub(1);
+        zeroflow.push(format!(
+            r#""delayed_update": {{ "enabled": true, "warmup_steps": {warmup_steps} }}"#
+        ));
+    }
+    if args.state_dtype != OptimizerStateDtype::Fp32 {
+        zeroflow.push(format!(r#""optimizer_state_dtype": "{}""#, args.state_dtype.name()));
+    }
+    let delayed = match zeroflow.is_empty() {
+        true => String::new(),
+        false => format!(r#", "zeroflow": {{ {} }}"#, zeroflow.join(", ")),
     };
     format!(
         r#"{{
@@ -227,7 +240,7 @@ fn bench<F: Family, M: Model>(
     let binding =
         if args.device == DeviceKind::Cuda { affinity::bind_for_gpu(dist, bind) } else { None };
     let bf16 = args.device == DeviceKind::Cuda;
-    let text = ds_config(args.mode, args.micro_batch, args.accum, bf16, args.warmup);
+    let text = ds_config(args, bf16);
     let world = u32::try_from(dist.world_size).ok().and_then(NonZeroU32::new);
     let world = world.ok_or_else(|| input(format!("a job of {} ranks", dist.world_size)))?;
     let context = Context { world_size: world, ..Context::default() };

@@ -9,6 +9,7 @@
 //! job's tokens/s (every rank's tokens), its own step times, breakdown and memory, and each rank's
 //! means.
 
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_train::ModelSpec;
 use zeroflow_train::bench_step::{self, BenchOptions, Mode, PlanMode};
 use zeroflow_train::dist::DistEnv;
@@ -29,6 +30,13 @@ pub enum ModeFlag {
     /// Offload with ZenFlow as DeepSpeed's benchmark runs it: the top 5 % of each weight's columns
     /// on the device every step, the rest on the CPU every 4 steps, overlapped.
     Zenflow,
+}
+
+/// `--state-dtype`'s values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum StateDtypeFlag {
+    Fp32,
+    Bf16,
 }
 
 #[derive(Debug, clap::Args)]
@@ -56,6 +64,11 @@ pub struct Args {
     /// Untimed steps first (with the delayed update, more than its exact warm-up steps).
     #[arg(long, default_value_t = 4)]
     warmup: u32,
+    /// Element type of the CPU optimizer's Adam moments (a config's
+    /// `zeroflow.optimizer_state_dtype`): bf16 keeps 8 bytes of optimizer state per parameter
+    /// instead of 12; with the offloaded modes only.
+    #[arg(long, value_enum, default_value_t = StateDtypeFlag::Fp32)]
+    state_dtype: StateDtypeFlag,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -85,6 +98,12 @@ impl From<ModeFlag> for Mode {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let model = ModelSpec::parse(&args.model)
         .map_err(|e| InputError::from_display(format!("--model: {e}")))?;
+    if args.state_dtype == StateDtypeFlag::Bf16 && args.mode == ModeFlag::Gpu {
+        return Err(InputError::from_display(
+            "--state-dtype bf16 is for the CPU optimizer of the offloaded modes (offload, \
+             offload-delayed, zenflow); the GPU's AdamW (--mode gpu) keeps fp32 moments",
+        ));
+    }
     if args.micro_batch == 0 || args.steps == 0 || args.accum == 0 {
         return Err(InputError::from_display(
             "--micro-batch, --accum and --steps must be at least 1",
@@ -105,6 +124,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         accum: args.accum,
         steps: args.steps,
         warmup: args.warmup,
+        state_dtype: match args.state_dtype {
+            StateDtypeFlag::Fp32 => OptimizerStateDtype::Fp32,
+            StateDtypeFlag::Bf16 => OptimizerStateDtype::Bf16,
+        },
         settings: requested,
         kernel_cache: settings::env::kernel_cache(),
         plan: match (args.plan_only, args.no_plan_check) {

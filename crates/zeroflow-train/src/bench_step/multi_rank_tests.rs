@@ -32,6 +32,7 @@ fn args(micro_batch: usize) -> BenchOptions {
         accum: 1,
         steps: 3,
         warmup: 1,
+        state_dtype: Default::default(),
         settings: Default::default(),
         kernel_cache: None,
         plan: PlanMode::Check,
