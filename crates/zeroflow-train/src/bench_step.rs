@@ -132,7 +132,7 @@ fn ds_config(args: &BenchOptions, bf16: bool) -> String {
     if args.state_dtype != OptimizerStateDtype::Fp32 {
         zeroflow.push(format!(r#""optimizer_state_dtype": "{}""#, args.state_dtype.name()));
     }
-    let delayed = match zeroflow.is_empty() {
+    let zeroflow = match zeroflow.is_empty() {
         true => String::new(),
         false => format!(r#", "zeroflow": {{ {} }}"#, zeroflow.join(", ")),
     };
@@ -144,7 +144,7 @@ fn ds_config(args: &BenchOptions, bf16: bool) -> String {
   "bf16": {{ "enabled": {bf16} }},
   "optimizer": {{ "type": "AdamW", "params": {{ "lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 }} }},
   "zero_optimization": {{ "stage": 2, "overlap_comm": true, "contiguous_gradients": true,
-                          "reduce_bucket_size": 5e8{offload} }}{delayed}
+                          "reduce_bucket_size": 5e8{offload} }}{zeroflow}
 }}"#
     )
 }

@@ -304,15 +304,7 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
             stream_chunks(&device, &step, state, staging, outgoing, chunks, len)?;
             // Wait for the last uploads.
             outgoing.iter_mut().for_each(HostBuffer::settle);
-            let StepTimes { chunk_wait, upload_wait, adam, .. } = *times;
-            let took = begun.elapsed();
-            tracing::debug!(
-                ?took,
-                ?chunk_wait,
-                ?upload_wait,
-                ?adam,
-                "delayed CPU step on the worker"
-            );
+            trace_worker("delayed", begun, times);
             Ok(())
         })
     }
@@ -480,6 +472,14 @@ pub(super) struct Chunks<'a, D: Device, G: Float, P: Float> {
     pub(super) target_at: usize,
     pub(super) uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
     pub(super) times: &'a mut StepTimes,
+}
+
+/// Says at debug level how long a CPU step on a worker (`path`: the delayed update's or
+/// ZenFlow's) took since `begun`, and where: chunk waits, upload waits, the AdamW.
+pub(super) fn trace_worker(path: &'static str, begun: Instant, times: &StepTimes) {
+    let StepTimes { chunk_wait, upload_wait, adam, .. } = *times;
+    let took = begun.elapsed();
+    tracing::debug!(path, ?took, ?chunk_wait, ?upload_wait, ?adam, "CPU step on the worker");
 }
 
 /// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk

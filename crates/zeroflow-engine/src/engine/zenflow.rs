@@ -30,7 +30,7 @@ use zeroflow_optim::{AdamWConfig, AdamWStep};
 
 use super::shared::{Shared, normalise, overwrite, overwrite_at, slot, sum_to_host};
 use super::state::{OptimizerPart, PathState, assemble};
-use super::stream::{Chunks, stream_chunks};
+use super::stream::{Chunks, stream_chunks, trace_worker};
 use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
@@ -255,15 +255,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
             stream_chunks(&device, &cpu_step, state, staging, outgoing, chunks, len)?;
             // Wait for the last uploads.
             outgoing.iter_mut().for_each(HostBuffer::settle);
-            let StepTimes { chunk_wait, upload_wait, adam, .. } = *times;
-            let took = begun.elapsed();
-            tracing::debug!(
-                ?took,
-                ?chunk_wait,
-                ?upload_wait,
-                ?adam,
-                "ZenFlow CPU step on the worker"
-            );
+            trace_worker("ZenFlow", begun, times);
             Ok(())
         })
     }

@@ -280,11 +280,10 @@ fn check_rope(
     check(&format!("rope dv {label}"), &gpu, &dv_at, &dv);
 }
 
-/// Grouped-query heads (6 on 2, and multi-query 8 on 1), a tiny head of 6 and Llama's 64 with
-/// llama3 scaling, sequences of 37 and 70 (positions past the scaling's original context).
-#[test]
-fn rope_forward_and_backward_match_the_cpu_twin() {
-    let Some(device) = gpu() else { return };
+/// The shapes of both RoPE tests, as `((batch, seq), rotary)`: grouped-query heads (6 on 2) of a
+/// tiny head of 6 at rows of 37, and multi-query heads (8 on 1) of Llama's 64 with llama3 scaling
+/// at rows of 70 (positions past the scaling's original context).
+fn rope_cases() -> [((usize, usize), Rotary); 2] {
     let scaling = Llama3RopeScaling {
         factor: 4.0,
         low_freq_factor: 1.0,
@@ -292,11 +291,17 @@ fn rope_forward_and_backward_match_the_cpu_twin() {
         original_max_position_embeddings: 16,
     };
     let freqs = |head_dim, scaling| RopeFreqs { head_dim, theta: 500.0, scaling };
-    let cases = [
+    [
         ((2, 37), Rotary { t: 37, n_head: 6, n_kv_head: 2, freqs: freqs(6, None) }),
         ((3, 70), Rotary { t: 70, n_head: 8, n_kv_head: 1, freqs: freqs(64, Some(scaling)) }),
-    ];
-    for (index, (batch_seq, rotary)) in cases.into_iter().enumerate() {
+    ]
+}
+
+/// RoPE forward and backward at [`rope_cases`]' shapes.
+#[test]
+fn rope_forward_and_backward_match_the_cpu_twin() {
+    let Some(device) = gpu() else { return };
+    for (index, (batch_seq, rotary)) in rope_cases().into_iter().enumerate() {
         check_rope(&device, batch_seq, rotary, None, 100 + 10 * index as u64);
     }
 }
@@ -307,29 +312,16 @@ fn rope_forward_and_backward_match_the_cpu_twin() {
 #[test]
 fn rope_with_positions_matches_the_cpu_twin() {
     let Some(device) = gpu() else { return };
-    let scaling = Llama3RopeScaling {
-        factor: 4.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position_embeddings: 16,
-    };
-    let freqs = |head_dim, scaling| RopeFreqs { head_dim, theta: 500.0, scaling };
     let positions = |rows: &[&[u32]]| -> Vec<u32> {
         rows.iter().flat_map(|lengths| lengths.iter().flat_map(|&len| 0..len)).collect()
     };
-    let cases = [
-        (
-            (2, 37),
-            Rotary { t: 37, n_head: 6, n_kv_head: 2, freqs: freqs(6, None) },
-            positions(&[&[1, 20, 16], &[5, 1, 31]]),
-        ),
-        (
-            (3, 70),
-            Rotary { t: 70, n_head: 8, n_kv_head: 1, freqs: freqs(64, Some(scaling)) },
-            positions(&[&[70], &[1, 40, 29], &[33, 1, 1, 35]]),
-        ),
+    // The documents' lengths in each row of each case.
+    let documents = [
+        positions(&[&[1, 20, 16], &[5, 1, 31]]),
+        positions(&[&[70], &[1, 40, 29], &[33, 1, 1, 35]]),
     ];
-    for (index, (batch_seq, rotary, positions)) in cases.into_iter().enumerate() {
+    let cases = rope_cases().into_iter().zip(documents);
+    for (index, ((batch_seq, rotary), positions)) in cases.enumerate() {
         check_rope(&device, batch_seq, rotary, Some(&positions), 400 + 10 * index as u64);
     }
 }
