@@ -12,7 +12,10 @@
 #   there: SYSTEMS=zeroflow MODES=offload bash scripts/largest-model.sh      carry: [".gpu", ".peers"]
 #
 # Environment: SYSTEMS ("zeroflow"; or "deepspeed", or both), MODES (default "offload gpu"; zeroflow
-# also knows offload-delayed), MICRO_BATCH (4), STEPS (2), WARMUP (1), ATTEMPT_TIMEOUT (200 s),
+# also knows offload-delayed), FAMILY (gpt2, or llama: the Llama ladder below), SEQ (the family's
+# context: 1024, 2048), CHECKPOINTING=1 (activation checkpointing in both systems), STATE_DTYPE
+# (zeroflow's --state-dtype: fp32, or bf16 for 16-bit Adam moments; recorded in each row),
+# MICRO_BATCH (4), STEPS (2), WARMUP (1), ATTEMPT_TIMEOUT (200 s),
 # BUDGET (560 s: no attempt starts that could end later than this many seconds after the script
 # started; the device tool stops a call at 600 s), RUNGS (the ladder, "LAYERSxWIDTH" from small to
 # large), START_<system>_<mode> (the first rung tried, e.g. START_zeroflow_offload=44x4096).
@@ -22,6 +25,17 @@
 #   24x2048 1.31 B   48x2048 2.52 B   16x4096 3.43 B   20x4096 4.24 B   24x4096 5.04 B
 #   28x4096 5.85 B   32x4096 6.65 B   36x4096 7.46 B   40x4096 8.27 B   44x4096 9.07 B
 #   48x4096 9.88 B   52x4096 10.68 B  56x4096 11.49 B
+#
+# FAMILY=llama: Llama-3 shapes (LlamaForCausalLM in DeepSpeed's peer), head width 128, 8 key/value
+# heads, vocabulary 128256, untied embeddings, rope theta 500000; intermediate 14336 at width 4096
+# (llama-8b's) and 13824 at width 5120; "LAYERSxWIDTH":
+#   8x4096 2.80 B    12x4096 3.67 B   16x4096 4.54 B   20x4096 5.41 B   24x4096 6.28 B
+#   32x4096 8.03 B   36x4096 8.90 B   40x4096 9.78 B   44x4096 10.65 B  48x4096 11.52 B
+#   44x5120 13.42 B  48x5120 14.52 B  52x5120 15.62 B  54x5120 16.17 B  56x5120 16.72 B
+# zeroflow offload with checkpointing (4 x 2048) keeps 12.14 B/param of host memory at llama-8b
+# (measured), 8.1 with bf16 moments (planned): the host's ~125 GiB available end it near 44x4096
+# (fp32 moments) and 54x5120 (bf16). `bench step` checks its memory plan before allocating: a rung
+# the plan refuses is recorded as status "plan" (a failure, with the plan's message), at no cost.
 #
 # Estimates that pick the starting rungs (so that each (system, mode) needs 2-4 attempts).
 # Device: 139.8 GiB = 150 GB; host: 128 GiB = 137 GB, of which ~5 GB is not ours.
@@ -65,7 +79,18 @@ STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
 ATTEMPT_TIMEOUT=${ATTEMPT_TIMEOUT:-200}
 BUDGET=${BUDGET:-560}
-RUNGS=(${RUNGS:-24x2048 48x2048 16x4096 20x4096 24x4096 28x4096 32x4096 36x4096 40x4096 44x4096 48x4096 52x4096 56x4096})
+FAMILY=${FAMILY:-gpt2}
+STATE_DTYPE=${STATE_DTYPE:-fp32}
+if [[ $FAMILY == llama ]]; then
+    SEQ=${SEQ:-2048}
+    DEFAULT_RUNGS="8x4096 12x4096 16x4096 20x4096 24x4096 32x4096 36x4096 40x4096 44x4096 48x4096 44x5120 48x5120 52x5120 54x5120 56x5120"
+else
+    SEQ=${SEQ:-1024}
+    DEFAULT_RUNGS="24x2048 48x2048 16x4096 20x4096 24x4096 28x4096 32x4096 36x4096 40x4096 44x4096 48x4096 52x4096 56x4096"
+fi
+RUNGS=(${RUNGS:-$DEFAULT_RUNGS})
+ZF_CKPT=() PEER_CKPT=()
+[[ -n "${CHECKPOINTING:-}" ]] && ZF_CKPT=(--activation-checkpointing) PEER_CKPT=(--gradient-checkpointing)
 OUT=${OUT:-$PWD/.gpu/out}
 # Everything small under $OUT comes back from the device in one bundle (scripts/bundle-out.sh).
 trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
@@ -79,6 +104,15 @@ export PYTHONUNBUFFERED=1
 Z=${ZEROFLOW:-.gpu/zeroflow}
 
 default_start() { # default_start SYSTEM MODE: the estimate's starting rung
+    if [[ $FAMILY == llama ]]; then
+        case "$1 $2 $STATE_DTYPE" in
+        "zeroflow offload bf16") echo 54x5120 ;;
+        "zeroflow offload fp32") echo 44x4096 ;;
+        "deepspeed offload"*) echo 16x4096 ;;
+        *) echo 32x4096 ;;
+        esac
+        return
+    fi
     case "$1 $2" in
     "zeroflow offload" | "zeroflow offload-delayed") echo 44x4096 ;;
     "zeroflow gpu") echo 24x4096 ;;
@@ -99,6 +133,10 @@ oom_kills() { # the cgroup's count of OOM kills (0 where there is no cgroup v2 f
 }
 
 
+llama_ffn() { # llama_ffn WIDTH: the Llama ladder's intermediate size at that width
+    case $1 in 4096) echo 14336 ;; 5120) echo 13824 ;; *) echo $((($1 * 8 / 3 + 255) / 256 * 256)) ;; esac
+}
+
 # attempt SYSTEM MODE RUNG: runs one size; prints ok or the failure's status; appends the JSON line.
 attempt() {
     local system=$1 mode=$2 rung=$3
@@ -116,16 +154,23 @@ attempt() {
     local begin=$SECONDS
     # The OOM killer, if the host runs out, takes this attempt first.
     local run=(bash -c 'echo 1000 >/proc/self/oom_score_adj; exec "$@"' _)
+    local ffn=$(llama_ffn "$width")
     if [[ $system == zeroflow ]]; then
         local json="{\"n_layer\":$layers,\"n_head\":$heads,\"d_model\":$width,\"vocab_size\":50304,\"context\":1024}"
+        [[ $FAMILY == llama ]] && json="{\"architectures\":[\"LlamaForCausalLM\"],\"num_hidden_layers\":$layers,\"hidden_size\":$width,\"num_attention_heads\":$heads,\"num_key_value_heads\":8,\"intermediate_size\":$ffn,\"vocab_size\":128256,\"tie_word_embeddings\":false,\"rope_theta\":500000.0,\"max_position_embeddings\":8192,\"rms_norm_eps\":1e-5}"
+        local dtype=()
+        [[ $mode != gpu ]] && dtype=(--state-dtype "$STATE_DTYPE")
         timeout "$limit" "${run[@]}" $Z bench step --device cuda --model "$json" --mode "$mode" \
-            --micro-batch "$MICRO_BATCH" --steps "$STEPS" --warmup "$WARMUP" --json >"$log" 2>&1
+            --micro-batch "$MICRO_BATCH" --seq "$SEQ" "${ZF_CKPT[@]}" "${dtype[@]}" \
+            --steps "$STEPS" --warmup "$WARMUP" --json >"$log" 2>&1
     else
         # A fresh port per attempt (this runs in a subshell: a counter would not advance).
         local port=$((29700 + RANDOM % 1000))
+        local shape=(--n-layer "$layers" --d-model "$width" --n-head "$heads")
+        [[ $FAMILY == llama ]] && shape+=(--llama-kv-heads 8 --llama-ffn "$ffn" --vocab 128256)
         PYTHONPATH=/tmp/site RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
             timeout "$limit" "${run[@]}" python3 bench/peers/ds_train.py --mode "$mode" \
-            --n-layer "$layers" --d-model "$width" --n-head "$heads" --init-device cuda \
+            "${shape[@]}" --init-device cuda --seq "$SEQ" "${PEER_CKPT[@]}" \
             --micro-batch "$MICRO_BATCH" --steps "$STEPS" --warmup "$WARMUP" >"$log" 2>&1
     fi
     local rc=$?
@@ -133,12 +178,19 @@ attempt() {
 import json, re, sys
 results, log, rc, seconds, kills = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 text = open(log, errors="replace").read()
-layers, width, heads = $layers, $width, $heads
-vocab, context = 50304, 1024
-row = {"bench": "largest-model", "system": "$system", "mode": "$mode", "n_layer": layers,
-       "d_model": width, "n_head": heads, "vocab_size": vocab, "context": context,
-       "parameters": vocab * width + context * width + layers * (12 * width * width + 13 * width)
-       + 2 * width,
+layers, width, heads, ffn = $layers, $width, $heads, $ffn
+family = "$FAMILY"
+if family == "llama":
+    vocab, context, kv = 128256, $SEQ, 8
+    per_layer = 2 * width * width + 2 * width * kv * 128 + 3 * width * ffn + 2 * width
+    parameters = 2 * vocab * width + layers * per_layer + width
+else:
+    vocab, context = 50304, 1024
+    parameters = vocab * width + context * width + layers * (12 * width * width + 13 * width) + 2 * width
+row = {"bench": "largest-model", "system": "$system", "mode": "$mode", "family": family,
+       "n_layer": layers, "d_model": width, "n_head": heads, "vocab_size": vocab, "context": context,
+       "parameters": parameters, "seq": $SEQ, "checkpointing": bool("${ZF_CKPT[*]}"),
+       "state_dtype": "$STATE_DTYPE" if "$system" == "zeroflow" and "$mode" != "gpu" else "fp32",
        "micro_batch": $MICRO_BATCH, "steps": $STEPS, "warmup": $WARMUP, "exit": rc,
        "seconds": seconds, "run_date": "$RUN_DATE", "log": log.rsplit("/", 1)[-1]}
 result = None
@@ -161,6 +213,8 @@ if rc == 0 and result:
     row["peak_rss_bytes"] = result.get("peak_rss_bytes")
     gpu = result.get("device_memory_in_use_bytes")
     row["device_memory_bytes"] = gpu if gpu else int(result.get("peak_gib", 0) * 2**30) or None
+elif "the memory plan does not fit this machine" in text:
+    row.update(status="plan", error=error)
 elif rc == 124:
     row.update(status="timeout", error=f"no result within {seconds} s")
 elif has(r"out of (pinned )?host memory|memory allocation of \d+ bytes failed|"

@@ -10,7 +10,8 @@ attention, bf16; shapes in models.py), the peer of `zeroflow bench step`:
 A custom size instead of a named one: `--n-layer 40 --d-model 4096 --n-head 32` (vocabulary 50304,
 context 1024 unless `--vocab`/`--context` say otherwise), as scripts/largest-model.sh uses it;
 `--init-device cuda` builds the model on the GPU instead of the CPU (faster for large models, and
-without the CPU copy of the fp32 weights).
+without the CPU copy of the fp32 weights). With `--llama-kv-heads K --llama-ffn F` (and `--vocab`)
+the custom size is a Llama shape instead (LlamaForCausalLM, untied, head width d/heads).
 
 Modes: `gpu` (ZeRO-2, optimizer on the GPU), `offload` (ZeRO-2 + CPU optimizer offload, pinned),
 `zenflow` (ZeRO-2 + offload + ZenFlow: topk 0.05, update_interval 4, overlap_step). Prints one JSON
@@ -81,6 +82,10 @@ def main():
     parser.add_argument("--n-head", type=int, help="custom size: attention heads")
     parser.add_argument("--vocab", type=int, default=50304, help="custom size: vocabulary")
     parser.add_argument("--context", type=int, default=1024, help="custom size: positions")
+    parser.add_argument("--llama-kv-heads", type=int,
+                        help="a custom size is a Llama shape (LlamaForCausalLM, untied, head "
+                             "width d/heads) with this many key/value heads")
+    parser.add_argument("--llama-ffn", type=int, help="a custom Llama shape's intermediate size")
     parser.add_argument("--init-device", default="cpu", choices=["cpu", "cuda"],
                         help="where the model is built before deepspeed.initialize")
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -107,11 +112,17 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     name = f"custom-{args.n_layer}x{args.d_model}" if all(custom) else args.model
+    llama = None
+    if args.llama_kv_heads:
+        if not (all(custom) and args.llama_ffn):
+            parser.error("a custom Llama shape needs --n-layer, --d-model, --n-head, --llama-ffn")
+        name = f"custom-llama-{args.n_layer}x{args.d_model}"
+        llama = (*custom, args.llama_kv_heads, args.llama_ffn, args.vocab, False)
     torch.manual_seed(0)
     with torch.device(args.init_device):
         model, vocab = build(
             args.model, context=args.seq,
-            custom=(*custom, args.vocab, args.context) if all(custom) else None)
+            custom=(*custom, args.vocab, args.context) if all(custom) else None, llama=llama)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = model.config

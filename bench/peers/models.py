@@ -30,9 +30,11 @@ def gpt2_config(n_layer, d, n_head, vocab, context):
     )
 
 
-def llama_config(name, context):
+def llama_config(name, context, shape=None):
+    """The LlamaConfig of a named shape, or of `shape` = (layers, hidden, heads, kv heads,
+    intermediate, vocab, tied)."""
     from transformers import LlamaConfig
-    layers, hidden, heads, kv_heads, ffn, vocab, tied = LLAMA_SIZES[name]
+    layers, hidden, heads, kv_heads, ffn, vocab, tied = shape or LLAMA_SIZES[name]
     return LlamaConfig(
         num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab,
@@ -41,10 +43,13 @@ def llama_config(name, context):
     )
 
 
-def build(name, context=1024, custom=None):
-    """The model of a named shape (or of `custom` = (n_layer, d, n_head, vocab, context), a GPT-2),
-    on the current default device, and its vocabulary size."""
+def build(name, context=1024, custom=None, llama=None):
+    """The model of a named shape (or of `custom` = (n_layer, d, n_head, vocab, context), a GPT-2,
+    or of `llama` = a Llama shape as LLAMA_SIZES holds them), on the current default device, and
+    its vocabulary size."""
     from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    if llama is not None:
+        return LlamaForCausalLM(llama_config(None, context, llama)), llama[5]
     if custom is not None:
         return GPT2LMHeadModel(gpt2_config(*custom)), custom[3]
     if name in LLAMA_SIZES:
