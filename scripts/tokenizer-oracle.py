@@ -262,6 +262,15 @@ def check_documents(name, tok, tokenizer_arg, eot, texts, work, zeroflow, failur
     print(f"{name}: {len(texts)} documents, {megabytes:.2f} MB, {bad} mismatched; zeroflow tokenize "
           f"{megabytes / seconds:.2f} MB/s (process wall time, start-up included), tokenizers "
           f"encode_batch {megabytes / python_seconds:.2f} MB/s, ratio {python_seconds / seconds:.2f}")
+    # The same wall-time comparison with Python's loading counted too (`Tokenizer.from_file` of
+    # the same tokenizer.json), as zeroflow's process wall time counts its own.
+    saved = work / f"{name}-python.json"
+    tok.save(str(saved))
+    start = time.perf_counter()
+    Tokenizer.from_file(str(saved))
+    load_seconds = time.perf_counter() - start
+    print(f"    loading counted on both sides (from_file {load_seconds:.2f} s): ratio "
+          f"{(python_seconds + load_seconds) / seconds:.2f}")
     last = stdout.strip().splitlines()[-1]
     print("   ", last)
     # zeroflow's own timing of its pass (`read ... in S s`): reading, parsing, tokenizing and
@@ -380,6 +389,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpt2-files", default=None,
                         help="a folder with GPT-2's encoder.json and vocab.bpe (default: the cache, then tiktoken-rs's)")
+    parser.add_argument("--extra-tokenizer", action="append", default=[], metavar="TOKENIZER_JSON",
+                        help="also check and time this tokenizer.json (a real model's, or "
+                             "scripts/cl100k-tokenizer.py's 100k-token byte-level BPE); its end-of-text "
+                             "token is <|endoftext|>, <|end_of_text|> or </s>, whichever it has")
     args = parser.parse_args()
     zeroflow = args.zeroflow
     if zeroflow is None:
@@ -406,6 +419,14 @@ def main():
             gpt2_path = work / "gpt2.json"
             gpt2.save(str(gpt2_path))
             check_documents("gpt2-tokenizer.json", gpt2, gpt2_path, 50256, texts, work, zeroflow, failures)
+        for path in args.extra_tokenizer:
+            tok = Tokenizer.from_file(path)
+            eot = next((tok.token_to_id(t) for t in ["<|endoftext|>", "<|end_of_text|>", "</s>"]
+                        if tok.token_to_id(t) is not None), None)
+            if eot is None:
+                raise SystemExit(f"{path}: no <|endoftext|>, <|end_of_text|> or </s> token")
+            name = f"{Path(path).name} ({tok.get_vocab_size()} tokens)"
+            check_documents(name, tok, path, eot, texts, work, zeroflow, failures)
         chats = conversations(rng, args.conversations)
         for name, template in [("llama3", LLAMA3_TEMPLATE), ("chatml", CHATML_TEMPLATE)]:
             check_chat(name, template, llama3, work, zeroflow, chats, failures)

@@ -6,9 +6,10 @@
 //! `eos_token` names the end-of-text token and whose `chat_template` (or a `chat_template.jinja`
 //! beside it) is the chat template.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 use thiserror::Error;
@@ -177,7 +178,72 @@ fn chat_template_field(path: &Path, json: &Value) -> Result<Option<String>, Toke
 enum Kind {
     Bytes,
     Gpt2,
-    HuggingFace(Box<tokenizers::Tokenizer>),
+    HuggingFace(Box<HfTokenizer>),
+}
+
+/// A `tokenizer.json`'s pipeline around its model shared by every copy ([`SharedModel`]).
+type HfTokenizer = tokenizers::TokenizerImpl<
+    SharedModel,
+    tokenizers::NormalizerWrapper,
+    tokenizers::PreTokenizerWrapper,
+    tokenizers::PostProcessorWrapper,
+    tokenizers::DecoderWrapper,
+>;
+
+/// A `tokenizer.json`'s model — its vocabulary and merges, some 10 MB for GPT-2's 50,257 tokens
+/// and more for larger vocabularies — held once for all copies of the tokenizer
+/// ([`Tokenizer::per_thread`]): it is only read while encoding (the `tokenizers` crate's BPE
+/// keeps its cache of words per thread), so the copies share it and a copy costs its
+/// normalizer's and pre-tokenizer's compiled patterns only.
+#[derive(Clone, Debug)]
+struct SharedModel(Arc<tokenizers::ModelWrapper>);
+
+/// Read from `tokenizer.json` as its model is.
+impl<'de> serde::Deserialize<'de> for SharedModel {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        tokenizers::ModelWrapper::deserialize(deserializer)
+            .map(|model| SharedModel(Arc::new(model)))
+    }
+}
+
+impl tokenizers::Model for SharedModel {
+    type Trainer = <tokenizers::ModelWrapper as tokenizers::Model>::Trainer;
+
+    fn tokenize(&self, sequence: &str) -> tokenizers::Result<Vec<tokenizers::Token>> {
+        self.0.tokenize(sequence)
+    }
+
+    fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.0.token_to_id(token)
+    }
+
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        self.0.id_to_token(id)
+    }
+
+    fn get_vocab(&self) -> HashMap<String, u32> {
+        self.0.get_vocab()
+    }
+
+    fn get_vocab_size(&self) -> usize {
+        self.0.get_vocab_size()
+    }
+
+    fn save(&self, folder: &Path, prefix: Option<&str>) -> tokenizers::Result<Vec<PathBuf>> {
+        self.0.save(folder, prefix)
+    }
+
+    fn get_trainer(&self) -> Self::Trainer {
+        self.0.get_trainer()
+    }
+
+    fn tokenize_in_pretokenized(
+        &self,
+        pretokenized: &mut tokenizers::PreTokenizedString,
+        truncation: Option<(usize, tokenizers::TruncationDirection)>,
+    ) -> tokenizers::Result<()> {
+        self.0.tokenize_in_pretokenized(pretokenized, truncation)
+    }
 }
 
 /// GPT-2's pre-tokenizer pattern, which the `tokenizers` crate's `ByteLevel` pre-tokenizer with
@@ -191,7 +257,7 @@ const GPT2_SPLIT: &str =
 /// tokenizer oracle checks GPT-2's `tokenizer.json`), with a compiled pattern that each copy of the
 /// tokenizer has for itself ([`Tokenizer::per_thread`]). Other pre-tokenizers are left as they
 /// are.
-fn own_split_regex(mut tokenizer: tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+fn own_split_regex(mut tokenizer: HfTokenizer) -> HfTokenizer {
     use tokenizers::pre_tokenizers::PreTokenizerWrapper;
     use tokenizers::pre_tokenizers::sequence::Sequence;
     use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
@@ -283,7 +349,7 @@ impl Tokenizer {
     pub fn from_file(path: &Path, config: TokenizerConfig) -> Result<Tokenizer, TokenizerError> {
         let bytes = std::fs::read(path)
             .map_err(|e| TokenizerError::new(path, TokenizerErrorKind::Io(e.to_string())))?;
-        let hf = tokenizers::Tokenizer::from_bytes(&bytes)
+        let hf = HfTokenizer::from_bytes(&bytes)
             .map_err(|e| TokenizerError::new(path, TokenizerErrorKind::Load(e.to_string())))?;
         let vocab_size = hf.get_vocab(true).values().max().map_or(0, |&id| id as usize + 1);
         let eot = match &config.eos_token {
@@ -305,10 +371,10 @@ impl Tokenizer {
     /// Copies of this tokenizer for the threads of rayon's pool, one each (made in parallel), to
     /// tokenize with on many threads at once: the `tokenizers` crate's pure-Rust regex keeps a
     /// compiled pattern's matching state in a pool that every thread using that pattern takes
-    /// from (and its BPE model a cache behind one lock), so threads sharing one tokenizer contend
-    /// where copies do not — GPT-2's own BPE here (`tiktoken-rs`) keeps a pattern per thread for
-    /// the same reason. One copy (this one) for the other kinds. A copy of a large vocabulary
-    /// takes tens of MB: hold them while tokenizing only.
+    /// from, so threads sharing one tokenizer contend where copies do not — GPT-2's own BPE here
+    /// (`tiktoken-rs`) keeps a pattern per thread for the same reason. The copies share the
+    /// model ([`SharedModel`]): each holds its own compiled patterns only. One copy (this one)
+    /// for the other kinds.
     pub fn per_thread(&self) -> Vec<Tokenizer> {
         use rayon::prelude::*;
         match self.kind {
@@ -413,5 +479,45 @@ impl TokenOffsets {
     /// The first token whose range holds byte `pos` (transformers' `char_to_token`).
     pub fn token_at(&self, pos: usize) -> Option<usize> {
         self.offsets.iter().position(|&(start, end)| start <= pos && pos < end)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The copies for the pool's threads hold one model between them and the tokenizer they
+    /// were made from, and give its ids.
+    #[test]
+    fn the_copies_for_the_threads_share_one_model() {
+        use tokenizers::models::bpe::BPE;
+        let vocab = [("a", 0), ("b", 1), ("ab", 2), ("Ġ", 3), ("Ġab", 4), ("<|endoftext|>", 5)];
+        let vocab = vocab
+            .iter()
+            .map(|&(t, id)| (t.to_string(), id))
+            .collect::<tokenizers::models::bpe::Vocab>();
+        let merges = vec![("a".to_string(), "b".to_string()), ("Ġ".into(), "ab".into())];
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().unwrap();
+        let mut hf = tokenizers::Tokenizer::new(bpe);
+        hf.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::byte_level::ByteLevel::new(
+            false, true, true,
+        )));
+        let path =
+            std::env::temp_dir().join(format!("zeroflow-shared-{}.json", std::process::id()));
+        hf.save(&path, false).unwrap();
+        let tokenizer = Tokenizer::from_file(&path, TokenizerConfig::default()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let model = |t: &Tokenizer| match &t.kind {
+            Kind::HuggingFace(hf) => Arc::clone(&hf.get_model().0),
+            Kind::Bytes | Kind::Gpt2 => panic!("a tokenizer.json"),
+        };
+        let copies = tokenizer.per_thread();
+        assert!(copies.iter().all(|copy| Arc::ptr_eq(&model(copy), &model(&tokenizer))));
+        // The tokenizer, its copies and the one `model` just made.
+        assert_eq!(Arc::strong_count(&model(&tokenizer)), copies.len() + 2);
+        assert_eq!(tokenizer.eot(), Some(5));
+        let expected = hf.encode_fast("ab ab", true).unwrap().get_ids().to_vec();
+        assert_eq!(expected, [2, 4]);
+        assert!(copies.iter().all(|copy| copy.encode("ab ab").unwrap() == expected));
     }
 }
