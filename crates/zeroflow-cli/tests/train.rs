@@ -143,6 +143,44 @@ fn config_file_runs_with_offload_accumulation_and_a_schedule() {
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["config"]["gradient_accumulation_steps"], 2);
     assert_eq!(summary["config"]["zero_optimization"]["stage"], 2);
+    // No speculation budget: no speculation counts.
+    let lines = read_lines(&out.join("metrics.jsonl"));
+    assert!(lines.iter().all(|l| l.get("redone_steps").is_none()), "{lines:?}");
+}
+
+/// With a speculation budget the exact offload step's counts are in every step's line: without
+/// clipping every step is speculated on and stands; with a clip that fires on every step, what
+/// is redone or sat out adds up.
+#[test]
+fn a_speculating_run_records_its_counts_per_step() {
+    let dir = scratch("speculation_counts");
+    for (name, clip) in [("unclipped", None), ("clipped", Some(1e-3))] {
+        let config = dir.join(format!("{name}.json"));
+        let clip = clip.map_or(String::new(), |c: f64| format!(r#""gradient_clipping": {c},"#));
+        let json = format!(
+            r#"{{ {clip} "train_micro_batch_size_per_gpu": 4,
+                 "zero_optimization": {{"stage": 2, "offload_optimizer": {{"device": "cpu"}}}} }}"#
+        );
+        std::fs::write(&config, json).unwrap();
+        let out = dir.join(name);
+        let (config, out_arg) = (config.to_str().unwrap(), out.to_str().unwrap());
+        let args = ["--config", config, "--model", MINI, "--steps", "5", "--out", out_arg];
+        let run = train(&[&args[..], &["--speculation-budget-mib", "16"]].concat());
+        assert!(run.status.success(), "stderr: {}", text(&run.stderr));
+        let lines = read_lines(&out.join("metrics.jsonl"));
+        let steps: Vec<_> = lines.iter().filter(|l| l.get("loss").is_some()).collect();
+        assert_eq!(steps.len(), 5);
+        for line in &steps {
+            let count = |field: &str| line[field].as_u64().unwrap_or_else(|| panic!("{line}"));
+            let (step, speculated) = (count("step"), count("speculated_steps"));
+            let (redone, paused) = (count("redone_steps"), count("paused_steps"));
+            if name == "unclipped" {
+                assert_eq!((speculated, redone, paused), (step, 0, 0), "{line}");
+            } else {
+                assert!(redone <= speculated && speculated + paused <= step, "{line}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -245,6 +245,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         self.path.speculation_stats()
     }
 
+    /// True if the exact offload step speculates (offload, the exact update, and a
+    /// `speculation_budget` that holds an element).
+    pub fn speculates(&self) -> bool {
+        self.path.speculates()
+    }
+
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
     /// With the delayed update, waits for a running step first (see [`Engine::flush`]).
     pub fn master_weights(&mut self) -> Result<Vec<f32>, EngineError> {

@@ -40,7 +40,20 @@ pub struct SpeculationStats {
     /// (the clip coefficient, a changed learning rate), or restored because the step was
     /// skipped (non-finite gradients).
     pub redone_steps: u64,
+    /// Steps not speculated on because the clip fired on the last one speculated on (see
+    /// [`MAX_PAUSE`]).
+    pub paused_steps: u64,
 }
+
+/// The most optimizer steps the speculation sits out after the clip fired on a step it
+/// speculated on. The clip firing on a step says it will likely fire on the next (early in a
+/// run, the norm stays above the clip for many steps), and a step that is redone costs more than
+/// one not speculated on: its pieces are stepped twice and their backups written and read. So
+/// after a step redone for its clip coefficient the speculation pauses for one step, then two,
+/// four, … up to this many while the clip goes on firing, and speculates on every step again from
+/// the first that stands. The results do not depend on it: a step not speculated on is the plain
+/// exact step.
+pub const MAX_PAUSE: u64 = 32;
 
 /// What a boundary backward speculates with: the step it assumes, and how to tell early that
 /// clipping will fire.
@@ -90,6 +103,9 @@ pub(crate) struct Speculation<P: Float> {
     stopped: bool,
     /// Σ g² of the pieces seen this step (this rank's only: a lower bound of the global sum).
     partial: f64,
+    /// Steps left to sit out, and the length of the last pause ([`MAX_PAUSE`]).
+    pause_left: u64,
+    pause: u64,
     stats: SpeculationStats,
 }
 
@@ -127,6 +143,8 @@ impl<P: Float> Speculation<P> {
             assumed: None,
             stopped: false,
             partial: 0.0,
+            pause_left: 0,
+            pause: 0,
             stats: SpeculationStats::default(),
         }))
     }
@@ -135,7 +153,8 @@ impl<P: Float> Speculation<P> {
         self.stats
     }
 
-    /// Starts a step's speculation (`None`: this backward does not end a step). Pieces of an
+    /// Starts a step's speculation (`None`: this backward does not end a step; a step in a
+    /// pause after the clip fired is not speculated on either, see [`MAX_PAUSE`]). Pieces of an
     /// earlier speculation never validated (a backward that failed) are restored first.
     pub(crate) fn begin(&mut self, state: &mut HostOptimizer, assumed: Option<Assumed>) {
         self.abandon(state);
@@ -143,7 +162,14 @@ impl<P: Float> Speculation<P> {
         self.reserved = 0;
         self.partial = 0.0;
         self.stopped = false;
-        self.assumed = assumed;
+        self.assumed = assumed.filter(|_| {
+            if self.pause_left == 0 {
+                return true;
+            }
+            self.pause_left -= 1;
+            self.stats.paused_steps += 1;
+            false
+        });
     }
 
     /// True while pieces of this step may still be stepped.
@@ -226,7 +252,16 @@ impl<P: Float> Speculation<P> {
         self.stats.speculated_steps += 1;
         if actual.is_some() && actual == assumed.as_ref() {
             self.stepped.sort_by_key(|piece| piece.range.start);
+            self.pause = 0;
             return Verdict::Stands;
+        }
+        // The gradients' scale differs from the one assumed: the clip fired (or the loss scale
+        // changed). Sit out the next steps, longer each time it happens again.
+        if let (Some(actual), Some(assumed)) = (actual, assumed)
+            && actual.grad_scale() != assumed.grad_scale()
+        {
+            self.pause = (2 * self.pause).clamp(1, MAX_PAUSE);
+            self.pause_left = self.pause;
         }
         self.rollback(state);
         Verdict::RolledBack
@@ -393,6 +428,10 @@ mod tests {
                 assert_eq!(spec.validate(&mut state, actual.as_ref()), Verdict::RolledBack);
                 assert_eq!(state.to_f32(), before, "{dtype}: restored after {actual:?}");
             }
+            // The last rollback was for the gradients' scale (the clip): one step sits out.
+            spec.begin(&mut state, Some(assumed));
+            assert_eq!((spec.active(), spec.reserve(20)), (false, None));
+            assert_eq!(spec.validate(&mut state, Some(&assumed.step)), Verdict::Nothing);
             spec.begin(&mut state, Some(assumed));
             let at = spec.reserve(20).unwrap();
             spec.step_piece(&mut state, 10..30, at, Grads::F32(&grads), None).unwrap();
@@ -406,6 +445,51 @@ mod tests {
             assert_eq!(weights, &direct.master[10..30], "the weights awaiting upload");
             assert_eq!(spec.stats().redone_steps, 2);
             assert_eq!(spec.stats().speculated_steps, 3);
+            assert_eq!(spec.stats().paused_steps, 1);
+        }
+    }
+
+    /// After a step redone for its clip coefficient the speculation sits out 1, 2, 4, … steps,
+    /// at most MAX_PAUSE, while the clip goes on firing on the steps it speculates on; a step that
+    /// stands ends the pauses. A step skipped (`None`) or redone for another reason (the same
+    /// gradient scale: a changed learning rate) does not pause it; nor do backwards that end no
+    /// step.
+    #[test]
+    fn the_clip_firing_pauses_the_speculation_longer_each_time() {
+        let mut state = host_optimizer(OptimizerStateDtype::Fp32);
+        let mut spec = speculation(usize::MAX).unwrap();
+        let assumed = assumed(None);
+        let clipped = AdamW::new(AdamWConfig::default()).unwrap().next_step(0.5);
+        let other_lr = AdamW::new(AdamWConfig { lr: 0.5, ..AdamWConfig::default() })
+            .unwrap()
+            .next_step(assumed.step.grad_scale());
+        let grads = [1.0f32; 4];
+        // One step: true if it was speculated on.
+        let mut step = |spec: &mut Speculation<f32>, actual: Option<&AdamWStep>| {
+            spec.begin(&mut state, None);
+            spec.begin(&mut state, Some(assumed));
+            let speculated = spec.active();
+            if speculated {
+                let at = spec.reserve(4).unwrap();
+                spec.step_piece(&mut state, 0..4, at, Grads::F32(&grads), None).unwrap();
+            }
+            spec.validate(&mut state, actual);
+            speculated
+        };
+        let mut pattern = String::new();
+        for _ in 0..80 {
+            pattern.push(if step(&mut spec, Some(&clipped)) { 's' } else { '.' });
+        }
+        let gaps: Vec<usize> = pattern.split('s').skip(1).map(str::len).collect();
+        let expected: Vec<usize> = [1, 2, 4, 8, 16, 32].into_iter().collect();
+        assert_eq!(&gaps[..6], &expected[..], "{pattern}");
+        assert!(gaps[6..gaps.len() - 1].iter().all(|&g| g == 32), "{pattern}");
+        let paused = spec.stats().paused_steps;
+        assert_eq!(paused, pattern.matches('.').count() as u64);
+        // Sit out what is left of the pause, then a step stands: no more pauses.
+        while !step(&mut spec, Some(&assumed.step)) {}
+        for actual in [Some(&assumed.step), None, Some(&other_lr), Some(&assumed.step)] {
+            assert!(step(&mut spec, actual), "speculated on after {actual:?}");
         }
     }
 

@@ -557,9 +557,11 @@ fn report(
     });
     out["settings"] = job.settings.clone();
     // Rank 0's speculative exact step, warm-up included: steps it stepped pieces of during
-    // backward, and those it redid (clipping, a changed learning rate) or undid (overflow).
+    // backward, those it redid (clipping, a changed learning rate) or undid (overflow), and
+    // those it sat out after the clip fired.
     out["speculated_steps"] = json!(measured.speculation.speculated_steps);
     out["redone_steps"] = json!(measured.speculation.redone_steps);
+    out["paused_steps"] = json!(measured.speculation.paused_steps);
     out
 }
 

@@ -24,6 +24,8 @@ pub struct StepRecord {
     pub loss_scale: f32,
     /// Training tokens per second of training time so far (evaluation excluded).
     pub tokens_per_s: f64,
+    /// The speculative exact offload step's counts so far (this rank's), where it speculates.
+    pub speculation: Option<zeroflow_engine::SpeculationStats>,
 }
 
 /// Where the run writes, and the losses it keeps for the plot. In a job of several ranks only
@@ -112,14 +114,20 @@ impl Recorder {
             scalars.extend(record.grad_norm.map(|norm| ("train/grad_norm", norm)));
             events.scalars(record.step, &scalars).map_err(io("write the event file".to_owned()))?;
         }
-        self.write(&json!({
+        let mut line = json!({
             "step": record.step,
             "loss": record.loss,
             "lr": record.lr,
             "grad_norm": record.grad_norm,
             "loss_scale": record.loss_scale,
             "tokens_per_s": record.tokens_per_s,
-        }))
+        });
+        if let Some(stats) = record.speculation {
+            line["speculated_steps"] = json!(stats.speculated_steps);
+            line["redone_steps"] = json!(stats.redone_steps);
+            line["paused_steps"] = json!(stats.paused_steps);
+        }
+        self.write(&line)
     }
 
     pub fn eval(&mut self, step: u64, eval_loss: f64) -> Result<()> {

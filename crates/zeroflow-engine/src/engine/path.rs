@@ -208,6 +208,15 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         speculation.map_or_else(SpeculationStats::default, Speculation::stats)
     }
 
+    /// True if the exact offload step speculates (a budget that holds an element).
+    pub fn speculates(&self) -> bool {
+        match self {
+            UpdatePath::Accumulate(a) => a.speculation.is_some(),
+            UpdatePath::Stream(s) => s.speculation.is_some(),
+            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => false,
+        }
+    }
+
     /// True if the d2h stream reads the gradients (everything but the device path).
     pub fn offloads(&self) -> bool {
         !matches!(self, UpdatePath::Device(_))

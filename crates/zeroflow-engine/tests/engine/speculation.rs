@@ -96,6 +96,39 @@ fn speculation_is_bit_identical_to_the_plain_exact_step() {
     }
 }
 
+/// A clip that fires on every step, but only once most of a step's pieces are in (95 % of the
+/// smallest unclipped norm): the speculation pauses after each step it redoes, for 1, 2, 4 …
+/// steps (`MAX_PAUSE`), so of 12 steps one rank speculates on steps 0, 2, 5 and 10 only
+/// (streaming and accumulating paths), where it would otherwise redo all 12; with several ranks
+/// each rank pauses after the steps it redid. The run is still the plain exact step's.
+#[test]
+fn a_clip_that_always_fires_pauses_the_speculation() {
+    for (stage, world, accum) in [(Stage::Zero2, 1, 1), (Stage::Zero2, 1, 3), (Stage::Zero1, 2, 1)]
+    {
+        let setup = Setup { steps: 12, ..Setup::new(stage, world, accum, true) };
+        let unclipped = Setup { clip: None, speculation_budget: 0, ..setup.clone() };
+        let norms = norms(&train::<f32>(&unclipped, LossScaler::None, None).reports[0]);
+        let clip = 0.95 * norms.iter().copied().fold(f64::INFINITY, f64::min);
+        let setup = Setup { clip: Some(clip), ..setup };
+        let out = check_bit_identical::<f32>(&setup, WHOLE_BUDGET, &LossScaler::None, None);
+        assert!(out.reports.iter().flatten().all(|report| match report {
+            StepReport::Stepped { clip_coef, .. } => *clip_coef < 1.0,
+            _ => false,
+        }));
+        for (rank, traffic) in out.traffic.iter().enumerate() {
+            let stats = traffic.speculation;
+            let counts = (stats.speculated_steps, stats.redone_steps, stats.paused_steps);
+            if world == 1 {
+                assert_eq!(counts, (4, 4, 8), "{setup:?}: {stats:?}");
+            }
+            assert_eq!(stats.redone_steps, stats.speculated_steps, "{setup:?} rank {rank}");
+            assert!(stats.speculated_steps + stats.paused_steps <= 12, "{setup:?} rank {rank}");
+        }
+        let paused: u64 = out.traffic.iter().map(|t| t.speculation.paused_steps).sum();
+        assert!(paused > 0, "{setup:?}: no rank paused");
+    }
+}
+
 /// bf16 weights: the streaming step reads bf16 gradients and the kernel writes the bf16 copy of
 /// the speculated pieces itself.
 #[test]
