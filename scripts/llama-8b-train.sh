@@ -27,16 +27,8 @@ LIMIT=${LIMIT:-570}
 WORK=${WORK:-/tmp/llama-8b-train}
 rm -rf "$WORK" && mkdir -p "$WORK/text"
 
-find /usr/lib/python3* -name '*.py' 2>/dev/null | sort >"$WORK/files.txt"
-files=$(wc -l <"$WORK/files.txt")
-head -n $((files - 300)) "$WORK/files.txt" | xargs cat >"$WORK/text/train.txt" 2>/dev/null
-tail -n 300 "$WORK/files.txt" | xargs cat >"$WORK/text/eval.txt" 2>/dev/null
-for part in train eval; do
-    $Z tokenize --tokenizer gpt2 "$WORK/text/$part.txt" --out "$WORK/$part" >"$OUT/tokenize-$part.log" 2>&1 ||
-        { echo "tokenize $part failed:"; tail -5 "$OUT/tokenize-$part.log"; exit 1; }
-done
-echo "corpus: $files files, $(stat -c %s "$WORK/text/train.txt") bytes trained on," \
-    "$(stat -c %s "$WORK/text/eval.txt") held out; tokenized at ${SECONDS}s"
+ZEROFLOW=$Z OUT=$OUT bash scripts/python-corpus.sh "$WORK" || exit 1
+echo "tokenized at ${SECONDS}s"
 free -g | head -2
 df -h /tmp | tail -1
 

@@ -6,9 +6,8 @@
 # steps. Printed last: both runs' final eval loss and their ratio, and plot-loss.py's table; the
 # curves go to $OUT/moments-loss.svg and each run's metrics.jsonl to $OUT.
 #
-# The text is the machine's Python standard library (every .py file under /usr/lib/python3*), GPT-2
-# BPE tokens (`zeroflow tokenize --tokenizer gpt2`), the last 300 files held out (as
-# scripts/llama-8b-train.sh).
+# The text is the machine's Python standard library, GPT-2 BPE tokens, the last 300 files held out
+# (scripts/python-corpus.sh).
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/moments-loss.sh   carry: [".gpu"]
 # Environment: BASE_STEPS (200), STEPS (300), EVAL_EVERY (50), MICRO_BATCH (16), SEQ (1024).
@@ -27,14 +26,7 @@ SEQ=${SEQ:-1024}
 WORK=${WORK:-/tmp/moments-loss}
 rm -rf "$WORK" && mkdir -p "$WORK/text"
 
-find /usr/lib/python3* -name '*.py' 2>/dev/null | sort >"$WORK/files.txt"
-files=$(wc -l <"$WORK/files.txt")
-head -n $((files - 300)) "$WORK/files.txt" | xargs cat >"$WORK/text/train.txt" 2>/dev/null
-tail -n 300 "$WORK/files.txt" | xargs cat >"$WORK/text/eval.txt" 2>/dev/null
-for part in train eval; do
-    $Z tokenize --tokenizer gpt2 "$WORK/text/$part.txt" --out "$WORK/$part" >"$OUT/tokenize-$part.log" 2>&1 ||
-        { echo "tokenize $part failed:"; tail -5 "$OUT/tokenize-$part.log"; exit 1; }
-done
+ZEROFLOW=$Z OUT=$OUT bash scripts/python-corpus.sh "$WORK" || exit 1
 
 # The offload config with the moments' dtype set.
 config() { # config DTYPE
