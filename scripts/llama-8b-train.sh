@@ -14,13 +14,7 @@
 # steps 25, 50, 75.
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/llama-8b-train.sh   carry: [".gpu"]
-cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-OUT=${OUT:-$PWD/.gpu/out}
-mkdir -p "$OUT"
-trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
-Z=${ZEROFLOW:-$PWD/.gpu/zeroflow}
+cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 MODES=${MODES:-offload zenflow}
 STEPS=${STEPS:-100}
 LIMIT=${LIMIT:-570}

@@ -11,13 +11,7 @@
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/moments-loss.sh   carry: [".gpu"]
 # Environment: BASE_STEPS (200), STEPS (300), EVAL_EVERY (50), MICRO_BATCH (16), SEQ (1024).
-cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-OUT=${OUT:-$PWD/.gpu/out}
-mkdir -p "$OUT"
-trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
-Z=${ZEROFLOW:-$PWD/.gpu/zeroflow}
+cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 BASE_STEPS=${BASE_STEPS:-200}
 STEPS=${STEPS:-300}
 EVAL_EVERY=${EVAL_EVERY:-50}

@@ -14,13 +14,7 @@
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/speculation-redone.sh   carry: [".gpu"]
 # Environment: STEPS (300), MICRO_BATCH (16), SEQ (1024), BUDGET_MIB (4096).
-cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
-OUT=${OUT:-$PWD/.gpu/out}
-mkdir -p "$OUT"
-trap 'OUT="$OUT" bash scripts/bundle-out.sh >/dev/null 2>&1 || true' EXIT
-Z=${ZEROFLOW:-$PWD/.gpu/zeroflow}
+cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 STEPS=${STEPS:-300}
 MICRO_BATCH=${MICRO_BATCH:-16}
 SEQ=${SEQ:-1024}
