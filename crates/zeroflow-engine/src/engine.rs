@@ -239,16 +239,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     }
 
     /// What the exact offload step's speculation did so far: the steps it stepped pieces of
-    /// during backward, and those it had to redo or undo (`redone_steps`). Zero where it does not
-    /// run (no offload, the delayed update, ZenFlow, a budget of 0).
-    pub fn speculation_stats(&self) -> SpeculationStats {
+    /// during backward, those it had to redo or undo (`redone_steps`) and those it sat out. `None`
+    /// where it does not run (no offload, the delayed update, ZenFlow, a budget of 0).
+    pub fn speculation_stats(&self) -> Option<SpeculationStats> {
         self.path.speculation_stats()
-    }
-
-    /// True if the exact offload step speculates (offload, the exact update, and a
-    /// `speculation_budget` that holds an element).
-    pub fn speculates(&self) -> bool {
-        self.path.speculates()
     }
 
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).

@@ -417,7 +417,7 @@ fn measure<M: Model>(
     measured.copied = engine.device().copied_bytes().since(copied);
     measured.step_times = engine.step_times().since(&step_times);
     measured.device_memory = M::memory_in_use(engine.device());
-    measured.speculation = engine.speculation_stats();
+    measured.speculation = engine.speculation_stats().unwrap_or_default();
     engine.flush()?;
     measured.forward_times = time_forward(args.steps as usize, engine, gpt, inputs, targets)?;
     Ok(measured)

@@ -302,7 +302,7 @@ impl<M: Model> Trainer<M> {
         };
         let tokens = step * self.tokens_per_step;
         let tokens_per_s = tokens as f64 / self.train_time.as_secs_f64();
-        let speculation = self.engine.speculates().then(|| self.engine.speculation_stats());
+        let speculation = self.engine.speculation_stats();
         Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s, speculation })
     }
 

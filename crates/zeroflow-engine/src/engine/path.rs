@@ -198,23 +198,14 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         }
     }
 
-    /// What the speculative step did so far (zero where the path does not speculate).
-    pub fn speculation_stats(&self) -> SpeculationStats {
+    /// What the speculative step did so far (`None` where the path does not speculate).
+    pub fn speculation_stats(&self) -> Option<SpeculationStats> {
         let speculation = match self {
             UpdatePath::Accumulate(a) => a.speculation.as_ref(),
             UpdatePath::Stream(s) => s.speculation.as_ref(),
             UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => None,
         };
-        speculation.map_or_else(SpeculationStats::default, Speculation::stats)
-    }
-
-    /// True if the exact offload step speculates (a budget that holds an element).
-    pub fn speculates(&self) -> bool {
-        match self {
-            UpdatePath::Accumulate(a) => a.speculation.is_some(),
-            UpdatePath::Stream(s) => s.speculation.is_some(),
-            UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => false,
-        }
+        speculation.map(Speculation::stats)
     }
 
     /// True if the d2h stream reads the gradients (everything but the device path).

@@ -248,7 +248,7 @@ pub fn train_from<P: Float>(
                     let traffic = Traffic {
                         copied: device.copied_bytes().since(copied),
                         cpu_wait: engine.cpu_wait() - waited,
-                        speculation: engine.speculation_stats(),
+                        speculation: engine.speculation_stats().unwrap_or_default(),
                         pinned,
                     };
                     let snapshot = engine.snapshot().unwrap();
