@@ -310,9 +310,7 @@ fn sum_squares(grads: Grads<'_>) -> f64 {
     use rayon::prelude::*;
     const PAR: usize = 1 << 16;
     match grads {
-        Grads::F32(g) => {
-            g.par_chunks(PAR).map(|c| c.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>()).sum()
-        }
+        Grads::F32(g) => g.par_chunks(PAR).map(crate::host::sum_of_squares).sum(),
         Grads::Bf16(g) => g
             .par_chunks(PAR)
             .map(|c| c.iter().map(|g| f64::from(g.to_f32()).powi(2)).sum::<f64>())

@@ -22,7 +22,9 @@ use super::shared::{Shared, sum_to_host};
 use super::state::PathState;
 use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{CpuStep, HostAccumulator, STAGING_BUFFERS, WholeStep, alloc_staging};
+use crate::host::{
+    CpuStep, HostAccumulator, STAGING_BUFFERS, WholeStep, alloc_staging, sum_of_squares,
+};
 use crate::offloader::{Landing, Offloader, Speculating};
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, Verdict};
@@ -208,10 +210,7 @@ pub(super) fn host_sum_squares<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &mut Shared<D, C, P>,
     acc: &HostBuffer<f32>,
 ) -> Result<f64, EngineError> {
-    let local: f64 = acc
-        .par_chunks(1 << 16)
-        .map(|chunk| chunk.iter().map(|g| f64::from(*g).powi(2)).sum::<f64>())
-        .sum();
+    let local: f64 = acc.par_chunks(1 << 16).map(sum_of_squares).sum();
     if !shared.across_ranks() {
         return Ok(local);
     }
