@@ -162,12 +162,18 @@ impl<P: Float> WholeStep<P> {
     }
 }
 
-/// Σ x² of `values` in f64, in 8 independent running sums (combined in a fixed order, then the
-/// tail): one running sum is a chain of dependent f64 additions, 4 cycles each, which held the
-/// accumulating path's norm to about a third of the host's memory bandwidth (0.10 s for
-/// gpt-1.3b's 1.31 B gradients on the H200's 16 cores); eight of them let the loop run at
-/// memory speed. The same values give the same sum on every call.
+/// Σ x² of `values` in f64, on all cores: pieces of 64 Ki elements, each in 8 independent running
+/// sums (combined in a fixed order, then the tail). One running sum is a chain of dependent f64
+/// additions, 4 cycles each, which held the accumulating path's norm to about a third of the
+/// host's memory bandwidth (0.10 s for gpt-1.3b's 1.31 B gradients on the H200's 16 cores);
+/// eight of them let the loop run at memory speed.
 pub(crate) fn sum_of_squares(values: &[f32]) -> f64 {
+    use rayon::prelude::*;
+    values.par_chunks(1 << 16).map(piece_sum_of_squares).sum()
+}
+
+/// [`sum_of_squares`] of one piece, on the calling thread.
+fn piece_sum_of_squares(values: &[f32]) -> f64 {
     const LANES: usize = 8;
     let mut lanes = [0.0f64; LANES];
     let mut blocks = values.chunks_exact(LANES);
@@ -658,7 +664,7 @@ mod tests {
         for len in 0..=27 {
             let values: Vec<f32> = (0..len).map(|i| i as f32 - 13.0).collect();
             let plain: f64 = values.iter().map(|x| f64::from(*x).powi(2)).sum();
-            assert_eq!(sum_of_squares(&values), plain, "length {len}");
+            assert_eq!(piece_sum_of_squares(&values), plain, "length {len}");
         }
         let values: Vec<f32> = (0..100_003u32)
             .map(|i| {
@@ -667,9 +673,9 @@ mod tests {
             })
             .collect();
         let plain: f64 = values.iter().map(|x| f64::from(*x).powi(2)).sum();
-        let lanes = sum_of_squares(&values);
+        let lanes = piece_sum_of_squares(&values);
         assert!((lanes - plain).abs() <= 1e-12 * plain, "{lanes} against {plain}");
-        assert_eq!(sum_of_squares(&values).to_bits(), lanes.to_bits());
+        assert_eq!(piece_sum_of_squares(&values).to_bits(), lanes.to_bits());
     }
 
     /// The lengths of the staging and outgoing buffers of a host side over 60 elements with

@@ -162,14 +162,14 @@ impl<P: Float> Speculation<P> {
         self.reserved = 0;
         self.partial = 0.0;
         self.stopped = false;
-        self.assumed = assumed.filter(|_| {
-            if self.pause_left == 0 {
-                return true;
+        self.assumed = match assumed {
+            Some(_) if self.pause_left > 0 => {
+                self.pause_left -= 1;
+                self.stats.paused_steps += 1;
+                None
             }
-            self.pause_left -= 1;
-            self.stats.paused_steps += 1;
-            false
-        });
+            assumed => assumed,
+        };
     }
 
     /// True while pieces of this step may still be stepped.
@@ -310,7 +310,7 @@ fn sum_squares(grads: Grads<'_>) -> f64 {
     use rayon::prelude::*;
     const PAR: usize = 1 << 16;
     match grads {
-        Grads::F32(g) => g.par_chunks(PAR).map(crate::host::sum_of_squares).sum(),
+        Grads::F32(g) => crate::host::sum_of_squares(g),
         Grads::Bf16(g) => g
             .par_chunks(PAR)
             .map(|c| c.iter().map(|g| f64::from(g.to_f32()).powi(2)).sum::<f64>())

@@ -13,7 +13,6 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, HostBuffer, HostMemory, StreamKind};
 use zeroflow_optim::AdamWStep;
@@ -210,7 +209,7 @@ pub(super) fn host_sum_squares<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &mut Shared<D, C, P>,
     acc: &HostBuffer<f32>,
 ) -> Result<f64, EngineError> {
-    let local: f64 = acc.par_chunks(1 << 16).map(sum_of_squares).sum();
+    let local = sum_of_squares(acc);
     if !shared.across_ranks() {
         return Ok(local);
     }
