@@ -13,6 +13,7 @@ import glob
 import os
 import sys
 
+from tokenizers import AddedToken
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 LLAMA3_SPLIT = (
@@ -29,5 +30,9 @@ if not found:
 converter = TikTokenConverter(vocab_file=found[-1], pattern=LLAMA3_SPLIT,
                               additional_special_tokens=["<|endoftext|>"])
 tokenizer = converter.converted()
+# Some transformers versions drop `additional_special_tokens` here: the oracle needs the document
+# separator, so it is added where it is missing.
+if tokenizer.token_to_id("<|endoftext|>") is None:
+    tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
 tokenizer.save(sys.argv[1])
 print(f"{sys.argv[1]}: {tokenizer.get_vocab_size()} tokens")
