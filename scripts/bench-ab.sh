@@ -10,7 +10,8 @@
 #   there: bash scripts/bench-ab.sh gpt-1.3b           carry: [".gpu"]
 #
 # Environment: A (default .gpu/before/zeroflow), B (default .gpu/zeroflow), MODES (default
-# "gpu offload offload-delayed zenflow"), FWD_BWD (1: also `bench gpt`; 0: not), STEPS (8), WARMUP (3), MICRO_BATCH (8), ROUNDS (1),
+# "gpu offload offload-delayed zenflow"), FWD_BWD (1: also `bench gpt`; 0: not), STEPS (8), WARMUP (3), MICRO_BATCH (8),
+# ACCUM (gradient accumulation of `bench step`, 1), ROUNDS (1),
 # OUT (the device tool's folder, else .gpu/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ MODES=${MODES:-gpu offload offload-delayed zenflow}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
 MICRO_BATCH=${MICRO_BATCH:-8}
+ACCUM=${ACCUM:-1}
 ROUNDS=${ROUNDS:-1}
 FWD_BWD=${FWD_BWD:-1}
 EXTRA=fwd-bwd
@@ -72,7 +74,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
                     >"$log" 2>&1
             else
                 timeout 300 "$binary" bench step --device cuda --model "$MODEL" --mode "$mode" \
-                    --micro-batch "$MICRO_BATCH" --steps "$STEPS" --warmup "$WARMUP" --json \
+                    --micro-batch "$MICRO_BATCH" --accum "$ACCUM" --steps "$STEPS" --warmup "$WARMUP" --json \
                     >"$log" 2>"$log.err"
             fi
             echo "$side $MODEL $mode (round $round): exit $?"

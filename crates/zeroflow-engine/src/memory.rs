@@ -13,7 +13,7 @@ use zeroflow_core::layout::FlatLayout;
 
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
 use crate::zenflow::EXCHANGE_PIECE;
-use crate::{AccumulateOn, EngineOptions, OffloadUpdate, Placement, Stage, ZenFlowAside};
+use crate::{AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, ZenFlowAside};
 
 /// Where a buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -98,7 +98,8 @@ pub(crate) fn speculation_capacity(
 }
 
 /// ZeRO-2 with gradient accumulation sums its window on the device: where `on` says, or (`Auto`)
-/// where the device's `free` memory is at least four times the accumulator.
+/// where the device's `free` memory is at least twice the accumulator (it then leaves as much free
+/// as it takes).
 pub(crate) fn sums_on_device(
     opts: &EngineOptions,
     on: AccumulateOn,
@@ -111,7 +112,7 @@ pub(crate) fn sums_on_device(
         && match on {
             AccumulateOn::Host => false,
             AccumulateOn::Device => true,
-            AccumulateOn::Auto => free().is_some_and(|free| bytes <= free / 4),
+            AccumulateOn::Auto => free().is_some_and(|free| bytes <= free / 2),
         }
 }
 
@@ -121,6 +122,17 @@ impl EngineOptions {
     pub fn streams(&self, dtype: DType) -> bool {
         let zenflow = self.zenflow().is_some();
         self.grad_accum == 1 && !zenflow && matches!(dtype, DType::F32 | DType::Bf16)
+    }
+
+    /// The exact offload step streams the window's sum from the device (ZeRO-2 with gradient
+    /// accumulation summing on the device, `on_device` from [`sums_on_device`], f32 or bf16
+    /// weights; the delayed update sums on the host).
+    pub fn streams_sum(&self, dtype: DType, on_device: bool) -> bool {
+        let exact = matches!(
+            &self.placement,
+            Placement::Offload(Offload { update: OffloadUpdate::Exact, .. })
+        );
+        exact && on_device && !self.streams(dtype) && matches!(dtype, DType::F32 | DType::Bf16)
     }
 
     /// The buffers [`crate::Engine::with_weights`] allocates on `rank` of `layout` for weights of
@@ -188,13 +200,19 @@ impl EngineOptions {
         };
         let budget = if delayed { 0 } else { offload.stream.speculation_budget };
         let streaming = self.streams(dtype);
-        let speculated = speculation_capacity(n, budget, streaming, p);
+        let bucket = self.reduce_bucket;
+        let free = || device_free.map(|free| usize::try_from(free).unwrap_or(usize::MAX));
+        let on_device = sums_on_device(self, offload.stream.accumulate_on, n, free);
+        let summed = self.streams_sum(dtype, on_device);
+        // The streaming steps keep the speculated pieces' weights until their upload.
+        let with_weights = streaming || summed;
+        let speculated = speculation_capacity(n, budget, with_weights, p);
         if speculated > 0 {
             lines.push(line(
                 Host,
                 K::Speculation,
                 speculated,
-                speculated_element_bytes(streaming, p),
+                speculated_element_bytes(with_weights, p),
             ));
         }
         if streaming {
@@ -205,9 +223,14 @@ impl EngineOptions {
             }
             return lines;
         }
-        let bucket = self.reduce_bucket;
-        let free = || device_free.map(|free| usize::try_from(free).unwrap_or(usize::MAX));
-        if sums_on_device(self, offload.stream.accumulate_on, n, free) {
+        if summed {
+            // The window's sum on the device, streamed through f32 staging.
+            lines.push(line(Device, K::GradientAccumulator, n, 4));
+            let bytes = STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * p;
+            lines.push(line(Host, K::Staging, staging_len(n, chunk), bytes));
+            return lines;
+        }
+        if on_device {
             lines.push(line(Device, K::GradientAccumulator, n, 4));
             let piece = bucket.min(chunk);
             lines.push(line(
@@ -389,6 +412,32 @@ mod tests {
         opts.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Device;
         let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
         assert_eq!(total(&lines, MemoryKind::Device, acc), 4 * n);
+    }
+
+    /// With the exact update the device's sum streams through the step: no host accumulator and
+    /// no upload buffer, only the state and six chunks of staging (four f32, two bf16), as with
+    /// one micro-step; the delayed update still copies the sum into the host accumulator. `Auto`
+    /// sums on the device where its free memory is at least twice the accumulator.
+    #[test]
+    fn the_summed_offload_holds_the_state_and_staging_only() {
+        let layout = layout_of(1);
+        let n = layout.partition_len() as u64;
+        let host_beside_set_up = |opts: &EngineOptions, free: Option<u64>| {
+            let lines = opts.planned_buffers(&layout, 0, DType::Bf16, free);
+            let host = total(&lines, MemoryKind::Host, None)
+                - total(&lines, MemoryKind::Host, Some(BufferKind::SetUp));
+            (host, total(&lines, MemoryKind::Device, Some(BufferKind::GradientAccumulator)))
+        };
+        let opts = options(offload(OffloadUpdate::Exact, 1 << 20), 4);
+        let summed = (12 * n + n * (4 * 4 + 2 * 2), 4 * n);
+        assert_eq!(host_beside_set_up(&opts, Some(8 * n)), summed);
+        // Less than twice the accumulator free: the host sums (accumulator, upload, staging).
+        let on_host = host_beside_set_up(&opts, Some(8 * n - 1));
+        assert_eq!(on_host, (12 * n + 4 * n + 2 * n + 4 * 1000 * 2, 0));
+        let delayed = options(offload(OffloadUpdate::Delayed { warmup: 2 }, 1 << 20), 4);
+        let (host, device) = host_beside_set_up(&delayed, Some(8 * n));
+        assert_eq!(device, 4 * n);
+        assert!(host >= 12 * n + 2 * 4 * n + 2 * n, "the delayed update's host sum: {host}");
     }
 
     /// ZenFlow with every column selected holds the whole partition in compact buffers; with

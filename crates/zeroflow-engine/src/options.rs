@@ -139,7 +139,7 @@ pub const DEFAULT_ZENFLOW_ASIDE: ZenFlowAside = ZenFlowAside::Device;
 /// Where the accumulating offload path sums the micro-steps' gradients ([`StreamOptions`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AccumulateOn {
-    /// On the device where its free memory at set-up is at least four times the accumulator's
+    /// On the device where its free memory at set-up is at least twice the accumulator's
     /// size, else on the host (the CPU device: on the host).
     #[default]
     Auto,

@@ -5,7 +5,8 @@
 //! | path | options | the CPU step |
 //! |---|---|---|
 //! | [`DeviceUpdate`] | `Placement::Device` | none: AdamW on the compute stream |
-//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 | inline (the speculated pieces stepped during the last backward), or delayed after the warm-up |
+//! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 (and not `Summed`) | inline (the speculated pieces stepped during the last backward), or delayed after the warm-up |
+//! | [`Summed`] | offload, `Exact`, ZeRO-2 with gradient accumulation summed on the device, f32 or bf16 | streamed inline from the device sum (the speculated pieces stepped during the last backward) |
 //! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline (the speculated pieces stepped during backward), or on a worker after the warm-up |
 //! | [`ZenFlowUpdate`] | offload, `ZenFlow` | once per window: inline, or on a worker (`overlap_step`) |
 //!
@@ -46,11 +47,13 @@ pub(super) use super::device::DeviceUpdate;
 use super::shared::Shared;
 use super::state::{PathState, Restore};
 pub(super) use super::stream::Stream;
+pub(super) use super::summed::Summed;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
+use crate::memory::sums_on_device;
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
@@ -61,6 +64,7 @@ pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
     Device(DeviceUpdate<D>),
     Accumulate(Accumulate<D, P>),
     Stream(Stream<D, P>),
+    Summed(Summed<D, P>),
     ZenFlow(Box<ZenFlowUpdate<D, P>>),
 }
 
@@ -150,16 +154,25 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         };
         // Only the exact update speculates: the delayed one already hides the CPU step.
         let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
-        let speculation = Speculation::new(device, len, budget, streaming, memory)?;
+        let on = offload.stream.accumulate_on;
+        let free = || device.free_memory();
+        let summed = opts.streams_sum(P::DTYPE, sums_on_device(opts, on, len, free));
+        // The streaming steps keep the speculated pieces' weights until their upload.
+        let speculation = Speculation::new(device, len, budget, streaming || summed, memory)?;
+        let pieces = offload.stream.gather_in_pieces;
+        if summed {
+            let buffers =
+                StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
+            let path = Summed::new(device, buffers, len, pieces, speculation)?;
+            return Ok(UpdatePath::Summed(path));
+        }
         if streaming {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let pieces = offload.stream.gather_in_pieces;
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation)?;
             return Ok(UpdatePath::Stream(stream));
         }
         let bucket = opts.reduce_bucket;
-        let on = offload.stream.accumulate_on;
         let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
         // Only the CPU adds into the accumulator (from staging): pageable.
         let memories = (memory, HostMemory::Pageable);
@@ -184,6 +197,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => Sink::Device(&device.grad_acc),
             UpdatePath::Accumulate(a) => a.sink(assumed, boundary),
             UpdatePath::Stream(s) => s.sink(assumed),
+            UpdatePath::Summed(s) => s.sink(assumed, boundary),
             // ZenFlow adds each step into its window on the device at the step.
             UpdatePath::ZenFlow(_) => Sink::Keep,
         }
@@ -194,6 +208,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Accumulate(a) => a.abandon_speculation(),
             UpdatePath::Stream(s) => s.abandon_speculation(),
+            UpdatePath::Summed(s) => s.abandon_speculation(),
             UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => {}
         }
     }
@@ -203,6 +218,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let speculation = match self {
             UpdatePath::Accumulate(a) => a.speculation.as_ref(),
             UpdatePath::Stream(s) => s.speculation.as_ref(),
+            UpdatePath::Summed(s) => s.speculation.as_ref(),
             UpdatePath::Device(_) | UpdatePath::ZenFlow(_) => None,
         };
         speculation.map(Speculation::stats)
@@ -221,6 +237,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Device(device) => device.sum_squares(shared),
             UpdatePath::Accumulate(a) => a.sum_squares(shared),
+            UpdatePath::Summed(s) => s.sum_squares(shared),
             // (ZenFlow: this step's, not the window's.)
             UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => shared.reduced_sum_squares(),
         }
@@ -238,6 +255,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => device.update(shared, step),
             UpdatePath::Accumulate(a) => a.update(shared, step),
             UpdatePath::Stream(s) => s.update(shared, step),
+            UpdatePath::Summed(s) => s.update(shared, step),
             UpdatePath::ZenFlow(z) => z.update(shared, step, loss_scale),
         }
     }
@@ -252,6 +270,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 device.zero_accumulator(&shared.device, shared.owned.len())
             }
             UpdatePath::Accumulate(a) => a.zero_accumulator(shared),
+            UpdatePath::Summed(s) => s.zero_accumulator(shared),
             // Nothing accumulates; ZenFlow's window is cleared when a window ends.
             UpdatePath::Stream(_) | UpdatePath::ZenFlow(_) => Ok(()),
         }
@@ -263,7 +282,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
         match self {
-            UpdatePath::Device(_) => Ok(()),
+            UpdatePath::Device(_) | UpdatePath::Summed(_) => Ok(()),
             UpdatePath::Accumulate(a) => a.flush(shared),
             UpdatePath::Stream(s) => s.flush(shared),
             UpdatePath::ZenFlow(z) => z.flush(shared),
@@ -279,6 +298,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => device.state(&shared.device),
             UpdatePath::Accumulate(a) => a.state(),
             UpdatePath::Stream(s) => s.state(),
+            UpdatePath::Summed(s) => Ok(s.state()),
             UpdatePath::ZenFlow(z) => z.state(shared, false),
         }
     }
@@ -295,6 +315,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Accumulate(a) => a.view(flat),
             UpdatePath::Stream(s) => s.view(flat),
+            UpdatePath::Summed(s) => Ok((s.view(flat), false)),
             UpdatePath::ZenFlow(z) => z.checkpoint_view(shared),
             UpdatePath::Device(d) => {
                 let n = flat.len();
@@ -322,6 +343,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => device.master(&shared.device),
             UpdatePath::Accumulate(a) => a.master(),
             UpdatePath::Stream(s) => s.master(),
+            UpdatePath::Summed(s) => Ok(s.master()),
             UpdatePath::ZenFlow(z) => Ok(z.state(shared, true)?.master),
         }
     }
@@ -351,6 +373,11 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 rank,
                 reason: "the checkpoint holds ZenFlow state, and this run does not use ZenFlow",
             }),
+            UpdatePath::Summed(_) if from.upload_pending => Err(EngineError::Restore {
+                rank,
+                reason: "its newest weights are still in the delayed update's optimizer: \
+                         resume it with the delayed update, or with `accumulate_on: \"host\"`",
+            }),
             UpdatePath::Stream(s) if from.upload_pending && s.refuses_pending() => {
                 Err(EngineError::Restore {
                     rank,
@@ -378,6 +405,10 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 a.host.restore(&state, upload_pending)
             }
             UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
+            UpdatePath::Summed(s) => {
+                s.restore(state);
+                Ok(())
+            }
             UpdatePath::ZenFlow(z) => z.restore(shared, &state, upload_pending, zenflow),
         }
     }
@@ -388,7 +419,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Accumulate(a) => Some(&a.host.acc),
             // ZenFlow's window stays on the device unless it takes the host path.
             UpdatePath::ZenFlow(z) => z.host.accumulator(),
-            UpdatePath::Device(_) | UpdatePath::Stream(_) => None,
+            UpdatePath::Device(_) | UpdatePath::Stream(_) | UpdatePath::Summed(_) => None,
         }
     }
 

@@ -23,7 +23,7 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, Filling, HostBuffer, StreamKind};
 use zeroflow_optim::AdamWStep;
 
-use super::shared::{Shared, reduced_source};
+use super::shared::Shared;
 use super::state::PathState;
 use crate::EngineError;
 use crate::checkpoint::PartView;
@@ -146,12 +146,12 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
                     }
                     None => None,
                 };
-                stream_step(shared, buffers, uploaded, pieces, step, speculated)?;
+                stream_reduced(shared, buffers, uploaded, pieces, step, speculated)?;
             }
             StreamCpu::Delayed(delayed) if step.step() <= delayed.warmup => {
                 let (buffers, joined) = delayed.worker.join()?;
                 delayed.upload_pending |= joined;
-                stream_step(shared, buffers, uploaded, pieces, step, None)?;
+                stream_reduced(shared, buffers, uploaded, pieces, step, None)?;
             }
             StreamCpu::Delayed(delayed) => {
                 // The step before this one finished meanwhile: its weights go to the device now
@@ -310,14 +310,8 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
     }
 }
 
-/// The streaming CPU step, inline (see [`stream_chunks`]): from the reduced gradients on the
-/// device to the updated weights in this rank's partition of the flat weights, and into the
-/// other ranks' copies piece by piece: each piece, once uploaded, goes from every rank to every
-/// rank on the comm stream (one broadcast per rank, the same piece of each partition), while the
-/// CPU steps the next chunks ([`PieceGather`]). Only the last piece's gather is left when the CPU
-/// is done, not the whole partition's. Where a speculation stands, its pieces are stepped
-/// already: their weights are uploaded from where it keeps them, and only the rest is streamed.
-fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+/// [`stream_step`] from this step's reduced gradients, where the reduction left them.
+fn stream_reduced<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &mut Shared<D, C, P>,
     buffers: &mut StreamBuffers<P>,
     uploaded_event: &mut D::Event,
@@ -325,19 +319,44 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     step: &AdamWStep,
     speculated: Option<&Speculation<P>>,
 ) -> Result<(), EngineError> {
-    let Shared {
-        ref device,
-        ref comm,
-        ref params,
-        ref events,
-        ref owned,
-        ref layout,
-        ref reduced,
-        ref grads,
-        ref mut step_times,
-        ..
-    } = *shared;
-    let (source, at) = reduced_source::<D, P>(reduced, grads, owned.start);
+    let mut times = std::mem::take(&mut shared.step_times);
+    let (source, at) = shared.reduced_source();
+    let io = StepIo { source, at, uploaded_event, gather_in_pieces, times: &mut times };
+    let gathered = stream_step(shared, buffers, io, step, speculated);
+    shared.step_times = times;
+    finish_stream_step(shared, gathered?)
+}
+
+/// The gradients a streaming step reads (`source` from element `at`: this rank's partition of
+/// them), the event its pieces' gathers wait on, whether it gathers in pieces, and where the
+/// training thread's time goes.
+pub(super) struct StepIo<'a, D: Device, G: Float> {
+    pub(super) source: &'a D::Buffer<G>,
+    pub(super) at: usize,
+    pub(super) uploaded_event: &'a mut D::Event,
+    pub(super) gather_in_pieces: bool,
+    pub(super) times: &'a mut StepTimes,
+}
+
+/// The streaming CPU step, inline (see [`stream_chunks`]): from this rank's gradients on the
+/// device (`io`: the reduced gradients, or the window's sum) to the updated weights in this
+/// rank's partition of the flat weights, and into the other ranks' copies piece by piece: each
+/// piece, once uploaded, goes from every rank to every rank on the comm stream (one broadcast
+/// per rank, the same piece of each partition), while the CPU steps the next chunks
+/// ([`PieceGather`]). Only the last piece's gather is left when the CPU is done, not the whole
+/// partition's. Where a speculation stands, its pieces are stepped already: their weights are
+/// uploaded from where it keeps them, and only the rest is streamed. Gives whether the pieces
+/// were gathered, for [`finish_stream_step`].
+pub(super) fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float, G: Float>(
+    shared: &Shared<D, C, P>,
+    buffers: &mut StreamBuffers<P, G>,
+    io: StepIo<'_, D, G>,
+    step: &AdamWStep,
+    speculated: Option<&Speculation<P>>,
+) -> Result<bool, EngineError> {
+    let Shared { ref device, ref comm, ref params, ref events, ref owned, ref layout, .. } =
+        *shared;
+    let StepIo { source, at, uploaded_event, gather_in_pieces, times } = io;
     let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
     // The gradients are final once the comm stream has computed the norm over them; the
     // weights are free once forward/backward and the last gather are past them.
@@ -367,18 +386,26 @@ fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
         }
         let offset = segment.start;
         let uploaded = &mut |r: Range<usize>| gather.uploaded(offset + r.start..offset + r.end);
-        let times = &mut *step_times;
+        let times = &mut *times;
         let source_at = at + offset;
         let (state_at, target) = (offset, params);
         let chunks = Chunks { state_at, source, source_at, target, target_at, uploaded, times };
         stream_chunks(device, step, state, staging, outgoing, chunks, segment.len())?;
     }
-    // The next backward overwrites the gradients only after these copies read them.
+    Ok(gathers)
+}
+
+/// After [`stream_step`]: the next backward overwrites the gradients only after its copies read
+/// them; the weights are current once the last piece's gather is done (`gathered`), or after
+/// the gather of the whole partition queued here.
+pub(super) fn finish_stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+    shared: &mut Shared<D, C, P>,
+    gathered: bool,
+) -> Result<(), EngineError> {
     shared.record_d2h_done()?;
-    if !gathers {
+    if !gathered {
         return shared.gather_from(StreamKind::H2d);
     }
-    // The weights are current once the last piece's gather is done.
     shared.record_params_ready(StreamKind::Comm)
 }
 

@@ -141,6 +141,8 @@ pub struct Traffic {
     pub speculation: SpeculationStats,
     /// The device's pinned host memory once the engine was set up.
     pub pinned: PinnedUse,
+    /// The engine keeps a host gradient accumulator (the accumulating paths).
+    pub host_accumulator: bool,
 }
 
 /// Trains the synthetic model with the engine; `inject(rank, k)` may poison micro-step `k`.
@@ -250,6 +252,7 @@ pub fn train_from<P: Float>(
                         cpu_wait: engine.cpu_wait() - waited,
                         speculation: engine.speculation_stats().unwrap_or_default(),
                         pinned,
+                        host_accumulator: engine.host_grad_accumulator().is_some(),
                     };
                     let snapshot = engine.snapshot().unwrap();
                     let device_weights = device.download(engine.params()).unwrap();

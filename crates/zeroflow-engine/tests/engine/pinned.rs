@@ -103,3 +103,22 @@ fn the_streaming_step_pins_only_its_staging_and_outgoing_buffers() {
         assert_eq!(traffic.pinned.held, staging + outgoing + norm, "rank {rank}");
     }
 }
+
+/// With gradient accumulation summed on the device, the exact step streams the f32 sum through
+/// the same buffers: four f32 staging buffers and two outgoing ones (bf16 here), no host
+/// accumulator and no whole-partition upload buffer.
+#[test]
+fn the_summed_step_pins_only_its_staging_and_outgoing_buffers() {
+    let setup = Setup {
+        steps: 2,
+        accumulate_on: AccumulateOn::Device,
+        ..Setup::new(Stage::Zero2, 2, 3, true)
+    };
+    let out = train::<Bf16>(&setup, LossScaler::None, None);
+    for (rank, traffic) in out.traffic.iter().enumerate() {
+        let partition = layout(2).partition_range(rank).len();
+        let (staging, outgoing, norm) = (4 * partition * 4, 2 * partition * 2, 4);
+        assert_eq!(traffic.pinned.held, staging + outgoing + norm, "rank {rank}");
+        assert!(!traffic.host_accumulator, "rank {rank}: a host accumulator");
+    }
+}

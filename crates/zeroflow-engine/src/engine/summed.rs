@@ -1,0 +1,167 @@
+//! The summed streaming path (ZeRO-2, gradient accumulation, the exact step inline): each
+//! micro-step's reduced buckets are added into a device accumulator of the partition on the comm
+//! stream; at the step the norm is taken over the sum on the device and the sum streams through
+//! the CPU step chunk by chunk, as the one-micro-step path streams the reduced gradients
+//! ([`super::stream::stream_step`]). Nothing is copied to the host during the window's
+//! backwards, there is no host accumulator and no whole-partition upload buffer: the host holds
+//! the optimizer state and the bounded staging, as with one micro-step.
+//!
+//! Events: the comm stream's adds, then the norm on the same stream (`norm_done`), order the
+//! step's d2h copies after the sum is complete; the step records `d2h_done` after its last
+//! copy, and the accumulator is cleared on the comm stream after it. Where the step is
+//! speculated, the window's last backward also copies each summed piece that fits the budget to
+//! the host after its add (the piece's `reduced` event, `reduction.rs`), and the courier steps it
+//! there; the step then streams the rest.
+
+use std::ops::Range;
+
+use zeroflow_core::Float;
+use zeroflow_device::{Comm, Device, StreamKind};
+use zeroflow_optim::AdamWStep;
+
+use super::shared::Shared;
+use super::state::PathState;
+use super::stream::{StepIo, finish_stream_step, stream_step};
+use crate::EngineError;
+use crate::checkpoint::PartView;
+use crate::device_adamw::DeviceAdamW;
+use crate::host::StreamBuffers;
+use crate::offloader::{Landing, Offloader, Speculating};
+use crate::reduction::Sink;
+use crate::speculation::{Assumed, Speculation, Verdict};
+
+/// The summed streaming path's buffers and events.
+pub(super) struct Summed<D: Device, P: Float> {
+    /// The window's reduced gradients of this rank's partition, summed (loss-scaled units).
+    acc: D::Buffer<f32>,
+    /// The CPU optimizer and the f32 staging the sum streams through.
+    pub(super) buffers: Box<StreamBuffers<P, f32>>,
+    /// H2d → comm: a chunk is uploaded, for its gather.
+    chunk_uploaded: D::Event,
+    /// Gather each uploaded piece while the CPU steps the next (several ranks).
+    gather_in_pieces: bool,
+    /// The step's speculation (`None`: off).
+    pub(super) speculation: Option<Speculation<P>>,
+}
+
+impl<D: DeviceAdamW, P: Float> Summed<D, P> {
+    /// The path over `buffers`, with a device accumulator of the partition's `partition`
+    /// elements.
+    pub fn new(
+        device: &D,
+        buffers: StreamBuffers<P, f32>,
+        partition: usize,
+        gather_in_pieces: bool,
+        speculation: Option<Speculation<P>>,
+    ) -> Result<Self, EngineError> {
+        let acc = device.alloc::<f32>(partition)?;
+        let chunk_uploaded = device.new_event()?;
+        let buffers = Box::new(buffers);
+        Ok(Summed { acc, buffers, chunk_uploaded, gather_in_pieces, speculation })
+    }
+
+    /// Backward's sink: the device accumulator; at the window's last backward, where the step is
+    /// speculated, each summed piece that fits the budget also goes to the host and is stepped
+    /// there at once.
+    pub fn sink(&mut self, assumed: Option<Assumed>, boundary: bool) -> Sink<'_, D, P> {
+        let acc = &self.acc;
+        let offloader = match (&mut self.speculation, boundary) {
+            (Some(speculation), true) => {
+                let StreamBuffers { state, staging, .. } = &mut *self.buffers;
+                speculation.begin(state, assumed);
+                speculation.active().then(|| {
+                    let speculating = Speculating { speculation, state, upload: None };
+                    Offloader::new(staging, Landing::Step(speculating))
+                })
+            }
+            _ => None,
+        };
+        Sink::DeviceThenHost { acc, offloader }
+    }
+
+    /// Σ g² over the sums of all ranks, on the comm stream after its adds (loss-scaled, summed
+    /// units).
+    pub fn sum_squares<C: Comm<Device = D>>(
+        &self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<f64, EngineError> {
+        shared.comm_sum_squares(&self.acc, 0..shared.owned.len())
+    }
+
+    /// The streamed step from the sum, the pieces stepped during the last backward kept where
+    /// the speculation stands.
+    pub fn update<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+    ) -> Result<(), EngineError> {
+        let started = std::time::Instant::now();
+        let speculated = match &mut self.speculation {
+            Some(speculation) => match speculation.validate(&mut self.buffers.state, Some(step)) {
+                Verdict::Stands => Some(&*speculation),
+                Verdict::Nothing | Verdict::RolledBack => None,
+            },
+            None => None,
+        };
+        let mut times = std::mem::take(&mut shared.step_times);
+        let io = StepIo {
+            source: &self.acc,
+            at: 0,
+            uploaded_event: &mut self.chunk_uploaded,
+            gather_in_pieces: self.gather_in_pieces,
+            times: &mut times,
+        };
+        let gathered = stream_step(shared, &mut self.buffers, io, step, speculated);
+        shared.step_times = times;
+        finish_stream_step(shared, gathered?)?;
+        shared.cpu_wait += started.elapsed();
+        Ok(())
+    }
+
+    /// Clears the accumulator for the next window on the comm stream (where the next
+    /// micro-step's adds go), after the step's copies out of it (`d2h_done`).
+    pub fn zero_accumulator<C: Comm<Device = D>>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let comm = shared.device.stream(StreamKind::Comm);
+        if let Some(copied) = &shared.events.d2h_done {
+            shared.device.wait_event(comm, copied)?;
+        }
+        shared.device.fill(comm, &self.acc, 0..shared.owned.len(), 0.0)?;
+        Ok(())
+    }
+
+    /// Restores the pieces stepped speculatively and not yet validated (a skipped step, or a
+    /// state read before the step).
+    pub fn abandon_speculation(&mut self) {
+        if let Some(speculation) = &mut self.speculation {
+            speculation.abandon(&mut self.buffers.state);
+        }
+    }
+
+    /// The master weights.
+    pub fn master(&mut self) -> Vec<f32> {
+        self.abandon_speculation();
+        self.buffers.state.master.to_vec()
+    }
+
+    /// The optimizer state (nothing is pending: the step is inline).
+    pub fn state(&mut self) -> PathState {
+        self.abandon_speculation();
+        let [master, exp_avg, exp_avg_sq] = self.buffers.state.to_f32();
+        PathState { master, exp_avg, exp_avg_sq, upload_pending: false }
+    }
+
+    /// [`Summed::state`] of the partition `flat`, borrowed.
+    pub fn view(&mut self, flat: Range<usize>) -> PartView<'_> {
+        self.abandon_speculation();
+        self.buffers.state.view(flat)
+    }
+
+    /// Takes a checkpoint's state.
+    pub fn restore(&mut self, state: [Vec<f32>; 3]) {
+        self.abandon_speculation();
+        self.buffers.state.restore(&state);
+    }
+}
