@@ -150,8 +150,8 @@ fn the_delayed_update_sums_on_the_device_as_on_the_host() {
 
 /// bf16 and f16 gradients are summed in f32 on both sides; an overflow on one rank (f16,
 /// dynamic loss scale) skips its step on every rank alike, and the device accumulator is cleared
-/// for the next window as the host's is. (f16 weights sum on the device with the accumulating
-/// path: the CPU step reads f32 or bf16.)
+/// for the next window as the host's is; a non-finite bf16 gradient skips its step alike. (f16
+/// weights sum on the device with the accumulating path.)
 #[test]
 fn summing_on_the_device_gives_the_host_sum_in_16_bits() {
     let scaler = LossScaler::Dynamic(DynamicScaler::new(10, 1000, 1.0, 1, false));
@@ -165,6 +165,11 @@ fn summing_on_the_device_gives_the_host_sum_in_16_bits() {
             check_device_sum::<Bf16>(&setup, &LossScaler::None, None);
             let poison = Some((world - 1, 2 * u64::from(accum)));
             check_device_sum::<f16>(&setup, &scaler, poison);
+            // A non-finite bf16 gradient skips the step on the streamed path too, and its
+            // accumulator is cleared for the next window.
+            let (on_host, _) = check_device_sum::<Bf16>(&setup, &LossScaler::None, poison);
+            let skipped = on_host.reports.iter().flatten();
+            assert!(skipped.filter(|r| matches!(r, StepReport::Skipped { .. })).count() > 0);
         }
     }
 }
