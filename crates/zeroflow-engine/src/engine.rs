@@ -218,12 +218,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         self.scaler.scale()
     }
 
-    /// The host gradient accumulator of this rank's partition (the accumulating offload paths).
-    /// Every copy into it has been waited on before `backward` returns, so it shows only
-    /// completed data. Where the window is summed on the device ([`crate::AccumulateOn`]) with
-    /// the delayed update or f16 weights, it holds the window's sum only after the window's last
-    /// backward (zero before); with the exact update and f32 or bf16 weights the sum streams from
-    /// the device and there is none.
+    /// The host gradient accumulator of this rank's partition (the accumulating offload paths),
+    /// complete when `backward` returns. Where the window is summed on the device
+    /// ([`crate::AccumulateOn`]) it holds the sum only after the window's last backward, and
+    /// with the exact update and f32 or bf16 weights (the sum streamed) there is none.
     pub fn host_grad_accumulator(&self) -> Option<&[f32]> {
         self.path.host_grad_accumulator()
     }
