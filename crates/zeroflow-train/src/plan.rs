@@ -10,7 +10,9 @@ use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_engine::checkpoint::WRITE_CHUNK_BYTES;
-use zeroflow_engine::{BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement};
+use zeroflow_engine::{
+    AccumulateOn, BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
+};
 use zeroflow_nn::PlanOptions;
 
 use crate::error::{Result, input};
@@ -429,6 +431,9 @@ enum Knob {
     Offload,
     ZenFlow,
     OptimizerOnGpu,
+    /// ZeRO-2's window summed on the GPU (the exact offload step then streams it: no host
+    /// accumulator).
+    SumOnGpu,
     Bf16Moments,
 }
 
@@ -448,6 +453,7 @@ impl Knob {
             (Knob::OptimizerOnGpu, false) => {
                 "the optimizer on the GPU (no zero_optimization.offload_optimizer)".into()
             }
+            (Knob::SumOnGpu, _) => "--accumulate-on device".into(),
             (Knob::Bf16Moments, _) => {
                 "16-bit Adam moments (\"zeroflow\": {\"optimizer_state_dtype\": \"bf16\"})".into()
             }
@@ -477,6 +483,16 @@ impl Knob {
             }
             Knob::OptimizerOnGpu if inputs.options.offload().is_some() => {
                 out.options.placement = Placement::Device;
+            }
+            Knob::SumOnGpu
+                if inputs.options.stage == Stage::Zero2
+                    && inputs.options.grad_accum > 1
+                    && inputs.options.offload().is_some_and(|o| {
+                        o.stream.accumulate_on != AccumulateOn::Device
+                            && o.update == OffloadUpdate::Exact
+                    }) =>
+            {
+                out.options.offload_mut()?.stream.accumulate_on = AccumulateOn::Device;
             }
             Knob::Bf16Moments
                 if inputs
@@ -508,7 +524,7 @@ pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOption
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the
-    /// optimizer on the GPU.
+    /// optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments.
     fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
         let inputs = &self.inputs;
         let mut knobs = vec![Knob::Checkpointing];
@@ -525,7 +541,13 @@ impl MemoryPlan {
                 .is_some_and(|plan| plan.fit(machine).fits())
         });
         knobs.extend(largest_batch);
-        knobs.extend([Knob::Offload, Knob::ZenFlow, Knob::OptimizerOnGpu, Knob::Bf16Moments]);
+        knobs.extend([
+            Knob::Offload,
+            Knob::ZenFlow,
+            Knob::OptimizerOnGpu,
+            Knob::SumOnGpu,
+            Knob::Bf16Moments,
+        ]);
         knobs
             .into_iter()
             .filter_map(|knob| {
@@ -681,6 +703,32 @@ mod tests {
         }
         // The optimizer is on the GPU already: that knob is not offered.
         assert!(!error.contains("--mode gpu"), "{error}");
+    }
+
+    /// llama-8b's offload with gradient accumulation summed on the host needs its accumulator
+    /// and upload buffer in host memory (about 18 B per parameter): on a host of 128 GiB it does
+    /// not fit, and the window summed on the GPU (no host accumulator, the sum streamed through
+    /// the step) is named, its plan about 6 B per parameter lighter on the host.
+    #[test]
+    fn a_host_short_of_the_accumulator_names_the_gpu_sum() {
+        let mut on_host = inputs("llama-8b", "offload", (2, 2048));
+        on_host.options.grad_accum = 4;
+        on_host.options.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Host;
+        on_host.model_options.activation_checkpointing = true;
+        let plan = MemoryPlan::new(on_host).unwrap();
+        let machine = MachineMemory {
+            gpu_total: Some(140 * GIB),
+            host_total: Some(128 * GIB),
+            host_available: Some(125 * GIB),
+        };
+        let error = plan.check(&machine).expect_err("does not fit").to_string();
+        assert!(error.contains("--accumulate-on device"), "{error}");
+        let knobs = plan.knobs_that_fit(&machine);
+        let (_, summed) = knobs.iter().find(|(flag, _)| flag == "--accumulate-on device").unwrap();
+        let padded = plan.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+        // Its f32 staging (four chunks of 8 Mi elements) is 0.1 GiB more than the host path's.
+        assert!(plan.host_total - summed.host_total >= 6 * padded - GIB / 4, "{summed:?}");
+        assert!(summed.gpu_total >= plan.gpu_total + 4 * padded, "the f32 sum on the GPU");
     }
 
     /// Host memory too small for offload's 12 B per parameter: the optimizer on the GPU fits
