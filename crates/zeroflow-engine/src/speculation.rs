@@ -304,6 +304,21 @@ impl<P: Float> Speculation<P> {
     }
 }
 
+/// Validates the streaming paths' `speculation` (if any) against the step taken: it, where it
+/// stands (its pieces are stepped and their weights kept), else `None` (restored, or nothing
+/// was stepped).
+pub(crate) fn standing<'a, P: Float>(
+    speculation: Option<&'a mut Speculation<P>>,
+    state: &mut HostOptimizer,
+    step: &AdamWStep,
+) -> Option<&'a Speculation<P>> {
+    let speculation = speculation?;
+    match speculation.validate(state, Some(step)) {
+        Verdict::Stands => Some(speculation),
+        Verdict::Nothing | Verdict::RolledBack => None,
+    }
+}
+
 /// Σ g² of a piece in f64 (only to decide whether to go on speculating; the norm the step uses
 /// is computed where it always is).
 fn sum_squares(grads: Grads<'_>) -> f64 {

@@ -33,7 +33,7 @@ use crate::host::{
 };
 use crate::offloader::{Landing, Offloader, Speculating};
 use crate::reduction::Sink;
-use crate::speculation::{Assumed, Speculation, Verdict, segments};
+use crate::speculation::{Assumed, Speculation, segments, standing};
 
 /// The streaming step gathers its uploaded chunks in pieces of this many elements (32 MiB of
 /// bf16), however small the chunks, or an eighth of the partition where that is less: one
@@ -137,15 +137,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
         match &mut self.cpu {
             StreamCpu::Inline(buffers) => {
-                let speculated = match &mut self.speculation {
-                    Some(speculation) => {
-                        match speculation.validate(&mut buffers.state, Some(step)) {
-                            Verdict::Stands => Some(&*speculation),
-                            Verdict::Nothing | Verdict::RolledBack => None,
-                        }
-                    }
-                    None => None,
-                };
+                let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
                 stream_reduced(shared, buffers, uploaded, pieces, step, speculated)?;
             }
             StreamCpu::Delayed(delayed) if step.step() <= delayed.warmup => {

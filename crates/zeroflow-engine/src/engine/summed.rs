@@ -28,7 +28,7 @@ use crate::device_adamw::DeviceAdamW;
 use crate::host::StreamBuffers;
 use crate::offloader::{Landing, Offloader, Speculating};
 use crate::reduction::Sink;
-use crate::speculation::{Assumed, Speculation, Verdict};
+use crate::speculation::{Assumed, Speculation, standing};
 
 /// The summed streaming path's buffers and events.
 pub(super) struct Summed<D: Device, P: Float> {
@@ -96,13 +96,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         step: &AdamWStep,
     ) -> Result<(), EngineError> {
         let started = std::time::Instant::now();
-        let speculated = match &mut self.speculation {
-            Some(speculation) => match speculation.validate(&mut self.buffers.state, Some(step)) {
-                Verdict::Stands => Some(&*speculation),
-                Verdict::Nothing | Verdict::RolledBack => None,
-            },
-            None => None,
-        };
+        let speculated = standing(self.speculation.as_mut(), &mut self.buffers.state, step);
         let mut times = std::mem::take(&mut shared.step_times);
         let io = StepIo {
             source: &self.acc,
