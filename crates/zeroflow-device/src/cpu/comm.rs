@@ -9,6 +9,11 @@
 //! A rank whose communicator is dropped (its thread failed, or ended) leaves the group once its
 //! queued collectives have run: from then on every collective of the others, already waiting or
 //! started later, fails at once with an error naming that rank, instead of waiting out the timeout.
+//!
+//! A barrier that fails (a rank timed out, or one left) breaks the group for good: every later
+//! barrier of every rank fails at once with the first failure's reason. The rank that gave up
+//! stays counted as arrived and its input published, but it has left the collective (its buffers
+//! may be freed); a rank arriving late must not complete that barrier and read them.
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
@@ -45,6 +50,8 @@ struct Rendezvous {
     pending: Vec<usize>,
     /// The ranks whose communicator has been dropped, in the order they were.
     dropped: Vec<usize>,
+    /// Why the first barrier that failed did (the group is broken from then on).
+    broken: Option<String>,
 }
 
 impl Rendezvous {
@@ -73,6 +80,10 @@ impl Group {
     /// when a rank has left the group.
     fn barrier(&self, op: &'static str, rank: usize) -> Result<()> {
         let mut state = self.lock();
+        if let Some(first) = &state.broken {
+            let reason = format!("the group broke in an earlier collective: {first}");
+            return Err(DeviceError::Collective { op, rank, reason });
+        }
         let generation = state.generation;
         state.arrived += 1;
         if state.arrived == self.world {
@@ -83,25 +94,24 @@ impl Group {
         }
         let deadline = Instant::now() + self.timeout;
         while state.generation == generation {
-            if let Some(departed) = state.departed() {
-                return Err(DeviceError::Collective {
-                    op,
-                    rank,
-                    reason: format!(
-                        "rank {departed} left the group (it failed or ended) and will never \
-                         arrive"
-                    ),
-                });
+            let failed = if let Some(first) = &state.broken {
+                Some(format!("the group broke while rank {rank} waited: {first}"))
+            } else if let Some(departed) = state.departed() {
+                Some(format!(
+                    "rank {departed} left the group (it failed or ended) and will never arrive"
+                ))
+            } else if deadline.saturating_duration_since(Instant::now()).is_zero() {
+                let missing = self.world - state.arrived;
+                Some(format!("{missing} rank(s) did not arrive within {:?}", self.timeout))
+            } else {
+                None
+            };
+            if let Some(reason) = failed {
+                state.broken.get_or_insert_with(|| reason.clone());
+                self.changed.notify_all();
+                return Err(DeviceError::Collective { op, rank, reason });
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let missing = self.world - state.arrived;
-                return Err(DeviceError::Collective {
-                    op,
-                    rank,
-                    reason: format!("{missing} rank(s) did not arrive within {:?}", self.timeout),
-                });
-            }
             state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         Ok(())
@@ -130,6 +140,7 @@ impl CpuComm {
                 slots: vec![None; world],
                 pending: vec![0; world],
                 dropped: Vec::with_capacity(world),
+                broken: None,
             }),
             changed: Condvar::new(),
         });

@@ -202,6 +202,36 @@ fn a_rank_that_never_arrives_times_out_instead_of_hanging() {
     );
 }
 
+/// A rank that arrives after another gave up waiting does not complete the barrier with it: the
+/// one that gave up has left the collective, and its input (published at its arrival) may be
+/// freed by then (here it is: its buffer and device are dropped). The late rank fails at once with
+/// the first failure's reason; before, it completed the first barrier and read the stale input.
+#[test]
+fn a_rank_arriving_after_another_timed_out_fails_without_reading_its_input() {
+    let devices = vec![CpuDevice::new().unwrap(), CpuDevice::new().unwrap()];
+    let mut comms = CpuComm::group(&devices, Duration::from_millis(200));
+    let [first, late] = <[CpuDevice; 2]>::try_from(devices).unwrap();
+    let late_comm = comms.pop().unwrap();
+    let first_comm = comms.pop().unwrap();
+    let buf = first.upload(&[1.0f32; 4]).unwrap();
+    first_comm.all_reduce(first.stream(StreamKind::Comm), &buf, 0..4, ReduceOp::Sum).unwrap();
+    let err = first.synchronize().unwrap_err();
+    assert!(err.to_string().contains("did not arrive"), "{err}");
+    drop((buf, first_comm, first));
+    let buf = late.upload(&[2.0f32; 4]).unwrap();
+    let started = std::time::Instant::now();
+    late_comm.all_reduce(late.stream(StreamKind::Comm), &buf, 0..4, ReduceOp::Sum).unwrap();
+    let err = late.synchronize().unwrap_err();
+    assert!(
+        matches!(&err, DeviceError::Collective { op: "all_reduce", rank: 1, reason }
+            if reason.contains("broke in an earlier collective") && reason.contains("did not arrive")),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(150), "it waited: {:?}", started.elapsed());
+    // Its own buffer is untouched.
+    assert_eq!(late.download(&buf).unwrap(), vec![2.0f32; 4]);
+}
+
 /// Three ranks; rank 2 fails (its thread ends, dropping its communicator) before its second
 /// all-reduce. Ranks 0 and 1 wait in that collective; they fail at once, naming rank 2, instead of
 /// waiting out the group's timeout (an hour here, so a pass cannot come from the timeout, whose
