@@ -590,7 +590,8 @@ impl MemoryPlan {
             .collect();
         if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
-                        ZenFlow) brings it under: use a smaller model or more ranks";
+                        ZenFlow, the optimizer on the GPU, the accumulation window summed on the \
+                        GPU, 16-bit moments) brings it under: use a smaller model or more ranks";
         } else {
             message += &format!("Fits with: {}", knobs.join("; "));
         }
