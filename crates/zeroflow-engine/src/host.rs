@@ -162,27 +162,28 @@ impl<P: Float> WholeStep<P> {
     }
 }
 
-/// Σ x² of `values` in f64, on all cores: pieces of 64 Ki elements, each in 8 independent running
-/// sums (combined in a fixed order, then the tail). One running sum is a chain of dependent f64
-/// additions, 4 cycles each, which held the accumulating path's norm to about a third of the
-/// host's memory bandwidth (0.10 s for gpt-1.3b's 1.31 B gradients on the H200's 16 cores);
-/// eight of them let the loop run at memory speed.
-pub(crate) fn sum_of_squares(values: &[f32]) -> f64 {
+/// Σ x² of `values` (f32, or bf16 gradients) in f64, on all cores: pieces of 64 Ki elements,
+/// each in 8 independent running sums (combined in a fixed order, then the tail). One running sum
+/// is a chain of dependent f64 additions, 4 cycles each, which held the accumulating path's norm
+/// to about a third of the host's memory bandwidth (0.10 s for gpt-1.3b's 1.31 B gradients on the
+/// H200's 16 cores); eight of them let the loop run at memory speed.
+pub(crate) fn sum_of_squares<T: Float>(values: &[T]) -> f64 {
     use rayon::prelude::*;
     values.par_chunks(1 << 16).map(piece_sum_of_squares).sum()
 }
 
 /// [`sum_of_squares`] of one piece, on the calling thread.
-fn piece_sum_of_squares(values: &[f32]) -> f64 {
+fn piece_sum_of_squares<T: Float>(values: &[T]) -> f64 {
     const LANES: usize = 8;
+    let square = |x: &T| f64::from(x.to_f32()).powi(2);
     let mut lanes = [0.0f64; LANES];
     let mut blocks = values.chunks_exact(LANES);
     for block in &mut blocks {
         for (lane, x) in lanes.iter_mut().zip(block) {
-            *lane += f64::from(*x) * f64::from(*x);
+            *lane += square(x);
         }
     }
-    let tail: f64 = blocks.remainder().iter().map(|x| f64::from(*x) * f64::from(*x)).sum();
+    let tail: f64 = blocks.remainder().iter().map(square).sum();
     lanes.iter().sum::<f64>() + tail
 }
 

@@ -322,14 +322,9 @@ pub(crate) fn standing<'a, P: Float>(
 /// Σ g² of a piece in f64 (only to decide whether to go on speculating; the norm the step uses
 /// is computed where it always is).
 fn sum_squares(grads: Grads<'_>) -> f64 {
-    use rayon::prelude::*;
-    const PAR: usize = 1 << 16;
     match grads {
         Grads::F32(g) => crate::host::sum_of_squares(g),
-        Grads::Bf16(g) => g
-            .par_chunks(PAR)
-            .map(|c| c.iter().map(|g| f64::from(g.to_f32()).powi(2)).sum::<f64>())
-            .sum(),
+        Grads::Bf16(g) => crate::host::sum_of_squares(g),
     }
 }
 

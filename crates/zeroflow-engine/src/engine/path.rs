@@ -373,19 +373,24 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 rank,
                 reason: "the checkpoint holds ZenFlow state, and this run does not use ZenFlow",
             }),
-            UpdatePath::Summed(_) if from.upload_pending => Err(EngineError::Restore {
+            _ if from.upload_pending && self.refuses_pending() => Err(EngineError::Restore {
                 rank,
                 reason: "its newest weights are still in the delayed update's optimizer: \
-                         resume it with the delayed update, or with `accumulate_on: \"host\"`",
+                         resume it with the delayed update, or with gradient accumulation summed \
+                         on the host (`accumulate_on: \"host\"`)",
             }),
-            UpdatePath::Stream(s) if from.upload_pending && s.refuses_pending() => {
-                Err(EngineError::Restore {
-                    rank,
-                    reason: "its newest weights are still in the delayed update's optimizer: \
-                             resume it with the delayed update, or with gradient accumulation",
-                })
-            }
             _ => Ok(None),
+        }
+    }
+
+    /// True if a checkpoint whose newest weights are still on the host cannot resume here: the
+    /// inline streaming steps (one micro-step, or the device's sum) have no buffer to upload them
+    /// from before their first step.
+    fn refuses_pending(&self) -> bool {
+        match self {
+            UpdatePath::Stream(s) => s.refuses_pending(),
+            UpdatePath::Summed(_) => true,
+            UpdatePath::Device(_) | UpdatePath::Accumulate(_) | UpdatePath::ZenFlow(_) => false,
         }
     }
 
