@@ -41,9 +41,10 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
 
-use self::path::UpdatePath;
+use self::path::{OpenAt, Opening, UpdatePath};
 use self::shared::{Events, Shared, normalise, overwrite, reduced_source};
 pub use self::state::{CheckpointState, OptimizerPart, Restore, Snapshot};
+use self::stream::OpenEvents;
 use crate::buckets::Bucketer;
 use crate::courier;
 use crate::device_adamw::DeviceAdamW;
@@ -55,12 +56,52 @@ use crate::{EngineError, EngineOptions, LossScaler, Stage};
 /// What the model gets for one forward and backward.
 #[derive(Debug)]
 pub struct ModelIo<'a, D: Device, P: Float> {
-    /// The flat weights (read them on the compute stream).
+    /// The flat weights (read them on the compute stream, each range once [`ModelIo::open`]
+    /// has opened it).
     pub params: &'a D::Buffer<P>,
     /// The flat gradients: backward must ADD into them on the compute stream.
     pub grads: &'a D::Buffer<P>,
     /// The factor to multiply the loss by before backward (fp16 loss scaling; 1 otherwise).
     pub loss_scale: f32,
+    /// Opens the weights as the forward reaches them (see [`ModelIo::open`]).
+    pub weights: Opener<'a>,
+}
+
+impl<D: Device, P: Float> ModelIo<'_, D, P> {
+    /// Opens the flat weights below `end` to the kernels queued next on the compute stream: call
+    /// it before queuing any kernel that reads weights below `end`, with `end` growing through
+    /// the forward, and with `usize::MAX` once the forward is queued, before the backward. Where
+    /// the last optimizer step is still being written (`StreamOptions::overlap_forward`), the
+    /// CPU steps the weights up to `end` now and the compute stream waits for their upload, so
+    /// the forward runs while the CPU steps the rest; otherwise it does nothing.
+    pub fn open(&mut self, end: usize) {
+        self.weights.open(end);
+    }
+}
+
+/// The engine's side of [`ModelIo::open`].
+pub struct Opener<'a> {
+    open: Option<&'a mut dyn FnMut(usize)>,
+}
+
+impl<'a> Opener<'a> {
+    /// An opener that has nothing to open (the weights are current).
+    pub fn current() -> Self {
+        Opener { open: None }
+    }
+
+    /// [`ModelIo::open`].
+    pub fn open(&mut self, end: usize) {
+        if let Some(open) = &mut self.open {
+            open(end);
+        }
+    }
+}
+
+impl std::fmt::Debug for Opener<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opener").field("pending", &self.open.is_some()).finish()
+    }
 }
 
 /// What an optimizer step did.
@@ -177,7 +218,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         &self.shared.device
     }
 
-    /// The flat weights on the device.
+    /// The flat weights on the device. With `StreamOptions::overlap_forward` the last step's
+    /// weights may still be on their way (its forward opens them): call
+    /// [`Engine::complete_step`] before reading them outside `backward`.
     pub fn params(&self) -> &D::Buffer<P> {
         &self.shared.params
     }
@@ -249,6 +292,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// The fp32 master weights of this rank's partition, downloaded (device) or copied (host).
     /// With the delayed update, waits for a running step first (see [`Engine::flush`]).
     pub fn master_weights(&mut self) -> Result<Vec<f32>, EngineError> {
+        self.complete_step()?;
         self.path.master_weights(&self.shared)
     }
 
@@ -256,7 +300,17 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// model, so that `params()` holds every step taken. Call it before saving or evaluating at
     /// the end. Without the delayed update it does nothing.
     pub fn flush(&mut self) -> Result<(), EngineError> {
+        self.complete_step()?;
         self.path.flush(&mut self.shared)
+    }
+
+    /// With `StreamOptions::overlap_forward`: runs the CPU work of the last step, which the next
+    /// forward would have overlapped, now, so that [`Engine::params`] and the optimizer state
+    /// hold every step taken. Call it before reading the weights outside `backward` (an
+    /// evaluation, a download). The results do not change; otherwise it does nothing, and the
+    /// delayed update's weights stay pending (see [`Engine::flush`]).
+    pub fn complete_step(&mut self) -> Result<(), EngineError> {
+        self.path.complete(&mut self.shared)
     }
 
     /// Tells ZenFlow that the trainer's data has completed an epoch (see
@@ -278,6 +332,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// its weights stay pending, exactly as without the snapshot, so checkpointing does not
     /// change the run.
     pub fn snapshot(&mut self) -> Result<Snapshot, EngineError> {
+        self.complete_step()?;
         let state = self.path.state(&self.shared)?;
         Ok(Snapshot {
             upload_pending: state.upload_pending,
@@ -319,6 +374,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                          than its micro-steps allow, or no step left to count",
             });
         }
+        self.complete_step()?;
         self.warn_on_moment_conversion(&parts);
         let state = state::assemble_parts(&self.shared.layout, &self.shared.owned, parts, rank)?;
         self.shared.device.synchronize()?;
@@ -364,17 +420,38 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         ) -> Result<(), E>,
         E: From<EngineError>,
     {
-        let reduce_now = self.begin_backward()?;
+        let (reduce_now, zero) = self.begin_backward()?;
         let boundary = reduce_now && self.is_gradient_accumulation_boundary();
         let assumed = boundary.then(|| self.assumed_step());
         let (loss_scale, skip_d2h_wait) = (self.scaler.scale(), self.skip_d2h_wait);
         let Engine { shared, path, bucketer, .. } = self;
         let Shared { device, comm, layout, events, params, grads, reduced, owned, .. } = shared;
-        let (device, grads) = (&*device, &*grads);
-        let io = ModelIo { params, grads, loss_scale };
-        let (source, _) = reduced_source::<D, P>(reduced, grads, owned.start);
-        let sink = path.sink(assumed, boundary);
-        let (model, landed) = courier::run(device, sink, source, |route| {
+        let times = &mut shared.step_times;
+        let Events { bucket_ready, d2h_done, params_ready, compute_done, norm_done, .. } = events;
+        let (device, grads, params) = (&*device, &*grads, &*params);
+        let source = reduced_source::<D, P>(reduced, grads, owned.start);
+        // A step left for this forward (`overlap_forward`): opened as the model reads weights.
+        let mut no_gather = |_| Ok(());
+        let at = OpenAt {
+            device,
+            params,
+            source,
+            owned: owned.clone(),
+            padded_len: layout.padded_len(),
+            events: OpenEvents { norm_done, compute_done, d2h_done, params_ready },
+            uploaded: &mut no_gather,
+            times,
+            zero: zero.then_some(grads),
+        };
+        let (sink, mut opening) = path.sink_or_open(assumed, boundary, at)?;
+        let deferred = opening.is_some();
+        let mut open = |end| opening.iter_mut().for_each(|opening| opening.open(end));
+        let weights = match deferred {
+            true => Opener { open: Some(&mut open) },
+            false => Opener::current(),
+        };
+        let io = ModelIo { params, grads, loss_scale, weights };
+        let (model, landed) = courier::run(device, sink, source.0, |route| {
             let mut flow = Reduction {
                 device,
                 comm,
@@ -382,7 +459,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 owned: owned.clone(),
                 grads,
                 reduced: reduced.as_ref(),
-                bucket_ready: &mut events.bucket_ready,
+                bucket_ready,
                 route,
                 enabled: reduce_now,
                 skip_d2h_wait,
@@ -393,6 +470,16 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             })?;
             bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket)).map_err(E::from)
         });
+        if let Some((opened_all, spent)) = opening.map(Opening::end) {
+            self.shared.cpu_wait += spent;
+            if !opened_all? {
+                return Err(EngineError::Misuse(
+                    "the model read the weights without opening them (ModelIo::open) while the \
+                     last step was left to its forward (StreamOptions::overlap_forward)",
+                )
+                .into());
+            }
+        }
         model?;
         landed?;
         if reduce_now {
@@ -414,24 +501,31 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// The start of a backward: the compute stream waits until the gradients are free and the
     /// weights current, and the gradients are zeroed where the stage asks for it. Returns whether
-    /// this backward reduces its gradients.
-    fn begin_backward(&mut self) -> Result<bool, EngineError> {
+    /// this backward reduces its gradients, and whether the gradients are zeroed later, once the
+    /// forward has opened a step left to it (which reads them meanwhile).
+    fn begin_backward(&mut self) -> Result<(bool, bool), EngineError> {
         if self.backward_pending {
             return Err(EngineError::Misuse("backward called twice without step"));
         }
         let reduce_now =
             self.shared.stage == Stage::Zero2 || self.is_gradient_accumulation_boundary();
         let window_start = self.micro_steps.is_multiple_of(self.grad_accum);
+        let deferred = self.path.defers();
         let Shared { device, events, grads, layout, stage, .. } = &self.shared;
         let compute = device.stream(StreamKind::Compute);
-        let waits = [&events.comm_done, &events.d2h_done, &events.params_ready];
+        // With a step left to the forward, its opening waits for the copies and the uploads.
+        let waits = match deferred {
+            false => [&events.comm_done, &events.d2h_done, &events.params_ready],
+            true => [&events.comm_done, &None, &None],
+        };
         for event in waits.into_iter().flatten() {
             device.wait_event(compute, event)?;
         }
-        if *stage == Stage::Zero2 || window_start {
+        let zero = *stage == Stage::Zero2 || window_start;
+        if zero && !deferred {
             device.fill(compute, grads, 0..layout.padded_len(), P::default())?;
         }
-        Ok(reduce_now)
+        Ok((reduce_now, zero && deferred))
     }
 
     /// Ends the micro-step: at an accumulation boundary, one optimizer step. Then the device

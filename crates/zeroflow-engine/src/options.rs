@@ -118,6 +118,13 @@ pub struct StreamOptions {
     /// Where ZenFlow's CPU step reads its window from (default [`DEFAULT_ZENFLOW_ASIDE`]). The
     /// CPU step reads the same window either way, bit for bit.
     pub zenflow_aside: ZenFlowAside,
+    /// The exact streaming step (one micro-step per step, one rank holding every weight, no
+    /// speculation) leaves its CPU work to the next forward, which opens the weights piece by
+    /// piece: each of its kernels waits only for the upload of the weights it reads, so the
+    /// forward runs while the CPU steps the rest (DESIGN.md §5). The caller's model must then
+    /// call [`crate::ModelIo::open`] before reading weights (see there); off by default, since
+    /// the engine cannot tell whether it does. The results are the same, bit for bit.
+    pub overlap_forward: bool,
 }
 
 /// Where ZenFlow's CPU step reads its window from ([`StreamOptions`], DESIGN.md §6).
@@ -156,6 +163,7 @@ impl Default for StreamOptions {
             speculation_budget: DEFAULT_SPECULATION_BUDGET,
             accumulate_on: AccumulateOn::Auto,
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
+            overlap_forward: false,
         }
     }
 }

@@ -75,12 +75,53 @@ pub fn forward_backward<P: Float>(
     rank: usize,
     k: u64,
 ) -> Result<(), EngineError> {
+    let (weights, grads, scale) = (io.params, io.grads, io.loss_scale);
+    backward(device, layout, weights, grads, scale, grads_ready, (rank, k))
+}
+
+/// [`forward_backward`] with a forward that reads the weights as a model's does: each parameter,
+/// in the layout's order, opened ([`ModelIo::open`]) and then copied by a kernel on the compute
+/// stream into an activation buffer, from which the backward computes the gradients. The same
+/// gradients, bit for bit, where every copy read the current weights; a copy that ran before its
+/// weights' upload reads the last step's, and the run differs.
+pub fn forward_backward_opening<P: Float>(
+    device: &CpuDevice,
+    layout: &FlatLayout,
+    mut io: ModelIo<'_, CpuDevice, P>,
+    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    rank: usize,
+    k: u64,
+) -> Result<(), EngineError> {
     let compute = device.stream(StreamKind::Compute);
-    let scale = io.loss_scale;
+    let seen = device.alloc::<P>(layout.padded_len())?;
+    for param in layout.params() {
+        let range = param.flat_range();
+        io.open(range.end);
+        let args = KernelArgs::new().input(io.params, range.clone()).output(&seen, range);
+        device.launch(compute, "synthetic_forward", args, |ctx| {
+            let weights = ctx.input::<P>(0).to_vec();
+            ctx.output::<P>(1).copy_from_slice(&weights);
+            Ok(())
+        })?;
+    }
+    io.open(usize::MAX);
+    backward(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
+}
+
+/// The synthetic backward from `weights` into `grads` (see [`forward_backward`]).
+fn backward<P: Float>(
+    device: &CpuDevice,
+    layout: &FlatLayout,
+    weights: &<CpuDevice as Device>::Buffer<P>,
+    grads: &<CpuDevice as Device>::Buffer<P>,
+    scale: f32,
+    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    (rank, k): (usize, u64),
+) -> Result<(), EngineError> {
+    let compute = device.stream(StreamKind::Compute);
     for param in layout.params().iter().rev() {
         let range = param.flat_range();
-        let args =
-            KernelArgs::new().input(io.params, range.clone()).in_out(io.grads, range.clone());
+        let args = KernelArgs::new().input(weights, range.clone()).in_out(grads, range.clone());
         let start = range.start;
         device.launch(compute, "synthetic_backward", args, move |ctx| {
             let (w, g) = (ctx.input::<P>(0), ctx.output::<P>(1));

@@ -85,6 +85,17 @@ impl CpuGpt {
         Ok(self.runner.forward(params)?)
     }
 
+    /// [`Self::forward`], telling `open(end)` before queuing the first operation that reads
+    /// flat weights below `end`, and `open(usize::MAX)` once the forward is queued (the
+    /// engine's `ModelIo::open`).
+    pub fn forward_opening(
+        &mut self,
+        params: &CpuBuffer<f32>,
+        open: &mut dyn FnMut(usize),
+    ) -> Result<(), GptError> {
+        Ok(self.runner.forward_opening(params, open)?)
+    }
+
     /// Waits for the last forward and returns its mean loss (copied out on the D2H stream).
     pub fn loss(&mut self) -> Result<f32, GptError> {
         Ok(self.runner.loss()?)

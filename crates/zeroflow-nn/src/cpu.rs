@@ -94,10 +94,29 @@ impl<X: LayerKernel> CpuRunner<X> {
 
     /// Queues forward on the compute stream.
     pub fn forward(&mut self, params: &CpuBuffer<f32>) -> Result<(), NnError> {
+        self.forward_opening(params, &mut |_| {})
+    }
+
+    /// [`CpuRunner::forward`], telling `open(end)` before queuing the first launch that reads
+    /// flat weights below `end` (growing through the forward), and `open(usize::MAX)` once the
+    /// forward is queued (see `CudaRunner::forward_opening`).
+    pub fn forward_opening(
+        &mut self,
+        params: &CpuBuffer<f32>,
+        open: &mut dyn FnMut(usize),
+    ) -> Result<(), NnError> {
         self.check_flat("parameter buffer", params)?;
+        let mut opened = 0;
         for launch in &self.plan.forward {
+            let params_end =
+                launch.args.iter().filter(|a| a.buf == Buf::Params).map(|a| a.range.end);
+            if let Some(end) = params_end.max().filter(|&end| end > opened) {
+                open(end);
+                opened = end;
+            }
             self.launch(launch, launch.kernel.clone(), params, None)?;
         }
+        open(usize::MAX);
         self.device.record(&mut self.loss_written, self.device.stream(StreamKind::Compute))?;
         Ok(())
     }

@@ -31,6 +31,19 @@ pub trait Model: Sized {
     /// Queues forward.
     fn forward(&mut self, params: &Buffer<Self>) -> Result<(), Self::Error>;
 
+    /// Queues forward, telling `open(end)` before queuing the first operation that reads flat
+    /// weights below `end` (growing), and `open(usize::MAX)` once the forward is queued: the
+    /// engine's `ModelIo::open`, which lets the forward start while the last step's weights are
+    /// still being uploaded. By default everything is opened first, then [`Model::forward`] runs.
+    fn forward_opening(
+        &mut self,
+        params: &Buffer<Self>,
+        open: &mut dyn FnMut(usize),
+    ) -> Result<(), Self::Error> {
+        open(usize::MAX);
+        self.forward(params)
+    }
+
     /// Waits for the last forward and returns its mean loss.
     fn loss(&mut self) -> Result<f32, Self::Error>;
 
@@ -84,6 +97,14 @@ macro_rules! model_impl {
 
             fn forward(&mut self, params: &$crate::model::Buffer<Self>) -> Result<(), $error> {
                 <$model>::forward(self, params)
+            }
+
+            fn forward_opening(
+                &mut self,
+                params: &$crate::model::Buffer<Self>,
+                open: &mut dyn FnMut(usize),
+            ) -> Result<(), $error> {
+                <$model>::forward_opening(self, params, open)
             }
 
             fn loss(&mut self) -> Result<f32, $error> {

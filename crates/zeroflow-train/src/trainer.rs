@@ -139,8 +139,9 @@ impl<M: Model> Trainer<M> {
     }
 
     /// The engine's current device weights as f32, in its flat layout (the weights a checkpoint
-    /// of this step saves; waits for the device).
-    pub(crate) fn host_weights(&self) -> Result<(Vec<f32>, &FlatLayout)> {
+    /// of this step saves; waits for the device, and for a step left to the next forward).
+    pub(crate) fn host_weights(&mut self) -> Result<(Vec<f32>, &FlatLayout)> {
+        self.engine.complete_step()?;
         let weights = self.engine.device().download(self.engine.params())?;
         Ok((weights.into_iter().map(Float::to_f32).collect(), self.engine.layout()))
     }
@@ -335,7 +336,9 @@ impl<M: Model> Trainer<M> {
     ) -> Result<Option<f64>> {
         // The forward below runs on the compute stream outside the engine's backward, so nothing
         // orders it after the weights' last writer (the comm stream's all-gather with several
-        // ranks, the upload with offload): wait for every stream. Evaluation is rare.
+        // ranks, the upload with offload): wait for every stream, after the CPU work of a step
+        // left to the next forward. Evaluation is rare.
+        self.engine.complete_step()?;
         self.engine.device().synchronize()?;
         // Σ (mean loss × counted targets) and Σ counted targets: the mean over the whole set's
         // counted targets (the padding of the last micro-batches counts for nothing).
@@ -431,10 +434,11 @@ pub fn forward_backward<M: Model>(
     model: &mut M,
     weight: f64,
 ) -> Result<()> {
-    engine.backward(|io, grads_ready| -> Result<()> {
+    engine.backward(|mut io, grads_ready| -> Result<()> {
         // The model's callback cannot fail: the engine's first error is kept and returned.
         let mut engine_error: Option<EngineError> = None;
-        model.forward(io.params).map_err(TrainError::model)?;
+        let params = io.params;
+        model.forward_opening(params, &mut |end| io.open(end)).map_err(TrainError::model)?;
         let loss_scale = f64::from(io.loss_scale) * weight;
         model
             .backward(io.params, io.grads, loss_scale, &mut |ready| {

@@ -79,6 +79,12 @@ pub struct HostFlags {
     /// zeroflow.offload.pinned_budget_mib.
     #[arg(long, value_name = "MIB", value_parser = parse_budget_mib)]
     pub pinned_budget_mib: Option<f64>,
+    /// The exact offload step (one micro-step per step, one GPU) leaves its CPU work to the next
+    /// forward, which starts on the weights stepped first while the CPU steps the rest: on (the
+    /// default) or off; the same numbers either way. Over ZEROFLOW_OVERLAP_FORWARD and
+    /// zeroflow.offload.overlap_forward.
+    #[arg(long, value_name = "on|off", value_parser = flag(&names::SWITCH))]
+    pub overlap_forward: Option<bool>,
 }
 
 /// What the flags ask for.
@@ -95,6 +101,7 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         speculation_budget_mib: host.speculation_budget_mib,
         accumulate_on: host.accumulate_on,
         pinned_budget_mib: host.pinned_budget_mib,
+        overlap_forward: host.overlap_forward,
         // `train --pack` alone: not a setting of the device's flags.
         pack: None,
     }

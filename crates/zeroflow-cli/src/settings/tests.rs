@@ -37,6 +37,8 @@ fn the_flags_take_the_names_the_variables_take() {
         "Host",
         "--pinned-budget-mib",
         "0",
+        "--overlap-forward",
+        "off",
     ])
     .unwrap();
     assert_eq!(
@@ -53,6 +55,7 @@ fn the_flags_take_the_names_the_variables_take() {
             speculation_budget_mib: Some(0.0),
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(0.0),
+            overlap_forward: Some(false),
             pack: None,
         }
     );

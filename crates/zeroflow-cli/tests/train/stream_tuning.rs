@@ -20,7 +20,7 @@ fn train_tuned(dir: &Path, tuning: &[(&str, &str)]) -> Output {
     let config = dir.join("ds.json");
     std::fs::write(&config, OFFLOAD).unwrap();
     let (config, out) = (config.to_str().unwrap(), dir.join("run"));
-    let args = ["--config", config, "--model", MINI, "--steps", "4", "--out"];
+    let args = ["--config", config, "--model", MINI, "--steps", "4", "--eval-every", "2", "--out"];
     Command::new(env!("CARGO_BIN_EXE_zeroflow"))
         .arg("train")
         .args(args)
@@ -28,6 +28,7 @@ fn train_tuned(dir: &Path, tuning: &[(&str, &str)]) -> Output {
         .env("ZEROFLOW_LOG", "info")
         .env_remove("ZEROFLOW_STREAM_CHUNK_MIB")
         .env_remove("ZEROFLOW_COPY_STORES")
+        .env_remove("ZEROFLOW_OVERLAP_FORWARD")
         .envs(tuning.iter().copied())
         .output()
         .expect("run zeroflow")
@@ -63,12 +64,37 @@ fn offload_stream_tuning_is_logged_and_trains_exactly_as_the_default() {
     assert_eq!(losses_and_norms(&tuned_dir), default);
 }
 
+/// The exact step's CPU work overlapped with the next forward (the default) against the step
+/// done before it (`ZEROFLOW_OVERLAP_FORWARD=off`), in chunks of 26 elements that the forward
+/// opens a few at a time, with evaluations between steps: the same losses, norms and eval losses.
+#[test]
+fn the_step_overlapped_with_the_next_forward_trains_exactly_as_the_step_before_it() {
+    let chunk = ("ZEROFLOW_STREAM_CHUNK_MIB", "1e-4");
+    let runs =
+        [("on", "overlapped with the next forward"), ("off", "done before the next forward")];
+    let mut seen = Vec::new();
+    for (overlap, logged) in runs {
+        let dir = scratch(&format!("stream_tuning_overlap_{overlap}"));
+        let run = train_tuned(&dir, &[chunk, ("ZEROFLOW_OVERLAP_FORWARD", overlap)]);
+        let stderr = text(&run.stderr);
+        assert!(run.status.success(), "stderr: {stderr}");
+        assert!(stderr.contains(logged), "the choice is logged: {stderr}");
+        let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
+        let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
+        assert_eq!(evals.len(), 2, "{lines:?}");
+        seen.push((losses_and_norms(&dir), evals));
+    }
+    assert_eq!(seen[0].0.len(), 4);
+    assert_eq!(seen[0], seen[1]);
+}
+
 #[test]
 fn a_bad_offload_stream_tuning_exits_2_naming_the_variable() {
     for (name, value, accepted) in [
         ("ZEROFLOW_STREAM_CHUNK_MIB", "0", "positive number of MiB"),
         ("ZEROFLOW_STREAM_CHUNK_MIB", "32MiB", "positive number of MiB"),
         ("ZEROFLOW_COPY_STORES", "streaming", "normal or non-temporal"),
+        ("ZEROFLOW_OVERLAP_FORWARD", "sometimes", "on or off"),
     ] {
         let dir = scratch(&format!("stream_tuning_bad_{value}"));
         let run = train_tuned(&dir, &[(name, value)]);

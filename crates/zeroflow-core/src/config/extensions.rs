@@ -12,7 +12,8 @@
 //!   "cpu_bind": "auto",
 //!   "optimizer_state_dtype": "fp32",
 //!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto",
-//!                "speculation_budget_mib": 0, "accumulate_on": "auto", "pinned_budget_mib": "auto" }
+//!                "speculation_budget_mib": 0, "accumulate_on": "auto", "pinned_budget_mib": "auto",
+//!                "overlap_forward": true }
 //! }
 //! ```
 //!
@@ -145,6 +146,9 @@ pub struct OffloadTuning {
     /// nothing); past it, host buffers asked for as pinned are pageable, with a warning.
     /// `None` (`"auto"`): no limit (only what the driver refuses to pin falls back).
     pub pinned_budget_mib: Option<f64>,
+    /// The exact streaming step's CPU work left to the next forward, which opens the weights as
+    /// the CPU steps them (`None`: zeroflow's default, on).
+    pub overlap_forward: Option<bool>,
 }
 
 const ATTENTIONS: &[(&str, Option<Attention>)] =
@@ -197,6 +201,7 @@ impl ZeroflowExtensions {
                 "speculation_budget_mib": offload.speculation_budget_mib,
                 "accumulate_on": name_of(ACCUMULATE_ONS, offload.accumulate_on),
                 "pinned_budget_mib": offload.pinned_budget_mib,
+                "overlap_forward": offload.overlap_forward,
             },
         })
     }
@@ -286,6 +291,7 @@ fn read_offload(
     };
     let accumulate_on =
         named(&mut offload, "accumulate_on", ACCUMULATE_ONS, "\"auto\", \"device\" or \"host\"")?;
+    let overlap_forward = offload.bool("overlap_forward")?.given();
     offload.finish(&[], diagnostics);
     Ok(OffloadTuning {
         stream_chunk_mib,
@@ -295,6 +301,7 @@ fn read_offload(
         speculation_budget_mib,
         accumulate_on,
         pinned_budget_mib,
+        overlap_forward,
     })
 }
 

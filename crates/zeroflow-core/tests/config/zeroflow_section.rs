@@ -23,7 +23,7 @@ fn every_setting_is_read_by_name() {
             "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
                         "gather": "after-step", "cpu_threads": 12,
                         "speculation_budget_mib": 1.5, "accumulate_on": "host",
-                        "pinned_budget_mib": 2048}}"#,
+                        "pinned_budget_mib": 2048, "overlap_forward": false}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
@@ -42,6 +42,7 @@ fn every_setting_is_read_by_name() {
             speculation_budget_mib: Some(1.5),
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(2048.0),
+            overlap_forward: Some(false),
         }
     );
 }
@@ -53,7 +54,8 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
             "activation_checkpointing": "auto",
             "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
                         "cpu_threads": "auto", "speculation_budget_mib": "auto",
-                        "accumulate_on": "auto", "pinned_budget_mib": "auto"}}"#,
+                        "accumulate_on": "auto", "pinned_budget_mib": "auto",
+                        "overlap_forward": "auto"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
@@ -68,6 +70,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         "/zeroflow/offload/speculation_budget_mib",
         "/zeroflow/offload/accumulate_on",
         "/zeroflow/offload/pinned_budget_mib",
+        "/zeroflow/offload/overlap_forward",
     ];
     for pointer in pointers {
         assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");

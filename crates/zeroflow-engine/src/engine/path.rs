@@ -46,7 +46,7 @@ pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
 use super::shared::Shared;
 use super::state::{PathState, Restore};
-pub(super) use super::stream::Stream;
+pub(super) use super::stream::{OpenAt, Opening, Stream};
 pub(super) use super::summed::Summed;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::HostSide;
@@ -58,6 +58,9 @@ use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, EngineOptions, OffloadUpdate, Placement, ZenFlowAside};
+
+/// A backward's sink and the step left for its forward to open ([`UpdatePath::sink_or_open`]).
+pub(super) type SinkOrOpening<'a, D, P> = (Sink<'a, D, P>, Option<Opening<'a, D, P>>);
 
 /// The engine's update path (see the module documentation).
 pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
@@ -169,7 +172,9 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         if streaming {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation)?;
+            // The next forward opens the step's weights only where this rank holds them all.
+            let overlap = offload.stream.overlap_forward && len == layout.padded_len();
+            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?;
             return Ok(UpdatePath::Stream(stream));
         }
         let bucket = opts.reduce_bucket;
@@ -200,6 +205,40 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Summed(s) => s.sink(assumed, boundary),
             // ZenFlow adds each step into its window on the device at the step.
             UpdatePath::ZenFlow(_) => Sink::Keep,
+        }
+    }
+
+    /// True if the last step's CPU work is left for the next forward to open (`Stream::open`).
+    pub fn defers(&self) -> bool {
+        matches!(self, UpdatePath::Stream(s) if s.defers())
+    }
+
+    /// Where the reduced gradient pieces of a backward go (see [`UpdatePath::sink`]), and the
+    /// step left for its forward to open, if any (nothing else goes to the host then).
+    pub fn sink_or_open<'a>(
+        &'a mut self,
+        assumed: Option<Assumed>,
+        boundary: bool,
+        at: OpenAt<'a, D, P>,
+    ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
+        if !self.defers() {
+            return Ok((self.sink(assumed, boundary), None));
+        }
+        let UpdatePath::Stream(stream) = self else {
+            return Err(EngineError::Internal("only the streaming step is left to the forward"));
+        };
+        Ok((Sink::Keep, stream.open(at)?))
+    }
+
+    /// Runs a step left for the next forward now (before the weights or the state are read
+    /// other than by a forward).
+    pub fn complete<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        match self {
+            UpdatePath::Stream(s) => s.complete(shared),
+            _ => Ok(()),
         }
     }
 

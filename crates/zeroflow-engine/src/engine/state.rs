@@ -52,6 +52,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// is fetched a piece at a time as the checkpoint is written, so that saving a large model
     /// holds no second copy of it. Call it between optimizer steps.
     pub fn checkpoint_state(&mut self) -> Result<CheckpointState<'_, P>, EngineError> {
+        self.complete_step()?;
         let shared = &self.shared;
         let (part, upload_pending) = self.path.checkpoint_view(shared)?;
         let weights = Elements::downloaded(&shared.device, &shared.params, shared.params.len());

@@ -49,6 +49,13 @@ pub(super) struct Stream<D: Device, P: Float> {
     gather_in_pieces: bool,
     /// The exact inline step's speculation (`None`: off, or the delayed update).
     pub(super) speculation: Option<Speculation<P>>,
+    /// The exact inline step leaves its CPU work to the next forward ([`Opening`]; the
+    /// `overlap_forward` option, where one rank holds every weight and nothing speculates).
+    overlap_forward: bool,
+    /// The step left for the next forward to open, once `update` has taken it.
+    deferred: Option<AdamWStep>,
+    /// H2d → compute: the weights the forward reads next are uploaded ([`Opening`]).
+    opened: D::Event,
 }
 
 /// Where the streaming step runs.
@@ -83,6 +90,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         partition: usize,
         gather_in_pieces: bool,
         speculation: Option<Speculation<P>>,
+        overlap_forward: bool,
     ) -> Result<Self, EngineError> {
         let cpu = match delayed {
             None => StreamCpu::Inline(Box::new(buffers)),
@@ -96,7 +104,20 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             })),
         };
         let chunk_uploaded = device.new_event()?;
-        Ok(Stream { cpu, chunk_uploaded, gather_in_pieces, speculation })
+        // Only the exact inline step is left to the forward, and only where nothing else uses the
+        // state meanwhile (the speculation); the caller asks only where this rank holds every
+        // weight (nothing to gather).
+        let overlap_forward = overlap_forward && delayed.is_none() && speculation.is_none();
+        let (deferred, opened) = (None, device.new_event()?);
+        Ok(Stream {
+            cpu,
+            chunk_uploaded,
+            gather_in_pieces,
+            speculation,
+            overlap_forward,
+            deferred,
+            opened,
+        })
     }
 
     /// Backward's sink: where the exact inline step speculates, the pieces that fit the budget
@@ -136,6 +157,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let started = std::time::Instant::now();
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
         match &mut self.cpu {
+            // The next forward opens the weights as the CPU steps them (`Stream::open`).
+            StreamCpu::Inline(_) if self.overlap_forward => self.deferred = Some(*step),
             StreamCpu::Inline(buffers) => {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
                 stream_reduced(shared, buffers, uploaded, pieces, step, speculated)?;
@@ -156,6 +179,75 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         }
         shared.cpu_wait += started.elapsed();
         Ok(())
+    }
+
+    /// True if the last step's CPU work is left for the next forward to open.
+    pub fn defers(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// Runs the step left for the next forward now, in line (before anything but a forward reads
+    /// the weights or the optimizer state).
+    pub fn complete<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let (Some(step), StreamCpu::Inline(buffers)) = (self.deferred.take(), &mut self.cpu) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
+        stream_reduced(shared, buffers, uploaded, pieces, &step, None)?;
+        shared.cpu_wait += started.elapsed();
+        Ok(())
+    }
+
+    /// The step left for this forward, opened to it piece by piece ([`Opening`]); `None` where
+    /// none is left.
+    pub fn open<'a>(
+        &'a mut self,
+        at: OpenAt<'a, D, P>,
+    ) -> Result<Option<Opening<'a, D, P>>, EngineError> {
+        let (Some(step), StreamCpu::Inline(buffers)) = (self.deferred.take(), &mut self.cpu) else {
+            return Ok(None);
+        };
+        let OpenAt { device, params, source, owned, padded_len, events, uploaded, times, zero } =
+            at;
+        // The orders the inline step queues first (`stream_step`): the copies after the norm,
+        // the uploads after the last forward/backward and the last upload.
+        let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+        device.wait_event(d2h, events.norm_done)?;
+        device.wait_event(h2d, events.compute_done)?;
+        if let Some(written) = &*events.params_ready {
+            device.wait_event(h2d, written)?;
+        }
+        let StreamBuffers { state, staging, outgoing } = &mut **buffers;
+        let (source, source_at) = source;
+        let len = owned.len();
+        let io = Chunks {
+            state_at: 0,
+            source,
+            source_at,
+            target: params,
+            target_at: owned.start,
+            uploaded,
+            times,
+        };
+        let chunks = ChunkStream::new(device, step, state, staging, outgoing, io, len);
+        Ok(Some(Opening {
+            chunks,
+            device,
+            opened_event: &mut self.opened,
+            d2h_done: events.d2h_done,
+            params_ready: events.params_ready,
+            zero,
+            start: owned.start,
+            padded_len,
+            opened: 0,
+            finished: false,
+            failed: None,
+            spent: std::time::Duration::ZERO,
+        }))
     }
 
     /// Waits for a delayed step still running and brings its weights into the model.
@@ -299,6 +391,125 @@ impl<D: DeviceAdamW, P: Float> DelayedStream<D, P> {
             trace_worker("delayed", begun, times);
             Ok(())
         })
+    }
+}
+
+/// What [`Stream::open`] borrows from the engine for one forward.
+pub(in crate::engine) struct OpenAt<'a, D: Device, P: Float> {
+    pub device: &'a D,
+    pub params: &'a D::Buffer<P>,
+    /// This rank's reduced gradients and where they start.
+    pub source: (&'a D::Buffer<P>, usize),
+    pub owned: Range<usize>,
+    pub padded_len: usize,
+    pub events: OpenEvents<'a, D>,
+    /// Told of each chunk uploaded (nothing to gather: one rank holds every weight).
+    pub uploaded: &'a mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    pub times: &'a mut StepTimes,
+    /// The gradients to zero once the forward is queued (the backward's zeroing, which must
+    /// wait for the step's copies of them).
+    pub zero: Option<&'a D::Buffer<P>>,
+}
+
+/// The shared events an [`Opening`] waits on and records.
+pub(in crate::engine) struct OpenEvents<'a, D: Device> {
+    pub norm_done: &'a D::Event,
+    pub compute_done: &'a D::Event,
+    pub d2h_done: &'a mut Option<D::Event>,
+    pub params_ready: &'a mut Option<D::Event>,
+}
+
+/// The exact step left for the next forward (`overlap_forward`, DESIGN.md §5): the forward
+/// opens the weights as it reaches them ([`crate::ModelIo::open`]), the CPU steps the chunks that
+/// hold them then and there, and the compute stream waits for their upload only (`opened`, h2d →
+/// compute), so the GPU runs each layer while the CPU steps the next. Once the forward is queued
+/// (an `end` past the weights) the rest is stepped, `d2h_done` and `params_ready` are recorded
+/// as the inline step records them, and the compute stream waits for both and zeroes the
+/// gradients for the backward. The same chunks in the same order as the inline step: the same
+/// results, bit for bit.
+pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
+    chunks: ChunkStream<'a, D, P, P>,
+    device: &'a D,
+    opened_event: &'a mut D::Event,
+    d2h_done: &'a mut Option<D::Event>,
+    params_ready: &'a mut Option<D::Event>,
+    zero: Option<&'a D::Buffer<P>>,
+    /// Where this rank's partition starts in the flat weights, and their padded length.
+    start: usize,
+    padded_len: usize,
+    /// The compute stream waits for the partition's uploads up to here.
+    opened: usize,
+    finished: bool,
+    failed: Option<EngineError>,
+    /// Time spent stepping and queuing for the forward.
+    spent: std::time::Duration,
+}
+
+impl<D: Device, P: Float> Opening<'_, D, P> {
+    /// [`crate::ModelIo::open`]: the weights below flat `end` (all of them, and the forward
+    /// queued, at or past the padded length). The first error is kept ([`Opening::end`]) and
+    /// nothing more is opened after it.
+    pub fn open(&mut self, end: usize) {
+        if self.finished || self.failed.is_some() {
+            return;
+        }
+        let started = Instant::now();
+        let opened = match end >= self.padded_len {
+            true => self.finish(),
+            false => self.open_to(end.saturating_sub(self.start)),
+        };
+        self.spent += started.elapsed();
+        if let Err(e) = opened {
+            self.failed = Some(e);
+        }
+    }
+
+    fn open_to(&mut self, to: usize) -> Result<(), EngineError> {
+        if to <= self.opened {
+            return Ok(());
+        }
+        self.chunks.advance(to)?;
+        let (h2d, compute) =
+            (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Compute));
+        self.device.record(self.opened_event, h2d)?;
+        self.device.wait_event(compute, self.opened_event)?;
+        self.opened = self.chunks.done();
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<(), EngineError> {
+        self.finished = true;
+        self.chunks.advance(usize::MAX)?;
+        let device = self.device;
+        let streams = [StreamKind::D2h, StreamKind::H2d].map(|kind| device.stream(kind));
+        let compute = device.stream(StreamKind::Compute);
+        // As `finish_stream_step` records them for one rank: the step's copies have read the
+        // gradients, its uploads have written the weights.
+        for (slot, stream) in
+            [&mut *self.d2h_done, &mut *self.params_ready].into_iter().zip(streams)
+        {
+            let event = super::shared::slot(slot, device)?;
+            device.record(event, stream)?;
+            device.wait_event(compute, event)?;
+        }
+        if let Some(grads) = self.zero {
+            device.fill(compute, grads, 0..self.padded_len, P::default())?;
+        }
+        Ok(())
+    }
+
+    /// Ends the opening after the model: steps what the forward did not open, and gives whether
+    /// the model opened everything itself (a model that did not may have read weights before
+    /// their upload: a misuse the caller reports, before any error that followed from it), else
+    /// the first error, and the time spent.
+    pub fn end(mut self) -> (Result<bool, EngineError>, std::time::Duration) {
+        let opened_all = self.finished;
+        self.open(usize::MAX);
+        let result = match self.failed.take() {
+            Some(e) if opened_all => Err(e),
+            _ => Ok(opened_all),
+        };
+        (result, self.spent)
     }
 }
 
@@ -501,66 +712,133 @@ pub(super) fn trace_worker(path: &'static str, begun: Instant, times: &StepTimes
     tracing::debug!(path, ?took, ?chunk_wait, ?upload_wait, ?adam, "CPU step on the worker");
 }
 
-/// The streaming CPU step over `len` elements of a partition: the gradients go to the host chunk
-/// by chunk on the d2h stream (up to [`STAGING_BUFFERS`] chunks ahead), the CPU steps each chunk
-/// as soon as its copy's token has been waited on, writing the new weights as `P` into an
-/// outgoing buffer, and that buffer's upload on the h2d stream starts at once, overlapping the
-/// next chunks. The caller orders the d2h stream after the gradients' writers and the h2d stream
-/// after the target's readers; the uploads are not waited for (each outgoing buffer remembers its
-/// copy, and its next write waits for it).
-pub(super) fn stream_chunks<D: Device, G: Float, P: Float>(
-    device: &D,
+/// The streaming CPU step over `len` elements of a partition, all of it: [`ChunkStream`] run to
+/// its end.
+pub(super) fn stream_chunks<'a, D: Device, G: Float, P: Float>(
+    device: &'a D,
     step: &AdamWStep,
-    optimizer: &mut HostOptimizer,
-    staging: &mut [HostBuffer<G>],
-    outgoing: &mut [HostBuffer<P>],
-    io: Chunks<'_, D, G, P>,
+    optimizer: &'a mut HostOptimizer,
+    staging: &'a mut [HostBuffer<G>],
+    outgoing: &'a mut [HostBuffer<P>],
+    io: Chunks<'a, D, G, P>,
     len: usize,
 ) -> Result<(), EngineError> {
-    let times = io.times;
-    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
-    let chunk = staging.first().map_or(1, |b| b.len()).max(1);
-    let chunks = len.div_ceil(chunk);
-    let piece = |c: usize| c * chunk..((c + 1) * chunk).min(len);
-    let mut free: [Option<&mut HostBuffer<G>>; STAGING_BUFFERS] = {
-        let mut buffers = staging.iter_mut();
-        std::array::from_fn(|_| buffers.next())
-    };
-    let mut in_flight: [Option<Filling<'_, G>>; STAGING_BUFFERS] = Default::default();
-    let mut issued = 0;
-    for c in 0..chunks {
-        // Keep the d2h stream busy: every free staging buffer receives the next chunk.
-        while issued < chunks {
-            let Some(buffer) = free.iter_mut().find_map(Option::take) else { break };
-            let range = piece(issued);
-            let from = io.source_at + range.start..io.source_at + range.end;
-            let filling = device.copy_d2h(d2h, io.source, from, buffer, 0)?;
-            in_flight[issued % STAGING_BUFFERS] = Some(filling);
-            issued += 1;
+    ChunkStream::new(device, *step, optimizer, staging, outgoing, io, len).advance(len)
+}
+
+/// The streaming CPU step over `len` elements of a partition, advanced as far as its caller
+/// asks ([`ChunkStream::advance`]): the gradients go to the host chunk by chunk on the d2h stream
+/// (up to [`STAGING_BUFFERS`] chunks ahead), the CPU steps each chunk as soon as its copy's token
+/// has been waited on, writing the new weights as `P` into an outgoing buffer, and that buffer's
+/// upload on the h2d stream starts at once, overlapping the next chunks. The caller orders the
+/// d2h stream after the gradients' writers and the h2d stream after the target's readers; the
+/// uploads are not waited for (each outgoing buffer remembers its copy, and its next write waits
+/// for it).
+pub(super) struct ChunkStream<'a, D: Device, G: Float, P: Float> {
+    device: &'a D,
+    step: AdamWStep,
+    optimizer: &'a mut HostOptimizer,
+    outgoing: &'a mut [HostBuffer<P>],
+    io: Chunks<'a, D, G, P>,
+    free: [Option<&'a mut HostBuffer<G>>; STAGING_BUFFERS],
+    in_flight: [Option<Filling<'a, G>>; STAGING_BUFFERS],
+    len: usize,
+    chunk: usize,
+    /// Chunks whose copy is queued, and chunks stepped (and their uploads queued).
+    issued: usize,
+    stepped: usize,
+}
+
+impl<'a, D: Device, G: Float, P: Float> ChunkStream<'a, D, G, P> {
+    pub(super) fn new(
+        device: &'a D,
+        step: AdamWStep,
+        optimizer: &'a mut HostOptimizer,
+        staging: &'a mut [HostBuffer<G>],
+        outgoing: &'a mut [HostBuffer<P>],
+        io: Chunks<'a, D, G, P>,
+        len: usize,
+    ) -> Self {
+        let chunk = staging.first().map_or(1, |b| b.len()).max(1);
+        let free = {
+            let mut buffers = staging.iter_mut();
+            std::array::from_fn(|_| buffers.next())
+        };
+        let in_flight = Default::default();
+        let (issued, stepped) = (0, 0);
+        ChunkStream {
+            device,
+            step,
+            optimizer,
+            outgoing,
+            io,
+            free,
+            in_flight,
+            len,
+            chunk,
+            issued,
+            stepped,
         }
-        let range = piece(c);
-        let filling = in_flight[c % STAGING_BUFFERS].take().expect("issued above");
-        let waiting = Instant::now();
-        let staged = filling.wait()?;
-        times.chunk_wait += waiting.elapsed();
-        let grads = as_grads(&staged[..range.len()])
-            .ok_or(EngineError::Internal("the streaming step reads f32 or bf16 gradients"))?;
-        // Waits for the upload that last read this buffer (its token was let go below).
-        let waiting = Instant::now();
-        let out = &mut outgoing[c % OUTGOING_BUFFERS][..range.len()];
-        let stepping = Instant::now();
-        times.upload_wait += stepping - waiting;
-        let in_state = io.state_at + range.start..io.state_at + range.end;
-        optimizer.step_range(step, in_state, grads, out)?;
-        times.adam += stepping.elapsed();
-        let outgoing_buffer = &outgoing[c % OUTGOING_BUFFERS];
-        let target = io.target_at + range.start;
-        let draining = device.copy_h2d(h2d, outgoing_buffer, 0..range.len(), io.target, target)?;
-        // Not waited on here: the buffer remembers the copy, and its next write (two chunks on,
-        // or the next step) waits for it. That is what lets the upload overlap the CPU.
-        draining.detach();
-        (io.uploaded)(range)?;
-        *free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") = Some(staged);
     }
-    Ok(())
+
+    /// Elements stepped so far, from the first (their uploads are queued).
+    pub(super) fn done(&self) -> usize {
+        (self.stepped * self.chunk).min(self.len)
+    }
+
+    fn piece(&self, c: usize) -> Range<usize> {
+        c * self.chunk..((c + 1) * self.chunk).min(self.len)
+    }
+
+    /// Steps chunks until the first `to` elements (at most all) are stepped and their uploads
+    /// queued.
+    pub(super) fn advance(&mut self, to: usize) -> Result<(), EngineError> {
+        let (d2h, h2d) = (self.device.stream(StreamKind::D2h), self.device.stream(StreamKind::H2d));
+        let chunks = self.len.div_ceil(self.chunk);
+        while self.done() < to.min(self.len) {
+            let c = self.stepped;
+            // Keep the d2h stream busy: every free staging buffer receives the next chunk.
+            while self.issued < chunks {
+                let Some(buffer) = self.free.iter_mut().find_map(Option::take) else { break };
+                let range = self.piece(self.issued);
+                let from = self.io.source_at + range.start..self.io.source_at + range.end;
+                let filling = self.device.copy_d2h(d2h, self.io.source, from, buffer, 0)?;
+                self.in_flight[self.issued % STAGING_BUFFERS] = Some(filling);
+                self.issued += 1;
+            }
+            let range = self.piece(c);
+            let filling = self.in_flight[c % STAGING_BUFFERS].take().expect("issued above");
+            let times = &mut *self.io.times;
+            let waiting = Instant::now();
+            let staged = filling.wait()?;
+            times.chunk_wait += waiting.elapsed();
+            let grads = as_grads(&staged[..range.len()])
+                .ok_or(EngineError::Internal("the streaming step reads f32 or bf16 gradients"))?;
+            // Waits for the upload that last read this buffer (its token was let go below).
+            let waiting = Instant::now();
+            let out = &mut self.outgoing[c % OUTGOING_BUFFERS][..range.len()];
+            let stepping = Instant::now();
+            times.upload_wait += stepping - waiting;
+            let in_state = self.io.state_at + range.start..self.io.state_at + range.end;
+            self.optimizer.step_range(&self.step, in_state, grads, out)?;
+            times.adam += stepping.elapsed();
+            let outgoing_buffer = &self.outgoing[c % OUTGOING_BUFFERS];
+            let target = self.io.target_at + range.start;
+            let draining = self.device.copy_h2d(
+                h2d,
+                outgoing_buffer,
+                0..range.len(),
+                self.io.target,
+                target,
+            )?;
+            // Not waited on here: the buffer remembers the copy, and its next write (two chunks
+            // on, or the next step) waits for it. That is what lets the upload overlap the CPU.
+            draining.detach();
+            (self.io.uploaded)(range)?;
+            *self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty") =
+                Some(staged);
+            self.stepped += 1;
+        }
+        Ok(())
+    }
 }

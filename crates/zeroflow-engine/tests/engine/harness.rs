@@ -8,7 +8,9 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{Chaos, CopiedBytes, CpuDevice, Device, HostMemory, PinnedUse};
 pub use zeroflow_engine::synthetic::layout;
-use zeroflow_engine::synthetic::{Reference, adamw_config, forward_backward, initial};
+use zeroflow_engine::synthetic::{
+    Reference, adamw_config, forward_backward, forward_backward_opening, initial,
+};
 use zeroflow_engine::{
     AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine,
     EngineOptions, LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore,
@@ -53,6 +55,9 @@ pub struct Setup {
     pub zenflow_aside: ZenFlowAside,
     /// Bytes of pinned host memory each rank's device may hold (`None`: no limit).
     pub pinned_budget: Option<usize>,
+    /// The exact streaming step leaves its CPU work to the next forward, which opens the
+    /// weights parameter by parameter (`forward_backward_opening`; the plain model otherwise).
+    pub overlap_forward: bool,
 }
 
 impl Setup {
@@ -77,6 +82,7 @@ impl Setup {
             moments: OptimizerStateDtype::Fp32,
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             pinned_budget: None,
+            overlap_forward: false,
         }
     }
 }
@@ -100,6 +106,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 speculation_budget: setup.speculation_budget,
                 accumulate_on: setup.accumulate_on,
                 zenflow_aside: setup.zenflow_aside,
+                overlap_forward: setup.overlap_forward,
             },
             moments: setup.moments,
         }),
@@ -231,7 +238,12 @@ pub fn train_from<P: Float>(
                                 let scale =
                                     if poison == Some((rank, k)) { f32::INFINITY } else { 1.0 };
                                 let io = ModelIo { loss_scale: io.loss_scale * scale, ..io };
-                                forward_backward(&device, &layout, io, ready, rank, k)
+                                match setup.overlap_forward {
+                                    true => forward_backward_opening(
+                                        &device, &layout, io, ready, rank, k,
+                                    ),
+                                    false => forward_backward(&device, &layout, io, ready, rank, k),
+                                }
                             })
                             .unwrap_or_else(|e| panic!("rank {rank} micro-step {k}: {e}"));
                         let report =

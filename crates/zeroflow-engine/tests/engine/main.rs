@@ -9,6 +9,7 @@ mod device_accumulation;
 mod equivalence;
 mod errors;
 mod fuzz_checkpoint;
+mod overlap;
 mod pinned;
 mod precision;
 mod speculation;

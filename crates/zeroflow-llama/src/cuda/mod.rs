@@ -224,6 +224,17 @@ impl CudaLlama {
         Ok(self.runner.forward(params)?)
     }
 
+    /// [`Self::forward`], telling `open(end)` before queuing the first operation that reads
+    /// flat weights below `end`, and `open(usize::MAX)` once the forward is queued (the
+    /// engine's `ModelIo::open`).
+    pub fn forward_opening(
+        &mut self,
+        params: &CudaBuffer<bf16>,
+        open: &mut dyn FnMut(usize),
+    ) -> Result<(), LlamaError> {
+        Ok(self.runner.forward_opening(params, open)?)
+    }
+
     /// Waits for the last forward and returns its mean loss (copied out on the compute stream).
     pub fn loss(&mut self) -> Result<f32, LlamaError> {
         Ok(self.runner.loss()?)

@@ -55,7 +55,7 @@ use self::attention::CudaAttention;
 pub use self::exec::LayerCtx;
 use self::flash::FlashAttention;
 use self::kernels::{NnKernels, chunks_for};
-use self::schedule::{BackwardOp, OpKind, Place, Schedule};
+use self::schedule::{BackwardOp, OpKind, Place, Schedule, Space};
 pub use self::tokens::Tokens;
 use crate::error::NnError;
 use crate::kernels::{AttentionShape, Kernel, LayerKernel, NoLayers};
@@ -313,10 +313,29 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
 
     /// Queues forward on the compute stream.
     pub fn forward(&mut self, params: &CudaBuffer<bf16>) -> Result<(), NnError> {
+        self.forward_opening(params, &mut |_| {})
+    }
+
+    /// [`CudaRunner::forward`], telling `open(end)` before queuing the first operation that reads
+    /// flat weights below `end` (growing through the forward), and `open(usize::MAX)` once the
+    /// forward is queued: where the weights are still being uploaded, the caller makes the
+    /// compute stream wait for those below `end` (the engine's `ModelIo::open`).
+    pub fn forward_opening(
+        &mut self,
+        params: &CudaBuffer<bf16>,
+        open: &mut dyn FnMut(usize),
+    ) -> Result<(), NnError> {
         self.check_flat("parameter buffer", params)?;
+        let mut opened = 0;
         for op in &self.schedule.forward {
+            let params_end = op.args.iter().filter(|p| p.space == Space::Params).map(Place::end);
+            if let Some(end) = params_end.max().filter(|&end| end > opened) {
+                open(end);
+                opened = end;
+            }
             self.run(op, params, None, 1.0)?;
         }
+        open(usize::MAX);
         Ok(())
     }
 

@@ -34,6 +34,8 @@ pub const SPECULATION_BUDGET_VAR: &str = "ZEROFLOW_SPECULATION_BUDGET_MIB";
 pub const PINNED_BUDGET_VAR: &str = "ZEROFLOW_PINNED_BUDGET_MIB";
 /// Where ZeRO-2 with gradient accumulation sums a window: `auto`, `device` or `host`.
 pub const ACCUMULATE_ON_VAR: &str = "ZEROFLOW_ACCUMULATE_ON";
+/// The exact offload step's CPU work overlapped with the next forward (`on`, `off`).
+pub const OVERLAP_FORWARD_VAR: &str = "ZEROFLOW_OVERLAP_FORWARD";
 /// Sequence packing (`on`, `off`).
 pub const PACK_VAR: &str = "ZEROFLOW_PACK";
 /// The folder compiled CUDA kernels are cached in (default: the user's cache folder).
@@ -70,6 +72,7 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
             value(PINNED_BUDGET_VAR),
             super::parse_budget_mib,
         )?,
+        overlap_forward: named(OVERLAP_FORWARD_VAR, value(OVERLAP_FORWARD_VAR), &names::SWITCH)?,
         pack: named(PACK_VAR, value(PACK_VAR), &names::SWITCH)?,
     })
 }
@@ -152,6 +155,7 @@ mod tests {
             (ACCUMULATE_ON_VAR, "Device "),
             (PINNED_BUDGET_VAR, " 1024\n"),
             (PACK_VAR, " On\n"),
+            (OVERLAP_FORWARD_VAR, "OFF "),
         ])
         .unwrap();
         assert_eq!(
@@ -168,6 +172,7 @@ mod tests {
                 speculation_budget_mib: Some(0.5),
                 accumulate_on: Some(AccumulateOn::Device),
                 pinned_budget_mib: Some(1024.0),
+                overlap_forward: Some(false),
                 pack: Some(true),
             }
         );

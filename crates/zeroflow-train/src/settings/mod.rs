@@ -97,6 +97,8 @@ pub struct Requested {
     pub accumulate_on: Option<AccumulateOn>,
     /// MiB of pinned host memory a rank's device may hold, non-negative (`None`: no limit).
     pub pinned_budget_mib: Option<f64>,
+    /// The exact streaming step's CPU work left to the next forward (`None`: on).
+    pub overlap_forward: Option<bool>,
     /// Sequence packing: several documents per row, no attention across their boundaries,
     /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
     pub pack: Option<bool>,
@@ -119,6 +121,7 @@ impl Requested {
             speculation_budget_mib: self.speculation_budget_mib.or(lower.speculation_budget_mib),
             accumulate_on: self.accumulate_on.or(lower.accumulate_on),
             pinned_budget_mib: self.pinned_budget_mib.or(lower.pinned_budget_mib),
+            overlap_forward: self.overlap_forward.or(lower.overlap_forward),
             pack: self.pack.or(lower.pack),
         }
     }
@@ -132,6 +135,7 @@ impl Requested {
             cpu_threads,
             speculation_budget_mib,
             accumulate_on,
+            overlap_forward,
             ..
         } = self;
         stream_chunk_mib.is_some()
@@ -140,6 +144,7 @@ impl Requested {
             || cpu_threads.is_some()
             || speculation_budget_mib.is_some()
             || accumulate_on.is_some()
+            || overlap_forward.is_some()
     }
 }
 
@@ -179,6 +184,7 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
             config::AccumulateOn::Host => AccumulateOn::Host,
         }),
         pinned_budget_mib: offload.pinned_budget_mib,
+        overlap_forward: offload.overlap_forward,
         pack: zeroflow.pack,
     }
 }
@@ -261,6 +267,11 @@ pub fn activation_checkpointing(device: DeviceKind, requested: &Requested) -> bo
     asked && device == DeviceKind::Cuda
 }
 
+/// Whether the exact streaming step's CPU work is left to the next forward where nothing asks:
+/// the trainer's models open the weights as their forward reads them, so it is on (the engine's
+/// own default is off, for callers whose models do not).
+pub const DEFAULT_OVERLAP_FORWARD: bool = true;
+
 /// Applies the offload stream's settings asked for to `options` for rank `rank`'s parameters of
 /// type `P`, saying once what it chose; an input error for a chunk smaller than one element.
 pub fn apply_offload<P: Element>(
@@ -268,14 +279,18 @@ pub fn apply_offload<P: Element>(
     options: &mut EngineOptions,
     rank: usize,
 ) -> Result<()> {
+    if let Some(offload) = options.offload_mut() {
+        let overlap = requested.overlap_forward.unwrap_or(DEFAULT_OVERLAP_FORWARD);
+        offload.stream.overlap_forward = overlap;
+    }
     if !requested.tunes_offload() {
         return Ok(());
     }
     let dtype = P::DTYPE;
     let Some(offload) = options.offload_mut() else {
         tracing::warn!(
-            "rank {rank}: the stream chunk, copy stores, gather, CPU threads, speculation budget \
-             and accumulation place tune the CPU optimizer offload, which this config does not \
+            "rank {rank}: the stream chunk, copy stores, gather, CPU threads, speculation budget, \
+             accumulation place and forward overlap tune the CPU optimizer offload, which this config does not \
              use: they change nothing"
         );
         return Ok(());
@@ -299,7 +314,8 @@ pub fn apply_offload<P: Element>(
     tracing::info!(
         "rank {rank}: offload tuned: chunks of {} elements ({} MiB of {dtype}), {} stores of \
          the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}, \
-         a speculation budget of {} MiB, accumulation windows summed on {}",
+         a speculation budget of {} MiB, accumulation windows summed on {}, the exact step's \
+         CPU work {}",
         stream.chunk,
         mib_of(stream.chunk, dtype),
         stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
@@ -310,6 +326,10 @@ pub fn apply_offload<P: Element>(
             AccumulateOn::Auto => "the device where it has room, else the host",
             AccumulateOn::Device => "the device",
             AccumulateOn::Host => "the host",
+        },
+        match stream.overlap_forward {
+            true => "overlapped with the next forward (one GPU, one micro-step per step)",
+            false => "done before the next forward",
         },
     );
     Ok(())

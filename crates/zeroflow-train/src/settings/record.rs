@@ -60,6 +60,9 @@ pub struct EffectiveOffload {
     pub accumulate_on: &'static str,
     /// The pinned host memory budget of the rank's device in MiB; `None` (`null`): no limit.
     pub pinned_budget_mib: Option<f64>,
+    /// The exact streaming step's CPU work left to the next forward (where one rank holds every
+    /// weight and it does not speculate; otherwise the option changes nothing).
+    pub overlap_forward: bool,
 }
 
 /// The settings that change the numbers (the keys of [`Effective`] a resume compares).
@@ -94,6 +97,7 @@ impl Effective {
             },
             accumulate_on: names::name_of(&names::ACCUMULATE_ON, &offload.stream.accumulate_on),
             pinned_budget_mib: super::pinned_budget(requested).map(|bytes| bytes as f64 / MIB),
+            overlap_forward: offload.stream.overlap_forward,
         });
         Effective {
             attention: attention.name(),

@@ -24,6 +24,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         speculation_budget_mib: Some(64.0),
         accumulate_on: Some(AccumulateOn::Host),
         pinned_budget_mib: Some(4096.0),
+        overlap_forward: Some(false),
         pack: Some(true),
     };
     let env = Requested {
@@ -58,6 +59,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             speculation_budget_mib: Some(0.0),
             accumulate_on: Some(AccumulateOn::Device),
             pinned_budget_mib: Some(1024.0),
+            overlap_forward: Some(false),
             pack: Some(true),
         }
     );
@@ -76,7 +78,7 @@ fn the_config_section_becomes_the_config_layer() {
     let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
         "activation_checkpointing": true, "pack": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
-        "accumulate_on": "host", "pinned_budget_mib": 512}}}"#;
+        "accumulate_on": "host", "pinned_budget_mib": 512, "overlap_forward": false}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
@@ -92,6 +94,7 @@ fn the_config_section_becomes_the_config_layer() {
             speculation_budget_mib: Some(256.0),
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(512.0),
+            overlap_forward: Some(false),
             pack: Some(true),
         }
     );
