@@ -15,7 +15,8 @@ use crate::checkpoint::{load, save};
 use crate::harness::{Bf16, Setup, options, train, train_from};
 
 /// One rank (where the forward opens the step), with clipping that fires and none, stages 0–2,
-/// and chunks that cut every parameter; two ranks, where the option leaves the step inline.
+/// and chunks that cut every parameter; two ranks: ZeRO-0, where every rank holds every weight
+/// and the forward opens the step, and ZeRO-2, where the option leaves the step inline.
 fn setups() -> Vec<Setup> {
     let mut setups = Vec::new();
     for (stage, clip, stream_chunk) in [
@@ -26,6 +27,8 @@ fn setups() -> Vec<Setup> {
     ] {
         setups.push(Setup { steps: 8, clip, stream_chunk, ..Setup::new(stage, 1, 1, true) });
     }
+    // Two ranks: ZeRO-0 (each rank steps every weight) opens the step; ZeRO-2 leaves it inline.
+    setups.push(Setup { steps: 6, stream_chunk: 7, ..Setup::new(Stage::Zero0, 2, 1, true) });
     setups.push(Setup { steps: 6, stream_chunk: 7, ..Setup::new(Stage::Zero2, 2, 1, true) });
     setups
 }
