@@ -21,7 +21,7 @@ const TUNED: &str = r#"{
   }
 }"#;
 
-const VARIABLES: [&str; 11] = [
+const VARIABLES: [&str; 12] = [
     "ZEROFLOW_ATTENTION",
     "ZEROFLOW_CUDA_WAIT",
     "ZEROFLOW_CPU_BIND",
@@ -33,6 +33,7 @@ const VARIABLES: [&str; 11] = [
     "ZEROFLOW_ACCUMULATE_ON",
     "ZEROFLOW_PINNED_BUDGET_MIB",
     "ZEROFLOW_PACK",
+    "ZEROFLOW_OVERLAP_FORWARD",
 ];
 
 /// `zeroflow train` with `args`, only the variables of `env` set among the settings'.
@@ -89,6 +90,7 @@ fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
     assert_eq!(offload["copy_stores"], "per-path", "{summary}");
     assert_eq!(offload["speculation_budget_mib"], 0.5, "{summary}");
     assert_eq!(offload["accumulate_on"], "host", "{summary}");
+    assert_eq!(offload["overlap_forward"], true, "the default: {summary}");
     for step in [1, 2] {
         let state = out.join("checkpoints").join(format!("step-{step:08}")).join("state.json");
         assert_eq!(json_of(&state)["extra"]["settings"], summary, "step {step}");
