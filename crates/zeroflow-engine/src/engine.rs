@@ -18,13 +18,15 @@
 //! The update path is one of four types, each in its own module with the buffers and events it
 //! owns (`engine/path.rs` has the table of where each event is recorded and waited on):
 //! `device.rs` (AdamW on the device), `accumulate.rs` (the host accumulator and the CPU step,
-//! inline or delayed), `stream.rs` (gradients out and weights back chunk by chunk, inline or
-//! delayed) and `zenflow.rs` (ZenFlow's split update, DESIGN.md §6). `shared.rs` holds what every
+//! inline or delayed), `stream.rs` (gradients out and weights back chunk by chunk, inline, left
+//! to the next forward, or delayed) and `zenflow.rs` (ZenFlow's split update, DESIGN.md §6). `shared.rs` holds what every
 //! path uses: the flat buffers, the shared events and the all-gather; `state.rs` the snapshot and
-//! the restore.
+//! the restore; `model_io.rs` what the model gets, with the opener through which its forward
+//! starts before an exact step's weights are all uploaded (`stream.rs`'s `Opening`).
 
 mod accumulate;
 mod device;
+mod model_io;
 mod path;
 mod shared;
 mod state;
@@ -38,11 +40,12 @@ use std::ops::Range;
 use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_device::{Comm, Device, HostMemory, StreamKind};
+use zeroflow_device::{Comm, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
 
+pub use self::model_io::{ModelIo, Opener};
 use self::path::{OpenAt, Opening, UpdatePath};
-use self::shared::{Events, Shared, normalise, overwrite, reduced_source};
+use self::shared::{Events, Shared, normalise, reduced_source};
 pub use self::state::{CheckpointState, OptimizerPart, Restore, Snapshot};
 use self::stream::OpenEvents;
 use crate::buckets::Bucketer;
@@ -52,57 +55,6 @@ use crate::host::StepTimes;
 use crate::reduction::Reduction;
 use crate::speculation::{Assumed, SpeculationStats};
 use crate::{EngineError, EngineOptions, LossScaler, Stage};
-
-/// What the model gets for one forward and backward.
-#[derive(Debug)]
-pub struct ModelIo<'a, D: Device, P: Float> {
-    /// The flat weights (read them on the compute stream, each range once [`ModelIo::open`]
-    /// has opened it).
-    pub params: &'a D::Buffer<P>,
-    /// The flat gradients: backward must ADD into them on the compute stream.
-    pub grads: &'a D::Buffer<P>,
-    /// The factor to multiply the loss by before backward (fp16 loss scaling; 1 otherwise).
-    pub loss_scale: f32,
-    /// Opens the weights as the forward reaches them (see [`ModelIo::open`]).
-    pub weights: Opener<'a>,
-}
-
-impl<D: Device, P: Float> ModelIo<'_, D, P> {
-    /// Opens the flat weights below `end` to the kernels queued next on the compute stream: call
-    /// it before queuing any kernel that reads weights below `end`, with `end` growing through
-    /// the forward, and with `usize::MAX` once the forward is queued, before the backward. Where
-    /// the last optimizer step is still being written (`StreamOptions::overlap_forward`), the
-    /// CPU steps the weights up to `end` now and the compute stream waits for their upload, so
-    /// the forward runs while the CPU steps the rest; otherwise it does nothing.
-    pub fn open(&mut self, end: usize) {
-        self.weights.open(end);
-    }
-}
-
-/// The engine's side of [`ModelIo::open`].
-pub struct Opener<'a> {
-    open: Option<&'a mut dyn FnMut(usize)>,
-}
-
-impl<'a> Opener<'a> {
-    /// An opener that has nothing to open (the weights are current).
-    pub fn current() -> Self {
-        Opener { open: None }
-    }
-
-    /// [`ModelIo::open`].
-    pub fn open(&mut self, end: usize) {
-        if let Some(open) = &mut self.open {
-            open(end);
-        }
-    }
-}
-
-impl std::fmt::Debug for Opener<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Opener").field("pending", &self.open.is_some()).finish()
-    }
-}
 
 /// What an optimizer step did.
 #[derive(Clone, Debug, PartialEq)]
@@ -327,85 +279,9 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         self.skip_d2h_wait = true;
     }
 
-    /// This rank's optimizer state and the engine's counters, for a checkpoint (save the weights
-    /// of [`Engine::params`] with it). With the delayed update, a running step is waited for but
-    /// its weights stay pending, exactly as without the snapshot, so checkpointing does not
-    /// change the run.
-    pub fn snapshot(&mut self) -> Result<Snapshot, EngineError> {
-        self.complete_step()?;
-        let state = self.path.state(&self.shared)?;
-        Ok(Snapshot {
-            upload_pending: state.upload_pending,
-            part: OptimizerPart {
-                flat: self.shared.owned.clone(),
-                master: state.master,
-                exp_avg: state.exp_avg,
-                exp_avg_sq: state.exp_avg_sq,
-                moments: self.moments,
-            },
-            optimizer_steps: self.adamw.steps_taken(),
-            micro_steps: self.micro_steps,
-            scaler: self.scaler.clone(),
-            zenflow: self.path.zenflow_snapshot(&self.shared)?,
-        })
-    }
-
-    /// Continues from a checkpoint: the flat weights (in this engine's layout), the optimizer
-    /// state of any set of parts that together cover this rank's parameters (saved at any world
-    /// size), the counters, and for a ZenFlow run its selection, window position and window
-    /// (`from.zenflow`, which must be empty for any other run). Call it between optimizer steps,
-    /// before the next backward.
-    pub fn restore(&mut self, weights: &[P], from: Restore<'_>) -> Result<(), EngineError> {
-        let rank = self.shared.comm.rank();
-        let zenflow = self.path.check_restore(&self.shared, &from)?;
-        let Restore { parts, optimizer_steps, micro_steps, upload_pending, scaler, .. } = from;
-        if weights.len() != self.shared.layout.padded_len() {
-            return Err(EngineError::Misuse("restored weights must fill the whole flat buffer"));
-        }
-        if self.backward_pending || !micro_steps.is_multiple_of(self.grad_accum) {
-            return Err(EngineError::Misuse("restore only at an optimizer-step boundary"));
-        }
-        // Each optimizer step ends a window of micro-steps (skipped steps count none): more is a
-        // damaged or hand-made checkpoint, and the next step must still be countable.
-        if micro_steps == u64::MAX || optimizer_steps > micro_steps / self.grad_accum {
-            return Err(EngineError::Restore {
-                rank,
-                reason: "the checkpoint's step counters are inconsistent: more optimizer steps \
-                         than its micro-steps allow, or no step left to count",
-            });
-        }
-        self.complete_step()?;
-        self.warn_on_moment_conversion(&parts);
-        let state = state::assemble_parts(&self.shared.layout, &self.shared.owned, parts, rank)?;
-        self.shared.device.synchronize()?;
-        overwrite(&self.shared.device, &self.shared.params, weights)?;
-        self.path.restore(&mut self.shared, state, upload_pending, zenflow)?;
-        self.adamw.resume_at(optimizer_steps);
-        self.micro_steps = micro_steps;
-        self.scaler = scaler.clone();
-        Ok(())
-    }
-
     /// The element type the optimizer keeps the Adam moments in.
     pub fn optimizer_state_dtype(&self) -> OptimizerStateDtype {
         self.moments
-    }
-
-    /// Says so where restored moments change dtype: bf16 to fp32 is exact, fp32 to bf16 rounds
-    /// each moment to the nearest bf16 (once; the run goes on with stochastic rounding).
-    fn warn_on_moment_conversion(&self, parts: &[OptimizerPart]) {
-        let Some(saved) = parts.iter().map(|p| p.moments).find(|m| *m != self.moments) else {
-            return;
-        };
-        let how = match self.moments {
-            OptimizerStateDtype::Fp32 => "widened exactly",
-            OptimizerStateDtype::Bf16 => "rounded to the nearest bf16",
-        };
-        tracing::warn!(
-            "the checkpoint's Adam moments are {saved}, this run keeps them in {}: they are {how} \
-             (zeroflow.optimizer_state_dtype)",
-            self.moments
-        );
     }
 
     /// Runs one micro-step's forward and backward. `forward_backward` queues the model on the

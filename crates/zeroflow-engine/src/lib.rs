@@ -31,7 +31,9 @@ pub mod synthetic;
 mod zenflow;
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
-pub use engine::{CheckpointState, Engine, ModelIo, OptimizerPart, Restore, Snapshot, StepReport};
+pub use engine::{
+    CheckpointState, Engine, ModelIo, Opener, OptimizerPart, Restore, Snapshot, StepReport,
+};
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use memory::{BufferKind, MemoryKind, PlannedBuffer};

@@ -46,6 +46,82 @@ pub struct CheckpointState<'a, P: Clone> {
 }
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
+    /// This rank's optimizer state and the engine's counters, for a checkpoint (save the weights
+    /// of [`Engine::params`] with it). With the delayed update, a running step is waited for but
+    /// its weights stay pending, exactly as without the snapshot, so checkpointing does not
+    /// change the run.
+    pub fn snapshot(&mut self) -> Result<Snapshot, EngineError> {
+        self.complete_step()?;
+        let state = self.path.state(&self.shared)?;
+        Ok(Snapshot {
+            upload_pending: state.upload_pending,
+            part: OptimizerPart {
+                flat: self.shared.owned.clone(),
+                master: state.master,
+                exp_avg: state.exp_avg,
+                exp_avg_sq: state.exp_avg_sq,
+                moments: self.moments,
+            },
+            optimizer_steps: self.adamw.steps_taken(),
+            micro_steps: self.micro_steps,
+            scaler: self.scaler.clone(),
+            zenflow: self.path.zenflow_snapshot(&self.shared)?,
+        })
+    }
+
+    /// Continues from a checkpoint: the flat weights (in this engine's layout), the optimizer
+    /// state of any set of parts that together cover this rank's parameters (saved at any world
+    /// size), the counters, and for a ZenFlow run its selection, window position and window
+    /// (`from.zenflow`, which must be empty for any other run). Call it between optimizer steps,
+    /// before the next backward.
+    pub fn restore(&mut self, weights: &[P], from: Restore<'_>) -> Result<(), EngineError> {
+        let rank = self.shared.comm.rank();
+        let zenflow = self.path.check_restore(&self.shared, &from)?;
+        let Restore { parts, optimizer_steps, micro_steps, upload_pending, scaler, .. } = from;
+        if weights.len() != self.shared.layout.padded_len() {
+            return Err(EngineError::Misuse("restored weights must fill the whole flat buffer"));
+        }
+        if self.backward_pending || !micro_steps.is_multiple_of(self.grad_accum) {
+            return Err(EngineError::Misuse("restore only at an optimizer-step boundary"));
+        }
+        // Each optimizer step ends a window of micro-steps (skipped steps count none): more is a
+        // damaged or hand-made checkpoint, and the next step must still be countable.
+        if micro_steps == u64::MAX || optimizer_steps > micro_steps / self.grad_accum {
+            return Err(EngineError::Restore {
+                rank,
+                reason: "the checkpoint's step counters are inconsistent: more optimizer steps \
+                         than its micro-steps allow, or no step left to count",
+            });
+        }
+        self.complete_step()?;
+        self.warn_on_moment_conversion(&parts);
+        let state = assemble_parts(&self.shared.layout, &self.shared.owned, parts, rank)?;
+        self.shared.device.synchronize()?;
+        super::shared::overwrite(&self.shared.device, &self.shared.params, weights)?;
+        self.path.restore(&mut self.shared, state, upload_pending, zenflow)?;
+        self.adamw.resume_at(optimizer_steps);
+        self.micro_steps = micro_steps;
+        self.scaler = scaler.clone();
+        Ok(())
+    }
+
+    /// Says so where restored moments change dtype: bf16 to fp32 is exact, fp32 to bf16 rounds
+    /// each moment to the nearest bf16 (once; the run goes on with stochastic rounding).
+    fn warn_on_moment_conversion(&self, parts: &[OptimizerPart]) {
+        let Some(saved) = parts.iter().map(|p| p.moments).find(|m| *m != self.moments) else {
+            return;
+        };
+        let how = match self.moments {
+            OptimizerStateDtype::Fp32 => "widened exactly",
+            OptimizerStateDtype::Bf16 => "rounded to the nearest bf16",
+        };
+        tracing::warn!(
+            "the checkpoint's Adam moments are {saved}, this run keeps them in {}: they are {how} \
+             (zeroflow.optimizer_state_dtype)",
+            self.moments
+        );
+    }
+
     /// [`Engine::snapshot`] without copying: a running CPU step is waited for (its weights
     /// staying pending), the offloaded optimizer state is lent as it lies, and what is in device
     /// memory (the weights; the device optimizer's state; ZenFlow's window and selected columns)
