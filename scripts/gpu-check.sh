@@ -17,6 +17,15 @@ LIMIT_MIB=64
 PACKAGES=(zeroflow-device zeroflow-nn zeroflow-gpt zeroflow-llama zeroflow-engine zeroflow-train)
 
 cargo build --release -p zeroflow-cli
+# Refuse a binary that cargo kept from another tree built into the same target directory (a
+# parent built there from a worktree: a path package's artifacts are named without its location,
+# so cargo may call them fresh and not relink this tree's). Its dep-info names the sources it was
+# built from. Build a parent in a target directory of its own (CARGO_TARGET_DIR).
+if ! grep -qF "$PWD/crates/zeroflow-cli/src/main.rs" target/release/zeroflow.d; then
+    echo "gpu-check: target/release/zeroflow was built from another tree ($(head -c 200 \
+        target/release/zeroflow.d | cut -d' ' -f2)); run \`cargo clean --release\` and again" >&2
+    exit 1
+fi
 
 # The GPU test targets, as "package target" lines, from cargo's metadata.
 targets=$(
