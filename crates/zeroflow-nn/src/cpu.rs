@@ -7,7 +7,7 @@ use zeroflow_device::{CpuDevice, Device, HostBuffer, HostMemory, StreamKind};
 
 use crate::error::NnError;
 use crate::kernels::{self, ArgSlices, Kernel, LayerKernel, Slot};
-use crate::plan::{Access, Buf, GradsReady, Launch, Plan, Step};
+use crate::plan::{Access, Buf, GradsReady, Launch, Plan, Step, open_before};
 
 /// A plan for one (batch, seq) whose activations live on a [`CpuDevice`]. The engine owns the
 /// flat parameter and gradient buffers (of `padded_len` elements) and passes them to each call.
@@ -108,12 +108,8 @@ impl<X: LayerKernel> CpuRunner<X> {
         self.check_flat("parameter buffer", params)?;
         let mut opened = 0;
         for launch in &self.plan.forward {
-            let params_end =
-                launch.args.iter().filter(|a| a.buf == Buf::Params).map(|a| a.range.end);
-            if let Some(end) = params_end.max().filter(|&end| end > opened) {
-                open(end);
-                opened = end;
-            }
+            let params_end = launch.args.iter().filter(|a| a.buf == Buf::Params);
+            open_before(&mut opened, params_end.map(|a| a.range.end).max(), open);
             self.launch(launch, launch.kernel.clone(), params, None)?;
         }
         open(usize::MAX);

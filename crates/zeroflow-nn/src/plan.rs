@@ -56,6 +56,19 @@ pub struct Arg {
     pub access: Access,
 }
 
+/// A forward's opening of the flat weights (the runners' `forward_opening`): before each launch,
+/// `open(end)` where the launch reads weights up to `end` beyond those opened so far.
+pub(crate) fn open_before(
+    opened: &mut usize,
+    params_end: Option<usize>,
+    open: &mut dyn FnMut(usize),
+) {
+    if let Some(end) = params_end.filter(|&end| end > *opened) {
+        open(end);
+        *opened = end;
+    }
+}
+
 /// An argument `range` of `buf` that the launch reads.
 pub fn read(buf: Buf, range: &Range<usize>) -> Arg {
     Arg { buf, range: range.clone(), access: Access::Read }

@@ -172,8 +172,13 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         if streaming {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            // The next forward opens the step's weights only where this rank holds them all.
-            let overlap = offload.stream.overlap_forward && len == layout.padded_len();
+            // The next forward opens the exact inline step's weights only where this rank holds
+            // them all (nothing to gather) and nothing else uses the state meanwhile (the
+            // speculation).
+            let overlap = offload.stream.overlap_forward
+                && delayed.is_none()
+                && speculation.is_none()
+                && len == layout.padded_len();
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?;
             return Ok(UpdatePath::Stream(stream));
         }

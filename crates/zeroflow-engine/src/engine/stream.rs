@@ -90,6 +90,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         partition: usize,
         gather_in_pieces: bool,
         speculation: Option<Speculation<P>>,
+        // The caller's choice (`UpdatePath::new`): the exact inline step, no speculation, one
+        // rank holding every weight.
         overlap_forward: bool,
     ) -> Result<Self, EngineError> {
         let cpu = match delayed {
@@ -104,10 +106,6 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             })),
         };
         let chunk_uploaded = device.new_event()?;
-        // Only the exact inline step is left to the forward, and only where nothing else uses the
-        // state meanwhile (the speculation); the caller asks only where this rank holds every
-        // weight (nothing to gather).
-        let overlap_forward = overlap_forward && delayed.is_none() && speculation.is_none();
         let (deferred, opened) = (None, device.new_event()?);
         Ok(Stream {
             cpu,
@@ -213,14 +211,12 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         };
         let OpenAt { device, params, source, owned, padded_len, events, uploaded, times, zero } =
             at;
-        // The orders the inline step queues first (`stream_step`): the copies after the norm,
-        // the uploads after the last forward/backward and the last upload.
-        let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
-        device.wait_event(d2h, events.norm_done)?;
-        device.wait_event(h2d, events.compute_done)?;
-        if let Some(written) = &*events.params_ready {
-            device.wait_event(h2d, written)?;
-        }
+        order_for_step(
+            device,
+            events.norm_done,
+            events.compute_done,
+            events.params_ready.as_ref(),
+        )?;
         let StreamBuffers { state, staging, outgoing } = &mut **buffers;
         let (source, source_at) = source;
         let len = owned.len();
@@ -560,14 +556,8 @@ pub(super) fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float, G: Floa
     let Shared { ref device, ref comm, ref params, ref events, ref owned, ref layout, .. } =
         *shared;
     let StepIo { source, at, uploaded_event, gather_in_pieces, times } = io;
-    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
-    // The gradients are final once the comm stream has computed the norm over them; the
-    // weights are free once forward/backward and the last gather are past them.
-    device.wait_event(d2h, &events.norm_done)?;
-    device.wait_event(h2d, &events.compute_done)?;
-    if let Some(gathered) = &events.params_ready {
-        device.wait_event(h2d, gathered)?;
-    }
+    let h2d = device.stream(StreamKind::H2d);
+    order_for_step(device, &events.norm_done, &events.compute_done, events.params_ready.as_ref())?;
     // The gathers write the other ranks' partitions, which the last forward/backward read.
     let gathers = gather_in_pieces && owned.len() < layout.padded_len();
     if gathers {
@@ -596,6 +586,24 @@ pub(super) fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float, G: Floa
         stream_chunks(device, step, state, staging, outgoing, chunks, segment.len())?;
     }
     Ok(gathers)
+}
+
+/// Orders the streams a streaming step copies on: the d2h stream after `norm_done` (the comm
+/// stream computed the norm over the final gradients), the h2d stream after `compute_done` and
+/// `params_ready` (the last forward/backward and the last upload or gather are past the weights).
+fn order_for_step<D: Device>(
+    device: &D,
+    norm_done: &D::Event,
+    compute_done: &D::Event,
+    params_ready: Option<&D::Event>,
+) -> Result<(), EngineError> {
+    let (d2h, h2d) = (device.stream(StreamKind::D2h), device.stream(StreamKind::H2d));
+    device.wait_event(d2h, norm_done)?;
+    device.wait_event(h2d, compute_done)?;
+    if let Some(written) = params_ready {
+        device.wait_event(h2d, written)?;
+    }
+    Ok(())
 }
 
 /// After [`stream_step`]: the next backward overwrites the gradients only after its copies read

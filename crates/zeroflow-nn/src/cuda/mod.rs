@@ -59,7 +59,7 @@ use self::schedule::{BackwardOp, OpKind, Place, Schedule, Space};
 pub use self::tokens::Tokens;
 use crate::error::NnError;
 use crate::kernels::{AttentionShape, Kernel, LayerKernel, NoLayers};
-use crate::plan::{AttentionKind, GradsReady, Plan};
+use crate::plan::{AttentionKind, GradsReady, Plan, open_before};
 
 /// What the CUDA executor must know of a family's kernel without a GPU.
 pub trait CudaLayerKernel: LayerKernel {
@@ -328,11 +328,8 @@ impl<X: CudaLayerKernel, L: CudaLayers<X>> CudaRunner<X, L> {
         self.check_flat("parameter buffer", params)?;
         let mut opened = 0;
         for op in &self.schedule.forward {
-            let params_end = op.args.iter().filter(|p| p.space == Space::Params).map(Place::end);
-            if let Some(end) = params_end.max().filter(|&end| end > opened) {
-                open(end);
-                opened = end;
-            }
+            let params_end = op.args.iter().filter(|p| p.space == Space::Params);
+            open_before(&mut opened, params_end.map(Place::end).max(), open);
             self.run(op, params, None, 1.0)?;
         }
         open(usize::MAX);
