@@ -11,16 +11,21 @@
 #    4 × 2048): `gpu`, then `offload` on and off, ROUNDS times interleaved. The step times, the
 #    forward/backward/optimizer breakdown and the CPU wait come from the bench's JSON line.
 #
+# With ACCUM > 1 every run takes that many micro-steps per step, summed on the device
+# (ZEROFLOW_ACCUMULATE_ON=device: the step streams from the sum, the `Summed` path).
+#
 # Here: bash scripts/gpu-check.sh. There: bash scripts/overlap-forward.sh   carry: [".gpu"]
 # Environment: PARTS ("exact speed"), SPEED_MODELS ("gpt-1.3b llama-1b"), ROUNDS (2), STEPS (8),
-# WARMUP (3).
+# WARMUP (3), ACCUM (1).
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 PARTS=${PARTS:-exact speed}
 ROUNDS=${ROUNDS:-2}
 SPEED_MODELS=${SPEED_MODELS:-gpt-1.3b llama-1b}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
+ACCUM=${ACCUM:-1}
 WORK=${WORK:-/tmp/overlap-forward}
+export ZEROFLOW_ACCUMULATE_ON=device
 rm -rf "$WORK" && mkdir -p "$WORK"
 
 if [[ $PARTS == *exact* ]]; then
@@ -30,7 +35,7 @@ if [[ $PARTS == *exact* ]]; then
             echo "== train $model, overlap ${run%2}, at ${SECONDS}s"
             ZEROFLOW_OVERLAP_FORWARD=${run%2} timeout 200 "$Z" train --device cuda --model "$model" \
                 --config examples/configs/zero2-offload-bf16.json --micro-batch 4 --seq 1024 \
-                --steps 12 --eval-every 6 --save-every 0 --out "$dir" >"$OUT/train-$model-$run.log" 2>&1 ||
+                --accum "$ACCUM" --steps 12 --eval-every 6 --save-every 0 --out "$dir" >"$OUT/train-$model-$run.log" 2>&1 ||
                 { echo "FAILED: exit $?"; tail -n 5 "$OUT/train-$model-$run.log"; }
             cp "$dir/metrics.jsonl" "$OUT/metrics-$model-$run.jsonl" 2>/dev/null
         done
@@ -58,7 +63,8 @@ bench() {
     local name=$1
     shift
     echo "== bench $name, at ${SECONDS}s"
-    timeout 240 "$Z" bench step --device cuda --json --steps "$STEPS" --warmup "$WARMUP" "$@" \
+    timeout 240 "$Z" bench step --device cuda --json --steps "$STEPS" --warmup "$WARMUP" \
+        --accum "$ACCUM" "$@" \
         >"$OUT/bench-$name.log" 2>&1 || { echo "FAILED: exit $?"; tail -n 5 "$OUT/bench-$name.log"; }
     python3 - "$name" "$OUT/bench-$name.log" "$OUT/bench.jsonl" <<'PY'
 import json, sys

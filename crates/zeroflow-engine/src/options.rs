@@ -118,10 +118,10 @@ pub struct StreamOptions {
     /// Where ZenFlow's CPU step reads its window from (default [`DEFAULT_ZENFLOW_ASIDE`]). The
     /// CPU step reads the same window either way, bit for bit.
     pub zenflow_aside: ZenFlowAside,
-    /// The exact streaming step (one micro-step per step, one rank holding every weight, no
-    /// speculation) leaves its CPU work to the next forward, which opens the weights piece by
-    /// piece: each of its kernels waits only for the upload of the weights it reads, so the
-    /// forward runs while the CPU steps the rest (DESIGN.md §5). The caller's model must then
+    /// The exact streaming step (one micro-step per step, or a window summed on the device; one
+    /// rank holding every weight; no speculation) leaves its CPU work to the next forward, which
+    /// opens the weights piece by piece: each of its kernels waits only for the upload of the
+    /// weights it reads, so the forward runs while the CPU steps the rest (DESIGN.md §5). The caller's model must then
     /// call [`crate::ModelIo::open`] before reading weights (see there); off by default, since
     /// the engine cannot tell whether it does. The results are the same, bit for bit.
     pub overlap_forward: bool,

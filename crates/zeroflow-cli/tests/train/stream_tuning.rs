@@ -14,11 +14,24 @@ const OFFLOAD: &str = r#"{
   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 }"#;
 
+/// `OFFLOAD` with two micro-steps per step (summed on the device where it is asked to).
+const OFFLOAD_ACCUMULATING: &str = r#"{
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+}"#;
+
 /// `zeroflow train` of `MINI` with `OFFLOAD` for 4 steps into `dir/run`, with `tuning` set (and
 /// only that) of the two variables, logging at info level.
 fn train_tuned(dir: &Path, tuning: &[(&str, &str)]) -> Output {
+    train_with(dir, OFFLOAD, tuning)
+}
+
+/// [`train_tuned`] with the DeepSpeed config `ds`.
+fn train_with(dir: &Path, ds: &str, tuning: &[(&str, &str)]) -> Output {
     let config = dir.join("ds.json");
-    std::fs::write(&config, OFFLOAD).unwrap();
+    std::fs::write(&config, ds).unwrap();
     let (config, out) = (config.to_str().unwrap(), dir.join("run"));
     let args = ["--config", config, "--model", MINI, "--steps", "4", "--eval-every", "2", "--out"];
     Command::new(env!("CARGO_BIN_EXE_zeroflow"))
@@ -29,6 +42,7 @@ fn train_tuned(dir: &Path, tuning: &[(&str, &str)]) -> Output {
         .env_remove("ZEROFLOW_STREAM_CHUNK_MIB")
         .env_remove("ZEROFLOW_COPY_STORES")
         .env_remove("ZEROFLOW_OVERLAP_FORWARD")
+        .env_remove("ZEROFLOW_ACCUMULATE_ON")
         .envs(tuning.iter().copied())
         .output()
         .expect("run zeroflow")
@@ -66,26 +80,31 @@ fn offload_stream_tuning_is_logged_and_trains_exactly_as_the_default() {
 
 /// The exact step's CPU work overlapped with the next forward (the default) against the step
 /// done before it (`ZEROFLOW_OVERLAP_FORWARD=off`), in chunks of 26 elements that the forward
-/// opens a few at a time, with evaluations between steps: the same losses, norms and eval losses.
+/// opens a few at a time, with evaluations between steps: the same losses, norms and eval losses;
+/// with one micro-step per step, and with two summed on the device.
 #[test]
 fn the_step_overlapped_with_the_next_forward_trains_exactly_as_the_step_before_it() {
     let chunk = ("ZEROFLOW_STREAM_CHUNK_MIB", "1e-4");
+    let on_device = ("ZEROFLOW_ACCUMULATE_ON", "device");
     let runs =
         [("on", "overlapped with the next forward"), ("off", "done before the next forward")];
-    let mut seen = Vec::new();
-    for (overlap, logged) in runs {
-        let dir = scratch(&format!("stream_tuning_overlap_{overlap}"));
-        let run = train_tuned(&dir, &[chunk, ("ZEROFLOW_OVERLAP_FORWARD", overlap)]);
-        let stderr = text(&run.stderr);
-        assert!(run.status.success(), "stderr: {stderr}");
-        assert!(stderr.contains(logged), "the choice is logged: {stderr}");
-        let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
-        let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
-        assert_eq!(evals.len(), 2, "{lines:?}");
-        seen.push((losses_and_norms(&dir), evals));
+    for (name, ds) in [("one", OFFLOAD), ("summed", OFFLOAD_ACCUMULATING)] {
+        let mut seen = Vec::new();
+        for (overlap, logged) in runs {
+            let dir = scratch(&format!("stream_tuning_overlap_{name}_{overlap}"));
+            let run =
+                train_with(&dir, ds, &[chunk, on_device, ("ZEROFLOW_OVERLAP_FORWARD", overlap)]);
+            let stderr = text(&run.stderr);
+            assert!(run.status.success(), "stderr: {stderr}");
+            assert!(stderr.contains(logged), "the choice is logged: {stderr}");
+            let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
+            let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
+            assert_eq!(evals.len(), 2, "{lines:?}");
+            seen.push((losses_and_norms(&dir), evals));
+        }
+        assert_eq!(seen[0].0.len(), 4, "{name}");
+        assert_eq!(seen[0], seen[1], "{name}");
     }
-    assert_eq!(seen[0].0.len(), 4);
-    assert_eq!(seen[0], seen[1]);
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | [`DeviceUpdate`] | `Placement::Device` | none: AdamW on the compute stream |
 //! | [`Accumulate`] | offload, `Exact`/`Delayed`, gradient accumulation or f16 (and not `Summed`) | inline (the speculated pieces stepped during the last backward), or delayed after the warm-up |
-//! | [`Summed`] | offload, `Exact`, ZeRO-2 with gradient accumulation summed on the device, f32 or bf16 | streamed inline from the device sum (the speculated pieces stepped during the last backward) |
+//! | [`Summed`] | offload, `Exact`, ZeRO-2 with gradient accumulation summed on the device, f32 or bf16 | streamed inline from the device sum (the speculated pieces stepped during the last backward), or by the next window's first forward as it opens the weights (one rank, `overlap_forward`) |
 //! | [`Stream`] | offload, `Exact`/`Delayed`, one micro-step, f32 or bf16 | streamed inline (the speculated pieces stepped during backward), or on a worker after the warm-up |
 //! | [`ZenFlowUpdate`] | offload, `ZenFlow` | once per window: inline, or on a worker (`overlap_step`) |
 //!
@@ -18,7 +18,7 @@
 //! | `bucket_ready` (shared) | compute, per bucket (`reduction.rs`) | comm, right after |
 //! | `reduced` (one per bucket, sent to the courier) | comm, per bucket, accumulating offload (with the device sum: the window's last backward, after the add), and the streaming exact step's pieces it speculates on (`reduction.rs`) | d2h, by the courier before the bucket's copies (`courier.rs`; the mutation self-check skips it) |
 //! | `comm_done` (shared) | comm (`Shared::record_comm_done`): after a reducing backward; delayed stream: also after the set-aside copy | compute, at the next backward |
-//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward; comm, before the delayed stream's set-aside copy and before the device sum is cleared (`accumulate.rs`) |
+//! | `d2h_done` (shared) | d2h (`Shared::record_d2h_done`): after a reducing backward with offload; stream: after the step's copies, and when a delayed step is applied | compute, at the next backward (a step left to the forward: at its final open); comm, before the delayed stream's set-aside copy and before the device sum is cleared (`accumulate.rs`, `summed.rs`, or a `Summed` step's final open) |
 //! | `params_ready` (shared) | `Shared::record_params_ready`: on the partition's writer, then on comm after the gather (`Shared::gather_from`); inline stream with pieces: on comm after the last piece | compute, at the next backward; h2d, before an upload |
 //! | `compute_done` (shared) | compute, at the start of every step (`Engine::step`) | comm (norm on the device, gathers), h2d (uploads) |
 //! | `norm_done` (shared) | comm, after the norm (and its all-reduce) (`sum_to_host`) | d2h (its copy; inline stream's first chunk); compute (ZenFlow's device step) |
@@ -163,22 +163,22 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         // The streaming steps keep the speculated pieces' weights until their upload.
         let speculation = Speculation::new(device, len, budget, streaming || summed, memory)?;
         let pieces = offload.stream.gather_in_pieces;
+        // The next forward opens the exact inline step's weights only where this rank holds
+        // them all (nothing to gather) and nothing else uses the state meanwhile (the
+        // speculation).
+        let overlap = offload.stream.overlap_forward
+            && delayed.is_none()
+            && speculation.is_none()
+            && len == layout.padded_len();
         if summed {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let path = Summed::new(device, buffers, len, pieces, speculation)?;
+            let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?;
             return Ok(UpdatePath::Summed(path));
         }
         if streaming {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            // The next forward opens the exact inline step's weights only where this rank holds
-            // them all (nothing to gather) and nothing else uses the state meanwhile (the
-            // speculation).
-            let overlap = offload.stream.overlap_forward
-                && delayed.is_none()
-                && speculation.is_none()
-                && len == layout.padded_len();
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?;
             return Ok(UpdatePath::Stream(stream));
         }
@@ -213,9 +213,14 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         }
     }
 
-    /// True if the last step's CPU work is left for the next forward to open (`Stream::open`).
+    /// True if the last step's CPU work is left for the next forward to open (`Stream::open`,
+    /// `Summed::open`).
     pub fn defers(&self) -> bool {
-        matches!(self, UpdatePath::Stream(s) if s.defers())
+        match self {
+            UpdatePath::Stream(s) => s.defers(),
+            UpdatePath::Summed(s) => s.defers(),
+            _ => false,
+        }
     }
 
     /// Where the reduced gradient pieces of a backward go (see [`UpdatePath::sink`]), and the
@@ -229,10 +234,11 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         if !self.defers() {
             return Ok((self.sink(assumed, boundary), None));
         }
-        let UpdatePath::Stream(stream) = self else {
-            return Err(EngineError::Internal("only the streaming step is left to the forward"));
-        };
-        Ok((Sink::Keep, stream.open(at)?))
+        match self {
+            UpdatePath::Stream(stream) => Ok((Sink::Keep, stream.open(at)?)),
+            UpdatePath::Summed(summed) => summed.open(at),
+            _ => Err(EngineError::Internal("only a streaming step is left to the forward")),
+        }
     }
 
     /// Runs a step left for the next forward now (before the weights or the state are read
@@ -243,6 +249,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     ) -> Result<(), EngineError> {
         match self {
             UpdatePath::Stream(s) => s.complete(shared),
+            UpdatePath::Summed(s) => s.complete(shared),
             _ => Ok(()),
         }
     }

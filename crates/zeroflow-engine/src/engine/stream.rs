@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use zeroflow_core::Float;
-use zeroflow_device::{Comm, Device, Filling, HostBuffer, StreamKind};
+use zeroflow_device::{Comm, Device, DeviceBuffer, Filling, HostBuffer, StreamKind};
 use zeroflow_optim::AdamWStep;
 
 use super::shared::Shared;
@@ -209,41 +209,9 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let (Some(step), StreamCpu::Inline(buffers)) = (self.deferred.take(), &mut self.cpu) else {
             return Ok(None);
         };
-        let OpenAt { device, params, source, owned, padded_len, events, uploaded, times, zero } =
-            at;
-        order_for_step(
-            device,
-            events.norm_done,
-            events.compute_done,
-            events.params_ready.as_ref(),
-        )?;
-        let StreamBuffers { state, staging, outgoing } = &mut **buffers;
-        let (source, source_at) = source;
-        let len = owned.len();
-        let io = Chunks {
-            state_at: 0,
-            source,
-            source_at,
-            target: params,
-            target_at: owned.start,
-            uploaded,
-            times,
-        };
-        let chunks = ChunkStream::new(device, step, state, staging, outgoing, io, len);
-        Ok(Some(Opening {
-            chunks,
-            device,
-            opened_event: &mut self.opened,
-            d2h_done: events.d2h_done,
-            params_ready: events.params_ready,
-            zero,
-            start: owned.start,
-            padded_len,
-            opened: 0,
-            finished: false,
-            failed: None,
-            spent: std::time::Duration::ZERO,
-        }))
+        let source = at.source;
+        let (opened, wrap) = (&mut self.opened, OpenChunks::Reduced);
+        Ok(Some(Opening::new(at, step, buffers, source, opened, None, wrap)?))
     }
 
     /// Waits for a delayed step still running and brings its weights into the model.
@@ -421,15 +389,19 @@ pub(in crate::engine) struct OpenEvents<'a, D: Device> {
 /// compute), so the GPU runs each layer while the CPU steps the next. Once the forward is queued
 /// (an `end` past the weights) the rest is stepped, `d2h_done` and `params_ready` are recorded
 /// as the inline step records them, and the compute stream waits for both and zeroes the
-/// gradients for the backward. The same chunks in the same order as the inline step: the same
+/// gradients for the backward; where the step streams from the window's sum on the device
+/// ([`super::summed::Summed`]), the comm stream clears the sum after `d2h_done`, before the
+/// backward adds into it. The same chunks in the same order as the inline step: the same
 /// results, bit for bit.
 pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
-    chunks: ChunkStream<'a, D, P, P>,
+    chunks: OpenChunks<'a, D, P>,
     device: &'a D,
     opened_event: &'a mut D::Event,
     d2h_done: &'a mut Option<D::Event>,
     params_ready: &'a mut Option<D::Event>,
     zero: Option<&'a D::Buffer<P>>,
+    /// The window's sum the step streams from, cleared once its copies are done.
+    clear_sum: Option<&'a D::Buffer<f32>>,
     /// Where this rank's partition starts in the flat weights, and their padded length.
     start: usize,
     padded_len: usize,
@@ -439,6 +411,80 @@ pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
     failed: Option<EngineError>,
     /// Time spent stepping and queuing for the forward.
     spent: std::time::Duration,
+}
+
+/// The chunks an [`Opening`] steps: from the reduced gradients (`P`), or from the window's sum on
+/// the device (`f32`).
+pub(in crate::engine) enum OpenChunks<'a, D: Device, P: Float> {
+    Reduced(ChunkStream<'a, D, P, P>),
+    Summed(ChunkStream<'a, D, f32, P>),
+}
+
+impl<D: Device, P: Float> OpenChunks<'_, D, P> {
+    fn advance(&mut self, to: usize) -> Result<(), EngineError> {
+        match self {
+            OpenChunks::Reduced(chunks) => chunks.advance(to),
+            OpenChunks::Summed(chunks) => chunks.advance(to),
+        }
+    }
+
+    fn done(&self) -> usize {
+        match self {
+            OpenChunks::Reduced(chunks) => chunks.done(),
+            OpenChunks::Summed(chunks) => chunks.done(),
+        }
+    }
+}
+
+impl<'a, D: Device, P: Float> Opening<'a, D, P> {
+    /// The opening of `step` over `buffers`, streaming the gradients from `source` (its buffer,
+    /// and where this rank's partition starts in it) through the chunks `wrap` makes; where
+    /// `clear_sum` is given, that sum is cleared once the step's copies have read it.
+    pub(super) fn new<G: Float>(
+        at: OpenAt<'a, D, P>,
+        step: AdamWStep,
+        buffers: &'a mut StreamBuffers<P, G>,
+        source: (&'a D::Buffer<G>, usize),
+        opened_event: &'a mut D::Event,
+        clear_sum: Option<&'a D::Buffer<f32>>,
+        wrap: fn(ChunkStream<'a, D, G, P>) -> OpenChunks<'a, D, P>,
+    ) -> Result<Self, EngineError> {
+        let OpenAt { device, params, owned, padded_len, events, uploaded, times, zero, .. } = at;
+        order_for_step(
+            device,
+            events.norm_done,
+            events.compute_done,
+            events.params_ready.as_ref(),
+        )?;
+        let StreamBuffers { state, staging, outgoing } = buffers;
+        let (source, source_at) = source;
+        let len = owned.len();
+        let io = Chunks {
+            state_at: 0,
+            source,
+            source_at,
+            target: params,
+            target_at: owned.start,
+            uploaded,
+            times,
+        };
+        let chunks = wrap(ChunkStream::new(device, step, state, staging, outgoing, io, len));
+        Ok(Opening {
+            chunks,
+            device,
+            opened_event,
+            d2h_done: events.d2h_done,
+            params_ready: events.params_ready,
+            zero,
+            clear_sum,
+            start: owned.start,
+            padded_len,
+            opened: 0,
+            finished: false,
+            failed: None,
+            spent: std::time::Duration::ZERO,
+        })
+    }
 }
 
 impl<D: Device, P: Float> Opening<'_, D, P> {
@@ -490,6 +536,14 @@ impl<D: Device, P: Float> Opening<'_, D, P> {
         }
         if let Some(grads) = self.zero {
             device.fill(compute, grads, 0..self.padded_len, P::default())?;
+        }
+        if let Some(sum) = self.clear_sum {
+            // After the step's copies out of it (`d2h_done`, recorded above), before the
+            // backward's adds into it (the same stream).
+            let comm = device.stream(StreamKind::Comm);
+            let copied = self.d2h_done.as_ref().ok_or(EngineError::Internal("d2h_done is set"))?;
+            device.wait_event(comm, copied)?;
+            device.fill(comm, sum, 0..sum.len(), 0.0)?;
         }
         Ok(())
     }

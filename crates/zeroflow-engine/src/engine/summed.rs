@@ -12,6 +12,11 @@
 //! speculated, the window's last backward also copies each summed piece that fits the budget to
 //! the host after its add (the piece's `reduced` event, `reduction.rs`), and the courier steps it
 //! there; the step then streams the rest.
+//!
+//! Where one rank holds every weight and nothing speculates (`overlap_forward`), the step is left
+//! to the next window's first forward, which opens it as the one-micro-step path's is
+//! ([`super::stream::Opening`]): the sum is cleared on the comm stream once the opening has
+//! recorded `d2h_done`, before that micro-step's backward adds into it.
 
 use std::ops::Range;
 
@@ -19,9 +24,10 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, StreamKind};
 use zeroflow_optim::AdamWStep;
 
+use super::path::SinkOrOpening;
 use super::shared::Shared;
 use super::state::PathState;
-use super::stream::{StepIo, finish_stream_step, stream_step};
+use super::stream::{OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step};
 use crate::EngineError;
 use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;
@@ -42,22 +48,40 @@ pub(super) struct Summed<D: Device, P: Float> {
     gather_in_pieces: bool,
     /// The step's speculation (`None`: off).
     pub(super) speculation: Option<Speculation<P>>,
+    /// The step is left to the next forward ([`Summed::open`]; the `overlap_forward` option,
+    /// where one rank holds every weight and nothing speculates).
+    overlap_forward: bool,
+    /// The step left for the next forward to open, once `update` has taken it.
+    deferred: Option<AdamWStep>,
+    /// H2d → compute: the weights the forward reads next are uploaded ([`Opening`]).
+    opened: D::Event,
 }
 
 impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     /// The path over `buffers`, with a device accumulator of the partition's `partition`
-    /// elements.
+    /// elements; `overlap_forward` is the caller's choice (`UpdatePath::new`).
     pub fn new(
         device: &D,
         buffers: StreamBuffers<P, f32>,
         partition: usize,
         gather_in_pieces: bool,
         speculation: Option<Speculation<P>>,
+        overlap_forward: bool,
     ) -> Result<Self, EngineError> {
         let acc = device.alloc::<f32>(partition)?;
         let chunk_uploaded = device.new_event()?;
         let buffers = Box::new(buffers);
-        Ok(Summed { acc, buffers, chunk_uploaded, gather_in_pieces, speculation })
+        let (deferred, opened) = (None, device.new_event()?);
+        Ok(Summed {
+            acc,
+            buffers,
+            chunk_uploaded,
+            gather_in_pieces,
+            speculation,
+            overlap_forward,
+            deferred,
+            opened,
+        })
     }
 
     /// Backward's sink: the device accumulator; at the window's last backward, where the step is
@@ -89,35 +113,84 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     }
 
     /// The streamed step from the sum, the pieces stepped during the last backward kept where
-    /// the speculation stands.
+    /// the speculation stands; or, with `overlap_forward`, the step left for the next forward.
     pub fn update<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+    ) -> Result<(), EngineError> {
+        if self.overlap_forward {
+            self.deferred = Some(*step);
+            return Ok(());
+        }
+        self.step_inline(shared, step)
+    }
+
+    /// The step, on this thread.
+    fn step_inline<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
         step: &AdamWStep,
     ) -> Result<(), EngineError> {
         let started = std::time::Instant::now();
         let speculated = standing(self.speculation.as_mut(), &mut self.buffers.state, step);
+        let Summed { acc, buffers, chunk_uploaded, gather_in_pieces, .. } = self;
         let mut times = std::mem::take(&mut shared.step_times);
         let io = StepIo {
-            source: &self.acc,
+            source: &*acc,
             at: 0,
-            uploaded_event: &mut self.chunk_uploaded,
-            gather_in_pieces: self.gather_in_pieces,
+            uploaded_event: chunk_uploaded,
+            gather_in_pieces: *gather_in_pieces,
             times: &mut times,
         };
-        let gathered = stream_step(shared, &mut self.buffers, io, step, speculated);
+        let gathered = stream_step(shared, buffers, io, step, speculated);
         shared.step_times = times;
         finish_stream_step(shared, gathered?)?;
         shared.cpu_wait += started.elapsed();
         Ok(())
     }
 
+    /// True if the last step's CPU work is left for the next forward to open.
+    pub fn defers(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// The step left for this forward, opened to it piece by piece from the sum, which the
+    /// opening clears once its copies are done (`None` where none is left), and the backward's
+    /// sink: the sum, which its adds reach after the clear (the window's first backward ends no
+    /// step, and nothing speculates, so nothing goes to the host).
+    pub fn open<'a>(
+        &'a mut self,
+        at: OpenAt<'a, D, P>,
+    ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
+        let Summed { acc, buffers, opened, deferred, .. } = self;
+        let sink = Sink::DeviceThenHost { acc, offloader: None };
+        let Some(step) = deferred.take() else { return Ok((sink, None)) };
+        let (source, clear, buffers) = ((&*acc, 0), Some(&*acc), &mut **buffers);
+        let opening = Opening::new(at, step, buffers, source, opened, clear, OpenChunks::Summed)?;
+        Ok((sink, Some(opening)))
+    }
+
+    /// Runs the step left for the next forward now, in line, and clears the sum after it.
+    pub fn complete<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+    ) -> Result<(), EngineError> {
+        let Some(step) = self.deferred.take() else { return Ok(()) };
+        self.step_inline(shared, &step)?;
+        self.zero_accumulator(shared)
+    }
+
     /// Clears the accumulator for the next window on the comm stream (where the next
-    /// micro-step's adds go), after the step's copies out of it (`d2h_done`).
+    /// micro-step's adds go), after the step's copies out of it (`d2h_done`); a step left to the
+    /// next forward clears it there, after its copies.
     pub fn zero_accumulator<C: Comm<Device = D>>(
         &mut self,
         shared: &Shared<D, C, P>,
     ) -> Result<(), EngineError> {
+        if self.defers() {
+            return Ok(());
+        }
         let comm = shared.device.stream(StreamKind::Comm);
         if let Some(copied) = &shared.events.d2h_done {
             shared.device.wait_event(comm, copied)?;

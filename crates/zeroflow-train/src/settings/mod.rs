@@ -328,7 +328,8 @@ pub fn apply_offload<P: Element>(
             AccumulateOn::Host => "the host",
         },
         match stream.overlap_forward {
-            true => "overlapped with the next forward (one GPU, one micro-step per step)",
+            true =>
+                "overlapped with the next forward (one GPU; one micro-step per step or the sum on the device)",
             false => "done before the next forward",
         },
     );
