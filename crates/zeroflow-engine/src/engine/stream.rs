@@ -49,13 +49,9 @@ pub(super) struct Stream<D: Device, P: Float> {
     gather_in_pieces: bool,
     /// The exact inline step's speculation (`None`: off, or the delayed update).
     pub(super) speculation: Option<Speculation<P>>,
-    /// The exact inline step leaves its CPU work to the next forward ([`Opening`]; the
-    /// `overlap_forward` option, where one rank holds every weight and nothing speculates).
-    overlap_forward: bool,
-    /// The step left for the next forward to open, once `update` has taken it.
-    deferred: Option<AdamWStep>,
-    /// H2d → compute: the weights the forward reads next are uploaded ([`Opening`]).
-    opened: D::Event,
+    /// The exact inline step left to the next forward ([`Opening`]; the `overlap_forward`
+    /// option, where one rank holds every weight and nothing speculates).
+    deferral: Deferral<D>,
 }
 
 /// Where the streaming step runs.
@@ -106,16 +102,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             })),
         };
         let chunk_uploaded = device.new_event()?;
-        let (deferred, opened) = (None, device.new_event()?);
-        Ok(Stream {
-            cpu,
-            chunk_uploaded,
-            gather_in_pieces,
-            speculation,
-            overlap_forward,
-            deferred,
-            opened,
-        })
+        let deferral = Deferral::new(device, overlap_forward)?;
+        Ok(Stream { cpu, chunk_uploaded, gather_in_pieces, speculation, deferral })
     }
 
     /// Backward's sink: where the exact inline step speculates, the pieces that fit the budget
@@ -156,7 +144,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
         match &mut self.cpu {
             // The next forward opens the weights as the CPU steps them (`Stream::open`).
-            StreamCpu::Inline(_) if self.overlap_forward => self.deferred = Some(*step),
+            StreamCpu::Inline(_) if self.deferral.leave(step) => {}
             StreamCpu::Inline(buffers) => {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
                 stream_reduced(shared, buffers, uploaded, pieces, step, speculated)?;
@@ -181,7 +169,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
 
     /// True if the last step's CPU work is left for the next forward to open.
     pub fn defers(&self) -> bool {
-        self.deferred.is_some()
+        self.deferral.pending()
     }
 
     /// Runs the step left for the next forward now, in line (before anything but a forward reads
@@ -190,7 +178,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        let (Some(step), StreamCpu::Inline(buffers)) = (self.deferred.take(), &mut self.cpu) else {
+        let (Some((step, _)), StreamCpu::Inline(buffers)) = (self.deferral.take(), &mut self.cpu)
+        else {
             return Ok(());
         };
         let started = Instant::now();
@@ -206,11 +195,12 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         &'a mut self,
         at: OpenAt<'a, D, P>,
     ) -> Result<Option<Opening<'a, D, P>>, EngineError> {
-        let (Some(step), StreamCpu::Inline(buffers)) = (self.deferred.take(), &mut self.cpu) else {
+        let (Some((step, opened)), StreamCpu::Inline(buffers)) =
+            (self.deferral.take(), &mut self.cpu)
+        else {
             return Ok(None);
         };
-        let source = at.source;
-        let (opened, wrap) = (&mut self.opened, OpenChunks::Reduced);
+        let (source, wrap) = (at.source, OpenChunks::Reduced);
         Ok(Some(Opening::new(at, step, buffers, source, opened, None, wrap)?))
     }
 
@@ -381,6 +371,39 @@ pub(in crate::engine) struct OpenEvents<'a, D: Device> {
     pub compute_done: &'a D::Event,
     pub d2h_done: &'a mut Option<D::Event>,
     pub params_ready: &'a mut Option<D::Event>,
+}
+
+/// Whether a streaming path leaves its exact step to the next forward (`overlap_forward`), the
+/// step left, and the event its [`Opening`] records (h2d → compute).
+pub(super) struct Deferral<D: Device> {
+    enabled: bool,
+    step: Option<AdamWStep>,
+    opened: D::Event,
+}
+
+impl<D: Device> Deferral<D> {
+    pub fn new(device: &D, enabled: bool) -> Result<Self, EngineError> {
+        Ok(Deferral { enabled, step: None, opened: device.new_event()? })
+    }
+
+    /// Leaves `step` to the next forward and gives true where the path does so; false where
+    /// the caller steps now.
+    pub fn leave(&mut self, step: &AdamWStep) -> bool {
+        if self.enabled {
+            self.step = Some(*step);
+        }
+        self.enabled
+    }
+
+    /// True if a step is left to the next forward.
+    pub fn pending(&self) -> bool {
+        self.step.is_some()
+    }
+
+    /// The step left, taken, with the event its opening records.
+    pub fn take(&mut self) -> Option<(AdamWStep, &mut D::Event)> {
+        Some((self.step.take()?, &mut self.opened))
+    }
 }
 
 /// The exact step left for the next forward (`overlap_forward`, DESIGN.md §5): the forward

@@ -27,7 +27,9 @@ use zeroflow_optim::AdamWStep;
 use super::path::SinkOrOpening;
 use super::shared::Shared;
 use super::state::PathState;
-use super::stream::{OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step};
+use super::stream::{
+    Deferral, OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step,
+};
 use crate::EngineError;
 use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;
@@ -48,13 +50,9 @@ pub(super) struct Summed<D: Device, P: Float> {
     gather_in_pieces: bool,
     /// The step's speculation (`None`: off).
     pub(super) speculation: Option<Speculation<P>>,
-    /// The step is left to the next forward ([`Summed::open`]; the `overlap_forward` option,
+    /// The step left to the next forward ([`Summed::open`]; the `overlap_forward` option,
     /// where one rank holds every weight and nothing speculates).
-    overlap_forward: bool,
-    /// The step left for the next forward to open, once `update` has taken it.
-    deferred: Option<AdamWStep>,
-    /// H2d → compute: the weights the forward reads next are uploaded ([`Opening`]).
-    opened: D::Event,
+    deferral: Deferral<D>,
 }
 
 impl<D: DeviceAdamW, P: Float> Summed<D, P> {
@@ -71,17 +69,8 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let acc = device.alloc::<f32>(partition)?;
         let chunk_uploaded = device.new_event()?;
         let buffers = Box::new(buffers);
-        let (deferred, opened) = (None, device.new_event()?);
-        Ok(Summed {
-            acc,
-            buffers,
-            chunk_uploaded,
-            gather_in_pieces,
-            speculation,
-            overlap_forward,
-            deferred,
-            opened,
-        })
+        let deferral = Deferral::new(device, overlap_forward)?;
+        Ok(Summed { acc, buffers, chunk_uploaded, gather_in_pieces, speculation, deferral })
     }
 
     /// Backward's sink: the device accumulator; at the window's last backward, where the step is
@@ -119,8 +108,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         shared: &mut Shared<D, C, P>,
         step: &AdamWStep,
     ) -> Result<(), EngineError> {
-        if self.overlap_forward {
-            self.deferred = Some(*step);
+        if self.deferral.leave(step) {
             return Ok(());
         }
         self.step_inline(shared, step)
@@ -152,7 +140,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
 
     /// True if the last step's CPU work is left for the next forward to open.
     pub fn defers(&self) -> bool {
-        self.deferred.is_some()
+        self.deferral.pending()
     }
 
     /// The step left for this forward, opened to it piece by piece from the sum, which the
@@ -163,9 +151,9 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         &'a mut self,
         at: OpenAt<'a, D, P>,
     ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
-        let Summed { acc, buffers, opened, deferred, .. } = self;
+        let Summed { acc, buffers, deferral, .. } = self;
         let sink = Sink::DeviceThenHost { acc, offloader: None };
-        let Some(step) = deferred.take() else { return Ok((sink, None)) };
+        let Some((step, opened)) = deferral.take() else { return Ok((sink, None)) };
         let (source, clear, buffers) = ((&*acc, 0), Some(&*acc), &mut **buffers);
         let opening = Opening::new(at, step, buffers, source, opened, clear, OpenChunks::Summed)?;
         Ok((sink, Some(opening)))
@@ -176,7 +164,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        let Some(step) = self.deferred.take() else { return Ok(()) };
+        let Some((step, _)) = self.deferral.take() else { return Ok(()) };
         self.step_inline(shared, &step)?;
         self.zero_accumulator(shared)
     }
