@@ -28,6 +28,7 @@ mod accumulate;
 mod device;
 mod model_io;
 mod path;
+mod share;
 mod shared;
 mod state;
 mod stream;

@@ -83,6 +83,16 @@ fn line(
 
 /// Bytes of host memory one speculated element costs: its backup (fp32 master and moments), and
 /// on the streaming path its weights awaiting upload.
+/// The elements of a partition of `len` that a device share of `fraction` steps on the device
+/// (`StreamOptions::device_share`): rounded down to whole packs of eight, the device kernels'.
+pub(crate) fn device_share_len(len: usize, fraction: f64) -> usize {
+    ((len as f64 * fraction.clamp(0.0, 1.0)) as usize) / 8 * 8
+}
+
+/// Bytes per element of a device share in device memory: the fp32 master weights and moments,
+/// and the gradients cast to f32 for the AdamW.
+pub(crate) const DEVICE_SHARE_ELEMENT_BYTES: usize = 16;
+
 pub(crate) fn speculated_element_bytes(with_weights: bool, element_bytes: usize) -> usize {
     12 + if with_weights { element_bytes } else { 0 }
 }
@@ -218,6 +228,11 @@ impl EngineOptions {
         if streaming {
             let staging = staging_len(n, chunk);
             lines.push(line(Host, K::Staging, staging, (STAGING_BUFFERS + OUTGOING_BUFFERS) * p));
+            // (Where the share cannot act the engine refuses to start: `UpdatePath::new`.)
+            let share = device_share_len(n, offload.stream.device_share);
+            if share > 0 {
+                lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
+            }
             if delayed {
                 lines.push(line(Device, K::DelayedUpdate, n, 2 * p));
             }
@@ -393,6 +408,26 @@ mod tests {
             assert_eq!(host, 12 * n + 6 * staged * 2, "chunk {chunk}");
             assert_eq!(total(&lines, MemoryKind::Device, None), 4 * n);
         }
+    }
+
+    /// A device share adds its state and f32 gradients (16 bytes per element, whole packs of
+    /// eight) to the device and leaves the host's full copy of the state as it is.
+    #[test]
+    fn a_device_share_holds_sixteen_bytes_per_element_on_the_device() {
+        let layout = layout_of(1);
+        let n = layout.partition_len();
+        let mut placement = offload(OffloadUpdate::Exact, 256);
+        let plain = options(placement.clone(), 1).planned_buffers(&layout, 0, DType::Bf16, None);
+        if let Placement::Offload(offload) = &mut placement {
+            offload.stream.device_share = 0.3;
+        }
+        let lines = options(placement, 1).planned_buffers(&layout, 0, DType::Bf16, None);
+        let share = (n * 3 / 10 / 8 * 8) as u64;
+        assert!(share > 0);
+        let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
+        assert_eq!(device(&lines), device(&plain) + 16 * share);
+        let host = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Host, None);
+        assert_eq!(host(&lines), host(&plain));
     }
 
     /// With gradient accumulation the offload accumulates on the host (Auto with an unknown

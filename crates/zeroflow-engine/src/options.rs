@@ -81,8 +81,10 @@ pub enum OffloadUpdate {
     ZenFlow(ZenFlowOptions),
 }
 
-/// The offload stream's tuning. Any values give bit-identical results.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The offload stream's tuning. Any values give bit-identical results (a device share: on the
+/// CPU device, whose AdamW is the host's; a GPU's does the same operations, fused multiply-adds
+/// included).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StreamOptions {
     /// The most elements of the model's dtype that one host staging buffer holds, and so the
     /// chunk of the streaming step (gradients out, weights back) and the largest piece a
@@ -125,6 +127,16 @@ pub struct StreamOptions {
     /// call [`crate::ModelIo::open`] before reading weights (see there); off by default, since
     /// the engine cannot tell whether it does. The results are the same, bit for bit.
     pub overlap_forward: bool,
+    /// The share of the partition, from its end, whose fp32 master weights and moments are also
+    /// held in device memory and stepped there by the device's AdamW (16 bytes per element of
+    /// device memory: the state and an f32 copy of its gradients), while the CPU streams the
+    /// rest: the host then moves the bytes of only that rest each step (DESIGN.md §5). The host
+    /// keeps its full copy, brought up to date before anything reads the state (a checkpoint,
+    /// `master_weights`). 0 (the default) steps everything on the CPU. It acts on the exact
+    /// streaming step where one rank holds every weight, with fp32 moments and no speculation;
+    /// elsewhere a share above 0 is refused. The arithmetic is the CPU's, operation for
+    /// operation (bit-identical on the CPU device).
+    pub device_share: f64,
 }
 
 /// Where ZenFlow's CPU step reads its window from ([`StreamOptions`], DESIGN.md §6).
@@ -164,6 +176,7 @@ impl Default for StreamOptions {
             accumulate_on: AccumulateOn::Auto,
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             overlap_forward: false,
+            device_share: 0.0,
         }
     }
 }
@@ -214,6 +227,12 @@ impl EngineOptions {
         if self.offload().is_some_and(|o| o.stream.chunk == 0) {
             return Err(EngineError::Config(
                 "the offload stream's chunk must be at least 1 element",
+            ));
+        }
+        if self.offload().is_some_and(|o| !(0.0..1.0).contains(&o.stream.device_share)) {
+            return Err(EngineError::Config(
+                "the optimizer's device share must be at least 0 and below 1 (a fraction of the \
+                 partition)",
             ));
         }
         if self.zenflow().is_none() {

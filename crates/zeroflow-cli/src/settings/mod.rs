@@ -14,7 +14,7 @@ use zeroflow_engine::AccumulateOn;
 use zeroflow_train::dist::affinity::BindMode;
 pub use zeroflow_train::settings::{
     Attention, Requested, activation_checkpointing, attention, names, parse_budget_mib,
-    parse_chunk_mib, resolve,
+    parse_chunk_mib, parse_device_share, resolve,
 };
 
 /// The settings of the model on its device (`train`, `bench step`, `bench gpt`).
@@ -85,6 +85,13 @@ pub struct HostFlags {
     /// zeroflow.offload.overlap_forward.
     #[arg(long, value_name = "on|off", value_parser = flag(&names::SWITCH))]
     pub overlap_forward: Option<bool>,
+    /// The share of the optimizer's partition (a fraction below 1, from its end) whose fp32
+    /// master weights and moments are also held in GPU memory (16 bytes per parameter) and
+    /// stepped there, so that the CPU and the host's memory step only the rest: 0 (the default)
+    /// to 0.99. The exact offload step with one micro-step per step on one GPU; the same numbers.
+    /// Over ZEROFLOW_DEVICE_SHARE and zeroflow.offload.device_share.
+    #[arg(long, value_name = "FRACTION", value_parser = parse_device_share)]
+    pub device_share: Option<f64>,
 }
 
 /// What the flags ask for.
@@ -102,6 +109,7 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         accumulate_on: host.accumulate_on,
         pinned_budget_mib: host.pinned_budget_mib,
         overlap_forward: host.overlap_forward,
+        device_share: host.device_share,
         // `train --pack` alone: not a setting of the device's flags.
         pack: None,
     }

@@ -39,6 +39,8 @@ fn the_flags_take_the_names_the_variables_take() {
         "0",
         "--overlap-forward",
         "off",
+        "--device-share",
+        "0.75",
     ])
     .unwrap();
     assert_eq!(
@@ -56,6 +58,7 @@ fn the_flags_take_the_names_the_variables_take() {
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(0.0),
             overlap_forward: Some(false),
+            device_share: Some(0.75),
             pack: None,
         }
     );
@@ -71,6 +74,8 @@ fn the_flags_take_the_names_the_variables_take() {
         ["--speculation-budget-mib", "4GiB"],
         ["--accumulate-on", "gpu"],
         ["--pinned-budget-mib", "half"],
+        ["--device-share", "1"],
+        ["--device-share", "half"],
     ] {
         let error = Command::try_parse_from(["x", bad[0], bad[1]]).unwrap_err().to_string();
         assert!(error.contains(bad[0]) && error.contains(bad[1]), "{error}");

@@ -21,7 +21,7 @@ const TUNED: &str = r#"{
   }
 }"#;
 
-const VARIABLES: [&str; 12] = [
+const VARIABLES: [&str; 13] = [
     "ZEROFLOW_ATTENTION",
     "ZEROFLOW_CUDA_WAIT",
     "ZEROFLOW_CPU_BIND",
@@ -34,6 +34,7 @@ const VARIABLES: [&str; 12] = [
     "ZEROFLOW_PINNED_BUDGET_MIB",
     "ZEROFLOW_PACK",
     "ZEROFLOW_OVERLAP_FORWARD",
+    "ZEROFLOW_DEVICE_SHARE",
 ];
 
 /// `zeroflow train` with `args`, only the variables of `env` set among the settings'.
@@ -91,6 +92,7 @@ fn the_settings_in_effect_are_in_the_summary_and_every_checkpoint() {
     assert_eq!(offload["speculation_budget_mib"], 0.5, "{summary}");
     assert_eq!(offload["accumulate_on"], "host", "{summary}");
     assert_eq!(offload["overlap_forward"], true, "the default: {summary}");
+    assert_eq!(offload["device_share"], 0.0, "the default: {summary}");
     for step in [1, 2] {
         let state = out.join("checkpoints").join(format!("step-{step:08}")).join("state.json");
         assert_eq!(json_of(&state)["extra"]["settings"], summary, "step {step}");

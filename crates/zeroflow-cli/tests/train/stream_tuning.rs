@@ -43,6 +43,7 @@ fn train_with(dir: &Path, ds: &str, tuning: &[(&str, &str)]) -> Output {
         .env_remove("ZEROFLOW_COPY_STORES")
         .env_remove("ZEROFLOW_OVERLAP_FORWARD")
         .env_remove("ZEROFLOW_ACCUMULATE_ON")
+        .env_remove("ZEROFLOW_DEVICE_SHARE")
         .envs(tuning.iter().copied())
         .output()
         .expect("run zeroflow")
@@ -107,6 +108,39 @@ fn the_step_overlapped_with_the_next_forward_trains_exactly_as_the_step_before_i
     }
 }
 
+/// Half the optimizer's partition held and stepped on the device (`ZEROFLOW_DEVICE_SHARE=0.5`),
+/// with the step before the next forward and overlapped with it, against the CPU stepping it all:
+/// the same losses, norms and eval losses, and the share in the log. With two micro-steps per
+/// step, where the share cannot act, the run is refused before it starts, saying so.
+#[test]
+fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cannot_act() {
+    let chunk = ("ZEROFLOW_STREAM_CHUNK_MIB", "1e-4");
+    let mut seen = Vec::new();
+    for (share, overlap) in [("0", "off"), ("0.5", "off"), ("0.5", "on")] {
+        let dir = scratch(&format!("stream_tuning_share_{share}_{overlap}"));
+        let tuning =
+            [chunk, ("ZEROFLOW_DEVICE_SHARE", share), ("ZEROFLOW_OVERLAP_FORWARD", overlap)];
+        let run = train_tuned(&dir, &tuning);
+        let stderr = text(&run.stderr);
+        assert!(run.status.success(), "stderr: {stderr}");
+        let logged = format!("{share} of the partition's optimizer state on the device");
+        assert!(stderr.contains(&logged), "the share is logged: {stderr}");
+        let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
+        let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
+        seen.push((losses_and_norms(&dir), evals));
+    }
+    assert_eq!(seen[0].0.len(), 4);
+    assert_eq!(seen[1], seen[0], "the share before the forward");
+    assert_eq!(seen[2], seen[0], "the share overlapped with the forward");
+
+    let dir = scratch("stream_tuning_share_accumulating");
+    let run = train_with(&dir, OFFLOAD_ACCUMULATING, &[("ZEROFLOW_DEVICE_SHARE", "0.5")]);
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("device_share") && stderr.contains("set it to 0"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 #[test]
 fn a_bad_offload_stream_tuning_exits_2_naming_the_variable() {
     for (name, value, accepted) in [
@@ -114,6 +148,7 @@ fn a_bad_offload_stream_tuning_exits_2_naming_the_variable() {
         ("ZEROFLOW_STREAM_CHUNK_MIB", "32MiB", "positive number of MiB"),
         ("ZEROFLOW_COPY_STORES", "streaming", "normal or non-temporal"),
         ("ZEROFLOW_OVERLAP_FORWARD", "sometimes", "on or off"),
+        ("ZEROFLOW_DEVICE_SHARE", "1", "fraction at least 0 and below 1"),
     ] {
         let dir = scratch(&format!("stream_tuning_bad_{value}"));
         let run = train_tuned(&dir, &[(name, value)]);

@@ -13,7 +13,7 @@
 //!   "optimizer_state_dtype": "fp32",
 //!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto",
 //!                "speculation_budget_mib": 0, "accumulate_on": "auto", "pinned_budget_mib": "auto",
-//!                "overlap_forward": true }
+//!                "overlap_forward": true, "device_share": 0 }
 //! }
 //! ```
 //!
@@ -149,6 +149,9 @@ pub struct OffloadTuning {
     /// The exact streaming step's CPU work left to the next forward, which opens the weights as
     /// the CPU steps them (`None`: zeroflow's default, on).
     pub overlap_forward: Option<bool>,
+    /// The share of the optimizer's partition (a fraction, at least 0 and below 1) also held in
+    /// device memory and stepped there, from the partition's end (`None`: zeroflow's default, 0).
+    pub device_share: Option<f64>,
 }
 
 const ATTENTIONS: &[(&str, Option<Attention>)] =
@@ -202,6 +205,7 @@ impl ZeroflowExtensions {
                 "accumulate_on": name_of(ACCUMULATE_ONS, offload.accumulate_on),
                 "pinned_budget_mib": offload.pinned_budget_mib,
                 "overlap_forward": offload.overlap_forward,
+                "device_share": offload.device_share,
             },
         })
     }
@@ -292,6 +296,7 @@ fn read_offload(
     let accumulate_on =
         named(&mut offload, "accumulate_on", ACCUMULATE_ONS, "\"auto\", \"device\" or \"host\"")?;
     let overlap_forward = offload.bool("overlap_forward")?.given();
+    let device_share = fraction(&mut offload, "device_share")?;
     offload.finish(&[], diagnostics);
     Ok(OffloadTuning {
         stream_chunk_mib,
@@ -302,7 +307,26 @@ fn read_offload(
         accumulate_on,
         pinned_budget_mib,
         overlap_forward,
+        device_share,
     })
+}
+
+/// A key whose value is a fraction at least 0 and below 1, or `"auto"` (`None`).
+fn fraction(section: &mut Section<'_>, key: &'static str) -> Result<Option<f64>, ConfigError> {
+    match section.value(key) {
+        None => Ok(None),
+        Some(Value::String(text)) if text == "auto" => Ok(None),
+        Some(Value::Number(number))
+            if number.as_f64().is_some_and(|share| (0.0..1.0).contains(&share)) =>
+        {
+            Ok(number.as_f64())
+        }
+        Some(other) => Err(ConfigError::bad_value(
+            section.path_of(key),
+            "a fraction at least 0 and below 1, or \"auto\"".to_owned(),
+            super::reader::describe(other),
+        )),
+    }
 }
 
 /// A key whose value is a finite number of MiB that `accepts`, or `"auto"` (`None`); `what`

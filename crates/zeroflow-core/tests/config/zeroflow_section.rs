@@ -23,7 +23,8 @@ fn every_setting_is_read_by_name() {
             "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
                         "gather": "after-step", "cpu_threads": 12,
                         "speculation_budget_mib": 1.5, "accumulate_on": "host",
-                        "pinned_budget_mib": 2048, "overlap_forward": false}}"#,
+                        "pinned_budget_mib": 2048, "overlap_forward": false,
+                        "device_share": 0.25}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
@@ -43,6 +44,7 @@ fn every_setting_is_read_by_name() {
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(2048.0),
             overlap_forward: Some(false),
+            device_share: Some(0.25),
         }
     );
 }
@@ -55,7 +57,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
             "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
                         "cpu_threads": "auto", "speculation_budget_mib": "auto",
                         "accumulate_on": "auto", "pinned_budget_mib": "auto",
-                        "overlap_forward": "auto"}}"#,
+                        "overlap_forward": "auto", "device_share": "auto"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
@@ -71,6 +73,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         "/zeroflow/offload/accumulate_on",
         "/zeroflow/offload/pinned_budget_mib",
         "/zeroflow/offload/overlap_forward",
+        "/zeroflow/offload/device_share",
     ];
     for pointer in pointers {
         assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");
@@ -84,7 +87,8 @@ fn set_settings_round_trip_through_the_resolved_json() {
             "activation_checkpointing": false,
             "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
                         "cpu_threads": 3, "speculation_budget_mib": 0,
-                        "accumulate_on": "device", "pinned_budget_mib": 0}}"#,
+                        "accumulate_on": "device", "pinned_budget_mib": 0,
+                        "device_share": 0}}"#,
     );
     let first = resolve(&text).expect("valid");
     let json = first.config.to_json();
@@ -96,6 +100,8 @@ fn set_settings_round_trip_through_the_resolved_json() {
     assert_eq!(json["zeroflow"]["offload"]["accumulate_on"], "device");
     // 0 is a budget (pin nothing), not "auto".
     assert_eq!(json["zeroflow"]["offload"]["pinned_budget_mib"], 0.0);
+    // 0 is a share (nothing on the device), not "auto".
+    assert_eq!(json["zeroflow"]["offload"]["device_share"], 0.0);
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);
     assert!(again.warnings.is_empty(), "{:?}", again.warnings);
@@ -123,6 +129,9 @@ fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
         (r#"{"offload": {"speculation_budget_mib": true}}"#, SPECULATION, "true"),
         (r#"{"offload": {"accumulate_on": "gpu"}}"#, "zeroflow.offload.accumulate_on", "\"gpu\""),
         (r#"{"offload": {"accumulate_on": 1}}"#, "zeroflow.offload.accumulate_on", "the number 1"),
+        (r#"{"offload": {"device_share": 1}}"#, "zeroflow.offload.device_share", "1"),
+        (r#"{"offload": {"device_share": -0.5}}"#, "zeroflow.offload.device_share", "-0.5"),
+        (r#"{"offload": {"device_share": "half"}}"#, "zeroflow.offload.device_share", "half"),
         (r#"{"offload": 4}"#, "zeroflow.offload", "the number 4"),
         (r#"{"optimizer_state_dtype": "fp16"}"#, "zeroflow.optimizer_state_dtype", "\"fp16\""),
         (r#"{"optimizer_state_dtype": 16}"#, "zeroflow.optimizer_state_dtype", "the number 16"),

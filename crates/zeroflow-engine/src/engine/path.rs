@@ -44,6 +44,7 @@ use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
 
 pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
+use super::share::DeviceShare;
 use super::shared::Shared;
 use super::state::{PathState, Restore};
 pub(super) use super::stream::{OpenAt, Opening, Stream};
@@ -116,6 +117,20 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         };
         let (memory, chunk, len) = (offload.memory, offload.stream.chunk, owned.len());
         let moments = offload.moments;
+        // The device share acts on the exact streaming step where one rank holds every weight,
+        // without speculation (whose pieces and backups span the whole partition).
+        let share = offload.stream.device_share;
+        let shares = streaming
+            && offload.update == OffloadUpdate::Exact
+            && offload.stream.speculation_budget == 0
+            && len == layout.padded_len();
+        if share > 0.0 && !shares {
+            return Err(EngineError::Config(
+                "the optimizer's device share (device_share) acts on the exact offload step with \
+                 one micro-step per step, where one rank holds every weight (one GPU, or ZeRO-0) \
+                 and nothing speculates: set it to 0 for this run",
+            ));
+        }
         let delayed = match offload.update {
             OffloadUpdate::Exact => None,
             OffloadUpdate::Delayed { warmup } => Some(warmup),
@@ -179,7 +194,12 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         if streaming {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?;
+            let share = match share > 0.0 {
+                true => DeviceShare::new(device, &buffers.state, share)?,
+                false => None,
+            };
+            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?
+                .with_share(share);
             return Ok(UpdatePath::Stream(stream));
         }
         let bucket = opts.reduce_bucket;
@@ -348,7 +368,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Device(device) => device.state(&shared.device),
             UpdatePath::Accumulate(a) => a.state(),
-            UpdatePath::Stream(s) => s.state(),
+            UpdatePath::Stream(s) => s.state(&shared.device),
             UpdatePath::Summed(s) => Ok(s.state()),
             UpdatePath::ZenFlow(z) => z.state(shared, false),
         }
@@ -365,7 +385,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let flat = shared.owned.clone();
         match self {
             UpdatePath::Accumulate(a) => a.view(flat),
-            UpdatePath::Stream(s) => s.view(flat),
+            UpdatePath::Stream(s) => s.view(&shared.device, flat),
             UpdatePath::Summed(s) => Ok((s.view(flat), false)),
             UpdatePath::ZenFlow(z) => z.checkpoint_view(shared),
             UpdatePath::Device(d) => {
@@ -393,7 +413,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Device(device) => device.master(&shared.device),
             UpdatePath::Accumulate(a) => a.master(),
-            UpdatePath::Stream(s) => s.master(),
+            UpdatePath::Stream(s) => s.master(&shared.device),
             UpdatePath::Summed(s) => Ok(s.master()),
             UpdatePath::ZenFlow(z) => Ok(z.state(shared, true)?.master),
         }

@@ -23,6 +23,7 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, DeviceBuffer, Filling, HostBuffer, StreamKind};
 use zeroflow_optim::AdamWStep;
 
+use super::share::DeviceShare;
 use super::shared::Shared;
 use super::state::PathState;
 use crate::EngineError;
@@ -52,6 +53,8 @@ pub(super) struct Stream<D: Device, P: Float> {
     /// The exact inline step left to the next forward ([`Opening`]; the `overlap_forward`
     /// option, where one rank holds every weight and nothing speculates).
     deferral: Deferral<D>,
+    /// The partition's last elements, stepped on the device (`device_share`).
+    share: Option<DeviceShare<D>>,
 }
 
 /// Where the streaming step runs.
@@ -103,7 +106,15 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         };
         let chunk_uploaded = device.new_event()?;
         let deferral = Deferral::new(device, overlap_forward)?;
-        Ok(Stream { cpu, chunk_uploaded, gather_in_pieces, speculation, deferral })
+        let share = None;
+        Ok(Stream { cpu, chunk_uploaded, gather_in_pieces, speculation, deferral, share })
+    }
+
+    /// The path with `share` of the partition's end stepped on the device (the exact inline
+    /// step's `device_share`; the caller, `UpdatePath::new`, checked that it can act).
+    pub fn with_share(mut self, share: Option<DeviceShare<D>>) -> Self {
+        self.share = share;
+        self
     }
 
     /// Backward's sink: where the exact inline step speculates, the pieces that fit the budget
@@ -147,12 +158,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             StreamCpu::Inline(_) if self.deferral.leave(step) => {}
             StreamCpu::Inline(buffers) => {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
-                stream_reduced(shared, buffers, uploaded, pieces, step, speculated)?;
+                let share = self.share.as_mut();
+                stream_reduced(shared, buffers, uploaded, pieces, step, speculated, share)?;
             }
             StreamCpu::Delayed(delayed) if step.step() <= delayed.warmup => {
                 let (buffers, joined) = delayed.worker.join()?;
                 delayed.upload_pending |= joined;
-                stream_reduced(shared, buffers, uploaded, pieces, step, None)?;
+                stream_reduced(shared, buffers, uploaded, pieces, step, None, None)?;
             }
             StreamCpu::Delayed(delayed) => {
                 // The step before this one finished meanwhile: its weights go to the device now
@@ -184,7 +196,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         };
         let started = Instant::now();
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
-        stream_reduced(shared, buffers, uploaded, pieces, &step, None)?;
+        let share = self.share.as_mut();
+        stream_reduced(shared, buffers, uploaded, pieces, &step, None, share)?;
         shared.cpu_wait += started.elapsed();
         Ok(())
     }
@@ -201,7 +214,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             return Ok(None);
         };
         let (source, wrap) = (at.source, OpenChunks::Reduced);
-        Ok(Some(Opening::new(at, step, buffers, source, opened, None, wrap)?))
+        let mut len = at.owned.len();
+        if let Some(share) = &mut self.share {
+            let params = (at.params, at.owned.start);
+            share.step(at.device, &step, at.events.norm_done, source, params)?;
+            len = share.from();
+        }
+        Ok(Some(Opening::new(at, step, buffers, (source, len), opened, None, wrap)?))
     }
 
     /// Waits for a delayed step still running and brings its weights into the model.
@@ -228,15 +247,25 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         }
     }
 
+    /// Brings the host's copy of the device share's state up to date.
+    fn sync_share(&mut self, device: &D) -> Result<(), EngineError> {
+        match (&mut self.share, &mut self.cpu) {
+            (Some(share), StreamCpu::Inline(buffers)) => share.sync(device, &mut buffers.state),
+            _ => Ok(()),
+        }
+    }
+
     /// The master weights.
-    pub fn master(&mut self) -> Result<Vec<f32>, EngineError> {
+    pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
         self.abandon_speculation();
+        self.sync_share(device)?;
         Ok(self.buffers()?.0.state.master.to_vec())
     }
 
     /// The optimizer state.
-    pub fn state(&mut self) -> Result<PathState, EngineError> {
+    pub fn state(&mut self, device: &D) -> Result<PathState, EngineError> {
         self.abandon_speculation();
+        self.sync_share(device)?;
         let (buffers, upload_pending) = self.buffers()?;
         let [master, exp_avg, exp_avg_sq] = buffers.state.to_f32();
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
@@ -244,8 +273,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
 
     /// [`Stream::state`] of the partition `flat`, borrowed, and whether its weights are
     /// pending.
-    pub fn view(&mut self, flat: Range<usize>) -> Result<(PartView<'_>, bool), EngineError> {
+    pub fn view(
+        &mut self,
+        device: &D,
+        flat: Range<usize>,
+    ) -> Result<(PartView<'_>, bool), EngineError> {
         self.abandon_speculation();
+        self.sync_share(device)?;
         let (_, upload_pending) = self.buffers()?;
         let buffers = match &self.cpu {
             StreamCpu::Inline(buffers) => Some(&**buffers),
@@ -271,6 +305,9 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         self.abandon_speculation();
         let (buffers, _) = self.buffers()?;
         buffers.state.restore(&state);
+        if let (Some(share), StreamCpu::Inline(buffers)) = (&mut self.share, &self.cpu) {
+            share.restore(device, &buffers.state)?;
+        }
         let [master, _, _] = state;
         if let StreamCpu::Delayed(delayed) = &mut self.cpu {
             delayed.upload_pending = upload_pending;
@@ -457,17 +494,26 @@ impl<D: Device, P: Float> OpenChunks<'_, D, P> {
             OpenChunks::Summed(chunks) => chunks.done(),
         }
     }
+
+    /// The elements the CPU steps, from the first.
+    fn len(&self) -> usize {
+        match self {
+            OpenChunks::Reduced(chunks) => chunks.len,
+            OpenChunks::Summed(chunks) => chunks.len,
+        }
+    }
 }
 
 impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     /// The opening of `step` over `buffers`, streaming the gradients from `source` (its buffer,
-    /// and where this rank's partition starts in it) through the chunks `wrap` makes; where
-    /// `clear_sum` is given, that sum is cleared once the step's copies have read it.
+    /// where this rank's partition starts in it, and how many of the partition's elements the
+    /// CPU steps: all but a device share) through the chunks `wrap` makes; where `clear_sum` is
+    /// given, that sum is cleared once the step's copies have read it.
     pub(super) fn new<G: Float>(
         at: OpenAt<'a, D, P>,
         step: AdamWStep,
         buffers: &'a mut StreamBuffers<P, G>,
-        source: (&'a D::Buffer<G>, usize),
+        source: ((&'a D::Buffer<G>, usize), usize),
         opened_event: &'a mut D::Event,
         clear_sum: Option<&'a D::Buffer<f32>>,
         wrap: fn(ChunkStream<'a, D, G, P>) -> OpenChunks<'a, D, P>,
@@ -480,8 +526,7 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
             events.params_ready.as_ref(),
         )?;
         let StreamBuffers { state, staging, outgoing } = buffers;
-        let (source, source_at) = source;
-        let len = owned.len();
+        let ((source, source_at), len) = source;
         let io = Chunks {
             state_at: 0,
             source,
@@ -530,6 +575,8 @@ impl<D: Device, P: Float> Opening<'_, D, P> {
     }
 
     fn open_to(&mut self, to: usize) -> Result<(), EngineError> {
+        // (Past the elements the CPU steps, a device share's were written on the compute stream.)
+        let to = to.min(self.chunks.len());
         if to <= self.opened {
             return Ok(());
         }
@@ -594,10 +641,17 @@ fn stream_reduced<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     gather_in_pieces: bool,
     step: &AdamWStep,
     speculated: Option<&Speculation<P>>,
+    share: Option<&mut DeviceShare<D>>,
 ) -> Result<(), EngineError> {
     let mut times = std::mem::take(&mut shared.step_times);
     let (source, at) = shared.reduced_source();
-    let io = StepIo { source, at, uploaded_event, gather_in_pieces, times: &mut times };
+    let mut len = shared.owned.len();
+    if let Some(share) = share {
+        let params = (&shared.params, shared.owned.start);
+        share.step(&shared.device, step, &shared.events.norm_done, (source, at), params)?;
+        len = share.from();
+    }
+    let io = StepIo { source, at, len, uploaded_event, gather_in_pieces, times: &mut times };
     let gathered = stream_step(shared, buffers, io, step, speculated);
     shared.step_times = times;
     finish_stream_step(shared, gathered?)
@@ -609,6 +663,8 @@ fn stream_reduced<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
 pub(super) struct StepIo<'a, D: Device, G: Float> {
     pub(super) source: &'a D::Buffer<G>,
     pub(super) at: usize,
+    /// The partition's elements the CPU steps, from the first (all but a device share).
+    pub(super) len: usize,
     pub(super) uploaded_event: &'a mut D::Event,
     pub(super) gather_in_pieces: bool,
     pub(super) times: &'a mut StepTimes,
@@ -632,7 +688,7 @@ pub(super) fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float, G: Floa
 ) -> Result<bool, EngineError> {
     let Shared { ref device, ref comm, ref params, ref events, ref owned, ref layout, .. } =
         *shared;
-    let StepIo { source, at, uploaded_event, gather_in_pieces, times } = io;
+    let StepIo { source, at, len, uploaded_event, gather_in_pieces, times } = io;
     let h2d = device.stream(StreamKind::H2d);
     order_for_step(device, &events.norm_done, &events.compute_done, events.params_ready.as_ref())?;
     // The gathers write the other ranks' partitions, which the last forward/backward read.
@@ -644,7 +700,7 @@ pub(super) fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float, G: Floa
     let mut gather = PieceGather::new(device, comm, params, uploaded_event, partition, gathers);
     let stepped = speculated.map_or(&[][..], Speculation::stepped);
     let StreamBuffers { state, staging, outgoing } = buffers;
-    for (segment, speculated_at) in segments(partition, stepped) {
+    for (segment, speculated_at) in segments(len, stepped) {
         let target_at = owned.start + segment.start;
         if let (Some(from), Some(weights)) =
             (speculated_at, speculated.and_then(Speculation::weights))

@@ -127,6 +127,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let io = StepIo {
             source: &*acc,
             at: 0,
+            len: shared.owned.len(),
             uploaded_event: chunk_uploaded,
             gather_in_pieces: *gather_in_pieces,
             times: &mut times,
@@ -154,7 +155,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let Summed { acc, buffers, deferral, .. } = self;
         let sink = Sink::DeviceThenHost { acc, offloader: None };
         let Some((step, opened)) = deferral.take() else { return Ok((sink, None)) };
-        let (source, clear, buffers) = ((&*acc, 0), Some(&*acc), &mut **buffers);
+        let (source, clear, buffers) = (((&*acc, 0), at.owned.len()), Some(&*acc), &mut **buffers);
         let opening = Opening::new(at, step, buffers, source, opened, clear, OpenChunks::Summed)?;
         Ok((sink, Some(opening)))
     }

@@ -58,6 +58,8 @@ pub struct Setup {
     /// The exact streaming step leaves its CPU work to the next forward, which opens the
     /// weights parameter by parameter (`forward_backward_opening`; the plain model otherwise).
     pub overlap_forward: bool,
+    /// The share of the partition stepped on the device (`StreamOptions::device_share`).
+    pub device_share: f64,
 }
 
 impl Setup {
@@ -83,6 +85,7 @@ impl Setup {
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             pinned_budget: None,
             overlap_forward: false,
+            device_share: 0.0,
         }
     }
 }
@@ -107,6 +110,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 accumulate_on: setup.accumulate_on,
                 zenflow_aside: setup.zenflow_aside,
                 overlap_forward: setup.overlap_forward,
+                device_share: setup.device_share,
             },
             moments: setup.moments,
         }),

@@ -12,6 +12,7 @@ mod fuzz_checkpoint;
 mod overlap;
 mod pinned;
 mod precision;
+mod share;
 mod speculation;
 mod state_dtype;
 mod stream_tuning;

@@ -36,6 +36,9 @@ pub const PINNED_BUDGET_VAR: &str = "ZEROFLOW_PINNED_BUDGET_MIB";
 pub const ACCUMULATE_ON_VAR: &str = "ZEROFLOW_ACCUMULATE_ON";
 /// The exact offload step's CPU work overlapped with the next forward (`on`, `off`).
 pub const OVERLAP_FORWARD_VAR: &str = "ZEROFLOW_OVERLAP_FORWARD";
+/// The share of the optimizer's partition stepped on the device: a fraction at least 0 and
+/// below 1.
+pub const DEVICE_SHARE_VAR: &str = "ZEROFLOW_DEVICE_SHARE";
 /// Sequence packing (`on`, `off`).
 pub const PACK_VAR: &str = "ZEROFLOW_PACK";
 /// The folder compiled CUDA kernels are cached in (default: the user's cache folder).
@@ -73,6 +76,7 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
             super::parse_budget_mib,
         )?,
         overlap_forward: named(OVERLAP_FORWARD_VAR, value(OVERLAP_FORWARD_VAR), &names::SWITCH)?,
+        device_share: number(DEVICE_SHARE_VAR, value(DEVICE_SHARE_VAR), super::parse_device_share)?,
         pack: named(PACK_VAR, value(PACK_VAR), &names::SWITCH)?,
     })
 }
@@ -133,6 +137,7 @@ mod tests {
             SPECULATION_BUDGET_VAR,
             ACCUMULATE_ON_VAR,
             PINNED_BUDGET_VAR,
+            DEVICE_SHARE_VAR,
         ]
         .iter()
         .map(|&name| (name, " \n"))
@@ -156,6 +161,7 @@ mod tests {
             (PINNED_BUDGET_VAR, " 1024\n"),
             (PACK_VAR, " On\n"),
             (OVERLAP_FORWARD_VAR, "OFF "),
+            (DEVICE_SHARE_VAR, " 0.6\n"),
         ])
         .unwrap();
         assert_eq!(
@@ -173,6 +179,7 @@ mod tests {
                 accumulate_on: Some(AccumulateOn::Device),
                 pinned_budget_mib: Some(1024.0),
                 overlap_forward: Some(false),
+                device_share: Some(0.6),
                 pack: Some(true),
             }
         );
@@ -216,6 +223,11 @@ mod tests {
                 "non-negative number of MiB",
             ),
             (ACCUMULATE_ON_VAR, &["gpu", "cpu", "on", "1"], "auto, device or host"),
+            (
+                DEVICE_SHARE_VAR,
+                &["1", "1.5", "-0.1", "half", "50%", "inf", "NaN"],
+                "fraction at least 0 and below 1",
+            ),
         ];
         for &(name, bad_values, accepted) in cases {
             for bad in bad_values {

@@ -99,6 +99,9 @@ pub struct Requested {
     pub pinned_budget_mib: Option<f64>,
     /// The exact streaming step's CPU work left to the next forward (`None`: on).
     pub overlap_forward: Option<bool>,
+    /// The share of the optimizer's partition stepped on the device, at least 0 and below 1
+    /// (`None`: 0).
+    pub device_share: Option<f64>,
     /// Sequence packing: several documents per row, no attention across their boundaries,
     /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
     pub pack: Option<bool>,
@@ -122,6 +125,7 @@ impl Requested {
             accumulate_on: self.accumulate_on.or(lower.accumulate_on),
             pinned_budget_mib: self.pinned_budget_mib.or(lower.pinned_budget_mib),
             overlap_forward: self.overlap_forward.or(lower.overlap_forward),
+            device_share: self.device_share.or(lower.device_share),
             pack: self.pack.or(lower.pack),
         }
     }
@@ -136,6 +140,7 @@ impl Requested {
             speculation_budget_mib,
             accumulate_on,
             overlap_forward,
+            device_share,
             ..
         } = self;
         stream_chunk_mib.is_some()
@@ -145,6 +150,7 @@ impl Requested {
             || speculation_budget_mib.is_some()
             || accumulate_on.is_some()
             || overlap_forward.is_some()
+            || device_share.is_some()
     }
 }
 
@@ -185,6 +191,7 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
         }),
         pinned_budget_mib: offload.pinned_budget_mib,
         overlap_forward: offload.overlap_forward,
+        device_share: offload.device_share,
         pack: zeroflow.pack,
     }
 }
@@ -206,6 +213,12 @@ pub fn parse_budget_mib(value: &str) -> Result<f64, String> {
 /// warning ([`zeroflow_device::PinnedBudget`]).
 pub fn pinned_budget(requested: &Requested) -> Option<usize> {
     requested.pinned_budget_mib.map(budget_bytes)
+}
+
+/// A device share: a fraction at least 0 and below 1.
+pub fn parse_device_share(value: &str) -> Result<f64, String> {
+    let share = value.trim().parse::<f64>().ok().filter(|share| (0.0..1.0).contains(share));
+    share.ok_or_else(|| "is not a fraction at least 0 and below 1".to_owned())
 }
 
 /// A thread count: a positive whole number.
@@ -290,8 +303,8 @@ pub fn apply_offload<P: Element>(
     let Some(offload) = options.offload_mut() else {
         tracing::warn!(
             "rank {rank}: the stream chunk, copy stores, gather, CPU threads, speculation budget, \
-             accumulation place and forward overlap tune the CPU optimizer offload, which this config does not \
-             use: they change nothing"
+             accumulation place, forward overlap and device share tune the CPU optimizer offload, \
+             which this config does not use: they change nothing"
         );
         return Ok(());
     };
@@ -303,6 +316,7 @@ pub fn apply_offload<P: Element>(
     stream.speculation_budget =
         requested.speculation_budget_mib.map_or(stream.speculation_budget, budget_bytes);
     stream.accumulate_on = requested.accumulate_on.unwrap_or(stream.accumulate_on);
+    stream.device_share = requested.device_share.unwrap_or(stream.device_share);
     offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
     let stream = offload.stream;
     if stream.speculation_budget > 0 && offload.update != OffloadUpdate::Exact {
@@ -315,7 +329,7 @@ pub fn apply_offload<P: Element>(
         "rank {rank}: offload tuned: chunks of {} elements ({} MiB of {dtype}), {} stores of \
          the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}, \
          a speculation budget of {} MiB, accumulation windows summed on {}, the exact step's \
-         CPU work {}",
+         CPU work {}, {} of the partition's optimizer state on the device",
         stream.chunk,
         mib_of(stream.chunk, dtype),
         stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
@@ -332,6 +346,7 @@ pub fn apply_offload<P: Element>(
                 "overlapped with the next forward (one GPU; one micro-step per step or the sum on the device)",
             false => "done before the next forward",
         },
+        stream.device_share,
     );
     Ok(())
 }

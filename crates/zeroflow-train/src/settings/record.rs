@@ -63,6 +63,8 @@ pub struct EffectiveOffload {
     /// The exact streaming step's CPU work left to the next forward (where one rank holds every
     /// weight and it does not speculate; otherwise the option changes nothing).
     pub overlap_forward: bool,
+    /// The share of the partition whose optimizer state is held and stepped on the device.
+    pub device_share: f64,
 }
 
 /// The settings that change the numbers (the keys of [`Effective`] a resume compares).
@@ -98,6 +100,7 @@ impl Effective {
             accumulate_on: names::name_of(&names::ACCUMULATE_ON, &offload.stream.accumulate_on),
             pinned_budget_mib: super::pinned_budget(requested).map(|bytes| bytes as f64 / MIB),
             overlap_forward: offload.stream.overlap_forward,
+            device_share: offload.stream.device_share,
         });
         Effective {
             attention: attention.name(),

@@ -25,6 +25,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         accumulate_on: Some(AccumulateOn::Host),
         pinned_budget_mib: Some(4096.0),
         overlap_forward: Some(false),
+        device_share: Some(0.5),
         pack: Some(true),
     };
     let env = Requested {
@@ -35,6 +36,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         speculation_budget_mib: Some(16.0),
         accumulate_on: Some(AccumulateOn::Device),
         pinned_budget_mib: Some(1024.0),
+        device_share: Some(0.25),
         ..Requested::default()
     };
     let flags = Requested {
@@ -42,6 +44,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         stream_chunk_mib: Some(2.0),
         cpu_threads: Some(7),
         speculation_budget_mib: Some(0.0),
+        device_share: Some(0.0),
         ..Requested::default()
     };
     let resolved = resolve(flags, env, config);
@@ -60,12 +63,14 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             accumulate_on: Some(AccumulateOn::Device),
             pinned_budget_mib: Some(1024.0),
             overlap_forward: Some(false),
+            device_share: Some(0.0),
             pack: Some(true),
         }
     );
     assert_eq!(resolve(Requested::default(), env, config).attention, Some(Attention::Flash));
     let below_flags = resolve(Requested::default(), env, config);
     assert_eq!(below_flags.speculation_budget_mib, Some(16.0));
+    assert_eq!(below_flags.device_share, Some(0.25));
     let config_only = resolve(Requested::default(), Requested::default(), config);
     assert_eq!(config_only.accumulate_on, Some(AccumulateOn::Host));
     assert_eq!(resolve(Requested::default(), Requested::default(), config), config);
@@ -78,7 +83,8 @@ fn the_config_section_becomes_the_config_layer() {
     let text = r#"{"train_batch_size": 8, "zeroflow": {"attention": "flash", "cuda_wait": "spin",
         "activation_checkpointing": true, "pack": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
-        "accumulate_on": "host", "pinned_budget_mib": 512, "overlap_forward": false}}}"#;
+        "accumulate_on": "host", "pinned_budget_mib": 512, "overlap_forward": false,
+        "device_share": 0.375}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
@@ -95,6 +101,7 @@ fn the_config_section_becomes_the_config_layer() {
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(512.0),
             overlap_forward: Some(false),
+            device_share: Some(0.375),
             pack: Some(true),
         }
     );

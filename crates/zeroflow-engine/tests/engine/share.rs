@@ -1,0 +1,133 @@
+//! The optimizer's device share (`StreamOptions::device_share`): the partition's last elements are
+//! stepped by the device's AdamW from state in device memory while the CPU streams the rest. The
+//! runs are the all-CPU step's, bit for bit (the CPU device's AdamW is the host's), with the step
+//! before the next forward and overlapped with it, under chaos (the share's compute-stream work
+//! and the CPU's chunks delayed at random against each other); only the CPU's part crosses the
+//! host link; a checkpoint holds the share's state and resumes with any share; where the share
+//! cannot act, the engine says so before training.
+
+use std::time::Duration;
+
+use zeroflow_core::Float;
+use zeroflow_core::adamw::OptimizerStateDtype;
+use zeroflow_device::CpuDevice;
+use zeroflow_device::cpu::CpuComm;
+use zeroflow_engine::synthetic::{initial, layout};
+use zeroflow_engine::{Engine, EngineError, LossScaler, Stage};
+
+use crate::checkpoint::{load, save};
+use crate::harness::{Bf16, Setup, options, train, train_from};
+
+/// One rank (stages 0–2, clipping that fires and none, chunks that cut every parameter) and
+/// ZeRO-0 on two ranks (each holds every weight), each with a share.
+fn setups() -> Vec<Setup> {
+    let mut setups = Vec::new();
+    for (stage, clip, stream_chunk, device_share) in [
+        (Stage::Zero2, Some(0.8), 7, 0.3),
+        (Stage::Zero1, None, 3, 0.77),
+        (Stage::Zero0, Some(0.8), 1, 0.5),
+        (Stage::Zero2, None, zeroflow_engine::DEFAULT_STREAM_CHUNK, 0.5),
+    ] {
+        let one = Setup::new(stage, 1, 1, true);
+        setups.push(Setup { steps: 8, clip, stream_chunk, device_share, ..one });
+    }
+    let two = Setup::new(Stage::Zero0, 2, 1, true);
+    setups.push(Setup { steps: 6, stream_chunk: 7, device_share: 0.4, ..two });
+    setups
+}
+
+fn check_bit_identical<P: Float>() {
+    for setup in setups() {
+        let all_cpu =
+            train::<P>(&Setup { device_share: 0.0, ..setup.clone() }, LossScaler::None, None);
+        for (overlap_forward, chaos) in
+            [(false, None), (true, None), (false, Some(1)), (true, Some(2))]
+        {
+            let shared = Setup { overlap_forward, chaos, ..setup.clone() };
+            let out = train::<P>(&shared, LossScaler::None, None);
+            assert_eq!(out.weights, all_cpu.weights, "{shared:?}: weights");
+            assert_eq!(out.reports, all_cpu.reports, "{shared:?}: step reports");
+            assert_eq!(out.snapshots, all_cpu.snapshots, "{shared:?}: optimizer state");
+            assert_eq!(out.device_weights, all_cpu.device_weights, "{shared:?}: saved weights");
+            // Only the CPU's part goes to the host and back (the share is rounded down to whole
+            // packs of 8 of the model's ~130 elements).
+            let (copied, all) = (out.traffic[0].copied, all_cpu.traffic[0].copied);
+            let kept = 1.0 - setup.device_share + 0.1;
+            for (name, with, without) in [
+                ("gradients out", copied.device_to_host, all.device_to_host),
+                ("weights in", copied.host_to_device, all.host_to_device),
+            ] {
+                let fraction = with as f64 / without as f64;
+                assert!(
+                    fraction <= kept,
+                    "{shared:?}: {name} {with} B against {without} B without a share"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_device_share_gives_the_all_cpu_f32_run() {
+    check_bit_identical::<f32>();
+}
+
+#[test]
+fn the_device_share_gives_the_all_cpu_bf16_run() {
+    check_bit_identical::<Bf16>();
+}
+
+/// A checkpoint of a run with a share holds the share's state (brought from the device), and
+/// resumes exactly with the same share, with none, and with another.
+#[test]
+fn a_checkpoint_with_a_device_share_resumes_bit_exactly_with_any_share() {
+    let setup = Setup {
+        steps: 4,
+        stream_chunk: 7,
+        device_share: 0.5,
+        chaos: Some(3),
+        ..Setup::new(Stage::Zero2, 1, 1, true)
+    };
+    let straight =
+        train_from::<f32>(&Setup { steps: 8, ..setup.clone() }, LossScaler::None, None, None);
+    let first = train_from::<f32>(&setup, LossScaler::None, None, None);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("step-4");
+    save(&path, &setup, &first);
+    for device_share in [0.5, 0.0, 0.2] {
+        let resumed = Setup { device_share, overlap_forward: device_share == 0.2, ..setup.clone() };
+        let second = train_from(&resumed, LossScaler::None, None, Some(&load(&path, 1)));
+        assert_eq!(second.weights, straight.weights, "{resumed:?}: weights");
+        assert_eq!(second.snapshots, straight.snapshots, "{resumed:?}: state and counters");
+        assert_eq!(second.reports[0], straight.reports[0][4..], "{resumed:?}: step reports");
+    }
+}
+
+/// Where the share cannot act — gradient accumulation, the delayed update, speculation, 16-bit
+/// moments — or is not a fraction below 1, the engine refuses to start, saying what to change.
+#[test]
+fn a_device_share_where_it_cannot_act_is_refused() {
+    let one = || Setup { device_share: 0.5, ..Setup::new(Stage::Zero2, 1, 1, true) };
+    let cases = [
+        (Setup { accum: 2, ..one() }, "one micro-step per step"),
+        (Setup { delayed: Some(1), ..one() }, "exact offload step"),
+        (Setup { speculation_budget: 1 << 20, ..one() }, "nothing speculates"),
+        (Setup { moments: OptimizerStateDtype::Bf16, ..one() }, "fp32 moments"),
+        (Setup { device_share: 1.0, ..one() }, "below 1"),
+        (Setup { device_share: -0.1, ..one() }, "below 1"),
+    ];
+    let layout = layout(1);
+    let init = initial::<f32>(&layout);
+    for (setup, says) in cases {
+        let device = CpuDevice::new().unwrap();
+        let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(5)).remove(0);
+        let options = options(&setup, LossScaler::None);
+        let refused = Engine::<_, _, f32>::new(device, comm, layout.clone(), options, &init);
+        match refused {
+            Err(EngineError::Config(message)) => {
+                assert!(message.contains(says), "{setup:?}: {message}");
+            }
+            other => panic!("{setup:?}: {other:?}"),
+        }
+    }
+}
