@@ -44,6 +44,21 @@ pub(crate) fn save(dir: &Path, setup: &Setup, out: &Outcome<f32>) {
     checkpoint::save_with_zenflow(dir, &meta, weights, &tensors, &parts, &zenflow).unwrap();
 }
 
+/// `setup` trained for twice its steps straight (the run a resume must equal), and for its steps
+/// and saved into a checkpoint, with the directory that holds it (removed when dropped) and its
+/// path.
+pub(crate) fn straight_and_saved(
+    setup: &Setup,
+) -> (Outcome<f32>, tempfile::TempDir, std::path::PathBuf) {
+    let twice = Setup { steps: 2 * setup.steps, ..setup.clone() };
+    let straight = train_from::<f32>(&twice, LossScaler::None, None, None);
+    let first = train_from::<f32>(setup, LossScaler::None, None, None);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("step-{}", setup.steps));
+    save(&path, setup, &first);
+    (straight, dir, path)
+}
+
 /// Loads the checkpoint in `dir` as a resume point for a run of `world` ranks.
 pub(crate) fn load(dir: &Path, world: usize) -> Resume<f32> {
     let loaded = checkpoint::load::<f32>(dir).unwrap();

@@ -13,7 +13,7 @@ use zeroflow_device::{CpuDevice, Device};
 use zeroflow_engine::synthetic::{forward_backward, forward_backward_opening, initial, layout};
 use zeroflow_engine::{AccumulateOn, Engine, EngineError, LossScaler, Stage};
 
-use crate::checkpoint::{load, save};
+use crate::checkpoint::{load, straight_and_saved};
 use crate::harness::{Bf16, Setup, options, train, train_from};
 
 /// One rank (where the forward opens the step), with clipping that fires and none, stages 0–2,
@@ -92,12 +92,7 @@ fn a_checkpoint_between_overlapped_steps_resumes_bit_exactly() {
     };
     for setup in [one, Setup { chaos: Some(6), ..summed(3) }] {
         let setup = Setup { steps: 4, ..setup };
-        let straight =
-            train_from::<f32>(&Setup { steps: 8, ..setup.clone() }, LossScaler::None, None, None);
-        let first = train_from::<f32>(&setup, LossScaler::None, None, None);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("step-4");
-        save(&path, &setup, &first);
+        let (straight, _dir, path) = straight_and_saved(&setup);
         let second = train_from(&setup, LossScaler::None, None, Some(&load(&path, 1)));
         assert_eq!(second.weights, straight.weights, "{setup:?}: weights");
         assert_eq!(second.snapshots, straight.snapshots, "{setup:?}: state and counters");

@@ -15,7 +15,7 @@ use zeroflow_device::cpu::CpuComm;
 use zeroflow_engine::synthetic::{initial, layout};
 use zeroflow_engine::{Engine, EngineError, LossScaler, Stage};
 
-use crate::checkpoint::{load, save};
+use crate::checkpoint::{load, straight_and_saved};
 use crate::harness::{Bf16, Setup, options, train, train_from};
 
 /// One rank (stages 0–2, clipping that fires and none, chunks that cut every parameter) and
@@ -88,12 +88,7 @@ fn a_checkpoint_with_a_device_share_resumes_bit_exactly_with_any_share() {
         chaos: Some(3),
         ..Setup::new(Stage::Zero2, 1, 1, true)
     };
-    let straight =
-        train_from::<f32>(&Setup { steps: 8, ..setup.clone() }, LossScaler::None, None, None);
-    let first = train_from::<f32>(&setup, LossScaler::None, None, None);
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("step-4");
-    save(&path, &setup, &first);
+    let (straight, _dir, path) = straight_and_saved(&setup);
     for device_share in [0.5, 0.0, 0.2] {
         let resumed = Setup { device_share, overlap_forward: device_share == 0.2, ..setup.clone() };
         let second = train_from(&resumed, LossScaler::None, None, Some(&load(&path, 1)));
