@@ -137,7 +137,7 @@ fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cann
     let run = train_with(&dir, OFFLOAD_ACCUMULATING, &[("ZEROFLOW_DEVICE_SHARE", "0.5")]);
     let stderr = text(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("device_share") && stderr.contains("set it to 0"), "{stderr}");
+    assert!(stderr.contains("ZEROFLOW_DEVICE_SHARE") && stderr.contains("set it to 0"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 

@@ -126,9 +126,10 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             && len == layout.padded_len();
         if share > 0.0 && !shares {
             return Err(EngineError::Config(
-                "the optimizer's device share (device_share) acts on the exact offload step with \
-                 one micro-step per step, where one rank holds every weight (one GPU, or ZeRO-0) \
-                 and nothing speculates: set it to 0 for this run",
+                "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
+                 zeroflow.offload.device_share) acts on the exact offload step with one \
+                 micro-step per step, where one rank holds every weight (one GPU, or ZeRO-0) and \
+                 nothing speculates: set it to 0 for this run",
             ));
         }
         let delayed = match offload.update {

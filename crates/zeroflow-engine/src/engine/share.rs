@@ -53,7 +53,9 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         }
         let HostMoments::F32 { exp_avg, exp_avg_sq } = &host.moments else {
             return Err(EngineError::Config(
-                "the optimizer's device share needs fp32 moments (zeroflow.optimizer_state_dtype)",
+                "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
+                 zeroflow.offload.device_share) needs fp32 moments \
+                 (zeroflow.optimizer_state_dtype): set it to 0 for this run",
             ));
         };
         let from = len - share;
