@@ -225,14 +225,14 @@ impl EngineOptions {
                 speculated_element_bytes(with_weights, p),
             ));
         }
+        // (Where the share cannot act the engine refuses to start: `UpdatePath::new`.)
+        let share = device_share_len(n, offload.stream.device_share);
+        if share > 0 && with_weights {
+            lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
+        }
         if streaming {
             let staging = staging_len(n, chunk);
             lines.push(line(Host, K::Staging, staging, (STAGING_BUFFERS + OUTGOING_BUFFERS) * p));
-            // (Where the share cannot act the engine refuses to start: `UpdatePath::new`.)
-            let share = device_share_len(n, offload.stream.device_share);
-            if share > 0 {
-                lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
-            }
             if delayed {
                 lines.push(line(Device, K::DelayedUpdate, n, 2 * p));
             }
@@ -411,23 +411,32 @@ mod tests {
     }
 
     /// A device share adds its state and f32 gradients (16 bytes per element, whole packs of
-    /// eight) to the device and leaves the host's full copy of the state as it is.
+    /// eight) to the device and leaves the host's full copy of the state as it is: with one
+    /// micro-step per step, and with a window of four summed on the device.
     #[test]
     fn a_device_share_holds_sixteen_bytes_per_element_on_the_device() {
         let layout = layout_of(1);
         let n = layout.partition_len();
-        let mut placement = offload(OffloadUpdate::Exact, 256);
-        let plain = options(placement.clone(), 1).planned_buffers(&layout, 0, DType::Bf16, None);
-        if let Placement::Offload(offload) = &mut placement {
-            offload.stream.device_share = 0.3;
+        for accum in [1, 4] {
+            let mut placement = offload(OffloadUpdate::Exact, 256);
+            if let Placement::Offload(offload) = &mut placement {
+                offload.stream.accumulate_on = AccumulateOn::Device;
+            }
+            let plan = |placement: Placement| {
+                options(placement, accum).planned_buffers(&layout, 0, DType::Bf16, None)
+            };
+            let plain = plan(placement.clone());
+            if let Placement::Offload(offload) = &mut placement {
+                offload.stream.device_share = 0.3;
+            }
+            let lines = plan(placement);
+            let share = (n * 3 / 10 / 8 * 8) as u64;
+            assert!(share > 0);
+            let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
+            assert_eq!(device(&lines), device(&plain) + 16 * share, "accumulation {accum}");
+            let host = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Host, None);
+            assert_eq!(host(&lines), host(&plain), "accumulation {accum}");
         }
-        let lines = options(placement, 1).planned_buffers(&layout, 0, DType::Bf16, None);
-        let share = (n * 3 / 10 / 8 * 8) as u64;
-        assert!(share > 0);
-        let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
-        assert_eq!(device(&lines), device(&plain) + 16 * share);
-        let host = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Host, None);
-        assert_eq!(host(&lines), host(&plain));
     }
 
     /// With gradient accumulation the offload accumulates on the host (Auto with an unknown

@@ -110,31 +110,36 @@ fn the_step_overlapped_with_the_next_forward_trains_exactly_as_the_step_before_i
 
 /// Half the optimizer's partition held and stepped on the device (`ZEROFLOW_DEVICE_SHARE=0.5`),
 /// with the step before the next forward and overlapped with it, against the CPU stepping it all:
-/// the same losses, norms and eval losses, and the share in the log. With two micro-steps per
-/// step, where the share cannot act, the run is refused before it starts, saying so.
+/// the same losses, norms and eval losses, and the share in the log; with one micro-step per step,
+/// and with two summed on the device. With two summed on the host, where the share cannot act,
+/// the run is refused before it starts, saying so.
 #[test]
 fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cannot_act() {
     let chunk = ("ZEROFLOW_STREAM_CHUNK_MIB", "1e-4");
-    let mut seen = Vec::new();
-    for (share, overlap) in [("0", "off"), ("0.5", "off"), ("0.5", "on")] {
-        let dir = scratch(&format!("stream_tuning_share_{share}_{overlap}"));
-        let tuning =
-            [chunk, ("ZEROFLOW_DEVICE_SHARE", share), ("ZEROFLOW_OVERLAP_FORWARD", overlap)];
-        let run = train_tuned(&dir, &tuning);
-        let stderr = text(&run.stderr);
-        assert!(run.status.success(), "stderr: {stderr}");
-        let logged = format!("{share} of the partition's optimizer state on the device");
-        assert!(stderr.contains(&logged), "the share is logged: {stderr}");
-        let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
-        let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
-        seen.push((losses_and_norms(&dir), evals));
+    let on_device = ("ZEROFLOW_ACCUMULATE_ON", "device");
+    for (name, ds) in [("one", OFFLOAD), ("summed", OFFLOAD_ACCUMULATING)] {
+        let mut seen = Vec::new();
+        for (share, overlap) in [("0", "off"), ("0.5", "off"), ("0.5", "on")] {
+            let dir = scratch(&format!("stream_tuning_share_{name}_{share}_{overlap}"));
+            let share_var = ("ZEROFLOW_DEVICE_SHARE", share);
+            let tuning = [chunk, on_device, share_var, ("ZEROFLOW_OVERLAP_FORWARD", overlap)];
+            let run = train_with(&dir, ds, &tuning);
+            let stderr = text(&run.stderr);
+            assert!(run.status.success(), "{name}: stderr: {stderr}");
+            let logged = format!("{share} of the partition's optimizer state on the device");
+            assert!(stderr.contains(&logged), "{name}: the share is logged: {stderr}");
+            let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
+            let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
+            seen.push((losses_and_norms(&dir), evals));
+        }
+        assert_eq!(seen[0].0.len(), 4, "{name}");
+        assert_eq!(seen[1], seen[0], "{name}: the share before the forward");
+        assert_eq!(seen[2], seen[0], "{name}: the share overlapped with the forward");
     }
-    assert_eq!(seen[0].0.len(), 4);
-    assert_eq!(seen[1], seen[0], "the share before the forward");
-    assert_eq!(seen[2], seen[0], "the share overlapped with the forward");
 
-    let dir = scratch("stream_tuning_share_accumulating");
-    let run = train_with(&dir, OFFLOAD_ACCUMULATING, &[("ZEROFLOW_DEVICE_SHARE", "0.5")]);
+    let dir = scratch("stream_tuning_share_accumulating_on_the_host");
+    let on_host = ("ZEROFLOW_ACCUMULATE_ON", "host");
+    let run = train_with(&dir, OFFLOAD_ACCUMULATING, &[on_host, ("ZEROFLOW_DEVICE_SHARE", "0.5")]);
     let stderr = text(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("ZEROFLOW_DEVICE_SHARE") && stderr.contains("set it to 0"), "{stderr}");

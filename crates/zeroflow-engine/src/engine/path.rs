@@ -72,6 +72,15 @@ pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
     ZenFlow(Box<ZenFlowUpdate<D, P>>),
 }
 
+/// Where the optimizer's device share cannot act (`UpdatePath::new`).
+const SHARE_REFUSED: EngineError = EngineError::Config(
+    "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
+     zeroflow.offload.device_share) acts on the exact offload step, with one micro-step per \
+     step or a window summed on the device (ZeRO-2 with accumulation on the device), where one \
+     rank holds every weight (one GPU, or ZeRO-0) and nothing speculates: set it to 0 for this \
+     run",
+);
+
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     /// The path the options ask for, with its buffers, for the partition `owned` of the
     /// `initial` weights (dropped once they are in the master weights).
@@ -117,20 +126,9 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         };
         let (memory, chunk, len) = (offload.memory, offload.stream.chunk, owned.len());
         let moments = offload.moments;
-        // The device share acts on the exact streaming step where one rank holds every weight,
-        // without speculation (whose pieces and backups span the whole partition).
         let share = offload.stream.device_share;
-        let shares = streaming
-            && offload.update == OffloadUpdate::Exact
-            && offload.stream.speculation_budget == 0
-            && len == layout.padded_len();
-        if share > 0.0 && !shares {
-            return Err(EngineError::Config(
-                "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
-                 zeroflow.offload.device_share) acts on the exact offload step with one \
-                 micro-step per step, where one rank holds every weight (one GPU, or ZeRO-0) and \
-                 nothing speculates: set it to 0 for this run",
-            ));
+        if share > 0.0 && offload.update != OffloadUpdate::Exact {
+            return Err(SHARE_REFUSED);
         }
         let delayed = match offload.update {
             OffloadUpdate::Exact => None,
@@ -176,6 +174,16 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let on = offload.stream.accumulate_on;
         let free = || device.free_memory();
         let summed = opts.streams_sum(P::DTYPE, sums_on_device(opts, on, len, free));
+        // The device share acts on the exact streaming step (one micro-step, or the window's
+        // sum on the device) where one rank holds every weight, without speculation (whose
+        // pieces and backups span the whole partition).
+        let shares = (streaming || summed)
+            && delayed.is_none()
+            && offload.stream.speculation_budget == 0
+            && len == layout.padded_len();
+        if share > 0.0 && !shares {
+            return Err(SHARE_REFUSED);
+        }
         // The streaming steps keep the speculated pieces' weights until their upload.
         let speculation = Speculation::new(device, len, budget, streaming || summed, memory)?;
         let pieces = offload.stream.gather_in_pieces;
@@ -189,7 +197,12 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         if summed {
             let buffers =
                 StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?;
+            let share = match share > 0.0 {
+                true => DeviceShare::new(device, &buffers.state, share)?,
+                false => None,
+            };
+            let path =
+                Summed::new(device, buffers, len, pieces, speculation, overlap)?.with_share(share);
             return Ok(UpdatePath::Summed(path));
         }
         if streaming {
@@ -370,7 +383,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => device.state(&shared.device),
             UpdatePath::Accumulate(a) => a.state(),
             UpdatePath::Stream(s) => s.state(&shared.device),
-            UpdatePath::Summed(s) => Ok(s.state()),
+            UpdatePath::Summed(s) => s.state(&shared.device),
             UpdatePath::ZenFlow(z) => z.state(shared, false),
         }
     }
@@ -387,7 +400,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Accumulate(a) => a.view(flat),
             UpdatePath::Stream(s) => s.view(&shared.device, flat),
-            UpdatePath::Summed(s) => Ok((s.view(flat), false)),
+            UpdatePath::Summed(s) => Ok((s.view(&shared.device, flat)?, false)),
             UpdatePath::ZenFlow(z) => z.checkpoint_view(shared),
             UpdatePath::Device(d) => {
                 let n = flat.len();
@@ -415,7 +428,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             UpdatePath::Device(device) => device.master(&shared.device),
             UpdatePath::Accumulate(a) => a.master(),
             UpdatePath::Stream(s) => s.master(&shared.device),
-            UpdatePath::Summed(s) => Ok(s.master()),
+            UpdatePath::Summed(s) => s.master(&shared.device),
             UpdatePath::ZenFlow(z) => Ok(z.state(shared, true)?.master),
         }
     }
@@ -482,10 +495,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 a.host.restore(&state, upload_pending)
             }
             UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
-            UpdatePath::Summed(s) => {
-                s.restore(state);
-                Ok(())
-            }
+            UpdatePath::Summed(s) => s.restore(&shared.device, state),
             UpdatePath::ZenFlow(z) => z.restore(shared, &state, upload_pending, zenflow),
         }
     }

@@ -12,7 +12,8 @@
 //! Events: the compute stream waits for `norm_done` (the comm stream is past the reductions and
 //! the norm) before it casts the share's gradients; the weights it writes are read by the next
 //! forward and backward on the same stream. `stepped` (compute → d2h) orders a sync's copies after
-//! the last step.
+//! the last step; where the gradients are the window's sum on the device, also (compute → comm)
+//! the sum's clear after the share's reading of it ([`DeviceShare::order_after_step`]).
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, DeviceBuffer, StreamKind};
@@ -51,7 +52,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         if share == 0 {
             return Ok(None);
         }
-        let HostMoments::F32 { exp_avg, exp_avg_sq } = &host.moments else {
+        let HostMoments::F32 { .. } = &host.moments else {
             return Err(EngineError::Config(
                 "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
                  zeroflow.offload.device_share) needs fp32 moments \
@@ -59,15 +60,18 @@ impl<D: DeviceAdamW> DeviceShare<D> {
             ));
         };
         let from = len - share;
+        // Filled from the host state by `restore`, with no host copy of it on the way.
         let state = DeviceAdamState {
-            master: device.upload(&host.master[from..])?,
-            exp_avg: device.upload(&exp_avg[from..])?,
-            exp_avg_sq: device.upload(&exp_avg_sq[from..])?,
+            master: device.alloc::<f32>(share)?,
+            exp_avg: device.alloc::<f32>(share)?,
+            exp_avg_sq: device.alloc::<f32>(share)?,
         };
         let grads = device.alloc::<f32>(share)?;
         let stepped = device.new_event()?;
         let (recorded, ahead) = (false, false);
-        Ok(Some(DeviceShare { from, state, grads, stepped, recorded, ahead }))
+        let mut share = DeviceShare { from, state, grads, stepped, recorded, ahead };
+        share.restore(device, host)?;
+        Ok(Some(share))
     }
 
     /// Where the share starts in the partition: the CPU steps the elements before it.
@@ -76,14 +80,14 @@ impl<D: DeviceAdamW> DeviceShare<D> {
     }
 
     /// The share's step on the compute stream, after `norm_done`: its gradients, at `at + from`
-    /// of `source`, cast to f32; the AdamW of [`DeviceAdamW::adamw`], writing the weights at
-    /// `params_at + from` of `params`.
-    pub fn step<P: Float>(
+    /// of `source` (the reduced gradients, or the window's sum), cast to f32; the AdamW of
+    /// [`DeviceAdamW::adamw`], writing the weights at `params_at + from` of `params`.
+    pub fn step<G: Float, P: Float>(
         &mut self,
         device: &D,
         step: &AdamWStep,
         norm_done: &D::Event,
-        (source, at): (&D::Buffer<P>, usize),
+        (source, at): (&D::Buffer<G>, usize),
         (params, params_at): (&D::Buffer<P>, usize),
     ) -> Result<(), EngineError> {
         let compute = device.stream(StreamKind::Compute);
@@ -102,6 +106,15 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         )?;
         device.record(&mut self.stepped, compute)?;
         (self.recorded, self.ahead) = (true, true);
+        Ok(())
+    }
+
+    /// Makes `kind`'s later work wait for the share's last step (and its reading of the
+    /// gradients): before the window's sum is cleared on the comm stream.
+    pub fn order_after_step(&self, device: &D, kind: StreamKind) -> Result<(), EngineError> {
+        if self.recorded {
+            device.wait_event(device.stream(kind), &self.stepped)?;
+        }
         Ok(())
     }
 

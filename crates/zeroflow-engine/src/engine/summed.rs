@@ -17,6 +17,10 @@
 //! to the next window's first forward, which opens it as the one-micro-step path's is
 //! ([`super::stream::Opening`]): the sum is cleared on the comm stream once the opening has
 //! recorded `d2h_done`, before that micro-step's backward adds into it.
+//!
+//! With a device share ([`DeviceShare`], `device_share`), the partition's end is stepped from the
+//! sum by the device's AdamW on the compute stream, and the comm stream waits for that step before
+//! anything clears the sum; the CPU streams the rest.
 
 use std::ops::Range;
 
@@ -25,6 +29,7 @@ use zeroflow_device::{Comm, Device, StreamKind};
 use zeroflow_optim::AdamWStep;
 
 use super::path::SinkOrOpening;
+use super::share::DeviceShare;
 use super::shared::Shared;
 use super::state::PathState;
 use super::stream::{
@@ -53,6 +58,8 @@ pub(super) struct Summed<D: Device, P: Float> {
     /// The step left to the next forward ([`Summed::open`]; the `overlap_forward` option,
     /// where one rank holds every weight and nothing speculates).
     deferral: Deferral<D>,
+    /// The partition's last elements, stepped on the device (`device_share`).
+    share: Option<DeviceShare<D>>,
 }
 
 impl<D: DeviceAdamW, P: Float> Summed<D, P> {
@@ -70,7 +77,15 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let chunk_uploaded = device.new_event()?;
         let buffers = Box::new(buffers);
         let deferral = Deferral::new(device, overlap_forward)?;
-        Ok(Summed { acc, buffers, chunk_uploaded, gather_in_pieces, speculation, deferral })
+        let share = None;
+        Ok(Summed { acc, buffers, chunk_uploaded, gather_in_pieces, speculation, deferral, share })
+    }
+
+    /// The path with `share` of the partition's end stepped on the device from the sum (the
+    /// exact step's `device_share`; the caller, `UpdatePath::new`, checked that it can act).
+    pub fn with_share(mut self, share: Option<DeviceShare<D>>) -> Self {
+        self.share = share;
+        self
     }
 
     /// Backward's sink: the device accumulator; at the window's last backward, where the step is
@@ -122,12 +137,15 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     ) -> Result<(), EngineError> {
         let started = std::time::Instant::now();
         let speculated = standing(self.speculation.as_mut(), &mut self.buffers.state, step);
-        let Summed { acc, buffers, chunk_uploaded, gather_in_pieces, .. } = self;
+        let Summed { acc, buffers, chunk_uploaded, gather_in_pieces, share, .. } = self;
+        let params = (&shared.params, shared.owned.start);
+        let len = step_share(share, &shared.device, step, &shared.events.norm_done, acc, params)?
+            .unwrap_or(shared.owned.len());
         let mut times = std::mem::take(&mut shared.step_times);
         let io = StepIo {
             source: &*acc,
             at: 0,
-            len: shared.owned.len(),
+            len,
             uploaded_event: chunk_uploaded,
             gather_in_pieces: *gather_in_pieces,
             times: &mut times,
@@ -152,10 +170,13 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         &'a mut self,
         at: OpenAt<'a, D, P>,
     ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
-        let Summed { acc, buffers, deferral, .. } = self;
+        let Summed { acc, buffers, deferral, share, .. } = self;
         let sink = Sink::DeviceThenHost { acc, offloader: None };
         let Some((step, opened)) = deferral.take() else { return Ok((sink, None)) };
-        let (source, clear, buffers) = (((&*acc, 0), at.owned.len()), Some(&*acc), &mut **buffers);
+        let params = (at.params, at.owned.start);
+        let len = step_share(share, at.device, &step, at.events.norm_done, acc, params)?
+            .unwrap_or(at.owned.len());
+        let (source, clear, buffers) = (((&*acc, 0), len), Some(&*acc), &mut **buffers);
         let opening = Opening::new(at, step, buffers, source, opened, clear, OpenChunks::Summed)?;
         Ok((sink, Some(opening)))
     }
@@ -196,28 +217,59 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         }
     }
 
-    /// The master weights.
-    pub fn master(&mut self) -> Vec<f32> {
+    /// Makes the host state whole before a read of it: the pieces stepped speculatively and
+    /// not validated restored, the device share's state brought up to date.
+    fn settle(&mut self, device: &D) -> Result<(), EngineError> {
         self.abandon_speculation();
-        self.buffers.state.master.to_vec()
+        match &mut self.share {
+            Some(share) => share.sync(device, &mut self.buffers.state),
+            None => Ok(()),
+        }
+    }
+
+    /// The master weights.
+    pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
+        self.settle(device)?;
+        Ok(self.buffers.state.master.to_vec())
     }
 
     /// The optimizer state (nothing is pending: the step is inline).
-    pub fn state(&mut self) -> PathState {
-        self.abandon_speculation();
+    pub fn state(&mut self, device: &D) -> Result<PathState, EngineError> {
+        self.settle(device)?;
         let [master, exp_avg, exp_avg_sq] = self.buffers.state.to_f32();
-        PathState { master, exp_avg, exp_avg_sq, upload_pending: false }
+        Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: false })
     }
 
     /// [`Summed::state`] of the partition `flat`, borrowed.
-    pub fn view(&mut self, flat: Range<usize>) -> PartView<'_> {
-        self.abandon_speculation();
-        self.buffers.state.view(flat)
+    pub fn view(&mut self, device: &D, flat: Range<usize>) -> Result<PartView<'_>, EngineError> {
+        self.settle(device)?;
+        Ok(self.buffers.state.view(flat))
     }
 
-    /// Takes a checkpoint's state.
-    pub fn restore(&mut self, state: [Vec<f32>; 3]) {
+    /// Takes a checkpoint's state (into the device share's too).
+    pub fn restore(&mut self, device: &D, state: [Vec<f32>; 3]) -> Result<(), EngineError> {
         self.abandon_speculation();
         self.buffers.state.restore(&state);
+        match &mut self.share {
+            Some(share) => share.restore(device, &self.buffers.state),
+            None => Ok(()),
+        }
     }
+}
+
+/// The device share's step from the window's sum, where there is a share: its AdamW on the
+/// compute stream, and the comm stream (where the sum is cleared for the next window) made to
+/// wait for its reading of the sum. Gives how many elements the CPU steps then.
+fn step_share<D: DeviceAdamW, P: Float>(
+    share: &mut Option<DeviceShare<D>>,
+    device: &D,
+    step: &AdamWStep,
+    norm_done: &D::Event,
+    acc: &D::Buffer<f32>,
+    params: (&D::Buffer<P>, usize),
+) -> Result<Option<usize>, EngineError> {
+    let Some(share) = share else { return Ok(None) };
+    share.step(device, step, norm_done, (acc, 0), params)?;
+    share.order_after_step(device, StreamKind::Comm)?;
+    Ok(Some(share.from()))
 }

@@ -45,6 +45,8 @@ struct Case {
     stream_chunk: usize,
     zenflow_aside: ZenFlowAside,
     clip: Option<f64>,
+    /// Offload: the share of the partition stepped on the device (0: none).
+    device_share: f64,
 }
 
 impl Case {
@@ -63,6 +65,7 @@ impl Case {
             stream_chunk: DEFAULT_STREAM_CHUNK,
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             clip: Some(0.8),
+            device_share: 0.0,
         }
     }
 }
@@ -80,6 +83,7 @@ fn options(case: &Case) -> EngineOptions {
             offload.stream.accumulate_on = case.accumulate_on;
             offload.stream.chunk = case.stream_chunk;
             offload.stream.zenflow_aside = case.zenflow_aside;
+            offload.stream.device_share = case.device_share;
             Placement::Offload(offload)
         }
         false => Placement::Device,
@@ -422,4 +426,38 @@ fn every_gpu_speculation_and_device_sum_are_bit_identical() {
     let mut devices = vec![first];
     devices.extend((1..count).map(|i| CudaDevice::new(i).expect("every visible GPU opens")));
     check_speculation_and_device_sum(&devices);
+}
+
+/// The optimizer's device share on one GPU: the partition's end stepped by the GPU's AdamW while
+/// the CPU's AVX kernels step the rest gives the all-CPU step's weights and norms bit for bit —
+/// both do the same operations, fused multiply-adds included, with a correctly rounded square
+/// root and division — for stages 1 and 2 with one micro-step, ZeRO-2 with three summed on the
+/// device, clipping that fires and none, f32 and bf16, with the step before the next forward.
+#[test]
+fn one_gpu_device_share_is_bit_identical() {
+    let Some(device) = gpu() else { return };
+    let devices = std::slice::from_ref(&device);
+    for (stage, accum) in [(Stage::Zero1, 1), (Stage::Zero2, 1), (Stage::Zero2, 3)] {
+        for clip in [None, Some(0.8)] {
+            let all_cpu = Case {
+                speculation_budget: 0,
+                accumulate_on: AccumulateOn::Device,
+                stream_chunk: 1000,
+                clip,
+                ..Case::new(stage, 1, accum, true, 6)
+            };
+            for device_share in [0.3, 0.75] {
+                let case = Case { device_share, ..all_cpu };
+                let f32s = (train::<f32>(devices, &all_cpu), train::<f32>(devices, &case));
+                let bf16s = (train::<bf16>(devices, &all_cpu), train::<bf16>(devices, &case));
+                for (dtype, (want, got)) in [("f32", f32s), ("bf16", bf16s)] {
+                    let (want, got) = (&want[0], &got[0]);
+                    let differ = want.0.iter().zip(&got.0).filter(|(w, g)| w != g).count();
+                    assert_eq!(differ, 0, "{dtype} {case:?}: {differ} weights differ");
+                    assert_eq!(want.1, got.1, "{dtype} {case:?}: gradient norms");
+                    println!("RESULT engine_gpu device_share {dtype} {case:?} bit_identical=true");
+                }
+            }
+        }
+    }
 }

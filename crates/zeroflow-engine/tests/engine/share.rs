@@ -1,7 +1,8 @@
 //! The optimizer's device share (`StreamOptions::device_share`): the partition's last elements are
-//! stepped by the device's AdamW from state in device memory while the CPU streams the rest. The
-//! runs are the all-CPU step's, bit for bit (the CPU device's AdamW is the host's), with the step
-//! before the next forward and overlapped with it, under chaos (the share's compute-stream work
+//! stepped by the device's AdamW from state in device memory while the CPU streams the rest, from
+//! one micro-step's gradients or from a window summed on the device. The runs are the all-CPU
+//! step's, bit for bit (the CPU device's AdamW is the host's), with the step before the next
+//! forward and overlapped with it, under chaos (the share's compute-stream work
 //! and the CPU's chunks delayed at random against each other); only the CPU's part crosses the
 //! host link; a checkpoint holds the share's state and resumes with any share; where the share
 //! cannot act, the engine says so before training.
@@ -13,13 +14,15 @@ use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_device::CpuDevice;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_engine::synthetic::{initial, layout};
-use zeroflow_engine::{Engine, EngineError, LossScaler, Stage};
+use zeroflow_engine::{AccumulateOn, Engine, EngineError, LossScaler, Stage};
 
 use crate::checkpoint::{load, straight_and_saved};
 use crate::harness::{Bf16, Setup, options, train, train_from};
+use crate::state_dtype::zenflow;
 
-/// One rank (stages 0–2, clipping that fires and none, chunks that cut every parameter) and
-/// ZeRO-0 on two ranks (each holds every weight), each with a share.
+/// One rank (stages 0–2, clipping that fires and none, chunks that cut every parameter; ZeRO-2
+/// with windows of 2–4 micro-steps summed on the device) and ZeRO-0 on two ranks (each holds every
+/// weight), each with a share.
 fn setups() -> Vec<Setup> {
     let mut setups = Vec::new();
     for (stage, clip, stream_chunk, device_share) in [
@@ -30,6 +33,15 @@ fn setups() -> Vec<Setup> {
     ] {
         let one = Setup::new(stage, 1, 1, true);
         setups.push(Setup { steps: 8, clip, stream_chunk, device_share, ..one });
+    }
+    for (accum, clip, stream_chunk, device_share) in [
+        (2, Some(0.8), 7, 0.3),
+        (3, None, 3, 0.6),
+        (4, Some(0.8), zeroflow_engine::DEFAULT_STREAM_CHUNK, 0.5),
+    ] {
+        let summed = Setup::new(Stage::Zero2, 1, accum, true);
+        let accumulate_on = AccumulateOn::Device;
+        setups.push(Setup { steps: 6, clip, stream_chunk, device_share, accumulate_on, ..summed });
     }
     let two = Setup::new(Stage::Zero0, 2, 1, true);
     setups.push(Setup { steps: 6, stream_chunk: 7, device_share: 0.4, ..two });
@@ -78,34 +90,41 @@ fn the_device_share_gives_the_all_cpu_bf16_run() {
 }
 
 /// A checkpoint of a run with a share holds the share's state (brought from the device), and
-/// resumes exactly with the same share, with none, and with another.
+/// resumes exactly with the same share, with none, and with another: one micro-step per step,
+/// and two summed on the device.
 #[test]
 fn a_checkpoint_with_a_device_share_resumes_bit_exactly_with_any_share() {
-    let setup = Setup {
-        steps: 4,
-        stream_chunk: 7,
-        device_share: 0.5,
-        chaos: Some(3),
-        ..Setup::new(Stage::Zero2, 1, 1, true)
-    };
-    let (straight, _dir, path) = straight_and_saved(&setup);
-    for device_share in [0.5, 0.0, 0.2] {
-        let resumed = Setup { device_share, overlap_forward: device_share == 0.2, ..setup.clone() };
-        let second = train_from(&resumed, LossScaler::None, None, Some(&load(&path, 1)));
-        assert_eq!(second.weights, straight.weights, "{resumed:?}: weights");
-        assert_eq!(second.snapshots, straight.snapshots, "{resumed:?}: state and counters");
-        assert_eq!(second.reports[0], straight.reports[0][4..], "{resumed:?}: step reports");
+    for accum in [1, 2] {
+        let setup = Setup {
+            steps: 4,
+            stream_chunk: 7,
+            device_share: 0.5,
+            chaos: Some(3),
+            accumulate_on: AccumulateOn::Device,
+            ..Setup::new(Stage::Zero2, 1, accum, true)
+        };
+        let (straight, _dir, path) = straight_and_saved(&setup);
+        for device_share in [0.5, 0.0, 0.2] {
+            let overlap_forward = device_share == 0.2;
+            let resumed = Setup { device_share, overlap_forward, ..setup.clone() };
+            let second = train_from(&resumed, LossScaler::None, None, Some(&load(&path, 1)));
+            assert_eq!(second.weights, straight.weights, "{resumed:?}: weights");
+            assert_eq!(second.snapshots, straight.snapshots, "{resumed:?}: state and counters");
+            assert_eq!(second.reports[0], straight.reports[0][4..], "{resumed:?}: step reports");
+        }
     }
 }
 
-/// Where the share cannot act — gradient accumulation, the delayed update, speculation, 16-bit
-/// moments — or is not a fraction below 1, the engine refuses to start, saying what to change.
+/// Where the share cannot act — a window summed on the host, the delayed update, ZenFlow,
+/// speculation, 16-bit moments — or is not a fraction below 1, the engine refuses to start, saying
+/// what to change.
 #[test]
 fn a_device_share_where_it_cannot_act_is_refused() {
     let one = || Setup { device_share: 0.5, ..Setup::new(Stage::Zero2, 1, 1, true) };
     let cases = [
-        (Setup { accum: 2, ..one() }, "one micro-step per step"),
+        (Setup { accum: 2, accumulate_on: AccumulateOn::Host, ..one() }, "summed on the device"),
         (Setup { delayed: Some(1), ..one() }, "exact offload step"),
+        (Setup { zenflow: Some(zenflow()), ..one() }, "exact offload step"),
         (Setup { speculation_budget: 1 << 20, ..one() }, "nothing speculates"),
         (Setup { moments: OptimizerStateDtype::Bf16, ..one() }, "fp32 moments"),
         (Setup { device_share: 1.0, ..one() }, "below 1"),

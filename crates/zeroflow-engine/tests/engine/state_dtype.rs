@@ -14,7 +14,8 @@ use crate::harness::{Setup, layout, train, train_from};
 
 const BF16: OptimizerStateDtype = OptimizerStateDtype::Bf16;
 
-fn zenflow() -> ZenFlowOptions {
+/// A ZenFlow that selects, updates and overlaps often enough for a few steps.
+pub(crate) fn zenflow() -> ZenFlowOptions {
     ZenFlowOptions {
         topk_ratio: 0.25,
         selection: Selection::Step { interval: 4 },
