@@ -76,9 +76,9 @@ pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
 const SHARE_REFUSED: EngineError = EngineError::Config(
     "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
      zeroflow.offload.device_share) acts on the exact offload step, with one micro-step per \
-     step or a window summed on the device (ZeRO-2 with accumulation on the device), where one \
-     rank holds every weight (one GPU, or ZeRO-0) and nothing speculates: set it to 0 for this \
-     run",
+     step or a window summed on the device (ZeRO-2 with --accumulate-on device, \
+     ZEROFLOW_ACCUMULATE_ON=device or zeroflow.offload.accumulate_on \"device\"), where one rank \
+     holds every weight (one GPU, or ZeRO-0) and nothing speculates: set it to 0 for this run",
 );
 
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
