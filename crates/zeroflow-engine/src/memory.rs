@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use zeroflow_core::DType;
+use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
@@ -145,6 +146,21 @@ impl EngineOptions {
         exact && on_device && !self.streams(dtype) && matches!(dtype, DType::F32 | DType::Bf16)
     }
 
+    /// Whether the optimizer's device share (`StreamOptions::device_share`) can act: on the
+    /// exact offload step streaming its gradients (one micro-step per step, or the window summed
+    /// on the device: `on_device` from [`sums_on_device`]) with nothing speculating, where the
+    /// rank holds every weight (`holds_all`: one rank, or ZeRO-0). Its fp32 moments are asked
+    /// for apart (the share refuses bf16 moments with its own message).
+    pub fn shares(&self, dtype: DType, on_device: bool, holds_all: bool) -> bool {
+        let Placement::Offload(offload) = &self.placement else {
+            return false;
+        };
+        offload.update == OffloadUpdate::Exact
+            && (self.streams(dtype) || self.streams_sum(dtype, on_device))
+            && offload.stream.speculation_budget == 0
+            && holds_all
+    }
+
     /// The buffers [`crate::Engine::with_weights`] allocates on `rank` of `layout` for weights of
     /// `dtype`, by where they live and what they hold; `device_free` is the device's free memory
     /// when the engine is built (for `AccumulateOn::Auto`; `None`: unknown, summed on the host).
@@ -227,7 +243,8 @@ impl EngineOptions {
         }
         // (Where the share cannot act the engine refuses to start: `UpdatePath::new`.)
         let share = device_share_len(n, offload.stream.device_share);
-        if share > 0 && with_weights {
+        let fp32 = offload.moments == OptimizerStateDtype::Fp32;
+        if share > 0 && fp32 && self.shares(dtype, on_device, n == layout.padded_len()) {
             lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
         }
         if streaming {

@@ -234,7 +234,7 @@ fn bench<F: Family, M: Model>(
 ) -> Result<Option<serde_json::Value>> {
     // First, before anything starts a thread (rayon's pool in `init_params`, the optimizer's):
     // they inherit the binding.
-    let requested = args.settings;
+    let mut requested = args.settings;
     let seq = bench_seq(args, model)?;
     let bind = requested.cpu_bind.unwrap_or(BindMode::Auto);
     let binding =
@@ -252,8 +252,6 @@ fn bench<F: Family, M: Model>(
     settings::apply_offload::<M::P>(&requested, &mut options, dist.rank)?;
     let attention = settings::attention(args.device, &model.spec(), &requested)?;
     let dtype = <M::P as zeroflow_core::Element>::DTYPE;
-    let effective =
-        Effective::new(args.device, attention, &requested, &options, dtype, binding.as_ref());
     // What the CPU optimizer runs on (ZenFlow's overlapped step leaves some to the training
     // thread: pt_reserved_cores_perc).
     let threads = options.offload().map_or(threads, |offload| offload.cpu_threads);
@@ -263,7 +261,9 @@ fn bench<F: Family, M: Model>(
         activation_checkpointing,
         ..zeroflow_nn::PlanOptions::default()
     };
-    let plan = plan_bench(args, model, &options, dist, (seq, model_options))?;
+    let plan = plan_bench(args, model, (&mut options, &mut requested), dist, (seq, model_options))?;
+    let effective =
+        Effective::new(args.device, attention, &requested, &options, dtype, binding.as_ref());
     if args.plan == PlanMode::Only {
         let machine = MachineMemory::this_machine(args.device, dist.local_rank);
         let out = json!({ "plan": plan.to_json(&machine), "table": plan.table(&machine) });
@@ -295,16 +295,17 @@ fn bench<F: Family, M: Model>(
 }
 
 /// This rank's memory plan, said in one line on rank 0, and (unless `--no-plan-check`) an input
-/// error where it does not fit the machine, before anything is allocated.
+/// error where it does not fit the machine, before anything is allocated; `--device-share fit`
+/// resolved into `options` and `requested` first.
 fn plan_bench<F: Family>(
     args: &BenchOptions,
     model: &F,
-    options: &EngineOptions,
+    (options, requested): (&mut EngineOptions, &mut Requested),
     dist: &DistEnv,
     (seq, model_options): (usize, zeroflow_nn::PlanOptions),
 ) -> Result<MemoryPlan> {
     let machine = MachineMemory::this_machine(args.device, dist.local_rank);
-    let plan = MemoryPlan::new(PlanInputs {
+    let mut inputs = PlanInputs {
         model: model.spec(),
         device: args.device,
         options: options.clone(),
@@ -315,7 +316,10 @@ fn plan_bench<F: Family>(
         model_options,
         caller: Caller::Bench,
         gpu_memory: machine.gpu_total,
-    })?;
+    };
+    crate::plan::resolve_fit(requested, &mut inputs)?;
+    options.clone_from(&inputs.options);
+    let plan = MemoryPlan::new(inputs)?;
     if args.plan == PlanMode::Only {
         return Ok(plan);
     }

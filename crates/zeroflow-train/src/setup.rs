@@ -319,10 +319,15 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
         limits::available_host_memory(),
     )
     .map_err(input)?;
-    let settings = settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
+    let mut settings =
+        settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
     let attention = settings::attention(args.device, &model, &settings)?;
     let resumed = resume.is_some();
-    let plan = train_plan(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
+    let mut inputs =
+        train_plan_inputs(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
+    // `--device-share fit`: the trainer builds its engine with the share the plan chose.
+    crate::plan::resolve_fit(&mut settings, &mut inputs)?;
+    let plan = MemoryPlan::new(inputs)?;
     Ok(Prepared {
         resume,
         hf,
@@ -341,16 +346,16 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     })
 }
 
-/// The memory plan of a rank of the run, with the engine's options as the trainer will make
-/// them (the config's, tuned by the run-time settings).
-fn train_plan(
+/// What the memory plan of a rank of the run is of, with the engine's options as the trainer
+/// will make them (the config's, tuned by the run-time settings).
+fn train_plan_inputs(
     args: &TrainOptions,
     model: &ModelSpec,
     config: &Config,
     dist: &DistEnv,
     (seq, settings, attention): (usize, &Requested, zeroflow_nn::AttentionKind),
     resumed: bool,
-) -> Result<MemoryPlan> {
+) -> Result<PlanInputs> {
     let mut options =
         EngineOptions::from_config(config, 1).map_err(|e| input(format!("the config: {e}")))?;
     if options.offload().is_some() {
@@ -361,7 +366,7 @@ fn train_plan(
     }
     let activation_checkpointing =
         args.device == DeviceKind::Cuda && settings.activation_checkpointing.unwrap_or(false);
-    MemoryPlan::new(PlanInputs {
+    Ok(PlanInputs {
         model: model.clone(),
         device: args.device,
         options,

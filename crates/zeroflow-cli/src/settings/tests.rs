@@ -1,4 +1,5 @@
 use clap::Parser;
+use zeroflow_core::config::DeviceShare;
 use zeroflow_device::cuda::HostWaits;
 use zeroflow_engine::AccumulateOn;
 
@@ -58,7 +59,7 @@ fn the_flags_take_the_names_the_variables_take() {
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(0.0),
             overlap_forward: Some(false),
-            device_share: Some(0.75),
+            device_share: Some(DeviceShare::Fraction(0.75)),
             pack: None,
         }
     );

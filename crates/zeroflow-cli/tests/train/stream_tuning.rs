@@ -146,6 +146,32 @@ fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cann
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// `ZEROFLOW_DEVICE_SHARE=fit` on the CPU device, whose memory is the host's: the memory plan
+/// chooses 0 and says why, the run records the share it used, and trains as with share 0.
+#[test]
+fn the_device_share_that_fits_is_0_on_the_cpu_device_and_says_why() {
+    let mut seen = Vec::new();
+    for share in ["fit", "0"] {
+        let dir = scratch(&format!("stream_tuning_share_{share}"));
+        let run = train_with(&dir, OFFLOAD, &[("ZEROFLOW_DEVICE_SHARE", share)]);
+        let stderr = text(&run.stderr);
+        assert!(run.status.success(), "{share}: stderr: {stderr}");
+        if share == "fit" {
+            assert!(stderr.contains("device share fit: 0 of"), "{stderr}");
+            assert!(stderr.contains("no GPU's memory to fill"), "{stderr}");
+        }
+        let summary: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("run").join("summary.json")).unwrap(),
+        )
+        .unwrap();
+        let recorded = &summary["settings"]["offload"]["device_share"];
+        assert_eq!(recorded.as_f64(), Some(0.0), "{share}: {summary}");
+        seen.push(losses_and_norms(&dir));
+    }
+    assert_eq!(seen[0].len(), 4);
+    assert_eq!(seen[0], seen[1]);
+}
+
 #[test]
 fn a_bad_offload_stream_tuning_exits_2_naming_the_variable() {
     for (name, value, accepted) in [

@@ -127,6 +127,37 @@ pub enum AccumulateOn {
     Host,
 }
 
+/// How much of the optimizer's partition is also held and stepped on the device
+/// (`zeroflow.offload.device_share`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DeviceShare {
+    /// This fraction of it, at least 0 and below 1.
+    Fraction(f64),
+    /// As much as the memory plan finds room for on the GPU (`"fit"`): the largest share, in
+    /// hundredths, that leaves a tenth of the GPU's memory free; 0 where the share cannot act.
+    Fit,
+}
+
+impl DeviceShare {
+    /// `"fit"` or the fraction, as a flag, variable or the config spells it.
+    pub fn parse(text: &str) -> Option<DeviceShare> {
+        let text = text.trim();
+        if text == "fit" {
+            return Some(DeviceShare::Fit);
+        }
+        let share = text.parse::<f64>().ok().filter(|share| (0.0..1.0).contains(share))?;
+        Some(DeviceShare::Fraction(share))
+    }
+
+    /// As the resolved config writes it.
+    pub fn to_json(self) -> Value {
+        match self {
+            DeviceShare::Fraction(share) => json!(share),
+            DeviceShare::Fit => json!("fit"),
+        }
+    }
+}
+
 /// The CPU-offload stream's tuning (`zeroflow.offload`): `None` keeps the engine's default. None
 /// of it changes the numbers.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -149,9 +180,10 @@ pub struct OffloadTuning {
     /// The exact streaming step's CPU work left to the next forward, which opens the weights as
     /// the CPU steps them (`None`: zeroflow's default, on).
     pub overlap_forward: Option<bool>,
-    /// The share of the optimizer's partition (a fraction, at least 0 and below 1) also held in
-    /// device memory and stepped there, from the partition's end (`None`: zeroflow's default, 0).
-    pub device_share: Option<f64>,
+    /// The share of the optimizer's partition (a fraction, at least 0 and below 1, or `"fit"`)
+    /// also held in device memory and stepped there, from the partition's end (`None`:
+    /// zeroflow's default, 0).
+    pub device_share: Option<DeviceShare>,
 }
 
 const ATTENTIONS: &[(&str, Option<Attention>)] =
@@ -205,7 +237,7 @@ impl ZeroflowExtensions {
                 "accumulate_on": name_of(ACCUMULATE_ONS, offload.accumulate_on),
                 "pinned_budget_mib": offload.pinned_budget_mib,
                 "overlap_forward": offload.overlap_forward,
-                "device_share": offload.device_share,
+                "device_share": offload.device_share.map(DeviceShare::to_json),
             },
         })
     }
@@ -296,7 +328,7 @@ fn read_offload(
     let accumulate_on =
         named(&mut offload, "accumulate_on", ACCUMULATE_ONS, "\"auto\", \"device\" or \"host\"")?;
     let overlap_forward = offload.bool("overlap_forward")?.given();
-    let device_share = fraction(&mut offload, "device_share")?;
+    let device_share = share(&mut offload, "device_share")?;
     offload.finish(&[], diagnostics);
     Ok(OffloadTuning {
         stream_chunk_mib,
@@ -311,22 +343,26 @@ fn read_offload(
     })
 }
 
-/// A key whose value is a fraction at least 0 and below 1, or `"auto"` (`None`).
-fn fraction(section: &mut Section<'_>, key: &'static str) -> Result<Option<f64>, ConfigError> {
-    match section.value(key) {
-        None => Ok(None),
-        Some(Value::String(text)) if text == "auto" => Ok(None),
-        Some(Value::Number(number))
-            if number.as_f64().is_some_and(|share| (0.0..1.0).contains(&share)) =>
-        {
-            Ok(number.as_f64())
+/// A key whose value is a fraction at least 0 and below 1, `"fit"`, or `"auto"` (`None`).
+fn share(section: &mut Section<'_>, key: &'static str) -> Result<Option<DeviceShare>, ConfigError> {
+    let Some(value) = section.value(key) else {
+        return Ok(None);
+    };
+    let share = match value {
+        Value::String(text) if text == "auto" => return Ok(None),
+        Value::String(text) if text == "fit" => Some(DeviceShare::Fit),
+        Value::Number(number) => {
+            number.as_f64().filter(|share| (0.0..1.0).contains(share)).map(DeviceShare::Fraction)
         }
-        Some(other) => Err(ConfigError::bad_value(
+        _ => None,
+    };
+    share.map(Some).ok_or_else(|| {
+        ConfigError::bad_value(
             section.path_of(key),
-            "a fraction at least 0 and below 1, or \"auto\"".to_owned(),
-            super::reader::describe(other),
-        )),
-    }
+            "a fraction at least 0 and below 1, \"fit\" or \"auto\"".to_owned(),
+            super::reader::describe(value),
+        )
+    })
 }
 
 /// A key whose value is a finite number of MiB that `accepts`, or `"auto"` (`None`); `what`

@@ -6,7 +6,8 @@ use std::num::NonZeroU64;
 
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{
-    AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, Gather, OffloadTuning,
+    AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, DeviceShare, Gather,
+    OffloadTuning,
 };
 
 use super::{error_of, resolve};
@@ -44,7 +45,7 @@ fn every_setting_is_read_by_name() {
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(2048.0),
             overlap_forward: Some(false),
-            device_share: Some(0.25),
+            device_share: Some(DeviceShare::Fraction(0.25)),
         }
     );
 }
@@ -105,6 +106,19 @@ fn set_settings_round_trip_through_the_resolved_json() {
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);
     assert!(again.warnings.is_empty(), "{:?}", again.warnings);
+}
+
+/// `"fit"` (the share the memory plan finds room for) is a setting of its own, kept through the
+/// resolved JSON; `"auto"` leaves the share to the layers above and the default.
+#[test]
+fn a_device_share_of_fit_round_trips_and_auto_is_the_default() {
+    let fit = resolve(&with_zeroflow(r#"{"offload": {"device_share": "fit"}}"#)).expect("valid");
+    assert_eq!(fit.config.zeroflow.offload.device_share, Some(DeviceShare::Fit));
+    assert_eq!(fit.config.to_json()["zeroflow"]["offload"]["device_share"], "fit");
+    let again = resolve(&fit.config.to_resolved_json()).expect("the resolved JSON is valid");
+    assert_eq!(again.config, fit.config);
+    let auto = resolve(&with_zeroflow(r#"{"offload": {"device_share": "auto"}}"#)).expect("valid");
+    assert_eq!(auto.config.zeroflow.offload.device_share, None);
 }
 
 #[test]

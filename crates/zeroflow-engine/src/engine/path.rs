@@ -173,15 +173,12 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
         let on = offload.stream.accumulate_on;
         let free = || device.free_memory();
-        let summed = opts.streams_sum(P::DTYPE, sums_on_device(opts, on, len, free));
         // The device share acts on the exact streaming step (one micro-step, or the window's
         // sum on the device) where one rank holds every weight, without speculation (whose
         // pieces and backups span the whole partition).
-        let shares = (streaming || summed)
-            && delayed.is_none()
-            && offload.stream.speculation_budget == 0
-            && len == layout.padded_len();
-        if share > 0.0 && !shares {
+        let on_device = sums_on_device(opts, on, len, free);
+        let summed = opts.streams_sum(P::DTYPE, on_device);
+        if share > 0.0 && !opts.shares(P::DTYPE, on_device, len == layout.padded_len()) {
             return Err(SHARE_REFUSED);
         }
         // The streaming steps keep the speculated pieces' weights until their upload.

@@ -18,6 +18,10 @@ use zeroflow_nn::PlanOptions;
 use crate::error::{Result, input};
 use crate::{DeviceKind, Family, ModelSpec, with_family};
 
+mod fit;
+
+pub use fit::{FIT_HEADROOM, FitShare, fit_device_share, resolve_fit};
+
 /// The CUDA context of one process on one GPU: the driver's own allocations, the loaded kernel
 /// modules (NVRTC's and cuBLASLt's), the streams and events. Calibrated on the H200 from
 /// BENCHMARKS.md's `bench gpt --model gpt-1.3b --micro-batch 8` (2026-12-01, no NCCL): 21.37 GiB
@@ -435,6 +439,8 @@ enum Knob {
     /// accumulator).
     SumOnGpu,
     Bf16Moments,
+    /// A smaller device share, in hundredths: the one `fit` chooses.
+    DeviceShare(u32),
 }
 
 impl Knob {
@@ -456,6 +462,9 @@ impl Knob {
             (Knob::SumOnGpu, _) => "--accumulate-on device".into(),
             (Knob::Bf16Moments, _) => {
                 "16-bit Adam moments (\"zeroflow\": {\"optimizer_state_dtype\": \"bf16\"})".into()
+            }
+            (Knob::DeviceShare(hundredths), _) => {
+                format!("--device-share {} (or fit)", f64::from(hundredths) / 100.0)
             }
         }
     }
@@ -502,6 +511,14 @@ impl Knob {
             {
                 out.options.offload_mut()?.moments = OptimizerStateDtype::Bf16;
             }
+            Knob::DeviceShare(hundredths)
+                if inputs
+                    .options
+                    .offload()
+                    .is_some_and(|o| o.stream.device_share > f64::from(hundredths) / 100.0) =>
+            {
+                out.options.offload_mut()?.stream.device_share = f64::from(hundredths) / 100.0;
+            }
             _ => return None,
         }
         Some(out)
@@ -524,7 +541,8 @@ pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOption
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the
-    /// optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments.
+    /// optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments, the device
+    /// share that fits.
     fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
         let inputs = &self.inputs;
         let mut knobs = vec![Knob::Checkpointing];
@@ -548,6 +566,10 @@ impl MemoryPlan {
             Knob::SumOnGpu,
             Knob::Bf16Moments,
         ]);
+        // A share the GPU has no room for: the one that fits.
+        if let Ok(fit) = fit_device_share(inputs) {
+            knobs.push(Knob::DeviceShare((fit.share * 100.0).round() as u32));
+        }
         knobs
             .into_iter()
             .filter_map(|knob| {
@@ -591,7 +613,8 @@ impl MemoryPlan {
         if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
                         ZenFlow, the optimizer on the GPU, the accumulation window summed on the \
-                        GPU, 16-bit moments) brings it under: use a smaller model or more ranks";
+                        GPU, 16-bit moments, a smaller device share) brings it under: use a \
+                        smaller model or more ranks";
         } else {
             message += &format!("Fits with: {}", knobs.join("; "));
         }
@@ -607,7 +630,7 @@ mod tests {
 
     use super::*;
 
-    const GIB: u64 = 1 << 30;
+    pub(super) const GIB: u64 = 1 << 30;
 
     /// The engine's options of `bench step --mode mode` (its DeepSpeed config).
     fn bench_options(mode: &str) -> EngineOptions {
@@ -628,7 +651,11 @@ mod tests {
         EngineOptions::from_config(&resolved.config, 1).expect("options")
     }
 
-    fn inputs(model: &str, mode: &str, (micro_batch, seq): (usize, usize)) -> PlanInputs {
+    pub(super) fn inputs(
+        model: &str,
+        mode: &str,
+        (micro_batch, seq): (usize, usize),
+    ) -> PlanInputs {
         PlanInputs {
             model: ModelSpec::parse(model).expect("a named model"),
             device: DeviceKind::Cuda,

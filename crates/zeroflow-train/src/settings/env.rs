@@ -114,6 +114,7 @@ mod tests {
     use super::*;
     use crate::dist::affinity::BindMode;
     use crate::settings::Attention;
+    use zeroflow_core::config::DeviceShare;
     use zeroflow_engine::AccumulateOn;
 
     fn read(vars: &[(&str, &str)]) -> Result<Requested, String> {
@@ -179,7 +180,7 @@ mod tests {
                 accumulate_on: Some(AccumulateOn::Device),
                 pinned_budget_mib: Some(1024.0),
                 overlap_forward: Some(false),
-                device_share: Some(0.6),
+                device_share: Some(DeviceShare::Fraction(0.6)),
                 pack: Some(true),
             }
         );

@@ -11,7 +11,7 @@ mod record;
 
 use std::path::PathBuf;
 
-use zeroflow_core::config::{self, ZeroflowExtensions};
+use zeroflow_core::config::{self, DeviceShare, ZeroflowExtensions};
 use zeroflow_core::{DType, Element};
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
 use zeroflow_engine::{AccumulateOn, EngineOptions, OffloadUpdate};
@@ -99,9 +99,10 @@ pub struct Requested {
     pub pinned_budget_mib: Option<f64>,
     /// The exact streaming step's CPU work left to the next forward (`None`: on).
     pub overlap_forward: Option<bool>,
-    /// The share of the optimizer's partition stepped on the device, at least 0 and below 1
-    /// (`None`: 0).
-    pub device_share: Option<f64>,
+    /// The share of the optimizer's partition stepped on the device: a fraction at least 0 and
+    /// below 1, or as much as the memory plan finds room for (`fit`, which the caller resolves
+    /// to a fraction before the engine is built: [`crate::plan::fit_device_share`]; `None`: 0).
+    pub device_share: Option<DeviceShare>,
     /// Sequence packing: several documents per row, no attention across their boundaries,
     /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
     pub pack: Option<bool>,
@@ -215,10 +216,10 @@ pub fn pinned_budget(requested: &Requested) -> Option<usize> {
     requested.pinned_budget_mib.map(budget_bytes)
 }
 
-/// A device share: a fraction at least 0 and below 1.
-pub fn parse_device_share(value: &str) -> Result<f64, String> {
-    let share = value.trim().parse::<f64>().ok().filter(|share| (0.0..1.0).contains(share));
-    share.ok_or_else(|| "is not a fraction at least 0 and below 1".to_owned())
+/// A device share: a fraction at least 0 and below 1, or `fit`.
+pub fn parse_device_share(value: &str) -> Result<DeviceShare, String> {
+    DeviceShare::parse(value)
+        .ok_or_else(|| "is neither a fraction at least 0 and below 1 nor fit".to_owned())
 }
 
 /// A thread count: a positive whole number.
@@ -316,7 +317,12 @@ pub fn apply_offload<P: Element>(
     stream.speculation_budget =
         requested.speculation_budget_mib.map_or(stream.speculation_budget, budget_bytes);
     stream.accumulate_on = requested.accumulate_on.unwrap_or(stream.accumulate_on);
-    stream.device_share = requested.device_share.unwrap_or(stream.device_share);
+    // `fit` is 0 until the memory plan has chosen (the caller then asks again with a fraction).
+    stream.device_share = match requested.device_share {
+        Some(DeviceShare::Fraction(share)) => share,
+        Some(DeviceShare::Fit) => 0.0,
+        None => stream.device_share,
+    };
     offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
     let stream = offload.stream;
     if stream.speculation_budget > 0 && offload.update != OffloadUpdate::Exact {

@@ -25,7 +25,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         accumulate_on: Some(AccumulateOn::Host),
         pinned_budget_mib: Some(4096.0),
         overlap_forward: Some(false),
-        device_share: Some(0.5),
+        device_share: Some(DeviceShare::Fraction(0.5)),
         pack: Some(true),
     };
     let env = Requested {
@@ -36,7 +36,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         speculation_budget_mib: Some(16.0),
         accumulate_on: Some(AccumulateOn::Device),
         pinned_budget_mib: Some(1024.0),
-        device_share: Some(0.25),
+        device_share: Some(DeviceShare::Fraction(0.25)),
         ..Requested::default()
     };
     let flags = Requested {
@@ -44,7 +44,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         stream_chunk_mib: Some(2.0),
         cpu_threads: Some(7),
         speculation_budget_mib: Some(0.0),
-        device_share: Some(0.0),
+        device_share: Some(DeviceShare::Fraction(0.0)),
         ..Requested::default()
     };
     let resolved = resolve(flags, env, config);
@@ -63,14 +63,14 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             accumulate_on: Some(AccumulateOn::Device),
             pinned_budget_mib: Some(1024.0),
             overlap_forward: Some(false),
-            device_share: Some(0.0),
+            device_share: Some(DeviceShare::Fraction(0.0)),
             pack: Some(true),
         }
     );
     assert_eq!(resolve(Requested::default(), env, config).attention, Some(Attention::Flash));
     let below_flags = resolve(Requested::default(), env, config);
     assert_eq!(below_flags.speculation_budget_mib, Some(16.0));
-    assert_eq!(below_flags.device_share, Some(0.25));
+    assert_eq!(below_flags.device_share, Some(DeviceShare::Fraction(0.25)));
     let config_only = resolve(Requested::default(), Requested::default(), config);
     assert_eq!(config_only.accumulate_on, Some(AccumulateOn::Host));
     assert_eq!(resolve(Requested::default(), Requested::default(), config), config);
@@ -101,7 +101,7 @@ fn the_config_section_becomes_the_config_layer() {
             accumulate_on: Some(AccumulateOn::Host),
             pinned_budget_mib: Some(512.0),
             overlap_forward: Some(false),
-            device_share: Some(0.375),
+            device_share: Some(DeviceShare::Fraction(0.375)),
             pack: Some(true),
         }
     );

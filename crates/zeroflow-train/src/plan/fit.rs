@@ -1,0 +1,231 @@
+//! The optimizer's device share that fits (`--device-share fit`, `ZEROFLOW_DEVICE_SHARE=fit`,
+//! `zeroflow.offload.device_share: "fit"`): chosen from the memory plan before anything is
+//! allocated, as the largest share of the partition's optimizer state the GPU has room for.
+
+use zeroflow_core::adamw::OptimizerStateDtype;
+use zeroflow_core::config::DeviceShare;
+use zeroflow_engine::AccumulateOn;
+
+use super::{MemoryPlan, PlanInputs, gib};
+use crate::DeviceKind;
+use crate::error::Result;
+use crate::settings::Requested;
+
+/// The part of the GPU's memory `fit` leaves free beside its plan: a tenth (the plan's totals are
+/// within 5 % of the measured peaks, BENCHMARKS.md; the rest is for the allocator's rounding and
+/// what no plan line holds).
+pub const FIT_HEADROOM: f64 = 0.1;
+
+/// The largest share `fit` chooses: the engine takes shares below 1.
+const FIT_MAX_HUNDREDTHS: u32 = 99;
+
+/// What `fit` chose for a run, and why, in words for the run's log.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FitShare {
+    /// A fraction at least 0 and below 1, in hundredths.
+    pub share: f64,
+    pub why: String,
+}
+
+/// The device share `fit` chooses for the run of `inputs` (whatever share its options hold): the
+/// largest, in hundredths below 1, whose plan leaves [`FIT_HEADROOM`] of the GPU's memory free;
+/// 0 where the share cannot act on this run (no offload, the CPU device, ZenFlow or the delayed
+/// update, several ranks sharing the weights, speculation, 16-bit moments, a window summed on
+/// the host) or the plan leaves no room.
+pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
+    let none = |why: &str| Ok(FitShare { share: 0.0, why: why.to_owned() });
+    let Some(offload) = inputs.options.offload() else {
+        return none("the optimizer is on the GPU already (no CPU offload)");
+    };
+    let (DeviceKind::Cuda, Some(gpu)) = (inputs.device, inputs.gpu_memory) else {
+        return none("no GPU's memory to fill (the CPU device, or a GPU that does not say)");
+    };
+    if offload.moments != OptimizerStateDtype::Fp32 {
+        return none("the share needs fp32 moments (zeroflow.optimizer_state_dtype)");
+    }
+    let at = |hundredths: u32| -> Result<MemoryPlan> {
+        let mut inputs = inputs.clone();
+        if let Some(offload) = inputs.options.offload_mut() {
+            offload.stream.device_share = f64::from(hundredths) / 100.0;
+        }
+        MemoryPlan::new(inputs)
+    };
+    let without = at(0)?.gpu_total;
+    // The plan counts the share's 16 B per element only where the engine lets it act.
+    let per_hundredth = at(50)?.gpu_total.saturating_sub(without) as f64 / 50.0;
+    if per_hundredth == 0.0 {
+        return none(
+            "the share acts on the exact offload step, with one micro-step per step or the \
+             window summed on the GPU, where one rank holds every weight and nothing speculates",
+        );
+    }
+    let limit = (gpu as f64 * (1.0 - FIT_HEADROOM)) as u64;
+    let room = limit.saturating_sub(without) as f64;
+    let mut hundredths = ((room / per_hundredth).floor() as u32).min(FIT_MAX_HUNDREDTHS);
+    // The share is rounded to whole packs of eight elements: the plan at the guess says.
+    while hundredths > 0 && at(hundredths)?.gpu_total > limit {
+        hundredths -= 1;
+    }
+    let share = f64::from(hundredths) / 100.0;
+    let planned = at(hundredths)?.gpu_total;
+    let why = match hundredths {
+        0 => format!(
+            "the plan without a share ({}) leaves under a tenth of the GPU's {} free",
+            gib(without),
+            gib(gpu)
+        ),
+        _ => format!(
+            "the plan then holds {} of the GPU's {} (a tenth left free)",
+            gib(planned),
+            gib(gpu)
+        ),
+    };
+    Ok(FitShare { share, why })
+}
+
+/// `fit` resolved for a run before anything is allocated, where `requested` asks for it: the
+/// share chosen into `requested` and into `inputs`' options (with gradient accumulation the
+/// window is then summed on the device, as the plan found room for), said in the log; `None`
+/// where nothing asks for `fit`.
+pub fn resolve_fit(requested: &mut Requested, inputs: &mut PlanInputs) -> Result<Option<FitShare>> {
+    if requested.device_share != Some(DeviceShare::Fit) {
+        return Ok(None);
+    }
+    let fit = fit_device_share(inputs)?;
+    requested.device_share = Some(DeviceShare::Fraction(fit.share));
+    let summed = fit.share > 0.0 && inputs.options.grad_accum > 1;
+    if let Some(offload) = inputs.options.offload_mut() {
+        offload.stream.device_share = fit.share;
+        if summed {
+            offload.stream.accumulate_on = AccumulateOn::Device;
+            requested.accumulate_on = Some(AccumulateOn::Device);
+        }
+    }
+    if inputs.rank == 0 {
+        tracing::info!(
+            "device share fit: {} of the optimizer's partition held and stepped on the GPU: {}",
+            fit.share,
+            fit.why
+        );
+    }
+    Ok(Some(fit))
+}
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_engine::Stage;
+
+    use super::super::tests::{GIB, inputs};
+    use super::*;
+
+    fn with_gpu(mut inputs: PlanInputs, gib: u64) -> PlanInputs {
+        inputs.gpu_memory = Some(gib * GIB);
+        inputs
+    }
+
+    fn planned(inputs: &PlanInputs, share: f64) -> u64 {
+        let mut inputs = inputs.clone();
+        inputs.options.offload_mut().expect("offload").stream.device_share = share;
+        MemoryPlan::new(inputs).expect("a plan").gpu_total
+    }
+
+    /// gpt-1.3b offloaded on GPUs of 32, 40 and 80 GiB: the share chosen is the largest whose
+    /// plan leaves a tenth free, the next hundredth's would not, and a larger GPU gets more.
+    #[test]
+    fn fit_is_the_largest_share_that_leaves_a_tenth_free() {
+        let mut shares = Vec::new();
+        for gpu in [32, 40, 80] {
+            let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), gpu);
+            let fit = fit_device_share(&inputs).unwrap();
+            let limit = (gpu * GIB) as f64 * 0.9;
+            assert!(fit.share > 0.0 && fit.share < 1.0, "{gpu} GiB: {fit:?}");
+            assert!(planned(&inputs, fit.share) as f64 <= limit, "{gpu} GiB: {fit:?}");
+            if fit.share < 0.99 {
+                let next = (fit.share * 100.0 + 1.0) / 100.0;
+                assert!(planned(&inputs, next) as f64 > limit, "{gpu} GiB: {fit:?}");
+            }
+            assert!(fit.why.contains("a tenth left free"), "{}", fit.why);
+            shares.push(fit.share);
+        }
+        assert!(shares[0] < shares[1] && shares[1] < shares[2], "{shares:?}");
+        // 80 GiB holds all of gpt-1.3b's 16 B per parameter beside the rest: the cap.
+        assert_eq!(shares[2], 0.99);
+    }
+
+    /// A GPU the plan without a share already nearly fills: 0, and the plan's figures say why.
+    #[test]
+    fn no_room_is_a_share_of_0() {
+        let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 22);
+        let fit = fit_device_share(&inputs).unwrap();
+        assert_eq!(fit.share, 0.0);
+        assert!(fit.why.contains("leaves under a tenth"), "{}", fit.why);
+    }
+
+    /// Where the share cannot act, `fit` is 0 with the reason, whatever the GPU's memory: the
+    /// optimizer on the GPU, ZenFlow, the CPU device, two ranks of ZeRO-2, 16-bit moments,
+    /// speculation.
+    #[test]
+    fn fit_is_0_where_the_share_cannot_act() {
+        let base = || with_gpu(inputs("gpt2-124m", "offload", (4, 256)), 140);
+        let mut cases = vec![
+            ("gpu", with_gpu(inputs("gpt2-124m", "gpu", (4, 256)), 140), "on the GPU already"),
+            ("zenflow", with_gpu(inputs("gpt2-124m", "zenflow", (4, 256)), 140), "exact offload"),
+        ];
+        let mut cpu = base();
+        cpu.device = DeviceKind::Cpu;
+        cases.push(("cpu", cpu, "no GPU's memory"));
+        let mut ranks = base();
+        ranks.world_size = 2;
+        assert_eq!(ranks.options.stage, Stage::Zero2);
+        cases.push(("two ranks", ranks, "one rank holds every weight"));
+        let mut bf16 = base();
+        bf16.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
+        cases.push(("bf16 moments", bf16, "fp32 moments"));
+        let mut speculating = base();
+        speculating.options.offload_mut().unwrap().stream.speculation_budget = 64 << 20;
+        cases.push(("speculation", speculating, "nothing speculates"));
+        for (name, inputs, why) in cases {
+            let fit = fit_device_share(&inputs).unwrap();
+            assert_eq!(fit.share, 0.0, "{name}");
+            assert!(fit.why.contains(why), "{name}: {}", fit.why);
+        }
+        // And where it can, the same model on the same GPU gets a share.
+        assert!(fit_device_share(&base()).unwrap().share > 0.0);
+    }
+
+    /// A share the GPU has no room for is refused before anything is allocated, naming the
+    /// share that fits as the knob that brings the plan under.
+    #[test]
+    fn a_share_too_large_is_refused_naming_the_share_that_fits() {
+        let mut inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 32);
+        let fits = fit_device_share(&inputs).unwrap().share;
+        inputs.options.offload_mut().unwrap().stream.device_share = 0.9;
+        let plan = MemoryPlan::new(inputs).unwrap();
+        let machine = super::super::MachineMemory {
+            gpu_total: Some(32 * GIB),
+            host_total: Some(1024 * GIB),
+            host_available: Some(1024 * GIB),
+        };
+        let error = plan.check(&machine).expect_err("does not fit").to_string();
+        assert!(error.contains(&format!("--device-share {fits} (or fit)")), "{error}");
+    }
+
+    /// With accumulation the share acts on the window summed on the GPU: where the GPU has room
+    /// for the sum (`accumulate_on` auto) the share fits beside it, and where the window is
+    /// summed on the host it cannot act.
+    #[test]
+    fn with_accumulation_the_share_needs_the_sum_on_the_gpu() {
+        let mut summed = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40);
+        summed.options.grad_accum = 4;
+        let on_gpu = fit_device_share(&summed).unwrap();
+        assert!(on_gpu.share > 0.0, "{on_gpu:?}");
+        // The sum's 4 B per parameter leave less room than one micro-step per step does.
+        let single = fit_device_share(&with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40));
+        assert!(on_gpu.share < single.unwrap().share);
+        let mut on_host = summed.clone();
+        on_host.options.offload_mut().unwrap().stream.accumulate_on =
+            zeroflow_engine::AccumulateOn::Host;
+        let fit = fit_device_share(&on_host).unwrap();
+        assert_eq!(fit.share, 0.0, "{fit:?}");
+    }
+}
