@@ -1,0 +1,186 @@
+//! The memory plan's tests: its lines against the engine's buffers by hand, what checkpointing
+//! changes, and the knobs a plan too large for the machine names.
+
+use zeroflow_core::config::{Context, resolve_str};
+use zeroflow_nn::AttentionKind;
+
+use super::*;
+
+pub(super) const GIB: u64 = 1 << 30;
+
+/// The engine's options of `bench step --mode mode` (its DeepSpeed config).
+fn bench_options(mode: &str) -> EngineOptions {
+    let offload = r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#;
+    let zenflow = r#", "zenflow": { "topk_ratio": 0.05, "update_interval": 4,
+                      "full_warm_up_rounds": 0, "overlap_step": true }"#;
+    let zero = match mode {
+        "gpu" => String::new(),
+        "offload" => offload.to_owned(),
+        _ => format!("{offload}{zenflow}"),
+    };
+    let text = format!(
+        r#"{{ "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "bf16": {{ "enabled": true }},
+              "zero_optimization": {{ "stage": 2, "reduce_bucket_size": 5e8{zero} }} }}"#
+    );
+    let resolved = resolve_str(&text, &Context::default()).expect("a config");
+    EngineOptions::from_config(&resolved.config, 1).expect("options")
+}
+
+pub(super) fn inputs(model: &str, mode: &str, (micro_batch, seq): (usize, usize)) -> PlanInputs {
+    PlanInputs {
+        model: ModelSpec::parse(model).expect("a named model"),
+        device: DeviceKind::Cuda,
+        options: bench_options(mode),
+        world_size: 1,
+        rank: 0,
+        micro_batch,
+        seq,
+        model_options: PlanOptions {
+            attention: AttentionKind::Flash,
+            activation_checkpointing: false,
+            packed: false,
+        },
+        caller: Caller::Bench,
+        gpu_memory: Some(140 * GIB),
+    }
+}
+
+fn bytes(plan: &MemoryPlan, memory: MemoryKind, kind: &str) -> u64 {
+    sum(&plan.lines, |l| l.memory == memory && l.kind == kind)
+}
+
+/// gpt2-124m with offload: 12 B per padded parameter of master weights and moments in host
+/// memory, six 16 MiB staging buffers of bf16, and on the GPU the bf16 weights and gradients.
+#[test]
+fn offload_lines_are_the_engines_buffers_by_hand() {
+    let plan = MemoryPlan::new(inputs("gpt2-124m", "offload", (8, 1024))).unwrap();
+    let padded = plan.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    assert!(padded >= 124_439_808);
+    let host = MemoryKind::Host;
+    assert_eq!(bytes(&plan, host, "master weights and moments"), 12 * padded);
+    assert_eq!(bytes(&plan, host, "staging and upload buffers"), 6 * (8 << 20) * 2);
+    assert_eq!(bytes(&plan, MemoryKind::Device, "weights"), 2 * padded);
+    assert_eq!(bytes(&plan, MemoryKind::Device, "gradients"), 2 * padded);
+    // The host peak: the process, the batches, and the engine's run buffers (larger than
+    // its set-up peak and the f32 weights before it).
+    let run = CUDA_HOST_BASELINE_BYTES + 8 * 1024 * 8 * 2;
+    assert_eq!(plan.host_total, run + 12 * padded + 6 * (8 << 20) * 2);
+}
+
+/// Checkpointing lowers the GPU total by what the activation plan says, and nothing else.
+#[test]
+fn checkpointing_changes_only_the_activations() {
+    let plain = MemoryPlan::new(inputs("gpt-1.3b", "gpu", (8, 1024))).unwrap();
+    let knob = Knob::Checkpointing.apply(&plain.inputs).unwrap();
+    let checkpointed = MemoryPlan::new(knob).unwrap();
+    assert!(checkpointed.gpu_total < plain.gpu_total - 10 * GIB, "{checkpointed:?}");
+    assert_eq!(checkpointed.host_total, plain.host_total);
+}
+
+/// Against a machine of 24 GiB of GPU memory, gpt-1.3b with the optimizer on the GPU
+/// (about 26 GiB of engine state alone) is refused before anything is allocated, with how
+/// much it needs and only knobs whose own plan fits: offload among them.
+#[test]
+fn a_plan_too_large_names_the_knobs_that_fit() {
+    let machine = MachineMemory {
+        gpu_total: Some(24 * GIB),
+        host_total: Some(512 * GIB),
+        host_available: Some(500 * GIB),
+    };
+    let plan = MemoryPlan::new(inputs("gpt-1.3b", "gpu", (8, 1024))).unwrap();
+    assert!(!plan.fit(&machine).gpu);
+    let error = plan.check(&machine).expect_err("does not fit").to_string();
+    assert!(error.contains("GPU: needs"), "{error}");
+    assert!(error.contains("of 24.00 GiB"), "{error}");
+    assert!(error.contains("--mode offload"), "{error}");
+    assert!(error.contains("--no-plan-check"), "{error}");
+    let knobs = plan.knobs_that_fit(&machine);
+    assert!(!knobs.is_empty());
+    for (flag, knob_plan) in &knobs {
+        assert!(knob_plan.fit(&machine).fits(), "{flag}");
+        assert!(error.contains(flag.as_str()), "{flag} in {error}");
+    }
+    // The optimizer is on the GPU already: that knob is not offered.
+    assert!(!error.contains("--mode gpu"), "{error}");
+}
+
+/// llama-8b's offload with gradient accumulation summed on the host needs its accumulator
+/// and upload buffer in host memory (about 18 B per parameter): on a host of 128 GiB it does
+/// not fit, and the window summed on the GPU (no host accumulator, the sum streamed through
+/// the step) is named, its plan about 6 B per parameter lighter on the host.
+#[test]
+fn a_host_short_of_the_accumulator_names_the_gpu_sum() {
+    let mut on_host = inputs("llama-8b", "offload", (2, 2048));
+    on_host.options.grad_accum = 4;
+    on_host.options.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Host;
+    on_host.model_options.activation_checkpointing = true;
+    let plan = MemoryPlan::new(on_host).unwrap();
+    let machine = MachineMemory {
+        gpu_total: Some(140 * GIB),
+        host_total: Some(128 * GIB),
+        host_available: Some(125 * GIB),
+    };
+    let error = plan.check(&machine).expect_err("does not fit").to_string();
+    assert!(error.contains("--accumulate-on device"), "{error}");
+    let knobs = plan.knobs_that_fit(&machine);
+    let (_, summed) = knobs.iter().find(|(flag, _)| flag == "--accumulate-on device").unwrap();
+    let padded = plan.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    // Its f32 staging (four chunks of 8 Mi elements) is 0.1 GiB more than the host path's.
+    assert!(plan.host_total - summed.host_total >= 6 * padded - GIB / 4, "{summed:?}");
+    assert!(summed.gpu_total >= plan.gpu_total + 4 * padded, "the f32 sum on the GPU");
+}
+
+/// Host memory too small for offload's 12 B per parameter: the optimizer on the GPU fits
+/// a large GPU, and is named.
+#[test]
+fn a_host_too_small_for_offload_names_the_gpu_optimizer() {
+    let machine = MachineMemory {
+        gpu_total: Some(140 * GIB),
+        host_total: Some(16 * GIB),
+        host_available: Some(12 * GIB),
+    };
+    let plan = MemoryPlan::new(inputs("gpt-1.3b", "offload", (8, 1024))).unwrap();
+    let error = plan.check(&machine).expect_err("does not fit").to_string();
+    assert!(error.contains("Host: needs"), "{error}");
+    assert!(error.contains("--mode gpu"), "{error}");
+    assert!(!error.contains("GPU: needs"), "{error}");
+}
+
+/// A host that holds the offloaded optimizer with 16-bit moments but not with fp32 ones: the
+/// error names the moments' dtype as a knob that fits, and the bf16 plan holds 4 fewer bytes
+/// per element of host state.
+#[test]
+fn a_host_short_of_fp32_moments_names_16_bit_moments() {
+    let fp32 = MemoryPlan::new(inputs("gpt-1.3b", "offload", (8, 1024))).unwrap();
+    let mut bf16_inputs = inputs("gpt-1.3b", "offload", (8, 1024));
+    bf16_inputs.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
+    let bf16 = MemoryPlan::new(bf16_inputs).unwrap();
+    let state = |plan: &MemoryPlan| bytes(plan, MemoryKind::Host, "master weights and moments");
+    assert_eq!(state(&fp32) - state(&bf16), state(&fp32) / 3, "12 -> 8 bytes per element");
+    let between = (fp32.host_total + bf16.host_total) / 2;
+    let machine = MachineMemory {
+        gpu_total: Some(140 * GIB),
+        host_total: Some(between + GIB),
+        host_available: Some(between),
+    };
+    let error = fp32.check(&machine).expect_err("does not fit").to_string();
+    assert!(error.contains("optimizer_state_dtype"), "{error}");
+    assert_eq!(bf16.check(&machine).map_err(|e| e.to_string()), Ok(()));
+}
+
+/// A plan that fits says so and checks out.
+#[test]
+fn a_plan_that_fits_passes_the_check() {
+    let machine = MachineMemory {
+        gpu_total: Some(140 * GIB),
+        host_total: Some(512 * GIB),
+        host_available: Some(500 * GIB),
+    };
+    let plan = MemoryPlan::new(inputs("gpt2-124m", "zenflow", (8, 1024))).unwrap();
+    assert_eq!(plan.check(&machine).map_err(|e| e.to_string()), Ok(()));
+    assert!(plan.summary(&machine).ends_with("fits"), "{}", plan.summary(&machine));
+    let json = plan.to_json(&machine);
+    assert_eq!(json["gpu_total_bytes"], plan.gpu_total);
+    assert_eq!(json["host_total_bytes"], plan.host_total);
+}
