@@ -114,7 +114,8 @@ for row in rows:
         row["s_per_step_p90"] = times[min(len(times) - 1, int(0.9 * len(times)))]
     keys = ["tokens_per_s", "s_per_step_mean", "s_per_step_median", "s_per_step_p90",
             "forward_s_mean", "backward_s_mean", "exposed_optimizer_s_mean",
-            "cpu_wait_s_mean", "cpu_adam_s_mean", "peak_rss_bytes_per_param"]
+            "cpu_wait_s_mean", "cpu_wait_in_forward_backward_s_mean", "cpu_adam_s_mean",
+            "peak_rss_bytes_per_param"]
     print("BENCH", name, " ".join(f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None))
 PY
 }

@@ -41,6 +41,13 @@ fn the_breakdown_splits_the_step_and_the_flops_follow_the_throughput() {
         assert!(number("norm_wait_s_mean") > 0.0, "{mode}: {r}");
         let adam = number("cpu_adam_s_mean");
         assert_eq!(adam > 0.0, mode == "offload", "{mode}: CPU AdamW {adam} s per step");
+        // The CPU's part inside forward and backward: the step left to the next forward (on
+        // by default for the exact offload step, one micro-step), part of the CPU wait.
+        let (wait, inside) =
+            (number("cpu_wait_s_mean"), number("cpu_wait_in_forward_backward_s_mean"));
+        assert!((0.0..=wait + 1e-12).contains(&inside), "{mode}: {inside} of {wait}: {r}");
+        assert!(inside <= backward.max(0.0) + forward + 1e-12, "{mode}: {r}");
+        assert_eq!(inside > 0.0, mode == "offload", "{mode}: {inside} s within forward+backward");
         for key in ["chunk_wait_s_mean", "upload_wait_s_mean"] {
             assert!(number(key) >= 0.0 && number(key) <= number("s_per_step_mean"), "{mode}: {r}");
         }

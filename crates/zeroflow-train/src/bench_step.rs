@@ -176,6 +176,9 @@ struct Measured {
     /// Over the timed steps: the training thread's time on or waiting for the CPU optimizer, and
     /// the bytes copied host → device and device → host.
     cpu_wait: f64,
+    /// The part of `cpu_wait` within the steps' forward and backward: the step the last one
+    /// left to its next forward (`overlap_forward`), finished there.
+    cpu_wait_in_compute: f64,
     copied: CopiedBytes,
     /// Over the timed steps: where the training thread's optimizer steps went.
     step_times: StepTimes,
@@ -359,6 +362,7 @@ fn measure<M: Model>(
         losses: Vec::new(),
         device_memory: None,
         cpu_wait: 0.0,
+        cpu_wait_in_compute: 0.0,
         copied: CopiedBytes::default(),
         step_times: StepTimes::default(),
         speculation: SpeculationStats::default(),
@@ -384,6 +388,7 @@ fn measure<M: Model>(
         }
         let last = step + 1 == args.warmup + args.steps;
         let start = Instant::now();
+        let waited_before = engine.cpu_wait();
         for _ in 0..args.accum {
             gpt.set_batch(inputs, targets, None).map_err(TrainError::model)?;
             forward_backward(engine, gpt, 1.0)?;
@@ -394,6 +399,7 @@ fn measure<M: Model>(
         // The split point of the breakdown: the GPU has finished forward and backward.
         finish_compute(engine)?;
         let compute = start.elapsed().as_secs_f64();
+        let waited_in_compute = (engine.cpu_wait() - waited_before).as_secs_f64();
         // Read before the optimizer step, as `zeroflow train` does: a step may leave a bulk copy
         // on the copy engine (ZenFlow's window) that a later small copy would queue behind.
         let loss = gpt.loss().map_err(TrainError::model)?;
@@ -415,6 +421,7 @@ fn measure<M: Model>(
         if step >= args.warmup {
             measured.times.push(seconds);
             measured.compute_times.push(compute);
+            measured.cpu_wait_in_compute += waited_in_compute;
         }
     }
     measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
@@ -560,6 +567,11 @@ fn report(
         "losses": measured.losses,
     });
     out["settings"] = job.settings.clone();
+    // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,
+    // the forward being timed alone): the last step's CPU work left to this step's forward
+    // (`overlap_forward`), done while the GPU runs it; the rest came after the backward.
+    out["cpu_wait_in_forward_backward_s_mean"] =
+        json!(measured.cpu_wait_in_compute / measured.times.len() as f64);
     // Rank 0's speculative exact step, warm-up included: steps it stepped pieces of during
     // backward, those it redid (clipping, a changed learning rate) or undid (overflow), and
     // those it sat out after the clip fired.
