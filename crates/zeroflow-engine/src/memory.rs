@@ -147,18 +147,18 @@ impl EngineOptions {
     }
 
     /// Whether the optimizer's device share (`StreamOptions::device_share`) can act: on the
-    /// exact offload step streaming its gradients (one micro-step per step, or the window summed
-    /// on the device: `on_device` from [`sums_on_device`]) with nothing speculating, where the
-    /// rank holds every weight (`holds_all`: one rank, or ZeRO-0). Its fp32 moments are asked
-    /// for apart (the share refuses bf16 moments with its own message).
+    /// exact offload step streaming its gradients with nothing speculating — one micro-step per
+    /// step (on every rank's partition), or the window summed on the device (`on_device` from
+    /// [`sums_on_device`]) where the rank holds every weight (`holds_all`: one rank, or ZeRO-0).
+    /// Its fp32 moments are asked for apart (the share refuses bf16 moments with its own
+    /// message).
     pub fn shares(&self, dtype: DType, on_device: bool, holds_all: bool) -> bool {
         let Placement::Offload(offload) = &self.placement else {
             return false;
         };
         offload.update == OffloadUpdate::Exact
-            && (self.streams(dtype) || self.streams_sum(dtype, on_device))
+            && (self.streams(dtype) || (self.streams_sum(dtype, on_device) && holds_all))
             && offload.stream.speculation_budget == 0
-            && holds_all
     }
 
     /// The buffers [`crate::Engine::with_weights`] allocates on `rank` of `layout` for weights of

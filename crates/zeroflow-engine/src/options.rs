@@ -133,8 +133,9 @@ pub struct StreamOptions {
     /// rest: the host then moves the bytes of only that rest each step (DESIGN.md §5). The host
     /// keeps its full copy, brought up to date before anything reads the state (a checkpoint,
     /// `master_weights`). 0 (the default) steps everything on the CPU. It acts on the exact
-    /// streaming step where one rank holds every weight, with fp32 moments and no speculation;
-    /// elsewhere a share above 0 is refused. The arithmetic is the CPU's, operation for
+    /// streaming step with fp32 moments and no speculation — with one micro-step per step on
+    /// every rank's partition, with a window summed on the device where one rank holds every
+    /// weight; elsewhere a share above 0 is refused. The arithmetic is the CPU's, operation for
     /// operation (bit-identical on the CPU device).
     pub device_share: f64,
 }

@@ -75,10 +75,10 @@ pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
 /// Where the optimizer's device share cannot act (`UpdatePath::new`).
 const SHARE_REFUSED: EngineError = EngineError::Config(
     "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
-     zeroflow.offload.device_share) acts on the exact offload step, with one micro-step per \
-     step or a window summed on the device (ZeRO-2 with --accumulate-on device, \
-     ZEROFLOW_ACCUMULATE_ON=device or zeroflow.offload.accumulate_on \"device\"), where one rank \
-     holds every weight (one GPU, or ZeRO-0) and nothing speculates: set it to 0 for this run",
+     zeroflow.offload.device_share) acts on the exact offload step where nothing speculates: \
+     with one micro-step per step, or with a window summed on the device (ZeRO-2 with \
+     --accumulate-on device, ZEROFLOW_ACCUMULATE_ON=device or zeroflow.offload.accumulate_on \
+     \"device\") where one rank holds every weight (one GPU, or ZeRO-0): set it to 0 for this run",
 );
 
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
@@ -173,9 +173,9 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
         let on = offload.stream.accumulate_on;
         let free = || device.free_memory();
-        // The device share acts on the exact streaming step (one micro-step, or the window's
-        // sum on the device) where one rank holds every weight, without speculation (whose
-        // pieces and backups span the whole partition).
+        // The device share acts on the exact streaming step without speculation (whose pieces
+        // and backups span the whole partition): one micro-step (on every rank's partition),
+        // or the window's sum on the device where one rank holds every weight.
         let on_device = sums_on_device(opts, on, len, free);
         let summed = opts.streams_sum(P::DTYPE, on_device);
         if share > 0.0 && !opts.shares(P::DTYPE, on_device, len == layout.padded_len()) {

@@ -13,7 +13,9 @@
 //! the norm) before it casts the share's gradients; the weights it writes are read by the next
 //! forward and backward on the same stream. `stepped` (compute → d2h) orders a sync's copies after
 //! the last step; where the gradients are the window's sum on the device, also (compute → comm)
-//! the sum's clear after the share's reading of it ([`DeviceShare::order_after_step`]).
+//! the sum's clear after the share's reading of it ([`DeviceShare::order_after_step`]); with
+//! several ranks (each sharing its own partition), the gather of the share's weights to the
+//! others, in the last pieces or with the whole partition.
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, DeviceBuffer, StreamKind};

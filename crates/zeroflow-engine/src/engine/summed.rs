@@ -150,7 +150,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
             gather_in_pieces: *gather_in_pieces,
             times: &mut times,
         };
-        let gathered = stream_step(shared, buffers, io, step, speculated);
+        let gathered = stream_step(shared, buffers, io, step, speculated, None);
         shared.step_times = times;
         finish_stream_step(shared, gathered?)?;
         shared.cpu_wait += started.elapsed();

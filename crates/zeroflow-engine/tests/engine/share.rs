@@ -21,8 +21,9 @@ use crate::harness::{Bf16, Setup, options, train, train_from};
 use crate::state_dtype::zenflow;
 
 /// One rank (stages 0–2, clipping that fires and none, chunks that cut every parameter; ZeRO-2
-/// with windows of 2–4 micro-steps summed on the device) and ZeRO-0 on two ranks (each holds every
-/// weight), each with a share.
+/// with windows of 2–4 micro-steps summed on the device), ZeRO-0 on two ranks (each holds every
+/// weight), and ZeRO-1/2 on two and three ranks (each shares its partition; gathered in pieces
+/// and after the step), each with a share.
 fn setups() -> Vec<Setup> {
     let mut setups = Vec::new();
     for (stage, clip, stream_chunk, device_share) in [
@@ -45,6 +46,23 @@ fn setups() -> Vec<Setup> {
     }
     let two = Setup::new(Stage::Zero0, 2, 1, true);
     setups.push(Setup { steps: 6, stream_chunk: 7, device_share: 0.4, ..two });
+    // Several ranks, each sharing its own partition: the share's weights reach the others in
+    // the gather's pieces, or with the whole partition after the step.
+    for (stage, world, clip, stream_chunk, device_share, gather_in_pieces) in [
+        (Stage::Zero2, 2, Some(0.8), 7, 0.4, true),
+        (Stage::Zero1, 3, None, 3, 0.6, false),
+        (Stage::Zero2, 3, Some(0.8), zeroflow_engine::DEFAULT_STREAM_CHUNK, 0.55, true),
+    ] {
+        let ranks = Setup::new(stage, world, 1, true);
+        setups.push(Setup {
+            steps: 6,
+            clip,
+            stream_chunk,
+            device_share,
+            gather_in_pieces,
+            ..ranks
+        });
+    }
     setups
 }
 

@@ -30,8 +30,8 @@ pub struct FitShare {
 /// The device share `fit` chooses for the run of `inputs` (whatever share its options hold): the
 /// largest, in hundredths below 1, whose plan leaves [`FIT_HEADROOM`] of the GPU's memory free;
 /// 0 where the share cannot act on this run (no offload, the CPU device, ZenFlow or the delayed
-/// update, several ranks sharing the weights, speculation, 16-bit moments, a window summed on
-/// the host) or the plan leaves no room.
+/// update, speculation, 16-bit moments, a window summed on the host, or with several ranks
+/// sharing the weights) or the plan leaves no room.
 pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
     let none = |why: &str| Ok(FitShare { share: 0.0, why: why.to_owned() });
     let Some(offload) = inputs.options.offload() else {
@@ -55,8 +55,9 @@ pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
     let per_hundredth = at(50)?.gpu_total.saturating_sub(without) as f64 / 50.0;
     if per_hundredth == 0.0 {
         return none(
-            "the share acts on the exact offload step, with one micro-step per step or the \
-             window summed on the GPU, where one rank holds every weight and nothing speculates",
+            "the share acts on the exact offload step where nothing speculates: with one \
+             micro-step per step, or with the window summed on the GPU where one rank holds \
+             every weight",
         );
     }
     let limit = (gpu as f64 * (1.0 - FIT_HEADROOM)) as u64;
@@ -162,8 +163,8 @@ mod tests {
     }
 
     /// Where the share cannot act, `fit` is 0 with the reason, whatever the GPU's memory: the
-    /// optimizer on the GPU, ZenFlow, the CPU device, two ranks of ZeRO-2, 16-bit moments,
-    /// speculation.
+    /// optimizer on the GPU, ZenFlow, the CPU device, two ranks of ZeRO-2 summing a window on
+    /// the device, 16-bit moments, speculation.
     #[test]
     fn fit_is_0_where_the_share_cannot_act() {
         let base = || with_gpu(inputs("gpt2-124m", "offload", (4, 256)), 140);
@@ -176,8 +177,10 @@ mod tests {
         cases.push(("cpu", cpu, "no GPU's memory"));
         let mut ranks = base();
         ranks.world_size = 2;
+        ranks.options.grad_accum = 2;
+        ranks.options.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Device;
         assert_eq!(ranks.options.stage, Stage::Zero2);
-        cases.push(("two ranks", ranks, "one rank holds every weight"));
+        cases.push(("two ranks summing", ranks, "one rank holds every weight"));
         let mut bf16 = base();
         bf16.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
         cases.push(("bf16 moments", bf16, "fp32 moments"));
@@ -189,8 +192,12 @@ mod tests {
             assert_eq!(fit.share, 0.0, "{name}");
             assert!(fit.why.contains(why), "{name}: {}", fit.why);
         }
-        // And where it can, the same model on the same GPU gets a share.
+        // And where it can, the same model on the same GPU gets a share: one rank, or each of
+        // two ranks of ZeRO-2 with one micro-step per step.
         assert!(fit_device_share(&base()).unwrap().share > 0.0);
+        let mut two = base();
+        two.world_size = 2;
+        assert!(fit_device_share(&two).unwrap().share > 0.0);
     }
 
     /// A share the GPU has no room for is refused before anything is allocated, naming the
