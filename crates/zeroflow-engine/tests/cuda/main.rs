@@ -23,6 +23,20 @@ fn gpu() -> Option<CudaDevice> {
     zeroflow_device::cuda::info::gpu_or_skip(0)
 }
 
+/// Every visible GPU, opened; `None` (saying why, `what` being skipped) without a GPU or with
+/// only one.
+fn every_gpu(what: &str) -> Option<Vec<CudaDevice>> {
+    let first = gpu()?;
+    let count = zeroflow_device::cuda::info::list_gpus().map_or(1, |gpus| gpus.len());
+    if count < 2 {
+        println!("skipped: one GPU visible, {what} needs two or more");
+        return None;
+    }
+    let mut devices = vec![first];
+    devices.extend((1..count).map(|i| CudaDevice::new(i).expect("every visible GPU opens")));
+    Some(devices)
+}
+
 /// A speculation budget that covers the whole partition (4 GiB; the default is none).
 const WHOLE_BUDGET: usize = 4 << 30;
 
@@ -327,14 +341,8 @@ fn same_run(got: &[(Vec<f32>, Vec<f64>)], want: &[(Vec<f32>, Vec<f64>)], what: &
 /// Every visible GPU as one data-parallel job (skipped with fewer than two).
 #[test]
 fn every_gpu_matches_plain_adamw() {
-    let Some(first) = gpu() else { return };
-    let count = zeroflow_device::cuda::info::list_gpus().map_or(1, |gpus| gpus.len());
-    if count < 2 {
-        println!("skipped: one GPU visible, the multi-GPU matrix needs two or more");
-        return;
-    }
-    let mut devices = vec![first];
-    devices.extend((1..count).map(|i| CudaDevice::new(i).expect("every visible GPU opens")));
+    let Some(devices) = every_gpu("the multi-GPU matrix") else { return };
+    let count = devices.len();
     for case in cases(count) {
         let worst = check::<f32>(&devices, case, 1e-5, 1e-5);
         println!("RESULT engine_gpu world {count} f32 {case:?} max_rel={worst:.2e}");
@@ -417,47 +425,66 @@ fn one_gpu_speculation_and_device_sum_are_bit_identical() {
 /// [`check_speculation_and_device_sum`] on every visible GPU (skipped with fewer than two).
 #[test]
 fn every_gpu_speculation_and_device_sum_are_bit_identical() {
-    let Some(first) = gpu() else { return };
-    let count = zeroflow_device::cuda::info::list_gpus().map_or(1, |gpus| gpus.len());
-    if count < 2 {
-        println!("skipped: one GPU visible, the multi-GPU check needs two or more");
-        return;
-    }
-    let mut devices = vec![first];
-    devices.extend((1..count).map(|i| CudaDevice::new(i).expect("every visible GPU opens")));
+    let Some(devices) = every_gpu("the multi-GPU check") else { return };
     check_speculation_and_device_sum(&devices);
 }
 
-/// The optimizer's device share on one GPU: the partition's end stepped by the GPU's AdamW while
-/// the CPU's AVX kernels step the rest gives the all-CPU step's weights and norms bit for bit —
-/// both do the same operations, fused multiply-adds included, with a correctly rounded square
-/// root and division — for stages 1 and 2 with one micro-step, ZeRO-2 with three summed on the
-/// device, clipping that fires and none, f32 and bf16, with the step before the next forward.
-#[test]
-fn one_gpu_device_share_is_bit_identical() {
-    let Some(device) = gpu() else { return };
-    let devices = std::slice::from_ref(&device);
-    for (stage, accum) in [(Stage::Zero1, 1), (Stage::Zero2, 1), (Stage::Zero2, 3)] {
+/// The optimizer's device share on `devices`: the partition's end stepped by the GPU's AdamW
+/// while the CPU's AVX kernels step the rest gives the all-CPU step's weights and norms bit for
+/// bit on every rank — both do the same operations, fused multiply-adds included, with a
+/// correctly rounded square root and division — for stages 1 and 2 with one micro-step (with
+/// several GPUs each rank shares its own partition, gathered to the others), ZeRO-2 with three
+/// summed on the device (one GPU: the sum needs one rank holding every weight), clipping that
+/// fires and none, f32 and bf16, with the step before the next forward.
+fn check_device_share(devices: &[CudaDevice]) {
+    let world = devices.len();
+    let mut runs = vec![(Stage::Zero1, 1), (Stage::Zero2, 1)];
+    if world == 1 {
+        runs.push((Stage::Zero2, 3));
+    }
+    for (stage, accum) in runs {
         for clip in [None, Some(0.8)] {
             let all_cpu = Case {
                 speculation_budget: 0,
                 accumulate_on: AccumulateOn::Device,
                 stream_chunk: 1000,
                 clip,
-                ..Case::new(stage, 1, accum, true, 6)
+                ..Case::new(stage, world, accum, true, 6)
             };
             for device_share in [0.3, 0.75] {
                 let case = Case { device_share, ..all_cpu };
                 let f32s = (train::<f32>(devices, &all_cpu), train::<f32>(devices, &case));
                 let bf16s = (train::<bf16>(devices, &all_cpu), train::<bf16>(devices, &case));
                 for (dtype, (want, got)) in [("f32", f32s), ("bf16", bf16s)] {
-                    let (want, got) = (&want[0], &got[0]);
-                    let differ = want.0.iter().zip(&got.0).filter(|(w, g)| w != g).count();
-                    assert_eq!(differ, 0, "{dtype} {case:?}: {differ} weights differ");
-                    assert_eq!(want.1, got.1, "{dtype} {case:?}: gradient norms");
-                    println!("RESULT engine_gpu device_share {dtype} {case:?} bit_identical=true");
+                    for (rank, (want, got)) in want.iter().zip(&got).enumerate() {
+                        let differ = want.0.iter().zip(&got.0).filter(|(w, g)| w != g).count();
+                        assert_eq!(
+                            differ, 0,
+                            "{dtype} {case:?} rank {rank}: {differ} weights differ"
+                        );
+                        assert_eq!(want.1, got.1, "{dtype} {case:?} rank {rank}: gradient norms");
+                    }
+                    assert_eq!(want.len(), world, "{dtype} {case:?}: every rank's result");
+                    println!(
+                        "RESULT engine_gpu device_share world {world} {dtype} {case:?} \
+                         bit_identical=true"
+                    );
                 }
             }
         }
     }
+}
+
+/// [`check_device_share`] on one GPU.
+#[test]
+fn one_gpu_device_share_is_bit_identical() {
+    let Some(device) = gpu() else { return };
+    check_device_share(std::slice::from_ref(&device));
+}
+
+/// [`check_device_share`] on every visible GPU (skipped with fewer than two).
+#[test]
+fn every_gpu_device_share_is_bit_identical() {
+    let Some(devices) = every_gpu("the multi-GPU check") else { return };
+    check_device_share(&devices);
 }
