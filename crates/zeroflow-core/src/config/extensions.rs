@@ -145,8 +145,12 @@ impl DeviceShare {
         if text == "fit" {
             return Some(DeviceShare::Fit);
         }
-        let share = text.parse::<f64>().ok().filter(|share| (0.0..1.0).contains(share))?;
-        Some(DeviceShare::Fraction(share))
+        DeviceShare::fraction(text.parse().ok()?)
+    }
+
+    /// `share` as a fraction of the partition, where it is one: at least 0 and below 1.
+    pub fn fraction(share: f64) -> Option<DeviceShare> {
+        (0.0..1.0).contains(&share).then_some(DeviceShare::Fraction(share))
     }
 
     /// As the resolved config writes it.
@@ -351,9 +355,7 @@ fn share(section: &mut Section<'_>, key: &'static str) -> Result<Option<DeviceSh
     let share = match value {
         Value::String(text) if text == "auto" => return Ok(None),
         Value::String(text) if text == "fit" => Some(DeviceShare::Fit),
-        Value::Number(number) => {
-            number.as_f64().filter(|share| (0.0..1.0).contains(share)).map(DeviceShare::Fraction)
-        }
+        Value::Number(number) => number.as_f64().and_then(DeviceShare::fraction),
         _ => None,
     };
     share.map(Some).ok_or_else(|| {

@@ -646,23 +646,19 @@ fn stream_reduced<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     let mut times = std::mem::take(&mut shared.step_times);
     let (source, at) = shared.reduced_source();
     let mut len = shared.owned.len();
-    let mut stepped = None;
-    if let Some(share) = share {
-        let params = (&shared.params, shared.owned.start);
-        share.step(&shared.device, step, &shared.events.norm_done, (source, at), params)?;
-        len = share.from();
-        stepped = Some(&*share);
-    }
+    let share = match share {
+        Some(share) => {
+            let params = (&shared.params, shared.owned.start);
+            share.step(&shared.device, step, &shared.events.norm_done, (source, at), params)?;
+            len = share.from();
+            Some(&*share)
+        }
+        None => None,
+    };
     let io = StepIo { source, at, len, uploaded_event, gather_in_pieces, times: &mut times };
-    let gathered = stream_step(shared, buffers, io, step, speculated, stepped);
+    let gathered = stream_step(shared, buffers, io, step, speculated, share);
     shared.step_times = times;
-    let gathered = gathered?;
-    // With several ranks the whole partition is gathered after the step where it was not in
-    // pieces: the share's weights, written on the compute stream, with it.
-    if let (Some(share), false) = (stepped, gathered) {
-        share.order_after_step(&shared.device, StreamKind::Comm)?;
-    }
-    finish_stream_step(shared, gathered)
+    finish_stream_step(shared, gathered?)
 }
 
 /// The gradients a streaming step reads (`source` from element `at`: this rank's partition of
@@ -728,9 +724,13 @@ pub(super) fn stream_step<D: DeviceAdamW, C: Comm<Device = D>, P: Float, G: Floa
         stream_chunks(device, step, state, staging, outgoing, chunks, segment.len())?;
     }
     // The device share's weights (the partition from `len` on), written on the compute stream
-    // before the CPU's: its pieces go to the other ranks once that step is done.
-    if let Some(share) = share {
-        gather.written_on_device(len..partition, share)?;
+    // before the CPU's, go to the other ranks once that step is done: in the gather's last
+    // pieces, or with the whole partition after the step (`finish_stream_step`).
+    if let Some(share) = share
+        && partition < layout.padded_len()
+    {
+        share.order_after_step(device, StreamKind::Comm)?;
+        gather.uploaded(len..partition)?;
     }
     Ok(gathers)
 }
@@ -809,26 +809,9 @@ impl<'a, D: Device, C: Comm<Device = D>, P: Float> PieceGather<'a, D, C, P> {
         }
     }
 
-    /// `range` of the partition (the next after the last, to its end) is the device share's,
-    /// written by its step on the compute stream: gathers the pieces left once that is done (and
-    /// the uploads before it).
-    fn written_on_device(
-        &mut self,
-        range: Range<usize>,
-        share: &DeviceShare<D>,
-    ) -> Result<(), EngineError>
-    where
-        D: DeviceAdamW,
-    {
-        if !self.enabled || range.is_empty() {
-            return Ok(());
-        }
-        share.order_after_step(self.device, StreamKind::Comm)?;
-        self.uploaded(range)
-    }
-
     /// The upload of `range` of the partition (the next after the last) is queued on the h2d
-    /// stream: gathers the pieces it completes.
+    /// stream (or, for the device share's, the comm stream waits for its step): gathers the
+    /// pieces it completes.
     fn uploaded(&mut self, range: Range<usize>) -> Result<(), EngineError> {
         if !self.enabled {
             return Ok(());

@@ -14,7 +14,7 @@ use crate::settings::Requested;
 /// The part of the GPU's memory `fit` leaves free beside its plan: a tenth (the plan's totals are
 /// within 5 % of the measured peaks, BENCHMARKS.md; the rest is for the allocator's rounding and
 /// what no plan line holds).
-pub const FIT_HEADROOM: f64 = 0.1;
+const FIT_HEADROOM: f64 = 0.1;
 
 /// The largest share `fit` chooses: the engine takes shares below 1.
 const FIT_MAX_HUNDREDTHS: u32 = 99;
@@ -64,11 +64,14 @@ pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
     let room = limit.saturating_sub(without) as f64;
     let mut hundredths = ((room / per_hundredth).floor() as u32).min(FIT_MAX_HUNDREDTHS);
     // The share is rounded to whole packs of eight elements: the plan at the guess says.
-    while hundredths > 0 && at(hundredths)?.gpu_total > limit {
+    let planned = loop {
+        let planned = at(hundredths)?.gpu_total;
+        if hundredths == 0 || planned <= limit {
+            break planned;
+        }
         hundredths -= 1;
-    }
+    };
     let share = f64::from(hundredths) / 100.0;
-    let planned = at(hundredths)?.gpu_total;
     let why = match hundredths {
         0 => format!(
             "the plan without a share ({}) leaves under a tenth of the GPU's {} free",

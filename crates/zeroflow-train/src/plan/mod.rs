@@ -20,7 +20,7 @@ use crate::{DeviceKind, Family, ModelSpec, with_family};
 
 mod fit;
 
-pub use fit::{FIT_HEADROOM, FitShare, fit_device_share, resolve_fit};
+pub use fit::{FitShare, fit_device_share, resolve_fit};
 
 /// The CUDA context of one process on one GPU: the driver's own allocations, the loaded kernel
 /// modules (NVRTC's and cuBLASLt's), the streams and events. Calibrated on the H200 from
