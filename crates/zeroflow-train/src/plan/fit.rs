@@ -93,6 +93,11 @@ pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
 /// where nothing asks for `fit`.
 pub fn resolve_fit(requested: &mut Requested, inputs: &mut PlanInputs) -> Result<Option<FitShare>> {
     if requested.device_share != Some(DeviceShare::Fit) {
+        if inputs.rank == 0
+            && let Some(hint) = fit_hint(requested, inputs)?
+        {
+            tracing::info!("{hint}");
+        }
         return Ok(None);
     }
     let fit = fit_device_share(inputs)?;
@@ -113,6 +118,26 @@ pub fn resolve_fit(requested: &mut Requested, inputs: &mut PlanInputs) -> Result
         );
     }
     Ok(Some(fit))
+}
+
+/// Where nothing asks for a share (the default, 0) and `fit` would find room for one on this
+/// run's GPU, the line that says so: the exact offload step is bound by the host's memory, and
+/// the share is the part of it the host then does not move. `None` where a share was asked for
+/// (0 included) or `fit` would choose 0.
+fn fit_hint(requested: &Requested, inputs: &PlanInputs) -> Result<Option<String>> {
+    if requested.device_share.is_some() {
+        return Ok(None);
+    }
+    let fit = fit_device_share(inputs)?;
+    Ok((fit.share > 0.0).then(|| {
+        format!(
+            "the GPU has room for part of the optimizer: `--device-share fit` would hold and step \
+             {} of its partition there ({}), so that the exact step moves only the rest through \
+             the host's memory, which bounds it; without it (the default, 0) the host moves all \
+             of it",
+            fit.share, fit.why
+        )
+    }))
 }
 
 #[cfg(test)]
@@ -201,6 +226,27 @@ mod tests {
         let mut two = base();
         two.world_size = 2;
         assert!(fit_device_share(&two).unwrap().share > 0.0);
+    }
+
+    /// The default (no share asked for) on a GPU with room says what `fit` would choose; a
+    /// share asked for (0 too), `fit` itself, a run where the share cannot act (ZenFlow) and a
+    /// GPU without room say nothing.
+    #[test]
+    fn the_default_says_what_fit_would_choose() {
+        let roomy = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40);
+        let chosen = fit_device_share(&roomy).unwrap();
+        let hint = fit_hint(&Requested::default(), &roomy).unwrap().expect("a hint");
+        assert!(hint.contains(&format!("would hold and step {} of its partition", chosen.share)));
+        assert!(hint.contains(&chosen.why), "{hint}");
+        for asked in [DeviceShare::Fraction(0.0), DeviceShare::Fraction(0.3), DeviceShare::Fit] {
+            let requested = Requested { device_share: Some(asked), ..Requested::default() };
+            assert_eq!(fit_hint(&requested, &roomy).unwrap(), None, "{asked:?}");
+        }
+        let zenflow = with_gpu(inputs("gpt-1.3b", "zenflow", (8, 1024)), 40);
+        let full = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 22);
+        for quiet in [zenflow, full] {
+            assert_eq!(fit_hint(&Requested::default(), &quiet).unwrap(), None);
+        }
     }
 
     /// A share the GPU has no room for is refused before anything is allocated, naming the
