@@ -116,7 +116,19 @@ for row in rows:
             "forward_s_mean", "backward_s_mean", "exposed_optimizer_s_mean",
             "cpu_wait_s_mean", "cpu_wait_in_forward_backward_s_mean", "cpu_adam_s_mean",
             "peak_rss_bytes_per_param"]
-    print("BENCH", name, " ".join(f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None))
+    def find(value, key):  # the first `key` anywhere in `value` (the settings' nesting)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                found = v if k == key else find(v, key)
+                if found is not None:
+                    return found
+        return None
+    extra = []
+    if row.get("device_memory_in_use_bytes"):
+        extra.append(f"gpu_gib={row['device_memory_in_use_bytes'] / 2**30:.2f}")
+    if find(row.get("settings"), "device_share") is not None:
+        extra.append(f"device_share={find(row['settings'], 'device_share')}")
+    print("BENCH", name, " ".join([f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None] + extra))
 PY
 }
 
