@@ -81,6 +81,50 @@ fn eval_prints_the_librarys_loss_as_json() {
     assert!(plain.starts_with("loss ") && plain.contains("over 49 tokens"), "{plain}");
 }
 
+/// `eval --data TEXT` on a directory with a tokenizer.json reads the text as that tokenizer's
+/// tokens (not bytes: the fixture's 64 ids hold no byte of it), and `--tokenizer` names another.
+#[test]
+fn eval_of_text_uses_the_models_tokenizer() {
+    let dir = hf_dir("eval_text");
+    let ids = [("a", 3u32), ("b", 17), ("c", 40)];
+    let vocab: serde_json::Map<String, Value> =
+        ids.iter().map(|(piece, id)| (piece.to_string(), Value::from(*id))).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    });
+    let file = dir.with_file_name("tokenizer.json");
+    std::fs::write(&file, tokenizer.to_string()).unwrap();
+    let data = dir.with_file_name("text.txt");
+    std::fs::write(&data, "abcacbba".repeat(4)).unwrap();
+    let stream: Vec<u32> = "abcacbba"
+        .repeat(4)
+        .chars()
+        .map(|c| match c {
+            'a' => 3,
+            'b' => 17,
+            _ => 40,
+        })
+        .collect();
+    let expected = HostModel::open(&dir).unwrap().eval(&stream, 8).unwrap();
+    let args = ["eval", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--window", "8"];
+    let named = json_of(&zeroflow(
+        &[&args[..], &["--tokenizer", file.to_str().unwrap(), "--json"]].concat(),
+    ));
+    assert_eq!(named["loss"].as_f64(), Some(expected.loss));
+    // As bytes the text is outside the vocabulary: refused, naming the ids.
+    let as_bytes = zeroflow(&args);
+    assert_eq!(as_bytes.status.code(), Some(2), "{}", text(&as_bytes.stdout));
+    std::fs::copy(&file, dir.join("tokenizer.json")).unwrap();
+    let own = json_of(&zeroflow(&[&args[..], &["--json"]].concat()));
+    assert_eq!(own["loss"].as_f64(), Some(expected.loss));
+    assert_eq!(own["tokens"], 31);
+}
+
 /// A prompt outside the vocabulary, a bad id list, a window past the context and text without
 /// a tokenizer each exit 2 naming what is wrong.
 #[test]

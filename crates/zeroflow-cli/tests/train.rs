@@ -20,6 +20,8 @@ mod run_control;
 mod settings;
 #[path = "train/stream_tuning.rs"]
 mod stream_tuning;
+#[path = "train/text_data.rs"]
+mod text_data;
 
 mod support;
 use support::MINI;

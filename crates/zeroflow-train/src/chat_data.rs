@@ -1,8 +1,10 @@
-//! `--data FILE.jsonl`: conversations (and documents) tokenized at start-up with the model's
-//! tokenizer and chat template (those of `--init-from`'s directory) into token shards with their
-//! loss masks in the run directory (`<out>/tokens/rank-N`, replaced at every start: the output
-//! depends on the file and the tokenizer alone, so a resumed run reads the same tokens), which
-//! the run then trains on as it does on `zeroflow tokenize`'s output.
+//! Data tokenized at start-up with the model's tokenizer (that of `--init-from`'s directory, or of
+//! the run a resumed run continues): `--data FILE.jsonl`, conversations (and documents) with the
+//! chat template and their loss masks, and text files where the model comes from a directory, so
+//! that a pretrained model is never fed bytes as token ids. They go into token shards in the run
+//! directory (`<out>/tokens/rank-N`, `<out>/tokens/eval-rank-N` for `--eval-data`, replaced at
+//! every start: the output depends on the files and the tokenizer alone, so a resumed run reads
+//! the same tokens), which the run then trains on as it does on `zeroflow tokenize`'s output.
 
 use std::path::Path;
 
@@ -11,27 +13,72 @@ use zeroflow_data::{ChatTemplate, TokenizeOptions, Tokenizer, tokenize_corpus};
 use crate::data::Spec;
 use crate::error::{Result, input};
 
-/// The shards of `jsonl` tokenized with the tokenizer and chat template of the Hugging Face
-/// directory `model_dir`, written under `out` for `rank`; says what it wrote in the log.
-pub fn tokenize_jsonl(
-    jsonl: &Path,
+/// Which of the run's data a [`Spec`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataRole {
+    /// `--data`: tokenized into `<out>/tokens/rank-N`.
+    Train,
+    /// `--eval-data`: tokenized into `<out>/tokens/eval-rank-N`.
+    Eval,
+}
+
+impl DataRole {
+    fn flag(self) -> &'static str {
+        match self {
+            DataRole::Train => "--data",
+            DataRole::Eval => "--eval-data",
+        }
+    }
+
+    fn folder(self, rank: usize) -> String {
+        match self {
+            DataRole::Train => format!("rank-{rank}"),
+            DataRole::Eval => format!("eval-rank-{rank}"),
+        }
+    }
+}
+
+/// `spec` as the run reads it: a `.jsonl`, and text files where the model comes from the Hugging
+/// Face directory `model_dir`, tokenized with that directory's tokenizer (and chat template) into
+/// shards under `out` for `rank`, said in the log; text without a model directory stays bytes (a
+/// model trained from scratch), and shards and the synthetic corpus are read as they are.
+pub fn tokenized_at_start(
+    spec: Spec,
+    role: DataRole,
     model_dir: Option<&Path>,
     out: &Path,
     rank: usize,
 ) -> Result<Spec> {
-    let shown = jsonl.display();
-    let Some(dir) = model_dir else {
-        return Err(input(format!(
-            "--data {shown}: a .jsonl is tokenized with the model's tokenizer and chat template; \
-             give --init-from a Hugging Face directory that has a tokenizer.json (or tokenize it \
-             first with `zeroflow tokenize` and train on the directory)"
-        )));
+    let flag = role.flag();
+    let (files, dir) = match (spec, model_dir) {
+        (Spec::Jsonl(jsonl), Some(dir)) => (vec![jsonl], dir),
+        (Spec::Jsonl(jsonl), None) => {
+            return Err(input(format!(
+                "{flag} {}: a .jsonl is tokenized with the model's tokenizer and chat template; \
+                 give --init-from a Hugging Face directory that has a tokenizer.json (or \
+                 tokenize it first with `zeroflow tokenize` and train on the directory)",
+                jsonl.display()
+            )));
+        }
+        (Spec::Text(paths), Some(dir)) if !dir.join("tokenizer.json").is_file() => {
+            return Err(input(format!(
+                "{flag} {} is text and the model comes from {}, which has no tokenizer.json: a \
+                 pretrained model reads its own tokens, not bytes; put the model's tokenizer.json \
+                 in that directory, or tokenize the text first (`zeroflow tokenize --tokenizer T \
+                 FILE... --out DIR`) and give {flag} DIR",
+                paths[0].display(),
+                dir.display()
+            )));
+        }
+        (Spec::Text(paths), Some(dir)) => (paths, dir),
+        (spec, _) => return Ok(spec),
     };
-    let tokenizer = Tokenizer::from_dir(dir).map_err(|e| input(format!("--data {shown}: {e}")))?;
+    let shown = files[0].display();
+    let tokenizer = Tokenizer::from_dir(dir).map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     let template = ChatTemplate::from_config(tokenizer.config())
         .transpose()
-        .map_err(|e| input(format!("--data {shown}: {e}")))?;
-    let tokens = out.join("tokens").join(format!("rank-{rank}"));
+        .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
+    let tokens = out.join("tokens").join(role.folder(rank));
     if tokens.exists() {
         std::fs::remove_dir_all(&tokens)
             .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
@@ -42,8 +89,8 @@ pub fn tokenize_jsonl(
         skip_bad_lines: false,
         chat_template: template.as_ref(),
     };
-    let summary = tokenize_corpus(&tokenizer, &[jsonl.to_owned()], &options, &|_| {})
-        .map_err(|e| input(format!("--data {shown}: {e}")))?;
+    let summary = tokenize_corpus(&tokenizer, &files, &options, &|_| {})
+        .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     tracing::info!("{}", summary.describe(&tokens));
     Ok(Spec::Shards(summary.shards))
 }

@@ -26,7 +26,9 @@ pub enum Spec {
     Synthetic,
     /// llm.c token shards, in order.
     Shards(Vec<PathBuf>),
-    /// Text files, read as bytes, in order.
+    /// Text files, in order: read as bytes (a model trained from scratch), or tokenized at
+    /// start-up with the model's tokenizer where the model comes from a directory
+    /// ([`crate::chat_data`]).
     Text(Vec<PathBuf>),
     /// A `.jsonl` of conversations (or documents), tokenized at start-up with the model's
     /// tokenizer and chat template ([`crate::chat_data`]).

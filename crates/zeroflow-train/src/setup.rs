@@ -9,6 +9,7 @@ use zeroflow_core::config::Config;
 use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
+use crate::chat_data::{self, DataRole};
 use crate::checkpoints;
 use crate::data::{self, Data};
 use crate::data_files::{self, DataFile};
@@ -191,20 +192,19 @@ impl Setup {
             eval_tokens: args.eval_tokens.map(|n| n.get() as usize),
             packed: settings.pack.unwrap_or(false),
         };
-        let spec = match spec {
-            data::Spec::Jsonl(path) => {
-                let dir = match &start {
-                    Start::InitFrom { dir, .. } => Some(dir.clone()),
-                    Start::Resume { point, .. } => {
-                        point.extra.run.init_from.as_ref().map(PathBuf::from)
-                    }
-                    Start::Seed => None,
-                };
-                crate::chat_data::tokenize_jsonl(&path, dir.as_deref(), &out, dist.rank)?
-            }
-            spec => spec,
+        // A `.jsonl`, and text where the model comes from a directory (its tokenizer's tokens,
+        // not bytes), are tokenized here with that directory's tokenizer.
+        let model_dir = match &start {
+            Start::InitFrom { dir, .. } => Some(dir.clone()),
+            Start::Resume { point, .. } => point.extra.run.init_from.as_ref().map(PathBuf::from),
+            Start::Seed => None,
         };
+        let tokenized = |spec, role| {
+            chat_data::tokenized_at_start(spec, role, model_dir.as_deref(), &out, dist.rank)
+        };
+        let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
+        let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval)).transpose()?;
         let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
         let init_from = args.init_from.as_deref();
         let sampler =

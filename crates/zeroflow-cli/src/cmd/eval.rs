@@ -3,8 +3,11 @@
 
 use std::path::PathBuf;
 
+use zeroflow_data::Tokenizer;
 use zeroflow_train::data::Spec;
 use zeroflow_train::infer::{HostModel, InferDevice};
+
+use crate::InputError;
 
 /// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
@@ -14,9 +17,14 @@ pub struct Args {
     /// `cpu` (f32), `cuda` or `cuda:N` (bf16 on that GPU, the training forward).
     #[arg(long, default_value = "cpu")]
     device: InferDevice,
-    /// llm.c `.bin` token shards (a file, directory or glob) or text files (bytes as tokens).
+    /// llm.c `.bin` token shards (a file, directory or glob) or text files (encoded by
+    /// --tokenizer).
     #[arg(long)]
     data: String,
+    /// Encodes text --data: `gpt2`, `bytes`, a `tokenizer.json` or a model directory. Default:
+    /// MODEL's own tokenizer.json where MODEL is a directory that has one, else bytes as tokens.
+    #[arg(long)]
+    tokenizer: Option<String>,
     /// Inputs per window (stride the same, every token predicted once; default: the context).
     #[arg(long, value_name = "W")]
     window: Option<usize>,
@@ -28,7 +36,15 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
     let model = HostModel::open(&args.model)?;
-    let result = model.eval_data_on(&spec, args.window, args.device)?;
+    let own = args.model.join("tokenizer.json");
+    let tokenizer = match (&args.tokenizer, &spec) {
+        (Some(name), _) => Some(Tokenizer::load(name).map_err(InputError::from_display)?),
+        (None, Spec::Text(_)) if own.is_file() => {
+            Some(Tokenizer::from_dir(&args.model).map_err(InputError::from_display)?)
+        }
+        (None, _) => None,
+    };
+    let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref())?;
     if args.json {
         println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));
     } else {

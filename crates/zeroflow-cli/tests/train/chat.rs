@@ -18,7 +18,7 @@ const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message
 {%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
 /// GPT-2's printable character for a byte (byte-level BPE vocabularies' keys).
-fn byte_char(byte: u8) -> char {
+pub(super) fn byte_char(byte: u8) -> char {
     let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
     let b = u32::from(byte);
     if printable(b) {
@@ -51,7 +51,7 @@ fn tokenizer_json() -> serde_json::Value {
 }
 
 /// The Hugging Face directory: a two-layer Llama over 264 symbols, its tokenizer and template.
-fn write_model_dir(dir: &Path) {
+pub(super) fn write_model_dir(dir: &Path) {
     let config = LlamaConfig::from_hf_config(&json!({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 264, "hidden_size": 16,
         "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -5,7 +5,7 @@
 //! [`cuda`]) or over a token stream's windows by the training forward ([`HostModel::eval`]).
 //! The weights are held on the host in f32; a GPU gets them in bf16.
 
-use zeroflow_data::read_shard;
+use zeroflow_data::{Tokenizer, read_shard};
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_gpt::{GptConfig, GptDecoder};
@@ -268,15 +268,17 @@ impl HostModel {
     /// context): each shard or text file (bytes as tokens) a stream of its own, the loss
     /// weighted by each one's predicted tokens.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
-        self.eval_data_on(spec, window, InferDevice::Cpu)
+        self.eval_data_on(spec, window, InferDevice::Cpu, None)
     }
 
-    /// [`HostModel::eval_data`] on `device` (a GPU: [`HostModel::eval_cuda`]).
+    /// [`HostModel::eval_data`] on `device` (a GPU: [`HostModel::eval_cuda`]), text files
+    /// encoded by `tokenizer` where one is given (else bytes as tokens).
     pub fn eval_data_on(
         &self,
         spec: &Spec,
         window: Option<usize>,
         device: InferDevice,
+        tokenizer: Option<&Tokenizer>,
     ) -> Result<EvalResult> {
         if let Spec::Synthetic = spec {
             return Err(input("--data synthetic: eval reads token shards or text files"));
@@ -289,14 +291,22 @@ impl HostModel {
         let (mut sum, mut tokens) = (0.0, 0);
         for path in spec.files() {
             let stream = match spec {
-                Spec::Text(_) => std::fs::read(path)
-                    .map_err(|source| TrainError::Io {
+                Spec::Text(_) => {
+                    let read = |source| TrainError::Io {
                         what: format!("read {}", path.display()),
                         source,
-                    })?
-                    .into_iter()
-                    .map(u32::from)
-                    .collect(),
+                    };
+                    match tokenizer {
+                        None => {
+                            std::fs::read(path).map_err(read)?.into_iter().map(u32::from).collect()
+                        }
+                        Some(tokenizer) => {
+                            let text = std::fs::read_to_string(path).map_err(read)?;
+                            let encoded = tokenizer.encode(&text);
+                            encoded.map_err(|e| input(format!("{}: {e}", path.display())))?
+                        }
+                    }
+                }
                 _ => {
                     read_shard(path, self.vocab_size()).map_err(|e| input(e.to_string()))?.to_u32()
                 }

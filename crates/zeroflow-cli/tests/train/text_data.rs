@@ -1,0 +1,141 @@
+//! `zeroflow train --init-from DIR --data FILE.txt`: a model that comes from a directory reads
+//! text as its tokenizer's tokens, tokenized at start-up into the run directory (`--eval-data`
+//! too), exactly as training on `zeroflow tokenize`'s shards of the same files; never bytes as
+//! token ids (which is what text means for a model trained from scratch). A directory without a
+//! tokenizer.json is an input error before training.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{Value, json};
+
+use super::chat::{byte_char, write_model_dir};
+use super::{read_lines, scratch, text, train};
+
+/// A byte-level tokenizer.json whose ids are not the bytes: byte `b` is token `255 - b` (so a
+/// run that read the bytes as ids would see other tokens), three special tokens after them.
+fn reversed_bytes_tokenizer() -> Value {
+    let vocab: serde_json::Map<String, Value> =
+        (0..=255u8).map(|b| (byte_char(b).to_string(), json!(255 - u32::from(b)))).collect();
+    let special = |id: u32, content: &str| {
+        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+               "rstrip": false, "normalized": false, "special": true})
+    };
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(256, "<|im_start|>"), special(257, "<|im_end|>"),
+                         special(258, "<|endoftext|>")],
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    })
+}
+
+/// `zeroflow tokenize --tokenizer DIR FILE --out OUT`.
+fn tokenize(model: &Path, file: &Path, out: &Path) {
+    let tokenized = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["tokenize", "--tokenizer", model.to_str().unwrap(), file.to_str().unwrap()])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(tokenized.status.success(), "{}", text(&tokenized.stderr));
+}
+
+/// A metrics line: step, loss, gradient norm, eval loss.
+type Line = (u64, Option<f64>, Option<f64>, Option<f64>);
+
+/// The run's steps and evaluations, as logged.
+fn record(run: &Path) -> Vec<Line> {
+    read_lines(&run.join("metrics.jsonl"))
+        .iter()
+        .map(|l| {
+            let number = |key: &str| l.get(key).and_then(Value::as_f64);
+            (l["step"].as_u64().unwrap(), number("loss"), number("grad_norm"), number("eval_loss"))
+        })
+        .collect()
+}
+
+#[test]
+fn text_beside_a_model_directory_is_its_tokens_as_zeroflow_tokenize_writes_them() {
+    let dir = scratch("text_data_tokenized");
+    let model = dir.join("model");
+    write_model_dir(&model);
+    std::fs::write(model.join("tokenizer.json"), reversed_bytes_tokenizer().to_string()).unwrap();
+    let (corpus, held_out) = (dir.join("corpus.txt"), dir.join("held-out.txt"));
+    let sentence = |i: usize| format!("line {i}: the quick brown fox jumps over the lazy dog.\n");
+    std::fs::write(&corpus, (0..80).map(sentence).collect::<String>()).unwrap();
+    std::fs::write(&held_out, (80..100).map(sentence).collect::<String>()).unwrap();
+    let run = |data: &Path, eval: &Path, out: &Path| {
+        let args = [
+            "--init-from",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--eval-data",
+            eval.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--micro-batch",
+            "2",
+            "--seq",
+            "32",
+            "--lr",
+            "1e-2",
+            "--eval-every",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        let trained = train(&args);
+        assert!(trained.status.success(), "{}", text(&trained.stderr));
+    };
+    let (from_text, from_shards) = (dir.join("run-text"), dir.join("run-shards"));
+    run(&corpus, &held_out, &from_text);
+    for folder in ["rank-0", "eval-rank-0"] {
+        let shard = from_text.join("tokens").join(folder).join("tokens_000000.bin");
+        assert!(shard.is_file(), "{} was written", shard.display());
+    }
+    let (shards, eval_shards) = (dir.join("shards"), dir.join("eval-shards"));
+    tokenize(&model, &corpus, &shards);
+    tokenize(&model, &held_out, &eval_shards);
+    run(&shards, &eval_shards, &from_shards);
+    let (text_run, shard_run) = (record(&from_text), record(&from_shards));
+    let evals = text_run.iter().filter(|r| r.3.is_some()).count();
+    assert!(text_run.iter().filter(|r| r.1.is_some()).count() == 4 && evals >= 2, "{text_run:?}");
+    assert_eq!(text_run, shard_run, "the same tokens, the same run, bit for bit");
+}
+
+#[test]
+fn text_beside_a_model_directory_without_a_tokenizer_is_refused() {
+    let dir = scratch("text_data_no_tokenizer");
+    let model = dir.join("model");
+    write_model_dir(&model);
+    std::fs::remove_file(model.join("tokenizer.json")).unwrap();
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "some text to train on\n".repeat(40)).unwrap();
+    let out = dir.join("run");
+    let args = [
+        "--init-from",
+        model.to_str().unwrap(),
+        "--data",
+        corpus.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--micro-batch",
+        "2",
+        "--seq",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let refused = train(&args);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    let stderr = text(&refused.stderr);
+    assert!(stderr.contains("has no tokenizer.json"), "{stderr}");
+    assert!(stderr.contains("zeroflow tokenize --tokenizer"), "{stderr}");
+    assert!(!out.join("metrics.jsonl").exists(), "nothing trained");
+}
