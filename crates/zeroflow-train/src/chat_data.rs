@@ -6,7 +6,9 @@
 //! every start: the output depends on the files and the tokenizer alone, so a resumed run reads
 //! the same tokens), which the run then trains on as it does on `zeroflow tokenize`'s output.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use zeroflow_data::{ChatTemplate, TokenizeOptions, Tokenizer, tokenize_corpus};
 
@@ -89,8 +91,67 @@ pub fn tokenized_at_start(
         skip_bad_lines: false,
         chat_template: template.as_ref(),
     };
-    let summary = tokenize_corpus(&tokenizer, &files, &options, &|_| {})
+    let progress = Progress::new(&files, PROGRESS_INTERVAL);
+    let said = |bytes| {
+        if let Some(line) = progress.advance(bytes) {
+            tracing::info!("{flag}: tokenizing with {}'s tokenizer: {line}", dir.display());
+        }
+    };
+    let summary = tokenize_corpus(&tokenizer, &files, &options, &said)
         .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     tracing::info!("{}", summary.describe(&tokens));
     Ok(Spec::Shards(summary.shards))
+}
+
+/// How often a long tokenization at start-up says how far it is.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The input bytes tokenized so far of all there are, said at most once an interval.
+struct Progress {
+    total: u64,
+    interval: Duration,
+    /// Bytes done, and when it last said so.
+    state: Mutex<(u64, Instant)>,
+}
+
+impl Progress {
+    fn new(files: &[PathBuf], interval: Duration) -> Progress {
+        let total = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
+        Progress { total, interval, state: Mutex::new((0, Instant::now())) }
+    }
+
+    /// `bytes` more are done: the line to say, where an interval has passed since the last one.
+    fn advance(&self, bytes: u64) -> Option<String> {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.0 += bytes;
+        if state.1.elapsed() < self.interval {
+            return None;
+        }
+        state.1 = Instant::now();
+        let mb = |bytes: u64| bytes as f64 / 1e6;
+        let percent = 100.0 * state.0 as f64 / self.total.max(1) as f64;
+        Some(format!("{:.1} of {:.1} MB ({percent:.0} %)", mb(state.0), mb(self.total)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each advance adds its bytes; a line comes once the interval has passed, with the bytes
+    /// done of the files' sizes, and not again within it.
+    #[test]
+    fn progress_says_the_bytes_done_of_the_total_once_an_interval() {
+        let dir = std::env::temp_dir().join(format!("zeroflow-progress-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = [dir.join("a.txt"), dir.join("b.txt")];
+        std::fs::write(&files[0], vec![b'a'; 3_000_000]).unwrap();
+        std::fs::write(&files[1], vec![b'b'; 1_000_000]).unwrap();
+        let every_time = Progress::new(&files, Duration::ZERO);
+        assert_eq!(every_time.advance(1_000_000).as_deref(), Some("1.0 of 4.0 MB (25 %)"));
+        assert_eq!(every_time.advance(2_000_000).as_deref(), Some("3.0 of 4.0 MB (75 %)"));
+        let hourly = Progress::new(&files, Duration::from_secs(3600));
+        assert_eq!(hourly.advance(4_000_000), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
