@@ -18,7 +18,7 @@ const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message
 {%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
 /// GPT-2's printable character for a byte (byte-level BPE vocabularies' keys).
-pub(super) fn byte_char(byte: u8) -> char {
+fn byte_char(byte: u8) -> char {
     let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
     let b = u32::from(byte);
     if printable(b) {
@@ -27,11 +27,11 @@ pub(super) fn byte_char(byte: u8) -> char {
     char::from_u32(256 + (0..b).filter(|&x| !printable(x)).count() as u32).unwrap()
 }
 
-/// A byte-level tokenizer.json without merges: byte `b` is token `b`; three special tokens
-/// after them.
-fn tokenizer_json() -> serde_json::Value {
+/// A byte-level tokenizer.json without merges: byte `b` is token `id_of(b)`; three special
+/// tokens after them.
+pub(super) fn byte_tokenizer_json(id_of: impl Fn(u8) -> u32) -> serde_json::Value {
     let vocab: serde_json::Map<String, serde_json::Value> =
-        (0..=255u8).map(|b| (byte_char(b).to_string(), json!(b))).collect();
+        (0..=255u8).map(|b| (byte_char(b).to_string(), json!(id_of(b)))).collect();
     let special = |id: u32, content: &str| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false,
                "rstrip": false, "normalized": false, "special": true})
@@ -65,7 +65,8 @@ pub(super) fn write_model_dir(dir: &Path) {
     let options =
         SaveOptions { dtype: SaveDtype::F32, max_shard_bytes: u64::MAX, tokenizer_from: None };
     save_hf_dir(dir, &config, &layout, &weights, &options).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+    let tokenizer = byte_tokenizer_json(u32::from);
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
     let tokenizer_config = json!({"eos_token": "<|im_end|>", "chat_template": CHATML});
     std::fs::write(dir.join("tokenizer_config.json"), tokenizer_config.to_string()).unwrap();
 }

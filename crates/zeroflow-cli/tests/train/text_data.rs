@@ -7,33 +7,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use super::chat::{byte_char, write_model_dir};
+use super::chat::{byte_tokenizer_json, write_model_dir};
 use super::{read_lines, scratch, text, train};
-
-/// A byte-level tokenizer.json whose ids are not the bytes: byte `b` is token `255 - b` (so a
-/// run that read the bytes as ids would see other tokens), three special tokens after them.
-fn reversed_bytes_tokenizer() -> Value {
-    let vocab: serde_json::Map<String, Value> =
-        (0..=255u8).map(|b| (byte_char(b).to_string(), json!(255 - u32::from(b)))).collect();
-    let special = |id: u32, content: &str| {
-        json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-               "rstrip": false, "normalized": false, "special": true})
-    };
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    json!({
-        "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": [special(256, "<|im_start|>"), special(257, "<|im_end|>"),
-                         special(258, "<|endoftext|>")],
-        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": byte_level,
-        "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": null, "unk_token": null,
-                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                  "vocab": vocab, "merges": []}
-    })
-}
 
 /// `zeroflow tokenize --tokenizer DIR FILE --out OUT`.
 fn tokenize(model: &Path, file: &Path, out: &Path) {
@@ -64,7 +41,9 @@ fn text_beside_a_model_directory_is_its_tokens_as_zeroflow_tokenize_writes_them(
     let dir = scratch("text_data_tokenized");
     let model = dir.join("model");
     write_model_dir(&model);
-    std::fs::write(model.join("tokenizer.json"), reversed_bytes_tokenizer().to_string()).unwrap();
+    // Byte `b` is token `255 - b`: a run that read the bytes as ids would see other tokens.
+    let reversed = byte_tokenizer_json(|b| 255 - u32::from(b));
+    std::fs::write(model.join("tokenizer.json"), reversed.to_string()).unwrap();
     let (corpus, held_out) = (dir.join("corpus.txt"), dir.join("held-out.txt"));
     let sentence = |i: usize| format!("line {i}: the quick brown fox jumps over the lazy dog.\n");
     std::fs::write(&corpus, (0..80).map(sentence).collect::<String>()).unwrap();
