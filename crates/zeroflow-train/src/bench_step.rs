@@ -320,7 +320,8 @@ fn plan_bench<F: Family>(
         caller: Caller::Bench,
         gpu_memory: machine.gpu_total,
     };
-    crate::plan::resolve_fit(requested, &mut inputs)?;
+    let elsewhere = || MachineMemory::gpu_held_elsewhere(args.device, dist.local_rank);
+    crate::plan::resolve_fit(requested, &mut inputs, elsewhere)?;
     options.clone_from(&inputs.options);
     let plan = MemoryPlan::new(inputs)?;
     if args.plan == PlanMode::Only {

@@ -326,7 +326,8 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     let mut inputs =
         train_plan_inputs(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
     // `--device-share fit`: the trainer builds its engine with the share the plan chose.
-    crate::plan::resolve_fit(&mut settings, &mut inputs)?;
+    let elsewhere = || MachineMemory::gpu_held_elsewhere(args.device, dist.local_rank);
+    crate::plan::resolve_fit(&mut settings, &mut inputs, elsewhere)?;
     let plan = MemoryPlan::new(inputs)?;
     Ok(Prepared {
         resume,

@@ -65,6 +65,28 @@ fn bus_id_text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(&bytes[..end]).trim().to_ascii_lowercase()
 }
 
+/// GPU `ordinal`'s free and total memory now, in bytes (`cuMemGetInfo`, every process's
+/// allocations counted), read from this process's primary context, retained for the reading and
+/// released after it (so the free memory excludes that context's own, which the memory plan
+/// estimates). Taken before anything of the run is on the GPU, it says what other processes
+/// hold.
+pub fn memory_now(ordinal: usize) -> Result<(usize, usize)> {
+    library::init_driver()?;
+    let read = || -> Result<(usize, usize)> {
+        let ctx = cudarc::driver::CudaContext::new(ordinal)
+            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+        cu::mem_get_info().map_err(|e| driver_error("cuMemGetInfo", e))
+    };
+    // cudarc panics on a symbol it cannot find: an error instead, as `CudaDevice::new` does.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(read)).unwrap_or_else(|_| {
+        Err(DeviceError::Library {
+            library: CudaLibrary::Driver.name(),
+            reason: format!("cudarc panicked reading GPU {ordinal}'s free memory"),
+        })
+    })
+}
+
 fn gpu(ordinal: usize) -> Result<GpuInfo> {
     let device = cu::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
     let name = cu::device::get_name(device).map_err(|e| driver_error("cuDeviceGetName", e))?;

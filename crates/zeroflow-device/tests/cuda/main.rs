@@ -75,3 +75,25 @@ impl Load {
         event
     }
 }
+
+/// `info::memory_now` reads the GPU's free and total memory from this process's primary
+/// context: the total is the driver's, an allocation of 1 GiB on the open device is seen as 1 GiB
+/// less free, and releasing the reading's hold on the context leaves the open device working.
+#[test]
+fn memory_now_sees_this_process_allocations_and_leaves_the_device_open() {
+    let Some(device) = gpu() else { return };
+    let info = zeroflow_device::cuda::info::memory_now;
+    let (free, total) = info(0).unwrap();
+    let gpus = zeroflow_device::cuda::info::list_gpus().unwrap();
+    assert_eq!(total, gpus[0].memory_bytes);
+    assert!(0 < free && free <= total, "{free} of {total}");
+    let (len, bytes) = (1 << 28, 1 << 30);
+    let held = device.alloc::<u32>(len).unwrap();
+    let (fewer, _) = info(0).unwrap();
+    assert!(free - fewer >= bytes, "{free} free, then {fewer} with 1 GiB allocated");
+    let compute = device.stream(zeroflow_device::StreamKind::Compute);
+    device.fill(compute, &held, 0..len, 7u32).unwrap();
+    assert!(device.download(&held).unwrap().iter().all(|&b| b == 7));
+    let gib = |bytes: usize| bytes as f64 / f64::from(1u32 << 30);
+    println!("RESULT memory_now free_gib={:.2} total_gib={:.2}", gib(free), gib(total));
+}

@@ -16,6 +16,10 @@ use crate::settings::Requested;
 /// what no plan line holds).
 const FIT_HEADROOM: f64 = 0.1;
 
+/// Memory held on the GPU by other processes that `fit`'s reason names (below it, the context
+/// estimate's own error).
+const SAID_ELSEWHERE: u64 = 1 << 30;
+
 /// The largest share `fit` chooses: the engine takes shares below 1.
 const FIT_MAX_HUNDREDTHS: u32 = 99;
 
@@ -28,11 +32,12 @@ pub struct FitShare {
 }
 
 /// The device share `fit` chooses for the run of `inputs` (whatever share its options hold): the
-/// largest, in hundredths below 1, whose plan leaves [`FIT_HEADROOM`] of the GPU's memory free;
-/// 0 where the share cannot act on this run (no offload, the CPU device, ZenFlow or the delayed
-/// update, speculation, 16-bit moments, a window summed on the host, or with several ranks
-/// sharing the weights) or the plan leaves no room.
-pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
+/// largest, in hundredths below 1, whose plan, beside the `elsewhere` bytes other processes hold
+/// on the GPU, leaves [`FIT_HEADROOM`] of the GPU's memory free; 0 where the share cannot act on
+/// this run (no offload, the CPU device, ZenFlow or the delayed update, speculation, 16-bit
+/// moments, a window summed on the host, or with several ranks sharing the weights) or the plan
+/// leaves no room.
+pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare> {
     let none = |why: &str| Ok(FitShare { share: 0.0, why: why.to_owned() });
     let Some(offload) = inputs.options.offload() else {
         return none("the optimizer is on the GPU already (no CPU offload)");
@@ -60,7 +65,7 @@ pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
              every weight",
         );
     }
-    let limit = (gpu as f64 * (1.0 - FIT_HEADROOM)) as u64;
+    let limit = ((gpu as f64 * (1.0 - FIT_HEADROOM)) as u64).saturating_sub(elsewhere);
     let room = limit.saturating_sub(without) as f64;
     let mut hundredths = ((room / per_hundredth).floor() as u32).min(FIT_MAX_HUNDREDTHS);
     // The share is rounded to whole packs of eight elements: the plan at the guess says.
@@ -72,7 +77,7 @@ pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
         hundredths -= 1;
     };
     let share = f64::from(hundredths) / 100.0;
-    let why = match hundredths {
+    let mut why = match hundredths {
         0 => format!(
             "the plan without a share ({}) leaves under a tenth of the GPU's {} free",
             gib(without),
@@ -84,14 +89,22 @@ pub fn fit_device_share(inputs: &PlanInputs) -> Result<FitShare> {
             gib(gpu)
         ),
     };
+    if elsewhere >= SAID_ELSEWHERE {
+        why += &format!(", beside {} that other processes hold", gib(elsewhere));
+    }
     Ok(FitShare { share, why })
 }
 
 /// `fit` resolved for a run before anything is allocated, where `requested` asks for it: the
 /// share chosen into `requested` and into `inputs`' options (with gradient accumulation the
 /// window is then summed on the device, as the plan found room for), said in the log; `None`
-/// where nothing asks for `fit`.
-pub fn resolve_fit(requested: &mut Requested, inputs: &mut PlanInputs) -> Result<Option<FitShare>> {
+/// where nothing asks for `fit`. `elsewhere` reads what other processes hold on the GPU now
+/// (asked only for `fit`; `None` counts as nothing).
+pub fn resolve_fit(
+    requested: &mut Requested,
+    inputs: &mut PlanInputs,
+    elsewhere: impl FnOnce() -> Option<u64>,
+) -> Result<Option<FitShare>> {
     if requested.device_share != Some(DeviceShare::Fit) {
         if inputs.rank == 0
             && let Some(hint) = fit_hint(requested, inputs)?
@@ -100,7 +113,7 @@ pub fn resolve_fit(requested: &mut Requested, inputs: &mut PlanInputs) -> Result
         }
         return Ok(None);
     }
-    let fit = fit_device_share(inputs)?;
+    let fit = fit_device_share(inputs, elsewhere().unwrap_or(0))?;
     requested.device_share = Some(DeviceShare::Fraction(fit.share));
     let summed = fit.share > 0.0 && inputs.options.grad_accum > 1;
     if let Some(offload) = inputs.options.offload_mut() {
@@ -128,7 +141,7 @@ fn fit_hint(requested: &Requested, inputs: &PlanInputs) -> Result<Option<String>
     if requested.device_share.is_some() {
         return Ok(None);
     }
-    let fit = fit_device_share(inputs)?;
+    let fit = fit_device_share(inputs, 0)?;
     Ok((fit.share > 0.0).then(|| {
         format!(
             "the GPU has room for part of the optimizer: `--device-share fit` would hold and step \
@@ -165,7 +178,7 @@ mod tests {
         let mut shares = Vec::new();
         for gpu in [32, 40, 80] {
             let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), gpu);
-            let fit = fit_device_share(&inputs).unwrap();
+            let fit = fit_device_share(&inputs, 0).unwrap();
             let limit = (gpu * GIB) as f64 * 0.9;
             assert!(fit.share > 0.0 && fit.share < 1.0, "{gpu} GiB: {fit:?}");
             assert!(planned(&inputs, fit.share) as f64 <= limit, "{gpu} GiB: {fit:?}");
@@ -181,11 +194,58 @@ mod tests {
         assert_eq!(shares[2], 0.99);
     }
 
+    /// Memory other processes hold on the GPU leaves `fit` less room: on 48 GiB, where gpt-1.3b
+    /// alone gets the cap, the share chosen beside 8 GiB of theirs is the largest whose plan and
+    /// those 8 GiB leave a tenth free, the reason names them, and where they take all the room
+    /// the share is 0.
+    #[test]
+    fn other_processes_on_the_gpu_leave_fit_less_room() {
+        let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 48);
+        let alone = fit_device_share(&inputs, 0).unwrap();
+        let beside = fit_device_share(&inputs, 8 * GIB).unwrap();
+        assert!(0.0 < beside.share && beside.share < alone.share, "{alone:?} {beside:?}");
+        let limit = (48 * GIB) as f64 * 0.9;
+        assert!((planned(&inputs, beside.share) + 8 * GIB) as f64 <= limit, "{beside:?}");
+        let next = (beside.share * 100.0 + 1.0) / 100.0;
+        assert!((planned(&inputs, next) + 8 * GIB) as f64 > limit, "{beside:?}");
+        assert!(beside.why.contains("beside 8.00 GiB that other processes hold"), "{beside:?}");
+        assert!(!alone.why.contains("other processes"), "{alone:?}");
+        let crowded = fit_device_share(&inputs, 24 * GIB).unwrap();
+        assert_eq!(crowded.share, 0.0, "{crowded:?}");
+    }
+
+    /// `resolve_fit` reads what other processes hold only for `fit`, and counts it.
+    #[test]
+    fn resolve_fit_reads_the_gpu_only_for_fit() {
+        let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 48);
+        let read = std::cell::Cell::new(0);
+        let elsewhere = |bytes| {
+            let read = &read;
+            move || {
+                read.set(read.get() + 1);
+                Some(bytes)
+            }
+        };
+        for asked in [None, Some(DeviceShare::Fraction(0.2))] {
+            let mut requested = Requested { device_share: asked, ..Requested::default() };
+            let resolved = resolve_fit(&mut requested, &mut inputs.clone(), elsewhere(0));
+            assert_eq!(resolved.unwrap(), None, "{asked:?}");
+        }
+        assert_eq!(read.get(), 0, "no reading without fit");
+        let mut fit = Requested { device_share: Some(DeviceShare::Fit), ..Requested::default() };
+        let chosen = resolve_fit(&mut fit, &mut inputs.clone(), elsewhere(8 * GIB)).unwrap();
+        assert_eq!(read.get(), 1);
+        let expected = fit_device_share(&inputs, 8 * GIB).unwrap();
+        assert!(expected.share < fit_device_share(&inputs, 0).unwrap().share);
+        assert_eq!(chosen, Some(expected.clone()));
+        assert_eq!(fit.device_share, Some(DeviceShare::Fraction(expected.share)));
+    }
+
     /// A GPU the plan without a share already nearly fills: 0, and the plan's figures say why.
     #[test]
     fn no_room_is_a_share_of_0() {
         let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 22);
-        let fit = fit_device_share(&inputs).unwrap();
+        let fit = fit_device_share(&inputs, 0).unwrap();
         assert_eq!(fit.share, 0.0);
         assert!(fit.why.contains("leaves under a tenth"), "{}", fit.why);
     }
@@ -216,16 +276,16 @@ mod tests {
         speculating.options.offload_mut().unwrap().stream.speculation_budget = 64 << 20;
         cases.push(("speculation", speculating, "nothing speculates"));
         for (name, inputs, why) in cases {
-            let fit = fit_device_share(&inputs).unwrap();
+            let fit = fit_device_share(&inputs, 0).unwrap();
             assert_eq!(fit.share, 0.0, "{name}");
             assert!(fit.why.contains(why), "{name}: {}", fit.why);
         }
         // And where it can, the same model on the same GPU gets a share: one rank, or each of
         // two ranks of ZeRO-2 with one micro-step per step.
-        assert!(fit_device_share(&base()).unwrap().share > 0.0);
+        assert!(fit_device_share(&base(), 0).unwrap().share > 0.0);
         let mut two = base();
         two.world_size = 2;
-        assert!(fit_device_share(&two).unwrap().share > 0.0);
+        assert!(fit_device_share(&two, 0).unwrap().share > 0.0);
     }
 
     /// The default (no share asked for) on a GPU with room says what `fit` would choose; a
@@ -234,7 +294,7 @@ mod tests {
     #[test]
     fn the_default_says_what_fit_would_choose() {
         let roomy = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40);
-        let chosen = fit_device_share(&roomy).unwrap();
+        let chosen = fit_device_share(&roomy, 0).unwrap();
         let hint = fit_hint(&Requested::default(), &roomy).unwrap().expect("a hint");
         assert!(hint.contains(&format!("would hold and step {} of its partition", chosen.share)));
         assert!(hint.contains(&chosen.why), "{hint}");
@@ -254,7 +314,7 @@ mod tests {
     #[test]
     fn a_share_too_large_is_refused_naming_the_share_that_fits() {
         let mut inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 32);
-        let fits = fit_device_share(&inputs).unwrap().share;
+        let fits = fit_device_share(&inputs, 0).unwrap().share;
         inputs.options.offload_mut().unwrap().stream.device_share = 0.9;
         let plan = MemoryPlan::new(inputs).unwrap();
         let machine = super::super::MachineMemory {
@@ -273,15 +333,15 @@ mod tests {
     fn with_accumulation_the_share_needs_the_sum_on_the_gpu() {
         let mut summed = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40);
         summed.options.grad_accum = 4;
-        let on_gpu = fit_device_share(&summed).unwrap();
+        let on_gpu = fit_device_share(&summed, 0).unwrap();
         assert!(on_gpu.share > 0.0, "{on_gpu:?}");
         // The sum's 4 B per parameter leave less room than one micro-step per step does.
-        let single = fit_device_share(&with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40));
+        let single = fit_device_share(&with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40), 0);
         assert!(on_gpu.share < single.unwrap().share);
         let mut on_host = summed.clone();
         on_host.options.offload_mut().unwrap().stream.accumulate_on =
             zeroflow_engine::AccumulateOn::Host;
-        let fit = fit_device_share(&on_host).unwrap();
+        let fit = fit_device_share(&on_host, 0).unwrap();
         assert_eq!(fit.share, 0.0, "{fit:?}");
     }
 }

@@ -312,6 +312,30 @@ impl MachineMemory {
     }
 }
 
+impl MachineMemory {
+    /// The memory other processes hold now on GPU `gpu` (`None` on the CPU device, or with a
+    /// warning where the driver cannot say): its total less its free memory, read from a context
+    /// of this process opened for the reading, less that context's estimate
+    /// ([`CUDA_CONTEXT_BYTES`], which the plan counts as this run's).
+    pub fn gpu_held_elsewhere(device: DeviceKind, gpu: usize) -> Option<u64> {
+        if device != DeviceKind::Cuda {
+            return None;
+        }
+        match zeroflow_device::cuda::info::memory_now(gpu) {
+            Ok((free, total)) => {
+                Some((total as u64).saturating_sub(free as u64).saturating_sub(CUDA_CONTEXT_BYTES))
+            }
+            Err(error) => {
+                tracing::warn!(
+                    "GPU {gpu}'s free memory is unknown ({error}): the plan assumes nothing else \
+                     holds any of it"
+                );
+                None
+            }
+        }
+    }
+}
+
 /// Whether a plan fits a machine, GPU and host apart (`true` where the machine does not say).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fit {
@@ -567,7 +591,7 @@ impl MemoryPlan {
             Knob::Bf16Moments,
         ]);
         // A share the GPU has no room for: the one that fits.
-        if let Ok(fit) = fit_device_share(inputs) {
+        if let Ok(fit) = fit_device_share(inputs, 0) {
             knobs.push(Knob::DeviceShare((fit.share * 100.0).round() as u32));
         }
         knobs
