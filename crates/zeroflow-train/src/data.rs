@@ -28,10 +28,10 @@ pub enum Spec {
     Shards(Vec<PathBuf>),
     /// Text files, in order: read as bytes (a model trained from scratch), or tokenized at
     /// start-up with the model's tokenizer where the model comes from a directory
-    /// ([`crate::chat_data`]).
+    /// ([`crate::startup_tokens`]).
     Text(Vec<PathBuf>),
     /// A `.jsonl` of conversations (or documents), tokenized at start-up with the model's
-    /// tokenizer and chat template ([`crate::chat_data`]).
+    /// tokenizer and chat template ([`crate::startup_tokens`]).
     Jsonl(PathBuf),
 }
 

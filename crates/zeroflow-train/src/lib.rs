@@ -12,7 +12,6 @@
 pub mod bench_cpu_adam;
 pub mod bench_gpt;
 pub mod bench_step;
-pub mod chat_data;
 pub mod checkpoints;
 pub mod data;
 pub mod data_files;
@@ -42,6 +41,7 @@ pub mod sample;
 pub mod schedule;
 pub mod settings;
 pub mod setup;
+pub mod startup_tokens;
 pub mod tensorboard;
 pub mod trainer;
 

@@ -9,7 +9,6 @@ use zeroflow_core::config::Config;
 use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
-use crate::chat_data::{self, DataRole};
 use crate::checkpoints;
 use crate::data::{self, Data};
 use crate::data_files::{self, DataFile};
@@ -20,6 +19,7 @@ use crate::plan::{Caller, MachineMemory, MemoryPlan, PlanInputs, PlanMode};
 use crate::resume_point::{self, Extra, ResumePoint};
 use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
+use crate::startup_tokens::{self, DataRole};
 use crate::{Family, ModelSpec};
 use crate::{init_from, limits, open, resume, run_config};
 
@@ -200,7 +200,7 @@ impl Setup {
             Start::Seed => None,
         };
         let tokenized = |spec, role| {
-            chat_data::tokenized_at_start(spec, role, model_dir.as_deref(), &out, dist.rank)
+            startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, dist.rank)
         };
         let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
