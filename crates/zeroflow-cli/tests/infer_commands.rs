@@ -81,24 +81,28 @@ fn eval_prints_the_librarys_loss_as_json() {
     assert!(plain.starts_with("loss ") && plain.contains("over 49 tokens"), "{plain}");
 }
 
-/// `eval --data TEXT` on a directory with a tokenizer.json reads the text as that tokenizer's
-/// tokens (not bytes: the fixture's 64 ids hold no byte of it), and `--tokenizer` names another.
-#[test]
-fn eval_of_text_uses_the_models_tokenizer() {
-    let dir = hf_dir("eval_text");
+/// A tokenizer.json of three letters within the fixture's 64 ids: `a` 3, `b` 17, `c` 40.
+fn letters_tokenizer() -> Value {
     let ids = [("a", 3u32), ("b", 17), ("c", 40)];
     let vocab: serde_json::Map<String, Value> =
         ids.iter().map(|(piece, id)| (piece.to_string(), Value::from(*id))).collect();
-    let tokenizer = serde_json::json!({
+    serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
         "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
         "model": {"type": "BPE", "dropout": null, "unk_token": null,
                   "continuing_subword_prefix": null, "end_of_word_suffix": null,
                   "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                   "vocab": vocab, "merges": []}
-    });
+    })
+}
+
+/// `eval --data TEXT` on a directory with a tokenizer.json reads the text as that tokenizer's
+/// tokens (not bytes: the fixture's 64 ids hold no byte of it), and `--tokenizer` names another.
+#[test]
+fn eval_of_text_uses_the_models_tokenizer() {
+    let dir = hf_dir("eval_text");
     let file = dir.with_file_name("tokenizer.json");
-    std::fs::write(&file, tokenizer.to_string()).unwrap();
+    std::fs::write(&file, letters_tokenizer().to_string()).unwrap();
     let data = dir.with_file_name("text.txt");
     std::fs::write(&data, "abcacbba".repeat(4)).unwrap();
     let stream: Vec<u32> = "abcacbba"
@@ -123,6 +127,37 @@ fn eval_of_text_uses_the_models_tokenizer() {
     let own = json_of(&zeroflow(&[&args[..], &["--json"]].concat()));
     assert_eq!(own["loss"].as_f64(), Some(expected.loss));
     assert_eq!(own["tokens"], 31);
+}
+
+/// `generate --prompt TEXT` on a directory with a tokenizer.json encodes the prompt with it and
+/// decodes what it writes, as `--prompt-tokens` of the same ids with `--tokenizer` does.
+#[test]
+fn generate_uses_the_models_own_tokenizer() {
+    let dir = hf_dir("generate_text");
+    std::fs::write(dir.join("tokenizer.json"), letters_tokenizer().to_string()).unwrap();
+    let model_dir = dir.to_str().unwrap();
+    let tail = ["--max-new-tokens", "6", "--no-stop", "--json"];
+    let by_text =
+        json_of(&zeroflow(&[&["generate", model_dir, "--prompt", "abca"][..], &tail].concat()));
+    let by_ids = ["generate", model_dir, "--prompt-tokens", "3,17,40,3"];
+    let expected = json_of(&zeroflow(&[&by_ids[..], &tail].concat()));
+    assert_eq!(by_text, expected);
+    let model = HostModel::open(&dir).unwrap();
+    let completion =
+        Completion { max_new_tokens: 6, sampling: Sampling::GREEDY, seed: 0, stop: false };
+    let tokens = model.complete(&[3, 17, 40, 3], &completion).unwrap();
+    assert_eq!(expected["tokens"], serde_json::json!(tokens));
+    // The new ids outside the three letters decode to nothing; the letters to themselves.
+    let letters: String = tokens
+        .iter()
+        .filter_map(|t| match t {
+            3 => Some('a'),
+            17 => Some('b'),
+            40 => Some('c'),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(expected["text"], letters, "{expected}");
 }
 
 /// A prompt outside the vocabulary, a bad id list, a window past the context and text without

@@ -1,7 +1,7 @@
 //! `zeroflow eval`: a model's loss and perplexity over token shards or text, on the CPU or a GPU
 //! (`zeroflow_train::infer`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use zeroflow_data::Tokenizer;
 use zeroflow_train::data::Spec;
@@ -36,11 +36,10 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
     let model = HostModel::open(&args.model)?;
-    let own = args.model.join("tokenizer.json");
+    // Only text is encoded: shards need no tokenizer (nor one that does not load).
     let tokenizer = match (&args.tokenizer, &spec) {
-        (Some(name), _) => Some(Tokenizer::load(name).map_err(InputError::from_display)?),
-        (None, Spec::Text(_)) if own.is_file() => {
-            Some(Tokenizer::from_dir(&args.model).map_err(InputError::from_display)?)
+        (None, Spec::Text(_)) | (Some(_), _) => {
+            model_tokenizer(args.tokenizer.as_deref(), &args.model)?
         }
         (None, _) => None,
     };
@@ -52,4 +51,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens");
     }
     Ok(())
+}
+
+/// The tokenizer `--tokenizer` names (`gpt2`, `bytes`, a `tokenizer.json` or a model directory),
+/// else MODEL's own where MODEL is a directory with a `tokenizer.json` (a Hugging Face
+/// directory, an export), else none.
+pub(crate) fn model_tokenizer(
+    named: Option<&str>,
+    model: &Path,
+) -> anyhow::Result<Option<Tokenizer>> {
+    match named {
+        Some(name) => Tokenizer::load(name).map(Some).map_err(InputError::from_display),
+        None if model.join("tokenizer.json").is_file() => {
+            Tokenizer::from_dir(model).map(Some).map_err(InputError::from_display)
+        }
+        None => Ok(None),
+    }
 }

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use zeroflow_data::Tokenizer;
 use zeroflow_train::infer::{
     Completion, HostModel, InferDevice, Sampling, parse_ids, read_prompts,
 };
@@ -26,10 +25,11 @@ pub struct Args {
     /// `cpu` (f32), `cuda` or `cuda:N` (bf16 on that GPU).
     #[arg(long, default_value = "cpu")]
     device: InferDevice,
-    /// The prompt as text, encoded by --tokenizer.
-    #[arg(long, requires = "tokenizer")]
+    /// The prompt as text, encoded by the tokenizer (--tokenizer, or MODEL's own).
+    #[arg(long)]
     prompt: Option<String>,
-    /// `gpt2`, a `tokenizer.json` or a model directory: encodes --prompt, decodes the output.
+    /// `gpt2`, `bytes`, a `tokenizer.json` or a model directory: encodes --prompt, decodes the
+    /// output. Default: MODEL's own tokenizer.json where MODEL is a directory that has one.
     #[arg(long)]
     tokenizer: Option<String>,
     #[arg(long, value_name = "N")]
@@ -53,8 +53,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let tokenizer = args.tokenizer.as_deref().map(Tokenizer::load).transpose();
-    let tokenizer = tokenizer.map_err(InputError::from_display)?;
+    let tokenizer = super::eval::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt, &tokenizer) {
         (Some(file), ..) => read_prompts(file)?
             .iter()
@@ -70,7 +69,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None, Some(text), Some(tokenizer)) => {
             vec![tokenizer.encode(text).map_err(|e| InputError(format!("--prompt: {e}")))?]
         }
-        _ => unreachable!("clap requires --prompt-tokens, --prompts, or --prompt with --tokenizer"),
+        (None, None, Some(_), None) => {
+            return Err(InputError::from_display(format!(
+                "--prompt is text and {} has no tokenizer.json: give --tokenizer (gpt2, bytes, a \
+                 tokenizer.json or a model directory), or the prompt as --prompt-tokens",
+                args.model.display()
+            )));
+        }
+        (None, None, None, _) => {
+            unreachable!("clap requires --prompt-tokens, --prompts or --prompt")
+        }
     };
     let model = HostModel::open(&args.model)?;
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p };
