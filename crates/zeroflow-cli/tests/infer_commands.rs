@@ -1,6 +1,8 @@
 //! `zeroflow generate` and `zeroflow eval` on a Hugging Face GPT-2 directory (the checkpoint
 //! fixture, exported): their JSON is the library's `HostModel` answer, and bad input exits 2.
 
+#[path = "support/chat_model.rs"]
+mod chat_model;
 mod support;
 
 use std::path::{Path, PathBuf};
@@ -158,6 +160,47 @@ fn generate_uses_the_models_own_tokenizer() {
         })
         .collect();
     assert_eq!(expected["text"], letters, "{expected}");
+}
+
+/// `generate --chat`: the prompt becomes one user message in the tokenizer's chat template with
+/// the assistant's turn opened (ChatML here, so its ids are known: `<|im_start|>` 256, the bytes,
+/// `<|im_end|>` 257), and the completion ends at the tokenizer's `eos_token`.
+#[test]
+fn generate_chat_renders_the_template_and_stops_at_the_end_of_a_turn() {
+    let dir = support::scratch_in("infer_commands", "chat");
+    chat_model::write_model_dir(&dir);
+    let model_dir = dir.to_str().unwrap();
+    let tail = ["--max-new-tokens", "8", "--json"];
+    let mut rendered = vec![256];
+    rendered.extend(b"user\nhi".map(u32::from));
+    rendered.extend([257, u32::from(b'\n'), 256]);
+    rendered.extend(b"assistant\n".map(u32::from));
+    let ids: Vec<String> = rendered.iter().map(u32::to_string).collect();
+    let by_ids = ["generate", model_dir, "--prompt-tokens", &ids.join(","), "--no-stop"];
+    let free = json_of(&zeroflow(&[&by_ids[..], &tail].concat()));
+    let chat = ["generate", model_dir, "--chat", "--prompt", "hi", "--no-stop"];
+    assert_eq!(json_of(&zeroflow(&[&chat[..], &tail].concat()))["tokens"], free["tokens"]);
+
+    // The end of a turn: the tokenizer's eos_token made a token the completion writes.
+    let tokens: Vec<u64> =
+        free["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let at = tokens.iter().position(|&t| t < 256).expect("a byte");
+    let turn_end = tokens[at];
+    let eos = chat_model::byte_char(turn_end as u8).to_string();
+    let config = serde_json::json!({"eos_token": eos, "chat_template": read_template(&dir)});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let stopped = json_of(&zeroflow(&[&chat[..5], &tail].concat()));
+    assert_eq!(stopped["tokens"], serde_json::json!(tokens[..=at]), "{free}");
+    let without_chat = ["generate", model_dir, "--prompt-tokens", &ids.join(",")];
+    assert_eq!(json_of(&zeroflow(&[&without_chat[..], &tail].concat()))["tokens"], free["tokens"]);
+}
+
+/// The chat template of the directory's tokenizer_config.json.
+fn read_template(dir: &Path) -> String {
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    config["chat_template"].as_str().unwrap().to_owned()
 }
 
 /// A prompt outside the vocabulary, a bad id list, a window past the context and text without

@@ -25,6 +25,8 @@ mod text_data;
 
 mod support;
 use support::MINI;
+#[path = "support/chat_model.rs"]
+mod chat_model;
 
 /// A fresh, empty directory for one test.
 fn scratch(name: &str) -> PathBuf {

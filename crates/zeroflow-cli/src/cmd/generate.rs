@@ -3,8 +3,9 @@
 
 use std::path::PathBuf;
 
+use zeroflow_data::ChatTemplate;
 use zeroflow_train::infer::{
-    Completion, HostModel, InferDevice, Sampling, parse_ids, read_prompts,
+    Completion, HostModel, InferDevice, Prompt, Sampling, parse_ids, read_prompts,
 };
 
 use crate::InputError;
@@ -33,6 +34,12 @@ pub struct Args {
     /// output. Default: MODEL's own tokenizer.json where MODEL is a directory that has one.
     #[arg(long)]
     tokenizer: Option<String>,
+    /// A chat model: each text prompt becomes one user message, rendered by the tokenizer's chat
+    /// template with the assistant's turn opened (as transformers' `apply_chat_template(...,
+    /// add_generation_prompt=True)`), and the completion also ends at the tokenizer's
+    /// `eos_token` (the end of a turn).
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    chat: bool,
     #[arg(long, value_name = "N")]
     max_new_tokens: usize,
     /// 0 is greedy.
@@ -55,33 +62,66 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let tokenizer = super::eval::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
-    let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt, &tokenizer) {
-        (Some(file), ..) => read_prompts(file)?
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                p.tokens(tokenizer.as_ref())
-                    .map_err(|e| InputError(format!("prompt {}: {e}", i + 1)))
-            })
-            .collect::<Result<_, _>>()?,
-        (None, Some(ids), ..) => {
-            vec![parse_ids(ids).map_err(|e| InputError(format!("--prompt-tokens {e}")))?]
+    let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
+        (Some(file), ..) => read_prompts(file)?,
+        (None, Some(ids), _) => {
+            vec![Prompt::Tokens(
+                parse_ids(ids).map_err(|e| InputError(format!("--prompt-tokens {e}")))?,
+            )]
         }
-        (None, None, Some(text), Some(tokenizer)) => {
-            vec![tokenizer.encode(text).map_err(|e| InputError(format!("--prompt: {e}")))?]
+        (None, None, Some(text)) => {
+            if tokenizer.is_none() {
+                return Err(InputError::from_display(format!(
+                    "--prompt is text and {} has no tokenizer.json: give --tokenizer (gpt2, \
+                     bytes, a tokenizer.json or a model directory), or the prompt as \
+                     --prompt-tokens",
+                    args.model.display()
+                )));
+            }
+            vec![Prompt::Text(text.clone())]
         }
-        (None, None, Some(_), None) => {
+        (None, None, None) => unreachable!("clap requires --prompt-tokens, --prompts or --prompt"),
+    };
+    let chat = match (args.chat, &tokenizer) {
+        (false, _) => None,
+        (true, None) => {
             return Err(InputError::from_display(format!(
-                "--prompt is text and {} has no tokenizer.json: give --tokenizer (gpt2, bytes, a \
-                 tokenizer.json or a model directory), or the prompt as --prompt-tokens",
+                "--chat renders prompts with the tokenizer's chat template, and {} has no \
+                 tokenizer.json: give --tokenizer a model directory with one",
                 args.model.display()
             )));
         }
-        (None, None, None, _) => {
-            unreachable!("clap requires --prompt-tokens, --prompts or --prompt")
-        }
+        (true, Some(tokenizer)) => match ChatTemplate::from_config(tokenizer.config()) {
+            Some(template) => Some((tokenizer, template.map_err(InputError::from_display)?)),
+            None => {
+                return Err(InputError::from_display(format!(
+                    "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
+                     chat_template or chat_template.jinja)",
+                    tokenizer.name()
+                )));
+            }
+        },
     };
-    let model = HostModel::open(&args.model)?;
+    let prompts = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let tokens = match &chat {
+                Some((tokenizer, template)) => prompt.chat_tokens(tokenizer, template),
+                None => prompt.tokens(tokenizer.as_ref()),
+            };
+            let what = if args.prompts.is_some() {
+                format!("prompt {}", i + 1)
+            } else {
+                "the prompt".into()
+            };
+            tokens.map_err(|e| InputError(format!("{what}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut model = HostModel::open(&args.model)?;
+    if let Some(turn_end) = chat.as_ref().and_then(|(tokenizer, _)| tokenizer.eot()) {
+        model.also_stop_at(turn_end);
+    }
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p };
     let completion = Completion {
         max_new_tokens: args.max_new_tokens,

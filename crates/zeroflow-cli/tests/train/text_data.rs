@@ -9,7 +9,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use super::chat::{byte_tokenizer_json, write_model_dir};
+use super::chat_model::{byte_tokenizer_json, write_model_dir};
 use super::{read_lines, scratch, text, train};
 
 /// `zeroflow tokenize --tokenizer DIR FILE --out OUT`.

@@ -152,6 +152,14 @@ impl HostModel {
         &self.end_of_text
     }
 
+    /// Ends a completion at `token` too (where `stop` asks for it): a chat template's end of a
+    /// turn (the tokenizer's `eos_token`) besides `config.json`'s end of text.
+    pub fn also_stop_at(&mut self, token: u32) {
+        if !self.end_of_text.contains(&token) {
+            self.end_of_text.push(token);
+        }
+    }
+
     /// Its vocabulary: the token ids it reads are below this.
     pub fn vocab_size(&self) -> usize {
         match &self.weights {

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use zeroflow_data::Tokenizer;
+use zeroflow_data::{ChatTemplate, Tokenizer};
 
 use super::parse_ids;
 use crate::error::{Result, TrainError, input};
@@ -25,6 +25,27 @@ impl Prompt {
             (Prompt::Text(text), Some(tokenizer)) => tokenizer.encode(text),
             (Prompt::Text(text), None) => {
                 parse_ids(text).map_err(|e| format!("{e}; give --tokenizer to encode text prompts"))
+            }
+        }
+    }
+
+    /// The prompt's token ids for a chat model: text as one user message rendered by `template`
+    /// with the assistant's turn opened, tokenized as `apply_chat_template(messages,
+    /// add_generation_prompt=True)` does (no special tokens added: the template writes them);
+    /// ids as they are.
+    pub fn chat_tokens(
+        &self,
+        tokenizer: &Tokenizer,
+        template: &ChatTemplate,
+    ) -> Result<Vec<u32>, String> {
+        match self {
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+            Prompt::Text(text) => {
+                let messages = [serde_json::json!({"role": "user", "content": text})];
+                let rendered = template
+                    .render(&messages, true, tokenizer.config())
+                    .map_err(|e| format!("the chat template: {e}"))?;
+                Ok(tokenizer.encode_with_offsets(&rendered)?.ids)
             }
         }
     }

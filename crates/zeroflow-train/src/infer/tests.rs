@@ -93,6 +93,26 @@ fn a_completion_stops_at_the_end_of_text_token_unless_told_not_to() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A token added with `also_stop_at` (a chat template's end of a turn) ends a completion as
+/// `config.json`'s end of text does, once, and only where `stop` asks.
+#[test]
+fn a_completion_also_stops_at_a_token_added_to_the_model() {
+    let dir = scratch("llama-also-stop");
+    write_llama(&dir, None);
+    let prompt = [2, 7, 1];
+    let mut model = HostModel::open(&dir).unwrap();
+    let free = model.complete(&prompt, &GREEDY).unwrap();
+    let turn_end = free[2];
+    model.also_stop_at(turn_end);
+    model.also_stop_at(turn_end);
+    assert_eq!(model.end_of_text(), [turn_end]);
+    let stopped = model.complete(&prompt, &Completion { stop: true, ..GREEDY }).unwrap();
+    let first = free.iter().position(|&t| t == turn_end).unwrap();
+    assert_eq!(stopped, free[..=first]);
+    assert_eq!(model.complete(&prompt, &GREEDY).unwrap(), free);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// Two shards are two streams: the loss is their losses weighted by their predicted tokens,
 /// each the model's `eval` of that stream.
 #[test]
