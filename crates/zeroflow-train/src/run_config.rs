@@ -13,8 +13,13 @@ use crate::error::{Result, input};
 
 /// Sequences per micro-step when neither the flags nor the config say.
 pub const DEFAULT_MICRO_BATCH: u64 = 16;
-/// The peak learning rate when neither the flags nor the config say.
+/// The peak learning rate when neither the flags nor the config say, for a model trained from
+/// scratch.
 pub const DEFAULT_LR: f64 = 3e-3;
+/// The peak learning rate when neither the flags nor the config say, for a trained model
+/// (`--init-from`): [`DEFAULT_LR`] would undo much of what it learned in a few steps; 2e-5 is
+/// what full fine-tunes of 1–8 B models commonly use.
+pub const DEFAULT_FINE_TUNE_LR: f64 = 2e-5;
 
 /// The config of a run without `--config`: AdamW with GPT betas, no weight decay, clipping at 1,
 /// a linear warm-up over the first 5% of the steps and a cosine decay to 10% of the peak, ZeRO
@@ -62,6 +67,9 @@ pub struct RunFlags<'a> {
     pub world_size: usize,
     /// The model's hidden size (fills an `"auto"` `reduce_bucket_size` with its square).
     pub hidden_size: usize,
+    /// The weights come from a trained model (`--init-from`): an `"auto"` lr without `--lr` is
+    /// [`DEFAULT_FINE_TUNE_LR`], not [`DEFAULT_LR`].
+    pub fine_tune: bool,
 }
 
 /// The resolved config, with the name to show for where it came from.
@@ -99,7 +107,11 @@ pub fn resolve_unchecked(flags: &RunFlags<'_>) -> Result<RunConfig, ConfigError>
             flags.micro_batch.unwrap_or(NonZeroU64::new(DEFAULT_MICRO_BATCH).expect("non-zero")),
         ),
         gradient_accumulation_steps: flags.accum,
-        lr: Some(flags.lr.unwrap_or(DEFAULT_LR)),
+        lr: Some(flags.lr.unwrap_or(if flags.fine_tune {
+            DEFAULT_FINE_TUNE_LR
+        } else {
+            DEFAULT_LR
+        })),
         weight_decay: flags.weight_decay,
         total_num_steps: NonZeroU64::new(flags.steps),
         warmup_num_steps: flags.warmup.or(NonZeroU64::new((flags.steps / 20).max(2))),

@@ -659,13 +659,20 @@ fn resolve_config(
         steps,
         world_size,
         hidden_size: model.hidden_size(),
+        fine_tune: args.init_from.is_some(),
     };
     let run_config::RunConfig { resolved, name } = run_config::resolve(&flags)?;
     for warning in &resolved.warnings {
         tracing::warn!("{name}: {warning}");
     }
     for auto_value in &resolved.auto_values {
-        tracing::debug!("{name}: {auto_value}");
+        if flags.fine_tune && flags.lr.is_none() && auto_value.path == "optimizer.params.lr" {
+            tracing::info!(
+                "{name}: {auto_value} (the default for a model from --init-from; --lr sets it)"
+            );
+        } else {
+            tracing::debug!("{name}: {auto_value}");
+        }
     }
     Ok(resolved.config)
 }

@@ -59,6 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         steps: args.steps.get(),
         world_size: args.world_size.get() as usize,
         hidden_size: model.hidden_size(),
+        fine_tune: false,
     };
     run_config::check_flag_values(&flags)?;
     let run = run_config::resolve_unchecked(&flags).map_err(InputError::from_display)?;

@@ -198,7 +198,8 @@ pub struct AutoFlags {
     /// Micro-steps per optimizer step (fills an "auto" gradient_accumulation_steps). Default: 1.
     #[arg(long, value_name = "N")]
     pub accum: Option<NonZeroU64>,
-    /// Peak learning rate (fills an "auto" optimizer lr). Default: 3e-3.
+    /// Peak learning rate (fills an "auto" optimizer lr). Default: 3e-3 from scratch, 2e-5 for
+    /// a trained model (--init-from).
     #[arg(long, value_name = "LR")]
     pub lr: Option<f64>,
     /// Warm-up steps of the learning rate (fills an "auto" scheduler warmup_num_steps).

@@ -118,3 +118,41 @@ fn text_beside_a_model_directory_without_a_tokenizer_is_refused() {
     assert!(stderr.contains("zeroflow tokenize --tokenizer"), "{stderr}");
     assert!(!out.join("metrics.jsonl").exists(), "nothing trained");
 }
+
+/// A model from a directory is fine-tuned at 2e-5 unless told otherwise (the from-scratch
+/// default, 3e-3, would undo what it learned), and the run says so; `--lr` still sets it.
+#[test]
+fn a_model_from_a_directory_fine_tunes_at_a_fine_tuning_rate_by_default() {
+    let dir = scratch("text_data_fine_tune_lr");
+    let model = dir.join("model");
+    write_model_dir(&model);
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "a few words to fine-tune on\n".repeat(40)).unwrap();
+    let lr_of = |lr: Option<&str>, name: &str| {
+        let out = dir.join(name);
+        let mut args =
+            vec!["--init-from", model.to_str().unwrap(), "--data", corpus.to_str().unwrap()];
+        args.extend(["--steps", "2", "--micro-batch", "2", "--seq", "16", "--eval-every", "0"]);
+        args.extend(["--out", out.to_str().unwrap()]);
+        if let Some(lr) = lr {
+            args.extend(["--lr", lr]);
+        }
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .arg("train")
+            .args(&args)
+            .env("ZEROFLOW_LOG", "info")
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap())
+                .unwrap();
+        (summary["config"]["optimizer"]["params"]["lr"].as_f64().unwrap(), text(&run.stderr))
+    };
+    let (default, said) = lr_of(None, "default");
+    assert_eq!(default, 2e-5);
+    assert!(said.contains("the default for a model from --init-from"), "{said}");
+    let (given, said) = lr_of(Some("1e-3"), "given");
+    assert_eq!(given, 1e-3);
+    assert!(!said.contains("the default for a model from --init-from"), "{said}");
+}
