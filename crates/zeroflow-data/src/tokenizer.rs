@@ -328,6 +328,15 @@ impl Tokenizer {
         }
     }
 
+    /// A model directory's tokenizer where it has a `tokenizer.json` ([`Tokenizer::from_dir`]),
+    /// `None` where it has none (a model read as token ids).
+    pub fn of_dir(dir: &Path) -> Result<Option<Tokenizer>, TokenizerError> {
+        match dir.join("tokenizer.json").is_file() {
+            true => Tokenizer::from_dir(dir).map(Some),
+            false => Ok(None),
+        }
+    }
+
     /// A model directory's tokenizer: `tokenizer.json` with `tokenizer_config.json` if present.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let json = dir.join("tokenizer.json");

@@ -121,9 +121,8 @@ impl Sampler {
 
 /// The tokenizer of the samples (see the module documentation), `None` for token ids.
 fn tokenizer_for(vocab: usize, data: &Spec, init_from: Option<&Path>) -> Result<Option<Tokenizer>> {
-    if let Some(dir) = init_from.filter(|dir| dir.join("tokenizer.json").is_file()) {
-        let tokenizer =
-            Tokenizer::from_dir(dir).map_err(|e| input(format!("--sample-prompt: {e}")))?;
+    let own = init_from.map(Tokenizer::of_dir).transpose();
+    if let Some(tokenizer) = own.map_err(|e| input(format!("--sample-prompt: {e}")))?.flatten() {
         return Ok(Some(tokenizer));
     }
     let name = match data {

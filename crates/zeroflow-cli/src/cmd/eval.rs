@@ -1,13 +1,10 @@
 //! `zeroflow eval`: a model's loss and perplexity over token shards or text, on the CPU or a GPU
 //! (`zeroflow_train::infer`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use zeroflow_data::Tokenizer;
 use zeroflow_train::data::Spec;
 use zeroflow_train::infer::{HostModel, InferDevice};
-
-use crate::InputError;
 
 /// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
@@ -36,12 +33,10 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
     let model = HostModel::open(&args.model)?;
-    // Only text is encoded: shards need no tokenizer (nor one that does not load).
-    let tokenizer = match (&args.tokenizer, &spec) {
-        (None, Spec::Text(_)) | (Some(_), _) => {
-            model_tokenizer(args.tokenizer.as_deref(), &args.model)?
-        }
-        (None, _) => None,
+    // Text is encoded; shards need MODEL's own tokenizer no more than they need a named one.
+    let tokenizer = match matches!(spec, Spec::Text(_)) || args.tokenizer.is_some() {
+        true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,
+        false => None,
     };
     let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref())?;
     if args.json {
@@ -51,20 +46,4 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens");
     }
     Ok(())
-}
-
-/// The tokenizer `--tokenizer` names (`gpt2`, `bytes`, a `tokenizer.json` or a model directory),
-/// else MODEL's own where MODEL is a directory with a `tokenizer.json` (a Hugging Face
-/// directory, an export), else none.
-pub(crate) fn model_tokenizer(
-    named: Option<&str>,
-    model: &Path,
-) -> anyhow::Result<Option<Tokenizer>> {
-    match named {
-        Some(name) => Tokenizer::load(name).map(Some).map_err(InputError::from_display),
-        None if model.join("tokenizer.json").is_file() => {
-            Tokenizer::from_dir(model).map(Some).map_err(InputError::from_display)
-        }
-        None => Ok(None),
-    }
 }

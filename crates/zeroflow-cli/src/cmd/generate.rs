@@ -61,7 +61,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let tokenizer = super::eval::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
+    let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
         (Some(file), ..) => read_prompts(file)?,
         (None, Some(ids), _) => {

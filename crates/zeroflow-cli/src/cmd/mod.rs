@@ -1,5 +1,9 @@
 //! One module per subcommand.
 
+use std::path::Path;
+
+use zeroflow_data::Tokenizer;
+
 pub mod bench;
 pub mod bench_copy;
 pub mod bench_gemm;
@@ -17,3 +21,17 @@ pub mod plan;
 pub mod stress;
 pub mod tokenize;
 pub mod train;
+
+/// The tokenizer of `generate` and `eval`: the one `--tokenizer` names (`gpt2`, `bytes`, a
+/// `tokenizer.json` or a model directory), else MODEL's own where MODEL is a directory with a
+/// `tokenizer.json` (a Hugging Face directory, an export), else none.
+pub(crate) fn model_tokenizer(
+    named: Option<&str>,
+    model: &Path,
+) -> anyhow::Result<Option<Tokenizer>> {
+    let tokenizer = match named {
+        Some(name) => Tokenizer::load(name).map(Some),
+        None => Tokenizer::of_dir(model),
+    };
+    tokenizer.map_err(crate::InputError::from_display)
+}

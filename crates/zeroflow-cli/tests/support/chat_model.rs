@@ -32,7 +32,8 @@ pub fn byte_tokenizer_json(id_of: impl Fn(u8) -> u32) -> serde_json::Value {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false,
                "rstrip": false, "normalized": false, "special": true})
     };
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false,
+                            "trim_offsets": true, "use_regex": true});
     json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [special(256, "<|im_start|>"), special(257, "<|im_end|>"),

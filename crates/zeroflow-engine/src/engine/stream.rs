@@ -641,22 +641,18 @@ fn stream_reduced<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     gather_in_pieces: bool,
     step: &AdamWStep,
     speculated: Option<&Speculation<P>>,
-    share: Option<&mut DeviceShare<D>>,
+    mut share: Option<&mut DeviceShare<D>>,
 ) -> Result<(), EngineError> {
     let mut times = std::mem::take(&mut shared.step_times);
     let (source, at) = shared.reduced_source();
     let mut len = shared.owned.len();
-    let share = match share {
-        Some(share) => {
-            let params = (&shared.params, shared.owned.start);
-            share.step(&shared.device, step, &shared.events.norm_done, (source, at), params)?;
-            len = share.from();
-            Some(&*share)
-        }
-        None => None,
-    };
+    if let Some(share) = share.as_deref_mut() {
+        let params = (&shared.params, shared.owned.start);
+        share.step(&shared.device, step, &shared.events.norm_done, (source, at), params)?;
+        len = share.from();
+    }
     let io = StepIo { source, at, len, uploaded_event, gather_in_pieces, times: &mut times };
-    let gathered = stream_step(shared, buffers, io, step, speculated, share);
+    let gathered = stream_step(shared, buffers, io, step, speculated, share.as_deref());
     shared.step_times = times;
     finish_stream_step(shared, gathered?)
 }

@@ -157,7 +157,7 @@ fn fit_hint(requested: &Requested, inputs: &PlanInputs) -> Result<Option<String>
 mod tests {
     use zeroflow_engine::Stage;
 
-    use super::super::tests::{GIB, inputs};
+    use super::super::tests::{GIB, inputs, machine};
     use super::*;
 
     fn with_gpu(mut inputs: PlanInputs, gib: u64) -> PlanInputs {
@@ -317,11 +317,7 @@ mod tests {
         let fits = fit_device_share(&inputs, 0).unwrap().share;
         inputs.options.offload_mut().unwrap().stream.device_share = 0.9;
         let plan = MemoryPlan::new(inputs).unwrap();
-        let machine = super::super::MachineMemory {
-            gpu_total: Some(32 * GIB),
-            host_total: Some(1024 * GIB),
-            host_available: Some(1024 * GIB),
-        };
+        let machine = machine(32 * GIB, 1024 * GIB, 1024 * GIB);
         let error = plan.check(&machine).expect_err("does not fit").to_string();
         assert!(error.contains(&format!("--device-share {fits} (or fit)")), "{error}");
     }

@@ -310,9 +310,7 @@ impl MachineMemory {
             host_available: field("MemAvailable:"),
         }
     }
-}
 
-impl MachineMemory {
     /// The memory other processes hold now on GPU `gpu` (`None` on the CPU device, or with a
     /// warning where the driver cannot say): its total less its free memory, read from a context
     /// of this process opened for the reading, less that context's estimate

@@ -8,6 +8,16 @@ use super::*;
 
 pub(super) const GIB: u64 = 1 << 30;
 
+/// A machine of `gpu` bytes of GPU memory and `host_total` of host memory, `host_available` of it
+/// available.
+pub(super) fn machine(gpu: u64, host_total: u64, host_available: u64) -> MachineMemory {
+    MachineMemory {
+        gpu_total: Some(gpu),
+        host_total: Some(host_total),
+        host_available: Some(host_available),
+    }
+}
+
 /// The engine's options of `bench step --mode mode` (its DeepSpeed config).
 fn bench_options(mode: &str) -> EngineOptions {
     let offload = r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#;
@@ -83,11 +93,7 @@ fn checkpointing_changes_only_the_activations() {
 /// much it needs and only knobs whose own plan fits: offload among them.
 #[test]
 fn a_plan_too_large_names_the_knobs_that_fit() {
-    let machine = MachineMemory {
-        gpu_total: Some(24 * GIB),
-        host_total: Some(512 * GIB),
-        host_available: Some(500 * GIB),
-    };
+    let machine = machine(24 * GIB, 512 * GIB, 500 * GIB);
     let plan = MemoryPlan::new(inputs("gpt-1.3b", "gpu", (8, 1024))).unwrap();
     assert!(!plan.fit(&machine).gpu);
     let error = plan.check(&machine).expect_err("does not fit").to_string();
@@ -116,11 +122,7 @@ fn a_host_short_of_the_accumulator_names_the_gpu_sum() {
     on_host.options.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Host;
     on_host.model_options.activation_checkpointing = true;
     let plan = MemoryPlan::new(on_host).unwrap();
-    let machine = MachineMemory {
-        gpu_total: Some(140 * GIB),
-        host_total: Some(128 * GIB),
-        host_available: Some(125 * GIB),
-    };
+    let machine = machine(140 * GIB, 128 * GIB, 125 * GIB);
     let error = plan.check(&machine).expect_err("does not fit").to_string();
     assert!(error.contains("--accumulate-on device"), "{error}");
     let knobs = plan.knobs_that_fit(&machine);
@@ -135,11 +137,7 @@ fn a_host_short_of_the_accumulator_names_the_gpu_sum() {
 /// a large GPU, and is named.
 #[test]
 fn a_host_too_small_for_offload_names_the_gpu_optimizer() {
-    let machine = MachineMemory {
-        gpu_total: Some(140 * GIB),
-        host_total: Some(16 * GIB),
-        host_available: Some(12 * GIB),
-    };
+    let machine = machine(140 * GIB, 16 * GIB, 12 * GIB);
     let plan = MemoryPlan::new(inputs("gpt-1.3b", "offload", (8, 1024))).unwrap();
     let error = plan.check(&machine).expect_err("does not fit").to_string();
     assert!(error.contains("Host: needs"), "{error}");
@@ -159,11 +157,7 @@ fn a_host_short_of_fp32_moments_names_16_bit_moments() {
     let state = |plan: &MemoryPlan| bytes(plan, MemoryKind::Host, "master weights and moments");
     assert_eq!(state(&fp32) - state(&bf16), state(&fp32) / 3, "12 -> 8 bytes per element");
     let between = (fp32.host_total + bf16.host_total) / 2;
-    let machine = MachineMemory {
-        gpu_total: Some(140 * GIB),
-        host_total: Some(between + GIB),
-        host_available: Some(between),
-    };
+    let machine = machine(140 * GIB, between + GIB, between);
     let error = fp32.check(&machine).expect_err("does not fit").to_string();
     assert!(error.contains("optimizer_state_dtype"), "{error}");
     assert_eq!(bf16.check(&machine).map_err(|e| e.to_string()), Ok(()));
@@ -172,11 +166,7 @@ fn a_host_short_of_fp32_moments_names_16_bit_moments() {
 /// A plan that fits says so and checks out.
 #[test]
 fn a_plan_that_fits_passes_the_check() {
-    let machine = MachineMemory {
-        gpu_total: Some(140 * GIB),
-        host_total: Some(512 * GIB),
-        host_available: Some(500 * GIB),
-    };
+    let machine = machine(140 * GIB, 512 * GIB, 500 * GIB);
     let plan = MemoryPlan::new(inputs("gpt2-124m", "zenflow", (8, 1024))).unwrap();
     assert_eq!(plan.check(&machine).map_err(|e| e.to_string()), Ok(()));
     assert!(plan.summary(&machine).ends_with("fits"), "{}", plan.summary(&machine));
