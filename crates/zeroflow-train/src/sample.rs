@@ -4,9 +4,10 @@
 //! GPU memory is taken from the training), logs it, and appends it to `<out>/samples.jsonl` as
 //! `{"step", "prompt", "tokens", "text"}` (`text` null where no tokenizer fits).
 //!
-//! The prompt is encoded by the `--init-from` directory's tokenizer where it has one, else by
-//! bytes for text data, GPT-2's for a vocabulary of 50257 or more, bytes for one of 256 or more;
-//! for a smaller vocabulary (the synthetic corpus) it is token ids (`1,2,3`).
+//! The prompt is encoded by the model directory's tokenizer where it has one (`--init-from`'s, or
+//! the resumed run's), else by bytes for text data, GPT-2's for a vocabulary of 50257 or more,
+//! bytes for one of 256 or more; for a smaller vocabulary (the synthetic corpus) it is token ids
+//! (`1,2,3`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -40,9 +41,9 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// The sampler of `options` for `model` trained on `data` (from `init_from`, if any), writing
-    /// into the run directory `out`; an input error where the prompt does not encode or holds an
-    /// id outside the vocabulary.
+    /// The sampler of `options` for `model` trained on `data` (from the directory `init_from`, if
+    /// any, itself or in the run resumed), writing into the run directory `out`; an input error
+    /// where the prompt does not encode or holds an id outside the vocabulary.
     pub fn new(
         options: &SampleOptions,
         model: &ModelSpec,

@@ -206,9 +206,10 @@ impl Setup {
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval)).transpose()?;
         let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
-        let init_from = args.init_from.as_deref();
-        let sampler =
-            args.sample.as_ref().map(|sample| Sampler::new(sample, &model, &spec, init_from, &out));
+        let sampler = args
+            .sample
+            .as_ref()
+            .map(|sample| Sampler::new(sample, &model, &spec, model_dir.as_deref(), &out));
         Ok(Setup {
             device: args.device,
             model,

@@ -156,3 +156,50 @@ fn a_model_from_a_directory_fine_tunes_at_a_fine_tuning_rate_by_default() {
     assert_eq!(given, 1e-3);
     assert!(!said.contains("the default for a model from --init-from"), "{said}");
 }
+
+/// A fine-tune of a model directory stopped and resumed continues as the uninterrupted run,
+/// though the resume names no `--init-from`: the same learning rates (the fine-tune's, not the
+/// from-scratch default) and losses, and samples encoded and decoded by the directory's
+/// tokenizer (regression: they fell back to bytes, other ids than the directory's).
+#[test]
+fn a_resumed_fine_tune_continues_as_the_uninterrupted_run() {
+    let dir = scratch("text_data_resumed_fine_tune");
+    let model = dir.join("model");
+    write_model_dir(&model);
+    // Byte `b` is token `255 - b`: bytes would encode the prompt to other ids.
+    let reversed = byte_tokenizer_json(|b| 255 - u32::from(b));
+    std::fs::write(model.join("tokenizer.json"), reversed.to_string()).unwrap();
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "the cat sat on the mat.\n".repeat(60)).unwrap();
+    let sample = ["--sample-every", "2", "--sample-prompt", "the cat"];
+    let (straight, split) = (dir.join("straight"), dir.join("split"));
+    for out in [&straight, &split] {
+        let mut args =
+            vec!["--init-from", model.to_str().unwrap(), "--data", corpus.to_str().unwrap()];
+        args.extend(["--steps", "4", "--save-every", "2", "--micro-batch", "2", "--seq", "16"]);
+        args.extend(["--eval-every", "0", "--out", out.to_str().unwrap()]);
+        let run = train(&[&args[..], &sample].concat());
+        assert!(run.status.success(), "{}", text(&run.stderr));
+    }
+    // As if the run had stopped after its checkpoint at step 2.
+    std::fs::remove_dir_all(split.join("checkpoints").join("step-00000004")).unwrap();
+    std::fs::remove_file(split.join("samples.jsonl")).unwrap();
+    let resumed = train(
+        &[&["--resume", "latest", "--out", split.to_str().unwrap()][..], &sample[..]].concat(),
+    );
+    assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+    let steps = |run: &Path| {
+        let lines = read_lines(&run.join("metrics.jsonl"));
+        let step = |l: &Value| (l["step"].clone(), l["lr"].clone(), l["loss"].clone());
+        lines.iter().filter(|l| l.get("loss").is_some()).map(step).collect::<Vec<_>>()
+    };
+    let want = steps(&straight);
+    assert_eq!(want.len(), 4, "{want:?}");
+    assert!(want.iter().all(|s| s.1.as_f64().is_some_and(|lr| lr <= 2e-5)), "{want:?}");
+    assert_eq!(steps(&split), want);
+    let last = |run: &Path| read_lines(&run.join("samples.jsonl")).pop().expect("a sample");
+    let (want, got) = (last(&straight), last(&split));
+    assert_eq!(want["step"], 4);
+    assert!(want["text"].as_str().is_some_and(|t| !t.is_empty()), "{want}");
+    assert_eq!(got, want);
+}
