@@ -20,6 +20,7 @@
 #
 # Here: bash scripts/gpu-check.sh.
 # There: VAR=ZEROFLOW_DEVICE_SHARE VALUES="0 0.5" bash scripts/setting-ab.sh   carry: [".gpu"]
+# The value `default` leaves VAR unset: the binary's default.
 # Environment: VAR, VALUES (required), PARTS ("exact speed"), SPEED_MODELS ("gpt-1.3b llama-1b"),
 # EXACT_MODELS ("gpt2-124m llama-1b"), ROUNDS (2), STEPS (8), WARMUP (3), ACCUM (1).
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
@@ -35,6 +36,8 @@ ACCUM=${ACCUM:-1}
 WORK=${WORK:-/tmp/setting-ab}
 export ZEROFLOW_ACCUMULATE_ON=device
 rm -rf "$WORK" && mkdir -p "$WORK"
+# `VAR=value` for env, nothing for `default`.
+setting() { [[ $1 == default ]] || echo "$VAR=$1"; }
 
 if [[ $PARTS == *exact* ]]; then
     # Each value once, the last again.
@@ -45,7 +48,7 @@ if [[ $PARTS == *exact* ]]; then
             run=${runs[i]}
             dir=$WORK/$model-$run
             echo "== train $model, $VAR=${run%-again}, at ${SECONDS}s"
-            env "$VAR=${run%-again}" timeout 240 "$Z" train --device cuda --model "$model" \
+            env $(setting "${run%-again}") timeout 240 "$Z" train --device cuda --model "$model" \
                 --config examples/configs/zero2-offload-bf16.json --micro-batch 4 --seq 1024 \
                 --accum "$ACCUM" --steps 12 --eval-every 6 --save-every 0 --out "$dir" >"$OUT/train-$model-$run.log" 2>&1 ||
                 { echo "FAILED: exit $?"; tail -n 5 "$OUT/train-$model-$run.log"; }
@@ -94,7 +97,7 @@ bench() {
     local name=$1
     shift
     echo "== bench $name, at ${SECONDS}s"
-    env ${VALUE:+"$VAR=$VALUE"} timeout 240 "$Z" bench step --device cuda --json --steps "$STEPS" --warmup "$WARMUP" \
+    env $(setting "${VALUE:-default}") timeout 240 "$Z" bench step --device cuda --json --steps "$STEPS" --warmup "$WARMUP" \
         --accum "$ACCUM" "$@" \
         >"$OUT/bench-$name.log" 2>&1 || { echo "FAILED: exit $?"; tail -n 5 "$OUT/bench-$name.log"; }
     python3 - "$name" "$OUT/bench-$name.log" "$OUT/bench.jsonl" <<'PY'

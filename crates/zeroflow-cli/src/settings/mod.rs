@@ -88,11 +88,11 @@ pub struct HostFlags {
     pub overlap_forward: Option<bool>,
     /// The share of the optimizer's partition (a fraction below 1, from its end) whose fp32
     /// master weights and moments are also held in GPU memory (16 bytes per parameter) and
-    /// stepped there, so that the CPU and the host's memory step only the rest: 0 (the default)
-    /// to 0.99, or `fit`: the largest the memory plan finds room for, leaving a tenth of the
-    /// GPU free beside what other processes hold there (0 where the share cannot act). The
-    /// exact offload step, with one micro-step per step (each rank its own partition's) or the
-    /// window summed on one GPU; the same numbers.
+    /// stepped there, so that the CPU and the host's memory step only the rest: 0 to 0.99, or
+    /// `fit`: the largest the memory plan finds room for, leaving a tenth of the GPU free beside
+    /// what other processes hold there (0 where the share cannot act). Default: `fit` on one
+    /// GPU, 0 with several ranks. The exact offload step, with one micro-step per step (each
+    /// rank its own partition's) or the window summed on one GPU; the same numbers.
     /// Over ZEROFLOW_DEVICE_SHARE and zeroflow.offload.device_share.
     #[arg(long, value_name = "FRACTION|fit", value_parser = parse_device_share)]
     pub device_share: Option<DeviceShare>,

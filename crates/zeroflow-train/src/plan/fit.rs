@@ -1,6 +1,7 @@
 //! The optimizer's device share that fits (`--device-share fit`, `ZEROFLOW_DEVICE_SHARE=fit`,
-//! `zeroflow.offload.device_share: "fit"`): chosen from the memory plan before anything is
-//! allocated, as the largest share of the partition's optimizer state the GPU has room for.
+//! `zeroflow.offload.device_share: "fit"`, and the default where one rank asks for no share):
+//! chosen from the memory plan before anything is allocated, as the largest share of the
+//! partition's optimizer state the GPU has room for.
 
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::DeviceShare;
@@ -95,22 +96,38 @@ pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare>
     Ok(FitShare { share, why })
 }
 
-/// `fit` resolved for a run before anything is allocated, where `requested` asks for it: the
-/// share chosen into `requested` and into `inputs`' options (with gradient accumulation the
-/// window is then summed on the device, as the plan found room for), said in the log; `None`
-/// where nothing asks for `fit`. `elsewhere` reads what other processes hold on the GPU now
-/// (asked only for `fit`; `None` counts as nothing).
+/// `fit` resolved for a run before anything is allocated, where `requested` asks for it or asks
+/// for no share on one rank (the default): the share chosen into `requested` and into `inputs`'
+/// options (with gradient accumulation the window is then summed on the device, as the plan
+/// found room for), said in the log; `None` where a fraction is asked for, or where the default
+/// finds nothing to share. `elsewhere` reads what other processes hold on the GPU now (asked only
+/// where a share can act; `None` counts as nothing).
+///
+/// Why `fit` is the default on one rank: the share changes no number (the step is the CPU's bit
+/// for bit), and the exact offload step is bound by the host's memory, which moves only what is
+/// not shared (llama-8b on an H200: 1.86× the tokens/s of share 0, BENCHMARKS.md). With several
+/// ranks the default stays 0 and the run says what `fit` would choose: a share per rank is not
+/// yet measured on several GPUs.
 pub fn resolve_fit(
     requested: &mut Requested,
     inputs: &mut PlanInputs,
     elsewhere: impl FnOnce() -> Option<u64>,
 ) -> Result<Option<FitShare>> {
-    if requested.device_share != Some(DeviceShare::Fit) {
-        if inputs.rank == 0
-            && let Some(hint) = fit_hint(requested, inputs)?
-        {
-            tracing::info!("{hint}");
+    let by_default = match requested.device_share {
+        Some(DeviceShare::Fraction(_)) => return Ok(None),
+        Some(DeviceShare::Fit) => false,
+        None if inputs.world_size > 1 => {
+            if inputs.rank == 0
+                && let Some(hint) = fit_hint(inputs)?
+            {
+                tracing::info!("{hint}");
+            }
+            return Ok(None);
         }
+        None => true,
+    };
+    // The default reads the GPU only where a share can act and the GPU alone has room for one.
+    if by_default && fit_device_share(inputs, 0)?.share == 0.0 {
         return Ok(None);
     }
     let fit = fit_device_share(inputs, elsewhere().unwrap_or(0))?;
@@ -124,8 +141,9 @@ pub fn resolve_fit(
         }
     }
     if inputs.rank == 0 {
+        let asked = if by_default { "fit (the default on one GPU; 0 turns it off)" } else { "fit" };
         tracing::info!(
-            "device share fit: {} of the optimizer's partition held and stepped on the GPU: {}",
+            "device share {asked}: {} of the optimizer's partition held and stepped on the GPU: {}",
             fit.share,
             fit.why
         );
@@ -133,21 +151,17 @@ pub fn resolve_fit(
     Ok(Some(fit))
 }
 
-/// Where nothing asks for a share (the default, 0) and `fit` would find room for one on this
-/// run's GPU, the line that says so: the exact offload step is bound by the host's memory, and
-/// the share is the part of it the host then does not move. `None` where a share was asked for
-/// (0 included) or `fit` would choose 0.
-fn fit_hint(requested: &Requested, inputs: &PlanInputs) -> Result<Option<String>> {
-    if requested.device_share.is_some() {
-        return Ok(None);
-    }
+/// Where several ranks ask for no share (0 for them) and `fit` would find room for one on this
+/// rank's GPU, the line that says so: the exact offload step is bound by the host's memory, and
+/// the share is the part of it the host then does not move. `None` where `fit` would choose 0.
+fn fit_hint(inputs: &PlanInputs) -> Result<Option<String>> {
     let fit = fit_device_share(inputs, 0)?;
     Ok((fit.share > 0.0).then(|| {
         format!(
             "the GPU has room for part of the optimizer: `--device-share fit` would hold and step \
-             {} of its partition there ({}), so that the exact step moves only the rest through \
-             the host's memory, which bounds it; without it (the default, 0) the host moves all \
-             of it",
+             {} of each rank's partition there ({}), so that the exact step moves only the rest \
+             through the host's memory, which bounds it; with several ranks the default is 0 (the \
+             host moves all of it)",
             fit.share, fit.why
         )
     }))
@@ -214,9 +228,11 @@ mod tests {
         assert_eq!(crowded.share, 0.0, "{crowded:?}");
     }
 
-    /// `resolve_fit` reads what other processes hold only for `fit`, and counts it.
+    /// `resolve_fit` resolves `fit`, asked for or (on one rank) the default, and reads what
+    /// other processes hold only where a share can act: not for a fraction asked for (0 too),
+    /// not for the default where the share cannot act (ZenFlow) or with several ranks.
     #[test]
-    fn resolve_fit_reads_the_gpu_only_for_fit() {
+    fn resolve_fit_takes_fit_by_default_on_one_rank() {
         let inputs = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 48);
         let read = std::cell::Cell::new(0);
         let elsewhere = |bytes| {
@@ -226,19 +242,37 @@ mod tests {
                 Some(bytes)
             }
         };
-        for asked in [None, Some(DeviceShare::Fraction(0.2))] {
+        let mut two_ranks = inputs.clone();
+        two_ranks.world_size = 2;
+        let zenflow = with_gpu(super::super::tests::inputs("gpt-1.3b", "zenflow", (8, 1024)), 48);
+        let untouched = [
+            (Some(DeviceShare::Fraction(0.2)), &inputs),
+            (Some(DeviceShare::Fraction(0.0)), &inputs),
+            (None, &two_ranks),
+            (None, &zenflow),
+        ];
+        for (asked, inputs) in untouched {
             let mut requested = Requested { device_share: asked, ..Requested::default() };
-            let resolved = resolve_fit(&mut requested, &mut inputs.clone(), elsewhere(0));
+            let mut resolved_inputs = inputs.clone();
+            let resolved = resolve_fit(&mut requested, &mut resolved_inputs, elsewhere(0));
             assert_eq!(resolved.unwrap(), None, "{asked:?}");
+            assert_eq!(requested.device_share, asked);
+            let share = resolved_inputs.options.offload().map(|o| o.stream.device_share);
+            assert_eq!(share, inputs.options.offload().map(|o| o.stream.device_share));
         }
-        assert_eq!(read.get(), 0, "no reading without fit");
-        let mut fit = Requested { device_share: Some(DeviceShare::Fit), ..Requested::default() };
-        let chosen = resolve_fit(&mut fit, &mut inputs.clone(), elsewhere(8 * GIB)).unwrap();
-        assert_eq!(read.get(), 1);
+        assert_eq!(read.get(), 0, "no reading where no share can be chosen");
         let expected = fit_device_share(&inputs, 8 * GIB).unwrap();
         assert!(expected.share < fit_device_share(&inputs, 0).unwrap().share);
-        assert_eq!(chosen, Some(expected.clone()));
-        assert_eq!(fit.device_share, Some(DeviceShare::Fraction(expected.share)));
+        for (reads, asked) in [(1, Some(DeviceShare::Fit)), (2, None)] {
+            let mut requested = Requested { device_share: asked, ..Requested::default() };
+            let mut resolved_inputs = inputs.clone();
+            let chosen = resolve_fit(&mut requested, &mut resolved_inputs, elsewhere(8 * GIB));
+            assert_eq!(read.get(), reads, "{asked:?}");
+            assert_eq!(chosen.unwrap(), Some(expected.clone()), "{asked:?}");
+            assert_eq!(requested.device_share, Some(DeviceShare::Fraction(expected.share)));
+            let share = resolved_inputs.options.offload().unwrap().stream.device_share;
+            assert_eq!(share, expected.share, "{asked:?}");
+        }
     }
 
     /// A GPU the plan without a share already nearly fills: 0, and the plan's figures say why.
@@ -288,24 +322,25 @@ mod tests {
         assert!(fit_device_share(&two, 0).unwrap().share > 0.0);
     }
 
-    /// The default (no share asked for) on a GPU with room says what `fit` would choose; a
-    /// share asked for (0 too), `fit` itself, a run where the share cannot act (ZenFlow) and a
-    /// GPU without room say nothing.
+    /// Several ranks asking for no share keep 0, and on a GPU with room rank 0 says what `fit`
+    /// would choose; a run where the share cannot act (ZenFlow) and a GPU without room say
+    /// nothing.
     #[test]
-    fn the_default_says_what_fit_would_choose() {
-        let roomy = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40);
+    fn several_ranks_are_told_what_fit_would_choose() {
+        let ranks = |mut inputs: PlanInputs| {
+            inputs.world_size = 2;
+            inputs
+        };
+        let roomy = ranks(with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40));
         let chosen = fit_device_share(&roomy, 0).unwrap();
-        let hint = fit_hint(&Requested::default(), &roomy).unwrap().expect("a hint");
-        assert!(hint.contains(&format!("would hold and step {} of its partition", chosen.share)));
+        assert!(chosen.share > 0.0, "{chosen:?}");
+        let hint = fit_hint(&roomy).unwrap().expect("a hint");
+        assert!(hint.contains(&format!("would hold and step {} of each rank", chosen.share)));
         assert!(hint.contains(&chosen.why), "{hint}");
-        for asked in [DeviceShare::Fraction(0.0), DeviceShare::Fraction(0.3), DeviceShare::Fit] {
-            let requested = Requested { device_share: Some(asked), ..Requested::default() };
-            assert_eq!(fit_hint(&requested, &roomy).unwrap(), None, "{asked:?}");
-        }
-        let zenflow = with_gpu(inputs("gpt-1.3b", "zenflow", (8, 1024)), 40);
-        let full = with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 22);
+        let zenflow = ranks(with_gpu(inputs("gpt-1.3b", "zenflow", (8, 1024)), 40));
+        let full = ranks(with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 22));
         for quiet in [zenflow, full] {
-            assert_eq!(fit_hint(&Requested::default(), &quiet).unwrap(), None);
+            assert_eq!(fit_hint(&quiet).unwrap(), None);
         }
     }
 

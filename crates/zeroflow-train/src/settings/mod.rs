@@ -101,7 +101,8 @@ pub struct Requested {
     pub overlap_forward: Option<bool>,
     /// The share of the optimizer's partition stepped on the device: a fraction at least 0 and
     /// below 1, or as much as the memory plan finds room for (`fit`, which the caller resolves
-    /// to a fraction before the engine is built: [`crate::plan::fit_device_share`]; `None`: 0).
+    /// to a fraction before the engine is built: [`crate::plan::resolve_fit`]; `None`: `fit` on
+    /// one rank, 0 on several).
     pub device_share: Option<DeviceShare>,
     /// Sequence packing: several documents per row, no attention across their boundaries,
     /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
