@@ -7,7 +7,7 @@ use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::DeviceShare;
 use zeroflow_engine::AccumulateOn;
 
-use super::{MemoryPlan, PlanInputs, gib};
+use super::{Knob, MemoryPlan, PlanInputs, gib};
 use crate::DeviceKind;
 use crate::error::Result;
 use crate::settings::Requested;
@@ -92,6 +92,20 @@ pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare>
     };
     if elsewhere >= SAID_ELSEWHERE {
         why += &format!(", beside {} that other processes hold", gib(elsewhere));
+    }
+    // At the cap the offload keeps the optimizer on the GPU and in host memory both: where it
+    // fits the GPU alone, the run without offload holds less of either.
+    if hundredths == FIT_MAX_HUNDREDTHS
+        && let Some(on_gpu) = Knob::OptimizerOnGpu.apply(inputs)
+        && let Ok(on_gpu) = MemoryPlan::new(on_gpu)
+        && on_gpu.gpu_total <= limit
+    {
+        why += &format!(
+            "; the whole optimizer fits on the GPU: with {} the run would hold {} of it and no \
+             optimizer state in host memory, at the same speed",
+            Knob::OptimizerOnGpu.flag(inputs.caller),
+            gib(on_gpu.gpu_total)
+        );
     }
     Ok(FitShare { share, why })
 }
@@ -204,8 +218,14 @@ mod tests {
             shares.push(fit.share);
         }
         assert!(shares[0] < shares[1] && shares[1] < shares[2], "{shares:?}");
-        // 80 GiB holds all of gpt-1.3b's 16 B per parameter beside the rest: the cap.
+        // 80 GiB holds all of gpt-1.3b's 16 B per parameter beside the rest: the cap, and the
+        // reason names the run without offload, which fits too; below the cap it does not.
         assert_eq!(shares[2], 0.99);
+        let capped = fit_device_share(&with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 80), 0);
+        let why = capped.unwrap().why;
+        assert!(why.contains("the whole optimizer fits on the GPU: with --mode gpu"), "{why}");
+        let below = fit_device_share(&with_gpu(inputs("gpt-1.3b", "offload", (8, 1024)), 40), 0);
+        assert!(!below.unwrap().why.contains("the whole optimizer fits"));
     }
 
     /// Memory other processes hold on the GPU leaves `fit` less room: on 48 GiB, where gpt-1.3b
