@@ -203,26 +203,32 @@ fn read_template(dir: &Path) -> String {
     config["chat_template"].as_str().unwrap().to_owned()
 }
 
-/// A prompt outside the vocabulary, a bad id list, a window past the context and text without
-/// a tokenizer each exit 2 naming what is wrong.
+/// A prompt outside the vocabulary, a bad id list, a window past the context, text without a
+/// tokenizer, and a MODEL that is missing or holds no model (for `generate` and `eval`; it was
+/// "has no tokenizer.json" and an internal error) each exit 2 naming what is wrong.
 #[test]
 fn bad_input_exits_2_naming_it() {
     let dir = hf_dir("bad");
     let model_dir = dir.to_str().unwrap();
     let shard = dir.with_file_name("data.bin");
     zeroflow_data::write_shard(&shard, &[1, 2, 3, 4]).unwrap();
+    let (missing, empty) = (dir.with_file_name("missing"), dir.with_file_name("empty"));
+    std::fs::create_dir_all(&empty).unwrap();
+    let (missing, empty) = (missing.to_str().unwrap(), empty.to_str().unwrap());
     let generate = |extra: &[&'static str]| -> Vec<&str> {
         [&["generate", model_dir, "--max-new-tokens", "2"], extra].concat()
     };
-    let cases: [(Vec<&str>, &str); 5] = [
+    let eval = |model| vec!["eval", model, "--data", shard.to_str().unwrap()];
+    let cases: [(Vec<&str>, &str); 9] = [
         (generate(&["--prompt-tokens", "1,64"]), "token 64 is outside the vocabulary (64)"),
         (generate(&["--prompt-tokens", "1;2"]), "--prompt-tokens"),
         (generate(&["--prompt", "hi"]), "--tokenizer"),
         (generate(&["--prompt-tokens", "1", "--temperature=-1"]), "--temperature"),
-        (
-            vec!["eval", model_dir, "--data", shard.to_str().unwrap(), "--window", "17"],
-            "--window 17",
-        ),
+        ([&eval(model_dir)[..], &["--window", "17"]].concat(), "--window 17"),
+        (vec!["generate", missing, "--prompt", "hi", "--max-new-tokens", "2"], "no such directory"),
+        (vec!["generate", empty, "--prompt", "hi", "--max-new-tokens", "2"], "holds no model"),
+        (eval(missing), "no such directory; give a Hugging Face model directory"),
+        (eval(empty), "holds no model"),
     ];
     for (args, named) in cases {
         let run = zeroflow(&args);

@@ -34,12 +34,21 @@ enum Weights {
     Llama(Box<HfLlama>),
 }
 
-const WHAT_TO_DO: &str = "--init-from needs a Hugging Face GPT-2 directory with an F32 \
-                          model.safetensors (such as `zeroflow export` writes)";
+const WHAT_TO_DO: &str = "--init-from needs a Hugging Face model directory: a config.json \
+                          whose architectures names LlamaForCausalLM, Qwen2ForCausalLM, \
+                          Qwen3ForCausalLM, MistralForCausalLM or GPT2LMHeadModel, and its \
+                          safetensors (GPT-2's an F32 model.safetensors, such as `zeroflow \
+                          export` writes)";
 
 /// Reads `dir`: its `config.json` (where present) says the family, whose weights are checked
 /// against the model's names and shapes.
 pub fn read(dir: &Path) -> Result<HfModel> {
+    if !dir.is_dir() {
+        return Err(input(format!(
+            "--init-from {}: no such directory; {WHAT_TO_DO}",
+            dir.display()
+        )));
+    }
     let config_path = dir.join("config.json");
     let json = read_json(&config_path)?;
     if json.as_ref().and_then(ModelSpec::names_gpt2) == Some(false) {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use zeroflow_data::ChatTemplate;
 use zeroflow_train::infer::{
-    Completion, HostModel, InferDevice, Prompt, Sampling, parse_ids, read_prompts,
+    Completion, HostModel, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts,
 };
 
 use crate::InputError;
@@ -61,6 +61,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // MODEL first: its tokenizer is looked for in it.
+    ModelDir::find(&args.model)?;
     let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
         (Some(file), ..) => read_prompts(file)?,

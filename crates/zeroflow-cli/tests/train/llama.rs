@@ -185,7 +185,9 @@ fn a_llama_run_resumes_exactly() {
 }
 
 /// A directory with a field zeroflow does not implement, or with a shard missing, is refused
-/// before training: exit 2, the file and the field (or the shard) named.
+/// before training: exit 2, the file and the field (or the shard) named; a directory that is not
+/// there is named as such, with the families a directory may hold (it said "a Hugging Face GPT-2
+/// directory with an F32 model.safetensors").
 #[test]
 fn bad_llama_directories_exit_2_naming_the_file() {
     let dir = scratch("llama_bad_dirs");
@@ -219,6 +221,14 @@ fn bad_llama_directories_exit_2_naming_the_file() {
         assert!(stderr.contains(file) && stderr.contains(named), "{stderr}");
         assert!(!out.exists(), "nothing written for {}", bad.display());
     }
+    let missing = dir.join("Llama-3-8B-typo");
+    let out = dir.join("out");
+    let run = train(&["--init-from", missing.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("Llama-3-8B-typo: no such directory"), "{stderr}");
+    assert!(stderr.contains("LlamaForCausalLM, Qwen2ForCausalLM"), "{stderr}");
+    assert!(!out.exists(), "nothing written for {}", missing.display());
 }
 
 /// The Llama family's named shapes are `--model`'s: listed by `models` with their parameter

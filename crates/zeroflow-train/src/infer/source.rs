@@ -22,18 +22,25 @@ pub enum ModelDir {
 
 impl ModelDir {
     /// `dir` as a checkpoint where it has `state.json`, as its newest checkpoint where it is a
-    /// run directory (`checkpoints/step-N`), else as a Hugging Face directory.
+    /// run directory (`checkpoints/step-N`), else as a Hugging Face directory (`config.json`);
+    /// an input error, saying what MODEL may be, where it is none of them.
     pub fn find(dir: &Path) -> Result<ModelDir> {
         if dir.join("state.json").is_file() {
             return Ok(ModelDir::Checkpoint(dir.to_path_buf()));
         }
         let newest = checkpoints::list(dir).map_err(TrainError::model)?.pop();
-        Ok(match newest {
-            Some((_, checkpoint)) if !dir.join("config.json").exists() => {
-                ModelDir::Checkpoint(checkpoint)
-            }
-            _ => ModelDir::HuggingFace(dir.to_path_buf()),
-        })
+        let hf = dir.join("config.json").exists();
+        match newest {
+            Some((_, checkpoint)) if !hf => Ok(ModelDir::Checkpoint(checkpoint)),
+            _ if hf => Ok(ModelDir::HuggingFace(dir.to_path_buf())),
+            _ => Err(input(format!(
+                "MODEL {}: {}; give a Hugging Face model directory (config.json and its \
+                 safetensors), a checkpoint (<run>/checkpoints/step-N, with state.json) or a run \
+                 directory (its newest checkpoint)",
+                dir.display(),
+                if dir.is_dir() { "holds no model" } else { "no such directory" }
+            ))),
+        }
     }
 }
 
