@@ -19,7 +19,7 @@ const FIT_HEADROOM: f64 = 0.1;
 
 /// Memory held on the GPU by other processes that `fit`'s reason names (below it, the context
 /// estimate's own error).
-const SAID_ELSEWHERE: u64 = 1 << 30;
+pub(super) const SAID_ELSEWHERE: u64 = 1 << 30;
 
 /// The largest share `fit` chooses: the engine takes shares below 1.
 const FIT_MAX_HUNDREDTHS: u32 = 99;

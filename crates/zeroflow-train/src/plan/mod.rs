@@ -284,14 +284,17 @@ fn merge(lines: Vec<PlanLine>) -> Vec<PlanLine> {
 pub struct MachineMemory {
     /// The GPU's memory (`cuDeviceTotalMem`; `None` on the CPU device or where unknown).
     pub gpu_total: Option<u64>,
+    /// What other processes hold of it at the start ([`MachineMemory::gpu_held_elsewhere`];
+    /// `None` on the CPU device or where unknown): the plan must fit beside it.
+    pub gpu_elsewhere: Option<u64>,
     /// `MemTotal` and `MemAvailable` of /proc/meminfo.
     pub host_total: Option<u64>,
     pub host_available: Option<u64>,
 }
 
 impl MachineMemory {
-    /// This machine's, for `device` (the GPU of `gpu` among those visible), found without
-    /// creating a CUDA context.
+    /// This machine's, for `device` (the GPU of `gpu` among those visible); on CUDA, what other
+    /// processes hold of the GPU is read once per process ([`MachineMemory::gpu_held_elsewhere`]).
     pub fn this_machine(device: DeviceKind, gpu: usize) -> MachineMemory {
         let gpu_total = match device {
             DeviceKind::Cpu => None,
@@ -306,19 +309,41 @@ impl MachineMemory {
         };
         MachineMemory {
             gpu_total,
+            gpu_elsewhere: gpu_total.and_then(|_| MachineMemory::gpu_held_elsewhere(device, gpu)),
             host_total: field("MemTotal:"),
             host_available: field("MemAvailable:"),
         }
     }
 
-    /// The memory other processes hold now on GPU `gpu` (`None` on the CPU device, or with a
+    /// The memory other processes hold on GPU `gpu` (`None` on the CPU device, or with a
     /// warning where the driver cannot say): its total less its free memory, read from a context
     /// of this process opened for the reading, less that context's estimate
-    /// ([`CUDA_CONTEXT_BYTES`], which the plan counts as this run's).
+    /// ([`CUDA_CONTEXT_BYTES`], which the plan counts as this run's). Read once per process and
+    /// GPU, before this process allocates (a later reading would count its own memory).
     pub fn gpu_held_elsewhere(device: DeviceKind, gpu: usize) -> Option<u64> {
+        static READINGS: std::sync::Mutex<Vec<(usize, Option<u64>)>> =
+            std::sync::Mutex::new(Vec::new());
         if device != DeviceKind::Cuda {
             return None;
         }
+        let mut readings = READINGS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(&(_, reading)) = readings.iter().find(|(read, _)| *read == gpu) {
+            return reading;
+        }
+        let reading = MachineMemory::read_gpu_held_elsewhere(gpu);
+        readings.push((gpu, reading));
+        reading
+    }
+
+    /// ` (X held by other processes)` where they hold a gibibyte or more of the GPU, else empty.
+    fn said_elsewhere(&self) -> String {
+        match self.gpu_elsewhere.filter(|&bytes| bytes >= fit::SAID_ELSEWHERE) {
+            Some(bytes) => format!(" ({} held by other processes)", gib(bytes)),
+            None => String::new(),
+        }
+    }
+
+    fn read_gpu_held_elsewhere(gpu: usize) -> Option<u64> {
         match zeroflow_device::cuda::info::memory_now(gpu) {
             Ok((free, total)) => {
                 Some((total as u64).saturating_sub(free as u64).saturating_sub(CUDA_CONTEXT_BYTES))
@@ -356,8 +381,9 @@ impl MemoryPlan {
     /// Against `machine`: the GPU total within the GPU's memory, the host total within the
     /// memory available (the process's own is part of the plan: [`CUDA_HOST_BASELINE_BYTES`]).
     pub fn fit(&self, machine: &MachineMemory) -> Fit {
+        let elsewhere = machine.gpu_elsewhere.unwrap_or(0);
         Fit {
-            gpu: machine.gpu_total.is_none_or(|total| self.gpu_total <= total),
+            gpu: machine.gpu_total.is_none_or(|total| self.gpu_total + elsewhere <= total),
             host: machine.host_available.is_none_or(|available| self.host_total <= available),
         }
     }
@@ -367,9 +393,10 @@ impl MemoryPlan {
         let of = |total: Option<u64>| total.map_or(String::new(), |t| format!(" of {}", gib(t)));
         let fit = self.fit(machine);
         format!(
-            "memory plan: GPU {}{}, host {}{} available; {}",
+            "memory plan: GPU {}{}{}, host {}{} available; {}",
             gib(self.gpu_total),
             of(machine.gpu_total),
+            machine.said_elsewhere(),
             gib(self.host_total),
             of(machine.host_available),
             if fit.fits() { "fits" } else { "does not fit" }
@@ -403,6 +430,10 @@ impl MemoryPlan {
             "{:<60} {machine_gpu:>12} {available:>12}\n",
             "machine (GPU total, host available)"
         );
+        if let Some(elsewhere) = machine.gpu_elsewhere.filter(|&b| b >= fit::SAID_ELSEWHERE) {
+            out +=
+                &format!("{:<60} {:>12}\n", "held on the GPU by other processes", gib(elsewhere));
+        }
         match self.check(machine) {
             Ok(()) => out += "fits\n",
             Err(error) => out += &format!("does not fit: {error}\n"),
@@ -439,6 +470,7 @@ impl MemoryPlan {
             "gpu_total_bytes": self.gpu_total,
             "host_total_bytes": self.host_total,
             "machine_gpu_bytes": machine.gpu_total,
+            "machine_gpu_held_elsewhere_bytes": machine.gpu_elsewhere,
             "machine_host_total_bytes": machine.host_total,
             "machine_host_available_bytes": machine.host_available,
             "fits": fit.fits(),
@@ -589,7 +621,7 @@ impl MemoryPlan {
             Knob::Bf16Moments,
         ]);
         // A share the GPU has no room for: the one that fits.
-        if let Ok(fit) = fit_device_share(inputs, 0) {
+        if let Ok(fit) = fit_device_share(inputs, machine.gpu_elsewhere.unwrap_or(0)) {
             knobs.push(Knob::DeviceShare((fit.share * 100.0).round() as u32));
         }
         knobs
@@ -619,7 +651,8 @@ impl MemoryPlan {
         }
         let mut message = String::new();
         if let (false, Some(total)) = (fit.gpu, machine.gpu_total) {
-            message += &format!("GPU: needs {} of {}. ", gib(self.gpu_total), gib(total));
+            let beside = machine.said_elsewhere();
+            message += &format!("GPU: needs {} of {}{beside}. ", gib(self.gpu_total), gib(total));
         }
         if let (false, Some(available)) = (fit.host, machine.host_available) {
             message +=

@@ -13,6 +13,7 @@ pub(super) const GIB: u64 = 1 << 30;
 pub(super) fn machine(gpu: u64, host_total: u64, host_available: u64) -> MachineMemory {
     MachineMemory {
         gpu_total: Some(gpu),
+        gpu_elsewhere: None,
         host_total: Some(host_total),
         host_available: Some(host_available),
     }
@@ -109,6 +110,32 @@ fn a_plan_too_large_names_the_knobs_that_fit() {
     }
     // The optimizer is on the GPU already: that knob is not offered.
     assert!(!error.contains("--mode gpu"), "{error}");
+}
+
+/// Memory other processes hold on the GPU counts against the plan: gpt-1.3b's `gpu` mode fits
+/// an 80 GiB GPU alone, not beside 50 GiB of theirs, and the refusal, the start's line and the
+/// table say so, naming only knobs whose plans fit beside them (offload among them).
+#[test]
+fn memory_other_processes_hold_on_the_gpu_counts_against_the_plan() {
+    let plan = MemoryPlan::new(inputs("gpt-1.3b", "gpu", (8, 1024))).unwrap();
+    let alone = machine(80 * GIB, 512 * GIB, 500 * GIB);
+    assert!(plan.check(&alone).is_ok());
+    assert!(!plan.summary(&alone).contains("other processes"), "{}", plan.summary(&alone));
+    let shared = MachineMemory { gpu_elsewhere: Some(50 * GIB), ..alone };
+    assert!(!plan.fit(&shared).gpu);
+    let error = plan.check(&shared).expect_err("does not fit beside them").to_string();
+    assert!(error.contains("of 80.00 GiB (50.00 GiB held by other processes)"), "{error}");
+    assert!(error.contains("--mode offload"), "{error}");
+    for (flag, knob_plan) in &plan.knobs_that_fit(&shared) {
+        assert!(knob_plan.gpu_total + 50 * GIB <= 80 * GIB, "{flag}");
+    }
+    let summary = plan.summary(&shared);
+    assert!(summary.contains("(50.00 GiB held by other processes)"), "{summary}");
+    assert!(summary.ends_with("does not fit"), "{summary}");
+    assert!(plan.table(&shared).contains("held on the GPU by other processes"));
+    // Under a gibibyte (the context estimate's own error) is not said, and changes little.
+    let little = MachineMemory { gpu_elsewhere: Some(GIB / 2), ..alone };
+    assert!(!plan.summary(&little).contains("other processes"));
 }
 
 /// llama-8b's offload with gradient accumulation summed on the host needs its accumulator
