@@ -264,11 +264,11 @@ fn bench<F: Family, M: Model>(
         activation_checkpointing,
         ..zeroflow_nn::PlanOptions::default()
     };
-    let plan = plan_bench(args, model, (&mut options, &mut requested), dist, (seq, model_options))?;
+    let (plan, machine) =
+        plan_bench(args, model, (&mut options, &mut requested), dist, (seq, model_options))?;
     let effective =
         Effective::new(args.device, attention, &requested, &options, dtype, binding.as_ref());
     if args.plan == PlanMode::Only {
-        let machine = MachineMemory::this_machine(args.device, dist.local_rank);
         let out = json!({ "plan": plan.to_json(&machine), "table": plan.table(&machine) });
         return Ok((dist.rank == 0).then_some(out));
     }
@@ -297,16 +297,16 @@ fn bench<F: Family, M: Model>(
     Ok(Some(out))
 }
 
-/// This rank's memory plan, said in one line on rank 0, and (unless `--no-plan-check`) an input
-/// error where it does not fit the machine, before anything is allocated; `--device-share fit`
-/// resolved into `options` and `requested` first.
+/// This rank's memory plan and the machine's memory, the plan said in one line on rank 0, and
+/// (unless `--no-plan-check`) an input error where it does not fit the machine, before anything
+/// is allocated; `--device-share fit` resolved into `options` and `requested` first.
 fn plan_bench<F: Family>(
     args: &BenchOptions,
     model: &F,
     (options, requested): (&mut EngineOptions, &mut Requested),
     dist: &DistEnv,
     (seq, model_options): (usize, zeroflow_nn::PlanOptions),
-) -> Result<MemoryPlan> {
+) -> Result<(MemoryPlan, MachineMemory)> {
     let machine = MachineMemory::this_machine(args.device, dist.local_rank);
     let mut inputs = PlanInputs {
         model: model.spec(),
@@ -320,12 +320,11 @@ fn plan_bench<F: Family>(
         caller: Caller::Bench,
         gpu_memory: machine.gpu_total,
     };
-    let elsewhere = || MachineMemory::gpu_held_elsewhere(args.device, dist.local_rank);
-    crate::plan::resolve_fit(requested, &mut inputs, elsewhere)?;
+    crate::plan::resolve_fit(requested, &mut inputs, || machine.gpu_elsewhere)?;
     options.clone_from(&inputs.options);
     let plan = MemoryPlan::new(inputs)?;
     if args.plan == PlanMode::Only {
-        return Ok(plan);
+        return Ok((plan, machine));
     }
     if dist.rank == 0 {
         tracing::info!("{}", plan.summary(&machine));
@@ -333,7 +332,7 @@ fn plan_bench<F: Family>(
     if args.plan == PlanMode::Check {
         plan.check_before_start(&machine)?;
     }
-    Ok(plan)
+    Ok((plan, machine))
 }
 
 /// This rank's inputs and targets: its slice of one global batch of `world × tokens` random

@@ -163,7 +163,7 @@ impl Setup {
         let planned = prepare(&mut args, &dist, env)?;
         let Prepared { resume, hf, model, seed, steps, config, config_file, seq, .. } = planned;
         let (settings, attention, spec) = (planned.settings, planned.attention, planned.spec);
-        let machine = MachineMemory::this_machine(args.device, dist.local_rank);
+        let machine = planned.machine;
         if dist.rank == 0 {
             tracing::info!("{}", planned.plan.summary(&machine));
         }
@@ -266,6 +266,8 @@ struct Prepared {
     spec: data::Spec,
     data_files: Vec<DataFile>,
     plan: MemoryPlan,
+    /// What the machine has, read once for the run before anything is allocated.
+    machine: MachineMemory,
 }
 
 /// The memory plan of the run `options` ask for on the rank `dist`, and this machine's memory,
@@ -275,8 +277,8 @@ pub fn plan(
     dist: DistEnv,
     env: Requested,
 ) -> Result<(MemoryPlan, MachineMemory)> {
-    let machine = MachineMemory::this_machine(options.device, dist.local_rank);
-    Ok((prepare(&mut options, &dist, env)?.plan, machine))
+    let prepared = prepare(&mut options, &dist, env)?;
+    Ok((prepared.plan, prepared.machine))
 }
 
 /// The checks and resolutions of [`Setup::for_rank`] up to the memory plan.
@@ -324,11 +326,11 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
         settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
     let attention = settings::attention(args.device, &model, &settings)?;
     let resumed = resume.is_some();
-    let mut inputs =
-        train_plan_inputs(args, &model, &config, dist, (seq, &settings, attention), resumed)?;
+    let machine = MachineMemory::this_machine(args.device, dist.local_rank);
+    let run = (seq, &settings, attention);
+    let mut inputs = train_plan_inputs(args, &model, &config, dist, run, (resumed, &machine))?;
     // `--device-share fit`: the trainer builds its engine with the share the plan chose.
-    let elsewhere = || MachineMemory::gpu_held_elsewhere(args.device, dist.local_rank);
-    crate::plan::resolve_fit(&mut settings, &mut inputs, elsewhere)?;
+    crate::plan::resolve_fit(&mut settings, &mut inputs, || machine.gpu_elsewhere)?;
     let plan = MemoryPlan::new(inputs)?;
     Ok(Prepared {
         resume,
@@ -345,18 +347,19 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
         spec,
         data_files,
         plan,
+        machine,
     })
 }
 
 /// What the memory plan of a rank of the run is of, with the engine's options as the trainer
-/// will make them (the config's, tuned by the run-time settings).
+/// will make them (the config's, tuned by the run-time settings), on `machine`.
 fn train_plan_inputs(
     args: &TrainOptions,
     model: &ModelSpec,
     config: &Config,
     dist: &DistEnv,
     (seq, settings, attention): (usize, &Requested, zeroflow_nn::AttentionKind),
-    resumed: bool,
+    (resumed, machine): (bool, &MachineMemory),
 ) -> Result<PlanInputs> {
     let mut options =
         EngineOptions::from_config(config, 1).map_err(|e| input(format!("the config: {e}")))?;
@@ -382,7 +385,7 @@ fn train_plan_inputs(
             packed: settings.pack.unwrap_or(false),
         },
         caller: Caller::Train { resumed },
-        gpu_memory: MachineMemory::this_machine(args.device, dist.local_rank).gpu_total,
+        gpu_memory: machine.gpu_total,
     })
 }
 

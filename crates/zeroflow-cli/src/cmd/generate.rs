@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use zeroflow_data::ChatTemplate;
 use zeroflow_train::infer::{
-    Completion, HostModel, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts,
+    Completion, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts,
 };
 
 use crate::InputError;
@@ -62,7 +62,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     // MODEL first: its tokenizer is looked for in it.
-    ModelDir::find(&args.model)?;
+    let source = ModelDir::find(&args.model)?;
     let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
         (Some(file), ..) => read_prompts(file)?,
@@ -120,7 +120,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokens.map_err(|e| InputError(format!("{what}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let mut model = HostModel::open(&args.model)?;
+    let mut model = source.open()?;
     if let Some(turn_end) = chat.as_ref().and_then(|(tokenizer, _)| tokenizer.eot()) {
         model.also_stop_at(turn_end);
     }

@@ -42,16 +42,21 @@ impl ModelDir {
             ))),
         }
     }
+
+    /// Its model: a Hugging Face directory's ([`HostModel::open_hf`]) or a checkpoint's
+    /// ([`HostModel::open_checkpoint`]).
+    pub fn open(&self) -> Result<HostModel> {
+        match self {
+            ModelDir::HuggingFace(dir) => HostModel::open_hf(dir),
+            ModelDir::Checkpoint(dir) => HostModel::open_checkpoint(dir),
+        }
+    }
 }
 
 impl HostModel {
-    /// The model of the directory `dir` ([`ModelDir::find`]): a Hugging Face directory
-    /// ([`HostModel::open_hf`]) or a checkpoint ([`HostModel::open_checkpoint`]).
+    /// The model of the directory `dir` ([`ModelDir::find`], [`ModelDir::open`]).
     pub fn open(dir: &Path) -> Result<HostModel> {
-        match ModelDir::find(dir)? {
-            ModelDir::HuggingFace(dir) => HostModel::open_hf(&dir),
-            ModelDir::Checkpoint(dir) => HostModel::open_checkpoint(&dir),
-        }
+        ModelDir::find(dir)?.open()
     }
 
     /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s

@@ -114,7 +114,7 @@ pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare>
 /// for no share on one rank (the default): the share chosen into `requested` and into `inputs`'
 /// options (with gradient accumulation the window is then summed on the device, as the plan
 /// found room for), said in the log; `None` where a fraction is asked for, or where the default
-/// finds nothing to share. `elsewhere` reads what other processes hold on the GPU now (asked only
+/// finds nothing to share. `elsewhere` says what other processes hold on the GPU (asked only
 /// where a share can act; `None` counts as nothing).
 ///
 /// Why `fit` is the default on one rank: the share changes no number (the step is the CPU's bit
@@ -140,7 +140,7 @@ pub fn resolve_fit(
         }
         None => true,
     };
-    // The default reads the GPU only where a share can act and the GPU alone has room for one.
+    // The default chooses (and speaks) only where a share can act and the GPU alone has room.
     if by_default && fit_device_share(inputs, 0)?.share == 0.0 {
         return Ok(None);
     }

@@ -284,8 +284,8 @@ fn merge(lines: Vec<PlanLine>) -> Vec<PlanLine> {
 pub struct MachineMemory {
     /// The GPU's memory (`cuDeviceTotalMem`; `None` on the CPU device or where unknown).
     pub gpu_total: Option<u64>,
-    /// What other processes hold of it at the start ([`MachineMemory::gpu_held_elsewhere`];
-    /// `None` on the CPU device or where unknown): the plan must fit beside it.
+    /// What other processes hold of it when read ([`MachineMemory::this_machine`]; `None` on
+    /// the CPU device or where unknown): the plan must fit beside it.
     pub gpu_elsewhere: Option<u64>,
     /// `MemTotal` and `MemAvailable` of /proc/meminfo.
     pub host_total: Option<u64>,
@@ -293,8 +293,9 @@ pub struct MachineMemory {
 }
 
 impl MachineMemory {
-    /// This machine's, for `device` (the GPU of `gpu` among those visible); on CUDA, what other
-    /// processes hold of the GPU is read once per process ([`MachineMemory::gpu_held_elsewhere`]).
+    /// This machine's, for `device` (the GPU of `gpu` among those visible), read now: a run reads
+    /// it once, before it allocates (a later reading would count the run's own GPU memory as
+    /// other processes').
     pub fn this_machine(device: DeviceKind, gpu: usize) -> MachineMemory {
         let gpu_total = match device {
             DeviceKind::Cpu => None,
@@ -309,41 +310,17 @@ impl MachineMemory {
         };
         MachineMemory {
             gpu_total,
-            gpu_elsewhere: gpu_total.and_then(|_| MachineMemory::gpu_held_elsewhere(device, gpu)),
+            gpu_elsewhere: gpu_total.and_then(|_| MachineMemory::gpu_held_elsewhere(gpu)),
             host_total: field("MemTotal:"),
             host_available: field("MemAvailable:"),
         }
     }
 
-    /// The memory other processes hold on GPU `gpu` (`None` on the CPU device, or with a
-    /// warning where the driver cannot say): its total less its free memory, read from a context
-    /// of this process opened for the reading, less that context's estimate
-    /// ([`CUDA_CONTEXT_BYTES`], which the plan counts as this run's). Read once per process and
-    /// GPU, before this process allocates (a later reading would count its own memory).
-    pub fn gpu_held_elsewhere(device: DeviceKind, gpu: usize) -> Option<u64> {
-        static READINGS: std::sync::Mutex<Vec<(usize, Option<u64>)>> =
-            std::sync::Mutex::new(Vec::new());
-        if device != DeviceKind::Cuda {
-            return None;
-        }
-        let mut readings = READINGS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(&(_, reading)) = readings.iter().find(|(read, _)| *read == gpu) {
-            return reading;
-        }
-        let reading = MachineMemory::read_gpu_held_elsewhere(gpu);
-        readings.push((gpu, reading));
-        reading
-    }
-
-    /// ` (X held by other processes)` where they hold a gibibyte or more of the GPU, else empty.
-    fn said_elsewhere(&self) -> String {
-        match self.gpu_elsewhere.filter(|&bytes| bytes >= fit::SAID_ELSEWHERE) {
-            Some(bytes) => format!(" ({} held by other processes)", gib(bytes)),
-            None => String::new(),
-        }
-    }
-
-    fn read_gpu_held_elsewhere(gpu: usize) -> Option<u64> {
+    /// The memory other processes hold on GPU `gpu` now (`None`, with a warning, where the
+    /// driver cannot say): its total less its free memory, read from a context of this process
+    /// opened for the reading, less that context's estimate ([`CUDA_CONTEXT_BYTES`], which the
+    /// plan counts as this run's).
+    fn gpu_held_elsewhere(gpu: usize) -> Option<u64> {
         match zeroflow_device::cuda::info::memory_now(gpu) {
             Ok((free, total)) => {
                 Some((total as u64).saturating_sub(free as u64).saturating_sub(CUDA_CONTEXT_BYTES))
@@ -355,6 +332,14 @@ impl MachineMemory {
                 );
                 None
             }
+        }
+    }
+
+    /// ` (X held by other processes)` where they hold a gibibyte or more of the GPU, else empty.
+    fn said_elsewhere(&self) -> String {
+        match self.gpu_elsewhere.filter(|&bytes| bytes >= fit::SAID_ELSEWHERE) {
+            Some(bytes) => format!(" ({} held by other processes)", gib(bytes)),
+            None => String::new(),
         }
     }
 }
