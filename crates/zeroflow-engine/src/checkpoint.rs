@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Element, bf16, f16};
+use zeroflow_hf::{HfError, SafetensorsFile};
 
 use crate::{LossScaler, OptimizerPart, ZenFlowSnapshot};
 
@@ -539,33 +540,43 @@ struct ZenFlowMeta {
 }
 
 /// The weights the run would have after its pending delayed update: the fp32 master weights of
-/// the optimizer parts, rounded to `P`, as named tensors in the layout of `model.safetensors`.
+/// the optimizer parts (read a piece at a time), rounded to `P`, as named tensors in the layout of
+/// `model.safetensors`.
 pub fn weights_from_master<P: Stored + zeroflow_core::Float>(
-    loaded: &Loaded<P>,
+    opened: &Opened,
 ) -> Result<(Vec<P>, Vec<NamedTensor>), CheckpointError> {
-    let end = loaded.parts.iter().map(|p| p.flat.end).max().unwrap_or(0);
+    let end = opened.parts.iter().map(|p| p.flat.end).max().unwrap_or(0);
     let mut flat = vec![P::default(); end];
-    for part in &loaded.parts {
-        for (w, m) in flat[part.flat.clone()].iter_mut().zip(&part.master) {
-            *w = P::from_f32(*m);
+    let mut piece = vec![0.0f32; (1 << 20).min(end)];
+    for part in &opened.parts {
+        let mut start = 0;
+        while start < part.flat.len() {
+            let n = piece.len().min(part.flat.len() - start);
+            part.read(0, start..start + n, &mut piece[..n])?;
+            let at = part.flat.start + start;
+            for (w, m) in flat[at..at + n].iter_mut().zip(&piece[..n]) {
+                *w = P::from_f32(*m);
+            }
+            start += n;
         }
     }
     let mut tensors = Vec::new();
-    for (name, (shape, _)) in &loaded.tensors {
-        let entry = loaded.meta.params.iter().find(|p| &p.name == name).ok_or_else(|| {
+    for (name, entry) in opened.model.tensors() {
+        let param = opened.meta.params.iter().find(|p| p.name == name).ok_or_else(|| {
             CheckpointError::Corrupt {
                 path: PathBuf::from("state.json"),
                 reason: format!("no layout entry for tensor {name}"),
             }
         })?;
-        // The shape was checked against the file's bytes, so its product does not overflow.
-        let numel: usize = shape.iter().product();
-        let flat_range = entry.offset..entry.offset.saturating_add(numel);
+        // The header was checked against the file's length, so its product does not overflow.
+        let numel: usize = entry.shape.iter().product();
+        let flat_range = param.offset..param.offset.saturating_add(numel);
         if flat_range.end > end {
             let reason = format!("the optimizer state does not cover {name}");
             return Err(CheckpointError::Corrupt { path: PathBuf::from("optim"), reason });
         }
-        tensors.push(NamedTensor { name: name.clone(), shape: shape.clone(), flat: flat_range });
+        let shape = entry.shape.clone();
+        tensors.push(NamedTensor { name: name.to_string(), shape, flat: flat_range });
     }
     tensors.sort_by_key(|t| t.flat.start);
     Ok((flat, tensors))
@@ -730,8 +741,34 @@ pub struct Loaded<P> {
     pub zenflow: Vec<ZenFlowSnapshot>,
 }
 
-/// Reads the checkpoint in `dir`, checking everything it can without knowing the run.
+/// Reads the checkpoint in `dir` whole, checking everything it can without knowing the run: what
+/// [`open`] checks, with every tensor's elements in memory.
 pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
+    let opened = open::<P>(dir)?;
+    let model_path = opened.model.path();
+    let model = fs::read(model_path).map_err(io(model_path))?;
+    let tensors = read_tensors::<P>(&model, model_path)?;
+    let parts = opened.parts.iter().map(PartFile::to_part).collect::<Result<_, _>>()?;
+    Ok(Loaded { meta: opened.meta, tensors, parts, zenflow: opened.zenflow })
+}
+
+/// A checkpoint opened: its `state.json`, and the headers of its files checked against it and
+/// against their lengths (every model tensor of the run's element type, each rank's range and
+/// arrays); of the files' data only ZenFlow's state is read. The weights and the optimizer
+/// state are read a range at a time ([`Opened::flat_weights`], [`PartFile::read`]), so that
+/// resuming a model of many gigabytes never holds a file in memory beside what it is read into.
+#[derive(Debug)]
+pub struct Opened {
+    pub meta: Meta,
+    pub model: SafetensorsFile,
+    /// Each rank's optimizer part, in rank order: they tile the flat buffer from 0.
+    pub parts: Vec<PartFile>,
+    /// Every rank's ZenFlow state, in rank order (empty if the run had none).
+    pub zenflow: Vec<ZenFlowSnapshot>,
+}
+
+/// Opens the checkpoint in `dir` for a run whose weights are `P` ([`Opened`]).
+pub fn open<P: Stored>(dir: &Path) -> Result<Opened, CheckpointError> {
     let state_path = dir.join("state.json");
     let state = fs::read(&state_path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => CheckpointError::Foreign {
@@ -763,18 +800,23 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
         return Err(CheckpointError::Corrupt { path: state_path, reason });
     };
     let model_path = dir.join("model.safetensors");
-    let model = fs::read(&model_path).map_err(io(&model_path))?;
-    let tensors = read_tensors::<P>(&model, &model_path)?;
+    let model = open_file(&model_path)?;
+    for (name, entry) in model.tensors() {
+        if entry.dtype != P::SAFETENSORS {
+            let reason =
+                format!("tensor {name} is {:?}, expected {:?}", entry.dtype, P::SAFETENSORS);
+            return Err(CheckpointError::Mismatch { path: model_path, reason });
+        }
+    }
     if let Err(reason) = meta.scaler.check() {
         return Err(CheckpointError::Corrupt { path: state_path, reason });
     }
     // Never sized from `world_size`: a damaged count fails at the first missing file instead.
-    let mut parts: Vec<OptimizerPart> = Vec::new();
+    let mut parts: Vec<PartFile> = Vec::new();
     let mut zenflow = Vec::new();
     for rank in 0..meta.world_size {
         let path = dir.join(format!("optim/rank-{rank}.safetensors"));
-        let bytes = fs::read(&path).map_err(io(&path))?;
-        let (part, rank_zenflow) = read_part(&bytes, &path)?;
+        let (part, rank_zenflow) = open_part(&path)?;
         if rank > 0 && rank_zenflow.is_some() != (zenflow.len() == rank) {
             let reason = "some ranks saved ZenFlow state and others did not".to_string();
             return Err(CheckpointError::Corrupt { path, reason });
@@ -799,7 +841,95 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
         }
         parts.push(part);
     }
-    Ok(Loaded { meta, tensors, parts, zenflow })
+    Ok(Opened { meta, model, parts, zenflow })
+}
+
+impl Opened {
+    /// The flat weights as f32 (padding zero) of a run whose tensors are `tensors`, each read
+    /// from `model.safetensors` straight into its range: every tensor must be there with the
+    /// same shape.
+    pub fn flat_weights(
+        &self,
+        tensors: &[NamedTensor],
+        padded_len: usize,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let path = self.model.path();
+        let mismatch = |reason: String| CheckpointError::Mismatch { path: path.into(), reason };
+        let mut flat = vec![0.0; padded_len];
+        for tensor in tensors {
+            let entry = self
+                .model
+                .tensor(&tensor.name)
+                .ok_or_else(|| mismatch(format!("it has no tensor {}", tensor.name)))?;
+            if entry.shape != tensor.shape {
+                return Err(mismatch(format!(
+                    "{} has shape {:?}, this model {:?}",
+                    tensor.name, entry.shape, tensor.shape
+                )));
+            }
+            let out = &mut flat[tensor.flat.clone()];
+            self.model.read_range(&tensor.name, 0..out.len(), out).map_err(read_error(path))?;
+        }
+        Ok(flat)
+    }
+}
+
+/// The arrays of an optimizer part, in the order [`PartFile::read`] numbers them.
+pub const PART_ARRAYS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
+/// One rank's optimizer part in a checkpoint, opened ([`open`]): its flat range and moments'
+/// dtype, its arrays read a range at a time.
+#[derive(Debug)]
+pub struct PartFile {
+    pub flat: Range<usize>,
+    pub moments: OptimizerStateDtype,
+    file: SafetensorsFile,
+}
+
+impl PartFile {
+    /// Elements `range` (counted from the part's start) of [`PART_ARRAYS`]`[array]` as f32 (bf16
+    /// moments widened exactly) into `out`, which holds as many.
+    pub fn read(
+        &self,
+        array: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        let path = self.file.path();
+        self.file.read_range(PART_ARRAYS[array], range, out).map_err(read_error(path))
+    }
+
+    /// The whole part in memory.
+    pub fn to_part(&self) -> Result<OptimizerPart, CheckpointError> {
+        let array = |at: usize| -> Result<Vec<f32>, CheckpointError> {
+            let mut values = vec![0.0; self.flat.len()];
+            self.read(at, 0..values.len(), &mut values)?;
+            Ok(values)
+        };
+        Ok(OptimizerPart {
+            flat: self.flat.clone(),
+            master: array(0)?,
+            exp_avg: array(1)?,
+            exp_avg_sq: array(2)?,
+            moments: self.moments,
+        })
+    }
+}
+
+/// A safetensors file's header, read and checked against the file's length.
+fn open_file(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
+    SafetensorsFile::open(path).map_err(read_error(path))
+}
+
+/// An error reading `path`: the file system's as it is, anything else the file's damage.
+fn read_error(path: &Path) -> impl Fn(HfError) -> CheckpointError + '_ {
+    move |e| match e {
+        HfError::Io { path, source } => CheckpointError::Io { path, source },
+        HfError::BadSafetensors { reason, .. } => {
+            CheckpointError::Corrupt { path: path.to_path_buf(), reason }
+        }
+        other => CheckpointError::Corrupt { path: path.to_path_buf(), reason: other.to_string() },
+    }
 }
 
 fn corrupt(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> CheckpointError + '_ {
@@ -822,50 +952,42 @@ pub fn read_tensors<P: Stored>(bytes: &[u8], path: &Path) -> Result<Tensors<P>, 
         .collect()
 }
 
-fn read_part(
-    bytes: &[u8],
-    path: &Path,
-) -> Result<(OptimizerPart, Option<ZenFlowSnapshot>), CheckpointError> {
-    let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(corrupt(path))?;
+/// Opens one rank's optimizer file at `path`: its part (checked: the range in the metadata, each
+/// array of the range's length and a dtype it may have), and its ZenFlow state if it has one.
+fn open_part(path: &Path) -> Result<(PartFile, Option<ZenFlowSnapshot>), CheckpointError> {
+    let file = open_file(path)?;
     let bound = |key: &str| -> Result<usize, CheckpointError> {
-        metadata
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(key))
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| CheckpointError::Corrupt {
-                path: path.into(),
-                reason: format!("no {key} in the metadata"),
-            })
+        file.metadata(key).and_then(|v| v.parse().ok()).ok_or_else(|| CheckpointError::Corrupt {
+            path: path.into(),
+            reason: format!("no {key} in the metadata"),
+        })
     };
     let flat = bound("flat_start")?..bound("flat_end")?;
     if flat.start > flat.end {
         let reason = format!("flat_start {} is after flat_end {}", flat.start, flat.end);
         return Err(CheckpointError::Corrupt { path: path.into(), reason });
     }
-    let file = SafeTensors::deserialize(bytes).map_err(corrupt(path))?;
-    // A tensor of the part's length as f32 (bf16 widened exactly), if it is one of `dtypes`.
-    let array = |name: &str, dtypes: &[Dtype]| -> Result<(Dtype, Vec<f32>), CheckpointError> {
-        let view = file.tensor(name).map_err(corrupt(path))?;
-        if !dtypes.contains(&view.dtype()) || view.shape() != [flat.len()] {
+    // An array of the part's length, if it is one of `dtypes`: its dtype.
+    let array = |name: &str, dtypes: &[Dtype]| -> Result<Dtype, CheckpointError> {
+        let entry = file.tensor(name).ok_or_else(|| CheckpointError::Corrupt {
+            path: path.into(),
+            reason: format!("it has no tensor {name}"),
+        })?;
+        if !dtypes.contains(&entry.dtype) || entry.shape != [flat.len()] {
             let reason = format!(
                 "{name} is {:?} {:?}, expected {} [{}]",
-                view.dtype(),
-                view.shape(),
+                entry.dtype,
+                entry.shape,
                 dtypes.iter().map(|d| format!("{d:?}")).collect::<Vec<_>>().join(" or "),
                 flat.len()
             );
             return Err(CheckpointError::Mismatch { path: path.into(), reason });
         }
-        let values = match view.dtype() {
-            Dtype::BF16 => from_bytes::<bf16>(view.data()).iter().map(|v| v.to_f32()).collect(),
-            _ => from_bytes(view.data()),
-        };
-        Ok((view.dtype(), values))
+        Ok(entry.dtype)
     };
     let moment_dtypes = [Dtype::F32, Dtype::BF16];
-    let (exp_avg_dtype, exp_avg) = array("exp_avg", &moment_dtypes)?;
-    let (exp_avg_sq_dtype, exp_avg_sq) = array("exp_avg_sq", &moment_dtypes)?;
+    let exp_avg_dtype = array("exp_avg", &moment_dtypes)?;
+    let exp_avg_sq_dtype = array("exp_avg_sq", &moment_dtypes)?;
     if exp_avg_dtype != exp_avg_sq_dtype {
         let reason = format!("exp_avg is {exp_avg_dtype:?} but exp_avg_sq {exp_avg_sq_dtype:?}");
         return Err(CheckpointError::Corrupt { path: path.into(), reason });
@@ -874,17 +996,23 @@ fn read_part(
         Dtype::BF16 => OptimizerStateDtype::Bf16,
         _ => OptimizerStateDtype::Fp32,
     };
-    let part = OptimizerPart {
-        master: array("master", &[Dtype::F32])?.1,
-        exp_avg,
-        exp_avg_sq,
-        moments,
-        flat: flat.clone(),
+    array("master", &[Dtype::F32])?;
+    let zenflow_json = file.metadata("zenflow").map(str::to_owned);
+    let window_grads = match zenflow_json {
+        Some(_) => {
+            array("zenflow.window_grads", &[Dtype::F32])?;
+            let mut values = vec![0.0; flat.len()];
+            let read = file.read_range("zenflow.window_grads", 0..flat.len(), &mut values);
+            read.map_err(read_error(path))?;
+            Some(values)
+        }
+        None => None,
     };
-    let Some(json) = metadata.metadata().as_ref().and_then(|m| m.get("zenflow")) else {
+    let part = PartFile { flat: flat.clone(), moments, file };
+    let (Some(json), Some(window_grads)) = (zenflow_json, window_grads) else {
         return Ok((part, None));
     };
-    let z: ZenFlowMeta = serde_json::from_str(json).map_err(|e| CheckpointError::Corrupt {
+    let z: ZenFlowMeta = serde_json::from_str(&json).map_err(|e| CheckpointError::Corrupt {
         path: path.into(),
         reason: format!("its ZenFlow state: {e}"),
     })?;
@@ -892,7 +1020,6 @@ fn read_part(
         let reason = "the ZenFlow window's range differs from the optimizer part's".to_string();
         return Err(CheckpointError::Corrupt { path: path.into(), reason });
     }
-    let window_grads = array("zenflow.window_grads", &[Dtype::F32])?.1;
     let zenflow = ZenFlowSnapshot {
         selection: z.selection,
         steps_in_window: z.steps_in_window,
@@ -1084,9 +1211,10 @@ mod tests {
                 write_part(dirs[1].path(), 3, &part.view(None)).unwrap();
                 assert!(read(&dirs[1]) == a, "{moments:?}: a part written again differs");
             }
-            for file in [&a, &b] {
-                let path = dirs[0].path().join("optim/rank-3.safetensors");
-                let (back, zenflow) = super::read_part(file, &path).unwrap();
+            for dir in &dirs {
+                let path = dir.path().join("optim/rank-3.safetensors");
+                let (back, zenflow) = super::open_part(&path).unwrap();
+                let back = back.to_part().unwrap();
                 assert!((back, zenflow) == (part.clone(), None), "{moments:?}: read back differs");
             }
         }

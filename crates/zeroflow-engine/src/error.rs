@@ -20,6 +20,9 @@ pub enum EngineError {
     /// A checkpoint does not fit this engine or contradicts itself.
     #[error("rank {rank}: cannot resume from this checkpoint: {reason}")]
     Restore { rank: usize, reason: &'static str },
+    /// A checkpoint's file could not be read while restoring from it.
+    #[error(transparent)]
+    Checkpoint(Box<crate::checkpoint::CheckpointError>),
     /// The checkpoint's optimizer state does not cover a parameter of this rank's partition.
     #[error("rank {rank}: the checkpoint's optimizer state does not cover parameter `{param}`")]
     IncompleteOptimizerState { rank: usize, param: String },

@@ -13,6 +13,7 @@ use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
 
 use crate::EngineError;
 use crate::checkpoint::{Elements, MomentView, PartView};
+use crate::engine::state::{RESTORE_PIECE, SavedState};
 pub(crate) use crate::host_moments::HostMoments;
 use crate::speculation::{Stepped, segments};
 
@@ -112,12 +113,28 @@ impl HostOptimizer {
         [self.master.to_vec(), exp_avg, exp_avg_sq]
     }
 
-    /// Takes `[master, exp_avg, exp_avg_sq]` of the whole partition (moments rounded to nearest
-    /// where they are bf16).
-    pub(crate) fn restore(&mut self, [master, exp_avg, exp_avg_sq]: &[Vec<f32>; 3]) {
-        self.master.copy_from_slice(master);
-        let len = master.len();
-        self.moments.write(&self.adam, 0..len, [exp_avg, exp_avg_sq]);
+    /// Takes the whole partition's saved state, a piece at a time (the master weights read in
+    /// place, the moments through a piece's buffers, rounded to nearest where they are bf16), so
+    /// that a resume never holds a second copy of the state.
+    pub(crate) fn restore(&mut self, saved: &SavedState<'_>) -> Result<(), EngineError> {
+        let len = self.master.len();
+        if saved.len() != len {
+            return Err(EngineError::Internal(
+                "a restored state's length differs from the partition's",
+            ));
+        }
+        let piece = RESTORE_PIECE.min(len);
+        let (mut exp_avg, mut exp_avg_sq) = (vec![0.0; piece], vec![0.0; piece]);
+        let mut start = 0;
+        while start < len {
+            let end = (start + piece).min(len);
+            let n = end - start;
+            let master = &mut self.master[start..end];
+            saved.read(start..end, [master, &mut exp_avg[..n], &mut exp_avg_sq[..n]])?;
+            self.moments.write(&self.adam, start..end, [&exp_avg[..n], &exp_avg_sq[..n]]);
+            start = end;
+        }
+        Ok(())
     }
 }
 
@@ -497,11 +514,11 @@ impl<P: Float> HostAccumulator<P> {
     /// Takes a checkpoint's state, with an empty accumulator and the upload buffer refreshed.
     pub(crate) fn restore(
         &mut self,
-        state: &[Vec<f32>; 3],
+        state: &SavedState<'_>,
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         let whole = self.join()?;
-        whole.state.restore(state);
+        whole.state.restore(state)?;
         whole.refresh_upload();
         self.clear_accumulator();
         self.upload_pending = upload_pending;
@@ -641,10 +658,10 @@ impl<P: Float> ZenFlowHost<P> {
     /// Takes a checkpoint's state (waiting for a running step first).
     pub(crate) fn restore(
         &mut self,
-        state: &[Vec<f32>; 3],
+        state: &SavedState<'_>,
         upload_pending: bool,
     ) -> Result<(), EngineError> {
-        self.join()?.state.restore(state);
+        self.join()?.state.restore(state)?;
         self.upload_pending = upload_pending;
         Ok(())
     }

@@ -31,8 +31,10 @@ pub mod synthetic;
 mod zenflow;
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
+pub use engine::state::RESTORE_PIECE;
 pub use engine::{
-    CheckpointState, Engine, ModelIo, Opener, OptimizerPart, Restore, Snapshot, StepReport,
+    CheckpointState, Engine, ModelIo, Opener, OptimizerPart, Restore, SavedParts, Snapshot,
+    StepReport,
 };
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};

@@ -15,7 +15,7 @@ pub mod read;
 pub mod write;
 
 pub use error::HfError;
-pub use read::{HfCheckpoint, TensorEntry, read_config};
+pub use read::{HfCheckpoint, SafetensorsFile, TensorEntry, read_config};
 pub use safetensors::Dtype;
 pub use write::{
     DEFAULT_MAX_SHARD_BYTES, OutTensor, SaveDtype, SaveOptions, Saved, TOKENIZER_FILES,

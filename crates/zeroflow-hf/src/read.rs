@@ -5,10 +5,10 @@
 //! are); a tensor's elements are read, and converted to f32, when asked for, so that a model of
 //! many gigabytes is never held twice.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
@@ -169,29 +169,111 @@ impl HfCheckpoint {
 
     fn read_entry(&self, name: &str, entry: &TensorEntry, out: &mut [f32]) -> Result<(), HfError> {
         let path = self.file_of(entry);
-        let width = match entry.dtype {
-            Dtype::BF16 | Dtype::F16 => 2,
-            Dtype::F32 => 4,
-            other => {
-                return Err(HfError::UnsupportedDtype {
-                    path: path.to_path_buf(),
-                    tensor: name.to_string(),
-                    dtype: format!("{other:?}"),
-                });
-            }
-        };
-        let mut file = File::open(path).map_err(io(path))?;
-        file.seek(SeekFrom::Start(entry.bytes.start)).map_err(io(path))?;
-        // Converted in pieces so that a large tensor's bytes are never all in memory beside it.
-        const PIECE: usize = 1 << 20;
-        let mut bytes = vec![0u8; PIECE.min(out.len()) * width];
-        for piece in out.chunks_mut(PIECE) {
-            let bytes = &mut bytes[..piece.len() * width];
-            file.read_exact(bytes).map_err(io(path))?;
-            decode(entry.dtype, bytes, piece);
-        }
-        Ok(())
+        let file = File::open(path).map_err(io(path))?;
+        read_elements(&file, path, name, entry, 0..entry.numel(), out)
     }
+}
+
+/// One safetensors file, opened: its header read and checked against the file's length, its
+/// tensors read a range of elements at a time (converted to f32), so that a file of many
+/// gigabytes is never held in memory. zeroflow's own checkpoints are read through it.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: File,
+    metadata: HashMap<String, String>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+impl SafetensorsFile {
+    pub fn open(path: &Path) -> Result<SafetensorsFile, HfError> {
+        let file = File::open(path).map_err(io(path))?;
+        let (data_start, metadata) = read_header(&file, path)?;
+        let tensors = metadata
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| (name, entry(info, 0, data_start)))
+            .collect();
+        let metadata = metadata.metadata().clone().unwrap_or_default();
+        Ok(SafetensorsFile { path: path.to_path_buf(), file, metadata, tensors })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The value of `key` in the header's `__metadata__`.
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.metadata.get(key).map(String::as_str)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.get(name)
+    }
+
+    /// The tensors by name, sorted.
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, &TensorEntry)> {
+        self.tensors.iter().map(|(name, entry)| (name.as_str(), entry))
+    }
+
+    /// Elements `elements` of tensor `name` (row-major, as stored; BF16, F16 or F32) as f32 into
+    /// `out`, which holds as many.
+    pub fn read_range(
+        &self,
+        name: &str,
+        elements: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), HfError> {
+        let entry = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| HfError::NoSuchTensor { dir: self.path.clone(), tensor: name.into() })?;
+        if elements.end > entry.numel()
+            || elements.start > elements.end
+            || out.len() != elements.len()
+        {
+            return Err(HfError::DataLength {
+                tensor: name.to_string(),
+                shape: entry.shape.clone(),
+                expected: elements.len(),
+                found: out.len(),
+            });
+        }
+        read_elements(&self.file, &self.path, name, entry, elements, out)
+    }
+}
+
+/// Elements `elements` of the tensor `entry` of `file` (at `path`) as f32 into `out`, converted
+/// in pieces so that a large tensor's bytes are never all in memory beside it.
+fn read_elements(
+    file: &File,
+    path: &Path,
+    name: &str,
+    entry: &TensorEntry,
+    elements: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), HfError> {
+    let width = match entry.dtype {
+        Dtype::BF16 | Dtype::F16 => 2,
+        Dtype::F32 => 4,
+        other => {
+            return Err(HfError::UnsupportedDtype {
+                path: path.to_path_buf(),
+                tensor: name.to_string(),
+                dtype: format!("{other:?}"),
+            });
+        }
+    };
+    const PIECE: usize = 1 << 20;
+    let mut bytes = vec![0u8; PIECE.min(out.len()) * width];
+    let mut at = entry.bytes.start + (elements.start * width) as u64;
+    for piece in out.chunks_mut(PIECE) {
+        let bytes = &mut bytes[..piece.len() * width];
+        file.read_exact_at(bytes, at).map_err(io(path))?;
+        decode(entry.dtype, bytes, piece);
+        at += bytes.len() as u64;
+    }
+    Ok(())
 }
 
 /// Little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`.
@@ -230,14 +312,8 @@ pub fn read_config(dir: &Path) -> Result<Option<Value>, HfError> {
 type Opened = (Vec<PathBuf>, BTreeMap<String, TensorEntry>);
 
 fn open_single(path: &Path) -> Result<Opened, HfError> {
-    let file = File::open(path).map_err(io(path))?;
-    let (data_start, metadata) = read_header(file, path)?;
-    let tensors = metadata
-        .tensors()
-        .into_iter()
-        .map(|(name, info)| (name, entry(info, 0, data_start)))
-        .collect();
-    Ok((vec![path.to_path_buf()], tensors))
+    let file = SafetensorsFile::open(path)?;
+    Ok((vec![file.path], file.tensors))
 }
 
 fn open_sharded(dir: &Path, index: &Path) -> Result<Opened, HfError> {
@@ -256,7 +332,7 @@ fn open_sharded(dir: &Path, index: &Path) -> Result<Opened, HfError> {
                     shard: shard.clone(),
                     source,
                 })?;
-                headers.push(read_header(file, &path)?);
+                headers.push(read_header(&file, &path)?);
                 shards.push(path);
                 shard_of.insert(shard, shards.len() - 1);
                 shards.len() - 1
@@ -307,17 +383,17 @@ fn entry(info: &safetensors::tensor::TensorInfo, shard: usize, data_start: u64) 
 
 /// The header of the safetensors file `file` (at `path`): where the data starts and the
 /// tensors' metadata, checked against the file's length.
-fn read_header(mut file: File, path: &Path) -> Result<(u64, Metadata), HfError> {
+fn read_header(file: &File, path: &Path) -> Result<(u64, Metadata), HfError> {
     let bad = |reason: String| HfError::BadSafetensors { path: path.to_path_buf(), reason };
     let len = file.metadata().map_err(io(path))?.len();
     let mut size = [0u8; 8];
-    file.read_exact(&mut size).map_err(|e| bad(format!("no header ({e})")))?;
+    file.read_exact_at(&mut size, 0).map_err(|e| bad(format!("no header ({e})")))?;
     let header_len = u64::from_le_bytes(size);
     if header_len > MAX_HEADER_BYTES || 8 + header_len > len {
         return Err(bad(format!("header length {header_len} for a file of {len} bytes")));
     }
     let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header).map_err(io(path))?;
+    file.read_exact_at(&mut header, 8).map_err(io(path))?;
     let metadata: Metadata =
         serde_json::from_slice(&header).map_err(|e| bad(format!("bad header ({e})")))?;
     let data_start = 8 + header_len;

@@ -215,3 +215,48 @@ fn check_accepts_the_expected_names_and_shapes_and_skips_ignored_buffers() {
     read.check(expected, |name| name.ends_with("rotary_emb.inv_freq")).unwrap();
     assert!(read.check(expected, |_| false).is_err(), "the buffer is unexpected unless ignored");
 }
+
+/// One safetensors file opened by its header alone reads any range of a tensor's elements, in
+/// each dtype, as the whole tensor read and sliced, and its `__metadata__` by key; a range past
+/// the tensor, or an `out` of another length, is an error, and a file cut short does not open.
+#[test]
+fn a_safetensors_file_reads_any_range_of_a_tensor() {
+    let scratch = Scratch::new("file-ranges");
+    let tensors = sample_tensors();
+    for dtype in [SaveDtype::F32, SaveDtype::Bf16] {
+        let dir = scratch.0.join(format!("{dtype:?}"));
+        save(&dir, &json!({}), &out_tensors(&tensors), &options(dtype, u64::MAX)).unwrap();
+        let path = dir.join("model.safetensors");
+        let whole = HfCheckpoint::open(&dir).unwrap();
+        let file = zeroflow_hf::SafetensorsFile::open(&path).unwrap();
+        assert_eq!(file.tensors().count(), tensors.len());
+        for (name, _, values) in &tensors {
+            let expected = whole.read_f32(name).unwrap();
+            let n = values.len();
+            for range in [0..n, 0..0, 1..n, 3..n - 2, n - 1..n] {
+                let mut out = vec![f32::NAN; range.len()];
+                file.read_range(name, range.clone(), &mut out).unwrap();
+                assert_eq!(out, expected[range.clone()], "{dtype:?} {name} {range:?}");
+            }
+            let mut out = vec![0.0; 2];
+            assert!(file.read_range(name, n - 1..n + 1, &mut out).is_err(), "past the end");
+            assert!(file.read_range(name, 0..3, &mut out).is_err(), "out of another length");
+        }
+    }
+    // The metadata by key, as a file with `__metadata__` carries it.
+    let path = scratch.0.join("meta.safetensors");
+    let data: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = TensorView::new(Dtype::F32, vec![2], &data).unwrap();
+    let metadata = HashMap::from([("flat_start".to_string(), "7".to_string())]);
+    safetensors::serialize_to_file([("x", view)], Some(metadata), &path).unwrap();
+    let file = zeroflow_hf::SafetensorsFile::open(&path).unwrap();
+    assert_eq!((file.metadata("flat_start"), file.metadata("other")), (Some("7"), None));
+    let mut out = [0.0f32; 1];
+    file.read_range("x", 1..2, &mut out).unwrap();
+    assert_eq!(out, [-2.0]);
+    // Cut short by a byte: the header no longer matches the file.
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 1]).unwrap();
+    let error = zeroflow_hf::SafetensorsFile::open(&path).unwrap_err().to_string();
+    assert!(error.contains("meta.safetensors") && error.contains("bytes of data"), "{error}");
+}

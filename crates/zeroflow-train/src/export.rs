@@ -10,12 +10,10 @@
 //!   with `model.safetensors.index.json`, in the checkpoint's dtype), with the tokenizer files of
 //!   the run's `--init-from` directory where it had one.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor, Stored};
+use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor};
 
 use crate::error::{Result, input, io};
 use crate::{Family, ModelSpec, with_family};
@@ -54,11 +52,11 @@ pub fn copy_weights(from: &Checkpoint, out: &Path, config: &serde_json::Value) -
     let to = out.join("model.safetensors");
     if from.upload_pending {
         // Export the run's final weights, not the saved model weights.
-        let loaded = checkpoint::load::<f32>(&from.dir).map_err(|e| input(e.to_string()))?;
+        let opened = checkpoint::open::<f32>(&from.dir).map_err(|e| input(e.to_string()))?;
         let (weights, tensors) =
-            checkpoint::weights_from_master(&loaded).map_err(|e| input(e.to_string()))?;
+            checkpoint::weights_from_master::<f32>(&opened).map_err(|e| input(e.to_string()))?;
         let weights = checkpoint::Elements::lent(&weights);
-        checkpoint::write_model(&to, &loaded.meta, &weights, &tensors)?;
+        checkpoint::write_model(&to, &opened.meta, &weights, &tensors)?;
     } else {
         let copying = format!("copy {} to {}", source.display(), to.display());
         std::fs::copy(&source, &to).map_err(io(copying))?;
@@ -70,58 +68,55 @@ pub fn copy_weights(from: &Checkpoint, out: &Path, config: &serde_json::Value) -
 
 impl Checkpoint {
     /// The checkpoint's weights (the optimizer's master weights when an update was pending) as
-    /// f32 in the flat buffer of `layout`, every tensor of `tensors` there with its shape.
+    /// f32 in the flat buffer of `layout`, every tensor of `tensors` there with its shape, read
+    /// from the files a tensor (or a piece) at a time.
     pub fn f32_weights(&self, layout: &FlatLayout, tensors: &[NamedTensor]) -> Result<Vec<f32>> {
-        let by_name = if self.weights_dtype == "F32" {
-            let loaded = checkpoint::load::<f32>(&self.dir).map_err(|e| input(e.to_string()))?;
-            if self.upload_pending { master_tensors(&loaded)? } else { loaded.tensors }
-        } else {
-            let loaded = checkpoint::load::<zeroflow_core::bf16>(&self.dir)
-                .map_err(|e| input(e.to_string()))?;
-            to_f32(loaded.tensors)
-        };
+        let opened = self.open()?;
+        let error = |e: CheckpointError| input(e.to_string());
+        if !self.upload_pending {
+            return opened.flat_weights(tensors, layout.padded_len()).map_err(error);
+        }
+        let (master, saved) = checkpoint::weights_from_master::<f32>(&opened).map_err(error)?;
         let mut flat = vec![0.0; layout.padded_len()];
         for tensor in tensors {
             let path = self.dir.join("model.safetensors");
-            let (shape, values) = by_name.get(&tensor.name).ok_or_else(|| {
+            let found = saved.iter().find(|t| t.name == tensor.name).ok_or_else(|| {
                 input(format!("{}: it has no tensor {}", path.display(), tensor.name))
             })?;
-            if *shape != tensor.shape {
+            if found.shape != tensor.shape {
                 return Err(input(format!(
-                    "{}: {} has shape {shape:?}, its model (state.json extra.model) {:?}",
+                    "{}: {} has shape {:?}, its model (state.json extra.model) {:?}",
                     path.display(),
                     tensor.name,
+                    found.shape,
                     tensor.shape
                 )));
             }
-            flat[tensor.flat.clone()].copy_from_slice(values);
+            flat[tensor.flat.clone()].copy_from_slice(&master[found.flat.clone()]);
         }
         Ok(flat)
     }
+
+    /// The checkpoint opened for its weights' element type.
+    fn open(&self) -> Result<checkpoint::Opened> {
+        let opened = if self.weights_dtype == "F32" {
+            checkpoint::open::<f32>(&self.dir)
+        } else {
+            checkpoint::open::<zeroflow_core::bf16>(&self.dir)
+        };
+        opened.map_err(|e| input(e.to_string()))
+    }
 }
 
-/// The master weights of the optimizer parts, by tensor name.
-fn master_tensors(loaded: &checkpoint::Loaded<f32>) -> Result<checkpoint::Tensors<f32>> {
-    let (flat, tensors) =
-        checkpoint::weights_from_master(loaded).map_err(|e| input(e.to_string()))?;
-    Ok(tensors.into_iter().map(|t| (t.name, (t.shape, flat[t.flat].to_vec()))).collect())
-}
-
-fn to_f32<P: Stored + Float>(tensors: checkpoint::Tensors<P>) -> checkpoint::Tensors<f32> {
-    let convert = |(shape, values): (Vec<usize>, Vec<P>)| {
-        (shape, values.into_iter().map(Float::to_f32).collect())
-    };
-    tensors.into_iter().map(|(name, tensor)| (name, convert(tensor))).collect::<HashMap<_, _>>()
-}
-
-/// Checks the checkpoint fully (every file parses, dtypes agree) and reads its model (a bare
+/// Checks the checkpoint (`checkpoint::open`: every file's header against the file, dtypes
+/// agree) and reads its model (a bare
 /// shape, from before the family was recorded, is GPT-2's), whether a delayed update's weights
 /// were pending when it was saved, and the run's `--init-from`.
 pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
-    let meta: Meta = match checkpoint::load::<f32>(dir) {
-        Ok(loaded) => loaded.meta,
+    let meta: Meta = match checkpoint::open::<f32>(dir) {
+        Ok(opened) => opened.meta,
         Err(CheckpointError::Mismatch { .. }) => {
-            checkpoint::load::<zeroflow_core::bf16>(dir).map_err(|e| input(e.to_string()))?.meta
+            checkpoint::open::<zeroflow_core::bf16>(dir).map_err(|e| input(e.to_string()))?.meta
         }
         Err(e) => return Err(input(e.to_string())),
     };

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use zeroflow_data::DataPosition;
-use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded};
+use zeroflow_engine::checkpoint::{self, CheckpointError, Opened};
 
 use crate::ModelSpec;
 use crate::checkpoints::{FOLDER, list};
@@ -89,20 +89,23 @@ pub struct ResumePoint {
     pub dir: PathBuf,
     /// The run directory the checkpoint belongs to (`<run>/checkpoints/step-…`).
     pub run_dir: PathBuf,
-    pub loaded: Loaded<f32>,
+    /// The checkpoint, opened: its files are read when the run is built.
+    pub loaded: Opened,
     pub extra: Extra,
     /// Newer checkpoints of the run that are damaged (`--resume latest` passed over them).
     pub damaged: Vec<PathBuf>,
 }
 
-/// The checkpoint `--resume` names: a directory, or `latest` under `--out`. Reads it fully; any
-/// problem is an input error that names the file and says what to do. Nothing is changed.
+/// The checkpoint `--resume` names: a directory, or `latest` under `--out`. Opens it
+/// (`checkpoint::open`: `state.json` and every file's header checked against the file; the data
+/// is read later, a piece at a time); any problem is an input error that names the file and says
+/// what to do. Nothing is changed.
 pub fn find(arg: &str, out: Option<&Path>) -> Result<ResumePoint> {
     let (dir, loaded, damaged) = if arg == "latest" {
         latest(out)?
     } else {
         let dir = PathBuf::from(arg);
-        let loaded = checkpoint::load::<f32>(&dir).map_err(|e| resume_error(&e))?;
+        let loaded = checkpoint::open::<f32>(&dir).map_err(|e| resume_error(&e))?;
         (dir, loaded, Vec::new())
     };
     let extra: Extra = serde_json::from_value(loaded.meta.extra.clone()).map_err(|e| {
@@ -143,13 +146,13 @@ pub fn find(arg: &str, out: Option<&Path>) -> Result<ResumePoint> {
 /// The newest checkpoint under `out` that loads. A damaged newer one (which an atomic write
 /// cannot leave, so the disk or a person changed it) is passed over with a warning and later set
 /// aside, never deleted; a foreign or mismatched one is an error.
-fn latest(out: Option<&Path>) -> Result<(PathBuf, Loaded<f32>, Vec<PathBuf>)> {
+fn latest(out: Option<&Path>) -> Result<(PathBuf, Opened, Vec<PathBuf>)> {
     let out = out.ok_or_else(|| {
         input("--resume latest needs --out: the run directory whose newest checkpoint to continue")
     })?;
     let mut damaged = Vec::new();
     for (_, dir) in list(out)?.into_iter().rev() {
-        match checkpoint::load::<f32>(&dir) {
+        match checkpoint::open::<f32>(&dir) {
             Ok(loaded) => return Ok((dir, loaded, damaged)),
             Err(e @ (CheckpointError::Corrupt { .. } | CheckpointError::Io { .. })) => {
                 tracing::warn!("{e}; trying the checkpoint before it");

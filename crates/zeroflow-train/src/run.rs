@@ -71,8 +71,8 @@ pub fn run_on<F: Family, M: Model>(
     }
     observer.doing(Activity::Building { parameters: family.num_params() });
     let mut trainer = Trainer::<M>::new(&mut setup, family, open, started)?;
-    // The engine holds the checkpoint's optimizer state now (its parts were given to it) and
-    // ZenFlow's: the resume point keeps only what the run reports and records.
+    // The engine holds the checkpoint's optimizer state now (read from the files into its own)
+    // and ZenFlow's: the resume point keeps only what the run reports and records.
     if let Start::Resume { point, .. } = &mut setup.start {
         point.loaded.zenflow = Vec::new();
     }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use zeroflow_core::bf16;
 use zeroflow_core::config::Config;
-use zeroflow_engine::{EngineOptions, checkpoint};
+use zeroflow_engine::EngineOptions;
 use zeroflow_gpt::GptConfig;
 
 use crate::checkpoints;
@@ -529,12 +529,9 @@ fn initial_state(
     let layout = model.flat_layout(world_size)?;
     let tensors = model.tensors(&layout)?;
     Ok(match (resume, hf) {
-        (Some(mut point), _) => {
-            let weights =
-                checkpoint::flat_weights(&point.loaded, &tensors, layout.padded_len(), &point.dir)
-                    .map_err(|e| resume_point::resume_error(&e))?;
-            // The named tensors are in the flat weights now: not kept twice for the run.
-            point.loaded.tensors = Default::default();
+        (Some(point), _) => {
+            let weights = point.loaded.flat_weights(&tensors, layout.padded_len());
+            let weights = weights.map_err(|e| resume_point::resume_error(&e))?;
             Start::Resume { point: Box::new(point), weights }
         }
         (None, Some(hf)) => {

@@ -71,15 +71,6 @@ impl<M: Model> Trainer<M> {
         // built without them (4 B per parameter less at a large model's host peak).
         let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
         drop(weights);
-        // A resumed run restores the checkpoint's weights with its optimizer state.
-        let restored = matches!(setup.start, Start::Resume { .. }).then(|| initial.clone());
-        // Its optimizer parts are given to the engine, not lent: the part of this rank's
-        // partition becomes the engine's state without a copy (12 B per parameter less at the
-        // peak of a resume).
-        let parts = match &mut setup.start {
-            Start::Resume { point, .. } => std::mem::take(&mut point.loaded.parts),
-            _ => Vec::new(),
-        };
         let setup = &*setup;
         let config = &setup.config;
         let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
@@ -93,16 +84,18 @@ impl<M: Model> Trainer<M> {
         let (mut train_time, mut wall_before) = (Duration::ZERO, Duration::ZERO);
         if let Start::Resume { point, .. } = &setup.start {
             let meta = &point.loaded.meta;
+            // The optimizer state is read from the checkpoint's files a piece at a time into the
+            // engine's own (no second copy of it at the peak of a resume).
             let restore = Restore {
-                parts: parts.into(),
+                parts: point.loaded.parts.as_slice().into(),
                 optimizer_steps: meta.optimizer_steps,
                 micro_steps: meta.micro_steps,
                 upload_pending: meta.upload_pending,
                 scaler: &meta.scaler,
                 zenflow: &point.loaded.zenflow,
             };
-            let weights = restored.as_deref().expect("a resumed run keeps its weights");
-            let restored = engine.restore(weights, restore);
+            // The engine was built with the checkpoint's weights: they are not given twice.
+            let restored = engine.restore(None, restore);
             restored.map_err(|e| input(format!("--resume {}: {e}", point.dir.display())))?;
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
             // Checkpoints from before wall_s was recorded: their training time, a lower bound.

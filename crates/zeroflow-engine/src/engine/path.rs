@@ -46,7 +46,7 @@ pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
 use super::share::DeviceShare;
 use super::shared::Shared;
-use super::state::{PathState, Restore};
+use super::state::{PathState, Restore, SavedState};
 pub(super) use super::stream::{OpenAt, Opening, Stream};
 pub(super) use super::summed::Summed;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
@@ -481,18 +481,18 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     pub fn restore<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
-        state: [Vec<f32>; 3],
+        state: SavedState<'_>,
         upload_pending: bool,
         zenflow: Option<ZenFlowRestore>,
     ) -> Result<(), EngineError> {
         match self {
-            UpdatePath::Device(device) => device.restore(&shared.device, state),
+            UpdatePath::Device(device) => device.restore(&shared.device, state.into_vecs()?),
             UpdatePath::Accumulate(a) => {
                 a.abandon_speculation();
                 a.host.restore(&state, upload_pending)
             }
-            UpdatePath::Stream(s) => s.restore(&shared.device, state, upload_pending),
-            UpdatePath::Summed(s) => s.restore(&shared.device, state),
+            UpdatePath::Stream(s) => s.restore(&shared.device, &state, upload_pending),
+            UpdatePath::Summed(s) => s.restore(&shared.device, &state),
             UpdatePath::ZenFlow(z) => z.restore(shared, &state, upload_pending, zenflow),
         }
     }

@@ -10,7 +10,7 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, DeviceBuffer};
 
 use super::Engine;
-use crate::checkpoint::{Elements, PartView};
+use crate::checkpoint::{Elements, PartFile, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::{EngineError, LossScaler, ZenFlowSnapshot};
 
@@ -73,12 +73,14 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
     /// state of any set of parts that together cover this rank's parameters (saved at any world
     /// size), the counters, and for a ZenFlow run its selection, window position and window
     /// (`from.zenflow`, which must be empty for any other run). Call it between optimizer steps,
-    /// before the next backward.
-    pub fn restore(&mut self, weights: &[P], from: Restore<'_>) -> Result<(), EngineError> {
+    /// before the next backward. `weights: None` keeps the flat weights the engine holds: an
+    /// engine built with the checkpoint's weights (as `zeroflow train --resume` builds it, so
+    /// that a resume does not hold them twice).
+    pub fn restore(&mut self, weights: Option<&[P]>, from: Restore<'_>) -> Result<(), EngineError> {
         let rank = self.shared.comm.rank();
         let zenflow = self.path.check_restore(&self.shared, &from)?;
         let Restore { parts, optimizer_steps, micro_steps, upload_pending, scaler, .. } = from;
-        if weights.len() != self.shared.layout.padded_len() {
+        if weights.is_some_and(|w| w.len() != self.shared.layout.padded_len()) {
             return Err(EngineError::Misuse("restored weights must fill the whole flat buffer"));
         }
         if self.backward_pending || !micro_steps.is_multiple_of(self.grad_accum) {
@@ -94,10 +96,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             });
         }
         self.complete_step()?;
-        self.warn_on_moment_conversion(&parts);
-        let state = assemble_parts(&self.shared.layout, &self.shared.owned, parts, rank)?;
+        let state = SavedState::new(&self.shared.layout, &self.shared.owned, parts, rank)?;
+        self.warn_on_moment_conversion(&state.moments());
         self.shared.device.synchronize()?;
-        super::shared::overwrite(&self.shared.device, &self.shared.params, weights)?;
+        if let Some(weights) = weights {
+            super::shared::overwrite(&self.shared.device, &self.shared.params, weights)?;
+        }
         self.path.restore(&mut self.shared, state, upload_pending, zenflow)?;
         self.adamw.resume_at(optimizer_steps);
         self.micro_steps = micro_steps;
@@ -107,8 +111,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 
     /// Says so where restored moments change dtype: bf16 to fp32 is exact, fp32 to bf16 rounds
     /// each moment to the nearest bf16 (once; the run goes on with stochastic rounding).
-    fn warn_on_moment_conversion(&self, parts: &[OptimizerPart]) {
-        let Some(saved) = parts.iter().map(|p| p.moments).find(|m| *m != self.moments) else {
+    fn warn_on_moment_conversion(&self, saved: &[OptimizerStateDtype]) {
+        let Some(saved) = saved.iter().copied().find(|m| *m != self.moments) else {
             return;
         };
         let how = match self.moments {
@@ -147,9 +151,8 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
 /// What [`crate::Engine::restore`] continues from, besides the weights.
 #[derive(Clone, Debug)]
 pub struct Restore<'a> {
-    /// Optimizer state saved by any number of ranks: lent, or given (then a part that is this
-    /// rank's partition exactly becomes the engine's state without a copy).
-    pub parts: Cow<'a, [OptimizerPart]>,
+    /// Optimizer state saved by any number of ranks ([`SavedParts`]).
+    pub parts: SavedParts<'a>,
     pub optimizer_steps: u64,
     pub micro_steps: u64,
     /// See [`Snapshot::upload_pending`].
@@ -158,6 +161,178 @@ pub struct Restore<'a> {
     /// A ZenFlow run's state, saved by any number of ranks (`parts` hold the consolidated
     /// optimizer state); empty for any other run.
     pub zenflow: &'a [ZenFlowSnapshot],
+}
+
+/// The optimizer state a restore continues from, saved by any number of ranks: parts in memory,
+/// lent or given (a given part that is this rank's partition exactly becomes the state of a path
+/// that keeps it on the device, without a copy), or a checkpoint's files, read a piece at a time
+/// into the engine's own state, so that a resume holds no second copy of it.
+#[derive(Clone, Debug)]
+pub enum SavedParts<'a> {
+    Memory(Cow<'a, [OptimizerPart]>),
+    Files(&'a [PartFile]),
+}
+
+impl From<Vec<OptimizerPart>> for SavedParts<'_> {
+    fn from(parts: Vec<OptimizerPart>) -> Self {
+        SavedParts::Memory(Cow::Owned(parts))
+    }
+}
+
+impl<'a> From<&'a [OptimizerPart]> for SavedParts<'a> {
+    fn from(parts: &'a [OptimizerPart]) -> Self {
+        SavedParts::Memory(Cow::Borrowed(parts))
+    }
+}
+
+impl<'a> From<&'a [PartFile]> for SavedParts<'a> {
+    fn from(parts: &'a [PartFile]) -> Self {
+        SavedParts::Files(parts)
+    }
+}
+
+impl SavedParts<'_> {
+    /// Each part's flat range and moments' dtype.
+    fn ranges(&self) -> Vec<(Range<usize>, OptimizerStateDtype)> {
+        match self {
+            SavedParts::Memory(parts) => {
+                parts.iter().map(|p| (p.flat.clone(), p.moments)).collect()
+            }
+            SavedParts::Files(parts) => parts.iter().map(|p| (p.flat.clone(), p.moments)).collect(),
+        }
+    }
+}
+
+/// This rank's optimizer state in saved parts ([`SavedParts`]), checked to cover every parameter
+/// element of the partition: what an update path restores from, a piece at a time
+/// ([`SavedState::read`]) into its own state, or whole ([`SavedState::into_vecs`]).
+#[derive(Debug)]
+pub(crate) struct SavedState<'a> {
+    owned: Range<usize>,
+    parts: SavedParts<'a>,
+}
+
+/// The elements a piecewise restore reads at a time (the moments through two f32 arrays of it,
+/// 32 MiB; the master weights are read in place).
+pub const RESTORE_PIECE: usize = 1 << 22;
+
+impl<'a> SavedState<'a> {
+    /// Checks `parts` against the partition `owned` of `layout`: each part's arrays of its
+    /// range's length, and every parameter element of the partition in some part (padding may
+    /// be missing: it is zero).
+    pub(crate) fn new(
+        layout: &FlatLayout,
+        owned: &Range<usize>,
+        parts: SavedParts<'a>,
+        rank: usize,
+    ) -> Result<SavedState<'a>, EngineError> {
+        if let SavedParts::Memory(parts) = &parts {
+            for part in parts.iter() {
+                let lens = [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()];
+                if lens.iter().any(|&len| len != part.flat.len()) {
+                    let reason = "an optimizer part's arrays differ from its range";
+                    return Err(EngineError::Restore { rank, reason });
+                }
+            }
+        }
+        let mut ranges: Vec<Range<usize>> = parts.ranges().into_iter().map(|(r, _)| r).collect();
+        ranges.sort_by_key(|r| r.start);
+        for index in layout.params_in(owned.clone()) {
+            let param = &layout.params()[index];
+            let range = param.flat_range();
+            let inside = range.start.max(owned.start)..range.end.min(owned.end);
+            if !covered(&ranges, inside) {
+                return Err(EngineError::IncompleteOptimizerState {
+                    rank,
+                    param: param.name.clone(),
+                });
+            }
+        }
+        Ok(SavedState { owned: owned.clone(), parts })
+    }
+
+    /// The partition's length.
+    pub(crate) fn len(&self) -> usize {
+        self.owned.len()
+    }
+
+    /// The moments' dtype of every part.
+    pub(crate) fn moments(&self) -> Vec<OptimizerStateDtype> {
+        self.parts.ranges().into_iter().map(|(_, moments)| moments).collect()
+    }
+
+    /// Elements `range` of the partition (counted from its start) into `out`: master weights,
+    /// first and second moments, as f32; zero where no part holds them (padding).
+    pub(crate) fn read(
+        &self,
+        range: Range<usize>,
+        mut out: [&mut [f32]; 3],
+    ) -> Result<(), EngineError> {
+        let at = self.owned.start + range.start..self.owned.start + range.end;
+        for array in out.iter_mut() {
+            array.fill(0.0);
+        }
+        for (index, (flat, _)) in self.parts.ranges().into_iter().enumerate() {
+            let (start, end) = (flat.start.max(at.start), flat.end.min(at.end));
+            if start >= end {
+                continue;
+            }
+            let src = start - flat.start..end - flat.start;
+            let dst = start - at.start..end - at.start;
+            for (array, to) in out.iter_mut().enumerate() {
+                let to = &mut to[dst.clone()];
+                match &self.parts {
+                    SavedParts::Memory(parts) => {
+                        let part = &parts[index];
+                        let from = [&part.master, &part.exp_avg, &part.exp_avg_sq][array];
+                        to.copy_from_slice(&from[src.clone()]);
+                    }
+                    SavedParts::Files(parts) => {
+                        let read = parts[index].read(array, src.clone(), to);
+                        read.map_err(|e| EngineError::Checkpoint(Box::new(e)))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole partition's state as vectors: a given part that is the partition exactly is
+    /// moved, anything else read.
+    pub(crate) fn into_vecs(self) -> Result<[Vec<f32>; 3], EngineError> {
+        let len = self.len();
+        if let SavedParts::Memory(Cow::Owned(mut parts)) = self.parts {
+            let whole = parts.iter().position(|part| part.flat == self.owned);
+            if let Some(at) = whole {
+                let part = parts.swap_remove(at);
+                return Ok([part.master, part.exp_avg, part.exp_avg_sq]);
+            }
+            let state = SavedState { owned: self.owned, parts: SavedParts::Memory(parts.into()) };
+            return state.read_whole(len);
+        }
+        self.read_whole(len)
+    }
+
+    fn read_whole(&self, len: usize) -> Result<[Vec<f32>; 3], EngineError> {
+        let [mut master, mut exp_avg, mut exp_avg_sq] =
+            [vec![0.0; len], vec![0.0; len], vec![0.0; len]];
+        self.read(0..len, [&mut master, &mut exp_avg, &mut exp_avg_sq])?;
+        Ok([master, exp_avg, exp_avg_sq])
+    }
+}
+
+/// True if the sorted `ranges` cover all of `inside`.
+fn covered(ranges: &[Range<usize>], inside: Range<usize>) -> bool {
+    let mut next = inside.start;
+    for range in ranges {
+        if next >= inside.end {
+            break;
+        }
+        if range.start <= next && range.end > next {
+            next = range.end;
+        }
+    }
+    next >= inside.end
 }
 
 /// The optimizer state of one flat range: a rank's partition, as saved. The moments are held as
@@ -184,34 +359,6 @@ pub(super) struct PathState {
 
 /// Master weights and moments of `owned` from parts saved at any world size, for `rank`.
 /// Parameter elements must be covered; padding may be missing (it is zero).
-/// [`assemble`] of parts lent or given: a given part whose range is `owned` exactly, with
-/// arrays of its length, is moved rather than copied (a resume at the world size it was saved at).
-pub(super) fn assemble_parts(
-    layout: &FlatLayout,
-    owned: &Range<usize>,
-    parts: Cow<'_, [OptimizerPart]>,
-    rank: usize,
-) -> Result<[Vec<f32>; 3], EngineError> {
-    match parts {
-        Cow::Owned(mut parts) => {
-            let whole = parts.iter().position(|part| {
-                part.flat == *owned
-                    && [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()]
-                        .iter()
-                        .all(|&len| len == owned.len())
-            });
-            match whole {
-                Some(at) => {
-                    let part = parts.swap_remove(at);
-                    Ok([part.master, part.exp_avg, part.exp_avg_sq])
-                }
-                None => assemble(layout, owned, &parts, rank),
-            }
-        }
-        Cow::Borrowed(parts) => assemble(layout, owned, parts, rank),
-    }
-}
-
 pub(super) fn assemble(
     layout: &FlatLayout,
     owned: &Range<usize>,

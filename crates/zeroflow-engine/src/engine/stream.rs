@@ -25,7 +25,7 @@ use zeroflow_optim::AdamWStep;
 
 use super::share::DeviceShare;
 use super::shared::Shared;
-use super::state::PathState;
+use super::state::{PathState, SavedState};
 use crate::EngineError;
 use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;
@@ -299,20 +299,20 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
     pub fn restore(
         &mut self,
         device: &D,
-        state: [Vec<f32>; 3],
+        state: &SavedState<'_>,
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         self.abandon_speculation();
         let (buffers, _) = self.buffers()?;
-        buffers.state.restore(&state);
+        buffers.state.restore(state)?;
         if let (Some(share), StreamCpu::Inline(buffers)) = (&mut self.share, &self.cpu) {
             share.restore(device, &buffers.state)?;
         }
-        let [master, _, _] = state;
         if let StreamCpu::Delayed(delayed) = &mut self.cpu {
             delayed.upload_pending = upload_pending;
             // Where the streaming delayed update keeps weights not yet on the device.
-            let weights: Vec<P> = master.iter().map(|m| P::from_f32(*m)).collect();
+            let (buffers, _) = delayed.worker.join()?;
+            let weights: Vec<P> = buffers.state.master.iter().map(|m| P::from_f32(*m)).collect();
             super::shared::overwrite(device, &delayed.params, &weights)?;
         }
         Ok(())

@@ -31,7 +31,7 @@ use zeroflow_optim::AdamWStep;
 use super::path::SinkOrOpening;
 use super::share::DeviceShare;
 use super::shared::Shared;
-use super::state::PathState;
+use super::state::{PathState, SavedState};
 use super::stream::{
     Deferral, OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step,
 };
@@ -247,9 +247,9 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     }
 
     /// Takes a checkpoint's state (into the device share's too).
-    pub fn restore(&mut self, device: &D, state: [Vec<f32>; 3]) -> Result<(), EngineError> {
+    pub fn restore(&mut self, device: &D, state: &SavedState<'_>) -> Result<(), EngineError> {
         self.abandon_speculation();
-        self.buffers.state.restore(&state);
+        self.buffers.state.restore(state)?;
         match &mut self.share {
             Some(share) => share.restore(device, &self.buffers.state),
             None => Ok(()),

@@ -29,7 +29,7 @@ use zeroflow_device::{Comm, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
 
 use super::shared::{Shared, normalise, overwrite, overwrite_at, slot, sum_to_host};
-use super::state::{OptimizerPart, PathState, assemble};
+use super::state::{OptimizerPart, PathState, SavedState, assemble};
 use super::stream::{Chunks, stream_chunks, trace_worker};
 use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
@@ -607,7 +607,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     pub fn restore<C: Comm<Device = D>>(
         &mut self,
         shared: &Shared<D, C, P>,
-        state: &[Vec<f32>; 3],
+        state: &SavedState<'_>,
         upload_pending: bool,
         saved: Option<ZenFlowRestore>,
     ) -> Result<(), EngineError> {

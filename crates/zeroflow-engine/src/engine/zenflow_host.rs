@@ -12,6 +12,7 @@ use zeroflow_device::{Comm, StreamKind};
 use zeroflow_optim::AdamWStep;
 
 use super::shared::{Shared, slot};
+use super::state::SavedState;
 use super::zenflow::ZenFlowUpdate;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
@@ -54,7 +55,7 @@ impl<P: Float> HostSide<P> {
     /// Takes a checkpoint's state (waiting for a running step first).
     pub(super) fn restore(
         &mut self,
-        state: &[Vec<f32>; 3],
+        state: &SavedState<'_>,
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         match self {

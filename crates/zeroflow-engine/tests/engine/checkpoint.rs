@@ -71,11 +71,18 @@ pub(crate) fn load(dir: &Path, world: usize) -> Resume<f32> {
         upload_pending: loaded.meta.upload_pending,
         scaler: loaded.meta.scaler,
         zenflow: loaded.zenflow,
+        files: None,
     }
 }
 
+/// [`load`], with each rank reading its optimizer state from the checkpoint's files.
+pub(crate) fn open(dir: &Path, world: usize) -> Resume<f32> {
+    Resume { files: Some(dir.to_path_buf()), ..load(dir, world) }
+}
+
 /// 2N steps straight and N + save + load + N give bit-identical weights, optimizer state and
-/// gradient norms, for offload (with the delayed update) and for the device optimizer.
+/// gradient norms, for offload (with the delayed update) and for the device optimizer, with the
+/// optimizer state restored from memory and read from the files a piece at a time.
 #[test]
 fn resuming_from_a_checkpoint_is_bit_exact() {
     for (setup, name) in [
@@ -94,15 +101,20 @@ fn resuming_from_a_checkpoint_is_bit_exact() {
         let first = train_from::<f32>(&setup, LossScaler::None, None, None);
         let path = dir.path().join("step-6");
         save(&path, &setup, &first);
-        let second = train_from(&setup, LossScaler::None, None, Some(&load(&path, setup.world)));
-        assert_eq!(second.weights, straight.weights, "{name}: weights");
-        assert_eq!(second.snapshots, straight.snapshots, "{name}: optimizer state and counters");
-        assert_eq!(second.reports[0], straight.reports[0][6..], "{name}: step reports");
+        for (resume, from) in
+            [(load(&path, setup.world), "memory"), (open(&path, setup.world), "files")]
+        {
+            let second = train_from(&setup, LossScaler::None, None, Some(&resume));
+            assert_eq!(second.weights, straight.weights, "{name} from {from}: weights");
+            let what = "optimizer state and counters";
+            assert_eq!(second.snapshots, straight.snapshots, "{name} from {from}: {what}");
+            assert_eq!(second.reports[0], straight.reports[0][6..], "{name} from {from}: reports");
+        }
     }
 }
 
 /// A checkpoint saved by 2 ranks restores at 1 and 4 ranks with exactly the same optimizer state
-/// for every parameter element.
+/// for every parameter element, from memory and read from its files.
 #[test]
 fn a_checkpoint_saved_at_one_world_size_restores_at_another() {
     let setup = Setup { steps: 3, ..Setup::new(Stage::Zero2, 2, 1, true) };
@@ -110,8 +122,9 @@ fn a_checkpoint_saved_at_one_world_size_restores_at_another() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ckpt");
     save(&path, &setup, &out);
-    for world in [1, 4] {
-        let resume = load(&path, world);
+    for (world, resume) in
+        [1, 4].into_iter().flat_map(|w| [(w, load(&path, w)), (w, open(&path, w))])
+    {
         let target = Setup { steps: 0, world, ..setup.clone() };
         let restored = train_from(&target, LossScaler::None, None, Some(&resume));
         for p in layout(world).params() {
@@ -240,12 +253,12 @@ fn a_checkpoint_with_impossible_step_counters_is_refused() {
     };
     let weights = &out.device_weights[0];
     for (optimizer_steps, micro_steps) in [(3, 2), (u64::MAX, u64::MAX), (1, u64::MAX)] {
-        let refused = engine.restore(weights, restore(optimizer_steps, micro_steps));
+        let refused = engine.restore(Some(weights), restore(optimizer_steps, micro_steps));
         assert!(
             matches!(&refused, Err(EngineError::Restore { reason, .. }) if reason.contains("step counters")),
             "{optimizer_steps} optimizer steps after {micro_steps} micro-steps: {refused:?}"
         );
     }
-    engine.restore(weights, restore(2, 2)).expect("the saved counters restore");
+    engine.restore(Some(weights), restore(2, 2)).expect("the saved counters restore");
     assert_eq!(engine.optimizer_steps(), 2);
 }

@@ -531,7 +531,18 @@ fn read_every_way(
         Ok(flat) => prop_assert_eq!(flat.len(), fixture.padded_len),
         Err(error) => prop_assert!(error.to_string().contains(&dir.display().to_string())),
     }
-    if let Ok((flat, tensors)) = checkpoint::weights_from_master(&loaded) {
+    // `--resume` and `zeroflow export` open it and read the weights and the optimizer's master
+    // weights a piece at a time: what loads opens, and reads the same elements.
+    let opened = checkpoint::open::<f32>(dir);
+    prop_assert!(opened.is_ok(), "loads but does not open: {:?}", opened.err());
+    let opened = opened.unwrap();
+    let read = opened.flat_weights(&fixture.tensors, fixture.padded_len);
+    let whole = checkpoint::flat_weights(&loaded, &fixture.tensors, fixture.padded_len, dir);
+    prop_assert_eq!(read.ok(), whole.ok(), "the weights opened and loaded");
+    for (opened, loaded) in opened.parts.iter().zip(&loaded.parts) {
+        prop_assert!(opened.to_part().ok().as_ref() == Some(loaded), "a part opened and loaded");
+    }
+    if let Ok((flat, tensors)) = checkpoint::weights_from_master::<f32>(&opened) {
         prop_assert_eq!(flat.len(), next, "export's weights are the optimizer's range");
         for tensor in &tensors {
             prop_assert!(tensor.flat.end <= flat.len(), "{} lies outside", tensor.name);

@@ -179,6 +179,9 @@ pub struct Resume<P> {
     pub scaler: LossScaler,
     /// Every rank's ZenFlow state (empty without ZenFlow).
     pub zenflow: Vec<ZenFlowSnapshot>,
+    /// The checkpoint these came from, when each rank restores its optimizer state from the
+    /// files themselves, a piece at a time (as `zeroflow train --resume` does), not from `parts`.
+    pub files: Option<std::path::PathBuf>,
 }
 
 /// [`train`] for `setup.steps` more steps, starting from `resume` if given.
@@ -222,15 +225,21 @@ pub fn train_from<P: Float>(
                     )
                     .unwrap();
                     if let Some(r) = resume {
+                        let opened = r.files.as_deref().map(|dir| {
+                            zeroflow_engine::checkpoint::open::<f32>(dir).unwrap().parts
+                        });
                         let from = Restore {
-                            parts: r.parts.as_slice().into(),
+                            parts: match &opened {
+                                Some(files) => files.as_slice().into(),
+                                None => r.parts.as_slice().into(),
+                            },
                             optimizer_steps: r.optimizer_steps,
                             micro_steps: r.micro_steps,
                             upload_pending: r.upload_pending,
                             scaler: &r.scaler,
                             zenflow: &r.zenflow,
                         };
-                        engine.restore(&r.weights, from).unwrap();
+                        engine.restore(Some(&r.weights), from).unwrap();
                     }
                     let pinned = device.pinned_budget().usage();
                     let mut reports = Vec::new();

@@ -9,7 +9,7 @@ use zeroflow_engine::checkpoint;
 use zeroflow_engine::synthetic::initial;
 use zeroflow_engine::{LossScaler, Stage, ZenFlowOptions};
 
-use crate::checkpoint::{load, save};
+use crate::checkpoint::{load, open, save};
 use crate::harness::{Setup, layout, train, train_from};
 
 const BF16: OptimizerStateDtype = OptimizerStateDtype::Bf16;
@@ -115,9 +115,12 @@ fn a_bf16_moment_checkpoint_resumes_bit_exactly() {
         assert_eq!(file.tensor("exp_avg").unwrap().dtype(), safetensors::Dtype::BF16);
         assert_eq!(file.tensor("exp_avg_sq").unwrap().dtype(), safetensors::Dtype::BF16);
         assert_eq!(file.tensor("master").unwrap().dtype(), safetensors::Dtype::F32);
-        let second = train_from(&setup, LossScaler::None, None, Some(&load(&path, setup.world)));
-        assert_eq!(second.weights, straight.weights, "{name}: weights");
-        assert_eq!(second.snapshots, straight.snapshots, "{name}: optimizer state");
+        for resume in [load(&path, setup.world), open(&path, setup.world)] {
+            let from = if resume.files.is_some() { "files" } else { "memory" };
+            let second = train_from(&setup, LossScaler::None, None, Some(&resume));
+            assert_eq!(second.weights, straight.weights, "{name} from {from}: weights");
+            assert_eq!(second.snapshots, straight.snapshots, "{name} from {from}: state");
+        }
     }
 }
 

@@ -230,12 +230,19 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     });
     let partition = layout.partition_range(inputs.rank).len() as u64;
     if let Caller::Train { resumed: true } = inputs.caller {
-        // The checkpoint's weights (for the restore) and its fp32 master and moments of the
-        // rank's partition, held until the engine has taken them (beside the engine's own).
+        // The checkpoint's fp32 master and moments, read from its files: a piece at a time into
+        // an offloaded optimizer's own state (the moments through two f32 pieces, the files'
+        // bytes through a MiB of elements), whole where the optimizer is on the device (uploaded
+        // from there). Its weights are the initial ones the engine is built with.
+        let piece = zeroflow_engine::RESTORE_PIECE.min(partition as usize) as u64;
+        let state = match inputs.options.offload() {
+            Some(_) => 2 * 4 * piece + (4 << 20),
+            None => partition * 12,
+        };
         lines.push(PlanLine {
             memory: Host,
-            kind: "the checkpoint's weights and optimizer state (until the engine takes them)",
-            bytes: padded * dtype.size() as u64 + partition * 12,
+            kind: "the checkpoint's optimizer state (read into the engine's)",
+            bytes: state,
             phase: Phase::Engine,
         });
     }

@@ -201,3 +201,30 @@ fn a_plan_that_fits_passes_the_check() {
     assert_eq!(json["gpu_total_bytes"], plan.gpu_total);
     assert_eq!(json["host_total_bytes"], plan.host_total);
 }
+
+/// A resumed run reads the checkpoint's optimizer state a piece at a time into an offloaded
+/// optimizer's own state: its plan is the run's plus the pieces, so that llama-8b's exact
+/// offload resumes on the H200's host (124 GiB available) as it trains there. With the optimizer
+/// on the GPU the restore reads the whole partition first (12 B per parameter).
+#[test]
+fn a_resume_plans_the_run_plus_the_restores_pieces() {
+    let with = |model: &str, mode: &str, resumed: bool| {
+        let shape = if model == "gpt-1.3b" { (8, 1024) } else { (4, 2048) };
+        let mut inputs = inputs(model, mode, shape);
+        inputs.model_options.activation_checkpointing = true;
+        inputs.caller = Caller::Train { resumed };
+        MemoryPlan::new(inputs).unwrap()
+    };
+    let (fresh, resumed) = (with("llama-8b", "offload", false), with("llama-8b", "offload", true));
+    let padded = fresh.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    let pieces = 2 * 4 * zeroflow_engine::RESTORE_PIECE as u64 + (4 << 20);
+    assert_eq!(resumed.host_total - fresh.host_total, pieces, "{resumed:?}");
+    assert!(padded >= 8_000_000_000);
+    let h200 = machine(140 * GIB, 125 * GIB, 124 * GIB);
+    assert!(resumed.fit(&h200).fits(), "{}", resumed.summary(&h200));
+    let line = "the checkpoint's optimizer state (read into the engine's)";
+    assert_eq!(bytes(&resumed, MemoryKind::Host, line), pieces);
+    let resumed = with("gpt-1.3b", "gpu", true);
+    let padded = resumed.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    assert_eq!(bytes(&resumed, MemoryKind::Host, line), 12 * padded);
+}
