@@ -749,21 +749,28 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
     let model = fs::read(model_path).map_err(io(model_path))?;
     let tensors = read_tensors::<P>(&model, model_path)?;
     let parts = opened.parts.iter().map(PartFile::to_part).collect::<Result<_, _>>()?;
-    Ok(Loaded { meta: opened.meta, tensors, parts, zenflow: opened.zenflow })
+    let mut zenflow = opened.zenflow;
+    for (snapshot, part) in zenflow.iter_mut().zip(&opened.parts) {
+        snapshot.window_grads = vec![0.0; part.flat.len()];
+        part.read_window(0..part.flat.len(), &mut snapshot.window_grads)?;
+    }
+    Ok(Loaded { meta: opened.meta, tensors, parts, zenflow })
 }
 
 /// A checkpoint opened: its `state.json`, and the headers of its files checked against it and
 /// against their lengths (every model tensor of the run's element type, each rank's range and
-/// arrays); of the files' data only ZenFlow's state is read. The weights and the optimizer
-/// state are read a range at a time ([`Opened::flat_weights`], [`PartFile::read`]), so that
-/// resuming a model of many gigabytes never holds a file in memory beside what it is read into.
+/// arrays, ZenFlow's state in the metadata). The weights, the optimizer state and ZenFlow's
+/// window sums are read a range at a time ([`Opened::flat_weights`], [`PartFile::read`],
+/// [`PartFile::read_window`]), so that resuming a model of many gigabytes never holds a file in
+/// memory beside what it is read into.
 #[derive(Debug)]
 pub struct Opened {
     pub meta: Meta,
     pub model: SafetensorsFile,
     /// Each rank's optimizer part, in rank order: they tile the flat buffer from 0.
     pub parts: Vec<PartFile>,
-    /// Every rank's ZenFlow state, in rank order (empty if the run had none).
+    /// Every rank's ZenFlow state, in rank order (empty if the run had none), its window sums
+    /// not read (`window_grads` empty: [`PartFile::read_window`] reads them).
     pub zenflow: Vec<ZenFlowSnapshot>,
 }
 
@@ -899,6 +906,13 @@ impl PartFile {
         self.file.read_range(PART_ARRAYS[array], range, out).map_err(read_error(path))
     }
 
+    /// Elements `range` (counted from the part's start) of a ZenFlow run's window sums
+    /// (`zenflow.window_grads`) into `out`.
+    pub fn read_window(&self, range: Range<usize>, out: &mut [f32]) -> Result<(), CheckpointError> {
+        let path = self.file.path();
+        self.file.read_range("zenflow.window_grads", range, out).map_err(read_error(path))
+    }
+
     /// The whole part in memory.
     pub fn to_part(&self) -> Result<OptimizerPart, CheckpointError> {
         let array = |at: usize| -> Result<Vec<f32>, CheckpointError> {
@@ -997,21 +1011,11 @@ fn open_part(path: &Path) -> Result<(PartFile, Option<ZenFlowSnapshot>), Checkpo
         _ => OptimizerStateDtype::Fp32,
     };
     array("master", &[Dtype::F32])?;
-    let zenflow_json = file.metadata("zenflow").map(str::to_owned);
-    let window_grads = match zenflow_json {
-        Some(_) => {
-            array("zenflow.window_grads", &[Dtype::F32])?;
-            let mut values = vec![0.0; flat.len()];
-            let read = file.read_range("zenflow.window_grads", 0..flat.len(), &mut values);
-            read.map_err(read_error(path))?;
-            Some(values)
-        }
-        None => None,
+    let Some(json) = file.metadata("zenflow").map(str::to_owned) else {
+        return Ok((PartFile { flat, moments, file }, None));
     };
+    array("zenflow.window_grads", &[Dtype::F32])?;
     let part = PartFile { flat: flat.clone(), moments, file };
-    let (Some(json), Some(window_grads)) = (zenflow_json, window_grads) else {
-        return Ok((part, None));
-    };
     let z: ZenFlowMeta = serde_json::from_str(&json).map_err(|e| CheckpointError::Corrupt {
         path: path.into(),
         reason: format!("its ZenFlow state: {e}"),
@@ -1027,7 +1031,7 @@ fn open_part(path: &Path) -> Result<(PartFile, Option<ZenFlowSnapshot>), Checkpo
         epochs_since_selection: z.epochs_since_selection,
         cpu_steps: z.cpu_steps,
         window_flat: flat,
-        window_grads,
+        window_grads: Vec::new(),
         auto: z.auto,
     };
     Ok((part, Some(zenflow)))

@@ -437,7 +437,8 @@ pub struct ZenFlowSnapshot {
     /// CPU steps (windows) taken.
     pub cpu_steps: u64,
     /// The window so far: the gradients of `window_flat` (this rank's partition, global flat
-    /// indices), summed over ranks and the window's steps.
+    /// indices), summed over ranks and the window's steps (empty in a checkpoint opened with
+    /// `checkpoint::open`, which reads them from the file when restoring).
     pub window_flat: Range<usize>,
     pub window_grads: Vec<f32>,
     /// Zen-auto's window state (empty without it): model-wide, the same on every rank.

@@ -443,14 +443,16 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
 
     /// What this path refuses in a checkpoint, checked before anything is restored; for ZenFlow
     /// its state, assembled for this rank.
-    pub fn check_restore<C: Comm<Device = D>>(
+    pub fn check_restore<'a, C: Comm<Device = D>>(
         &self,
         shared: &Shared<D, C, P>,
-        from: &Restore<'_>,
-    ) -> Result<Option<ZenFlowRestore>, EngineError> {
+        from: &Restore<'a>,
+    ) -> Result<Option<ZenFlowRestore<'a>>, EngineError> {
         let rank = shared.comm.rank();
         match self {
-            UpdatePath::ZenFlow(_) => Ok(Some(ZenFlowUpdate::check_restore(shared, from.zenflow)?)),
+            UpdatePath::ZenFlow(_) => {
+                Ok(Some(ZenFlowUpdate::check_restore(shared, from.zenflow, &from.parts)?))
+            }
             _ if !from.zenflow.is_empty() => Err(EngineError::Restore {
                 rank,
                 reason: "the checkpoint holds ZenFlow state, and this run does not use ZenFlow",
@@ -483,7 +485,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         shared: &mut Shared<D, C, P>,
         state: SavedState<'_>,
         upload_pending: bool,
-        zenflow: Option<ZenFlowRestore>,
+        zenflow: Option<ZenFlowRestore<'_>>,
     ) -> Result<(), EngineError> {
         match self {
             UpdatePath::Device(device) => device.restore(&shared.device, state.into_vecs()?),

@@ -235,19 +235,8 @@ impl<'a> SavedState<'a> {
                 }
             }
         }
-        let mut ranges: Vec<Range<usize>> = parts.ranges().into_iter().map(|(r, _)| r).collect();
-        ranges.sort_by_key(|r| r.start);
-        for index in layout.params_in(owned.clone()) {
-            let param = &layout.params()[index];
-            let range = param.flat_range();
-            let inside = range.start.max(owned.start)..range.end.min(owned.end);
-            if !covered(&ranges, inside) {
-                return Err(EngineError::IncompleteOptimizerState {
-                    rank,
-                    param: param.name.clone(),
-                });
-            }
-        }
+        let ranges: Vec<Range<usize>> = parts.ranges().into_iter().map(|(r, _)| r).collect();
+        check_covered(layout, owned, ranges, rank)?;
         Ok(SavedState { owned: owned.clone(), parts })
     }
 
@@ -268,31 +257,18 @@ impl<'a> SavedState<'a> {
         range: Range<usize>,
         mut out: [&mut [f32]; 3],
     ) -> Result<(), EngineError> {
+        let ranges: Vec<Range<usize>> = self.parts.ranges().into_iter().map(|(r, _)| r).collect();
         let at = self.owned.start + range.start..self.owned.start + range.end;
-        for array in out.iter_mut() {
-            array.fill(0.0);
-        }
-        for (index, (flat, _)) in self.parts.ranges().into_iter().enumerate() {
-            let (start, end) = (flat.start.max(at.start), flat.end.min(at.end));
-            if start >= end {
-                continue;
-            }
-            let src = start - flat.start..end - flat.start;
-            let dst = start - at.start..end - at.start;
-            for (array, to) in out.iter_mut().enumerate() {
-                let to = &mut to[dst.clone()];
-                match &self.parts {
-                    SavedParts::Memory(parts) => {
-                        let part = &parts[index];
-                        let from = [&part.master, &part.exp_avg, &part.exp_avg_sq][array];
-                        to.copy_from_slice(&from[src.clone()]);
-                    }
-                    SavedParts::Files(parts) => {
-                        let read = parts[index].read(array, src.clone(), to);
-                        read.map_err(|e| EngineError::Checkpoint(Box::new(e)))?;
-                    }
+        for (array, out) in out.iter_mut().enumerate() {
+            read_from(&ranges, at.clone(), out, |index, src, to| match &self.parts {
+                SavedParts::Memory(parts) => {
+                    let part = &parts[index];
+                    let from = [&part.master, &part.exp_avg, &part.exp_avg_sq][array];
+                    to.copy_from_slice(&from[src]);
+                    Ok(())
                 }
-            }
+                SavedParts::Files(parts) => parts[index].read(array, src, to).map_err(file_error),
+            })?;
         }
         Ok(())
     }
@@ -335,6 +311,114 @@ fn covered(ranges: &[Range<usize>], inside: Range<usize>) -> bool {
     next >= inside.end
 }
 
+/// Checks that `ranges` (saved parts' flat ranges) cover every parameter element of the
+/// partition `owned` of `layout` (padding may be missing: it is zero).
+fn check_covered(
+    layout: &FlatLayout,
+    owned: &Range<usize>,
+    mut ranges: Vec<Range<usize>>,
+    rank: usize,
+) -> Result<(), EngineError> {
+    ranges.sort_by_key(|r| r.start);
+    for index in layout.params_in(owned.clone()) {
+        let param = &layout.params()[index];
+        let range = param.flat_range();
+        let inside = range.start.max(owned.start)..range.end.min(owned.end);
+        if !covered(&ranges, inside) {
+            let param = param.name.clone();
+            return Err(EngineError::IncompleteOptimizerState { rank, param });
+        }
+    }
+    Ok(())
+}
+
+/// Flat elements `at` into `out` from saved parts of flat `ranges`: zero where none holds them,
+/// and where part `index` does, `read(index, range within the part, out's slice)`.
+fn read_from(
+    ranges: &[Range<usize>],
+    at: Range<usize>,
+    out: &mut [f32],
+    mut read: impl FnMut(usize, Range<usize>, &mut [f32]) -> Result<(), EngineError>,
+) -> Result<(), EngineError> {
+    out.fill(0.0);
+    for (index, flat) in ranges.iter().enumerate() {
+        let (start, end) = (flat.start.max(at.start), flat.end.min(at.end));
+        if start < end {
+            let to = &mut out[start - at.start..end - at.start];
+            read(index, start - flat.start..end - flat.start, to)?;
+        }
+    }
+    Ok(())
+}
+
+fn file_error(error: crate::checkpoint::CheckpointError) -> EngineError {
+    EngineError::Checkpoint(Box::new(error))
+}
+
+/// A ZenFlow run's saved window sums for this rank's partition, read as [`SavedState`] reads the
+/// optimizer state: from the ranks' snapshots in memory, or (a restore from `SavedParts::Files`)
+/// from the checkpoint's files a piece at a time.
+pub(crate) struct SavedWindow<'a> {
+    owned: Range<usize>,
+    snapshots: &'a [ZenFlowSnapshot],
+    files: Option<&'a [PartFile]>,
+}
+
+impl<'a> SavedWindow<'a> {
+    /// Checks the windows (each of its range's length where in memory) cover every parameter
+    /// element of the partition.
+    pub(crate) fn new(
+        layout: &FlatLayout,
+        owned: &Range<usize>,
+        snapshots: &'a [ZenFlowSnapshot],
+        parts: &SavedParts<'a>,
+        rank: usize,
+    ) -> Result<SavedWindow<'a>, EngineError> {
+        let files = match parts {
+            SavedParts::Files(files) => Some(*files),
+            SavedParts::Memory(_) => None,
+        };
+        let ranges: Vec<Range<usize>> = match files {
+            Some(files) => files.iter().map(|f| f.flat.clone()).collect(),
+            None => {
+                let short = snapshots.iter().any(|s| s.window_grads.len() != s.window_flat.len());
+                if short {
+                    let reason = "a ZenFlow window's sums differ from its range";
+                    return Err(EngineError::Restore { rank, reason });
+                }
+                snapshots.iter().map(|s| s.window_flat.clone()).collect()
+            }
+        };
+        check_covered(layout, owned, ranges, rank)?;
+        Ok(SavedWindow { owned: owned.clone(), snapshots, files })
+    }
+
+    /// Elements `range` of the partition's window (counted from its start) into `out`.
+    pub(crate) fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<(), EngineError> {
+        let at = self.owned.start + range.start..self.owned.start + range.end;
+        match self.files {
+            Some(files) => {
+                let ranges: Vec<Range<usize>> = files.iter().map(|f| f.flat.clone()).collect();
+                read_from(&ranges, at, out, |index, src, to| {
+                    files[index].read_window(src, to).map_err(file_error)
+                })
+            }
+            None => {
+                let ranges: Vec<Range<usize>> =
+                    self.snapshots.iter().map(|s| s.window_flat.clone()).collect();
+                read_from(&ranges, at, out, |index, src, to| {
+                    to.copy_from_slice(&self.snapshots[index].window_grads[src]);
+                    Ok(())
+                })
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.owned.len()
+    }
+}
+
 /// The optimizer state of one flat range: a rank's partition, as saved. The moments are held as
 /// f32 whatever `moments` says; where it is bf16 they are bf16 values (widened exactly), and a
 /// checkpoint stores them as bf16.
@@ -355,41 +439,4 @@ pub(super) struct PathState {
     pub exp_avg_sq: Vec<f32>,
     /// See [`Snapshot::upload_pending`].
     pub upload_pending: bool,
-}
-
-/// Master weights and moments of `owned` from parts saved at any world size, for `rank`.
-/// Parameter elements must be covered; padding may be missing (it is zero).
-pub(super) fn assemble(
-    layout: &FlatLayout,
-    owned: &Range<usize>,
-    parts: &[OptimizerPart],
-    rank: usize,
-) -> Result<[Vec<f32>; 3], EngineError> {
-    let mut out = [vec![0f32; owned.len()], vec![0f32; owned.len()], vec![0f32; owned.len()]];
-    let mut covered = vec![false; owned.len()];
-    for part in parts {
-        let lens = [part.master.len(), part.exp_avg.len(), part.exp_avg_sq.len()];
-        if lens.iter().any(|&len| len != part.flat.len()) {
-            let reason = "an optimizer part's arrays differ from its range";
-            return Err(EngineError::Restore { rank, reason });
-        }
-        let start = part.flat.start.max(owned.start);
-        let end = part.flat.end.min(owned.end);
-        for i in start..end {
-            let (src, dst) = (i - part.flat.start, i - owned.start);
-            out[0][dst] = part.master[src];
-            out[1][dst] = part.exp_avg[src];
-            out[2][dst] = part.exp_avg_sq[src];
-            covered[dst] = true;
-        }
-    }
-    for index in layout.params_in(owned.clone()) {
-        let param = &layout.params()[index];
-        let range = param.flat_range();
-        let inside = range.start.max(owned.start)..range.end.min(owned.end);
-        if inside.clone().any(|i| !covered[i - owned.start]) {
-            return Err(EngineError::IncompleteOptimizerState { rank, param: param.name.clone() });
-        }
-    }
-    Ok(out)
 }

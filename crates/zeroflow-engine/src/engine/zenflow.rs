@@ -22,14 +22,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, bf16};
 use zeroflow_device::{Comm, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
 
 use super::shared::{Shared, normalise, overwrite, overwrite_at, slot, sum_to_host};
-use super::state::{OptimizerPart, PathState, SavedState, assemble};
+use super::state::{PathState, RESTORE_PIECE, SavedParts, SavedState, SavedWindow};
 use super::stream::{Chunks, stream_chunks, trace_worker};
 use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
@@ -46,8 +45,8 @@ pub(super) struct ZenFlowUpdate<D: DeviceAdamW, P: Float> {
 }
 
 /// A ZenFlow checkpoint's state, checked and assembled for this rank before anything is restored.
-pub(super) struct ZenFlowRestore {
-    window: Vec<f32>,
+pub(super) struct ZenFlowRestore<'a> {
+    window: SavedWindow<'a>,
     first: ZenFlowSnapshot,
     selection: Vec<(usize, Vec<u32>)>,
 }
@@ -564,12 +563,13 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         }
     }
 
-    /// Checks the ZenFlow snapshots of any number of ranks and assembles this rank's window from
-    /// them, before anything is restored.
-    pub fn check_restore<C: Comm<Device = D>>(
+    /// Checks the ZenFlow snapshots of any number of ranks and that their windows (in memory, or
+    /// in the files of `parts`) cover this rank's, before anything is restored.
+    pub fn check_restore<'a, C: Comm<Device = D>>(
         shared: &Shared<D, C, P>,
-        saved: &[ZenFlowSnapshot],
-    ) -> Result<ZenFlowRestore, EngineError> {
+        saved: &'a [ZenFlowSnapshot],
+        parts: &SavedParts<'a>,
+    ) -> Result<ZenFlowRestore<'a>, EngineError> {
         let rank = shared.comm.rank();
         let Some(first) = saved.first() else {
             let reason = "a ZenFlow run resumes only with its ZenFlow state (selection, window \
@@ -585,17 +585,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
                 reason: "the ranks' ZenFlow states disagree",
             });
         }
-        let window: Vec<OptimizerPart> = saved
-            .iter()
-            .map(|s| OptimizerPart {
-                flat: s.window_flat.clone(),
-                master: s.window_grads.clone(),
-                exp_avg: vec![0.0; s.window_grads.len()],
-                exp_avg_sq: vec![0.0; s.window_grads.len()],
-                moments: OptimizerStateDtype::Fp32,
-            })
-            .collect();
-        let [window, _, _] = assemble(&shared.layout, &shared.owned, &window, rank)?;
+        let window = SavedWindow::new(&shared.layout, &shared.owned, saved, parts, rank)?;
         let selection = saved.iter().flat_map(|s| s.selection.iter().cloned()).collect();
         Ok(ZenFlowRestore { window, first: first.clone(), selection })
     }
@@ -609,14 +599,20 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         shared: &Shared<D, C, P>,
         state: &SavedState<'_>,
         upload_pending: bool,
-        saved: Option<ZenFlowRestore>,
+        saved: Option<ZenFlowRestore<'_>>,
     ) -> Result<(), EngineError> {
         self.host.restore(state, upload_pending)?;
         self.restore_pending_weights(shared, upload_pending)?;
         let Some(ZenFlowRestore { window, first, selection }) = saved else { return Ok(()) };
         let (device, rank) = (&shared.device, shared.comm.rank());
         let zenflow = &mut self.zenflow;
-        overwrite(device, &*zenflow.window, &window)?;
+        // The window's sums, a piece at a time.
+        let mut piece = vec![0.0f32; RESTORE_PIECE.min(window.len())];
+        for start in (0..window.len()).step_by(RESTORE_PIECE) {
+            let end = (start + RESTORE_PIECE).min(window.len());
+            window.read(start..end, &mut piece[..end - start])?;
+            overwrite_at(device, &*zenflow.window, start, &piece[..end - start])?;
+        }
         zenflow.restore_selection(&selection, rank)?;
         if let Some(auto) = &mut zenflow.auto {
             auto.restore(&first.auto, rank)?;
