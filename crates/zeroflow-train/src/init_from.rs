@@ -8,8 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_engine::checkpoint::{self, NamedTensor, Tensors};
+use zeroflow_engine::checkpoint::NamedTensor;
 use zeroflow_gpt::GptConfig;
+use zeroflow_hf::{Dtype, SafetensorsFile};
 use zeroflow_llama::HfLlama;
 
 use crate::ModelSpec;
@@ -28,8 +29,9 @@ pub struct HfModel {
 /// The weights of a directory, by family.
 #[derive(Debug)]
 enum Weights {
-    /// GPT-2's: shape and elements by tensor name.
-    Gpt2(Tensors<f32>),
+    /// GPT-2's `model.safetensors`, opened (its tensors read when asked, each into its range of
+    /// the flat weights, so that the file is never in memory beside them).
+    Gpt2(SafetensorsFile),
     /// The Llama family's: the directory opened, its tensors checked (read when asked).
     Llama(Box<HfLlama>),
 }
@@ -37,8 +39,8 @@ enum Weights {
 const WHAT_TO_DO: &str = "--init-from needs a Hugging Face model directory: a config.json \
                           whose architectures names LlamaForCausalLM, Qwen2ForCausalLM, \
                           Qwen3ForCausalLM, MistralForCausalLM or GPT2LMHeadModel, and its \
-                          safetensors (GPT-2's an F32 model.safetensors, such as `zeroflow \
-                          export` writes)";
+                          safetensors (GPT-2's one model.safetensors in F32, BF16 or F16, such \
+                          as `zeroflow export` writes)";
 
 /// Reads `dir`: its `config.json` (where present) says the family, whose weights are checked
 /// against the model's names and shapes.
@@ -62,15 +64,23 @@ pub fn read(dir: &Path) -> Result<HfModel> {
         });
     }
     let path = dir.join("model.safetensors");
-    let bytes = std::fs::read(&path)
-        .map_err(|e| input(format!("--init-from {}: {e}; {WHAT_TO_DO}", path.display())))?;
-    let tensors = checkpoint::read_tensors::<f32>(&bytes, &path)
+    let file = SafetensorsFile::open(&path)
         .map_err(|e| input(format!("--init-from {e}; {WHAT_TO_DO}")))?;
+    for (name, entry) in file.tensors() {
+        if !matches!(entry.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+            let dtype = entry.dtype;
+            return Err(input(format!(
+                "--init-from {}: tensor {name} is {dtype:?}; zeroflow reads F32, BF16 and F16 \
+                 weights",
+                path.display()
+            )));
+        }
+    }
     let model = match json {
         Some(json) => Some(ModelSpec::Gpt2(gpt2_config(&config_path, &json)?)),
         None => None,
     };
-    Ok(HfModel { dir: dir.to_path_buf(), model, weights: Weights::Gpt2(tensors) })
+    Ok(HfModel { dir: dir.to_path_buf(), model, weights: Weights::Gpt2(file) })
 }
 
 /// `path` as JSON, `None` where the file does not exist.
@@ -103,7 +113,7 @@ impl HfModel {
         tensors: &[NamedTensor],
     ) -> Result<Vec<f32>> {
         match &self.weights {
-            Weights::Gpt2(by_name) => self.gpt2_weights(by_name, tensors, layout.padded_len()),
+            Weights::Gpt2(file) => self.gpt2_weights(file, tensors, layout.padded_len()),
             Weights::Llama(hf) => {
                 if self.model.as_ref() != Some(model) {
                     return Err(input(format!(
@@ -121,22 +131,25 @@ impl HfModel {
 
     fn gpt2_weights(
         &self,
-        by_name: &Tensors<f32>,
+        file: &SafetensorsFile,
         tensors: &[NamedTensor],
         padded_len: usize,
     ) -> Result<Vec<f32>> {
-        let path = self.dir.join("model.safetensors");
+        let path = file.path();
         let mut flat = vec![0.0; padded_len];
         for tensor in tensors {
             let short = tensor.name.strip_prefix("transformer.").unwrap_or(&tensor.name);
-            let (shape, values) =
-                by_name.get(&tensor.name).or_else(|| by_name.get(short)).ok_or_else(|| {
+            let name = [tensor.name.as_str(), short]
+                .into_iter()
+                .find(|name| file.tensor(name).is_some())
+                .ok_or_else(|| {
                     input(format!(
                         "--init-from {}: it has no tensor {}; {WHAT_TO_DO}",
                         path.display(),
                         tensor.name
                     ))
                 })?;
+            let shape = &file.tensor(name).expect("found above").shape;
             if *shape != tensor.shape {
                 return Err(input(format!(
                     "--init-from {}: {} has shape {shape:?}, the model needs {:?}; pass the \
@@ -146,7 +159,9 @@ impl HfModel {
                     tensor.shape
                 )));
             }
-            flat[tensor.flat.clone()].copy_from_slice(values);
+            let out = &mut flat[tensor.flat.clone()];
+            let read = file.read_range(name, 0..out.len(), out);
+            read.map_err(|e| input(format!("--init-from {e}")))?;
         }
         Ok(flat)
     }
@@ -198,6 +213,40 @@ mod tests {
         checkpoint::save(&second, &meta, &imported, &named, &[]).unwrap();
         let bytes = |dir: &std::path::Path| std::fs::read(dir.join("model.safetensors")).unwrap();
         assert_eq!(bytes(&first), bytes(&second));
+        // The same weights in BF16 (as `save_pretrained` in bfloat16 writes them) are read
+        // rounded to bf16; a tensor of integers is refused, naming it.
+        let third = root.join("third");
+        let out: Vec<zeroflow_hf::OutTensor<'_>> = named
+            .iter()
+            .map(|t| zeroflow_hf::OutTensor {
+                name: &t.name,
+                shape: &t.shape,
+                values: &weights[t.flat.clone()],
+            })
+            .collect();
+        let options = zeroflow_hf::SaveOptions {
+            dtype: zeroflow_hf::SaveDtype::Bf16,
+            max_shard_bytes: u64::MAX,
+            tokenizer_from: None,
+        };
+        zeroflow_hf::save(&third, &serde_json::json!({}), &out, &options).unwrap();
+        std::fs::remove_file(third.join("config.json")).unwrap();
+        let imported = super::read(&third).unwrap().flat_weights(&spec, &layout, &named).unwrap();
+        for t in &named {
+            for i in t.flat.clone() {
+                assert_eq!(imported[i], zeroflow_core::bf16::from_f32(weights[i]).to_f32(), "{i}");
+            }
+        }
+        let fourth = root.join("fourth");
+        std::fs::create_dir_all(&fourth).unwrap();
+        // A safetensors file by hand: the header's length, the header, eight bytes of data.
+        let header =
+            r#"{"transformer.wte.weight":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend(header.bytes().chain([0u8; 8]));
+        std::fs::write(fourth.join("model.safetensors"), file).unwrap();
+        let error = super::read(&fourth).unwrap_err().to_string();
+        assert!(error.contains("transformer.wte.weight is I32"), "{error}");
         std::fs::remove_dir_all(&root).unwrap();
     }
 }
