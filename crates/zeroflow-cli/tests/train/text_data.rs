@@ -36,14 +36,20 @@ fn record(run: &Path) -> Vec<Line> {
         .collect()
 }
 
+/// A model directory in `dir` whose tokenizer maps byte `b` to token `255 - b`: a run that read
+/// text as bytes, or encoded a prompt as bytes, would see other ids than the directory's.
+fn reversed_model_dir(dir: &Path) -> std::path::PathBuf {
+    let model = dir.join("model");
+    write_model_dir(&model);
+    let reversed = byte_tokenizer_json(|b| 255 - u32::from(b));
+    std::fs::write(model.join("tokenizer.json"), reversed.to_string()).unwrap();
+    model
+}
+
 #[test]
 fn text_beside_a_model_directory_is_its_tokens_as_zeroflow_tokenize_writes_them() {
     let dir = scratch("text_data_tokenized");
-    let model = dir.join("model");
-    write_model_dir(&model);
-    // Byte `b` is token `255 - b`: a run that read the bytes as ids would see other tokens.
-    let reversed = byte_tokenizer_json(|b| 255 - u32::from(b));
-    std::fs::write(model.join("tokenizer.json"), reversed.to_string()).unwrap();
+    let model = reversed_model_dir(&dir);
     let (corpus, held_out) = (dir.join("corpus.txt"), dir.join("held-out.txt"));
     let sentence = |i: usize| format!("line {i}: the quick brown fox jumps over the lazy dog.\n");
     std::fs::write(&corpus, (0..80).map(sentence).collect::<String>()).unwrap();
@@ -164,11 +170,7 @@ fn a_model_from_a_directory_fine_tunes_at_a_fine_tuning_rate_by_default() {
 #[test]
 fn a_resumed_fine_tune_continues_as_the_uninterrupted_run() {
     let dir = scratch("text_data_resumed_fine_tune");
-    let model = dir.join("model");
-    write_model_dir(&model);
-    // Byte `b` is token `255 - b`: bytes would encode the prompt to other ids.
-    let reversed = byte_tokenizer_json(|b| 255 - u32::from(b));
-    std::fs::write(model.join("tokenizer.json"), reversed.to_string()).unwrap();
+    let model = reversed_model_dir(&dir);
     let corpus = dir.join("corpus.txt");
     std::fs::write(&corpus, "the cat sat on the mat.\n".repeat(60)).unwrap();
     let sample = ["--sample-every", "2", "--sample-prompt", "the cat"];

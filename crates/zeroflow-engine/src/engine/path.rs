@@ -488,7 +488,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         zenflow: Option<ZenFlowRestore<'_>>,
     ) -> Result<(), EngineError> {
         match self {
-            UpdatePath::Device(device) => device.restore(&shared.device, state.into_vecs()?),
+            UpdatePath::Device(device) => device.restore(&shared.device, state.to_vecs()?),
             UpdatePath::Accumulate(a) => {
                 a.abandon_speculation();
                 a.host.restore(&state, upload_pending)

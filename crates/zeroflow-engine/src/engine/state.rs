@@ -1,7 +1,6 @@
 //! What a checkpoint takes from the engine ([`Snapshot`]) and gives back ([`Restore`]), and the
 //! assembly of a rank's optimizer state from parts saved at any world size.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use zeroflow_core::Float;
@@ -97,7 +96,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         }
         self.complete_step()?;
         let state = SavedState::new(&self.shared.layout, &self.shared.owned, parts, rank)?;
-        self.warn_on_moment_conversion(&state.moments());
+        self.warn_on_moment_conversion(state.moments());
         self.shared.device.synchronize()?;
         if let Some(weights) = weights {
             super::shared::overwrite(&self.shared.device, &self.shared.params, weights)?;
@@ -163,25 +162,18 @@ pub struct Restore<'a> {
     pub zenflow: &'a [ZenFlowSnapshot],
 }
 
-/// The optimizer state a restore continues from, saved by any number of ranks: parts in memory,
-/// lent or given (a given part that is this rank's partition exactly becomes the state of a path
-/// that keeps it on the device, without a copy), or a checkpoint's files, read a piece at a time
-/// into the engine's own state, so that a resume holds no second copy of it.
-#[derive(Clone, Debug)]
+/// The optimizer state a restore continues from, saved by any number of ranks: parts in memory
+/// (snapshots), or a checkpoint's files, read a piece at a time into the engine's own state, so
+/// that a resume holds no second copy of it.
+#[derive(Clone, Copy, Debug)]
 pub enum SavedParts<'a> {
-    Memory(Cow<'a, [OptimizerPart]>),
+    Memory(&'a [OptimizerPart]),
     Files(&'a [PartFile]),
-}
-
-impl From<Vec<OptimizerPart>> for SavedParts<'_> {
-    fn from(parts: Vec<OptimizerPart>) -> Self {
-        SavedParts::Memory(Cow::Owned(parts))
-    }
 }
 
 impl<'a> From<&'a [OptimizerPart]> for SavedParts<'a> {
     fn from(parts: &'a [OptimizerPart]) -> Self {
-        SavedParts::Memory(Cow::Borrowed(parts))
+        SavedParts::Memory(parts)
     }
 }
 
@@ -205,11 +197,14 @@ impl SavedParts<'_> {
 
 /// This rank's optimizer state in saved parts ([`SavedParts`]), checked to cover every parameter
 /// element of the partition: what an update path restores from, a piece at a time
-/// ([`SavedState::read`]) into its own state, or whole ([`SavedState::into_vecs`]).
+/// ([`SavedState::read`]) into its own state, or whole ([`SavedState::to_vecs`]).
 #[derive(Debug)]
 pub(crate) struct SavedState<'a> {
     owned: Range<usize>,
     parts: SavedParts<'a>,
+    /// Each part's flat range and moments' dtype, in the parts' order.
+    ranges: Vec<Range<usize>>,
+    moments: Vec<OptimizerStateDtype>,
 }
 
 /// The elements a piecewise restore reads at a time (the moments through two f32 arrays of it,
@@ -235,9 +230,9 @@ impl<'a> SavedState<'a> {
                 }
             }
         }
-        let ranges: Vec<Range<usize>> = parts.ranges().into_iter().map(|(r, _)| r).collect();
-        check_covered(layout, owned, ranges, rank)?;
-        Ok(SavedState { owned: owned.clone(), parts })
+        let (ranges, moments): (Vec<_>, Vec<_>) = parts.ranges().into_iter().unzip();
+        check_covered(layout, owned, ranges.clone(), rank)?;
+        Ok(SavedState { owned: owned.clone(), parts, ranges, moments })
     }
 
     /// The partition's length.
@@ -246,8 +241,8 @@ impl<'a> SavedState<'a> {
     }
 
     /// The moments' dtype of every part.
-    pub(crate) fn moments(&self) -> Vec<OptimizerStateDtype> {
-        self.parts.ranges().into_iter().map(|(_, moments)| moments).collect()
+    pub(crate) fn moments(&self) -> &[OptimizerStateDtype] {
+        &self.moments
     }
 
     /// Elements `range` of the partition (counted from its start) into `out`: master weights,
@@ -257,10 +252,9 @@ impl<'a> SavedState<'a> {
         range: Range<usize>,
         mut out: [&mut [f32]; 3],
     ) -> Result<(), EngineError> {
-        let ranges: Vec<Range<usize>> = self.parts.ranges().into_iter().map(|(r, _)| r).collect();
         let at = self.owned.start + range.start..self.owned.start + range.end;
         for (array, out) in out.iter_mut().enumerate() {
-            read_from(&ranges, at.clone(), out, |index, src, to| match &self.parts {
+            read_from(&self.ranges, at.clone(), out, |index, src, to| match self.parts {
                 SavedParts::Memory(parts) => {
                     let part = &parts[index];
                     let from = [&part.master, &part.exp_avg, &part.exp_avg_sq][array];
@@ -273,23 +267,9 @@ impl<'a> SavedState<'a> {
         Ok(())
     }
 
-    /// The whole partition's state as vectors: a given part that is the partition exactly is
-    /// moved, anything else read.
-    pub(crate) fn into_vecs(self) -> Result<[Vec<f32>; 3], EngineError> {
+    /// The whole partition's state as vectors.
+    pub(crate) fn to_vecs(&self) -> Result<[Vec<f32>; 3], EngineError> {
         let len = self.len();
-        if let SavedParts::Memory(Cow::Owned(mut parts)) = self.parts {
-            let whole = parts.iter().position(|part| part.flat == self.owned);
-            if let Some(at) = whole {
-                let part = parts.swap_remove(at);
-                return Ok([part.master, part.exp_avg, part.exp_avg_sq]);
-            }
-            let state = SavedState { owned: self.owned, parts: SavedParts::Memory(parts.into()) };
-            return state.read_whole(len);
-        }
-        self.read_whole(len)
-    }
-
-    fn read_whole(&self, len: usize) -> Result<[Vec<f32>; 3], EngineError> {
         let [mut master, mut exp_avg, mut exp_avg_sq] =
             [vec![0.0; len], vec![0.0; len], vec![0.0; len]];
         self.read(0..len, [&mut master, &mut exp_avg, &mut exp_avg_sq])?;
@@ -362,6 +342,8 @@ pub(crate) struct SavedWindow<'a> {
     owned: Range<usize>,
     snapshots: &'a [ZenFlowSnapshot],
     files: Option<&'a [PartFile]>,
+    /// Each rank's window range, in rank order (the files' or the snapshots').
+    ranges: Vec<Range<usize>>,
 }
 
 impl<'a> SavedWindow<'a> {
@@ -389,29 +371,20 @@ impl<'a> SavedWindow<'a> {
                 snapshots.iter().map(|s| s.window_flat.clone()).collect()
             }
         };
-        check_covered(layout, owned, ranges, rank)?;
-        Ok(SavedWindow { owned: owned.clone(), snapshots, files })
+        check_covered(layout, owned, ranges.clone(), rank)?;
+        Ok(SavedWindow { owned: owned.clone(), snapshots, files, ranges })
     }
 
     /// Elements `range` of the partition's window (counted from its start) into `out`.
     pub(crate) fn read(&self, range: Range<usize>, out: &mut [f32]) -> Result<(), EngineError> {
         let at = self.owned.start + range.start..self.owned.start + range.end;
-        match self.files {
-            Some(files) => {
-                let ranges: Vec<Range<usize>> = files.iter().map(|f| f.flat.clone()).collect();
-                read_from(&ranges, at, out, |index, src, to| {
-                    files[index].read_window(src, to).map_err(file_error)
-                })
-            }
+        read_from(&self.ranges, at, out, |index, src, to| match self.files {
+            Some(files) => files[index].read_window(src, to).map_err(file_error),
             None => {
-                let ranges: Vec<Range<usize>> =
-                    self.snapshots.iter().map(|s| s.window_flat.clone()).collect();
-                read_from(&ranges, at, out, |index, src, to| {
-                    to.copy_from_slice(&self.snapshots[index].window_grads[src]);
-                    Ok(())
-                })
+                to.copy_from_slice(&self.snapshots[index].window_grads[src]);
+                Ok(())
             }
-        }
+        })
     }
 
     pub(crate) fn len(&self) -> usize {
