@@ -744,7 +744,12 @@ pub struct Loaded<P> {
 /// Reads the checkpoint in `dir` whole, checking everything it can without knowing the run: what
 /// [`open`] checks, with every tensor's elements in memory.
 pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
-    let opened = open::<P>(dir)?;
+    let opened = open(dir)?;
+    if opened.meta.weights_dtype != P::DTYPE.name() {
+        let reason =
+            format!("weights are {}, this run trains in {}", opened.meta.weights_dtype, P::DTYPE);
+        return Err(CheckpointError::Mismatch { path: dir.join("state.json"), reason });
+    }
     let model_path = opened.model.path();
     let model = fs::read(model_path).map_err(io(model_path))?;
     let tensors = read_tensors::<P>(&model, model_path)?;
@@ -774,8 +779,11 @@ pub struct Opened {
     pub zenflow: Vec<ZenFlowSnapshot>,
 }
 
-/// Opens the checkpoint in `dir` for a run whose weights are `P` ([`Opened`]).
-pub fn open<P: Stored>(dir: &Path) -> Result<Opened, CheckpointError> {
+/// Opens the checkpoint in `dir` ([`Opened`]). Its weights may be of any element type a run
+/// trains in (`F32`, `BF16`, `F16`: `state.json`'s `weights_dtype`, which every tensor of
+/// `model.safetensors` must have); [`Opened::flat_weights`] widens them to f32 exactly. Whether a
+/// run may start from them is the caller's to say ([`weights_convert_exactly`]).
+pub fn open(dir: &Path) -> Result<Opened, CheckpointError> {
     let state_path = dir.join("state.json");
     let state = fs::read(&state_path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => CheckpointError::Foreign {
@@ -795,10 +803,11 @@ pub fn open<P: Stored>(dir: &Path) -> Result<Opened, CheckpointError> {
         );
         return Err(CheckpointError::Foreign { path: state_path, reason });
     }
-    if meta.weights_dtype != P::DTYPE.name() {
-        let reason = format!("weights are {}, this run trains in {}", meta.weights_dtype, P::DTYPE);
-        return Err(CheckpointError::Mismatch { path: state_path, reason });
-    }
+    let Some(weights_dtype) = stored_dtype(&meta.weights_dtype) else {
+        let reason =
+            format!("weights_dtype {:?} is none of \"F32\", \"BF16\", \"F16\"", meta.weights_dtype);
+        return Err(CheckpointError::Corrupt { path: state_path, reason });
+    };
     let Some(moments) = OptimizerStateDtype::from_name(&meta.optimizer_state_dtype) else {
         let reason = format!(
             "optimizer_state_dtype {:?} is neither \"fp32\" nor \"bf16\"",
@@ -809,10 +818,12 @@ pub fn open<P: Stored>(dir: &Path) -> Result<Opened, CheckpointError> {
     let model_path = dir.join("model.safetensors");
     let model = open_file(&model_path)?;
     for (name, entry) in model.tensors() {
-        if entry.dtype != P::SAFETENSORS {
-            let reason =
-                format!("tensor {name} is {:?}, expected {:?}", entry.dtype, P::SAFETENSORS);
-            return Err(CheckpointError::Mismatch { path: model_path, reason });
+        if entry.dtype != weights_dtype {
+            let reason = format!(
+                "tensor {name} is {:?}, and state.json says the weights are {}",
+                entry.dtype, meta.weights_dtype
+            );
+            return Err(CheckpointError::Corrupt { path: model_path, reason });
         }
     }
     if let Err(reason) = meta.scaler.check() {
@@ -849,6 +860,23 @@ pub fn open<P: Stored>(dir: &Path) -> Result<Opened, CheckpointError> {
         parts.push(part);
     }
     Ok(Opened { meta, model, parts, zenflow })
+}
+
+/// The safetensors element type of the weights a checkpoint may hold, by its `weights_dtype`.
+fn stored_dtype(name: &str) -> Option<Dtype> {
+    [f32::SAFETENSORS, bf16::SAFETENSORS, f16::SAFETENSORS]
+        .into_iter()
+        .zip([f32::DTYPE, bf16::DTYPE, f16::DTYPE])
+        .find_map(|(stored, dtype)| (dtype.name() == name).then_some(stored))
+}
+
+/// Whether weights stored as `stored` (a checkpoint's `weights_dtype`) become `P` exactly through
+/// f32, as a run starting from them reads them: stored as `P` itself, or as f32 (a widened
+/// narrower type: what zeroflow wrote for every run before its checkpoints kept the run's own
+/// type), or read by an f32 run (every stored type widens exactly). An f16 run cannot start from
+/// bf16 weights, nor a bf16 run from f16 ones.
+pub fn weights_convert_exactly<P: Stored>(stored: &str) -> bool {
+    stored == P::DTYPE.name() || stored == f32::DTYPE.name() || P::DTYPE == f32::DTYPE
 }
 
 impl Opened {
@@ -1071,10 +1099,110 @@ mod tests {
     use zeroflow_core::adamw::OptimizerStateDtype;
     use zeroflow_core::bf16;
 
+    use zeroflow_core::{Float, f16};
+
     use super::{
-        CheckpointError, Elements, Meta, MomentView, NamedTensor, OptimizerPart, PartView,
-        check_space, free_bytes, save_views, write_part,
+        CheckpointError, Elements, Meta, MomentView, NamedTensor, OptimizerPart, PartView, Stored,
+        check_space, free_bytes, load, open, save, save_views, weights_convert_exactly, write_part,
     };
+
+    /// The `state.json` of a one-rank checkpoint of weights of type `weights_dtype` (tensors'
+    /// layout not recorded).
+    fn meta(weights_dtype: &str) -> Meta {
+        Meta {
+            format: super::FORMAT.into(),
+            version: super::VERSION,
+            optimizer_steps: 1,
+            micro_steps: 1,
+            world_size: 1,
+            scaler: crate::LossScaler::None,
+            upload_pending: false,
+            weights_dtype: weights_dtype.into(),
+            optimizer_state_dtype: OptimizerStateDtype::Fp32.name().into(),
+            params: Vec::new(),
+            extra: serde_json::Value::Null,
+        }
+    }
+
+    /// A run's weights are stored in its own type: a checkpoint of bf16 weights holds 2 bytes
+    /// per weight, opens and reads back widened exactly (the padding zero), loads as bf16 only;
+    /// one whose tensors are not the type `state.json` names, or that names a type weights are
+    /// never stored in, is damaged.
+    #[test]
+    fn bf16_weights_are_stored_as_bf16_and_read_back_exactly() {
+        let n = 999;
+        let weights: Vec<bf16> =
+            (0..n).map(|i| bf16::from_f32((i as f32 * 0.37).sin() * 3.0)).collect();
+        let widened: Vec<f32> = weights.iter().map(|w| w.to_f32()).collect();
+        let tensors = [
+            NamedTensor { name: "w".into(), shape: vec![10, 99], flat: 0..990 },
+            NamedTensor { name: "b".into(), shape: vec![9], flat: 990..n },
+        ];
+        let part = OptimizerPart {
+            flat: 0..n,
+            master: widened.clone(),
+            exp_avg: vec![0.0; n],
+            exp_avg_sq: vec![0.0; n],
+            moments: OptimizerStateDtype::Fp32,
+        };
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("step-00000001");
+        save(&dir, &meta("BF16"), &weights, &tensors, std::slice::from_ref(&part)).unwrap();
+        let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let header = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+        assert_eq!(file.len() - 8 - header, 2 * n, "2 bytes per weight");
+        let opened = open(&dir).unwrap();
+        let flat = opened.flat_weights(&tensors, n + 5).unwrap();
+        assert_eq!(flat[..n], widened[..]);
+        assert_eq!(flat[n..], [0.0; 5]);
+        assert!(matches!(load::<f32>(&dir), Err(CheckpointError::Mismatch { .. })));
+        let loaded = load::<bf16>(&dir).unwrap();
+        assert_eq!(loaded.tensors["b"], (vec![9], weights[990..].to_vec()));
+        for (said, why) in [("F32", "is BF16, and state.json says"), ("I32", "none of")] {
+            let copy = root.path().join(format!("says-{said}"));
+            std::fs::create_dir_all(copy.join("optim")).unwrap();
+            for file in ["model.safetensors", "optim/rank-0.safetensors"] {
+                std::fs::copy(dir.join(file), copy.join(file)).unwrap();
+            }
+            let state = serde_json::to_vec(&meta(said)).unwrap();
+            std::fs::write(copy.join("state.json"), state).unwrap();
+            let error = open(&copy).unwrap_err();
+            assert!(matches!(error, CheckpointError::Corrupt { .. }), "{said}: {error}");
+            assert!(error.to_string().contains(why), "{said}: {error}");
+        }
+    }
+
+    /// A run may start from stored weights exactly where every value of the stored type comes
+    /// through f32 into the run's type unchanged (every bit pattern tried), and from f32 weights
+    /// (narrower weights widened, as checkpoints of every run held them before they kept the
+    /// run's type).
+    #[test]
+    fn a_run_starts_from_stored_weights_that_convert_without_rounding() {
+        fn survives<S: Stored + Float, P: Float>(bits: impl Fn(u16) -> S) -> bool {
+            (0..=u16::MAX).map(bits).filter(|s| s.to_f32().is_finite()).all(|s| {
+                let back = P::from_f32(s.to_f32()).to_f32();
+                back == s.to_f32()
+            })
+        }
+        fn check<P: Stored + Float>() {
+            let cases = [
+                ("BF16", survives::<bf16, P>(bf16::from_bits)),
+                ("F16", survives::<f16, P>(f16::from_bits)),
+                ("F32", true),
+            ];
+            for (stored, exact) in cases {
+                assert_eq!(
+                    weights_convert_exactly::<P>(stored),
+                    exact,
+                    "{stored} into {}",
+                    P::DTYPE
+                );
+            }
+        }
+        check::<f32>();
+        check::<bf16>();
+        check::<f16>();
+    }
 
     /// A save is refused, before anything is written, where the file system has less free space
     /// than the checkpoint's tensors take, with a message that says what to do; allowed where it
@@ -1139,19 +1267,7 @@ mod tests {
         // state.json is written (the partial directory exists) before the weights fail.
         let weights =
             Elements::<f32>::fetched(n, |_| Err("the device stopped answering".to_string()));
-        let meta = Meta {
-            format: super::FORMAT.into(),
-            version: super::VERSION,
-            optimizer_steps: 1,
-            micro_steps: 1,
-            world_size: 1,
-            scaler: crate::LossScaler::None,
-            upload_pending: false,
-            weights_dtype: "F32".into(),
-            optimizer_state_dtype: OptimizerStateDtype::Fp32.name().into(),
-            params: Vec::new(),
-            extra: serde_json::Value::Null,
-        };
+        let meta = meta("F32");
         let tensors = [NamedTensor { name: "w".into(), shape: vec![n], flat: 0..n }];
         let error = save_views(&dir, &meta, &weights, &tensors, &[]).unwrap_err();
         assert!(error.to_string().contains("the device stopped answering"), "{error}");

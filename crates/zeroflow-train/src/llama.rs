@@ -194,7 +194,8 @@ impl Family for LlamaSpec {
     fn export(&self, from: &Checkpoint, out: &Path) -> Result<(), TrainError> {
         let layout = self.flat_layout(1)?;
         let weights = from.f32_weights(&layout, &self.tensors(&layout)?)?;
-        let dtype = if from.weights_dtype == "F32" { SaveDtype::F32 } else { SaveDtype::Bf16 };
+        // F16 weights are written as F32: bf16 would round them.
+        let dtype = if from.weights_dtype == "BF16" { SaveDtype::Bf16 } else { SaveDtype::F32 };
         let tokenizer_from = from.init_from.clone().filter(|dir| dir.is_dir());
         if let Some(dir) = from.init_from.as_ref().filter(|dir| !dir.is_dir()) {
             tracing::warn!(

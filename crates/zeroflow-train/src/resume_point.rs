@@ -105,7 +105,7 @@ pub fn find(arg: &str, out: Option<&Path>) -> Result<ResumePoint> {
         latest(out)?
     } else {
         let dir = PathBuf::from(arg);
-        let loaded = checkpoint::open::<f32>(&dir).map_err(|e| resume_error(&e))?;
+        let loaded = checkpoint::open(&dir).map_err(|e| resume_error(&e))?;
         (dir, loaded, Vec::new())
     };
     let extra: Extra = serde_json::from_value(loaded.meta.extra.clone()).map_err(|e| {
@@ -152,7 +152,7 @@ fn latest(out: Option<&Path>) -> Result<(PathBuf, Opened, Vec<PathBuf>)> {
     })?;
     let mut damaged = Vec::new();
     for (_, dir) in list(out)?.into_iter().rev() {
-        match checkpoint::open::<f32>(&dir) {
+        match checkpoint::open(&dir) {
             Ok(loaded) => return Ok((dir, loaded, damaged)),
             Err(e @ (CheckpointError::Corrupt { .. } | CheckpointError::Io { .. })) => {
                 tracing::warn!("{e}; trying the checkpoint before it");

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Element as _, Float};
 use zeroflow_data::{Batch, DataLoader};
 use zeroflow_device::Device as _;
 use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
@@ -64,6 +64,17 @@ impl<M: Model> Trainer<M> {
         open: impl OpenFn<F, M>,
         started: Instant,
     ) -> Result<Self> {
+        if let Start::Resume { point, .. } = &setup.start {
+            let stored = &point.loaded.meta.weights_dtype;
+            if !checkpoint::weights_convert_exactly::<M::P>(stored) {
+                return Err(input(format!(
+                    "--resume {}: its weights are {stored} and this run trains in {}, which would \
+                     round them; resume with the precision it was saved with",
+                    point.dir.display(),
+                    M::P::DTYPE
+                )));
+            }
+        }
         let world = setup.dist.world_size;
         let layout = family.flat_layout(world)?;
         let weights = initial_weights(&mut setup.start, setup.seed, family, &layout)?;
@@ -148,9 +159,10 @@ impl<M: Model> Trainer<M> {
         let (params, extra) = (self.param_entries(), self.extra(step, setup));
         let padded = self.engine.layout().padded_len();
         // The optimizer state as it lies (lent where it is in host memory) and the weights, fetched
-        // from the device a piece at a time as they are written. The weights are stored as f32
-        // whatever the device trains in (bf16 and f16 widen exactly), so that every checkpoint
-        // resumes and exports the same way; every rank holds the same weights.
+        // from the device a piece at a time as they are written. The weights are stored in the
+        // type the model trains in (bf16 on a GPU: 2 bytes per parameter, not the 4 of f32,
+        // whose fp32 master weights are in the optimizer parts beside them); every rank holds
+        // the same weights.
         let state = self.engine.checkpoint_state()?;
         // Stages 1 and 2 partition the optimizer state, one part per rank; without partitioning
         // every rank holds all of it, and rank 0's copy is the checkpoint's one part.
@@ -164,7 +176,7 @@ impl<M: Model> Trainer<M> {
             world_size: parts,
             scaler: state.scaler.clone(),
             upload_pending: state.upload_pending,
-            weights_dtype: "F32".into(),
+            weights_dtype: M::P::DTYPE.name().into(),
             optimizer_state_dtype: state.moments.name().into(),
             params,
             extra,

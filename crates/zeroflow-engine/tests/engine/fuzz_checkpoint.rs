@@ -533,7 +533,7 @@ fn read_every_way(
     }
     // `--resume` and `zeroflow export` open it and read the weights and the optimizer's master
     // weights a piece at a time: what loads opens, and reads the same elements.
-    let opened = checkpoint::open::<f32>(dir);
+    let opened = checkpoint::open(dir);
     prop_assert!(opened.is_ok(), "loads but does not open: {:?}", opened.err());
     let opened = opened.unwrap();
     let read = opened.flat_weights(&fixture.tensors, fixture.padded_len);

@@ -225,9 +225,10 @@ pub fn train_from<P: Float>(
                     )
                     .unwrap();
                     if let Some(r) = resume {
-                        let opened = r.files.as_deref().map(|dir| {
-                            zeroflow_engine::checkpoint::open::<f32>(dir).unwrap().parts
-                        });
+                        let opened = r
+                            .files
+                            .as_deref()
+                            .map(|dir| zeroflow_engine::checkpoint::open(dir).unwrap().parts);
                         let from = Restore {
                             parts: match &opened {
                                 Some(files) => files.as_slice().into(),

@@ -180,37 +180,8 @@ fn token_ids_are_read_from_a_comma_separated_list() {
 /// (as `zeroflow train` writes one: HF names in `model.safetensors`, the family-tagged shape in
 /// `state.json`), its `--init-from` the directory `init_from`; the checkpoint's directory.
 fn save_llama_checkpoint(run: &Path, step: u64, params: &[f32], init_from: &Path) -> PathBuf {
-    use zeroflow_engine::checkpoint::{Meta, ParamEntry, save};
     let spec = crate::ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama()));
-    let layout = spec.flat_layout(1).unwrap();
-    let tensors = spec.tensors(&layout).unwrap();
-    let meta = Meta {
-        format: "zeroflow-checkpoint".into(),
-        version: 1,
-        optimizer_steps: step,
-        micro_steps: step,
-        world_size: 0,
-        scaler: zeroflow_engine::LossScaler::None,
-        upload_pending: false,
-        weights_dtype: "F32".into(),
-        optimizer_state_dtype: "fp32".into(),
-        params: tensors
-            .iter()
-            .map(|t| ParamEntry {
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                offset: t.flat.start,
-            })
-            .collect(),
-        extra: serde_json::json!({
-            "model": serde_json::to_value(&spec).unwrap(),
-            "run": { "init_from": init_from.to_str().unwrap() },
-        }),
-    };
-    let dir = crate::checkpoints::step_dir(run, step);
-    std::fs::create_dir_all(dir.parent().unwrap()).unwrap();
-    save(&dir, &meta, params, &tensors, &[]).unwrap();
-    dir
+    crate::export::tests::save_checkpoint(run, step, &spec, params, None, Some(init_from))
 }
 
 /// A checkpoint opens as the model it holds: the checkpoint directory, and the run directory

@@ -167,14 +167,14 @@ fn checkpoint_bytes(inputs: &PlanInputs) -> u64 {
     pieces + selected
 }
 
-/// The files of a checkpoint of `padded` parameters: the weights as f32, and every rank's part of
-/// the optimizer state (fp32 master weights, the moments in their dtype, and ZenFlow's window of
-/// fp32 gradient sums).
+/// The files of a checkpoint of `padded` parameters: the weights in the run's type, and every
+/// rank's part of the optimizer state (fp32 master weights, the moments in their dtype, and
+/// ZenFlow's window of fp32 gradient sums).
 fn checkpoint_disk_bytes(inputs: &PlanInputs, padded: u64) -> u64 {
     let moments = inputs.options.offload().map_or(OptimizerStateDtype::Fp32, |o| o.moments);
     let moments = 2 * moments.bytes() as u64;
     let window = if inputs.options.zenflow().is_some() { 4 } else { 0 };
-    padded * (4 + 4 + moments + window)
+    padded * (inputs.dtype().size() as u64 + 4 + moments + window)
 }
 
 fn sum(lines: &[PlanLine], keep: impl Fn(&PlanLine) -> bool) -> u64 {

@@ -228,3 +228,18 @@ fn a_resume_plans_the_run_plus_the_restores_pieces() {
     let padded = resumed.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
     assert_eq!(bytes(&resumed, MemoryKind::Host, line), 12 * padded);
 }
+
+/// A checkpoint's files, as the disk warning counts them: the weights in the run's type (bf16 on
+/// a GPU, f32 on the CPU device) and the optimizer state, 4 B of ZenFlow's window more.
+#[test]
+fn a_checkpoint_takes_the_runs_weights_and_the_optimizer_state() {
+    for (mode, state) in [("gpu", 12), ("offload", 12), ("zenflow", 16)] {
+        let mut inputs = inputs("gpt2-124m", mode, (8, 1024));
+        let padded = inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+        let on_gpu = MemoryPlan::new(inputs.clone()).unwrap().checkpoint_disk_bytes;
+        assert_eq!(on_gpu, (2 + state) * padded, "{mode} on a GPU");
+        inputs.device = DeviceKind::Cpu;
+        let on_cpu = MemoryPlan::new(inputs).unwrap().checkpoint_disk_bytes;
+        assert_eq!(on_cpu, (4 + state) * padded, "{mode} on the CPU device");
+    }
+}
