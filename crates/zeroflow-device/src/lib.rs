@@ -243,15 +243,35 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         src: &Self::Buffer<T>,
         range: Range<usize>,
     ) -> Result<Vec<T>> {
-        let len = range.len();
-        let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, len.max(1));
-        let mut host = self.alloc_host::<T>(chunk, HostMemory::Pageable)?;
+        let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, range.len().max(1));
+        let mut staging = Some(self.alloc_host::<T>(chunk, HostMemory::Pageable)?);
+        self.download_range_via(src, range, &mut staging)
+    }
+
+    /// [`Device::download_range`] through `staging`, a host buffer the caller keeps from one
+    /// call to the next (allocated by the first: at most [`DOWNLOAD_CHUNK_BYTES`], page-locked
+    /// where the [`PinnedBudget`] has room), so that the pieces of a checkpoint are copied at the
+    /// bus's speed and no staging buffer is allocated and zeroed per piece.
+    fn download_range_via<T: Element>(
+        &self,
+        src: &Self::Buffer<T>,
+        range: Range<usize>,
+        staging: &mut Option<HostBuffer<T>>,
+    ) -> Result<Vec<T>> {
+        let host = match staging {
+            Some(host) => host,
+            None => {
+                let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, src.len().max(1));
+                staging.insert(self.alloc_host::<T>(chunk, HostMemory::Pinned)?)
+            }
+        };
+        let chunk = host.len().max(1);
         self.synchronize()?;
         let stream = self.stream(StreamKind::D2h);
-        let mut out = Vec::with_capacity(len);
+        let mut out = Vec::with_capacity(range.len());
         for start in range.clone().step_by(chunk) {
             let end = (start + chunk).min(range.end);
-            let filled = self.copy_d2h(stream, src, start..end, &mut host, 0)?.wait()?;
+            let filled = self.copy_d2h(stream, src, start..end, host, 0)?.wait()?;
             out.extend_from_slice(&filled[..end - start]);
         }
         Ok(out)

@@ -16,7 +16,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -27,6 +27,7 @@ use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Element, bf16, f16};
 use zeroflow_hf::{HfError, SafetensorsFile};
 
+use crate::file_out::FileOut;
 use crate::{LossScaler, OptimizerPart, ZenFlowSnapshot};
 
 pub const FORMAT: &str = "zeroflow-checkpoint";
@@ -329,7 +330,7 @@ pub fn write_model<P: Stored>(
                 false => Out::of(&t.name, t.shape.clone(), weights, at),
                 true => Out::new(&t.name, Dtype::F32, 4, t.shape.clone(), move |range| {
                     let values = weights.get(at + range.start..at + range.end)?;
-                    Ok(Cow::Owned(widened_bytes(&values).into_owned()))
+                    Ok(PieceBytes::Bytes(Cow::Owned(widened_bytes(&values).into_owned())))
                 }),
             })
         })
@@ -355,6 +356,10 @@ pub fn write_part(dir: &Path, rank: usize, part: &PartView<'_>) -> Result<(), Ch
 /// The most [`save_views`] writes of a tensor at once (and so the most it fetches or converts).
 pub const WRITE_CHUNK_BYTES: usize = 64 << 20;
 
+/// The buffers through which a file is written ([`FileOut`]: one filled while the others are
+/// written).
+pub const WRITE_BUFFERS_BYTES: usize = crate::file_out::BUFFERS * crate::file_out::BUFFER_BYTES;
+
 /// Elements a checkpoint writes: lent as they lie, or fetched a range at a time while they are
 /// written (downloaded from a device, or merged with ZenFlow's device columns), so that saving
 /// never holds a whole second copy of them.
@@ -378,14 +383,17 @@ impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
 
 impl<'a, T: Element> Elements<'a, T> {
     /// The first `len` elements of a device buffer, downloaded a range at a time as they are
-    /// written ([`zeroflow_device::Device::download_range`]).
+    /// written, through one staging buffer for every range
+    /// ([`zeroflow_device::Device::download_range_via`]).
     pub fn downloaded<D: zeroflow_device::Device>(
         device: &'a D,
         buffer: &'a D::Buffer<T>,
         len: usize,
     ) -> Self {
+        let staging = std::sync::Mutex::new(None);
         Elements::fetched(len, move |range| {
-            device.download_range(buffer, range).map_err(|e| e.to_string())
+            let mut staging = staging.lock().map_err(|_| "a download panicked".to_string())?;
+            device.download_range_via(buffer, range, &mut staging).map_err(|e| e.to_string())
         })
     }
 }
@@ -492,7 +500,7 @@ impl MomentView<'_> {
                 let values = values.get(range)?;
                 let mut out = Vec::with_capacity(values.len() * 2);
                 values.iter().for_each(|&v| bf16::from_f32(v).put(&mut out));
-                Ok(Cow::Owned(out))
+                Ok(PieceBytes::Bytes(Cow::Owned(out)))
             }),
         }
     }
@@ -620,7 +628,33 @@ fn part_tensors<'a>(
 }
 
 /// A range of a tensor's elements as the bytes to write, or why they could not be had.
-type Piece<'a> = Box<dyn Fn(Range<usize>) -> Result<Cow<'a, [u8]>, String> + 'a>;
+type Piece<'a> = Box<dyn Fn(Range<usize>) -> Result<PieceBytes<'a>, String> + 'a>;
+
+/// A piece of a tensor's bytes, as written: borrowed or made for the file, or fetched elements
+/// whose memory already holds the file's bytes (no copy made of them).
+enum PieceBytes<'a> {
+    Bytes(Cow<'a, [u8]>),
+    Elements(Box<dyn AsRef<[u8]> + 'a>),
+}
+
+impl std::ops::Deref for PieceBytes<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            PieceBytes::Bytes(bytes) => bytes,
+            PieceBytes::Elements(elements) => (**elements).as_ref(),
+        }
+    }
+}
+
+/// Elements viewed as their bytes: the file's where the host is little-endian.
+struct ElementBytes<T>(Vec<T>);
+
+impl<T: Stored> AsRef<[u8]> for ElementBytes<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
 
 /// A tensor to write: its name, type, shape and element size, and its bytes, a range of
 /// elements at a time, borrowed or made only while they are written.
@@ -640,7 +674,7 @@ impl<'a> Out<'a> {
         dtype: Dtype,
         size: usize,
         shape: Vec<usize>,
-        bytes: impl Fn(Range<usize>) -> Result<Cow<'a, [u8]>, String> + 'a,
+        bytes: impl Fn(Range<usize>) -> Result<PieceBytes<'a>, String> + 'a,
     ) -> Self {
         let len = shape.iter().product();
         Out { name: name.to_string(), dtype, shape, len, size, bytes: Box::new(bytes) }
@@ -659,16 +693,25 @@ impl<'a> Out<'a> {
             Ok(match values {
                 // Lent for the file's life: borrowed, not copied.
                 Elements::Lent(lent) => {
-                    le_bytes(lent.get(range.clone()).ok_or_else(|| format!("elements {range:?}"))?)
+                    let lent =
+                        lent.get(range.clone()).ok_or_else(|| format!("elements {range:?}"))?;
+                    PieceBytes::Bytes(le_bytes(lent))
                 }
-                Elements::Fetched { .. } => Cow::Owned(to_bytes(&values.get(range)?)),
+                // Fetched: written from where they were fetched into.
+                Elements::Fetched { .. } if cfg!(target_endian = "little") => {
+                    PieceBytes::Elements(Box::new(ElementBytes(values.get(range)?.into_owned())))
+                }
+                Elements::Fetched { .. } => {
+                    PieceBytes::Bytes(Cow::Owned(to_bytes(&values.get(range)?)))
+                }
             })
         })
     }
 }
 
 /// Writes `tensors` (with `metadata`) as a safetensors file at `path`, a piece of at most
-/// [`WRITE_CHUNK_BYTES`] at a time, and fsyncs it: the file is never whole in memory. The
+/// [`WRITE_CHUNK_BYTES`] at a time through [`WRITE_BUFFERS_BYTES`] of buffers, past the page
+/// cache where the file system allows, and fsyncs it: the file is never whole in memory. The
 /// tensors are laid out as safetensors' own serializer lays them out (by alignment, then name).
 fn write_tensors(
     path: &Path,
@@ -694,10 +737,28 @@ fn write_tensors(
     }
     let mut header = serde_json::to_vec(&header).map_err(|e| corrupt(e.to_string()))?;
     header.resize(header.len().next_multiple_of(8), b' ');
-    let mut file = BufWriter::with_capacity(1 << 20, File::create(path).map_err(io(path))?);
+    match write_file(path, &header, &tensors, true) {
+        // A file system that takes O_DIRECT files but not their writes: buffered, from the start.
+        Err(CheckpointError::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
+            write_file(path, &header, &tensors, false)
+        }
+        written => written,
+    }
+}
+
+/// [`write_tensors`]'s file: the header's length, the header, then every tensor a piece at a
+/// time, past the page cache where `direct` and the file system allow ([`FileOut`]), fsynced.
+fn write_file(
+    path: &Path,
+    header: &[u8],
+    tensors: &[Out<'_>],
+    direct: bool,
+) -> Result<(), CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.into(), reason };
+    let mut file = FileOut::create(path, direct).map_err(io(path))?;
     file.write_all(&(header.len() as u64).to_le_bytes()).map_err(io(path))?;
-    file.write_all(&header).map_err(io(path))?;
-    for t in &tensors {
+    file.write_all(header).map_err(io(path))?;
+    for t in tensors {
         let chunk = (WRITE_CHUNK_BYTES / t.size).max(1);
         for start in (0..t.len).step_by(chunk) {
             let range = start..(start + chunk).min(t.len);
@@ -713,8 +774,7 @@ fn write_tensors(
             file.write_all(&bytes).map_err(io(path))?;
         }
     }
-    let file = file.into_inner().map_err(|e| io(path)(e.into_error()))?;
-    file.sync_all().map_err(io(path))
+    file.finish().map_err(io(path))
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {

@@ -18,6 +18,7 @@ mod courier;
 mod device_adamw;
 mod engine;
 mod error;
+mod file_out;
 mod host;
 mod host_moments;
 mod memory;

@@ -17,6 +17,25 @@ fn upload_then_download_returns_the_same_values_for_every_element_type() {
     device.synchronize().unwrap();
 }
 
+/// A download through a staging buffer the caller keeps: the first call allocates it
+/// (page-locked, at most `DOWNLOAD_CHUNK_BYTES`), the later ones reuse it, and every range comes
+/// back exact, pieces larger than the staging buffer included.
+#[test]
+fn downloads_through_a_kept_staging_buffer_return_exactly_the_ranges() {
+    let Some(device) = gpu() else { return };
+    let chunk = zeroflow_device::DOWNLOAD_CHUNK_BYTES / 4;
+    let values: Vec<u32> =
+        (0..chunk as u32 + 12_345).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+    let buffer = device.upload(&values).unwrap();
+    let mut staging = None;
+    for range in [0..10, 3..chunk + 7, chunk..values.len(), 0..values.len()] {
+        let got = device.download_range_via(&buffer, range.clone(), &mut staging).unwrap();
+        assert!(got == values[range.clone()], "{range:?}");
+        let kept = staging.as_ref().unwrap();
+        assert_eq!((kept.len(), kept.pinned()), (chunk, true), "{range:?}");
+    }
+}
+
 #[test]
 fn pinned_copies_move_exactly_the_ranges_asked_for() {
     let Some(device) = gpu() else { return };

@@ -9,7 +9,7 @@
 use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_engine::checkpoint::WRITE_CHUNK_BYTES;
+use zeroflow_engine::checkpoint::{WRITE_BUFFERS_BYTES, WRITE_CHUNK_BYTES};
 use zeroflow_engine::{
     AccumulateOn, BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
 };
@@ -153,13 +153,13 @@ impl MemoryPlan {
 
 /// What saving a checkpoint holds beside the engine: a piece of each tensor at a time
 /// ([`WRITE_CHUNK_BYTES`]: the piece fetched or lent, its bytes converted, and the device's
-/// staging buffer), and with ZenFlow the device's state of the piece's selected columns (fp32,
+/// staging buffer), the file's write buffers ([`WRITE_BUFFERS_BYTES`]), and with ZenFlow the device's state of the piece's selected columns (fp32,
 /// at most four bytes per element of the piece: two pieces' bytes where the piece is bf16, with
 /// its own staging buffer), downloaded for the piece to merge with the host's. The optimizer
 /// state and the weights are lent or fetched in pieces, never copied whole.
 fn checkpoint_bytes(inputs: &PlanInputs) -> u64 {
     let staging = zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64;
-    let pieces = 2 * WRITE_CHUNK_BYTES as u64 + staging;
+    let pieces = 2 * WRITE_CHUNK_BYTES as u64 + staging + WRITE_BUFFERS_BYTES as u64;
     let selected = match inputs.options.zenflow() {
         Some(_) => 2 * WRITE_CHUNK_BYTES as u64 + staging,
         None => 0,
