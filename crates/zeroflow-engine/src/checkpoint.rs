@@ -755,7 +755,8 @@ fn write_file(
     direct: bool,
 ) -> Result<(), CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt { path: path.into(), reason };
-    let mut file = FileOut::create(path, direct).map_err(io(path))?;
+    let len = 8 + header.len() + tensors.iter().map(|t| t.len * t.size).sum::<usize>();
+    let mut file = FileOut::create(path, direct, len as u64).map_err(io(path))?;
     file.write_all(&(header.len() as u64).to_le_bytes()).map_err(io(path))?;
     file.write_all(header).map_err(io(path))?;
     for t in tensors {

@@ -83,21 +83,23 @@ pub(crate) struct FileOut {
 }
 
 impl FileOut {
-    /// Creates (or truncates) `path`, bypassing the page cache where `direct` and the file system
-    /// allow it, else buffered.
-    pub(crate) fn create(path: &Path, direct: bool) -> io::Result<FileOut> {
+    /// Creates (or truncates) `path` for a file of about `len` bytes (the buffers' size: a small
+    /// file gets small ones), bypassing the page cache where `direct` and the file system allow
+    /// it, else buffered.
+    pub(crate) fn create(path: &Path, direct: bool, len: u64) -> io::Result<FileOut> {
+        let buffer_bytes = usize::try_from(len).unwrap_or(usize::MAX).clamp(ALIGN, BUFFER_BYTES);
         if direct && let Some(file) = open_direct(path)? {
             let (to_writer, from_filler) = sync_channel::<Buffer>(BUFFERS - 1);
             let (to_filler, empties) = sync_channel::<Buffer>(BUFFERS);
             for _ in 1..BUFFERS {
-                to_filler.send(Buffer::new(BUFFER_BYTES)).expect("the receiver is here");
+                to_filler.send(Buffer::new(buffer_bytes)).expect("the receiver is here");
             }
             let writer = std::thread::Builder::new()
                 .name("checkpoint-writer".into())
                 .spawn(move || write_buffers(file, &from_filler, &to_filler))?;
             return Ok(FileOut {
                 mode: Mode::Direct,
-                current: Buffer::new(BUFFER_BYTES),
+                current: Buffer::new(buffer_bytes),
                 sent: 0,
                 to_writer: Some(to_writer),
                 empties: Some(empties),
@@ -106,7 +108,7 @@ impl FileOut {
             });
         }
         let file = File::create(path)?;
-        let current = Buffer::new(1 << 20);
+        let current = Buffer::new(buffer_bytes.min(1 << 20));
         Ok(FileOut {
             mode: Mode::Buffered,
             current,
@@ -273,7 +275,8 @@ mod tests {
         for direct in [true, false] {
             for total in [0, 1, 4095, 4097, BUFFER_BYTES, 2 * BUFFER_BYTES + 12_345] {
                 let bytes = pattern(total);
-                let mut out = FileOut::create(&path, direct).unwrap();
+                // Told the length, or a smaller one (the buffers then smaller than the file).
+                let mut out = FileOut::create(&path, direct, total as u64 / 2).unwrap();
                 match (direct, out.mode()) {
                     (false, mode) => assert_eq!(mode, Mode::Buffered),
                     (true, Mode::Buffered) if total == 0 => eprintln!(
@@ -305,7 +308,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("missing").join("out.bin");
         for direct in [true, false] {
-            assert!(FileOut::create(&path, direct).is_err(), "direct {direct}");
+            assert!(FileOut::create(&path, direct, 100).is_err(), "direct {direct}");
         }
     }
 }
