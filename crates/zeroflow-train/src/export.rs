@@ -163,6 +163,22 @@ pub(crate) mod tests {
     use super::export;
     use crate::{Family, ModelSpec, with_family};
 
+    /// A Llama-family model small enough for a test: 2 layers, grouped-query attention.
+    pub(crate) fn tiny_llama() -> zeroflow_llama::LlamaConfig {
+        zeroflow_llama::LlamaConfig {
+            vocab_size: 50,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 4,
+            max_position_embeddings: 32,
+            rope_scaling: None,
+            ..zeroflow_llama::named_shape("llama-1b").expect("a named shape")
+        }
+    }
+
     /// Writes checkpoint `step` of `spec` into the run directory `run` as `zeroflow train` does:
     /// `weights` as the run's weights in their own type, and, where `master` is given, one
     /// optimizer part with those master weights (zero moments) and `upload_pending` (a delayed
@@ -230,21 +246,9 @@ pub(crate) mod tests {
     /// exports its master weights rounded to bf16 (as the device would have had them).
     #[test]
     fn a_bf16_checkpoint_exports_bf16_weights_or_its_rounded_master() {
-        let llama = zeroflow_llama::LlamaConfig {
-            vocab_size: 50,
-            hidden_size: 16,
-            intermediate_size: 24,
-            num_hidden_layers: 2,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
-            head_dim: 4,
-            max_position_embeddings: 32,
-            rope_scaling: None,
-            ..zeroflow_llama::named_shape("llama-1b").unwrap()
-        };
         let specs = [
             ModelSpec::Gpt2(GptConfig { vocab_size: 61, ..GptConfig::TINY }),
-            ModelSpec::Llama(crate::llama::LlamaSpec(llama)),
+            ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama())),
         ];
         for spec in specs {
             let layout = spec.flat_layout(1).unwrap();

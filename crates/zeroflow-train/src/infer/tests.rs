@@ -1,25 +1,10 @@
 use std::path::{Path, PathBuf};
 
 use zeroflow_hf::{SaveDtype, SaveOptions};
-use zeroflow_llama::{LlamaConfig, LlamaDecoder};
+use zeroflow_llama::LlamaDecoder;
 
 use super::*;
-
-/// A Llama-family model small enough for a test: 2 layers, grouped-query attention.
-fn tiny_llama() -> LlamaConfig {
-    LlamaConfig {
-        vocab_size: 50,
-        hidden_size: 16,
-        intermediate_size: 24,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 4,
-        max_position_embeddings: 32,
-        rope_scaling: None,
-        ..zeroflow_llama::named_shape("llama-1b").expect("a named shape")
-    }
-}
+use crate::export::tests::tiny_llama;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("zeroflow-infer-{name}-{}", std::process::id()));
