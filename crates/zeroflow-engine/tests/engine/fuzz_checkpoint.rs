@@ -27,7 +27,7 @@ use serde_json::{Map, Value, json};
 use zeroflow_core::bf16;
 use zeroflow_engine::checkpoint::{self, CheckpointError, Loaded, NamedTensor};
 use zeroflow_engine::synthetic::layout;
-use zeroflow_engine::{DynamicScaler, LossScaler, Stage};
+use zeroflow_engine::{DynamicScaler, LossScaler, OptimizerPart, Stage};
 
 use crate::checkpoint::{save, tensors};
 use crate::harness::{Setup, train_from};
@@ -536,11 +536,21 @@ fn read_every_way(
     let opened = checkpoint::open(dir);
     prop_assert!(opened.is_ok(), "loads but does not open: {:?}", opened.err());
     let opened = opened.unwrap();
+    // Compared bit for bit: a mutation can make an element NaN, which equals nothing.
+    let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
     let read = opened.flat_weights(&fixture.tensors, fixture.padded_len);
     let whole = checkpoint::flat_weights(&loaded, &fixture.tensors, fixture.padded_len, dir);
-    prop_assert_eq!(read.ok(), whole.ok(), "the weights opened and loaded");
+    let (read, whole) = (read.ok().map(|r| bits(&r)), whole.ok().map(|w| bits(&w)));
+    prop_assert_eq!(read, whole, "the weights opened and loaded");
     for (opened, loaded) in opened.parts.iter().zip(&loaded.parts) {
-        prop_assert!(opened.to_part().ok().as_ref() == Some(loaded), "a part opened and loaded");
+        let part_bits = |p: &OptimizerPart| {
+            (p.flat.clone(), p.moments, [&p.master, &p.exp_avg, &p.exp_avg_sq].map(|a| bits(a)))
+        };
+        let opened = opened.to_part().ok();
+        prop_assert!(
+            opened.as_ref().map(part_bits) == Some(part_bits(loaded)),
+            "a part opened and loaded"
+        );
     }
     if let Ok((flat, tensors)) = checkpoint::weights_from_master::<f32>(&opened) {
         prop_assert_eq!(flat.len(), next, "export's weights are the optimizer's range");
@@ -604,6 +614,26 @@ fn load_error(mutations: Vec<Mutation>) -> CheckpointError {
     }
     check(&fixture, &dir, &files).unwrap();
     checkpoint::load::<f32>(&dir).unwrap_err()
+}
+
+/// Found by the fuzzer (2026-12-03): bytes written over a weight of `model.safetensors` that
+/// make it NaN. It opens and loads alike, and the check compares them bit for bit (a NaN equals
+/// nothing, so comparing the values failed although both reads were the same).
+#[test]
+fn a_weight_made_nan_opens_as_it_loads() {
+    let fixture = fixture();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path().join("step-00000001");
+    std::fs::create_dir_all(dir.join("optim")).unwrap();
+    let mut files = fixture.files.clone().map(Some);
+    // The fuzzer's bytes over the sixth f32 weight's upper three: 0x7f80_00xx, a NaN.
+    let model = files[1].as_mut().unwrap();
+    let data = 8 + u64::from_le_bytes(model[..8].try_into().unwrap()) as usize;
+    model[data + 4 * 5 + 1..data + 4 * 6].copy_from_slice(&[0, 128, 127]);
+    assert_eq!(check(&fixture, &dir, &files).unwrap(), "loaded");
+    let loaded = checkpoint::load::<f32>(&dir).unwrap();
+    let weights = checkpoint::flat_weights(&loaded, &fixture.tensors, fixture.padded_len, &dir);
+    assert!(weights.unwrap().iter().any(|w| w.is_nan()), "the mutation makes a weight NaN");
 }
 
 /// Found by the fuzzer: `optim/rank-0` claiming the range 1..0 (arrays empty) loaded, and
