@@ -567,9 +567,7 @@ fn read_every_way(
 #[test]
 fn damaged_checkpoints_load_or_give_typed_errors_and_never_panic() {
     let fixture = fixture();
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path().join("step-00000001");
-    std::fs::create_dir_all(dir.join("optim")).unwrap();
+    let (_scratch, dir) = checkpoint_dir();
     let untouched = || fixture.files.clone().map(Some);
     assert_eq!(check(&fixture, &dir, &untouched()).unwrap(), "loaded", "the fixture loads");
 
@@ -602,12 +600,19 @@ fn damaged_checkpoints_load_or_give_typed_errors_and_never_panic() {
     assert!(loaded > cases() / 50 && ran.get() - loaded > cases() / 50, "{tally:?}");
 }
 
-/// Loads the fixture after `mutations` and returns the error `load` gives.
-fn load_error(mutations: Vec<Mutation>) -> CheckpointError {
-    let fixture = fixture();
+/// An empty checkpoint directory (with its `optim/`) in a scratch directory that lives as long
+/// as the first value.
+fn checkpoint_dir() -> (tempfile::TempDir, std::path::PathBuf) {
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path().join("step-00000001");
     std::fs::create_dir_all(dir.join("optim")).unwrap();
+    (scratch, dir)
+}
+
+/// Loads the fixture after `mutations` and returns the error `load` gives.
+fn load_error(mutations: Vec<Mutation>) -> CheckpointError {
+    let fixture = fixture();
+    let (_scratch, dir) = checkpoint_dir();
     let mut files = fixture.files.clone().map(Some);
     for mutation in mutations {
         mutate(&mut files, mutation);
@@ -622,9 +627,7 @@ fn load_error(mutations: Vec<Mutation>) -> CheckpointError {
 #[test]
 fn a_weight_made_nan_opens_as_it_loads() {
     let fixture = fixture();
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path().join("step-00000001");
-    std::fs::create_dir_all(dir.join("optim")).unwrap();
+    let (_scratch, dir) = checkpoint_dir();
     let mut files = fixture.files.clone().map(Some);
     // The fuzzer's bytes over the sixth f32 weight's upper three: 0x7f80_00xx, a NaN.
     let model = files[1].as_mut().unwrap();
