@@ -23,6 +23,17 @@ impl DType {
         }
     }
 
+    /// The name `transformers` gives it (`config.json`'s `torch_dtype`), for the floating-point
+    /// types.
+    pub const fn torch_name(self) -> Option<&'static str> {
+        match self {
+            DType::F32 => Some("float32"),
+            DType::Bf16 => Some("bfloat16"),
+            DType::F16 => Some("float16"),
+            DType::I32 | DType::U32 => None,
+        }
+    }
+
     /// The name used in safetensors headers and configs.
     pub const fn name(self) -> &'static str {
         match self {

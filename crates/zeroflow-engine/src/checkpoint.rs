@@ -24,7 +24,7 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_core::{Element, bf16, f16};
+use zeroflow_core::{DType, Element, bf16, f16};
 use zeroflow_hf::{HfError, SafetensorsFile};
 
 use crate::file_out::FileOut;
@@ -832,6 +832,8 @@ pub fn load<P: Stored>(dir: &Path) -> Result<Loaded<P>, CheckpointError> {
 #[derive(Debug)]
 pub struct Opened {
     pub meta: Meta,
+    /// The element type of the weights (`meta.weights_dtype`, checked against every tensor).
+    pub weights_dtype: DType,
     pub model: SafetensorsFile,
     /// Each rank's optimizer part, in rank order: they tile the flat buffer from 0.
     pub parts: Vec<PartFile>,
@@ -864,7 +866,7 @@ pub fn open(dir: &Path) -> Result<Opened, CheckpointError> {
         );
         return Err(CheckpointError::Foreign { path: state_path, reason });
     }
-    let Some(weights_dtype) = stored_dtype(&meta.weights_dtype) else {
+    let Some(weights_dtype) = weights_dtype_named(&meta.weights_dtype) else {
         let reason =
             format!("weights_dtype {:?} is none of \"F32\", \"BF16\", \"F16\"", meta.weights_dtype);
         return Err(CheckpointError::Corrupt { path: state_path, reason });
@@ -879,7 +881,7 @@ pub fn open(dir: &Path) -> Result<Opened, CheckpointError> {
     let model_path = dir.join("model.safetensors");
     let model = open_file(&model_path)?;
     for (name, entry) in model.tensors() {
-        if entry.dtype != weights_dtype {
+        if entry.dtype != safetensors_dtype(weights_dtype) {
             let reason = format!(
                 "tensor {name} is {:?}, and state.json says the weights are {}",
                 entry.dtype, meta.weights_dtype
@@ -920,15 +922,21 @@ pub fn open(dir: &Path) -> Result<Opened, CheckpointError> {
         }
         parts.push(part);
     }
-    Ok(Opened { meta, model, parts, zenflow })
+    Ok(Opened { meta, weights_dtype, model, parts, zenflow })
 }
 
-/// The safetensors element type of the weights a checkpoint may hold, by its `weights_dtype`.
-fn stored_dtype(name: &str) -> Option<Dtype> {
-    [f32::SAFETENSORS, bf16::SAFETENSORS, f16::SAFETENSORS]
-        .into_iter()
-        .zip([f32::DTYPE, bf16::DTYPE, f16::DTYPE])
-        .find_map(|(stored, dtype)| (dtype.name() == name).then_some(stored))
+/// The element type a checkpoint's weights may be stored in, by its `weights_dtype`.
+fn weights_dtype_named(name: &str) -> Option<DType> {
+    [DType::F32, DType::Bf16, DType::F16].into_iter().find(|dtype| dtype.name() == name)
+}
+
+/// The safetensors element type of weights of `dtype` (one [`weights_dtype_named`] gives).
+fn safetensors_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::Bf16 => bf16::SAFETENSORS,
+        DType::F16 => f16::SAFETENSORS,
+        _ => f32::SAFETENSORS,
+    }
 }
 
 /// Whether weights stored as `stored` (a checkpoint's `weights_dtype`) become `P` exactly through
@@ -936,8 +944,8 @@ fn stored_dtype(name: &str) -> Option<Dtype> {
 /// narrower type: what zeroflow wrote for every run before its checkpoints kept the run's own
 /// type), or read by an f32 run (every stored type widens exactly). An f16 run cannot start from
 /// bf16 weights, nor a bf16 run from f16 ones.
-pub fn weights_convert_exactly<P: Stored>(stored: &str) -> bool {
-    stored == P::DTYPE.name() || stored == f32::DTYPE.name() || P::DTYPE == f32::DTYPE
+pub fn weights_convert_exactly<P: Stored>(stored: DType) -> bool {
+    stored == P::DTYPE || stored == DType::F32 || P::DTYPE == DType::F32
 }
 
 impl Opened {
@@ -1160,7 +1168,7 @@ mod tests {
     use zeroflow_core::adamw::OptimizerStateDtype;
     use zeroflow_core::bf16;
 
-    use zeroflow_core::{Float, f16};
+    use zeroflow_core::{DType, Float, f16};
 
     use super::{
         CheckpointError, Elements, Meta, MomentView, NamedTensor, OptimizerPart, PartView, Stored,
@@ -1247,9 +1255,9 @@ mod tests {
         }
         fn check<P: Stored + Float>() {
             let cases = [
-                ("BF16", survives::<bf16, P>(bf16::from_bits)),
-                ("F16", survives::<f16, P>(f16::from_bits)),
-                ("F32", true),
+                (DType::Bf16, survives::<bf16, P>(bf16::from_bits)),
+                (DType::F16, survives::<f16, P>(f16::from_bits)),
+                (DType::F32, true),
             ];
             for (stored, exact) in cases {
                 assert_eq!(

@@ -19,7 +19,7 @@ pub use read::{HfCheckpoint, SafetensorsFile, TensorEntry, read_config};
 pub use safetensors::Dtype;
 pub use write::{
     DEFAULT_MAX_SHARD_BYTES, OutTensor, SaveDtype, SaveOptions, Saved, TOKENIZER_FILES,
-    plan_shards, save,
+    plan_shards, save, with_torch_dtype,
 };
 
 /// The model's configuration file.

@@ -217,11 +217,17 @@ pub fn plan_shards(sizes: &[u64], max: u64) -> Vec<Range<usize>> {
 }
 
 fn with_dtype(config: &Value, dtype: SaveDtype) -> Value {
+    with_torch_dtype(config, dtype.torch_name())
+}
+
+/// `config` with its `torch_dtype` (and `dtype`, where it has one) set to `name`, as
+/// `save_pretrained` writes the type of the weights beside it.
+pub fn with_torch_dtype(config: &Value, name: &str) -> Value {
     let mut config = config.clone();
     if let Some(map) = config.as_object_mut() {
-        map.insert("torch_dtype".into(), dtype.torch_name().into());
+        map.insert("torch_dtype".into(), name.into());
         if map.contains_key("dtype") {
-            map.insert("dtype".into(), dtype.torch_name().into());
+            map.insert("dtype".into(), name.into());
         }
     }
     config

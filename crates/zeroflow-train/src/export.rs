@@ -12,6 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
+use zeroflow_core::DType;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor};
 
@@ -25,8 +26,8 @@ pub struct Checkpoint {
     pub model: ModelSpec,
     /// A delayed optimizer step's weights were still on their way to the model when it was saved.
     pub upload_pending: bool,
-    /// The element type of its `model.safetensors` (`F32`, `BF16`, `F16`).
-    pub weights_dtype: String,
+    /// The element type of its `model.safetensors` (F32, BF16, F16).
+    pub weights_dtype: DType,
     /// The Hugging Face directory the run started from (`--init-from`), where it had one.
     pub init_from: Option<PathBuf>,
 }
@@ -54,23 +55,17 @@ pub fn copy_weights(from: &Checkpoint, out: &Path, config: &serde_json::Value) -
         // Export the run's final weights, not the saved model weights: the master weights,
         // rounded to the saved weights' type.
         let opened = from.open()?;
-        match opened.meta.weights_dtype.as_str() {
-            "BF16" => write_master::<zeroflow_core::bf16>(&opened, &to)?,
-            "F16" => write_master::<zeroflow_core::f16>(&opened, &to)?,
+        match from.weights_dtype {
+            DType::Bf16 => write_master::<zeroflow_core::bf16>(&opened, &to)?,
+            DType::F16 => write_master::<zeroflow_core::f16>(&opened, &to)?,
             _ => write_master::<f32>(&opened, &to)?,
         }
     } else {
         let copying = format!("copy {} to {}", source.display(), to.display());
         std::fs::copy(&source, &to).map_err(io(copying))?;
     }
-    // `torch_dtype` names the type the weights are stored in, as `save_pretrained` writes it.
-    let mut config = config.clone();
-    let torch_dtype = match from.weights_dtype.as_str() {
-        "BF16" => "bfloat16",
-        "F16" => "float16",
-        _ => "float32",
-    };
-    config["torch_dtype"] = torch_dtype.into();
+    let torch_dtype = from.weights_dtype.torch_name().expect("weights are floating-point");
+    let config = zeroflow_hf::with_torch_dtype(config, torch_dtype);
     let path = out.join("config.json");
     let text = serde_json::to_string_pretty(&config).expect("JSON values serialise") + "\n";
     std::fs::write(&path, text).map_err(io(format!("write {}", path.display())))
@@ -130,7 +125,8 @@ impl Checkpoint {
 /// shape, from before the family was recorded, is GPT-2's), whether a delayed update's weights
 /// were pending when it was saved, and the run's `--init-from`.
 pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
-    let meta: Meta = checkpoint::open(dir).map_err(|e| input(e.to_string()))?.meta;
+    let opened = checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
+    let (meta, weights_dtype): (Meta, DType) = (opened.meta, opened.weights_dtype);
     let model = meta.extra.get("model").cloned().ok_or_else(|| {
         input(format!(
             "{}: the checkpoint does not record its model's shape (state.json extra.model)",
@@ -145,7 +141,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         dir: dir.to_path_buf(),
         model,
         upload_pending: meta.upload_pending,
-        weights_dtype: meta.weights_dtype,
+        weights_dtype,
         init_from,
     })
 }

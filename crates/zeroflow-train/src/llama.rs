@@ -14,6 +14,7 @@ use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_nn::cuda::ActivationMemory;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use zeroflow_core::DType;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::cuda::blas::Blas;
@@ -195,7 +196,10 @@ impl Family for LlamaSpec {
         let layout = self.flat_layout(1)?;
         let weights = from.f32_weights(&layout, &self.tensors(&layout)?)?;
         // F16 weights are written as F32: bf16 would round them.
-        let dtype = if from.weights_dtype == "BF16" { SaveDtype::Bf16 } else { SaveDtype::F32 };
+        let dtype = match from.weights_dtype {
+            DType::Bf16 => SaveDtype::Bf16,
+            _ => SaveDtype::F32,
+        };
         let tokenizer_from = from.init_from.clone().filter(|dir| dir.is_dir());
         if let Some(dir) = from.init_from.as_ref().filter(|dir| !dir.is_dir()) {
             tracing::warn!(

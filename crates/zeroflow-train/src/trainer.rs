@@ -65,7 +65,7 @@ impl<M: Model> Trainer<M> {
         started: Instant,
     ) -> Result<Self> {
         if let Start::Resume { point, .. } = &setup.start {
-            let stored = &point.loaded.meta.weights_dtype;
+            let stored = point.loaded.weights_dtype;
             if !checkpoint::weights_convert_exactly::<M::P>(stored) {
                 return Err(input(format!(
                     "--resume {}: its weights are {stored} and this run trains in {}, which would \
