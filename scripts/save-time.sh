@@ -6,7 +6,9 @@
 # the save's time (the run's own log line), the checkpoint's bytes, the page cache's size and dirty
 # bytes after the run (/proc/meminfo, the cache dropped before each run where allowed), and in
 # the first round the SHA-256 of every file but state.json (which records timings). Last (unless
-# RESUME=0), B resumes its last checkpoint for one step (stopped once it is recorded): its loss.
+# RESUME=0), B resumes its last checkpoint for one step (stopped once it is recorded), the page
+# cache dropped first: the time to that step and its loss; then the disk's cold read rate over the
+# optimizer file, buffered and O_DIRECT (dd).
 #
 # Here: bash scripts/gpu-check.sh, and the binary to compare with at .gpu/before/zeroflow.
 # There: bash scripts/save-time.sh   carry: [".gpu"]
@@ -49,6 +51,9 @@ if [[ ${RESUME:-1} == 0 ]]; then
 fi
 run=$WORK/B-$ROUNDS
 ckpt=$(printf '%s/checkpoints/step-%08d' "$run" "$STEPS")
+sync
+echo 3 >/proc/sys/vm/drop_caches 2>/dev/null
+started=$(date +%s.%N)
 "$B" train "${common[@]}" --resume "$ckpt" --steps $((STEPS + 2)) --extend-schedule \
     >"$OUT/resumed.log" 2>&1 &
 pid=$!
@@ -57,6 +62,16 @@ while kill -0 "$pid" 2>/dev/null; do
     sleep 0.2
 done
 wait "$pid" 2>/dev/null
+echo "B resumed (cache dropped first): step $((STEPS + 1)) recorded after" \
+    "$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s; $(meminfo)"
+grep -h "restored\|read " "$OUT/resumed.log" | cut -c1-300
 echo "B resumed: $(grep -h '"loss"' "$run/metrics.jsonl" | cut -c1-100 | tr '\n' ' ')"
+# The disk's read rate over the optimizer file, cold, buffered and direct.
+for flag in "" iflag=direct; do
+    sync
+    echo 3 >/proc/sys/vm/drop_caches 2>/dev/null
+    echo "read of $(basename "$ckpt")/optim/rank-0.safetensors ${flag:-buffered}:" \
+        "$(dd if="$ckpt/optim/rank-0.safetensors" of=/dev/null bs=64M $flag 2>&1 | tail -1)"
+done
 [[ ${KEEP:-0} == 1 ]] || rm -rf "$WORK"
 echo "== done at ${SECONDS}s"

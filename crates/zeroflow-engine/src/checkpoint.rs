@@ -25,9 +25,9 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{DType, Element, bf16, f16};
+use zeroflow_hf::direct::{self, FileOut};
 use zeroflow_hf::{HfError, SafetensorsFile};
 
-use crate::file_out::FileOut;
 use crate::{LossScaler, OptimizerPart, ZenFlowSnapshot};
 
 pub const FORMAT: &str = "zeroflow-checkpoint";
@@ -358,7 +358,7 @@ pub const WRITE_CHUNK_BYTES: usize = 64 << 20;
 
 /// The buffers through which a file is written ([`FileOut`]: one filled while the others are
 /// written).
-pub const WRITE_BUFFERS_BYTES: usize = crate::file_out::BUFFERS * crate::file_out::BUFFER_BYTES;
+pub const WRITE_BUFFERS_BYTES: usize = direct::BUFFERS * direct::BUFFER_BYTES;
 
 /// Elements a checkpoint writes: lent as they lie, or fetched a range at a time while they are
 /// written (downloaded from a device, or merged with ZenFlow's device columns), so that saving
@@ -949,9 +949,9 @@ pub fn weights_convert_exactly<P: Stored>(stored: DType) -> bool {
 }
 
 impl Opened {
-    /// The flat weights as f32 (padding zero) of a run whose tensors are `tensors`, each read
-    /// from `model.safetensors` straight into its range: every tensor must be there with the
-    /// same shape.
+    /// The flat weights as f32 (padding zero) of a run whose tensors are `tensors`, read from
+    /// `model.safetensors` in one pass, each straight into its range: every tensor must be there
+    /// with the same shape.
     pub fn flat_weights(
         &self,
         tensors: &[NamedTensor],
@@ -959,7 +959,6 @@ impl Opened {
     ) -> Result<Vec<f32>, CheckpointError> {
         let path = self.model.path();
         let mismatch = |reason: String| CheckpointError::Mismatch { path: path.into(), reason };
-        let mut flat = vec![0.0; padded_len];
         for tensor in tensors {
             let entry = self
                 .model
@@ -971,9 +970,23 @@ impl Opened {
                     tensor.name, entry.shape, tensor.shape
                 )));
             }
-            let out = &mut flat[tensor.flat.clone()];
-            self.model.read_range(&tensor.name, 0..out.len(), out).map_err(read_error(path))?;
         }
+        let mut flat = vec![0.0; padded_len];
+        let mut by_start: Vec<&NamedTensor> = tensors.iter().collect();
+        by_start.sort_by_key(|tensor| tensor.flat.start);
+        // Each tensor's range of the flat weights, split off in turn (they do not overlap).
+        let (mut wanted, mut rest, mut at) = (Vec::with_capacity(tensors.len()), &mut flat[..], 0);
+        for tensor in by_start {
+            if tensor.flat.start < at || tensor.flat.end > padded_len {
+                let reason = format!("{} is outside the flat weights or overlaps", tensor.name);
+                return Err(mismatch(reason));
+            }
+            let (_, from_start) = std::mem::take(&mut rest).split_at_mut(tensor.flat.start - at);
+            let (out, after) = from_start.split_at_mut(tensor.flat.len());
+            wanted.push((tensor.name.as_str(), out));
+            (rest, at) = (after, tensor.flat.end);
+        }
+        self.model.read_tensors(wanted).map_err(read_error(path))?;
         Ok(flat)
     }
 }
@@ -1003,6 +1016,11 @@ impl PartFile {
         self.file.read_range(PART_ARRAYS[array], range, out).map_err(read_error(path))
     }
 
+    /// The part's file's length in bytes.
+    pub fn file_bytes(&self) -> u64 {
+        self.file.file_bytes()
+    }
+
     /// Elements `range` (counted from the part's start) of a ZenFlow run's window sums
     /// (`zenflow.window_grads`) into `out`.
     pub fn read_window(&self, range: Range<usize>, out: &mut [f32]) -> Result<(), CheckpointError> {
@@ -1029,7 +1047,7 @@ impl PartFile {
 
 /// A safetensors file's header, read and checked against the file's length.
 fn open_file(path: &Path) -> Result<SafetensorsFile, CheckpointError> {
-    SafetensorsFile::open(path).map_err(read_error(path))
+    SafetensorsFile::open_with(path, true).map_err(read_error(path))
 }
 
 /// An error reading `path`: the file system's as it is, anything else the file's damage.

@@ -113,9 +113,10 @@ impl HostOptimizer {
         [self.master.to_vec(), exp_avg, exp_avg_sq]
     }
 
-    /// Takes the whole partition's saved state, a piece at a time (the master weights read in
-    /// place, the moments through a piece's buffers, rounded to nearest where they are bf16), so
-    /// that a resume never holds a second copy of the state.
+    /// Takes the whole partition's saved state, an array at a time, each read in one pass (a
+    /// file's streamed from the disk): the master weights and fp32 moments in place, bf16 moments
+    /// through two pieces' buffers (rounded to nearest), so that a resume never holds a second
+    /// copy of the state.
     pub(crate) fn restore(&mut self, saved: &SavedState<'_>) -> Result<(), EngineError> {
         let len = self.master.len();
         if saved.len() != len {
@@ -123,14 +124,19 @@ impl HostOptimizer {
                 "a restored state's length differs from the partition's",
             ));
         }
+        saved.read_array(0, 0..len, &mut self.master)?;
+        if let HostMoments::F32 { exp_avg, exp_avg_sq } = &mut self.moments {
+            saved.read_array(1, 0..len, exp_avg)?;
+            return saved.read_array(2, 0..len, exp_avg_sq);
+        }
         let piece = RESTORE_PIECE.min(len);
         let (mut exp_avg, mut exp_avg_sq) = (vec![0.0; piece], vec![0.0; piece]);
         let mut start = 0;
         while start < len {
             let end = (start + piece).min(len);
             let n = end - start;
-            let master = &mut self.master[start..end];
-            saved.read(start..end, [master, &mut exp_avg[..n], &mut exp_avg_sq[..n]])?;
+            saved.read_array(1, start..end, &mut exp_avg[..n])?;
+            saved.read_array(2, start..end, &mut exp_avg_sq[..n])?;
             self.moments.write(&self.adam, start..end, [&exp_avg[..n], &exp_avg_sq[..n]]);
             start = end;
         }

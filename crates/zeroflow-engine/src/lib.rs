@@ -18,7 +18,6 @@ mod courier;
 mod device_adamw;
 mod engine;
 mod error;
-mod file_out;
 mod host;
 mod host_moments;
 mod memory;

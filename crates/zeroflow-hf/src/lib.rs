@@ -10,6 +10,7 @@
 //!
 //! The crate knows no family: names, shapes and `config.json`'s meaning are the family's.
 
+pub mod direct;
 pub mod error;
 pub mod read;
 pub mod write;

@@ -15,6 +15,7 @@ use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 use serde_json::Value;
 
+use crate::direct::FileIn;
 use crate::error::{HfError, io};
 use crate::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 
@@ -169,7 +170,8 @@ impl HfCheckpoint {
 
     fn read_entry(&self, name: &str, entry: &TensorEntry, out: &mut [f32]) -> Result<(), HfError> {
         let path = self.file_of(entry);
-        let file = File::open(path).map_err(io(path))?;
+        // Buffered: a model directory may well be in the page cache (just downloaded or read).
+        let file = FileIn::open(path, false).map_err(io(path))?;
         read_elements(&file, path, name, entry, 0..entry.numel(), out)
     }
 }
@@ -180,26 +182,41 @@ impl HfCheckpoint {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
-    file: File,
+    file: FileIn,
+    /// The file's length in bytes.
+    bytes: u64,
     metadata: HashMap<String, String>,
     tensors: BTreeMap<String, TensorEntry>,
 }
 
 impl SafetensorsFile {
+    /// Opens `path`, to be read through the page cache.
     pub fn open(path: &Path) -> Result<SafetensorsFile, HfError> {
-        let file = File::open(path).map_err(io(path))?;
-        let (data_start, metadata) = read_header(&file, path)?;
+        Self::open_with(path, false)
+    }
+
+    /// Opens `path`, to be read past the page cache where `direct` and the file system allow it
+    /// ([`FileIn`]): what a checkpoint that was written so is read with.
+    pub fn open_with(path: &Path, direct: bool) -> Result<SafetensorsFile, HfError> {
+        let file = FileIn::open(path, direct).map_err(io(path))?;
+        let bytes = file.file().metadata().map_err(io(path))?.len();
+        let (data_start, metadata) = read_header(file.file(), path)?;
         let tensors = metadata
             .tensors()
             .into_iter()
             .map(|(name, info)| (name, entry(info, 0, data_start)))
             .collect();
         let metadata = metadata.metadata().clone().unwrap_or_default();
-        Ok(SafetensorsFile { path: path.to_path_buf(), file, metadata, tensors })
+        Ok(SafetensorsFile { path: path.to_path_buf(), file, bytes, metadata, tensors })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The file's length in bytes.
+    pub fn file_bytes(&self) -> u64 {
+        self.bytes
     }
 
     /// The value of `key` in the header's `__metadata__`.
@@ -241,39 +258,79 @@ impl SafetensorsFile {
         }
         read_elements(&self.file, &self.path, name, entry, elements, out)
     }
+
+    /// Whole tensors, each into its `out` (as f32, which holds as many elements), read in one
+    /// pass over the file in the order they are stored, several pieces at once
+    /// ([`FileIn::read_ranges_in_order`]): a file of many tensors, each smaller than a read's
+    /// piece, reads at the disk's pace.
+    pub fn read_tensors(&self, mut wanted: Vec<(&str, &mut [f32])>) -> Result<(), HfError> {
+        let mut reads = Vec::with_capacity(wanted.len());
+        for (index, (name, out)) in wanted.iter().enumerate() {
+            let entry = self.tensors.get(*name).ok_or_else(|| HfError::NoSuchTensor {
+                dir: self.path.clone(),
+                tensor: name.to_string(),
+            })?;
+            if out.len() != entry.numel() {
+                return Err(HfError::DataLength {
+                    tensor: name.to_string(),
+                    shape: entry.shape.clone(),
+                    expected: entry.numel(),
+                    found: out.len(),
+                });
+            }
+            let width = element_width(entry.dtype, &self.path, name)?;
+            reads.push((entry.bytes.clone(), width, entry.dtype, index));
+        }
+        reads.sort_by_key(|(bytes, ..)| bytes.start);
+        let ranges: Vec<(Range<u64>, usize)> =
+            reads.iter().map(|(bytes, width, ..)| (bytes.clone(), *width)).collect();
+        let mut filled = vec![0; reads.len()];
+        let read = self.file.read_ranges_in_order(&ranges, |which, bytes| {
+            let (_, width, dtype, index) = reads[which];
+            let at = filled[which];
+            let out = &mut wanted[index].1[at..at + bytes.len() / width];
+            decode(dtype, bytes, out);
+            filled[which] += out.len();
+            Ok(())
+        });
+        read.map_err(io(&self.path))
+    }
+}
+
+/// The bytes per element of `dtype` (BF16, F16 or F32), else the error that names it.
+fn element_width(dtype: Dtype, path: &Path, name: &str) -> Result<usize, HfError> {
+    match dtype {
+        Dtype::BF16 | Dtype::F16 => Ok(2),
+        Dtype::F32 => Ok(4),
+        other => Err(HfError::UnsupportedDtype {
+            path: path.to_path_buf(),
+            tensor: name.to_string(),
+            dtype: format!("{other:?}"),
+        }),
+    }
 }
 
 /// Elements `elements` of the tensor `entry` of `file` (at `path`) as f32 into `out`, converted
-/// in pieces so that a large tensor's bytes are never all in memory beside it.
+/// in pieces as they are read ([`FileIn::read_in_order`]), so that a large tensor's bytes are
+/// never all in memory beside it.
 fn read_elements(
-    file: &File,
+    file: &FileIn,
     path: &Path,
     name: &str,
     entry: &TensorEntry,
     elements: Range<usize>,
     out: &mut [f32],
 ) -> Result<(), HfError> {
-    let width = match entry.dtype {
-        Dtype::BF16 | Dtype::F16 => 2,
-        Dtype::F32 => 4,
-        other => {
-            return Err(HfError::UnsupportedDtype {
-                path: path.to_path_buf(),
-                tensor: name.to_string(),
-                dtype: format!("{other:?}"),
-            });
-        }
-    };
-    const PIECE: usize = 1 << 20;
-    let mut bytes = vec![0u8; PIECE.min(out.len()) * width];
-    let mut at = entry.bytes.start + (elements.start * width) as u64;
-    for piece in out.chunks_mut(PIECE) {
-        let bytes = &mut bytes[..piece.len() * width];
-        file.read_exact_at(bytes, at).map_err(io(path))?;
+    let width = element_width(entry.dtype, path, name)?;
+    let start = entry.bytes.start + (elements.start * width) as u64;
+    let mut rest = out;
+    file.read_in_order(start..start + (rest.len() * width) as u64, width, |bytes| {
+        let (piece, after) = std::mem::take(&mut rest).split_at_mut(bytes.len() / width);
         decode(entry.dtype, bytes, piece);
-        at += bytes.len() as u64;
-    }
-    Ok(())
+        rest = after;
+        Ok(())
+    })
+    .map_err(io(path))
 }
 
 /// Little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`.

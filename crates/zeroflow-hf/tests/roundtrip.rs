@@ -260,3 +260,52 @@ fn a_safetensors_file_reads_any_range_of_a_tensor() {
     let error = zeroflow_hf::SafetensorsFile::open(&path).unwrap_err().to_string();
     assert!(error.contains("meta.safetensors") && error.contains("bytes of data"), "{error}");
 }
+
+/// `read_tensors` reads every tensor, in any order asked, of every dtype (odd lengths, so that
+/// tensors start off their element's alignment) and one spanning several of a read's pieces, as
+/// `read_range` reads each alone; a wrong length or a missing name is refused before anything is
+/// read.
+#[test]
+fn read_tensors_reads_each_tensor_as_read_range_does() {
+    let scratch = Scratch::new("read-tensors");
+    let large = 2 * zeroflow_hf::direct::READ_BUFFER_BYTES / 4 + 1001;
+    let value = |i: usize| (i as f32 * 0.61).sin() * 3.0;
+    let bf16: Vec<u8> = (0..7).flat_map(|i| half::bf16::from_f32(value(i)).to_le_bytes()).collect();
+    let f16: Vec<u8> = (0..3).flat_map(|i| half::f16::from_f32(value(i)).to_le_bytes()).collect();
+    let f32s: Vec<u8> = (0..5).flat_map(|i| value(i).to_le_bytes()).collect();
+    let big: Vec<u8> = (0..large).flat_map(|i| value(i).to_le_bytes()).collect();
+    write_raw(
+        &scratch.0,
+        &[
+            ("a", Dtype::BF16, vec![7], bf16),
+            ("b", Dtype::F16, vec![3], f16),
+            ("c", Dtype::F32, vec![5], f32s),
+            ("d", Dtype::F32, vec![large], big),
+            ("e", Dtype::BF16, vec![1], half::bf16::from_f32(2.5).to_le_bytes().to_vec()),
+        ],
+    );
+    let path = scratch.0.join("model.safetensors");
+    for direct in [true, false] {
+        let file = zeroflow_hf::SafetensorsFile::open_with(&path, direct).unwrap();
+        let names = ["d", "b", "e", "a", "c"];
+        let alone: Vec<Vec<f32>> = names
+            .iter()
+            .map(|name| {
+                let mut out = vec![0.0; file.tensor(name).unwrap().numel()];
+                file.read_range(name, 0..out.len(), &mut out).unwrap();
+                out
+            })
+            .collect();
+        assert_eq!(alone[0][large - 1], value(large - 1));
+        let mut together: Vec<Vec<f32>> = alone.iter().map(|t| vec![f32::NAN; t.len()]).collect();
+        let wanted = names.iter().copied().zip(together.iter_mut().map(|t| &mut t[..])).collect();
+        file.read_tensors(wanted).unwrap();
+        assert!(together == alone, "direct {direct}: read_tensors differs from read_range");
+
+        let mut short = [0.0; 4];
+        let error = file.read_tensors(vec![("c", &mut short[..])]).unwrap_err();
+        assert!(matches!(error, zeroflow_hf::HfError::DataLength { .. }), "{error}");
+        let error = file.read_tensors(vec![("z", &mut short[..])]).unwrap_err();
+        assert!(matches!(error, zeroflow_hf::HfError::NoSuchTensor { .. }), "{error}");
+    }
+}

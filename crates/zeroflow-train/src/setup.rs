@@ -3,10 +3,11 @@
 
 use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use zeroflow_core::bf16;
 use zeroflow_core::config::Config;
-use zeroflow_engine::EngineOptions;
+use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
 use crate::checkpoints;
@@ -530,8 +531,14 @@ fn initial_state(
     let tensors = model.tensors(&layout)?;
     Ok(match (resume, hf) {
         (Some(point), _) => {
+            let (started, bytes) = (Instant::now(), point.loaded.model.file_bytes());
             let weights = point.loaded.flat_weights(&tensors, layout.padded_len());
             let weights = weights.map_err(|e| resume_point::resume_error(&e))?;
+            tracing::info!(
+                "read the checkpoint's weights ({}) in {:.1} s",
+                checkpoint::disk_size(bytes),
+                started.elapsed().as_secs_f64()
+            );
             Start::Resume { point: Box::new(point), weights }
         }
         (None, Some(hf)) => {

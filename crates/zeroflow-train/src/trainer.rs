@@ -8,7 +8,7 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Element as _, Float};
 use zeroflow_data::{Batch, DataLoader};
 use zeroflow_device::Device as _;
-use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry};
+use zeroflow_engine::checkpoint::{self, Meta, NamedTensor, ParamEntry, PartFile};
 use zeroflow_engine::{Engine, EngineError, EngineOptions, Restore, StepReport};
 
 use crate::checkpoints;
@@ -105,9 +105,14 @@ impl<M: Model> Trainer<M> {
                 scaler: &meta.scaler,
                 zenflow: &point.loaded.zenflow,
             };
+            let bytes = point.loaded.parts.iter().map(PartFile::file_bytes).sum();
+            let (bytes, started) = (checkpoint::disk_size(bytes), Instant::now());
+            tracing::info!("reading the checkpoint's optimizer state ({bytes})");
             // The engine was built with the checkpoint's weights: they are not given twice.
             let restored = engine.restore(None, restore);
             restored.map_err(|e| input(format!("--resume {}: {e}", point.dir.display())))?;
+            let seconds = started.elapsed().as_secs_f64();
+            tracing::info!("restored the checkpoint's optimizer state ({bytes}) in {seconds:.1} s");
             train_time = Duration::from_secs_f64(point.extra.train_s.max(0.0));
             // Checkpoints from before wall_s was recorded: their training time, a lower bound.
             let wall = point.extra.wall_s.unwrap_or(point.extra.train_s);

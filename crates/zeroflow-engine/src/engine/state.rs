@@ -250,21 +250,33 @@ impl<'a> SavedState<'a> {
     pub(crate) fn read(
         &self,
         range: Range<usize>,
-        mut out: [&mut [f32]; 3],
+        out: [&mut [f32]; 3],
     ) -> Result<(), EngineError> {
-        let at = self.owned.start + range.start..self.owned.start + range.end;
-        for (array, out) in out.iter_mut().enumerate() {
-            read_from(&self.ranges, at.clone(), out, |index, src, to| match self.parts {
-                SavedParts::Memory(parts) => {
-                    let part = &parts[index];
-                    let from = [&part.master, &part.exp_avg, &part.exp_avg_sq][array];
-                    to.copy_from_slice(&from[src]);
-                    Ok(())
-                }
-                SavedParts::Files(parts) => parts[index].read(array, src, to).map_err(file_error),
-            })?;
+        for (array, out) in out.into_iter().enumerate() {
+            self.read_array(array, range.clone(), out)?;
         }
         Ok(())
+    }
+
+    /// Elements `range` of the partition (counted from its start) of one array (numbered as
+    /// [`crate::checkpoint::PART_ARRAYS`]) into `out`, as [`SavedState::read`] reads it: a
+    /// file's part in one read of its range, which streams it from the disk.
+    pub(crate) fn read_array(
+        &self,
+        array: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let at = self.owned.start + range.start..self.owned.start + range.end;
+        read_from(&self.ranges, at, out, |index, src, to| match self.parts {
+            SavedParts::Memory(parts) => {
+                let part = &parts[index];
+                let from = [&part.master, &part.exp_avg, &part.exp_avg_sq][array];
+                to.copy_from_slice(&from[src]);
+                Ok(())
+            }
+            SavedParts::Files(parts) => parts[index].read(array, src, to).map_err(file_error),
+        })
     }
 
     /// The whole partition's state as vectors.

@@ -13,6 +13,7 @@ use zeroflow_engine::checkpoint::{WRITE_BUFFERS_BYTES, WRITE_CHUNK_BYTES};
 use zeroflow_engine::{
     AccumulateOn, BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
 };
+use zeroflow_hf::direct::READ_BUFFERS_BYTES;
 use zeroflow_nn::PlanOptions;
 
 use crate::error::{Result, input};
@@ -220,24 +221,31 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     let tokens = (inputs.micro_batch * inputs.seq) as u64;
     lines.push(run(Host, "data loader batches", tokens * 8 * 2));
     let dtype = inputs.dtype();
-    // The initial weights in f32 (fresh, read by --init-from, or the checkpoint's) converted to
-    // the model's dtype, the f32 ones dropped before the engine is built.
+    // The initial weights in f32 (fresh, read by --init-from, or the checkpoint's, through the
+    // reader's buffers) converted to the model's dtype, the f32 ones dropped before the engine
+    // is built.
+    let reading = match inputs.caller {
+        Caller::Train { resumed: true } => READ_BUFFERS_BYTES as u64,
+        _ => 0,
+    };
     lines.push(PlanLine {
         memory: Host,
         kind: "initial weights, f32 and converted (transient)",
-        bytes: padded * (4 + dtype.size() as u64),
+        bytes: padded * (4 + dtype.size() as u64) + reading,
         phase: Phase::BeforeEngine,
     });
     let partition = layout.partition_range(inputs.rank).len() as u64;
     if let Caller::Train { resumed: true } = inputs.caller {
-        // The checkpoint's fp32 master and moments, read from its files: a piece at a time into
-        // an offloaded optimizer's own state (the moments through two f32 pieces, the files'
-        // bytes through a MiB of elements), whole where the optimizer is on the device (uploaded
-        // from there). Its weights are the initial ones the engine is built with.
+        // The checkpoint's fp32 master and moments, read from its files through the reader's
+        // buffers: an array at a time into an offloaded optimizer's own state (bf16 moments
+        // through two f32 pieces), whole where the optimizer is on the device (uploaded from
+        // there). Its weights are the initial ones the engine is built with.
         let piece = zeroflow_engine::RESTORE_PIECE.min(partition as usize) as u64;
-        let state = match inputs.options.offload() {
-            Some(_) => 2 * 4 * piece + (4 << 20),
-            None => partition * 12,
+        let reading = READ_BUFFERS_BYTES as u64;
+        let state = match inputs.options.offload().map(|o| o.moments) {
+            Some(OptimizerStateDtype::Bf16) => 2 * 4 * piece + reading,
+            Some(OptimizerStateDtype::Fp32) => reading,
+            None => partition * 12 + reading,
         };
         lines.push(PlanLine {
             memory: Host,

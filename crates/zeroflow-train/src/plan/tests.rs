@@ -202,10 +202,11 @@ fn a_plan_that_fits_passes_the_check() {
     assert_eq!(json["host_total_bytes"], plan.host_total);
 }
 
-/// A resumed run reads the checkpoint's optimizer state a piece at a time into an offloaded
-/// optimizer's own state: its plan is the run's plus the pieces, so that llama-8b's exact
-/// offload resumes on the H200's host (124 GiB available) as it trains there. With the optimizer
-/// on the GPU the restore reads the whole partition first (12 B per parameter).
+/// A resumed run reads the checkpoint's optimizer state through the reader's buffers into an
+/// offloaded optimizer's own state (bf16 moments through two pieces): its plan is the run's plus
+/// those, so that llama-8b's exact offload resumes on the H200's host (124 GiB available) as it
+/// trains there. With the optimizer on the GPU the restore reads the whole partition first (12 B
+/// per parameter).
 #[test]
 fn a_resume_plans_the_run_plus_the_restores_pieces() {
     let with = |model: &str, mode: &str, resumed: bool| {
@@ -217,16 +218,21 @@ fn a_resume_plans_the_run_plus_the_restores_pieces() {
     };
     let (fresh, resumed) = (with("llama-8b", "offload", false), with("llama-8b", "offload", true));
     let padded = fresh.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
-    let pieces = 2 * 4 * zeroflow_engine::RESTORE_PIECE as u64 + (4 << 20);
-    assert_eq!(resumed.host_total - fresh.host_total, pieces, "{resumed:?}");
+    let reading = zeroflow_hf::direct::READ_BUFFERS_BYTES as u64;
+    assert_eq!(resumed.host_total - fresh.host_total, reading, "{resumed:?}");
     assert!(padded >= 8_000_000_000);
     let h200 = machine(140 * GIB, 125 * GIB, 124 * GIB);
     assert!(resumed.fit(&h200).fits(), "{}", resumed.summary(&h200));
     let line = "the checkpoint's optimizer state (read into the engine's)";
-    assert_eq!(bytes(&resumed, MemoryKind::Host, line), pieces);
+    assert_eq!(bytes(&resumed, MemoryKind::Host, line), reading);
+    let mut bf16_moments = resumed.inputs.clone();
+    bf16_moments.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
+    let resumed = MemoryPlan::new(bf16_moments).unwrap();
+    let pieces = 2 * 4 * zeroflow_engine::RESTORE_PIECE as u64;
+    assert_eq!(bytes(&resumed, MemoryKind::Host, line), pieces + reading);
     let resumed = with("gpt-1.3b", "gpu", true);
     let padded = resumed.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
-    assert_eq!(bytes(&resumed, MemoryKind::Host, line), 12 * padded);
+    assert_eq!(bytes(&resumed, MemoryKind::Host, line), 12 * padded + reading);
 }
 
 /// A checkpoint's files, as the disk warning counts them: the weights in the run's type (bf16 on
