@@ -275,9 +275,49 @@ fn round_up(x: usize, to: usize) -> Option<usize> {
     x.div_ceil(to).checked_mul(to)
 }
 
+/// The parts `ranges` of `buffer`, each mutable at once, in the order of `ranges` (what a reader
+/// that fills several parameters of a flat buffer in one pass takes); `None` where two overlap
+/// or one runs past the buffer's end.
+pub fn ranges_mut<'a, T>(buffer: &'a mut [T], ranges: &[Range<usize>]) -> Option<Vec<&'a mut [T]>> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].start);
+    let mut parts: Vec<Option<&'a mut [T]>> = (0..ranges.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (buffer, 0);
+    for i in order {
+        let range = &ranges[i];
+        if range.start < at || range.end < range.start || range.end - at > rest.len() {
+            return None;
+        }
+        let (_, from_start) = std::mem::take(&mut rest).split_at_mut(range.start - at);
+        let (part, after) = from_start.split_at_mut(range.len());
+        parts[i] = Some(part);
+        (rest, at) = (after, range.end);
+    }
+    parts.into_iter().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ranges in any order, empty ones included, give their parts in that order; an overlap or
+    /// a range past the end gives none.
+    #[test]
+    fn ranges_mut_lends_each_range_or_none_where_they_overlap() {
+        let mut buffer: Vec<u32> = (0..10).collect();
+        let parts = ranges_mut(&mut buffer, &[6..9, 0..2, 2..2, 3..6]).unwrap();
+        let lens: Vec<Vec<u32>> = parts.iter().map(|p| p.to_vec()).collect();
+        assert_eq!(lens, [vec![6, 7, 8], vec![0, 1], vec![], vec![3, 4, 5]]);
+        for part in ranges_mut(&mut buffer, &[4..5, 9..10]).unwrap() {
+            part[0] += 100;
+        }
+        assert_eq!((buffer[4], buffer[9], buffer[5]), (104, 109, 5));
+        assert!(ranges_mut(&mut buffer, &[0..3, 2..4]).is_none());
+        assert!(ranges_mut(&mut buffer, &[0..1, 8..11]).is_none());
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 5..4;
+        assert!(ranges_mut(&mut buffer, &[0..1, backwards]).is_none());
+    }
 
     fn specs(shapes: &[&[usize]]) -> Vec<ParamSpec> {
         shapes

@@ -972,20 +972,11 @@ impl Opened {
             }
         }
         let mut flat = vec![0.0; padded_len];
-        let mut by_start: Vec<&NamedTensor> = tensors.iter().collect();
-        by_start.sort_by_key(|tensor| tensor.flat.start);
-        // Each tensor's range of the flat weights, split off in turn (they do not overlap).
-        let (mut wanted, mut rest, mut at) = (Vec::with_capacity(tensors.len()), &mut flat[..], 0);
-        for tensor in by_start {
-            if tensor.flat.start < at || tensor.flat.end > padded_len {
-                let reason = format!("{} is outside the flat weights or overlaps", tensor.name);
-                return Err(mismatch(reason));
-            }
-            let (_, from_start) = std::mem::take(&mut rest).split_at_mut(tensor.flat.start - at);
-            let (out, after) = from_start.split_at_mut(tensor.flat.len());
-            wanted.push((tensor.name.as_str(), out));
-            (rest, at) = (after, tensor.flat.end);
-        }
+        let ranges: Vec<Range<usize>> = tensors.iter().map(|t| t.flat.clone()).collect();
+        let outs = zeroflow_core::layout::ranges_mut(&mut flat, &ranges).ok_or_else(|| {
+            mismatch("the model's tensors overlap or pass its flat weights".into())
+        })?;
+        let wanted = tensors.iter().map(|t| t.name.as_str()).zip(outs).collect();
         self.model.read_tensors(wanted).map_err(read_error(path))?;
         Ok(flat)
     }

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use serde_json::Value;
-use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::layout::{FlatLayout, ranges_mut};
 use zeroflow_hf::{CONFIG_FILE, HfCheckpoint, HfError};
 
 use crate::GptConfig;
@@ -77,10 +77,14 @@ impl HfGpt {
             let (expected, found) = (layout.padded_len(), params.len());
             return Err(GptError::Length { what: "flat parameter buffer", expected, found });
         }
-        for tensor in hf_tensors(&self.config, layout)? {
+        let tensors = hf_tensors(&self.config, layout)?;
+        let ranges: Vec<_> = tensors.iter().map(|t| t.flat_range.clone()).collect();
+        let outs = ranges_mut(params, &ranges).expect("a layout's parameters do not overlap");
+        let wanted = tensors.iter().zip(outs).map(|(tensor, out)| {
             let name = self.stored_name(&tensor.name).expect("checked by HfGpt::open");
-            self.checkpoint.read_into(name, &tensor.shape, &mut params[tensor.flat_range])?;
-        }
+            (name, &tensor.shape[..], out)
+        });
+        self.checkpoint.read_tensors_into(wanted.collect())?;
         Ok(())
     }
 }

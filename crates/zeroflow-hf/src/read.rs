@@ -162,6 +162,32 @@ impl HfCheckpoint {
         self.read_entry(name, entry, out)
     }
 
+    /// Reads every tensor of `wanted` (its name, the shape it must have, and where its elements
+    /// go as f32), each shard in one pass over its file ([`read_entries`]): what a model's
+    /// weights are read with.
+    pub fn read_tensors_into(
+        &self,
+        wanted: Vec<(&str, &[usize], &mut [f32])>,
+    ) -> Result<(), HfError> {
+        let mut by_shard: Vec<Vec<(&str, &TensorEntry, &mut [f32])>> =
+            (0..self.shards.len()).map(|_| Vec::new()).collect();
+        for (name, shape, out) in wanted {
+            let entry = self.entry(name)?;
+            self.check_entry(name, entry, shape)?;
+            by_shard[entry.shard].push((name, entry, out));
+        }
+        for (shard, entries) in by_shard.into_iter().enumerate() {
+            if entries.is_empty() {
+                continue;
+            }
+            let path = &self.shards[shard];
+            // Buffered: a model directory may well be in the page cache (just downloaded or read).
+            let file = FileIn::open(path, false).map_err(io(path))?;
+            read_entries(&file, path, entries)?;
+        }
+        Ok(())
+    }
+
     fn entry(&self, name: &str) -> Result<&TensorEntry, HfError> {
         self.tensors
             .get(name)
@@ -260,40 +286,17 @@ impl SafetensorsFile {
     }
 
     /// Whole tensors, each into its `out` (as f32, which holds as many elements), read in one
-    /// pass over the file in the order they are stored, several pieces at once
-    /// ([`FileIn::read_ranges_in_order`]): a file of many tensors, each smaller than a read's
-    /// piece, reads at the disk's pace.
-    pub fn read_tensors(&self, mut wanted: Vec<(&str, &mut [f32])>) -> Result<(), HfError> {
-        let mut reads = Vec::with_capacity(wanted.len());
-        for (index, (name, out)) in wanted.iter().enumerate() {
-            let entry = self.tensors.get(*name).ok_or_else(|| HfError::NoSuchTensor {
+    /// pass over the file in the order they are stored ([`read_entries`]).
+    pub fn read_tensors(&self, wanted: Vec<(&str, &mut [f32])>) -> Result<(), HfError> {
+        let mut entries = Vec::with_capacity(wanted.len());
+        for (name, out) in wanted {
+            let entry = self.tensors.get(name).ok_or_else(|| HfError::NoSuchTensor {
                 dir: self.path.clone(),
                 tensor: name.to_string(),
             })?;
-            if out.len() != entry.numel() {
-                return Err(HfError::DataLength {
-                    tensor: name.to_string(),
-                    shape: entry.shape.clone(),
-                    expected: entry.numel(),
-                    found: out.len(),
-                });
-            }
-            let width = element_width(entry.dtype, &self.path, name)?;
-            reads.push((entry.bytes.clone(), width, entry.dtype, index));
+            entries.push((name, entry, out));
         }
-        reads.sort_by_key(|(bytes, ..)| bytes.start);
-        let ranges: Vec<(Range<u64>, usize)> =
-            reads.iter().map(|(bytes, width, ..)| (bytes.clone(), *width)).collect();
-        let mut filled = vec![0; reads.len()];
-        let read = self.file.read_ranges_in_order(&ranges, |which, bytes| {
-            let (_, width, dtype, index) = reads[which];
-            let at = filled[which];
-            let out = &mut wanted[index].1[at..at + bytes.len() / width];
-            decode(dtype, bytes, out);
-            filled[which] += out.len();
-            Ok(())
-        });
-        read.map_err(io(&self.path))
+        read_entries(&self.file, &self.path, entries)
     }
 }
 
@@ -308,6 +311,43 @@ fn element_width(dtype: Dtype, path: &Path, name: &str) -> Result<usize, HfError
             dtype: format!("{other:?}"),
         }),
     }
+}
+
+/// Whole tensors of `file` (at `path`), each `(name, entry, out)` into its `out` as f32 (which
+/// must hold as many elements), read in one pass over the file in the order they are stored,
+/// several pieces at once ([`FileIn::read_ranges_in_order`]): a file of many tensors, each
+/// smaller than a read's piece, reads at the disk's pace (one read per tensor waited for each).
+fn read_entries(
+    file: &FileIn,
+    path: &Path,
+    mut entries: Vec<(&str, &TensorEntry, &mut [f32])>,
+) -> Result<(), HfError> {
+    let mut reads = Vec::with_capacity(entries.len());
+    for (index, (name, entry, out)) in entries.iter().enumerate() {
+        if out.len() != entry.numel() {
+            return Err(HfError::DataLength {
+                tensor: name.to_string(),
+                shape: entry.shape.clone(),
+                expected: entry.numel(),
+                found: out.len(),
+            });
+        }
+        reads.push((entry.bytes.clone(), element_width(entry.dtype, path, name)?, index));
+    }
+    reads.sort_by_key(|(bytes, ..)| bytes.start);
+    let ranges: Vec<(Range<u64>, usize)> =
+        reads.iter().map(|(bytes, width, _)| (bytes.clone(), *width)).collect();
+    let mut filled = vec![0; reads.len()];
+    let read = file.read_ranges_in_order(&ranges, |which, bytes| {
+        let (_, width, index) = reads[which];
+        let (_, entry, out) = &mut entries[index];
+        let at = filled[which];
+        let out = &mut out[at..at + bytes.len() / width];
+        decode(entry.dtype, bytes, out);
+        filled[which] += out.len();
+        Ok(())
+    });
+    read.map_err(io(path))
 }
 
 /// Elements `elements` of the tensor `entry` of `file` (at `path`) as f32 into `out`, converted

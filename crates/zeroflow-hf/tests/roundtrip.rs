@@ -77,6 +77,24 @@ fn bf16_sharded_round_trip_rounds_each_value_to_bfloat16() {
         assert_eq!(back, rounded, "{name}");
         assert_ne!(&back, values, "{name}: the values must not be exact in bfloat16");
     }
+    // Every tensor at once, in reverse order, over the shards: as read one at a time.
+    let mut outs: Vec<Vec<f32>> = tensors.iter().rev().map(|t| vec![f32::NAN; t.2.len()]).collect();
+    let wanted = tensors
+        .iter()
+        .rev()
+        .zip(outs.iter_mut())
+        .map(|((name, shape, _), out)| (name.as_str(), &shape[..], &mut out[..]))
+        .collect();
+    read.read_tensors_into(wanted).unwrap();
+    for ((name, ..), out) in tensors.iter().rev().zip(&outs) {
+        assert_eq!(*out, read.read_f32(name).unwrap(), "{name}");
+    }
+    // A shape that disagrees is refused, naming the tensor.
+    let (name, shape, values) = &tensors[1];
+    let mut out = vec![0.0; values.len()];
+    let wrong = [shape[0] * shape[1]];
+    let error = read.read_tensors_into(vec![(name.as_str(), &wrong[..], &mut out[..])]);
+    assert!(error.unwrap_err().to_string().contains(name.as_str()));
 }
 
 #[test]

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::layout::{FlatLayout, ranges_mut};
 use zeroflow_hf::{CONFIG_FILE, HfCheckpoint, OutTensor, SaveOptions, Saved};
 
 use crate::config::LlamaConfig;
@@ -50,11 +50,14 @@ impl HfLlama {
     pub fn read_params(&self, layout: &FlatLayout, params: &mut [f32]) -> Result<(), LlamaError> {
         check_buffer(layout, params.len())?;
         ParamRanges::new(&self.config, layout)?;
-        for param in hf_params(&self.config) {
-            let range =
-                layout.param(&param.name).expect("checked by ParamRanges::new").flat_range();
-            self.checkpoint.read_into(&param.name, &param.shape, &mut params[range])?;
-        }
+        let specs = hf_params(&self.config);
+        let ranges: Vec<_> = specs
+            .iter()
+            .map(|p| layout.param(&p.name).expect("checked by ParamRanges::new").flat_range())
+            .collect();
+        let outs = ranges_mut(params, &ranges).expect("a layout's parameters do not overlap");
+        let wanted = specs.iter().zip(outs).map(|(p, out)| (p.name.as_str(), &p.shape[..], out));
+        self.checkpoint.read_tensors_into(wanted.collect())?;
         Ok(())
     }
 }

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::layout::{FlatLayout, ranges_mut};
 use zeroflow_engine::checkpoint::NamedTensor;
 use zeroflow_gpt::GptConfig;
 use zeroflow_hf::{Dtype, SafetensorsFile};
@@ -136,7 +136,7 @@ impl HfModel {
         padded_len: usize,
     ) -> Result<Vec<f32>> {
         let path = file.path();
-        let mut flat = vec![0.0; padded_len];
+        let mut names = Vec::with_capacity(tensors.len());
         for tensor in tensors {
             let short = tensor.name.strip_prefix("transformer.").unwrap_or(&tensor.name);
             let name = [tensor.name.as_str(), short]
@@ -159,10 +159,13 @@ impl HfModel {
                     tensor.shape
                 )));
             }
-            let out = &mut flat[tensor.flat.clone()];
-            let read = file.read_range(name, 0..out.len(), out);
-            read.map_err(|e| input(format!("--init-from {e}")))?;
+            names.push(name);
         }
+        let mut flat = vec![0.0; padded_len];
+        let ranges: Vec<_> = tensors.iter().map(|t| t.flat.clone()).collect();
+        let outs = ranges_mut(&mut flat, &ranges).expect("a layout's parameters do not overlap");
+        let read = file.read_tensors(names.into_iter().zip(outs).collect());
+        read.map_err(|e| input(format!("--init-from {e}")))?;
         Ok(flat)
     }
 }
