@@ -99,7 +99,9 @@ impl FileOut {
     /// it, else buffered.
     pub fn create(path: &Path, direct: bool, len: u64) -> io::Result<FileOut> {
         let buffer_bytes = usize::try_from(len).unwrap_or(usize::MAX).clamp(ALIGN, BUFFER_BYTES);
-        if direct && let Some(file) = open_direct(path)? {
+        let mut write = std::fs::OpenOptions::new();
+        write.write(true).create(true).truncate(true);
+        if direct && let Some(file) = open_direct(&mut write, path)? {
             let (to_writer, from_filler) = sync_channel::<Buffer>(BUFFERS - 1);
             let (to_filler, empties) = sync_channel::<Buffer>(BUFFERS);
             for _ in 1..BUFFERS {
@@ -244,18 +246,12 @@ fn write_buffers(
     Ok(file)
 }
 
-/// `path` created (or truncated) for writing with `O_DIRECT`, or `None` where the file system
-/// does not take it (the file is then left to be created buffered).
+/// `path` opened as `options` say, with `O_DIRECT`, or `None` where the file system does not
+/// take it (the file is then left to be opened buffered).
 #[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> io::Result<Option<File>> {
+fn open_direct(options: &mut std::fs::OpenOptions, path: &Path) -> io::Result<Option<File>> {
     use std::os::unix::fs::OpenOptionsExt;
-    let opened = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path);
-    match opened {
+    match options.custom_flags(libc::O_DIRECT).open(path) {
         Ok(file) => Ok(Some(file)),
         Err(error) if error.raw_os_error() == Some(libc::EINVAL) => Ok(None),
         Err(error) => Err(error),
@@ -263,7 +259,7 @@ fn open_direct(path: &Path) -> io::Result<Option<File>> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn open_direct(_path: &Path) -> io::Result<Option<File>> {
+fn open_direct(_options: &mut std::fs::OpenOptions, _path: &Path) -> io::Result<Option<File>> {
     Ok(None)
 }
 
@@ -305,7 +301,10 @@ impl FileIn {
     /// Opens `path` for reading, past the page cache where `direct` and the file system allow it.
     pub fn open(path: &Path, direct: bool) -> io::Result<FileIn> {
         let file = File::open(path)?;
-        let direct = if direct { open_direct_read(path)? } else { None };
+        let direct = match direct {
+            true => open_direct(std::fs::OpenOptions::new().read(true), path)?,
+            false => None,
+        };
         Ok(FileIn { file, direct, direct_works: AtomicBool::new(true) })
     }
 
@@ -491,22 +490,6 @@ fn past_end(piece: &Range<u64>) -> io::Error {
         io::ErrorKind::UnexpectedEof,
         format!("bytes {}..{} are past the end of the file", piece.start, piece.end),
     )
-}
-
-/// `path` opened for reading with `O_DIRECT`, or `None` where the file system does not take it.
-#[cfg(target_os = "linux")]
-fn open_direct_read(path: &Path) -> io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
-        Ok(file) => Ok(Some(file)),
-        Err(error) if error.raw_os_error() == Some(libc::EINVAL) => Ok(None),
-        Err(error) => Err(error),
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn open_direct_read(_path: &Path) -> io::Result<Option<File>> {
-    Ok(None)
 }
 
 #[cfg(test)]
