@@ -124,10 +124,19 @@ impl HostOptimizer {
                 "a restored state's length differs from the partition's",
             ));
         }
+        let started = std::time::Instant::now();
+        let said = |array: &str| {
+            let seconds = started.elapsed().as_secs_f64();
+            tracing::debug!("restore: the host optimizer's {array} read by {seconds:.2} s");
+        };
         saved.read_array(0, 0..len, &mut self.master)?;
+        said("master weights");
         if let HostMoments::F32 { exp_avg, exp_avg_sq } = &mut self.moments {
             saved.read_array(1, 0..len, exp_avg)?;
-            return saved.read_array(2, 0..len, exp_avg_sq);
+            said("first moments");
+            saved.read_array(2, 0..len, exp_avg_sq)?;
+            said("second moments");
+            return Ok(());
         }
         let piece = RESTORE_PIECE.min(len);
         let (mut exp_avg, mut exp_avg_sq) = (vec![0.0; piece], vec![0.0; piece]);

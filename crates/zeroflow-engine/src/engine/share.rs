@@ -149,12 +149,16 @@ impl<D: DeviceAdamW> DeviceShare<D> {
             // After the last step's AdamW read and wrote the state.
             device.wait_event(h2d, &self.stepped)?;
         }
-        let share = self.grads.len();
+        let (share, started) = (self.grads.len(), std::time::Instant::now());
         let sources = [&host.master, exp_avg, exp_avg_sq];
         for (target, source) in self.buffers().into_iter().zip(sources) {
             let from = self.from..self.from + share;
             device.copy_h2d(h2d, source, from, target, 0)?.wait()?;
         }
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::debug!(
+            "restore: the device share's state ({share} elements) uploaded in {seconds:.2} s"
+        );
         self.ahead = false;
         Ok(())
     }
