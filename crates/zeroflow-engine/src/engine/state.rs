@@ -332,13 +332,24 @@ fn read_from(
     out: &mut [f32],
     mut read: impl FnMut(usize, Range<usize>, &mut [f32]) -> Result<(), EngineError>,
 ) -> Result<(), EngineError> {
-    out.fill(0.0);
+    // Where parts hold elements of `at`, relative to it; the rest is zeroed (not the whole of
+    // `out` first: a resume's arrays are gigabytes, written once).
+    let mut held = Vec::new();
     for (index, flat) in ranges.iter().enumerate() {
         let (start, end) = (flat.start.max(at.start), flat.end.min(at.end));
         if start < end {
             let to = &mut out[start - at.start..end - at.start];
             read(index, start - flat.start..end - flat.start, to)?;
+            held.push(start - at.start..end - at.start);
         }
+    }
+    held.sort_by_key(|range| range.start);
+    let mut next = 0;
+    for range in held.into_iter().chain(std::iter::once(out.len()..out.len())) {
+        if range.start > next {
+            out[next..range.start].fill(0.0);
+        }
+        next = next.max(range.end);
     }
     Ok(())
 }
@@ -424,4 +435,31 @@ pub(super) struct PathState {
     pub exp_avg_sq: Vec<f32>,
     /// See [`Snapshot::upload_pending`].
     pub upload_pending: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Elements of `at` that parts hold come from them (each told its range within the part),
+    /// the rest are zero, whatever `out` held before, and the parts in any order.
+    #[test]
+    fn read_from_fills_what_parts_hold_and_zeroes_the_rest() {
+        let ranges = [10..12, 0..3, 5..8];
+        let mut out = [f32::NAN; 10];
+        read_from(&ranges, 2..12, &mut out, |index, src, to| {
+            for (i, value) in to.iter_mut().enumerate() {
+                *value = (1000 + 100 * index + src.start + i) as f32;
+            }
+            Ok(())
+        })
+        .unwrap();
+        // Elements 2..12: 2 from part 1 (its element 2), 3 and 4 none, 5..8 part 2, 8 and 9
+        // none, 10 and 11 part 0.
+        let want = [1102.0, 0.0, 0.0, 1200.0, 1201.0, 1202.0, 0.0, 0.0, 1000.0, 1001.0];
+        assert_eq!(out, want);
+        let mut none = [f32::NAN; 4];
+        read_from(&[], 0..4, &mut none, |_, _, _| unreachable!()).unwrap();
+        assert_eq!(none, [0.0; 4]);
+    }
 }
