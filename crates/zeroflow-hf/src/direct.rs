@@ -337,7 +337,7 @@ impl FileIn {
 
     /// [`FileIn::read_in_order`] over several ranges (each with its unit), in the order given:
     /// `each` is told which range a piece belongs to. Pieces of small ranges are read several
-    /// at once as well, so that a file of many small tensors reads at the disk's pace.
+    /// at once as well, so that a file of many small tensors keeps several reads in flight.
     pub fn read_ranges_in_order(
         &self,
         ranges: &[(Range<u64>, usize)],

@@ -316,7 +316,7 @@ fn element_width(dtype: Dtype, path: &Path, name: &str) -> Result<usize, HfError
 /// Whole tensors of `file` (at `path`), each `(name, entry, out)` into its `out` as f32 (which
 /// must hold as many elements), read in one pass over the file in the order they are stored,
 /// several pieces at once ([`FileIn::read_ranges_in_order`]): a file of many tensors, each
-/// smaller than a read's piece, reads at the disk's pace (one read per tensor waited for each).
+/// smaller than a read's piece, keeps several reads in flight (one read per tensor waited for each).
 fn read_entries(
     file: &FileIn,
     path: &Path,
