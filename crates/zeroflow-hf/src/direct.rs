@@ -563,7 +563,7 @@ mod tests {
     }
 
     /// Any range, starting and ending inside blocks or on their edges, one piece or many (read
-    /// ahead by the reader thread), of any unit, reads back exactly the file's bytes, direct
+    /// ahead by the reader threads), of any unit, reads back exactly the file's bytes, direct
     /// (where the file system takes it) and buffered.
     #[test]
     fn a_range_reads_back_exactly_in_either_mode() {
