@@ -6,8 +6,9 @@
 # page cache dropped first, and are stopped once their first step is recorded. Per resume: the
 # seconds from the start to that step (the process's start, the plan, the weights, the model, the
 # optimizer state and the step), the times the binary logs for its reads (B's "read the
-# checkpoint's weights" and "restored the checkpoint's optimizer state"), its loss and gradient
-# norm, its peak RSS and the page cache after it.
+# checkpoint's weights" and "restored the checkpoint's optimizer state", and at the engine's debug
+# level, on by default here, each array's read and the device share's upload), its loss and
+# gradient norm, its peak RSS and the page cache after it.
 #
 # Here: bash scripts/gpu-check.sh, and the binary to compare with at .gpu/before/zeroflow.
 # There: bash scripts/resume-time.sh   carry: [".gpu"]
@@ -38,7 +39,8 @@ for round in $(seq 1 "$ROUNDS"); do
         sync
         echo 3 >/proc/sys/vm/drop_caches 2>/dev/null
         started=$(date +%s.%N)
-        "$bin" train "${common[@]}" --resume "$ckpt" --steps 3 --extend-schedule >"$log" 2>&1 &
+        ZEROFLOW_LOG=${ZEROFLOW_LOG:-info,zeroflow_engine=debug} \
+            "$bin" train "${common[@]}" --resume "$ckpt" --steps 3 --extend-schedule >"$log" 2>&1 &
         pid=$!
         peak=0
         while kill -0 "$pid" 2>/dev/null; do
@@ -49,8 +51,8 @@ for round in $(seq 1 "$ROUNDS"); do
         done
         wait "$pid" 2>/dev/null
         took=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-        reads=$(grep -ho "read the checkpoint's weights .*\|restored the checkpoint's .*" "$log" |
-            tr '\n' ';')
+        reads=$(grep -ho "read the checkpoint's weights .*\|restored the checkpoint's .*\|restore: .*" \
+            "$log" | tr '\n' ';')
         step=$(grep -h '"step":2,' "$run/metrics.jsonl" | grep -o '"loss":[^,]*,"lr":[^,]*,"grad_norm":[^,]*')
         echo "round $round $side: step 2 after $took s; peak RSS $((peak / 1024)) MiB; $(meminfo);" \
             "${reads:-(no read times logged)} $step"
