@@ -39,12 +39,14 @@ enum Command {
     Generate(cmd::generate::Args),
     /// The loss and perplexity of a Hugging Face model over token shards or text, on the CPU.
     Eval(cmd::eval::Args),
-    /// Write a checkpoint as a Hugging Face GPT-2 directory (model.safetensors + config.json).
+    /// Write a checkpoint as a Hugging Face directory of its model's family (GPT-2 or Llama:
+    /// config.json and the weights, in the run's dtype).
     Export(cmd::export::Args),
     /// The memory plan of a `train` command (the same arguments): GPU and host bytes by kind, the
     /// totals against this machine's, and the knobs that make it fit where it does not.
     Plan(Box<cmd::plan::PlanArgs>),
-    /// Train a GPT model (default: the tiny model on the synthetic corpus, on the CPU).
+    /// Train a model of the GPT-2 or Llama family (default: a tiny GPT on the synthetic corpus,
+    /// on the CPU).
     Train(Box<cmd::train::Args>),
     /// Start one process per GPU of this host running the zeroflow command after `--` (like
     /// torchrun), each with its rank's environment; stop all when one fails.

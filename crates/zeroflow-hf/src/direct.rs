@@ -376,7 +376,9 @@ impl FileIn {
         if pieces.is_empty() {
             return Ok(());
         }
-        let capacity = piece + 2 * ALIGN;
+        // Buffers no larger than the largest piece: a small file's reads allocate little.
+        let largest = pieces.iter().map(|(_, p)| (p.end - p.start) as usize).max();
+        let capacity = largest.unwrap_or(0) + 2 * ALIGN;
         let (to_readers, empties) = sync_channel::<Buffer>(READ_BUFFERS);
         for _ in 0..READ_BUFFERS {
             to_readers.send(Buffer::new(capacity)).expect("the receiver is here");
