@@ -10,12 +10,13 @@ use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 use serde_json::Value;
 
-use crate::direct::FileIn;
+use crate::direct::{FileIn, READ_BUFFER_BYTES};
 use crate::error::{HfError, io};
 use crate::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 
@@ -314,16 +315,16 @@ fn element_width(dtype: Dtype, path: &Path, name: &str) -> Result<usize, HfError
 }
 
 /// Whole tensors of `file` (at `path`), each `(name, entry, out)` into its `out` as f32 (which
-/// must hold as many elements), read in one pass over the file in the order they are stored,
-/// several pieces at once ([`FileIn::read_ranges_in_order`]): a file of many tensors, each
-/// smaller than a read's piece, keeps several reads in flight (one read per tensor waited for each).
+/// must hold as many elements), read in one pass over the file in the order they are stored
+/// ([`read_pieces`]): a file of many tensors, each smaller than a read's piece, keeps several
+/// reads in flight (one read per tensor waited for each).
 fn read_entries(
     file: &FileIn,
     path: &Path,
     mut entries: Vec<(&str, &TensorEntry, &mut [f32])>,
 ) -> Result<(), HfError> {
     let mut reads = Vec::with_capacity(entries.len());
-    for (index, (name, entry, out)) in entries.iter().enumerate() {
+    for (name, entry, out) in entries.iter_mut() {
         if out.len() != entry.numel() {
             return Err(HfError::DataLength {
                 tensor: name.to_string(),
@@ -332,27 +333,16 @@ fn read_entries(
                 found: out.len(),
             });
         }
-        reads.push((entry.bytes.clone(), element_width(entry.dtype, path, name)?, index));
+        let width = element_width(entry.dtype, path, name)?;
+        reads.push((entry.bytes.clone(), width, entry.dtype, std::mem::take(out)));
     }
     reads.sort_by_key(|(bytes, ..)| bytes.start);
-    let ranges: Vec<(Range<u64>, usize)> =
-        reads.iter().map(|(bytes, width, _)| (bytes.clone(), *width)).collect();
-    let mut filled = vec![0; reads.len()];
-    let read = file.read_ranges_in_order(&ranges, |which, bytes| {
-        let (_, width, index) = reads[which];
-        let (_, entry, out) = &mut entries[index];
-        let at = filled[which];
-        let out = &mut out[at..at + bytes.len() / width];
-        decode(entry.dtype, bytes, out);
-        filled[which] += out.len();
-        Ok(())
-    });
-    read.map_err(io(path))
+    read_pieces(file, path, reads)
 }
 
 /// Elements `elements` of the tensor `entry` of `file` (at `path`) as f32 into `out`, converted
-/// in pieces as they are read ([`FileIn::read_in_order`]), so that a large tensor's bytes are
-/// never all in memory beside it.
+/// in pieces as they are read ([`read_pieces`]), so that a large tensor's bytes are never all in
+/// memory beside it.
 fn read_elements(
     file: &FileIn,
     path: &Path,
@@ -363,14 +353,33 @@ fn read_elements(
 ) -> Result<(), HfError> {
     let width = element_width(entry.dtype, path, name)?;
     let start = entry.bytes.start + (elements.start * width) as u64;
-    let mut rest = out;
-    file.read_in_order(start..start + (rest.len() * width) as u64, width, |bytes| {
-        let (piece, after) = std::mem::take(&mut rest).split_at_mut(bytes.len() / width);
-        decode(entry.dtype, bytes, piece);
-        rest = after;
+    let bytes = start..start + (out.len() * width) as u64;
+    read_pieces(file, path, vec![(bytes, width, entry.dtype, out)])
+}
+
+/// Each `(bytes, width, dtype, out)`: the file's `bytes`, elements of `dtype` `width` bytes wide,
+/// as f32 into `out` (as many elements), each piece converted on the thread that read it
+/// ([`FileIn::read_ranges`]) into its own part of `out`.
+fn read_pieces(
+    file: &FileIn,
+    path: &Path,
+    reads: Vec<(Range<u64>, usize, Dtype, &mut [f32])>,
+) -> Result<(), HfError> {
+    let mut ranges = Vec::with_capacity(reads.len());
+    // Each range's outputs, a piece's elements each, lent to whichever thread reads that piece.
+    let mut pieces: Vec<(Dtype, Vec<Mutex<&mut [f32]>>)> = Vec::with_capacity(reads.len());
+    for (bytes, width, dtype, out) in reads {
+        ranges.push((bytes, width));
+        let per_piece = READ_BUFFER_BYTES / width;
+        pieces.push((dtype, out.chunks_mut(per_piece).map(Mutex::new).collect()));
+    }
+    let read = file.read_ranges(&ranges, |which, k, bytes| {
+        let (dtype, outs) = &pieces[which];
+        let mut out = outs[k].lock().expect("one piece is converted once");
+        decode(*dtype, bytes, &mut out);
         Ok(())
-    })
-    .map_err(io(path))
+    });
+    read.map_err(io(path))
 }
 
 /// Little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`.
