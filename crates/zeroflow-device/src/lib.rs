@@ -126,6 +126,12 @@ pub trait DeviceBuffer: fmt::Debug + Send + Sync {
     }
 }
 
+/// Elements of a download's staging buffer for `len` elements of `T`: at most
+/// [`DOWNLOAD_CHUNK_BYTES`], at least one.
+fn download_chunk<T: Element>(len: usize) -> usize {
+    (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, len.max(1))
+}
+
 /// A compute device with asynchronous streams. See the crate documentation for the rules.
 ///
 /// Every operation that takes a stream is asynchronous: it is queued on that stream and returns at
@@ -243,7 +249,7 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         src: &Self::Buffer<T>,
         range: Range<usize>,
     ) -> Result<Vec<T>> {
-        let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, range.len().max(1));
+        let chunk = download_chunk::<T>(range.len());
         let mut staging = Some(self.alloc_host::<T>(chunk, HostMemory::Pageable)?);
         self.download_range_via(src, range, &mut staging)
     }
@@ -260,10 +266,8 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
     ) -> Result<Vec<T>> {
         let host = match staging {
             Some(host) => host,
-            None => {
-                let chunk = (DOWNLOAD_CHUNK_BYTES / size_of::<T>()).clamp(1, src.len().max(1));
-                staging.insert(self.alloc_host::<T>(chunk, HostMemory::Pinned)?)
-            }
+            None => staging
+                .insert(self.alloc_host::<T>(download_chunk::<T>(src.len()), HostMemory::Pinned)?),
         };
         let chunk = host.len().max(1);
         self.synchronize()?;

@@ -144,23 +144,13 @@ impl HfCheckpoint {
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, HfError> {
         let entry = self.entry(name)?;
         let mut out = vec![0.0; entry.numel()];
-        self.read_entry(name, entry, &mut out)?;
+        self.read_tensors_into(vec![(name, &entry.shape, &mut out)])?;
         Ok(out)
     }
 
     /// Reads tensor `name`, which must have `shape`, into `out` (as many elements as the shape).
     pub fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), HfError> {
-        let entry = self.entry(name)?;
-        self.check_entry(name, entry, shape)?;
-        if out.len() != entry.numel() {
-            return Err(HfError::DataLength {
-                tensor: name.to_string(),
-                shape: shape.to_vec(),
-                expected: entry.numel(),
-                found: out.len(),
-            });
-        }
-        self.read_entry(name, entry, out)
+        self.read_tensors_into(vec![(name, shape, out)])
     }
 
     /// Reads every tensor of `wanted` (its name, the shape it must have, and where its elements
@@ -193,13 +183,6 @@ impl HfCheckpoint {
         self.tensors
             .get(name)
             .ok_or_else(|| HfError::NoSuchTensor { dir: self.dir.clone(), tensor: name.into() })
-    }
-
-    fn read_entry(&self, name: &str, entry: &TensorEntry, out: &mut [f32]) -> Result<(), HfError> {
-        let path = self.file_of(entry);
-        // Buffered: a model directory may well be in the page cache (just downloaded or read).
-        let file = FileIn::open(path, false).map_err(io(path))?;
-        read_elements(&file, path, name, entry, 0..entry.numel(), out)
     }
 }
 

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use zeroflow_core::DType;
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_engine::checkpoint::{self, CheckpointError, Meta, NamedTensor};
+use zeroflow_engine::checkpoint::{self, CheckpointError, NamedTensor};
 
 use crate::error::{Result, input, io};
 use crate::{Family, ModelSpec, with_family};
@@ -125,8 +125,8 @@ impl Checkpoint {
 /// shape, from before the family was recorded, is GPT-2's), whether a delayed update's weights
 /// were pending when it was saved, and the run's `--init-from`.
 pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
-    let opened = checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
-    let (meta, weights_dtype): (Meta, DType) = (opened.meta, opened.weights_dtype);
+    let checkpoint::Opened { meta, weights_dtype, .. } =
+        checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
     let model = meta.extra.get("model").cloned().ok_or_else(|| {
         input(format!(
             "{}: the checkpoint does not record its model's shape (state.json extra.model)",

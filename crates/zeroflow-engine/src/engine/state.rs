@@ -196,8 +196,8 @@ impl SavedParts<'_> {
 }
 
 /// This rank's optimizer state in saved parts ([`SavedParts`]), checked to cover every parameter
-/// element of the partition: what an update path restores from, a piece at a time
-/// ([`SavedState::read`]) into its own state, or whole ([`SavedState::to_vecs`]).
+/// element of the partition: what an update path restores from, an array (or a range of one)
+/// at a time ([`SavedState::read_array`]) into its own state, or whole ([`SavedState::to_vecs`]).
 #[derive(Debug)]
 pub(crate) struct SavedState<'a> {
     owned: Range<usize>,
@@ -245,22 +245,9 @@ impl<'a> SavedState<'a> {
         &self.moments
     }
 
-    /// Elements `range` of the partition (counted from its start) into `out`: master weights,
-    /// first and second moments, as f32; zero where no part holds them (padding).
-    pub(crate) fn read(
-        &self,
-        range: Range<usize>,
-        out: [&mut [f32]; 3],
-    ) -> Result<(), EngineError> {
-        for (array, out) in out.into_iter().enumerate() {
-            self.read_array(array, range.clone(), out)?;
-        }
-        Ok(())
-    }
-
     /// Elements `range` of the partition (counted from its start) of one array (numbered as
-    /// [`crate::checkpoint::PART_ARRAYS`]) into `out`, as [`SavedState::read`] reads it: a
-    /// file's part in one read of its range, which streams it from the disk.
+    /// [`crate::checkpoint::PART_ARRAYS`]: master weights, first and second moments) into `out`
+    /// as f32, zero where no part holds them (padding): a file's part in one read of its range.
     pub(crate) fn read_array(
         &self,
         array: usize,
@@ -284,7 +271,9 @@ impl<'a> SavedState<'a> {
         let len = self.len();
         let [mut master, mut exp_avg, mut exp_avg_sq] =
             [vec![0.0; len], vec![0.0; len], vec![0.0; len]];
-        self.read(0..len, [&mut master, &mut exp_avg, &mut exp_avg_sq])?;
+        for (array, out) in [&mut master, &mut exp_avg, &mut exp_avg_sq].into_iter().enumerate() {
+            self.read_array(array, 0..len, out)?;
+        }
         Ok([master, exp_avg, exp_avg_sq])
     }
 }

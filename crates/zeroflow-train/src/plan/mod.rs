@@ -154,9 +154,10 @@ impl MemoryPlan {
 
 /// What saving a checkpoint holds beside the engine: a piece of each tensor at a time
 /// ([`WRITE_CHUNK_BYTES`]: the piece fetched or lent, its bytes converted, and the device's
-/// staging buffer), the file's write buffers ([`WRITE_BUFFERS_BYTES`]), and with ZenFlow the device's state of the piece's selected columns (fp32,
-/// at most four bytes per element of the piece: two pieces' bytes where the piece is bf16, with
-/// its own staging buffer), downloaded for the piece to merge with the host's. The optimizer
+/// staging buffer), the file's write buffers ([`WRITE_BUFFERS_BYTES`]), and with ZenFlow the
+/// device's state of the piece's selected columns (fp32, at most four bytes per element of the
+/// piece: two pieces' bytes where the piece is bf16, with its own staging buffer), downloaded
+/// for the piece to merge with the host's. The optimizer
 /// state and the weights are lent or fetched in pieces, never copied whole.
 fn checkpoint_bytes(inputs: &PlanInputs) -> u64 {
     let staging = zeroflow_device::DOWNLOAD_CHUNK_BYTES as u64;
