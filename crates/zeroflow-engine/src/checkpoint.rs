@@ -370,6 +370,12 @@ pub enum Elements<'a, T: Clone> {
         #[allow(clippy::type_complexity, reason = "one fetch function")]
         fetch: Box<dyn Fn(Range<usize>) -> Result<Vec<T>, String> + 'a>,
     },
+    /// Lent elements followed by others (a host optimizer's part of a partition, then the
+    /// device share's, downloaded a range at a time).
+    Joined {
+        head: &'a [T],
+        tail: Box<Elements<'a, T>>,
+    },
 }
 
 impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
@@ -377,6 +383,9 @@ impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
         match self {
             Elements::Lent(values) => write!(f, "Lent({} elements)", values.len()),
             Elements::Fetched { len, .. } => write!(f, "Fetched({len} elements)"),
+            Elements::Joined { head, tail } => {
+                write!(f, "Joined({} elements, {tail:?})", head.len())
+            }
         }
     }
 }
@@ -416,6 +425,7 @@ impl<'a, T: Clone> Elements<'a, T> {
         match self {
             Elements::Lent(values) => values.len(),
             Elements::Fetched { len, .. } => *len,
+            Elements::Joined { head, tail } => head.len() + tail.len(),
         }
     }
 
@@ -438,6 +448,19 @@ impl<'a, T: Clone> Elements<'a, T> {
                 if values.len() != range.len() {
                     return Err(format!("{} elements fetched for {range:?}", values.len()));
                 }
+                Ok(Cow::Owned(values))
+            }
+            Elements::Joined { head, tail } => {
+                let split = head.len();
+                if range.end <= split {
+                    return Ok(Cow::Borrowed(&head[range]));
+                }
+                let end = range.end - split;
+                if range.start >= split {
+                    return tail.get(range.start - split..end);
+                }
+                let mut values = head[range.start..].to_vec();
+                values.extend_from_slice(&tail.get(0..end)?);
                 Ok(Cow::Owned(values))
             }
         }
@@ -697,11 +720,16 @@ impl<'a> Out<'a> {
                         lent.get(range.clone()).ok_or_else(|| format!("elements {range:?}"))?;
                     PieceBytes::Bytes(le_bytes(lent))
                 }
+                Elements::Joined { head, .. } if range.end <= head.len() => {
+                    PieceBytes::Bytes(le_bytes(&head[range]))
+                }
                 // Fetched: written from where they were fetched into.
-                Elements::Fetched { .. } if cfg!(target_endian = "little") => {
+                Elements::Fetched { .. } | Elements::Joined { .. }
+                    if cfg!(target_endian = "little") =>
+                {
                     PieceBytes::Elements(Box::new(ElementBytes(values.get(range)?.into_owned())))
                 }
-                Elements::Fetched { .. } => {
+                Elements::Fetched { .. } | Elements::Joined { .. } => {
                     PieceBytes::Bytes(Cow::Owned(to_bytes(&values.get(range)?)))
                 }
             })
@@ -1353,6 +1381,30 @@ mod tests {
         assert!(left.is_empty(), "left behind: {left:?}");
     }
 
+    /// Joined elements read as one array: a range within the lent head borrowed from it, one
+    /// within the tail fetched from it, one across both made of both; past the end an error.
+    #[test]
+    fn joined_elements_read_as_one_array() {
+        let all: Vec<u32> = (100..125).collect();
+        let tail = all[10..].to_vec();
+        let joined = Elements::Joined {
+            head: &all[..10],
+            tail: Box::new(Elements::fetched(15, move |r| Ok(tail[r].to_vec()))),
+        };
+        assert_eq!(joined.len(), 25);
+        for start in 0..=25 {
+            for end in start..=25 {
+                let got = joined.get(start..end).unwrap();
+                assert_eq!(&*got, &all[start..end], "{start}..{end}");
+                let borrowed = matches!(got, std::borrow::Cow::Borrowed(_));
+                assert_eq!(borrowed, end <= 10, "{start}..{end}: borrowed {borrowed}");
+            }
+        }
+        for range in [20..26, 0..26, 26..27] {
+            assert!(joined.get(range.clone()).is_err(), "{range:?}");
+        }
+    }
+
     /// A part written from moments lent as bf16 is the file written from the same moments
     /// widened to f32 (an [`OptimizerPart`] of a bf16 run), byte for byte, and fp32 moments lent
     /// are the part's own; a part written again is the same bytes; the file reads back as the
@@ -1385,9 +1437,13 @@ mod tests {
                     exp_avg_sq: MomentView::Bf16(Elements::lent(&v)),
                     zenflow: None,
                 },
+                // Lent, then fetched after them (a host optimizer's part, a device share's).
                 OptimizerStateDtype::Fp32 => PartView {
                     flat: part.flat.clone(),
-                    master: Elements::lent(&master),
+                    master: Elements::Joined {
+                        head: &master[..n / 3],
+                        tail: Box::new(fetched(&master[n / 3..])),
+                    },
                     exp_avg: MomentView::F32(fetched(&part.exp_avg)),
                     exp_avg_sq: MomentView::F32(Elements::lent(&part.exp_avg_sq)),
                     zenflow: None,

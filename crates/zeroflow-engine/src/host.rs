@@ -118,11 +118,20 @@ impl HostOptimizer {
     /// through two pieces' buffers (rounded to nearest), so that a resume never holds a second
     /// copy of the state.
     pub(crate) fn restore(&mut self, saved: &SavedState<'_>) -> Result<(), EngineError> {
-        let len = self.master.len();
-        if saved.len() != len {
+        if saved.len() != self.master.len() {
             return Err(EngineError::Internal(
                 "a restored state's length differs from the partition's",
             ));
+        }
+        self.restore_head(saved)
+    }
+
+    /// [`HostOptimizer::restore`] of the saved partition's first elements, as many as this
+    /// state holds (the rest are a device share's: `DeviceShare::restore`).
+    pub(crate) fn restore_head(&mut self, saved: &SavedState<'_>) -> Result<(), EngineError> {
+        let len = self.master.len();
+        if saved.len() < len {
+            return Err(EngineError::Internal("a restored state is shorter than the host's"));
         }
         let started = std::time::Instant::now();
         let said = |array: &str| {

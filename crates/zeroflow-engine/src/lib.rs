@@ -31,6 +31,7 @@ pub mod synthetic;
 mod zenflow;
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
+pub use engine::SHARE_UPLOAD_BYTES;
 pub use engine::state::RESTORE_PIECE;
 pub use engine::{
     CheckpointState, Engine, ModelIo, Opener, OptimizerPart, Restore, SavedParts, Snapshot,

@@ -198,7 +198,9 @@ impl EngineOptions {
         };
         // Every offload path's host optimizer: fp32 master weights and the moments in their dtype
         // (`zeroflow.optimizer_state_dtype`: 12 bytes per element with fp32 moments, 8 with bf16).
-        lines.push(line(Host, K::MasterAndMoments, n, offload.moments.state_bytes_per_param()));
+        let state_bytes = offload.moments.state_bytes_per_param();
+        let host_state = lines.len();
+        lines.push(line(Host, K::MasterAndMoments, n, state_bytes));
         let chunk = offload.stream.chunk;
         let delayed = match offload.update {
             OffloadUpdate::Exact => false,
@@ -246,6 +248,8 @@ impl EngineOptions {
         let fp32 = offload.moments == OptimizerStateDtype::Fp32;
         if share > 0 && fp32 && self.shares(dtype, on_device, n == layout.padded_len()) {
             lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
+            // Its state lives on the device only.
+            lines[host_state] = line(Host, K::MasterAndMoments, n - share, state_bytes);
         }
         if streaming {
             let staging = staging_len(n, chunk);
@@ -428,7 +432,7 @@ mod tests {
     }
 
     /// A device share adds its state and f32 gradients (16 bytes per element, whole packs of
-    /// eight) to the device and leaves the host's full copy of the state as it is: with one
+    /// eight) to the device and takes its state (12 bytes per element) from the host: with one
     /// micro-step per step, and with a window of four summed on the device.
     #[test]
     fn a_device_share_holds_sixteen_bytes_per_element_on_the_device() {
@@ -452,7 +456,7 @@ mod tests {
             let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
             assert_eq!(device(&lines), device(&plain) + 16 * share, "accumulation {accum}");
             let host = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Host, None);
-            assert_eq!(host(&lines), host(&plain), "accumulation {accum}");
+            assert_eq!(host(&lines), host(&plain) - 12 * share, "accumulation {accum}");
         }
     }
 

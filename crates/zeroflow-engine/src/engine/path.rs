@@ -54,7 +54,7 @@ use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
-use crate::memory::sums_on_device;
+use crate::memory::{device_share_len, sums_on_device};
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
@@ -83,7 +83,8 @@ const SHARE_REFUSED: EngineError = EngineError::Config(
 
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     /// The path the options ask for, with its buffers, for the partition `owned` of the
-    /// `initial` weights (dropped once they are in the master weights).
+    /// `initial` weights (dropped once they are in the master weights, on the host and in a
+    /// device share).
     pub fn new(
         device: &D,
         layout: &FlatLayout,
@@ -115,10 +116,11 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let adam = CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
             .with_copy_stores(stores)
             .with_rounding_offset(owned.start);
-        let own = owned.clone();
+        let weights = &initial[owned.clone()];
+        // The partition's first elements: all of them, or those before a device share.
         let fill_master = move |master: &mut [f32]| {
             let chunk = 1 << 16;
-            master.par_chunks_mut(chunk).zip(initial[own].par_chunks(chunk)).for_each(
+            master.par_chunks_mut(chunk).zip(weights.par_chunks(chunk)).for_each(
                 |(master, initial)| {
                     master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
                 },
@@ -191,24 +193,20 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             && delayed.is_none()
             && speculation.is_none()
             && len == layout.padded_len();
-        if summed {
+        if summed || streaming {
+            // The device share, the partition's last elements, keeps its state on the device
+            // only: the host optimizer holds the elements before it.
+            let from = len - device_share_len(len, share);
+            let share = DeviceShare::new(device, from, &weights[from..], moments)?;
+            if summed {
+                let buffers =
+                    StreamBuffers::new(device, from, fill_master, chunk, memory, adam, moments)?;
+                let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?
+                    .with_share(share);
+                return Ok(UpdatePath::Summed(path));
+            }
             let buffers =
-                StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let share = match share > 0.0 {
-                true => DeviceShare::new(device, &buffers.state, share)?,
-                false => None,
-            };
-            let path =
-                Summed::new(device, buffers, len, pieces, speculation, overlap)?.with_share(share);
-            return Ok(UpdatePath::Summed(path));
-        }
-        if streaming {
-            let buffers =
-                StreamBuffers::new(device, len, fill_master, chunk, memory, adam, moments)?;
-            let share = match share > 0.0 {
-                true => DeviceShare::new(device, &buffers.state, share)?,
-                false => None,
-            };
+                StreamBuffers::new(device, from, fill_master, chunk, memory, adam, moments)?;
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?
                 .with_share(share);
             return Ok(UpdatePath::Stream(stream));

@@ -1,30 +1,44 @@
 //! The optimizer's device share (`StreamOptions::device_share`): the last elements of the
-//! partition keep their fp32 master weights and moments in device memory as well, and the
-//! device's AdamW steps them on the compute stream while the CPU streams the rest. The host
-//! memory the exact step moves per step — the bound of that step (DESIGN.md §5) — shrinks by the
-//! share.
+//! partition keep their fp32 master weights and moments in device memory only, and the device's
+//! AdamW steps them on the compute stream while the CPU streams the rest. The host memory the
+//! exact step moves per step — the bound of that step (DESIGN.md §5) — shrinks by the share, and
+//! so does the host memory the optimizer holds: the host optimizer's state is the partition's
+//! first elements, up to [`DeviceShare::from`].
 //!
-//! The host's copy of the share's state falls behind at the first step and is brought up to date
-//! ([`DeviceShare::sync`]) before anything reads the host state (a snapshot, a checkpoint's view,
-//! the master weights); a restore writes the host state and uploads the share's part
-//! ([`DeviceShare::restore`]).
+//! Whatever reads the whole partition's state reads the share's from the device: a snapshot and
+//! the master weights download it, a checkpoint's view joins the host's part (lent) to the
+//! share's (downloaded a piece at a time as it is written, [`DeviceShare::view`]); a restore
+//! reads the share's part of the saved state a piece at a time and uploads it
+//! ([`DeviceShare::restore`]). The share starts from the partition's initial weights, uploaded
+//! the same way, and zero moments.
 //!
 //! Events: the compute stream waits for `norm_done` (the comm stream is past the reductions and
 //! the norm) before it casts the share's gradients; the weights it writes are read by the next
-//! forward and backward on the same stream. `stepped` (compute → d2h) orders a sync's copies after
-//! the last step; where the gradients are the window's sum on the device, also (compute → comm)
-//! the sum's clear after the share's reading of it ([`DeviceShare::order_after_step`]); with
-//! several ranks (each sharing its own partition), the gather of the share's weights to the
-//! others, in the last pieces or with the whole partition.
+//! forward and backward on the same stream. `stepped` (compute → h2d) orders a restore's uploads
+//! after the last step (a download waits for every stream); where the gradients are the window's
+//! sum on the device, also (compute → comm) the sum's clear after the share's reading of it
+//! ([`DeviceShare::order_after_step`]); with several ranks (each sharing its own partition), the
+//! gather of the share's weights to the others, in the last pieces or with the whole partition.
+
+use std::ops::Range;
 
 use zeroflow_core::Float;
-use zeroflow_device::{Device, DeviceBuffer, StreamKind};
+use zeroflow_core::adamw::OptimizerStateDtype;
+use zeroflow_device::{Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
 use zeroflow_optim::AdamWStep;
 
+use super::state::SavedState;
 use crate::EngineError;
+use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::{DeviceAdamState, DeviceAdamW};
 use crate::host::{HostMoments, HostOptimizer};
-use crate::memory::device_share_len;
+
+/// The elements a share's set-up and restore upload at a time, through two buffers of them
+/// (64 MiB each, page-locked where the budget has room): one filled while the other is copied.
+const UPLOAD_PIECE: usize = 1 << 24;
+
+/// The host memory a share's set-up or restore holds beside the engine's: its two upload buffers.
+pub const SHARE_UPLOAD_BYTES: usize = 2 * UPLOAD_PIECE * size_of::<f32>();
 
 /// The share's state on the device, and where it starts in the partition.
 pub(super) struct DeviceShare<D: Device> {
@@ -33,36 +47,32 @@ pub(super) struct DeviceShare<D: Device> {
     state: DeviceAdamState<D>,
     /// The share's gradients as f32, for the AdamW.
     grads: D::Buffer<f32>,
-    /// Compute → d2h, h2d: the share's last step is done (once one was recorded).
+    /// Compute → h2d: the share's last step is done (once one was recorded).
     stepped: D::Event,
     recorded: bool,
-    /// The device's state is newer than the host's copy of it.
-    ahead: bool,
 }
 
 impl<D: DeviceAdamW> DeviceShare<D> {
-    /// The share of `fraction` of the partition held by `host` (rounded down to whole packs of
-    /// eight: [`device_share_len`]), its state copied from there; `None` where that is no
-    /// element.
-    pub fn new(
+    /// The share of the partition's elements `from..` whose initial weights are `initial`
+    /// (uploaded as f32 master weights; the moments zero); `None` where `initial` is empty. The
+    /// share keeps fp32 moments: `moments` must say so.
+    pub fn new<P: Float>(
         device: &D,
-        host: &HostOptimizer,
-        fraction: f64,
+        from: usize,
+        initial: &[P],
+        moments: OptimizerStateDtype,
     ) -> Result<Option<Self>, EngineError> {
-        let len = host.master.len();
-        let share = device_share_len(len, fraction);
+        let share = initial.len();
         if share == 0 {
             return Ok(None);
         }
-        let HostMoments::F32 { .. } = &host.moments else {
+        if moments != OptimizerStateDtype::Fp32 {
             return Err(EngineError::Config(
                 "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
                  zeroflow.offload.device_share) needs fp32 moments \
                  (zeroflow.optimizer_state_dtype): set it to 0 for this run",
             ));
-        };
-        let from = len - share;
-        // Filled from the host state by `restore`, with no host copy of it on the way.
+        }
         let state = DeviceAdamState {
             master: device.alloc::<f32>(share)?,
             exp_avg: device.alloc::<f32>(share)?,
@@ -70,13 +80,21 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         };
         let grads = device.alloc::<f32>(share)?;
         let stepped = device.new_event()?;
-        let (recorded, ahead) = (false, false);
-        let mut share = DeviceShare { from, state, grads, stepped, recorded, ahead };
-        share.restore(device, host)?;
+        let share = DeviceShare { from, state, grads, stepped, recorded: false };
+        share.upload(device, &share.state.master, |range, piece| {
+            piece.iter_mut().zip(&initial[range]).for_each(|(m, p)| *m = p.to_f32());
+            Ok(())
+        })?;
+        let compute = device.stream(StreamKind::Compute);
+        for moment in [&share.state.exp_avg, &share.state.exp_avg_sq] {
+            device.fill(compute, moment, 0..moment.len(), 0.0)?;
+        }
+        device.synchronize()?;
         Ok(Some(share))
     }
 
-    /// Where the share starts in the partition: the CPU steps the elements before it.
+    /// Where the share starts in the partition: the CPU steps the elements before it (and the
+    /// host optimizer holds only theirs).
     pub fn from(&self) -> usize {
         self.from
     }
@@ -107,7 +125,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
             params_at + self.from,
         )?;
         device.record(&mut self.stepped, compute)?;
-        (self.recorded, self.ahead) = (true, true);
+        self.recorded = true;
         Ok(())
     }
 
@@ -120,51 +138,176 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         Ok(())
     }
 
-    /// Brings the host's copy of the share's state up to date (after its last step).
-    pub fn sync(&mut self, device: &D, host: &mut HostOptimizer) -> Result<(), EngineError> {
-        if !self.ahead {
-            return Ok(());
+    /// The whole partition's state, `[master, exp_avg, exp_avg_sq]` as f32: `host`'s part
+    /// (`host_part`, its `to_f32`) with the share's downloaded after it (after its last step).
+    pub fn append(
+        &self,
+        device: &D,
+        mut host_part: [Vec<f32>; 3],
+    ) -> Result<[Vec<f32>; 3], EngineError> {
+        for (out, buffer) in host_part.iter_mut().zip(self.buffers()) {
+            out.extend_from_slice(&device.download(buffer)?);
         }
-        let d2h = device.stream(StreamKind::D2h);
-        device.wait_event(d2h, &self.stepped)?;
-        let HostMoments::F32 { exp_avg, exp_avg_sq } = &mut host.moments else {
-            return Err(EngineError::Internal("a device share is built over fp32 moments"));
-        };
-        let share = self.grads.len();
-        let targets = [&mut host.master, exp_avg, exp_avg_sq];
-        for (source, target) in self.buffers().into_iter().zip(targets) {
-            device.copy_d2h(d2h, source, 0..share, target, self.from)?.wait()?;
-        }
-        self.ahead = false;
-        Ok(())
+        Ok(host_part)
     }
 
-    /// Takes the share's part of the host state (just restored) into the device's.
-    pub fn restore(&mut self, device: &D, host: &HostOptimizer) -> Result<(), EngineError> {
+    /// The whole partition's master weights: `host`'s with the share's downloaded after them.
+    pub fn master(&self, device: &D, host: &HostOptimizer) -> Result<Vec<f32>, EngineError> {
+        let mut master = host.master.to_vec();
+        master.extend_from_slice(&device.download(&self.state.master)?);
+        Ok(master)
+    }
+
+    /// The partition `flat`'s state as a checkpoint writes it: `host`'s part lent, the share's
+    /// joined after it, downloaded a piece at a time as it is written (after its last step).
+    pub fn view<'a>(
+        &'a self,
+        device: &'a D,
+        host: &'a HostOptimizer,
+        flat: Range<usize>,
+    ) -> Result<PartView<'a>, EngineError> {
         let HostMoments::F32 { exp_avg, exp_avg_sq } = &host.moments else {
             return Err(EngineError::Internal("a device share is built over fp32 moments"));
         };
-        let h2d = device.stream(StreamKind::H2d);
+        let share = self.grads.len();
+        let joined = |head: &'a [f32], tail: &'a D::Buffer<f32>| Elements::Joined {
+            head,
+            tail: Box::new(Elements::downloaded(device, tail, share)),
+        };
+        let [master, m, v] = self.buffers();
+        Ok(PartView {
+            flat,
+            master: joined(&host.master, master),
+            exp_avg: MomentView::F32(joined(exp_avg, m)),
+            exp_avg_sq: MomentView::F32(joined(exp_avg_sq, v)),
+            zenflow: None,
+        })
+    }
+
+    /// Takes the share's part of the partition's saved state (`from..`) into the device's, a
+    /// piece at a time (the host's part is the host optimizer's to restore).
+    pub fn restore(&mut self, device: &D, saved: &SavedState<'_>) -> Result<(), EngineError> {
+        let share = self.grads.len();
+        if saved.len() != self.from + share {
+            return Err(EngineError::Internal(
+                "a restored state's length differs from the partition's",
+            ));
+        }
         if self.recorded {
             // After the last step's AdamW read and wrote the state.
-            device.wait_event(h2d, &self.stepped)?;
+            device.wait_event(device.stream(StreamKind::H2d), &self.stepped)?;
         }
-        let (share, started) = (self.grads.len(), std::time::Instant::now());
-        let sources = [&host.master, exp_avg, exp_avg_sq];
-        for (target, source) in self.buffers().into_iter().zip(sources) {
-            let from = self.from..self.from + share;
-            device.copy_h2d(h2d, source, from, target, 0)?.wait()?;
+        let started = std::time::Instant::now();
+        for (array, target) in self.buffers().into_iter().enumerate() {
+            let from = self.from;
+            self.upload(device, target, |range, piece| {
+                saved.read_array(array, from + range.start..from + range.end, piece)
+            })?;
         }
         let seconds = started.elapsed().as_secs_f64();
         tracing::debug!(
-            "restore: the device share's state ({share} elements) uploaded in {seconds:.2} s"
+            "restore: the device share's state ({share} elements) read and uploaded in {seconds:.2} s"
         );
-        self.ahead = false;
+        Ok(())
+    }
+
+    /// Fills `target` (one of the share's arrays) a piece at a time: `fill` writes elements
+    /// `range` of it into a piece, which is then uploaded on the h2d stream while `fill` writes
+    /// the next into the other piece (a piece's next write waits for its last copy).
+    fn upload(
+        &self,
+        device: &D,
+        target: &D::Buffer<f32>,
+        mut fill: impl FnMut(Range<usize>, &mut [f32]) -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        let len = target.len();
+        let piece = UPLOAD_PIECE.min(len);
+        let mut pieces: [HostBuffer<f32>; 2] = [
+            device.alloc_host(piece, HostMemory::Pinned)?,
+            device.alloc_host(piece, HostMemory::Pinned)?,
+        ];
+        let h2d = device.stream(StreamKind::H2d);
+        for (index, start) in (0..len).step_by(UPLOAD_PIECE).enumerate() {
+            let end = (start + UPLOAD_PIECE).min(len);
+            let piece = &mut pieces[index % 2];
+            fill(start..end, &mut piece[..end - start])?;
+            device.copy_h2d(h2d, piece, 0..end - start, target, start)?.detach();
+        }
+        device.synchronize()?;
         Ok(())
     }
 
     /// The master weights and both moments on the device.
     fn buffers(&self) -> [&D::Buffer<f32>; 3] {
         [&self.state.master, &self.state.exp_avg, &self.state.exp_avg_sq]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
+    use zeroflow_device::CpuDevice;
+    use zeroflow_optim::AdamWConfig;
+
+    use super::super::path::UpdatePath;
+    use super::super::stream::StreamCpu;
+    use super::*;
+    use crate::{AccumulateOn, EngineOptions, LossScaler, Offload, Placement, Stage};
+
+    /// With a device share the host optimizer holds the partition's elements before the share
+    /// and no more, and the whole state reads back as the initial weights and zero moments (the
+    /// share's part from the device): one micro-step per step (streamed) and two summed on the
+    /// device, several shares, bf16 and f32 weights.
+    #[test]
+    fn the_host_holds_only_the_elements_before_the_share() {
+        check::<f32>();
+        check::<zeroflow_core::bf16>();
+    }
+
+    fn check<P: Float>() {
+        let specs = [ParamSpec::new("w", [37, 29]), ParamSpec::new("b", [29])];
+        let layout = FlatLayout::new(&specs, 1, Alignment::default()).unwrap();
+        let n = layout.padded_len();
+        let initial: Vec<P> = (0..n).map(|i| P::from_f32((i % 97) as f32 * 0.25 - 6.0)).collect();
+        let device = CpuDevice::new().unwrap();
+        for (grad_accum, share) in [(1, 0.3), (1, 0.9), (2, 0.5), (1, 0.0)] {
+            let mut offload = Offload::exact(HostMemory::Pageable, 1);
+            offload.stream.device_share = share;
+            offload.stream.chunk = 64;
+            offload.stream.accumulate_on = AccumulateOn::Device;
+            let opts = EngineOptions {
+                stage: Stage::Zero2,
+                grad_accum,
+                clip: Some(1.0),
+                reduce_bucket: 1000,
+                adamw: AdamWConfig::default(),
+                scaler: LossScaler::None,
+                placement: Placement::Offload(offload),
+            };
+            let from = n - crate::memory::device_share_len(n, share);
+            let what =
+                format!("accumulation {grad_accum}, share {share} ({} of {n} on the host)", from);
+            let path =
+                UpdatePath::<CpuDevice, P>::new(&device, &layout, &(0..n), &opts, initial.clone())
+                    .unwrap();
+            let (host_len, state) = match path {
+                UpdatePath::Stream(mut stream) => {
+                    let host_len = match &stream.cpu {
+                        StreamCpu::Inline(buffers) => buffers.state.master.len(),
+                        StreamCpu::Delayed(_) => panic!("{what}: the delayed update"),
+                    };
+                    (host_len, stream.state(&device).unwrap())
+                }
+                UpdatePath::Summed(mut summed) => {
+                    (summed.buffers.state.master.len(), summed.state(&device).unwrap())
+                }
+                _ => panic!("{what}: neither the streamed nor the summed path"),
+            };
+            assert_eq!(host_len, from, "{what}");
+            let want: Vec<f32> = initial.iter().map(|p| p.to_f32()).collect();
+            assert_eq!(state.master, want, "{what}: master weights");
+            assert_eq!(state.exp_avg, vec![0.0; n], "{what}: first moments");
+            assert_eq!(state.exp_avg_sq, vec![0.0; n], "{what}: second moments");
+        }
     }
 }

@@ -65,6 +65,21 @@ pub(super) enum StreamCpu<D: Device, P: Float> {
     Delayed(Box<DelayedStream<D, P>>),
 }
 
+impl<D: Device, P: Float> StreamCpu<D, P> {
+    /// The CPU optimizer's buffers (a running step is waited for; its weights stay pending),
+    /// and whether its weights are pending.
+    fn buffers(&mut self) -> Result<(&mut StreamBuffers<P>, bool), EngineError> {
+        match self {
+            StreamCpu::Inline(buffers) => Ok((buffers, false)),
+            StreamCpu::Delayed(delayed) => {
+                let (buffers, joined) = delayed.worker.join()?;
+                delayed.upload_pending |= joined;
+                Ok((buffers, delayed.upload_pending))
+            }
+        }
+    }
+}
+
 /// The delayed streaming step's worker and the device buffers it works between: this rank's
 /// partition of a step's gradients, set aside while the next backward writes the gradient
 /// buffer, and of the updated weights, while the next forward reads the weights (shared with the
@@ -234,59 +249,47 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         }
     }
 
-    /// The CPU optimizer's buffers (a running step is waited for; its weights stay pending),
-    /// and whether its weights are pending.
-    fn buffers(&mut self) -> Result<(&mut StreamBuffers<P>, bool), EngineError> {
-        match &mut self.cpu {
-            StreamCpu::Inline(buffers) => Ok((buffers, false)),
-            StreamCpu::Delayed(delayed) => {
-                let (buffers, joined) = delayed.worker.join()?;
-                delayed.upload_pending |= joined;
-                Ok((buffers, delayed.upload_pending))
-            }
-        }
-    }
-
-    /// Brings the host's copy of the device share's state up to date.
-    fn sync_share(&mut self, device: &D) -> Result<(), EngineError> {
-        match (&mut self.share, &mut self.cpu) {
-            (Some(share), StreamCpu::Inline(buffers)) => share.sync(device, &mut buffers.state),
-            _ => Ok(()),
-        }
-    }
-
-    /// The master weights.
+    /// The master weights (the device share's downloaded after the host's).
     pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
         self.abandon_speculation();
-        self.sync_share(device)?;
-        Ok(self.buffers()?.0.state.master.to_vec())
+        let (buffers, _) = self.cpu.buffers()?;
+        match &self.share {
+            Some(share) => share.master(device, &buffers.state),
+            None => Ok(buffers.state.master.to_vec()),
+        }
     }
 
-    /// The optimizer state.
+    /// The optimizer state (the device share's downloaded after the host's).
     pub fn state(&mut self, device: &D) -> Result<PathState, EngineError> {
         self.abandon_speculation();
-        self.sync_share(device)?;
-        let (buffers, upload_pending) = self.buffers()?;
-        let [master, exp_avg, exp_avg_sq] = buffers.state.to_f32();
+        let (buffers, upload_pending) = self.cpu.buffers()?;
+        let mut state = buffers.state.to_f32();
+        if let Some(share) = &self.share {
+            state = share.append(device, state)?;
+        }
+        let [master, exp_avg, exp_avg_sq] = state;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
     }
 
     /// [`Stream::state`] of the partition `flat`, borrowed, and whether its weights are
     /// pending.
-    pub fn view(
-        &mut self,
-        device: &D,
+    pub fn view<'a>(
+        &'a mut self,
+        device: &'a D,
         flat: Range<usize>,
-    ) -> Result<(PartView<'_>, bool), EngineError> {
+    ) -> Result<(PartView<'a>, bool), EngineError> {
         self.abandon_speculation();
-        self.sync_share(device)?;
-        let (_, upload_pending) = self.buffers()?;
+        let (_, upload_pending) = self.cpu.buffers()?;
         let buffers = match &self.cpu {
             StreamCpu::Inline(buffers) => Some(&**buffers),
             StreamCpu::Delayed(delayed) => delayed.worker.ready(),
         };
         let buffers = buffers.ok_or(EngineError::Internal("a joined step is not ready"))?;
-        Ok((buffers.state.view(flat), upload_pending))
+        let view = match &self.share {
+            Some(share) => share.view(device, &buffers.state, flat)?,
+            None => buffers.state.view(flat),
+        };
+        Ok((view, upload_pending))
     }
 
     /// True if a checkpoint whose newest weights are still on the host cannot resume here: the
@@ -303,10 +306,14 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         upload_pending: bool,
     ) -> Result<(), EngineError> {
         self.abandon_speculation();
-        let (buffers, _) = self.buffers()?;
-        buffers.state.restore(state)?;
-        if let (Some(share), StreamCpu::Inline(buffers)) = (&mut self.share, &self.cpu) {
-            share.restore(device, &buffers.state)?;
+        let (buffers, _) = self.cpu.buffers()?;
+        match &mut self.share {
+            // The host holds the partition's first elements, the device share the rest.
+            Some(share) => {
+                buffers.state.restore_head(state)?;
+                share.restore(device, state)?;
+            }
+            None => buffers.state.restore(state)?,
         }
         if let StreamCpu::Delayed(delayed) = &mut self.cpu {
             delayed.upload_pending = upload_pending;

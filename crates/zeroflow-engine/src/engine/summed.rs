@@ -217,42 +217,50 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         }
     }
 
-    /// Makes the host state whole before a read of it: the pieces stepped speculatively and
-    /// not validated restored, the device share's state brought up to date.
-    fn settle(&mut self, device: &D) -> Result<(), EngineError> {
+    /// The master weights (the device share's downloaded after the host's).
+    pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
         self.abandon_speculation();
-        match &mut self.share {
-            Some(share) => share.sync(device, &mut self.buffers.state),
-            None => Ok(()),
+        match &self.share {
+            Some(share) => share.master(device, &self.buffers.state),
+            None => Ok(self.buffers.state.master.to_vec()),
         }
     }
 
-    /// The master weights.
-    pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
-        self.settle(device)?;
-        Ok(self.buffers.state.master.to_vec())
-    }
-
-    /// The optimizer state (nothing is pending: the step is inline).
+    /// The optimizer state (nothing is pending: the step is inline; the device share's
+    /// downloaded after the host's).
     pub fn state(&mut self, device: &D) -> Result<PathState, EngineError> {
-        self.settle(device)?;
-        let [master, exp_avg, exp_avg_sq] = self.buffers.state.to_f32();
+        self.abandon_speculation();
+        let mut state = self.buffers.state.to_f32();
+        if let Some(share) = &self.share {
+            state = share.append(device, state)?;
+        }
+        let [master, exp_avg, exp_avg_sq] = state;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: false })
     }
 
-    /// [`Summed::state`] of the partition `flat`, borrowed.
-    pub fn view(&mut self, device: &D, flat: Range<usize>) -> Result<PartView<'_>, EngineError> {
-        self.settle(device)?;
-        Ok(self.buffers.state.view(flat))
+    /// [`Summed::state`] of the partition `flat`: the host's part borrowed, the device share's
+    /// downloaded a piece at a time.
+    pub fn view<'a>(
+        &'a mut self,
+        device: &'a D,
+        flat: Range<usize>,
+    ) -> Result<PartView<'a>, EngineError> {
+        self.abandon_speculation();
+        match &self.share {
+            Some(share) => share.view(device, &self.buffers.state, flat),
+            None => Ok(self.buffers.state.view(flat)),
+        }
     }
 
-    /// Takes a checkpoint's state (into the device share's too).
+    /// Takes a checkpoint's state: the host's part, and the device share's.
     pub fn restore(&mut self, device: &D, state: &SavedState<'_>) -> Result<(), EngineError> {
         self.abandon_speculation();
-        self.buffers.state.restore(state)?;
         match &mut self.share {
-            Some(share) => share.restore(device, &self.buffers.state),
-            None => Ok(()),
+            Some(share) => {
+                self.buffers.state.restore_head(state)?;
+                share.restore(device, state)
+            }
+            None => self.buffers.state.restore(state),
         }
     }
 }

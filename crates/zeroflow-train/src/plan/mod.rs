@@ -239,13 +239,17 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     if let Caller::Train { resumed: true } = inputs.caller {
         // The checkpoint's fp32 master and moments, read from its files through the reader's
         // buffers: an array at a time into an offloaded optimizer's own state (bf16 moments
-        // through two f32 pieces), whole where the optimizer is on the device (uploaded from
-        // there). Its weights are the initial ones the engine is built with.
+        // through two f32 pieces; a device share's part through its two upload buffers), whole
+        // where the optimizer is on the device (uploaded from there). Its weights are the
+        // initial ones the engine is built with.
         let piece = zeroflow_engine::RESTORE_PIECE.min(partition as usize) as u64;
         let reading = READ_BUFFERS_BYTES as u64;
-        let state = match inputs.options.offload().map(|o| o.moments) {
-            Some(OptimizerStateDtype::Bf16) => 2 * 4 * piece + reading,
-            Some(OptimizerStateDtype::Fp32) => reading,
+        let state = match inputs.options.offload().map(|o| (o.moments, o.stream.device_share)) {
+            Some((OptimizerStateDtype::Bf16, _)) => 2 * 4 * piece + reading,
+            Some((OptimizerStateDtype::Fp32, share)) if share > 0.0 => {
+                reading + zeroflow_engine::SHARE_UPLOAD_BYTES as u64
+            }
+            Some((OptimizerStateDtype::Fp32, _)) => reading,
             None => partition * 12 + reading,
         };
         lines.push(PlanLine {
