@@ -66,7 +66,7 @@ if has share; then
         shared $share gpt-1.3b-offload-share-$share 150 --model gpt-1.3b --mode offload --micro-batch 8 \
             --seq 1024 --steps 4 --warmup 2
         shared $share llama-8b-offload-ckpt-share-$share 300 --model llama-8b --mode offload --micro-batch 4 \
-            --seq 2048 --steps 3 --warmup 1 --activation-checkpointing
+            --seq 2048 --steps 5 --warmup 3 --activation-checkpointing
     done
 fi
 echo "== done at ${SECONDS}s"

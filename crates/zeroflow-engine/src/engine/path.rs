@@ -116,15 +116,19 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let adam = CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
             .with_copy_stores(stores)
             .with_rounding_offset(owned.start);
-        let weights = &initial[owned.clone()];
-        // The partition's first elements: all of them, or those before a device share.
-        let fill_master = move |master: &mut [f32]| {
-            let chunk = 1 << 16;
-            master.par_chunks_mut(chunk).zip(weights.par_chunks(chunk)).for_each(
-                |(master, initial)| {
-                    master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
-                },
-            );
+        // Fills the host's master weights — the partition's first elements: all of them, or
+        // those before a device share — from `initial`, which it drops then (before the host
+        // moments are allocated and zeroed).
+        let fill_master = |initial: Vec<P>| {
+            let own = owned.clone();
+            move |master: &mut [f32]| {
+                let chunk = 1 << 16;
+                master.par_chunks_mut(chunk).zip(initial[own].par_chunks(chunk)).for_each(
+                    |(master, initial)| {
+                        master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
+                    },
+                );
+            }
         };
         let (memory, chunk, len) = (offload.memory, offload.stream.chunk, owned.len());
         let moments = offload.moments;
@@ -142,7 +146,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                     ZenFlowAside::Device => HostSide::Streamed(ZenFlowHost::new(
                         device,
                         len,
-                        fill_master,
+                        fill_master(initial),
                         chunk,
                         memory,
                         adam,
@@ -156,7 +160,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                         HostSide::Accumulated(HostAccumulator::new(
                             device,
                             len,
-                            fill_master,
+                            fill_master(initial),
                             1,
                             chunk,
                             // The window is copied straight into the accumulator.
@@ -197,16 +201,31 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             // The device share, the partition's last elements, keeps its state on the device
             // only: the host optimizer holds the elements before it.
             let from = len - device_share_len(len, share);
-            let share = DeviceShare::new(device, from, &weights[from..], moments)?;
+            let share_initial = &initial[owned.start + from..owned.end];
+            let share = DeviceShare::new(device, from, share_initial, moments)?;
             if summed {
-                let buffers =
-                    StreamBuffers::new(device, from, fill_master, chunk, memory, adam, moments)?;
+                let buffers = StreamBuffers::new(
+                    device,
+                    from,
+                    fill_master(initial),
+                    chunk,
+                    memory,
+                    adam,
+                    moments,
+                )?;
                 let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?
                     .with_share(share);
                 return Ok(UpdatePath::Summed(path));
             }
-            let buffers =
-                StreamBuffers::new(device, from, fill_master, chunk, memory, adam, moments)?;
+            let buffers = StreamBuffers::new(
+                device,
+                from,
+                fill_master(initial),
+                chunk,
+                memory,
+                adam,
+                moments,
+            )?;
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?
                 .with_share(share);
             return Ok(UpdatePath::Stream(stream));
@@ -218,7 +237,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let host = HostAccumulator::new(
             device,
             len,
-            fill_master,
+            fill_master(initial),
             bucket,
             chunk,
             memories,
