@@ -370,6 +370,9 @@ pub enum Elements<'a, T: Clone> {
         #[allow(clippy::type_complexity, reason = "one fetch function")]
         fetch: Box<dyn Fn(Range<usize>) -> Result<Vec<T>, String> + 'a>,
     },
+    /// Lent a range at a time from a buffer of the source's own, which holds it until the loan
+    /// is dropped (a device's elements, downloaded into page-locked staging: written from there).
+    Loaned(Box<dyn Lender<T> + 'a>),
     /// Lent elements followed by others (a host optimizer's part of a partition, then the
     /// device share's, downloaded a range at a time).
     Joined {
@@ -378,11 +381,75 @@ pub enum Elements<'a, T: Clone> {
     },
 }
 
+/// Elements held elsewhere, lent a range at a time ([`Elements::Loaned`]).
+pub trait Lender<T> {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Elements `range`, lent from the lender's own buffer until the loan is dropped (one loan
+    /// at a time).
+    fn lend(&self, range: Range<usize>) -> Result<Loan<'_, T>, String>;
+}
+
+/// A range of a [`Lender`]'s elements.
+pub type Loan<'a, T> = Box<dyn std::ops::Deref<Target = [T]> + 'a>;
+
+/// A device buffer's first `len` elements, downloaded a range at a time into one staging buffer
+/// (page-locked where the budget has room) and lent from there ([`Elements::downloaded`]).
+struct Download<'a, D: zeroflow_device::Device, T: Element> {
+    device: &'a D,
+    buffer: &'a D::Buffer<T>,
+    len: usize,
+    staging: std::sync::Mutex<Option<zeroflow_device::HostBuffer<T>>>,
+}
+
+/// A range downloaded into a [`Download`]'s staging, the staging's lock held while it is lent.
+struct Staged<'a, T: Element> {
+    staging: std::sync::MutexGuard<'a, Option<zeroflow_device::HostBuffer<T>>>,
+    n: usize,
+}
+
+impl<T: Element> std::ops::Deref for Staged<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.staging.as_deref().map_or(&[], |staging| &staging[..self.n])
+    }
+}
+
+impl<D: zeroflow_device::Device, T: Element> Lender<T> for Download<'_, D, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn lend(&self, range: Range<usize>) -> Result<Loan<'_, T>, String> {
+        use zeroflow_device::{HostMemory, StreamKind};
+        if range.start > range.end || range.end > self.len {
+            return Err(format!("elements {range:?} of {}", self.len));
+        }
+        let n = range.len();
+        let mut staging = self.staging.lock().map_err(|_| "a download panicked".to_string())?;
+        if staging.as_ref().is_none_or(|buffer| buffer.len() < n) {
+            let chunk = (zeroflow_device::DOWNLOAD_CHUNK_BYTES / size_of::<T>()).min(self.len);
+            let buffer = self.device.alloc_host::<T>(n.max(chunk), HostMemory::Pinned);
+            *staging = Some(buffer.map_err(|e| e.to_string())?);
+        }
+        let buffer = staging.as_mut().ok_or("no staging buffer")?;
+        let device = self.device;
+        device.synchronize().map_err(|e| e.to_string())?;
+        let stream = device.stream(StreamKind::D2h);
+        let copied = device.copy_d2h(stream, self.buffer, range, buffer, 0);
+        copied.and_then(|copy| copy.wait()).map_err(|e| e.to_string())?;
+        Ok(Box::new(Staged { staging, n }))
+    }
+}
+
 impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Elements::Lent(values) => write!(f, "Lent({} elements)", values.len()),
             Elements::Fetched { len, .. } => write!(f, "Fetched({len} elements)"),
+            Elements::Loaned(lender) => write!(f, "Loaned({} elements)", lender.len()),
             Elements::Joined { head, tail } => {
                 write!(f, "Joined({} elements, {tail:?})", head.len())
             }
@@ -392,18 +459,15 @@ impl<T: Clone> std::fmt::Debug for Elements<'_, T> {
 
 impl<'a, T: Element> Elements<'a, T> {
     /// The first `len` elements of a device buffer, downloaded a range at a time as they are
-    /// written, through one staging buffer for every range
-    /// ([`zeroflow_device::Device::download_range_via`]).
+    /// written, into one staging buffer for every range (page-locked where the budget has room),
+    /// and written from there.
     pub fn downloaded<D: zeroflow_device::Device>(
         device: &'a D,
         buffer: &'a D::Buffer<T>,
         len: usize,
     ) -> Self {
         let staging = std::sync::Mutex::new(None);
-        Elements::fetched(len, move |range| {
-            let mut staging = staging.lock().map_err(|_| "a download panicked".to_string())?;
-            device.download_range_via(buffer, range, &mut staging).map_err(|e| e.to_string())
-        })
+        Elements::Loaned(Box::new(Download { device, buffer, len, staging }))
     }
 }
 
@@ -425,6 +489,7 @@ impl<'a, T: Clone> Elements<'a, T> {
         match self {
             Elements::Lent(values) => values.len(),
             Elements::Fetched { len, .. } => *len,
+            Elements::Loaned(lender) => lender.len(),
             Elements::Joined { head, tail } => head.len() + tail.len(),
         }
     }
@@ -450,6 +515,7 @@ impl<'a, T: Clone> Elements<'a, T> {
                 }
                 Ok(Cow::Owned(values))
             }
+            Elements::Loaned(lender) => Ok(Cow::Owned(lender.lend(range)?.to_vec())),
             Elements::Joined { head, tail } => {
                 let split = head.len();
                 if range.end <= split {
@@ -711,29 +777,47 @@ impl<'a> Out<'a> {
         at: usize,
     ) -> Self {
         let (dtype, size) = (T::SAFETENSORS, T::DTYPE.size());
-        Out::new(name, dtype, size, shape, move |r| {
-            let range = at + r.start..at + r.end;
-            Ok(match values {
-                // Lent for the file's life: borrowed, not copied.
-                Elements::Lent(lent) => {
-                    let lent =
-                        lent.get(range.clone()).ok_or_else(|| format!("elements {range:?}"))?;
-                    PieceBytes::Bytes(le_bytes(lent))
-                }
-                Elements::Joined { head, .. } if range.end <= head.len() => {
-                    PieceBytes::Bytes(le_bytes(&head[range]))
-                }
-                // Fetched: written from where they were fetched into.
-                Elements::Fetched { .. } | Elements::Joined { .. }
-                    if cfg!(target_endian = "little") =>
-                {
-                    PieceBytes::Elements(Box::new(ElementBytes(values.get(range)?.into_owned())))
-                }
-                Elements::Fetched { .. } | Elements::Joined { .. } => {
-                    PieceBytes::Bytes(Cow::Owned(to_bytes(&values.get(range)?)))
-                }
-            })
-        })
+        Out::new(name, dtype, size, shape, move |r| piece_bytes(values, at + r.start..at + r.end))
+    }
+}
+
+/// Elements `range` of `values` as the file's bytes: borrowed where they are lent, written from
+/// the lender's buffer where they are loaned, from where they were fetched into otherwise.
+fn piece_bytes<'a, T: Stored>(
+    values: &'a Elements<'a, T>,
+    range: Range<usize>,
+) -> Result<PieceBytes<'a>, String> {
+    let little = cfg!(target_endian = "little");
+    Ok(match values {
+        // Lent for the file's life: borrowed, not copied.
+        Elements::Lent(lent) => {
+            let lent = lent.get(range.clone()).ok_or_else(|| format!("elements {range:?}"))?;
+            PieceBytes::Bytes(le_bytes(lent))
+        }
+        Elements::Joined { head, .. } if range.end <= head.len() => {
+            PieceBytes::Bytes(le_bytes(&head[range]))
+        }
+        Elements::Joined { head, tail } if range.start >= head.len() => {
+            let split = head.len();
+            return piece_bytes(tail, range.start - split..range.end - split);
+        }
+        Elements::Loaned(lender) if little => {
+            PieceBytes::Elements(Box::new(LoanBytes(lender.lend(range)?)))
+        }
+        // Fetched: written from where they were fetched into.
+        _ if little => {
+            PieceBytes::Elements(Box::new(ElementBytes(values.get(range)?.into_owned())))
+        }
+        _ => PieceBytes::Bytes(Cow::Owned(to_bytes(&values.get(range)?))),
+    })
+}
+
+/// Loaned elements viewed as their bytes: the file's where the host is little-endian.
+struct LoanBytes<'a, T>(Loan<'a, T>);
+
+impl<T: Stored> AsRef<[u8]> for LoanBytes<'_, T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
     }
 }
 
@@ -1382,27 +1466,37 @@ mod tests {
     }
 
     /// Joined elements read as one array: a range within the lent head borrowed from it, one
-    /// within the tail fetched from it, one across both made of both; past the end an error.
+    /// within the tail fetched (or downloaded from a device) from it, one across both made of
+    /// both; past the end an error. A device's elements downloaded alone read as the buffer.
     #[test]
     fn joined_elements_read_as_one_array() {
-        let all: Vec<u32> = (100..125).collect();
+        let all: Vec<f32> = (100..125).map(|i| i as f32).collect();
+        let device = zeroflow_device::CpuDevice::new().unwrap();
+        let buffer = zeroflow_device::Device::upload(&device, &all[10..]).unwrap();
         let tail = all[10..].to_vec();
-        let joined = Elements::Joined {
-            head: &all[..10],
-            tail: Box::new(Elements::fetched(15, move |r| Ok(tail[r].to_vec()))),
-        };
-        assert_eq!(joined.len(), 25);
-        for start in 0..=25 {
-            for end in start..=25 {
-                let got = joined.get(start..end).unwrap();
-                assert_eq!(&*got, &all[start..end], "{start}..{end}");
-                let borrowed = matches!(got, std::borrow::Cow::Borrowed(_));
-                assert_eq!(borrowed, end <= 10, "{start}..{end}: borrowed {borrowed}");
+        let tails = [
+            Elements::fetched(15, move |r| Ok(tail[r].to_vec())),
+            Elements::downloaded(&device, &buffer, 15),
+        ];
+        for tail in tails {
+            let what = format!("{tail:?}");
+            let joined = Elements::Joined { head: &all[..10], tail: Box::new(tail) };
+            assert_eq!(joined.len(), 25);
+            for start in 0..=25 {
+                for end in start..=25 {
+                    let got = joined.get(start..end).unwrap();
+                    assert_eq!(&*got, &all[start..end], "{what}: {start}..{end}");
+                    let borrowed = matches!(got, std::borrow::Cow::Borrowed(_));
+                    assert_eq!(borrowed, end <= 10, "{what}: {start}..{end}: borrowed {borrowed}");
+                }
+            }
+            for range in [20..26, 0..26, 26..27] {
+                assert!(joined.get(range.clone()).is_err(), "{what}: {range:?}");
             }
         }
-        for range in [20..26, 0..26, 26..27] {
-            assert!(joined.get(range.clone()).is_err(), "{range:?}");
-        }
+        let downloaded = Elements::downloaded(&device, &buffer, 15);
+        assert_eq!(&*downloaded.get(3..15).unwrap(), &all[13..]);
+        assert!(downloaded.get(3..16).is_err());
     }
 
     /// A part written from moments lent as bf16 is the file written from the same moments
@@ -1416,6 +1510,8 @@ mod tests {
         let m: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i as f32 * 0.11).cos() * 1e-3)).collect();
         let v: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i as f32).sqrt() * 1e-7)).collect();
         let widen = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        let device = zeroflow_device::CpuDevice::new().unwrap();
+        let exp_avg_sq = zeroflow_device::Device::upload(&device, &widen(&v)).unwrap();
         for moments in [OptimizerStateDtype::Bf16, OptimizerStateDtype::Fp32] {
             let part = OptimizerPart {
                 flat: 24..24 + n,
@@ -1437,7 +1533,8 @@ mod tests {
                     exp_avg_sq: MomentView::Bf16(Elements::lent(&v)),
                     zenflow: None,
                 },
-                // Lent, then fetched after them (a host optimizer's part, a device share's).
+                // Lent, then fetched after them (a host optimizer's part, a device share's);
+                // downloaded from a device.
                 OptimizerStateDtype::Fp32 => PartView {
                     flat: part.flat.clone(),
                     master: Elements::Joined {
@@ -1445,7 +1542,7 @@ mod tests {
                         tail: Box::new(fetched(&master[n / 3..])),
                     },
                     exp_avg: MomentView::F32(fetched(&part.exp_avg)),
-                    exp_avg_sq: MomentView::F32(Elements::lent(&part.exp_avg_sq)),
+                    exp_avg_sq: MomentView::F32(Elements::downloaded(&device, &exp_avg_sq, n)),
                     zenflow: None,
                 },
             };
