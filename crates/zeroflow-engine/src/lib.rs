@@ -39,7 +39,7 @@ pub use engine::{
 };
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
-pub use memory::{BufferKind, MemoryKind, PlannedBuffer};
+pub use memory::{BufferKind, MemoryKind, PlannedBuffer, device_share_len};
 pub use options::{
     AccumulateOn, DEFAULT_ZENFLOW_ASIDE, EngineOptions, Offload, OffloadUpdate, Placement, Stage,
     StreamOptions, ZenFlowAside,

@@ -86,7 +86,7 @@ fn line(
 /// on the streaming path its weights awaiting upload.
 /// The elements of a partition of `len` that a device share of `fraction` steps on the device
 /// (`StreamOptions::device_share`): rounded down to whole packs of eight, the device kernels'.
-pub(crate) fn device_share_len(len: usize, fraction: f64) -> usize {
+pub fn device_share_len(len: usize, fraction: f64) -> usize {
     ((len as f64 * fraction.clamp(0.0, 1.0)) as usize) / 8 * 8
 }
 
@@ -185,6 +185,7 @@ impl EngineOptions {
             line(Device, K::Gradients, layout.padded_len(), p),
             line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n, p), 1),
         ];
+        let set_up = lines.len() - 1;
         if self.stage != Stage::Zero0 && layout.world_size() > 1 {
             lines.push(line(Device, K::Gradients, n, p));
         }
@@ -248,8 +249,11 @@ impl EngineOptions {
         let fp32 = offload.moments == OptimizerStateDtype::Fp32;
         if share > 0 && fp32 && self.shares(dtype, on_device, n == layout.padded_len()) {
             lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
-            // Its state lives on the device only.
+            // Its state lives on the device only: the host's master weights, filled at set-up,
+            // are the partition's before it.
             lines[host_state] = line(Host, K::MasterAndMoments, n - share, state_bytes);
+            let set_up_bytes = set_up_peak(self, layout.padded_len(), n - share, p);
+            lines[set_up] = line(Host, K::SetUp, set_up_bytes, 1);
         }
         if streaming {
             let staging = staging_len(n, chunk);
@@ -283,9 +287,10 @@ impl EngineOptions {
 
 /// The most host memory the engine holds while it is built, in bytes: the initial weights (`p`
 /// bytes per element of the `padded` buffer) with the pageable copy `Device::upload` makes of
-/// them; then with the fp32 master weights of the `n` elements of the partition (offload: the
-/// host's own, filled from them); on the device, the master weights with their upload's copy
-/// once the initial weights are dropped.
+/// them; then with the fp32 master weights of the `n` elements of the partition the host holds
+/// (offload: the host's own, filled from them; those before a device share, whose own go up
+/// through two 64 MiB buffers); on the device, the master weights with their upload's copy once
+/// the initial weights are dropped.
 fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, p: usize) -> usize {
     let upload = 2 * padded * p;
     let master = padded * p + 4 * n;
@@ -432,8 +437,9 @@ mod tests {
     }
 
     /// A device share adds its state and f32 gradients (16 bytes per element, whole packs of
-    /// eight) to the device and takes its state (12 bytes per element) from the host: with one
-    /// micro-step per step, and with a window of four summed on the device.
+    /// eight) to the device and takes its state (12 bytes per element) from the host, and its
+    /// master weights from the host's set-up: with one micro-step per step, and with a window of
+    /// four summed on the device.
     #[test]
     fn a_device_share_holds_sixteen_bytes_per_element_on_the_device() {
         let layout = layout_of(1);
@@ -455,8 +461,20 @@ mod tests {
             assert!(share > 0);
             let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
             assert_eq!(device(&lines), device(&plain) + 16 * share, "accumulation {accum}");
-            let host = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Host, None);
-            assert_eq!(host(&lines), host(&plain) - 12 * share, "accumulation {accum}");
+            let host = |lines: &[PlannedBuffer], kind| total(lines, MemoryKind::Host, Some(kind));
+            let state = BufferKind::MasterAndMoments;
+            assert_eq!(
+                host(&lines, state),
+                host(&plain, state) - 12 * share,
+                "accumulation {accum}"
+            );
+            // The set-up fills the host's master weights of the elements before the share only
+            // (bf16 weights: the initial weights and the master weights are its peak here).
+            let padded = layout.padded_len() as u64;
+            let set_up = BufferKind::SetUp;
+            assert_eq!(host(&plain, set_up), 2 * padded + 4 * n as u64, "accumulation {accum}");
+            let shared = 2 * padded + 4 * (n as u64 - share);
+            assert_eq!(host(&lines, set_up), shared.max(4 * padded), "accumulation {accum}");
         }
     }
 

@@ -87,8 +87,9 @@ pub struct HostFlags {
     #[arg(long, value_name = "on|off", value_parser = flag(&names::SWITCH))]
     pub overlap_forward: Option<bool>,
     /// The share of the optimizer's partition (a fraction below 1, from its end) whose fp32
-    /// master weights and moments are also held in GPU memory (16 bytes per parameter) and
-    /// stepped there, so that the CPU and the host's memory step only the rest: 0 to 0.99, or
+    /// master weights and moments are held in GPU memory instead of host memory (16 bytes per
+    /// parameter there, 12 fewer on the host) and stepped there, so that the CPU and the host's
+    /// memory step only the rest: 0 to 0.99, or
     /// `fit`: the largest the memory plan finds room for, leaving a tenth of the GPU free beside
     /// what other processes hold there (0 where the share cannot act). Default: `fit` on one
     /// GPU, 0 with several ranks. The exact offload step, with one micro-step per step (each

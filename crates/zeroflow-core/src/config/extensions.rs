@@ -127,7 +127,7 @@ pub enum AccumulateOn {
     Host,
 }
 
-/// How much of the optimizer's partition is also held and stepped on the device
+/// How much of the optimizer's partition is held and stepped on the device instead of the host
 /// (`zeroflow.offload.device_share`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum DeviceShare {
@@ -185,8 +185,8 @@ pub struct OffloadTuning {
     /// the CPU steps them (`None`: zeroflow's default, on).
     pub overlap_forward: Option<bool>,
     /// The share of the optimizer's partition (a fraction, at least 0 and below 1, or `"fit"`)
-    /// also held in device memory and stepped there, from the partition's end (`None`:
-    /// zeroflow's default, 0).
+    /// held in device memory instead of host memory and stepped there, from the partition's end
+    /// (`None`: zeroflow's default, 0).
     pub device_share: Option<DeviceShare>,
 }
 

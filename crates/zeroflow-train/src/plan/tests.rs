@@ -79,6 +79,31 @@ fn offload_lines_are_the_engines_buffers_by_hand() {
     assert_eq!(plan.host_total, run + 12 * padded + 6 * (8 << 20) * 2);
 }
 
+/// With a device share the host optimizer holds only the partition before it, and where that
+/// is less than the initial weights in f32 and converted (6 B per parameter on the GPU), the host
+/// peak is those weights with the process before the device is opened (no CUDA baseline yet);
+/// at share 0 it is the run's, as before.
+#[test]
+fn a_device_share_moves_the_host_peak_to_the_weights_before_the_engine() {
+    let with = |share: f64| {
+        let mut inputs = inputs("gpt-1.3b", "offload", (8, 1024));
+        inputs.options.offload_mut().expect("offload").stream.device_share = share;
+        MemoryPlan::new(inputs).unwrap()
+    };
+    let (none, most) = (with(0.0), with(0.99));
+    let padded = none.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    let host = MemoryKind::Host;
+    let state = |plan: &MemoryPlan| bytes(plan, host, "master weights and moments");
+    assert_eq!(state(&none), 12 * padded);
+    let share = zeroflow_engine::device_share_len(padded as usize, 0.99) as u64;
+    assert_eq!(state(&most), 12 * (padded - share));
+    let run = CUDA_HOST_BASELINE_BYTES + 8 * 1024 * 8 * 2;
+    let staging = 6 * (8 << 20) * 2;
+    assert_eq!(none.host_total, run + 12 * padded + staging);
+    let before = run - (CUDA_HOST_BASELINE_BYTES - HOST_BASELINE_BYTES) + 6 * padded;
+    assert_eq!(most.host_total, before, "{most:?}");
+}
+
 /// Checkpointing lowers the GPU total by what the activation plan says, and nothing else.
 #[test]
 fn checkpointing_changes_only_the_activations() {
