@@ -365,7 +365,7 @@ fn zenflow_buffers(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use zeroflow_core::config::{Selection, UpdateInterval};
     use zeroflow_core::layout::{Alignment, ParamSpec};
     use zeroflow_device::HostMemory;
@@ -379,7 +379,8 @@ mod tests {
         FlatLayout::new(&specs, world, Alignment::default()).unwrap()
     }
 
-    fn options(placement: Placement, grad_accum: u64) -> EngineOptions {
+    /// ZeRO-2 with clipping at 1 and `placement`, `grad_accum` micro-steps per step.
+    pub(crate) fn options(placement: Placement, grad_accum: u64) -> EngineOptions {
         EngineOptions {
             stage: Stage::Zero2,
             grad_accum,

@@ -203,29 +203,14 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             let from = len - device_share_len(len, share);
             let share_initial = &initial[owned.start + from..owned.end];
             let share = DeviceShare::new(device, from, share_initial, moments)?;
+            let fill = fill_master(initial);
             if summed {
-                let buffers = StreamBuffers::new(
-                    device,
-                    from,
-                    fill_master(initial),
-                    chunk,
-                    memory,
-                    adam,
-                    moments,
-                )?;
+                let buffers = StreamBuffers::new(device, from, fill, chunk, memory, adam, moments)?;
                 let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?
                     .with_share(share);
                 return Ok(UpdatePath::Summed(path));
             }
-            let buffers = StreamBuffers::new(
-                device,
-                from,
-                fill_master(initial),
-                chunk,
-                memory,
-                adam,
-                moments,
-            )?;
+            let buffers = StreamBuffers::new(device, from, fill, chunk, memory, adam, moments)?;
             let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?
                 .with_share(share);
             return Ok(UpdatePath::Stream(stream));

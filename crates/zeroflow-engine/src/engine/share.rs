@@ -247,12 +247,11 @@ impl<D: DeviceAdamW> DeviceShare<D> {
 mod tests {
     use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
     use zeroflow_device::CpuDevice;
-    use zeroflow_optim::AdamWConfig;
 
     use super::super::path::UpdatePath;
     use super::super::stream::StreamCpu;
     use super::*;
-    use crate::{AccumulateOn, EngineOptions, LossScaler, Offload, Placement, Stage};
+    use crate::{AccumulateOn, Offload, Placement};
 
     /// With a device share the host optimizer holds the partition's elements before the share
     /// and no more, and the whole state reads back as the initial weights and zero moments (the
@@ -275,15 +274,7 @@ mod tests {
             offload.stream.device_share = share;
             offload.stream.chunk = 64;
             offload.stream.accumulate_on = AccumulateOn::Device;
-            let opts = EngineOptions {
-                stage: Stage::Zero2,
-                grad_accum,
-                clip: Some(1.0),
-                reduce_bucket: 1000,
-                adamw: AdamWConfig::default(),
-                scaler: LossScaler::None,
-                placement: Placement::Offload(offload),
-            };
+            let opts = crate::memory::tests::options(Placement::Offload(offload), grad_accum);
             let from = n - crate::memory::device_share_len(n, share);
             let what =
                 format!("accumulation {grad_accum}, share {share} ({} of {n} on the host)", from);
