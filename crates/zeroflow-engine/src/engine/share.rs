@@ -138,8 +138,9 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         Ok(())
     }
 
-    /// The whole partition's state, `[master, exp_avg, exp_avg_sq]` as f32: `host`'s part
-    /// (`host_part`, its `to_f32`) with the share's downloaded after it (after its last step).
+    /// The whole partition's state, `[master, exp_avg, exp_avg_sq]` as f32: the host
+    /// optimizer's part (`host_part`, its `to_f32`) with the share's downloaded after it (after
+    /// its last step).
     pub fn append(
         &self,
         device: &D,
