@@ -377,6 +377,24 @@ mod tests {
         assert!(error.contains(&format!("--device-share {fits} (or fit)")), "{error}");
     }
 
+    /// Where the host is short for the optimizer and the GPU has room for part of it, the share
+    /// that fits is named as a knob: llama-8b's exact offload at share 0 needs about 91 GiB of
+    /// host memory, at the share `fit` chooses about half, which a 64 GiB host has room for.
+    #[test]
+    fn a_host_too_small_names_the_share_that_fits() {
+        let mut inputs = with_gpu(inputs("llama-8b", "offload", (4, 2048)), 140);
+        inputs.model_options.activation_checkpointing = true;
+        let fits = fit_device_share(&inputs, 0).unwrap().share;
+        assert!(fits > 0.5, "{fits}");
+        inputs.options.offload_mut().unwrap().stream.device_share = 0.0;
+        let plan = MemoryPlan::new(inputs).unwrap();
+        let small = machine(140 * GIB, 64 * GIB, 62 * GIB);
+        let error = plan.check(&small).expect_err("does not fit").to_string();
+        assert!(error.contains(&format!("--device-share {fits} (or fit)")), "{error}");
+        let roomy = machine(140 * GIB, 128 * GIB, 124 * GIB);
+        assert!(plan.fit(&roomy).fits(), "{}", plan.summary(&roomy));
+    }
+
     /// With accumulation the share acts on the window summed on the GPU: where the GPU has room
     /// for the sum (`accumulate_on` auto) the share fits beside it, and where the window is
     /// summed on the host it cannot act.

@@ -508,7 +508,8 @@ enum Knob {
     /// accumulator).
     SumOnGpu,
     Bf16Moments,
-    /// A smaller device share, in hundredths: the one `fit` chooses.
+    /// The device share `fit` chooses, in hundredths: smaller than asked where the GPU is short,
+    /// larger where the host is (the share's optimizer state is held on the GPU instead).
     DeviceShare(u32),
 }
 
@@ -584,7 +585,7 @@ impl Knob {
                 if inputs
                     .options
                     .offload()
-                    .is_some_and(|o| o.stream.device_share > f64::from(hundredths) / 100.0) =>
+                    .is_some_and(|o| o.stream.device_share != f64::from(hundredths) / 100.0) =>
             {
                 out.options.offload_mut()?.stream.device_share = f64::from(hundredths) / 100.0;
             }
@@ -635,7 +636,7 @@ impl MemoryPlan {
             Knob::SumOnGpu,
             Knob::Bf16Moments,
         ]);
-        // A share the GPU has no room for: the one that fits.
+        // A share the GPU has no room for, or too small a one for the host: the one that fits.
         if let Ok(fit) = fit_device_share(inputs, machine.gpu_elsewhere.unwrap_or(0)) {
             knobs.push(Knob::DeviceShare((fit.share * 100.0).round() as u32));
         }
@@ -683,7 +684,7 @@ impl MemoryPlan {
         if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
                         ZenFlow, the optimizer on the GPU, the accumulation window summed on the \
-                        GPU, 16-bit moments, a smaller device share) brings it under: use a \
+                        GPU, 16-bit moments, the device share that fits) brings it under: use a \
                         smaller model or more ranks";
         } else {
             message += &format!("Fits with: {}", knobs.join("; "));
