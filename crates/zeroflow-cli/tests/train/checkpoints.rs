@@ -37,6 +37,13 @@ const ZENFLOW: &str = r#"{
                                     "overlap_step": true}}
 }"#;
 
+/// Stage 2 with the optimizer offloaded and the exact step: where the device share acts.
+const OFFLOAD_EXACT: &str = r#"{
+  "train_micro_batch_size_per_gpu": 2,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+}"#;
+
 const N: u64 = 5;
 
 fn checkpoint(run: &Path, step: u64) -> PathBuf {
@@ -125,6 +132,32 @@ fn resume_latest_continues_bit_identically() {
         assert_eq!(extra["step"], 2 * N);
         assert_eq!(extra["model"]["d_model"], 16);
         assert!(extra["data_position"]["offset"].as_u64().unwrap() > 0, "{extra}");
+    }
+}
+
+/// A run whose device share holds half the optimizer (its state on the device only) saves the
+/// whole state and resumes with any share: `--steps N` at share 0.5 then `--resume latest --steps
+/// 2N` at 0, and the other way round, each end with the final checkpoint's bytes and the metrics
+/// of `--steps 2N` at share 0 straight.
+#[test]
+fn a_device_share_saves_the_whole_state_and_resumes_with_any_share() {
+    let dir = scratch("resume_device_share");
+    let (half, full) = (N.to_string(), (2 * N).to_string());
+    let straight = dir.join("straight");
+    let out = straight.to_str().unwrap();
+    train_with(OFFLOAD_EXACT, &dir, &["--device-share", "0", "--steps", &full, "--out", out]);
+    for (name, first, then) in [("half_then_none", "0.5", "0"), ("none_then_half", "0", "0.5")] {
+        let split = dir.join(name);
+        let out = split.to_str().unwrap();
+        train_with(OFFLOAD_EXACT, &dir, &["--device-share", first, "--steps", &half, "--out", out]);
+        let resume = ["--device-share", then, "--resume", "latest", "--steps", &full, "--out", out];
+        train_with(OFFLOAD_EXACT, &dir, &resume);
+        assert_same_run(&straight, &split, name);
+        // The resumed run held the share it was asked for.
+        let summary = std::fs::read_to_string(split.join("summary.json")).unwrap();
+        let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+        let recorded = summary["settings"]["offload"]["device_share"].as_f64();
+        assert_eq!(recorded, then.parse().ok(), "{name}: {summary}");
     }
 }
 
