@@ -264,22 +264,46 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         range: Range<usize>,
         staging: &mut Option<HostBuffer<T>>,
     ) -> Result<Vec<T>> {
-        let host = match staging {
-            Some(host) => host,
-            None => staging
-                .insert(self.alloc_host::<T>(download_chunk::<T>(src.len()), HostMemory::Pinned)?),
-        };
-        let chunk = host.len().max(1);
-        self.synchronize()?;
-        let stream = self.stream(StreamKind::D2h);
+        let chunk = kept_staging(self, staging, src.len(), 0)?.len().max(1);
         let mut out = Vec::with_capacity(range.len());
         for start in range.clone().step_by(chunk) {
             let end = (start + chunk).min(range.end);
-            let filled = self.copy_d2h(stream, src, start..end, host, 0)?.wait()?;
-            out.extend_from_slice(&filled[..end - start]);
+            out.extend_from_slice(self.download_staged(src, start..end, staging)?);
         }
         Ok(out)
     }
+
+    /// Waits for every stream, then downloads `src[range]` into `staging`, a host buffer the
+    /// caller keeps from one call to the next (allocated or grown to hold the range: at least
+    /// [`DOWNLOAD_CHUNK_BYTES`] where `src` is that large, page-locked where the [`PinnedBudget`]
+    /// has room), and lends the range from there (a checkpoint writes it to its file as it lies).
+    fn download_staged<'s, T: Element>(
+        &self,
+        src: &Self::Buffer<T>,
+        range: Range<usize>,
+        staging: &'s mut Option<HostBuffer<T>>,
+    ) -> Result<&'s [T]> {
+        let n = range.len();
+        let host = kept_staging(self, staging, src.len(), n)?;
+        self.synchronize()?;
+        let filled = self.copy_d2h(self.stream(StreamKind::D2h), src, range, host, 0)?.wait()?;
+        Ok(&filled[..n])
+    }
+}
+
+/// `staging`, allocated where it is not yet (a download's chunk of a buffer of `len` elements,
+/// page-locked where the budget has room) or where it holds fewer than `at_least` elements.
+fn kept_staging<'s, D: Device + ?Sized, T: Element>(
+    device: &D,
+    staging: &'s mut Option<HostBuffer<T>>,
+    len: usize,
+    at_least: usize,
+) -> Result<&'s mut HostBuffer<T>> {
+    if staging.as_ref().is_none_or(|host| host.len() < at_least) {
+        let elements = download_chunk::<T>(len).max(at_least);
+        *staging = Some(device.alloc_host::<T>(elements, HostMemory::Pinned)?);
+    }
+    Ok(staging.as_mut().expect("allocated above"))
 }
 
 /// Checks that `range` lies within a buffer of `len` elements.

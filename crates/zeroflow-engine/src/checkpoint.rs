@@ -423,23 +423,13 @@ impl<D: zeroflow_device::Device, T: Element> Lender<T> for Download<'_, D, T> {
     }
 
     fn lend(&self, range: Range<usize>) -> Result<Loan<'_, T>, String> {
-        use zeroflow_device::{HostMemory, StreamKind};
         if range.start > range.end || range.end > self.len {
             return Err(format!("elements {range:?} of {}", self.len));
         }
         let n = range.len();
         let mut staging = self.staging.lock().map_err(|_| "a download panicked".to_string())?;
-        if staging.as_ref().is_none_or(|buffer| buffer.len() < n) {
-            let chunk = (zeroflow_device::DOWNLOAD_CHUNK_BYTES / size_of::<T>()).min(self.len);
-            let buffer = self.device.alloc_host::<T>(n.max(chunk), HostMemory::Pinned);
-            *staging = Some(buffer.map_err(|e| e.to_string())?);
-        }
-        let buffer = staging.as_mut().ok_or("no staging buffer")?;
-        let device = self.device;
-        device.synchronize().map_err(|e| e.to_string())?;
-        let stream = device.stream(StreamKind::D2h);
-        let copied = device.copy_d2h(stream, self.buffer, range, buffer, 0);
-        copied.and_then(|copy| copy.wait()).map_err(|e| e.to_string())?;
+        let download = self.device.download_staged(self.buffer, range, &mut staging);
+        download.map_err(|e| e.to_string())?;
         Ok(Box::new(Staged { staging, n }))
     }
 }

@@ -161,6 +161,27 @@ impl EngineOptions {
             && offload.stream.speculation_budget == 0
     }
 
+    /// The elements of a partition of `n` of `layout` that the device share steps on the device
+    /// and holds the state of (`free`: the device's free memory, for `AccumulateOn::Auto`): 0
+    /// where no share is asked or it cannot act.
+    fn acting_share(
+        &self,
+        layout: &FlatLayout,
+        n: usize,
+        dtype: DType,
+        free: impl FnOnce() -> Option<usize>,
+    ) -> usize {
+        let Placement::Offload(offload) = &self.placement else {
+            return 0;
+        };
+        let on_device = sums_on_device(self, offload.stream.accumulate_on, n, free);
+        let fp32 = offload.moments == OptimizerStateDtype::Fp32;
+        match fp32 && self.shares(dtype, on_device, n == layout.padded_len()) {
+            true => device_share_len(n, offload.stream.device_share),
+            false => 0,
+        }
+    }
+
     /// The buffers [`crate::Engine::with_weights`] allocates on `rank` of `layout` for weights of
     /// `dtype`, by where they live and what they hold; `device_free` is the device's free memory
     /// when the engine is built (for `AccumulateOn::Auto`; `None`: unknown, summed on the host).
@@ -180,12 +201,16 @@ impl EngineOptions {
             Stage::Zero1 | Stage::Zero2 => layout.partition_range(rank),
         };
         let n = owned.len();
+        let free = || device_free.map(|free| usize::try_from(free).unwrap_or(usize::MAX));
+        // The device share's elements, whose state is held on the device only: the host's is the
+        // partition's before them, its master weights filled at set-up. (Where a share cannot act
+        // the engine refuses to start: `UpdatePath::new`.)
+        let shared = self.acting_share(layout, n, dtype, free);
         let mut lines = vec![
             line(Device, K::Weights, layout.padded_len(), p),
             line(Device, K::Gradients, layout.padded_len(), p),
-            line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n, p), 1),
+            line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n - shared, p), 1),
         ];
-        let set_up = lines.len() - 1;
         if self.stage != Stage::Zero0 && layout.world_size() > 1 {
             lines.push(line(Device, K::Gradients, n, p));
         }
@@ -200,8 +225,7 @@ impl EngineOptions {
         // Every offload path's host optimizer: fp32 master weights and the moments in their dtype
         // (`zeroflow.optimizer_state_dtype`: 12 bytes per element with fp32 moments, 8 with bf16).
         let state_bytes = offload.moments.state_bytes_per_param();
-        let host_state = lines.len();
-        lines.push(line(Host, K::MasterAndMoments, n, state_bytes));
+        lines.push(line(Host, K::MasterAndMoments, n - shared, state_bytes));
         let chunk = offload.stream.chunk;
         let delayed = match offload.update {
             OffloadUpdate::Exact => false,
@@ -230,7 +254,6 @@ impl EngineOptions {
         let budget = if delayed { 0 } else { offload.stream.speculation_budget };
         let streaming = self.streams(dtype);
         let bucket = self.reduce_bucket;
-        let free = || device_free.map(|free| usize::try_from(free).unwrap_or(usize::MAX));
         let on_device = sums_on_device(self, offload.stream.accumulate_on, n, free);
         let summed = self.streams_sum(dtype, on_device);
         // The streaming steps keep the speculated pieces' weights until their upload.
@@ -244,16 +267,8 @@ impl EngineOptions {
                 speculated_element_bytes(with_weights, p),
             ));
         }
-        // (Where the share cannot act the engine refuses to start: `UpdatePath::new`.)
-        let share = device_share_len(n, offload.stream.device_share);
-        let fp32 = offload.moments == OptimizerStateDtype::Fp32;
-        if share > 0 && fp32 && self.shares(dtype, on_device, n == layout.padded_len()) {
-            lines.push(line(Device, K::MasterAndMoments, share, DEVICE_SHARE_ELEMENT_BYTES));
-            // Its state lives on the device only: the host's master weights, filled at set-up,
-            // are the partition's before it.
-            lines[host_state] = line(Host, K::MasterAndMoments, n - share, state_bytes);
-            let set_up_bytes = set_up_peak(self, layout.padded_len(), n - share, p);
-            lines[set_up] = line(Host, K::SetUp, set_up_bytes, 1);
+        if shared > 0 {
+            lines.push(line(Device, K::MasterAndMoments, shared, DEVICE_SHARE_ELEMENT_BYTES));
         }
         if streaming {
             let staging = staging_len(n, chunk);

@@ -138,56 +138,9 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         Ok(())
     }
 
-    /// The whole partition's state, `[master, exp_avg, exp_avg_sq]` as f32: the host
-    /// optimizer's part (`host_part`, its `to_f32`) with the share's downloaded after it (after
-    /// its last step).
-    pub fn append(
-        &self,
-        device: &D,
-        mut host_part: [Vec<f32>; 3],
-    ) -> Result<[Vec<f32>; 3], EngineError> {
-        for (out, buffer) in host_part.iter_mut().zip(self.buffers()) {
-            out.extend_from_slice(&device.download(buffer)?);
-        }
-        Ok(host_part)
-    }
-
-    /// The whole partition's master weights: `host`'s with the share's downloaded after them.
-    pub fn master(&self, device: &D, host: &HostOptimizer) -> Result<Vec<f32>, EngineError> {
-        let mut master = host.master.to_vec();
-        master.extend_from_slice(&device.download(&self.state.master)?);
-        Ok(master)
-    }
-
-    /// The partition `flat`'s state as a checkpoint writes it: `host`'s part lent, the share's
-    /// joined after it, downloaded a piece at a time as it is written (after its last step).
-    pub fn view<'a>(
-        &'a self,
-        device: &'a D,
-        host: &'a HostOptimizer,
-        flat: Range<usize>,
-    ) -> Result<PartView<'a>, EngineError> {
-        let HostMoments::F32 { exp_avg, exp_avg_sq } = &host.moments else {
-            return Err(EngineError::Internal("a device share is built over fp32 moments"));
-        };
-        let share = self.grads.len();
-        let joined = |head: &'a [f32], tail: &'a D::Buffer<f32>| Elements::Joined {
-            head,
-            tail: Box::new(Elements::downloaded(device, tail, share)),
-        };
-        let [master, m, v] = self.buffers();
-        Ok(PartView {
-            flat,
-            master: joined(&host.master, master),
-            exp_avg: MomentView::F32(joined(exp_avg, m)),
-            exp_avg_sq: MomentView::F32(joined(exp_avg_sq, v)),
-            zenflow: None,
-        })
-    }
-
     /// Takes the share's part of the partition's saved state (`from..`) into the device's, a
     /// piece at a time (the host's part is the host optimizer's to restore).
-    pub fn restore(&mut self, device: &D, saved: &SavedState<'_>) -> Result<(), EngineError> {
+    fn restore(&mut self, device: &D, saved: &SavedState<'_>) -> Result<(), EngineError> {
         let share = self.grads.len();
         if saved.len() != self.from + share {
             return Err(EngineError::Internal(
@@ -216,6 +169,80 @@ impl<D: DeviceAdamW> DeviceShare<D> {
     fn buffers(&self) -> [&D::Buffer<f32>; 3] {
         [&self.state.master, &self.state.exp_avg, &self.state.exp_avg_sq]
     }
+}
+
+/// The whole partition's master weights: the host optimizer's, with a device share's downloaded
+/// after them (after its last step).
+pub(super) fn master<D: DeviceAdamW>(
+    share: Option<&DeviceShare<D>>,
+    device: &D,
+    host: &HostOptimizer,
+) -> Result<Vec<f32>, EngineError> {
+    let mut master = host.master.to_vec();
+    if let Some(share) = share {
+        master.extend_from_slice(&device.download(&share.state.master)?);
+    }
+    Ok(master)
+}
+
+/// The whole partition's state, `[master, exp_avg, exp_avg_sq]` as f32: the host optimizer's,
+/// with a device share's downloaded after it (after its last step).
+pub(super) fn state<D: DeviceAdamW>(
+    share: Option<&DeviceShare<D>>,
+    device: &D,
+    host: &HostOptimizer,
+) -> Result<[Vec<f32>; 3], EngineError> {
+    let mut state = host.to_f32();
+    if let Some(share) = share {
+        for (out, buffer) in state.iter_mut().zip(share.buffers()) {
+            out.extend_from_slice(&device.download(buffer)?);
+        }
+    }
+    Ok(state)
+}
+
+/// The partition `flat`'s state as a checkpoint writes it: the host optimizer's lent, a device
+/// share's joined after it, downloaded a piece at a time as it is written (after its last step).
+pub(super) fn view<'a, D: DeviceAdamW>(
+    share: Option<&'a DeviceShare<D>>,
+    device: &'a D,
+    host: &'a HostOptimizer,
+    flat: Range<usize>,
+) -> Result<PartView<'a>, EngineError> {
+    let Some(share) = share else {
+        return Ok(host.view(flat));
+    };
+    let HostMoments::F32 { exp_avg, exp_avg_sq } = &host.moments else {
+        return Err(EngineError::Internal("a device share is built over fp32 moments"));
+    };
+    let len = share.grads.len();
+    let joined = |head: &'a [f32], tail: &'a D::Buffer<f32>| Elements::Joined {
+        head,
+        tail: Box::new(Elements::downloaded(device, tail, len)),
+    };
+    let [master, m, v] = share.buffers();
+    Ok(PartView {
+        flat,
+        master: joined(&host.master, master),
+        exp_avg: MomentView::F32(joined(exp_avg, m)),
+        exp_avg_sq: MomentView::F32(joined(exp_avg_sq, v)),
+        zenflow: None,
+    })
+}
+
+/// Takes the partition's saved state: the host's part into the host optimizer, in place, and a
+/// device share's into the device, a piece at a time.
+pub(super) fn restore<D: DeviceAdamW>(
+    share: Option<&mut DeviceShare<D>>,
+    device: &D,
+    host: &mut HostOptimizer,
+    saved: &SavedState<'_>,
+) -> Result<(), EngineError> {
+    let Some(share) = share else {
+        return host.restore(saved);
+    };
+    host.restore_head(saved)?;
+    share.restore(device, saved)
 }
 
 /// Fills `target` (one of the share's arrays) `piece` elements at a time: `fill` writes elements

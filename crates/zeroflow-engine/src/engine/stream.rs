@@ -23,7 +23,7 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, DeviceBuffer, Filling, HostBuffer, StreamKind};
 use zeroflow_optim::AdamWStep;
 
-use super::share::DeviceShare;
+use super::share::{self, DeviceShare};
 use super::shared::Shared;
 use super::state::{PathState, SavedState};
 use crate::EngineError;
@@ -253,21 +253,15 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
     pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
         self.abandon_speculation();
         let (buffers, _) = self.cpu.buffers()?;
-        match &self.share {
-            Some(share) => share.master(device, &buffers.state),
-            None => Ok(buffers.state.master.to_vec()),
-        }
+        share::master(self.share.as_ref(), device, &buffers.state)
     }
 
     /// The optimizer state (the device share's downloaded after the host's).
     pub fn state(&mut self, device: &D) -> Result<PathState, EngineError> {
         self.abandon_speculation();
         let (buffers, upload_pending) = self.cpu.buffers()?;
-        let mut state = buffers.state.to_f32();
-        if let Some(share) = &self.share {
-            state = share.append(device, state)?;
-        }
-        let [master, exp_avg, exp_avg_sq] = state;
+        let [master, exp_avg, exp_avg_sq] =
+            share::state(self.share.as_ref(), device, &buffers.state)?;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending })
     }
 
@@ -285,10 +279,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             StreamCpu::Delayed(delayed) => delayed.worker.ready(),
         };
         let buffers = buffers.ok_or(EngineError::Internal("a joined step is not ready"))?;
-        let view = match &self.share {
-            Some(share) => share.view(device, &buffers.state, flat)?,
-            None => buffers.state.view(flat),
-        };
+        let view = share::view(self.share.as_ref(), device, &buffers.state, flat)?;
         Ok((view, upload_pending))
     }
 
@@ -307,14 +298,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
     ) -> Result<(), EngineError> {
         self.abandon_speculation();
         let (buffers, _) = self.cpu.buffers()?;
-        match &mut self.share {
-            // The host holds the partition's first elements, the device share the rest.
-            Some(share) => {
-                buffers.state.restore_head(state)?;
-                share.restore(device, state)?;
-            }
-            None => buffers.state.restore(state)?,
-        }
+        share::restore(self.share.as_mut(), device, &mut buffers.state, state)?;
         if let StreamCpu::Delayed(delayed) = &mut self.cpu {
             delayed.upload_pending = upload_pending;
             // Where the streaming delayed update keeps weights not yet on the device.

@@ -29,7 +29,7 @@ use zeroflow_device::{Comm, Device, StreamKind};
 use zeroflow_optim::AdamWStep;
 
 use super::path::SinkOrOpening;
-use super::share::DeviceShare;
+use super::share::{self, DeviceShare};
 use super::shared::Shared;
 use super::state::{PathState, SavedState};
 use super::stream::{
@@ -220,21 +220,15 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     /// The master weights (the device share's downloaded after the host's).
     pub fn master(&mut self, device: &D) -> Result<Vec<f32>, EngineError> {
         self.abandon_speculation();
-        match &self.share {
-            Some(share) => share.master(device, &self.buffers.state),
-            None => Ok(self.buffers.state.master.to_vec()),
-        }
+        share::master(self.share.as_ref(), device, &self.buffers.state)
     }
 
     /// The optimizer state (nothing is pending: the step is inline; the device share's
     /// downloaded after the host's).
     pub fn state(&mut self, device: &D) -> Result<PathState, EngineError> {
         self.abandon_speculation();
-        let mut state = self.buffers.state.to_f32();
-        if let Some(share) = &self.share {
-            state = share.append(device, state)?;
-        }
-        let [master, exp_avg, exp_avg_sq] = state;
+        let [master, exp_avg, exp_avg_sq] =
+            share::state(self.share.as_ref(), device, &self.buffers.state)?;
         Ok(PathState { master, exp_avg, exp_avg_sq, upload_pending: false })
     }
 
@@ -246,22 +240,13 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         flat: Range<usize>,
     ) -> Result<PartView<'a>, EngineError> {
         self.abandon_speculation();
-        match &self.share {
-            Some(share) => share.view(device, &self.buffers.state, flat),
-            None => Ok(self.buffers.state.view(flat)),
-        }
+        share::view(self.share.as_ref(), device, &self.buffers.state, flat)
     }
 
     /// Takes a checkpoint's state: the host's part, and the device share's.
     pub fn restore(&mut self, device: &D, state: &SavedState<'_>) -> Result<(), EngineError> {
         self.abandon_speculation();
-        match &mut self.share {
-            Some(share) => {
-                self.buffers.state.restore_head(state)?;
-                share.restore(device, state)
-            }
-            None => self.buffers.state.restore(state),
-        }
+        share::restore(self.share.as_mut(), device, &mut self.buffers.state, state)
     }
 }
 
