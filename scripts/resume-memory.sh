@@ -6,7 +6,9 @@
 # stopped once its first step is recorded (a resume's peak is its set-up: reading the checkpoint
 # and restoring the engine; stopping spares the disk a second checkpoint). Reported per process:
 # the plan's host lines, the peak RSS (VmHWM, sampled every 0.2 s) and the losses; then the
-# checkpoint is exported (`zeroflow export`) with its peak RSS.
+# checkpoint is exported (`zeroflow export`) with its peak RSS, and a run starts from the export
+# (`--init-from`, its BF16 weights read into the run's bf16), stopped once its first step is
+# recorded.
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/resume-memory.sh   carry: [".gpu"]
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
@@ -63,6 +65,12 @@ hwm=$(watch_rss $! /dev/null "")
 report export "$OUT/export.log" "$hwm"
 tail -1 "$OUT/export.log"
 du -sh "$WORK/hf"
+
+echo "== started from the export (--init-from, at ${SECONDS}s)"
+$Z train "${common[@]}" --init-from "$WORK/hf" --steps 2 --out "$WORK/init" >"$OUT/init-from.log" 2>&1 &
+hwm=$(watch_rss $! "$WORK/init/metrics.jsonl" '"step":1,')
+report init-from "$OUT/init-from.log" "$hwm"
+grep -h '"loss"' "$WORK/init/metrics.jsonl" | cut -c1-160
 # KEEP=1 leaves the run and the checkpoint in $WORK (for another binary to read them).
 [[ ${KEEP:-0} == 1 ]] || rm -rf "$WORK"
 echo "== done at ${SECONDS}s"

@@ -116,6 +116,15 @@ pub enum HostMemory {
 /// The largest staging buffer [`Device::download`] copies through.
 pub const DOWNLOAD_CHUNK_BYTES: usize = 64 << 20;
 
+/// The bytes of each of the two buffers [`Device::upload`] copies through.
+pub const UPLOAD_PIECE_BYTES: usize = DOWNLOAD_CHUNK_BYTES / 2;
+
+/// The host memory [`Device::upload_in_pieces`] holds to upload `bytes` in pieces of
+/// `piece_bytes`: one buffer of them where they are one piece, else two pieces'.
+pub fn upload_staging_bytes(bytes: usize, piece_bytes: usize) -> usize {
+    if bytes <= piece_bytes { bytes } else { 2 * piece_bytes }
+}
+
 /// A buffer in device memory.
 pub trait DeviceBuffer: fmt::Debug + Send + Sync {
     /// Number of elements.
@@ -224,16 +233,52 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         value: T,
     ) -> Result<()>;
 
-    /// Uploads `data` into a new device buffer and waits for it. For set-up and tests, not for
-    /// the training loop.
+    /// Uploads `data` into a new device buffer and waits for it, through at most
+    /// [`DOWNLOAD_CHUNK_BYTES`] of staging ([`Device::upload_in_pieces`]: page-locked where
+    /// `data` is larger, so that a large model's weights are never copied whole in host memory).
+    /// For set-up and tests, not for the training loop.
     fn upload<T: Element>(&self, data: &[T]) -> Result<Self::Buffer<T>> {
         let buffer = self.alloc::<T>(data.len())?;
-        let mut host = self.alloc_host::<T>(data.len(), HostMemory::Pageable)?;
-        host.copy_from_slice(data);
+        let piece = UPLOAD_PIECE_BYTES / size_of::<T>();
+        let memory = match size_of_val(data) > DOWNLOAD_CHUNK_BYTES {
+            true => HostMemory::Pinned,
+            false => HostMemory::Pageable,
+        };
         self.synchronize()?;
-        let stream = self.stream(StreamKind::H2d);
-        self.copy_h2d(stream, &host, 0..data.len(), &buffer, 0)?.wait()?;
+        self.upload_in_pieces(&buffer, piece, memory, |range, out| {
+            out.copy_from_slice(&data[range]);
+            Ok::<_, DeviceError>(())
+        })?;
         Ok(buffer)
+    }
+
+    /// Fills `target` `piece` elements at a time: `fill` writes elements `range` of it into one
+    /// of two host buffers (of `memory`; the second allocated where there is a second piece),
+    /// which is then copied up on the h2d stream while `fill` writes the next range into the
+    /// other (a buffer's next write waits for its last copy): [`upload_staging_bytes`] of host
+    /// memory. Returns once every copy is done, or with the first error of `fill`.
+    fn upload_in_pieces<T: Element, E: From<DeviceError>>(
+        &self,
+        target: &Self::Buffer<T>,
+        piece: usize,
+        memory: HostMemory,
+        mut fill: impl FnMut(Range<usize>, &mut [T]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let len = target.len();
+        let piece = piece.clamp(1, len.max(1));
+        let mut pieces: [Option<HostBuffer<T>>; 2] = [None, None];
+        let h2d = self.stream(StreamKind::H2d);
+        for (index, start) in (0..len).step_by(piece).enumerate() {
+            let end = (start + piece).min(len);
+            let buffer = match &mut pieces[index % 2] {
+                Some(buffer) => buffer,
+                empty => empty.insert(self.alloc_host(piece, memory)?),
+            };
+            fill(start..end, &mut buffer[..end - start])?;
+            self.copy_h2d(h2d, buffer, 0..end - start, target, start)?.detach();
+        }
+        self.synchronize()?;
+        Ok(())
     }
 
     /// Waits for every stream, then downloads `src` into a `Vec`, through a staging buffer of at

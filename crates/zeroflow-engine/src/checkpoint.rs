@@ -24,7 +24,7 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_core::{DType, Element, bf16, f16};
+use zeroflow_core::{DType, Element, Float, bf16, f16};
 use zeroflow_hf::direct::{self, FileOut};
 use zeroflow_hf::{HfError, SafetensorsFile};
 
@@ -946,8 +946,9 @@ pub struct Opened {
 
 /// Opens the checkpoint in `dir` ([`Opened`]). Its weights may be of any element type a run
 /// trains in (`F32`, `BF16`, `F16`: `state.json`'s `weights_dtype`, which every tensor of
-/// `model.safetensors` must have); [`Opened::flat_weights`] widens them to f32 exactly. Whether a
-/// run may start from them is the caller's to say ([`weights_convert_exactly`]).
+/// `model.safetensors` must have); [`Opened::flat_weights`] reads them as f32 (exactly) or as the
+/// run's type. Whether a run may start from them is the caller's to say
+/// ([`weights_convert_exactly`]).
 pub fn open(dir: &Path) -> Result<Opened, CheckpointError> {
     let state_path = dir.join("state.json");
     let state = fs::read(&state_path).map_err(|source| match source.kind() {
@@ -1051,14 +1052,9 @@ pub fn weights_convert_exactly<P: Stored>(stored: DType) -> bool {
 }
 
 impl Opened {
-    /// The flat weights as f32 (padding zero) of a run whose tensors are `tensors`, read from
-    /// `model.safetensors` in one pass, each straight into its range: every tensor must be there
-    /// with the same shape.
-    pub fn flat_weights(
-        &self,
-        tensors: &[NamedTensor],
-        padded_len: usize,
-    ) -> Result<Vec<f32>, CheckpointError> {
+    /// Checks that `model.safetensors` holds every tensor of `tensors` with the same shape (what
+    /// [`Opened::flat_weights`] reads).
+    pub fn check_tensors(&self, tensors: &[NamedTensor]) -> Result<(), CheckpointError> {
         let path = self.model.path();
         let mismatch = |reason: String| CheckpointError::Mismatch { path: path.into(), reason };
         for tensor in tensors {
@@ -1073,7 +1069,21 @@ impl Opened {
                 )));
             }
         }
-        let mut flat = vec![0.0; padded_len];
+        Ok(())
+    }
+
+    /// The flat weights as `P` (padding zero; widened or rounded through f32) of a run whose
+    /// tensors are `tensors`, read from `model.safetensors` in one pass, each straight into its
+    /// range: every tensor must be there with the same shape ([`Opened::check_tensors`]).
+    pub fn flat_weights<P: Float>(
+        &self,
+        tensors: &[NamedTensor],
+        padded_len: usize,
+    ) -> Result<Vec<P>, CheckpointError> {
+        self.check_tensors(tensors)?;
+        let path = self.model.path();
+        let mismatch = |reason: String| CheckpointError::Mismatch { path: path.into(), reason };
+        let mut flat = vec![P::default(); padded_len];
         let ranges: Vec<Range<usize>> = tensors.iter().map(|t| t.flat.clone()).collect();
         let outs = zeroflow_core::layout::ranges_mut(&mut flat, &ranges).ok_or_else(|| {
             mismatch("the model's tensors overlap or pass its flat weights".into())
@@ -1332,9 +1342,14 @@ mod tests {
         let header = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
         assert_eq!(file.len() - 8 - header, 2 * n, "2 bytes per weight");
         let opened = open(&dir).unwrap();
-        let flat = opened.flat_weights(&tensors, n + 5).unwrap();
+        let flat = opened.flat_weights::<f32>(&tensors, n + 5).unwrap();
         assert_eq!(flat[..n], widened[..]);
         assert_eq!(flat[n..], [0.0; 5]);
+        // Read as the run's own type (what a bf16 run resumes with): the stored bits.
+        let own = opened.flat_weights::<bf16>(&tensors, n + 5).unwrap();
+        let bits = |values: &[bf16]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&own[..n]), bits(&weights));
+        assert_eq!(bits(&own[n..]), [0; 5]);
         assert!(matches!(load::<f32>(&dir), Err(CheckpointError::Mismatch { .. })));
         let loaded = load::<bf16>(&dir).unwrap();
         assert_eq!(loaded.tensors["b"], (vec![9], weights[990..].to_vec()));

@@ -11,10 +11,14 @@ use std::ops::Range;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_device::{UPLOAD_PIECE_BYTES, upload_staging_bytes};
 
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
 use crate::zenflow::EXCHANGE_PIECE;
-use crate::{AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, Stage, ZenFlowAside};
+use crate::{
+    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, SHARE_UPLOAD_BYTES, Stage,
+    ZenFlowAside,
+};
 
 /// Where a buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -209,7 +213,7 @@ impl EngineOptions {
         let mut lines = vec![
             line(Device, K::Weights, layout.padded_len(), p),
             line(Device, K::Gradients, layout.padded_len(), p),
-            line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n - shared, p), 1),
+            line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n - shared, shared, p), 1),
         ];
         if self.stage != Stage::Zero0 && layout.world_size() > 1 {
             lines.push(line(Device, K::Gradients, n, p));
@@ -301,17 +305,22 @@ impl EngineOptions {
 }
 
 /// The most host memory the engine holds while it is built, in bytes: the initial weights (`p`
-/// bytes per element of the `padded` buffer) with the pageable copy `Device::upload` makes of
-/// them; then with the fp32 master weights of the `n` elements of the partition the host holds
-/// (offload: the host's own, filled from them; those before a device share, whose own go up
-/// through two 64 MiB buffers); on the device, the master weights with their upload's copy once
-/// the initial weights are dropped.
-fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, p: usize) -> usize {
-    let upload = 2 * padded * p;
-    let master = padded * p + 4 * n;
+/// bytes per element of the `padded` buffer), with the staging `Device::upload` copies them up
+/// through; then with the fp32 master weights of the `n` elements of the partition the host holds
+/// (offload: the host's own, filled from them; those before a device share of `shared`
+/// elements, whose own go up through its two upload buffers first); on the device, the master
+/// weights, uploaded through staging once the initial weights are dropped.
+fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, shared: usize, p: usize) -> usize {
+    let staging = |bytes| upload_staging_bytes(bytes, UPLOAD_PIECE_BYTES);
+    let weights = padded * p;
+    let master = weights + 4 * n;
+    let upload = weights + staging(weights);
     match opts.placement {
-        Placement::Device => upload.max(master).max(8 * n),
-        Placement::Offload(_) => upload.max(master),
+        Placement::Device => upload.max(master).max(4 * n + staging(4 * n)),
+        Placement::Offload(_) => {
+            let share = upload_staging_bytes(4 * shared, SHARE_UPLOAD_BYTES / 2);
+            upload.max(master).max(weights + share)
+        }
     }
 }
 
@@ -428,8 +437,9 @@ pub(crate) mod tests {
         let (padded, n) = (layout.padded_len() as u64, layout.partition_len() as u64);
         let lines = options(Placement::Device, 1).planned_buffers(&layout, 1, DType::Bf16, None);
         assert_eq!(total(&lines, MemoryKind::Device, None), 4 * padded + 2 * n + 16 * n);
-        // Set-up on one rank: the master weights and their upload's copy, 8 B per element,
-        // more than the initial bf16 weights with theirs (4 B) or with the master (6 B).
+        // Set-up on one rank: the master weights and their upload's staging (the whole small
+        // buffer: one piece), 8 B per element, more than the initial bf16 weights with theirs
+        // (4 B) or with the master (6 B).
         let layout = layout_of(1);
         let padded = layout.padded_len() as u64;
         let lines = options(Placement::Device, 1).planned_buffers(&layout, 0, DType::Bf16, None);
@@ -485,12 +495,14 @@ pub(crate) mod tests {
                 "accumulation {accum}"
             );
             // The set-up fills the host's master weights of the elements before the share only
-            // (bf16 weights: the initial weights and the master weights are its peak here).
+            // (bf16 weights: the initial weights and the master weights are its peak here, more
+            // than the weights with their upload's staging or with the share's upload buffer).
             let padded = layout.padded_len() as u64;
             let set_up = BufferKind::SetUp;
             assert_eq!(host(&plain, set_up), 2 * padded + 4 * n as u64, "accumulation {accum}");
             let shared = 2 * padded + 4 * (n as u64 - share);
-            assert_eq!(host(&lines, set_up), shared.max(4 * padded), "accumulation {accum}");
+            assert!(shared > (2 * padded + 4 * share).max(4 * padded));
+            assert_eq!(host(&lines, set_up), shared, "accumulation {accum}");
         }
     }
 

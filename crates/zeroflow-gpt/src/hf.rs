@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use serde_json::Value;
+use zeroflow_core::Float;
 use zeroflow_core::layout::{FlatLayout, ranges_mut};
 use zeroflow_hf::{CONFIG_FILE, HfCheckpoint, HfError};
 
@@ -71,8 +72,12 @@ impl HfGpt {
     }
 
     /// Reads every tensor into its range of the flat buffer `params` of `layout` (converted to
-    /// f32); the padded embedding rows and the alignment gaps are left as they are.
-    pub fn read_params(&self, layout: &FlatLayout, params: &mut [f32]) -> Result<(), GptError> {
+    /// `T` through f32); the padded embedding rows and the alignment gaps are left as they are.
+    pub fn read_params<T: Float>(
+        &self,
+        layout: &FlatLayout,
+        params: &mut [T],
+    ) -> Result<(), GptError> {
         if params.len() != layout.padded_len() {
             let (expected, found) = (layout.padded_len(), params.len());
             return Err(GptError::Length { what: "flat parameter buffer", expected, found });

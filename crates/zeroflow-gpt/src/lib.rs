@@ -34,7 +34,8 @@ pub use hf::HfGpt;
 pub use host::{HostGpt, eval_stream};
 pub use kernels::GptKernel;
 pub use params::{
-    GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, param_specs,
+    GradGroup, GradsReady, HfTensor, ParamRanges, hf_tensors, init_params, init_params_as,
+    param_specs,
 };
 pub use plan::{ActLayout, GptPlan, Plan, PlanOptions};
 pub use zeroflow_nn::{AttentionKind, Float};

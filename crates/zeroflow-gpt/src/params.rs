@@ -4,14 +4,13 @@
 
 use std::ops::Range;
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use zeroflow_core::layout::{FlatLayout, ParamSpec};
 
 use crate::GptConfig;
 use crate::error::GptError;
 use zeroflow_nn::Float;
+use zeroflow_nn::init::{NORMAL_BLOCK, fill_normal_blocks};
 pub use zeroflow_nn::plan::{GradGroup, GradsReady};
 
 /// The parameters of one transformer block, as flat ranges.
@@ -160,14 +159,6 @@ fn init_of(config: &GptConfig, spec: &ParamSpec) -> Init {
     }
 }
 
-/// Elements of one parameter that one task of [`init_params`] draws (even: every block starts on
-/// a Box–Muller pair). 2^20 keeps the largest parameters of an 8 B model (the 200 M-element token
-/// embedding at width 4096) from being a single thread's tail.
-const NORMAL_BLOCK: usize = 1 << 20;
-
-/// ChaCha8 words (`u32`) one Box–Muller pair consumes: two `f64` draws of one `u64` each.
-const WORDS_PER_PAIR: u128 = 4;
-
 /// Initialises the parameters like GPT-2 / llm.c: weights normal(0, 0.02), residual projections
 /// (`c_proj`) scaled by 1/sqrt(2·n_layer), LayerNorm weights 1, biases 0, padded embedding rows 0.
 /// Each parameter draws from its own ChaCha8 stream (seed, parameter index), so the values do not
@@ -182,18 +173,30 @@ pub fn init_params<F: Float>(
     seed: u64,
     params: &mut [F],
 ) -> Result<(), GptError> {
-    init_params_in_blocks(config, layout, seed, params, NORMAL_BLOCK)
+    init_params_in_blocks(config, layout, seed, params, NORMAL_BLOCK, F::of)
 }
 
-/// [`init_params`] with the normal draws cut into tasks of `block` elements (even, non-zero).
-fn init_params_in_blocks<F: Float>(
+/// [`init_params`] into elements of any type, each value drawn (f64) converted by `of`: a run's
+/// weights straight into its own type (`|x| bf16::from_f32(x as f32)`: the f32 values, rounded).
+pub fn init_params_as<T: Copy + Send + Sync>(
     config: &GptConfig,
     layout: &FlatLayout,
     seed: u64,
-    params: &mut [F],
-    block: usize,
+    params: &mut [T],
+    of: impl Fn(f64) -> T + Sync,
 ) -> Result<(), GptError> {
-    debug_assert!(block > 0 && block.is_multiple_of(2), "blocks start on a Box–Muller pair");
+    init_params_in_blocks(config, layout, seed, params, NORMAL_BLOCK, of)
+}
+
+/// [`init_params_as`] with the normal draws cut into tasks of `block` elements (even, non-zero).
+fn init_params_in_blocks<T: Copy + Send + Sync>(
+    config: &GptConfig,
+    layout: &FlatLayout,
+    seed: u64,
+    params: &mut [T],
+    block: usize,
+    of: impl Fn(f64) -> T + Sync,
+) -> Result<(), GptError> {
     if params.len() != layout.padded_len() {
         return Err(GptError::Length {
             what: "flat parameter buffer",
@@ -221,35 +224,15 @@ fn init_params_in_blocks<F: Float>(
         slices.push((index, mine));
     }
     slices.into_par_iter().for_each(|(index, slice)| match init_of(config, &specs[index]) {
-        Init::Zero => slice.fill(F::zero()),
-        Init::One => slice.fill(F::one()),
+        Init::Zero => slice.fill(of(0.0)),
+        Init::One => slice.fill(of(1.0)),
         Init::Normal { std, real } => {
             let (real, pad) = slice.split_at_mut(real);
-            real.par_chunks_mut(block).enumerate().for_each(|(number, part)| {
-                let mut rng = ChaCha8Rng::seed_from_u64(seed);
-                rng.set_stream(index as u64);
-                rng.set_word_pos(WORDS_PER_PAIR * (number * block / 2) as u128);
-                fill_normal(&mut rng, std, part);
-            });
-            pad.fill(F::zero());
+            fill_normal_blocks(seed, index, std, real, block, &of);
+            pad.fill(of(0.0));
         }
     });
     Ok(())
-}
-
-/// Fills `out` with normal(0, std) samples (Box–Muller, both outputs used).
-fn fill_normal<F: Float>(rng: &mut ChaCha8Rng, std: f64, out: &mut [F]) {
-    for pair in out.chunks_mut(2) {
-        // 1 - u is in (0, 1], so the logarithm is finite.
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        let radius = (-2.0 * u1.ln()).sqrt() * std;
-        let angle = std::f64::consts::TAU * u2;
-        pair[0] = F::of(radius * angle.cos());
-        if let Some(second) = pair.get_mut(1) {
-            *second = F::of(radius * angle.sin());
-        }
-    }
 }
 
 impl ParamRanges {
@@ -316,10 +299,9 @@ mod tests {
                 Init::Zero => slice.fill(0.0),
                 Init::One => slice.fill(1.0),
                 Init::Normal { std, real } => {
-                    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-                    rng.set_stream(index as u64);
+                    let mut rng = zeroflow_nn::init::normal_stream(seed, index);
                     let (real, pad) = slice.split_at_mut(real);
-                    fill_normal(&mut rng, std, real);
+                    zeroflow_nn::init::fill_normal(&mut rng, std, real, &|x| x as f32);
                     pad.fill(0.0);
                 }
             }
@@ -341,8 +323,10 @@ mod tests {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             for block in [2, 4, 6, NORMAL_BLOCK] {
                 let mut params = vec![f32::NAN; layout.padded_len()];
-                pool.install(|| init_params_in_blocks(&config, &layout, 11, &mut params, block))
-                    .unwrap();
+                pool.install(|| {
+                    init_params_in_blocks(&config, &layout, 11, &mut params, block, f32::of)
+                })
+                .unwrap();
                 let same = params.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{threads} threads, blocks of {block}: values differ");
             }

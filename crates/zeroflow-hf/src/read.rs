@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 use serde_json::Value;
+use zeroflow_core::Float;
 
 use crate::direct::{FileIn, READ_BUFFER_BYTES};
 use crate::error::{HfError, io};
@@ -149,18 +150,24 @@ impl HfCheckpoint {
     }
 
     /// Reads tensor `name`, which must have `shape`, into `out` (as many elements as the shape).
-    pub fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), HfError> {
+    pub fn read_into<T: Float>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        out: &mut [T],
+    ) -> Result<(), HfError> {
         self.read_tensors_into(vec![(name, shape, out)])
     }
 
     /// Reads every tensor of `wanted` (its name, the shape it must have, and where its elements
-    /// go as f32), each shard in one pass over its file ([`read_entries`]): what a model's
+    /// go, in the type `T` they are converted to through f32: exact where `T` is the stored type
+    /// or wider), each shard in one pass over its file ([`read_entries`]): what a model's
     /// weights are read with.
-    pub fn read_tensors_into(
+    pub fn read_tensors_into<T: Float>(
         &self,
-        wanted: Vec<(&str, &[usize], &mut [f32])>,
+        wanted: Vec<(&str, &[usize], &mut [T])>,
     ) -> Result<(), HfError> {
-        let mut by_shard: Vec<Vec<(&str, &TensorEntry, &mut [f32])>> =
+        let mut by_shard: Vec<Vec<(&str, &TensorEntry, &mut [T])>> =
             (0..self.shards.len()).map(|_| Vec::new()).collect();
         for (name, shape, out) in wanted {
             let entry = self.entry(name)?;
@@ -243,13 +250,13 @@ impl SafetensorsFile {
         self.tensors.iter().map(|(name, entry)| (name.as_str(), entry))
     }
 
-    /// Elements `elements` of tensor `name` (row-major, as stored; BF16, F16 or F32) as f32 into
-    /// `out`, which holds as many.
-    pub fn read_range(
+    /// Elements `elements` of tensor `name` (row-major, as stored; BF16, F16 or F32) into `out`
+    /// (converted through f32), which holds as many.
+    pub fn read_range<T: Float>(
         &self,
         name: &str,
         elements: Range<usize>,
-        out: &mut [f32],
+        out: &mut [T],
     ) -> Result<(), HfError> {
         let entry = self
             .tensors
@@ -269,9 +276,9 @@ impl SafetensorsFile {
         read_elements(&self.file, &self.path, name, entry, elements, out)
     }
 
-    /// Whole tensors, each into its `out` (as f32, which holds as many elements), read in one
-    /// pass over the file in the order they are stored ([`read_entries`]).
-    pub fn read_tensors(&self, wanted: Vec<(&str, &mut [f32])>) -> Result<(), HfError> {
+    /// Whole tensors, each into its `out` (converted through f32; it holds as many elements),
+    /// read in one pass over the file in the order they are stored ([`read_entries`]).
+    pub fn read_tensors<T: Float>(&self, wanted: Vec<(&str, &mut [T])>) -> Result<(), HfError> {
         let mut entries = Vec::with_capacity(wanted.len());
         for (name, out) in wanted {
             let entry = self.tensors.get(name).ok_or_else(|| HfError::NoSuchTensor {
@@ -297,14 +304,14 @@ fn element_width(dtype: Dtype, path: &Path, name: &str) -> Result<usize, HfError
     }
 }
 
-/// Whole tensors of `file` (at `path`), each `(name, entry, out)` into its `out` as f32 (which
-/// must hold as many elements), read in one pass over the file in the order they are stored
+/// Whole tensors of `file` (at `path`), each `(name, entry, out)` into its `out` (which must
+/// hold as many elements), read in one pass over the file in the order they are stored
 /// ([`read_pieces`]): a file of many tensors, each smaller than a read's piece, keeps several
 /// reads in flight (one read per tensor waited for each).
-fn read_entries(
+fn read_entries<T: Float>(
     file: &FileIn,
     path: &Path,
-    mut entries: Vec<(&str, &TensorEntry, &mut [f32])>,
+    mut entries: Vec<(&str, &TensorEntry, &mut [T])>,
 ) -> Result<(), HfError> {
     let mut reads = Vec::with_capacity(entries.len());
     for (name, entry, out) in entries.iter_mut() {
@@ -323,16 +330,16 @@ fn read_entries(
     read_pieces(file, path, reads)
 }
 
-/// Elements `elements` of the tensor `entry` of `file` (at `path`) as f32 into `out`, converted
-/// in pieces as they are read ([`read_pieces`]), so that a large tensor's bytes are never all in
+/// Elements `elements` of the tensor `entry` of `file` (at `path`) into `out`, converted in
+/// pieces as they are read ([`read_pieces`]), so that a large tensor's bytes are never all in
 /// memory beside it.
-fn read_elements(
+fn read_elements<T: Float>(
     file: &FileIn,
     path: &Path,
     name: &str,
     entry: &TensorEntry,
     elements: Range<usize>,
-    out: &mut [f32],
+    out: &mut [T],
 ) -> Result<(), HfError> {
     let width = element_width(entry.dtype, path, name)?;
     let start = entry.bytes.start + (elements.start * width) as u64;
@@ -341,16 +348,16 @@ fn read_elements(
 }
 
 /// Each `(bytes, width, dtype, out)`: the file's `bytes`, elements of `dtype` `width` bytes wide,
-/// as f32 into `out` (as many elements), each piece converted on the thread that read it
+/// into `out` (as many elements, converted through f32), each piece converted on the thread that read it
 /// ([`FileIn::read_ranges`]) into its own part of `out`.
-fn read_pieces(
+fn read_pieces<T: Float>(
     file: &FileIn,
     path: &Path,
-    reads: Vec<(Range<u64>, usize, Dtype, &mut [f32])>,
+    reads: Vec<(Range<u64>, usize, Dtype, &mut [T])>,
 ) -> Result<(), HfError> {
     let mut ranges = Vec::with_capacity(reads.len());
     // Each range's outputs, a piece's elements each, lent to whichever thread reads that piece.
-    let mut pieces: Vec<(Dtype, Vec<Mutex<&mut [f32]>>)> = Vec::with_capacity(reads.len());
+    let mut pieces: Vec<(Dtype, Vec<Mutex<&mut [T]>>)> = Vec::with_capacity(reads.len());
     for (bytes, width, dtype, out) in reads {
         ranges.push((bytes, width));
         let per_piece = READ_BUFFER_BYTES / width;
@@ -365,22 +372,25 @@ fn read_pieces(
     read.map_err(io(path))
 }
 
-/// Little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`.
-fn decode(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+/// Little-endian `bytes` of `dtype` (BF16, F16 or F32) into `out`, through f32 (so that a
+/// narrower `T` rounds as a value read as f32 and then converted would).
+fn decode<T: Float>(dtype: Dtype, bytes: &[u8], out: &mut [T]) {
     match dtype {
         Dtype::F32 => {
             for (value, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *value = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                *value = T::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
             }
         }
         Dtype::BF16 => {
             for (value, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *value = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                let x = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                *value = T::from_f32(x.to_f32());
             }
         }
         Dtype::F16 => {
             for (value, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *value = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                let x = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                *value = T::from_f32(x.to_f32());
             }
         }
         other => unreachable!("decode is called for BF16, F16 and F32 only, not {other:?}"),

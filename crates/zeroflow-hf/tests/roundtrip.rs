@@ -216,6 +216,55 @@ fn bf16_f16_and_f32_files_read_as_the_same_f32_values() {
     assert_eq!(fine_read.read_f32("x").unwrap(), [fine]);
 }
 
+/// Tensors stored as BF16, F16 or F32 read into bf16, f16 and f32 as their f32 values
+/// converted (a run's bf16 weights read straight into their buffer are the f32 ones rounded,
+/// bit for bit): values that round, ties, f16 subnormals and values past f16's range, through the
+/// directory's reader and a file's range reader.
+#[test]
+fn every_stored_dtype_reads_into_every_type_as_its_f32_value_converted() {
+    use zeroflow_core::{Float, bf16, f16};
+
+    let scratch = Scratch::new("into");
+    let values: Vec<f32> = [1.0f32 + 1.0 / 512.0, 1.0 + 3.0 / 256.0, -2.7182817, 6.1e-6, 1e-7]
+        .into_iter()
+        .chain([70_000.0, -1e30, 0.0, -0.0, 0.1, 3.0e-39])
+        .chain((0..37).map(|i| (i as f32 * 0.731).sin() * 10f32.powi(i % 7 - 3)))
+        .collect();
+    let n = values.len();
+    let bytes = |bits: &dyn Fn(f32) -> Vec<u8>| values.iter().flat_map(|&v| bits(v)).collect();
+    write_raw(
+        &scratch.0,
+        &[
+            ("a", Dtype::BF16, vec![n], bytes(&|v| bf16::from_f32(v).to_le_bytes().to_vec())),
+            ("b", Dtype::F16, vec![n], bytes(&|v| f16::from_f32(v).to_le_bytes().to_vec())),
+            ("c", Dtype::F32, vec![n], bytes(&|v| v.to_le_bytes().to_vec())),
+        ],
+    );
+    let read = HfCheckpoint::open(&scratch.0).unwrap();
+    let file = zeroflow_hf::SafetensorsFile::open(read.file_of(read.tensor("a").unwrap())).unwrap();
+    fn check<T: Float>(read: &HfCheckpoint, file: &zeroflow_hf::SafetensorsFile, n: usize) {
+        for name in ["a", "b", "c"] {
+            let want: Vec<u64> = read
+                .read_f32(name)
+                .unwrap()
+                .iter()
+                .map(|&v| T::from_f32(v).to_f64().to_bits())
+                .collect();
+            let bits =
+                |values: &[T]| values.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+            let mut out = vec![T::default(); n];
+            read.read_tensors_into(vec![(name, &[n][..], &mut out[..])]).unwrap();
+            assert_eq!(bits(&out), want, "{name} into {:?}", T::DTYPE);
+            let mut part = vec![T::default(); n - 3];
+            file.read_range(name, 2..n - 1, &mut part).unwrap();
+            assert_eq!(bits(&part), want[2..n - 1], "{name}'s range into {:?}", T::DTYPE);
+        }
+    }
+    check::<f32>(&read, &file, n);
+    check::<bf16>(&read, &file, n);
+    check::<f16>(&read, &file, n);
+}
+
 #[test]
 fn check_accepts_the_expected_names_and_shapes_and_skips_ignored_buffers() {
     let scratch = Scratch::new("check-ok");

@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use zeroflow_core::Float;
 use zeroflow_core::layout::{FlatLayout, ranges_mut};
 use zeroflow_hf::{CONFIG_FILE, HfCheckpoint, OutTensor, SaveOptions, Saved};
 
@@ -46,8 +47,12 @@ impl HfLlama {
     }
 
     /// Reads every parameter into its range of the flat buffer `params` of `layout` (converted
-    /// to f32); the padding is left as it is.
-    pub fn read_params(&self, layout: &FlatLayout, params: &mut [f32]) -> Result<(), LlamaError> {
+    /// to `T` through f32); the padding is left as it is.
+    pub fn read_params<T: Float>(
+        &self,
+        layout: &FlatLayout,
+        params: &mut [T],
+    ) -> Result<(), LlamaError> {
         check_buffer(layout, params.len())?;
         ParamRanges::new(&self.config, layout)?;
         let specs = hf_params(&self.config);

@@ -2,11 +2,10 @@
 //! `nn.Linear` weight and the embedding normal(0, `initializer_range`), biases 0, RMSNorm weights
 //! 1, and the embedding's `pad_token_id` row 0 where the config names one.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_nn::Float;
+use zeroflow_nn::init::{NORMAL_BLOCK, fill_normal_blocks};
 
 use crate::config::LlamaConfig;
 use crate::error::LlamaError;
@@ -15,12 +14,6 @@ use crate::ranges::ParamRanges;
 
 /// `initializer_range` where `config.json` gives none (every family's config class default).
 pub const DEFAULT_INITIALIZER_RANGE: f64 = 0.02;
-
-/// Elements of one parameter that one task draws (even: every block starts on a Box–Muller pair).
-const NORMAL_BLOCK: usize = 1 << 20;
-
-/// ChaCha8 words (`u32`) one Box–Muller pair consumes: two `f64` draws of one `u64` each.
-const WORDS_PER_PAIR: u128 = 4;
 
 /// `initializer_range` of the config (kept in its `extra` fields).
 pub fn initializer_range(config: &LlamaConfig) -> f64 {
@@ -39,6 +32,18 @@ pub fn init_params<F: Float>(
     layout: &FlatLayout,
     seed: u64,
     params: &mut [F],
+) -> Result<(), LlamaError> {
+    init_params_as(config, layout, seed, params, F::of)
+}
+
+/// [`init_params`] into elements of any type, each value drawn (f64) converted by `of`: a run's
+/// weights straight into its own type (`|x| bf16::from_f32(x as f32)`: the f32 values, rounded).
+pub fn init_params_as<T: Copy + Send + Sync>(
+    config: &LlamaConfig,
+    layout: &FlatLayout,
+    seed: u64,
+    params: &mut [T],
+    of: impl Fn(f64) -> T + Sync,
 ) -> Result<(), LlamaError> {
     if params.len() != layout.padded_len() {
         let (expected, found) = (layout.padded_len(), params.len());
@@ -63,37 +68,17 @@ pub fn init_params<F: Float>(
         slices.push((index, mine));
     }
     slices.into_par_iter().for_each(|(index, slice)| match specs[index].kind {
-        ParamKind::Bias => slice.fill(F::zero()),
-        ParamKind::Norm => slice.fill(F::one()),
+        ParamKind::Bias => slice.fill(of(0.0)),
+        ParamKind::Norm => slice.fill(of(1.0)),
         ParamKind::Linear | ParamKind::Embedding => {
-            slice.par_chunks_mut(NORMAL_BLOCK).enumerate().for_each(|(number, part)| {
-                let mut rng = ChaCha8Rng::seed_from_u64(seed);
-                rng.set_stream(index as u64);
-                rng.set_word_pos(WORDS_PER_PAIR * (number * NORMAL_BLOCK / 2) as u128);
-                fill_normal(&mut rng, std, part);
-            });
+            fill_normal_blocks(seed, index, std, slice, NORMAL_BLOCK, &of);
             let width = config.hidden_size;
             if let (ParamKind::Embedding, Some(row)) = (specs[index].kind, pad_row)
                 && row < config.vocab_size
             {
-                slice[row * width..][..width].fill(F::zero());
+                slice[row * width..][..width].fill(of(0.0));
             }
         }
     });
     Ok(())
-}
-
-/// Fills `out` with normal(0, std) samples (Box–Muller, both outputs used).
-fn fill_normal<F: Float>(rng: &mut ChaCha8Rng, std: f64, out: &mut [F]) {
-    for pair in out.chunks_mut(2) {
-        // 1 - u is in (0, 1], so the logarithm is finite.
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        let radius = (-2.0 * u1.ln()).sqrt() * std;
-        let angle = std::f64::consts::TAU * u2;
-        pair[0] = F::of(radius * angle.cos());
-        if let Some(second) = pair.get_mut(1) {
-            *second = F::of(radius * angle.sin());
-        }
-    }
 }

@@ -45,7 +45,7 @@ pub use decode::LlamaDecoder;
 pub use error::{LlamaConfigError, LlamaError};
 pub use hf::{HfLlama, save_hf_dir};
 pub use host::{HostLlama, eval_stream};
-pub use init::init_params;
+pub use init::{init_params, init_params_as};
 pub use kernels::LlamaKernel;
 pub use params::{HfParam, ParamKind, hf_params, param_count};
 pub use plan::{LlamaPlan, Plan, PlanOptions};

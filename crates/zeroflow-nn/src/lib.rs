@@ -11,6 +11,8 @@
 //! - The executors: [`host::HostRunner`] on host vectors (the f64 oracle), [`cpu::CpuRunner`] on
 //!   the `CpuDevice`, [`cuda::CudaRunner`] on a GPU (bf16, cuBLASLt, the liveness schedule, gemm
 //!   or flash attention).
+//! - [`init`]: the normal draws of the families' initial weights, in blocks that seek each
+//!   parameter's stream.
 //! - [`infer`]: inference over any family: the key/value cache, the [`infer::Decoder`] a family's
 //!   cached forward implements, sampling and [`infer::generate`], the loss over a stream's windows.
 
@@ -21,6 +23,7 @@ pub mod error;
 pub mod float;
 pub mod host;
 pub mod infer;
+pub mod init;
 pub mod kernels;
 pub mod plan;
 

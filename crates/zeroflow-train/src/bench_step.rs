@@ -13,9 +13,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rayon::prelude::*;
 use serde_json::json;
-use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{self, Context};
 use zeroflow_device::{CopiedBytes, Device as _, StreamKind};
@@ -273,10 +271,9 @@ fn bench<F: Family, M: Model>(
         return Ok((dist.rank == 0).then_some(out));
     }
     let layout = model.flat_layout(dist.world_size)?;
-    let mut weights = vec![0.0f32; layout.padded_len()];
-    model.init(&layout, 0, &mut weights)?;
-    let initial: Vec<M::P> = weights.par_iter().map(|&w| M::P::from_f32(w)).collect();
-    drop(weights);
+    // Drawn straight into the model's type: no f32 copy at a large model's host peak.
+    let mut initial = vec![M::P::default(); layout.padded_len()];
+    model.init(&layout, 0, &mut initial)?;
     let Opened { device, comm, model: mut gpt, mut group } =
         open(model, args.micro_batch, seq, &layout, dist)?;
     let description = device.describe();

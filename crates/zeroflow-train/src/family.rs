@@ -9,6 +9,7 @@ use zeroflow_core::bf16;
 use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_nn::cuda::ActivationMemory;
 
+use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::cuda::blas::Blas;
@@ -54,8 +55,14 @@ pub trait Family: Clone + std::fmt::Debug + serde::Serialize + Send + 'static {
     fn flat_layout(&self, world_size: usize) -> Result<FlatLayout, TrainError>;
     /// The checkpoint's tensors: Hugging Face names and shapes over the flat buffer.
     fn tensors(&self, layout: &FlatLayout) -> Result<Vec<NamedTensor>, TrainError>;
-    /// Fresh weights from `seed` into `weights` (the padded flat buffer).
-    fn init(&self, layout: &FlatLayout, seed: u64, weights: &mut [f32]) -> Result<(), TrainError>;
+    /// Fresh weights from `seed` into `weights` (the padded flat buffer), drawn as f32 and
+    /// rounded to `P` where it is narrower (no f32 copy of them beside the buffer).
+    fn init<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        seed: u64,
+        weights: &mut [P],
+    ) -> Result<(), TrainError>;
     /// Elements (f32) of the CPU model's activations for `batch` sequences of `seq` tokens.
     fn cpu_activations(&self, batch: usize, seq: usize) -> usize;
     /// The attention the GPU model runs: `asked`, else the family's best for this shape.
@@ -188,4 +195,10 @@ impl ModelSpec {
     pub fn shape_json(&self) -> serde_json::Value {
         with_family!(self, family => serde_json::to_value(family).expect("serialisable"))
     }
+}
+
+/// A drawn initial value (f64) as `P`: rounded to f32 first, so that narrower weights are the
+/// f32 ones rounded, whatever type the run holds them in.
+pub(crate) fn of_f32<P: Float>(x: f64) -> P {
+    P::from_f32(x as f32)
 }

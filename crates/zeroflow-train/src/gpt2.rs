@@ -11,6 +11,7 @@ use zeroflow_core::bf16;
 use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_nn::cuda::ActivationMemory;
 
+use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::cuda::blas::Blas;
@@ -21,6 +22,7 @@ use zeroflow_gpt::cuda::{CudaGpt, CudaGptOptions};
 use zeroflow_gpt::{ActLayout, CpuGpt, GptConfig, GptError};
 use zeroflow_nn::{AttentionKind, PlanOptions};
 
+use crate::family::of_f32;
 use crate::model::{cuda_memory_in_use, model_impl};
 use crate::{Family, ModelSpec, TrainError};
 
@@ -82,8 +84,13 @@ impl Family for GptConfig {
             .collect())
     }
 
-    fn init(&self, layout: &FlatLayout, seed: u64, weights: &mut [f32]) -> Result<(), TrainError> {
-        Ok(zeroflow_gpt::init_params(self, layout, seed, weights)?)
+    fn init<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        seed: u64,
+        weights: &mut [P],
+    ) -> Result<(), TrainError> {
+        Ok(zeroflow_gpt::init_params_as(self, layout, seed, weights, of_f32)?)
     }
 
     fn cpu_activations(&self, batch: usize, seq: usize) -> usize {

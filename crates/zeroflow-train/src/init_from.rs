@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
+use zeroflow_core::Float;
 use zeroflow_core::layout::{FlatLayout, ranges_mut};
 use zeroflow_engine::checkpoint::NamedTensor;
 use zeroflow_gpt::GptConfig;
@@ -102,46 +103,61 @@ fn gpt2_config(path: &Path, json: &serde_json::Value) -> Result<GptConfig> {
 }
 
 impl HfModel {
-    /// The flat weights (padding zero) of `model`, whose tensors are `tensors` in `layout`.
-    /// GPT-2's names are looked up as given and without the `transformer.` prefix (the original
-    /// OpenAI GPT-2 files omit it); every tensor must be there with the model's shape. A Llama
-    /// directory gives the weights of its own `config.json`'s model only.
-    pub fn flat_weights(
-        &self,
-        model: &ModelSpec,
-        layout: &FlatLayout,
-        tensors: &[NamedTensor],
-    ) -> Result<Vec<f32>> {
+    /// Checks that the directory holds `model`'s weights, whose tensors are `tensors`: GPT-2's
+    /// names are looked up as given and without the `transformer.` prefix (the original OpenAI
+    /// GPT-2 files omit it), every tensor with the model's shape; a Llama directory gives the
+    /// weights of its own `config.json`'s model only (its tensors were checked when it was
+    /// opened). What [`HfModel::flat_weights`] reads, said before anything else is.
+    pub fn check(&self, model: &ModelSpec, tensors: &[NamedTensor]) -> Result<()> {
         match &self.weights {
-            Weights::Gpt2(file) => self.gpt2_weights(file, tensors, layout.padded_len()),
-            Weights::Llama(hf) => {
-                if self.model.as_ref() != Some(model) {
-                    return Err(input(format!(
-                        "--init-from {}: --model differs from the directory's config.json; drop \
-                         --model to train the directory's model",
-                        self.dir.display()
-                    )));
-                }
-                let mut flat = vec![0.0; layout.padded_len()];
-                hf.read_params(layout, &mut flat).map_err(|e| input(format!("--init-from {e}")))?;
-                Ok(flat)
-            }
+            Weights::Gpt2(file) => self.gpt2_names(file, tensors).map(drop),
+            Weights::Llama(_) if self.model.as_ref() != Some(model) => Err(input(format!(
+                "--init-from {}: --model differs from the directory's config.json; drop --model \
+                 to train the directory's model",
+                self.dir.display()
+            ))),
+            Weights::Llama(_) => Ok(()),
         }
     }
 
-    fn gpt2_weights(
+    /// The flat weights (padding zero) of the model [`HfModel::check`] accepted, whose tensors
+    /// are `tensors` in `layout`, as `P` (through f32: rounded where `P` is narrower than the
+    /// stored type), read straight into their buffer.
+    pub fn flat_weights<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        tensors: &[NamedTensor],
+    ) -> Result<Vec<P>> {
+        let mut flat = vec![P::default(); layout.padded_len()];
+        match &self.weights {
+            Weights::Gpt2(file) => {
+                let names = self.gpt2_names(file, tensors)?;
+                let ranges: Vec<_> = tensors.iter().map(|t| t.flat.clone()).collect();
+                let outs =
+                    ranges_mut(&mut flat, &ranges).expect("a layout's parameters do not overlap");
+                let read = file.read_tensors(names.into_iter().zip(outs).collect());
+                read.map_err(|e| input(format!("--init-from {e}")))?;
+            }
+            Weights::Llama(hf) => {
+                hf.read_params(layout, &mut flat).map_err(|e| input(format!("--init-from {e}")))?
+            }
+        }
+        Ok(flat)
+    }
+
+    /// The name each of `tensors` has in GPT-2's `file`, checked to have the model's shape.
+    fn gpt2_names<'t>(
         &self,
         file: &SafetensorsFile,
-        tensors: &[NamedTensor],
-        padded_len: usize,
-    ) -> Result<Vec<f32>> {
+        tensors: &'t [NamedTensor],
+    ) -> Result<Vec<&'t str>> {
         let path = file.path();
         let mut names = Vec::with_capacity(tensors.len());
         for tensor in tensors {
             let short = tensor.name.strip_prefix("transformer.").unwrap_or(&tensor.name);
-            let name = [tensor.name.as_str(), short]
+            let (name, entry) = [tensor.name.as_str(), short]
                 .into_iter()
-                .find(|name| file.tensor(name).is_some())
+                .find_map(|name| file.tensor(name).map(|entry| (name, entry)))
                 .ok_or_else(|| {
                     input(format!(
                         "--init-from {}: it has no tensor {}; {WHAT_TO_DO}",
@@ -149,24 +165,19 @@ impl HfModel {
                         tensor.name
                     ))
                 })?;
-            let shape = &file.tensor(name).expect("found above").shape;
-            if *shape != tensor.shape {
+            if entry.shape != tensor.shape {
                 return Err(input(format!(
-                    "--init-from {}: {} has shape {shape:?}, the model needs {:?}; pass the \
+                    "--init-from {}: {} has shape {:?}, the model needs {:?}; pass the \
                      --model it was trained with, or drop --model to use its config.json",
                     path.display(),
                     tensor.name,
+                    entry.shape,
                     tensor.shape
                 )));
             }
             names.push(name);
         }
-        let mut flat = vec![0.0; padded_len];
-        let ranges: Vec<_> = tensors.iter().map(|t| t.flat.clone()).collect();
-        let outs = ranges_mut(&mut flat, &ranges).expect("a layout's parameters do not overlap");
-        let read = file.read_tensors(names.into_iter().zip(outs).collect());
-        read.map_err(|e| input(format!("--init-from {e}")))?;
-        Ok(flat)
+        Ok(names)
     }
 }
 
@@ -175,6 +186,18 @@ mod tests {
     use zeroflow_engine::LossScaler;
     use zeroflow_engine::checkpoint::{self, Meta, NamedTensor};
     use zeroflow_gpt::{GptConfig, flat_layout, hf_tensors, init_params};
+
+    /// The weights of the directory `dir` as f32, checked for `spec` first.
+    fn read_checked(
+        dir: &std::path::Path,
+        spec: &crate::ModelSpec,
+        layout: &zeroflow_core::layout::FlatLayout,
+        named: &[NamedTensor],
+    ) -> Vec<f32> {
+        let hf = super::read(dir).unwrap();
+        hf.check(spec, named).unwrap();
+        hf.flat_weights(layout, named).unwrap()
+    }
 
     /// Importing a checkpoint's `model.safetensors` (what `zeroflow export` copies) and saving the
     /// imported weights again gives the same bytes.
@@ -212,7 +235,7 @@ mod tests {
         let (first, second) = (root.join("first"), root.join("second"));
         checkpoint::save(&first, &meta, &weights, &named, &[]).unwrap();
         let spec = crate::ModelSpec::Gpt2(model);
-        let imported = super::read(&first).unwrap().flat_weights(&spec, &layout, &named).unwrap();
+        let imported: Vec<f32> = read_checked(&first, &spec, &layout, &named);
         checkpoint::save(&second, &meta, &imported, &named, &[]).unwrap();
         let bytes = |dir: &std::path::Path| std::fs::read(dir.join("model.safetensors")).unwrap();
         assert_eq!(bytes(&first), bytes(&second));
@@ -234,7 +257,7 @@ mod tests {
         };
         zeroflow_hf::save(&third, &serde_json::json!({}), &out, &options).unwrap();
         std::fs::remove_file(third.join("config.json")).unwrap();
-        let imported = super::read(&third).unwrap().flat_weights(&spec, &layout, &named).unwrap();
+        let imported: Vec<f32> = read_checked(&third, &spec, &layout, &named);
         for t in &named {
             for i in t.flat.clone() {
                 assert_eq!(imported[i], zeroflow_core::bf16::from_f32(weights[i]).to_f32(), "{i}");

@@ -15,6 +15,7 @@ use zeroflow_nn::cuda::ActivationMemory;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use zeroflow_core::DType;
+use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::cuda::blas::Blas;
@@ -29,6 +30,7 @@ use zeroflow_nn::{AttentionKind, PlanOptions};
 
 use crate::error::input;
 use crate::export::Checkpoint;
+use crate::family::of_f32;
 use crate::model::{cuda_memory_in_use, model_impl};
 use crate::{Family, ModelSpec, TrainError};
 
@@ -126,8 +128,13 @@ impl Family for LlamaSpec {
             .collect()
     }
 
-    fn init(&self, layout: &FlatLayout, seed: u64, weights: &mut [f32]) -> Result<(), TrainError> {
-        Ok(zeroflow_llama::init_params(&self.0, layout, seed, weights)?)
+    fn init<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        seed: u64,
+        weights: &mut [P],
+    ) -> Result<(), TrainError> {
+        Ok(zeroflow_llama::init_params_as(&self.0, layout, seed, weights, of_f32)?)
     }
 
     fn cpu_activations(&self, batch: usize, seq: usize) -> usize {

@@ -5,8 +5,9 @@ use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use zeroflow_core::bf16;
 use zeroflow_core::config::Config;
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Float, bf16};
 use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
@@ -85,9 +86,9 @@ pub enum Start {
     /// Fresh weights from the seed.
     Seed,
     /// The weights of a Hugging Face directory (`--init-from`), fresh optimizer state.
-    InitFrom { dir: PathBuf, weights: Vec<f32> },
+    InitFrom { dir: PathBuf, hf: Box<init_from::HfModel> },
     /// Everything from a checkpoint (`--resume`).
-    Resume { point: Box<ResumePoint>, weights: Vec<f32> },
+    Resume { point: Box<ResumePoint> },
 }
 
 /// Everything a run needs, checked.
@@ -520,7 +521,8 @@ fn choose_model(
         })))
 }
 
-/// How the run starts, with the initial weights checked against the model's tensors.
+/// How the run starts, with the initial weights checked against the model's tensors (read when
+/// the engine is built, in the run's own type: [`Start::weights`]).
 fn initial_state(
     resume: Option<ResumePoint>,
     hf: Option<init_from::HfModel>,
@@ -531,22 +533,48 @@ fn initial_state(
     let tensors = model.tensors(&layout)?;
     Ok(match (resume, hf) {
         (Some(point), _) => {
-            let (started, bytes) = (Instant::now(), point.loaded.model.file_bytes());
-            let weights = point.loaded.flat_weights(&tensors, layout.padded_len());
-            let weights = weights.map_err(|e| resume_point::resume_error(&e))?;
-            tracing::info!(
-                "read the checkpoint's weights ({}) in {:.1} s",
-                checkpoint::disk_size(bytes),
-                started.elapsed().as_secs_f64()
-            );
-            Start::Resume { point: Box::new(point), weights }
+            point.loaded.check_tensors(&tensors).map_err(|e| resume_point::resume_error(&e))?;
+            Start::Resume { point: Box::new(point) }
         }
         (None, Some(hf)) => {
-            let weights = hf.flat_weights(model, &layout, &tensors)?;
-            Start::InitFrom { dir: hf.dir, weights }
+            hf.check(model, &tensors)?;
+            Start::InitFrom { dir: hf.dir.clone(), hf: Box::new(hf) }
         }
         (None, None) => Start::Seed,
     })
+}
+
+impl Start {
+    /// The weights the run starts from, as `P` in the flat buffer of `layout` (whose tensors are
+    /// `family`'s): fresh from `seed`, or read from the `--init-from` directory or the checkpoint
+    /// straight into their buffer (no f32 copy of a large model beside them).
+    pub fn weights<F: Family, P: Float>(
+        &self,
+        seed: u64,
+        family: &F,
+        layout: &FlatLayout,
+    ) -> Result<Vec<P>> {
+        let mut weights = match self {
+            Start::Seed => vec![P::default(); layout.padded_len()],
+            Start::InitFrom { hf, .. } => {
+                return hf.flat_weights(layout, &family.tensors(layout)?);
+            }
+            Start::Resume { point } => {
+                let (started, bytes) = (Instant::now(), point.loaded.model.file_bytes());
+                let tensors = family.tensors(layout)?;
+                let weights = point.loaded.flat_weights(&tensors, layout.padded_len());
+                let weights = weights.map_err(|e| resume_point::resume_error(&e))?;
+                tracing::info!(
+                    "read the checkpoint's weights ({}) in {:.1} s",
+                    checkpoint::disk_size(bytes),
+                    started.elapsed().as_secs_f64()
+                );
+                return Ok(weights);
+            }
+        };
+        family.init(layout, seed, &mut weights)?;
+        Ok(weights)
+    }
 }
 
 /// When resuming, `--micro-batch`, `--accum` and `--lr` default to the checkpoint's values, so

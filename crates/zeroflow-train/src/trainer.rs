@@ -77,11 +77,9 @@ impl<M: Model> Trainer<M> {
         }
         let world = setup.dist.world_size;
         let layout = family.flat_layout(world)?;
-        let weights = initial_weights(&mut setup.start, setup.seed, family, &layout)?;
-        // The weights in the model's element type, the f32 ones dropped at once: the engine is
-        // built without them (4 B per parameter less at a large model's host peak).
-        let initial: Vec<M::P> = weights.iter().map(|&w| M::P::from_f32(w)).collect();
-        drop(weights);
+        // The weights in the model's element type, drawn or read straight into it: no f32 copy
+        // (4 B per parameter) at a large model's host peak.
+        let initial: Vec<M::P> = setup.start.weights(setup.seed, family, &layout)?;
         let setup = &*setup;
         let config = &setup.config;
         let micro_batch = config.batch.micro_batch_size_per_gpu as usize;
@@ -379,24 +377,6 @@ impl<M: Model> Trainer<M> {
     }
 }
 
-/// The weights the run starts from: fresh from the seed, or those `--init-from` or `--resume`
-/// read (taken from `start`: the run keeps no second copy).
-fn initial_weights<F: Family>(
-    start: &mut Start,
-    seed: u64,
-    family: &F,
-    layout: &FlatLayout,
-) -> Result<Vec<f32>> {
-    Ok(match start {
-        Start::Seed => {
-            let mut weights = vec![0.0f32; layout.padded_len()];
-            family.init(layout, seed, &mut weights)?;
-            weights
-        }
-        Start::InitFrom { weights, .. } | Start::Resume { weights, .. } => std::mem::take(weights),
-    })
-}
-
 /// The engine's options for parameters of type `P` (the config's, tuned by the run-time
 /// settings), and the settings in effect.
 fn engine_options<P: Float>(setup: &Setup) -> Result<(EngineOptions, Effective)> {
@@ -467,21 +447,77 @@ mod tests {
 
     use super::*;
 
-    /// The weights `--init-from` or `--resume` read are taken out of the set-up, not copied (an
-    /// 8 B model's f32 copy is 32 GB of host memory the run would otherwise keep); a fresh start
-    /// initialises from the seed, the same weights every time.
+    /// The initial weights are drawn, or read, straight into the run's type, and are bit for bit
+    /// the f32 weights rounded (what a run built before, through an f32 copy beside them): fresh
+    /// GPT-2 and Llama weights at odd shapes (grouped-query attention, a vocabulary of 37), and an
+    /// `--init-from` directory's F32 and BF16 weights; the same every time from the same seed.
     #[test]
-    fn the_initial_weights_are_taken_from_the_start_not_copied() {
-        let family = GptConfig { n_layer: 1, n_head: 2, d_model: 16, vocab_size: 64, context: 16 };
-        let layout = family.flat_layout(1).unwrap();
-        let read: Vec<f32> = (0..layout.padded_len()).map(|i| i as f32).collect();
-        let mut start = Start::InitFrom { dir: "model".into(), weights: read.clone() };
-        assert_eq!(initial_weights(&mut start, 0, &family, &layout).unwrap(), read);
-        let Start::InitFrom { weights, .. } = &start else { unreachable!() };
-        assert!(weights.is_empty() && weights.capacity() == 0, "the set-up keeps no copy");
-        let fresh = initial_weights(&mut Start::Seed, 7, &family, &layout).unwrap();
-        assert_eq!(fresh.len(), layout.padded_len());
-        assert_eq!(fresh, initial_weights(&mut Start::Seed, 7, &family, &layout).unwrap());
-        assert!(fresh.iter().any(|&w| w != 0.0));
+    fn the_initial_weights_in_the_runs_type_are_the_f32_ones_rounded() {
+        use zeroflow_core::{bf16, f16};
+
+        use crate::ModelSpec;
+        use crate::export::tests::tiny_llama;
+
+        fn rounded<P: Float>(values: &[f32]) -> Vec<u64> {
+            values.iter().map(|&w| P::from_f32(w).to_f64().to_bits()).collect()
+        }
+        fn bits<P: Float>(values: &[P]) -> Vec<u64> {
+            values.iter().map(|w| w.to_f64().to_bits()).collect()
+        }
+        let specs = [
+            ModelSpec::Gpt2(GptConfig {
+                n_layer: 1,
+                n_head: 3,
+                d_model: 9,
+                vocab_size: 37,
+                context: 7,
+            }),
+            ModelSpec::Llama(crate::llama::LlamaSpec(zeroflow_llama::LlamaConfig {
+                vocab_size: 37,
+                ..tiny_llama()
+            })),
+        ];
+        let root = std::env::temp_dir().join(format!("zeroflow-initial-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for spec in specs {
+            crate::with_family!(&spec, family => {
+                let layout = family.flat_layout(1).unwrap();
+                let fresh: Vec<f32> = Start::Seed.weights(7, family, &layout).unwrap();
+                assert!(fresh.iter().any(|&w| w != 0.0 && w != 1.0), "{spec:?}: drawn");
+                let again: Vec<f32> = Start::Seed.weights(7, family, &layout).unwrap();
+                assert_eq!(bits(&fresh), bits(&again), "{spec:?}: the same every time");
+                let as_bf16: Vec<bf16> = Start::Seed.weights(7, family, &layout).unwrap();
+                assert_eq!(bits(&as_bf16), rounded::<bf16>(&fresh), "{spec:?}: bf16");
+                let as_f16: Vec<f16> = Start::Seed.weights(7, family, &layout).unwrap();
+                assert_eq!(bits(&as_f16), rounded::<f16>(&fresh), "{spec:?}: f16");
+                if let ModelSpec::Llama(llama) = &spec {
+                    // A directory written in F32 and in BF16, read as f32 and as bf16.
+                    let tensors = family.tensors(&layout).unwrap();
+                    for dtype in [zeroflow_hf::SaveDtype::F32, zeroflow_hf::SaveDtype::Bf16] {
+                        let dir = root.join(format!("{dtype:?}"));
+                        let options = zeroflow_hf::SaveOptions {
+                            dtype,
+                            max_shard_bytes: 4096,
+                            tokenizer_from: None,
+                        };
+                        zeroflow_llama::save_hf_dir(&dir, &llama.0, &layout, &fresh, &options)
+                            .unwrap();
+                        let hf = crate::init_from::read(&dir).unwrap();
+                        // Its config.json's model (its extra fields differ from the spec's).
+                        hf.check(&hf.model.clone().unwrap(), &tensors).unwrap();
+                        let start = Start::InitFrom { dir: dir.clone(), hf: Box::new(hf) };
+                        let read: Vec<f32> = start.weights(0, family, &layout).unwrap();
+                        let stored = match dtype {
+                            zeroflow_hf::SaveDtype::Bf16 => rounded::<bf16>(&fresh),
+                            _ => bits(&fresh),
+                        };
+                        assert_eq!(bits(&read), stored, "{dtype:?} as f32");
+                        let read_bf16: Vec<bf16> = start.weights(0, family, &layout).unwrap();
+                        assert_eq!(bits(&read_bf16), rounded::<bf16>(&read), "{dtype:?} as bf16");
+                    }
+                }
+            });
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -114,6 +114,46 @@ fn out_of_bounds_ranges_are_errors() {
     assert!(matches!(dev.fill(d2h, &buf, 4..9, 0.0), Err(DeviceError::OutOfBounds { .. })));
 }
 
+/// An array uploaded in pieces through the two buffers holds every piece where it belongs,
+/// whatever the piece's length against the array's, with the device's operations delayed at
+/// random (a buffer refilled before its last copy was done would show); an error of `fill` stops
+/// the upload and is returned. `upload` (through such pieces where the data is large) gives the
+/// data back, in both kinds of host memory.
+#[test]
+fn an_upload_in_pieces_puts_every_piece_in_place() {
+    let chaos =
+        Chaos { seed: 7, max_delay: std::time::Duration::from_micros(300), percent_delayed: 50 };
+    let device = CpuDevice::with_chaos(chaos).unwrap();
+    for memory in [HostMemory::Pinned, HostMemory::Pageable] {
+        for (len, piece) in [(23, 5), (23, 1), (23, 23), (23, 64), (24, 8), (1, 3)] {
+            let target = device.alloc::<f32>(len).unwrap();
+            let mut ranges = Vec::new();
+            let filled = device.upload_in_pieces(&target, piece, memory, |range, out| {
+                ranges.push(range.clone());
+                out.iter_mut().zip(range).for_each(|(o, i)| *o = i as f32 * 0.5 - 3.0);
+                Ok::<_, DeviceError>(())
+            });
+            filled.unwrap();
+            let want: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+            assert_eq!(device.download(&target).unwrap(), want, "{len} by {piece}");
+            assert_eq!(ranges.len(), len.div_ceil(piece), "{len} by {piece}: {ranges:?}");
+        }
+        let target = device.alloc::<f32>(10).unwrap();
+        let failed = device.upload_in_pieces(&target, 3, memory, |range, _| match range.start {
+            6 => Err(DeviceError::Kernel { kernel: "fill", reason: "a read failed".into() }),
+            _ => Ok(()),
+        });
+        let stopped =
+            matches!(&failed, Err(DeviceError::Kernel { reason, .. }) if reason == "a read failed");
+        assert!(stopped, "{failed:?}");
+    }
+    // Larger than the staging: three pieces through two page-locked buffers.
+    let len = crate::DOWNLOAD_CHUNK_BYTES / 4 + 3;
+    let data: Vec<u32> = (0..len as u32).collect();
+    let uploaded = device.upload(&data).unwrap();
+    assert!(device.download(&uploaded).unwrap() == data, "a large upload reads back");
+}
+
 /// Chaos has teeth: a host read that bypasses the token (the seeds' bug, written with the unsafe
 /// test-only path) sees stale data, while the token path never does.
 #[test]

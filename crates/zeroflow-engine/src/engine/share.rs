@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_device::{Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
+use zeroflow_device::{Device, DeviceBuffer, HostMemory, StreamKind};
 use zeroflow_optim::AdamWStep;
 
 use super::state::SavedState;
@@ -81,9 +81,10 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         let grads = device.alloc::<f32>(share)?;
         let stepped = device.new_event()?;
         let share = DeviceShare { from, state, grads, stepped, recorded: false };
-        upload(device, &share.state.master, UPLOAD_PIECE, |range, piece| {
+        let master = &share.state.master;
+        device.upload_in_pieces(master, UPLOAD_PIECE, HostMemory::Pinned, |range, piece| {
             piece.iter_mut().zip(&initial[range]).for_each(|(m, p)| *m = p.to_f32());
-            Ok(())
+            Ok::<_, EngineError>(())
         })?;
         let compute = device.stream(StreamKind::Compute);
         for moment in [&share.state.exp_avg, &share.state.exp_avg_sq] {
@@ -154,7 +155,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         let started = std::time::Instant::now();
         for (array, target) in self.buffers().into_iter().enumerate() {
             let from = self.from;
-            upload(device, target, UPLOAD_PIECE, |range, piece| {
+            device.upload_in_pieces(target, UPLOAD_PIECE, HostMemory::Pinned, |range, piece| {
                 saved.read_array(array, from + range.start..from + range.end, piece)
             })?;
         }
@@ -245,32 +246,6 @@ pub(super) fn restore<D: DeviceAdamW>(
     share.restore(device, saved)
 }
 
-/// Fills `target` (one of the share's arrays) `piece` elements at a time: `fill` writes elements
-/// `range` of it into one of two host buffers, which is then uploaded on the h2d stream while
-/// `fill` writes the next range into the other (a buffer's next write waits for its last copy).
-fn upload<D: Device>(
-    device: &D,
-    target: &D::Buffer<f32>,
-    piece: usize,
-    mut fill: impl FnMut(Range<usize>, &mut [f32]) -> Result<(), EngineError>,
-) -> Result<(), EngineError> {
-    let len = target.len();
-    let piece = piece.clamp(1, len.max(1));
-    let mut pieces: [HostBuffer<f32>; 2] = [
-        device.alloc_host(piece, HostMemory::Pinned)?,
-        device.alloc_host(piece, HostMemory::Pinned)?,
-    ];
-    let h2d = device.stream(StreamKind::H2d);
-    for (index, start) in (0..len).step_by(piece).enumerate() {
-        let end = (start + piece).min(len);
-        let buffer = &mut pieces[index % 2];
-        fill(start..end, &mut buffer[..end - start])?;
-        device.copy_h2d(h2d, buffer, 0..end - start, target, start)?.detach();
-    }
-    device.synchronize()?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use zeroflow_core::layout::{Alignment, FlatLayout, ParamSpec};
@@ -280,34 +255,6 @@ mod tests {
     use super::super::stream::StreamCpu;
     use super::*;
     use crate::{AccumulateOn, Offload, Placement};
-
-    /// An array uploaded in pieces through the two buffers holds every piece where it belongs,
-    /// whatever the piece's length against the array's, with the device's operations delayed at
-    /// random (a buffer refilled before its last copy was done would show); an error of `fill`
-    /// stops the upload and is returned.
-    #[test]
-    fn an_upload_in_pieces_puts_every_piece_in_place() {
-        let device = CpuDevice::with_chaos(zeroflow_device::cpu::Chaos::new(7)).unwrap();
-        for (len, piece) in [(23, 5), (23, 1), (23, 23), (23, 64), (24, 8), (1, 3)] {
-            let target = device.alloc::<f32>(len).unwrap();
-            let mut ranges = Vec::new();
-            upload(&device, &target, piece, |range, out| {
-                ranges.push(range.clone());
-                out.iter_mut().zip(range).for_each(|(o, i)| *o = i as f32 * 0.5 - 3.0);
-                Ok(())
-            })
-            .unwrap();
-            let want: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
-            assert_eq!(device.download(&target).unwrap(), want, "{len} by {piece}");
-            assert_eq!(ranges.len(), len.div_ceil(piece), "{len} by {piece}: {ranges:?}");
-        }
-        let target = device.alloc::<f32>(10).unwrap();
-        let failed = upload(&device, &target, 3, |range, _| match range.start {
-            6 => Err(EngineError::Internal("a read failed")),
-            _ => Ok(()),
-        });
-        assert!(matches!(failed, Err(EngineError::Internal("a read failed"))), "{failed:?}");
-    }
 
     /// With a device share the host optimizer holds the partition's elements before the share
     /// and no more, and the whole state reads back as the initial weights and zero moments (the

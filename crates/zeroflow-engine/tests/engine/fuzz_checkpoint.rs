@@ -538,7 +538,7 @@ fn read_every_way(
     let opened = opened.unwrap();
     // Compared bit for bit: a mutation can make an element NaN, which equals nothing.
     let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
-    let read = opened.flat_weights(&fixture.tensors, fixture.padded_len);
+    let read = opened.flat_weights::<f32>(&fixture.tensors, fixture.padded_len);
     let whole = checkpoint::flat_weights(&loaded, &fixture.tensors, fixture.padded_len, dir);
     let (read, whole) = (read.ok().map(|r| bits(&r)), whole.ok().map(|w| bits(&w)));
     prop_assert_eq!(read, whole, "the weights opened and loaded");

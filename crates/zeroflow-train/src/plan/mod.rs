@@ -64,11 +64,10 @@ pub enum PlanMode {
 /// Who holds the initial weights besides the engine, which differs between the callers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Caller {
-    /// `bench step`: fresh f32 weights, converted to the model's dtype and dropped before the
-    /// engine is built.
+    /// `bench step`: fresh weights in the model's dtype, which the engine takes.
     Bench,
-    /// `train`: one f32 copy of the weights until the engine holds them, and when `resumed` the
-    /// checkpoint's optimizer state until the engine has taken it.
+    /// `train`: the weights in the model's dtype (fresh or read), which the engine takes, and
+    /// when `resumed` the checkpoint's optimizer state, read into the engine's.
     Train { resumed: bool },
 }
 
@@ -120,7 +119,7 @@ pub enum Phase {
     /// While the engine is built (its initial weights, the master weights being filled): one
     /// peak, not added to the engine's run buffers.
     EngineSetUp,
-    /// Before the engine is built (`bench step`'s f32 weights and their conversion).
+    /// Before the engine is built (the initial weights, drawn or read).
     BeforeEngine,
 }
 
@@ -134,7 +133,7 @@ pub struct MemoryPlan {
     /// Bytes of host memory at the peak (the peak RSS): the lines held for the whole run, plus
     /// the larger of the engine's run buffers and its set-up peak; or what comes before the
     /// engine with the lines held for the whole run but the CUDA driver's and libraries' (the
-    /// device is opened after the initial weights are made and converted), where that is more.
+    /// device is opened after the initial weights are made), where that is more.
     pub host_total: u64,
     /// Bytes of disk a checkpoint of the run takes (every rank's part, f32 weights).
     pub checkpoint_disk_bytes: u64,
@@ -149,9 +148,9 @@ impl MemoryPlan {
         let gpu_total = sum(&lines, |l| l.memory == MemoryKind::Device);
         let host = |phase: Phase| sum(&lines, |l| l.memory == MemoryKind::Host && l.phase == phase);
         let engine = host(Phase::Run) + host(Phase::Engine).max(host(Phase::EngineSetUp));
-        // The device is opened after the initial weights are made (or read) and converted: on
-        // the H200 (BENCHMARKS.md, 2026-12-04), where the engine holds less than those weights
-        // (a device share of 0.99), the peak RSS was them and the process alone.
+        // The device is opened after the initial weights are made (or read): on the H200
+        // (BENCHMARKS.md, 2026-12-04), where the engine held less than those weights (then f32
+        // and converted; a device share of 0.99), the peak RSS was them and the process alone.
         let late = match inputs.device {
             DeviceKind::Cuda => CUDA_HOST_BASELINE_BYTES - HOST_BASELINE_BYTES,
             DeviceKind::Cpu => 0,
@@ -232,17 +231,17 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     let tokens = (inputs.micro_batch * inputs.seq) as u64;
     lines.push(run(Host, "data loader batches", tokens * 8 * 2));
     let dtype = inputs.dtype();
-    // The initial weights in f32 (fresh, read by --init-from, or the checkpoint's, through the
-    // reader's buffers) converted to the model's dtype, the f32 ones dropped before the engine
-    // is built.
+    // The initial weights in the model's dtype (fresh, read by --init-from, or the checkpoint's,
+    // through the reader's buffers), drawn or read straight into their buffer, which the engine
+    // takes.
     let reading = match inputs.caller {
         Caller::Train { resumed: true } => READ_BUFFERS_BYTES as u64,
         _ => 0,
     };
     lines.push(PlanLine {
         memory: Host,
-        kind: "initial weights, f32 and converted (transient)",
-        bytes: padded * (4 + dtype.size() as u64) + reading,
+        kind: "initial weights (transient)",
+        bytes: padded * dtype.size() as u64 + reading,
         phase: Phase::BeforeEngine,
     });
     let partition = layout.partition_range(inputs.rank).len() as u64;
