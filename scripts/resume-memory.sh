@@ -21,24 +21,7 @@ free -g | head -2
 common=(--device cuda --config examples/configs/zero2-offload-bf16.json --micro-batch 4 --seq 2048
     --data synthetic --eval-every 0 --log-every 1)
 
-watch_rss() { # watch_rss PID LOG STOP_PATTERN: VmHWM of PID until it ends or LOG's metrics match
-    local pid=$1 metrics=$2 stop=$3 hwm=0 now
-    while kill -0 "$pid" 2>/dev/null; do
-        now=$(awk '/VmHWM/ { print $2 }' "/proc/$pid/status" 2>/dev/null)
-        [[ -n $now ]] && hwm=$now
-        if [[ -n $stop ]] && grep -q "$stop" "$metrics" 2>/dev/null; then
-            kill -9 "$pid" 2>/dev/null
-            break
-        fi
-        sleep 0.2
-    done
-    wait "$pid" 2>/dev/null
-    echo "$hwm"
-}
-report() { # report NAME LOG HWM_KIB
-    echo "$1: peak RSS $(python3 -c "print(f'{$3 / 2**20:.2f}')") GiB"
-    grep -E "Host|host memory|needs|plan" "$2" | head -8 | cut -c1-300
-}
+source scripts/rss-watch.sh
 
 echo "== $MODEL: $STEPS steps, saved at the end (at ${SECONDS}s)"
 $Z train "${common[@]}" --model "$MODEL" --steps "$STEPS" --out "$WORK/run" >"$OUT/first.log" 2>&1 &
