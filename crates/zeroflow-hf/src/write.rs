@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use safetensors::Dtype;
 use safetensors::tensor::View;
 use serde_json::Value;
+use zeroflow_core::Float;
 
 use crate::error::{HfError, io};
 use crate::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
@@ -84,12 +85,13 @@ impl Default for SaveOptions {
     }
 }
 
-/// One tensor to write: HF name, shape, and its row-major elements.
+/// One tensor to write: HF name, shape, and its row-major elements (f32, or a run's own bf16 or
+/// f16: each written through f32, so a bf16 tensor written as BF16 keeps its bits).
 #[derive(Clone, Copy, Debug)]
-pub struct OutTensor<'a> {
+pub struct OutTensor<'a, T = f32> {
     pub name: &'a str,
     pub shape: &'a [usize],
-    pub values: &'a [f32],
+    pub values: &'a [T],
 }
 
 /// What [`save`] wrote.
@@ -105,10 +107,10 @@ pub struct Saved {
 
 /// Writes `tensors` and `config` (its `torch_dtype`, and `dtype` where it has one, set to the
 /// written dtype) as the Hugging Face model directory `dir`, which must not exist or be empty.
-pub fn save(
+pub fn save<T: Float>(
     dir: &Path,
     config: &Value,
-    tensors: &[OutTensor<'_>],
+    tensors: &[OutTensor<'_, T>],
     options: &SaveOptions,
 ) -> Result<Saved, HfError> {
     check_tensors(tensors)?;
@@ -132,7 +134,7 @@ pub fn save(
     Ok(saved)
 }
 
-fn check_tensors(tensors: &[OutTensor<'_>]) -> Result<(), HfError> {
+fn check_tensors<T>(tensors: &[OutTensor<'_, T>]) -> Result<(), HfError> {
     let mut seen = HashSet::new();
     for t in tensors {
         let expected: usize = t.shape.iter().product();
@@ -151,10 +153,10 @@ fn check_tensors(tensors: &[OutTensor<'_>]) -> Result<(), HfError> {
     Ok(())
 }
 
-fn write_into(
+fn write_into<T: Float>(
     dir: &Path,
     config: &Value,
-    tensors: &[OutTensor<'_>],
+    tensors: &[OutTensor<'_, T>],
     options: &SaveOptions,
 ) -> Result<Saved, HfError> {
     let dtype = options.dtype;
@@ -258,14 +260,14 @@ fn sync(path: &Path) -> Result<(), HfError> {
     File::open(path).and_then(|f| f.sync_all()).map_err(io(path))
 }
 
-/// A tensor's f32 elements, encoded in the written dtype when the file is written (one tensor's
-/// bytes at a time).
-struct Encoded<'a> {
+/// A tensor's elements, encoded in the written dtype (through f32) when the file is written (one
+/// tensor's bytes at a time).
+struct Encoded<'a, T> {
     dtype: SaveDtype,
-    tensor: OutTensor<'a>,
+    tensor: OutTensor<'a, T>,
 }
 
-impl View for Encoded<'_> {
+impl<T: Float> View for Encoded<'_, T> {
     fn dtype(&self) -> Dtype {
         self.dtype.safetensors()
     }
@@ -277,10 +279,11 @@ impl View for Encoded<'_> {
     fn data(&self) -> Cow<'_, [u8]> {
         let values = self.tensor.values;
         let bytes: Vec<u8> = match self.dtype {
-            SaveDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            SaveDtype::Bf16 => {
-                values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect()
-            }
+            SaveDtype::F32 => values.iter().flat_map(|v| v.to_f32().to_le_bytes()).collect(),
+            SaveDtype::Bf16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v.to_f32()).to_le_bytes())
+                .collect(),
         };
         Cow::Owned(bytes)
     }

@@ -35,6 +35,39 @@ fn f32_single_file_round_trip_is_exact_and_records_the_dtype() {
     assert_eq!(read.names().count(), tensors.len());
 }
 
+/// A run's own bf16 tensors are written as BF16 with their bits kept, and as F32 widened exactly:
+/// the same files as their f32 values would give.
+#[test]
+fn bf16_tensors_write_as_their_f32_values_would() {
+    let scratch = Scratch::new("bf16-in");
+    let tensors = sample_tensors();
+    let narrow: Vec<Vec<zeroflow_core::bf16>> = tensors
+        .iter()
+        .map(|t| t.2.iter().map(|&v| zeroflow_core::bf16::from_f32(v)).collect())
+        .collect();
+    let wide: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+        .iter()
+        .zip(&narrow)
+        .map(|(t, n)| (t.0.clone(), t.1.clone(), n.iter().map(|v| v.to_f32()).collect()))
+        .collect();
+    let narrow_out: Vec<zeroflow_hf::OutTensor<'_, zeroflow_core::bf16>> = tensors
+        .iter()
+        .zip(&narrow)
+        .map(|(t, values)| zeroflow_hf::OutTensor { name: &t.0, shape: &t.1, values })
+        .collect();
+    for dtype in [SaveDtype::Bf16, SaveDtype::F32] {
+        let (from_narrow, from_wide) =
+            (scratch.0.join(format!("{dtype:?}-bf16")), scratch.0.join(format!("{dtype:?}-f32")));
+        save(&from_narrow, &json!({}), &narrow_out, &options(dtype, 100)).unwrap();
+        let saved =
+            save(&from_wide, &json!({}), &out_tensors(&wide), &options(dtype, 100)).unwrap();
+        for file in &saved.weight_files {
+            let bytes = |dir: &std::path::Path| std::fs::read(dir.join(file)).unwrap();
+            assert!(bytes(&from_narrow) == bytes(&from_wide), "{dtype:?}: {file}");
+        }
+    }
+}
+
 #[test]
 fn bf16_sharded_round_trip_rounds_each_value_to_bfloat16() {
     let scratch = Scratch::new("bf16-sharded");

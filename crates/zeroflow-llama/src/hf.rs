@@ -70,17 +70,17 @@ impl HfLlama {
 /// Writes the model `config` whose flat parameters `params` lie in `layout` as the Hugging Face
 /// directory `dir` (which must not exist or be empty): `config.json` of the same architecture,
 /// the weights in `options`' dtype, and `options`' tokenizer files.
-pub fn save_hf_dir(
+pub fn save_hf_dir<T: Float>(
     dir: &Path,
     config: &LlamaConfig,
     layout: &FlatLayout,
-    params: &[f32],
+    params: &[T],
     options: &SaveOptions,
 ) -> Result<Saved, LlamaError> {
     check_buffer(layout, params.len())?;
     ParamRanges::new(config, layout)?;
     let specs = hf_params(config);
-    let tensors: Vec<OutTensor<'_>> = specs
+    let tensors: Vec<OutTensor<'_, T>> = specs
         .iter()
         .map(|p| {
             let range = layout.param(&p.name).expect("checked by ParamRanges::new").flat_range();

@@ -5,15 +5,15 @@
 //! - GPT-2: the checkpoint's `model.safetensors` already holds the weights under Hugging Face's
 //!   names and shapes (the vocabulary padding dropped, `lm_head` tied to `wte`), so it is copied
 //!   ([`copy_weights`]) beside the model's `config.json`.
-//! - The Llama family: the weights ([`Checkpoint::f32_weights`]) written by
+//! - The Llama family: the weights ([`Checkpoint::weights`], in the checkpoint's type) written by
 //!   `zeroflow_llama::save_hf_dir` (`config.json` of the same architecture, sharded above 5 GB
 //!   with `model.safetensors.index.json`, in the checkpoint's dtype), with the tokenizer files of
 //!   the run's `--init-from` directory where it had one.
 
 use std::path::{Path, PathBuf};
 
-use zeroflow_core::DType;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{DType, Float};
 use zeroflow_engine::checkpoint::{self, CheckpointError, NamedTensor};
 
 use crate::error::{Result, input, io};
@@ -84,17 +84,22 @@ fn write_master<P: checkpoint::Stored + zeroflow_core::Float>(
 }
 
 impl Checkpoint {
-    /// The checkpoint's weights (the optimizer's master weights when an update was pending) as
-    /// f32 in the flat buffer of `layout`, every tensor of `tensors` there with its shape, read
-    /// from the files a tensor (or a piece) at a time.
-    pub fn f32_weights(&self, layout: &FlatLayout, tensors: &[NamedTensor]) -> Result<Vec<f32>> {
+    /// The checkpoint's weights (the optimizer's master weights when an update was pending,
+    /// rounded) as `P` in the flat buffer of `layout`, every tensor of `tensors` there with its
+    /// shape, read from the files a tensor (or a piece) at a time: as f32 exactly, or as the
+    /// checkpoint's own type with no f32 copy of them.
+    pub fn weights<P: checkpoint::Stored + Float>(
+        &self,
+        layout: &FlatLayout,
+        tensors: &[NamedTensor],
+    ) -> Result<Vec<P>> {
         let opened = self.open()?;
         let error = |e: CheckpointError| input(e.to_string());
         if !self.upload_pending {
             return opened.flat_weights(tensors, layout.padded_len()).map_err(error);
         }
-        let (master, saved) = checkpoint::weights_from_master::<f32>(&opened).map_err(error)?;
-        let mut flat = vec![0.0; layout.padded_len()];
+        let (master, saved) = checkpoint::weights_from_master::<P>(&opened).map_err(error)?;
+        let mut flat = vec![P::default(); layout.padded_len()];
         for tensor in tensors {
             let path = self.dir.join("model.safetensors");
             let found = saved.iter().find(|t| t.name == tensor.name).ok_or_else(|| {

@@ -201,12 +201,7 @@ impl Family for LlamaSpec {
     /// tokenizer files of the run's `--init-from` directory where it still exists.
     fn export(&self, from: &Checkpoint, out: &Path) -> Result<(), TrainError> {
         let layout = self.flat_layout(1)?;
-        let weights = from.f32_weights(&layout, &self.tensors(&layout)?)?;
-        // F16 weights are written as F32: bf16 would round them.
-        let dtype = match from.weights_dtype {
-            DType::Bf16 => SaveDtype::Bf16,
-            _ => SaveDtype::F32,
-        };
+        let tensors = self.tensors(&layout)?;
         let tokenizer_from = from.init_from.clone().filter(|dir| dir.is_dir());
         if let Some(dir) = from.init_from.as_ref().filter(|dir| !dir.is_dir()) {
             tracing::warn!(
@@ -214,8 +209,21 @@ impl Family for LlamaSpec {
                 dir.display()
             );
         }
-        let options = SaveOptions { dtype, tokenizer_from, ..SaveOptions::default() };
-        zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
+        let options = |dtype| SaveOptions { dtype, tokenizer_from, ..SaveOptions::default() };
+        // bf16 weights are read and written as they are (no f32 copy of a large model); F16
+        // ones are written as F32: bf16 would round them.
+        match from.weights_dtype {
+            DType::Bf16 => {
+                let weights = from.weights::<bf16>(&layout, &tensors)?;
+                let options = options(SaveDtype::Bf16);
+                zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
+            }
+            _ => {
+                let weights = from.weights::<f32>(&layout, &tensors)?;
+                let options = options(SaveDtype::F32);
+                zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
+            }
+        }
         Ok(())
     }
 }

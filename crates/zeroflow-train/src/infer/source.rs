@@ -99,12 +99,12 @@ impl HostModel {
         let weights = match &checkpoint.model {
             ModelSpec::Gpt2(config) => {
                 let layout = config.flat_layout(1)?;
-                let params = checkpoint.f32_weights(&layout, &config.tensors(&layout)?)?;
+                let params = checkpoint.weights::<f32>(&layout, &config.tensors(&layout)?)?;
                 Weights::Gpt { config: *config, layout, params }
             }
             ModelSpec::Llama(spec) => {
                 let layout = spec.flat_layout(1)?;
-                let params = checkpoint.f32_weights(&layout, &spec.tensors(&layout)?)?;
+                let params = checkpoint.weights::<f32>(&layout, &spec.tensors(&layout)?)?;
                 Weights::Llama { config: spec.0.clone(), layout, params }
             }
         };
