@@ -33,7 +33,7 @@ pub use error::{DeviceError, Race, Result};
 pub use host::{Draining, Filling, HostBuffer};
 pub use ops::{Kernels, Matrix};
 pub use pinned::{PinnedBudget, PinnedUse};
-use zeroflow_core::Element;
+use zeroflow_core::{Element, Float};
 
 /// The four streams every device has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -233,20 +233,39 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         value: T,
     ) -> Result<()>;
 
-    /// Uploads `data` into a new device buffer and waits for it, through at most
-    /// [`DOWNLOAD_CHUNK_BYTES`] of staging ([`Device::upload_in_pieces`]: page-locked where
-    /// `data` is larger, so that a large model's weights are never copied whole in host memory).
-    /// For set-up and tests, not for the training loop.
+    /// Uploads `data` into a new device buffer and waits for it ([`Device::upload_filled`]: at
+    /// most [`DOWNLOAD_CHUNK_BYTES`] of staging, so that a large model's weights are never copied
+    /// whole in host memory). For set-up and tests, not for the training loop.
     fn upload<T: Element>(&self, data: &[T]) -> Result<Self::Buffer<T>> {
-        let buffer = self.alloc::<T>(data.len())?;
+        self.upload_filled(data.len(), |range, out| out.copy_from_slice(&data[range]))
+    }
+
+    /// [`Device::upload`] of `data` rounded to `T` a piece at a time, as it is copied up (no
+    /// whole copy of them in `T` in host memory).
+    fn upload_rounded<T: Float>(&self, data: &[f32]) -> Result<Self::Buffer<T>> {
+        self.upload_filled(data.len(), |range, out| {
+            out.iter_mut().zip(&data[range]).for_each(|(o, &x)| *o = T::from_f32(x));
+        })
+    }
+
+    /// A new device buffer of `len` elements, `fill` writing each range of them into the staging
+    /// it is copied up from ([`Device::upload_in_pieces`], two buffers of
+    /// [`UPLOAD_PIECE_BYTES`], page-locked where the data is larger than
+    /// [`DOWNLOAD_CHUNK_BYTES`]), waited for.
+    fn upload_filled<T: Element>(
+        &self,
+        len: usize,
+        mut fill: impl FnMut(Range<usize>, &mut [T]),
+    ) -> Result<Self::Buffer<T>> {
+        let buffer = self.alloc::<T>(len)?;
         let piece = UPLOAD_PIECE_BYTES / size_of::<T>();
-        let memory = match size_of_val(data) > DOWNLOAD_CHUNK_BYTES {
+        let memory = match len * size_of::<T>() > DOWNLOAD_CHUNK_BYTES {
             true => HostMemory::Pinned,
             false => HostMemory::Pageable,
         };
         self.synchronize()?;
         self.upload_in_pieces(&buffer, piece, memory, |range, out| {
-            out.copy_from_slice(&data[range]);
+            fill(range, out);
             Ok::<_, DeviceError>(())
         })?;
         Ok(buffer)

@@ -118,7 +118,7 @@ fn out_of_bounds_ranges_are_errors() {
 /// whatever the piece's length against the array's, with the device's operations delayed at
 /// random (a buffer refilled before its last copy was done would show); an error of `fill` stops
 /// the upload and is returned. `upload` (through such pieces where the data is large) gives the
-/// data back, in both kinds of host memory.
+/// data back, in both kinds of host memory, and `upload_rounded` the data rounded.
 #[test]
 fn an_upload_in_pieces_puts_every_piece_in_place() {
     let chaos =
@@ -152,6 +152,13 @@ fn an_upload_in_pieces_puts_every_piece_in_place() {
     let data: Vec<u32> = (0..len as u32).collect();
     let uploaded = device.upload(&data).unwrap();
     assert!(device.download(&uploaded).unwrap() == data, "a large upload reads back");
+    // Rounded to bf16 as it goes up (two pieces of 16 Mi elements), and a short one.
+    let wide: Vec<f32> = data.iter().map(|&i| i as f32 * 1.0001 - 3.0).collect();
+    for wide in [&wide[..], &wide[..5]] {
+        let rounded = device.upload_rounded::<zeroflow_core::bf16>(wide).unwrap();
+        let want: Vec<_> = wide.iter().map(|&x| zeroflow_core::bf16::from_f32(x)).collect();
+        assert!(device.download(&rounded).unwrap() == want, "{} rounded", wide.len());
+    }
 }
 
 /// Chaos has teeth: a host read that bypasses the token (the seeds' bug, written with the unsafe

@@ -86,17 +86,17 @@ impl CudaGptDecoder {
             let (expected, found) = (layout.padded_len(), weights.len());
             return Err(GptError::Length { what: "parameter buffer", expected, found });
         }
-        let bf16s: Vec<bf16> = weights.iter().map(|&x| bf16::from_f32(x)).collect();
         // The host's embedding rounds as the weights on the GPU do.
-        let rounded =
-            |range: &Range<usize>| bf16s[range.clone()].iter().map(|x| x.to_f32()).collect();
+        let rounded = |range: &Range<usize>| {
+            weights[range.clone()].iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+        };
         Ok(CudaGptDecoder {
             device: device.clone(),
             blas,
             config: *config,
             wte: rounded(&params.wte),
             wpe: rounded(&params.wpe),
-            weights: device.upload(&bf16s)?,
+            weights: device.upload_rounded(weights)?,
             params,
             gpt: GptKernels::load(device)?,
             nn: NnKernels::load(device)?,

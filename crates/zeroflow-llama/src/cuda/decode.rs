@@ -109,8 +109,9 @@ impl CudaLlamaDecoder {
                 reason: format!("{} is odd; rotary embeddings rotate pairs", config.head_dim),
             }));
         }
-        let bf16s: Vec<bf16> = weights.iter().map(|&x| bf16::from_f32(x)).collect();
-        let embed = bf16s[params.embed.clone()].iter().map(|x| x.to_f32()).collect();
+        // The host's embedding rounds as the weights on the GPU do.
+        let embed = weights[params.embed.clone()].iter();
+        let embed = embed.map(|&x| bf16::from_f32(x).to_f32()).collect();
         let freqs = RopeFreqs {
             head_dim: config.head_dim,
             theta: config.rope_theta,
@@ -129,7 +130,7 @@ impl CudaLlamaDecoder {
             device: device.clone(),
             blas,
             config: config.clone(),
-            weights: device.upload(&bf16s)?,
+            weights: device.upload_rounded(weights)?,
             params,
             embed,
             inv_freq: freqs.inv_freq(),

@@ -100,8 +100,7 @@ impl<'a> OnDevice<'a> {
     fn new(host: &'a HostModel, ordinal: usize) -> Result<Self> {
         let device = CudaDevice::new(ordinal)?;
         let blas = Arc::new(Blas::new(&device)?);
-        let params: Vec<bf16> = host.params().iter().map(|&x| bf16::from_f32(x)).collect();
-        let params = device.upload(&params)?;
+        let params = device.upload_rounded(host.params())?;
         Ok(OnDevice { device, blas, weights: &host.weights, params })
     }
 }
