@@ -5,7 +5,10 @@
 # `zeroflow train --init-from` trains it with exact offload (the default device share),
 # activation checkpointing, micro-batch 4 x 2048 of synthetic tokens, and is stopped once its step
 # 1 is recorded (a checkpoint of 8 B parameters does not fit the machine's 64 GiB disk). Reported:
-# the plan's lines, the peak RSS (VmHWM), the times the run logs, the loss of step 1.
+# the plan's lines, the peak RSS (VmHWM), the times the run logs, the loss of step 1. Then
+# `zeroflow generate` on the GPU continues a prompt with the same directory (8 new tokens), with
+# the binary to compare with (.gpu/before/zeroflow, where there is one) and this one: each one's
+# peak RSS and tokens.
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/init-from-memory.sh   carry: [".gpu"]
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
@@ -41,5 +44,15 @@ report init-from "$OUT/init-from.log" "$hwm"
 grep -E "device share|read|built|ready|restor" "$OUT/init-from.log" | head -8 | cut -c1-200
 grep -h '"loss"' "$WORK/run/metrics.jsonl" | cut -c1-200
 tail -3 "$OUT/init-from.log" | cut -c1-300
+for bin in .gpu/before/zeroflow "$Z"; do
+    [[ -x $bin ]] || continue
+    echo "== generate --device cuda with $bin (at ${SECONDS}s)"
+    "$bin" generate "$WORK/hf" --device cuda --prompt-tokens 128000,791,6460 --max-new-tokens 8 \
+        --json >"$OUT/generate.json" 2>"$OUT/generate.err" &
+    hwm=$(watch_rss $! /dev/null "")
+    echo "generate: peak RSS $(python3 -c "print(f'{$hwm / 2**20:.2f}')") GiB"
+    cut -c1-200 "$OUT/generate.json"
+    tail -2 "$OUT/generate.err" | cut -c1-200
+done
 rm -rf "$WORK"
 echo "== done at ${SECONDS}s"
