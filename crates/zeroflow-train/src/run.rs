@@ -253,7 +253,7 @@ fn summary<F: Family, M: Model>(
     let tokens = ended.done * trainer.tokens_per_step;
     let (resumed_from, init_from) = match &setup.start {
         Start::Resume { point, .. } => (Some(point.dir.display().to_string()), None),
-        Start::InitFrom { dir, .. } => (None, Some(dir.display().to_string())),
+        Start::InitFrom { hf } => (None, Some(hf.dir.display().to_string())),
         Start::Seed => (None, None),
     };
     let eval_loss = ended.last_eval.map(|(_, loss)| loss);

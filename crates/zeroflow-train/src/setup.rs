@@ -86,7 +86,7 @@ pub enum Start {
     /// Fresh weights from the seed.
     Seed,
     /// The weights of a Hugging Face directory (`--init-from`), fresh optimizer state.
-    InitFrom { dir: PathBuf, hf: Box<init_from::HfModel> },
+    InitFrom { hf: Box<init_from::HfModel> },
     /// Everything from a checkpoint (`--resume`).
     Resume { point: Box<ResumePoint> },
 }
@@ -197,7 +197,7 @@ impl Setup {
         // A `.jsonl`, and text where the model comes from a directory (its tokenizer's tokens,
         // not bytes), are tokenized here with that directory's tokenizer.
         let model_dir = match &start {
-            Start::InitFrom { dir, .. } => Some(dir.clone()),
+            Start::InitFrom { hf } => Some(hf.dir.clone()),
             Start::Resume { point, .. } => point.extra.run.init_from.as_ref().map(PathBuf::from),
             Start::Seed => None,
         };
@@ -538,7 +538,7 @@ fn initial_state(
         }
         (None, Some(hf)) => {
             hf.check(model, &tensors)?;
-            Start::InitFrom { dir: hf.dir.clone(), hf: Box::new(hf) }
+            Start::InitFrom { hf: Box::new(hf) }
         }
         (None, None) => Start::Seed,
     })
@@ -554,11 +554,13 @@ impl Start {
         family: &F,
         layout: &FlatLayout,
     ) -> Result<Vec<P>> {
-        let mut weights = match self {
-            Start::Seed => vec![P::default(); layout.padded_len()],
-            Start::InitFrom { hf, .. } => {
-                return hf.flat_weights(layout, &family.tensors(layout)?);
+        match self {
+            Start::Seed => {
+                let mut weights = vec![P::default(); layout.padded_len()];
+                family.init(layout, seed, &mut weights)?;
+                Ok(weights)
             }
+            Start::InitFrom { hf } => hf.flat_weights(layout, &family.tensors(layout)?),
             Start::Resume { point } => {
                 let (started, bytes) = (Instant::now(), point.loaded.model.file_bytes());
                 let tensors = family.tensors(layout)?;
@@ -569,11 +571,9 @@ impl Start {
                     checkpoint::disk_size(bytes),
                     started.elapsed().as_secs_f64()
                 );
-                return Ok(weights);
+                Ok(weights)
             }
-        };
-        family.init(layout, seed, &mut weights)?;
-        Ok(weights)
+        }
     }
 }
 

@@ -231,8 +231,11 @@ impl<M: Model> Trainer<M> {
                 // Resolved (`export` copies its tokenizer files from any directory), and kept
                 // across a resume.
                 init_from: match &setup.start {
-                    Start::InitFrom { dir, .. } => Some(
-                        std::fs::canonicalize(dir).unwrap_or(dir.clone()).display().to_string(),
+                    Start::InitFrom { hf } => Some(
+                        std::fs::canonicalize(&hf.dir)
+                            .unwrap_or(hf.dir.clone())
+                            .display()
+                            .to_string(),
                     ),
                     Start::Resume { point, .. } => point.extra.run.init_from.clone(),
                     Start::Seed => None,
@@ -505,7 +508,7 @@ mod tests {
                         let hf = crate::init_from::read(&dir).unwrap();
                         // Its config.json's model (its extra fields differ from the spec's).
                         hf.check(&hf.model.clone().unwrap(), &tensors).unwrap();
-                        let start = Start::InitFrom { dir: dir.clone(), hf: Box::new(hf) };
+                        let start = Start::InitFrom { hf: Box::new(hf) };
                         let read: Vec<f32> = start.weights(0, family, &layout).unwrap();
                         let stored = match dtype {
                             zeroflow_hf::SaveDtype::Bf16 => rounded::<bf16>(&fresh),
