@@ -8,7 +8,7 @@
 # the plan's lines, the peak RSS (VmHWM), the times the run logs, the loss of step 1. Then
 # `zeroflow generate` on the GPU continues a prompt with the same directory (8 new tokens), with
 # the binary to compare with (.gpu/before/zeroflow, where there is one) and this one: each one's
-# peak RSS and tokens.
+# peak RSS and tokens. TRAIN=0 leaves the training run out.
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/init-from-memory.sh   carry: [".gpu"]
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
@@ -37,13 +37,15 @@ free -g | head -2
 df -h /tmp | tail -1
 args=(--device cuda --config examples/configs/zero2-offload-bf16.json --micro-batch 4 --seq 2048
     --activation-checkpointing --data synthetic --eval-every 0 --log-every 1 --init-from "$WORK/hf")
-echo "== train --init-from (at ${SECONDS}s)"
-$Z train "${args[@]}" --steps 2 --out "$WORK/run" >"$OUT/init-from.log" 2>&1 &
-hwm=$(watch_rss $! "$WORK/run/metrics.jsonl" '"step":1,')
-report init-from "$OUT/init-from.log" "$hwm"
-grep -E "device share|read|built|ready|restor" "$OUT/init-from.log" | head -8 | cut -c1-200
-grep -h '"loss"' "$WORK/run/metrics.jsonl" | cut -c1-200
-tail -3 "$OUT/init-from.log" | cut -c1-300
+if [[ ${TRAIN:-1} == 1 ]]; then
+    echo "== train --init-from (at ${SECONDS}s)"
+    $Z train "${args[@]}" --steps 2 --out "$WORK/run" >"$OUT/init-from.log" 2>&1 &
+    hwm=$(watch_rss $! "$WORK/run/metrics.jsonl" '"step":1,')
+    report init-from "$OUT/init-from.log" "$hwm"
+    grep -E "device share|read|built|ready|restor" "$OUT/init-from.log" | head -8 | cut -c1-200
+    grep -h '"loss"' "$WORK/run/metrics.jsonl" | cut -c1-200
+    tail -3 "$OUT/init-from.log" | cut -c1-300
+fi
 for bin in .gpu/before/zeroflow "$Z"; do
     [[ -x $bin ]] || continue
     echo "== generate --device cuda with $bin (at ${SECONDS}s)"

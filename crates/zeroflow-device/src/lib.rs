@@ -240,11 +240,11 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
         self.upload_filled(data.len(), |range, out| out.copy_from_slice(&data[range]))
     }
 
-    /// [`Device::upload`] of `data` rounded to `T` a piece at a time, as it is copied up (no
-    /// whole copy of them in `T` in host memory).
-    fn upload_rounded<T: Float>(&self, data: &[f32]) -> Result<Self::Buffer<T>> {
+    /// [`Device::upload`] of `data` converted to `T` (through f32: rounded where `T` is narrower)
+    /// a piece at a time, as it is copied up (no whole copy of them in `T` in host memory).
+    fn upload_rounded<T: Float, S: Float>(&self, data: &[S]) -> Result<Self::Buffer<T>> {
         self.upload_filled(data.len(), |range, out| {
-            out.iter_mut().zip(&data[range]).for_each(|(o, &x)| *o = T::from_f32(x));
+            out.iter_mut().zip(&data[range]).for_each(|(o, &x)| *o = T::from_f32(x.to_f32()));
         })
     }
 

@@ -32,7 +32,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
-    let model = HostModel::open(&args.model)?;
+    let model = HostModel::open_for(&args.model, args.device)?;
     // Text is encoded; shards need MODEL's own tokenizer no more than they need a named one.
     let tokenizer = match matches!(spec, Spec::Text(_)) || args.tokenizer.is_some() {
         true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,

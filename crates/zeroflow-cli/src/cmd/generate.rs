@@ -120,7 +120,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokens.map_err(|e| InputError(format!("{what}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let mut model = source.open()?;
+    let mut model = source.open_for(args.device)?;
     if let Some(turn_end) = chat.as_ref().and_then(|(tokenizer, _)| tokenizer.eot()) {
         model.also_stop_at(turn_end);
     }

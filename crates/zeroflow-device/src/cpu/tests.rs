@@ -155,7 +155,7 @@ fn an_upload_in_pieces_puts_every_piece_in_place() {
     // Rounded to bf16 as it goes up (two pieces of 16 Mi elements), and a short one.
     let wide: Vec<f32> = data.iter().map(|&i| i as f32 * 1.0001 - 3.0).collect();
     for wide in [&wide[..], &wide[..5]] {
-        let rounded = device.upload_rounded::<zeroflow_core::bf16>(wide).unwrap();
+        let rounded = device.upload_rounded::<zeroflow_core::bf16, f32>(wide).unwrap();
         let want: Vec<_> = wide.iter().map(|&x| zeroflow_core::bf16::from_f32(x)).collect();
         assert!(device.download(&rounded).unwrap() == want, "{} rounded", wide.len());
     }

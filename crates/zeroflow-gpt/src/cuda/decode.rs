@@ -11,8 +11,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use zeroflow_core::bf16;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
@@ -72,14 +72,14 @@ pub struct CudaGptDecoder {
 }
 
 impl CudaGptDecoder {
-    /// Uploads `weights` (the flat f32 parameters of `layout`) to the GPU in bf16 and loads the
-    /// kernels; `blas` is shared with the compute stream's other users.
-    pub fn new(
+    /// Uploads `weights` (the flat parameters of `layout`, f32 or bf16) to the GPU in bf16 and
+    /// loads the kernels; `blas` is shared with the compute stream's other users.
+    pub fn new<W: Float>(
         device: &CudaDevice,
         blas: Arc<Blas>,
         config: &GptConfig,
         layout: &FlatLayout,
-        weights: &[f32],
+        weights: &[W],
     ) -> Result<Self, GptError> {
         let params = ParamRanges::new(config, layout)?;
         if weights.len() != layout.padded_len() {
@@ -88,7 +88,7 @@ impl CudaGptDecoder {
         }
         // The host's embedding rounds as the weights on the GPU do.
         let rounded = |range: &Range<usize>| {
-            weights[range.clone()].iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+            weights[range.clone()].iter().map(|&x| bf16::from_f32(x.to_f32()).to_f32()).collect()
         };
         Ok(CudaGptDecoder {
             device: device.clone(),

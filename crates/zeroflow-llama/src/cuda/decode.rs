@@ -12,8 +12,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use zeroflow_core::bf16;
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
@@ -89,14 +89,14 @@ pub struct CudaLlamaDecoder {
 }
 
 impl CudaLlamaDecoder {
-    /// Uploads `weights` (the flat f32 parameters of `layout`) to the GPU in bf16 and loads the
-    /// kernels; `blas` is shared with the compute stream's other users.
-    pub fn new(
+    /// Uploads `weights` (the flat parameters of `layout`, f32 or bf16) to the GPU in bf16 and
+    /// loads the kernels; `blas` is shared with the compute stream's other users.
+    pub fn new<W: Float>(
         device: &CudaDevice,
         blas: Arc<Blas>,
         config: &LlamaConfig,
         layout: &FlatLayout,
-        weights: &[f32],
+        weights: &[W],
     ) -> Result<Self, LlamaError> {
         let params = ParamRanges::new(config, layout)?;
         if weights.len() != layout.padded_len() {
@@ -111,7 +111,7 @@ impl CudaLlamaDecoder {
         }
         // The host's embedding rounds as the weights on the GPU do.
         let embed = weights[params.embed.clone()].iter();
-        let embed = embed.map(|&x| bf16::from_f32(x).to_f32()).collect();
+        let embed = embed.map(|&x| bf16::from_f32(x.to_f32()).to_f32()).collect();
         let freqs = RopeFreqs {
             head_dim: config.head_dim,
             theta: config.rope_theta,

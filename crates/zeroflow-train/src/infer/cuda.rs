@@ -20,7 +20,7 @@ use zeroflow_gpt::{CudaGpt, CudaGptDecoder};
 use zeroflow_llama::{CudaLlama, CudaLlamaDecoder};
 use zeroflow_nn::infer::{Decoder, EvalResult, eval_windows};
 
-use super::{HostModel, Weights};
+use super::{HostModel, Params, Weights};
 use crate::Model;
 use crate::error::{Result, TrainError, input};
 
@@ -100,7 +100,10 @@ impl<'a> OnDevice<'a> {
     fn new(host: &'a HostModel, ordinal: usize) -> Result<Self> {
         let device = CudaDevice::new(ordinal)?;
         let blas = Arc::new(Blas::new(&device)?);
-        let params = device.upload_rounded(host.params())?;
+        let params = match host.params() {
+            Params::F32(params) => device.upload_rounded(params)?,
+            Params::Bf16(params) => device.upload(params)?,
+        };
         Ok(OnDevice { device, blas, weights: &host.weights, params })
     }
 }
@@ -123,8 +126,8 @@ impl HostModel {
         })
     }
 
-    /// The padded flat f32 parameters.
-    fn params(&self) -> &[f32] {
+    /// The padded flat parameters.
+    fn params(&self) -> &Params {
         match &self.weights {
             Weights::Gpt { params, .. } | Weights::Llama { params, .. } => params,
         }
@@ -136,12 +139,18 @@ impl HostModel {
         let blas = Arc::new(Blas::new(&device)?);
         Ok(match &self.weights {
             Weights::Gpt { config, layout, params } => CudaDecoder::Gpt(
-                CudaGptDecoder::new(&device, blas, config, layout, params)
-                    .map_err(TrainError::model)?,
+                match params {
+                    Params::F32(p) => CudaGptDecoder::new(&device, blas, config, layout, p),
+                    Params::Bf16(p) => CudaGptDecoder::new(&device, blas, config, layout, p),
+                }
+                .map_err(TrainError::model)?,
             ),
             Weights::Llama { config, layout, params } => CudaDecoder::Llama(
-                CudaLlamaDecoder::new(&device, blas, config, layout, params)
-                    .map_err(TrainError::model)?,
+                match params {
+                    Params::F32(p) => CudaLlamaDecoder::new(&device, blas, config, layout, p),
+                    Params::Bf16(p) => CudaLlamaDecoder::new(&device, blas, config, layout, p),
+                }
+                .map_err(TrainError::model)?,
             ),
         })
     }

@@ -3,11 +3,15 @@
 //! ([`HostModel::open`], [`source`]) or a named shape with random weights ([`HostModel::named`]),
 //! run through its family's key/value-cached decoder ([`HostModel::generate`]; on a GPU,
 //! [`cuda`]) or over a token stream's windows by the training forward ([`HostModel::eval`]).
-//! The weights are held on the host in f32; a GPU gets them in bf16.
+//! The weights are held on the host in f32, or in bf16 where the model is opened for a GPU
+//! ([`HostModel::open_for`]), which gets them in bf16.
+
+use std::borrow::Cow;
 
 use zeroflow_data::{Tokenizer, read_shard};
 
 use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{DType, bf16};
 use zeroflow_gpt::{GptConfig, GptDecoder};
 use zeroflow_llama::{LlamaConfig, LlamaDecoder};
 use zeroflow_nn::infer::{Decoder, generate};
@@ -57,7 +61,8 @@ impl std::str::FromStr for InferDevice {
     }
 }
 
-/// A model of either family with its flat f32 parameters, and its end-of-text tokens.
+/// A model of either family with its flat parameters (f32, or bf16 where it was opened for a
+/// GPU), and its end-of-text tokens.
 pub struct HostModel {
     weights: Weights,
     end_of_text: Vec<u32>,
@@ -72,8 +77,35 @@ impl std::fmt::Debug for HostModel {
 }
 
 enum Weights {
-    Gpt { config: GptConfig, layout: FlatLayout, params: Vec<f32> },
-    Llama { config: LlamaConfig, layout: FlatLayout, params: Vec<f32> },
+    Gpt { config: GptConfig, layout: FlatLayout, params: Params },
+    Llama { config: LlamaConfig, layout: FlatLayout, params: Params },
+}
+
+/// The flat parameters: f32, what the CPU's decoders and training forward run; or bf16, what a
+/// GPU runs, read straight into it ([`HostModel::open_for`]: no f32 copy of a large model in host
+/// memory; the same bf16 values as the f32 ones rounded).
+enum Params {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Params {
+    /// As f32: borrowed, or widened from bf16 (exactly).
+    fn f32(&self) -> Cow<'_, [f32]> {
+        match self {
+            Params::F32(params) => Cow::Borrowed(params),
+            Params::Bf16(params) => Cow::Owned(params.iter().map(|p| p.to_f32()).collect()),
+        }
+    }
+}
+
+/// The element type a model's parameters are held in on the host: f32 for the CPU, bf16 for a
+/// GPU (which runs in bf16).
+fn held_in(device: InferDevice) -> DType {
+    match device {
+        InferDevice::Cpu => DType::F32,
+        InferDevice::Cuda(_) => DType::Bf16,
+    }
 }
 
 impl HostModel {
@@ -85,14 +117,14 @@ impl HostModel {
             let mut params = vec![0.0; layout.padded_len()];
             zeroflow_llama::init_params(&config, &layout, seed, &mut params)
                 .map_err(TrainError::model)?;
-            Weights::Llama { config, layout, params }
+            Weights::Llama { config, layout, params: Params::F32(params) }
         } else {
             let config = GptConfig::named(name).map_err(|e| input(e.to_string()))?;
             let layout = zeroflow_gpt::flat_layout(&config, 1).map_err(TrainError::model)?;
             let mut params = vec![0.0; layout.padded_len()];
             zeroflow_gpt::init_params(&config, &layout, seed, &mut params)
                 .map_err(TrainError::model)?;
-            Weights::Gpt { config, layout, params }
+            Weights::Gpt { config, layout, params: Params::F32(params) }
         };
         Ok(HostModel { weights, end_of_text: Vec::new() })
     }
@@ -105,6 +137,7 @@ impl HostModel {
             let (expected, found) = (layout.padded_len(), params.len());
             return Err(input(format!("{found} parameters for a layout of {expected}")));
         }
+        let params = Params::F32(params);
         let weights = match spec {
             crate::ModelSpec::Gpt2(config) => Weights::Gpt { config: *config, layout, params },
             crate::ModelSpec::Llama(spec) => {
@@ -127,13 +160,15 @@ impl HostModel {
                 self.cuda_decoder(ordinal)?.prefill(&views, capacity)
             }
             (InferDevice::Cpu, Weights::Gpt { config, layout, params }) => {
+                let params = params.f32();
                 let mut decoder =
-                    GptDecoder::new(config, layout, params).map_err(TrainError::model)?;
+                    GptDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 decoder.prefill(&views, capacity).map_err(TrainError::model)
             }
             (InferDevice::Cpu, Weights::Llama { config, layout, params }) => {
+                let params = params.f32();
                 let mut decoder =
-                    LlamaDecoder::new(config, layout, params).map_err(TrainError::model)?;
+                    LlamaDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 decoder.prefill(&views, capacity).map_err(TrainError::model)
             }
         }
@@ -185,13 +220,15 @@ impl HostModel {
     ) -> Result<Vec<Vec<u32>>> {
         match &self.weights {
             Weights::Gpt { config, layout, params } => {
+                let params = params.f32();
                 let mut decoder =
-                    GptDecoder::new(config, layout, params).map_err(TrainError::model)?;
+                    GptDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 generate(&mut decoder, prompts, options).map_err(TrainError::model)
             }
             Weights::Llama { config, layout, params } => {
+                let params = params.f32();
                 let mut decoder =
-                    LlamaDecoder::new(config, layout, params).map_err(TrainError::model)?;
+                    LlamaDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 generate(&mut decoder, prompts, options).map_err(TrainError::model)
             }
         }
@@ -217,11 +254,11 @@ impl HostModel {
     pub fn eval(&self, stream: &[u32], window: usize) -> Result<EvalResult> {
         match &self.weights {
             Weights::Gpt { config, layout, params } => {
-                zeroflow_gpt::eval_stream(config, layout, params, stream, window)
+                zeroflow_gpt::eval_stream(config, layout, &params.f32(), stream, window)
                     .map_err(TrainError::model)
             }
             Weights::Llama { config, layout, params } => {
-                zeroflow_llama::eval_stream(config, layout, params, stream, window)
+                zeroflow_llama::eval_stream(config, layout, &params.f32(), stream, window)
                     .map_err(TrainError::model)
             }
         }

@@ -4,10 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
+use zeroflow_core::layout::FlatLayout;
+use zeroflow_core::{DType, Float};
 use zeroflow_gpt::HfGpt;
 use zeroflow_llama::HfLlama;
 
-use super::{HostModel, Weights};
+use super::{HostModel, InferDevice, Params, Weights, held_in};
 use crate::error::{Result, TrainError, input};
 use crate::{Family, ModelSpec, checkpoints, export, with_family};
 
@@ -43,12 +45,18 @@ impl ModelDir {
         }
     }
 
-    /// Its model: a Hugging Face directory's ([`HostModel::open_hf`]) or a checkpoint's
-    /// ([`HostModel::open_checkpoint`]).
+    /// Its model, its parameters in f32: a Hugging Face directory's ([`HostModel::open_hf`]) or
+    /// a checkpoint's ([`HostModel::open_checkpoint`]).
     pub fn open(&self) -> Result<HostModel> {
+        self.open_for(InferDevice::Cpu)
+    }
+
+    /// [`ModelDir::open`] for inference on `device`: the parameters read straight into what it
+    /// runs in (bf16 for a GPU: no f32 copy of a large model in host memory).
+    pub fn open_for(&self, device: InferDevice) -> Result<HostModel> {
         match self {
-            ModelDir::HuggingFace(dir) => HostModel::open_hf(dir),
-            ModelDir::Checkpoint(dir) => HostModel::open_checkpoint(dir),
+            ModelDir::HuggingFace(dir) => HostModel::open_hf(dir, held_in(device)),
+            ModelDir::Checkpoint(dir) => HostModel::open_checkpoint(dir, held_in(device)),
         }
     }
 }
@@ -59,10 +67,17 @@ impl HostModel {
         ModelDir::find(dir)?.open()
     }
 
+    /// [`HostModel::open`] for inference on `device` ([`ModelDir::open_for`]).
+    pub fn open_for(dir: &Path, device: InferDevice) -> Result<HostModel> {
+        ModelDir::find(dir)?.open_for(device)
+    }
+
     /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s
     /// `architectures` says `GPT2LMHeadModel` (or its `model_type` is `gpt2`), else the Llama
-    /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s.
-    pub fn open_hf(dir: &Path) -> Result<HostModel> {
+    /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s. The
+    /// parameters are read in `dtype` (F32, or BF16: the stored values rounded as f32 ones
+    /// would be).
+    pub fn open_hf(dir: &Path, dtype: DType) -> Result<HostModel> {
         let json = read_config(&dir.join("config.json"))?;
         let end_of_text = zeroflow_hf::eos_token_ids(&json);
         let gpt2 = json["architectures"].get(0).and_then(|a| a.as_str()) == Some("GPT2LMHeadModel")
@@ -70,14 +85,18 @@ impl HostModel {
         let weights = if gpt2 {
             let hf = HfGpt::open(dir).map_err(TrainError::model)?;
             let layout = zeroflow_gpt::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
-            let mut params = vec![0.0; layout.padded_len()];
-            hf.read_params(&layout, &mut params).map_err(TrainError::model)?;
+            let params = match dtype {
+                DType::Bf16 => Params::Bf16(filled(&layout, |p| hf.read_params(&layout, p))?),
+                _ => Params::F32(filled(&layout, |p| hf.read_params(&layout, p))?),
+            };
             Weights::Gpt { config: hf.config, layout, params }
         } else {
             let hf = HfLlama::open(dir).map_err(TrainError::model)?;
             let layout = zeroflow_llama::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
-            let mut params = vec![0.0; layout.padded_len()];
-            hf.read_params(&layout, &mut params).map_err(TrainError::model)?;
+            let params = match dtype {
+                DType::Bf16 => Params::Bf16(filled(&layout, |p| hf.read_params(&layout, p))?),
+                _ => Params::F32(filled(&layout, |p| hf.read_params(&layout, p))?),
+            };
             Weights::Llama { config: hf.config, layout, params }
         };
         Ok(HostModel { weights, end_of_text })
@@ -85,9 +104,10 @@ impl HostModel {
 
     /// The model of the checkpoint `dir` (what `zeroflow train` saves): the family and shape of
     /// its `state.json`, the weights of its `model.safetensors` (the optimizer's master weights
-    /// where a delayed update was pending), as f32. Its end-of-text tokens are its shape's
-    /// `config.json`'s (GPT-2's 50256), else those of the run's `--init-from` directory.
-    pub fn open_checkpoint(dir: &Path) -> Result<HostModel> {
+    /// where a delayed update was pending), in `dtype` (F32, or BF16: rounded as f32 ones would
+    /// be). Its end-of-text tokens are its shape's `config.json`'s (GPT-2's 50256), else those
+    /// of the run's `--init-from` directory.
+    pub fn open_checkpoint(dir: &Path, dtype: DType) -> Result<HostModel> {
         let checkpoint = export::read_checkpoint(dir)?;
         let mut end_of_text =
             zeroflow_hf::eos_token_ids(&with_family!(&checkpoint.model, f => f.hf_config()));
@@ -96,20 +116,28 @@ impl HostModel {
         {
             end_of_text = zeroflow_hf::eos_token_ids(&read_config(&init_from.join("config.json"))?);
         }
+        let layout = checkpoint.model.flat_layout(1)?;
+        let tensors = checkpoint.model.tensors(&layout)?;
+        let params = match dtype {
+            DType::Bf16 => Params::Bf16(checkpoint.weights(&layout, &tensors)?),
+            _ => Params::F32(checkpoint.weights(&layout, &tensors)?),
+        };
         let weights = match &checkpoint.model {
-            ModelSpec::Gpt2(config) => {
-                let layout = config.flat_layout(1)?;
-                let params = checkpoint.weights::<f32>(&layout, &config.tensors(&layout)?)?;
-                Weights::Gpt { config: *config, layout, params }
-            }
-            ModelSpec::Llama(spec) => {
-                let layout = spec.flat_layout(1)?;
-                let params = checkpoint.weights::<f32>(&layout, &spec.tensors(&layout)?)?;
-                Weights::Llama { config: spec.0.clone(), layout, params }
-            }
+            ModelSpec::Gpt2(config) => Weights::Gpt { config: *config, layout, params },
+            ModelSpec::Llama(spec) => Weights::Llama { config: spec.0.clone(), layout, params },
         };
         Ok(HostModel { weights, end_of_text })
     }
+}
+
+/// The padded flat parameters of `layout` in `T`, filled by `read`.
+fn filled<T: Float, E: std::error::Error + Send + Sync + 'static>(
+    layout: &FlatLayout,
+    read: impl FnOnce(&mut [T]) -> std::result::Result<(), E>,
+) -> Result<Vec<T>> {
+    let mut params = vec![T::default(); layout.padded_len()];
+    read(&mut params).map_err(TrainError::model)?;
+    Ok(params)
 }
 
 /// A `config.json`, parsed.

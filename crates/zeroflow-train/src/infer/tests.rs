@@ -243,3 +243,37 @@ fn devices_are_cpu_cuda_or_a_numbered_gpu() {
         assert!(error.contains(&format!("{bad:?}")), "{error}");
     }
 }
+
+/// Opened for a GPU, a model holds its parameters in bf16, read straight into them: the f32 ones
+/// rounded (what the GPU ran before, uploaded from an f32 copy), from a Hugging Face directory
+/// and from a checkpoint. The CPU's decoder widens them and completes as the rounded f32 weights
+/// do; opened for the CPU, the same directory holds f32.
+#[test]
+fn a_model_opened_for_a_gpu_holds_its_weights_in_bf16_rounded() {
+    let dir = scratch("bf16-held");
+    let (_, params) = write_llama(&dir, None);
+    let rounded: Vec<f32> = params.iter().map(|&p| bf16::from_f32(p).to_f32()).collect();
+    let spec = crate::ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama()));
+    let checkpoint =
+        crate::export::tests::save_checkpoint(&dir.join("run"), 2, &spec, &params, None, None);
+    let held = |model: &HostModel| match &model.weights {
+        Weights::Llama { params: Params::Bf16(held), .. } => {
+            held.iter().map(|p| p.to_f32().to_bits()).collect::<Vec<_>>()
+        }
+        _ => panic!("not the Llama family in bf16"),
+    };
+    let want: Vec<u32> = rounded.iter().map(|p| p.to_bits()).collect();
+    let from_rounded = HostModel::from_params(&spec, rounded).unwrap();
+    let prompt = [3, 1, 4, 1, 5];
+    let expected = from_rounded.complete(&prompt, &GREEDY).unwrap();
+    for source in [&dir, &checkpoint] {
+        let model = HostModel::open_for(source, InferDevice::Cuda(0)).unwrap();
+        assert_eq!(held(&model), want, "{}", source.display());
+        assert_eq!(model.complete(&prompt, &GREEDY).unwrap(), expected, "{}", source.display());
+    }
+    let on_cpu = HostModel::open_for(&dir, InferDevice::Cpu).unwrap();
+    assert!(
+        matches!(&on_cpu.weights, Weights::Llama { params: Params::F32(p), .. } if *p == params)
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
