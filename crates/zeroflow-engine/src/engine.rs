@@ -46,7 +46,7 @@ use zeroflow_optim::AdamW;
 
 pub use self::model_io::{ModelIo, Opener};
 use self::path::{OpenAt, Opening, UpdatePath};
-pub use self::share::SHARE_UPLOAD_BYTES;
+pub use self::share::{SHARE_UPLOAD_BYTES, SHARE_UPLOAD_PIECE_BYTES};
 use self::shared::{Events, Shared, normalise, reduced_source};
 pub use self::state::{CheckpointState, OptimizerPart, Restore, SavedParts, Snapshot};
 use self::stream::OpenEvents;

@@ -31,12 +31,12 @@ pub mod synthetic;
 mod zenflow;
 
 pub use device_adamw::{DeviceAdamState, DeviceAdamW};
-pub use engine::SHARE_UPLOAD_BYTES;
 pub use engine::state::RESTORE_PIECE;
 pub use engine::{
     CheckpointState, Engine, ModelIo, Opener, OptimizerPart, Restore, SavedParts, Snapshot,
     StepReport,
 };
+pub use engine::{SHARE_UPLOAD_BYTES, SHARE_UPLOAD_PIECE_BYTES};
 pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use memory::{BufferKind, MemoryKind, PlannedBuffer, device_share_len};

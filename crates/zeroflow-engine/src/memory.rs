@@ -16,8 +16,8 @@ use zeroflow_device::{UPLOAD_PIECE_BYTES, upload_staging_bytes};
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
 use crate::zenflow::EXCHANGE_PIECE;
 use crate::{
-    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, SHARE_UPLOAD_BYTES, Stage,
-    ZenFlowAside,
+    AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, SHARE_UPLOAD_PIECE_BYTES,
+    Stage, ZenFlowAside,
 };
 
 /// Where a buffer lives.
@@ -166,19 +166,12 @@ impl EngineOptions {
     }
 
     /// The elements of a partition of `n` of `layout` that the device share steps on the device
-    /// and holds the state of (`free`: the device's free memory, for `AccumulateOn::Auto`): 0
-    /// where no share is asked or it cannot act.
-    fn acting_share(
-        &self,
-        layout: &FlatLayout,
-        n: usize,
-        dtype: DType,
-        free: impl FnOnce() -> Option<usize>,
-    ) -> usize {
+    /// and holds the state of (`on_device`: a window is summed on the device): 0 where no share
+    /// is asked or it cannot act.
+    fn acting_share(&self, layout: &FlatLayout, n: usize, dtype: DType, on_device: bool) -> usize {
         let Placement::Offload(offload) = &self.placement else {
             return 0;
         };
-        let on_device = sums_on_device(self, offload.stream.accumulate_on, n, free);
         let fp32 = offload.moments == OptimizerStateDtype::Fp32;
         match fp32 && self.shares(dtype, on_device, n == layout.padded_len()) {
             true => device_share_len(n, offload.stream.device_share),
@@ -206,10 +199,18 @@ impl EngineOptions {
         };
         let n = owned.len();
         let free = || device_free.map(|free| usize::try_from(free).unwrap_or(usize::MAX));
+        // Where an offload sums a window of gradients (`AccumulateOn::Auto`: where the device's
+        // free memory has room).
+        let on_device = match &self.placement {
+            Placement::Offload(offload) => {
+                sums_on_device(self, offload.stream.accumulate_on, n, free)
+            }
+            Placement::Device => false,
+        };
         // The device share's elements, whose state is held on the device only: the host's is the
         // partition's before them, its master weights filled at set-up. (Where a share cannot act
         // the engine refuses to start: `UpdatePath::new`.)
-        let shared = self.acting_share(layout, n, dtype, free);
+        let shared = self.acting_share(layout, n, dtype, on_device);
         let mut lines = vec![
             line(Device, K::Weights, layout.padded_len(), p),
             line(Device, K::Gradients, layout.padded_len(), p),
@@ -258,7 +259,6 @@ impl EngineOptions {
         let budget = if delayed { 0 } else { offload.stream.speculation_budget };
         let streaming = self.streams(dtype);
         let bucket = self.reduce_bucket;
-        let on_device = sums_on_device(self, offload.stream.accumulate_on, n, free);
         let summed = self.streams_sum(dtype, on_device);
         // The streaming steps keep the speculated pieces' weights until their upload.
         let with_weights = streaming || summed;
@@ -318,7 +318,7 @@ fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, shared: usize, p: 
     match opts.placement {
         Placement::Device => upload.max(master).max(4 * n + staging(4 * n)),
         Placement::Offload(_) => {
-            let share = upload_staging_bytes(4 * shared, SHARE_UPLOAD_BYTES / 2);
+            let share = upload_staging_bytes(4 * shared, SHARE_UPLOAD_PIECE_BYTES);
             upload.max(master).max(weights + share)
         }
     }

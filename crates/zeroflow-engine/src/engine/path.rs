@@ -205,6 +205,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             let share = DeviceShare::new(device, from, share_initial, moments)?;
             let fill = fill_master(initial);
             if summed {
+                // Its staging takes the window's f32 sum; the streamed step's, the gradients.
                 let buffers = StreamBuffers::new(device, from, fill, chunk, memory, adam, moments)?;
                 let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?
                     .with_share(share);

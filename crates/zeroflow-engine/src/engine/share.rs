@@ -37,8 +37,11 @@ use crate::host::{HostMoments, HostOptimizer};
 /// (64 MiB each, page-locked where the budget has room): one filled while the other is copied.
 const UPLOAD_PIECE: usize = 1 << 24;
 
+/// The bytes of each of a share's two upload buffers.
+pub const SHARE_UPLOAD_PIECE_BYTES: usize = UPLOAD_PIECE * size_of::<f32>();
+
 /// The host memory a share's set-up or restore holds beside the engine's: its two upload buffers.
-pub const SHARE_UPLOAD_BYTES: usize = 2 * UPLOAD_PIECE * size_of::<f32>();
+pub const SHARE_UPLOAD_BYTES: usize = 2 * SHARE_UPLOAD_PIECE_BYTES;
 
 /// The share's state on the device, and where it starts in the partition.
 pub(super) struct DeviceShare<D: Device> {

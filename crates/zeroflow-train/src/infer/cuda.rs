@@ -20,7 +20,7 @@ use zeroflow_gpt::{CudaGpt, CudaGptDecoder};
 use zeroflow_llama::{CudaLlama, CudaLlamaDecoder};
 use zeroflow_nn::infer::{Decoder, EvalResult, eval_windows};
 
-use super::{HostModel, Params, Weights};
+use super::{HostModel, Params, Weights, with_params};
 use crate::Model;
 use crate::error::{Result, TrainError, input};
 
@@ -100,10 +100,7 @@ impl<'a> OnDevice<'a> {
     fn new(host: &'a HostModel, ordinal: usize) -> Result<Self> {
         let device = CudaDevice::new(ordinal)?;
         let blas = Arc::new(Blas::new(&device)?);
-        let params = match host.params() {
-            Params::F32(params) => device.upload_rounded(params)?,
-            Params::Bf16(params) => device.upload(params)?,
-        };
+        let params = with_params!(host.params(), p => device.upload_rounded(p)?);
         Ok(OnDevice { device, blas, weights: &host.weights, params })
     }
 }
@@ -139,18 +136,12 @@ impl HostModel {
         let blas = Arc::new(Blas::new(&device)?);
         Ok(match &self.weights {
             Weights::Gpt { config, layout, params } => CudaDecoder::Gpt(
-                match params {
-                    Params::F32(p) => CudaGptDecoder::new(&device, blas, config, layout, p),
-                    Params::Bf16(p) => CudaGptDecoder::new(&device, blas, config, layout, p),
-                }
-                .map_err(TrainError::model)?,
+                with_params!(params, p => CudaGptDecoder::new(&device, blas, config, layout, p))
+                    .map_err(TrainError::model)?,
             ),
             Weights::Llama { config, layout, params } => CudaDecoder::Llama(
-                match params {
-                    Params::F32(p) => CudaLlamaDecoder::new(&device, blas, config, layout, p),
-                    Params::Bf16(p) => CudaLlamaDecoder::new(&device, blas, config, layout, p),
-                }
-                .map_err(TrainError::model)?,
+                with_params!(params, p => CudaLlamaDecoder::new(&device, blas, config, layout, p))
+                    .map_err(TrainError::model)?,
             ),
         })
     }

@@ -89,6 +89,18 @@ enum Params {
     Bf16(Vec<bf16>),
 }
 
+/// `$body` with `$p` bound to the parameters `$params` hold, whichever their type (an expression
+/// generic over it: the same code for both).
+macro_rules! with_params {
+    ($params:expr, $p:ident => $body:expr) => {
+        match $params {
+            $crate::infer::Params::F32($p) => $body,
+            $crate::infer::Params::Bf16($p) => $body,
+        }
+    };
+}
+use with_params;
+
 impl Params {
     /// As f32: borrowed, or widened from bf16 (exactly).
     fn f32(&self) -> Cow<'_, [f32]> {
