@@ -8,11 +8,12 @@
 For each kind (odd shapes: grouped-query heads 3:1, untied head; Qwen3 with q/k norm and head_dim
 ≠ hidden / heads) a random model with a vocabulary of 256 is built by transformers and saved
 (fp32); a small pseudo-English corpus is written as two text files, `a.txt` (trained on) and
-`b.txt` (held out: `--eval-data b.txt`); zeroflow trains from the
-directory on the GPU (`train --device cuda --init-from DIR --data a.txt`, bf16, bytes as
-tokens), then `zeroflow export` writes the last checkpoint as a Hugging Face directory. transformers
-loads it and computes the loss of the same evaluation windows zeroflow used (the first
-`--eval-tokens` bytes of `b.txt` in rows of `seq` bytes, targets shifted by one), in fp32.
+`b.txt` (held out: `--eval-data`), each tokenized as its bytes (`zeroflow tokenize --tokenizer
+bytes`). zeroflow trains from the directory on the GPU (`train --device cuda --init-from DIR`,
+bf16), `--export` writing the final weights as a Hugging Face directory at the end; then `zeroflow
+export` writes the last checkpoint as one too, which must be the same bytes. transformers loads it
+and computes the loss of the same evaluation windows zeroflow used (the first `--eval-tokens`
+bytes of `b.txt` in rows of `seq` bytes, targets shifted by one), in fp32.
 Printed per kind: both losses and their relative difference (bound 2e-2: zeroflow's is bf16 on the
 GPU). Exit status 1 if a kind is outside the bound or a step fails.
 """
@@ -97,16 +98,23 @@ def transformers_loss(directory, eval_bytes):
 def check(kind, root, zeroflow):
     work = root / kind
     init, data, runs, exported = work / "init", work / "data", work / "run", work / "exported"
+    at_end = work / "at-end"
     data.mkdir(parents=True, exist_ok=True)
     build(kind, init)
     (data / "a.txt").write_bytes(corpus(1, 400_000))
     eval_bytes = corpus(2, 40_000)
     (data / "b.txt").write_bytes(eval_bytes)
+    # Bytes as tokens: the random models have no tokenizer.json, and text is read with the
+    # model's own tokenizer only; token shards of the bytes are read as they are.
+    for name in ("a", "b"):
+        run([zeroflow, "tokenize", "--tokenizer", "bytes", "--out", str(data / name),
+             str(data / f"{name}.txt")])
     trained = run([zeroflow, "train", "--device", "cuda", "--init-from", init,
-                   "--data", str(data / "a.txt"), "--steps", str(STEPS),
+                   "--data", str(data / "a"), "--steps", str(STEPS),
                    "--micro-batch", str(MICRO_BATCH), "--seq", str(SEQ),
-                   "--eval-data", str(data / "b.txt"),
-                   "--eval-tokens", str(EVAL_BATCHES * MICRO_BATCH * SEQ + 1), "--out", runs])
+                   "--eval-data", str(data / "b"),
+                   "--eval-tokens", str(EVAL_BATCHES * MICRO_BATCH * SEQ + 1), "--out", runs,
+                   "--export", at_end])
     found = re.search(r"final eval loss ([0-9.]+)", trained.stdout + trained.stderr)
     summary = json.loads((runs / "summary.json").read_text())
     ours = summary.get("final_eval_loss") or (float(found.group(1)) if found else None)
@@ -114,16 +122,20 @@ def check(kind, root, zeroflow):
         raise RuntimeError(f"no final eval loss in {runs / 'summary.json'} or the output")
     checkpoint = sorted((runs / "checkpoints").glob("step-*"))[-1]
     run([zeroflow, "export", checkpoint, "--out", exported])
+    names = sorted(p.name for p in exported.iterdir())
+    same = names == sorted(p.name for p in at_end.iterdir()) and all(
+        (exported / name).read_bytes() == (at_end / name).read_bytes() for name in names)
     theirs = transformers_loss(exported, eval_bytes)
     relative = abs(ours - theirs) / abs(theirs)
-    status = "ok" if relative <= BOUND else "FAIL"
+    status = "ok" if relative <= BOUND and same else "FAIL"
     losses = [json.loads(line) for line in (runs / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in losses if "loss" in row]
     first = f"{losses[0]:.3f}, last {losses[-1]:.3f}" if losses else "?"
     print(f"{status} {kind}: {STEPS} CUDA steps (training loss: first {first}), final eval loss zeroflow "
           f"{ours:.5f} transformers {theirs:.5f} from {checkpoint.name} exported, relative "
-          f"difference {relative:.2e} (bound {BOUND})", flush=True)
-    return relative <= BOUND
+          f"difference {relative:.2e} (bound {BOUND}); train --export wrote "
+          f"{'the same bytes' if same else 'OTHER BYTES'} ({', '.join(names)})", flush=True)
+    return relative <= BOUND and same
 
 
 def main():

@@ -35,12 +35,14 @@ enum Command {
     /// Tokenize text and chat files (.txt, .jsonl with "text" or "messages") into llm.c token
     /// shards, with a document index and, for chat, a loss mask on the assistant's tokens.
     Tokenize(cmd::tokenize::Args),
-    /// Continue a prompt with a Hugging Face model (GPT-2 or the Llama family) on the CPU.
+    /// Continue a prompt with a Hugging Face model or a checkpoint (GPT-2 or the Llama family) on
+    /// the CPU or a GPU.
     Generate(cmd::generate::Args),
-    /// The loss and perplexity of a Hugging Face model over token shards or text, on the CPU.
+    /// The loss and perplexity of a Hugging Face model or a checkpoint over token shards or text,
+    /// on the CPU or a GPU.
     Eval(cmd::eval::Args),
     /// Write a checkpoint as a Hugging Face directory of its model's family (GPT-2 or Llama:
-    /// config.json and the weights, in the run's dtype).
+    /// config.json, the weights in the run's dtype, the tokenizer files of its --init-from).
     Export(cmd::export::Args),
     /// The memory plan of a `train` command (the same arguments): GPU and host bytes by kind, the
     /// totals against this machine's, and the knobs that make it fit where it does not.

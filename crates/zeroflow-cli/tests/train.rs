@@ -223,6 +223,12 @@ const BAD_INPUTS: &[BadInput] = &[
         message: "train_micro_batch_size_per_gpu",
     },
     BadInput {
+        name: "export_into_a_full_directory",
+        args: &["--export", "/"],
+        config: None,
+        message: "--export /: exists and is not empty; choose a new directory",
+    },
+    BadInput {
         name: "unknown_model",
         args: &["--model", "gpt5"],
         config: None,

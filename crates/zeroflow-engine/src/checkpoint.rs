@@ -275,10 +275,25 @@ pub fn disk_size(bytes: u64) -> String {
     }
 }
 
+thread_local! {
+    /// What [`free_bytes`] says on this thread instead of asking the file system ([`pretend_free`]).
+    static PRETENDED_FREE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// Tests: from now on [`free_bytes`] says `bytes` on this thread (`None`: asks the file system
+/// again), so that a run's saves can be refused for want of space without filling a disk.
+#[doc(hidden)]
+pub fn pretend_free(bytes: Option<u64>) {
+    PRETENDED_FREE.with(|free| free.set(bytes));
+}
+
 /// The bytes free for this process (`statvfs`'s available blocks) on the file system that holds
 /// `path`, or would hold it once made (its nearest existing ancestor's), or `None` where that
 /// cannot be asked.
 pub fn free_bytes(path: &Path) -> Option<u64> {
+    if let Some(bytes) = PRETENDED_FREE.with(std::cell::Cell::get) {
+        return Some(bytes);
+    }
     let path = path.ancestors().find(|dir| dir.exists())?;
     #[cfg(unix)]
     {
@@ -318,7 +333,30 @@ pub fn write_model<P: Stored>(
             return Err(CheckpointError::Mismatch { path: path.into(), reason });
         }
     };
-    let out = tensors
+    write_tensors(path, tensor_outs(path, weights, tensors, widen)?, None)
+}
+
+/// Writes `weights` as the named `tensors` into a safetensors file at `path` (fsynced) in `P`'s
+/// own type, fetched a piece at a time as they are written, with `"format": "pt"` in its
+/// metadata: a weight file of a Hugging Face directory.
+pub fn write_hf_weights<P: Stored>(
+    path: &Path,
+    weights: &Elements<'_, P>,
+    tensors: &[NamedTensor],
+) -> Result<(), CheckpointError> {
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_tensors(path, tensor_outs(path, weights, tensors, false)?, Some(metadata))
+}
+
+/// The tensors of a file that [`write_tensors`] writes from `weights`: each as `P`, or widened
+/// to F32.
+fn tensor_outs<'a, P: Stored>(
+    path: &Path,
+    weights: &'a Elements<'_, P>,
+    tensors: &'a [NamedTensor],
+    widen: bool,
+) -> Result<Vec<Out<'a>>, CheckpointError> {
+    tensors
         .iter()
         .map(|t| {
             if t.flat.end > weights.len() || t.flat.start > t.flat.end {
@@ -334,8 +372,7 @@ pub fn write_model<P: Stored>(
                 }),
             })
         })
-        .collect::<Result<Vec<_>, CheckpointError>>()?;
-    write_tensors(path, out, None)
+        .collect()
 }
 
 /// Writes `state.json` at `path` (fsynced): rank 0's share of a checkpoint that several

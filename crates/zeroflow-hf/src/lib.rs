@@ -6,7 +6,8 @@
 //!   [`HfCheckpoint::check`] compares the names and shapes with the family's.
 //! - [`save`] writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads:
 //!   `config.json`, the weights in BF16 or F32 (sharded above [`SaveOptions::max_shard_bytes`],
-//!   with the index), and the tokenizer files of a source directory, atomically.
+//!   with the index), and the tokenizer files of a source directory, atomically; [`save_with`]
+//!   the same directory of tensors that a caller writes from where they are, a piece at a time.
 //!
 //! The crate knows no family: names, shapes and `config.json`'s meaning are the family's.
 
@@ -19,8 +20,8 @@ pub use error::HfError;
 pub use read::{HfCheckpoint, SafetensorsFile, TensorEntry, read_config};
 pub use safetensors::Dtype;
 pub use write::{
-    DEFAULT_MAX_SHARD_BYTES, OutTensor, SaveDtype, SaveOptions, Saved, TOKENIZER_FILES,
-    plan_shards, save, with_torch_dtype,
+    DEFAULT_MAX_SHARD_BYTES, DirLayout, OutTensor, SaveDtype, SaveOptions, Saved, TOKENIZER_FILES,
+    plan_shards, save, save_with, with_torch_dtype,
 };
 
 /// The model's configuration file.

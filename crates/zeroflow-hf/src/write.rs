@@ -114,6 +114,47 @@ pub fn save<T: Float>(
     options: &SaveOptions,
 ) -> Result<Saved, HfError> {
     check_tensors(tensors)?;
+    let dtype = options.dtype;
+    let sizes: Vec<(&str, u64)> =
+        tensors.iter().map(|t| (t.name, (t.values.len() * dtype.bytes()) as u64)).collect();
+    let layout = DirLayout {
+        torch_dtype: dtype.torch_name(),
+        max_shard_bytes: options.max_shard_bytes,
+        tokenizer_from: options.tokenizer_from.as_deref(),
+    };
+    save_with(dir, config, &sizes, &layout, |path, shard| {
+        let views = tensors[shard].iter().map(|t| (t.name, Encoded { dtype, tensor: *t }));
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(metadata), path)
+            .map_err(|e| HfError::Serialize { path: path.to_path_buf(), reason: e.to_string() })
+    })
+}
+
+/// How [`save_with`] lays out a directory: the weights' type as `config.json`'s `torch_dtype`
+/// names it, the most bytes of a shard ([`SaveOptions::max_shard_bytes`]), and the directory
+/// whose [`TOKENIZER_FILES`] are copied.
+#[derive(Clone, Copy, Debug)]
+pub struct DirLayout<'a> {
+    pub torch_dtype: &'a str,
+    pub max_shard_bytes: u64,
+    pub tokenizer_from: Option<&'a Path>,
+}
+
+/// Writes the Hugging Face model directory `dir` (which must not exist or be empty) of tensors
+/// of the names and byte sizes `sizes`, in their order, `write` writing each weight file: a
+/// path and the range of `sizes` whose tensors it holds (in safetensors, `"format": "pt"` in
+/// its metadata). [`save`] writes tensors held in memory; a caller may write them from wherever
+/// they are (a device, another file), a piece at a time. `config` gets `layout`'s
+/// `torch_dtype`; shards of at most `layout.max_shard_bytes` get the index; the tokenizer files
+/// are copied. The directory appears whole or not at all: everything is written (and fsynced)
+/// into a temporary sibling directory that is then renamed.
+pub fn save_with(
+    dir: &Path,
+    config: &Value,
+    sizes: &[(&str, u64)],
+    layout: &DirLayout<'_>,
+    write: impl FnMut(&Path, Range<usize>) -> Result<(), HfError>,
+) -> Result<Saved, HfError> {
     if dir.exists() && fs::read_dir(dir).map_err(io(dir))?.next().is_some() {
         return Err(HfError::OutputExists { dir: dir.to_path_buf() });
     }
@@ -123,7 +164,12 @@ pub fn save<T: Float>(
         fs::remove_dir_all(&temp).map_err(io(&temp))?;
     }
     fs::create_dir_all(&temp).map_err(io(&temp))?;
-    let saved = write_into(&temp, config, tensors, options)?;
+    let saved = write_into(&temp, config, sizes, layout, write);
+    if saved.is_err() {
+        // A half-written directory only takes space: the error says what went wrong.
+        let _ = fs::remove_dir_all(&temp);
+    }
+    let saved = saved?;
     sync(&temp)?;
     if dir.exists() {
         fs::remove_dir(dir).map_err(io(dir))?;
@@ -153,15 +199,15 @@ fn check_tensors<T>(tensors: &[OutTensor<'_, T>]) -> Result<(), HfError> {
     Ok(())
 }
 
-fn write_into<T: Float>(
+fn write_into(
     dir: &Path,
     config: &Value,
-    tensors: &[OutTensor<'_, T>],
-    options: &SaveOptions,
+    sizes: &[(&str, u64)],
+    layout: &DirLayout<'_>,
+    mut write: impl FnMut(&Path, Range<usize>) -> Result<(), HfError>,
 ) -> Result<Saved, HfError> {
-    let dtype = options.dtype;
-    let sizes: Vec<u64> = tensors.iter().map(|t| (t.values.len() * dtype.bytes()) as u64).collect();
-    let shards = plan_shards(&sizes, options.max_shard_bytes);
+    let bytes: Vec<u64> = sizes.iter().map(|&(_, size)| size).collect();
+    let shards = plan_shards(&bytes, layout.max_shard_bytes);
     let files: Vec<String> = if shards.len() == 1 {
         vec![SINGLE_FILE.to_string()]
     } else {
@@ -170,24 +216,21 @@ fn write_into<T: Float>(
             .collect()
     };
     let config_path = dir.join(CONFIG_FILE);
-    write_json(&config_path, &with_dtype(config, dtype))?;
-    // The safetensors writer creates its files readable by the owner only (a temporary file
-    // renamed); they get the permissions an ordinary new file gets, config.json's.
+    write_json(&config_path, &with_torch_dtype(config, layout.torch_dtype))?;
+    // Weight files may be created readable by the owner only (safetensors' writer: a temporary
+    // file renamed); they get the permissions an ordinary new file gets, config.json's.
     let permissions = fs::metadata(&config_path).map_err(io(&config_path))?.permissions();
     let mut weight_map = BTreeMap::new();
     for (file, range) in files.iter().zip(&shards) {
         let path = dir.join(file);
-        let views = tensors[range.clone()].iter().map(|t| {
-            weight_map.insert(t.name.to_string(), file.clone());
-            (t.name, Encoded { dtype, tensor: *t })
-        });
-        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        safetensors::serialize_to_file(views, Some(metadata), &path)
-            .map_err(|e| HfError::Serialize { path: path.clone(), reason: e.to_string() })?;
+        write(&path, range.clone())?;
+        for &(name, _) in &sizes[range.clone()] {
+            weight_map.insert(name.to_string(), file.clone());
+        }
         fs::set_permissions(&path, permissions.clone()).map_err(io(&path))?;
         sync(&path)?;
     }
-    let total_size = sizes.iter().sum();
+    let total_size = bytes.iter().sum();
     if files.len() > 1 {
         let index = serde_json::json!({
             "metadata": { "total_size": total_size },
@@ -195,7 +238,7 @@ fn write_into<T: Float>(
         });
         write_json(&dir.join(INDEX_FILE), &index)?;
     }
-    let tokenizer_files = match &options.tokenizer_from {
+    let tokenizer_files = match layout.tokenizer_from {
         Some(from) => copy_tokenizer_files(from, dir)?,
         None => Vec::new(),
     };
@@ -216,10 +259,6 @@ pub fn plan_shards(sizes: &[u64], max: u64) -> Vec<Range<usize>> {
     }
     shards.push(start..sizes.len());
     shards
-}
-
-fn with_dtype(config: &Value, dtype: SaveDtype) -> Value {
-    with_torch_dtype(config, dtype.torch_name())
 }
 
 /// `config` with its `torch_dtype` (and `dtype`, where it has one) set to `name`, as

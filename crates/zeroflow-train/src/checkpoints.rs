@@ -17,19 +17,31 @@ pub const FOLDER: &str = "checkpoints";
 /// (a save writes the next one before it deletes the oldest, so a long run needs room for
 /// `keep + 1`): a warning to say now, at the start, where the saves would fail; `None` where
 /// there is room or the free space cannot be asked.
-pub fn disk_warning(out: &Path, bytes: u64, keep: u64) -> Option<String> {
-    disk_warning_for(out, bytes, keep, checkpoint::free_bytes(out)?)
+pub fn disk_warning(out: &Path, bytes: u64, keep: u64, export: Option<&Path>) -> Option<String> {
+    disk_warning_for(out, bytes, keep, export, checkpoint::free_bytes(out)?)
 }
 
 /// [`disk_warning`] of a disk with `free` bytes free.
-fn disk_warning_for(out: &Path, bytes: u64, keep: u64, free: u64) -> Option<String> {
+fn disk_warning_for(
+    out: &Path,
+    bytes: u64,
+    keep: u64,
+    export: Option<&Path>,
+    free: u64,
+) -> Option<String> {
     let (out, size, room) =
         (out.display(), checkpoint::disk_size(bytes), checkpoint::disk_size(free));
     if free < bytes {
+        let then = match export {
+            Some(dir) => format!("--export {} gets the final weights", dir.display()),
+            None => "but the save at its end (or at a signal) refused ends it with an error: \
+                     free some space, pass --out on a larger disk, or pass --export DIR to get \
+                     the final weights as a Hugging Face directory"
+                .to_owned(),
+        };
         return Some(format!(
-            "a checkpoint of this run takes {size} and {out} has {room} free: every \
-             save will be refused (the last one at the end of the run too, nothing written); \
-             free some space or pass --out on a larger disk"
+            "a checkpoint of this run takes {size} and {out} has {room} free: every save will be \
+             refused and the run goes on without them; {then}"
         ));
     }
     let fits = free / bytes.max(1);
@@ -37,7 +49,8 @@ fn disk_warning_for(out: &Path, bytes: u64, keep: u64, free: u64) -> Option<Stri
         format!(
             "a checkpoint of this run takes {size} and {out} has {room} free, room \
              for {fits}; keeping {keep} (--keep) needs {} at once, so later saves will be \
-             refused: free some space, lower --keep or pass --out on a larger disk",
+             refused (the run goes on without them): free some space, lower --keep or pass \
+             --out on a larger disk",
             keep + 1
         )
     })
@@ -66,9 +79,28 @@ pub enum CheckpointsError {
     /// Other ranks failed a phase of [`save_ranks`] (`ranks` names them; their logs say why).
     #[error("{ranks} could not {phase} the checkpoint {} (its log says why)", dir.display())]
     Ranks { ranks: String, phase: &'static str, dir: PathBuf },
+    /// Rank 0 found too little free space for the checkpoint (its log says how much): nothing
+    /// was written.
+    #[error(
+        "{}: not enough disk space for this checkpoint, as rank 0 found (nothing was written)",
+        dir.display()
+    )]
+    NoSpaceAtRankZero { dir: PathBuf },
     /// A rank was lost during a barrier of [`save_ranks`].
     #[error(transparent)]
     Lost(#[from] Lost),
+}
+
+impl CheckpointsError {
+    /// The checkpoint was refused for want of disk space before anything was written (every
+    /// rank of a job says so alike).
+    pub fn is_no_space(&self) -> bool {
+        matches!(
+            self,
+            CheckpointsError::Checkpoint(CheckpointError::NoSpace { .. })
+                | CheckpointsError::NoSpaceAtRankZero { .. }
+        )
+    }
 }
 
 /// The [`CheckpointsError::Io`] of `what` (a verb and its path).
@@ -191,15 +223,22 @@ pub fn save_ranks<P: Stored>(
     let leader = group.rank() == 0;
     // Rank 0 checks the disk for every rank: the parts are the partitions of a flat buffer padded
     // to a multiple of the ranks, all of one length, so its own part's bytes times their number.
-    let prepared = match (leader, share.weights, share.part) {
+    // Every rank learns whether it refused, so that all go on (or stop) alike.
+    let space = match (leader, share.weights, share.part) {
         (true, Some(_), Some(part)) => {
             let parts = meta.world_size as u64 * part.bytes();
             let needed = checkpoint::model_bytes::<P>(meta, tensors) + parts;
-            checkpoint::space_for(&dir, needed).map_err(CheckpointsError::from)
+            checkpoint::space_for(&dir, needed)
         }
         _ => Ok(()),
+    };
+    if !group.exchange(space.is_err())?.is_empty() {
+        return Err(match space {
+            Err(refused) => refused.into(),
+            Ok(()) => CheckpointsError::NoSpaceAtRankZero { dir },
+        });
     }
-    .and_then(|()| if leader { prepare(&dir, &temp) } else { Ok(()) });
+    let prepared = if leader { prepare(&dir, &temp) } else { Ok(()) };
     agree(group, prepared, "prepare", &dir)?;
     let written = write_share(&temp, meta, tensors, &share);
     if let Err(error) = agree(group, written, "write its share of", &dir) {
@@ -304,24 +343,32 @@ mod tests {
     use super::{Share, disk_warning, disk_warning_for, save_ranks};
     use crate::dist::testing::local_groups;
 
-    /// The start-of-run warning: where not even one checkpoint fits (every save refused), where
-    /// `--keep` needs more room than there is, none where there is room; and the free space of a
-    /// real directory can be asked (no warning for a 1-byte checkpoint there).
+    /// The start-of-run warning: where not even one checkpoint fits (every save refused: the
+    /// last one ends the run, unless `--export` gets the weights), where `--keep` needs more room
+    /// than there is, none where there is room; and the free space of a real directory can be
+    /// asked (no warning for a 1-byte checkpoint there).
     #[test]
     fn the_disk_is_checked_against_the_checkpoints_a_run_keeps() {
         let out = Path::new("runs/big");
         let gb = 1_000_000_000;
-        let none_fit = disk_warning_for(out, 128 * gb, 3, 60 * gb).unwrap();
-        for said in ["128.0 GB", "60.0 GB free", "every save will be refused", "--out"] {
+        let none_fit = disk_warning_for(out, 128 * gb, 3, None, 60 * gb).unwrap();
+        let said = ["128.0 GB", "60.0 GB free", "every save will be refused", "--out", "error"];
+        for said in [&said[..], &["pass --export DIR"]].concat() {
             assert!(none_fit.contains(said), "{said:?} not in: {none_fit}");
         }
-        let two_fit = disk_warning_for(out, 10 * gb, 3, 25 * gb).unwrap();
+        let exporting = Some(Path::new("runs/hf"));
+        let exported = disk_warning_for(out, 128 * gb, 3, exporting, 60 * gb).unwrap();
+        for said in ["every save will be refused", "--export runs/hf gets the final weights"] {
+            assert!(exported.contains(said), "{said:?} not in: {exported}");
+        }
+        assert!(!exported.contains("error"), "{exported}");
+        let two_fit = disk_warning_for(out, 10 * gb, 3, None, 25 * gb).unwrap();
         for said in ["room for 2", "needs 4 at once", "--keep"] {
             assert!(two_fit.contains(said), "{said:?} not in: {two_fit}");
         }
-        assert_eq!(disk_warning_for(out, 10 * gb, 3, 40 * gb), None);
+        assert_eq!(disk_warning_for(out, 10 * gb, 3, None, 40 * gb), None);
         let unmade = std::env::temp_dir().join("zeroflow-disk-warning-test/not/yet/made");
-        assert_eq!(disk_warning(&unmade, 1, 1), None);
+        assert_eq!(disk_warning(&unmade, 1, 1, None), None);
     }
 
     /// A model of one 4-element tensor, its flat weights split between two ranks' parts.

@@ -85,6 +85,17 @@ impl TrainError {
             _ => false,
         }
     }
+
+    /// A checkpoint refused for want of disk space, before anything was written (here or in the
+    /// cause of a [`TrainError::Context`]; alike on every rank of a job).
+    pub fn is_no_space(&self) -> bool {
+        match self {
+            TrainError::Checkpoints(error) => error.is_no_space(),
+            TrainError::Checkpoint(CheckpointError::NoSpace { .. }) => true,
+            TrainError::Context { source, .. } => source.is_no_space(),
+            _ => false,
+        }
+    }
 }
 
 /// A [`TrainError::Input`] with `message`.

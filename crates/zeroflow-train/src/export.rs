@@ -1,22 +1,23 @@
-//! A checkpoint as a Hugging Face model directory that `transformers`' `from_pretrained` loads.
-//! The checkpoint's `extra.model` says the family ([`ModelSpec`]), whose
-//! [`Family::export`](crate::Family::export) writes the directory:
+//! A model's weights as a Hugging Face model directory that `transformers`' `from_pretrained`
+//! loads, for every family alike ([`write_hf_dir`]): the family's `config.json`
+//! ([`Family::hf_config`](crate::Family::hf_config)), the tensors of its checkpoint (Hugging
+//! Face's names and shapes over the flat weights, [`Family::tensors`](crate::Family::tensors)) in
+//! the weights' own type, sharded above 5 GB as `save_pretrained` shards them, and the tokenizer
+//! files of the run's `--init-from` directory where it had one. The weights are fetched a piece
+//! at a time as they are written, from wherever they are:
 //!
-//! - GPT-2: the checkpoint's `model.safetensors` already holds the weights under Hugging Face's
-//!   names and shapes (the vocabulary padding dropped, `lm_head` tied to `wte`), so it is copied
-//!   ([`copy_weights`]) beside the model's `config.json`.
-//! - The Llama family: the weights ([`Checkpoint::weights`], in the checkpoint's type) written by
-//!   `zeroflow_llama::save_hf_dir` (`config.json` of the same architecture, sharded above 5 GB
-//!   with `model.safetensors.index.json`, in the checkpoint's dtype), with the tokenizer files of
-//!   the run's `--init-from` directory where it had one.
+//! - `zeroflow export` ([`export`]): from a checkpoint's `model.safetensors` (or, saved while a
+//!   delayed update's weights were on their way, its master weights rounded to the weights' type);
+//! - `zeroflow train --export` (the trainer, at the end of the run): from the device.
 
 use std::path::{Path, PathBuf};
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_core::{DType, Float};
-use zeroflow_engine::checkpoint::{self, CheckpointError, NamedTensor};
+use zeroflow_core::{DType, Float, bf16, f16};
+use zeroflow_engine::checkpoint::{self, CheckpointError, Elements, NamedTensor, Stored};
+use zeroflow_hf::{DEFAULT_MAX_SHARD_BYTES, DirLayout, HfError, Saved};
 
-use crate::error::{Result, input, io};
+use crate::error::{Result, input};
 use crate::{Family, ModelSpec, with_family};
 
 /// A checkpoint to export, checked: its directory and what its `state.json` says.
@@ -33,57 +34,112 @@ pub struct Checkpoint {
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out` (which must not exist,
-/// or be empty).
-pub fn export(dir: &Path, out: &Path) -> Result<()> {
+/// or be empty), in the type of its weights.
+pub fn export(dir: &Path, out: &Path) -> Result<Saved> {
     let from = read_checkpoint(dir)?;
-    if out.exists() && out.read_dir().map(|mut d| d.next().is_some()).unwrap_or(true) {
+    check_export_dir(out)?;
+    let tokenizer_from = tokenizer_dir(from.init_from.as_deref());
+    with_family!(&from.model, family => {
+        let layout = family.flat_layout(1)?;
+        let tensors = family.tensors(&layout)?;
+        let config = family.hf_config();
+        let out = (out, &config, &tensors[..], tokenizer_from);
+        match from.weights_dtype {
+            DType::Bf16 => from.write_hf_dir::<bf16>(&layout, out),
+            DType::F16 => from.write_hf_dir::<f16>(&layout, out),
+            _ => from.write_hf_dir::<f32>(&layout, out),
+        }
+    })
+}
+
+/// Refuses `out` as a new Hugging Face directory where it holds anything.
+fn check_export_dir(out: &Path) -> Result<()> {
+    if !is_new_dir(out) {
         return Err(input(format!(
             "{}: exists and is not empty; choose a new --out directory",
             out.display()
         )));
     }
-    std::fs::create_dir_all(out).map_err(io(format!("create {}", out.display())))?;
-    with_family!(&from.model, family => family.export(&from, out))
+    Ok(())
 }
 
-/// GPT-2's export: the checkpoint's `model.safetensors` copied (or, saved during a delayed
-/// update, the optimizer's master weights written in its place) and `config` as `config.json`.
-pub fn copy_weights(from: &Checkpoint, out: &Path, config: &serde_json::Value) -> Result<()> {
-    let source = from.dir.join("model.safetensors");
-    let to = out.join("model.safetensors");
-    if from.upload_pending {
-        // Export the run's final weights, not the saved model weights: the master weights,
-        // rounded to the saved weights' type.
-        let opened = from.open()?;
-        match from.weights_dtype {
-            DType::Bf16 => write_master::<zeroflow_core::bf16>(&opened, &to)?,
-            DType::F16 => write_master::<zeroflow_core::f16>(&opened, &to)?,
-            _ => write_master::<f32>(&opened, &to)?,
-        }
-    } else {
-        let copying = format!("copy {} to {}", source.display(), to.display());
-        std::fs::copy(&source, &to).map_err(io(copying))?;
+/// `dir` does not exist, or is an empty directory: an export may write there.
+pub fn is_new_dir(dir: &Path) -> bool {
+    !dir.exists() || dir.read_dir().map(|mut d| d.next().is_none()).unwrap_or(false)
+}
+
+/// The directory whose tokenizer files an export copies: the run's `--init-from`, where it
+/// still is.
+pub fn tokenizer_dir(init_from: Option<&Path>) -> Option<&Path> {
+    if let Some(dir) = init_from.filter(|dir| !dir.is_dir()) {
+        tracing::warn!(
+            "the run's --init-from {} is gone: exporting without its tokenizer files",
+            dir.display()
+        );
     }
-    let torch_dtype = from.weights_dtype.torch_name().expect("weights are floating-point");
-    let config = zeroflow_hf::with_torch_dtype(config, torch_dtype);
-    let path = out.join("config.json");
-    let text = serde_json::to_string_pretty(&config).expect("JSON values serialise") + "\n";
-    std::fs::write(&path, text).map_err(io(format!("write {}", path.display())))
+    init_from.filter(|dir| dir.is_dir())
 }
 
-/// The master weights of `opened` rounded to `P` (its `weights_dtype`), written as the model
-/// file `to`.
-fn write_master<P: checkpoint::Stored + zeroflow_core::Float>(
-    opened: &checkpoint::Opened,
-    to: &Path,
-) -> Result<()> {
-    let (weights, tensors) =
-        checkpoint::weights_from_master::<P>(opened).map_err(|e| input(e.to_string()))?;
-    let weights = checkpoint::Elements::lent(&weights);
-    Ok(checkpoint::write_model(to, &opened.meta, &weights, &tensors)?)
+/// Writes the flat weights `weights` (`P`: the run's type) of a model whose `config.json` is
+/// `config` and whose tensors are `tensors` as the Hugging Face directory `out` (which must not
+/// exist or be empty; it appears whole or not at all), with the tokenizer files of
+/// `tokenizer_from`; the weights are fetched a piece at a time as they are written.
+pub fn write_hf_dir<P: Stored>(
+    out: &Path,
+    config: &serde_json::Value,
+    weights: &Elements<'_, P>,
+    tensors: &[NamedTensor],
+    tokenizer_from: Option<&Path>,
+) -> Result<Saved> {
+    let torch_dtype = P::DTYPE.torch_name().expect("weights are floating-point");
+    let layout =
+        DirLayout { torch_dtype, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES, tokenizer_from };
+    let sizes: Vec<(&str, u64)> =
+        tensors.iter().map(|t| (t.name.as_str(), (t.flat.len() * size_of::<P>()) as u64)).collect();
+    let needed = sizes.iter().map(|&(_, bytes)| bytes).sum();
+    checkpoint::space_for(out, needed).map_err(|e| input(e.to_string()))?;
+    let saved = zeroflow_hf::save_with(out, config, &sizes, &layout, |path, shard| {
+        checkpoint::write_hf_weights(path, weights, &tensors[shard])
+            .map_err(|e| HfError::Serialize { path: path.to_path_buf(), reason: e.to_string() })
+    });
+    saved.map_err(|e| input(e.to_string()))
 }
 
 impl Checkpoint {
+    /// [`write_hf_dir`] of the checkpoint's weights as `P` (its own type) in `layout`: read from
+    /// its file a piece at a time as they are written (where an update was pending: its master
+    /// weights, rounded).
+    fn write_hf_dir<P: Stored + Float>(
+        &self,
+        layout: &FlatLayout,
+        (out, config, tensors, tokenizer_from): (
+            &Path,
+            &serde_json::Value,
+            &[NamedTensor],
+            Option<&Path>,
+        ),
+    ) -> Result<Saved> {
+        if self.upload_pending {
+            let weights = self.weights::<P>(layout, tensors)?;
+            return write_hf_dir(out, config, &Elements::lent(&weights), tensors, tokenizer_from);
+        }
+        let opened = self.open()?;
+        opened.check_tensors(tensors).map_err(|e| input(e.to_string()))?;
+        // The tensors by where they start, for the piece the writer asks for (always inside one).
+        let mut by_start: Vec<&NamedTensor> = tensors.iter().collect();
+        by_start.sort_by_key(|t| t.flat.start);
+        let weights = Elements::fetched(layout.padded_len(), |range| {
+            let at = by_start.partition_point(|t| t.flat.start <= range.start);
+            let tensor = at.checked_sub(1).map(|i| by_start[i]).filter(|t| range.end <= t.flat.end);
+            let tensor = tensor.ok_or_else(|| format!("{range:?} is not inside one tensor"))?;
+            let mut values = vec![P::default(); range.len()];
+            let from = range.start - tensor.flat.start..range.end - tensor.flat.start;
+            opened.model.read_range(&tensor.name, from, &mut values).map_err(|e| e.to_string())?;
+            Ok(values)
+        });
+        write_hf_dir(out, config, &weights, tensors, tokenizer_from)
+    }
+
     /// The checkpoint's weights (the optimizer's master weights when an update was pending,
     /// rounded) as `P` in the flat buffer of `layout`, every tensor of `tensors` there with its
     /// shape, read from the files a tensor (or a piece) at a time: as f32 exactly, or as the

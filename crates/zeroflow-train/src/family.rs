@@ -88,7 +88,7 @@ pub trait Family: Clone + std::fmt::Debug + serde::Serialize + Send + 'static {
         seq: usize,
         options: PlanOptions,
     ) -> Result<Self::Cuda, TrainError>;
-    /// The Hugging Face `config.json` of this shape (what `zeroflow export` writes).
+    /// The Hugging Face `config.json` of this shape (what an export writes: [`crate::export`]).
     fn hf_config(&self) -> serde_json::Value;
     /// [`Family::cuda_model`] as `bench gpt` builds it: GPT-2's GELU runs as its own kernels
     /// unless `fuse_gelu` (a family without that fusion ignores it).
@@ -120,13 +120,6 @@ pub trait Family: Clone + std::fmt::Debug + serde::Serialize + Send + 'static {
         params: &CudaBuffer<bf16>,
         grads: &CudaBuffer<bf16>,
     ) -> Result<Vec<(String, Duration)>, TrainError>;
-    /// Writes the checkpoint `from` as the Hugging Face directory `out` (created, empty): the
-    /// weights and this shape's `config.json` ([`crate::export`]).
-    fn export(
-        &self,
-        from: &crate::export::Checkpoint,
-        out: &std::path::Path,
-    ) -> Result<(), TrainError>;
 }
 
 /// `$body` with `$family` bound to the [`Family`] that the [`ModelSpec`] `$spec` holds: the one

@@ -169,14 +169,6 @@ impl Family for GptConfig {
     ) -> Result<Vec<(String, Duration)>, TrainError> {
         Ok(model.profile(params, grads)?)
     }
-
-    fn export(
-        &self,
-        from: &crate::export::Checkpoint,
-        out: &std::path::Path,
-    ) -> Result<(), TrainError> {
-        crate::export::copy_weights(from, out, &self.to_hf_config())
-    }
 }
 
 /// The CUDA model's options of a family-neutral [`PlanOptions`].

@@ -5,7 +5,6 @@
 //! The impls live here, not in `zeroflow-llama`, so that the family crate does not depend on the
 //! trainer (docs/DESIGN.md §2); each method is the model's own of the same name.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +13,6 @@ use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_nn::cuda::ActivationMemory;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use zeroflow_core::DType;
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::cpu::CpuComm;
@@ -22,14 +20,12 @@ use zeroflow_device::cuda::blas::Blas;
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{CpuDevice, CudaDevice};
 use zeroflow_engine::checkpoint::NamedTensor;
-use zeroflow_hf::{SaveDtype, SaveOptions};
 use zeroflow_llama::{
     ActLayout, CpuLlama, CudaLlama, CudaLlamaOptions, LlamaConfig, LlamaError, hf_params,
 };
 use zeroflow_nn::{AttentionKind, PlanOptions};
 
 use crate::error::input;
-use crate::export::Checkpoint;
 use crate::family::of_f32;
 use crate::model::{cuda_memory_in_use, model_impl};
 use crate::{Family, ModelSpec, TrainError};
@@ -194,37 +190,6 @@ impl Family for LlamaSpec {
         grads: &CudaBuffer<bf16>,
     ) -> Result<Vec<(String, Duration)>, TrainError> {
         Ok(model.profile(params, grads)?)
-    }
-
-    /// `config.json` of the same architecture and the weights through
-    /// [`zeroflow_llama::save_hf_dir`] (in the checkpoint's dtype, sharded above 5 GB), with the
-    /// tokenizer files of the run's `--init-from` directory where it still exists.
-    fn export(&self, from: &Checkpoint, out: &Path) -> Result<(), TrainError> {
-        let layout = self.flat_layout(1)?;
-        let tensors = self.tensors(&layout)?;
-        let tokenizer_from = from.init_from.clone().filter(|dir| dir.is_dir());
-        if let Some(dir) = from.init_from.as_ref().filter(|dir| !dir.is_dir()) {
-            tracing::warn!(
-                "the run's --init-from {} is gone: exporting without its tokenizer files",
-                dir.display()
-            );
-        }
-        let options = |dtype| SaveOptions { dtype, tokenizer_from, ..SaveOptions::default() };
-        // bf16 weights are read and written as they are (no f32 copy of a large model); F16
-        // ones are written as F32: bf16 would round them.
-        match from.weights_dtype {
-            DType::Bf16 => {
-                let weights = from.weights::<bf16>(&layout, &tensors)?;
-                let options = options(SaveDtype::Bf16);
-                zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
-            }
-            _ => {
-                let weights = from.weights::<f32>(&layout, &tensors)?;
-                let options = options(SaveDtype::F32);
-                zeroflow_llama::save_hf_dir(out, &self.0, &layout, &weights, &options)?;
-            }
-        }
-        Ok(())
     }
 }
 

@@ -29,6 +29,8 @@ pub struct Outcome {
     pub last_eval: Option<(u64, f64)>,
     /// The newest checkpoint this process saved.
     pub saved: Option<PathBuf>,
+    /// The Hugging Face directory the final weights were written to (`--export`, rank 0).
+    pub exported: Option<PathBuf>,
     /// A stop request ended the run (after `done`).
     pub interrupted: bool,
     /// The run directory (claimed under another name where the default one was taken).
@@ -86,11 +88,26 @@ pub fn run_on<F: Family, M: Model>(
     }
     let mut recorder = open_recorder(&setup, leader)?;
     let ended = train_steps(&mut setup, &mut trainer, &mut recorder, observer, stop)?;
+    // `--export` at the end of the run; at a stop only where its checkpoint was refused (a run
+    // stopped to be resumed has its checkpoint, and its directory stays free for the resumed run).
+    let export = setup.export.clone().filter(|_| {
+        !ended.interrupted || ended.refused.last().is_some_and(|&step| step == ended.done)
+    });
+    if export.is_some() {
+        // Every rank: a stopped run's delayed update may still hold the last step's weights.
+        trainer.engine.flush()?;
+    }
     observer.on_steps_done();
     // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
     trainer.group.take().expect("the group is taken once, here").finish()?;
+    let exported = match &export {
+        Some(dir) if leader => Some(export_and_say(&mut trainer, family, &setup, &ended, dir)?),
+        _ => None,
+    };
     if leader {
-        let summary = summary(&setup, family, &trainer, &recorder, &ended, started.elapsed());
+        let wall = started.elapsed();
+        let summary =
+            summary(&setup, family, &trainer, &recorder, &ended, wall, exported.as_deref());
         let floor = setup.data.floor;
         recorder.finish(|train, eval| observer.loss_svg(train, eval, floor), &summary)?;
         tracing::info!("{} steps; wrote {}", ended.done, setup.out.display());
@@ -100,6 +117,7 @@ pub fn run_on<F: Family, M: Model>(
         steps: setup.steps,
         last_eval: ended.last_eval,
         saved: ended.saved,
+        exported,
         interrupted: ended.interrupted,
         out: setup.out,
         floor: setup.data.floor,
@@ -120,6 +138,8 @@ struct Ended {
     last_eval: Option<(u64, f64)>,
     /// The newest checkpoint this process saved.
     saved: Option<PathBuf>,
+    /// The steps whose checkpoints were refused for want of disk space.
+    refused: Vec<u64>,
     /// A signal stopped the run (after `done`).
     interrupted: bool,
 }
@@ -162,7 +182,8 @@ fn train_steps<M: Model>(
     let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
     let first = setup.start_step() + 1;
     let last_eval = recorder.eval.last().copied();
-    let mut ended = Ended { done: first - 1, last_eval, saved: None, interrupted: false };
+    let mut ended =
+        Ended { done: first - 1, last_eval, saved: None, refused: Vec::new(), interrupted: false };
     if let Start::InitFrom { .. } = setup.start {
         let Some(loss) = trainer.evaluate(0, &setup.data.eval, stop, observer)? else {
             ended.interrupted = true;
@@ -186,7 +207,7 @@ fn train_steps<M: Model>(
         if last || interrupted || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
             // Saved before the flush below: the delayed update's pending weights are part of
             // the state, so a resumed run continues exactly as this one would have.
-            ended.saved = Some(save_and_say(trainer, step, setup, observer)?);
+            save_and_say(trainer, step, setup, observer, last || interrupted, &mut ended)?;
             tick();
         }
         if let Some(sampler) = &setup.sampler
@@ -208,8 +229,9 @@ fn train_steps<M: Model>(
             let Some(loss) = trainer.evaluate(step, &setup.data.eval, stop, observer)? else {
                 // Abandoned for a signal: the run stops here, with a checkpoint of this step.
                 if ended.saved.as_deref() != Some(checkpoints::step_dir(&setup.out, step).as_path())
+                    && !ended.refused.contains(&step)
                 {
-                    ended.saved = Some(save_and_say(trainer, step, setup, observer)?);
+                    save_and_say(trainer, step, setup, observer, true, &mut ended)?;
                 }
                 ended.interrupted = true;
                 break;
@@ -223,18 +245,65 @@ fn train_steps<M: Model>(
     Ok(ended)
 }
 
-/// Saves the checkpoint of `step`, saying so.
+/// Saves the checkpoint of `step`, saying so, into `ended.saved`. A save refused for want of
+/// disk space (nothing written) is a warning, in `ended.refused`, and the run goes on; unless it
+/// is the run's `last` (at its end or a stop) and no `--export` is to write the final weights.
 fn save_and_say<M: Model>(
     trainer: &mut Trainer<M>,
     step: u64,
     setup: &Setup,
     observer: &mut dyn TrainObserver,
-) -> Result<PathBuf> {
+    last: bool,
+    ended: &mut Ended,
+) -> Result<()> {
     observer.doing(Activity::Saving { step });
     let saving = Instant::now();
-    let dir = trainer.save(step, setup)?;
-    observer.on_checkpoint(step, &dir, saving.elapsed().as_secs_f64());
-    Ok(dir)
+    match trainer.save(step, setup) {
+        Ok(dir) => {
+            observer.on_checkpoint(step, &dir, saving.elapsed().as_secs_f64());
+            ended.saved = Some(dir);
+        }
+        Err(error) if error.is_no_space() && (!last || setup.export.is_some()) => {
+            let then = match &setup.export {
+                Some(dir) => format!("--export writes the final weights to {}", dir.display()),
+                None => "a save at the end that is refused too ends the run".to_owned(),
+            };
+            tracing::warn!("step {step}: {error}; training goes on ({then})");
+            ended.refused.push(step);
+        }
+        Err(error) => return Err(error),
+    }
+    Ok(())
+}
+
+/// Writes the run's final weights (those of step `ended.done`) as the Hugging Face directory
+/// `dir` (`--export`), saying so; the directory.
+fn export_and_say<F: Family, M: Model>(
+    trainer: &mut Trainer<M>,
+    family: &F,
+    setup: &Setup,
+    ended: &Ended,
+    dir: &std::path::Path,
+) -> Result<PathBuf> {
+    let (step, exporting) = (ended.done, Instant::now());
+    let tokenizer_from = setup.model_dir();
+    let saved = trainer.export(family, dir, tokenizer_from.as_deref()).map_err(|error| {
+        let newest = ended.saved.as_ref().map_or(String::new(), |saved| {
+            format!("; `zeroflow export` writes the newest checkpoint, {}", saved.display())
+        });
+        error.context(format!(
+            "cannot write the final weights (step {step}) to --export {}{newest}",
+            dir.display()
+        ))
+    })?;
+    tracing::info!(
+        "wrote the weights of step {step} to {} ({} in {} file(s), {:.1} s)",
+        dir.display(),
+        zeroflow_engine::checkpoint::disk_size(saved.total_size),
+        saved.weight_files.len(),
+        exporting.elapsed().as_secs_f64()
+    );
+    Ok(dir.to_path_buf())
 }
 
 /// `summary.json`. Its times: `wall_s` is the run's wall-clock time so far, every process that
@@ -248,6 +317,7 @@ fn summary<F: Family, M: Model>(
     recorder: &Recorder,
     ended: &Ended,
     process_wall: Duration,
+    exported: Option<&std::path::Path>,
 ) -> serde_json::Value {
     let train_s = trainer.train_time.as_secs_f64();
     let tokens = ended.done * trainer.tokens_per_step;
@@ -284,6 +354,8 @@ fn summary<F: Family, M: Model>(
         "checkpoints": checkpoints::list(&setup.out).ok().map(|all| {
             all.into_iter().map(|(_, dir)| dir.display().to_string()).collect::<Vec<_>>()
         }),
+        "checkpoints_refused": ended.refused,
+        "exported": exported.map(|dir| dir.display().to_string()),
         "config_file": setup.config_file.as_ref().map(|p| p.display().to_string()),
         "config": setup.config.to_json(),
         "settings": trainer.settings.to_json(),

@@ -69,6 +69,8 @@ pub struct TrainOptions {
     pub keep: NonZeroU64,
     pub resume: Option<String>,
     pub init_from: Option<PathBuf>,
+    /// `--export`: the Hugging Face directory the final weights are written to.
+    pub export: Option<PathBuf>,
     pub force: bool,
     pub seed: Option<u64>,
     /// `--sample-every` and `--sample-prompt` ([`crate::sample`]).
@@ -115,6 +117,10 @@ pub struct Setup {
     pub save_every: u64,
     pub keep: u64,
     pub out: PathBuf,
+    /// `--export`: the Hugging Face directory rank 0 writes the final weights to at the end of
+    /// the run (at a stop where that step's checkpoint was refused), checked new (or empty) and
+    /// with room for them.
+    pub export: Option<PathBuf>,
     /// `out` is the default `runs/<UTC time>`, which the run claims for itself when it starts
     /// ([`run_dir::claim`]), under another name where that one is taken.
     pub default_out: bool,
@@ -177,11 +183,21 @@ impl Setup {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => fresh_out(&args)?,
         };
+        let checkpoint_bytes = planned.plan.checkpoint_disk_bytes;
         if dist.rank == 0
-            && let Some(warning) =
-                checkpoints::disk_warning(&out, planned.plan.checkpoint_disk_bytes, args.keep.get())
+            && let Some(warning) = checkpoints::disk_warning(
+                &out,
+                checkpoint_bytes,
+                args.keep.get(),
+                args.export.as_deref(),
+            )
         {
             tracing::warn!("{warning}");
+        }
+        if dist.rank == 0
+            && let Some(dir) = &args.export
+        {
+            check_export(dir, &out, planned.plan.weights_disk_bytes)?;
         }
         let start = initial_state(resume, hf, &model, dist.world_size)?;
         let batch = &config.batch;
@@ -196,11 +212,7 @@ impl Setup {
         };
         // A `.jsonl`, and text where the model comes from a directory (its tokenizer's tokens,
         // not bytes), are tokenized here with that directory's tokenizer.
-        let model_dir = match &start {
-            Start::InitFrom { hf } => Some(hf.dir.clone()),
-            Start::Resume { point, .. } => point.extra.run.init_from.as_ref().map(PathBuf::from),
-            Start::Seed => None,
-        };
+        let model_dir = model_dir(&start);
         let tokenized = |spec, role| {
             startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, dist.rank)
         };
@@ -232,6 +244,7 @@ impl Setup {
             save_every: args.save_every,
             keep: args.keep.get(),
             out,
+            export: args.export,
             default_out,
             seed,
             start,
@@ -243,6 +256,12 @@ impl Setup {
         })
     }
 
+    /// The Hugging Face directory the run's model came from (`--init-from`, or the resumed run's):
+    /// its tokenizer encodes the data, and an export copies its tokenizer files.
+    pub fn model_dir(&self) -> Option<PathBuf> {
+        model_dir(&self.start)
+    }
+
     /// The step the run has already reached (0 unless resuming).
     pub fn start_step(&self) -> u64 {
         match &self.start {
@@ -250,6 +269,47 @@ impl Setup {
             _ => 0,
         }
     }
+}
+
+/// [`Setup::model_dir`] of a run that starts as `start` says.
+fn model_dir(start: &Start) -> Option<PathBuf> {
+    match start {
+        Start::InitFrom { hf } => Some(hf.dir.clone()),
+        Start::Resume { point, .. } => point.extra.run.init_from.as_ref().map(PathBuf::from),
+        Start::Seed => None,
+    }
+}
+
+/// Refuses `--export dir` where it holds anything, is the run directory `out` itself, or where
+/// its file system has less free space than the weights take (`bytes`).
+fn check_export(dir: &Path, out: &Path, bytes: u64) -> Result<()> {
+    let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    if absolute(dir) == absolute(out) {
+        return Err(input(format!(
+            "--export {}: the run directory (--out) itself; the Hugging Face directory must be \
+             one of its own (a new directory inside --out will do)",
+            dir.display()
+        )));
+    }
+    if !crate::export::is_new_dir(dir) {
+        return Err(input(format!(
+            "--export {}: exists and is not empty; choose a new directory, which the run makes \
+             at its end and writes the final weights to",
+            dir.display()
+        )));
+    }
+    if let Some(free) = checkpoint::free_bytes(dir)
+        && free < bytes
+    {
+        return Err(input(format!(
+            "--export {}: the final weights take {} and {} are free there; free some space or \
+             choose a directory on a larger disk",
+            dir.display(),
+            checkpoint::disk_size(bytes),
+            checkpoint::disk_size(free)
+        )));
+    }
+    Ok(())
 }
 
 /// What a run is, up to its memory plan: nothing read of the weights or the data yet.

@@ -15,7 +15,17 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    zeroflow_train::export::export(&args.checkpoint, &args.out)?;
-    println!("exported {} to {}", args.checkpoint.display(), args.out.display());
+    let saved = zeroflow_train::export::export(&args.checkpoint, &args.out)?;
+    println!(
+        "exported {} to {} ({} of weights in {} file(s){})",
+        args.checkpoint.display(),
+        args.out.display(),
+        zeroflow_engine::checkpoint::disk_size(saved.total_size),
+        saved.weight_files.len(),
+        match saved.tokenizer_files.len() {
+            0 => String::new(),
+            n => format!(", {n} tokenizer file(s)"),
+        }
+    );
     Ok(())
 }

@@ -95,6 +95,14 @@ pub struct Args {
     /// `zeroflow export` wrote.
     #[arg(long, value_name = "DIR", conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
+    /// At the end of the run, write its final weights as a Hugging Face directory DIR (new or
+    /// empty) that `transformers` loads: config.json, the weights in the run's type (bf16 on a
+    /// GPU, 2 bytes per parameter; sharded above 5 GB) and the --init-from directory's tokenizer
+    /// files (at a signal too where the checkpoint of that step was refused for want of disk
+    /// space). A refused checkpoint only warns and the run goes on; without --export the one at
+    /// the end (or at a signal) refused ends the run with an error
+    #[arg(long, value_name = "DIR")]
+    pub export: Option<PathBuf>,
     /// Write into --out even if it is not empty (files of the same names are replaced).
     #[arg(long)]
     pub force: bool,
@@ -166,6 +174,7 @@ impl Args {
             keep: self.keep,
             resume: self.resume.clone(),
             init_from: self.init_from.clone(),
+            export: self.export.clone(),
             force: self.force,
             seed: self.seed,
             sample: self

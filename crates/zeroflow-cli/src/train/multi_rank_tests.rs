@@ -62,6 +62,12 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Trains `world` ranks in this process with the `train` flags `flags`; each rank's result.
 fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
+    train_ranks_with(world, flags, None)
+}
+
+/// [`train_ranks`] where the ranks find `free` bytes free on every disk
+/// ([`checkpoint::pretend_free`]; `None`: what the disks have).
+fn train_ranks_with(world: usize, flags: &[String], free: Option<u64>) -> Vec<anyhow::Result<()>> {
     let port = free_port();
     let devices: Vec<CpuDevice> = (0..world).map(|_| CpuDevice::new().unwrap()).collect();
     let comms = CpuComm::group(&devices, Duration::from_secs(60));
@@ -73,6 +79,7 @@ fn train_ranks(world: usize, flags: &[String]) -> Vec<anyhow::Result<()>> {
             let argv: Vec<String> =
                 ["train".to_owned()].into_iter().chain(flags.to_vec()).collect();
             thread::spawn(move || {
+                checkpoint::pretend_free(free);
                 let args = Cli::try_parse_from(argv)?.args;
                 let dist = DistEnv {
                     rank,
@@ -246,6 +253,53 @@ fn two_ranks_resume_their_checkpoint_exactly() {
     }
     assert_eq!(losses(&split), losses(&whole));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Checkpoints refused for want of disk space (rank 0 finds too little, and tells the others)
+/// do not end the run: every rank goes on, the summary lists them, and `--export` writes the
+/// final weights, byte for byte what `zeroflow export` writes from a run on a disk with room.
+/// Without `--export` the last save, refused too, ends every rank with the error.
+#[test]
+fn saves_refused_for_disk_space_go_on_and_the_export_keeps_the_final_weights() {
+    let dir = scratch("no-space");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    // MINI has 4,592 parameters: an f32 checkpoint takes 16 bytes of each (73 kB), its weights
+    // alone 4 (18 kB).
+    let free = Some(40_000);
+    let (roomy, full, lost) = (dir.join("roomy"), dir.join("full"), dir.join("lost"));
+    let batch = ["--micro-batch", "4", "--save-every", "2", "--steps", "4"];
+    for result in train_ranks(2, &flags(&config, &roomy, &batch)) {
+        result.unwrap();
+    }
+    let export = ["--export", dir.join("exported").to_str().unwrap()].map(str::to_owned);
+    let flagged = [flags(&config, &full, &batch), export.to_vec()].concat();
+    for result in train_ranks_with(2, &flagged, free) {
+        result.unwrap();
+    }
+    assert_eq!(losses(&full), losses(&roomy), "the refused saves change nothing");
+    assert_eq!(summary(&full)["checkpoints_refused"], serde_json::json!([2, 4]));
+    assert!(!full.join("checkpoints").exists() || checkpoints_of(&full).is_empty());
+    let later = dir.join("later");
+    zeroflow_train::export::export(&roomy.join("checkpoints/step-00000004"), &later).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        let at_end = std::fs::read(dir.join("exported").join(name)).unwrap();
+        assert!(at_end == std::fs::read(later.join(name)).unwrap(), "{name} differs");
+    }
+    for (rank, result) in
+        train_ranks_with(2, &flags(&config, &lost, &batch), free).into_iter().enumerate()
+    {
+        let error = format!("{:#}", result.expect_err("the last save is refused"));
+        assert!(error.contains("not enough disk space"), "rank {rank}: {error}");
+    }
+    assert_eq!(losses(&lost).len(), 4, "every step was taken before the last save");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The checkpoint directories under a run directory.
+fn checkpoints_of(out: &Path) -> Vec<PathBuf> {
+    let entries = std::fs::read_dir(out.join("checkpoints")).unwrap();
+    entries.map(|entry| entry.unwrap().path()).collect()
 }
 
 #[test]

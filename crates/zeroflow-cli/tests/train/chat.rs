@@ -49,6 +49,8 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
         "0",
         "--out",
         run.to_str().unwrap(),
+        "--export",
+        exported.to_str().unwrap(),
     ];
     let trained = train(&args);
     assert!(trained.status.success(), "{}", text(&trained.stderr));
@@ -72,12 +74,6 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
         .count();
     assert_eq!(events, 1, "one TensorBoard event file");
 
-    let last = run.join("checkpoints").join("step-00000020");
-    let export = std::process::Command::new(env!("CARGO_BIN_EXE_zeroflow"))
-        .args(["export", last.to_str().unwrap(), "--out", exported.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(export.status.success(), "{}", text(&export.stderr));
     for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
         assert!(exported.join(file).is_file(), "{file} exported");
     }

@@ -104,11 +104,12 @@ fn zeroflow(args: &[&str]) -> Output {
 
 /// `train --init-from` a Llama directory trains the family on the CPU (the loss falls), records
 /// the family in the checkpoint, and `export` writes a directory of the same architecture, with
-/// the tokenizer files of the source, whose weights are the checkpoint's exactly.
+/// the tokenizer files of the source, whose weights are the checkpoint's exactly; `train
+/// --export` writes the same directory at the end of the run, byte for byte.
 #[test]
 fn a_llama_directory_trains_on_the_cpu_and_exports_its_weights() {
     let dir = scratch("llama_init_export");
-    let (source, run) = (dir.join("source"), dir.join("run"));
+    let (source, run, at_end) = (dir.join("source"), dir.join("run"), dir.join("at-end"));
     let config = tiny_llama();
     write_hf_dir(&source, &config, u64::MAX);
     let file = dir.join("ds.json");
@@ -116,8 +117,12 @@ fn a_llama_directory_trains_on_the_cpu_and_exports_its_weights() {
     let (file, source_arg, run_arg) =
         (file.to_str().unwrap(), source.to_str().unwrap(), run.to_str().unwrap());
     let args = ["--config", file, "--init-from", source_arg, "--steps", "12", "--out", run_arg];
-    let trained = train(&[&args[..], &["--seq", "16", "--eval-every", "0"]].concat());
+    let more = ["--seq", "16", "--eval-every", "0", "--export", at_end.to_str().unwrap()];
+    let trained = train(&[&args[..], &more].concat());
     assert!(trained.status.success(), "{}", text(&trained.stderr));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["exported"].as_str(), at_end.to_str());
     let losses = step_losses(&run);
     assert_eq!(losses.len(), 12, "{losses:?}");
     let (first, last) = (losses[0].1, losses[11].1);
@@ -153,6 +158,20 @@ fn a_llama_directory_trains_on_the_cpu_and_exports_its_weights() {
         initial.iter().find(|t| t.0 == "lm_head.weight"),
         saved.iter().find(|t| t.0 == "lm_head.weight")
     );
+    let files = |dir: &Path| {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(files(&at_end), ["config.json", "model.safetensors", "tokenizer.json"]);
+    assert_eq!(files(&at_end), files(&exported));
+    for name in files(&exported) {
+        let (end, later) = (std::fs::read(at_end.join(&name)), std::fs::read(exported.join(&name)));
+        assert!(end.unwrap() == later.unwrap(), "{name}: train --export wrote other bytes");
+    }
 }
 
 /// A Llama run stopped at step 3 and resumed to step 6 takes the steps of a straight run to 6:

@@ -135,8 +135,11 @@ pub struct MemoryPlan {
     /// engine with the lines held for the whole run but the CUDA driver's and libraries' (the
     /// device is opened after the initial weights are made), where that is more.
     pub host_total: u64,
-    /// Bytes of disk a checkpoint of the run takes (every rank's part, f32 weights).
+    /// Bytes of disk a checkpoint of the run takes (the weights in the run's type, every rank's
+    /// part of the optimizer state).
     pub checkpoint_disk_bytes: u64,
+    /// Bytes of disk the weights alone take in the run's type (what `--export` writes).
+    pub weights_disk_bytes: u64,
 }
 
 impl MemoryPlan {
@@ -145,6 +148,8 @@ impl MemoryPlan {
         let lines = with_family!(&inputs.model, family => plan_lines(&inputs, family))?;
         let layout = with_family!(&inputs.model, family => family.flat_layout(inputs.world_size))?;
         let checkpoint_disk_bytes = checkpoint_disk_bytes(&inputs, layout.padded_len() as u64);
+        let parameters = with_family!(&inputs.model, family => family.num_params()) as u64;
+        let weights_disk_bytes = parameters * inputs.dtype().size() as u64;
         let gpu_total = sum(&lines, |l| l.memory == MemoryKind::Device);
         let host = |phase: Phase| sum(&lines, |l| l.memory == MemoryKind::Host && l.phase == phase);
         let engine = host(Phase::Run) + host(Phase::Engine).max(host(Phase::EngineSetUp));
@@ -157,7 +162,14 @@ impl MemoryPlan {
         };
         let before = host(Phase::Run) - late + host(Phase::BeforeEngine);
         let host_total = engine.max(before);
-        Ok(MemoryPlan { inputs, lines, gpu_total, host_total, checkpoint_disk_bytes })
+        Ok(MemoryPlan {
+            inputs,
+            lines,
+            gpu_total,
+            host_total,
+            checkpoint_disk_bytes,
+            weights_disk_bytes,
+        })
     }
 }
 
