@@ -25,7 +25,9 @@ hwm=$(watch_rss $! /dev/null "")
 report train "$OUT/train.log" "$hwm"
 grep -E "WARN|wrote|ready|final|Error|error" "$OUT/train.log" | cut -c1-400
 grep -h '"loss"' "$WORK/run/metrics.jsonl" | cut -c1-160
-grep -o '"checkpoints_refused[^]]*]\|"exported": "[^"]*"' "$WORK/run/summary.json"
+python3 -c "import json, sys; s = json.load(open(sys.argv[1]))
+print('checkpoints refused:', s['checkpoints_refused'], 'exported:', s['exported'])" \
+    "$WORK/run/summary.json"
 ls -la "$WORK/hf"
 echo "== transformers loads the directory (at ${SECONDS}s)"
 python3 - "$WORK/hf" <<'PY' 2>&1 | grep -v Warning
