@@ -1,6 +1,8 @@
 //! The training loop with several ranks, on the CPU: one thread per rank, each with its own
 //! device, the ranks' communicators in one process, and the real rendezvous and side channel over
-//! localhost. What `train --device cuda` does with one process per GPU, minus NCCL.
+//! localhost. What `train --device cuda` does with one process per GPU, minus NCCL. Also, in the
+//! same process, what needs a hook no command has: a disk with too little room for the
+//! checkpoints (`checkpoint::pretend_free`), a stop requested at a chosen step.
 
 use std::path::{Path, PathBuf};
 use std::thread;
@@ -14,6 +16,7 @@ use zeroflow_gpt::{CpuGpt, GptConfig, GptError, GradsReady};
 use zeroflow_train::dist::env::Master;
 use zeroflow_train::dist::testing::free_port;
 use zeroflow_train::dist::{self, DistEnv};
+use zeroflow_train::observer::{StopHandle, TrainObserver};
 use zeroflow_train::open::OpenFn;
 use zeroflow_train::{Buffer, Model, ModelSpec, Opened, Setup};
 
@@ -294,6 +297,66 @@ fn saves_refused_for_disk_space_go_on_and_the_export_keeps_the_final_weights() {
     }
     assert_eq!(losses(&lost).len(), 4, "every step was taken before the last save");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run of one process stopped by a request after step 2 (as a signal stops it): with room on
+/// the disk, it leaves its checkpoint and `--export` writes nothing (the stopped run is resumed
+/// from the checkpoint, into the same directory); where its checkpoint is refused for want of
+/// space, `--export` gets the weights of step 2 instead, those a roomy run's checkpoint holds.
+#[test]
+fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
+    let dir = scratch("stopped");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let stopped = |out: &Path, export: &Path, free: Option<u64>| {
+        let export = ["--export", export.to_str().unwrap()].map(str::to_owned);
+        let argv = ["train".to_owned()].into_iter().chain(flags(&config, out, &["--steps", "5"]));
+        let args = Cli::try_parse_from(argv.chain(export)).unwrap().args;
+        checkpoint::pretend_free(free);
+        let setup = Setup::for_rank(args.options(), DistEnv::single(), Requested::default());
+        let shape = match &setup.as_ref().unwrap().model {
+            ModelSpec::Gpt2(shape) => *shape,
+            other => panic!("GPT-2, not {}", other.family()),
+        };
+        let stop = StopHandle::default();
+        let mut observer = StopAfter { step: 2, stop: stop.clone() };
+        let opener = zeroflow_train::open::cpu_opener(false);
+        let outcome =
+            zeroflow_train::run::run_on(setup.unwrap(), &shape, opener, &mut observer, &stop);
+        checkpoint::pretend_free(None);
+        outcome.unwrap()
+    };
+    let (roomy, full) = (dir.join("roomy"), dir.join("full"));
+    let kept = stopped(&roomy, &dir.join("not-written"), None);
+    assert!(kept.interrupted && kept.done == 2, "{kept:?}");
+    assert_eq!(kept.saved, Some(roomy.join("checkpoints/step-00000002")));
+    assert_eq!((kept.exported, dir.join("not-written").exists()), (None, false));
+    // MINI's f32 checkpoint takes 73 kB, its weights 18 kB.
+    let refused = stopped(&full, &dir.join("exported"), Some(40_000));
+    assert!(refused.interrupted && refused.done == 2, "{refused:?}");
+    assert_eq!((refused.saved, refused.exported), (None, Some(dir.join("exported"))));
+    assert_eq!(summary(&full)["checkpoints_refused"], serde_json::json!([2]));
+    let later = dir.join("later");
+    zeroflow_train::export::export(&roomy.join("checkpoints/step-00000002"), &later).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        let at_stop = std::fs::read(dir.join("exported").join(name)).unwrap();
+        assert!(at_stop == std::fs::read(later.join(name)).unwrap(), "{name} differs");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Requests a stop once step `step` is recorded.
+struct StopAfter {
+    step: u64,
+    stop: StopHandle,
+}
+
+impl TrainObserver for StopAfter {
+    fn on_step(&mut self, record: &zeroflow_train::metrics::StepRecord) {
+        if record.step == self.step {
+            self.stop.request();
+        }
+    }
 }
 
 /// The checkpoint directories under a run directory.
