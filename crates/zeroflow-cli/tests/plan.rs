@@ -35,6 +35,11 @@ fn bench_step_plan_only_gives_the_offload_plan() {
     assert!(gpu > 4 * padded, "{plan}");
     assert!(host > 12 * padded + 6 * (16 << 20), "{plan}");
     assert_eq!((plan["micro_batch"].as_u64(), plan["seq"].as_u64()), (Some(2), Some(256)));
+    // On the disk: the checkpoint's bf16 weights and fp32 optimizer state (14 B per padded
+    // parameter), the weights alone in bf16 (`--export`: 2 B per parameter, no padding).
+    let parameters = plan["parameters"].as_u64().expect("parameters");
+    assert_eq!(plan["checkpoint_disk_bytes"].as_u64(), Some(14 * padded), "{plan}");
+    assert_eq!(plan["weights_disk_bytes"].as_u64(), Some(2 * parameters), "{plan}");
 }
 
 /// `zeroflow plan --json` takes `train`'s arguments: on the CPU device everything is host

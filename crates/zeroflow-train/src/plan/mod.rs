@@ -9,7 +9,7 @@
 use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_engine::checkpoint::{WRITE_BUFFERS_BYTES, WRITE_CHUNK_BYTES};
+use zeroflow_engine::checkpoint::{self, WRITE_BUFFERS_BYTES, WRITE_CHUNK_BYTES};
 use zeroflow_engine::{
     AccumulateOn, BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
 };
@@ -464,6 +464,11 @@ impl MemoryPlan {
             Ok(()) => out += "fits\n",
             Err(error) => out += &format!("does not fit: {error}\n"),
         }
+        out += &format!(
+            "disk: a checkpoint {}; the weights alone (--export) {}\n",
+            checkpoint::disk_size(self.checkpoint_disk_bytes),
+            checkpoint::disk_size(self.weights_disk_bytes)
+        );
         out
     }
 
@@ -495,6 +500,8 @@ impl MemoryPlan {
             "lines": lines,
             "gpu_total_bytes": self.gpu_total,
             "host_total_bytes": self.host_total,
+            "checkpoint_disk_bytes": self.checkpoint_disk_bytes,
+            "weights_disk_bytes": self.weights_disk_bytes,
             "machine_gpu_bytes": machine.gpu_total,
             "machine_gpu_held_elsewhere_bytes": machine.gpu_elsewhere,
             "machine_host_total_bytes": machine.host_total,
