@@ -119,11 +119,14 @@ impl Checkpoint {
             Option<&Path>,
         ),
     ) -> Result<Saved> {
-        if self.upload_pending {
-            let weights = self.weights::<P>(layout, tensors)?;
-            return write_hf_dir(out, config, &Elements::lent(&weights), tensors, tokenizer_from);
-        }
         let opened = self.open()?;
+        if self.upload_pending {
+            // The master weights rounded, in one copy: each tensor written from its place there.
+            let (master, saved) =
+                checkpoint::weights_from_master::<P>(&opened).map_err(|e| input(e.to_string()))?;
+            let placed = self.placed(tensors, &saved)?;
+            return write_hf_dir(out, config, &Elements::lent(&master), &placed, tokenizer_from);
+        }
         opened.check_tensors(tensors).map_err(|e| input(e.to_string()))?;
         // The tensors by where they start, for the piece the writer asks for (always inside one).
         let mut by_start: Vec<&NamedTensor> = tensors.iter().collect();
@@ -156,23 +159,34 @@ impl Checkpoint {
         }
         let (master, saved) = checkpoint::weights_from_master::<P>(&opened).map_err(error)?;
         let mut flat = vec![P::default(); layout.padded_len()];
-        for tensor in tensors {
-            let path = self.dir.join("model.safetensors");
-            let found = saved.iter().find(|t| t.name == tensor.name).ok_or_else(|| {
-                input(format!("{}: it has no tensor {}", path.display(), tensor.name))
-            })?;
-            if found.shape != tensor.shape {
-                return Err(input(format!(
-                    "{}: {} has shape {:?}, its model (state.json extra.model) {:?}",
-                    path.display(),
-                    tensor.name,
-                    found.shape,
-                    tensor.shape
-                )));
-            }
-            flat[tensor.flat.clone()].copy_from_slice(&master[found.flat.clone()]);
+        for (tensor, found) in tensors.iter().zip(self.placed(tensors, &saved)?) {
+            flat[tensor.flat.clone()].copy_from_slice(&master[found.flat]);
         }
         Ok(flat)
+    }
+
+    /// `tensors` (the model's) where the checkpoint's `saved` tensors lie: each found by name
+    /// with the model's shape, else an input error naming it.
+    fn placed(&self, tensors: &[NamedTensor], saved: &[NamedTensor]) -> Result<Vec<NamedTensor>> {
+        let path = self.dir.join("model.safetensors");
+        tensors
+            .iter()
+            .map(|tensor| {
+                let found = saved.iter().find(|t| t.name == tensor.name).ok_or_else(|| {
+                    input(format!("{}: it has no tensor {}", path.display(), tensor.name))
+                })?;
+                if found.shape != tensor.shape {
+                    return Err(input(format!(
+                        "{}: {} has shape {:?}, its model (state.json extra.model) {:?}",
+                        path.display(),
+                        tensor.name,
+                        found.shape,
+                        tensor.shape
+                    )));
+                }
+                Ok(found.clone())
+            })
+            .collect()
     }
 
     /// The checkpoint, opened.

@@ -248,11 +248,14 @@ fn init_from_an_exported_checkpoint_starts_from_its_weights() {
 
 /// Trains with `config`, exports the final checkpoint, and starts a run from the export: its
 /// step-0 eval loss equals the exporting run's final one (taken after the delayed update's last
-/// weights arrived, which the export must carry too).
+/// weights arrived, which the export must carry too). The run's own `--export` wrote the same
+/// files (the device's weights once the last update arrived; the checkpoint, saved before,
+/// holds them as its master weights).
 fn init_from_export(config: &str) {
     let dir = scratch(if config == OFFLOAD_DELAYED { "init_from_delayed" } else { "init_from" });
-    let first = dir.join("first");
-    train_with(config, &dir, &["--steps", "3", "--out", first.to_str().unwrap()]);
+    let (first, at_end) = (dir.join("first"), dir.join("at-end"));
+    let args = ["--steps", "3", "--out", first.to_str().unwrap()];
+    train_with(config, &dir, &[&args[..], &["--export", at_end.to_str().unwrap()]].concat());
     let exported = dir.join("exported");
     let export = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
         .args(["export", checkpoint(&first, 3).to_str().unwrap(), "--out"])
@@ -260,6 +263,13 @@ fn init_from_export(config: &str) {
         .output()
         .unwrap();
     assert!(export.status.success(), "{}", text(&export.stderr));
+    let relative = |dir: &Path| -> Vec<(PathBuf, Vec<u8>)> {
+        let files = contents(dir).into_iter();
+        files.map(|(path, bytes)| (path.strip_prefix(dir).unwrap().to_path_buf(), bytes)).collect()
+    };
+    let exported_files = relative(&exported);
+    assert_eq!(exported_files.len(), 2, "config.json and model.safetensors");
+    assert!(relative(&at_end) == exported_files, "train --export wrote other files than export");
     let second = dir.join("second");
     let init = exported.to_str().unwrap();
     let run = train(&[
