@@ -120,22 +120,10 @@ fn a_checkpoint_from_before_the_family_tag_exports_as_gpt2() {
         serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "gpt2");
     assert_eq!((config["n_layer"].as_u64(), config["n_embd"].as_u64()), (Some(1), Some(16)));
+    let weights = |dir: &Path| crate::checkpoints::tensors(&dir.join("model.safetensors")).0;
     let (exported, saved) = (weights(&out), weights(&step_4(&run)));
     assert!(!saved.is_empty());
     assert!(exported == saved, "the weights are the checkpoint's");
-}
-
-/// The tensors of a directory's `model.safetensors`: name, dtype, shape and bytes, by name.
-fn weights(dir: &Path) -> Vec<(String, String, Vec<usize>, Vec<u8>)> {
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<_> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| (name, format!("{:?}", t.dtype()), t.shape().to_vec(), t.data().to_vec()))
-        .collect();
-    tensors.sort();
-    tensors
 }
 
 /// A checkpoint whose `extra.model` names a family this zeroflow does not have is an input error

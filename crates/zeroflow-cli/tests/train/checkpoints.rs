@@ -71,9 +71,10 @@ fn curves(run: &Path) -> (Vec<serde_json::Value>, Vec<serde_json::Value>) {
 
 /// The tensors of a safetensors file with their dtype, shape and bytes, and its metadata. (The
 /// file's bytes are not compared: safetensors writes the metadata map in hash order.)
-type Contents = (Vec<(String, String, Vec<usize>, Vec<u8>)>, Option<Vec<(String, String)>>);
+pub(crate) type Contents =
+    (Vec<(String, String, Vec<usize>, Vec<u8>)>, Option<Vec<(String, String)>>);
 
-fn tensors(path: &Path) -> Contents {
+pub(crate) fn tensors(path: &Path) -> Contents {
     let bytes = std::fs::read(path).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Vec<_> = file
