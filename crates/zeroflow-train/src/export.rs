@@ -17,7 +17,7 @@ use zeroflow_core::{DType, Float, bf16, f16};
 use zeroflow_engine::checkpoint::{self, CheckpointError, Elements, NamedTensor, Stored};
 use zeroflow_hf::{DEFAULT_MAX_SHARD_BYTES, DirLayout, HfError, Saved};
 
-use crate::error::{Result, input};
+use crate::error::{Result, TrainError, input};
 use crate::{Family, ModelSpec, with_family};
 
 /// A checkpoint to export, checked: its directory and what its `state.json` says.
@@ -50,6 +50,23 @@ pub fn export(dir: &Path, out: &Path) -> Result<Saved> {
             _ => from.write_hf_dir::<f32>(&layout, out),
         }
     })
+}
+
+/// The checkpoint `dir` names: itself where it has `state.json`, else its newest checkpoint where
+/// it is a run directory (`checkpoints/step-N`); an input error saying what it may be otherwise.
+pub fn checkpoint_in(dir: &Path) -> Result<PathBuf> {
+    if dir.join("state.json").is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    match crate::checkpoints::list(dir).map_err(TrainError::model)?.pop() {
+        Some((_, newest)) => Ok(newest),
+        None => Err(input(format!(
+            "{}: {}; give a checkpoint (<run>/checkpoints/step-N, with state.json) or a run \
+             directory (its newest checkpoint)",
+            dir.display(),
+            if dir.is_dir() { "holds no checkpoint" } else { "no such directory" }
+        ))),
+    }
 }
 
 /// Refuses `out` as a new Hugging Face directory where it holds anything.

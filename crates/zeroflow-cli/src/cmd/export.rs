@@ -6,7 +6,8 @@ use std::path::PathBuf;
 /// Write a checkpoint as a Hugging Face model directory (GPT-2 or the Llama family).
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The checkpoint directory (a `step-…` directory under a run's `checkpoints/`).
+    /// The checkpoint directory (a `step-…` directory under a run's `checkpoints/`), or a run
+    /// directory (its newest checkpoint).
     checkpoint: PathBuf,
     /// Where to write the weights, config.json and (for a run started --init-from a directory)
     /// its tokenizer files; must not exist, or be empty.
@@ -15,10 +16,11 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let saved = zeroflow_train::export::export(&args.checkpoint, &args.out)?;
+    let checkpoint = zeroflow_train::export::checkpoint_in(&args.checkpoint)?;
+    let saved = zeroflow_train::export::export(&checkpoint, &args.out)?;
     println!(
         "exported {} to {} ({} of weights in {} file(s){})",
-        args.checkpoint.display(),
+        checkpoint.display(),
         args.out.display(),
         zeroflow_engine::checkpoint::disk_size(saved.total_size),
         saved.weight_files.len(),

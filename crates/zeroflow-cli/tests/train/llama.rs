@@ -166,11 +166,18 @@ fn a_llama_directory_trains_on_the_cpu_and_exports_its_weights() {
         names.sort();
         names
     };
+    // The run directory exports its newest checkpoint.
+    let of_run = dir.join("of-run");
+    let export = zeroflow(&["export", run.to_str().unwrap(), "--out", of_run.to_str().unwrap()]);
+    assert!(export.status.success(), "{}", text(&export.stderr));
+    assert!(text(&export.stdout).contains("step-00000012"), "{}", text(&export.stdout));
     assert_eq!(files(&at_end), ["config.json", "model.safetensors", "tokenizer.json"]);
-    assert_eq!(files(&at_end), files(&exported));
-    for name in files(&exported) {
-        let (end, later) = (std::fs::read(at_end.join(&name)), std::fs::read(exported.join(&name)));
-        assert!(end.unwrap() == later.unwrap(), "{name}: train --export wrote other bytes");
+    for other in [&at_end, &of_run] {
+        assert_eq!(files(other), files(&exported));
+        for name in files(&exported) {
+            let (a, b) = (std::fs::read(other.join(&name)), std::fs::read(exported.join(&name)));
+            assert!(a.unwrap() == b.unwrap(), "{name}: {} holds other bytes", other.display());
+        }
     }
 }
 
