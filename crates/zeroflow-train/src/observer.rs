@@ -19,6 +19,8 @@ pub enum Activity {
     Evaluating { after: u64, batch: usize, batches: usize },
     /// Saving the checkpoint of step `step`.
     Saving { step: u64 },
+    /// Writing the weights of step `step` as a Hugging Face directory (`--export`).
+    Exporting { step: u64 },
 }
 
 /// An error of an observer, which ends the run.

@@ -97,13 +97,26 @@ pub fn run_on<F: Family, M: Model>(
         // Every rank: a stopped run's delayed update may still hold the last step's weights.
         trainer.engine.flush()?;
     }
-    observer.on_steps_done();
     // The last barrier: from here a rank's process ending is the job ending, not a lost rank.
     trainer.group.take().expect("the group is taken once, here").finish()?;
     let exported = match &export {
-        Some(dir) if leader => Some(export_and_say(&mut trainer, family, &setup, &ended, dir)?),
+        Some(dir) if leader => {
+            observer.doing(Activity::Exporting { step: ended.done });
+            Some((dir, export_weights(&mut trainer, family, &setup, &ended, dir)?))
+        }
         _ => None,
     };
+    observer.on_steps_done();
+    let exported = exported.map(|(dir, (saved, seconds))| {
+        tracing::info!(
+            "wrote the weights of step {} to {} ({} in {} file(s), {seconds:.1} s)",
+            ended.done,
+            dir.display(),
+            zeroflow_engine::checkpoint::disk_size(saved.total_size),
+            saved.weight_files.len(),
+        );
+        dir.clone()
+    });
     if leader {
         let wall = started.elapsed();
         let summary =
@@ -277,14 +290,14 @@ fn save_and_say<M: Model>(
 }
 
 /// Writes the run's final weights (those of step `ended.done`) as the Hugging Face directory
-/// `dir` (`--export`), saying so; the directory.
-fn export_and_say<F: Family, M: Model>(
+/// `dir` (`--export`): what was written, and in how many seconds.
+fn export_weights<F: Family, M: Model>(
     trainer: &mut Trainer<M>,
     family: &F,
     setup: &Setup,
     ended: &Ended,
     dir: &std::path::Path,
-) -> Result<PathBuf> {
+) -> Result<(zeroflow_hf::Saved, f64)> {
     let (step, exporting) = (ended.done, Instant::now());
     let tokenizer_from = setup.model_dir();
     let saved = trainer.export(family, dir, tokenizer_from.as_deref()).map_err(|error| {
@@ -296,14 +309,7 @@ fn export_and_say<F: Family, M: Model>(
             dir.display()
         ))
     })?;
-    tracing::info!(
-        "wrote the weights of step {step} to {} ({} in {} file(s), {:.1} s)",
-        dir.display(),
-        zeroflow_engine::checkpoint::disk_size(saved.total_size),
-        saved.weight_files.len(),
-        exporting.elapsed().as_secs_f64()
-    );
-    Ok(dir.to_path_buf())
+    Ok((saved, exporting.elapsed().as_secs_f64()))
 }
 
 /// `summary.json`. Its times: `wall_s` is the run's wall-clock time so far, every process that

@@ -127,6 +127,7 @@ impl TrainObserver for Shown {
                 format!("evaluating after step {after}: batch {batch}/{batches}")
             }
             Activity::Saving { step } => format!("saving the checkpoint of step {step}"),
+            Activity::Exporting { step } => format!("exporting the weights of step {step}"),
         });
     }
 

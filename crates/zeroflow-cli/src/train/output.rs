@@ -140,8 +140,11 @@ impl Progress {
     }
 
     pub fn finish(&self) {
-        if let Progress::Bar(bar) = self {
-            bar.finish_and_clear();
+        match self {
+            Progress::Bar(bar) => bar.finish_and_clear(),
+            // Nothing runs any more: the watcher names nothing from here on.
+            Progress::Lines(lines) => lines.lock().activity = None,
+            Progress::Silent => {}
         }
     }
 }
@@ -267,7 +270,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
-    use super::{Lines, Say};
+    use super::{Lines, Progress, Say};
 
     /// Lines that collect what they say.
     fn collecting(log_every: u64, interval: Duration) -> (Lines, Arc<Mutex<Vec<String>>>) {
@@ -291,6 +294,19 @@ mod tests {
         let said = said.lock().unwrap();
         assert!(!said.is_empty(), "no line in a minute");
         assert!(said[0].starts_with("evaluating after step 3: batch 2/16 (for "), "{said:?}");
+    }
+
+    /// Once the run's progress is finished, an activity left set (the export's, say) is not
+    /// named any more, however long the process goes on.
+    #[test]
+    fn a_finished_progress_names_no_activity() {
+        let (lines, said) = collecting(1000, Duration::from_millis(10));
+        let progress = Progress::Lines(lines);
+        progress.doing(|| "exporting the weights of step 5".into());
+        progress.finish();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(progress);
+        assert_eq!(*said.lock().unwrap(), Vec::<String>::new());
     }
 
     /// Step lines come every `log_every` steps and at the last; with an interval that has passed,
