@@ -242,7 +242,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
 pub(crate) mod tests {
     use std::path::{Path, PathBuf};
 
-    use zeroflow_core::bf16;
+    use zeroflow_core::{Float, bf16};
     use zeroflow_engine::OptimizerPart;
     use zeroflow_engine::checkpoint::{Meta, ParamEntry, Stored, save};
     use zeroflow_gpt::GptConfig;
@@ -329,11 +329,16 @@ pub(crate) mod tests {
         dir
     }
 
-    /// A checkpoint of a GPU run holds its weights as bf16, and exports them as bf16, bit for
-    /// bit, in both families; one saved while a delayed update's weights were on their way
-    /// exports its master weights rounded to bf16 (as the device would have had them).
+    /// A checkpoint of a GPU run holds its weights as bf16 (or f16), and exports them in that
+    /// type, bit for bit, in both families; one saved while a delayed update's weights were on
+    /// their way exports its master weights rounded to it (as the device would have had them).
     #[test]
-    fn a_bf16_checkpoint_exports_bf16_weights_or_its_rounded_master() {
+    fn a_16_bit_checkpoint_exports_its_weights_or_its_rounded_master_in_their_type() {
+        exports_in_their_type::<bf16>("bfloat16", zeroflow_hf::Dtype::BF16);
+        exports_in_their_type::<zeroflow_core::f16>("float16", zeroflow_hf::Dtype::F16);
+    }
+
+    fn exports_in_their_type<P: Stored + Float>(torch: &str, dtype: zeroflow_hf::Dtype) {
         let specs = [
             ModelSpec::Gpt2(GptConfig { vocab_size: 61, ..GptConfig::TINY }),
             ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama())),
@@ -343,27 +348,27 @@ pub(crate) mod tests {
             let tensors = spec.tensors(&layout).unwrap();
             let mut init = vec![0.0f32; layout.padded_len()];
             with_family!(&spec, family => family.init(&layout, 5, &mut init)).unwrap();
-            let weights: Vec<bf16> = init.iter().map(|&w| bf16::from_f32(w)).collect();
-            // Master weights between bf16 values: the pending weights are their rounding.
+            let weights: Vec<P> = init.iter().map(|&w| P::from_f32(w)).collect();
+            // Master weights between 16-bit values: the pending weights are their rounding.
             let master: Vec<f32> = init.iter().map(|&w| w * 1.001 + 1e-4).collect();
             for pending in [false, true] {
                 let family = with_family!(&spec, family => family.family_name());
-                let root = scratch(&format!("{family}-{pending}"));
+                let root = scratch(&format!("{family}-{torch}-{pending}"));
                 let pending_master = pending.then_some(&master[..]);
                 let dir =
                     save_checkpoint(&root.join("run"), 3, &spec, &weights, pending_master, None);
                 export(&dir, &root.join("hf")).unwrap();
                 let hf = HfCheckpoint::open(&root.join("hf")).unwrap();
                 let torch_dtype = hf.config().and_then(|c| c["torch_dtype"].as_str());
-                assert_eq!(torch_dtype, Some("bfloat16"), "{family}");
+                assert_eq!(torch_dtype, Some(torch), "{family}");
                 for tensor in &tensors {
                     let entry = hf.tensor(&tensor.name).unwrap();
-                    assert_eq!(entry.dtype, zeroflow_hf::Dtype::BF16, "{}", tensor.name);
+                    assert_eq!(entry.dtype, dtype, "{}", tensor.name);
                     let want: Vec<f32> = match pending {
                         false => weights[tensor.flat.clone()].iter().map(|w| w.to_f32()).collect(),
                         true => master[tensor.flat.clone()]
                             .iter()
-                            .map(|&m| bf16::from_f32(m).to_f32())
+                            .map(|&m| P::from_f32(m).to_f32())
                             .collect(),
                     };
                     assert_eq!(hf.read_f32(&tensor.name).unwrap(), want, "{}", tensor.name);
