@@ -71,6 +71,22 @@ impl HfGpt {
         [name, bare].into_iter().find(|n| self.checkpoint.tensor(n).is_some())
     }
 
+    /// Each tensor's name in this directory's files, its shape and its range of the flat buffer
+    /// of `layout`, to read a piece at a time (`zeroflow_hf::SafetensorsFile::read_range`).
+    pub fn stored_ranges(
+        &self,
+        layout: &FlatLayout,
+    ) -> Result<Vec<zeroflow_hf::StoredRange>, GptError> {
+        let tensors = hf_tensors(&self.config, layout)?;
+        Ok(tensors
+            .into_iter()
+            .map(|t| {
+                let name = self.stored_name(&t.name).expect("checked by HfGpt::open");
+                (name.to_string(), t.shape, t.flat_range)
+            })
+            .collect())
+    }
+
     /// Reads every tensor into its range of the flat buffer `params` of `layout` (converted to
     /// `T` through f32); the padded embedding rows and the alignment gaps are left as they are.
     pub fn read_params<T: Float>(

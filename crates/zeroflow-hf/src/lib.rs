@@ -24,6 +24,11 @@ pub use write::{
     plan_shards, save, save_with, with_torch_dtype,
 };
 
+/// A tensor of a model: its name in a directory's files, its shape, and its range of the
+/// model's flat parameter buffer (what a family maps its tensors to, to read them a piece at a
+/// time).
+pub type StoredRange = (String, Vec<usize>, std::ops::Range<usize>);
+
 /// The model's configuration file.
 pub const CONFIG_FILE: &str = "config.json";
 /// The weights of an unsharded model.

@@ -54,16 +54,30 @@ impl HfLlama {
         params: &mut [T],
     ) -> Result<(), LlamaError> {
         check_buffer(layout, params.len())?;
-        ParamRanges::new(&self.config, layout)?;
-        let specs = hf_params(&self.config);
-        let ranges: Vec<_> = specs
-            .iter()
-            .map(|p| layout.param(&p.name).expect("checked by ParamRanges::new").flat_range())
-            .collect();
-        let outs = ranges_mut(params, &ranges).expect("a layout's parameters do not overlap");
-        let wanted = specs.iter().zip(outs).map(|(p, out)| (p.name.as_str(), &p.shape[..], out));
+        let ranges = self.stored_ranges(layout)?;
+        let spans: Vec<_> = ranges.iter().map(|(_, _, range)| range.clone()).collect();
+        let outs = ranges_mut(params, &spans).expect("a layout's parameters do not overlap");
+        let wanted =
+            ranges.iter().zip(outs).map(|((name, shape, _), out)| (&name[..], &shape[..], out));
         self.checkpoint.read_tensors_into(wanted.collect())?;
         Ok(())
+    }
+
+    /// Each tensor's name in this directory's files, its shape and its range of the flat buffer
+    /// of `layout`, to read a piece at a time (`zeroflow_hf::SafetensorsFile::read_range`).
+    pub fn stored_ranges(
+        &self,
+        layout: &FlatLayout,
+    ) -> Result<Vec<zeroflow_hf::StoredRange>, LlamaError> {
+        ParamRanges::new(&self.config, layout)?;
+        Ok(hf_params(&self.config)
+            .into_iter()
+            .map(|p| {
+                let range =
+                    layout.param(&p.name).expect("checked by ParamRanges::new").flat_range();
+                (p.name, p.shape, range)
+            })
+            .collect())
     }
 }
 

@@ -81,22 +81,40 @@ impl CudaGptDecoder {
         layout: &FlatLayout,
         weights: &[W],
     ) -> Result<Self, GptError> {
+        if weights.len() != layout.padded_len() {
+            let (expected, found) = (layout.padded_len(), weights.len());
+            return Err(GptError::Length { what: "parameter buffer", expected, found });
+        }
+        let weights = device.upload_rounded(weights)?;
+        CudaGptDecoder::on_device(device, blas, config, layout, weights)
+    }
+
+    /// [`CudaGptDecoder::new`] of weights already on the GPU (the flat parameters of `layout`
+    /// in bf16): the embedding's rows the host reads are downloaded from them.
+    pub fn on_device(
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        config: &GptConfig,
+        layout: &FlatLayout,
+        weights: CudaBuffer<bf16>,
+    ) -> Result<Self, GptError> {
         let params = ParamRanges::new(config, layout)?;
         if weights.len() != layout.padded_len() {
             let (expected, found) = (layout.padded_len(), weights.len());
             return Err(GptError::Length { what: "parameter buffer", expected, found });
         }
-        // The host's embedding rounds as the weights on the GPU do.
-        let rounded = |range: &Range<usize>| {
-            weights[range.clone()].iter().map(|&x| bf16::from_f32(x.to_f32()).to_f32()).collect()
+        // The host's embedding: the GPU's bf16 values, widened.
+        let widened = |range: &Range<usize>| -> Result<Vec<f32>, GptError> {
+            let values = device.download_range(&weights, range.clone())?;
+            Ok(values.iter().map(|x| x.to_f32()).collect())
         };
         Ok(CudaGptDecoder {
             device: device.clone(),
             blas,
             config: *config,
-            wte: rounded(&params.wte),
-            wpe: rounded(&params.wpe),
-            weights: device.upload_rounded(weights)?,
+            wte: widened(&params.wte)?,
+            wpe: widened(&params.wpe)?,
+            weights,
             params,
             gpt: GptKernels::load(device)?,
             nn: NnKernels::load(device)?,

@@ -98,6 +98,23 @@ impl CudaLlamaDecoder {
         layout: &FlatLayout,
         weights: &[W],
     ) -> Result<Self, LlamaError> {
+        if weights.len() != layout.padded_len() {
+            let (expected, found) = (layout.padded_len(), weights.len());
+            return Err(LlamaError::Length { what: "parameter buffer", expected, found });
+        }
+        let weights = device.upload_rounded(weights)?;
+        CudaLlamaDecoder::on_device(device, blas, config, layout, weights)
+    }
+
+    /// [`CudaLlamaDecoder::new`] of weights already on the GPU (the flat parameters of `layout`
+    /// in bf16): the embedding's rows the host reads are downloaded from them.
+    pub fn on_device(
+        device: &CudaDevice,
+        blas: Arc<Blas>,
+        config: &LlamaConfig,
+        layout: &FlatLayout,
+        weights: CudaBuffer<bf16>,
+    ) -> Result<Self, LlamaError> {
         let params = ParamRanges::new(config, layout)?;
         if weights.len() != layout.padded_len() {
             let (expected, found) = (layout.padded_len(), weights.len());
@@ -109,9 +126,9 @@ impl CudaLlamaDecoder {
                 reason: format!("{} is odd; rotary embeddings rotate pairs", config.head_dim),
             }));
         }
-        // The host's embedding rounds as the weights on the GPU do.
-        let embed = weights[params.embed.clone()].iter();
-        let embed = embed.map(|&x| bf16::from_f32(x.to_f32()).to_f32()).collect();
+        // The host's embedding: the GPU's bf16 values, widened.
+        let embed = device.download_range(&weights, params.embed.clone())?;
+        let embed = embed.iter().map(|x| x.to_f32()).collect();
         let freqs = RopeFreqs {
             head_dim: config.head_dim,
             theta: config.rope_theta,
@@ -130,7 +147,7 @@ impl CudaLlamaDecoder {
             device: device.clone(),
             blas,
             config: config.clone(),
-            weights: device.upload_rounded(weights)?,
+            weights,
             params,
             embed,
             inv_freq: freqs.inv_freq(),

@@ -13,14 +13,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use zeroflow_core::bf16;
+use zeroflow_device::CudaDevice;
 use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::Blas;
-use zeroflow_device::{CudaDevice, Device};
 use zeroflow_gpt::{CudaGpt, CudaGptDecoder};
 use zeroflow_llama::{CudaLlama, CudaLlamaDecoder};
 use zeroflow_nn::infer::{Decoder, EvalResult, eval_windows};
 
-use super::{HostModel, Params, Weights, with_params};
+use super::{HostModel, Params, Weights};
 use crate::Model;
 use crate::error::{Result, TrainError, input};
 
@@ -100,7 +100,7 @@ impl<'a> OnDevice<'a> {
     fn new(host: &'a HostModel, ordinal: usize) -> Result<Self> {
         let device = CudaDevice::new(ordinal)?;
         let blas = Arc::new(Blas::new(&device)?);
-        let params = with_params!(host.params(), p => device.upload_rounded(p)?);
+        let params = host.params().upload(&device)?;
         Ok(OnDevice { device, blas, weights: &host.weights, params })
     }
 }
@@ -134,13 +134,14 @@ impl HostModel {
     pub fn cuda_decoder(&self, ordinal: usize) -> Result<CudaDecoder> {
         let device = CudaDevice::new(ordinal)?;
         let blas = Arc::new(Blas::new(&device)?);
+        let weights = self.params().upload(&device)?;
         Ok(match &self.weights {
-            Weights::Gpt { config, layout, params } => CudaDecoder::Gpt(
-                with_params!(params, p => CudaGptDecoder::new(&device, blas, config, layout, p))
+            Weights::Gpt { config, layout, .. } => CudaDecoder::Gpt(
+                CudaGptDecoder::on_device(&device, blas, config, layout, weights)
                     .map_err(TrainError::model)?,
             ),
-            Weights::Llama { config, layout, params } => CudaDecoder::Llama(
-                with_params!(params, p => CudaLlamaDecoder::new(&device, blas, config, layout, p))
+            Weights::Llama { config, layout, .. } => CudaDecoder::Llama(
+                CudaLlamaDecoder::on_device(&device, blas, config, layout, weights)
                     .map_err(TrainError::model)?,
             ),
         })

@@ -3,8 +3,8 @@
 //! ([`HostModel::open`], [`source`]) or a named shape with random weights ([`HostModel::named`]),
 //! run through its family's key/value-cached decoder ([`HostModel::generate`]; on a GPU,
 //! [`cuda`]) or over a token stream's windows by the training forward ([`HostModel::eval`]).
-//! The weights are held on the host in f32, or in bf16 where the model is opened for a GPU
-//! ([`HostModel::open_for`]), which gets them in bf16.
+//! The weights are held on the host in f32, or, where the model is opened for a GPU
+//! ([`HostModel::open_for`]), left in their files and read in bf16 as they are uploaded.
 
 use std::borrow::Cow;
 
@@ -12,12 +12,15 @@ use zeroflow_data::{Tokenizer, read_shard};
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, bf16};
+use zeroflow_device::cuda::CudaBuffer;
+use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_gpt::{GptConfig, GptDecoder};
 use zeroflow_llama::{LlamaConfig, LlamaDecoder};
 use zeroflow_nn::infer::{Decoder, generate};
 pub use zeroflow_nn::infer::{EvalResult, GenerateOptions, Sampling};
 
 pub mod cuda;
+mod files;
 mod prompts;
 pub mod source;
 
@@ -81,33 +84,46 @@ enum Weights {
     Llama { config: LlamaConfig, layout: FlatLayout, params: Params },
 }
 
-/// The flat parameters: f32, what the CPU's decoders and training forward run; or bf16, what a
-/// GPU runs, read straight into it ([`HostModel::open_for`]: no f32 copy of a large model in host
-/// memory; the same bf16 values as the f32 ones rounded).
+/// The flat parameters: f32, what the CPU's decoders and training forward run; or left in their
+/// files for a GPU, which reads them as bf16 a piece at a time as it uploads them
+/// ([`HostModel::open_for`]: no copy of a large model in host memory; the same bf16 values as the
+/// f32 ones rounded); or bf16 in host memory (a checkpoint's master weights rounded, where its
+/// delayed update was pending).
 enum Params {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    Files(files::FileParams),
 }
-
-/// `$body` with `$p` bound to the parameters `$params` hold, whichever their type (an expression
-/// generic over it: the same code for both).
-macro_rules! with_params {
-    ($params:expr, $p:ident => $body:expr) => {
-        match $params {
-            $crate::infer::Params::F32($p) => $body,
-            $crate::infer::Params::Bf16($p) => $body,
-        }
-    };
-}
-use with_params;
 
 impl Params {
-    /// As f32: borrowed, or widened from bf16 (exactly).
-    fn f32(&self) -> Cow<'_, [f32]> {
-        match self {
+    /// As f32: borrowed, widened from bf16 (exactly), or read from the files.
+    fn f32(&self) -> Result<Cow<'_, [f32]>> {
+        Ok(match self {
             Params::F32(params) => Cow::Borrowed(params),
             Params::Bf16(params) => Cow::Owned(params.iter().map(|p| p.to_f32()).collect()),
-        }
+            Params::Files(files) => {
+                let mut params = vec![0.0; files.len()];
+                files.read(0..files.len(), &mut params)?;
+                Cow::Owned(params)
+            }
+        })
+    }
+
+    /// On `device` in bf16: uploaded a piece at a time, each rounded (or read from the files) as
+    /// it goes, through two upload buffers (no whole copy of the weights on the host).
+    fn upload(&self, device: &CudaDevice) -> Result<CudaBuffer<bf16>> {
+        Ok(match self {
+            Params::F32(params) => device.upload_rounded(params)?,
+            Params::Bf16(params) => device.upload(params)?,
+            Params::Files(files) => {
+                let buffer = device.alloc::<bf16>(files.len())?;
+                let piece = zeroflow_device::UPLOAD_PIECE_BYTES / size_of::<bf16>();
+                device.synchronize()?;
+                let fill = |range, out: &mut [bf16]| files.read(range, out);
+                device.upload_in_pieces(&buffer, piece, HostMemory::Pinned, fill)?;
+                buffer
+            }
+        })
     }
 }
 
@@ -172,13 +188,13 @@ impl HostModel {
                 self.cuda_decoder(ordinal)?.prefill(&views, capacity)
             }
             (InferDevice::Cpu, Weights::Gpt { config, layout, params }) => {
-                let params = params.f32();
+                let params = params.f32()?;
                 let mut decoder =
                     GptDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 decoder.prefill(&views, capacity).map_err(TrainError::model)
             }
             (InferDevice::Cpu, Weights::Llama { config, layout, params }) => {
-                let params = params.f32();
+                let params = params.f32()?;
                 let mut decoder =
                     LlamaDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 decoder.prefill(&views, capacity).map_err(TrainError::model)
@@ -232,13 +248,13 @@ impl HostModel {
     ) -> Result<Vec<Vec<u32>>> {
         match &self.weights {
             Weights::Gpt { config, layout, params } => {
-                let params = params.f32();
+                let params = params.f32()?;
                 let mut decoder =
                     GptDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 generate(&mut decoder, prompts, options).map_err(TrainError::model)
             }
             Weights::Llama { config, layout, params } => {
-                let params = params.f32();
+                let params = params.f32()?;
                 let mut decoder =
                     LlamaDecoder::new(config, layout, &params).map_err(TrainError::model)?;
                 generate(&mut decoder, prompts, options).map_err(TrainError::model)
@@ -266,11 +282,11 @@ impl HostModel {
     pub fn eval(&self, stream: &[u32], window: usize) -> Result<EvalResult> {
         match &self.weights {
             Weights::Gpt { config, layout, params } => {
-                zeroflow_gpt::eval_stream(config, layout, &params.f32(), stream, window)
+                zeroflow_gpt::eval_stream(config, layout, &params.f32()?, stream, window)
                     .map_err(TrainError::model)
             }
             Weights::Llama { config, layout, params } => {
-                zeroflow_llama::eval_stream(config, layout, &params.f32(), stream, window)
+                zeroflow_llama::eval_stream(config, layout, &params.f32()?, stream, window)
                     .map_err(TrainError::model)
             }
         }

@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, Float};
 use zeroflow_gpt::HfGpt;
+use zeroflow_hf::SafetensorsFile;
 use zeroflow_llama::HfLlama;
 
+use super::files::FileParams;
 use super::{HostModel, InferDevice, Params, Weights, held_in};
 use crate::error::{Result, TrainError, input};
 use crate::{Family, ModelSpec, checkpoints, export, with_family};
@@ -51,8 +53,9 @@ impl ModelDir {
         self.open_for(InferDevice::Cpu)
     }
 
-    /// [`ModelDir::open`] for inference on `device`: the parameters read straight into what it
-    /// runs in (bf16 for a GPU: no f32 copy of a large model in host memory).
+    /// [`ModelDir::open`] for inference on `device`: the parameters read into f32 for the CPU,
+    /// left in their files for a GPU (read as bf16 while they are uploaded: no copy of a large
+    /// model in host memory).
     pub fn open_for(&self, device: InferDevice) -> Result<HostModel> {
         match self {
             ModelDir::HuggingFace(dir) => HostModel::open_hf(dir, held_in(device)),
@@ -75,8 +78,8 @@ impl HostModel {
     /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s
     /// `architectures` says `GPT2LMHeadModel` (or its `model_type` is `gpt2`), else the Llama
     /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s. The
-    /// parameters are read in `dtype` (F32, or BF16: the stored values rounded as f32 ones
-    /// would be).
+    /// parameters are read into f32 (`dtype` F32), or left in the files for a GPU (BF16: read
+    /// as bf16 as they are uploaded, the stored values rounded as f32 ones would be).
     pub fn open_hf(dir: &Path, dtype: DType) -> Result<HostModel> {
         let json = read_config(&dir.join("config.json"))?;
         let end_of_text = zeroflow_hf::eos_token_ids(&json);
@@ -86,7 +89,10 @@ impl HostModel {
             let hf = HfGpt::open(dir).map_err(TrainError::model)?;
             let layout = zeroflow_gpt::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
             let params = match dtype {
-                DType::Bf16 => Params::Bf16(filled(&layout, |p| hf.read_params(&layout, p))?),
+                DType::Bf16 => {
+                    let stored = hf.stored_ranges(&layout).map_err(TrainError::model)?;
+                    Params::Files(FileParams::of_hf(&hf.checkpoint, stored, layout.padded_len())?)
+                }
                 _ => Params::F32(filled(&layout, |p| hf.read_params(&layout, p))?),
             };
             Weights::Gpt { config: hf.config, layout, params }
@@ -94,7 +100,10 @@ impl HostModel {
             let hf = HfLlama::open(dir).map_err(TrainError::model)?;
             let layout = zeroflow_llama::flat_layout(&hf.config, 1).map_err(TrainError::model)?;
             let params = match dtype {
-                DType::Bf16 => Params::Bf16(filled(&layout, |p| hf.read_params(&layout, p))?),
+                DType::Bf16 => {
+                    let stored = hf.stored_ranges(&layout).map_err(TrainError::model)?;
+                    Params::Files(FileParams::of_hf(&hf.checkpoint, stored, layout.padded_len())?)
+                }
                 _ => Params::F32(filled(&layout, |p| hf.read_params(&layout, p))?),
             };
             Weights::Llama { config: hf.config, layout, params }
@@ -104,8 +113,9 @@ impl HostModel {
 
     /// The model of the checkpoint `dir` (what `zeroflow train` saves): the family and shape of
     /// its `state.json`, the weights of its `model.safetensors` (the optimizer's master weights
-    /// where a delayed update was pending), in `dtype` (F32, or BF16: rounded as f32 ones would
-    /// be). Its end-of-text tokens are its shape's `config.json`'s (GPT-2's 50256), else those
+    /// where a delayed update was pending, rounded: then held in host memory), in `dtype` (F32,
+    /// or BF16: left in the file for a GPU as [`HostModel::open_hf`] leaves them). Its
+    /// end-of-text tokens are its shape's `config.json`'s (GPT-2's 50256), else those
     /// of the run's `--init-from` directory.
     pub fn open_checkpoint(dir: &Path, dtype: DType) -> Result<HostModel> {
         let checkpoint = export::read_checkpoint(dir)?;
@@ -119,6 +129,12 @@ impl HostModel {
         let layout = checkpoint.model.flat_layout(1)?;
         let tensors = checkpoint.model.tensors(&layout)?;
         let params = match dtype {
+            DType::Bf16 if !checkpoint.upload_pending => {
+                let file = SafetensorsFile::open(&dir.join("model.safetensors"))
+                    .map_err(|e| input(e.to_string()))?;
+                let stored = tensors.into_iter().map(|t| (t.name, t.shape, t.flat)).collect();
+                Params::Files(FileParams::of_file(file, stored, layout.padded_len())?)
+            }
             DType::Bf16 => Params::Bf16(checkpoint.weights(&layout, &tensors)?),
             _ => Params::F32(checkpoint.weights(&layout, &tensors)?),
         };

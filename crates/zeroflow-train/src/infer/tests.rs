@@ -244,36 +244,87 @@ fn devices_are_cpu_cuda_or_a_numbered_gpu() {
     }
 }
 
-/// Opened for a GPU, a model holds its parameters in bf16, read straight into them: the f32 ones
-/// rounded (what the GPU ran before, uploaded from an f32 copy), from a Hugging Face directory
-/// and from a checkpoint. The CPU's decoder widens them and completes as the rounded f32 weights
-/// do; opened for the CPU, the same directory holds f32.
+/// Opened for a GPU, a model leaves its parameters in their files, read as bf16 a range at a
+/// time as they are uploaded: the f32 ones rounded (what the GPU ran before, uploaded from an f32
+/// copy), from a Hugging Face directory (sharded or not, Llama and GPT-2) and from a checkpoint,
+/// in pieces of any size (7 elements here: pieces that cut tensors and the padding). The CPU's
+/// decoder reads them whole and completes as the rounded f32 weights do; opened for the CPU, the
+/// same directory holds f32.
 #[test]
-fn a_model_opened_for_a_gpu_holds_its_weights_in_bf16_rounded() {
+fn a_model_opened_for_a_gpu_reads_its_weights_from_their_files_in_bf16_rounded() {
     let dir = scratch("bf16-held");
-    let (_, params) = write_llama(&dir, None);
+    let (layout, params) = write_llama(&dir, None);
     let rounded: Vec<f32> = params.iter().map(|&p| bf16::from_f32(p).to_f32()).collect();
     let spec = crate::ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama()));
     let checkpoint =
         crate::export::tests::save_checkpoint(&dir.join("run"), 2, &spec, &params, None, None);
-    let held = |model: &HostModel| match &model.weights {
-        Weights::Llama { params: Params::Bf16(held), .. } => {
-            held.iter().map(|p| p.to_f32().to_bits()).collect::<Vec<_>>()
-        }
-        _ => panic!("not the Llama family in bf16"),
-    };
+    let sharded = dir.join("sharded");
+    let options =
+        SaveOptions { dtype: SaveDtype::F32, max_shard_bytes: 4000, ..Default::default() };
+    let saved =
+        zeroflow_llama::save_hf_dir(&sharded, &tiny_llama(), &layout, &params, &options).unwrap();
+    assert!(saved.weight_files.len() > 2, "{saved:?}");
     let want: Vec<u32> = rounded.iter().map(|p| p.to_bits()).collect();
     let from_rounded = HostModel::from_params(&spec, rounded).unwrap();
     let prompt = [3, 1, 4, 1, 5];
     let expected = from_rounded.complete(&prompt, &GREEDY).unwrap();
-    for source in [&dir, &checkpoint] {
+    for source in [&dir, &sharded, &checkpoint] {
         let model = HostModel::open_for(source, InferDevice::Cuda(0)).unwrap();
-        assert_eq!(held(&model), want, "{}", source.display());
+        assert_eq!(read_in_pieces(&model, 7), want, "{}", source.display());
         assert_eq!(model.complete(&prompt, &GREEDY).unwrap(), expected, "{}", source.display());
     }
     let on_cpu = HostModel::open_for(&dir, InferDevice::Cpu).unwrap();
     assert!(
         matches!(&on_cpu.weights, Weights::Llama { params: Params::F32(p), .. } if *p == params)
     );
+
+    // GPT-2: a checkpoint exported as a Hugging Face directory (GPT2LMHeadModel's names).
+    let gpt = crate::ModelSpec::Gpt2(zeroflow_gpt::GptConfig {
+        vocab_size: 61,
+        ..zeroflow_gpt::GptConfig::TINY
+    });
+    let gpt_layout = gpt.flat_layout(1).unwrap();
+    let mut gpt_params = vec![0.0f32; gpt_layout.padded_len()];
+    init_weights(&gpt, &gpt_layout, &mut gpt_params);
+    let gpt_checkpoint = crate::export::tests::save_checkpoint(
+        &dir.join("gpt-run"),
+        1,
+        &gpt,
+        &gpt_params,
+        None,
+        None,
+    );
+    crate::export::export(&gpt_checkpoint, &dir.join("gpt-hf")).unwrap();
+    let model = HostModel::open_for(&dir.join("gpt-hf"), InferDevice::Cuda(0)).unwrap();
+    let tensors = gpt.tensors(&gpt_layout).unwrap();
+    let held = read_in_pieces(&model, 7);
+    for tensor in &tensors {
+        let want: Vec<u32> = gpt_params[tensor.flat.clone()]
+            .iter()
+            .map(|&p| bf16::from_f32(p).to_f32().to_bits())
+            .collect();
+        assert_eq!(held[tensor.flat.clone()], want[..], "{}", tensor.name);
+    }
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Fresh weights of `spec` from seed 5 into `params`.
+fn init_weights(spec: &crate::ModelSpec, layout: &FlatLayout, params: &mut [f32]) {
+    crate::with_family!(spec, family => crate::Family::init(family, layout, 5, params)).unwrap();
+}
+
+/// The parameters of a model opened for a GPU, as the bits of their f32 widening: read from
+/// their files `piece` elements at a time in bf16 (or as held), as an upload reads them.
+fn read_in_pieces(model: &HostModel, piece: usize) -> Vec<u32> {
+    let params = match &model.weights {
+        Weights::Gpt { params, .. } | Weights::Llama { params, .. } => params,
+    };
+    let Params::Files(files) = params else {
+        panic!("opened for a GPU, but not left in its files")
+    };
+    let mut held = vec![bf16::ZERO; files.len()];
+    for (i, out) in held.chunks_mut(piece).enumerate() {
+        files.read(i * piece..i * piece + out.len(), out).unwrap();
+    }
+    held.iter().map(|p| p.to_f32().to_bits()).collect()
 }
