@@ -113,8 +113,19 @@ pub fn write_hf_dir<P: Stored>(
         DirLayout { torch_dtype, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES, tokenizer_from };
     let sizes: Vec<(&str, u64)> =
         tensors.iter().map(|t| (t.name.as_str(), (t.flat.len() * size_of::<P>()) as u64)).collect();
-    let needed = sizes.iter().map(|&(_, bytes)| bytes).sum();
-    checkpoint::space_for(out, needed).map_err(|e| input(e.to_string()))?;
+    let needed: u64 = sizes.iter().map(|&(_, bytes)| bytes).sum();
+    if let Some(free) = checkpoint::free_bytes(out)
+        && free < needed
+    {
+        return Err(input(format!(
+            "{}: not enough disk space for the Hugging Face directory: its weights take {} and \
+             {} are free there (nothing was written); free some space or choose a directory on \
+             a larger disk",
+            out.display(),
+            checkpoint::disk_size(needed),
+            checkpoint::disk_size(free)
+        )));
+    }
     let saved = zeroflow_hf::save_with(out, config, &sizes, &layout, |path, shard| {
         checkpoint::write_hf_weights(path, weights, &tensors[shard])
             .map_err(|e| HfError::Serialize { path: path.to_path_buf(), reason: e.to_string() })
@@ -336,6 +347,26 @@ pub(crate) mod tests {
     fn a_16_bit_checkpoint_exports_its_weights_or_its_rounded_master_in_their_type() {
         exports_in_their_type::<bf16>("bfloat16", zeroflow_hf::Dtype::BF16);
         exports_in_their_type::<zeroflow_core::f16>("float16", zeroflow_hf::Dtype::F16);
+    }
+
+    /// An export to a disk with less room than the weights take is refused before anything is
+    /// written, saying both sizes.
+    #[test]
+    fn an_export_that_does_not_fit_the_disk_is_refused_whole() {
+        let spec = ModelSpec::Llama(crate::llama::LlamaSpec(tiny_llama()));
+        let layout = spec.flat_layout(1).unwrap();
+        let weights = vec![bf16::from_f32(0.5); layout.padded_len()];
+        let root = scratch("no-room");
+        let dir = save_checkpoint(&root.join("run"), 1, &spec, &weights, None, None);
+        zeroflow_engine::checkpoint::pretend_free(Some(1000));
+        let refused = export(&dir, &root.join("hf"));
+        zeroflow_engine::checkpoint::pretend_free(None);
+        let message = refused.unwrap_err().to_string();
+        for said in ["not enough disk space for the Hugging Face directory", "1.0 kB are free"] {
+            assert!(message.contains(said), "{said:?} not in: {message}");
+        }
+        assert!(!root.join("hf").exists());
+        let _ = std::fs::remove_dir_all(&root);
     }
 
     fn exports_in_their_type<P: Stored + Float>(torch: &str, dtype: zeroflow_hf::Dtype) {
