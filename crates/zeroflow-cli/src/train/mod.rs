@@ -102,13 +102,23 @@ impl Shown {
             return Ok(());
         }
         let (code, signal) = self.stop.as_ref().map_or(signals::ELSEWHERE, Stop::exit);
+        let exported = outcome.exported.as_deref();
         if self.leader {
-            println!("{}", output::interrupted_line(done, steps, saved, last_eval, floor));
+            let kept = (saved, exported);
+            println!("{}", output::interrupted_line(done, steps, kept, last_eval, floor));
         }
-        let message = format!(
-            "stopped by {signal}; continue with: zeroflow train --resume latest --out {}",
-            outcome.out.display()
-        );
+        let message = match exported {
+            // The step's own checkpoint was refused: a resume would go back to an older one.
+            Some(to) => format!(
+                "stopped by {signal}; the weights of step {done} are in {} (no checkpoint of it \
+                 could be saved)",
+                to.display()
+            ),
+            None => format!(
+                "stopped by {signal}; continue with: zeroflow train --resume latest --out {}",
+                outcome.out.display()
+            ),
+        };
         Err(Exit { code, message }.into())
     }
 }

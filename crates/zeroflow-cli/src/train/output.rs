@@ -32,18 +32,30 @@ pub fn final_line(last_eval: Option<(u64, f64)>, floor: Option<f64>) -> String {
     }
 }
 
-/// The line an interrupted run ends with: the step it stopped at, its checkpoint, and the latest
+/// The line an interrupted run ends with: the step it stopped at, its newest checkpoint (and the
+/// directory `--export` wrote where that step's checkpoint was refused), and the latest
 /// evaluation with its step.
 pub fn interrupted_line(
     done: u64,
     steps: u64,
-    saved: Option<&Path>,
+    (saved, exported): (Option<&Path>, Option<&Path>),
     last_eval: Option<(u64, f64)>,
     floor: Option<f64>,
 ) -> String {
-    let saved = match saved {
-        Some(dir) => format!("checkpoint {}", dir.display()),
-        None => "no checkpoint: no step was taken".to_owned(),
+    let saved = match (saved, exported) {
+        (Some(dir), None) => format!("checkpoint {}", dir.display()),
+        (Some(dir), Some(to)) => format!(
+            "newest checkpoint {}; its own refused for want of disk space, the weights of step \
+             {done} exported to {}",
+            dir.display(),
+            to.display()
+        ),
+        (None, Some(to)) => format!(
+            "no checkpoint, refused for want of disk space; the weights of step {done} exported \
+             to {}",
+            to.display()
+        ),
+        (None, None) => "no checkpoint: no step was taken".to_owned(),
     };
     let eval = match last_eval {
         Some((step, loss)) => match floor {
@@ -294,6 +306,26 @@ mod tests {
         let said = said.lock().unwrap();
         assert!(!said.is_empty(), "no line in a minute");
         assert!(said[0].starts_with("evaluating after step 3: batch 2/16 (for "), "{said:?}");
+    }
+
+    /// An interrupted run's line names its checkpoint, or, where that step's checkpoint was
+    /// refused, the directory `--export` wrote (and the older checkpoint, if any).
+    #[test]
+    fn an_interrupted_line_names_the_checkpoint_or_the_export() {
+        use std::path::Path;
+        let (ckpt, hf) = (Path::new("run/checkpoints/step-00000005"), Path::new("hf"));
+        let line = |saved, exported| {
+            super::interrupted_line(7, 10, (saved, exported), Some((5, 2.0)), None)
+        };
+        assert!(line(Some(ckpt), None).contains("(checkpoint run/checkpoints/step-00000005)"));
+        let both = line(Some(ckpt), Some(hf));
+        for said in ["newest checkpoint run/checkpoints/step-00000005", "step 7 exported to hf"] {
+            assert!(both.contains(said), "{said:?} not in {both}");
+        }
+        let exported = line(None, Some(hf));
+        assert!(exported.contains("no checkpoint, refused for want of disk space"), "{exported}");
+        assert!(exported.contains("the weights of step 7 exported to hf"), "{exported}");
+        assert!(line(None, None).contains("no checkpoint: no step was taken"));
     }
 
     /// Once the run's progress is finished, an activity left set (the export's, say) is not
