@@ -8,7 +8,9 @@
 # the plan's lines, the peak RSS (VmHWM), the times the run logs, the loss of step 1. Then
 # `zeroflow generate` on the GPU continues a prompt with the same directory (8 new tokens), with
 # the binary to compare with (.gpu/before/zeroflow, where there is one) and this one: each one's
-# peak RSS and tokens. TRAIN=0 leaves the training run out.
+# peak RSS and tokens. TRAIN=0 leaves the training run out; EVAL=1 adds `zeroflow eval --device
+# cuda` of the directory over 87 KiB of random text read as bytes (windows of 2048), with its peak
+# RSS and loss, for each binary.
 #
 # Here: bash scripts/gpu-check.sh. There: bash scripts/init-from-memory.sh   carry: [".gpu"]
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
@@ -55,6 +57,16 @@ for bin in .gpu/before/zeroflow "$Z"; do
     echo "generate: peak RSS $(python3 -c "print(f'{$hwm / 2**20:.2f}')") GiB"
     cut -c1-200 "$OUT/generate.json"
     tail -2 "$OUT/generate.err" | cut -c1-200
+    if [[ ${EVAL:-0} == 1 ]]; then
+        echo "== eval --device cuda with $bin (at ${SECONDS}s)"
+        [[ -f $WORK/text.txt ]] || head -c 65537 /dev/urandom | base64 >"$WORK/text.txt"
+        "$bin" eval "$WORK/hf" --device cuda --data "$WORK/text.txt" --window 2048 --json \
+            >"$OUT/eval.json" 2>"$OUT/eval.err" &
+        hwm=$(watch_rss $! /dev/null "")
+        echo "eval: peak RSS $(python3 -c "print(f'{$hwm / 2**20:.2f}')") GiB"
+        cut -c1-200 "$OUT/eval.json"
+        tail -2 "$OUT/eval.err" | cut -c1-200
+    fi
 done
 rm -rf "$WORK"
 echo "== done at ${SECONDS}s"
