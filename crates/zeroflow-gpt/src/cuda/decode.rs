@@ -61,9 +61,10 @@ pub struct CudaGptDecoder {
     config: GptConfig,
     params: ParamRanges,
     weights: CudaBuffer<bf16>,
-    /// `wte` and `wpe` in f32, for the embedding of a step's rows on the host.
-    wte: Vec<f32>,
-    wpe: Vec<f32>,
+    /// `wte` and `wpe` as the GPU holds them (bf16), for the embedding of a step's rows on the
+    /// host.
+    wte: Vec<bf16>,
+    wpe: Vec<bf16>,
     gpt: GptKernels,
     nn: NnKernels,
     /// The positions each sequence holds (a cache of no layers: the host's count).
@@ -103,17 +104,14 @@ impl CudaGptDecoder {
             let (expected, found) = (layout.padded_len(), weights.len());
             return Err(GptError::Length { what: "parameter buffer", expected, found });
         }
-        // The host's embedding: the GPU's bf16 values, widened.
-        let widened = |range: &Range<usize>| -> Result<Vec<f32>, GptError> {
-            let values = device.download_range(&weights, range.clone())?;
-            Ok(values.iter().map(|x| x.to_f32()).collect())
-        };
+        // The host's embedding: the GPU's bf16 values.
+        let held = |range: &Range<usize>| device.download_range(&weights, range.clone());
         Ok(CudaGptDecoder {
             device: device.clone(),
             blas,
             config: *config,
-            wte: widened(&params.wte)?,
-            wpe: widened(&params.wpe)?,
+            wte: held(&params.wte)?,
+            wpe: held(&params.wpe)?,
             weights,
             params,
             gpt: GptKernels::load(device)?,
@@ -222,7 +220,7 @@ impl CudaGptDecoder {
             let (wte, wpe) = (&self.wte[token as usize * c..][..c], &self.wpe[pos * c..][..c]);
             row.iter_mut()
                 .zip(wte.iter().zip(wpe))
-                .for_each(|(x, (&t, &p))| *x = bf16::from_f32(t + p));
+                .for_each(|(x, (&t, &p))| *x = bf16::from_f32(t.to_f32() + p.to_f32()));
         }
         let n = tokens.len();
         self.device.copy_h2d(self.stream(), &b.embedding, 0..n * c, &b.residual, 0)?.wait()?;

@@ -78,8 +78,8 @@ pub struct CudaLlamaDecoder {
     config: LlamaConfig,
     params: ParamRanges,
     weights: CudaBuffer<bf16>,
-    /// The embedding in f32 (rounded to bf16 first), for a step's rows on the host.
-    embed: Vec<f32>,
+    /// The embedding as the GPU holds it (bf16), for a step's rows on the host.
+    embed: Vec<bf16>,
     /// RoPE's inverse frequencies, one per pair.
     inv_freq: Vec<f64>,
     kernels: Kernels,
@@ -126,9 +126,8 @@ impl CudaLlamaDecoder {
                 reason: format!("{} is odd; rotary embeddings rotate pairs", config.head_dim),
             }));
         }
-        // The host's embedding: the GPU's bf16 values, widened.
+        // The host's embedding: the GPU's bf16 values.
         let embed = device.download_range(&weights, params.embed.clone())?;
-        let embed = embed.iter().map(|x| x.to_f32()).collect();
         let freqs = RopeFreqs {
             head_dim: config.head_dim,
             theta: config.rope_theta,
@@ -244,8 +243,7 @@ impl CudaLlamaDecoder {
             return Err(LlamaError::Kernel { kernel: "embedding_forward", reason });
         }
         for (row, &token) in b.embedding.chunks_mut(d).zip(tokens) {
-            let embedding = &self.embed[token as usize * d..][..d];
-            row.iter_mut().zip(embedding).for_each(|(x, &e)| *x = bf16::from_f32(e));
+            row.copy_from_slice(&self.embed[token as usize * d..][..d]);
         }
         let n = tokens.len();
         self.device.copy_h2d(stream, &b.embedding, 0..n * d, &b.hidden, 0)?.wait()?;
