@@ -18,6 +18,7 @@ use zeroflow_engine::checkpoint::{self, CheckpointError, Elements, NamedTensor, 
 use zeroflow_hf::{DEFAULT_MAX_SHARD_BYTES, DirLayout, HfError, Saved};
 
 use crate::error::{Result, TrainError, input};
+use crate::weight_files::FileParams;
 use crate::{Family, ModelSpec, with_family};
 
 /// A checkpoint to export, checked: its directory and what its `state.json` says.
@@ -37,7 +38,7 @@ pub struct Checkpoint {
 /// or be empty), in the type of its weights.
 pub fn export(dir: &Path, out: &Path) -> Result<Saved> {
     let from = read_checkpoint(dir)?;
-    check_export_dir(out)?;
+    check_dir(out, 0).map_err(|reason| input(format!("{}: {reason}", out.display())))?;
     let tokenizer_from = tokenizer_dir(from.init_from.as_deref());
     with_family!(&from.model, family => {
         let layout = family.flat_layout(1)?;
@@ -69,20 +70,23 @@ pub fn checkpoint_in(dir: &Path) -> Result<PathBuf> {
     }
 }
 
-/// Refuses `out` as a new Hugging Face directory where it holds anything.
-fn check_export_dir(out: &Path) -> Result<()> {
-    if !is_new_dir(out) {
-        return Err(input(format!(
-            "{}: exists and is not empty; choose a new --out directory",
-            out.display()
-        )));
+/// Why `dir` cannot take a new Hugging Face directory whose weights take `bytes`: it holds
+/// anything, or its file system has fewer bytes free (said before anything is written).
+pub fn check_dir(dir: &Path, bytes: u64) -> std::result::Result<(), String> {
+    let empty = !dir.exists() || dir.read_dir().map(|mut d| d.next().is_none()).unwrap_or(false);
+    if !empty {
+        return Err("exists and is not empty; choose a new directory".into());
     }
-    Ok(())
-}
-
-/// `dir` does not exist, or is an empty directory: an export may write there.
-pub fn is_new_dir(dir: &Path) -> bool {
-    !dir.exists() || dir.read_dir().map(|mut d| d.next().is_none()).unwrap_or(false)
+    match checkpoint::free_bytes(dir) {
+        Some(free) if free < bytes => Err(format!(
+            "not enough disk space for the Hugging Face directory: its weights take {} and {} \
+             are free there (nothing was written); free some space or choose a directory on a \
+             larger disk",
+            checkpoint::disk_size(bytes),
+            checkpoint::disk_size(free)
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The directory whose tokenizer files an export copies: the run's `--init-from`, where it
@@ -113,19 +117,8 @@ pub fn write_hf_dir<P: Stored>(
         DirLayout { torch_dtype, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES, tokenizer_from };
     let sizes: Vec<(&str, u64)> =
         tensors.iter().map(|t| (t.name.as_str(), (t.flat.len() * size_of::<P>()) as u64)).collect();
-    let needed: u64 = sizes.iter().map(|&(_, bytes)| bytes).sum();
-    if let Some(free) = checkpoint::free_bytes(out)
-        && free < needed
-    {
-        return Err(input(format!(
-            "{}: not enough disk space for the Hugging Face directory: its weights take {} and \
-             {} are free there (nothing was written); free some space or choose a directory on \
-             a larger disk",
-            out.display(),
-            checkpoint::disk_size(needed),
-            checkpoint::disk_size(free)
-        )));
-    }
+    let needed = sizes.iter().map(|&(_, bytes)| bytes).sum();
+    check_dir(out, needed).map_err(|reason| input(format!("{}: {reason}", out.display())))?;
     let saved = zeroflow_hf::save_with(out, config, &sizes, &layout, |path, shard| {
         checkpoint::write_hf_weights(path, weights, &tensors[shard])
             .map_err(|e| HfError::Serialize { path: path.to_path_buf(), reason: e.to_string() })
@@ -147,25 +140,17 @@ impl Checkpoint {
             Option<&Path>,
         ),
     ) -> Result<Saved> {
-        let opened = self.open()?;
         if self.upload_pending {
             // The master weights rounded, in one copy: each tensor written from its place there.
-            let (master, saved) =
-                checkpoint::weights_from_master::<P>(&opened).map_err(|e| input(e.to_string()))?;
+            let (master, saved) = checkpoint::weights_from_master::<P>(&self.open()?)
+                .map_err(|e| input(e.to_string()))?;
             let placed = self.placed(tensors, &saved)?;
             return write_hf_dir(out, config, &Elements::lent(&master), &placed, tokenizer_from);
         }
-        opened.check_tensors(tensors).map_err(|e| input(e.to_string()))?;
-        // The tensors by where they start, for the piece the writer asks for (always inside one).
-        let mut by_start: Vec<&NamedTensor> = tensors.iter().collect();
-        by_start.sort_by_key(|t| t.flat.start);
+        let files = self.weight_files(tensors, layout.padded_len())?;
         let weights = Elements::fetched(layout.padded_len(), |range| {
-            let at = by_start.partition_point(|t| t.flat.start <= range.start);
-            let tensor = at.checked_sub(1).map(|i| by_start[i]).filter(|t| range.end <= t.flat.end);
-            let tensor = tensor.ok_or_else(|| format!("{range:?} is not inside one tensor"))?;
             let mut values = vec![P::default(); range.len()];
-            let from = range.start - tensor.flat.start..range.end - tensor.flat.start;
-            opened.model.read_range(&tensor.name, from, &mut values).map_err(|e| e.to_string())?;
+            files.read(range, &mut values).map_err(|e| e.to_string())?;
             Ok(values)
         });
         write_hf_dir(out, config, &weights, tensors, tokenizer_from)
@@ -215,6 +200,15 @@ impl Checkpoint {
                 Ok(found.clone())
             })
             .collect()
+    }
+
+    /// The checkpoint's weights left in its `model.safetensors` ([`FileParams`]), its tensors
+    /// (the model's `tensors` in a flat buffer of `len`) checked there.
+    pub(crate) fn weight_files(&self, tensors: &[NamedTensor], len: usize) -> Result<FileParams> {
+        let opened = self.open()?;
+        opened.check_tensors(tensors).map_err(|e| input(e.to_string()))?;
+        let stored = tensors.iter().map(|t| (t.name.clone(), t.flat.clone())).collect();
+        Ok(FileParams::of_file(opened.model, stored, len))
     }
 
     /// The checkpoint, opened.

@@ -44,6 +44,7 @@ pub mod setup;
 pub mod startup_tokens;
 pub mod tensorboard;
 pub mod trainer;
+mod weight_files;
 
 pub use error::TrainError;
 pub use family::Family;

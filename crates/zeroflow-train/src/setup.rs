@@ -291,25 +291,8 @@ fn check_export(dir: &Path, out: &Path, bytes: u64) -> Result<()> {
             dir.display()
         )));
     }
-    if !crate::export::is_new_dir(dir) {
-        return Err(input(format!(
-            "--export {}: exists and is not empty; choose a new directory, which the run makes \
-             at its end and writes the final weights to",
-            dir.display()
-        )));
-    }
-    if let Some(free) = checkpoint::free_bytes(dir)
-        && free < bytes
-    {
-        return Err(input(format!(
-            "--export {}: the final weights take {} and {} are free there; free some space or \
-             choose a directory on a larger disk",
-            dir.display(),
-            checkpoint::disk_size(bytes),
-            checkpoint::disk_size(free)
-        )));
-    }
-    Ok(())
+    crate::export::check_dir(dir, bytes)
+        .map_err(|reason| input(format!("--export {}: {reason}", dir.display())))
 }
 
 /// What a run is, up to its memory plan: nothing read of the weights or the data yet.

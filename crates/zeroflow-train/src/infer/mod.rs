@@ -20,7 +20,6 @@ use zeroflow_nn::infer::{Decoder, generate};
 pub use zeroflow_nn::infer::{EvalResult, GenerateOptions, Sampling};
 
 pub mod cuda;
-mod files;
 mod prompts;
 pub mod source;
 
@@ -30,6 +29,7 @@ pub use source::ModelDir;
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
+use crate::weight_files::FileParams;
 
 /// How a prompt is continued ([`HostModel::complete`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -92,7 +92,7 @@ enum Weights {
 enum Params {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    Files(files::FileParams),
+    Files(FileParams),
 }
 
 impl Params {

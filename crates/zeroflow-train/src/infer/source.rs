@@ -7,12 +7,11 @@ use std::path::{Path, PathBuf};
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, Float};
 use zeroflow_gpt::HfGpt;
-use zeroflow_hf::SafetensorsFile;
 use zeroflow_llama::HfLlama;
 
-use super::files::FileParams;
 use super::{HostModel, InferDevice, Params, Weights, held_in};
 use crate::error::{Result, TrainError, input};
+use crate::weight_files::FileParams;
 use crate::{Family, ModelSpec, checkpoints, export, with_family};
 
 /// What a MODEL directory is.
@@ -130,10 +129,7 @@ impl HostModel {
         let tensors = checkpoint.model.tensors(&layout)?;
         let params = match dtype {
             DType::Bf16 if !checkpoint.upload_pending => {
-                let file = SafetensorsFile::open(&dir.join("model.safetensors"))
-                    .map_err(|e| input(e.to_string()))?;
-                let stored = tensors.into_iter().map(|t| (t.name, t.shape, t.flat)).collect();
-                Params::Files(FileParams::of_file(file, stored, layout.padded_len())?)
+                Params::Files(checkpoint.weight_files(&tensors, layout.padded_len())?)
             }
             DType::Bf16 => Params::Bf16(checkpoint.weights(&layout, &tensors)?),
             _ => Params::F32(checkpoint.weights(&layout, &tensors)?),

@@ -1,7 +1,7 @@
 //! A model's flat parameters left in their safetensors files (a Hugging Face directory's shards,
-//! or a checkpoint's `model.safetensors`), read a range at a time: what a GPU is given, so that
-//! its weights go from the files to the device through two upload buffers, with no copy of them
-//! in host memory ([`FileParams::read`]).
+//! or a checkpoint's `model.safetensors`), read a range at a time ([`FileParams::read`]): what a
+//! GPU's inference uploads, and what `zeroflow export` writes out, with no copy of the weights in
+//! host memory.
 
 use std::ops::Range;
 use std::path::Path;
@@ -13,7 +13,7 @@ use crate::error::{Result, TrainError, input};
 
 /// The files of a model's parameters, and where each tensor lies in them and in the flat buffer.
 #[derive(Debug)]
-pub(super) struct FileParams {
+pub(crate) struct FileParams {
     files: Vec<SafetensorsFile>,
     /// By where they start in the flat buffer.
     tensors: Vec<FileTensor>,
@@ -33,7 +33,7 @@ impl FileParams {
     /// The tensors `stored` (each: its name in the directory's files, its shape, its range of a
     /// flat buffer of `len`) of the Hugging Face directory `hf`, each shard opened once; a
     /// tensor missing or of another shape is an input error naming it.
-    pub(super) fn of_hf(
+    pub(crate) fn of_hf(
         hf: &HfCheckpoint,
         stored: Vec<StoredRange>,
         len: usize,
@@ -60,22 +60,16 @@ impl FileParams {
         Ok(FileParams::new(files, tensors, len))
     }
 
-    /// The tensors `stored` (name, shape, range of a flat buffer of `len`) of one safetensors
-    /// file (a checkpoint's `model.safetensors`).
-    pub(super) fn of_file(
+    /// The tensors `stored` (name and range of a flat buffer of `len`) of one safetensors file
+    /// whose names and shapes were checked (a checkpoint's `model.safetensors`:
+    /// `checkpoint::Opened::check_tensors`).
+    pub(crate) fn of_file(
         file: SafetensorsFile,
-        stored: Vec<StoredRange>,
+        stored: Vec<(String, Range<usize>)>,
         len: usize,
-    ) -> Result<FileParams> {
-        let mut tensors = Vec::with_capacity(stored.len());
-        for (name, shape, flat) in stored {
-            let entry = file.tensor(&name).ok_or_else(|| {
-                input(format!("{}: it has no tensor {name}", file.path().display()))
-            })?;
-            check_shape(file.path(), &name, &entry.shape, &shape)?;
-            tensors.push(FileTensor { file: 0, name, flat });
-        }
-        Ok(FileParams::new(vec![file], tensors, len))
+    ) -> FileParams {
+        let tensors = stored.into_iter().map(|(name, flat)| FileTensor { file: 0, name, flat });
+        FileParams::new(vec![file], tensors.collect(), len)
     }
 
     fn new(files: Vec<SafetensorsFile>, mut tensors: Vec<FileTensor>, len: usize) -> FileParams {
@@ -84,13 +78,13 @@ impl FileParams {
     }
 
     /// The flat buffer's length.
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     /// Elements `range` of the flat buffer into `out` (as many), converted to `T` through f32:
     /// each tensor's part of the range read from its file, the rest zero.
-    pub(super) fn read<T: Float>(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
+    pub(crate) fn read<T: Float>(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
         debug_assert_eq!(range.len(), out.len());
         out.fill(T::default());
         let first = self.tensors.partition_point(|t| t.flat.end <= range.start);
