@@ -2,6 +2,7 @@
 
 mod cmd;
 mod error;
+mod log;
 mod settings;
 mod train;
 
@@ -59,7 +60,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    init_tracing();
+    log::init();
     cmd::launch::follow_launcher();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -95,15 +96,4 @@ fn main() -> ExitCode {
             }
         }
     }
-}
-
-fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("ZEROFLOW_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .init();
 }

@@ -51,7 +51,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let total: u64 =
         args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
-    let bar = progress_bar(total);
+    let shown = crate::log::Shown::new(progress_bar(total));
 
     let options = TokenizeOptions {
         out_dir: args.out.clone(),
@@ -60,8 +60,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         chat_template: template.as_ref(),
     };
     let start = Instant::now();
-    let result = tokenize_corpus(&tokenizer, &args.inputs, &options, &|bytes| bar.inc(bytes));
-    bar.finish_and_clear();
+    let result =
+        tokenize_corpus(&tokenizer, &args.inputs, &options, &|bytes| shown.bar().inc(bytes));
+    drop(shown);
     let summary = result.map_err(|e| match e {
         TokenizeError::Output { .. } => anyhow::Error::new(e),
         e => InputError::from_display(e),

@@ -92,7 +92,7 @@ pub fn progress_interval() -> anyhow::Result<Duration> {
 /// by time: see [`Lines`]); nothing on the ranks other than 0.
 #[derive(Debug)]
 pub enum Progress {
-    Bar(ProgressBar),
+    Bar(crate::log::Shown),
     Lines(Lines),
     Silent,
 }
@@ -113,7 +113,7 @@ impl Progress {
         bar.set_position(done);
         bar.reset_eta();
         bar.enable_steady_tick(Duration::from_millis(200));
-        Progress::Bar(bar)
+        Progress::Bar(crate::log::Shown::new(bar))
     }
 
     /// Says what the run is doing now (building the model, a step, an evaluation, a checkpoint):
@@ -121,7 +121,7 @@ impl Progress {
     /// is made only where it is shown (not on the ranks that print nothing).
     pub fn doing(&self, activity: impl FnOnce() -> String) {
         match self {
-            Progress::Bar(bar) => bar.set_message(activity()),
+            Progress::Bar(shown) => shown.bar().set_message(activity()),
             Progress::Lines(lines) => lines.doing(activity()),
             Progress::Silent => {}
         }
@@ -133,9 +133,9 @@ impl Progress {
             record.loss, record.lr, record.tokens_per_s
         );
         match self {
-            Progress::Bar(bar) => {
-                bar.set_position(record.step);
-                bar.set_message(text);
+            Progress::Bar(shown) => {
+                shown.bar().set_position(record.step);
+                shown.bar().set_message(text);
             }
             Progress::Lines(lines) => lines.step(record.step, &text),
             Progress::Silent => {}
@@ -145,7 +145,7 @@ impl Progress {
     /// Shows a message above the bar (or as a log line).
     pub fn println(&self, message: &str) {
         match self {
-            Progress::Bar(bar) => bar.println(message),
+            Progress::Bar(shown) => shown.bar().println(message),
             Progress::Lines(lines) => lines.println(message),
             Progress::Silent => {}
         }
@@ -153,7 +153,7 @@ impl Progress {
 
     pub fn finish(&self) {
         match self {
-            Progress::Bar(bar) => bar.finish_and_clear(),
+            Progress::Bar(shown) => shown.bar().finish_and_clear(),
             // Nothing runs any more: the watcher names nothing from here on.
             Progress::Lines(lines) => lines.lock().activity = None,
             Progress::Silent => {}

@@ -46,7 +46,7 @@ impl Stop {
             .name("zeroflow-signals".into())
             .spawn(move || {
                 if let Some(signal) = signals.forever().next() {
-                    eprintln!("{}", notice(signal, at.step()));
+                    crate::log::line(&notice(signal, at.step()));
                 }
             })
             .context("cannot start the signal thread")?;
