@@ -317,6 +317,27 @@ pub fn free_bytes(path: &Path) -> Option<u64> {
     }
 }
 
+/// Whether `a` and `b` (either may not exist yet: their nearest existing ancestors are asked) are
+/// on one file system, so that what is written to one takes the other's free space; `false`
+/// where that cannot be asked.
+pub fn same_file_system(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let device = |path: &Path| {
+            let path = std::path::absolute(path).ok()?;
+            let existing = path.ancestors().find(|dir| dir.exists())?;
+            existing.metadata().ok().map(|meta| meta.dev())
+        };
+        matches!((device(a), device(b)), (Some(a), Some(b)) if a == b)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (a, b);
+        false
+    }
+}
+
 /// Writes `weights` as the named `tensors` into a safetensors file at `path` (fsynced), in the
 /// element type `meta.weights_dtype` names: `P`'s own, or F32 (narrower types widen exactly).
 pub fn write_model<P: Stored>(
@@ -1454,6 +1475,17 @@ mod tests {
         check_space(dir, 100, None).unwrap();
         let here = tempfile::tempdir().unwrap();
         assert!(free_bytes(here.path()).is_some_and(|free| free > 0));
+    }
+
+    /// A directory and a path not made yet inside it are on one file system; on Linux, `/proc`
+    /// is on another than a temporary directory.
+    #[test]
+    fn the_file_system_of_paths_made_or_not() {
+        let here = tempfile::tempdir().unwrap();
+        let unmade = here.path().join("not/yet/made");
+        assert!(super::same_file_system(here.path(), &unmade));
+        #[cfg(target_os = "linux")]
+        assert!(!super::same_file_system(here.path(), std::path::Path::new("/proc/self")));
     }
 
     /// What a part's tensors take is what the file holds beyond its header, for fp32 and bf16

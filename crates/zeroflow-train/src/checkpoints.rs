@@ -15,39 +15,62 @@ pub const FOLDER: &str = "checkpoints";
 
 /// What the disk under `out` holds against checkpoints of `bytes` each, the newest `keep` kept
 /// (a save writes the next one before it deletes the oldest, so a long run needs room for
-/// `keep + 1`): a warning to say now, at the start, where the saves would fail; `None` where
-/// there is room or the free space cannot be asked.
-pub fn disk_warning(out: &Path, bytes: u64, keep: u64, export: Option<&Path>) -> Option<String> {
-    disk_warning_for(out, bytes, keep, export, checkpoint::free_bytes(out)?)
+/// `keep + 1`), beside the final weights (`export`: the directory and their bytes) where they go
+/// to the same file system: a warning to say now, at the start, where the saves would be refused;
+/// `None` where there is room or the free space cannot be asked.
+pub fn disk_warning(
+    out: &Path,
+    bytes: u64,
+    keep: u64,
+    export: Option<(&Path, u64)>,
+) -> Option<String> {
+    let free = checkpoint::free_bytes(out)?;
+    let export = export.map(|(dir, weights)| {
+        let kept = if checkpoint::same_file_system(out, dir) { weights } else { 0 };
+        (dir, kept)
+    });
+    disk_warning_for(out, bytes, keep, export, free)
 }
 
-/// [`disk_warning`] of a disk with `free` bytes free.
+/// [`disk_warning`] of a disk with `free` bytes free, where the export (if any) must keep the
+/// bytes it names free there (0: it goes to another file system).
 fn disk_warning_for(
     out: &Path,
     bytes: u64,
     keep: u64,
-    export: Option<&Path>,
+    export: Option<(&Path, u64)>,
     free: u64,
 ) -> Option<String> {
     let (out, size, room) =
         (out.display(), checkpoint::disk_size(bytes), checkpoint::disk_size(free));
-    if free < bytes {
+    let kept = export.map_or(0, |(_, weights)| weights);
+    // What the saves may take: the final weights' room is kept free for them.
+    let besides = match export {
+        Some((dir, weights)) if weights > 0 => format!(
+            ", of which {} stay free for the final weights --export writes to {}",
+            checkpoint::disk_size(weights),
+            dir.display()
+        ),
+        _ => String::new(),
+    };
+    let usable = free.saturating_sub(kept);
+    if usable < bytes {
         let then = match export {
-            Some(dir) => format!("--export {} gets the final weights", dir.display()),
+            Some((dir, _)) => format!("--export {} gets the final weights", dir.display()),
             None => "but the save at its end (or at a signal) refused ends it with an error: \
                      free some space, pass --out on a larger disk, or pass --export DIR to get \
                      the final weights as a Hugging Face directory"
                 .to_owned(),
         };
         return Some(format!(
-            "a checkpoint of this run takes {size} and {out} has {room} free: every save will be \
-             refused and the run goes on without them; {then}"
+            "a checkpoint of this run takes {size} and {out} has {room} free{besides}: every save \
+             will be refused and the run goes on without them; {then}"
         ));
     }
-    let fits = free / bytes.max(1);
+    let fits = usable / bytes.max(1);
     (fits < keep + 1).then(|| {
         format!(
-            "a checkpoint of this run takes {size} and {out} has {room} free, room \
+            "a checkpoint of this run takes {size} and {out} has {room} free{besides}, room \
              for {fits}; keeping {keep} (--keep) needs {} at once, so later saves will be \
              refused (the run goes on without them): free some space, lower --keep or pass \
              --out on a larger disk",
@@ -86,6 +109,19 @@ pub enum CheckpointsError {
         dir.display()
     )]
     NoSpaceAtRankZero { dir: PathBuf },
+    /// The checkpoint would fit, but would leave too little free space for the final weights
+    /// that `--export` writes to the same file system at the end of the run: nothing was written.
+    #[error(
+        "{}: not saved, to keep room for the final weights: the checkpoint takes {} and {} are \
+         free there, of which the {} of weights that --export writes to {} at the end must stay \
+         free (nothing was written; the run's earlier checkpoints are kept)",
+        dir.display(),
+        checkpoint::disk_size(*needed),
+        checkpoint::disk_size(*free),
+        checkpoint::disk_size(*weights),
+        export.display()
+    )]
+    KeepsRoomForExport { dir: PathBuf, needed: u64, weights: u64, free: u64, export: PathBuf },
     /// A rank was lost during a barrier of [`save_ranks`].
     #[error(transparent)]
     Lost(#[from] Lost),
@@ -99,6 +135,7 @@ impl CheckpointsError {
             self,
             CheckpointsError::Checkpoint(CheckpointError::NoSpace { .. })
                 | CheckpointsError::NoSpaceAtRankZero { .. }
+                | CheckpointsError::KeepsRoomForExport { .. }
         )
     }
 }
@@ -161,7 +198,43 @@ pub fn remove_unfinished(out: &Path) -> Result<Vec<PathBuf>, CheckpointsError> {
     Ok(removed)
 }
 
-/// Saves the checkpoint of `step` and then deletes all but the newest `keep`.
+/// Where a save must leave room: the directory `--export` writes the run's final weights to at
+/// its end, whose free space a checkpoint on the same file system would take.
+#[derive(Clone, Copy, Debug)]
+pub struct ExportRoom<'a> {
+    pub dir: &'a Path,
+}
+
+impl ExportRoom<'_> {
+    /// Refuses a checkpoint of `needed` bytes at `dir` where it would leave less free than the
+    /// final weights take (the checkpoint's own model file's bytes: the export writes the same
+    /// weights in the same type), if the export is on the same file system.
+    fn check<P: Stored>(
+        &self,
+        dir: &Path,
+        needed: u64,
+        meta: &Meta,
+        tensors: &[NamedTensor],
+    ) -> Result<(), CheckpointsError> {
+        if !checkpoint::same_file_system(dir, self.dir) {
+            return Ok(());
+        }
+        let weights = checkpoint::model_bytes::<P>(meta, tensors);
+        match checkpoint::free_bytes(dir) {
+            Some(free) if free < needed + weights => Err(CheckpointsError::KeepsRoomForExport {
+                dir: dir.to_path_buf(),
+                needed,
+                weights,
+                free,
+                export: self.dir.to_path_buf(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Saves the checkpoint of `step` and then deletes all but the newest `keep`; refused where it
+/// would leave `export` (if any) too little room.
 #[allow(clippy::too_many_arguments, reason = "one checkpoint's pieces")]
 pub fn save<P: Stored>(
     out: &Path,
@@ -171,10 +244,16 @@ pub fn save<P: Stored>(
     weights: &Elements<'_, P>,
     tensors: &[NamedTensor],
     parts: &[PartView<'_>],
+    export: Option<ExportRoom<'_>>,
 ) -> Result<PathBuf, CheckpointsError> {
     let dir = step_dir(out, step);
     std::fs::create_dir_all(out.join(FOLDER))
         .map_err(io(format!("create {}", out.join(FOLDER).display())))?;
+    if let Some(export) = export {
+        let parts_bytes = parts.iter().map(PartView::bytes).sum::<u64>();
+        let needed = checkpoint::model_bytes::<P>(meta, tensors) + parts_bytes;
+        export.check::<P>(&dir, needed, meta, tensors)?;
+    }
     checkpoint::save_views(&dir, meta, weights, tensors, parts)?;
     delete_older(out, keep)?;
     Ok(dir)
@@ -207,7 +286,9 @@ pub struct Share<'a, P: Clone> {
 /// with [`save`]: rank 0 makes the hidden `.step-N.partial-ranks`, every rank writes its share into
 /// it (fsynced), and once all have, rank 0 renames it. Each phase ends with a barrier over
 /// `group` that also tells every rank whether another failed, so all return the same outcome.
-/// `--out` must be on a file system every host sees.
+/// `--out` must be on a file system every host sees. Refused (by every rank) where rank 0 finds
+/// too little free space, or too little beside `export`'s room.
+#[allow(clippy::too_many_arguments, reason = "one checkpoint's pieces")]
 pub fn save_ranks<P: Stored>(
     out: &Path,
     step: u64,
@@ -215,6 +296,7 @@ pub fn save_ranks<P: Stored>(
     meta: &Meta,
     tensors: &[NamedTensor],
     share: Share<'_, P>,
+    export: Option<ExportRoom<'_>>,
     group: &mut Group,
 ) -> Result<PathBuf, CheckpointsError> {
     let dir = step_dir(out, step);
@@ -228,13 +310,18 @@ pub fn save_ranks<P: Stored>(
         (true, Some(_), Some(part)) => {
             let parts = meta.world_size as u64 * part.bytes();
             let needed = checkpoint::model_bytes::<P>(meta, tensors) + parts;
-            checkpoint::space_for(&dir, needed)
+            match checkpoint::space_for(&dir, needed) {
+                Ok(()) => {
+                    export.map_or(Ok(()), |room| room.check::<P>(&dir, needed, meta, tensors))
+                }
+                Err(refused) => Err(refused.into()),
+            }
         }
         _ => Ok(()),
     };
     if !group.exchange(space.is_err())?.is_empty() {
         return Err(match space {
-            Err(refused) => refused.into(),
+            Err(refused) => refused,
             Ok(()) => CheckpointsError::NoSpaceAtRankZero { dir },
         });
     }
@@ -356,12 +443,25 @@ mod tests {
         for said in [&said[..], &["pass --export DIR"]].concat() {
             assert!(none_fit.contains(said), "{said:?} not in: {none_fit}");
         }
-        let exporting = Some(Path::new("runs/hf"));
+        // To another file system (nothing to keep free beside the checkpoints).
+        let exporting = Some((Path::new("runs/hf"), 0));
         let exported = disk_warning_for(out, 128 * gb, 3, exporting, 60 * gb).unwrap();
         for said in ["every save will be refused", "--export runs/hf gets the final weights"] {
             assert!(exported.contains(said), "{said:?} not in: {exported}");
         }
-        assert!(!exported.contains("error"), "{exported}");
+        assert!(!exported.contains("error") && !exported.contains("stay free"), "{exported}");
+        // To the same one: a checkpoint fits, but not beside the 16 GB the weights keep free.
+        let exporting = Some((Path::new("runs/hf"), 16 * gb));
+        let kept = disk_warning_for(out, 128 * gb, 3, exporting, 140 * gb).unwrap();
+        let said = ["140.0 GB free", "16.0 GB stay free", "every save will be refused", "gets"];
+        for said in said {
+            assert!(kept.contains(said), "{said:?} not in: {kept}");
+        }
+        assert_eq!(disk_warning_for(out, 10 * gb, 1, exporting, 40 * gb), None);
+        let one_fits = disk_warning_for(out, 10 * gb, 1, exporting, 35 * gb).unwrap();
+        for said in ["16.0 GB stay free", "room for 1", "needs 2 at once"] {
+            assert!(one_fits.contains(said), "{said:?} not in: {one_fits}");
+        }
         let two_fit = disk_warning_for(out, 10 * gb, 3, None, 25 * gb).unwrap();
         for said in ["room for 2", "needs 4 at once", "--keep"] {
             assert!(two_fit.contains(said), "{said:?} not in: {two_fit}");
@@ -369,6 +469,25 @@ mod tests {
         assert_eq!(disk_warning_for(out, 10 * gb, 3, None, 40 * gb), None);
         let unmade = std::env::temp_dir().join("zeroflow-disk-warning-test/not/yet/made");
         assert_eq!(disk_warning(&unmade, 1, 1, None), None);
+    }
+
+    /// A save refused to keep room for the export says what it keeps and for what, and counts
+    /// as refused for want of space (the run goes on).
+    #[test]
+    fn a_save_refused_for_the_exports_room_says_so() {
+        let gb = 1_000_000_000;
+        let refused = super::CheckpointsError::KeepsRoomForExport {
+            dir: PathBuf::from("runs/a/checkpoints/step-00000100"),
+            needed: 112 * gb,
+            weights: 16 * gb,
+            free: 120 * gb,
+            export: PathBuf::from("runs/a/hf"),
+        };
+        assert!(refused.is_no_space());
+        let said = refused.to_string();
+        for part in ["step-00000100: not saved", "112.0 GB", "120.0 GB", "16.0 GB", "runs/a/hf"] {
+            assert!(said.contains(part), "{part:?} not in: {said}");
+        }
     }
 
     /// A model of one 4-element tensor, its flat weights split between two ranks' parts.
@@ -411,7 +530,7 @@ mod tests {
                     let weights = (rank == 0).then_some(&weights);
                     let part = parts[rank].view(None);
                     let share = Share { rank, weights, part: Some(&part) };
-                    let saved = save_ranks(&out, 5, 2, &meta, &tensors, share, &mut group);
+                    let saved = save_ranks(&out, 5, 2, &meta, &tensors, share, None, &mut group);
                     group.finish().unwrap();
                     saved
                 })

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::checkpoints;
+use crate::checkpoints::{self, ExportRoom};
 use crate::error::Result;
 use crate::metrics::Recorder;
 use crate::observer::{Activity, StopHandle, TrainObserver};
@@ -220,7 +220,12 @@ fn train_steps<M: Model>(
         if last || interrupted || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
             // Saved before the flush below: the delayed update's pending weights are part of
             // the state, so a resumed run continues exactly as this one would have.
-            save_and_say(trainer, step, setup, observer, last || interrupted, &mut ended)?;
+            let why = match (last, interrupted) {
+                (true, _) => Save::End,
+                (false, true) => Save::Stop,
+                (false, false) => Save::Every,
+            };
+            save_and_say(trainer, step, setup, observer, why, &mut ended)?;
             tick();
         }
         if let Some(sampler) = &setup.sampler
@@ -244,7 +249,7 @@ fn train_steps<M: Model>(
                 if ended.saved.as_deref() != Some(checkpoints::step_dir(&setup.out, step).as_path())
                     && !ended.refused.contains(&step)
                 {
-                    save_and_say(trainer, step, setup, observer, true, &mut ended)?;
+                    save_and_say(trainer, step, setup, observer, Save::Stop, &mut ended)?;
                 }
                 ended.interrupted = true;
                 break;
@@ -258,20 +263,39 @@ fn train_steps<M: Model>(
     Ok(ended)
 }
 
+/// Why a checkpoint is saved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Save {
+    /// `--save-every`.
+    Every,
+    /// The run's last step.
+    End,
+    /// A signal stops the run, to be resumed.
+    Stop,
+}
+
 /// Saves the checkpoint of `step`, saying so, into `ended.saved`. A save refused for want of
 /// disk space (nothing written) is a warning, in `ended.refused`, and the run goes on; unless it
-/// is the run's `last` (at its end or a stop) and no `--export` is to write the final weights.
+/// is the run's last (at its end or a stop) and no `--export` is to write the final weights.
+/// With `--export` on the same file system, a save that would leave the final weights too little
+/// room is refused too, but for a stop's: a run stopped to be resumed needs its checkpoint, and
+/// exports only where it was refused.
 fn save_and_say<M: Model>(
     trainer: &mut Trainer<M>,
     step: u64,
     setup: &Setup,
     observer: &mut dyn TrainObserver,
-    last: bool,
+    why: Save,
     ended: &mut Ended,
 ) -> Result<()> {
     observer.doing(Activity::Saving { step });
     let saving = Instant::now();
-    match trainer.save(step, setup) {
+    let last = why != Save::Every;
+    let room = match why {
+        Save::Stop => None,
+        Save::Every | Save::End => setup.export.as_deref().map(|dir| ExportRoom { dir }),
+    };
+    match trainer.save(step, setup, room) {
         Ok(dir) => {
             observer.on_checkpoint(step, &dir, saving.elapsed().as_secs_f64());
             ended.saved = Some(dir);

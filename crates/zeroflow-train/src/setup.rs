@@ -183,13 +183,14 @@ impl Setup {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => fresh_out(&args)?,
         };
-        let checkpoint_bytes = planned.plan.checkpoint_disk_bytes;
+        let (checkpoint_bytes, weights_bytes) =
+            (planned.plan.checkpoint_disk_bytes, planned.plan.weights_disk_bytes);
         if dist.rank == 0
             && let Some(warning) = checkpoints::disk_warning(
                 &out,
                 checkpoint_bytes,
                 args.keep.get(),
-                args.export.as_deref(),
+                args.export.as_deref().map(|dir| (dir, weights_bytes)),
             )
         {
             tracing::warn!("{warning}");
@@ -197,7 +198,7 @@ impl Setup {
         if dist.rank == 0
             && let Some(dir) = &args.export
         {
-            check_export(dir, &out, planned.plan.weights_disk_bytes)?;
+            check_export(dir, &out, weights_bytes)?;
         }
         let start = initial_state(resume, hf, &model, dist.world_size)?;
         let batch = &config.batch;

@@ -180,7 +180,12 @@ impl<M: Model> Trainer<M> {
     /// optimizer state and counters, and what the trainer needs to continue ([`Extra`]). With
     /// several ranks, rank 0 writes the weights and `state.json` and each rank its optimizer part
     /// ([`checkpoints::save_ranks`]); every rank calls it at the same steps.
-    pub(crate) fn save(&mut self, step: u64, setup: &Setup) -> Result<PathBuf> {
+    pub(crate) fn save(
+        &mut self,
+        step: u64,
+        setup: &Setup,
+        room: Option<checkpoints::ExportRoom<'_>>,
+    ) -> Result<PathBuf> {
         let (rank, world) = (setup.dist.rank, setup.dist.world_size);
         let (params, extra) = (self.param_entries(), self.extra(step, setup));
         let padded = self.engine.layout().padded_len();
@@ -210,7 +215,8 @@ impl<M: Model> Trainer<M> {
         if world == 1 {
             let (out, keep, tensors) = (&setup.out, setup.keep, &self.tensors);
             let parts = [state.part];
-            let saved = checkpoints::save(out, step, keep, &meta, &state.weights, tensors, &parts);
+            let weights = &state.weights;
+            let saved = checkpoints::save(out, step, keep, &meta, weights, tensors, &parts, room);
             return Ok(saved?);
         }
         let share = checkpoints::Share {
@@ -226,6 +232,7 @@ impl<M: Model> Trainer<M> {
             &meta,
             &self.tensors,
             share,
+            room,
             group,
         )?)
     }

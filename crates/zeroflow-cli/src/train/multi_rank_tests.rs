@@ -299,6 +299,65 @@ fn saves_refused_for_disk_space_go_on_and_the_export_keeps_the_final_weights() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Where a checkpoint fits the disk but would leave too little room for the final weights that
+/// `--export` writes to the same file system at the end, the saves are refused (every rank alike)
+/// and the run goes on to export them; the same disk without `--export` takes the checkpoints.
+/// A save for a stop is the exception: a run stopped to be resumed keeps its checkpoint.
+#[test]
+fn saves_that_would_crowd_out_the_export_are_refused_but_not_a_stops() {
+    let dir = scratch("export-room");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    // MINI's f32 checkpoint takes 73 kB and its weights 18 kB: one fits 80 kB, not both.
+    let free = Some(80_000);
+    let batch = ["--micro-batch", "4", "--save-every", "2", "--steps", "4"];
+    let (kept, exporting) = (dir.join("kept"), dir.join("exporting"));
+    for result in train_ranks_with(2, &flags(&config, &kept, &batch), free) {
+        result.unwrap();
+    }
+    assert_eq!(checkpoints_of(&kept).len(), 2, "saved at 2 and 4 (--keep 2, the default)");
+    assert_eq!(summary(&kept)["checkpoints_refused"], serde_json::json!([]));
+    let export = ["--export", dir.join("exported").to_str().unwrap()].map(str::to_owned);
+    let flagged = [flags(&config, &exporting, &batch), export.to_vec()].concat();
+    for result in train_ranks_with(2, &flagged, free) {
+        result.unwrap();
+    }
+    assert_eq!(summary(&exporting)["checkpoints_refused"], serde_json::json!([2, 4]));
+    assert!(!exporting.join("checkpoints").exists() || checkpoints_of(&exporting).is_empty());
+    let weights = std::fs::read(dir.join("exported/model.safetensors")).unwrap();
+    let later = dir.join("later");
+    zeroflow_train::export::export(&kept.join("checkpoints/step-00000004"), &later).unwrap();
+    assert!(weights == std::fs::read(later.join("model.safetensors")).unwrap());
+    // Stopped after step 2 of 5, one process: the checkpoint is saved and nothing exported.
+    let stopped = dir.join("stopped");
+    let export_dir = dir.join("not-written");
+    let stop_flags = flags(&config, &stopped, &["--steps", "5", "--save-every", "0"]);
+    let export = ["--export", export_dir.to_str().unwrap()].map(str::to_owned);
+    let outcome = stop_after(2, &[stop_flags, export.to_vec()].concat(), free);
+    assert_eq!(outcome.saved, Some(stopped.join("checkpoints/step-00000002")));
+    assert_eq!((outcome.exported, export_dir.exists()), (None, false));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Trains one process with the `train` flags `flags`, where every disk has `free` bytes free,
+/// and requests a stop once step `step` is recorded (as a signal does).
+fn stop_after(step: u64, flags: &[String], free: Option<u64>) -> zeroflow_train::run::Outcome {
+    let argv = ["train".to_owned()].into_iter().chain(flags.to_vec());
+    let args = Cli::try_parse_from(argv).unwrap().args;
+    checkpoint::pretend_free(free);
+    let setup = Setup::for_rank(args.options(), DistEnv::single(), Requested::default());
+    let shape = match &setup.as_ref().unwrap().model {
+        ModelSpec::Gpt2(shape) => *shape,
+        other => panic!("GPT-2, not {}", other.family()),
+    };
+    let stop = StopHandle::default();
+    let mut observer = StopAfter { step, stop: stop.clone() };
+    let opener = zeroflow_train::open::cpu_opener(false);
+    let outcome = zeroflow_train::run::run_on(setup.unwrap(), &shape, opener, &mut observer, &stop);
+    checkpoint::pretend_free(None);
+    outcome.unwrap()
+}
+
 /// A run of one process stopped by a request after step 2 (as a signal stops it): with room on
 /// the disk, it leaves its checkpoint and `--export` writes nothing (the stopped run is resumed
 /// from the checkpoint, into the same directory); where its checkpoint is refused for want of
@@ -310,21 +369,7 @@ fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
     std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
     let stopped = |out: &Path, export: &Path, free: Option<u64>| {
         let export = ["--export", export.to_str().unwrap()].map(str::to_owned);
-        let argv = ["train".to_owned()].into_iter().chain(flags(&config, out, &["--steps", "5"]));
-        let args = Cli::try_parse_from(argv.chain(export)).unwrap().args;
-        checkpoint::pretend_free(free);
-        let setup = Setup::for_rank(args.options(), DistEnv::single(), Requested::default());
-        let shape = match &setup.as_ref().unwrap().model {
-            ModelSpec::Gpt2(shape) => *shape,
-            other => panic!("GPT-2, not {}", other.family()),
-        };
-        let stop = StopHandle::default();
-        let mut observer = StopAfter { step: 2, stop: stop.clone() };
-        let opener = zeroflow_train::open::cpu_opener(false);
-        let outcome =
-            zeroflow_train::run::run_on(setup.unwrap(), &shape, opener, &mut observer, &stop);
-        checkpoint::pretend_free(None);
-        outcome.unwrap()
+        stop_after(2, &[flags(&config, out, &["--steps", "5"]), export.to_vec()].concat(), free)
     };
     let (roomy, full) = (dir.join("roomy"), dir.join("full"));
     let kept = stopped(&roomy, &dir.join("not-written"), None);
