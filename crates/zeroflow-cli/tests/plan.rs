@@ -57,3 +57,45 @@ fn plan_takes_trains_arguments() {
     assert_eq!(plan["micro_batch"].as_u64(), Some(4));
     assert_eq!(plan["fits"], true, "{plan}");
 }
+
+/// `zeroflow plan --gpu-memory --host-memory` plans for another machine than this one (which has
+/// no GPU): llama-8b's full fine-tune with offload on the H200's 139.8 GiB keeps the share of the
+/// optimizer that fits on the GPU and fits 125 GiB of host; on an 80 GiB GPU with 64 GiB of host
+/// it does not fit, and 16-bit moments are named as what brings it under. A GPU's memory needs a
+/// GPU to plan.
+#[test]
+fn plan_for_a_machine_given_by_its_memory() {
+    let run = ["plan", "--json", "--device", "cuda", "--model", "llama-8b", "--micro-batch", "4"];
+    let config =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/configs/zero2-offload-bf16.json");
+    let more = ["--config", config, "--activation-checkpointing"];
+    let gib = 1u64 << 30;
+    let h200 = ["--gpu-memory", "139.8", "--host-memory", "125GiB"];
+    let plan = zeroflow_json(&[&run[..], &more, &h200].concat());
+    assert_eq!(plan["machine_given"], true, "{plan}");
+    assert_eq!(plan["machine_gpu_bytes"].as_u64(), Some((139.8 * gib as f64) as u64));
+    assert_eq!(plan["machine_host_available_bytes"].as_u64(), Some(125 * gib));
+    assert_eq!(plan["fits"], true, "{plan}");
+    let share = plan["device_share"].as_f64().expect("device_share");
+    assert!(share > 0.5 && share < 1.0, "{plan}");
+    let gpu = plan["gpu_total_bytes"].as_u64().unwrap();
+    assert!(gpu as f64 <= 0.9 * 139.8 * gib as f64, "a tenth of the GPU left free: {plan}");
+    let host = plan["host_total_bytes"].as_u64().unwrap();
+    assert!(host < 32 * gib, "the share's state off the host: {plan}");
+
+    let smaller = ["--gpu-memory", "80", "--host-memory", "64"];
+    let plan = zeroflow_json(&[&run[..], &more, &smaller].concat());
+    assert_eq!(
+        (plan["fits_gpu"].as_bool(), plan["fits_host"].as_bool()),
+        (Some(true), Some(false))
+    );
+    let knobs = plan["knobs_that_fit"].as_array().expect("knobs_that_fit");
+    assert!(knobs.iter().any(|knob| knob.as_str().unwrap().contains("bf16")), "{plan}");
+
+    let cpu = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["plan", "--model", "tiny", "--gpu-memory", "80"])
+        .output()
+        .expect("runs");
+    assert_eq!(cpu.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&cpu.stderr).contains("add --device cuda"));
+}

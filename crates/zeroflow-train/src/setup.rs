@@ -17,7 +17,7 @@ use crate::data_files::{self, DataFile};
 use crate::dist::DistEnv;
 use crate::dist::affinity::{self, BindMode, Binding};
 use crate::error::{Result, input, io};
-use crate::plan::{Caller, MachineMemory, MemoryPlan, PlanInputs, PlanMode};
+use crate::plan::{Caller, GivenMemory, MachineMemory, MemoryPlan, PlanInputs, PlanMode};
 use crate::resume_point::{self, Extra, ResumePoint};
 use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
@@ -168,7 +168,7 @@ impl Setup {
     /// [`Setup::from_options`] for the rank `dist` (placed in its job already), without binding
     /// threads or looking for the GPU.
     pub fn for_rank(mut args: TrainOptions, dist: DistEnv, env: Requested) -> Result<Setup> {
-        let planned = prepare(&mut args, &dist, env)?;
+        let planned = prepare(&mut args, &dist, env, GivenMemory::default())?;
         let Prepared { resume, hf, model, seed, steps, config, config_file, seq, .. } = planned;
         let (settings, attention, spec) = (planned.settings, planned.attention, planned.spec);
         let machine = planned.machine;
@@ -316,19 +316,26 @@ struct Prepared {
     machine: MachineMemory,
 }
 
-/// The memory plan of the run `options` ask for on the rank `dist`, and this machine's memory,
-/// stopping before anything is read or allocated (`zeroflow plan`).
+/// The memory plan of the run `options` ask for on the rank `dist`, and this machine's memory
+/// (or the memory `given` of another), stopping before anything is read or allocated
+/// (`zeroflow plan`).
 pub fn plan(
     mut options: TrainOptions,
     dist: DistEnv,
     env: Requested,
+    given: GivenMemory,
 ) -> Result<(MemoryPlan, MachineMemory)> {
-    let prepared = prepare(&mut options, &dist, env)?;
+    let prepared = prepare(&mut options, &dist, env, given)?;
     Ok((prepared.plan, prepared.machine))
 }
 
 /// The checks and resolutions of [`Setup::for_rank`] up to the memory plan.
-fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Prepared> {
+fn prepare(
+    args: &mut TrainOptions,
+    dist: &DistEnv,
+    env: Requested,
+    given: GivenMemory,
+) -> Result<Prepared> {
     let resume = match &args.resume {
         Some(arg) => Some(resume_point::find(arg, args.out.as_deref())?),
         None => None,
@@ -360,19 +367,19 @@ fn prepare(args: &mut TrainOptions, dist: &DistEnv, env: Requested) -> Result<Pr
     let saved_seq = saved.and_then(|(extra, dir)| Some((extra.seq?, dir)));
     let seq = same_as_saved("--seq", args.seq.map(NonZeroU64::get), saved_seq)?;
     let seq = training_seq(seq.and_then(NonZeroU64::new), &model)?;
+    let machine = MachineMemory::this_or_given(args.device, dist.local_rank, given);
     limits::check_micro_batch(
         &model,
         config.batch.micro_batch_size_per_gpu,
         seq,
         args.device,
-        limits::available_host_memory(),
+        machine.host_available,
     )
     .map_err(input)?;
     let mut settings =
         settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
     let attention = settings::attention(args.device, &model, &settings)?;
     let resumed = resume.is_some();
-    let machine = MachineMemory::this_machine(args.device, dist.local_rank);
     let run = (seq, &settings, attention);
     let mut inputs = train_plan_inputs(args, &model, &config, dist, run, (resumed, &machine))?;
     // `--device-share fit`: the trainer builds its engine with the share the plan chose.

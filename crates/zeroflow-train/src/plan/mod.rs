@@ -331,6 +331,17 @@ pub struct MachineMemory {
     /// `MemTotal` and `MemAvailable` of /proc/meminfo.
     pub host_total: Option<u64>,
     pub host_available: Option<u64>,
+    /// Whether the figures are another machine's, given to plan for it ([`GivenMemory`]), not
+    /// read from this one.
+    pub given: bool,
+}
+
+/// Memory to plan for instead of this machine's (`zeroflow plan --gpu-memory`, `--host-memory`):
+/// a GPU of that size with nothing else on it, a host with that much available.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GivenMemory {
+    pub gpu: Option<u64>,
+    pub host: Option<u64>,
 }
 
 impl MachineMemory {
@@ -354,7 +365,33 @@ impl MachineMemory {
             gpu_elsewhere: gpu_total.and_then(|_| MachineMemory::gpu_held_elsewhere(gpu)),
             host_total: field("MemTotal:"),
             host_available: field("MemAvailable:"),
+            given: false,
         }
+    }
+
+    /// [`MachineMemory::this_machine`] where `given` says nothing, its figures where it does:
+    /// the GPU's without asking this machine's (which may have none).
+    pub fn this_or_given(device: DeviceKind, gpu: usize, given: GivenMemory) -> MachineMemory {
+        if given == GivenMemory::default() {
+            return MachineMemory::this_machine(device, gpu);
+        }
+        let this = match given.gpu {
+            Some(_) => MachineMemory::this_machine(DeviceKind::Cpu, gpu),
+            None => MachineMemory::this_machine(device, gpu),
+        };
+        let gpu_total = given.gpu.filter(|_| device == DeviceKind::Cuda).or(this.gpu_total);
+        MachineMemory {
+            gpu_total,
+            gpu_elsewhere: if given.gpu.is_some() { Some(0) } else { this.gpu_elsewhere },
+            host_total: given.host.or(this.host_total),
+            host_available: given.host.or(this.host_available),
+            given: true,
+        }
+    }
+
+    /// How the plan's messages name the machine.
+    fn name(&self) -> &'static str {
+        if self.given { "the machine given" } else { "this machine" }
     }
 
     /// The memory other processes hold on GPU `gpu` now (`None`, with a warning, where the
@@ -454,7 +491,11 @@ impl MemoryPlan {
         let available = machine.host_available.map_or("-".into(), gib);
         out += &format!(
             "{:<60} {machine_gpu:>12} {available:>12}\n",
-            "machine (GPU total, host available)"
+            if machine.given {
+                "machine given (GPU total, host available)"
+            } else {
+                "machine (GPU total, host available)"
+            }
         );
         if let Some(elsewhere) = machine.gpu_elsewhere.filter(|&b| b >= fit::SAID_ELSEWHERE) {
             out +=
@@ -497,6 +538,7 @@ impl MemoryPlan {
             "seq": inputs.seq,
             "attention": format!("{:?}", inputs.model_options.attention).to_lowercase(),
             "activation_checkpointing": inputs.model_options.activation_checkpointing,
+            "device_share": inputs.options.offload().map(|offload| offload.stream.device_share),
             "lines": lines,
             "gpu_total_bytes": self.gpu_total,
             "host_total_bytes": self.host_total,
@@ -506,6 +548,7 @@ impl MemoryPlan {
             "machine_gpu_held_elsewhere_bytes": machine.gpu_elsewhere,
             "machine_host_total_bytes": machine.host_total,
             "machine_host_available_bytes": machine.host_available,
+            "machine_given": machine.given,
             "fits": fit.fits(),
             "fits_gpu": fit.gpu,
             "fits_host": fit.host,
@@ -708,7 +751,7 @@ impl MemoryPlan {
             message += &format!("Fits with: {}", knobs.join("; "));
         }
         message += ". (--no-plan-check tries anyway.)";
-        Err(input(format!("the memory plan does not fit this machine: {message}")))
+        Err(input(format!("the memory plan does not fit {}: {message}", machine.name())))
     }
 }
 

@@ -16,6 +16,7 @@ pub(super) fn machine(gpu: u64, host_total: u64, host_available: u64) -> Machine
         gpu_elsewhere: None,
         host_total: Some(host_total),
         host_available: Some(host_available),
+        given: false,
     }
 }
 
