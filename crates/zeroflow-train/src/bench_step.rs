@@ -304,7 +304,7 @@ fn plan_bench<F: Family>(
     dist: &DistEnv,
     (seq, model_options): (usize, zeroflow_nn::PlanOptions),
 ) -> Result<(MemoryPlan, MachineMemory)> {
-    let machine = MachineMemory::this_machine(args.device, dist.local_rank);
+    let machine = MachineMemory::this_machine(args.device, dist.local_rank, dist.local_world_size);
     let mut inputs = PlanInputs {
         model: model.spec(),
         device: args.device,

@@ -367,7 +367,8 @@ fn prepare(
     let saved_seq = saved.and_then(|(extra, dir)| Some((extra.seq?, dir)));
     let seq = same_as_saved("--seq", args.seq.map(NonZeroU64::get), saved_seq)?;
     let seq = training_seq(seq.and_then(NonZeroU64::new), &model)?;
-    let machine = MachineMemory::this_or_given(args.device, dist.local_rank, given);
+    let machine =
+        MachineMemory::this_or_given(args.device, dist.local_rank, dist.local_world_size, given);
     limits::check_micro_batch(
         &model,
         config.batch.micro_batch_size_per_gpu,

@@ -63,7 +63,9 @@ fn parse_size(text: &str) -> Result<u64, String> {
         "gb" => 1e9,
         "tb" => 1e12,
         _ => {
-            return Err(format!("{text:?}: the unit {unit:?} is none of GiB, GB, MiB, MB, TiB, TB"));
+            return Err(format!(
+                "{text:?}: the unit {unit:?} is none of GiB, GB, MiB, MB, TiB, TB"
+            ));
         }
     };
     match number.parse::<f64>() {

@@ -334,6 +334,9 @@ pub struct MachineMemory {
     /// Whether the figures are another machine's, given to plan for it ([`GivenMemory`]), not
     /// read from this one.
     pub given: bool,
+    /// The job's ranks on this host (`LOCAL_WORLD_SIZE`; 0 counts as 1): they share its host
+    /// memory, each with a plan like this rank's.
+    pub host_ranks: usize,
 }
 
 /// Memory to plan for instead of this machine's (`zeroflow plan --gpu-memory`, `--host-memory`):
@@ -348,7 +351,7 @@ impl MachineMemory {
     /// This machine's, for `device` (the GPU of `gpu` among those visible), read now: a run reads
     /// it once, before it allocates (a later reading would count the run's own GPU memory as
     /// other processes').
-    pub fn this_machine(device: DeviceKind, gpu: usize) -> MachineMemory {
+    pub fn this_machine(device: DeviceKind, gpu: usize, host_ranks: usize) -> MachineMemory {
         let gpu_total = match device {
             DeviceKind::Cpu => None,
             DeviceKind::Cuda => zeroflow_device::cuda::info::list_gpus()
@@ -366,18 +369,24 @@ impl MachineMemory {
             host_total: field("MemTotal:"),
             host_available: field("MemAvailable:"),
             given: false,
+            host_ranks,
         }
     }
 
     /// [`MachineMemory::this_machine`] where `given` says nothing, its figures where it does:
     /// the GPU's without asking this machine's (which may have none).
-    pub fn this_or_given(device: DeviceKind, gpu: usize, given: GivenMemory) -> MachineMemory {
+    pub fn this_or_given(
+        device: DeviceKind,
+        gpu: usize,
+        host_ranks: usize,
+        given: GivenMemory,
+    ) -> MachineMemory {
         if given == GivenMemory::default() {
-            return MachineMemory::this_machine(device, gpu);
+            return MachineMemory::this_machine(device, gpu, host_ranks);
         }
         let this = match given.gpu {
-            Some(_) => MachineMemory::this_machine(DeviceKind::Cpu, gpu),
-            None => MachineMemory::this_machine(device, gpu),
+            Some(_) => MachineMemory::this_machine(DeviceKind::Cpu, gpu, host_ranks),
+            None => MachineMemory::this_machine(device, gpu, host_ranks),
         };
         let gpu_total = given.gpu.filter(|_| device == DeviceKind::Cuda).or(this.gpu_total);
         MachineMemory {
@@ -386,6 +395,21 @@ impl MachineMemory {
             host_total: given.host.or(this.host_total),
             host_available: given.host.or(this.host_available),
             given: true,
+            host_ranks,
+        }
+    }
+
+    /// The ranks that share the host's memory (at least 1).
+    pub fn host_ranks(&self) -> u64 {
+        self.host_ranks.max(1) as u64
+    }
+
+    /// ` × N ranks on this host = T` where several ranks share it, else empty: how a rank's
+    /// host total `bytes` becomes the host's.
+    fn said_host_ranks(&self, bytes: u64) -> String {
+        match self.host_ranks() {
+            1 => String::new(),
+            ranks => format!(" × {ranks} ranks on this host = {}", gib(bytes * ranks)),
         }
     }
 
@@ -447,7 +471,9 @@ impl MemoryPlan {
         let elsewhere = machine.gpu_elsewhere.unwrap_or(0);
         Fit {
             gpu: machine.gpu_total.is_none_or(|total| self.gpu_total + elsewhere <= total),
-            host: machine.host_available.is_none_or(|available| self.host_total <= available),
+            host: machine
+                .host_available
+                .is_none_or(|available| self.host_total * machine.host_ranks() <= available),
         }
     }
 
@@ -456,11 +482,12 @@ impl MemoryPlan {
         let of = |total: Option<u64>| total.map_or(String::new(), |t| format!(" of {}", gib(t)));
         let fit = self.fit(machine);
         format!(
-            "memory plan: GPU {}{}{}, host {}{} available; {}",
+            "memory plan: GPU {}{}{}, host {}{}{} available; {}",
             gib(self.gpu_total),
             of(machine.gpu_total),
             machine.said_elsewhere(),
             gib(self.host_total),
+            machine.said_host_ranks(self.host_total),
             of(machine.host_available),
             if fit.fits() { "fits" } else { "does not fit" }
         )
@@ -487,6 +514,11 @@ impl MemoryPlan {
             gib(self.gpu_total),
             gib(self.host_total)
         );
+        if machine.host_ranks() > 1 {
+            let ranks = machine.host_ranks();
+            let all = format!("total of the {ranks} ranks on this host");
+            out += &format!("{all:<60} {:>12} {:>12}\n", "", gib(self.host_total * ranks));
+        }
         let machine_gpu = machine.gpu_total.map_or("-".into(), gib);
         let available = machine.host_available.map_or("-".into(), gib);
         out += &format!(
@@ -549,6 +581,7 @@ impl MemoryPlan {
             "machine_host_total_bytes": machine.host_total,
             "machine_host_available_bytes": machine.host_available,
             "machine_given": machine.given,
+            "machine_host_ranks": machine.host_ranks(),
             "fits": fit.fits(),
             "fits_gpu": fit.gpu,
             "fits_host": fit.host,
@@ -732,8 +765,12 @@ impl MemoryPlan {
             message += &format!("GPU: needs {} of {}{beside}. ", gib(self.gpu_total), gib(total));
         }
         if let (false, Some(available)) = (fit.host, machine.host_available) {
-            message +=
-                &format!("Host: needs {} of {} available. ", gib(self.host_total), gib(available));
+            let ranks = machine.said_host_ranks(self.host_total);
+            message += &format!(
+                "Host: needs {}{ranks} of {} available. ",
+                gib(self.host_total),
+                gib(available)
+            );
         }
         let knobs: Vec<String> = self
             .knobs_that_fit(machine)
@@ -746,7 +783,14 @@ impl MemoryPlan {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
                         ZenFlow, the optimizer on the GPU, the accumulation window summed on the \
                         GPU, 16-bit moments, the device share that fits) brings it under: use a \
-                        smaller model or more ranks";
+                        smaller model";
+            message += if !fit.gpu {
+                " (ZeRO stages 1 and 2 hold every weight and gradient on each GPU: more GPUs do \
+                 not lower it)"
+            } else {
+                ", or ranks on more hosts (each rank holds its part of the optimizer, and the \
+                 ranks of one host share its memory)"
+            };
         } else {
             message += &format!("Fits with: {}", knobs.join("; "));
         }

@@ -17,6 +17,7 @@ pub(super) fn machine(gpu: u64, host_total: u64, host_available: u64) -> Machine
         host_total: Some(host_total),
         host_available: Some(host_available),
         given: false,
+        host_ranks: 1,
     }
 }
 
@@ -216,6 +217,35 @@ fn a_host_short_of_fp32_moments_names_16_bit_moments() {
     let error = fp32.check(&machine).expect_err("does not fit").to_string();
     assert!(error.contains("optimizer_state_dtype"), "{error}");
     assert_eq!(bf16.check(&machine).map_err(|e| e.to_string()), Ok(()));
+}
+
+/// The ranks of one host share its memory: llama-8b offloaded on two GPUs of one host holds
+/// half the optimizer per rank, which alone fits 64 GiB of host, but not twice over; the check,
+/// the start's line and the table say so. A GPU too small for the weights and gradients is not
+/// sent to more GPUs, which ZeRO-1/2 would fill the same.
+#[test]
+fn the_ranks_of_one_host_share_its_memory() {
+    let mut two = inputs("llama-8b", "offload", (1, 2048));
+    (two.world_size, two.model_options.activation_checkpointing) = (2, true);
+    let plan = MemoryPlan::new(two).unwrap();
+    let alone = machine(140 * GIB, 64 * GIB, 64 * GIB);
+    assert!(plan.host_total < 64 * GIB && plan.host_total * 2 > 64 * GIB, "{}", plan.host_total);
+    assert!(plan.check(&alone).is_ok());
+    let shared = MachineMemory { host_ranks: 2, ..alone };
+    assert!(!plan.fit(&shared).host);
+    let error = plan.check(&shared).expect_err("two ranks do not fit").to_string();
+    let both = format!(" × 2 ranks on this host = {}", super::gib(plan.host_total * 2));
+    let needs = format!("Host: needs {}{both}", super::gib(plan.host_total));
+    assert!(error.contains(&needs), "{needs:?} not in: {error}");
+    assert!(plan.summary(&shared).contains(&both), "{}", plan.summary(&shared));
+    assert!(plan.table(&shared).contains("total of the 2 ranks on this host"));
+    assert_eq!(plan.to_json(&shared)["machine_host_ranks"], 2);
+    let small_gpu = machine(24 * GIB, 512 * GIB, 500 * GIB);
+    let error = plan.check(&small_gpu).expect_err("the weights alone are 15 GiB").to_string();
+    assert!(
+        error.contains("more GPUs do not lower it") && !error.contains("more hosts"),
+        "{error}"
+    );
 }
 
 /// A plan that fits says so and checks out.
