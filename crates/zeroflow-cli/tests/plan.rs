@@ -99,3 +99,27 @@ fn plan_for_a_machine_given_by_its_memory() {
     assert_eq!(cpu.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&cpu.stderr).contains("add --device cuda"));
 }
+
+/// `zeroflow plan --nproc-per-node N [--nnodes M]` plans rank 0 of a launched job: the
+/// optimizer's state partitioned over N × M ranks, the host's memory shared by N of them. Two
+/// ranks of llama-8b offloaded on one host of 64 GiB do not fit (each holds half the optimizer,
+/// twice over on the host); on two hosts of two they do.
+#[test]
+fn plan_for_a_job_of_several_processes() {
+    let run = ["plan", "--json", "--device", "cuda", "--model", "llama-8b", "--micro-batch", "1"];
+    let config =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/configs/zero2-offload-bf16.json");
+    // Share 0 for both: one rank alone would keep part of its state on the GPU by default.
+    let machine =
+        ["--config", config, "--gpu-memory", "80", "--host-memory", "64", "--device-share", "0"];
+    let one = zeroflow_json(&[&run[..], &machine].concat());
+    let two = zeroflow_json(&[&run[..], &machine, &["--nproc-per-node", "2"]].concat());
+    assert_eq!((one["world_size"].as_u64(), two["world_size"].as_u64()), (Some(1), Some(2)));
+    assert_eq!(two["machine_host_ranks"].as_u64(), Some(2), "{two}");
+    let state = |plan: &serde_json::Value| line_bytes(plan, "host", "master weights and moments");
+    assert_eq!(state(&two), state(&one) / 2, "{two}");
+    assert_eq!(two["fits_host"], false, "{two}");
+    let four = ["--nproc-per-node", "2", "--nnodes", "2"];
+    let four = zeroflow_json(&[&run[..], &machine, &four].concat());
+    assert_eq!((four["world_size"].as_u64(), four["fits_host"].as_bool()), (Some(4), Some(true)));
+}

@@ -25,11 +25,26 @@ pub struct PlanArgs {
     /// (GiB), 512GiB, 1TB.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     host_memory: Option<u64>,
+    /// Plan rank 0 of a job of N processes (one per GPU) on each of --nnodes hosts, as `zeroflow
+    /// launch --nproc-per-node N` starts them: the optimizer partitioned over them, the host's
+    /// memory shared by its N. Default: the launcher's environment, else one process.
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<std::num::NonZeroUsize>,
+    /// With --nproc-per-node: the hosts of the job.
+    #[arg(long, value_name = "M", requires = "nproc_per_node", default_value = "1")]
+    nnodes: std::num::NonZeroUsize,
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
-    let dist =
-        DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
+    let dist = match args.nproc_per_node {
+        Some(per_node) => DistEnv {
+            world_size: per_node.get() * args.nnodes.get(),
+            local_world_size: per_node.get(),
+            ..DistEnv::single()
+        },
+        None => DistEnv::from_lookup(|name| std::env::var(name).ok())
+            .map_err(InputError::from_display)?,
+    };
     let env = settings::env::from_process()?;
     let options = args.train.options();
     if args.gpu_memory.is_some() && options.device != DeviceKind::Cuda {
