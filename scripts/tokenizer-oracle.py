@@ -9,6 +9,11 @@ the cargo registry). For each it runs `zeroflow tokenize` on a `.jsonl` of docum
 document of the shards with `[end-of-text] + tokenizer.encode(text).ids`; it also times
 `zeroflow tokenize` against `encode_batch` on the same texts.
 
+A text file: the texts joined by line breaks into one `.txt` (over 1 MiB from --megabytes 2 on),
+which zeroflow reads and encodes in pieces of about 1 MiB ending at line breaks (the first with the
+tokenizer's special tokens, the rest without): compared with the same pieces encoded here, and
+counted against the file encoded whole.
+
 Then chat: for a Llama-3-style, a ChatML (Qwen-style) and a Qwen-2.5-style tool-calling template
 (`tojson`, `is defined`, `set`, neighbours through `loop.index0`) with `{% generation %}` markers
 it compares ids and loss masks of `zeroflow tokenize` with transformers'
@@ -283,6 +288,55 @@ def check_documents(name, tok, tokenizer_arg, eot, texts, work, zeroflow, failur
               f"ratio {python_seconds / pass_seconds:.2f}")
 
 
+TEXT_PIECE_BYTES = 1 << 20  # zeroflow_data::TEXT_PIECE_BYTES
+
+
+def text_pieces(data, piece=TEXT_PIECE_BYTES):
+    """The pieces zeroflow encodes a text file's bytes in (corpus.rs `read_text`): each ends with
+    the first line break at or after `piece` bytes, or, where a line runs on for four times as many
+    more, before the last UTF-8 character that starts within its last three bytes."""
+    pieces, start, n = [], 0, len(data)
+    while True:
+        end = min(start + 5 * piece, n)
+        chunk, eof = data[start:end], end == n
+        newline = chunk.find(b"\n", piece - 1)
+        if eof and len(chunk) <= piece:
+            cut = len(chunk)
+        elif newline >= 0:
+            cut = newline + 1
+        elif eof:
+            cut = len(chunk)
+        else:
+            cut = next((at for at in range(len(chunk) - 1, len(chunk) - 4, -1)
+                        if at > 0 and chunk[at] & 0xC0 != 0x80), len(chunk))
+        pieces.append(data[start:start + cut])
+        start += cut
+        if eof and start == n:
+            return pieces
+
+
+def check_text_file(name, tok, tokenizer_arg, eot, texts, work, zeroflow, failures):
+    text = "\n".join(texts) + "\n"
+    path = work / f"{name}.txt"
+    path.write_text(text)
+    out = work / f"{name}-text-out"
+    run_zeroflow(zeroflow, tokenizer_arg, [path], out)
+    _, documents = read_output(out)
+    pieces = text_pieces(text.encode())
+    expected = [eot]
+    for k, piece in enumerate(pieces):
+        expected += tok.encode(piece.decode(), add_special_tokens=k == 0).ids
+    tokens = documents[0][0] if len(documents) == 1 else []
+    failures.check(len(documents) == 1 and tokens == expected,
+                   f"{name}: the text file in {len(pieces)} pieces: {len(documents)} documents, "
+                   f"{len(tokens)} tokens against {len(expected)}")
+    whole = [eot] + tok.encode(text).ids
+    differ = sum(a != b for a, b in zip(whole, tokens)) + abs(len(whole) - len(tokens))
+    print(f"{name}: a {len(text.encode()) / 1e6:.2f} MB text file in {len(pieces)} pieces: "
+          f"{'the same' if tokens == expected else 'NOT the same'} ids as the pieces encoded here; "
+          f"{len(tokens)} tokens against {len(whole)} encoded whole, {differ} positions differ")
+
+
 def conversations(rng, count):
     result = []
     for _ in range(count):
@@ -412,6 +466,7 @@ def main():
             path = work / f"{name}.json"
             tok.save(str(path))
             check_documents(name, tok, path, tok.token_to_id(eot_token), texts, work, zeroflow, failures)
+            check_text_file(name, tok, path, tok.token_to_id(eot_token), texts, work, zeroflow, failures)
         gpt2 = gpt2_tokenizer(args.gpt2_files)
         if gpt2 is not None:
             # zeroflow's bundled GPT-2 BPE reads "<|endoftext|>" in text as text; these texts have none.

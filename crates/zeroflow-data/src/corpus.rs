@@ -3,8 +3,13 @@
 //! index and, where it holds a conversation, a loss mask (formats in docs/data-formats.md).
 //!
 //! Inputs are read in order, in batches of about [`BATCH_BYTES`]; the units of a batch (lines of
-//! a `.jsonl`, whole text files) are tokenized on all cores and written in input order, so the
-//! shards do not depend on the number of threads. A plain text file is one document.
+//! a `.jsonl`, pieces of text files) are tokenized on all cores and written in input order, so the
+//! shards do not depend on the number of threads. A plain text file is one document, read and
+//! encoded in pieces of about [`TEXT_PIECE_BYTES`] that end at a line break (`read_text`): a
+//! file of one piece is encoded whole, as the tokenizer encodes the string; a longer one piece by
+//! piece (special tokens such as a BOS only before the first), its tokens differing from the whole
+//! string's at most where two pieces meet. Encoding a file whole holds about 200 bytes per byte of
+//! text (the tokenizer's per-token strings and offsets): 21 GB for a 94 MiB file, on one core.
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -23,18 +28,27 @@ use crate::tokenizer::Tokenizer;
 /// are larger (the batch and its tokens are what the process holds at a time).
 pub const BATCH_BYTES: usize = 32 << 20;
 
+/// About how many bytes of a text file are encoded at once ([`TokenizeOptions::text_piece_bytes`]'s
+/// default): a piece ends at the first line break at or after this many bytes, or, where a line
+/// runs on for four times as many more, at a character boundary there. Each piece's encoding
+/// holds about 200 bytes per byte of text while it runs (one a thread).
+pub const TEXT_PIECE_BYTES: usize = 1 << 20;
+
 /// How to tokenize a corpus.
 #[derive(Debug)]
 pub struct TokenizeOptions<'a> {
     /// The directory the shards go to (created; it must not hold shards already).
     pub out_dir: PathBuf,
     /// A shard is closed before a document that would take it past this many tokens (a longer
-    /// document gets a shard of its own; documents are never split).
+    /// document gets a shard of its own; only a text file's goes on into the next shards, a
+    /// piece at a time, each shard's index starting it anew).
     pub shard_tokens: usize,
     /// Go on past a bad `.jsonl` line (and count it) instead of stopping.
     pub skip_bad_lines: bool,
     /// The chat template for conversations.
     pub chat_template: Option<&'a ChatTemplate>,
+    /// The size of the pieces a text file is encoded in ([`TEXT_PIECE_BYTES`]).
+    pub text_piece_bytes: usize,
 }
 
 /// What a tokenize run wrote.
@@ -117,11 +131,20 @@ pub enum TokenizeError {
     NoEndOfText(String),
 }
 
-/// One unit of input: a `.jsonl` line or a whole text file.
+/// One unit of input: a `.jsonl` line or a piece of a text file.
 struct Unit {
     input: usize,
-    line: Option<u64>,
+    place: Place,
     bytes: Vec<u8>,
+}
+
+/// Where a unit is in its input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    /// A `.jsonl` line, counted from 1.
+    Line(u64),
+    /// A piece of a text file, from this byte on (0: the first, which starts its document).
+    Text(u64),
 }
 
 /// A tokenized document: its tokens, and for a conversation its loss mask.
@@ -163,13 +186,51 @@ pub fn tokenize_corpus(
         if path.extension().is_some_and(|e| e == "jsonl") {
             read_lines(path, input, &mut |unit| flush(unit, &mut writer))?;
         } else {
-            let bytes = std::fs::read(path).map_err(|e| input_error(path, e))?;
-            flush(Unit { input, line: None, bytes }, &mut writer)?;
+            let piece = options.text_piece_bytes.max(1);
+            read_text(path, input, piece, &mut |unit| flush(unit, &mut writer))?;
         }
     }
     process_batch(&per_thread, inputs, batch, options, &mut writer)?;
     progress(batch_bytes as u64);
     writer.finish()
+}
+
+/// The tokens of a text file as [`tokenize_corpus`] encodes it with the same `piece` bytes
+/// ([`TEXT_PIECE_BYTES`]: in pieces on all cores), without the end-of-text token it puts before a
+/// document: what `eval` reads a text file as.
+pub fn encode_text_file(
+    tokenizer: &Tokenizer,
+    path: &Path,
+    piece: usize,
+) -> Result<Vec<u32>, TokenizeError> {
+    let per_thread = tokenizer.per_thread();
+    let (mut tokens, mut batch, mut batch_bytes) = (Vec::new(), Vec::new(), 0);
+    let mut encode = |batch: Vec<Unit>| -> Result<(), TokenizeError> {
+        let pieces: Vec<_> = batch
+            .par_iter()
+            .map(|unit| {
+                let thread = rayon::current_thread_index().unwrap_or(0);
+                let tokenizer = &per_thread[thread % per_thread.len()];
+                let Place::Text(offset) = unit.place else { unreachable!("text pieces only") };
+                text_piece(tokenizer, &unit.bytes, offset)
+            })
+            .collect();
+        for piece in pieces {
+            tokens.extend(piece.map_err(|message| input_error(path, message))?.tokens);
+        }
+        Ok(())
+    };
+    read_text(path, 0, piece.max(1), &mut |unit| {
+        batch_bytes += unit.bytes.len();
+        batch.push(unit);
+        if batch_bytes >= BATCH_BYTES {
+            batch_bytes = 0;
+            encode(std::mem::take(&mut batch))?;
+        }
+        Ok(())
+    })?;
+    encode(batch)?;
+    Ok(tokens)
 }
 
 fn input_error(path: &Path, e: impl ToString) -> TokenizeError {
@@ -209,7 +270,51 @@ fn read_lines(
             return Ok(());
         }
         line += 1;
-        each(Unit { input, line: Some(line), bytes })?;
+        each(Unit { input, place: Place::Line(line), bytes })?;
+    }
+}
+
+/// Calls `each` with the pieces of a text file in order (one, empty, for an empty file): each
+/// ends with the first line break at or after `piece` bytes, or, where a line runs on for four
+/// times as many more, before the last UTF-8 character that starts there. The last piece is what
+/// is left.
+fn read_text(
+    path: &Path,
+    input: usize,
+    piece: usize,
+    each: &mut dyn FnMut(Unit) -> Result<(), TokenizeError>,
+) -> Result<(), TokenizeError> {
+    let mut file = std::fs::File::open(path).map_err(|e| input_error(path, e))?;
+    let window = 5 * piece;
+    let (mut carry, mut offset) = (Vec::new(), 0u64);
+    loop {
+        let mut bytes = std::mem::take(&mut carry);
+        let missing = window.saturating_sub(bytes.len()) as u64;
+        let mut more = std::io::Read::take(&mut file, missing);
+        std::io::Read::read_to_end(&mut more, &mut bytes).map_err(|e| input_error(path, e))?;
+        let end_of_file = bytes.len() < window;
+        let line_end = bytes
+            .get(piece - 1..)
+            .and_then(|tail| tail.iter().position(|&b| b == b'\n'))
+            .map(|at| piece + at);
+        let cut = match line_end {
+            _ if end_of_file && bytes.len() <= piece => bytes.len(),
+            Some(cut) => cut,
+            None if end_of_file => bytes.len(),
+            // A line too long: cut before a character that starts within the last four bytes (a
+            // UTF-8 character is at most four), which the next piece begins with.
+            None => (bytes.len().saturating_sub(3)..bytes.len())
+                .rev()
+                .find(|&at| at > 0 && (bytes[at] & 0xC0) != 0x80)
+                .unwrap_or(bytes.len()),
+        };
+        carry = bytes.split_off(cut);
+        let len = bytes.len() as u64;
+        each(Unit { input, place: Place::Text(offset), bytes })?;
+        offset += len;
+        if end_of_file && carry.is_empty() {
+            return Ok(());
+        }
     }
 }
 
@@ -228,35 +333,43 @@ fn process_batch(
         .map(|unit| {
             let thread = rayon::current_thread_index().unwrap_or(0);
             let tokenizer = &per_thread[thread % per_thread.len()];
-            match unit.line {
-                Some(_) => json_line(tokenizer, template, &unit.bytes),
-                None => text_file(tokenizer, &unit.bytes).map(Some),
+            match unit.place {
+                Place::Line(_) => json_line(tokenizer, template, &unit.bytes),
+                Place::Text(offset) => text_piece(tokenizer, &unit.bytes, offset).map(Some),
             }
         })
         .collect();
     for (unit, document) in units.iter().zip(documents) {
         let path = &inputs[unit.input];
-        match (document, unit.line) {
+        match (document, unit.place) {
+            (Ok(Some(document)), Place::Text(offset)) if offset > 0 => writer.go_on(document)?,
             (Ok(Some(document)), _) => writer.push(document)?,
             (Ok(None), _) => {}
-            (Err(_), Some(_)) if options.skip_bad_lines => writer.summary.bad_lines += 1,
-            (Err(message), Some(line)) => {
+            (Err(_), Place::Line(_)) if options.skip_bad_lines => writer.summary.bad_lines += 1,
+            (Err(message), Place::Line(line)) => {
                 return Err(TokenizeError::BadLine { path: path.clone(), line, message });
             }
-            (Err(message), None) => return Err(input_error(path, message)),
+            (Err(message), Place::Text(_)) => return Err(input_error(path, message)),
         }
     }
     Ok(())
 }
 
-/// A text file as one document; it must be UTF-8 unless the tokens are its bytes.
-fn text_file(tokenizer: &Tokenizer, bytes: &[u8]) -> Result<Document, String> {
+/// A piece of a text file from its byte `offset` on: the start of its document (offset 0,
+/// encoded with the tokenizer's special tokens) or more of it (without them). It must be UTF-8
+/// unless the tokens are its bytes.
+fn text_piece(tokenizer: &Tokenizer, bytes: &[u8], offset: u64) -> Result<Document, String> {
     if tokenizer.is_bytes() {
         return Ok(Document { tokens: bytes.iter().map(|&b| u32::from(b)).collect(), mask: None });
     }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| format!("not UTF-8 (invalid bytes at offset {})", e.valid_up_to()))?;
-    Ok(Document { tokens: tokenizer.encode(text)?, mask: None })
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        format!("not UTF-8 (invalid bytes at offset {})", offset + e.valid_up_to() as u64)
+    })?;
+    let tokens = match offset {
+        0 => tokenizer.encode(text)?,
+        _ => tokenizer.encode_more(text)?,
+    };
+    Ok(Document { tokens, mask: None })
 }
 
 /// A `.jsonl` line: nothing (blank), a document, a conversation, or what is wrong with it.
@@ -337,6 +450,22 @@ impl<'a> ShardWriter<'a> {
             }
             None => self.mask.extend(document.tokens.iter().map(|_| 1)),
         }
+        Ok(())
+    }
+
+    /// Appends more of the last document (the next piece of a text file): no end-of-text token
+    /// before it, no new document. Where it would take the shard past its limit, the shard is
+    /// written and the document goes on in the next, whose index starts there.
+    fn go_on(&mut self, more: Document) -> Result<(), TokenizeError> {
+        if !self.tokens.is_empty()
+            && self.tokens.len() + more.tokens.len() > self.options.shard_tokens
+        {
+            self.write_shard()?;
+            self.document_starts.push(0);
+        }
+        self.summary.tokens += more.tokens.len() as u64;
+        self.mask.extend(more.tokens.iter().map(|_| 1));
+        self.tokens.extend_from_slice(&more.tokens);
         Ok(())
     }
 

@@ -433,6 +433,17 @@ impl Tokenizer {
         }
     }
 
+    /// The ids of `text` that goes on from text already encoded (the next piece of a file):
+    /// [`Tokenizer::encode`] without the special tokens the tokenizer puts around a text (a BOS).
+    pub fn encode_more(&self, text: &str) -> Result<Vec<u32>, String> {
+        match &self.kind {
+            Kind::HuggingFace(hf) => {
+                hf.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
+            }
+            Kind::Bytes | Kind::Gpt2 => self.encode(text),
+        }
+    }
+
     /// The ids of a rendered chat and each token's byte range in `text`, as
     /// `apply_chat_template` tokenizes: no special tokens added (the template writes them), and
     /// special tokens in the text recognised, GPT-2's `<|endoftext|>` too.

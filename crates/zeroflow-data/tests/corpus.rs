@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde_json::json;
 use zeroflow_data::{
     ChatTemplate, SHARD_MAGIC_U32, ShardTokens, TokenizeError, TokenizeOptions, TokenizeSummary,
-    Tokenizer, describe_setup, read_document_index, read_loss_mask, read_shard, tokenize_corpus,
+    Tokenizer, describe_setup, encode_text_file, read_document_index, read_loss_mask, read_shard,
+    tokenize_corpus,
 };
 
 use crate::fixtures::{
@@ -20,6 +21,7 @@ fn options(out_dir: &Path, shard_tokens: usize) -> TokenizeOptions<'static> {
         shard_tokens,
         skip_bad_lines: false,
         chat_template: None,
+        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
     }
 }
 
@@ -263,4 +265,98 @@ fn without_an_end_of_text_token_only_bytes_may_tokenize() {
     let error = run(&tokenizer, &[jsonl], &options(&dir.join("w"), 100)).unwrap_err();
     assert!(matches!(error, TokenizeError::NoEndOfText(_)), "{error}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `got == want`, or where they first differ (the lists are long).
+fn assert_same(got: &[u32], want: &[u32], what: &str) {
+    if let Some(at) = (0..got.len().max(want.len())).find(|&i| got.get(i) != want.get(i)) {
+        let near = |list: &[u32]| list[at.saturating_sub(4)..(at + 4).min(list.len())].to_vec();
+        panic!("{what}: token {at} differs: {:?} against {:?}", near(got), near(want));
+    }
+}
+
+/// Options whose text files are encoded in pieces of `piece` bytes.
+fn in_pieces(out_dir: &Path, shard_tokens: usize, piece: usize) -> TokenizeOptions<'static> {
+    TokenizeOptions { text_piece_bytes: piece, ..options(out_dir, shard_tokens) }
+}
+
+/// A text file read and encoded in pieces that end at line breaks is still one document: one
+/// end-of-text token before it, one index entry, and, for lines that end without spaces before
+/// the break (where the byte-level pre-tokenizer splits the same either way), the very tokens of
+/// the file encoded whole, in every number of pieces.
+#[test]
+fn a_text_file_in_pieces_is_the_file_encoded_whole() {
+    let dir = scratch("corpus-text-pieces");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let text: String = (0..400).map(|i| format!("line {i} of the file: hello world\n")).collect();
+    let path = dir.join("a.txt");
+    std::fs::write(&path, &text).unwrap();
+    let whole = [vec![special_id("<|endoftext|>")], tokenizer.encode(&text).unwrap()].concat();
+    // From 7 bytes on, a piece ends with a line (of at most 34 bytes, within five pieces).
+    for piece in [7, 64, 1000, text.len() - 1, text.len(), 1 << 20] {
+        let out = dir.join(format!("out-{piece}"));
+        let inputs = std::slice::from_ref(&path);
+        let summary = run(&tokenizer, inputs, &in_pieces(&out, 1 << 20, piece)).unwrap();
+        assert_same(&tokens(&summary.shards[0]), &whole, &format!("pieces of {piece} bytes"));
+        assert_eq!((summary.documents, summary.tokens), (1, whole.len() as u64));
+        let starts = read_document_index(&out.join("tokens_000000.idx")).unwrap();
+        assert_eq!(starts, [0, whole.len() as u64], "pieces of {piece} bytes");
+        // What `eval` reads the file as: the same tokens, without the end-of-text token.
+        let read = encode_text_file(&tokenizer, &path, piece).unwrap();
+        assert_same(&read, &whole[1..], &format!("encode_text_file, pieces of {piece} bytes"));
+    }
+}
+
+/// A line longer than four pieces is cut at a character boundary: multi-byte characters are
+/// never split (the pieces are UTF-8), and every byte is there once (the byte-level tokens decode
+/// to the file). A file that is not UTF-8 is refused with the offset of its first bad byte in the
+/// file, not in a piece.
+#[test]
+fn a_long_line_is_cut_between_characters_and_bad_bytes_are_found_in_the_file() {
+    let dir = scratch("corpus-long-line");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let text = "héllo wörld ∑ 😀 ".repeat(300);
+    let path = dir.join("long.txt");
+    std::fs::write(&path, &text).unwrap();
+    for piece in [5, 16, 61] {
+        let out = dir.join(format!("out-{piece}"));
+        let inputs = std::slice::from_ref(&path);
+        let summary = run(&tokenizer, inputs, &in_pieces(&out, 1 << 20, piece)).unwrap();
+        let written = tokens(&summary.shards[0]);
+        assert_eq!(written[0], special_id("<|endoftext|>"));
+        assert_eq!(tokenizer.decode(&written[1..]).unwrap(), text, "pieces of {piece} bytes");
+    }
+    let mut bad = b"good line\n".repeat(100);
+    bad[1000 - 3] = 0xFF;
+    let bad_path = dir.join("bad.txt");
+    std::fs::write(&bad_path, &bad).unwrap();
+    let error = run(&tokenizer, &[bad_path], &in_pieces(&dir.join("bad"), 1 << 20, 64));
+    let error = error.expect_err("not UTF-8").to_string();
+    assert!(error.contains("invalid bytes at offset 997"), "{error}");
+}
+
+/// A text file of more tokens than a shard holds goes on into the next shards, each of which
+/// starts it anew in its index; the shards together hold the file encoded whole.
+#[test]
+fn a_text_file_longer_than_a_shard_goes_on_in_the_next() {
+    let dir = scratch("corpus-text-shards");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let text: String = (0..60).map(|i| format!("line {i}: hello world\n")).collect();
+    let (path, short) = (dir.join("a.txt"), dir.join("b.txt"));
+    std::fs::write(&path, &text).unwrap();
+    std::fs::write(&short, "hello\n").unwrap();
+    let eot = special_id("<|endoftext|>");
+    let whole = [vec![eot], tokenizer.encode(&text).unwrap()].concat();
+    let out = dir.join("out");
+    let summary = run(&tokenizer, &[path, short], &in_pieces(&out, 100, 40)).unwrap();
+    assert!(summary.shards.len() >= 3, "{:?}", summary.shards);
+    let all: Vec<u32> = summary.shards.iter().flat_map(|shard| tokens(shard)).collect();
+    let second = [vec![eot], tokenizer.encode("hello\n").unwrap()].concat();
+    assert_eq!(all, [whole.clone(), second].concat());
+    assert_eq!(summary.documents, 2);
+    for (k, shard) in summary.shards.iter().enumerate() {
+        let starts = read_document_index(&shard.with_extension("idx")).unwrap();
+        assert_eq!(starts[0], 0, "shard {k}");
+        assert!(tokens(shard).len() <= 100, "shard {k}");
+    }
 }

@@ -2,9 +2,12 @@
 //! the run a resumed run continues): `--data FILE.jsonl`, conversations (and documents) with the
 //! chat template and their loss masks, and text files where the model comes from a directory, so
 //! that a pretrained model is never fed bytes as token ids. They go into token shards in the run
-//! directory (`<out>/tokens/rank-N`, `<out>/tokens/eval-rank-N` for `--eval-data`, replaced at
-//! every start: the output depends on the files and the tokenizer alone, so a resumed run reads
-//! the same tokens), which the run then trains on as it does on `zeroflow tokenize`'s output.
+//! directory (`<out>/tokens/rank-N`, `<out>/tokens/eval-rank-N` for `--eval-data`), which the
+//! run then trains on as it does on `zeroflow tokenize`'s output. The output depends on the files,
+//! the tokenizer's files and the code alone: a start whose sources are unchanged (each by path,
+//! size and modification time, the zeroflow binary among them: [`Made`]) reads the tokens the last
+//! start wrote, so that a resume does not tokenize a large corpus again; any other start replaces
+//! them. A resumed run reads the same tokens either way.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -81,6 +84,15 @@ pub fn tokenized_at_start(
         .transpose()
         .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     let tokens = out.join("tokens").join(role.folder(rank));
+    let sources = sources(&files, dir);
+    if let Some(made) = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources)) {
+        let summary = made.summary(&tokens);
+        tracing::info!(
+            "{flag}: the tokens of the last start, from the same files and tokenizer: {}",
+            summary.describe(&tokens)
+        );
+        return Ok(Spec::Shards(summary.shards));
+    }
     if tokens.exists() {
         std::fs::remove_dir_all(&tokens)
             .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
@@ -90,6 +102,7 @@ pub fn tokenized_at_start(
         shard_tokens: 100_000_000,
         skip_bad_lines: false,
         chat_template: template.as_ref(),
+        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
     };
     let progress = Progress::new(&files, PROGRESS_INTERVAL);
     let said = |bytes| {
@@ -100,7 +113,110 @@ pub fn tokenized_at_start(
     let summary = tokenize_corpus(&tokenizer, &files, &options, &said)
         .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     tracing::info!("{}", summary.describe(&tokens));
+    if let Some(sources) = sources {
+        // Written last: a start cut short while tokenizing leaves no record, and the next one
+        // tokenizes again. A record that cannot be written only costs the next start the time.
+        if let Err(error) = Made::of(sources, &summary).write(&tokens) {
+            tracing::warn!(
+                "cannot record what {} was tokenized from ({error}): the next start tokenizes again",
+                tokens.display()
+            );
+        }
+    }
     Ok(Spec::Shards(summary.shards))
+}
+
+/// The file under a tokens folder that records what its tokens were made from.
+const MADE_FILE: &str = "made-from.json";
+
+/// One file the tokens depend on, as the file system describes it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Source {
+    path: PathBuf,
+    bytes: u64,
+    modified_ns: u128,
+}
+
+impl Source {
+    fn of(path: &Path) -> Option<Source> {
+        let path = std::path::absolute(path).ok()?;
+        let meta = std::fs::metadata(&path).ok()?;
+        let modified = meta.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+        Some(Source { path, bytes: meta.len(), modified_ns: modified.as_nanos() })
+    }
+}
+
+/// What tokenizing the `files` with the tokenizer of the model directory `dir` depends on: the
+/// files, the tokenizer's own (`tokenizer.json`, and `tokenizer_config.json` and
+/// `chat_template.jinja` where there) and the running binary, whose code does the tokenizing.
+/// `None` where one of them cannot be described (nothing is then reused or recorded).
+fn sources(files: &[PathBuf], dir: &Path) -> Option<Vec<Source>> {
+    let mut all: Vec<Source> = files.iter().map(|file| Source::of(file)).collect::<Option<_>>()?;
+    all.push(Source::of(&dir.join("tokenizer.json"))?);
+    for optional in ["tokenizer_config.json", "chat_template.jinja"] {
+        if dir.join(optional).exists() {
+            all.push(Source::of(&dir.join(optional))?);
+        }
+    }
+    all.push(Source::of(&std::env::current_exe().ok()?)?);
+    Some(all)
+}
+
+/// The record of a tokens folder: what its tokens were made from, and what tokenizing wrote.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Made {
+    sources: Vec<Source>,
+    /// The shards' file names, in order.
+    shards: Vec<String>,
+    documents: u64,
+    conversations: u64,
+    tokens: u64,
+    assistant_tokens: u64,
+    bad_lines: u64,
+    input_bytes: u64,
+}
+
+impl Made {
+    fn of(sources: Vec<Source>, summary: &zeroflow_data::TokenizeSummary) -> Made {
+        let name = |shard: &PathBuf| shard.file_name().map(|n| n.to_string_lossy().into_owned());
+        Made {
+            sources,
+            shards: summary.shards.iter().filter_map(name).collect(),
+            documents: summary.documents,
+            conversations: summary.conversations,
+            tokens: summary.tokens,
+            assistant_tokens: summary.assistant_tokens,
+            bad_lines: summary.bad_lines,
+            input_bytes: summary.input_bytes,
+        }
+    }
+
+    fn write(&self, tokens: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(tokens.join(MADE_FILE), text)
+    }
+
+    /// The record under `tokens` where it was made from `sources` and every shard it names is
+    /// there.
+    fn read_if(tokens: &Path, sources: &[Source]) -> Option<Made> {
+        let text = std::fs::read_to_string(tokens.join(MADE_FILE)).ok()?;
+        let made: Made = serde_json::from_str(&text).ok()?;
+        let whole = !made.shards.is_empty() && made.shards.iter().all(|s| tokens.join(s).is_file());
+        (made.sources == sources && whole).then_some(made)
+    }
+
+    /// What tokenizing wrote, as [`tokenize_corpus`] said it, the shards under `tokens`.
+    fn summary(&self, tokens: &Path) -> zeroflow_data::TokenizeSummary {
+        zeroflow_data::TokenizeSummary {
+            documents: self.documents,
+            conversations: self.conversations,
+            tokens: self.tokens,
+            assistant_tokens: self.assistant_tokens,
+            bad_lines: self.bad_lines,
+            input_bytes: self.input_bytes,
+            shards: self.shards.iter().map(|shard| tokens.join(shard)).collect(),
+        }
+    }
 }
 
 /// How often a long tokenization at start-up says how far it is.
@@ -137,6 +253,51 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The record of a tokens folder is reused only for the same sources and where its shards
+    /// are there: a data file rewritten (its time or size changed), a tokenizer file added, or a
+    /// shard gone, and it is not.
+    #[test]
+    fn tokens_are_reused_only_from_the_same_sources() {
+        let dir = std::env::temp_dir().join(format!("zeroflow-made-{}", std::process::id()));
+        let (model, tokens) = (dir.join("model"), dir.join("tokens"));
+        std::fs::create_dir_all(&model).unwrap();
+        std::fs::create_dir_all(&tokens).unwrap();
+        let corpus = dir.join("corpus.txt");
+        std::fs::write(&corpus, "some text\n").unwrap();
+        std::fs::write(model.join("tokenizer.json"), "{}").unwrap();
+        std::fs::write(tokens.join("tokens_000000.bin"), [0u8; 8]).unwrap();
+        let files = [corpus.clone()];
+        let made_from = sources(&files, &model).expect("every source is there");
+        assert_eq!(made_from.len(), 3, "the corpus, tokenizer.json and this binary: {made_from:?}");
+        let summary = zeroflow_data::TokenizeSummary {
+            documents: 1,
+            conversations: 0,
+            tokens: 4,
+            assistant_tokens: 0,
+            bad_lines: 0,
+            input_bytes: 10,
+            shards: vec![tokens.join("tokens_000000.bin")],
+        };
+        assert_eq!(Made::read_if(&tokens, &made_from), None, "nothing recorded yet");
+        Made::of(made_from.clone(), &summary).write(&tokens).unwrap();
+        let made = Made::read_if(&tokens, &made_from).expect("the same sources");
+        assert_eq!(made.summary(&tokens).shards, summary.shards);
+        assert_eq!(made.summary(&tokens).tokens, 4);
+        // The corpus written again, a second later: its time differs.
+        let later = std::time::SystemTime::now() + Duration::from_secs(1);
+        std::fs::File::options().write(true).open(&corpus).unwrap().set_modified(later).unwrap();
+        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap()), None);
+        let made_from = sources(&files, &model).unwrap();
+        Made::of(made_from.clone(), &summary).write(&tokens).unwrap();
+        assert!(Made::read_if(&tokens, &made_from).is_some());
+        // A chat template beside the tokenizer changes what a conversation becomes.
+        std::fs::write(model.join("chat_template.jinja"), "{{ messages }}").unwrap();
+        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap()), None);
+        std::fs::remove_file(tokens.join("tokens_000000.bin")).unwrap();
+        assert_eq!(Made::read_if(&tokens, &made_from), None, "a shard is gone");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// Each advance adds its bytes; a line comes once the interval has passed, with the bytes
     /// done of the files' sizes, and not again within it.

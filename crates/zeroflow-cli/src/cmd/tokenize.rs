@@ -58,6 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         shard_tokens: args.shard_tokens,
         skip_bad_lines: args.skip_bad_lines,
         chat_template: template.as_ref(),
+        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
     };
     let start = Instant::now();
     let result =

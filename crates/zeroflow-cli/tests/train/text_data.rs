@@ -186,10 +186,17 @@ fn a_resumed_fine_tune_continues_as_the_uninterrupted_run() {
     // As if the run had stopped after its checkpoint at step 2.
     std::fs::remove_dir_all(split.join("checkpoints").join("step-00000004")).unwrap();
     std::fs::remove_file(split.join("samples.jsonl")).unwrap();
+    // The resume reads the tokens the first start wrote (the same files and tokenizer), not
+    // tokenized again: the shard is the same file, written once.
+    let shard = split.join("tokens/rank-0/tokens_000000.bin");
+    let written = || std::fs::metadata(&shard).unwrap().modified().unwrap();
+    let first = written();
+    assert!(split.join("tokens/rank-0/made-from.json").is_file());
     let resumed = train(
         &[&["--resume", "latest", "--out", split.to_str().unwrap()][..], &sample[..]].concat(),
     );
     assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+    assert_eq!(written(), first, "the resume tokenized the corpus again");
     let steps = |run: &Path| {
         let lines = read_lines(&run.join("metrics.jsonl"));
         let step = |l: &Value| (l["step"].clone(), l["lr"].clone(), l["loss"].clone());

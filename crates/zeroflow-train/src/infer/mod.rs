@@ -373,10 +373,11 @@ impl HostModel {
                         None => {
                             std::fs::read(path).map_err(read)?.into_iter().map(u32::from).collect()
                         }
+                        // In pieces on all cores, as `zeroflow tokenize` reads text.
                         Some(tokenizer) => {
-                            let text = std::fs::read_to_string(path).map_err(read)?;
-                            let encoded = tokenizer.encode(&text);
-                            encoded.map_err(|e| input(format!("{}: {e}", path.display())))?
+                            let piece = zeroflow_data::TEXT_PIECE_BYTES;
+                            zeroflow_data::encode_text_file(tokenizer, path, piece)
+                                .map_err(|e| input(e.to_string()))?
                         }
                     }
                 }
