@@ -86,12 +86,15 @@ pub fn tokenized_at_start(
     let tokens = out.join("tokens").join(role.folder(rank));
     let sources = sources(&files, dir);
     if let Some(made) = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources)) {
-        let summary = made.summary(&tokens);
         tracing::info!(
-            "{flag}: the tokens of the last start, from the same files and tokenizer: {}",
-            summary.describe(&tokens)
+            "{flag}: {} tokens of {} documents in {} shard(s) in {}, tokenized at the last start \
+             from the same files and tokenizer: read again, not tokenized again",
+            made.tokens,
+            made.documents,
+            made.shards.len(),
+            tokens.display()
         );
-        return Ok(Spec::Shards(summary.shards));
+        return Ok(Spec::Shards(made.summary(&tokens).shards));
     }
     if tokens.exists() {
         std::fs::remove_dir_all(&tokens)
