@@ -215,7 +215,8 @@ impl Setup {
         // not bytes), are tokenized here with that directory's tokenizer.
         let model_dir = model_dir(&start);
         let tokenized = |spec, role| {
-            startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, dist.rank)
+            let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
+            startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, at)
         };
         let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;

@@ -43,16 +43,29 @@ impl DataRole {
     }
 }
 
+/// Which rank of a job this is, and which of its host's ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankOnHost {
+    pub rank: usize,
+    pub local_rank: usize,
+}
+
 /// `spec` as the run reads it: a `.jsonl`, and text files where the model comes from the Hugging
 /// Face directory `model_dir`, tokenized with that directory's tokenizer (and chat template) into
-/// shards under `out` for `rank`, said in the log; text without a model directory stays bytes (a
-/// model trained from scratch), and shards and the synthetic corpus are read as they are.
+/// shards under `out`, said in the log; text without a model directory stays bytes (a model
+/// trained from scratch), and shards and the synthetic corpus are read as they are.
+///
+/// The ranks of one host share one tokenization: the host's local rank 0 writes it (into the
+/// folder of its rank, `rank-N`: ranks numbered host by host, as launchers number them), and the
+/// others wait for its record ([`Made`]) and read the same shards, instead of each tokenizing the
+/// whole corpus on the same cores. Where the sources cannot be described, each rank tokenizes
+/// into a folder of its own.
 pub fn tokenized_at_start(
     spec: Spec,
     role: DataRole,
     model_dir: Option<&Path>,
     out: &Path,
-    rank: usize,
+    at: RankOnHost,
 ) -> Result<Spec> {
     let flag = role.flag();
     let (files, dir) = match (spec, model_dir) {
@@ -83,8 +96,15 @@ pub fn tokenized_at_start(
     let template = ChatTemplate::from_config(tokenizer.config())
         .transpose()
         .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
-    let tokens = out.join("tokens").join(role.folder(rank));
     let sources = sources(&files, dir);
+    let writer = match (&sources, at.local_rank) {
+        (Some(_), 0) | (None, _) => at.rank,
+        (Some(_), _) => at.rank - at.local_rank.min(at.rank),
+    };
+    let tokens = out.join("tokens").join(role.folder(writer));
+    if let (Some(sources), true) = (&sources, writer != at.rank) {
+        return wait_for(&tokens, sources, flag, at);
+    }
     if let Some(made) = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources)) {
         tracing::info!(
             "{flag}: {} tokens of {} documents in {} shard(s) in {}, tokenized at the last start \
@@ -113,8 +133,19 @@ pub fn tokenized_at_start(
             tracing::info!("{flag}: tokenizing with {}'s tokenizer: {line}", dir.display());
         }
     };
-    let summary = tokenize_corpus(&tokenizer, &files, &options, &said)
-        .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
+    let tokenized = tokenize_corpus(&tokenizer, &files, &options, &said);
+    let summary = match (tokenized, &sources) {
+        (Ok(summary), _) => summary,
+        (Err(error), sources) => {
+            let message = format!("{flag} {shown}: {error}");
+            // Said to the host's other ranks, which wait for these tokens.
+            if let Some(sources) = sources {
+                let failed = Failed { sources: sources.clone(), error: message.clone() };
+                let _ = failed.write(&tokens);
+            }
+            return Err(input(message));
+        }
+    };
     tracing::info!("{}", summary.describe(&tokens));
     if let Some(sources) = sources {
         // Written last: a start cut short while tokenizing leaves no record, and the next one
@@ -131,6 +162,65 @@ pub fn tokenized_at_start(
 
 /// The file under a tokens folder that records what its tokens were made from.
 const MADE_FILE: &str = "made-from.json";
+
+/// The file under a tokens folder that says its tokenizing failed, and why.
+const FAILED_FILE: &str = "failed.json";
+
+/// How often a rank that waits for its host's tokens says so.
+const WAIT_SAID_EVERY: Duration = Duration::from_secs(30);
+
+/// A rank other than its host's first: the shards the first writes into `tokens` from
+/// `sources`, once its record says they are there; its error where it failed. Waits without
+/// limit, saying so every [`WAIT_SAID_EVERY`]: a launcher stops every rank when one fails.
+fn wait_for(tokens: &Path, sources: &[Source], flag: &str, at: RankOnHost) -> Result<Spec> {
+    let (started, mut said) = (Instant::now(), Instant::now());
+    loop {
+        if let Some(made) = Made::read_if(tokens, sources) {
+            tracing::debug!("rank {}: {flag}: the tokens in {}", at.rank, tokens.display());
+            return Ok(Spec::Shards(made.summary(tokens).shards));
+        }
+        if let Some(failed) = Failed::read_if(tokens, sources) {
+            return Err(input(format!(
+                "{} (as rank {} found, which tokenizes for this host)",
+                failed.error,
+                at.rank - at.local_rank
+            )));
+        }
+        if said.elapsed() >= WAIT_SAID_EVERY {
+            tracing::info!(
+                "rank {}: waiting for rank {} to tokenize {flag} into {} ({:.0} s)",
+                at.rank,
+                at.rank - at.local_rank,
+                tokens.display(),
+                started.elapsed().as_secs_f64()
+            );
+            said = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// What a failed tokenizing leaves for the ranks that wait for it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Failed {
+    sources: Vec<Source>,
+    error: String,
+}
+
+impl Failed {
+    fn write(&self, tokens: &Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(tokens)?;
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(tokens.join(FAILED_FILE), text)
+    }
+
+    /// The failure under `tokens` of a tokenizing from `sources` (not an earlier start's).
+    fn read_if(tokens: &Path, sources: &[Source]) -> Option<Failed> {
+        let text = std::fs::read_to_string(tokens.join(FAILED_FILE)).ok()?;
+        let failed: Failed = serde_json::from_str(&text).ok()?;
+        (failed.sources == sources).then_some(failed)
+    }
+}
 
 /// One file the tokens depend on, as the file system describes it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -256,6 +346,80 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model directory whose tokenizer.json is byte-level BPE without merges (byte `b` is token
+    /// `b`, GPT-2's printable characters for the bytes), with `<|endoftext|>` as 256.
+    fn byte_model(dir: &Path) {
+        let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+        let char_of = |b: u32| match printable(b) {
+            true => char::from_u32(b).unwrap(),
+            false => {
+                char::from_u32(256 + (0..b).filter(|&x| !printable(x)).count() as u32).unwrap()
+            }
+        };
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            (0..256u32).map(|b| (char_of(b).to_string(), b.into())).collect();
+        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+                                            "trim_offsets": true, "use_regex": true});
+        let tokenizer = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 256, "content": "<|endoftext|>", "single_word": false,
+                              "lstrip": false, "rstrip": false, "normalized": false,
+                              "special": true}],
+            "normalizer": null, "pre_tokenizer": byte_level, "post_processor": byte_level,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": vocab, "merges": []}
+        });
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    }
+
+    /// Two ranks of one host, started together: the first tokenizes, the second waits and reads
+    /// the same shards (no folder of its own); where tokenizing fails, both fail with its error.
+    #[test]
+    fn the_ranks_of_a_host_share_one_tokenizing() {
+        let dir = std::env::temp_dir().join(format!("zeroflow-host-tokens-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let model = dir.join("model");
+        byte_model(&model);
+        let corpus = dir.join("corpus.txt");
+        std::fs::write(&corpus, "hello world\n".repeat(1000)).unwrap();
+        let (out, bad) = (dir.join("run"), dir.join("bad.jsonl"));
+        std::fs::write(&bad, "{\"text\": \"fine\"}\nnot json\n").unwrap();
+        let both = |spec: &dyn Fn() -> Spec| -> Vec<Result<Spec>> {
+            std::thread::scope(|scope| {
+                let ranks: Vec<_> = [1, 0]
+                    .into_iter()
+                    .map(|rank| {
+                        let (spec, model, out) = (spec(), &model, &out);
+                        scope.spawn(move || {
+                            let at = RankOnHost { rank, local_rank: rank };
+                            tokenized_at_start(spec, DataRole::Train, Some(model), out, at)
+                        })
+                    })
+                    .collect();
+                ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
+            })
+        };
+        let read = both(&|| Spec::Text(vec![corpus.clone()]));
+        let shards = |spec: &Result<Spec>| match spec {
+            Ok(Spec::Shards(shards)) => shards.clone(),
+            other => panic!("{other:?}"),
+        };
+        let want = vec![out.join("tokens/rank-0/tokens_000000.bin")];
+        assert_eq!((shards(&read[0]), shards(&read[1])), (want.clone(), want));
+        assert!(!out.join("tokens/rank-1").exists());
+        let failed = both(&|| Spec::Jsonl(bad.clone()));
+        for (rank, result) in [1, 0].into_iter().zip(failed) {
+            let error = format!("{:#}", result.expect_err("a bad line"));
+            assert!(error.contains("bad.jsonl:2: not JSON"), "rank {rank}: {error}");
+            assert_eq!(error.contains("as rank 0 found"), rank == 1, "rank {rank}: {error}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// The record of a tokens folder is reused only for the same sources and where its shards
     /// are there: a data file rewritten (its time or size changed), a tokenizer file added, or a
