@@ -137,7 +137,18 @@ pub fn tokenized_at_start(
     let summary = match (tokenized, &sources) {
         (Ok(summary), _) => summary,
         (Err(error), sources) => {
-            let message = format!("{flag} {shown}: {error}");
+            let message = match error {
+                // `train` has no --skip-bad-lines, which the error names for `zeroflow tokenize`.
+                zeroflow_data::TokenizeError::BadLine { path, line, message } => format!(
+                    "{flag} {}:{line}: {message}; fix or remove the line, or tokenize the file \
+                     with `zeroflow tokenize --tokenizer {} {} --out DIR --skip-bad-lines` (which \
+                     skips such lines) and give {flag} DIR",
+                    path.display(),
+                    dir.display(),
+                    path.display()
+                ),
+                error => format!("{flag} {shown}: {error}"),
+            };
             // Said to the host's other ranks, which wait for these tokens.
             if let Some(sources) = sources {
                 let failed = Failed { sources: sources.clone(), error: message.clone() };
@@ -416,6 +427,9 @@ mod tests {
         for (rank, result) in [1, 0].into_iter().zip(failed) {
             let error = format!("{:#}", result.expect_err("a bad line"));
             assert!(error.contains("bad.jsonl:2: not JSON"), "rank {rank}: {error}");
+            assert!(
+                error.contains("--skip-bad-lines` (which skips such lines) and give --data DIR")
+            );
             assert_eq!(error.contains("as rank 0 found"), rank == 1, "rank {rank}: {error}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
