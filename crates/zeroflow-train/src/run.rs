@@ -233,7 +233,7 @@ fn train_steps<M: Model>(
             && sampler.due(step, last || interrupted)
         {
             let (weights, layout) = trainer.host_weights()?;
-            sampler.sample(step, &setup.model, layout, &weights)?;
+            sampler.sample(step, &setup.model, layout, weights)?;
         }
         if interrupted {
             ended.interrupted = true;

@@ -90,7 +90,7 @@ impl Sampler {
         step: u64,
         model: &ModelSpec,
         layout: &FlatLayout,
-        weights: &[f32],
+        weights: Vec<f32>,
     ) -> Result<Vec<u32>> {
         let host = HostModel::from_params(model, one_rank_weights(model, layout, weights)?)?;
         let completion = Completion {
@@ -136,10 +136,10 @@ fn tokenizer_for(vocab: usize, data: &Spec, init_from: Option<&Path>) -> Result<
 }
 
 /// `weights` of the engine's `layout` (padded for its ranks) in the layout of one rank.
-fn one_rank_weights(model: &ModelSpec, layout: &FlatLayout, weights: &[f32]) -> Result<Vec<f32>> {
+fn one_rank_weights(model: &ModelSpec, layout: &FlatLayout, weights: Vec<f32>) -> Result<Vec<f32>> {
     let single = with_family!(model, family => family.flat_layout(1))?;
     if single.padded_len() == layout.padded_len() {
-        return Ok(weights.to_vec());
+        return Ok(weights);
     }
     let mut out = vec![0.0; single.padded_len()];
     for view in single.params() {

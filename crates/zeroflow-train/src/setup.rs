@@ -439,7 +439,7 @@ fn train_plan_inputs(
             activation_checkpointing,
             packed: settings.pack.unwrap_or(false),
         },
-        caller: Caller::Train { resumed },
+        caller: Caller::Train { resumed, samples: args.sample.is_some() },
         gpu_memory: machine.gpu_total,
     })
 }

@@ -149,8 +149,18 @@ impl<M: Model> Trainer<M> {
     /// of this step saves; waits for the device, and for a step left to the next forward).
     pub(crate) fn host_weights(&mut self) -> Result<(Vec<f32>, &FlatLayout)> {
         self.engine.complete_step()?;
-        let weights = self.engine.device().download(self.engine.params())?;
-        Ok((weights.into_iter().map(Float::to_f32).collect(), self.engine.layout()))
+        use zeroflow_device::DeviceBuffer as _;
+        let (device, params) = (self.engine.device(), self.engine.params());
+        // Converted a piece at a time as it comes down: the host holds the f32 weights and one
+        // piece, not a whole copy in the device's type beside them.
+        const PIECE: usize = 16 << 20;
+        let (mut weights, mut staging) = (Vec::with_capacity(params.len()), None);
+        for start in (0..params.len()).step_by(PIECE) {
+            let range = start..(start + PIECE).min(params.len());
+            let piece = device.download_range_via(params, range, &mut staging)?;
+            weights.extend(piece.into_iter().map(Float::to_f32));
+        }
+        Ok((weights, self.engine.layout()))
     }
 
     /// Writes the engine's current device weights (a delayed update's pending ones not applied:

@@ -67,8 +67,9 @@ pub enum Caller {
     /// `bench step`: fresh weights in the model's dtype, which the engine takes.
     Bench,
     /// `train`: the weights in the model's dtype (fresh or read), which the engine takes, and
-    /// when `resumed` the checkpoint's optimizer state, read into the engine's.
-    Train { resumed: bool },
+    /// when `resumed` the checkpoint's optimizer state, read into the engine's; with `samples`
+    /// (`--sample-every`), the weights in f32 on the host while a sample is written.
+    Train { resumed: bool, samples: bool },
 }
 
 /// What a plan is of: a rank of a run or of a `bench step`.
@@ -247,7 +248,7 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     // through the reader's buffers), drawn or read straight into their buffer, which the engine
     // takes.
     let reading = match inputs.caller {
-        Caller::Train { resumed: true } => READ_BUFFERS_BYTES as u64,
+        Caller::Train { resumed: true, .. } => READ_BUFFERS_BYTES as u64,
         _ => 0,
     };
     lines.push(PlanLine {
@@ -257,7 +258,7 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
         phase: Phase::BeforeEngine,
     });
     let partition = layout.partition_range(inputs.rank).len() as u64;
-    if let Caller::Train { resumed: true } = inputs.caller {
+    if let Caller::Train { resumed: true, .. } = inputs.caller {
         // The checkpoint's fp32 master and moments, read from its files through the reader's
         // buffers: an array at a time into an offloaded optimizer's own state (bf16 moments
         // through two f32 pieces; a device share's part through its two upload buffers), whole
@@ -285,6 +286,17 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
             memory: Host,
             kind: "saving a checkpoint (transient)",
             bytes: checkpoint_bytes(inputs),
+            phase: Phase::Engine,
+        });
+    }
+    // A sample during training (rank 0's): the weights downloaded into f32 for the family's CPU
+    // decoder (`Trainer::host_weights`), its cache and logits beside them small.
+    if let (Caller::Train { samples: true, .. }, 0) = (inputs.caller, inputs.rank) {
+        let single = inputs.model.flat_layout(1)?.padded_len() as u64;
+        lines.push(PlanLine {
+            memory: Host,
+            kind: "a sample's weights in f32 (transient, --sample-every)",
+            bytes: 4 * single.max(padded),
             phase: Phase::Engine,
         });
     }

@@ -271,7 +271,7 @@ fn a_resume_plans_the_run_plus_the_restores_pieces() {
         let shape = if model == "gpt-1.3b" { (8, 1024) } else { (4, 2048) };
         let mut inputs = inputs(model, mode, shape);
         inputs.model_options.activation_checkpointing = true;
-        inputs.caller = Caller::Train { resumed };
+        inputs.caller = Caller::Train { resumed, samples: false };
         MemoryPlan::new(inputs).unwrap()
     };
     let (fresh, resumed) = (with("llama-8b", "offload", false), with("llama-8b", "offload", true));
@@ -291,6 +291,30 @@ fn a_resume_plans_the_run_plus_the_restores_pieces() {
     let resumed = with("gpt-1.3b", "gpu", true);
     let padded = resumed.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
     assert_eq!(bytes(&resumed, MemoryKind::Host, line), 12 * padded + reading);
+}
+
+/// Samples during training (`--sample-every`) hold the weights in f32 on rank 0's host while
+/// one is written: 4 B per parameter on top of the run (llama-8b: 29.9 GiB), counted so that a run
+/// whose host has no room for them is refused before it starts, not killed at its first sample.
+#[test]
+fn samples_during_training_count_the_weights_in_f32_on_rank_0() {
+    let with = |samples: bool, (rank, world_size): (usize, usize)| {
+        let mut inputs = inputs("llama-8b", "offload", (4, 2048));
+        inputs.model_options.activation_checkpointing = true;
+        (inputs.caller, inputs.rank) = (Caller::Train { resumed: false, samples }, rank);
+        inputs.world_size = world_size;
+        MemoryPlan::new(inputs).unwrap()
+    };
+    let (plain, sampled) = (with(false, (0, 1)), with(true, (0, 1)));
+    let padded = plain.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    let line = "a sample's weights in f32 (transient, --sample-every)";
+    assert_eq!(bytes(&sampled, MemoryKind::Host, line), 4 * padded);
+    assert_eq!(sampled.host_total - plain.host_total, 4 * padded);
+    let second = with(true, (1, 2));
+    assert_eq!(bytes(&second, MemoryKind::Host, line), 0, "rank 1 writes no samples");
+    // At share 0: 90.9 GiB without samples, 120.8 with them.
+    let host = machine(140 * GIB, 128 * GIB, 110 * GIB);
+    assert!(plain.fit(&host).fits() && !sampled.fit(&host).fits());
 }
 
 /// A checkpoint's files, as the disk warning counts them: the weights in the run's type (bf16 on
