@@ -21,6 +21,8 @@ pub enum Activity {
     Saving { step: u64 },
     /// Writing the weights of step `step` as a Hugging Face directory (`--export`).
     Exporting { step: u64 },
+    /// Writing a sample by the weights of step `step` (`--sample-every`, on the CPU).
+    Sampling { step: u64 },
 }
 
 /// An error of an observer, which ends the run.

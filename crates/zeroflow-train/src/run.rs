@@ -232,6 +232,7 @@ fn train_steps<M: Model>(
             && setup.dist.rank == 0
             && sampler.due(step, last || interrupted)
         {
+            observer.doing(Activity::Sampling { step });
             let (weights, layout) = trainer.host_weights()?;
             sampler.sample(step, &setup.model, layout, weights)?;
         }

@@ -138,6 +138,9 @@ impl TrainObserver for Shown {
             }
             Activity::Saving { step } => format!("saving the checkpoint of step {step}"),
             Activity::Exporting { step } => format!("exporting the weights of step {step}"),
+            Activity::Sampling { step } => {
+                format!("writing a sample by the weights of step {step} (on the CPU)")
+            }
         });
     }
 

@@ -16,7 +16,7 @@ use zeroflow_gpt::{CpuGpt, GptConfig, GptError, GradsReady};
 use zeroflow_train::dist::env::Master;
 use zeroflow_train::dist::testing::free_port;
 use zeroflow_train::dist::{self, DistEnv};
-use zeroflow_train::observer::{StopHandle, TrainObserver};
+use zeroflow_train::observer::{Activity, StopHandle, TrainObserver};
 use zeroflow_train::open::OpenFn;
 use zeroflow_train::{Buffer, Model, ModelSpec, Opened, Setup};
 
@@ -387,6 +387,39 @@ fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
         let at_stop = std::fs::read(dir.join("exported").join(name)).unwrap();
         assert!(at_stop == std::fs::read(later.join(name)).unwrap(), "{name} differs");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A sample says so while it is written (on the CPU it can take a while for a large model): the
+/// run's activities go step, sample, then the next step.
+#[test]
+fn a_sample_is_an_activity_of_its_own() {
+    let dir = scratch("sampling");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let sample = ["--steps", "3", "--sample-every", "2", "--sample-prompt", "1,2,3"];
+    let argv = ["train".to_owned()].into_iter().chain(flags(&config, &dir.join("run"), &sample));
+    let args = Cli::try_parse_from(argv).unwrap().args;
+    let setup = Setup::for_rank(args.options(), DistEnv::single(), Requested::default()).unwrap();
+    let ModelSpec::Gpt2(shape) = setup.model else { panic!("GPT-2") };
+    struct Seen(Vec<Activity>);
+    impl TrainObserver for Seen {
+        fn doing(&mut self, activity: Activity) {
+            self.0.push(activity);
+        }
+    }
+    let (mut seen, stop) = (Seen(Vec::new()), StopHandle::default());
+    let opener = zeroflow_train::open::cpu_opener(false);
+    zeroflow_train::run::run_on(setup, &shape, opener, &mut seen, &stop).unwrap();
+    let at = |wanted: Activity| seen.0.iter().position(|a| *a == wanted).unwrap_or(usize::MAX);
+    let (step_2, sampled, step_3) = (
+        at(Activity::Step { step: 2, steps: 3 }),
+        at(Activity::Sampling { step: 2 }),
+        at(Activity::Step { step: 3, steps: 3 }),
+    );
+    let last = at(Activity::Sampling { step: 3 });
+    assert!(step_2 < sampled && sampled < step_3 && step_3 < last, "{:?}", seen.0);
+    assert!(last < usize::MAX, "a sample after the last step: {:?}", seen.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
