@@ -155,6 +155,10 @@ struct Ended {
     refused: Vec<u64>,
     /// A signal stopped the run (after `done`).
     interrupted: bool,
+    /// When this process's last save ended, and how long it took.
+    last_save: Option<(Instant, f64)>,
+    /// Whether a save has been put off for the pace already (said once).
+    put_off: bool,
 }
 
 /// Rank 0's recorder (the others write nothing), after removing what an interrupted checkpoint
@@ -195,8 +199,15 @@ fn train_steps<M: Model>(
     let tick = || watchdog.iter().for_each(crate::dist::Watchdog::tick);
     let first = setup.start_step() + 1;
     let last_eval = recorder.eval.last().copied();
-    let mut ended =
-        Ended { done: first - 1, last_eval, saved: None, refused: Vec::new(), interrupted: false };
+    let mut ended = Ended {
+        done: first - 1,
+        last_eval,
+        saved: None,
+        refused: Vec::new(),
+        interrupted: false,
+        last_save: None,
+        put_off: false,
+    };
     if let Start::InitFrom { .. } = setup.start {
         let Some(loss) = trainer.evaluate(0, &setup.data.eval, stop, observer)? else {
             ended.interrupted = true;
@@ -217,7 +228,9 @@ fn train_steps<M: Model>(
         // Every rank stops after the same step: a signal may reach the ranks at different times.
         let interrupted = trainer.group().any(stop.requested())?;
         let last = step == setup.steps;
-        if last || interrupted || (setup.save_every > 0 && step.is_multiple_of(setup.save_every)) {
+        let every = setup.save_every > 0 && step.is_multiple_of(setup.save_every);
+        let every = every && !last && !interrupted && save_paced(setup, trainer, step, &mut ended)?;
+        if last || interrupted || every {
             // Saved before the flush below: the delayed update's pending weights are part of
             // the state, so a resumed run continues exactly as this one would have.
             let why = match (last, interrupted) {
@@ -264,6 +277,33 @@ fn train_steps<M: Model>(
     Ok(ended)
 }
 
+/// Whether the `--save-every` save of `step` is due by the pace of [`Setup::save_pace`]: where
+/// one is set, not before that many times the last save's duration has passed since it ended.
+/// Rank 0's clock decides for every rank (their saves are one collective).
+fn save_paced<M: Model>(
+    setup: &Setup,
+    trainer: &mut Trainer<M>,
+    step: u64,
+    ended: &mut Ended,
+) -> Result<bool> {
+    let (Some(pace), Some((at, seconds))) = (setup.save_pace, ended.last_save) else {
+        return Ok(true);
+    };
+    let wait = pace * seconds;
+    let early = setup.dist.rank == 0 && at.elapsed().as_secs_f64() < wait;
+    let early = trainer.group().any(early)?;
+    if early && !ended.put_off && setup.dist.rank == 0 {
+        tracing::info!(
+            "step {step}: the checkpoint waits until {:.0} s after the last save, which took \
+             {seconds:.1} s, so that saving takes about 5 % of the run (--save-every N saves \
+             every N steps)",
+            wait
+        );
+    }
+    ended.put_off |= early;
+    Ok(!early)
+}
+
 /// Why a checkpoint is saved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Save {
@@ -298,8 +338,10 @@ fn save_and_say<M: Model>(
     };
     match trainer.save(step, setup, room) {
         Ok(dir) => {
-            observer.on_checkpoint(step, &dir, saving.elapsed().as_secs_f64());
+            let seconds = saving.elapsed().as_secs_f64();
+            observer.on_checkpoint(step, &dir, seconds);
             ended.saved = Some(dir);
+            ended.last_save = Some((Instant::now(), seconds));
         }
         Err(error) if error.is_no_space() && (!last || setup.export.is_some()) => {
             let then = match &setup.export {

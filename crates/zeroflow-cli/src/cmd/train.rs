@@ -77,11 +77,13 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Save a checkpoint into <out>/checkpoints/step-NNNNNNNN every N optimizer steps, and always
-    /// at the end or on SIGINT/SIGTERM (0: only then). A signal stops the run after its current
-    /// step (an evaluation is abandoned), saves, and exits with 130 (SIGINT) or 143 (SIGTERM); a
-    /// second signal exits at once without saving.
-    #[arg(long, value_name = "N", default_value_t = 200)]
-    pub save_every: u64,
+    /// at the end or on SIGINT/SIGTERM (0: only then). Default: every 200 steps, but not sooner
+    /// after a save than 20 times as long as that save took, so that saving a large model's
+    /// checkpoint takes at most about 5 % of the run (a given N is kept exactly). A signal stops
+    /// the run after its current step (an evaluation is abandoned), saves, and exits with 130
+    /// (SIGINT) or 143 (SIGTERM); a second signal exits at once without saving.
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<u64>,
     /// Keep the newest K checkpoints; older ones are deleted once a newer one is complete.
     #[arg(long, value_name = "K", default_value_t = NonZeroU64::new(3).expect("non-zero"))]
     pub keep: NonZeroU64,

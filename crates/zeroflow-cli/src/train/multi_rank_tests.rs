@@ -390,6 +390,45 @@ fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Where `--save-every` is not given, a save waits until the pace's multiple of the last save's
+/// duration has passed: with a pace no run reaches, the saves after the first wait for the end;
+/// with none, every one is taken. `--save-every N` given sets no pace.
+#[test]
+fn saves_by_default_keep_their_pace() {
+    let dir = scratch("save-pace");
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let saved = |name: &str, pace: Option<f64>| {
+        let out = dir.join(name);
+        let argv = ["train".to_owned()].into_iter().chain(flags(&config, &out, &["--steps", "7"]));
+        let args = Cli::try_parse_from(argv).unwrap().args;
+        let mut setup =
+            Setup::for_rank(args.options(), DistEnv::single(), Requested::default()).unwrap();
+        assert_eq!((setup.save_every, setup.save_pace), (200, Some(20.0)), "the default");
+        (setup.save_every, setup.save_pace) = (2, pace);
+        let ModelSpec::Gpt2(shape) = setup.model else { panic!("GPT-2") };
+        let (mut quiet, stop) =
+            (StopAfter { step: 0, stop: StopHandle::default() }, Default::default());
+        let opener = zeroflow_train::open::cpu_opener(false);
+        zeroflow_train::run::run_on(setup, &shape, opener, &mut quiet, &stop).unwrap();
+        let mut steps: Vec<String> = checkpoints_of(&out)
+            .iter()
+            .map(|dir| dir.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        steps.sort();
+        steps
+    };
+    let step = |n: u64| format!("step-{n:08}");
+    assert_eq!(saved("unpaced", None), [step(4), step(6), step(7)], "--keep 3 of 2, 4, 6, 7");
+    assert_eq!(saved("paced", Some(1e9)), [step(2), step(7)], "4 and 6 wait, the end does not");
+    let argv = ["train".to_owned()].into_iter().chain(flags(&config, &dir.join("given"), &[]));
+    let given = Cli::try_parse_from(argv.chain(["--save-every".into(), "5".into()])).unwrap();
+    let setup = Setup::for_rank(given.args.options(), DistEnv::single(), Requested::default());
+    let setup = setup.unwrap();
+    assert_eq!((setup.save_every, setup.save_pace), (5, None));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A sample says so while it is written (on the CPU it can take a while for a large model): the
 /// run's activities go step, sample, then the next step.
 #[test]
