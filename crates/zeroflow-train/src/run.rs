@@ -157,8 +157,10 @@ struct Ended {
     interrupted: bool,
     /// When this process's last save ended, and how long it took.
     last_save: Option<(Instant, f64)>,
-    /// Whether a save has been put off for the pace already (said once).
-    put_off: bool,
+    /// When its last evaluation ended, and how long it took.
+    last_eval_took: Option<(Instant, f64)>,
+    /// Whether a save, an evaluation has been put off for its pace already (each said once).
+    put_off: [bool; 2],
 }
 
 /// Rank 0's recorder (the others write nothing), after removing what an interrupted checkpoint
@@ -206,7 +208,8 @@ fn train_steps<M: Model>(
         refused: Vec::new(),
         interrupted: false,
         last_save: None,
-        put_off: false,
+        last_eval_took: None,
+        put_off: [false; 2],
     };
     if let Start::InitFrom { .. } = setup.start {
         let Some(loss) = trainer.evaluate(0, &setup.data.eval, stop, observer)? else {
@@ -229,7 +232,8 @@ fn train_steps<M: Model>(
         let interrupted = trainer.group().any(stop.requested())?;
         let last = step == setup.steps;
         let every = setup.save_every > 0 && step.is_multiple_of(setup.save_every);
-        let every = every && !last && !interrupted && save_paced(setup, trainer, step, &mut ended)?;
+        let every =
+            every && !last && !interrupted && paced(Work::Save, setup, trainer, &mut ended)?;
         if last || interrupted || every {
             // Saved before the flush below: the delayed update's pending weights are part of
             // the state, so a resumed run continues exactly as this one would have.
@@ -257,7 +261,10 @@ fn train_steps<M: Model>(
             // The delayed update may still hold the last step's weights.
             trainer.engine.flush()?;
         }
-        if last || (setup.eval_every > 0 && step.is_multiple_of(setup.eval_every)) {
+        let every = setup.eval_every > 0 && step.is_multiple_of(setup.eval_every);
+        let every = every && !last && paced(Work::Eval, setup, trainer, &mut ended)?;
+        if last || every {
+            let evaluating = Instant::now();
             let Some(loss) = trainer.evaluate(step, &setup.data.eval, stop, observer)? else {
                 // Abandoned for a signal: the run stops here, with a checkpoint of this step.
                 if ended.saved.as_deref() != Some(checkpoints::step_dir(&setup.out, step).as_path())
@@ -272,35 +279,49 @@ fn train_steps<M: Model>(
             recorder.eval(step, loss)?;
             observer.on_eval(step, loss, setup.data.floor);
             ended.last_eval = Some((step, loss));
+            ended.last_eval_took = Some((Instant::now(), evaluating.elapsed().as_secs_f64()));
         }
     }
     Ok(ended)
 }
 
-/// Whether the `--save-every` save of `step` is due by the pace of [`Setup::save_pace`]: where
-/// one is set, not before that many times the last save's duration has passed since it ended.
-/// Rank 0's clock decides for every rank (their saves are one collective).
-fn save_paced<M: Model>(
+/// Work done every so many steps, which a [`crate::setup::Pace`] may hold back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Work {
+    Save,
+    Eval,
+}
+
+/// Whether the periodic `work` of this step is due by its pace (where `--save-every` or
+/// `--eval-every` was not given): rank 0's clock decides for every rank (a save and an evaluation
+/// are collective). The first time one waits, the run says so.
+fn paced<M: Model>(
+    work: Work,
     setup: &Setup,
     trainer: &mut Trainer<M>,
-    step: u64,
     ended: &mut Ended,
 ) -> Result<bool> {
-    let (Some(pace), Some((at, seconds))) = (setup.save_pace, ended.last_save) else {
+    let (pace, last, flag, what) = match work {
+        Work::Save => (setup.save_pace, ended.last_save, "--save-every", "checkpoint"),
+        Work::Eval => (setup.eval_pace, ended.last_eval_took, "--eval-every", "evaluation"),
+    };
+    let (Some(pace), Some((at, seconds))) = (pace, last) else {
         return Ok(true);
     };
-    let wait = pace * seconds;
-    let early = setup.dist.rank == 0 && at.elapsed().as_secs_f64() < wait;
-    let early = trainer.group().any(early)?;
-    if early && !ended.put_off && setup.dist.rank == 0 {
+    let wait = match pace.due(at, seconds) {
+        Err(wait) if setup.dist.rank == 0 => Some(wait),
+        _ => None,
+    };
+    let early = trainer.group().any(wait.is_some())?;
+    let said = &mut ended.put_off[work as usize];
+    if let (Some(wait), false) = (wait, *said) {
         tracing::info!(
-            "step {step}: the checkpoint waits until {:.0} s after the last save, which took \
-             {seconds:.1} s, so that saving takes about 5 % of the run (--save-every N saves \
-             every N steps)",
-            wait
+            "step {}: the {what} waits until {wait:.0} s after the last one, which took \
+             {seconds:.1} s, so that it takes about 5 % of the run ({flag} N: every N steps)",
+            ended.done
         );
     }
-    ended.put_off |= early;
+    *said |= early;
     Ok(!early)
 }
 

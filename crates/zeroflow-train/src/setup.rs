@@ -57,7 +57,8 @@ pub struct TrainOptions {
     pub gpu: Option<usize>,
     pub steps: Option<NonZeroU64>,
     pub extend_schedule: bool,
-    pub eval_every: u64,
+    /// `--eval-every`; `None`: [`DEFAULT_EVAL_EVERY`], paced ([`Setup::eval_pace`]).
+    pub eval_every: Option<u64>,
     /// `--eval-tokens`: tokens of the evaluation set (default: see [`data::Shape::eval_tokens`]).
     pub eval_tokens: Option<NonZeroU64>,
     /// `--eval-data`: what to evaluate on instead of a held-out part of `--data`.
@@ -114,11 +115,12 @@ pub struct Setup {
     /// Tokens per training sequence (`--seq`; at most the model's context).
     pub seq: usize,
     pub eval_every: u64,
+    /// Where `--eval-every` was not given, the pace of evaluations ([`DEFAULT_PACE`]).
+    pub eval_pace: Option<Pace>,
     pub log_every: u64,
     pub save_every: u64,
-    /// Where `--save-every` was not given: a save comes no sooner after the last one than this
-    /// many times as long as it took ([`SAVE_PACE`]), so that saving stays about 5 % of the run.
-    pub save_pace: Option<f64>,
+    /// Where `--save-every` was not given, the pace of saves ([`DEFAULT_PACE`]).
+    pub save_pace: Option<Pace>,
     pub keep: u64,
     pub out: PathBuf,
     /// `--export`: the Hugging Face directory rank 0 writes the final weights to at the end of
@@ -245,10 +247,11 @@ impl Setup {
             config_file,
             steps,
             seq,
-            eval_every: args.eval_every,
+            eval_every: args.eval_every.unwrap_or(DEFAULT_EVAL_EVERY),
+            eval_pace: args.eval_every.is_none().then_some(DEFAULT_PACE),
             log_every: args.log_every.get(),
             save_every: args.save_every.unwrap_or(DEFAULT_SAVE_EVERY),
-            save_pace: args.save_every.is_none().then_some(SAVE_PACE),
+            save_pace: args.save_every.is_none().then_some(DEFAULT_PACE),
             keep: args.keep.get(),
             out,
             export: args.export,
@@ -305,10 +308,34 @@ fn check_export(dir: &Path, out: &Path, bytes: u64) -> Result<()> {
 /// The steps between checkpoints where `--save-every` is not given.
 pub const DEFAULT_SAVE_EVERY: u64 = 200;
 
-/// Where `--save-every` is not given, a save waits until this many times as long as the last
-/// one took has passed since it ended: saving then takes at most about 1/21 of the run (llama-8b's
-/// 112 GB checkpoint takes about a minute, its 200 steps four).
-pub const SAVE_PACE: f64 = 20.0;
+/// The steps between evaluations where `--eval-every` is not given.
+pub const DEFAULT_EVAL_EVERY: u64 = 100;
+
+/// How often a periodic piece of work (a save, an evaluation) comes at most: where the last one
+/// took `from_seconds` or more, the next waits until `times` as long has passed since it ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pace {
+    pub times: f64,
+    pub from_seconds: f64,
+}
+
+impl Pace {
+    /// Whether the next one is due, the last having ended at `ended` after `seconds`; where not,
+    /// how long after the last it waits for.
+    pub fn due(&self, ended: std::time::Instant, seconds: f64) -> Result<(), f64> {
+        let wait = self.times * seconds;
+        match seconds >= self.from_seconds && ended.elapsed().as_secs_f64() < wait {
+            true => Err(wait),
+            false => Ok(()),
+        }
+    }
+}
+
+/// The pace of saves and evaluations whose interval is not given: at most about 1/21 of the run
+/// each (llama-8b's 112 GB checkpoint takes about a minute and its evaluation of a million
+/// tokens about 40 s, where 200 of its steps take four minutes); work under a second (a small
+/// model's) is never held back.
+pub const DEFAULT_PACE: Pace = Pace { times: 20.0, from_seconds: 1.0 };
 
 /// What a run is, up to its memory plan: nothing read of the weights or the data yet.
 struct Prepared {

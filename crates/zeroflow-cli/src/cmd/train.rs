@@ -52,9 +52,12 @@ pub struct Args {
     /// of the next step then differs from the one the checkpoint's run planned.
     #[arg(long, requires = "resume")]
     pub extend_schedule: bool,
-    /// Evaluate on the held-out set every N optimizer steps (0: only at the end).
-    #[arg(long, value_name = "N", default_value_t = 100)]
-    pub eval_every: u64,
+    /// Evaluate on the held-out set every N optimizer steps (0: only at the end). Default: every
+    /// 100 steps, but not sooner after an evaluation that took a second or more than 20 times as
+    /// long as it took, so that a large model's evaluations take at most about 5 % of the run (a
+    /// given N is kept exactly).
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
     /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576 (at most a
     /// tenth of the last file, held out from its end and never trained on); 16,384 for synthetic.
     #[arg(long, value_name = "N")]
@@ -78,8 +81,8 @@ pub struct Args {
     pub out: Option<PathBuf>,
     /// Save a checkpoint into <out>/checkpoints/step-NNNNNNNN every N optimizer steps, and always
     /// at the end or on SIGINT/SIGTERM (0: only then). Default: every 200 steps, but not sooner
-    /// after a save than 20 times as long as that save took, so that saving a large model's
-    /// checkpoint takes at most about 5 % of the run (a given N is kept exactly). A signal stops
+    /// after a save that took a second or more than 20 times as long as it took, so that saving a
+    /// large model's checkpoint takes at most about 5 % of the run (a given N is kept exactly). A signal stops
     /// the run after its current step (an evaluation is abandoned), saves, and exits with 130
     /// (SIGINT) or 143 (SIGTERM); a second signal exits at once without saving.
     #[arg(long, value_name = "N")]

@@ -18,6 +18,7 @@ use zeroflow_train::dist::testing::free_port;
 use zeroflow_train::dist::{self, DistEnv};
 use zeroflow_train::observer::{Activity, StopHandle, TrainObserver};
 use zeroflow_train::open::OpenFn;
+use zeroflow_train::setup::{DEFAULT_PACE, Pace};
 use zeroflow_train::{Buffer, Model, ModelSpec, Opened, Setup};
 
 use crate::cmd::train::Args;
@@ -390,37 +391,55 @@ fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Where `--save-every` is not given, a save waits until the pace's multiple of the last save's
-/// duration has passed: with a pace no run reaches, the saves after the first wait for the end;
-/// with none, every one is taken. `--save-every N` given sets no pace.
+/// Where `--save-every` (`--eval-every`) is not given, a save (an evaluation) waits until the
+/// pace's multiple of the last one's duration has passed: with a pace no run reaches, those after
+/// the first wait for the end; with none, every one is made. A given interval sets no pace.
 #[test]
-fn saves_by_default_keep_their_pace() {
-    let dir = scratch("save-pace");
+fn saves_and_evaluations_by_default_keep_their_pace() {
+    let dir = scratch("pace");
     let config = dir.join("zero2.json");
     std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
-    let saved = |name: &str, pace: Option<f64>| {
+    let run = |name: &str, pace: Option<Pace>| {
         let out = dir.join(name);
         let argv = ["train".to_owned()].into_iter().chain(flags(&config, &out, &["--steps", "7"]));
         let args = Cli::try_parse_from(argv).unwrap().args;
         let mut setup =
             Setup::for_rank(args.options(), DistEnv::single(), Requested::default()).unwrap();
-        assert_eq!((setup.save_every, setup.save_pace), (200, Some(20.0)), "the default");
-        (setup.save_every, setup.save_pace) = (2, pace);
+        assert_eq!((setup.save_every, setup.save_pace), (200, Some(DEFAULT_PACE)), "the default");
+        assert_eq!((setup.eval_every, setup.eval_pace), (0, None), "--eval-every 0 given");
+        (setup.save_every, setup.save_pace, setup.eval_every, setup.eval_pace) = (2, pace, 2, pace);
         let ModelSpec::Gpt2(shape) = setup.model else { panic!("GPT-2") };
         let (mut quiet, stop) =
             (StopAfter { step: 0, stop: StopHandle::default() }, Default::default());
         let opener = zeroflow_train::open::cpu_opener(false);
         zeroflow_train::run::run_on(setup, &shape, opener, &mut quiet, &stop).unwrap();
-        let mut steps: Vec<String> = checkpoints_of(&out)
+        let mut saved: Vec<String> = checkpoints_of(&out)
             .iter()
             .map(|dir| dir.file_name().unwrap().to_string_lossy().into_owned())
             .collect();
-        steps.sort();
-        steps
+        saved.sort();
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let evaluated: Vec<u64> = metrics
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|line| line.get("eval_loss").is_some())
+            .filter_map(|line| line["step"].as_u64())
+            .collect();
+        (saved, evaluated)
     };
     let step = |n: u64| format!("step-{n:08}");
-    assert_eq!(saved("unpaced", None), [step(4), step(6), step(7)], "--keep 3 of 2, 4, 6, 7");
-    assert_eq!(saved("paced", Some(1e9)), [step(2), step(7)], "4 and 6 wait, the end does not");
+    let (saved, evaluated) = run("unpaced", None);
+    assert_eq!(saved, [step(4), step(6), step(7)], "--keep 3 of 2, 4, 6, 7");
+    assert_eq!(evaluated, [2, 4, 6, 7]);
+    let (saved, evaluated) = run("paced", Some(Pace { times: 1e9, from_seconds: 0.0 }));
+    assert_eq!(saved, [step(2), step(7)], "4 and 6 wait, the end does not");
+    assert_eq!(evaluated, [2, 7]);
+    // The default: work under a second is never held back; longer work waits 20 times as long.
+    let now = std::time::Instant::now();
+    assert_eq!(DEFAULT_PACE.due(now, 0.5), Ok(()));
+    assert_eq!(DEFAULT_PACE.due(now, 2.0), Err(40.0));
+    let earlier = now.checked_sub(Duration::from_secs(50)).expect("the clock is past 50 s");
+    assert_eq!(DEFAULT_PACE.due(earlier, 2.0), Ok(()));
     let argv = ["train".to_owned()].into_iter().chain(flags(&config, &dir.join("given"), &[]));
     let given = Cli::try_parse_from(argv.chain(["--save-every".into(), "5".into()])).unwrap();
     let setup = Setup::for_rank(given.args.options(), DistEnv::single(), Requested::default());
