@@ -332,9 +332,9 @@ impl Pace {
 }
 
 /// The pace of saves and evaluations whose interval is not given: at most about 1/21 of the run
-/// each (llama-8b's 112 GB checkpoint takes about a minute and its evaluation of a million
-/// tokens about 40 s, where 200 of its steps take four minutes); work under a second (a small
-/// model's) is never held back.
+/// each (llama-8b's 112 GB checkpoint would take about a minute at the disk's 2 GB/s, and its
+/// evaluation of a million tokens about 40 s, both estimates, where 200 of its steps take four
+/// minutes); work under a second (a small model's) is never held back.
 pub const DEFAULT_PACE: Pace = Pace { times: 20.0, from_seconds: 1.0 };
 
 /// What a run is, up to its memory plan: nothing read of the weights or the data yet.
