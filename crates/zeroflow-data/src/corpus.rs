@@ -293,27 +293,52 @@ fn read_text(
         let mut more = std::io::Read::take(&mut file, missing);
         std::io::Read::read_to_end(&mut more, &mut bytes).map_err(|e| input_error(path, e))?;
         let end_of_file = bytes.len() < window;
-        let line_end = bytes
-            .get(piece - 1..)
-            .and_then(|tail| tail.iter().position(|&b| b == b'\n'))
-            .map(|at| piece + at);
-        let cut = match line_end {
-            _ if end_of_file && bytes.len() <= piece => bytes.len(),
-            Some(cut) => cut,
-            None if end_of_file => bytes.len(),
-            // A line too long: cut before a character that starts within the last four bytes (a
-            // UTF-8 character is at most four), which the next piece begins with.
-            None => (bytes.len().saturating_sub(3)..bytes.len())
-                .rev()
-                .find(|&at| at > 0 && (bytes[at] & 0xC0) != 0x80)
-                .unwrap_or(bytes.len()),
-        };
-        carry = bytes.split_off(cut);
+        carry = bytes.split_off(piece_end(&bytes, piece, end_of_file));
         let len = bytes.len() as u64;
         each(Unit { input, place: Place::Text(offset), bytes })?;
         offset += len;
         if end_of_file && carry.is_empty() {
             return Ok(());
+        }
+    }
+}
+
+/// Where the piece that starts `window` (at most five pieces of text) ends: after the first line
+/// break at or after `piece` bytes; where there is none, at the window's end if it is the end of
+/// the text (`last`), else before a character that starts within its last four bytes (a UTF-8
+/// character is at most four), which the next piece begins with.
+fn piece_end(window: &[u8], piece: usize, last: bool) -> usize {
+    let line_end = window
+        .get(piece - 1..)
+        .and_then(|tail| tail.iter().position(|&b| b == b'\n'))
+        .map(|at| piece + at);
+    match line_end {
+        _ if last && window.len() <= piece => window.len(),
+        Some(end) => end,
+        None if last => window.len(),
+        None => (window.len().saturating_sub(3)..window.len())
+            .rev()
+            .find(|&at| at > 0 && (window[at] & 0xC0) != 0x80)
+            .unwrap_or(window.len()),
+    }
+}
+
+/// `text` encoded in the pieces a text file of it would be read in ([`piece_end`]): the special
+/// tokens (a BOS) before the first only. A text of one piece is encoded whole.
+fn encode_in_pieces(tokenizer: &Tokenizer, text: &str, piece: usize) -> Result<Vec<u32>, String> {
+    let (bytes, mut start, mut tokens) = (text.as_bytes(), 0, Vec::new());
+    loop {
+        let window = &bytes[start..(start + 5 * piece).min(bytes.len())];
+        let end = start + piece_end(window, piece, start + window.len() == bytes.len());
+        // Cut at a line break or before a character's first byte: a char boundary.
+        let part = &text[start..end];
+        tokens.extend(match start {
+            0 => tokenizer.encode(part)?,
+            _ => tokenizer.encode_more(part)?,
+        });
+        start = end;
+        if start == bytes.len() {
+            return Ok(tokens);
         }
     }
 }
@@ -334,7 +359,9 @@ fn process_batch(
             let thread = rayon::current_thread_index().unwrap_or(0);
             let tokenizer = &per_thread[thread % per_thread.len()];
             match unit.place {
-                Place::Line(_) => json_line(tokenizer, template, &unit.bytes),
+                Place::Line(_) => {
+                    json_line(tokenizer, template, &unit.bytes, options.text_piece_bytes.max(1))
+                }
                 Place::Text(offset) => text_piece(tokenizer, &unit.bytes, offset).map(Some),
             }
         })
@@ -372,11 +399,13 @@ fn text_piece(tokenizer: &Tokenizer, bytes: &[u8], offset: u64) -> Result<Docume
     Ok(Document { tokens, mask: None })
 }
 
-/// A `.jsonl` line: nothing (blank), a document, a conversation, or what is wrong with it.
+/// A `.jsonl` line: nothing (blank), a document (encoded in pieces of `piece` bytes, as a text
+/// file), a conversation, or what is wrong with it.
 fn json_line(
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
     bytes: &[u8],
+    piece: usize,
 ) -> Result<Option<Document>, String> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
@@ -384,7 +413,9 @@ fn json_line(
     let json: Json = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
     if let Some(text) = json.get("text") {
         let text = text.as_str().ok_or("\"text\" is not a string")?;
-        return Ok(Some(Document { tokens: tokenizer.encode(text)?, mask: None }));
+        // A long document (a book) in pieces, as a text file of it: bounded memory per thread.
+        let tokens = encode_in_pieces(tokenizer, text, piece)?;
+        return Ok(Some(Document { tokens, mask: None }));
     }
     if let Some(messages) = json.get("messages") {
         let messages = messages.as_array().ok_or("\"messages\" is not a list")?;

@@ -307,6 +307,31 @@ fn a_text_file_in_pieces_is_the_file_encoded_whole() {
     }
 }
 
+/// A `.jsonl` document longer than a piece is encoded in the pieces a text file of it would be:
+/// the same tokens as that file's, long lines and multi-byte characters included, and every
+/// byte there once.
+#[test]
+fn a_long_jsonl_document_is_encoded_as_a_text_file_of_it() {
+    let dir = scratch("corpus-jsonl-pieces");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    let lines: String = (0..200).map(|i| format!("line {i}: hello world\n")).collect();
+    let text = lines + &"héllo wörld ∑ 😀 ".repeat(40);
+    let (txt, jsonl) = (dir.join("doc.txt"), dir.join("doc.jsonl"));
+    std::fs::write(&txt, &text).unwrap();
+    std::fs::write(&jsonl, json!({ "text": text }).to_string() + "\n").unwrap();
+    for piece in [16, 64, 1 << 20] {
+        let written = |input: &Path, name: &str| {
+            let out = dir.join(format!("{name}-{piece}"));
+            let inputs = [input.to_path_buf()];
+            let summary = run(&tokenizer, &inputs, &in_pieces(&out, 1 << 20, piece)).unwrap();
+            tokens(&summary.shards[0])
+        };
+        let (from_file, from_line) = (written(&txt, "txt"), written(&jsonl, "jsonl"));
+        assert_same(&from_line, &from_file, &format!("pieces of {piece} bytes"));
+        assert_eq!(tokenizer.decode(&from_line[1..]).unwrap(), text);
+    }
+}
+
 /// A line longer than four pieces is cut at a character boundary: multi-byte characters are
 /// never split (the pieces are UTF-8), and every byte is there once (the byte-level tokens decode
 /// to the file). A file that is not UTF-8 is refused with the offset of its first bad byte in the
