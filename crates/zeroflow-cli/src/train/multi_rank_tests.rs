@@ -343,20 +343,31 @@ fn saves_that_would_crowd_out_the_export_are_refused_but_not_a_stops() {
 /// Trains one process with the `train` flags `flags`, where every disk has `free` bytes free,
 /// and requests a stop once step `step` is recorded (as a signal does).
 fn stop_after(step: u64, flags: &[String], free: Option<u64>) -> zeroflow_train::run::Outcome {
-    let argv = ["train".to_owned()].into_iter().chain(flags.to_vec());
-    let args = Cli::try_parse_from(argv).unwrap().args;
     checkpoint::pretend_free(free);
-    let setup = Setup::for_rank(args.options(), DistEnv::single(), Requested::default());
-    let shape = match &setup.as_ref().unwrap().model {
-        ModelSpec::Gpt2(shape) => *shape,
-        other => panic!("GPT-2, not {}", other.family()),
-    };
+    let setup = single_setup(flags);
     let stop = StopHandle::default();
     let mut observer = StopAfter { step, stop: stop.clone() };
-    let opener = zeroflow_train::open::cpu_opener(false);
-    let outcome = zeroflow_train::run::run_on(setup.unwrap(), &shape, opener, &mut observer, &stop);
+    let outcome = run_single(setup, &mut observer, &stop);
     checkpoint::pretend_free(None);
     outcome.unwrap()
+}
+
+/// The set-up of one process of `train` with the flags `flags`.
+fn single_setup(flags: &[String]) -> Setup {
+    let argv = ["train".to_owned()].into_iter().chain(flags.to_vec());
+    let args = Cli::try_parse_from(argv).unwrap().args;
+    Setup::for_rank(args.options(), DistEnv::single(), Requested::default()).unwrap()
+}
+
+/// Runs `setup` (a GPT-2) on the CPU in this process, `observer` watching, `stop` its stop.
+fn run_single(
+    setup: Setup,
+    observer: &mut dyn TrainObserver,
+    stop: &StopHandle,
+) -> anyhow::Result<zeroflow_train::run::Outcome> {
+    let ModelSpec::Gpt2(shape) = setup.model.clone() else { panic!("these tests train GPT-2") };
+    let opener = zeroflow_train::open::cpu_opener(false);
+    Ok(zeroflow_train::run::run_on(setup, &shape, opener, observer, stop)?)
 }
 
 /// A run of one process stopped by a request after step 2 (as a signal stops it): with room on
@@ -401,18 +412,13 @@ fn saves_and_evaluations_by_default_keep_their_pace() {
     std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
     let run = |name: &str, pace: Option<Pace>| {
         let out = dir.join(name);
-        let argv = ["train".to_owned()].into_iter().chain(flags(&config, &out, &["--steps", "7"]));
-        let args = Cli::try_parse_from(argv).unwrap().args;
-        let mut setup =
-            Setup::for_rank(args.options(), DistEnv::single(), Requested::default()).unwrap();
+        let mut setup = single_setup(&flags(&config, &out, &["--steps", "7"]));
         assert_eq!((setup.save_every, setup.save_pace), (200, Some(DEFAULT_PACE)), "the default");
         assert_eq!((setup.eval_every, setup.eval_pace), (0, None), "--eval-every 0 given");
         (setup.save_every, setup.save_pace, setup.eval_every, setup.eval_pace) = (2, pace, 2, pace);
-        let ModelSpec::Gpt2(shape) = setup.model else { panic!("GPT-2") };
         let (mut quiet, stop) =
             (StopAfter { step: 0, stop: StopHandle::default() }, Default::default());
-        let opener = zeroflow_train::open::cpu_opener(false);
-        zeroflow_train::run::run_on(setup, &shape, opener, &mut quiet, &stop).unwrap();
+        run_single(setup, &mut quiet, &stop).unwrap();
         let mut saved: Vec<String> = checkpoints_of(&out)
             .iter()
             .map(|dir| dir.file_name().unwrap().to_string_lossy().into_owned())
@@ -440,11 +446,8 @@ fn saves_and_evaluations_by_default_keep_their_pace() {
     assert_eq!(DEFAULT_PACE.due(now, 2.0), Err(40.0));
     let earlier = now.checked_sub(Duration::from_secs(50)).expect("the clock is past 50 s");
     assert_eq!(DEFAULT_PACE.due(earlier, 2.0), Ok(()));
-    let argv = ["train".to_owned()].into_iter().chain(flags(&config, &dir.join("given"), &[]));
-    let given = Cli::try_parse_from(argv.chain(["--save-every".into(), "5".into()])).unwrap();
-    let setup = Setup::for_rank(given.args.options(), DistEnv::single(), Requested::default());
-    let setup = setup.unwrap();
-    assert_eq!((setup.save_every, setup.save_pace), (5, None));
+    let given = single_setup(&flags(&config, &dir.join("given"), &["--save-every", "5"]));
+    assert_eq!((given.save_every, given.save_pace), (5, None));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -456,10 +459,7 @@ fn a_sample_is_an_activity_of_its_own() {
     let config = dir.join("zero2.json");
     std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
     let sample = ["--steps", "3", "--sample-every", "2", "--sample-prompt", "1,2,3"];
-    let argv = ["train".to_owned()].into_iter().chain(flags(&config, &dir.join("run"), &sample));
-    let args = Cli::try_parse_from(argv).unwrap().args;
-    let setup = Setup::for_rank(args.options(), DistEnv::single(), Requested::default()).unwrap();
-    let ModelSpec::Gpt2(shape) = setup.model else { panic!("GPT-2") };
+    let setup = single_setup(&flags(&config, &dir.join("run"), &sample));
     struct Seen(Vec<Activity>);
     impl TrainObserver for Seen {
         fn doing(&mut self, activity: Activity) {
@@ -467,8 +467,7 @@ fn a_sample_is_an_activity_of_its_own() {
         }
     }
     let (mut seen, stop) = (Seen(Vec::new()), StopHandle::default());
-    let opener = zeroflow_train::open::cpu_opener(false);
-    zeroflow_train::run::run_on(setup, &shape, opener, &mut seen, &stop).unwrap();
+    run_single(setup, &mut seen, &stop).unwrap();
     let at = |wanted: Activity| seen.0.iter().position(|a| *a == wanted).unwrap_or(usize::MAX);
     let (step_2, sampled, step_3) = (
         at(Activity::Step { step: 2, steps: 3 }),
