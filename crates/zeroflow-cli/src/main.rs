@@ -39,8 +39,8 @@ enum Command {
     /// Continue a prompt with a Hugging Face model or a checkpoint (GPT-2 or the Llama family) on
     /// the CPU or a GPU.
     Generate(cmd::generate::Args),
-    /// The loss and perplexity of a Hugging Face model or a checkpoint over token shards or text,
-    /// on the CPU or a GPU.
+    /// The loss and perplexity of a Hugging Face model or a checkpoint over token shards, text or
+    /// a .jsonl (chat data: the assistant's tokens, as in training), on the CPU or a GPU.
     Eval(cmd::eval::Args),
     /// Write a checkpoint as a Hugging Face directory of its model's family (GPT-2 or Llama:
     /// config.json, the weights in the run's dtype, the tokenizer files of its --init-from).

@@ -76,7 +76,7 @@ fn eval_prints_the_librarys_loss_as_json() {
     let args = ["eval", dir.to_str().unwrap(), "--data", shard.to_str().unwrap()];
     let json = json_of(&zeroflow(&[&args[..], &["--window", "8", "--json"]].concat()));
     let stream: Vec<u32> = tokens.iter().map(|&t| u32::from(t)).collect();
-    let expected = HostModel::open(&dir).unwrap().eval(&stream, 8).unwrap();
+    let expected = HostModel::open(&dir).unwrap().eval(&stream, None, 8).unwrap();
     assert_eq!(json["tokens"], 49);
     assert_eq!(json["loss"].as_f64(), Some(expected.loss));
     let plain = text(&zeroflow(&args).stdout);
@@ -116,7 +116,7 @@ fn eval_of_text_uses_the_models_tokenizer() {
             _ => 40,
         })
         .collect();
-    let expected = HostModel::open(&dir).unwrap().eval(&stream, 8).unwrap();
+    let expected = HostModel::open(&dir).unwrap().eval(&stream, None, 8).unwrap();
     let args = ["eval", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--window", "8"];
     let named = json_of(&zeroflow(
         &[&args[..], &["--tokenizer", file.to_str().unwrap(), "--json"]].concat(),
@@ -297,4 +297,45 @@ fn a_prompts_file_prints_one_json_line_per_prompt() {
     let refused = zeroflow(&args);
     assert_eq!(refused.status.code(), Some(2));
     assert!(text(&refused.stderr).contains("prompt 2"), "{}", text(&refused.stderr));
+}
+
+/// `eval` of chat data counts the assistant's tokens only, as training does: a `.jsonl` of
+/// conversations is tokenized with the model's template (its loss mask kept) and gives the loss
+/// of `zeroflow tokenize`'s shards of it, over as many tokens as the mask keeps; the same shards
+/// without their mask file give another loss, over every token.
+#[test]
+fn eval_of_chat_data_counts_the_assistants_tokens() {
+    let dir = support::scratch_in("infer_commands", "eval_chat");
+    let model = dir.join("model");
+    chat_model::write_model_dir(&model);
+    let chat = dir.join("chat.jsonl");
+    let lines: Vec<String> = (0..12)
+        .map(|i| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("question number {i}?")},
+                {"role": "assistant", "content": "the answer is always the same."},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&chat, lines.join("\n")).unwrap();
+    let (model_arg, shards) = (model.to_str().unwrap(), dir.join("shards"));
+    let eval = |data: &Path| {
+        let args = ["eval", model_arg, "--data", data.to_str().unwrap(), "--window", "32"];
+        json_of(&zeroflow(&[&args[..], &["--json"]].concat()))
+    };
+    let from_jsonl = eval(&chat);
+    let tokenize = ["tokenize", "--tokenizer", model_arg, chat.to_str().unwrap()];
+    let tokenized = zeroflow(&[&tokenize[..], &["--out", shards.to_str().unwrap()]].concat());
+    assert!(tokenized.status.success(), "{}", text(&tokenized.stderr));
+    let from_shards = eval(&shards);
+    assert_eq!(from_jsonl, from_shards, "the .jsonl is evaluated as its shards");
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(shards.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(from_shards["tokens"], manifest["assistant_tokens"], "{from_shards}");
+    std::fs::remove_file(shards.join("tokens_000000.mask")).unwrap();
+    let unmasked = eval(&shards);
+    assert_eq!(unmasked["tokens"], manifest["tokens"].as_u64().unwrap() - 1, "{unmasked}");
+    assert_ne!(unmasked["loss"], from_shards["loss"]);
 }

@@ -118,7 +118,7 @@ fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
         model.forward(&params, inputs, targets).unwrap()
     };
     // Windows of 8 inputs: [0, 8), [8, 16), [16, 20).
-    let result = zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, 8).unwrap();
+    let result = zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, None, 8).unwrap();
     let expected = (8.0 * loss_of(&stream[0..8], &stream[1..9])
         + 8.0 * loss_of(&stream[8..16], &stream[9..17])
         + 4.0 * loss_of(&stream[16..20], &stream[17..21]))
@@ -126,7 +126,7 @@ fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
     assert_eq!(result.tokens, 20);
     assert!((result.loss - expected).abs() < 1e-12, "{} against {expected}", result.loss);
     assert!(
-        zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, 13).is_err(),
+        zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, None, 13).is_err(),
         "13 > context"
     );
 }

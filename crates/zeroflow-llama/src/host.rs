@@ -110,17 +110,19 @@ impl<F: Float> HostLlama<F> {
 }
 
 /// The loss and perplexity of the model `params` (of `layout`) over `stream` in windows of
-/// `window` inputs (zeroflow-nn's [`eval_windows`]), each window by the training forward.
+/// `window` inputs (zeroflow-nn's [`eval_windows`]: the targets `mask` leaves out, where given, not
+/// counted), each window by the training forward.
 pub fn eval_stream<F: Float>(
     config: &LlamaConfig,
     layout: &FlatLayout,
     params: &[F],
     stream: &[u32],
+    mask: Option<&[u8]>,
     window: usize,
 ) -> Result<EvalResult, LlamaError> {
     // A model per window length: the full windows' and the last one's.
     let mut models: Vec<HostLlama<F>> = Vec::new();
-    eval_windows(stream, window, |inputs, targets| {
+    eval_windows(stream, mask, window, |inputs, targets| {
         let model = match models.iter().position(|m| m.plan().seq == inputs.len()) {
             Some(i) => &mut models[i],
             None => {

@@ -96,7 +96,7 @@ fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
         model.forward(&params, inputs, targets).unwrap()
     };
     // Windows of 6 inputs: [0, 6), [6, 12), [12, 14).
-    let result = zeroflow_llama::eval_stream(&config, &layout, &params, &stream, 6).unwrap();
+    let result = zeroflow_llama::eval_stream(&config, &layout, &params, &stream, None, 6).unwrap();
     let expected = (6.0 * loss_of(&stream[0..6], &stream[1..7])
         + 6.0 * loss_of(&stream[6..12], &stream[7..13])
         + 2.0 * loss_of(&stream[12..14], &stream[13..15]))

@@ -65,8 +65,8 @@ fn run(args: Vec<String>) -> Result<(), Error> {
         Some(stream) => {
             let window = window.ok_or("--eval needs --window")?;
             let result = match device {
-                InferDevice::Cpu => model.eval(&stream, window)?,
-                InferDevice::Cuda(ordinal) => model.eval_cuda(&stream, window, ordinal)?,
+                InferDevice::Cpu => model.eval(&stream, None, window)?,
+                InferDevice::Cuda(ordinal) => model.eval_cuda(&stream, None, window, ordinal)?,
             };
             serde_json::json!({ "loss": result.loss, "tokens": result.tokens })
         }

@@ -138,8 +138,8 @@ fn cuda_eval_matches_the_cpu_loss_in_both_families() {
     for (name, spec, spread) in [("gpt2", gpt_odd(), 0.5), ("llama", llama_gqa_untied(), 0.25)] {
         let model = wide_random(&spec, spread, 9);
         let stream: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 97).collect();
-        let cpu = model.eval(&stream, 64).unwrap();
-        let gpu = model.eval_cuda(&stream, 64, 0).unwrap();
+        let cpu = model.eval(&stream, None, 64).unwrap();
+        let gpu = model.eval_cuda(&stream, None, 64, 0).unwrap();
         let difference = (gpu.loss - cpu.loss).abs() / cpu.loss;
         println!("{name}: loss cpu {:.6} gpu {:.6} ({difference:.2e})", cpu.loss, gpu.loss);
         assert_eq!((gpu.tokens, cpu.tokens), (149, 149));

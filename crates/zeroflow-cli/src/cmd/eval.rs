@@ -14,12 +14,15 @@ pub struct Args {
     /// `cpu` (f32), `cuda` or `cuda:N` (bf16 on that GPU, the training forward).
     #[arg(long, default_value = "cpu")]
     device: InferDevice,
-    /// llm.c `.bin` token shards (a file, directory or glob) or text files (encoded by
-    /// --tokenizer).
+    /// llm.c `.bin` token shards (a file, directory or glob; a shard's loss mask, chat data's,
+    /// leaves out what it leaves out in training), text files (encoded by --tokenizer), or a
+    /// `.jsonl` of documents or conversations (tokenized by --tokenizer and its chat template,
+    /// the loss on the assistant's tokens only, as in training).
     #[arg(long)]
     data: String,
-    /// Encodes text --data: `gpt2`, `bytes`, a `tokenizer.json` or a model directory. Default:
-    /// MODEL's own tokenizer.json where MODEL is a directory that has one, else bytes as tokens.
+    /// Encodes text and `.jsonl` --data: `gpt2`, `bytes`, a `tokenizer.json` or a model
+    /// directory. Default: MODEL's own tokenizer.json where MODEL is a directory that has one,
+    /// else bytes as tokens.
     #[arg(long)]
     tokenizer: Option<String>,
     /// Inputs per window (stride the same, every token predicted once; default: the context).
@@ -33,8 +36,9 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
     let model = HostModel::open_for(&args.model, args.device)?;
-    // Text is encoded; shards need MODEL's own tokenizer no more than they need a named one.
-    let tokenizer = match matches!(spec, Spec::Text(_)) || args.tokenizer.is_some() {
+    // Text and .jsonl are encoded; shards need MODEL's own tokenizer no more than a named one.
+    let encoded = matches!(spec, Spec::Text(_) | Spec::Jsonl(_));
+    let tokenizer = match encoded || args.tokenizer.is_some() {
         true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,
         false => None,
     };

@@ -108,10 +108,16 @@ impl<'a> OnDevice<'a> {
 impl HostModel {
     /// [`HostModel::eval`] on GPU `ordinal` in bf16: every window through the family's CUDA
     /// training forward and mean loss (a model per window length: the full windows share one).
-    pub fn eval_cuda(&self, stream: &[u32], window: usize, ordinal: usize) -> Result<EvalResult> {
+    pub fn eval_cuda(
+        &self,
+        stream: &[u32],
+        mask: Option<&[u8]>,
+        window: usize,
+        ordinal: usize,
+    ) -> Result<EvalResult> {
         let gpu = OnDevice::new(self, ordinal)?;
         let mut models: HashMap<usize, FamilyModel> = HashMap::new();
-        eval_windows(stream, window, |inputs, targets| {
+        eval_windows(stream, mask, window, |inputs, targets| {
             let model = match models.entry(inputs.len()) {
                 std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
                 std::collections::hash_map::Entry::Vacant(entry) => {

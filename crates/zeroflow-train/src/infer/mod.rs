@@ -278,15 +278,16 @@ impl HostModel {
         }
     }
 
-    /// The loss over `stream` in windows of `window` inputs, by the training forward.
-    pub fn eval(&self, stream: &[u32], window: usize) -> Result<EvalResult> {
+    /// The loss over `stream` in windows of `window` inputs, by the training forward; the
+    /// targets `mask` leaves out (a chat's loss mask), where given, not counted.
+    pub fn eval(&self, stream: &[u32], mask: Option<&[u8]>, window: usize) -> Result<EvalResult> {
         match &self.weights {
             Weights::Gpt { config, layout, params } => {
-                zeroflow_gpt::eval_stream(config, layout, &params.f32()?, stream, window)
+                zeroflow_gpt::eval_stream(config, layout, &params.f32()?, stream, mask, window)
                     .map_err(TrainError::model)
             }
             Weights::Llama { config, layout, params } => {
-                zeroflow_llama::eval_stream(config, layout, &params.f32()?, stream, window)
+                zeroflow_llama::eval_stream(config, layout, &params.f32()?, stream, mask, window)
                     .map_err(TrainError::model)
             }
         }
@@ -339,13 +340,16 @@ impl HostModel {
 
     /// The loss over the data `spec` names in windows of `window` inputs (default: the model's
     /// context): each shard or text file (bytes as tokens) a stream of its own, the loss
-    /// weighted by each one's predicted tokens.
+    /// weighted by each one's predicted tokens; a shard's loss mask (chat data: the assistant's
+    /// tokens) leaves out the targets it leaves out in training.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
         self.eval_data_on(spec, window, InferDevice::Cpu, None)
     }
 
     /// [`HostModel::eval_data`] on `device` (a GPU: [`HostModel::eval_cuda`]), text files
-    /// encoded by `tokenizer` where one is given (else bytes as tokens).
+    /// encoded by `tokenizer` where one is given (else bytes as tokens), and a `.jsonl` of
+    /// documents or conversations tokenized by it and its chat template as `zeroflow tokenize`
+    /// does (into a scratch directory, removed after), its conversations' loss masks kept.
     pub fn eval_data_on(
         &self,
         spec: &Spec,
@@ -355,6 +359,26 @@ impl HostModel {
     ) -> Result<EvalResult> {
         if let Spec::Synthetic = spec {
             return Err(input("--data synthetic: eval reads token shards or text files"));
+        }
+        if let Spec::Jsonl(jsonl) = spec {
+            let tokenizer = tokenizer.ok_or_else(|| {
+                input(format!(
+                    "--data {}: a .jsonl is tokenized with the model's tokenizer and chat \
+                     template; evaluate a model directory that has a tokenizer.json, or give \
+                     --tokenizer",
+                    jsonl.display()
+                ))
+            })?;
+            let scratch = std::env::temp_dir().join(format!(
+                "zeroflow-eval-{}-{}",
+                std::process::id(),
+                utc_nanos()
+            ));
+            let shards = tokenize_jsonl(tokenizer, jsonl, &scratch);
+            let result = shards
+                .and_then(|shards| self.eval_data_on(&Spec::Shards(shards), window, device, None));
+            let _ = std::fs::remove_dir_all(&scratch);
+            return result;
         }
         let window = window.unwrap_or(self.context());
         if window == 0 || window > self.context() {
@@ -386,15 +410,32 @@ impl HostModel {
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
+            let mask_file = zeroflow_data::mask_path(path);
+            let mask = match (spec, mask_file.is_file()) {
+                (Spec::Shards(_), true) => Some(
+                    zeroflow_data::read_loss_mask(&mask_file).map_err(|e| input(e.to_string()))?,
+                ),
+                _ => None,
+            };
+            if mask.as_ref().is_some_and(|mask| mask.len() != stream.len()) {
+                return Err(input(format!(
+                    "{}: its loss mask is not one byte per token of the shard",
+                    mask_file.display()
+                )));
+            }
+            let mask = mask.as_deref();
             let result = match device {
-                InferDevice::Cpu => self.eval(&stream, window)?,
-                InferDevice::Cuda(ordinal) => self.eval_cuda(&stream, window, ordinal)?,
+                InferDevice::Cpu => self.eval(&stream, mask, window)?,
+                InferDevice::Cuda(ordinal) => self.eval_cuda(&stream, mask, window, ordinal)?,
             };
             sum += result.loss * result.tokens as f64;
             tokens += result.tokens;
         }
         if tokens == 0 {
-            return Err(input("--data: no window to evaluate (the data needs two tokens or more)"));
+            return Err(input(
+                "--data: no window to evaluate (the data needs two tokens or more, and a chat's \
+                 loss mask an assistant's token)",
+            ));
         }
         Ok(EvalResult { loss: sum / tokens as f64, tokens })
     }
@@ -432,6 +473,37 @@ fn check_sampling(sampling: &Sampling) -> Result<()> {
 pub fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
     let ids = text.split(',').map(|id| id.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>();
     ids.map_err(|_| format!("{text:?} is not token ids separated by commas (1,2,3)"))
+}
+
+/// The shards of `jsonl` tokenized by `tokenizer` (and its chat template) into `dir`, as
+/// `zeroflow tokenize` writes them.
+fn tokenize_jsonl(
+    tokenizer: &Tokenizer,
+    jsonl: &std::path::Path,
+    dir: &std::path::Path,
+) -> Result<Vec<std::path::PathBuf>> {
+    let shown = jsonl.display();
+    let template = zeroflow_data::ChatTemplate::from_config(tokenizer.config())
+        .transpose()
+        .map_err(|e| input(format!("--data {shown}: {e}")))?;
+    let options = zeroflow_data::TokenizeOptions {
+        out_dir: dir.to_path_buf(),
+        shard_tokens: 100_000_000,
+        skip_bad_lines: false,
+        chat_template: template.as_ref(),
+        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
+    };
+    let summary =
+        zeroflow_data::tokenize_corpus(tokenizer, &[jsonl.to_path_buf()], &options, &|_| {})
+            .map_err(|e| input(format!("--data {shown}: {e}")))?;
+    Ok(summary.shards)
+}
+
+/// Nanoseconds since the epoch, to tell scratch directories apart.
+fn utc_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos())
 }
 
 #[cfg(test)]
