@@ -292,9 +292,10 @@ TEXT_PIECE_BYTES = 1 << 20  # zeroflow_data::TEXT_PIECE_BYTES
 
 
 def text_pieces(data, piece=TEXT_PIECE_BYTES):
-    """The pieces zeroflow encodes a text file's bytes in (corpus.rs `read_text`): each ends with
-    the first line break at or after `piece` bytes, or, where a line runs on for four times as many
-    more, before the last UTF-8 character that starts within its last three bytes."""
+    """The pieces zeroflow encodes a text file's bytes in (corpus.rs `piece_end`): each ends with
+    the first line break at or after `piece` bytes; where a line runs on for four times as many
+    more, before its first space from `piece` bytes on, else before the last UTF-8 character that
+    starts within its last three bytes."""
     pieces, start, n = [], 0, len(data)
     while True:
         end = min(start + 5 * piece, n)
@@ -306,6 +307,8 @@ def text_pieces(data, piece=TEXT_PIECE_BYTES):
             cut = newline + 1
         elif eof:
             cut = len(chunk)
+        elif chunk.find(b" ", piece) >= 0:
+            cut = chunk.find(b" ", piece)
         else:
             cut = next((at for at in range(len(chunk) - 1, len(chunk) - 4, -1)
                         if at > 0 and chunk[at] & 0xC0 != 0x80), len(chunk))

@@ -305,17 +305,18 @@ fn read_text(
 
 /// Where the piece that starts `window` (at most five pieces of text) ends: after the first line
 /// break at or after `piece` bytes; where there is none, at the window's end if it is the end of
-/// the text (`last`), else before a character that starts within its last four bytes (a UTF-8
-/// character is at most four), which the next piece begins with.
+/// the text (`last`), else before the first space from `piece` bytes on (a word keeps the space
+/// before it, as byte-level splits keep it), else before a character that starts within its last
+/// four bytes (a UTF-8 character is at most four), which the next piece begins with.
 fn piece_end(window: &[u8], piece: usize, last: bool) -> usize {
-    let line_end = window
-        .get(piece - 1..)
-        .and_then(|tail| tail.iter().position(|&b| b == b'\n'))
-        .map(|at| piece + at);
-    match line_end {
+    let after = |byte: u8, from: usize| {
+        window.get(from..).and_then(|tail| tail.iter().position(|&b| b == byte)).map(|at| from + at)
+    };
+    match after(b'\n', piece - 1) {
         _ if last && window.len() <= piece => window.len(),
-        Some(end) => end,
+        Some(line_break) => line_break + 1,
         None if last => window.len(),
+        None if let Some(space) = after(b' ', piece) => space,
         None => (window.len().saturating_sub(3)..window.len())
             .rev()
             .find(|&at| at > 0 && (window[at] & 0xC0) != 0x80)

@@ -332,9 +332,10 @@ fn a_long_jsonl_document_is_encoded_as_a_text_file_of_it() {
     }
 }
 
-/// A line longer than four pieces is cut at a character boundary: multi-byte characters are
-/// never split (the pieces are UTF-8), and every byte is there once (the byte-level tokens decode
-/// to the file). A file that is not UTF-8 is refused with the offset of its first bad byte in the
+/// A line longer than four pieces is cut before a space (the tokens of the line encoded whole, for
+/// a byte-level split), or, without one, at a character boundary: multi-byte characters are never
+/// split (the pieces are UTF-8), and every byte is there once (the byte-level tokens decode to the
+/// file). A file that is not UTF-8 is refused with the offset of its first bad byte in the
 /// file, not in a piece.
 #[test]
 fn a_long_line_is_cut_between_characters_and_bad_bytes_are_found_in_the_file() {
@@ -350,7 +351,18 @@ fn a_long_line_is_cut_between_characters_and_bad_bytes_are_found_in_the_file() {
         let written = tokens(&summary.shards[0]);
         assert_eq!(written[0], special_id("<|endoftext|>"));
         assert_eq!(tokenizer.decode(&written[1..]).unwrap(), text, "pieces of {piece} bytes");
+        // Cut before a space, where a byte-level split cuts too: the tokens of the whole line.
+        let whole = tokenizer.encode(&text).unwrap();
+        assert_same(&written[1..], &whole, &format!("pieces of {piece} bytes"));
     }
+    // A line without a space is cut between characters.
+    let unbroken = "héllowörld∑😀".repeat(300);
+    std::fs::write(&path, &unbroken).unwrap();
+    let out = dir.join("unbroken");
+    let inputs = std::slice::from_ref(&path);
+    let summary = run(&tokenizer, inputs, &in_pieces(&out, 1 << 20, 16)).unwrap();
+    let written = tokens(&summary.shards[0]);
+    assert_eq!(tokenizer.decode(&written[1..]).unwrap(), unbroken);
     let mut bad = b"good line\n".repeat(100);
     bad[1000 - 3] = 0xFF;
     let bad_path = dir.join("bad.txt");
