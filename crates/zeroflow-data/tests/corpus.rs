@@ -12,7 +12,8 @@ use zeroflow_data::{
 };
 
 use crate::fixtures::{
-    LLAMA3_TEMPLATE, byte_level_bpe, model_dir, scratch, special_id, three_turns, word_level_big,
+    LLAMA3_TEMPLATE, byte_level_bpe, llama3_split_bpe, model_dir, scratch, special_id, three_turns,
+    word_level_big,
 };
 
 fn options(out_dir: &Path, shard_tokens: usize) -> TokenizeOptions<'static> {
@@ -286,25 +287,49 @@ fn in_pieces(out_dir: &Path, shard_tokens: usize, piece: usize) -> TokenizeOptio
 /// the file encoded whole, in every number of pieces.
 #[test]
 fn a_text_file_in_pieces_is_the_file_encoded_whole() {
-    let dir = scratch("corpus-text-pieces");
-    let tokenizer = bpe_tokenizer(&dir.join("model"));
-    let text: String = (0..400).map(|i| format!("line {i} of the file: hello world\n")).collect();
-    let path = dir.join("a.txt");
-    std::fs::write(&path, &text).unwrap();
-    let whole = [vec![special_id("<|endoftext|>")], tokenizer.encode(&text).unwrap()].concat();
+    let lines: String = (0..400).map(|i| format!("line {i} of the file: hello world\n")).collect();
     // From 7 bytes on, a piece ends with a line (of at most 34 bytes, within five pieces).
-    for piece in [7, 64, 1000, text.len() - 1, text.len(), 1 << 20] {
-        let out = dir.join(format!("out-{piece}"));
-        let inputs = std::slice::from_ref(&path);
-        let summary = run(&tokenizer, inputs, &in_pieces(&out, 1 << 20, piece)).unwrap();
-        assert_same(&tokens(&summary.shards[0]), &whole, &format!("pieces of {piece} bytes"));
-        assert_eq!((summary.documents, summary.tokens), (1, whole.len() as u64));
-        let starts = read_document_index(&out.join("tokens_000000.idx")).unwrap();
-        assert_eq!(starts, [0, whole.len() as u64], "pieces of {piece} bytes");
-        // What `eval` reads the file as: the same tokens, without the end-of-text token.
-        let read = encode_text_file(&tokenizer, &path, piece).unwrap();
-        assert_same(&read, &whole[1..], &format!("encode_text_file, pieces of {piece} bytes"));
+    for piece in [7, 64, 1000, lines.len() - 1, lines.len(), 1 << 20] {
+        check_in_pieces("lines", &lines, piece);
     }
+    // Paragraphs, blank lines, punctuation before a break and lines ending in spaces: the cut
+    // falls at a break between two characters that are not white space.
+    let paragraphs: String = (0..100)
+        .map(|i| format!("Paragraph {i} ends here.\n\nIt goes on,  \n\tindented;\nlast line!\n"))
+        .collect();
+    for piece in [16, 64, 1000] {
+        check_in_pieces("paragraphs", &paragraphs, piece);
+        check_in_pieces("paragraphs-llama3", &paragraphs, piece);
+    }
+}
+
+/// `text` as a file tokenized in pieces of `piece` bytes, and read as `eval` reads it: the tokens
+/// of the text encoded whole, one document.
+fn check_in_pieces(name: &str, text: &str, piece: usize) {
+    let dir = scratch(&format!("corpus-text-pieces-{name}-{piece}"));
+    // GPT-2's split (the byte-level pre-tokenizer's own), or Llama-3's.
+    let tokenizer = match name.ends_with("llama3") {
+        true => {
+            model_dir(&dir.join("model"), &llama3_split_bpe(), None);
+            Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap()
+        }
+        false => bpe_tokenizer(&dir.join("model")),
+    };
+    let path = dir.join("a.txt");
+    std::fs::write(&path, text).unwrap();
+    let eot = tokenizer.eot().expect("an end-of-text token");
+    let whole = [vec![eot], tokenizer.encode(text).unwrap()].concat();
+    let out = dir.join("out");
+    let inputs = std::slice::from_ref(&path);
+    let summary = run(&tokenizer, inputs, &in_pieces(&out, 1 << 20, piece)).unwrap();
+    let what = format!("{name} in pieces of {piece} bytes");
+    assert_same(&tokens(&summary.shards[0]), &whole, &what);
+    assert_eq!((summary.documents, summary.tokens), (1, whole.len() as u64), "{what}");
+    let starts = read_document_index(&out.join("tokens_000000.idx")).unwrap();
+    assert_eq!(starts, [0, whole.len() as u64], "{what}");
+    // What `eval` reads the file as: the same tokens, without the end-of-text token.
+    let read = encode_text_file(&tokenizer, &path, piece).unwrap();
+    assert_same(&read, &whole[1..], &format!("encode_text_file, {what}"));
 }
 
 /// A `.jsonl` document longer than a piece is encoded in the pieces a text file of it would be:

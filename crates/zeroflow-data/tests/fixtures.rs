@@ -93,6 +93,31 @@ pub fn byte_level_bpe() -> Value {
     })
 }
 
+/// Llama-3's split of text into words (its tokenizer.json's `Split` pre-tokenizer).
+pub const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// [`byte_level_bpe`] with Llama-3's split before the byte-level mapping, and merges of line
+/// breaks, spaces and a full stop with a break (so that where the text is split shows in the
+/// ids): `<|endoftext|>` after them.
+pub fn llama3_split_bpe() -> Value {
+    let mut tokenizer = byte_level_bpe();
+    let extra = [("Ċ", "Ċ"), (".", "Ċ"), ("Ġ", "Ġ"), ("ĠĠ", "Ċ")];
+    let first = 256 + MERGES.len() as u64;
+    for (i, (a, b)) in extra.iter().enumerate() {
+        tokenizer["model"]["vocab"][format!("{a}{b}")] = json!(first + i as u64);
+        let merge = json!(format!("{a} {b}"));
+        tokenizer["model"]["merges"].as_array_mut().unwrap().push(merge);
+    }
+    let end = first + extra.len() as u64;
+    tokenizer["added_tokens"] = json!([added_token(end as u32, "<|endoftext|>")]);
+    tokenizer["pre_tokenizer"] = json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated",
+         "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+    ]});
+    tokenizer
+}
+
 /// A WordLevel tokenizer.json (whitespace-split words) with ids up to 70000: u32 shards.
 pub fn word_level_big() -> Value {
     json!({
