@@ -293,8 +293,8 @@ TEXT_PIECE_BYTES = 1 << 20  # zeroflow_data::TEXT_PIECE_BYTES
 
 def text_pieces(data, piece=TEXT_PIECE_BYTES):
     """The pieces zeroflow encodes a text file's bytes in (corpus.rs `piece_end`): each ends with
-    the first line break at or after `piece` bytes between two bytes that are not white space,
-    else the first line break there; where a line runs on for four times as many more, before its
+    the first line break from `piece` bytes to twice as many between two bytes that are not white
+    space, else the first line break from `piece` bytes on; where a line runs on for four times as many more, before its
     first space from `piece` bytes on, else before the last UTF-8 character that starts within
     its last three bytes."""
     white = b" \t\n\r\x0c"  # Rust's is_ascii_whitespace
@@ -302,7 +302,7 @@ def text_pieces(data, piece=TEXT_PIECE_BYTES):
     while True:
         end = min(start + 5 * piece, n)
         chunk, eof = data[start:end], end == n
-        newline = next((at for at in range(max(piece, 2) - 1, len(chunk) - 1)
+        newline = next((at for at in range(max(piece, 2) - 1, min(2 * piece, len(chunk) - 1))
                         if chunk[at] == 10 and chunk[at - 1] not in white
                         and chunk[at + 1] not in white), chunk.find(b"\n", piece - 1))
         if eof and len(chunk) <= piece:

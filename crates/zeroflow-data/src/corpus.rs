@@ -304,9 +304,9 @@ fn read_text(
 }
 
 /// Where the piece that starts `window` (at most five pieces of text) ends: after the first line
-/// break at or after `piece` bytes between two characters that are not white space (where GPT-2's
-/// and Llama-3's splits both cut, so that the pieces' tokens are the text's), else after the first
-/// line break there; where there is none, at the window's end if it is the end of the text
+/// break from `piece` bytes to twice as many between two characters that are not white space
+/// (where GPT-2's and Llama-3's splits both cut, so that the pieces' tokens are the text's), else
+/// after the first line break from `piece` bytes on; where there is none, at the window's end if it is the end of the text
 /// (`last`), else before the first space from `piece` bytes on (a word keeps the space before
 /// it, as byte-level splits keep it), else before a character that starts within its last four
 /// bytes (a UTF-8 character is at most four), which the next piece begins with.
@@ -315,7 +315,9 @@ fn piece_end(window: &[u8], piece: usize, last: bool) -> usize {
         window.get(from..).and_then(|tail| tail.iter().position(|&b| b == byte)).map(|at| from + at)
     };
     let white = |at: usize| window.get(at).is_none_or(u8::is_ascii_whitespace);
-    let clean_break = (piece.max(2) - 1..window.len().saturating_sub(1))
+    // Looked for within a second piece's length: code, whose lines start with white space, has
+    // few, and a longer piece holds more memory while it is encoded.
+    let clean_break = (piece.max(2) - 1..(2 * piece).min(window.len().saturating_sub(1)))
         .find(|&at| window[at] == b'\n' && !white(at - 1) && !white(at + 1));
     match clean_break.or_else(|| after(b'\n', piece - 1)) {
         _ if last && window.len() <= piece => window.len(),

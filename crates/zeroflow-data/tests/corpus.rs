@@ -297,7 +297,9 @@ fn a_text_file_in_pieces_is_the_file_encoded_whole() {
     let paragraphs: String = (0..100)
         .map(|i| format!("Paragraph {i} ends here.\n\nIt goes on,  \n\tindented;\nlast line!\n"))
         .collect();
-    for piece in [16, 64, 1000] {
+    // (A clean break is looked for within a second piece's length: these paragraphs have one
+    // every 63 bytes.)
+    for piece in [64, 200, 1000] {
         check_in_pieces("paragraphs", &paragraphs, piece);
         check_in_pieces("paragraphs-llama3", &paragraphs, piece);
     }
