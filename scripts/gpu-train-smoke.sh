@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: what a new user does first with `zeroflow train --device cuda`, with the
 # binary scripts/gpu-check.sh staged in .gpu/: a short run (its summary names the settings it ran
-# with), Ctrl-C in the middle of a run (exit 130, a checkpoint, a resume that finishes the run), a
+# with; it writes two samples), Ctrl-C in the middle of a run (exit 130, a checkpoint, a resume that finishes the run), a
 # micro-batch too large for the GPU (an error naming the flag to lower), and a GPU ordinal that
 # does not exist. Each check prints one `SMOKE name: ok|FAILED ...` line; logs go to $OUT.
 #
@@ -22,14 +22,16 @@ say() { # say NAME OK? DETAIL
     if [[ $2 == 0 ]]; then echo "SMOKE $1: ok $3"; else echo "SMOKE $1: FAILED $3"; fi
 }
 
-# A short run: exit 0, the summary records the attention and host waits it used.
+# A short run: exit 0, the summary records the attention and host waits it used, and a sample
+# written at steps 10 and 20 (the weights downloaded from the GPU a piece at a time into f32).
 timeout 120 "$Z" train --device cuda --model "$MODEL" --micro-batch 8 --steps 20 --eval-every 10 \
-    --out "$run" >"$OUT/smoke-run.log" 2>&1
+    --sample-every 10 --sample-prompt "The" --out "$run" >"$OUT/smoke-run.log" 2>&1
 status=$?
 settings=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["settings"]))' \
     "$run/summary.json" 2>/dev/null)
-[[ $status == 0 && $settings == *'"attention": "flash"'* ]]
-say run $? "exit $status, settings $settings; $(tail -n 1 "$OUT/smoke-run.log")"
+samples=$(wc -l <"$run/samples.jsonl" 2>/dev/null)
+[[ $status == 0 && $settings == *'"attention": "flash"'* && $samples == 2 ]]
+say run $? "exit $status, settings $settings, ${samples:-no} samples; $(tail -n 1 "$OUT/smoke-run.log")"
 
 # Ctrl-C during a run: a message at once, exit 130, a checkpoint; the resume finishes the run.
 sig=$OUT/smoke-sigint

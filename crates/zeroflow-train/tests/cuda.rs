@@ -129,7 +129,7 @@ fn cuda_generation_follows_the_cpu_decoder_on_an_untied_grouped_query_llama() {
 }
 
 /// The GPU's windowed loss (the CUDA training forward, a model per window length) equals the
-/// CPU's within bf16 rounding, with a shorter last window.
+/// CPU's within bf16 rounding, with a shorter last window, and with a loss mask.
 #[test]
 fn cuda_eval_matches_the_cpu_loss_in_both_families() {
     if !gpu() {
@@ -144,6 +144,17 @@ fn cuda_eval_matches_the_cpu_loss_in_both_families() {
         println!("{name}: loss cpu {:.6} gpu {:.6} ({difference:.2e})", cpu.loss, gpu.loss);
         assert_eq!((gpu.tokens, cpu.tokens), (149, 149));
         assert!(difference < 1e-2, "{name}: {difference}");
+        // With a loss mask (a chat's): the targets it leaves out are not counted on either, and
+        // the masked loss differs from the whole stream's.
+        let mask: Vec<u8> = (0..150).map(|i| u8::from(i % 5 >= 2)).collect();
+        let counted = mask[1..].iter().filter(|&&m| m == 1).count();
+        let cpu_masked = model.eval(&stream, Some(&mask), 64).unwrap();
+        let gpu_masked = model.eval_cuda(&stream, Some(&mask), 64, 0).unwrap();
+        let masked_difference = (gpu_masked.loss - cpu_masked.loss).abs() / cpu_masked.loss;
+        println!("{name} masked: cpu {:.6} gpu {:.6}", cpu_masked.loss, gpu_masked.loss);
+        assert_eq!((gpu_masked.tokens, cpu_masked.tokens), (counted, counted));
+        assert!(masked_difference < 1e-2, "{name} masked: {masked_difference}");
+        assert_ne!(cpu_masked.loss, cpu.loss, "{name}");
     }
 }
 
