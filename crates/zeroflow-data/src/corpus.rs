@@ -70,19 +70,26 @@ impl TokenizeSummary {
     /// bad lines were skipped.
     pub fn describe(&self, out: &Path) -> String {
         let mut text = format!(
-            "wrote {} documents ({} conversations, {} assistant tokens), {} tokens in {} shard(s) \
-             to {}",
-            self.documents,
-            self.conversations,
-            self.assistant_tokens,
-            self.tokens,
-            self.shards.len(),
+            "wrote {} ({}, {}), {} in {} to {}",
+            count(self.documents, "document"),
+            count(self.conversations, "conversation"),
+            count(self.assistant_tokens, "assistant token"),
+            count(self.tokens, "token"),
+            count(self.shards.len() as u64, "shard"),
             out.display()
         );
         if self.bad_lines > 0 {
-            text.push_str(&format!("\nskipped {} bad line(s)", self.bad_lines));
+            text.push_str(&format!("\nskipped {}", count(self.bad_lines, "bad line")));
         }
         text
+    }
+}
+
+/// `n` and `what`, plural but for one: "1 document", "3 documents".
+pub fn count(n: u64, what: &str) -> String {
+    match n {
+        1 => format!("1 {what}"),
+        _ => format!("{n} {what}s"),
     }
 }
 

@@ -217,10 +217,23 @@ fn the_setup_and_the_summary_describe_themselves() {
     };
     let out = Path::new("out");
     let line =
-        "wrote 3 documents (1 conversations, 7 assistant tokens), 40 tokens in 2 shard(s) to out";
+        "wrote 3 documents (1 conversation, 7 assistant tokens), 40 tokens in 2 shards to out";
     assert_eq!(summary.describe(out), line);
     summary.bad_lines = 5;
-    assert_eq!(summary.describe(out), format!("{line}\nskipped 5 bad line(s)"));
+    assert_eq!(summary.describe(out), format!("{line}\nskipped 5 bad lines"));
+    // One of each is said in the singular.
+    let one = TokenizeSummary {
+        documents: 1,
+        conversations: 0,
+        tokens: 1,
+        assistant_tokens: 1,
+        bad_lines: 1,
+        shards: vec![PathBuf::from("a")],
+        ..TokenizeSummary::default()
+    };
+    let said = "wrote 1 document (0 conversations, 1 assistant token), 1 token in 1 shard to out\n\
+                skipped 1 bad line";
+    assert_eq!(one.describe(out), said);
 }
 
 /// A vocabulary past 65536 ids gives llm.c's u32 shards, which read back.

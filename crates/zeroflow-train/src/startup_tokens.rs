@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use zeroflow_data::{ChatTemplate, TokenizeOptions, Tokenizer, tokenize_corpus};
+use zeroflow_data::{ChatTemplate, TokenizeOptions, Tokenizer, count, tokenize_corpus};
 
 use crate::data::Spec;
 use crate::error::{Result, input};
@@ -107,11 +107,11 @@ pub fn tokenized_at_start(
     }
     if let Some(made) = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources)) {
         tracing::info!(
-            "{flag}: {} tokens of {} documents in {} shard(s) in {}, tokenized at the last start \
-             from the same files and tokenizer: read again, not tokenized again",
-            made.tokens,
-            made.documents,
-            made.shards.len(),
+            "{flag}: {} of {} in {} in {}, tokenized at the last start from the same files and \
+             tokenizer: read again, not tokenized again",
+            count(made.tokens, "token"),
+            count(made.documents, "document"),
+            count(made.shards.len() as u64, "shard"),
             tokens.display()
         );
         return Ok(Spec::Shards(made.summary(&tokens).shards));
