@@ -34,6 +34,9 @@ pub const BATCH_BYTES: usize = 32 << 20;
 /// holds about 200 bytes per byte of text while it runs (one a thread).
 pub const TEXT_PIECE_BYTES: usize = 1 << 20;
 
+/// The tokens a shard takes before it is closed, where nothing says otherwise.
+pub const DEFAULT_SHARD_TOKENS: usize = 100_000_000;
+
 /// How to tokenize a corpus.
 #[derive(Debug)]
 pub struct TokenizeOptions<'a> {
@@ -51,8 +54,22 @@ pub struct TokenizeOptions<'a> {
     pub text_piece_bytes: usize,
 }
 
+impl<'a> TokenizeOptions<'a> {
+    /// Into `out_dir`, conversations through `chat_template`: shards of [`DEFAULT_SHARD_TOKENS`],
+    /// no bad line skipped, text in pieces of [`TEXT_PIECE_BYTES`].
+    pub fn new(out_dir: PathBuf, chat_template: Option<&'a ChatTemplate>) -> Self {
+        TokenizeOptions {
+            out_dir,
+            shard_tokens: DEFAULT_SHARD_TOKENS,
+            skip_bad_lines: false,
+            chat_template,
+            text_piece_bytes: TEXT_PIECE_BYTES,
+        }
+    }
+}
+
 /// What a tokenize run wrote.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TokenizeSummary {
     pub documents: u64,
     pub conversations: u64,
@@ -216,10 +233,8 @@ pub fn encode_text_file(
         let pieces: Vec<_> = batch
             .par_iter()
             .map(|unit| {
-                let thread = rayon::current_thread_index().unwrap_or(0);
-                let tokenizer = &per_thread[thread % per_thread.len()];
                 let Place::Text(offset) = unit.place else { unreachable!("text pieces only") };
-                text_piece(tokenizer, &unit.bytes, offset)
+                text_piece(thread_copy(&per_thread), &unit.bytes, offset)
             })
             .collect();
         for piece in pieces {
@@ -281,30 +296,42 @@ fn read_lines(
     }
 }
 
-/// Calls `each` with the pieces of a text file in order (one, empty, for an empty file): each
-/// ends with the first line break at or after `piece` bytes, or, where a line runs on for four
-/// times as many more, before the last UTF-8 character that starts there. The last piece is what
-/// is left.
+/// Calls `each` with the pieces of a text file in order ([`pieces`]).
 fn read_text(
     path: &Path,
     input: usize,
     piece: usize,
     each: &mut dyn FnMut(Unit) -> Result<(), TokenizeError>,
 ) -> Result<(), TokenizeError> {
-    let mut file = std::fs::File::open(path).map_err(|e| input_error(path, e))?;
+    let file = std::fs::File::open(path).map_err(|e| input_error(path, e))?;
+    let read_error = |e| input_error(path, e);
+    pieces(file, piece, read_error, &mut |offset, bytes| {
+        each(Unit { input, place: Place::Text(offset), bytes })
+    })
+}
+
+/// Calls `each` with the pieces of the text `reader` reads, in order, and the byte each starts
+/// at (one, empty, for an empty text): each ends where [`piece_end`] says, read a window of five
+/// pieces at a time.
+fn pieces<E>(
+    mut reader: impl std::io::Read,
+    piece: usize,
+    read_error: impl Fn(std::io::Error) -> E,
+    each: &mut dyn FnMut(u64, Vec<u8>) -> Result<(), E>,
+) -> Result<(), E> {
     let window = 5 * piece;
     let (mut carry, mut offset) = (Vec::new(), 0u64);
     loop {
         let mut bytes = std::mem::take(&mut carry);
         let missing = window.saturating_sub(bytes.len()) as u64;
-        let mut more = std::io::Read::take(&mut file, missing);
-        std::io::Read::read_to_end(&mut more, &mut bytes).map_err(|e| input_error(path, e))?;
-        let end_of_file = bytes.len() < window;
-        carry = bytes.split_off(piece_end(&bytes, piece, end_of_file));
+        let mut more = std::io::Read::take(&mut reader, missing);
+        std::io::Read::read_to_end(&mut more, &mut bytes).map_err(&read_error)?;
+        let end_of_text = bytes.len() < window;
+        carry = bytes.split_off(piece_end(&bytes, piece, end_of_text));
         let len = bytes.len() as u64;
-        each(Unit { input, place: Place::Text(offset), bytes })?;
+        each(offset, bytes)?;
         offset += len;
-        if end_of_file && carry.is_empty() {
+        if end_of_text && carry.is_empty() {
             return Ok(());
         }
     }
@@ -338,24 +365,20 @@ fn piece_end(window: &[u8], piece: usize, last: bool) -> usize {
     }
 }
 
-/// `text` encoded in the pieces a text file of it would be read in ([`piece_end`]): the special
-/// tokens (a BOS) before the first only. A text of one piece is encoded whole.
+/// `text` encoded in the pieces a text file of it would be read in ([`pieces`], [`text_piece`]).
+/// A text of one piece is encoded whole.
 fn encode_in_pieces(tokenizer: &Tokenizer, text: &str, piece: usize) -> Result<Vec<u32>, String> {
-    let (bytes, mut start, mut tokens) = (text.as_bytes(), 0, Vec::new());
-    loop {
-        let window = &bytes[start..(start + 5 * piece).min(bytes.len())];
-        let end = start + piece_end(window, piece, start + window.len() == bytes.len());
-        // Cut at a line break or before a character's first byte: a char boundary.
-        let part = &text[start..end];
-        tokens.extend(match start {
-            0 => tokenizer.encode(part)?,
-            _ => tokenizer.encode_more(part)?,
-        });
-        start = end;
-        if start == bytes.len() {
-            return Ok(tokens);
-        }
-    }
+    let mut tokens = Vec::new();
+    pieces(text.as_bytes(), piece, |e| e.to_string(), &mut |offset, bytes| {
+        tokens.extend(text_piece(tokenizer, &bytes, offset)?.tokens);
+        Ok(())
+    })?;
+    Ok(tokens)
+}
+
+/// This rayon thread's copy of the tokenizer ([`Tokenizer::per_thread`]).
+fn thread_copy(per_thread: &[Tokenizer]) -> &Tokenizer {
+    &per_thread[rayon::current_thread_index().unwrap_or(0) % per_thread.len()]
 }
 
 /// Tokenizes a batch on all cores, each thread with its copy of the tokenizer
@@ -371,8 +394,7 @@ fn process_batch(
     let documents: Vec<_> = units
         .par_iter()
         .map(|unit| {
-            let thread = rayon::current_thread_index().unwrap_or(0);
-            let tokenizer = &per_thread[thread % per_thread.len()];
+            let tokenizer = thread_copy(per_thread);
             match unit.place {
                 Place::Line(_) => {
                     json_line(tokenizer, template, &unit.bytes, options.text_piece_bytes.max(1))

@@ -21,8 +21,8 @@ use thiserror::Error;
 
 pub use chat::{ChatTemplate, ChatTemplateError, ConversationError};
 pub use corpus::{
-    BATCH_BYTES, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions, TokenizeSummary, count,
-    describe_setup, encode_text_file, tokenize_corpus,
+    BATCH_BYTES, DEFAULT_SHARD_TOKENS, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,
+    TokenizeSummary, count, describe_setup, encode_text_file, tokenize_corpus,
 };
 pub use eval::{eval_batches, eval_windows};
 pub use loader::{

@@ -17,13 +17,7 @@ use crate::fixtures::{
 };
 
 fn options(out_dir: &Path, shard_tokens: usize) -> TokenizeOptions<'static> {
-    TokenizeOptions {
-        out_dir: out_dir.into(),
-        shard_tokens,
-        skip_bad_lines: false,
-        chat_template: None,
-        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
-    }
+    TokenizeOptions { shard_tokens, ..TokenizeOptions::new(out_dir.into(), None) }
 }
 
 fn run(

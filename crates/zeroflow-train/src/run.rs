@@ -155,12 +155,25 @@ struct Ended {
     refused: Vec<u64>,
     /// A signal stopped the run (after `done`).
     interrupted: bool,
-    /// When this process's last save ended, and how long it took.
-    last_save: Option<(Instant, f64)>,
-    /// When its last evaluation ended, and how long it took.
-    last_eval_took: Option<(Instant, f64)>,
-    /// Whether a save, an evaluation has been put off for its pace already (each said once).
-    put_off: [bool; 2],
+    /// This process's saves and evaluations, as their paces see them.
+    saves: Paced,
+    evals: Paced,
+}
+
+/// Periodic work (saves or evaluations) as its [`crate::setup::Pace`] sees it.
+#[derive(Debug, Default)]
+struct Paced {
+    /// When the last one ended, and how long it took.
+    last: Option<(Instant, f64)>,
+    /// Whether one has been put off already (said once).
+    put_off: bool,
+}
+
+impl Paced {
+    /// One ended now, having started at `started`.
+    fn done(&mut self, started: Instant) {
+        self.last = Some((Instant::now(), started.elapsed().as_secs_f64()));
+    }
 }
 
 /// Rank 0's recorder (the others write nothing), after removing what an interrupted checkpoint
@@ -207,9 +220,8 @@ fn train_steps<M: Model>(
         saved: None,
         refused: Vec::new(),
         interrupted: false,
-        last_save: None,
-        last_eval_took: None,
-        put_off: [false; 2],
+        saves: Paced::default(),
+        evals: Paced::default(),
     };
     if let Start::InitFrom { .. } = setup.start {
         let Some(loss) = trainer.evaluate(0, &setup.data.eval, stop, observer)? else {
@@ -279,7 +291,7 @@ fn train_steps<M: Model>(
             recorder.eval(step, loss)?;
             observer.on_eval(step, loss, setup.data.floor);
             ended.last_eval = Some((step, loss));
-            ended.last_eval_took = Some((Instant::now(), evaluating.elapsed().as_secs_f64()));
+            ended.evals.done(evaluating);
         }
     }
     Ok(ended)
@@ -301,11 +313,12 @@ fn paced<M: Model>(
     trainer: &mut Trainer<M>,
     ended: &mut Ended,
 ) -> Result<bool> {
-    let (pace, last, flag, what) = match work {
-        Work::Save => (setup.save_pace, ended.last_save, "--save-every", "checkpoint"),
-        Work::Eval => (setup.eval_pace, ended.last_eval_took, "--eval-every", "evaluation"),
+    let step = ended.done;
+    let (pace, paced, flag, what) = match work {
+        Work::Save => (setup.save_pace, &mut ended.saves, "--save-every", "checkpoint"),
+        Work::Eval => (setup.eval_pace, &mut ended.evals, "--eval-every", "evaluation"),
     };
-    let (Some(pace), Some((at, seconds))) = (pace, last) else {
+    let (Some(pace), Some((at, seconds))) = (pace, paced.last) else {
         return Ok(true);
     };
     let wait = match pace.due(at, seconds) {
@@ -313,15 +326,13 @@ fn paced<M: Model>(
         _ => None,
     };
     let early = trainer.group().any(wait.is_some())?;
-    let said = &mut ended.put_off[work as usize];
-    if let (Some(wait), false) = (wait, *said) {
+    if let (Some(wait), false) = (wait, paced.put_off) {
         tracing::info!(
-            "step {}: the {what} waits until {wait:.0} s after the last one, which took \
-             {seconds:.1} s, so that it takes about 5 % of the run ({flag} N: every N steps)",
-            ended.done
+            "step {step}: the {what} waits until {wait:.0} s after the last one, which took \
+             {seconds:.1} s, so that it takes about 5 % of the run ({flag} N: every N steps)"
         );
     }
-    *said |= early;
+    paced.put_off |= early;
     Ok(!early)
 }
 
@@ -359,10 +370,9 @@ fn save_and_say<M: Model>(
     };
     match trainer.save(step, setup, room) {
         Ok(dir) => {
-            let seconds = saving.elapsed().as_secs_f64();
-            observer.on_checkpoint(step, &dir, seconds);
+            observer.on_checkpoint(step, &dir, saving.elapsed().as_secs_f64());
             ended.saved = Some(dir);
-            ended.last_save = Some((Instant::now(), seconds));
+            ended.saves.done(saving);
         }
         Err(error) if error.is_no_space() && (!last || setup.export.is_some()) => {
             let then = match &setup.export {

@@ -50,6 +50,14 @@ pub struct RankOnHost {
     pub local_rank: usize,
 }
 
+impl RankOnHost {
+    /// The rank of its host's local rank 0 (ranks numbered host by host, as launchers number
+    /// them).
+    fn host_first(&self) -> usize {
+        self.rank - self.local_rank.min(self.rank)
+    }
+}
+
 /// `spec` as the run reads it: a `.jsonl`, and text files where the model comes from the Hugging
 /// Face directory `model_dir`, tokenized with that directory's tokenizer (and chat template) into
 /// shards under `out`, said in the log; text without a model directory stays bytes (a model
@@ -97,10 +105,7 @@ pub fn tokenized_at_start(
         .transpose()
         .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     let sources = sources(&files, dir);
-    let writer = match (&sources, at.local_rank) {
-        (Some(_), 0) | (None, _) => at.rank,
-        (Some(_), _) => at.rank - at.local_rank.min(at.rank),
-    };
+    let writer = if sources.is_some() { at.host_first() } else { at.rank };
     let tokens = out.join("tokens").join(role.folder(writer));
     if let (Some(sources), true) = (&sources, writer != at.rank) {
         return wait_for(&tokens, sources, flag, at);
@@ -109,24 +114,18 @@ pub fn tokenized_at_start(
         tracing::info!(
             "{flag}: {} of {} in {} in {}, tokenized at the last start from the same files and \
              tokenizer: read again, not tokenized again",
-            count(made.tokens, "token"),
-            count(made.documents, "document"),
-            count(made.shards.len() as u64, "shard"),
+            count(made.summary.tokens, "token"),
+            count(made.summary.documents, "document"),
+            count(made.summary.shards.len() as u64, "shard"),
             tokens.display()
         );
-        return Ok(Spec::Shards(made.summary(&tokens).shards));
+        return Ok(Spec::Shards(made.shards(&tokens)));
     }
     if tokens.exists() {
         std::fs::remove_dir_all(&tokens)
             .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
     }
-    let options = TokenizeOptions {
-        out_dir: tokens.clone(),
-        shard_tokens: 100_000_000,
-        skip_bad_lines: false,
-        chat_template: template.as_ref(),
-        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
-    };
+    let options = TokenizeOptions::new(tokens.clone(), template.as_ref());
     let progress = Progress::new(&files, PROGRESS_INTERVAL);
     let said = |bytes| {
         if let Some(line) = progress.advance(bytes) {
@@ -188,20 +187,20 @@ fn wait_for(tokens: &Path, sources: &[Source], flag: &str, at: RankOnHost) -> Re
     loop {
         if let Some(made) = Made::read_if(tokens, sources) {
             tracing::debug!("rank {}: {flag}: the tokens in {}", at.rank, tokens.display());
-            return Ok(Spec::Shards(made.summary(tokens).shards));
+            return Ok(Spec::Shards(made.shards(tokens)));
         }
         if let Some(failed) = Failed::read_if(tokens, sources) {
             return Err(input(format!(
                 "{} (as rank {} found, which tokenizes for this host)",
                 failed.error,
-                at.rank - at.local_rank
+                at.host_first()
             )));
         }
         if said.elapsed() >= WAIT_SAID_EVERY {
             tracing::info!(
                 "rank {}: waiting for rank {} to tokenize {flag} into {} ({:.0} s)",
                 at.rank,
-                at.rank - at.local_rank,
+                at.host_first(),
                 tokens.display(),
                 started.elapsed().as_secs_f64()
             );
@@ -221,16 +220,24 @@ struct Failed {
 impl Failed {
     fn write(&self, tokens: &Path) -> std::io::Result<()> {
         std::fs::create_dir_all(tokens)?;
-        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
-        std::fs::write(tokens.join(FAILED_FILE), text)
+        write_json(&tokens.join(FAILED_FILE), self)
     }
 
     /// The failure under `tokens` of a tokenizing from `sources` (not an earlier start's).
     fn read_if(tokens: &Path, sources: &[Source]) -> Option<Failed> {
-        let text = std::fs::read_to_string(tokens.join(FAILED_FILE)).ok()?;
-        let failed: Failed = serde_json::from_str(&text).ok()?;
-        (failed.sources == sources).then_some(failed)
+        read_json::<Failed>(&tokens.join(FAILED_FILE)).filter(|failed| failed.sources == sources)
     }
+}
+
+/// Writes `value` as JSON to `path`.
+fn write_json(path: &Path, value: &impl serde::Serialize) -> std::io::Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(std::io::Error::other)?;
+    std::fs::write(path, text)
+}
+
+/// The JSON of `path` as a `T`, where it is there and reads as one.
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<T> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
 /// One file the tokens depend on, as the file system describes it.
@@ -266,60 +273,38 @@ fn sources(files: &[PathBuf], dir: &Path) -> Option<Vec<Source>> {
     Some(all)
 }
 
-/// The record of a tokens folder: what its tokens were made from, and what tokenizing wrote.
+/// The record of a tokens folder: what its tokens were made from, and what tokenizing wrote (its
+/// shards by their names in the folder).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Made {
     sources: Vec<Source>,
-    /// The shards' file names, in order.
-    shards: Vec<String>,
-    documents: u64,
-    conversations: u64,
-    tokens: u64,
-    assistant_tokens: u64,
-    bad_lines: u64,
-    input_bytes: u64,
+    summary: zeroflow_data::TokenizeSummary,
 }
 
 impl Made {
     fn of(sources: Vec<Source>, summary: &zeroflow_data::TokenizeSummary) -> Made {
-        let name = |shard: &PathBuf| shard.file_name().map(|n| n.to_string_lossy().into_owned());
-        Made {
-            sources,
-            shards: summary.shards.iter().filter_map(name).collect(),
-            documents: summary.documents,
-            conversations: summary.conversations,
-            tokens: summary.tokens,
-            assistant_tokens: summary.assistant_tokens,
-            bad_lines: summary.bad_lines,
-            input_bytes: summary.input_bytes,
-        }
+        let mut summary = summary.clone();
+        let names = summary.shards.iter().filter_map(|shard| shard.file_name());
+        summary.shards = names.map(PathBuf::from).collect();
+        Made { sources, summary }
     }
 
     fn write(&self, tokens: &Path) -> std::io::Result<()> {
-        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
-        std::fs::write(tokens.join(MADE_FILE), text)
+        write_json(&tokens.join(MADE_FILE), self)
     }
 
     /// The record under `tokens` where it was made from `sources` and every shard it names is
     /// there.
     fn read_if(tokens: &Path, sources: &[Source]) -> Option<Made> {
-        let text = std::fs::read_to_string(tokens.join(MADE_FILE)).ok()?;
-        let made: Made = serde_json::from_str(&text).ok()?;
-        let whole = !made.shards.is_empty() && made.shards.iter().all(|s| tokens.join(s).is_file());
+        let made = read_json::<Made>(&tokens.join(MADE_FILE))?;
+        let shards = &made.summary.shards;
+        let whole = !shards.is_empty() && shards.iter().all(|s| tokens.join(s).is_file());
         (made.sources == sources && whole).then_some(made)
     }
 
-    /// What tokenizing wrote, as [`tokenize_corpus`] said it, the shards under `tokens`.
-    fn summary(&self, tokens: &Path) -> zeroflow_data::TokenizeSummary {
-        zeroflow_data::TokenizeSummary {
-            documents: self.documents,
-            conversations: self.conversations,
-            tokens: self.tokens,
-            assistant_tokens: self.assistant_tokens,
-            bad_lines: self.bad_lines,
-            input_bytes: self.input_bytes,
-            shards: self.shards.iter().map(|shard| tokens.join(shard)).collect(),
-        }
+    /// The shards, under `tokens`.
+    fn shards(&self, tokens: &Path) -> Vec<PathBuf> {
+        self.summary.shards.iter().map(|shard| tokens.join(shard)).collect()
     }
 }
 
@@ -358,83 +343,6 @@ impl Progress {
 mod tests {
     use super::*;
 
-    /// A model directory whose tokenizer.json is byte-level BPE without merges (byte `b` is token
-    /// `b`, GPT-2's printable characters for the bytes), with `<|endoftext|>` as 256.
-    fn byte_model(dir: &Path) {
-        let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-        let char_of = |b: u32| match printable(b) {
-            true => char::from_u32(b).unwrap(),
-            false => {
-                char::from_u32(256 + (0..b).filter(|&x| !printable(x)).count() as u32).unwrap()
-            }
-        };
-        let vocab: serde_json::Map<String, serde_json::Value> =
-            (0..256u32).map(|b| (char_of(b).to_string(), b.into())).collect();
-        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
-                                            "trim_offsets": true, "use_regex": true});
-        let tokenizer = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": [{"id": 256, "content": "<|endoftext|>", "single_word": false,
-                              "lstrip": false, "rstrip": false, "normalized": false,
-                              "special": true}],
-            "normalizer": null, "pre_tokenizer": byte_level, "post_processor": byte_level,
-            "decoder": byte_level,
-            "model": {"type": "BPE", "dropout": null, "unk_token": null,
-                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                      "vocab": vocab, "merges": []}
-        });
-        std::fs::create_dir_all(dir).unwrap();
-        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    }
-
-    /// Two ranks of one host, started together: the first tokenizes, the second waits and reads
-    /// the same shards (no folder of its own); where tokenizing fails, both fail with its error.
-    #[test]
-    fn the_ranks_of_a_host_share_one_tokenizing() {
-        let dir = std::env::temp_dir().join(format!("zeroflow-host-tokens-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let model = dir.join("model");
-        byte_model(&model);
-        let corpus = dir.join("corpus.txt");
-        std::fs::write(&corpus, "hello world\n".repeat(1000)).unwrap();
-        let (out, bad) = (dir.join("run"), dir.join("bad.jsonl"));
-        std::fs::write(&bad, "{\"text\": \"fine\"}\nnot json\n").unwrap();
-        let both = |spec: &dyn Fn() -> Spec| -> Vec<Result<Spec>> {
-            std::thread::scope(|scope| {
-                let ranks: Vec<_> = [1, 0]
-                    .into_iter()
-                    .map(|rank| {
-                        let (spec, model, out) = (spec(), &model, &out);
-                        scope.spawn(move || {
-                            let at = RankOnHost { rank, local_rank: rank };
-                            tokenized_at_start(spec, DataRole::Train, Some(model), out, at)
-                        })
-                    })
-                    .collect();
-                ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
-            })
-        };
-        let read = both(&|| Spec::Text(vec![corpus.clone()]));
-        let shards = |spec: &Result<Spec>| match spec {
-            Ok(Spec::Shards(shards)) => shards.clone(),
-            other => panic!("{other:?}"),
-        };
-        let want = vec![out.join("tokens/rank-0/tokens_000000.bin")];
-        assert_eq!((shards(&read[0]), shards(&read[1])), (want.clone(), want));
-        assert!(!out.join("tokens/rank-1").exists());
-        let failed = both(&|| Spec::Jsonl(bad.clone()));
-        for (rank, result) in [1, 0].into_iter().zip(failed) {
-            let error = format!("{:#}", result.expect_err("a bad line"));
-            assert!(error.contains("bad.jsonl:2: not JSON"), "rank {rank}: {error}");
-            assert!(
-                error.contains("--skip-bad-lines` (which skips such lines) and give --data DIR")
-            );
-            assert_eq!(error.contains("as rank 0 found"), rank == 1, "rank {rank}: {error}");
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
     /// The record of a tokens folder is reused only for the same sources and where its shards
     /// are there: a data file rewritten (its time or size changed), a tokenizer file added, or a
     /// shard gone, and it is not.
@@ -463,8 +371,8 @@ mod tests {
         assert_eq!(Made::read_if(&tokens, &made_from), None, "nothing recorded yet");
         Made::of(made_from.clone(), &summary).write(&tokens).unwrap();
         let made = Made::read_if(&tokens, &made_from).expect("the same sources");
-        assert_eq!(made.summary(&tokens).shards, summary.shards);
-        assert_eq!(made.summary(&tokens).tokens, 4);
+        assert_eq!(made.shards(&tokens), summary.shards);
+        assert_eq!(made.summary.tokens, 4);
         // The corpus written again, a second later: its time differs.
         let later = std::time::SystemTime::now() + Duration::from_secs(1);
         std::fs::File::options().write(true).open(&corpus).unwrap().set_modified(later).unwrap();

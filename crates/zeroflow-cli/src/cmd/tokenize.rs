@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
     /// Close a shard before a document that would take it past this many tokens.
-    #[arg(long, default_value_t = 100_000_000, value_name = "N")]
+    #[arg(long, default_value_t = zeroflow_data::DEFAULT_SHARD_TOKENS, value_name = "N")]
     shard_tokens: usize,
     /// Skip `.jsonl` lines that are not a document or conversation (and count them) instead of
     /// stopping at the first.
@@ -54,11 +54,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let shown = crate::log::Shown::new(progress_bar(total));
 
     let options = TokenizeOptions {
-        out_dir: args.out.clone(),
         shard_tokens: args.shard_tokens,
         skip_bad_lines: args.skip_bad_lines,
-        chat_template: template.as_ref(),
-        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
+        ..TokenizeOptions::new(args.out.clone(), template.as_ref())
     };
     let start = Instant::now();
     let result =

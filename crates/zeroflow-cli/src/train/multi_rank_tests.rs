@@ -57,6 +57,14 @@ fn log_lost() -> dist::OnLost {
     std::sync::Arc::new(|lost: &dist::Lost| eprintln!("lost {lost}"))
 }
 
+/// A scratch directory and `ZERO2_OFFLOAD` written in it as `zero2.json`.
+fn scratch_with_zero2(name: &str) -> (PathBuf, PathBuf) {
+    let dir = scratch(name);
+    let config = dir.join("zero2.json");
+    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    (dir, config)
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("zeroflow-ranks-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -141,9 +149,7 @@ fn assert_close(got: &[f64], want: &[f64]) {
 
 #[test]
 fn two_ranks_train_as_one_rank_with_their_global_batch() {
-    let dir = scratch("global-batch");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("global-batch");
     let (one, two) = (dir.join("one"), dir.join("two"));
     let steps = ["--steps", "6", "--save-every", "0"];
     // Each rank reads its own half of every step's 8 sequences.
@@ -238,9 +244,7 @@ fn every_stage_with_and_without_offload_trains_two_ranks_as_one() {
 
 #[test]
 fn two_ranks_resume_their_checkpoint_exactly() {
-    let dir = scratch("resume");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("resume");
     let (whole, split) = (dir.join("whole"), dir.join("split"));
     let batch = ["--micro-batch", "4", "--save-every", "3"];
     for result in train_ranks(2, &flags(&config, &whole, &[&batch[..], &["--steps", "6"]].concat()))
@@ -265,9 +269,7 @@ fn two_ranks_resume_their_checkpoint_exactly() {
 /// Without `--export` the last save, refused too, ends every rank with the error.
 #[test]
 fn saves_refused_for_disk_space_go_on_and_the_export_keeps_the_final_weights() {
-    let dir = scratch("no-space");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("no-space");
     // MINI has 4,592 parameters: an f32 checkpoint takes 16 bytes of each (73 kB), its weights
     // alone 4 (18 kB).
     let free = Some(40_000);
@@ -306,9 +308,7 @@ fn saves_refused_for_disk_space_go_on_and_the_export_keeps_the_final_weights() {
 /// A save for a stop is the exception: a run stopped to be resumed keeps its checkpoint.
 #[test]
 fn saves_that_would_crowd_out_the_export_are_refused_but_not_a_stops() {
-    let dir = scratch("export-room");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("export-room");
     // MINI's f32 checkpoint takes 73 kB and its weights 18 kB: one fits 80 kB, not both.
     let free = Some(80_000);
     let batch = ["--micro-batch", "4", "--save-every", "2", "--steps", "4"];
@@ -376,9 +376,7 @@ fn run_single(
 /// space, `--export` gets the weights of step 2 instead, those a roomy run's checkpoint holds.
 #[test]
 fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
-    let dir = scratch("stopped");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("stopped");
     let stopped = |out: &Path, export: &Path, free: Option<u64>| {
         let export = ["--export", export.to_str().unwrap()].map(str::to_owned);
         stop_after(2, &[flags(&config, out, &["--steps", "5"]), export.to_vec()].concat(), free)
@@ -407,9 +405,7 @@ fn a_stopped_run_exports_only_where_its_checkpoint_was_refused() {
 /// the first wait for the end; with none, every one is made. A given interval sets no pace.
 #[test]
 fn saves_and_evaluations_by_default_keep_their_pace() {
-    let dir = scratch("pace");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("pace");
     let run = |name: &str, pace: Option<Pace>| {
         let out = dir.join(name);
         let mut setup = single_setup(&flags(&config, &out, &["--steps", "7"]));
@@ -455,9 +451,7 @@ fn saves_and_evaluations_by_default_keep_their_pace() {
 /// run's activities go step, sample, then the next step.
 #[test]
 fn a_sample_is_an_activity_of_its_own() {
-    let dir = scratch("sampling");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("sampling");
     let sample = ["--steps", "3", "--sample-every", "2", "--sample-prompt", "1,2,3"];
     let setup = single_setup(&flags(&config, &dir.join("run"), &sample));
     struct Seen(Vec<Activity>);
@@ -504,9 +498,7 @@ fn checkpoints_of(out: &Path) -> Vec<PathBuf> {
 fn a_rank_that_fails_fails_the_others_instead_of_hanging() {
     // Rank 1 is given data that does not exist: it fails before the rendezvous, so rank 0 gives
     // up waiting for it and names it.
-    let dir = scratch("missing-rank");
-    let config = dir.join("zero2.json");
-    std::fs::write(&config, ZERO2_OFFLOAD).unwrap();
+    let (dir, config) = scratch_with_zero2("missing-rank");
     let out = dir.join("run");
     let port = free_port();
     let devices: Vec<CpuDevice> = (0..2).map(|_| CpuDevice::new().unwrap()).collect();

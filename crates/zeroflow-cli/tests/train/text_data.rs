@@ -212,3 +212,50 @@ fn a_resumed_fine_tune_continues_as_the_uninterrupted_run() {
     assert!(want["text"].as_str().is_some_and(|t| !t.is_empty()), "{want}");
     assert_eq!(got, want);
 }
+
+/// Two ranks of one host, started together: the first tokenizes, the second waits and reads
+/// the same shards (no folder of its own); where tokenizing fails, both fail with its error.
+#[test]
+fn the_ranks_of_a_host_share_one_tokenizing() {
+    use zeroflow_train::TrainError;
+    use zeroflow_train::data::Spec;
+    use zeroflow_train::startup_tokens::{DataRole, RankOnHost, tokenized_at_start};
+
+    let dir = scratch("text_data_host_tokens");
+    let model = dir.join("model");
+    write_model_dir(&model);
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "hello world\n".repeat(1000)).unwrap();
+    let (out, bad) = (dir.join("run"), dir.join("bad.jsonl"));
+    std::fs::write(&bad, "{\"text\": \"fine\"}\nnot json\n").unwrap();
+    let both = |spec: &dyn Fn() -> Spec| -> Vec<Result<Spec, TrainError>> {
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = [1, 0]
+                .into_iter()
+                .map(|rank| {
+                    let (spec, model, out) = (spec(), &model, &out);
+                    scope.spawn(move || {
+                        let at = RankOnHost { rank, local_rank: rank };
+                        tokenized_at_start(spec, DataRole::Train, Some(model), out, at)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
+        })
+    };
+    let read = both(&|| Spec::Text(vec![corpus.clone()]));
+    let shards = |spec: &Result<Spec, TrainError>| match spec {
+        Ok(Spec::Shards(shards)) => shards.clone(),
+        other => panic!("{other:?}"),
+    };
+    let want = vec![out.join("tokens/rank-0/tokens_000000.bin")];
+    assert_eq!((shards(&read[0]), shards(&read[1])), (want.clone(), want));
+    assert!(!out.join("tokens/rank-1").exists());
+    let failed = both(&|| Spec::Jsonl(bad.clone()));
+    for (rank, result) in [1, 0].into_iter().zip(failed) {
+        let error = format!("{:#}", result.expect_err("a bad line"));
+        assert!(error.contains("bad.jsonl:2: not JSON"), "rank {rank}: {error}");
+        assert!(error.contains("--skip-bad-lines` (which skips such lines) and give --data DIR"));
+        assert_eq!(error.contains("as rank 0 found"), rank == 1, "rank {rank}: {error}");
+    }
+}

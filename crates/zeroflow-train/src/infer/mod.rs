@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 
-use zeroflow_data::{Tokenizer, read_shard};
+use zeroflow_data::Tokenizer;
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, bf16};
@@ -386,14 +386,15 @@ impl HostModel {
             return Err(input(format!("--window {window}: between 1 and the context ({context})")));
         }
         let (mut sum, mut tokens) = (0.0, 0);
-        for path in spec.files() {
-            let stream = match spec {
+        let shards = zeroflow_data::Source::Shards(spec.files().to_vec());
+        for (index, path) in spec.files().iter().enumerate() {
+            let (stream, mask) = match spec {
                 Spec::Text(_) => {
                     let read = |source| TrainError::Io {
                         what: format!("read {}", path.display()),
                         source,
                     };
-                    match tokenizer {
+                    let stream = match tokenizer {
                         None => {
                             std::fs::read(path).map_err(read)?.into_iter().map(u32::from).collect()
                         }
@@ -403,26 +404,17 @@ impl HostModel {
                             zeroflow_data::encode_text_file(tokenizer, path, piece)
                                 .map_err(|e| input(e.to_string()))?
                         }
-                    }
+                    };
+                    (stream, None)
                 }
+                // The shard with its loss mask (chat data's), as the training's loader reads it.
                 _ => {
-                    read_shard(path, self.vocab_size()).map_err(|e| input(e.to_string()))?.to_u32()
+                    let unit = zeroflow_data::read_unit(&shards, index, self.vocab_size())
+                        .map_err(|e| input(e.to_string()))?;
+                    (unit.tokens.to_u32(), unit.mask)
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
-            let mask_file = zeroflow_data::mask_path(path);
-            let mask = match (spec, mask_file.is_file()) {
-                (Spec::Shards(_), true) => Some(
-                    zeroflow_data::read_loss_mask(&mask_file).map_err(|e| input(e.to_string()))?,
-                ),
-                _ => None,
-            };
-            if mask.as_ref().is_some_and(|mask| mask.len() != stream.len()) {
-                return Err(input(format!(
-                    "{}: its loss mask is not one byte per token of the shard",
-                    mask_file.display()
-                )));
-            }
             let mask = mask.as_deref();
             let result = match device {
                 InferDevice::Cpu => self.eval(&stream, mask, window)?,
@@ -486,13 +478,7 @@ fn tokenize_jsonl(
     let template = zeroflow_data::ChatTemplate::from_config(tokenizer.config())
         .transpose()
         .map_err(|e| input(format!("--data {shown}: {e}")))?;
-    let options = zeroflow_data::TokenizeOptions {
-        out_dir: dir.to_path_buf(),
-        shard_tokens: 100_000_000,
-        skip_bad_lines: false,
-        chat_template: template.as_ref(),
-        text_piece_bytes: zeroflow_data::TEXT_PIECE_BYTES,
-    };
+    let options = zeroflow_data::TokenizeOptions::new(dir.to_path_buf(), template.as_ref());
     let summary =
         zeroflow_data::tokenize_corpus(tokenizer, &[jsonl.to_path_buf()], &options, &|_| {})
             .map_err(|e| input(format!("--data {shown}: {e}")))?;
