@@ -2,7 +2,8 @@
 """Checks `zeroflow tokenize` against the Python `tokenizers` and `transformers` packages.
 
 Builds its own tokenizers (no network): a Llama-3-style byte-level BPE (its split regex, a BOS
-post-processor) and a Llama-2-style Metaspace BPE with byte fallback, both trained here on mixed
+post-processor) and a Llama-2-style Metaspace BPE with byte fallback (a `Prepend` normalizer, and
+the same model behind a Mistral-style `Metaspace` pre-tokenizer), both trained here on mixed
 text (unicode, digits, whitespace runs, code); and GPT-2's own, from the local Hugging Face cache
 or built from GPT-2's original encoder.json and vocab.bpe (--gpt2-files, or tiktoken-rs's copy in
 the cargo registry). For each it runs `zeroflow tokenize` on a `.jsonl` of documents and compares every
@@ -11,7 +12,8 @@ document of the shards with `[end-of-text] + tokenizer.encode(text).ids`; it als
 
 A text file: the texts joined by line breaks into one `.txt` (over 1 MiB from --megabytes 2 on),
 which zeroflow reads and encodes in pieces of about 1 MiB ending at line breaks (the first with the
-tokenizer's special tokens, the rest without): compared with the same pieces encoded here, and
+tokenizer's special tokens, the rest without them and without the mark of a text's start, a
+Metaspace's or a Prepend normalizer's "▁"): compared with the same pieces encoded here, and
 counted against the file encoded whole.
 
 Then chat: for a Llama-3-style, a ChatML (Qwen-style) and a Qwen-2.5-style tool-calling template
@@ -190,7 +192,22 @@ def metaspace_byte_fallback(texts):
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=["<unk>", "<s>", "</s>"] + bytes_)
+    # Trained as sentencepiece trains (`split_by_whitespace`, a text per line): no token holds a
+    # line break or a "▁" after its first character; encoded, as Llama-2's tokenizer.json is,
+    # with no pre-tokenizer.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.Split("▁", "merged_with_next")])
     tok.train_from_iterator(texts, trainer)
+    tok.pre_tokenizer = None
+    return tok
+
+
+def mistral_style(llama2):
+    """`llama2`'s model with Mistral's pipeline: no normalizer, a `Metaspace` pre-tokenizer that
+    prepends "▁" to the text's first word and does not split."""
+    tok = Tokenizer.from_str(llama2.to_str())
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     return tok
 
 
@@ -322,6 +339,34 @@ def text_pieces(data, piece=TEXT_PIECE_BYTES):
             return pieces
 
 
+def without_prefix(tok):
+    """`tok` without what marks the start of a text (tokenizer.rs `without_prefix`): no `Prepend`
+    normalizer, a `Metaspace` that prepends `never`, a `ByteLevel` without `add_prefix_space`."""
+    config = json.loads(tok.to_str())
+
+    def normalizer(n):
+        if n is None or n["type"] == "Prepend":
+            return None
+        if n["type"] == "Sequence":
+            n["normalizers"] = [m for m in map(normalizer, n["normalizers"]) if m is not None]
+        return n
+
+    def pre_tokenizer(p):
+        if p is None:
+            return
+        if p["type"] == "Metaspace":
+            p["prepend_scheme"] = "never"
+        elif p["type"] == "ByteLevel":
+            p["add_prefix_space"] = False
+        elif p["type"] == "Sequence":
+            for q in p["pretokenizers"]:
+                pre_tokenizer(q)
+
+    config["normalizer"] = normalizer(config["normalizer"])
+    pre_tokenizer(config["pre_tokenizer"])
+    return Tokenizer.from_str(json.dumps(config))
+
+
 def check_text_file(name, tok, tokenizer_arg, eot, texts, work, zeroflow, failures):
     text = "\n".join(texts) + "\n"
     path = work / f"{name}.txt"
@@ -330,9 +375,9 @@ def check_text_file(name, tok, tokenizer_arg, eot, texts, work, zeroflow, failur
     run_zeroflow(zeroflow, tokenizer_arg, [path], out)
     _, documents = read_output(out)
     pieces = text_pieces(text.encode())
-    expected = [eot]
+    expected, more = [eot], without_prefix(tok)
     for k, piece in enumerate(pieces):
-        expected += tok.encode(piece.decode(), add_special_tokens=k == 0).ids
+        expected += (more if k else tok).encode(piece.decode(), add_special_tokens=k == 0).ids
     tokens = documents[0][0] if len(documents) == 1 else []
     failures.check(len(documents) == 1 and tokens == expected,
                    f"{name}: the text file in {len(pieces)} pieces: {len(documents)} documents, "
@@ -468,8 +513,10 @@ def main():
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         llama3 = llama3_style(texts)
+        llama2 = metaspace_byte_fallback(texts)
         for name, tok, eot_token in [("llama3-style", llama3, "<|end_of_text|>"),
-                                     ("metaspace-byte-fallback", metaspace_byte_fallback(texts), "</s>")]:
+                                     ("metaspace-byte-fallback", llama2, "</s>"),
+                                     ("metaspace-first", mistral_style(llama2), "</s>")]:
             path = work / f"{name}.json"
             tok.save(str(path))
             check_documents(name, tok, path, tok.token_to_id(eot_token), texts, work, zeroflow, failures)

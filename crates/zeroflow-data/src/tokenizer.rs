@@ -178,7 +178,28 @@ fn chat_template_field(path: &Path, json: &Value) -> Result<Option<String>, Toke
 enum Kind {
     Bytes,
     Gpt2,
-    HuggingFace(Box<HfTokenizer>),
+    HuggingFace(Box<Hf>),
+}
+
+/// A `tokenizer.json`'s pipeline, and where its normalizer or pre-tokenizer puts a prefix before
+/// a text (Llama-2's `Prepend("▁")`, Mistral's `Metaspace` that prepends, a `ByteLevel` that
+/// adds a space), the same pipeline without that prefix, for text that goes on from text already
+/// encoded ([`Tokenizer::encode_more`]).
+#[derive(Clone, Debug)]
+struct Hf {
+    text: HfTokenizer,
+    more: Option<HfTokenizer>,
+}
+
+impl Hf {
+    fn new(text: HfTokenizer) -> Hf {
+        let more = without_prefix(&text);
+        Hf { text, more }
+    }
+
+    fn more(&self) -> &HfTokenizer {
+        self.more.as_ref().unwrap_or(&self.text)
+    }
 }
 
 /// A `tokenizer.json`'s pipeline around its model shared by every copy ([`SharedModel`]).
@@ -279,6 +300,70 @@ fn own_split_regex(mut tokenizer: HfTokenizer) -> HfTokenizer {
     tokenizer
 }
 
+/// `tokenizer` without what puts a prefix before its text: a `Prepend` normalizer (Llama-2's
+/// `"▁"`) is dropped, a `Metaspace` pre-tokenizer prepends `Never`, a `ByteLevel` one does not
+/// add a space — `None` where it has none of these. A text cut into pieces then encodes, piece
+/// after piece, to the ids of the text whole where the cut is at a boundary of its words: the
+/// prefix marks the start of a text, which a later piece is not.
+fn without_prefix(tokenizer: &HfTokenizer) -> Option<HfTokenizer> {
+    use tokenizers::normalizers::NormalizerWrapper;
+    use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+    use tokenizers::pre_tokenizers::metaspace::PrependScheme;
+
+    /// The normalizer without its `Prepend`s (`None`: nothing left), and whether it had one.
+    fn normalizer(n: NormalizerWrapper) -> (Option<NormalizerWrapper>, bool) {
+        match n {
+            NormalizerWrapper::Prepend(_) => (None, true),
+            NormalizerWrapper::Sequence(sequence) => {
+                let mut changed = false;
+                let rest: Vec<_> = sequence
+                    .into_iter()
+                    .filter_map(|n| {
+                        let (n, c) = normalizer(n);
+                        changed |= c;
+                        n
+                    })
+                    .collect();
+                let sequence = tokenizers::normalizers::Sequence::new(rest);
+                (Some(NormalizerWrapper::Sequence(sequence)), changed)
+            }
+            other => (Some(other), false),
+        }
+    }
+
+    /// Whether the pre-tokenizer had a prefix, which it no longer puts.
+    fn pre_tokenizer(p: &mut PreTokenizerWrapper) -> bool {
+        match p {
+            PreTokenizerWrapper::Metaspace(m) if m.get_prepend_scheme() != PrependScheme::Never => {
+                m.set_prepend_scheme(PrependScheme::Never);
+                true
+            }
+            PreTokenizerWrapper::ByteLevel(b) if b.add_prefix_space => {
+                b.add_prefix_space = false;
+                true
+            }
+            PreTokenizerWrapper::Sequence(sequence) => {
+                sequence.as_mut().iter_mut().fold(false, |changed, p| pre_tokenizer(p) | changed)
+            }
+            _ => false,
+        }
+    }
+
+    let mut more = tokenizer.clone();
+    let mut changed = false;
+    if let Some(n) = tokenizer.get_normalizer() {
+        let (n, c) = normalizer(n.clone());
+        changed |= c;
+        more.with_normalizer(n).ok()?;
+    }
+    if let Some(p) = tokenizer.get_pre_tokenizer() {
+        let mut p = p.clone();
+        changed |= pre_tokenizer(&mut p);
+        more.with_pre_tokenizer(Some(p));
+    }
+    changed.then_some(more)
+}
+
 /// A tokenizer: its kind, vocabulary size, end-of-text token and config.
 #[derive(Clone, Debug)]
 pub struct Tokenizer {
@@ -373,7 +458,7 @@ impl Tokenizer {
             None => EOT_CANDIDATES.iter().find_map(|t| hf.token_to_id(t)),
         };
         let name = path.display().to_string();
-        let kind = Kind::HuggingFace(Box::new(own_split_regex(hf)));
+        let kind = Kind::HuggingFace(Box::new(Hf::new(own_split_regex(hf))));
         Ok(Tokenizer { kind, name, vocab_size, eot, config })
     }
 
@@ -427,9 +512,11 @@ impl Tokenizer {
         match &self.kind {
             Kind::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Kind::Gpt2 => gpt2_encode(text).map_err(|e| e.to_string()),
-            Kind::HuggingFace(hf) => {
-                hf.encode_fast(text, true).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
-            }
+            Kind::HuggingFace(hf) => hf
+                .text
+                .encode_fast(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string()),
         }
     }
 
@@ -437,9 +524,11 @@ impl Tokenizer {
     /// [`Tokenizer::encode`] without the special tokens the tokenizer puts around a text (a BOS).
     pub fn encode_more(&self, text: &str) -> Result<Vec<u32>, String> {
         match &self.kind {
-            Kind::HuggingFace(hf) => {
-                hf.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
-            }
+            Kind::HuggingFace(hf) => hf
+                .more()
+                .encode_fast(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| e.to_string()),
             Kind::Bytes | Kind::Gpt2 => self.encode(text),
         }
     }
@@ -468,7 +557,7 @@ impl Tokenizer {
                 Ok(TokenOffsets { ids, offsets })
             }
             Kind::HuggingFace(hf) => {
-                let encoding = hf.encode(text, false).map_err(|e| e.to_string())?;
+                let encoding = hf.text.encode(text, false).map_err(|e| e.to_string())?;
                 let ids = encoding.get_ids().to_vec();
                 Ok(TokenOffsets { ids, offsets: encoding.get_offsets().to_vec() })
             }
@@ -483,7 +572,7 @@ impl Tokenizer {
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
             Kind::Gpt2 => gpt2_decode(ids).map_err(|e| e.to_string()),
-            Kind::HuggingFace(hf) => hf.decode(ids, false).map_err(|e| e.to_string()),
+            Kind::HuggingFace(hf) => hf.text.decode(ids, false).map_err(|e| e.to_string()),
         }
     }
 }
@@ -528,7 +617,7 @@ mod tests {
         let tokenizer = Tokenizer::from_file(&path, TokenizerConfig::default()).unwrap();
         std::fs::remove_file(&path).unwrap();
         let model = |t: &Tokenizer| match &t.kind {
-            Kind::HuggingFace(hf) => Arc::clone(&hf.get_model().0),
+            Kind::HuggingFace(hf) => Arc::clone(&hf.text.get_model().0),
             Kind::Bytes | Kind::Gpt2 => panic!("a tokenizer.json"),
         };
         let copies = tokenizer.per_thread();

@@ -12,8 +12,8 @@ use zeroflow_data::{
 };
 
 use crate::fixtures::{
-    LLAMA3_TEMPLATE, byte_level_bpe, llama3_split_bpe, model_dir, scratch, special_id, three_turns,
-    word_level_big,
+    LLAMA3_TEMPLATE, Sentencepiece, byte_level_bpe, llama3_split_bpe, model_dir, scratch,
+    sentencepiece_bpe, special_id, three_turns, word_level_big,
 };
 
 fn options(out_dir: &Path, shard_tokens: usize) -> TokenizeOptions<'static> {
@@ -312,17 +312,42 @@ fn a_text_file_in_pieces_is_the_file_encoded_whole() {
     }
 }
 
+/// A sentencepiece-style tokenizer marks the start of a text with `"▁"` (Llama-2's `Prepend`
+/// normalizer, Mistral's `Metaspace` pre-tokenizer): the pieces after the first are encoded
+/// without it, and give the tokens of the text encoded whole, cut at a line break or, in a long
+/// line, before a space.
+#[test]
+fn sentencepiece_pieces_are_the_file_encoded_whole() {
+    let lines: String =
+        (0..200).map(|i| format!("line {i} of the file: hello world, linger\n")).collect();
+    let one_line = lines.replace('\n', " ");
+    for name in ["lines-llama2", "lines-mistral"] {
+        for piece in [16, 100, 1000] {
+            check_in_pieces(name, &lines, piece);
+            check_in_pieces(&name.replace("lines", "one-line"), &one_line, piece);
+        }
+    }
+}
+
 /// `text` as a file tokenized in pieces of `piece` bytes, and read as `eval` reads it: the tokens
 /// of the text encoded whole, one document.
 fn check_in_pieces(name: &str, text: &str, piece: usize) {
     let dir = scratch(&format!("corpus-text-pieces-{name}-{piece}"));
-    // GPT-2's split (the byte-level pre-tokenizer's own), or Llama-3's.
-    let tokenizer = match name.ends_with("llama3") {
-        true => {
-            model_dir(&dir.join("model"), &llama3_split_bpe(), None);
+    // GPT-2's split (the byte-level pre-tokenizer's own), Llama-3's, or sentencepiece's.
+    let tokenizer_json = match name.rsplit('-').next() {
+        Some("llama3") => Some(llama3_split_bpe()),
+        Some("llama2") => Some(sentencepiece_bpe(Sentencepiece::Llama2)),
+        Some("mistral") => Some(sentencepiece_bpe(Sentencepiece::Mistral)),
+        _ => None,
+    };
+    let tokenizer = match tokenizer_json {
+        Some(json) => {
+            let config = json!({"eos_token": "</s>"});
+            let with_config = name.ends_with("llama2") || name.ends_with("mistral");
+            model_dir(&dir.join("model"), &json, with_config.then_some(&config));
             Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap()
         }
-        false => bpe_tokenizer(&dir.join("model")),
+        None => bpe_tokenizer(&dir.join("model")),
     };
     let path = dir.join("a.txt");
     std::fs::write(&path, text).unwrap();

@@ -118,6 +118,83 @@ pub fn llama3_split_bpe() -> Value {
     tokenizer
 }
 
+/// How a sentencepiece-style tokenizer.json marks the start of a text with `"▁"`: Llama-2's
+/// normalizer (`Prepend`, then spaces replaced), or Mistral's `Metaspace` pre-tokenizer that
+/// prepends to the first word.
+#[derive(Clone, Copy)]
+pub enum Sentencepiece {
+    Llama2,
+    Mistral,
+}
+
+/// A sentencepiece-style BPE tokenizer.json (Llama-2 / Mistral): `<unk>`, `<s>`, `</s>`, the 256
+/// byte tokens `<0x00>`… (byte fallback: a line break is `<0x0A>`), `"▁"` and the lowercase letters
+/// and digits, merges of `"▁"` with a letter and of letter pairs; a BOS before each text.
+pub fn sentencepiece_bpe(style: Sentencepiece) -> Value {
+    let mut vocab = serde_json::Map::new();
+    for (i, token) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert(token.to_string(), json!(i));
+    }
+    for b in 0..=255u32 {
+        vocab.insert(format!("<0x{b:02X}>"), json!(3 + b));
+    }
+    let singles = std::iter::once('▁').chain('a'..='z').chain('0'..='9');
+    let merges: Vec<(String, String)> = ('a'..='z')
+        .map(|c| ("▁".to_string(), c.to_string()))
+        .chain(["in", "er", "ld", "ll", "or", "he", "li"].map(|p| (p[..1].into(), p[1..].into())))
+        .chain(
+            [("▁h", "e"), ("▁l", "in"), ("▁he", "ll"), ("▁w", "or"), ("▁wor", "ld")]
+                .map(|(a, b)| (a.to_string(), b.to_string())),
+        )
+        .collect();
+    let tokens = singles.map(String::from).chain(merges.iter().map(|(a, b)| format!("{a}{b}")));
+    for token in tokens {
+        let id = vocab.len();
+        vocab.entry(token).or_insert(json!(id));
+    }
+    let (normalizer, pre_tokenizer) = match style {
+        Sentencepiece::Llama2 => (
+            json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ]}),
+            Value::Null,
+        ),
+        Sentencepiece::Mistral => (
+            Value::Null,
+            json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+                   "split": false}),
+        ),
+    };
+    let special = |id: u32, t: &str| {
+        json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+               "normalized": false, "special": true})
+    };
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
+        },
+        "decoder": null,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>(),
+        }
+    })
+}
+
 /// A WordLevel tokenizer.json (whitespace-split words) with ids up to 70000: u32 shards.
 pub fn word_level_big() -> Value {
     json!({
