@@ -57,8 +57,6 @@ pub enum DataErrorKind {
     TrailingBytes { expected_bytes: u64, found_bytes: u64 },
     /// A token id does not fit the model's vocabulary.
     TokenOutOfRange { token: u32, index: usize, vocab: usize },
-    /// A text file for GPT-2 BPE is not UTF-8.
-    NotUtf8 { offset: usize },
     /// The GPT-2 tokenizer could not be set up.
     Tokenizer(String),
     /// The file's contents break its format's rules.
@@ -94,12 +92,6 @@ impl fmt::Display for DataErrorKind {
                 f,
                 "token id {token} at index {index} is not below the model's vocabulary size {vocab}"
             ),
-            DataErrorKind::NotUtf8 { offset } => {
-                write!(
-                    f,
-                    "not UTF-8 (invalid bytes at offset {offset}); GPT-2 BPE needs UTF-8 text"
-                )
-            }
             DataErrorKind::Tokenizer(e) => write!(f, "GPT-2 tokenizer: {e}"),
             DataErrorKind::Corrupt(e) => write!(f, "corrupt: {e}"),
             DataErrorKind::TooShort { tokens, needed } => write!(

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::shard::{ShardTokens, read_document_index, read_loss_mask, read_shard};
-use crate::text::{read_bytes, read_gpt2_text};
+use crate::text::read_bytes;
 use crate::{DataError, DataErrorKind, SyntheticCorpus};
 
 /// Where the tokens come from.
@@ -35,8 +35,6 @@ pub enum Source {
     Shards(Vec<PathBuf>),
     /// Plain text files read as bytes (vocabulary 256).
     Text(Vec<PathBuf>),
-    /// UTF-8 text files tokenized with GPT-2's BPE (vocabulary 50257).
-    Gpt2Text(Vec<PathBuf>),
     /// `len` tokens of the synthetic corpus from stream `stream_seed`.
     Synthetic { corpus: Arc<SyntheticCorpus>, stream_seed: u64, len: usize },
 }
@@ -334,9 +332,7 @@ pub fn mask_path(shard: &std::path::Path) -> PathBuf {
 
 fn unit_path(source: &Source, index: usize) -> PathBuf {
     match source {
-        Source::Shards(paths) | Source::Text(paths) | Source::Gpt2Text(paths) => {
-            paths[index].clone()
-        }
+        Source::Shards(paths) | Source::Text(paths) => paths[index].clone(),
         Source::Synthetic { .. } => "<synthetic>".into(),
     }
 }
@@ -345,8 +341,7 @@ fn unit_path(source: &Source, index: usize) -> PathBuf {
 pub fn read_unit(source: &Source, index: usize, vocab: usize) -> Result<Unit, DataError> {
     let tokens = match source {
         Source::Shards(paths) => read_shard(&paths[index], vocab)?,
-        Source::Text(paths) => ShardTokens::U32(read_bytes(&paths[index], vocab)?),
-        Source::Gpt2Text(paths) => ShardTokens::U32(read_gpt2_text(&paths[index], vocab)?),
+        Source::Text(paths) => ShardTokens::U8(read_bytes(&paths[index], vocab)?),
         Source::Synthetic { corpus, stream_seed, len } => {
             let tokens = corpus.sample(*stream_seed, *len);
             if let Some(index) = tokens.iter().position(|&t| t as usize >= vocab) {
@@ -378,7 +373,7 @@ pub fn read_unit(source: &Source, index: usize, vocab: usize) -> Result<Unit, Da
 
 fn shard_count(source: &Source) -> usize {
     match source {
-        Source::Shards(paths) | Source::Text(paths) | Source::Gpt2Text(paths) => paths.len(),
+        Source::Shards(paths) | Source::Text(paths) => paths.len(),
         Source::Synthetic { .. } => 1,
     }
 }

@@ -50,9 +50,11 @@ impl TokenWidth {
     }
 }
 
-/// The tokens of a shard, as wide as the file stores them.
+/// The tokens of a shard, as wide as the file stores them (a text file read as bytes: one byte
+/// each).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ShardTokens {
+    U8(Vec<u8>),
     U16(Vec<u16>),
     U32(Vec<u32>),
 }
@@ -60,6 +62,7 @@ pub enum ShardTokens {
 impl ShardTokens {
     pub fn len(&self) -> usize {
         match self {
+            ShardTokens::U8(t) => t.len(),
             ShardTokens::U16(t) => t.len(),
             ShardTokens::U32(t) => t.len(),
         }
@@ -72,6 +75,7 @@ impl ShardTokens {
     /// Token `index`.
     pub fn get(&self, index: usize) -> u32 {
         match self {
+            ShardTokens::U8(t) => u32::from(t[index]),
             ShardTokens::U16(t) => u32::from(t[index]),
             ShardTokens::U32(t) => t[index],
         }
@@ -80,6 +84,7 @@ impl ShardTokens {
     /// Keeps the first `len` tokens.
     pub fn truncate(&mut self, len: usize) {
         match self {
+            ShardTokens::U8(t) => t.truncate(len),
             ShardTokens::U16(t) => t.truncate(len),
             ShardTokens::U32(t) => t.truncate(len),
         }
@@ -88,6 +93,9 @@ impl ShardTokens {
     /// Copies `out.len()` tokens from `start` into `out`.
     pub fn copy_to(&self, start: usize, out: &mut [u32]) {
         match self {
+            ShardTokens::U8(t) => {
+                out.iter_mut().zip(&t[start..]).for_each(|(o, &x)| *o = u32::from(x));
+            }
             ShardTokens::U16(t) => {
                 out.iter_mut().zip(&t[start..]).for_each(|(o, &x)| *o = u32::from(x));
             }
@@ -98,6 +106,7 @@ impl ShardTokens {
     /// All tokens as u32.
     pub fn to_u32(&self) -> Vec<u32> {
         match self {
+            ShardTokens::U8(t) => t.iter().map(|&x| u32::from(x)).collect(),
             ShardTokens::U16(t) => t.iter().map(|&x| u32::from(x)).collect(),
             ShardTokens::U32(t) => t.clone(),
         }

@@ -251,29 +251,12 @@ fn the_synthetic_source_and_text_source_make_batches() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// GPT-2 BPE works offline and gives GPT-2's ids ("Hello world" is 15496, 995); a file that is not
-/// UTF-8, or a model vocabulary below GPT-2's, is a typed error naming the file.
+/// GPT-2 BPE works offline and gives GPT-2's ids ("Hello world" is 15496, 995), and decodes them
+/// back.
 #[test]
-fn gpt2_text_is_tokenized_with_gpt2_bpe() {
-    use zeroflow_data::{GPT2_VOCAB, gpt2_decode, gpt2_encode};
+fn gpt2_bpe_gives_gpt2_ids() {
+    use zeroflow_data::{gpt2_decode, gpt2_encode};
     assert_eq!(gpt2_encode("Hello world").unwrap(), [15496, 995]);
     let text = "Language models are unsupervised multitask learners. ".repeat(20);
     assert_eq!(gpt2_decode(&gpt2_encode(&text).unwrap()).unwrap(), text);
-
-    let dir = scratch("gpt2");
-    let path = dir.join("t.txt");
-    std::fs::write(&path, &text).unwrap();
-    let mut loader =
-        DataLoader::new(Source::Gpt2Text(vec![path.clone()]), GPT2_VOCAB, 2, 8, 0, 1).unwrap();
-    let batch = loader.next_batch().unwrap();
-    assert_eq!(batch.inputs[..], gpt2_encode(&text).unwrap()[..16]);
-
-    let small = DataLoader::new(Source::Gpt2Text(vec![path.clone()]), 256, 2, 8, 0, 1).unwrap_err();
-    assert!(matches!(small.kind, DataErrorKind::TokenOutOfRange { vocab: 256, .. }), "{small}");
-    let latin1 = dir.join("latin1.txt");
-    std::fs::write(&latin1, b"caf\xe9 au lait").unwrap();
-    let error = DataLoader::new(Source::Gpt2Text(vec![latin1.clone()]), GPT2_VOCAB, 1, 2, 0, 1)
-        .unwrap_err();
-    assert_eq!((error.kind, error.path), (DataErrorKind::NotUtf8 { offset: 3 }, latin1));
-    std::fs::remove_dir_all(dir).unwrap();
 }

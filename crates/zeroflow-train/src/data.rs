@@ -1,5 +1,6 @@
 //! The data of a run: `--data` parsed into a training source and a held-out evaluation source.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -239,7 +240,8 @@ impl Data {
                 let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
                 let tokens = read_unit(&eval, 0, vocab).map_err(data_error)?;
                 let what = format!("{} tokens of a held-out stream", thousands(len));
-                (EvalTokens::of(tokens, None), what)
+                let all = 0..tokens.tokens.len();
+                (EvalTokens::of(tokens, None, all), what)
             }
             (None, _) => {
                 let source = source(spec, vocab)?;
@@ -259,7 +261,7 @@ impl Data {
                     thousands(held),
                     files[files.len() - 1].display()
                 );
-                (EvalTokens::of(last, documents).tail(held), what)
+                (EvalTokens::of(last, documents, len - held..len), what)
             }
         };
         let counted = match &tokens.mask {
@@ -290,24 +292,18 @@ struct EvalTokens {
 }
 
 impl EvalTokens {
-    fn of(unit: Unit, documents: Option<Vec<u64>>) -> EvalTokens {
-        let mut tokens = vec![0; unit.tokens.len()];
-        unit.tokens.copy_to(0, &mut tokens);
-        EvalTokens { tokens, mask: unit.mask, documents }
-    }
-
-    /// The last `len` tokens (a document that began before them starts again at their start).
-    fn tail(mut self, len: usize) -> EvalTokens {
-        let start = self.tokens.len() - len;
-        self.tokens.drain(..start);
-        if let Some(mask) = &mut self.mask {
-            mask.drain(..start);
-        }
-        if let Some(documents) = &mut self.documents {
-            documents.retain(|&s| s >= start as u64);
-            documents.iter_mut().for_each(|s| *s -= start as u64);
-        }
-        self
+    /// The tokens `range` of `unit` (where its `documents` start, given, counted from the range's
+    /// start: a document that began before it starts again there), widened to u32 alone: a text
+    /// file's bytes or a shard's u16 tokens stay as narrow as they are outside it.
+    fn of(unit: Unit, documents: Option<Vec<u64>>, range: Range<usize>) -> EvalTokens {
+        let mut tokens = vec![0; range.len()];
+        unit.tokens.copy_to(range.start, &mut tokens);
+        let mask = unit.mask.map(|mask| mask[range.clone()].to_vec());
+        let (start, end) = (range.start as u64, range.end as u64);
+        let documents = documents.map(|starts| {
+            starts.into_iter().filter(|s| (start..end).contains(s)).map(|s| s - start).collect()
+        });
+        EvalTokens { tokens, mask, documents }
     }
 }
 
@@ -337,13 +333,13 @@ fn leading_tokens(
             let starts = starts.into_iter().filter(|&s| s < take as u64);
             documents.extend(starts.map(|s| s + had as u64));
         }
-        let mut unit = EvalTokens::of(unit, None);
+        let mut unit = EvalTokens::of(unit, None, 0..take);
         if let Some(mask) = unit.mask.take() {
-            out.mask.get_or_insert_with(|| vec![1; had]).extend_from_slice(&mask[..take]);
+            out.mask.get_or_insert_with(|| vec![1; had]).extend_from_slice(&mask);
         } else if let Some(mask) = &mut out.mask {
             mask.extend(std::iter::repeat_n(1, take));
         }
-        out.tokens.extend_from_slice(&unit.tokens[..take]);
+        out.tokens.extend_from_slice(&unit.tokens);
     }
     Ok(out)
 }
@@ -428,5 +424,21 @@ mod tests {
         assert!(!wildcard_match("train_??.bin", "train_1.bin"));
         assert!(!wildcard_match("*.bin", "notes.txt"));
         assert!(wildcard_match("*", ""));
+    }
+
+    /// A range of a unit is widened alone, its mask cut with it, and its documents counted from
+    /// its start (one that began before it is not listed: it starts again there).
+    #[test]
+    fn eval_tokens_are_a_range_of_the_unit() {
+        use zeroflow_data::{ShardTokens, Unit};
+        let bytes = Unit { tokens: ShardTokens::U8((0..12).collect()), mask: None };
+        let tokens = super::EvalTokens::of(bytes, None, 4..10);
+        assert_eq!((tokens.tokens, tokens.mask, tokens.documents), ((4..10).collect(), None, None));
+        let mask = Some((0..12).map(|i| (i % 3 != 0) as u8).collect::<Vec<_>>());
+        let shard = Unit { tokens: ShardTokens::U16((100..112).collect()), mask };
+        let tokens = super::EvalTokens::of(shard, Some(vec![0, 5, 9, 10]), 4..10);
+        assert_eq!(tokens.tokens, (104..110).collect::<Vec<u32>>());
+        assert_eq!(tokens.mask, Some(vec![1, 1, 0, 1, 1, 0]));
+        assert_eq!(tokens.documents, Some(vec![1, 5]));
     }
 }
