@@ -463,6 +463,79 @@ def check_chat(name, template, tok, work, zeroflow, chats, failures):
               f"{sum(len(m) for m in chats)} messages, {bad} mismatched")
 
 
+def expected_documents(hf, messages):
+    """The documents zeroflow's prefix rendering makes of `messages`, by transformers' rendering:
+    ([(ids, the assistant contents trained on)], whether turn by turn) — one document where each assistant turn's
+    conversation so far renders as the start of the whole, else one per assistant turn (the
+    conversation through it, that turn alone trained on)."""
+    whole = hf.apply_chat_template(messages, tokenize=False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    throughs = {i: hf.apply_chat_template(messages[:i + 1], tokenize=False) for i in turns}
+    for i in turns:
+        before = hf.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        if not throughs[i].startswith(before):
+            raise RuntimeError(f"turn {i} does not follow its conversation so far")
+    ids = lambda m: list(hf.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"])
+    content = lambda i: messages[i]["content"].strip()
+    if all(whole.startswith(throughs[i]) for i in turns):
+        return [(ids(messages), [content(i) for i in turns])], False
+    return [(ids(messages[:i + 1]), [content(i)]) for i in turns], True
+
+
+def trained_runs(hf, tokens, mask):
+    """The text of each run of trained tokens."""
+    runs, at = [], 0
+    while at < len(mask):
+        if mask[at]:
+            end = next((j for j in range(at, len(mask)) if not mask[j]), len(mask))
+            runs.append(hf.decode(tokens[at:end]))
+            at = end
+        else:
+            at += 1
+    return runs
+
+
+def check_model_template(name, template_path, tok, work, zeroflow, chats, failures):
+    """A model's own template (no generation markers: zeroflow renders prefixes): the ids of every
+    document as transformers' `apply_chat_template` renders it, the conversation whole or, where
+    the template renders a turn differently once later messages follow, through each assistant
+    turn; and the tokens zeroflow trains on, read back, each assistant content in order."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = Path(template_path).read_text()
+    model = work / f"{name}-model"
+    model.mkdir()
+    tok.save(str(model / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": template,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
+                                 bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    hf.chat_template = template
+    eot = hf.convert_tokens_to_ids("<|end_of_text|>")
+    expected = [expected_documents(hf, m) for m in chats]
+    jsonl = work / f"{name}.jsonl"
+    jsonl.write_text("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in chats))
+    out = work / f"{name}-out"
+    _, said = run_zeroflow(zeroflow, model, [jsonl], out)
+    _, documents = read_output(out)
+    flat = [(i, d) for i, (docs, _) in enumerate(expected) for d in docs]
+    failures.check(len(documents) == len(flat), f"{name}: {len(documents)} documents, expected {len(flat)}")
+    bad = set()
+    for (i, (ids, contents)), (tokens, mask) in zip(flat, documents):
+        ok = failures.check(tokens == [eot] + ids, f"{name}: conversation {i} ids")
+        runs = trained_runs(hf, tokens, mask)
+        found = len(runs) == len(contents) and all(c in r for c, r in zip(contents, runs))
+        ok &= failures.check(found, f"{name}: conversation {i}: trained on {runs!r}, "
+                                    f"the assistant wrote {contents!r}")
+        if not ok:
+            bad.add(i)
+    turn_by_turn = sum(by_turn for _, by_turn in expected)
+    print(f"{name} (its own template, prefix rendering): {len(chats)} conversations, "
+          f"{sum(len(m) for m in chats)} messages, {len(flat)} documents ({turn_by_turn} conversations "
+          f"turn by turn), {len(bad)} mismatched")
+
+
 def gpt2_tokenizer(files):
     """GPT-2's own tokenizer as `tokenizers` has it: from the local Hugging Face cache, else built
     from GPT-2's original `encoder.json` and `vocab.bpe` (byte-level BPE, no prefix space, as
@@ -495,6 +568,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpt2-files", default=None,
                         help="a folder with GPT-2's encoder.json and vocab.bpe (default: the cache, then tiktoken-rs's)")
+    parser.add_argument("--model-template", action="append", default=[], metavar="JINJA",
+                        help="a model's own chat template (e.g. Qwen3's) to check, repeatable")
     parser.add_argument("--extra-tokenizer", action="append", default=[], metavar="TOKENIZER_JSON",
                         help="also check and time this tokenizer.json (a real model's, or "
                              "scripts/cl100k-tokenizer.py's 100k-token byte-level BPE); its end-of-text "
@@ -541,6 +616,10 @@ def main():
             check_chat(name, template, llama3, work, zeroflow, chats, failures)
         tool_chats = tool_conversations(rng, args.conversations)
         check_chat("qwen-tools", QWEN_TOOLS_TEMPLATE, llama3, work, zeroflow, tool_chats, failures)
+        for path in args.model_template:
+            name = Path(path).stem
+            chats_for = tool_chats if "tool" in Path(path).read_text() else chats
+            check_model_template(name, path, llama3, work, zeroflow, chats_for, failures)
     if failures.count:
         print(f"FAILED: {failures.count} mismatches")
         sys.exit(1)

@@ -1,6 +1,6 @@
 //! Chat templates: a model's Jinja `chat_template` rendered with `minijinja` the way transformers'
 //! `apply_chat_template` renders it (`trim_blocks`, `lstrip_blocks`, Python's string methods,
-//! `raise_exception`, a Python-style `tojson`, `True`/`False`/`None` printed as Python prints them,
+//! `raise_exception`, `strftime_now` (Llama-3.2's date; in UTC), a Python-style `tojson`, `True`/`False`/`None` printed as Python prints them,
 //! the variables `messages`, `add_generation_prompt` and the special tokens), and the loss mask that covers only the assistant's tokens.
 //!
 //! The assistant's text is found in one of two ways:
@@ -11,6 +11,10 @@
 //! - other templates, by rendering prefixes: for the assistant message `i`, the text it adds is
 //!   what `messages[..=i]` renders beyond `messages[..i]` with the generation prompt, less trailing
 //!   whitespace (generation stops at the end-of-turn token; the newline after it is not trained).
+//!   A template that renders a turn differently once later messages follow (Qwen3's drops the
+//!   reasoning of turns before the last question) makes one document per assistant turn: the
+//!   conversation through that turn, trained on that turn alone — the text the model reads and
+//!   writes when it is asked for that turn.
 //!
 //! A span becomes tokens as in transformers: from the token holding its first byte through the
 //! token holding its last.
@@ -46,12 +50,14 @@ pub enum ConversationError {
     /// The `messages` are not a list of objects with a string `role`.
     #[error("{0}")]
     Messages(String),
-    /// Without generation markers the template does not render each prefix of the conversation
-    /// as a prefix of the whole, so the assistant's tokens cannot be found.
+    /// Without generation markers, the conversation before assistant message `index` with the
+    /// generation prompt does not render as a prefix of the conversation through it, so the
+    /// assistant's tokens cannot be found.
     #[error(
-        "the chat template renders message {index} differently once later messages follow, so \
-         the assistant's tokens cannot be found by rendering prefixes; use a template with \
-         {{% generation %}} markers (--chat-template)"
+        "the chat template does not render the conversation before message {index} (with the \
+         generation prompt) as the start of the conversation through it, so the assistant's \
+         tokens cannot be found by rendering prefixes; use a template with {{% generation %}} \
+         markers (--chat-template)"
     )]
     NotPrefixStable { index: usize },
     /// The tokenizer failed on the rendered text.
@@ -61,6 +67,21 @@ pub enum ConversationError {
     #[error("the conversation contains U+E000 or U+E001, which mark the assistant's text")]
     MarkerInContent,
 }
+
+/// A conversation as it is trained: one document (its text and the byte ranges of the assistant's
+/// text in it), or, where its template renders a turn differently once later messages follow, one
+/// per assistant turn ([`Conversation::turn_by_turn`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conversation<T> {
+    pub documents: Vec<T>,
+    pub turn_by_turn: bool,
+}
+
+/// A rendered document: its text and the byte ranges of the assistant's text in it.
+pub type Rendered = (String, Vec<Range<usize>>);
+
+/// An encoded document: its token ids and loss mask (1 on the assistant's tokens).
+pub type Encoded = (Vec<u32>, Vec<u8>);
 
 /// A compiled chat template.
 #[derive(Debug)]
@@ -85,6 +106,7 @@ impl ChatTemplate {
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", python_tojson);
         env.set_formatter(python_formatter);
         env.add_template_owned(TEMPLATE_NAME, rewritten)
@@ -149,52 +171,67 @@ impl ChatTemplate {
     }
 
     /// The text of a conversation and the byte ranges of the assistant's text in it: the
-    /// generation markers' ranges, or, without markers, the ranges found by rendering prefixes.
+    /// generation markers' ranges, or, without markers, the ranges found by rendering prefixes —
+    /// one document, or one per assistant turn where the template renders a turn differently
+    /// once later messages follow. A turn that its own conversation so far does not render as a
+    /// prefix of is an error.
     pub fn assistant_spans(
         &self,
         messages: &[Json],
         config: &TokenizerConfig,
-    ) -> Result<(String, Vec<Range<usize>>), ConversationError> {
+    ) -> Result<Conversation<Rendered>, ConversationError> {
         check_messages(messages)?;
         if messages.iter().any(|m| m.to_string().contains([GENERATION_START, GENERATION_END])) {
             return Err(ConversationError::MarkerInContent);
         }
         let (text, spans) = self.render_marked(messages, false, config)?;
         if self.has_generation_markers {
-            return Ok((text, spans));
+            return Ok(Conversation { documents: vec![(text, spans)], turn_by_turn: false });
         }
-        let mut spans = Vec::new();
+        // Each assistant turn: the conversation through it, and the turn's range in that text.
+        let mut turns = Vec::new();
         for (index, message) in messages.iter().enumerate() {
             if message["role"] != "assistant" {
                 continue;
             }
             let before = self.render(&messages[..index], true, config)?;
             let through = self.render(&messages[..=index], false, config)?;
-            if !through.starts_with(&before) || !text.starts_with(&through) {
+            if !through.starts_with(&before) {
                 return Err(ConversationError::NotPrefixStable { index });
             }
             let end = through.trim_end().len().max(before.len());
-            spans.push(before.len()..end);
+            turns.push((through, before.len()..end));
         }
-        Ok((text, spans))
+        if turns.iter().all(|(through, _)| text.starts_with(through)) {
+            let spans = turns.into_iter().map(|(_, span)| span).collect();
+            return Ok(Conversation { documents: vec![(text, spans)], turn_by_turn: false });
+        }
+        let documents = turns.into_iter().map(|(through, span)| (through, vec![span])).collect();
+        Ok(Conversation { documents, turn_by_turn: true })
     }
 
-    /// The token ids of a conversation and its loss mask (1 on the assistant's tokens).
+    /// The token ids of a conversation's documents ([`ChatTemplate::assistant_spans`]) and their
+    /// loss masks (1 on the assistant's tokens).
     pub fn encode(
         &self,
         tokenizer: &Tokenizer,
         messages: &[Json],
-    ) -> Result<(Vec<u32>, Vec<u8>), ConversationError> {
-        let (text, spans) = self.assistant_spans(messages, tokenizer.config())?;
-        let tokens = tokenizer.encode_with_offsets(&text).map_err(ConversationError::Tokenize)?;
-        let mut mask = vec![0u8; tokens.ids.len()];
-        for span in spans.iter().filter(|s| !s.is_empty()) {
-            // As transformers: a span whose first byte no token holds ends the marking.
-            let Some(first) = tokens.token_at(span.start) else { break };
-            let last = tokens.token_at(span.end - 1).unwrap_or(mask.len() - 1);
-            mask[first..=last.max(first)].fill(1);
+    ) -> Result<Conversation<Encoded>, ConversationError> {
+        let rendered = self.assistant_spans(messages, tokenizer.config())?;
+        let mut documents = Vec::with_capacity(rendered.documents.len());
+        for (text, spans) in rendered.documents {
+            let tokens =
+                tokenizer.encode_with_offsets(&text).map_err(ConversationError::Tokenize)?;
+            let mut mask = vec![0u8; tokens.ids.len()];
+            for span in spans.iter().filter(|s| !s.is_empty()) {
+                // As transformers: a span whose first byte no token holds ends the marking.
+                let Some(first) = tokens.token_at(span.start) else { break };
+                let last = tokens.token_at(span.end - 1).unwrap_or(mask.len() - 1);
+                mask[first..=last.max(first)].fill(1);
+            }
+            documents.push((tokens.ids, mask));
         }
-        Ok((tokens.ids, mask))
+        Ok(Conversation { documents, turn_by_turn: rendered.turn_by_turn })
     }
 }
 
@@ -301,6 +338,87 @@ fn raise_exception(message: String) -> Result<Value, JinjaError> {
     Err(JinjaError::new(JinjaErrorKind::InvalidOperation, message))
 }
 
+/// transformers' `strftime_now(format)`: the time now as Python's `datetime.now().strftime`
+/// writes it, in UTC (Llama-3.2's template puts the day's date in its system header).
+fn strftime_now(format: String) -> Result<Value, JinjaError> {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let seconds = now.map_or(0, |d| d.as_secs() as i64);
+    strftime(&format, seconds)
+        .map(Value::from)
+        .map_err(|e| JinjaError::new(JinjaErrorKind::InvalidOperation, e))
+}
+
+/// `format` with Python's `strftime` directives (the C locale's English names) replaced by those
+/// of the UTC time `seconds` after 1970; a directive outside the common set is an error.
+fn strftime(format: &str, seconds: i64) -> Result<String, String> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] =
+        ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
+    let (days, second_of_day) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
+    // The civil date of a day count (Howard Hinnant's `civil_from_days`).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year_march = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_march = (5 * day_of_year_march + 2) / 153;
+    let day = day_of_year_march - (153 * month_march + 2) / 5 + 1;
+    let month = if month_march < 10 { month_march + 3 } else { month_march - 9 };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before_month = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][month as usize - 1];
+    let day_of_year = before_month + day + i64::from(leap && month > 2);
+    let weekday = (days + 4).rem_euclid(7) as usize;
+    let (hour, minute, second) =
+        (second_of_day / 3600, second_of_day / 60 % 60, second_of_day % 60);
+    let month_name = MONTHS[month as usize - 1];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let directive = chars.next().ok_or("strftime_now: a format ends with '%'")?;
+        let text = match directive {
+            'd' => format!("{day:02}"),
+            'e' => format!("{day:>2}"),
+            'm' => format!("{month:02}"),
+            'Y' => year.to_string(),
+            'y' => format!("{:02}", year.rem_euclid(100)),
+            'b' | 'h' => month_name[..3].to_string(),
+            'B' => month_name.to_string(),
+            'a' => DAYS[weekday][..3].to_string(),
+            'A' => DAYS[weekday].to_string(),
+            'w' => weekday.to_string(),
+            'j' => format!("{day_of_year:03}"),
+            'H' => format!("{hour:02}"),
+            'I' => format!("{:02}", (hour + 11) % 12 + 1),
+            'p' => (if hour < 12 { "AM" } else { "PM" }).to_string(),
+            'M' => format!("{minute:02}"),
+            'S' => format!("{second:02}"),
+            '%' => "%".to_string(),
+            other => return Err(format!("strftime_now: the directive %{other} is not supported")),
+        };
+        out.push_str(&text);
+    }
+    Ok(out)
+}
+
 /// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=indent)`, whose
 /// separators are `", "` and `": "` (minijinja's own is compact and escapes HTML characters).
 fn python_tojson(value: Value, kwargs: Kwargs) -> Result<Value, JinjaError> {
@@ -363,4 +481,26 @@ fn describe(error: &JinjaError) -> String {
         source = cause.source();
     }
     message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strftime;
+
+    /// What Python's `time.strftime(format, time.gmtime(seconds))` wrote for these times.
+    #[test]
+    fn strftime_writes_what_python_writes() {
+        let late_july = 1_722_038_399; // 2024-07-26 23:59:59 UTC
+        assert_eq!(strftime("%d %b %Y", late_july).unwrap(), "26 Jul 2024");
+        assert_eq!(strftime("%Y-%m-%d", late_july).unwrap(), "2024-07-26");
+        assert_eq!(
+            strftime("%A %a %B %b %j %y %H:%M:%S %I %p %e %%", late_july).unwrap(),
+            "Friday Fri July Jul 208 24 23:59:59 11 PM 26 %"
+        );
+        let leap_day = 951_782_400; // 2000-02-29
+        assert_eq!(strftime("%d %B %Y %A %j", leap_day).unwrap(), "29 February 2000 Tuesday 060");
+        assert_eq!(strftime("%d %b %Y %a %I %p", 0).unwrap(), "01 Jan 1970 Thu 12 AM");
+        assert!(strftime("%Q", 0).unwrap_err().contains("%Q"));
+        assert!(strftime("100%", 0).is_err());
+    }
 }

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use serde_json::Value as Json;
 use thiserror::Error;
 
-use crate::chat::ChatTemplate;
+use crate::chat::{ChatTemplate, Conversation, Encoded};
 use crate::shard::{TokenWidth, write_document_index, write_loss_mask, write_shard_as};
 use crate::tokenizer::Tokenizer;
 
@@ -73,6 +73,10 @@ impl<'a> TokenizeOptions<'a> {
 pub struct TokenizeSummary {
     pub documents: u64,
     pub conversations: u64,
+    /// Conversations written as a document per assistant turn (their template renders a turn
+    /// differently once later messages follow: [`crate::ChatTemplate::assistant_spans`]).
+    #[serde(default)]
+    pub turn_by_turn: u64,
     /// Tokens written, end-of-text tokens included.
     pub tokens: u64,
     /// Tokens of conversations that the loss mask keeps (the assistant's).
@@ -95,6 +99,15 @@ impl TokenizeSummary {
             count(self.shards.len() as u64, "shard"),
             out.display()
         );
+        if self.turn_by_turn > 0 {
+            text.push_str(&format!(
+                "\n{} of {} written as a document per assistant turn, the conversation \
+                 through that turn: the chat template renders a turn differently once later \
+                 messages follow (as Qwen3's drops earlier turns' reasoning)",
+                self.turn_by_turn,
+                count(self.conversations, "conversation"),
+            ));
+        }
         if self.bad_lines > 0 {
             text.push_str(&format!("\nskipped {}", count(self.bad_lines, "bad line")));
         }
@@ -399,16 +412,25 @@ fn process_batch(
                 Place::Line(_) => {
                     json_line(tokenizer, template, &unit.bytes, options.text_piece_bytes.max(1))
                 }
-                Place::Text(offset) => text_piece(tokenizer, &unit.bytes, offset).map(Some),
+                Place::Text(offset) => text_piece(tokenizer, &unit.bytes, offset).map(Line::Text),
             }
         })
         .collect();
     for (unit, document) in units.iter().zip(documents) {
         let path = &inputs[unit.input];
         match (document, unit.place) {
-            (Ok(Some(document)), Place::Text(offset)) if offset > 0 => writer.go_on(document)?,
-            (Ok(Some(document)), _) => writer.push(document)?,
-            (Ok(None), _) => {}
+            (Ok(Line::Text(document)), Place::Text(offset)) if offset > 0 => {
+                writer.go_on(document)?
+            }
+            (Ok(Line::Text(document)), _) => writer.push(document)?,
+            (Ok(Line::Conversation(conversation)), _) => {
+                writer.summary.conversations += 1;
+                writer.summary.turn_by_turn += u64::from(conversation.turn_by_turn);
+                for (tokens, mask) in conversation.documents {
+                    writer.push(Document { tokens, mask: Some(mask) })?;
+                }
+            }
+            (Ok(Line::Blank), _) => {}
             (Err(_), Place::Line(_)) if options.skip_bad_lines => writer.summary.bad_lines += 1,
             (Err(message), Place::Line(line)) => {
                 return Err(TokenizeError::BadLine { path: path.clone(), line, message });
@@ -436,6 +458,14 @@ fn text_piece(tokenizer: &Tokenizer, bytes: &[u8], offset: u64) -> Result<Docume
     Ok(Document { tokens, mask: None })
 }
 
+/// What a unit of input is: a document of text (or more of one), a conversation (its documents
+/// and masks), or a blank line.
+enum Line {
+    Blank,
+    Text(Document),
+    Conversation(Conversation<Encoded>),
+}
+
 /// A `.jsonl` line: nothing (blank), a document (encoded in pieces of `piece` bytes, as a text
 /// file), a conversation, or what is wrong with it.
 fn json_line(
@@ -443,24 +473,24 @@ fn json_line(
     template: Option<&ChatTemplate>,
     bytes: &[u8],
     piece: usize,
-) -> Result<Option<Document>, String> {
+) -> Result<Line, String> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Ok(None);
+        return Ok(Line::Blank);
     }
     let json: Json = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
     if let Some(text) = json.get("text") {
         let text = text.as_str().ok_or("\"text\" is not a string")?;
         // A long document (a book) in pieces, as a text file of it: bounded memory per thread.
         let tokens = encode_in_pieces(tokenizer, text, piece)?;
-        return Ok(Some(Document { tokens, mask: None }));
+        return Ok(Line::Text(Document { tokens, mask: None }));
     }
     if let Some(messages) = json.get("messages") {
         let messages = messages.as_array().ok_or("\"messages\" is not a list")?;
         let template = template.ok_or(
             "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
         )?;
-        let (tokens, mask) = template.encode(tokenizer, messages).map_err(|e| e.to_string())?;
-        return Ok(Some(Document { tokens, mask: Some(mask) }));
+        let conversation = template.encode(tokenizer, messages).map_err(|e| e.to_string())?;
+        return Ok(Line::Conversation(conversation));
     }
     Err("expected a JSON object with \"text\" (a string) or \"messages\" (a list)".into())
 }
@@ -512,7 +542,6 @@ impl<'a> ShardWriter<'a> {
         match document.mask {
             Some(mask) => {
                 self.has_conversation = true;
-                self.summary.conversations += 1;
                 self.summary.assistant_tokens += mask.iter().map(|&m| u64::from(m)).sum::<u64>();
                 self.mask.extend_from_slice(&mask);
             }

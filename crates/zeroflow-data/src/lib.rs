@@ -19,7 +19,9 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-pub use chat::{ChatTemplate, ChatTemplateError, ConversationError};
+pub use chat::{
+    ChatTemplate, ChatTemplateError, Conversation, ConversationError, Encoded, Rendered,
+};
 pub use corpus::{
     BATCH_BYTES, DEFAULT_SHARD_TOKENS, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,
     TokenizeSummary, count, describe_setup, encode_text_file, tokenize_corpus,

@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 use zeroflow_data::{ChatTemplate, ConversationError, Tokenizer, TokenizerConfig};
 
 use crate::fixtures::{
-    CHATML_TEMPLATE, LLAMA3_TEMPLATE, byte_level_bpe, model_dir, scratch, three_turns,
+    CHATML_TEMPLATE, LLAMA3_TEMPLATE, byte_level_bpe, model_dir, one, scratch, three_turns,
     without_markers,
 };
 
@@ -71,15 +71,85 @@ fn markers_and_the_prefix_fallback_find_the_assistant_turns_of_a_three_turn_chat
     for (name, source, (expected_text, expected_spans)) in cases {
         let marked = ChatTemplate::new(source, name).unwrap();
         assert!(marked.has_generation_markers(), "{name}");
-        let (text, spans) = marked.assistant_spans(&messages, &config()).unwrap();
+        let (text, spans) = one(marked.assistant_spans(&messages, &config()).unwrap());
         assert_eq!(text, expected_text, "{name}");
         assert_eq!(span_texts(&text, &spans), expected_spans, "{name}");
 
         let plain = ChatTemplate::new(&without_markers(source), name).unwrap();
         assert!(!plain.has_generation_markers(), "{name}");
-        let (plain_text, plain_spans) = plain.assistant_spans(&messages, &config()).unwrap();
+        let (plain_text, plain_spans) = one(plain.assistant_spans(&messages, &config()).unwrap());
         assert_eq!((plain_text, plain_spans), (text, spans), "{name}: fallback");
     }
+}
+
+/// A Qwen3-style template: an assistant turn after the last question keeps its reasoning in a
+/// `<think>` block; earlier turns lose it.
+const REASONING_TEMPLATE: &str = r#"{%- set ns = namespace(last_query=0) %}
+{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
+{%- set reasoning = message.content.split('</think>')[0].split('<think>')[-1].strip('\n') if '</think>' in message.content else '' %}
+{%- if loop.index0 > ns.last_query %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content + '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}
+{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"#;
+
+/// A template that renders an earlier turn differently once a later question follows (Qwen3's
+/// drops its reasoning) makes a document per assistant turn, the conversation through it, with
+/// that turn's text alone trained on; one turn, or a template that renders each turn the same
+/// whatever follows, makes one document.
+#[test]
+fn a_template_that_rewrites_earlier_turns_makes_a_document_per_turn() {
+    let template = ChatTemplate::new(REASONING_TEMPLATE, "reasoning.jinja").unwrap();
+    let messages = [
+        json!({"role": "user", "content": "q1"}),
+        json!({"role": "assistant", "content": "<think>r1</think>a1"}),
+        json!({"role": "user", "content": "q2"}),
+        json!({"role": "assistant", "content": "<think>\nr2\n</think>\n\na2"}),
+    ];
+    let conversation = template.assistant_spans(&messages, &config()).unwrap();
+    assert!(conversation.turn_by_turn);
+    let documents: Vec<_> = conversation
+        .documents
+        .iter()
+        .map(|(text, spans)| (text.as_str(), span_texts(text, spans)))
+        .collect();
+    let first = "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\n";
+    let second = "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n\
+                  <|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n";
+    let turn = |r: &str, a: &str| format!("<think>\n{r}\n</think>\n\n{a}<|im_end|>");
+    assert_eq!(
+        documents,
+        [
+            (format!("{first}{}\n", turn("r1", "a1")).as_str(), vec![turn("r1", "a1")]),
+            (format!("{second}{}\n", turn("r2", "a2")).as_str(), vec![turn("r2", "a2")]),
+        ]
+    );
+    // One turn: one document, as the template renders it whole.
+    let (text, spans) = one(template.assistant_spans(&messages[..2], &config()).unwrap());
+    assert_eq!(
+        (text.as_str(), span_texts(&text, &spans)),
+        (documents[0].0, documents[0].1.clone())
+    );
+    // Tokens: a mask per document, on that document's turn.
+    let dir = scratch("chat-turn-by-turn");
+    model_dir(&dir, &byte_level_bpe(), Some(&json!({"eos_token": "<|im_end|>"})));
+    let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+    let encoded = template.encode(&tokenizer, &messages).unwrap();
+    assert!(encoded.turn_by_turn);
+    for ((ids, mask), (_, spans)) in encoded.documents.iter().zip(&documents) {
+        let trained: Vec<u32> =
+            ids.iter().zip(mask).filter(|(_, m)| **m == 1).map(|(t, _)| *t).collect();
+        assert_eq!(tokenizer.decode(&trained).unwrap(), spans[0]);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// Rewriting `{% generation %}` keeps the tags' whitespace rules: the text equals that of the
@@ -122,7 +192,7 @@ fn the_loss_mask_covers_exactly_the_assistant_tokens() {
         (CHATML_TEMPLATE, chatml_expected(&messages)),
     ] {
         let template = ChatTemplate::new(source, "t").unwrap();
-        let (ids, mask) = template.encode(&tokenizer, &messages).unwrap();
+        let (ids, mask) = one(template.encode(&tokenizer, &messages).unwrap());
         assert_eq!(ids.len(), mask.len());
         assert_eq!(tokenizer.decode(&ids).unwrap(), text);
         let kept: Vec<u32> =

@@ -12,7 +12,7 @@ use zeroflow_data::{
 };
 
 use crate::fixtures::{
-    LLAMA3_TEMPLATE, Sentencepiece, byte_level_bpe, llama3_split_bpe, model_dir, scratch,
+    LLAMA3_TEMPLATE, Sentencepiece, byte_level_bpe, llama3_split_bpe, model_dir, one, scratch,
     sentencepiece_bpe, special_id, three_turns, word_level_big,
 };
 
@@ -134,7 +134,8 @@ fn conversations_write_a_loss_mask_on_the_assistant_tokens() {
 
     let shard_tokens = tokens(&summary.shards[0]);
     let mask = read_loss_mask(&out.join("tokens_000000.mask")).unwrap();
-    let (conversation, conversation_mask) = template.encode(&tokenizer, &three_turns()).unwrap();
+    let (conversation, conversation_mask) =
+        one(template.encode(&tokenizer, &three_turns()).unwrap());
     let eot = tokenizer.eot().unwrap();
     let hello = tokenizer.encode("hello").unwrap();
     assert_eq!(shard_tokens, [vec![eot], conversation.clone(), vec![eot], hello.clone()].concat());

@@ -283,3 +283,10 @@ pub fn three_turns() -> Vec<Value> {
         json!({"role": "assistant", "content": "ünïcode ✓ done"}),
     ]
 }
+
+/// The one document of a conversation that is not written turn by turn.
+pub fn one<T: std::fmt::Debug>(conversation: zeroflow_data::Conversation<T>) -> T {
+    assert!(!conversation.turn_by_turn, "{conversation:?}");
+    let [document] = <[T; 1]>::try_from(conversation.documents).expect("one document");
+    document
+}

@@ -362,6 +362,7 @@ mod tests {
         let summary = zeroflow_data::TokenizeSummary {
             documents: 1,
             conversations: 0,
+            turn_by_turn: 0,
             tokens: 4,
             assistant_tokens: 0,
             bad_lines: 0,
