@@ -244,3 +244,68 @@ fn templates_that_cannot_work_are_errors() {
     let error = template.assistant_spans(&[json!({"content": "no role"})], &config()).unwrap_err();
     assert!(matches!(error, ConversationError::Messages(_)), "{error}");
 }
+
+/// Models' own templates (Llama-3.1, Llama-3.2, Qwen2.5, Qwen3, Mistral-v0.3, as they ship them;
+/// `tests/fixtures/templates`): the documents and assistant spans of a few conversations (tool
+/// calls and reasoning among them), or their refusal, as transformers' renderer makes them
+/// (`scripts/chat-template-golden.py` wrote the golden files).
+#[test]
+fn models_own_templates_render_as_transformers_renders_them() {
+    let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
+    let config = TokenizerConfig {
+        bos_token: Some("<s>".into()),
+        eos_token: Some("</s>".into()),
+        ..TokenizerConfig::default()
+    };
+    let names = ["llama-3.1", "llama-3.2", "mistral-v0.3", "qwen2.5", "qwen3"];
+    for name in names {
+        let template = ChatTemplate::from_file(&folder.join(format!("{name}.jinja"))).unwrap();
+        let golden = std::fs::read_to_string(folder.join(format!("{name}.golden.json"))).unwrap();
+        let cases: Vec<Value> = serde_json::from_str(&golden).unwrap();
+        for (i, case) in cases.iter().enumerate() {
+            let messages = case["messages"].as_array().unwrap();
+            let ours = template.assistant_spans(messages, &config);
+            let Some(expected) = case["documents"].as_array() else {
+                assert!(
+                    ours.is_err(),
+                    "{name} conversation {i}: refused by transformers: {ours:?}"
+                );
+                continue;
+            };
+            let ours = ours.unwrap_or_else(|e| panic!("{name} conversation {i}: {e}"));
+            assert_eq!(ours.turn_by_turn, expected.len() > 1, "{name} conversation {i}");
+            assert_eq!(ours.documents.len(), expected.len(), "{name} conversation {i}");
+            for ((text, spans), want) in ours.documents.iter().zip(expected) {
+                assert_same_but_date(text, want["text"].as_str().unwrap(), name, i);
+                let spans = span_texts(text, spans);
+                assert_eq!(spans, want["spans"].as_array().unwrap().clone(), "{name} {i}");
+            }
+        }
+    }
+}
+
+/// `ours == want`, where `want` may hold `DATE` for a date within a year of the clock's year
+/// written `%d %b %Y`: not a template's fixed default ("26 Jul 2024", two years back).
+fn assert_same_but_date(ours: &str, want: &str, name: &str, i: usize) {
+    let Some((before, after)) = want.split_once("DATE") else {
+        return assert_eq!(ours, want, "{name} conversation {i}");
+    };
+    let date = ours
+        .strip_prefix(before)
+        .and_then(|rest| rest.strip_suffix(after))
+        .unwrap_or_else(|| panic!("{name} conversation {i}: {ours:?} against {want:?}"));
+    let parts: Vec<&str> = date.split(' ').collect();
+    let looks_like_a_date = parts.len() == 3
+        && parts[0].len() == 2
+        && parts[1].len() == 3
+        && parts[2].len() == 4
+        && [parts[0], parts[2]].iter().all(|p| p.bytes().all(|b| b.is_ascii_digit()));
+    assert!(looks_like_a_date, "{name} conversation {i}: {date:?} for DATE");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let year = 1970 + (now.as_secs() as f64 / (365.2425 * 86_400.0)) as u64;
+    let written: u64 = parts[2].parse().unwrap();
+    assert!(
+        (year - 1..=year + 1).contains(&written),
+        "{name} conversation {i}: {date:?} in {year}"
+    );
+}
