@@ -428,7 +428,8 @@ def without_markers(template):
     return template
 
 
-def check_chat(name, template, tok, work, zeroflow, chats, failures):
+def chat_model(name, template, tok, work):
+    """A model directory under `work` with `tok` and `template`, and transformers' tokenizer of it."""
     from transformers import PreTrainedTokenizerFast
 
     model = work / f"{name}-model"
@@ -440,6 +441,11 @@ def check_chat(name, template, tok, work, zeroflow, chats, failures):
     hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
                                  bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
     hf.chat_template = template
+    return model, hf
+
+
+def check_chat(name, template, tok, work, zeroflow, chats, failures):
+    model, hf = chat_model(name, template, tok, work)
     jsonl = work / f"{name}.jsonl"
     jsonl.write_text("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in chats))
     plain = work / f"{name}-plain.jinja"
@@ -501,18 +507,7 @@ def check_model_template(name, template_path, tok, work, zeroflow, chats, failur
     document as transformers' `apply_chat_template` renders it, the conversation whole or, where
     the template renders a turn differently once later messages follow, through each assistant
     turn; and the tokens zeroflow trains on, read back, each assistant content in order."""
-    from transformers import PreTrainedTokenizerFast
-
-    template = Path(template_path).read_text()
-    model = work / f"{name}-model"
-    model.mkdir()
-    tok.save(str(model / "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": template,
-              "tokenizer_class": "PreTrainedTokenizerFast"}
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
-                                 bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
-    hf.chat_template = template
+    model, hf = chat_model(name, Path(template_path).read_text(), tok, work)
     eot = hf.convert_tokens_to_ids("<|end_of_text|>")
     # A conversation the template raises on (transformers' TemplateError), or whose turns do not
     # follow their conversation so far (RuntimeError): zeroflow must refuse it too.
