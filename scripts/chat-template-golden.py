@@ -5,7 +5,8 @@ conversations and what transformers' renderer (`render_jinja_template`) makes of
 zeroflow's prefix rendering must find it: the documents (the conversation whole, or, where the
 template renders a turn differently once later messages follow, the conversation through each
 assistant turn) with the text of each assistant span, or that the conversation is refused (the
-template raises, or a turn does not follow its conversation so far).
+template raises, or a turn does not follow its conversation so far); for Qwen3 and Llama-3.1 also
+with variables passed as `apply_chat_template(..., **kwargs)` (`enable_thinking`, `date_string`).
 
     python3 scripts/chat-template-golden.py      # needs transformers (>= 4.45); no network
 
@@ -39,21 +40,26 @@ CONVERSATIONS = [
 ]
 
 
-def render(template, messages, generation_prompt):
+# Variables passed to a template as `apply_chat_template(..., **kwargs)`, per template: each set
+# with every conversation.
+KWARGS = {"qwen3": [{}, {"enable_thinking": False}], "llama-3.1": [{}, {"date_string": "01 Jan 2026"}]}
+
+
+def render(template, messages, generation_prompt, kwargs):
     return render_jinja_template(conversations=[messages], chat_template=template,
-                                 add_generation_prompt=generation_prompt, **TOKENS)[0][0]
+                                 add_generation_prompt=generation_prompt, **TOKENS, **kwargs)[0][0]
 
 
-def documents(template, messages):
+def documents(template, messages, kwargs):
     """[(text, [assistant span texts])], or None where refused."""
     try:
-        whole = render(template, messages, False)
+        whole = render(template, messages, False, kwargs)
         turns = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = render(template, messages[:i], True)
-            through = render(template, messages[:i + 1], False)
+            before = render(template, messages[:i], True, kwargs)
+            through = render(template, messages[:i + 1], False, kwargs)
             if not through.startswith(before):
                 return None
             turns.append((through, through[len(before):max(len(through.rstrip()), len(before))]))
@@ -70,11 +76,12 @@ def main():
     for path in sorted(FOLDER.glob("*.jinja")):
         template = path.read_text()
         cases = []
-        for messages in CONVERSATIONS:
-            docs = documents(template, messages)
-            if docs is not None:
-                docs = [{"text": t.replace(today, "DATE"), "spans": s} for t, s in docs]
-            cases.append({"messages": messages, "documents": docs})
+        for kwargs in KWARGS.get(path.stem, [{}]):
+            for messages in CONVERSATIONS:
+                docs = documents(template, messages, kwargs)
+                if docs is not None:
+                    docs = [{"text": t.replace(today, "DATE"), "spans": s} for t, s in docs]
+                cases.append({"messages": messages, "kwargs": kwargs, "documents": docs})
         out = path.with_suffix(".golden.json")
         out.write_text(json.dumps(cases, indent=1, ensure_ascii=False) + "\n")
         summary = ["refused" if c["documents"] is None else len(c["documents"]) for c in cases]

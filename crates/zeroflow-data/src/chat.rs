@@ -89,7 +89,12 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     path: PathBuf,
     has_generation_markers: bool,
+    variables: serde_json::Map<String, Json>,
 }
+
+/// The variables the renderer sets itself, which [`ChatTemplate::with_variables`] may not.
+const RENDERER_VARIABLES: [&str; 6] =
+    ["messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token"];
 
 impl ChatTemplate {
     /// Compiles `source`; `path` names where it came from in errors.
@@ -111,7 +116,22 @@ impl ChatTemplate {
         env.set_formatter(python_formatter);
         env.add_template_owned(TEMPLATE_NAME, rewritten)
             .map_err(|e| ChatTemplateError { path: path.clone(), message: describe(&e) })?;
-        Ok(ChatTemplate { env, path, has_generation_markers })
+        Ok(ChatTemplate { env, path, has_generation_markers, variables: Default::default() })
+    }
+
+    /// The template with more variables for it, as `apply_chat_template(..., **kwargs)` passes
+    /// them (Qwen3's `enable_thinking`, Llama-3's `date_string`); a name the renderer sets itself
+    /// (`messages`, `add_generation_prompt`, the special tokens) is an error.
+    pub fn with_variables(
+        mut self,
+        variables: serde_json::Map<String, Json>,
+    ) -> Result<ChatTemplate, ChatTemplateError> {
+        if let Some(name) = variables.keys().find(|k| RENDERER_VARIABLES.contains(&k.as_str())) {
+            let message = format!("the variable {name:?} is set by the renderer, not by kwargs");
+            return Err(ChatTemplateError { path: self.path, message });
+        }
+        self.variables = variables;
+        Ok(self)
     }
 
     /// Reads and compiles a template file.
@@ -153,6 +173,7 @@ impl ChatTemplate {
             eos_token => config.eos_token.as_deref().unwrap_or(""),
             unk_token => config.unk_token.as_deref(),
             pad_token => config.pad_token.as_deref(),
+            ..Value::from(minijinja::value::Serde(&self.variables))
         };
         let template = self.env.get_template(TEMPLATE_NAME).expect("added in new");
         let rendered =

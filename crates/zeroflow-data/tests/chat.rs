@@ -247,8 +247,10 @@ fn templates_that_cannot_work_are_errors() {
 
 /// Models' own templates (Llama-3.1, Llama-3.2, Qwen2.5, Qwen3, Mistral-v0.3, as they ship them;
 /// `tests/fixtures/templates`): the documents and assistant spans of a few conversations (tool
-/// calls and reasoning among them), or their refusal, as transformers' renderer makes them
-/// (`scripts/chat-template-golden.py` wrote the golden files).
+/// calls and reasoning among them), or their refusal, as transformers' renderer makes them, with
+/// variables too (Qwen3's `enable_thinking`, Llama-3.1's `date_string`;
+/// `scripts/chat-template-golden.py` wrote the golden files). A variable the renderer sets is
+/// refused.
 #[test]
 fn models_own_templates_render_as_transformers_renders_them() {
     let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates");
@@ -259,10 +261,12 @@ fn models_own_templates_render_as_transformers_renders_them() {
     };
     let names = ["llama-3.1", "llama-3.2", "mistral-v0.3", "qwen2.5", "qwen3"];
     for name in names {
-        let template = ChatTemplate::from_file(&folder.join(format!("{name}.jinja"))).unwrap();
+        let path = folder.join(format!("{name}.jinja"));
         let golden = std::fs::read_to_string(folder.join(format!("{name}.golden.json"))).unwrap();
         let cases: Vec<Value> = serde_json::from_str(&golden).unwrap();
         for (i, case) in cases.iter().enumerate() {
+            let kwargs = case["kwargs"].as_object().unwrap().clone();
+            let template = ChatTemplate::from_file(&path).unwrap().with_variables(kwargs).unwrap();
             let messages = case["messages"].as_array().unwrap();
             let ours = template.assistant_spans(messages, &config);
             let Some(expected) = case["documents"].as_array() else {
@@ -282,6 +286,15 @@ fn models_own_templates_render_as_transformers_renders_them() {
             }
         }
     }
+}
+
+#[test]
+fn variables_the_renderer_sets_are_refused() {
+    let mut variables = serde_json::Map::new();
+    variables.insert("add_generation_prompt".into(), json!(true));
+    let template = ChatTemplate::new("{{ messages }}", "t.jinja").unwrap();
+    let error = template.with_variables(variables).unwrap_err();
+    assert!(error.message.contains("add_generation_prompt"), "{error}");
 }
 
 /// `ours == want`, where `want` may hold `DATE` for a date within a year of the clock's year

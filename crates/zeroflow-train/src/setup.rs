@@ -21,7 +21,7 @@ use crate::plan::{Caller, GivenMemory, MachineMemory, MemoryPlan, PlanInputs, Pl
 use crate::resume_point::{self, Extra, ResumePoint};
 use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
-use crate::startup_tokens::{self, DataRole};
+use crate::startup_tokens::{self, DataRole, TemplateVariables};
 use crate::{Family, ModelSpec};
 use crate::{init_from, limits, open, resume, run_config};
 
@@ -63,6 +63,9 @@ pub struct TrainOptions {
     pub eval_tokens: Option<NonZeroU64>,
     /// `--eval-data`: what to evaluate on instead of a held-out part of `--data`.
     pub eval_data: Option<String>,
+    /// `--chat-template-kwargs`: variables for the chat template of data tokenized at start-up
+    /// (a resumed run's default: its checkpoint's).
+    pub chat_template_kwargs: Option<TemplateVariables>,
     pub seq: Option<NonZeroU64>,
     pub log_every: NonZeroU64,
     pub out: Option<PathBuf>,
@@ -108,6 +111,8 @@ pub struct Setup {
     /// `--eval-data` (resolved) and `--eval-tokens`, for the checkpoints.
     pub eval_data: Option<String>,
     pub eval_tokens: Option<u64>,
+    /// `--chat-template-kwargs` (or the resumed checkpoint's), for the checkpoints.
+    pub chat_template_kwargs: Option<TemplateVariables>,
     pub config: Config,
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
@@ -222,7 +227,15 @@ impl Setup {
         let model_dir = model_dir(&start);
         let tokenized = |spec, role| {
             let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
-            startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, at)
+            let variables = args.chat_template_kwargs.clone().unwrap_or_default();
+            startup_tokens::tokenized_at_start(
+                spec,
+                role,
+                model_dir.as_deref(),
+                &out,
+                at,
+                &variables,
+            )
         };
         let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
@@ -243,6 +256,7 @@ impl Setup {
                 .as_deref()
                 .map(|e| data_files::resolve(e).unwrap_or(e.into())),
             eval_tokens: args.eval_tokens.map(NonZeroU64::get),
+            chat_template_kwargs: args.chat_template_kwargs.clone(),
             config,
             config_file,
             steps,
@@ -384,6 +398,8 @@ fn prepare(
     if let Some(point) = &resume {
         default_to_saved(args, &point.extra.config);
         args.eval_data = args.eval_data.take().or_else(|| point.extra.eval_data.clone());
+        args.chat_template_kwargs =
+            args.chat_template_kwargs.take().or_else(|| point.extra.chat_template_kwargs.clone());
         args.eval_tokens =
             args.eval_tokens.or_else(|| point.extra.eval_tokens.and_then(NonZeroU64::new));
     }

@@ -68,12 +68,16 @@ impl RankOnHost {
 /// others wait for its record ([`Made`]) and read the same shards, instead of each tokenizing the
 /// whole corpus on the same cores. Where the sources cannot be described, each rank tokenizes
 /// into a folder of its own.
+///
+/// `variables` go to the chat template as `apply_chat_template(..., **kwargs)` passes them
+/// (`--chat-template-kwargs`); the record holds them, so tokens made with others are not reused.
 pub fn tokenized_at_start(
     spec: Spec,
     role: DataRole,
     model_dir: Option<&Path>,
     out: &Path,
     at: RankOnHost,
+    variables: &TemplateVariables,
 ) -> Result<Spec> {
     let flag = role.flag();
     let (files, dir) = match (spec, model_dir) {
@@ -102,15 +106,17 @@ pub fn tokenized_at_start(
     let shown = files[0].display();
     let tokenizer = Tokenizer::from_dir(dir).map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     let template = ChatTemplate::from_config(tokenizer.config())
+        .map(|template| template.and_then(|t| t.with_variables(variables.clone())))
         .transpose()
         .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
     let sources = sources(&files, dir);
     let writer = if sources.is_some() { at.host_first() } else { at.rank };
     let tokens = out.join("tokens").join(role.folder(writer));
     if let (Some(sources), true) = (&sources, writer != at.rank) {
-        return wait_for(&tokens, sources, flag, at);
+        return wait_for(&tokens, sources, variables, flag, at);
     }
-    if let Some(made) = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources)) {
+    let made = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources, variables));
+    if let Some(made) = made {
         tracing::info!(
             "{flag}: {} of {} in {} in {}, tokenized at the last start from the same files and \
              tokenizer: read again, not tokenized again",
@@ -160,7 +166,7 @@ pub fn tokenized_at_start(
     if let Some(sources) = sources {
         // Written last: a start cut short while tokenizing leaves no record, and the next one
         // tokenizes again. A record that cannot be written only costs the next start the time.
-        if let Err(error) = Made::of(sources, &summary).write(&tokens) {
+        if let Err(error) = Made::of(sources, variables, &summary).write(&tokens) {
             tracing::warn!(
                 "cannot record what {} was tokenized from ({error}): the next start tokenizes again",
                 tokens.display()
@@ -182,10 +188,16 @@ const WAIT_SAID_EVERY: Duration = Duration::from_secs(30);
 /// A rank other than its host's first: the shards the first writes into `tokens` from
 /// `sources`, once its record says they are there; its error where it failed. Waits without
 /// limit, saying so every [`WAIT_SAID_EVERY`]: a launcher stops every rank when one fails.
-fn wait_for(tokens: &Path, sources: &[Source], flag: &str, at: RankOnHost) -> Result<Spec> {
+fn wait_for(
+    tokens: &Path,
+    sources: &[Source],
+    variables: &TemplateVariables,
+    flag: &str,
+    at: RankOnHost,
+) -> Result<Spec> {
     let (started, mut said) = (Instant::now(), Instant::now());
     loop {
-        if let Some(made) = Made::read_if(tokens, sources) {
+        if let Some(made) = Made::read_if(tokens, sources, variables) {
             tracing::debug!("rank {}: {flag}: the tokens in {}", at.rank, tokens.display());
             return Ok(Spec::Shards(made.shards(tokens)));
         }
@@ -273,33 +285,43 @@ fn sources(files: &[PathBuf], dir: &Path) -> Option<Vec<Source>> {
     Some(all)
 }
 
-/// The record of a tokens folder: what its tokens were made from, and what tokenizing wrote (its
-/// shards by their names in the folder).
+/// Variables for the chat template (`--chat-template-kwargs`).
+pub type TemplateVariables = serde_json::Map<String, serde_json::Value>;
+
+/// The record of a tokens folder: what its tokens were made from (the files, and the chat
+/// template's variables), and what tokenizing wrote (its shards by their names in the folder).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Made {
     sources: Vec<Source>,
+    #[serde(default)]
+    chat_template_kwargs: TemplateVariables,
     summary: zeroflow_data::TokenizeSummary,
 }
 
 impl Made {
-    fn of(sources: Vec<Source>, summary: &zeroflow_data::TokenizeSummary) -> Made {
+    fn of(
+        sources: Vec<Source>,
+        variables: &TemplateVariables,
+        summary: &zeroflow_data::TokenizeSummary,
+    ) -> Made {
         let mut summary = summary.clone();
         let names = summary.shards.iter().filter_map(|shard| shard.file_name());
         summary.shards = names.map(PathBuf::from).collect();
-        Made { sources, summary }
+        Made { sources, chat_template_kwargs: variables.clone(), summary }
     }
 
     fn write(&self, tokens: &Path) -> std::io::Result<()> {
         write_json(&tokens.join(MADE_FILE), self)
     }
 
-    /// The record under `tokens` where it was made from `sources` and every shard it names is
-    /// there.
-    fn read_if(tokens: &Path, sources: &[Source]) -> Option<Made> {
+    /// The record under `tokens` where it was made from `sources` with `variables` and every
+    /// shard it names is there.
+    fn read_if(tokens: &Path, sources: &[Source], variables: &TemplateVariables) -> Option<Made> {
         let made = read_json::<Made>(&tokens.join(MADE_FILE))?;
         let shards = &made.summary.shards;
         let whole = !shards.is_empty() && shards.iter().all(|s| tokens.join(s).is_file());
-        (made.sources == sources && whole).then_some(made)
+        let same = made.sources == sources && &made.chat_template_kwargs == variables;
+        (same && whole).then_some(made)
     }
 
     /// The shards, under `tokens`.
@@ -369,23 +391,28 @@ mod tests {
             input_bytes: 10,
             shards: vec![tokens.join("tokens_000000.bin")],
         };
-        assert_eq!(Made::read_if(&tokens, &made_from), None, "nothing recorded yet");
-        Made::of(made_from.clone(), &summary).write(&tokens).unwrap();
-        let made = Made::read_if(&tokens, &made_from).expect("the same sources");
+        let none = TemplateVariables::new();
+        assert_eq!(Made::read_if(&tokens, &made_from, &none), None, "nothing recorded yet");
+        Made::of(made_from.clone(), &none, &summary).write(&tokens).unwrap();
+        let made = Made::read_if(&tokens, &made_from, &none).expect("the same sources");
         assert_eq!(made.shards(&tokens), summary.shards);
         assert_eq!(made.summary.tokens, 4);
+        // Other variables for the chat template make other tokens.
+        let mut variables = TemplateVariables::new();
+        variables.insert("enable_thinking".into(), serde_json::json!(false));
+        assert_eq!(Made::read_if(&tokens, &made_from, &variables), None);
         // The corpus written again, a second later: its time differs.
         let later = std::time::SystemTime::now() + Duration::from_secs(1);
         std::fs::File::options().write(true).open(&corpus).unwrap().set_modified(later).unwrap();
-        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap()), None);
+        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap(), &none), None);
         let made_from = sources(&files, &model).unwrap();
-        Made::of(made_from.clone(), &summary).write(&tokens).unwrap();
-        assert!(Made::read_if(&tokens, &made_from).is_some());
+        Made::of(made_from.clone(), &none, &summary).write(&tokens).unwrap();
+        assert!(Made::read_if(&tokens, &made_from, &none).is_some());
         // A chat template beside the tokenizer changes what a conversation becomes.
         std::fs::write(model.join("chat_template.jinja"), "{{ messages }}").unwrap();
-        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap()), None);
+        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap(), &none), None);
         std::fs::remove_file(tokens.join("tokens_000000.bin")).unwrap();
-        assert_eq!(Made::read_if(&tokens, &made_from), None, "a shard is gone");
+        assert_eq!(Made::read_if(&tokens, &made_from, &none), None, "a shard is gone");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -25,6 +25,10 @@ pub struct Args {
     /// else bytes as tokens.
     #[arg(long)]
     tokenizer: Option<String>,
+    /// Variables for the chat template of a `.jsonl` --data, a JSON object, as
+    /// `apply_chat_template(..., **kwargs)` passes them (`'{"enable_thinking": false}'`).
+    #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
+    chat_template_kwargs: Option<super::TemplateKwargs>,
     /// Inputs per window (stride the same, every token predicted once; default: the context).
     #[arg(long, value_name = "W")]
     window: Option<usize>,
@@ -42,7 +46,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,
         false => None,
     };
-    let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref())?;
+    let variables = args.chat_template_kwargs.unwrap_or_default();
+    let result =
+        model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref(), &variables)?;
     if args.json {
         println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));
     } else {

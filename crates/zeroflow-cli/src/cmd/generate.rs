@@ -40,6 +40,10 @@ pub struct Args {
     /// `eos_token` (the end of a turn).
     #[arg(long, conflicts_with = "prompt_tokens")]
     chat: bool,
+    /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
+    /// passes them: `'{"enable_thinking": false}'` opens Qwen3's turn without its reasoning.
+    #[arg(long, value_name = "JSON", requires = "chat", value_parser = super::template_kwargs)]
+    chat_template_kwargs: Option<super::TemplateKwargs>,
     #[arg(long, value_name = "N")]
     max_new_tokens: usize,
     /// 0 is greedy.
@@ -94,7 +98,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )));
         }
         (true, Some(tokenizer)) => match ChatTemplate::from_config(tokenizer.config()) {
-            Some(template) => Some((tokenizer, template.map_err(InputError::from_display)?)),
+            Some(template) => {
+                let kwargs = args.chat_template_kwargs.clone().unwrap_or_default();
+                let template = template.and_then(|t| t.with_variables(kwargs));
+                Some((tokenizer, template.map_err(InputError::from_display)?))
+            }
             None => {
                 return Err(InputError::from_display(format!(
                     "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \

@@ -27,6 +27,10 @@ pub struct Args {
     /// A Jinja chat template for the conversations, instead of the tokenizer's own.
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
+    /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
+    /// passes them: `'{"enable_thinking": false}'` trains Qwen3 without its reasoning block.
+    #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
+    chat_template_kwargs: Option<super::TemplateKwargs>,
     /// Close a shard before a document that would take it past this many tokens.
     #[arg(long, default_value_t = zeroflow_data::DEFAULT_SHARD_TOKENS, value_name = "N")]
     shard_tokens: usize,
@@ -47,6 +51,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     .transpose()
     .map_err(InputError::from_display)?;
+    let template = match (template, args.chat_template_kwargs) {
+        (Some(template), Some(kwargs)) => {
+            Some(template.with_variables(kwargs).map_err(InputError::from_display)?)
+        }
+        (None, Some(_)) => {
+            return Err(InputError::from_display(
+                "--chat-template-kwargs: the tokenizer has no chat template (give --chat-template)",
+            ));
+        }
+        (template, None) => template,
+    };
     println!("{}", zeroflow_data::describe_setup(&tokenizer, template.as_ref()));
 
     let total: u64 =

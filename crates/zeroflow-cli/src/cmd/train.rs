@@ -66,6 +66,11 @@ pub struct Args {
     /// part held out from the end of --data.
     #[arg(long, value_name = "FILE|DIR|GLOB")]
     pub eval_data: Option<String>,
+    /// Variables for the chat template of a `.jsonl` tokenized at start-up, a JSON object, as
+    /// `apply_chat_template(..., **kwargs)` passes them: `'{"enable_thinking": false}'` trains
+    /// Qwen3 without its reasoning block. A resumed run's default: its checkpoint's.
+    #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
+    pub chat_template_kwargs: Option<super::TemplateKwargs>,
     /// Tokens per training sequence, at most the model's context. Default: GPT-2's context, the
     /// Llama family's 2048.
     #[arg(long, value_name = "N")]
@@ -172,6 +177,7 @@ impl Args {
             eval_every: self.eval_every,
             eval_tokens: self.eval_tokens,
             eval_data: self.eval_data.clone(),
+            chat_template_kwargs: self.chat_template_kwargs.clone(),
             seq: self.seq,
             log_every: self.log_every,
             out: self.out.clone(),

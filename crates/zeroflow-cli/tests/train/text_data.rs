@@ -236,7 +236,14 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
                     let (spec, model, out) = (spec(), &model, &out);
                     scope.spawn(move || {
                         let at = RankOnHost { rank, local_rank: rank };
-                        tokenized_at_start(spec, DataRole::Train, Some(model), out, at)
+                        tokenized_at_start(
+                            spec,
+                            DataRole::Train,
+                            Some(model),
+                            out,
+                            at,
+                            &Default::default(),
+                        )
                     })
                 })
                 .collect();
