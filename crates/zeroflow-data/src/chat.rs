@@ -56,8 +56,9 @@ pub enum ConversationError {
     #[error(
         "the chat template does not render the conversation before message {index} (with the \
          generation prompt) as the start of the conversation through it, so the assistant's \
-         tokens cannot be found by rendering prefixes; use a template with {{% generation %}} \
-         markers (--chat-template)"
+         tokens cannot be found by rendering prefixes (Mistral's template, for one, writes a \
+         system prompt only before a user message that ends the conversation: put it in the \
+         first user message); use a template with {{% generation %}} markers (--chat-template)"
     )]
     NotPrefixStable { index: usize },
     /// The tokenizer failed on the rendered text.
