@@ -1,7 +1,9 @@
 //! Chat templates: a model's Jinja `chat_template` rendered with `minijinja` the way transformers'
 //! `apply_chat_template` renders it (`trim_blocks`, `lstrip_blocks`, Python's string methods,
-//! `raise_exception`, `strftime_now` (Llama-3.2's date; in UTC), a Python-style `tojson`, `True`/`False`/`None` printed as Python prints them,
-//! the variables `messages`, `add_generation_prompt` and the special tokens), and the loss mask that covers only the assistant's tokens.
+//! `raise_exception`, `strftime_now` (Llama-3.2's date; in UTC), a Python-style `tojson`,
+//! `True`/`False`/`None` printed as Python prints them, the variables `messages`,
+//! `add_generation_prompt` and the special tokens, and the `**kwargs` given
+//! ([`ChatTemplate::with_variables`])), and the loss mask that covers only the assistant's tokens.
 //!
 //! The assistant's text is found in one of two ways:
 //! - templates with `{% generation %}…{% endgeneration %}` (transformers' marker for
