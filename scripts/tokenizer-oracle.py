@@ -23,6 +23,13 @@ it compares ids and loss masks of `zeroflow tokenize` with transformers'
 and the prefix-rendering fallback (the same templates with the markers removed, through
 `--chat-template`) with the same masks.
 
+With --extra-tokenizer, a real model's tokenizer.json gets the documents and text-file checks.
+The model-template check (a template without markers: the ids of every document zeroflow writes,
+the conversation whole or turn by turn, as transformers renders it, the trained tokens holding
+each assistant content, and the same conversations refused) runs on the conversations, plain and
+with tool calls: with --model-template JINJA, on the Llama-3-style tokenizer; with --model-dir, on
+a model's tokenizer.json and tokenizer_config.json (its own template and special tokens).
+
 Exits 1 on any mismatch.
 
     python3 scripts/tokenizer-oracle.py --zeroflow target/release/zeroflow [--megabytes 1]
@@ -428,18 +435,18 @@ def without_markers(template):
     return template
 
 
-def chat_model(name, template, tok, work):
-    """A model directory under `work` with `tok` and `template`, and transformers' tokenizer of it."""
+def chat_model(name, template, tok, work, tokens=None):
+    """A model directory under `work` with `tok` and `template` (and `tokens`, the special tokens'
+    names, default Llama-3's begin and end of text), and transformers' tokenizer of it."""
     from transformers import PreTrainedTokenizerFast
 
+    tokens = tokens or {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
     model = work / f"{name}-model"
     model.mkdir()
     tok.save(str(model / "tokenizer.json"))
-    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": template,
-              "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {**tokens, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast"}
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
-                                 bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"), **tokens)
     hf.chat_template = template
     return model, hf
 
@@ -502,13 +509,13 @@ def trained_runs(hf, tokens, mask):
     return runs
 
 
-def check_model_template(name, template_path, tok, work, zeroflow, chats, failures):
+def check_model_template(name, template, tok, work, zeroflow, chats, failures, tokens=None):
     """A model's own template (no generation markers: zeroflow renders prefixes): the ids of every
     document as transformers' `apply_chat_template` renders it, the conversation whole or, where
     the template renders a turn differently once later messages follow, through each assistant
     turn; and the tokens zeroflow trains on, read back, each assistant content in order."""
-    model, hf = chat_model(name, Path(template_path).read_text(), tok, work)
-    eot = hf.convert_tokens_to_ids("<|end_of_text|>")
+    model, hf = chat_model(name, template, tok, work, tokens)
+    eot = hf.convert_tokens_to_ids(hf.eos_token)
     # A conversation the template raises on (transformers' TemplateError), or whose turns do not
     # follow their conversation so far (RuntimeError): zeroflow must refuse it too.
     expected, refused = [], {}
@@ -579,6 +586,9 @@ def main():
                         help="a folder with GPT-2's encoder.json and vocab.bpe (default: the cache, then tiktoken-rs's)")
     parser.add_argument("--model-template", action="append", default=[], metavar="JINJA",
                         help="a model's own chat template (e.g. Qwen3's) to check, repeatable")
+    parser.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                        help="a model's tokenizer.json and tokenizer_config.json (its chat template "
+                             "and special tokens) to check chat with, repeatable")
     parser.add_argument("--extra-tokenizer", action="append", default=[], metavar="TOKENIZER_JSON",
                         help="also check and time this tokenizer.json (a real model's, or "
                              "scripts/cl100k-tokenizer.py's 100k-token byte-level BPE); its end-of-text "
@@ -618,17 +628,30 @@ def main():
                         if tok.token_to_id(t) is not None), None)
             if eot is None:
                 raise SystemExit(f"{path}: no <|endoftext|>, <|end_of_text|> or </s> token")
-            name = f"{Path(path).name} ({tok.get_vocab_size()} tokens)"
+            # Named by its folder where it is a model's (llama3/tokenizer.json), else by itself.
+            named = Path(path).parent.name if Path(path).name == "tokenizer.json" else Path(path).stem
+            name = f"{named}-{tok.get_vocab_size()}"
             check_documents(name, tok, path, eot, texts, work, zeroflow, failures)
+            check_text_file(name, tok, path, eot, texts, work, zeroflow, failures)
         chats = conversations(rng, args.conversations)
         for name, template in [("llama3", LLAMA3_TEMPLATE), ("chatml", CHATML_TEMPLATE)]:
             check_chat(name, template, llama3, work, zeroflow, chats, failures)
         tool_chats = tool_conversations(rng, args.conversations)
         check_chat("qwen-tools", QWEN_TOOLS_TEMPLATE, llama3, work, zeroflow, tool_chats, failures)
         for path in args.model_template:
-            name = Path(path).stem
-            check_model_template(name, path, llama3, work, zeroflow, chats, failures)
-            check_model_template(f"{name}-tools", path, llama3, work, zeroflow, tool_chats, failures)
+            name, template = Path(path).stem, Path(path).read_text()
+            check_model_template(name, template, llama3, work, zeroflow, chats, failures)
+            check_model_template(f"{name}-tools", template, llama3, work, zeroflow, tool_chats, failures)
+        for folder in map(Path, args.model_dir):
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            if not config.get("chat_template"):
+                print(f"{folder.name}: no chat template; skipped")
+                continue
+            tokens = {k: config[k] for k in ("bos_token", "eos_token") if isinstance(config.get(k), str)}
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            for kind, these in [("", chats), ("-tools", tool_chats)]:
+                check_model_template(f"{folder.name}-own{kind}", config["chat_template"], tok, work,
+                                     zeroflow, these, failures, tokens)
     if failures.count:
         print(f"FAILED: {failures.count} mismatches")
         sys.exit(1)
