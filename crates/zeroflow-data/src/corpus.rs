@@ -484,15 +484,46 @@ fn json_line(
         let tokens = encode_in_pieces(tokenizer, text, piece)?;
         return Ok(Line::Text(Document { tokens, mask: None }));
     }
-    if let Some(messages) = json.get("messages") {
-        let messages = messages.as_array().ok_or("\"messages\" is not a list")?;
-        let template = template.ok_or(
-            "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
-        )?;
-        let conversation = template.encode(tokenizer, messages).map_err(|e| e.to_string())?;
-        return Ok(Line::Conversation(conversation));
-    }
-    Err("expected a JSON object with \"text\" (a string) or \"messages\" (a list)".into())
+    let messages = match (json.get("messages"), json.get("conversations")) {
+        (Some(messages), _) => messages.as_array().ok_or("\"messages\" is not a list")?.clone(),
+        (None, Some(turns)) => sharegpt_messages(turns)?,
+        (None, None) => {
+            return Err("expected a JSON object with \"text\" (a string), \"messages\" (a list \
+                        of {\"role\", \"content\"}) or \"conversations\" (ShareGPT's list of \
+                        {\"from\", \"value\"})"
+                .into());
+        }
+    };
+    let template = template.ok_or(
+        "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
+    )?;
+    let conversation = template.encode(tokenizer, &messages).map_err(|e| e.to_string())?;
+    Ok(Line::Conversation(conversation))
+}
+
+/// ShareGPT's `"conversations": [{"from": "human", "value": "..."}, ...]` as `messages`: `human`
+/// and `user` are the user, `gpt` and `assistant` the assistant, `system` the system prompt.
+fn sharegpt_messages(turns: &Json) -> Result<Vec<Json>, String> {
+    let turns = turns.as_array().ok_or("\"conversations\" is not a list")?;
+    let message = |(i, turn): (usize, &Json)| {
+        let field = |name: &str| turn.get(name).and_then(Json::as_str);
+        let (Some(from), Some(value)) = (field("from"), field("value")) else {
+            return Err(format!("conversations[{i}] is not {{\"from\": ..., \"value\": ...}}"));
+        };
+        let role = match from {
+            "human" | "user" => "user",
+            "gpt" | "assistant" => "assistant",
+            "system" => "system",
+            other => {
+                return Err(format!(
+                    "conversations[{i}]: \"from\": {other:?} is not human, gpt or system (write \
+                     such turns as \"messages\" with the roles the chat template knows)"
+                ));
+            }
+        };
+        Ok(serde_json::json!({"role": role, "content": value}))
+    };
+    turns.iter().enumerate().map(message).collect()
 }
 
 const SHARD_PREFIX: &str = "tokens_";

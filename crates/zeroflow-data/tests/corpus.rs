@@ -146,6 +146,52 @@ fn conversations_write_a_loss_mask_on_the_assistant_tokens() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// ShareGPT's `conversations` (`from`: human, gpt, system) is the conversation of the same
+/// `messages`: the same tokens and mask; a `from` of another kind is a bad line naming it.
+#[test]
+fn sharegpt_conversations_are_messages() {
+    let dir = scratch("corpus-sharegpt");
+    let config = json!({"eos_token": "<|endoftext|>", "chat_template": LLAMA3_TEMPLATE});
+    model_dir(&dir.join("model"), &byte_level_bpe(), Some(&config));
+    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    let template = ChatTemplate::from_config(tokenizer.config()).unwrap().unwrap();
+    let messages =
+        [&[json!({"role": "system", "content": "be brief"})][..], &three_turns()].concat();
+    let from = |role: &str| {
+        match role {
+            "user" => "human",
+            "assistant" => "gpt",
+            other => other,
+        }
+        .to_string()
+    };
+    let sharegpt: Vec<_> = messages
+        .iter()
+        .map(|m| json!({"from": from(m["role"].as_str().unwrap()), "value": m["content"]}))
+        .collect();
+    let lines = [json!({"messages": messages}), json!({"conversations": sharegpt})];
+    let written = |name: &str, lines: &[serde_json::Value]| {
+        let jsonl = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&jsonl, lines.iter().map(|l| l.to_string() + "\n").collect::<String>())
+            .unwrap();
+        let out = dir.join(name);
+        let options = TokenizeOptions { chat_template: Some(&template), ..options(&out, 1 << 20) };
+        run(&tokenizer, &[jsonl], &options)
+    };
+    let both = written("both", &lines).unwrap();
+    let shard = tokens(&both.shards[0]);
+    let (eot, half) = (tokenizer.eot().unwrap(), shard.len() / 2);
+    assert_eq!(shard[0], eot);
+    assert_eq!(shard[..half], shard[half..], "the two conversations are the same tokens");
+    let mask = read_loss_mask(&dir.join("both/tokens_000000.mask")).unwrap();
+    assert_eq!(mask[..half], mask[half..]);
+    assert!(mask.contains(&1), "{mask:?}");
+    let tool = json!({"conversations": [{"from": "function_call", "value": "{}"}]});
+    let error = written("tool", &[tool]).unwrap_err();
+    assert!(error.to_string().contains("\"function_call\""), "{error}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A bad line stops the run with its file and line number; with `skip_bad_lines` the run goes
 /// on and counts it. A conversation without a chat template is a bad line too.
 #[test]

@@ -621,8 +621,11 @@ mod tests {
             let back = read_all(&file, 6..big.len() as u64 - 2, 2, READ_BUFFER_BYTES).unwrap();
             assert!(back == big[6..big.len() - 2], "direct {direct}: the large range differs");
             // Its readers' buffers are kept for the next read of the file (the reads above ran
-            // on kept buffers holding earlier bytes).
-            assert_eq!(file.spare.lock().unwrap().len(), READERS.min(3), "direct {direct}");
+            // on kept buffers holding earlier bytes): one for each reader that held one at once,
+            // up to the three pieces' three readers (a reader that starts after another is done
+            // takes the buffer it gave back).
+            let kept = file.spare.lock().unwrap().len();
+            assert!((1..=READERS.min(3)).contains(&kept), "direct {direct}: {kept} kept");
         }
     }
 
