@@ -40,8 +40,11 @@ pub struct Extra {
     pub eval_data: Option<String>,
     #[serde(default)]
     pub eval_tokens: Option<u64>,
-    /// `--chat-template-kwargs` of data tokenized at start-up (absent where none were given, and
-    /// in checkpoints from before them): a resumed run tokenizes with the same.
+    /// `--chat-template` (an absolute path) and `--chat-template-kwargs` of data tokenized at
+    /// start-up (absent where none were given, and in checkpoints from before them): a resumed run
+    /// tokenizes with the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template_kwargs: Option<crate::startup_tokens::TemplateVariables>,
     /// Tokens per training sequence (`--seq`; absent in checkpoints from before it was kept): a

@@ -63,6 +63,9 @@ pub struct TrainOptions {
     pub eval_tokens: Option<NonZeroU64>,
     /// `--eval-data`: what to evaluate on instead of a held-out part of `--data`.
     pub eval_data: Option<String>,
+    /// `--chat-template`: the chat template of data tokenized at start-up instead of the model's
+    /// (a resumed run's default: its checkpoint's).
+    pub chat_template: Option<PathBuf>,
     /// `--chat-template-kwargs`: variables for the chat template of data tokenized at start-up
     /// (a resumed run's default: its checkpoint's).
     pub chat_template_kwargs: Option<TemplateVariables>,
@@ -111,7 +114,9 @@ pub struct Setup {
     /// `--eval-data` (resolved) and `--eval-tokens`, for the checkpoints.
     pub eval_data: Option<String>,
     pub eval_tokens: Option<u64>,
-    /// `--chat-template-kwargs` (or the resumed checkpoint's), for the checkpoints.
+    /// `--chat-template` (an absolute path) and `--chat-template-kwargs` (or the resumed
+    /// checkpoint's), for the checkpoints.
+    pub chat_template: Option<PathBuf>,
     pub chat_template_kwargs: Option<TemplateVariables>,
     pub config: Config,
     /// Where `config` came from, for the summary.
@@ -225,17 +230,14 @@ impl Setup {
         // A `.jsonl`, and text where the model comes from a directory (its tokenizer's tokens,
         // not bytes), are tokenized here with that directory's tokenizer.
         let model_dir = model_dir(&start);
+        let template = args.chat_template.as_deref().map(std::path::absolute).transpose();
+        let chat = startup_tokens::ChatOptions {
+            template: template.map_err(|e| input(format!("--chat-template: {e}")))?,
+            variables: args.chat_template_kwargs.clone().unwrap_or_default(),
+        };
         let tokenized = |spec, role| {
             let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
-            let variables = args.chat_template_kwargs.clone().unwrap_or_default();
-            startup_tokens::tokenized_at_start(
-                spec,
-                role,
-                model_dir.as_deref(),
-                &out,
-                at,
-                &variables,
-            )
+            startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, at, &chat)
         };
         let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
@@ -256,6 +258,7 @@ impl Setup {
                 .as_deref()
                 .map(|e| data_files::resolve(e).unwrap_or(e.into())),
             eval_tokens: args.eval_tokens.map(NonZeroU64::get),
+            chat_template: chat.template.clone(),
             chat_template_kwargs: args.chat_template_kwargs.clone(),
             config,
             config_file,
@@ -398,6 +401,8 @@ fn prepare(
     if let Some(point) = &resume {
         default_to_saved(args, &point.extra.config);
         args.eval_data = args.eval_data.take().or_else(|| point.extra.eval_data.clone());
+        args.chat_template =
+            args.chat_template.take().or_else(|| point.extra.chat_template.clone());
         args.chat_template_kwargs =
             args.chat_template_kwargs.take().or_else(|| point.extra.chat_template_kwargs.clone());
         args.eval_tokens =

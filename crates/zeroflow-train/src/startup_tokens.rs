@@ -69,16 +69,18 @@ impl RankOnHost {
 /// whole corpus on the same cores. Where the sources cannot be described, each rank tokenizes
 /// into a folder of its own.
 ///
-/// `variables` go to the chat template as `apply_chat_template(..., **kwargs)` passes them
-/// (`--chat-template-kwargs`); the record holds them, so tokens made with others are not reused.
+/// Conversations are rendered as `chat` says: the model's template or another file, with
+/// variables as `apply_chat_template(..., **kwargs)` passes them. The record holds both (the
+/// file among the sources), so tokens made otherwise are not reused.
 pub fn tokenized_at_start(
     spec: Spec,
     role: DataRole,
     model_dir: Option<&Path>,
     out: &Path,
     at: RankOnHost,
-    variables: &TemplateVariables,
+    chat: &ChatOptions,
 ) -> Result<Spec> {
+    let variables = &chat.variables;
     let flag = role.flag();
     let (files, dir) = match (spec, model_dir) {
         (Spec::Jsonl(jsonl), Some(dir)) => (vec![jsonl], dir),
@@ -105,11 +107,8 @@ pub fn tokenized_at_start(
     };
     let shown = files[0].display();
     let tokenizer = Tokenizer::from_dir(dir).map_err(|e| input(format!("{flag} {shown}: {e}")))?;
-    let template = ChatTemplate::from_config(tokenizer.config())
-        .map(|template| template.and_then(|t| t.with_variables(variables.clone())))
-        .transpose()
-        .map_err(|e| input(format!("{flag} {shown}: {e}")))?;
-    let sources = sources(&files, dir);
+    let template = chat.template(&tokenizer).map_err(|e| input(format!("{flag} {shown}: {e}")))?;
+    let sources = sources(&files, dir, chat.template.as_deref());
     let writer = if sources.is_some() { at.host_first() } else { at.rank };
     let tokens = out.join("tokens").join(role.folder(writer));
     if let (Some(sources), true) = (&sources, writer != at.rank) {
@@ -273,8 +272,11 @@ impl Source {
 /// files, the tokenizer's own (`tokenizer.json`, and `tokenizer_config.json` and
 /// `chat_template.jinja` where there) and the running binary, whose code does the tokenizing.
 /// `None` where one of them cannot be described (nothing is then reused or recorded).
-fn sources(files: &[PathBuf], dir: &Path) -> Option<Vec<Source>> {
+fn sources(files: &[PathBuf], dir: &Path, template: Option<&Path>) -> Option<Vec<Source>> {
     let mut all: Vec<Source> = files.iter().map(|file| Source::of(file)).collect::<Option<_>>()?;
+    if let Some(template) = template {
+        all.push(Source::of(template)?);
+    }
     all.push(Source::of(&dir.join("tokenizer.json"))?);
     for optional in ["tokenizer_config.json", "chat_template.jinja"] {
         if dir.join(optional).exists() {
@@ -287,6 +289,40 @@ fn sources(files: &[PathBuf], dir: &Path) -> Option<Vec<Source>> {
 
 /// Variables for the chat template (`--chat-template-kwargs`).
 pub type TemplateVariables = serde_json::Map<String, serde_json::Value>;
+
+/// How conversations are rendered: the tokenizer's chat template or `--chat-template`'s file,
+/// with `--chat-template-kwargs`' variables.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatOptions {
+    pub template: Option<PathBuf>,
+    pub variables: TemplateVariables,
+}
+
+impl ChatOptions {
+    /// The template for `tokenizer`'s conversations (none where it has none and no file is
+    /// given), with the variables; variables for a tokenizer without a template are an error.
+    pub fn template(
+        &self,
+        tokenizer: &Tokenizer,
+    ) -> std::result::Result<Option<ChatTemplate>, String> {
+        let template = match &self.template {
+            Some(path) => Some(ChatTemplate::from_file(path)),
+            None => ChatTemplate::from_config(tokenizer.config()),
+        };
+        match template {
+            Some(template) => template
+                .and_then(|t| t.with_variables(self.variables.clone()))
+                .map(Some)
+                .map_err(|e| e.to_string()),
+            None if !self.variables.is_empty() => Err(format!(
+                "--chat-template-kwargs: the tokenizer {} has no chat template (give \
+                 --chat-template)",
+                tokenizer.name()
+            )),
+            None => Ok(None),
+        }
+    }
+}
 
 /// The record of a tokens folder: what its tokens were made from (the files, and the chat
 /// template's variables), and what tokenizing wrote (its shards by their names in the folder).
@@ -379,7 +415,7 @@ mod tests {
         std::fs::write(model.join("tokenizer.json"), "{}").unwrap();
         std::fs::write(tokens.join("tokens_000000.bin"), [0u8; 8]).unwrap();
         let files = [corpus.clone()];
-        let made_from = sources(&files, &model).expect("every source is there");
+        let made_from = sources(&files, &model, None).expect("every source is there");
         assert_eq!(made_from.len(), 3, "the corpus, tokenizer.json and this binary: {made_from:?}");
         let summary = zeroflow_data::TokenizeSummary {
             documents: 1,
@@ -404,16 +440,35 @@ mod tests {
         // The corpus written again, a second later: its time differs.
         let later = std::time::SystemTime::now() + Duration::from_secs(1);
         std::fs::File::options().write(true).open(&corpus).unwrap().set_modified(later).unwrap();
-        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap(), &none), None);
-        let made_from = sources(&files, &model).unwrap();
+        assert_eq!(Made::read_if(&tokens, &sources(&files, &model, None).unwrap(), &none), None);
+        let made_from = sources(&files, &model, None).unwrap();
         Made::of(made_from.clone(), &none, &summary).write(&tokens).unwrap();
         assert!(Made::read_if(&tokens, &made_from, &none).is_some());
+        // A template file given (`--chat-template`) is a source too.
+        let given = dir.join("given.jinja");
+        std::fs::write(&given, "{{ messages }}").unwrap();
+        let with_file = sources(&files, &model, Some(&given)).unwrap();
+        assert_eq!(with_file.len(), made_from.len() + 1, "{with_file:?}");
+        assert_eq!(Made::read_if(&tokens, &with_file, &none), None);
         // A chat template beside the tokenizer changes what a conversation becomes.
         std::fs::write(model.join("chat_template.jinja"), "{{ messages }}").unwrap();
-        assert_eq!(Made::read_if(&tokens, &sources(&files, &model).unwrap(), &none), None);
+        assert_eq!(Made::read_if(&tokens, &sources(&files, &model, None).unwrap(), &none), None);
         std::fs::remove_file(tokens.join("tokens_000000.bin")).unwrap();
         assert_eq!(Made::read_if(&tokens, &made_from, &none), None, "a shard is gone");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Variables for a tokenizer without a chat template (and no template file) are an error
+    /// that names the flags; without variables there is simply no template.
+    #[test]
+    fn variables_without_a_template_are_an_error() {
+        let tokenizer = Tokenizer::bytes();
+        assert!(ChatOptions::default().template(&tokenizer).unwrap().is_none());
+        let mut variables = TemplateVariables::new();
+        variables.insert("enable_thinking".into(), serde_json::json!(false));
+        let chat = ChatOptions { template: None, variables };
+        let error = chat.template(&tokenizer).unwrap_err();
+        assert!(error.contains("--chat-template-kwargs") && error.contains("--chat-template)"));
     }
 
     /// Each advance adds its bytes; a line comes once the interval has passed, with the bytes

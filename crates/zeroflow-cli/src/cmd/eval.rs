@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use zeroflow_train::data::Spec;
 use zeroflow_train::infer::{HostModel, InferDevice};
+use zeroflow_train::startup_tokens::ChatOptions;
 
 /// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
@@ -25,6 +26,9 @@ pub struct Args {
     /// else bytes as tokens.
     #[arg(long)]
     tokenizer: Option<String>,
+    /// A Jinja chat template for a `.jsonl` --data, instead of the tokenizer's own.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<std::path::PathBuf>,
     /// Variables for the chat template of a `.jsonl` --data, a JSON object, as
     /// `apply_chat_template(..., **kwargs)` passes them (`'{"enable_thinking": false}'`).
     #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
@@ -46,9 +50,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,
         false => None,
     };
-    let variables = args.chat_template_kwargs.unwrap_or_default();
-    let result =
-        model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref(), &variables)?;
+    let chat = ChatOptions {
+        template: args.chat_template,
+        variables: args.chat_template_kwargs.unwrap_or_default(),
+    };
+    let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref(), &chat)?;
     if args.json {
         println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));
     } else {

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-use zeroflow_data::{ChatTemplate, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus};
+use zeroflow_data::{TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus};
+use zeroflow_train::startup_tokens::ChatOptions;
 
 use crate::InputError;
 
@@ -45,23 +46,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Err(InputError::from_display("--shard-tokens must be at least 1"));
     }
     let tokenizer = Tokenizer::load(&args.tokenizer).map_err(InputError::from_display)?;
-    let template = match &args.chat_template {
-        Some(path) => Some(ChatTemplate::from_file(path)),
-        None => ChatTemplate::from_config(tokenizer.config()),
-    }
-    .transpose()
-    .map_err(InputError::from_display)?;
-    let template = match (template, args.chat_template_kwargs) {
-        (Some(template), Some(kwargs)) => {
-            Some(template.with_variables(kwargs).map_err(InputError::from_display)?)
-        }
-        (None, Some(_)) => {
-            return Err(InputError::from_display(
-                "--chat-template-kwargs: the tokenizer has no chat template (give --chat-template)",
-            ));
-        }
-        (template, None) => template,
+    let chat = ChatOptions {
+        template: args.chat_template.clone(),
+        variables: args.chat_template_kwargs.clone().unwrap_or_default(),
     };
+    let template = chat.template(&tokenizer).map_err(InputError::from_display)?;
     println!("{}", zeroflow_data::describe_setup(&tokenizer, template.as_ref()));
 
     let total: u64 =

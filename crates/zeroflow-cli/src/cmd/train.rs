@@ -66,6 +66,10 @@ pub struct Args {
     /// part held out from the end of --data.
     #[arg(long, value_name = "FILE|DIR|GLOB")]
     pub eval_data: Option<String>,
+    /// A Jinja chat template for a `.jsonl` tokenized at start-up, instead of the model's own (one
+    /// with `{% generation %}` markers, say). A resumed run's default: its checkpoint's.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// Variables for the chat template of a `.jsonl` tokenized at start-up, a JSON object, as
     /// `apply_chat_template(..., **kwargs)` passes them: `'{"enable_thinking": false}'` trains
     /// Qwen3 without its reasoning block. A resumed run's default: its checkpoint's.
@@ -177,6 +181,7 @@ impl Args {
             eval_every: self.eval_every,
             eval_tokens: self.eval_tokens,
             eval_data: self.eval_data.clone(),
+            chat_template: self.chat_template.clone(),
             chat_template_kwargs: self.chat_template_kwargs.clone(),
             seq: self.seq,
             log_every: self.log_every,

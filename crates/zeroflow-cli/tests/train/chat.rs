@@ -131,26 +131,31 @@ fn chat_data_trains_packed() {
     assert_eq!(summary["settings"]["pack"], true, "{summary}");
 }
 
-/// `--chat-template-kwargs` reach the template of the data tokenized at start-up (a system
-/// prompt it writes where `system_prompt` is given: more tokens, none of them trained), are
-/// recorded with the tokens and in the checkpoint, and a resume without the flag keeps them: it
-/// reads the same tokens again rather than tokenizing without them.
+/// `--chat-template FILE` and `--chat-template-kwargs` render the data tokenized at start-up (a
+/// template that writes a system prompt where `system_prompt` is given: more tokens, none of
+/// them trained); the file is among the tokens' sources, both are in the checkpoint, and a resume
+/// without the flags keeps them: it reads the same tokens again rather than tokenizing otherwise.
 #[test]
-fn chat_template_kwargs_are_kept_with_the_tokens_and_across_a_resume() {
+fn a_chat_template_and_its_kwargs_are_kept_with_the_tokens_and_across_a_resume() {
     let dir = scratch("chat_template_kwargs");
     let (model, chat) = (dir.join("model"), dir.join("chat.jsonl"));
     write_model_dir(&model);
     write_chat(&chat);
-    // The model's ChatML template, with a system prompt where the variable is given.
-    let config_path = model.join("tokenizer_config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    let template = config["chat_template"].as_str().unwrap();
-    config["chat_template"] = json!(format!(
-        "{{%- if system_prompt is defined %}}{{{{- '<|im_start|>system\\n' + system_prompt + \
-         '<|im_end|>\\n' }}}}{{%- endif %}}{template}"
-    ));
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    // The model's ChatML template, with a system prompt where the variable is given, in a file.
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let own = config["chat_template"].as_str().unwrap();
+    let template = dir.join("with_system.jinja");
+    std::fs::write(
+        &template,
+        format!(
+            "{{%- if system_prompt is defined %}}{{{{- '<|im_start|>system\\n' + system_prompt + \
+             '<|im_end|>\\n' }}}}{{%- endif %}}{own}"
+        ),
+    )
+    .unwrap();
     let run_with = |out: &Path, extra: &[&str]| {
         let mut args = vec!["--init-from", model.to_str().unwrap(), "--data"];
         args.extend([chat.to_str().unwrap(), "--steps", "2", "--save-every", "1"]);
@@ -166,29 +171,30 @@ fn chat_template_kwargs_are_kept_with_the_tokens_and_across_a_resume() {
     let (plain, with) = (dir.join("plain"), dir.join("with"));
     run_with(&plain, &[]);
     let kwargs = r#"{"system_prompt": "Answer the same way."}"#;
-    run_with(&with, &["--chat-template-kwargs", kwargs]);
+    let flags = ["--chat-template", template.to_str().unwrap(), "--chat-template-kwargs", kwargs];
+    run_with(&with, &flags);
     let (plain_made, with_made) = (made(&plain), made(&with));
     assert_eq!(with_made["chat_template_kwargs"], json!({"system_prompt": "Answer the same way."}));
+    let sources = with_made["sources"].as_array().unwrap();
+    assert!(sources.iter().any(|s| s["path"] == json!(template)), "{with_made}");
     let count = |m: &serde_json::Value, what: &str| m["summary"][what].as_u64().unwrap();
     assert!(count(&with_made, "tokens") > count(&plain_made, "tokens"), "{with_made}");
     assert_eq!(count(&with_made, "assistant_tokens"), count(&plain_made, "assistant_tokens"));
-    let state = |step: &str| -> serde_json::Value {
+    let extra = |step: &str| -> serde_json::Value {
         let path = with.join("checkpoints").join(step).join("state.json");
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+        let state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        json!([state["extra"]["chat_template"], state["extra"]["chat_template_kwargs"]])
     };
-    assert_eq!(
-        state("step-00000002")["extra"]["chat_template_kwargs"],
-        with_made["chat_template_kwargs"]
-    );
-    // Resumed from step 1 without the flag: the checkpoint's variables, the tokens read again.
+    let want = json!([template, with_made["chat_template_kwargs"]]);
+    assert_eq!(extra("step-00000002"), want);
+    // Resumed from step 1 without the flags: the checkpoint's template and variables, the tokens
+    // read again.
     std::fs::remove_dir_all(with.join("checkpoints").join("step-00000002")).unwrap();
     let shard = with.join("tokens/rank-0/tokens_000000.bin");
     let written = std::fs::metadata(&shard).unwrap().modified().unwrap();
     let resumed = train(&["--resume", "latest", "--out", with.to_str().unwrap()]);
     assert!(resumed.status.success(), "{}", text(&resumed.stderr));
     assert_eq!(std::fs::metadata(&shard).unwrap().modified().unwrap(), written, "tokenized again");
-    assert_eq!(
-        state("step-00000002")["extra"]["chat_template_kwargs"],
-        with_made["chat_template_kwargs"]
-    );
+    assert_eq!(extra("step-00000002"), want);
 }

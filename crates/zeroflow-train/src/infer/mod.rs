@@ -29,7 +29,7 @@ pub use source::ModelDir;
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
-use crate::startup_tokens::TemplateVariables;
+use crate::startup_tokens::ChatOptions;
 use crate::weight_files::FileParams;
 
 /// How a prompt is continued ([`HostModel::complete`]).
@@ -344,21 +344,21 @@ impl HostModel {
     /// weighted by each one's predicted tokens; a shard's loss mask (chat data: the assistant's
     /// tokens) leaves out the targets it leaves out in training.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
-        self.eval_data_on(spec, window, InferDevice::Cpu, None, &TemplateVariables::new())
+        self.eval_data_on(spec, window, InferDevice::Cpu, None, &ChatOptions::default())
     }
 
     /// [`HostModel::eval_data`] on `device` (a GPU: [`HostModel::eval_cuda`]), text files
     /// encoded by `tokenizer` where one is given (else bytes as tokens), and a `.jsonl` of
     /// documents or conversations tokenized by it and its chat template as `zeroflow tokenize`
-    /// does (into a scratch directory, removed after; `variables` for the template, as
-    /// `--chat-template-kwargs`), its conversations' loss masks kept.
+    /// does (into a scratch directory, removed after; `chat`: another template, variables for
+    /// it), its conversations' loss masks kept.
     pub fn eval_data_on(
         &self,
         spec: &Spec,
         window: Option<usize>,
         device: InferDevice,
         tokenizer: Option<&Tokenizer>,
-        variables: &TemplateVariables,
+        chat: &ChatOptions,
     ) -> Result<EvalResult> {
         if let Spec::Synthetic = spec {
             return Err(input("--data synthetic: eval reads token shards or text files"));
@@ -377,10 +377,10 @@ impl HostModel {
                 std::process::id(),
                 utc_nanos()
             ));
-            let shards = tokenize_jsonl(tokenizer, variables, jsonl, &scratch);
+            let shards = tokenize_jsonl(tokenizer, chat, jsonl, &scratch);
             let result = shards.and_then(|shards| {
                 let shards = Spec::Shards(shards);
-                self.eval_data_on(&shards, window, device, None, variables)
+                self.eval_data_on(&shards, window, device, None, chat)
             });
             let _ = std::fs::remove_dir_all(&scratch);
             return result;
@@ -476,15 +476,12 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
 /// `zeroflow tokenize` writes them.
 fn tokenize_jsonl(
     tokenizer: &Tokenizer,
-    variables: &TemplateVariables,
+    chat: &ChatOptions,
     jsonl: &std::path::Path,
     dir: &std::path::Path,
 ) -> Result<Vec<std::path::PathBuf>> {
     let shown = jsonl.display();
-    let template = zeroflow_data::ChatTemplate::from_config(tokenizer.config())
-        .map(|template| template.and_then(|t| t.with_variables(variables.clone())))
-        .transpose()
-        .map_err(|e| input(format!("--data {shown}: {e}")))?;
+    let template = chat.template(tokenizer).map_err(|e| input(format!("--data {shown}: {e}")))?;
     let options = zeroflow_data::TokenizeOptions::new(dir.to_path_buf(), template.as_ref());
     let summary =
         zeroflow_data::tokenize_corpus(tokenizer, &[jsonl.to_path_buf()], &options, &|_| {})
