@@ -127,6 +127,15 @@ pub fn tokenized_at_start(
         return Ok(Spec::Shards(made.shards(&tokens)));
     }
     if tokens.exists() {
+        let earlier = read_json::<Made>(&tokens.join(MADE_FILE));
+        if let (Some(earlier), Some(sources)) = (earlier, &sources) {
+            tracing::warn!(
+                "{flag}: the tokens in {} were made from other sources ({}): tokenizing again; a \
+                 run resumed from a checkpoint of those tokens goes on in these",
+                tokens.display(),
+                earlier.differs_from(sources, variables)
+            );
+        }
         std::fs::remove_dir_all(&tokens)
             .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
     }
@@ -360,6 +369,29 @@ impl Made {
         (same && whole).then_some(made)
     }
 
+    /// How this record's sources differ from `sources` and `variables`: the first difference,
+    /// said for a user (a file changed, new or no longer used; other variables; else a shard gone).
+    fn differs_from(&self, sources: &[Source], variables: &TemplateVariables) -> String {
+        let old = |path: &Path| self.sources.iter().find(|s| s.path == path);
+        for source in sources {
+            match old(&source.path) {
+                None => return format!("{} is new", source.path.display()),
+                Some(old) if old != source => {
+                    return format!("{} changed", source.path.display());
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(gone) = self.sources.iter().find(|s| !sources.iter().any(|n| n.path == s.path))
+        {
+            return format!("{} is no longer read", gone.path.display());
+        }
+        if &self.chat_template_kwargs != variables {
+            return "other --chat-template-kwargs".into();
+        }
+        "a shard of them is missing".into()
+    }
+
     /// The shards, under `tokens`.
     fn shards(&self, tokens: &Path) -> Vec<PathBuf> {
         self.summary.shards.iter().map(|shard| tokens.join(shard)).collect()
@@ -450,6 +482,20 @@ mod tests {
         let with_file = sources(&files, &model, Some(&given)).unwrap();
         assert_eq!(with_file.len(), made_from.len() + 1, "{with_file:?}");
         assert_eq!(Made::read_if(&tokens, &with_file, &none), None);
+        // What differs, said: the first source that is new, changed or gone, else the variables,
+        // else a shard.
+        let made = Made::read_if(&tokens, &made_from, &none).unwrap();
+        assert_eq!(made.differs_from(&with_file, &none), format!("{} is new", given.display()));
+        assert_eq!(
+            made.differs_from(&made_from[1..], &none),
+            format!("{} is no longer read", made_from[0].path.display())
+        );
+        let mut touched = made_from.clone();
+        touched[0].bytes += 1;
+        let changed = format!("{} changed", made_from[0].path.display());
+        assert_eq!(made.differs_from(&touched, &none), changed);
+        assert_eq!(made.differs_from(&made_from, &variables), "other --chat-template-kwargs");
+        assert_eq!(made.differs_from(&made_from, &none), "a shard of them is missing");
         // A chat template beside the tokenizer changes what a conversation becomes.
         std::fs::write(model.join("chat_template.jinja"), "{{ messages }}").unwrap();
         assert_eq!(Made::read_if(&tokens, &sources(&files, &model, None).unwrap(), &none), None);
