@@ -20,8 +20,8 @@ pub struct Args {
     #[arg(conflicts_with_all = ["prompt", "prompts"])]
     prompt_tokens: Option<String>,
     /// A file of prompts generated as one batch: a prompt per line (text, encoded by the
-    /// tokenizer; ids where there is none), or `.jsonl` lines with "prompt" or "prompt_tokens";
-    /// one output line each.
+    /// tokenizer; ids where there is none), or `.jsonl` lines with "prompt", "prompt_tokens" or,
+    /// with --chat, "messages" (a conversation so far); one output line each.
     #[arg(long, value_name = "FILE", conflicts_with = "prompt")]
     prompts: Option<PathBuf>,
     /// `cpu` (f32), `cuda` or `cuda:N` (bf16 on that GPU).

@@ -1,6 +1,7 @@
 //! A file of prompts for `zeroflow generate --prompts`: one prompt per line (text, or token ids
 //! `1,2,3` where no tokenizer is given), or JSON lines (a `.jsonl` file) each with `"prompt"`
-//! (text) or `"prompt_tokens"` (ids). Blank lines are skipped.
+//! (text), `"prompt_tokens"` (ids) or, for `--chat`, `"messages"` (a conversation so far, the
+//! assistant's turn to come). Blank lines are skipped.
 
 use std::path::Path;
 
@@ -14,6 +15,8 @@ use crate::error::{Result, TrainError, input};
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
+    /// A conversation so far (`--chat` only).
+    Messages(Vec<serde_json::Value>),
 }
 
 impl Prompt {
@@ -26,13 +29,17 @@ impl Prompt {
             (Prompt::Text(text), None) => {
                 parse_ids(text).map_err(|e| format!("{e}; give --tokenizer to encode text prompts"))
             }
+            (Prompt::Messages(_), _) => {
+                Err("\"messages\" is a conversation, which --chat renders with the chat template"
+                    .into())
+            }
         }
     }
 
-    /// The prompt's token ids for a chat model: text as one user message rendered by `template`
-    /// with the assistant's turn opened, tokenized as `apply_chat_template(messages,
-    /// add_generation_prompt=True)` does (no special tokens added: the template writes them);
-    /// ids as they are.
+    /// The prompt's token ids for a chat model: text as one user message (or the messages given)
+    /// rendered by `template` with the assistant's turn opened, tokenized as
+    /// `apply_chat_template(messages, add_generation_prompt=True)` does (no special tokens added:
+    /// the template writes them); ids as they are.
     pub fn chat_tokens(
         &self,
         tokenizer: &Tokenizer,
@@ -42,13 +49,23 @@ impl Prompt {
             Prompt::Tokens(ids) => Ok(ids.clone()),
             Prompt::Text(text) => {
                 let messages = [serde_json::json!({"role": "user", "content": text})];
-                let rendered = template
-                    .render(&messages, true, tokenizer.config())
-                    .map_err(|e| format!("the chat template: {e}"))?;
-                Ok(tokenizer.encode_with_offsets(&rendered)?.ids)
+                render(tokenizer, template, &messages)
             }
+            Prompt::Messages(messages) => render(tokenizer, template, messages),
         }
     }
+}
+
+/// `messages` rendered by `template` with the assistant's turn opened, tokenized.
+fn render(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[serde_json::Value],
+) -> Result<Vec<u32>, String> {
+    let rendered = template
+        .render(messages, true, tokenizer.config())
+        .map_err(|e| format!("the chat template: {e}"))?;
+    Ok(tokenizer.encode_with_offsets(&rendered)?.ids)
 }
 
 /// The prompts of `path`: JSON lines where it ends in `.jsonl`, else lines of text
@@ -67,9 +84,9 @@ pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>> {
     Ok(prompts)
 }
 
-/// The prompts of `text`, one per non-blank line: JSON objects with `"prompt"` (a string) or
-/// `"prompt_tokens"` (a list of ids) where `jsonl`, else each line's text (its line ending
-/// dropped). An error names the line (from 1).
+/// The prompts of `text`, one per non-blank line: JSON objects with `"prompt"` (a string),
+/// `"prompt_tokens"` (a list of ids) or `"messages"` (a list) where `jsonl`, else each line's
+/// text (its line ending dropped). An error names the line (from 1).
 pub fn parse_prompts(text: &str, jsonl: bool) -> Result<Vec<Prompt>, String> {
     let lines = text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty());
     if !jsonl {
@@ -83,8 +100,12 @@ pub fn parse_prompts(text: &str, jsonl: bool) -> Result<Vec<Prompt>, String> {
             if let Some(text) = value.get("prompt").and_then(|p| p.as_str()) {
                 return Ok(Prompt::Text(text.to_string()));
             }
+            if let Some(messages) = value.get("messages").and_then(|m| m.as_array()) {
+                return Ok(Prompt::Messages(messages.clone()));
+            }
             let ids = value.get("prompt_tokens").and_then(|p| p.as_array()).ok_or_else(|| {
-                at(r#"an object with "prompt" (a string) or "prompt_tokens" (ids)"#.into())
+                let what = r#"an object with "prompt" (a string), "prompt_tokens" (ids) or "messages" (a list)"#;
+                at(what.into())
             })?;
             let id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
             let ids: Option<Vec<u32>> = ids.iter().map(id).collect();
@@ -118,5 +139,25 @@ mod tests {
         assert!(error("{\"prompt\": \"x\"}\nnot json").starts_with("line 2: not JSON"));
         assert!(error("{\"text\": \"x\"}").contains("line 1: an object with \"prompt\""));
         assert!(error("{\"prompt_tokens\": [1, -2]}").contains("line 1: prompt_tokens are not"));
+    }
+
+    /// A conversation so far is a prompt for `--chat`: rendered with the assistant's turn opened
+    /// (a system prompt and earlier turns kept); without `--chat` it is refused.
+    #[test]
+    fn messages_are_a_chat_prompt() {
+        let text = r#"{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}"#;
+        let prompts = parse_prompts(text, true).unwrap();
+        let Prompt::Messages(messages) = &prompts[0] else { panic!("{prompts:?}") };
+        assert_eq!(messages.len(), 2);
+        let bytes = Tokenizer::load("bytes").unwrap();
+        assert!(prompts[0].tokens(Some(&bytes)).unwrap_err().contains("--chat"));
+        let template = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}\
+             {% if add_generation_prompt %}<assistant>{% endif %}",
+            "t.jinja",
+        )
+        .unwrap();
+        let ids = prompts[0].chat_tokens(&bytes, &template).unwrap();
+        assert_eq!(ids, b"<system>s<user>u<assistant>".map(u32::from).to_vec());
     }
 }
