@@ -204,17 +204,40 @@ impl ChatTemplate {
         messages: &[Json],
         config: &TokenizerConfig,
     ) -> Result<Conversation<Rendered>, ConversationError> {
+        self.assistant_spans_from(messages, 0, config)
+    }
+
+    /// [`ChatTemplate::assistant_spans`] of the assistant messages from `messages[from]` on:
+    /// those before are context (a prompt's few-shot answers), not trained. With generation
+    /// markers, the template must mark one span per assistant message.
+    pub fn assistant_spans_from(
+        &self,
+        messages: &[Json],
+        from: usize,
+        config: &TokenizerConfig,
+    ) -> Result<Conversation<Rendered>, ConversationError> {
         check_messages(messages)?;
         if messages.iter().any(|m| m.to_string().contains([GENERATION_START, GENERATION_END])) {
             return Err(ConversationError::MarkerInContent);
         }
-        let (text, spans) = self.render_marked(messages, false, config)?;
+        let assistant = |m: &&Json| m["role"] == "assistant";
+        let (text, mut spans) = self.render_marked(messages, false, config)?;
         if self.has_generation_markers {
+            let before = messages[..from.min(messages.len())].iter().filter(assistant).count();
+            let all = messages.iter().filter(assistant).count();
+            if before > 0 && spans.len() != all {
+                return Err(ConversationError::Messages(format!(
+                    "the chat template marks {} spans for {all} assistant messages, so which are \
+                     the completion's cannot be told",
+                    spans.len()
+                )));
+            }
+            spans.drain(..before.min(spans.len()));
             return Ok(Conversation { documents: vec![(text, spans)], turn_by_turn: false });
         }
         // Each assistant turn: the conversation through it, and the turn's range in that text.
         let mut turns = Vec::new();
-        for (index, message) in messages.iter().enumerate() {
+        for (index, message) in messages.iter().enumerate().skip(from) {
             if message["role"] != "assistant" {
                 continue;
             }
@@ -241,7 +264,18 @@ impl ChatTemplate {
         tokenizer: &Tokenizer,
         messages: &[Json],
     ) -> Result<Conversation<Encoded>, ConversationError> {
-        let rendered = self.assistant_spans(messages, tokenizer.config())?;
+        self.encode_from(tokenizer, messages, 0)
+    }
+
+    /// [`ChatTemplate::encode`] trained on the assistant messages from `messages[from]` on
+    /// ([`ChatTemplate::assistant_spans_from`]).
+    pub fn encode_from(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[Json],
+        from: usize,
+    ) -> Result<Conversation<Encoded>, ConversationError> {
+        let rendered = self.assistant_spans_from(messages, from, tokenizer.config())?;
         let mut documents = Vec::with_capacity(rendered.documents.len());
         for (text, spans) in rendered.documents {
             let tokens =

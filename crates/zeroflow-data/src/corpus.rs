@@ -484,13 +484,16 @@ fn json_line(
         let tokens = encode_in_pieces(tokenizer, text, piece)?;
         return Ok(Line::Text(Document { tokens, mask: None }));
     }
+    if let (Some(prompt), Some(completion)) = (json.get("prompt"), json.get("completion")) {
+        return prompt_completion(tokenizer, template, prompt, completion);
+    }
     let messages = match (json.get("messages"), json.get("conversations")) {
         (Some(messages), _) => messages.as_array().ok_or("\"messages\" is not a list")?.clone(),
         (None, Some(turns)) => sharegpt_messages(turns)?,
         (None, None) => {
             return Err("expected a JSON object with \"text\" (a string), \"messages\" (a list \
-                        of {\"role\", \"content\"}) or \"conversations\" (ShareGPT's list of \
-                        {\"from\", \"value\"})"
+                        of {\"role\", \"content\"}), \"conversations\" (ShareGPT's list of \
+                        {\"from\", \"value\"}), or \"prompt\" and \"completion\""
                 .into());
         }
     };
@@ -499,6 +502,47 @@ fn json_line(
     )?;
     let conversation = template.encode(tokenizer, &messages).map_err(|e| e.to_string())?;
     Ok(Line::Conversation(conversation))
+}
+
+/// A prompt-completion pair (TRL's form), trained on the completion only:
+/// - strings, as TRL's `SFTTrainer` makes them: the ids of `prompt + completion` (the
+///   tokenizer's special tokens added) and the end-of-text token where they do not end with it,
+///   the completion's those after as many as `prompt` alone has (the end-of-text token trained
+///   too);
+/// - lists of messages: the conversation `prompt + completion` through the chat template,
+///   trained on the completion's assistant messages only.
+fn prompt_completion(
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    prompt: &Json,
+    completion: &Json,
+) -> Result<Line, String> {
+    match (prompt, completion) {
+        (Json::String(prompt), Json::String(completion)) => {
+            let before = tokenizer.encode(prompt)?.len();
+            let mut tokens = tokenizer.encode(&format!("{prompt}{completion}"))?;
+            if let Some(eot) = tokenizer.eot()
+                && tokens.last() != Some(&eot)
+            {
+                tokens.push(eot);
+            }
+            let before = before.min(tokens.len());
+            let mask = [vec![0; before], vec![1; tokens.len() - before]].concat();
+            let documents = vec![(tokens, mask)];
+            Ok(Line::Conversation(Conversation { documents, turn_by_turn: false }))
+        }
+        (Json::Array(prompt), Json::Array(completion)) => {
+            let template = template.ok_or(
+                "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
+            )?;
+            let messages = [&prompt[..], &completion[..]].concat();
+            let conversation = template
+                .encode_from(tokenizer, &messages, prompt.len())
+                .map_err(|e| e.to_string())?;
+            Ok(Line::Conversation(conversation))
+        }
+        _ => Err("\"prompt\" and \"completion\" are both strings or both lists of messages".into()),
+    }
 }
 
 /// ShareGPT's `"conversations": [{"from": "human", "value": "..."}, ...]` as `messages`: `human`

@@ -13,7 +13,7 @@ use zeroflow_data::{
 
 use crate::fixtures::{
     LLAMA3_TEMPLATE, Sentencepiece, byte_level_bpe, llama3_split_bpe, model_dir, one, scratch,
-    sentencepiece_bpe, special_id, three_turns, word_level_big,
+    sentencepiece_bpe, special_id, three_turns, without_markers, word_level_big,
 };
 
 fn options(out_dir: &Path, shard_tokens: usize) -> TokenizeOptions<'static> {
@@ -189,6 +189,55 @@ fn sharegpt_conversations_are_messages() {
     let tool = json!({"conversations": [{"from": "function_call", "value": "{}"}]});
     let error = written("tool", &[tool]).unwrap_err();
     assert!(error.to_string().contains("\"function_call\""), "{error}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A prompt-completion pair trains on the completion only, as TRL's `SFTTrainer` does: strings
+/// are the ids of prompt + completion and the end-of-text token, masked for as many ids as the
+/// prompt alone has; lists of messages are the conversation through the chat template, trained on
+/// the completion's assistant turns only (not the prompt's few-shot answer).
+#[test]
+fn prompt_completion_pairs_train_on_the_completion() {
+    let dir = scratch("corpus-prompt-completion");
+    let config = json!({"eos_token": "<|endoftext|>", "chat_template": LLAMA3_TEMPLATE});
+    model_dir(&dir.join("model"), &byte_level_bpe(), Some(&config));
+    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    let turn = |role: &str, content: &str| json!({"role": role, "content": content});
+    let prompt = [turn("user", "hello"), turn("assistant", "world"), turn("user", "hello?")];
+    let completion = [turn("assistant", "hello world")];
+    let lines = [
+        json!({"prompt": "hello wor", "completion": "ld hello"}),
+        json!({"prompt": prompt, "completion": completion}),
+    ];
+    let jsonl = dir.join("pairs.jsonl");
+    std::fs::write(&jsonl, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+    let eot = tokenizer.eot().unwrap();
+    let whole = tokenizer.encode("hello world hello").unwrap();
+    let before = tokenizer.encode("hello wor").unwrap().len();
+    let pair = [whole.clone(), vec![eot]].concat();
+    // The template with generation markers, and without (prefix rendering).
+    for (name, source) in
+        [("marked", LLAMA3_TEMPLATE.to_string()), ("plain", without_markers(LLAMA3_TEMPLATE))]
+    {
+        let template = ChatTemplate::new(&source, name).unwrap();
+        let out = dir.join(name);
+        let options = TokenizeOptions { chat_template: Some(&template), ..options(&out, 1 << 20) };
+        let summary = run(&tokenizer, std::slice::from_ref(&jsonl), &options).unwrap();
+        let (shard, mask) =
+            (tokens(&summary.shards[0]), read_loss_mask(&out.join("tokens_000000.mask")).unwrap());
+        assert_eq!(shard[..1 + pair.len()], [vec![eot], pair.clone()].concat());
+        let pair_mask = [vec![0; 1 + before], vec![1; pair.len() - before]].concat();
+        assert_eq!(mask[..1 + pair.len()], pair_mask, "{name}");
+        // The conversation: the same tokens as `messages`, trained on its last answer alone.
+        let rest = 1 + pair.len();
+        let messages = [&prompt[..], &completion[..]].concat();
+        let (ids, _) = one(template.encode(&tokenizer, &messages).unwrap());
+        assert_eq!(shard[rest + 1..], ids, "{name}");
+        let trained: Vec<u32> =
+            ids.iter().zip(&mask[rest + 1..]).filter(|(_, m)| **m == 1).map(|(t, _)| *t).collect();
+        assert_eq!(tokenizer.decode(&trained).unwrap(), "hello world<|eot_id|>", "{name}");
+        assert_eq!(summary.conversations, 2);
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }
 
