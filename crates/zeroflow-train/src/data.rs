@@ -22,7 +22,7 @@ pub const EVAL_TOKENS: usize = 1 << 20;
 pub const SYNTHETIC_EVAL_TOKENS: usize = 16_384;
 
 /// What `--data` names.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 pub enum Spec {
     Synthetic,
     /// llm.c token shards, in order.
@@ -31,9 +31,10 @@ pub enum Spec {
     /// start-up with the model's tokenizer where the model comes from a directory
     /// ([`crate::startup_tokens`]).
     Text(Vec<PathBuf>),
-    /// A `.jsonl` of conversations (or documents), tokenized at start-up with the model's
-    /// tokenizer and chat template ([`crate::startup_tokens`]).
-    Jsonl(PathBuf),
+    /// `.jsonl` files of conversations (or documents), in order (text files among them, from a
+    /// glob, as text), tokenized at start-up with the model's tokenizer and chat template
+    /// ([`crate::startup_tokens`]).
+    Jsonl(Vec<PathBuf>),
 }
 
 impl Spec {
@@ -42,13 +43,18 @@ impl Spec {
             return Ok(Spec::Synthetic);
         }
         let path = Path::new(data);
-        let what_to_do = "pass `synthetic`, a directory or glob of llm.c .bin token shards, or a \
-                          text file or glob of text files";
+        let what_to_do = "pass `synthetic`, a directory or glob of llm.c .bin token shards, a \
+                          text file or glob of text files, or a .jsonl or a directory or glob of \
+                          them";
+        let is_jsonl = |p: &Path| p.extension().is_some_and(|ext| ext == "jsonl");
         let is_shard = |p: &Path| p.extension().is_some_and(|ext| ext == "bin");
         let shards = if data.contains(['*', '?']) {
             let paths = glob(path)?;
             if !paths.is_empty() && !paths.iter().any(|p| is_shard(p)) {
-                return Ok(Spec::Text(paths));
+                return match paths.iter().any(|p| is_jsonl(p)) {
+                    true => Ok(Spec::Jsonl(paths)),
+                    false => Ok(Spec::Text(paths)),
+                };
             }
             if !paths.iter().all(|p| is_shard(p)) {
                 return Err(input(format!(
@@ -60,16 +66,20 @@ impl Spec {
         } else if path.is_dir() {
             let entries = std::fs::read_dir(path)
                 .map_err(|e| input(format!("--data {data}: cannot read the directory: {e}")))?;
-            let mut shards: Vec<PathBuf> = entries
-                .filter_map(|entry| entry.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|ext| ext == "bin"))
-                .collect();
-            shards.sort();
+            let mut files: Vec<PathBuf> =
+                entries.filter_map(|entry| entry.ok().map(|e| e.path())).collect();
+            files.sort();
+            let jsonl: Vec<PathBuf> = files.iter().filter(|p| is_jsonl(p)).cloned().collect();
+            let shards: Vec<PathBuf> = files.into_iter().filter(|p| is_shard(p)).collect();
+            // A directory of `.jsonl` files (a dataset in several) and no shards.
+            if shards.is_empty() && !jsonl.is_empty() {
+                return Ok(Spec::Jsonl(jsonl));
+            }
             shards
         } else if path.is_file() && path.metadata().is_ok_and(|m| m.len() == 0) {
             return Err(input(format!("--data {data}: the file is empty; {what_to_do}")));
         } else if path.is_file() && path.extension().is_some_and(|ext| ext == "jsonl") {
-            return Ok(Spec::Jsonl(path.to_owned()));
+            return Ok(Spec::Jsonl(vec![path.to_owned()]));
         } else if path.is_file() {
             if is_shard(path) {
                 vec![path.to_owned()]
@@ -96,7 +106,7 @@ impl Spec {
         match self {
             Spec::Synthetic => &[],
             Spec::Shards(paths) | Spec::Text(paths) => paths,
-            Spec::Jsonl(path) => std::slice::from_ref(path),
+            Spec::Jsonl(paths) => paths,
         }
     }
 
@@ -355,9 +365,9 @@ fn source(spec: &Spec, vocab: usize) -> Result<Source> {
         ))),
         Spec::Text(paths) => Ok(Source::Text(paths.clone())),
         Spec::Synthetic => Err(input("--eval-data: give files, not `synthetic`")),
-        Spec::Jsonl(path) => Err(input(format!(
+        Spec::Jsonl(paths) => Err(input(format!(
             "{}: a .jsonl is tokenized into shards before the data is opened",
-            path.display()
+            paths[0].display()
         ))),
     }
 }
@@ -424,6 +434,40 @@ mod tests {
         assert!(!wildcard_match("train_??.bin", "train_1.bin"));
         assert!(!wildcard_match("*.bin", "notes.txt"));
         assert!(wildcard_match("*", ""));
+    }
+
+    /// `.jsonl` files by glob or in a directory (without shards) are one `Jsonl` spec, in order;
+    /// a glob of other files is text; a directory's shards win over its `.jsonl` files; a
+    /// directory of neither is refused.
+    #[test]
+    fn jsonl_files_by_glob_or_directory_are_one_spec() {
+        use super::Spec;
+        let dir = std::env::temp_dir().join(format!("zeroflow-spec-jsonl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (chats, texts, both) = (dir.join("chats"), dir.join("texts"), dir.join("both"));
+        for (folder, names) in [
+            (&chats, &["b.jsonl", "a.jsonl", "notes.md"][..]),
+            (&texts, &["a.txt", "b.txt"][..]),
+            (&both, &["a.jsonl", "s_000.bin"][..]),
+        ] {
+            std::fs::create_dir_all(folder).unwrap();
+            for name in names {
+                std::fs::write(folder.join(name), "x").unwrap();
+            }
+        }
+        let parse = |data: &std::path::Path| Spec::parse(data.to_str().unwrap());
+        let jsonl = vec![chats.join("a.jsonl"), chats.join("b.jsonl")];
+        assert_eq!(parse(&chats).unwrap(), Spec::Jsonl(jsonl.clone()));
+        assert_eq!(parse(&chats.join("*.jsonl")).unwrap(), Spec::Jsonl(jsonl));
+        let text = vec![texts.join("a.txt"), texts.join("b.txt")];
+        assert_eq!(parse(&texts.join("*.txt")).unwrap(), Spec::Text(text));
+        assert_eq!(parse(&both).unwrap(), Spec::Shards(vec![both.join("s_000.bin")]));
+        let error = parse(&texts).unwrap_err().to_string();
+        assert!(
+            error.contains("no .bin token shards found") && error.contains(".jsonl"),
+            "{error}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A range of a unit is widened alone, its mask cut with it, and its documents counted from

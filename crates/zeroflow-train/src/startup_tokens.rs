@@ -83,13 +83,13 @@ pub fn tokenized_at_start(
     let variables = &chat.variables;
     let flag = role.flag();
     let (files, dir) = match (spec, model_dir) {
-        (Spec::Jsonl(jsonl), Some(dir)) => (vec![jsonl], dir),
+        (Spec::Jsonl(jsonl), Some(dir)) => (jsonl, dir),
         (Spec::Jsonl(jsonl), None) => {
             return Err(input(format!(
                 "{flag} {}: a .jsonl is tokenized with the model's tokenizer and chat template; \
                  give --init-from a Hugging Face directory that has a tokenizer.json (or \
                  tokenize it first with `zeroflow tokenize` and train on the directory)",
-                jsonl.display()
+                jsonl[0].display()
             )));
         }
         (Spec::Text(paths), Some(dir)) if !dir.join("tokenizer.json").is_file() => {

@@ -16,9 +16,10 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     device: InferDevice,
     /// llm.c `.bin` token shards (a file, directory or glob; a shard's loss mask, chat data's,
-    /// leaves out what it leaves out in training), text files (encoded by --tokenizer), or a
-    /// `.jsonl` of documents or conversations (tokenized by --tokenizer and its chat template,
-    /// the loss on the assistant's tokens only, as in training).
+    /// leaves out what it leaves out in training), text files (encoded by --tokenizer), or
+    /// `.jsonl` files (one, or a directory or glob of them) of documents or conversations
+    /// (tokenized by --tokenizer and its chat template, the loss on the assistant's tokens only,
+    /// as in training).
     #[arg(long)]
     data: String,
     /// Encodes text and `.jsonl` --data: `gpt2`, `bytes`, a `tokenizer.json` or a model

@@ -30,7 +30,8 @@ pub struct Args {
     #[arg(long, value_name = "NAME|JSON|FILE")]
     pub model: Option<String>,
     /// `synthetic` (the built-in corpus with a known entropy floor), a directory or glob of llm.c
-    /// `.bin` token shards, a `.jsonl` of conversations or documents, or text files. With
+    /// `.bin` token shards, a `.jsonl` of conversations or documents (or a directory or glob of
+    /// them), or text files. With
     /// --init-from, text and `.jsonl` are tokenized at start-up with the directory's tokenizer;
     /// without it text is read as bytes. Default: synthetic (with --resume: the checkpoint's).
     #[arg(long, value_name = "synthetic|PATH")]

@@ -258,7 +258,7 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
     let want = vec![out.join("tokens/rank-0/tokens_000000.bin")];
     assert_eq!((shards(&read[0]), shards(&read[1])), (want.clone(), want));
     assert!(!out.join("tokens/rank-1").exists());
-    let failed = both(&|| Spec::Jsonl(bad.clone()));
+    let failed = both(&|| Spec::Jsonl(vec![bad.clone()]));
     for (rank, result) in [1, 0].into_iter().zip(failed) {
         let error = format!("{:#}", result.expect_err("a bad line"));
         assert!(error.contains("bad.jsonl:2: not JSON"), "rank {rank}: {error}");

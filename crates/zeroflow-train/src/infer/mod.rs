@@ -369,7 +369,7 @@ impl HostModel {
                     "--data {}: a .jsonl is tokenized with the model's tokenizer and chat \
                      template; evaluate a model directory that has a tokenizer.json, or give \
                      --tokenizer",
-                    jsonl.display()
+                    jsonl[0].display()
                 ))
             })?;
             let scratch = std::env::temp_dir().join(format!(
@@ -472,20 +472,19 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
     ids.map_err(|_| format!("{text:?} is not token ids separated by commas (1,2,3)"))
 }
 
-/// The shards of `jsonl` tokenized by `tokenizer` (and its chat template) into `dir`, as
-/// `zeroflow tokenize` writes them.
+/// The shards of the `jsonl` files tokenized by `tokenizer` (and its chat template) into `dir`,
+/// as `zeroflow tokenize` writes them.
 fn tokenize_jsonl(
     tokenizer: &Tokenizer,
     chat: &ChatOptions,
-    jsonl: &std::path::Path,
+    jsonl: &[std::path::PathBuf],
     dir: &std::path::Path,
 ) -> Result<Vec<std::path::PathBuf>> {
-    let shown = jsonl.display();
+    let shown = jsonl[0].display();
     let template = chat.template(tokenizer).map_err(|e| input(format!("--data {shown}: {e}")))?;
     let options = zeroflow_data::TokenizeOptions::new(dir.to_path_buf(), template.as_ref());
-    let summary =
-        zeroflow_data::tokenize_corpus(tokenizer, &[jsonl.to_path_buf()], &options, &|_| {})
-            .map_err(|e| input(format!("--data {shown}: {e}")))?;
+    let summary = zeroflow_data::tokenize_corpus(tokenizer, jsonl, &options, &|_| {})
+        .map_err(|e| input(format!("--data {shown}: {e}")))?;
     Ok(summary.shards)
 }
 
