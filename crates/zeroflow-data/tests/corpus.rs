@@ -146,14 +146,20 @@ fn conversations_write_a_loss_mask_on_the_assistant_tokens() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The tokenizer of a model directory under `dir`: the byte-level BPE, `<|endoftext|>` its end of
+/// text, the Llama-3-style template with generation markers.
+fn llama3_chat_model(dir: &Path) -> Tokenizer {
+    let config = json!({"eos_token": "<|endoftext|>", "chat_template": LLAMA3_TEMPLATE});
+    model_dir(&dir.join("model"), &byte_level_bpe(), Some(&config));
+    Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap()
+}
+
 /// ShareGPT's `conversations` (`from`: human, gpt, system) is the conversation of the same
 /// `messages`: the same tokens and mask; a `from` of another kind is a bad line naming it.
 #[test]
 fn sharegpt_conversations_are_messages() {
     let dir = scratch("corpus-sharegpt");
-    let config = json!({"eos_token": "<|endoftext|>", "chat_template": LLAMA3_TEMPLATE});
-    model_dir(&dir.join("model"), &byte_level_bpe(), Some(&config));
-    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    let tokenizer = llama3_chat_model(&dir);
     let template = ChatTemplate::from_config(tokenizer.config()).unwrap().unwrap();
     let messages =
         [&[json!({"role": "system", "content": "be brief"})][..], &three_turns()].concat();
@@ -199,9 +205,7 @@ fn sharegpt_conversations_are_messages() {
 #[test]
 fn prompt_completion_pairs_train_on_the_completion() {
     let dir = scratch("corpus-prompt-completion");
-    let config = json!({"eos_token": "<|endoftext|>", "chat_template": LLAMA3_TEMPLATE});
-    model_dir(&dir.join("model"), &byte_level_bpe(), Some(&config));
-    let tokenizer = Tokenizer::load(dir.join("model").to_str().unwrap()).unwrap();
+    let tokenizer = llama3_chat_model(&dir);
     let turn = |role: &str, content: &str| json!({"role": role, "content": content});
     let prompt = [turn("user", "hello"), turn("assistant", "world"), turn("user", "hello?")];
     let completion = [turn("assistant", "hello world")];
