@@ -80,11 +80,52 @@ pub struct Conversation<T> {
     pub turn_by_turn: bool,
 }
 
+impl<T> Conversation<T> {
+    /// A conversation trained as the one document `document`.
+    pub fn whole(document: T) -> Conversation<T> {
+        Conversation { documents: vec![document], turn_by_turn: false }
+    }
+}
+
 /// A rendered document: its text and the byte ranges of the assistant's text in it.
 pub type Rendered = (String, Vec<Range<usize>>);
 
 /// An encoded document: its token ids and loss mask (1 on the assistant's tokens).
 pub type Encoded = (Vec<u32>, Vec<u8>);
+
+/// Variables for the chat template (`--chat-template-kwargs`).
+pub type TemplateVariables = serde_json::Map<String, serde_json::Value>;
+
+/// How conversations are rendered: the tokenizer's chat template or `--chat-template`'s file,
+/// with `--chat-template-kwargs`' variables.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatOptions {
+    pub template: Option<PathBuf>,
+    pub variables: TemplateVariables,
+}
+
+impl ChatOptions {
+    /// The template for `tokenizer`'s conversations (none where it has none and no file is
+    /// given), with the variables; variables for a tokenizer without a template are an error.
+    pub fn template(&self, tokenizer: &Tokenizer) -> Result<Option<ChatTemplate>, String> {
+        let template = match &self.template {
+            Some(path) => Some(ChatTemplate::from_file(path)),
+            None => ChatTemplate::from_config(tokenizer.config()),
+        };
+        match template {
+            Some(template) => template
+                .and_then(|t| t.with_variables(self.variables.clone()))
+                .map(Some)
+                .map_err(|e| e.to_string()),
+            None if !self.variables.is_empty() => Err(format!(
+                "--chat-template-kwargs: the tokenizer {} has no chat template (give \
+                 --chat-template)",
+                tokenizer.name()
+            )),
+            None => Ok(None),
+        }
+    }
+}
 
 /// A compiled chat template.
 #[derive(Debug)]
@@ -92,7 +133,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     path: PathBuf,
     has_generation_markers: bool,
-    variables: serde_json::Map<String, Json>,
+    variables: TemplateVariables,
 }
 
 /// The variables the renderer sets itself, which [`ChatTemplate::with_variables`] may not.
@@ -127,7 +168,7 @@ impl ChatTemplate {
     /// (`messages`, `add_generation_prompt`, the special tokens) is an error.
     pub fn with_variables(
         mut self,
-        variables: serde_json::Map<String, Json>,
+        variables: TemplateVariables,
     ) -> Result<ChatTemplate, ChatTemplateError> {
         if let Some(name) = variables.keys().find(|k| RENDERER_VARIABLES.contains(&k.as_str())) {
             let message = format!("the variable {name:?} is set by the renderer, not by kwargs");
@@ -233,7 +274,7 @@ impl ChatTemplate {
                 )));
             }
             spans.drain(..before.min(spans.len()));
-            return Ok(Conversation { documents: vec![(text, spans)], turn_by_turn: false });
+            return Ok(Conversation::whole((text, spans)));
         }
         // Each assistant turn: the conversation through it, and the turn's range in that text.
         let mut turns = Vec::new();
@@ -251,7 +292,7 @@ impl ChatTemplate {
         }
         if turns.iter().all(|(through, _)| text.starts_with(through)) {
             let spans = turns.into_iter().map(|(_, span)| span).collect();
-            return Ok(Conversation { documents: vec![(text, spans)], turn_by_turn: false });
+            return Ok(Conversation::whole((text, spans)));
         }
         let documents = turns.into_iter().map(|(through, span)| (through, vec![span])).collect();
         Ok(Conversation { documents, turn_by_turn: true })

@@ -11,6 +11,7 @@
 //! string's at most where two pieces meet. Encoding a file whole holds about 200 bytes per byte of
 //! text (the tokenizer's per-token strings and offsets): 21 GB for a 94 MiB file, on one core.
 
+use std::borrow::Cow;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
@@ -29,9 +30,9 @@ use crate::tokenizer::Tokenizer;
 pub const BATCH_BYTES: usize = 32 << 20;
 
 /// About how many bytes of a text file are encoded at once ([`TokenizeOptions::text_piece_bytes`]'s
-/// default): a piece ends at the first line break at or after this many bytes, or, where a line
-/// runs on for four times as many more, at a character boundary there. Each piece's encoding
-/// holds about 200 bytes per byte of text while it runs (one a thread).
+/// default): a piece ends at a line break at or after this many bytes, or, where a line runs on
+/// for four times as many more, before a space or at a character boundary there (`piece_end`).
+/// Each piece's encoding holds about 200 bytes per byte of text while it runs (one a thread).
 pub const TEXT_PIECE_BYTES: usize = 1 << 20;
 
 /// The tokens a shard takes before it is closed, where nothing says otherwise.
@@ -204,20 +205,13 @@ pub fn tokenize_corpus(
     prepare_out_dir(&options.out_dir)?;
     let per_thread = tokenizer.per_thread();
     let mut writer = ShardWriter::new(tokenizer, options);
-    let mut batch = Vec::new();
-    let mut batch_bytes = 0;
+    let mut batch = Batch::default();
     for (input, path) in inputs.iter().enumerate() {
         let mut flush = |unit: Unit, writer: &mut ShardWriter<'_>| {
-            batch_bytes += unit.bytes.len();
             writer.summary.input_bytes += unit.bytes.len() as u64;
-            batch.push(unit);
-            if batch_bytes < BATCH_BYTES {
-                return Ok(());
-            }
-            let consumed = std::mem::take(&mut batch_bytes) as u64;
-            let units = std::mem::take(&mut batch);
+            let Some((units, consumed)) = batch.push(unit) else { return Ok(()) };
             process_batch(&per_thread, inputs, units, options, writer)?;
-            progress(consumed);
+            progress(consumed as u64);
             Ok(())
         };
         if path.extension().is_some_and(|e| e == "jsonl") {
@@ -227,9 +221,31 @@ pub fn tokenize_corpus(
             read_text(path, input, piece, &mut |unit| flush(unit, &mut writer))?;
         }
     }
-    process_batch(&per_thread, inputs, batch, options, &mut writer)?;
-    progress(batch_bytes as u64);
+    let (units, consumed) = batch.take();
+    process_batch(&per_thread, inputs, units, options, &mut writer)?;
+    progress(consumed as u64);
     writer.finish()
+}
+
+/// Units gathered until they hold [`BATCH_BYTES`] of input, then tokenized on all cores at once.
+#[derive(Default)]
+struct Batch {
+    units: Vec<Unit>,
+    bytes: usize,
+}
+
+impl Batch {
+    /// Adds `unit`; where the batch is now full, its units and their bytes, taken.
+    fn push(&mut self, unit: Unit) -> Option<(Vec<Unit>, usize)> {
+        self.bytes += unit.bytes.len();
+        self.units.push(unit);
+        (self.bytes >= BATCH_BYTES).then(|| self.take())
+    }
+
+    /// The units gathered and their bytes, leaving the batch empty.
+    fn take(&mut self) -> (Vec<Unit>, usize) {
+        (std::mem::take(&mut self.units), std::mem::take(&mut self.bytes))
+    }
 }
 
 /// The tokens of a text file as [`tokenize_corpus`] encodes it with the same `piece` bytes
@@ -241,7 +257,7 @@ pub fn encode_text_file(
     piece: usize,
 ) -> Result<Vec<u32>, TokenizeError> {
     let per_thread = tokenizer.per_thread();
-    let (mut tokens, mut batch, mut batch_bytes) = (Vec::new(), Vec::new(), 0);
+    let (mut tokens, mut batch) = (Vec::new(), Batch::default());
     let mut encode = |batch: Vec<Unit>| -> Result<(), TokenizeError> {
         let pieces: Vec<_> = batch
             .par_iter()
@@ -255,16 +271,11 @@ pub fn encode_text_file(
         }
         Ok(())
     };
-    read_text(path, 0, piece.max(1), &mut |unit| {
-        batch_bytes += unit.bytes.len();
-        batch.push(unit);
-        if batch_bytes >= BATCH_BYTES {
-            batch_bytes = 0;
-            encode(std::mem::take(&mut batch))?;
-        }
-        Ok(())
+    read_text(path, 0, piece.max(1), &mut |unit| match batch.push(unit) {
+        Some((units, _)) => encode(units),
+        None => Ok(()),
     })?;
-    encode(batch)?;
+    encode(batch.take().0)?;
     Ok(tokens)
 }
 
@@ -353,10 +364,11 @@ fn pieces<E>(
 /// Where the piece that starts `window` (at most five pieces of text) ends: after the first line
 /// break from `piece` bytes to twice as many between two characters that are not white space
 /// (where GPT-2's and Llama-3's splits both cut, so that the pieces' tokens are the text's), else
-/// after the first line break from `piece` bytes on; where there is none, at the window's end if it is the end of the text
-/// (`last`), else before the first space from `piece` bytes on (a word keeps the space before
-/// it, as byte-level splits keep it), else before a character that starts within its last four
-/// bytes (a UTF-8 character is at most four), which the next piece begins with.
+/// after the first line break from `piece` bytes on; where there is none, at the window's end if
+/// it is the end of the text (`last`), else before the first space from `piece` bytes on (a word
+/// keeps the space before it, as byte-level splits keep it), else before a character that starts
+/// within its last four bytes (a UTF-8 character is at most four), which the next piece begins
+/// with.
 fn piece_end(window: &[u8], piece: usize, last: bool) -> usize {
     let after = |byte: u8, from: usize| {
         window.get(from..).and_then(|tail| tail.iter().position(|&b| b == byte)).map(|at| from + at)
@@ -487,9 +499,11 @@ fn json_line(
     if let (Some(prompt), Some(completion)) = (json.get("prompt"), json.get("completion")) {
         return prompt_completion(tokenizer, template, prompt, completion);
     }
-    let messages = match (json.get("messages"), json.get("conversations")) {
-        (Some(messages), _) => messages.as_array().ok_or("\"messages\" is not a list")?.clone(),
-        (None, Some(turns)) => sharegpt_messages(turns)?,
+    let messages: Cow<'_, [Json]> = match (json.get("messages"), json.get("conversations")) {
+        (Some(messages), _) => {
+            Cow::Borrowed(messages.as_array().ok_or("\"messages\" is not a list")?)
+        }
+        (None, Some(turns)) => Cow::Owned(sharegpt_messages(turns)?),
         (None, None) => {
             return Err("expected a JSON object with \"text\" (a string), \"messages\" (a list \
                         of {\"role\", \"content\"}), \"conversations\" (ShareGPT's list of \
@@ -497,11 +511,15 @@ fn json_line(
                 .into());
         }
     };
-    let template = template.ok_or(
-        "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
-    )?;
-    let conversation = template.encode(tokenizer, &messages).map_err(|e| e.to_string())?;
+    let conversation = chat(template)?.encode(tokenizer, &messages).map_err(|e| e.to_string())?;
     Ok(Line::Conversation(conversation))
+}
+
+/// The template that a conversation needs, or what to do without one.
+fn chat(template: Option<&ChatTemplate>) -> Result<&ChatTemplate, String> {
+    template.ok_or_else(|| {
+        "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)".into()
+    })
 }
 
 /// A prompt-completion pair (TRL's form), trained on the completion only:
@@ -528,15 +546,11 @@ fn prompt_completion(
             }
             let before = before.min(tokens.len());
             let mask = [vec![0; before], vec![1; tokens.len() - before]].concat();
-            let documents = vec![(tokens, mask)];
-            Ok(Line::Conversation(Conversation { documents, turn_by_turn: false }))
+            Ok(Line::Conversation(Conversation::whole((tokens, mask))))
         }
         (Json::Array(prompt), Json::Array(completion)) => {
-            let template = template.ok_or(
-                "a conversation, but the tokenizer has no chat_template (give --chat-template FILE)",
-            )?;
             let messages = [&prompt[..], &completion[..]].concat();
-            let conversation = template
+            let conversation = chat(template)?
                 .encode_from(tokenizer, &messages, prompt.len())
                 .map_err(|e| e.to_string())?;
             Ok(Line::Conversation(conversation))

@@ -20,7 +20,8 @@ use std::path::PathBuf;
 use thiserror::Error;
 
 pub use chat::{
-    ChatTemplate, ChatTemplateError, Conversation, ConversationError, Encoded, Rendered,
+    ChatOptions, ChatTemplate, ChatTemplateError, Conversation, ConversationError, Encoded,
+    Rendered, TemplateVariables,
 };
 pub use corpus::{
     BATCH_BYTES, DEFAULT_SHARD_TOKENS, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,

@@ -93,24 +93,23 @@ impl ShardTokens {
     /// Copies `out.len()` tokens from `start` into `out`.
     pub fn copy_to(&self, start: usize, out: &mut [u32]) {
         match self {
-            ShardTokens::U8(t) => {
-                out.iter_mut().zip(&t[start..]).for_each(|(o, &x)| *o = u32::from(x));
-            }
-            ShardTokens::U16(t) => {
-                out.iter_mut().zip(&t[start..]).for_each(|(o, &x)| *o = u32::from(x));
-            }
+            ShardTokens::U8(t) => widen_into(&t[start..], out),
+            ShardTokens::U16(t) => widen_into(&t[start..], out),
             ShardTokens::U32(t) => out.copy_from_slice(&t[start..start + out.len()]),
         }
     }
 
     /// All tokens as u32.
     pub fn to_u32(&self) -> Vec<u32> {
-        match self {
-            ShardTokens::U8(t) => t.iter().map(|&x| u32::from(x)).collect(),
-            ShardTokens::U16(t) => t.iter().map(|&x| u32::from(x)).collect(),
-            ShardTokens::U32(t) => t.clone(),
-        }
+        let mut all = vec![0; self.len()];
+        self.copy_to(0, &mut all);
+        all
     }
+}
+
+/// The first `out.len()` of `tokens`, widened, into `out`.
+fn widen_into<T: Copy + Into<u32>>(tokens: &[T], out: &mut [u32]) {
+    out.iter_mut().zip(tokens).for_each(|(o, &x)| *o = x.into());
 }
 
 /// The header's count and the body of a file whose magic is one of `formats` (magic, version),

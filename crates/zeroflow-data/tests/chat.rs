@@ -2,7 +2,9 @@
 //! and from prefix rendering, and the loss mask on tokens.
 
 use serde_json::{Value, json};
-use zeroflow_data::{ChatTemplate, ConversationError, Tokenizer, TokenizerConfig};
+use zeroflow_data::{
+    ChatOptions, ChatTemplate, ConversationError, TemplateVariables, Tokenizer, TokenizerConfig,
+};
 
 use crate::fixtures::{
     CHATML_TEMPLATE, LLAMA3_TEMPLATE, byte_level_bpe, model_dir, one, scratch, three_turns,
@@ -321,4 +323,17 @@ fn assert_same_but_date(ours: &str, want: &str, name: &str, i: usize) {
         (year - 1..=year + 1).contains(&written),
         "{name} conversation {i}: {date:?} in {year}"
     );
+}
+
+/// Variables for a tokenizer without a chat template (and no template file) are an error
+/// that names the flags; without variables there is simply no template.
+#[test]
+fn variables_without_a_template_are_an_error() {
+    let tokenizer = Tokenizer::bytes();
+    assert!(ChatOptions::default().template(&tokenizer).unwrap().is_none());
+    let mut variables = TemplateVariables::new();
+    variables.insert("enable_thinking".into(), json!(false));
+    let chat = ChatOptions { template: None, variables };
+    let error = chat.template(&tokenizer).unwrap_err();
+    assert!(error.contains("--chat-template-kwargs") && error.contains("--chat-template)"));
 }

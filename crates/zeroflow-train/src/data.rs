@@ -78,7 +78,7 @@ impl Spec {
             shards
         } else if path.is_file() && path.metadata().is_ok_and(|m| m.len() == 0) {
             return Err(input(format!("--data {data}: the file is empty; {what_to_do}")));
-        } else if path.is_file() && path.extension().is_some_and(|ext| ext == "jsonl") {
+        } else if path.is_file() && is_jsonl(path) {
             return Ok(Spec::Jsonl(vec![path.to_owned()]));
         } else if path.is_file() {
             if is_shard(path) {

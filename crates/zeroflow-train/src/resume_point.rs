@@ -46,7 +46,7 @@ pub struct Extra {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<std::path::PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub chat_template_kwargs: Option<crate::startup_tokens::TemplateVariables>,
+    pub chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     /// Tokens per training sequence (`--seq`; absent in checkpoints from before it was kept): a
     /// resumed run reads its data in rows of the same length.
     #[serde(default)]

@@ -21,7 +21,7 @@ use crate::plan::{Caller, GivenMemory, MachineMemory, MemoryPlan, PlanInputs, Pl
 use crate::resume_point::{self, Extra, ResumePoint};
 use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
-use crate::startup_tokens::{self, DataRole, TemplateVariables};
+use crate::startup_tokens::{self, DataRole};
 use crate::{Family, ModelSpec};
 use crate::{init_from, limits, open, resume, run_config};
 
@@ -68,7 +68,7 @@ pub struct TrainOptions {
     pub chat_template: Option<PathBuf>,
     /// `--chat-template-kwargs`: variables for the chat template of data tokenized at start-up
     /// (a resumed run's default: its checkpoint's).
-    pub chat_template_kwargs: Option<TemplateVariables>,
+    pub chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     pub seq: Option<NonZeroU64>,
     pub log_every: NonZeroU64,
     pub out: Option<PathBuf>,
@@ -117,7 +117,7 @@ pub struct Setup {
     /// `--chat-template` (an absolute path) and `--chat-template-kwargs` (or the resumed
     /// checkpoint's), for the checkpoints.
     pub chat_template: Option<PathBuf>,
-    pub chat_template_kwargs: Option<TemplateVariables>,
+    pub chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     pub config: Config,
     /// Where `config` came from, for the summary.
     pub config_file: Option<PathBuf>,
@@ -231,7 +231,7 @@ impl Setup {
         // not bytes), are tokenized here with that directory's tokenizer.
         let model_dir = model_dir(&start);
         let template = args.chat_template.as_deref().map(std::path::absolute).transpose();
-        let chat = startup_tokens::ChatOptions {
+        let chat = zeroflow_data::ChatOptions {
             template: template.map_err(|e| input(format!("--chat-template: {e}")))?,
             variables: args.chat_template_kwargs.clone().unwrap_or_default(),
         };

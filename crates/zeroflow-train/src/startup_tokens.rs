@@ -4,16 +4,19 @@
 //! that a pretrained model is never fed bytes as token ids. They go into token shards in the run
 //! directory (`<out>/tokens/rank-N`, `<out>/tokens/eval-rank-N` for `--eval-data`), which the
 //! run then trains on as it does on `zeroflow tokenize`'s output. The output depends on the files,
-//! the tokenizer's files and the code alone: a start whose sources are unchanged (each by path,
-//! size and modification time, the zeroflow binary among them: [`Made`]) reads the tokens the last
-//! start wrote, so that a resume does not tokenize a large corpus again; any other start replaces
-//! them. A resumed run reads the same tokens either way.
+//! the tokenizer's files, a `--chat-template` file and `--chat-template-kwargs`, and the code
+//! alone: a start whose sources are unchanged (each file by path, size and modification time, the
+//! zeroflow binary among them, and the variables: [`Made`]) reads the tokens the last start wrote,
+//! so that a resume does not tokenize a large corpus again; any other start replaces them, saying
+//! what differs. A resumed run reads the same tokens either way.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use zeroflow_data::{ChatTemplate, TokenizeOptions, Tokenizer, count, tokenize_corpus};
+use zeroflow_data::{
+    ChatOptions, TemplateVariables, TokenizeOptions, Tokenizer, count, tokenize_corpus,
+};
 
 use crate::data::Spec;
 use crate::error::{Result, input};
@@ -296,43 +299,6 @@ fn sources(files: &[PathBuf], dir: &Path, template: Option<&Path>) -> Option<Vec
     Some(all)
 }
 
-/// Variables for the chat template (`--chat-template-kwargs`).
-pub type TemplateVariables = serde_json::Map<String, serde_json::Value>;
-
-/// How conversations are rendered: the tokenizer's chat template or `--chat-template`'s file,
-/// with `--chat-template-kwargs`' variables.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ChatOptions {
-    pub template: Option<PathBuf>,
-    pub variables: TemplateVariables,
-}
-
-impl ChatOptions {
-    /// The template for `tokenizer`'s conversations (none where it has none and no file is
-    /// given), with the variables; variables for a tokenizer without a template are an error.
-    pub fn template(
-        &self,
-        tokenizer: &Tokenizer,
-    ) -> std::result::Result<Option<ChatTemplate>, String> {
-        let template = match &self.template {
-            Some(path) => Some(ChatTemplate::from_file(path)),
-            None => ChatTemplate::from_config(tokenizer.config()),
-        };
-        match template {
-            Some(template) => template
-                .and_then(|t| t.with_variables(self.variables.clone()))
-                .map(Some)
-                .map_err(|e| e.to_string()),
-            None if !self.variables.is_empty() => Err(format!(
-                "--chat-template-kwargs: the tokenizer {} has no chat template (give \
-                 --chat-template)",
-                tokenizer.name()
-            )),
-            None => Ok(None),
-        }
-    }
-}
-
 /// The record of a tokens folder: what its tokens were made from (the files, and the chat
 /// template's variables), and what tokenizing wrote (its shards by their names in the folder).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -502,19 +468,6 @@ mod tests {
         std::fs::remove_file(tokens.join("tokens_000000.bin")).unwrap();
         assert_eq!(Made::read_if(&tokens, &made_from, &none), None, "a shard is gone");
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// Variables for a tokenizer without a chat template (and no template file) are an error
-    /// that names the flags; without variables there is simply no template.
-    #[test]
-    fn variables_without_a_template_are_an_error() {
-        let tokenizer = Tokenizer::bytes();
-        assert!(ChatOptions::default().template(&tokenizer).unwrap().is_none());
-        let mut variables = TemplateVariables::new();
-        variables.insert("enable_thinking".into(), serde_json::json!(false));
-        let chat = ChatOptions { template: None, variables };
-        let error = chat.template(&tokenizer).unwrap_err();
-        assert!(error.contains("--chat-template-kwargs") && error.contains("--chat-template)"));
     }
 
     /// Each advance adds its bytes; a line comes once the interval has passed, with the bytes

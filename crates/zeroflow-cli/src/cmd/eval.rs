@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use zeroflow_train::data::Spec;
 use zeroflow_train::infer::{HostModel, InferDevice};
-use zeroflow_train::startup_tokens::ChatOptions;
 
 /// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
@@ -33,7 +32,7 @@ pub struct Args {
     /// Variables for the chat template of a `.jsonl` --data, a JSON object, as
     /// `apply_chat_template(..., **kwargs)` passes them (`'{"enable_thinking": false}'`).
     #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
-    chat_template_kwargs: Option<super::TemplateKwargs>,
+    chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     /// Inputs per window (stride the same, every token predicted once; default: the context).
     #[arg(long, value_name = "W")]
     window: Option<usize>,
@@ -51,7 +50,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,
         false => None,
     };
-    let chat = ChatOptions {
+    let chat = zeroflow_data::ChatOptions {
         template: args.chat_template,
         variables: args.chat_template_kwargs.unwrap_or_default(),
     };

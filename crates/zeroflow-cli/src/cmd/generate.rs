@@ -43,7 +43,7 @@ pub struct Args {
     /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
     /// passes them: `'{"enable_thinking": false}'` opens Qwen3's turn without its reasoning.
     #[arg(long, value_name = "JSON", requires = "chat", value_parser = super::template_kwargs)]
-    chat_template_kwargs: Option<super::TemplateKwargs>,
+    chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     #[arg(long, value_name = "N")]
     max_new_tokens: usize,
     /// 0 is greedy.

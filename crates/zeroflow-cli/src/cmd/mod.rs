@@ -36,12 +36,9 @@ pub(crate) fn model_tokenizer(
     tokenizer.map_err(crate::InputError::from_display)
 }
 
-/// `--chat-template-kwargs`: a JSON object of variables for the chat template, as
+/// Parses `--chat-template-kwargs`: a JSON object of variables for the chat template, as
 /// `apply_chat_template(..., **kwargs)` passes them (`{"enable_thinking": false}`).
-pub(crate) type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
-
-/// Parses `--chat-template-kwargs`.
-pub(crate) fn template_kwargs(text: &str) -> Result<TemplateKwargs, String> {
+pub(crate) fn template_kwargs(text: &str) -> Result<zeroflow_data::TemplateVariables, String> {
     match serde_json::from_str(text) {
         Ok(serde_json::Value::Object(map)) => Ok(map),
         Ok(_) => Err("not a JSON object (give e.g. '{\"enable_thinking\": false}')".into()),

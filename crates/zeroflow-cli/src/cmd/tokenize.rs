@@ -6,8 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-use zeroflow_data::{TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus};
-use zeroflow_train::startup_tokens::ChatOptions;
+use zeroflow_data::{ChatOptions, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus};
 
 use crate::InputError;
 
@@ -31,7 +30,7 @@ pub struct Args {
     /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
     /// passes them: `'{"enable_thinking": false}'` trains Qwen3 without its reasoning block.
     #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
-    chat_template_kwargs: Option<super::TemplateKwargs>,
+    chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     /// Close a shard before a document that would take it past this many tokens.
     #[arg(long, default_value_t = zeroflow_data::DEFAULT_SHARD_TOKENS, value_name = "N")]
     shard_tokens: usize,

@@ -75,7 +75,7 @@ pub struct Args {
     /// `apply_chat_template(..., **kwargs)` passes them: `'{"enable_thinking": false}'` trains
     /// Qwen3 without its reasoning block. A resumed run's default: its checkpoint's.
     #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
-    pub chat_template_kwargs: Option<super::TemplateKwargs>,
+    pub chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     /// Tokens per training sequence, at most the model's context. Default: GPT-2's context, the
     /// Llama family's 2048.
     #[arg(long, value_name = "N")]

@@ -4,7 +4,7 @@
 //! token ids (which is what text means for a model trained from scratch). A directory without a
 //! tokenizer.json is an input error before training.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
@@ -34,6 +34,16 @@ fn record(run: &Path) -> Vec<Line> {
             (l["step"].as_u64().unwrap(), number("loss"), number("grad_norm"), number("eval_loss"))
         })
         .collect()
+}
+
+/// A scratch directory `name` with the chat model's directory (`model`) and `corpus.txt`
+/// holding `text`.
+fn model_and_corpus(name: &str, text: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let dir = scratch(name);
+    let (model, corpus) = (dir.join("model"), dir.join("corpus.txt"));
+    write_model_dir(&model);
+    std::fs::write(&corpus, text).unwrap();
+    (dir, model, corpus)
 }
 
 /// A model directory in `dir` whose tokenizer maps byte `b` to token `255 - b`: a run that read
@@ -96,12 +106,9 @@ fn text_beside_a_model_directory_is_its_tokens_as_zeroflow_tokenize_writes_them(
 
 #[test]
 fn text_beside_a_model_directory_without_a_tokenizer_is_refused() {
-    let dir = scratch("text_data_no_tokenizer");
-    let model = dir.join("model");
-    write_model_dir(&model);
+    let words = "some text to train on\n".repeat(40);
+    let (dir, model, corpus) = model_and_corpus("text_data_no_tokenizer", &words);
     std::fs::remove_file(model.join("tokenizer.json")).unwrap();
-    let corpus = dir.join("corpus.txt");
-    std::fs::write(&corpus, "some text to train on\n".repeat(40)).unwrap();
     let out = dir.join("run");
     let args = [
         "--init-from",
@@ -129,11 +136,8 @@ fn text_beside_a_model_directory_without_a_tokenizer_is_refused() {
 /// default, 3e-3, would undo what it learned), and the run says so; `--lr` still sets it.
 #[test]
 fn a_model_from_a_directory_fine_tunes_at_a_fine_tuning_rate_by_default() {
-    let dir = scratch("text_data_fine_tune_lr");
-    let model = dir.join("model");
-    write_model_dir(&model);
-    let corpus = dir.join("corpus.txt");
-    std::fs::write(&corpus, "a few words to fine-tune on\n".repeat(40)).unwrap();
+    let words = "a few words to fine-tune on\n".repeat(40);
+    let (dir, model, corpus) = model_and_corpus("text_data_fine_tune_lr", &words);
     let lr_of = |lr: Option<&str>, name: &str| {
         let out = dir.join(name);
         let mut args =
@@ -221,11 +225,8 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
     use zeroflow_train::data::Spec;
     use zeroflow_train::startup_tokens::{DataRole, RankOnHost, tokenized_at_start};
 
-    let dir = scratch("text_data_host_tokens");
-    let model = dir.join("model");
-    write_model_dir(&model);
-    let corpus = dir.join("corpus.txt");
-    std::fs::write(&corpus, "hello world\n".repeat(1000)).unwrap();
+    let words = "hello world\n".repeat(1000);
+    let (dir, model, corpus) = model_and_corpus("text_data_host_tokens", &words);
     let (out, bad) = (dir.join("run"), dir.join("bad.jsonl"));
     std::fs::write(&bad, "{\"text\": \"fine\"}\nnot json\n").unwrap();
     let both = |spec: &dyn Fn() -> Spec| -> Vec<Result<Spec, TrainError>> {

@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 
-use zeroflow_data::Tokenizer;
+use zeroflow_data::{ChatOptions, Tokenizer};
 
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, bf16};
@@ -29,7 +29,6 @@ pub use source::ModelDir;
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
-use crate::startup_tokens::ChatOptions;
 use crate::weight_files::FileParams;
 
 /// How a prompt is continued ([`HostModel::complete`]).
