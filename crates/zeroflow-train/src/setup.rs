@@ -231,8 +231,12 @@ impl Setup {
         // not bytes), are tokenized here with that directory's tokenizer.
         let model_dir = model_dir(&start);
         let template = args.chat_template.as_deref().map(std::path::absolute).transpose();
+        let template = template.map_err(|e| input(format!("--chat-template: {e}")))?;
+        if let Some(file) = template.as_deref().filter(|file| !file.is_file()) {
+            return Err(input(format!("--chat-template {}: no such file", file.display())));
+        }
         let chat = zeroflow_data::ChatOptions {
-            template: template.map_err(|e| input(format!("--chat-template: {e}")))?,
+            template,
             variables: args.chat_template_kwargs.clone().unwrap_or_default(),
         };
         let tokenized = |spec, role| {

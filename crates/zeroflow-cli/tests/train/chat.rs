@@ -197,4 +197,16 @@ fn a_chat_template_and_its_kwargs_are_kept_with_the_tokens_and_across_a_resume()
     assert!(resumed.status.success(), "{}", text(&resumed.stderr));
     assert_eq!(std::fs::metadata(&shard).unwrap().modified().unwrap(), written, "tokenized again");
     assert_eq!(extra("step-00000002"), want);
+    // A template file that is not there is refused by its flag, before anything is tokenized.
+    let missing = dir.join("missing.jinja");
+    let mut args = vec!["--init-from", model.to_str().unwrap(), "--data", chat.to_str().unwrap()];
+    let out = dir.join("refused");
+    args.extend(["--out", out.to_str().unwrap(), "--chat-template", missing.to_str().unwrap()]);
+    let refused = train(&args);
+    assert!(!refused.status.success());
+    let said = text(&refused.stderr);
+    assert!(
+        said.contains(&format!("--chat-template {}: no such file", missing.display())),
+        "{said}"
+    );
 }
