@@ -1,6 +1,7 @@
 //! Writing a Hugging Face model directory that `transformers` loads: `config.json`, the weights
 //! as one `model.safetensors` or, above a size, as `model-0000N-of-0000M.safetensors` shards with
-//! `model.safetensors.index.json`, in BF16 or F32, and the tokenizer files of a source directory.
+//! `model.safetensors.index.json`, in BF16 or F32, and the tokenizer files of a source directory
+//! (with the chat template the model was trained with, where that was another).
 //!
 //! The directory appears whole or not at all: everything is written (and fsynced) into a
 //! temporary sibling directory that is then renamed.
@@ -22,16 +23,38 @@ use crate::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 /// `transformers`' default `max_shard_size` ("5GB", decimal).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
-/// The tokenizer and generation files copied from the source directory, when present.
+/// The tokenizer and generation files copied from the source directory, when present, with
+/// every file of its [`CHAT_TEMPLATES_DIR`].
 pub const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
+    CHAT_TEMPLATE_FILE,
+    "chat_template.json",
     "generation_config.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
 ];
+
+/// The chat template as a file of its own, as `transformers` (since 4.50; only there since 5)
+/// saves it: read before `tokenizer_config.json`'s `chat_template`.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
+/// The folder of a tokenizer's named chat templates besides the default (`tool_use.jinja`, …).
+pub const CHAT_TEMPLATES_DIR: &str = "additional_chat_templates";
+
+/// Where a written directory's tokenizer files come from: the [`TOKENIZER_FILES`] of a model
+/// directory, and the chat template the model was trained with where that was not the
+/// directory's own. The template is written as [`CHAT_TEMPLATE_FILE`] and replaces the default
+/// one of a copied `tokenizer_config.json` (and `chat_template.json`), so that a reader of
+/// either finds it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokenizerSource<'a> {
+    pub dir: Option<&'a Path>,
+    pub chat_template: Option<&'a str>,
+}
 
 /// The dtype the weights are written in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,7 +143,7 @@ pub fn save<T: Float>(
     let layout = DirLayout {
         torch_dtype: dtype.torch_name(),
         max_shard_bytes: options.max_shard_bytes,
-        tokenizer_from: options.tokenizer_from.as_deref(),
+        tokenizer: TokenizerSource { dir: options.tokenizer_from.as_deref(), chat_template: None },
     };
     save_with(dir, config, &sizes, &layout, |path, shard| {
         let views = tensors[shard].iter().map(|t| (t.name, Encoded { dtype, tensor: *t }));
@@ -132,12 +155,12 @@ pub fn save<T: Float>(
 
 /// How [`save_with`] lays out a directory: the weights' type as `config.json`'s `torch_dtype`
 /// names it, the most bytes of a shard ([`SaveOptions::max_shard_bytes`]), and the directory
-/// whose [`TOKENIZER_FILES`] are copied.
+/// and chat template the directory gets.
 #[derive(Clone, Copy, Debug)]
 pub struct DirLayout<'a> {
     pub torch_dtype: &'a str,
     pub max_shard_bytes: u64,
-    pub tokenizer_from: Option<&'a Path>,
+    pub tokenizer: TokenizerSource<'a>,
 }
 
 /// Writes the Hugging Face model directory `dir` (which must not exist or be empty) of tensors
@@ -238,10 +261,7 @@ fn write_into(
         });
         write_json(&dir.join(INDEX_FILE), &index)?;
     }
-    let tokenizer_files = match layout.tokenizer_from {
-        Some(from) => copy_tokenizer_files(from, dir)?,
-        None => Vec::new(),
-    };
+    let tokenizer_files = write_tokenizer_files(&layout.tokenizer, dir)?;
     Ok(Saved { weight_files: files, total_size, tokenizer_files })
 }
 
@@ -274,18 +294,75 @@ pub fn with_torch_dtype(config: &Value, name: &str) -> Value {
     config
 }
 
-fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<Vec<String>, HfError> {
-    let mut copied = Vec::new();
-    for name in TOKENIZER_FILES {
-        let source = from.join(name);
-        if source.is_file() {
-            let target = to.join(name);
-            fs::copy(&source, &target).map_err(io(&source))?;
-            sync(&target)?;
-            copied.push(name.to_string());
+/// Copies `source`'s tokenizer files into `to` and writes its chat template there: the names
+/// written (a named template's as `additional_chat_templates/NAME`).
+fn write_tokenizer_files(source: &TokenizerSource<'_>, to: &Path) -> Result<Vec<String>, HfError> {
+    let mut written = Vec::new();
+    let mut copy = |from: &Path, name: String| -> Result<(), HfError> {
+        let target = to.join(&name);
+        fs::copy(from, &target).map_err(io(from))?;
+        sync(&target)?;
+        written.push(name);
+        Ok(())
+    };
+    if let Some(from) = source.dir {
+        for name in TOKENIZER_FILES {
+            let file = from.join(name);
+            if file.is_file() {
+                copy(&file, name.to_string())?;
+            }
+        }
+        let templates = from.join(CHAT_TEMPLATES_DIR);
+        if templates.is_dir() {
+            fs::create_dir(to.join(CHAT_TEMPLATES_DIR)).map_err(io(to))?;
+            let mut names: Vec<_> = fs::read_dir(&templates)
+                .map_err(io(&templates))?
+                .map(|entry| entry.map(|e| e.path()))
+                .collect::<Result<_, _>>()
+                .map_err(io(&templates))?;
+            names.sort();
+            for file in names.iter().filter(|file| file.is_file()) {
+                let name = file.file_name().expect("a listed file has a name").to_string_lossy();
+                copy(file, format!("{CHAT_TEMPLATES_DIR}/{name}"))?;
+            }
+            sync(&to.join(CHAT_TEMPLATES_DIR))?;
         }
     }
-    Ok(copied)
+    if let Some(template) = source.chat_template {
+        let file = to.join(CHAT_TEMPLATE_FILE);
+        fs::write(&file, template).map_err(io(&file))?;
+        sync(&file)?;
+        if !written.iter().any(|name| name == CHAT_TEMPLATE_FILE) {
+            written.push(CHAT_TEMPLATE_FILE.to_string());
+        }
+        for name in ["tokenizer_config.json", "chat_template.json"] {
+            if written.iter().any(|written| written == name) {
+                replace_default_template(&to.join(name), template)?;
+            }
+        }
+    }
+    Ok(written)
+}
+
+/// Sets the default chat template of the JSON file `path` (`tokenizer_config.json`, or a
+/// processor's `chat_template.json`) to `template`, where it has one: its `chat_template`, or
+/// the entry named `default` of a list of named ones.
+fn replace_default_template(path: &Path, template: &str) -> Result<(), HfError> {
+    let text = fs::read_to_string(path).map_err(io(path))?;
+    let mut json: Value = serde_json::from_str(&text)
+        .map_err(|e| HfError::Json { path: path.to_path_buf(), reason: e.to_string() })?;
+    let replaced = match json.get_mut("chat_template") {
+        Some(Value::String(old)) => {
+            *old = template.to_string();
+            true
+        }
+        Some(Value::Array(named)) => {
+            let default = named.iter_mut().find(|entry| entry["name"] == "default");
+            default.map(|entry| entry["template"] = template.into()).is_some()
+        }
+        _ => false,
+    };
+    if replaced { write_json(path, &json) } else { Ok(()) }
 }
 
 fn write_json(path: &Path, json: &Value) -> Result<(), HfError> {

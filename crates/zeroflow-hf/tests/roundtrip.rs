@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::json;
-use zeroflow_hf::{HfCheckpoint, SaveDtype, SaveOptions, plan_shards, save};
+use zeroflow_hf::{
+    DirLayout, HfCheckpoint, SaveDtype, SaveOptions, TokenizerSource, plan_shards, save, save_with,
+};
 
 use crate::{Scratch, out_tensors, sample_tensors};
 
@@ -408,4 +410,64 @@ fn read_tensors_reads_each_tensor_as_read_range_does() {
         let error = file.read_tensors(vec![("z", &mut short[..])]).unwrap_err();
         assert!(matches!(error, zeroflow_hf::HfError::NoSuchTensor { .. }), "{error}");
     }
+}
+
+/// A source with its template in `chat_template.jinja`, named ones beside it, and a list of named
+/// templates in its `tokenizer_config.json`: copied as they are, and with the template a model
+/// was trained with, that one in `chat_template.jinja` and as the config's default, the named
+/// ones kept.
+#[test]
+fn chat_templates_are_copied_and_the_trained_one_replaces_the_default() {
+    let scratch = Scratch::new("chat-templates");
+    let source = scratch.0.join("source");
+    std::fs::create_dir_all(source.join("additional_chat_templates")).unwrap();
+    std::fs::write(source.join("tokenizer.json"), "{}").unwrap();
+    let named = json!({"eos_token": "<e>", "chat_template": [
+        {"name": "default", "template": "OLD"}, {"name": "tool_use", "template": "TOOL"}]});
+    std::fs::write(source.join("tokenizer_config.json"), named.to_string()).unwrap();
+    std::fs::write(source.join("chat_template.jinja"), "OLD").unwrap();
+    std::fs::write(source.join("additional_chat_templates/tool_use.jinja"), "TOOL").unwrap();
+    let write = |dir: &std::path::Path, chat_template: Option<&str>| {
+        let tokenizer = TokenizerSource { dir: Some(&source), chat_template };
+        let layout = DirLayout { torch_dtype: "float32", max_shard_bytes: u64::MAX, tokenizer };
+        let write = |path: &std::path::Path, _| std::fs::write(path, b"weights").map_err(io);
+        save_with(dir, &json!({}), &[("w", 7)], &layout, write).unwrap()
+    };
+    let read = |path: std::path::PathBuf| std::fs::read_to_string(path).unwrap();
+    let config = |dir: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&read(dir.join("tokenizer_config.json"))).unwrap()
+    };
+    let copied = scratch.0.join("copied");
+    let saved = write(&copied, None);
+    let files = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"];
+    let mut all = files.map(String::from).to_vec();
+    all.push("additional_chat_templates/tool_use.jinja".into());
+    assert_eq!(saved.tokenizer_files, all);
+    assert_eq!(config(&copied), named);
+    assert_eq!(read(copied.join("chat_template.jinja")), "OLD");
+    assert_eq!(read(copied.join("additional_chat_templates/tool_use.jinja")), "TOOL");
+
+    let trained = scratch.0.join("trained");
+    assert_eq!(write(&trained, Some("NEW")).tokenizer_files, all);
+    assert_eq!(read(trained.join("chat_template.jinja")), "NEW");
+    assert_eq!(read(trained.join("additional_chat_templates/tool_use.jinja")), "TOOL");
+    let mut want = named.clone();
+    want["chat_template"][0]["template"] = "NEW".into();
+    assert_eq!(config(&trained), want);
+
+    // A tokenizer_config.json whose template is a string, and a source without the file: the
+    // template is written all the same.
+    std::fs::remove_file(source.join("chat_template.jinja")).unwrap();
+    std::fs::remove_dir_all(source.join("additional_chat_templates")).unwrap();
+    let plain = json!({"chat_template": "OLD", "eos_token": "<e>"});
+    std::fs::write(source.join("tokenizer_config.json"), plain.to_string()).unwrap();
+    let string = scratch.0.join("string");
+    let saved = write(&string, Some("NEW"));
+    assert_eq!(saved.tokenizer_files, files);
+    assert_eq!(config(&string), json!({"chat_template": "NEW", "eos_token": "<e>"}));
+    assert_eq!(read(string.join("chat_template.jinja")), "NEW");
+}
+
+fn io(error: std::io::Error) -> zeroflow_hf::HfError {
+    zeroflow_hf::HfError::Io { path: "weights".into(), source: error }
 }

@@ -3,8 +3,9 @@
 //! ([`Family::hf_config`](crate::Family::hf_config)), the tensors of its checkpoint (Hugging
 //! Face's names and shapes over the flat weights, [`Family::tensors`](crate::Family::tensors)) in
 //! the weights' own type, sharded above 5 GB as `save_pretrained` shards them, and the tokenizer
-//! files of the run's `--init-from` directory where it had one. The weights are fetched a piece
-//! at a time as they are written, from wherever they are:
+//! files of the run's `--init-from` directory where it had one, with the run's `--chat-template`
+//! where it gave one ([`ExportTokenizer`]). The weights are fetched a piece at a time as they are
+//! written, from wherever they are:
 //!
 //! - `zeroflow export` ([`export`]): from a checkpoint's `model.safetensors` (or, saved while a
 //!   delayed update's weights were on their way, its master weights rounded to the weights' type);
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{DType, Float, bf16, f16};
 use zeroflow_engine::checkpoint::{self, CheckpointError, Elements, NamedTensor, Stored};
-use zeroflow_hf::{DEFAULT_MAX_SHARD_BYTES, DirLayout, HfError, Saved};
+use zeroflow_hf::{DEFAULT_MAX_SHARD_BYTES, DirLayout, HfError, Saved, TokenizerSource};
 
 use crate::error::{Result, TrainError, input};
 use crate::weight_files::FileParams;
@@ -32,6 +33,8 @@ pub struct Checkpoint {
     pub weights_dtype: DType,
     /// The Hugging Face directory the run started from (`--init-from`), where it had one.
     pub init_from: Option<PathBuf>,
+    /// The chat template file the run trained with (`--chat-template`), where it gave one.
+    pub chat_template: Option<PathBuf>,
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out` (which must not exist,
@@ -39,7 +42,9 @@ pub struct Checkpoint {
 pub fn export(dir: &Path, out: &Path) -> Result<Saved> {
     let from = read_checkpoint(dir)?;
     check_dir(out, 0).map_err(|reason| input(format!("{}: {reason}", out.display())))?;
-    let tokenizer_from = tokenizer_dir(from.init_from.as_deref());
+    let tokenizer =
+        ExportTokenizer::of_run(from.init_from.as_deref(), from.chat_template.as_deref());
+    let tokenizer_from = tokenizer.source();
     with_family!(&from.model, family => {
         let layout = family.flat_layout(1)?;
         let tensors = family.tensors(&layout)?;
@@ -89,32 +94,66 @@ pub fn check_dir(dir: &Path, bytes: u64) -> std::result::Result<(), String> {
     }
 }
 
-/// The directory whose tokenizer files an export copies: the run's `--init-from`, where it
-/// still is.
-pub fn tokenizer_dir(init_from: Option<&Path>) -> Option<&Path> {
-    if let Some(dir) = init_from.filter(|dir| !dir.is_dir()) {
-        tracing::warn!(
-            "the run's --init-from {} is gone: exporting without its tokenizer files",
-            dir.display()
-        );
+/// The tokenizer files an export writes: those of the run's `--init-from` directory, where it
+/// still is, and the chat template the run trained with (`--chat-template`), where it gave one
+/// and the file is still there — so that the exported model is prompted as it was trained.
+#[derive(Debug, Default)]
+pub struct ExportTokenizer {
+    dir: Option<PathBuf>,
+    chat_template: Option<String>,
+}
+
+impl ExportTokenizer {
+    /// What the export of a run that started from `init_from` and trained with the template
+    /// file `chat_template` writes; a warning for either where it cannot be read now.
+    pub fn of_run(init_from: Option<&Path>, chat_template: Option<&Path>) -> ExportTokenizer {
+        if let Some(dir) = init_from.filter(|dir| !dir.is_dir()) {
+            tracing::warn!(
+                "the run's --init-from {} is gone: exporting without its tokenizer files",
+                dir.display()
+            );
+        }
+        let dir = init_from.filter(|dir| dir.is_dir()).map(Path::to_path_buf);
+        let chat_template = chat_template.and_then(|file| match std::fs::read_to_string(file) {
+            Ok(text) => Some(text),
+            Err(error) => {
+                tracing::warn!(
+                    "the run's --chat-template {} cannot be read ({error}): the exported \
+                     directory has its tokenizer's own chat template, not the one the run \
+                     trained with; copy that template into it as {}",
+                    file.display(),
+                    zeroflow_hf::CHAT_TEMPLATE_FILE
+                );
+                None
+            }
+        });
+        ExportTokenizer { dir, chat_template }
     }
-    init_from.filter(|dir| dir.is_dir())
+
+    /// As [`write_hf_dir`] takes it.
+    pub fn source(&self) -> TokenizerSource<'_> {
+        TokenizerSource { dir: self.dir.as_deref(), chat_template: self.chat_template.as_deref() }
+    }
 }
 
 /// Writes the flat weights `weights` (`P`: the run's type) of a model whose `config.json` is
 /// `config` and whose tensors are `tensors` as the Hugging Face directory `out` (which must not
 /// exist or be empty; it appears whole or not at all), with the tokenizer files of
-/// `tokenizer_from`; the weights are fetched a piece at a time as they are written.
+/// `tokenizer_from` ([`ExportTokenizer`]); the weights are fetched a piece at a time as they are
+/// written.
 pub fn write_hf_dir<P: Stored>(
     out: &Path,
     config: &serde_json::Value,
     weights: &Elements<'_, P>,
     tensors: &[NamedTensor],
-    tokenizer_from: Option<&Path>,
+    tokenizer_from: TokenizerSource<'_>,
 ) -> Result<Saved> {
     let torch_dtype = P::DTYPE.torch_name().expect("weights are floating-point");
-    let layout =
-        DirLayout { torch_dtype, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES, tokenizer_from };
+    let layout = DirLayout {
+        torch_dtype,
+        max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+        tokenizer: tokenizer_from,
+    };
     let sizes: Vec<(&str, u64)> =
         tensors.iter().map(|t| (t.name.as_str(), (t.flat.len() * size_of::<P>()) as u64)).collect();
     let needed = sizes.iter().map(|&(_, bytes)| bytes).sum();
@@ -137,7 +176,7 @@ impl Checkpoint {
             &Path,
             &serde_json::Value,
             &[NamedTensor],
-            Option<&Path>,
+            TokenizerSource<'_>,
         ),
     ) -> Result<Saved> {
         if self.upload_pending {
@@ -220,7 +259,7 @@ impl Checkpoint {
 /// Checks the checkpoint (`checkpoint::open`: every file's header against the file, dtypes
 /// agree) and reads its model (a bare
 /// shape, from before the family was recorded, is GPT-2's), whether a delayed update's weights
-/// were pending when it was saved, and the run's `--init-from`.
+/// were pending when it was saved, and the run's `--init-from` and `--chat-template`.
 pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let checkpoint::Opened { meta, weights_dtype, .. } =
         checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
@@ -232,14 +271,15 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
     })?;
     let model = ModelSpec::from_json(model)
         .map_err(|e| input(format!("{}: extra.model in state.json: {e}", dir.display())))?;
-    let init_from =
-        meta.extra.pointer("/run/init_from").and_then(|v| v.as_str()).map(PathBuf::from);
+    let path_at = |pointer| meta.extra.pointer(pointer).and_then(|v| v.as_str()).map(PathBuf::from);
+    let (init_from, chat_template) = (path_at("/run/init_from"), path_at("/chat_template"));
     Ok(Checkpoint {
         dir: dir.to_path_buf(),
         model,
         upload_pending: meta.upload_pending,
         weights_dtype,
         init_from,
+        chat_template,
     })
 }
 

@@ -397,8 +397,12 @@ fn export_weights<F: Family, M: Model>(
     dir: &std::path::Path,
 ) -> Result<(zeroflow_hf::Saved, f64)> {
     let (step, exporting) = (ended.done, Instant::now());
-    let tokenizer_from = setup.model_dir();
-    let saved = trainer.export(family, dir, tokenizer_from.as_deref()).map_err(|error| {
+    let model_dir = setup.model_dir();
+    let tokenizer = crate::export::ExportTokenizer::of_run(
+        model_dir.as_deref(),
+        setup.chat_template.as_deref(),
+    );
+    let saved = trainer.export(family, dir, tokenizer.source()).map_err(|error| {
         let newest = ended.saved.as_ref().map_or(String::new(), |saved| {
             format!("; `zeroflow export` writes the newest checkpoint, {}", saved.display())
         });

@@ -165,25 +165,19 @@ impl<M: Model> Trainer<M> {
 
     /// Writes the engine's current device weights (a delayed update's pending ones not applied:
     /// [`Engine::flush`] first) as the Hugging Face directory `dir` of `family`, with the
-    /// tokenizer files of `tokenizer_from`: fetched from the device a piece at a time as they are
+    /// tokenizer files of `tokenizer`: fetched from the device a piece at a time as they are
     /// written, in the type the model trains in ([`crate::export::write_hf_dir`]).
     pub(crate) fn export<F: Family>(
         &mut self,
         family: &F,
         dir: &std::path::Path,
-        tokenizer_from: Option<&std::path::Path>,
+        tokenizer: zeroflow_hf::TokenizerSource<'_>,
     ) -> Result<zeroflow_hf::Saved> {
         self.engine.complete_step()?;
         let (device, params) = (self.engine.device(), self.engine.params());
         let len = self.engine.layout().padded_len();
         let weights = checkpoint::Elements::downloaded(device, params, len);
-        crate::export::write_hf_dir(
-            dir,
-            &family.hf_config(),
-            &weights,
-            &self.tensors,
-            tokenizer_from,
-        )
+        crate::export::write_hf_dir(dir, &family.hf_config(), &weights, &self.tensors, tokenizer)
     }
 
     /// Saves the checkpoint of `step`: the engine's current device weights (not flushed), its

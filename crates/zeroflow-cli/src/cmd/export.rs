@@ -10,7 +10,8 @@ pub struct Args {
     /// directory (its newest checkpoint).
     checkpoint: PathBuf,
     /// Where to write the weights, config.json and (for a run started --init-from a directory)
-    /// its tokenizer files; must not exist, or be empty.
+    /// its tokenizer files, with the run's --chat-template where it gave one; must not exist, or
+    /// be empty.
     #[arg(long)]
     out: PathBuf,
 }

@@ -133,8 +133,9 @@ fn chat_data_trains_packed() {
 
 /// `--chat-template FILE` and `--chat-template-kwargs` render the data tokenized at start-up (a
 /// template that writes a system prompt where `system_prompt` is given: more tokens, none of
-/// them trained); the file is among the tokens' sources, both are in the checkpoint, and a resume
-/// without the flags keeps them: it reads the same tokens again rather than tokenizing otherwise.
+/// them trained); the file is among the tokens' sources, both are in the checkpoint, a resume
+/// without the flags keeps them (it reads the same tokens again rather than tokenizing
+/// otherwise), and the run's exports carry the template.
 #[test]
 fn a_chat_template_and_its_kwargs_are_kept_with_the_tokens_and_across_a_resume() {
     let dir = scratch("chat_template_kwargs");
@@ -193,10 +194,48 @@ fn a_chat_template_and_its_kwargs_are_kept_with_the_tokens_and_across_a_resume()
     std::fs::remove_dir_all(with.join("checkpoints").join("step-00000002")).unwrap();
     let shard = with.join("tokens/rank-0/tokens_000000.bin");
     let written = std::fs::metadata(&shard).unwrap().modified().unwrap();
-    let resumed = train(&["--resume", "latest", "--out", with.to_str().unwrap()]);
+    let trained_export = dir.join("trained-export");
+    let resumed = train(&[
+        "--resume",
+        "latest",
+        "--out",
+        with.to_str().unwrap(),
+        "--export",
+        trained_export.to_str().unwrap(),
+    ]);
     assert!(resumed.status.success(), "{}", text(&resumed.stderr));
     assert_eq!(std::fs::metadata(&shard).unwrap().modified().unwrap(), written, "tokenized again");
     assert_eq!(extra("step-00000002"), want);
+    // Its exports carry the template it trained with: as chat_template.jinja, and in the
+    // tokenizer_config.json copied from the model, whichever a reader takes.
+    let trained_with = std::fs::read_to_string(&template).unwrap();
+    let exported_template = |exported: &Path| {
+        let config = std::fs::read_to_string(exported.join("tokenizer_config.json")).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+        let jinja = std::fs::read_to_string(exported.join("chat_template.jinja")).ok();
+        (jinja, config["chat_template"].as_str().unwrap().to_owned(), config["eos_token"].clone())
+    };
+    let with_template = (Some(trained_with.clone()), trained_with, json!("<|im_end|>"));
+    assert_eq!(exported_template(&trained_export), with_template);
+    let export = |to: &Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(["export", with.to_str().unwrap(), "--out", to.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let exported = dir.join("exported");
+    let output = export(&exported);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert_eq!(exported_template(&exported), with_template);
+    // With the template file gone, the export says so and keeps the model's own.
+    std::fs::rename(&template, dir.join("moved.jinja")).unwrap();
+    let without = dir.join("exported-without");
+    let output = export(&without);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let said = text(&output.stderr);
+    assert!(said.contains("not the one the run trained with"), "{said}");
+    assert_eq!(exported_template(&without), (None, own.to_owned(), json!("<|im_end|>")));
+    std::fs::rename(dir.join("moved.jinja"), &template).unwrap();
     // A template file that is not there is refused by its flag, before anything is tokenized.
     let missing = dir.join("missing.jinja");
     let mut args = vec!["--init-from", model.to_str().unwrap(), "--data", chat.to_str().unwrap()];
