@@ -20,6 +20,7 @@ use serde_json::Value as Json;
 use thiserror::Error;
 
 use crate::chat::{ChatTemplate, Conversation, Encoded};
+use crate::input::{InputKind, input_kind};
 use crate::shard::{TokenWidth, write_document_index, write_loss_mask, write_shard_as};
 use crate::tokenizer::Tokenizer;
 
@@ -202,11 +203,18 @@ pub fn tokenize_corpus(
     if tokenizer.eot().is_none() && !tokenizer.is_bytes() {
         return Err(TokenizeError::NoEndOfText(tokenizer.name().into()));
     }
+    // Every input's kind before any is read: a file that cannot be read is refused at once.
+    let kinds = inputs
+        .iter()
+        .map(|path| {
+            input_kind(path).map_err(|message| TokenizeError::Input { path: path.clone(), message })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     prepare_out_dir(&options.out_dir)?;
     let per_thread = tokenizer.per_thread();
     let mut writer = ShardWriter::new(tokenizer, options);
     let mut batch = Batch::default();
-    for (input, path) in inputs.iter().enumerate() {
+    for (input, (path, kind)) in inputs.iter().zip(kinds).enumerate() {
         let mut flush = |unit: Unit, writer: &mut ShardWriter<'_>| {
             writer.summary.input_bytes += unit.bytes.len() as u64;
             let Some((units, consumed)) = batch.push(unit) else { return Ok(()) };
@@ -214,7 +222,7 @@ pub fn tokenize_corpus(
             progress(consumed as u64);
             Ok(())
         };
-        if path.extension().is_some_and(|e| e == "jsonl") {
+        if kind == InputKind::JsonLines {
             read_lines(path, input, &mut |unit| flush(unit, &mut writer))?;
         } else {
             let piece = options.text_piece_bytes.max(1);

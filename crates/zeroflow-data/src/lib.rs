@@ -3,11 +3,12 @@
 //! micro-batches of `[batch, seq + 1]` tokens per rank by a deterministic, resumable
 //! [`DataLoader`]; and the making of shards: [`Tokenizer`] (bytes, GPT-2, Hugging Face
 //! `tokenizer.json`), [`ChatTemplate`] (chat templates and assistant-only loss masks) and
-//! [`tokenize_corpus`] (`zeroflow tokenize`).
+//! [`tokenize_corpus`] (`zeroflow tokenize`, each input read as its [`input_kind`]).
 
 mod chat;
 mod corpus;
 mod eval;
+mod input;
 mod loader;
 mod shard;
 mod synthetic;
@@ -28,6 +29,7 @@ pub use corpus::{
     TokenizeSummary, count, describe_setup, encode_text_file, tokenize_corpus,
 };
 pub use eval::{eval_batches, eval_windows};
+pub use input::{InputKind, input_kind};
 pub use loader::{
     Batch, DataLoader, DataPosition, IGNORE_TARGET, Source, Unit, apply_mask, document_positions,
     index_path, mask_path, read_document_starts, read_unit,

@@ -31,8 +31,8 @@ pub enum Spec {
     /// start-up with the model's tokenizer where the model comes from a directory
     /// ([`crate::startup_tokens`]).
     Text(Vec<PathBuf>),
-    /// `.jsonl` files of conversations (or documents), in order (text files among them, from a
-    /// glob, as text), tokenized at start-up with the model's tokenizer and chat template
+    /// JSON Lines files (`.jsonl`, or `.json` ones) of conversations (or documents), in order
+    /// (text files among them, from a glob, as text), tokenized at start-up with the model's tokenizer and chat template
     /// ([`crate::startup_tokens`]).
     Jsonl(Vec<PathBuf>),
 }
@@ -44,17 +44,13 @@ impl Spec {
         }
         let path = Path::new(data);
         let what_to_do = "pass `synthetic`, a directory or glob of llm.c .bin token shards, a \
-                          text file or glob of text files, or a .jsonl or a directory or glob of \
-                          them";
-        let is_jsonl = |p: &Path| p.extension().is_some_and(|ext| ext == "jsonl");
+                          text file or glob of text files, or a .jsonl (or JSON Lines .json) or \
+                          a directory or glob of them";
         let is_shard = |p: &Path| p.extension().is_some_and(|ext| ext == "bin");
         let shards = if data.contains(['*', '?']) {
             let paths = glob(path)?;
             if !paths.is_empty() && !paths.iter().any(|p| is_shard(p)) {
-                return match paths.iter().any(|p| is_jsonl(p)) {
-                    true => Ok(Spec::Jsonl(paths)),
-                    false => Ok(Spec::Text(paths)),
-                };
+                return records(paths);
             }
             if !paths.iter().all(|p| is_shard(p)) {
                 return Err(input(format!(
@@ -69,22 +65,29 @@ impl Spec {
             let mut files: Vec<PathBuf> =
                 entries.filter_map(|entry| entry.ok().map(|e| e.path())).collect();
             files.sort();
-            let jsonl: Vec<PathBuf> = files.iter().filter(|p| is_jsonl(p)).cloned().collect();
-            let shards: Vec<PathBuf> = files.into_iter().filter(|p| is_shard(p)).collect();
-            // A directory of `.jsonl` files (a dataset in several) and no shards.
-            if shards.is_empty() && !jsonl.is_empty() {
-                return Ok(Spec::Jsonl(jsonl));
+            let has = |p: &Path, extensions: &[&str]| {
+                p.extension().and_then(|e| e.to_str()).is_some_and(|e| extensions.contains(&e))
+            };
+            let shards: Vec<PathBuf> = files.iter().filter(|p| is_shard(p)).cloned().collect();
+            // A dataset as `datasets` saves or the Hub holds it (its .json files are metadata).
+            let tables = files.iter().find(|p| has(p, &["parquet", "arrow"]));
+            if let Some(table) = tables.filter(|_| shards.is_empty()) {
+                records(vec![table.clone()])?;
+            }
+            // A directory of JSON Lines files (a dataset in several) and no shards.
+            let lines: Vec<PathBuf> =
+                files.into_iter().filter(|p| has(p, &["jsonl", "ndjson", "json"])).collect();
+            if shards.is_empty() && !lines.is_empty() {
+                return records(lines);
             }
             shards
         } else if path.is_file() && path.metadata().is_ok_and(|m| m.len() == 0) {
             return Err(input(format!("--data {data}: the file is empty; {what_to_do}")));
-        } else if path.is_file() && is_jsonl(path) {
-            return Ok(Spec::Jsonl(vec![path.to_owned()]));
         } else if path.is_file() {
             if is_shard(path) {
                 vec![path.to_owned()]
             } else {
-                return Ok(Spec::Text(vec![path.to_owned()]));
+                return records(vec![path.to_owned()]);
             }
         } else if path.exists() {
             // /dev/null, a FIFO, a device: nothing a run can read tokens from twice.
@@ -118,6 +121,19 @@ impl Spec {
             Spec::Text(_) => 256,
         }
     }
+}
+
+/// Files of text or JSON Lines, in order, each by its [`zeroflow_data::input_kind`]: JSON Lines
+/// where any is (its text files read as text), else text; an input error naming a file that is
+/// neither.
+fn records(paths: Vec<PathBuf>) -> Result<Spec> {
+    let mut lines = false;
+    for path in &paths {
+        let kind = zeroflow_data::input_kind(path)
+            .map_err(|reason| input(format!("--data {}: {reason}", path.display())))?;
+        lines |= kind == zeroflow_data::InputKind::JsonLines;
+    }
+    Ok(if lines { Spec::Jsonl(paths) } else { Spec::Text(paths) })
 }
 
 /// The files matching a glob whose wildcards (`*`, `?`) are in the file name only.
@@ -467,6 +483,43 @@ mod tests {
             error.contains("no .bin token shards found") && error.contains(".jsonl"),
             "{error}"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// JSON Lines named `.json` (as `datasets`' `to_json` writes them) are read as JSON Lines,
+    /// alone or in a directory; a dataset of Parquet or Arrow files, a JSON array and a
+    /// compressed file are refused naming the file and what to do, never read as text.
+    #[test]
+    fn json_lines_named_json_are_read_and_tables_arrays_and_archives_refused() {
+        use super::Spec;
+        let dir =
+            std::env::temp_dir().join(format!("zeroflow-spec-records-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (lines, hub) = (dir.join("lines"), dir.join("hub"));
+        let files: [(&std::path::Path, &str, &[u8]); 6] = [
+            (&lines, "train.json", b"{\"text\": \"a\"}\n{\"text\": \"b\"}\n"),
+            (&lines, "more.jsonl", b"{\"text\": \"c\"}\n"),
+            (&hub, "data-00000-of-00001.arrow", b"\xff\xff\xff\xff\x08\x01\x00\x00"),
+            (&hub, "dataset_info.json", b"{\n  \"features\": {}\n}\n"),
+            (&dir, "alpaca.json", b"[{\"instruction\": \"a\", \"output\": \"b\"}]"),
+            (&dir, "train.txt.gz", b"\x1f\x8b\x08\x00\x00"),
+        ];
+        for (folder, name, bytes) in files {
+            std::fs::create_dir_all(folder).unwrap();
+            std::fs::write(folder.join(name), bytes).unwrap();
+        }
+        let parse = |data: &std::path::Path| Spec::parse(data.to_str().unwrap());
+        let json = lines.join("train.json");
+        assert_eq!(parse(&json).unwrap(), Spec::Jsonl(vec![json.clone()]));
+        assert_eq!(parse(&lines).unwrap(), Spec::Jsonl(vec![lines.join("more.jsonl"), json]));
+        let refused = |data: &std::path::Path, names: &str, says: &str| {
+            let error = parse(data).unwrap_err().to_string();
+            assert!(error.contains(names) && error.contains(says), "{error}");
+        };
+        refused(&hub, "data-00000-of-00001.arrow", "an Arrow file; zeroflow reads text and JSON");
+        refused(&hub.join("*.arrow"), "data-00000-of-00001.arrow", "from_file('IN').to_json");
+        refused(&dir.join("alpaca.json"), "alpaca.json", "a JSON array");
+        refused(&dir.join("train.txt.gz"), "train.txt.gz", "gzip-compressed");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

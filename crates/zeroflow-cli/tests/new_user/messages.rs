@@ -88,6 +88,29 @@ fn empty_or_special_data_files_are_not_called_missing() {
     }
 }
 
+/// Regression: a dataset from the Hugging Face Hub (Parquet) or a JSON array was trained on as
+/// text (its bytes, from scratch); `tokenize` read it as text too. Both refuse it now, with the
+/// conversion to do.
+#[test]
+fn a_parquet_file_or_a_json_array_is_refused_not_trained_on_as_text() {
+    let dir = scratch("table_data");
+    let (parquet, array) = (dir.join("train-00000-of-00001.parquet"), dir.join("alpaca.json"));
+    std::fs::write(&parquet, b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00").unwrap();
+    std::fs::write(&array, r#"[{"instruction": "a", "output": "b"}]"#).unwrap();
+    let out = dir.join("run");
+    for (data, says) in [(&parquet, "from_parquet('IN').to_json"), (&array, "jq -c '.[]'")] {
+        let data = data.to_str().unwrap();
+        let args = ["train", "--data", data, "--steps", "2", "--out", out.to_str().unwrap()];
+        let stderr = fails_cleanly(&args);
+        assert!(stderr.contains(data) && stderr.contains(says), "{stderr}");
+        let shards = dir.join("shards");
+        let args = ["tokenize", "--tokenizer", "bytes", data, "--out", shards.to_str().unwrap()];
+        let stderr = fails_cleanly(&args);
+        assert!(stderr.contains(data) && stderr.contains(says), "{stderr}");
+        assert!(!shards.exists(), "refused before anything is written");
+    }
+}
+
 /// Regression: an unreadable `--config` printed its path twice (`config X: X: cannot read`).
 #[test]
 fn an_unreadable_config_names_its_path_once() {
