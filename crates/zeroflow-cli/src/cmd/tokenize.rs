@@ -17,8 +17,9 @@ pub struct Args {
     /// `tokenizer_config.json`).
     #[arg(long)]
     tokenizer: String,
-    /// Input files: plain text (each file one document), or `.jsonl` with one `{"text": ...}`
-    /// or `{"messages": [...]}` per line.
+    /// Input files: plain text (each file one document), or JSON Lines (`.jsonl`, or a `.json`
+    /// of one object per line) with one `{"text": ...}` or `{"messages": [...]}` per line; a
+    /// directory stands for its JSON Lines files, in name order.
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
     /// The directory to write `tokens_NNNNNN.bin` (+ `.idx`, `.mask`) and `manifest.json` to.
@@ -52,8 +53,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let template = chat.template(&tokenizer).map_err(InputError::from_display)?;
     println!("{}", zeroflow_data::describe_setup(&tokenizer, template.as_ref()));
 
-    let total: u64 =
-        args.inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let inputs = expand_directories(&args.inputs)?;
+    let total: u64 = inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let shown = crate::log::Shown::new(progress_bar(total));
 
     let options = TokenizeOptions {
@@ -62,8 +63,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ..TokenizeOptions::new(args.out.clone(), template.as_ref())
     };
     let start = Instant::now();
-    let result =
-        tokenize_corpus(&tokenizer, &args.inputs, &options, &|bytes| shown.bar().inc(bytes));
+    let result = tokenize_corpus(&tokenizer, &inputs, &options, &|bytes| shown.bar().inc(bytes));
     drop(shown);
     let summary = result.map_err(|e| match e {
         TokenizeError::Output { .. } => anyhow::Error::new(e),
@@ -78,6 +78,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         rayon::current_num_threads()
     );
     Ok(())
+}
+
+/// `inputs` with each directory replaced by its JSON Lines files (`.jsonl`, `.ndjson`, `.json`),
+/// in name order; an input error for a directory that has none.
+fn expand_directories(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut expanded = Vec::new();
+    for input in inputs {
+        if !input.is_dir() {
+            expanded.push(input.clone());
+            continue;
+        }
+        let error =
+            |e: std::io::Error| InputError::from_display(format!("{}: {e}", input.display()));
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(input).map_err(error)? {
+            let path = entry.map_err(error)?.path();
+            let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
+            if path.is_file() && ["jsonl", "ndjson", "json"].contains(&extension) {
+                files.push(path);
+            }
+        }
+        if files.is_empty() {
+            return Err(InputError::from_display(format!(
+                "{}: a directory without JSON Lines files (.jsonl, .json); give the files to read",
+                input.display()
+            )));
+        }
+        files.sort();
+        expanded.extend(files);
+    }
+    Ok(expanded)
 }
 
 /// A bar of input bytes with the rate (hidden when stderr is not a terminal).

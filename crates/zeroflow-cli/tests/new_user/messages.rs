@@ -111,6 +111,34 @@ fn a_parquet_file_or_a_json_array_is_refused_not_trained_on_as_text() {
     }
 }
 
+/// `tokenize DIR` reads the directory's JSON Lines files in name order (it was "Is a directory"),
+/// the same shards as the files listed; a directory without any is refused saying so.
+#[test]
+fn tokenize_reads_a_directory_as_its_json_lines_files() {
+    let dir = scratch("tokenize_directory");
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("b.jsonl"), "{\"text\": \"second file\"}\n").unwrap();
+    std::fs::write(data.join("a.json"), "{\"text\": \"first file\"}\n").unwrap();
+    std::fs::write(data.join("notes.md"), "not data").unwrap();
+    let tokenize = |inputs: &[&Path], out: &Path| {
+        let mut args = vec!["tokenize", "--tokenizer", "bytes", "--out", out.to_str().unwrap()];
+        args.extend(inputs.iter().map(|p| p.to_str().unwrap()));
+        let run = zeroflow(&args);
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        std::fs::read(out.join("tokens_000000.bin")).unwrap()
+    };
+    let (listed, whole) = (dir.join("listed"), dir.join("whole"));
+    let files = tokenize(&[&data.join("a.json"), &data.join("b.jsonl")], &listed);
+    assert_eq!(tokenize(&[&data], &whole), files);
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = dir.join("none");
+    let args = ["tokenize", "--tokenizer", "bytes", empty.to_str().unwrap(), "--out"];
+    let stderr = fails_cleanly(&[&args[..], &[out.to_str().unwrap()]].concat());
+    assert!(stderr.contains("a directory without JSON Lines files"), "{stderr}");
+}
+
 /// Regression: an unreadable `--config` printed its path twice (`config X: X: cannot read`).
 #[test]
 fn an_unreadable_config_names_its_path_once() {
