@@ -332,6 +332,24 @@ impl ChatTemplate {
         }
         Ok(Conversation { documents, turn_by_turn: rendered.turn_by_turn })
     }
+
+    /// The special token that ends the assistant's turn in this template (`<|eot_id|>` in
+    /// Llama-3's, `<|im_end|>` in ChatML, `</s>` in Mistral's): the first special token among a
+    /// reply's trained tokens, in a one-question conversation. `None` where the template ends a
+    /// turn with no special token, or does not render such a conversation. A model trained on
+    /// the template's conversations ends its replies with it, so generation stops there.
+    pub fn turn_end(&self, tokenizer: &Tokenizer) -> Option<u32> {
+        let messages = [
+            serde_json::json!({"role": "user", "content": "What is two and two?"}),
+            serde_json::json!({"role": "assistant", "content": "Four."}),
+        ];
+        let conversation = self.encode(tokenizer, &messages).ok()?;
+        let (ids, mask) = conversation.documents.last()?;
+        ids.iter()
+            .zip(mask)
+            .find(|&(&id, &m)| m == 1 && tokenizer.is_special(id))
+            .map(|(&id, _)| id)
+    }
 }
 
 /// Every message is an object with a string `role`.

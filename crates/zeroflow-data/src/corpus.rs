@@ -146,6 +146,13 @@ pub fn describe_setup(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) ->
             "assistant tokens by rendering prefixes (no {% generation %} markers)"
         };
         text.push_str(&format!("\nchat template {}: {how}", template.path().display()));
+        match template.turn_end(tokenizer) {
+            Some(id) => {
+                let token = tokenizer.decode(&[id]).unwrap_or_default();
+                text.push_str(&format!("; a reply ends with {token} ({id})"));
+            }
+            None => text.push_str("; a reply ends with no special token"),
+        }
     }
     text
 }

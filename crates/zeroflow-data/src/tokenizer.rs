@@ -500,6 +500,20 @@ impl Tokenizer {
         self.eot
     }
 
+    /// Whether `id` is a special token: an added token marked special (`<|im_end|>`,
+    /// `<|eot_id|>`, `</s>`; not Qwen3's `<think>`), GPT-2's `<|endoftext|>`; none of the bytes.
+    pub fn is_special(&self, id: u32) -> bool {
+        match &self.kind {
+            Kind::Bytes => false,
+            Kind::Gpt2 => id == GPT2_EOT,
+            Kind::HuggingFace(hf) => hf
+                .text
+                .get_added_vocabulary()
+                .simple_id_to_token(id)
+                .is_some_and(|token| hf.text.get_added_vocabulary().is_special_token(&token)),
+        }
+    }
+
     /// What `tokenizer_config.json` said (empty where there was none).
     pub fn config(&self) -> &TokenizerConfig {
         &self.config

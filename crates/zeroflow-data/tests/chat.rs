@@ -207,6 +207,28 @@ fn the_loss_mask_covers_exactly_the_assistant_tokens() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The token that ends a reply: the first special token the reply is trained on (Llama-3's
+/// `<|eot_id|>`, ChatML's `<|im_end|>`, not a special token of the header before it); none
+/// where a turn ends with text, or with a token that is not special.
+#[test]
+fn a_templates_turn_end_is_the_first_special_token_of_a_reply() {
+    let dir = scratch("chat-turn-end");
+    let config = json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|endoftext|>"});
+    model_dir(&dir, &byte_level_bpe(), Some(&config));
+    let tokenizer = Tokenizer::load(dir.to_str().unwrap()).unwrap();
+    let id = |token: &str| tokenizer.encode_with_offsets(token).unwrap().ids[0];
+    let turn_end = |source: &str| ChatTemplate::new(source, "t").unwrap().turn_end(&tokenizer);
+    assert_eq!(turn_end(LLAMA3_TEMPLATE), Some(id("<|eot_id|>")));
+    assert_eq!(turn_end(CHATML_TEMPLATE), Some(id("<|im_end|>")));
+    assert!(tokenizer.is_special(id("<|im_end|>")) && !tokenizer.is_special(id("a")));
+    let plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+    assert_eq!(turn_end(plain), None);
+    // With the bytes tokenizer, nothing is special.
+    let bytes = Tokenizer::load("bytes").unwrap();
+    assert_eq!(ChatTemplate::new(CHATML_TEMPLATE, "t").unwrap().turn_end(&bytes), None);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn raise_exception_python_methods_and_tojson_work_as_in_transformers() {
     let template = ChatTemplate::new(CHATML_TEMPLATE, "chatml.jinja").unwrap();

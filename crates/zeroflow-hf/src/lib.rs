@@ -20,9 +20,9 @@ pub use error::HfError;
 pub use read::{HfCheckpoint, SafetensorsFile, TensorEntry, read_config};
 pub use safetensors::Dtype;
 pub use write::{
-    CHAT_TEMPLATE_FILE, CHAT_TEMPLATES_DIR, DEFAULT_MAX_SHARD_BYTES, DirLayout, OutTensor,
-    SaveDtype, SaveOptions, Saved, TOKENIZER_FILES, TokenizerSource, plan_shards, save, save_with,
-    with_torch_dtype,
+    CHAT_TEMPLATE_FILE, CHAT_TEMPLATES_DIR, DEFAULT_MAX_SHARD_BYTES, DirLayout,
+    GENERATION_CONFIG_FILE, OutTensor, SaveDtype, SaveOptions, Saved, TOKENIZER_FILES,
+    TokenizerSource, plan_shards, save, save_with, with_torch_dtype,
 };
 
 /// A tensor of a model: its name in a directory's files, its shape, and its range of the

@@ -32,7 +32,7 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "added_tokens.json",
     CHAT_TEMPLATE_FILE,
     "chat_template.json",
-    "generation_config.json",
+    GENERATION_CONFIG_FILE,
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
@@ -49,11 +49,14 @@ pub const CHAT_TEMPLATES_DIR: &str = "additional_chat_templates";
 /// directory, and the chat template the model was trained with where that was not the
 /// directory's own. The template is written as [`CHAT_TEMPLATE_FILE`] and replaces the default
 /// one of a copied `tokenizer_config.json` (and `chat_template.json`), so that a reader of
-/// either finds it.
+/// either finds it. `turn_end`, the token that ends a reply in that template, is added to
+/// `generation_config.json`'s `eos_token_id` where it is not among them (the file made from
+/// `config.json`'s token ids where the source has none), so that generation stops there.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TokenizerSource<'a> {
     pub dir: Option<&'a Path>,
     pub chat_template: Option<&'a str>,
+    pub turn_end: Option<u32>,
 }
 
 /// The dtype the weights are written in.
@@ -143,7 +146,7 @@ pub fn save<T: Float>(
     let layout = DirLayout {
         torch_dtype: dtype.torch_name(),
         max_shard_bytes: options.max_shard_bytes,
-        tokenizer: TokenizerSource { dir: options.tokenizer_from.as_deref(), chat_template: None },
+        tokenizer: TokenizerSource { dir: options.tokenizer_from.as_deref(), ..Default::default() },
     };
     save_with(dir, config, &sizes, &layout, |path, shard| {
         let views = tensors[shard].iter().map(|t| (t.name, Encoded { dtype, tensor: *t }));
@@ -261,7 +264,7 @@ fn write_into(
         });
         write_json(&dir.join(INDEX_FILE), &index)?;
     }
-    let tokenizer_files = write_tokenizer_files(&layout.tokenizer, dir)?;
+    let tokenizer_files = write_tokenizer_files(&layout.tokenizer, config, dir)?;
     Ok(Saved { weight_files: files, total_size, tokenizer_files })
 }
 
@@ -294,9 +297,13 @@ pub fn with_torch_dtype(config: &Value, name: &str) -> Value {
     config
 }
 
-/// Copies `source`'s tokenizer files into `to` and writes its chat template there: the names
-/// written (a named template's as `additional_chat_templates/NAME`).
-fn write_tokenizer_files(source: &TokenizerSource<'_>, to: &Path) -> Result<Vec<String>, HfError> {
+/// Copies `source`'s tokenizer files into `to` and writes its chat template and turn end there
+/// (beside `config`): the names written (a named template's as `additional_chat_templates/NAME`).
+fn write_tokenizer_files(
+    source: &TokenizerSource<'_>,
+    config: &Value,
+    to: &Path,
+) -> Result<Vec<String>, HfError> {
     let mut written = Vec::new();
     let mut copy = |from: &Path, name: String| -> Result<(), HfError> {
         let target = to.join(&name);
@@ -341,7 +348,39 @@ fn write_tokenizer_files(source: &TokenizerSource<'_>, to: &Path) -> Result<Vec<
             }
         }
     }
+    if let Some(id) = source.turn_end {
+        let copied = written.iter().any(|name| name == GENERATION_CONFIG_FILE);
+        if stop_at(&to.join(GENERATION_CONFIG_FILE), copied, config, id)? && !copied {
+            written.push(GENERATION_CONFIG_FILE.to_string());
+        }
+    }
     Ok(written)
+}
+
+/// `transformers`' generation settings beside a model: its `eos_token_id`, one id or a list,
+/// ends generation at any of them.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// Adds `id` to the end-of-text ids of the generation config `path` (`copied`: there already,
+/// else made from `config`'s token ids); whether it was written.
+fn stop_at(path: &Path, copied: bool, config: &Value, id: u32) -> Result<bool, HfError> {
+    let mut generation = if copied {
+        let text = fs::read_to_string(path).map_err(io(path))?;
+        serde_json::from_str(&text)
+            .map_err(|e| HfError::Json { path: path.to_path_buf(), reason: e.to_string() })?
+    } else {
+        let fields = ["bos_token_id", "eos_token_id", "pad_token_id"];
+        let ids = fields.iter().filter_map(|&f| Some((f.to_string(), config.get(f)?.clone())));
+        Value::Object(ids.filter(|(_, v)| !v.is_null()).collect())
+    };
+    let mut ids = crate::eos_token_ids(&generation);
+    if ids.contains(&id) || !generation.is_object() {
+        return Ok(false);
+    }
+    ids.push(id);
+    generation["eos_token_id"] = ids.into();
+    write_json(path, &generation)?;
+    Ok(true)
 }
 
 /// Sets the default chat template of the JSON file `path` (`tokenizer_config.json`, or a

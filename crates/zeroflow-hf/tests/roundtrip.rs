@@ -428,7 +428,7 @@ fn chat_templates_are_copied_and_the_trained_one_replaces_the_default() {
     std::fs::write(source.join("chat_template.jinja"), "OLD").unwrap();
     std::fs::write(source.join("additional_chat_templates/tool_use.jinja"), "TOOL").unwrap();
     let write = |dir: &std::path::Path, chat_template: Option<&str>| {
-        let tokenizer = TokenizerSource { dir: Some(&source), chat_template };
+        let tokenizer = TokenizerSource { dir: Some(&source), chat_template, turn_end: None };
         let layout = DirLayout { torch_dtype: "float32", max_shard_bytes: u64::MAX, tokenizer };
         let write = |path: &std::path::Path, _| std::fs::write(path, b"weights").map_err(io);
         save_with(dir, &json!({}), &[("w", 7)], &layout, write).unwrap()
@@ -466,6 +466,43 @@ fn chat_templates_are_copied_and_the_trained_one_replaces_the_default() {
     assert_eq!(saved.tokenizer_files, files);
     assert_eq!(config(&string), json!({"chat_template": "NEW", "eos_token": "<e>"}));
     assert_eq!(read(string.join("chat_template.jinja")), "NEW");
+}
+
+/// A template's turn end joins the end-of-text ids of the copied generation config (its other
+/// settings kept), or of one made from config.json's ids where the source has none; where it is
+/// among them already, the file is copied as it is.
+#[test]
+fn a_turn_end_is_added_to_the_generation_configs_end_of_text() {
+    let scratch = Scratch::new("turn-end");
+    let source = scratch.0.join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let write = |name: &str, config: serde_json::Value, turn_end: u32| {
+        let dir = scratch.0.join(name);
+        let tokenizer =
+            TokenizerSource { dir: Some(&source), turn_end: Some(turn_end), ..Default::default() };
+        let layout = DirLayout { torch_dtype: "float32", max_shard_bytes: u64::MAX, tokenizer };
+        let write = |path: &std::path::Path, _| std::fs::write(path, b"weights").map_err(io);
+        let saved = save_with(&dir, &config, &[("w", 7)], &layout, write).unwrap();
+        let text = std::fs::read_to_string(dir.join("generation_config.json")).ok();
+        (
+            saved.tokenizer_files,
+            text.map(|t| serde_json::from_str::<serde_json::Value>(&t).unwrap()),
+        )
+    };
+    let config = json!({"bos_token_id": 1, "eos_token_id": 5, "pad_token_id": null});
+    // No generation config: one made from config.json's ids.
+    let (files, made) = write("made", config.clone(), 7);
+    assert_eq!(files, ["generation_config.json"]);
+    assert_eq!(made, Some(json!({"bos_token_id": 1, "eos_token_id": [5, 7]})));
+    // A generation config: the id added, its settings kept.
+    let own = json!({"eos_token_id": 5, "temperature": 0.6, "top_p": 0.9});
+    std::fs::write(source.join("generation_config.json"), own.to_string()).unwrap();
+    let (files, added) = write("added", config.clone(), 7);
+    assert_eq!(files, ["generation_config.json"]);
+    assert_eq!(added, Some(json!({"eos_token_id": [5, 7], "temperature": 0.6, "top_p": 0.9})));
+    // Already there: copied as it is.
+    let (_, kept) = write("kept", config, 5);
+    assert_eq!(kept, Some(own));
 }
 
 fn io(error: std::io::Error) -> zeroflow_hf::HfError {

@@ -96,11 +96,14 @@ pub fn check_dir(dir: &Path, bytes: u64) -> std::result::Result<(), String> {
 
 /// The tokenizer files an export writes: those of the run's `--init-from` directory, where it
 /// still is, and the chat template the run trained with (`--chat-template`), where it gave one
-/// and the file is still there — so that the exported model is prompted as it was trained.
+/// and the file is still there — so that the exported model is prompted as it was trained — with
+/// the token that ends a reply in that template (or the directory's own) among the generation
+/// config's end-of-text ids, so that it stops where it was trained to.
 #[derive(Debug, Default)]
 pub struct ExportTokenizer {
     dir: Option<PathBuf>,
     chat_template: Option<String>,
+    turn_end: Option<u32>,
 }
 
 impl ExportTokenizer {
@@ -127,13 +130,36 @@ impl ExportTokenizer {
                 None
             }
         });
-        ExportTokenizer { dir, chat_template }
+        let turn_end = dir.as_deref().and_then(|dir| turn_end(dir, chat_template.as_deref()));
+        ExportTokenizer { dir, chat_template, turn_end }
     }
 
     /// As [`write_hf_dir`] takes it.
     pub fn source(&self) -> TokenizerSource<'_> {
-        TokenizerSource { dir: self.dir.as_deref(), chat_template: self.chat_template.as_deref() }
+        TokenizerSource {
+            dir: self.dir.as_deref(),
+            chat_template: self.chat_template.as_deref(),
+            turn_end: self.turn_end,
+        }
     }
+}
+
+/// The token that ends a reply in `template` (else the chat template of the tokenizer of `dir`)
+/// where it has one ([`zeroflow_data::ChatTemplate::turn_end`]), said.
+fn turn_end(dir: &Path, template: Option<&str>) -> Option<u32> {
+    let tokenizer = zeroflow_data::Tokenizer::of_dir(dir).ok().flatten()?;
+    let template = match template {
+        Some(text) => zeroflow_data::ChatTemplate::new(text, "--chat-template").ok()?,
+        None => zeroflow_data::ChatTemplate::from_config(tokenizer.config())?.ok()?,
+    };
+    let id = template.turn_end(&tokenizer)?;
+    let token = tokenizer.decode(&[id]).unwrap_or_default();
+    tracing::info!(
+        "the chat template ends a reply with {token} ({id}): among the end-of-text ids of the \
+         exported {}, so that generation stops there",
+        zeroflow_hf::GENERATION_CONFIG_FILE
+    );
+    Some(id)
 }
 
 /// Writes the flat weights `weights` (`P`: the run's type) of a model whose `config.json` is

@@ -129,8 +129,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut model = source.open_for(args.device)?;
-    if let Some(turn_end) = chat.as_ref().and_then(|(tokenizer, _)| tokenizer.eot()) {
-        model.also_stop_at(turn_end);
+    // A reply ends at the tokenizer's end of text, or the special token that ends one in the
+    // template (a base model's tokenizer ends text with another: Llama-3's <|end_of_text|>
+    // where the template ends a turn with <|eot_id|>).
+    if let Some((tokenizer, template)) = &chat {
+        for turn_end in [tokenizer.eot(), template.turn_end(tokenizer)].into_iter().flatten() {
+            model.also_stop_at(turn_end);
+        }
     }
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p };
     let completion = Completion {

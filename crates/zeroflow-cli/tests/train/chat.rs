@@ -77,6 +77,12 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
     for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
         assert!(exported.join(file).is_file(), "{file} exported");
     }
+    // The template ends a reply with <|im_end|> (257): the exported generation config stops
+    // there, made from config.json's ids (the source has none).
+    let generation = std::fs::read_to_string(exported.join("generation_config.json")).unwrap();
+    let generation: serde_json::Value = serde_json::from_str(&generation).unwrap();
+    let stops = generation["eos_token_id"].as_array().unwrap();
+    assert!(stops.contains(&json!(257)), "{generation}");
     let generate = std::process::Command::new(env!("CARGO_BIN_EXE_zeroflow"))
         .args(["generate", exported.to_str().unwrap(), "--chat", "--prompt", "question number 7?"])
         .args(["--max-new-tokens", "40", "--json"])

@@ -210,13 +210,14 @@ impl HostModel {
         }
     }
 
-    /// The model's end-of-text tokens (`config.json`'s `eos_token_id`; none for a named shape).
+    /// The model's end-of-text tokens (`config.json`'s `eos_token_id` and
+    /// `generation_config.json`'s; none for a named shape).
     pub fn end_of_text(&self) -> &[u32] {
         &self.end_of_text
     }
 
-    /// Ends a completion at `token` too (where `stop` asks for it): a chat template's end of a
-    /// turn (the tokenizer's `eos_token`) besides `config.json`'s end of text.
+    /// Ends a completion at `token` too (where `stop` asks for it): the tokenizer's `eos_token`
+    /// or a chat template's end of a turn, besides the model's end-of-text ids.
     pub fn also_stop_at(&mut self, token: u32) {
         if !self.end_of_text.contains(&token) {
             self.end_of_text.push(token);

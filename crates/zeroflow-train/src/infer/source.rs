@@ -76,12 +76,14 @@ impl HostModel {
 
     /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s
     /// `architectures` says `GPT2LMHeadModel` (or its `model_type` is `gpt2`), else the Llama
-    /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s. The
+    /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s, and
+    /// `generation_config.json`'s where it has one ([`generation_stops`]). The
     /// parameters are read into f32 (`dtype` F32), or left in the files for a GPU (BF16: read
     /// as bf16 as they are uploaded, the stored values rounded as f32 ones would be).
     pub fn open_hf(dir: &Path, dtype: DType) -> Result<HostModel> {
         let json = read_config(&dir.join("config.json"))?;
-        let end_of_text = zeroflow_hf::eos_token_ids(&json);
+        let mut end_of_text = zeroflow_hf::eos_token_ids(&json);
+        generation_stops(dir, &mut end_of_text)?;
         let gpt2 = json["architectures"].get(0).and_then(|a| a.as_str()) == Some("GPT2LMHeadModel")
             || json["model_type"].as_str() == Some("gpt2");
         let weights = if gpt2 {
@@ -115,7 +117,7 @@ impl HostModel {
     /// where a delayed update was pending, rounded: then held in host memory), in `dtype` (F32,
     /// or BF16: left in the file for a GPU as [`HostModel::open_hf`] leaves them). Its
     /// end-of-text tokens are its shape's `config.json`'s (GPT-2's 50256), else those
-    /// of the run's `--init-from` directory.
+    /// of the run's `--init-from` directory, with that directory's [`generation_stops`].
     pub fn open_checkpoint(dir: &Path, dtype: DType) -> Result<HostModel> {
         let checkpoint = export::read_checkpoint(dir)?;
         let mut end_of_text =
@@ -124,6 +126,9 @@ impl HostModel {
             && end_of_text.is_empty()
         {
             end_of_text = zeroflow_hf::eos_token_ids(&read_config(&init_from.join("config.json"))?);
+        }
+        if let Some(init_from) = checkpoint.init_from.as_ref().filter(|d| d.is_dir()) {
+            generation_stops(init_from, &mut end_of_text)?;
         }
         let layout = checkpoint.model.flat_layout(1)?;
         let tensors = checkpoint.model.tensors(&layout)?;
@@ -159,4 +164,19 @@ fn read_config(path: &Path) -> Result<serde_json::Value> {
         source,
     })?;
     serde_json::from_str(&text).map_err(|e| input(format!("{}: not JSON: {e}", path.display())))
+}
+
+/// Adds to `end_of_text` the ids of the `eos_token_id` of the model directory `dir`'s
+/// `generation_config.json`, where it has one: `transformers`' `generate` stops at them (an
+/// instruct model's end of a turn among them, Llama-3's `<|eot_id|>`), as generation here does.
+fn generation_stops(dir: &Path, end_of_text: &mut Vec<u32>) -> Result<()> {
+    let path = dir.join(zeroflow_hf::GENERATION_CONFIG_FILE);
+    if path.is_file() {
+        for id in zeroflow_hf::eos_token_ids(&read_config(&path)?) {
+            if !end_of_text.contains(&id) {
+                end_of_text.push(id);
+            }
+        }
+    }
+    Ok(())
 }

@@ -56,8 +56,8 @@ fn a_llama_directory_completes_as_its_decoder_generates() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// With `stop`, the completion ends at the model's end-of-text token (kept); without, it runs
-/// to `max_new_tokens`.
+/// With `stop`, the completion ends at the model's end-of-text token (kept; `config.json`'s,
+/// or `generation_config.json`'s); without, it runs to `max_new_tokens`.
 #[test]
 fn a_completion_stops_at_the_end_of_text_token_unless_told_not_to() {
     let probe = scratch("llama-probe");
@@ -74,8 +74,21 @@ fn a_completion_stops_at_the_end_of_text_token_unless_told_not_to() {
     let first_eos = free.iter().position(|&t| t == eos).unwrap();
     assert_eq!(stopped, free[..=first_eos]);
     assert_eq!(model.complete(&prompt, &GREEDY).unwrap(), free);
-    std::fs::remove_dir_all(probe).unwrap();
-    std::fs::remove_dir_all(dir).unwrap();
+    // generation_config.json's end-of-text ids stop it too (as transformers' generate): the
+    // third token added there ends the completion where config.json's is not produced.
+    let unused = (0..50).find(|t| !free.contains(t)).unwrap();
+    let generated = scratch("llama-generation-config");
+    write_llama(&generated, Some(unused));
+    let generation = serde_json::json!({"eos_token_id": [unused, free[2]], "temperature": 0.6});
+    std::fs::write(generated.join("generation_config.json"), generation.to_string()).unwrap();
+    let model = HostModel::open(&generated).unwrap();
+    assert_eq!(model.end_of_text(), [unused, free[2]]);
+    let stopped = model.complete(&prompt, &Completion { stop: true, ..GREEDY }).unwrap();
+    let first = free.iter().position(|&t| t == free[2]).unwrap();
+    assert_eq!(stopped, free[..=first]);
+    for dir in [probe, dir, generated] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
 
 /// A token added with `also_stop_at` (a chat template's end of a turn) ends a completion as
