@@ -8,14 +8,41 @@ use zeroflow_device::cpu::{CpuBuffer, CpuStream, KernelArgs};
 use zeroflow_device::cuda::kernels::AdamWBuffers;
 use zeroflow_device::cuda::{CudaBuffer, CudaStream};
 use zeroflow_device::{CpuDevice, CudaDevice, Device, DeviceError, Kernels};
-use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
+use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, NoDecay, Output};
 
-/// The fp32 optimizer state of one partition on the device.
+/// The fp32 optimizer state of one partition on the device, and its elements that take no
+/// weight decay.
 #[derive(Debug)]
 pub struct DeviceAdamState<D: Device> {
     pub master: D::Buffer<f32>,
     pub exp_avg: D::Buffer<f32>,
     pub exp_avg_sq: D::Buffer<f32>,
+    pub no_decay: NoDecay,
+}
+
+impl<D: DeviceAdamW> DeviceAdamState<D> {
+    /// [`DeviceAdamW::adamw`] over `range` of this state, run by run of its `no_decay`: those
+    /// elements with the step without weight decay, as the CPU's [`zeroflow_optim::CpuAdam`]
+    /// steps them.
+    #[allow(clippy::too_many_arguments, reason = "one buffer per operand, like the kernel")]
+    pub fn step<P: Float>(
+        &self,
+        device: &D,
+        stream: &D::Stream,
+        step: &AdamWStep,
+        range: Range<usize>,
+        grads: &D::Buffer<f32>,
+        out: &D::Buffer<P>,
+        out_offset: usize,
+    ) -> Result<(), DeviceError> {
+        let without = step.without_weight_decay();
+        for (run, decays) in self.no_decay.runs(range.clone()) {
+            let at = out_offset + (run.start - range.start);
+            let step = if decays { step } else { &without };
+            device.adamw(stream, step, self, run, grads, out, at)?;
+        }
+        Ok(())
+    }
 }
 
 /// A device that can run AdamW over state in its own memory.
@@ -140,7 +167,7 @@ mod tests {
         range: Range<usize>,
     ) -> (Vec<f32>, Vec<bf16>) {
         let [master, exp_avg, exp_avg_sq] = init.each_ref().map(|v| device.upload(v).unwrap());
-        let state = DeviceAdamState { master, exp_avg, exp_avg_sq };
+        let state = DeviceAdamState { master, exp_avg, exp_avg_sq, no_decay: NoDecay::default() };
         let out = device.alloc::<bf16>(range.len() + 3).unwrap();
         for (grads, step) in grads.iter().zip(steps) {
             let grads = device.upload(grads).unwrap();

@@ -189,7 +189,7 @@ pub fn adamw_config() -> AdamWConfig {
 }
 
 /// Plain single-rank AdamW on the mean gradient over `world` ranks and `accum` micro-steps, the
-/// model reading its weights as `P`.
+/// model reading its weights as `P`; the 1-D parameters without weight decay.
 #[derive(Debug)]
 pub struct Reference {
     layout: FlatLayout,
@@ -278,14 +278,31 @@ impl Reference {
             _ => 1.0,
         };
         let step: AdamWStep = self.adamw.next_step(coef as f32);
-        let state = AdamState {
-            params: &mut self.master,
-            exp_avg: &mut self.exp_avg,
-            exp_avg_sq: &mut self.exp_avg_sq,
+        // Every element stepped with the step's weight decay and without, and each kept as its
+        // parameter takes it: 1-D parameters take none.
+        let stepped = |step: &AdamWStep| {
+            let (mut master, mut exp_avg, mut exp_avg_sq) =
+                (self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone());
+            let state = AdamState {
+                params: &mut master,
+                exp_avg: &mut exp_avg,
+                exp_avg_sq: &mut exp_avg_sq,
+            };
+            self.adam
+                .step(step, state, Grads::F32(&mean), Output::MasterOnly)
+                .expect("the reference's buffers have equal lengths");
+            [master, exp_avg, exp_avg_sq]
         };
-        self.adam
-            .step(&step, state, Grads::F32(&mean), Output::MasterOnly)
-            .expect("the reference's buffers have equal lengths");
+        let (decayed, undecayed) = (stepped(&step), stepped(&step.without_weight_decay()));
+        let mut one_d = vec![false; n];
+        for param in self.layout.params().iter().filter(|p| p.shape.len() < 2) {
+            one_d[param.flat_range()].fill(true);
+        }
+        let pick = |k: usize, i: usize| if one_d[i] { undecayed[k][i] } else { decayed[k][i] };
+        for i in 0..n {
+            (self.master[i], self.exp_avg[i], self.exp_avg_sq[i]) =
+                (pick(0, i), pick(1, i), pick(2, i));
+        }
         self.steps += 1;
         norm
     }

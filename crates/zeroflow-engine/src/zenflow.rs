@@ -34,6 +34,7 @@ use zeroflow_core::config::{Selection, UpdateInterval};
 use zeroflow_core::layout::{FlatLayout, ParamView};
 use zeroflow_core::{Element, Float};
 use zeroflow_device::{Device, DeviceBuffer, Kernels, Matrix};
+use zeroflow_optim::NoDecay;
 
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamState;
@@ -261,6 +262,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
                 master: alloc(capacity)?,
                 exp_avg: alloc(capacity)?,
                 exp_avg_sq: alloc(capacity)?,
+                no_decay: NoDecay::default(),
             },
             grads: device.alloc(capacity.max(1))?,
             grads_f32: alloc(capacity)?,
@@ -339,10 +341,12 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         self.epochs_since_selection = 0;
     }
 
-    /// The blocks and compact offsets of the selection in `selected`.
+    /// The blocks and compact offsets of the selection in `selected` (and the compact elements
+    /// of 1-D parameters, which take no weight decay).
     fn lay_out(&mut self) {
         self.blocks.clear();
         self.indices.clear();
+        let mut no_decay = Vec::new();
         let mut compact = 0;
         for (m, slices) in self.matrices.iter().zip(&self.selected) {
             // A slice is `inner` adjacent columns of the matrix.
@@ -362,10 +366,14 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
                 self.indices.extend_from_slice(&in_block);
                 let start = m.start + first.0 * m.cols + first.1;
                 self.blocks.push(Block { start, rows, cols, index: index.clone(), compact });
+                if m.importance_at.is_none() {
+                    no_decay.push(compact..compact + rows * index.len());
+                }
                 compact += rows * index.len();
             }
         }
         self.compact_len = compact;
+        self.state.no_decay = NoDecay::new(no_decay);
     }
 
     /// The selection by parameter index, for a checkpoint.

@@ -130,6 +130,14 @@ impl AdamWStep {
         AdamWStep { step, scalars }
     }
 
+    /// This step without weight decay (neither decoupled nor L2), everything else the same:
+    /// how the parameters that do not decay ([`NoDecay`](crate::NoDecay)) are stepped.
+    pub fn without_weight_decay(&self) -> AdamWStep {
+        // +0 as a configuration without decay has it (see `from_valid`).
+        let scalars = StepScalars { l2: 0.0, neg_lr_weight_decay: 0.0, ..self.scalars };
+        AdamWStep { step: self.step, scalars }
+    }
+
     /// The step number `t`, counting from 1.
     pub fn step(&self) -> u64 {
         self.step
@@ -187,5 +195,95 @@ impl AdamW {
     pub fn next_step(&mut self, grad_scale: f32) -> AdamWStep {
         self.steps_taken += 1;
         AdamWStep::from_valid(&self.config, self.steps_taken, grad_scale)
+    }
+}
+
+/// The elements that take no weight decay — a model's 1-D parameters: its norms' weights and
+/// its biases, as `transformers`' `Trainer`, nanoGPT, llm.c and Megatron-LM leave them out —
+/// as sorted, disjoint ranges of a state's elements.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NoDecay(std::sync::Arc<[std::ops::Range<usize>]>);
+
+impl NoDecay {
+    /// The ranges `ranges` (in any order; empty ones dropped, touching ones joined).
+    pub fn new(mut ranges: Vec<std::ops::Range<usize>>) -> NoDecay {
+        ranges.retain(|r| !r.is_empty());
+        ranges.sort_by_key(|r| r.start);
+        let mut joined: Vec<std::ops::Range<usize>> = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            match joined.last_mut() {
+                Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
+                _ => joined.push(range),
+            }
+        }
+        NoDecay(joined.into())
+    }
+
+    /// True where every element decays.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The ranges.
+    pub fn ranges(&self) -> &[std::ops::Range<usize>] {
+        &self.0
+    }
+
+    /// These ranges within `window`, counted from its start (a part of a state kept elsewhere).
+    pub fn within(&self, window: std::ops::Range<usize>) -> NoDecay {
+        let shifted = self.0.iter().map(|r| {
+            let (start, end) = (r.start.max(window.start), r.end.min(window.end));
+            start.saturating_sub(window.start)..end.saturating_sub(window.start)
+        });
+        NoDecay::new(shifted.filter(|r| r.start < r.end).collect())
+    }
+
+    /// `range` cut into consecutive runs, each with whether its elements decay.
+    pub fn runs(&self, range: std::ops::Range<usize>) -> Vec<(std::ops::Range<usize>, bool)> {
+        let mut runs = Vec::new();
+        if range.is_empty() {
+            return runs;
+        }
+        let mut at = range.start;
+        let first = self.0.partition_point(|r| r.end <= range.start);
+        for r in self.0[first..].iter().take_while(|r| r.start < range.end) {
+            let (start, end) = (r.start.max(at), r.end.min(range.end));
+            if at < start {
+                runs.push((at..start, true));
+            }
+            runs.push((start..end, false));
+            at = end;
+        }
+        if at < range.end {
+            runs.push((at..range.end, true));
+        }
+        runs
+    }
+}
+
+#[cfg(test)]
+mod no_decay_tests {
+    use super::NoDecay;
+
+    #[test]
+    fn runs_cover_a_range_in_order_and_ranges_join() {
+        let no_decay = NoDecay::new(vec![20..25, 5..8, 8..10, 3..3, 30..40]);
+        assert_eq!(no_decay.ranges(), [5..10, 20..25, 30..40]);
+        assert_eq!(
+            no_decay.runs(0..35),
+            [
+                (0..5, true),
+                (5..10, false),
+                (10..20, true),
+                (20..25, false),
+                (25..30, true),
+                (30..35, false)
+            ]
+        );
+        assert_eq!(no_decay.runs(6..7), [(6..7, false)]);
+        assert_eq!(no_decay.runs(11..19), [(11..19, true)]);
+        assert_eq!(no_decay.runs(22..22), []);
+        assert_eq!(NoDecay::default().runs(3..9), [(3..9, true)]);
+        assert_eq!(no_decay.within(8..32).ranges(), [0..2, 12..17, 22..24]);
     }
 }

@@ -114,6 +114,8 @@ pub struct CpuAdam {
     copy_stores: Stores,
     /// Added to an element's index in the partition to key its bf16 moments' rounding draws.
     rounding_offset: usize,
+    /// The partition's elements stepped without weight decay.
+    no_decay: crate::NoDecay,
     /// `None` with one thread: the calling thread does the work.
     pool: Option<rayon::ThreadPool>,
 }
@@ -145,6 +147,7 @@ impl CpuAdam {
             tasks_per_thread: DEFAULT_TASKS_PER_THREAD,
             copy_stores: Stores::NonTemporal,
             rounding_offset: 0,
+            no_decay: crate::NoDecay::default(),
             pool,
         })
     }
@@ -172,6 +175,18 @@ impl CpuAdam {
     pub fn with_rounding_offset(mut self, offset: usize) -> Self {
         self.rounding_offset = offset;
         self
+    }
+
+    /// Steps the partition's elements `no_decay` (its 1-D parameters') without weight decay
+    /// ([`AdamWStep::without_weight_decay`]); by default every element decays.
+    pub fn with_no_decay(mut self, no_decay: crate::NoDecay) -> Self {
+        self.no_decay = no_decay;
+        self
+    }
+
+    /// The partition's elements stepped without weight decay.
+    pub fn no_decay(&self) -> &crate::NoDecay {
+        &self.no_decay
     }
 
     pub fn tasks_per_thread(&self) -> usize {
@@ -225,28 +240,44 @@ impl CpuAdam {
         if let Some(out_len) = out.len() {
             check_len("bf16 output", out_len, range.len())?;
         }
-        let start = range.start;
         let AdamState { params, exp_avg, exp_avg_sq } = state;
-        let (params, exp_avg, exp_avg_sq) =
-            (&mut params[range.clone()], &mut exp_avg[range.clone()], &mut exp_avg_sq[range]);
-        let (scalars, level, copy_stores) = (&step.scalars, self.level, self.copy_stores);
-        let seeds = MomentSeeds::of_step(step.step());
-        let key = self.rounding_offset;
+        let (params, exp_avg, exp_avg_sq) = (
+            &mut params[range.clone()],
+            &mut exp_avg[range.clone()],
+            &mut exp_avg_sq[range.clone()],
+        );
         match grads {
             Grads::F32(grads) => {
-                let piece = Piece { params, grads, exp_avg, exp_avg_sq, out };
-                self.run(piece, start, &|piece, offset| {
-                    kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
-                });
+                self.run_runs(step, range, Piece { params, grads, exp_avg, exp_avg_sq, out })
             }
             Grads::Bf16(grads) => {
-                let piece = Piece { params, grads, exp_avg, exp_avg_sq, out };
-                self.run(piece, start, &|piece, offset| {
-                    kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
-                });
+                self.run_runs(step, range, Piece { params, grads, exp_avg, exp_avg_sq, out })
             }
         }
         Ok(())
+    }
+
+    /// The kernel over `piece`, the elements `range` of the partition: run by run of
+    /// [`CpuAdam::no_decay`], each with the step or the step without weight decay. Every
+    /// element is computed as it is in one run (see the type's documentation).
+    fn run_runs<G: GradElem, M: MomentElem>(
+        &self,
+        step: &AdamWStep,
+        range: Range<usize>,
+        mut piece: Piece<'_, G, M>,
+    ) {
+        let (level, copy_stores) = (self.level, self.copy_stores);
+        let seeds = MomentSeeds::of_step(step.step());
+        let key = self.rounding_offset;
+        let without = step.without_weight_decay();
+        for (run, decays) in self.no_decay.runs(range) {
+            let (head, rest) = piece.split_at(run.len());
+            piece = rest;
+            let scalars = if decays { &step.scalars } else { &without.scalars };
+            self.run(head, run.start, &|piece, offset| {
+                kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
+            });
+        }
     }
 
     /// Calls `f(offset, chunk)` on the chunks of `data` that a step over a partition of

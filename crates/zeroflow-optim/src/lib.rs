@@ -50,7 +50,7 @@ pub mod rounding;
 mod simd;
 mod workload;
 
-pub use config::{AdamW, AdamWConfig, AdamWStep, StepScalars, WeightDecayMode};
+pub use config::{AdamW, AdamWConfig, AdamWStep, NoDecay, StepScalars, WeightDecayMode};
 pub use error::OptimError;
 pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Stores};
 pub use half::bf16;

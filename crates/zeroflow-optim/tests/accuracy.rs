@@ -1,6 +1,8 @@
 //! AdamW against an f64 reference written from torch's formulas.
 
-use zeroflow_optim::{AdamW, AdamWStep, CpuAdam, Output, SimdLevel, WeightDecayMode, bf16};
+use zeroflow_optim::{
+    AdamW, AdamWStep, CpuAdam, NoDecay, Output, SimdLevel, WeightDecayMode, bf16,
+};
 
 use crate::support::{
     GradType, State, StepGrads, normwise_relative_error, reference_step, rng, test_config,
@@ -177,4 +179,51 @@ fn decoupled_and_l2_decay_give_different_weights() {
     }
     let differing = results[0].iter().zip(&results[1]).filter(|(a, b)| a != b).count();
     assert!(differing > LEN / 2, "only {differing} of {LEN} weights differ");
+}
+
+/// The elements of [`NoDecay`] are stepped as a configuration without weight decay steps them,
+/// the others with it — bit for bit, in both modes, over a whole partition and over ranges that
+/// cut through the runs, on several threads (the chunks then fall across the runs too).
+#[test]
+#[allow(clippy::single_range_in_vec_init, reason = "lists of ranges, one of them a single one")]
+fn elements_without_decay_step_as_a_configuration_without_decay() {
+    let level = SimdLevel::detect();
+    let mut rng = rng(11);
+    let start = State::random(&mut rng, LEN);
+    let grads = StepGrads::random(&mut rng, LEN, GradType::Bf16);
+    let no_decay = NoDecay::new(vec![0..3, 700..1000, 1001..1002, 4000..LEN]);
+    for mode in [WeightDecayMode::Decoupled, WeightDecayMode::L2] {
+        let config = test_config(mode, true);
+        let without = zeroflow_optim::AdamWConfig { weight_decay: 0.0, ..config };
+        let stepped = |config, adam: &CpuAdam, ranges: &[std::ops::Range<usize>]| {
+            let mut state = start.clone();
+            let step = AdamWStep::new(&config, 4, 1.0).expect("valid");
+            for range in ranges {
+                let grads = grads.range(range.clone());
+                adam.step_range(&step, state.view(), range.clone(), grads, Output::MasterOnly)
+                    .expect("lengths");
+            }
+            state
+        };
+        let plain = CpuAdam::new(1, level).expect("the detected level");
+        let (decayed, undecayed) =
+            (stepped(config, &plain, &[0..LEN]), stepped(without, &plain, &[0..LEN]));
+        for (threads, ranges) in [(1, vec![0..LEN]), (3, vec![0..701, 701..1001, 1001..LEN])] {
+            let adam = CpuAdam::new(threads, level)
+                .expect("the detected level")
+                .with_tasks_per_thread(64)
+                .with_no_decay(no_decay.clone());
+            let got = stepped(config, &adam, &ranges);
+            for i in 0..LEN {
+                let in_no_decay = no_decay.ranges().iter().any(|r| r.contains(&i));
+                let want = if in_no_decay { &undecayed } else { &decayed };
+                let got = (got.params[i], got.exp_avg[i], got.exp_avg_sq[i]);
+                let want = (want.params[i], want.exp_avg[i], want.exp_avg_sq[i]);
+                assert_eq!(got.0.to_bits(), want.0.to_bits(), "{mode:?} element {i}");
+                assert_eq!((got.1, got.2), (want.1, want.2), "{mode:?} element {i}");
+            }
+        }
+        let differing = (0..LEN).filter(|&i| decayed.params[i] != undecayed.params[i]).count();
+        assert!(differing > LEN / 2, "{mode:?}: decay changed only {differing} weights");
+    }
 }

@@ -43,6 +43,14 @@ impl StepGrads {
         StepGrads { f32, bf16, kind }
     }
 
+    /// The gradients of elements `range`.
+    pub fn range(&self, range: std::ops::Range<usize>) -> Grads<'_> {
+        match self.kind {
+            GradType::F32 => Grads::F32(&self.f32[range]),
+            GradType::Bf16 => Grads::Bf16(&self.bf16[range]),
+        }
+    }
+
     pub fn as_grads(&self) -> Grads<'_> {
         match self.kind {
             GradType::F32 => Grads::F32(&self.f32),

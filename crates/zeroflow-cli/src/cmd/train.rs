@@ -232,7 +232,8 @@ pub struct AutoFlags {
     /// Default: 5% of --steps (at least 2).
     #[arg(long, value_name = "N")]
     pub warmup: Option<NonZeroU64>,
-    /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0.
+    /// AdamW weight decay (fills an "auto" optimizer weight_decay). Default: 0. The 1-D
+    /// parameters (norms' weights, biases) take none, as in transformers' Trainer and nanoGPT.
     #[arg(long, value_name = "X")]
     pub weight_decay: Option<f64>,
 }

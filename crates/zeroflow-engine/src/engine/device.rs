@@ -9,7 +9,7 @@
 
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, StreamKind};
-use zeroflow_optim::AdamWStep;
+use zeroflow_optim::{AdamWStep, NoDecay};
 
 use super::shared::{Shared, overwrite};
 use super::state::PathState;
@@ -28,14 +28,16 @@ pub(super) struct DeviceUpdate<D: DeviceAdamW> {
 }
 
 impl<D: DeviceAdamW> DeviceUpdate<D> {
-    /// The state of a partition whose fp32 master weights are `master`.
-    pub fn new(device: &D, master: &[f32]) -> Result<Self, EngineError> {
+    /// The state of a partition whose fp32 master weights are `master`, its elements
+    /// `no_decay` without weight decay.
+    pub fn new(device: &D, master: &[f32], no_decay: NoDecay) -> Result<Self, EngineError> {
         let len = master.len();
         Ok(DeviceUpdate {
             state: DeviceAdamState {
                 master: device.upload(master)?,
                 exp_avg: device.alloc(len)?,
                 exp_avg_sq: device.alloc(len)?,
+                no_decay,
             },
             grad_acc: device.alloc(len)?,
             accumulated: device.new_event()?,
@@ -64,7 +66,7 @@ impl<D: DeviceAdamW> DeviceUpdate<D> {
         device.record(&mut self.accumulated, comm_stream)?;
         device.wait_event(compute, &self.accumulated)?;
         let (out, at, len) = (&shared.params, shared.owned.start, shared.owned.len());
-        device.adamw(compute, step, &self.state, 0..len, &self.grad_acc, out, at)?;
+        self.state.step(device, compute, step, 0..len, &self.grad_acc, out, at)?;
         shared.gather_from(StreamKind::Compute)
     }
 

@@ -40,7 +40,7 @@ use rayon::prelude::*;
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, HostMemory};
-use zeroflow_optim::{AdamWStep, CpuAdam, SimdLevel, Stores};
+use zeroflow_optim::{AdamWStep, CpuAdam, NoDecay, SimdLevel, Stores};
 
 pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
@@ -59,6 +59,21 @@ use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, EngineOptions, OffloadUpdate, Placement, ZenFlowAside};
+
+/// The elements of the partition `owned` of `layout` that take no weight decay, counted from
+/// its start: those of its 1-D parameters (norms' weights and biases), as `transformers`'
+/// `Trainer`, nanoGPT, llm.c and Megatron-LM leave them out.
+pub(crate) fn no_decay(layout: &FlatLayout, owned: &Range<usize>) -> NoDecay {
+    NoDecay::new(
+        layout
+            .params()
+            .iter()
+            .filter(|param| param.shape.len() < 2)
+            .map(|param| param.flat_range())
+            .collect(),
+    )
+    .within(owned.clone())
+}
 
 /// A backward's sink and the step left for its forward to open ([`UpdatePath::sink_or_open`]).
 pub(super) type SinkOrOpening<'a, D, P> = (Sink<'a, D, P>, Option<Opening<'a, D, P>>);
@@ -92,11 +107,13 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         opts: &EngineOptions,
         initial: Vec<P>,
     ) -> Result<Self, EngineError> {
+        // The partition's elements of 1-D parameters (norms' weights, biases) take no decay.
+        let no_decay = no_decay(layout, owned);
         let offload = match &opts.placement {
             Placement::Device => {
                 let master: Vec<f32> = initial[owned.clone()].iter().map(|p| p.to_f32()).collect();
                 drop(initial);
-                return Ok(UpdatePath::Device(DeviceUpdate::new(device, &master)?));
+                return Ok(UpdatePath::Device(DeviceUpdate::new(device, &master, no_decay)?));
             }
             Placement::Offload(offload) => offload,
         };
@@ -115,7 +132,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         // bf16 moments' rounding draws are keyed by the element's index in the model.
         let adam = CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
             .with_copy_stores(stores)
-            .with_rounding_offset(owned.start);
+            .with_rounding_offset(owned.start)
+            .with_no_decay(no_decay.clone());
         // Fills the host's master weights — the partition's first elements: all of them, or
         // those before a device share — from `initial`, which it drops then (before the host
         // moments are allocated and zeroed).
@@ -202,7 +220,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             // only: the host optimizer holds the elements before it.
             let from = len - device_share_len(len, share);
             let share_initial = &initial[owned.start + from..owned.end];
-            let share = DeviceShare::new(device, from, share_initial, moments)?;
+            let share = DeviceShare::new(device, from, share_initial, moments, &no_decay)?;
             let fill = fill_master(initial);
             if summed {
                 // Its staging takes the window's f32 sum; the streamed step's, the gradients.

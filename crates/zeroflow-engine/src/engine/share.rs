@@ -25,7 +25,7 @@ use std::ops::Range;
 use zeroflow_core::Float;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_device::{Device, DeviceBuffer, HostMemory, StreamKind};
-use zeroflow_optim::AdamWStep;
+use zeroflow_optim::{AdamWStep, NoDecay};
 
 use super::state::SavedState;
 use crate::EngineError;
@@ -58,12 +58,14 @@ pub(super) struct DeviceShare<D: Device> {
 impl<D: DeviceAdamW> DeviceShare<D> {
     /// The share of the partition's elements `from..` whose initial weights are `initial`
     /// (uploaded as f32 master weights; the moments zero); `None` where `initial` is empty. The
-    /// share keeps fp32 moments: `moments` must say so.
+    /// share keeps fp32 moments: `moments` must say so. The partition's elements `no_decay`
+    /// take no weight decay.
     pub fn new<P: Float>(
         device: &D,
         from: usize,
         initial: &[P],
         moments: OptimizerStateDtype,
+        no_decay: &NoDecay,
     ) -> Result<Option<Self>, EngineError> {
         let share = initial.len();
         if share == 0 {
@@ -80,6 +82,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
             master: device.alloc::<f32>(share)?,
             exp_avg: device.alloc::<f32>(share)?,
             exp_avg_sq: device.alloc::<f32>(share)?,
+            no_decay: no_decay.within(from..from + share),
         };
         let grads = device.alloc::<f32>(share)?;
         let stepped = device.new_event()?;
@@ -105,7 +108,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
 
     /// The share's step on the compute stream, after `norm_done`: its gradients, at `at + from`
     /// of `source` (the reduced gradients, or the window's sum), cast to f32; the AdamW of
-    /// [`DeviceAdamW::adamw`], writing the weights at `params_at + from` of `params`.
+    /// [`DeviceAdamState::step`], writing the weights at `params_at + from` of `params`.
     pub fn step<G: Float, P: Float>(
         &mut self,
         device: &D,
@@ -119,15 +122,8 @@ impl<D: DeviceAdamW> DeviceShare<D> {
         let share = self.grads.len();
         let from = at + self.from;
         device.cast(compute, source, from..from + share, &self.grads, 0)?;
-        device.adamw(
-            compute,
-            step,
-            &self.state,
-            0..share,
-            &self.grads,
-            params,
-            params_at + self.from,
-        )?;
+        let (grads, out_at) = (&self.grads, params_at + self.from);
+        self.state.step(device, compute, step, 0..share, grads, params, out_at)?;
         device.record(&mut self.stepped, compute)?;
         self.recorded = true;
         Ok(())

@@ -372,7 +372,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         }
         device.cast(compute, &zenflow.grads, 0..len, &zenflow.grads_f32, 0)?;
         let (state, grads) = (&zenflow.state, &zenflow.grads_f32);
-        device.adamw(compute, step, state, 0..len, grads, &zenflow.weights, 0)?;
+        state.step(device, compute, step, 0..len, grads, &zenflow.weights, 0)?;
         zenflow.scatter_weights(device, compute, &shared.params)?;
         let done = slot(&mut zenflow.device_done, device)?;
         device.record(done, compute)?;
