@@ -38,7 +38,13 @@ sig=$OUT/smoke-sigint
 timeout 200 "$Z" train --device cuda --model "$MODEL" --micro-batch 8 --steps 400 --eval-every 0 \
     --out "$sig" >"$OUT/smoke-sigint.log" 2>&1 &
 pid=$!
-sleep "${SIGINT_AFTER:-20}"
+# Interrupted once it trains (its first metrics lines written), well before its 400 steps end: a
+# fixed wait let a fast start finish the run first.
+for _ in $(seq 600); do
+    [[ $(wc -l <"$sig/metrics.jsonl" 2>/dev/null || echo 0) -ge 2 ]] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+done
 kill -INT "$pid"
 wait "$pid"
 status=$?

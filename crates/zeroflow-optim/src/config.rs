@@ -138,6 +138,12 @@ impl AdamWStep {
         AdamWStep { step: self.step, scalars }
     }
 
+    /// Whether this step decays the weights at all (a weight decay of 0 does not): where it
+    /// does not, the elements of [`NoDecay`](crate::NoDecay) need no run of their own.
+    pub fn decays(&self) -> bool {
+        self.scalars.l2 != 0.0 || self.scalars.neg_lr_weight_decay != 0.0
+    }
+
     /// The step number `t`, counting from 1.
     pub fn step(&self) -> u64 {
         self.step

@@ -270,7 +270,12 @@ impl CpuAdam {
         let seeds = MomentSeeds::of_step(step.step());
         let key = self.rounding_offset;
         let without = step.without_weight_decay();
-        for (run, decays) in self.no_decay.runs(range) {
+        // Without weight decay every element is stepped alike: one run.
+        let runs = match step.decays() {
+            true => self.no_decay.runs(range),
+            false => vec![(range, true)],
+        };
+        for (run, decays) in runs {
             let (head, rest) = piece.split_at(run.len());
             piece = rest;
             let scalars = if decays { &step.scalars } else { &without.scalars };

@@ -205,6 +205,10 @@ fn elements_without_decay_step_as_a_configuration_without_decay() {
             }
             state
         };
+        let decays = |config| AdamWStep::new(&config, 4, 1.0).expect("valid").decays();
+        assert!(decays(config) && !decays(without));
+        let step = AdamWStep::new(&config, 4, 1.0).expect("valid");
+        assert_eq!(step.without_weight_decay(), AdamWStep::new(&without, 4, 1.0).expect("valid"));
         let plain = CpuAdam::new(1, level).expect("the detected level");
         let (decayed, undecayed) =
             (stepped(config, &plain, &[0..LEN]), stepped(without, &plain, &[0..LEN]));
