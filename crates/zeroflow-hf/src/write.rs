@@ -38,8 +38,8 @@ pub const TOKENIZER_FILES: &[&str] = &[
     "merges.txt",
 ];
 
-/// The chat template as a file of its own, as `transformers` (since 4.50; only there since 5)
-/// saves it: read before `tokenizer_config.json`'s `chat_template`.
+/// The chat template as a file of its own, as `transformers` 5 saves it (and nowhere else):
+/// read before `tokenizer_config.json`'s `chat_template`.
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// The folder of a tokenizer's named chat templates besides the default (`tool_use.jinja`, …).
