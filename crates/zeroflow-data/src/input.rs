@@ -42,6 +42,27 @@ pub fn input_kind(path: &Path) -> Result<InputKind, String> {
     }
 }
 
+/// The JSON Lines files of the directory `dir`, in name order: its `.jsonl` and `.ndjson`
+/// files, and its `.json` files that are JSON Lines (others, such as the `dataset_info.json` of
+/// a saved dataset, are metadata: left out).
+pub fn json_lines_in(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
+        let lines = match extension.to_ascii_lowercase().as_str() {
+            "jsonl" | "ndjson" => true,
+            "json" => input_kind(&path) == Ok(InputKind::JsonLines),
+            _ => false,
+        };
+        if lines && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 /// Why a file of this extension and first bytes is not read, where it is not.
 fn refused(extension: &str, head: &[u8]) -> Option<String> {
     let signature = |magic: &[u8]| head.starts_with(magic);

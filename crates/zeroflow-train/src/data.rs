@@ -75,8 +75,8 @@ impl Spec {
                 records(vec![table.clone()])?;
             }
             // A directory of JSON Lines files (a dataset in several) and no shards.
-            let lines: Vec<PathBuf> =
-                files.into_iter().filter(|p| has(p, &["jsonl", "ndjson", "json"])).collect();
+            let lines = zeroflow_data::json_lines_in(path)
+                .map_err(|e| input(format!("--data {data}: cannot read the directory: {e}")))?;
             if shards.is_empty() && !lines.is_empty() {
                 return records(lines);
             }
@@ -487,7 +487,8 @@ mod tests {
     }
 
     /// JSON Lines named `.json` (as `datasets`' `to_json` writes them) are read as JSON Lines,
-    /// alone or in a directory; a dataset of Parquet or Arrow files, a JSON array and a
+    /// alone or in a directory (where other `.json` files are metadata, left out); a dataset of
+    /// Parquet or Arrow files, a JSON array and a
     /// compressed file are refused naming the file and what to do, never read as text.
     #[test]
     fn json_lines_named_json_are_read_and_tables_arrays_and_archives_refused() {
@@ -496,8 +497,9 @@ mod tests {
             std::env::temp_dir().join(format!("zeroflow-spec-records-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let (lines, hub) = (dir.join("lines"), dir.join("hub"));
-        let files: [(&std::path::Path, &str, &[u8]); 6] = [
+        let files: [(&std::path::Path, &str, &[u8]); 7] = [
             (&lines, "train.json", b"{\"text\": \"a\"}\n{\"text\": \"b\"}\n"),
+            (&lines, "dataset_info.json", b"{\n  \"features\": {}\n}\n"),
             (&lines, "more.jsonl", b"{\"text\": \"c\"}\n"),
             (&hub, "data-00000-of-00001.arrow", b"\xff\xff\xff\xff\x08\x01\x00\x00"),
             (&hub, "dataset_info.json", b"{\n  \"features\": {}\n}\n"),

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-use zeroflow_data::{ChatOptions, TokenizeError, TokenizeOptions, Tokenizer, tokenize_corpus};
+use zeroflow_data::{
+    ChatOptions, TokenizeError, TokenizeOptions, Tokenizer, json_lines_in, tokenize_corpus,
+};
 
 use crate::InputError;
 
@@ -80,8 +82,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `inputs` with each directory replaced by its JSON Lines files (`.jsonl`, `.ndjson`, `.json`),
-/// in name order; an input error for a directory that has none.
+/// `inputs` with each directory replaced by its JSON Lines files ([`json_lines_in`]); an input
+/// error for a directory that has none.
 fn expand_directories(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
     let mut expanded = Vec::new();
     for input in inputs {
@@ -89,23 +91,14 @@ fn expand_directories(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
             expanded.push(input.clone());
             continue;
         }
-        let error =
-            |e: std::io::Error| InputError::from_display(format!("{}: {e}", input.display()));
-        let mut files = Vec::new();
-        for entry in std::fs::read_dir(input).map_err(error)? {
-            let path = entry.map_err(error)?.path();
-            let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
-            if path.is_file() && ["jsonl", "ndjson", "json"].contains(&extension) {
-                files.push(path);
-            }
-        }
+        let files = json_lines_in(input)
+            .map_err(|e| InputError::from_display(format!("{}: {e}", input.display())))?;
         if files.is_empty() {
             return Err(InputError::from_display(format!(
                 "{}: a directory without JSON Lines files (.jsonl, .json); give the files to read",
                 input.display()
             )));
         }
-        files.sort();
         expanded.extend(files);
     }
     Ok(expanded)

@@ -111,8 +111,9 @@ fn a_parquet_file_or_a_json_array_is_refused_not_trained_on_as_text() {
     }
 }
 
-/// `tokenize DIR` reads the directory's JSON Lines files in name order (it was "Is a directory"),
-/// the same shards as the files listed; a directory without any is refused saying so.
+/// `tokenize DIR` reads the directory's JSON Lines files in name order (it was "Is a directory";
+/// a `.json` of metadata is left out), the same shards as the files listed; a directory without
+/// any is refused saying so.
 #[test]
 fn tokenize_reads_a_directory_as_its_json_lines_files() {
     let dir = scratch("tokenize_directory");
@@ -121,6 +122,7 @@ fn tokenize_reads_a_directory_as_its_json_lines_files() {
     std::fs::write(data.join("b.jsonl"), "{\"text\": \"second file\"}\n").unwrap();
     std::fs::write(data.join("a.json"), "{\"text\": \"first file\"}\n").unwrap();
     std::fs::write(data.join("notes.md"), "not data").unwrap();
+    std::fs::write(data.join("dataset_info.json"), "{\n  \"features\": {}\n}\n").unwrap();
     let tokenize = |inputs: &[&Path], out: &Path| {
         let mut args = vec!["tokenize", "--tokenizer", "bytes", "--out", out.to_str().unwrap()];
         args.extend(inputs.iter().map(|p| p.to_str().unwrap()));
