@@ -264,7 +264,8 @@ fn a_checkpoint_or_its_run_directory_serves_as_the_model() {
 }
 
 /// `--prompts` runs every prompt of the file as one batch and prints a JSON line per prompt, in
-/// order, each the tokens that prompt gets alone (greedy); text prompts need a tokenizer.
+/// order, each the tokens that prompt gets alone (greedy), from a `.jsonl` or a `.json` of JSON
+/// lines; text prompts need a tokenizer.
 #[test]
 fn a_prompts_file_prints_one_json_line_per_prompt() {
     let dir = hf_dir("prompts");
@@ -290,6 +291,15 @@ fn a_prompts_file_prints_one_json_line_per_prompt() {
         assert_eq!(line["index"], index);
         assert_eq!(line["tokens"], alone(prompt), "prompt {index}");
     }
+    // The same lines in a .json (JSON Lines under that name) are read as JSON, not as text.
+    let json = dir.with_file_name("prompts.json");
+    std::fs::write(&json, lines).unwrap();
+    let args = ["generate", model_dir, "--prompts", json.to_str().unwrap(), "--json"];
+    let from_json = zeroflow(
+        &[&args[..], &["--max-new-tokens", "5", "--no-stop", "--tokenizer", "bytes"]].concat(),
+    );
+    assert!(from_json.status.success(), "{}", text(&from_json.stderr));
+    assert_eq!(text(&from_json.stdout), text(&run.stdout));
     let plain = dir.with_file_name("prompts.txt");
     std::fs::write(&plain, "40,33,48\nnot ids\n").unwrap();
     let args =

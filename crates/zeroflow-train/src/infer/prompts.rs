@@ -68,14 +68,17 @@ fn render(
     Ok(tokenizer.encode_with_offsets(&rendered)?.ids)
 }
 
-/// The prompts of `path`: JSON lines where it ends in `.jsonl`, else lines of text
-/// ([`parse_prompts`]); an input error names the file and the line.
+/// The prompts of `path`: JSON lines where it is JSON Lines ([`zeroflow_data::input_kind`]: a
+/// `.jsonl`, or a `.json` of one object per line), else lines of text ([`parse_prompts`]); an
+/// input error names the file and the line, or says why the file is neither.
 pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>> {
+    let kind = zeroflow_data::input_kind(path)
+        .map_err(|reason| input(format!("--prompts {}: {reason}", path.display())))?;
     let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
         what: format!("read {} (the prompts file)", path.display()),
         source,
     })?;
-    let jsonl = path.extension().is_some_and(|ext| ext == "jsonl");
+    let jsonl = kind == zeroflow_data::InputKind::JsonLines;
     let prompts = parse_prompts(&text, jsonl)
         .map_err(|e| input(format!("--prompts {}: {e}", path.display())))?;
     if prompts.is_empty() {
