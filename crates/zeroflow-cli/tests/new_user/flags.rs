@@ -91,7 +91,12 @@ fn weight_decay_fills_the_optimizer_and_changes_the_training() {
     ];
     let losses = |decay: &str| {
         let out = dir.join(decay);
-        train_ok(&[&base[..], &["--weight-decay", decay, "--out", out.to_str().unwrap()]].concat());
+        let run = train_ok(
+            &[&base[..], &["--weight-decay", decay, "--out", out.to_str().unwrap()]].concat(),
+        );
+        // Said where it decays: the 1-D parameters (norms, biases) take none.
+        let said = text(&run.stderr).contains("not on the");
+        assert_eq!(said, decay != "0", "{}", text(&run.stderr));
         let summary = read_json(&out.join("summary.json"));
         let used = summary["config"]["optimizer"]["params"]["weight_decay"].as_f64();
         assert_eq!(used, Some(decay.parse().unwrap()), "{summary}");
