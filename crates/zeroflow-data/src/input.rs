@@ -63,6 +63,21 @@ pub fn json_lines_in(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
     Ok(files)
 }
 
+/// The files of `files` (a directory's) named as a held-out split — a word of the name `test`,
+/// `val`, `valid`, `validation`, `eval` or `dev` (`test.jsonl`, `fineweb_val_000000.bin`) —
+/// where others beside them are not: a directory that mixes a training split with held-out
+/// ones, which read whole would train on the held-out data. Empty otherwise.
+pub fn held_out_splits(files: &[std::path::PathBuf]) -> Vec<&std::path::PathBuf> {
+    const HELD_OUT: [&str; 6] = ["test", "val", "valid", "validation", "eval", "dev"];
+    let held_out = |path: &std::path::PathBuf| {
+        let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let stem = stem.to_ascii_lowercase();
+        stem.split(|c: char| !c.is_ascii_alphanumeric()).any(|word| HELD_OUT.contains(&word))
+    };
+    let named: Vec<_> = files.iter().filter(|path| held_out(path)).collect();
+    if named.len() == files.len() { Vec::new() } else { named }
+}
+
 /// Why a file of this extension and first bytes is not read, where it is not.
 fn refused(extension: &str, head: &[u8]) -> Option<String> {
     let signature = |magic: &[u8]| head.starts_with(magic);
@@ -150,6 +165,22 @@ mod tests {
         assert_eq!(kind_of("train.json", lines), Ok(InputKind::JsonLines));
         assert_eq!(kind_of("empty.jsonl", b""), Ok(InputKind::JsonLines));
         assert_eq!(kind_of("empty.txt", b""), Ok(InputKind::Text));
+    }
+
+    #[test]
+    fn held_out_splits_beside_a_training_split_are_found_by_name() {
+        let paths = |names: &[&str]| names.iter().map(std::path::PathBuf::from).collect::<Vec<_>>();
+        let found = |names: &[&str]| -> Vec<String> {
+            let files = paths(names);
+            held_out_splits(&files).iter().map(|p| p.display().to_string()).collect()
+        };
+        let llm_c = ["fineweb_train_000001.bin", "fineweb_val_000000.bin"];
+        assert_eq!(found(&llm_c), ["fineweb_val_000000.bin"]);
+        let splits = ["d/train.jsonl", "d/test.jsonl", "d/Validation-00000.json", "d/dev.jsonl"];
+        assert_eq!(found(&splits), ["d/test.jsonl", "d/Validation-00000.json", "d/dev.jsonl"]);
+        // Words, not parts of words; and a directory of held-out files alone is what was asked.
+        assert!(found(&["latest.jsonl", "contest.jsonl", "evaluate_me.jsonl"]).is_empty());
+        assert!(found(&["test-0.jsonl", "test-1.jsonl"]).is_empty());
     }
 
     #[test]

@@ -78,8 +78,10 @@ impl Spec {
             let lines = zeroflow_data::json_lines_in(path)
                 .map_err(|e| input(format!("--data {data}: cannot read the directory: {e}")))?;
             if shards.is_empty() && !lines.is_empty() {
+                refuse_held_out(data, &lines)?;
                 return records(lines);
             }
+            refuse_held_out(data, &shards)?;
             shards
         } else if path.is_file() && path.metadata().is_ok_and(|m| m.len() == 0) {
             return Err(input(format!("--data {data}: the file is empty; {what_to_do}")));
@@ -121,6 +123,36 @@ impl Spec {
             Spec::Text(_) => 256,
         }
     }
+}
+
+/// An input error where the files of the directory `data` mix a training split with held-out
+/// ones ([`zeroflow_data::held_out_splits`]): read whole, it would train on them.
+fn refuse_held_out(data: &str, files: &[PathBuf]) -> Result<()> {
+    let held_out = zeroflow_data::held_out_splits(files);
+    let Some(first) = held_out.first() else { return Ok(()) };
+    let names: Vec<String> = held_out
+        .iter()
+        .take(3)
+        .map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned())
+        .collect();
+    let more = if held_out.len() > 3 {
+        format!(" and {} more", held_out.len() - 3)
+    } else {
+        String::new()
+    };
+    Err(input(format!(
+        "--data {data}: the directory holds held-out splits beside the training data ({}{more}), \
+         which it would train on; give the training files (a glob such as {}) and the held-out \
+         ones as --eval-data",
+        names.join(", "),
+        Path::new(data).join(glob_hint(first)).display()
+    )))
+}
+
+/// A glob of a directory's training files, after the name of one of its held-out ones.
+fn glob_hint(held_out: &Path) -> String {
+    let extension = held_out.extension().and_then(|e| e.to_str()).unwrap_or("jsonl");
+    format!("*train*.{extension}")
 }
 
 /// Files of text or JSON Lines, in order, each by its [`zeroflow_data::input_kind`]: JSON Lines
@@ -487,8 +519,8 @@ mod tests {
     }
 
     /// JSON Lines named `.json` (as `datasets`' `to_json` writes them) are read as JSON Lines,
-    /// alone or in a directory (where other `.json` files are metadata, left out); a dataset of
-    /// Parquet or Arrow files, a JSON array and a
+    /// alone or in a directory (where other `.json` files are metadata, left out); a directory
+    /// that holds held-out splits beside the training one, a dataset of Parquet or Arrow files, a JSON array and a
     /// compressed file are refused naming the file and what to do, never read as text.
     #[test]
     fn json_lines_named_json_are_read_and_tables_arrays_and_archives_refused() {
@@ -522,6 +554,22 @@ mod tests {
         refused(&hub.join("*.arrow"), "data-00000-of-00001.arrow", "from_file('IN').to_json");
         refused(&dir.join("alpaca.json"), "alpaca.json", "a JSON array");
         refused(&dir.join("train.txt.gz"), "train.txt.gz", "gzip-compressed");
+        // Splits side by side (datasets' to_json per split, llm.c's fineweb_train_/fineweb_val_
+        // shards): the directory is refused, a glob of the training files is not.
+        let (splits, llm_c) = (dir.join("splits"), dir.join("llm_c"));
+        for (folder, name) in [
+            (&splits, "train.jsonl"),
+            (&splits, "test.jsonl"),
+            (&llm_c, "fineweb_train_000001.bin"),
+            (&llm_c, "fineweb_val_000000.bin"),
+        ] {
+            std::fs::create_dir_all(folder).unwrap();
+            std::fs::write(folder.join(name), "{\"text\": \"x\"}\n").unwrap();
+        }
+        refused(&splits, "test.jsonl", "*train*.jsonl");
+        refused(&llm_c, "fineweb_val_000000.bin", "as --eval-data");
+        let train = vec![splits.join("train.jsonl")];
+        assert_eq!(parse(&splits.join("*train*.jsonl")).unwrap(), Spec::Jsonl(train));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

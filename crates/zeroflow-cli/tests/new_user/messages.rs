@@ -113,7 +113,7 @@ fn a_parquet_file_or_a_json_array_is_refused_not_trained_on_as_text() {
 
 /// `tokenize DIR` reads the directory's JSON Lines files in name order (it was "Is a directory";
 /// a `.json` of metadata is left out), the same shards as the files listed; a directory without
-/// any is refused saying so.
+/// any, or with a held-out split beside them, is refused saying so.
 #[test]
 fn tokenize_reads_a_directory_as_its_json_lines_files() {
     let dir = scratch("tokenize_directory");
@@ -139,6 +139,11 @@ fn tokenize_reads_a_directory_as_its_json_lines_files() {
     let args = ["tokenize", "--tokenizer", "bytes", empty.to_str().unwrap(), "--out"];
     let stderr = fails_cleanly(&[&args[..], &[out.to_str().unwrap()]].concat());
     assert!(stderr.contains("a directory without JSON Lines files"), "{stderr}");
+    // A training split beside a held-out one: refused, not tokenized together.
+    std::fs::write(data.join("test.jsonl"), "{\"text\": \"held out\"}\n").unwrap();
+    let args = ["tokenize", "--tokenizer", "bytes", data.to_str().unwrap(), "--out"];
+    let stderr = fails_cleanly(&[&args[..], &[out.to_str().unwrap()]].concat());
+    assert!(stderr.contains("held-out splits") && stderr.contains("test.jsonl"), "{stderr}");
 }
 
 /// Regression: an unreadable `--config` printed its path twice (`config X: X: cannot read`).
