@@ -64,6 +64,13 @@ impl ParamView {
         (outer, slices, self.shape[axis + 1..].iter().product())
     }
 
+    /// Whether AdamW's weight decay applies to it: to matrices and embeddings, not to the 1-D
+    /// parameters (norms' weights, biases), as `transformers`' `Trainer`, nanoGPT, llm.c and
+    /// Megatron-LM leave those out.
+    pub fn takes_weight_decay(&self) -> bool {
+        self.shape.len() >= 2
+    }
+
     /// The elements of the flat buffer that hold this parameter.
     pub fn flat_range(&self) -> Range<usize> {
         self.offset..self.offset + self.numel()

@@ -42,32 +42,61 @@ pub fn input_kind(path: &Path) -> Result<InputKind, String> {
     }
 }
 
-/// The JSON Lines files of the directory `dir`, in name order: its `.jsonl` and `.ndjson`
-/// files, and its `.json` files that are JSON Lines (others, such as the `dataset_info.json` of
-/// a saved dataset, are metadata: left out).
+/// The JSON Lines files of the directory `dir`, in name order ([`json_lines_of`] its files).
 pub fn json_lines_in(dir: &Path) -> std::io::Result<Vec<std::path::PathBuf>> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
+        files.push(entry?.path());
+    }
+    files.sort();
+    Ok(json_lines_of(&files))
+}
+
+/// The JSON Lines files of `files` (a directory's), in their order: the `.jsonl` and `.ndjson`
+/// files, and the `.json` files that are JSON Lines (others, such as the `dataset_info.json` of
+/// a saved dataset, are metadata: left out).
+pub fn json_lines_of(files: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
+    let lines = |path: &&std::path::PathBuf| {
         let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default();
         let lines = match extension.to_ascii_lowercase().as_str() {
             "jsonl" | "ndjson" => true,
-            "json" => input_kind(&path) == Ok(InputKind::JsonLines),
+            "json" => input_kind(path) == Ok(InputKind::JsonLines),
             _ => false,
         };
-        if lines && path.is_file() {
-            files.push(path);
-        }
-    }
-    files.sort();
-    Ok(files)
+        lines && path.is_file()
+    };
+    files.iter().filter(lines).cloned().collect()
+}
+
+/// Why the directory `dir`, whose files are `files`, is not read whole, where it mixes a
+/// training split with held-out ones ([`held_out_splits`]): a sentence that names them and ends
+/// with the glob of the training files to give instead (for the caller to go on from).
+pub fn held_out_refusal(dir: &Path, files: &[std::path::PathBuf]) -> Option<String> {
+    let held_out = held_out_splits(files);
+    let first = held_out.first()?;
+    let names: Vec<String> = held_out
+        .iter()
+        .take(3)
+        .map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned())
+        .collect();
+    let more = match held_out.len() {
+        n if n > 3 => format!(" and {} more", n - 3),
+        _ => String::new(),
+    };
+    let extension = first.extension().and_then(|e| e.to_str()).unwrap_or("jsonl");
+    Some(format!(
+        "the directory holds held-out splits beside the training data ({}{more}), which it \
+         would train on; give the training files (a glob such as {})",
+        names.join(", "),
+        dir.join(format!("*train*.{extension}")).display()
+    ))
 }
 
 /// The files of `files` (a directory's) named as a held-out split — a word of the name `test`,
 /// `val`, `valid`, `validation`, `eval` or `dev` (`test.jsonl`, `fineweb_val_000000.bin`) —
 /// where others beside them are not: a directory that mixes a training split with held-out
 /// ones, which read whole would train on the held-out data. Empty otherwise.
-pub fn held_out_splits(files: &[std::path::PathBuf]) -> Vec<&std::path::PathBuf> {
+fn held_out_splits(files: &[std::path::PathBuf]) -> Vec<&std::path::PathBuf> {
     const HELD_OUT: [&str; 6] = ["test", "val", "valid", "validation", "eval", "dev"];
     let held_out = |path: &std::path::PathBuf| {
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();

@@ -29,7 +29,7 @@ pub use corpus::{
     TokenizeSummary, count, describe_setup, encode_text_file, tokenize_corpus,
 };
 pub use eval::{eval_batches, eval_windows};
-pub use input::{InputKind, held_out_splits, input_kind, json_lines_in};
+pub use input::{InputKind, held_out_refusal, input_kind, json_lines_in, json_lines_of};
 pub use loader::{
     Batch, DataLoader, DataPosition, IGNORE_TARGET, Source, Unit, apply_mask, document_positions,
     index_path, mask_path, read_document_starts, read_unit,

@@ -35,16 +35,9 @@ impl<D: DeviceAdamW> DeviceAdamState<D> {
         out: &D::Buffer<P>,
         out_offset: usize,
     ) -> Result<(), DeviceError> {
-        let without = step.without_weight_decay();
-        // Without weight decay every element is stepped alike: one launch.
-        let runs = match step.decays() {
-            true => self.no_decay.runs(range.clone()),
-            false => vec![(range.clone(), true)],
-        };
-        for (run, decays) in runs {
+        for (run, step) in self.no_decay.steps(step, range.clone()) {
             let at = out_offset + (run.start - range.start);
-            let step = if decays { step } else { &without };
-            device.adamw(stream, step, self, run, grads, out, at)?;
+            device.adamw(stream, &step, self, run, grads, out, at)?;
         }
         Ok(())
     }

@@ -278,33 +278,47 @@ impl Reference {
             _ => 1.0,
         };
         let step: AdamWStep = self.adamw.next_step(coef as f32);
-        // Every element stepped with the step's weight decay and without, and each kept as its
-        // parameter takes it: 1-D parameters take none.
-        let stepped = |step: &AdamWStep| {
-            let (mut master, mut exp_avg, mut exp_avg_sq) =
-                (self.master.clone(), self.exp_avg.clone(), self.exp_avg_sq.clone());
-            let state = AdamState {
-                params: &mut master,
-                exp_avg: &mut exp_avg,
-                exp_avg_sq: &mut exp_avg_sq,
-            };
-            self.adam
-                .step(step, state, Grads::F32(&mean), Output::MasterOnly)
-                .expect("the reference's buffers have equal lengths");
-            [master, exp_avg, exp_avg_sq]
-        };
-        let (decayed, undecayed) = (stepped(&step), stepped(&step.without_weight_decay()));
-        let mut one_d = vec![false; n];
-        for param in self.layout.params().iter().filter(|p| p.shape.len() < 2) {
-            one_d[param.flat_range()].fill(true);
-        }
-        let pick = |k: usize, i: usize| if one_d[i] { undecayed[k][i] } else { decayed[k][i] };
-        for i in 0..n {
-            (self.master[i], self.exp_avg[i], self.exp_avg_sq[i]) =
-                (pick(0, i), pick(1, i), pick(2, i));
-        }
+        let no_decay = one_d_elements(&self.layout);
+        let state = [&mut self.master, &mut self.exp_avg, &mut self.exp_avg_sq];
+        adamw_each(&self.adam, &step, state, &mean, &no_decay);
         self.steps += 1;
         norm
+    }
+}
+
+/// Whether each element of `layout` belongs to a 1-D parameter, which takes no weight decay
+/// (the references' own reading of the rule, apart from the engine's).
+pub fn one_d_elements(layout: &FlatLayout) -> Vec<bool> {
+    let mut one_d = vec![false; layout.padded_len()];
+    for param in layout.params().iter().filter(|p| p.shape.len() < 2) {
+        one_d[param.flat_range()].fill(true);
+    }
+    one_d
+}
+
+/// One AdamW `step` of the state `[master, exp_avg, exp_avg_sq]` with `grads`, element `i`
+/// without weight decay where `no_decay[i]`: the whole state stepped both ways, each element
+/// kept from one (the references' way, apart from the engine's runs).
+pub fn adamw_each(
+    adam: &CpuAdam,
+    step: &AdamWStep,
+    state: [&mut Vec<f32>; 3],
+    grads: &[f32],
+    no_decay: &[bool],
+) {
+    let stepped = |step: &AdamWStep| {
+        let [mut master, mut exp_avg, mut exp_avg_sq] = state.each_ref().map(|v| v.to_vec());
+        let view =
+            AdamState { params: &mut master, exp_avg: &mut exp_avg, exp_avg_sq: &mut exp_avg_sq };
+        adam.step(step, view, Grads::F32(grads), Output::MasterOnly)
+            .expect("the reference's buffers have equal lengths");
+        [master, exp_avg, exp_avg_sq]
+    };
+    let (decayed, undecayed) = (stepped(step), stepped(&step.without_weight_decay()));
+    for (k, values) in state.into_iter().enumerate() {
+        for (i, value) in values.iter_mut().enumerate() {
+            *value = if no_decay[i] { undecayed[k][i] } else { decayed[k][i] };
+        }
     }
 }
 

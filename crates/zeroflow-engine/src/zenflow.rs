@@ -122,6 +122,8 @@ pub(crate) struct MatrixParam {
     k: usize,
     /// This rank's elements of it, counted from `start`.
     owned: Range<usize>,
+    /// Whether AdamW's weight decay applies to it ([`ParamView::takes_weight_decay`]).
+    decays: bool,
     /// Where its columns' importance goes in the model-wide importance vector (`None`: 1-D,
     /// always selected when anything is).
     importance_at: Option<usize>,
@@ -366,7 +368,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
                 self.indices.extend_from_slice(&in_block);
                 let start = m.start + first.0 * m.cols + first.1;
                 self.blocks.push(Block { start, rows, cols, index: index.clone(), compact });
-                if m.importance_at.is_none() {
+                if !m.decays {
                     no_decay.push(compact..compact + rows * index.len());
                 }
                 compact += rows * index.len();
@@ -509,6 +511,7 @@ fn matrices(layout: &FlatLayout, owned: &Range<usize>, ratio: f64) -> Vec<Matrix
             inner,
             k,
             owned,
+            decays: param.takes_weight_decay(),
             importance_at: at,
         });
     }

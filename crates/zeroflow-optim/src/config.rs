@@ -245,26 +245,51 @@ impl NoDecay {
     }
 
     /// `range` cut into consecutive runs, each with whether its elements decay.
-    pub fn runs(&self, range: std::ops::Range<usize>) -> Vec<(std::ops::Range<usize>, bool)> {
-        let mut runs = Vec::new();
-        if range.is_empty() {
-            return runs;
-        }
-        let mut at = range.start;
-        let first = self.0.partition_point(|r| r.end <= range.start);
-        for r in self.0[first..].iter().take_while(|r| r.start < range.end) {
-            let (start, end) = (r.start.max(at), r.end.min(range.end));
-            if at < start {
-                runs.push((at..start, true));
-            }
-            runs.push((start..end, false));
-            at = end;
-        }
-        if at < range.end {
-            runs.push((at..range.end, true));
-        }
-        runs
+    pub fn runs(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (std::ops::Range<usize>, bool)> + '_ {
+        runs(&self.0, range)
     }
+
+    /// `range` cut into consecutive runs, each with the step its elements take: `step`, or
+    /// [`AdamWStep::without_weight_decay`] for these ranges — one run where `step` does not decay.
+    pub fn steps(
+        &self,
+        step: &AdamWStep,
+        range: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (std::ops::Range<usize>, AdamWStep)> + '_ {
+        let (with, without) = (*step, step.without_weight_decay());
+        let ranges = if step.decays() { &self.0[..] } else { &[] };
+        runs(ranges, range).map(move |(run, decays)| (run, if decays { with } else { without }))
+    }
+}
+
+/// `range` cut into consecutive runs by the sorted, disjoint `ranges`: each run with whether it
+/// lies outside them.
+fn runs(
+    ranges: &[std::ops::Range<usize>],
+    range: std::ops::Range<usize>,
+) -> impl Iterator<Item = (std::ops::Range<usize>, bool)> + '_ {
+    let first = ranges.partition_point(|r| r.end <= range.start);
+    let mut inside = ranges[first..].iter().take_while(move |r| r.start < range.end).peekable();
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        if at >= range.end {
+            return None;
+        }
+        let run = match inside.peek() {
+            Some(r) if r.start > at => (at..r.start, true),
+            Some(r) => {
+                let end = r.end.min(range.end);
+                inside.next();
+                (at..end, false)
+            }
+            None => (at..range.end, true),
+        };
+        at = run.0.end;
+        Some(run)
+    })
 }
 
 #[cfg(test)]
@@ -276,7 +301,7 @@ mod no_decay_tests {
         let no_decay = NoDecay::new(vec![20..25, 5..8, 8..10, 3..3, 30..40]);
         assert_eq!(no_decay.ranges(), [5..10, 20..25, 30..40]);
         assert_eq!(
-            no_decay.runs(0..35),
+            no_decay.runs(0..35).collect::<Vec<_>>(),
             [
                 (0..5, true),
                 (5..10, false),
@@ -286,10 +311,10 @@ mod no_decay_tests {
                 (30..35, false)
             ]
         );
-        assert_eq!(no_decay.runs(6..7), [(6..7, false)]);
-        assert_eq!(no_decay.runs(11..19), [(11..19, true)]);
-        assert_eq!(no_decay.runs(22..22), []);
-        assert_eq!(NoDecay::default().runs(3..9), [(3..9, true)]);
+        assert_eq!(no_decay.runs(6..7).collect::<Vec<_>>(), [(6..7, false)]);
+        assert_eq!(no_decay.runs(11..19).collect::<Vec<_>>(), [(11..19, true)]);
+        assert_eq!(no_decay.runs(22..22).collect::<Vec<_>>(), []);
+        assert_eq!(NoDecay::default().runs(3..9).collect::<Vec<_>>(), [(3..9, true)]);
         assert_eq!(no_decay.within(8..32).ranges(), [0..2, 12..17, 22..24]);
     }
 }

@@ -269,16 +269,10 @@ impl CpuAdam {
         let (level, copy_stores) = (self.level, self.copy_stores);
         let seeds = MomentSeeds::of_step(step.step());
         let key = self.rounding_offset;
-        let without = step.without_weight_decay();
-        // Without weight decay every element is stepped alike: one run.
-        let runs = match step.decays() {
-            true => self.no_decay.runs(range),
-            false => vec![(range, true)],
-        };
-        for (run, decays) in runs {
+        for (run, step) in self.no_decay.steps(step, range) {
             let (head, rest) = piece.split_at(run.len());
             piece = rest;
-            let scalars = if decays { &step.scalars } else { &without.scalars };
+            let scalars = &step.scalars;
             self.run(head, run.start, &|piece, offset| {
                 kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
             });

@@ -75,11 +75,12 @@ impl Spec {
                 records(vec![table.clone()])?;
             }
             // A directory of JSON Lines files (a dataset in several) and no shards.
-            let lines = zeroflow_data::json_lines_in(path)
-                .map_err(|e| input(format!("--data {data}: cannot read the directory: {e}")))?;
-            if shards.is_empty() && !lines.is_empty() {
-                refuse_held_out(data, &lines)?;
-                return records(lines);
+            if shards.is_empty() {
+                let lines = zeroflow_data::json_lines_of(&files);
+                if !lines.is_empty() {
+                    refuse_held_out(data, &lines)?;
+                    return records(lines);
+                }
             }
             refuse_held_out(data, &shards)?;
             shards
@@ -126,33 +127,14 @@ impl Spec {
 }
 
 /// An input error where the files of the directory `data` mix a training split with held-out
-/// ones ([`zeroflow_data::held_out_splits`]): read whole, it would train on them.
+/// ones ([`zeroflow_data::held_out_refusal`]): read whole, it would train on them.
 fn refuse_held_out(data: &str, files: &[PathBuf]) -> Result<()> {
-    let held_out = zeroflow_data::held_out_splits(files);
-    let Some(first) = held_out.first() else { return Ok(()) };
-    let names: Vec<String> = held_out
-        .iter()
-        .take(3)
-        .map(|p| p.file_name().unwrap_or_default().to_string_lossy().into_owned())
-        .collect();
-    let more = if held_out.len() > 3 {
-        format!(" and {} more", held_out.len() - 3)
-    } else {
-        String::new()
-    };
-    Err(input(format!(
-        "--data {data}: the directory holds held-out splits beside the training data ({}{more}), \
-         which it would train on; give the training files (a glob such as {}) and the held-out \
-         ones as --eval-data",
-        names.join(", "),
-        Path::new(data).join(glob_hint(first)).display()
-    )))
-}
-
-/// A glob of a directory's training files, after the name of one of its held-out ones.
-fn glob_hint(held_out: &Path) -> String {
-    let extension = held_out.extension().and_then(|e| e.to_str()).unwrap_or("jsonl");
-    format!("*train*.{extension}")
+    match zeroflow_data::held_out_refusal(Path::new(data), files) {
+        Some(reason) => {
+            Err(input(format!("--data {data}: {reason} and the held-out ones as --eval-data")))
+        }
+        None => Ok(()),
+    }
 }
 
 /// Files of text or JSON Lines, in order, each by its [`zeroflow_data::input_kind`]: JSON Lines

@@ -497,7 +497,7 @@ fn log_start(setup: &Setup, model: &impl Family) {
     if decay > 0.0
         && let Ok(layout) = model.flat_layout(1)
     {
-        let one_d = layout.params().iter().filter(|p| p.shape.len() < 2);
+        let one_d = layout.params().iter().filter(|p| !p.takes_weight_decay());
         let (count, elements) = one_d.fold((0, 0), |(n, e), p| (n + 1, e + p.flat_range().len()));
         tracing::info!(
             "weight decay {decay} on the 2-D parameters; not on the {count} 1-D ones (norms' \

@@ -99,14 +99,9 @@ fn expand_directories(inputs: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
                 input.display()
             )));
         }
-        let held_out = zeroflow_data::held_out_splits(&files);
-        if let Some(first) = held_out.first() {
-            return Err(InputError::from_display(format!(
-                "{}: the directory holds held-out splits beside the training data ({} …); give \
-                 the files to tokenize",
-                input.display(),
-                first.display()
-            )));
+        if let Some(reason) = zeroflow_data::held_out_refusal(input, &files) {
+            let what = format!("{}: {reason} to tokenize", input.display());
+            return Err(InputError::from_display(what));
         }
         expanded.extend(files);
     }

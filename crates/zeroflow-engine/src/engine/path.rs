@@ -60,19 +60,12 @@ use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
 use crate::{EngineError, EngineOptions, OffloadUpdate, Placement, ZenFlowAside};
 
-/// The elements of the partition `owned` of `layout` that take no weight decay, counted from
-/// its start: those of its 1-D parameters (norms' weights and biases), as `transformers`'
-/// `Trainer`, nanoGPT, llm.c and Megatron-LM leave them out.
+/// The elements of the partition `owned` of `layout` that take no weight decay
+/// ([`ParamView::takes_weight_decay`](zeroflow_core::layout::ParamView::takes_weight_decay)),
+/// counted from its start.
 pub(crate) fn no_decay(layout: &FlatLayout, owned: &Range<usize>) -> NoDecay {
-    NoDecay::new(
-        layout
-            .params()
-            .iter()
-            .filter(|param| param.shape.len() < 2)
-            .map(|param| param.flat_range())
-            .collect(),
-    )
-    .within(owned.clone())
+    let params = layout.params().iter().filter(|param| !param.takes_weight_decay());
+    NoDecay::new(params.map(|param| param.flat_range()).collect()).within(owned.clone())
 }
 
 /// A backward's sink and the step left for its forward to open ([`UpdatePath::sink_or_open`]).

@@ -331,16 +331,6 @@ fn check_resume(run: &Setup, resumed_stage: Stage) -> Resume<f32> {
 
 /// ZenFlow on the host, one rank, written from DESIGN.md §6 and `zenflow.rs`'s rules, element by
 /// element: the oracle for the engine's mixed runs.
-/// Whether each element of the single-rank layout belongs to a 1-D parameter (no weight decay).
-fn one_d_elements() -> Vec<bool> {
-    let single = layout(1);
-    let mut one_d = vec![false; single.padded_len()];
-    for p in single.params().iter().filter(|p| p.shape.len() < 2) {
-        one_d[p.flat_range()].fill(true);
-    }
-    one_d
-}
-
 struct ZenFlowReference {
     ratio: f64,
     select_interval: u64,
@@ -462,9 +452,11 @@ impl ZenFlowReference {
         let mut compact: [Vec<f32>; 3] =
             std::array::from_fn(|s| chosen.iter().map(|&i| self.device[s][i]).collect());
         let compact_grads: Vec<f32> = chosen.iter().map(|&i| grads[i]).collect();
-        let one_d = one_d_elements();
+        let one_d = synthetic::one_d_elements(&layout(1));
         let compact_one_d: Vec<bool> = chosen.iter().map(|&i| one_d[i]).collect();
-        self.adam_each(&step, &mut compact, &compact_grads, &compact_one_d);
+        let [params, exp_avg, exp_avg_sq] = &mut compact;
+        let state = [params, exp_avg, exp_avg_sq];
+        synthetic::adamw_each(&self.adam, &step, state, &compact_grads, &compact_one_d);
         for (j, &i) in chosen.iter().enumerate() {
             (0..3).for_each(|s| self.device[s][i] = compact[s][j]);
             self.weights[i] = self.device[0][i];
@@ -482,9 +474,9 @@ impl ZenFlowReference {
             self.clip_scale(sum, self.update_interval as f64)
         };
         let cpu_step = self.cpu_adamw.next_step(cpu_scale);
-        let mut host = std::mem::take(&mut self.host);
-        self.adam_each(&cpu_step, &mut host, &self.acc.clone(), &one_d);
-        self.host = host;
+        let [params, exp_avg, exp_avg_sq] = &mut self.host;
+        let state = [params, exp_avg, exp_avg_sq];
+        synthetic::adamw_each(&self.adam, &cpu_step, state, &self.acc, &one_d);
         let result = self.host[0].clone();
         match self.overlap {
             true => {
@@ -495,34 +487,6 @@ impl ZenFlowReference {
             false => self.apply(&result),
         }
         self.acc.fill(0.0);
-    }
-
-    /// One AdamW `step` of `state` with `grads`, element `i` without weight decay where
-    /// `one_d[i]` (an element of a 1-D parameter): both steps taken, each element kept from one.
-    fn adam_each(
-        &self,
-        step: &zeroflow_optim::AdamWStep,
-        state: &mut [Vec<f32>; 3],
-        grads: &[f32],
-        one_d: &[bool],
-    ) {
-        let stepped = |step: &zeroflow_optim::AdamWStep| {
-            let [mut params, mut exp_avg, mut exp_avg_sq] = state.clone();
-            let view = zeroflow_optim::AdamState {
-                params: &mut params,
-                exp_avg: &mut exp_avg,
-                exp_avg_sq: &mut exp_avg_sq,
-            };
-            let (grads, out) =
-                (zeroflow_optim::Grads::F32(grads), zeroflow_optim::Output::MasterOnly);
-            self.adam.step(step, view, grads, out).unwrap();
-            [params, exp_avg, exp_avg_sq]
-        };
-        let (decayed, undecayed) = (stepped(step), stepped(&step.without_weight_decay()));
-        for (i, &no_decay) in one_d.iter().enumerate() {
-            let from = if no_decay { &undecayed } else { &decayed };
-            (0..3).for_each(|s| state[s][i] = from[s][i]);
-        }
     }
 
     /// The weights after `steps` steps, any pending CPU result applied.

@@ -224,6 +224,12 @@ impl HostModel {
         }
     }
 
+    /// This model, its completions ending at `tokens` too ([`HostModel::also_stop_at`]).
+    fn stopping_at(mut self, tokens: Vec<u32>) -> HostModel {
+        tokens.into_iter().for_each(|token| self.also_stop_at(token));
+        self
+    }
+
     /// Its vocabulary: the token ids it reads are below this.
     pub fn vocab_size(&self) -> usize {
         match &self.weights {

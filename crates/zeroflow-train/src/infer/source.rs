@@ -82,8 +82,8 @@ impl HostModel {
     /// as bf16 as they are uploaded, the stored values rounded as f32 ones would be).
     pub fn open_hf(dir: &Path, dtype: DType) -> Result<HostModel> {
         let json = read_config(&dir.join("config.json"))?;
-        let mut end_of_text = zeroflow_hf::eos_token_ids(&json);
-        generation_stops(dir, &mut end_of_text)?;
+        let end_of_text = zeroflow_hf::eos_token_ids(&json);
+        let stops = generation_stops(dir)?;
         let gpt2 = json["architectures"].get(0).and_then(|a| a.as_str()) == Some("GPT2LMHeadModel")
             || json["model_type"].as_str() == Some("gpt2");
         let weights = if gpt2 {
@@ -109,7 +109,7 @@ impl HostModel {
             };
             Weights::Llama { config: hf.config, layout, params }
         };
-        Ok(HostModel { weights, end_of_text })
+        Ok(HostModel { weights, end_of_text }.stopping_at(stops))
     }
 
     /// The model of the checkpoint `dir` (what `zeroflow train` saves): the family and shape of
@@ -122,13 +122,13 @@ impl HostModel {
         let checkpoint = export::read_checkpoint(dir)?;
         let mut end_of_text =
             zeroflow_hf::eos_token_ids(&with_family!(&checkpoint.model, f => f.hf_config()));
-        if let Some(init_from) = checkpoint.init_from.as_ref().filter(|d| d.is_dir())
-            && end_of_text.is_empty()
-        {
-            end_of_text = zeroflow_hf::eos_token_ids(&read_config(&init_from.join("config.json"))?);
-        }
-        if let Some(init_from) = checkpoint.init_from.as_ref().filter(|d| d.is_dir()) {
-            generation_stops(init_from, &mut end_of_text)?;
+        let mut stops = Vec::new();
+        if let Some(init_from) = checkpoint.init_from.as_deref().filter(|d| d.is_dir()) {
+            if end_of_text.is_empty() {
+                let config = read_config(&init_from.join("config.json"))?;
+                end_of_text = zeroflow_hf::eos_token_ids(&config);
+            }
+            stops = generation_stops(init_from)?;
         }
         let layout = checkpoint.model.flat_layout(1)?;
         let tensors = checkpoint.model.tensors(&layout)?;
@@ -143,7 +143,7 @@ impl HostModel {
             ModelSpec::Gpt2(config) => Weights::Gpt { config: *config, layout, params },
             ModelSpec::Llama(spec) => Weights::Llama { config: spec.0.clone(), layout, params },
         };
-        Ok(HostModel { weights, end_of_text })
+        Ok(HostModel { weights, end_of_text }.stopping_at(stops))
     }
 }
 
@@ -166,17 +166,13 @@ fn read_config(path: &Path) -> Result<serde_json::Value> {
     serde_json::from_str(&text).map_err(|e| input(format!("{}: not JSON: {e}", path.display())))
 }
 
-/// Adds to `end_of_text` the ids of the `eos_token_id` of the model directory `dir`'s
-/// `generation_config.json`, where it has one: `transformers`' `generate` stops at them (an
-/// instruct model's end of a turn among them, Llama-3's `<|eot_id|>`), as generation here does.
-fn generation_stops(dir: &Path, end_of_text: &mut Vec<u32>) -> Result<()> {
+/// The ids of the `eos_token_id` of the model directory `dir`'s `generation_config.json`, where
+/// it has one: `transformers`' `generate` stops at them (an instruct model's end of a turn among
+/// them, Llama-3's `<|eot_id|>`), as generation here does.
+fn generation_stops(dir: &Path) -> Result<Vec<u32>> {
     let path = dir.join(zeroflow_hf::GENERATION_CONFIG_FILE);
-    if path.is_file() {
-        for id in zeroflow_hf::eos_token_ids(&read_config(&path)?) {
-            if !end_of_text.contains(&id) {
-                end_of_text.push(id);
-            }
-        }
+    match path.is_file() {
+        true => Ok(zeroflow_hf::eos_token_ids(&read_config(&path)?)),
+        false => Ok(Vec::new()),
     }
-    Ok(())
 }
