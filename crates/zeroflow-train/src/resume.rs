@@ -10,12 +10,51 @@ use crate::data_files::{self, DataFile};
 use crate::error::{Result, input};
 use crate::resume_point::ResumePoint;
 use crate::schedule::LrSchedule;
-use crate::setup::DEFAULT_STEPS;
+use crate::setup::{DEFAULT_STEPS, DeviceKind};
 
 /// The run's total of optimizer steps: `--steps`, else the checkpoint's run's own total when
 /// resuming, else [`DEFAULT_STEPS`].
 pub fn total_steps(flag: Option<u64>, resume: Option<&ResumePoint>) -> u64 {
     flag.or(resume.map(|point| point.extra.run.steps)).unwrap_or(DEFAULT_STEPS)
+}
+
+/// A run trained on a GPU computes in bf16, which the CPU device does not: resumed without
+/// `--device`, it would continue on the CPU in fp32 (its config re-resolved for the CPU), far
+/// slower, where the user most likely left the flag out. Refused, saying to add it; a
+/// `--device cpu` given on purpose goes on (the config's differences are warned about).
+pub fn check_device(point: &ResumePoint, device: DeviceKind, given: bool) -> Result<()> {
+    let saved = &point.extra.config;
+    let enabled = |key: &str| saved.pointer(&format!("/{key}/enabled")) == Some(&true.into());
+    let Some(precision) = ["bf16", "fp16"].into_iter().find(|key| enabled(key)) else {
+        return Ok(());
+    };
+    if device == DeviceKind::Cpu && !given {
+        return Err(input(format!(
+            "--resume {}: the checkpoint's run trained on a GPU (in {precision}); add --device \
+             cuda to continue it there (--device cpu continues it on the CPU)",
+            point.dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// A checkpoint from before the 1-D parameters were left out of weight decay, of a run with
+/// weight decay: from its next step on, the norms' weights and biases take none, so the run no
+/// longer continues exactly as the one that saved it would have. Said, not refused (the new rule
+/// is the one `transformers`' `Trainer` follows); the message, where there is one.
+pub fn weight_decay_rule_change(point: &ResumePoint, config: &Config) -> Option<String> {
+    let decay = config.optimizer.weight_decay;
+    if point.extra.decay_skips_1d || decay <= 0.0 {
+        return None;
+    }
+    Some(format!(
+        "--resume {}: the checkpoint was saved by a zeroflow whose weight decay ({decay}) also \
+         took the 1-D parameters (norms' weights, biases); from step {} on they take none, as in \
+         transformers' Trainer, so the run is no longer the exact continuation of the one that \
+         saved it",
+        point.dir.display(),
+        point.extra.step + 1
+    ))
 }
 
 /// A resumed run may change its total of steps, but not silently the learning-rate schedule the

@@ -66,6 +66,11 @@ pub struct Extra {
     /// written before they were recorded.
     #[serde(default)]
     pub settings: serde_json::Value,
+    /// Whether the run's weight decay leaves the 1-D parameters out
+    /// ([`zeroflow_core::layout::ParamView::takes_weight_decay`]), as every checkpoint since the
+    /// rule does; `false` in checkpoints from before it, whose runs decayed every parameter.
+    #[serde(default)]
+    pub decay_skips_1d: bool,
 }
 
 /// Where the learning-rate schedule is.

@@ -3,6 +3,7 @@
 //! against the flags and the device. `zeroflow config` with `train`'s flags therefore shows what
 //! `train` will use, value for value.
 
+use crate::setup::AutoValues;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::path::Path;
 
@@ -57,11 +58,13 @@ pub struct RunFlags<'a> {
     /// `--device`; `None` (only `zeroflow config` without `--device`): the precision is not
     /// checked against a device, and an `"auto"` precision stays fp32.
     pub device: Option<DeviceKind>,
-    pub micro_batch: Option<NonZeroU64>,
-    pub accum: Option<NonZeroU64>,
-    pub lr: Option<f64>,
-    pub warmup: Option<NonZeroU64>,
-    pub weight_decay: Option<f64>,
+    /// The flags that fill the config's `"auto"` values (`--micro-batch`, `--accum`, `--lr`,
+    /// `--warmup`, `--weight-decay`); each given one must agree with a value the file writes.
+    pub auto: AutoValues,
+    /// A resumed checkpoint's values of the same (its run's resolved config): they fill what
+    /// `auto` leaves unset, so that a run resumed with its own command continues with what its
+    /// flags set; unlike a flag, they yield to a value a `--config` file writes.
+    pub resumed: AutoValues,
     /// Optimizer steps of the run (fills `total_num_steps`; 5% of it is the default warm-up).
     pub steps: u64,
     pub world_size: usize,
@@ -102,19 +105,20 @@ pub fn resolve(flags: &RunFlags<'_>) -> Result<RunConfig> {
 /// against the flags and the device. `zeroflow config` calls [`check_flag_values`], this
 /// (reporting its errors as they are: `<json.path>: …`), then [`check`].
 pub fn resolve_unchecked(flags: &RunFlags<'_>) -> Result<RunConfig, ConfigError> {
+    let auto = flags.auto.or(flags.resumed);
     let overrides = Overrides {
         micro_batch_size_per_gpu: Some(
-            flags.micro_batch.unwrap_or(NonZeroU64::new(DEFAULT_MICRO_BATCH).expect("non-zero")),
+            auto.micro_batch.unwrap_or(NonZeroU64::new(DEFAULT_MICRO_BATCH).expect("non-zero")),
         ),
-        gradient_accumulation_steps: flags.accum,
-        lr: Some(flags.lr.unwrap_or(if flags.fine_tune {
+        gradient_accumulation_steps: auto.accum,
+        lr: Some(auto.lr.unwrap_or(if flags.fine_tune {
             DEFAULT_FINE_TUNE_LR
         } else {
             DEFAULT_LR
         })),
-        weight_decay: flags.weight_decay,
+        weight_decay: auto.weight_decay,
         total_num_steps: NonZeroU64::new(flags.steps),
-        warmup_num_steps: flags.warmup.or(NonZeroU64::new((flags.steps / 20).max(2))),
+        warmup_num_steps: auto.warmup.or(NonZeroU64::new((flags.steps / 20).max(2))),
         hidden_size: NonZeroU64::new(flags.hidden_size as u64),
         // As Hugging Face fills "auto" precisions from --bf16: the CUDA model computes in bf16.
         precision: flags.device.map(|device| match device {
@@ -169,17 +173,17 @@ pub fn check_flag_values(flags: &RunFlags<'_>) -> Result<()> {
     if u32::try_from(flags.world_size).is_err() || flags.world_size == 0 {
         return Err(input(format!("a job of {} ranks is not supported", flags.world_size)));
     }
-    if let Some(lr) = flags.lr
+    if let Some(lr) = flags.auto.lr
         && !(lr.is_finite() && lr > 0.0)
     {
         return Err(input(format!("--lr {lr}: the learning rate must be a positive number")));
     }
-    if let Some(decay) = flags.weight_decay
+    if let Some(decay) = flags.auto.weight_decay
         && !(decay.is_finite() && decay >= 0.0)
     {
         return Err(input(format!("--weight-decay {decay}: must be a number of at least 0")));
     }
-    if let Some(warmup) = flags.warmup
+    if let Some(warmup) = flags.auto.warmup
         && warmup.get() > flags.steps
     {
         return Err(input(format!(
@@ -225,27 +229,27 @@ fn check_flags_agree(flags: &RunFlags<'_>, config: &Config, name: &str) -> Resul
     let conflicts = [
         (
             "--micro-batch",
-            flags.micro_batch.map(|v| v.get() as f64),
+            flags.auto.micro_batch.map(|v| v.get() as f64),
             "train_micro_batch_size_per_gpu",
             Some(batch.micro_batch_size_per_gpu as f64),
         ),
         (
             "--accum",
-            flags.accum.map(|v| v.get() as f64),
+            flags.auto.accum.map(|v| v.get() as f64),
             "gradient_accumulation_steps",
             Some(batch.gradient_accumulation_steps as f64),
         ),
-        ("--lr", flags.lr, "optimizer.params.lr", Some(config.optimizer.lr)),
+        ("--lr", flags.auto.lr, "optimizer.params.lr", Some(config.optimizer.lr)),
         (
             "--weight-decay",
-            flags.weight_decay,
+            flags.auto.weight_decay,
             "optimizer.params.weight_decay",
             Some(config.optimizer.weight_decay),
         ),
         (
             "--warmup",
             // DeepSpeed raises a warm-up of 1 to 2.
-            flags.warmup.map(|v| v.get().max(2) as f64),
+            flags.auto.warmup.map(|v| v.get().max(2) as f64),
             "scheduler.params.warmup_num_steps",
             warmup,
         ),

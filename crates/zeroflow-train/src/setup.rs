@@ -38,13 +38,43 @@ pub enum DeviceKind {
 }
 
 /// The values that fill a config's `"auto"` entries (`None`: zeroflow's default).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AutoValues {
     pub micro_batch: Option<NonZeroU64>,
     pub accum: Option<NonZeroU64>,
     pub lr: Option<f64>,
     pub warmup: Option<NonZeroU64>,
     pub weight_decay: Option<f64>,
+}
+
+impl AutoValues {
+    /// Each of these values, else `other`'s.
+    pub fn or(self, other: AutoValues) -> AutoValues {
+        AutoValues {
+            micro_batch: self.micro_batch.or(other.micro_batch),
+            accum: self.accum.or(other.accum),
+            lr: self.lr.or(other.lr),
+            warmup: self.warmup.or(other.warmup),
+            weight_decay: self.weight_decay.or(other.weight_decay),
+        }
+    }
+
+    /// The values a resolved config `config` (a checkpoint's) gives them. Its warm-up is left
+    /// out where the schedule is re-planned on purpose (`extend_schedule`: the default warm-up is
+    /// then sized from the new total, as `--extend-schedule` says).
+    pub fn of_config(config: &serde_json::Value, extend_schedule: bool) -> AutoValues {
+        let number = |pointer: &str| config.pointer(pointer).and_then(serde_json::Value::as_u64);
+        let real = |pointer: &str| config.pointer(pointer).and_then(serde_json::Value::as_f64);
+        AutoValues {
+            micro_batch: number("/train_micro_batch_size_per_gpu").and_then(NonZeroU64::new),
+            accum: number("/gradient_accumulation_steps").and_then(NonZeroU64::new),
+            lr: real("/optimizer/params/lr"),
+            warmup: number("/scheduler/params/warmup_num_steps")
+                .and_then(NonZeroU64::new)
+                .filter(|_| !extend_schedule),
+            weight_decay: real("/optimizer/params/weight_decay"),
+        }
+    }
 }
 
 /// What a `train` command asks for: its flags, each as `zeroflow train --help` describes it.
@@ -54,6 +84,8 @@ pub struct TrainOptions {
     pub model: Option<String>,
     pub data: Option<String>,
     pub device: DeviceKind,
+    /// Whether `--device` was given (else `device` is the default, the CPU).
+    pub device_given: bool,
     pub gpu: Option<usize>,
     pub steps: Option<NonZeroU64>,
     pub extend_schedule: bool,
@@ -403,7 +435,7 @@ fn prepare(
         None => None,
     };
     if let Some(point) = &resume {
-        default_to_saved(args, &point.extra.config);
+        resume::check_device(point, args.device, args.device_given)?;
         args.eval_data = args.eval_data.take().or_else(|| point.extra.eval_data.clone());
         args.chat_template =
             args.chat_template.take().or_else(|| point.extra.chat_template.clone());
@@ -424,7 +456,12 @@ fn prepare(
         .as_ref()
         .filter(|point| point.extra.run.config_file.is_some())
         .map(|point| &point.extra.config);
-    let config = resolve_config(args, &model, steps, dist.world_size, saved_config)?;
+    // The resumed run's flags default to the checkpoint's values, so that the command that
+    // started a run, with `--resume latest` added, continues it.
+    let resumed = resume.as_ref().map_or_else(AutoValues::default, |point| {
+        AutoValues::of_config(&point.extra.config, args.extend_schedule)
+    });
+    let config = resolve_config(args, &model, steps, dist.world_size, saved_config, resumed)?;
     let config_file = args.config.clone().or_else(|| {
         saved_config?;
         resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
@@ -695,22 +732,6 @@ impl Start {
     }
 }
 
-/// When resuming, `--micro-batch`, `--accum` and `--lr` default to the checkpoint's values, so
-/// that the command that started a run, with `--resume latest` added, continues it.
-fn default_to_saved(args: &mut TrainOptions, saved: &serde_json::Value) {
-    let number = |key: &str| saved.get(key).and_then(serde_json::Value::as_u64);
-    args.auto.micro_batch = args
-        .auto
-        .micro_batch
-        .or_else(|| number("train_micro_batch_size_per_gpu").and_then(NonZeroU64::new));
-    args.auto.accum =
-        args.auto.accum.or_else(|| number("gradient_accumulation_steps").and_then(NonZeroU64::new));
-    args.auto.lr = args
-        .auto
-        .lr
-        .or_else(|| saved.pointer("/optimizer/params/lr").and_then(serde_json::Value::as_f64));
-}
-
 /// The `zeroflow.cpu_bind` of the config file, looked up before the config is resolved (binding
 /// comes before anything else); `None` where the file does not say or cannot be read (resolving
 /// it reports why).
@@ -783,6 +804,9 @@ fn resume_out(
         .map(|(key, _)| key.as_str())
         .collect();
     resume::check_schedule(point, config, steps, args.extend_schedule)?;
+    if let Some(change) = resume::weight_decay_rule_change(point, config) {
+        tracing::warn!("{change}");
+    }
     if !changed.is_empty() {
         tracing::warn!(
             "the config differs from the checkpoint's ({dir}) in {}; continuing with this run's",
@@ -800,16 +824,14 @@ fn resolve_config(
     steps: u64,
     world_size: usize,
     saved: Option<&serde_json::Value>,
+    resumed: AutoValues,
 ) -> Result<Config> {
     let flags = run_config::RunFlags {
         config_file: args.config.as_deref(),
         saved_config: saved,
         device: Some(args.device),
-        micro_batch: args.auto.micro_batch,
-        accum: args.auto.accum,
-        lr: args.auto.lr,
-        warmup: args.auto.warmup,
-        weight_decay: args.auto.weight_decay,
+        auto: args.auto,
+        resumed,
         steps,
         world_size,
         hidden_size: model.hidden_size(),
@@ -820,7 +842,8 @@ fn resolve_config(
         tracing::warn!("{name}: {warning}");
     }
     for auto_value in &resolved.auto_values {
-        if flags.fine_tune && flags.lr.is_none() && auto_value.path == "optimizer.params.lr" {
+        let lr_flag = flags.auto.lr.or(flags.resumed.lr);
+        if flags.fine_tune && lr_flag.is_none() && auto_value.path == "optimizer.params.lr" {
             tracing::info!(
                 "{name}: {auto_value} (the default for a model from --init-from; --lr sets it)"
             );

@@ -260,6 +260,7 @@ impl<M: Model> Trainer<M> {
             train_s: self.train_time.as_secs_f64(),
             wall_s: Some(self.wall_time().as_secs_f64()),
             settings: self.settings.to_json(),
+            decay_skips_1d: true,
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),

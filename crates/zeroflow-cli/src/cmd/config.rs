@@ -16,6 +16,7 @@ use crate::InputError;
 use crate::cmd::train::DEFAULT_STEPS;
 use crate::train::DeviceFlag;
 use zeroflow_train::run_config::{self, RunFlags};
+use zeroflow_train::setup::AutoValues;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -51,11 +52,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         config_file: Some(&args.file),
         saved_config: None,
         device: args.device.map(Into::into),
-        micro_batch: args.auto.micro_batch,
-        accum: args.auto.accum,
-        lr: args.auto.lr,
-        warmup: args.auto.warmup,
-        weight_decay: args.auto.weight_decay,
+        auto: args.auto.values(),
+        resumed: AutoValues::default(),
         steps: args.steps.get(),
         world_size: args.world_size.get() as usize,
         hidden_size: model.hidden_size(),

@@ -36,9 +36,10 @@ pub struct Args {
     /// without it text is read as bytes. Default: synthetic (with --resume: the checkpoint's).
     #[arg(long, value_name = "synthetic|PATH")]
     pub data: Option<String>,
-    /// Where the model runs (`gpu` is accepted for cuda).
-    #[arg(long, value_enum, default_value_t = train::DeviceFlag::Cpu)]
-    pub device: train::DeviceFlag,
+    /// Where the model runs (`gpu` is accepted for cuda). Default: cpu (a resume of a run
+    /// trained on a GPU asks for --device cuda).
+    #[arg(long, value_enum)]
+    pub device: Option<train::DeviceFlag>,
     /// With --device cuda in one process: the GPU to train on, counted among the GPUs
     /// CUDA_VISIBLE_DEVICES leaves visible. Default: 0 (under a launcher: LOCAL_RANK).
     #[arg(long, value_name = "N")]
@@ -175,7 +176,8 @@ impl Args {
             config: self.config.clone(),
             model: self.model.clone(),
             data: self.data.clone(),
-            device: self.device.into(),
+            device: self.device.unwrap_or(train::DeviceFlag::Cpu).into(),
+            device_given: self.device.is_some(),
             gpu: self.gpu,
             steps: self.steps,
             extend_schedule: self.extend_schedule,
@@ -198,13 +200,7 @@ impl Args {
                 .sample_every
                 .zip(self.sample_prompt.clone())
                 .map(|(every, prompt)| zeroflow_train::sample::SampleOptions { every, prompt }),
-            auto: AutoValues {
-                micro_batch: auto.micro_batch,
-                accum: auto.accum,
-                lr: auto.lr,
-                warmup: auto.warmup,
-                weight_decay: auto.weight_decay,
-            },
+            auto: auto.values(),
             settings: settings::Requested {
                 pack: self.pack,
                 ..settings::from_flags(self.gpu_flags, self.host_flags)
@@ -236,6 +232,18 @@ pub struct AutoFlags {
     /// parameters (norms' weights, biases) take none, as in transformers' Trainer and nanoGPT.
     #[arg(long, value_name = "X")]
     pub weight_decay: Option<f64>,
+}
+
+impl AutoFlags {
+    pub fn values(&self) -> AutoValues {
+        AutoValues {
+            micro_batch: self.micro_batch,
+            accum: self.accum,
+            lr: self.lr,
+            warmup: self.warmup,
+            weight_decay: self.weight_decay,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ mod signals;
 
 use std::path::Path;
 
+use zeroflow_train::dist::DistEnv;
 use zeroflow_train::metrics::StepRecord;
 use zeroflow_train::observer::{Activity, ObserverError, StopHandle, TrainObserver};
 use zeroflow_train::open::CudaOpen;
@@ -78,6 +79,24 @@ struct Shown {
     stop_handle: StopHandle,
     /// Catches SIGINT and SIGTERM once the model is ready.
     stop: Option<Stop>,
+    /// The command that continues the run, up to `--resume` ([`resume_command`]).
+    resume_with: String,
+}
+
+/// The command that continues a run on `device` of the job `dist`, up to its `--resume latest
+/// --out` (what a resume does not take from the checkpoint: the launcher and the device).
+fn resume_command(device: DeviceKind, dist: &DistEnv) -> String {
+    let device = match device {
+        DeviceKind::Cuda => " --device cuda",
+        DeviceKind::Cpu => "",
+    };
+    match dist.world_size {
+        1 => format!("zeroflow train{device}"),
+        n if n == dist.local_world_size => {
+            format!("zeroflow launch --nproc-per-node {n} -- train{device}")
+        }
+        _ => format!("the run's launch command with train{device}"),
+    }
 }
 
 impl Shown {
@@ -87,7 +106,8 @@ impl Shown {
         let pending =
             leader.then_some((setup.steps, setup.start_step(), setup.log_every, interval));
         let (progress, stop_handle) = (Progress::Silent, StopHandle::default());
-        Ok(Shown { progress, pending, leader, stop_handle, stop: None })
+        let resume_with = resume_command(setup.device, &setup.dist);
+        Ok(Shown { progress, pending, leader, stop_handle, stop: None, resume_with })
     }
 
     /// Prints the line the run ends with; a stopped run is an [`Exit`] error.
@@ -115,7 +135,8 @@ impl Shown {
                 to.display()
             ),
             None => format!(
-                "stopped by {signal}; continue with: zeroflow train --resume latest --out {}",
+                "stopped by {signal}; continue with: {} --resume latest --out {}",
+                self.resume_with,
                 outcome.out.display()
             ),
         };
@@ -176,5 +197,40 @@ impl TrainObserver for Shown {
         floor: Option<f64>,
     ) -> Option<String> {
         Some(plot::loss_svg(train, eval, floor))
+    }
+}
+
+#[cfg(test)]
+mod resume_command_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn job(world_size: usize, local_world_size: usize) -> DistEnv {
+        DistEnv {
+            rank: 0,
+            local_rank: 0,
+            world_size,
+            local_world_size,
+            master: None,
+            rendezvous_timeout: Duration::from_secs(1),
+            step_timeout: None,
+        }
+    }
+
+    /// The command a stopped run names gives what the checkpoint does not record: a GPU run's
+    /// device (resumed without it, `--resume` asks for it) and the launcher of several ranks.
+    #[test]
+    fn the_resume_command_names_the_device_and_the_launcher() {
+        assert_eq!(resume_command(DeviceKind::Cpu, &job(1, 1)), "zeroflow train");
+        assert_eq!(resume_command(DeviceKind::Cuda, &job(1, 1)), "zeroflow train --device cuda");
+        assert_eq!(
+            resume_command(DeviceKind::Cuda, &job(4, 4)),
+            "zeroflow launch --nproc-per-node 4 -- train --device cuda"
+        );
+        assert_eq!(
+            resume_command(DeviceKind::Cuda, &job(16, 8)),
+            "the run's launch command with train --device cuda"
+        );
     }
 }

@@ -78,6 +78,102 @@ fn a_resume_finishes_its_planned_run_on_its_planned_schedule() {
     assert_eq!(lrs(&split).len(), 12);
 }
 
+/// A run started with `--weight-decay` and `--warmup` (which fill the default config's "auto"
+/// values) and resumed with `--resume latest` alone continues with them: its last checkpoint's
+/// weights are the uninterrupted run's bit for bit (regression: the resume took the defaults,
+/// weight decay 0 and a warm-up of 5 % of the steps, warning only that the config differed). A
+/// `--config` given at the resume whose learning rate is a number is taken, with the warning,
+/// not refused as a conflict with a `--lr` the command never gave. A checkpoint from before the
+/// 1-D parameters were left out of weight decay resumes, saying the run changes from there.
+#[test]
+fn a_resume_keeps_the_flags_that_filled_the_config() {
+    let dir = scratch("resume_keeps_flags");
+    let (straight, split) = (dir.join("straight"), dir.join("split"));
+    let base = [
+        "--model",
+        MINI,
+        "--micro-batch",
+        "2",
+        "--steps",
+        "6",
+        "--save-every",
+        "3",
+        "--weight-decay",
+        "0.5",
+        "--warmup",
+        "4",
+        "--lr",
+        "2e-2",
+    ];
+    for out in [&straight, &split] {
+        let run = train(&[&base[..], &["--out", out.to_str().unwrap()]].concat());
+        assert!(run.status.success(), "{}", text(&run.stderr));
+    }
+    let weights = |run: &Path| std::fs::read(checkpoint(run, 6).join("model.safetensors")).unwrap();
+    std::fs::remove_dir_all(checkpoint(&split, 6)).unwrap();
+    let out = split.to_str().unwrap();
+    let resumed = train(&["--resume", "latest", "--out", out]);
+    let stderr = text(&resumed.stderr);
+    assert!(resumed.status.success(), "{stderr}");
+    assert!(!stderr.contains("differs"), "{stderr}");
+    assert_eq!(lrs(&split), lrs(&straight));
+    assert!(weights(&split) == weights(&straight), "the resumed run's weights at step 6");
+    let state = json(&checkpoint(&split, 6).join("state.json"));
+    assert_eq!(state["extra"]["config"]["optimizer"]["params"]["weight_decay"], 0.5);
+    assert_eq!(state["extra"]["decay_skips_1d"], true);
+
+    // A config file with its own learning rate, at the resume.
+    std::fs::remove_dir_all(checkpoint(&split, 6)).unwrap();
+    let config = dir.join("own-lr.json");
+    std::fs::write(&config, CONSTANT_LR).unwrap();
+    let own = train(&["--resume", "latest", "--out", out, "--config", config.to_str().unwrap()]);
+    let stderr = text(&own.stderr);
+    assert!(own.status.success(), "{stderr}");
+    assert!(stderr.contains("the config differs") && stderr.contains("optimizer"), "{stderr}");
+    let state = json(&checkpoint(&split, 6).join("state.json"));
+    assert_eq!(state["extra"]["config"]["optimizer"]["params"]["lr"], 1e-2);
+
+    // The checkpoint as a zeroflow that decayed every parameter wrote it.
+    std::fs::remove_dir_all(checkpoint(&split, 6)).unwrap();
+    let state_path = checkpoint(&split, 3).join("state.json");
+    let mut old = json(&state_path);
+    old["extra"].as_object_mut().unwrap().remove("decay_skips_1d");
+    std::fs::write(&state_path, serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+    let older = train(&["--resume", "latest", "--out", out]);
+    let stderr = text(&older.stderr);
+    assert!(older.status.success(), "{stderr}");
+    assert!(stderr.contains("from step 4 on they take none"), "{stderr}");
+}
+
+/// A checkpoint of a run trained on a GPU (its config in bf16), resumed without `--device`, is
+/// refused, saying to add `--device cuda` (regression: it went on on the CPU in fp32, warning
+/// only that the config differed in bf16); `--device cpu` given on purpose continues there.
+#[test]
+fn a_gpu_runs_checkpoint_resumed_without_device_asks_for_it() {
+    let dir = scratch("resume_gpu_run_device");
+    let run = dir.join("run");
+    let args = ["--model", MINI, "--micro-batch", "2", "--steps", "4", "--save-every", "2"];
+    let first = train(&[&args[..], &["--out", run.to_str().unwrap()]].concat());
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    std::fs::remove_dir_all(checkpoint(&run, 4)).unwrap();
+    // The checkpoint as a GPU run of the default config writes it (bf16 enabled).
+    let state_path = checkpoint(&run, 2).join("state.json");
+    let mut state = json(&state_path);
+    state["extra"]["config"]["bf16"] = serde_json::json!({"enabled": true});
+    std::fs::write(&state_path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    let out = run.to_str().unwrap();
+    let refused = train(&["--resume", "latest", "--out", out]);
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("trained on a GPU (in bf16); add --device cuda"), "{stderr}");
+    assert!(!checkpoint(&run, 4).exists());
+    let on_cpu = train(&["--resume", "latest", "--out", out, "--device", "cpu"]);
+    let stderr = text(&on_cpu.stderr);
+    assert!(on_cpu.status.success(), "{stderr}");
+    assert!(stderr.contains("the config differs") && stderr.contains("bf16"), "{stderr}");
+    assert!(checkpoint(&run, 4).is_dir());
+}
+
 /// A run started with a relative `--data` resumes from another directory, and under another
 /// spelling of the same file; a checkpoint from before paths were resolved (a relative `data`, no
 /// fingerprints) still resumes from the directory its run started in; a changed file is refused,
@@ -221,6 +317,9 @@ fn sigint_and_sigterm_save_a_checkpoint_and_exit_130_and_143() {
         assert_eq!(output.status.code(), Some(status), "SIG{name}: {stderr}");
         assert!(stderr.contains(&format!("SIG{name} during step")), "{stderr}");
         assert!(stderr.contains(&format!("exiting with status {status}")), "{stderr}");
+        let again =
+            format!("continue with: zeroflow train --resume latest --out {}", run.display());
+        assert!(stderr.contains(&again), "{stderr}");
         let lines = read_lines(&run.join("metrics.jsonl"));
         let last = lines.iter().filter(|l| l.get("loss").is_some()).count() as u64;
         let last_eval = lines.iter().rev().find(|l| l.get("eval_loss").is_some());
