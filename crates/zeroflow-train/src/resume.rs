@@ -23,11 +23,7 @@ pub fn total_steps(flag: Option<u64>, resume: Option<&ResumePoint>) -> u64 {
 /// slower, where the user most likely left the flag out. Refused, saying to add it; a
 /// `--device cpu` given on purpose goes on (the config's differences are warned about).
 pub fn check_device(point: &ResumePoint, device: DeviceKind, given: bool) -> Result<()> {
-    let saved = &point.extra.config;
-    let enabled = |key: &str| saved.pointer(&format!("/{key}/enabled")) == Some(&true.into());
-    let Some(precision) = ["bf16", "fp16"].into_iter().find(|key| enabled(key)) else {
-        return Ok(());
-    };
+    let Some(precision) = half_precision(point) else { return Ok(()) };
     if device == DeviceKind::Cpu && !given {
         return Err(input(format!(
             "--resume {}: the checkpoint's run trained on a GPU (in {precision}); add --device \
@@ -36,6 +32,22 @@ pub fn check_device(point: &ResumePoint, device: DeviceKind, given: bool) -> Res
         )));
     }
     Ok(())
+}
+
+/// The 16-bit precision of the checkpoint's config (`bf16` or `fp16`), if any.
+fn half_precision(point: &ResumePoint) -> Option<&'static str> {
+    let saved = &point.extra.config;
+    let enabled = |key: &str| saved.pointer(&format!("/{key}/enabled")) == Some(&true.into());
+    ["bf16", "fp16"].into_iter().find(|key| enabled(key))
+}
+
+/// The device the checkpoint's run trained on, by its config's precision: the CUDA model
+/// computes in bf16, the CPU model in fp32 only.
+pub fn trained_on(point: &ResumePoint) -> DeviceKind {
+    match half_precision(point) {
+        Some(_) => DeviceKind::Cuda,
+        None => DeviceKind::Cpu,
+    }
 }
 
 /// A checkpoint from before the 1-D parameters were left out of weight decay, of a run with

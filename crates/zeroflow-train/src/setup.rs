@@ -482,6 +482,11 @@ fn prepare(
     .map_err(input)?;
     let mut settings =
         settings::resolve(args.settings, env, settings::from_config(&config.zeroflow));
+    if let Some(point) = &resume {
+        // Attention is the GPU's choice: the CPU model has only gemm.
+        let on_gpu = args.device == DeviceKind::Cuda && resume::trained_on(point) == args.device;
+        settings = settings.over(settings::from_checkpoint(&point.extra.settings, on_gpu));
+    }
     let attention = settings::attention(args.device, &model, &settings)?;
     let resumed = resume.is_some();
     let run = (seq, &settings, attention);

@@ -140,7 +140,7 @@ pub struct Args {
     /// boundaries, positions restarting at each (from the document index, .idx, that `zeroflow
     /// tokenize` writes beside each shard); the rows are cut as without it. On the CPU and CUDA
     /// devices; changes the numbers. `--pack` alone is `=on`. Over ZEROFLOW_PACK and
-    /// zeroflow.pack.
+    /// zeroflow.pack (and a resumed run's checkpoint).
     #[arg(
         long,
         value_name = "on|off",

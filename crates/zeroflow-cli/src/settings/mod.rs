@@ -22,7 +22,8 @@ pub use zeroflow_train::settings::{
 #[derive(Clone, Copy, Debug, Default, clap::Args)]
 pub struct GpuFlags {
     /// The model's attention on the GPU: auto (flash where the head size has kernels), gemm or
-    /// flash; changes the numbers. Over ZEROFLOW_ATTENTION and zeroflow.attention.
+    /// flash; changes the numbers. Over ZEROFLOW_ATTENTION and zeroflow.attention (and a
+    /// resumed GPU run's checkpoint).
     #[arg(long, value_name = "auto|gemm|flash", value_parser = flag(&names::ATTENTION))]
     pub attention: Option<Attention>,
     /// Keep only each layer's input for backward and recompute the rest of the layer there:

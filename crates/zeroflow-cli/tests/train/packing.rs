@@ -1,8 +1,8 @@
 //! `zeroflow train --pack` (sequence packing): on shards that `zeroflow tokenize` wrote (with
 //! their document indexes) it trains, says so, records the setting in the summary and every
-//! checkpoint, and computes other numbers than the unpacked run; on shards without an index it
-//! is an input error (exit 2) before training. (The CUDA device packs too: the families' GPU
-//! tests.)
+//! checkpoint (a resume packs as its checkpoint did), and computes other numbers than the
+//! unpacked run; on shards without an index it is an input error (exit 2) before training. (The
+//! CUDA device packs too: the families' GPU tests.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -83,6 +83,21 @@ fn train_pack_trains_on_tokenized_shards_and_records_the_setting() {
     let first_loss = |out: &Path| read_lines(&out.join("metrics.jsonl"))[0]["loss"].as_f64();
     let (packed_loss, plain_loss) = (first_loss(&packed), first_loss(&plain));
     assert!(packed_loss.is_some() && packed_loss != plain_loss, "{packed_loss:?} {plain_loss:?}");
+
+    // Resumed with `--resume latest` alone, the run packs as its checkpoint did (regression: it
+    // went on unpacked, warning that the numbers would differ): the weights of its last step
+    // are the uninterrupted run's bit for bit.
+    let split = dir.join("split");
+    let run = train(&[&args(&tokens, &split)[..], &["--pack"]].concat());
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    std::fs::remove_dir_all(split.join("checkpoints/step-00000004")).unwrap();
+    let resumed = train(&["--resume", "latest", "--out", split.to_str().unwrap()]);
+    let stderr = text(&resumed.stderr);
+    assert!(resumed.status.success(), "{stderr}");
+    assert!(!stderr.contains("pack"), "{stderr}");
+    let weights =
+        |out: &Path| std::fs::read(out.join("checkpoints/step-00000004/model.safetensors"));
+    assert!(weights(&split).unwrap() == weights(&packed).unwrap(), "step 4's weights");
 }
 
 #[test]
