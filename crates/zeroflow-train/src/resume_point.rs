@@ -71,6 +71,23 @@ pub struct Extra {
     /// rule does; `false` in checkpoints from before it, whose runs decayed every parameter.
     #[serde(default)]
     pub decay_skips_1d: bool,
+    /// The flags that steer the run without changing its numbers, as its start gave them (empty
+    /// in checkpoints from before they were kept): a resume's defaults.
+    #[serde(default)]
+    pub steering: Steering,
+}
+
+/// What a run was asked to do besides training, which a resume without the flags continues:
+/// `--eval-every`, `--save-every` (`None`: not given, so paced), `--keep`, `--log-every`,
+/// `--export` (an absolute path) and `--sample-every` with `--sample-prompt`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Steering {
+    pub eval_every: Option<u64>,
+    pub save_every: Option<u64>,
+    pub keep: Option<u64>,
+    pub log_every: Option<u64>,
+    pub export: Option<PathBuf>,
+    pub sample: Option<crate::sample::SampleOptions>,
 }
 
 /// Where the learning-rate schedule is.

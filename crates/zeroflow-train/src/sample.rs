@@ -24,7 +24,7 @@ use crate::{Family, ModelSpec, with_family};
 pub const SAMPLE_TOKENS: usize = 32;
 
 /// What `--sample-every` and `--sample-prompt` ask for.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SampleOptions {
     pub every: u64,
     pub prompt: String,

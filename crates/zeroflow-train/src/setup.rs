@@ -18,7 +18,7 @@ use crate::dist::DistEnv;
 use crate::dist::affinity::{self, BindMode, Binding};
 use crate::error::{Result, input, io};
 use crate::plan::{Caller, GivenMemory, MachineMemory, MemoryPlan, PlanInputs, PlanMode};
-use crate::resume_point::{self, Extra, ResumePoint};
+use crate::resume_point::{self, Extra, ResumePoint, Steering};
 use crate::sample::{SampleOptions, Sampler};
 use crate::settings::{self, Requested};
 use crate::startup_tokens::{self, DataRole};
@@ -102,11 +102,13 @@ pub struct TrainOptions {
     /// (a resumed run's default: its checkpoint's).
     pub chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     pub seq: Option<NonZeroU64>,
-    pub log_every: NonZeroU64,
+    /// `--log-every`; `None`: [`DEFAULT_LOG_EVERY`].
+    pub log_every: Option<NonZeroU64>,
     pub out: Option<PathBuf>,
     /// `--save-every`; `None`: [`DEFAULT_SAVE_EVERY`], paced ([`Setup::save_pace`]).
     pub save_every: Option<u64>,
-    pub keep: NonZeroU64,
+    /// `--keep`; `None`: [`DEFAULT_KEEP`].
+    pub keep: Option<NonZeroU64>,
     pub resume: Option<String>,
     pub init_from: Option<PathBuf>,
     /// `--export`: the Hugging Face directory the final weights are written to.
@@ -185,6 +187,9 @@ pub struct Setup {
     pub attention: zeroflow_nn::AttentionKind,
     /// The samples during training, where asked for.
     pub sampler: Option<Sampler>,
+    /// What the run was asked to do besides training (its flags, or a resumed checkpoint's), for
+    /// its checkpoints.
+    pub steering: Steering,
 }
 
 impl Setup {
@@ -231,13 +236,14 @@ impl Setup {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => fresh_out(&args)?,
         };
+        let keep = args.keep.map_or(DEFAULT_KEEP, NonZeroU64::get);
         let (checkpoint_bytes, weights_bytes) =
             (planned.plan.checkpoint_disk_bytes, planned.plan.weights_disk_bytes);
         if dist.rank == 0
             && let Some(warning) = checkpoints::disk_warning(
                 &out,
                 checkpoint_bytes,
-                args.keep.get(),
+                keep,
                 args.export.as_deref().map(|dir| (dir, weights_bytes)),
             )
         {
@@ -300,12 +306,20 @@ impl Setup {
             config_file,
             steps,
             seq,
+            steering: Steering {
+                eval_every: args.eval_every,
+                save_every: args.save_every,
+                keep: args.keep.map(NonZeroU64::get),
+                log_every: args.log_every.map(NonZeroU64::get),
+                export: args.export.as_deref().map(absolute),
+                sample: args.sample.clone(),
+            },
             eval_every: args.eval_every.unwrap_or(DEFAULT_EVAL_EVERY),
             eval_pace: args.eval_every.is_none().then_some(DEFAULT_PACE),
-            log_every: args.log_every.get(),
+            log_every: args.log_every.map_or(DEFAULT_LOG_EVERY, NonZeroU64::get),
             save_every: args.save_every.unwrap_or(DEFAULT_SAVE_EVERY),
             save_pace: args.save_every.is_none().then_some(DEFAULT_PACE),
-            keep: args.keep.get(),
+            keep,
             out,
             export: args.export,
             default_out,
@@ -357,6 +371,12 @@ fn check_export(dir: &Path, out: &Path, bytes: u64) -> Result<()> {
     crate::export::check_dir(dir, bytes)
         .map_err(|reason| input(format!("--export {}: {reason}", dir.display())))
 }
+
+/// The checkpoints a run keeps where `--keep` is not given.
+pub const DEFAULT_KEEP: u64 = 3;
+
+/// The steps between progress lines where `--log-every` is not given.
+pub const DEFAULT_LOG_EVERY: u64 = 50;
 
 /// The steps between checkpoints where `--save-every` is not given.
 pub const DEFAULT_SAVE_EVERY: u64 = 200;
@@ -436,6 +456,7 @@ fn prepare(
     };
     if let Some(point) = &resume {
         resume::check_device(point, args.device, args.device_given)?;
+        steer_as_saved(args, &point.extra.steering);
         args.eval_data = args.eval_data.take().or_else(|| point.extra.eval_data.clone());
         args.chat_template =
             args.chat_template.take().or_else(|| point.extra.chat_template.clone());
@@ -735,6 +756,37 @@ impl Start {
             }
         }
     }
+}
+
+/// When resuming, `--eval-every`, `--save-every`, `--keep`, `--log-every`, `--export` and the
+/// samples default to what
+/// the run's start asked for, so that `--resume latest` alone continues it. An export directory
+/// that holds files by now (the run's own export, where it ended before) is not written again:
+/// said, with the flag that exports elsewhere.
+fn steer_as_saved(args: &mut TrainOptions, saved: &Steering) {
+    args.eval_every = args.eval_every.or(saved.eval_every);
+    args.save_every = args.save_every.or(saved.save_every);
+    args.keep = args.keep.or(saved.keep.and_then(NonZeroU64::new));
+    args.log_every = args.log_every.or(saved.log_every.and_then(NonZeroU64::new));
+    args.sample = args.sample.take().or_else(|| saved.sample.clone());
+    if let (None, Some(dir)) = (&args.export, &saved.export) {
+        let empty = |dir: &Path| std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
+        if !dir.exists() || empty(dir) {
+            tracing::info!("exporting at the end into {}, as the run asked", dir.display());
+            args.export = Some(dir.clone());
+        } else {
+            tracing::warn!(
+                "the run's --export {} holds files by now (an earlier export?): this run exports \
+                 nowhere unless --export names a new directory",
+                dir.display()
+            );
+        }
+    }
+}
+
+/// `path` made absolute against the working directory (as it is where that fails).
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// The `zeroflow.cpu_bind` of the config file, looked up before the config is resolved (binding

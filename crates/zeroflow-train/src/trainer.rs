@@ -261,6 +261,7 @@ impl<M: Model> Trainer<M> {
             wall_s: Some(self.wall_time().as_secs_f64()),
             settings: self.settings.to_json(),
             decay_skips_1d: true,
+            steering: setup.steering.clone(),
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),

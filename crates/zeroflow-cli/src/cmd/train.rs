@@ -57,7 +57,7 @@ pub struct Args {
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end). Default: every
     /// 100 steps, but not sooner after an evaluation that took a second or more than 20 times as
     /// long as it took, so that a large model's evaluations take at most about 5 % of the run (a
-    /// given N is kept exactly).
+    /// given N is kept exactly). With --resume: the run's.
     #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
     /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576 (at most a
@@ -83,9 +83,9 @@ pub struct Args {
     pub seq: Option<NonZeroU64>,
     /// Without a terminal (no progress bar), print a progress line every N steps, and at least
     /// every 30 s (ZEROFLOW_PROGRESS_SECS sets the interval) while a step, an evaluation or a
-    /// checkpoint runs long.
-    #[arg(long, value_name = "N", default_value_t = NonZeroU64::new(50).expect("non-zero"))]
-    pub log_every: NonZeroU64,
+    /// checkpoint runs long. Default: 50 (with --resume: the run's).
+    #[arg(long, value_name = "N")]
+    pub log_every: Option<NonZeroU64>,
     /// Directory for metrics.jsonl, loss.svg and summary.json. Default: runs/<UTC time>, made
     /// for this run alone (runs/<UTC time>-2, ... when that name is taken).
     #[arg(long, value_name = "DIR")]
@@ -93,14 +93,16 @@ pub struct Args {
     /// Save a checkpoint into <out>/checkpoints/step-NNNNNNNN every N optimizer steps, and always
     /// at the end or on SIGINT/SIGTERM (0: only then). Default: every 200 steps, but not sooner
     /// after a save that took a second or more than 20 times as long as it took, so that saving a
-    /// large model's checkpoint takes at most about 5 % of the run (a given N is kept exactly). A signal stops
-    /// the run after its current step (an evaluation is abandoned), saves, and exits with 130
-    /// (SIGINT) or 143 (SIGTERM); a second signal exits at once without saving.
+    /// large model's checkpoint takes at most about 5 % of the run (a given N is kept exactly;
+    /// with --resume: the run's). A signal stops the run after its current step (an evaluation
+    /// is abandoned), saves, and exits with 130 (SIGINT) or 143 (SIGTERM); a second signal exits
+    /// at once without saving.
     #[arg(long, value_name = "N")]
     pub save_every: Option<u64>,
     /// Keep the newest K checkpoints; older ones are deleted once a newer one is complete.
-    #[arg(long, value_name = "K", default_value_t = NonZeroU64::new(3).expect("non-zero"))]
-    pub keep: NonZeroU64,
+    /// Default: 3 (with --resume: the run's).
+    #[arg(long, value_name = "K")]
+    pub keep: Option<NonZeroU64>,
     /// Continue a run exactly from a checkpoint directory, or from the newest complete checkpoint
     /// under --out (`latest`), in that checkpoint's run directory, with its config, data (from
     /// any directory; a changed file is an error) and seed, to its planned total (or --steps).
@@ -116,7 +118,8 @@ pub struct Args {
     /// GPU, 2 bytes per parameter; sharded above 5 GB) and the --init-from directory's tokenizer
     /// files (at a signal too where the checkpoint of that step was refused for want of disk
     /// space). A refused checkpoint only warns and the run goes on; without --export the one at
-    /// the end (or at a signal) refused ends the run with an error
+    /// the end (or at a signal) refused ends the run with an error. With --resume: the run's
+    /// (unless that directory holds files by then)
     #[arg(long, value_name = "DIR")]
     pub export: Option<PathBuf>,
     /// Write into --out even if it is not empty (files of the same names are replaced).
@@ -127,7 +130,8 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
     /// Every N optimizer steps and at the end, log a greedy continuation of --sample-prompt by
-    /// the current weights (on the CPU) and append it to <out>/samples.jsonl.
+    /// the current weights (on the CPU) and append it to <out>/samples.jsonl. With --resume: the
+    /// run's, with its prompt.
     #[arg(long, value_name = "N", requires = "sample_prompt")]
     pub sample_every: Option<u64>,
     /// The text the samples continue (token ids `1,2,3` for a vocabulary under 256).

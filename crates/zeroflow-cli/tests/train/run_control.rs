@@ -145,6 +145,67 @@ fn a_resume_keeps_the_flags_that_filled_the_config() {
     assert!(stderr.contains("from step 4 on they take none"), "{stderr}");
 }
 
+/// A run resumed with `--resume latest` alone evaluates, saves, keeps, samples and exports as its
+/// start asked (regression: it went back to the paced defaults and 3 checkpoints kept, wrote no
+/// samples and exported nothing).
+/// An export directory that holds files by then is left alone, saying so.
+#[test]
+fn a_resume_evaluates_saves_samples_and_exports_as_the_run_asked() {
+    let dir = scratch("resume_steering");
+    let (run, export) = (dir.join("run"), dir.join("exported"));
+    let args = [
+        "--model",
+        MINI,
+        "--micro-batch",
+        "2",
+        "--steps",
+        "6",
+        "--eval-every",
+        "1",
+        "--save-every",
+        "1",
+        "--keep",
+        "10",
+        "--sample-every",
+        "1",
+        "--sample-prompt",
+        "1,2,3",
+    ];
+    let paths = ["--out", run.to_str().unwrap(), "--export", export.to_str().unwrap()];
+    let first = train(&[&args[..], &paths].concat());
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    // As if the run had stopped after its checkpoint at step 4.
+    for step in [5, 6] {
+        std::fs::remove_dir_all(checkpoint(&run, step)).unwrap();
+    }
+    std::fs::remove_dir_all(&export).unwrap();
+    std::fs::remove_file(run.join("samples.jsonl")).unwrap();
+    let out = run.to_str().unwrap();
+    let resumed = train(&["--resume", "latest", "--out", out]);
+    let stderr = text(&resumed.stderr);
+    assert!(resumed.status.success(), "{stderr}");
+    assert!(checkpoint(&run, 5).is_dir(), "saved every step");
+    assert!(checkpoint(&run, 1).is_dir(), "kept 10 checkpoints, not the default 3");
+    let evaluated: Vec<u64> = read_lines(&run.join("metrics.jsonl"))
+        .iter()
+        .filter(|line| line.get("eval_loss").is_some())
+        .filter_map(|line| line["step"].as_u64())
+        .collect();
+    assert!(evaluated.ends_with(&[5, 6]), "evaluated every step: {evaluated:?}");
+    let sampled: Vec<u64> =
+        read_lines(&run.join("samples.jsonl")).iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert_eq!(sampled, [5, 6]);
+    assert!(export.join("config.json").is_file(), "exported at the end");
+
+    // On past the end: the export of step 6 is kept, not overwritten.
+    let before = std::fs::read(export.join("config.json")).unwrap();
+    let more = train(&["--resume", "latest", "--out", out, "--steps", "7", "--extend-schedule"]);
+    let stderr = text(&more.stderr);
+    assert!(more.status.success(), "{stderr}");
+    assert!(stderr.contains("holds files by now"), "{stderr}");
+    assert_eq!(std::fs::read(export.join("config.json")).unwrap(), before);
+}
+
 /// A checkpoint of a run trained on a GPU (its config in bf16), resumed without `--device`, is
 /// refused, saying to add `--device cuda` (regression: it went on on the CPU in fp32, warning
 /// only that the config differed in bf16); `--device cpu` given on purpose continues there.
