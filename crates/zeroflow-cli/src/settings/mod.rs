@@ -29,7 +29,7 @@ pub struct GpuFlags {
     /// Keep only each layer's input for backward and recompute the rest of the layer there:
     /// far less activation memory for about one more forward of the layers (the same numbers).
     /// `--activation-checkpointing` alone is `=on`. Over ZEROFLOW_ACTIVATION_CHECKPOINTING and
-    /// zeroflow.activation_checkpointing.
+    /// zeroflow.activation_checkpointing (and a resumed GPU run's checkpoint).
     #[arg(
         long,
         value_name = "on|off",

@@ -164,9 +164,10 @@ pub fn resolve(flags: Requested, env: Requested, config: Requested) -> Requested
 
 /// What a resumed checkpoint's recorded settings (`saved`, its `state.json`'s `settings`) ask for,
 /// below every other layer: the ones that change the numbers ([`record::NUMERICS`]), so that the
-/// run continues as it was trained unless a flag, variable or the config says otherwise. The
-/// attention only where a GPU run goes on on the GPU (`on_gpu`; the CPU model has gemm alone); a
-/// checkpoint from before the settings were recorded asks for nothing.
+/// run continues as it was trained unless a flag, variable or the config says otherwise, and the
+/// activation checkpointing that let its model fit the GPU. The attention and the checkpointing
+/// only where a GPU run goes on on the GPU (`on_gpu`; the CPU model has gemm alone and keeps
+/// every activation); a checkpoint from before the settings were recorded asks for nothing.
 pub fn from_checkpoint(saved: &serde_json::Value, on_gpu: bool) -> Requested {
     let attention = saved.get("attention").and_then(serde_json::Value::as_str);
     let attention = attention.and_then(|name| {
@@ -174,6 +175,10 @@ pub fn from_checkpoint(saved: &serde_json::Value, on_gpu: bool) -> Requested {
     });
     Requested {
         attention: attention.filter(|_| on_gpu),
+        activation_checkpointing: saved
+            .get("activation_checkpointing")
+            .and_then(serde_json::Value::as_bool)
+            .filter(|_| on_gpu),
         pack: saved.get("pack").and_then(serde_json::Value::as_bool),
         ..Requested::default()
     }

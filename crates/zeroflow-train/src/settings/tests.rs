@@ -266,17 +266,18 @@ fn the_pinned_budget_reaches_the_device_setting_and_the_record() {
     );
 }
 
-/// A resume's checkpoint layer asks for the recorded packing, and for the recorded attention only
-/// where a GPU run goes on on the GPU; every other layer is above it; a checkpoint from before the
-/// settings were recorded (`null`) asks for nothing.
+/// A resume's checkpoint layer asks for the recorded packing, and for the recorded attention and
+/// activation checkpointing only where a GPU run goes on on the GPU; every other layer is above
+/// it; a checkpoint from before the settings were recorded (`null`) asks for nothing.
 #[test]
 fn a_checkpoint_layer_asks_for_its_packing_and_a_gpu_runs_attention() {
     let saved = json!({"attention": "flash", "pack": true, "activation_checkpointing": true});
     let on_gpu = from_checkpoint(&saved, true);
     assert_eq!((on_gpu.attention, on_gpu.pack), (Some(Attention::Flash), Some(true)));
-    assert_eq!(on_gpu.activation_checkpointing, None, "the same numbers either way: not carried");
+    assert_eq!(on_gpu.activation_checkpointing, Some(true), "what let the model fit the GPU");
     let elsewhere = from_checkpoint(&saved, false);
     assert_eq!((elsewhere.attention, elsewhere.pack), (None, Some(true)));
+    assert_eq!(elsewhere.activation_checkpointing, None);
     let flag = Requested { pack: Some(false), ..Requested::default() };
     assert_eq!(
         resolve(flag, Requested::default(), Requested::default()).over(on_gpu).pack,
