@@ -15,9 +15,15 @@ pub enum HfError {
     #[error("{path}: not valid JSON ({reason})")]
     Json { path: PathBuf, reason: String },
     #[error(
-        "{dir}: no weights: neither model.safetensors nor model.safetensors.index.json is there"
+        "{dir}: no weights: neither model.safetensors nor model.safetensors.index.json is \
+         there{}",
+        other_weights_hint(dir, other)
     )]
-    NoWeights { dir: PathBuf },
+    NoWeights {
+        dir: PathBuf,
+        /// A weights file of PyTorch's pickle format found there instead (`pytorch_model.bin`).
+        other: Option<String>,
+    },
     #[error("{index}: {reason}")]
     BadIndex { index: PathBuf, reason: String },
     #[error("{index} lists the shard {shard}, which cannot be opened ({source})")]
@@ -47,6 +53,21 @@ pub enum HfError {
     DuplicateOutput { tensor: String },
     #[error("{path}: {reason}")]
     Serialize { path: PathBuf, reason: String },
+}
+
+/// What to do where a model directory holds its weights in a format zeroflow does not read.
+fn other_weights_hint(dir: &std::path::Path, other: &Option<String>) -> String {
+    match other {
+        Some(file) => format!(
+            "; its {file} is PyTorch's pickle format, which zeroflow does not read: write the \
+             model as safetensors with `python -c \"from \
+             transformers import AutoModelForCausalLM as M; \
+             M.from_pretrained('{dir}').save_pretrained('{dir}-safetensors')\"` (and copy its \
+             tokenizer files beside it), then use that directory",
+            dir = dir.display()
+        ),
+        None => String::new(),
+    }
 }
 
 fn names_message(missing: &[String], unexpected: &[String]) -> String {

@@ -51,6 +51,15 @@ pub struct HfCheckpoint {
     tensors: BTreeMap<String, TensorEntry>,
 }
 
+/// The weights files of `transformers`' older format (PyTorch's pickle), which zeroflow does not
+/// read, by name.
+const OTHER_WEIGHTS: [&str; 2] = ["pytorch_model.bin", "pytorch_model.bin.index.json"];
+
+/// The first of [`OTHER_WEIGHTS`] in `dir`, if any.
+fn other_weights(dir: &Path) -> Option<String> {
+    OTHER_WEIGHTS.iter().find(|name| dir.join(name).is_file()).map(|name| name.to_string())
+}
+
 impl HfCheckpoint {
     /// Opens `dir`: `config.json` where present, and the weights of `model.safetensors.index.json`
     /// (every shard it names must be there and hold the tensors it lists) or else of
@@ -64,7 +73,7 @@ impl HfCheckpoint {
         } else if single.is_file() {
             open_single(&single)?
         } else {
-            return Err(HfError::NoWeights { dir: dir.to_path_buf() });
+            return Err(HfError::NoWeights { dir: dir.to_path_buf(), other: other_weights(dir) });
         };
         Ok(HfCheckpoint { dir: dir.to_path_buf(), config, shards, tensors })
     }

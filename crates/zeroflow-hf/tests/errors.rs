@@ -169,3 +169,18 @@ fn tensors_whose_data_does_not_fill_their_shape_are_refused() {
         save(&scratch.0.join("out"), &json!({}), &twice, &SaveOptions::default()).unwrap_err();
     assert!(matches!(err, HfError::DuplicateOutput { .. }), "{err:?}");
 }
+
+/// A directory without safetensors weights says so; where it has `transformers`' older pickle
+/// weights instead, the message names the file and the command that writes safetensors.
+#[test]
+fn a_directory_of_pickle_weights_names_them_and_the_conversion() {
+    let scratch = Scratch::new("pickle-weights");
+    let empty = HfCheckpoint::open(&scratch.0).unwrap_err();
+    assert!(matches!(&empty, HfError::NoWeights { other: None, .. }), "{empty:?}");
+    assert!(!empty.to_string().contains("PyTorch's pickle"), "{empty}");
+    std::fs::write(scratch.0.join("pytorch_model.bin"), b"not read").unwrap();
+    let message = HfCheckpoint::open(&scratch.0).unwrap_err().to_string();
+    assert!(message.contains("its pytorch_model.bin is PyTorch's pickle format"), "{message}");
+    let dir = scratch.0.display();
+    assert!(message.contains(&format!("save_pretrained('{dir}-safetensors')")), "{message}");
+}
