@@ -18,6 +18,13 @@
 //! document start (its end-of-text token) and at the start of every row (a document that began
 //! in an earlier row continues from position 0), one more at each token after. The model bounds
 //! attention and the position embedding by them, so a row's documents do not see each other.
+//!
+//! A shuffling loader ([`DataLoader::shuffled`]) reads the same rows in another order: in each
+//! epoch the shards in an order of their own, and each shard's rows (`seq + 1` tokens from every
+//! `seq`-th, as the stream cuts them) in an order of their own, both drawn from the seed, the
+//! epoch and the shard, so that a saved position resumes the same order. A step still takes
+//! `world_size × batch` rows, rank `r` the `batch` of them from `r × batch`, and a shard's rows
+//! too few for a whole step are left out of that epoch (other ones in each epoch).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -103,6 +110,40 @@ pub struct DataLoader {
     /// Whether batches carry their tokens' positions in their documents, and the document
     /// starts of the shard in memory (its `.idx` less the shard's length) where they do.
     packing: Option<Vec<u64>>,
+    /// Where rows are read in a shuffled order ([`DataLoader::shuffled`]): its seed, and the
+    /// order of the rows of the shard in memory, for the epoch and shard it was drawn for.
+    shuffle: Option<Shuffle>,
+}
+
+/// The shuffled order of a loader's shards and rows ([`DataLoader::shuffled`]).
+#[derive(Debug)]
+struct Shuffle {
+    seed: u64,
+    /// `(epoch, shard, order)`: the rows of `shard` in `epoch`, in the order they are read.
+    rows: Option<(u64, usize, Vec<u32>)>,
+}
+
+/// A stateless 64-bit mix (splitmix64's finaliser): the seeds of the shuffles.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// `0..len` in the order a Fisher–Yates shuffle driven by ChaCha8 from `seed` gives, with the
+/// RNG's raw output alone (no library sampling that a new version could change): the same order
+/// for the same seed in every release.
+fn permutation(len: usize, seed: u64) -> Vec<u32> {
+    use rand::{RngCore, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut order: Vec<u32> = (0..len as u32).collect();
+    for i in (1..len).rev() {
+        // The modulo's bias is below len / 2^64: nothing a training run can see.
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
 }
 
 impl DataLoader {
@@ -130,9 +171,10 @@ impl DataLoader {
             world_size,
             position: DataPosition::default(),
             loaded: None,
-            window: vec![0; batch * seq + 1],
+            window: vec![0; seq + 1],
             held_out: 0,
             packing: None,
+            shuffle: None,
         };
         loader.load(0)?;
         Ok(loader)
@@ -143,8 +185,48 @@ impl DataLoader {
     pub fn hold_out_tail(mut self, tokens: usize) -> Result<Self, DataError> {
         self.held_out = tokens;
         self.loaded = None;
-        self.load(self.position.shard)?;
+        self.load(self.current())?;
         Ok(self)
+    }
+
+    /// Reads the rows in a shuffled order drawn from `seed` (see the module documentation): the
+    /// same rows as without it, each epoch in another order.
+    pub fn shuffled(mut self, seed: u64) -> Result<Self, DataError> {
+        self.shuffle = Some(Shuffle { seed: mix(seed ^ 0x5348_5546_464c_4521), rows: None });
+        self.loaded = None;
+        self.load(self.current())?;
+        Ok(self)
+    }
+
+    /// Whether rows are read in a shuffled order ([`DataLoader::shuffled`]).
+    pub fn is_shuffled(&self) -> bool {
+        self.shuffle.is_some()
+    }
+
+    /// The shard the position's (`shard`-th of its epoch) is.
+    fn current(&self) -> usize {
+        let count = shard_count(&self.source);
+        let logical = self.position.shard % count;
+        match &self.shuffle {
+            Some(shuffle) if count > 1 => {
+                let seed = mix(shuffle.seed ^ mix(self.position.epoch)) ^ u64::MAX;
+                permutation(count, seed)[logical] as usize
+            }
+            _ => logical,
+        }
+    }
+
+    /// The shard in memory's `row`-th row in this epoch's order (its first token's offset is
+    /// `seq` times it).
+    fn row(&mut self, row: usize, rows: usize) -> usize {
+        let Some(shuffle) = &mut self.shuffle else { return row };
+        let (epoch, shard) = (self.position.epoch, self.loaded.as_ref().expect("loaded").0);
+        let drawn = matches!(&shuffle.rows, Some((e, s, order)) if (*e, *s, order.len()) == (epoch, shard, rows));
+        if !drawn {
+            let seed = mix(shuffle.seed ^ mix(epoch) ^ mix(shard as u64).rotate_left(17));
+            shuffle.rows = Some((epoch, shard, permutation(rows, seed)));
+        }
+        shuffle.rows.as_ref().expect("drawn above").2[row] as usize
     }
 
     /// Packs rows: every batch carries its tokens' positions in their documents, read from the
@@ -161,7 +243,7 @@ impl DataLoader {
         }
         self.packing = Some(Vec::new());
         self.loaded = None;
-        self.load(self.position.shard)?;
+        self.load(self.current())?;
         Ok(self)
     }
 
@@ -190,8 +272,8 @@ impl DataLoader {
 
     /// Continues from a saved position (of a loader with the same source, batch, seq and world).
     pub fn seek(&mut self, position: DataPosition) -> Result<(), DataError> {
-        self.load(position.shard % shard_count(&self.source))?;
         self.position = position;
+        self.load(self.current())?;
         Ok(())
     }
 
@@ -204,30 +286,37 @@ impl DataLoader {
 
     /// The next micro-batch of this rank, into `out` (reusing its allocations).
     pub fn next_into(&mut self, out: &mut Batch) -> Result<(), DataError> {
-        let shard_len = self.load(self.position.shard)?;
+        let mut shard_len = self.load(self.current())?;
         if self.position.offset + self.step_tokens() > shard_len {
-            self.advance_shard()?;
+            shard_len = self.advance_shard()?;
         }
-        let start = self.position.offset + self.rank * self.batch * self.seq;
-        let (_, unit) = self.loaded.as_ref().expect("loaded above");
-        unit.tokens.copy_to(start, &mut self.window);
-        let n = self.batch * self.seq;
+        let (seq, rows) = (self.seq, (shard_len - 1) / self.seq);
+        // The step's rows start at `offset` (a whole number of rows); this rank's at its part.
+        let first = self.position.offset / seq + self.rank * self.batch;
         out.inputs.clear();
-        out.inputs.extend_from_slice(&self.window[..n]);
         out.targets.clear();
-        out.targets.extend_from_slice(&self.window[1..]);
-        if let Some(mask) = &unit.mask {
-            apply_mask(&mut out.targets, &mask[start + 1..start + 1 + n]);
-        }
         out.positions.clear();
-        if let Some(starts) = &self.packing {
-            document_positions(starts, start, self.seq, n, &mut out.positions);
+        for b in 0..self.batch {
+            let start = self.row(first + b, rows) * seq;
+            let (_, unit) = self.loaded.as_ref().expect("loaded above");
+            unit.tokens.copy_to(start, &mut self.window);
+            out.inputs.extend_from_slice(&self.window[..seq]);
+            out.targets.extend_from_slice(&self.window[1..]);
+            if let Some(mask) = &unit.mask {
+                let targets = out.targets.len() - seq;
+                apply_mask(&mut out.targets[targets..], &mask[start + 1..start + 1 + seq]);
+            }
+            if let Some(starts) = &self.packing {
+                document_positions(starts, start, seq, seq, &mut out.positions);
+            }
         }
         self.position.offset += self.step_tokens() - 1;
         Ok(())
     }
 
-    fn advance_shard(&mut self) -> Result<(), DataError> {
+    /// Moves to the next shard of the epoch (the first of the next epoch after the last);
+    /// returns its length.
+    fn advance_shard(&mut self) -> Result<usize, DataError> {
         let count = shard_count(&self.source);
         let next = (self.position.shard + 1) % count;
         if next == 0 {
@@ -235,8 +324,7 @@ impl DataLoader {
         }
         self.position.shard = next;
         self.position.offset = 0;
-        self.load(next)?;
-        Ok(())
+        self.load(self.current())
     }
 
     /// Makes shard `index` the one in memory; returns its length (less the held-out tail in

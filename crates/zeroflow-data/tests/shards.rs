@@ -175,3 +175,115 @@ fn packing_shards_without_a_document_index_is_an_error_naming_the_shard() {
     assert_eq!(error.kind, DataErrorKind::NoDocumentIndex);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A shuffling loader reads, in each epoch, every row a plain one reads (`seq + 1` tokens from
+/// every `seq`-th, the ranks' disjoint), each once, in another order, and another again in the
+/// next epoch; its loss masks and document positions follow the rows; the same seed gives the
+/// same order, two ranks read what one with twice the micro-batch reads, and a saved position
+/// resumes it.
+#[test]
+fn the_shuffling_loader_reads_every_row_once_an_epoch_in_its_own_order_and_resumes_it() {
+    let dir = scratch("shuffling_loader");
+    // Two shards of distinct tokens (a token names its place), masked where the value is a
+    // multiple of 3, with documents every 5 tokens.
+    let mut paths = Vec::new();
+    for (index, base, len) in [(0, 0u32, 203u32), (1, 1000, 141)] {
+        let path = dir.join(format!("tokens_{index:06}.bin"));
+        let tokens: Vec<u32> = (base..base + len).collect();
+        write_shard_as(&path, TokenWidth::U32, &tokens).unwrap();
+        let mask: Vec<u8> = tokens.iter().map(|t| u8::from(t % 3 != 0)).collect();
+        write_loss_mask(&path.with_extension("mask"), &mask).unwrap();
+        let mut starts: Vec<u64> = (0..u64::from(len)).step_by(5).collect();
+        starts.push(u64::from(len));
+        write_document_index(&path.with_extension("idx"), &starts).unwrap();
+        paths.push(path);
+    }
+    let source = Source::Shards(paths);
+    let (vocab, batch, seq, world) = (5000, 2, 8, 2);
+    // Rows per shard (203 − 1) / 8 = 25 and (141 − 1) / 8 = 17; steps of 4 rows: 6 + 4 a epoch.
+    let steps_per_epoch = 10;
+    let loader = |rank: usize, seed: Option<u64>| {
+        let plain = DataLoader::new(source.clone(), vocab, batch, seq, rank, world).unwrap();
+        let plain = plain.packed().unwrap();
+        match seed {
+            Some(seed) => plain.shuffled(seed).unwrap(),
+            None => plain,
+        }
+    };
+    // The first token of each row read, in order, by every rank together, for `steps` steps.
+    let read = |seed: Option<u64>, steps: usize| -> Vec<u32> {
+        let mut loaders: Vec<DataLoader> = (0..world).map(|rank| loader(rank, seed)).collect();
+        let mut rows = Vec::new();
+        for _ in 0..steps {
+            for loader in &mut loaders {
+                let got = loader.next_batch().unwrap();
+                let positions = got.positions().unwrap();
+                for row in 0..batch {
+                    let inputs = &got.inputs[row * seq..(row + 1) * seq];
+                    let first = inputs[0];
+                    assert_eq!(first % 1000 % seq as u32, 0, "a row starts at a multiple of seq");
+                    for (i, &input) in inputs.iter().enumerate() {
+                        assert_eq!(input, first + i as u32, "a row's tokens are consecutive");
+                        let target = got.targets[row * seq + i];
+                        let next = input + 1;
+                        let expected = if next % 3 == 0 { IGNORE_TARGET } else { next };
+                        assert_eq!(target, expected, "the mask of token {next}");
+                        let in_document = (input % 1000) % 5;
+                        let expected = in_document.min(i as u32);
+                        assert_eq!(positions[row * seq + i], expected, "the position of {input}");
+                    }
+                    rows.push(first);
+                }
+            }
+        }
+        rows
+    };
+    let plain = read(None, steps_per_epoch);
+    let shuffled = read(Some(7), 2 * steps_per_epoch);
+    let (first_epoch, second_epoch) = shuffled.split_at(plain.len());
+    let sorted = |rows: &[u32]| {
+        let mut rows = rows.to_vec();
+        rows.sort_unstable();
+        rows
+    };
+    // Every row once an epoch; the rows a plain loader reads are the first of each shard.
+    let all_rows: Vec<u32> = (0..25).map(|r| r * 8).chain((0..17).map(|r| 1000 + r * 8)).collect();
+    for epoch in [first_epoch, second_epoch] {
+        let mut unique = sorted(epoch);
+        unique.dedup();
+        assert_eq!(unique.len(), epoch.len(), "no row twice in an epoch");
+        assert!(unique.iter().all(|row| all_rows.contains(row)), "{unique:?}");
+        assert_eq!(epoch.iter().filter(|&&r| r < 1000).count(), 24, "6 steps of shard 0");
+    }
+    assert_ne!(first_epoch, &plain[..], "shuffled");
+    assert_ne!(first_epoch, second_epoch, "another order in the next epoch");
+    assert_eq!(read(Some(7), 2 * steps_per_epoch), shuffled, "the same seed, the same order");
+    assert_ne!(read(Some(8), steps_per_epoch), first_epoch, "another seed, another order");
+
+    // Two ranks read together what one process with twice the micro-batch reads.
+    let one = DataLoader::new(source.clone(), vocab, 2 * batch, seq, 0, 1).unwrap();
+    let mut one = one.packed().unwrap().shuffled(7).unwrap();
+    let mut ranks: Vec<DataLoader> = (0..world).map(|rank| loader(rank, Some(7))).collect();
+    for _ in 0..2 * steps_per_epoch {
+        let together = one.next_batch().unwrap();
+        let parts: Vec<u32> =
+            ranks.iter_mut().flat_map(|rank| rank.next_batch().unwrap().inputs).collect();
+        assert_eq!(together.inputs, parts);
+    }
+
+    // A position saved mid-epoch resumes the same batches, for both ranks.
+    for rank in 0..world {
+        let mut straight = loader(rank, Some(7));
+        for _ in 0..13 {
+            straight.next_batch().unwrap();
+        }
+        let saved = straight.position();
+        let mut resumed = loader(rank, Some(7));
+        resumed.seek(saved).unwrap();
+        for _ in 0..12 {
+            assert_eq!(resumed.next_batch().unwrap(), straight.next_batch().unwrap());
+            assert_eq!(resumed.position(), straight.position());
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

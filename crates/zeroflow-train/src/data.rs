@@ -211,6 +211,9 @@ pub struct Shape {
     /// Whether rows are packed (`--pack`): the training batches and the evaluation set carry
     /// each token's position in its document, from the shards' document indexes.
     pub packed: bool,
+    /// Whether the training rows of files are read in an order shuffled each epoch from the seed
+    /// (`--shuffle`, [`DataLoader::shuffled`]); the synthetic corpus is a random stream already.
+    pub shuffled: bool,
 }
 
 /// The training and evaluation data of a run.
@@ -262,6 +265,13 @@ impl Data {
             true => {
                 train = train.packed().map_err(data_error)?;
                 format!("{description}, packed (no attention across documents)")
+            }
+            false => description,
+        };
+        let description = match shape.shuffled && !matches!(spec, Spec::Synthetic) {
+            true => {
+                train = train.shuffled(seed).map_err(data_error)?;
+                format!("{description}, rows shuffled each epoch")
             }
             false => description,
         };

@@ -15,7 +15,8 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn shape(batch: u64, seq: usize, eval_tokens: Option<usize>) -> Shape {
-    Shape { batch, micro_steps: 100, rank: 0, world_size: 1, seq, eval_tokens, packed: false }
+    let (packed, shuffled) = (false, false);
+    Shape { batch, micro_steps: 100, rank: 0, world_size: 1, seq, eval_tokens, packed, shuffled }
 }
 
 /// The tokens (inputs and counted targets) of `steps` training micro-batches and of the whole

@@ -71,6 +71,10 @@ pub struct Extra {
     /// rule does; `false` in checkpoints from before it, whose runs decayed every parameter.
     #[serde(default)]
     pub decay_skips_1d: bool,
+    /// Whether the training rows were read in a shuffled order (`--shuffle`; absent in
+    /// checkpoints from before it, whose runs read them in order).
+    #[serde(default)]
+    pub shuffle: Option<bool>,
     /// The flags that steer the run without changing its numbers, as its start gave them (empty
     /// in checkpoints from before they were kept): a resume's defaults.
     #[serde(default)]

@@ -117,6 +117,8 @@ pub struct TrainOptions {
     pub seed: Option<u64>,
     /// `--sample-every` and `--sample-prompt` ([`crate::sample`]).
     pub sample: Option<SampleOptions>,
+    /// `--shuffle`; `None`: on for files (a resumed run: as its checkpoint).
+    pub shuffle: Option<bool>,
     pub auto: AutoValues,
     /// What the flags ask of the run-time settings (the layer above the environment's).
     pub settings: Requested,
@@ -190,6 +192,9 @@ pub struct Setup {
     /// What the run was asked to do besides training (its flags, or a resumed checkpoint's), for
     /// its checkpoints.
     pub steering: Steering,
+    /// Whether the training rows of files are read in a shuffled order ([`data::Shape::shuffled`];
+    /// false for the synthetic corpus).
+    pub shuffle: bool,
 }
 
 impl Setup {
@@ -264,6 +269,7 @@ impl Setup {
             seq,
             eval_tokens: args.eval_tokens.map(|n| n.get() as usize),
             packed: settings.pack.unwrap_or(false),
+            shuffled: planned.shuffle,
         };
         // A `.jsonl`, and text where the model comes from a directory (its tokenizer's tokens,
         // not bytes), are tokenized here with that directory's tokenizer.
@@ -330,6 +336,7 @@ impl Setup {
             settings,
             attention,
             sampler: sampler.transpose()?,
+            shuffle: planned.shuffle,
         })
     }
 
@@ -425,6 +432,8 @@ struct Prepared {
     data_arg: String,
     spec: data::Spec,
     data_files: Vec<DataFile>,
+    /// Whether the training rows are shuffled ([`shuffle`]).
+    shuffle: bool,
     plan: MemoryPlan,
     /// What the machine has, read once for the run before anything is allocated.
     machine: MachineMemory,
@@ -470,6 +479,7 @@ fn prepare(
     let hf = args.init_from.as_deref().map(init_from::read).transpose()?;
     let model = choose_model(args.model.as_deref(), saved, hf.as_ref(), &spec)?;
     let seed = same_as_saved("--seed", args.seed, saved.map(|(e, d)| (e.seed, d)))?.unwrap_or(0);
+    let shuffle = shuffle(args.shuffle, &spec, saved)?;
     let steps = resume::total_steps(args.steps.map(NonZeroU64::get), resume.as_ref());
     // A resumed run that was given a config file keeps its resolved config, unless --config
     // says otherwise (a run of the default config resolves it again, to the same values).
@@ -529,9 +539,39 @@ fn prepare(
         data_arg,
         spec,
         data_files,
+        shuffle,
         plan,
         machine,
     })
+}
+
+/// Whether the training rows are read in an order shuffled each epoch: `--shuffle`, else on for
+/// files, as `transformers`' `Trainer` shuffles its dataset (the synthetic corpus is a random
+/// stream: never, and asking for it is said to change nothing). A resumed run reads as its
+/// checkpoint did (in order where it predates the option); a `--shuffle` that differs is an
+/// error.
+fn shuffle(flag: Option<bool>, spec: &data::Spec, saved: Option<(&Extra, &Path)>) -> Result<bool> {
+    if matches!(spec, data::Spec::Synthetic) {
+        if flag == Some(true) {
+            tracing::warn!(
+                "--shuffle: the synthetic corpus is a random stream; nothing to shuffle"
+            );
+        }
+        return Ok(false);
+    }
+    let saved = saved.map(|(extra, dir)| (extra.shuffle.unwrap_or(false), dir));
+    let to_name = |on: bool| if on { "on" } else { "off" };
+    match (flag, saved) {
+        (Some(given), Some((saved, dir))) if given != saved => Err(input(format!(
+            "--shuffle={} differs from the checkpoint's {} ({}): the rows a run reads from its \
+             position depend on it; drop --shuffle to continue the run as it was saved",
+            to_name(given),
+            to_name(saved),
+            dir.join("state.json").display()
+        ))),
+        (_, Some((saved, _))) => Ok(saved),
+        (given, None) => Ok(given.unwrap_or(true)),
+    }
 }
 
 /// What the memory plan of a rank of the run is of, with the engine's options as the trainer

@@ -262,6 +262,7 @@ impl<M: Model> Trainer<M> {
             settings: self.settings.to_json(),
             decay_skips_1d: true,
             steering: setup.steering.clone(),
+            shuffle: Some(setup.shuffle),
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),

@@ -154,6 +154,19 @@ pub struct Args {
         value_parser = settings::flag(&settings::names::SWITCH)
     )]
     pub pack: Option<bool>,
+    /// Read the training rows of files in an order shuffled each epoch from --seed (every row
+    /// once an epoch; a resume continues the order), as transformers' Trainer shuffles its
+    /// dataset; `off` reads them in file order. `--shuffle` alone is `=on`. Default: on (with
+    /// --resume: as the checkpoint's run; the synthetic corpus is never shuffled).
+    #[arg(
+        long,
+        value_name = "on|off",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "on",
+        value_parser = settings::flag(&settings::names::SWITCH)
+    )]
+    pub shuffle: Option<bool>,
     #[command(flatten)]
     pub auto: AutoFlags,
     #[command(flatten)]
@@ -204,6 +217,7 @@ impl Args {
                 .sample_every
                 .zip(self.sample_prompt.clone())
                 .map(|(every, prompt)| zeroflow_train::sample::SampleOptions { every, prompt }),
+            shuffle: self.shuffle,
             auto: auto.values(),
             settings: settings::Requested {
                 pack: self.pack,

@@ -206,6 +206,85 @@ fn a_resume_evaluates_saves_samples_and_exports_as_the_run_asked() {
     assert_eq!(std::fs::read(export.join("config.json")).unwrap(), before);
 }
 
+/// Files are read in rows shuffled each epoch from the seed by default, in file order with
+/// `--shuffle=off`: other losses from the first step, and the run header says which. A shuffled
+/// run resumed continues its order (its last weights are the uninterrupted run's); a `--shuffle`
+/// that differs from the checkpoint's is refused; a checkpoint from before the option resumes in
+/// file order, as its run read.
+#[test]
+fn files_are_read_in_a_shuffled_order_that_a_resume_continues() {
+    let dir = scratch("shuffle");
+    let corpus = dir.join("corpus.txt");
+    let lines: String = (0..400).map(|i| format!("line {i}: {}\n", "xyz".repeat(i % 11))).collect();
+    std::fs::write(&corpus, lines).unwrap();
+    let model = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let args = [
+            "--model",
+            model,
+            "--data",
+            corpus.to_str().unwrap(),
+            "--micro-batch",
+            "2",
+            "--steps",
+            "6",
+            "--save-every",
+            "3",
+            "--eval-every",
+            "0",
+        ];
+        let output = train(&[&args[..], &["--out", out.to_str().unwrap()], extra].concat());
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        (out, text(&output.stderr))
+    };
+    let zeroflow_log_info = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let args = ["--model", model, "--data", corpus.to_str().unwrap(), "--steps", "1"];
+        let output = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .arg("train")
+            .args([&args[..], &["--out", out.to_str().unwrap()], extra].concat())
+            .env("ZEROFLOW_LOG", "info")
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        text(&output.stderr)
+    };
+    assert!(zeroflow_log_info("header-on", &[]).contains("rows shuffled each epoch"));
+    assert!(!zeroflow_log_info("header-off", &["--shuffle=off"]).contains("shuffled"));
+
+    let first_loss = |out: &Path| read_lines(&out.join("metrics.jsonl"))[0]["loss"].as_f64();
+    let (shuffled, _) = run("shuffled", &[]);
+    let (in_order, _) = run("in-order", &["--shuffle=off"]);
+    assert!(first_loss(&shuffled).is_some() && first_loss(&shuffled) != first_loss(&in_order));
+    let state = json(&checkpoint(&shuffled, 3).join("state.json"));
+    assert_eq!(state["extra"]["shuffle"], true);
+
+    let weights = |out: &Path| std::fs::read(checkpoint(out, 6).join("model.safetensors")).unwrap();
+    for (name, flags, straight) in
+        [("split-on", &[][..], &shuffled), ("split-off", &["--shuffle=off"][..], &in_order)]
+    {
+        let (split, _) = run(name, flags);
+        std::fs::remove_dir_all(checkpoint(&split, 6)).unwrap();
+        let out = split.to_str().unwrap();
+        if name == "split-on" {
+            let refused = train(&["--resume", "latest", "--out", out, "--shuffle=off"]);
+            let stderr = text(&refused.stderr);
+            assert_eq!(refused.status.code(), Some(2), "{stderr}");
+            assert!(stderr.contains("--shuffle=off differs from the checkpoint's on"), "{stderr}");
+        } else {
+            // As a zeroflow from before the option wrote it.
+            let state_path = checkpoint(&split, 3).join("state.json");
+            let mut old = json(&state_path);
+            old["extra"].as_object_mut().unwrap().remove("shuffle");
+            std::fs::write(&state_path, serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+        }
+        let resumed = train(&["--resume", "latest", "--out", out]);
+        assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+        assert!(weights(&split) == weights(straight), "{name}: the resumed run's weights");
+    }
+}
+
 /// A checkpoint of a run trained on a GPU (its config in bf16), resumed without `--device`, is
 /// refused, saying to add `--device cuda` (regression: it went on on the CPU in fp32, warning
 /// only that the config differed in bf16); `--device cpu` given on purpose continues there.
