@@ -203,6 +203,31 @@ impl DataLoader {
         self.shuffle.is_some()
     }
 
+    /// The steps (of every rank together) one pass over the source takes: each shard's
+    /// `(len − 1) / (world_size × batch × seq)`, its length less the held-out tail of the last,
+    /// from the shards' headers and the text files' sizes. `None` for the synthetic corpus,
+    /// whose stream is made for the run.
+    pub fn epoch_steps(&self) -> Result<Option<u64>, DataError> {
+        let paths = match &self.source {
+            Source::Shards(paths) | Source::Text(paths) => paths,
+            Source::Synthetic { .. } => return Ok(None),
+        };
+        let mut steps = 0;
+        for (index, path) in paths.iter().enumerate() {
+            let mut len = match &self.source {
+                Source::Shards(_) => crate::shard::shard_token_count(path)?,
+                _ => std::fs::metadata(path)
+                    .map_err(|e| DataError::new(path, DataErrorKind::Io(e.to_string())))?
+                    .len() as usize,
+            };
+            if index + 1 == paths.len() {
+                len = len.saturating_sub(self.held_out);
+            }
+            steps += (len.saturating_sub(1) / (self.step_tokens() - 1)) as u64;
+        }
+        Ok(Some(steps))
+    }
+
     /// The shard the position's (`shard`-th of its epoch) is.
     fn current(&self) -> usize {
         let count = shard_count(&self.source);

@@ -150,6 +150,18 @@ fn read_checked(
     Ok((magic, count, bytes))
 }
 
+/// The token count a shard's header gives (its 256-int header alone is read; [`read_shard`]
+/// checks the rest when the shard is reached).
+pub fn shard_token_count(path: &Path) -> Result<usize, DataError> {
+    use std::io::Read;
+    let fail = |kind| DataError::new(path, kind);
+    let mut header = [0u8; 12];
+    let mut file = std::fs::File::open(path).map_err(|e| fail(DataErrorKind::Io(e.to_string())))?;
+    file.read_exact(&mut header).map_err(|e| fail(DataErrorKind::Io(e.to_string())))?;
+    let count = i32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
 /// Reads and validates a shard of either width: header, exact size, and every token below `vocab`.
 pub fn read_shard(path: &Path, vocab: usize) -> Result<ShardTokens, DataError> {
     let formats = [(SHARD_MAGIC, SHARD_VERSION), (SHARD_MAGIC_U32, SHARD_VERSION_U32)];

@@ -238,6 +238,16 @@ fn the_shuffling_loader_reads_every_row_once_an_epoch_in_its_own_order_and_resum
         }
         rows
     };
+    for (rank, seed) in [(0, None), (1, Some(7))] {
+        let mut one = loader(rank, seed);
+        assert_eq!(one.epoch_steps().unwrap(), Some(steps_per_epoch as u64));
+        for _ in 0..steps_per_epoch {
+            assert_eq!(one.position().epoch, 0);
+            one.next_batch().unwrap();
+        }
+        one.next_batch().unwrap();
+        assert_eq!(one.position().epoch, 1, "the epoch's steps, as epoch_steps counts them");
+    }
     let plain = read(None, steps_per_epoch);
     let shuffled = read(Some(7), 2 * steps_per_epoch);
     let (first_epoch, second_epoch) = shuffled.split_at(plain.len());

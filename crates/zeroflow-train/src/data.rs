@@ -231,6 +231,9 @@ pub struct Data {
     pub description: String,
     /// Where the evaluation set comes from, for the run header.
     pub eval_description: String,
+    /// The micro-steps one pass over the training data takes ([`DataLoader::epoch_steps`]);
+    /// `None` for the synthetic corpus.
+    pub epoch_micro_steps: Option<u64>,
 }
 
 impl Data {
@@ -329,7 +332,16 @@ impl Data {
         let eval =
             zeroflow_data::eval_batches(&tokens.tokens, mask, documents, seq, batch, rank, world);
         let eval_tokens = tokens.tokens.len();
-        Ok(Data { train, eval, eval_tokens, floor, description, eval_description })
+        let epoch_micro_steps = train.epoch_steps().map_err(data_error)?;
+        Ok(Data {
+            train,
+            eval,
+            eval_tokens,
+            floor,
+            description,
+            eval_description,
+            epoch_micro_steps,
+        })
     }
 }
 

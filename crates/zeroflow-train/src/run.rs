@@ -493,6 +493,9 @@ fn log_start(setup: &Setup, model: &impl Family) {
         setup.data.description,
         setup.data.eval_description,
     );
+    if let Some(line) = epochs_line(setup) {
+        tracing::info!("{line}");
+    }
     let decay = config.optimizer.weight_decay;
     if decay > 0.0
         && let Ok(layout) = model.flat_layout(1)
@@ -504,6 +507,28 @@ fn log_start(setup: &Setup, model: &impl Family) {
              weights, biases: {elements} elements), as transformers' Trainer leaves them out"
         );
     }
+}
+
+/// How many passes over the training data the run's steps make, for the run header (`None` for
+/// the synthetic corpus): what `transformers`' `Trainer` calls epochs, which `--steps` sets here.
+pub fn epochs_line(setup: &Setup) -> Option<String> {
+    let micro_steps = setup.data.epoch_micro_steps?;
+    let accum = setup.config.batch.gradient_accumulation_steps.max(1);
+    let epoch = micro_steps as f64 / accum as f64;
+    if micro_steps == 0 {
+        return None;
+    }
+    Some(format!(
+        "one epoch of the training data is {epoch:.0} steps ({}); the run's {} steps read it {:.2} \
+         times (3 epochs would be --steps {:.0})",
+        match accum {
+            1 => format!("{micro_steps} micro-batches"),
+            _ => format!("{micro_steps} micro-batches, {accum} a step"),
+        },
+        setup.steps,
+        setup.steps as f64 / epoch,
+        (3.0 * epoch).ceil()
+    ))
 }
 
 /// The precision as the run header states it.

@@ -489,10 +489,10 @@ fn prepare(
         .map(|point| &point.extra.config);
     // The resumed run's flags default to the checkpoint's values, so that the command that
     // started a run, with `--resume latest` added, continues it.
-    let resumed = resume.as_ref().map_or_else(AutoValues::default, |point| {
+    let saved_autos = resume.as_ref().map_or_else(AutoValues::default, |point| {
         AutoValues::of_config(&point.extra.config, args.extend_schedule)
     });
-    let config = resolve_config(args, &model, steps, dist.world_size, saved_config, resumed)?;
+    let config = resolve_config(args, &model, steps, dist.world_size, saved_config, saved_autos)?;
     let config_file = args.config.clone().or_else(|| {
         saved_config?;
         resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
@@ -799,10 +799,9 @@ impl Start {
 }
 
 /// When resuming, `--eval-every`, `--save-every`, `--keep`, `--log-every`, `--export` and the
-/// samples default to what
-/// the run's start asked for, so that `--resume latest` alone continues it. An export directory
-/// that holds files by now (the run's own export, where it ended before) is not written again:
-/// said, with the flag that exports elsewhere.
+/// samples default to what the run's start asked for, so that `--resume latest` alone continues
+/// it. An export directory that holds files by now (the run's own export, where it ended before)
+/// is not written again: said, with the flag that exports elsewhere.
 fn steer_as_saved(args: &mut TrainOptions, saved: &Steering) {
     args.eval_every = args.eval_every.or(saved.eval_every);
     args.save_every = args.save_every.or(saved.save_every);

@@ -240,7 +240,16 @@ fn files_are_read_in_a_shuffled_order_that_a_resume_continues() {
     };
     let zeroflow_log_info = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let args = ["--model", model, "--data", corpus.to_str().unwrap(), "--steps", "1"];
+        let args = [
+            "--model",
+            model,
+            "--data",
+            corpus.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--micro-batch",
+            "2",
+        ];
         let output = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
             .arg("train")
             .args([&args[..], &["--out", out.to_str().unwrap()], extra].concat())
@@ -250,7 +259,13 @@ fn files_are_read_in_a_shuffled_order_that_a_resume_continues() {
         assert!(output.status.success(), "{}", text(&output.stderr));
         text(&output.stderr)
     };
-    assert!(zeroflow_log_info("header-on", &[]).contains("rows shuffled each epoch"));
+    let header = zeroflow_log_info("header-on", &[]);
+    assert!(header.contains("rows shuffled each epoch"), "{header}");
+    // 400 lines of 10 to 41 bytes less the tenth held out, in steps of 2 rows of 16.
+    let bytes = std::fs::metadata(&corpus).unwrap().len();
+    let epoch = (bytes - bytes / 10 - 1) / 32;
+    let said = format!("one epoch of the training data is {epoch} steps ({epoch} micro-batches)");
+    assert!(header.contains(&said), "{header}");
     assert!(!zeroflow_log_info("header-off", &["--shuffle=off"]).contains("shuffled"));
 
     let first_loss = |out: &Path| read_lines(&out.join("metrics.jsonl"))[0]["loss"].as_f64();
