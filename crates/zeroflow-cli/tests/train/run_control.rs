@@ -36,6 +36,11 @@ fn lrs(run: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// The words of `text`, as arguments.
+fn words(text: &str) -> Vec<&str> {
+    text.split_whitespace().collect()
+}
+
 fn json(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
@@ -90,21 +95,10 @@ fn a_resume_keeps_the_flags_that_filled_the_config() {
     let dir = scratch("resume_keeps_flags");
     let (straight, split) = (dir.join("straight"), dir.join("split"));
     let base = [
-        "--model",
-        MINI,
-        "--micro-batch",
-        "2",
-        "--steps",
-        "6",
-        "--save-every",
-        "3",
-        "--weight-decay",
-        "0.5",
-        "--warmup",
-        "4",
-        "--lr",
-        "2e-2",
-    ];
+        &["--model", MINI][..],
+        &words("--micro-batch 2 --steps 6 --save-every 3 --weight-decay 0.5 --warmup 4 --lr 2e-2"),
+    ]
+    .concat();
     for out in [&straight, &split] {
         let run = train(&[&base[..], &["--out", out.to_str().unwrap()]].concat());
         assert!(run.status.success(), "{}", text(&run.stderr));
@@ -147,30 +141,15 @@ fn a_resume_keeps_the_flags_that_filled_the_config() {
 
 /// A run resumed with `--resume latest` alone evaluates, saves, keeps, samples and exports as its
 /// start asked (regression: it went back to the paced defaults and 3 checkpoints kept, wrote no
-/// samples and exported nothing).
-/// An export directory that holds files by then is left alone, saying so.
+/// samples and exported nothing). An export directory that holds files by then is left alone,
+/// saying so.
 #[test]
 fn a_resume_evaluates_saves_samples_and_exports_as_the_run_asked() {
     let dir = scratch("resume_steering");
     let (run, export) = (dir.join("run"), dir.join("exported"));
-    let args = [
-        "--model",
-        MINI,
-        "--micro-batch",
-        "2",
-        "--steps",
-        "6",
-        "--eval-every",
-        "1",
-        "--save-every",
-        "1",
-        "--keep",
-        "10",
-        "--sample-every",
-        "1",
-        "--sample-prompt",
-        "1,2,3",
-    ];
+    let flags = words("--micro-batch 2 --steps 6 --eval-every 1 --save-every 1 --keep 10");
+    let sample = ["--sample-every", "1", "--sample-prompt", "1,2,3"];
+    let args = [&["--model", MINI][..], &flags, &sample].concat();
     let paths = ["--out", run.to_str().unwrap(), "--export", export.to_str().unwrap()];
     let first = train(&[&args[..], &paths].concat());
     assert!(first.status.success(), "{}", text(&first.stderr));
@@ -220,36 +199,17 @@ fn files_are_read_in_a_shuffled_order_that_a_resume_continues() {
     let model = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let args = [
-            "--model",
-            model,
-            "--data",
-            corpus.to_str().unwrap(),
-            "--micro-batch",
-            "2",
-            "--steps",
-            "6",
-            "--save-every",
-            "3",
-            "--eval-every",
-            "0",
-        ];
+        let data = ["--model", model, "--data", corpus.to_str().unwrap()];
+        let args =
+            [&data[..], &words("--micro-batch 2 --steps 6 --save-every 3 --eval-every 0")].concat();
         let output = train(&[&args[..], &["--out", out.to_str().unwrap()], extra].concat());
         assert!(output.status.success(), "{}", text(&output.stderr));
         (out, text(&output.stderr))
     };
     let zeroflow_log_info = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let args = [
-            "--model",
-            model,
-            "--data",
-            corpus.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--micro-batch",
-            "2",
-        ];
+        let data = ["--model", model, "--data", corpus.to_str().unwrap()];
+        let args = [&data[..], &words("--steps 1 --micro-batch 2")].concat();
         let output = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
             .arg("train")
             .args([&args[..], &["--out", out.to_str().unwrap()], extra].concat())
