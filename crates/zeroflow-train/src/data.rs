@@ -38,6 +38,18 @@ pub enum Spec {
 }
 
 impl Spec {
+    /// Whether the data is conversations: JSON Lines whose first record has `messages` (or
+    /// ShareGPT's `conversations`), which the chat template renders for training.
+    pub fn holds_conversations(&self) -> bool {
+        let Spec::Jsonl(files) = self else { return false };
+        let Some(text) = files.first().and_then(|file| std::fs::read_to_string(file).ok()) else {
+            return false;
+        };
+        let first = text.lines().find(|line| !line.trim().is_empty());
+        let record = first.and_then(|line| serde_json::from_str::<serde_json::Value>(line).ok());
+        record.is_some_and(|r| r.get("messages").or(r.get("conversations")).is_some())
+    }
+
     pub fn parse(data: &str) -> Result<Spec> {
         if data == "synthetic" {
             return Ok(Spec::Synthetic);

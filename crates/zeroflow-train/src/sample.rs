@@ -7,17 +7,19 @@
 //! The prompt is encoded by the model directory's tokenizer where it has one (`--init-from`'s, or
 //! the resumed run's), else by bytes for text data, GPT-2's for a vocabulary of 50257 or more,
 //! bytes for one of 256 or more; for a smaller vocabulary (the synthetic corpus) it is token ids
-//! (`1,2,3`).
+//! (`1,2,3`). Where the run trains on conversations, the prompt is a user message rendered by the
+//! run's chat template with the assistant's turn opened (as `generate --chat` renders it), and the
+//! sample ends at the template's end of a turn; any sample ends at the tokenizer's end of text.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_data::Tokenizer;
+use zeroflow_data::{ChatOptions, Tokenizer};
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
-use crate::infer::{Completion, HostModel, Sampling, parse_ids};
+use crate::infer::{Completion, HostModel, Prompt, Sampling, parse_ids};
 use crate::{Family, ModelSpec, with_family};
 
 /// New tokens per sample.
@@ -37,27 +39,51 @@ pub struct Sampler {
     prompt_text: String,
     prompt: Vec<u32>,
     tokenizer: Option<Tokenizer>,
+    /// The tokens a sample ends at: the tokenizer's end of text, the chat template's end of a
+    /// turn.
+    stops: Vec<u32>,
+    /// Whether the prompt is a user message in the chat template.
+    as_chat: bool,
     file: PathBuf,
 }
 
 impl Sampler {
     /// The sampler of `options` for `model` trained on `data` (from the directory `init_from`, if
-    /// any, itself or in the run resumed), writing into the run directory `out`; an input error
-    /// where the prompt does not encode or holds an id outside the vocabulary.
+    /// any, itself or in the run resumed; `chat`: the run's chat options where it trains on
+    /// conversations), writing into the run directory `out`; an input error where the prompt does
+    /// not encode or holds an id outside the vocabulary.
     pub fn new(
         options: &SampleOptions,
         model: &ModelSpec,
         data: &Spec,
         init_from: Option<&Path>,
+        chat: Option<&ChatOptions>,
         out: &Path,
     ) -> Result<Sampler> {
         let vocab = model.vocab_size();
         let tokenizer = tokenizer_for(vocab, data, init_from)?;
-        let prompt = match &tokenizer {
-            Some(tokenizer) => tokenizer.encode(&options.prompt),
-            None => parse_ids(&options.prompt),
+        let template = match (&tokenizer, chat) {
+            (Some(tokenizer), Some(chat)) => {
+                chat.template(tokenizer).map_err(|e| input(format!("--sample-prompt: {e}")))?
+            }
+            _ => None,
+        };
+        let text = Prompt::Text(options.prompt.clone());
+        let prompt = match (&tokenizer, &template) {
+            (Some(tokenizer), Some(template)) => text.chat_tokens(tokenizer, template),
+            (Some(tokenizer), None) => tokenizer.encode(&options.prompt),
+            (None, _) => parse_ids(&options.prompt),
         }
         .map_err(|e| input(format!("--sample-prompt: {e}")))?;
+        let stops = match (&tokenizer, &template) {
+            (Some(tokenizer), template) => {
+                let turn_end = template.as_ref().and_then(|t| t.turn_end(tokenizer));
+                let mut stops: Vec<u32> = tokenizer.eot().into_iter().chain(turn_end).collect();
+                stops.dedup();
+                stops
+            }
+            (None, _) => Vec::new(),
+        };
         match prompt.iter().find(|&&id| id as usize >= vocab) {
             _ if prompt.is_empty() => return Err(input("--sample-prompt has no tokens")),
             Some(id) => {
@@ -74,6 +100,8 @@ impl Sampler {
             prompt_text: options.prompt.clone(),
             prompt,
             tokenizer,
+            stops,
+            as_chat: template.is_some(),
             file: out.join("samples.jsonl"),
         })
     }
@@ -92,20 +120,23 @@ impl Sampler {
         layout: &FlatLayout,
         weights: Vec<f32>,
     ) -> Result<Vec<u32>> {
-        let host = HostModel::from_params(model, one_rank_weights(model, layout, weights)?)?;
+        let mut host = HostModel::from_params(model, one_rank_weights(model, layout, weights)?)?;
+        self.stops.iter().for_each(|&token| host.also_stop_at(token));
         let completion = Completion {
             max_new_tokens: SAMPLE_TOKENS,
             sampling: Sampling::GREEDY,
             seed: 0,
-            stop: false,
+            stop: true,
         };
         let tokens = host.complete(&self.prompt, &completion)?;
         let text = self.tokenizer.as_ref().map(|t| t.decode(&tokens)).transpose();
         let text = text.map_err(|e| input(format!("a sample does not decode: {e}")))?;
         let shown = text.clone().unwrap_or_else(|| format!("{tokens:?}"));
-        tracing::info!("sample at step {step}: {:?} → {shown:?}", self.prompt_text);
+        let asked = if self.as_chat { " (a user message in the chat template)" } else { "" };
+        tracing::info!("sample at step {step}: {:?}{asked} → {shown:?}", self.prompt_text);
         let line = serde_json::json!({
-            "step": step, "prompt": self.prompt_text, "tokens": tokens, "text": text,
+            "step": step, "prompt": self.prompt_text, "chat": self.as_chat, "tokens": tokens,
+            "text": text,
         });
         let append = || -> std::io::Result<()> {
             let mut file =

@@ -287,14 +287,15 @@ impl Setup {
             let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
             startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, at, &chat)
         };
+        let conversations = spec.holds_conversations();
         let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval)).transpose()?;
         let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
-        let sampler = args
-            .sample
-            .as_ref()
-            .map(|sample| Sampler::new(sample, &model, &spec, model_dir.as_deref(), &out));
+        let sampler = args.sample.as_ref().map(|sample| {
+            let chat = conversations.then_some(&chat);
+            Sampler::new(sample, &model, &spec, model_dir.as_deref(), chat, &out)
+        });
         Ok(Setup {
             device: args.device,
             model,

@@ -134,7 +134,9 @@ pub struct Args {
     /// run's, with its prompt.
     #[arg(long, value_name = "N", requires = "sample_prompt")]
     pub sample_every: Option<u64>,
-    /// The text the samples continue (token ids `1,2,3` for a vocabulary under 256).
+    /// The text the samples continue (token ids `1,2,3` for a vocabulary under 256); where the
+    /// run trains on conversations, a user message in the chat template, the sample ending at
+    /// the end of the assistant's turn.
     #[arg(long, value_name = "TEXT", requires = "sample_every")]
     pub sample_prompt: Option<String>,
     /// Start even where the memory plan (`zeroflow plan`) does not fit this machine.

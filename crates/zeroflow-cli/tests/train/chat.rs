@@ -51,6 +51,10 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
         run.to_str().unwrap(),
         "--export",
         exported.to_str().unwrap(),
+        "--sample-every",
+        "10",
+        "--sample-prompt",
+        "question number 7?",
     ];
     let trained = train(&args);
     assert!(trained.status.success(), "{}", text(&trained.stderr));
@@ -73,6 +77,27 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
         .count();
     assert_eq!(events, 1, "one TensorBoard event file");
+
+    // The samples of a run on conversations: the prompt as a user message in the template, the
+    // reply ending at the template's end of a turn, <|im_end|> (257), as `generate --chat` does.
+    let samples = read_lines(&run.join("samples.jsonl"));
+    assert_eq!(samples.len(), 2, "{samples:?}");
+    assert!(samples.iter().all(|s| s["chat"] == true), "{samples:?}");
+    let tokenizer = zeroflow_data::Tokenizer::of_dir(&model).unwrap().unwrap();
+    let template = zeroflow_data::ChatTemplate::from_config(tokenizer.config()).unwrap().unwrap();
+    let prompt = zeroflow_train::infer::Prompt::Text("question number 7?".into());
+    let prompt = prompt.chat_tokens(&tokenizer, &template).unwrap();
+    let mut last =
+        zeroflow_train::infer::HostModel::open(&run.join("checkpoints/step-00000020")).unwrap();
+    last.also_stop_at(257);
+    let greedy = zeroflow_train::infer::Completion {
+        max_new_tokens: 32,
+        sampling: zeroflow_train::infer::Sampling::GREEDY,
+        seed: 0,
+        stop: true,
+    };
+    let expected = last.complete(&prompt, &greedy).unwrap();
+    assert_eq!(samples[1]["tokens"], json!(expected));
 
     for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
         assert!(exported.join(file).is_file(), "{file} exported");
