@@ -16,7 +16,7 @@ use crate::resume_point;
 use crate::settings;
 use crate::setup::{DeviceKind, Setup, Start};
 use crate::trainer::Trainer;
-use crate::{Family, Model, run_dir, with_family};
+use crate::{Family, Model, with_family};
 
 /// How a run ended.
 #[derive(Debug)]
@@ -80,9 +80,6 @@ pub fn run_on<F: Family, M: Model>(
     }
     let seconds = started.elapsed().as_secs_f64();
     observer.on_model_ready(&trainer.device_description, seconds).map_err(observer_error)?;
-    if leader && setup.default_out {
-        setup.out = run_dir::claim(&setup.out)?;
-    }
     if let Start::Resume { point, .. } = &setup.start {
         settings::warn_on_resume(&point.extra.settings, &trainer.settings, &point.dir);
     }

@@ -173,9 +173,6 @@ pub struct Setup {
     /// the run (at a stop where that step's checkpoint was refused), checked new (or empty) and
     /// with room for them.
     pub export: Option<PathBuf>,
-    /// `out` is the default `runs/<UTC time>`, which the run claims for itself when it starts
-    /// ([`run_dir::claim`]), under another name where that one is taken.
-    pub default_out: bool,
     pub seed: u64,
     pub start: Start,
     /// This process's rank in the job (one process unless a launcher says otherwise).
@@ -240,6 +237,14 @@ impl Setup {
         let out = match &resume {
             Some(point) => resume_out(point, &args, &config, steps)?,
             None => fresh_out(&args)?,
+        };
+        // The default `runs/<UTC time>` is claimed now, before anything is written into it (the
+        // tokens of data tokenized at start-up): another run started in the same second gets
+        // another. A set-up that fails from here removes it again.
+        let mut claimed = Claimed(None);
+        let out = match default_out {
+            true => claimed.claim(&out)?,
+            false => out,
         };
         let keep = args.keep.map_or(DEFAULT_KEEP, NonZeroU64::get);
         let (checkpoint_bytes, weights_bytes) =
@@ -329,7 +334,6 @@ impl Setup {
             keep,
             out,
             export: args.export,
-            default_out,
             seed,
             start,
             dist,
@@ -339,6 +343,7 @@ impl Setup {
             sampler: sampler.transpose()?,
             shuffle: planned.shuffle,
         })
+        .inspect(|_| claimed.keep())
     }
 
     /// The Hugging Face directory the run's model came from (`--init-from`, or the resumed run's):
@@ -635,7 +640,10 @@ fn run_data(
 /// The run directory of a run that does not resume: `--out`, else `runs/<UTC time>`; refused
 /// where it holds files (unless `--force`) or an earlier run's checkpoints.
 fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
-    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(utc_stamp()));
+    let Some(out) = args.out.clone() else {
+        // Claimed afresh ([`Claimed`]): `runs/<UTC time>`, or with a suffix where it is taken.
+        return Ok(PathBuf::from("runs").join(utc_stamp()));
+    };
     check_out_dir(&out, args.force)?;
     if let Some((_, newest)) = crate::checkpoints::list(&out)?.last() {
         return Err(input(format!(
@@ -646,6 +654,33 @@ fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
         )));
     }
     Ok(out)
+}
+
+/// The default run directory a set-up claimed ([`run_dir::claim`]), removed again (with an
+/// emptied `runs/`) where the set-up fails before [`Claimed::keep`].
+struct Claimed(Option<PathBuf>);
+
+impl Claimed {
+    fn claim(&mut self, wanted: &Path) -> Result<PathBuf> {
+        let dir = crate::run_dir::claim(wanted)?;
+        self.0 = Some(dir.clone());
+        Ok(dir)
+    }
+
+    fn keep(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            let _ = std::fs::remove_dir_all(&dir);
+            if let Some(parent) = dir.parent() {
+                let _ = std::fs::remove_dir(parent);
+            }
+        }
+    }
 }
 
 /// The run's data, its training stream at the checkpoint's position when resuming.

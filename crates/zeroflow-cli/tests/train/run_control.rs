@@ -350,8 +350,9 @@ fn a_resume_finds_its_data_from_anywhere_and_refuses_a_changed_file() {
 }
 
 /// Two runs started at once with the default `--out` each get their own directory under `runs/`
-/// (regression: both wrote into `runs/<UTC second>`, interleaving their metrics, and the second
-/// failed at its first checkpoint).
+/// (regressions: both wrote into `runs/<UTC second>`, interleaving their metrics, and the second
+/// failed at its first checkpoint; later, about one start in ten refused `runs/<UTC second>` as
+/// not empty, since another had claimed it between the set-up's check and its own claim).
 #[test]
 fn runs_started_at_once_get_a_run_directory_each() {
     let dir = scratch("default_out_at_once");
