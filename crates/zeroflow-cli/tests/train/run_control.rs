@@ -351,7 +351,7 @@ fn a_resume_finds_its_data_from_anywhere_and_refuses_a_changed_file() {
 
 /// Two runs started at once with the default `--out` each get their own directory under `runs/`
 /// (regressions: both wrote into `runs/<UTC second>`, interleaving their metrics, and the second
-/// failed at its first checkpoint; later, about one start in ten refused `runs/<UTC second>` as
+/// failed at its first checkpoint; later, a start could refuse `runs/<UTC second>` as
 /// not empty, since another had claimed it between the set-up's check and its own claim).
 #[test]
 fn runs_started_at_once_get_a_run_directory_each() {
