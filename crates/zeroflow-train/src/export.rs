@@ -35,6 +35,8 @@ pub struct Checkpoint {
     pub init_from: Option<PathBuf>,
     /// The chat template file the run trained with (`--chat-template`), where it gave one.
     pub chat_template: Option<PathBuf>,
+    /// The template's variables the run trained with (`--chat-template-kwargs`).
+    pub chat_template_kwargs: zeroflow_data::TemplateVariables,
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out` (which must not exist,
@@ -42,8 +44,8 @@ pub struct Checkpoint {
 pub fn export(dir: &Path, out: &Path) -> Result<Saved> {
     let from = read_checkpoint(dir)?;
     check_dir(out, 0).map_err(|reason| input(format!("{}: {reason}", out.display())))?;
-    let tokenizer =
-        ExportTokenizer::of_run(from.init_from.as_deref(), from.chat_template.as_deref());
+    let template = (from.chat_template.as_deref(), &from.chat_template_kwargs);
+    let tokenizer = ExportTokenizer::of_run(from.init_from.as_deref(), template);
     let tokenizer_from = tokenizer.source();
     with_family!(&from.model, family => {
         let layout = family.flat_layout(1)?;
@@ -108,8 +110,12 @@ pub struct ExportTokenizer {
 
 impl ExportTokenizer {
     /// What the export of a run that started from `init_from` and trained with the template
-    /// file `chat_template` writes; a warning for either where it cannot be read now.
-    pub fn of_run(init_from: Option<&Path>, chat_template: Option<&Path>) -> ExportTokenizer {
+    /// file `chat_template` (else the tokenizer's own) and its variables writes; a warning for
+    /// either file where it cannot be read now.
+    pub fn of_run(
+        init_from: Option<&Path>,
+        (chat_template, variables): (Option<&Path>, &zeroflow_data::TemplateVariables),
+    ) -> ExportTokenizer {
         if let Some(dir) = init_from.filter(|dir| !dir.is_dir()) {
             tracing::warn!(
                 "the run's --init-from {} is gone: exporting without its tokenizer files",
@@ -130,7 +136,8 @@ impl ExportTokenizer {
                 None
             }
         });
-        let turn_end = dir.as_deref().and_then(|dir| turn_end(dir, chat_template.as_deref()));
+        let turn_end =
+            dir.as_deref().and_then(|dir| turn_end(dir, chat_template.as_deref(), variables));
         ExportTokenizer { dir, chat_template, turn_end }
     }
 
@@ -145,13 +152,18 @@ impl ExportTokenizer {
 }
 
 /// The token that ends a reply in `template` (else the chat template of the tokenizer of `dir`)
-/// where it has one ([`zeroflow_data::ChatTemplate::turn_end`]), said.
-fn turn_end(dir: &Path, template: Option<&str>) -> Option<u32> {
+/// with the run's `variables` where it has one ([`zeroflow_data::ChatTemplate::turn_end`]), said.
+fn turn_end(
+    dir: &Path,
+    template: Option<&str>,
+    variables: &zeroflow_data::TemplateVariables,
+) -> Option<u32> {
     let tokenizer = zeroflow_data::Tokenizer::of_dir(dir).ok().flatten()?;
     let template = match template {
         Some(text) => zeroflow_data::ChatTemplate::new(text, "--chat-template").ok()?,
         None => zeroflow_data::ChatTemplate::from_config(tokenizer.config())?.ok()?,
     };
+    let template = template.with_variables(variables.clone()).ok()?;
     let id = template.turn_end(&tokenizer)?;
     let token = tokenizer.decode(&[id]).unwrap_or_default();
     tracing::info!(
@@ -299,6 +311,8 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         .map_err(|e| input(format!("{}: extra.model in state.json: {e}", dir.display())))?;
     let path_at = |pointer| meta.extra.pointer(pointer).and_then(|v| v.as_str()).map(PathBuf::from);
     let (init_from, chat_template) = (path_at("/run/init_from"), path_at("/chat_template"));
+    let kwargs = meta.extra.get("chat_template_kwargs").cloned();
+    let chat_template_kwargs = kwargs.and_then(|k| serde_json::from_value(k).ok());
     Ok(Checkpoint {
         dir: dir.to_path_buf(),
         model,
@@ -306,6 +320,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         weights_dtype,
         init_from,
         chat_template,
+        chat_template_kwargs: chat_template_kwargs.unwrap_or_default(),
     })
 }
 

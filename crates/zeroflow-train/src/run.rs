@@ -395,10 +395,9 @@ fn export_weights<F: Family, M: Model>(
 ) -> Result<(zeroflow_hf::Saved, f64)> {
     let (step, exporting) = (ended.done, Instant::now());
     let model_dir = setup.model_dir();
-    let tokenizer = crate::export::ExportTokenizer::of_run(
-        model_dir.as_deref(),
-        setup.chat_template.as_deref(),
-    );
+    let variables = setup.chat_template_kwargs.clone().unwrap_or_default();
+    let template = (setup.chat_template.as_deref(), &variables);
+    let tokenizer = crate::export::ExportTokenizer::of_run(model_dir.as_deref(), template);
     let saved = trainer.export(family, dir, tokenizer.source()).map_err(|error| {
         let newest = ended.saved.as_ref().map_or(String::new(), |saved| {
             format!("; `zeroflow export` writes the newest checkpoint, {}", saved.display())

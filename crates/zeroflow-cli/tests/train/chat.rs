@@ -280,3 +280,49 @@ fn a_chat_template_and_its_kwargs_are_kept_with_the_tokens_and_across_a_resume()
         "{said}"
     );
 }
+
+/// A run's `--chat-template-kwargs` decide the turn end its exports stop at: a template that ends
+/// the assistant's turn with `<|endoftext|>` (258) where `eot_end` is set, `<|im_end|>` (257)
+/// otherwise, trained with it set, exports 258 among the generation config's end-of-text ids,
+/// at the end of the run and by `zeroflow export` (regression: the turn end was found without the
+/// variables, 257).
+#[test]
+fn the_exported_turn_end_is_the_one_of_the_runs_template_variables() {
+    let dir = scratch("turn_end_kwargs");
+    let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
+    write_model_dir(&model);
+    write_chat(&chat);
+    let template = dir.join("ends.jinja");
+    let end = "('<|endoftext|>' if eot_end is defined else '<|im_end|>')";
+    std::fs::write(
+        &template,
+        format!(
+            "{{%- for message in messages %}}{{{{- '<|im_start|>' + message.role + '\\n' }}}}\
+             {{%- if message.role == 'assistant' %}}{{% generation %}}{{{{- message.content + \
+             {end} }}}}{{% endgeneration %}}{{{{- '\\n' }}}}{{%- else %}}{{{{- message.content + \
+             '<|im_end|>\\n' }}}}{{%- endif %}}{{%- endfor %}}{{%- if add_generation_prompt %}}\
+             {{{{- '<|im_start|>assistant\\n' }}}}{{%- endif %}}"
+        ),
+    )
+    .unwrap();
+    let at_end = dir.join("at-end");
+    let mut args = vec!["--init-from", model.to_str().unwrap(), "--data", chat.to_str().unwrap()];
+    args.extend(["--chat-template", template.to_str().unwrap()]);
+    args.extend(["--chat-template-kwargs", r#"{"eot_end": true}"#, "--steps", "1"]);
+    args.extend(["--micro-batch", "2", "--seq", "32", "--eval-every", "0"]);
+    args.extend(["--out", run.to_str().unwrap(), "--export", at_end.to_str().unwrap()]);
+    let trained = train(&args);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+    let exported = dir.join("exported");
+    let export = std::process::Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["export", run.to_str().unwrap(), "--out", exported.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(export.status.success(), "{}", text(&export.stderr));
+    for dir in [&at_end, &exported] {
+        let generation = std::fs::read_to_string(dir.join("generation_config.json")).unwrap();
+        let generation: serde_json::Value = serde_json::from_str(&generation).unwrap();
+        let stops = generation["eos_token_id"].as_array().unwrap();
+        assert!(stops.contains(&json!(258)) && !stops.contains(&json!(257)), "{generation}");
+    }
+}
