@@ -349,3 +349,62 @@ fn eval_of_chat_data_counts_the_assistants_tokens() {
     assert_eq!(unmasked["tokens"], manifest["tokens"].as_u64().unwrap() - 1, "{unmasked}");
     assert_ne!(unmasked["loss"], from_shards["loss"]);
 }
+
+/// A run fine-tuned from a model directory on conversations, given as MODEL (its run directory),
+/// encodes text as its run did: `eval` and `generate --chat` take the tokenizer of the run's
+/// `--init-from` directory and the run's `--chat-template` and `--chat-template-kwargs`, the
+/// same as naming them (regression: both refused the run directory for want of a
+/// tokenizer.json); the flags override what they name, and the model's own template gives
+/// another loss.
+#[test]
+fn a_run_directory_encodes_text_as_its_run_did() {
+    let dir = support::scratch_in("infer_commands", "run_text");
+    let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
+    chat_model::write_model_dir(&model);
+    let lines: Vec<String> = (0..30)
+        .map(|i| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("question number {i}?")},
+                {"role": "assistant", "content": "the same answer."},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&chat, lines.join("\n")).unwrap();
+    let template = dir.join("with_system.jinja");
+    let own = read_template(&model);
+    let system = "{%- if system_prompt is defined %}{{- '<|im_start|>system\\n' + system_prompt + \
+                  '<|im_end|>\\n' }}{%- endif %}";
+    std::fs::write(&template, format!("{system}{own}")).unwrap();
+    let kwargs = r#"{"system_prompt": "Be brief."}"#;
+    let (model_arg, chat_arg, run_arg) =
+        (model.to_str().unwrap(), chat.to_str().unwrap(), run.to_str().unwrap());
+    let template_arg = template.to_str().unwrap();
+    let mut train = vec!["train", "--init-from", model_arg, "--data", chat_arg, "--steps", "2"];
+    train.extend(["--micro-batch", "2", "--seq", "32", "--eval-every", "0", "--out", run_arg]);
+    train.extend(["--chat-template", template_arg, "--chat-template-kwargs", kwargs]);
+    let trained = zeroflow(&train);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+
+    let eval = |extra: &[&str]| {
+        let args = ["eval", run_arg, "--data", chat_arg, "--window", "32", "--json"];
+        json_of(&zeroflow(&[&args[..], extra].concat()))
+    };
+    let as_run = eval(&[]);
+    let named = ["--tokenizer", model_arg, "--chat-template", template_arg];
+    assert_eq!(as_run, eval(&[&named[..], &["--chat-template-kwargs", kwargs]].concat()));
+    let own_file = dir.join("own.jinja");
+    std::fs::write(&own_file, &own).unwrap();
+    let own_flags = ["--chat-template", own_file.to_str().unwrap(), "--chat-template-kwargs", "{}"];
+    assert_ne!(as_run["loss"], eval(&own_flags)["loss"], "the model's own template");
+
+    let generate = |extra: &[&str]| {
+        let args = ["generate", run_arg, "--chat", "--prompt", "question number 3?"];
+        json_of(&zeroflow(&[&args[..], &["--max-new-tokens", "6", "--json"], extra].concat()))
+    };
+    let reply = generate(&[]);
+    assert!(!reply["tokens"].as_array().unwrap().is_empty(), "{reply}");
+    // Named the same way (generate has no --chat-template: the run's template by its path
+    // through the checkpoint, the kwargs given).
+    assert_eq!(generate(&["--tokenizer", model_arg, "--chat-template-kwargs", kwargs]), reply);
+}

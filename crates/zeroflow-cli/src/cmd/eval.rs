@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use zeroflow_train::data::Spec;
-use zeroflow_train::infer::{HostModel, InferDevice};
+use zeroflow_train::infer::{InferDevice, ModelDir};
 
 /// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
@@ -23,14 +23,17 @@ pub struct Args {
     data: String,
     /// Encodes text and `.jsonl` --data: `gpt2`, `bytes`, a `tokenizer.json` or a model
     /// directory. Default: MODEL's own tokenizer.json where MODEL is a directory that has one,
-    /// else bytes as tokens.
+    /// the tokenizer its run trained with where MODEL is a checkpoint or run directory (its
+    /// --init-from directory's), else bytes as tokens.
     #[arg(long)]
     tokenizer: Option<String>,
-    /// A Jinja chat template for a `.jsonl` --data, instead of the tokenizer's own.
+    /// A Jinja chat template for a `.jsonl` --data, instead of the tokenizer's own (for a
+    /// checkpoint or run directory: its run's --chat-template where it gave one).
     #[arg(long, value_name = "FILE")]
     chat_template: Option<std::path::PathBuf>,
     /// Variables for the chat template of a `.jsonl` --data, a JSON object, as
     /// `apply_chat_template(..., **kwargs)` passes them (`'{"enable_thinking": false}'`).
+    /// Default: none (for a checkpoint or run directory: its run's).
     #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
     chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     /// Inputs per window (stride the same, every token predicted once; default: the context).
@@ -43,17 +46,16 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let spec = Spec::parse(&args.data)?;
-    let model = HostModel::open_for(&args.model, args.device)?;
+    let source = ModelDir::find(&args.model)?;
+    let text = source.text_source()?;
+    let model = source.open_for(args.device)?;
     // Text and .jsonl are encoded; shards need MODEL's own tokenizer no more than a named one.
     let encoded = matches!(spec, Spec::Text(_) | Spec::Jsonl(_));
     let tokenizer = match encoded || args.tokenizer.is_some() {
-        true => super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?,
+        true => super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?,
         false => None,
     };
-    let chat = zeroflow_data::ChatOptions {
-        template: args.chat_template,
-        variables: args.chat_template_kwargs.unwrap_or_default(),
-    };
+    let chat = super::chat_options(args.chat_template, args.chat_template_kwargs, &text);
     let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref(), &chat)?;
     if args.json {
         println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));

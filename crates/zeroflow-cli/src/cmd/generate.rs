@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use zeroflow_data::ChatTemplate;
 use zeroflow_train::infer::{
     Completion, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts,
 };
@@ -31,17 +30,21 @@ pub struct Args {
     #[arg(long)]
     prompt: Option<String>,
     /// `gpt2`, `bytes`, a `tokenizer.json` or a model directory: encodes --prompt, decodes the
-    /// output. Default: MODEL's own tokenizer.json where MODEL is a directory that has one.
+    /// output. Default: MODEL's own tokenizer.json where MODEL is a directory that has one, the
+    /// tokenizer its run trained with where MODEL is a checkpoint or run directory (its
+    /// --init-from directory's).
     #[arg(long)]
     tokenizer: Option<String>,
     /// A chat model: each text prompt becomes one user message, rendered by the tokenizer's chat
     /// template with the assistant's turn opened (as transformers' `apply_chat_template(...,
     /// add_generation_prompt=True)`), and the completion also ends at the tokenizer's
-    /// `eos_token` (the end of a turn).
+    /// `eos_token` (the end of a turn). A checkpoint or run directory's prompts are rendered by
+    /// the template its run trained with (its --chat-template, where it gave one).
     #[arg(long, conflicts_with = "prompt_tokens")]
     chat: bool,
     /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
     /// passes them: `'{"enable_thinking": false}'` opens Qwen3's turn without its reasoning.
+    /// Default: none (for a checkpoint or run directory: its run's).
     #[arg(long, value_name = "JSON", requires = "chat", value_parser = super::template_kwargs)]
     chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     #[arg(long, value_name = "N")]
@@ -67,7 +70,8 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // MODEL first: its tokenizer is looked for in it.
     let source = ModelDir::find(&args.model)?;
-    let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &args.model)?;
+    let text = source.text_source()?;
+    let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?;
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
         (Some(file), ..) => read_prompts(file)?,
         (None, Some(ids), _) => {
@@ -97,20 +101,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 args.model.display()
             )));
         }
-        (true, Some(tokenizer)) => match ChatTemplate::from_config(tokenizer.config()) {
-            Some(template) => {
-                let kwargs = args.chat_template_kwargs.clone().unwrap_or_default();
-                let template = template.and_then(|t| t.with_variables(kwargs));
-                Some((tokenizer, template.map_err(InputError::from_display)?))
-            }
-            None => {
-                return Err(InputError::from_display(format!(
-                    "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
+        (true, Some(tokenizer)) => {
+            match super::chat_options(None, args.chat_template_kwargs.clone(), &text)
+                .template(tokenizer)
+                .map_err(InputError::from_display)?
+            {
+                Some(template) => Some((tokenizer, template)),
+                None => {
+                    return Err(InputError::from_display(format!(
+                        "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
                      chat_template or chat_template.jinja)",
-                    tokenizer.name()
-                )));
+                        tokenizer.name()
+                    )));
+                }
             }
-        },
+        }
     };
     let prompts = prompts
         .iter()

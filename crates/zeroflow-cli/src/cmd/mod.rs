@@ -3,6 +3,7 @@
 use std::path::Path;
 
 use zeroflow_data::Tokenizer;
+use zeroflow_train::infer::TextSource;
 
 pub mod bench;
 pub mod bench_copy;
@@ -24,16 +25,42 @@ pub mod train;
 
 /// The tokenizer of `generate` and `eval`: the one `--tokenizer` names (`gpt2`, `bytes`, a
 /// `tokenizer.json` or a model directory), else MODEL's own where MODEL is a directory with a
-/// `tokenizer.json` (a Hugging Face directory, an export), else none.
+/// `tokenizer.json` (a Hugging Face directory, an export), or for a checkpoint or run directory
+/// the tokenizer its run trained with (its `--init-from` directory's, said), else none.
 pub(crate) fn model_tokenizer(
     named: Option<&str>,
+    text: &TextSource,
     model: &Path,
 ) -> anyhow::Result<Option<Tokenizer>> {
-    let tokenizer = match named {
-        Some(name) => Tokenizer::load(name).map(Some),
-        None => Tokenizer::of_dir(model),
+    let tokenizer = match (named, &text.tokenizer_dir) {
+        (Some(name), _) => Tokenizer::load(name).map(Some),
+        (None, Some(dir)) => {
+            let tokenizer = Tokenizer::of_dir(dir);
+            if dir != model && matches!(tokenizer, Ok(Some(_))) {
+                tracing::info!(
+                    "{}: encoding with the tokenizer of its run's --init-from {}",
+                    model.display(),
+                    dir.display()
+                );
+            }
+            tokenizer
+        }
+        (None, None) => Ok(None),
     };
     tokenizer.map_err(crate::InputError::from_display)
+}
+
+/// The chat template options of `generate` and `eval`: the flags', else what MODEL's run trained
+/// with ([`TextSource::chat`]).
+pub(crate) fn chat_options(
+    template: Option<std::path::PathBuf>,
+    variables: Option<zeroflow_data::TemplateVariables>,
+    text: &TextSource,
+) -> zeroflow_data::ChatOptions {
+    zeroflow_data::ChatOptions {
+        template: template.or_else(|| text.chat.template.clone()),
+        variables: variables.unwrap_or_else(|| text.chat.variables.clone()),
+    }
 }
 
 /// Parses `--chat-template-kwargs`: a JSON object of variables for the chat template, as

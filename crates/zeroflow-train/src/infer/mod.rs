@@ -25,7 +25,7 @@ pub mod source;
 
 pub use cuda::{CudaDecoder, CudaPrefixDecoder};
 pub use prompts::{Prompt, parse_prompts, read_prompts};
-pub use source::ModelDir;
+pub use source::{ModelDir, TextSource};
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};

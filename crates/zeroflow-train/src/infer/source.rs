@@ -23,7 +23,38 @@ pub enum ModelDir {
     Checkpoint(PathBuf),
 }
 
+/// What a MODEL's text is encoded with by default: a Hugging Face directory's own tokenizer and
+/// chat template; a checkpoint's, those its run trained with, the tokenizer of its `--init-from`
+/// directory (where that is still there) and its `--chat-template` file (where still there) and
+/// `--chat-template-kwargs`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TextSource {
+    /// The directory whose `tokenizer.json` (and `tokenizer_config.json`) encode text.
+    pub tokenizer_dir: Option<PathBuf>,
+    /// The chat template file (`None`: the tokenizer's own) and its variables.
+    pub chat: zeroflow_data::ChatOptions,
+}
+
 impl ModelDir {
+    /// What its text is encoded with by default ([`TextSource`]).
+    pub fn text_source(&self) -> Result<TextSource> {
+        match self {
+            ModelDir::HuggingFace(dir) => {
+                Ok(TextSource { tokenizer_dir: Some(dir.clone()), ..TextSource::default() })
+            }
+            ModelDir::Checkpoint(dir) => {
+                let checkpoint = export::read_checkpoint(dir)?;
+                Ok(TextSource {
+                    tokenizer_dir: checkpoint.init_from.filter(|dir| dir.is_dir()),
+                    chat: zeroflow_data::ChatOptions {
+                        template: checkpoint.chat_template.filter(|file| file.is_file()),
+                        variables: checkpoint.chat_template_kwargs,
+                    },
+                })
+            }
+        }
+    }
+
     /// `dir` as a checkpoint where it has `state.json`, as its newest checkpoint where it is a
     /// run directory (`checkpoints/step-N`), else as a Hugging Face directory (`config.json`);
     /// an input error, saying what MODEL may be, where it is none of them.
