@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use zeroflow_data::{
-    Batch, DataLoader, IGNORE_TARGET, Source, SyntheticCorpus, Unit, read_document_starts,
-    read_unit,
+    Batch, DataLoader, IGNORE_TARGET, Source, SyntheticCorpus, Tokenizer, Unit,
+    read_document_starts, read_unit,
 };
 
 use crate::error::{Result, input};
@@ -38,6 +38,46 @@ pub enum Spec {
 }
 
 impl Spec {
+    /// Token shards written by `zeroflow tokenize` with another tokenizer than the model's
+    /// (`tokenizer`, of the model directory `dir`) are an input error naming both: their ids mean
+    /// other text to this model (GPT-2's shards fed to a Qwen model train on garbage, silently,
+    /// where every id is below its vocabulary). The tokenizer a shard directory was made with is
+    /// its `manifest.json`'s; shards without one (llm.c's own) are not checked.
+    pub fn check_tokenized_with(
+        &self,
+        tokenizer: &Tokenizer,
+        dir: &Path,
+        flag: &str,
+    ) -> Result<()> {
+        let Spec::Shards(shards) = self else { return Ok(()) };
+        let mut folders: Vec<&Path> = shards.iter().filter_map(|shard| shard.parent()).collect();
+        folders.dedup();
+        for folder in folders {
+            let manifest = folder.join("manifest.json");
+            let Ok(text) = std::fs::read_to_string(&manifest) else { continue };
+            let Ok(made) = serde_json::from_str::<serde_json::Value>(&text) else { continue };
+            let Some(vocab) = made["vocab_size"].as_u64() else { continue };
+            // The vocabulary's size, not the end of text: a base model's tokenizer and its
+            // instruct model's differ in the latter alone (Llama-3's), and read the same ids.
+            let ours = tokenizer.vocab_size() as u64;
+            if vocab == ours {
+                continue;
+            }
+            let name = made["tokenizer"].as_str().unwrap_or("another tokenizer");
+            return Err(input(format!(
+                "{flag} {}: tokenized with {name} (a vocabulary of {vocab}; {}), not with the \
+                 tokenizer of the model directory {} (a vocabulary of {ours}): its ids would be \
+                 other text to this model; tokenize the data with `zeroflow tokenize --tokenizer \
+                 {} ...`, or give the text or .jsonl itself",
+                folder.display(),
+                manifest.display(),
+                dir.display(),
+                dir.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// Whether the data is conversations: JSON Lines whose first record has `messages` (or
     /// ShareGPT's `conversations`), which the chat template renders for training.
     pub fn holds_conversations(&self) -> bool {

@@ -293,6 +293,11 @@ impl Setup {
             startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, at, &chat)
         };
         let conversations = spec.holds_conversations();
+        if let Some(dir) = model_dir.as_deref()
+            && let Some(tokenizer) = zeroflow_data::Tokenizer::of_dir(dir).ok().flatten()
+        {
+            spec.check_tokenized_with(&tokenizer, dir, "--data")?;
+        }
         let spec = tokenized(spec, DataRole::Train)?;
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval)).transpose()?;

@@ -55,6 +55,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         true => super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?,
         false => None,
     };
+    // Shards tokenized with another tokenizer than MODEL's are refused, as `train` refuses them.
+    if let (Spec::Shards(_), Some(dir)) = (&spec, &text.tokenizer_dir)
+        && let Some(own) = zeroflow_data::Tokenizer::of_dir(dir).ok().flatten()
+    {
+        spec.check_tokenized_with(&own, dir, "--data")?;
+    }
     let chat = super::chat_options(args.chat_template, args.chat_template_kwargs, &text);
     let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref(), &chat)?;
     if args.json {

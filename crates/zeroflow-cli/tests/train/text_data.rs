@@ -132,6 +132,48 @@ fn text_beside_a_model_directory_without_a_tokenizer_is_refused() {
     assert!(!out.join("metrics.jsonl").exists(), "nothing trained");
 }
 
+/// Shards that `zeroflow tokenize` wrote with another tokenizer than the model directory's (bytes
+/// here: ids all inside the model's vocabulary, so nothing else would notice) are refused by
+/// `train --init-from` and by `eval`, naming both tokenizers and the command that tokenizes
+/// with the model's; shards of the model's own tokenizer train.
+#[test]
+fn shards_of_another_tokenizer_are_refused_naming_both() {
+    let words = "some text to train on\n".repeat(60);
+    let (dir, model, corpus) = model_and_corpus("text_data_other_tokenizer", &words);
+    let (bytes_shards, own_shards) = (dir.join("bytes-tokens"), dir.join("own-tokens"));
+    let tokenize = |tokenizer: &str, out: &Path| {
+        let tokenized = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(["tokenize", "--tokenizer", tokenizer, corpus.to_str().unwrap()])
+            .args(["--out", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(tokenized.status.success(), "{}", text(&tokenized.stderr));
+    };
+    tokenize("bytes", &bytes_shards);
+    tokenize(model.to_str().unwrap(), &own_shards);
+    let run = |shards: &Path, name: &str| {
+        let out = dir.join(name);
+        let args = ["--init-from", model.to_str().unwrap(), "--data", shards.to_str().unwrap()];
+        let more = ["--steps", "1", "--micro-batch", "2", "--seq", "16"];
+        train(&[&args[..], &more, &["--out", out.to_str().unwrap()]].concat())
+    };
+    let refused = run(&bytes_shards, "bytes-run");
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("tokenized with bytes (a vocabulary of 256;"), "{stderr}");
+    let said = format!("zeroflow tokenize --tokenizer {}", model.display());
+    assert!(stderr.contains(&said), "{stderr}");
+    assert!(!dir.join("bytes-run").exists(), "nothing written");
+    let eval = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["eval", model.to_str().unwrap(), "--data", bytes_shards.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(eval.status.code(), Some(2), "{}", text(&eval.stderr));
+    assert!(text(&eval.stderr).contains("tokenized with bytes"), "{}", text(&eval.stderr));
+    let trained = run(&own_shards, "own-run");
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+}
+
 /// A model from a directory is fine-tuned at 2e-5 unless told otherwise (the from-scratch
 /// default, 3e-3, would undo what it learned), and the run says so; `--lr` still sets it.
 #[test]
