@@ -101,8 +101,10 @@ impl fmt::Display for DataErrorKind {
             DataErrorKind::Corrupt(e) => write!(f, "corrupt: {e}"),
             DataErrorKind::TooShort { tokens, needed } => write!(
                 f,
-                "{tokens} tokens, but one step of all ranks needs {needed} (batch × seq × world \
-                 size + 1); use a smaller batch or more data"
+                "{tokens} tokens to train on (the last file's tail is held out for evaluation \
+                 unless --eval-data is given), but one step of all ranks needs {needed} \
+                 (micro-batch × seq × ranks + 1); give more data, or a smaller --micro-batch or \
+                 --seq"
             ),
             DataErrorKind::NoDocumentIndex => write!(
                 f,
