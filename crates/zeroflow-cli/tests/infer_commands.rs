@@ -319,16 +319,7 @@ fn eval_of_chat_data_counts_the_assistants_tokens() {
     let model = dir.join("model");
     chat_model::write_model_dir(&model);
     let chat = dir.join("chat.jsonl");
-    let lines: Vec<String> = (0..12)
-        .map(|i| {
-            serde_json::json!({"messages": [
-                {"role": "user", "content": format!("question number {i}?")},
-                {"role": "assistant", "content": "the answer is always the same."},
-            ]})
-            .to_string()
-        })
-        .collect();
-    std::fs::write(&chat, lines.join("\n")).unwrap();
+    chat_model::write_conversations(&chat, 12);
     let (model_arg, shards) = (model.to_str().unwrap(), dir.join("shards"));
     let eval = |data: &Path| {
         let args = ["eval", model_arg, "--data", data.to_str().unwrap(), "--window", "32"];
@@ -361,16 +352,7 @@ fn a_run_directory_encodes_text_as_its_run_did() {
     let dir = support::scratch_in("infer_commands", "run_text");
     let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
     chat_model::write_model_dir(&model);
-    let lines: Vec<String> = (0..30)
-        .map(|i| {
-            serde_json::json!({"messages": [
-                {"role": "user", "content": format!("question number {i}?")},
-                {"role": "assistant", "content": "the same answer."},
-            ]})
-            .to_string()
-        })
-        .collect();
-    std::fs::write(&chat, lines.join("\n")).unwrap();
+    chat_model::write_conversations(&chat, 30);
     let template = dir.join("with_system.jinja");
     let own = read_template(&model);
     let system = "{%- if system_prompt is defined %}{{- '<|im_start|>system\\n' + system_prompt + \

@@ -67,3 +67,18 @@ pub fn write_model_dir(dir: &Path) {
     let tokenizer_config = json!({"eos_token": "<|im_end|>", "chat_template": CHATML});
     std::fs::write(dir.join("tokenizer_config.json"), tokenizer_config.to_string()).unwrap();
 }
+
+/// `count` conversations whose assistant always answers the same way (something a tiny model
+/// learns), one JSON line each, into `path`.
+pub fn write_conversations(path: &Path, count: usize) {
+    let lines: Vec<String> = (0..count)
+        .map(|i| {
+            json!({"messages": [
+                {"role": "user", "content": format!("question number {i}?")},
+                {"role": "assistant", "content": "the answer is always the same."},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}

@@ -8,22 +8,8 @@ use std::path::Path;
 
 use serde_json::json;
 
-use super::chat_model::write_model_dir;
+use super::chat_model::{write_conversations, write_model_dir};
 use super::{read_lines, scratch, text, train};
-
-/// Conversations whose assistant always answers the same way: something a tiny model learns.
-fn write_chat(path: &Path) {
-    let lines: Vec<String> = (0..60)
-        .map(|i| {
-            json!({"messages": [
-                {"role": "user", "content": format!("question number {i}?")},
-                {"role": "assistant", "content": "the answer is always the same."},
-            ]})
-            .to_string()
-        })
-        .collect();
-    std::fs::write(path, lines.join("\n")).unwrap();
-}
 
 #[test]
 fn readme_fine_tune_on_chat_data_trains_and_exports() {
@@ -31,7 +17,7 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
     let (model, chat, run, exported) =
         (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"), dir.join("exported"));
     write_model_dir(&model);
-    write_chat(&chat);
+    write_conversations(&chat, 60);
     let args = [
         "--init-from",
         model.to_str().unwrap(),
@@ -128,7 +114,7 @@ fn chat_data_trains_packed() {
     let dir = scratch("chat_packed");
     let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
     write_model_dir(&model);
-    write_chat(&chat);
+    write_conversations(&chat, 60);
     let args = [
         "--init-from",
         model.to_str().unwrap(),
@@ -172,7 +158,7 @@ fn a_chat_template_and_its_kwargs_are_kept_with_the_tokens_and_across_a_resume()
     let dir = scratch("chat_template_kwargs");
     let (model, chat) = (dir.join("model"), dir.join("chat.jsonl"));
     write_model_dir(&model);
-    write_chat(&chat);
+    write_conversations(&chat, 60);
     // The model's ChatML template, with a system prompt where the variable is given, in a file.
     let config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap(),
@@ -291,7 +277,7 @@ fn the_exported_turn_end_is_the_one_of_the_runs_template_variables() {
     let dir = scratch("turn_end_kwargs");
     let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
     write_model_dir(&model);
-    write_chat(&chat);
+    write_conversations(&chat, 60);
     let template = dir.join("ends.jinja");
     let end = "('<|endoftext|>' if eot_end is defined else '<|im_end|>')";
     std::fs::write(
