@@ -26,6 +26,9 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     /// The speculative exact offload step's counts so far (this rank's), where it speculates.
     pub speculation: Option<zeroflow_engine::SpeculationStats>,
+    /// The epochs of the training data read by the end of the step (1.5: one and a half passes),
+    /// where it has epochs (files; not the synthetic corpus).
+    pub epoch: Option<f64>,
 }
 
 /// Where the run writes, and the losses it keeps for the plot. In a job of several ranks only
@@ -112,6 +115,7 @@ impl Recorder {
                 ("train/tokens_per_s", record.tokens_per_s),
             ];
             scalars.extend(record.grad_norm.map(|norm| ("train/grad_norm", norm)));
+            scalars.extend(record.epoch.map(|epoch| ("train/epoch", epoch)));
             events.scalars(record.step, &scalars).map_err(io("write the event file".to_owned()))?;
         }
         let mut line = json!({
@@ -122,6 +126,9 @@ impl Recorder {
             "loss_scale": record.loss_scale,
             "tokens_per_s": record.tokens_per_s,
         });
+        if let Some(epoch) = record.epoch {
+            line["epoch"] = json!(epoch);
+        }
         if let Some(stats) = record.speculation {
             line["speculated_steps"] = json!(stats.speculated_steps);
             line["redone_steps"] = json!(stats.redone_steps);

@@ -35,6 +35,9 @@ pub(crate) struct Trainer<M: Model> {
     tensors: Vec<NamedTensor>,
     schedule: LrSchedule,
     pub(crate) tokens_per_step: u64,
+    /// Optimizer steps per epoch of the training data, where it has epochs (files; not the
+    /// synthetic corpus): a step's `epoch` is its count over this.
+    steps_per_epoch: Option<f64>,
     /// The micro-batches of a step, reused.
     micro_batches: Vec<Batch>,
     /// Ranks in the job.
@@ -125,6 +128,7 @@ impl<M: Model> Trainer<M> {
             tensors: family.tensors(&layout)?,
             schedule: LrSchedule::from_config(config),
             tokens_per_step: accum * batch * setup.seq as u64 * world as u64,
+            steps_per_epoch: setup.data.epoch_micro_steps.map(|m| m as f64 / accum.max(1) as f64),
             micro_batches: vec![Batch::default(); accum as usize],
             world,
             masked: setup.data.train.masked(),
@@ -354,7 +358,8 @@ impl<M: Model> Trainer<M> {
         let tokens = step * self.tokens_per_step;
         let tokens_per_s = tokens as f64 / self.train_time.as_secs_f64();
         let speculation = self.engine.speculation_stats();
-        Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s, speculation })
+        let epoch = self.steps_per_epoch.filter(|&steps| steps > 0.0).map(|e| step as f64 / e);
+        Ok(StepRecord { step, loss, lr, grad_norm, loss_scale, tokens_per_s, speculation, epoch })
     }
 
     /// The weight of each micro-batch's backward, and the targets that count in the step (all

@@ -128,10 +128,13 @@ impl Progress {
     }
 
     pub fn step(&self, record: &StepRecord) {
-        let text = format!(
+        let mut text = format!(
             "loss {:.4} lr {:.1e} {:.0} tok/s",
             record.loss, record.lr, record.tokens_per_s
         );
+        if let Some(epoch) = record.epoch {
+            text.push_str(&format!(" epoch {epoch:.2}"));
+        }
         match self {
             Progress::Bar(shown) => {
                 shown.bar().set_position(record.step);

@@ -234,6 +234,14 @@ fn files_are_read_in_a_shuffled_order_that_a_resume_continues() {
     assert!(first_loss(&shuffled).is_some() && first_loss(&shuffled) != first_loss(&in_order));
     let state = json(&checkpoint(&shuffled, 3).join("state.json"));
     assert_eq!(state["extra"]["shuffle"], true);
+    // Each step's line says the epochs read by its end.
+    let epochs: Vec<f64> = read_lines(&shuffled.join("metrics.jsonl"))
+        .iter()
+        .filter_map(|line| line.get("epoch").and_then(serde_json::Value::as_f64))
+        .collect();
+    let per_step = 1.0 / epoch as f64;
+    assert_eq!(epochs.len(), 6, "{epochs:?}");
+    assert!((epochs[5] - 6.0 * per_step).abs() < 1e-12, "{epochs:?} against {per_step}");
 
     let weights = |out: &Path| std::fs::read(checkpoint(out, 6).join("model.safetensors")).unwrap();
     for (name, flags, straight) in
