@@ -5,7 +5,7 @@
     python3 scripts/tensorboard-check.py RUN_DIR
 
 The tags: train/loss, train/lr, train/grad_norm (steps that were not skipped), train/loss_scale,
-train/tokens_per_s (one per step) and eval/loss (one per evaluation). Values are float32 in the
+train/tokens_per_s, train/epoch (runs on files; one per step) and eval/loss (one per evaluation). Values are float32 in the
 event file, so each must equal metrics.jsonl's to float32 precision (relative 1e-6). Exit status
 1 on a missing tag, a different set of steps or a different value.
 """
@@ -23,6 +23,7 @@ TAGS = {
     "train/grad_norm": "grad_norm",
     "train/loss_scale": "loss_scale",
     "train/tokens_per_s": "tokens_per_s",
+    "train/epoch": "epoch",
     "eval/loss": "eval_loss",
 }
 
