@@ -516,7 +516,7 @@ pub fn epochs_line(setup: &Setup) -> Option<String> {
     }
     Some(format!(
         "one epoch of the training data is {epoch:.0} steps ({}); the run's {} steps read it {:.2} \
-         times (3 epochs would be --steps {:.0})",
+         times (--epochs 3 would be {:.0} steps)",
         match accum {
             1 => format!("{micro_steps} micro-batches"),
             _ => format!("{micro_steps} micro-batches, {accum} a step"),

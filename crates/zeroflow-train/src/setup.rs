@@ -119,6 +119,9 @@ pub struct TrainOptions {
     pub sample: Option<SampleOptions>,
     /// `--shuffle`; `None`: on for files (a resumed run: as its checkpoint).
     pub shuffle: Option<bool>,
+    /// `--epochs`: the run's steps are this many passes over the training data (counted once it
+    /// is opened); instead of `steps`, never with a resume.
+    pub epochs: Option<f64>,
     pub auto: AutoValues,
     /// What the flags ask of the run-time settings (the layer above the environment's).
     pub settings: Requested,
@@ -302,6 +305,16 @@ impl Setup {
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval)).transpose()?;
         let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
+        // `--epochs`: the steps, now that the data says how many an epoch is, and the config
+        // resolved again with them (its schedule's total and default warm-up).
+        let (steps, config) = match args.epochs {
+            Some(epochs) => {
+                let steps = steps_of_epochs(epochs, &data, &config)?;
+                let shape = (steps, dist.world_size);
+                (steps, resolve_config(&args, &model, shape, None, AutoValues::default(), false)?)
+            }
+            None => (steps, config),
+        };
         let sampler = args.sample.as_ref().map(|sample| {
             let chat = conversations.then_some(&chat);
             Sampler::new(sample, &model, &spec, model_dir.as_deref(), chat, &out)
@@ -503,7 +516,11 @@ fn prepare(
     let saved_autos = resume.as_ref().map_or_else(AutoValues::default, |point| {
         AutoValues::of_config(&point.extra.config, args.extend_schedule)
     });
-    let config = resolve_config(args, &model, steps, dist.world_size, saved_config, saved_autos)?;
+    if let Some(epochs) = args.epochs {
+        check_epochs(epochs, &spec)?;
+    }
+    let (shape, quiet) = ((steps, dist.world_size), args.epochs.is_some());
+    let config = resolve_config(args, &model, shape, saved_config, saved_autos, quiet)?;
     let config_file = args.config.clone().or_else(|| {
         saved_config?;
         resume.as_ref()?.extra.run.config_file.as_ref().map(PathBuf::from)
@@ -554,6 +571,36 @@ fn prepare(
         plan,
         machine,
     })
+}
+
+/// `--epochs` must be a positive number, of data that has epochs (files, not the synthetic
+/// corpus).
+fn check_epochs(epochs: f64, spec: &data::Spec) -> Result<()> {
+    if !(epochs.is_finite() && epochs > 0.0) {
+        return Err(input(format!("--epochs {epochs}: give a positive number of passes")));
+    }
+    if matches!(spec, data::Spec::Synthetic) {
+        return Err(input(
+            "--epochs: the synthetic corpus is a stream made for the run, with no epochs; give \
+             --steps",
+        ));
+    }
+    Ok(())
+}
+
+/// The optimizer steps of `epochs` passes over `data` (rounded up, at least 1), said.
+fn steps_of_epochs(epochs: f64, data: &data::Data, config: &Config) -> Result<u64> {
+    let micro_steps = data.epoch_micro_steps.ok_or_else(|| {
+        input("--epochs: the data has no epochs (the synthetic corpus); give --steps")
+    })?;
+    let accum = config.batch.gradient_accumulation_steps.max(1);
+    let steps = ((epochs * micro_steps as f64 / accum as f64).ceil() as u64).max(1);
+    tracing::info!(
+        "--epochs {epochs}: {steps} steps ({micro_steps} micro-batches of {} sequences an epoch, \
+         {accum} a step)",
+        config.batch.micro_batch_size_per_gpu
+    );
+    Ok(steps)
 }
 
 /// Whether the training rows are read in an order shuffled each epoch: `--shuffle`, else on for
@@ -954,14 +1001,15 @@ fn resume_out(
 }
 
 /// The resolved config of the run, through the resolution `zeroflow config` shares
-/// ([`run_config::resolve`]); its warnings are logged.
+/// ([`run_config::resolve`]); its warnings are logged, unless `quiet` (a provisional resolution
+/// that `--epochs` makes again once the data says how many steps the run is).
 fn resolve_config(
     args: &TrainOptions,
     model: &ModelSpec,
-    steps: u64,
-    world_size: usize,
+    (steps, world_size): (u64, usize),
     saved: Option<&serde_json::Value>,
     resumed: AutoValues,
+    quiet: bool,
 ) -> Result<Config> {
     let flags = run_config::RunFlags {
         config_file: args.config.as_deref(),
@@ -975,6 +1023,9 @@ fn resolve_config(
         fine_tune: args.init_from.is_some(),
     };
     let run_config::RunConfig { resolved, name } = run_config::resolve(&flags)?;
+    if quiet {
+        return Ok(resolved.config);
+    }
     for warning in &resolved.warnings {
         tracing::warn!("{name}: {warning}");
     }

@@ -49,6 +49,13 @@ pub struct Args {
     /// learning-rate schedule needs --extend-schedule).
     #[arg(long, value_name = "N")]
     pub steps: Option<NonZeroU64>,
+    /// Train for this many passes over the training data instead of --steps (a fraction will
+    /// do, as transformers' num_train_epochs): the steps are its count times the steps of one
+    /// epoch, counted once the data is tokenized, and the learning-rate schedule is sized from
+    /// them. Files only (the synthetic corpus has no epochs); not with --resume, which continues
+    /// to the run's planned total.
+    #[arg(long, value_name = "N", conflicts_with_all = ["steps", "resume"])]
+    pub epochs: Option<f64>,
     /// With --resume and a --steps other than the checkpoint's total: re-plan the learning-rate
     /// schedule (its "auto" warm-up and total) over the new total, on purpose. The learning rate
     /// of the next step then differs from the one the checkpoint's run planned.
@@ -220,6 +227,7 @@ impl Args {
                 .zip(self.sample_prompt.clone())
                 .map(|(every, prompt)| zeroflow_train::sample::SampleOptions { every, prompt }),
             shuffle: self.shuffle,
+            epochs: self.epochs,
             auto: auto.values(),
             settings: settings::Requested {
                 pack: self.pack,

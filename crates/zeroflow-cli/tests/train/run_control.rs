@@ -268,6 +268,46 @@ fn files_are_read_in_a_shuffled_order_that_a_resume_continues() {
     }
 }
 
+/// `--epochs N` trains N passes over the data: the steps are N times an epoch's (the count the
+/// run header gives), its learning-rate schedule sized from them, and a resume continues to that
+/// total. It needs files (the synthetic corpus has none) and goes with neither `--steps` nor
+/// `--resume`.
+#[test]
+fn epochs_set_the_steps_from_the_data() {
+    let dir = scratch("epochs");
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "a few words, then a few more.\n".repeat(100)).unwrap();
+    let model = r#"{"n_layer":1,"n_head":2,"d_model":16,"vocab_size":256,"context":16}"#;
+    let run = dir.join("run");
+    let data =
+        ["--model", model, "--data", corpus.to_str().unwrap(), "--out", run.to_str().unwrap()];
+    let trained =
+        train(&[&data[..], &words("--micro-batch 4 --epochs 1.5 --save-every 5")].concat());
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+    // 3,000 bytes less the tenth held out, in steps of 4 rows of 16.
+    let epoch = (3000 - 300 - 1) / 64;
+    let steps = (1.5 * epoch as f64).ceil() as u64;
+    let lines = read_lines(&run.join("metrics.jsonl"));
+    let last = lines.iter().rev().find_map(|l| l.get("epoch").map(|_| l["step"].as_u64()));
+    assert_eq!(last, Some(Some(steps)), "{lines:?}");
+    let state = json(&checkpoint(&run, steps).join("state.json"));
+    assert_eq!(state["extra"]["run"]["steps"], steps);
+    let schedule = &state["extra"]["config"]["scheduler"]["params"];
+    assert_eq!(schedule["total_num_steps"], steps, "{schedule}");
+    // Resumed from an earlier checkpoint, it ends at the same total.
+    std::fs::remove_dir_all(checkpoint(&run, steps)).unwrap();
+    let resumed = train(&["--resume", "latest", "--out", run.to_str().unwrap()]);
+    assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+    assert!(checkpoint(&run, steps).is_dir());
+
+    let synthetic =
+        train(&["--model", MINI, "--epochs", "1", "--out", dir.join("s").to_str().unwrap()]);
+    assert_eq!(synthetic.status.code(), Some(2), "{}", text(&synthetic.stderr));
+    assert!(text(&synthetic.stderr).contains("no epochs"), "{}", text(&synthetic.stderr));
+    let both = train(&[&data[..], &["--epochs", "1", "--steps", "3"]].concat());
+    assert_eq!(both.status.code(), Some(2), "{}", text(&both.stderr));
+}
+
 /// A checkpoint of a run trained on a GPU (its config in bf16), resumed without `--device`, is
 /// refused, saying to add `--device cuda` (regression: it went on on the CPU in fp32, warning
 /// only that the config differed in bf16); `--device cpu` given on purpose continues there.
