@@ -246,8 +246,9 @@ impl DataLoader {
     fn row(&mut self, row: usize, rows: usize) -> usize {
         let Some(shuffle) = &mut self.shuffle else { return row };
         let (epoch, shard) = (self.position.epoch, self.loaded.as_ref().expect("loaded").0);
-        let drawn = matches!(&shuffle.rows, Some((e, s, order)) if (*e, *s, order.len()) == (epoch, shard, rows));
-        if !drawn {
+        let this =
+            |(e, s, order): &(u64, usize, Vec<u32>)| (*e, *s, order.len()) == (epoch, shard, rows);
+        if !shuffle.rows.as_ref().is_some_and(this) {
             let seed = mix(shuffle.seed ^ mix(epoch) ^ mix(shard as u64).rotate_left(17));
             shuffle.rows = Some((epoch, shard, permutation(rows, seed)));
         }

@@ -102,19 +102,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )));
         }
         (true, Some(tokenizer)) => {
-            match super::chat_options(None, args.chat_template_kwargs.clone(), &text)
-                .template(tokenizer)
-                .map_err(InputError::from_display)?
-            {
-                Some(template) => Some((tokenizer, template)),
-                None => {
-                    return Err(InputError::from_display(format!(
-                        "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
+            let options = super::chat_options(None, args.chat_template_kwargs.clone(), &text);
+            let template = options.template(tokenizer).map_err(InputError::from_display)?;
+            let Some(template) = template else {
+                return Err(InputError::from_display(format!(
+                    "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
                      chat_template or chat_template.jinja)",
-                        tokenizer.name()
-                    )));
-                }
-            }
+                    tokenizer.name()
+                )));
+            };
+            Some((tokenizer, template))
         }
     };
     let prompts = prompts
