@@ -72,7 +72,17 @@ pub fn run_on<F: Family, M: Model>(
         log_start(&setup, family);
     }
     observer.doing(Activity::Building { parameters: family.num_params() });
-    let mut trainer = Trainer::<M>::new(&mut setup, family, open, started)?;
+    let mut trainer = match Trainer::<M>::new(&mut setup, family, open, started) {
+        Ok(trainer) => trainer,
+        Err(error) => {
+            // A default run directory claimed for this run holds nothing of it yet (at most the
+            // tokens of data tokenized at start-up): it goes, as a failed set-up's does.
+            if setup.claimed_out {
+                let _ = std::fs::remove_dir_all(&setup.out);
+            }
+            return Err(error);
+        }
+    };
     // The engine holds the checkpoint's optimizer state now (read from the files into its own)
     // and ZenFlow's: the resume point keeps only what the run reports and records.
     if let Start::Resume { point, .. } = &mut setup.start {

@@ -176,6 +176,9 @@ pub struct Setup {
     /// the run (at a stop where that step's checkpoint was refused), checked new (or empty) and
     /// with room for them.
     pub export: Option<PathBuf>,
+    /// `out` is the default `runs/<UTC time>`, claimed for this run during its set-up
+    /// ([`crate::run_dir::claim`]): a run that fails before it trains removes it.
+    pub claimed_out: bool,
     pub seed: u64,
     pub start: Start,
     /// This process's rank in the job (one process unless a launcher says otherwise).
@@ -352,6 +355,7 @@ impl Setup {
             keep,
             out,
             export: args.export,
+            claimed_out: default_out,
             seed,
             start,
             dist,
