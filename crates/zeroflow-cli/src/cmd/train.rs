@@ -44,9 +44,9 @@ pub struct Args {
     /// CUDA_VISIBLE_DEVICES leaves visible. Default: 0 (under a launcher: LOCAL_RANK).
     #[arg(long, value_name = "N")]
     pub gpu: Option<usize>,
-    /// Optimizer steps in all. Default: 1000 (with --resume: the checkpoint's run's own total, so
-    /// a resumed run ends where it was planned to; a different total that would change the
-    /// learning-rate schedule needs --extend-schedule).
+    /// Optimizer steps in all (or --epochs). Default: 1000 (with --resume: the checkpoint's run's
+    /// own total, so a resumed run ends where it was planned to; a different total that would
+    /// change the learning-rate schedule needs --extend-schedule).
     #[arg(long, value_name = "N")]
     pub steps: Option<NonZeroU64>,
     /// Train for this many passes over the training data instead of --steps (a fraction will
