@@ -602,6 +602,27 @@ fn sharegpt_messages(turns: &Json) -> Result<Vec<Json>, String> {
 const SHARD_PREFIX: &str = "tokens_";
 const MANIFEST: &str = "manifest.json";
 
+/// The tokenizer a directory of `zeroflow tokenize`'s shards was made with, as its
+/// `manifest.json` names it: its name and vocabulary size, and the manifest's path; `None` where
+/// the directory has no such manifest (llm.c's own shards).
+pub fn manifest_tokenizer(dir: &Path) -> Option<(String, u64, PathBuf)> {
+    let path = dir.join(MANIFEST);
+    let manifest: Json = serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
+    let vocab = manifest["vocab_size"].as_u64()?;
+    let name = manifest["tokenizer"].as_str().unwrap_or("another tokenizer").to_owned();
+    Some((name, vocab, path))
+}
+
+/// Whether a JSON Lines file's first record is a conversation (`messages`, or ShareGPT's
+/// `conversations`), which the chat template renders; its first line alone is read.
+pub fn first_record_is_conversation(path: &Path) -> bool {
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    let mut lines = std::io::BufReader::new(file).lines().map_while(std::result::Result::ok);
+    let first = lines.find(|line| !line.trim().is_empty());
+    let record = first.and_then(|line| serde_json::from_str::<Json>(&line).ok());
+    record.is_some_and(|r| r.get("messages").or(r.get("conversations")).is_some())
+}
+
 /// Collects documents into shards and writes each with its index and mask.
 struct ShardWriter<'a> {
     tokenizer: &'a Tokenizer,

@@ -26,7 +26,8 @@ pub use chat::{
 };
 pub use corpus::{
     BATCH_BYTES, DEFAULT_SHARD_TOKENS, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,
-    TokenizeSummary, count, describe_setup, encode_text_file, tokenize_corpus,
+    TokenizeSummary, count, describe_setup, encode_text_file, first_record_is_conversation,
+    manifest_tokenizer, tokenize_corpus,
 };
 pub use eval::{eval_batches, eval_windows};
 pub use input::{InputKind, held_out_refusal, input_kind, json_lines_in, json_lines_of};

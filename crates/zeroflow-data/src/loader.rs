@@ -119,6 +119,9 @@ pub struct DataLoader {
 #[derive(Debug)]
 struct Shuffle {
     seed: u64,
+    /// `(epoch, order)`: the shards in `epoch`, in the order they are read (drawn once an epoch,
+    /// not at every step).
+    shards: Option<(u64, Vec<u32>)>,
     /// `(epoch, shard, order)`: the rows of `shard` in `epoch`, in the order they are read.
     rows: Option<(u64, usize, Vec<u32>)>,
 }
@@ -185,16 +188,17 @@ impl DataLoader {
     pub fn hold_out_tail(mut self, tokens: usize) -> Result<Self, DataError> {
         self.held_out = tokens;
         self.loaded = None;
-        self.load(self.current())?;
+        self.load_current()?;
         Ok(self)
     }
 
     /// Reads the rows in a shuffled order drawn from `seed` (see the module documentation): the
     /// same rows as without it, each epoch in another order.
     pub fn shuffled(mut self, seed: u64) -> Result<Self, DataError> {
-        self.shuffle = Some(Shuffle { seed: mix(seed ^ 0x5348_5546_464c_4521), rows: None });
+        let seed = mix(seed ^ 0x5348_5546_464c_4521);
+        self.shuffle = Some(Shuffle { seed, shards: None, rows: None });
         self.loaded = None;
-        self.load(self.current())?;
+        self.load_current()?;
         Ok(self)
     }
 
@@ -228,14 +232,23 @@ impl DataLoader {
         Ok(Some(steps))
     }
 
+    /// Makes the position's shard the one in memory ([`DataLoader::load`]); returns its length.
+    fn load_current(&mut self) -> Result<usize, DataError> {
+        let shard = self.current();
+        self.load(shard)
+    }
+
     /// The shard the position's (`shard`-th of its epoch) is.
-    fn current(&self) -> usize {
+    fn current(&mut self) -> usize {
         let count = shard_count(&self.source);
-        let logical = self.position.shard % count;
-        match &self.shuffle {
+        let (logical, epoch) = (self.position.shard % count, self.position.epoch);
+        match &mut self.shuffle {
             Some(shuffle) if count > 1 => {
-                let seed = mix(shuffle.seed ^ mix(self.position.epoch)) ^ u64::MAX;
-                permutation(count, seed)[logical] as usize
+                if shuffle.shards.as_ref().is_none_or(|(drawn, _)| *drawn != epoch) {
+                    let seed = mix(shuffle.seed ^ mix(epoch)) ^ u64::MAX;
+                    shuffle.shards = Some((epoch, permutation(count, seed)));
+                }
+                shuffle.shards.as_ref().expect("drawn above").1[logical] as usize
             }
             _ => logical,
         }
@@ -269,7 +282,7 @@ impl DataLoader {
         }
         self.packing = Some(Vec::new());
         self.loaded = None;
-        self.load(self.current())?;
+        self.load_current()?;
         Ok(self)
     }
 
@@ -299,7 +312,7 @@ impl DataLoader {
     /// Continues from a saved position (of a loader with the same source, batch, seq and world).
     pub fn seek(&mut self, position: DataPosition) -> Result<(), DataError> {
         self.position = position;
-        self.load(self.current())?;
+        self.load_current()?;
         Ok(())
     }
 
@@ -312,7 +325,7 @@ impl DataLoader {
 
     /// The next micro-batch of this rank, into `out` (reusing its allocations).
     pub fn next_into(&mut self, out: &mut Batch) -> Result<(), DataError> {
-        let mut shard_len = self.load(self.current())?;
+        let mut shard_len = self.load_current()?;
         if self.position.offset + self.step_tokens() > shard_len {
             shard_len = self.advance_shard()?;
         }
@@ -350,7 +363,7 @@ impl DataLoader {
         }
         self.position.shard = next;
         self.position.offset = 0;
-        self.load(self.current())
+        self.load_current()
     }
 
     /// Makes shard `index` the one in memory; returns its length (less the held-out tail in

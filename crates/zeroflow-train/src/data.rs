@@ -53,17 +53,15 @@ impl Spec {
         let mut folders: Vec<&Path> = shards.iter().filter_map(|shard| shard.parent()).collect();
         folders.dedup();
         for folder in folders {
-            let manifest = folder.join("manifest.json");
-            let Ok(text) = std::fs::read_to_string(&manifest) else { continue };
-            let Ok(made) = serde_json::from_str::<serde_json::Value>(&text) else { continue };
-            let Some(vocab) = made["vocab_size"].as_u64() else { continue };
+            let Some((name, vocab, manifest)) = zeroflow_data::manifest_tokenizer(folder) else {
+                continue;
+            };
             // The vocabulary's size, not the end of text: a base model's tokenizer and its
             // instruct model's differ in the latter alone (Llama-3's), and read the same ids.
             let ours = tokenizer.vocab_size() as u64;
             if vocab == ours {
                 continue;
             }
-            let name = made["tokenizer"].as_str().unwrap_or("another tokenizer");
             return Err(input(format!(
                 "{flag} {}: tokenized with {name} (a vocabulary of {vocab}; {}), not with the \
                  tokenizer of the model directory {} (a vocabulary of {ours}): its ids would be \
@@ -82,12 +80,7 @@ impl Spec {
     /// ShareGPT's `conversations`), which the chat template renders for training.
     pub fn holds_conversations(&self) -> bool {
         let Spec::Jsonl(files) = self else { return false };
-        let Some(text) = files.first().and_then(|file| std::fs::read_to_string(file).ok()) else {
-            return false;
-        };
-        let first = text.lines().find(|line| !line.trim().is_empty());
-        let record = first.and_then(|line| serde_json::from_str::<serde_json::Value>(line).ok());
-        record.is_some_and(|r| r.get("messages").or(r.get("conversations")).is_some())
+        files.first().is_some_and(|file| zeroflow_data::first_record_is_conversation(file))
     }
 
     pub fn parse(data: &str) -> Result<Spec> {
@@ -286,6 +279,15 @@ pub struct Data {
     /// The micro-steps one pass over the training data takes ([`DataLoader::epoch_steps`]);
     /// `None` for the synthetic corpus.
     pub epoch_micro_steps: Option<u64>,
+}
+
+impl Data {
+    /// The optimizer steps of `accum` micro-steps one pass over the training data takes (not a
+    /// whole number where `accum` does not divide its micro-steps); `None` for the synthetic
+    /// corpus.
+    pub fn epoch_steps(&self, accum: u64) -> Option<f64> {
+        self.epoch_micro_steps.map(|micro| micro as f64 / accum.max(1) as f64)
+    }
 }
 
 impl Data {

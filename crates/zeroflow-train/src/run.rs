@@ -72,17 +72,10 @@ pub fn run_on<F: Family, M: Model>(
         log_start(&setup, family);
     }
     observer.doing(Activity::Building { parameters: family.num_params() });
-    let mut trainer = match Trainer::<M>::new(&mut setup, family, open, started) {
-        Ok(trainer) => trainer,
-        Err(error) => {
-            // A default run directory claimed for this run holds nothing of it yet (at most the
-            // tokens of data tokenized at start-up): it goes, as a failed set-up's does.
-            if setup.claimed_out {
-                let _ = std::fs::remove_dir_all(&setup.out);
-            }
-            return Err(error);
-        }
-    };
+    // Where this fails, the default run directory claimed for the run (holding at most the
+    // tokens of data tokenized at start-up) goes with the set-up, as a failed set-up's does.
+    let mut trainer = Trainer::<M>::new(&mut setup, family, open, started)?;
+    setup.claimed.keep();
     // The engine holds the checkpoint's optimizer state now (read from the files into its own)
     // and ZenFlow's: the resume point keeps only what the run reports and records.
     if let Start::Resume { point, .. } = &mut setup.start {
@@ -518,12 +511,9 @@ fn log_start(setup: &Setup, model: &impl Family) {
 /// How many passes over the training data the run's steps make, for the run header (`None` for
 /// the synthetic corpus): what `transformers`' `Trainer` calls epochs, which `--steps` sets here.
 pub fn epochs_line(setup: &Setup) -> Option<String> {
-    let micro_steps = setup.data.epoch_micro_steps?;
+    let micro_steps = setup.data.epoch_micro_steps.filter(|&micro| micro > 0)?;
     let accum = setup.config.batch.gradient_accumulation_steps.max(1);
-    let epoch = micro_steps as f64 / accum as f64;
-    if micro_steps == 0 {
-        return None;
-    }
+    let epoch = setup.data.epoch_steps(accum)?;
     Some(format!(
         "one epoch of the training data is {epoch:.0} steps ({}); the run's {} steps read it {:.2} \
          times (--epochs 3 would be {:.0} steps)",

@@ -176,9 +176,10 @@ pub struct Setup {
     /// the run (at a stop where that step's checkpoint was refused), checked new (or empty) and
     /// with room for them.
     pub export: Option<PathBuf>,
-    /// `out` is the default `runs/<UTC time>`, claimed for this run during its set-up
-    /// ([`crate::run_dir::claim`]): a run that fails before it trains removes it.
-    pub claimed_out: bool,
+    /// Where `out` is the default `runs/<UTC time>`, claimed for this run during its set-up
+    /// ([`crate::run_dir::claim`]): removed with the set-up unless the run keeps it once its
+    /// model is built ([`Claimed::keep`]).
+    pub(crate) claimed: Claimed,
     pub seed: u64,
     pub start: Start,
     /// This process's rank in the job (one process unless a launcher says otherwise).
@@ -195,9 +196,6 @@ pub struct Setup {
     /// What the run was asked to do besides training (its flags, or a resumed checkpoint's), for
     /// its checkpoints.
     pub steering: Steering,
-    /// Whether the training rows of files are read in a shuffled order ([`data::Shape::shuffled`];
-    /// false for the synthetic corpus).
-    pub shuffle: bool,
 }
 
 impl Setup {
@@ -355,7 +353,7 @@ impl Setup {
             keep,
             out,
             export: args.export,
-            claimed_out: default_out,
+            claimed,
             seed,
             start,
             dist,
@@ -363,9 +361,7 @@ impl Setup {
             settings,
             attention,
             sampler: sampler.transpose()?,
-            shuffle: planned.shuffle,
         })
-        .inspect(|_| claimed.keep())
     }
 
     /// The Hugging Face directory the run's model came from (`--init-from`, or the resumed run's):
@@ -395,7 +391,6 @@ fn model_dir(start: &Start) -> Option<PathBuf> {
 /// Refuses `--export dir` where it holds anything, is the run directory `out` itself, or where
 /// its file system has less free space than the weights take (`bytes`).
 fn check_export(dir: &Path, out: &Path, bytes: u64) -> Result<()> {
-    let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     if absolute(dir) == absolute(out) {
         return Err(input(format!(
             "--export {}: the run directory (--out) itself; the Hugging Face directory must be \
@@ -594,11 +589,12 @@ fn check_epochs(epochs: f64, spec: &data::Spec) -> Result<()> {
 
 /// The optimizer steps of `epochs` passes over `data` (rounded up, at least 1), said.
 fn steps_of_epochs(epochs: f64, data: &data::Data, config: &Config) -> Result<u64> {
-    let micro_steps = data.epoch_micro_steps.ok_or_else(|| {
-        input("--epochs: the data has no epochs (the synthetic corpus); give --steps")
-    })?;
-    let accum = config.batch.gradient_accumulation_steps.max(1);
-    let steps = ((epochs * micro_steps as f64 / accum as f64).ceil() as u64).max(1);
+    let accum = config.batch.gradient_accumulation_steps;
+    let (micro_steps, epoch) =
+        data.epoch_micro_steps.zip(data.epoch_steps(accum)).ok_or_else(|| {
+            input("--epochs: the data has no epochs (the synthetic corpus); give --steps")
+        })?;
+    let steps = ((epochs * epoch).ceil() as u64).max(1);
     tracing::info!(
         "--epochs {epochs}: {steps} steps ({micro_steps} micro-batches of {} sequences an epoch, \
          {accum} a step)",
@@ -712,9 +708,11 @@ fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// The default run directory a set-up claimed ([`run_dir::claim`]), removed again (with an
-/// emptied `runs/`) where the set-up fails before [`Claimed::keep`].
-struct Claimed(Option<PathBuf>);
+/// The default run directory a set-up claimed ([`crate::run_dir::claim`]), removed again (with
+/// an emptied `runs/`) when dropped before [`Claimed::keep`]: by a set-up that fails, or with the
+/// [`Setup`] of a run that fails to build its model.
+#[derive(Debug)]
+pub(crate) struct Claimed(Option<PathBuf>);
 
 impl Claimed {
     fn claim(&mut self, wanted: &Path) -> Result<PathBuf> {
@@ -723,7 +721,8 @@ impl Claimed {
         Ok(dir)
     }
 
-    fn keep(&mut self) {
+    /// The run holds the directory for good.
+    pub(crate) fn keep(&mut self) {
         self.0 = None;
     }
 }

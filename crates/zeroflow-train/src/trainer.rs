@@ -128,7 +128,7 @@ impl<M: Model> Trainer<M> {
             tensors: family.tensors(&layout)?,
             schedule: LrSchedule::from_config(config),
             tokens_per_step: accum * batch * setup.seq as u64 * world as u64,
-            steps_per_epoch: setup.data.epoch_micro_steps.map(|m| m as f64 / accum.max(1) as f64),
+            steps_per_epoch: setup.data.epoch_steps(accum),
             micro_batches: vec![Batch::default(); accum as usize],
             world,
             masked: setup.data.train.masked(),
@@ -266,7 +266,7 @@ impl<M: Model> Trainer<M> {
             settings: self.settings.to_json(),
             decay_skips_1d: true,
             steering: setup.steering.clone(),
-            shuffle: Some(setup.shuffle),
+            shuffle: Some(setup.data.train.is_shuffled()),
             run: RunInfo {
                 zeroflow_version: env!("CARGO_PKG_VERSION").to_owned(),
                 config_file: setup.config_file.as_ref().map(|p| p.display().to_string()),

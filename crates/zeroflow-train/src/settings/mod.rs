@@ -170,9 +170,7 @@ pub fn resolve(flags: Requested, env: Requested, config: Requested) -> Requested
 /// every activation); a checkpoint from before the settings were recorded asks for nothing.
 pub fn from_checkpoint(saved: &serde_json::Value, on_gpu: bool) -> Requested {
     let attention = saved.get("attention").and_then(serde_json::Value::as_str);
-    let attention = attention.and_then(|name| {
-        names::ATTENTION.iter().find(|(n, _)| *n == name).map(|&(_, attention)| attention)
-    });
+    let attention = zeroflow_core::env::choice(attention, &names::ATTENTION).ok().flatten();
     Requested {
         attention: attention.filter(|_| on_gpu),
         activation_checkpointing: saved
