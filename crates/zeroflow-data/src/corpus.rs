@@ -54,6 +54,19 @@ pub struct TokenizeOptions<'a> {
     pub chat_template: Option<&'a ChatTemplate>,
     /// The size of the pieces a text file is encoded in ([`TEXT_PIECE_BYTES`]).
     pub text_piece_bytes: usize,
+    /// `.jsonl` records held out of the shards for evaluation, into shards of their own.
+    pub hold_out: Option<HoldOut>,
+}
+
+/// `.jsonl` records written apart from the training shards, as an evaluation set: about
+/// `tokens` tokens, at most a tenth of the input's, in records spread evenly over the input
+/// (each record whole on one side, so no conversation is in both). Text files are not held
+/// out of: each is one document.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HoldOut {
+    /// The directory their shards go to (created; it must not hold shards already).
+    pub out_dir: PathBuf,
+    pub tokens: u64,
 }
 
 impl<'a> TokenizeOptions<'a> {
@@ -66,6 +79,7 @@ impl<'a> TokenizeOptions<'a> {
             skip_bad_lines: false,
             chat_template,
             text_piece_bytes: TEXT_PIECE_BYTES,
+            hold_out: None,
         }
     }
 }
@@ -86,6 +100,10 @@ pub struct TokenizeSummary {
     pub bad_lines: u64,
     pub input_bytes: u64,
     pub shards: Vec<PathBuf>,
+    /// What went to the held-out shards ([`TokenizeOptions::hold_out`]), where asked for; its
+    /// `input_bytes` are the held-out records' (the input's are all counted above).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_out: Option<Box<TokenizeSummary>>,
 }
 
 impl TokenizeSummary {
@@ -112,6 +130,18 @@ impl TokenizeSummary {
         }
         if self.bad_lines > 0 {
             text.push_str(&format!("\nskipped {}", count(self.bad_lines, "bad line")));
+        }
+        if let Some(held) = &self.held_out {
+            let dir = held.shards.first().and_then(|shard| shard.parent());
+            text.push_str(&format!(
+                "\nheld out for evaluation, spread over the input and never trained on: {} ({}, \
+                 {}), {}{}",
+                count(held.documents, "document"),
+                count(held.conversations, "conversation"),
+                count(held.assistant_tokens, "assistant token"),
+                count(held.tokens, "token"),
+                dir.map(|dir| format!(" in {}", dir.display())).unwrap_or_default()
+            ));
         }
         text
     }
@@ -219,27 +249,97 @@ pub fn tokenize_corpus(
         .collect::<Result<Vec<_>, _>>()?;
     prepare_out_dir(&options.out_dir)?;
     let per_thread = tokenizer.per_thread();
-    let mut writer = ShardWriter::new(tokenizer, options);
+    let mut writers = Writers {
+        train: ShardWriter::new(tokenizer, &options.out_dir, options.shard_tokens),
+        held_out: match &options.hold_out {
+            Some(hold_out) => {
+                prepare_out_dir(&hold_out.out_dir)?;
+                let writer = ShardWriter::new(tokenizer, &hold_out.out_dir, options.shard_tokens);
+                let input_bytes = inputs
+                    .iter()
+                    .map(|path| std::fs::metadata(path).map_err(|e| input_error(path, e)))
+                    .map(|meta| meta.map(|meta| meta.len()))
+                    .sum::<Result<u64, _>>()?;
+                Some((writer, Split::new(hold_out.tokens, input_bytes)))
+            }
+            None => None,
+        },
+    };
     let mut batch = Batch::default();
     for (input, (path, kind)) in inputs.iter().zip(kinds).enumerate() {
-        let mut flush = |unit: Unit, writer: &mut ShardWriter<'_>| {
-            writer.summary.input_bytes += unit.bytes.len() as u64;
+        let mut flush = |unit: Unit, writers: &mut Writers<'_>| {
+            writers.train.summary.input_bytes += unit.bytes.len() as u64;
             let Some((units, consumed)) = batch.push(unit) else { return Ok(()) };
-            process_batch(&per_thread, inputs, units, options, writer)?;
+            process_batch(&per_thread, inputs, units, options, writers)?;
             progress(consumed as u64);
             Ok(())
         };
         if kind == InputKind::JsonLines {
-            read_lines(path, input, &mut |unit| flush(unit, &mut writer))?;
+            read_lines(path, input, &mut |unit| flush(unit, &mut writers))?;
         } else {
             let piece = options.text_piece_bytes.max(1);
-            read_text(path, input, piece, &mut |unit| flush(unit, &mut writer))?;
+            read_text(path, input, piece, &mut |unit| flush(unit, &mut writers))?;
         }
     }
     let (units, consumed) = batch.take();
-    process_batch(&per_thread, inputs, units, options, &mut writer)?;
+    process_batch(&per_thread, inputs, units, options, &mut writers)?;
     progress(consumed as u64);
-    writer.finish()
+    let mut summary = writers.train.finish()?;
+    if let Some((writer, _)) = writers.held_out {
+        summary.held_out = Some(Box::new(writer.finish()?));
+    }
+    Ok(summary)
+}
+
+/// Where a corpus's documents are written: the training shards, and the held-out ones with
+/// the rule that chooses them, where asked for.
+struct Writers<'a> {
+    train: ShardWriter<'a>,
+    held_out: Option<(ShardWriter<'a>, Split)>,
+}
+
+/// Which `.jsonl` records are held out ([`HoldOut`]): a record is, where the tokens held out
+/// so far, with half of its own, stay below `wanted` times the fraction of the input read
+/// through it. `wanted` is [`HoldOut::tokens`], at most a tenth of the input's tokens as
+/// estimated from the tokens per byte of the records tokenized so far (all of them, for an
+/// input of one batch). The records held out are so spread evenly over the input, and the same
+/// for any number of threads (batches end at the same bytes).
+#[derive(Debug)]
+struct Split {
+    wanted: u64,
+    input_bytes: u64,
+    /// Bytes and tokens of the units decided, and of those held out.
+    bytes: u64,
+    tokens: u64,
+    held: u64,
+}
+
+impl Split {
+    fn new(wanted: u64, input_bytes: u64) -> Split {
+        Split { wanted, input_bytes, bytes: 0, tokens: 0, held: 0 }
+    }
+
+    /// The tokens to hold out of the whole input, by the units decided and a batch of
+    /// `batch_bytes` and `batch_tokens` about to be.
+    fn goal(&self, batch_bytes: u64, batch_tokens: u64) -> f64 {
+        let (bytes, tokens) = (self.bytes + batch_bytes, self.tokens + batch_tokens);
+        let input_bytes = self.input_bytes.max(bytes).max(1);
+        let estimate = tokens as f64 * input_bytes as f64 / bytes.max(1) as f64;
+        (self.wanted as f64).min(estimate / 10.0)
+    }
+
+    /// Whether the next unit, of `bytes` and `tokens` (a record: never a piece of a text file),
+    /// is held out, with the batch's `goal`.
+    fn hold(&mut self, goal: f64, bytes: u64, tokens: u64, record: bool) -> bool {
+        self.bytes += bytes;
+        self.tokens += tokens;
+        let through = goal * self.bytes as f64 / self.input_bytes.max(self.bytes).max(1) as f64;
+        let hold = record && tokens > 0 && (self.held as f64 + tokens as f64 / 2.0) < through;
+        if hold {
+            self.held += tokens;
+        }
+        hold
+    }
 }
 
 /// Units gathered until they hold [`BATCH_BYTES`] of input, then tokenized on all cores at once.
@@ -428,7 +528,7 @@ fn process_batch(
     inputs: &[PathBuf],
     units: Vec<Unit>,
     options: &TokenizeOptions<'_>,
-    writer: &mut ShardWriter<'_>,
+    writers: &mut Writers<'_>,
 ) -> Result<(), TokenizeError> {
     let template = options.chat_template;
     let documents: Vec<_> = units
@@ -443,8 +543,30 @@ fn process_batch(
             }
         })
         .collect();
+    let tokens = |document: &Result<Line, String>| match document {
+        Ok(Line::Text(document)) => document.tokens.len() as u64,
+        Ok(Line::Conversation(conversation)) => {
+            conversation.documents.iter().map(|(tokens, _)| tokens.len() as u64).sum()
+        }
+        Ok(Line::Blank) | Err(_) => 0,
+    };
+    let goal = writers.held_out.as_ref().map(|(_, split)| {
+        let bytes = units.iter().map(|unit| unit.bytes.len() as u64).sum();
+        split.goal(bytes, documents.iter().map(tokens).sum())
+    });
     for (unit, document) in units.iter().zip(documents) {
         let path = &inputs[unit.input];
+        let writer = match (&mut writers.held_out, goal) {
+            (Some((held_out, split)), Some(goal)) => {
+                let (bytes, record) =
+                    (unit.bytes.len() as u64, matches!(unit.place, Place::Line(_)));
+                match split.hold(goal, bytes, tokens(&document), record) {
+                    true => held_out,
+                    false => &mut writers.train,
+                }
+            }
+            _ => &mut writers.train,
+        };
         match (document, unit.place) {
             (Ok(Line::Text(document)), Place::Text(offset)) if offset > 0 => {
                 writer.go_on(document)?
@@ -626,7 +748,8 @@ pub fn first_record_is_conversation(path: &Path) -> bool {
 /// Collects documents into shards and writes each with its index and mask.
 struct ShardWriter<'a> {
     tokenizer: &'a Tokenizer,
-    options: &'a TokenizeOptions<'a>,
+    out_dir: &'a Path,
+    shard_tokens: usize,
     width: TokenWidth,
     tokens: Vec<u32>,
     mask: Vec<u8>,
@@ -637,10 +760,11 @@ struct ShardWriter<'a> {
 }
 
 impl<'a> ShardWriter<'a> {
-    fn new(tokenizer: &'a Tokenizer, options: &'a TokenizeOptions<'a>) -> Self {
+    fn new(tokenizer: &'a Tokenizer, out_dir: &'a Path, shard_tokens: usize) -> Self {
         ShardWriter {
             tokenizer,
-            options,
+            out_dir,
+            shard_tokens,
             width: TokenWidth::for_vocab(tokenizer.vocab_size()),
             tokens: Vec::new(),
             mask: Vec::new(),
@@ -655,7 +779,7 @@ impl<'a> ShardWriter<'a> {
     fn push(&mut self, document: Document) -> Result<(), TokenizeError> {
         let eot: Vec<u32> = self.tokenizer.eot().into_iter().collect();
         let len = eot.len() + document.tokens.len();
-        if !self.tokens.is_empty() && self.tokens.len() + len > self.options.shard_tokens {
+        if !self.tokens.is_empty() && self.tokens.len() + len > self.shard_tokens {
             self.write_shard()?;
         }
         self.document_starts.push(self.tokens.len() as u64);
@@ -679,9 +803,7 @@ impl<'a> ShardWriter<'a> {
     /// before it, no new document. Where it would take the shard past its limit, the shard is
     /// written and the document goes on in the next, whose index starts there.
     fn go_on(&mut self, more: Document) -> Result<(), TokenizeError> {
-        if !self.tokens.is_empty()
-            && self.tokens.len() + more.tokens.len() > self.options.shard_tokens
-        {
+        if !self.tokens.is_empty() && self.tokens.len() + more.tokens.len() > self.shard_tokens {
             self.write_shard()?;
             self.document_starts.push(0);
         }
@@ -693,7 +815,7 @@ impl<'a> ShardWriter<'a> {
 
     fn write_shard(&mut self) -> Result<(), TokenizeError> {
         let stem = format!("{SHARD_PREFIX}{:06}", self.summary.shards.len());
-        let dir = &self.options.out_dir;
+        let dir = self.out_dir;
         let (bin, idx, mask) = (
             dir.join(format!("{stem}.bin")),
             dir.join(format!("{stem}.idx")),
@@ -742,7 +864,7 @@ impl<'a> ShardWriter<'a> {
             "bad_lines": summary.bad_lines,
             "shards": self.manifest_shards,
         });
-        let path = self.options.out_dir.join(MANIFEST);
+        let path = self.out_dir.join(MANIFEST);
         let text = serde_json::to_string_pretty(&manifest).expect("JSON values serialize");
         std::fs::write(&path, text + "\n").map_err(|e| output_error(&path, e))?;
         Ok(self.summary)

@@ -25,7 +25,7 @@ pub use chat::{
     Rendered, TemplateVariables,
 };
 pub use corpus::{
-    BATCH_BYTES, DEFAULT_SHARD_TOKENS, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,
+    BATCH_BYTES, DEFAULT_SHARD_TOKENS, HoldOut, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,
     TokenizeSummary, count, describe_setup, encode_text_file, first_record_is_conversation,
     manifest_tokenizer, tokenize_corpus,
 };
@@ -102,8 +102,8 @@ impl fmt::Display for DataErrorKind {
             DataErrorKind::Corrupt(e) => write!(f, "corrupt: {e}"),
             DataErrorKind::TooShort { tokens, needed } => write!(
                 f,
-                "{tokens} tokens to train on (the last file's tail is held out for evaluation \
-                 unless --eval-data is given), but one step of all ranks needs {needed} \
+                "{tokens} tokens to train on (a part is held out for evaluation unless \
+                 --eval-data is given), but one step of all ranks needs {needed} \
                  (micro-batch × seq × ranks + 1); give more data, or a smaller --micro-batch or \
                  --seq"
             ),

@@ -556,3 +556,83 @@ fn a_text_file_longer_than_a_shard_goes_on_in_the_next() {
         assert!(tokens(shard).len() <= 100, "shard {k}");
     }
 }
+
+/// The documents of `summary`'s shards, each with its end-of-text token, in order.
+fn documents_of(shards: &[PathBuf]) -> Vec<Vec<u32>> {
+    let mut documents = Vec::new();
+    for shard in shards {
+        let (tokens, starts) = (tokens(shard), read_document_index(&shard.with_extension("idx")));
+        let starts = starts.unwrap();
+        documents.extend(starts.windows(2).map(|w| tokens[w[0] as usize..w[1] as usize].to_vec()));
+    }
+    documents
+}
+
+/// `.jsonl` records held out for evaluation are spread over the input (every part of a sorted
+/// corpus gives some), each whole on one side: the two sides are the corpus's documents, each
+/// once, in order. About the tokens asked for are held out, at most a tenth; text files, one
+/// document each, are not held out of.
+#[test]
+fn records_held_out_are_spread_over_the_input_and_never_in_the_training_shards() {
+    let dir = scratch("corpus-hold-out");
+    let tokenizer = bpe_tokenizer(&dir.join("model"));
+    // Four topics, one after the other (as a mix of datasets concatenated is), records of
+    // different lengths.
+    let topics = ["hello", "world", "abcdefgh", "hello world"];
+    let (a, b) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
+    let record = |t: usize, i: usize| json!({"text": topics[t].repeat(1 + i % 5)}).to_string();
+    let lines = |range: std::ops::Range<usize>| -> String {
+        range.flat_map(|t| (0..50).map(move |i| record(t, i) + "\n")).collect()
+    };
+    std::fs::write(&a, lines(0..2)).unwrap();
+    std::fs::write(&b, lines(2..4)).unwrap();
+    let inputs = [a, b];
+    let whole = run(&tokenizer, &inputs, &options(&dir.join("whole"), 1000)).unwrap();
+    let all = documents_of(&whole.shards);
+    assert_eq!(all.len(), 200);
+    let longest = all.iter().map(Vec::len).max().unwrap() as u64;
+
+    for (name, wanted) in [("capped", 1 << 20), ("asked", 60)] {
+        let (train_dir, held_dir) = (dir.join(name).join("train"), dir.join(name).join("held"));
+        let hold_out = zeroflow_data::HoldOut { out_dir: held_dir.clone(), tokens: wanted };
+        let options = TokenizeOptions { hold_out: Some(hold_out), ..options(&train_dir, 1000) };
+        let summary = run(&tokenizer, &inputs, &options).unwrap();
+        let held = summary.held_out.as_deref().expect("a held-out summary");
+        assert!(held.shards.iter().all(|s| s.starts_with(&held_dir)), "{:?}", held.shards);
+        let (train, held_docs) = (documents_of(&summary.shards), documents_of(&held.shards));
+        assert_eq!(train.len() as u64 + held.documents, 200, "{name}");
+        assert_eq!(summary.tokens + held.tokens, whole.tokens, "{name}");
+        assert_eq!(summary.input_bytes, whole.input_bytes, "{name}: every input byte counted");
+        // Each document on exactly one side, both sides in the corpus's order.
+        let (mut t, mut h) = (train.iter().peekable(), held_docs.iter().peekable());
+        let mut held_at = Vec::new();
+        for (k, document) in all.iter().enumerate() {
+            if t.peek() == Some(&document) {
+                t.next();
+            } else {
+                assert_eq!(h.next(), Some(document), "{name}: document {k} on neither side");
+                held_at.push(k);
+            }
+        }
+        assert!(t.next().is_none() && h.next().is_none(), "{name}");
+        let goal = (wanted as f64).min(whole.tokens as f64 / 10.0);
+        let off = (held.tokens as f64 - goal).abs();
+        assert!(off <= longest as f64, "{name}: {} tokens held out for {goal:.0}", held.tokens);
+        if name == "capped" {
+            for topic in 0..4 {
+                let of_topic = held_at.iter().filter(|&&k| k / 50 == topic).count();
+                assert!(of_topic >= 3, "{name}: {of_topic} documents of topic {topic} held out");
+            }
+        }
+    }
+
+    // A text file is one document: nothing is held out of it.
+    let text = dir.join("c.txt");
+    std::fs::write(&text, "hello world\n".repeat(200)).unwrap();
+    let held_dir = dir.join("text-held");
+    let hold_out = zeroflow_data::HoldOut { out_dir: held_dir, tokens: 1 << 20 };
+    let options = TokenizeOptions { hold_out: Some(hold_out), ..options(&dir.join("text"), 1000) };
+    let summary = run(&tokenizer, &[text], &options).unwrap();
+    assert_eq!((summary.documents, summary.held_out.unwrap().documents), (1, 0));
+    std::fs::remove_dir_all(dir).unwrap();
+}

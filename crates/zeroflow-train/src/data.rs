@@ -261,6 +261,19 @@ pub struct Shape {
     pub shuffled: bool,
 }
 
+/// Where a run's evaluation set comes from.
+#[derive(Clone, Copy, Debug)]
+pub enum EvalSet<'a> {
+    /// `--eval-data`: the start of these files.
+    Given(&'a Spec),
+    /// The records of a `.jsonl` held out of the training data, spread over it, when it was
+    /// tokenized at start-up ([`crate::startup_tokens::Tokenized::held_out`]): all of them.
+    HeldOut(&'a Spec),
+    /// Files: a tail of the last, which the training stream never reads; the synthetic corpus:
+    /// another stream of the same chain.
+    Tail,
+}
+
 /// The training and evaluation data of a run.
 #[derive(Debug)]
 pub struct Data {
@@ -296,15 +309,16 @@ impl Data {
     /// and of the evaluation set (the ranks read disjoint sequences of each step, together what
     /// one process with `world_size` times the micro-batch reads).
     ///
-    /// The evaluation set is the start of `eval` (`--eval-data`) where given; else the synthetic
-    /// corpus evaluates on another stream of the same chain, and files on the last
-    /// `shape.eval_tokens` tokens (at most a tenth) of their last file, which the training stream
-    /// never reads. Packed (`shape.packed`), both carry each token's position in its document
+    /// The evaluation set is the start of `eval`'s files where given (`--eval-data`), the
+    /// records held out of a `.jsonl` where they were; else the synthetic corpus evaluates on
+    /// another stream of the same chain, and files on the last `shape.eval_tokens` tokens (at
+    /// most a tenth) of their last file, which the training stream never reads. Packed
+    /// (`shape.packed`), both carry each token's position in its document
     /// ([`DataLoader::packed`]); every file, the evaluation set's included, needs its document
     /// index.
     pub fn open(
         spec: &Spec,
-        eval: Option<&Spec>,
+        eval: EvalSet<'_>,
         vocab: usize,
         shape: Shape,
         seed: u64,
@@ -333,15 +347,25 @@ impl Data {
             false => description,
         };
         let (tokens, eval_description) = match (eval, spec) {
-            (Some(eval_spec), _) => {
+            (EvalSet::Given(eval_spec), _) => {
                 let wanted = shape.eval_tokens.unwrap_or(EVAL_TOKENS);
                 let eval = source(eval_spec, vocab)?;
-                let tokens = leading_tokens(&eval, vocab, wanted, shape.packed)?;
+                let tokens = leading_tokens(&eval, vocab, wanted, shape.packed, "--eval-data")?;
                 let what =
                     format!("the first {} tokens of --eval-data", thousands(tokens.tokens.len()));
                 (tokens, what)
             }
-            (None, Spec::Synthetic) => {
+            (EvalSet::HeldOut(held), _) => {
+                let eval = source(held, vocab)?;
+                let flag = "--data (its held-out records)";
+                let tokens = leading_tokens(&eval, vocab, usize::MAX, shape.packed, flag)?;
+                let what = format!(
+                    "{} tokens of records held out across --data, never trained on",
+                    thousands(tokens.tokens.len())
+                );
+                (tokens, what)
+            }
+            (EvalSet::Tail, Spec::Synthetic) => {
                 let len = shape.eval_tokens.unwrap_or(SYNTHETIC_EVAL_TOKENS);
                 let corpus = Arc::new(SyntheticCorpus::default());
                 let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
@@ -350,7 +374,7 @@ impl Data {
                 let all = 0..tokens.tokens.len();
                 (EvalTokens::of(tokens, None, all), what)
             }
-            (None, _) => {
+            (EvalSet::Tail, _) => {
                 let source = source(spec, vocab)?;
                 let files = spec.files();
                 let last = read_unit(&source, files.len() - 1, vocab).map_err(data_error)?;
@@ -430,6 +454,7 @@ fn leading_tokens(
     vocab: usize,
     wanted: usize,
     packed: bool,
+    flag: &str,
 ) -> Result<EvalTokens> {
     let mut out = EvalTokens { tokens: Vec::new(), mask: None, documents: packed.then(Vec::new) };
     let (Source::Shards(paths) | Source::Text(paths)) = source else {
@@ -439,13 +464,12 @@ fn leading_tokens(
         if out.tokens.len() >= wanted {
             break;
         }
-        let unit =
-            read_unit(source, index, vocab).map_err(|e| input(format!("--eval-data: {e}")))?;
+        let unit = read_unit(source, index, vocab).map_err(|e| input(format!("{flag}: {e}")))?;
         let take = unit.tokens.len().min(wanted - out.tokens.len());
         let had = out.tokens.len();
         if let Some(documents) = &mut out.documents {
-            let starts = read_document_starts(source, index)
-                .map_err(|e| input(format!("--eval-data: {e}")))?;
+            let starts =
+                read_document_starts(source, index).map_err(|e| input(format!("{flag}: {e}")))?;
             let starts = starts.into_iter().filter(|&s| s < take as u64);
             documents.extend(starts.map(|s| s + had as u64));
         }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use zeroflow_data::IGNORE_TARGET;
 
-use super::{Data, EVAL_TOKENS, Shape, Spec};
+use super::{Data, EVAL_TOKENS, EvalSet, Shape, Spec};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("zeroflow-heldout-{}-{name}", std::process::id()));
@@ -48,7 +48,7 @@ fn one_shard_never_trains_on_its_evaluation_windows() {
     let tokens: Vec<u16> = (0..20_000).collect();
     zeroflow_data::write_shard(&path, &tokens).unwrap();
     let spec = Spec::Shards(vec![path]);
-    let mut data = Data::open(&spec, None, 65536, shape(3, 32, None), 0).unwrap();
+    let mut data = Data::open(&spec, EvalSet::Tail, 65536, shape(3, 32, None), 0).unwrap();
     assert_eq!(data.eval_tokens, 2000, "a tenth of the file (less than {EVAL_TOKENS})");
     assert!(data.eval_description.contains("held out from the end"), "{}", data.eval_description);
     let (train, eval) = tokens_read(&mut data, 1000);
@@ -74,7 +74,8 @@ fn one_text_file_holds_out_its_end_the_same_for_every_micro_batch() {
     let spec = Spec::parse(path.to_str().unwrap()).unwrap();
     let mut sizes = Vec::new();
     for batch in [1, 2, 5] {
-        let mut data = Data::open(&spec, None, 256, shape(batch, 16, Some(1000)), 0).unwrap();
+        let mut data =
+            Data::open(&spec, EvalSet::Tail, 256, shape(batch, 16, Some(1000)), 0).unwrap();
         let (train, eval) = tokens_read(&mut data, 2000);
         assert!(train.iter().all(|&t| t < u32::from(b'n')), "micro-batch {batch}");
         assert!(eval.iter().all(|&t| t >= u32::from(b'n')), "micro-batch {batch}");
@@ -94,7 +95,8 @@ fn eval_data_evaluates_on_the_start_of_other_files() {
     std::fs::write(&eval_path, vec![b'z'; 3000]).unwrap();
     let spec = Spec::parse(train_path.to_str().unwrap()).unwrap();
     let eval = Spec::parse(eval_path.to_str().unwrap()).unwrap();
-    let mut data = Data::open(&spec, Some(&eval), 256, shape(2, 16, Some(1000)), 0).unwrap();
+    let mut data =
+        Data::open(&spec, EvalSet::Given(&eval), 256, shape(2, 16, Some(1000)), 0).unwrap();
     assert_eq!(data.eval_tokens, 1000);
     let (train, evaluated) = tokens_read(&mut data, 500);
     assert!(train.iter().all(|&t| t == u32::from(b'a')));

@@ -12,7 +12,7 @@ use zeroflow_engine::{EngineOptions, checkpoint};
 use zeroflow_gpt::GptConfig;
 
 use crate::checkpoints;
-use crate::data::{self, Data};
+use crate::data::{self, Data, EvalSet};
 use crate::data_files::{self, DataFile};
 use crate::dist::DistEnv;
 use crate::dist::affinity::{self, BindMode, Binding};
@@ -153,6 +153,9 @@ pub struct Setup {
     /// `--eval-data` (resolved) and `--eval-tokens`, for the checkpoints.
     pub eval_data: Option<String>,
     pub eval_tokens: Option<u64>,
+    /// Whether records of a `.jsonl` were asked to be held out for evaluation (without
+    /// `--eval-data`), for the checkpoints: a resume holds out the same.
+    pub records_held_out: bool,
     /// `--chat-template` (an absolute path) and `--chat-template-kwargs` (or the resumed
     /// checkpoint's), for the checkpoints.
     pub chat_template: Option<PathBuf>,
@@ -292,9 +295,18 @@ impl Setup {
             template,
             variables: args.chat_template_kwargs.clone().unwrap_or_default(),
         };
-        let tokenized = |spec, role| {
+        // Without --eval-data, a `.jsonl`'s records spread over it are held out for evaluation
+        // (a run resumed from a checkpoint from before that held out a tail goes on doing so).
+        let hold_records = args.eval_data.is_none()
+            && match &start {
+                Start::Resume { point, .. } => point.extra.records_held_out == Some(true),
+                _ => true,
+            };
+        let hold_out = hold_records.then(|| shape.eval_tokens.unwrap_or(data::EVAL_TOKENS) as u64);
+        let tokenized = |spec, role, hold_out| {
             let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
-            startup_tokens::tokenized_at_start(spec, role, model_dir.as_deref(), &out, at, &chat)
+            let dir = model_dir.as_deref();
+            startup_tokens::tokenized_at_start(spec, role, dir, &out, at, &chat, hold_out)
         };
         let conversations = spec.holds_conversations();
         if let Some(dir) = model_dir.as_deref()
@@ -302,10 +314,16 @@ impl Setup {
         {
             spec.check_tokenized_with(&tokenizer, dir, "--data")?;
         }
-        let spec = tokenized(spec, DataRole::Train)?;
+        let tokenized_data = tokenized(spec, DataRole::Train, hold_out)?;
+        let (spec, held_out) = (tokenized_data.spec, tokenized_data.held_out);
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
-        let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval)).transpose()?;
-        let data = open_data(&spec, eval_spec.as_ref(), &model, shape, seed, &start)?;
+        let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval, None)).transpose()?;
+        let eval = match (&eval_spec, &held_out) {
+            (Some(given), _) => EvalSet::Given(&given.spec),
+            (None, Some(held_out)) => EvalSet::HeldOut(held_out),
+            (None, None) => EvalSet::Tail,
+        };
+        let data = open_data(&spec, eval, &model, shape, seed, &start)?;
         // `--epochs`: the steps, now that the data says how many an epoch is, and the config
         // resolved again with them (its schedule's total and default warm-up).
         let (steps, config) = match args.epochs {
@@ -331,6 +349,7 @@ impl Setup {
                 .as_deref()
                 .map(|e| data_files::resolve(e).unwrap_or(e.into())),
             eval_tokens: args.eval_tokens.map(NonZeroU64::get),
+            records_held_out: hold_records,
             chat_template: chat.template.clone(),
             chat_template_kwargs: args.chat_template_kwargs.clone(),
             config,
@@ -741,7 +760,7 @@ impl Drop for Claimed {
 /// The run's data, its training stream at the checkpoint's position when resuming.
 fn open_data(
     spec: &data::Spec,
-    eval: Option<&data::Spec>,
+    eval: EvalSet<'_>,
     model: &ModelSpec,
     shape: data::Shape,
     seed: u64,

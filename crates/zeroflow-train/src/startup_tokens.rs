@@ -75,6 +75,11 @@ impl RankOnHost {
 /// Conversations are rendered as `chat` says: the model's template or another file, with
 /// variables as `apply_chat_template(..., **kwargs)` passes them. The record holds both (the
 /// file among the sources), so tokens made otherwise are not reused.
+///
+/// With `hold_out` (tokens), a `.jsonl`'s records spread over it are held out for evaluation
+/// ([`zeroflow_data::HoldOut`]) into shards of their own under `<tokens>/held-out`, never
+/// trained on; where none is (a few long records), the run holds out a tail as it does of
+/// shards. The record holds the tokens asked for.
 pub fn tokenized_at_start(
     spec: Spec,
     role: DataRole,
@@ -82,9 +87,12 @@ pub fn tokenized_at_start(
     out: &Path,
     at: RankOnHost,
     chat: &ChatOptions,
-) -> Result<Spec> {
+    hold_out: Option<u64>,
+) -> Result<Tokenized> {
     let variables = &chat.variables;
     let flag = role.flag();
+    let hold_out = hold_out.filter(|_| matches!(spec, Spec::Jsonl(_)));
+    let recipe = Recipe { variables, hold_out };
     let (files, dir) = match (spec, model_dir) {
         (Spec::Jsonl(jsonl), Some(dir)) => (jsonl, dir),
         (Spec::Jsonl(jsonl), None) => {
@@ -106,7 +114,7 @@ pub fn tokenized_at_start(
             )));
         }
         (Spec::Text(paths), Some(dir)) => (paths, dir),
-        (spec, _) => return Ok(spec),
+        (spec, _) => return Ok(Tokenized { spec, held_out: None }),
     };
     let shown = files[0].display();
     let tokenizer = Tokenizer::from_dir(dir).map_err(|e| input(format!("{flag} {shown}: {e}")))?;
@@ -115,9 +123,9 @@ pub fn tokenized_at_start(
     let writer = if sources.is_some() { at.host_first() } else { at.rank };
     let tokens = out.join("tokens").join(role.folder(writer));
     if let (Some(sources), true) = (&sources, writer != at.rank) {
-        return wait_for(&tokens, sources, variables, flag, at);
+        return wait_for(&tokens, sources, &recipe, flag, at);
     }
-    let made = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources, variables));
+    let made = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources, &recipe));
     if let Some(made) = made {
         tracing::info!(
             "{flag}: {} of {} in {} in {}, tokenized at the last start from the same files and \
@@ -127,7 +135,7 @@ pub fn tokenized_at_start(
             count(made.summary.shards.len() as u64, "shard"),
             tokens.display()
         );
-        return Ok(Spec::Shards(made.shards(&tokens)));
+        return Ok(made.tokenized(&tokens));
     }
     if tokens.exists() {
         let earlier = read_json::<Made>(&tokens.join(MADE_FILE));
@@ -136,13 +144,17 @@ pub fn tokenized_at_start(
                 "{flag}: the tokens in {} were made from other sources ({}): tokenizing again; a \
                  run resumed from a checkpoint of those tokens goes on in these",
                 tokens.display(),
-                earlier.differs_from(sources, variables)
+                earlier.differs_from(sources, &recipe)
             );
         }
         std::fs::remove_dir_all(&tokens)
             .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
     }
-    let options = TokenizeOptions::new(tokens.clone(), template.as_ref());
+    let mut options = TokenizeOptions::new(tokens.clone(), template.as_ref());
+    options.hold_out = hold_out.map(|tokens_wanted| zeroflow_data::HoldOut {
+        out_dir: held_out_dir(&tokens),
+        tokens: tokens_wanted,
+    });
     let progress = Progress::new(&files, PROGRESS_INTERVAL);
     let said = |bytes| {
         if let Some(line) = progress.advance(bytes) {
@@ -177,14 +189,42 @@ pub fn tokenized_at_start(
     if let Some(sources) = sources {
         // Written last: a start cut short while tokenizing leaves no record, and the next one
         // tokenizes again. A record that cannot be written only costs the next start the time.
-        if let Err(error) = Made::of(sources, variables, &summary).write(&tokens) {
+        if let Err(error) = Made::of(sources, &recipe, &summary).write(&tokens) {
             tracing::warn!(
                 "cannot record what {} was tokenized from ({error}): the next start tokenizes again",
                 tokens.display()
             );
         }
     }
-    Ok(Spec::Shards(summary.shards))
+    Ok(Tokenized::of(summary.shards, summary.held_out.map(|held| held.shards)))
+}
+
+/// Data as a run reads it ([`tokenized_at_start`]).
+#[derive(Debug)]
+pub struct Tokenized {
+    pub spec: Spec,
+    /// The `.jsonl` records held out of it for evaluation, where asked for and some were.
+    pub held_out: Option<Spec>,
+}
+
+impl Tokenized {
+    fn of(shards: Vec<PathBuf>, held_out: Option<Vec<PathBuf>>) -> Tokenized {
+        let held_out = held_out.filter(|shards| !shards.is_empty()).map(Spec::Shards);
+        Tokenized { spec: Spec::Shards(shards), held_out }
+    }
+}
+
+/// The folder of a tokens folder that holds its held-out records' shards.
+fn held_out_dir(tokens: &Path) -> PathBuf {
+    tokens.join("held-out")
+}
+
+/// What a tokenizing depends on besides its sources: the chat template's variables, and the
+/// tokens held out for evaluation.
+#[derive(Clone, Copy, Debug)]
+struct Recipe<'a> {
+    variables: &'a TemplateVariables,
+    hold_out: Option<u64>,
 }
 
 /// The file under a tokens folder that records what its tokens were made from.
@@ -202,15 +242,15 @@ const WAIT_SAID_EVERY: Duration = Duration::from_secs(30);
 fn wait_for(
     tokens: &Path,
     sources: &[Source],
-    variables: &TemplateVariables,
+    recipe: &Recipe<'_>,
     flag: &str,
     at: RankOnHost,
-) -> Result<Spec> {
+) -> Result<Tokenized> {
     let (started, mut said) = (Instant::now(), Instant::now());
     loop {
-        if let Some(made) = Made::read_if(tokens, sources, variables) {
+        if let Some(made) = Made::read_if(tokens, sources, recipe) {
             tracing::debug!("rank {}: {flag}: the tokens in {}", at.rank, tokens.display());
-            return Ok(Spec::Shards(made.shards(tokens)));
+            return Ok(made.tokenized(tokens));
         }
         if let Some(failed) = Failed::read_if(tokens, sources) {
             return Err(input(format!(
@@ -299,45 +339,60 @@ fn sources(files: &[PathBuf], dir: &Path, template: Option<&Path>) -> Option<Vec
     Some(all)
 }
 
-/// The record of a tokens folder: what its tokens were made from (the files, and the chat
-/// template's variables), and what tokenizing wrote (its shards by their names in the folder).
+/// The record of a tokens folder: what its tokens were made from (the files, the chat
+/// template's variables and the tokens held out), and what tokenizing wrote (its shards by
+/// their names in the folder, and the held-out ones' in theirs).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Made {
     sources: Vec<Source>,
     #[serde(default)]
     chat_template_kwargs: TemplateVariables,
+    #[serde(default)]
+    hold_out: Option<u64>,
     summary: zeroflow_data::TokenizeSummary,
 }
 
 impl Made {
     fn of(
         sources: Vec<Source>,
-        variables: &TemplateVariables,
+        recipe: &Recipe<'_>,
         summary: &zeroflow_data::TokenizeSummary,
     ) -> Made {
+        let names = |shards: &[PathBuf]| -> Vec<PathBuf> {
+            shards.iter().filter_map(|shard| shard.file_name()).map(PathBuf::from).collect()
+        };
         let mut summary = summary.clone();
-        let names = summary.shards.iter().filter_map(|shard| shard.file_name());
-        summary.shards = names.map(PathBuf::from).collect();
-        Made { sources, chat_template_kwargs: variables.clone(), summary }
+        summary.shards = names(&summary.shards);
+        if let Some(held) = summary.held_out.as_deref_mut() {
+            held.shards = names(&held.shards);
+        }
+        let chat_template_kwargs = recipe.variables.clone();
+        Made { sources, chat_template_kwargs, hold_out: recipe.hold_out, summary }
     }
 
     fn write(&self, tokens: &Path) -> std::io::Result<()> {
         write_json(&tokens.join(MADE_FILE), self)
     }
 
-    /// The record under `tokens` where it was made from `sources` with `variables` and every
-    /// shard it names is there.
-    fn read_if(tokens: &Path, sources: &[Source], variables: &TemplateVariables) -> Option<Made> {
+    /// The record under `tokens` where it was made from `sources` by `recipe` and every shard
+    /// it names is there.
+    fn read_if(tokens: &Path, sources: &[Source], recipe: &Recipe<'_>) -> Option<Made> {
         let made = read_json::<Made>(&tokens.join(MADE_FILE))?;
-        let shards = &made.summary.shards;
-        let whole = !shards.is_empty() && shards.iter().all(|s| tokens.join(s).is_file());
-        let same = made.sources == sources && &made.chat_template_kwargs == variables;
+        let tokenized = made.tokenized(tokens);
+        let held_out = tokenized.held_out.as_ref().map(Spec::files).unwrap_or_default();
+        let shards = tokenized.spec.files();
+        let whole = !shards.is_empty() && shards.iter().chain(held_out).all(|s| s.is_file());
+        let same = made.sources == sources
+            && &made.chat_template_kwargs == recipe.variables
+            && made.hold_out == recipe.hold_out;
         (same && whole).then_some(made)
     }
 
-    /// How this record's sources differ from `sources` and `variables`: the first difference,
-    /// said for a user (a file changed, new or no longer used; other variables; else a shard gone).
-    fn differs_from(&self, sources: &[Source], variables: &TemplateVariables) -> String {
+    /// How this record's sources differ from `sources` and `recipe`: the first difference, said
+    /// for a user (a file changed, new or no longer used; other variables; another evaluation
+    /// set; else a shard gone).
+    fn differs_from(&self, sources: &[Source], recipe: &Recipe<'_>) -> String {
+        let variables = recipe.variables;
         let old = |path: &Path| self.sources.iter().find(|s| s.path == path);
         for source in sources {
             match old(&source.path) {
@@ -355,12 +410,18 @@ impl Made {
         if &self.chat_template_kwargs != variables {
             return "other --chat-template-kwargs".into();
         }
+        if self.hold_out != recipe.hold_out {
+            return "another evaluation set (--eval-data, --eval-tokens)".into();
+        }
         "a shard of them is missing".into()
     }
 
-    /// The shards, under `tokens`.
-    fn shards(&self, tokens: &Path) -> Vec<PathBuf> {
-        self.summary.shards.iter().map(|shard| tokens.join(shard)).collect()
+    /// The data it records, under `tokens`.
+    fn tokenized(&self, tokens: &Path) -> Tokenized {
+        let under = |dir: &Path, shards: &[PathBuf]| shards.iter().map(|s| dir.join(s)).collect();
+        let held_out = self.summary.held_out.as_deref();
+        let held_out = held_out.map(|held| under(&held_out_dir(tokens), &held.shards));
+        Tokenized::of(under(tokens, &self.summary.shards), held_out)
     }
 }
 
@@ -424,17 +485,23 @@ mod tests {
             bad_lines: 0,
             input_bytes: 10,
             shards: vec![tokens.join("tokens_000000.bin")],
+            held_out: None,
         };
-        let none = TemplateVariables::new();
+        let no_variables = TemplateVariables::new();
+        let none = Recipe { variables: &no_variables, hold_out: None };
         assert_eq!(Made::read_if(&tokens, &made_from, &none), None, "nothing recorded yet");
         Made::of(made_from.clone(), &none, &summary).write(&tokens).unwrap();
         let made = Made::read_if(&tokens, &made_from, &none).expect("the same sources");
-        assert_eq!(made.shards(&tokens), summary.shards);
+        assert_eq!(made.tokenized(&tokens).spec.files(), summary.shards);
         assert_eq!(made.summary.tokens, 4);
         // Other variables for the chat template make other tokens.
-        let mut variables = TemplateVariables::new();
-        variables.insert("enable_thinking".into(), serde_json::json!(false));
+        let mut thinking = TemplateVariables::new();
+        thinking.insert("enable_thinking".into(), serde_json::json!(false));
+        let variables = Recipe { variables: &thinking, hold_out: None };
         assert_eq!(Made::read_if(&tokens, &made_from, &variables), None);
+        // Records held out for evaluation, or another number of their tokens, make other shards.
+        let held_out = Recipe { variables: &no_variables, hold_out: Some(1000) };
+        assert_eq!(Made::read_if(&tokens, &made_from, &held_out), None);
         // The corpus written again, a second later: its time differs.
         let later = std::time::SystemTime::now() + Duration::from_secs(1);
         std::fs::File::options().write(true).open(&corpus).unwrap().set_modified(later).unwrap();
@@ -461,6 +528,8 @@ mod tests {
         let changed = format!("{} changed", made_from[0].path.display());
         assert_eq!(made.differs_from(&touched, &none), changed);
         assert_eq!(made.differs_from(&made_from, &variables), "other --chat-template-kwargs");
+        let other_eval = "another evaluation set (--eval-data, --eval-tokens)";
+        assert_eq!(made.differs_from(&made_from, &held_out), other_eval);
         assert_eq!(made.differs_from(&made_from, &none), "a shard of them is missing");
         // A chat template beside the tokenizer changes what a conversation becomes.
         std::fs::write(model.join("chat_template.jinja"), "{{ messages }}").unwrap();

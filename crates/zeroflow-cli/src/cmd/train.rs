@@ -67,12 +67,13 @@ pub struct Args {
     /// given N is kept exactly). With --resume: the run's.
     #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
-    /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576 (at most a
-    /// tenth of the last file, held out from its end and never trained on); 16,384 for synthetic.
+    /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576, at most a
+    /// tenth of the data, never trained on: records of a `.jsonl` spread over it, else the end of
+    /// the last file; 16,384 for synthetic.
     #[arg(long, value_name = "N")]
     pub eval_tokens: Option<NonZeroU64>,
     /// Evaluate on the start of these files (a file, directory or glob, as --data) instead of a
-    /// part held out from the end of --data.
+    /// part held out of --data.
     #[arg(long, value_name = "FILE|DIR|GLOB")]
     pub eval_data: Option<String>,
     /// A Jinja chat template for a `.jsonl` tokenized at start-up, instead of the model's own (one

@@ -1,8 +1,8 @@
 //! README's "Fine-tune a Hugging Face model on chat data", step by step on the CPU: a tiny random
 //! Llama directory with a byte-level tokenizer.json and a ChatML template with generation markers
 //! (`support/chat_model.rs`), `train --init-from DIR --data chat.jsonl` (tokenized at start-up
-//! into the run directory, with the assistant-only loss mask, and an evaluation set held out from
-//! its end), `export` of the last checkpoint, and `generate --chat` of the export.
+//! into the run directory, with the assistant-only loss mask, and an evaluation set of
+//! conversations held out across it), `export` of the last checkpoint, and `generate --chat` of the export.
 
 use std::path::Path;
 
@@ -50,13 +50,14 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
     assert_eq!(losses.len(), 20);
     assert!(losses[19] < losses[0] - 1.0, "the assistant's reply is learned: {losses:?}");
     let evals: Vec<f64> = lines.iter().filter_map(|l| l.get("eval_loss")?.as_f64()).collect();
-    // Evaluated at the start (--init-from) and at the end, on the held-out tail.
+    // Evaluated at the start (--init-from) and at the end, on the held-out conversations.
     assert_eq!(evals.len(), 2, "{lines:?}");
     assert!(evals[1] < evals[0], "{evals:?}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
     let eval_data = summary["eval_data"].as_str().unwrap();
-    assert!(eval_data.contains("held out from the end") && eval_data.contains("never trained"));
+    assert!(eval_data.contains("records held out across --data"), "{eval_data}");
+    assert!(eval_data.contains("never trained"), "{eval_data}");
     let events = std::fs::read_dir(&run)
         .unwrap()
         .flatten()
@@ -311,4 +312,68 @@ fn the_exported_turn_end_is_the_one_of_the_runs_template_variables() {
         let stops = generation["eos_token_id"].as_array().unwrap();
         assert!(stops.contains(&json!(258)) && !stops.contains(&json!(257)), "{generation}");
     }
+}
+
+/// Without `--eval-data`, a `.jsonl`'s evaluation set is records held out across it, not its
+/// tail: conversations sorted by their number give held-out ones from the start, the middle and
+/// the end, none of them in the training shards. The checkpoint records it, and a checkpoint
+/// from before (no record) resumes holding out the tail, as its run did, tokenizing again.
+#[test]
+fn records_held_out_for_evaluation_are_spread_over_the_data() {
+    let dir = scratch("chat_held_out");
+    let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
+    write_model_dir(&model);
+    write_conversations(&chat, 200);
+    let mut args = vec!["--init-from", model.to_str().unwrap(), "--data", chat.to_str().unwrap()];
+    args.extend(["--steps", "4", "--save-every", "2", "--micro-batch", "2", "--seq", "32"]);
+    args.extend(["--eval-every", "0", "--out", run.to_str().unwrap()]);
+    let trained = train(&args);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+
+    let tokenizer = zeroflow_data::Tokenizer::of_dir(&model).unwrap().unwrap();
+    let numbers = |folder: &Path| -> Vec<usize> {
+        let mut shards: Vec<_> = std::fs::read_dir(folder)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "bin"))
+            .collect();
+        shards.sort();
+        let tokens: Vec<u32> = shards
+            .iter()
+            .flat_map(|s| zeroflow_data::read_shard(s, usize::MAX).unwrap().to_u32())
+            .collect();
+        let decoded = tokenizer.decode(&tokens).unwrap();
+        let after = decoded.split("question number ").skip(1);
+        after.map(|rest| rest.split('?').next().unwrap().parse().unwrap()).collect()
+    };
+    let tokens = run.join("tokens/rank-0");
+    let (held, trained_on) = (numbers(&tokens.join("held-out")), numbers(&tokens));
+    assert_eq!(held.len() + trained_on.len(), 200, "{held:?}");
+    assert!(held.iter().all(|n| !trained_on.contains(n)), "{held:?}");
+    assert!(held.len() >= 3, "{held:?}");
+    let (first, last) = (held[0], held[held.len() - 1]);
+    assert!(first < 50 && last >= 150, "held out from the whole file: {held:?}");
+    let summary = |run: &Path| -> String {
+        let summary = std::fs::read_to_string(run.join("summary.json")).unwrap();
+        let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+        summary["eval_data"].as_str().unwrap().to_owned()
+    };
+    assert!(summary(&run).contains("records held out across --data"), "{}", summary(&run));
+    let state = run.join("checkpoints/step-00000002/state.json");
+    let mut saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    assert_eq!(saved["extra"]["records_held_out"], json!(true));
+
+    // A checkpoint from before the record: resumed, its run's tail again.
+    saved["extra"].as_object_mut().unwrap().remove("records_held_out");
+    std::fs::write(&state, saved.to_string()).unwrap();
+    std::fs::remove_dir_all(run.join("checkpoints/step-00000004")).unwrap();
+    let resumed = train(&["--resume", "latest", "--out", run.to_str().unwrap()]);
+    assert!(resumed.status.success(), "{}", text(&resumed.stderr));
+    let said = text(&resumed.stderr);
+    assert!(said.contains("another evaluation set"), "{said}");
+    assert!(summary(&run).contains("held out from the end"), "{}", summary(&run));
+    assert!(!tokens.join("held-out").exists());
+    assert_eq!(numbers(&tokens).len(), 200);
 }

@@ -286,7 +286,9 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
                             out,
                             at,
                             &Default::default(),
+                            None,
                         )
+                        .map(|tokenized| tokenized.spec)
                     })
                 })
                 .collect();
