@@ -191,7 +191,7 @@ pub fn describe_setup(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) ->
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
 pub enum TokenizeError {
     /// A `.jsonl` line that is not a document or conversation (file and 1-based line number).
-    #[error("{}:{line}: {message} (--skip-bad-lines skips such lines)", path.display())]
+    #[error("{}:{line}: {message}{}", path.display(), skip_advice(*.line))]
     BadLine { path: PathBuf, line: u64, message: String },
     /// An input file that cannot be read or tokenized.
     #[error("{}: {message}", path.display())]
@@ -205,6 +205,15 @@ pub enum TokenizeError {
          eos_token names it)"
     )]
     NoEndOfText(String),
+}
+
+/// What a bad line's error adds: that `--skip-bad-lines` skips it, unless it is the first line,
+/// which more likely says the whole file is of another format than that one line is bad.
+fn skip_advice(line: u64) -> &'static str {
+    match line {
+        1 => "",
+        _ => " (--skip-bad-lines skips such lines)",
+    }
 }
 
 /// One unit of input: a `.jsonl` line or a piece of a text file.
@@ -641,6 +650,9 @@ fn json_line(
             Cow::Borrowed(messages.as_array().ok_or("\"messages\" is not a list")?)
         }
         (None, Some(turns)) => Cow::Owned(sharegpt_messages(turns)?),
+        (None, None) if json.get("instruction").is_some() && json.get("output").is_some() => {
+            return Err(ALPACA.into());
+        }
         (None, None) => {
             return Err("expected a JSON object with \"text\" (a string), \"messages\" (a list \
                         of {\"role\", \"content\"}), \"conversations\" (ShareGPT's list of \
@@ -651,6 +663,14 @@ fn json_line(
     let conversation = chat(template)?.encode(tokenizer, &messages).map_err(|e| e.to_string())?;
     Ok(Line::Conversation(conversation))
 }
+
+/// What an Alpaca record (`instruction`, `input`, `output`) is said to need: a conversion into
+/// conversations, the instruction and input as the user's message.
+const ALPACA: &str = "an Alpaca record (\"instruction\", \"input\", \"output\"), which is not \
+                      read as it is: convert the file into conversations, e.g. `jq -c \
+                      '{messages: [{role: \"user\", content: ([.instruction, .input] | \
+                      map(select(. != null and . != \"\")) | join(\"\\n\\n\"))}, {role: \
+                      \"assistant\", content: .output}]}' IN.jsonl > OUT.jsonl`";
 
 /// The template that a conversation needs, or what to do without one.
 fn chat(template: Option<&ChatTemplate>) -> Result<&ChatTemplate, String> {

@@ -147,11 +147,10 @@ fn refused(extension: &str, head: &[u8]) -> Option<String> {
 fn json_kind(path: &Path, head: &[u8]) -> Result<InputKind, String> {
     let first = head.iter().find(|b| !b.is_ascii_whitespace());
     if first == Some(&b'[') {
-        return Err(format!(
-            "a JSON array; zeroflow reads JSON Lines (one object per line): convert it, e.g. \
-             `jq -c '.[]' IN.json > OUT.jsonl`, or {}",
-            CONVERT.replace("{format}", "json")
-        ));
+        return Err("a JSON array; zeroflow reads JSON Lines (one object per line): convert it, \
+                    e.g. `jq -c '.[]' IN.json > OUT.jsonl` or `python -c \"import datasets; \
+                    datasets.Dataset.from_json('IN.json').to_json('OUT.jsonl')\"`"
+            .into());
     }
     let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let mut line = Vec::new();

@@ -266,6 +266,18 @@ fn a_bad_line_names_its_file_and_line_unless_skipped() {
     let TokenizeError::BadLine { path, line, message } = &error else { panic!("{error}") };
     assert_eq!((path, *line), (&jsonl, 2), "{message}");
     assert!(error.to_string().starts_with(&format!("{}:2: not JSON", jsonl.display())), "{error}");
+    assert!(error.to_string().ends_with("(--skip-bad-lines skips such lines)"), "{error}");
+
+    // An Alpaca file: the error says what it is and how to convert it; a first line that is bad
+    // says nothing of skipping it (the whole file is likely of the same format).
+    let alpaca = dir.join("alpaca.jsonl");
+    let record = json!({"instruction": "Name a colour.", "input": "", "output": "Blue."});
+    std::fs::write(&alpaca, format!("{record}\n{record}\n")).unwrap();
+    let error = run(&tokenizer, std::slice::from_ref(&alpaca), &options(&dir.join("alpaca"), 100))
+        .unwrap_err();
+    let said = error.to_string();
+    assert!(said.starts_with(&format!("{}:1: an Alpaca record", alpaca.display())), "{said}");
+    assert!(said.contains("jq -c '{messages: [{role: \"user\"") && said.ends_with("OUT.jsonl`"));
 
     let skip = TokenizeOptions { skip_bad_lines: true, ..options(&dir.join("skipped"), 100) };
     let summary = run(&tokenizer, std::slice::from_ref(&jsonl), &skip).unwrap();

@@ -166,6 +166,10 @@ pub fn tokenized_at_start(
         (Ok(summary), _) => summary,
         (Err(error), sources) => {
             let message = match error {
+                // The first line bad: more likely a file of another format than a bad line.
+                zeroflow_data::TokenizeError::BadLine { path, line: 1, message } => {
+                    format!("{flag} {}:1: {message}", path.display())
+                }
                 // `train` has no --skip-bad-lines, which the error names for `zeroflow tokenize`.
                 zeroflow_data::TokenizeError::BadLine { path, line, message } => format!(
                     "{flag} {}:{line}: {message}; fix or remove the line, or tokenize the file \
