@@ -54,14 +54,18 @@ pub struct TokenizeOptions<'a> {
     pub chat_template: Option<&'a ChatTemplate>,
     /// The size of the pieces a text file is encoded in ([`TEXT_PIECE_BYTES`]).
     pub text_piece_bytes: usize,
-    /// `.jsonl` records held out of the shards for evaluation, into shards of their own.
+    /// Documents held out of the shards for evaluation, into shards of their own.
     pub hold_out: Option<HoldOut>,
 }
 
-/// `.jsonl` records written apart from the training shards, as an evaluation set: about
-/// `tokens` tokens, at most a tenth of the input's, in records spread evenly over the input
-/// (each record whole on one side, so no conversation is in both). Text files are not held
-/// out of: each is one document.
+/// The folder of a tokenized directory that holds its held-out documents' shards
+/// ([`HoldOut`]): `zeroflow tokenize --hold-out`'s, and the run directory's tokens'.
+pub const HELD_OUT_DIR: &str = "held-out";
+
+/// Documents written apart from the training shards, as an evaluation set: about `tokens`
+/// tokens, at most a tenth of the input's, in documents spread evenly over the input, each whole
+/// on one side (no conversation is in both): `.jsonl` records, and text files read in one piece
+/// ([`TEXT_PIECE_BYTES`]); a longer text file is one document, none of which is held out.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HoldOut {
     /// The directory their shards go to (created; it must not hold shards already).
@@ -264,12 +268,12 @@ pub fn tokenize_corpus(
             Some(hold_out) => {
                 prepare_out_dir(&hold_out.out_dir)?;
                 let writer = ShardWriter::new(tokenizer, &hold_out.out_dir, options.shard_tokens);
-                let input_bytes = inputs
+                let sizes = inputs
                     .iter()
                     .map(|path| std::fs::metadata(path).map_err(|e| input_error(path, e)))
                     .map(|meta| meta.map(|meta| meta.len()))
-                    .sum::<Result<u64, _>>()?;
-                Some((writer, Split::new(hold_out.tokens, input_bytes)))
+                    .collect::<Result<Vec<u64>, _>>()?;
+                Some((writer, Split::new(hold_out.tokens, sizes)))
             }
             None => None,
         },
@@ -307,15 +311,17 @@ struct Writers<'a> {
     held_out: Option<(ShardWriter<'a>, Split)>,
 }
 
-/// Which `.jsonl` records are held out ([`HoldOut`]): a record is, where the tokens held out
-/// so far, with half of its own, stay below `wanted` times the fraction of the input read
-/// through it. `wanted` is [`HoldOut::tokens`], at most a tenth of the input's tokens as
+/// Which documents are held out ([`HoldOut`]): a `.jsonl` record or a text file read in one
+/// piece is, where the tokens held out so far, with half of its own, stay below `wanted` times
+/// the fraction of the input read through it. `wanted` is [`HoldOut::tokens`], at most a tenth of the input's tokens as
 /// estimated from the tokens per byte of the records tokenized so far (all of them, for an
 /// input of one batch). The records held out are so spread evenly over the input, and the same
 /// for any number of threads (batches end at the same bytes).
 #[derive(Debug)]
 struct Split {
     wanted: u64,
+    /// Each input's bytes, and all of them.
+    sizes: Vec<u64>,
     input_bytes: u64,
     /// Bytes and tokens of the units decided, and of those held out.
     bytes: u64,
@@ -324,8 +330,18 @@ struct Split {
 }
 
 impl Split {
-    fn new(wanted: u64, input_bytes: u64) -> Split {
-        Split { wanted, input_bytes, bytes: 0, tokens: 0, held: 0 }
+    fn new(wanted: u64, sizes: Vec<u64>) -> Split {
+        let input_bytes = sizes.iter().sum();
+        Split { wanted, sizes, input_bytes, bytes: 0, tokens: 0, held: 0 }
+    }
+
+    /// Whether `unit` is a whole document: a `.jsonl` record, or a text file of one piece (a
+    /// piece of a longer one is not held out of it).
+    fn whole(&self, unit: &Unit) -> bool {
+        match unit.place {
+            Place::Line(_) => true,
+            Place::Text(offset) => offset == 0 && unit.bytes.len() as u64 == self.sizes[unit.input],
+        }
     }
 
     /// The tokens to hold out of the whole input, by the units decided and a batch of
@@ -337,13 +353,13 @@ impl Split {
         (self.wanted as f64).min(estimate / 10.0)
     }
 
-    /// Whether the next unit, of `bytes` and `tokens` (a record: never a piece of a text file),
+    /// Whether the next unit, of `bytes` and `tokens` (`whole`: a document, [`Split::whole`]),
     /// is held out, with the batch's `goal`.
-    fn hold(&mut self, goal: f64, bytes: u64, tokens: u64, record: bool) -> bool {
+    fn hold(&mut self, goal: f64, bytes: u64, tokens: u64, whole: bool) -> bool {
         self.bytes += bytes;
         self.tokens += tokens;
         let through = goal * self.bytes as f64 / self.input_bytes.max(self.bytes).max(1) as f64;
-        let hold = record && tokens > 0 && (self.held as f64 + tokens as f64 / 2.0) < through;
+        let hold = whole && tokens > 0 && (self.held as f64 + tokens as f64 / 2.0) < through;
         if hold {
             self.held += tokens;
         }
@@ -567,9 +583,8 @@ fn process_batch(
         let path = &inputs[unit.input];
         let writer = match (&mut writers.held_out, goal) {
             (Some((held_out, split)), Some(goal)) => {
-                let (bytes, record) =
-                    (unit.bytes.len() as u64, matches!(unit.place, Place::Line(_)));
-                match split.hold(goal, bytes, tokens(&document), record) {
+                let (bytes, whole) = (unit.bytes.len() as u64, split.whole(unit));
+                match split.hold(goal, bytes, tokens(&document), whole) {
                     true => held_out,
                     false => &mut writers.train,
                 }
@@ -888,5 +903,37 @@ impl<'a> ShardWriter<'a> {
         let text = serde_json::to_string_pretty(&manifest).expect("JSON values serialize");
         std::fs::write(&path, text + "\n").map_err(|e| output_error(&path, e))?;
         Ok(self.summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `.jsonl` line and a text file read in one piece are whole documents, which may be held
+    /// out; a piece of a longer text file, its first included, is not (the rest of its document
+    /// would go on after another's).
+    #[test]
+    fn only_whole_documents_are_held_out() {
+        let split = Split::new(100, vec![10, 500, 40]);
+        let unit = |input, place, len| Unit { input, place, bytes: vec![b'a'; len] };
+        assert!(split.whole(&unit(0, Place::Text(0), 10)), "a text file of one piece");
+        assert!(!split.whole(&unit(1, Place::Text(0), 100)), "the first piece of a longer one");
+        assert!(!split.whole(&unit(1, Place::Text(100), 400)), "its last piece");
+        assert!(split.whole(&unit(2, Place::Line(3), 12)), "a record");
+    }
+
+    /// Held out where the tokens held out, with half of the unit's, stay below the goal times
+    /// the input read through the unit: none of a unit larger than twice that share.
+    #[test]
+    fn a_unit_is_held_out_where_the_held_out_tokens_lag_their_share() {
+        let mut split = Split::new(1000, vec![1000]);
+        // The goal of 10 tokens: at 400 of the 1,000 bytes, 4 are due; a unit of 10 is not held.
+        assert!(!split.hold(10.0, 400, 10, true));
+        // At 1,000 bytes, 10 are due and none held: a unit of 10 (half of it, 5, below) is.
+        assert!(split.hold(10.0, 600, 10, true));
+        assert_eq!(split.held, 10);
+        assert!(!split.hold(10.0, 0, 2, true), "none due past the goal");
+        assert!(!split.hold(100.0, 0, 2, false), "a piece of a document never");
     }
 }

@@ -25,9 +25,9 @@ pub use chat::{
     Rendered, TemplateVariables,
 };
 pub use corpus::{
-    BATCH_BYTES, DEFAULT_SHARD_TOKENS, HoldOut, TEXT_PIECE_BYTES, TokenizeError, TokenizeOptions,
-    TokenizeSummary, count, describe_setup, encode_text_file, first_record_is_conversation,
-    manifest_tokenizer, tokenize_corpus,
+    BATCH_BYTES, DEFAULT_SHARD_TOKENS, HELD_OUT_DIR, HoldOut, TEXT_PIECE_BYTES, TokenizeError,
+    TokenizeOptions, TokenizeSummary, count, describe_setup, encode_text_file,
+    first_record_is_conversation, manifest_tokenizer, tokenize_corpus,
 };
 pub use eval::{eval_batches, eval_windows};
 pub use input::{InputKind, held_out_refusal, input_kind, json_lines_in, json_lines_of};

@@ -580,12 +580,12 @@ fn documents_of(shards: &[PathBuf]) -> Vec<Vec<u32>> {
     documents
 }
 
-/// `.jsonl` records held out for evaluation are spread over the input (every part of a sorted
-/// corpus gives some), each whole on one side: the two sides are the corpus's documents, each
-/// once, in order. About the tokens asked for are held out, at most a tenth; text files, one
-/// document each, are not held out of.
+/// Documents held out for evaluation are spread over the input (every part of a sorted corpus
+/// gives some), each whole on one side: the two sides are the corpus's documents, each once, in
+/// order. About the tokens asked for are held out, at most a tenth. Text files read in one piece
+/// are held out whole; a longer one, one document, is not held out of.
 #[test]
-fn records_held_out_are_spread_over_the_input_and_never_in_the_training_shards() {
+fn documents_held_out_are_spread_over_the_input_and_never_in_the_training_shards() {
     let dir = scratch("corpus-hold-out");
     let tokenizer = bpe_tokenizer(&dir.join("model"));
     // Four topics, one after the other (as a mix of datasets concatenated is), records of
@@ -638,13 +638,39 @@ fn records_held_out_are_spread_over_the_input_and_never_in_the_training_shards()
         }
     }
 
-    // A text file is one document: nothing is held out of it.
-    let text = dir.join("c.txt");
-    std::fs::write(&text, "hello world\n".repeat(200)).unwrap();
-    let held_dir = dir.join("text-held");
-    let hold_out = zeroflow_data::HoldOut { out_dir: held_dir, tokens: 1 << 20 };
-    let options = TokenizeOptions { hold_out: Some(hold_out), ..options(&dir.join("text"), 1000) };
-    let summary = run(&tokenizer, &[text], &options).unwrap();
+    // Text files read in one piece are documents too: whole files are held out, spread over
+    // them. A longer text file, read in pieces, is one document: nothing is held out of it.
+    let files: Vec<PathBuf> = (0..40)
+        .map(|i| {
+            let path = dir.join(format!("text-{i:02}.txt"));
+            std::fs::write(&path, format!("{} {i}\n", topics[i / 10]).repeat(3)).unwrap();
+            path
+        })
+        .collect();
+    let text_options = |name: &str, piece: usize| {
+        let hold_out =
+            zeroflow_data::HoldOut { out_dir: dir.join(name).join("held"), tokens: 1 << 20 };
+        let options = in_pieces(&dir.join(name).join("train"), 1000, piece);
+        TokenizeOptions { hold_out: Some(hold_out), ..options }
+    };
+    let summary = run(&tokenizer, &files, &text_options("texts", 1 << 20)).unwrap();
+    let held = summary.held_out.as_deref().unwrap();
+    assert_eq!(summary.documents + held.documents, 40);
+    let held_docs = documents_of(&held.shards);
+    let eot = special_id("<|endoftext|>");
+    let whole_files: Vec<Vec<u32>> = files
+        .iter()
+        .map(|f| {
+            [vec![eot], tokenizer.encode(&std::fs::read_to_string(f).unwrap()).unwrap()].concat()
+        })
+        .collect();
+    let held_files: Vec<usize> =
+        held_docs.iter().map(|d| whole_files.iter().position(|f| f == d).unwrap()).collect();
+    assert!(held_files.len() >= 3, "{held_files:?}");
+    assert!(held_files[0] < 10 && held_files[held_files.len() - 1] >= 30, "{held_files:?}");
+    let long = dir.join("long.txt");
+    std::fs::write(&long, "hello world\n".repeat(200)).unwrap();
+    let summary = run(&tokenizer, &[long], &text_options("long", 100)).unwrap();
     assert_eq!((summary.documents, summary.held_out.unwrap().documents), (1, 0));
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -152,6 +152,20 @@ impl Spec {
         Ok(Spec::Shards(shards))
     }
 
+    /// The shards `zeroflow tokenize --hold-out` held out of the directory `data`
+    /// (`data/held-out`, [`zeroflow_data::HELD_OUT_DIR`]), where it is such a directory and some
+    /// were.
+    pub fn held_out_beside(data: &str) -> Result<Option<Spec>> {
+        let held_out = Path::new(data).join(zeroflow_data::HELD_OUT_DIR);
+        let entries = std::fs::read_dir(&held_out).into_iter().flatten().flatten();
+        let shards = entries.filter(|e| e.path().extension().is_some_and(|x| x == "bin")).count();
+        // None held out (too few or too long documents): the run holds out a tail instead.
+        if !Path::new(data).is_dir() || shards == 0 {
+            return Ok(None);
+        }
+        Spec::parse(&held_out.to_string_lossy()).map(Some)
+    }
+
     /// The files the data is read from (none for the synthetic corpus).
     pub fn files(&self) -> &[PathBuf] {
         match self {
@@ -266,8 +280,8 @@ pub struct Shape {
 pub enum EvalSet<'a> {
     /// `--eval-data`: the start of these files.
     Given(&'a Spec),
-    /// The records of a `.jsonl` held out of the training data, spread over it, when it was
-    /// tokenized at start-up ([`crate::startup_tokens::Tokenized::held_out`]): all of them.
+    /// The documents held out of the training data, spread over it, when it was tokenized at
+    /// start-up ([`crate::startup_tokens::Tokenized::held_out`]): all of them.
     HeldOut(&'a Spec),
     /// Files: a tail of the last, which the training stream never reads; the synthetic corpus:
     /// another stream of the same chain.
@@ -310,7 +324,7 @@ impl Data {
     /// one process with `world_size` times the micro-batch reads).
     ///
     /// The evaluation set is the start of `eval`'s files where given (`--eval-data`), the
-    /// records held out of a `.jsonl` where they were; else the synthetic corpus evaluates on
+    /// documents held out of data tokenized at start-up where they were; else the synthetic corpus evaluates on
     /// another stream of the same chain, and files on the last `shape.eval_tokens` tokens (at
     /// most a tenth) of their last file, which the training stream never reads. Packed
     /// (`shape.packed`), both carry each token's position in its document
@@ -357,10 +371,10 @@ impl Data {
             }
             (EvalSet::HeldOut(held), _) => {
                 let eval = source(held, vocab)?;
-                let flag = "--data (its held-out records)";
+                let flag = "--data (its held-out documents)";
                 let tokens = leading_tokens(&eval, vocab, usize::MAX, shape.packed, flag)?;
                 let what = format!(
-                    "{} tokens of records held out across --data, never trained on",
+                    "{} tokens of documents held out across --data, never trained on",
                     thousands(tokens.tokens.len())
                 );
                 (tokens, what)

@@ -40,12 +40,12 @@ pub struct Extra {
     pub eval_data: Option<String>,
     #[serde(default)]
     pub eval_tokens: Option<u64>,
-    /// Whether the run held out records of a `.jsonl` tokenized at start-up, spread over it, for
+    /// Whether the run held out documents of data tokenized at start-up, spread over it, for
     /// evaluation (without `--eval-data`; absent in checkpoints from before, whose runs held out
     /// the tail of the last shard): a resumed run holds out the same, so its training stream
     /// reads the same tokens.
     #[serde(default)]
-    pub records_held_out: Option<bool>,
+    pub documents_held_out: Option<bool>,
     /// `--chat-template` (an absolute path) and `--chat-template-kwargs` of data tokenized at
     /// start-up (absent where none were given, and in checkpoints from before them): a resumed run
     /// tokenizes with the same.

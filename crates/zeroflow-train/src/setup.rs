@@ -153,9 +153,9 @@ pub struct Setup {
     /// `--eval-data` (resolved) and `--eval-tokens`, for the checkpoints.
     pub eval_data: Option<String>,
     pub eval_tokens: Option<u64>,
-    /// Whether records of a `.jsonl` were asked to be held out for evaluation (without
-    /// `--eval-data`), for the checkpoints: a resume holds out the same.
-    pub records_held_out: bool,
+    /// Whether documents of data tokenized at start-up were asked to be held out for evaluation
+    /// (without `--eval-data`), for the checkpoints: a resume holds out the same.
+    pub documents_held_out: bool,
     /// `--chat-template` (an absolute path) and `--chat-template-kwargs` (or the resumed
     /// checkpoint's), for the checkpoints.
     pub chat_template: Option<PathBuf>,
@@ -295,14 +295,16 @@ impl Setup {
             template,
             variables: args.chat_template_kwargs.clone().unwrap_or_default(),
         };
-        // Without --eval-data, a `.jsonl`'s records spread over it are held out for evaluation
-        // (a run resumed from a checkpoint from before that held out a tail goes on doing so).
-        let hold_records = args.eval_data.is_none()
+        // Without --eval-data, documents spread over data tokenized at start-up are held out for
+        // evaluation (a run resumed from a checkpoint from before, which held out a tail, goes on
+        // doing so).
+        let hold_documents = args.eval_data.is_none()
             && match &start {
-                Start::Resume { point, .. } => point.extra.records_held_out == Some(true),
+                Start::Resume { point, .. } => point.extra.documents_held_out == Some(true),
                 _ => true,
             };
-        let hold_out = hold_records.then(|| shape.eval_tokens.unwrap_or(data::EVAL_TOKENS) as u64);
+        let hold_out =
+            hold_documents.then(|| shape.eval_tokens.unwrap_or(data::EVAL_TOKENS) as u64);
         let tokenized = |spec, role, hold_out| {
             let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
             let dir = model_dir.as_deref();
@@ -316,6 +318,13 @@ impl Setup {
         }
         let tokenized_data = tokenized(spec, DataRole::Train, hold_out)?;
         let (spec, held_out) = (tokenized_data.spec, tokenized_data.held_out);
+        // A directory of `zeroflow tokenize --hold-out`'s shards: the documents it held out.
+        let held_out = match (held_out, &spec) {
+            (None, data::Spec::Shards(_)) if hold_documents => {
+                data::Spec::held_out_beside(&planned.data_arg)?
+            }
+            (held_out, _) => held_out,
+        };
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval, None)).transpose()?;
         let eval = match (&eval_spec, &held_out) {
@@ -349,7 +358,7 @@ impl Setup {
                 .as_deref()
                 .map(|e| data_files::resolve(e).unwrap_or(e.into())),
             eval_tokens: args.eval_tokens.map(NonZeroU64::get),
-            records_held_out: hold_records,
+            documents_held_out: hold_documents,
             chat_template: chat.template.clone(),
             chat_template_kwargs: args.chat_template_kwargs.clone(),
             config,

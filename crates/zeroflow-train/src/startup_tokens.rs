@@ -76,10 +76,10 @@ impl RankOnHost {
 /// variables as `apply_chat_template(..., **kwargs)` passes them. The record holds both (the
 /// file among the sources), so tokens made otherwise are not reused.
 ///
-/// With `hold_out` (tokens), a `.jsonl`'s records spread over it are held out for evaluation
-/// ([`zeroflow_data::HoldOut`]) into shards of their own under `<tokens>/held-out`, never
-/// trained on; where none is (a few long records), the run holds out a tail as it does of
-/// shards. The record holds the tokens asked for.
+/// With `hold_out` (tokens), documents spread over the data (`.jsonl` records, text files read
+/// in one piece) are held out for evaluation ([`zeroflow_data::HoldOut`]) into shards of their
+/// own under `<tokens>/held-out`, never trained on; where none is (a few long documents), the
+/// run holds out a tail as it does of shards. The record holds the tokens asked for.
 pub fn tokenized_at_start(
     spec: Spec,
     role: DataRole,
@@ -91,7 +91,7 @@ pub fn tokenized_at_start(
 ) -> Result<Tokenized> {
     let variables = &chat.variables;
     let flag = role.flag();
-    let hold_out = hold_out.filter(|_| matches!(spec, Spec::Jsonl(_)));
+    let hold_out = hold_out.filter(|_| matches!(spec, Spec::Jsonl(_) | Spec::Text(_)));
     let recipe = Recipe { variables, hold_out };
     let (files, dir) = match (spec, model_dir) {
         (Spec::Jsonl(jsonl), Some(dir)) => (jsonl, dir),
@@ -207,7 +207,7 @@ pub fn tokenized_at_start(
 #[derive(Debug)]
 pub struct Tokenized {
     pub spec: Spec,
-    /// The `.jsonl` records held out of it for evaluation, where asked for and some were.
+    /// The documents held out of it for evaluation, where asked for and some were.
     pub held_out: Option<Spec>,
 }
 
@@ -218,9 +218,9 @@ impl Tokenized {
     }
 }
 
-/// The folder of a tokens folder that holds its held-out records' shards.
+/// The folder of a tokens folder that holds its held-out documents' shards.
 fn held_out_dir(tokens: &Path) -> PathBuf {
-    tokens.join("held-out")
+    tokens.join(zeroflow_data::HELD_OUT_DIR)
 }
 
 /// What a tokenizing depends on besides its sources: the chat template's variables, and the

@@ -255,7 +255,7 @@ impl<M: Model> Trainer<M> {
             data_position: setup.data.train.position(),
             eval_data: setup.eval_data.clone(),
             eval_tokens: setup.eval_tokens,
-            records_held_out: Some(setup.records_held_out),
+            documents_held_out: Some(setup.documents_held_out),
             chat_template: setup.chat_template.clone(),
             chat_template_kwargs: setup.chat_template_kwargs.clone(),
             seq: Some(setup.seq as u64),

@@ -41,6 +41,12 @@ pub struct Args {
     /// stopping at the first.
     #[arg(long)]
     skip_bad_lines: bool,
+    /// Hold out about N tokens (at most a tenth) of whole documents spread over the inputs
+    /// (`.jsonl` records, text files of up to about 1 MiB) into OUT/held-out, out of the
+    /// training shards: `train --data OUT` evaluates on them (as it does on data it tokenizes
+    /// itself, with N its --eval-tokens, default 1,048,576).
+    #[arg(long, value_name = "N")]
+    hold_out: Option<std::num::NonZeroU64>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -59,9 +65,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let total: u64 = inputs.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let shown = crate::log::Shown::new(progress_bar(total));
 
+    let hold_out = args.hold_out.map(|tokens| zeroflow_data::HoldOut {
+        out_dir: args.out.join(zeroflow_data::HELD_OUT_DIR),
+        tokens: tokens.get(),
+    });
     let options = TokenizeOptions {
         shard_tokens: args.shard_tokens,
         skip_bad_lines: args.skip_bad_lines,
+        hold_out,
         ..TokenizeOptions::new(args.out.clone(), template.as_ref())
     };
     let start = Instant::now();

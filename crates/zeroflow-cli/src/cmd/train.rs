@@ -68,8 +68,9 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
     /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576, at most a
-    /// tenth of the data, never trained on: records of a `.jsonl` spread over it, else the end of
-    /// the last file; 16,384 for synthetic.
+    /// tenth of the data, never trained on: whole documents spread over data tokenized at
+    /// start-up (`.jsonl` records, small text files), else the end of the last file; 16,384 for
+    /// synthetic.
     #[arg(long, value_name = "N")]
     pub eval_tokens: Option<NonZeroU64>,
     /// Evaluate on the start of these files (a file, directory or glob, as --data) instead of a

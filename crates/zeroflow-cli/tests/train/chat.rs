@@ -56,7 +56,7 @@ fn readme_fine_tune_on_chat_data_trains_and_exports() {
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
     let eval_data = summary["eval_data"].as_str().unwrap();
-    assert!(eval_data.contains("records held out across --data"), "{eval_data}");
+    assert!(eval_data.contains("documents held out across --data"), "{eval_data}");
     assert!(eval_data.contains("never trained"), "{eval_data}");
     let events = std::fs::read_dir(&run)
         .unwrap()
@@ -319,7 +319,7 @@ fn the_exported_turn_end_is_the_one_of_the_runs_template_variables() {
 /// the end, none of them in the training shards. The checkpoint records it, and a checkpoint
 /// from before (no record) resumes holding out the tail, as its run did, tokenizing again.
 #[test]
-fn records_held_out_for_evaluation_are_spread_over_the_data() {
+fn documents_held_out_for_evaluation_are_spread_over_the_data() {
     let dir = scratch("chat_held_out");
     let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
     write_model_dir(&model);
@@ -359,14 +359,14 @@ fn records_held_out_for_evaluation_are_spread_over_the_data() {
         let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
         summary["eval_data"].as_str().unwrap().to_owned()
     };
-    assert!(summary(&run).contains("records held out across --data"), "{}", summary(&run));
+    assert!(summary(&run).contains("documents held out across --data"), "{}", summary(&run));
     let state = run.join("checkpoints/step-00000002/state.json");
     let mut saved: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
-    assert_eq!(saved["extra"]["records_held_out"], json!(true));
+    assert_eq!(saved["extra"]["documents_held_out"], json!(true));
 
     // A checkpoint from before the record: resumed, its run's tail again.
-    saved["extra"].as_object_mut().unwrap().remove("records_held_out");
+    saved["extra"].as_object_mut().unwrap().remove("documents_held_out");
     std::fs::write(&state, saved.to_string()).unwrap();
     std::fs::remove_dir_all(run.join("checkpoints/step-00000004")).unwrap();
     let resumed = train(&["--resume", "latest", "--out", run.to_str().unwrap()]);

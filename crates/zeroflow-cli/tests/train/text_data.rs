@@ -14,12 +14,19 @@ use super::{read_lines, scratch, text, train};
 
 /// `zeroflow tokenize --tokenizer DIR FILE --out OUT`.
 fn tokenize(model: &Path, file: &Path, out: &Path) {
+    tokenize_with(model, file, out, &[]);
+}
+
+/// `zeroflow tokenize --tokenizer DIR FILE --out OUT` with `more` arguments; its output.
+fn tokenize_with(model: &Path, file: &Path, out: &Path, more: &[&str]) -> String {
     let tokenized = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
         .args(["tokenize", "--tokenizer", model.to_str().unwrap(), file.to_str().unwrap()])
         .args(["--out", out.to_str().unwrap()])
+        .args(more)
         .output()
         .unwrap();
     assert!(tokenized.status.success(), "{}", text(&tokenized.stderr));
+    text(&tokenized.stdout)
 }
 
 /// A metrics line: step, loss, gradient norm, eval loss.
@@ -257,6 +264,43 @@ fn a_resumed_fine_tune_continues_as_the_uninterrupted_run() {
     assert_eq!(want["step"], 4);
     assert!(want["text"].as_str().is_some_and(|t| !t.is_empty()), "{want}");
     assert_eq!(got, want);
+}
+
+/// Without --eval-data, documents spread over a `.jsonl` are held out at start-up; `zeroflow
+/// tokenize --hold-out N` holds out the same ones into OUT/held-out, which `train --data OUT`
+/// evaluates on: the two runs are the same, bit for bit.
+#[test]
+fn documents_held_out_at_start_up_are_those_tokenize_hold_out_writes() {
+    let dir = scratch("text_data_held_out");
+    let model = reversed_model_dir(&dir);
+    let docs = dir.join("docs.jsonl");
+    let sentence = |i: usize| format!("document {i}: the {} fox jumps.", ["quick", "lazy"][i / 30]);
+    let lines: String =
+        (0..60).map(|i| serde_json::json!({"text": sentence(i)}).to_string() + "\n").collect();
+    std::fs::write(&docs, lines).unwrap();
+    let run = |data: &Path, out: &Path| {
+        let mut args =
+            vec!["--init-from", model.to_str().unwrap(), "--data", data.to_str().unwrap()];
+        args.extend(["--steps", "4", "--micro-batch", "2", "--seq", "32", "--lr", "1e-2"]);
+        args.extend(["--eval-every", "2", "--out", out.to_str().unwrap()]);
+        let trained = train(&args);
+        assert!(trained.status.success(), "{}", text(&trained.stderr));
+        let summary = std::fs::read_to_string(out.join("summary.json")).unwrap();
+        let summary: Value = serde_json::from_str(&summary).unwrap();
+        summary["eval_data"].as_str().unwrap().to_owned()
+    };
+    let (from_jsonl, from_shards) = (dir.join("run-jsonl"), dir.join("run-shards"));
+    let said = run(&docs, &from_jsonl);
+    assert!(from_jsonl.join("tokens/rank-0/held-out/tokens_000000.bin").is_file());
+    assert!(said.contains("documents held out across --data"), "{said}");
+    let shards = dir.join("shards");
+    let printed = tokenize_with(&model, &docs, &shards, &["--hold-out", "1048576"]);
+    assert!(printed.contains("held out for evaluation"), "{printed}");
+    let said = run(&shards, &from_shards);
+    assert!(said.contains("documents held out across --data"), "{said}");
+    let (jsonl_run, shard_run) = (record(&from_jsonl), record(&from_shards));
+    assert!(jsonl_run.iter().filter(|r| r.3.is_some()).count() >= 2, "{jsonl_run:?}");
+    assert_eq!(jsonl_run, shard_run, "the same held-out documents, the same run, bit for bit");
 }
 
 /// Two ranks of one host, started together: the first tokenizes, the second waits and reads
