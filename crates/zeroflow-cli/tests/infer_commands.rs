@@ -81,6 +81,7 @@ fn eval_prints_the_librarys_loss_as_json() {
     assert_eq!(json["loss"].as_f64(), Some(expected.loss));
     let plain = text(&zeroflow(&args).stdout);
     assert!(plain.starts_with("loss ") && plain.contains("over 49 tokens"), "{plain}");
+    assert!(plain.contains("(windows of "), "{plain}");
 }
 
 /// A tokenizer.json of three letters within the fixture's 64 ids: `a` 3, `b` 17, `c` 40.
@@ -373,6 +374,12 @@ fn a_run_directory_encodes_text_as_its_run_did() {
         json_of(&zeroflow(&[&args[..], extra].concat()))
     };
     let as_run = eval(&[]);
+    assert_eq!(as_run["window"], 32);
+    // Without --window, the run's own windows (its --seq, 32), not the model's context (64).
+    let by_default = json_of(&zeroflow(&["eval", run_arg, "--data", chat_arg, "--json"]));
+    assert_eq!(by_default, as_run);
+    let of_model = ["eval", model_arg, "--data", chat_arg, "--json"];
+    assert_eq!(json_of(&zeroflow(&of_model))["window"], 64, "a directory: the context");
     let named = ["--tokenizer", model_arg, "--chat-template", template_arg];
     assert_eq!(as_run, eval(&[&named[..], &["--chat-template-kwargs", kwargs]].concat()));
     let own_file = dir.join("own.jinja");

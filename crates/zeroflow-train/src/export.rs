@@ -37,6 +37,9 @@ pub struct Checkpoint {
     pub chat_template: Option<PathBuf>,
     /// The template's variables the run trained with (`--chat-template-kwargs`).
     pub chat_template_kwargs: zeroflow_data::TemplateVariables,
+    /// The sequence length the run trained on (`--seq`; absent in checkpoints from before it
+    /// was kept).
+    pub seq: Option<usize>,
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out` (which must not exist,
@@ -321,6 +324,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         init_from,
         chat_template,
         chat_template_kwargs: chat_template_kwargs.unwrap_or_default(),
+        seq: meta.extra.get("seq").and_then(serde_json::Value::as_u64).map(|seq| seq as usize),
     })
 }
 

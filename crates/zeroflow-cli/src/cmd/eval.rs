@@ -36,7 +36,10 @@ pub struct Args {
     /// Default: none (for a checkpoint or run directory: its run's).
     #[arg(long, value_name = "JSON", value_parser = super::template_kwargs)]
     chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
-    /// Inputs per window (stride the same, every token predicted once; default: the context).
+    /// Inputs per window (stride the same, every token predicted once). Default: for a checkpoint
+    /// or run directory, the --seq its run trained on (its evaluations' windows); else the one
+    /// `train` would use: GPT-2's context, the Llama family's 2048 (or its context where
+    /// shorter).
     #[arg(long, value_name = "W")]
     window: Option<usize>,
     /// Print `{"loss": ..., "tokens": ...}`.
@@ -62,12 +65,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         spec.check_tokenized_with(&own, dir, "--data")?;
     }
     let chat = super::chat_options(args.chat_template, args.chat_template_kwargs, &text);
-    let result = model.eval_data_on(&spec, args.window, args.device, tokenizer.as_ref(), &chat)?;
+    // A run's own windows, so that its checkpoint's loss is the one its evaluations logged.
+    let window = args.window.or(text.seq).unwrap_or_else(|| model.default_window());
+    let device = args.device;
+    let result = model.eval_data_on(&spec, Some(window), device, tokenizer.as_ref(), &chat)?;
     if args.json {
-        println!("{}", serde_json::json!({ "loss": result.loss, "tokens": result.tokens }));
+        let (loss, tokens) = (result.loss, result.tokens);
+        println!("{}", serde_json::json!({ "loss": loss, "tokens": tokens, "window": window }));
     } else {
         let (loss, perplexity, tokens) = (result.loss, result.perplexity(), result.tokens);
-        println!("loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens");
+        println!(
+            "loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens (windows of {window})"
+        );
     }
     Ok(())
 }

@@ -27,8 +27,10 @@ pub use cuda::{CudaDecoder, CudaPrefixDecoder};
 pub use prompts::{Prompt, parse_prompts, read_prompts};
 pub use source::{ModelDir, TextSource};
 
+use crate::ModelSpec;
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
+use crate::llama::LlamaSpec;
 use crate::weight_files::FileParams;
 
 /// How a prompt is continued ([`HostModel::complete`]).
@@ -239,6 +241,46 @@ impl HostModel {
     }
 
     /// The longest sequence the model takes.
+    /// The model as `train` describes it.
+    fn spec(&self) -> ModelSpec {
+        match &self.weights {
+            Weights::Gpt { config, .. } => ModelSpec::Gpt2(*config),
+            Weights::Llama { config, .. } => ModelSpec::Llama(LlamaSpec(config.clone())),
+        }
+    }
+
+    /// The window `eval` reads in where none is given: the sequence length `train` uses unless
+    /// `--seq` says ([`ModelSpec::default_seq`]: GPT-2's context, the Llama family's 2048 or its
+    /// context where shorter), not a long context (131,072 for Llama 3.1), whose window the CPU
+    /// could not hold.
+    pub fn default_window(&self) -> usize {
+        self.spec().default_seq()
+    }
+
+    /// An input error, naming `--window` (`window`), where a window of `inputs` (at most
+    /// `window`: the data may be shorter) needs more than `available` bytes for its activations
+    /// on the CPU (f32, as allocated for the forward with its gradients' room).
+    fn check_cpu_window(&self, window: usize, inputs: usize, available: Option<u64>) -> Result<()> {
+        let Some(available) = available else { return Ok(()) };
+        let needed = self.spec().cpu_activations(1, inputs) as u128 * 2 * 4;
+        if needed <= u128::from(available) {
+            return Ok(());
+        }
+        let gib = |bytes: u128| bytes as f64 / f64::from(1u32 << 30);
+        let which = match inputs == window {
+            true => "a window's".to_owned(),
+            false => format!("a window of {inputs} inputs (the data's longest) has"),
+        };
+        Err(input(format!(
+            "--window {window}: {which} activations on the CPU need {:.1} GiB of host memory but \
+             {:.1} GiB is available; give a smaller --window (the default is {}), or --device \
+             cuda",
+            gib(needed),
+            gib(u128::from(available)),
+            self.default_window()
+        )))
+    }
+
     pub fn context(&self) -> usize {
         match &self.weights {
             Weights::Gpt { config, .. } => config.context,
@@ -345,8 +387,8 @@ impl HostModel {
         }
     }
 
-    /// The loss over the data `spec` names in windows of `window` inputs (default: the model's
-    /// context): each shard or text file (bytes as tokens) a stream of its own, the loss
+    /// The loss over the data `spec` names in windows of `window` inputs (default: the sequence
+    /// length `train` would use, [`HostModel::default_window`]): each shard or text file (bytes as tokens) a stream of its own, the loss
     /// weighted by each one's predicted tokens; a shard's loss mask (chat data: the assistant's
     /// tokens) leaves out the targets it leaves out in training.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
@@ -391,7 +433,7 @@ impl HostModel {
             let _ = std::fs::remove_dir_all(&scratch);
             return result;
         }
-        let window = window.unwrap_or(self.context());
+        let window = window.unwrap_or(self.default_window());
         if window == 0 || window > self.context() {
             let context = self.context();
             return Err(input(format!("--window {window}: between 1 and the context ({context})")));
@@ -426,6 +468,11 @@ impl HostModel {
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
+            // The longest window of this stream (a stream shorter than the window is one).
+            let longest = window.min(stream.len().saturating_sub(1));
+            if device == InferDevice::Cpu {
+                self.check_cpu_window(window, longest, crate::limits::available_host_memory())?;
+            }
             let mask = mask.as_deref();
             let result = match device {
                 InferDevice::Cpu => self.eval(&stream, mask, window)?,

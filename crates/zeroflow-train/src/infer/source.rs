@@ -26,13 +26,16 @@ pub enum ModelDir {
 /// What a MODEL's text is encoded with by default: a Hugging Face directory's own tokenizer and
 /// chat template; a checkpoint's, those its run trained with, the tokenizer of its `--init-from`
 /// directory (where that is still there) and its `--chat-template` file (where still there) and
-/// `--chat-template-kwargs`.
+/// `--chat-template-kwargs`; and, for a checkpoint, the sequence length its run trained on (the
+/// window `eval` reads in by default).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TextSource {
     /// The directory whose `tokenizer.json` (and `tokenizer_config.json`) encode text.
     pub tokenizer_dir: Option<PathBuf>,
     /// The chat template file (`None`: the tokenizer's own) and its variables.
     pub chat: zeroflow_data::ChatOptions,
+    /// The run's `--seq`, for a checkpoint that records it.
+    pub seq: Option<usize>,
 }
 
 impl ModelDir {
@@ -50,6 +53,7 @@ impl ModelDir {
                         template: checkpoint.chat_template.filter(|file| file.is_file()),
                         variables: checkpoint.chat_template_kwargs,
                     },
+                    seq: checkpoint.seq,
                 })
             }
         }

@@ -129,7 +129,8 @@ fn the_loss_over_shards_weights_each_shard_by_its_tokens() {
     assert_eq!((ea.tokens, eb.tokens, result.tokens), (39, 3, 42));
     let weighted = (ea.loss * 39.0 + eb.loss * 3.0) / 42.0;
     assert!((result.loss - weighted).abs() < 1e-12, "{} vs {weighted}", result.loss);
-    // The default window is the context (32): one window of 32 and one of 7 in shard a.
+    // The default window is the context (32, shorter than 2,048): one window of 32 and one of
+    // 7 in shard a.
     let by_context = model.eval_data(&spec, None).unwrap();
     assert_eq!(by_context.tokens, 42);
     let refused = |window| model.eval_data(&spec, Some(window)).unwrap_err().to_string();
@@ -137,6 +138,40 @@ fn the_loss_over_shards_weights_each_shard_by_its_tokens() {
     assert!(refused(0).contains("--window 0"), "{}", refused(0));
     let synthetic = model.eval_data(&Spec::Synthetic, None).unwrap_err().to_string();
     assert!(synthetic.contains("--data synthetic"), "{synthetic}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A long context is not the default window: a Llama of 131,072 positions (Llama 3.1's) reads
+/// in windows of 2,048, as `train` would train it, and a window whose activations the CPU cannot
+/// hold is an input error naming --window before anything is allocated (the default window of
+/// the long context was an allocation of 375 GB that aborted the process).
+#[test]
+fn a_long_context_reads_in_the_training_windows_and_the_cpu_refuses_what_it_cannot_hold() {
+    let dir = scratch("long-context");
+    write_llama(&dir, None);
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["max_position_embeddings"] = 131_072.into();
+    std::fs::write(&path, json.to_string()).unwrap();
+    let model = HostModel::open(&dir).unwrap();
+    assert_eq!((model.context(), model.default_window()), (131_072, 2048));
+    assert_eq!(HostModel::named("tiny", 0).unwrap().default_window(), 64, "GPT-2: its context");
+    let gib = 1u64 << 30;
+    assert!(model.check_cpu_window(2048, 2048, Some(gib)).is_ok());
+    let error = model.check_cpu_window(131_072, 131_072, Some(gib)).unwrap_err();
+    assert!(error.is_input(), "{error}");
+    let said = error.to_string();
+    assert!(said.starts_with("--window 131072: a window's"), "{said}");
+    assert!(said.contains("the default is 2048"), "{said}");
+    let shorter = model.check_cpu_window(131_072, 100_000, Some(gib)).unwrap_err().to_string();
+    assert!(shorter.starts_with("--window 131072: a window of 100000 inputs"), "{shorter}");
+    assert!(model.check_cpu_window(131_072, 131_072, None).is_ok(), "no figure, no refusal");
+    // Data shorter than the window is read in one window of its length: 1,000 tokens fit.
+    let stream: Vec<u16> = (0..1000).map(|i| (i % 50) as u16).collect();
+    zeroflow_data::write_shard(&dir.join("short.bin"), &stream).unwrap();
+    let spec = Spec::parse(&dir.join("short.bin").display().to_string()).unwrap();
+    assert_eq!(model.eval_data(&spec, Some(131_072)).unwrap().tokens, 999);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
