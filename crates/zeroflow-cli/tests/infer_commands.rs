@@ -397,3 +397,62 @@ fn a_run_directory_encodes_text_as_its_run_did() {
     // through the checkpoint, the kwargs given).
     assert_eq!(generate(&["--tokenizer", model_arg, "--chat-template-kwargs", kwargs]), reply);
 }
+
+/// `generate --chat` without a prompt is a conversation read from standard input: each line a
+/// user message (blank ones skipped), each reply printed and kept. Of a run trained to reply
+/// and end its turn, the second reply is the one `--prompts` gives for the conversation so far
+/// (the first reply as the assistant's message, without the token that ended it); without any
+/// prompt or --chat, the error names them all.
+#[test]
+fn a_chat_without_a_prompt_is_a_conversation_from_standard_input() {
+    use std::io::Write;
+    let dir = support::scratch_in("infer_commands", "conversation");
+    let (model, chat, run) = (dir.join("model"), dir.join("chat.jsonl"), dir.join("run"));
+    chat_model::write_model_dir(&model);
+    // A context long enough for two turns, and a run that learns to reply and end its turn.
+    let config = model.join("config.json");
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json["max_position_embeddings"] = 256.into();
+    std::fs::write(&config, json.to_string()).unwrap();
+    chat_model::write_conversations(&chat, 60);
+    let mut train = vec!["train", "--init-from", model.to_str().unwrap(), "--data"];
+    train.extend([chat.to_str().unwrap(), "--steps", "100", "--micro-batch", "4", "--seq", "64"]);
+    train.extend(["--lr", "1e-2", "--eval-every", "0", "--out", run.to_str().unwrap()]);
+    let trained = zeroflow(&train);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+    let model_arg = run.to_str().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["generate", model_arg, "--chat", "--max-new-tokens", "40", "--json"])
+        .env("ZEROFLOW_LOG", "warn")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"3?\n\n4?\n").unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let replies: Vec<Value> =
+        text(&output.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    assert_eq!((replies[0]["turn"].clone(), replies[1]["turn"].clone()), (0.into(), 1.into()));
+    // The reply ended its turn with <|im_end|> (257), which its message leaves out.
+    assert_eq!(replies[0]["tokens"].as_array().unwrap().last(), Some(&257.into()), "{replies:?}");
+    let first = replies[0]["text"].as_str().unwrap();
+    assert!(!first.contains("<|im_end|>"), "{first}");
+    let so_far = serde_json::json!({"messages": [
+        {"role": "user", "content": "3?"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "4?"},
+    ]});
+    let prompts = dir.join("so-far.jsonl");
+    std::fs::write(&prompts, format!("{so_far}\n")).unwrap();
+    let args = ["generate", model_arg, "--chat", "--prompts", prompts.to_str().unwrap()];
+    let batch = json_of(&zeroflow(&[&args[..], &["--max-new-tokens", "40", "--json"]].concat()));
+    assert_eq!(batch["tokens"], replies[1]["tokens"], "{batch} against {}", replies[1]);
+
+    let none = zeroflow(&["generate", model_arg]);
+    assert_eq!(none.status.code(), Some(2));
+    let said = text(&none.stderr);
+    assert!(said.contains("--prompt TEXT, --prompt-tokens IDS or --prompts FILE"), "{said}");
+}

@@ -14,9 +14,9 @@ use crate::InputError;
 pub struct Args {
     /// A Hugging Face directory, a checkpoint (`state.json`) or a run directory (its newest).
     model: PathBuf,
-    /// The prompt as token ids (`1,2,3`).
-    #[arg(long, value_name = "IDS", required_unless_present_any = ["prompt", "prompts"])]
-    #[arg(conflicts_with_all = ["prompt", "prompts"])]
+    /// The prompt as token ids (`1,2,3`). One of --prompt, --prompt-tokens and --prompts is
+    /// needed, but with --chat, which without them is a conversation read from the terminal.
+    #[arg(long, value_name = "IDS", conflicts_with_all = ["prompt", "prompts"])]
     prompt_tokens: Option<String>,
     /// A file of prompts generated as one batch: a prompt per line (text, encoded by the
     /// tokenizer; ids where there is none), or `.jsonl` lines with "prompt", "prompt_tokens" or,
@@ -39,7 +39,9 @@ pub struct Args {
     /// template with the assistant's turn opened (as transformers' `apply_chat_template(...,
     /// add_generation_prompt=True)`), and the completion also ends at the tokenizer's
     /// `eos_token` (the end of a turn). A checkpoint or run directory's prompts are rendered by
-    /// the template its run trained with (its --chat-template, where it gave one).
+    /// the template its run trained with (its --chat-template, where it gave one). Without
+    /// --prompt or --prompts, a conversation: each line read is the user's next message, each
+    /// reply printed and kept, until the end of the input (Ctrl-D).
     #[arg(long, conflicts_with = "prompt_tokens")]
     chat: bool,
     /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
@@ -47,7 +49,8 @@ pub struct Args {
     /// Default: none (for a checkpoint or run directory: its run's).
     #[arg(long, value_name = "JSON", requires = "chat", value_parser = super::template_kwargs)]
     chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
-    #[arg(long, value_name = "N")]
+    /// The most tokens a completion (a reply) adds.
+    #[arg(long, value_name = "N", default_value_t = 256)]
     max_new_tokens: usize,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
@@ -72,7 +75,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let source = ModelDir::find(&args.model)?;
     let text = source.text_source()?;
     let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?;
+    let conversation = args.chat && args.prompts.is_none() && args.prompt.is_none();
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
+        _ if conversation => Vec::new(),
         (Some(file), ..) => read_prompts(file)?,
         (None, Some(ids), _) => {
             vec![Prompt::Tokens(
@@ -90,7 +95,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
             vec![Prompt::Text(text.clone())]
         }
-        (None, None, None) => unreachable!("clap requires --prompt-tokens, --prompts or --prompt"),
+        (None, None, None) => {
+            return Err(InputError::from_display(
+                "give the prompt: --prompt TEXT, --prompt-tokens IDS or --prompts FILE (or --chat \
+                 alone for a conversation)",
+            ));
+        }
     };
     let chat = match (args.chat, &tokenizer) {
         (false, _) => None,
@@ -146,6 +156,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seed: args.seed,
         stop: !args.no_stop,
     };
+    if let (true, Some((tokenizer, template))) = (conversation, &chat) {
+        return converse(&args, &model, tokenizer, template, &completion);
+    }
     let generated = model.complete_batch_on(&prompts, &completion, args.device)?;
     for (index, tokens) in generated.iter().enumerate() {
         let text = tokenizer.as_ref().map(|t| t.decode(tokens)).transpose().map_err(InputError)?;
@@ -159,6 +172,66 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
             println!("{}", text.unwrap_or_else(|| ids.join(",")));
         }
+    }
+    Ok(())
+}
+
+/// `generate --chat` without a prompt: a conversation with `model`. Each line of standard input
+/// (blank ones skipped) is the user's next message; the whole conversation so far is rendered by
+/// `template` and continued, the reply printed (`--json`: `{"turn", "tokens", "text"}`) and
+/// kept as the assistant's message, without the token that ended it. The end of the input ends
+/// it; so does a conversation that has grown past the model's context, said.
+fn converse(
+    args: &Args,
+    model: &zeroflow_train::infer::HostModel,
+    tokenizer: &zeroflow_data::Tokenizer,
+    template: &zeroflow_data::ChatTemplate,
+    completion: &Completion,
+) -> anyhow::Result<()> {
+    use std::io::{BufRead, IsTerminal, Write};
+    let terminal = std::io::stdin().is_terminal();
+    if terminal {
+        eprintln!("a conversation with {}: type a message, Ctrl-D to end", args.model.display());
+    }
+    let mut messages: Vec<serde_json::Value> = Vec::new();
+    let mut lines = std::io::stdin().lock().lines();
+    let mut turn = 0u64;
+    loop {
+        if terminal {
+            eprint!("> ");
+            let _ = std::io::stderr().flush();
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.map_err(|e| InputError(format!("standard input: {e}")))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        messages.push(serde_json::json!({"role": "user", "content": line}));
+        let prompt = Prompt::Messages(messages.clone());
+        let tokens = prompt.chat_tokens(tokenizer, template).map_err(InputError)?;
+        let context = model.context();
+        if tokens.len() + completion.max_new_tokens > context {
+            return Err(InputError::from_display(format!(
+                "the conversation is {} tokens, and with --max-new-tokens {} more than the \
+                 model's context of {context}; start a new one",
+                tokens.len(),
+                completion.max_new_tokens
+            )));
+        }
+        // Each turn its own draw where sampling.
+        let turn_completion =
+            Completion { seed: completion.seed.wrapping_add(turn), ..*completion };
+        let reply = model.complete_batch_on(&[tokens], &turn_completion, args.device)?.remove(0);
+        let ended = reply.last().is_some_and(|t| model.end_of_text().contains(t));
+        let said = &reply[..reply.len() - usize::from(ended)];
+        let text = tokenizer.decode(said).map_err(InputError)?;
+        if args.json {
+            println!("{}", serde_json::json!({"turn": turn, "tokens": reply, "text": text}));
+        } else {
+            println!("{text}");
+        }
+        messages.push(serde_json::json!({"role": "assistant", "content": text}));
+        turn += 1;
     }
     Ok(())
 }
