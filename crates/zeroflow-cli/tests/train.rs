@@ -201,6 +201,55 @@ fn out_directory_that_is_not_empty_is_refused_and_left_untouched() {
     assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "precious");
 }
 
+/// `--force` writes into a directory that holds files, but not over an earlier run's
+/// checkpoints (a new run's beside them would make `--resume latest` take the newest of either):
+/// the error says so, and how to start again there.
+#[test]
+fn force_does_not_start_over_an_earlier_runs_checkpoints() {
+    let out = scratch("force_over_a_run");
+    let out_arg = out.to_str().unwrap();
+    let first = train(&["--model", MINI, "--steps", "1", "--out", out_arg]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let again = train(&["--model", MINI, "--steps", "1", "--out", out_arg, "--force"]);
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again.stderr));
+    let said = text(&again.stderr);
+    assert!(said.contains("(--force replaces files, not an earlier run's checkpoints)"), "{said}");
+    assert!(said.contains(&format!("remove {}", out.join("checkpoints").display())), "{said}");
+    std::fs::remove_dir_all(out.join("checkpoints")).unwrap();
+    let fresh = train(&["--model", MINI, "--steps", "1", "--out", out_arg, "--force"]);
+    assert!(fresh.status.success(), "{}", text(&fresh.stderr));
+}
+
+/// Text read as bytes by a model trained from scratch whose vocabulary is larger than 256 is
+/// said to leave the rest of it untrained, naming `zeroflow tokenize` with the tokenizer.json
+/// beside the --model config.json; a vocabulary of 256 says nothing.
+#[test]
+fn text_read_as_bytes_by_a_larger_vocabulary_names_tokenize() {
+    let dir = scratch("bytes_warning");
+    let (config, corpus) = (dir.join("config.json"), dir.join("corpus.txt"));
+    std::fs::write(&corpus, "some text to read as bytes. ".repeat(400)).unwrap();
+    let shape = |vocab: u32| {
+        serde_json::json!({"n_layer": 1, "n_head": 2, "d_model": 16, "vocab_size": vocab,
+                           "context": 32})
+        .to_string()
+    };
+    std::fs::write(&config, shape(512)).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    let run = |model: &str, out: &str| {
+        let out = dir.join(out);
+        let args = ["--model", model, "--data", corpus.to_str().unwrap(), "--steps", "1"];
+        let trained = train(&[&args[..], &["--out", out.to_str().unwrap()]].concat());
+        assert!(trained.status.success(), "{}", text(&trained.stderr));
+        text(&trained.stderr)
+    };
+    let said = run(config.to_str().unwrap(), "wide");
+    assert!(said.contains("read as bytes (ids 0 to 255) by a model of 512 tokens"), "{said}");
+    let tokenizer = dir.join("tokenizer.json");
+    assert!(said.contains(&format!("--tokenizer {} ", tokenizer.display())), "{said}");
+    let said = run(&shape(256), "bytes");
+    assert!(!said.contains("read as bytes"), "{said}");
+}
+
 /// A bad input: its flags, an optional config file, and what the error must say.
 struct BadInput {
     name: &'static str,

@@ -286,6 +286,11 @@ impl Setup {
         // A `.jsonl`, and text where the model comes from a directory (its tokenizer's tokens,
         // not bytes), are tokenized here with that directory's tokenizer.
         let model_dir = model_dir(&start);
+        if let (data::Spec::Text(paths), None, 0) = (&spec, &model_dir, dist.rank)
+            && let Some(warning) = bytes_warning(&paths[0], &model, args.model.as_deref())
+        {
+            tracing::warn!("{warning}");
+        }
         let template = args.chat_template.as_deref().map(std::path::absolute).transpose();
         let template = template.map_err(|e| input(format!("--chat-template: {e}")))?;
         if let Some(file) = template.as_deref().filter(|file| !file.is_file()) {
@@ -726,11 +731,18 @@ fn fresh_out(args: &TrainOptions) -> Result<PathBuf> {
     };
     check_out_dir(&out, args.force)?;
     if let Some((_, newest)) = crate::checkpoints::list(&out)?.last() {
+        // `--force` replaces files, never a run: a new run's checkpoints beside the earlier
+        // one's would make `--resume latest` take the newest step of either.
+        let forced = match args.force {
+            true => " (--force replaces files, not an earlier run's checkpoints)",
+            false => "",
+        };
         return Err(input(format!(
-            "--out {}: holds checkpoints of an earlier run ({}); continue it with --resume \
-             latest, or choose another --out",
+            "--out {}: holds checkpoints of an earlier run ({}){forced}; continue it with \
+             --resume latest, choose another --out, or remove {} to start again there",
             out.display(),
-            newest.display()
+            newest.display(),
+            out.join("checkpoints").display()
         )));
     }
     Ok(out)
@@ -859,6 +871,30 @@ fn choose_model(
             vocab_size: spec.default_vocab(),
             ..GptConfig::TINY
         })))
+}
+
+/// What to say where text (`file`, the first of the data) is read as bytes, ids 0 to 255, by a
+/// model trained from scratch whose vocabulary is larger (`--model` `flag`): most of its
+/// embedding never trains, and a tokenizer was more likely meant; the tokenizer.json beside a
+/// `--model` config.json is named where there is one.
+fn bytes_warning(file: &Path, model: &ModelSpec, flag: Option<&str>) -> Option<String> {
+    let vocab = model.vocab_size();
+    if vocab <= 256 {
+        return None;
+    }
+    let beside = flag.map(Path::new).and_then(Path::parent).map(|dir| dir.join("tokenizer.json"));
+    let tokenizer = match beside.filter(|t| t.is_file()) {
+        Some(found) => found.display().to_string(),
+        None => "T".into(),
+    };
+    Some(format!(
+        "--data {} is text, read as bytes (ids 0 to 255) by a model of {vocab} tokens trained from \
+         scratch: the rest of its vocabulary never trains. To train on a tokenizer's tokens, \
+         tokenize first (`zeroflow tokenize --tokenizer {tokenizer} {} --out DIR`) and give \
+         --data DIR",
+        file.display(),
+        file.display()
+    ))
 }
 
 /// How the run starts, with the initial weights checked against the model's tensors (read when
