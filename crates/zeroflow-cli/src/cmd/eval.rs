@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use zeroflow_train::data::Spec;
 use zeroflow_train::infer::{InferDevice, ModelDir};
 
+use crate::InputError;
+
 /// The loss of a model (GPT-2 or the Llama family) over data.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -18,9 +20,10 @@ pub struct Args {
     /// leaves out what it leaves out in training), text files (encoded by --tokenizer), or
     /// `.jsonl` files (one, or a directory or glob of them) of documents or conversations
     /// (tokenized by --tokenizer and its chat template, the loss on the assistant's tokens only,
-    /// as in training).
+    /// as in training). Default, for a checkpoint or run directory: its run's evaluation set,
+    /// where that was files (the documents it held out, or its --eval-data).
     #[arg(long)]
-    data: String,
+    data: Option<String>,
     /// Encodes text and `.jsonl` --data: `gpt2`, `bytes`, a `tokenizer.json` or a model
     /// directory. Default: MODEL's own tokenizer.json where MODEL is a directory that has one,
     /// the tokenizer its run trained with where MODEL is a checkpoint or run directory (its
@@ -48,9 +51,28 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let spec = Spec::parse(&args.data)?;
     let source = ModelDir::find(&args.model)?;
-    let text = source.text_source()?;
+    let text = source.defaults()?;
+    let data = match (&args.data, &text.eval_data, &source) {
+        (Some(data), ..) => data.clone(),
+        (None, Some(run_set), _) => {
+            tracing::info!("--data: the run's evaluation set, {run_set}");
+            run_set.clone()
+        }
+        (None, None, ModelDir::HuggingFace(_)) => {
+            return Err(InputError::from_display(
+                "give --data: token shards, text or .jsonl files to evaluate on",
+            ));
+        }
+        (None, None, ModelDir::Checkpoint(dir)) => {
+            return Err(InputError::from_display(format!(
+                "give --data: the run of {} evaluated on the end of its last data file (or \
+                 the synthetic corpus), not on files of their own",
+                dir.display()
+            )));
+        }
+    };
+    let spec = Spec::parse(&data)?;
     let model = source.open_for(args.device)?;
     // Text and .jsonl are encoded; shards need MODEL's own tokenizer no more than a named one.
     let encoded = matches!(spec, Spec::Text(_) | Spec::Jsonl(_));

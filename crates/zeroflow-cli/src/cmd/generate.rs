@@ -73,7 +73,7 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     // MODEL first: its tokenizer is looked for in it.
     let source = ModelDir::find(&args.model)?;
-    let text = source.text_source()?;
+    let text = source.defaults()?;
     let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?;
     let conversation = args.chat && args.prompts.is_none() && args.prompt.is_none();
     let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {

@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use zeroflow_data::Tokenizer;
-use zeroflow_train::infer::TextSource;
+use zeroflow_train::infer::ModelDefaults;
 
 pub mod bench;
 pub mod bench_copy;
@@ -29,7 +29,7 @@ pub mod train;
 /// the tokenizer its run trained with (its `--init-from` directory's, said), else none.
 pub(crate) fn model_tokenizer(
     named: Option<&str>,
-    text: &TextSource,
+    text: &ModelDefaults,
     model: &Path,
 ) -> anyhow::Result<Option<Tokenizer>> {
     let tokenizer = match (named, &text.tokenizer_dir) {
@@ -51,11 +51,11 @@ pub(crate) fn model_tokenizer(
 }
 
 /// The chat template options of `generate` and `eval`: the flags', else what MODEL's run trained
-/// with ([`TextSource::chat`]).
+/// with ([`ModelDefaults::chat`]).
 pub(crate) fn chat_options(
     template: Option<std::path::PathBuf>,
     variables: Option<zeroflow_data::TemplateVariables>,
-    text: &TextSource,
+    text: &ModelDefaults,
 ) -> zeroflow_data::ChatOptions {
     zeroflow_data::ChatOptions {
         template: template.or_else(|| text.chat.template.clone()),

@@ -25,7 +25,7 @@ pub mod source;
 
 pub use cuda::{CudaDecoder, CudaPrefixDecoder};
 pub use prompts::{Prompt, parse_prompts, read_prompts};
-pub use source::{ModelDir, TextSource};
+pub use source::{ModelDefaults, ModelDir};
 
 use crate::ModelSpec;
 use crate::data::Spec;

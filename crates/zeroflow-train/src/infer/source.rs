@@ -23,37 +23,42 @@ pub enum ModelDir {
     Checkpoint(PathBuf),
 }
 
-/// What a MODEL's text is encoded with by default: a Hugging Face directory's own tokenizer and
-/// chat template; a checkpoint's, those its run trained with, the tokenizer of its `--init-from`
-/// directory (where that is still there) and its `--chat-template` file (where still there) and
-/// `--chat-template-kwargs`; and, for a checkpoint, the sequence length its run trained on (the
-/// window `eval` reads in by default).
+/// What `generate` and `eval` do with a MODEL by default. Its text is encoded with a Hugging Face
+/// directory's own tokenizer and chat template; a checkpoint's, with those its run trained with,
+/// the tokenizer of its `--init-from` directory (where that is still there) and its
+/// `--chat-template` file (where still there) and `--chat-template-kwargs`. A checkpoint's `eval`
+/// reads in the windows its run trained on, and where `--data` is not given, its run's
+/// evaluation set where that is files.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct TextSource {
+pub struct ModelDefaults {
     /// The directory whose `tokenizer.json` (and `tokenizer_config.json`) encode text.
     pub tokenizer_dir: Option<PathBuf>,
     /// The chat template file (`None`: the tokenizer's own) and its variables.
     pub chat: zeroflow_data::ChatOptions,
     /// The run's `--seq`, for a checkpoint that records it.
     pub seq: Option<usize>,
+    /// The run's evaluation set, for a checkpoint whose run evaluated on files: the documents it
+    /// held out (`<run>/tokens/rank-0/held-out`, where still there), else its `--eval-data`.
+    pub eval_data: Option<String>,
 }
 
 impl ModelDir {
-    /// What its text is encoded with by default ([`TextSource`]).
-    pub fn text_source(&self) -> Result<TextSource> {
+    /// What its text is encoded with by default ([`ModelDefaults`]).
+    pub fn defaults(&self) -> Result<ModelDefaults> {
         match self {
             ModelDir::HuggingFace(dir) => {
-                Ok(TextSource { tokenizer_dir: Some(dir.clone()), ..TextSource::default() })
+                Ok(ModelDefaults { tokenizer_dir: Some(dir.clone()), ..ModelDefaults::default() })
             }
             ModelDir::Checkpoint(dir) => {
                 let checkpoint = export::read_checkpoint(dir)?;
-                Ok(TextSource {
+                Ok(ModelDefaults {
                     tokenizer_dir: checkpoint.init_from.filter(|dir| dir.is_dir()),
                     chat: zeroflow_data::ChatOptions {
                         template: checkpoint.chat_template.filter(|file| file.is_file()),
                         variables: checkpoint.chat_template_kwargs,
                     },
                     seq: checkpoint.seq,
+                    eval_data: checkpoint.eval_data,
                 })
             }
         }
