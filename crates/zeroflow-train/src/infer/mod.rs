@@ -268,11 +268,11 @@ impl HostModel {
         }
         let gib = |bytes: u128| bytes as f64 / f64::from(1u32 << 30);
         let which = match inputs == window {
-            true => "a window's".to_owned(),
-            false => format!("a window of {inputs} inputs (the data's longest) has"),
+            true => "a window's activations".to_owned(),
+            false => format!("the activations of a window of {inputs} inputs (the data's longest)"),
         };
         Err(input(format!(
-            "--window {window}: {which} activations on the CPU need {:.1} GiB of host memory but \
+            "--window {window}: {which} on the CPU need {:.1} GiB of host memory but \
              {:.1} GiB is available; give a smaller --window (the default is {}), or --device \
              cuda",
             gib(needed),

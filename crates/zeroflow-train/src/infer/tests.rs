@@ -165,7 +165,9 @@ fn a_long_context_reads_in_the_training_windows_and_the_cpu_refuses_what_it_cann
     assert!(said.starts_with("--window 131072: a window's"), "{said}");
     assert!(said.contains("the default is 2048"), "{said}");
     let shorter = model.check_cpu_window(131_072, 100_000, Some(gib)).unwrap_err().to_string();
-    assert!(shorter.starts_with("--window 131072: a window of 100000 inputs"), "{shorter}");
+    let of_100000 = "--window 131072: the activations of a window of 100000 inputs (the data's \
+                     longest) on the CPU need";
+    assert!(shorter.starts_with(of_100000), "{shorter}");
     assert!(model.check_cpu_window(131_072, 131_072, None).is_ok(), "no figure, no refusal");
     // Data shorter than the window is read in one window of its length: 1,000 tokens fit.
     let stream: Vec<u16> = (0..1000).map(|i| (i % 50) as u16).collect();
