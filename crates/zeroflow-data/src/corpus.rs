@@ -135,17 +135,24 @@ impl TokenizeSummary {
         if self.bad_lines > 0 {
             text.push_str(&format!("\nskipped {}", count(self.bad_lines, "bad line")));
         }
-        if let Some(held) = &self.held_out {
-            let dir = held.shards.first().and_then(|shard| shard.parent());
-            text.push_str(&format!(
-                "\nheld out for evaluation, spread over the input and never trained on: {} ({}, \
-                 {}), {}{}",
-                count(held.documents, "document"),
-                count(held.conversations, "conversation"),
-                count(held.assistant_tokens, "assistant token"),
-                count(held.tokens, "token"),
-                dir.map(|dir| format!(" in {}", dir.display())).unwrap_or_default()
-            ));
+        match self.held_out.as_deref() {
+            Some(held) if held.documents == 0 => text.push_str(
+                "\nheld out for evaluation: no document (each is longer than its share of the \
+                 tokens to hold out; a run holds out the end of the data instead)",
+            ),
+            Some(held) => {
+                let dir = held.shards.first().and_then(|shard| shard.parent());
+                text.push_str(&format!(
+                    "\nheld out for evaluation, spread over the input and never trained on: {} \
+                     ({}, {}), {}{}",
+                    count(held.documents, "document"),
+                    count(held.conversations, "conversation"),
+                    count(held.assistant_tokens, "assistant token"),
+                    count(held.tokens, "token"),
+                    dir.map(|dir| format!(" in {}", dir.display())).unwrap_or_default()
+                ));
+            }
+            None => {}
         }
         text
     }

@@ -340,6 +340,24 @@ fn the_setup_and_the_summary_describe_themselves() {
     let said = "wrote 1 document (0 conversations, 1 assistant token), 1 token in 1 shard to out\n\
                 skipped 1 bad line";
     assert_eq!(one.describe(out), said);
+    // What was held out for evaluation, and that nothing was.
+    summary.bad_lines = 0;
+    let held = TokenizeSummary {
+        documents: 1,
+        conversations: 1,
+        tokens: 9,
+        assistant_tokens: 2,
+        shards: vec![PathBuf::from("out/held-out/tokens_000000.bin")],
+        ..TokenizeSummary::default()
+    };
+    summary.held_out = Some(Box::new(held));
+    let held_line = "held out for evaluation, spread over the input and never trained on: 1 \
+                     document (1 conversation, 2 assistant tokens), 9 tokens in out/held-out";
+    assert_eq!(summary.describe(out), format!("{line}\n{held_line}"));
+    summary.held_out = Some(Box::default());
+    let none = "held out for evaluation: no document (each is longer than its share of the \
+                tokens to hold out; a run holds out the end of the data instead)";
+    assert_eq!(summary.describe(out), format!("{line}\n{none}"));
 }
 
 /// A vocabulary past 65536 ids gives llm.c's u32 shards, which read back.

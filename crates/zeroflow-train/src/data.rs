@@ -89,8 +89,8 @@ impl Spec {
         }
         let path = Path::new(data);
         let what_to_do = "pass `synthetic`, a directory or glob of llm.c .bin token shards, a \
-                          text file or glob of text files, or a .jsonl (or JSON Lines .json) or \
-                          a directory or glob of them";
+                          text file or a directory (.txt, .md) or glob of text files, or a .jsonl \
+                          (or JSON Lines .json) or a directory or glob of them";
         let is_shard = |p: &Path| p.extension().is_some_and(|ext| ext == "bin");
         let shards = if data.contains(['*', '?']) {
             let paths = glob(path)?;
@@ -119,12 +119,19 @@ impl Spec {
             if let Some(table) = tables.filter(|_| shards.is_empty()) {
                 records(vec![table.clone()])?;
             }
-            // A directory of JSON Lines files (a dataset in several) and no shards.
+            // A directory of JSON Lines files (a dataset in several) and no shards; else of text
+            // files (`.txt`, `.text`, `.md`: other files, a README or a licence, are not data).
             if shards.is_empty() {
                 let lines = zeroflow_data::json_lines_of(&files);
                 if !lines.is_empty() {
                     refuse_held_out(data, &lines)?;
                     return records(lines);
+                }
+                let texts: Vec<PathBuf> =
+                    files.iter().filter(|p| has(p, &["txt", "text", "md"])).cloned().collect();
+                if !texts.is_empty() {
+                    refuse_held_out(data, &texts)?;
+                    return records(texts);
                 }
             }
             refuse_held_out(data, &shards)?;
@@ -604,9 +611,17 @@ mod tests {
         assert_eq!(parse(&chats).unwrap(), Spec::Jsonl(jsonl.clone()));
         assert_eq!(parse(&chats.join("*.jsonl")).unwrap(), Spec::Jsonl(jsonl));
         let text = vec![texts.join("a.txt"), texts.join("b.txt")];
-        assert_eq!(parse(&texts.join("*.txt")).unwrap(), Spec::Text(text));
+        assert_eq!(parse(&texts.join("*.txt")).unwrap(), Spec::Text(text.clone()));
         assert_eq!(parse(&both).unwrap(), Spec::Shards(vec![both.join("s_000.bin")]));
-        let error = parse(&texts).unwrap_err().to_string();
+        // A directory of text files: its .txt, .text and .md files, in name order.
+        std::fs::write(texts.join("c.md"), "x").unwrap();
+        std::fs::write(texts.join("LICENSE"), "x").unwrap();
+        let markdown = [&text[..], &[texts.join("c.md")]].concat();
+        assert_eq!(parse(&texts).unwrap(), Spec::Text(markdown));
+        let empty = dir.join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        std::fs::write(empty.join("LICENSE"), "x").unwrap();
+        let error = parse(&empty).unwrap_err().to_string();
         assert!(
             error.contains("no .bin token shards found") && error.contains(".jsonl"),
             "{error}"
