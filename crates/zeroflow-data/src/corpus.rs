@@ -104,8 +104,8 @@ pub struct TokenizeSummary {
     pub bad_lines: u64,
     pub input_bytes: u64,
     pub shards: Vec<PathBuf>,
-    /// What went to the held-out shards ([`TokenizeOptions::hold_out`]), where asked for; its
-    /// `input_bytes` are the held-out records' (the input's are all counted above).
+    /// What went to the held-out shards ([`TokenizeOptions::hold_out`]), where asked for (its
+    /// `input_bytes` 0: the input's are all counted above).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_out: Option<Box<TokenizeSummary>>,
 }
@@ -319,11 +319,11 @@ struct Writers<'a> {
 }
 
 /// Which documents are held out ([`HoldOut`]): a `.jsonl` record or a text file read in one
-/// piece is, where the tokens held out so far, with half of its own, stay below `wanted` times
-/// the fraction of the input read through it. `wanted` is [`HoldOut::tokens`], at most a tenth of the input's tokens as
-/// estimated from the tokens per byte of the records tokenized so far (all of them, for an
-/// input of one batch). The records held out are so spread evenly over the input, and the same
-/// for any number of threads (batches end at the same bytes).
+/// piece is, where the tokens held out so far, with half of its own, stay below the goal times
+/// the fraction of the input read through it. The goal is [`HoldOut::tokens`], at most a tenth
+/// of the input's tokens as estimated from the tokens per byte of the units tokenized so far
+/// (all of them, for an input of one batch). The documents held out are so spread evenly over
+/// the input, and the same for any number of threads (batches end at the same bytes).
 #[derive(Debug)]
 struct Split {
     wanted: u64,
