@@ -304,7 +304,8 @@ fn documents_held_out_at_start_up_are_those_tokenize_hold_out_writes() {
 }
 
 /// Two ranks of one host, started together: the first tokenizes, the second waits and reads
-/// the same shards (no folder of its own); where tokenizing fails, both fail with its error.
+/// the same shards (no folder of its own), the held-out documents' too; where tokenizing fails,
+/// both fail with its error.
 #[test]
 fn the_ranks_of_a_host_share_one_tokenizing() {
     use zeroflow_train::TrainError;
@@ -315,7 +316,7 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
     let (dir, model, corpus) = model_and_corpus("text_data_host_tokens", &words);
     let (out, bad) = (dir.join("run"), dir.join("bad.jsonl"));
     std::fs::write(&bad, "{\"text\": \"fine\"}\nnot json\n").unwrap();
-    let both = |spec: &dyn Fn() -> Spec| -> Vec<Result<Spec, TrainError>> {
+    let both = |spec: &dyn Fn() -> Spec| -> Vec<Result<(Spec, Option<Spec>), TrainError>> {
         std::thread::scope(|scope| {
             let ranks: Vec<_> = [1, 0]
                 .into_iter()
@@ -330,9 +331,9 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
                             out,
                             at,
                             &Default::default(),
-                            None,
+                            Some(1 << 20),
                         )
-                        .map(|tokenized| tokenized.spec)
+                        .map(|tokenized| (tokenized.spec, tokenized.held_out))
                     })
                 })
                 .collect();
@@ -340,13 +341,23 @@ fn the_ranks_of_a_host_share_one_tokenizing() {
         })
     };
     let read = both(&|| Spec::Text(vec![corpus.clone()]));
-    let shards = |spec: &Result<Spec, TrainError>| match spec {
-        Ok(Spec::Shards(shards)) => shards.clone(),
+    let shards = |spec: &Result<(Spec, Option<Spec>), TrainError>| match spec {
+        Ok((Spec::Shards(shards), held_out)) => {
+            (shards.clone(), held_out.as_ref().map(|held| held.files().to_vec()))
+        }
         other => panic!("{other:?}"),
     };
-    let want = vec![out.join("tokens/rank-0/tokens_000000.bin")];
+    let want = (vec![out.join("tokens/rank-0/tokens_000000.bin")], None);
     assert_eq!((shards(&read[0]), shards(&read[1])), (want.clone(), want));
     assert!(!out.join("tokens/rank-1").exists());
+    // Records of a .jsonl held out: both ranks read the same ones.
+    let records = dir.join("records.jsonl");
+    let lines: String = (0..100).map(|i| format!("{{\"text\": \"record {i}\"}}\n")).collect();
+    std::fs::write(&records, lines).unwrap();
+    let held = both(&|| Spec::Jsonl(vec![records.clone()]));
+    let held_out = Some(vec![out.join("tokens/rank-0/held-out/tokens_000000.bin")]);
+    assert_eq!(shards(&held[0]).1, held_out);
+    assert_eq!(shards(&held[0]), shards(&held[1]));
     let failed = both(&|| Spec::Jsonl(vec![bad.clone()]));
     for (rank, result) in [1, 0].into_iter().zip(failed) {
         let error = format!("{:#}", result.expect_err("a bad line"));
