@@ -81,6 +81,10 @@ fn eval_prints_the_librarys_loss_as_json() {
     assert_eq!(json["loss"].as_f64(), Some(expected.loss));
     let plain = text(&zeroflow(&args).stdout);
     assert!(plain.starts_with("loss ") && plain.contains("over 49 tokens"), "{plain}");
+    // A Hugging Face directory has no evaluation set of its own.
+    let without = zeroflow(&["eval", dir.to_str().unwrap()]);
+    assert_eq!(without.status.code(), Some(2));
+    assert!(text(&without.stderr).contains("give --data"), "{}", text(&without.stderr));
     assert!(plain.contains("(windows of "), "{plain}");
 }
 

@@ -201,6 +201,31 @@ fn out_directory_that_is_not_empty_is_refused_and_left_untouched() {
     assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "precious");
 }
 
+/// `eval` of a run on the synthetic corpus without --data: the run's other stream of the chain,
+/// in its windows, the loss of its last evaluation.
+#[test]
+fn eval_of_a_synthetic_run_reads_its_evaluation_stream() {
+    let out = scratch("eval_synthetic_run");
+    let out_arg = out.to_str().unwrap();
+    let trained = train(&["--model", MINI, "--steps", "3", "--seed", "5", "--out", out_arg]);
+    assert!(trained.status.success(), "{}", text(&trained.stderr));
+    let eval = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["eval", out_arg, "--json"])
+        .env("ZEROFLOW_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(eval.status.success(), "{}", text(&eval.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&eval.stdout).unwrap();
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let logged = lines
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["eval_loss"].as_f64())
+        .unwrap();
+    let loss = json["loss"].as_f64().unwrap();
+    assert!((loss - logged).abs() <= 1e-5 * logged, "eval {loss} against the run's {logged}");
+}
+
 /// `--force` writes into a directory that holds files, but not over an earlier run's
 /// checkpoints (a new run's beside them would make `--resume latest` take the newest of either):
 /// the error says so, and how to start again there.

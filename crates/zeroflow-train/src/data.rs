@@ -367,55 +367,11 @@ impl Data {
             }
             false => description,
         };
-        let (tokens, eval_description) = match (eval, spec) {
-            (EvalSet::Given(eval_spec), _) => {
-                let wanted = shape.eval_tokens.unwrap_or(EVAL_TOKENS);
-                let eval = source(eval_spec, vocab)?;
-                let tokens = leading_tokens(&eval, vocab, wanted, shape.packed, "--eval-data")?;
-                let what =
-                    format!("the first {} tokens of --eval-data", thousands(tokens.tokens.len()));
-                (tokens, what)
-            }
-            (EvalSet::HeldOut(held), _) => {
-                let eval = source(held, vocab)?;
-                let flag = "--data (its held-out documents)";
-                let tokens = leading_tokens(&eval, vocab, usize::MAX, shape.packed, flag)?;
-                let what = format!(
-                    "{} tokens of documents held out across --data, never trained on",
-                    thousands(tokens.tokens.len())
-                );
-                (tokens, what)
-            }
-            (EvalSet::Tail, Spec::Synthetic) => {
-                let len = shape.eval_tokens.unwrap_or(SYNTHETIC_EVAL_TOKENS);
-                let corpus = Arc::new(SyntheticCorpus::default());
-                let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
-                let tokens = read_unit(&eval, 0, vocab).map_err(data_error)?;
-                let what = format!("{} tokens of a held-out stream", thousands(len));
-                let all = 0..tokens.tokens.len();
-                (EvalTokens::of(tokens, None, all), what)
-            }
-            (EvalSet::Tail, _) => {
-                let source = source(spec, vocab)?;
-                let files = spec.files();
-                let last = read_unit(&source, files.len() - 1, vocab).map_err(data_error)?;
-                let documents = match shape.packed {
-                    true => {
-                        Some(read_document_starts(&source, files.len() - 1).map_err(data_error)?)
-                    }
-                    false => None,
-                };
-                let len = last.tokens.len();
-                let held = shape.eval_tokens.unwrap_or(EVAL_TOKENS).min(len / 10);
-                train = train.hold_out_tail(held).map_err(data_error)?;
-                let what = format!(
-                    "{} tokens held out from the end of {}, never trained on",
-                    thousands(held),
-                    files[files.len() - 1].display()
-                );
-                (EvalTokens::of(last, documents, len - held..len), what)
-            }
-        };
+        let EvalSetTokens { tokens, description: eval_description, tail } =
+            eval_set(spec, eval, vocab, shape, seed)?;
+        if let Some(held) = tail {
+            train = train.hold_out_tail(held).map_err(data_error)?;
+        }
         let counted = match &tokens.mask {
             Some(mask) => mask.iter().skip(1).filter(|&&m| m != 0).count(),
             None => tokens.tokens.len().saturating_sub(1),
@@ -442,6 +398,105 @@ impl Data {
             epoch_micro_steps,
         })
     }
+}
+
+/// A run's evaluation set: its tokens (with their loss mask and, packed, where its documents
+/// start), what it is, and for a tail of the training data, how many tokens the training stream
+/// leaves out.
+struct EvalSetTokens {
+    tokens: EvalTokens,
+    description: String,
+    tail: Option<usize>,
+}
+
+/// The evaluation set [`Data::open`] evaluates on (see there), for a model of `vocab` symbols.
+fn eval_set(
+    spec: &Spec,
+    eval: EvalSet<'_>,
+    vocab: usize,
+    shape: Shape,
+    seed: u64,
+) -> Result<EvalSetTokens> {
+    let data_error = |e: zeroflow_data::DataError| input(format!("--data: {e}"));
+    let (tokens, description, tail) = match (eval, spec) {
+        (EvalSet::Given(eval_spec), _) => {
+            let wanted = shape.eval_tokens.unwrap_or(EVAL_TOKENS);
+            let eval = source(eval_spec, vocab)?;
+            let tokens = leading_tokens(&eval, vocab, wanted, shape.packed, "--eval-data")?;
+            let what =
+                format!("the first {} tokens of --eval-data", thousands(tokens.tokens.len()));
+            (tokens, what, None)
+        }
+        (EvalSet::HeldOut(held), _) => {
+            let eval = source(held, vocab)?;
+            let flag = "--data (its held-out documents)";
+            let tokens = leading_tokens(&eval, vocab, usize::MAX, shape.packed, flag)?;
+            let what = format!(
+                "{} tokens of documents held out across --data, never trained on",
+                thousands(tokens.tokens.len())
+            );
+            (tokens, what, None)
+        }
+        (EvalSet::Tail, Spec::Synthetic) => {
+            let len = shape.eval_tokens.unwrap_or(SYNTHETIC_EVAL_TOKENS);
+            let corpus = Arc::new(SyntheticCorpus::default());
+            let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
+            let tokens = read_unit(&eval, 0, vocab).map_err(data_error)?;
+            let what = format!("{} tokens of a held-out stream", thousands(len));
+            let all = 0..tokens.tokens.len();
+            (EvalTokens::of(tokens, None, all), what, None)
+        }
+        (EvalSet::Tail, _) => {
+            let source = source(spec, vocab)?;
+            let files = spec.files();
+            let last = read_unit(&source, files.len() - 1, vocab).map_err(data_error)?;
+            let documents = match shape.packed {
+                true => Some(read_document_starts(&source, files.len() - 1).map_err(data_error)?),
+                false => None,
+            };
+            let len = last.tokens.len();
+            let held = shape.eval_tokens.unwrap_or(EVAL_TOKENS).min(len / 10);
+            let what = format!(
+                "{} tokens held out from the end of {}, never trained on",
+                thousands(held),
+                files[files.len() - 1].display()
+            );
+            (EvalTokens::of(last, documents, len - held..len), what, Some(held))
+        }
+    };
+    Ok(EvalSetTokens { tokens, description, tail })
+}
+
+/// The evaluation set of a run as its trainer evaluates on it ([`Data::open`]): its tokens, their
+/// loss mask (chat data's), and what it is, cut to the windows of `seq` inputs the trainer
+/// reads (a last shorter one left out), unpacked. `zeroflow eval` of a run without `--data`.
+pub fn run_eval_stream(
+    spec: &Spec,
+    eval: EvalSet<'_>,
+    vocab: usize,
+    seq: usize,
+    eval_tokens: Option<usize>,
+    seed: u64,
+) -> Result<(Vec<u32>, Option<Vec<u8>>, String)> {
+    let shape = Shape {
+        batch: 1,
+        micro_steps: 1,
+        rank: 0,
+        world_size: 1,
+        seq,
+        eval_tokens,
+        packed: false,
+        shuffled: false,
+    };
+    let EvalSetTokens { tokens, description, .. } = eval_set(spec, eval, vocab, shape, seed)?;
+    let len = 1 + zeroflow_data::eval_windows(tokens.tokens.len(), seq) * seq;
+    let mut stream = tokens.tokens;
+    stream.truncate(len.min(stream.len()));
+    let mask = tokens.mask.map(|mut mask| {
+        mask.truncate(stream.len());
+        mask
+    });
+    Ok((stream, mask, description))
 }
 
 /// The tokens of an evaluation set, their loss mask, and where packed, where its documents

@@ -40,9 +40,6 @@ pub struct Checkpoint {
     /// The sequence length the run trained on (`--seq`; absent in checkpoints from before it
     /// was kept).
     pub seq: Option<usize>,
-    /// The files the run evaluated on: the documents it held out, where its run directory
-    /// still holds them, else its `--eval-data`; `None` where it held out a tail.
-    pub eval_data: Option<String>,
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out` (which must not exist,
@@ -328,33 +325,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         chat_template,
         chat_template_kwargs: chat_template_kwargs.unwrap_or_default(),
         seq: meta.extra.get("seq").and_then(serde_json::Value::as_u64).map(|seq| seq as usize),
-        eval_data: run_eval_data(dir, &meta.extra),
     })
-}
-
-/// [`Checkpoint::eval_data`] of the checkpoint `dir` (in `<run>/checkpoints/`) with `extra`:
-/// its `--eval-data`, else the documents held out where it held some out (of its data tokenized
-/// at start-up, in its run directory; or a directory of `zeroflow tokenize --hold-out`'s).
-fn run_eval_data(dir: &Path, extra: &serde_json::Value) -> Option<String> {
-    if let Some(given) = extra.get("eval_data").and_then(serde_json::Value::as_str) {
-        return Some(given.to_owned());
-    }
-    if extra.get("documents_held_out") != Some(&serde_json::Value::Bool(true)) {
-        return None;
-    }
-    let has_shards = |dir: &Path| {
-        let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
-        entries.map(|e| e.path()).any(|p| p.extension().is_some_and(|x| x == "bin"))
-    };
-    let run = dir.parent().filter(|p| p.ends_with("checkpoints")).and_then(Path::parent);
-    let tokenized = run.map(|run| run.join("tokens/rank-0"));
-    let data = extra.get("data").and_then(serde_json::Value::as_str).map(PathBuf::from);
-    [tokenized, data]
-        .into_iter()
-        .flatten()
-        .map(|dir| dir.join(zeroflow_data::HELD_OUT_DIR))
-        .find(|held_out| has_shards(held_out))
-        .map(|held_out| held_out.display().to_string())
 }
 
 #[cfg(test)]

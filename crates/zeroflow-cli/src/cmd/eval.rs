@@ -20,8 +20,9 @@ pub struct Args {
     /// leaves out what it leaves out in training), text files (encoded by --tokenizer), or
     /// `.jsonl` files (one, or a directory or glob of them) of documents or conversations
     /// (tokenized by --tokenizer and its chat template, the loss on the assistant's tokens only,
-    /// as in training). Default, for a checkpoint or run directory: its run's evaluation set,
-    /// where that was files (the documents it held out, or its --eval-data).
+    /// as in training). Default, for a checkpoint or run directory: its run's evaluation set as
+    /// the run made it (the documents it held out, the end of its data, or the first
+    /// --eval-tokens of its --eval-data), in its windows, read unpacked.
     #[arg(long)]
     data: Option<String>,
     /// Encodes text and `.jsonl` --data: `gpt2`, `bytes`, a `tokenizer.json` or a model
@@ -53,26 +54,8 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let source = ModelDir::find(&args.model)?;
     let text = source.defaults()?;
-    let data = match (&args.data, &text.eval_data, &source) {
-        (Some(data), ..) => data.clone(),
-        (None, Some(run_set), _) => {
-            tracing::info!("--data: the run's evaluation set, {run_set}");
-            run_set.clone()
-        }
-        (None, None, ModelDir::HuggingFace(_)) => {
-            return Err(InputError::from_display(
-                "give --data: token shards, text or .jsonl files to evaluate on",
-            ));
-        }
-        (None, None, ModelDir::Checkpoint(dir)) => {
-            return Err(InputError::from_display(format!(
-                "give --data: the run of {} evaluated on the end of its last data file (or \
-                 the synthetic corpus), not on files of their own",
-                dir.display()
-            )));
-        }
-    };
-    let spec = Spec::parse(&data)?;
+    let Some(data) = args.data.as_deref() else { return run_set(&args, &source) };
+    let spec = Spec::parse(data)?;
     let model = source.open_for(args.device)?;
     // Text and .jsonl are encoded; shards need MODEL's own tokenizer no more than a named one.
     let encoded = matches!(spec, Spec::Text(_) | Spec::Jsonl(_));
@@ -91,14 +74,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let window = args.window.or(text.seq).unwrap_or_else(|| model.default_window());
     let device = args.device;
     let result = model.eval_data_on(&spec, Some(window), device, tokenizer.as_ref(), &chat)?;
-    if args.json {
-        let (loss, tokens) = (result.loss, result.tokens);
+    say(&result, window, args.json);
+    Ok(())
+}
+
+/// `eval` of a checkpoint or run directory without `--data`: its run's evaluation set, as the
+/// run evaluated on it, in its windows (or `--window`'s).
+fn run_set(args: &Args, source: &ModelDir) -> anyhow::Result<()> {
+    let encoding = args.tokenizer.is_some()
+        || args.chat_template.is_some()
+        || args.chat_template_kwargs.is_some();
+    if encoding {
+        return Err(InputError::from_display(
+            "--tokenizer, --chat-template and --chat-template-kwargs encode --data; without it \
+             the run's evaluation set is read as the run made it",
+        ));
+    }
+    let Some(set) = source.run_eval_set()? else {
+        return Err(InputError::from_display(
+            "give --data: token shards, text or .jsonl files to evaluate on (only a checkpoint \
+             or run directory has an evaluation set of its own)",
+        ));
+    };
+    tracing::info!("the run's evaluation set: {}", set.description);
+    let model = source.open_for(args.device)?;
+    let window = args.window.unwrap_or(set.window);
+    let result = model.eval_on(&set.tokens, set.mask.as_deref(), window, args.device)?;
+    say(&result, window, args.json);
+    Ok(())
+}
+
+/// The loss, as JSON (`--json`) or as a line.
+fn say(result: &zeroflow_train::infer::EvalResult, window: usize, json: bool) {
+    let (loss, perplexity, tokens) = (result.loss, result.perplexity(), result.tokens);
+    if json {
         println!("{}", serde_json::json!({ "loss": loss, "tokens": tokens, "window": window }));
     } else {
-        let (loss, perplexity, tokens) = (result.loss, result.perplexity(), result.tokens);
         println!(
             "loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens (windows of {window})"
         );
     }
-    Ok(())
 }

@@ -25,7 +25,7 @@ pub mod source;
 
 pub use cuda::{CudaDecoder, CudaPrefixDecoder};
 pub use prompts::{Prompt, parse_prompts, read_prompts};
-pub use source::{ModelDefaults, ModelDir};
+pub use source::{ModelDefaults, ModelDir, RunEvalSet};
 
 use crate::ModelSpec;
 use crate::data::Spec;
@@ -468,16 +468,7 @@ impl HostModel {
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
-            // The longest window of this stream (a stream shorter than the window is one).
-            let longest = window.min(stream.len().saturating_sub(1));
-            if device == InferDevice::Cpu {
-                self.check_cpu_window(window, longest, crate::limits::available_host_memory())?;
-            }
-            let mask = mask.as_deref();
-            let result = match device {
-                InferDevice::Cpu => self.eval(&stream, mask, window)?,
-                InferDevice::Cuda(ordinal) => self.eval_cuda(&stream, mask, window, ordinal)?,
-            };
+            let result = self.eval_on(&stream, mask.as_deref(), window, device)?;
             sum += result.loss * result.tokens as f64;
             tokens += result.tokens;
         }
@@ -488,6 +479,26 @@ impl HostModel {
             ));
         }
         Ok(EvalResult { loss: sum / tokens as f64, tokens })
+    }
+
+    /// The loss over `stream` (masked by `mask`) in windows of `window` inputs on `device`; on
+    /// the CPU, an input error naming `--window` first where a window does not fit the memory.
+    pub fn eval_on(
+        &self,
+        stream: &[u32],
+        mask: Option<&[u8]>,
+        window: usize,
+        device: InferDevice,
+    ) -> Result<EvalResult> {
+        match device {
+            InferDevice::Cpu => {
+                // The longest window of this stream (a stream shorter than the window is one).
+                let longest = window.min(stream.len().saturating_sub(1));
+                self.check_cpu_window(window, longest, crate::limits::available_host_memory())?;
+                self.eval(stream, mask, window)
+            }
+            InferDevice::Cuda(ordinal) => self.eval_cuda(stream, mask, window, ordinal),
+        }
     }
 
     /// An input error unless `ids` (of `what`) are some, all within the vocabulary.

@@ -10,6 +10,7 @@ use zeroflow_gpt::HfGpt;
 use zeroflow_llama::HfLlama;
 
 use super::{HostModel, InferDevice, Params, Weights, held_in};
+use crate::data::{EvalSet, Spec, run_eval_stream};
 use crate::error::{Result, TrainError, input};
 use crate::weight_files::FileParams;
 use crate::{Family, ModelSpec, checkpoints, export, with_family};
@@ -27,8 +28,8 @@ pub enum ModelDir {
 /// directory's own tokenizer and chat template; a checkpoint's, with those its run trained with,
 /// the tokenizer of its `--init-from` directory (where that is still there) and its
 /// `--chat-template` file (where still there) and `--chat-template-kwargs`. A checkpoint's `eval`
-/// reads in the windows its run trained on, and where `--data` is not given, its run's
-/// evaluation set where that is files.
+/// reads in the windows its run trained on (and without `--data`, its run's evaluation set:
+/// [`ModelDir::run_eval_set`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ModelDefaults {
     /// The directory whose `tokenizer.json` (and `tokenizer_config.json`) encode text.
@@ -37,9 +38,18 @@ pub struct ModelDefaults {
     pub chat: zeroflow_data::ChatOptions,
     /// The run's `--seq`, for a checkpoint that records it.
     pub seq: Option<usize>,
-    /// The run's evaluation set, for a checkpoint whose run evaluated on files: the documents it
-    /// held out (`<run>/tokens/rank-0/held-out`, where still there), else its `--eval-data`.
-    pub eval_data: Option<String>,
+}
+
+/// A run's evaluation set as its trainer evaluated on it ([`crate::data::run_eval_stream`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunEvalSet {
+    pub tokens: Vec<u32>,
+    /// The loss mask (chat data's), where there is one.
+    pub mask: Option<Vec<u8>>,
+    /// The run's `--seq`: the windows its evaluations read.
+    pub window: usize,
+    /// What it is, as the run's header said.
+    pub description: String,
 }
 
 impl ModelDir {
@@ -58,10 +68,68 @@ impl ModelDir {
                         variables: checkpoint.chat_template_kwargs,
                     },
                     seq: checkpoint.seq,
-                    eval_data: checkpoint.eval_data,
                 })
             }
         }
+    }
+
+    /// The evaluation set of a checkpoint's run as its trainer made it: its data as it read it (the tokens it tokenized at start-up, where its run
+    /// directory still holds them, else its `--data`), and of that its `--eval-data` (tokenized
+    /// at start-up likewise), the documents it held out, or the tail of its last file (the
+    /// synthetic corpus: its other stream), its `--eval-tokens` and `--seq`, read unpacked.
+    /// `None` for a Hugging Face directory, which has no run.
+    pub fn run_eval_set(&self) -> Result<Option<RunEvalSet>> {
+        let ModelDir::Checkpoint(dir) = self else { return Ok(None) };
+        let opened = zeroflow_engine::checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
+        let extra: crate::resume_point::Extra = serde_json::from_value(opened.meta.extra)
+            .map_err(|e| input(format!("{}: state.json's extra: {e}", dir.display())))?;
+        let run = dir.parent().filter(|p| p.ends_with("checkpoints")).and_then(Path::parent);
+        let has_shards = |dir: &Path| {
+            let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+            entries.map(|e| e.path()).any(|p| p.extension().is_some_and(|x| x == "bin"))
+        };
+        let tokenized = |folder: &str| {
+            let found = run.map(|run| run.join("tokens").join(folder)).filter(|d| has_shards(d));
+            found.map(|dir| Spec::parse(&dir.display().to_string())).transpose()
+        };
+        let spec = match tokenized("rank-0")? {
+            Some(spec) => spec,
+            None => Spec::parse(&extra.data)?,
+        };
+        let given = match &extra.eval_data {
+            Some(eval_data) => Some(match tokenized("eval-rank-0")? {
+                Some(spec) => spec,
+                None => Spec::parse(eval_data)?,
+            }),
+            None => None,
+        };
+        let held_out = match extra.documents_held_out {
+            Some(true) => match tokenized("rank-0/held-out")? {
+                Some(spec) => Some(spec),
+                None => Spec::held_out_beside(&extra.data)?,
+            },
+            _ => None,
+        };
+        let eval = match (&given, &held_out) {
+            (Some(given), _) => EvalSet::Given(given),
+            (None, Some(held_out)) => EvalSet::HeldOut(held_out),
+            (None, None) => EvalSet::Tail,
+        };
+        let window = match extra.seq {
+            Some(seq) => seq as usize,
+            None => extra.model.default_seq(),
+        };
+        let eval_tokens = extra.eval_tokens.map(|n| n as usize);
+        let vocab = extra.model.vocab_size();
+        let (tokens, mask, mut description) =
+            run_eval_stream(&spec, eval, vocab, window, eval_tokens, extra.seed)?;
+        if extra.settings.get("pack") == Some(&serde_json::Value::Bool(true)) {
+            description.push_str(
+                "; read unpacked, each window attending across its documents, where the run's \
+                 packed evaluations did not",
+            );
+        }
+        Ok(Some(RunEvalSet { tokens, mask, window, description }))
     }
 
     /// `dir` as a checkpoint where it has `state.json`, as its newest checkpoint where it is a
