@@ -164,10 +164,8 @@ impl Spec {
     /// were.
     pub fn held_out_beside(data: &str) -> Result<Option<Spec>> {
         let held_out = Path::new(data).join(zeroflow_data::HELD_OUT_DIR);
-        let entries = std::fs::read_dir(&held_out).into_iter().flatten().flatten();
-        let shards = entries.filter(|e| e.path().extension().is_some_and(|x| x == "bin")).count();
         // None held out (too few or too long documents): the run holds out a tail instead.
-        if !Path::new(data).is_dir() || shards == 0 {
+        if !Path::new(data).is_dir() || !holds_shards(&held_out) {
             return Ok(None);
         }
         Spec::parse(&held_out.to_string_lossy()).map(Some)
@@ -190,6 +188,12 @@ impl Spec {
             Spec::Text(_) => 256,
         }
     }
+}
+
+/// Whether the directory `dir` holds a `.bin` token shard (`false` where it is not there).
+pub fn holds_shards(dir: &Path) -> bool {
+    let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+    entries.map(|entry| entry.path()).any(|path| path.extension().is_some_and(|x| x == "bin"))
 }
 
 /// An input error where the files of the directory `data` mix a training split with held-out

@@ -10,7 +10,7 @@ use zeroflow_gpt::HfGpt;
 use zeroflow_llama::HfLlama;
 
 use super::{HostModel, InferDevice, Params, Weights, held_in};
-use crate::data::{EvalSet, Spec, run_eval_stream};
+use crate::data::{EvalSet, Spec, holds_shards, run_eval_stream};
 use crate::error::{Result, TrainError, input};
 use crate::weight_files::FileParams;
 use crate::{Family, ModelSpec, checkpoints, export, with_family};
@@ -84,12 +84,8 @@ impl ModelDir {
         let extra: crate::resume_point::Extra = serde_json::from_value(opened.meta.extra)
             .map_err(|e| input(format!("{}: state.json's extra: {e}", dir.display())))?;
         let run = dir.parent().filter(|p| p.ends_with("checkpoints")).and_then(Path::parent);
-        let has_shards = |dir: &Path| {
-            let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
-            entries.map(|e| e.path()).any(|p| p.extension().is_some_and(|x| x == "bin"))
-        };
         let tokenized = |folder: &str| {
-            let found = run.map(|run| run.join("tokens").join(folder)).filter(|d| has_shards(d));
+            let found = run.map(|run| run.join("tokens").join(folder)).filter(|d| holds_shards(d));
             found.map(|dir| Spec::parse(&dir.display().to_string())).transpose()
         };
         let spec = match tokenized("rank-0")? {
