@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: what a new user does first with `zeroflow train --device cuda`, with the
 # binary scripts/gpu-check.sh staged in .gpu/: a short run (its summary names the settings it ran
-# with; it writes two samples), Ctrl-C in the middle of a run (exit 130, a checkpoint, a resume that finishes the run), a
+# with; it writes two samples), `eval` of that run without --data, Ctrl-C in the middle of a run (exit 130, a checkpoint, a resume that finishes the run), a
 # micro-batch too large for the GPU (an error naming the flag to lower), and a GPU ordinal that
 # does not exist. Each check prints one `SMOKE name: ok|FAILED ...` line; logs go to $OUT.
 #
@@ -32,6 +32,21 @@ settings=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv
 samples=$(wc -l <"$run/samples.jsonl" 2>/dev/null)
 [[ $status == 0 && $settings == *'"attention": "flash"'* && $samples == 2 ]]
 say run $? "exit $status, settings $settings, ${samples:-no} samples; $(tail -n 1 "$OUT/smoke-run.log")"
+
+# `eval` of the run on the GPU without --data: its evaluation set rebuilt, in its windows; the
+# loss within 1 % of its last evaluation's (bf16 both; a window at a time against 8).
+eval_json=$(timeout 120 "$Z" eval "$run" --device cuda --json 2>"$OUT/smoke-eval.log")
+status=$?
+python3 - "$run/metrics.jsonl" "$eval_json" >>"$OUT/smoke-eval.log" 2>&1 <<'PY'
+import json, sys
+logged = [json.loads(l)["eval_loss"] for l in open(sys.argv[1]) if "eval_loss" in l][-1]
+loss = json.loads(sys.argv[2])["loss"]
+print(f"eval {loss:.6f} against the run's {logged:.6f}")
+sys.exit(0 if abs(loss - logged) <= 0.01 * logged else 1)
+PY
+checked=$?
+[[ $status == 0 && $checked == 0 ]]
+say eval $? "exit $status; $(tail -n 1 "$OUT/smoke-eval.log")"
 
 # Ctrl-C during a run: a message at once, exit 130, a checkpoint; the resume finishes the run.
 sig=$OUT/smoke-sigint
