@@ -90,7 +90,12 @@ fn run_set(args: &Args, source: &ModelDir) -> anyhow::Result<()> {
              the run's evaluation set is read as the run made it",
         ));
     }
-    let Some(set) = source.run_eval_set()? else {
+    let set = source.run_eval_set().map_err(|e| {
+        InputError(format!(
+            "the run's evaluation set: {e} (give --data to evaluate on files of your own)"
+        ))
+    })?;
+    let Some(set) = set else {
         return Err(InputError::from_display(
             "give --data: token shards, text or .jsonl files to evaluate on (only a checkpoint \
              or run directory has an evaluation set of its own)",

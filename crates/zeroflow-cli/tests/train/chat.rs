@@ -395,4 +395,14 @@ fn documents_held_out_for_evaluation_are_spread_over_the_data() {
     assert_eq!(numbers(&tokens).len(), 200);
     // A run that held out a tail: eval without --data cuts the same tail.
     run_eval();
+    // The tokens the run made gone, its evaluation set cannot be made again: said.
+    std::fs::remove_dir_all(&tokens).unwrap();
+    let gone = std::process::Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["eval", run.to_str().unwrap()])
+        .env("ZEROFLOW_LOG", "warn")
+        .output()
+        .unwrap();
+    assert_eq!(gone.status.code(), Some(2));
+    let said = text(&gone.stderr);
+    assert!(said.contains("which are no longer in") && said.contains("give --data"), "{said}");
 }

@@ -88,17 +88,31 @@ impl ModelDir {
             let found = run.map(|run| run.join("tokens").join(folder)).filter(|d| holds_shards(d));
             found.map(|dir| Spec::parse(&dir.display().to_string())).transpose()
         };
-        let spec = match tokenized("rank-0")? {
-            Some(spec) => spec,
-            None => Spec::parse(&extra.data)?,
+        // Files as the run read them: the tokens it made of them at start-up (a .jsonl; text,
+        // with a model directory), where its run directory still holds them, else as they are.
+        let as_read = |folder: &str, data: &str| -> Result<Spec> {
+            if let Some(spec) = tokenized(folder)? {
+                return Ok(spec);
+            }
+            let spec = Spec::parse(data)?;
+            let made_at_start = match &spec {
+                Spec::Jsonl(_) => true,
+                Spec::Text(_) => extra.run.init_from.is_some(),
+                _ => false,
+            };
+            if made_at_start {
+                let folder = run.map(|run| run.join("tokens").join(folder).display().to_string());
+                return Err(input(format!(
+                    "its run read {data} as the tokens it made of it at start-up, which are no \
+                     longer in {}",
+                    folder.unwrap_or_else(|| "its run directory".into())
+                )));
+            }
+            Ok(spec)
         };
-        let given = match &extra.eval_data {
-            Some(eval_data) => Some(match tokenized("eval-rank-0")? {
-                Some(spec) => spec,
-                None => Spec::parse(eval_data)?,
-            }),
-            None => None,
-        };
+        let spec = as_read("rank-0", &extra.data)?;
+        let given =
+            extra.eval_data.as_deref().map(|data| as_read("eval-rank-0", data)).transpose()?;
         let held_out = match extra.documents_held_out {
             Some(true) => match tokenized("rank-0/held-out")? {
                 Some(spec) => Some(spec),
