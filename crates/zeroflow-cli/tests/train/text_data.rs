@@ -301,6 +301,16 @@ fn documents_held_out_at_start_up_are_those_tokenize_hold_out_writes() {
     let (jsonl_run, shard_run) = (record(&from_jsonl), record(&from_shards));
     assert!(jsonl_run.iter().filter(|r| r.3.is_some()).count() >= 2, "{jsonl_run:?}");
     assert_eq!(jsonl_run, shard_run, "the same held-out documents, the same run, bit for bit");
+    // `eval` of the run on the shards without --data: the documents beside them, its last loss.
+    let eval = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["eval", from_shards.to_str().unwrap(), "--json"])
+        .env("ZEROFLOW_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(eval.status.success(), "{}", text(&eval.stderr));
+    let loss = serde_json::from_slice::<Value>(&eval.stdout).unwrap()["loss"].as_f64().unwrap();
+    let logged = shard_run.iter().rev().find_map(|r| r.3).unwrap();
+    assert!((loss - logged).abs() <= 1e-5 * logged, "eval {loss} against the run's {logged}");
 }
 
 /// Two ranks of one host, started together: the first tokenizes, the second waits and reads
