@@ -196,3 +196,34 @@ fn the_cached_gpu_decoders_match_recomputing_the_prefix_on_the_gpu() {
         101,
     );
 }
+
+/// A session's decoder, made once, gives on the GPU what a decoder made for each completion
+/// gives (`generate --chat`'s conversation uploads the weights once): three completions one
+/// after another, greedy and sampled, of prompts of other lengths.
+#[test]
+fn a_gpu_session_completes_as_a_decoder_made_each_time() {
+    if !gpu() {
+        return;
+    }
+    use zeroflow_train::infer::Completion;
+    for (name, model) in [
+        ("gpt2-odd", wide_random(&gpt_odd(), 0.5, 5)),
+        ("llama-gqa-untied", wide_random(&llama_gqa_untied(), 0.25, 6)),
+    ] {
+        let mut session = model.session(InferDevice::Cuda(0)).unwrap();
+        let prompts: [&[u32]; 3] = [&[5, 17, 2, 9, 33], &[1], &[40, 3, 3, 8, 61, 12, 7, 0, 2]];
+        for (turn, prompt) in prompts.iter().enumerate() {
+            let sampling = match turn {
+                1 => Sampling { temperature: 0.8, top_k: Some(20), top_p: None },
+                _ => Sampling::GREEDY,
+            };
+            let completion =
+                Completion { max_new_tokens: 12, sampling, seed: turn as u64, stop: false };
+            let each =
+                model.complete_batch_on(&[prompt.to_vec()], &completion, InferDevice::Cuda(0));
+            let said = session.complete(prompt, &completion).unwrap();
+            assert_eq!(said, each.unwrap()[0], "{name}, completion {turn}");
+            println!("{name} completion {turn}: {said:?}");
+        }
+    }
+}

@@ -193,6 +193,8 @@ fn converse(
     if terminal {
         eprintln!("a conversation with {}: type a message, Ctrl-D to end", args.model.display());
     }
+    // One decoder for the conversation: on a GPU the weights are uploaded once, not each turn.
+    let mut session = model.session(args.device)?;
     let mut messages: Vec<serde_json::Value> = Vec::new();
     let mut lines = std::io::stdin().lock().lines();
     let mut turn = 0u64;
@@ -221,7 +223,7 @@ fn converse(
         // Each turn its own draw where sampling.
         let turn_completion =
             Completion { seed: completion.seed.wrapping_add(turn), ..*completion };
-        let reply = model.complete_batch_on(&[tokens], &turn_completion, args.device)?.remove(0);
+        let reply = session.complete(&tokens, &turn_completion)?;
         let ended = reply.last().is_some_and(|t| model.end_of_text().contains(t));
         let said = &reply[..reply.len() - usize::from(ended)];
         let text = tokenizer.decode(said).map_err(InputError)?;

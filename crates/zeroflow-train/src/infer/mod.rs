@@ -377,6 +377,18 @@ impl HostModel {
         self.generate_on(prompts, &self.options(completion), device)
     }
 
+    /// Completions one after another on `device` with one decoder, made here: a GPU's holds the
+    /// weights, uploaded once for all of them (`generate --chat`'s conversation), where
+    /// [`HostModel::complete_batch_on`] uploads them for each call. The CPU's decoder reads the
+    /// weights where they are.
+    pub fn session(&self, device: InferDevice) -> Result<Session<'_>> {
+        let cuda = match device {
+            InferDevice::Cpu => None,
+            InferDevice::Cuda(ordinal) => Some(self.cuda_decoder(ordinal)?),
+        };
+        Ok(Session { model: self, cuda })
+    }
+
     /// What `generate` does for `completion`.
     fn options(&self, completion: &Completion) -> GenerateOptions {
         GenerateOptions {
@@ -388,9 +400,10 @@ impl HostModel {
     }
 
     /// The loss over the data `spec` names in windows of `window` inputs (default: the sequence
-    /// length `train` would use, [`HostModel::default_window`]): each shard or text file (bytes as tokens) a stream of its own, the loss
-    /// weighted by each one's predicted tokens; a shard's loss mask (chat data: the assistant's
-    /// tokens) leaves out the targets it leaves out in training.
+    /// length `train` would use, [`HostModel::default_window`]): each shard or text file (bytes
+    /// as tokens) a stream of its own, the loss weighted by each one's predicted tokens; a
+    /// shard's loss mask (chat data: the assistant's tokens) leaves out the targets it leaves out
+    /// in training.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
         self.eval_data_on(spec, window, InferDevice::Cpu, None, &ChatOptions::default())
     }
@@ -511,6 +524,28 @@ impl HostModel {
             }
             None => Ok(()),
         }
+    }
+}
+
+/// Completions one after another with one decoder ([`HostModel::session`]).
+#[derive(Debug)]
+pub struct Session<'a> {
+    model: &'a HostModel,
+    /// A GPU's decoder, its weights uploaded; `None` on the CPU.
+    cuda: Option<CudaDecoder>,
+}
+
+impl Session<'_> {
+    /// [`HostModel::complete`] on the session's device.
+    pub fn complete(&mut self, prompt: &[u32], completion: &Completion) -> Result<Vec<u32>> {
+        self.model.check_ids("the prompt", prompt)?;
+        check_sampling(&completion.sampling)?;
+        let (prompts, options) = ([prompt.to_vec()], self.model.options(completion));
+        let mut generated = match &mut self.cuda {
+            None => self.model.generate(&prompts, &options)?,
+            Some(decoder) => generate(decoder, &prompts, &options)?,
+        };
+        Ok(generated.pop().unwrap_or_default())
     }
 }
 
