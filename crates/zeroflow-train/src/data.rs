@@ -299,6 +299,18 @@ pub enum EvalSet<'a> {
     Tail,
 }
 
+impl<'a> EvalSet<'a> {
+    /// The evaluation set of a run: `--eval-data` where given (`given`), else the documents held
+    /// out of its data where there are some (`held_out`), else a tail.
+    pub fn of(given: Option<&'a Spec>, held_out: Option<&'a Spec>) -> EvalSet<'a> {
+        match (given, held_out) {
+            (Some(given), _) => EvalSet::Given(given),
+            (None, Some(held_out)) => EvalSet::HeldOut(held_out),
+            (None, None) => EvalSet::Tail,
+        }
+    }
+}
+
 /// The training and evaluation data of a run.
 #[derive(Debug)]
 pub struct Data {

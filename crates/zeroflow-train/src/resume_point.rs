@@ -147,25 +147,14 @@ pub fn find(arg: &str, out: Option<&Path>) -> Result<ResumePoint> {
         let loaded = checkpoint::open(&dir).map_err(|e| resume_error(&e))?;
         (dir, loaded, Vec::new())
     };
-    let extra: Extra = serde_json::from_value(loaded.meta.extra.clone()).map_err(|e| {
+    let extra = extra_of(&dir, &loaded)?;
+    let run_dir = run_dir_of(&dir).ok_or_else(|| {
         input(format!(
-            "{}: extra in state.json is not what zeroflow train writes ({e}); resume from a \
-             checkpoint that zeroflow train saved",
-            dir.join("state.json").display()
+            "--resume {}: not inside a run's {FOLDER}/ directory, so there is no run to \
+                 continue; pass a <run>/{FOLDER}/step-NNNNNNNN directory",
+            dir.display()
         ))
     })?;
-    let run_dir = dir
-        .parent()
-        .filter(|parent| parent.file_name().is_some_and(|name| name == FOLDER))
-        .and_then(Path::parent)
-        .ok_or_else(|| {
-            input(format!(
-                "--resume {}: not inside a run's {FOLDER}/ directory, so there is no run to \
-                 continue; pass a <run>/{FOLDER}/step-NNNNNNNN directory",
-                dir.display()
-            ))
-        })?
-        .to_path_buf();
     let newer: Vec<String> = list(&run_dir)?
         .into_iter()
         .filter(|(step, path)| *step > extra.step && !damaged.contains(path))
@@ -180,6 +169,24 @@ pub fn find(arg: &str, out: Option<&Path>) -> Result<ResumePoint> {
         )));
     }
     Ok(ResumePoint { dir, run_dir, loaded, extra, damaged })
+}
+
+/// The trainer's record in the checkpoint `dir` (opened as `loaded`): an input error where it is
+/// not what `zeroflow train` writes.
+pub(crate) fn extra_of(dir: &Path, loaded: &Opened) -> Result<Extra> {
+    serde_json::from_value(loaded.meta.extra.clone()).map_err(|e| {
+        input(format!(
+            "{}: extra in state.json is not what zeroflow train writes ({e}); resume from a \
+             checkpoint that zeroflow train saved",
+            dir.join("state.json").display()
+        ))
+    })
+}
+
+/// The run directory of the checkpoint `dir`, where it lies in one's `checkpoints/`.
+pub(crate) fn run_dir_of(dir: &Path) -> Option<PathBuf> {
+    let parent = dir.parent().filter(|parent| parent.file_name().is_some_and(|n| n == FOLDER));
+    parent.and_then(Path::parent).map(Path::to_path_buf)
 }
 
 /// The newest checkpoint under `out` that loads. A damaged newer one (which an atomic write

@@ -332,11 +332,7 @@ impl Setup {
         };
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval, None)).transpose()?;
-        let eval = match (&eval_spec, &held_out) {
-            (Some(given), _) => EvalSet::Given(&given.spec),
-            (None, Some(held_out)) => EvalSet::HeldOut(held_out),
-            (None, None) => EvalSet::Tail,
-        };
+        let eval = EvalSet::of(eval_spec.as_ref().map(|given| &given.spec), held_out.as_ref());
         let data = open_data(&spec, eval, &model, shape, seed, &start)?;
         // `--epochs`: the steps, now that the data says how many an epoch is, and the config
         // resolved again with them (its schedule's total and default warm-up).

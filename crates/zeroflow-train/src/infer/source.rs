@@ -13,7 +13,7 @@ use super::{HostModel, InferDevice, Params, Weights, held_in};
 use crate::data::{EvalSet, Spec, holds_shards, run_eval_stream};
 use crate::error::{Result, TrainError, input};
 use crate::weight_files::FileParams;
-use crate::{Family, ModelSpec, checkpoints, export, with_family};
+use crate::{Family, ModelSpec, checkpoints, export, resume_point, with_family};
 
 /// What a MODEL directory is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,17 +73,18 @@ impl ModelDir {
         }
     }
 
-    /// The evaluation set of a checkpoint's run as its trainer made it: its data as it read it (the tokens it tokenized at start-up, where its run
-    /// directory still holds them, else its `--data`), and of that its `--eval-data` (tokenized
-    /// at start-up likewise), the documents it held out, or the tail of its last file (the
-    /// synthetic corpus: its other stream), its `--eval-tokens` and `--seq`, read unpacked.
-    /// `None` for a Hugging Face directory, which has no run.
+    /// The evaluation set of a checkpoint's run as its trainer made it: its data as it read it
+    /// (the tokens it tokenized at start-up, where its run directory still holds them, else its
+    /// `--data`), and of that its `--eval-data` (tokenized at start-up likewise), the documents
+    /// it held out, or the tail of its last file (the synthetic corpus: its other stream), its
+    /// `--eval-tokens` and `--seq`, read unpacked. `None` for a Hugging Face directory, which has
+    /// no run.
     pub fn run_eval_set(&self) -> Result<Option<RunEvalSet>> {
         let ModelDir::Checkpoint(dir) = self else { return Ok(None) };
         let opened = zeroflow_engine::checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
-        let extra: crate::resume_point::Extra = serde_json::from_value(opened.meta.extra)
-            .map_err(|e| input(format!("{}: state.json's extra: {e}", dir.display())))?;
-        let run = dir.parent().filter(|p| p.ends_with("checkpoints")).and_then(Path::parent);
+        let extra = resume_point::extra_of(dir, &opened)?;
+        let run = resume_point::run_dir_of(dir);
+        let run = run.as_deref();
         let tokenized = |folder: &str| {
             let found = run.map(|run| run.join("tokens").join(folder)).filter(|d| holds_shards(d));
             found.map(|dir| Spec::parse(&dir.display().to_string())).transpose()
@@ -120,11 +121,7 @@ impl ModelDir {
             },
             _ => None,
         };
-        let eval = match (&given, &held_out) {
-            (Some(given), _) => EvalSet::Given(given),
-            (None, Some(held_out)) => EvalSet::HeldOut(held_out),
-            (None, None) => EvalSet::Tail,
-        };
+        let eval = EvalSet::of(given.as_ref(), held_out.as_ref());
         let window = match extra.seq {
             Some(seq) => seq as usize,
             None => extra.model.default_seq(),
