@@ -19,7 +19,7 @@ use zeroflow_data::{ChatOptions, Tokenizer};
 
 use crate::data::Spec;
 use crate::error::{Result, TrainError, input};
-use crate::infer::{Completion, HostModel, Prompt, Sampling, parse_ids};
+use crate::infer::{Completion, HostModel, Prompt, Sampling, parse_ids, reply_stops};
 use crate::{Family, ModelSpec, with_family};
 
 /// New tokens per sample.
@@ -75,15 +75,8 @@ impl Sampler {
             (None, _) => parse_ids(&options.prompt),
         }
         .map_err(|e| input(format!("--sample-prompt: {e}")))?;
-        let stops = match (&tokenizer, &template) {
-            (Some(tokenizer), template) => {
-                let turn_end = template.as_ref().and_then(|t| t.turn_end(tokenizer));
-                let mut stops: Vec<u32> = tokenizer.eot().into_iter().chain(turn_end).collect();
-                stops.dedup();
-                stops
-            }
-            (None, _) => Vec::new(),
-        };
+        let stops =
+            tokenizer.as_ref().map(|t| reply_stops(t, template.as_ref())).unwrap_or_default();
         match prompt.iter().find(|&&id| id as usize >= vocab) {
             _ if prompt.is_empty() => return Err(input("--sample-prompt has no tokens")),
             Some(id) => {

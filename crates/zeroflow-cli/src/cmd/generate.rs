@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use zeroflow_train::infer::{
-    Completion, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts,
+    Completion, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts, reply_stops,
 };
 
 use crate::InputError;
@@ -141,13 +141,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut model = source.open_for(args.device)?;
-    // A reply ends at the tokenizer's end of text, or the special token that ends one in the
-    // template (a base model's tokenizer ends text with another: Llama-3's <|end_of_text|>
-    // where the template ends a turn with <|eot_id|>).
     if let Some((tokenizer, template)) = &chat {
-        for turn_end in [tokenizer.eot(), template.turn_end(tokenizer)].into_iter().flatten() {
-            model.also_stop_at(turn_end);
-        }
+        reply_stops(tokenizer, Some(template)).into_iter().for_each(|t| model.also_stop_at(t));
     }
     let sampling = Sampling { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p };
     let completion = Completion {

@@ -24,7 +24,7 @@ mod prompts;
 pub mod source;
 
 pub use cuda::{CudaDecoder, CudaPrefixDecoder};
-pub use prompts::{Prompt, parse_prompts, read_prompts};
+pub use prompts::{Prompt, parse_prompts, read_prompts, reply_stops};
 pub use source::{ModelDefaults, ModelDir, RunEvalSet};
 
 use crate::ModelSpec;

@@ -10,6 +10,16 @@ use zeroflow_data::{ChatTemplate, Tokenizer};
 use super::parse_ids;
 use crate::error::{Result, TrainError, input};
 
+/// The tokens a reply ends at: the tokenizer's end of text, and the special token that ends a
+/// turn in the chat `template` where one is given (a base model's tokenizer ends text with
+/// another: Llama-3's `<|end_of_text|>` where the template ends a turn with `<|eot_id|>`).
+pub fn reply_stops(tokenizer: &Tokenizer, template: Option<&ChatTemplate>) -> Vec<u32> {
+    let turn_end = template.and_then(|template| template.turn_end(tokenizer));
+    let mut stops: Vec<u32> = tokenizer.eot().into_iter().chain(turn_end).collect();
+    stops.dedup();
+    stops
+}
+
 /// One prompt as the file gives it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt {
