@@ -321,6 +321,7 @@ impl Setup {
         {
             spec.check_tokenized_with(&tokenizer, dir, "--data")?;
         }
+        let given_shards = matches!(spec, data::Spec::Shards(_));
         let tokenized_data = tokenized(spec, DataRole::Train, hold_out)?;
         let (spec, held_out) = (tokenized_data.spec, tokenized_data.held_out);
         // A directory of `zeroflow tokenize --hold-out`'s shards: the documents it held out.
@@ -333,6 +334,14 @@ impl Setup {
         let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
         let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval, None)).transpose()?;
         let eval = EvalSet::of(eval_spec.as_ref().map(|given| &given.spec), held_out.as_ref());
+        if given_shards && hold_documents && matches!(eval, EvalSet::Tail) && dist.rank == 0 {
+            tracing::info!(
+                "eval: the end of --data's last shard (no {}/ beside the shards): data that \
+                 comes sorted is evaluated on its last part alone; `zeroflow tokenize --hold-out \
+                 N` holds out documents spread over all of it, or give --eval-data",
+                zeroflow_data::HELD_OUT_DIR
+            );
+        }
         let data = open_data(&spec, eval, &model, shape, seed, &start)?;
         // `--epochs`: the steps, now that the data says how many an epoch is, and the config
         // resolved again with them (its schedule's total and default warm-up).

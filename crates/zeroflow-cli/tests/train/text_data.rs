@@ -311,6 +311,25 @@ fn documents_held_out_at_start_up_are_those_tokenize_hold_out_writes() {
     let loss = serde_json::from_slice::<Value>(&eval.stdout).unwrap()["loss"].as_f64().unwrap();
     let logged = shard_run.iter().rev().find_map(|r| r.3).unwrap();
     assert!((loss - logged).abs() <= 1e-5 * logged, "eval {loss} against the run's {logged}");
+    // Shards without documents held out evaluate on their end, and the run says how to hold
+    // documents out instead; shards with them say nothing of it.
+    let plain = dir.join("plain-shards");
+    let printed = tokenize_with(&model, &docs, &plain, &[]);
+    assert!(!printed.contains("held out"), "{printed}");
+    let hint = |shards: &Path, out: &str| {
+        let trained = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(["train", "--init-from", model.to_str().unwrap()])
+            .args(["--data", shards.to_str().unwrap(), "--steps", "1", "--micro-batch", "2"])
+            .args(["--seq", "32", "--out", dir.join(out).to_str().unwrap()])
+            .env("ZEROFLOW_LOG", "info")
+            .output()
+            .unwrap();
+        let stderr = text(&trained.stderr);
+        assert!(trained.status.success(), "{stderr}");
+        stderr.contains("`zeroflow tokenize --hold-out N` holds out documents spread")
+    };
+    assert!(hint(&plain, "run-plain"), "the end of the data, said");
+    assert!(!hint(&shards, "run-held"), "documents held out: nothing to say");
 }
 
 /// Two ranks of one host, started together: the first tokenizes, the second waits and reads
