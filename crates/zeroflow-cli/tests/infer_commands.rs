@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
-use zeroflow_train::infer::{Completion, HostModel, Sampling};
+use zeroflow_train::infer::{Completion, EvalStream, HostModel, Sampling};
 
 const FIXTURE: &str = "tests/fixtures/checkpoint-before-family/checkpoints/step-00000004";
 
@@ -76,7 +76,7 @@ fn eval_prints_the_librarys_loss_as_json() {
     let args = ["eval", dir.to_str().unwrap(), "--data", shard.to_str().unwrap()];
     let json = json_of(&zeroflow(&[&args[..], &["--window", "8", "--json"]].concat()));
     let stream: Vec<u32> = tokens.iter().map(|&t| u32::from(t)).collect();
-    let expected = HostModel::open(&dir).unwrap().eval(&stream, None, 8).unwrap();
+    let expected = HostModel::open(&dir).unwrap().eval(EvalStream::of(&stream), 8).unwrap();
     assert_eq!(json["tokens"], 49);
     assert_eq!(json["loss"].as_f64(), Some(expected.loss));
     let plain = text(&zeroflow(&args).stdout);
@@ -121,7 +121,7 @@ fn eval_of_text_uses_the_models_tokenizer() {
             _ => 40,
         })
         .collect();
-    let expected = HostModel::open(&dir).unwrap().eval(&stream, None, 8).unwrap();
+    let expected = HostModel::open(&dir).unwrap().eval(EvalStream::of(&stream), 8).unwrap();
     let args = ["eval", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--window", "8"];
     let named = json_of(&zeroflow(
         &[&args[..], &["--tokenizer", file.to_str().unwrap(), "--json"]].concat(),

@@ -5,7 +5,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_gpt::{GptConfig, GptDecoder, HostGpt};
-use zeroflow_nn::infer::{Decoder, GenerateOptions, Sampling, generate};
+use zeroflow_nn::infer::{Decoder, EvalStream, GenerateOptions, Sampling, generate};
 
 use crate::support::{perturbed_params, relative_error};
 
@@ -118,7 +118,8 @@ fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
         model.forward(&params, inputs, targets).unwrap()
     };
     // Windows of 8 inputs: [0, 8), [8, 16), [16, 20).
-    let result = zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, None, 8).unwrap();
+    let result =
+        zeroflow_gpt::eval_stream(&ODD, &layout, &params, EvalStream::of(&stream), 8).unwrap();
     let expected = (8.0 * loss_of(&stream[0..8], &stream[1..9])
         + 8.0 * loss_of(&stream[8..16], &stream[9..17])
         + 4.0 * loss_of(&stream[16..20], &stream[17..21]))
@@ -126,7 +127,20 @@ fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
     assert_eq!(result.tokens, 20);
     assert!((result.loss - expected).abs() < 1e-12, "{} against {expected}", result.loss);
     assert!(
-        zeroflow_gpt::eval_stream(&ODD, &layout, &params, &stream, None, 13).is_err(),
+        zeroflow_gpt::eval_stream(&ODD, &layout, &params, EvalStream::of(&stream), 13).is_err(),
         "13 > context"
     );
+    // Packed, documents starting at 0, 5 and 12: each document's part of a window is a sequence
+    // of its own (positions from 0, no attention across).
+    let positions = [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3];
+    let packed = EvalStream { positions: Some(&positions), ..EvalStream::of(&stream) };
+    let result = zeroflow_gpt::eval_stream(&ODD, &layout, &params, packed, 8).unwrap();
+    let segments = [0..5, 5..8, 8..12, 12..16, 16..20];
+    let expected = segments
+        .into_iter()
+        .map(|s| s.len() as f64 * loss_of(&stream[s.clone()], &stream[s.start + 1..s.end + 1]))
+        .sum::<f64>()
+        / 20.0;
+    assert_eq!(result.tokens, 20);
+    assert!((result.loss - expected).abs() < 1e-12, "packed {} against {expected}", result.loss);
 }

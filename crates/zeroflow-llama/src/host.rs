@@ -2,7 +2,7 @@
 //! [`HostRunner`]: the f64 oracle of the tests (finite differences) and a device-free reference.
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_nn::infer::{EvalResult, eval_windows};
+use zeroflow_nn::infer::{EvalResult, EvalStream, eval_windows};
 use zeroflow_nn::plan::GradsReady;
 use zeroflow_nn::{AttentionKind, Float, HostRunner};
 
@@ -110,27 +110,32 @@ impl<F: Float> HostLlama<F> {
 }
 
 /// The loss and perplexity of the model `params` (of `layout`) over `stream` in windows of
-/// `window` inputs (zeroflow-nn's [`eval_windows`]: the targets `mask` leaves out, where given, not
-/// counted), each window by the training forward.
+/// `window` inputs (zeroflow-nn's [`eval_windows`]: the targets its mask leaves out, where given,
+/// not counted; where it is packed, no attention across its documents), each window by the
+/// training forward.
 pub fn eval_stream<F: Float>(
     config: &LlamaConfig,
     layout: &FlatLayout,
     params: &[F],
-    stream: &[u32],
-    mask: Option<&[u8]>,
+    stream: EvalStream<'_>,
     window: usize,
 ) -> Result<EvalResult, LlamaError> {
+    let packed = stream.positions.is_some();
+    let options = PlanOptions { attention: AttentionKind::Gemm, packed, ..PlanOptions::default() };
     // A model per window length: the full windows' and the last one's.
     let mut models: Vec<HostLlama<F>> = Vec::new();
-    eval_windows(stream, mask, window, |inputs, targets| {
+    eval_windows(stream, window, |inputs, targets, positions| {
         let model = match models.iter().position(|m| m.plan().seq == inputs.len()) {
             Some(i) => &mut models[i],
             None => {
-                let model = HostLlama::new(config, layout, 1, inputs.len(), AttentionKind::Gemm)?;
-                models.push(model);
+                models.push(HostLlama::with_options(config, layout, 1, inputs.len(), options)?);
                 models.last_mut().expect("just pushed")
             }
         };
-        Ok(model.forward(params, inputs, targets)?.to_f64())
+        let loss = match positions {
+            Some(positions) => model.forward_packed(params, inputs, targets, positions)?,
+            None => model.forward(params, inputs, targets)?,
+        };
+        Ok(loss.to_f64())
     })
 }

@@ -7,7 +7,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_llama::{AttentionKind, HostLlama, LlamaConfig, LlamaDecoder, flat_layout};
-use zeroflow_nn::infer::{Decoder, GenerateOptions, Sampling, generate};
+use zeroflow_nn::infer::{Decoder, EvalStream, GenerateOptions, Sampling, generate};
 
 use crate::support::{models, perturbed_params, relative_error};
 
@@ -96,11 +96,25 @@ fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
         model.forward(&params, inputs, targets).unwrap()
     };
     // Windows of 6 inputs: [0, 6), [6, 12), [12, 14).
-    let result = zeroflow_llama::eval_stream(&config, &layout, &params, &stream, None, 6).unwrap();
+    let result =
+        zeroflow_llama::eval_stream(&config, &layout, &params, EvalStream::of(&stream), 6).unwrap();
     let expected = (6.0 * loss_of(&stream[0..6], &stream[1..7])
         + 6.0 * loss_of(&stream[6..12], &stream[7..13])
         + 2.0 * loss_of(&stream[12..14], &stream[13..15]))
         / 14.0;
     assert_eq!(result.tokens, 14);
     assert!((result.loss - expected).abs() < 1e-12, "{} against {expected}", result.loss);
+    // Packed, documents starting at 0, 4 and 9: each document's part of a window is a sequence
+    // of its own (rotary positions from 0, no attention across).
+    let positions = [0, 1, 2, 3, 0, 1, 0, 1, 2, 0, 1, 2, 0, 1];
+    let packed = EvalStream { positions: Some(&positions), ..EvalStream::of(&stream) };
+    let result = zeroflow_llama::eval_stream(&config, &layout, &params, packed, 6).unwrap();
+    let segments = [0..4, 4..6, 6..9, 9..12, 12..14];
+    let expected = segments
+        .into_iter()
+        .map(|s| s.len() as f64 * loss_of(&stream[s.clone()], &stream[s.start + 1..s.end + 1]))
+        .sum::<f64>()
+        / 14.0;
+    assert_eq!(result.tokens, 14);
+    assert!((result.loss - expected).abs() < 1e-12, "packed {} against {expected}", result.loss);
 }

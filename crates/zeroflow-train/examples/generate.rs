@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use zeroflow_nn::infer::{GenerateOptions, Sampling};
-use zeroflow_train::infer::InferDevice;
+use zeroflow_train::infer::{EvalStream, InferDevice};
 
 #[allow(dead_code, reason = "each example uses part of the shared support")]
 mod support;
@@ -65,8 +65,10 @@ fn run(args: Vec<String>) -> Result<(), Error> {
         Some(stream) => {
             let window = window.ok_or("--eval needs --window")?;
             let result = match device {
-                InferDevice::Cpu => model.eval(&stream, None, window)?,
-                InferDevice::Cuda(ordinal) => model.eval_cuda(&stream, None, window, ordinal)?,
+                InferDevice::Cpu => model.eval(EvalStream::of(&stream), window)?,
+                InferDevice::Cuda(ordinal) => {
+                    model.eval_cuda(EvalStream::of(&stream), window, ordinal)?
+                }
             };
             serde_json::json!({ "loss": result.loss, "tokens": result.tokens })
         }

@@ -483,17 +483,19 @@ fn eval_set(
     Ok(EvalSetTokens { tokens, description, tail })
 }
 
-/// The evaluation set of a run as its trainer evaluates on it ([`Data::open`]): its tokens, their
-/// loss mask (chat data's), and what it is, cut to the windows of `seq` inputs the trainer
-/// reads (a last shorter one left out), unpacked. `zeroflow eval` of a run without `--data`.
+/// The evaluation set of a run as its trainer evaluates on it ([`Data::open`]): its tokens,
+/// their loss mask (chat data's), where its documents start where the run `packed` its rows, and
+/// what it is, cut to the windows of `seq` inputs the trainer reads (a last shorter one left
+/// out). `zeroflow eval` of a run without `--data`.
 pub fn run_eval_stream(
     spec: &Spec,
     eval: EvalSet<'_>,
     vocab: usize,
     seq: usize,
     eval_tokens: Option<usize>,
+    packed: bool,
     seed: u64,
-) -> Result<(Vec<u32>, Option<Vec<u8>>, String)> {
+) -> Result<(EvalTokens, String)> {
     let shape = Shape {
         batch: 1,
         micro_steps: 1,
@@ -501,26 +503,31 @@ pub fn run_eval_stream(
         world_size: 1,
         seq,
         eval_tokens,
-        packed: false,
+        packed,
         shuffled: false,
     };
-    let EvalSetTokens { tokens, description, .. } = eval_set(spec, eval, vocab, shape, seed)?;
+    let EvalSetTokens { mut tokens, description, .. } = eval_set(spec, eval, vocab, shape, seed)?;
     let len = 1 + zeroflow_data::eval_windows(tokens.tokens.len(), seq) * seq;
-    let mut stream = tokens.tokens;
-    stream.truncate(len.min(stream.len()));
-    let mask = tokens.mask.map(|mut mask| {
-        mask.truncate(stream.len());
-        mask
-    });
-    Ok((stream, mask, description))
+    let len = len.min(tokens.tokens.len());
+    tokens.tokens.truncate(len);
+    if let Some(mask) = &mut tokens.mask {
+        mask.truncate(len);
+    }
+    if let Some(documents) = &mut tokens.documents {
+        documents.retain(|&start| start < len as u64);
+    }
+    Ok((tokens, description))
 }
 
 /// The tokens of an evaluation set, their loss mask, and where packed, where its documents
 /// start.
-struct EvalTokens {
-    tokens: Vec<u32>,
-    mask: Option<Vec<u8>>,
-    documents: Option<Vec<u64>>,
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalTokens {
+    pub tokens: Vec<u32>,
+    /// A byte per token (chat data's loss mask), where there is one.
+    pub mask: Option<Vec<u8>>,
+    /// Where its documents start (token offsets, ascending), where its rows are packed.
+    pub documents: Option<Vec<u64>>,
 }
 
 impl EvalTokens {

@@ -15,7 +15,7 @@ use zeroflow_core::bf16;
 use zeroflow_gpt::GptConfig;
 use zeroflow_llama::LlamaConfig;
 use zeroflow_nn::infer::Decoder;
-use zeroflow_train::infer::{GenerateOptions, HostModel, InferDevice, Sampling};
+use zeroflow_train::infer::{EvalStream, GenerateOptions, HostModel, InferDevice, Sampling};
 use zeroflow_train::llama::LlamaSpec;
 use zeroflow_train::{Family, ModelSpec, with_family};
 
@@ -129,7 +129,7 @@ fn cuda_generation_follows_the_cpu_decoder_on_an_untied_grouped_query_llama() {
 }
 
 /// The GPU's windowed loss (the CUDA training forward, a model per window length) equals the
-/// CPU's within bf16 rounding, with a shorter last window, and with a loss mask.
+/// CPU's within bf16 rounding, with a shorter last window, with a loss mask, and packed.
 #[test]
 fn cuda_eval_matches_the_cpu_loss_in_both_families() {
     if !gpu() {
@@ -138,8 +138,8 @@ fn cuda_eval_matches_the_cpu_loss_in_both_families() {
     for (name, spec, spread) in [("gpt2", gpt_odd(), 0.5), ("llama", llama_gqa_untied(), 0.25)] {
         let model = wide_random(&spec, spread, 9);
         let stream: Vec<u32> = (0..150u32).map(|i| (i * 37 + 11) % 97).collect();
-        let cpu = model.eval(&stream, None, 64).unwrap();
-        let gpu = model.eval_cuda(&stream, None, 64, 0).unwrap();
+        let cpu = model.eval(EvalStream::of(&stream), 64).unwrap();
+        let gpu = model.eval_cuda(EvalStream::of(&stream), 64, 0).unwrap();
         let difference = (gpu.loss - cpu.loss).abs() / cpu.loss;
         println!("{name}: loss cpu {:.6} gpu {:.6} ({difference:.2e})", cpu.loss, gpu.loss);
         assert_eq!((gpu.tokens, cpu.tokens), (149, 149));
@@ -148,13 +148,30 @@ fn cuda_eval_matches_the_cpu_loss_in_both_families() {
         // the masked loss differs from the whole stream's.
         let mask: Vec<u8> = (0..150).map(|i| u8::from(i % 5 >= 2)).collect();
         let counted = mask[1..].iter().filter(|&&m| m == 1).count();
-        let cpu_masked = model.eval(&stream, Some(&mask), 64).unwrap();
-        let gpu_masked = model.eval_cuda(&stream, Some(&mask), 64, 0).unwrap();
+        let masked = EvalStream::of(&stream).masked(Some(&mask));
+        let cpu_masked = model.eval(masked, 64).unwrap();
+        let gpu_masked = model.eval_cuda(masked, 64, 0).unwrap();
         let masked_difference = (gpu_masked.loss - cpu_masked.loss).abs() / cpu_masked.loss;
         println!("{name} masked: cpu {:.6} gpu {:.6}", cpu_masked.loss, gpu_masked.loss);
         assert_eq!((gpu_masked.tokens, cpu_masked.tokens), (counted, counted));
         assert!(masked_difference < 1e-2, "{name} masked: {masked_difference}");
         assert_ne!(cpu_masked.loss, cpu.loss, "{name}");
+        // Packed (documents of 1 to 40 tokens, positions from 0 at each and at every window's
+        // start): no attention across documents on either, and another loss than unpacked.
+        let mut positions = Vec::new();
+        let mut position = 0;
+        for i in 0..150u32 {
+            position = if i % 64 == 0 || (i * 7) % 41 == 0 { 0 } else { position + 1 };
+            positions.push(position);
+        }
+        let packed = EvalStream { positions: Some(&positions), ..EvalStream::of(&stream) };
+        let (cpu_packed, gpu_packed) =
+            (model.eval(packed, 64).unwrap(), model.eval_cuda(packed, 64, 0).unwrap());
+        let packed_difference = (gpu_packed.loss - cpu_packed.loss).abs() / cpu_packed.loss;
+        println!("{name} packed: cpu {:.6} gpu {:.6}", cpu_packed.loss, gpu_packed.loss);
+        assert_eq!((gpu_packed.tokens, cpu_packed.tokens), (149, 149));
+        assert!(packed_difference < 1e-2, "{name} packed: {packed_difference}");
+        assert_ne!(cpu_packed.loss, cpu.loss, "{name}");
     }
 }
 

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use zeroflow_train::data::Spec;
-use zeroflow_train::infer::{InferDevice, ModelDir};
+use zeroflow_train::infer::{EvalStream, InferDevice, ModelDir};
 
 use crate::InputError;
 
@@ -22,7 +22,8 @@ pub struct Args {
     /// (tokenized by --tokenizer and its chat template, the loss on the assistant's tokens only,
     /// as in training). Default, for a checkpoint or run directory: its run's evaluation set as
     /// the run made it (the documents it held out, the end of its data, or the first
-    /// --eval-tokens of its --eval-data), in its windows, read unpacked.
+    /// --eval-tokens of its --eval-data), in its windows, packed where the run packed its rows
+    /// (no attention across documents).
     #[arg(long)]
     data: Option<String>,
     /// Encodes text and `.jsonl` --data: `gpt2`, `bytes`, a `tokenizer.json` or a model
@@ -104,7 +105,13 @@ fn run_set(args: &Args, source: &ModelDir) -> anyhow::Result<()> {
     tracing::info!("the run's evaluation set: {}", set.description);
     let model = source.open_for(args.device)?;
     let window = args.window.unwrap_or(set.window);
-    let result = model.eval_on(&set.tokens, set.mask.as_deref(), window, args.device)?;
+    let positions = set.positions(window);
+    let stream = EvalStream {
+        tokens: &set.tokens.tokens,
+        mask: set.tokens.mask.as_deref(),
+        positions: positions.as_deref(),
+    };
+    let result = model.eval_on(stream, window, args.device)?;
     say(&result, window, args.json);
     Ok(())
 }

@@ -83,6 +83,25 @@ fn train_pack_trains_on_tokenized_shards_and_records_the_setting() {
     let first_loss = |out: &Path| read_lines(&out.join("metrics.jsonl"))[0]["loss"].as_f64();
     let (packed_loss, plain_loss) = (first_loss(&packed), first_loss(&plain));
     assert!(packed_loss.is_some() && packed_loss != plain_loss, "{packed_loss:?} {plain_loss:?}");
+    // `eval RUN` without --data evaluates as each run did: the packed run's set packed
+    // (regression: it read it unpacked, attending across documents, and gave another loss).
+    for out in [&packed, &plain] {
+        let eval = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(["eval", out.to_str().unwrap(), "--json"])
+            .env("ZEROFLOW_LOG", "warn")
+            .output()
+            .unwrap();
+        assert!(eval.status.success(), "{}", text(&eval.stderr));
+        let loss = serde_json::from_slice::<Value>(&eval.stdout).unwrap()["loss"].as_f64();
+        let lines = read_lines(&out.join("metrics.jsonl"));
+        let logged = lines.iter().rev().find_map(|line| line["eval_loss"].as_f64());
+        let (loss, logged) = (loss.unwrap(), logged.expect("an evaluation logged"));
+        assert!(
+            (loss - logged).abs() <= 1e-5 * logged,
+            "{}: {loss} against {logged}",
+            out.display()
+        );
+    }
 
     // Resumed with `--resume latest` alone, the run packs as its checkpoint did (regression: it
     // went on unpacked, warning that the numbers would differ): the weights of its last step

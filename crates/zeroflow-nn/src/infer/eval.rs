@@ -31,17 +31,45 @@ pub fn windows(len: usize, window: usize) -> Vec<Range<usize>> {
     (0..predicted).step_by(window).map(|start| start..(start + window).min(predicted)).collect()
 }
 
+/// A token stream to evaluate ([`eval_windows`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EvalStream<'a> {
+    /// The tokens: each window's inputs, and shifted by one, its targets.
+    pub tokens: &'a [u32],
+    /// A byte per token, where given (a chat's loss mask): a target whose byte is 0 is
+    /// [`IGNORE`] and does not count, as in training.
+    pub mask: Option<&'a [u8]>,
+    /// Where the stream's documents are packed (attention never crosses them, as a packed run
+    /// trains and evaluates), each input token's position in its document, 0 at every window's
+    /// start: a window's inputs take theirs.
+    pub positions: Option<&'a [u32]>,
+}
+
+impl<'a> EvalStream<'a> {
+    /// `tokens` alone: every target counts, every window one sequence.
+    pub fn of(tokens: &'a [u32]) -> Self {
+        EvalStream { tokens, ..EvalStream::default() }
+    }
+
+    /// The stream with `mask` ([`EvalStream::mask`]).
+    pub fn masked(self, mask: Option<&'a [u8]>) -> Self {
+        EvalStream { mask, ..self }
+    }
+}
+
 /// The loss of `stream` in windows of `window` inputs ([`windows`]), given `mean_loss(inputs,
-/// targets)`, a model's mean loss over one window's counted targets (any family's training
-/// forward serves). With `mask` (a byte per token of the stream, a chat's loss mask), a target
-/// whose byte is 0 is [`IGNORE`] and does not count, as in training; windows are weighted by the
-/// targets they count, and one that counts none is not run.
+/// targets, positions)`, a model's mean loss over one window's counted targets (any family's
+/// training forward serves; `positions` are the window's where the stream is packed). With a
+/// mask, windows are weighted by the targets they count, and one that counts none is not run.
 pub fn eval_windows<E>(
-    stream: &[u32],
-    mask: Option<&[u8]>,
+    stream: EvalStream<'_>,
     window: usize,
-    mut mean_loss: impl FnMut(&[u32], &[u32]) -> Result<f64, E>,
+    mut mean_loss: impl FnMut(&[u32], &[u32], Option<&[u32]>) -> Result<f64, E>,
 ) -> Result<EvalResult, E> {
+    let EvalStream { tokens: stream, mask, positions } = stream;
+    if let Some(positions) = positions {
+        assert!(positions.len() + 1 >= stream.len(), "a position for every input token");
+    }
     let (mut sum, mut tokens) = (0.0, 0);
     let mut masked = Vec::new();
     for range in windows(stream.len(), window) {
@@ -61,7 +89,9 @@ pub fn eval_windows<E>(
         if counted == 0 {
             continue;
         }
-        sum += mean_loss(inputs, targets)? * counted as f64;
+        let positions = positions.map(|positions| &positions[range.clone()]);
+        debug_assert!(positions.is_none_or(|p| p[0] == 0), "a window starts at position 0");
+        sum += mean_loss(inputs, targets, positions)? * counted as f64;
         tokens += counted;
     }
     let loss = if tokens == 0 { f64::NAN } else { sum / tokens as f64 };
@@ -87,7 +117,7 @@ mod tests {
     fn the_loss_is_the_token_weighted_mean_of_the_windows() {
         // Window losses equal to the window's first input: (0·4 + 4·4 + 8·1) / 9.
         let stream: Vec<u32> = (0..10).collect();
-        let result = eval_windows::<()>(&stream, None, 4, |inputs, targets| {
+        let result = eval_windows::<()>(EvalStream::of(&stream), 4, |inputs, targets, _| {
             assert_eq!(targets[0], inputs[0] + 1, "targets are the inputs shifted by one");
             Ok(f64::from(inputs[0]))
         })
@@ -95,6 +125,28 @@ mod tests {
         assert_eq!(result.tokens, 9);
         assert!((result.loss - 24.0 / 9.0).abs() < 1e-12, "{}", result.loss);
         assert!((result.perplexity() - (24.0f64 / 9.0).exp()).abs() < 1e-9);
+    }
+
+    /// A packed stream's windows each take their inputs' positions.
+    #[test]
+    fn a_packed_stream_gives_each_window_its_positions() {
+        let stream: Vec<u32> = (0..10).collect();
+        let positions = [0, 1, 0, 1, 0, 0, 1, 2, 0, 1];
+        let packed = EvalStream { positions: Some(&positions), ..EvalStream::of(&stream) };
+        let mut seen = Vec::new();
+        eval_windows::<()>(packed, 4, |inputs, _, positions| {
+            seen.push((inputs[0], positions.expect("packed").to_vec()));
+            Ok(0.0)
+        })
+        .unwrap();
+        assert_eq!(seen, [(0, vec![0, 1, 0, 1]), (4, vec![0, 0, 1, 2]), (8, vec![0])]);
+        let mut unpacked = 0;
+        eval_windows::<()>(EvalStream::of(&stream), 4, |_, _, positions| {
+            unpacked += usize::from(positions.is_none());
+            Ok(0.0)
+        })
+        .unwrap();
+        assert_eq!(unpacked, 3, "no positions where the stream is not packed");
     }
 
     /// With a mask, the targets whose byte is 0 are ignored, each window weighs by the targets
@@ -105,7 +157,8 @@ mod tests {
         // Targets 1..=9; counted: 2, 3 (window 0..4) and 9 (window 8..9); none in 4..8.
         let mask = [0, 0, 1, 1, 0, 0, 0, 0, 0, 1];
         let mut runs = Vec::new();
-        let result = eval_windows::<()>(&stream, Some(&mask), 4, |inputs, targets| {
+        let masked = EvalStream::of(&stream).masked(Some(&mask));
+        let result = eval_windows::<()>(masked, 4, |inputs, targets, _| {
             runs.push(inputs[0]);
             let counted: Vec<u32> = targets.iter().copied().filter(|&t| t != IGNORE).collect();
             Ok(f64::from(counted.iter().sum::<u32>()) / counted.len() as f64)

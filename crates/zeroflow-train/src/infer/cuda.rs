@@ -18,7 +18,7 @@ use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::Blas;
 use zeroflow_gpt::{CudaGpt, CudaGptDecoder};
 use zeroflow_llama::{CudaLlama, CudaLlamaDecoder};
-use zeroflow_nn::infer::{Decoder, EvalResult, eval_windows};
+use zeroflow_nn::infer::{Decoder, EvalResult, EvalStream, eval_windows};
 
 use super::{HostModel, Params, Weights};
 use crate::Model;
@@ -31,16 +31,19 @@ enum FamilyModel {
 }
 
 impl FamilyModel {
+    /// The model for `shape` (batch, seq), of packed rows where `packed`.
     fn new(
         device: &CudaDevice,
         blas: &Arc<Blas>,
         weights: &Weights,
         shape: (usize, usize),
+        packed: bool,
     ) -> Result<Self> {
         let blas = Arc::clone(blas);
         Ok(match weights {
             Weights::Gpt { config, layout, .. } => {
                 let options = zeroflow_gpt::cuda::CudaGptOptions::for_model(config, None);
+                let options = zeroflow_gpt::cuda::CudaGptOptions { packed, ..options };
                 let (batch, seq) = shape;
                 let model =
                     CudaGpt::with_options(device, blas, config, layout, batch, seq, options);
@@ -48,24 +51,33 @@ impl FamilyModel {
             }
             Weights::Llama { config, layout, .. } => {
                 let options = zeroflow_llama::CudaLlamaOptions::for_model(config, None);
+                let options = zeroflow_llama::CudaLlamaOptions { packed, ..options };
                 let model = CudaLlama::with_options(device, blas, config, layout, shape, options);
                 FamilyModel::Llama(Box::new(model.map_err(TrainError::model)?))
             }
         })
     }
 
-    /// The mean loss of `inputs` against `targets` (`[batch, seq]` each).
-    fn loss(&mut self, params: &CudaBuffer<bf16>, inputs: &[u32], targets: &[u32]) -> Result<f32> {
+    /// The mean loss of `inputs` against `targets` (`[batch, seq]` each), packed where
+    /// `positions` are given (a model built packed).
+    fn loss(
+        &mut self,
+        params: &CudaBuffer<bf16>,
+        inputs: &[u32],
+        targets: &[u32],
+        positions: Option<&[u32]>,
+    ) -> Result<f32> {
+        let batch = Batch { inputs, targets, positions };
         match self {
-            FamilyModel::Gpt(m) => mean_loss(m.as_mut(), params, inputs, targets),
-            FamilyModel::Llama(m) => mean_loss(m.as_mut(), params, inputs, targets),
+            FamilyModel::Gpt(m) => mean_loss(m.as_mut(), params, batch),
+            FamilyModel::Llama(m) => mean_loss(m.as_mut(), params, batch),
         }
     }
 
     /// The logits `[batch, seq, width]` of `inputs` (the width the vocabulary or its padding).
     fn logits(&mut self, params: &CudaBuffer<bf16>, inputs: &[u32]) -> Result<Vec<f32>> {
         let targets = vec![0; inputs.len()];
-        self.loss(params, inputs, &targets)?;
+        self.loss(params, inputs, &targets, None)?;
         match self {
             FamilyModel::Gpt(m) => m.logits().map_err(TrainError::model),
             FamilyModel::Llama(m) => m.logits().map_err(TrainError::model),
@@ -73,15 +85,23 @@ impl FamilyModel {
     }
 }
 
+/// One batch's inputs, targets and, where packed, positions.
+#[derive(Clone, Copy)]
+struct Batch<'a> {
+    inputs: &'a [u32],
+    targets: &'a [u32],
+    positions: Option<&'a [u32]>,
+}
+
 /// `model`'s mean loss of one batch (its upload, forward and loss).
 fn mean_loss<M: Model<P = bf16, Device = CudaDevice>>(
     model: &mut M,
     params: &CudaBuffer<bf16>,
-    inputs: &[u32],
-    targets: &[u32],
+    batch: Batch<'_>,
 ) -> Result<f32> {
+    let Batch { inputs, targets, positions } = batch;
     let run = |model: &mut M| {
-        model.set_batch(inputs, targets, None)?;
+        model.set_batch(inputs, targets, positions)?;
         model.forward(params)?;
         model.loss()
     };
@@ -110,22 +130,22 @@ impl HostModel {
     /// training forward and mean loss (a model per window length: the full windows share one).
     pub fn eval_cuda(
         &self,
-        stream: &[u32],
-        mask: Option<&[u8]>,
+        stream: EvalStream<'_>,
         window: usize,
         ordinal: usize,
     ) -> Result<EvalResult> {
         let gpu = OnDevice::new(self, ordinal)?;
+        let packed = stream.positions.is_some();
         let mut models: HashMap<usize, FamilyModel> = HashMap::new();
-        eval_windows(stream, mask, window, |inputs, targets| {
+        eval_windows(stream, window, |inputs, targets, positions| {
             let model = match models.entry(inputs.len()) {
                 std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
                 std::collections::hash_map::Entry::Vacant(entry) => {
-                    let shape = (1, inputs.len());
-                    entry.insert(FamilyModel::new(&gpu.device, &gpu.blas, gpu.weights, shape)?)
+                    let (device, blas, shape) = (&gpu.device, &gpu.blas, (1, inputs.len()));
+                    entry.insert(FamilyModel::new(device, blas, gpu.weights, shape, packed)?)
                 }
             };
-            Ok(f64::from(model.loss(&gpu.params, inputs, targets)?))
+            Ok(f64::from(model.loss(&gpu.params, inputs, targets, positions)?))
         })
     }
 
@@ -240,8 +260,13 @@ impl Decoder for CudaPrefixDecoder<'_> {
             )));
         }
         let shape = (prompts.len(), capacity);
-        self.model =
-            Some(FamilyModel::new(&self.gpu.device, &self.gpu.blas, self.gpu.weights, shape)?);
+        self.model = Some(FamilyModel::new(
+            &self.gpu.device,
+            &self.gpu.blas,
+            self.gpu.weights,
+            shape,
+            false,
+        )?);
         self.sequences = prompts.iter().map(|p| p.to_vec()).collect();
         self.capacity = capacity;
         self.step(&(0..prompts.len()).collect::<Vec<_>>())

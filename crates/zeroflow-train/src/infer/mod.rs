@@ -17,7 +17,7 @@ use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_gpt::{GptConfig, GptDecoder};
 use zeroflow_llama::{LlamaConfig, LlamaDecoder};
 use zeroflow_nn::infer::{Decoder, generate};
-pub use zeroflow_nn::infer::{EvalResult, GenerateOptions, Sampling};
+pub use zeroflow_nn::infer::{EvalResult, EvalStream, GenerateOptions, Sampling};
 
 pub mod cuda;
 mod prompts;
@@ -328,15 +328,16 @@ impl HostModel {
     }
 
     /// The loss over `stream` in windows of `window` inputs, by the training forward; the
-    /// targets `mask` leaves out (a chat's loss mask), where given, not counted.
-    pub fn eval(&self, stream: &[u32], mask: Option<&[u8]>, window: usize) -> Result<EvalResult> {
+    /// targets its mask leaves out (a chat's loss mask), where given, not counted; where it is
+    /// packed, no attention across its documents.
+    pub fn eval(&self, stream: EvalStream<'_>, window: usize) -> Result<EvalResult> {
         match &self.weights {
             Weights::Gpt { config, layout, params } => {
-                zeroflow_gpt::eval_stream(config, layout, &params.f32()?, stream, mask, window)
+                zeroflow_gpt::eval_stream(config, layout, &params.f32()?, stream, window)
                     .map_err(TrainError::model)
             }
             Weights::Llama { config, layout, params } => {
-                zeroflow_llama::eval_stream(config, layout, &params.f32()?, stream, mask, window)
+                zeroflow_llama::eval_stream(config, layout, &params.f32()?, stream, window)
                     .map_err(TrainError::model)
             }
         }
@@ -481,7 +482,8 @@ impl HostModel {
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
-            let result = self.eval_on(&stream, mask.as_deref(), window, device)?;
+            let stream = EvalStream::of(&stream).masked(mask.as_deref());
+            let result = self.eval_on(stream, window, device)?;
             sum += result.loss * result.tokens as f64;
             tokens += result.tokens;
         }
@@ -494,23 +496,23 @@ impl HostModel {
         Ok(EvalResult { loss: sum / tokens as f64, tokens })
     }
 
-    /// The loss over `stream` (masked by `mask`) in windows of `window` inputs on `device`; on
-    /// the CPU, an input error naming `--window` first where a window does not fit the memory.
+    /// The loss over `stream` in windows of `window` inputs on `device` ([`HostModel::eval`]);
+    /// on the CPU, an input error naming `--window` first where a window does not fit the
+    /// memory.
     pub fn eval_on(
         &self,
-        stream: &[u32],
-        mask: Option<&[u8]>,
+        stream: EvalStream<'_>,
         window: usize,
         device: InferDevice,
     ) -> Result<EvalResult> {
         match device {
             InferDevice::Cpu => {
                 // The longest window of this stream (a stream shorter than the window is one).
-                let longest = window.min(stream.len().saturating_sub(1));
+                let longest = window.min(stream.tokens.len().saturating_sub(1));
                 self.check_cpu_window(window, longest, crate::limits::available_host_memory())?;
-                self.eval(stream, mask, window)
+                self.eval(stream, window)
             }
-            InferDevice::Cuda(ordinal) => self.eval_cuda(stream, mask, window, ordinal),
+            InferDevice::Cuda(ordinal) => self.eval_cuda(stream, window, ordinal),
         }
     }
 

@@ -10,7 +10,7 @@ use zeroflow_gpt::HfGpt;
 use zeroflow_llama::HfLlama;
 
 use super::{HostModel, InferDevice, Params, Weights, held_in};
-use crate::data::{EvalSet, Spec, holds_shards, run_eval_stream};
+use crate::data::{EvalSet, EvalTokens, Spec, holds_shards, run_eval_stream};
 use crate::error::{Result, TrainError, input};
 use crate::weight_files::FileParams;
 use crate::{Family, ModelSpec, checkpoints, export, resume_point, with_family};
@@ -43,13 +43,31 @@ pub struct ModelDefaults {
 /// A run's evaluation set as its trainer evaluated on it ([`crate::data::run_eval_stream`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunEvalSet {
-    pub tokens: Vec<u32>,
-    /// The loss mask (chat data's), where there is one.
-    pub mask: Option<Vec<u8>>,
+    /// Its tokens, their loss mask (chat data's) and, where the run packed its rows, where its
+    /// documents start.
+    pub tokens: EvalTokens,
     /// The run's `--seq`: the windows its evaluations read.
     pub window: usize,
     /// What it is, as the run's header said.
     pub description: String,
+}
+
+impl RunEvalSet {
+    /// Each token's position in its document, 0 at the start of every window of `window`
+    /// inputs, where the run packed its rows (its evaluations attended within documents alone):
+    /// the stream's [`super::EvalStream::positions`].
+    pub fn positions(&self, window: usize) -> Option<Vec<u32>> {
+        let starts = self.tokens.documents.as_deref()?;
+        let mut positions = Vec::with_capacity(self.tokens.tokens.len());
+        zeroflow_data::document_positions(
+            starts,
+            0,
+            window,
+            self.tokens.tokens.len(),
+            &mut positions,
+        );
+        Some(positions)
+    }
 }
 
 impl ModelDir {
@@ -128,15 +146,13 @@ impl ModelDir {
         };
         let eval_tokens = extra.eval_tokens.map(|n| n as usize);
         let vocab = extra.model.vocab_size();
-        let (tokens, mask, mut description) =
-            run_eval_stream(&spec, eval, vocab, window, eval_tokens, extra.seed)?;
-        if extra.settings.get("pack") == Some(&serde_json::Value::Bool(true)) {
-            description.push_str(
-                "; read unpacked, each window attending across its documents, where the run's \
-                 packed evaluations did not",
-            );
+        let packed = extra.settings.get("pack") == Some(&serde_json::Value::Bool(true));
+        let (tokens, mut description) =
+            run_eval_stream(&spec, eval, vocab, window, eval_tokens, packed, extra.seed)?;
+        if packed {
+            description.push_str(", packed (no attention across documents)");
         }
-        Ok(Some(RunEvalSet { tokens, mask, window, description }))
+        Ok(Some(RunEvalSet { tokens, window, description }))
     }
 
     /// `dir` as a checkpoint where it has `state.json`, as its newest checkpoint where it is a

@@ -124,7 +124,7 @@ fn the_loss_over_shards_weights_each_shard_by_its_tokens() {
     let spec = Spec::parse(&format!("{}/*.bin", dir.display())).unwrap();
     let result = model.eval_data(&spec, Some(8)).unwrap();
     let stream = |s: &[u16]| s.iter().map(|&t| u32::from(t)).collect::<Vec<u32>>();
-    let eval = |tokens: &[u32]| model.eval(tokens, None, 8).unwrap();
+    let eval = |tokens: &[u32]| model.eval(EvalStream::of(tokens), 8).unwrap();
     let (ea, eb) = (eval(&stream(&a)), eval(&stream(&b)));
     assert_eq!((ea.tokens, eb.tokens, result.tokens), (39, 3, 42));
     let weighted = (ea.loss * 39.0 + eb.loss * 3.0) / 42.0;
