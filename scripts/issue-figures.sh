@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One device call: the speed figures of issue 23 (the exact offload against the `gpu` mode, and
+# llama-1b against DeepSpeed's offload) or of issue 22 (llama-3b with activation checkpointing
+# against DeepSpeed's offload), each with the binary's default device share and with the whole
+# optimizer in host memory (`--device-share 0`), the way the ninth session measured them
+# (BENCHMARKS.md, "The device share `fit` by default on one GPU").
+#
+#   here:  bash scripts/gpu-check.sh; bench/peers/fetch-wheels.sh
+#   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 9 minutes)
+#          bash scripts/issue-figures.sh 22     (about 6 minutes)
+#
+# Every `bench step` row goes to $OUT/bench.jsonl (tagged with its name) and a BENCH line;
+# DeepSpeed's rows to $OUT/ds/bench.jsonl. Each part is bounded by its own timeout.
+set -uo pipefail
+cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
+issue=${1:?which issue: 22 or 23}
+base=(VAR=ZEROFLOW_DEVICE_SHARE 'VALUES=default 0' PARTS=speed ROUNDS=1)
+ds() { # ds MODEL [ENV...]: DeepSpeed's offload on MODEL at 4 × 2048
+    local model=$1
+    shift
+    env "$@" MICRO_BATCH=4 SEQ=2048 PARTS=deepspeed DS_MODES=offload STEPS=6 WARMUP=3 \
+        OUT="$OUT/ds" bash scripts/bench-vs-deepspeed.sh "$model" 2>&1 | tail -n 4
+}
+case $issue in
+23)
+    echo "## gpt-1.3b, 8 × 1024, accumulation 1, at ${SECONDS}s"
+    env "${base[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh | grep BENCH
+    echo "## gpt-1.3b, 8 × 1024, accumulation 4, at ${SECONDS}s"
+    env "${base[@]}" ACCUM=4 STEPS=4 WARMUP=2 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh |
+        grep BENCH
+    echo "## llama-1b, 4 × 2048, accumulation 1, at ${SECONDS}s"
+    env "${base[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=llama-1b bash scripts/setting-ab.sh | grep BENCH
+    echo "## DeepSpeed offload, llama-1b, at ${SECONDS}s"
+    ds llama-1b
+    ;;
+22)
+    for share in default 0; do
+        echo "## llama-3b, 4 × 2048, checkpointing, device share $share, at ${SECONDS}s"
+        setting=()
+        [[ $share == default ]] || setting=(ZEROFLOW_DEVICE_SHARE="$share")
+        env "${setting[@]}" MICRO_BATCH=4 SEQ=2048 CHECKPOINTING=1 STEPS=6 WARMUP=3 MODES=offload \
+            PARTS=zeroflow OUT="$OUT/zf-$share" bash scripts/bench-vs-deepspeed.sh \
+            llama-3b 2>&1 | tail -n 4
+    done
+    echo "## DeepSpeed offload, llama-3b, checkpointing, at ${SECONDS}s"
+    ds llama-3b CHECKPOINTING=1
+    ;;
+*)
+    echo "issue-figures: 22 or 23, not $issue" >&2
+    exit 2
+    ;;
+esac
+echo "## done at ${SECONDS}s"
