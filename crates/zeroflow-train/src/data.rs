@@ -393,10 +393,26 @@ impl Data {
             None => tokens.tokens.len().saturating_sub(1),
         };
         if zeroflow_data::eval_windows(tokens.tokens.len(), seq) == 0 || counted == 0 {
+            // A larger --eval-tokens helps only where the set holds all it asked for (not
+            // where the data is short: a run holds out at most a tenth of its data).
+            let default = match spec {
+                Spec::Synthetic => SYNTHETIC_EVAL_TOKENS,
+                _ => EVAL_TOKENS,
+            };
+            let wanted = shape.eval_tokens.unwrap_or(default);
+            let advice = match eval {
+                _ if tokens.tokens.len() >= wanted => {
+                    "a larger --eval-tokens, a smaller --seq or --eval-data"
+                }
+                EvalSet::Given(_) => "more --eval-data or a smaller --seq",
+                _ => {
+                    "more data (a run holds out at most a tenth of it), a smaller --seq or \
+                      --eval-data"
+                }
+            };
             return Err(input(format!(
                 "the evaluation set ({eval_description}) holds no window of --seq {seq} tokens \
-                 whose loss counts; give more data, a smaller --seq, a larger --eval-tokens or \
-                 --eval-data"
+                 whose loss counts; give {advice}"
             )));
         }
         let (mask, documents) = (tokens.mask.as_deref(), tokens.documents.as_deref());
@@ -436,7 +452,11 @@ fn eval_set(
     let data_error = |e: zeroflow_data::DataError| input(format!("--data: {e}"));
     let (tokens, description, tail) = match (eval, spec) {
         (EvalSet::Given(eval_spec), _) => {
-            let wanted = shape.eval_tokens.unwrap_or(EVAL_TOKENS);
+            let default = match spec {
+                Spec::Synthetic => SYNTHETIC_EVAL_TOKENS,
+                _ => EVAL_TOKENS,
+            };
+            let wanted = shape.eval_tokens.unwrap_or(default);
             let eval = source(eval_spec, vocab)?;
             let tokens = leading_tokens(&eval, vocab, wanted, shape.packed, "--eval-data")?;
             let what =

@@ -102,3 +102,35 @@ fn eval_data_evaluates_on_the_start_of_other_files() {
     assert!(train.iter().all(|&t| t == u32::from(b'a')));
     assert!(evaluated.iter().all(|&t| t == u32::from(b'z')));
 }
+
+/// An evaluation set without a window names what gives it one: --eval-tokens only where the set
+/// holds all it asked for, more data where a tenth of the data is all a run holds out, more
+/// --eval-data where that is short.
+#[test]
+fn an_evaluation_set_without_a_window_says_what_gives_it_one() {
+    let dir = scratch("no_window");
+    let (train_path, eval_path) = (dir.join("train.txt"), dir.join("eval.txt"));
+    std::fs::write(&train_path, vec![b'a'; 500]).unwrap();
+    std::fs::write(&eval_path, vec![b'z'; 40]).unwrap();
+    let spec = Spec::parse(train_path.to_str().unwrap()).unwrap();
+    let eval = Spec::parse(eval_path.to_str().unwrap()).unwrap();
+    let refusal = |eval: EvalSet<'_>, eval_tokens: Option<usize>| match Data::open(
+        &spec,
+        eval,
+        256,
+        shape(2, 64, eval_tokens),
+        0,
+    ) {
+        Ok(_) => panic!("no window of 64"),
+        Err(e) => e.to_string(),
+    };
+    // 50 tokens held out (a tenth of 500) of the 1,048,576 asked for by default.
+    let short_data = refusal(EvalSet::Tail, None);
+    assert!(short_data.contains("more data (a run holds out at most a tenth"), "{short_data}");
+    assert!(!short_data.contains("--eval-tokens"), "{short_data}");
+    // 30 asked for, and held out: a larger --eval-tokens would give a window.
+    let asked = refusal(EvalSet::Tail, Some(30));
+    assert!(asked.contains("a larger --eval-tokens"), "{asked}");
+    let short_eval = refusal(EvalSet::Given(&eval), None);
+    assert!(short_eval.contains("more --eval-data or a smaller --seq"), "{short_eval}");
+}
