@@ -40,6 +40,8 @@ pub struct Checkpoint {
     /// The sequence length the run trained on (`--seq`; absent in checkpoints from before it
     /// was kept).
     pub seq: Option<usize>,
+    /// Whether the run packed its rows (`--pack`): its evaluations attended within documents.
+    pub packed: bool,
 }
 
 /// Writes the checkpoint `dir` as a Hugging Face model directory `out` (which must not exist,
@@ -325,6 +327,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         chat_template,
         chat_template_kwargs: chat_template_kwargs.unwrap_or_default(),
         seq: meta.extra.get("seq").and_then(serde_json::Value::as_u64).map(|seq| seq as usize),
+        packed: meta.extra.pointer("/settings/pack") == Some(&serde_json::Value::Bool(true)),
     })
 }
 

@@ -47,6 +47,19 @@ pub struct Args {
     /// shorter).
     #[arg(long, value_name = "W")]
     window: Option<usize>,
+    /// Read --data's documents packed: each attends within itself alone, positions from 0 at
+    /// each (a shard's document index, .idx, says where they start; a text file is one), as a
+    /// run with `--pack` evaluates. `--pack` alone is `=on`. Default: for a checkpoint or run
+    /// directory, as its run read (so that its loss is the one its evaluations logged); else off.
+    #[arg(
+        long,
+        value_name = "on|off",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "on",
+        value_parser = crate::settings::flag(&crate::settings::names::SWITCH)
+    )]
+    pack: Option<bool>,
     /// Print `{"loss": ..., "tokens": ...}`.
     #[arg(long)]
     json: bool,
@@ -73,8 +86,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let chat = super::chat_options(args.chat_template, args.chat_template_kwargs, &text);
     // A run's own windows, so that its checkpoint's loss is the one its evaluations logged.
     let window = args.window.or(text.seq).unwrap_or_else(|| model.default_window());
-    let device = args.device;
-    let result = model.eval_data_on(&spec, Some(window), device, tokenizer.as_ref(), &chat)?;
+    let (device, packed) = (args.device, args.pack.unwrap_or(text.packed));
+    let tokenizer = tokenizer.as_ref();
+    let result = model.eval_data_on(&spec, Some(window), device, tokenizer, &chat, packed)?;
     say(&result, window, args.json);
     Ok(())
 }
@@ -91,7 +105,7 @@ fn run_set(args: &Args, source: &ModelDir) -> anyhow::Result<()> {
              the run's evaluation set is read as the run made it",
         ));
     }
-    let set = source.run_eval_set().map_err(|e| {
+    let set = source.run_eval_set(args.pack).map_err(|e| {
         InputError(format!(
             "the run's evaluation set: {e} (give --data to evaluate on files of your own)"
         ))

@@ -102,6 +102,24 @@ fn train_pack_trains_on_tokenized_shards_and_records_the_setting() {
             out.display()
         );
     }
+    // `eval RUN --data D` reads D as the run read its data by default; --pack says otherwise.
+    let eval = |out: &Path, more: &[&str]| {
+        let args = ["eval", out.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--json"];
+        let eval = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(args)
+            .args(more)
+            .env("ZEROFLOW_LOG", "warn")
+            .output()
+            .unwrap();
+        assert!(eval.status.success(), "{}", text(&eval.stderr));
+        serde_json::from_slice::<Value>(&eval.stdout).unwrap()["loss"].as_f64().unwrap()
+    };
+    let on = eval(&packed, &["--pack"]);
+    assert_eq!(eval(&packed, &[]), on, "a packed run's data read packed");
+    assert_ne!(on, eval(&packed, &["--pack=off"]));
+    let off = eval(&plain, &["--pack=off"]);
+    assert_eq!(eval(&plain, &[]), off, "a plain run's unpacked");
+    assert_ne!(off, eval(&plain, &["--pack"]));
 
     // Resumed with `--resume latest` alone, the run packs as its checkpoint did (regression: it
     // went on unpacked, warning that the numbers would differ): the weights of its last step
@@ -133,4 +151,15 @@ fn train_pack_on_shards_without_an_index_is_an_input_error() {
         stderr.contains("tokens_000000.bin") && stderr.contains("zeroflow tokenize"),
         "{stderr}"
     );
+    // `eval --pack` likewise, naming the flag.
+    let model = dir.join("model");
+    let run = train(&args(&tokens, &model));
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let eval = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["eval", model.to_str().unwrap(), "--data", bare.to_str().unwrap(), "--pack"])
+        .output()
+        .unwrap();
+    let stderr = text(&eval.stderr);
+    assert_eq!(eval.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--pack: ") && stderr.contains("zeroflow tokenize"), "{stderr}");
 }

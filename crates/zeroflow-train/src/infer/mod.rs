@@ -406,14 +406,17 @@ impl HostModel {
     /// shard's loss mask (chat data: the assistant's tokens) leaves out the targets it leaves out
     /// in training.
     pub fn eval_data(&self, spec: &Spec, window: Option<usize>) -> Result<EvalResult> {
-        self.eval_data_on(spec, window, InferDevice::Cpu, None, &ChatOptions::default())
+        let unpacked = false;
+        self.eval_data_on(spec, window, InferDevice::Cpu, None, &ChatOptions::default(), unpacked)
     }
 
     /// [`HostModel::eval_data`] on `device` (a GPU: [`HostModel::eval_cuda`]), text files
     /// encoded by `tokenizer` where one is given (else bytes as tokens), and a `.jsonl` of
     /// documents or conversations tokenized by it and its chat template as `zeroflow tokenize`
     /// does (into a scratch directory, removed after; `chat`: another template, variables for
-    /// it), its conversations' loss masks kept.
+    /// it), its conversations' loss masks kept. `packed`: each shard's documents (its `.idx`)
+    /// attend within themselves alone, positions from 0 at each, as a packed run evaluates (a
+    /// text file is one document: the same as unpacked).
     pub fn eval_data_on(
         &self,
         spec: &Spec,
@@ -421,6 +424,7 @@ impl HostModel {
         device: InferDevice,
         tokenizer: Option<&Tokenizer>,
         chat: &ChatOptions,
+        packed: bool,
     ) -> Result<EvalResult> {
         if let Spec::Synthetic = spec {
             return Err(input("--data synthetic: eval reads token shards or text files"));
@@ -442,7 +446,7 @@ impl HostModel {
             let shards = tokenize_jsonl(tokenizer, chat, jsonl, &scratch);
             let result = shards.and_then(|shards| {
                 let shards = Spec::Shards(shards);
-                self.eval_data_on(&shards, window, device, None, chat)
+                self.eval_data_on(&shards, window, device, None, chat, packed)
             });
             let _ = std::fs::remove_dir_all(&scratch);
             return result;
@@ -455,7 +459,7 @@ impl HostModel {
         let (mut sum, mut tokens) = (0.0, 0);
         let shards = zeroflow_data::Source::Shards(spec.files().to_vec());
         for (index, path) in spec.files().iter().enumerate() {
-            let (stream, mask) = match spec {
+            let (stream, mask, documents) = match spec {
                 Spec::Text(_) => {
                     let read = |source| TrainError::Io {
                         what: format!("read {}", path.display()),
@@ -472,17 +476,26 @@ impl HostModel {
                                 .map_err(|e| input(e.to_string()))?
                         }
                     };
-                    (stream, None)
+                    (stream, None, None)
                 }
-                // The shard with its loss mask (chat data's), as the training's loader reads it.
+                // The shard with its loss mask (chat data's) and, packed, where its documents
+                // start, as the training's loader reads it.
                 _ => {
                     let unit = zeroflow_data::read_unit(&shards, index, self.vocab_size())
                         .map_err(|e| input(e.to_string()))?;
-                    (unit.tokens.to_u32(), unit.mask)
+                    let documents = packed
+                        .then(|| zeroflow_data::read_document_starts(&shards, index))
+                        .transpose()
+                        .map_err(|e| input(format!("--pack: {e}")))?;
+                    (unit.tokens.to_u32(), unit.mask, documents)
                 }
             };
             self.check_ids(&path.display().to_string(), &stream)?;
-            let stream = EvalStream::of(&stream).masked(mask.as_deref());
+            let positions = documents.map(|starts| window_positions(&starts, window, stream.len()));
+            let stream = EvalStream {
+                positions: positions.as_deref(),
+                ..EvalStream::of(&stream).masked(mask.as_deref())
+            };
             let result = self.eval_on(stream, window, device)?;
             sum += result.loss * result.tokens as f64;
             tokens += result.tokens;
@@ -565,6 +578,16 @@ fn check_sampling(sampling: &Sampling) -> Result<()> {
         Some(p) if !(p > 0.0 && p <= 1.0) => Err(input(format!("--top-p {p}: in (0, 1]"))),
         _ => Ok(()),
     }
+}
+
+/// The positions of a stream of `len` tokens whose documents start at `starts` (ascending), in
+/// windows of `window` inputs: each token's position in its document, 0 at every document's and
+/// every window's start, as the trainer's packed evaluation batches give them
+/// ([`zeroflow_data::eval_batches`]).
+pub(crate) fn window_positions(starts: &[u64], window: usize, len: usize) -> Vec<u32> {
+    let mut positions = Vec::with_capacity(len);
+    zeroflow_data::document_positions(starts, 0, window, len, &mut positions);
+    positions
 }
 
 /// Token ids written `1,2,3`.

@@ -38,6 +38,8 @@ pub struct ModelDefaults {
     pub chat: zeroflow_data::ChatOptions,
     /// The run's `--seq`, for a checkpoint that records it.
     pub seq: Option<usize>,
+    /// Whether the run packed its rows (`--pack`): `eval` reads packed by default.
+    pub packed: bool,
 }
 
 /// A run's evaluation set as its trainer evaluated on it ([`crate::data::run_eval_stream`]).
@@ -58,15 +60,7 @@ impl RunEvalSet {
     /// the stream's [`super::EvalStream::positions`].
     pub fn positions(&self, window: usize) -> Option<Vec<u32>> {
         let starts = self.tokens.documents.as_deref()?;
-        let mut positions = Vec::with_capacity(self.tokens.tokens.len());
-        zeroflow_data::document_positions(
-            starts,
-            0,
-            window,
-            self.tokens.tokens.len(),
-            &mut positions,
-        );
-        Some(positions)
+        Some(super::window_positions(starts, window, self.tokens.tokens.len()))
     }
 }
 
@@ -86,6 +80,7 @@ impl ModelDir {
                         variables: checkpoint.chat_template_kwargs,
                     },
                     seq: checkpoint.seq,
+                    packed: checkpoint.packed,
                 })
             }
         }
@@ -95,9 +90,9 @@ impl ModelDir {
     /// (the tokens it tokenized at start-up, where its run directory still holds them, else its
     /// `--data`), and of that its `--eval-data` (tokenized at start-up likewise), the documents
     /// it held out, or the tail of its last file (the synthetic corpus: its other stream), its
-    /// `--eval-tokens` and `--seq`, read unpacked. `None` for a Hugging Face directory, which has
-    /// no run.
-    pub fn run_eval_set(&self) -> Result<Option<RunEvalSet>> {
+    /// `--eval-tokens` and `--seq`, packed where it packed its rows (or as `pack` says, where
+    /// given). `None` for a Hugging Face directory, which has no run.
+    pub fn run_eval_set(&self, pack: Option<bool>) -> Result<Option<RunEvalSet>> {
         let ModelDir::Checkpoint(dir) = self else { return Ok(None) };
         let opened = zeroflow_engine::checkpoint::open(dir).map_err(|e| input(e.to_string()))?;
         let extra = resume_point::extra_of(dir, &opened)?;
@@ -146,7 +141,8 @@ impl ModelDir {
         };
         let eval_tokens = extra.eval_tokens.map(|n| n as usize);
         let vocab = extra.model.vocab_size();
-        let packed = extra.settings.get("pack") == Some(&serde_json::Value::Bool(true));
+        let packed = pack
+            .unwrap_or_else(|| extra.settings.get("pack") == Some(&serde_json::Value::Bool(true)));
         let (tokens, mut description) =
             run_eval_stream(&spec, eval, vocab, window, eval_tokens, packed, extra.seed)?;
         if packed {
