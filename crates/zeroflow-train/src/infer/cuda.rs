@@ -67,10 +67,9 @@ impl FamilyModel {
         targets: &[u32],
         positions: Option<&[u32]>,
     ) -> Result<f32> {
-        let batch = Batch { inputs, targets, positions };
         match self {
-            FamilyModel::Gpt(m) => mean_loss(m.as_mut(), params, batch),
-            FamilyModel::Llama(m) => mean_loss(m.as_mut(), params, batch),
+            FamilyModel::Gpt(m) => mean_loss(m.as_mut(), params, inputs, targets, positions),
+            FamilyModel::Llama(m) => mean_loss(m.as_mut(), params, inputs, targets, positions),
         }
     }
 
@@ -85,21 +84,15 @@ impl FamilyModel {
     }
 }
 
-/// One batch's inputs, targets and, where packed, positions.
-#[derive(Clone, Copy)]
-struct Batch<'a> {
-    inputs: &'a [u32],
-    targets: &'a [u32],
-    positions: Option<&'a [u32]>,
-}
-
-/// `model`'s mean loss of one batch (its upload, forward and loss).
+/// `model`'s mean loss of one batch (its upload, forward and loss), packed where `positions`
+/// are given.
 fn mean_loss<M: Model<P = bf16, Device = CudaDevice>>(
     model: &mut M,
     params: &CudaBuffer<bf16>,
-    batch: Batch<'_>,
+    inputs: &[u32],
+    targets: &[u32],
+    positions: Option<&[u32]>,
 ) -> Result<f32> {
-    let Batch { inputs, targets, positions } = batch;
     let run = |model: &mut M| {
         model.set_batch(inputs, targets, positions)?;
         model.forward(params)?;
