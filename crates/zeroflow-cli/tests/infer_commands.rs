@@ -406,7 +406,8 @@ fn a_run_directory_encodes_text_as_its_run_did() {
 /// user message (blank ones skipped), each reply printed and kept. Of a run trained to reply
 /// and end its turn, the second reply is the one `--prompts` gives for the conversation so far
 /// (the first reply as the assistant's message, without the token that ended it); without any
-/// prompt or --chat, the error names them all.
+/// prompt or --chat, the error names them all. A conversation longer than the context goes on
+/// without its oldest exchanges.
 #[test]
 fn a_chat_without_a_prompt_is_a_conversation_from_standard_input() {
     use std::io::Write;
@@ -454,6 +455,24 @@ fn a_chat_without_a_prompt_is_a_conversation_from_standard_input() {
     let args = ["generate", model_arg, "--chat", "--prompts", prompts.to_str().unwrap()];
     let batch = json_of(&zeroflow(&[&args[..], &["--max-new-tokens", "40", "--json"]].concat()));
     assert_eq!(batch["tokens"], replies[1]["tokens"], "{batch} against {}", replies[1]);
+
+    // A conversation longer than the context goes on without its oldest exchanges (it ended
+    // with an error at the turn that passed the context).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+        .args(["generate", model_arg, "--chat", "--max-new-tokens", "150", "--json"])
+        .env("ZEROFLOW_LOG", "warn")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let questions: String = (1..=12).map(|i| format!("{i}?\n")).collect();
+    child.stdin.take().unwrap().write_all(questions.as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(text(&output.stdout).lines().count(), 12, "a reply to every message");
+    assert!(stderr.contains("the conversation's oldest"), "{stderr}");
 
     let none = zeroflow(&["generate", model_arg]);
     assert_eq!(none.status.code(), Some(2));

@@ -204,16 +204,17 @@ fn converse(
             continue;
         }
         messages.push(serde_json::json!({"role": "user", "content": line}));
-        let prompt = Prompt::Messages(messages.clone());
-        let tokens = prompt.chat_tokens(tokenizer, template).map_err(InputError)?;
-        let context = model.context();
-        if tokens.len() + completion.max_new_tokens > context {
-            return Err(InputError::from_display(format!(
-                "the conversation is {} tokens, and with --max-new-tokens {} more than the \
-                 model's context of {context}; start a new one",
-                tokens.len(),
-                completion.max_new_tokens
-            )));
+        let render = |messages: &[serde_json::Value]| {
+            Prompt::Messages(messages.to_vec()).chat_tokens(tokenizer, template)
+        };
+        let (context, room) = (model.context(), completion.max_new_tokens);
+        let (tokens, dropped) = fit_conversation(&mut messages, context, room, render)?;
+        if dropped > 0 {
+            tracing::warn!(
+                "the conversation's oldest {} left out: with the reply's --max-new-tokens {room} \
+                 it must fit the model's context of {context} tokens",
+                zeroflow_data::count(dropped as u64, "exchange"),
+            );
         }
         // Each turn its own draw where sampling.
         let turn_completion =
@@ -231,4 +232,75 @@ fn converse(
         turn += 1;
     }
     Ok(())
+}
+
+/// The conversation `messages` (a user's message, the reply, ..., a user's message) rendered by
+/// `render`, its oldest exchanges (a user's message and the reply to it) left out of it until it
+/// and `room` more tokens fit `context`, as chat front ends drop the start of a long
+/// conversation; and how many were left out. An input error where the last message alone does
+/// not fit.
+fn fit_conversation(
+    messages: &mut Vec<serde_json::Value>,
+    context: usize,
+    room: usize,
+    render: impl Fn(&[serde_json::Value]) -> Result<Vec<u32>, String>,
+) -> anyhow::Result<(Vec<u32>, usize)> {
+    let mut dropped = 0;
+    loop {
+        let tokens = render(messages).map_err(InputError)?;
+        if tokens.len() + room <= context {
+            return Ok((tokens, dropped));
+        }
+        if messages.len() < 3 {
+            return Err(InputError::from_display(format!(
+                "the message is {} tokens, and with --max-new-tokens {room} more than the \
+                 model's context of {context}: write a shorter one, or give a smaller \
+                 --max-new-tokens",
+                tokens.len()
+            )));
+        }
+        messages.drain(..2);
+        dropped += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::fit_conversation;
+
+    /// A render of 10 tokens a message.
+    fn ten_each(messages: &[Value]) -> Result<Vec<u32>, String> {
+        Ok(vec![0; 10 * messages.len()])
+    }
+
+    fn conversation(messages: usize) -> Vec<Value> {
+        let role = |i: usize| if i.is_multiple_of(2) { "user" } else { "assistant" };
+        (0..messages).map(|i| json!({"role": role(i), "content": i.to_string()})).collect()
+    }
+
+    #[test]
+    fn the_oldest_exchanges_are_left_out_until_the_conversation_fits() {
+        let mut messages = conversation(7);
+        let (tokens, dropped) = fit_conversation(&mut messages, 100, 30, ten_each).unwrap();
+        assert_eq!((tokens.len(), dropped), (70, 0), "fits as it is");
+        let (tokens, dropped) = fit_conversation(&mut messages, 60, 15, ten_each).unwrap();
+        assert_eq!((tokens.len(), dropped), (30, 2), "70 + 15 > 60, 50 + 15 > 60, 30 + 15 fits");
+        let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().unwrap()).collect();
+        assert_eq!(contents, ["4", "5", "6"], "the newest exchange and the message kept");
+        assert_eq!(messages[0]["role"], "user", "it starts with a user's message");
+    }
+
+    #[test]
+    fn a_message_that_alone_does_not_fit_is_an_error_naming_the_knobs() {
+        let mut messages = conversation(3);
+        let error = fit_conversation(&mut messages, 15, 10, ten_each).unwrap_err().to_string();
+        assert!(error.contains("the message is 10 tokens"), "{error}");
+        assert!(
+            error.contains("--max-new-tokens 10") && error.contains("context of 15"),
+            "{error}"
+        );
+        assert_eq!(messages.len(), 1, "every earlier exchange left out first");
+    }
 }
