@@ -21,39 +21,39 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train a model of the GPT-2 or Llama family (default: a tiny GPT on the synthetic corpus,
+    /// on the CPU).
+    Train(Box<cmd::train::Args>),
+    /// The memory plan of a `train` command (the same arguments): GPU and host bytes by kind, the
+    /// totals against this machine's, and the knobs that make it fit where it does not.
+    Plan(Box<cmd::plan::PlanArgs>),
+    /// Tokenize text and chat files (.txt, .jsonl with "text" or "messages") into llm.c token
+    /// shards, with a document index and, for chat, a loss mask on the assistant's tokens.
+    Tokenize(cmd::tokenize::Args),
+    /// The loss and perplexity of a Hugging Face model or a checkpoint over token shards, text or
+    /// a .jsonl (chat data: the assistant's tokens, as in training), on the CPU or a GPU.
+    Eval(cmd::eval::Args),
+    /// Continue a prompt with a Hugging Face model or a checkpoint (GPT-2 or the Llama family) on
+    /// the CPU or a GPU.
+    Generate(cmd::generate::Args),
+    /// Write a checkpoint as a Hugging Face directory of its model's family (GPT-2 or Llama:
+    /// config.json, the weights in the run's dtype, the tokenizer files of its --init-from).
+    Export(cmd::export::Args),
+    /// Start one process per GPU of this host running the zeroflow command after `--` (like
+    /// torchrun), each with its rank's environment; stop all when one fails.
+    Launch(cmd::launch::Args),
     /// Validate a DeepSpeed JSON config and print its fully resolved values.
     Config(cmd::config::Args),
+    /// List the named model sizes with parameter counts and the memory each mode needs.
+    Models(cmd::models::Args),
+    /// Print versions, devices, libraries, host cores and memory.
+    Env(cmd::env::Args),
     /// Measure this machine: CPU AdamW, host-GPU copies, training steps, GEMMs, the GPT model
     /// (cpu-adam, copy, step, gemm, gpt).
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
-    /// Print versions, devices, libraries, host cores and memory.
-    Env(cmd::env::Args),
-    /// List the named model sizes with parameter counts and the memory each mode needs.
-    Models(cmd::models::Args),
     /// Repeat the offload + gradient-accumulation race check and report counts and environment.
     Stress(cmd::stress::Args),
-    /// Tokenize text and chat files (.txt, .jsonl with "text" or "messages") into llm.c token
-    /// shards, with a document index and, for chat, a loss mask on the assistant's tokens.
-    Tokenize(cmd::tokenize::Args),
-    /// Continue a prompt with a Hugging Face model or a checkpoint (GPT-2 or the Llama family) on
-    /// the CPU or a GPU.
-    Generate(cmd::generate::Args),
-    /// The loss and perplexity of a Hugging Face model or a checkpoint over token shards, text or
-    /// a .jsonl (chat data: the assistant's tokens, as in training), on the CPU or a GPU.
-    Eval(cmd::eval::Args),
-    /// Write a checkpoint as a Hugging Face directory of its model's family (GPT-2 or Llama:
-    /// config.json, the weights in the run's dtype, the tokenizer files of its --init-from).
-    Export(cmd::export::Args),
-    /// The memory plan of a `train` command (the same arguments): GPU and host bytes by kind, the
-    /// totals against this machine's, and the knobs that make it fit where it does not.
-    Plan(Box<cmd::plan::PlanArgs>),
-    /// Train a model of the GPT-2 or Llama family (default: a tiny GPT on the synthetic corpus,
-    /// on the CPU).
-    Train(Box<cmd::train::Args>),
-    /// Start one process per GPU of this host running the zeroflow command after `--` (like
-    /// torchrun), each with its rank's environment; stop all when one fails.
-    Launch(cmd::launch::Args),
     /// A stand-in rank for the tests of `launch` and of the rendezvous (no GPU needed).
     #[command(hide = true)]
     DistCheck(cmd::dist_check::Args),
