@@ -14,24 +14,30 @@ pub struct PlanArgs {
     #[command(flatten)]
     train: super::train::Args,
     /// Print one JSON object (with gpu_total_bytes and host_total_bytes) instead of the table.
-    #[arg(long)]
+    #[arg(long, help_heading = "The plan")]
     json: bool,
     /// Plan for a GPU of this much memory, with nothing else on it, instead of this machine's
     /// (which then needs no GPU): 80 (GiB), 80GiB, 94GB, 81559MiB. With --device cuda. The
     /// default device share (`fit`) is chosen for it.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, help_heading = "The plan", value_name = "SIZE", value_parser = parse_size)]
     gpu_memory: Option<u64>,
     /// Plan for a host with this much memory available instead of what this machine has: 256
     /// (GiB), 512GiB, 1TB.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, help_heading = "The plan", value_name = "SIZE", value_parser = parse_size)]
     host_memory: Option<u64>,
     /// Plan rank 0 of a job of N processes (one per GPU) on each of --nnodes hosts, as `zeroflow
     /// launch --nproc-per-node N` starts them: the optimizer partitioned over them, the host's
     /// memory shared by its N. Default: the launcher's environment, else one process.
-    #[arg(long, value_name = "N")]
+    #[arg(long, help_heading = "The plan", value_name = "N")]
     nproc_per_node: Option<std::num::NonZeroUsize>,
     /// With --nproc-per-node: the hosts of the job.
-    #[arg(long, value_name = "M", requires = "nproc_per_node", default_value = "1")]
+    #[arg(
+        long,
+        help_heading = "The plan",
+        value_name = "M",
+        requires = "nproc_per_node",
+        default_value = "1"
+    )]
     nnodes: std::num::NonZeroUsize,
 }
 

@@ -20,6 +20,7 @@ pub use zeroflow_train::settings::{
 
 /// The settings of the model on its device (`train`, `bench step`, `bench gpt`).
 #[derive(Clone, Copy, Debug, Default, clap::Args)]
+#[command(next_help_heading = "The model on the GPU")]
 pub struct GpuFlags {
     /// The model's attention on the GPU: auto (flash where the head size has kernels), gemm or
     /// flash; changes the numbers. Over ZEROFLOW_ATTENTION and zeroflow.attention (and a
@@ -47,6 +48,7 @@ pub struct GpuFlags {
 
 /// The settings of the CPU optimizer and the offload stream (`train`, `bench step`).
 #[derive(Clone, Copy, Debug, Default, clap::Args)]
+#[command(next_help_heading = "The optimizer and its offload (each default measured)")]
 pub struct HostFlags {
     /// Bind each rank's CPU optimizer to the CPUs near its GPU: auto (with several ranks on a
     /// host), on or off. Over ZEROFLOW_CPU_BIND and zeroflow.cpu_bind.
