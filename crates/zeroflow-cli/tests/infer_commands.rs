@@ -169,7 +169,8 @@ fn generate_uses_the_models_own_tokenizer() {
 
 /// `generate --chat`: the prompt becomes one user message in the tokenizer's chat template with
 /// the assistant's turn opened (ChatML here, so its ids are known: `<|im_start|>` 256, the bytes,
-/// `<|im_end|>` 257), and the completion ends at the tokenizer's `eos_token`.
+/// `<|im_end|>` 257), after a system message where `--system` gives one, and the completion
+/// ends at the tokenizer's `eos_token`.
 #[test]
 fn generate_chat_renders_the_template_and_stops_at_the_end_of_a_turn() {
     let dir = support::scratch_in("infer_commands", "chat");
@@ -185,6 +186,15 @@ fn generate_chat_renders_the_template_and_stops_at_the_end_of_a_turn() {
     let free = json_of(&zeroflow(&[&by_ids[..], &tail].concat()));
     let chat = ["generate", model_dir, "--chat", "--prompt", "hi", "--no-stop"];
     assert_eq!(json_of(&zeroflow(&[&chat[..], &tail].concat()))["tokens"], free["tokens"]);
+    // --system: a system message before the user's.
+    let mut with_system = vec![256];
+    with_system.extend(b"system\nbe brief".map(u32::from));
+    with_system.extend([257, u32::from(b'\n')]);
+    with_system.extend(&rendered);
+    let ids: Vec<String> = with_system.iter().map(u32::to_string).collect();
+    let by_ids = ["generate", model_dir, "--prompt-tokens", &ids.join(","), "--no-stop"];
+    let system = json_of(&zeroflow(&[&chat[..], &["--system", "be brief"], &tail].concat()));
+    assert_eq!(system["tokens"], json_of(&zeroflow(&[&by_ids[..], &tail].concat()))["tokens"]);
 
     // The end of a turn: the tokenizer's eos_token made a token the completion writes.
     let tokens: Vec<u64> =

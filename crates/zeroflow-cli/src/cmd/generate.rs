@@ -44,6 +44,10 @@ pub struct Args {
     /// reply printed and kept, until the end of the input (Ctrl-D).
     #[arg(long, conflicts_with = "prompt_tokens")]
     chat: bool,
+    /// A system message before the user's (with --chat: for --prompt, and a conversation's
+    /// first; a --prompts file's conversations hold their own).
+    #[arg(long, value_name = "TEXT", requires = "chat", conflicts_with = "prompts")]
+    system: Option<String>,
     /// Variables for the chat template, a JSON object, as `apply_chat_template(..., **kwargs)`
     /// passes them: `'{"enable_thinking": false}'` opens Qwen3's turn without its reasoning.
     /// Default: none (for a checkpoint or run directory: its run's).
@@ -93,7 +97,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     args.model.display()
                 )));
             }
-            vec![Prompt::Text(text.clone())]
+            let user = serde_json::json!({"role": "user", "content": text});
+            match &args.system {
+                Some(system) => vec![Prompt::Messages(vec![system_message(system), user])],
+                None => vec![Prompt::Text(text.clone())],
+            }
         }
         (None, None, None) => {
             return Err(InputError::from_display(
@@ -190,7 +198,10 @@ fn converse(
     }
     // One decoder for the conversation: on a GPU the weights are uploaded once, not each turn.
     let mut session = model.session(args.device)?;
-    let mut messages: Vec<serde_json::Value> = Vec::new();
+    // A system message stays at the start, however long the conversation grows.
+    let mut messages: Vec<serde_json::Value> =
+        args.system.iter().map(|s| system_message(s)).collect();
+    let kept = messages.len();
     let mut lines = std::io::stdin().lock().lines();
     let mut turn = 0u64;
     loop {
@@ -208,7 +219,7 @@ fn converse(
             Prompt::Messages(messages.to_vec()).chat_tokens(tokenizer, template)
         };
         let (context, room) = (model.context(), completion.max_new_tokens);
-        let (tokens, dropped) = fit_conversation(&mut messages, context, room, render)?;
+        let (tokens, dropped) = fit_conversation(&mut messages, kept, (context, room), render)?;
         if dropped > 0 {
             tracing::warn!(
                 "the conversation's oldest {} left out: with the reply's --max-new-tokens {room} \
@@ -234,15 +245,20 @@ fn converse(
     Ok(())
 }
 
-/// The conversation `messages` (a user's message, the reply, ..., a user's message) rendered by
-/// `render`, its oldest exchanges (a user's message and the reply to it) left out of it until it
-/// and `room` more tokens fit `context`, as chat front ends drop the start of a long
-/// conversation; and how many were left out. An input error where the last message alone does
-/// not fit.
+/// `{"role": "system", "content": text}`.
+fn system_message(text: &str) -> serde_json::Value {
+    serde_json::json!({"role": "system", "content": text})
+}
+
+/// The conversation `messages` (`kept` messages that stay, a system message, then a user's
+/// message, the reply, ..., a user's message) rendered by `render`, its oldest exchanges (a
+/// user's message and the reply to it) left out of it until it and `room` more tokens fit
+/// `context`, as chat front ends drop the start of a long conversation; and how many were left
+/// out. An input error where the last message alone (with those kept) does not fit.
 fn fit_conversation(
     messages: &mut Vec<serde_json::Value>,
-    context: usize,
-    room: usize,
+    kept: usize,
+    (context, room): (usize, usize),
     render: impl Fn(&[serde_json::Value]) -> Result<Vec<u32>, String>,
 ) -> anyhow::Result<(Vec<u32>, usize)> {
     let mut dropped = 0;
@@ -251,7 +267,7 @@ fn fit_conversation(
         if tokens.len() + room <= context {
             return Ok((tokens, dropped));
         }
-        if messages.len() < 3 {
+        if messages.len() < kept + 3 {
             return Err(InputError::from_display(format!(
                 "the message is {} tokens, and with --max-new-tokens {room} more than the \
                  model's context of {context}: write a shorter one, or give a smaller \
@@ -259,7 +275,7 @@ fn fit_conversation(
                 tokens.len()
             )));
         }
-        messages.drain(..2);
+        messages.drain(kept..kept + 2);
         dropped += 1;
     }
 }
@@ -283,19 +299,26 @@ mod tests {
     #[test]
     fn the_oldest_exchanges_are_left_out_until_the_conversation_fits() {
         let mut messages = conversation(7);
-        let (tokens, dropped) = fit_conversation(&mut messages, 100, 30, ten_each).unwrap();
+        let (tokens, dropped) = fit_conversation(&mut messages, 0, (100, 30), ten_each).unwrap();
         assert_eq!((tokens.len(), dropped), (70, 0), "fits as it is");
-        let (tokens, dropped) = fit_conversation(&mut messages, 60, 15, ten_each).unwrap();
+        let (tokens, dropped) = fit_conversation(&mut messages, 0, (60, 15), ten_each).unwrap();
         assert_eq!((tokens.len(), dropped), (30, 2), "70 + 15 > 60, 50 + 15 > 60, 30 + 15 fits");
         let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().unwrap()).collect();
         assert_eq!(contents, ["4", "5", "6"], "the newest exchange and the message kept");
         assert_eq!(messages[0]["role"], "user", "it starts with a user's message");
+        // A system message first stays.
+        let mut messages = [vec![super::system_message("be brief")], conversation(5)].concat();
+        let (tokens, dropped) = fit_conversation(&mut messages, 1, (45, 15), ten_each).unwrap();
+        assert_eq!((tokens.len(), dropped), (20, 2), "60, 40, then 20 with 15 more in 45");
+        let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().unwrap()).collect();
+        assert_eq!(contents, ["be brief", "4"]);
     }
 
     #[test]
     fn a_message_that_alone_does_not_fit_is_an_error_naming_the_knobs() {
         let mut messages = conversation(3);
-        let error = fit_conversation(&mut messages, 15, 10, ten_each).unwrap_err().to_string();
+        let fitted = fit_conversation(&mut messages, 0, (15, 10), ten_each);
+        let error = fitted.unwrap_err().to_string();
         assert!(error.contains("the message is 10 tokens"), "{error}");
         assert!(
             error.contains("--max-new-tokens 10") && error.contains("context of 15"),
