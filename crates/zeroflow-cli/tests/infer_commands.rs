@@ -436,17 +436,22 @@ fn a_chat_without_a_prompt_is_a_conversation_from_standard_input() {
     let trained = zeroflow(&train);
     assert!(trained.status.success(), "{}", text(&trained.stderr));
     let model_arg = run.to_str().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
-        .args(["generate", model_arg, "--chat", "--max-new-tokens", "40", "--json"])
-        .env("ZEROFLOW_LOG", "warn")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(b"3?\n\n4?\n").unwrap();
-    let output = child.wait_with_output().unwrap();
-    assert!(output.status.success(), "{}", text(&output.stderr));
+    // `generate --chat` of the run, replying at most `most` tokens, fed `input`.
+    let converse = |most: &str, input: &[u8]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
+            .args(["generate", model_arg, "--chat", "--max-new-tokens", most, "--json"])
+            .env("ZEROFLOW_LOG", "warn")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        output
+    };
+    let output = converse("40", b"3?\n\n4?\n");
     let replies: Vec<Value> =
         text(&output.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(replies.len(), 2, "{replies:?}");
@@ -468,19 +473,9 @@ fn a_chat_without_a_prompt_is_a_conversation_from_standard_input() {
 
     // A conversation longer than the context goes on without its oldest exchanges (it ended
     // with an error at the turn that passed the context).
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zeroflow"))
-        .args(["generate", model_arg, "--chat", "--max-new-tokens", "150", "--json"])
-        .env("ZEROFLOW_LOG", "warn")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
     let questions: String = (1..=12).map(|i| format!("{i}?\n")).collect();
-    child.stdin.take().unwrap().write_all(questions.as_bytes()).unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = converse("150", questions.as_bytes());
     let stderr = text(&output.stderr);
-    assert!(output.status.success(), "{stderr}");
     assert_eq!(text(&output.stdout).lines().count(), 12, "a reply to every message");
     assert!(stderr.contains("the conversation's oldest"), "{stderr}");
 
