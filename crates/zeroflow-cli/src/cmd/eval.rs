@@ -60,7 +60,7 @@ pub struct Args {
         value_parser = crate::settings::flag(&crate::settings::names::SWITCH)
     )]
     pack: Option<bool>,
-    /// Print `{"loss": ..., "tokens": ...}`.
+    /// Print `{"loss": ..., "tokens": ..., "window": ..., "packed": ...}`.
     #[arg(long)]
     json: bool,
 }
@@ -89,7 +89,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (device, packed) = (args.device, args.pack.unwrap_or(text.packed));
     let tokenizer = tokenizer.as_ref();
     let result = model.eval_data_on(&spec, Some(window), device, tokenizer, &chat, packed)?;
-    say(&result, window, args.json);
+    say(&result, window, packed, args.json);
     Ok(())
 }
 
@@ -126,18 +126,23 @@ fn run_set(args: &Args, source: &ModelDir) -> anyhow::Result<()> {
         positions: positions.as_deref(),
     };
     let result = model.eval_on(stream, window, args.device)?;
-    say(&result, window, args.json);
+    say(&result, window, stream.positions.is_some(), args.json);
     Ok(())
 }
 
 /// The loss, as JSON (`--json`) or as a line.
-fn say(result: &zeroflow_train::infer::EvalResult, window: usize, json: bool) {
+fn say(result: &zeroflow_train::infer::EvalResult, window: usize, packed: bool, json: bool) {
     let (loss, perplexity, tokens) = (result.loss, result.perplexity(), result.tokens);
     if json {
-        println!("{}", serde_json::json!({ "loss": loss, "tokens": tokens, "window": window }));
+        let said = serde_json::json!({
+            "loss": loss, "tokens": tokens, "window": window, "packed": packed
+        });
+        println!("{said}");
     } else {
+        let packed = if packed { ", packed" } else { "" };
         println!(
-            "loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens (windows of {window})"
+            "loss {loss:.6}, perplexity {perplexity:.4} over {tokens} tokens (windows of \
+             {window}{packed})"
         );
     }
 }

@@ -92,7 +92,9 @@ fn train_pack_trains_on_tokenized_shards_and_records_the_setting() {
             .output()
             .unwrap();
         assert!(eval.status.success(), "{}", text(&eval.stderr));
-        let loss = serde_json::from_slice::<Value>(&eval.stdout).unwrap()["loss"].as_f64();
+        let said: Value = serde_json::from_slice(&eval.stdout).unwrap();
+        assert_eq!(said["packed"], out == &packed, "{said}");
+        let loss = said["loss"].as_f64();
         let lines = read_lines(&out.join("metrics.jsonl"));
         let logged = lines.iter().rev().find_map(|line| line["eval_loss"].as_f64());
         let (loss, logged) = (loss.unwrap(), logged.expect("an evaluation logged"));
