@@ -182,8 +182,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// `generate --chat` without a prompt: a conversation with `model`. Each line of standard input
 /// (blank ones skipped) is the user's next message; the whole conversation so far is rendered by
 /// `template` and continued, the reply printed (`--json`: `{"turn", "tokens", "text"}`) and
-/// kept as the assistant's message, without the token that ended it. The end of the input ends
-/// it; so does a conversation that has grown past the model's context, said.
+/// kept as the assistant's message, without the token that ended it; past the model's context,
+/// without its oldest exchanges ([`fit_conversation`]). The end of the input ends it; so does a
+/// message that alone does not fit, but at a terminal, where it is said and left out.
 fn converse(
     args: &Args,
     model: &zeroflow_train::infer::HostModel,
@@ -219,7 +220,17 @@ fn converse(
             Prompt::Messages(messages.to_vec()).chat_tokens(tokenizer, template)
         };
         let (context, room) = (model.context(), completion.max_new_tokens);
-        let (tokens, dropped) = fit_conversation(&mut messages, kept, (context, room), render)?;
+        let (tokens, dropped) = match fit_conversation(&mut messages, kept, (context, room), render)
+        {
+            Ok(fitted) => fitted,
+            // At a terminal the conversation goes on without the message; piped, it ends.
+            Err(e) if terminal => {
+                eprintln!("error: {e}");
+                messages.pop();
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if dropped > 0 {
             tracing::warn!(
                 "the conversation's oldest {} left out: with the reply's --max-new-tokens {room} \
@@ -254,26 +265,29 @@ fn system_message(text: &str) -> serde_json::Value {
 /// message, the reply, ..., a user's message) rendered by `render`, its oldest exchanges (a
 /// user's message and the reply to it) left out of it until it and `room` more tokens fit
 /// `context`, as chat front ends drop the start of a long conversation; and how many were left
-/// out. An input error where the last message alone (with those kept) does not fit.
+/// out. An input error, the conversation left as it was, where the last message alone (with
+/// those kept) does not fit.
 fn fit_conversation(
     messages: &mut Vec<serde_json::Value>,
     kept: usize,
     (context, room): (usize, usize),
     render: impl Fn(&[serde_json::Value]) -> Result<Vec<u32>, String>,
 ) -> anyhow::Result<(Vec<u32>, usize)> {
+    let alone: Vec<_> = messages[..kept].iter().chain(messages.last()).cloned().collect();
+    let least = render(&alone).map_err(InputError)?.len();
+    if least + room > context {
+        return Err(InputError::from_display(format!(
+            "the message is {least} tokens, and with --max-new-tokens {room} more than the \
+             model's context of {context}: write a shorter one, or give a smaller \
+             --max-new-tokens"
+        )));
+    }
     let mut dropped = 0;
     loop {
         let tokens = render(messages).map_err(InputError)?;
-        if tokens.len() + room <= context {
+        // With every earlier exchange left out, the message alone: it fits.
+        if tokens.len() + room <= context || messages.len() <= kept + 1 {
             return Ok((tokens, dropped));
-        }
-        if messages.len() < kept + 3 {
-            return Err(InputError::from_display(format!(
-                "the message is {} tokens, and with --max-new-tokens {room} more than the \
-                 model's context of {context}: write a shorter one, or give a smaller \
-                 --max-new-tokens",
-                tokens.len()
-            )));
         }
         messages.drain(kept..kept + 2);
         dropped += 1;
@@ -324,6 +338,6 @@ mod tests {
             error.contains("--max-new-tokens 10") && error.contains("context of 15"),
             "{error}"
         );
-        assert_eq!(messages.len(), 1, "every earlier exchange left out first");
+        assert_eq!(messages.len(), 3, "the conversation as it was");
     }
 }
