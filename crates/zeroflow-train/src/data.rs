@@ -383,7 +383,7 @@ impl Data {
             }
             false => description,
         };
-        let EvalSetTokens { tokens, description: eval_description, tail } =
+        let EvalSetTokens { tokens, description: eval_description, tail, wanted } =
             eval_set(spec, eval, vocab, shape, seed)?;
         if let Some(held) = tail {
             train = train.hold_out_tail(held).map_err(data_error)?;
@@ -395,11 +395,6 @@ impl Data {
         if zeroflow_data::eval_windows(tokens.tokens.len(), seq) == 0 || counted == 0 {
             // A larger --eval-tokens helps only where the set holds all it asked for (not
             // where the data is short: a run holds out at most a tenth of its data).
-            let default = match spec {
-                Spec::Synthetic => SYNTHETIC_EVAL_TOKENS,
-                _ => EVAL_TOKENS,
-            };
-            let wanted = shape.eval_tokens.unwrap_or(default);
             let advice = match eval {
                 _ if tokens.tokens.len() >= wanted => {
                     "a larger --eval-tokens, a smaller --seq or --eval-data"
@@ -433,12 +428,13 @@ impl Data {
 }
 
 /// A run's evaluation set: its tokens (with their loss mask and, packed, where its documents
-/// start), what it is, and for a tail of the training data, how many tokens the training stream
-/// leaves out.
+/// start), what it is, for a tail of the training data how many tokens the training stream
+/// leaves out, and how many tokens it asked for (`--eval-tokens` or its default).
 struct EvalSetTokens {
     tokens: EvalTokens,
     description: String,
     tail: Option<usize>,
+    wanted: usize,
 }
 
 /// The evaluation set [`Data::open`] evaluates on (see there), for a model of `vocab` symbols.
@@ -450,13 +446,12 @@ fn eval_set(
     seed: u64,
 ) -> Result<EvalSetTokens> {
     let data_error = |e: zeroflow_data::DataError| input(format!("--data: {e}"));
+    let wanted = match (eval, spec) {
+        (EvalSet::Tail, Spec::Synthetic) => shape.eval_tokens.unwrap_or(SYNTHETIC_EVAL_TOKENS),
+        _ => shape.eval_tokens.unwrap_or(EVAL_TOKENS),
+    };
     let (tokens, description, tail) = match (eval, spec) {
         (EvalSet::Given(eval_spec), _) => {
-            let default = match spec {
-                Spec::Synthetic => SYNTHETIC_EVAL_TOKENS,
-                _ => EVAL_TOKENS,
-            };
-            let wanted = shape.eval_tokens.unwrap_or(default);
             let eval = source(eval_spec, vocab)?;
             let tokens = leading_tokens(&eval, vocab, wanted, shape.packed, "--eval-data")?;
             let what =
@@ -474,11 +469,10 @@ fn eval_set(
             (tokens, what, None)
         }
         (EvalSet::Tail, Spec::Synthetic) => {
-            let len = shape.eval_tokens.unwrap_or(SYNTHETIC_EVAL_TOKENS);
             let corpus = Arc::new(SyntheticCorpus::default());
-            let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len };
+            let eval = Source::Synthetic { corpus, stream_seed: 2 * seed + 1, len: wanted };
             let tokens = read_unit(&eval, 0, vocab).map_err(data_error)?;
-            let what = format!("{} tokens of a held-out stream", thousands(len));
+            let what = format!("{} tokens of a held-out stream", thousands(wanted));
             let all = 0..tokens.tokens.len();
             (EvalTokens::of(tokens, None, all), what, None)
         }
@@ -491,7 +485,7 @@ fn eval_set(
                 false => None,
             };
             let len = last.tokens.len();
-            let held = shape.eval_tokens.unwrap_or(EVAL_TOKENS).min(len / 10);
+            let held = wanted.min(len / 10);
             let what = format!(
                 "{} tokens held out from the end of {}, never trained on",
                 thousands(held),
@@ -500,7 +494,7 @@ fn eval_set(
             (EvalTokens::of(last, documents, len - held..len), what, Some(held))
         }
     };
-    Ok(EvalSetTokens { tokens, description, tail })
+    Ok(EvalSetTokens { tokens, description, tail, wanted })
 }
 
 /// The evaluation set of a run as its trainer evaluates on it ([`Data::open`]): its tokens,

@@ -103,6 +103,19 @@ fn eval_data_evaluates_on_the_start_of_other_files() {
     assert!(evaluated.iter().all(|&t| t == u32::from(b'z')));
 }
 
+/// `--eval-data` beside the synthetic corpus takes the default --eval-tokens of files, not the
+/// synthetic stream's (regression: it took 16,384).
+#[test]
+fn eval_data_beside_the_synthetic_corpus_takes_the_files_default() {
+    let dir = scratch("synthetic_eval_data");
+    let eval_path = dir.join("eval.txt");
+    std::fs::write(&eval_path, vec![b'z'; 20_000]).unwrap();
+    let eval = Spec::parse(eval_path.to_str().unwrap()).unwrap();
+    let data =
+        Data::open(&Spec::Synthetic, EvalSet::Given(&eval), 256, shape(2, 16, None), 0).unwrap();
+    assert_eq!(data.eval_tokens, 20_000, "all of the file, less than {EVAL_TOKENS}");
+}
+
 /// An evaluation set without a window names what gives it one: --eval-tokens only where the set
 /// holds all it asked for, more data where a tenth of the data is all a run holds out, more
 /// --eval-data where that is short.
