@@ -327,7 +327,7 @@ pub(crate) fn read_checkpoint(dir: &Path) -> Result<Checkpoint> {
         chat_template,
         chat_template_kwargs: chat_template_kwargs.unwrap_or_default(),
         seq: meta.extra.get("seq").and_then(serde_json::Value::as_u64).map(|seq| seq as usize),
-        packed: meta.extra.pointer("/settings/pack") == Some(&serde_json::Value::Bool(true)),
+        packed: meta.extra.get("settings").is_some_and(crate::settings::packed_in),
     })
 }
 

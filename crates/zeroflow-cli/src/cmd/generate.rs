@@ -97,9 +97,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     args.model.display()
                 )));
             }
-            let user = serde_json::json!({"role": "user", "content": text});
             match &args.system {
-                Some(system) => vec![Prompt::Messages(vec![system_message(system), user])],
+                Some(system) => {
+                    vec![Prompt::Messages(vec![message("system", system), message("user", text)])]
+                }
                 None => vec![Prompt::Text(text.clone())],
             }
         }
@@ -201,7 +202,7 @@ fn converse(
     let mut session = model.session(args.device)?;
     // A system message stays at the start, however long the conversation grows.
     let mut messages: Vec<serde_json::Value> =
-        args.system.iter().map(|s| system_message(s)).collect();
+        args.system.iter().map(|s| message("system", s)).collect();
     let kept = messages.len();
     let mut lines = std::io::stdin().lock().lines();
     let mut turn = 0u64;
@@ -215,7 +216,7 @@ fn converse(
         if line.trim().is_empty() {
             continue;
         }
-        messages.push(serde_json::json!({"role": "user", "content": line}));
+        messages.push(message("user", &line));
         let render = |messages: &[serde_json::Value]| {
             Prompt::Messages(messages.to_vec()).chat_tokens(tokenizer, template)
         };
@@ -256,9 +257,9 @@ fn converse(
     Ok(())
 }
 
-/// `{"role": "system", "content": text}`.
-fn system_message(text: &str) -> serde_json::Value {
-    serde_json::json!({"role": "system", "content": text})
+/// `{"role": role, "content": text}`.
+fn message(role: &str, text: &str) -> serde_json::Value {
+    serde_json::json!({"role": role, "content": text})
 }
 
 /// The conversation `messages` (`kept` messages that stay, a system message, then a user's
@@ -321,7 +322,7 @@ mod tests {
         assert_eq!(contents, ["4", "5", "6"], "the newest exchange and the message kept");
         assert_eq!(messages[0]["role"], "user", "it starts with a user's message");
         // A system message first stays.
-        let mut messages = [vec![super::system_message("be brief")], conversation(5)].concat();
+        let mut messages = [vec![super::message("system", "be brief")], conversation(5)].concat();
         let (tokens, dropped) = fit_conversation(&mut messages, 1, (45, 15), ten_each).unwrap();
         assert_eq!((tokens.len(), dropped), (20, 2), "60, 40, then 20 with 15 more in 45");
         let contents: Vec<&str> = messages.iter().map(|m| m["content"].as_str().unwrap()).collect();

@@ -240,7 +240,6 @@ impl HostModel {
         }
     }
 
-    /// The longest sequence the model takes.
     /// The model as `train` describes it.
     fn spec(&self) -> ModelSpec {
         match &self.weights {
@@ -281,6 +280,7 @@ impl HostModel {
         )))
     }
 
+    /// The longest sequence the model takes.
     pub fn context(&self) -> usize {
         match &self.weights {
             Weights::Gpt { config, .. } => config.context,
@@ -369,13 +369,25 @@ impl HostModel {
         completion: &Completion,
         device: InferDevice,
     ) -> Result<Vec<Vec<u32>>> {
+        let options = self.checked_options(prompts, completion)?;
+        self.generate_on(prompts, &options, device)
+    }
+
+    /// What `generate` does for `completion` of `prompts`, after an input error where a prompt
+    /// holds an id outside the vocabulary (naming it, `prompt 3` from 1, where there are several)
+    /// or the sampling is not a distribution.
+    fn checked_options(
+        &self,
+        prompts: &[Vec<u32>],
+        completion: &Completion,
+    ) -> Result<GenerateOptions> {
         for (b, prompt) in prompts.iter().enumerate() {
             let what =
                 if prompts.len() == 1 { "the prompt".into() } else { format!("prompt {}", b + 1) };
             self.check_ids(&what, prompt)?;
         }
         check_sampling(&completion.sampling)?;
-        self.generate_on(prompts, &self.options(completion), device)
+        Ok(self.options(completion))
     }
 
     /// Completions one after another on `device` with one decoder, made here: a GPU's holds the
@@ -553,9 +565,8 @@ pub struct Session<'a> {
 impl Session<'_> {
     /// [`HostModel::complete`] on the session's device.
     pub fn complete(&mut self, prompt: &[u32], completion: &Completion) -> Result<Vec<u32>> {
-        self.model.check_ids("the prompt", prompt)?;
-        check_sampling(&completion.sampling)?;
-        let (prompts, options) = ([prompt.to_vec()], self.model.options(completion));
+        let prompts = [prompt.to_vec()];
+        let options = self.model.checked_options(&prompts, completion)?;
         let mut generated = match &mut self.cuda {
             None => self.model.generate(&prompts, &options)?,
             Some(decoder) => generate(decoder, &prompts, &options)?,

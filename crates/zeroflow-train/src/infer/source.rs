@@ -141,8 +141,7 @@ impl ModelDir {
         };
         let eval_tokens = extra.eval_tokens.map(|n| n as usize);
         let vocab = extra.model.vocab_size();
-        let packed = pack
-            .unwrap_or_else(|| extra.settings.get("pack") == Some(&serde_json::Value::Bool(true)));
+        let packed = pack.unwrap_or_else(|| crate::settings::packed_in(&extra.settings));
         let (tokens, mut description) =
             run_eval_stream(&spec, eval, vocab, window, eval_tokens, packed, extra.seed)?;
         if packed {

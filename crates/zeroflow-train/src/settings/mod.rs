@@ -182,6 +182,12 @@ pub fn from_checkpoint(saved: &serde_json::Value, on_gpu: bool) -> Requested {
     }
 }
 
+/// Whether a checkpoint's recorded settings (`saved`) say its run packed its rows, as
+/// [`from_checkpoint`] reads them (a checkpoint from before packing was recorded did not).
+pub fn packed_in(saved: &serde_json::Value) -> bool {
+    from_checkpoint(saved, false).pack == Some(true)
+}
+
 /// What the config's `zeroflow` section asks for.
 pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
     let offload = zeroflow.offload;
