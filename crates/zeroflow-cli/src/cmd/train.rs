@@ -18,86 +18,91 @@ use crate::train;
 
 pub use zeroflow_train::setup::DEFAULT_STEPS;
 
+/// `train --help`'s headings over its own options (the flattened groups carry theirs).
+const MODEL_AND_DATA: &str = "Model and data";
+const LENGTH_AND_EVALUATION: &str = "Length, evaluation and samples";
+const RUN_DIRECTORY: &str = "Run directory and checkpoints";
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// DeepSpeed JSON config: batch sizes, optimizer, scheduler, gradient clipping, ZeRO stage,
     /// offload, precision. Its "auto" values are filled from the flags below.
-    #[arg(help_heading = "Model and data", long, value_name = "FILE")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// A named shape (tiny, gpt2-124m, …, gpt-1.3b, llama-1b, llama-3b, llama-8b), a JSON object
     /// such as '{"n_layer":2,"n_head":4,"d_model":128,"vocab_size":64,"context":64}', or a
     /// Hugging Face config.json (a file or its JSON). Default: tiny, with the data's vocabulary.
-    #[arg(help_heading = "Model and data", long, value_name = "NAME|JSON|FILE")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "NAME|JSON|FILE")]
     pub model: Option<String>,
     /// `synthetic` (the built-in corpus with a known entropy floor), a directory or glob of llm.c
     /// `.bin` token shards, a `.jsonl` of conversations or documents (or a directory or glob of
     /// them), or text files. With
     /// --init-from, text and `.jsonl` are tokenized at start-up with the directory's tokenizer;
     /// without it text is read as bytes. Default: synthetic (with --resume: the checkpoint's).
-    #[arg(help_heading = "Model and data", long, value_name = "synthetic|PATH")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "synthetic|PATH")]
     pub data: Option<String>,
     /// Where the model runs (`gpu` is accepted for cuda). Default: cpu (a resume of a run
     /// trained on a GPU asks for --device cuda).
-    #[arg(help_heading = "Model and data", long, value_enum)]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_enum)]
     pub device: Option<train::DeviceFlag>,
     /// With --device cuda in one process: the GPU to train on, counted among the GPUs
     /// CUDA_VISIBLE_DEVICES leaves visible. Default: 0 (under a launcher: LOCAL_RANK).
-    #[arg(help_heading = "Model and data", long, value_name = "N")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "N")]
     pub gpu: Option<usize>,
     /// Optimizer steps in all (or --epochs). Default: 1000 (with --resume: the checkpoint's run's
     /// own total, so a resumed run ends where it was planned to; a different total that would
     /// change the learning-rate schedule needs --extend-schedule).
-    #[arg(help_heading = "Length, evaluation and samples", long, value_name = "N")]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, value_name = "N")]
     pub steps: Option<NonZeroU64>,
     /// Train for this many passes over the training data instead of --steps (a fraction will
     /// do, as transformers' num_train_epochs): the steps are its count times the steps of one
     /// epoch, counted once the data is tokenized, and the learning-rate schedule is sized from
     /// them. Files only (the synthetic corpus has no epochs); not with --resume, which continues
     /// to the run's planned total.
-    #[arg(help_heading = "Length, evaluation and samples", long, value_name = "N", conflicts_with_all = ["steps", "resume"])]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, value_name = "N", conflicts_with_all = ["steps", "resume"])]
     pub epochs: Option<f64>,
     /// With --resume and a --steps other than the checkpoint's total: re-plan the learning-rate
     /// schedule (its "auto" warm-up and total) over the new total, on purpose. The learning rate
     /// of the next step then differs from the one the checkpoint's run planned.
-    #[arg(help_heading = "Length, evaluation and samples", long, requires = "resume")]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, requires = "resume")]
     pub extend_schedule: bool,
     /// Evaluate on the held-out set every N optimizer steps (0: only at the end). Default: every
     /// 100 steps, but not sooner after an evaluation that took a second or more than 20 times as
     /// long as it took, so that a large model's evaluations take at most about 5 % of the run (a
     /// given N is kept exactly). With --resume: the run's.
-    #[arg(help_heading = "Length, evaluation and samples", long, value_name = "N")]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, value_name = "N")]
     pub eval_every: Option<u64>,
     /// Tokens each evaluation reads, whatever the micro-batch. Default: 1,048,576, at most a
     /// tenth of the data, never trained on: whole documents spread over data tokenized at
     /// start-up (`.jsonl` records, small text files), else the end of the last file; 16,384 for
     /// synthetic.
-    #[arg(help_heading = "Length, evaluation and samples", long, value_name = "N")]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, value_name = "N")]
     pub eval_tokens: Option<NonZeroU64>,
     /// Evaluate on the start of these files (a file, directory or glob, as --data) instead of a
     /// part held out of --data.
-    #[arg(help_heading = "Length, evaluation and samples", long, value_name = "FILE|DIR|GLOB")]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, value_name = "FILE|DIR|GLOB")]
     pub eval_data: Option<String>,
     /// A Jinja chat template for a `.jsonl` tokenized at start-up, instead of the model's own (one
     /// with `{% generation %}` markers, say). A resumed run's default: its checkpoint's.
-    #[arg(help_heading = "Model and data", long, value_name = "FILE")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
     /// Variables for the chat template of a `.jsonl` tokenized at start-up, a JSON object, as
     /// `apply_chat_template(..., **kwargs)` passes them: `'{"enable_thinking": false}'` trains
     /// Qwen3 without its reasoning block. A resumed run's default: its checkpoint's.
-    #[arg(help_heading = "Model and data", long, value_name = "JSON", value_parser = super::template_kwargs)]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "JSON", value_parser = super::template_kwargs)]
     pub chat_template_kwargs: Option<zeroflow_data::TemplateVariables>,
     /// Tokens per training sequence, at most the model's context. Default: GPT-2's context, the
     /// Llama family's 2048.
-    #[arg(help_heading = "Model and data", long, value_name = "N")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "N")]
     pub seq: Option<NonZeroU64>,
     /// Without a terminal (no progress bar), print a progress line every N steps, and at least
     /// every 30 s (ZEROFLOW_PROGRESS_SECS sets the interval) while a step, an evaluation or a
     /// checkpoint runs long. Default: 50 (with --resume: the run's).
-    #[arg(help_heading = "Length, evaluation and samples", long, value_name = "N")]
+    #[arg(help_heading = LENGTH_AND_EVALUATION, long, value_name = "N")]
     pub log_every: Option<NonZeroU64>,
     /// Directory for metrics.jsonl, loss.svg and summary.json. Default: runs/<UTC time>, made
     /// for this run alone (runs/<UTC time>-2, ... when that name is taken).
-    #[arg(help_heading = "Run directory and checkpoints", long, value_name = "DIR")]
+    #[arg(help_heading = RUN_DIRECTORY, long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Save a checkpoint into <out>/checkpoints/step-NNNNNNNN every N optimizer steps, and always
     /// at the end or on SIGINT/SIGTERM (0: only then). Default: every 200 steps, but not sooner
@@ -106,21 +111,21 @@ pub struct Args {
     /// with --resume: the run's). A signal stops the run after its current step (an evaluation
     /// is abandoned), saves, and exits with 130 (SIGINT) or 143 (SIGTERM); a second signal exits
     /// at once without saving.
-    #[arg(help_heading = "Run directory and checkpoints", long, value_name = "N")]
+    #[arg(help_heading = RUN_DIRECTORY, long, value_name = "N")]
     pub save_every: Option<u64>,
     /// Keep the newest K checkpoints; older ones are deleted once a newer one is complete.
     /// Default: 3 (with --resume: the run's).
-    #[arg(help_heading = "Run directory and checkpoints", long, value_name = "K")]
+    #[arg(help_heading = RUN_DIRECTORY, long, value_name = "K")]
     pub keep: Option<NonZeroU64>,
     /// Continue a run exactly from a checkpoint directory, or from the newest complete checkpoint
     /// under --out (`latest`), in that checkpoint's run directory, with its config, data (from
     /// any directory; a changed file is an error) and seed, to its planned total (or --steps).
-    #[arg(help_heading = "Run directory and checkpoints", long, value_name = "DIR|latest")]
+    #[arg(help_heading = RUN_DIRECTORY, long, value_name = "DIR|latest")]
     pub resume: Option<String>,
     /// Start from the weights of a Hugging Face directory: its config.json's architectures says
     /// the family (GPT2LMHeadModel, or Llama/Qwen2/Qwen3/Mistral ForCausalLM), e.g. one
     /// `zeroflow export` wrote.
-    #[arg(help_heading = "Model and data", long, value_name = "DIR", conflicts_with = "resume")]
+    #[arg(help_heading = MODEL_AND_DATA, long, value_name = "DIR", conflicts_with = "resume")]
     pub init_from: Option<PathBuf>,
     /// At the end of the run, write its final weights as a Hugging Face directory DIR (new or
     /// empty) that `transformers` loads: config.json, the weights in the run's type (bf16 on a
@@ -129,20 +134,20 @@ pub struct Args {
     /// space). A refused checkpoint only warns and the run goes on; without --export the one at
     /// the end (or at a signal) refused ends the run with an error. With --resume: the run's
     /// (unless that directory holds files by then)
-    #[arg(help_heading = "Run directory and checkpoints", long, value_name = "DIR")]
+    #[arg(help_heading = RUN_DIRECTORY, long, value_name = "DIR")]
     pub export: Option<PathBuf>,
     /// Write into --out even if it is not empty (files of the same names are replaced).
-    #[arg(help_heading = "Run directory and checkpoints", long)]
+    #[arg(help_heading = RUN_DIRECTORY, long)]
     pub force: bool,
     /// Seed of the initial weights and of the data streams. Default: 0 (with --resume: the
     /// checkpoint's).
-    #[arg(help_heading = "Run directory and checkpoints", long, value_name = "N")]
+    #[arg(help_heading = RUN_DIRECTORY, long, value_name = "N")]
     pub seed: Option<u64>,
     /// Every N optimizer steps and at the end, log a greedy continuation of --sample-prompt by
     /// the current weights (on the CPU) and append it to <out>/samples.jsonl. With --resume: the
     /// run's, with its prompt.
     #[arg(
-        help_heading = "Length, evaluation and samples",
+        help_heading = LENGTH_AND_EVALUATION,
         long,
         value_name = "N",
         requires = "sample_prompt"
@@ -152,22 +157,23 @@ pub struct Args {
     /// run trains on conversations, a user message in the chat template, the sample ending at
     /// the end of the assistant's turn.
     #[arg(
-        help_heading = "Length, evaluation and samples",
+        help_heading = LENGTH_AND_EVALUATION,
         long,
         value_name = "TEXT",
         requires = "sample_every"
     )]
     pub sample_prompt: Option<String>,
     /// Start even where the memory plan (`zeroflow plan`) does not fit this machine.
-    #[arg(help_heading = "Run directory and checkpoints", long)]
+    #[arg(help_heading = RUN_DIRECTORY, long)]
     pub no_plan_check: bool,
     /// Sequence packing: each sequence holds several documents with no attention across their
     /// boundaries, positions restarting at each (from the document index, .idx, that `zeroflow
     /// tokenize` writes beside each shard); the rows are cut as without it. On the CPU and CUDA
     /// devices; changes the numbers. `--pack` alone is `=on`. Over ZEROFLOW_PACK and
     /// zeroflow.pack (and a resumed run's checkpoint).
-    #[arg(help_heading = "Model and data", 
+    #[arg(
         long,
+        help_heading = MODEL_AND_DATA,
         value_name = "on|off",
         num_args = 0..=1,
         require_equals = true,
@@ -179,8 +185,9 @@ pub struct Args {
     /// once an epoch; a resume continues the order), as transformers' Trainer shuffles its
     /// dataset; `off` reads them in file order. `--shuffle` alone is `=on`. Default: on (with
     /// --resume: as the checkpoint's run; the synthetic corpus is never shuffled).
-    #[arg(help_heading = "Model and data", 
+    #[arg(
         long,
+        help_heading = MODEL_AND_DATA,
         value_name = "on|off",
         num_args = 0..=1,
         require_equals = true,
