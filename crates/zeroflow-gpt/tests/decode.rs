@@ -109,6 +109,36 @@ fn seeded_sampling_is_reproducible_and_a_stop_token_ends_a_sequence() {
     assert_eq!(stopped[0], first[0][..=end].to_vec());
 }
 
+/// A conversation's turns on one decoder ([`Decoder::extend`]), each keeping a prefix of what
+/// the cache holds (all of it, less of it while growing it, none), with the whole sequence's
+/// recomputed logits after each turn and after a decode step, positions counted on.
+#[test]
+fn extending_a_kept_prefix_gives_the_recomputed_logits() {
+    let (layout, params) = perturbed_params(&ODD, 6);
+    let mut decoder = GptDecoder::new(&ODD, &layout, &params).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut sequence: Vec<u32> = Vec::new();
+    for (turn, (keep, new, capacity)) in
+        [(0, 4, 6), (5, 2, 8), (3, 3, 12), (0, 2, 12)].into_iter().enumerate()
+    {
+        sequence.truncate(keep);
+        let tokens: Vec<u32> = (0..new).map(|_| rng.random_range(0..70)).collect();
+        sequence.extend(&tokens);
+        let logits = decoder.extend(keep, &tokens, capacity).unwrap();
+        let error = relative_error(&logits, &recomputed(&ODD, &params, &sequence));
+        assert!(error < 1e-12, "turn {turn}: relative error {error}");
+        let token = rng.random_range(0..70);
+        sequence.push(token);
+        let logits = decoder.decode(&[(0, token)]).unwrap();
+        let error = relative_error(&logits, &recomputed(&ODD, &params, &sequence));
+        assert!(error < 1e-12, "turn {turn}'s decode step: relative error {error}");
+    }
+    assert!(
+        decoder.extend(3, &[1; 10], 40).unwrap_err().to_string().contains("capacity of 12"),
+        "past the context"
+    );
+}
+
 #[test]
 fn the_stream_loss_is_the_token_weighted_mean_of_the_windows_training_losses() {
     let (layout, params) = perturbed_params(&ODD, 8);

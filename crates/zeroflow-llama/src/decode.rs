@@ -64,6 +64,28 @@ impl<'a, F: Float> LlamaDecoder<'a, F> {
         Ok(LlamaDecoder { config: config.clone(), params, weights, rotary, cache })
     }
 
+    /// This decoder holding `cache` (taken from a decoder of the same model with
+    /// [`LlamaDecoder::take_cache`]): a decoder made for each turn of a conversation continues it. An
+    /// error where the cache is another model's shape.
+    pub fn with_cache(mut self, cache: KvCache<F>) -> Result<Self, LlamaError> {
+        let (layers, shape) = (self.config.num_hidden_layers, attention(&self.config));
+        if (cache.layers(), cache.shape()) != (layers, shape) {
+            return Err(LlamaError::Batch(format!(
+                "a cache of {} layers of {:?} for a model of {layers} of {shape:?}",
+                cache.layers(),
+                cache.shape()
+            )));
+        }
+        self.cache = cache;
+        Ok(self)
+    }
+
+    /// The key/value cache, an empty one left in its place.
+    pub fn take_cache(&mut self) -> KvCache<F> {
+        let empty = KvCache::new(self.config.num_hidden_layers, attention(&self.config), 0, 0);
+        std::mem::replace(&mut self.cache, empty)
+    }
+
     /// Runs a step's rows (already counted by the cache) and returns the logits
     /// `[logits_of.len(), vocab]` of the rows it asks for.
     fn step(&mut self, step: &StepRows) -> Result<Vec<F>, LlamaError> {
@@ -181,6 +203,17 @@ impl<F: Float> Decoder for LlamaDecoder<'_, F> {
 
     fn decode(&mut self, next: &[(usize, u32)]) -> Result<Vec<F>, LlamaError> {
         let step = self.cache.decode(next).map_err(LlamaError::Batch)?;
+        self.step(&step)
+    }
+
+    fn extend(
+        &mut self,
+        keep: usize,
+        tokens: &[u32],
+        capacity: usize,
+    ) -> Result<Vec<F>, LlamaError> {
+        let capacity = capacity.min(self.max_positions());
+        let step = self.cache.extend(keep, tokens, capacity).map_err(LlamaError::Batch)?;
         self.step(&step)
     }
 }

@@ -7,7 +7,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_llama::{AttentionKind, HostLlama, LlamaConfig, LlamaDecoder, flat_layout};
-use zeroflow_nn::infer::{Decoder, EvalStream, GenerateOptions, Sampling, generate};
+use zeroflow_nn::infer::{Continuation, Decoder, EvalStream, GenerateOptions, Sampling, generate};
 
 use crate::support::{models, perturbed_params, relative_error};
 
@@ -82,6 +82,85 @@ fn greedy_generation_equals_argmax_of_the_recomputed_prefix() {
             assert_eq!(token as usize, argmax, "after {prefix:?}");
             prefix.push(token);
         }
+    }
+}
+
+/// A conversation's turns on one decoder ([`Decoder::extend`]): each keeps a prefix of what the
+/// cache holds and appends tokens, and its logits, and those of a decode step after it, are the
+/// whole sequence's recomputed. The turns: a first; one after the last turn's decode step; one
+/// that keeps less than the cache holds (a reply rendered back otherwise) and grows it; one
+/// that starts over.
+#[test]
+fn extending_a_kept_prefix_gives_the_recomputed_logits_for_every_odd_model() {
+    for (name, config) in models() {
+        let (layout, params) = perturbed_params(&config, 6);
+        let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
+        let vocab = config.vocab_size as u32;
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut sequence: Vec<u32> = Vec::new();
+        for (turn, (keep, new, capacity)) in
+            [(0, 5, 8), (6, 3, 10), (4, 2, 20), (0, 3, 20)].into_iter().enumerate()
+        {
+            sequence.truncate(keep);
+            let tokens: Vec<u32> = (0..new).map(|_| rng.random_range(0..vocab)).collect();
+            sequence.extend(&tokens);
+            let logits = decoder.extend(keep, &tokens, capacity).unwrap();
+            let error = relative_error(&logits, &recomputed(&config, &params, &sequence));
+            assert!(error < 1e-12, "{name}: turn {turn}: relative error {error}");
+            let token = rng.random_range(0..vocab);
+            sequence.push(token);
+            let logits = decoder.decode(&[(0, token)]).unwrap();
+            let error = relative_error(&logits, &recomputed(&config, &params, &sequence));
+            assert!(error < 1e-12, "{name}: turn {turn}'s decode step: relative error {error}");
+        }
+        let held = sequence.len();
+        let error = decoder.extend(held + 1, &[1], 40).unwrap_err().to_string();
+        assert!(
+            error.contains(&format!("keeps {} positions of a sequence of {held}", held + 1)),
+            "{name}: {error}"
+        );
+    }
+}
+
+/// `Continuation` over one decoder gives each turn the tokens `generate` gives its prompt alone,
+/// running only what the cache does not hold: all of a first prompt; after a turn, the reply's
+/// last token and the new ones; where the prompt changes the reply's last token, from there;
+/// a prompt that shares nothing, all of it; one that the cache holds whole, its last token.
+#[test]
+fn a_continued_conversation_runs_only_its_new_tokens_and_generates_as_from_scratch() {
+    for (name, config) in models() {
+        let (layout, params) = perturbed_params(&config, 8);
+        let options = GenerateOptions {
+            max_new_tokens: 4,
+            sampling: Sampling::GREEDY,
+            seed: 0,
+            stop_tokens: Vec::new(),
+        };
+        let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
+        let mut continuation = Continuation::default();
+        let mut turn = |prompt: &[u32], ran: usize| {
+            let mut fresh = LlamaDecoder::new(&config, &layout, &params).unwrap();
+            let alone = generate(&mut fresh, &[prompt.to_vec()], &options).unwrap().remove(0);
+            let reply = continuation.generate(&mut decoder, prompt, &options).unwrap();
+            assert_eq!(reply, alone, "{name}: after {prompt:?}");
+            assert_eq!(continuation.last_ran(), ran, "{name}: after {prompt:?}");
+            assert_eq!(
+                continuation.held(),
+                prompt.len() + 3,
+                "{name}: the last reply token is not run"
+            );
+            reply
+        };
+        let first = [3, 1, 4];
+        let reply = turn(&first, 3);
+        let second = [&first[..], &reply, &[7, 2]].concat();
+        let reply = turn(&second, 3);
+        let mut third = [&second[..], &reply].concat();
+        *third.last_mut().unwrap() = (reply[3] + 1) % config.vocab_size as u32;
+        third.push(9);
+        turn(&third, 2);
+        turn(&[5, 5], 2);
+        turn(&[5], 1);
     }
 }
 

@@ -244,3 +244,58 @@ fn a_gpu_session_completes_as_a_decoder_made_each_time() {
         }
     }
 }
+
+/// A conversation's turns on the GPU's cached decoders (`Decoder::extend`): the logits of each
+/// turn and of two decode steps after it are the whole sequence's, within bf16 rounding, as the
+/// CPU's decoder (f32), a fresh GPU prefill and the prefix decoder's turns (`CudaPrefixDecoder`,
+/// which recomputes the kept prefix) compute them. The turns: a first; one keeping
+/// all the cache holds and passing its capacity (its keys and values copied into a larger
+/// cache); one keeping less than it holds; one starting over, larger again.
+#[test]
+fn a_gpu_decoders_turns_keep_their_cache_and_follow_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    for (name, model) in [
+        ("gpt2-odd", wide_random(&gpt_odd(), 0.5, 7)),
+        ("llama-gqa-untied", wide_random(&llama_gqa_untied(), 0.25, 8)),
+    ] {
+        let mut decoder = model.cuda_decoder(0).unwrap();
+        let mut prefix = model.cuda_prefix_decoder(0).unwrap();
+        let mut sequence: Vec<u32> = Vec::new();
+        let compare =
+            |what: &str, gpu: &[f32], reference: &[f32], sequence: &[u32], fresh: bool| {
+                let difference = relative_difference(gpu, reference);
+                println!("{name} {what}: against the prefix decoder {difference:.2e}");
+                assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+                let cpu = model.next_logits(&[sequence.to_vec()], InferDevice::Cpu).unwrap();
+                let difference = relative_difference(gpu, &cpu);
+                println!("{name} {what}: against the CPU {difference:.2e}");
+                assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+                if fresh {
+                    let fresh =
+                        model.next_logits(&[sequence.to_vec()], InferDevice::Cuda(0)).unwrap();
+                    let difference = relative_difference(gpu, &fresh);
+                    println!("{name} {what}: against a fresh GPU prefill {difference:.2e}");
+                    assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+                }
+            };
+        let turns = [(0, 9, 12), (11, 6, 20), (7, 4, 20), (0, 5, 40)];
+        for (turn, (keep, new, capacity)) in turns.into_iter().enumerate() {
+            sequence.truncate(keep);
+            let tokens: Vec<u32> = (0..new).map(|i| (i * 29 + turn as u32 * 11 + 3) % 97).collect();
+            sequence.extend(&tokens);
+            let logits = decoder.extend(keep, &tokens, capacity).unwrap();
+            let reference = prefix.extend(keep, &tokens, capacity).unwrap();
+            compare(&format!("turn {turn}"), &logits, &reference, &sequence, true);
+            for step in 0..2u32 {
+                let token = (step * 41 + turn as u32 * 5 + 1) % 97;
+                sequence.push(token);
+                let logits = decoder.decode(&[(0, token)]).unwrap();
+                let reference = prefix.decode(&[(0, token)]).unwrap();
+                let what = format!("turn {turn}, decode step {step}");
+                compare(&what, &logits, &reference, &sequence, false);
+            }
+        }
+    }
+}

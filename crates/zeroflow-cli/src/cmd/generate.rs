@@ -182,7 +182,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// `generate --chat` without a prompt: a conversation with `model`. Each line of standard input
 /// (blank ones skipped) is the user's next message; the whole conversation so far is rendered by
-/// `template` and continued, the reply printed (`--json`: `{"turn", "tokens", "text"}`) and
+/// `template` and continued (only the tokens after what the session's key/value cache holds of
+/// the earlier turns run: [`zeroflow_train::infer::Session`]), the reply printed (`--json`: `{"turn", "tokens", "text"}`) and
 /// kept as the assistant's message, without the token that ended it; past the model's context,
 /// without its oldest exchanges ([`fit_conversation`]). The end of the input ends it; so does a
 /// message that alone does not fit, but at a terminal, where it is said and left out.
@@ -243,6 +244,11 @@ fn converse(
         let turn_completion =
             Completion { seed: completion.seed.wrapping_add(turn), ..*completion };
         let reply = session.complete(&tokens, &turn_completion)?;
+        tracing::debug!(
+            "turn {turn}: {} of the conversation's {} tokens run, the rest held from earlier turns",
+            session.last_ran(),
+            tokens.len()
+        );
         let ended = reply.last().is_some_and(|t| model.end_of_text().contains(t));
         let said = &reply[..reply.len() - usize::from(ended)];
         let text = tokenizer.decode(said).map_err(InputError)?;

@@ -17,7 +17,7 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
-use zeroflow_nn::cuda::decode::CudaKvCache;
+use zeroflow_nn::cuda::decode::{CudaKvCache, turn_capacity};
 use zeroflow_nn::cuda::kernels::{NnKernels, ROWS_PER_BLOCK, THREADS, blocks_for};
 use zeroflow_nn::infer::decode_attention::DeviceCacheLayout;
 use zeroflow_nn::infer::{CachedAttention, Decoder, KvCache, StepRows};
@@ -438,6 +438,32 @@ impl Decoder for CudaLlamaDecoder {
 
     fn decode(&mut self, next: &[(usize, u32)]) -> Result<Vec<f32>, LlamaError> {
         let step = self.positions.decode(next).map_err(LlamaError::Batch)?;
+        self.step(&step)
+    }
+
+    /// The batch's buffers are kept where they hold one sequence with room for the turn; else
+    /// made anew, larger ([`turn_capacity`]), the kept positions' keys and values copied over.
+    fn extend(
+        &mut self,
+        keep: usize,
+        tokens: &[u32],
+        capacity: usize,
+    ) -> Result<Vec<f32>, LlamaError> {
+        let held = self.batch.as_ref().map(|b| (*b.cache.layout(), b.max_rows));
+        let one = held.filter(|(layout, _)| layout.batch == 1);
+        let capacity =
+            turn_capacity(one.map(|(layout, _)| layout.capacity), capacity, self.max_positions());
+        let step = self.positions.extend(keep, tokens, capacity).map_err(LlamaError::Batch)?;
+        let rows = step.rows.len();
+        if !one.is_some_and(|(layout, max_rows)| layout.capacity == capacity && max_rows >= rows) {
+            let old = self.batch.take();
+            let max_rows = rows.max(old.as_ref().map_or(1, |b| b.max_rows));
+            let batch = self.allocate(1, capacity, max_rows)?;
+            if let Some(old) = old.filter(|_| keep > 0) {
+                batch.cache.copy_prefix(self.stream(), &old.cache, keep)?;
+            }
+            self.batch = Some(batch);
+        }
         self.step(&step)
     }
 }

@@ -212,6 +212,36 @@ impl CudaKvCache {
         }
     }
 
+    /// Copies the first `positions` positions of sequence 0 of every layer's keys and values
+    /// from `from` (a cache of as many layers of the same shape) into this cache's sequence 0,
+    /// on `stream`: a cache made larger for a conversation's next turn keeps what it held.
+    pub fn copy_prefix(
+        &self,
+        stream: &CudaStream,
+        from: &CudaKvCache,
+        positions: usize,
+    ) -> Result<(), DeviceError> {
+        let (to, of) = (&self.layout, &from.layout);
+        let fits = [to, of].iter().all(|l| l.batch >= 1 && positions <= l.capacity);
+        if self.layers != from.layers || to.shape != of.shape || !fits {
+            return Err(invalid(format!(
+                "{positions} positions of a cache of {} layers of {of:?} into one of {} of {to:?}",
+                from.layers, self.layers
+            )));
+        }
+        let hd = to.shape.head_dim;
+        for layer in 0..self.layers {
+            for head in 0..to.shape.n_kv_head {
+                let src = layer * of.len() + of.at(0, head, 0);
+                let dst = layer * to.len() + to.at(0, head, 0);
+                let range = src..src + positions * hd;
+                self.device.copy_d2d(stream, &from.keys, range.clone(), &self.keys, dst)?;
+                self.device.copy_d2d(stream, &from.values, range, &self.values, dst)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The keys and values of layer `layer` (for tests), waiting for the GPU.
     pub fn download_layer(&self, layer: usize) -> Result<(Vec<bf16>, Vec<bf16>), DeviceError> {
         let range = self.layer(layer)?;
@@ -246,6 +276,19 @@ impl CudaKvCache {
     }
 }
 
+/// The capacity of a GPU decoder's cache for a turn of a conversation that asks for `asked`
+/// positions (the model takes `max`), where it holds a cache of one sequence of `held`
+/// positions: that one where it has room, else at least twice as many (up to `max`), so that a
+/// growing conversation's cache is made larger, and copied, seldom.
+pub fn turn_capacity(held: Option<usize>, asked: usize, max: usize) -> usize {
+    let asked = asked.min(max);
+    match held {
+        Some(held) if held >= asked => held,
+        Some(held) => asked.max(2 * held).min(max),
+        None => asked,
+    }
+}
+
 /// An error unless the kernels take `layout` and steps of `max_rows` rows.
 fn check_layout(layout: &DeviceCacheLayout, max_rows: usize) -> Result<(), DeviceError> {
     let CachedAttention { n_head, n_kv_head, head_dim } = layout.shape;
@@ -277,6 +320,16 @@ mod tests {
         batch: 16,
         capacity: 4096,
     };
+
+    #[test]
+    fn a_turns_cache_is_kept_where_it_has_room_and_at_least_doubled_where_not() {
+        assert_eq!(turn_capacity(None, 300, 1024), 300, "a first turn: what it asks");
+        assert_eq!(turn_capacity(None, 3000, 1024), 1024, "at most the model's positions");
+        assert_eq!(turn_capacity(Some(512), 400, 1024), 512, "room enough: kept");
+        assert_eq!(turn_capacity(Some(300), 400, 1024), 600, "twice as many");
+        assert_eq!(turn_capacity(Some(300), 700, 1024), 700, "what it asks, where more than twice");
+        assert_eq!(turn_capacity(Some(600), 700, 1024), 1024, "twice, up to the model's");
+    }
 
     #[test]
     fn the_kernels_take_head_sizes_up_to_256_and_whole_groups_only() {

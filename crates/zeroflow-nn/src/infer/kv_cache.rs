@@ -82,6 +82,14 @@ impl<F: Float> KvCache<F> {
         self.lens.len()
     }
 
+    pub fn layers(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn shape(&self) -> CachedAttention {
+        self.shape
+    }
+
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -134,6 +142,41 @@ impl<F: Float> KvCache<F> {
             })
             .collect();
         Ok(StepRows { tokens, rows, logits_of })
+    }
+
+    /// The rows of a step that continues a cache of one sequence, as a conversation's next turn
+    /// continues the last: keeps the first `keep` positions it holds (a cache of another batch
+    /// holds none), makes room for `capacity` positions in all, and appends `tokens` (at least
+    /// one), counted as held, the logits wanted of the last. An error, the cache unchanged, where
+    /// `keep` passes what it holds or the tokens do not fit the capacity.
+    pub fn extend(
+        &mut self,
+        keep: usize,
+        tokens: &[u32],
+        capacity: usize,
+    ) -> Result<StepRows, String> {
+        let held = if self.batch() == 1 { self.lens[0] } else { 0 };
+        if tokens.is_empty() {
+            return Err("no tokens to append".into());
+        }
+        if keep > held {
+            return Err(format!("keeps {keep} positions of a sequence of {held}"));
+        }
+        if keep + tokens.len() > capacity {
+            let n = tokens.len();
+            return Err(format!("{keep} + {n} positions pass the capacity of {capacity}"));
+        }
+        if self.batch() != 1 {
+            *self = KvCache::new(self.layers(), self.shape, 1, capacity);
+        } else if capacity != self.capacity {
+            // One sequence: its positions are the start of each layer's buffer.
+            let len = capacity * self.shape.kv_width();
+            self.keys.iter_mut().chain(&mut self.values).for_each(|kv| kv.resize(len, F::zero()));
+            self.capacity = capacity;
+        }
+        self.lens[0] = keep;
+        let rows = self.append(&[(0, tokens.len())])?;
+        Ok(StepRows { tokens: tokens.to_vec(), logits_of: vec![rows.len() - 1], rows })
     }
 
     /// The rows of a decode step appending `token` to sequence `seq` for each `(seq, token)` of
@@ -222,6 +265,44 @@ mod tests {
         assert_eq!((cache.len(0), cache.len(1)), (4, 2), "a refused step holds nothing more");
         let mut fresh = KvCache::<f32>::new(1, SHAPE, 2, 4);
         assert!(fresh.prefill(&[&[1], &[]]).unwrap_err().contains("prompt 1 is empty"));
+    }
+
+    #[test]
+    fn extending_keeps_a_prefix_of_the_one_sequence_and_grows_to_the_capacity() {
+        let mut cache = KvCache::<f32>::new(2, SHAPE, 2, 4);
+        cache.prefill(&[&[1, 2], &[3]]).unwrap();
+        // A batch of two holds no sequence to continue: it starts afresh as one.
+        assert!(
+            cache.extend(1, &[9], 8).unwrap_err().contains("keeps 1 positions of a sequence of 0")
+        );
+        let step = cache.extend(0, &[5, 6, 7], 8).unwrap();
+        assert_eq!((cache.batch(), cache.capacity(), cache.len(0)), (1, 8, 3));
+        assert_eq!(
+            step.rows.iter().map(|r| (r.seq, r.pos)).collect::<Vec<_>>(),
+            [(0, 0), (0, 1), (0, 2)]
+        );
+        assert_eq!((step.tokens, step.logits_of), (vec![5, 6, 7], vec![2]));
+        // Keys stored at position 1 stay where they are when the capacity grows.
+        let qkv: Vec<f32> = (0..3 * SHAPE.qkv_width()).map(|i| i as f32).collect();
+        let mut out = vec![0.0; 3 * SHAPE.q_width()];
+        cache.attend(1, &qkv, &step.rows, &mut out);
+        let key =
+            |cache: &KvCache<f32>| cache.keys[1][SHAPE.kv_width()..][..SHAPE.kv_width()].to_vec();
+        let before = key(&cache);
+        let step = cache.extend(2, &[8], 16).unwrap();
+        assert_eq!((cache.capacity(), cache.len(0), key(&cache)), (16, 3, before));
+        assert_eq!(step.rows, vec![CachedRow { seq: 0, pos: 2 }], "position 2 taken again");
+        assert!(
+            cache.extend(4, &[1], 16).unwrap_err().contains("keeps 4 positions of a sequence of 3")
+        );
+        assert!(
+            cache
+                .extend(3, &[1, 2], 4)
+                .unwrap_err()
+                .contains("3 + 2 positions pass the capacity of 4")
+        );
+        assert!(cache.extend(0, &[], 4).is_err(), "nothing to run");
+        assert_eq!((cache.capacity(), cache.len(0)), (16, 3), "a refused step changes nothing");
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub mod sample;
 
 pub use eval::{EvalResult, EvalStream, eval_windows, windows};
 pub use kv_cache::{CachedAttention, CachedRow, KvCache, StepRows};
-pub use sample::{GenerateOptions, Sampling, generate, sample_token};
+pub use sample::{Continuation, GenerateOptions, Sampling, generate, sample_token};
 
 use crate::float::Float;
 
@@ -36,4 +36,15 @@ pub trait Decoder {
     /// Appends `token` to sequence `seq` for each `(seq, token)` of `next`, in one pass, and
     /// returns the logits `[next.len(), vocab]` of those positions, in `next`'s order.
     fn decode(&mut self, next: &[(usize, u32)]) -> Result<Vec<Self::Float>, Self::Error>;
+
+    /// Continues a batch of one sequence (a conversation's next turn): keeps the first `keep`
+    /// positions the cache holds of it (after a batch of several, it holds none), makes room for
+    /// `capacity` positions in all, appends `tokens` (at least one) in one pass, and returns the
+    /// logits `[vocab]` of the last. An error where `keep` passes what the cache holds.
+    fn extend(
+        &mut self,
+        keep: usize,
+        tokens: &[u32],
+        capacity: usize,
+    ) -> Result<Vec<Self::Float>, Self::Error>;
 }

@@ -98,23 +98,37 @@ pub fn generate<D: Decoder>(
     prompts: &[Vec<u32>],
     options: &GenerateOptions,
 ) -> Result<Vec<Vec<u32>>, D::Error> {
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     if prompts.is_empty() || options.max_new_tokens == 0 {
-        return Ok(out);
+        return Ok(vec![Vec::new(); prompts.len()]);
     }
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let capacity = (longest + options.max_new_tokens).min(model.max_positions());
+    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let logits = model.prefill(&views, capacity)?;
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    decode_from(model, logits, &lens, capacity, options)
+}
+
+/// The new tokens of sequences `0..lens.len()` (sequence `b` of `lens[b]` positions, in a cache
+/// of `capacity`) from their next-token logits `logits`, one decode step per token for the
+/// unfinished ones; sequence `b` draws from stream `b` of the seed.
+fn decode_from<D: Decoder>(
+    model: &mut D,
+    mut logits: Vec<D::Float>,
+    lens: &[usize],
+    capacity: usize,
+    options: &GenerateOptions,
+) -> Result<Vec<Vec<u32>>, D::Error> {
     let vocab = model.vocab_size();
-    let mut rngs: Vec<ChaCha8Rng> = (0..prompts.len())
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
+    let mut rngs: Vec<ChaCha8Rng> = (0..lens.len())
         .map(|b| {
             let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
             rng.set_stream(b as u64);
             rng
         })
         .collect();
-    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-    let mut logits = model.prefill(&views, capacity)?;
-    let mut active: Vec<usize> = (0..prompts.len()).collect();
+    let mut active: Vec<usize> = (0..lens.len()).collect();
     loop {
         let mut next = Vec::with_capacity(active.len());
         for (row, &seq) in active.iter().enumerate() {
@@ -123,7 +137,7 @@ pub fn generate<D: Decoder>(
             out[seq].push(token);
             let done = out[seq].len() >= options.max_new_tokens
                 || options.stop_tokens.contains(&token)
-                || prompts[seq].len() + out[seq].len() >= capacity;
+                || lens[seq] + out[seq].len() >= capacity;
             if !done {
                 next.push((seq, token));
             }
@@ -133,6 +147,58 @@ pub fn generate<D: Decoder>(
         }
         active = next.iter().map(|&(seq, _)| seq).collect();
         logits = model.decode(&next)?;
+    }
+}
+
+/// One sequence generated in turns through one decoder, as a conversation is: the tokens the
+/// decoder's cache holds of it, so that a turn whose prompt starts with what an earlier turn
+/// ran (its prompt and reply) runs only the tokens after them ([`Decoder::extend`]). A turn
+/// adds the tokens [`generate`] adds to its prompt alone.
+#[derive(Clone, Debug, Default)]
+pub struct Continuation {
+    /// The tokens whose keys and values the decoder holds, in order.
+    held: Vec<u32>,
+    /// The prompt's tokens the last turn ran (the others were held).
+    ran: usize,
+}
+
+impl Continuation {
+    /// Adds up to `options.max_new_tokens` tokens to `prompt` (at least one token) through
+    /// `model`, the decoder of the earlier turns (used for nothing else since: otherwise start
+    /// a new `Continuation`), and returns them (the stop token included where one ended it).
+    /// The positions the prompt shares with what the cache holds are kept, the rest run in one
+    /// pass; at least the prompt's last token runs, its logits the first token's.
+    pub fn generate<D: Decoder>(
+        &mut self,
+        model: &mut D,
+        prompt: &[u32],
+        options: &GenerateOptions,
+    ) -> Result<Vec<u32>, D::Error> {
+        if options.max_new_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let shared = self.held.iter().zip(prompt).take_while(|(held, new)| held == new).count();
+        let keep = shared.min(prompt.len().saturating_sub(1));
+        let capacity = (prompt.len() + options.max_new_tokens).min(model.max_positions());
+        // Until the turn ends, what the cache holds is not known.
+        self.held.clear();
+        self.ran = 0;
+        let logits = model.extend(keep, &prompt[keep..], capacity)?;
+        let out = decode_from(model, logits, &[prompt.len()], capacity, options)?.remove(0);
+        self.ran = prompt.len() - keep;
+        // Every new token but the last went through the decoder.
+        self.held = [prompt, &out[..out.len() - 1]].concat();
+        Ok(out)
+    }
+
+    /// The prompt's tokens the last turn ran; the rest of it the cache held.
+    pub fn last_ran(&self) -> usize {
+        self.ran
+    }
+
+    /// The positions the decoder's cache holds of the sequence.
+    pub fn held(&self) -> usize {
+        self.held.len()
     }
 }
 

@@ -143,7 +143,7 @@ impl HostModel {
     }
 
     /// The padded flat parameters.
-    fn params(&self) -> &Params {
+    pub(super) fn params(&self) -> &Params {
         match &self.weights {
             Weights::Gpt { params, .. } | Weights::Llama { params, .. } => params,
         }
@@ -276,6 +276,20 @@ impl Decoder for CudaPrefixDecoder<'_> {
         next.iter().for_each(|&(seq, token)| self.sequences[seq].push(token));
         self.step(&next.iter().map(|&(seq, _)| seq).collect::<Vec<_>>())
     }
+
+    /// The kept prefix and `tokens` as a new prompt: a prefill of the whole sequence.
+    fn extend(&mut self, keep: usize, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
+        let held = match self.sequences.as_slice() {
+            [one] => one.as_slice(),
+            _ => &[],
+        };
+        if tokens.is_empty() || keep > held.len() {
+            let n = (tokens.len(), held.len());
+            return Err(input(format!("{} tokens after {keep} of a sequence of {}", n.0, n.1)));
+        }
+        let sequence = [&held[..keep], tokens].concat();
+        self.prefill(&[&sequence], capacity)
+    }
 }
 
 /// The decoder `--device cuda` runs: the family's key/value-cached GPU decoder.
@@ -314,6 +328,13 @@ impl Decoder for CudaDecoder {
         match self {
             CudaDecoder::Gpt(d) => d.decode(next).map_err(TrainError::model),
             CudaDecoder::Llama(d) => d.decode(next).map_err(TrainError::model),
+        }
+    }
+
+    fn extend(&mut self, keep: usize, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
+        match self {
+            CudaDecoder::Gpt(d) => d.extend(keep, tokens, capacity).map_err(TrainError::model),
+            CudaDecoder::Llama(d) => d.extend(keep, tokens, capacity).map_err(TrainError::model),
         }
     }
 }

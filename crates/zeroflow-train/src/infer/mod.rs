@@ -16,7 +16,7 @@ use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_gpt::{GptConfig, GptDecoder};
 use zeroflow_llama::{LlamaConfig, LlamaDecoder};
-use zeroflow_nn::infer::{Decoder, generate};
+use zeroflow_nn::infer::{Continuation, Decoder, KvCache, generate};
 pub use zeroflow_nn::infer::{EvalResult, EvalStream, GenerateOptions, Sampling};
 
 pub mod cuda;
@@ -392,14 +392,17 @@ impl HostModel {
 
     /// Completions one after another on `device` with one decoder, made here: a GPU's holds the
     /// weights, uploaded once for all of them (`generate --chat`'s conversation), where
-    /// [`HostModel::complete_batch_on`] uploads them for each call. The CPU's decoder reads the
-    /// weights where they are.
+    /// [`HostModel::complete_batch_on`] uploads them for each call; the CPU's reads them in f32,
+    /// widened here once where they are not. Its key/value cache is kept from one completion to
+    /// the next ([`Session`]).
     pub fn session(&self, device: InferDevice) -> Result<Session<'_>> {
-        let cuda = match device {
-            InferDevice::Cpu => None,
-            InferDevice::Cuda(ordinal) => Some(self.cuda_decoder(ordinal)?),
+        let decoder = match device {
+            InferDevice::Cpu => SessionDecoder::Cpu { weights: self.params().f32()?, cache: None },
+            InferDevice::Cuda(ordinal) => {
+                SessionDecoder::Cuda(Box::new(self.cuda_decoder(ordinal)?))
+            }
         };
-        Ok(Session { model: self, cuda })
+        Ok(Session { model: self, decoder, continuation: Continuation::default() })
     }
 
     /// What `generate` does for `completion`.
@@ -554,24 +557,66 @@ impl HostModel {
     }
 }
 
-/// Completions one after another with one decoder ([`HostModel::session`]).
+/// Completions one after another with one decoder ([`HostModel::session`]), as the turns of
+/// a conversation: its key/value cache is kept between them, and a prompt that starts with the
+/// last prompt and its reply runs only the tokens after them ([`Continuation`]).
 #[derive(Debug)]
 pub struct Session<'a> {
     model: &'a HostModel,
-    /// A GPU's decoder, its weights uploaded; `None` on the CPU.
-    cuda: Option<CudaDecoder>,
+    decoder: SessionDecoder<'a>,
+    continuation: Continuation,
+}
+
+#[derive(Debug)]
+enum SessionDecoder<'a> {
+    /// The weights in f32 (widened once, where they are not), and the cache between turns (a
+    /// decoder borrows the weights, and is made for each turn around the cache).
+    Cpu { weights: Cow<'a, [f32]>, cache: Option<KvCache<f32>> },
+    /// A GPU's decoder, its weights uploaded, its cache on the GPU.
+    Cuda(Box<CudaDecoder>),
 }
 
 impl Session<'_> {
-    /// [`HostModel::complete`] on the session's device.
+    /// [`HostModel::complete`] on the session's device, continuing the earlier turns' cache
+    /// where `prompt` starts with what they ran.
     pub fn complete(&mut self, prompt: &[u32], completion: &Completion) -> Result<Vec<u32>> {
-        let prompts = [prompt.to_vec()];
-        let options = self.model.checked_options(&prompts, completion)?;
-        let mut generated = match &mut self.cuda {
-            None => self.model.generate(&prompts, &options)?,
-            Some(decoder) => generate(decoder, &prompts, &options)?,
+        let options = self.model.checked_options(&[prompt.to_vec()], completion)?;
+        let continuation = &mut self.continuation;
+        let (weights, cache) = match &mut self.decoder {
+            SessionDecoder::Cuda(decoder) => {
+                return continuation.generate(decoder.as_mut(), prompt, &options);
+            }
+            SessionDecoder::Cpu { weights, cache } => (&**weights, cache),
         };
-        Ok(generated.pop().unwrap_or_default())
+        let cached = cache.take();
+        match &self.model.weights {
+            Weights::Gpt { config, layout, .. } => {
+                let decoder = GptDecoder::new(config, layout, weights).and_then(|d| match cached {
+                    Some(kv) => d.with_cache(kv),
+                    None => Ok(d),
+                });
+                let mut decoder = decoder.map_err(TrainError::model)?;
+                let generated = continuation.generate(&mut decoder, prompt, &options);
+                *cache = Some(decoder.take_cache());
+                generated.map_err(TrainError::model)
+            }
+            Weights::Llama { config, layout, .. } => {
+                let decoder =
+                    LlamaDecoder::new(config, layout, weights).and_then(|d| match cached {
+                        Some(kv) => d.with_cache(kv),
+                        None => Ok(d),
+                    });
+                let mut decoder = decoder.map_err(TrainError::model)?;
+                let generated = continuation.generate(&mut decoder, prompt, &options);
+                *cache = Some(decoder.take_cache());
+                generated.map_err(TrainError::model)
+            }
+        }
+    }
+
+    /// The last prompt's tokens that ran; the rest of it the cache held from earlier turns.
+    pub fn last_ran(&self) -> usize {
+        self.continuation.last_ran()
     }
 }
 

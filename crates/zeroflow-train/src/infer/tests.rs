@@ -284,6 +284,35 @@ fn a_batch_of_prompts_generates_as_each_prompt_alone() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A session's turns, each prompt the last one with its reply and a new message (as
+/// `generate --chat` renders a conversation), complete as each prompt alone does, in both
+/// families, greedy and sampled, and run only the tokens the session's cache does not hold.
+#[test]
+fn a_session_continues_its_cache_and_completes_as_each_prompt_alone() {
+    let dir = scratch("llama-session");
+    write_llama(&dir, None);
+    for model in [HostModel::open(&dir).unwrap(), HostModel::named("tiny", 3).unwrap()] {
+        let mut session = model.session(InferDevice::Cpu).unwrap();
+        let sampled = Completion {
+            sampling: Sampling { temperature: 0.9, top_k: Some(10), top_p: None },
+            seed: 5,
+            ..GREEDY
+        };
+        let mut prompt = vec![3, 1, 4, 1, 5];
+        for (turn, completion) in [GREEDY, sampled, GREEDY].iter().enumerate() {
+            let reply = session.complete(&prompt, completion).unwrap();
+            assert_eq!(reply, model.complete(&prompt, completion).unwrap(), "{model:?}: {turn}");
+            // The first turn runs the whole prompt; a later one the last reply's last token
+            // (sampled, never run) and the new message.
+            let ran = if turn == 0 { prompt.len() } else { 3 };
+            assert_eq!(session.last_ran(), ran, "{model:?}: turn {turn}");
+            prompt.extend(reply);
+            prompt.extend([2, 7]);
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn devices_are_cpu_cuda_or_a_numbered_gpu() {
     assert_eq!("cpu".parse(), Ok(InferDevice::Cpu));
