@@ -8,7 +8,8 @@
 # turn's tokens ran.
 #
 #   bash scripts/chat-turns.sh [WORK_DIR]   (ZEROFLOW=path/to/zeroflow, default target/release;
-#                                            BEFORE=path/to/an-earlier-zeroflow to compare)
+#                                            BEFORE=path/to/an-earlier-zeroflow to compare;
+#                                            DEVICE=cuda on a GPU)
 set -euo pipefail
 work=${1:-$(mktemp -d)}
 zeroflow=${ZEROFLOW:-target/release/zeroflow}
@@ -61,13 +62,14 @@ model.save_pretrained(model_dir)
 print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters; "
       f"system message {len(tok.encode(system).ids)} tokens")
 PY
+device=${DEVICE:-cpu}
 for which in after ${BEFORE:+before}; do
     binary=$zeroflow
     [ "$which" = before ] && binary=$BEFORE
     /usr/bin/time -f "$which ($binary): wall %e s, peak RSS %M KB" "$binary" generate \
         "$work/model" --chat --system "$(cat "$work/system.txt")" --max-new-tokens 32 \
-        --temperature 0 --json <"$work/messages.txt" >"$work/replies-$which.jsonl" \
-        2>"$work/time-$which.txt"
+        --temperature 0 --json --device "$device" <"$work/messages.txt" \
+        >"$work/replies-$which.jsonl" 2>"$work/time-$which.txt"
     tail -n 1 "$work/time-$which.txt"
 done
 if [ -n "${BEFORE:-}" ]; then
@@ -75,5 +77,5 @@ if [ -n "${BEFORE:-}" ]; then
         echo "the same replies" || echo "the replies differ"
 fi
 ZEROFLOW_LOG=debug "$zeroflow" generate "$work/model" --chat --system "$(cat "$work/system.txt")" \
-    --max-new-tokens 32 --temperature 0 <"$work/messages.txt" 2>&1 >/dev/null |
-    grep -o "turn [0-9]*: .* tokens run"
+    --max-new-tokens 32 --temperature 0 --device "$device" <"$work/messages.txt" 2>&1 \
+    >/dev/null | grep -o "turn [0-9]*: .* tokens run"
