@@ -2,7 +2,7 @@
 //! [`HostRunner`]: the f64 oracle of the tests (finite differences) and a device-free reference.
 
 use zeroflow_core::layout::FlatLayout;
-use zeroflow_nn::infer::{EvalResult, EvalStream, eval_windows};
+use zeroflow_nn::infer::{EvalResult, EvalStream, eval_on_host};
 use zeroflow_nn::plan::GradsReady;
 use zeroflow_nn::{AttentionKind, Float, HostRunner};
 
@@ -120,22 +120,11 @@ pub fn eval_stream<F: Float>(
     stream: EvalStream<'_>,
     window: usize,
 ) -> Result<EvalResult, LlamaError> {
-    let packed = stream.positions.is_some();
-    let options = PlanOptions { attention: AttentionKind::Gemm, packed, ..PlanOptions::default() };
-    // A model per window length: the full windows' and the last one's.
-    let mut models: Vec<HostLlama<F>> = Vec::new();
-    eval_windows(stream, window, |inputs, targets, positions| {
-        let model = match models.iter().position(|m| m.plan().seq == inputs.len()) {
-            Some(i) => &mut models[i],
-            None => {
-                models.push(HostLlama::with_options(config, layout, 1, inputs.len(), options)?);
-                models.last_mut().expect("just pushed")
-            }
-        };
-        let loss = match positions {
-            Some(positions) => model.forward_packed(params, inputs, targets, positions)?,
-            None => model.forward(params, inputs, targets)?,
-        };
-        Ok(loss.to_f64())
+    let ranges = ParamRanges::new(config, layout)?;
+    eval_on_host(params, stream, window, |seq, packed| {
+        let options =
+            PlanOptions { attention: AttentionKind::Gemm, packed, ..PlanOptions::default() };
+        let LlamaPlan { plan, .. } = LlamaPlan::with_options(config, &ranges, 1, seq, options)?;
+        Ok(HostRunner::new(plan, layout.padded_len()))
     })
 }

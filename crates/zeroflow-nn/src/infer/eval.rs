@@ -4,6 +4,10 @@
 
 use std::ops::Range;
 
+use crate::error::NnError;
+use crate::float::Float;
+use crate::host::HostRunner;
+use crate::kernels::LayerKernel;
 use crate::kernels::loss::IGNORE;
 
 /// The mean loss over a stream's predicted tokens, and how many there were.
@@ -96,6 +100,34 @@ pub fn eval_windows<E>(
     }
     let loss = if tokens == 0 { f64::NAN } else { sum / tokens as f64 };
     Ok(EvalResult { loss, tokens })
+}
+
+/// [`eval_windows`] by the training forward on host vectors: `runner(seq, packed)` makes a
+/// family's [`HostRunner`] for one sequence of `seq` tokens, of packed rows where the stream is
+/// packed; one is made for each window length (the full windows' and the last one's) and runs
+/// every window of that length over `params`.
+pub fn eval_on_host<F: Float, X: LayerKernel, E: From<NnError>>(
+    params: &[F],
+    stream: EvalStream<'_>,
+    window: usize,
+    mut runner: impl FnMut(usize, bool) -> Result<HostRunner<F, X>, E>,
+) -> Result<EvalResult, E> {
+    let packed = stream.positions.is_some();
+    let mut runners: Vec<HostRunner<F, X>> = Vec::new();
+    eval_windows(stream, window, |inputs, targets, positions| {
+        let runner = match runners.iter().position(|r| r.plan().seq == inputs.len()) {
+            Some(i) => &mut runners[i],
+            None => {
+                runners.push(runner(inputs.len(), packed)?);
+                runners.last_mut().expect("just pushed")
+            }
+        };
+        let loss = match positions {
+            Some(positions) => runner.forward_packed(params, inputs, targets, positions)?,
+            None => runner.forward(params, inputs, targets)?,
+        };
+        Ok(loss.to_f64())
+    })
 }
 
 #[cfg(test)]

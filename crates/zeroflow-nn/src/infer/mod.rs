@@ -7,7 +7,7 @@ pub mod eval;
 pub mod kv_cache;
 pub mod sample;
 
-pub use eval::{EvalResult, EvalStream, eval_windows, windows};
+pub use eval::{EvalResult, EvalStream, eval_on_host, eval_windows, windows};
 pub use kv_cache::{CachedAttention, CachedRow, KvCache, StepRows};
 pub use sample::{Continuation, GenerateOptions, Sampling, generate, sample_token};
 
