@@ -141,8 +141,12 @@ fn a_continued_conversation_runs_only_its_new_tokens_and_generates_as_from_scrat
         let mut turn = |prompt: &[u32], ran: usize| {
             let mut fresh = LlamaDecoder::new(&config, &layout, &params).unwrap();
             let alone = generate(&mut fresh, &[prompt.to_vec()], &options).unwrap().remove(0);
-            let reply = continuation.generate(&mut decoder, prompt, &options).unwrap();
+            let mut told = Vec::new();
+            let reply =
+                continuation.generate_with(&mut decoder, prompt, &options, |t| told.push(t));
+            let reply = reply.unwrap();
             assert_eq!(reply, alone, "{name}: after {prompt:?}");
+            assert_eq!(told, reply, "{name}: each token told as it is chosen");
             assert_eq!(continuation.last_ran(), ran, "{name}: after {prompt:?}");
             assert_eq!(
                 continuation.held(),

@@ -1,6 +1,7 @@
 //! `zeroflow generate`: what a model (a Hugging Face directory or a zeroflow checkpoint) writes
 //! after a prompt or a file of prompts, on the CPU or a GPU (`zeroflow_train::infer`).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use zeroflow_train::infer::{
@@ -9,7 +10,8 @@ use zeroflow_train::infer::{
 
 use crate::InputError;
 
-/// Continue a prompt with a model (GPT-2 or the Llama family).
+/// Continue a prompt with a model (GPT-2 or the Llama family). To a terminal, one prompt's
+/// completion (and each reply of a conversation) is shown as it is written.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// A Hugging Face directory, a checkpoint (`state.json`) or a run directory (its newest).
@@ -163,6 +165,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let (true, Some((tokenizer, template))) = (conversation, &chat) {
         return converse(&args, &model, tokenizer, template, &completion);
     }
+    // One prompt to a terminal: shown as it is written.
+    let shown = !args.json && prompts.len() == 1 && std::io::stdout().is_terminal();
+    if let (true, Some(tokenizer)) = (shown, &tokenizer) {
+        let mut session = model.session(args.device)?;
+        let mut streamed = Streamed::new(tokenizer, &[]);
+        let tokens = session.complete_with(&prompts[0], &completion, |t| streamed.token(t))?;
+        return streamed.finish(&tokenizer.decode(&tokens).map_err(InputError)?);
+    }
     let generated = model.complete_batch_on(&prompts, &completion, args.device)?;
     for (index, tokens) in generated.iter().enumerate() {
         let text = tokenizer.as_ref().map(|t| t.decode(tokens)).transpose().map_err(InputError)?;
@@ -195,7 +205,7 @@ fn converse(
     completion: &Completion,
 ) -> anyhow::Result<()> {
     use std::io::{BufRead, IsTerminal, Write};
-    let terminal = std::io::stdin().is_terminal();
+    let (terminal, shown) = (std::io::stdin().is_terminal(), std::io::stdout().is_terminal());
     if terminal {
         eprintln!("a conversation with {}: type a message, Ctrl-D to end", args.model.display());
     }
@@ -243,7 +253,12 @@ fn converse(
         // Each turn its own draw where sampling.
         let turn_completion =
             Completion { seed: completion.seed.wrapping_add(turn), ..*completion };
-        let reply = session.complete(&tokens, &turn_completion)?;
+        // At a terminal the reply is shown as it is written.
+        let mut streamed =
+            (!args.json && shown).then(|| Streamed::new(tokenizer, model.end_of_text()));
+        let reply = session.complete_with(&tokens, &turn_completion, |token| {
+            streamed.iter_mut().for_each(|s| s.token(token));
+        })?;
         tracing::debug!(
             "turn {turn}: {} of the conversation's {} tokens run, the rest held from earlier turns",
             session.last_ran(),
@@ -252,15 +267,72 @@ fn converse(
         let ended = reply.last().is_some_and(|t| model.end_of_text().contains(t));
         let said = &reply[..reply.len() - usize::from(ended)];
         let text = tokenizer.decode(said).map_err(InputError)?;
-        if args.json {
-            println!("{}", serde_json::json!({"turn": turn, "tokens": reply, "text": text}));
-        } else {
-            println!("{text}");
+        match streamed {
+            Some(mut streamed) => streamed.finish(&text)?,
+            None if args.json => {
+                println!("{}", serde_json::json!({"turn": turn, "tokens": reply, "text": text}));
+            }
+            None => println!("{text}"),
         }
         messages.push(serde_json::json!({"role": "assistant", "content": text}));
         turn += 1;
     }
     Ok(())
+}
+
+/// Token ids to text (a tokenizer's decode).
+type Decode<'a> = Box<dyn Fn(&[u32]) -> Result<String, String> + 'a>;
+
+/// A completion shown at a terminal as it is written: after each token, the text of the tokens
+/// so far (but `hidden` ones, the tokens that end a reply) as far as it is known for good, not
+/// a character whose bytes are still to come (a trailing U+FFFD); the rest at the end.
+struct Streamed<'a, W: std::io::Write = std::io::Stdout> {
+    decode: Decode<'a>,
+    hidden: &'a [u32],
+    tokens: Vec<u32>,
+    /// The text printed so far.
+    printed: String,
+    out: W,
+}
+
+impl<'a> Streamed<'a> {
+    fn new(tokenizer: &'a zeroflow_data::Tokenizer, hidden: &'a [u32]) -> Self {
+        Streamed::to(std::io::stdout(), Box::new(|ids| tokenizer.decode(ids)), hidden)
+    }
+}
+
+impl<'a, W: std::io::Write> Streamed<'a, W> {
+    fn to(out: W, decode: Decode<'a>, hidden: &'a [u32]) -> Self {
+        Streamed { decode, hidden, tokens: Vec::new(), printed: String::new(), out }
+    }
+
+    /// Prints what `token` adds (a failure to decode or to print shows nothing more, and the end
+    /// prints the rest).
+    fn token(&mut self, token: u32) {
+        if self.hidden.contains(&token) {
+            return;
+        }
+        self.tokens.push(token);
+        let Ok(text) = (self.decode)(&self.tokens) else { return };
+        let known = text.trim_end_matches(char::REPLACEMENT_CHARACTER);
+        let Some(new) = known.strip_prefix(self.printed.as_str()) else { return };
+        if !new.is_empty() && write!(self.out, "{new}").and_then(|()| self.out.flush()).is_ok() {
+            self.printed.push_str(new);
+        }
+    }
+
+    /// Ends the completion whose text is `text`: prints what of it is not yet printed (from
+    /// where the printed text and it part, where a decoder did not keep its earlier text) and
+    /// a newline.
+    fn finish(&mut self, text: &str) -> anyhow::Result<()> {
+        let shared = text
+            .char_indices()
+            .zip(self.printed.chars())
+            .find(|((_, a), b)| a != b)
+            .map_or(text.len().min(self.printed.len()), |((at, _), _)| at);
+        writeln!(self.out, "{}", &text[shared..])?;
+        Ok(self.out.flush()?)
+    }
 }
 
 /// `{"role": role, "content": text}`.
@@ -305,7 +377,7 @@ fn fit_conversation(
 mod tests {
     use serde_json::{Value, json};
 
-    use super::fit_conversation;
+    use super::{Streamed, fit_conversation};
 
     /// A render of 10 tokens a message.
     fn ten_each(messages: &[Value]) -> Result<Vec<u32>, String> {
@@ -346,5 +418,47 @@ mod tests {
             "{error}"
         );
         assert_eq!(messages.len(), 3, "the conversation as it was");
+    }
+
+    /// Ids as bytes, decoded as UTF-8 with U+FFFD for what is not (yet) a character.
+    fn bytes(ids: &[u32]) -> Result<String, String> {
+        let bytes: Vec<u8> = ids.iter().map(|&t| t as u8).collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    #[test]
+    fn a_streamed_completion_shows_whole_characters_as_they_come_and_the_rest_at_the_end() {
+        let mut out = Vec::new();
+        let mut streamed = Streamed::to(&mut out, Box::new(bytes), &[300]);
+        let mut shown = Vec::new();
+        // "né!", its é in two tokens, then a hidden token that ends the reply.
+        for token in [u32::from(b'n'), 0xC3, 0xA9, u32::from(b'!'), 300] {
+            streamed.token(token);
+            shown.push(String::from_utf8(streamed.out.to_vec()).unwrap());
+        }
+        assert_eq!(shown, ["n", "n", "né", "né!", "né!"]);
+        streamed.finish("né!").unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "né!\n");
+    }
+
+    #[test]
+    fn a_streamed_completion_ends_with_the_final_text_from_where_it_parts_from_the_shown() {
+        // A decoder that rewrites earlier text ("a " then "ab"): nothing more is shown until the
+        // end, which prints the final text from where it differs.
+        let rewrites =
+            |ids: &[u32]| Ok(if ids.len() < 2 { "a ".to_owned() } else { "ab".to_owned() });
+        let mut out = Vec::new();
+        let mut streamed = Streamed::to(&mut out, Box::new(rewrites), &[]);
+        streamed.token(1);
+        streamed.token(2);
+        assert_eq!(streamed.out.as_slice(), b"a ");
+        streamed.finish("ab").unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "a b\n");
+        // Nothing shown (the text not yet a character): the final text whole.
+        let mut out = Vec::new();
+        let mut streamed = Streamed::to(&mut out, Box::new(bytes), &[]);
+        streamed.token(0xE2);
+        streamed.finish("\u{FFFD}").unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "\u{FFFD}\n");
     }
 }

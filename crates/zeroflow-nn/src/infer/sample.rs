@@ -98,6 +98,17 @@ pub fn generate<D: Decoder>(
     prompts: &[Vec<u32>],
     options: &GenerateOptions,
 ) -> Result<Vec<Vec<u32>>, D::Error> {
+    generate_with(model, prompts, options, |_, _| {})
+}
+
+/// [`generate`], telling `on_token(seq, token)` of each new token as it is chosen (to show a
+/// completion as it is written).
+pub fn generate_with<D: Decoder>(
+    model: &mut D,
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+    mut on_token: impl FnMut(usize, u32),
+) -> Result<Vec<Vec<u32>>, D::Error> {
     if prompts.is_empty() || options.max_new_tokens == 0 {
         return Ok(vec![Vec::new(); prompts.len()]);
     }
@@ -106,18 +117,20 @@ pub fn generate<D: Decoder>(
     let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let logits = model.prefill(&views, capacity)?;
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    decode_from(model, logits, &lens, capacity, options)
+    decode_from(model, logits, &lens, capacity, options, &mut on_token)
 }
 
 /// The new tokens of sequences `0..lens.len()` (sequence `b` of `lens[b]` positions, in a cache
 /// of `capacity`) from their next-token logits `logits`, one decode step per token for the
-/// unfinished ones; sequence `b` draws from stream `b` of the seed.
+/// unfinished ones; sequence `b` draws from stream `b` of the seed. `on_token(seq, token)` is
+/// told of each as it is chosen.
 fn decode_from<D: Decoder>(
     model: &mut D,
     mut logits: Vec<D::Float>,
     lens: &[usize],
     capacity: usize,
     options: &GenerateOptions,
+    on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<Vec<Vec<u32>>, D::Error> {
     let vocab = model.vocab_size();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
@@ -135,6 +148,7 @@ fn decode_from<D: Decoder>(
             let token =
                 sample_token(&logits[row * vocab..][..vocab], &options.sampling, &mut rngs[seq]);
             out[seq].push(token);
+            on_token(seq, token);
             let done = out[seq].len() >= options.max_new_tokens
                 || options.stop_tokens.contains(&token)
                 || lens[seq] + out[seq].len() >= capacity;
@@ -174,6 +188,17 @@ impl Continuation {
         prompt: &[u32],
         options: &GenerateOptions,
     ) -> Result<Vec<u32>, D::Error> {
+        self.generate_with(model, prompt, options, |_| {})
+    }
+
+    /// [`Continuation::generate`], telling `on_token` of each new token as it is chosen.
+    pub fn generate_with<D: Decoder>(
+        &mut self,
+        model: &mut D,
+        prompt: &[u32],
+        options: &GenerateOptions,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>, D::Error> {
         if options.max_new_tokens == 0 {
             return Ok(Vec::new());
         }
@@ -184,7 +209,9 @@ impl Continuation {
         self.held.clear();
         self.ran = 0;
         let logits = model.extend(keep, &prompt[keep..], capacity)?;
-        let out = decode_from(model, logits, &[prompt.len()], capacity, options)?.remove(0);
+        let mut told = |_: usize, token: u32| on_token(token);
+        let out =
+            decode_from(model, logits, &[prompt.len()], capacity, options, &mut told)?.remove(0);
         self.ran = prompt.len() - keep;
         // Every new token but the last went through the decoder.
         self.held = [prompt, &out[..out.len() - 1]].concat();

@@ -580,11 +580,22 @@ impl Session<'_> {
     /// [`HostModel::complete`] on the session's device, continuing the earlier turns' cache
     /// where `prompt` starts with what they ran.
     pub fn complete(&mut self, prompt: &[u32], completion: &Completion) -> Result<Vec<u32>> {
+        self.complete_with(prompt, completion, |_| {})
+    }
+
+    /// [`Session::complete`], telling `on_token` of each new token as it is chosen (to show the
+    /// completion as it is written).
+    pub fn complete_with(
+        &mut self,
+        prompt: &[u32],
+        completion: &Completion,
+        on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>> {
         let options = self.model.checked_options(&[prompt.to_vec()], completion)?;
         let continuation = &mut self.continuation;
         let (weights, cache) = match &mut self.decoder {
             SessionDecoder::Cuda(decoder) => {
-                return continuation.generate(decoder.as_mut(), prompt, &options);
+                return continuation.generate_with(decoder.as_mut(), prompt, &options, on_token);
             }
             SessionDecoder::Cpu { weights, cache } => (&**weights, cache),
         };
@@ -596,7 +607,8 @@ impl Session<'_> {
                     None => Ok(d),
                 });
                 let mut decoder = decoder.map_err(TrainError::model)?;
-                let generated = continuation.generate(&mut decoder, prompt, &options);
+                let generated =
+                    continuation.generate_with(&mut decoder, prompt, &options, on_token);
                 *cache = Some(decoder.take_cache());
                 generated.map_err(TrainError::model)
             }
@@ -607,7 +619,8 @@ impl Session<'_> {
                         None => Ok(d),
                     });
                 let mut decoder = decoder.map_err(TrainError::model)?;
-                let generated = continuation.generate(&mut decoder, prompt, &options);
+                let generated =
+                    continuation.generate_with(&mut decoder, prompt, &options, on_token);
                 *cache = Some(decoder.take_cache());
                 generated.map_err(TrainError::model)
             }

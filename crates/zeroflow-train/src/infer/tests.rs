@@ -300,8 +300,10 @@ fn a_session_continues_its_cache_and_completes_as_each_prompt_alone() {
         };
         let mut prompt = vec![3, 1, 4, 1, 5];
         for (turn, completion) in [GREEDY, sampled, GREEDY].iter().enumerate() {
-            let reply = session.complete(&prompt, completion).unwrap();
+            let mut told = Vec::new();
+            let reply = session.complete_with(&prompt, completion, |t| told.push(t)).unwrap();
             assert_eq!(reply, model.complete(&prompt, completion).unwrap(), "{model:?}: {turn}");
+            assert_eq!(told, reply, "{model:?}: turn {turn}'s tokens told as they come");
             // The first turn runs the whole prompt; a later one the last reply's last token
             // (sampled, never run) and the new message.
             let ran = if turn == 0 { prompt.len() } else { 3 };
