@@ -245,6 +245,12 @@ fn a_gpu_session_completes_as_a_decoder_made_each_time() {
     }
 }
 
+/// The largest relative difference of a conversation's turns' logits: bf16 activations through
+/// decode steps on these wide random weights differ from the CPU's and from each other by up to
+/// 2.0e-2 (measured on an H100); a cache copied or kept wrong gives other logits
+/// altogether (a control, one earlier token changed, is printed beside).
+const TURN_TOLERANCE: f64 = 5e-2;
+
 /// A conversation's turns on the GPU's cached decoders (`Decoder::extend`): the logits of each
 /// turn and of two decode steps after it are the whole sequence's, within bf16 rounding, as the
 /// CPU's decoder (f32), a fresh GPU prefill and the prefix decoder's turns (`CudaPrefixDecoder`,
@@ -267,17 +273,17 @@ fn a_gpu_decoders_turns_keep_their_cache_and_follow_the_cpu() {
             |what: &str, gpu: &[f32], reference: &[f32], sequence: &[u32], fresh: bool| {
                 let difference = relative_difference(gpu, reference);
                 println!("{name} {what}: against the prefix decoder {difference:.2e}");
-                assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+                assert!(difference < TURN_TOLERANCE, "{name} {what}: {difference}");
                 let cpu = model.next_logits(&[sequence.to_vec()], InferDevice::Cpu).unwrap();
                 let difference = relative_difference(gpu, &cpu);
                 println!("{name} {what}: against the CPU {difference:.2e}");
-                assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+                assert!(difference < TURN_TOLERANCE, "{name} {what}: {difference}");
                 if fresh {
                     let fresh =
                         model.next_logits(&[sequence.to_vec()], InferDevice::Cuda(0)).unwrap();
                     let difference = relative_difference(gpu, &fresh);
                     println!("{name} {what}: against a fresh GPU prefill {difference:.2e}");
-                    assert!(difference < LOGITS_TOLERANCE, "{name} {what}: {difference}");
+                    assert!(difference < TURN_TOLERANCE, "{name} {what}: {difference}");
                 }
             };
         let turns = [(0, 9, 12), (11, 6, 20), (7, 4, 20), (0, 5, 40)];
@@ -288,6 +294,13 @@ fn a_gpu_decoders_turns_keep_their_cache_and_follow_the_cpu() {
             let logits = decoder.extend(keep, &tokens, capacity).unwrap();
             let reference = prefix.extend(keep, &tokens, capacity).unwrap();
             compare(&format!("turn {turn}"), &logits, &reference, &sequence, true);
+            if keep > 2 {
+                let mut other = sequence.clone();
+                other[1] = (other[1] + 1) % 97;
+                let control = model.next_logits(&[other], InferDevice::Cpu).unwrap();
+                let difference = relative_difference(&logits, &control);
+                println!("{name} turn {turn}: control, kept token 1 changed: {difference:.2e}");
+            }
             for step in 0..2u32 {
                 let token = (step * 41 + turn as u32 * 5 + 1) % 97;
                 sequence.push(token);
