@@ -8,9 +8,10 @@
 use rayon::prelude::*;
 
 use crate::float::Float;
+use crate::kernels::matmul::dot;
 
-/// Token rows per task at least (each row is little work).
-const ROWS_PER_TASK: usize = 4;
+/// (Row, query head) pairs of an attention per task at least (each is little work).
+const PAIRS_PER_TASK: usize = 4;
 
 /// One token row of a step: sequence `seq` at position `pos` (its index in the sequence).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -206,41 +207,32 @@ impl<F: Float> KvCache<F> {
         let (hs, group) = (shape.head_dim, shape.n_head / shape.n_kv_head);
         let scale = F::one() / F::of(hs as f64).sqrt();
         let capacity = self.capacity;
-        out.par_chunks_mut(qw)
-            .zip(qkv.par_chunks(width))
-            .zip(rows.par_iter())
-            .with_min_len(ROWS_PER_TASK)
-            .for_each(|((out, qkv), row)| {
-                let first = row.seq * capacity * kvw;
-                let mut weights = vec![F::zero(); row.pos + 1];
-                out.fill(F::zero());
-                for h in 0..shape.n_head {
-                    let query = &qkv[h * hs..][..hs];
-                    let kv = (h / group) * hs;
-                    let mut max = F::neg_infinity();
-                    for (t2, score) in weights.iter_mut().enumerate() {
-                        let key = &keys[first + t2 * kvw + kv..][..hs];
-                        *score = dot(query, key) * scale;
-                        max = max.max(*score);
-                    }
-                    let mut sum = F::zero();
-                    for a in weights.iter_mut() {
-                        *a = (*a - max).exp();
-                        sum += *a;
-                    }
-                    let out = &mut out[h * hs..][..hs];
-                    for (t2, &a) in weights.iter().enumerate() {
-                        let value = &values[first + t2 * kvw + kv..][..hs];
-                        let a = a / sum;
-                        out.iter_mut().zip(value).for_each(|(o, &v)| *o += a * v);
-                    }
-                }
-            });
+        // A task per (row, query head): a decode step's one row still runs on every core.
+        out.par_chunks_mut(hs).enumerate().with_min_len(PAIRS_PER_TASK).for_each(|(i, out)| {
+            let (row, h) = (&rows[i / shape.n_head], i % shape.n_head);
+            let first = row.seq * capacity * kvw;
+            let query = &qkv[(i / shape.n_head) * width + h * hs..][..hs];
+            let kv = (h / group) * hs;
+            let mut weights = vec![F::zero(); row.pos + 1];
+            let mut max = F::neg_infinity();
+            for (t2, score) in weights.iter_mut().enumerate() {
+                let key = &keys[first + t2 * kvw + kv..][..hs];
+                *score = dot(query, key) * scale;
+                max = max.max(*score);
+            }
+            let mut sum = F::zero();
+            for a in weights.iter_mut() {
+                *a = (*a - max).exp();
+                sum += *a;
+            }
+            out.fill(F::zero());
+            for (t2, &a) in weights.iter().enumerate() {
+                let value = &values[first + t2 * kvw + kv..][..hs];
+                let a = a / sum;
+                out.iter_mut().zip(value).for_each(|(o, &v)| *o += a * v);
+            }
+        });
     }
-}
-
-fn dot<F: Float>(a: &[F], b: &[F]) -> F {
-    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
 }
 
 #[cfg(test)]

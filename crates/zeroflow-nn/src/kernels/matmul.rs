@@ -127,6 +127,9 @@ pub fn matmul_forward_few_rows<F: Float>(
     if n >= ROWS_PER_TASK * rayon::current_num_threads() {
         return matmul_forward(out, inp, weight, bias, c, oc, layout);
     }
+    if n <= streamed_rows(layout) {
+        return matmul_streamed(out, inp, weight, bias, c, oc, layout);
+    }
     let (w, x) = (weight_view(weight, c, oc, layout), matrix(inp, c));
     let starts: Vec<usize> = (0..oc).step_by(COLUMNS_PER_TASK).collect();
     let blocks: Vec<Vec<F>> = starts
@@ -151,14 +154,108 @@ pub fn matmul_forward_few_rows<F: Float>(
     }
 }
 
+/// Rows up to which [`matmul_forward_few_rows`] streams the weight ([`matmul_streamed`]): past
+/// them the blocked product's vector units (it picks AVX2 and FMA at run time) win over a
+/// stream's (measured on 2 cores: an `[out, in]` weight's dot products faster at 4 rows, 1.1×,
+/// an `[in, out]` weight's row updates at 2, 1.25×, and slower at 4, 0.9×; BENCHMARKS.md).
+fn streamed_rows(layout: WeightLayout) -> usize {
+    match layout {
+        WeightLayout::OutIn => 4,
+        WeightLayout::InOut => 2,
+    }
+}
+
+/// Independent partial sums of a dot product (the lanes the compiler vectorises).
+const LANES: usize = 8;
+
+/// `out[n, oc] = inp[n, c] @ W + bias` for a few rows ([`streamed_rows`]), reading the
+/// weight once, in order, as a decode step at batch 1 must (it is bound by the memory's speed,
+/// where a blocked product's packing of the weight costs as much again): the output's columns
+/// in blocks, about four a thread; within a block, an `[out, in]` weight's rows each a dot
+/// product with every input row, an `[in, out]` weight's rows added to every output row scaled
+/// by its input.
+fn matmul_streamed<F: Float>(
+    out: &mut [F],
+    inp: &[F],
+    weight: &[F],
+    bias: Option<&[F]>,
+    c: usize,
+    oc: usize,
+    layout: WeightLayout,
+) {
+    let n = inp.len() / c;
+    let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).min(oc.max(1));
+    let starts: Vec<usize> = (0..oc).step_by(width).collect();
+    let blocks: Vec<Vec<F>> = starts
+        .par_iter()
+        .map(|&first| {
+            let last = (first + width).min(oc);
+            let width = last - first;
+            let mut block = match bias {
+                Some(bias) => bias[first..last].repeat(n),
+                None => vec![F::zero(); n * width],
+            };
+            match layout {
+                WeightLayout::OutIn => {
+                    for (j, w) in weight[first * c..last * c].chunks_exact(c).enumerate() {
+                        for (r, x) in inp.chunks_exact(c).enumerate() {
+                            block[r * width + j] += dot(w, x);
+                        }
+                    }
+                }
+                WeightLayout::InOut => {
+                    for k in 0..c {
+                        let w = &weight[k * oc + first..][..width];
+                        for (r, out) in block.chunks_exact_mut(width).enumerate() {
+                            let x = inp[r * c + k];
+                            out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
+                        }
+                    }
+                }
+            }
+            block
+        })
+        .collect();
+    for (&first, block) in starts.iter().zip(&blocks) {
+        let width = block.len() / n.max(1);
+        for (row, values) in block.chunks(width.max(1)).enumerate() {
+            out[row * oc + first..][..width].copy_from_slice(values);
+        }
+    }
+}
+
+/// `Σ a[i] · b[i]`, in [`LANES`] partial sums (which the compiler vectorises).
+pub(crate) fn dot<F: Float>(a: &[F], b: &[F]) -> F {
+    let mut lanes = [F::zero(); LANES];
+    let (whole, tail) = (a.len() / LANES * LANES, a.len() % LANES);
+    for (a, b) in a[..whole].chunks_exact(LANES).zip(b[..whole].chunks_exact(LANES)) {
+        for l in 0..LANES {
+            lanes[l] += a[l] * b[l];
+        }
+    }
+    let mut sum = lanes.iter().fold(F::zero(), |sum, &x| sum + x);
+    for i in whole..whole + tail {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn few_rows_by_column_blocks_equal_the_row_blocked_product() {
-        // 600 output columns: blocks of 256, 256 and 88; both layouts, with and without bias.
-        let (n, c, oc) = (3, 7, 600);
+        // 600 output columns (the blocked product's blocks of 256, 256 and 88); both layouts,
+        // with and without bias; 1 to 4 rows (streamed up to 4 or 2 by the layout; inputs of 7
+        // and 21: a dot product's partial sums and its tail), 5 by the blocked product.
+        for (n, c) in [(1, 7), (2, 21), (3, 7), (4, 21), (5, 7)] {
+            few_rows_equal_the_row_blocked_product(n, c, 600);
+        }
+        few_rows_equal_the_row_blocked_product(1, 16, 5);
+    }
+
+    fn few_rows_equal_the_row_blocked_product(n: usize, c: usize, oc: usize) {
         let inp: Vec<f64> = (0..n * c).map(|i| (i as f64 * 0.37).sin()).collect();
         let weight: Vec<f64> = (0..c * oc).map(|i| (i as f64 * 0.11).cos()).collect();
         let bias: Vec<f64> = (0..oc).map(|i| i as f64 * 0.01).collect();
@@ -170,7 +267,7 @@ mod tests {
                 matmul_forward_few_rows(&mut found, &inp, &weight, bias, c, oc, layout);
                 let error =
                     expected.iter().zip(&found).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-                assert!(error < 1e-12, "{layout:?}, bias {}: {error}", bias.is_some());
+                assert!(error < 1e-12, "{n}×{c}, {layout:?}, bias {}: {error}", bias.is_some());
             }
         }
     }
