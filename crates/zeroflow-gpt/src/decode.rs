@@ -7,7 +7,7 @@
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_nn::Float;
 use zeroflow_nn::WeightLayout::{InOut, OutIn};
-use zeroflow_nn::infer::{CachedAttention, CachedRow, Decoder, KvCache, StepRows};
+use zeroflow_nn::infer::{CachedAttention, CachedRow, Decoder, HostDecoder, KvCache, StepRows};
 use zeroflow_nn::kernels::matmul::matmul_forward_few_rows;
 use zeroflow_nn::kernels::{encoder, pointwise::residual_forward};
 
@@ -39,28 +39,6 @@ impl<'a, F: Float> GptDecoder<'a, F> {
         }
         let cache = KvCache::new(config.n_layer, attention(config), 0, 0);
         Ok(GptDecoder { config: *config, params, weights, cache })
-    }
-
-    /// This decoder holding `cache` (taken from a decoder of the same model with
-    /// [`GptDecoder::take_cache`]): a decoder made for each turn of a conversation continues it. An
-    /// error where the cache is another model's shape.
-    pub fn with_cache(mut self, cache: KvCache<F>) -> Result<Self, GptError> {
-        let (layers, shape) = (self.config.n_layer, attention(&self.config));
-        if (cache.layers(), cache.shape()) != (layers, shape) {
-            return Err(GptError::Batch(format!(
-                "a cache of {} layers of {:?} for a model of {layers} of {shape:?}",
-                cache.layers(),
-                cache.shape()
-            )));
-        }
-        self.cache = cache;
-        Ok(self)
-    }
-
-    /// The key/value cache, an empty one left in its place.
-    pub fn take_cache(&mut self) -> KvCache<F> {
-        let empty = KvCache::new(self.config.n_layer, attention(&self.config), 0, 0);
-        std::mem::replace(&mut self.cache, empty)
     }
 
     /// Runs a step's rows (already counted by the cache) and returns the logits
@@ -179,5 +157,15 @@ impl<F: Float> Decoder for GptDecoder<'_, F> {
         let capacity = capacity.min(self.config.context);
         let step = self.cache.extend(keep, tokens, capacity).map_err(GptError::Batch)?;
         self.step(&step)
+    }
+}
+
+impl<F: Float> HostDecoder for GptDecoder<'_, F> {
+    fn cache_mut(&mut self) -> &mut KvCache<F> {
+        &mut self.cache
+    }
+
+    fn cache_shape(&self) -> (usize, CachedAttention) {
+        (self.config.n_layer, attention(&self.config))
     }
 }

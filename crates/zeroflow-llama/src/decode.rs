@@ -10,7 +10,7 @@ use std::ops::Range;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_nn::Float;
 use zeroflow_nn::WeightLayout::OutIn;
-use zeroflow_nn::infer::{CachedAttention, CachedRow, Decoder, KvCache, StepRows};
+use zeroflow_nn::infer::{CachedAttention, CachedRow, Decoder, HostDecoder, KvCache, StepRows};
 use zeroflow_nn::kernels::matmul::matmul_forward_few_rows;
 use zeroflow_nn::kernels::pointwise::residual_forward;
 
@@ -62,28 +62,6 @@ impl<'a, F: Float> LlamaDecoder<'a, F> {
         };
         let cache = KvCache::new(config.num_hidden_layers, attention(config), 0, 0);
         Ok(LlamaDecoder { config: config.clone(), params, weights, rotary, cache })
-    }
-
-    /// This decoder holding `cache` (taken from a decoder of the same model with
-    /// [`LlamaDecoder::take_cache`]): a decoder made for each turn of a conversation continues it. An
-    /// error where the cache is another model's shape.
-    pub fn with_cache(mut self, cache: KvCache<F>) -> Result<Self, LlamaError> {
-        let (layers, shape) = (self.config.num_hidden_layers, attention(&self.config));
-        if (cache.layers(), cache.shape()) != (layers, shape) {
-            return Err(LlamaError::Batch(format!(
-                "a cache of {} layers of {:?} for a model of {layers} of {shape:?}",
-                cache.layers(),
-                cache.shape()
-            )));
-        }
-        self.cache = cache;
-        Ok(self)
-    }
-
-    /// The key/value cache, an empty one left in its place.
-    pub fn take_cache(&mut self) -> KvCache<F> {
-        let empty = KvCache::new(self.config.num_hidden_layers, attention(&self.config), 0, 0);
-        std::mem::replace(&mut self.cache, empty)
     }
 
     /// Runs a step's rows (already counted by the cache) and returns the logits
@@ -215,5 +193,15 @@ impl<F: Float> Decoder for LlamaDecoder<'_, F> {
         let capacity = capacity.min(self.max_positions());
         let step = self.cache.extend(keep, tokens, capacity).map_err(LlamaError::Batch)?;
         self.step(&step)
+    }
+}
+
+impl<F: Float> HostDecoder for LlamaDecoder<'_, F> {
+    fn cache_mut(&mut self) -> &mut KvCache<F> {
+        &mut self.cache
+    }
+
+    fn cache_shape(&self) -> (usize, CachedAttention) {
+        (self.config.num_hidden_layers, attention(&self.config))
     }
 }

@@ -17,7 +17,7 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
-use zeroflow_nn::cuda::decode::{CudaKvCache, turn_capacity};
+use zeroflow_nn::cuda::decode::{CudaKvCache, turn_batch, turn_capacity};
 use zeroflow_nn::cuda::kernels::{NnKernels, ROWS_PER_BLOCK, THREADS, blocks_for};
 use zeroflow_nn::infer::decode_attention::DeviceCacheLayout;
 use zeroflow_nn::infer::{CachedAttention, Decoder, KvCache, StepRows};
@@ -449,21 +449,13 @@ impl Decoder for CudaLlamaDecoder {
         tokens: &[u32],
         capacity: usize,
     ) -> Result<Vec<f32>, LlamaError> {
-        let held = self.batch.as_ref().map(|b| (*b.cache.layout(), b.max_rows));
-        let one = held.filter(|(layout, _)| layout.batch == 1);
-        let capacity =
-            turn_capacity(one.map(|(layout, _)| layout.capacity), capacity, self.max_positions());
+        let one = self.batch.as_ref().map(|b| *b.cache.layout()).filter(|l| l.batch == 1);
+        let capacity = turn_capacity(one.map(|l| l.capacity), capacity, self.max_positions());
         let step = self.positions.extend(keep, tokens, capacity).map_err(LlamaError::Batch)?;
-        let rows = step.rows.len();
-        if !one.is_some_and(|(layout, max_rows)| layout.capacity == capacity && max_rows >= rows) {
-            let old = self.batch.take();
-            let max_rows = rows.max(old.as_ref().map_or(1, |b| b.max_rows));
-            let batch = self.allocate(1, capacity, max_rows)?;
-            if let Some(old) = old.filter(|_| keep > 0) {
-                batch.cache.copy_prefix(self.stream(), &old.cache, keep)?;
-            }
-            self.batch = Some(batch);
-        }
+        let (held, turn) = (self.batch.take(), (keep, step.rows.len(), capacity));
+        let allocate = |max_rows| self.allocate(1, capacity, max_rows);
+        let batch = turn_batch(held, |b| (&b.cache, b.max_rows), turn, self.stream(), allocate)?;
+        self.batch = Some(batch);
         self.step(&step)
     }
 }

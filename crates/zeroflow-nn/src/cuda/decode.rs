@@ -289,6 +289,34 @@ pub fn turn_capacity(held: Option<usize>, asked: usize, max: usize) -> usize {
     }
 }
 
+/// The batch a GPU decoder runs a conversation's turn on ([`crate::infer::Decoder::extend`]),
+/// keeping `keep` positions and running `rows` rows with room for `capacity` positions: `held`,
+/// where it holds one sequence of that capacity and steps of as many rows (`cache` gives a
+/// batch's cache and the rows of its steps); else what `allocate(max_rows)` makes for steps of
+/// as many rows as before at least, the kept positions' keys and values copied over.
+pub fn turn_batch<B, E: From<DeviceError>>(
+    held: Option<B>,
+    cache: impl Fn(&B) -> (&CudaKvCache, usize),
+    (keep, rows, capacity): (usize, usize, usize),
+    stream: &CudaStream,
+    allocate: impl FnOnce(usize) -> Result<B, E>,
+) -> Result<B, E> {
+    let fits = |b: &B| {
+        let (kv, max_rows) = cache(b);
+        (kv.layout.batch, kv.layout.capacity) == (1, capacity) && max_rows >= rows
+    };
+    match held {
+        Some(batch) if fits(&batch) => Ok(batch),
+        held => {
+            let batch = allocate(rows.max(held.as_ref().map_or(1, |b| cache(b).1)))?;
+            if let Some(old) = held.filter(|_| keep > 0) {
+                cache(&batch).0.copy_prefix(stream, cache(&old).0, keep)?;
+            }
+            Ok(batch)
+        }
+    }
+}
+
 /// An error unless the kernels take `layout` and steps of `max_rows` rows.
 fn check_layout(layout: &DeviceCacheLayout, max_rows: usize) -> Result<(), DeviceError> {
     let CachedAttention { n_head, n_kv_head, head_dim } = layout.shape;

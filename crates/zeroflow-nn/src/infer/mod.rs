@@ -48,3 +48,35 @@ pub trait Decoder {
         capacity: usize,
     ) -> Result<Vec<Self::Float>, Self::Error>;
 }
+
+/// A decoder on host vectors whose key/value cache moves from one decoder of the model to the
+/// next: a conversation's decoder, which borrows the weights, is made for each turn around the
+/// cache the last turn's left ([`HostDecoder::with_cache`], [`HostDecoder::take_cache`]).
+pub trait HostDecoder: Decoder + Sized {
+    /// The decoder's cache.
+    fn cache_mut(&mut self) -> &mut KvCache<Self::Float>;
+
+    /// The layers and the attention of the model's cache.
+    fn cache_shape(&self) -> (usize, CachedAttention);
+
+    /// This decoder holding `cache` (taken from a decoder of the same model); an error where it
+    /// is another model's shape.
+    fn with_cache(mut self, cache: KvCache<Self::Float>) -> Result<Self, String> {
+        let (layers, shape) = self.cache_shape();
+        if (cache.layers(), cache.shape()) != (layers, shape) {
+            return Err(format!(
+                "a cache of {} layers of {:?} for a model of {layers} of {shape:?}",
+                cache.layers(),
+                cache.shape()
+            ));
+        }
+        *self.cache_mut() = cache;
+        Ok(self)
+    }
+
+    /// The cache, an empty one left in its place.
+    fn take_cache(&mut self) -> KvCache<Self::Float> {
+        let (layers, shape) = self.cache_shape();
+        std::mem::replace(self.cache_mut(), KvCache::new(layers, shape, 0, 0))
+    }
+}

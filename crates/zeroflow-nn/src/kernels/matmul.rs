@@ -131,26 +131,39 @@ pub fn matmul_forward_few_rows<F: Float>(
         return matmul_streamed(out, inp, weight, bias, c, oc, layout);
     }
     let (w, x) = (weight_view(weight, c, oc, layout), matrix(inp, c));
-    let starts: Vec<usize> = (0..oc).step_by(COLUMNS_PER_TASK).collect();
-    let blocks: Vec<Vec<F>> = starts
-        .par_iter()
-        .map(|&first| {
-            let last = (first + COLUMNS_PER_TASK).min(oc);
-            let width = last - first;
-            let (mut block, beta) = match bias {
-                Some(bias) => (bias[first..last].repeat(n), F::one()),
-                None => (vec![F::zero(); n * width], F::zero()),
-            };
-            let columns = w.slice(s![.., first..last]);
-            general_mat_mul(F::one(), &x, &columns, beta, &mut matrix_mut(&mut block, width));
-            block
-        })
-        .collect();
+    by_column_blocks(out, (n, oc), COLUMNS_PER_TASK, |first, last| {
+        let mut block = bias_rows(bias, n, first, last);
+        let beta = if bias.is_some() { F::one() } else { F::zero() };
+        let columns = w.slice(s![.., first..last]);
+        general_mat_mul(F::one(), &x, &columns, beta, &mut matrix_mut(&mut block, last - first));
+        block
+    });
+}
+
+/// `out[n, oc]` from blocks of its columns of `width` (the last one narrower) in parallel,
+/// `block(first, last)` giving columns `first..last` of every row, `[n, last − first]`.
+fn by_column_blocks<F: Float>(
+    out: &mut [F],
+    (n, oc): (usize, usize),
+    width: usize,
+    block: impl Fn(usize, usize) -> Vec<F> + Sync,
+) {
+    let starts: Vec<usize> = (0..oc).step_by(width.max(1)).collect();
+    let blocks: Vec<Vec<F>> =
+        starts.par_iter().map(|&first| block(first, (first + width).min(oc))).collect();
     for (&first, block) in starts.iter().zip(&blocks) {
         let width = block.len() / n.max(1);
         for (row, values) in block.chunks(width.max(1)).enumerate() {
             out[row * oc + first..][..width].copy_from_slice(values);
         }
+    }
+}
+
+/// `n` rows of the bias's columns `first..last` (zeros without one): where a block's sums start.
+fn bias_rows<F: Float>(bias: Option<&[F]>, n: usize, first: usize, last: usize) -> Vec<F> {
+    match bias {
+        Some(bias) => bias[first..last].repeat(n),
+        None => vec![F::zero(); n * (last - first)],
     }
 }
 
@@ -184,44 +197,29 @@ fn matmul_streamed<F: Float>(
     layout: WeightLayout,
 ) {
     let n = inp.len() / c;
-    let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).min(oc.max(1));
-    let starts: Vec<usize> = (0..oc).step_by(width).collect();
-    let blocks: Vec<Vec<F>> = starts
-        .par_iter()
-        .map(|&first| {
-            let last = (first + width).min(oc);
-            let width = last - first;
-            let mut block = match bias {
-                Some(bias) => bias[first..last].repeat(n),
-                None => vec![F::zero(); n * width],
-            };
-            match layout {
-                WeightLayout::OutIn => {
-                    for (j, w) in weight[first * c..last * c].chunks_exact(c).enumerate() {
-                        for (r, x) in inp.chunks_exact(c).enumerate() {
-                            block[r * width + j] += dot(w, x);
-                        }
-                    }
-                }
-                WeightLayout::InOut => {
-                    for k in 0..c {
-                        let w = &weight[k * oc + first..][..width];
-                        for (r, out) in block.chunks_exact_mut(width).enumerate() {
-                            let x = inp[r * c + k];
-                            out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
-                        }
+    let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16);
+    by_column_blocks(out, (n, oc), width, |first, last| {
+        let (mut block, width) = (bias_rows(bias, n, first, last), last - first);
+        match layout {
+            WeightLayout::OutIn => {
+                for (j, w) in weight[first * c..last * c].chunks_exact(c).enumerate() {
+                    for (r, x) in inp.chunks_exact(c).enumerate() {
+                        block[r * width + j] += dot(w, x);
                     }
                 }
             }
-            block
-        })
-        .collect();
-    for (&first, block) in starts.iter().zip(&blocks) {
-        let width = block.len() / n.max(1);
-        for (row, values) in block.chunks(width.max(1)).enumerate() {
-            out[row * oc + first..][..width].copy_from_slice(values);
+            WeightLayout::InOut => {
+                for k in 0..c {
+                    let w = &weight[k * oc + first..][..width];
+                    for (r, out) in block.chunks_exact_mut(width).enumerate() {
+                        let x = inp[r * c + k];
+                        out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
+                    }
+                }
+            }
         }
-    }
+        block
+    });
 }
 
 /// `Σ a[i] · b[i]`, in [`LANES`] partial sums (which the compiler vectorises).

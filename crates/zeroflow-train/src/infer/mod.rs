@@ -16,7 +16,7 @@ use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_gpt::{GptConfig, GptDecoder};
 use zeroflow_llama::{LlamaConfig, LlamaDecoder};
-use zeroflow_nn::infer::{Continuation, Decoder, KvCache, generate};
+use zeroflow_nn::infer::{Continuation, Decoder, HostDecoder, KvCache, generate};
 pub use zeroflow_nn::infer::{EvalResult, EvalStream, GenerateOptions, Sampling};
 
 pub mod cuda;
@@ -602,27 +602,14 @@ impl Session<'_> {
         let cached = cache.take();
         match &self.model.weights {
             Weights::Gpt { config, layout, .. } => {
-                let decoder = GptDecoder::new(config, layout, weights).and_then(|d| match cached {
-                    Some(kv) => d.with_cache(kv),
-                    None => Ok(d),
-                });
-                let mut decoder = decoder.map_err(TrainError::model)?;
-                let generated =
-                    continuation.generate_with(&mut decoder, prompt, &options, on_token);
-                *cache = Some(decoder.take_cache());
-                generated.map_err(TrainError::model)
+                let decoder =
+                    GptDecoder::new(config, layout, weights).map_err(TrainError::model)?;
+                cpu_turn(decoder, (cache, cached), continuation, prompt, &options, on_token)
             }
             Weights::Llama { config, layout, .. } => {
                 let decoder =
-                    LlamaDecoder::new(config, layout, weights).and_then(|d| match cached {
-                        Some(kv) => d.with_cache(kv),
-                        None => Ok(d),
-                    });
-                let mut decoder = decoder.map_err(TrainError::model)?;
-                let generated =
-                    continuation.generate_with(&mut decoder, prompt, &options, on_token);
-                *cache = Some(decoder.take_cache());
-                generated.map_err(TrainError::model)
+                    LlamaDecoder::new(config, layout, weights).map_err(TrainError::model)?;
+                cpu_turn(decoder, (cache, cached), continuation, prompt, &options, on_token)
             }
         }
     }
@@ -631,6 +618,25 @@ impl Session<'_> {
     pub fn last_ran(&self) -> usize {
         self.continuation.last_ran()
     }
+}
+
+/// A turn of a session on the CPU: `decoder` around the cache the last turn left (`cached`),
+/// which goes back into `cache` whether the turn runs or fails.
+fn cpu_turn<D: HostDecoder<Float = f32>>(
+    decoder: D,
+    (cache, cached): (&mut Option<KvCache<f32>>, Option<KvCache<f32>>),
+    continuation: &mut Continuation,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    on_token: impl FnMut(u32),
+) -> Result<Vec<u32>> {
+    let mut decoder = match cached {
+        Some(kv) => decoder.with_cache(kv).map_err(|e| TrainError::Model(e.into()))?,
+        None => decoder,
+    };
+    let generated = continuation.generate_with(&mut decoder, prompt, options, on_token);
+    *cache = Some(decoder.take_cache());
+    generated.map_err(TrainError::model)
 }
 
 /// An input error for a sampling that is not a distribution: a negative or non-finite
