@@ -9,12 +9,12 @@ SHAPE is `gpt2-124m` (GPT-2 small), `llama-1b` (Llama 3.2 1B's shape) or one of
 scripts/generate-oracle.py's small kinds (`gpt2-odd`, `llama-gqa`, …). The model is built with
 random weights by transformers and saved (float32 safetensors) in a temporary directory; then
 
+- zeroflow first: `generate-bench DIR --device DEVICE` (crates/zeroflow-train/examples) on that
+  directory, which measures the same two calls as transformers' below;
 - transformers: the model in bfloat16 on the device (float32 on the CPU), each batch of prompts
   (the same ids as generate-bench's: prompt b, token i is (131 b + 17 i) mod 50) through
   `generate(do_sample=False)`: once with max_new_tokens=1 (the prefill), once with N new tokens
-  (min_new_tokens=N, so that no end-of-text token stops it), after a warm-up of each;
-- zeroflow: `generate-bench DIR --device DEVICE` (crates/zeroflow-train/examples) on that
-  directory, which measures the same two calls.
+  (min_new_tokens=N, so that no end-of-text token stops it), after a warm-up of each.
 
 Prints one JSON line per (system, batch): `system`, `shape`, `device`, `batch`, `prompt_len`,
 `new_tokens`, `prefill_s`, `decode_s`, `decode_tokens_per_s` (the new tokens after the first,
@@ -122,6 +122,13 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model = build(args.shape, args.seed)
         model.save_pretrained(tmp, safe_serialization=True)
+        # zeroflow first, before this process's torch has run a generation on the same cores
+        # or device (on the 16-core host, zeroflow's llama-1b decoded at batch 1 at 7.2
+        # tokens/s after transformers in the same call, 12.3 alone: BENCHMARKS.md).
+        for line in zeroflow_lines(args, tmp):
+            rows.append({"system": "zeroflow", "batch": line["batch"],
+                         "prefill_s": line["prefill_s"], "decode_s": line["decode_s"],
+                         "decode_tokens_per_s": line["decode_tokens_per_s"]})
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
         model = model.to(args.device, dtype)
         model.generation_config.eos_token_id = None
@@ -130,13 +137,6 @@ def main():
             rows.append({"system": "transformers", "batch": batch, "prefill_s": prefill_s,
                          "decode_s": decode_s,
                          "decode_tokens_per_s": batch * (args.new_tokens - 1) / decode_s})
-        del model
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-        for line in zeroflow_lines(args, tmp):
-            rows.append({"system": "zeroflow", "batch": line["batch"],
-                         "prefill_s": line["prefill_s"], "decode_s": line["decode_s"],
-                         "decode_tokens_per_s": line["decode_tokens_per_s"]})
     for row in rows:
         row.update(shape=args.shape, device=args.device, prompt_len=args.prompt_len,
                    new_tokens=args.new_tokens)
