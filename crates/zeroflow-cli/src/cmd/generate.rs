@@ -193,10 +193,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// `generate --chat` without a prompt: a conversation with `model`. Each line of standard input
 /// (blank ones skipped) is the user's next message; the whole conversation so far is rendered by
 /// `template` and continued (only the tokens after what the session's key/value cache holds of
-/// the earlier turns run: [`zeroflow_train::infer::Session`]), the reply printed (`--json`: `{"turn", "tokens", "text"}`) and
-/// kept as the assistant's message, without the token that ended it; past the model's context,
-/// without its oldest exchanges ([`fit_conversation`]). The end of the input ends it; so does a
-/// message that alone does not fit, but at a terminal, where it is said and left out.
+/// the earlier turns run: [`zeroflow_train::infer::Session`]), the reply printed (to a
+/// terminal, as it is written; `--json`: `{"turn", "tokens", "text"}`) and kept as the
+/// assistant's message, without the token that ended it; past the model's context, without its
+/// oldest exchanges ([`fit_conversation`]). The end of the input ends it; so does a message that
+/// alone does not fit, but at a terminal, where it is said and left out.
 fn converse(
     args: &Args,
     model: &zeroflow_train::infer::HostModel,
