@@ -208,12 +208,14 @@ impl<F: Float> KvCache<F> {
         let scale = F::one() / F::of(hs as f64).sqrt();
         let capacity = self.capacity;
         // A task per (row, query head): a decode step's one row still runs on every core.
-        out.par_chunks_mut(hs).enumerate().with_min_len(PAIRS_PER_TASK).for_each(|(i, out)| {
-            let (row, h) = (&rows[i / shape.n_head], i % shape.n_head);
-            let first = row.seq * capacity * kvw;
-            let query = &qkv[(i / shape.n_head) * width + h * hs..][..hs];
-            let kv = (h / group) * hs;
-            let mut weights = vec![F::zero(); row.pos + 1];
+        // Each task's attention weights in one buffer, not one for each pair.
+        let pairs = out.par_chunks_mut(hs).enumerate().with_min_len(PAIRS_PER_TASK);
+        pairs.for_each_init(Vec::new, |weights, (i, out)| {
+            let (r, h) = (i / shape.n_head, i % shape.n_head);
+            let (row, query) = (&rows[r], &qkv[r * width + h * hs..][..hs]);
+            let (first, kv) = (row.seq * capacity * kvw, (h / group) * hs);
+            weights.clear();
+            weights.resize(row.pos + 1, F::zero());
             let mut max = F::neg_infinity();
             for (t2, score) in weights.iter_mut().enumerate() {
                 let key = &keys[first + t2 * kvw + kv..][..hs];

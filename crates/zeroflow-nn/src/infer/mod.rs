@@ -9,7 +9,7 @@ pub mod sample;
 
 pub use eval::{EvalResult, EvalStream, eval_on_host, eval_windows, windows};
 pub use kv_cache::{CachedAttention, CachedRow, KvCache, StepRows};
-pub use sample::{Continuation, GenerateOptions, Sampling, generate, generate_with, sample_token};
+pub use sample::{Continuation, GenerateOptions, Sampling, generate, sample_token};
 
 use crate::float::Float;
 

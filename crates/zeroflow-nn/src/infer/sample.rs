@@ -98,17 +98,6 @@ pub fn generate<D: Decoder>(
     prompts: &[Vec<u32>],
     options: &GenerateOptions,
 ) -> Result<Vec<Vec<u32>>, D::Error> {
-    generate_with(model, prompts, options, |_, _| {})
-}
-
-/// [`generate`], telling `on_token(seq, token)` of each new token as it is chosen (to show a
-/// completion as it is written).
-pub fn generate_with<D: Decoder>(
-    model: &mut D,
-    prompts: &[Vec<u32>],
-    options: &GenerateOptions,
-    mut on_token: impl FnMut(usize, u32),
-) -> Result<Vec<Vec<u32>>, D::Error> {
     if prompts.is_empty() || options.max_new_tokens == 0 {
         return Ok(vec![Vec::new(); prompts.len()]);
     }
@@ -117,7 +106,7 @@ pub fn generate_with<D: Decoder>(
     let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let logits = model.prefill(&views, capacity)?;
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    decode_from(model, logits, &lens, capacity, options, &mut on_token)
+    decode_from(model, logits, &lens, capacity, options, &mut |_, _| {})
 }
 
 /// The new tokens of sequences `0..lens.len()` (sequence `b` of `lens[b]` positions, in a cache
