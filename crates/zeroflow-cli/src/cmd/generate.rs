@@ -205,7 +205,7 @@ fn converse(
     template: &zeroflow_data::ChatTemplate,
     completion: &Completion,
 ) -> anyhow::Result<()> {
-    use std::io::{BufRead, IsTerminal, Write};
+    use std::io::{BufRead, Write};
     let (terminal, shown) = (std::io::stdin().is_terminal(), std::io::stdout().is_terminal());
     if terminal {
         eprintln!("a conversation with {}: type a message, Ctrl-D to end", args.model.display());

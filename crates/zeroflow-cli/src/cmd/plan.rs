@@ -9,31 +9,34 @@ use zeroflow_train::plan::GivenMemory;
 use crate::InputError;
 use crate::settings;
 
+/// The help heading of `plan`'s own options (after `train`'s).
+const THE_PLAN: &str = "The plan";
+
 #[derive(Debug, clap::Args)]
 pub struct PlanArgs {
     #[command(flatten)]
     train: super::train::Args,
     /// Print one JSON object (with gpu_total_bytes and host_total_bytes) instead of the table.
-    #[arg(long, help_heading = "The plan")]
+    #[arg(long, help_heading = THE_PLAN)]
     json: bool,
     /// Plan for a GPU of this much memory, with nothing else on it, instead of this machine's
     /// (which then needs no GPU): 80 (GiB), 80GiB, 94GB, 81559MiB. With --device cuda. The
     /// default device share (`fit`) is chosen for it.
-    #[arg(long, help_heading = "The plan", value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, help_heading = THE_PLAN, value_name = "SIZE", value_parser = parse_size)]
     gpu_memory: Option<u64>,
     /// Plan for a host with this much memory available instead of what this machine has: 256
     /// (GiB), 512GiB, 1TB.
-    #[arg(long, help_heading = "The plan", value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, help_heading = THE_PLAN, value_name = "SIZE", value_parser = parse_size)]
     host_memory: Option<u64>,
     /// Plan rank 0 of a job of N processes (one per GPU) on each of --nnodes hosts, as `zeroflow
     /// launch --nproc-per-node N` starts them: the optimizer partitioned over them, the host's
     /// memory shared by its N. Default: the launcher's environment, else one process.
-    #[arg(long, help_heading = "The plan", value_name = "N")]
+    #[arg(long, help_heading = THE_PLAN, value_name = "N")]
     nproc_per_node: Option<std::num::NonZeroUsize>,
     /// With --nproc-per-node: the hosts of the job.
     #[arg(
         long,
-        help_heading = "The plan",
+        help_heading = THE_PLAN,
         value_name = "M",
         requires = "nproc_per_node",
         default_value = "1"
