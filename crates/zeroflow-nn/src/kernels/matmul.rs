@@ -3,6 +3,11 @@
 
 use ndarray::{ArrayView2, ArrayViewMut2, linalg::general_mat_mul, s};
 use rayon::prelude::*;
+#[cfg(target_arch = "x86_64")]
+use std::any::TypeId;
+
+#[cfg(target_arch = "x86_64")]
+use super::few_rows_avx2;
 
 use crate::float::Float;
 
@@ -168,25 +173,32 @@ fn bias_rows<F: Float>(bias: Option<&[F]>, n: usize, first: usize, last: usize) 
 }
 
 /// Rows up to which [`matmul_forward_few_rows`] streams the weight ([`matmul_streamed`]): past
-/// them the blocked product's vector units (it picks AVX2 and FMA at run time) win over a
-/// stream's (measured on 2 cores: an `[out, in]` weight's dot products faster at 4 rows, 1.1×,
-/// an `[in, out]` weight's row updates at 2, 1.25×, and slower at 4, 0.9×; BENCHMARKS.md).
+/// them the blocked product's register tiles win over a stream's (`benches/few_rows.rs` on 2
+/// cores with AVX2: an `[out, in]` weight's dot products even with it at 8 rows and slower at
+/// 16; an `[in, out]` weight's row updates faster at 4 rows at GPT-2's shapes, slower at 8).
 fn streamed_rows(layout: WeightLayout) -> usize {
     match layout {
-        WeightLayout::OutIn => 4,
-        WeightLayout::InOut => 2,
+        WeightLayout::OutIn => 8,
+        WeightLayout::InOut => 4,
     }
 }
 
 /// Independent partial sums of a dot product (the lanes the compiler vectorises).
 const LANES: usize = 8;
 
+/// Columns of an `[in, out]` weight that a block of [`matmul_streamed`] takes at least past one
+/// row: its rows read 256 bytes at a time (in blocks of 16 columns, as 16 threads take GPT-2's,
+/// the few-row kernel ran slower than the one-row stream; BENCHMARKS.md).
+const IN_OUT_WIDTH: usize = 64;
+
 /// `out[n, oc] = inp[n, c] @ W + bias` for a few rows ([`streamed_rows`]), reading the
 /// weight once, in order, as a decode step at batch 1 must (it is bound by the memory's speed,
 /// where a blocked product's packing of the weight costs as much again): the output's columns
 /// in blocks, about four a thread; within a block, an `[out, in]` weight's rows each a dot
 /// product with every input row, an `[in, out]` weight's rows added to every output row scaled
-/// by its input.
+/// by its input. In f32 on a CPU with AVX2 and FMA, a block of more than one row is
+/// [`few_rows_avx2`]'s: each piece of the weight read once for up to four input rows, with fused
+/// multiply-adds (one row, bound by the memory's speed, ran slower so on 16 cores; BENCHMARKS.md).
 fn matmul_streamed<F: Float>(
     out: &mut [F],
     inp: &[F],
@@ -197,29 +209,70 @@ fn matmul_streamed<F: Float>(
     layout: WeightLayout,
 ) {
     let n = inp.len() / c;
-    let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16);
+    let least = if layout == WeightLayout::InOut && n > 1 { IN_OUT_WIDTH } else { 16 };
+    let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).max(least);
+    #[cfg(target_arch = "x86_64")]
+    let fused =
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
     by_column_blocks(out, (n, oc), width, |first, last| {
-        let (mut block, width) = (bias_rows(bias, n, first, last), last - first);
-        match layout {
-            WeightLayout::OutIn => {
-                for (j, w) in weight[first * c..last * c].chunks_exact(c).enumerate() {
-                    for (r, x) in inp.chunks_exact(c).enumerate() {
-                        block[r * width + j] += dot(w, x);
-                    }
-                }
-            }
-            WeightLayout::InOut => {
-                for k in 0..c {
-                    let w = &weight[k * oc + first..][..width];
-                    for (r, out) in block.chunks_exact_mut(width).enumerate() {
-                        let x = inp[r * c + k];
-                        out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
-                    }
+        let mut block = bias_rows(bias, n, first, last);
+        #[cfg(target_arch = "x86_64")]
+        if let (true, Some(inp), Some(weight)) = (fused && n > 1, as_f32(inp), as_f32(weight)) {
+            let dot = layout == WeightLayout::OutIn;
+            let out = as_f32_mut(&mut block).expect("F is f32, as the input");
+            // SAFETY: `fused` says this CPU has AVX2 and FMA.
+            unsafe { few_rows_avx2::streamed_block(out, inp, weight, (c, oc, first), dot) };
+            return block;
+        }
+        streamed_block(&mut block, (inp, weight, c, oc, first), layout);
+        block
+    });
+}
+
+/// `x` as f32, where `F` is f32.
+#[cfg(target_arch = "x86_64")]
+fn as_f32<F: Float>(x: &[F]) -> Option<&[f32]> {
+    (TypeId::of::<F>() == TypeId::of::<f32>()).then(|| {
+        // SAFETY: `F` is f32 (checked just above): the same slice.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) }
+    })
+}
+
+/// `x` as f32, where `F` is f32.
+#[cfg(target_arch = "x86_64")]
+fn as_f32_mut<F: Float>(x: &mut [F]) -> Option<&mut [f32]> {
+    (TypeId::of::<F>() == TypeId::of::<f32>()).then(|| {
+        // SAFETY: `F` is f32 (checked just above): the same slice, borrowed as uniquely.
+        unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) }
+    })
+}
+
+/// Adds the products of one block of [`matmul_streamed`] to `block` (`[n, width]`, its bias):
+/// every input row (`inp`) times the weight's columns from `first` on.
+fn streamed_block<F: Float>(
+    block: &mut [F],
+    (inp, weight, c, oc, first): (&[F], &[F], usize, usize, usize),
+    layout: WeightLayout,
+) {
+    let width = block.len() / (inp.len() / c);
+    match layout {
+        WeightLayout::OutIn => {
+            for (j, w) in weight[first * c..][..width * c].chunks_exact(c).enumerate() {
+                for (r, x) in inp.chunks_exact(c).enumerate() {
+                    block[r * width + j] += dot(w, x);
                 }
             }
         }
-        block
-    });
+        WeightLayout::InOut => {
+            for k in 0..c {
+                let w = &weight[k * oc + first..][..width];
+                for (r, out) in block.chunks_exact_mut(width).enumerate() {
+                    let x = inp[r * c + k];
+                    out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
+                }
+            }
+        }
+    }
 }
 
 /// `Σ a[i] · b[i]`, in [`LANES`] partial sums (which the compiler vectorises).
@@ -245,12 +298,42 @@ mod tests {
     #[test]
     fn few_rows_by_column_blocks_equal_the_row_blocked_product() {
         // 600 output columns (the blocked product's blocks of 256, 256 and 88); both layouts,
-        // with and without bias; 1 to 4 rows (streamed up to 4 or 2 by the layout; inputs of 7
-        // and 21: a dot product's partial sums and its tail), 5 by the blocked product.
-        for (n, c) in [(1, 7), (2, 21), (3, 7), (4, 21), (5, 7)] {
+        // with and without bias; 1 to 9 rows (streamed up to 8 or 4 by the layout; inputs of 7
+        // and 21: a dot product's partial sums and its tail), past them by the blocked product.
+        for (n, c) in [(1, 7), (2, 21), (3, 7), (4, 21), (5, 7), (6, 21), (8, 7), (9, 21)] {
             few_rows_equal_the_row_blocked_product(n, c, 600);
         }
         few_rows_equal_the_row_blocked_product(1, 16, 5);
+    }
+
+    #[test]
+    fn few_rows_in_f32_equal_the_product_in_f64() {
+        // f32 takes the AVX2 and FMA block past one row where the CPU has them (else the generic):
+        // inputs of 37 (a dot product's two registers and its tail; the weight's rows four at a
+        // time and one), 83 and 600 output columns (blocks' registers and their tails), 1 to 8
+        // rows (passes of 4 and the rest).
+        for (n, c, oc) in [(1, 37, 83), (2, 37, 600), (3, 64, 83), (4, 37, 600), (7, 37, 83)] {
+            let inp: Vec<f32> = (0..n * c).map(|i| (i as f32 * 0.37).sin()).collect();
+            let weight: Vec<f32> = (0..c * oc).map(|i| (i as f32 * 0.11).cos()).collect();
+            let bias: Vec<f32> = (0..oc).map(|i| i as f32 * 0.01).collect();
+            let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                let mut expected = vec![0.0; n * oc];
+                let (inp64, weight64, bias64) = (wide(&inp), wide(&weight), wide(&bias));
+                matmul_forward(&mut expected, &inp64, &weight64, Some(&bias64), c, oc, layout);
+                let mut found = vec![f32::NAN; n * oc];
+                matmul_forward_few_rows(&mut found, &inp, &weight, Some(&bias), c, oc, layout);
+                // Every term is at most 1 in size: c terms, each rounded once or twice in f32.
+                let bound = 2.0 * c as f64 * f64::from(f32::EPSILON);
+                for (i, (&e, &f)) in expected.iter().zip(&found).enumerate() {
+                    let error = (e - f64::from(f)).abs();
+                    assert!(
+                        error <= bound,
+                        "{n}×{c}×{oc} {layout:?}, output {i}: {error} > {bound}"
+                    );
+                }
+            }
+        }
     }
 
     fn few_rows_equal_the_row_blocked_product(n: usize, c: usize, oc: usize) {

@@ -9,6 +9,8 @@
 
 pub mod attention;
 pub mod encoder;
+#[cfg(target_arch = "x86_64")]
+mod few_rows_avx2;
 pub mod loss;
 pub mod matmul;
 pub mod pointwise;

@@ -1,0 +1,156 @@
+//! A decode step's products in f32 with AVX2 and FMA: [`matmul`](super::matmul)'s streamed block,
+//! written in the instructions' own terms, where the compiler's vectoriser of the generic block
+//! keeps one row's partial sums per register and waits on each fused multiply-add's latency.
+//! The same order of work as the generic block (each piece of the weight read once, for up to
+//! four input rows at a time), each product fused with its sum: results differ from the generic
+//! block's in the last bits.
+
+use std::arch::x86_64::*;
+
+/// Input rows per pass, as the generic block's.
+const ROWS_PER_PASS: usize = 4;
+/// Floats in a register.
+const LANES: usize = 8;
+/// Rows of an `[in, out]` weight added to the outputs in one pass over them.
+const WEIGHT_ROWS_PER_PASS: usize = 4;
+
+/// Adds to `block` (`[n, width]`, holding the bias) every input row (`inp`, `[n, c]`) times the
+/// weight's columns `first..first + width`: an `[out, in]` weight's rows `first..` (`dot`), or
+/// an `[in, out]` weight's columns (`!dot`, the weight `[c, oc]`). Each piece of the weight (a
+/// row of an `[out, in]` weight, four rows of an `[in, out]` one) is read from memory once and
+/// used by every input row, [`ROWS_PER_PASS`] at a time.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn streamed_block(
+    block: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    (c, oc, first): (usize, usize, usize),
+    dot: bool,
+) {
+    let n = inp.len() / c;
+    let width = block.len() / n;
+    assert!(block.len() == n * width && inp.len() == n * c && first + width <= oc);
+    assert!(weight.len() >= c * oc);
+    if dot {
+        for (j, w) in weight[first * c..][..width * c].chunks_exact(c).enumerate() {
+            let passes = block.chunks_mut(ROWS_PER_PASS * width).zip(inp.chunks(ROWS_PER_PASS * c));
+            for (out, x) in passes {
+                match x.len() / c {
+                    4 => add_dots::<4>(out, w, x, (j, width)),
+                    3 => add_dots::<3>(out, w, x, (j, width)),
+                    2 => add_dots::<2>(out, w, x, (j, width)),
+                    _ => add_dots::<1>(out, w, x, (j, width)),
+                }
+            }
+        }
+        return;
+    }
+    let whole = c / WEIGHT_ROWS_PER_PASS * WEIGHT_ROWS_PER_PASS;
+    let ks = (0..whole).step_by(WEIGHT_ROWS_PER_PASS).map(|k| (k, WEIGHT_ROWS_PER_PASS));
+    for (k, rows) in ks.chain((whole..c).map(|k| (k, 1))) {
+        let passes = block.chunks_mut(ROWS_PER_PASS * width).zip(inp.chunks(ROWS_PER_PASS * c));
+        for (out, x) in passes {
+            let at = (c, oc, first, k);
+            match (x.len() / c, rows) {
+                (4, 1) => rows_added::<4, 1>(out, x, weight, at),
+                (3, 1) => rows_added::<3, 1>(out, x, weight, at),
+                (2, 1) => rows_added::<2, 1>(out, x, weight, at),
+                (_, 1) => rows_added::<1, 1>(out, x, weight, at),
+                (4, _) => rows_added::<4, WEIGHT_ROWS_PER_PASS>(out, x, weight, at),
+                (3, _) => rows_added::<3, WEIGHT_ROWS_PER_PASS>(out, x, weight, at),
+                (2, _) => rows_added::<2, WEIGHT_ROWS_PER_PASS>(out, x, weight, at),
+                (_, _) => rows_added::<1, WEIGHT_ROWS_PER_PASS>(out, x, weight, at),
+            }
+        }
+    }
+}
+
+/// Adds to column `j` of `R` output rows (`out`, `[R, width]`) the dot products of an `[out, in]`
+/// weight's row `w` with their input rows (`x`, `[R, c]`), each in two registers of partial sums
+/// (so that `2R` fused multiply-adds are in flight).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn add_dots<const R: usize>(out: &mut [f32], w: &[f32], x: &[f32], (j, width): (usize, usize)) {
+    let len = w.len();
+    let whole = len / (2 * LANES) * (2 * LANES);
+    let x: [&[f32]; R] = std::array::from_fn(|r| &x[r * len..][..len]);
+    let (mut a, mut b) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    for i in (0..whole).step_by(2 * LANES) {
+        let (w0, w1) = (load(&w[i..]), load(&w[i + LANES..]));
+        for r in 0..R {
+            a[r] = _mm256_fmadd_ps(w0, load(&x[r][i..]), a[r]);
+            b[r] = _mm256_fmadd_ps(w1, load(&x[r][i + LANES..]), b[r]);
+        }
+    }
+    for r in 0..R {
+        let mut sum = lane_sum(_mm256_add_ps(a[r], b[r]));
+        for i in whole..len {
+            sum = w[i].mul_add(x[r][i], sum);
+        }
+        out[r * width + j] += sum;
+    }
+}
+
+/// Weight rows `k..k + K` (of an `[in, out]` weight, columns `first..`, as wide as the outputs)
+/// added to `R` output rows (`out`, `[R, width]`), scaled by the inputs `k..k + K` of each (`x`,
+/// `[R, c]`), in order of `k`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn rows_added<const R: usize, const K: usize>(
+    out: &mut [f32],
+    x: &[f32],
+    weight: &[f32],
+    (c, oc, first, k): (usize, usize, usize, usize),
+) {
+    let width = out.len() / R;
+    let whole = width / LANES * LANES;
+    let mut rows = out.chunks_exact_mut(width);
+    let mut out: [&mut [f32]; R] = std::array::from_fn(|_| rows.next().expect("R rows"));
+    let w: [&[f32]; K] = std::array::from_fn(|i| &weight[(k + i) * oc + first..][..width]);
+    let scale: [[f32; R]; K] = std::array::from_fn(|i| std::array::from_fn(|r| x[r * c + k + i]));
+    let broadcast = scale.map(|row| row.map(|s| _mm256_set1_ps(s)));
+    for j in (0..whole).step_by(LANES) {
+        let w: [__m256; K] = w.map(|w| load(&w[j..]));
+        for (r, out) in out.iter_mut().enumerate() {
+            let mut sum = load(&out[j..]);
+            for i in 0..K {
+                sum = _mm256_fmadd_ps(broadcast[i][r], w[i], sum);
+            }
+            store(&mut out[j..], sum);
+        }
+    }
+    for j in whole..width {
+        for (r, out) in out.iter_mut().enumerate() {
+            for i in 0..K {
+                out[j] = scale[i][r].mul_add(w[i][j], out[j]);
+            }
+        }
+    }
+}
+
+/// The first [`LANES`] floats of `x`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn load(x: &[f32]) -> __m256 {
+    let x = &x[..LANES];
+    // SAFETY: `x` holds LANES floats; the load asks no alignment.
+    unsafe { _mm256_loadu_ps(x.as_ptr()) }
+}
+
+/// Stores `v` in the first [`LANES`] floats of `x`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn store(x: &mut [f32], v: __m256) {
+    let x = &mut x[..LANES];
+    // SAFETY: `x` holds LANES floats; the store asks no alignment.
+    unsafe { _mm256_storeu_ps(x.as_mut_ptr(), v) }
+}
+
+/// The sum of a register's lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn lane_sum(v: __m256) -> f32 {
+    let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps::<1>(quarter, quarter)))
+}
