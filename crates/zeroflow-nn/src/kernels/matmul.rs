@@ -323,7 +323,8 @@ mod tests {
                 matmul_forward(&mut expected, &inp64, &weight64, Some(&bias64), c, oc, layout);
                 let mut found = vec![f32::NAN; n * oc];
                 matmul_forward_few_rows(&mut found, &inp, &weight, Some(&bias), c, oc, layout);
-                // Every term is at most 1 in size: c terms, each rounded once or twice in f32.
+                // c terms of size at most 1: far above these sums' rounding in f32, far below
+                // what a term lost or counted twice moves an output by.
                 let bound = 2.0 * c as f64 * f64::from(f32::EPSILON);
                 for (i, (&e, &f)) in expected.iter().zip(&found).enumerate() {
                     let error = (e - f64::from(f)).abs();
