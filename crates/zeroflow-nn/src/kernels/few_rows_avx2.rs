@@ -1,14 +1,14 @@
-//! A decode step's products in f32 with AVX2 and FMA: [`matmul`](super::matmul)'s streamed block,
-//! written in the instructions' own terms, where the compiler's vectoriser of the generic block
-//! keeps one row's partial sums per register and waits on each fused multiply-add's latency.
-//! The same order of work as the generic block (each piece of the weight read once, for up to
-//! four input rows at a time), each product fused with its sum: results differ from the generic
-//! block's in the last bits. The loops load and store through pointers within lengths checked
+//! A decode step's products in f32 with AVX2 and FMA: [`matmul`](super::matmul)'s streamed block
+//! past one row, written in the instructions' own terms (the compiler's vectoriser, given the
+//! generic block in passes of rows, spread a row's partial sums across registers and waited on
+//! each fused multiply-add's latency). Unlike the generic block, which runs each input row over
+//! the weight on its own, each piece of the weight is used by up to four input rows at a time,
+//! each product fused with its sum: results differ from the generic block's in the last bits. The loops load and store through pointers within lengths checked
 //! once a call (a bounds check on every load cost 5–25 % of a product at 2–8 rows, on 2 cores).
 
 use std::arch::x86_64::*;
 
-/// Input rows per pass, as the generic block's.
+/// Input rows that share each load of the weight.
 const ROWS_PER_PASS: usize = 4;
 /// Floats in a register.
 const LANES: usize = 8;

@@ -224,7 +224,7 @@ fn matmul_streamed<F: Float>(
             unsafe { few_rows_avx2::streamed_block(out, inp, weight, (c, oc, first), dot) };
             return block;
         }
-        streamed_block(&mut block, (inp, weight, c, oc, first), layout);
+        streamed_block(&mut block, inp, weight, (c, oc, first), layout);
         block
     });
 }
@@ -248,10 +248,13 @@ fn as_f32_mut<F: Float>(x: &mut [F]) -> Option<&mut [f32]> {
 }
 
 /// Adds the products of one block of [`matmul_streamed`] to `block` (`[n, width]`, its bias):
-/// every input row (`inp`) times the weight's columns from `first` on.
+/// every input row (`inp`, `[n, c]`) times the weight's columns from `first` on, as
+/// [`few_rows_avx2`]'s `streamed_block`.
 fn streamed_block<F: Float>(
     block: &mut [F],
-    (inp, weight, c, oc, first): (&[F], &[F], usize, usize, usize),
+    inp: &[F],
+    weight: &[F],
+    (c, oc, first): (usize, usize, usize),
     layout: WeightLayout,
 ) {
     let width = block.len() / (inp.len() / c);
