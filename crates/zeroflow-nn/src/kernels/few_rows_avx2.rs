@@ -3,8 +3,11 @@
 //! generic block in passes of rows, spread a row's partial sums across registers and waited on
 //! each fused multiply-add's latency). Unlike the generic block, which runs each input row over
 //! the weight on its own, each piece of the weight is used by up to four input rows at a time,
-//! each product fused with its sum: results differ from the generic block's in the last bits. The loops load and store through pointers within lengths checked
-//! once a call (a bounds check on every load cost 5–25 % of a product at 2–8 rows, on 2 cores).
+//! and each piece of an input row by three rows of an `[out, in]` weight (twelve registers of
+//! partial sums for seven loads), each product fused with its sum: results differ from the
+//! generic block's in the last bits. The loops load and store through pointers within lengths
+//! checked once a call (a bounds check on every load cost 5–25 % of a product at 2–8 rows, on 2
+//! cores).
 
 use std::arch::x86_64::*;
 
@@ -12,14 +15,16 @@ use std::arch::x86_64::*;
 const ROWS_PER_PASS: usize = 4;
 /// Floats in a register.
 const LANES: usize = 8;
+/// Rows of an `[out, in]` weight dotted with the input rows in one pass over them.
+const DOT_ROWS_PER_PASS: usize = 3;
 /// Rows of an `[in, out]` weight added to the outputs in one pass over them.
 const WEIGHT_ROWS_PER_PASS: usize = 4;
 
 /// Adds to `block` (`[n, width]`, holding the bias) every input row (`inp`, `[n, c]`) times the
 /// weight's columns `first..first + width`: an `[out, in]` weight's rows `first..` (`dot`), or
-/// an `[in, out]` weight's columns (`!dot`, the weight `[c, oc]`). Each piece of the weight (a
-/// row of an `[out, in]` weight, four rows of an `[in, out]` one) is read from memory once and
-/// used by every input row, [`ROWS_PER_PASS`] at a time.
+/// an `[in, out]` weight's columns (`!dot`, the weight `[c, oc]`). Each piece of the weight
+/// (three rows of an `[out, in]` weight, four rows of an `[in, out]` one) is read from memory
+/// once and used by every input row, [`ROWS_PER_PASS`] at a time.
 #[target_feature(enable = "avx2,fma")]
 pub(super) fn streamed_block(
     block: &mut [f32],
@@ -33,15 +38,13 @@ pub(super) fn streamed_block(
     assert!(block.len() == n * width && inp.len() == n * c && first + width <= oc);
     assert!(weight.len() >= c * oc);
     if dot {
-        for (j, w) in weight[first * c..][..width * c].chunks_exact(c).enumerate() {
-            let passes = block.chunks_mut(ROWS_PER_PASS * width).zip(inp.chunks(ROWS_PER_PASS * c));
-            for (out, x) in passes {
-                match x.len() / c {
-                    4 => add_dots::<4>(out, w, x, (j, width)),
-                    3 => add_dots::<3>(out, w, x, (j, width)),
-                    2 => add_dots::<2>(out, w, x, (j, width)),
-                    _ => add_dots::<1>(out, w, x, (j, width)),
-                }
+        let rows = &weight[first * c..][..width * c];
+        for (g, w) in rows.chunks(DOT_ROWS_PER_PASS * c).enumerate() {
+            let at = (g * DOT_ROWS_PER_PASS, width);
+            match w.len() / c {
+                3 => dots_of_rows::<3>(block, inp, w, at),
+                2 => dots_of_rows::<2>(block, inp, w, at),
+                _ => dots_of_rows::<1>(block, inp, w, at),
             }
         }
         return;
@@ -66,34 +69,70 @@ pub(super) fn streamed_block(
     }
 }
 
-/// Adds to column `j` of `R` output rows (`out`, `[R, width]`) the dot products of an `[out, in]`
-/// weight's row `w` with their input rows (`x`, `[R, c]`), each in two registers of partial sums
-/// (so that `2R` fused multiply-adds are in flight).
+/// Adds to columns `j..j + J` of every output row (`block`, `[n, width]`) the dot products of
+/// `J` rows of an `[out, in]` weight (`w`, `[J, c]`) with every input row (`inp`, `[n, c]`),
+/// [`ROWS_PER_PASS`] input rows at a time.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn add_dots<const R: usize>(out: &mut [f32], w: &[f32], x: &[f32], (j, width): (usize, usize)) {
-    let len = w.len();
-    let whole = len / (2 * LANES) * (2 * LANES);
+fn dots_of_rows<const J: usize>(
+    block: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    (j, width): (usize, usize),
+) {
+    let c = w.len() / J;
+    let w: [&[f32]; J] = std::array::from_fn(|q| &w[q * c..][..c]);
+    let passes = block.chunks_mut(ROWS_PER_PASS * width).zip(inp.chunks(ROWS_PER_PASS * c));
+    for (out, x) in passes {
+        match x.len() / c {
+            4 => add_dots::<4, J>(out, w, x, (j, width)),
+            3 => add_dots::<3, J>(out, w, x, (j, width)),
+            2 => add_dots::<2, J>(out, w, x, (j, width)),
+            _ => add_dots::<1, J>(out, w, x, (j, width)),
+        }
+    }
+}
+
+/// Adds to columns `j..j + J` of `R` output rows (`out`, `[R, width]`) the dot products of `J`
+/// rows of an `[out, in]` weight (`w`) with the `R` input rows (`x`, `[R, c]`): `R × J` registers
+/// of partial sums, each load of a weight row's piece used by the `R` input rows and each load of
+/// an input row's piece by the `J` weight rows (so that `R × J` fused multiply-adds are in flight
+/// for `R + J` loads).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn add_dots<const R: usize, const J: usize>(
+    out: &mut [f32],
+    w: [&[f32]; J],
+    x: &[f32],
+    (j, width): (usize, usize),
+) {
+    let len = w[0].len();
+    let whole = len / LANES * LANES;
     let x: [&[f32]; R] = std::array::from_fn(|r| &x[r * len..][..len]);
-    let (wp, xp) = (w.as_ptr(), x.map(<[f32]>::as_ptr));
-    let (mut a, mut b) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-    for i in (0..whole).step_by(2 * LANES) {
-        // SAFETY: i + 2 LANES ≤ whole ≤ len, the length of `w` and of every row of `x`; the
-        // loads ask no alignment.
+    let w: [&[f32]; J] = w.map(|w| &w[..len]);
+    let (wp, xp) = (w.map(<[f32]>::as_ptr), x.map(<[f32]>::as_ptr));
+    let mut sums = [[_mm256_setzero_ps(); J]; R];
+    for i in (0..whole).step_by(LANES) {
+        // SAFETY: i + LANES ≤ whole ≤ len, the length of every row of `w` and of `x`; the loads
+        // ask no alignment.
         unsafe {
-            let (w0, w1) = (_mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(wp.add(i + LANES)));
-            for r in 0..R {
-                a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp[r].add(i)), a[r]);
-                b[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp[r].add(i + LANES)), b[r]);
+            let w: [__m256; J] = wp.map(|w| _mm256_loadu_ps(w.add(i)));
+            for (sums, x) in sums.iter_mut().zip(xp) {
+                let x = _mm256_loadu_ps(x.add(i));
+                for (sum, &w) in sums.iter_mut().zip(&w) {
+                    *sum = _mm256_fmadd_ps(w, x, *sum);
+                }
             }
         }
     }
-    for r in 0..R {
-        let mut sum = lane_sum(_mm256_add_ps(a[r], b[r]));
-        for i in whole..len {
-            sum = w[i].mul_add(x[r][i], sum);
+    for (r, sums) in sums.iter().enumerate() {
+        for (q, &sum) in sums.iter().enumerate() {
+            let mut sum = lane_sum(sum);
+            for i in whole..len {
+                sum = w[q][i].mul_add(x[r][i], sum);
+            }
+            out[r * width + j + q] += sum;
         }
-        out[r * width + j] += sum;
     }
 }
 

@@ -132,7 +132,7 @@ pub fn matmul_forward_few_rows<F: Float>(
     if n >= ROWS_PER_TASK * rayon::current_num_threads() {
         return matmul_forward(out, inp, weight, bias, c, oc, layout);
     }
-    if n <= streamed_rows(layout) {
+    if n <= streamed_rows(layout, fused::<F>()) {
         return matmul_streamed(out, inp, weight, bias, c, oc, layout);
     }
     let (w, x) = (weight_view(weight, c, oc, layout), matrix(inp, c));
@@ -173,14 +173,32 @@ fn bias_rows<F: Float>(bias: Option<&[F]>, n: usize, first: usize, last: usize) 
 }
 
 /// Rows up to which [`matmul_forward_few_rows`] streams the weight ([`matmul_streamed`]): past
-/// them the blocked product's register tiles win over a stream's (`benches/few_rows.rs` on 2
-/// cores with AVX2: an `[out, in]` weight's dot products even with it at 8 rows and slower at
-/// 16; an `[in, out]` weight's row updates faster at 4 rows at GPT-2's shapes, slower at 8).
-fn streamed_rows(layout: WeightLayout) -> usize {
-    match layout {
-        WeightLayout::OutIn => 8,
-        WeightLayout::InOut => 4,
+/// them the blocked product's register tiles win over a stream's, which is the AVX2 kernel's
+/// where it runs (`fused`), else the generic block's. `benches/few_rows.rs` (BENCHMARKS.md): the
+/// AVX2 kernel's `[out, in]` products ran faster than the blocked product's to 48 rows on 2 cores
+/// (1.2–1.9× at 12 and 16 rows), its `[in, out]` ones slower past 4 at some of GPT-2's shapes;
+/// the generic block (f64, and CPUs without AVX2) keeps the limits it was measured with before
+/// the AVX2 kernel, 4 and 2 rows.
+fn streamed_rows(layout: WeightLayout, fused: bool) -> usize {
+    match (layout, fused) {
+        (WeightLayout::OutIn, true) => 16,
+        (WeightLayout::InOut, true) => 4,
+        (WeightLayout::OutIn, false) => 4,
+        (WeightLayout::InOut, false) => 2,
     }
+}
+
+/// Whether a product in `F` streams through [`few_rows_avx2`]: `F` is f32 and the CPU has AVX2
+/// and FMA.
+fn fused<F: Float>() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        TypeId::of::<F>() == TypeId::of::<f32>()
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Independent partial sums of a dot product (the lanes the compiler vectorises).
@@ -212,8 +230,7 @@ fn matmul_streamed<F: Float>(
     let least = if layout == WeightLayout::InOut && n > 1 { IN_OUT_WIDTH } else { 16 };
     let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).max(least);
     #[cfg(target_arch = "x86_64")]
-    let fused =
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    let fused = fused::<F>();
     by_column_blocks(out, (n, oc), width, |first, last| {
         let mut block = bias_rows(bias, n, first, last);
         #[cfg(target_arch = "x86_64")]
@@ -301,10 +318,13 @@ mod tests {
     #[test]
     fn few_rows_by_column_blocks_equal_the_row_blocked_product() {
         // 600 output columns (the blocked product's blocks of 256, 256 and 88); both layouts,
-        // with and without bias; 1 to 9 rows (streamed up to 8 or 4 by the layout; inputs of 7
-        // and 21: a dot product's partial sums and its tail), past them by the blocked product.
-        for (n, c) in [(1, 7), (2, 21), (3, 7), (4, 21), (5, 7), (6, 21), (8, 7), (9, 21)] {
-            few_rows_equal_the_row_blocked_product(n, c, 600);
+        // with and without bias; 1 to 6 rows, and each layout's last streamed row count and the
+        // next (f64 streams in the generic block); inputs of 7 and 21: a dot product's partial
+        // sums and its tail.
+        let last = [WeightLayout::InOut, WeightLayout::OutIn].map(|l| streamed_rows(l, false));
+        let rows = (1..=6).chain(last.into_iter().flat_map(|n| [n, n + 1]));
+        for (i, n) in rows.enumerate() {
+            few_rows_equal_the_row_blocked_product(n, [7, 21][i % 2], 600);
         }
         few_rows_equal_the_row_blocked_product(1, 16, 5);
     }
@@ -312,10 +332,15 @@ mod tests {
     #[test]
     fn few_rows_in_f32_equal_the_product_in_f64() {
         // f32 takes the AVX2 and FMA block past one row where the CPU has them (else the generic):
-        // inputs of 37 (a dot product's two registers and its tail; the weight's rows four at a
-        // time and one), 83 and 600 output columns (blocks' registers and their tails), 1 to 8
-        // rows (passes of 4 and the rest).
-        for (n, c, oc) in [(1, 37, 83), (2, 37, 600), (3, 64, 83), (4, 37, 600), (7, 37, 83)] {
+        // inputs of 37 (a register's lanes and the tail; an `[in, out]` weight's rows four at a
+        // time and one), 83 and 600 output columns (blocks' registers and their tails; an
+        // `[out, in]` weight's rows three, two and one at a time), 1 to 7 rows (passes of 4 and
+        // the rest), and each layout's last streamed row count and the next.
+        let last =
+            [WeightLayout::InOut, WeightLayout::OutIn].map(|l| streamed_rows(l, fused::<f32>()));
+        let wide = last.into_iter().flat_map(|n| [(n, 37, 600), (n + 1, 64, 83)]);
+        let shapes = [(1, 37, 83), (2, 37, 600), (3, 64, 83), (4, 37, 600), (7, 37, 83)];
+        for (n, c, oc) in shapes.into_iter().chain(wide) {
             let inp: Vec<f32> = (0..n * c).map(|i| (i as f32 * 0.37).sin()).collect();
             let weight: Vec<f32> = (0..c * oc).map(|i| (i as f32 * 0.11).cos()).collect();
             let bias: Vec<f32> = (0..oc).map(|i| i as f32 * 0.01).collect();
