@@ -174,15 +174,16 @@ fn bias_rows<F: Float>(bias: Option<&[F]>, n: usize, first: usize, last: usize) 
 
 /// Rows up to which [`matmul_forward_few_rows`] streams the weight ([`matmul_streamed`]): past
 /// them the blocked product's register tiles win over a stream's, which is the AVX2 kernel's
-/// where it runs (`fused`), else the generic block's. `benches/few_rows.rs` (BENCHMARKS.md): the
-/// AVX2 kernel's `[out, in]` products ran faster than the blocked product's to 48 rows on 2 cores
-/// (1.2–1.9× at 12 and 16 rows), its `[in, out]` ones slower past 4 at some of GPT-2's shapes;
-/// the generic block (f64, and CPUs without AVX2) keeps the limits it was measured with before
-/// the AVX2 kernel, 4 and 2 rows.
+/// where it runs (`fused`), else the generic block's. `benches/few_rows.rs` on the 16 cores of a
+/// GPU machine's host and on 2 (BENCHMARKS.md): the AVX2 kernel's `[out, in]` products ran
+/// faster than the blocked product's at every shape measured to 48 rows (there 1.4–1.7× on 16
+/// cores, 1.1–1.3× on 2), its `[in, out]` ones at 12 rows on 16 cores at five of six shapes
+/// (1.3–2.3×; the sixth even) and summed over GPT-2's shapes on 2; the generic block (f64, and
+/// CPUs without AVX2) keeps the limits it was measured with, 4 and 2.
 fn streamed_rows(layout: WeightLayout, fused: bool) -> usize {
     match (layout, fused) {
-        (WeightLayout::OutIn, true) => 16,
-        (WeightLayout::InOut, true) => 4,
+        (WeightLayout::OutIn, true) => 48,
+        (WeightLayout::InOut, true) => 12,
         (WeightLayout::OutIn, false) => 4,
         (WeightLayout::InOut, false) => 2,
     }
