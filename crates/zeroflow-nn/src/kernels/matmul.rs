@@ -235,9 +235,11 @@ fn matmul_streamed<F: Float>(
     by_column_blocks(out, (n, oc), width, |first, last| {
         let mut block = bias_rows(bias, n, first, last);
         #[cfg(target_arch = "x86_64")]
-        if let (true, Some(inp), Some(weight)) = (fused && n > 1, as_f32(inp), as_f32(weight)) {
+        if fused && n > 1 {
+            let f32s = "`fused` says F is f32";
+            let (inp, weight) = (as_f32(inp).expect(f32s), as_f32(weight).expect(f32s));
             let dot = layout == WeightLayout::OutIn;
-            let out = as_f32_mut(&mut block).expect("F is f32, as the input");
+            let out = as_f32_mut(&mut block).expect(f32s);
             // SAFETY: `fused` says this CPU has AVX2 and FMA.
             unsafe { few_rows_avx2::streamed_block(out, inp, weight, (c, oc, first), dot) };
             return block;
