@@ -112,9 +112,6 @@ pub fn matmul_backward<F: Float>(
     }
 }
 
-/// Output columns per task in [`matmul_forward_few_rows`].
-const COLUMNS_PER_TASK: usize = 256;
-
 /// [`matmul_forward`] for a few rows (a decode step's, one per sequence): the output's columns
 /// are split among the threads, each task multiplying every row by its block of the weight's
 /// columns, so that one row still runs on every core. With rows enough for every thread, it is
@@ -136,13 +133,23 @@ pub fn matmul_forward_few_rows<F: Float>(
         return matmul_streamed(out, inp, weight, bias, c, oc, layout);
     }
     let (w, x) = (weight_view(weight, c, oc, layout), matrix(inp, c));
-    by_column_blocks(out, (n, oc), COLUMNS_PER_TASK, |first, last| {
+    let width = blocked_width(oc, rayon::current_num_threads());
+    by_column_blocks(out, (n, oc), width, |first, last| {
         let mut block = bias_rows(bias, n, first, last);
         let beta = if bias.is_some() { F::one() } else { F::zero() };
         let columns = w.slice(s![.., first..last]);
         general_mat_mul(F::one(), &x, &columns, beta, &mut matrix_mut(&mut block, last - first));
         block
     });
+}
+
+/// Output columns per task of [`matmul_forward_few_rows`]'s blocked product, for `threads`
+/// threads: a block a thread, in whole 16s, from 64 (the packing of a narrower block costs more
+/// than the threads it would add gain) to 256 (blocks of the weight's columns that stay in a
+/// core's cache as the rows pass). With a fixed 256, a weight of 768 outputs ran in three tasks
+/// whatever the threads (BENCHMARKS.md).
+fn blocked_width(oc: usize, threads: usize) -> usize {
+    oc.div_ceil(threads.max(1)).next_multiple_of(16).clamp(64, 256)
 }
 
 /// `out[n, oc]` from blocks of its columns of `width` (the last one narrower) in parallel,
@@ -320,14 +327,20 @@ mod tests {
 
     #[test]
     fn few_rows_by_column_blocks_equal_the_row_blocked_product() {
-        // 600 output columns (the blocked product's blocks of 256, 256 and 88); both layouts,
-        // with and without bias; 1 to 6 rows, and each layout's last streamed row count and the
-        // next (f64 streams in the generic block); inputs of 7 and 21: a dot product's partial
-        // sums and its tail.
+        // 600 output columns: the blocked product's blocks of 256, 256 and 88 on 2 threads, nine
+        // of 64 and one of 24 on 16 (and the stream's blocks for each); both layouts, with and
+        // without bias; 1 to 6 rows, and each layout's last streamed row count and the next (f64
+        // streams in the generic block); inputs of 7 and 21: a dot product's partial sums and
+        // its tail.
         let last = [WeightLayout::InOut, WeightLayout::OutIn].map(|l| streamed_rows(l, false));
-        let rows = (1..=6).chain(last.into_iter().flat_map(|n| [n, n + 1]));
-        for (i, n) in rows.enumerate() {
-            few_rows_equal_the_row_blocked_product(n, [7, 21][i % 2], 600);
+        for threads in [2, 16] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let rows = (1..=6).chain(last.into_iter().flat_map(|n| [n, n + 1]));
+                for (i, n) in rows.enumerate() {
+                    few_rows_equal_the_row_blocked_product(n, [7, 21][i % 2], 600);
+                }
+            });
         }
         few_rows_equal_the_row_blocked_product(1, 16, 5);
     }
