@@ -144,12 +144,14 @@ pub fn matmul_forward_few_rows<F: Float>(
 }
 
 /// Output columns per task of [`matmul_forward_few_rows`]'s blocked product, for `threads`
-/// threads: a block a thread, in whole 16s, from 64 (the packing of a narrower block costs more
-/// than the threads it would add gain) to 256 (blocks of the weight's columns that stay in a
-/// core's cache as the rows pass). With a fixed 256, a weight of 768 outputs ran in three tasks
-/// whatever the threads (BENCHMARKS.md).
+/// threads: a block a thread, in whole 16s, from 32 to 256. With a fixed 256, a weight of 768
+/// outputs ran in three tasks whatever the threads. On the 16 cores of a GPU machine's host
+/// (`benches/few_rows.rs`, BENCHMARKS.md), at 16–256 rows, a block a thread ran 1.35–3.0× as
+/// fast as 256 columns at weights of 512 to 2,304 outputs; a floor of 32 columns beat one of 64
+/// at 512 outputs (1.4–1.8×) and was within the runs' spread at 768; two blocks a thread ran
+/// slower.
 fn blocked_width(oc: usize, threads: usize) -> usize {
-    oc.div_ceil(threads.max(1)).next_multiple_of(16).clamp(64, 256)
+    oc.div_ceil(threads.max(1)).next_multiple_of(16).clamp(32, 256)
 }
 
 /// `out[n, oc]` from blocks of its columns of `width` (the last one narrower) in parallel,
@@ -327,11 +329,11 @@ mod tests {
 
     #[test]
     fn few_rows_by_column_blocks_equal_the_row_blocked_product() {
-        // 600 output columns: the blocked product's blocks of 256, 256 and 88 on 2 threads, nine
-        // of 64 and one of 24 on 16 (and the stream's blocks for each); both layouts, with and
-        // without bias; 1 to 6 rows, and each layout's last streamed row count and the next (f64
-        // streams in the generic block); inputs of 7 and 21: a dot product's partial sums and
-        // its tail.
+        // 600 output columns: the blocked product's blocks of 256, 256 and 88 on 2 threads,
+        // twelve of 48 and one of 24 on 16 (and the stream's blocks for each); both layouts,
+        // with and without bias; 1 to 6 rows, and each layout's last streamed row count and the
+        // next (f64 streams in the generic block); inputs of 7 and 21: a dot product's partial
+        // sums and its tail.
         let last = [WeightLayout::InOut, WeightLayout::OutIn].map(|l| streamed_rows(l, false));
         for threads in [2, 16] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
