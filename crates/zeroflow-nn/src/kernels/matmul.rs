@@ -224,9 +224,10 @@ const IN_OUT_WIDTH: usize = 64;
 /// where a blocked product's packing of the weight costs as much again): the output's columns
 /// in blocks, about four a thread; within a block, an `[out, in]` weight's rows each a dot
 /// product with every input row, an `[in, out]` weight's rows added to every output row scaled
-/// by its input. In f32 on a CPU with AVX2 and FMA, a block of more than one row is
-/// [`few_rows_avx2`]'s: each piece of the weight read once for up to four input rows, with fused
-/// multiply-adds (one row, bound by the memory's speed, ran slower so on 16 cores; BENCHMARKS.md).
+/// by its input (one row of an `[in, out]` weight is [`one_row_in_out`]'s). In f32 on a CPU with
+/// AVX2 and FMA, a block of more than one row is [`few_rows_avx2`]'s: each piece of the weight
+/// read once for up to four input rows, with fused multiply-adds (one row of an `[out, in]`
+/// weight, bound by the memory's speed, ran slower so on 16 cores; BENCHMARKS.md).
 fn matmul_streamed<F: Float>(
     out: &mut [F],
     inp: &[F],
@@ -237,7 +238,10 @@ fn matmul_streamed<F: Float>(
     layout: WeightLayout,
 ) {
     let n = inp.len() / c;
-    let least = if layout == WeightLayout::InOut && n > 1 { IN_OUT_WIDTH } else { 16 };
+    if n == 1 && layout == WeightLayout::InOut {
+        return one_row_in_out(out, inp, weight, bias, oc);
+    }
+    let least = if layout == WeightLayout::InOut { IN_OUT_WIDTH } else { 16 };
     let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).max(least);
     #[cfg(target_arch = "x86_64")]
     let fused = fused::<F>();
@@ -257,6 +261,54 @@ fn matmul_streamed<F: Float>(
         block
     });
 }
+
+/// Rows of an `[in, out]` weight per task of [`one_row_in_out`].
+const IN_ROWS_PER_TASK: usize = 32;
+
+/// `out[oc] = inp[c] @ W[c, oc] + bias` for one row, the weight's rows split among the tasks:
+/// each task reads a run of [`IN_ROWS_PER_TASK`] whole rows, one contiguous piece of memory, into
+/// its own sums of every output, four rows a pass; then each output is its bias plus the tasks'
+/// sums in order (the same bits on any number of threads). Split by columns instead, as more
+/// rows are, each task read a few dozen floats of every row, a row's length apart: 1.1–2.9×
+/// slower on 2 cores, 1.6–5.4× with 16 threads' blocks (BENCHMARKS.md). Past one row the split
+/// lost to the AVX2 kernel's column blocks at 4–12 rows on 2 cores.
+fn one_row_in_out<F: Float>(out: &mut [F], inp: &[F], weight: &[F], bias: Option<&[F]>, oc: usize) {
+    let runs: Vec<(&[F], &[F])> =
+        inp.chunks(IN_ROWS_PER_TASK).zip(weight.chunks(IN_ROWS_PER_TASK * oc)).collect();
+    let sums: Vec<Vec<F>> = runs
+        .par_iter()
+        .map(|&(x, w)| {
+            let mut sums = vec![F::zero(); oc];
+            let (x4, x1) = x.split_at(x.len() / 4 * 4);
+            let (w4, w1) = w.split_at(x4.len() * oc);
+            for (x, w) in x4.chunks_exact(4).zip(w4.chunks_exact(4 * oc)) {
+                let (w0, w) = w.split_at(oc);
+                let (w1, w) = w.split_at(oc);
+                let (w2, w3) = w.split_at(oc);
+                for ((((s, &a), &b), &c), &d) in sums.iter_mut().zip(w0).zip(w1).zip(w2).zip(w3) {
+                    *s += x[0] * a + x[1] * b + x[2] * c + x[3] * d;
+                }
+            }
+            for (&x, w) in x1.iter().zip(w1.chunks_exact(oc)) {
+                sums.iter_mut().zip(w).for_each(|(s, &w)| *s += x * w);
+            }
+            sums
+        })
+        .collect();
+    out.par_chunks_mut(COLUMNS_PER_SUM).enumerate().for_each(|(block, out)| {
+        let first = block * COLUMNS_PER_SUM;
+        match bias {
+            Some(bias) => out.copy_from_slice(&bias[first..][..out.len()]),
+            None => out.fill(F::zero()),
+        }
+        for sums in &sums {
+            out.iter_mut().zip(&sums[first..]).for_each(|(o, &s)| *o += s);
+        }
+    });
+}
+
+/// Outputs per task of [`one_row_in_out`]'s last sum.
+const COLUMNS_PER_SUM: usize = 256;
 
 /// `x` as f32, where `F` is f32.
 #[cfg(target_arch = "x86_64")]
@@ -345,6 +397,9 @@ mod tests {
             });
         }
         few_rows_equal_the_row_blocked_product(1, 16, 5);
+        // One row of an `[in, out]` weight in runs of 32 of its rows: two whole runs and one of
+        // 6 (a pass of 4 and two rows alone).
+        few_rows_equal_the_row_blocked_product(1, 70, 37);
     }
 
     #[test]
