@@ -398,8 +398,20 @@ mod tests {
         }
         few_rows_equal_the_row_blocked_product(1, 16, 5);
         // One row of an `[in, out]` weight in runs of 32 of its rows: two whole runs and one of
-        // 6 (a pass of 4 and two rows alone).
+        // 6 (a pass of 4 and two rows alone), the same bits on 2 threads as on 16.
         few_rows_equal_the_row_blocked_product(1, 70, 37);
+        let (c, oc) = (70, 300);
+        let inp: Vec<f32> = (0..c).map(|i| (i as f32 * 0.37).sin()).collect();
+        let weight: Vec<f32> = (0..c * oc).map(|i| (i as f32 * 0.11).cos()).collect();
+        let on = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let mut out = vec![f32::NAN; oc];
+            pool.install(|| {
+                matmul_forward_few_rows(&mut out, &inp, &weight, None, c, oc, WeightLayout::InOut)
+            });
+            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(on(2), on(16));
     }
 
     #[test]
