@@ -114,8 +114,8 @@ pub fn matmul_backward<F: Float>(
 
 /// [`matmul_forward`] for a few rows (a decode step's, one per sequence): the output's columns
 /// are split among the threads, each task multiplying every row by its block of the weight's
-/// columns, so that one row still runs on every core. With rows enough for every thread, it is
-/// [`matmul_forward`].
+/// columns (one row of an `[in, out]` weight: the weight's rows), so that one row still runs on
+/// every core. With rows enough for every thread, it is [`matmul_forward`].
 pub fn matmul_forward_few_rows<F: Float>(
     out: &mut [F],
     inp: &[F],
@@ -279,9 +279,9 @@ fn one_row_in_out<F: Float>(out: &mut [F], inp: &[F], weight: &[F], bias: Option
         .par_iter()
         .map(|&(x, w)| {
             let mut sums = vec![F::zero(); oc];
-            let (x4, x1) = x.split_at(x.len() / 4 * 4);
-            let (w4, w1) = w.split_at(x4.len() * oc);
-            for (x, w) in x4.chunks_exact(4).zip(w4.chunks_exact(4 * oc)) {
+            let (in_passes, in_rest) = x.split_at(x.len() / 4 * 4);
+            let (passes, rest) = w.split_at(in_passes.len() * oc);
+            for (x, w) in in_passes.chunks_exact(4).zip(passes.chunks_exact(4 * oc)) {
                 let (w0, w) = w.split_at(oc);
                 let (w1, w) = w.split_at(oc);
                 let (w2, w3) = w.split_at(oc);
@@ -289,7 +289,7 @@ fn one_row_in_out<F: Float>(out: &mut [F], inp: &[F], weight: &[F], bias: Option
                     *s += x[0] * a + x[1] * b + x[2] * c + x[3] * d;
                 }
             }
-            for (&x, w) in x1.iter().zip(w1.chunks_exact(oc)) {
+            for (&x, w) in in_rest.iter().zip(rest.chunks_exact(oc)) {
                 sums.iter_mut().zip(w).for_each(|(s, &w)| *s += x * w);
             }
             sums
