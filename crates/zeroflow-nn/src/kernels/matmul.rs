@@ -129,6 +129,9 @@ pub fn matmul_forward_few_rows<F: Float>(
     if n >= ROWS_PER_TASK * rayon::current_num_threads() {
         return matmul_forward(out, inp, weight, bias, c, oc, layout);
     }
+    if n == 1 && layout == WeightLayout::InOut {
+        return one_row_in_out(out, inp, weight, bias, oc);
+    }
     if n <= streamed_rows(layout, fused::<F>()) {
         return matmul_streamed(out, inp, weight, bias, c, oc, layout);
     }
@@ -224,10 +227,10 @@ const IN_OUT_WIDTH: usize = 64;
 /// where a blocked product's packing of the weight costs as much again): the output's columns
 /// in blocks, about four a thread; within a block, an `[out, in]` weight's rows each a dot
 /// product with every input row, an `[in, out]` weight's rows added to every output row scaled
-/// by its input (one row of an `[in, out]` weight is [`one_row_in_out`]'s). In f32 on a CPU with
-/// AVX2 and FMA, a block of more than one row is [`few_rows_avx2`]'s: each piece of the weight
-/// read once for up to four input rows, with fused multiply-adds (one row of an `[out, in]`
-/// weight, bound by the memory's speed, ran slower so on 16 cores; BENCHMARKS.md).
+/// by its input (one row of an `[in, out]` weight is [`one_row_in_out`]'s, not this). In f32 on
+/// a CPU with AVX2 and FMA, a block of more than one row is [`few_rows_avx2`]'s: each piece of
+/// the weight read once for up to four input rows, with fused multiply-adds (one row of an
+/// `[out, in]` weight, bound by the memory's speed, ran slower so on 16 cores; BENCHMARKS.md).
 fn matmul_streamed<F: Float>(
     out: &mut [F],
     inp: &[F],
@@ -238,9 +241,6 @@ fn matmul_streamed<F: Float>(
     layout: WeightLayout,
 ) {
     let n = inp.len() / c;
-    if n == 1 && layout == WeightLayout::InOut {
-        return one_row_in_out(out, inp, weight, bias, oc);
-    }
     let least = if layout == WeightLayout::InOut { IN_OUT_WIDTH } else { 16 };
     let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).max(least);
     #[cfg(target_arch = "x86_64")]
@@ -273,11 +273,9 @@ const IN_ROWS_PER_TASK: usize = 32;
 /// slower on 2 cores, 1.6–5.4× with 16 threads' blocks (BENCHMARKS.md). Past one row the split
 /// lost to the AVX2 kernel's column blocks at 4–12 rows on 2 cores.
 fn one_row_in_out<F: Float>(out: &mut [F], inp: &[F], weight: &[F], bias: Option<&[F]>, oc: usize) {
-    let runs: Vec<(&[F], &[F])> =
-        inp.chunks(IN_ROWS_PER_TASK).zip(weight.chunks(IN_ROWS_PER_TASK * oc)).collect();
+    let runs = inp.par_chunks(IN_ROWS_PER_TASK).zip(weight.par_chunks(IN_ROWS_PER_TASK * oc));
     let sums: Vec<Vec<F>> = runs
-        .par_iter()
-        .map(|&(x, w)| {
+        .map(|(x, w)| {
             let mut sums = vec![F::zero(); oc];
             let (in_passes, in_rest) = x.split_at(x.len() / 4 * 4);
             let (passes, rest) = w.split_at(in_passes.len() * oc);
@@ -388,8 +386,7 @@ mod tests {
         // sums and its tail.
         let last = [WeightLayout::InOut, WeightLayout::OutIn].map(|l| streamed_rows(l, false));
         for threads in [2, 16] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            pool.install(|| {
+            on_threads(threads, || {
                 let rows = (1..=6).chain(last.into_iter().flat_map(|n| [n, n + 1]));
                 for (i, n) in rows.enumerate() {
                     few_rows_equal_the_row_blocked_product(n, [7, 21][i % 2], 600);
@@ -404,14 +401,18 @@ mod tests {
         let inp: Vec<f32> = (0..c).map(|i| (i as f32 * 0.37).sin()).collect();
         let weight: Vec<f32> = (0..c * oc).map(|i| (i as f32 * 0.11).cos()).collect();
         let on = |threads| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let mut out = vec![f32::NAN; oc];
-            pool.install(|| {
+            on_threads(threads, || {
                 matmul_forward_few_rows(&mut out, &inp, &weight, None, c, oc, WeightLayout::InOut)
             });
             out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         };
         assert_eq!(on(2), on(16));
+    }
+
+    /// Runs `f` on a pool of `threads` threads (the few-row products' blocks follow the count).
+    fn on_threads(threads: usize, f: impl FnOnce() + Send) {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f);
     }
 
     #[test]
