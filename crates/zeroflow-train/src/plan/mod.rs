@@ -609,6 +609,11 @@ enum Knob {
     MicroBatch(usize),
     Offload,
     ZenFlow,
+    /// The exact offload in place of ZenFlow (`zenflow`) or the delayed update, whose device
+    /// buffers (the gradient sums, the weights of the step before) it does without.
+    ExactOffload {
+        zenflow: bool,
+    },
     OptimizerOnGpu,
     /// ZeRO-2's window summed on the GPU (the exact offload step then streams it: no host
     /// accumulator).
@@ -631,6 +636,13 @@ impl Knob {
             }
             (Knob::ZenFlow, true) => "--mode zenflow".into(),
             (Knob::ZenFlow, false) => "ZenFlow (zero_optimization.zenflow)".into(),
+            (Knob::ExactOffload { .. }, true) => "--mode offload".into(),
+            (Knob::ExactOffload { zenflow: true }, false) => {
+                "the exact offload (no zero_optimization.zenflow)".into()
+            }
+            (Knob::ExactOffload { zenflow: false }, false) => {
+                "the exact offload (zeroflow.delayed_update.enabled: false)".into()
+            }
             (Knob::OptimizerOnGpu, true) => "--mode gpu".into(),
             (Knob::OptimizerOnGpu, false) => {
                 "the optimizer on the GPU (no zero_optimization.offload_optimizer)".into()
@@ -665,6 +677,11 @@ impl Knob {
                 if inputs.options.zenflow().is_none() && inputs.options.grad_accum == 1 =>
             {
                 out.options.placement = offload(OffloadUpdate::ZenFlow(zenflow_options(0.05)));
+            }
+            Knob::ExactOffload { .. }
+                if inputs.options.offload().is_some_and(|o| o.update != OffloadUpdate::Exact) =>
+            {
+                out.options.offload_mut()?.update = OffloadUpdate::Exact;
             }
             Knob::OptimizerOnGpu if inputs.options.offload().is_some() => {
                 out.options.placement = Placement::Device;
@@ -716,9 +733,9 @@ pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOption
 
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
-    /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the
-    /// optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments, the device
-    /// share that fits.
+    /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the exact
+    /// offload, the optimizer on the GPU, the accumulation window summed on the GPU, 16-bit
+    /// moments, the device share that fits.
     fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
         let inputs = &self.inputs;
         let mut knobs = vec![Knob::Checkpointing];
@@ -738,6 +755,7 @@ impl MemoryPlan {
         knobs.extend([
             Knob::Offload,
             Knob::ZenFlow,
+            Knob::ExactOffload { zenflow: inputs.options.zenflow().is_some() },
             Knob::OptimizerOnGpu,
             Knob::SumOnGpu,
             Knob::Bf16Moments,
@@ -793,9 +811,9 @@ impl MemoryPlan {
             .collect();
         if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
-                        ZenFlow, the optimizer on the GPU, the accumulation window summed on the \
-                        GPU, 16-bit moments, the device share that fits) brings it under: use a \
-                        smaller model";
+                        ZenFlow, the exact offload, the optimizer on the GPU, the accumulation \
+                        window summed on the GPU, 16-bit moments, the device share that fits) \
+                        brings it under: use a smaller model";
             message += if !fit.gpu {
                 " (ZeRO stages 1 and 2 hold every weight and gradient on each GPU: more GPUs do \
                  not lower it)"

@@ -219,6 +219,43 @@ fn a_host_short_of_fp32_moments_names_16_bit_moments() {
     assert_eq!(bf16.check(&machine).map_err(|e| e.to_string()), Ok(()));
 }
 
+/// ZenFlow's device buffers (the unselected columns' gradient sums, two of f32, and the weights
+/// of the step before) put llama-8b at 4 × 2048 with checkpointing past an 80 GiB GPU, where the
+/// exact offload fits: the refusal names it (measured on an H100: ZenFlow refused with "use a
+/// smaller model" while the exact offload of the same run trained). The delayed update, whose
+/// weights of the step before are on the GPU too, names it the same way, in the config's words.
+#[test]
+fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
+    let mut zenflow = inputs("llama-8b", "zenflow", (4, 2048));
+    zenflow.model_options.activation_checkpointing = true;
+    let plan = MemoryPlan::new(zenflow).unwrap();
+    let h100 = machine(80 * GIB, 128 * GIB, 125 * GIB);
+    assert!(!plan.fit(&h100).gpu, "{}", super::gib(plan.gpu_total));
+    let error = plan.check(&h100).expect_err("does not fit").to_string();
+    assert!(error.contains("Fits with: --mode offload (GPU"), "{error}");
+    let knobs = plan.knobs_that_fit(&h100);
+    let (_, exact) = knobs.iter().find(|(flag, _)| flag == "--mode offload").expect("named");
+    assert_eq!(exact.inputs.options.offload().unwrap().update, OffloadUpdate::Exact);
+    assert!(exact.fit(&h100).fits() && exact.gpu_total < plan.gpu_total);
+
+    let mut delayed = inputs("llama-8b", "offload", (4, 2048));
+    delayed.model_options.activation_checkpointing = true;
+    delayed.caller = Caller::Train { resumed: false, samples: false };
+    delayed.options.offload_mut().unwrap().update = OffloadUpdate::Delayed { warmup: 2 };
+    let plan = MemoryPlan::new(delayed).unwrap();
+    let exact = Knob::ExactOffload { zenflow: false }.apply(&plan.inputs).unwrap();
+    let exact = MemoryPlan::new(exact).unwrap();
+    assert!(exact.gpu_total < plan.gpu_total, "the weights of the step before");
+    let between = machine((exact.gpu_total + plan.gpu_total) / 2, 128 * GIB, 125 * GIB);
+    let error = plan.check(&between).expect_err("does not fit").to_string();
+    assert!(
+        error.contains("the exact offload (zeroflow.delayed_update.enabled: false)"),
+        "{error}"
+    );
+    // Where the update is exact already, the knob changes nothing and is not named.
+    assert!(Knob::ExactOffload { zenflow: false }.apply(&exact.inputs).is_none());
+}
+
 /// The ranks of one host share its memory: llama-8b offloaded on two GPUs of one host holds
 /// half the optimizer per rank, which alone fits 64 GiB of host, but not twice over; the check,
 /// the start's line and the table say so. A GPU too small for the weights and gradients is not
