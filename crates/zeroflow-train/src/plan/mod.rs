@@ -614,6 +614,10 @@ enum Knob {
     ExactOffload {
         zenflow: bool,
     },
+    /// ZenFlow's CPU step not overlapped with the next steps (`overlap_step: false`): one f32
+    /// sum of the unselected columns on the GPU instead of two, and no weights of the step
+    /// before. A config's setting: not `bench step`'s.
+    ZenFlowInline,
     OptimizerOnGpu,
     /// ZeRO-2's window summed on the GPU (the exact offload step then streams it: no host
     /// accumulator).
@@ -642,6 +646,10 @@ impl Knob {
             }
             (Knob::ExactOffload { zenflow: false }, false) => {
                 "the exact offload (zeroflow.delayed_update.enabled: false)".into()
+            }
+            (Knob::ZenFlowInline, _) => {
+                "ZenFlow's step not overlapped (zero_optimization.zenflow.overlap_step: false)"
+                    .into()
             }
             (Knob::OptimizerOnGpu, true) => "--mode gpu".into(),
             (Knob::OptimizerOnGpu, false) => {
@@ -682,6 +690,14 @@ impl Knob {
                 if inputs.options.offload().is_some_and(|o| o.update != OffloadUpdate::Exact) =>
             {
                 out.options.offload_mut()?.update = OffloadUpdate::Exact;
+            }
+            Knob::ZenFlowInline
+                if inputs.caller != Caller::Bench
+                    && inputs.options.zenflow().is_some_and(|z| z.overlap_step) =>
+            {
+                if let OffloadUpdate::ZenFlow(zenflow) = &mut out.options.offload_mut()?.update {
+                    zenflow.overlap_step = false;
+                }
             }
             Knob::OptimizerOnGpu if inputs.options.offload().is_some() => {
                 out.options.placement = Placement::Device;
@@ -734,7 +750,7 @@ pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOption
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the exact
-    /// offload, the optimizer on the GPU, the accumulation window summed on the GPU, 16-bit
+    /// offload, ZenFlow's step not overlapped, the optimizer on the GPU, the accumulation window summed on the GPU, 16-bit
     /// moments, the device share that fits.
     fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
         let inputs = &self.inputs;
@@ -756,6 +772,7 @@ impl MemoryPlan {
             Knob::Offload,
             Knob::ZenFlow,
             Knob::ExactOffload { zenflow: inputs.options.zenflow().is_some() },
+            Knob::ZenFlowInline,
             Knob::OptimizerOnGpu,
             Knob::SumOnGpu,
             Knob::Bf16Moments,
@@ -811,9 +828,9 @@ impl MemoryPlan {
             .collect();
         if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
-                        ZenFlow, the exact offload, the optimizer on the GPU, the accumulation \
-                        window summed on the GPU, 16-bit moments, the device share that fits) \
-                        brings it under: use a smaller model";
+                        ZenFlow, the exact offload, ZenFlow's step not overlapped, the optimizer \
+                        on the GPU, the accumulation window summed on the GPU, 16-bit moments, \
+                        the device share that fits) brings it under: use a smaller model";
             message += if !fit.gpu {
                 " (ZeRO stages 1 and 2 hold every weight and gradient on each GPU: more GPUs do \
                  not lower it)"

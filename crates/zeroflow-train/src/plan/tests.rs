@@ -221,9 +221,10 @@ fn a_host_short_of_fp32_moments_names_16_bit_moments() {
 
 /// ZenFlow's device buffers (the unselected columns' gradient sums, two of f32, and the weights
 /// of the step before) put llama-8b at 4 × 2048 with checkpointing past an 80 GiB GPU, where the
-/// exact offload fits: the refusal names it (measured on an H100: ZenFlow refused with "use a
-/// smaller model" while the exact offload of the same run trained). The delayed update, whose
-/// weights of the step before are on the GPU too, names it the same way, in the config's words.
+/// exact offload fits, and so does ZenFlow with its step not overlapped: the refusal names them
+/// (measured on an H100: ZenFlow refused with "use a smaller model" while the exact offload of
+/// the same run trained). The delayed update, whose weights of the step before are on the GPU
+/// too, names the exact offload the same way, in the config's words.
 #[test]
 fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
     let mut zenflow = inputs("llama-8b", "zenflow", (4, 2048));
@@ -237,6 +238,22 @@ fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
     let (_, exact) = knobs.iter().find(|(flag, _)| flag == "--mode offload").expect("named");
     assert_eq!(exact.inputs.options.offload().unwrap().update, OffloadUpdate::Exact);
     assert!(exact.fit(&h100).fits() && exact.gpu_total < plan.gpu_total);
+    // `bench step` has no setting for ZenFlow's overlap: not named to it.
+    assert!(!error.contains("overlap_step"), "{error}");
+
+    // `train`'s words; and ZenFlow with its step not overlapped holds one f32 sum of the
+    // unselected columns instead of two and no weights of the step before: it fits too.
+    let mut train = plan.inputs.clone();
+    train.caller = Caller::Train { resumed: false, samples: false };
+    let plan = MemoryPlan::new(train).unwrap();
+    let error = plan.check(&h100).expect_err("does not fit").to_string();
+    assert!(error.contains("the exact offload (no zero_optimization.zenflow) (GPU"), "{error}");
+    let inline = "ZenFlow's step not overlapped (zero_optimization.zenflow.overlap_step: false)";
+    let knobs = plan.knobs_that_fit(&h100);
+    let (_, inline_plan) = knobs.iter().find(|(flag, _)| flag == inline).expect("named");
+    let padded = plan.inputs.model.flat_layout(1).unwrap().padded_len() as u64;
+    assert!(plan.gpu_total - inline_plan.gpu_total >= 4 * padded + 2 * padded, "{inline_plan:?}");
+    assert!(!inline_plan.inputs.options.zenflow().unwrap().overlap_step);
 
     let mut delayed = inputs("llama-8b", "offload", (4, 2048));
     delayed.model_options.activation_checkpointing = true;
