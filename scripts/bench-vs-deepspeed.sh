@@ -23,6 +23,7 @@
 #             the peers' --gradient-checkpointing (transformers' own)
 #   Llama shapes (llama-1b, llama-3b, llama-8b) run as LlamaForCausalLM in the peers, e.g.
 #   MICRO_BATCH=4 SEQ=2048 bash scripts/bench-vs-deepspeed.sh llama-1b
+#   ZF_ARGS   more arguments for zeroflow's `bench step` rows (e.g. "--state-dtype bf16")
 #   OUT       where logs and bench.jsonl go (default $OUT of the device tool, else .gpu/out)
 #   SKIP_DS=1 / SKIP_ZF=1 still work (drop deepspeed / zeroflow+fwd-bwd from PARTS).
 #
@@ -64,6 +65,7 @@ SEQ_ARGS=()
 [[ -n "${SEQ:-}" ]] && SEQ_ARGS=(--seq "$SEQ")
 ZF_CKPT=() PEER_CKPT=()
 [[ -n "${CHECKPOINTING:-}" ]] && ZF_CKPT=(--activation-checkpointing) PEER_CKPT=(--gradient-checkpointing)
+read -ra ZF_EXTRA <<<"${ZF_ARGS:-}"
 has_part() { [[ " $PARTS " == *" $1 "* ]]; }
 echo "bench-vs-deepspeed: models [$MODELS], parts [$PARTS], $RUN_DATE, results in $RESULTS"
 # The machine, for BENCHMARKS.md's "Machine:" line.
@@ -111,7 +113,7 @@ for MODEL in $MODELS; do
             log=$OUT/zeroflow-$MODEL-$mode.log
             timeout 300 $Z bench step --device cuda --model "$MODEL" --mode "$mode" \
                 --micro-batch "$MICRO_BATCH" "${SEQ_ARGS[@]}" "${ZF_CKPT[@]}" --steps "$STEPS" \
-                --warmup "$WARMUP" --json >"$log" 2>"$log.err"
+                --warmup "$WARMUP" "${ZF_EXTRA[@]}" --json >"$log" 2>"$log.err"
             echo "zeroflow $MODEL $mode: exit $?"
             emit "$log" || tail -n 5 "$log" "$log.err"
         done

@@ -3,7 +3,9 @@
 # llama-1b against DeepSpeed's offload) or of issue 22 (llama-3b with activation checkpointing
 # against DeepSpeed's offload), each with the binary's default device share and with the whole
 # optimizer in host memory (`--device-share 0`), the way the ninth session measured them
-# (BENCHMARKS.md, "The device share `fit` by default on one GPU").
+# (BENCHMARKS.md, "The device share `fit` by default on one GPU"), and then once more at share 0
+# with 16-bit moments (`--state-dtype bf16`, which keeps the whole optimizer in host memory: 20
+# bytes per parameter of the CPU AdamW's traffic instead of 28, not the fp32 step's numerics).
 #
 #   here:  bash scripts/gpu-check.sh; bench/peers/fetch-wheels.sh
 #   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 9 minutes)
@@ -15,6 +17,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 issue=${1:?which issue: 22 or 23}
 base=(VAR=ZEROFLOW_DEVICE_SHARE 'VALUES=default 0' PARTS=speed ROUNDS=1)
+# The 16-bit moments' offload row beside them (no `gpu` row again: the one above is the ratio's).
+bf16=(VAR=ZEROFLOW_DEVICE_SHARE VALUES=0 PARTS=speed ROUNDS=1 GPU_ROW=0 TAG=-bf16
+    'OFFLOAD_ARGS=--state-dtype bf16')
 ds() { # ds MODEL [ENV...]: DeepSpeed's offload on MODEL at 4 × 2048
     local model=$1
     shift
@@ -24,20 +29,30 @@ ds() { # ds MODEL [ENV...]: DeepSpeed's offload on MODEL at 4 × 2048
 case $issue in
 23)
     echo "## gpt-1.3b, 8 × 1024, accumulation 1, at ${SECONDS}s"
-    env "${base[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh | grep BENCH
+    for setting in base bf16; do
+        declare -n args=$setting
+        env "${args[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh | grep BENCH
+    done
     echo "## gpt-1.3b, 8 × 1024, accumulation 4, at ${SECONDS}s"
-    env "${base[@]}" ACCUM=4 STEPS=4 WARMUP=2 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh |
-        grep BENCH
+    for setting in base bf16; do
+        declare -n args=$setting
+        env "${args[@]}" ACCUM=4 STEPS=4 WARMUP=2 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh |
+            grep BENCH
+    done
     echo "## llama-1b, 4 × 2048, accumulation 1, at ${SECONDS}s"
-    env "${base[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=llama-1b bash scripts/setting-ab.sh | grep BENCH
+    for setting in base bf16; do
+        declare -n args=$setting
+        env "${args[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=llama-1b bash scripts/setting-ab.sh | grep BENCH
+    done
     echo "## DeepSpeed offload, llama-1b, at ${SECONDS}s"
     ds llama-1b
     ;;
 22)
-    for share in default 0; do
+    for share in default 0 0-bf16; do
         echo "## llama-3b, 4 × 2048, checkpointing, device share $share, at ${SECONDS}s"
         setting=()
-        [[ $share == default ]] || setting=(ZEROFLOW_DEVICE_SHARE="$share")
+        [[ $share == default ]] || setting=(ZEROFLOW_DEVICE_SHARE="${share%-bf16}")
+        [[ $share == *-bf16 ]] && setting+=("ZF_ARGS=--state-dtype bf16")
         env "${setting[@]}" MICRO_BATCH=4 SEQ=2048 CHECKPOINTING=1 STEPS=6 WARMUP=3 MODES=offload \
             PARTS=zeroflow OUT="$OUT/zf-$share" bash scripts/bench-vs-deepspeed.sh \
             llama-3b 2>&1 | tail -n 4

@@ -22,7 +22,9 @@
 # There: VAR=ZEROFLOW_DEVICE_SHARE VALUES="0 0.5" bash scripts/setting-ab.sh   carry: [".gpu"]
 # The value `default` leaves VAR unset: the binary's default.
 # Environment: VAR, VALUES (required), PARTS ("exact speed"), SPEED_MODELS ("gpt-1.3b llama-1b"),
-# EXACT_MODELS ("gpt2-124m llama-1b"), ROUNDS (2), STEPS (8), WARMUP (3), ACCUM (1).
+# EXACT_MODELS ("gpt2-124m llama-1b"), ROUNDS (2), STEPS (8), WARMUP (3), ACCUM (1);
+# OFFLOAD_ARGS: more `bench step` arguments for the offload rows (e.g. "--state-dtype bf16"),
+# TAG: a suffix to their names, GPU_ROW=0: no `gpu` row.
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 : "${VAR:?name the setting by its environment variable}" "${VALUES:?and give its values}"
 read -ra values <<<"$VALUES"
@@ -33,6 +35,7 @@ EXACT_MODELS=${EXACT_MODELS:-gpt2-124m llama-1b}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
 ACCUM=${ACCUM:-1}
+read -ra offload_args <<<"${OFFLOAD_ARGS:-}"
 WORK=${WORK:-/tmp/setting-ab}
 export ZEROFLOW_ACCUMULATE_ON=device
 rm -rf "$WORK" && mkdir -p "$WORK"
@@ -141,10 +144,11 @@ if [[ $PARTS == *speed* ]]; then
             llama-*) shape=(--micro-batch 4 --seq 2048) ;;
             *) shape=(--micro-batch 8) ;;
         esac
-        bench "$model-gpu" --model "$model" --mode gpu "${shape[@]}"
+        [[ ${GPU_ROW:-1} == 0 ]] || bench "$model-gpu" --model "$model" --mode gpu "${shape[@]}"
         for round in $(seq "$ROUNDS"); do
             for value in "${values[@]}"; do
-                VALUE=$value bench "$model-offload-$value" --model "$model" --mode offload "${shape[@]}"
+                VALUE=$value bench "$model-offload-$value${TAG:-}" --model "$model" --mode offload \
+                    "${shape[@]}" "${offload_args[@]}"
             done
         done
     done
