@@ -8,8 +8,8 @@
 # bytes per parameter of the CPU AdamW's traffic instead of 28, not the fp32 step's numerics).
 #
 #   here:  bash scripts/gpu-check.sh; bench/peers/fetch-wheels.sh
-#   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 9 minutes)
-#          bash scripts/issue-figures.sh 22     (about 6 minutes)
+#   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 5 minutes)
+#          bash scripts/issue-figures.sh 22     (about 3 minutes)
 #
 # Every `bench step` row goes to $OUT/bench.jsonl (tagged with its name) and a BENCH line;
 # DeepSpeed's rows to $OUT/ds/bench.jsonl. Each part is bounded by its own timeout.
@@ -26,24 +26,22 @@ ds() { # ds MODEL [ENV...]: DeepSpeed's offload on MODEL at 4 × 2048
     env "$@" MICRO_BATCH=4 SEQ=2048 PARTS=deepspeed DS_MODES=offload STEPS=6 WARMUP=3 \
         OUT="$OUT/ds" bash scripts/bench-vs-deepspeed.sh "$model" 2>&1 | tail -n 4
 }
+# rows ENV...: scripts/setting-ab.sh's speed rows with fp32 moments, then with 16-bit ones.
+rows() {
+    local setting
+    for setting in base bf16; do
+        declare -n args=$setting
+        env "${args[@]}" "$@" bash scripts/setting-ab.sh | grep BENCH
+    done
+}
 case $issue in
 23)
     echo "## gpt-1.3b, 8 × 1024, accumulation 1, at ${SECONDS}s"
-    for setting in base bf16; do
-        declare -n args=$setting
-        env "${args[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh | grep BENCH
-    done
+    rows STEPS=6 WARMUP=3 SPEED_MODELS=gpt-1.3b
     echo "## gpt-1.3b, 8 × 1024, accumulation 4, at ${SECONDS}s"
-    for setting in base bf16; do
-        declare -n args=$setting
-        env "${args[@]}" ACCUM=4 STEPS=4 WARMUP=2 SPEED_MODELS=gpt-1.3b bash scripts/setting-ab.sh |
-            grep BENCH
-    done
+    rows ACCUM=4 STEPS=4 WARMUP=2 SPEED_MODELS=gpt-1.3b
     echo "## llama-1b, 4 × 2048, accumulation 1, at ${SECONDS}s"
-    for setting in base bf16; do
-        declare -n args=$setting
-        env "${args[@]}" STEPS=6 WARMUP=3 SPEED_MODELS=llama-1b bash scripts/setting-ab.sh | grep BENCH
-    done
+    rows STEPS=6 WARMUP=3 SPEED_MODELS=llama-1b
     echo "## DeepSpeed offload, llama-1b, at ${SECONDS}s"
     ds llama-1b
     ;;

@@ -750,8 +750,8 @@ pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOption
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the exact
-    /// offload, ZenFlow's step not overlapped, the optimizer on the GPU, the accumulation window summed on the GPU, 16-bit
-    /// moments, the device share that fits.
+    /// offload, ZenFlow's step not overlapped, the optimizer on the GPU, the accumulation window
+    /// summed on the GPU, 16-bit moments, the device share that fits.
     fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
         let inputs = &self.inputs;
         let mut knobs = vec![Knob::Checkpointing];
