@@ -573,6 +573,7 @@ impl MemoryPlan {
             .collect();
         let fit = self.fit(machine);
         let inputs = &self.inputs;
+        let (knobs, pairs) = self.ways_to_fit(machine);
         json!({
             "model": inputs.model.shape_json(),
             "parameters": inputs.model.num_params(),
@@ -597,7 +598,8 @@ impl MemoryPlan {
             "fits": fit.fits(),
             "fits_gpu": fit.gpu,
             "fits_host": fit.host,
-            "knobs_that_fit": self.knobs_that_fit(machine).iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
+            "knobs_that_fit": knobs.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
+            "knob_pairs_that_fit": pairs.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
         })
     }
 }
@@ -747,36 +749,51 @@ pub(crate) fn zenflow_options(topk_ratio: f64) -> zeroflow_engine::ZenFlowOption
     }
 }
 
+/// A knob (or two) as the caller spells it, and the plan with it turned.
+type NamedPlan = (String, MemoryPlan);
+
+/// The pairs of knobs a refusal names (`zeroflow plan --json` lists every one).
+const MAX_PAIRS_SAID: usize = 4;
+
+/// The knobs that change one setting each (not the micro-batch), checkpointing first.
+fn setting_knobs(inputs: &PlanInputs) -> [Knob; 8] {
+    [
+        Knob::Checkpointing,
+        Knob::Offload,
+        Knob::ZenFlow,
+        Knob::ExactOffload { zenflow: inputs.options.zenflow().is_some() },
+        Knob::ZenFlowInline,
+        Knob::OptimizerOnGpu,
+        Knob::SumOnGpu,
+        Knob::Bf16Moments,
+    ]
+}
+
+/// The largest of `inputs`' micro-batch halved (and halved again, down to 1) whose plan fits
+/// `machine`.
+fn largest_batch_that_fits(inputs: &PlanInputs, machine: &MachineMemory) -> Option<Knob> {
+    std::iter::successors(Some(inputs.micro_batch / 2), |batch| Some(batch / 2))
+        .take_while(|&batch| batch >= 1)
+        .map(Knob::MicroBatch)
+        .find(|knob| knob.apply(inputs).and_then(|i| plan_that_fits(i, machine)).is_some())
+}
+
+/// The plan of `inputs`, where it fits `machine`.
+fn plan_that_fits(inputs: PlanInputs, machine: &MachineMemory) -> Option<MemoryPlan> {
+    MemoryPlan::new(inputs).ok().filter(|plan| plan.fit(machine).fits())
+}
+
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the exact
     /// offload, ZenFlow's step not overlapped, the optimizer on the GPU, the accumulation window
     /// summed on the GPU, 16-bit moments, the device share that fits.
-    fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<(String, MemoryPlan)> {
+    fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
         let inputs = &self.inputs;
-        let mut knobs = vec![Knob::Checkpointing];
-        // Halving from the micro-batch: the largest that fits is named.
-        let mut batch = inputs.micro_batch / 2;
-        let mut batches = Vec::new();
-        while batch >= 1 {
-            batches.push(Knob::MicroBatch(batch));
-            batch /= 2;
-        }
-        let largest_batch = batches.into_iter().find(|knob| {
-            knob.apply(inputs)
-                .and_then(|i| MemoryPlan::new(i).ok())
-                .is_some_and(|plan| plan.fit(machine).fits())
-        });
-        knobs.extend(largest_batch);
-        knobs.extend([
-            Knob::Offload,
-            Knob::ZenFlow,
-            Knob::ExactOffload { zenflow: inputs.options.zenflow().is_some() },
-            Knob::ZenFlowInline,
-            Knob::OptimizerOnGpu,
-            Knob::SumOnGpu,
-            Knob::Bf16Moments,
-        ]);
+        let [checkpointing, rest @ ..] = setting_knobs(inputs);
+        let mut knobs = vec![checkpointing];
+        knobs.extend(largest_batch_that_fits(inputs, machine));
+        knobs.extend(rest);
         // A share the GPU has no room for, or too small a one for the host: the one that fits.
         if let Ok(fit) = fit_device_share(inputs, machine.gpu_elsewhere.unwrap_or(0)) {
             knobs.push(Knob::DeviceShare((fit.share * 100.0).round() as u32));
@@ -784,10 +801,48 @@ impl MemoryPlan {
         knobs
             .into_iter()
             .filter_map(|knob| {
-                let plan = MemoryPlan::new(knob.apply(inputs)?).ok()?;
-                plan.fit(machine).fits().then(|| (knob.flag(inputs.caller), plan))
+                let plan = plan_that_fits(knob.apply(inputs)?, machine)?;
+                Some((knob.flag(inputs.caller), plan))
             })
             .collect()
+    }
+
+    /// The knobs that bring the plan within `machine` alone, and where none does and it does not
+    /// fit, the pairs that do.
+    fn ways_to_fit(&self, machine: &MachineMemory) -> (Vec<NamedPlan>, Vec<NamedPlan>) {
+        let knobs = self.knobs_that_fit(machine);
+        let pairs = if knobs.is_empty() && !self.fit(machine).fits() {
+            self.knob_pairs_that_fit(machine)
+        } else {
+            Vec::new()
+        };
+        (knobs, pairs)
+    }
+
+    /// Where no knob alone brings the plan within `machine`: two turned together that do, with
+    /// the plan's totals then — each pair of the settings (checkpointing, offload, ZenFlow, the
+    /// exact offload, ZenFlow's step not overlapped, the optimizer on the GPU, the sum on the
+    /// GPU, 16-bit moments), and each setting with the largest smaller micro-batch that then fits.
+    fn knob_pairs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
+        let (inputs, caller) = (&self.inputs, self.inputs.caller);
+        let settings = setting_knobs(inputs);
+        let mut pairs = Vec::new();
+        for (i, first) in settings.iter().enumerate() {
+            let Some(turned) = first.apply(inputs) else { continue };
+            let seconds =
+                settings[i + 1..].iter().copied().chain(largest_batch_that_fits(&turned, machine));
+            for second in seconds {
+                if let Some(plan) =
+                    second.apply(&turned).and_then(|both| plan_that_fits(both, machine))
+                {
+                    pairs.push((
+                        format!("{} and {}", first.flag(caller), second.flag(caller)),
+                        plan,
+                    ));
+                }
+            }
+        }
+        pairs
     }
 
     /// [`MemoryPlan::check`] as a run does before it allocates: not where it runs on a GPU the
@@ -819,14 +874,22 @@ impl MemoryPlan {
                 gib(available)
             );
         }
-        let knobs: Vec<String> = self
-            .knobs_that_fit(machine)
-            .iter()
-            .map(|(flag, plan)| {
-                format!("{flag} (GPU {}, host {})", gib(plan.gpu_total), gib(plan.host_total))
-            })
-            .collect();
-        if knobs.is_empty() {
+        let (knobs, pairs) = self.ways_to_fit(machine);
+        let said = |(flags, plan): &NamedPlan| {
+            format!("{flags} (GPU {}, host {})", gib(plan.gpu_total), gib(plan.host_total))
+        };
+        let knobs: Vec<String> = knobs.iter().map(said).collect();
+        if !pairs.is_empty() {
+            let shown: Vec<String> = pairs.iter().take(MAX_PAIRS_SAID).map(said).collect();
+            message +=
+                &format!("No single knob brings it under; two together do: {}", shown.join("; "));
+            if pairs.len() > MAX_PAIRS_SAID {
+                message += &format!(
+                    " (and {} more pairs: `zeroflow plan --json` lists them)",
+                    pairs.len() - MAX_PAIRS_SAID
+                );
+            }
+        } else if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
                         ZenFlow, the exact offload, ZenFlow's step not overlapped, the optimizer \
                         on the GPU, the accumulation window summed on the GPU, 16-bit moments, \

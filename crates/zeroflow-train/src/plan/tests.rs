@@ -273,6 +273,43 @@ fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
     assert!(Knob::ExactOffload { zenflow: false }.apply(&exact.inputs).is_none());
 }
 
+/// Where no knob alone brings a run under but two together do, the refusal names the pairs
+/// instead of "use a smaller model": llama-8b's ZenFlow at micro-batch 8 without checkpointing
+/// (207.6 GiB) on an 80 GiB GPU, which checkpointing with the exact offload brings to 49.7 GiB.
+#[test]
+fn where_no_knob_alone_fits_two_together_are_named() {
+    let mut zenflow = inputs("llama-8b", "zenflow", (8, 2048));
+    zenflow.caller = Caller::Train { resumed: false, samples: false };
+    let plan = MemoryPlan::new(zenflow).unwrap();
+    let h100 = machine(80 * GIB, 128 * GIB, 125 * GIB);
+    assert!(plan.knobs_that_fit(&h100).is_empty());
+    let error = plan.check(&h100).expect_err("does not fit").to_string();
+    let pair = "two together do: --activation-checkpointing and the exact offload (no \
+                zero_optimization.zenflow) (GPU";
+    assert!(error.contains(pair), "{error}");
+    assert!(!error.contains("smaller model"), "{error}");
+    let pairs = plan.knob_pairs_that_fit(&h100);
+    for (flags, pair_plan) in &pairs {
+        assert!(pair_plan.fit(&h100).fits(), "{flags}");
+        let options = &pair_plan.inputs.options;
+        assert!(
+            pair_plan.inputs.model_options.activation_checkpointing
+                || pair_plan.inputs.micro_batch < 8,
+            "{flags}"
+        );
+        assert!(options.zenflow().is_none() || !options.zenflow().unwrap().overlap_step, "{flags}");
+    }
+    let json = plan.to_json(&h100);
+    assert_eq!(json["knob_pairs_that_fit"].as_array().unwrap().len(), pairs.len());
+    // A plan that fits, or that one knob brings under, names no pairs.
+    assert!(
+        plan.to_json(&machine(400 * GIB, 512 * GIB, 500 * GIB))["knob_pairs_that_fit"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+}
+
 /// The ranks of one host share its memory: llama-8b offloaded on two GPUs of one host holds
 /// half the optimizer per rank, which alone fits 64 GiB of host, but not twice over; the check,
 /// the start's line and the table say so. A GPU too small for the weights and gradients is not
