@@ -30,11 +30,7 @@ df -h /tmp | tail -1
 for mode in $MODES; do
     config=examples/configs/zero2-offload-bf16.json
     [[ $mode == zenflow ]] && config=examples/configs/zero2-zenflow-bf16.json
-    if [[ $mode == zenflow-inline ]]; then # ZenFlow's CPU step not overlapped
-        config=$WORK/zenflow-inline.json
-        sed 's/"overlap_step": true/"overlap_step": false/' \
-            examples/configs/zero2-zenflow-bf16.json >"$config"
-    fi
+    [[ $mode == zenflow-inline ]] && config=examples/configs/zero2-zenflow-inline-bf16.json
     budget=$((LIMIT - SECONDS - 15))
     ((budget > 120)) || { echo "skipped $mode: ${budget}s left"; continue; }
     dir=$WORK/run-$mode
