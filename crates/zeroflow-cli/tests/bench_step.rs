@@ -19,7 +19,7 @@ fn bench_step(mode: &str) -> serde_json::Value {
 
 #[test]
 fn the_breakdown_splits_the_step_and_the_flops_follow_the_throughput() {
-    for mode in ["gpu", "offload", "offload-delayed", "zenflow"] {
+    for mode in ["gpu", "offload", "offload-delayed", "zenflow", "zenflow-inline"] {
         let r = bench_step(mode);
         let number = |key: &str| r[key].as_f64().unwrap_or_else(|| panic!("{key} in {r}"));
         let (forward, backward) = (number("forward_s_mean"), number("backward_s_mean"));

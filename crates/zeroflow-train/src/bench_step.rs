@@ -41,6 +41,9 @@ pub enum Mode {
     /// Offload with ZenFlow as DeepSpeed's benchmark runs it: the top 5 % of each weight's columns
     /// on the device every step, the rest on the CPU every 4 steps, overlapped.
     Zenflow,
+    /// ZenFlow with its CPU step not overlapped (`overlap_step: false`): one f32 sum of the
+    /// unselected columns on the device instead of two, no weights of the step before.
+    ZenflowInline,
 }
 
 impl Mode {
@@ -51,6 +54,7 @@ impl Mode {
             Mode::Offload => "offload",
             Mode::OffloadDelayed => "offload-delayed",
             Mode::Zenflow => "zenflow",
+            Mode::ZenflowInline => "zenflow-inline",
         }
     }
 }
@@ -115,10 +119,12 @@ fn ds_config(args: &BenchOptions, bf16: bool) -> String {
         Mode::Offload | Mode::OffloadDelayed => {
             r#", "offload_optimizer": { "device": "cpu", "pin_memory": true }"#.to_owned()
         }
-        Mode::Zenflow => r#", "offload_optimizer": { "device": "cpu", "pin_memory": true },
-                          "zenflow": { "topk_ratio": 0.05, "update_interval": 4,
-                                       "full_warm_up_rounds": 0, "overlap_step": true }"#
-            .to_owned(),
+        Mode::Zenflow | Mode::ZenflowInline => format!(
+            r#", "offload_optimizer": {{ "device": "cpu", "pin_memory": true }},
+                "zenflow": {{ "topk_ratio": 0.05, "update_interval": 4,
+                             "full_warm_up_rounds": 0, "overlap_step": {} }}"#,
+            mode == Mode::Zenflow
+        ),
     };
     let mut zeroflow = Vec::new();
     if mode == Mode::OffloadDelayed {

@@ -30,6 +30,10 @@ pub enum ModeFlag {
     /// Offload with ZenFlow as DeepSpeed's benchmark runs it: the top 5 % of each weight's columns
     /// on the device every step, the rest on the CPU every 4 steps, overlapped.
     Zenflow,
+    /// ZenFlow with its CPU step not overlapped (`overlap_step: false`): one f32 sum of the
+    /// unselected columns on the GPU instead of two, no weights of the step before.
+    #[value(name = "zenflow-inline")]
+    ZenflowInline,
 }
 
 /// `--state-dtype`'s values.
@@ -91,6 +95,7 @@ impl From<ModeFlag> for Mode {
             ModeFlag::Offload => Mode::Offload,
             ModeFlag::OffloadDelayed => Mode::OffloadDelayed,
             ModeFlag::Zenflow => Mode::Zenflow,
+            ModeFlag::ZenflowInline => Mode::ZenflowInline,
         }
     }
 }

@@ -616,9 +616,9 @@ enum Knob {
     ExactOffload {
         zenflow: bool,
     },
-    /// ZenFlow's CPU step not overlapped with the next steps (`overlap_step: false`): one f32
-    /// sum of the unselected columns on the GPU instead of two, and no weights of the step
-    /// before. A config's setting: not `bench step`'s.
+    /// ZenFlow's CPU step not overlapped with the next steps (`overlap_step: false`, `bench
+    /// step --mode zenflow-inline`): one f32 sum of the unselected columns on the GPU instead of
+    /// two, and no weights of the step before.
     ZenFlowInline,
     OptimizerOnGpu,
     /// ZeRO-2's window summed on the GPU (the exact offload step then streams it: no host
@@ -649,7 +649,8 @@ impl Knob {
             (Knob::ExactOffload { zenflow: false }, false) => {
                 "the exact offload (zeroflow.delayed_update.enabled: false)".into()
             }
-            (Knob::ZenFlowInline, _) => {
+            (Knob::ZenFlowInline, true) => "--mode zenflow-inline".into(),
+            (Knob::ZenFlowInline, false) => {
                 "ZenFlow's step not overlapped (zero_optimization.zenflow.overlap_step: false)"
                     .into()
             }
@@ -693,10 +694,7 @@ impl Knob {
             {
                 out.options.offload_mut()?.update = OffloadUpdate::Exact;
             }
-            Knob::ZenFlowInline
-                if inputs.caller != Caller::Bench
-                    && inputs.options.zenflow().is_some_and(|z| z.overlap_step) =>
-            {
+            Knob::ZenFlowInline if inputs.options.zenflow().is_some_and(|z| z.overlap_step) => {
                 if let OffloadUpdate::ZenFlow(zenflow) = &mut out.options.offload_mut()?.update {
                     zenflow.overlap_step = false;
                 }

@@ -238,8 +238,8 @@ fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
     let (_, exact) = knobs.iter().find(|(flag, _)| flag == "--mode offload").expect("named");
     assert_eq!(exact.inputs.options.offload().unwrap().update, OffloadUpdate::Exact);
     assert!(exact.fit(&h100).fits() && exact.gpu_total < plan.gpu_total);
-    // `bench step` has no setting for ZenFlow's overlap: not named to it.
-    assert!(!error.contains("overlap_step"), "{error}");
+    // `bench step`'s words for ZenFlow not overlapped.
+    assert!(error.contains("--mode zenflow-inline (GPU"), "{error}");
 
     // `train`'s words; and ZenFlow with its step not overlapped holds one f32 sum of the
     // unselected columns instead of two and no weights of the step before: it fits too.
