@@ -154,7 +154,13 @@ pub fn matmul_forward_few_rows<F: Float>(
 /// at 512 outputs (1.4–1.8×) and was within the runs' spread at 768; two blocks a thread ran
 /// slower.
 fn blocked_width(oc: usize, threads: usize) -> usize {
-    oc.div_ceil(threads.max(1)).next_multiple_of(16).clamp(32, 256)
+    block_width(oc, threads, 32, 256)
+}
+
+/// `oc` columns in about `blocks` blocks, each a whole number of 16 columns from `least` to
+/// `most` wide: the few-row products' block widths.
+fn block_width(oc: usize, blocks: usize, least: usize, most: usize) -> usize {
+    oc.div_ceil(blocks.max(1)).next_multiple_of(16).clamp(least, most)
 }
 
 /// `out[n, oc]` from blocks of its columns of `width` (the last one narrower) in parallel,
@@ -242,7 +248,7 @@ fn matmul_streamed<F: Float>(
 ) {
     let n = inp.len() / c;
     let least = if layout == WeightLayout::InOut { IN_OUT_WIDTH } else { 16 };
-    let width = oc.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(16).max(least);
+    let width = block_width(oc, 4 * rayon::current_num_threads(), least, usize::MAX);
     #[cfg(target_arch = "x86_64")]
     let fused = fused::<F>();
     by_column_blocks(out, (n, oc), width, |first, last| {
@@ -288,7 +294,7 @@ fn one_row_in_out<F: Float>(out: &mut [F], inp: &[F], weight: &[F], bias: Option
                 }
             }
             for (&x, w) in in_rest.iter().zip(rest.chunks_exact(oc)) {
-                sums.iter_mut().zip(w).for_each(|(s, &w)| *s += x * w);
+                add_scaled(&mut sums, x, w);
             }
             sums
         })
@@ -349,12 +355,16 @@ fn streamed_block<F: Float>(
             for k in 0..c {
                 let w = &weight[k * oc + first..][..width];
                 for (r, out) in block.chunks_exact_mut(width).enumerate() {
-                    let x = inp[r * c + k];
-                    out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
+                    add_scaled(out, inp[r * c + k], w);
                 }
             }
         }
     }
+}
+
+/// `out += x · w`: one input times a row of an `[in, out]` weight, added to the outputs.
+fn add_scaled<F: Float>(out: &mut [F], x: F, w: &[F]) {
+    out.iter_mut().zip(w).for_each(|(o, &w)| *o += x * w);
 }
 
 /// `Σ a[i] · b[i]`, in [`LANES`] partial sums (which the compiler vectorises).
