@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: a full fine-tune-sized run of the llama-8b shape on one H200 (issue 22), on real
 # text, for each mode in MODES (default: offload, then zenflow; zenflow-inline is ZenFlow with its
-# CPU step not overlapped, `overlap_step: false`): `zeroflow train` from random
+# CPU step not overlapped, `overlap_step: false`; zenflow-aside-host is ZenFlow overlapped with its
+# window set aside in host memory and 16-bit moments, the 80 GB GPU's): `zeroflow train` from random
 # weights, activation checkpointing on, micro-batch 4 x 2048 (8,192 tokens per step), STEPS steps
 # (default 100). Reported per run: the memory plan's header lines, tokens/s over the steps, the
 # loss at the first and last steps and the held-out evaluations, the process's peak RSS (VmHWM)
@@ -31,6 +32,7 @@ for mode in $MODES; do
     config=examples/configs/zero2-offload-bf16.json
     [[ $mode == zenflow ]] && config=examples/configs/zero2-zenflow-bf16.json
     [[ $mode == zenflow-inline ]] && config=examples/configs/zero2-zenflow-inline-bf16.json
+    [[ $mode == zenflow-aside-host ]] && config=examples/configs/zero2-zenflow-aside-host-bf16.json
     budget=$((LIMIT - SECONDS - 15))
     ((budget > 120)) || { echo "skipped $mode: ${budget}s left"; continue; }
     dir=$WORK/run-$mode

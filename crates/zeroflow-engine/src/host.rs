@@ -400,12 +400,26 @@ pub(crate) enum CpuStep<P: Float> {
     /// On the training thread, inside `step`.
     Inline(Box<WholeStep<P>>),
     /// After `warmup` inline steps, on a worker thread while the next window computes (the
-    /// delayed update; ZenFlow's `overlap_step` with `ZenFlowAside::Host`, whose `warmup` is 0).
-    Delayed { warmup: u64, worker: Worker<Swapped<P>> },
+    /// delayed update; ZenFlow's `overlap_step` with `ZenFlowAside::Host`, whose `warmup` is 0
+    /// and which has no `spare`).
+    Delayed { warmup: u64, spare: bool, worker: Worker<Swapped<P>> },
+}
+
+/// How [`HostAccumulator::new`]'s step is delayed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Delayed {
+    /// Steps taken inline before the first on the worker.
+    pub warmup: u64,
+    /// A second accumulator, which the next window fills while the worker steps with the first
+    /// (the delayed update adds into its accumulator at every micro-step). Without it (ZenFlow's
+    /// host path, whose device window is copied in only at the window's end, after the worker
+    /// is joined) the worker borrows the one accumulator and hands it back when joined.
+    pub spare: bool,
 }
 
 /// What a delayed step takes to its worker: the optimizer, and the accumulator it steps with
-/// (swapped with the engine's at its start, so the next window fills the other one).
+/// (swapped with the engine's at its start, so the next window fills the other one; without a
+/// spare, swapped back when the worker is joined).
 #[derive(Debug)]
 pub(crate) struct Swapped<P: Float> {
     pub whole: WholeStep<P>,
@@ -414,7 +428,7 @@ pub(crate) struct Swapped<P: Float> {
 
 impl<P: Float> HostAccumulator<P> {
     /// The host side of a partition of `partition` elements with buckets of `bucket` elements,
-    /// delayed after `warmup` steps where `delayed` says so. `memory` is that of the buffers
+    /// delayed where `delayed` says so (with a spare accumulator or without). `memory` is that of the buffers
     /// the device copies from or into (staging, the upload buffer), `acc_memory` the
     /// accumulators' (pinned where the device copies straight into them, as ZenFlow's window;
     /// pageable where only the CPU adds into them); the optimizer state is pageable, as only the
@@ -428,7 +442,7 @@ impl<P: Float> HostAccumulator<P> {
         stream_chunk: usize,
         (memory, acc_memory): (HostMemory, HostMemory),
         adam: CpuAdam,
-        delayed: Option<u64>,
+        delayed: Option<Delayed>,
         moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
         let state = HostOptimizer::new(
@@ -444,10 +458,15 @@ impl<P: Float> HostAccumulator<P> {
         let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
         let cpu = match delayed {
             None => CpuStep::Inline(Box::new(whole)),
-            Some(warmup) => {
-                let stepped = device.alloc_host(partition, acc_memory)?;
+            Some(Delayed { warmup, spare }) => {
+                // Without a spare, the accumulator's place on the worker while it is here.
+                let stepped = match spare {
+                    true => device.alloc_host(partition, acc_memory)?,
+                    false => device.alloc_host(0, HostMemory::Pageable)?,
+                };
                 CpuStep::Delayed {
                     warmup,
+                    spare,
                     worker: Worker::Ready(Box::new(Swapped { whole, stepped })),
                 }
             }
@@ -480,7 +499,7 @@ impl<P: Float> HostAccumulator<P> {
     /// Waits for a delayed step, if one runs, and gives the optimizer back; the weights of a
     /// step joined here are pending upload.
     pub(crate) fn join(&mut self) -> Result<&mut WholeStep<P>, EngineError> {
-        join_cpu(&mut self.cpu, &mut self.upload_pending)
+        join_cpu(&mut self.cpu, &mut self.acc, &mut self.upload_pending)
     }
 
     /// The optimizer, where no delayed step is running (after [`HostAccumulator::join`]).
@@ -494,27 +513,22 @@ impl<P: Float> HostAccumulator<P> {
     /// One step now, on this thread (waiting for a delayed step first).
     pub(crate) fn step_now(&mut self, step: &AdamWStep) -> Result<(), EngineError> {
         let HostAccumulator { acc, cpu, upload_pending, .. } = self;
-        join_cpu(cpu, upload_pending)?.step(step, acc)
+        join_cpu(cpu, acc, upload_pending)?.step(step, acc)
     }
 
     /// The optimizer's weights for the device (waiting for a delayed step first), no longer
     /// pending once the caller has queued their upload.
     pub(crate) fn upload(&mut self) -> Result<&HostBuffer<P>, EngineError> {
-        let HostAccumulator { cpu, upload_pending, .. } = self;
-        let whole = join_cpu(cpu, upload_pending)?;
+        let HostAccumulator { acc, cpu, upload_pending, .. } = self;
+        let whole = join_cpu(cpu, acc, upload_pending)?;
         *upload_pending = false;
         Ok(&whole.upload)
     }
 
     /// Starts a delayed step of the (joined) optimizer on its worker, handing it the full
-    /// accumulator and putting the one it stepped with last in its place for the next window;
-    /// `then` runs on the worker after the step (ZenFlow's host path uploads the new weights from
-    /// there).
-    pub(crate) fn start_delayed(
-        &mut self,
-        step: AdamWStep,
-        then: impl FnOnce(&WholeStep<P>) -> Result<(), EngineError> + Send + 'static,
-    ) -> Result<(), EngineError> {
+    /// accumulator and putting the one it stepped with last in its place for the next window
+    /// (without a spare, an empty one until the worker is joined).
+    pub(crate) fn start_delayed(&mut self, step: AdamWStep) -> Result<(), EngineError> {
         let CpuStep::Delayed { worker, .. } = &mut self.cpu else {
             return Err(EngineError::Internal("a delayed step on the inline path"));
         };
@@ -526,7 +540,7 @@ impl<P: Float> HostAccumulator<P> {
             swapped.whole.step(&step, &swapped.stepped)?;
             let took = begun.elapsed();
             tracing::debug!(?took, "delayed CPU step on the worker");
-            then(&swapped.whole)
+            Ok(())
         })
     }
 
@@ -550,16 +564,21 @@ impl<P: Float> HostAccumulator<P> {
     }
 }
 
-/// See [`HostAccumulator::join`].
+/// See [`HostAccumulator::join`]: without a spare, the accumulator the worker stepped with is
+/// `acc` again.
 fn join_cpu<'c, P: Float>(
     cpu: &'c mut CpuStep<P>,
+    acc: &mut HostBuffer<f32>,
     upload_pending: &mut bool,
 ) -> Result<&'c mut WholeStep<P>, EngineError> {
     match cpu {
         CpuStep::Inline(whole) => Ok(whole),
-        CpuStep::Delayed { worker, .. } => {
+        CpuStep::Delayed { worker, spare, .. } => {
             let (swapped, joined) = worker.join()?;
             *upload_pending |= joined;
+            if !*spare && acc.len() < swapped.stepped.len() {
+                std::mem::swap(acc, &mut swapped.stepped);
+            }
             Ok(&mut swapped.whole)
         }
     }

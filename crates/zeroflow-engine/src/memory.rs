@@ -236,22 +236,23 @@ impl EngineOptions {
             OffloadUpdate::Exact => false,
             OffloadUpdate::Delayed { .. } => true,
             OffloadUpdate::ZenFlow(z) => {
-                lines.extend(zenflow_buffers(layout, &owned, z.topk_ratio, z.overlap_step, p));
+                lines.extend(zenflow_buffers(layout, &owned, z.topk_ratio, p));
                 match offload.stream.zenflow_aside {
                     // The CPU step streams the device window through bounded staging (f32 in,
-                    // the weights' type out); with overlap_step from a second, aside window.
+                    // the weights' type out); with overlap_step from a second, aside window,
+                    // into the aside weights.
                     ZenFlowAside::Device => {
                         let staging = staging_len(n, chunk);
                         let bytes = STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * p;
                         lines.push(line(Host, K::Staging, staging, bytes));
                         if z.overlap_step {
                             lines.push(line(Device, K::GradientAccumulator, n, 4));
+                            lines.push(line(Device, K::DelayedUpdate, n, p));
                         }
                     }
-                    // The window copied into the host accumulator, pieces of one element.
-                    ZenFlowAside::Host => {
-                        lines.extend(accumulator_buffers(n, 1, chunk, z.overlap_step, p));
-                    }
+                    // The window copied into the host accumulator (pieces of one element), one
+                    // with overlap_step too: the worker is joined before the next copy.
+                    ZenFlowAside::Host => lines.extend(accumulator_buffers(n, 1, chunk, false, p)),
                 }
                 return lines;
             }
@@ -325,12 +326,12 @@ fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, shared: usize, p: 
 }
 
 /// `HostAccumulator::new`'s buffers beside the optimizer state: the upload buffer, the staging,
-/// the fp32 accumulator, and with a delayed step the second accumulator.
+/// the fp32 accumulator, and with `spare` (the delayed update) the second accumulator.
 fn accumulator_buffers(
     n: usize,
     bucket: usize,
     chunk: usize,
-    delayed: bool,
+    spare: bool,
     p: usize,
 ) -> Vec<PlannedBuffer> {
     use BufferKind as K;
@@ -344,7 +345,7 @@ fn accumulator_buffers(
         },
         line(Host, K::GradientAccumulator, n, 4),
     ];
-    if delayed {
+    if spare {
         lines.push(line(Host, K::DelayedUpdate, n, 4));
     }
     lines
@@ -352,16 +353,14 @@ fn accumulator_buffers(
 
 /// `ZenFlow::new`'s device buffers: the compact state of the largest selection (fp32 master and
 /// moments, the gradients in the model's dtype and in f32, the weights), the column indices and
-/// importance, the fp32 window, and with `overlap_step` the set-aside weights; in host memory,
-/// the importance's pinned copy, and at a selection the compact master weights and moments
-/// downloaded a piece at a time to hand the leaving columns to the host optimizer (three f32
-/// pieces and one download's staging: 16 bytes per element of a piece of at most
-/// [`EXCHANGE_PIECE`]).
+/// importance, the fp32 window; in host memory, the importance's pinned copy, and at a selection
+/// the compact master weights and moments downloaded a piece at a time to hand the leaving columns
+/// to the host optimizer (three f32 pieces and one download's staging: 16 bytes per element of a
+/// piece of at most [`EXCHANGE_PIECE`]).
 fn zenflow_buffers(
     layout: &FlatLayout,
     owned: &Range<usize>,
     ratio: f64,
-    overlap_step: bool,
     p: usize,
 ) -> Vec<PlannedBuffer> {
     use BufferKind as K;
@@ -369,7 +368,7 @@ fn zenflow_buffers(
     let (capacity, indices, columns) = crate::zenflow::compact_elements(layout, owned, ratio);
     let n = owned.len().max(1);
     let compact = capacity as u64 * (12 + p as u64 + 4 + p as u64) + indices as u64 * 4;
-    let mut lines = vec![
+    vec![
         PlannedBuffer {
             memory: Device,
             kind: K::ZenFlowSelected,
@@ -381,11 +380,7 @@ fn zenflow_buffers(
             bytes: columns as u64 * 4 + capacity.min(EXCHANGE_PIECE) as u64 * 16,
         },
         line(Device, K::GradientAccumulator, n, 4),
-    ];
-    if overlap_step {
-        lines.push(line(Device, K::DelayedUpdate, n, p));
-    }
-    lines
+    ]
 }
 
 #[cfg(test)]

@@ -147,9 +147,12 @@ pub enum ZenFlowAside {
     /// bytes per parameter); with `overlap_step` a second fp32 device window (4 bytes per
     /// parameter of device memory) holds the window the worker steps.
     Device,
-    /// The path before: the window is copied into a pinned host accumulator, with a second one
-    /// and a whole-partition upload buffer for `overlap_step` (host: 22 bytes per parameter with
-    /// bf16 weights), no second device window.
+    /// The window is copied into a pinned host accumulator at its end and the CPU steps the
+    /// whole partition from there into a whole-partition upload buffer, applied at once (inline)
+    /// or at the next window's end (`overlap_step`, after the worker is joined and before the
+    /// next copy into the same accumulator): host 18 bytes per parameter with fp32 moments and
+    /// bf16 weights (14 with bf16 moments), on the device the one window alone, as inline (for
+    /// a GPU without room for the second window and weights).
     Host,
 }
 

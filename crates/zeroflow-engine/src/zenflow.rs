@@ -210,9 +210,10 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
     /// D2h → compute, with the window aside on the host: the last window has been copied out
     /// and cleared.
     pub window_copied: Option<D::Event>,
-    /// With `overlap_step`: where the worker uploads the weights of its CPU step (this rank's
-    /// partition), so that applying them is a copy on the device; `aside_ready` says they are
-    /// there and not yet applied.
+    /// With `overlap_step` and the window aside on the device: where the worker uploads the
+    /// weights of its CPU step (this rank's partition), so that applying them is a copy on the
+    /// device; `aside_ready` says they are there and not yet applied. (The host path's are in
+    /// its upload buffer.)
     pub aside: Option<std::sync::Arc<D::Buffer<P>>>,
     pub aside_ready: bool,
     /// The CPU's AdamW schedule: one step per window.
@@ -233,7 +234,7 @@ pub(crate) struct ZenFlow<D: Device, P: Float> {
 
 impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
     /// Allocates the compact buffers for the largest selection `ratio` can make in `owned`, and
-    /// the aside window on the device where `device_aside` says so.
+    /// the aside window and weights on the device where `device_aside` says so.
     pub fn new(
         device: &D,
         layout: &FlatLayout,
@@ -281,7 +282,7 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
             overlap_step: options.overlap_step,
             window_ready: device.new_event()?,
             window_copied: None,
-            aside: match options.overlap_step {
+            aside: match device_aside {
                 true => Some(std::sync::Arc::new(device.alloc(owned.len().max(1))?)),
                 false => None,
             },

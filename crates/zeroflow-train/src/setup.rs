@@ -684,8 +684,8 @@ fn train_plan_inputs(
         EngineOptions::from_config(config, 1).map_err(|e| input(format!("the config: {e}")))?;
     if options.offload().is_some() {
         match args.device {
-            DeviceKind::Cpu => settings::apply_offload::<f32>(settings, &mut options, dist.rank)?,
-            DeviceKind::Cuda => settings::apply_offload::<bf16>(settings, &mut options, dist.rank)?,
+            DeviceKind::Cpu => settings::tune_offload::<f32>(settings, &mut options)?,
+            DeviceKind::Cuda => settings::tune_offload::<bf16>(settings, &mut options)?,
         }
     }
     let activation_checkpointing =

@@ -11,7 +11,7 @@ use zeroflow_core::config::DeviceShare;
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
 use zeroflow_optim::Stores;
 
-use zeroflow_engine::AccumulateOn;
+use zeroflow_engine::{AccumulateOn, ZenFlowAside};
 use zeroflow_train::dist::affinity::BindMode;
 pub use zeroflow_train::settings::{
     Attention, Requested, activation_checkpointing, attention, names, parse_budget_mib,
@@ -100,6 +100,13 @@ pub struct HostFlags {
     /// Over ZEROFLOW_DEVICE_SHARE and zeroflow.offload.device_share.
     #[arg(long, value_name = "FRACTION|fit", value_parser = parse_device_share)]
     pub device_share: Option<DeviceShare>,
+    /// Where ZenFlow sets its window aside for the CPU step: device (the default: with
+    /// overlap_step a second f32 window and the CPU's weights on the GPU, 6 bytes per parameter)
+    /// or host (copied into host memory at the window's end and the CPU's weights kept there
+    /// until applied: 6 bytes per parameter more of host memory, for a GPU without room for the
+    /// overlap); the same numbers. Over ZEROFLOW_ZENFLOW_ASIDE and zeroflow.offload.zenflow_aside.
+    #[arg(long, value_name = "device|host", value_parser = flag(&names::ZENFLOW_ASIDE))]
+    pub zenflow_aside: Option<ZenFlowAside>,
 }
 
 /// What the flags ask for.
@@ -118,6 +125,7 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         pinned_budget_mib: host.pinned_budget_mib,
         overlap_forward: host.overlap_forward,
         device_share: host.device_share,
+        zenflow_aside: host.zenflow_aside,
         // `train --pack` alone: not a setting of the device's flags.
         pack: None,
     }

@@ -42,6 +42,8 @@ fn the_flags_take_the_names_the_variables_take() {
         "off",
         "--device-share",
         "0.75",
+        "--zenflow-aside",
+        "HOST",
     ])
     .unwrap();
     assert_eq!(
@@ -60,6 +62,7 @@ fn the_flags_take_the_names_the_variables_take() {
             pinned_budget_mib: Some(0.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.75)),
+            zenflow_aside: Some(ZenFlowAside::Host),
             pack: None,
         }
     );
@@ -77,6 +80,7 @@ fn the_flags_take_the_names_the_variables_take() {
         ["--pinned-budget-mib", "half"],
         ["--device-share", "1"],
         ["--device-share", "half"],
+        ["--zenflow-aside", "cpu"],
     ] {
         let error = Command::try_parse_from(["x", bad[0], bad[1]]).unwrap_err().to_string();
         assert!(error.contains(bad[0]) && error.contains(bad[1]), "{error}");

@@ -13,7 +13,7 @@
 //!   "optimizer_state_dtype": "fp32",
 //!   "offload": { "stream_chunk_mib": 16, "copy_stores": "auto", "gather": "pieces", "cpu_threads": "auto",
 //!                "speculation_budget_mib": 0, "accumulate_on": "auto", "pinned_budget_mib": "auto",
-//!                "overlap_forward": true, "device_share": 0 }
+//!                "overlap_forward": true, "device_share": 0, "zenflow_aside": "auto" }
 //! }
 //! ```
 //!
@@ -127,6 +127,19 @@ pub enum AccumulateOn {
     Host,
 }
 
+/// Where ZenFlow keeps the window its CPU step reads (`zeroflow.offload.zenflow_aside`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZenFlowAside {
+    /// On the device (with `overlap_step` a second window and the CPU's weights there too),
+    /// streamed through the host in chunks: 12 bytes per parameter of host memory with fp32
+    /// moments.
+    Device,
+    /// Copied into host memory at the window's end, the CPU's weights kept there until applied:
+    /// on the device the one window alone, in host memory 6 bytes per parameter more (for a GPU
+    /// without room for ZenFlow's `overlap_step` on it).
+    Host,
+}
+
 /// How much of the optimizer's partition is held and stepped on the device instead of the host
 /// (`zeroflow.offload.device_share`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -188,6 +201,9 @@ pub struct OffloadTuning {
     /// held in device memory instead of host memory and stepped there, from the partition's end
     /// (`None`: zeroflow's default, 0).
     pub device_share: Option<DeviceShare>,
+    /// Where ZenFlow sets its window aside for the CPU step (`None`: zeroflow's default, the
+    /// device).
+    pub zenflow_aside: Option<ZenFlowAside>,
 }
 
 const ATTENTIONS: &[(&str, Option<Attention>)] =
@@ -207,6 +223,8 @@ const OPTIMIZER_STATE_DTYPES: &[(&str, OptimizerStateDtype)] =
     &[("fp32", OptimizerStateDtype::Fp32), ("bf16", OptimizerStateDtype::Bf16)];
 const ACCUMULATE_ONS: &[(&str, Option<AccumulateOn>)] =
     &[("auto", None), ("device", Some(AccumulateOn::Device)), ("host", Some(AccumulateOn::Host))];
+const ZENFLOW_ASIDES: &[(&str, Option<ZenFlowAside>)] =
+    &[("auto", None), ("device", Some(ZenFlowAside::Device)), ("host", Some(ZenFlowAside::Host))];
 
 /// The name `choices` gives `value` (`None`: JSON `null`, the default).
 fn name_of<T: Copy + PartialEq>(choices: &[(&'static str, Option<T>)], value: Option<T>) -> Value {
@@ -242,6 +260,7 @@ impl ZeroflowExtensions {
                 "pinned_budget_mib": offload.pinned_budget_mib,
                 "overlap_forward": offload.overlap_forward,
                 "device_share": offload.device_share.map(DeviceShare::to_json),
+                "zenflow_aside": name_of(ZENFLOW_ASIDES, offload.zenflow_aside),
             },
         })
     }
@@ -333,6 +352,8 @@ fn read_offload(
         named(&mut offload, "accumulate_on", ACCUMULATE_ONS, "\"auto\", \"device\" or \"host\"")?;
     let overlap_forward = offload.bool("overlap_forward")?.given();
     let device_share = share(&mut offload, "device_share")?;
+    let zenflow_aside =
+        named(&mut offload, "zenflow_aside", ZENFLOW_ASIDES, "\"auto\", \"device\" or \"host\"")?;
     offload.finish(&[], diagnostics);
     Ok(OffloadTuning {
         stream_chunk_mib,
@@ -344,6 +365,7 @@ fn read_offload(
         pinned_budget_mib,
         overlap_forward,
         device_share,
+        zenflow_aside,
     })
 }
 

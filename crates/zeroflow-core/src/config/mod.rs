@@ -44,7 +44,7 @@ pub use diagnostics::{AutoSource, AutoValue, Warning, WarningKind};
 pub use error::{ConfigError, ROOT};
 pub use extensions::{
     AccumulateOn, Attention, CopyStores, CpuBind, CudaWait, DelayedUpdate, DeviceShare, Gather,
-    OffloadTuning, ZeroflowExtensions,
+    OffloadTuning, ZenFlowAside, ZeroflowExtensions,
 };
 pub use optimizer::{AdamConfig, WeightDecayMode};
 pub use overrides::Overrides;

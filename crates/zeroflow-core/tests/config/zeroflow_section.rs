@@ -7,7 +7,7 @@ use std::num::NonZeroU64;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{
     AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, DeviceShare, Gather,
-    OffloadTuning,
+    OffloadTuning, ZenFlowAside,
 };
 
 use super::{error_of, resolve};
@@ -25,7 +25,7 @@ fn every_setting_is_read_by_name() {
                         "gather": "after-step", "cpu_threads": 12,
                         "speculation_budget_mib": 1.5, "accumulate_on": "host",
                         "pinned_budget_mib": 2048, "overlap_forward": false,
-                        "device_share": 0.25}}"#,
+                        "device_share": 0.25, "zenflow_aside": "host"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
@@ -46,6 +46,7 @@ fn every_setting_is_read_by_name() {
             pinned_budget_mib: Some(2048.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.25)),
+            zenflow_aside: Some(ZenFlowAside::Host),
         }
     );
 }
@@ -58,7 +59,8 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
             "offload": {"stream_chunk_mib": "auto", "copy_stores": "auto", "gather": "auto",
                         "cpu_threads": "auto", "speculation_budget_mib": "auto",
                         "accumulate_on": "auto", "pinned_budget_mib": "auto",
-                        "overlap_forward": "auto", "device_share": "auto"}}"#,
+                        "overlap_forward": "auto", "device_share": "auto",
+                        "zenflow_aside": "auto"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
@@ -75,6 +77,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         "/zeroflow/offload/pinned_budget_mib",
         "/zeroflow/offload/overlap_forward",
         "/zeroflow/offload/device_share",
+        "/zeroflow/offload/zenflow_aside",
     ];
     for pointer in pointers {
         assert_eq!(json.pointer(pointer), Some(&serde_json::Value::Null), "{pointer}");
@@ -89,7 +92,7 @@ fn set_settings_round_trip_through_the_resolved_json() {
             "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
                         "cpu_threads": 3, "speculation_budget_mib": 0,
                         "accumulate_on": "device", "pinned_budget_mib": 0,
-                        "device_share": 0}}"#,
+                        "device_share": 0, "zenflow_aside": "device"}}"#,
     );
     let first = resolve(&text).expect("valid");
     let json = first.config.to_json();
@@ -103,6 +106,7 @@ fn set_settings_round_trip_through_the_resolved_json() {
     assert_eq!(json["zeroflow"]["offload"]["pinned_budget_mib"], 0.0);
     // 0 is a share (nothing on the device), not "auto".
     assert_eq!(json["zeroflow"]["offload"]["device_share"], 0.0);
+    assert_eq!(json["zeroflow"]["offload"]["zenflow_aside"], "device");
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);
     assert!(again.warnings.is_empty(), "{:?}", again.warnings);
@@ -146,6 +150,7 @@ fn a_bad_value_of_each_setting_is_an_error_naming_its_json_path() {
         (r#"{"offload": {"device_share": 1}}"#, "zeroflow.offload.device_share", "1"),
         (r#"{"offload": {"device_share": -0.5}}"#, "zeroflow.offload.device_share", "-0.5"),
         (r#"{"offload": {"device_share": "half"}}"#, "zeroflow.offload.device_share", "half"),
+        (r#"{"offload": {"zenflow_aside": "cpu"}}"#, "zeroflow.offload.zenflow_aside", "\"cpu\""),
         (r#"{"offload": 4}"#, "zeroflow.offload", "the number 4"),
         (r#"{"optimizer_state_dtype": "fp16"}"#, "zeroflow.optimizer_state_dtype", "\"fp16\""),
         (r#"{"optimizer_state_dtype": 16}"#, "zeroflow.optimizer_state_dtype", "the number 16"),

@@ -151,7 +151,7 @@ impl<D: DeviceAdamW, P: Float> Accumulate<D, P> {
             if host.weights_ahead() {
                 upload_and_gather(shared, host.upload()?)?;
             }
-            host.start_delayed(*step, |_| Ok(()))?;
+            host.start_delayed(*step)?;
         } else {
             let verdict = match (&mut self.speculation, &mut host.cpu) {
                 (Some(speculation), CpuStep::Inline(whole)) => {

@@ -53,7 +53,7 @@ pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::HostSide;
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{HostAccumulator, StreamBuffers, ZenFlowHost};
+use crate::host::{Delayed, HostAccumulator, StreamBuffers, ZenFlowHost};
 use crate::memory::{device_share_len, sums_on_device};
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
@@ -163,11 +163,12 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                         adam,
                         moments,
                     )?),
-                    // The path before: the window copied into the host accumulator (no
-                    // staging: nothing goes out bucket by bucket), overlap_step its delayed
-                    // update from the first window on.
+                    // The window copied into the host accumulator at its end (no staging:
+                    // nothing goes out bucket by bucket), overlap_step its delayed update from
+                    // the first window on, with the one accumulator (the worker is joined
+                    // before the next window's copy).
                     ZenFlowAside::Host => {
-                        let delayed = z.overlap_step.then_some(0);
+                        let delayed = z.overlap_step.then_some(Delayed { warmup: 0, spare: false });
                         HostSide::Accumulated(HostAccumulator::new(
                             device,
                             len,
@@ -239,7 +240,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             chunk,
             memories,
             adam,
-            delayed,
+            // The micro-steps of the next window add into the spare while the worker steps.
+            delayed.map(|warmup| Delayed { warmup, spare: true }),
             moments,
         )?;
         Ok(UpdatePath::Accumulate(Accumulate { host, speculation, on_device }))

@@ -1,11 +1,13 @@
 //! ZenFlow's host side, either of two: the window streamed from the device through bounded
 //! staging (`ZenFlowAside::Device`, `zenflow.rs`), or the path before it, kept whole and
-//! selectable (`ZenFlowAside::Host`): at the window end the window is copied into the pinned
-//! host accumulator and cleared on the d2h stream (`window_copied`, d2h → compute, orders the
-//! next add after it); the CPU steps the whole partition from there into the upload buffer, and
-//! its weights reach the flat weights from the host (inline) or, with `overlap_step`, from the
-//! aside weights the worker uploads them into (a second accumulator swapped in for the next
-//! window). 22 B per parameter of host memory, no second device window.
+//! selectable (`ZenFlowAside::Host`) for a GPU without room for the second window: at the window
+//! end the window is copied into the pinned host accumulator and cleared on the d2h stream
+//! (`window_copied`, d2h → compute, orders the next add after it); the CPU steps the whole
+//! partition from there into the upload buffer, whose weights reach the flat weights from the
+//! host: at once (inline), or with `overlap_step` at the next window's end, where the worker is
+//! joined and its weights uploaded before that window is copied into the same accumulator. 18 B
+//! per parameter of host memory with fp32 moments (14 with bf16), and on the device the window
+//! alone, as inline.
 
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, StreamKind};
@@ -17,6 +19,7 @@ use super::zenflow::ZenFlowUpdate;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{CpuStep, HostAccumulator, HostOptimizer, ZenFlowHost};
+use crate::zenflow::ZenFlow;
 
 /// ZenFlow's host side ([`crate::ZenFlowAside`]).
 #[derive(Debug)]
@@ -99,25 +102,24 @@ impl<P: Float> HostSide<P> {
 
 impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     /// The host path's end of a window (its norm taken): the window to the host and the CPU
-    /// step, inline or (with `overlap_step`) on the worker after the last window's weights are
-    /// applied.
+    /// step, inline or (with `overlap_step`) on the worker after the last window's step is
+    /// joined and its weights applied.
     pub(super) fn end_window_on_host<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
         cpu_step: AdamWStep,
     ) -> Result<(), EngineError> {
-        self.take_window(shared)?;
         let started = std::time::Instant::now();
-        let HostSide::Accumulated(host) = &mut self.host else {
-            return Err(EngineError::Internal("ZenFlow's streamed path on the host"));
-        };
+        let (zenflow, host) = self.accumulated()?;
         if let CpuStep::Inline(_) = host.cpu {
+            take_window(shared, zenflow, host)?;
             host.step_now(&cpu_step)?;
             shared.cpu_wait += started.elapsed();
             return self.apply_and_gather(shared);
         }
-        // The last window's CPU step finished meanwhile: its weights go to the device now; this
-        // window's runs in the background until the next window ends.
+        // The last window's CPU step finished meanwhile: joined, it hands the accumulator back,
+        // and its weights go to the device now; this window's runs in the background until the
+        // next window ends, its weights left in the upload buffer until then.
         if host.weights_ahead() {
             host.join()?;
             shared.cpu_wait += started.elapsed();
@@ -125,49 +127,39 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         } else {
             shared.gather_from(StreamKind::Compute)?;
         }
-        self.start_worker_on_host(shared, cpu_step)
+        let (zenflow, host) = self.accumulated()?;
+        take_window(shared, zenflow, host)?;
+        host.start_delayed(cpu_step)
     }
 
-    /// Copies the window into the host accumulator and clears it, on the d2h stream. The copy's
-    /// token is detached: the accumulator remembers the copy, and the CPU step's first read of
-    /// it (here or on the worker) waits for it.
-    fn take_window<C: Comm<Device = D>>(
+    /// The device side and the host accumulator (the host path).
+    fn accumulated(
         &mut self,
-        shared: &mut Shared<D, C, P>,
-    ) -> Result<(), EngineError> {
-        let (device, zenflow) = (&shared.device, &mut self.zenflow);
-        let HostSide::Accumulated(host) = &mut self.host else {
-            return Err(EngineError::Internal("ZenFlow's streamed path on the host"));
-        };
-        let d2h = device.stream(StreamKind::D2h);
-        device.wait_event(d2h, &zenflow.window_ready)?;
-        let len = shared.owned.len();
-        device.copy_d2h(d2h, &*zenflow.window, 0..len, &mut host.acc, 0)?.detach();
-        device.fill(d2h, &*zenflow.window, 0..len, 0.0)?;
-        let copied = slot(&mut zenflow.window_copied, device)?;
-        device.record(copied, d2h)?;
-        Ok(())
+    ) -> Result<(&mut ZenFlow<D, P>, &mut HostAccumulator<P>), EngineError> {
+        match &mut self.host {
+            HostSide::Accumulated(host) => Ok((&mut self.zenflow, host)),
+            HostSide::Streamed(_) => {
+                Err(EngineError::Internal("ZenFlow's streamed path on the host"))
+            }
+        }
     }
+}
 
-    /// Starts the CPU step of the window just taken on the worker, which then uploads its
-    /// weights into the aside weights on the h2d stream (after the last application of the aside
-    /// weights, queued there before).
-    fn start_worker_on_host<C: Comm<Device = D>>(
-        &mut self,
-        shared: &Shared<D, C, P>,
-        cpu_step: AdamWStep,
-    ) -> Result<(), EngineError> {
-        let aside = self.zenflow.aside.clone();
-        let aside = aside.ok_or(EngineError::Internal("overlap_step without its aside buffer"))?;
-        let (device, len) = (shared.device.clone(), shared.owned.len());
-        let HostSide::Accumulated(host) = &mut self.host else {
-            return Err(EngineError::Internal("ZenFlow's streamed path on the host"));
-        };
-        self.zenflow.aside_ready = true;
-        host.start_delayed(cpu_step, move |whole| {
-            let h2d = device.stream(StreamKind::H2d);
-            device.copy_h2d(h2d, &whole.upload, 0..len, &aside, 0)?.wait()?;
-            Ok(())
-        })
-    }
+/// Copies the window into the host accumulator and clears it, on the d2h stream. The copy's token
+/// is detached: the accumulator remembers the copy, and the CPU step's first read of it (here or
+/// on the worker) waits for it.
+fn take_window<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+    shared: &Shared<D, C, P>,
+    zenflow: &mut ZenFlow<D, P>,
+    host: &mut HostAccumulator<P>,
+) -> Result<(), EngineError> {
+    let device = &shared.device;
+    let d2h = device.stream(StreamKind::D2h);
+    device.wait_event(d2h, &zenflow.window_ready)?;
+    let len = shared.owned.len();
+    device.copy_d2h(d2h, &*zenflow.window, 0..len, &mut host.acc, 0)?.detach();
+    device.fill(d2h, &*zenflow.window, 0..len, 0.0)?;
+    let copied = slot(&mut zenflow.window_copied, device)?;
+    device.record(copied, d2h)?;
+    Ok(())
 }

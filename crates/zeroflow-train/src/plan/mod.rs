@@ -12,6 +12,7 @@ use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_engine::checkpoint::{self, WRITE_BUFFERS_BYTES, WRITE_CHUNK_BYTES};
 use zeroflow_engine::{
     AccumulateOn, BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
+    ZenFlowAside,
 };
 use zeroflow_hf::direct::READ_BUFFERS_BYTES;
 use zeroflow_nn::PlanOptions;
@@ -620,6 +621,10 @@ enum Knob {
     /// step --mode zenflow-inline`): one f32 sum of the unselected columns on the GPU instead of
     /// two, and no weights of the step before.
     ZenFlowInline,
+    /// ZenFlow's window set aside in host memory (`zeroflow.offload.zenflow_aside: "host"`):
+    /// `overlap_step` with the one window on the GPU, as inline, and 6 bytes per parameter more
+    /// of host memory (the window's copy and the CPU's weights until applied).
+    ZenFlowAsideHost,
     OptimizerOnGpu,
     /// ZeRO-2's window summed on the GPU (the exact offload step then streams it: no host
     /// accumulator).
@@ -652,6 +657,11 @@ impl Knob {
             (Knob::ZenFlowInline, true) => "--mode zenflow-inline".into(),
             (Knob::ZenFlowInline, false) => {
                 "ZenFlow's step not overlapped (zero_optimization.zenflow.overlap_step: false)"
+                    .into()
+            }
+            (Knob::ZenFlowAsideHost, true) => "--zenflow-aside host".into(),
+            (Knob::ZenFlowAsideHost, false) => {
+                "ZenFlow's window set aside in host memory (zeroflow.offload.zenflow_aside: \"host\")"
                     .into()
             }
             (Knob::OptimizerOnGpu, true) => "--mode gpu".into(),
@@ -698,6 +708,15 @@ impl Knob {
                 if let OffloadUpdate::ZenFlow(zenflow) = &mut out.options.offload_mut()?.update {
                     zenflow.overlap_step = false;
                 }
+            }
+            Knob::ZenFlowAsideHost
+                if inputs.options.zenflow().is_some_and(|z| z.overlap_step)
+                    && inputs
+                        .options
+                        .offload()
+                        .is_some_and(|o| o.stream.zenflow_aside == ZenFlowAside::Device) =>
+            {
+                out.options.offload_mut()?.stream.zenflow_aside = ZenFlowAside::Host;
             }
             Knob::OptimizerOnGpu if inputs.options.offload().is_some() => {
                 out.options.placement = Placement::Device;
@@ -754,13 +773,14 @@ type NamedPlan = (String, MemoryPlan);
 const MAX_PAIRS_SAID: usize = 4;
 
 /// The knobs that change one setting each (not the micro-batch), checkpointing first.
-fn setting_knobs(inputs: &PlanInputs) -> [Knob; 8] {
+fn setting_knobs(inputs: &PlanInputs) -> [Knob; 9] {
     [
         Knob::Checkpointing,
         Knob::Offload,
         Knob::ZenFlow,
         Knob::ExactOffload { zenflow: inputs.options.zenflow().is_some() },
         Knob::ZenFlowInline,
+        Knob::ZenFlowAsideHost,
         Knob::OptimizerOnGpu,
         Knob::SumOnGpu,
         Knob::Bf16Moments,
@@ -784,8 +804,9 @@ fn plan_that_fits(inputs: PlanInputs, machine: &MachineMemory) -> Option<MemoryP
 impl MemoryPlan {
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the exact
-    /// offload, ZenFlow's step not overlapped, the optimizer on the GPU, the accumulation window
-    /// summed on the GPU, 16-bit moments, the device share that fits.
+    /// offload, ZenFlow's step not overlapped, ZenFlow's window aside in host memory, the
+    /// optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments, the
+    /// device share that fits.
     fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
         let inputs = &self.inputs;
         let [checkpointing, rest @ ..] = setting_knobs(inputs);
@@ -819,8 +840,8 @@ impl MemoryPlan {
 
     /// Where no knob alone brings the plan within `machine`: two turned together that do, with
     /// the plan's totals then — each pair of the settings (checkpointing, offload, ZenFlow, the
-    /// exact offload, ZenFlow's step not overlapped, the optimizer on the GPU, the sum on the
-    /// GPU, 16-bit moments), and each setting with the largest smaller micro-batch that then fits.
+    /// exact offload, ZenFlow's step not overlapped, ZenFlow's window aside in host memory, the
+    /// optimizer on the GPU, the sum on the GPU, 16-bit moments), and each setting with the largest smaller micro-batch that then fits.
     fn knob_pairs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
         let (inputs, caller) = (&self.inputs, self.inputs.caller);
         let settings = setting_knobs(inputs);
@@ -889,8 +910,8 @@ impl MemoryPlan {
             }
         } else if knobs.is_empty() {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
-                        ZenFlow, the exact offload, ZenFlow's step not overlapped, the optimizer \
-                        on the GPU, the accumulation window summed on the GPU, 16-bit moments, \
+                        ZenFlow, the exact offload, ZenFlow's step not overlapped, ZenFlow's \
+                        window aside in host memory, the optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments, \
                         the device share that fits) brings it under: use a smaller model";
             message += if !fit.gpu {
                 " (ZeRO stages 1 and 2 hold every weight and gradient on each GPU: more GPUs do \

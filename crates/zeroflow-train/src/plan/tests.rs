@@ -273,6 +273,37 @@ fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
     assert!(Knob::ExactOffload { zenflow: false }.apply(&exact.inputs).is_none());
 }
 
+/// ZenFlow's window set aside in host memory keeps `overlap_step` with the GPU of ZenFlow not
+/// overlapped (the one f32 window, no aside weights) and 6 bytes per parameter more of host
+/// memory (the window's copy, the CPU's bf16 weights): for llama-8b on an 80 GiB GPU beside a
+/// 125 GiB host it is named where the moments are 16-bit (14 B per parameter) and not with fp32
+/// moments (18).
+#[test]
+fn zenflow_aside_in_host_memory_keeps_the_overlap_on_an_h100_with_16_bit_moments() {
+    let h100 = machine(80 * GIB, 128 * GIB, 125 * GIB);
+    for moments in [OptimizerStateDtype::Fp32, OptimizerStateDtype::Bf16] {
+        let mut zenflow = inputs("llama-8b", "zenflow", (4, 2048));
+        zenflow.model_options.activation_checkpointing = true;
+        zenflow.options.offload_mut().unwrap().moments = moments;
+        let plan = MemoryPlan::new(zenflow).unwrap();
+        assert!(!plan.fit(&h100).gpu, "{moments:?}: {}", super::gib(plan.gpu_total));
+        let aside = MemoryPlan::new(Knob::ZenFlowAsideHost.apply(&plan.inputs).unwrap()).unwrap();
+        let inline = MemoryPlan::new(Knob::ZenFlowInline.apply(&plan.inputs).unwrap()).unwrap();
+        assert!(aside.inputs.options.zenflow().unwrap().overlap_step);
+        assert_eq!(aside.gpu_total, inline.gpu_total, "{moments:?}: the one window on the GPU");
+        let n = plan.inputs.model.flat_layout(1).unwrap().padded_len() as f64;
+        let more = (aside.host_total - inline.host_total) as f64;
+        // Less the streamed path's bounded staging.
+        assert!((more / n - 6.0).abs() < 0.05, "{moments:?}: {more} bytes more");
+        let knobs = plan.knobs_that_fit(&h100);
+        let named = knobs.iter().any(|(flag, _)| flag == "--zenflow-aside host");
+        assert_eq!(named, moments == OptimizerStateDtype::Bf16, "{moments:?}: {knobs:?}");
+        // Set aside already, or not overlapped: the knob changes nothing.
+        assert!(Knob::ZenFlowAsideHost.apply(&aside.inputs).is_none());
+        assert!(Knob::ZenFlowAsideHost.apply(&inline.inputs).is_none());
+    }
+}
+
 /// Where no knob alone brings a run under but two together do, the refusal names the pairs
 /// instead of "use a smaller model": llama-8b's ZenFlow at micro-batch 8 without checkpointing
 /// (207.6 GiB) on an 80 GiB GPU, which checkpointing with the exact offload brings to 49.7 GiB.

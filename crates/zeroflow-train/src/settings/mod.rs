@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use zeroflow_core::config::{self, DeviceShare, ZeroflowExtensions};
 use zeroflow_core::{DType, Element};
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
-use zeroflow_engine::{AccumulateOn, EngineOptions, OffloadUpdate};
+use zeroflow_engine::{AccumulateOn, EngineOptions, OffloadUpdate, ZenFlowAside};
 use zeroflow_nn::AttentionKind;
 use zeroflow_optim::Stores;
 
@@ -45,7 +45,7 @@ impl Attention {
 
 /// The names each setting is spelled with, in flags, variables and the config alike.
 pub mod names {
-    use super::{AccumulateOn, Attention, BindMode, Stores};
+    use super::{AccumulateOn, Attention, BindMode, Stores, ZenFlowAside};
 
     pub const ATTENTION: [(&str, Attention); 3] =
         [("auto", Attention::Auto), ("gemm", Attention::Gemm), ("flash", Attention::Flash)];
@@ -63,6 +63,10 @@ pub mod names {
         ("device", AccumulateOn::Device),
         ("host", AccumulateOn::Host),
     ];
+
+    /// Where ZenFlow sets its window aside for the CPU step.
+    pub const ZENFLOW_ASIDE: [(&str, ZenFlowAside); 2] =
+        [("device", ZenFlowAside::Device), ("host", ZenFlowAside::Host)];
 
     /// "a, b or c".
     pub fn alternatives<T>(choices: &[(&str, T)]) -> String {
@@ -104,6 +108,8 @@ pub struct Requested {
     /// to a fraction before the engine is built: [`crate::plan::resolve_fit`]; `None`: `fit` on
     /// one rank, 0 on several).
     pub device_share: Option<DeviceShare>,
+    /// Where ZenFlow sets its window aside for the CPU step (`None`: the device).
+    pub zenflow_aside: Option<ZenFlowAside>,
     /// Sequence packing: several documents per row, no attention across their boundaries,
     /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
     pub pack: Option<bool>,
@@ -128,6 +134,7 @@ impl Requested {
             pinned_budget_mib: self.pinned_budget_mib.or(lower.pinned_budget_mib),
             overlap_forward: self.overlap_forward.or(lower.overlap_forward),
             device_share: self.device_share.or(lower.device_share),
+            zenflow_aside: self.zenflow_aside.or(lower.zenflow_aside),
             pack: self.pack.or(lower.pack),
         }
     }
@@ -143,6 +150,7 @@ impl Requested {
             accumulate_on,
             overlap_forward,
             device_share,
+            zenflow_aside,
             ..
         } = self;
         stream_chunk_mib.is_some()
@@ -153,6 +161,7 @@ impl Requested {
             || accumulate_on.is_some()
             || overlap_forward.is_some()
             || device_share.is_some()
+            || zenflow_aside.is_some()
     }
 }
 
@@ -220,6 +229,10 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
         pinned_budget_mib: offload.pinned_budget_mib,
         overlap_forward: offload.overlap_forward,
         device_share: offload.device_share,
+        zenflow_aside: offload.zenflow_aside.map(|aside| match aside {
+            config::ZenFlowAside::Device => ZenFlowAside::Device,
+            config::ZenFlowAside::Host => ZenFlowAside::Host,
+        }),
         pack: zeroflow.pack,
     }
 }
@@ -320,37 +333,19 @@ pub fn apply_offload<P: Element>(
     options: &mut EngineOptions,
     rank: usize,
 ) -> Result<()> {
-    if let Some(offload) = options.offload_mut() {
-        let overlap = requested.overlap_forward.unwrap_or(DEFAULT_OVERLAP_FORWARD);
-        offload.stream.overlap_forward = overlap;
-    }
+    tune_offload::<P>(requested, options)?;
     if !requested.tunes_offload() {
         return Ok(());
     }
     let dtype = P::DTYPE;
-    let Some(offload) = options.offload_mut() else {
+    let Some(offload) = options.offload() else {
         tracing::warn!(
             "rank {rank}: the stream chunk, copy stores, gather, CPU threads, speculation budget, \
-             accumulation place, forward overlap and device share tune the CPU optimizer offload, \
-             which this config does not use: they change nothing"
+             accumulation place, forward overlap, device share and ZenFlow's window place tune \
+             the CPU optimizer offload, which this config does not use: they change nothing"
         );
         return Ok(());
     };
-    let chunk = requested.stream_chunk_mib.map(|mib| chunk_elements(mib, dtype)).transpose();
-    let stream = &mut offload.stream;
-    stream.chunk = chunk.map_err(input)?.unwrap_or(stream.chunk);
-    stream.copy_stores = requested.copy_stores.or(stream.copy_stores);
-    stream.gather_in_pieces = requested.gather_in_pieces.unwrap_or(stream.gather_in_pieces);
-    stream.speculation_budget =
-        requested.speculation_budget_mib.map_or(stream.speculation_budget, budget_bytes);
-    stream.accumulate_on = requested.accumulate_on.unwrap_or(stream.accumulate_on);
-    // `fit` is 0 until the memory plan has chosen (the caller then asks again with a fraction).
-    stream.device_share = match requested.device_share {
-        Some(DeviceShare::Fraction(share)) => share,
-        Some(DeviceShare::Fit) => 0.0,
-        None => stream.device_share,
-    };
-    offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
     let stream = offload.stream;
     if stream.speculation_budget > 0 && offload.update != OffloadUpdate::Exact {
         tracing::warn!(
@@ -358,11 +353,18 @@ pub fn apply_offload<P: Element>(
              update and ZenFlow do not speculate"
         );
     }
+    if requested.zenflow_aside.is_some() && !matches!(offload.update, OffloadUpdate::ZenFlow(_)) {
+        tracing::warn!(
+            "rank {rank}: where ZenFlow sets its window aside (zenflow_aside) applies to ZenFlow, \
+             which this config does not use: it changes nothing"
+        );
+    }
     tracing::info!(
         "rank {rank}: offload tuned: chunks of {} elements ({} MiB of {dtype}), {} stores of \
          the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}, \
          a speculation budget of {} MiB, accumulation windows summed on {}, the exact step's \
-         CPU work {}, {} of the partition's optimizer state on the device",
+         CPU work {}, {} of the partition's optimizer state on the device, ZenFlow's window set \
+         aside on the {}",
         stream.chunk,
         mib_of(stream.chunk, dtype),
         stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
@@ -380,7 +382,37 @@ pub fn apply_offload<P: Element>(
             false => "done before the next forward",
         },
         stream.device_share,
+        names::name_of(&names::ZENFLOW_ASIDE, &stream.zenflow_aside),
     );
+    Ok(())
+}
+
+/// [`apply_offload`] without a word: the memory plan's copy of the options (the run says what
+/// it chose once, with its CPU threads resolved).
+pub fn tune_offload<P: Element>(requested: &Requested, options: &mut EngineOptions) -> Result<()> {
+    if let Some(offload) = options.offload_mut() {
+        let overlap = requested.overlap_forward.unwrap_or(DEFAULT_OVERLAP_FORWARD);
+        offload.stream.overlap_forward = overlap;
+    }
+    let Some(offload) = options.offload_mut().filter(|_| requested.tunes_offload()) else {
+        return Ok(());
+    };
+    let chunk = requested.stream_chunk_mib.map(|mib| chunk_elements(mib, P::DTYPE)).transpose();
+    let stream = &mut offload.stream;
+    stream.chunk = chunk.map_err(input)?.unwrap_or(stream.chunk);
+    stream.copy_stores = requested.copy_stores.or(stream.copy_stores);
+    stream.gather_in_pieces = requested.gather_in_pieces.unwrap_or(stream.gather_in_pieces);
+    stream.speculation_budget =
+        requested.speculation_budget_mib.map_or(stream.speculation_budget, budget_bytes);
+    stream.accumulate_on = requested.accumulate_on.unwrap_or(stream.accumulate_on);
+    // `fit` is 0 until the memory plan has chosen (the caller then asks again with a fraction).
+    stream.device_share = match requested.device_share {
+        Some(DeviceShare::Fraction(share)) => share,
+        Some(DeviceShare::Fit) => 0.0,
+        None => stream.device_share,
+    };
+    stream.zenflow_aside = requested.zenflow_aside.unwrap_or(stream.zenflow_aside);
+    offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
     Ok(())
 }
 

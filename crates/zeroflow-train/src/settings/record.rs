@@ -65,6 +65,9 @@ pub struct EffectiveOffload {
     pub overlap_forward: bool,
     /// The share of the partition whose optimizer state is held and stepped on the device.
     pub device_share: f64,
+    /// Where ZenFlow sets its window aside for the CPU step: `device` or `host` (`null` without
+    /// ZenFlow).
+    pub zenflow_aside: Option<&'static str>,
 }
 
 /// The settings that change the numbers (the keys of [`Effective`] a resume compares).
@@ -101,6 +104,8 @@ impl Effective {
             pinned_budget_mib: super::pinned_budget(requested).map(|bytes| bytes as f64 / MIB),
             overlap_forward: offload.stream.overlap_forward,
             device_share: offload.stream.device_share,
+            zenflow_aside: matches!(offload.update, OffloadUpdate::ZenFlow(_))
+                .then(|| names::name_of(&names::ZENFLOW_ASIDE, &offload.stream.zenflow_aside)),
         });
         Effective {
             attention: attention.name(),

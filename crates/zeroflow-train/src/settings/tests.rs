@@ -26,6 +26,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         pinned_budget_mib: Some(4096.0),
         overlap_forward: Some(false),
         device_share: Some(DeviceShare::Fraction(0.5)),
+        zenflow_aside: Some(ZenFlowAside::Host),
         pack: Some(true),
     };
     let env = Requested {
@@ -37,6 +38,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         accumulate_on: Some(AccumulateOn::Device),
         pinned_budget_mib: Some(1024.0),
         device_share: Some(DeviceShare::Fraction(0.25)),
+        zenflow_aside: Some(ZenFlowAside::Device),
         ..Requested::default()
     };
     let flags = Requested {
@@ -64,6 +66,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             pinned_budget_mib: Some(1024.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.0)),
+            zenflow_aside: Some(ZenFlowAside::Device),
             pack: Some(true),
         }
     );
@@ -84,7 +87,7 @@ fn the_config_section_becomes_the_config_layer() {
         "activation_checkpointing": true, "pack": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
         "accumulate_on": "host", "pinned_budget_mib": 512, "overlap_forward": false,
-        "device_share": 0.375}}}"#;
+        "device_share": 0.375, "zenflow_aside": "host"}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
@@ -102,6 +105,7 @@ fn the_config_section_becomes_the_config_layer() {
             pinned_budget_mib: Some(512.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.375)),
+            zenflow_aside: Some(ZenFlowAside::Host),
             pack: Some(true),
         }
     );
@@ -163,6 +167,25 @@ fn the_optimizer_state_dtype_reaches_the_engine_and_the_record() {
     let (options, effective) = tuned(&format!("{OFFLOADED}}}"), &Requested::default());
     assert_eq!(options.offload().unwrap().moments, OptimizerStateDtype::Fp32);
     assert_eq!(effective.optimizer_state_dtype, "fp32");
+}
+
+/// Where ZenFlow sets its window aside reaches the engine and the record (the device unasked);
+/// a run without ZenFlow records none.
+#[test]
+fn the_zenflow_aside_reaches_the_engine_and_the_record() {
+    let zenflow = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2,
+        "offload_optimizer": {"device": "cpu"},
+        "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": true}}}"#;
+    let host = Requested { zenflow_aside: Some(ZenFlowAside::Host), ..Requested::default() };
+    for (asked, aside, name) in
+        [(host, ZenFlowAside::Host, "host"), (Requested::default(), ZenFlowAside::Device, "device")]
+    {
+        let (options, effective) = tuned(zenflow, &asked);
+        assert_eq!(options.offload().unwrap().stream.zenflow_aside, aside);
+        assert_eq!(effective.offload.unwrap().zenflow_aside, Some(name));
+    }
+    let (_, effective) = tuned(&format!("{OFFLOADED}}}"), &host);
+    assert_eq!(effective.offload.unwrap().zenflow_aside, None);
 }
 
 /// The delayed update does not speculate: its record says 0 whatever the budget asked.
