@@ -826,30 +826,34 @@ impl MemoryPlan {
             .collect()
     }
 
-    /// The knobs that bring the plan within `machine` alone, and where none does and it does not
-    /// fit, the pairs that do.
+    /// The knobs that bring the plan within `machine` alone, and where it does not fit, the
+    /// pairs that do where neither of the two does alone.
     fn ways_to_fit(&self, machine: &MachineMemory) -> (Vec<NamedPlan>, Vec<NamedPlan>) {
         let knobs = self.knobs_that_fit(machine);
-        let pairs = if knobs.is_empty() && !self.fit(machine).fits() {
-            self.knob_pairs_that_fit(machine)
-        } else {
-            Vec::new()
-        };
-        (knobs, pairs)
+        if self.fit(machine).fits() {
+            return (knobs, Vec::new());
+        }
+        (knobs, self.knob_pairs_that_fit(machine))
     }
 
-    /// Where no knob alone brings the plan within `machine`: two turned together that do, with
-    /// the plan's totals then — each pair of the settings (checkpointing, offload, ZenFlow, the
-    /// exact offload, ZenFlow's step not overlapped, ZenFlow's window aside in host memory, the
-    /// optimizer on the GPU, the sum on the GPU, 16-bit moments), and each setting with the largest smaller micro-batch that then fits.
+    /// Two knobs turned together that bring the plan within `machine` where neither does alone,
+    /// with the plan's totals then — each pair of the settings (checkpointing, offload, ZenFlow,
+    /// the exact offload, ZenFlow's step not overlapped, ZenFlow's window aside in host memory,
+    /// the optimizer on the GPU, the sum on the GPU, 16-bit moments), and each setting with the
+    /// largest smaller micro-batch that then fits (where no smaller micro-batch fits alone).
     fn knob_pairs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
         let (inputs, caller) = (&self.inputs, self.inputs.caller);
-        let settings = setting_knobs(inputs);
+        let fits_alone = |knob: &Knob| {
+            knob.apply(inputs).and_then(|turned| plan_that_fits(turned, machine)).is_some()
+        };
+        let settings: Vec<Knob> =
+            setting_knobs(inputs).into_iter().filter(|knob| !fits_alone(knob)).collect();
+        let batch_alone = largest_batch_that_fits(inputs, machine).is_some();
         let mut pairs = Vec::new();
         for (i, first) in settings.iter().enumerate() {
             let Some(turned) = first.apply(inputs) else { continue };
-            let seconds =
-                settings[i + 1..].iter().copied().chain(largest_batch_that_fits(&turned, machine));
+            let batch = largest_batch_that_fits(&turned, machine).filter(|_| !batch_alone);
+            let seconds = settings[i + 1..].iter().copied().chain(batch);
             for second in seconds {
                 if let Some(plan) =
                     second.apply(&turned).and_then(|both| plan_that_fits(both, machine))
@@ -898,21 +902,30 @@ impl MemoryPlan {
             format!("{flags} (GPU {}, host {})", gib(plan.gpu_total), gib(plan.host_total))
         };
         let knobs: Vec<String> = knobs.iter().map(said).collect();
-        if !pairs.is_empty() {
-            let shown: Vec<String> = pairs.iter().take(MAX_PAIRS_SAID).map(said).collect();
-            message +=
-                &format!("No single knob brings it under; two together do: {}", shown.join("; "));
-            if pairs.len() > MAX_PAIRS_SAID {
-                message += &format!(
-                    " (and {} more pairs: `zeroflow plan --json` lists them)",
-                    pairs.len() - MAX_PAIRS_SAID
-                );
+        let shown: Vec<String> = pairs.iter().take(MAX_PAIRS_SAID).map(said).collect();
+        let more = match pairs.len() > MAX_PAIRS_SAID {
+            true => format!(
+                " (and {} more pairs: `zeroflow plan --json` lists them)",
+                pairs.len() - MAX_PAIRS_SAID
+            ),
+            false => String::new(),
+        };
+        if !knobs.is_empty() {
+            message += &format!("Fits with: {}", knobs.join("; "));
+            if !shown.is_empty() {
+                let pairs = shown.join("; ");
+                message +=
+                    &format!("; or with two together where neither alone does: {pairs}{more}");
             }
-        } else if knobs.is_empty() {
+        } else if !shown.is_empty() {
+            let pairs = shown.join("; ");
+            message += &format!("No single knob brings it under; two together do: {pairs}{more}");
+        } else {
             message += "No single knob (activation checkpointing, a smaller micro-batch, offload, \
                         ZenFlow, the exact offload, ZenFlow's step not overlapped, ZenFlow's \
-                        window aside in host memory, the optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments, \
-                        the device share that fits) brings it under: use a smaller model";
+                        window aside in host memory, the optimizer on the GPU, the accumulation \
+                        window summed on the GPU, 16-bit moments, the device share that fits) \
+                        brings it under: use a smaller model";
             message += if !fit.gpu {
                 " (ZeRO stages 1 and 2 hold every weight and gradient on each GPU: more GPUs do \
                  not lower it)"
@@ -920,8 +933,6 @@ impl MemoryPlan {
                 ", or ranks on more hosts (each rank holds its part of the optimizer, and the \
                  ranks of one host share its memory)"
             };
-        } else {
-            message += &format!("Fits with: {}", knobs.join("; "));
         }
         message += ". (--no-plan-check tries anyway.)";
         Err(input(format!("the memory plan does not fit {}: {message}", machine.name())))

@@ -298,6 +298,17 @@ fn zenflow_aside_in_host_memory_keeps_the_overlap_on_an_h100_with_16_bit_moments
         let knobs = plan.knobs_that_fit(&h100);
         let named = knobs.iter().any(|(flag, _)| flag == "--zenflow-aside host");
         assert_eq!(named, moments == OptimizerStateDtype::Bf16, "{moments:?}: {knobs:?}");
+        // With fp32 moments the refusal names it beside 16-bit moments, after the knobs that fit
+        // alone; no pair holds one of those.
+        if moments == OptimizerStateDtype::Fp32 {
+            let error = plan.check(&h100).expect_err("does not fit").to_string();
+            let pair = "or with two together where neither alone does: --zenflow-aside host and \
+                        16-bit Adam moments";
+            assert!(error.contains("Fits with: --mode offload (GPU"), "{error}");
+            assert!(error.contains(pair), "{error}");
+            let (_, pairs) = plan.ways_to_fit(&h100);
+            assert_eq!(pairs.len(), 1, "{pairs:?}");
+        }
         // Set aside already, or not overlapped: the knob changes nothing.
         assert!(Knob::ZenFlowAsideHost.apply(&aside.inputs).is_none());
         assert!(Knob::ZenFlowAsideHost.apply(&inline.inputs).is_none());
