@@ -324,6 +324,7 @@ fn plan_bench<F: Family>(
         gpu_memory: machine.gpu_total,
     };
     crate::plan::resolve_fit(requested, &mut inputs, || machine.gpu_elsewhere)?;
+    crate::plan::resolve_zenflow_aside(requested, &mut inputs, &machine)?;
     options.clone_from(&inputs.options);
     let plan = MemoryPlan::new(inputs)?;
     if args.plan == PlanMode::Only {

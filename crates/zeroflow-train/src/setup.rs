@@ -589,6 +589,8 @@ fn prepare(
     let mut inputs = train_plan_inputs(args, &model, &config, dist, run, (resumed, &machine))?;
     // `--device-share fit`: the trainer builds its engine with the share the plan chose.
     crate::plan::resolve_fit(&mut settings, &mut inputs, || machine.gpu_elsewhere)?;
+    // ZenFlow's window in host memory where only that fits.
+    crate::plan::resolve_zenflow_aside(&mut settings, &mut inputs, &machine)?;
     let plan = MemoryPlan::new(inputs)?;
     Ok(Prepared {
         resume,

@@ -100,11 +100,12 @@ pub struct HostFlags {
     /// Over ZEROFLOW_DEVICE_SHARE and zeroflow.offload.device_share.
     #[arg(long, value_name = "FRACTION|fit", value_parser = parse_device_share)]
     pub device_share: Option<DeviceShare>,
-    /// Where ZenFlow sets its window aside for the CPU step: device (the default: with
-    /// overlap_step a second f32 window and the CPU's weights on the GPU, 6 bytes per parameter)
-    /// or host (copied into host memory at the window's end and the CPU's weights kept there
-    /// until applied: 6 bytes per parameter more of host memory, for a GPU without room for the
-    /// overlap); the same numbers. Over ZEROFLOW_ZENFLOW_ASIDE and zeroflow.offload.zenflow_aside.
+    /// Where ZenFlow sets its window aside for the CPU step: device (with overlap_step a second
+    /// f32 window and the CPU's weights on the GPU, 6 bytes per parameter) or host (copied into
+    /// host memory at the window's end and the CPU's weights kept there until applied: 6 bytes
+    /// per parameter more of host memory, for a GPU without room for the overlap); the same
+    /// numbers. Default: the device, or host where only that fits the machine (the memory plan
+    /// says which). Over ZEROFLOW_ZENFLOW_ASIDE and zeroflow.offload.zenflow_aside.
     #[arg(long, value_name = "device|host", value_parser = flag(&names::ZENFLOW_ASIDE))]
     pub zenflow_aside: Option<ZenFlowAside>,
 }

@@ -202,7 +202,7 @@ pub struct OffloadTuning {
     /// (`None`: zeroflow's default, 0).
     pub device_share: Option<DeviceShare>,
     /// Where ZenFlow sets its window aside for the CPU step (`None`: zeroflow's default, the
-    /// device).
+    /// device, or host memory where only that fits the machine).
     pub zenflow_aside: Option<ZenFlowAside>,
 }
 

@@ -18,6 +18,7 @@ use zeroflow_hf::direct::READ_BUFFERS_BYTES;
 use zeroflow_nn::PlanOptions;
 
 use crate::error::{Result, input};
+use crate::settings::Requested;
 use crate::{DeviceKind, Family, ModelSpec, with_family};
 
 mod fit;
@@ -751,6 +752,40 @@ impl Knob {
         }
         Some(out)
     }
+}
+
+/// Where ZenFlow sets its window aside when nothing asks (`zenflow_aside` unset): on the device,
+/// unless the device's plan does not fit `machine`'s GPU and the plan with the window in host
+/// memory fits the whole machine — then host memory (`requested` and `inputs` say so, and the
+/// log). The overlapped step keeps its speed where only the host has room for its window (an 80
+/// GB GPU at llama-8b); the numbers are the same either way.
+pub fn resolve_zenflow_aside(
+    requested: &mut Requested,
+    inputs: &mut PlanInputs,
+    machine: &MachineMemory,
+) -> Result<()> {
+    if requested.zenflow_aside.is_some() || machine.gpu_total.is_none() {
+        return Ok(());
+    }
+    let Some(on_host) = Knob::ZenFlowAsideHost.apply(inputs) else { return Ok(()) };
+    let on_device = MemoryPlan::new(inputs.clone())?;
+    if on_device.fit(machine).gpu {
+        return Ok(());
+    }
+    let Some(plan) = plan_that_fits(on_host, machine) else { return Ok(()) };
+    if inputs.rank == 0 {
+        tracing::info!(
+            "ZenFlow's window set aside in host memory (zenflow_aside \"auto\"; \"device\" \
+             keeps it on the GPU): on the GPU the plan needs {}, more than the GPU has; with the \
+             window in host memory it needs {} of GPU and {} of host memory",
+            gib(on_device.gpu_total),
+            gib(plan.gpu_total),
+            gib(plan.host_total)
+        );
+    }
+    requested.zenflow_aside = Some(ZenFlowAside::Host);
+    *inputs = plan.inputs;
+    Ok(())
 }
 
 /// ZenFlow as `bench step --mode zenflow` runs it (DeepSpeed's benchmark settings) with

@@ -315,6 +315,37 @@ fn zenflow_aside_in_host_memory_keeps_the_overlap_on_an_h100_with_16_bit_moments
     }
 }
 
+/// Unasked, ZenFlow's window goes to host memory where only that fits: llama-8b with 16-bit
+/// moments on an 80 GiB GPU and a 125 GiB host; not with fp32 moments (the host has no room),
+/// not on a GPU with room for it (the H200's), not where the device is asked for.
+#[test]
+fn unasked_zenflow_sets_its_window_aside_in_host_memory_where_only_that_fits() {
+    let h100 = machine(80 * GIB, 128 * GIB, 125 * GIB);
+    let h200 = machine(139 * GIB, 128 * GIB, 125 * GIB);
+    let zenflow = |moments| {
+        let mut inputs = inputs("llama-8b", "zenflow", (4, 2048));
+        inputs.model_options.activation_checkpointing = true;
+        inputs.options.offload_mut().unwrap().moments = moments;
+        inputs
+    };
+    let asked = |aside| Requested { zenflow_aside: aside, ..Requested::default() };
+    for (moments, on, ask, want) in [
+        (OptimizerStateDtype::Bf16, &h100, None, ZenFlowAside::Host),
+        (OptimizerStateDtype::Fp32, &h100, None, ZenFlowAside::Device),
+        (OptimizerStateDtype::Bf16, &h200, None, ZenFlowAside::Device),
+        (OptimizerStateDtype::Bf16, &h100, Some(ZenFlowAside::Device), ZenFlowAside::Device),
+    ] {
+        let (mut requested, mut inputs) = (asked(ask), zenflow(moments));
+        resolve_zenflow_aside(&mut requested, &mut inputs, on).unwrap();
+        let got = inputs.options.offload().unwrap().stream.zenflow_aside;
+        assert_eq!(got, want, "{moments:?} on {on:?}, asked {ask:?}");
+        assert_eq!(requested.zenflow_aside, ask.or((want == ZenFlowAside::Host).then_some(want)));
+        if want == ZenFlowAside::Host {
+            assert!(MemoryPlan::new(inputs).unwrap().fit(on).fits());
+        }
+    }
+}
+
 /// Where no knob alone brings a run under but two together do, the refusal names the pairs
 /// instead of "use a smaller model": llama-8b's ZenFlow at micro-batch 8 without checkpointing
 /// (207.6 GiB) on an 80 GiB GPU, which checkpointing with the exact offload brings to 49.7 GiB.

@@ -108,7 +108,8 @@ pub struct Requested {
     /// to a fraction before the engine is built: [`crate::plan::resolve_fit`]; `None`: `fit` on
     /// one rank, 0 on several).
     pub device_share: Option<DeviceShare>,
-    /// Where ZenFlow sets its window aside for the CPU step (`None`: the device).
+    /// Where ZenFlow sets its window aside for the CPU step (`None`: the device, or host memory
+    /// where only that fits: [`crate::plan::resolve_zenflow_aside`]).
     pub zenflow_aside: Option<ZenFlowAside>,
     /// Sequence packing: several documents per row, no attention across their boundaries,
     /// positions restarting at each (`--pack`, `zeroflow.pack`). Off by default.
