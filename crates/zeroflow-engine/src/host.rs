@@ -428,11 +428,11 @@ pub(crate) struct Swapped<P: Float> {
 
 impl<P: Float> HostAccumulator<P> {
     /// The host side of a partition of `partition` elements with buckets of `bucket` elements,
-    /// delayed where `delayed` says so (with a spare accumulator or without). `memory` is that of the buffers
-    /// the device copies from or into (staging, the upload buffer), `acc_memory` the
-    /// accumulators' (pinned where the device copies straight into them, as ZenFlow's window;
-    /// pageable where only the CPU adds into them); the optimizer state is pageable, as only the
-    /// CPU touches it.
+    /// delayed where `delayed` says so (with a spare accumulator or without). `memory` is that
+    /// of the buffers the device copies from or into (staging, the upload buffer), `acc_memory`
+    /// the accumulators' (pinned where the device copies straight into them, as ZenFlow's
+    /// window; pageable where only the CPU adds into them); the optimizer state is pageable, as
+    /// only the CPU touches it.
     #[allow(clippy::too_many_arguments, reason = "the options of the host side, once")]
     pub(crate) fn new<D: Device>(
         device: &D,

@@ -661,10 +661,11 @@ impl Knob {
                     .into()
             }
             (Knob::ZenFlowAsideHost, true) => "--zenflow-aside host".into(),
-            (Knob::ZenFlowAsideHost, false) => {
-                "ZenFlow's window set aside in host memory (zeroflow.offload.zenflow_aside: \"host\")"
-                    .into()
-            }
+            (Knob::ZenFlowAsideHost, false) => concat!(
+                "ZenFlow's window set aside in host memory ",
+                "(zeroflow.offload.zenflow_aside: \"host\")"
+            )
+            .into(),
             (Knob::OptimizerOnGpu, true) => "--mode gpu".into(),
             (Knob::OptimizerOnGpu, false) => {
                 "the optimizer on the GPU (no zero_optimization.offload_optimizer)".into()
