@@ -832,6 +832,30 @@ fn largest_batch_that_fits(inputs: &PlanInputs, machine: &MachineMemory) -> Opti
         .find(|knob| knob.apply(inputs).and_then(|i| plan_that_fits(i, machine)).is_some())
 }
 
+/// `inputs` with `knobs` turned, as a run of them takes them on `machine`: where a knob turns the
+/// exact offload on for one rank, with the device share `fit` then chooses (that run's default,
+/// [`resolve_fit`]; the window summed on the GPU where it chooses one with accumulation).
+fn turn(knobs: &[Knob], inputs: &PlanInputs, machine: &MachineMemory) -> Option<PlanInputs> {
+    let mut out = inputs.clone();
+    for knob in knobs {
+        out = knob.apply(&out)?;
+    }
+    let exact = knobs.iter().any(|knob| matches!(knob, Knob::Offload | Knob::ExactOffload { .. }));
+    if !exact || out.world_size > 1 {
+        return Some(out);
+    }
+    // Chosen for `machine`'s GPU, the one the plan is checked against.
+    let on_machine = PlanInputs { gpu_memory: machine.gpu_total, ..out.clone() };
+    let share = fit_device_share(&on_machine, machine.gpu_elsewhere.unwrap_or(0)).ok()?.share;
+    let summed = share > 0.0 && out.options.grad_accum > 1;
+    let stream = &mut out.options.offload_mut()?.stream;
+    stream.device_share = share;
+    if summed {
+        stream.accumulate_on = AccumulateOn::Device;
+    }
+    Some(out)
+}
+
 /// The plan of `inputs`, where it fits `machine`.
 fn plan_that_fits(inputs: PlanInputs, machine: &MachineMemory) -> Option<MemoryPlan> {
     MemoryPlan::new(inputs).ok().filter(|plan| plan.fit(machine).fits())
@@ -856,7 +880,7 @@ impl MemoryPlan {
         knobs
             .into_iter()
             .filter_map(|knob| {
-                let plan = plan_that_fits(knob.apply(inputs)?, machine)?;
+                let plan = plan_that_fits(turn(&[knob], inputs, machine)?, machine)?;
                 Some((knob.flag(inputs.caller), plan))
             })
             .collect()
@@ -880,10 +904,10 @@ impl MemoryPlan {
     fn knob_pairs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
         let (inputs, caller) = (&self.inputs, self.inputs.caller);
         let fits_alone = |knob: &Knob| {
-            knob.apply(inputs).and_then(|turned| plan_that_fits(turned, machine)).is_some()
+            turn(&[*knob], inputs, machine).and_then(|turned| plan_that_fits(turned, machine))
         };
         let settings: Vec<Knob> =
-            setting_knobs(inputs).into_iter().filter(|knob| !fits_alone(knob)).collect();
+            setting_knobs(inputs).into_iter().filter(|knob| fits_alone(knob).is_none()).collect();
         let batch_alone = largest_batch_that_fits(inputs, machine).is_some();
         let mut pairs = Vec::new();
         for (i, first) in settings.iter().enumerate() {
@@ -891,8 +915,8 @@ impl MemoryPlan {
             let batch = largest_batch_that_fits(&turned, machine).filter(|_| !batch_alone);
             let seconds = settings[i + 1..].iter().copied().chain(batch);
             for second in seconds {
-                if let Some(plan) =
-                    second.apply(&turned).and_then(|both| plan_that_fits(both, machine))
+                if let Some(plan) = turn(&[*first, second], inputs, machine)
+                    .and_then(|both| plan_that_fits(both, machine))
                 {
                     pairs.push((
                         format!("{} and {}", first.flag(caller), second.flag(caller)),

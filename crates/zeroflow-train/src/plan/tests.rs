@@ -238,6 +238,15 @@ fn zenflow_too_large_for_the_gpu_names_the_exact_offload() {
     let (_, exact) = knobs.iter().find(|(flag, _)| flag == "--mode offload").expect("named");
     assert_eq!(exact.inputs.options.offload().unwrap().update, OffloadUpdate::Exact);
     assert!(exact.fit(&h100).fits() && exact.gpu_total < plan.gpu_total);
+    // As a run of it takes it on one GPU: with the device share `fit` chooses there (more of the
+    // GPU, less of the host than at share 0).
+    let at_zero = Knob::ExactOffload { zenflow: true }.apply(&plan.inputs).unwrap();
+    let on_h100 = PlanInputs { gpu_memory: h100.gpu_total, ..at_zero.clone() };
+    let fit = fit_device_share(&on_h100, 0).unwrap().share;
+    assert!(fit > 0.0);
+    assert_eq!(exact.inputs.options.offload().unwrap().stream.device_share, fit);
+    let at_zero = MemoryPlan::new(at_zero).unwrap();
+    assert!(exact.gpu_total > at_zero.gpu_total && exact.host_total < at_zero.host_total);
     // `bench step`'s words for ZenFlow not overlapped.
     assert!(error.contains("--mode zenflow-inline (GPU"), "{error}");
 
