@@ -576,7 +576,8 @@ fn join_cpu<'c, P: Float>(
         CpuStep::Delayed { worker, spare, .. } => {
             let (swapped, joined) = worker.join()?;
             *upload_pending |= joined;
-            if !*spare && acc.len() < swapped.stepped.len() {
+            // A step just joined had the accumulator.
+            if joined && !*spare {
                 std::mem::swap(acc, &mut swapped.stepped);
             }
             Ok(&mut swapped.whole)

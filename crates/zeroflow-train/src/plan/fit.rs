@@ -146,13 +146,8 @@ pub fn resolve_fit(
     }
     let fit = fit_device_share(inputs, elsewhere().unwrap_or(0))?;
     requested.device_share = Some(DeviceShare::Fraction(fit.share));
-    let summed = fit.share > 0.0 && inputs.options.grad_accum > 1;
-    if let Some(offload) = inputs.options.offload_mut() {
-        offload.stream.device_share = fit.share;
-        if summed {
-            offload.stream.accumulate_on = AccumulateOn::Device;
-            requested.accumulate_on = Some(AccumulateOn::Device);
-        }
+    if hold_share(inputs, fit.share) {
+        requested.accumulate_on = Some(AccumulateOn::Device);
     }
     if inputs.rank == 0 {
         let asked = if by_default { "fit (the default on one GPU; 0 turns it off)" } else { "fit" };
@@ -163,6 +158,20 @@ pub fn resolve_fit(
         );
     }
     Ok(Some(fit))
+}
+
+/// Puts `share` of the partition's optimizer on the device in `inputs`' options, as a run takes
+/// it: with gradient accumulation a share above 0 has the window summed on the device (true
+/// then).
+pub(super) fn hold_share(inputs: &mut PlanInputs, share: f64) -> bool {
+    let summed = share > 0.0 && inputs.options.grad_accum > 1;
+    if let Some(offload) = inputs.options.offload_mut() {
+        offload.stream.device_share = share;
+        if summed {
+            offload.stream.accumulate_on = AccumulateOn::Device;
+        }
+    }
+    summed
 }
 
 /// Where several ranks ask for no share (0 for them) and `fit` would find room for one on this

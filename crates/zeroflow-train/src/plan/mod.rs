@@ -847,12 +847,7 @@ fn turn(knobs: &[Knob], inputs: &PlanInputs, machine: &MachineMemory) -> Option<
     // Chosen for `machine`'s GPU, the one the plan is checked against.
     let on_machine = PlanInputs { gpu_memory: machine.gpu_total, ..out.clone() };
     let share = fit_device_share(&on_machine, machine.gpu_elsewhere.unwrap_or(0)).ok()?.share;
-    let summed = share > 0.0 && out.options.grad_accum > 1;
-    let stream = &mut out.options.offload_mut()?.stream;
-    stream.device_share = share;
-    if summed {
-        stream.accumulate_on = AccumulateOn::Device;
-    }
+    fit::hold_share(&mut out, share);
     Some(out)
 }
 
@@ -862,12 +857,18 @@ fn plan_that_fits(inputs: PlanInputs, machine: &MachineMemory) -> Option<MemoryP
 }
 
 impl MemoryPlan {
+    /// [`MemoryPlan::ways_to_fit`]'s single knobs (the tests' view).
+    #[cfg(test)]
+    fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
+        self.ways_to_fit(machine).0
+    }
+
     /// The knobs that, each on its own, bring the plan within `machine`, with the plan's totals
     /// then: checkpointing, the largest smaller micro-batch that fits, offload, ZenFlow, the exact
     /// offload, ZenFlow's step not overlapped, ZenFlow's window aside in host memory, the
     /// optimizer on the GPU, the accumulation window summed on the GPU, 16-bit moments, the
     /// device share that fits.
-    fn knobs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
+    fn fitting_knobs(&self, machine: &MachineMemory) -> Vec<(Knob, MemoryPlan)> {
         let inputs = &self.inputs;
         let [checkpointing, rest @ ..] = setting_knobs(inputs);
         let mut knobs = vec![checkpointing];
@@ -880,8 +881,7 @@ impl MemoryPlan {
         knobs
             .into_iter()
             .filter_map(|knob| {
-                let plan = plan_that_fits(turn(&[knob], inputs, machine)?, machine)?;
-                Some((knob.flag(inputs.caller), plan))
+                Some((knob, plan_that_fits(turn(&[knob], inputs, machine)?, machine)?))
             })
             .collect()
     }
@@ -889,11 +889,14 @@ impl MemoryPlan {
     /// The knobs that bring the plan within `machine` alone, and where it does not fit, the
     /// pairs that do where neither of the two does alone.
     fn ways_to_fit(&self, machine: &MachineMemory) -> (Vec<NamedPlan>, Vec<NamedPlan>) {
-        let knobs = self.knobs_that_fit(machine);
-        if self.fit(machine).fits() {
-            return (knobs, Vec::new());
-        }
-        (knobs, self.knob_pairs_that_fit(machine))
+        let alone = self.fitting_knobs(machine);
+        let pairs = match self.fit(machine).fits() {
+            true => Vec::new(),
+            false => self.knob_pairs_that_fit(machine, &alone),
+        };
+        let caller = self.inputs.caller;
+        let named = alone.into_iter().map(|(knob, plan)| (knob.flag(caller), plan));
+        (named.collect(), pairs)
     }
 
     /// Two knobs turned together that bring the plan within `machine` where neither does alone,
@@ -901,14 +904,17 @@ impl MemoryPlan {
     /// the exact offload, ZenFlow's step not overlapped, ZenFlow's window aside in host memory,
     /// the optimizer on the GPU, the sum on the GPU, 16-bit moments), and each setting with the
     /// largest smaller micro-batch that then fits (where no smaller micro-batch fits alone).
-    fn knob_pairs_that_fit(&self, machine: &MachineMemory) -> Vec<NamedPlan> {
+    /// `alone`: the knobs that fit alone ([`MemoryPlan::fitting_knobs`]).
+    fn knob_pairs_that_fit(
+        &self,
+        machine: &MachineMemory,
+        alone: &[(Knob, MemoryPlan)],
+    ) -> Vec<NamedPlan> {
         let (inputs, caller) = (&self.inputs, self.inputs.caller);
-        let fits_alone = |knob: &Knob| {
-            turn(&[*knob], inputs, machine).and_then(|turned| plan_that_fits(turned, machine))
-        };
+        let fits_alone = |knob: &Knob| alone.iter().any(|(fits, _)| fits == knob);
         let settings: Vec<Knob> =
-            setting_knobs(inputs).into_iter().filter(|knob| fits_alone(knob).is_none()).collect();
-        let batch_alone = largest_batch_that_fits(inputs, machine).is_some();
+            setting_knobs(inputs).into_iter().filter(|knob| !fits_alone(knob)).collect();
+        let batch_alone = alone.iter().any(|(knob, _)| matches!(knob, Knob::MicroBatch(_)));
         let mut pairs = Vec::new();
         for (i, first) in settings.iter().enumerate() {
             let Some(turned) = first.apply(inputs) else { continue };

@@ -370,7 +370,7 @@ fn where_no_knob_alone_fits_two_together_are_named() {
                 zero_optimization.zenflow) (GPU";
     assert!(error.contains(pair), "{error}");
     assert!(!error.contains("smaller model"), "{error}");
-    let pairs = plan.knob_pairs_that_fit(&h100);
+    let (_, pairs) = plan.ways_to_fit(&h100);
     for (flags, pair_plan) in &pairs {
         assert!(pair_plan.fit(&h100).fits(), "{flags}");
         let options = &pair_plan.inputs.options;
