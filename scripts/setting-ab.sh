@@ -24,7 +24,8 @@
 # Environment: VAR, VALUES (required), PARTS ("exact speed"), SPEED_MODELS ("gpt-1.3b llama-1b"),
 # EXACT_MODELS ("gpt2-124m llama-1b"), ROUNDS (2), STEPS (8), WARMUP (3), ACCUM (1);
 # OFFLOAD_ARGS: more `bench step` arguments for the offload rows (e.g. "--state-dtype bf16"),
-# TAG: a suffix to their names, GPU_ROW=0: no `gpu` row.
+# TAG: a suffix to their names, GPU_ROW=0: no `gpu` row; CONFIG: the exactness runs' config
+# (examples/configs/zero2-offload-bf16.json).
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 : "${VAR:?name the setting by its environment variable}" "${VALUES:?and give its values}"
 read -ra values <<<"$VALUES"
@@ -52,7 +53,7 @@ if [[ $PARTS == *exact* ]]; then
             dir=$WORK/$model-$run
             echo "== train $model, $VAR=${run%-again}, at ${SECONDS}s"
             env $(setting "${run%-again}") timeout 240 "$Z" train --device cuda --model "$model" \
-                --config examples/configs/zero2-offload-bf16.json --micro-batch 4 --seq 1024 \
+                --config "${CONFIG:-examples/configs/zero2-offload-bf16.json}" --micro-batch 4 --seq 1024 \
                 --accum "$ACCUM" --steps 12 --eval-every 6 --save-every 0 --out "$dir" >"$OUT/train-$model-$run.log" 2>&1 ||
                 { echo "FAILED: exit $?"; tail -n 5 "$OUT/train-$model-$run.log"; }
             cp "$dir/metrics.jsonl" "$OUT/metrics-$model-$run.jsonl" 2>/dev/null
@@ -121,7 +122,7 @@ for row in rows:
     keys = ["tokens_per_s", "s_per_step_mean", "s_per_step_median", "s_per_step_p90",
             "forward_s_mean", "backward_s_mean", "exposed_optimizer_s_mean",
             "cpu_wait_s_mean", "cpu_wait_in_forward_backward_s_mean", "cpu_adam_s_mean",
-            "peak_rss_bytes_per_param"]
+            "peak_rss_bytes_per_param", "speculated_steps", "redone_steps", "paused_steps"]
     def find(value, key):  # the first `key` anywhere in `value` (the settings' nesting)
         if isinstance(value, dict):
             for k, v in value.items():

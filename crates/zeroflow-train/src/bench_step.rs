@@ -79,6 +79,8 @@ pub struct BenchOptions {
     /// The element type of the CPU optimizer's Adam moments (`zeroflow.optimizer_state_dtype`;
     /// bf16 with offload only, as in a config).
     pub state_dtype: OptimizerStateDtype,
+    /// The config's `gradient_clipping` (0: none).
+    pub gradient_clipping: f64,
     /// The run-time settings asked for (the flags over the environment).
     pub settings: Requested,
     /// Where compiled CUDA kernels are cached (`None`: the user's cache folder).
@@ -114,6 +116,7 @@ pub fn run(
 /// section where the mode or the moments' dtype needs one.
 fn ds_config(args: &BenchOptions, bf16: bool) -> String {
     let (mode, micro_batch, accum, warmup) = (args.mode, args.micro_batch, args.accum, args.warmup);
+    let clip = args.gradient_clipping;
     let offload = match mode {
         Mode::Gpu => String::new(),
         Mode::Offload | Mode::OffloadDelayed => {
@@ -144,7 +147,7 @@ fn ds_config(args: &BenchOptions, bf16: bool) -> String {
         r#"{{
   "train_micro_batch_size_per_gpu": {micro_batch},
   "gradient_accumulation_steps": {accum},
-  "gradient_clipping": 1.0,
+  "gradient_clipping": {clip:?},
   "bf16": {{ "enabled": {bf16} }},
   "optimizer": {{ "type": "AdamW", "params": {{ "lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 }} }},
   "zero_optimization": {{ "stage": 2, "overlap_comm": true, "contiguous_gradients": true,
@@ -571,6 +574,7 @@ fn report(
         "losses": measured.losses,
     });
     out["settings"] = job.settings.clone();
+    out["gradient_clipping"] = json!(args.gradient_clipping);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,
     // the forward being timed alone): the last step's CPU work left to this step's forward
     // (`overlap_forward`), done while the GPU runs it; the rest came after the backward.

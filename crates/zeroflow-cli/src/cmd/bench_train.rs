@@ -73,6 +73,11 @@ pub struct Args {
     /// instead of 12; with the offloaded modes only.
     #[arg(long, value_enum, default_value_t = StateDtypeFlag::Fp32)]
     state_dtype: StateDtypeFlag,
+    /// The config's `gradient_clipping`: the global norm's clip (0: none). From random weights
+    /// the norm stays above 1 for the first steps, so every benchmarked step is clipped; a
+    /// fine-tune of a trained model is clipped on few.
+    #[arg(long, default_value_t = 1.0, value_parser = parse_clip)]
+    gradient_clipping: f64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -129,6 +134,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         accum: args.accum,
         steps: args.steps,
         warmup: args.warmup,
+        gradient_clipping: args.gradient_clipping,
         state_dtype: match args.state_dtype {
             StateDtypeFlag::Fp32 => OptimizerStateDtype::Fp32,
             StateDtypeFlag::Bf16 => OptimizerStateDtype::Bf16,
@@ -160,4 +166,12 @@ fn print_report(args: &Args, out: &serde_json::Value) -> anyhow::Result<()> {
     }
     println!("{}", bench_step::summary(&args.model, out));
     Ok(())
+}
+
+/// A clip threshold: finite and not negative.
+fn parse_clip(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(clip) if clip.is_finite() && clip >= 0.0 => Ok(clip),
+        _ => Err(format!("{text:?} is not a clip threshold (a number, 0 or more; 0: none)")),
+    }
 }

@@ -33,6 +33,7 @@ fn args(micro_batch: usize) -> BenchOptions {
         steps: 3,
         warmup: 1,
         state_dtype: Default::default(),
+        gradient_clipping: 1.0,
         settings: Default::default(),
         kernel_cache: None,
         plan: PlanMode::Check,

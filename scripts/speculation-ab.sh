@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The exact offload step's speculation, on and off, with the whole optimizer in host memory
+# (ZEROFLOW_DEVICE_SHARE=0: the share and the speculation exclude each other), through
+# scripts/setting-ab.sh with VAR=ZEROFLOW_SPECULATION_BUDGET_MIB VALUES="0 $BUDGET_MIB":
+#
+#   exact   gpt2-124m and llama-1b, 12 steps of exact offload without clipping (every speculated
+#           step stands), losses and the final checkpoints bit for bit, off against on
+#   speed   gpt-1.3b (8 × 1024) and llama-1b (4 × 2048): `gpu`, then offload off and on, twice
+#           interleaved, with no clip (`--gradient-clipping 0`: the steps a speculation can hide,
+#           a fine-tune's common case), then once each with clipping at 1.0 (from random weights
+#           the clip fires on every step: the cost of a speculation that does not stand)
+#   llama-3b  the same at 4 × 2048 with activation checkpointing, no `gpu` row
+#
+#   here:  bash scripts/gpu-check.sh
+#   there: bash scripts/speculation-ab.sh PART     carry: [".gpu"]   (exact about 5 minutes,
+#          speed about 7, llama-3b about 4)
+set -uo pipefail
+cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
+part=${1:?which part: exact, speed or llama-3b}
+export ZEROFLOW_DEVICE_SHARE=0
+common=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=0 ${BUDGET_MIB:-16384}")
+case $part in
+exact)
+    config=$OUT/zero2-offload-bf16-noclip.json
+    python3 - "$config" <<'PY'
+import json, sys
+config = json.load(open("examples/configs/zero2-offload-bf16.json"))
+config["gradient_clipping"] = 0.0
+json.dump(config, open(sys.argv[1], "w"), indent=2)
+PY
+    env "${common[@]}" CONFIG="$config" PARTS=exact bash scripts/setting-ab.sh | grep -E "EXACT|FAILED|differ"
+    ;;
+speed)
+    env "${common[@]}" PARTS=speed ROUNDS=2 SPEED_MODELS="gpt-1.3b llama-1b" \
+        OFFLOAD_ARGS="--gradient-clipping 0" TAG=-noclip bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+    env "${common[@]}" PARTS=speed ROUNDS=1 GPU_ROW=0 SPEED_MODELS="gpt-1.3b llama-1b" \
+        OFFLOAD_ARGS="--gradient-clipping 1" TAG=-clip1 bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+    ;;
+llama-3b)
+    for clip in 0 1; do
+        env "${common[@]}" PARTS=speed ROUNDS=1 GPU_ROW=0 SPEED_MODELS=llama-3b STEPS=6 WARMUP=3 \
+            OFFLOAD_ARGS="--activation-checkpointing --gradient-clipping $clip" TAG=-clip$clip \
+            bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+    done
+    ;;
+*) echo "speculation-ab: no part $part (exact, speed, llama-3b)" >&2; exit 2 ;;
+esac
