@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The exact offload step's speculation, on and off, with the whole optimizer in host memory
-# (ZEROFLOW_DEVICE_SHARE=0: the share and the speculation exclude each other), through
+# (ZEROFLOW_DEVICE_SHARE=0: what the CPU must step is the whole partition), through
 # scripts/setting-ab.sh with VAR=ZEROFLOW_SPECULATION_BUDGET_MIB VALUES="0 $BUDGET_MIB":
 #
 #   exact   gpt2-124m and llama-1b, 12 steps of exact offload without clipping (every speculated

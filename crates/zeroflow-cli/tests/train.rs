@@ -153,8 +153,10 @@ fn config_file_runs_with_offload_accumulation_and_a_schedule() {
 }
 
 /// With a speculation budget the exact offload step's counts are in every step's line: without
-/// clipping every step is speculated on and stands; with a clip that fires on every step, what
-/// is redone or sat out adds up.
+/// clipping nothing speculated is redone and nothing is sat out (how many steps have pieces
+/// stepped depends on how many reach the host before the device is past the backward, which the
+/// CPU device's timing decides); with a clip that fires on every step, what is redone or sat out
+/// adds up.
 #[test]
 fn a_speculating_run_records_its_counts_per_step() {
     let dir = scratch("speculation_counts");
@@ -179,7 +181,7 @@ fn a_speculating_run_records_its_counts_per_step() {
             let (step, speculated) = (count("step"), count("speculated_steps"));
             let (redone, paused) = (count("redone_steps"), count("paused_steps"));
             if name == "unclipped" {
-                assert_eq!((speculated, redone, paused), (step, 0, 0), "{line}");
+                assert!(speculated <= step && (redone, paused) == (0, 0), "{line}");
             } else {
                 assert!(redone <= speculated && speculated + paused <= step, "{line}");
             }

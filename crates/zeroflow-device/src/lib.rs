@@ -183,6 +183,10 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
     /// Blocks the host until `event` has completed.
     fn sync_event(&self, event: &Self::Event) -> Result<()>;
 
+    /// True if `event` has completed, without blocking (where true, as [`Device::sync_event`]
+    /// would have returned).
+    fn event_done(&self, event: &Self::Event) -> Result<bool>;
+
     /// Blocks the host until every stream is idle, then returns the first parked error, if any.
     fn synchronize(&self) -> Result<()>;
 

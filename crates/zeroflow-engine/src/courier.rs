@@ -30,6 +30,13 @@ pub(crate) struct Request<D: Device> {
     pub reduced: Option<D::Event>,
 }
 
+/// What the training thread sends the courier: a reduced piece, or, once the whole backward is
+/// queued, an event after its last kernel (past which no piece is stepped speculatively).
+pub(crate) enum Delivery<D: Device> {
+    Piece(Request<D>),
+    BackwardQueued(D::Event),
+}
+
 /// What the reduction does with each reduced piece of this rank (from the path's [`Sink`]).
 pub(crate) enum Route<'s, D: Device> {
     /// Leaves it where the reduction put it.
@@ -37,9 +44,9 @@ pub(crate) enum Route<'s, D: Device> {
     /// Adds it into a device accumulator on the comm stream.
     Add(&'s D::Buffer<f32>),
     /// Sends it to the courier.
-    Copy(SyncSender<Request<D>>),
+    Copy(SyncSender<Delivery<D>>),
     /// Adds it into the device accumulator, then sends the sum's piece to the courier.
-    AddThenCopy(&'s D::Buffer<f32>, SyncSender<Request<D>>),
+    AddThenCopy(&'s D::Buffer<f32>, SyncSender<Delivery<D>>),
 }
 
 /// Runs `backward` with the route `sink` asks for, and the courier where pieces go to the host
@@ -73,7 +80,7 @@ fn with_courier<'s, D: Device, S: Float, P: Float, R>(
     device: &'s D,
     offloader: Offloader<'s, S, P>,
     source: &'s D::Buffer<S>,
-    backward: impl FnOnce(SyncSender<Request<D>>) -> R,
+    backward: impl FnOnce(SyncSender<Delivery<D>>) -> R,
 ) -> (R, Result<(), EngineError>) {
     let (requests, received) = sync_channel(REQUESTS);
     std::thread::scope(|scope| {
@@ -95,14 +102,21 @@ fn with_courier<'s, D: Device, S: Float, P: Float, R>(
 
 /// The courier's loop: each request's copies once its reduction is done, then every piece
 /// landed.
-fn deliver<D: Device, S: Float, P: Float>(
-    device: &D,
-    mut offloader: Offloader<'_, S, P>,
+fn deliver<'s, D: Device, S: Float, P: Float>(
+    device: &'s D,
+    mut offloader: Offloader<'s, S, P>,
     source: &D::Buffer<S>,
-    requests: Receiver<Request<D>>,
+    requests: Receiver<Delivery<D>>,
 ) -> Result<(), EngineError> {
     let d2h = device.stream(StreamKind::D2h);
-    for Request { range, offset, reduced } in requests {
+    for delivery in requests {
+        let Request { range, offset, reduced } = match delivery {
+            Delivery::Piece(request) => request,
+            Delivery::BackwardQueued(queued) => {
+                offloader.stop_after(Box::new(move || device.event_done(&queued).unwrap_or(true)));
+                continue;
+            }
+        };
         if let Some(reduced) = &reduced {
             device.wait_event(d2h, reduced)?;
         }
@@ -112,7 +126,8 @@ fn deliver<D: Device, S: Float, P: Float>(
 }
 
 /// Copies `range` of `source` to the host on the d2h stream, in pieces of at most one staging
-/// buffer as long as the landing takes them, destined for the partition from `offset`.
+/// buffer as long as the landing takes them, destined for the partition from `offset` (up to
+/// the landing's limit: a device share's elements stay on the device).
 fn copy_out<'s, D: Device, S: Float, P: Float>(
     device: &D,
     offloader: &mut Offloader<'s, S, P>,
@@ -121,9 +136,10 @@ fn copy_out<'s, D: Device, S: Float, P: Float>(
     offset: usize,
 ) -> Result<(), EngineError> {
     let d2h = device.stream(StreamKind::D2h);
+    let end = range.len().min(offloader.limit().saturating_sub(offset));
     let mut start = 0;
-    while start < range.len() {
-        let len = offloader.piece_len().min(range.len() - start);
+    while start < end {
+        let len = offloader.piece_len().min(end - start);
         let Some(room) = offloader.admit(len) else { break };
         let staging = offloader.staging()?;
         let from = range.start + start..range.start + start + len;

@@ -50,6 +50,7 @@ pub use self::share::{SHARE_UPLOAD_BYTES, SHARE_UPLOAD_PIECE_BYTES};
 use self::shared::{Events, Shared, normalise, reduced_source};
 pub use self::state::{CheckpointState, OptimizerPart, Restore, SavedParts, Snapshot};
 use self::stream::OpenEvents;
+pub(crate) use self::stream::{Handoff, StagingSlots};
 use crate::buckets::Bucketer;
 use crate::courier;
 use crate::device_adamw::DeviceAdamW;
@@ -84,6 +85,8 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     /// The mutation of the self-check (see [`Engine::mutate_remove_d2h_wait`]); always false in
     /// a normal build.
     skip_d2h_wait: bool,
+    /// The speculation steps what its budget holds however late ([`Engine::speculate_late`]).
+    speculate_late: bool,
 }
 
 impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
@@ -161,6 +164,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             micro_steps: 0,
             backward_pending: false,
             skip_d2h_wait: false,
+            speculate_late: false,
         })
     }
 
@@ -274,6 +278,15 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         self.path.end_epoch();
     }
 
+    /// Lets the exact offload step's speculation step every piece its budget holds, however late
+    /// it reaches the host. By default no piece is stepped speculatively once the device is past
+    /// the backward: a piece the backward does not hide costs its backup besides its step, more
+    /// than the step after the backward spends on it. The results are the same either way; this
+    /// is for tests that need pieces stepped whatever the device's timing.
+    pub fn speculate_late(&mut self) {
+        self.speculate_late = true;
+    }
+
     /// Removes the event wait that orders each device-to-host gradient copy after its reduction:
     /// the mutation that proves the stress check can fail. Not part of a shipped build.
     #[cfg(any(test, feature = "mutation-self-check"))]
@@ -302,6 +315,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let boundary = reduce_now && self.is_gradient_accumulation_boundary();
         let assumed = boundary.then(|| self.assumed_step());
         let (loss_scale, skip_d2h_wait) = (self.scaler.scale(), self.skip_d2h_wait);
+        let speculate_late = self.speculate_late;
         let Engine { shared, path, bucketer, .. } = self;
         let Shared { device, comm, layout, events, params, grads, reduced, owned, .. } = shared;
         let times = &mut shared.step_times;
@@ -346,7 +360,11 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             forward_backward(io, &mut |range| {
                 bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
             })?;
-            bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket)).map_err(E::from)
+            bucketer.finish(layout, &mut |bucket| flow.reduce_bucket(bucket))?;
+            match speculate_late {
+                true => Ok(()),
+                false => flow.backward_queued().map_err(E::from),
+            }
         });
         if let Some((opened_all, spent)) = opening.map(Opening::end) {
             self.shared.cpu_wait += spent;

@@ -151,18 +151,19 @@ impl EngineOptions {
     }
 
     /// Whether the optimizer's device share (`StreamOptions::device_share`) can act: on the
-    /// exact offload step streaming its gradients with nothing speculating — one micro-step per
-    /// step (on every rank's partition), or the window summed on the device (`on_device` from
-    /// [`sums_on_device`]) where the rank holds every weight (`holds_all`: one rank, or ZeRO-0).
-    /// Its fp32 moments are asked for apart (the share refuses bf16 moments with its own
-    /// message).
+    /// exact offload step streaming its gradients — one micro-step per step (on every rank's
+    /// partition; a speculation steps the host's elements only), or the window summed on the
+    /// device (`on_device` from [`sums_on_device`]) where the rank holds every weight
+    /// (`holds_all`: one rank, or ZeRO-0) and nothing speculates. Its fp32 moments are asked
+    /// for apart (the share refuses bf16 moments with its own message).
     pub fn shares(&self, dtype: DType, on_device: bool, holds_all: bool) -> bool {
         let Placement::Offload(offload) = &self.placement else {
             return false;
         };
+        let unspeculated = offload.stream.speculation_budget == 0;
         offload.update == OffloadUpdate::Exact
-            && (self.streams(dtype) || (self.streams_sum(dtype, on_device) && holds_all))
-            && offload.stream.speculation_budget == 0
+            && (self.streams(dtype)
+                || (self.streams_sum(dtype, on_device) && holds_all && unspeculated))
     }
 
     /// The elements of a partition of `n` of `layout` that the device share steps on the device
@@ -263,7 +264,7 @@ impl EngineOptions {
         let summed = self.streams_sum(dtype, on_device);
         // The streaming steps keep the speculated pieces' weights until their upload.
         let with_weights = streaming || summed;
-        let speculated = speculation_capacity(n, budget, with_weights, p);
+        let speculated = speculation_capacity(n - shared, budget, with_weights, p);
         if speculated > 0 {
             lines.push(line(
                 Host,

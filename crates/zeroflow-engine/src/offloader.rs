@@ -2,12 +2,15 @@
 //! piece lands once its copy is waited on ([`Landing`]): the host accumulator, the speculative
 //! step, or both.
 
+use std::sync::mpsc::Receiver;
+
 use rayon::prelude::*;
 use zeroflow_core::Float;
 use zeroflow_device::{Filling, HostBuffer};
 use zeroflow_optim::Grads;
 
 use crate::EngineError;
+use crate::engine::{Handoff, StagingSlots};
 use crate::host::{HostOptimizer, PAR_CHUNK, STAGING_BUFFERS, as_grads};
 use crate::speculation::Speculation;
 
@@ -21,11 +24,12 @@ pub(crate) enum Landing<'s, P: Float> {
     Step(Speculating<'s, P>),
 }
 
-/// The speculative step's part of a backward: the speculation, the optimizer state it steps and,
-/// on the accumulating path, the upload buffer the updated weights go into.
+/// The speculative step's part of a backward: the speculation, the optimizer state it steps
+/// (`None` until an opening of the last step hands it on: [`Offloader::handed`]) and, on the
+/// accumulating path, the upload buffer the updated weights go into.
 pub(crate) struct Speculating<'s, P: Float> {
     pub speculation: &'s mut Speculation<P>,
-    pub state: &'s mut HostOptimizer,
+    pub state: Option<&'s mut HostOptimizer>,
     pub upload: Option<&'s mut HostBuffer<P>>,
 }
 
@@ -33,20 +37,27 @@ impl<P: Float> Speculating<'_, P> {
     /// A final piece of the partition's gradients, `offset..offset + grads.len()`, is on the
     /// host: counted into the running norm, and stepped if the step is still speculated and the
     /// budget has room (`at`: room reserved when its copy was issued).
+    /// `late`: the GPU is past the backward, so the piece is not stepped (nor any after it):
+    /// stepped now, with its backup, it would cost more than in the step that follows.
     fn land(
         &mut self,
         offset: usize,
         at: Option<usize>,
         grads: Grads<'_>,
+        late: bool,
     ) -> Result<(), EngineError> {
+        if late {
+            self.speculation.stop();
+        }
         self.speculation.observe(grads);
         if !self.speculation.active() {
             return Ok(());
         }
         let len = grads.len();
+        let Some(state) = self.state.as_deref_mut() else { return Ok(()) };
         let Some(at) = at.or_else(|| self.speculation.reserve(len)) else { return Ok(()) };
         let out = self.upload.as_deref_mut().map(|upload| &mut upload[offset..offset + len]);
-        self.speculation.step_piece(self.state, offset..offset + len, at, grads, out)
+        self.speculation.step_piece(state, offset..offset + len, at, grads, out)
     }
 }
 
@@ -60,14 +71,22 @@ type InFlight<'s, S> = (usize, usize, Option<usize>, Filling<'s, S>);
 /// read a staging buffer earlier. Fixed-size arrays: the ring allocates nothing (the courier
 /// that runs it, `courier.rs`, is a thread and a channel per backward).
 pub(crate) struct Offloader<'s, S: Float, P: Float> {
-    free: [Option<&'s mut HostBuffer<S>>; STAGING_BUFFERS],
+    free: StagingSlots<'s, S>,
+    /// Where the staging and the optimizer come from, until they have come
+    /// ([`Offloader::handed`]).
+    handoff: Option<Receiver<Handoff<'s, S>>>,
     /// A ring of copies in flight, oldest at `head`.
     in_flight: [Option<InFlight<'s, S>>; STAGING_BUFFERS],
     head: usize,
     count: usize,
     piece_len: usize,
     landing: Landing<'s, P>,
+    /// True once the GPU is past the backward ([`Offloader::stop_after`]).
+    ended: Option<Ended<'s>>,
 }
+
+/// Whether the GPU is past the backward.
+type Ended<'s> = Box<dyn FnMut() -> bool + Send + 's>;
 
 impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
     pub(crate) fn new(staging: &'s mut [HostBuffer<S>], landing: Landing<'s, P>) -> Self {
@@ -80,11 +99,62 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
             count: 0,
             piece_len,
             landing,
+            handoff: None,
+            ended: None,
+        }
+    }
+
+    /// An offloader whose staging buffers and optimizer `handoff` brings: from the opening of
+    /// the last step, once it has stepped every chunk with them (`Stream::open`). Until they
+    /// have come, no piece is copied ([`Offloader::admit`]): in a forward that opens every
+    /// weight before its backward, they are there before the first piece is reduced.
+    pub(crate) fn handed(handoff: Receiver<Handoff<'s, S>>, landing: Landing<'s, P>) -> Self {
+        Offloader {
+            free: std::array::from_fn(|_| None),
+            in_flight: std::array::from_fn(|_| None),
+            head: 0,
+            count: 0,
+            piece_len: 1,
+            landing,
+            handoff: Some(handoff),
+            ended: None,
+        }
+    }
+
+    /// True once the staging buffers are here (taking them, and the optimizer, from the
+    /// handoff where they have just come).
+    fn staged(&mut self) -> bool {
+        let Some(handoff) = &self.handoff else { return true };
+        let Ok((state, free)) = handoff.try_recv() else { return false };
+        self.piece_len = free.iter().flatten().map(|b| b.len()).next().unwrap_or(1).max(1);
+        self.free = free;
+        if let Landing::Step(speculating) = &mut self.landing {
+            speculating.state = Some(state);
+        }
+        self.handoff = None;
+        true
+    }
+
+    /// From now on, pieces are stepped speculatively only while `ended` says the GPU is not
+    /// past the backward yet: a piece the backward does not hide costs the speculation its
+    /// backup besides its step, more than the step after the backward would spend on it.
+    pub(crate) fn stop_after(&mut self, ended: Ended<'s>) {
+        self.ended = Some(ended);
+    }
+
+    /// The partition's elements a piece may reach, from the first: where the speculation steps
+    /// the pieces, those whose state the host holds (a device share's are stepped on the
+    /// device); all where pieces are accumulated.
+    pub(crate) fn limit(&self) -> usize {
+        match &self.landing {
+            Landing::Accumulate { .. } => usize::MAX,
+            Landing::Step(speculating) => speculating.speculation.host_len(),
         }
     }
 
     /// The most elements one copy moves (a staging buffer's length).
-    pub(crate) fn piece_len(&self) -> usize {
+    pub(crate) fn piece_len(&mut self) -> usize {
+        self.staged();
         self.piece_len
     }
 
@@ -92,6 +162,9 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
     /// streaming path, while the step is speculated and the budget has room for it (then
     /// `Some(Some(room))`).
     pub(crate) fn admit(&mut self, len: usize) -> Option<Option<usize>> {
+        if !self.staged() {
+            return None;
+        }
         match &mut self.landing {
             Landing::Accumulate { .. } => Some(None),
             Landing::Step(speculating) => speculating.speculation.reserve(len).map(Some),
@@ -128,6 +201,7 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
         self.head = (self.head + 1) % STAGING_BUFFERS;
         self.count -= 1;
         let staged = filling.wait()?;
+        let late = self.ended.as_mut().is_some_and(|ended| ended());
         match &mut self.landing {
             Landing::Accumulate { acc, speculate } => {
                 let acc = &mut acc[offset..offset + len];
@@ -140,14 +214,14 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
                     },
                 );
                 if let Some(speculating) = speculate {
-                    speculating.land(offset, None, Grads::F32(acc))?;
+                    speculating.land(offset, None, Grads::F32(acc), late)?;
                 }
             }
             Landing::Step(speculating) => {
                 let grads = as_grads(&staged[..len]).ok_or(EngineError::Internal(
                     "the streaming step reads f32 or bf16 gradients",
                 ))?;
-                speculating.land(offset, room, grads)?;
+                speculating.land(offset, room, grads, late)?;
             }
         }
         let slot = self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty");

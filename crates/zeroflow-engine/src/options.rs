@@ -120,12 +120,13 @@ pub struct StreamOptions {
     /// Where ZenFlow's CPU step reads its window from (default [`DEFAULT_ZENFLOW_ASIDE`]). The
     /// CPU step reads the same window either way, bit for bit.
     pub zenflow_aside: ZenFlowAside,
-    /// The exact streaming step (one micro-step per step, or a window summed on the device; one
-    /// rank holding every weight; no speculation) leaves its CPU work to the next forward, which
-    /// opens the weights piece by piece: each of its kernels waits only for the upload of the
-    /// weights it reads, so the forward runs while the CPU steps the rest (DESIGN.md §5). The caller's model must then
-    /// call [`crate::ModelIo::open`] before reading weights (see there); off by default, since
-    /// the engine cannot tell whether it does. The results are the same, bit for bit.
+    /// The exact streaming step (one micro-step per step, or, where nothing speculates, a window
+    /// summed on the device; one rank holding every weight) leaves its CPU work to the next
+    /// forward, which opens the weights piece by piece: each of its kernels waits only for the
+    /// upload of the weights it reads, so the forward runs while the CPU steps the rest
+    /// (DESIGN.md §5). The caller's model must then call [`crate::ModelIo::open`] before reading
+    /// weights (see there); off by default, since the engine cannot tell whether it does. The
+    /// results are the same, bit for bit.
     pub overlap_forward: bool,
     /// The share of the partition, from its end, whose fp32 master weights and moments are also
     /// held in device memory and stepped there by the device's AdamW (16 bytes per element of
@@ -133,10 +134,11 @@ pub struct StreamOptions {
     /// rest: the host then moves the bytes of only that rest each step (DESIGN.md §5). The host
     /// keeps its full copy, brought up to date before anything reads the state (a checkpoint,
     /// `master_weights`). 0 (the default) steps everything on the CPU. It acts on the exact
-    /// streaming step with fp32 moments and no speculation — with one micro-step per step on
-    /// every rank's partition, with a window summed on the device where one rank holds every
-    /// weight; elsewhere a share above 0 is refused. The arithmetic is the CPU's, operation for
-    /// operation (bit-identical on the CPU device).
+    /// streaming step with fp32 moments — with one micro-step per step on every rank's
+    /// partition (a speculation then steps the host's elements only), with a window summed on
+    /// the device where one rank holds every weight and nothing speculates; elsewhere a share
+    /// above 0 is refused. The arithmetic is the CPU's, operation for operation (bit-identical
+    /// on the CPU device).
     pub device_share: f64,
 }
 

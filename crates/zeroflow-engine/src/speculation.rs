@@ -88,6 +88,9 @@ pub(crate) enum Verdict {
 
 /// The backups of the speculatively stepped pieces of one step, and its bookkeeping.
 pub(crate) struct Speculation<P: Float> {
+    /// The partition's elements whose state the host holds (all but a device share's), from
+    /// the first: no piece past them is stepped here.
+    host_len: usize,
     /// Elements the budget allows.
     capacity: usize,
     /// Master weights, first and second moments of the stepped pieces before their step.
@@ -110,10 +113,10 @@ pub(crate) struct Speculation<P: Float> {
 }
 
 impl<P: Float> Speculation<P> {
-    /// The speculation of a partition of `partition` elements within `budget` bytes, or `None`
-    /// where the budget holds no element. `with_weights`: the streaming path, which keeps the
-    /// updated weights until their upload (the accumulating path writes them into its upload
-    /// buffer).
+    /// The speculation of the first `partition` elements of a partition (those whose state the
+    /// host holds) within `budget` bytes, or `None` where the budget holds no element.
+    /// `with_weights`: the streaming path, which keeps the updated weights until their upload
+    /// (the accumulating path writes them into its upload buffer).
     pub(crate) fn new<D: Device>(
         device: &D,
         partition: usize,
@@ -135,6 +138,7 @@ impl<P: Float> Speculation<P> {
             false => None,
         };
         Ok(Some(Speculation {
+            host_len: partition,
             capacity,
             backup: std::array::from_fn(|_| vec![0.0; capacity]),
             weights,
@@ -147,6 +151,11 @@ impl<P: Float> Speculation<P> {
             pause: 0,
             stats: SpeculationStats::default(),
         }))
+    }
+
+    /// The partition's elements it may step, from the first (past them, a device share's).
+    pub(crate) fn host_len(&self) -> usize {
+        self.host_len
     }
 
     pub(crate) fn stats(&self) -> SpeculationStats {
@@ -186,6 +195,11 @@ impl<P: Float> Speculation<P> {
         let at = self.reserved;
         self.reserved += len;
         Some(at)
+    }
+
+    /// Steps no further piece of this step (the GPU is past the backward that would hide it).
+    pub(crate) fn stop(&mut self) {
+        self.stopped = true;
     }
 
     /// Adds a piece's Σ g² to the running sum, and stops the step's speculation once that sum

@@ -375,6 +375,16 @@ impl Device for CpuDevice {
         self.completion(stamp).wait()
     }
 
+    fn event_done(&self, event: &CpuEvent) -> Result<bool> {
+        let stamp = event.stamp.as_ref().ok_or(DeviceError::EventNotRecorded)?;
+        let done = stamp.progress.reached(stamp.position);
+        if done {
+            // What the host learns here is what a wait would have taught it.
+            self.inner.checker().host_waits(&stamp.clock);
+        }
+        Ok(done)
+    }
+
     fn synchronize(&self) -> Result<()> {
         let streams: Vec<CpuStream> = {
             let workers = self.inner.workers.lock().unwrap_or_else(|e| e.into_inner());

@@ -48,6 +48,11 @@ impl Progress {
         }
     }
 
+    /// True if the operation at `position` has finished.
+    pub(crate) fn reached(&self, position: u64) -> bool {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) >= position
+    }
+
     fn finish(&self, position: u64) {
         *self.done.lock().unwrap_or_else(|e| e.into_inner()) = position;
         self.advanced.notify_all();

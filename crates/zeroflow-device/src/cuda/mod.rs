@@ -455,6 +455,19 @@ impl Device for CudaDevice {
             .map_err(|e| driver_error("cuEventSynchronize", e))
     }
 
+    fn event_done(&self, event: &CudaEvent) -> Result<bool> {
+        if !event.recorded {
+            return Err(DeviceError::EventNotRecorded);
+        }
+        self.inner.bind()?;
+        // SAFETY: the event is alive (borrowed) and belongs to the device's context.
+        match unsafe { cu::event::query(event.event.cu_event()) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == cu_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(driver_error("cuEventQuery", e)),
+        }
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.inner.bind()?;
         self.inner.ctx.synchronize().map_err(|e| driver_error("cuCtxSynchronize", e))?;

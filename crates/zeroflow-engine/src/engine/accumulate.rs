@@ -78,7 +78,7 @@ impl<D: DeviceAdamW, P: Float> Accumulate<D, P> {
             (CpuStep::Inline(whole), Some(speculation)) => {
                 let WholeStep { state, upload } = &mut **whole;
                 speculation.begin(state, assumed);
-                Some(Speculating { speculation, state, upload: Some(upload) })
+                Some(Speculating { speculation, state: Some(state), upload: Some(upload) })
             }
             _ => None,
         };

@@ -83,10 +83,10 @@ pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
 /// Where the optimizer's device share cannot act (`UpdatePath::new`).
 const SHARE_REFUSED: EngineError = EngineError::Config(
     "the optimizer's device share (--device-share, ZEROFLOW_DEVICE_SHARE, \
-     zeroflow.offload.device_share) acts on the exact offload step where nothing speculates: \
-     with one micro-step per step, or with a window summed on the device (ZeRO-2 with \
-     --accumulate-on device, ZEROFLOW_ACCUMULATE_ON=device or zeroflow.offload.accumulate_on \
-     \"device\") where one rank holds every weight (one GPU, or ZeRO-0): set it to 0 for this run",
+     zeroflow.offload.device_share) acts on the exact offload step: with one micro-step per \
+     step, or with a window summed on the device (ZeRO-2 with --accumulate-on device, \
+     ZEROFLOW_ACCUMULATE_ON=device or zeroflow.offload.accumulate_on \"device\") where one rank \
+     holds every weight (one GPU, or ZeRO-0) and nothing speculates: set it to 0 for this run",
 );
 
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
@@ -191,28 +191,31 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
         let on = offload.stream.accumulate_on;
         let free = || device.free_memory();
-        // The device share acts on the exact streaming step without speculation (whose pieces
-        // and backups span the whole partition): one micro-step (on every rank's partition),
-        // or the window's sum on the device where one rank holds every weight.
+        // The device share acts on the exact streaming step: one micro-step (on every rank's
+        // partition; the speculation, if any, steps the host's elements only), or the window's
+        // sum on the device where one rank holds every weight and nothing speculates.
         let on_device = sums_on_device(opts, on, len, free);
         let summed = opts.streams_sum(P::DTYPE, on_device);
         if share > 0.0 && !opts.shares(P::DTYPE, on_device, len == layout.padded_len()) {
             return Err(SHARE_REFUSED);
         }
-        // The streaming steps keep the speculated pieces' weights until their upload.
-        let speculation = Speculation::new(device, len, budget, streaming || summed, memory)?;
+        // The streaming steps keep the speculated pieces' weights until their upload; a device
+        // share's elements (the partition's last) are stepped on the device, not speculated on.
+        let host_len = len - device_share_len(len, share);
+        let speculation = Speculation::new(device, host_len, budget, streaming || summed, memory)?;
         let pieces = offload.stream.gather_in_pieces;
         // The next forward opens the exact inline step's weights only where this rank holds
-        // them all (nothing to gather) and nothing else uses the state meanwhile (the
-        // speculation).
+        // them all (nothing to gather) and, on the path summed on the device, nothing else uses
+        // the state meanwhile (the speculation; the streaming path's takes the state from the
+        // opening once it is done).
         let overlap = offload.stream.overlap_forward
             && delayed.is_none()
-            && speculation.is_none()
+            && (speculation.is_none() || !summed)
             && len == layout.padded_len();
         if summed || streaming {
             // The device share, the partition's last elements, keeps its state on the device
             // only: the host optimizer holds the elements before it.
-            let from = len - device_share_len(len, share);
+            let from = host_len;
             let share_initial = &initial[owned.start + from..owned.end];
             let share = DeviceShare::new(device, from, share_initial, moments, &no_decay)?;
             let fill = fill_master(initial);
@@ -282,7 +285,7 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             return Ok((self.sink(assumed, boundary), None));
         }
         match self {
-            UpdatePath::Stream(stream) => Ok((Sink::Keep, stream.open(at)?)),
+            UpdatePath::Stream(stream) => stream.open(at, assumed),
             UpdatePath::Summed(summed) => summed.open(at),
             _ => Err(EngineError::Internal("only a streaming step is left to the forward")),
         }

@@ -17,12 +17,14 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::mpsc::{SyncSender, sync_channel};
 use std::time::Instant;
 
 use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, DeviceBuffer, Filling, HostBuffer, StreamKind};
 use zeroflow_optim::AdamWStep;
 
+use super::path::SinkOrOpening;
 use super::share::{self, DeviceShare};
 use super::shared::Shared;
 use super::state::{PathState, SavedState};
@@ -51,7 +53,7 @@ pub(super) struct Stream<D: Device, P: Float> {
     /// The exact inline step's speculation (`None`: off, or the delayed update).
     pub(super) speculation: Option<Speculation<P>>,
     /// The exact inline step left to the next forward ([`Opening`]; the `overlap_forward`
-    /// option, where one rank holds every weight and nothing speculates).
+    /// option, where one rank holds every weight).
     deferral: Deferral<D>,
     /// The partition's last elements, stepped on the device (`device_share`).
     share: Option<DeviceShare<D>>,
@@ -104,8 +106,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         partition: usize,
         gather_in_pieces: bool,
         speculation: Option<Speculation<P>>,
-        // The caller's choice (`UpdatePath::new`): the exact inline step, no speculation, one
-        // rank holding every weight.
+        // The caller's choice (`UpdatePath::new`): the exact inline step, one rank holding every
+        // weight.
         overlap_forward: bool,
     ) -> Result<Self, EngineError> {
         let cpu = match delayed {
@@ -142,7 +144,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
                 if !speculation.active() {
                     return Sink::Keep;
                 }
-                let speculating = Speculating { speculation, state, upload: None };
+                let speculating = Speculating { speculation, state: Some(state), upload: None };
                 Sink::Host(Offloader::new(staging, Landing::Step(speculating)))
             }
             _ => Sink::Keep,
@@ -169,8 +171,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         let started = std::time::Instant::now();
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
         match &mut self.cpu {
-            // The next forward opens the weights as the CPU steps them (`Stream::open`).
-            StreamCpu::Inline(_) if self.deferral.leave(step) => {}
+            // The next forward opens the weights as the CPU steps them (`Stream::open`); where a
+            // speculation stands, its pieces are stepped already and their weights go up now.
+            StreamCpu::Inline(buffers) if self.deferral.enabled() => {
+                let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
+                let stepped = upload_speculated(shared, speculated)?;
+                self.deferral.leave_stepped(step, stepped);
+            }
             StreamCpu::Inline(buffers) => {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
                 let share = self.share.as_mut();
@@ -205,37 +212,59 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        let (Some((step, _)), StreamCpu::Inline(buffers)) = (self.deferral.take(), &mut self.cpu)
+        let (Some((step, _, stepped)), StreamCpu::Inline(buffers)) =
+            (self.deferral.take(), &mut self.cpu)
         else {
             return Ok(());
         };
         let started = Instant::now();
         let (uploaded, pieces) = (&mut self.chunk_uploaded, self.gather_in_pieces);
         let share = self.share.as_mut();
-        stream_reduced(shared, buffers, uploaded, pieces, &step, None, share)?;
+        // A speculation that stood still holds its pieces: uploaded once more with the rest.
+        let speculated = self.speculation.as_ref().filter(|_| !stepped.is_empty());
+        stream_reduced(shared, buffers, uploaded, pieces, &step, speculated, share)?;
         shared.cpu_wait += started.elapsed();
         Ok(())
     }
 
-    /// The step left for this forward, opened to it piece by piece ([`Opening`]); `None` where
-    /// none is left.
+    /// The step left for this forward, opened to it piece by piece ([`Opening`]; `None` where
+    /// none is left), but for the pieces a speculation stepped; and the backward's sink: where
+    /// this step speculates ([`assumed`](Stream::sink)), its pieces go to the host and are
+    /// stepped there with the optimizer and the staging that the opening hands on once it has
+    /// stepped every chunk, before the backward's first piece is reduced.
     pub fn open<'a>(
         &'a mut self,
         at: OpenAt<'a, D, P>,
-    ) -> Result<Option<Opening<'a, D, P>>, EngineError> {
-        let (Some((step, opened)), StreamCpu::Inline(buffers)) =
-            (self.deferral.take(), &mut self.cpu)
+        assumed: Option<Assumed>,
+    ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
+        let Stream { cpu, speculation, deferral, share, .. } = self;
+        let (Some((step, opened, stepped)), StreamCpu::Inline(buffers)) = (deferral.take(), cpu)
         else {
-            return Ok(None);
+            return Ok((Sink::Keep, None));
         };
         let (source, wrap) = (at.source, OpenChunks::Reduced);
         let mut len = at.owned.len();
-        if let Some(share) = &mut self.share {
+        if let Some(share) = share {
             let params = (at.params, at.owned.start);
             share.step(at.device, &step, at.events.norm_done, source, params)?;
             len = share.from();
         }
-        Ok(Some(Opening::new(at, step, buffers, (source, len), opened, None, wrap)?))
+        let buffers = &mut **buffers;
+        // The last step's speculation was validated by that step.
+        let speculating = match speculation {
+            Some(speculation) => {
+                speculation.begin(&mut buffers.state, assumed);
+                speculation.active().then_some(speculation)
+            }
+            None => None,
+        };
+        let source = (source, len);
+        let opening = Opening::new(at, step, buffers, source, &stepped, opened, None, wrap)?;
+        let Some(speculation) = speculating else { return Ok((Sink::Keep, Some(opening))) };
+        let (handoff, handed) = sync_channel(1);
+        let landing = Landing::Step(Speculating { speculation, state: None, upload: None });
+        let sink = Sink::Host(Offloader::handed(handed, landing));
+        Ok((sink, Some(opening.handing_on(handoff))))
     }
 
     /// Waits for a delayed step still running and brings its weights into the model.
@@ -401,24 +430,43 @@ pub(in crate::engine) struct OpenEvents<'a, D: Device> {
     pub params_ready: &'a mut Option<D::Event>,
 }
 
+/// A step left to the next forward ([`Deferral::take`]): the step, the event its opening
+/// records, and the ranges a speculation stepped already.
+pub(super) type LeftStep<'a, D> = (AdamWStep, &'a mut <D as Device>::Event, Vec<Range<usize>>);
+
 /// Whether a streaming path leaves its exact step to the next forward (`overlap_forward`), the
-/// step left, and the event its [`Opening`] records (h2d → compute).
+/// step left, the ranges of it a speculation stepped (their weights uploaded already), and the
+/// event its [`Opening`] records (h2d → compute).
 pub(super) struct Deferral<D: Device> {
     enabled: bool,
     step: Option<AdamWStep>,
+    stepped: Vec<Range<usize>>,
     opened: D::Event,
 }
 
 impl<D: Device> Deferral<D> {
     pub fn new(device: &D, enabled: bool) -> Result<Self, EngineError> {
-        Ok(Deferral { enabled, step: None, opened: device.new_event()? })
+        let stepped = Vec::new();
+        Ok(Deferral { enabled, step: None, stepped, opened: device.new_event()? })
+    }
+
+    /// True where the path leaves its steps to the next forward.
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 
     /// Leaves `step` to the next forward and gives true where the path does so; false where
     /// the caller steps now.
     pub fn leave(&mut self, step: &AdamWStep) -> bool {
+        self.leave_stepped(step, Vec::new())
+    }
+
+    /// [`Deferral::leave`] of a step whose ranges `stepped` (sorted and disjoint) a
+    /// speculation stepped, their weights uploaded already.
+    pub fn leave_stepped(&mut self, step: &AdamWStep, stepped: Vec<Range<usize>>) -> bool {
         if self.enabled {
             self.step = Some(*step);
+            self.stepped = stepped;
         }
         self.enabled
     }
@@ -428,9 +476,10 @@ impl<D: Device> Deferral<D> {
         self.step.is_some()
     }
 
-    /// The step left, taken, with the event its opening records.
-    pub fn take(&mut self) -> Option<(AdamWStep, &mut D::Event)> {
-        Some((self.step.take()?, &mut self.opened))
+    /// The step left, taken, with the event its opening records and the ranges stepped already.
+    pub fn take(&mut self) -> Option<LeftStep<'_, D>> {
+        let stepped = std::mem::take(&mut self.stepped);
+        Some((self.step.take()?, &mut self.opened, stepped))
     }
 }
 
@@ -445,7 +494,11 @@ impl<D: Device> Deferral<D> {
 /// backward adds into it. The same chunks in the same order as the inline step: the same
 /// results, bit for bit.
 pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
-    chunks: OpenChunks<'a, D, P>,
+    /// `None` once every chunk is stepped and the optimizer handed on.
+    chunks: Option<OpenChunks<'a, D, P>>,
+    /// Where the optimizer and the staging go once every chunk is stepped: the backward's
+    /// speculation ([`Stream::open`]).
+    handoff: Option<SyncSender<Handoff<'a, P>>>,
     device: &'a D,
     opened_event: &'a mut D::Event,
     d2h_done: &'a mut Option<D::Event>,
@@ -471,7 +524,16 @@ pub(in crate::engine) enum OpenChunks<'a, D: Device, P: Float> {
     Summed(ChunkStream<'a, D, f32, P>),
 }
 
-impl<D: Device, P: Float> OpenChunks<'_, D, P> {
+impl<'a, D: Device, P: Float> OpenChunks<'a, D, P> {
+    /// The optimizer and the staging of a stream of the model's gradients (the sum's are f32:
+    /// nothing speculates beside them).
+    fn release(self) -> Option<Handoff<'a, P>> {
+        match self {
+            OpenChunks::Reduced(chunks) => Some(chunks.release()),
+            OpenChunks::Summed(_) => None,
+        }
+    }
+
     fn advance(&mut self, to: usize) -> Result<(), EngineError> {
         match self {
             OpenChunks::Reduced(chunks) => chunks.advance(to),
@@ -498,13 +560,16 @@ impl<D: Device, P: Float> OpenChunks<'_, D, P> {
 impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     /// The opening of `step` over `buffers`, streaming the gradients from `source` (its buffer,
     /// where this rank's partition starts in it, and how many of the partition's elements the
-    /// CPU steps: all but a device share) through the chunks `wrap` makes; where `clear_sum` is
-    /// given, that sum is cleared once the step's copies have read it.
+    /// CPU steps: all but a device share) through the chunks `wrap` makes, but for the ranges
+    /// `stepped` (a speculation's, stepped and uploaded already); where `clear_sum` is given,
+    /// that sum is cleared once the step's copies have read it.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new<G: Float>(
         at: OpenAt<'a, D, P>,
         step: AdamWStep,
         buffers: &'a mut StreamBuffers<P, G>,
         source: ((&'a D::Buffer<G>, usize), usize),
+        stepped: &[Range<usize>],
         opened_event: &'a mut D::Event,
         clear_sum: Option<&'a D::Buffer<f32>>,
         wrap: fn(ChunkStream<'a, D, G, P>) -> OpenChunks<'a, D, P>,
@@ -527,9 +592,10 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
             uploaded,
             times,
         };
-        let chunks = wrap(ChunkStream::new(device, step, state, staging, outgoing, io, len));
+        let stream = ChunkStream::new(device, step, state, staging, outgoing, io, len, stepped);
         Ok(Opening {
-            chunks,
+            chunks: Some(wrap(stream)),
+            handoff: None,
             device,
             opened_event,
             d2h_done: events.d2h_done,
@@ -546,7 +612,14 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     }
 }
 
-impl<D: Device, P: Float> Opening<'_, D, P> {
+impl<'a, D: Device, P: Float> Opening<'a, D, P> {
+    /// The opening, handing the optimizer and the staging on to `handoff` once it has stepped
+    /// every chunk.
+    pub(super) fn handing_on(mut self, handoff: SyncSender<Handoff<'a, P>>) -> Self {
+        self.handoff = Some(handoff);
+        self
+    }
+
     /// [`crate::ModelIo::open`]: the weights below flat `end` (all of them, and the forward
     /// queued, at or past the padded length). The first error is kept ([`Opening::end`]) and
     /// nothing more is opened after it.
@@ -566,23 +639,30 @@ impl<D: Device, P: Float> Opening<'_, D, P> {
     }
 
     fn open_to(&mut self, to: usize) -> Result<(), EngineError> {
+        let chunks = self.chunks.as_mut().ok_or(EngineError::Internal("opened after its end"))?;
         // (Past the elements the CPU steps, a device share's were written on the compute stream.)
-        let to = to.min(self.chunks.len());
+        let to = to.min(chunks.len());
         if to <= self.opened {
             return Ok(());
         }
-        self.chunks.advance(to)?;
+        chunks.advance(to)?;
         let (h2d, compute) =
             (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Compute));
         self.device.record(self.opened_event, h2d)?;
         self.device.wait_event(compute, self.opened_event)?;
-        self.opened = self.chunks.done();
+        self.opened = chunks.done();
         Ok(())
     }
 
     fn finish(&mut self) -> Result<(), EngineError> {
         self.finished = true;
-        self.chunks.advance(usize::MAX)?;
+        let mut chunks = self.chunks.take().ok_or(EngineError::Internal("finished twice"))?;
+        chunks.advance(usize::MAX)?;
+        // The backward's speculation takes them from here (a backward whose courier is gone
+        // has none).
+        if let (Some(handoff), Some(released)) = (self.handoff.take(), chunks.release()) {
+            let _ = handoff.send(released);
+        }
         let device = self.device;
         let streams = [StreamKind::D2h, StreamKind::H2d].map(|kind| device.stream(kind));
         let compute = device.stream(StreamKind::Compute);
@@ -622,6 +702,26 @@ impl<D: Device, P: Float> Opening<'_, D, P> {
         };
         (result, self.spent)
     }
+}
+
+/// Queues the uploads of the pieces of a speculation that stands (`speculated`), after the last
+/// forward and backward read the weights, and gives their ranges (none where nothing stands).
+fn upload_speculated<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+    shared: &Shared<D, C, P>,
+    speculated: Option<&Speculation<P>>,
+) -> Result<Vec<Range<usize>>, EngineError> {
+    let Some((speculation, weights)) = speculated.and_then(|s| Some((s, s.weights()?))) else {
+        return Ok(Vec::new());
+    };
+    let Shared { ref device, ref params, ref events, ref owned, .. } = *shared;
+    order_for_step(device, &events.norm_done, &events.compute_done, events.params_ready.as_ref())?;
+    let h2d = device.stream(StreamKind::H2d);
+    let stepped = speculation.stepped();
+    for piece in stepped {
+        let (from, at) = (piece.at..piece.at + piece.range.len(), owned.start + piece.range.start);
+        device.copy_h2d(h2d, weights, from, params, at)?.detach();
+    }
+    Ok(stepped.iter().map(|piece| piece.range.clone()).collect())
 }
 
 /// [`stream_step`] from this step's reduced gradients, where the reduction left them.
@@ -866,7 +966,7 @@ pub(super) fn stream_chunks<'a, D: Device, G: Float, P: Float>(
     io: Chunks<'a, D, G, P>,
     len: usize,
 ) -> Result<(), EngineError> {
-    ChunkStream::new(device, *step, optimizer, staging, outgoing, io, len).advance(len)
+    ChunkStream::new(device, *step, optimizer, staging, outgoing, io, len, &[]).advance(len)
 }
 
 /// The streaming CPU step over `len` elements of a partition, advanced as far as its caller
@@ -883,16 +983,30 @@ pub(super) struct ChunkStream<'a, D: Device, G: Float, P: Float> {
     optimizer: &'a mut HostOptimizer,
     outgoing: &'a mut [HostBuffer<P>],
     io: Chunks<'a, D, G, P>,
-    free: [Option<&'a mut HostBuffer<G>>; STAGING_BUFFERS],
+    free: StagingSlots<'a, G>,
     in_flight: [Option<Filling<'a, G>>; STAGING_BUFFERS],
     len: usize,
-    chunk: usize,
+    /// The chunks to step, in order: the `len` elements cut into pieces of at most a staging
+    /// buffer, around the ranges stepped already (a speculation's, [`ChunkStream::new`]).
+    pieces: Vec<Range<usize>>,
     /// Chunks whose copy is queued, and chunks stepped (and their uploads queued).
     issued: usize,
     stepped: usize,
 }
 
+/// The staging buffers a chunk stream or an offloader holds, each `None` while its copy is in
+/// flight.
+pub(crate) type StagingSlots<'a, G> = [Option<&'a mut HostBuffer<G>>; STAGING_BUFFERS];
+
+/// What an [`Opening`] hands the backward's speculation once it has stepped everything: the
+/// optimizer and the staging buffers, which the speculation steps and copies through while the
+/// backward runs (`offloader.rs`).
+pub(crate) type Handoff<'a, G> = (&'a mut HostOptimizer, StagingSlots<'a, G>);
+
 impl<'a, D: Device, G: Float, P: Float> ChunkStream<'a, D, G, P> {
+    /// The stream over `len` elements but the ranges in `stepped` (sorted and disjoint, within
+    /// `len`: stepped already, their weights uploaded by the caller), which it leaves alone.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         device: &'a D,
         step: AdamWStep,
@@ -901,6 +1015,7 @@ impl<'a, D: Device, G: Float, P: Float> ChunkStream<'a, D, G, P> {
         outgoing: &'a mut [HostBuffer<P>],
         io: Chunks<'a, D, G, P>,
         len: usize,
+        stepped: &[Range<usize>],
     ) -> Self {
         let chunk = staging.first().map_or(1, |b| b.len()).max(1);
         let free = {
@@ -908,7 +1023,21 @@ impl<'a, D: Device, G: Float, P: Float> ChunkStream<'a, D, G, P> {
             std::array::from_fn(|_| buffers.next())
         };
         let in_flight = Default::default();
-        let (issued, stepped) = (0, 0);
+        let mut pieces = Vec::with_capacity(len.div_ceil(chunk) + stepped.len());
+        let mut cut = |range: Range<usize>| {
+            let mut start = range.start;
+            while start < range.end {
+                let end = (start + chunk).min(range.end);
+                pieces.push(start..end);
+                start = end;
+            }
+        };
+        let mut cursor = 0;
+        for range in stepped {
+            cut(cursor..range.start.min(len));
+            cursor = cursor.max(range.end);
+        }
+        cut(cursor..len);
         ChunkStream {
             device,
             step,
@@ -918,26 +1047,31 @@ impl<'a, D: Device, G: Float, P: Float> ChunkStream<'a, D, G, P> {
             free,
             in_flight,
             len,
-            chunk,
-            issued,
-            stepped,
+            pieces,
+            issued: 0,
+            stepped: 0,
         }
     }
 
-    /// Elements stepped so far, from the first (their uploads are queued).
+    /// Elements done so far, from the first: stepped (their uploads queued) or left alone.
     pub(super) fn done(&self) -> usize {
-        (self.stepped * self.chunk).min(self.len)
+        self.pieces.get(self.stepped).map_or(self.len, |piece| piece.start)
     }
 
     fn piece(&self, c: usize) -> Range<usize> {
-        c * self.chunk..((c + 1) * self.chunk).min(self.len)
+        self.pieces[c].clone()
+    }
+
+    /// The optimizer and the staging buffers back, every chunk stepped ([`Handoff`]).
+    pub(super) fn release(self) -> Handoff<'a, G> {
+        (self.optimizer, self.free)
     }
 
     /// Steps chunks until the first `to` elements (at most all) are stepped and their uploads
     /// queued.
     pub(super) fn advance(&mut self, to: usize) -> Result<(), EngineError> {
         let (d2h, h2d) = (self.device.stream(StreamKind::D2h), self.device.stream(StreamKind::H2d));
-        let chunks = self.len.div_ceil(self.chunk);
+        let chunks = self.pieces.len();
         while self.done() < to.min(self.len) {
             let c = self.stepped;
             // Keep the d2h stream busy: every free staging buffer receives the next chunk.

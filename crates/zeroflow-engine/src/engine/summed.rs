@@ -98,7 +98,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
                 let StreamBuffers { state, staging, .. } = &mut *self.buffers;
                 speculation.begin(state, assumed);
                 speculation.active().then(|| {
-                    let speculating = Speculating { speculation, state, upload: None };
+                    let speculating = Speculating { speculation, state: Some(state), upload: None };
                     Offloader::new(staging, Landing::Step(speculating))
                 })
             }
@@ -172,12 +172,13 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
         let Summed { acc, buffers, deferral, share, .. } = self;
         let sink = Sink::DeviceThenHost { acc, offloader: None };
-        let Some((step, opened)) = deferral.take() else { return Ok((sink, None)) };
+        let Some((step, opened, _)) = deferral.take() else { return Ok((sink, None)) };
         let params = (at.params, at.owned.start);
         let len = step_share(share, at.device, &step, at.events.norm_done, acc, params)?
             .unwrap_or(at.owned.len());
         let (source, clear, buffers) = (((&*acc, 0), len), Some(&*acc), &mut **buffers);
-        let opening = Opening::new(at, step, buffers, source, opened, clear, OpenChunks::Summed)?;
+        let (wrap, stepped) = (OpenChunks::Summed, &[]);
+        let opening = Opening::new(at, step, buffers, source, stepped, opened, clear, wrap)?;
         Ok((sink, Some(opening)))
     }
 
@@ -186,7 +187,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        let Some((step, _)) = self.deferral.take() else { return Ok(()) };
+        let Some((step, ..)) = self.deferral.take() else { return Ok(()) };
         self.step_inline(shared, &step)?;
         self.zero_accumulator(shared)
     }

@@ -60,6 +60,10 @@ pub struct Setup {
     pub overlap_forward: bool,
     /// The share of the partition stepped on the device (`StreamOptions::device_share`).
     pub device_share: f64,
+    /// The speculation stops stepping pieces once the device is past the backward, as the
+    /// engine does by default; otherwise (`Engine::speculate_late`) it steps what its budget
+    /// holds, so that the tests see pieces stepped whatever the CPU device's timing.
+    pub speculation_stops: bool,
 }
 
 impl Setup {
@@ -85,6 +89,7 @@ impl Setup {
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             pinned_budget: None,
             overlap_forward: false,
+            speculation_stops: false,
             device_share: 0.0,
         }
     }
@@ -224,6 +229,9 @@ pub fn train_from<P: Float>(
                         &init,
                     )
                     .unwrap();
+                    if !setup.speculation_stops {
+                        engine.speculate_late();
+                    }
                     if let Some(r) = resume {
                         let opened = r
                             .files

@@ -199,6 +199,72 @@ fn speculation_under_chaos_is_bit_identical() {
     }
 }
 
+/// With the step left to the next forward (`overlap_forward`, one rank), the speculation steps
+/// the backward's pieces with the optimizer that forward's opening hands on once it has stepped
+/// the rest, and the next opening leaves the pieces that stood alone: bit-identical to the
+/// overlapped step without speculation (itself the inline step's, `overlap.rs`), stages 1 and
+/// 2, f32 and bf16, with no clip (every step stands), a clip that fires on about half the
+/// steps, calm and under chaos; and with the engine's default, stepping no piece once the device
+/// is past the backward, the same.
+#[test]
+fn speculation_beside_the_forward_opening_is_bit_identical() {
+    for stage in [Stage::Zero1, Stage::Zero2] {
+        let setup = Setup { steps: 8, overlap_forward: true, ..Setup::new(stage, 1, 1, true) };
+        let sometimes = median_norm(&setup);
+        for (clip, chaos) in [(None, None), (Some(sometimes), None), (Some(sometimes), Some(5))] {
+            for budget in BUDGETS {
+                let setup = Setup { clip, chaos, ..setup.clone() };
+                let out = check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
+                let stats = out.traffic[0].speculation;
+                assert!(stats.speculated_elements > 0, "{setup:?}: {stats:?}");
+                match clip {
+                    None => assert_eq!(stats.redone_steps, 0, "{setup:?}: {stats:?}"),
+                    Some(_) => assert!(stats.redone_steps > 0, "{setup:?}: {stats:?}"),
+                }
+                let stopping = Setup { speculation_stops: true, ..setup.clone() };
+                check_bit_identical::<f32>(&stopping, budget, &LossScaler::None, None);
+            }
+        }
+        let bf16 = Setup { clip: Some(sometimes), ..setup.clone() };
+        check_bit_identical::<Bf16>(&bf16, WHOLE_BUDGET, &LossScaler::None, None);
+    }
+}
+
+/// With a device share (one micro-step per step), the speculation steps the host's elements only,
+/// the share's being stepped on the device: bit-identical to the run with neither, ZeRO-1 and 2
+/// on one rank and ZeRO-2 on two, the step before the next forward and (one rank) overlapped
+/// with it, no clip and a clip that fires on about half the steps, calm and under chaos. (A
+/// piece of the share's stepped on the host would reach past the host's state and panic.)
+#[test]
+fn speculation_beside_a_device_share_is_bit_identical() {
+    for (stage, world) in [(Stage::Zero1, 1), (Stage::Zero2, 1), (Stage::Zero2, 2)] {
+        let setup = Setup { steps: 8, stream_chunk: 7, ..Setup::new(stage, world, 1, true) };
+        let sometimes = median_norm(&setup);
+        for clip in [None, Some(sometimes)] {
+            let neither = Setup { clip, ..setup.clone() };
+            let want = train::<f32>(&neither, LossScaler::None, None);
+            for (overlap_forward, chaos) in [(false, None), (true, None), (true, Some(4))] {
+                let case = Setup {
+                    overlap_forward,
+                    chaos,
+                    device_share: 0.4,
+                    speculation_budget: WHOLE_BUDGET,
+                    ..neither.clone()
+                };
+                let out = train::<f32>(&case, LossScaler::None, None);
+                assert_eq!(out.weights, want.weights, "{case:?}: weights");
+                assert_eq!(out.device_weights, want.device_weights, "{case:?}: saved weights");
+                assert_eq!(out.snapshots, want.snapshots, "{case:?}: optimizer state");
+                assert_eq!(out.reports, want.reports, "{case:?}: step reports");
+                for traffic in &out.traffic {
+                    let stats = traffic.speculation;
+                    assert!(stats.speculated_elements > 0, "{case:?}: {stats:?}");
+                }
+            }
+        }
+    }
+}
+
 /// One rank trained for 6 steps with `budget`, whose learning rate changes between each
 /// backward and its step after the first two, and which is snapshotted between the backward and
 /// the step of step 4: its final weights, optimizer state and speculation counters.
@@ -215,6 +281,7 @@ fn train_with_schedule(accum: u64, budget: usize) -> (Vec<f32>, Snapshot, Specul
     let mut engine: Engine<CpuDevice, CpuComm, f32> =
         Engine::new(device.clone(), comm, layout.clone(), options, &initial::<f32>(&layout))
             .unwrap();
+    engine.speculate_late();
     for k in 0..6 * accum {
         engine.backward(|io, ready| forward_backward(&device, &layout, io, ready, 0, k)).unwrap();
         let step = k / accum;

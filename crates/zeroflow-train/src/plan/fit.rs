@@ -35,9 +35,9 @@ pub struct FitShare {
 /// The device share `fit` chooses for the run of `inputs` (whatever share its options hold): the
 /// largest, in hundredths below 1, whose plan, beside the `elsewhere` bytes other processes hold
 /// on the GPU, leaves [`FIT_HEADROOM`] of the GPU's memory free; 0 where the share cannot act on
-/// this run (no offload, the CPU device, ZenFlow or the delayed update, speculation, 16-bit
-/// moments, a window summed on the host, or with several ranks sharing the weights) or the plan
-/// leaves no room.
+/// this run (no offload, the CPU device, ZenFlow or the delayed update, 16-bit moments, a window
+/// summed on the host, or on the device with speculation or with several ranks sharing the
+/// weights) or the plan leaves no room.
 pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare> {
     let none = |why: &str| Ok(FitShare { share: 0.0, why: why.to_owned() });
     let Some(offload) = inputs.options.offload() else {
@@ -61,9 +61,9 @@ pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare>
     let per_hundredth = at(50)?.gpu_total.saturating_sub(without) as f64 / 50.0;
     if per_hundredth == 0.0 {
         return none(
-            "the share acts on the exact offload step where nothing speculates: with one \
-             micro-step per step, or with the window summed on the GPU where one rank holds \
-             every weight",
+            "the share acts on the exact offload step: with one micro-step per step, or with \
+             the window summed on the GPU where one rank holds every weight and nothing \
+             speculates",
         );
     }
     let limit = ((gpu as f64 * (1.0 - FIT_HEADROOM)) as u64).saturating_sub(elsewhere);
@@ -336,16 +336,21 @@ mod tests {
         bf16.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
         cases.push(("bf16 moments", bf16, "fp32 moments"));
         let mut speculating = base();
-        speculating.options.offload_mut().unwrap().stream.speculation_budget = 64 << 20;
-        cases.push(("speculation", speculating, "nothing speculates"));
+        speculating.options.grad_accum = 2;
+        let stream = &mut speculating.options.offload_mut().unwrap().stream;
+        (stream.speculation_budget, stream.accumulate_on) = (64 << 20, AccumulateOn::Device);
+        cases.push(("speculation summing", speculating, "nothing speculates"));
         for (name, inputs, why) in cases {
             let fit = fit_device_share(&inputs, 0).unwrap();
             assert_eq!(fit.share, 0.0, "{name}");
             assert!(fit.why.contains(why), "{name}: {}", fit.why);
         }
-        // And where it can, the same model on the same GPU gets a share: one rank, or each of
-        // two ranks of ZeRO-2 with one micro-step per step.
+        // And where it can, the same model on the same GPU gets a share: one rank (speculating
+        // or not), or each of two ranks of ZeRO-2 with one micro-step per step.
         assert!(fit_device_share(&base(), 0).unwrap().share > 0.0);
+        let mut speculating = base();
+        speculating.options.offload_mut().unwrap().stream.speculation_budget = 64 << 20;
+        assert!(fit_device_share(&speculating, 0).unwrap().share > 0.0);
         let mut two = base();
         two.world_size = 2;
         assert!(fit_device_share(&two, 0).unwrap().share > 0.0);
