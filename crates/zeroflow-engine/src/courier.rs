@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, OnceLock};
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, StreamKind};
@@ -30,11 +31,13 @@ pub(crate) struct Request<D: Device> {
     pub reduced: Option<D::Event>,
 }
 
-/// What the training thread sends the courier: a reduced piece, or, once the whole backward is
-/// queued, an event after its last kernel (past which no piece is stepped speculatively).
-pub(crate) enum Delivery<D: Device> {
-    Piece(Request<D>),
-    BackwardQueued(D::Event),
+/// The training thread's end of a courier: where it sends the reduced pieces, and where it puts,
+/// once the whole backward is queued, an event after its last kernel (past which no piece is
+/// stepped speculatively). A slot, not a message: the courier must see it while the pieces
+/// before it are still queued.
+pub(crate) struct Courier<D: Device> {
+    pub requests: SyncSender<Request<D>>,
+    pub backward_queued: Arc<OnceLock<D::Event>>,
 }
 
 /// What the reduction does with each reduced piece of this rank (from the path's [`Sink`]).
@@ -44,9 +47,9 @@ pub(crate) enum Route<'s, D: Device> {
     /// Adds it into a device accumulator on the comm stream.
     Add(&'s D::Buffer<f32>),
     /// Sends it to the courier.
-    Copy(SyncSender<Delivery<D>>),
+    Copy(Courier<D>),
     /// Adds it into the device accumulator, then sends the sum's piece to the courier.
-    AddThenCopy(&'s D::Buffer<f32>, SyncSender<Delivery<D>>),
+    AddThenCopy(&'s D::Buffer<f32>, Courier<D>),
 }
 
 /// Runs `backward` with the route `sink` asks for, and the courier where pieces go to the host
@@ -64,11 +67,11 @@ pub(crate) fn run<'s, D: Device, P: Float, R>(
             (backward(Route::Add(acc)), Ok(()))
         }
         Sink::Host(offloader) => {
-            with_courier(device, offloader, source, |requests| backward(Route::Copy(requests)))
+            with_courier(device, offloader, source, |courier| backward(Route::Copy(courier)))
         }
         Sink::DeviceThenHost { acc, offloader: Some(offloader) } => {
-            with_courier(device, offloader, acc, |requests| {
-                backward(Route::AddThenCopy(acc, requests))
+            with_courier(device, offloader, acc, |courier| {
+                backward(Route::AddThenCopy(acc, courier))
             })
         }
     }
@@ -80,16 +83,20 @@ fn with_courier<'s, D: Device, S: Float, P: Float, R>(
     device: &'s D,
     offloader: Offloader<'s, S, P>,
     source: &'s D::Buffer<S>,
-    backward: impl FnOnce(SyncSender<Delivery<D>>) -> R,
+    backward: impl FnOnce(Courier<D>) -> R,
 ) -> (R, Result<(), EngineError>) {
     let (requests, received) = sync_channel(REQUESTS);
+    let backward_queued = Arc::new(OnceLock::new());
+    let sender = Courier { requests, backward_queued: Arc::clone(&backward_queued) };
     std::thread::scope(|scope| {
         let courier = std::thread::Builder::new()
             .name("zeroflow-courier".into())
-            .spawn_scoped(scope, move || deliver(device, offloader, source, received));
+            .spawn_scoped(scope, move || {
+                deliver(device, offloader, source, received, backward_queued)
+            });
         // Without a courier the requests go nowhere (their receiver is gone): the backward runs
         // and the error is the courier's.
-        let result = backward(requests);
+        let result = backward(sender);
         let landed = match courier {
             Ok(courier) => courier
                 .join()
@@ -106,17 +113,14 @@ fn deliver<'s, D: Device, S: Float, P: Float>(
     device: &'s D,
     mut offloader: Offloader<'s, S, P>,
     source: &D::Buffer<S>,
-    requests: Receiver<Delivery<D>>,
+    requests: Receiver<Request<D>>,
+    backward_queued: Arc<OnceLock<D::Event>>,
 ) -> Result<(), EngineError> {
     let d2h = device.stream(StreamKind::D2h);
-    for delivery in requests {
-        let Request { range, offset, reduced } = match delivery {
-            Delivery::Piece(request) => request,
-            Delivery::BackwardQueued(queued) => {
-                offloader.stop_after(Box::new(move || device.event_done(&queued).unwrap_or(true)));
-                continue;
-            }
-        };
+    offloader.stop_after(Box::new(move || {
+        backward_queued.get().is_some_and(|queued| device.event_done(queued).unwrap_or(true))
+    }));
+    for Request { range, offset, reduced } in requests {
         if let Some(reduced) = &reduced {
             device.wait_event(d2h, reduced)?;
         }

@@ -9,7 +9,7 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, Device, Kernels, ReduceOp, StreamKind};
 
 use crate::EngineError;
-use crate::courier::{Delivery, Request, Route};
+use crate::courier::{Request, Route};
 use crate::offloader::Offloader;
 
 /// Where reduced gradient pieces go.
@@ -98,13 +98,13 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
                 let reduced = reduced_marker(device, skip_wait)?;
                 // A courier that stopped has its error; the backward goes on without it.
                 let request = Request { range: at_source, offset: at_acc, reduced };
-                let _ = courier.send(Delivery::Piece(request));
+                let _ = courier.requests.send(request);
             }
             Route::AddThenCopy(acc, courier) => {
                 device.accumulate(comm_stream, source, at_source, acc, at_acc, 1.0)?;
                 let reduced = reduced_marker(device, skip_wait)?;
                 let request = Request { range: summed, offset: at_acc, reduced };
-                let _ = courier.send(Delivery::Piece(request));
+                let _ = courier.requests.send(request);
             }
         }
         Ok(())
@@ -112,7 +112,7 @@ impl<D: Device + Kernels, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> 
 }
 
 impl<D: Device, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> {
-    /// The whole backward is queued: where pieces go to the courier, it is sent an event
+    /// The whole backward is queued: where pieces go to the courier, it is given an event
     /// recorded after the backward's last kernel on the compute stream, so that it steps no
     /// piece speculatively once the GPU is past the backward ([`crate::offloader`]).
     pub(crate) fn backward_queued(&mut self) -> Result<(), EngineError> {
@@ -124,8 +124,8 @@ impl<D: Device, C: Comm<Device = D>, P: Float> Reduction<'_, D, C, P> {
         }
         let mut queued = self.device.new_event()?;
         self.device.record(&mut queued, self.device.stream(StreamKind::Compute))?;
-        // A courier that stopped has its error.
-        let _ = courier.send(Delivery::BackwardQueued(queued));
+        // Once per backward: a second call changes nothing.
+        let _ = courier.backward_queued.set(queued);
         Ok(())
     }
 }
