@@ -21,11 +21,11 @@ use zeroflow_optim::{AdamWStep, Grads};
 use crate::EngineError;
 use crate::host::HostOptimizer;
 
-/// The default of [`crate::StreamOptions::speculation_budget`]: none (speculation off). Measured
-/// on the H200 at gpt-1.3b (micro-batch 8 × 1024, clipping 1.0), a 4 GiB budget made the exact
-/// offload step slower (0.63 s against 0.42 s): the clip fired on every step, so every
-/// speculated piece was redone, and the CPU AdamW running beside the backward slowed the backward
-/// itself (0.22 s against 0.09 s). A budget is opt-in until it pays (BENCHMARKS.md).
+/// The default of [`crate::StreamOptions::speculation_budget`]: none (speculation off). Since it
+/// stops at the backward's end and works beside the forward's opening, a 16 GiB budget made the
+/// exact offload step with the whole optimizer in host memory 1.08× faster at llama-1b and
+/// 1.00–1.02× at gpt-1.3b on an H100 where the clip did not fire, and no slower where it fired on
+/// every step (BENCHMARKS.md); its buffers are host memory the run must ask for.
 pub const DEFAULT_SPECULATION_BUDGET: usize = 0;
 
 /// What the speculative step did so far ([`crate::Engine::speculation_stats`]).
