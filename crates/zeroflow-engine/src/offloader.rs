@@ -37,6 +37,7 @@ impl<P: Float> Speculating<'_, P> {
     /// A final piece of the partition's gradients, `offset..offset + grads.len()`, is on the
     /// host: counted into the running norm, and stepped if the step is still speculated and the
     /// budget has room (`at`: room reserved when its copy was issued).
+    ///
     /// `late`: the GPU is past the backward, so the piece is not stepped (nor any after it):
     /// stepped now, with its backup, it would cost more than in the step that follows.
     fn land(
