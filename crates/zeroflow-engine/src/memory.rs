@@ -502,6 +502,34 @@ pub(crate) mod tests {
         }
     }
 
+    /// The streaming step's speculation backs up and keeps the weights of at most the elements
+    /// whose state the host holds (14 bytes each with bf16 weights): all of the partition, or
+    /// those before a device share, which it now acts beside; a window summed on the device
+    /// with speculation takes no share.
+    #[test]
+    fn the_speculation_counts_the_hosts_elements_only_beside_a_share() {
+        let layout = layout_of(1);
+        let n = layout.partition_len();
+        let speculating = |share: f64, accum: u64| {
+            let mut placement = offload(OffloadUpdate::Exact, 256);
+            if let Placement::Offload(offload) = &mut placement {
+                offload.stream.speculation_budget = usize::MAX;
+                offload.stream.device_share = share;
+                offload.stream.accumulate_on = AccumulateOn::Device;
+            }
+            options(placement, accum)
+        };
+        let kind = Some(BufferKind::Speculation);
+        let lines = speculating(0.0, 1).planned_buffers(&layout, 0, DType::Bf16, None);
+        assert_eq!(total(&lines, MemoryKind::Host, kind), 14 * n as u64);
+        let opts = speculating(0.3, 1);
+        assert!(opts.shares(DType::Bf16, false, true), "one micro-step: the share acts");
+        let share = n * 3 / 10 / 8 * 8;
+        let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
+        assert_eq!(total(&lines, MemoryKind::Host, kind), 14 * (n - share) as u64);
+        assert!(!speculating(0.3, 4).shares(DType::Bf16, true, true), "summed: it does not");
+    }
+
     /// With gradient accumulation the offload accumulates on the host (Auto with an unknown
     /// device: the host): the upload buffer, the accumulator and four staging buffers of one
     /// bucket beside the state; `AccumulateOn::Device` moves the sum to an fp32 device buffer.
