@@ -89,20 +89,15 @@ pub(crate) struct Offloader<'s, S: Float, P: Float> {
 /// Whether the GPU is past the backward.
 type Ended<'s> = Box<dyn FnMut() -> bool + Send + 's>;
 
+/// The most elements one copy through `free`'s buffers moves (1 before any has come).
+fn piece_len<S: Float>(free: &StagingSlots<'_, S>) -> usize {
+    free.iter().flatten().map(|b| b.len()).next().unwrap_or(1).max(1)
+}
+
 impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
     pub(crate) fn new(staging: &'s mut [HostBuffer<S>], landing: Landing<'s, P>) -> Self {
-        let piece_len = staging.first().map_or(1, |b| b.len()).max(1);
         let mut buffers = staging.iter_mut();
-        Offloader {
-            free: std::array::from_fn(|_| buffers.next()),
-            in_flight: std::array::from_fn(|_| None),
-            head: 0,
-            count: 0,
-            piece_len,
-            landing,
-            handoff: None,
-            ended: None,
-        }
+        Self::with(std::array::from_fn(|_| buffers.next()), None, landing)
     }
 
     /// An offloader whose staging buffers and optimizer `handoff` brings: from the opening of
@@ -110,14 +105,22 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
     /// have come, no piece is copied ([`Offloader::admit`]): in a forward that opens every
     /// weight before its backward, they are there before the first piece is reduced.
     pub(crate) fn handed(handoff: Receiver<Handoff<'s, S>>, landing: Landing<'s, P>) -> Self {
+        Self::with(std::array::from_fn(|_| None), Some(handoff), landing)
+    }
+
+    fn with(
+        free: StagingSlots<'s, S>,
+        handoff: Option<Receiver<Handoff<'s, S>>>,
+        landing: Landing<'s, P>,
+    ) -> Self {
         Offloader {
-            free: std::array::from_fn(|_| None),
+            piece_len: piece_len(&free),
+            free,
             in_flight: std::array::from_fn(|_| None),
             head: 0,
             count: 0,
-            piece_len: 1,
             landing,
-            handoff: Some(handoff),
+            handoff,
             ended: None,
         }
     }
@@ -127,7 +130,7 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
     fn staged(&mut self) -> bool {
         let Some(handoff) = &self.handoff else { return true };
         let Ok((state, free)) = handoff.try_recv() else { return false };
-        self.piece_len = free.iter().flatten().map(|b| b.len()).next().unwrap_or(1).max(1);
+        self.piece_len = piece_len(&free);
         self.free = free;
         if let Landing::Step(speculating) = &mut self.landing {
             speculating.state = Some(state);

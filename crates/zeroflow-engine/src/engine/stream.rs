@@ -494,7 +494,8 @@ impl<D: Device> Deferral<D> {
 /// backward adds into it. The same chunks in the same order as the inline step: the same
 /// results, bit for bit.
 pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
-    /// `None` once every chunk is stepped and the optimizer handed on.
+    /// `None` once the final open has taken them (every chunk stepped, the optimizer handed
+    /// on; or its error kept).
     chunks: Option<OpenChunks<'a, D, P>>,
     /// Where the optimizer and the staging go once every chunk is stepped: the backward's
     /// speculation ([`Stream::open`]).
@@ -511,7 +512,6 @@ pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
     padded_len: usize,
     /// The compute stream waits for the partition's uploads up to here.
     opened: usize,
-    finished: bool,
     failed: Option<EngineError>,
     /// Time spent stepping and queuing for the forward.
     spent: std::time::Duration,
@@ -605,7 +605,6 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
             start: owned.start,
             padded_len,
             opened: 0,
-            finished: false,
             failed: None,
             spent: std::time::Duration::ZERO,
         })
@@ -624,7 +623,7 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     /// queued, at or past the padded length). The first error is kept ([`Opening::end`]) and
     /// nothing more is opened after it.
     pub fn open(&mut self, end: usize) {
-        if self.finished || self.failed.is_some() {
+        if self.finished() || self.failed.is_some() {
             return;
         }
         let started = Instant::now();
@@ -636,6 +635,11 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
         if let Err(e) = opened {
             self.failed = Some(e);
         }
+    }
+
+    /// True once the final open has run.
+    fn finished(&self) -> bool {
+        self.chunks.is_none()
     }
 
     fn open_to(&mut self, to: usize) -> Result<(), EngineError> {
@@ -655,7 +659,6 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     }
 
     fn finish(&mut self) -> Result<(), EngineError> {
-        self.finished = true;
         let mut chunks = self.chunks.take().ok_or(EngineError::Internal("finished twice"))?;
         chunks.advance(usize::MAX)?;
         // The backward's speculation takes them from here (a backward whose courier is gone
@@ -694,7 +697,7 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     /// their upload: a misuse the caller reports, before any error that followed from it), else
     /// the first error, and the time spent.
     pub fn end(mut self) -> (Result<bool, EngineError>, std::time::Duration) {
-        let opened_all = self.finished;
+        let opened_all = self.finished();
         self.open(usize::MAX);
         let result = match self.failed.take() {
             Some(e) if opened_all => Err(e),
