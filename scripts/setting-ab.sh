@@ -133,6 +133,9 @@ for row in rows:
     extra = []
     if row.get("device_memory_in_use_bytes"):
         extra.append(f"gpu_gib={row['device_memory_in_use_bytes'] / 2**30:.2f}")
+    if row.get("speculated_steps") and row.get("speculated_elements") is not None:
+        share = row["speculated_elements"] / (row["speculated_steps"] * row["parameters"])
+        extra.append(f"speculated_share={share:.3f}")
     if find(row.get("settings"), "device_share") is not None:
         extra.append(f"device_share={find(row['settings'], 'device_share')}")
     print("BENCH", name, " ".join([f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None] + extra))

@@ -10,10 +10,15 @@
 #           a fine-tune's common case), then once each with clipping at 1.0 (from random weights
 #           the clip fires on every step: the cost of a speculation that does not stand)
 #   llama-3b  the same at 4 × 2048 with activation checkpointing, no `gpu` row
+#   buckets   gpt-1.3b and llama-1b without clipping at each reduce bucket size of BUCKETS
+#             (elements; default DeepSpeed's 5e8, 5e7, and 4194304: an "auto" size at d 2048),
+#             off and on: the smaller the bucket, the earlier in the backward its pieces reach
+#             the host to be stepped under it; with BEFORE (a binary's path), that binary's
+#             speculating rows beside each size's
 #
 #   here:  bash scripts/gpu-check.sh
 #   there: bash scripts/speculation-ab.sh PART     carry: [".gpu"]   (exact about 5 minutes,
-#          speed about 7, llama-3b about 4)
+#          speed about 7, llama-3b about 4, buckets about 5)
 set -uo pipefail
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 part=${1:?which part: exact, speed or llama-3b}
@@ -43,5 +48,19 @@ llama-3b)
             bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
     done
     ;;
-*) echo "speculation-ab: no part $part (exact, speed, llama-3b)" >&2; exit 2 ;;
+buckets)
+    gpu_row=1
+    for bucket in ${BUCKETS:-500000000 50000000 4194304}; do
+        env "${common[@]}" PARTS=speed ROUNDS=1 GPU_ROW=$gpu_row SPEED_MODELS="${SPEED_MODELS:-gpt-1.3b llama-1b}" \
+            OFFLOAD_ARGS="--gradient-clipping 0 --reduce-bucket-size $bucket" TAG=-noclip-b$bucket \
+            bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+        # BEFORE: another binary's speculating rows beside them (a change A/B).
+        [[ -z ${BEFORE:-} ]] || env "${common[@]}" "VALUES=${BUDGET_MIB:-16384}" ZEROFLOW="$BEFORE" \
+            PARTS=speed ROUNDS=1 GPU_ROW=0 SPEED_MODELS="${SPEED_MODELS:-gpt-1.3b llama-1b}" \
+            OFFLOAD_ARGS="--gradient-clipping 0 --reduce-bucket-size $bucket" \
+            TAG=-noclip-b$bucket-before bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+        gpu_row=0
+    done
+    ;;
+*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets)" >&2; exit 2 ;;
 esac

@@ -81,6 +81,8 @@ pub struct BenchOptions {
     pub state_dtype: OptimizerStateDtype,
     /// The config's `gradient_clipping` (0: none).
     pub gradient_clipping: f64,
+    /// The config's `zero_optimization.reduce_bucket_size`, in elements.
+    pub reduce_bucket_size: u64,
     /// The run-time settings asked for (the flags over the environment).
     pub settings: Requested,
     /// Where compiled CUDA kernels are cached (`None`: the user's cache folder).
@@ -116,7 +118,7 @@ pub fn run(
 /// section where the mode or the moments' dtype needs one.
 fn ds_config(args: &BenchOptions, bf16: bool) -> String {
     let (mode, micro_batch, accum, warmup) = (args.mode, args.micro_batch, args.accum, args.warmup);
-    let clip = args.gradient_clipping;
+    let (clip, bucket) = (args.gradient_clipping, args.reduce_bucket_size);
     let offload = match mode {
         Mode::Gpu => String::new(),
         Mode::Offload | Mode::OffloadDelayed => {
@@ -151,7 +153,7 @@ fn ds_config(args: &BenchOptions, bf16: bool) -> String {
   "bf16": {{ "enabled": {bf16} }},
   "optimizer": {{ "type": "AdamW", "params": {{ "lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 }} }},
   "zero_optimization": {{ "stage": 2, "overlap_comm": true, "contiguous_gradients": true,
-                          "reduce_bucket_size": 5e8{offload} }}{zeroflow}
+                          "reduce_bucket_size": {bucket}{offload} }}{zeroflow}
 }}"#
     )
 }
@@ -575,6 +577,7 @@ fn report(
     });
     out["settings"] = job.settings.clone();
     out["gradient_clipping"] = json!(args.gradient_clipping);
+    out["reduce_bucket_size"] = json!(args.reduce_bucket_size);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,
     // the forward being timed alone): the last step's CPU work left to this step's forward
     // (`overlap_forward`), done while the GPU runs it; the rest came after the backward.
@@ -586,6 +589,9 @@ fn report(
     out["speculated_steps"] = json!(measured.speculation.speculated_steps);
     out["redone_steps"] = json!(measured.speculation.redone_steps);
     out["paused_steps"] = json!(measured.speculation.paused_steps);
+    // The elements stepped under the backward, over all those steps: the share of the
+    // partition the speculation hid is this over speculated steps × the partition.
+    out["speculated_elements"] = json!(measured.speculation.speculated_elements);
     out
 }
 

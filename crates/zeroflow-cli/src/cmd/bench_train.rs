@@ -10,6 +10,7 @@
 //! means.
 
 use zeroflow_core::adamw::OptimizerStateDtype;
+use zeroflow_core::config::ZeroConfig;
 use zeroflow_train::ModelSpec;
 use zeroflow_train::bench_step::{self, BenchOptions, Mode, PlanMode};
 use zeroflow_train::dist::DistEnv;
@@ -78,6 +79,11 @@ pub struct Args {
     /// fine-tune of a trained model is clipped on few.
     #[arg(long, default_value_t = 1.0, value_parser = parse_clip)]
     gradient_clipping: f64,
+    /// The config's `zero_optimization.reduce_bucket_size`: the gradients reduced (and, with
+    /// offload, copied to the host) together, in elements (the default is DeepSpeed's).
+    #[arg(long, default_value_t = ZeroConfig::DEEPSPEED_DEFAULT.reduce_bucket_size,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    reduce_bucket_size: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -135,6 +141,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         steps: args.steps,
         warmup: args.warmup,
         gradient_clipping: args.gradient_clipping,
+        reduce_bucket_size: args.reduce_bucket_size,
         state_dtype: match args.state_dtype {
             StateDtypeFlag::Fp32 => OptimizerStateDtype::Fp32,
             StateDtypeFlag::Bf16 => OptimizerStateDtype::Bf16,

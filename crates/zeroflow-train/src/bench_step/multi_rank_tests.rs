@@ -34,6 +34,7 @@ fn args(micro_batch: usize) -> BenchOptions {
         warmup: 1,
         state_dtype: Default::default(),
         gradient_clipping: 1.0,
+        reduce_bucket_size: 500_000_000,
         settings: Default::default(),
         kernel_cache: None,
         plan: PlanMode::Check,
