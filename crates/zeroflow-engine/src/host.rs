@@ -9,7 +9,7 @@ use std::time::Duration;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Element, Float, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
-use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output};
+use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output, Saved};
 
 use crate::EngineError;
 use crate::checkpoint::{Elements, MomentView, PartView};
@@ -70,6 +70,19 @@ impl HostOptimizer {
         grads: Grads<'_>,
         out: &mut [P],
     ) -> Result<(), EngineError> {
+        self.step_range_saving(step, range, grads, out, None)
+    }
+
+    /// [`HostOptimizer::step_range`], saving the range's state into `saved` first where given
+    /// (in the same pass over memory: [`CpuAdam::step_range_saving`]).
+    pub(crate) fn step_range_saving<P: Float>(
+        &mut self,
+        step: &AdamWStep,
+        range: Range<usize>,
+        grads: Grads<'_>,
+        out: &mut [P],
+        saved: Option<Saved<'_>>,
+    ) -> Result<(), EngineError> {
         let HostOptimizer { master, moments, adam } = self;
         let copy = as_bf16_mut(out);
         let copied = copy.is_some();
@@ -78,11 +91,11 @@ impl HostOptimizer {
         match moments {
             HostMoments::F32 { exp_avg, exp_avg_sq } => {
                 let state = AdamState { params, exp_avg, exp_avg_sq };
-                adam.step_range(step, state, range.clone(), grads, output)?;
+                adam.step_range_saving(step, state, range.clone(), grads, output, saved)?;
             }
             HostMoments::Bf16 { exp_avg, exp_avg_sq } => {
                 let state = AdamState { params, exp_avg, exp_avg_sq };
-                adam.step_range(step, state, range.clone(), grads, output)?;
+                adam.step_range_saving(step, state, range.clone(), grads, output, saved)?;
             }
         }
         if !copied {

@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, HostBuffer, HostMemory};
-use zeroflow_optim::{AdamWStep, Grads};
+use zeroflow_optim::{AdamWStep, Grads, Saved};
 
 use crate::EngineError;
 use crate::host::HostOptimizer;
@@ -231,22 +231,16 @@ impl<P: Float> Speculation<P> {
             return Err(EngineError::Internal("a speculative step without a step to assume"));
         };
         let len = range.len();
-        let HostOptimizer { master, moments, adam } = &*state;
-        let [master_backup, exp_avg_backup, exp_avg_sq_backup] = &mut self.backup;
-        let from = &master[range.clone()];
-        adam.for_each_chunk_mut(&mut master_backup[at..at + len], |offset, chunk| {
-            chunk.copy_from_slice(&from[offset..offset + chunk.len()]);
-        });
-        // bf16 moments are backed up as f32, exactly, and put back exactly.
-        let moment_backups =
-            [&mut exp_avg_backup[at..at + len], &mut exp_avg_sq_backup[at..at + len]];
-        moments.read(adam, range.clone(), moment_backups);
+        // Saved in the step's pass over the state (bf16 moments as f32, exactly: put back
+        // exactly).
+        let [params, exp_avg, exp_avg_sq] = self.backup.each_mut().map(|b| &mut b[at..at + len]);
+        let saved = Saved { params, exp_avg, exp_avg_sq };
         let out = match (out, &mut self.weights) {
             (Some(out), _) => out,
             (None, Some(weights)) => &mut weights[at..at + len],
             (None, None) => return Err(EngineError::Internal("speculated weights have no place")),
         };
-        state.step_range(&assumed.step, range.clone(), grads, out)?;
+        state.step_range_saving(&assumed.step, range.clone(), grads, out, Some(saved))?;
         self.stepped.push(Stepped { range, at });
         self.stats.speculated_elements += len as u64;
         Ok(())

@@ -52,7 +52,7 @@ mod workload;
 
 pub use config::{AdamW, AdamWConfig, AdamWStep, NoDecay, StepScalars, WeightDecayMode};
 pub use error::OptimError;
-pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Stores};
+pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Saved, Stores};
 pub use half::bf16;
 pub use piece::MomentElem;
 pub use simd::{SimdLevel, UnknownSimdLevel};

@@ -115,6 +115,19 @@ impl<T: Send> Split for &mut [T] {
     }
 }
 
+/// Two things cut at the same element: a piece and the buffers that go with it.
+impl<A: Split, B: Split> Split for (A, B) {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (a0, a1) = self.0.split_at(mid);
+        let (b0, b1) = self.1.split_at(mid);
+        ((a0, b0), (a1, b1))
+    }
+}
+
 /// Equal-length slices of one stretch of a partition: what one kernel call updates.
 #[derive(Debug)]
 pub(crate) struct Piece<'a, G, M> {

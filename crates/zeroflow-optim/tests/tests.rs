@@ -6,4 +6,5 @@ mod bf16_moments;
 mod bf16_output;
 mod determinism;
 mod roofline;
+mod saving;
 mod support;
