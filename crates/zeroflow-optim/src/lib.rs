@@ -56,5 +56,5 @@ pub use executor::{AdamState, CHUNK_ALIGN, CpuAdam, Grads, Output, Saved, Stores
 pub use half::bf16;
 pub use piece::MomentElem;
 pub use simd::{SimdLevel, UnknownSimdLevel};
-pub use workload::{GradDtype, Timings, Workload, measure};
+pub use workload::{GradDtype, SaveBuffers, Timings, Workload, measure};
 pub use zeroflow_core::adamw::OptimizerStateDtype;

@@ -3,12 +3,13 @@
 use half::bf16;
 use half::vec::HalfBitsVecExt;
 
+use crate::piece::MomentElem;
 use crate::roofline::{self, RooflineVariant};
 use std::time::Instant;
 
 use crate::{
     AdamState, AdamW, AdamWConfig, AdamWStep, CpuAdam, Grads, OptimError, OptimizerStateDtype,
-    Output,
+    Output, Saved,
 };
 
 /// The element type of the benchmark's gradients.
@@ -229,6 +230,59 @@ impl Workload {
         }
     }
 
+    /// Room to save the whole workload's state into (f32, 12 bytes per parameter), first
+    /// touched on `adam`'s threads.
+    pub fn save_buffers(&self, adam: &CpuAdam) -> SaveBuffers {
+        let zeroed = || Aligned::new(adam, self.len(), 0.0f32, |_, chunk| chunk.fill(0.0));
+        SaveBuffers { buffers: [zeroed(), zeroed(), zeroed()] }
+    }
+
+    /// One AdamW step over the whole workload that saves the state first into `into`: in the
+    /// step's pass ([`CpuAdam::step_range_saving`]) or, `copy_first`, as a copy over the whole
+    /// state before the step (the traffic of a backup taken apart from the step).
+    pub fn step_saving(
+        &mut self,
+        adam: &CpuAdam,
+        step: &AdamWStep,
+        into: &mut SaveBuffers,
+        copy_first: bool,
+    ) -> Result<(), OptimError> {
+        let Workload { params, moments, grads, bf16_copy } = self;
+        let (params, grads, out) = (params.get_mut(), grads_of(grads), output_of(bf16_copy));
+        let [saved_params, saved_exp_avg, saved_exp_avg_sq] =
+            into.buffers.each_mut().map(Aligned::get_mut);
+        let len = params.len();
+        if copy_first {
+            adam.for_each_chunk_mut(saved_params, |at, chunk| {
+                chunk.copy_from_slice(&params[at..at + chunk.len()]);
+            });
+        }
+        let saved =
+            Saved { params: saved_params, exp_avg: saved_exp_avg, exp_avg_sq: saved_exp_avg_sq };
+        match moments {
+            MomentBuffers::F32 { exp_avg, exp_avg_sq } => {
+                let (exp_avg, exp_avg_sq) = (exp_avg.get_mut(), exp_avg_sq.get_mut());
+                if copy_first {
+                    widen_into(adam, saved.exp_avg, exp_avg);
+                    widen_into(adam, saved.exp_avg_sq, exp_avg_sq);
+                }
+                let state = AdamState { params, exp_avg, exp_avg_sq };
+                let saved = (!copy_first).then_some(saved);
+                adam.step_range_saving(step, state, 0..len, grads, out, saved)
+            }
+            MomentBuffers::Bf16 { exp_avg, exp_avg_sq } => {
+                let (exp_avg, exp_avg_sq) = (exp_avg.get_mut(), exp_avg_sq.get_mut());
+                if copy_first {
+                    widen_into(adam, saved.exp_avg, exp_avg);
+                    widen_into(adam, saved.exp_avg_sq, exp_avg_sq);
+                }
+                let state = AdamState { params, exp_avg, exp_avg_sq };
+                let saved = (!copy_first).then_some(saved);
+                adam.step_range_saving(step, state, 0..len, grads, out, saved)
+            }
+        }
+    }
+
     /// One roofline pass (the traffic of a step, bf16 copy included; trivial arithmetic) over
     /// the whole workload.
     pub fn roofline_pass(
@@ -257,6 +311,21 @@ impl Workload {
             }
         }
     }
+}
+
+/// Where [`Workload::step_saving`] saves the state: f32 weights and moments.
+#[derive(Debug)]
+pub struct SaveBuffers {
+    buffers: [Aligned<f32>; 3],
+}
+
+/// `into[i] = from[i]` as f32, on `adam`'s threads.
+fn widen_into<M: MomentElem>(adam: &CpuAdam, into: &mut [f32], from: &[M]) {
+    adam.for_each_chunk_mut(into, |at, chunk| {
+        for (x, y) in chunk.iter_mut().zip(&from[at..]) {
+            *x = y.to_f32();
+        }
+    });
 }
 
 fn output_of(bf16_copy: &mut Option<Aligned<bf16>>) -> Output<'_> {
@@ -293,6 +362,9 @@ fn splitmix64(x: u64) -> u64 {
 #[derive(Debug)]
 pub struct Timings {
     pub adamw: f64,
+    /// With save buffers: the step that saves the state in its pass, and the copy of the state
+    /// followed by the step ([`Workload::step_saving`]).
+    pub saving: Option<[f64; 2]>,
     /// One median per way of streaming that the roofline tried.
     pub roofline: Vec<(RooflineVariant, f64)>,
 }
@@ -307,11 +379,12 @@ impl Timings {
 }
 
 /// Warm-up, then `iters` rounds of one AdamW step and one roofline pass of each variant over
-/// `workload`, interleaved so that a noisy neighbour or a clock change hits all of them alike
-/// (`zeroflow bench cpu-adam`).
+/// `workload` (and with `save`, its two saving steps), interleaved so that a noisy neighbour or
+/// a clock change hits all of them alike (`zeroflow bench cpu-adam`).
 pub fn measure(
     adam: &CpuAdam,
     workload: &mut Workload,
+    mut save: Option<&mut SaveBuffers>,
     warmup: u32,
     iters: u32,
 ) -> Result<Timings, OptimError> {
@@ -320,6 +393,7 @@ pub fn measure(
     let variants = RooflineVariant::candidates(workload.has_bf16_copy());
     let mut adamw = Vec::with_capacity(iters as usize);
     let mut roofline = vec![Vec::with_capacity(iters as usize); variants.len()];
+    let mut saving = [0, 1].map(|_| Vec::with_capacity(iters as usize));
     for round in 0..warmup + iters {
         let step = optimizer.next_step(grad_scale);
         let adamw_s = time(|| workload.step(adam, &step))?;
@@ -327,13 +401,22 @@ pub fn measure(
             .iter()
             .map(|&variant| time(|| workload.roofline_pass(adam, variant)))
             .collect::<Result<_, _>>()?;
+        let saving_s = match save.as_deref_mut() {
+            Some(into) => [false, true]
+                .map(|copy_first| time(|| workload.step_saving(adam, &step, into, copy_first)))
+                .into_iter()
+                .collect::<Result<Vec<f64>, _>>()?,
+            None => Vec::new(),
+        };
         if round >= warmup {
             adamw.push(adamw_s);
             roofline.iter_mut().zip(roofline_s).for_each(|(samples, s)| samples.push(s));
+            saving.iter_mut().zip(saving_s).for_each(|(samples, s)| samples.push(s));
         }
     }
     let roofline = variants.into_iter().zip(roofline.iter_mut().map(|s| median(s))).collect();
-    Ok(Timings { adamw: median(&mut adamw), roofline })
+    let saving = save.is_some().then(|| saving.each_mut().map(|s| median(s)));
+    Ok(Timings { adamw: median(&mut adamw), saving, roofline })
 }
 
 fn time<E>(f: impl FnOnce() -> Result<(), E>) -> Result<f64, E> {

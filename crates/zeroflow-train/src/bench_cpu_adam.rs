@@ -30,7 +30,13 @@ pub struct CpuAdamOptions {
     pub iters: u32,
     /// Compare the buffers' size with MemAvailable first.
     pub check_memory: bool,
+    /// Also time the step that saves the state it overwrites (a speculative step's backup):
+    /// in the step's pass, and as a copy before the step.
+    pub saving: bool,
 }
+
+/// Bytes per parameter of the f32 copy of the state a saving step writes.
+const SAVED_BYTES: usize = 12;
 
 /// What [`run`] measured, as `bench cpu-adam --json` prints it.
 #[derive(Clone, Debug, Serialize)]
@@ -60,6 +66,18 @@ pub struct CpuAdamReport {
     /// Every roofline variant's rate, Gparam/s.
     pub roofline_variants_gparams_per_s: serde_json::Map<String, serde_json::Value>,
     pub roofline_fraction: f64,
+    /// With `--saving`: the median pass of the step saving the state in its own pass, and its
+    /// traffic (the step's and the saved copy written).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saving_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saving_bytes_per_param: Option<usize>,
+    /// With `--saving`: the median of a copy of the state followed by the step, and its
+    /// traffic (the state read and written once more).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copy_then_step_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copy_then_step_bytes_per_param: Option<usize>,
 }
 
 /// Checks the size against the host's memory, then times the AdamW and the roofline.
@@ -72,7 +90,9 @@ pub fn run(options: &CpuAdamOptions) -> Result<CpuAdamReport> {
         return Err(TrainError::Input("--threads must be at least 1".into()));
     }
     if options.check_memory {
-        check_memory(params, Workload::bytes_allocated_per_param(grad, moments, bf16_copy))?;
+        let saved = if options.saving { SAVED_BYTES } else { 0 };
+        let bytes = Workload::bytes_allocated_per_param(grad, moments, bf16_copy) + saved;
+        check_memory(params, bytes)?;
     }
     // The one failure here is a SIMD level this CPU lacks: the user's to change.
     let mut adam = CpuAdam::new(options.threads, options.simd)
@@ -84,7 +104,8 @@ pub fn run(options: &CpuAdamOptions) -> Result<CpuAdamReport> {
         adam = adam.with_copy_stores(stores);
     }
     let mut workload = Workload::new(&adam, params, grad, moments, bf16_copy, 0x5EED);
-    let timings = measure(&adam, &mut workload, options.warmup, options.iters)
+    let mut save = options.saving.then(|| workload.save_buffers(&adam));
+    let timings = measure(&adam, &mut workload, save.as_mut(), options.warmup, options.iters)
         .map_err(|e| TrainError::Engine(e.into()).context("measuring the CPU AdamW"))?;
     let bytes_per_param = Workload::bytes_moved_per_param(grad, moments, bf16_copy);
     let gparams = |seconds: f64| params as f64 / seconds / 1e9;
@@ -116,6 +137,12 @@ pub fn run(options: &CpuAdamOptions) -> Result<CpuAdamReport> {
             .map(|(variant, s)| (variant.name(), serde_json::json!(gparams(*s))))
             .collect(),
         roofline_fraction: gparams_per_s / roofline_gparams_per_s,
+        saving_s: timings.saving.map(|[saving, _]| saving),
+        saving_bytes_per_param: options.saving.then_some(bytes_per_param + SAVED_BYTES),
+        copy_then_step_s: timings.saving.map(|[_, copy_first]| copy_first),
+        copy_then_step_bytes_per_param: options
+            .saving
+            .then_some(bytes_per_param + moments.state_bytes_per_param() + SAVED_BYTES),
     })
 }
 
@@ -158,7 +185,22 @@ impl std::fmt::Display for CpuAdamReport {
             self.roofline_variant,
             variants.join(", "),
         )?;
-        writeln!(f, "  fraction   {:6.1} % of the roofline", self.roofline_fraction * 100.0)
+        writeln!(f, "  fraction   {:6.1} % of the roofline", self.roofline_fraction * 100.0)?;
+        let rows = [
+            ("saving", self.saving_s, self.saving_bytes_per_param),
+            ("copy+step", self.copy_then_step_s, self.copy_then_step_bytes_per_param),
+        ];
+        for (name, seconds, bytes) in rows {
+            let (Some(seconds), Some(bytes)) = (seconds, bytes) else { continue };
+            let rate = self.params as f64 / seconds / 1e9;
+            writeln!(
+                f,
+                "  {name:<10} {rate:6.3} Gparam/s  {:7.1} GB/s  {seconds:8.4} s/pass  ({bytes} \
+                 B/param)",
+                rate * bytes as f64
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -180,4 +222,51 @@ fn check_memory(params: usize, bytes_per_param: usize) -> Result<()> {
         needed as f64 / GIB,
         available as f64 / GIB,
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(saving: bool, moments: OptimizerStateDtype) -> CpuAdamOptions {
+        CpuAdamOptions {
+            params: 70_001,
+            threads: 2,
+            simd: SimdLevel::detect(),
+            grad: GradDtype::Bf16,
+            moments,
+            bf16_copy: true,
+            copy_stores: None,
+            tasks_per_thread: None,
+            warmup: 0,
+            iters: 1,
+            check_memory: true,
+            saving,
+        }
+    }
+
+    /// `--saving` times both ways of saving the state and counts their traffic: the step's 28
+    /// bytes (20 with bf16 moments) and the saved f32 copy written, and for the copy taken apart
+    /// the state read once more; without it the report has neither.
+    #[test]
+    fn the_saving_rows_count_the_saved_copy_and_are_absent_unless_asked() {
+        let report = run(&options(true, OptimizerStateDtype::Fp32)).unwrap();
+        assert_eq!(report.bytes_per_param, 28);
+        assert_eq!(report.saving_bytes_per_param, Some(40));
+        assert_eq!(report.copy_then_step_bytes_per_param, Some(52));
+        assert!(report.saving_s.is_some_and(|s| s > 0.0), "{report:?}");
+        assert!(report.copy_then_step_s.is_some_and(|s| s > 0.0), "{report:?}");
+        let table = report.to_string();
+        assert!(table.contains("saving") && table.contains("copy+step"), "{table}");
+
+        let bf16 = run(&options(true, OptimizerStateDtype::Bf16)).unwrap();
+        assert_eq!(bf16.saving_bytes_per_param, Some(32));
+        assert_eq!(bf16.copy_then_step_bytes_per_param, Some(40));
+
+        let plain = run(&options(false, OptimizerStateDtype::Fp32)).unwrap();
+        assert!(plain.saving_s.is_none() && plain.copy_then_step_s.is_none());
+        assert!(!plain.to_string().contains("saving"));
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(json.get("saving_s").is_none(), "{json}");
+    }
 }

@@ -56,6 +56,10 @@ pub struct CpuAdamArgs {
     /// Chunks each pass is cut into per thread [default: the optimizer's].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     tasks_per_thread: Option<u32>,
+    /// Also time the step saving the state it overwrites (the speculative step's backup, +12
+    /// bytes per parameter of memory): in the step's own pass, and as a copy before the step.
+    #[arg(long)]
+    saving: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -131,6 +135,7 @@ fn cpu_adam(args: CpuAdamArgs) -> anyhow::Result<()> {
         warmup: args.warmup,
         iters: args.iters,
         check_memory: !args.skip_memory_check,
+        saving: args.saving,
     };
     let report = zeroflow_train::bench_cpu_adam::run(&options)?;
     if args.json {

@@ -224,6 +224,28 @@ fn load(x: &[f32; LANES]) -> __m256 {
     unsafe { _mm256_loadu_ps(x.as_ptr()) }
 }
 
+/// Copies `from` (f32, or bf16 widened exactly) into `into`, with streaming stores for the
+/// 32-byte aligned body of `into`: a copy only written is not read into the cache first (12
+/// bytes per element of a state's save, not 24). Fenced at the end, as the kernels are.
+#[target_feature(enable = "avx2,fma")]
+pub(super) fn save<M: MomentElem>(from: &[M], into: &mut [f32]) {
+    assert_eq!(from.len(), into.len(), "a save copies as many elements as it reads");
+    let head = ((F32_BYTES - into.as_ptr() as usize % F32_BYTES) % F32_BYTES / 4).min(into.len());
+    let (into_head, into_rest) = into.split_at_mut(head);
+    let (from_head, from_rest) = from.split_at(head);
+    super::scalar::save(from_head, into_head);
+    let (into_body, into_tail) = into_rest.as_chunks_mut::<LANES>();
+    let (from_body, from_tail) = from_rest.as_chunks::<LANES>();
+    for (x, y) in from_body.iter().zip(into_body) {
+        let value = load_moment(x);
+        // SAFETY: `y` is 8 f32 (32 bytes) held mutably, and 32-byte aligned: the head was cut
+        // where `into` reaches that alignment, and the body is whole arrays from there.
+        unsafe { _mm256_stream_ps(y.as_mut_ptr(), value) }
+    }
+    super::scalar::save(from_tail, into_tail);
+    _mm_sfence(); // Streaming stores are weakly ordered: fence them before the data is handed on.
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn store(x: &mut [f32; LANES], value: __m256) {

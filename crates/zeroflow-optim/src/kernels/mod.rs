@@ -95,6 +95,22 @@ pub(crate) fn adamw<G: GradElem, M: MomentElem>(
     }
 }
 
+/// Copies `from` (f32, or bf16 widened exactly) into `into` on the calling thread, with
+/// streaming stores where the level has them (the AVX-512 level uses the AVX2 copy: a copy is
+/// bound by memory, not by the vectors' width).
+pub(crate) fn save<M: MomentElem>(level: SupportedLevel, from: &[M], into: &mut [f32]) {
+    match level.0 {
+        SimdLevel::Scalar => scalar::save(from, into),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `SupportedLevel` guarantees AVX2 and FMA on this CPU at both levels.
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { avx2::save(from, into) },
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Avx2 | SimdLevel::Avx512 => {
+            unreachable!("SupportedLevel is never an x86 level on another architecture")
+        }
+    }
+}
+
 /// The roofline's trivial update (`t = c g; p += t; m += t; v += t`, bf16 moments and the bf16
 /// copy truncated) on the calling thread, writing the state and the
 /// copy with ordinary or, where the level has them and the slices allow, non-temporal stores,

@@ -10,6 +10,13 @@ use crate::rounding::MomentSeeds;
 
 const LANES: usize = 8;
 
+/// Copies `from` (f32, or bf16 widened exactly) into `into`.
+pub(super) fn save<M: MomentElem>(from: &[M], into: &mut [f32]) {
+    for (x, y) in from.iter().zip(into) {
+        *y = x.to_f32();
+    }
+}
+
 /// AdamW over one piece whose first element is element `start` of the partition.
 pub(super) fn adamw<G: GradElem, M: MomentElem>(
     s: &StepScalars,
