@@ -105,9 +105,10 @@ impl Split for Saved<'_> {
 /// state they read to save (12 bytes each, 96 KiB) is still in the core's L2 cache when the
 /// kernel reads it again, and the saved copy is written with streaming stores, so the pair
 /// moves 40 bytes per element through memory, not the 52 of a copy over the range followed by
-/// the step (64 counting the lines its ordinary stores read first). On a 2-core host (2e7 elements, AVX2): the step 0.021 s, the
-/// saving step 0.039–0.040 s, a copy then the step 0.048–0.050 s; from 1024 to 262144 elements
-/// a block, the saving step with ordinary stores took 0.045–0.049 s.
+/// the step (64 counting the lines its ordinary stores read first). On a 2-core host (2e7
+/// elements, AVX2): the step 0.021 s, the saving step 0.039–0.040 s, a copy then the step
+/// 0.048–0.050 s; from 1024 to 262144 elements a block, the saving step with ordinary stores
+/// took 0.045–0.049 s.
 const SAVE_BLOCK: usize = 8192;
 
 /// How a kernel writes a buffer.
