@@ -249,36 +249,20 @@ impl Workload {
     ) -> Result<(), OptimError> {
         let Workload { params, moments, grads, bf16_copy } = self;
         let (params, grads, out) = (params.get_mut(), grads_of(grads), output_of(bf16_copy));
-        let [saved_params, saved_exp_avg, saved_exp_avg_sq] =
+        let [params_into, exp_avg_into, exp_avg_sq_into] =
             into.buffers.each_mut().map(Aligned::get_mut);
-        let len = params.len();
-        if copy_first {
-            adam.for_each_chunk_mut(saved_params, |at, chunk| {
-                chunk.copy_from_slice(&params[at..at + chunk.len()]);
-            });
-        }
         let saved =
-            Saved { params: saved_params, exp_avg: saved_exp_avg, exp_avg_sq: saved_exp_avg_sq };
+            Saved { params: params_into, exp_avg: exp_avg_into, exp_avg_sq: exp_avg_sq_into };
         match moments {
             MomentBuffers::F32 { exp_avg, exp_avg_sq } => {
                 let (exp_avg, exp_avg_sq) = (exp_avg.get_mut(), exp_avg_sq.get_mut());
-                if copy_first {
-                    widen_into(adam, saved.exp_avg, exp_avg);
-                    widen_into(adam, saved.exp_avg_sq, exp_avg_sq);
-                }
                 let state = AdamState { params, exp_avg, exp_avg_sq };
-                let saved = (!copy_first).then_some(saved);
-                adam.step_range_saving(step, state, 0..len, grads, out, saved)
+                save_then_step(adam, step, state, grads, out, saved, copy_first)
             }
             MomentBuffers::Bf16 { exp_avg, exp_avg_sq } => {
                 let (exp_avg, exp_avg_sq) = (exp_avg.get_mut(), exp_avg_sq.get_mut());
-                if copy_first {
-                    widen_into(adam, saved.exp_avg, exp_avg);
-                    widen_into(adam, saved.exp_avg_sq, exp_avg_sq);
-                }
                 let state = AdamState { params, exp_avg, exp_avg_sq };
-                let saved = (!copy_first).then_some(saved);
-                adam.step_range_saving(step, state, 0..len, grads, out, saved)
+                save_then_step(adam, step, state, grads, out, saved, copy_first)
             }
         }
     }
@@ -317,6 +301,30 @@ impl Workload {
 #[derive(Debug)]
 pub struct SaveBuffers {
     buffers: [Aligned<f32>; 3],
+}
+
+/// [`Workload::step_saving`] over `state`, the whole workload.
+fn save_then_step<M: MomentElem>(
+    adam: &CpuAdam,
+    step: &AdamWStep,
+    state: AdamState<'_, M>,
+    grads: Grads<'_>,
+    out: Output<'_>,
+    saved: Saved<'_>,
+    copy_first: bool,
+) -> Result<(), OptimError> {
+    if !copy_first {
+        let len = state.params.len();
+        return adam.step_range_saving(step, state, 0..len, grads, out, Some(saved));
+    }
+    // As the engine's speculation took its backups before `step_range_saving`.
+    let params = &*state.params;
+    adam.for_each_chunk_mut(saved.params, |at, chunk| {
+        chunk.copy_from_slice(&params[at..at + chunk.len()]);
+    });
+    widen_into(adam, saved.exp_avg, state.exp_avg);
+    widen_into(adam, saved.exp_avg_sq, state.exp_avg_sq);
+    adam.step(step, state, grads, out)
 }
 
 /// `into[i] = from[i]` as f32, on `adam`'s threads.
