@@ -337,22 +337,16 @@ impl CpuAdam {
             let adamw = |piece, offset| {
                 kernels::adamw(level, scalars, seeds, copy_stores, key + offset, piece)
             };
-            match saved.take() {
+            let save = saved.take().map(|all| {
+                let (save, rest) = all.split_at(run.len());
+                saved = Some(rest);
+                save
+            });
+            match save {
                 None => self.run(head, run.start, &adamw),
-                Some(all) => {
-                    let (save, rest) = all.split_at(run.len());
-                    saved = Some(rest);
-                    self.run((head, save), run.start, &|(mut piece, mut save), mut offset| {
-                        while piece.len() > 0 {
-                            let n = piece.len().min(SAVE_BLOCK);
-                            let (block, piece_rest) = piece.split_at(n);
-                            let (into, save_rest) = save.split_at(n);
-                            save_state(level, &block, into);
-                            adamw(block, offset);
-                            (piece, save, offset) = (piece_rest, save_rest, offset + n);
-                        }
-                    });
-                }
+                Some(save) => self.run((head, save), run.start, &|(piece, save), offset| {
+                    save_then_step(level, piece, save, offset, &adamw)
+                }),
             }
         }
     }
@@ -392,6 +386,25 @@ fn split_run<P: Split>(piece: P, start: usize, tasks: usize, f: &(impl Fn(P, usi
         || split_run(left, start, left_tasks, f),
         || split_run(right, mid, tasks - left_tasks, f),
     );
+}
+
+/// Saves and steps (`adamw(block, offset)`) `piece`, whose first element is element `offset`,
+/// block by block of [`SAVE_BLOCK`] elements.
+fn save_then_step<'a, G: GradElem, M: MomentElem>(
+    level: SupportedLevel,
+    mut piece: Piece<'a, G, M>,
+    mut save: Saved<'a>,
+    mut offset: usize,
+    adamw: &impl Fn(Piece<'a, G, M>, usize),
+) {
+    while piece.len() > 0 {
+        let n = piece.len().min(SAVE_BLOCK);
+        let (block, piece_rest) = piece.split_at(n);
+        let (into, save_rest) = save.split_at(n);
+        save_state(level, &block, into);
+        adamw(block, offset);
+        (piece, save, offset) = (piece_rest, save_rest, offset + n);
+    }
 }
 
 /// Copies `piece`'s master weights and moments (widened to f32) into `saved`.

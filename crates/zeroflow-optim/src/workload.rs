@@ -3,6 +3,7 @@
 use half::bf16;
 use half::vec::HalfBitsVecExt;
 
+use crate::kernels;
 use crate::piece::MomentElem;
 use crate::roofline::{self, RooflineVariant};
 use std::time::Instant;
@@ -329,11 +330,7 @@ fn save_then_step<M: MomentElem>(
 
 /// `into[i] = from[i]` as f32, on `adam`'s threads.
 fn widen_into<M: MomentElem>(adam: &CpuAdam, into: &mut [f32], from: &[M]) {
-    adam.for_each_chunk_mut(into, |at, chunk| {
-        for (x, y) in chunk.iter_mut().zip(&from[at..]) {
-            *x = y.to_f32();
-        }
-    });
+    adam.for_each_chunk_mut(into, |at, chunk| kernels::widen(&from[at..at + chunk.len()], chunk));
 }
 
 fn output_of(bf16_copy: &mut Option<Aligned<bf16>>) -> Output<'_> {

@@ -111,6 +111,12 @@ pub(crate) fn save<M: MomentElem>(level: SupportedLevel, from: &[M], into: &mut 
     }
 }
 
+/// `into[i] = from[i]` as f32 with ordinary stores, on the calling thread: the portable level's
+/// [`save`], for a copy that should go through the caches as ordinary code's does.
+pub(crate) fn widen<M: MomentElem>(from: &[M], into: &mut [f32]) {
+    scalar::save(from, into);
+}
+
 /// The roofline's trivial update (`t = c g; p += t; m += t; v += t`, bf16 moments and the bf16
 /// copy truncated) on the calling thread, writing the state and the
 /// copy with ordinary or, where the level has them and the slices allow, non-temporal stores,
