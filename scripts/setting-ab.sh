@@ -136,6 +136,12 @@ for row in rows:
     if row.get("speculated_steps") and row.get("speculated_elements") is not None:
         share = row["speculated_elements"] / (row["speculated_steps"] * row["parameters"])
         extra.append(f"speculated_share={share:.3f}")
+        # The courier's time per speculated step: waiting for copies, stepping pieces.
+        for key in ("speculation_copy_wait_s", "speculation_stepping_s"):
+            if row.get(key) is not None:
+                extra.append(f"{key[12:-2]}_per_step={row[key] / row['speculated_steps']:.4f}")
+        if row.get("stopped_at_backward_end") is not None:
+            extra.append(f"stopped_at_backward_end={row['stopped_at_backward_end']}")
     if find(row.get("settings"), "device_share") is not None:
         extra.append(f"device_share={find(row['settings'], 'device_share')}")
     print("BENCH", name, " ".join([f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None] + extra))

@@ -3,6 +3,7 @@
 //! step, or both.
 
 use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 use zeroflow_core::Float;
@@ -40,13 +41,16 @@ impl<P: Float> Speculating<'_, P> {
     ///
     /// `late`: the GPU is past the backward, so the piece is not stepped (nor any after it):
     /// stepped now, with its backup, it would cost more than in the step that follows.
+    /// `waited`: how long the courier waited for the piece's copy.
     fn land(
         &mut self,
         offset: usize,
         at: Option<usize>,
         grads: Grads<'_>,
         late: bool,
+        waited: Duration,
     ) -> Result<(), EngineError> {
+        self.speculation.waited(waited);
         if late {
             self.speculation.stop();
         }
@@ -204,7 +208,9 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
             self.in_flight[self.head].take().expect("a copy is in flight");
         self.head = (self.head + 1) % STAGING_BUFFERS;
         self.count -= 1;
+        let asked = Instant::now();
         let staged = filling.wait()?;
+        let waited = asked.elapsed();
         let late = self.ended.as_mut().is_some_and(|ended| ended());
         match &mut self.landing {
             Landing::Accumulate { acc, speculate } => {
@@ -218,14 +224,14 @@ impl<'s, S: Float, P: Float> Offloader<'s, S, P> {
                     },
                 );
                 if let Some(speculating) = speculate {
-                    speculating.land(offset, None, Grads::F32(acc), late)?;
+                    speculating.land(offset, None, Grads::F32(acc), late, waited)?;
                 }
             }
             Landing::Step(speculating) => {
                 let grads = as_grads(&staged[..len]).ok_or(EngineError::Internal(
                     "the streaming step reads f32 or bf16 gradients",
                 ))?;
-                speculating.land(offset, room, grads, late)?;
+                speculating.land(offset, room, grads, late, waited)?;
             }
         }
         let slot = self.free.iter_mut().find(|slot| slot.is_none()).expect("a slot is empty");

@@ -13,6 +13,7 @@
 //! global norm will be clipped, no further piece of that step is stepped speculatively.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use zeroflow_core::Float;
 use zeroflow_device::{Device, HostBuffer, HostMemory};
@@ -43,6 +44,14 @@ pub struct SpeculationStats {
     /// Steps not speculated on because the clip fired on the last one speculated on (see
     /// [`MAX_PAUSE`]).
     pub paused_steps: u64,
+    /// Speculated steps whose pieces stopped being stepped because the GPU was past the
+    /// backward (the pieces that reached the host after it are stepped at the step).
+    pub stopped_at_backward_end: u64,
+    /// Time the courier waited for pieces' copies to reach the host while it could still step
+    /// them: with `stepping`, what the courier did during the backwards it speculated in.
+    pub copy_wait: Duration,
+    /// Time the courier spent stepping pieces speculatively, their backups included.
+    pub stepping: Duration,
 }
 
 /// The most optimizer steps the speculation sits out after the clip fired on a step it
@@ -199,7 +208,16 @@ impl<P: Float> Speculation<P> {
 
     /// Steps no further piece of this step (the GPU is past the backward that would hide it).
     pub(crate) fn stop(&mut self) {
+        self.stats.stopped_at_backward_end += u64::from(self.active());
         self.stopped = true;
+    }
+
+    /// Counts `waited`, the time a piece's copy took to reach the host after the courier asked
+    /// for it, while pieces may still be stepped.
+    pub(crate) fn waited(&mut self, waited: Duration) {
+        if self.active() {
+            self.stats.copy_wait += waited;
+        }
     }
 
     /// Adds a piece's Σ g² to the running sum, and stops the step's speculation once that sum
@@ -240,7 +258,9 @@ impl<P: Float> Speculation<P> {
             (None, Some(weights)) => &mut weights[at..at + len],
             (None, None) => return Err(EngineError::Internal("speculated weights have no place")),
         };
+        let started = Instant::now();
         state.step_range_saving(&assumed.step, range.clone(), grads, out, Some(saved))?;
+        self.stats.stepping += started.elapsed();
         self.stepped.push(Stepped { range, at });
         self.stats.speculated_elements += len as u64;
         Ok(())

@@ -592,6 +592,11 @@ fn report(
     // The elements stepped under the backward, over all those steps: the share of the
     // partition the speculation hid is this over speculated steps × the partition.
     out["speculated_elements"] = json!(measured.speculation.speculated_elements);
+    // What the courier did in those backwards: waited for pieces' copies, stepped pieces; and
+    // the steps whose pieces stopped being stepped because the GPU was past the backward.
+    out["speculation_copy_wait_s"] = json!(measured.speculation.copy_wait.as_secs_f64());
+    out["speculation_stepping_s"] = json!(measured.speculation.stepping.as_secs_f64());
+    out["stopped_at_backward_end"] = json!(measured.speculation.stopped_at_backward_end);
     out
 }
 

@@ -217,6 +217,8 @@ fn speculation_beside_the_forward_opening_is_bit_identical() {
                 let out = check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
                 let stats = out.traffic[0].speculation;
                 assert!(stats.speculated_elements > 0, "{setup:?}: {stats:?}");
+                // The courier's stepping is timed where it steps.
+                assert!(stats.stepping > std::time::Duration::ZERO, "{setup:?}: {stats:?}");
                 match clip {
                     None => assert_eq!(stats.redone_steps, 0, "{setup:?}: {stats:?}"),
                     Some(_) => assert!(stats.redone_steps > 0, "{setup:?}: {stats:?}"),
