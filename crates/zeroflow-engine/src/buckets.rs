@@ -11,18 +11,24 @@ use crate::EngineError;
 /// per backward.
 #[derive(Debug)]
 pub(crate) struct Bucketer {
+    /// The configured size (`reduce_bucket_size`).
+    size: usize,
+    /// This backward's: the configured size, or less ([`Bucketer::reset`]).
     limit: usize,
     open: Option<Range<usize>>,
     reported: Vec<bool>,
 }
 
 impl Bucketer {
-    pub(crate) fn new(limit: usize, params: usize) -> Self {
-        Bucketer { limit: limit.max(1), open: None, reported: vec![false; params] }
+    pub(crate) fn new(size: usize, params: usize) -> Self {
+        let size = size.max(1);
+        Bucketer { size, limit: size, open: None, reported: vec![false; params] }
     }
 
-    /// Starts a new backward.
-    pub(crate) fn reset(&mut self) {
+    /// Starts a new backward, whose buckets hold at most `at_most` elements where that is less
+    /// than the configured size.
+    pub(crate) fn reset(&mut self, at_most: usize) {
+        self.limit = self.size.min(at_most).max(1);
         self.open = None;
         self.reported.fill(false);
     }
@@ -102,13 +108,22 @@ mod tests {
     }
 
     fn run(limit: usize, reports: &[Range<usize>]) -> Result<Vec<Range<usize>>, EngineError> {
+        backward(&mut Bucketer::new(limit, 4), usize::MAX, reports)
+    }
+
+    /// One backward's buckets, of at most `at_most` elements.
+    fn backward(
+        bucketer: &mut Bucketer,
+        at_most: usize,
+        reports: &[Range<usize>],
+    ) -> Result<Vec<Range<usize>>, EngineError> {
         let layout = layout();
         let mut buckets = Vec::new();
         let mut flush = |b: Range<usize>| {
             buckets.push(b);
             Ok(())
         };
-        let mut bucketer = Bucketer::new(limit, 4);
+        bucketer.reset(at_most);
         for r in reports {
             bucketer.report(&layout, r.clone(), &mut flush)?;
         }
@@ -121,6 +136,21 @@ mod tests {
         // Parameters at 0, 16, 32, 48, each 10 long, reported in backward order.
         let buckets = run(40, &[48..58, 32..42, 16..26, 0..10]).unwrap();
         assert_eq!(buckets, [32..58, 0..26]);
+    }
+
+    #[test]
+    fn a_backward_cuts_smaller_buckets_where_asked_and_never_larger() {
+        let mut bucketer = Bucketer::new(40, 4);
+        let reports = [48..58, 32..42, 16..26, 0..10];
+        let cases = [
+            (12, vec![48..58, 32..42, 16..26, 0..10]),
+            (100, vec![32..58, 0..26]),
+            (usize::MAX, vec![32..58, 0..26]),
+        ];
+        for (at_most, expected) in cases {
+            let buckets = backward(&mut bucketer, at_most, &reports).unwrap();
+            assert_eq!(buckets, expected, "at most {at_most}");
+        }
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     path: UpdatePath<D, P>,
     grad_accum: u64,
     bucketer: Bucketer,
+    /// The largest bucket of a backward whose pieces go to the host: a staging buffer's worth
+    /// where one rank has nothing to reduce, else the configured size ([`Engine::backward`]).
+    host_bucket: usize,
     adamw: AdamW,
     scaler: LossScaler,
     /// The element type the optimizer keeps the moments in (fp32 on the device).
@@ -155,6 +158,10 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         shared.device.pinned_budget().warn_fallback();
         Ok(Engine {
             bucketer: Bucketer::new(opts.reduce_bucket, shared.layout.params().len()),
+            host_bucket: match (shared.comm.world_size(), opts.offload()) {
+                (1, Some(offload)) => offload.stream.chunk,
+                _ => usize::MAX,
+            },
             adamw: AdamW::new(opts.adamw)?,
             scaler: opts.scaler.clone(),
             grad_accum: opts.grad_accum,
@@ -315,7 +322,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let boundary = reduce_now && self.is_gradient_accumulation_boundary();
         let assumed = boundary.then(|| self.assumed_step());
         let (loss_scale, skip_d2h_wait) = (self.scaler.scale(), self.skip_d2h_wait);
-        let speculate_late = self.speculate_late;
+        let (speculate_late, host_bucket) = (self.speculate_late, self.host_bucket);
         let Engine { shared, path, bucketer, .. } = self;
         let Shared { device, comm, layout, events, params, grads, reduced, owned, .. } = shared;
         let times = &mut shared.step_times;
@@ -336,6 +343,12 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             zero: zero.then_some(grads),
         };
         let (sink, mut opening) = path.sink_or_open(assumed, boundary, at)?;
+        // One rank reduces nothing, so where its pieces go to the host, a bucket holds no more
+        // than one copy's worth (a staging buffer's): its pieces reach the host, to be added or
+        // stepped under the backward, as the backward finishes them, not a reduce bucket (5e8
+        // elements by default) later (BENCHMARKS.md, "The speculation's pieces as the backward
+        // finishes them").
+        let at_most = if sink.to_host() { host_bucket } else { usize::MAX };
         let deferred = opening.is_some();
         let mut open = |end| opening.iter_mut().for_each(|opening| opening.open(end));
         let weights = match deferred {
@@ -356,7 +369,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 enabled: reduce_now,
                 skip_d2h_wait,
             };
-            bucketer.reset();
+            bucketer.reset(at_most);
             forward_backward(io, &mut |range| {
                 bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
             })?;

@@ -29,6 +29,13 @@ pub(crate) enum Sink<'s, D: Device, P: Float> {
     Keep,
 }
 
+impl<D: Device, P: Float> Sink<'_, D, P> {
+    /// True where this backward's pieces go to the host (through the courier).
+    pub(crate) fn to_host(&self) -> bool {
+        matches!(self, Sink::Host(_) | Sink::DeviceThenHost { offloader: Some(_), .. })
+    }
+}
+
 /// The reduction pipeline during one backward.
 pub(crate) struct Reduction<'s, D: Device, C: Comm<Device = D>, P: Float> {
     pub(crate) device: &'s D,
