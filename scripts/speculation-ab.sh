@@ -15,13 +15,16 @@
 #             off and on: the smaller the bucket, the earlier in the backward its pieces reach
 #             the host to be stepped under it; with BEFORE (a binary's path), that binary's
 #             speculating rows beside each size's
+#   interleaved  BEFORE's (a binary's path) speculating rows and this tree's, no clip, model by
+#             model (SPEED_MODELS), two rounds in opposite orders: a change's A/B where the
+#             host's speed drifts between runs
 #
 #   here:  bash scripts/gpu-check.sh
 #   there: bash scripts/speculation-ab.sh PART     carry: [".gpu"]   (exact about 5 minutes,
-#          speed about 7, llama-3b about 4, buckets about 5)
+#          speed about 7, llama-3b about 4, buckets about 5, interleaved about 3)
 set -uo pipefail
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
-part=${1:?which part: exact, speed or llama-3b}
+part=${1:?which part: exact, speed, llama-3b, buckets or interleaved}
 export ZEROFLOW_DEVICE_SHARE=0
 common=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=0 ${BUDGET_MIB:-16384}")
 case $part in
@@ -62,5 +65,20 @@ buckets)
         gpu_row=0
     done
     ;;
-*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets)" >&2; exit 2 ;;
+interleaved)
+    for round in 1 2; do
+        for model in ${SPEED_MODELS:-gpt-1.3b llama-1b}; do
+            order=(before after)
+            ((round == 2)) && order=(after before)
+            for which in "${order[@]}"; do
+                binary=${BEFORE:?name the binary to compare with: BEFORE=<path>}
+                [[ $which == after ]] && binary=$PWD/.gpu/zeroflow
+                env "${common[@]}" "VALUES=${BUDGET_MIB:-16384}" ZEROFLOW="$binary" PARTS=speed \
+                    ROUNDS=1 GPU_ROW=0 SPEED_MODELS="$model" OFFLOAD_ARGS="--gradient-clipping 0" \
+                    TAG=-$which-r$round bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+            done
+        done
+    done
+    ;;
+*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets, interleaved)" >&2; exit 2 ;;
 esac
