@@ -58,6 +58,9 @@ pub struct Setup {
     /// The exact streaming step leaves its CPU work to the next forward, which opens the
     /// weights parameter by parameter (`forward_backward_opening`; the plain model otherwise).
     pub overlap_forward: bool,
+    /// With `overlap_forward`, the model opens every weight at once (`open(usize::MAX)`) before
+    /// its forward reads any, instead of parameter by parameter.
+    pub open_at_once: bool,
     /// The share of the partition stepped on the device (`StreamOptions::device_share`).
     pub device_share: f64,
     /// The speculation stops stepping pieces once the device is past the backward, as the
@@ -90,6 +93,7 @@ impl Setup {
             pinned_budget: None,
             overlap_forward: false,
             speculation_stops: false,
+            open_at_once: false,
             device_share: 0.0,
         }
     }
@@ -259,7 +263,10 @@ pub fn train_from<P: Float>(
                             .backward(|io, ready| {
                                 let scale =
                                     if poison == Some((rank, k)) { f32::INFINITY } else { 1.0 };
-                                let io = ModelIo { loss_scale: io.loss_scale * scale, ..io };
+                                let mut io = ModelIo { loss_scale: io.loss_scale * scale, ..io };
+                                if setup.open_at_once {
+                                    io.open(usize::MAX);
+                                }
                                 match setup.overlap_forward {
                                     true => forward_backward_opening(
                                         &device, &layout, io, ready, rank, k,

@@ -199,6 +199,23 @@ fn speculation_under_chaos_is_bit_identical() {
     }
 }
 
+/// The same with a model that opens every weight at once before its forward reads any: the
+/// final open alone steps the rest around the pieces that stood, hands the optimizer on and
+/// orders every upload before the forward's reads.
+#[test]
+fn speculation_beside_a_forward_that_opens_at_once_is_bit_identical() {
+    let setup = Setup {
+        steps: 6,
+        overlap_forward: true,
+        open_at_once: true,
+        clip: None,
+        ..Setup::new(Stage::Zero2, 1, 1, true)
+    };
+    let out = check_bit_identical::<f32>(&setup, WHOLE_BUDGET, &LossScaler::None, None);
+    let stats = out.traffic[0].speculation;
+    assert!(stats.speculated_elements > 0 && stats.redone_steps == 0, "{stats:?}");
+}
+
 /// With the step left to the next forward (`overlap_forward`, one rank), the speculation steps
 /// the backward's pieces with the optimizer that forward's opening hands on once it has stepped
 /// the rest, and the next opening leaves the pieces that stood alone: bit-identical to the
