@@ -11,24 +11,27 @@ use crate::EngineError;
 /// per backward.
 #[derive(Debug)]
 pub(crate) struct Bucketer {
-    /// The configured size (`reduce_bucket_size`).
-    size: usize,
-    /// This backward's: the configured size, or less ([`Bucketer::reset`]).
+    /// The sizes of a backward's buckets: the configured one (`reduce_bucket_size`), and that
+    /// of a backward whose pieces go to the host (no larger).
+    sizes: [usize; 2],
+    /// This backward's ([`Bucketer::reset`]).
     limit: usize,
     open: Option<Range<usize>>,
     reported: Vec<bool>,
 }
 
 impl Bucketer {
-    pub(crate) fn new(size: usize, params: usize) -> Self {
+    /// Buckets of at most `size` elements, and of at most `to_host` (where less) in a backward
+    /// whose pieces go to the host.
+    pub(crate) fn new(size: usize, to_host: usize, params: usize) -> Self {
         let size = size.max(1);
-        Bucketer { size, limit: size, open: None, reported: vec![false; params] }
+        let sizes = [size, to_host.clamp(1, size)];
+        Bucketer { sizes, limit: size, open: None, reported: vec![false; params] }
     }
 
-    /// Starts a new backward, whose buckets hold at most `at_most` elements where that is less
-    /// than the configured size.
-    pub(crate) fn reset(&mut self, at_most: usize) {
-        self.limit = self.size.min(at_most).max(1);
+    /// Starts a new backward, whose pieces go to the host where `to_host` says so.
+    pub(crate) fn reset(&mut self, to_host: bool) {
+        self.limit = self.sizes[usize::from(to_host)];
         self.open = None;
         self.reported.fill(false);
     }
@@ -108,13 +111,13 @@ mod tests {
     }
 
     fn run(limit: usize, reports: &[Range<usize>]) -> Result<Vec<Range<usize>>, EngineError> {
-        backward(&mut Bucketer::new(limit, 4), usize::MAX, reports)
+        backward(&mut Bucketer::new(limit, limit, 4), false, reports)
     }
 
-    /// One backward's buckets, of at most `at_most` elements.
+    /// One backward's buckets, its pieces going to the host where `to_host` says so.
     fn backward(
         bucketer: &mut Bucketer,
-        at_most: usize,
+        to_host: bool,
         reports: &[Range<usize>],
     ) -> Result<Vec<Range<usize>>, EngineError> {
         let layout = layout();
@@ -123,7 +126,7 @@ mod tests {
             buckets.push(b);
             Ok(())
         };
-        bucketer.reset(at_most);
+        bucketer.reset(to_host);
         for r in reports {
             bucketer.report(&layout, r.clone(), &mut flush)?;
         }
@@ -139,18 +142,17 @@ mod tests {
     }
 
     #[test]
-    fn a_backward_cuts_smaller_buckets_where_asked_and_never_larger() {
-        let mut bucketer = Bucketer::new(40, 4);
+    fn a_backward_to_the_host_cuts_its_own_size_and_never_a_larger_one() {
         let reports = [48..58, 32..42, 16..26, 0..10];
-        let cases = [
-            (12, vec![48..58, 32..42, 16..26, 0..10]),
-            (100, vec![32..58, 0..26]),
-            (usize::MAX, vec![32..58, 0..26]),
-        ];
-        for (at_most, expected) in cases {
-            let buckets = backward(&mut bucketer, at_most, &reports).unwrap();
-            assert_eq!(buckets, expected, "at most {at_most}");
+        let (small, whole) = (vec![48..58, 32..42, 16..26, 0..10], vec![32..58, 0..26]);
+        let mut bucketer = Bucketer::new(40, 12, 4);
+        for (to_host, expected) in [(true, &small), (false, &whole), (true, &small)] {
+            let buckets = backward(&mut bucketer, to_host, &reports).unwrap();
+            assert_eq!(&buckets, expected, "to the host: {to_host}");
         }
+        // A larger size for the host's backwards is the configured one.
+        let buckets = backward(&mut Bucketer::new(40, 100, 4), true, &reports).unwrap();
+        assert_eq!(buckets, whole);
     }
 
     #[test]

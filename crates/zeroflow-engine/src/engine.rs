@@ -76,9 +76,6 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     path: UpdatePath<D, P>,
     grad_accum: u64,
     bucketer: Bucketer,
-    /// The largest bucket of a backward whose pieces go to the host: a staging buffer's worth
-    /// where one rank has nothing to reduce, else the configured size ([`Engine::backward`]).
-    host_bucket: usize,
     adamw: AdamW,
     scaler: LossScaler,
     /// The element type the optimizer keeps the moments in (fp32 on the device).
@@ -156,12 +153,17 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         // Every host buffer is allocated: one warning with the total, where some that the
         // device copies from or into are pageable for want of pinned memory.
         shared.device.pinned_budget().warn_fallback();
+        // One rank reduces nothing, so where its pieces go to the host, a bucket holds no more
+        // than one copy's worth (a staging buffer's): its pieces reach the host, to be added or
+        // stepped under the backward, as the backward finishes them, not a reduce bucket (5e8
+        // elements by default) later (BENCHMARKS.md, "The speculation's pieces as the backward
+        // finishes them").
+        let to_host = match (shared.comm.world_size(), opts.offload()) {
+            (1, Some(offload)) => offload.stream.chunk,
+            _ => opts.reduce_bucket,
+        };
         Ok(Engine {
-            bucketer: Bucketer::new(opts.reduce_bucket, shared.layout.params().len()),
-            host_bucket: match (shared.comm.world_size(), opts.offload()) {
-                (1, Some(offload)) => offload.stream.chunk,
-                _ => usize::MAX,
-            },
+            bucketer: Bucketer::new(opts.reduce_bucket, to_host, shared.layout.params().len()),
             adamw: AdamW::new(opts.adamw)?,
             scaler: opts.scaler.clone(),
             grad_accum: opts.grad_accum,
@@ -322,7 +324,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
         let boundary = reduce_now && self.is_gradient_accumulation_boundary();
         let assumed = boundary.then(|| self.assumed_step());
         let (loss_scale, skip_d2h_wait) = (self.scaler.scale(), self.skip_d2h_wait);
-        let (speculate_late, host_bucket) = (self.speculate_late, self.host_bucket);
+        let speculate_late = self.speculate_late;
         let Engine { shared, path, bucketer, .. } = self;
         let Shared { device, comm, layout, events, params, grads, reduced, owned, .. } = shared;
         let times = &mut shared.step_times;
@@ -343,12 +345,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
             zero: zero.then_some(grads),
         };
         let (sink, mut opening) = path.sink_or_open(assumed, boundary, at)?;
-        // One rank reduces nothing, so where its pieces go to the host, a bucket holds no more
-        // than one copy's worth (a staging buffer's): its pieces reach the host, to be added or
-        // stepped under the backward, as the backward finishes them, not a reduce bucket (5e8
-        // elements by default) later (BENCHMARKS.md, "The speculation's pieces as the backward
-        // finishes them").
-        let at_most = if sink.to_host() { host_bucket } else { usize::MAX };
+        let to_host = sink.to_host();
         let deferred = opening.is_some();
         let mut open = |end| opening.iter_mut().for_each(|opening| opening.open(end));
         let weights = match deferred {
@@ -369,7 +366,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 enabled: reduce_now,
                 skip_d2h_wait,
             };
-            bucketer.reset(at_most);
+            bucketer.reset(to_host);
             forward_backward(io, &mut |range| {
                 bucketer.report(layout, range, &mut |bucket| flow.reduce_bucket(bucket))
             })?;
