@@ -137,9 +137,10 @@ for row in rows:
         share = row["speculated_elements"] / (row["speculated_steps"] * row["parameters"])
         extra.append(f"speculated_share={share:.3f}")
         # The courier's time per speculated step: waiting for copies, stepping pieces.
-        for key in ("speculation_copy_wait_s", "speculation_stepping_s"):
+        for key, label in (("speculation_copy_wait_s", "copy_wait"),
+                           ("speculation_stepping_s", "stepping")):
             if row.get(key) is not None:
-                extra.append(f"{key[12:-2]}_per_step={row[key] / row['speculated_steps']:.4f}")
+                extra.append(f"{label}_per_step={row[key] / row['speculated_steps']:.4f}")
         if row.get("stopped_at_backward_end") is not None:
             extra.append(f"stopped_at_backward_end={row['stopped_at_backward_end']}")
     if find(row.get("settings"), "device_share") is not None:

@@ -66,12 +66,13 @@ buckets)
     done
     ;;
 interleaved)
+    before=${BEFORE:?name the binary to compare with: BEFORE=<path>}
     for round in 1 2; do
         for model in ${SPEED_MODELS:-gpt-1.3b llama-1b}; do
             order=(before after)
             ((round == 2)) && order=(after before)
             for which in "${order[@]}"; do
-                binary=${BEFORE:?name the binary to compare with: BEFORE=<path>}
+                binary=$before
                 [[ $which == after ]] && binary=$PWD/.gpu/zeroflow
                 env "${common[@]}" "VALUES=${BUDGET_MIB:-16384}" ZEROFLOW="$binary" PARTS=speed \
                     ROUNDS=1 GPU_ROW=0 SPEED_MODELS="$model" OFFLOAD_ARGS="--gradient-clipping 0" \

@@ -11,9 +11,10 @@ use crate::EngineError;
 /// per backward.
 #[derive(Debug)]
 pub(crate) struct Bucketer {
-    /// The sizes of a backward's buckets: the configured one (`reduce_bucket_size`), and that
-    /// of a backward whose pieces go to the host (no larger).
-    sizes: [usize; 2],
+    /// The configured size (`reduce_bucket_size`).
+    size: usize,
+    /// The size in a backward whose pieces go to the host (no larger).
+    to_host: usize,
     /// This backward's ([`Bucketer::reset`]).
     limit: usize,
     open: Option<Range<usize>>,
@@ -25,13 +26,13 @@ impl Bucketer {
     /// whose pieces go to the host.
     pub(crate) fn new(size: usize, to_host: usize, params: usize) -> Self {
         let size = size.max(1);
-        let sizes = [size, to_host.clamp(1, size)];
-        Bucketer { sizes, limit: size, open: None, reported: vec![false; params] }
+        let to_host = to_host.clamp(1, size);
+        Bucketer { size, to_host, limit: size, open: None, reported: vec![false; params] }
     }
 
     /// Starts a new backward, whose pieces go to the host where `to_host` says so.
     pub(crate) fn reset(&mut self, to_host: bool) {
-        self.limit = self.sizes[usize::from(to_host)];
+        self.limit = if to_host { self.to_host } else { self.size };
         self.open = None;
         self.reported.fill(false);
     }
