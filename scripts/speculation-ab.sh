@@ -27,6 +27,8 @@ cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
 part=${1:?which part: exact, speed, llama-3b, buckets or interleaved}
 export ZEROFLOW_DEVICE_SHARE=0
 common=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=0 ${BUDGET_MIB:-16384}")
+# The speculating value alone (a binary's rows against another's).
+speculating=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=${BUDGET_MIB:-16384}")
 case $part in
 exact)
     config=$OUT/zero2-offload-bf16-noclip.json
@@ -58,7 +60,7 @@ buckets)
             OFFLOAD_ARGS="--gradient-clipping 0 --reduce-bucket-size $bucket" TAG=-noclip-b$bucket \
             bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
         # BEFORE: another binary's speculating rows beside them (a change A/B).
-        [[ -z ${BEFORE:-} ]] || env "${common[@]}" "VALUES=${BUDGET_MIB:-16384}" ZEROFLOW="$BEFORE" \
+        [[ -z ${BEFORE:-} ]] || env "${speculating[@]}" ZEROFLOW="$BEFORE" \
             PARTS=speed ROUNDS=1 GPU_ROW=0 SPEED_MODELS="${SPEED_MODELS:-gpt-1.3b llama-1b}" \
             OFFLOAD_ARGS="--gradient-clipping 0 --reduce-bucket-size $bucket" \
             TAG=-noclip-b$bucket-before bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
@@ -74,7 +76,7 @@ interleaved)
             for which in "${order[@]}"; do
                 binary=$before
                 [[ $which == after ]] && binary=$PWD/.gpu/zeroflow
-                env "${common[@]}" "VALUES=${BUDGET_MIB:-16384}" ZEROFLOW="$binary" PARTS=speed \
+                env "${speculating[@]}" ZEROFLOW="$binary" PARTS=speed \
                     ROUNDS=1 GPU_ROW=0 SPEED_MODELS="$model" OFFLOAD_ARGS="--gradient-clipping 0" \
                     TAG=-$which-r$round bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
             done
