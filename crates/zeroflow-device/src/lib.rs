@@ -171,6 +171,10 @@ pub trait Device: fmt::Debug + Send + Sync + 'static {
     /// One of the device's four streams.
     fn stream(&self, kind: StreamKind) -> &Self::Stream;
 
+    /// A new stream beyond the standard four, named `name` (for example one that loads the
+    /// device, or a pipeline of its own beside the four).
+    fn new_stream(&self, name: &'static str) -> Result<Self::Stream>;
+
     /// A new event, not yet recorded.
     fn new_event(&self) -> Result<Self::Event>;
 

@@ -47,6 +47,7 @@ use zeroflow_optim::AdamW;
 pub use self::model_io::{ModelIo, Opener};
 use self::path::{OpenAt, Opening, UpdatePath};
 pub use self::share::{SHARE_UPLOAD_BYTES, SHARE_UPLOAD_PIECE_BYTES};
+pub(crate) use self::share::{staged_device_bytes, staged_piece};
 use self::shared::{Events, Shared, normalise, reduced_source};
 pub use self::state::{CheckpointState, OptimizerPart, Restore, SavedParts, Snapshot};
 use self::stream::OpenEvents;

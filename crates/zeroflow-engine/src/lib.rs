@@ -41,8 +41,8 @@ pub use error::EngineError;
 pub use host::{DEFAULT_STREAM_CHUNK, StepTimes};
 pub use memory::{BufferKind, MemoryKind, PlannedBuffer, device_share_len};
 pub use options::{
-    AccumulateOn, DEFAULT_ZENFLOW_ASIDE, EngineOptions, Offload, OffloadUpdate, Placement, Stage,
-    StreamOptions, ZenFlowAside,
+    AccumulateOn, DEFAULT_ZENFLOW_ASIDE, EngineOptions, Offload, OffloadUpdate, Placement,
+    ShareState, Stage, StreamOptions, ZenFlowAside,
 };
 pub use scaler::{DynamicScaler, LossScaler};
 pub use speculation::{DEFAULT_SPECULATION_BUDGET, SpeculationStats};

@@ -13,11 +13,12 @@ use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{UPLOAD_PIECE_BYTES, upload_staging_bytes};
 
+use crate::engine::{staged_device_bytes, staged_piece};
 use crate::host::{OUTGOING_BUFFERS, STAGING_BUFFERS, staging_len};
 use crate::zenflow::EXCHANGE_PIECE;
 use crate::{
     AccumulateOn, EngineOptions, Offload, OffloadUpdate, Placement, SHARE_UPLOAD_PIECE_BYTES,
-    Stage, ZenFlowAside,
+    ShareState, Stage, ZenFlowAside,
 };
 
 /// Where a buffer lives.
@@ -212,10 +213,16 @@ impl EngineOptions {
         // partition's before them, its master weights filled at set-up. (Where a share cannot act
         // the engine refuses to start: `UpdatePath::new`.)
         let shared = self.acting_share(layout, n, dtype, on_device);
+        // A share whose state lives in host memory holds it there from the start (staged).
+        let staged = match &self.placement {
+            Placement::Offload(o) if o.stream.device_share_state == ShareState::Host => shared,
+            _ => 0,
+        };
+        let set_up = set_up_peak(self, layout.padded_len(), n - shared, shared - staged, staged, p);
         let mut lines = vec![
             line(Device, K::Weights, layout.padded_len(), p),
             line(Device, K::Gradients, layout.padded_len(), p),
-            line(Host, K::SetUp, set_up_peak(self, layout.padded_len(), n - shared, shared, p), 1),
+            line(Host, K::SetUp, set_up, 1),
         ];
         if self.stage != Stage::Zero0 && layout.world_size() > 1 {
             lines.push(line(Device, K::Gradients, n, p));
@@ -273,7 +280,12 @@ impl EngineOptions {
                 speculated_element_bytes(with_weights, p),
             ));
         }
-        if shared > 0 {
+        if staged > 0 {
+            // In page-locked host memory, and a few pieces' slots on the device.
+            lines.push(line(Host, K::MasterAndMoments, staged, 12));
+            let slots = staged_device_bytes(staged, staged_piece(chunk));
+            lines.push(line(Device, K::Staging, slots, 1));
+        } else if shared > 0 {
             lines.push(line(Device, K::MasterAndMoments, shared, DEVICE_SHARE_ELEMENT_BYTES));
         }
         if streaming {
@@ -310,9 +322,17 @@ impl EngineOptions {
 /// bytes per element of the `padded` buffer), with the staging `Device::upload` copies them up
 /// through; then with the fp32 master weights of the `n` elements of the partition the host holds
 /// (offload: the host's own, filled from them; those before a device share of `shared`
-/// elements, whose own go up through its two upload buffers first); on the device, the master
+/// elements, whose own go up through its two upload buffers first, or of `staged` elements
+/// whose state is kept in host memory, 12 bytes each, filled first); on the device, the master
 /// weights, uploaded through staging once the initial weights are dropped.
-fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, shared: usize, p: usize) -> usize {
+fn set_up_peak(
+    opts: &EngineOptions,
+    padded: usize,
+    n: usize,
+    shared: usize,
+    staged: usize,
+    p: usize,
+) -> usize {
     let staging = |bytes| upload_staging_bytes(bytes, UPLOAD_PIECE_BYTES);
     let weights = padded * p;
     let master = weights + 4 * n;
@@ -321,7 +341,7 @@ fn set_up_peak(opts: &EngineOptions, padded: usize, n: usize, shared: usize, p: 
         Placement::Device => upload.max(master).max(4 * n + staging(4 * n)),
         Placement::Offload(_) => {
             let share = upload_staging_bytes(4 * shared, SHARE_UPLOAD_PIECE_BYTES);
-            upload.max(master).max(weights + share)
+            upload.max(master + 12 * staged).max(weights + share)
         }
     }
 }
@@ -499,6 +519,46 @@ pub(crate) mod tests {
             let shared = 2 * padded + 4 * (n as u64 - share);
             assert!(shared > (2 * padded + 4 * share).max(4 * padded));
             assert_eq!(host(&lines, set_up), shared, "accumulation {accum}");
+        }
+    }
+
+    /// A share staged from host memory keeps the whole partition's state on the host (12 bytes
+    /// per element, the share's in pieces of its own) and holds only its slots on the device:
+    /// three pieces of twice the chunk, 16 bytes per element, or fewer where the share is
+    /// smaller; its master weights are filled at set-up beside the host's.
+    #[test]
+    fn a_share_staged_from_host_memory_holds_its_slots_on_the_device() {
+        let layout = layout_of(1);
+        let n = layout.partition_len();
+        for (accum, chunk) in [(1, 16), (4, 16), (1, 1 << 20)] {
+            let mut placement = offload(OffloadUpdate::Exact, chunk);
+            if let Placement::Offload(offload) = &mut placement {
+                offload.stream.accumulate_on = AccumulateOn::Device;
+            }
+            let plan = |placement: Placement| {
+                options(placement, accum).planned_buffers(&layout, 0, DType::Bf16, None)
+            };
+            let plain = plan(placement.clone());
+            if let Placement::Offload(offload) = &mut placement {
+                offload.stream.device_share = 0.3;
+                offload.stream.device_share_state = ShareState::Host;
+            }
+            let lines = plan(placement);
+            let share = (n * 3 / 10 / 8 * 8) as u64;
+            let piece = (2 * chunk as u64).min(share);
+            let slots = 3.min(share.div_ceil(2 * chunk as u64));
+            let what = format!("accumulation {accum}, chunk {chunk}");
+            assert!(slots >= 1 && share > 0, "{what}");
+            let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
+            assert_eq!(device(&lines), device(&plain) + slots * 16 * piece, "{what}");
+            let host = |lines: &[PlannedBuffer], kind| total(lines, MemoryKind::Host, Some(kind));
+            let state = BufferKind::MasterAndMoments;
+            assert_eq!(host(&lines, state), host(&plain, state), "{what}");
+            assert_eq!(host(&lines, state), 12 * n as u64, "{what}");
+            let set_up = BufferKind::SetUp;
+            let padded = layout.padded_len() as u64;
+            let staged = 2 * padded + 4 * (n as u64 - share) + 12 * share;
+            assert_eq!(host(&lines, set_up), staged, "{what}");
         }
     }
 

@@ -128,18 +128,38 @@ pub struct StreamOptions {
     /// weights (see there); off by default, since the engine cannot tell whether it does. The
     /// results are the same, bit for bit.
     pub overlap_forward: bool,
-    /// The share of the partition, from its end, whose fp32 master weights and moments are also
-    /// held in device memory and stepped there by the device's AdamW (16 bytes per element of
-    /// device memory: the state and an f32 copy of its gradients), while the CPU streams the
-    /// rest: the host then moves the bytes of only that rest each step (DESIGN.md §5). The host
-    /// keeps its full copy, brought up to date before anything reads the state (a checkpoint,
-    /// `master_weights`). 0 (the default) steps everything on the CPU. It acts on the exact
+    /// The share of the partition, from its end, whose fp32 master weights and moments are
+    /// stepped by the device's AdamW while the CPU streams the rest: the host's CPU then moves
+    /// the bytes of only that rest each step (DESIGN.md §5). Where the share's state lives is
+    /// [`StreamOptions::device_share_state`]: in device memory (16 bytes per element of device
+    /// memory: the state and an f32 copy of its gradients; the host optimizer holds only the
+    /// elements before the share), or in host memory, staged through the device a piece at a
+    /// time. Whatever reads the state (a checkpoint, `master_weights`) reads the share's part
+    /// where it lives. 0 (the default) steps everything on the CPU. It acts on the exact
     /// streaming step with fp32 moments — with one micro-step per step on every rank's
     /// partition (a speculation then steps the host's elements only), with a window summed on
     /// the device where one rank holds every weight and nothing speculates; elsewhere a share
     /// above 0 is refused. The arithmetic is the CPU's, operation for operation (bit-identical
     /// on the CPU device).
     pub device_share: f64,
+    /// Where a device share keeps its fp32 state (default [`ShareState::Device`]).
+    pub device_share_state: ShareState,
+}
+
+/// Where the optimizer's device share keeps its fp32 master weights and moments
+/// ([`StreamOptions::device_share`]). The arithmetic is the same either way, bit for bit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ShareState {
+    /// In device memory, for good: 16 bytes per element of device memory.
+    #[default]
+    Device,
+    /// In page-locked host memory (12 bytes per element, as the host optimizer's own), copied
+    /// up a piece at a time on a stream of the share's own, stepped there and copied back on
+    /// another while the CPU steps the rest (DESIGN.md §5): the device holds a few pieces'
+    /// buffers only. The GPU's copies draw on the host's memory bandwidth beside the CPU's, and
+    /// each element the device steps spares the host the CPU path's 8 bytes of gradient and
+    /// weight copies.
+    Host,
 }
 
 /// Where ZenFlow's CPU step reads its window from ([`StreamOptions`], DESIGN.md §6).
@@ -183,6 +203,7 @@ impl Default for StreamOptions {
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             overlap_forward: false,
             device_share: 0.0,
+            device_share_state: ShareState::Device,
         }
     }
 }

@@ -11,7 +11,7 @@ use zeroflow_core::config::DeviceShare;
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
 use zeroflow_optim::Stores;
 
-use zeroflow_engine::{AccumulateOn, ZenFlowAside};
+use zeroflow_engine::{AccumulateOn, ShareState, ZenFlowAside};
 use zeroflow_train::dist::affinity::BindMode;
 pub use zeroflow_train::settings::{
     Attention, Requested, activation_checkpointing, attention, names, parse_budget_mib,
@@ -100,6 +100,14 @@ pub struct HostFlags {
     /// Over ZEROFLOW_DEVICE_SHARE and zeroflow.offload.device_share.
     #[arg(long, value_name = "FRACTION|fit", value_parser = parse_device_share)]
     pub device_share: Option<DeviceShare>,
+    /// Where the device share keeps its fp32 state: device (16 bytes per element of the share
+    /// on the GPU) or host (page-locked host memory, 12 bytes per element as the CPU's own,
+    /// copied up a piece at a time on a stream of its own, stepped on the GPU and copied back
+    /// while the CPU steps the rest: a few pieces' buffers on the GPU, the host's memory
+    /// bandwidth drawn by the GPU's copies beside the CPU's); the same numbers. Default: device.
+    /// Over ZEROFLOW_DEVICE_SHARE_STATE and zeroflow.offload.device_share_state.
+    #[arg(long, value_name = "device|host", value_parser = flag(&names::SHARE_STATE))]
+    pub device_share_state: Option<ShareState>,
     /// Where ZenFlow sets its window aside for the CPU step: device (with overlap_step a second
     /// f32 window and the CPU's weights on the GPU, 6 bytes per parameter) or host (copied into
     /// host memory at the window's end and the CPU's weights kept there until applied: 6 bytes
@@ -126,6 +134,7 @@ pub fn from_flags(gpu: GpuFlags, host: HostFlags) -> Requested {
         pinned_budget_mib: host.pinned_budget_mib,
         overlap_forward: host.overlap_forward,
         device_share: host.device_share,
+        device_share_state: host.device_share_state,
         zenflow_aside: host.zenflow_aside,
         // `train --pack` alone: not a setting of the device's flags.
         pack: None,

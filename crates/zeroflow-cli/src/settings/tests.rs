@@ -42,6 +42,8 @@ fn the_flags_take_the_names_the_variables_take() {
         "off",
         "--device-share",
         "0.75",
+        "--device-share-state",
+        "Host",
         "--zenflow-aside",
         "HOST",
     ])
@@ -62,6 +64,7 @@ fn the_flags_take_the_names_the_variables_take() {
             pinned_budget_mib: Some(0.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.75)),
+            device_share_state: Some(ShareState::Host),
             zenflow_aside: Some(ZenFlowAside::Host),
             pack: None,
         }
@@ -77,6 +80,7 @@ fn the_flags_take_the_names_the_variables_take() {
         ["--speculation-budget-mib", "none"],
         ["--speculation-budget-mib", "4GiB"],
         ["--accumulate-on", "gpu"],
+        ["--device-share-state", "pinned"],
         ["--pinned-budget-mib", "half"],
         ["--device-share", "1"],
         ["--device-share", "half"],

@@ -109,25 +109,43 @@ fn the_step_overlapped_with_the_next_forward_trains_exactly_as_the_step_before_i
 }
 
 /// Half the optimizer's partition held and stepped on the device (`ZEROFLOW_DEVICE_SHARE=0.5`),
-/// with the step before the next forward and overlapped with it, against the CPU stepping it all:
-/// the same losses, norms and eval losses, and the share in the log; with one micro-step per step,
-/// and with two summed on the device. With two summed on the host, where the share cannot act,
-/// the run is refused before it starts, saying so.
+/// its state in device memory or staged from host memory (`ZEROFLOW_DEVICE_SHARE_STATE`), with
+/// the step before the next forward and overlapped with it, against the CPU stepping it all: the
+/// same losses, norms and eval losses, and the share and its state's place in the log and in the
+/// run's recorded settings; with one micro-step per step, and with two summed on the device. With
+/// two summed on the host, where the share cannot act, the run is refused before it starts,
+/// saying so; a host state with `fit` too, and a host state alone takes the default share.
 #[test]
 fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cannot_act() {
     let chunk = ("ZEROFLOW_STREAM_CHUNK_MIB", "1e-4");
     let on_device = ("ZEROFLOW_ACCUMULATE_ON", "device");
     for (name, ds) in [("one", OFFLOAD), ("summed", OFFLOAD_ACCUMULATING)] {
         let mut seen = Vec::new();
-        for (share, overlap) in [("0", "off"), ("0.5", "off"), ("0.5", "on")] {
-            let dir = scratch(&format!("stream_tuning_share_{name}_{share}_{overlap}"));
+        for (share, overlap, place) in [
+            ("0", "off", "device"),
+            ("0.5", "off", "device"),
+            ("0.5", "on", "device"),
+            ("0.5", "off", "host"),
+            ("0.5", "on", "host"),
+        ] {
+            let dir = scratch(&format!("stream_tuning_share_{name}_{share}_{overlap}_{place}"));
             let share_var = ("ZEROFLOW_DEVICE_SHARE", share);
-            let tuning = [chunk, on_device, share_var, ("ZEROFLOW_OVERLAP_FORWARD", overlap)];
-            let run = train_with(&dir, ds, &tuning);
+            let place_var = ("ZEROFLOW_DEVICE_SHARE_STATE", place);
+            let overlap_var = ("ZEROFLOW_OVERLAP_FORWARD", overlap);
+            let run = train_with(&dir, ds, &[chunk, on_device, share_var, place_var, overlap_var]);
             let stderr = text(&run.stderr);
             assert!(run.status.success(), "{name}: stderr: {stderr}");
-            let logged = format!("{share} of the partition's optimizer state on the device");
+            let logged = format!(
+                "{share} of the partition's optimizer state stepped on the device (its state in \
+                 {place} memory)"
+            );
             assert!(stderr.contains(&logged), "{name}: the share is logged: {stderr}");
+            let summary: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(dir.join("run").join("summary.json")).unwrap(),
+            )
+            .unwrap();
+            let recorded = &summary["settings"]["offload"]["device_share_state"];
+            assert_eq!(recorded.as_str(), Some(place), "{name}: {summary}");
             let lines = read_lines(&dir.join("run").join("metrics.jsonl"));
             let evals: Vec<_> = lines.iter().filter_map(|l| l.get("eval_loss").cloned()).collect();
             seen.push((losses_and_norms(&dir), evals));
@@ -135,6 +153,8 @@ fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cann
         assert_eq!(seen[0].0.len(), 4, "{name}");
         assert_eq!(seen[1], seen[0], "{name}: the share before the forward");
         assert_eq!(seen[2], seen[0], "{name}: the share overlapped with the forward");
+        assert_eq!(seen[3], seen[0], "{name}: the share staged, before the forward");
+        assert_eq!(seen[4], seen[0], "{name}: the share staged, overlapped with the forward");
     }
 
     let dir = scratch("stream_tuning_share_accumulating_on_the_host");
@@ -144,6 +164,26 @@ fn the_device_share_trains_exactly_as_the_cpu_alone_and_is_refused_where_it_cann
     assert_eq!(run.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("ZEROFLOW_DEVICE_SHARE") && stderr.contains("set it to 0"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let dir = scratch("stream_tuning_share_fit_with_a_host_state");
+    let fit = [("ZEROFLOW_DEVICE_SHARE", "fit"), ("ZEROFLOW_DEVICE_SHARE_STATE", "host")];
+    let run = train_with(&dir, OFFLOAD, &fit);
+    let stderr = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("give a fraction instead"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    // A host state alone takes the default staged share, and says so.
+    let dir = scratch("stream_tuning_share_default_with_a_host_state");
+    let run = train_with(&dir, OFFLOAD, &[("ZEROFLOW_DEVICE_SHARE_STATE", "host")]);
+    let stderr = text(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    assert!(stderr.contains("device share 0.4 (the default with its state in host memory)"));
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("run").join("summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["settings"]["offload"]["device_share"].as_f64(), Some(0.4), "{summary}");
 }
 
 /// `ZEROFLOW_DEVICE_SHARE=fit` on the CPU device, whose memory is the host's: the memory plan

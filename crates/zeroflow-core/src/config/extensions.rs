@@ -140,6 +140,16 @@ pub enum ZenFlowAside {
     Host,
 }
 
+/// Where the optimizer's device share keeps its state (`zeroflow.offload.device_share_state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceShareState {
+    /// In device memory: 16 bytes per element of the share there.
+    Device,
+    /// In page-locked host memory, staged through the device a piece at a time while the CPU
+    /// steps the rest.
+    Host,
+}
+
 /// How much of the optimizer's partition is held and stepped on the device instead of the host
 /// (`zeroflow.offload.device_share`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -201,6 +211,8 @@ pub struct OffloadTuning {
     /// held in device memory instead of host memory and stepped there, from the partition's end
     /// (`None`: zeroflow's default, 0).
     pub device_share: Option<DeviceShare>,
+    /// Where the device share keeps its state (`None`: zeroflow's default, the device).
+    pub device_share_state: Option<DeviceShareState>,
     /// Where ZenFlow sets its window aside for the CPU step (`None`: zeroflow's default, the
     /// device, or host memory where only that fits the machine).
     pub zenflow_aside: Option<ZenFlowAside>,
@@ -223,6 +235,12 @@ const OPTIMIZER_STATE_DTYPES: &[(&str, OptimizerStateDtype)] =
     &[("fp32", OptimizerStateDtype::Fp32), ("bf16", OptimizerStateDtype::Bf16)];
 const ACCUMULATE_ONS: &[(&str, Option<AccumulateOn>)] =
     &[("auto", None), ("device", Some(AccumulateOn::Device)), ("host", Some(AccumulateOn::Host))];
+const DEVICE_SHARE_STATES: &[(&str, Option<DeviceShareState>)] = &[
+    ("auto", None),
+    ("device", Some(DeviceShareState::Device)),
+    ("host", Some(DeviceShareState::Host)),
+];
+
 const ZENFLOW_ASIDES: &[(&str, Option<ZenFlowAside>)] =
     &[("auto", None), ("device", Some(ZenFlowAside::Device)), ("host", Some(ZenFlowAside::Host))];
 
@@ -260,6 +278,7 @@ impl ZeroflowExtensions {
                 "pinned_budget_mib": offload.pinned_budget_mib,
                 "overlap_forward": offload.overlap_forward,
                 "device_share": offload.device_share.map(DeviceShare::to_json),
+                "device_share_state": name_of(DEVICE_SHARE_STATES, offload.device_share_state),
                 "zenflow_aside": name_of(ZENFLOW_ASIDES, offload.zenflow_aside),
             },
         })
@@ -352,6 +371,12 @@ fn read_offload(
         named(&mut offload, "accumulate_on", ACCUMULATE_ONS, "\"auto\", \"device\" or \"host\"")?;
     let overlap_forward = offload.bool("overlap_forward")?.given();
     let device_share = share(&mut offload, "device_share")?;
+    let device_share_state = named(
+        &mut offload,
+        "device_share_state",
+        DEVICE_SHARE_STATES,
+        "\"auto\", \"device\" or \"host\"",
+    )?;
     let zenflow_aside =
         named(&mut offload, "zenflow_aside", ZENFLOW_ASIDES, "\"auto\", \"device\" or \"host\"")?;
     offload.finish(&[], diagnostics);
@@ -365,6 +390,7 @@ fn read_offload(
         pinned_budget_mib,
         overlap_forward,
         device_share,
+        device_share_state,
         zenflow_aside,
     })
 }

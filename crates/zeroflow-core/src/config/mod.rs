@@ -43,8 +43,8 @@ pub use batch::{BatchSizes, derive_batch_sizes};
 pub use diagnostics::{AutoSource, AutoValue, Warning, WarningKind};
 pub use error::{ConfigError, ROOT};
 pub use extensions::{
-    AccumulateOn, Attention, CopyStores, CpuBind, CudaWait, DelayedUpdate, DeviceShare, Gather,
-    OffloadTuning, ZenFlowAside, ZeroflowExtensions,
+    AccumulateOn, Attention, CopyStores, CpuBind, CudaWait, DelayedUpdate, DeviceShare,
+    DeviceShareState, Gather, OffloadTuning, ZenFlowAside, ZeroflowExtensions,
 };
 pub use optimizer::{AdamConfig, WeightDecayMode};
 pub use overrides::Overrides;

@@ -6,8 +6,8 @@ use std::num::NonZeroU64;
 
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::{
-    AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, DeviceShare, Gather,
-    OffloadTuning, ZenFlowAside,
+    AccumulateOn, Attention, ConfigError, CopyStores, CpuBind, CudaWait, DeviceShare,
+    DeviceShareState, Gather, OffloadTuning, ZenFlowAside,
 };
 
 use super::{error_of, resolve};
@@ -25,7 +25,8 @@ fn every_setting_is_read_by_name() {
                         "gather": "after-step", "cpu_threads": 12,
                         "speculation_budget_mib": 1.5, "accumulate_on": "host",
                         "pinned_budget_mib": 2048, "overlap_forward": false,
-                        "device_share": 0.25, "zenflow_aside": "host"}}"#,
+                        "device_share": 0.25, "device_share_state": "host",
+                        "zenflow_aside": "host"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     assert!(resolved.warnings.is_empty(), "{:?}", resolved.warnings);
@@ -46,6 +47,7 @@ fn every_setting_is_read_by_name() {
             pinned_budget_mib: Some(2048.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.25)),
+            device_share_state: Some(DeviceShareState::Host),
             zenflow_aside: Some(ZenFlowAside::Host),
         }
     );
@@ -60,7 +62,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
                         "cpu_threads": "auto", "speculation_budget_mib": "auto",
                         "accumulate_on": "auto", "pinned_budget_mib": "auto",
                         "overlap_forward": "auto", "device_share": "auto",
-                        "zenflow_aside": "auto"}}"#,
+                        "device_share_state": "auto", "zenflow_aside": "auto"}}"#,
     );
     let resolved = resolve(&text).expect("valid");
     let absent = resolve(r#"{"train_batch_size": 8}"#).expect("valid");
@@ -77,6 +79,7 @@ fn auto_and_absent_settings_are_left_to_the_default_and_resolve_to_null() {
         "/zeroflow/offload/pinned_budget_mib",
         "/zeroflow/offload/overlap_forward",
         "/zeroflow/offload/device_share",
+        "/zeroflow/offload/device_share_state",
         "/zeroflow/offload/zenflow_aside",
     ];
     for pointer in pointers {
@@ -92,7 +95,8 @@ fn set_settings_round_trip_through_the_resolved_json() {
             "offload": {"stream_chunk_mib": 32, "copy_stores": "normal", "gather": "pieces",
                         "cpu_threads": 3, "speculation_budget_mib": 0,
                         "accumulate_on": "device", "pinned_budget_mib": 0,
-                        "device_share": 0, "zenflow_aside": "device"}}"#,
+                        "device_share": 0, "device_share_state": "device",
+                        "zenflow_aside": "device"}}"#,
     );
     let first = resolve(&text).expect("valid");
     let json = first.config.to_json();
@@ -106,6 +110,7 @@ fn set_settings_round_trip_through_the_resolved_json() {
     assert_eq!(json["zeroflow"]["offload"]["pinned_budget_mib"], 0.0);
     // 0 is a share (nothing on the device), not "auto".
     assert_eq!(json["zeroflow"]["offload"]["device_share"], 0.0);
+    assert_eq!(json["zeroflow"]["offload"]["device_share_state"], "device");
     assert_eq!(json["zeroflow"]["offload"]["zenflow_aside"], "device");
     let again = resolve(&first.config.to_resolved_json()).expect("the resolved JSON is valid");
     assert_eq!(again.config, first.config);

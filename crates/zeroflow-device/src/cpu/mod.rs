@@ -240,14 +240,6 @@ impl CpuDevice {
         self.inner.chaos
     }
 
-    /// A new stream beyond the standard four (for example one that loads the device).
-    pub fn new_stream(&self, name: &'static str) -> Result<CpuStream> {
-        let index = self.inner.checker().add_stream(name);
-        let worker = Worker::spawn(name, index, self.inner.chaos, self.inner.errors.clone())?;
-        self.inner.workers.lock().unwrap_or_else(|e| e.into_inner()).push(worker.clone());
-        Ok(CpuStream { index, worker })
-    }
-
     /// Queues `work` on `stream` after checking `touches` against the happens-before order.
     /// Returns the stamp of the operation (for a token or event).
     fn enqueue(
@@ -341,6 +333,13 @@ impl Device for CpuDevice {
 
     fn stream(&self, kind: StreamKind) -> &CpuStream {
         &self.inner.standard[kind as usize]
+    }
+
+    fn new_stream(&self, name: &'static str) -> Result<CpuStream> {
+        let index = self.inner.checker().add_stream(name);
+        let worker = Worker::spawn(name, index, self.inner.chaos, self.inner.errors.clone())?;
+        self.inner.workers.lock().unwrap_or_else(|e| e.into_inner()).push(worker.clone());
+        Ok(CpuStream { index, worker })
     }
 
     fn new_event(&self) -> Result<CpuEvent> {

@@ -334,12 +334,6 @@ impl CudaDevice {
         cu::mem_get_info().map_err(|e| driver_error("cuMemGetInfo", e))
     }
 
-    /// A new stream beyond the standard four (for example one that loads the GPU).
-    pub fn new_stream(&self, name: &'static str) -> Result<CudaStream> {
-        let stream = self.inner.ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
-        Ok(CudaStream { name, stream })
-    }
-
     /// A new event without timing.
     fn new_raw_event(&self) -> Result<driver::CudaEvent> {
         self.inner.bind()?;
@@ -421,6 +415,11 @@ impl Device for CudaDevice {
 
     fn stream(&self, kind: StreamKind) -> &CudaStream {
         &self.inner.standard[kind as usize]
+    }
+
+    fn new_stream(&self, name: &'static str) -> Result<CudaStream> {
+        let stream = self.inner.ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
+        Ok(CudaStream { name, stream })
     }
 
     fn new_event(&self) -> Result<CudaEvent> {

@@ -44,7 +44,7 @@ use zeroflow_optim::{AdamWStep, CpuAdam, NoDecay, SimdLevel, Stores};
 
 pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
-use super::share::DeviceShare;
+use super::share::{DeviceShare, staged_piece};
 use super::shared::Shared;
 use super::state::{PathState, Restore, SavedState};
 pub(super) use super::stream::{OpenAt, Opening, Stream};
@@ -217,7 +217,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             // only: the host optimizer holds the elements before it.
             let from = host_len;
             let share_initial = &initial[owned.start + from..owned.end];
-            let share = DeviceShare::new(device, from, share_initial, moments, &no_decay)?;
+            let place = (offload.stream.device_share_state, staged_piece(chunk));
+            let share = DeviceShare::new(device, from, share_initial, moments, &no_decay, place)?;
             let fill = fill_master(initial);
             if summed {
                 // Its staging takes the window's f32 sum; the streamed step's, the gradients.

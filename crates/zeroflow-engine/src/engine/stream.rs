@@ -177,6 +177,13 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
                 let stepped = upload_speculated(shared, speculated)?;
                 self.deferral.leave_stepped(step, stepped);
+                // A share staged from host memory starts now, its first pieces going up while
+                // the trainer reaches the next forward, whose opening queues the rest.
+                if let Some(share) = self.share.as_mut().filter(|share| share.staged()) {
+                    let params = (&shared.params, shared.owned.start);
+                    let events = (&shared.events.norm_done, &shared.events.compute_done);
+                    share.step(&shared.device, step, events, shared.reduced_source(), params)?;
+                }
             }
             StreamCpu::Inline(buffers) => {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
@@ -244,10 +251,21 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
         };
         let (source, wrap) = (at.source, OpenChunks::Reduced);
         let mut len = at.owned.len();
+        let mut pump = None;
         if let Some(share) = share {
-            let params = (at.params, at.owned.start);
-            share.step(at.device, &step, at.events.norm_done, source, params)?;
+            let (device, params) = (at.device, (at.params, at.owned.start));
+            let events = (at.events.norm_done, at.events.compute_done);
+            if !share.running() {
+                share.step(device, &step, events, source, params)?;
+            }
             len = share.from();
+            // A share staged from host memory is queued between the CPU's chunks.
+            if share.staged() {
+                pump = Some(Box::new(move |all: bool| match all {
+                    true => share.finish(device, source, params),
+                    false => share.pump(device, source, params),
+                }) as SharePump<'a>);
+            }
         }
         let buffers = &mut **buffers;
         // The last step's speculation was validated by that step.
@@ -259,7 +277,8 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             None => None,
         };
         let source = (source, len);
-        let opening = Opening::new(at, step, buffers, source, &stepped, opened, None, wrap)?;
+        let mut opening = Opening::new(at, step, buffers, source, &stepped, opened, None, wrap)?;
+        opening.share = pump;
         let Some(speculation) = speculating else { return Ok((Sink::Keep, Some(opening))) };
         let (handoff, handed) = sync_channel(1);
         let landing = Landing::Step(Speculating { speculation, state: None, upload: None });
@@ -515,7 +534,13 @@ pub(in crate::engine) struct Opening<'a, D: Device, P: Float> {
     failed: Option<EngineError>,
     /// Time spent stepping and queuing for the forward.
     spent: std::time::Duration,
+    /// A device share staged from host memory: queued between the CPU's chunks (`false`), and
+    /// the rest (`true`, [`DeviceShare::finish`]) once the forward reaches its weights.
+    share: Option<SharePump<'a>>,
 }
+
+/// What an [`Opening`] calls to queue a device share's staged step ([`Opening::share`]).
+pub(super) type SharePump<'a> = Box<dyn FnMut(bool) -> Result<(), EngineError> + 'a>;
 
 /// The chunks an [`Opening`] steps: from the reduced gradients (`P`), or from the window's sum on
 /// the device (`f32`).
@@ -607,6 +632,7 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
             opened: 0,
             failed: None,
             spent: std::time::Duration::ZERO,
+            share: None,
         })
     }
 }
@@ -644,23 +670,32 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
 
     fn open_to(&mut self, to: usize) -> Result<(), EngineError> {
         let chunks = self.chunks.as_mut().ok_or(EngineError::Internal("opened after its end"))?;
-        // (Past the elements the CPU steps, a device share's were written on the compute stream.)
+        // Past the elements the CPU steps, a device share's: written on the compute stream, or
+        // staged, the compute stream made to wait for them.
+        let share_wanted = to > chunks.len();
         let to = to.min(chunks.len());
-        if to <= self.opened {
-            return Ok(());
+        if to > self.opened {
+            advance(chunks, to, self.share.as_mut())?;
+            let (h2d, compute) =
+                (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Compute));
+            self.device.record(self.opened_event, h2d)?;
+            self.device.wait_event(compute, self.opened_event)?;
+            self.opened = chunks.done();
         }
-        chunks.advance(to)?;
-        let (h2d, compute) =
-            (self.device.stream(StreamKind::H2d), self.device.stream(StreamKind::Compute));
-        self.device.record(self.opened_event, h2d)?;
-        self.device.wait_event(compute, self.opened_event)?;
-        self.opened = chunks.done();
+        if let Some(mut finish) = self.share.take_if(|_| share_wanted) {
+            finish(true)?;
+        }
         Ok(())
     }
 
     fn finish(&mut self) -> Result<(), EngineError> {
         let mut chunks = self.chunks.take().ok_or(EngineError::Internal("finished twice"))?;
-        chunks.advance(usize::MAX)?;
+        advance(&mut chunks, usize::MAX, self.share.as_mut())?;
+        // Before the gradients are zeroed (the share's step reads them) and the forward's
+        // kernels past the CPU's elements.
+        if let Some(mut finish) = self.share.take() {
+            finish(true)?;
+        }
         // The backward's speculation takes them from here (a backward whose courier is gone
         // has none).
         if let (Some(handoff), Some(released)) = (self.handoff.take(), chunks.release()) {
@@ -707,6 +742,21 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
     }
 }
 
+/// Steps `chunks` up to `to` (at most all), and where a device share is staged (`share`),
+/// queues what it can of it after each chunk.
+fn advance<D: Device, P: Float>(
+    chunks: &mut OpenChunks<'_, D, P>,
+    to: usize,
+    share: Option<&mut SharePump<'_>>,
+) -> Result<(), EngineError> {
+    let Some(pump) = share else { return chunks.advance(to) };
+    while chunks.done() < to.min(chunks.len()) {
+        chunks.advance(chunks.done() + 1)?;
+        pump(false)?;
+    }
+    Ok(())
+}
+
 /// Queues the uploads of the pieces of a speculation that stands (`speculated`), after the last
 /// forward and backward read the weights, and gives their ranges (none where nothing stands).
 fn upload_speculated<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
@@ -742,7 +792,14 @@ fn stream_reduced<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     let mut len = shared.owned.len();
     if let Some(share) = share.as_deref_mut() {
         let params = (&shared.params, shared.owned.start);
-        share.step(&shared.device, step, &shared.events.norm_done, (source, at), params)?;
+        let events = (&shared.events.norm_done, &shared.events.compute_done);
+        // (A staged share's step left to the next forward may have started at the step.)
+        if !share.running() {
+            share.step(&shared.device, step, events, (source, at), params)?;
+        }
+        // A share staged from host memory: all of it now, before the CPU's chunks (its last
+        // pieces' gathers wait for it; only the next forward's opening queues it between them).
+        share.finish(&shared.device, (source, at), params)?;
         len = share.from();
     }
     let io = StepIo { source, at, len, uploaded_event, gather_in_pieces, times: &mut times };

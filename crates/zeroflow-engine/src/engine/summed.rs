@@ -139,8 +139,15 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let speculated = standing(self.speculation.as_mut(), &mut self.buffers.state, step);
         let Summed { acc, buffers, chunk_uploaded, gather_in_pieces, share, .. } = self;
         let params = (&shared.params, shared.owned.start);
-        let len = step_share(share, &shared.device, step, &shared.events.norm_done, acc, params)?
-            .unwrap_or(shared.owned.len());
+        let len = step_share(
+            share,
+            &shared.device,
+            step,
+            (&shared.events.norm_done, &shared.events.compute_done),
+            acc,
+            params,
+        )?
+        .unwrap_or(shared.owned.len());
         let mut times = std::mem::take(&mut shared.step_times);
         let io = StepIo {
             source: &*acc,
@@ -174,8 +181,15 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let sink = Sink::DeviceThenHost { acc, offloader: None };
         let Some((step, opened, _)) = deferral.take() else { return Ok((sink, None)) };
         let params = (at.params, at.owned.start);
-        let len = step_share(share, at.device, &step, at.events.norm_done, acc, params)?
-            .unwrap_or(at.owned.len());
+        let len = step_share(
+            share,
+            at.device,
+            &step,
+            (at.events.norm_done, at.events.compute_done),
+            acc,
+            params,
+        )?
+        .unwrap_or(at.owned.len());
         let (source, clear, buffers) = (((&*acc, 0), len), Some(&*acc), &mut **buffers);
         let (wrap, stepped) = (OpenChunks::Summed, &[]);
         let opening = Opening::new(at, step, buffers, source, stepped, opened, clear, wrap)?;
@@ -258,12 +272,15 @@ fn step_share<D: DeviceAdamW, P: Float>(
     share: &mut Option<DeviceShare<D>>,
     device: &D,
     step: &AdamWStep,
-    norm_done: &D::Event,
+    events: (&D::Event, &D::Event),
     acc: &D::Buffer<f32>,
     params: (&D::Buffer<P>, usize),
 ) -> Result<Option<usize>, EngineError> {
     let Some(share) = share else { return Ok(None) };
-    share.step(device, step, norm_done, (acc, 0), params)?;
+    share.step(device, step, events, (acc, 0), params)?;
+    // A share staged from host memory: all of it now (nothing queues it between the CPU's
+    // chunks on this path).
+    share.finish(device, (acc, 0), params)?;
     share.order_after_step(device, StreamKind::Comm)?;
     Ok(Some(share.from()))
 }

@@ -15,7 +15,7 @@ use zeroflow_engine::synthetic::{
 };
 use zeroflow_engine::{
     AccumulateOn, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine, EngineOptions, LossScaler,
-    Offload, OffloadUpdate, Placement, Stage, StepReport, ZenFlowAside, ZenFlowOptions,
+    Offload, OffloadUpdate, Placement, ShareState, Stage, StepReport, ZenFlowAside, ZenFlowOptions,
 };
 
 /// GPU 0's device, or `None` (after printing why) where this machine has none.
@@ -59,8 +59,10 @@ struct Case {
     stream_chunk: usize,
     zenflow_aside: ZenFlowAside,
     clip: Option<f64>,
-    /// Offload: the share of the partition stepped on the device (0: none).
+    /// Offload: the share of the partition stepped on the device (0: none), and where it keeps
+    /// its state.
     device_share: f64,
+    share_state: ShareState,
 }
 
 impl Case {
@@ -80,6 +82,7 @@ impl Case {
             zenflow_aside: DEFAULT_ZENFLOW_ASIDE,
             clip: Some(0.8),
             device_share: 0.0,
+            share_state: ShareState::Device,
         }
     }
 }
@@ -98,6 +101,7 @@ fn options(case: &Case) -> EngineOptions {
             offload.stream.chunk = case.stream_chunk;
             offload.stream.zenflow_aside = case.zenflow_aside;
             offload.stream.device_share = case.device_share;
+            offload.stream.device_share_state = case.share_state;
             Placement::Offload(offload)
         }
         false => Placement::Device,
@@ -451,8 +455,9 @@ fn check_device_share(devices: &[CudaDevice]) {
                 clip,
                 ..Case::new(stage, world, accum, true, 6)
             };
-            for device_share in [0.3, 0.75] {
-                let case = Case { device_share, ..all_cpu };
+            let shares = [0.3, 0.75].map(|share| (share, ShareState::Device));
+            for (device_share, share_state) in shares.into_iter().chain([(0.5, ShareState::Host)]) {
+                let case = Case { device_share, share_state, ..all_cpu };
                 let f32s = (train::<f32>(devices, &all_cpu), train::<f32>(devices, &case));
                 let bf16s = (train::<bf16>(devices, &all_cpu), train::<bf16>(devices, &case));
                 for (dtype, (want, got)) in [("f32", f32s), ("bf16", bf16s)] {

@@ -14,8 +14,8 @@ use zeroflow_engine::synthetic::{
 use zeroflow_engine::{
     AccumulateOn, DEFAULT_SPECULATION_BUDGET, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine,
     EngineOptions, LossScaler, ModelIo, Offload, OffloadUpdate, OptimizerPart, Placement, Restore,
-    Snapshot, SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowAside, ZenFlowOptions,
-    ZenFlowSnapshot,
+    ShareState, Snapshot, SpeculationStats, Stage, StepReport, StreamOptions, ZenFlowAside,
+    ZenFlowOptions, ZenFlowSnapshot,
 };
 use zeroflow_optim::Stores;
 
@@ -63,6 +63,8 @@ pub struct Setup {
     pub open_at_once: bool,
     /// The share of the partition stepped on the device (`StreamOptions::device_share`).
     pub device_share: f64,
+    /// Where the share keeps its state (`StreamOptions::device_share_state`).
+    pub share_state: ShareState,
     /// The speculation stops stepping pieces once the device is past the backward, as the
     /// engine does by default; otherwise (`Engine::speculate_late`) it steps what its budget
     /// holds, so that the tests see pieces stepped whatever the CPU device's timing.
@@ -95,6 +97,7 @@ impl Setup {
             speculation_stops: false,
             open_at_once: false,
             device_share: 0.0,
+            share_state: ShareState::Device,
         }
     }
 }
@@ -120,6 +123,7 @@ pub fn options(setup: &Setup, scaler: LossScaler) -> EngineOptions {
                 zenflow_aside: setup.zenflow_aside,
                 overlap_forward: setup.overlap_forward,
                 device_share: setup.device_share,
+                device_share_state: setup.share_state,
             },
             moments: setup.moments,
         }),

@@ -1,11 +1,12 @@
 //! The optimizer's device share (`StreamOptions::device_share`): the partition's last elements are
-//! stepped by the device's AdamW from state in device memory while the CPU streams the rest, from
-//! one micro-step's gradients or from a window summed on the device. The runs are the all-CPU
-//! step's, bit for bit (the CPU device's AdamW is the host's), with the step before the next
-//! forward and overlapped with it, under chaos (the share's compute-stream work
-//! and the CPU's chunks delayed at random against each other); only the CPU's part crosses the
-//! host link; a checkpoint holds the share's state and resumes with any share; where the share
-//! cannot act, the engine says so before training.
+//! stepped by the device's AdamW, from state in device memory or staged from host memory a piece
+//! at a time (`device_share_state`), while the CPU streams the rest, from one micro-step's
+//! gradients or from a window summed on the device. The runs are the all-CPU step's, bit for bit
+//! (the CPU device's AdamW is the host's), with the step before the next forward and overlapped
+//! with it, under chaos (the share's work on its streams and the CPU's chunks delayed at random
+//! against each other); with the state on the device only the CPU's part crosses the host link;
+//! a checkpoint holds the share's state and resumes with any share and either place; where the
+//! share cannot act, the engine says so before training.
 
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_device::CpuDevice;
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_engine::synthetic::{initial, layout};
-use zeroflow_engine::{AccumulateOn, Engine, EngineError, LossScaler, Stage};
+use zeroflow_engine::{AccumulateOn, Engine, EngineError, LossScaler, ShareState, Stage};
 
 use crate::checkpoint::{load, straight_and_saved};
 use crate::harness::{Bf16, Setup, options, train, train_from};
@@ -70,15 +71,26 @@ fn check_bit_identical<P: Float>() {
     for setup in setups() {
         let all_cpu =
             train::<P>(&Setup { device_share: 0.0, ..setup.clone() }, LossScaler::None, None);
-        for (overlap_forward, chaos) in
-            [(false, None), (true, None), (false, Some(1)), (true, Some(2))]
-        {
-            let shared = Setup { overlap_forward, chaos, ..setup.clone() };
+        let (device, host) = (ShareState::Device, ShareState::Host);
+        for (overlap_forward, chaos, share_state) in [
+            (false, None, device),
+            (true, None, device),
+            (false, Some(1), device),
+            (true, Some(2), device),
+            (true, None, host),
+            (false, Some(4), host),
+            (true, Some(5), host),
+        ] {
+            let shared = Setup { overlap_forward, chaos, share_state, ..setup.clone() };
             let out = train::<P>(&shared, LossScaler::None, None);
             assert_eq!(out.weights, all_cpu.weights, "{shared:?}: weights");
             assert_eq!(out.reports, all_cpu.reports, "{shared:?}: step reports");
             assert_eq!(out.snapshots, all_cpu.snapshots, "{shared:?}: optimizer state");
             assert_eq!(out.device_weights, all_cpu.device_weights, "{shared:?}: saved weights");
+            if share_state == host {
+                // Its state crosses the host link each step: more bytes, not fewer.
+                continue;
+            }
             // Only the CPU's part goes to the host and back (the share is rounded down to whole
             // packs of 8 of the model's ~130 elements).
             let (copied, all) = (out.traffic[0].copied, all_cpu.traffic[0].copied);
@@ -107,24 +119,30 @@ fn the_device_share_gives_the_all_cpu_bf16_run() {
     check_bit_identical::<Bf16>();
 }
 
-/// A checkpoint of a run with a share holds the share's state (brought from the device), and
-/// resumes exactly with the same share, with none, and with another: one micro-step per step,
-/// and two summed on the device.
+/// A checkpoint of a run with a share holds the share's state (from the device, or from host
+/// memory), and resumes exactly with the same share, with none, and with another, its state in
+/// either place: one micro-step per step, and two summed on the device.
 #[test]
 fn a_checkpoint_with_a_device_share_resumes_bit_exactly_with_any_share() {
-    for accum in [1, 2] {
+    let (device, host) = (ShareState::Device, ShareState::Host);
+    for (accum, share_state) in [(1, device), (2, device), (1, host), (2, host)] {
         let setup = Setup {
             steps: 4,
             stream_chunk: 7,
             device_share: 0.5,
+            share_state,
             chaos: Some(3),
             accumulate_on: AccumulateOn::Device,
             ..Setup::new(Stage::Zero2, 1, accum, true)
         };
         let (straight, _dir, path) = straight_and_saved(&setup);
-        for device_share in [0.5, 0.0, 0.2] {
+        let other = match share_state {
+            ShareState::Device => host,
+            ShareState::Host => device,
+        };
+        for (device_share, share_state) in [(0.5, share_state), (0.0, share_state), (0.2, other)] {
             let overlap_forward = device_share == 0.2;
-            let resumed = Setup { device_share, overlap_forward, ..setup.clone() };
+            let resumed = Setup { device_share, share_state, overlap_forward, ..setup.clone() };
             let second = train_from(&resumed, LossScaler::None, None, Some(&load(&path, 1)));
             assert_eq!(second.weights, straight.weights, "{resumed:?}: weights");
             assert_eq!(second.snapshots, straight.snapshots, "{resumed:?}: state and counters");

@@ -5,11 +5,11 @@
 
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::config::DeviceShare;
-use zeroflow_engine::AccumulateOn;
+use zeroflow_engine::{AccumulateOn, ShareState};
 
 use super::{Knob, MemoryPlan, PlanInputs, gib};
 use crate::DeviceKind;
-use crate::error::Result;
+use crate::error::{Result, input};
 use crate::settings::Requested;
 
 /// The part of the GPU's memory `fit` leaves free beside its plan: a tenth (the plan's totals are
@@ -23,6 +23,10 @@ pub(super) const SAID_ELSEWHERE: u64 = 1 << 30;
 
 /// The largest share `fit` chooses: the engine takes shares below 1.
 const FIT_MAX_HUNDREDTHS: u32 = 99;
+
+/// The share a device share staged from host memory takes where none is asked for
+/// (`device_share_state: host` alone).
+pub const DEFAULT_STAGED_SHARE: f64 = 0.4;
 
 /// What `fit` chose for a run, and why, in words for the run's log.
 #[derive(Clone, Debug, PartialEq)]
@@ -127,6 +131,35 @@ pub fn resolve_fit(
     inputs: &mut PlanInputs,
     elsewhere: impl FnOnce() -> Option<u64>,
 ) -> Result<Option<FitShare>> {
+    if requested.device_share_state == Some(ShareState::Host) {
+        // `fit` finds room for the state on the device; a share staged from host memory holds
+        // a few pieces there whatever its size, and is a trade of the host's bandwidth.
+        match requested.device_share {
+            Some(DeviceShare::Fraction(_)) => {}
+            Some(DeviceShare::Fit) => {
+                return Err(input(format!(
+                    "--device-share fit chooses the share whose state the GPU has room for; with \
+                     the share's state in host memory (device_share_state \"host\") the GPU \
+                     holds a few pieces of it whatever the share: give a fraction instead \
+                     (--device-share {DEFAULT_STAGED_SHARE}, the default with a host state)"
+                )));
+            }
+            None => {
+                let share = DEFAULT_STAGED_SHARE;
+                requested.device_share = Some(DeviceShare::Fraction(share));
+                if inputs.rank == 0 {
+                    tracing::info!(
+                        "device share {share} (the default with its state in host memory): \
+                         stepped on the GPU, staged from host memory a piece at a time"
+                    );
+                }
+                if hold_share(inputs, share) {
+                    requested.accumulate_on = Some(AccumulateOn::Device);
+                }
+                return Ok(None);
+            }
+        }
+    }
     let by_default = match requested.device_share {
         Some(DeviceShare::Fraction(_)) => return Ok(None),
         Some(DeviceShare::Fit) => false,

@@ -39,6 +39,8 @@ pub const OVERLAP_FORWARD_VAR: &str = "ZEROFLOW_OVERLAP_FORWARD";
 /// The share of the optimizer's partition stepped on the device: a fraction at least 0 and
 /// below 1.
 pub const DEVICE_SHARE_VAR: &str = "ZEROFLOW_DEVICE_SHARE";
+/// Where the device share keeps its state: `device` or `host`.
+pub const DEVICE_SHARE_STATE_VAR: &str = "ZEROFLOW_DEVICE_SHARE_STATE";
 /// Where ZenFlow sets its window aside for the CPU step: `device` or `host`.
 pub const ZENFLOW_ASIDE_VAR: &str = "ZEROFLOW_ZENFLOW_ASIDE";
 /// Sequence packing (`on`, `off`).
@@ -79,6 +81,11 @@ pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Requested,
         )?,
         overlap_forward: named(OVERLAP_FORWARD_VAR, value(OVERLAP_FORWARD_VAR), &names::SWITCH)?,
         device_share: number(DEVICE_SHARE_VAR, value(DEVICE_SHARE_VAR), super::parse_device_share)?,
+        device_share_state: named(
+            DEVICE_SHARE_STATE_VAR,
+            value(DEVICE_SHARE_STATE_VAR),
+            &names::SHARE_STATE,
+        )?,
         zenflow_aside: named(ZENFLOW_ASIDE_VAR, value(ZENFLOW_ASIDE_VAR), &names::ZENFLOW_ASIDE)?,
         pack: named(PACK_VAR, value(PACK_VAR), &names::SWITCH)?,
     })
@@ -142,6 +149,7 @@ mod tests {
             ACCUMULATE_ON_VAR,
             PINNED_BUDGET_VAR,
             DEVICE_SHARE_VAR,
+            DEVICE_SHARE_STATE_VAR,
             ZENFLOW_ASIDE_VAR,
         ]
         .iter()
@@ -167,6 +175,7 @@ mod tests {
             (PACK_VAR, " On\n"),
             (OVERLAP_FORWARD_VAR, "OFF "),
             (DEVICE_SHARE_VAR, " 0.6\n"),
+            (DEVICE_SHARE_STATE_VAR, " HOST"),
             (ZENFLOW_ASIDE_VAR, "Host "),
         ])
         .unwrap();
@@ -186,6 +195,7 @@ mod tests {
                 pinned_budget_mib: Some(1024.0),
                 overlap_forward: Some(false),
                 device_share: Some(DeviceShare::Fraction(0.6)),
+                device_share_state: Some(zeroflow_engine::ShareState::Host),
                 zenflow_aside: Some(zeroflow_engine::ZenFlowAside::Host),
                 pack: Some(true),
             }
@@ -231,6 +241,7 @@ mod tests {
             ),
             (ACCUMULATE_ON_VAR, &["gpu", "cpu", "on", "1"], "auto, device or host"),
             (ZENFLOW_ASIDE_VAR, &["gpu", "cpu", "auto", "1"], "device or host"),
+            (DEVICE_SHARE_STATE_VAR, &["gpu", "cpu", "pinned", "1"], "device or host"),
             (
                 DEVICE_SHARE_VAR,
                 &["1", "1.5", "-0.1", "half", "50%", "inf", "NaN"],

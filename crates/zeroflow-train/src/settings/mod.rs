@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use zeroflow_core::config::{self, DeviceShare, ZeroflowExtensions};
 use zeroflow_core::{DType, Element};
 use zeroflow_device::cuda::{CudaDeviceOptions, HostWaits};
-use zeroflow_engine::{AccumulateOn, EngineOptions, OffloadUpdate, ZenFlowAside};
+use zeroflow_engine::{AccumulateOn, EngineOptions, OffloadUpdate, ShareState, ZenFlowAside};
 use zeroflow_nn::AttentionKind;
 use zeroflow_optim::Stores;
 
@@ -45,7 +45,7 @@ impl Attention {
 
 /// The names each setting is spelled with, in flags, variables and the config alike.
 pub mod names {
-    use super::{AccumulateOn, Attention, BindMode, Stores, ZenFlowAside};
+    use super::{AccumulateOn, Attention, BindMode, ShareState, Stores, ZenFlowAside};
 
     pub const ATTENTION: [(&str, Attention); 3] =
         [("auto", Attention::Auto), ("gemm", Attention::Gemm), ("flash", Attention::Flash)];
@@ -63,6 +63,10 @@ pub mod names {
         ("device", AccumulateOn::Device),
         ("host", AccumulateOn::Host),
     ];
+
+    /// Where the optimizer's device share keeps its state.
+    pub const SHARE_STATE: [(&str, ShareState); 2] =
+        [("device", ShareState::Device), ("host", ShareState::Host)];
 
     /// Where ZenFlow sets its window aside for the CPU step.
     pub const ZENFLOW_ASIDE: [(&str, ZenFlowAside); 2] =
@@ -108,6 +112,8 @@ pub struct Requested {
     /// to a fraction before the engine is built: [`crate::plan::resolve_fit`]; `None`: `fit` on
     /// one rank, 0 on several).
     pub device_share: Option<DeviceShare>,
+    /// Where the device share keeps its fp32 state (`None`: the device).
+    pub device_share_state: Option<ShareState>,
     /// Where ZenFlow sets its window aside for the CPU step (`None`: the device, or host memory
     /// where only that fits: [`crate::plan::resolve_zenflow_aside`]).
     pub zenflow_aside: Option<ZenFlowAside>,
@@ -135,6 +141,7 @@ impl Requested {
             pinned_budget_mib: self.pinned_budget_mib.or(lower.pinned_budget_mib),
             overlap_forward: self.overlap_forward.or(lower.overlap_forward),
             device_share: self.device_share.or(lower.device_share),
+            device_share_state: self.device_share_state.or(lower.device_share_state),
             zenflow_aside: self.zenflow_aside.or(lower.zenflow_aside),
             pack: self.pack.or(lower.pack),
         }
@@ -151,6 +158,7 @@ impl Requested {
             accumulate_on,
             overlap_forward,
             device_share,
+            device_share_state,
             zenflow_aside,
             ..
         } = self;
@@ -162,6 +170,7 @@ impl Requested {
             || accumulate_on.is_some()
             || overlap_forward.is_some()
             || device_share.is_some()
+            || device_share_state.is_some()
             || zenflow_aside.is_some()
     }
 }
@@ -230,6 +239,10 @@ pub fn from_config(zeroflow: &ZeroflowExtensions) -> Requested {
         pinned_budget_mib: offload.pinned_budget_mib,
         overlap_forward: offload.overlap_forward,
         device_share: offload.device_share,
+        device_share_state: offload.device_share_state.map(|state| match state {
+            config::DeviceShareState::Device => ShareState::Device,
+            config::DeviceShareState::Host => ShareState::Host,
+        }),
         zenflow_aside: offload.zenflow_aside.map(|aside| match aside {
             config::ZenFlowAside::Device => ZenFlowAside::Device,
             config::ZenFlowAside::Host => ZenFlowAside::Host,
@@ -364,8 +377,8 @@ pub fn apply_offload<P: Element>(
         "rank {rank}: offload tuned: chunks of {} elements ({} MiB of {dtype}), {} stores of \
          the weight copy, the CPU optimizer on {} threads, the ranks' weights gathered {}, \
          a speculation budget of {} MiB, accumulation windows summed on {}, the exact step's \
-         CPU work {}, {} of the partition's optimizer state on the device, ZenFlow's window set \
-         aside on the {}",
+         CPU work {}, {} of the partition's optimizer state stepped on the device (its state in \
+         {} memory), ZenFlow's window set aside on the {}",
         stream.chunk,
         mib_of(stream.chunk, dtype),
         stream.copy_stores.map_or("per-path (normal where the step streams)", Stores::name),
@@ -383,6 +396,7 @@ pub fn apply_offload<P: Element>(
             false => "done before the next forward",
         },
         stream.device_share,
+        names::name_of(&names::SHARE_STATE, &stream.device_share_state),
         names::name_of(&names::ZENFLOW_ASIDE, &stream.zenflow_aside),
     );
     Ok(())
@@ -412,6 +426,7 @@ pub fn tune_offload<P: Element>(requested: &Requested, options: &mut EngineOptio
         Some(DeviceShare::Fit) => 0.0,
         None => stream.device_share,
     };
+    stream.device_share_state = requested.device_share_state.unwrap_or(stream.device_share_state);
     stream.zenflow_aside = requested.zenflow_aside.unwrap_or(stream.zenflow_aside);
     offload.cpu_threads = requested.cpu_threads.unwrap_or(offload.cpu_threads);
     Ok(())

@@ -65,6 +65,8 @@ pub struct EffectiveOffload {
     pub overlap_forward: bool,
     /// The share of the partition whose optimizer state is held and stepped on the device.
     pub device_share: f64,
+    /// Where the device share keeps its state: `device` or `host`.
+    pub device_share_state: &'static str,
     /// Where ZenFlow sets its window aside for the CPU step: `device` or `host` (`null` without
     /// ZenFlow).
     pub zenflow_aside: Option<&'static str>,
@@ -104,6 +106,10 @@ impl Effective {
             pinned_budget_mib: super::pinned_budget(requested).map(|bytes| bytes as f64 / MIB),
             overlap_forward: offload.stream.overlap_forward,
             device_share: offload.stream.device_share,
+            device_share_state: names::name_of(
+                &names::SHARE_STATE,
+                &offload.stream.device_share_state,
+            ),
             zenflow_aside: matches!(offload.update, OffloadUpdate::ZenFlow(_))
                 .then(|| names::name_of(&names::ZENFLOW_ASIDE, &offload.stream.zenflow_aside)),
         });

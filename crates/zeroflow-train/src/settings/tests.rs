@@ -26,6 +26,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         pinned_budget_mib: Some(4096.0),
         overlap_forward: Some(false),
         device_share: Some(DeviceShare::Fraction(0.5)),
+        device_share_state: Some(ShareState::Host),
         zenflow_aside: Some(ZenFlowAside::Host),
         pack: Some(true),
     };
@@ -38,6 +39,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
         accumulate_on: Some(AccumulateOn::Device),
         pinned_budget_mib: Some(1024.0),
         device_share: Some(DeviceShare::Fraction(0.25)),
+        device_share_state: Some(ShareState::Device),
         zenflow_aside: Some(ZenFlowAside::Device),
         ..Requested::default()
     };
@@ -66,6 +68,7 @@ fn a_flag_beats_the_environment_which_beats_the_config() {
             pinned_budget_mib: Some(1024.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.0)),
+            device_share_state: Some(ShareState::Device),
             zenflow_aside: Some(ZenFlowAside::Device),
             pack: Some(true),
         }
@@ -87,7 +90,7 @@ fn the_config_section_becomes_the_config_layer() {
         "activation_checkpointing": true, "pack": true, "cpu_bind": "on", "offload": {"stream_chunk_mib": 0.5, "copy_stores": "non-temporal",
         "gather": "after-step", "cpu_threads": 5, "speculation_budget_mib": 256,
         "accumulate_on": "host", "pinned_budget_mib": 512, "overlap_forward": false,
-        "device_share": 0.375, "zenflow_aside": "host"}}}"#;
+        "device_share": 0.375, "device_share_state": "host", "zenflow_aside": "host"}}}"#;
     let config = resolve_str(text, &Context::default()).unwrap().config;
     assert_eq!(
         from_config(&config.zeroflow),
@@ -105,6 +108,7 @@ fn the_config_section_becomes_the_config_layer() {
             pinned_budget_mib: Some(512.0),
             overlap_forward: Some(false),
             device_share: Some(DeviceShare::Fraction(0.375)),
+            device_share_state: Some(ShareState::Host),
             zenflow_aside: Some(ZenFlowAside::Host),
             pack: Some(true),
         }
