@@ -478,6 +478,30 @@ pub(crate) mod tests {
         }
     }
 
+    /// The plans of the exact offload of `layout` (bf16, `accum` micro-steps summed on the
+    /// device, stream chunks of `chunk`) without a share and with a share of 0.3 whose state is
+    /// kept as `state` says.
+    fn share_plans(
+        layout: &FlatLayout,
+        accum: u64,
+        chunk: usize,
+        state: ShareState,
+    ) -> (Vec<PlannedBuffer>, Vec<PlannedBuffer>) {
+        let mut placement = offload(OffloadUpdate::Exact, chunk);
+        if let Placement::Offload(offload) = &mut placement {
+            offload.stream.accumulate_on = AccumulateOn::Device;
+        }
+        let plan = |placement: Placement| {
+            options(placement, accum).planned_buffers(layout, 0, DType::Bf16, None)
+        };
+        let plain = plan(placement.clone());
+        if let Placement::Offload(offload) = &mut placement {
+            offload.stream.device_share = 0.3;
+            offload.stream.device_share_state = state;
+        }
+        (plain, plan(placement))
+    }
+
     /// A device share adds its state and f32 gradients (16 bytes per element, whole packs of
     /// eight) to the device and takes its state (12 bytes per element) from the host, and its
     /// master weights from the host's set-up: with one micro-step per step, and with a window of
@@ -487,18 +511,7 @@ pub(crate) mod tests {
         let layout = layout_of(1);
         let n = layout.partition_len();
         for accum in [1, 4] {
-            let mut placement = offload(OffloadUpdate::Exact, 256);
-            if let Placement::Offload(offload) = &mut placement {
-                offload.stream.accumulate_on = AccumulateOn::Device;
-            }
-            let plan = |placement: Placement| {
-                options(placement, accum).planned_buffers(&layout, 0, DType::Bf16, None)
-            };
-            let plain = plan(placement.clone());
-            if let Placement::Offload(offload) = &mut placement {
-                offload.stream.device_share = 0.3;
-            }
-            let lines = plan(placement);
+            let (plain, lines) = share_plans(&layout, accum, 256, ShareState::Device);
             let share = (n * 3 / 10 / 8 * 8) as u64;
             assert!(share > 0);
             let device = |lines: &[PlannedBuffer]| total(lines, MemoryKind::Device, None);
@@ -531,19 +544,7 @@ pub(crate) mod tests {
         let layout = layout_of(1);
         let n = layout.partition_len();
         for (accum, chunk) in [(1, 16), (4, 16), (1, 1 << 20)] {
-            let mut placement = offload(OffloadUpdate::Exact, chunk);
-            if let Placement::Offload(offload) = &mut placement {
-                offload.stream.accumulate_on = AccumulateOn::Device;
-            }
-            let plan = |placement: Placement| {
-                options(placement, accum).planned_buffers(&layout, 0, DType::Bf16, None)
-            };
-            let plain = plan(placement.clone());
-            if let Placement::Offload(offload) = &mut placement {
-                offload.stream.device_share = 0.3;
-                offload.stream.device_share_state = ShareState::Host;
-            }
-            let lines = plan(placement);
+            let (plain, lines) = share_plans(&layout, accum, chunk, ShareState::Host);
             let share = (n * 3 / 10 / 8 * 8) as u64;
             let piece = (2 * chunk as u64).min(share);
             let slots = 3.min(share.div_ceil(2 * chunk as u64));
