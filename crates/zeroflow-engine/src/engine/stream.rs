@@ -681,6 +681,10 @@ impl<'a, D: Device, P: Float> Opening<'a, D, P> {
             self.device.record(self.opened_event, h2d)?;
             self.device.wait_event(compute, self.opened_event)?;
             self.opened = chunks.done();
+        } else if let Some(pump) = self.share.as_mut() {
+            // Nothing left for the CPU here (a speculation stepped it): the share's pieces go
+            // on as the forward opens its layers.
+            pump(false)?;
         }
         if let Some(mut finish) = self.share.take_if(|_| share_wanted) {
             finish(true)?;
