@@ -25,7 +25,8 @@ pub(super) const SAID_ELSEWHERE: u64 = 1 << 30;
 const FIT_MAX_HUNDREDTHS: u32 = 99;
 
 /// The share a device share staged from host memory takes where none is asked for
-/// (`device_share_state: host` alone).
+/// (`device_share_state: host` alone): where the host-memory bandwidths measured for the CPU's
+/// AdamW and the GPU's copies balance (BENCHMARKS.md); on an H100 0.25 and 0.4 ran alike.
 pub const DEFAULT_STAGED_SHARE: f64 = 0.4;
 
 /// What `fit` chose for a run, and why, in words for the run's log.
