@@ -20,6 +20,13 @@ pub struct DeviceAdamState<D: Device> {
     pub no_decay: NoDecay,
 }
 
+impl<D: Device> DeviceAdamState<D> {
+    /// The master weights and both moments, in that order.
+    pub fn arrays(&self) -> [&D::Buffer<f32>; 3] {
+        [&self.master, &self.exp_avg, &self.exp_avg_sq]
+    }
+}
+
 impl<D: DeviceAdamW> DeviceAdamState<D> {
     /// [`DeviceAdamW::adamw`] over `range` of this state, run by run of its `no_decay`: those
     /// elements with the step without weight decay, as the CPU's [`zeroflow_optim::CpuAdam`]
@@ -35,7 +42,27 @@ impl<D: DeviceAdamW> DeviceAdamState<D> {
         out: &D::Buffer<P>,
         out_offset: usize,
     ) -> Result<(), DeviceError> {
-        for (run, step) in self.no_decay.steps(step, range.clone()) {
+        let no_decay = (&self.no_decay, 0);
+        self.step_within(device, stream, step, no_decay, range, grads, out, out_offset)
+    }
+
+    /// [`DeviceAdamState::step`] run by run of `no_decay` counted from `shift` elements before
+    /// this state's first (a piece of a larger state, staged here), not of its own.
+    #[allow(clippy::too_many_arguments, reason = "one buffer per operand, like the kernel")]
+    pub fn step_within<P: Float>(
+        &self,
+        device: &D,
+        stream: &D::Stream,
+        step: &AdamWStep,
+        (no_decay, shift): (&NoDecay, usize),
+        range: Range<usize>,
+        grads: &D::Buffer<f32>,
+        out: &D::Buffer<P>,
+        out_offset: usize,
+    ) -> Result<(), DeviceError> {
+        let shifted = shift + range.start..shift + range.end;
+        for (run, step) in no_decay.steps(step, shifted) {
+            let run = run.start - shift..run.end - shift;
             let at = out_offset + (run.start - range.start);
             device.adamw(stream, &step, self, run, grads, out, at)?;
         }

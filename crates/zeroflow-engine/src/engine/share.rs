@@ -295,11 +295,9 @@ impl<D: DeviceAdamW> DeviceShare<D> {
 
     /// An error where a staged step is still under way (its state half written).
     fn settled(&self) -> Result<(), EngineError> {
-        match &self.place {
-            Place::Host(staged) if staged.step.is_some() => {
-                Err(EngineError::Internal("a device share's state was read during its step"))
-            }
-            _ => Ok(()),
+        match self.running() {
+            true => Err(EngineError::Internal("a device share's state was read during its step")),
+            false => Ok(()),
         }
     }
 
@@ -320,8 +318,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
                     // After the last step's AdamW read and wrote the state.
                     device.wait_event(device.stream(StreamKind::H2d), &self.stepped)?;
                 }
-                let targets = [&state.master, &state.exp_avg, &state.exp_avg_sq];
-                for (array, target) in targets.into_iter().enumerate() {
+                for (array, target) in state.arrays().into_iter().enumerate() {
                     device.upload_in_pieces(
                         target,
                         UPLOAD_PIECE,
@@ -353,10 +350,10 @@ impl<D: DeviceAdamW> DeviceShare<D> {
     fn array(&self, device: &D, array: usize) -> Result<Vec<f32>, EngineError> {
         self.settled()?;
         Ok(match &self.place {
-            Place::Device { state, .. } => {
-                device.download([&state.master, &state.exp_avg, &state.exp_avg_sq][array])?
+            Place::Device { state, .. } => device.download(state.arrays()[array])?,
+            Place::Host(staged) => {
+                staged.pieces.iter().flat_map(|p| p[array].iter().copied()).collect()
             }
-            Place::Host(staged) => staged.pieces.iter().flat_map(|p| p[array].to_vec()).collect(),
         })
     }
 
@@ -365,8 +362,7 @@ impl<D: DeviceAdamW> DeviceShare<D> {
     fn elements<'a>(&'a self, device: &'a D, array: usize) -> Elements<'a, f32> {
         match &self.place {
             Place::Device { state, .. } => {
-                let buffer = [&state.master, &state.exp_avg, &state.exp_avg_sq][array];
-                Elements::downloaded(device, buffer, self.len)
+                Elements::downloaded(device, state.arrays()[array], self.len)
             }
             Place::Host(staged) => {
                 let (pieces, piece) = (&staged.pieces, staged.piece);
@@ -410,6 +406,7 @@ impl<D: DeviceAdamW> Staged<D> {
                 master: device.alloc::<f32>(slot_len)?,
                 exp_avg: device.alloc::<f32>(slot_len)?,
                 exp_avg_sq: device.alloc::<f32>(slot_len)?,
+                // (Unused: a slot steps with the share's ranges, `Staged::no_decay`.)
                 no_decay: NoDecay::default(),
             };
             let grads = device.alloc::<f32>(slot_len)?;
@@ -444,24 +441,19 @@ impl<D: DeviceAdamW> Staged<D> {
                 if slot.used {
                     device.wait_event(&self.load, &slot.stored)?;
                 }
-                let targets = [&slot.state.master, &slot.state.exp_avg, &slot.state.exp_avg_sq];
-                for (host, target) in self.pieces[k].iter().zip(targets) {
+                for (host, target) in self.pieces[k].iter().zip(slot.state.arrays()) {
                     device.copy_h2d(&self.load, host, 0..range.len(), target, 0)?.detach();
                 }
                 device.record(&mut slot.loaded, &self.load)?;
                 let grads = at + from + range.start..at + from + range.end;
                 device.cast(&self.load, source, grads, &slot.grads, 0)?;
-                slot.state.no_decay = self.no_decay.within(range.clone());
-                let out = params_at + from + range.start;
-                slot.state.step(
-                    device,
-                    &self.load,
-                    &step,
-                    0..range.len(),
-                    &slot.grads,
-                    params,
-                    out,
-                )?;
+                // The share's no-decay ranges, counted from the piece's start.
+                let (no_decay, out) =
+                    ((&self.no_decay, range.start), params_at + from + range.start);
+                let within = 0..range.len();
+                let (load, grads) = (&self.load, &slot.grads);
+                slot.state
+                    .step_within(device, load, &step, no_decay, within, grads, params, out)?;
                 device.record(&mut slot.stepped, &self.load)?;
                 slot.used = true;
                 self.loaded += 1;
@@ -474,8 +466,7 @@ impl<D: DeviceAdamW> Staged<D> {
                 break;
             }
             device.wait_event(&self.store, &slot.stepped)?;
-            let sources = [&slot.state.master, &slot.state.exp_avg, &slot.state.exp_avg_sq];
-            for (host, source) in self.pieces[k].iter_mut().zip(sources) {
+            for (host, source) in self.pieces[k].iter_mut().zip(slot.state.arrays()) {
                 let len = host.len();
                 device.copy_d2h(&self.store, source, 0..len, host, 0)?.detach();
             }

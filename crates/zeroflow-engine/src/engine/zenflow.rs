@@ -402,7 +402,8 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
             let mut selected = zenflow.selected_elements().take(len);
             for start in (0..len).step_by(EXCHANGE_PIECE) {
                 let piece = start..(start + EXCHANGE_PIECE).min(len);
-                let device_state = [&state.master, &state.exp_avg, &state.exp_avg_sq]
+                let device_state = state
+                    .arrays()
                     .map(|buffer| shared.device.download_range(buffer, piece.clone()));
                 let [master, exp_avg, exp_avg_sq] = device_state;
                 let (master, exp_avg, exp_avg_sq) = (master?, exp_avg?, exp_avg_sq?);
@@ -525,9 +526,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         }
         let device = &zenflow.state;
         let owned = &shared.owned;
-        for (buffer, host) in
-            [&device.master, &device.exp_avg, &device.exp_avg_sq].into_iter().zip(state)
-        {
+        for (buffer, host) in device.arrays().into_iter().zip(state) {
             if host.len() < owned.len() {
                 continue;
             }

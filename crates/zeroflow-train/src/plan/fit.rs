@@ -147,16 +147,13 @@ pub fn resolve_fit(
             }
             None => {
                 let share = DEFAULT_STAGED_SHARE;
-                requested.device_share = Some(DeviceShare::Fraction(share));
                 if inputs.rank == 0 {
                     tracing::info!(
                         "device share {share} (the default with its state in host memory): \
                          stepped on the GPU, staged from host memory a piece at a time"
                     );
                 }
-                if hold_share(inputs, share) {
-                    requested.accumulate_on = Some(AccumulateOn::Device);
-                }
+                hold_asked_share(requested, inputs, share);
                 return Ok(None);
             }
         }
@@ -179,10 +176,7 @@ pub fn resolve_fit(
         return Ok(None);
     }
     let fit = fit_device_share(inputs, elsewhere().unwrap_or(0))?;
-    requested.device_share = Some(DeviceShare::Fraction(fit.share));
-    if hold_share(inputs, fit.share) {
-        requested.accumulate_on = Some(AccumulateOn::Device);
-    }
+    hold_asked_share(requested, inputs, fit.share);
     if inputs.rank == 0 {
         let asked = if by_default { "fit (the default on one GPU; 0 turns it off)" } else { "fit" };
         tracing::info!(
@@ -192,6 +186,15 @@ pub fn resolve_fit(
         );
     }
     Ok(Some(fit))
+}
+
+/// Puts `share` in `requested` and in `inputs`' options ([`hold_share`]), with the window summed
+/// on the device where that says so.
+fn hold_asked_share(requested: &mut Requested, inputs: &mut PlanInputs, share: f64) {
+    requested.device_share = Some(DeviceShare::Fraction(share));
+    if hold_share(inputs, share) {
+        requested.accumulate_on = Some(AccumulateOn::Device);
+    }
 }
 
 /// Puts `share` of the partition's optimizer on the device in `inputs`' options, as a run takes
