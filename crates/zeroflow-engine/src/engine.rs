@@ -45,7 +45,7 @@ use zeroflow_device::{Comm, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
 
 pub use self::model_io::{ModelIo, Opener};
-use self::path::{OpenAt, Opening, UpdatePath};
+use self::path::{Open, OpenAt, UpdatePath};
 pub use self::share::{SHARE_UPLOAD_BYTES, SHARE_UPLOAD_PIECE_BYTES};
 pub(crate) use self::share::{staged_device_bytes, staged_piece};
 use self::shared::{Events, Shared, normalise, reduced_source};
@@ -377,7 +377,7 @@ impl<D: DeviceAdamW, C: Comm<Device = D>, P: Float> Engine<D, C, P> {
                 false => flow.backward_queued().map_err(E::from),
             }
         });
-        if let Some((opened_all, spent)) = opening.map(Opening::end) {
+        if let Some((opened_all, spent)) = opening.map(Open::end) {
             self.shared.cpu_wait += spent;
             if !opened_all? {
                 return Err(EngineError::Misuse(

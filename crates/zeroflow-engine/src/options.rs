@@ -124,9 +124,11 @@ pub struct StreamOptions {
     /// summed on the device; one rank holding every weight) leaves its CPU work to the next
     /// forward, which opens the weights piece by piece: each of its kernels waits only for the
     /// upload of the weights it reads, so the forward runs while the CPU steps the rest
-    /// (DESIGN.md §5). The caller's model must then call [`crate::ModelIo::open`] before reading
-    /// weights (see there); off by default, since the engine cannot tell whether it does. The
-    /// results are the same, bit for bit.
+    /// (DESIGN.md §5). ZenFlow's window set aside in host memory (one rank) applies its CPU
+    /// step's weights the same way: in pieces the forward opens as it reaches them. The caller's
+    /// model must then call [`crate::ModelIo::open`] before reading weights (see there); off by
+    /// default, since the engine cannot tell whether it does. The results are the same, bit for
+    /// bit.
     pub overlap_forward: bool,
     /// The share of the partition, from its end, whose fp32 master weights and moments are
     /// stepped by the device's AdamW while the CPU streams the rest: the host's CPU then moves

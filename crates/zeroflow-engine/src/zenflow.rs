@@ -421,7 +421,20 @@ impl<D: Device + Kernels, P: Float> ZenFlow<D, P> {
         stream: &D::Stream,
         params: &D::Buffer<P>,
     ) -> Result<(), EngineError> {
-        for block in &self.blocks {
+        self.scatter_weights_ending(device, stream, params, 0..usize::MAX)
+    }
+
+    /// [`ZenFlow::scatter_weights`] of the blocks whose last element is in `last` (flat): the
+    /// blocks a piece of the flat weights completes.
+    pub fn scatter_weights_ending(
+        &self,
+        device: &D,
+        stream: &D::Stream,
+        params: &D::Buffer<P>,
+        last: Range<usize>,
+    ) -> Result<(), EngineError> {
+        let ending = |block: &&Block| last.contains(&(block.start + block.rows * block.cols - 1));
+        for block in self.blocks.iter().filter(ending) {
             let (weights, index) = (block.compact(&self.weights), block.index.clone());
             device.scatter_columns(stream, weights, &self.index, index, block.full(params, 0))?;
         }

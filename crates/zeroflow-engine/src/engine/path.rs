@@ -29,6 +29,7 @@
 //! | `window_ready` (ZenFlow) | compute: after the window add, and before the window norm's and the importances' reads (`sum_to_host`) | d2h, before the CPU step's copies of the window (inline, or set aside) and the reads |
 //! | `window_copied` (ZenFlow's host path) | d2h, after the window's copy into the host accumulator and its clear | compute, before the next window add |
 //! | `device_done` (ZenFlow) | compute, after the device step | h2d, before the CPU's weights are applied |
+//! | `applied` (one per piece, ZenFlow's host path with `overlap_forward`) | h2d, after a piece of the CPU's weights and the device's columns over the blocks it completes (`AppliedPieces`) | compute, before the forward reads the piece's weights (`AppliedOpening`); the last piece's `params_ready` also orders the window's copy out (d2h) |
 //!
 //! The host side waits by tokens, not events: a staged piece is added only after its copy's
 //! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, ZenFlow's
@@ -50,7 +51,7 @@ use super::state::{PathState, Restore, SavedState};
 pub(super) use super::stream::{OpenAt, Opening, Stream};
 pub(super) use super::summed::Summed;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
-use super::zenflow_host::HostSide;
+use super::zenflow_host::{AppliedOpening, AppliedPieces, HostSide};
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{Delayed, HostAccumulator, StreamBuffers, ZenFlowHost};
@@ -68,8 +69,41 @@ pub(crate) fn no_decay(layout: &FlatLayout, owned: &Range<usize>) -> NoDecay {
     NoDecay::new(params.map(|param| param.flat_range()).collect()).within(owned.clone())
 }
 
-/// A backward's sink and the step left for its forward to open ([`UpdatePath::sink_or_open`]).
+/// A backward's sink and the exact step left for its forward to open (`Stream::open`,
+/// `Summed::open`).
 pub(super) type SinkOrOpening<'a, D, P> = (Sink<'a, D, P>, Option<Opening<'a, D, P>>);
+
+/// A backward's sink and what its forward opens ([`UpdatePath::sink_or_open`]).
+pub(super) type SinkOrOpen<'a, D, P> = (Sink<'a, D, P>, Option<Open<'a, D, P>>);
+
+/// What the next forward opens as it reaches the weights ([`crate::ModelIo::open`]): the exact
+/// step left to it ([`Opening`]: the CPU steps the weights then), or ZenFlow's weights applied
+/// from host memory in pieces ([`AppliedOpening`]: the forward waits for their copies).
+// One lives on the stack for one backward: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Open<'a, D: DeviceAdamW, P: Float> {
+    Step(Opening<'a, D, P>),
+    Applied(AppliedOpening<'a, D, P>),
+}
+
+impl<D: DeviceAdamW, P: Float> Open<'_, D, P> {
+    /// [`crate::ModelIo::open`]: the weights below flat `end`.
+    pub fn open(&mut self, end: usize) {
+        match self {
+            Open::Step(opening) => opening.open(end),
+            Open::Applied(opening) => opening.open(end),
+        }
+    }
+
+    /// Ends the opening after the model: whether the model opened everything itself (else the
+    /// first error), and the time spent on the CPU's step.
+    pub fn end(self) -> (Result<bool, EngineError>, std::time::Duration) {
+        match self {
+            Open::Step(opening) => opening.end(),
+            Open::Applied(opening) => (opening.end(), std::time::Duration::ZERO),
+        }
+    }
+}
 
 /// The engine's update path (see the module documentation).
 pub(super) enum UpdatePath<D: DeviceAdamW, P: Float> {
@@ -183,7 +217,11 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                         )?)
                     }
                 };
-                let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host)?;
+                // The next forward opens the host path's weights in pieces where this rank
+                // holds them all (nothing to gather).
+                let one = len == layout.padded_len() && offload.stream.overlap_forward;
+                let pieces = one.then(|| AppliedPieces::new(chunk));
+                let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host, pieces)?;
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
             }
         };
@@ -265,11 +303,12 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     }
 
     /// True if the last step's CPU work is left for the next forward to open (`Stream::open`,
-    /// `Summed::open`).
+    /// `Summed::open`), or ZenFlow's weights are on their way in pieces for it.
     pub fn defers(&self) -> bool {
         match self {
             UpdatePath::Stream(s) => s.defers(),
             UpdatePath::Summed(s) => s.defers(),
+            UpdatePath::ZenFlow(z) => z.defers(),
             _ => false,
         }
     }
@@ -281,13 +320,16 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         assumed: Option<Assumed>,
         boundary: bool,
         at: OpenAt<'a, D, P>,
-    ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
+    ) -> Result<SinkOrOpen<'a, D, P>, EngineError> {
         if !self.defers() {
             return Ok((self.sink(assumed, boundary), None));
         }
+        let step = |(sink, opening): SinkOrOpening<'a, D, P>| (sink, opening.map(Open::Step));
         match self {
-            UpdatePath::Stream(stream) => stream.open(at, assumed),
-            UpdatePath::Summed(summed) => summed.open(at),
+            UpdatePath::Stream(stream) => stream.open(at, assumed).map(step),
+            UpdatePath::Summed(summed) => summed.open(at).map(step),
+            // ZenFlow adds each step into its window on the device at the step.
+            UpdatePath::ZenFlow(z) => Ok((Sink::Keep, z.open(at).map(Open::Applied))),
             _ => Err(EngineError::Internal("only a streaming step is left to the forward")),
         }
     }
@@ -301,6 +343,10 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         match self {
             UpdatePath::Stream(s) => s.complete(shared),
             UpdatePath::Summed(s) => s.complete(shared),
+            UpdatePath::ZenFlow(z) => {
+                z.complete();
+                Ok(())
+            }
             _ => Ok(()),
         }
     }

@@ -29,8 +29,8 @@ use zeroflow_optim::{AdamWConfig, AdamWStep};
 
 use super::shared::{Shared, normalise, overwrite, overwrite_at, slot, sum_to_host};
 use super::state::{PathState, RESTORE_PIECE, SavedParts, SavedState, SavedWindow};
-use super::stream::{Chunks, stream_chunks, trace_worker};
-use super::zenflow_host::HostSide;
+use super::stream::{Chunks, OpenAt, stream_chunks, trace_worker};
+use super::zenflow_host::{AppliedOpening, AppliedPieces, HostSide};
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
 use crate::host::{HostMoments, HostOptimizer, StepTimes, StreamBuffers, convert_into};
@@ -42,6 +42,9 @@ use crate::{EngineError, ZenFlowOptions};
 pub(super) struct ZenFlowUpdate<D: DeviceAdamW, P: Float> {
     pub(super) zenflow: ZenFlow<D, P>,
     pub(super) host: HostSide<P>,
+    /// The host path's weights applied in pieces that the next forward opens (`None`: applied
+    /// whole before it).
+    pub(super) pieces: Option<AppliedPieces<D>>,
 }
 
 /// A ZenFlow checkpoint's state, checked and assembled for this rank before anything is restored.
@@ -59,11 +62,30 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         options: &ZenFlowOptions,
         adamw: AdamWConfig,
         host: HostSide<P>,
+        pieces: Option<AppliedPieces<D>>,
     ) -> Result<Self, EngineError> {
         // With overlap_step the streamed path sets the window aside on the device.
         let device_aside = options.overlap_step && matches!(host, HostSide::Streamed(_));
         let zenflow = ZenFlow::new(device, layout, owned, options, adamw, device_aside)?;
-        Ok(ZenFlowUpdate { zenflow, host })
+        // Only the host path applies its weights from host memory.
+        let pieces = pieces.filter(|_| matches!(host, HostSide::Accumulated(_)));
+        Ok(ZenFlowUpdate { zenflow, host, pieces })
+    }
+
+    /// True if the host path's weights are on their way in pieces for the next forward to open.
+    pub fn defers(&self) -> bool {
+        self.pieces.as_ref().is_some_and(AppliedPieces::pending)
+    }
+
+    /// The pieces on their way, for the next forward to open.
+    pub fn open<'a>(&'a mut self, at: OpenAt<'a, D, P>) -> Option<AppliedOpening<'a, D, P>> {
+        self.pieces.as_mut().filter(|pieces| pieces.pending()).map(|pieces| pieces.open(at))
+    }
+
+    /// Anything but a forward reads the weights next: after `params_ready`, which follows the
+    /// last piece.
+    pub fn complete(&mut self) {
+        self.pieces.iter_mut().for_each(AppliedPieces::clear);
     }
 
     /// One ZenFlow step: a selection if one is due, the device step of the selected columns,
@@ -288,6 +310,11 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         match (self.zenflow.aside.as_ref().filter(|_| ready), upload) {
             (Some(aside), _) => device.copy_d2d(h2d, aside, 0..len, &shared.params, at)?,
             (None, Some(upload)) => {
+                if let Some(pieces) = &mut self.pieces {
+                    // The device's columns over each piece, for the next forward to open.
+                    pieces.queue(device, upload, len, &shared.params, at, &self.zenflow)?;
+                    return shared.gather_from(StreamKind::H2d);
+                }
                 device.copy_h2d(h2d, upload, 0..len, &shared.params, at)?.wait()?
             }
             (None, None) => return Err(EngineError::Internal("ZenFlow's weights are not aside")),

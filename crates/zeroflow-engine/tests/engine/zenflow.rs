@@ -653,6 +653,44 @@ fn the_streamed_cpu_step_is_bit_identical_whatever_the_chunk() {
     assert_eq!(got.weights, want.weights, "bf16, the window aside on the host: weights");
 }
 
+/// ZenFlow's host path (`ZenFlowAside::Host`) applies its weights in pieces of the stream chunk
+/// that the next forward opens as it reaches them (one rank, `overlap_forward`): each of the
+/// forward's reads waits for its own piece, and the run is the one whose weights are applied
+/// whole before the forward, bit for bit — weights, step reports, optimizer and ZenFlow state —
+/// calm and under chaos (randomly delayed streams: a read before its piece's copy and the
+/// columns scattered over it would see the last window's weights), inline and overlapped, with
+/// chunks that cut the selection's blocks, in f32 and bf16; and on two ranks, where the option
+/// leaves the weights applied whole.
+#[test]
+fn the_forward_opens_the_host_paths_weights_piece_by_piece() {
+    let runs = [(1, true, 3, 7), (1, false, 2, 5), (1, true, 1, 64), (2, true, 2, 7)];
+    for (world, overlap_step, update, stream_chunk) in runs {
+        let whole = Setup {
+            stream_chunk,
+            zenflow_aside: ZenFlowAside::Host,
+            ..setup(Stage::Zero2, world, 14, zenflow(0.3, 4, update, overlap_step))
+        };
+        let want = train::<f32>(&whole, LossScaler::None, None);
+        for chaos in [None, Some(2), Some(5)] {
+            let opened = Setup { overlap_forward: true, chaos, ..whole.clone() };
+            let got = train::<f32>(&opened, LossScaler::None, None);
+            assert_eq!(got.weights, want.weights, "{opened:?}: weights");
+            assert_eq!(got.reports, want.reports, "{opened:?}: step reports");
+            assert_eq!(got.snapshots, want.snapshots, "{opened:?}: optimizer and ZenFlow state");
+        }
+    }
+    let whole = Setup {
+        stream_chunk: 7,
+        zenflow_aside: ZenFlowAside::Host,
+        ..setup(Stage::Zero2, 1, 12, zenflow(0.3, 4, 2, true))
+    };
+    let want = train::<Bf16>(&whole, LossScaler::None, None);
+    let opened = Setup { overlap_forward: true, chaos: Some(3), ..whole.clone() };
+    let got = train::<Bf16>(&opened, LossScaler::None, None);
+    assert_eq!(got.weights, want.weights, "bf16, opened piece by piece: weights");
+    assert_eq!(got.snapshots, want.snapshots, "bf16, opened piece by piece: state");
+}
+
 /// ZenFlow follows each parameter's split axis: a `[9, 6]` weight split by axis 0 has its rows
 /// ranked by the L1 norms of their gradients (summed over ranks) and the top rows stepped on the
 /// device. Within the first window exactly the top rows (and the vector) change; and the run
