@@ -29,7 +29,7 @@
 //! | `window_ready` (ZenFlow) | compute: after the window add, and before the window norm's and the importances' reads (`sum_to_host`) | d2h, before the CPU step's copies of the window (inline, or set aside) and the reads |
 //! | `window_copied` (ZenFlow's host path) | d2h, after the window's copy into the host accumulator and its clear | compute, before the next window add |
 //! | `device_done` (ZenFlow) | compute, after the device step | h2d, before the CPU's weights are applied |
-//! | `applied` (one per piece, ZenFlow's host path with `overlap_forward`) | h2d, after a piece of the CPU's weights and the device's columns over the blocks it completes (`AppliedPieces`) | compute, before the forward reads the piece's weights (`AppliedOpening`); the last piece's `params_ready` also orders the window's copy out (d2h) |
+//! | `applied` (one per piece, ZenFlow's host path with `overlap_forward`) | h2d, after a piece of the CPU's weights and the device's columns over the blocks it completes (`AppliedPieces`) | compute, before the forward reads the piece's weights (`AppliedOpening`) |
 //!
 //! The host side waits by tokens, not events: a staged piece is added only after its copy's
 //! [`zeroflow_device::Filling`] is waited on, and detached tokens (the streamed uploads, ZenFlow's

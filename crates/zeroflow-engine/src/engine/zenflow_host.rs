@@ -7,7 +7,7 @@
 //! host: at once (inline), or with `overlap_step` at the next window's end, where the worker is
 //! joined and its weights uploaded before that window is copied into the same accumulator (one
 //! rank with `overlap_forward`: uploaded in pieces that the next forward opens as it reaches them,
-//! [`AppliedPieces`], the window's copy out after the last). 18 B
+//! [`AppliedPieces`], the window's copy out queued right after them). 18 B
 //! per parameter of host memory with fp32 moments (14 with bf16), and on the device the window
 //! alone, as inline.
 
@@ -115,7 +115,7 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         let started = std::time::Instant::now();
         let (zenflow, host) = self.accumulated()?;
         if let CpuStep::Inline(_) = host.cpu {
-            take_window(shared, zenflow, host, None)?;
+            take_window(shared, zenflow, host)?;
             host.step_now(&cpu_step)?;
             shared.cpu_wait += started.elapsed();
             return self.apply_and_gather(shared);
@@ -130,13 +130,8 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         } else {
             shared.gather_from(StreamKind::Compute)?;
         }
-        // The window's copy out (4 bytes per element) waits for the weights' pieces (2 bytes)
-        // where the next forward opens them: both through the host's memory at once, the
-        // pieces the forward waits for would come slower.
-        let pieces = self.pieces.as_ref().is_some_and(AppliedPieces::pending);
-        let after = shared.events.params_ready.as_ref().filter(|_| pieces);
         let (zenflow, host) = self.accumulated()?;
-        take_window(shared, zenflow, host, after)?;
+        take_window(shared, zenflow, host)?;
         host.start_delayed(cpu_step)
     }
 
@@ -153,21 +148,17 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
     }
 }
 
-/// Copies the window into the host accumulator and clears it, on the d2h stream (after `after`,
-/// where given). The copy's token is detached: the accumulator remembers the copy, and the CPU
-/// step's first read of it (here or on the worker) waits for it.
+/// Copies the window into the host accumulator and clears it, on the d2h stream. The copy's token
+/// is detached: the accumulator remembers the copy, and the CPU step's first read of it (here or
+/// on the worker) waits for it.
 fn take_window<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &Shared<D, C, P>,
     zenflow: &mut ZenFlow<D, P>,
     host: &mut HostAccumulator<P>,
-    after: Option<&D::Event>,
 ) -> Result<(), EngineError> {
     let device = &shared.device;
     let d2h = device.stream(StreamKind::D2h);
     device.wait_event(d2h, &zenflow.window_ready)?;
-    if let Some(event) = after {
-        device.wait_event(d2h, event)?;
-    }
     let len = shared.owned.len();
     device.copy_d2h(d2h, &*zenflow.window, 0..len, &mut host.acc, 0)?.detach();
     device.fill(d2h, &*zenflow.window, 0..len, 0.0)?;
