@@ -42,26 +42,25 @@ impl<D: DeviceAdamW> DeviceAdamState<D> {
         out: &D::Buffer<P>,
         out_offset: usize,
     ) -> Result<(), DeviceError> {
-        let no_decay = (&self.no_decay, 0);
-        self.step_within(device, stream, step, no_decay, range, grads, out, out_offset)
+        self.step_shifted(device, stream, step, 0, range, grads, out, out_offset)
     }
 
-    /// [`DeviceAdamState::step`] run by run of `no_decay` counted from `shift` elements before
-    /// this state's first (a piece of a larger state, staged here), not of its own.
+    /// [`DeviceAdamState::step`] of a piece of a larger state staged here, whose `no_decay`
+    /// ranges count from the larger state's start: this state's first element is its `shift`-th.
     #[allow(clippy::too_many_arguments, reason = "one buffer per operand, like the kernel")]
-    pub fn step_within<P: Float>(
+    pub fn step_shifted<P: Float>(
         &self,
         device: &D,
         stream: &D::Stream,
         step: &AdamWStep,
-        (no_decay, shift): (&NoDecay, usize),
+        shift: usize,
         range: Range<usize>,
         grads: &D::Buffer<f32>,
         out: &D::Buffer<P>,
         out_offset: usize,
     ) -> Result<(), DeviceError> {
         let shifted = shift + range.start..shift + range.end;
-        for (run, step) in no_decay.steps(step, shifted) {
+        for (run, step) in self.no_decay.steps(step, shifted) {
             let run = run.start - shift..run.end - shift;
             let at = out_offset + (run.start - range.start);
             device.adamw(stream, &step, self, run, grads, out, at)?;

@@ -220,7 +220,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
                 // The next forward opens the host path's weights in pieces where this rank
                 // holds them all (nothing to gather).
                 let one = len == layout.padded_len() && offload.stream.overlap_forward;
-                let pieces = one.then(|| AppliedPieces::new(chunk));
+                let on_host = matches!(host, HostSide::Accumulated(_));
+                let pieces = (one && on_host).then(|| AppliedPieces::new(chunk));
                 let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host, pieces)?;
                 return Ok(UpdatePath::ZenFlow(Box::new(path)));
             }

@@ -2,7 +2,8 @@
 //! partition keep their fp32 master weights and moments in device memory only, and the device's
 //! AdamW steps them on the compute stream while the CPU streams the rest; or
 //! (`StreamOptions::device_share_state`: host) keep them in page-locked host memory, staged
-//! through a few device slots a piece at a time on two streams of the share's own ([`Staged`]). The host memory the
+//! through a few device slots a piece at a time on two streams of the share's own ([`Staged`]).
+//! The host memory the
 //! exact step moves per step — the bound of that step (DESIGN.md §5) — shrinks by the share, and
 //! so does the host memory the optimizer holds: the host optimizer's state is the partition's
 //! first elements, up to [`DeviceShare::from`].
@@ -99,8 +100,6 @@ struct Staged<D: Device> {
     /// `[master, exp_avg, exp_avg_sq]` of each piece.
     pieces: Vec<[HostBuffer<f32>; 3]>,
     piece: usize,
-    /// The share's elements that take no weight decay, counted from its start.
-    no_decay: NoDecay,
     slots: Vec<Slot<D>>,
     load: D::Stream,
     store: D::Stream,
@@ -406,8 +405,8 @@ impl<D: DeviceAdamW> Staged<D> {
                 master: device.alloc::<f32>(slot_len)?,
                 exp_avg: device.alloc::<f32>(slot_len)?,
                 exp_avg_sq: device.alloc::<f32>(slot_len)?,
-                // (Unused: a slot steps with the share's ranges, `Staged::no_decay`.)
-                no_decay: NoDecay::default(),
+                // The share's, counted from its start: a slot steps a piece of it shifted.
+                no_decay: no_decay.clone(),
             };
             let grads = device.alloc::<f32>(slot_len)?;
             let [loaded, stepped, stored] = [(); 3].map(|()| device.new_event());
@@ -415,7 +414,7 @@ impl<D: DeviceAdamW> Staged<D> {
             slots.push(Slot { state, grads, loaded, stepped, stored, used: false });
         }
         let (load, store) = (device.new_stream("share-load")?, device.new_stream("share-store")?);
-        Ok(Staged { pieces, piece, no_decay, slots, load, store, step: None, loaded: 0, stored: 0 })
+        Ok(Staged { pieces, piece, slots, load, store, step: None, loaded: 0, stored: 0 })
     }
 
     /// Queues pieces of the step under way: up and stepped while a slot is free (its last
@@ -447,13 +446,11 @@ impl<D: DeviceAdamW> Staged<D> {
                 device.record(&mut slot.loaded, &self.load)?;
                 let grads = at + from + range.start..at + from + range.end;
                 device.cast(&self.load, source, grads, &slot.grads, 0)?;
-                // The share's no-decay ranges, counted from the piece's start.
-                let (no_decay, out) =
-                    ((&self.no_decay, range.start), params_at + from + range.start);
-                let within = 0..range.len();
+                // The piece is the share's elements from `range.start`.
+                let (shift, out) = (range.start, params_at + from + range.start);
                 let (load, grads) = (&self.load, &slot.grads);
-                slot.state
-                    .step_within(device, load, &step, no_decay, within, grads, params, out)?;
+                let within = 0..range.len();
+                slot.state.step_shifted(device, load, &step, shift, within, grads, params, out)?;
                 device.record(&mut slot.stepped, &self.load)?;
                 slot.used = true;
                 self.loaded += 1;

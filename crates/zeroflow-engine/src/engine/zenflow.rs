@@ -43,7 +43,7 @@ pub(super) struct ZenFlowUpdate<D: DeviceAdamW, P: Float> {
     pub(super) zenflow: ZenFlow<D, P>,
     pub(super) host: HostSide<P>,
     /// The host path's weights applied in pieces that the next forward opens (`None`: applied
-    /// whole before it).
+    /// whole before it; always on the streamed path, whose weights are applied on the device).
     pub(super) pieces: Option<AppliedPieces<D>>,
 }
 
@@ -67,8 +67,6 @@ impl<D: DeviceAdamW, P: Float> ZenFlowUpdate<D, P> {
         // With overlap_step the streamed path sets the window aside on the device.
         let device_aside = options.overlap_step && matches!(host, HostSide::Streamed(_));
         let zenflow = ZenFlow::new(device, layout, owned, options, adamw, device_aside)?;
-        // Only the host path applies its weights from host memory.
-        let pieces = pieces.filter(|_| matches!(host, HostSide::Accumulated(_)));
         Ok(ZenFlowUpdate { zenflow, host, pieces })
     }
 

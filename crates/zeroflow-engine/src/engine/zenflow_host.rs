@@ -199,9 +199,10 @@ impl<D: Device> AppliedPieces<D> {
         self.ends.clear();
     }
 
-    /// Queues the copy of `upload`'s first `len` elements into the flat weights from `at` in pieces on `h2d` (which
-    /// waits for the weights to be free and the device step to be done already), each piece
-    /// followed by the device's columns over the blocks it completes and its event.
+    /// Queues the copy of `upload`'s first `len` elements into the flat weights from `at` in
+    /// pieces on the h2d stream (which waits for the weights to be free and the device step to
+    /// be done already), each piece followed by the device's columns over the blocks it
+    /// completes and its event.
     pub(super) fn queue<P: Float>(
         &mut self,
         device: &D,
