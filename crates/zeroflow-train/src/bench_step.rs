@@ -102,6 +102,9 @@ pub fn run(
     with_family!(&model, family => match options.device {
         DeviceKind::Cpu => bench(options, family, dist, open::open_cpu),
         DeviceKind::Cuda => {
+            if options.plan != PlanMode::Only {
+                open::check_cuda_gpu(dist.local_rank)?;
+            }
             let requested = &options.settings;
             let attention = settings::attention(options.device, &model, requested)?;
             let cache = options.kernel_cache.clone();

@@ -143,18 +143,19 @@ pub fn open_cuda<F: Family>(
     Ok(Opened { device, comm, model, group })
 }
 
-/// Checks that GPU `ordinal` exists before anything else is done, so that `train --device cuda`
-/// on a machine without one says so in a sentence ("no CUDA GPU found" and what to check), as the
-/// benchmarks do, instead of the loader's list of library names tried.
+/// Checks that GPU `ordinal` exists before anything else is done, so that `train` or `bench step`
+/// with `--device cuda` on a machine without one says so in a sentence ("no CUDA GPU found" and
+/// what to check), as the other benchmarks do, instead of the loader's list of library names
+/// tried — and at once, not after a large model's weights are drawn on the host.
 pub fn check_cuda_gpu(ordinal: usize) -> Result<()> {
     use zeroflow_device::cuda::{info, is_absent, short_reason};
     let what_to_check = "check `nvidia-smi` and `zeroflow env` (driver, libraries, \
-                         CUDA_VISIBLE_DEVICES), or train on the CPU with --device cpu";
+                         CUDA_VISIBLE_DEVICES), or run on the CPU with --device cpu";
     let gpus = match info::list_gpus() {
         Ok(gpus) => gpus,
         Err(error) if is_absent(&error) => {
             return Err(input(format!(
-                "no CUDA GPU found ({}); --device cuda trains on an NVIDIA GPU: {what_to_check}",
+                "no CUDA GPU found ({}); --device cuda runs on an NVIDIA GPU: {what_to_check}",
                 short_reason(&error)
             )));
         }

@@ -49,7 +49,8 @@ fn a_micro_batch_too_large_for_the_host_says_which_flag_to_lower() {
 }
 
 /// Regression: without a GPU, `train --device cuda` printed the 15 library names the loader
-/// tried. (Skipped where a GPU is present.)
+/// tried, and `bench step --device cuda` did too, after drawing the model's weights on the host
+/// (minutes at llama-8b). (Skipped where a GPU is present.)
 #[test]
 fn cuda_without_a_gpu_says_no_gpu_was_found_and_what_to_check() {
     let run = zeroflow(&["env", "--json"]);
@@ -64,6 +65,11 @@ fn cuda_without_a_gpu_says_no_gpu_was_found_and_what_to_check() {
         assert!(stderr.contains("zeroflow env") && stderr.contains("--device cpu"), "{stderr}");
         assert!(!stderr.contains("libcuda64_12.so"), "no list of library names: {stderr}");
     }
+    let bench = ["bench", "step", "--device", "cuda", "--model", "gpt2-124m", "--steps", "1"];
+    let stderr = fails_cleanly(&bench);
+    assert!(stderr.contains("no CUDA GPU found"), "{stderr}");
+    assert!(stderr.contains("zeroflow env") && stderr.contains("--device cpu"), "{stderr}");
+    assert!(!stderr.contains("memory plan"), "checked before the plan and the weights: {stderr}");
 }
 
 /// Regression: `/dev/null` as data was "no such file or directory".
