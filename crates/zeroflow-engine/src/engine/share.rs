@@ -3,10 +3,9 @@
 //! AdamW steps them on the compute stream while the CPU streams the rest; or
 //! (`StreamOptions::device_share_state`: host) keep them in page-locked host memory, staged
 //! through a few device slots a piece at a time on two streams of the share's own ([`Staged`]).
-//! The host memory the
-//! exact step moves per step — the bound of that step (DESIGN.md §5) — shrinks by the share, and
-//! so does the host memory the optimizer holds: the host optimizer's state is the partition's
-//! first elements, up to [`DeviceShare::from`].
+//! The host memory the exact step moves per step — the bound of that step (DESIGN.md §5) —
+//! shrinks by the share, and so does the host memory the optimizer holds: the host optimizer's
+//! state is the partition's first elements, up to [`DeviceShare::from`].
 //!
 //! Whatever reads the whole partition's state reads the share's from the device: a snapshot and
 //! the master weights download it, a checkpoint's view joins the host's part (lent) to the
