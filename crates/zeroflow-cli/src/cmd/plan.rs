@@ -45,6 +45,7 @@ pub struct PlanArgs {
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    args.train.check_mode()?;
     let dist = match args.nproc_per_node {
         Some(per_node) => DistEnv {
             world_size: per_node.get() * args.nnodes.get(),

@@ -195,6 +195,10 @@ pub struct Args {
         value_parser = settings::flag(&settings::names::SWITCH)
     )]
     pub shuffle: Option<bool>,
+    /// Not a flag of train or plan (`bench step`'s): hidden, so that giving it says where their
+    /// mode comes from, where clap would suggest --model.
+    #[arg(long, hide = true, value_name = "MODE")]
+    pub mode: Option<String>,
     #[command(flatten)]
     pub auto: AutoFlags,
     #[command(flatten)]
@@ -206,6 +210,7 @@ pub struct Args {
 /// Checks everything the flags and files say (with the launcher's and `ZEROFLOW_*` variables),
 /// then trains.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    args.check_mode()?;
     let dist =
         DistEnv::from_lookup(|name| std::env::var(name).ok()).map_err(InputError::from_display)?;
     let env = settings::env::from_process()?;
@@ -214,6 +219,33 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 impl Args {
+    /// An error for `--mode`, `bench step`'s flag: train and plan take the mode from the config,
+    /// and the error names the example config of that mode for the device asked for.
+    pub fn check_mode(&self) -> anyhow::Result<()> {
+        let Some(mode) = &self.mode else { return Ok(()) };
+        let cpu = !matches!(self.device, Some(train::DeviceFlag::Cuda));
+        let config = |kind: &str| match cpu {
+            true => format!("--config examples/configs/cpu-zero2{kind}.json"),
+            false => format!("--config examples/configs/zero2{kind}-bf16.json"),
+        };
+        let suggestion = match mode.as_str() {
+            "gpu" => config(""),
+            "offload" => config("-offload"),
+            "zenflow" => config("-zenflow"),
+            "offload-delayed" | "dpu" => format!(
+                "{} with \"zeroflow\": {{\"delayed_update\": {{\"enabled\": true}}}} added",
+                config("-offload")
+            ),
+            _ => "a DeepSpeed JSON config in --config (examples/configs has one for each mode)"
+                .to_owned(),
+        };
+        Err(InputError::from_display(format!(
+            "--mode {mode}: `train` and `plan` take the mode from the DeepSpeed config \
+             (zero_optimization.offload_optimizer and .zenflow), not from --mode (a flag of \
+             `bench step`): use {suggestion}"
+        )))
+    }
+
     /// The flags as the library's options.
     pub fn options(&self) -> TrainOptions {
         let auto = &self.auto;

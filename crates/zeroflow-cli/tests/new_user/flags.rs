@@ -155,6 +155,37 @@ fn gpu_needs_cuda_and_one_process() {
     assert!(stderr.contains("--gpu") && stderr.contains("--device cuda"), "{stderr}");
 }
 
+/// `bench step --mode offload` given to `train` or `plan` says that their mode comes from the
+/// config and names the example config of that mode for the device, which then plans (clap
+/// alone suggested --model).
+#[test]
+fn mode_says_the_config_sets_the_mode_and_names_one_that_plans() {
+    let cases = [
+        ("gpu", None, "cpu-zero2.json"),
+        ("offload", None, "cpu-zero2-offload.json"),
+        ("zenflow", Some("cuda"), "zero2-zenflow-bf16.json"),
+        ("offload-delayed", Some("cuda"), "zero2-offload-bf16.json"),
+    ];
+    for (command, (mode, device, config)) in ["train", "plan"].into_iter().cycle().zip(cases) {
+        let mut args = vec![command, "--model", MINI, "--mode", mode];
+        args.extend(device.map(|device| ["--device", device]).into_iter().flatten());
+        let run = zeroflow(&args);
+        let stderr = text(&run.stderr);
+        assert_eq!(run.status.code(), Some(2), "{args:?}: {stderr}");
+        let named = format!("--config examples/configs/{config}");
+        assert!(stderr.contains(&named) && stderr.contains("bench step"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("similar argument"), "{args:?}: {stderr}");
+        // The config named plans that mode (a GPU's plan for an 80 GiB one, which needs none).
+        let path = repo_root().join("examples/configs").join(config);
+        let mut plan = vec!["plan", "--model", MINI, "--json", "--config", path.to_str().unwrap()];
+        if device.is_some() {
+            plan.extend(["--device", "cuda", "--gpu-memory", "80"]);
+        }
+        let planned = zeroflow(&plan);
+        assert!(planned.status.success(), "{plan:?}: {}", text(&planned.stderr));
+    }
+}
+
 #[test]
 fn launch_accepts_torchruns_spelling_of_nproc_per_node() {
     let run = zeroflow(&["launch", "--nproc_per_node", "2", "--", "dist-check"]);
