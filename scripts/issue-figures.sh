@@ -7,7 +7,9 @@
 # with 16-bit moments (`--state-dtype bf16`, which keeps the whole optimizer in host memory: 20
 # bytes per parameter of the CPU AdamW's traffic instead of 28, not the fp32 step's numerics), and
 # at share 0 with fp32 moments and the speculative step on (`--speculation-budget-mib 16384`, off
-# by default: the CPU steps pieces under the backward, the issue's own mechanism).
+# by default: the CPU steps pieces under the backward, the issue's own mechanism) without the clip
+# (`bench step` clips at 1.0 by default, which fires on every step of a model at its initial
+# weights: the speculation is then redone or paused).
 #
 #   here:  bash scripts/gpu-check.sh; bench/peers/fetch-wheels.sh
 #   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 6.5 minutes)
@@ -22,8 +24,8 @@ base=(VAR=ZEROFLOW_DEVICE_SHARE 'VALUES=default 0' PARTS=speed ROUNDS=1)
 # The 16-bit moments' offload row beside them (no `gpu` row again: the one above is the ratio's).
 bf16=(VAR=ZEROFLOW_DEVICE_SHARE VALUES=0 PARTS=speed ROUNDS=1 GPU_ROW=0 TAG=-bf16
     'OFFLOAD_ARGS=--state-dtype bf16')
-spec=(VAR=ZEROFLOW_DEVICE_SHARE VALUES=0 PARTS=speed ROUNDS=1 GPU_ROW=0 TAG=-spec
-    'OFFLOAD_ARGS=--speculation-budget-mib 16384')
+spec=(VAR=ZEROFLOW_DEVICE_SHARE VALUES=0 PARTS=speed ROUNDS=1 GPU_ROW=0 TAG=-spec-noclip
+    'OFFLOAD_ARGS=--speculation-budget-mib 16384 --gradient-clipping 0')
 ds() { # ds MODEL [ENV...]: DeepSpeed's offload on MODEL at 4 × 2048
     local model=$1
     shift
@@ -56,7 +58,7 @@ case $issue in
         setting=()
         [[ $share == default ]] || setting=(ZEROFLOW_DEVICE_SHARE="${share%%-*}")
         [[ $share == *-bf16 ]] && setting+=("ZF_ARGS=--state-dtype bf16")
-        [[ $share == *-spec ]] && setting+=("ZF_ARGS=--speculation-budget-mib 16384")
+        [[ $share == *-spec ]] && setting+=("ZF_ARGS=--speculation-budget-mib 16384 --gradient-clipping 0")
         env "${setting[@]}" MICRO_BATCH=4 SEQ=2048 CHECKPOINTING=1 STEPS=6 WARMUP=3 MODES=offload \
             PARTS=zeroflow OUT="$OUT/zf-$share" bash scripts/bench-vs-deepspeed.sh \
             llama-3b 2>&1 | tail -n 4

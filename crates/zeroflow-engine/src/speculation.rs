@@ -24,9 +24,11 @@ use crate::host::HostOptimizer;
 
 /// The default of [`crate::StreamOptions::speculation_budget`]: none (speculation off). Since it
 /// stops at the backward's end and works beside the forward's opening, a 16 GiB budget made the
-/// exact offload step with the whole optimizer in host memory 1.08× faster at llama-1b and
-/// 1.00–1.02× at gpt-1.3b on an H100 where the clip did not fire, and no slower where it fired on
-/// every step (BENCHMARKS.md); its buffers are host memory the run must ask for.
+/// exact offload step with the whole optimizer in host memory 1.05–1.08× faster at llama-1b and
+/// 1.00–1.03× at gpt-1.3b on an H100 where the clip did not fire, and llama-8b's at its default
+/// share (0.75 of the optimizer on the host) 1.09×; where the clip fired on every step it was
+/// 0–9 % slower over six to eight steps, redone and then sitting out (BENCHMARKS.md); its buffers
+/// are host memory the run must ask for.
 pub const DEFAULT_SPECULATION_BUDGET: usize = 0;
 
 /// What the speculative step did so far ([`crate::Engine::speculation_stats`]).
