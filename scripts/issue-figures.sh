@@ -12,8 +12,8 @@
 # weights: the speculation is then redone or paused).
 #
 #   here:  bash scripts/gpu-check.sh; bench/peers/fetch-wheels.sh
-#   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 6.5 minutes)
-#          bash scripts/issue-figures.sh 22     (about 4 minutes)
+#   there: bash scripts/issue-figures.sh 23     carry: [".gpu", ".peers"]   (about 5 minutes)
+#          bash scripts/issue-figures.sh 22     (about 3.5 minutes)
 #
 # Every `bench step` row goes to $OUT/bench.jsonl (tagged with its name) and a BENCH line;
 # DeepSpeed's rows to $OUT/ds/bench.jsonl. Each part is bounded by its own timeout.

@@ -166,8 +166,11 @@ fn mode_says_the_config_sets_the_mode_and_names_one_that_plans() {
         ("zenflow", Some("cuda"), "zero2-zenflow-bf16.json"),
         ("offload-delayed", Some("cuda"), "zero2-offload-bf16.json"),
     ];
+    // Where a run would write if --mode were let through (briefly: two steps).
+    let out = scratch("mode");
+    let out = out.to_str().unwrap();
     for (command, (mode, device, config)) in ["train", "plan"].into_iter().cycle().zip(cases) {
-        let mut args = vec![command, "--model", MINI, "--mode", mode];
+        let mut args = vec![command, "--model", MINI, "--mode", mode, "--steps", "2", "--out", out];
         args.extend(device.map(|device| ["--device", device]).into_iter().flatten());
         let run = zeroflow(&args);
         let stderr = text(&run.stderr);
