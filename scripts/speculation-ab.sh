@@ -18,13 +18,21 @@
 #   interleaved  BEFORE's (a binary's path) speculating rows and this tree's, no clip, model by
 #             model (SPEED_MODELS), two rounds in opposite orders: a change's A/B where the
 #             host's speed drifts between runs
+#   llama-8b  4 × 2048 with activation checkpointing at the default device share (`fit`: on an
+#             H100 0.25 of the optimizer on the GPU, the rest stepped by the CPU), off and on,
+#             no clip and clip 1.0, STEPS timed steps (default 15): whether the speculation
+#             should be on where a model's optimizer does not fit the GPU
+#   clip-long gpt-1.3b (8 × 1024) with the clip at 1.0, off and on, STEPS timed steps (default
+#             40): what a speculation that is redone and then sits out (1, 2, 4, … steps) costs
+#             over a longer run than `speed`'s
 #
 #   here:  bash scripts/gpu-check.sh
 #   there: bash scripts/speculation-ab.sh PART     carry: [".gpu"]   (exact about 5 minutes,
-#          speed about 7, llama-3b about 4, buckets about 5, interleaved about 3)
+#          speed about 7, llama-3b about 4, buckets about 5, interleaved about 3, llama-8b about
+#          6 on an H100, clip-long about 2)
 set -uo pipefail
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
-part=${1:?which part: exact, speed, llama-3b, buckets or interleaved}
+part=${1:?which part: exact, speed, llama-3b, buckets, interleaved, llama-8b or clip-long}
 export ZEROFLOW_DEVICE_SHARE=0
 common=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=0 ${BUDGET_MIB:-16384}")
 # The speculating value alone (a binary's rows against another's).
@@ -67,6 +75,19 @@ buckets)
         gpu_row=0
     done
     ;;
+llama-8b)
+    for clip in 0 1; do
+        env "${common[@]}" ZEROFLOW_DEVICE_SHARE=fit PARTS=speed ROUNDS=1 GPU_ROW=0 \
+            SPEED_MODELS=llama-8b STEPS="${STEPS:-15}" WARMUP=3 TAG=-fit-clip$clip \
+            OFFLOAD_ARGS="--activation-checkpointing --gradient-clipping $clip" \
+            bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+    done
+    ;;
+clip-long)
+    env "${common[@]}" PARTS=speed ROUNDS=1 GPU_ROW=0 SPEED_MODELS=gpt-1.3b STEPS="${STEPS:-40}" \
+        WARMUP=3 OFFLOAD_ARGS="--gradient-clipping 1" TAG=-clip1-long \
+        bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+    ;;
 interleaved)
     before=${BEFORE:?name the binary to compare with: BEFORE=<path>}
     for round in 1 2; do
@@ -83,5 +104,5 @@ interleaved)
         done
     done
     ;;
-*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets, interleaved)" >&2; exit 2 ;;
+*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets, interleaved, llama-8b, clip-long)" >&2; exit 2 ;;
 esac
