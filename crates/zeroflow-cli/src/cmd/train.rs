@@ -13,6 +13,7 @@ use zeroflow_train::plan::PlanMode;
 use zeroflow_train::setup::{AutoValues, TrainOptions};
 
 use crate::InputError;
+use crate::cmd::bench_train::ModeFlag;
 use crate::settings;
 use crate::train;
 
@@ -228,16 +229,19 @@ impl Args {
             true => format!("--config examples/configs/cpu-zero2{kind}.json"),
             false => format!("--config examples/configs/zero2{kind}-bf16.json"),
         };
-        let suggestion = match mode.as_str() {
-            "gpu" => config(""),
-            "offload" => config("-offload"),
-            "zenflow" => config("-zenflow"),
-            "offload-delayed" | "dpu" => format!(
+        // `bench step`'s own names (and aliases) for its modes.
+        let suggestion = match <ModeFlag as clap::ValueEnum>::from_str(mode, false) {
+            Ok(ModeFlag::Gpu) => config(""),
+            Ok(ModeFlag::Offload) => config("-offload"),
+            Ok(ModeFlag::Zenflow) => config("-zenflow"),
+            Ok(ModeFlag::OffloadDelayed) => format!(
                 "{} with \"zeroflow\": {{\"delayed_update\": {{\"enabled\": true}}}} added",
                 config("-offload")
             ),
-            _ => "a DeepSpeed JSON config in --config (examples/configs has one for each mode)"
-                .to_owned(),
+            Ok(ModeFlag::ZenflowInline) | Err(_) => {
+                "a DeepSpeed JSON config in --config (examples/configs has one for each mode)"
+                    .to_owned()
+            }
         };
         Err(InputError::from_display(format!(
             "--mode {mode}: `train` and `plan` take the mode from the DeepSpeed config \

@@ -73,10 +73,10 @@ pub struct HostFlags {
     /// steps the optimizer's pieces as the backward hands them over, before the gradient norm is
     /// known, and puts them back and steps them again where the clip fires (the weights are the
     /// same either way). Each element stepped so holds 12–16 bytes of it (its backup, and its
-    /// updated weights until their upload). Faster
-    /// where the clip does not fire (on an H100 1.03–1.09×: llama-8b at its default device share
-    /// 1.09× with 16384), a little slower over the first steps where it fires on every one. Over
-    /// ZEROFLOW_SPECULATION_BUDGET_MIB and zeroflow.offload.speculation_budget_mib.
+    /// updated weights until their upload). Faster where the clip does not fire (on an H100
+    /// 1.03–1.09×: llama-8b at its default device share 1.09× with 16384), a little slower over
+    /// the first steps where it fires on every one. Over ZEROFLOW_SPECULATION_BUDGET_MIB and
+    /// zeroflow.offload.speculation_budget_mib.
     #[arg(long, value_name = "MIB", value_parser = parse_budget_mib)]
     pub speculation_budget_mib: Option<f64>,
     /// Where ZeRO-2 sums an accumulation window: auto (the device where it has room), device or
