@@ -153,18 +153,16 @@ impl EngineOptions {
 
     /// Whether the optimizer's device share (`StreamOptions::device_share`) can act: on the
     /// exact offload step streaming its gradients — one micro-step per step (on every rank's
-    /// partition; a speculation steps the host's elements only), or the window summed on the
-    /// device (`on_device` from [`sums_on_device`]) where the rank holds every weight
-    /// (`holds_all`: one rank, or ZeRO-0) and nothing speculates. Its fp32 moments are asked
-    /// for apart (the share refuses bf16 moments with its own message).
+    /// partition), or the window summed on the device (`on_device` from [`sums_on_device`])
+    /// where the rank holds every weight (`holds_all`: one rank, or ZeRO-0); a speculation steps
+    /// the host's elements only. Its fp32 moments are asked for apart (the share refuses bf16
+    /// moments with its own message).
     pub fn shares(&self, dtype: DType, on_device: bool, holds_all: bool) -> bool {
         let Placement::Offload(offload) = &self.placement else {
             return false;
         };
-        let unspeculated = offload.stream.speculation_budget == 0;
         offload.update == OffloadUpdate::Exact
-            && (self.streams(dtype)
-                || (self.streams_sum(dtype, on_device) && holds_all && unspeculated))
+            && (self.streams(dtype) || (self.streams_sum(dtype, on_device) && holds_all))
     }
 
     /// The elements of a partition of `n` of `layout` that the device share steps on the device
@@ -565,8 +563,8 @@ pub(crate) mod tests {
 
     /// The streaming step's speculation backs up and keeps the weights of at most the elements
     /// whose state the host holds (14 bytes each with bf16 weights): all of the partition, or
-    /// those before a device share, which it now acts beside; a window summed on the device
-    /// with speculation takes no share.
+    /// those before a device share, which it acts beside with one micro-step per step and with
+    /// a window summed on the device alike.
     #[test]
     fn the_speculation_counts_the_hosts_elements_only_beside_a_share() {
         let layout = layout_of(1);
@@ -588,7 +586,10 @@ pub(crate) mod tests {
         let share = n * 3 / 10 / 8 * 8;
         let lines = opts.planned_buffers(&layout, 0, DType::Bf16, None);
         assert_eq!(total(&lines, MemoryKind::Host, kind), 14 * (n - share) as u64);
-        assert!(!speculating(0.3, 4).shares(DType::Bf16, true, true), "summed: it does not");
+        let summed = speculating(0.3, 4);
+        assert!(summed.shares(DType::Bf16, true, true), "summed on the device: the share acts");
+        let lines = summed.planned_buffers(&layout, 0, DType::Bf16, None);
+        assert_eq!(total(&lines, MemoryKind::Host, kind), 14 * (n - share) as u64);
     }
 
     /// With gradient accumulation the offload accumulates on the host (Auto with an unknown

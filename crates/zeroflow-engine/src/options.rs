@@ -120,8 +120,8 @@ pub struct StreamOptions {
     /// Where ZenFlow's CPU step reads its window from (default [`DEFAULT_ZENFLOW_ASIDE`]). The
     /// CPU step reads the same window either way, bit for bit.
     pub zenflow_aside: ZenFlowAside,
-    /// The exact streaming step (one micro-step per step, or, where nothing speculates, a window
-    /// summed on the device; one rank holding every weight) leaves its CPU work to the next
+    /// The exact streaming step (one micro-step per step, or a window summed on the device; one
+    /// rank holding every weight) leaves its CPU work to the next
     /// forward, which opens the weights piece by piece: each of its kernels waits only for the
     /// upload of the weights it reads, so the forward runs while the CPU steps the rest
     /// (DESIGN.md §5). ZenFlow's window set aside in host memory (one rank) applies its CPU
@@ -139,9 +139,8 @@ pub struct StreamOptions {
     /// time. Whatever reads the state (a checkpoint, `master_weights`) reads the share's part
     /// where it lives. 0 (the default) steps everything on the CPU. It acts on the exact
     /// streaming step with fp32 moments — with one micro-step per step on every rank's
-    /// partition (a speculation then steps the host's elements only), with a window summed on
-    /// the device where one rank holds every weight and nothing speculates; elsewhere a share
-    /// above 0 is refused. The arithmetic is the CPU's, operation for operation (bit-identical
+    /// partition, with a window summed on the device where one rank holds every weight (a
+    /// speculation then steps the host's elements only); elsewhere a share above 0 is refused. The arithmetic is the CPU's, operation for operation (bit-identical
     /// on the CPU device).
     pub device_share: f64,
     /// Where a device share keeps its fp32 state (default [`ShareState::Device`]).

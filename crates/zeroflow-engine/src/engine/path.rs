@@ -120,7 +120,7 @@ const SHARE_REFUSED: EngineError = EngineError::Config(
      zeroflow.offload.device_share) acts on the exact offload step: with one micro-step per \
      step, or with a window summed on the device (ZeRO-2 with --accumulate-on device, \
      ZEROFLOW_ACCUMULATE_ON=device or zeroflow.offload.accumulate_on \"device\") where one rank \
-     holds every weight (one GPU, or ZeRO-0) and nothing speculates: set it to 0 for this run",
+     holds every weight (one GPU, or ZeRO-0): set it to 0 for this run",
 );
 
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
@@ -231,8 +231,8 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let on = offload.stream.accumulate_on;
         let free = || device.free_memory();
         // The device share acts on the exact streaming step: one micro-step (on every rank's
-        // partition; the speculation, if any, steps the host's elements only), or the window's
-        // sum on the device where one rank holds every weight and nothing speculates.
+        // partition), or the window's sum on the device where one rank holds every weight; the
+        // speculation, if any, steps the host's elements only.
         let on_device = sums_on_device(opts, on, len, free);
         let summed = opts.streams_sum(P::DTYPE, on_device);
         if share > 0.0 && !opts.shares(P::DTYPE, on_device, len == layout.padded_len()) {
@@ -244,13 +244,11 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
         let speculation = Speculation::new(device, host_len, budget, streaming || summed, memory)?;
         let pieces = offload.stream.gather_in_pieces;
         // The next forward opens the exact inline step's weights only where this rank holds
-        // them all (nothing to gather) and, on the path summed on the device, nothing else uses
-        // the state meanwhile (the speculation; the streaming path's takes the state from the
-        // opening once it is done).
-        let overlap = offload.stream.overlap_forward
-            && delayed.is_none()
-            && (speculation.is_none() || !summed)
-            && len == layout.padded_len();
+        // them all (nothing to gather). A speculation beside it takes the state from the opening
+        // once it is done (the streaming path's), or steps the window's last backward, after its
+        // first forward's opening (the path summed on the device).
+        let overlap =
+            offload.stream.overlap_forward && delayed.is_none() && len == layout.padded_len();
         if summed || streaming {
             // The device share, the partition's last elements, keeps its state on the device
             // only: the host optimizer holds the elements before it.

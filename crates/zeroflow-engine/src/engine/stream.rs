@@ -474,14 +474,9 @@ impl<D: Device> Deferral<D> {
         self.enabled
     }
 
-    /// Leaves `step` to the next forward and gives true where the path does so; false where
-    /// the caller steps now.
-    pub fn leave(&mut self, step: &AdamWStep) -> bool {
-        self.leave_stepped(step, Vec::new())
-    }
-
-    /// [`Deferral::leave`] of a step whose ranges `stepped` (sorted and disjoint) a
-    /// speculation stepped, their weights uploaded already.
+    /// Leaves `step` to the next forward, but for its ranges `stepped` (sorted and disjoint) that
+    /// a speculation stepped, their weights uploaded already; gives true where the path leaves
+    /// its steps so, false where the caller steps now.
     pub fn leave_stepped(&mut self, step: &AdamWStep, stepped: Vec<Range<usize>>) -> bool {
         if self.enabled {
             self.step = Some(*step);
@@ -550,8 +545,9 @@ pub(in crate::engine) enum OpenChunks<'a, D: Device, P: Float> {
 }
 
 impl<'a, D: Device, P: Float> OpenChunks<'a, D, P> {
-    /// The optimizer and the staging of a stream of the model's gradients (the sum's are f32:
-    /// nothing speculates beside them).
+    /// The optimizer and the staging of a stream of the model's gradients, for the backward's
+    /// speculation (the sum's opening hands nothing on: the window's first backward ends no
+    /// step, and its last one speculates with the path's own).
     fn release(self) -> Option<Handoff<'a, P>> {
         match self {
             OpenChunks::Reduced(chunks) => Some(chunks.release()),
@@ -763,7 +759,7 @@ fn advance<D: Device, P: Float>(
 
 /// Queues the uploads of the pieces of a speculation that stands (`speculated`), after the last
 /// forward and backward read the weights, and gives their ranges (none where nothing stands).
-fn upload_speculated<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+pub(super) fn upload_speculated<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &Shared<D, C, P>,
     speculated: Option<&Speculation<P>>,
 ) -> Result<Vec<Range<usize>>, EngineError> {

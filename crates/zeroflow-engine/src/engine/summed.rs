@@ -13,10 +13,12 @@
 //! the host after its add (the piece's `reduced` event, `reduction.rs`), and the courier steps it
 //! there; the step then streams the rest.
 //!
-//! Where one rank holds every weight and nothing speculates (`overlap_forward`), the step is left
-//! to the next window's first forward, which opens it as the one-micro-step path's is
-//! ([`super::stream::Opening`]): the sum is cleared on the comm stream once the opening has
-//! recorded `d2h_done`, before that micro-step's backward adds into it.
+//! Where one rank holds every weight (`overlap_forward`), the step is left to the next window's
+//! first forward, which opens it as the one-micro-step path's is ([`super::stream::Opening`]):
+//! the sum is cleared on the comm stream once the opening has recorded `d2h_done`, before that
+//! micro-step's backward adds into it. A speculation is validated at the step as the streaming
+//! path's is: the pieces that stand go up then, and the opening leaves them alone. The opening is
+//! done with the optimizer before the window's last backward, whose pieces the courier steps.
 //!
 //! With a device share ([`DeviceShare`], `device_share`), the partition's end is stepped from the
 //! sum by the device's AdamW on the compute stream, and the comm stream waits for that step before
@@ -34,6 +36,7 @@ use super::shared::Shared;
 use super::state::{PathState, SavedState};
 use super::stream::{
     Deferral, OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step,
+    upload_speculated,
 };
 use crate::EngineError;
 use crate::checkpoint::PartView;
@@ -56,7 +59,7 @@ pub(super) struct Summed<D: Device, P: Float> {
     /// The step's speculation (`None`: off).
     pub(super) speculation: Option<Speculation<P>>,
     /// The step left to the next forward ([`Summed::open`]; the `overlap_forward` option,
-    /// where one rank holds every weight and nothing speculates).
+    /// where one rank holds every weight).
     deferral: Deferral<D>,
     /// The partition's last elements, stepped on the device (`device_share`).
     share: Option<DeviceShare<D>>,
@@ -117,26 +120,35 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
     }
 
     /// The streamed step from the sum, the pieces stepped during the last backward kept where
-    /// the speculation stands; or, with `overlap_forward`, the step left for the next forward.
+    /// the speculation stands; or, with `overlap_forward`, the step left for the next forward
+    /// (the speculation validated now, and the weights of the pieces that stand sent up).
     pub fn update<C: Comm<Device = D>>(
-        &mut self,
-        shared: &mut Shared<D, C, P>,
-        step: &AdamWStep,
-    ) -> Result<(), EngineError> {
-        if self.deferral.leave(step) {
-            return Ok(());
-        }
-        self.step_inline(shared, step)
-    }
-
-    /// The step, on this thread.
-    fn step_inline<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
         step: &AdamWStep,
     ) -> Result<(), EngineError> {
         let started = std::time::Instant::now();
         let speculated = standing(self.speculation.as_mut(), &mut self.buffers.state, step);
+        if self.deferral.enabled() {
+            let stepped = upload_speculated(shared, speculated)?;
+            self.deferral.leave_stepped(step, stepped);
+        } else {
+            let stood = speculated.is_some();
+            self.step_inline(shared, step, stood)?;
+        }
+        shared.cpu_wait += started.elapsed();
+        Ok(())
+    }
+
+    /// The step, on this thread; `stood`: the speculation was validated and its pieces stand
+    /// (stepped already, their weights uploaded with the rest).
+    fn step_inline<C: Comm<Device = D>>(
+        &mut self,
+        shared: &mut Shared<D, C, P>,
+        step: &AdamWStep,
+        stood: bool,
+    ) -> Result<(), EngineError> {
+        let speculated = self.speculation.as_ref().filter(|_| stood);
         let Summed { acc, buffers, chunk_uploaded, gather_in_pieces, share, .. } = self;
         let params = (&shared.params, shared.owned.start);
         let len = step_share(
@@ -159,9 +171,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         };
         let gathered = stream_step(shared, buffers, io, step, speculated, None);
         shared.step_times = times;
-        finish_stream_step(shared, gathered?)?;
-        shared.cpu_wait += started.elapsed();
-        Ok(())
+        finish_stream_step(shared, gathered?)
     }
 
     /// True if the last step's CPU work is left for the next forward to open.
@@ -169,17 +179,18 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         self.deferral.pending()
     }
 
-    /// The step left for this forward, opened to it piece by piece from the sum, which the
-    /// opening clears once its copies are done (`None` where none is left), and the backward's
-    /// sink: the sum, which its adds reach after the clear (the window's first backward ends no
-    /// step, and nothing speculates, so nothing goes to the host).
+    /// The step left for this forward, opened to it piece by piece from the sum but for the
+    /// pieces a speculation stepped (their weights up already), the sum cleared by the opening
+    /// once its copies are done (`None` where no step is left); and the backward's sink: the
+    /// sum, which its adds reach after the clear (the window's first backward ends no step, so
+    /// nothing goes to the host).
     pub fn open<'a>(
         &'a mut self,
         at: OpenAt<'a, D, P>,
     ) -> Result<SinkOrOpening<'a, D, P>, EngineError> {
         let Summed { acc, buffers, deferral, share, .. } = self;
         let sink = Sink::DeviceThenHost { acc, offloader: None };
-        let Some((step, opened, _)) = deferral.take() else { return Ok((sink, None)) };
+        let Some((step, opened, stepped)) = deferral.take() else { return Ok((sink, None)) };
         let params = (at.params, at.owned.start);
         let len = step_share(
             share,
@@ -191,18 +202,21 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         )?
         .unwrap_or(at.owned.len());
         let (source, clear, buffers) = (((&*acc, 0), len), Some(&*acc), &mut **buffers);
-        let (wrap, stepped) = (OpenChunks::Summed, &[]);
-        let opening = Opening::new(at, step, buffers, source, stepped, opened, clear, wrap)?;
+        let wrap = OpenChunks::Summed;
+        let opening = Opening::new(at, step, buffers, source, &stepped, opened, clear, wrap)?;
         Ok((sink, Some(opening)))
     }
 
-    /// Runs the step left for the next forward now, in line, and clears the sum after it.
+    /// Runs the step left for the next forward now, in line, and clears the sum after it (a
+    /// speculation that stood still holds its pieces: uploaded once more with the rest).
     pub fn complete<C: Comm<Device = D>>(
         &mut self,
         shared: &mut Shared<D, C, P>,
     ) -> Result<(), EngineError> {
-        let Some((step, ..)) = self.deferral.take() else { return Ok(()) };
-        self.step_inline(shared, &step)?;
+        let Some((step, _, stepped)) = self.deferral.take() else { return Ok(()) };
+        let started = std::time::Instant::now();
+        self.step_inline(shared, &step, !stepped.is_empty())?;
+        shared.cpu_wait += started.elapsed();
         self.zero_accumulator(shared)
     }
 

@@ -151,9 +151,9 @@ fn a_checkpoint_with_a_device_share_resumes_bit_exactly_with_any_share() {
     }
 }
 
-/// Where the share cannot act — a window summed on the host, the delayed update, ZenFlow, a
-/// window summed on the device with speculation, 16-bit moments — or is not a fraction below 1,
-/// the engine refuses to start, saying what to change.
+/// Where the share cannot act — a window summed on the host, the delayed update, ZenFlow,
+/// 16-bit moments — or is not a fraction below 1, the engine refuses to start, saying what to
+/// change.
 #[test]
 fn a_device_share_where_it_cannot_act_is_refused() {
     let one = || Setup { device_share: 0.5, ..Setup::new(Stage::Zero2, 1, 1, true) };
@@ -161,15 +161,6 @@ fn a_device_share_where_it_cannot_act_is_refused() {
         (Setup { accum: 2, accumulate_on: AccumulateOn::Host, ..one() }, "summed on the device"),
         (Setup { delayed: Some(1), ..one() }, "exact offload step"),
         (Setup { zenflow: Some(zenflow()), ..one() }, "exact offload step"),
-        (
-            Setup {
-                accum: 2,
-                accumulate_on: AccumulateOn::Device,
-                speculation_budget: 1 << 20,
-                ..one()
-            },
-            "nothing speculates",
-        ),
         (Setup { moments: OptimizerStateDtype::Bf16, ..one() }, "fp32 moments"),
         (Setup { device_share: 1.0, ..one() }, "below 1"),
         (Setup { device_share: -0.1, ..one() }, "below 1"),

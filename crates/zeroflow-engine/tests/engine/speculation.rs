@@ -9,9 +9,9 @@ use std::time::Duration;
 use zeroflow_core::{Float, f16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{CpuDevice, Device};
-use zeroflow_engine::synthetic::{forward_backward, initial};
+use zeroflow_engine::synthetic::{forward_backward, forward_backward_opening, initial};
 use zeroflow_engine::{
-    DynamicScaler, Engine, LossScaler, Snapshot, SpeculationStats, Stage, StepReport,
+    AccumulateOn, DynamicScaler, Engine, LossScaler, Snapshot, SpeculationStats, Stage, StepReport,
 };
 
 use crate::harness::{Bf16, Outcome, Setup, WHOLE_BUDGET, layout, norms, options, train};
@@ -249,15 +249,111 @@ fn speculation_beside_the_forward_opening_is_bit_identical() {
     }
 }
 
-/// With a device share (one micro-step per step), the speculation steps the host's elements only,
-/// the share's being stepped on the device: bit-identical to the run with neither, ZeRO-1 and 2
-/// on one rank and ZeRO-2 on two, the step before the next forward and (one rank) overlapped
-/// with it, no clip and a clip that fires on about half the steps, calm and under chaos. (A
-/// piece of the share's stepped on the host would reach past the host's state and panic.)
+/// With gradient accumulation summed on the device and the step left to the next window's first
+/// forward (`overlap_forward`, one rank), the window's last backward speculates (the first
+/// forward's opening is done with the optimizer by then), the step validates it and sends the
+/// weights of the pieces that stand up, and the opening steps the rest around them:
+/// bit-identical to the same run without speculation (itself the inline step's, `overlap.rs`),
+/// accumulation 2–4, no clip (every step stands), a clip that fires on about half the steps,
+/// calm and under chaos, partial and whole budgets, f32 and bf16.
+#[test]
+fn speculation_beside_the_opening_of_a_device_sum_is_bit_identical() {
+    for accum in 2..=4 {
+        let setup = Setup {
+            steps: 6,
+            stream_chunk: 7,
+            overlap_forward: true,
+            accumulate_on: AccumulateOn::Device,
+            ..Setup::new(Stage::Zero2, 1, accum, true)
+        };
+        let sometimes = median_norm(&setup);
+        for (clip, chaos) in [(None, None), (Some(sometimes), None), (Some(sometimes), Some(5))] {
+            for budget in BUDGETS {
+                let setup = Setup { clip, chaos, ..setup.clone() };
+                let out = check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
+                let stats = out.traffic[0].speculation;
+                assert!(stats.speculated_elements > 0, "{setup:?}: {stats:?}");
+                match clip {
+                    None => assert_eq!(
+                        (stats.speculated_steps, stats.redone_steps),
+                        (6, 0),
+                        "{setup:?}: {stats:?}"
+                    ),
+                    Some(_) => assert!(stats.redone_steps > 0, "{setup:?}: {stats:?}"),
+                }
+            }
+        }
+        let bf16 = Setup { clip: Some(sometimes), ..setup.clone() };
+        check_bit_identical::<Bf16>(&bf16, PARTIAL_BUDGET, &LossScaler::None, None);
+    }
+}
+
+/// The step of a window summed on the device is still left to the next forward where it
+/// speculates: after `step` the device holds the speculated pieces' new weights (sent up at the
+/// step) and the rest's old ones; `complete_step` brings the rest, and the weights are those of
+/// the run without speculation.
+#[test]
+fn a_speculated_step_of_a_device_sum_is_left_to_the_forward() {
+    let setup = Setup {
+        steps: 1,
+        stream_chunk: 7,
+        overlap_forward: true,
+        clip: None,
+        accumulate_on: AccumulateOn::Device,
+        speculation_budget: PARTIAL_BUDGET,
+        ..Setup::new(Stage::Zero2, 1, 3, true)
+    };
+    let layout = layout(1);
+    let init = initial::<f32>(&layout);
+    let device = CpuDevice::new().unwrap();
+    let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(30)).remove(0);
+    let options = options(&setup, LossScaler::None);
+    let mut engine: Engine<CpuDevice, CpuComm, f32> =
+        Engine::new(device.clone(), comm, layout.clone(), options, &init).unwrap();
+    engine.speculate_late();
+    for k in 0..u64::from(setup.accum) {
+        engine
+            .backward(|io, ready| forward_backward_opening(&device, &layout, io, ready, 0, k))
+            .unwrap();
+        engine.step().unwrap();
+    }
+    let held = device.download(engine.params()).unwrap();
+    let stats = engine.speculation_stats().unwrap();
+    assert_eq!((stats.speculated_steps, stats.redone_steps), (1, 0), "{stats:?}");
+    engine.complete_step().unwrap();
+    let stepped = device.download(engine.params()).unwrap();
+    let plain =
+        train::<f32>(&Setup { speculation_budget: 0, ..setup.clone() }, LossScaler::None, None);
+    assert_eq!(stepped, plain.weights[0], "the run without speculation's weights");
+    let changed = |a: &[f32], b: &[f32]| a.iter().zip(b).filter(|(a, b)| a != b).count();
+    // The speculated pieces' weights are up at the step; the rest waits for the forward.
+    assert!(changed(&held, &init) > 0, "nothing speculated was sent up at the step");
+    assert!(changed(&held, &stepped) > 0, "nothing was left to the forward");
+    assert!(changed(&held, &init) as u64 <= stats.speculated_elements, "{stats:?}");
+    let (old_or_new, n) = (held.iter().zip(&init).zip(&stepped), held.len());
+    assert_eq!(old_or_new.filter(|((h, i), s)| h == i || h == s).count(), n, "neither old nor new");
+}
+
+/// With a device share, the speculation steps the host's elements only, the share's being
+/// stepped on the device: bit-identical to the run with neither, ZeRO-1 and 2 on one rank and
+/// ZeRO-2 on two with one micro-step per step, and ZeRO-2 on one rank with a window of three
+/// summed on the device; the step before the next forward and (one rank) overlapped with it, no
+/// clip and a clip that fires on about half the steps, calm and under chaos. (A piece of the
+/// share's stepped on the host would reach past the host's state and panic.)
 #[test]
 fn speculation_beside_a_device_share_is_bit_identical() {
-    for (stage, world) in [(Stage::Zero1, 1), (Stage::Zero2, 1), (Stage::Zero2, 2)] {
-        let setup = Setup { steps: 8, stream_chunk: 7, ..Setup::new(stage, world, 1, true) };
+    for (stage, world, accum, accumulate_on) in [
+        (Stage::Zero1, 1, 1, AccumulateOn::Auto),
+        (Stage::Zero2, 1, 1, AccumulateOn::Auto),
+        (Stage::Zero2, 2, 1, AccumulateOn::Auto),
+        (Stage::Zero2, 1, 3, AccumulateOn::Device),
+    ] {
+        let setup = Setup {
+            steps: 8,
+            stream_chunk: 7,
+            accumulate_on,
+            ..Setup::new(stage, world, accum, true)
+        };
         let sometimes = median_norm(&setup);
         for clip in [None, Some(sometimes)] {
             let neither = Setup { clip, ..setup.clone() };

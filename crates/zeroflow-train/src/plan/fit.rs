@@ -41,8 +41,8 @@ pub struct FitShare {
 /// largest, in hundredths below 1, whose plan, beside the `elsewhere` bytes other processes hold
 /// on the GPU, leaves [`FIT_HEADROOM`] of the GPU's memory free; 0 where the share cannot act on
 /// this run (no offload, the CPU device, ZenFlow or the delayed update, 16-bit moments, a window
-/// summed on the host, or on the device with speculation or with several ranks sharing the
-/// weights) or the plan leaves no room.
+/// summed on the host, or on the device with several ranks sharing the weights) or the plan
+/// leaves no room.
 pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare> {
     let none = |why: &str| Ok(FitShare { share: 0.0, why: why.to_owned() });
     let Some(offload) = inputs.options.offload() else {
@@ -67,8 +67,7 @@ pub fn fit_device_share(inputs: &PlanInputs, elsewhere: u64) -> Result<FitShare>
     if per_hundredth == 0.0 {
         return none(
             "the share acts on the exact offload step: with one micro-step per step, or with \
-             the window summed on the GPU where one rank holds every weight and nothing \
-             speculates",
+             the window summed on the GPU where one rank holds every weight",
         );
     }
     let limit = ((gpu as f64 * (1.0 - FIT_HEADROOM)) as u64).saturating_sub(elsewhere);
@@ -352,7 +351,7 @@ mod tests {
 
     /// Where the share cannot act, `fit` is 0 with the reason, whatever the GPU's memory: the
     /// optimizer on the GPU, ZenFlow, the CPU device, two ranks of ZeRO-2 summing a window on
-    /// the device, 16-bit moments, speculation.
+    /// the device, 16-bit moments.
     #[test]
     fn fit_is_0_where_the_share_cannot_act() {
         let base = || with_gpu(inputs("gpt2-124m", "offload", (4, 256)), 140);
@@ -372,21 +371,20 @@ mod tests {
         let mut bf16 = base();
         bf16.options.offload_mut().unwrap().moments = OptimizerStateDtype::Bf16;
         cases.push(("bf16 moments", bf16, "fp32 moments"));
-        let mut speculating = base();
-        speculating.options.grad_accum = 2;
-        let stream = &mut speculating.options.offload_mut().unwrap().stream;
-        (stream.speculation_budget, stream.accumulate_on) = (64 << 20, AccumulateOn::Device);
-        cases.push(("speculation summing", speculating, "nothing speculates"));
         for (name, inputs, why) in cases {
             let fit = fit_device_share(&inputs, 0).unwrap();
             assert_eq!(fit.share, 0.0, "{name}");
             assert!(fit.why.contains(why), "{name}: {}", fit.why);
         }
         // And where it can, the same model on the same GPU gets a share: one rank (speculating
-        // or not), or each of two ranks of ZeRO-2 with one micro-step per step.
+        // or not, with one micro-step per step or a window summed on the device), or each of
+        // two ranks of ZeRO-2 with one micro-step per step.
         assert!(fit_device_share(&base(), 0).unwrap().share > 0.0);
         let mut speculating = base();
         speculating.options.offload_mut().unwrap().stream.speculation_budget = 64 << 20;
+        assert!(fit_device_share(&speculating, 0).unwrap().share > 0.0);
+        speculating.options.grad_accum = 2;
+        speculating.options.offload_mut().unwrap().stream.accumulate_on = AccumulateOn::Device;
         assert!(fit_device_share(&speculating, 0).unwrap().share > 0.0);
         let mut two = base();
         two.world_size = 2;
