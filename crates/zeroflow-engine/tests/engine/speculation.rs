@@ -227,25 +227,7 @@ fn speculation_beside_a_forward_that_opens_at_once_is_bit_identical() {
 fn speculation_beside_the_forward_opening_is_bit_identical() {
     for stage in [Stage::Zero1, Stage::Zero2] {
         let setup = Setup { steps: 8, overlap_forward: true, ..Setup::new(stage, 1, 1, true) };
-        let sometimes = median_norm(&setup);
-        for (clip, chaos) in [(None, None), (Some(sometimes), None), (Some(sometimes), Some(5))] {
-            for budget in BUDGETS {
-                let setup = Setup { clip, chaos, ..setup.clone() };
-                let out = check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
-                let stats = out.traffic[0].speculation;
-                assert!(stats.speculated_elements > 0, "{setup:?}: {stats:?}");
-                // The courier's stepping is timed where it steps.
-                assert!(stats.stepping > std::time::Duration::ZERO, "{setup:?}: {stats:?}");
-                match clip {
-                    None => assert_eq!(stats.redone_steps, 0, "{setup:?}: {stats:?}"),
-                    Some(_) => assert!(stats.redone_steps > 0, "{setup:?}: {stats:?}"),
-                }
-                let stopping = Setup { speculation_stops: true, ..setup.clone() };
-                check_bit_identical::<f32>(&stopping, budget, &LossScaler::None, None);
-            }
-        }
-        let bf16 = Setup { clip: Some(sometimes), ..setup.clone() };
-        check_bit_identical::<Bf16>(&bf16, WHOLE_BUDGET, &LossScaler::None, None);
+        check_beside_the_opening(&setup);
     }
 }
 
@@ -254,8 +236,8 @@ fn speculation_beside_the_forward_opening_is_bit_identical() {
 /// forward's opening is done with the optimizer by then), the step validates it and sends the
 /// weights of the pieces that stand up, and the opening steps the rest around them:
 /// bit-identical to the same run without speculation (itself the inline step's, `overlap.rs`),
-/// accumulation 2–4, no clip (every step stands), a clip that fires on about half the steps,
-/// calm and under chaos, partial and whole budgets, f32 and bf16.
+/// accumulation 2–4, as [`speculation_beside_the_forward_opening_is_bit_identical`] checks the
+/// streaming path.
 #[test]
 fn speculation_beside_the_opening_of_a_device_sum_is_bit_identical() {
     for accum in 2..=4 {
@@ -266,25 +248,39 @@ fn speculation_beside_the_opening_of_a_device_sum_is_bit_identical() {
             accumulate_on: AccumulateOn::Device,
             ..Setup::new(Stage::Zero2, 1, accum, true)
         };
-        let sometimes = median_norm(&setup);
-        for (clip, chaos) in [(None, None), (Some(sometimes), None), (Some(sometimes), Some(5))] {
-            for budget in BUDGETS {
-                let setup = Setup { clip, chaos, ..setup.clone() };
-                let out = check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
-                let stats = out.traffic[0].speculation;
-                assert!(stats.speculated_elements > 0, "{setup:?}: {stats:?}");
-                match clip {
-                    None => assert_eq!(
-                        (stats.speculated_steps, stats.redone_steps),
-                        (6, 0),
-                        "{setup:?}: {stats:?}"
-                    ),
-                    Some(_) => assert!(stats.redone_steps > 0, "{setup:?}: {stats:?}"),
+        check_beside_the_opening(&setup);
+    }
+}
+
+/// The speculating runs of `setup` (one rank, its step left to the next forward) against the
+/// same run without speculation: with no clip (every step speculated, none redone), a clip that
+/// fires on about half the steps (some redone), calm and under chaos, partial and whole
+/// budgets, with the engine's stop at the backward's end and without it; and in bf16 with the
+/// clip.
+fn check_beside_the_opening(setup: &Setup) {
+    let sometimes = median_norm(setup);
+    for (clip, chaos) in [(None, None), (Some(sometimes), None), (Some(sometimes), Some(5))] {
+        for budget in BUDGETS {
+            let setup = Setup { clip, chaos, ..setup.clone() };
+            let out = check_bit_identical::<f32>(&setup, budget, &LossScaler::None, None);
+            let stats = out.traffic[0].speculation;
+            assert!(stats.speculated_elements > 0, "{setup:?}: {stats:?}");
+            // The courier's stepping is timed where it steps.
+            assert!(stats.stepping > std::time::Duration::ZERO, "{setup:?}: {stats:?}");
+            match clip {
+                None => {
+                    let counts = (stats.speculated_steps, stats.redone_steps);
+                    assert_eq!(counts, (u64::from(setup.steps), 0), "{setup:?}: {stats:?}");
                 }
+                Some(_) => assert!(stats.redone_steps > 0, "{setup:?}: {stats:?}"),
             }
+            let stopping = Setup { speculation_stops: true, ..setup.clone() };
+            check_bit_identical::<f32>(&stopping, budget, &LossScaler::None, None);
         }
-        let bf16 = Setup { clip: Some(sometimes), ..setup.clone() };
-        check_bit_identical::<Bf16>(&bf16, PARTIAL_BUDGET, &LossScaler::None, None);
+    }
+    let bf16 = Setup { clip: Some(sometimes), ..setup.clone() };
+    for budget in BUDGETS {
+        check_bit_identical::<Bf16>(&bf16, budget, &LossScaler::None, None);
     }
 }
 
