@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The exact offload step's speculation, on and off, with the whole optimizer in host memory
-# (ZEROFLOW_DEVICE_SHARE=0: what the CPU must step is the whole partition), through
+# (ZEROFLOW_DEVICE_SHARE=0 unless set: what the CPU must step is the whole partition), through
 # scripts/setting-ab.sh with VAR=ZEROFLOW_SPECULATION_BUDGET_MIB VALUES="0 $BUDGET_MIB":
 #
 #   exact   gpt2-124m and llama-1b, 12 steps of exact offload without clipping (every speculated
@@ -25,15 +25,19 @@
 #   clip-long gpt-1.3b (8 × 1024) with the clip at 1.0, off and on, STEPS timed steps (default
 #             40): what a speculation that is redone and then sits out (1, 2, 4, … steps) costs
 #             over a longer run than `speed`'s
+#   accum     SPEED_MODELS (default gpt-1.3b) at accumulation ACCUM (default 4) summed on the
+#             device (the `Summed` path, its step opened by the next window's forward), off and
+#             on, no clip, two rounds interleaved, the `gpu` row first; with
+#             ZEROFLOW_DEVICE_SHARE=fit (set before the part) a share beside the speculation
 #
 #   here:  bash scripts/gpu-check.sh
 #   there: bash scripts/speculation-ab.sh PART     carry: [".gpu"]   (exact about 5 minutes,
 #          speed about 7, llama-3b about 4, buckets about 5, interleaved about 3, llama-8b about
-#          6 on an H100, clip-long about 2)
+#          6 on an H100, clip-long about 2, accum about 3 for gpt-1.3b)
 set -uo pipefail
 cd "$(dirname "$0")/.." && source scripts/gpu-env.sh
-part=${1:?which part: exact, speed, llama-3b, buckets, interleaved, llama-8b or clip-long}
-export ZEROFLOW_DEVICE_SHARE=0
+part=${1:?which part: exact, speed, llama-3b, buckets, interleaved, llama-8b, clip-long or accum}
+export ZEROFLOW_DEVICE_SHARE=${ZEROFLOW_DEVICE_SHARE:-0}
 common=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=0 ${BUDGET_MIB:-16384}")
 # The speculating value alone (a binary's rows against another's).
 speculating=(VAR=ZEROFLOW_SPECULATION_BUDGET_MIB "VALUES=${BUDGET_MIB:-16384}")
@@ -88,6 +92,11 @@ clip-long)
         WARMUP=3 OFFLOAD_ARGS="--gradient-clipping 1" TAG=-clip1-long \
         bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
     ;;
+accum)
+    env "${common[@]}" PARTS=speed ROUNDS=2 GPU_ROW=1 SPEED_MODELS="${SPEED_MODELS:-gpt-1.3b}" \
+        ACCUM="${ACCUM:-4}" STEPS="${STEPS:-5}" WARMUP=2 OFFLOAD_ARGS="--gradient-clipping 0" \
+        TAG=-accum-noclip bash scripts/setting-ab.sh | grep -E "BENCH|FAILED"
+    ;;
 interleaved)
     before=${BEFORE:?name the binary to compare with: BEFORE=<path>}
     for round in 1 2; do
@@ -104,5 +113,5 @@ interleaved)
         done
     done
     ;;
-*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets, interleaved, llama-8b, clip-long)" >&2; exit 2 ;;
+*) echo "speculation-ab: no part $part (exact, speed, llama-3b, buckets, interleaved, llama-8b, clip-long, accum)" >&2; exit 2 ;;
 esac
