@@ -146,19 +146,32 @@ fn speculation_is_bit_identical_in_bf16() {
 }
 
 /// An overflow on one rank (fp16 with a dynamic loss scale; f32 and bf16 weights, whose step
-/// streams at accumulation 1) skips the step on every rank. The overflow falls on the last
-/// micro-step of step 2, or on its first (then the window's sum is already infinite when its last
-/// backward speculates); the reduction carries it into every rank's partition. Without a clip
-/// the pieces are stepped speculatively with infinite gradients and restored at the step (the
-/// run continues exactly as without speculation, and the restore is counted); with one, the
-/// running norm is infinite at the first piece and nothing is stepped.
+/// streams at accumulation 1, and from a window summed on the device where one is asked, its
+/// step inline or left to the next forward) skips the step on every rank. The overflow falls on
+/// the last micro-step of step 2, or on its first (then the window's sum is already infinite
+/// when its last backward speculates); the reduction carries it into every rank's partition.
+/// Without a clip the pieces are stepped speculatively with infinite gradients and restored at
+/// the step (the run continues exactly as without speculation, and the restore is counted); with
+/// one, the running norm is infinite at the first piece and nothing is stepped.
 #[test]
 fn an_overflow_restores_the_speculated_pieces() {
     let scaler = LossScaler::Dynamic(DynamicScaler::new(10, 1000, 1.0, 1, false));
-    for (stage, world, accum) in [(Stage::Zero2, 2, 1), (Stage::Zero1, 3, 2), (Stage::Zero2, 1, 4)]
-    {
+    let summed = |overlap_forward| Setup {
+        overlap_forward,
+        accumulate_on: AccumulateOn::Device,
+        ..Setup::new(Stage::Zero2, 1, 3, true)
+    };
+    let cases = [
+        Setup::new(Stage::Zero2, 2, 1, true),
+        Setup::new(Stage::Zero1, 3, 2, true),
+        Setup::new(Stage::Zero2, 1, 4, true),
+        summed(false),
+        summed(true),
+    ];
+    for case in cases {
+        let (world, accum) = (case.world, case.accum);
         for clip in [None, Some(1e9)] {
-            let setup = Setup { steps: 5, clip, ..Setup::new(stage, world, accum, true) };
+            let setup = Setup { steps: 5, clip, ..case.clone() };
             let accum = u64::from(accum);
             for k in [2 * accum + accum - 1, 2 * accum] {
                 for budget in BUDGETS {
@@ -378,14 +391,22 @@ fn speculation_beside_a_device_share_is_bit_identical() {
 
 /// One rank trained for 6 steps with `budget`, whose learning rate changes between each
 /// backward and its step after the first two, and which is snapshotted between the backward and
-/// the step of step 4: its final weights, optimizer state and speculation counters.
-fn train_with_schedule(accum: u64, budget: usize) -> (Vec<f32>, Snapshot, SpeculationStats) {
+/// the step of step 4: its final weights, optimizer state and speculation counters. With
+/// `overlap`, each step is left to the next forward (a window summed on the device).
+fn train_with_schedule(
+    accum: u64,
+    budget: usize,
+    overlap: bool,
+) -> (Vec<f32>, Snapshot, SpeculationStats) {
     let device = CpuDevice::new().unwrap();
     let layout = layout(1);
     let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(5)).remove(0);
+    let accumulate_on = if overlap { AccumulateOn::Device } else { AccumulateOn::Auto };
     let setup = Setup {
         speculation_budget: budget,
         clip: None,
+        overlap_forward: overlap,
+        accumulate_on,
         ..Setup::new(Stage::Zero2, 1, accum.try_into().unwrap(), true)
     };
     let options = options(&setup, LossScaler::None);
@@ -394,7 +415,12 @@ fn train_with_schedule(accum: u64, budget: usize) -> (Vec<f32>, Snapshot, Specul
             .unwrap();
     engine.speculate_late();
     for k in 0..6 * accum {
-        engine.backward(|io, ready| forward_backward(&device, &layout, io, ready, 0, k)).unwrap();
+        engine
+            .backward(|io, ready| match overlap {
+                true => forward_backward_opening(&device, &layout, io, ready, 0, k),
+                false => forward_backward(&device, &layout, io, ready, 0, k),
+            })
+            .unwrap();
         let step = k / accum;
         if engine.is_gradient_accumulation_boundary() {
             if step >= 2 {
@@ -413,17 +439,19 @@ fn train_with_schedule(accum: u64, budget: usize) -> (Vec<f32>, Snapshot, Specul
 
 /// A learning rate set between a backward and its step changes the step the speculation assumed:
 /// the speculated pieces are redone with it; a snapshot taken there restores them first (and the
-/// step then runs in full). Either way the run equals the one without speculation bit for bit.
+/// step then runs in full). Either way the run equals the one without speculation bit for bit:
+/// one micro-step per step and a window of three, the step inline and left to the next forward.
 #[test]
 fn a_learning_rate_changed_after_backward_redoes_the_speculated_step() {
-    for accum in [1, 3] {
-        let (plain_weights, plain, _) = train_with_schedule(accum, 0);
-        let (weights, speculated, stats) = train_with_schedule(accum, WHOLE_BUDGET);
-        assert_eq!(weights, plain_weights, "accumulation {accum}: weights differ");
-        assert_eq!(speculated.part, plain.part, "accumulation {accum}: optimizer state differs");
+    for (accum, overlap) in [(1, false), (3, false), (1, true), (3, true)] {
+        let what = format!("accumulation {accum}, overlapped {overlap}");
+        let (plain_weights, plain, _) = train_with_schedule(accum, 0, overlap);
+        let (weights, speculated, stats) = train_with_schedule(accum, WHOLE_BUDGET, overlap);
+        assert_eq!(weights, plain_weights, "{what}: weights differ");
+        assert_eq!(speculated.part, plain.part, "{what}: optimizer state differs");
         // Steps 2, 3 and 5 are redone for their learning rate; step 4 is restored by the
         // snapshot; steps 0 and 1 stand.
-        assert_eq!(stats.redone_steps, 4, "accumulation {accum}: {stats:?}");
-        assert_eq!(stats.speculated_steps, 6, "accumulation {accum}: {stats:?}");
+        assert_eq!(stats.redone_steps, 4, "{what}: {stats:?}");
+        assert_eq!(stats.speculated_steps, 6, "{what}: {stats:?}");
     }
 }
