@@ -121,14 +121,13 @@ pub struct StreamOptions {
     /// CPU step reads the same window either way, bit for bit.
     pub zenflow_aside: ZenFlowAside,
     /// The exact streaming step (one micro-step per step, or a window summed on the device; one
-    /// rank holding every weight) leaves its CPU work to the next
-    /// forward, which opens the weights piece by piece: each of its kernels waits only for the
-    /// upload of the weights it reads, so the forward runs while the CPU steps the rest
-    /// (DESIGN.md §5). ZenFlow's window set aside in host memory (one rank) applies its CPU
-    /// step's weights the same way: in pieces the forward opens as it reaches them. The caller's
-    /// model must then call [`crate::ModelIo::open`] before reading weights (see there); off by
-    /// default, since the engine cannot tell whether it does. The results are the same, bit for
-    /// bit.
+    /// rank holding every weight) leaves its CPU work to the next forward, which opens the
+    /// weights piece by piece: each of its kernels waits only for the upload of the weights it
+    /// reads, so the forward runs while the CPU steps the rest (DESIGN.md §5). ZenFlow's window
+    /// set aside in host memory (one rank) applies its CPU step's weights the same way: in pieces
+    /// the forward opens as it reaches them. The caller's model must then call
+    /// [`crate::ModelIo::open`] before reading weights (see there); off by default, since the
+    /// engine cannot tell whether it does. The results are the same, bit for bit.
     pub overlap_forward: bool,
     /// The share of the partition, from its end, whose fp32 master weights and moments are
     /// stepped by the device's AdamW while the CPU streams the rest: the host's CPU then moves
@@ -140,8 +139,8 @@ pub struct StreamOptions {
     /// where it lives. 0 (the default) steps everything on the CPU. It acts on the exact
     /// streaming step with fp32 moments — with one micro-step per step on every rank's
     /// partition, with a window summed on the device where one rank holds every weight (a
-    /// speculation then steps the host's elements only); elsewhere a share above 0 is refused. The arithmetic is the CPU's, operation for operation (bit-identical
-    /// on the CPU device).
+    /// speculation then steps the host's elements only); elsewhere a share above 0 is refused.
+    /// The arithmetic is the CPU's, operation for operation (bit-identical on the CPU device).
     pub device_share: f64,
     /// Where a device share keeps its fp32 state (default [`ShareState::Device`]).
     pub device_share_state: ShareState,
