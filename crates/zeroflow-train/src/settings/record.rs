@@ -61,7 +61,8 @@ pub struct EffectiveOffload {
     /// The pinned host memory budget of the rank's device in MiB; `None` (`null`): no limit.
     pub pinned_budget_mib: Option<f64>,
     /// The exact streaming step's CPU work left to the next forward (where one rank holds every
-    /// weight and it does not speculate; otherwise the option changes nothing).
+    /// weight: one micro-step per step or the window summed on the device; otherwise the option
+    /// changes nothing).
     pub overlap_forward: bool,
     /// The share of the partition whose optimizer state is held and stepped on the device.
     pub device_share: f64,
