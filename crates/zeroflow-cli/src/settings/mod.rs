@@ -91,8 +91,8 @@ pub struct HostFlags {
     pub pinned_budget_mib: Option<f64>,
     /// The exact offload step (one GPU; one micro-step per step, or the window summed on the GPU)
     /// leaves its CPU work to the next forward, which starts on the weights stepped first while
-    /// the CPU steps the rest: on (the default) or off; the same numbers either way. Over ZEROFLOW_OVERLAP_FORWARD and
-    /// zeroflow.offload.overlap_forward.
+    /// the CPU steps the rest: on (the default) or off; the same numbers either way. Over
+    /// ZEROFLOW_OVERLAP_FORWARD and zeroflow.offload.overlap_forward.
     #[arg(long, value_name = "on|off", value_parser = flag(&names::SWITCH))]
     pub overlap_forward: Option<bool>,
     /// The share of the optimizer's partition (a fraction below 1, from its end) whose fp32

@@ -175,8 +175,7 @@ impl<D: DeviceAdamW, P: Float> Stream<D, P> {
             // speculation stands, its pieces are stepped already and their weights go up now.
             StreamCpu::Inline(buffers) if self.deferral.enabled() => {
                 let speculated = standing(self.speculation.as_mut(), &mut buffers.state, step);
-                let stepped = upload_speculated(shared, speculated)?;
-                self.deferral.leave_stepped(step, stepped);
+                self.deferral.leave(shared, step, speculated)?;
                 // A share staged from host memory starts now, its first pieces going up while
                 // the trainer reaches the next forward, whose opening queues the rest.
                 if let Some(share) = self.share.as_mut().filter(|share| share.staged()) {
@@ -474,17 +473,6 @@ impl<D: Device> Deferral<D> {
         self.enabled
     }
 
-    /// Leaves `step` to the next forward, but for its ranges `stepped` (sorted and disjoint) that
-    /// a speculation stepped, their weights uploaded already; gives true where the path leaves
-    /// its steps so, false where the caller steps now.
-    pub fn leave_stepped(&mut self, step: &AdamWStep, stepped: Vec<Range<usize>>) -> bool {
-        if self.enabled {
-            self.step = Some(*step);
-            self.stepped = stepped;
-        }
-        self.enabled
-    }
-
     /// True if a step is left to the next forward.
     pub fn pending(&self) -> bool {
         self.step.is_some()
@@ -757,9 +745,27 @@ fn advance<D: Device, P: Float>(
     Ok(())
 }
 
+impl<D: DeviceAdamW> Deferral<D> {
+    /// Leaves `step` to the next forward (where the path leaves its steps so), but for the
+    /// pieces of a speculation that stands (`speculated`): their weights' uploads are queued now,
+    /// and the opening leaves their ranges alone.
+    pub fn leave<C: Comm<Device = D>, P: Float>(
+        &mut self,
+        shared: &Shared<D, C, P>,
+        step: &AdamWStep,
+        speculated: Option<&Speculation<P>>,
+    ) -> Result<(), EngineError> {
+        if self.enabled {
+            self.stepped = upload_speculated(shared, speculated)?;
+            self.step = Some(*step);
+        }
+        Ok(())
+    }
+}
+
 /// Queues the uploads of the pieces of a speculation that stands (`speculated`), after the last
 /// forward and backward read the weights, and gives their ranges (none where nothing stands).
-pub(super) fn upload_speculated<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
+fn upload_speculated<D: DeviceAdamW, C: Comm<Device = D>, P: Float>(
     shared: &Shared<D, C, P>,
     speculated: Option<&Speculation<P>>,
 ) -> Result<Vec<Range<usize>>, EngineError> {

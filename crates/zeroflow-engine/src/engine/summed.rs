@@ -36,7 +36,6 @@ use super::shared::Shared;
 use super::state::{PathState, SavedState};
 use super::stream::{
     Deferral, OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step,
-    upload_speculated,
 };
 use crate::EngineError;
 use crate::checkpoint::PartView;
@@ -130,8 +129,7 @@ impl<D: DeviceAdamW, P: Float> Summed<D, P> {
         let started = std::time::Instant::now();
         let speculated = standing(self.speculation.as_mut(), &mut self.buffers.state, step);
         if self.deferral.enabled() {
-            let stepped = upload_speculated(shared, speculated)?;
-            self.deferral.leave_stepped(step, stepped);
+            self.deferral.leave(shared, step, speculated)?;
         } else {
             let stood = speculated.is_some();
             self.step_inline(shared, step, stood)?;

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use zeroflow_core::layout::FlatLayout;
 use zeroflow_core::{Float, f16};
 use zeroflow_device::cpu::CpuComm;
 use zeroflow_device::{CpuDevice, Device};
@@ -312,20 +313,13 @@ fn a_speculated_step_of_a_device_sum_is_left_to_the_forward() {
         speculation_budget: PARTIAL_BUDGET,
         ..Setup::new(Stage::Zero2, 1, 3, true)
     };
-    let layout = layout(1);
-    let init = initial::<f32>(&layout);
-    let device = CpuDevice::new().unwrap();
-    let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(30)).remove(0);
-    let options = options(&setup, LossScaler::None);
-    let mut engine: Engine<CpuDevice, CpuComm, f32> =
-        Engine::new(device.clone(), comm, layout.clone(), options, &init).unwrap();
-    engine.speculate_late();
+    let mut one = OneRank::new(&setup);
+    let init = initial::<f32>(&one.layout);
     for k in 0..u64::from(setup.accum) {
-        engine
-            .backward(|io, ready| forward_backward_opening(&device, &layout, io, ready, 0, k))
-            .unwrap();
-        engine.step().unwrap();
+        one.backward(k);
+        one.engine.step().unwrap();
     }
+    let OneRank { device, mut engine, .. } = one;
     let held = device.download(engine.params()).unwrap();
     let stats = engine.speculation_stats().unwrap();
     assert_eq!((stats.speculated_steps, stats.redone_steps), (1, 0), "{stats:?}");
@@ -398,9 +392,6 @@ fn train_with_schedule(
     budget: usize,
     overlap: bool,
 ) -> (Vec<f32>, Snapshot, SpeculationStats) {
-    let device = CpuDevice::new().unwrap();
-    let layout = layout(1);
-    let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(5)).remove(0);
     let accumulate_on = if overlap { AccumulateOn::Device } else { AccumulateOn::Auto };
     let setup = Setup {
         speculation_budget: budget,
@@ -409,18 +400,10 @@ fn train_with_schedule(
         accumulate_on,
         ..Setup::new(Stage::Zero2, 1, accum.try_into().unwrap(), true)
     };
-    let options = options(&setup, LossScaler::None);
-    let mut engine: Engine<CpuDevice, CpuComm, f32> =
-        Engine::new(device.clone(), comm, layout.clone(), options, &initial::<f32>(&layout))
-            .unwrap();
-    engine.speculate_late();
+    let mut one = OneRank::new(&setup);
     for k in 0..6 * accum {
-        engine
-            .backward(|io, ready| match overlap {
-                true => forward_backward_opening(&device, &layout, io, ready, 0, k),
-                false => forward_backward(&device, &layout, io, ready, 0, k),
-            })
-            .unwrap();
+        one.backward(k);
+        let engine = &mut one.engine;
         let step = k / accum;
         if engine.is_gradient_accumulation_boundary() {
             if step >= 2 {
@@ -432,9 +415,44 @@ fn train_with_schedule(
         }
         engine.step().unwrap();
     }
+    let OneRank { device, mut engine, .. } = one;
     let snapshot = engine.snapshot().unwrap();
     let stats = engine.speculation_stats().unwrap_or_default();
     (device.download(engine.params()).unwrap(), snapshot, stats)
+}
+
+/// One rank's f32 engine of `setup` on a CPU device, stepping every piece its budget holds
+/// (`Engine::speculate_late`), driven micro-step by micro-step by the tests that look between a
+/// backward and its step.
+struct OneRank {
+    device: CpuDevice,
+    layout: FlatLayout,
+    engine: Engine<CpuDevice, CpuComm, f32>,
+    /// The model opens the weights as it reads them (`setup.overlap_forward`).
+    opening: bool,
+}
+
+impl OneRank {
+    fn new(setup: &Setup) -> Self {
+        let (device, layout) = (CpuDevice::new().unwrap(), layout(1));
+        let comm = CpuComm::group(std::slice::from_ref(&device), Duration::from_secs(30)).remove(0);
+        let options = options(setup, LossScaler::None);
+        let init = initial::<f32>(&layout);
+        let mut engine = Engine::new(device.clone(), comm, layout.clone(), options, &init).unwrap();
+        engine.speculate_late();
+        OneRank { device, layout, engine, opening: setup.overlap_forward }
+    }
+
+    /// Micro-step `k`'s backward.
+    fn backward(&mut self, k: u64) {
+        let OneRank { device, layout, engine, opening } = self;
+        engine
+            .backward(|io, ready| match opening {
+                true => forward_backward_opening(device, layout, io, ready, 0, k),
+                false => forward_backward(device, layout, io, ready, 0, k),
+            })
+            .unwrap();
+    }
 }
 
 /// A learning rate set between a backward and its step changes the step the speculation assumed:
