@@ -145,6 +145,45 @@ pub fn forward_backward_cuda<P: Float>(
     rank: usize,
     k: u64,
 ) -> Result<(), EngineError> {
+    let (weights, grads, scale) = (io.params, io.grads, io.loss_scale);
+    backward_cuda(device, layout, weights, grads, scale, grads_ready, (rank, k))
+}
+
+/// [`forward_backward_opening`] on a GPU: each parameter, in the layout's order, opened
+/// ([`ModelIo::open`]) and then copied on the compute stream into an activation buffer, from
+/// which [`forward_backward_cuda`]'s kernels compute the gradients. The same gradients, bit for
+/// bit, where every copy read the current weights; a copy queued before its weights' upload reads
+/// the last step's, and the run differs.
+pub fn forward_backward_opening_cuda<P: Float>(
+    device: &CudaDevice,
+    layout: &FlatLayout,
+    mut io: ModelIo<'_, CudaDevice, P>,
+    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    rank: usize,
+    k: u64,
+) -> Result<(), EngineError> {
+    let compute = device.stream(StreamKind::Compute);
+    // Freed synchronously when it goes (`cuMemFree`), after the kernels that read it.
+    let seen = device.alloc::<P>(layout.padded_len())?;
+    for param in layout.params() {
+        let range = param.flat_range();
+        io.open(range.end);
+        device.copy_d2d(compute, io.params, range.clone(), &seen, range.start)?;
+    }
+    io.open(usize::MAX);
+    backward_cuda(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
+}
+
+/// The synthetic backward from `weights` into `grads` on a GPU (see [`forward_backward_cuda`]).
+fn backward_cuda<P: Float>(
+    device: &CudaDevice,
+    layout: &FlatLayout,
+    weights: &<CudaDevice as Device>::Buffer<P>,
+    grads: &<CudaDevice as Device>::Buffer<P>,
+    scale: f32,
+    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+    (rank, k): (usize, u64),
+) -> Result<(), EngineError> {
     let kernel = match P::DTYPE {
         DType::F32 => "synthetic_backward_f32",
         DType::Bf16 => "synthetic_backward_bf16",
@@ -158,13 +197,13 @@ pub fn forward_backward_cuda<P: Float>(
         let range = param.flat_range();
         let n = range.len() as u64;
         let params = KernelParams::new()
-            .ptr(io.params, range.start)
-            .ptr(io.grads, range.start)
+            .ptr(weights, range.start)
+            .ptr(grads, range.start)
             .u64(range.start as u64)
             .u64(n)
             .u64(rank as u64)
             .u64(k)
-            .f32(io.loss_scale);
+            .f32(scale);
         let blocks = n.div_ceil(256).min(4096) as u32;
         // SAFETY: the arguments match `synthetic_backward_*` (two `P` pointers, four u64, one f32);
         // both pointers address `n` elements inside the flat buffers (the range is a parameter of

@@ -11,7 +11,8 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_engine::synthetic::{
-    Reference, adamw_config, forward_backward_cuda, initial, layout, max_rel_diff,
+    Reference, adamw_config, forward_backward_cuda, forward_backward_opening_cuda, initial, layout,
+    max_rel_diff,
 };
 use zeroflow_engine::{
     AccumulateOn, DEFAULT_STREAM_CHUNK, DEFAULT_ZENFLOW_ASIDE, Engine, EngineOptions, LossScaler,
@@ -63,6 +64,9 @@ struct Case {
     /// its state.
     device_share: f64,
     share_state: ShareState,
+    /// Offload, one rank: the step left to the next forward, which opens the weights as it reads
+    /// them (`forward_backward_opening_cuda`).
+    overlap_forward: bool,
 }
 
 impl Case {
@@ -83,6 +87,7 @@ impl Case {
             clip: Some(0.8),
             device_share: 0.0,
             share_state: ShareState::Device,
+            overlap_forward: false,
         }
     }
 }
@@ -102,6 +107,7 @@ fn options(case: &Case) -> EngineOptions {
             offload.stream.zenflow_aside = case.zenflow_aside;
             offload.stream.device_share = case.device_share;
             offload.stream.device_share_state = case.share_state;
+            offload.stream.overlap_forward = case.overlap_forward;
             Placement::Offload(offload)
         }
         false => Placement::Device,
@@ -137,8 +143,13 @@ fn train<P: Float>(devices: &[CudaDevice], case: &Case) -> Vec<(Vec<f32>, Vec<f6
                     let mut norms = Vec::new();
                     for k in 0..case.steps * case.accum {
                         engine
-                            .backward(|io, ready| {
-                                forward_backward_cuda(&device, &layout, io, ready, rank, k)
+                            .backward(|io, ready| match case.overlap_forward {
+                                true => forward_backward_opening_cuda(
+                                    &device, &layout, io, ready, rank, k,
+                                ),
+                                false => {
+                                    forward_backward_cuda(&device, &layout, io, ready, rank, k)
+                                }
                             })
                             .unwrap_or_else(|e| panic!("{case:?} rank {rank} micro-step {k}: {e}"));
                         match engine.step().unwrap() {
@@ -492,4 +503,58 @@ fn one_gpu_device_share_is_bit_identical() {
 fn every_gpu_device_share_is_bit_identical() {
     let Some(devices) = every_gpu("the multi-GPU check") else { return };
     check_device_share(&devices);
+}
+
+/// The exact step left to the next forward (`overlap_forward`, one rank) on a GPU: the forward
+/// opens each parameter's weights and copies them on the compute stream before the backward reads
+/// the copy (`forward_backward_opening_cuda`), so a copy queued before its piece's upload would
+/// read the last step's weights and the run would differ. Streamed in chunks of 7 elements (many
+/// pieces, each with its own upload and event), for ZeRO-1 and ZeRO-2 with one micro-step and
+/// ZeRO-2 with a window of three summed on the device, no clip and a clip that fires on every
+/// step, the speculation off and covering the partition, with a device share and without, and
+/// ZenFlow's window set aside in host memory: the same run with the step before the next forward,
+/// bit for bit, in f32 and bf16.
+#[test]
+fn one_gpu_overlapped_forward_is_bit_identical() {
+    let Some(device) = gpu() else { return };
+    let devices = std::slice::from_ref(&device);
+    let mut bases = Vec::new();
+    for (stage, accum) in [(Stage::Zero1, 1), (Stage::Zero2, 1), (Stage::Zero2, 3)] {
+        for clip in [None, Some(0.8)] {
+            for speculation_budget in [0, WHOLE_BUDGET] {
+                for device_share in [0.0, 0.4] {
+                    bases.push(Case {
+                        speculation_budget,
+                        accumulate_on: AccumulateOn::Device,
+                        stream_chunk: 7,
+                        clip,
+                        device_share,
+                        ..Case::new(stage, 1, accum, true, 6)
+                    });
+                }
+            }
+        }
+    }
+    let zenflow = ZenFlowOptions {
+        topk_ratio: 0.25,
+        selection: Selection::Step { interval: 6 },
+        update_interval: UpdateInterval::Every(2),
+        auto_ratio: 0.99,
+        overlap_step: true,
+        full_warm_up_rounds: 0,
+    };
+    bases.push(Case {
+        zenflow: Some(zenflow),
+        zenflow_aside: ZenFlowAside::Host,
+        stream_chunk: 7,
+        ..Case::new(Stage::Zero2, 1, 1, true, 12)
+    });
+    for base in bases {
+        let overlapped = Case { overlap_forward: true, ..base };
+        let want = train::<f32>(devices, &base);
+        assert_eq!(train::<f32>(devices, &overlapped), want, "f32 {overlapped:?}");
+        let want = train::<bf16>(devices, &base);
+        assert_eq!(train::<bf16>(devices, &overlapped), want, "bf16 {overlapped:?}");
+        println!("RESULT engine_gpu overlap_forward {overlapped:?} bit_identical=true");
+    }
 }
