@@ -80,8 +80,8 @@ pub fn forward_backward<P: Float>(
 }
 
 /// [`forward_backward`] with a forward that reads the weights as a model's does: each parameter,
-/// in the layout's order, opened ([`ModelIo::open`]) and then copied by a kernel on the compute
-/// stream into an activation buffer, from which the backward computes the gradients. The same
+/// in the layout's order, opened ([`ModelIo::open`]) and then copied on the compute stream into
+/// an activation buffer, from which the backward computes the gradients. The same
 /// gradients, bit for bit, where every copy read the current weights; a copy that ran before its
 /// weights' upload reads the last step's, and the run differs.
 pub fn forward_backward_opening<P: Float>(
@@ -92,20 +92,27 @@ pub fn forward_backward_opening<P: Float>(
     rank: usize,
     k: u64,
 ) -> Result<(), EngineError> {
+    let seen = forward_opening(device, layout, &mut io)?;
+    backward(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
+}
+
+/// The forward of [`forward_backward_opening`] on any device: each parameter, in the layout's
+/// order, opened and then copied on the compute stream into the activation buffer it returns (on
+/// a GPU freed synchronously when it goes, after the kernels that read it); every weight opened.
+fn forward_opening<D: Device, P: Float>(
+    device: &D,
+    layout: &FlatLayout,
+    io: &mut ModelIo<'_, D, P>,
+) -> Result<D::Buffer<P>, EngineError> {
     let compute = device.stream(StreamKind::Compute);
     let seen = device.alloc::<P>(layout.padded_len())?;
     for param in layout.params() {
         let range = param.flat_range();
         io.open(range.end);
-        let args = KernelArgs::new().input(io.params, range.clone()).output(&seen, range);
-        device.launch(compute, "synthetic_forward", args, |ctx| {
-            let weights = ctx.input::<P>(0).to_vec();
-            ctx.output::<P>(1).copy_from_slice(&weights);
-            Ok(())
-        })?;
+        device.copy_d2d(compute, io.params, range.clone(), &seen, range.start)?;
     }
     io.open(usize::MAX);
-    backward(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
+    Ok(seen)
 }
 
 /// The synthetic backward from `weights` into `grads` (see [`forward_backward`]).
@@ -162,15 +169,7 @@ pub fn forward_backward_opening_cuda<P: Float>(
     rank: usize,
     k: u64,
 ) -> Result<(), EngineError> {
-    let compute = device.stream(StreamKind::Compute);
-    // Freed synchronously when it goes (`cuMemFree`), after the kernels that read it.
-    let seen = device.alloc::<P>(layout.padded_len())?;
-    for param in layout.params() {
-        let range = param.flat_range();
-        io.open(range.end);
-        device.copy_d2d(compute, io.params, range.clone(), &seen, range.start)?;
-    }
-    io.open(usize::MAX);
+    let seen = forward_opening(device, layout, &mut io)?;
     backward_cuda(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
 }
 
