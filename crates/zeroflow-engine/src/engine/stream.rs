@@ -746,19 +746,19 @@ fn advance<D: Device, P: Float>(
 }
 
 impl<D: DeviceAdamW> Deferral<D> {
-    /// Leaves `step` to the next forward (where the path leaves its steps so), but for the
-    /// pieces of a speculation that stands (`speculated`): their weights' uploads are queued now,
-    /// and the opening leaves their ranges alone.
+    /// Leaves `step` to the next forward (the path's callers ask only where it leaves its steps
+    /// so, [`Deferral::enabled`]), but for the pieces of a speculation that stands
+    /// (`speculated`): their weights' uploads are queued now, and the opening leaves their ranges
+    /// alone.
     pub fn leave<C: Comm<Device = D>, P: Float>(
         &mut self,
         shared: &Shared<D, C, P>,
         step: &AdamWStep,
         speculated: Option<&Speculation<P>>,
     ) -> Result<(), EngineError> {
-        if self.enabled {
-            self.stepped = upload_speculated(shared, speculated)?;
-            self.step = Some(*step);
-        }
+        debug_assert!(self.enabled, "a step left to the forward where the path steps in line");
+        self.stepped = upload_speculated(shared, speculated)?;
+        self.step = Some(*step);
         Ok(())
     }
 }

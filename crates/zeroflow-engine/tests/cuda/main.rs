@@ -41,6 +41,19 @@ fn every_gpu(what: &str) -> Option<Vec<CudaDevice>> {
 /// A speculation budget that covers the whole partition (4 GiB; the default is none).
 const WHOLE_BUDGET: usize = 4 << 30;
 
+/// ZenFlow with windows of `update` steps (`UpdateInterval::Every`), `topk_ratio` of the columns
+/// on the device, the columns chosen anew every `interval` steps, the CPU step overlapped or not.
+fn zenflow(topk_ratio: f64, interval: u64, update: u64, overlap_step: bool) -> ZenFlowOptions {
+    ZenFlowOptions {
+        topk_ratio,
+        selection: Selection::Step { interval },
+        update_interval: UpdateInterval::Every(update),
+        auto_ratio: 0.99,
+        overlap_step,
+        full_warm_up_rounds: 0,
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Case {
     stage: Stage,
@@ -259,26 +272,18 @@ fn one_gpu_delayed_update_matches_stale_adamw() {
 fn one_gpu_zenflow_matches_its_limits() {
     let Some(device) = gpu() else { return };
     let devices = std::slice::from_ref(&device);
-    let zenflow = |topk_ratio, update, overlap_step| ZenFlowOptions {
-        topk_ratio,
-        selection: Selection::Step { interval: 4 },
-        update_interval: UpdateInterval::Every(update),
-        auto_ratio: 0.99,
-        overlap_step,
-        full_warm_up_rounds: 0,
-    };
     let base = Case::new(Stage::Zero2, 1, 1, true, 12);
     for overlap in [false, true] {
-        let all = Case { zenflow: Some(zenflow(1.0, 2, overlap)), ..base };
+        let all = Case { zenflow: Some(zenflow(1.0, 4, 2, overlap)), ..base };
         let got = train::<f32>(devices, &all);
         let want = train::<f32>(devices, &Case { offload: false, ..base });
         let diff = same_run(&got, &want, "topk 1 vs the device optimizer");
         println!("RESULT engine_gpu zenflow topk=1 overlap={overlap} vs_device_adamw={diff:.2e}");
     }
-    let none = Case { zenflow: Some(zenflow(0.0, 1, false)), ..base };
+    let none = Case { zenflow: Some(zenflow(0.0, 4, 1, false)), ..base };
     let diff = same_run(&train::<f32>(devices, &none), &train::<f32>(devices, &base), "topk 0");
     println!("RESULT engine_gpu zenflow topk=0 update=1 vs_offload={diff:.2e}");
-    let mixed = Case { zenflow: Some(zenflow(0.25, 2, true)), ..base };
+    let mixed = Case { zenflow: Some(zenflow(0.25, 4, 2, true)), ..base };
     let (a, b) = (train::<f32>(devices, &mixed), train::<f32>(devices, &mixed));
     assert_eq!(a, b, "a mixed ZenFlow run is deterministic");
     let z1 = train::<f32>(devices, &Case { stage: Stage::Zero1, ..mixed });
@@ -293,11 +298,11 @@ fn one_gpu_zenflow_matches_its_limits() {
         zenflow: Some(ZenFlowOptions {
             update_interval: UpdateInterval::Auto,
             auto_ratio,
-            ..zenflow(0.25, 1, true)
+            ..zenflow(0.25, 4, 1, true)
         }),
         ..base
     };
-    let every = Case { zenflow: Some(zenflow(0.25, 1, true)), ..base };
+    let every = Case { zenflow: Some(zenflow(0.25, 4, 1, true)), ..base };
     let diff =
         same_run(&train::<f32>(devices, &auto(0.0)), &train::<f32>(devices, &every), "auto 0");
     let (a, b) = (train::<f32>(devices, &auto(0.99)), train::<f32>(devices, &auto(0.99)));
@@ -316,16 +321,8 @@ fn one_gpu_zenflow_streams_its_window_bit_identically() {
     let Some(device) = gpu() else { return };
     let devices = std::slice::from_ref(&device);
     for (update, overlap_step) in [(2, false), (2, true), (3, true)] {
-        let zenflow = ZenFlowOptions {
-            topk_ratio: 0.25,
-            selection: Selection::Step { interval: 6 },
-            update_interval: UpdateInterval::Every(update),
-            auto_ratio: 0.99,
-            overlap_step,
-            full_warm_up_rounds: 0,
-        };
         let base = Case {
-            zenflow: Some(zenflow),
+            zenflow: Some(zenflow(0.25, 6, update, overlap_step)),
             zenflow_aside: ZenFlowAside::Device,
             ..Case::new(Stage::Zero2, 1, 1, true, 12)
         };
@@ -535,16 +532,8 @@ fn one_gpu_overlapped_forward_is_bit_identical() {
             }
         }
     }
-    let zenflow = ZenFlowOptions {
-        topk_ratio: 0.25,
-        selection: Selection::Step { interval: 6 },
-        update_interval: UpdateInterval::Every(2),
-        auto_ratio: 0.99,
-        overlap_step: true,
-        full_warm_up_rounds: 0,
-    };
     bases.push(Case {
-        zenflow: Some(zenflow),
+        zenflow: Some(zenflow(0.25, 6, 2, true)),
         zenflow_aside: ZenFlowAside::Host,
         stream_chunk: 7,
         ..Case::new(Stage::Zero2, 1, 1, true, 12)
