@@ -24,8 +24,9 @@ use crate::host::HostOptimizer;
 
 /// The default of [`crate::StreamOptions::speculation_budget`]: none (speculation off). Since it
 /// stops at the backward's end and works beside the forward's opening, a 16 GiB budget made the
-/// exact offload step with the whole optimizer in host memory 1.05–1.08× faster at llama-1b and
-/// 1.00–1.03× at gpt-1.3b on an H100 where the clip did not fire, and llama-8b's at its default
+/// exact offload step with the whole optimizer in host memory 1.05–1.09× faster at llama-1b and
+/// 1.00–1.12× at gpt-1.3b on H100s where the clip did not fire (the more, the faster the host's
+/// memory: it steps 13–20 % of the partition under the backward), and llama-8b's at its default
 /// share (0.75 of the optimizer on the host) 1.09× (1.04–1.06× with a clip of 1.0 that fired on
 /// its first two steps); where the clip fired on every step it was 0–9 % slower over six to eight
 /// steps and 3–5 % over 40, redone and then sitting out (BENCHMARKS.md); its buffers are host
