@@ -17,9 +17,7 @@ use zeroflow_device::cuda::CudaDeviceOptions;
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{Chaos, Comm, CpuDevice, CudaDevice, HostMemory};
 
-use crate::synthetic::{
-    Reference, adamw_config, forward_backward, forward_backward_cuda, initial, layout,
-};
+use crate::synthetic::{Reference, adamw_config, forward_backward, initial, layout};
 use crate::{
     AccumulateOn, DeviceAdamW, Engine, EngineError, EngineOptions, LossScaler, ModelIo, Offload,
     Placement, Stage,
@@ -90,7 +88,7 @@ pub fn run_cpu(opts: &StressOptions) -> StressReport {
     // A collective of this model takes microseconds; a rank that stopped at an error makes the
     // others fail this long after, instead of hanging.
     let comms = CpuComm::group(&devices, opts.collective_timeout);
-    run_ranks(opts, devices, comms, forward_backward::<f32>)
+    run_ranks(opts, devices, comms, forward_backward::<CpuDevice, f32>)
 }
 
 /// Runs the protocol on GPUs `0..opts.world` (each opened as `device` says), one thread per
@@ -104,7 +102,7 @@ pub fn run_cuda(
     let open = |ordinal| CudaDevice::with_options(ordinal, device.clone());
     let devices: Vec<CudaDevice> = (0..opts.world).map(open).collect::<Result<_, _>>()?;
     let comms = NcclComm::group(&devices)?;
-    Ok(run_ranks(opts, devices, comms, forward_backward_cuda::<f32>))
+    Ok(run_ranks(opts, devices, comms, forward_backward::<CudaDevice, f32>))
 }
 
 /// The backward of the synthetic model on one device kind.

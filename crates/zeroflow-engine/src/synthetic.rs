@@ -66,44 +66,33 @@ pub fn initial<P: Float>(layout: &FlatLayout) -> Vec<P> {
 
 /// Forward and backward of the synthetic model on `rank` at micro-step `k`: adds
 /// `loss_scale × grad` into the gradients of every parameter on the compute stream, reporting each
-/// parameter complete in reverse order.
-pub fn forward_backward<P: Float>(
-    device: &CpuDevice,
+/// parameter complete in reverse order. The same gradients, bit for bit, on the CPU and on a GPU.
+pub fn forward_backward<D: SyntheticBackward, P: Float>(
+    device: &D,
     layout: &FlatLayout,
-    io: ModelIo<'_, CpuDevice, P>,
+    io: ModelIo<'_, D, P>,
     grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
     rank: usize,
     k: u64,
 ) -> Result<(), EngineError> {
     let (weights, grads, scale) = (io.params, io.grads, io.loss_scale);
-    backward(device, layout, weights, grads, scale, grads_ready, (rank, k))
+    device.synthetic_backward(layout, weights, grads, scale, grads_ready, (rank, k))
 }
 
 /// [`forward_backward`] with a forward that reads the weights as a model's does: each parameter,
 /// in the layout's order, opened ([`ModelIo::open`]) and then copied on the compute stream into
-/// an activation buffer, from which the backward computes the gradients. The same
-/// gradients, bit for bit, where every copy read the current weights; a copy that ran before its
-/// weights' upload reads the last step's, and the run differs.
-pub fn forward_backward_opening<P: Float>(
-    device: &CpuDevice,
+/// an activation buffer (on a GPU freed synchronously when it goes, after the kernels that read
+/// it), from which the backward computes the gradients. The same gradients, bit for bit, where
+/// every copy read the current weights; a copy queued before its weights' upload reads the last
+/// step's, and the run differs.
+pub fn forward_backward_opening<D: SyntheticBackward, P: Float>(
+    device: &D,
     layout: &FlatLayout,
-    mut io: ModelIo<'_, CpuDevice, P>,
+    mut io: ModelIo<'_, D, P>,
     grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
     rank: usize,
     k: u64,
 ) -> Result<(), EngineError> {
-    let seen = forward_opening(device, layout, &mut io)?;
-    backward(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
-}
-
-/// The forward of [`forward_backward_opening`] on any device: each parameter, in the layout's
-/// order, opened and then copied on the compute stream into the activation buffer it returns (on
-/// a GPU freed synchronously when it goes, after the kernels that read it); every weight opened.
-fn forward_opening<D: Device, P: Float>(
-    device: &D,
-    layout: &FlatLayout,
-    io: &mut ModelIo<'_, D, P>,
-) -> Result<D::Buffer<P>, EngineError> {
     let compute = device.stream(StreamKind::Compute);
     let seen = device.alloc::<P>(layout.padded_len())?;
     for param in layout.params() {
@@ -112,105 +101,97 @@ fn forward_opening<D: Device, P: Float>(
         device.copy_d2d(compute, io.params, range.clone(), &seen, range.start)?;
     }
     io.open(usize::MAX);
-    Ok(seen)
+    let (grads, scale) = (io.grads, io.loss_scale);
+    device.synthetic_backward(layout, &seen, grads, scale, grads_ready, (rank, k))
 }
 
-/// The synthetic backward from `weights` into `grads` (see [`forward_backward`]).
-fn backward<P: Float>(
-    device: &CpuDevice,
-    layout: &FlatLayout,
-    weights: &<CpuDevice as Device>::Buffer<P>,
-    grads: &<CpuDevice as Device>::Buffer<P>,
-    scale: f32,
-    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    (rank, k): (usize, u64),
-) -> Result<(), EngineError> {
-    let compute = device.stream(StreamKind::Compute);
-    for param in layout.params().iter().rev() {
-        let range = param.flat_range();
-        let args = KernelArgs::new().input(weights, range.clone()).in_out(grads, range.clone());
-        let start = range.start;
-        device.launch(compute, "synthetic_backward", args, move |ctx| {
-            let (w, g) = (ctx.input::<P>(0), ctx.output::<P>(1));
-            for (j, (g, w)) in g.iter_mut().zip(w).enumerate() {
-                *g = P::from_f32(g.to_f32() + scale * grad(start + j, w.to_f32(), rank, k));
+/// A device the synthetic model runs on: its backward kernel, one launch per parameter on the
+/// compute stream (a host kernel on the CPU, `kernels/synthetic.cu` on a GPU).
+pub trait SyntheticBackward: Device {
+    /// The synthetic backward from `weights` into `grads` (see [`forward_backward`]).
+    fn synthetic_backward<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        weights: &Self::Buffer<P>,
+        grads: &Self::Buffer<P>,
+        scale: f32,
+        grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+        rank_step: (usize, u64),
+    ) -> Result<(), EngineError>;
+}
+
+impl SyntheticBackward for CpuDevice {
+    fn synthetic_backward<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        weights: &Self::Buffer<P>,
+        grads: &Self::Buffer<P>,
+        scale: f32,
+        grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+        (rank, k): (usize, u64),
+    ) -> Result<(), EngineError> {
+        let compute = self.stream(StreamKind::Compute);
+        for param in layout.params().iter().rev() {
+            let range = param.flat_range();
+            let args = KernelArgs::new().input(weights, range.clone()).in_out(grads, range.clone());
+            let start = range.start;
+            self.launch(compute, "synthetic_backward", args, move |ctx| {
+                let (w, g) = (ctx.input::<P>(0), ctx.output::<P>(1));
+                for (j, (g, w)) in g.iter_mut().zip(w).enumerate() {
+                    *g = P::from_f32(g.to_f32() + scale * grad(start + j, w.to_f32(), rank, k));
+                }
+                Ok(())
+            })?;
+            grads_ready(range)?;
+        }
+        Ok(())
+    }
+}
+
+impl SyntheticBackward for CudaDevice {
+    fn synthetic_backward<P: Float>(
+        &self,
+        layout: &FlatLayout,
+        weights: &Self::Buffer<P>,
+        grads: &Self::Buffer<P>,
+        scale: f32,
+        grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
+        (rank, k): (usize, u64),
+    ) -> Result<(), EngineError> {
+        let kernel = match P::DTYPE {
+            DType::F32 => "synthetic_backward_f32",
+            DType::Bf16 => "synthetic_backward_bf16",
+            DType::F16 => "synthetic_backward_f16",
+            _ => {
+                return Err(EngineError::Misuse(
+                    "the synthetic model computes in f32, bf16 or f16",
+                ));
             }
-            Ok(())
-        })?;
-        grads_ready(range)?;
+        };
+        let module = self.load_module("synthetic", include_str!("../kernels/synthetic.cu"))?;
+        let function = module.function(kernel)?;
+        let compute = self.stream(StreamKind::Compute);
+        for param in layout.params().iter().rev() {
+            let range = param.flat_range();
+            let n = range.len() as u64;
+            let params = KernelParams::new()
+                .ptr(weights, range.start)
+                .ptr(grads, range.start)
+                .u64(range.start as u64)
+                .u64(n)
+                .u64(rank as u64)
+                .u64(k)
+                .f32(scale);
+            let blocks = n.div_ceil(256).min(4096) as u32;
+            // SAFETY: the arguments match `synthetic_backward_*` (two `P` pointers, four u64,
+            // one f32); both pointers address `n` elements inside the flat buffers (the range is a
+            // parameter of the layout the buffers were allocated for); the engine orders the
+            // compute stream.
+            unsafe { self.launch(compute, &function, blocks, 256, 0, &params)? };
+            grads_ready(range)?;
+        }
+        Ok(())
     }
-    Ok(())
-}
-
-/// [`forward_backward`] on a GPU: the same gradients, bit for bit, from a kernel on the compute
-/// stream (one launch per parameter, each followed by `grads_ready`).
-pub fn forward_backward_cuda<P: Float>(
-    device: &CudaDevice,
-    layout: &FlatLayout,
-    io: ModelIo<'_, CudaDevice, P>,
-    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    rank: usize,
-    k: u64,
-) -> Result<(), EngineError> {
-    let (weights, grads, scale) = (io.params, io.grads, io.loss_scale);
-    backward_cuda(device, layout, weights, grads, scale, grads_ready, (rank, k))
-}
-
-/// [`forward_backward_opening`] on a GPU: each parameter, in the layout's order, opened
-/// ([`ModelIo::open`]) and then copied on the compute stream into an activation buffer, from
-/// which [`forward_backward_cuda`]'s kernels compute the gradients. The same gradients, bit for
-/// bit, where every copy read the current weights; a copy queued before its weights' upload reads
-/// the last step's, and the run differs.
-pub fn forward_backward_opening_cuda<P: Float>(
-    device: &CudaDevice,
-    layout: &FlatLayout,
-    mut io: ModelIo<'_, CudaDevice, P>,
-    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    rank: usize,
-    k: u64,
-) -> Result<(), EngineError> {
-    let seen = forward_opening(device, layout, &mut io)?;
-    backward_cuda(device, layout, &seen, io.grads, io.loss_scale, grads_ready, (rank, k))
-}
-
-/// The synthetic backward from `weights` into `grads` on a GPU (see [`forward_backward_cuda`]).
-fn backward_cuda<P: Float>(
-    device: &CudaDevice,
-    layout: &FlatLayout,
-    weights: &<CudaDevice as Device>::Buffer<P>,
-    grads: &<CudaDevice as Device>::Buffer<P>,
-    scale: f32,
-    grads_ready: &mut dyn FnMut(Range<usize>) -> Result<(), EngineError>,
-    (rank, k): (usize, u64),
-) -> Result<(), EngineError> {
-    let kernel = match P::DTYPE {
-        DType::F32 => "synthetic_backward_f32",
-        DType::Bf16 => "synthetic_backward_bf16",
-        DType::F16 => "synthetic_backward_f16",
-        _ => return Err(EngineError::Misuse("the synthetic model computes in f32, bf16 or f16")),
-    };
-    let module = device.load_module("synthetic", include_str!("../kernels/synthetic.cu"))?;
-    let function = module.function(kernel)?;
-    let compute = device.stream(StreamKind::Compute);
-    for param in layout.params().iter().rev() {
-        let range = param.flat_range();
-        let n = range.len() as u64;
-        let params = KernelParams::new()
-            .ptr(weights, range.start)
-            .ptr(grads, range.start)
-            .u64(range.start as u64)
-            .u64(n)
-            .u64(rank as u64)
-            .u64(k)
-            .f32(scale);
-        let blocks = n.div_ceil(256).min(4096) as u32;
-        // SAFETY: the arguments match `synthetic_backward_*` (two `P` pointers, four u64, one f32);
-        // both pointers address `n` elements inside the flat buffers (the range is a parameter of
-        // the layout the buffers were allocated for); the engine orders the compute stream.
-        unsafe { device.launch(compute, &function, blocks, 256, 0, &params)? };
-        grads_ready(range)?;
-    }
-    Ok(())
 }
 
 /// The AdamW settings the synthetic tests use: a learning rate large enough that a lost or stale

@@ -11,7 +11,7 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::nccl::NcclComm;
 use zeroflow_device::{CudaDevice, Device, HostMemory};
 use zeroflow_engine::synthetic::{
-    Reference, adamw_config, forward_backward_cuda, forward_backward_opening_cuda, initial, layout,
+    Reference, adamw_config, forward_backward, forward_backward_opening, initial, layout,
     max_rel_diff,
 };
 use zeroflow_engine::{
@@ -78,7 +78,7 @@ struct Case {
     device_share: f64,
     share_state: ShareState,
     /// Offload, one rank: the step left to the next forward, which opens the weights as it reads
-    /// them (`forward_backward_opening_cuda`).
+    /// them (`forward_backward_opening`).
     overlap_forward: bool,
 }
 
@@ -157,12 +157,10 @@ fn train<P: Float>(devices: &[CudaDevice], case: &Case) -> Vec<(Vec<f32>, Vec<f6
                     for k in 0..case.steps * case.accum {
                         engine
                             .backward(|io, ready| match case.overlap_forward {
-                                true => forward_backward_opening_cuda(
-                                    &device, &layout, io, ready, rank, k,
-                                ),
-                                false => {
-                                    forward_backward_cuda(&device, &layout, io, ready, rank, k)
+                                true => {
+                                    forward_backward_opening(&device, &layout, io, ready, rank, k)
                                 }
+                                false => forward_backward(&device, &layout, io, ready, rank, k),
                             })
                             .unwrap_or_else(|e| panic!("{case:?} rank {rank} micro-step {k}: {e}"));
                         match engine.step().unwrap() {
@@ -504,7 +502,7 @@ fn every_gpu_device_share_is_bit_identical() {
 
 /// The exact step left to the next forward (`overlap_forward`, one rank) on a GPU: the forward
 /// opens each parameter's weights and copies them on the compute stream before the backward reads
-/// the copy (`forward_backward_opening_cuda`), so a copy queued before its piece's upload would
+/// the copy (`forward_backward_opening`), so a copy queued before its piece's upload would
 /// read the last step's weights and the run would differ. Streamed in chunks of 7 elements (many
 /// pieces, each with its own upload and event), for ZeRO-1 and ZeRO-2 with one micro-step and
 /// ZeRO-2 with a window of three summed on the device, no clip and a clip that fires on every
