@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use rayon::prelude::*;
 use zeroflow_core::adamw::OptimizerStateDtype;
 use zeroflow_core::{Element, Float, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
@@ -41,6 +42,49 @@ pub(crate) struct HostOptimizer {
     pub master: HostBuffer<f32>,
     pub moments: HostMoments,
     pub adam: CpuAdam,
+}
+
+/// What an offload path's host side is built of ([`StreamBuffers`], [`ZenFlowHost`],
+/// [`HostAccumulator`]): the initial weights its master weights are filled from, the CPU
+/// optimizer, and how its buffers are cut.
+pub(crate) struct HostParts<P: Float> {
+    /// The model's initial weights, all of them (this rank's partition is `owned`): dropped once
+    /// the master weights are filled from them, before the moments are allocated.
+    pub initial: Vec<P>,
+    /// This rank's partition of the flat weights.
+    pub owned: Range<usize>,
+    /// The partition's elements whose state the host holds, from its first: all of them, or
+    /// those before a device share.
+    pub len: usize,
+    /// The most elements of one staging buffer.
+    pub chunk: usize,
+    /// The memory of the buffers the device copies from or into (staging, uploads).
+    pub memory: HostMemory,
+    pub adam: CpuAdam,
+    /// The moments' element type.
+    pub moments: OptimizerStateDtype,
+}
+
+impl<P: Float> HostParts<P> {
+    /// The CPU optimizer's state of the host's `len` elements, pageable (only the CPU touches
+    /// it): the master weights filled from the initial weights (dropped then), the moments
+    /// zeroed. Also gives `len`, `chunk` and `memory`, for the buffers around it.
+    fn optimizer<D: Device>(
+        self,
+        device: &D,
+    ) -> Result<(HostOptimizer, usize, usize, HostMemory), EngineError> {
+        let HostParts { initial, owned, len, chunk, memory, adam, moments } = self;
+        let fill_master = move |master: &mut [f32]| {
+            master.par_chunks_mut(PAR_CHUNK).zip(initial[owned].par_chunks(PAR_CHUNK)).for_each(
+                |(master, initial)| {
+                    master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
+                },
+            );
+        };
+        let state =
+            HostOptimizer::new(device, len, fill_master, HostMemory::Pageable, adam, moments)?;
+        Ok((state, len, chunk, memory))
+    }
 }
 
 impl HostOptimizer {
@@ -440,32 +484,19 @@ pub(crate) struct Swapped<P: Float> {
 }
 
 impl<P: Float> HostAccumulator<P> {
-    /// The host side of a partition of `partition` elements with buckets of `bucket` elements,
-    /// delayed where `delayed` says so (with a spare accumulator or without). `memory` is that
-    /// of the buffers the device copies from or into (staging, the upload buffer), `acc_memory`
-    /// the accumulators' (pinned where the device copies straight into them, as ZenFlow's
-    /// window; pageable where only the CPU adds into them); the optimizer state is pageable, as
-    /// only the CPU touches it.
-    #[allow(clippy::too_many_arguments, reason = "the options of the host side, once")]
+    /// The host side of `parts` with buckets of `bucket` elements, delayed where `delayed` says
+    /// so (with a spare accumulator or without). `parts.memory` is that of the buffers the
+    /// device copies from or into (staging, the upload buffer), `acc_memory` the accumulators'
+    /// (pinned where the device copies straight into them, as ZenFlow's window; pageable where
+    /// only the CPU adds into them); the optimizer state is pageable, as only the CPU touches it.
     pub(crate) fn new<D: Device>(
         device: &D,
-        partition: usize,
-        fill_master: impl FnOnce(&mut [f32]),
+        parts: HostParts<P>,
         bucket: usize,
-        stream_chunk: usize,
-        (memory, acc_memory): (HostMemory, HostMemory),
-        adam: CpuAdam,
+        acc_memory: HostMemory,
         delayed: Option<Delayed>,
-        moments: OptimizerStateDtype,
     ) -> Result<Self, EngineError> {
-        let state = HostOptimizer::new(
-            device,
-            partition,
-            fill_master,
-            HostMemory::Pageable,
-            adam,
-            moments,
-        )?;
+        let (state, partition, stream_chunk, memory) = parts.optimizer(device)?;
         let staging_len = bucket.min(partition);
         let staging = alloc_staging(device, staging_len, stream_chunk, memory, STAGING_BUFFERS)?;
         let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
@@ -612,26 +643,11 @@ pub(crate) struct StreamBuffers<P: Float, G: Float = P> {
 }
 
 impl<P: Float, G: Float> StreamBuffers<P, G> {
-    /// The host side of a streamed partition of `partition` elements, in chunks of at most
-    /// `stream_chunk` elements (at least one): the staging and outgoing buffers in `memory`,
-    /// the optimizer state pageable (only the CPU touches it).
-    pub(crate) fn new<D: Device>(
-        device: &D,
-        partition: usize,
-        fill_master: impl FnOnce(&mut [f32]),
-        stream_chunk: usize,
-        memory: HostMemory,
-        adam: CpuAdam,
-        moments: OptimizerStateDtype,
-    ) -> Result<Self, EngineError> {
-        let state = HostOptimizer::new(
-            device,
-            partition,
-            fill_master,
-            HostMemory::Pageable,
-            adam,
-            moments,
-        )?;
+    /// The host side of a streamed partition (`parts`), in chunks of at most `parts.chunk`
+    /// elements (at least one): the staging and outgoing buffers in `parts.memory`, the
+    /// optimizer state pageable (only the CPU touches it).
+    pub(crate) fn new<D: Device>(device: &D, parts: HostParts<P>) -> Result<Self, EngineError> {
+        let (state, partition, stream_chunk, memory) = parts.optimizer(device)?;
         let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
         let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
         Ok(StreamBuffers { state, staging, outgoing })
@@ -664,26 +680,10 @@ pub(crate) struct ZenFlowHost<P: Float> {
 }
 
 impl<P: Float> ZenFlowHost<P> {
-    /// The host side of a partition of `partition` elements, streamed in chunks of at most
-    /// `stream_chunk` elements.
-    pub(crate) fn new<D: Device>(
-        device: &D,
-        partition: usize,
-        fill_master: impl FnOnce(&mut [f32]),
-        stream_chunk: usize,
-        memory: HostMemory,
-        adam: CpuAdam,
-        moments: OptimizerStateDtype,
-    ) -> Result<Self, EngineError> {
-        let buffers = StreamBuffers::new(
-            device,
-            partition,
-            fill_master,
-            stream_chunk,
-            memory,
-            adam,
-            moments,
-        )?;
+    /// The host side of `parts`, streamed in chunks of at most `parts.chunk` elements.
+    pub(crate) fn new<D: Device>(device: &D, parts: HostParts<P>) -> Result<Self, EngineError> {
+        let partition = parts.len;
+        let buffers = StreamBuffers::new(device, parts)?;
         let bytes = buffers.host_bytes();
         tracing::debug!(partition, bytes, "ZenFlow's host side: optimizer state and staging");
         Ok(ZenFlowHost { worker: Worker::Ready(Box::new(buffers)), upload_pending: false })
@@ -753,33 +753,31 @@ mod tests {
         assert_eq!(piece_sum_of_squares(&values).to_bits(), lanes.to_bits());
     }
 
+    /// The parts of a host side over `len` elements of zero weights, in chunks of `chunk`.
+    fn parts<P: Float>(len: usize, chunk: usize, moments: OptimizerStateDtype) -> HostParts<P> {
+        HostParts {
+            initial: vec![P::from_f32(0.0); len],
+            owned: 0..len,
+            len,
+            chunk,
+            memory: HostMemory::Pinned,
+            adam: CpuAdam::new(1, SimdLevel::detect()).unwrap(),
+            moments,
+        }
+    }
+
     /// The lengths of the staging and outgoing buffers of a host side over 60 elements with
     /// buckets of 23 and `stream_chunk`.
     fn buffer_lens(streaming: bool, stream_chunk: usize) -> (Vec<usize>, Vec<usize>) {
         let device = CpuDevice::new().unwrap();
-        let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
-        let fill = |master: &mut [f32]| master.fill(0.0);
         let lens = |buffers: &[HostBuffer<f32>]| buffers.iter().map(|b| b.len()).collect();
-        let memory = HostMemory::Pinned;
+        let parts = parts::<f32>(60, stream_chunk, OptimizerStateDtype::Fp32);
         if streaming {
-            let moments = OptimizerStateDtype::Fp32;
-            let host =
-                StreamBuffers::<f32>::new(&device, 60, fill, stream_chunk, memory, adam, moments)
-                    .unwrap();
+            let host = StreamBuffers::<f32>::new(&device, parts).unwrap();
             (lens(&host.staging), lens(&host.outgoing))
         } else {
-            let host = HostAccumulator::<f32>::new(
-                &device,
-                60,
-                fill,
-                23,
-                stream_chunk,
-                (memory, HostMemory::Pageable),
-                adam,
-                None,
-                OptimizerStateDtype::Fp32,
-            )
-            .unwrap();
+            let host =
+                HostAccumulator::new(&device, parts, 23, HostMemory::Pageable, None).unwrap();
             (lens(&host.staging), vec![])
         }
     }
@@ -806,15 +804,10 @@ mod tests {
     fn zenflow_host_side_is_twelve_bytes_per_parameter_and_bounded_staging() {
         let device = CpuDevice::new().unwrap();
         let (partition, chunk) = (5_000_000, 1 << 16);
-        let fill = |master: &mut [f32]| master.fill(0.0);
-        let memory = HostMemory::Pinned;
         let staging = chunk * (STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * 2);
         // With bf16 moments (`zeroflow.optimizer_state_dtype`) the state is 8 B per parameter.
         for (moments, state) in [(OptimizerStateDtype::Fp32, 12), (OptimizerStateDtype::Bf16, 8)] {
-            let adam = CpuAdam::new(1, SimdLevel::detect()).unwrap();
-            let host =
-                ZenFlowHost::<bf16>::new(&device, partition, fill, chunk, memory, adam, moments)
-                    .unwrap();
+            let host = ZenFlowHost::new(&device, parts::<bf16>(partition, chunk, moments)).unwrap();
             let Worker::Ready(buffers) = &host.worker else { panic!("a new host side is ready") };
             assert_eq!(buffers.host_bytes(), state * partition + staging, "{moments:?}");
             let per_parameter = buffers.host_bytes() as f64 / partition as f64;

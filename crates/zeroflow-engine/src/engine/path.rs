@@ -37,7 +37,6 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
 use zeroflow_core::Float;
 use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, HostMemory};
@@ -54,12 +53,14 @@ pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::{AppliedOpening, AppliedPieces, HostSide};
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;
-use crate::host::{Delayed, HostAccumulator, StreamBuffers, ZenFlowHost};
+use crate::host::{Delayed, HostAccumulator, HostParts, StreamBuffers, ZenFlowHost};
 use crate::memory::{device_share_len, sums_on_device};
 use crate::reduction::Sink;
 use crate::speculation::{Assumed, Speculation, SpeculationStats};
 use crate::zenflow::ZenFlowSnapshot;
-use crate::{EngineError, EngineOptions, OffloadUpdate, Placement, ZenFlowAside};
+use crate::{
+    EngineError, EngineOptions, Offload, OffloadUpdate, Placement, ZenFlowAside, ZenFlowOptions,
+};
 
 /// The elements of the partition `owned` of `layout` that take no weight decay
 /// ([`ParamView::takes_weight_decay`](zeroflow_core::layout::ParamView::takes_weight_decay)),
@@ -123,6 +124,132 @@ const SHARE_REFUSED: EngineError = EngineError::Config(
      holds every weight (one GPU, or ZeRO-0): set it to 0 for this run",
 );
 
+/// The CPU AdamW of an offload path: its threads; the stores of the weights it writes out (a
+/// streamed chunk is uploaded as soon as it is written: from the caches; a whole partition's copy
+/// is too big for them: past them, without reading its lines); its rounding draws of bf16
+/// moments keyed by the element's index in the model; the elements that take no decay.
+fn cpu_adam<P: Float>(
+    opts: &EngineOptions,
+    offload: &Offload,
+    owned: &Range<usize>,
+    no_decay: &NoDecay,
+) -> Result<CpuAdam, EngineError> {
+    let zenflow = matches!(offload.update, OffloadUpdate::ZenFlow(_));
+    let zenflow_streams = zenflow && offload.stream.zenflow_aside == ZenFlowAside::Device;
+    let default_stores = if opts.streams(P::DTYPE) || zenflow_streams {
+        Stores::Normal
+    } else {
+        Stores::NonTemporal
+    };
+    Ok(CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
+        .with_copy_stores(offload.stream.copy_stores.unwrap_or(default_stores))
+        .with_rounding_offset(owned.start)
+        .with_no_decay(no_decay.clone()))
+}
+
+/// What the offload paths are built from besides their host side ([`UpdatePath::new`]).
+struct OffloadPath<'a, D> {
+    device: &'a D,
+    layout: &'a FlatLayout,
+    opts: &'a EngineOptions,
+    offload: &'a Offload,
+}
+
+impl<D: DeviceAdamW> OffloadPath<'_, D> {
+    /// ZenFlow's path: its CPU step streams the device's window through bounded staging (inline,
+    /// or on a worker with `overlap_step`), or the window is copied into the host accumulator
+    /// at its end (no staging: nothing goes out bucket by bucket), `overlap_step` its delayed
+    /// update from the first window on, with the one accumulator (the worker is joined before
+    /// the next window's copy).
+    fn zenflow<P: Float>(
+        &self,
+        zenflow: &ZenFlowOptions,
+        parts: HostParts<P>,
+    ) -> Result<UpdatePath<D, P>, EngineError> {
+        let (device, stream) = (self.device, &self.offload.stream);
+        let (owned, memory) = (parts.owned.clone(), parts.memory);
+        let host = match stream.zenflow_aside {
+            ZenFlowAside::Device => HostSide::Streamed(ZenFlowHost::new(device, parts)?),
+            ZenFlowAside::Host => {
+                let delayed = zenflow.overlap_step.then_some(Delayed { warmup: 0, spare: false });
+                // The window is copied straight into the accumulator.
+                let host = HostAccumulator::new(device, parts, 1, memory, delayed)?;
+                HostSide::Accumulated(host)
+            }
+        };
+        // The next forward opens the host path's weights in pieces where this rank holds them
+        // all (nothing to gather).
+        let one = owned.len() == self.layout.padded_len() && stream.overlap_forward;
+        let on_host = matches!(host, HostSide::Accumulated(_));
+        let pieces = (one && on_host).then(|| AppliedPieces::new(stream.chunk));
+        let adamw = self.opts.adamw;
+        let path = ZenFlowUpdate::new(device, self.layout, &owned, zenflow, adamw, host, pieces)?;
+        Ok(UpdatePath::ZenFlow(Box::new(path)))
+    }
+
+    /// The exact path (`delayed` none) or the delayed update's: streamed (one micro-step), from
+    /// the window's sum on the device, or through the host accumulator; with a device share and
+    /// the speculation where they act.
+    fn exact_or_delayed<P: Float>(
+        &self,
+        delayed: Option<u64>,
+        no_decay: &NoDecay,
+        mut parts: HostParts<P>,
+    ) -> Result<UpdatePath<D, P>, EngineError> {
+        let (device, opts, stream) = (self.device, self.opts, &self.offload.stream);
+        let len = parts.len;
+        let holds_all = len == self.layout.padded_len();
+        // Only the exact update speculates: the delayed one already hides the CPU step.
+        let budget = if delayed.is_none() { stream.speculation_budget } else { 0 };
+        // The device share acts on the exact streaming step: one micro-step (on every rank's
+        // partition), or the window's sum on the device where one rank holds every weight; the
+        // speculation, if any, steps the host's elements only.
+        let on_device = sums_on_device(opts, stream.accumulate_on, len, || device.free_memory());
+        let (streaming, summed) = (opts.streams(P::DTYPE), opts.streams_sum(P::DTYPE, on_device));
+        let share = stream.device_share;
+        if share > 0.0 && !opts.shares(P::DTYPE, on_device, holds_all) {
+            return Err(SHARE_REFUSED);
+        }
+        // The streaming steps keep the speculated pieces' weights until their upload; a device
+        // share's elements (the partition's last) are stepped on the device, not speculated on.
+        let host_len = len - device_share_len(len, share);
+        let with_weights = streaming || summed;
+        let speculation = Speculation::new(device, host_len, budget, with_weights, parts.memory)?;
+        let pieces = stream.gather_in_pieces;
+        if !with_weights {
+            let bucket = opts.reduce_bucket;
+            let (on, chunk, memory) = (stream.accumulate_on, parts.chunk, parts.memory);
+            let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
+            // Only the CPU adds into the accumulator (from staging): pageable. The micro-steps
+            // of the next window add into the spare while the worker steps.
+            let delayed = delayed.map(|warmup| Delayed { warmup, spare: true });
+            let host = HostAccumulator::new(device, parts, bucket, HostMemory::Pageable, delayed)?;
+            return Ok(UpdatePath::Accumulate(Accumulate { host, speculation, on_device }));
+        }
+        // The next forward opens the exact inline step's weights only where this rank holds
+        // them all (nothing to gather). A speculation beside it takes the state from the opening
+        // once it is done (the streaming path's), or steps the window's last backward, after its
+        // first forward's opening (the path summed on the device).
+        let overlap = stream.overlap_forward && delayed.is_none() && holds_all;
+        // The device share, the partition's last elements, keeps its state on the device only:
+        // the host optimizer holds the elements before it. Its staging takes the window's f32
+        // sum (summed) or the gradients (streamed).
+        let share_initial = &parts.initial[parts.owned.start + host_len..parts.owned.end];
+        let place = (stream.device_share_state, staged_piece(parts.chunk));
+        let share =
+            DeviceShare::new(device, host_len, share_initial, parts.moments, no_decay, place)?;
+        parts.len = host_len;
+        if summed {
+            let buffers = StreamBuffers::new(device, parts)?;
+            let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?;
+            return Ok(UpdatePath::Summed(path.with_share(share)));
+        }
+        let buffers = StreamBuffers::new(device, parts)?;
+        let path = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?;
+        Ok(UpdatePath::Stream(path.with_share(share)))
+    }
+}
+
 impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
     /// The path the options ask for, with its buffers, for the partition `owned` of the
     /// `initial` weights (dropped once they are in the master weights, on the host and in a
@@ -144,148 +271,26 @@ impl<D: DeviceAdamW, P: Float> UpdatePath<D, P> {
             }
             Placement::Offload(offload) => offload,
         };
-        // One micro-step per step and no ZenFlow: nothing needs the gradients on the host
-        // between backward and step, so the step streams them (the CPU reads f32 and bf16
-        // gradients as they are; f16 goes through the accumulator). ZenFlow sums a window of
-        // steps on the device and streams the sum through the CPU step once per window.
-        let zenflow = matches!(offload.update, OffloadUpdate::ZenFlow(_));
-        let streaming = opts.streams(P::DTYPE);
-        // A streamed chunk is uploaded as soon as it is written: from the caches. A whole
-        // partition's copy is too big for them: past them, without reading its lines.
-        let zenflow_streams = zenflow && offload.stream.zenflow_aside == ZenFlowAside::Device;
-        let default_stores =
-            if streaming || zenflow_streams { Stores::Normal } else { Stores::NonTemporal };
-        let stores = offload.stream.copy_stores.unwrap_or(default_stores);
-        // bf16 moments' rounding draws are keyed by the element's index in the model.
-        let adam = CpuAdam::new(offload.cpu_threads.max(1), SimdLevel::detect())?
-            .with_copy_stores(stores)
-            .with_rounding_offset(owned.start)
-            .with_no_decay(no_decay.clone());
-        // Fills the host's master weights — the partition's first elements: all of them, or
-        // those before a device share — from `initial`, which it drops then (before the host
-        // moments are allocated and zeroed).
-        let fill_master = |initial: Vec<P>| {
-            let own = owned.clone();
-            move |master: &mut [f32]| {
-                let chunk = 1 << 16;
-                master.par_chunks_mut(chunk).zip(initial[own].par_chunks(chunk)).for_each(
-                    |(master, initial)| {
-                        master.iter_mut().zip(initial).for_each(|(m, p)| *m = p.to_f32());
-                    },
-                );
-            }
-        };
-        let (memory, chunk, len) = (offload.memory, offload.stream.chunk, owned.len());
-        let moments = offload.moments;
-        let share = offload.stream.device_share;
-        if share > 0.0 && offload.update != OffloadUpdate::Exact {
+        if offload.stream.device_share > 0.0 && offload.update != OffloadUpdate::Exact {
             return Err(SHARE_REFUSED);
         }
-        let delayed = match offload.update {
-            OffloadUpdate::Exact => None,
-            OffloadUpdate::Delayed { warmup } => Some(warmup),
-            OffloadUpdate::ZenFlow(z) => {
-                // Its CPU step streams the device window (inline, or on a worker with
-                // overlap_step) through bounded staging.
-                let host = match offload.stream.zenflow_aside {
-                    ZenFlowAside::Device => HostSide::Streamed(ZenFlowHost::new(
-                        device,
-                        len,
-                        fill_master(initial),
-                        chunk,
-                        memory,
-                        adam,
-                        moments,
-                    )?),
-                    // The window copied into the host accumulator at its end (no staging:
-                    // nothing goes out bucket by bucket), overlap_step its delayed update from
-                    // the first window on, with the one accumulator (the worker is joined
-                    // before the next window's copy).
-                    ZenFlowAside::Host => {
-                        let delayed = z.overlap_step.then_some(Delayed { warmup: 0, spare: false });
-                        HostSide::Accumulated(HostAccumulator::new(
-                            device,
-                            len,
-                            fill_master(initial),
-                            1,
-                            chunk,
-                            // The window is copied straight into the accumulator.
-                            (memory, memory),
-                            adam,
-                            delayed,
-                            moments,
-                        )?)
-                    }
-                };
-                // The next forward opens the host path's weights in pieces where this rank
-                // holds them all (nothing to gather).
-                let one = len == layout.padded_len() && offload.stream.overlap_forward;
-                let on_host = matches!(host, HostSide::Accumulated(_));
-                let pieces = (one && on_host).then(|| AppliedPieces::new(chunk));
-                let path = ZenFlowUpdate::new(device, layout, owned, &z, opts.adamw, host, pieces)?;
-                return Ok(UpdatePath::ZenFlow(Box::new(path)));
-            }
+        let parts = HostParts {
+            initial,
+            owned: owned.clone(),
+            len: owned.len(),
+            chunk: offload.stream.chunk,
+            memory: offload.memory,
+            adam: cpu_adam::<P>(opts, offload, owned, &no_decay)?,
+            moments: offload.moments,
         };
-        // Only the exact update speculates: the delayed one already hides the CPU step.
-        let budget = if delayed.is_none() { offload.stream.speculation_budget } else { 0 };
-        let on = offload.stream.accumulate_on;
-        let free = || device.free_memory();
-        // The device share acts on the exact streaming step: one micro-step (on every rank's
-        // partition), or the window's sum on the device where one rank holds every weight; the
-        // speculation, if any, steps the host's elements only.
-        let on_device = sums_on_device(opts, on, len, free);
-        let summed = opts.streams_sum(P::DTYPE, on_device);
-        if share > 0.0 && !opts.shares(P::DTYPE, on_device, len == layout.padded_len()) {
-            return Err(SHARE_REFUSED);
-        }
-        // The streaming steps keep the speculated pieces' weights until their upload; a device
-        // share's elements (the partition's last) are stepped on the device, not speculated on.
-        let host_len = len - device_share_len(len, share);
-        let speculation = Speculation::new(device, host_len, budget, streaming || summed, memory)?;
-        let pieces = offload.stream.gather_in_pieces;
-        // The next forward opens the exact inline step's weights only where this rank holds
-        // them all (nothing to gather). A speculation beside it takes the state from the opening
-        // once it is done (the streaming path's), or steps the window's last backward, after its
-        // first forward's opening (the path summed on the device).
-        let overlap =
-            offload.stream.overlap_forward && delayed.is_none() && len == layout.padded_len();
-        if summed || streaming {
-            // The device share, the partition's last elements, keeps its state on the device
-            // only: the host optimizer holds the elements before it.
-            let from = host_len;
-            let share_initial = &initial[owned.start + from..owned.end];
-            let place = (offload.stream.device_share_state, staged_piece(chunk));
-            let share = DeviceShare::new(device, from, share_initial, moments, &no_decay, place)?;
-            let fill = fill_master(initial);
-            if summed {
-                // Its staging takes the window's f32 sum; the streamed step's, the gradients.
-                let buffers = StreamBuffers::new(device, from, fill, chunk, memory, adam, moments)?;
-                let path = Summed::new(device, buffers, len, pieces, speculation, overlap)?
-                    .with_share(share);
-                return Ok(UpdatePath::Summed(path));
+        let path = OffloadPath { device, layout, opts, offload };
+        match offload.update {
+            OffloadUpdate::ZenFlow(zenflow) => path.zenflow(&zenflow, parts),
+            OffloadUpdate::Exact => path.exact_or_delayed(None, &no_decay, parts),
+            OffloadUpdate::Delayed { warmup } => {
+                path.exact_or_delayed(Some(warmup), &no_decay, parts)
             }
-            let buffers = StreamBuffers::new(device, from, fill, chunk, memory, adam, moments)?;
-            let stream = Stream::new(device, buffers, delayed, len, pieces, speculation, overlap)?
-                .with_share(share);
-            return Ok(UpdatePath::Stream(stream));
         }
-        let bucket = opts.reduce_bucket;
-        let on_device = DeviceSum::new(device, opts, on, len, bucket.min(chunk), memory)?;
-        // Only the CPU adds into the accumulator (from staging): pageable.
-        let memories = (memory, HostMemory::Pageable);
-        let host = HostAccumulator::new(
-            device,
-            len,
-            fill_master(initial),
-            bucket,
-            chunk,
-            memories,
-            adam,
-            // The micro-steps of the next window add into the spare while the worker steps.
-            delayed.map(|warmup| Delayed { warmup, spare: true }),
-            moments,
-        )?;
-        Ok(UpdatePath::Accumulate(Accumulate { host, speculation, on_device }))
     }
 
     /// Where the reduced gradient pieces of a backward go; `boundary`: the backward ends an
