@@ -15,18 +15,23 @@
 //!    ([`normalise`]), and the path updates the weights, after which `params_ready` is recorded.
 //!    Device errors parked during the step (by tokens dropped without a wait) are collected last.
 //!
-//! The update path is one of four types, each in its own module with the buffers and events it
+//! The update path is one of five types, each in its own module with the buffers and events it
 //! owns (`engine/path.rs` has the table of where each event is recorded and waited on):
 //! `device.rs` (AdamW on the device), `accumulate.rs` (the host accumulator and the CPU step,
-//! inline or delayed), `stream.rs` (gradients out and weights back chunk by chunk, inline, left
-//! to the next forward, or delayed) and `zenflow.rs` (ZenFlow's split update, DESIGN.md §6). `shared.rs` holds what every
-//! path uses: the flat buffers, the shared events and the all-gather; `state.rs` the snapshot and
-//! the restore; `model_io.rs` what the model gets, with the opener through which its forward
-//! starts before an exact step's weights are all uploaded (`stream.rs`'s `Opening`).
+//! inline or delayed), `stream.rs` (one micro-step: gradients out and weights back chunk by
+//! chunk, inline, left to the next forward, or delayed), `summed.rs` (the same from a window's
+//! sum on the device) and `zenflow.rs` (ZenFlow's split update, DESIGN.md §6). `chunks.rs` holds
+//! the chunk stream the streamed steps go through, with the inline step's gather in pieces;
+//! `opening.rs` the step left to the next forward; `shared.rs` what every path uses: the flat
+//! buffers, the shared events and the all-gather; `state.rs` the snapshot and the restore;
+//! `model_io.rs` what the model gets, with the opener through which its forward starts before an
+//! exact step's weights are all uploaded (`opening.rs`'s `Opening`).
 
 mod accumulate;
+mod chunks;
 mod device;
 mod model_io;
+mod opening;
 mod path;
 mod share;
 mod shared;
@@ -44,14 +49,14 @@ use zeroflow_core::layout::FlatLayout;
 use zeroflow_device::{Comm, HostMemory, StreamKind};
 use zeroflow_optim::AdamW;
 
+pub(crate) use self::chunks::{Handoff, StagingSlots};
 pub use self::model_io::{ModelIo, Opener};
+use self::opening::OpenEvents;
 use self::path::{Open, OpenAt, UpdatePath};
 pub use self::share::{SHARE_UPLOAD_BYTES, SHARE_UPLOAD_PIECE_BYTES};
 pub(crate) use self::share::{staged_device_bytes, staged_piece};
 use self::shared::{Events, Shared, normalise, reduced_source};
 pub use self::state::{CheckpointState, OptimizerPart, Restore, SavedParts, Snapshot};
-use self::stream::OpenEvents;
-pub(crate) use self::stream::{Handoff, StagingSlots};
 use crate::buckets::Bucketer;
 use crate::courier;
 use crate::device_adamw::DeviceAdamW;

@@ -44,10 +44,11 @@ use zeroflow_optim::{AdamWStep, CpuAdam, NoDecay, SimdLevel, Stores};
 
 pub(super) use super::accumulate::{Accumulate, DeviceSum};
 pub(super) use super::device::DeviceUpdate;
+pub(super) use super::opening::{OpenAt, Opening};
 use super::share::{DeviceShare, staged_piece};
 use super::shared::Shared;
 use super::state::{PathState, Restore, SavedState};
-pub(super) use super::stream::{OpenAt, Opening, Stream};
+pub(super) use super::stream::Stream;
 pub(super) use super::summed::Summed;
 pub(super) use super::zenflow::{ZenFlowRestore, ZenFlowUpdate};
 use super::zenflow_host::{AppliedOpening, AppliedPieces, HostSide};

@@ -2,7 +2,7 @@
 //! micro-step's reduced buckets are added into a device accumulator of the partition on the comm
 //! stream; at the step the norm is taken over the sum on the device and the sum streams through
 //! the CPU step chunk by chunk, as the one-micro-step path streams the reduced gradients
-//! ([`super::stream::stream_step`]). Nothing is copied to the host during the window's
+//! ([`super::chunks::stream_step`]). Nothing is copied to the host during the window's
 //! backwards, there is no host accumulator and no whole-partition upload buffer: the host holds
 //! the optimizer state and the bounded staging, as with one micro-step.
 //!
@@ -14,7 +14,7 @@
 //! there; the step then streams the rest.
 //!
 //! Where one rank holds every weight (`overlap_forward`), the step is left to the next window's
-//! first forward, which opens it as the one-micro-step path's is ([`super::stream::Opening`]):
+//! first forward, which opens it as the one-micro-step path's is ([`super::opening::Opening`]):
 //! the sum is cleared on the comm stream once the opening has recorded `d2h_done`, before that
 //! micro-step's backward adds into it. A speculation is validated at the step as the streaming
 //! path's is: the pieces that stand go up then, and the opening leaves them alone. The opening is
@@ -30,13 +30,12 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, StreamKind};
 use zeroflow_optim::AdamWStep;
 
+use super::chunks::{StepIo, finish_stream_step, stream_step};
+use super::opening::{Deferral, OpenAt, OpenChunks, Opening};
 use super::path::SinkOrOpening;
 use super::share::{self, DeviceShare};
 use super::shared::Shared;
 use super::state::{PathState, SavedState};
-use super::stream::{
-    Deferral, OpenAt, OpenChunks, Opening, StepIo, finish_stream_step, stream_step,
-};
 use crate::EngineError;
 use crate::checkpoint::PartView;
 use crate::device_adamw::DeviceAdamW;

@@ -6,7 +6,7 @@
 //! and `device_done` is recorded; then the whole partition's gradients are added into the device
 //! window and `window_ready` is recorded. When a window ends (after `update_interval` steps, or
 //! when Zen-auto says so) the CPU step streams the window through bounded host staging chunk by
-//! chunk (`stream.rs`'s [`stream_chunks`]: d2h copies after `window_ready`, the fused AdamW, the
+//! chunk (`chunks.rs`'s [`stream_chunks`]: d2h copies after `window_ready`, the fused AdamW, the
 //! weights' uploads on the h2d stream), and the window is cleared on the compute stream once the
 //! CPU has read it. Inline, the weights go straight into the flat weights (the h2d stream after
 //! `compute_done`, `params_ready` and `device_done`) and the device's columns are scattered over
@@ -27,9 +27,10 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::{Comm, HostBuffer, StreamKind};
 use zeroflow_optim::{AdamWConfig, AdamWStep};
 
+use super::chunks::{Chunks, stream_chunks, trace_worker};
+use super::opening::OpenAt;
 use super::shared::{Shared, normalise, overwrite, overwrite_at, slot, sum_to_host};
 use super::state::{PathState, RESTORE_PIECE, SavedParts, SavedState, SavedWindow};
-use super::stream::{Chunks, OpenAt, stream_chunks, trace_worker};
 use super::zenflow_host::{AppliedOpening, AppliedPieces, HostSide};
 use crate::checkpoint::{Elements, MomentView, PartView};
 use crate::device_adamw::DeviceAdamW;

@@ -15,9 +15,9 @@ use zeroflow_core::Float;
 use zeroflow_device::{Comm, Device, HostBuffer, StreamKind};
 use zeroflow_optim::AdamWStep;
 
+use super::opening::OpenAt;
 use super::shared::{Shared, slot};
 use super::state::SavedState;
-use super::stream::OpenAt;
 use super::zenflow::ZenFlowUpdate;
 use crate::EngineError;
 use crate::device_adamw::DeviceAdamW;
@@ -306,7 +306,7 @@ impl<D: Device, P: Float> AppliedOpening<'_, D, P> {
     }
 
     /// Ends the opening after the model: opens what the forward did not, and gives whether the
-    /// model opened everything itself (see [`super::stream::Opening::end`]), else the first
+    /// model opened everything itself (see [`super::opening::Opening::end`]), else the first
     /// error.
     pub fn end(mut self) -> Result<bool, EngineError> {
         let opened_all = self.finished;
