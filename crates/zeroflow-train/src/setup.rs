@@ -240,37 +240,8 @@ impl Setup {
         if args.plan == PlanMode::Check {
             planned.plan.check_before_start(&machine)?;
         }
-        let default_out = resume.is_none() && args.out.is_none();
-        let out = match &resume {
-            Some(point) => resume_out(point, &args, &config, steps)?,
-            None => fresh_out(&args)?,
-        };
-        // The default `runs/<UTC time>` is claimed now, before anything is written into it (the
-        // tokens of data tokenized at start-up): another run started in the same second gets
-        // another. A set-up that fails from here removes it again.
-        let mut claimed = Claimed(None);
-        let out = match default_out {
-            true => claimed.claim(&out)?,
-            false => out,
-        };
-        let keep = args.keep.map_or(DEFAULT_KEEP, NonZeroU64::get);
-        let (checkpoint_bytes, weights_bytes) =
-            (planned.plan.checkpoint_disk_bytes, planned.plan.weights_disk_bytes);
-        if dist.rank == 0
-            && let Some(warning) = checkpoints::disk_warning(
-                &out,
-                checkpoint_bytes,
-                keep,
-                args.export.as_deref().map(|dir| (dir, weights_bytes)),
-            )
-        {
-            tracing::warn!("{warning}");
-        }
-        if dist.rank == 0
-            && let Some(dir) = &args.export
-        {
-            check_export(dir, &out, weights_bytes)?;
-        }
+        let (out, claimed, keep) =
+            run_out(&args, &dist, resume.as_ref(), &config, steps, &planned.plan)?;
         let start = initial_state(resume, hf, &model, dist.world_size)?;
         let batch = &config.batch;
         let shape = data::Shape {
@@ -291,58 +262,12 @@ impl Setup {
         {
             tracing::warn!("{warning}");
         }
-        let template = args.chat_template.as_deref().map(std::path::absolute).transpose();
-        let template = template.map_err(|e| input(format!("--chat-template: {e}")))?;
-        if let Some(file) = template.as_deref().filter(|file| !file.is_file()) {
-            return Err(input(format!("--chat-template {}: no such file", file.display())));
-        }
-        let chat = zeroflow_data::ChatOptions {
-            template,
-            variables: args.chat_template_kwargs.clone().unwrap_or_default(),
-        };
-        // Without --eval-data, documents spread over data tokenized at start-up are held out for
-        // evaluation (a run resumed from a checkpoint from before, which held out a tail, goes on
-        // doing so).
-        let hold_documents = args.eval_data.is_none()
-            && match &start {
-                Start::Resume { point, .. } => point.extra.documents_held_out == Some(true),
-                _ => true,
-            };
-        let hold_out =
-            hold_documents.then(|| shape.eval_tokens.unwrap_or(data::EVAL_TOKENS) as u64);
-        let tokenized = |spec, role, hold_out| {
-            let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
-            let dir = model_dir.as_deref();
-            startup_tokens::tokenized_at_start(spec, role, dir, &out, at, &chat, hold_out)
-        };
+        let chat = chat_options(&args)?;
         let conversations = spec.holds_conversations();
-        if let Some(dir) = model_dir.as_deref()
-            && let Some(tokenizer) = zeroflow_data::Tokenizer::of_dir(dir).ok().flatten()
-        {
-            spec.check_tokenized_with(&tokenizer, dir, "--data")?;
-        }
-        let given_shards = matches!(spec, data::Spec::Shards(_));
-        let tokenized_data = tokenized(spec, DataRole::Train, hold_out)?;
-        let (spec, held_out) = (tokenized_data.spec, tokenized_data.held_out);
-        // A directory of `zeroflow tokenize --hold-out`'s shards: the documents it held out.
-        let held_out = match (held_out, &spec) {
-            (None, data::Spec::Shards(_)) if hold_documents => {
-                data::Spec::held_out_beside(&planned.data_arg)?
-            }
-            (held_out, _) => held_out,
-        };
-        let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
-        let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval, None)).transpose()?;
-        let eval = EvalSet::of(eval_spec.as_ref().map(|given| &given.spec), held_out.as_ref());
-        if given_shards && hold_documents && matches!(eval, EvalSet::Tail) && dist.rank == 0 {
-            tracing::info!(
-                "eval: the end of --data's last shard (no {}/ beside the shards): data that \
-                 comes sorted is evaluated on its last part alone; `zeroflow tokenize --hold-out \
-                 N` holds out documents spread over all of it, or give --eval-data",
-                zeroflow_data::HELD_OUT_DIR
-            );
-        }
-        let data = open_data(&spec, eval, &model, shape, seed, &start)?;
+        let inputs =
+            DataInputs { args: &args, dist: &dist, model: &model, start: &start, out: &out };
+        let read = (model_dir.as_deref(), &chat, planned.data_arg.as_str());
+        let (data, spec, hold_documents) = training_data(inputs, spec, read, shape, seed)?;
         // `--epochs`: the steps, now that the data says how many an epoch is, and the config
         // resolved again with them (its schedule's total and default warm-up).
         let (steps, config) = match args.epochs {
@@ -415,6 +340,124 @@ impl Setup {
             _ => 0,
         }
     }
+}
+
+/// The run directory (`--out`, the resumed run's, or a fresh `runs/<UTC time>`, claimed now: see
+/// [`Claimed`]), the checkpoints to keep, and on rank 0 the warning where the disk would fill and
+/// the check of `--export`'s directory.
+fn run_out(
+    args: &TrainOptions,
+    dist: &DistEnv,
+    resume: Option<&ResumePoint>,
+    config: &Config,
+    steps: u64,
+    plan: &MemoryPlan,
+) -> Result<(PathBuf, Claimed, u64)> {
+    let out = match resume {
+        Some(point) => resume_out(point, args, config, steps)?,
+        None => fresh_out(args)?,
+    };
+    // The default `runs/<UTC time>` is claimed now, before anything is written into it (the
+    // tokens of data tokenized at start-up): another run started in the same second gets
+    // another. A set-up that fails from here removes it again.
+    let mut claimed = Claimed(None);
+    let out = match resume.is_none() && args.out.is_none() {
+        true => claimed.claim(&out)?,
+        false => out,
+    };
+    let keep = args.keep.map_or(DEFAULT_KEEP, NonZeroU64::get);
+    let (checkpoint_bytes, weights_bytes) = (plan.checkpoint_disk_bytes, plan.weights_disk_bytes);
+    if dist.rank == 0
+        && let Some(warning) = checkpoints::disk_warning(
+            &out,
+            checkpoint_bytes,
+            keep,
+            args.export.as_deref().map(|dir| (dir, weights_bytes)),
+        )
+    {
+        tracing::warn!("{warning}");
+    }
+    if dist.rank == 0
+        && let Some(dir) = &args.export
+    {
+        check_export(dir, &out, weights_bytes)?;
+    }
+    Ok((out, claimed, keep))
+}
+
+/// `--chat-template` (made absolute, and checked to be a file) and `--chat-template-kwargs`.
+fn chat_options(args: &TrainOptions) -> Result<zeroflow_data::ChatOptions> {
+    let template = args.chat_template.as_deref().map(std::path::absolute).transpose();
+    let template = template.map_err(|e| input(format!("--chat-template: {e}")))?;
+    if let Some(file) = template.as_deref().filter(|file| !file.is_file()) {
+        return Err(input(format!("--chat-template {}: no such file", file.display())));
+    }
+    let variables = args.chat_template_kwargs.clone().unwrap_or_default();
+    Ok(zeroflow_data::ChatOptions { template, variables })
+}
+
+/// What [`training_data`] reads the run's data for.
+struct DataInputs<'a> {
+    args: &'a TrainOptions,
+    dist: &'a DistEnv,
+    model: &'a ModelSpec,
+    start: &'a Start,
+    /// The run directory, where data tokenized at start-up goes.
+    out: &'a Path,
+}
+
+/// The run's data: `spec` (and `--eval-data`) tokenized at start-up where they must be, with the
+/// tokenizer of the model's directory and the chat options (`read`: those and `--data` as
+/// given), the evaluation set chosen, and the training stream at the checkpoint's position when
+/// resuming; with the training data's spec as tokenized, and whether documents are held out for
+/// evaluation.
+fn training_data(
+    inputs: DataInputs<'_>,
+    spec: data::Spec,
+    (model_dir, chat, data_arg): (Option<&Path>, &zeroflow_data::ChatOptions, &str),
+    shape: data::Shape,
+    seed: u64,
+) -> Result<(Data, data::Spec, bool)> {
+    let DataInputs { args, dist, model, start, out } = inputs;
+    // Without --eval-data, documents spread over data tokenized at start-up are held out for
+    // evaluation (a run resumed from a checkpoint from before, which held out a tail, goes on
+    // doing so).
+    let hold_documents = args.eval_data.is_none()
+        && match start {
+            Start::Resume { point, .. } => point.extra.documents_held_out == Some(true),
+            _ => true,
+        };
+    let hold_out = hold_documents.then(|| shape.eval_tokens.unwrap_or(data::EVAL_TOKENS) as u64);
+    let tokenized = |spec, role, hold_out| {
+        let at = startup_tokens::RankOnHost { rank: dist.rank, local_rank: dist.local_rank };
+        startup_tokens::tokenized_at_start(spec, role, model_dir, out, at, chat, hold_out)
+    };
+    if let Some(dir) = model_dir
+        && let Some(tokenizer) = zeroflow_data::Tokenizer::of_dir(dir).ok().flatten()
+    {
+        spec.check_tokenized_with(&tokenizer, dir, "--data")?;
+    }
+    let given_shards = matches!(spec, data::Spec::Shards(_));
+    let tokenized_data = tokenized(spec, DataRole::Train, hold_out)?;
+    let (spec, held_out) = (tokenized_data.spec, tokenized_data.held_out);
+    // A directory of `zeroflow tokenize --hold-out`'s shards: the documents it held out.
+    let held_out = match (held_out, &spec) {
+        (None, data::Spec::Shards(_)) if hold_documents => data::Spec::held_out_beside(data_arg)?,
+        (held_out, _) => held_out,
+    };
+    let eval_spec = args.eval_data.as_deref().map(data::Spec::parse).transpose()?;
+    let eval_spec = eval_spec.map(|spec| tokenized(spec, DataRole::Eval, None)).transpose()?;
+    let eval = EvalSet::of(eval_spec.as_ref().map(|given| &given.spec), held_out.as_ref());
+    if given_shards && hold_documents && matches!(eval, EvalSet::Tail) && dist.rank == 0 {
+        tracing::info!(
+            "eval: the end of --data's last shard (no {}/ beside the shards): data that comes \
+             sorted is evaluated on its last part alone; `zeroflow tokenize --hold-out N` holds \
+             out documents spread over all of it, or give --eval-data",
+            zeroflow_data::HELD_OUT_DIR
+        );
+    }
+    let data = open_data(&spec, eval, model, shape, seed, start)?;
+    Ok((data, spec, hold_documents))
 }
 
 /// [`Setup::model_dir`] of a run that starts as `start` says.
