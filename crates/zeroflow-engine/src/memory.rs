@@ -237,46 +237,44 @@ impl EngineOptions {
         // (`zeroflow.optimizer_state_dtype`: 12 bytes per element with fp32 moments, 8 with bf16).
         let state_bytes = offload.moments.state_bytes_per_param();
         lines.push(line(Host, K::MasterAndMoments, n - shared, state_bytes));
-        let chunk = offload.stream.chunk;
-        let delayed = match offload.update {
-            OffloadUpdate::Exact => false,
-            OffloadUpdate::Delayed { .. } => true,
+        match offload.update {
             OffloadUpdate::ZenFlow(z) => {
                 lines.extend(zenflow_buffers(layout, &owned, z.topk_ratio, p));
-                match offload.stream.zenflow_aside {
-                    // The CPU step streams the device window through bounded staging (f32 in,
-                    // the weights' type out); with overlap_step from a second, aside window,
-                    // into the aside weights.
-                    ZenFlowAside::Device => {
-                        let staging = staging_len(n, chunk);
-                        let bytes = STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * p;
-                        lines.push(line(Host, K::Staging, staging, bytes));
-                        if z.overlap_step {
-                            lines.push(line(Device, K::GradientAccumulator, n, 4));
-                            lines.push(line(Device, K::DelayedUpdate, n, p));
-                        }
-                    }
-                    // The window copied into the host accumulator (pieces of one element), one
-                    // with overlap_step too: the worker is joined before the next copy.
-                    ZenFlowAside::Host => lines.extend(accumulator_buffers(n, 1, chunk, false, p)),
-                }
-                return lines;
+                lines.extend(zenflow_host_buffers(offload, z.overlap_step, n, p));
             }
-        };
+            OffloadUpdate::Exact | OffloadUpdate::Delayed { .. } => {
+                let partition = ExactPartition { n, shared, staged, on_device };
+                lines.extend(self.exact_or_delayed_buffers(offload, partition, dtype));
+            }
+        }
+        lines
+    }
+
+    /// [`EngineOptions::planned_buffers`] of the exact or the delayed offload step past the host
+    /// optimizer's state (`UpdatePath::new`'s `exact_or_delayed`): the speculation's backups, a
+    /// device share's state, and the staging and accumulators of the path the step takes
+    /// (streamed, from the window's sum on the device, or through the host accumulator).
+    fn exact_or_delayed_buffers(
+        &self,
+        offload: &Offload,
+        partition: ExactPartition,
+        dtype: DType,
+    ) -> Vec<PlannedBuffer> {
+        use BufferKind as K;
+        use MemoryKind::{Device, Host};
+        let ExactPartition { n, shared, staged, on_device } = partition;
+        let (p, chunk, bucket) = (dtype.size(), offload.stream.chunk, self.reduce_bucket);
+        let delayed = matches!(offload.update, OffloadUpdate::Delayed { .. });
         let budget = if delayed { 0 } else { offload.stream.speculation_budget };
         let streaming = self.streams(dtype);
-        let bucket = self.reduce_bucket;
         let summed = self.streams_sum(dtype, on_device);
         // The streaming steps keep the speculated pieces' weights until their upload.
         let with_weights = streaming || summed;
         let speculated = speculation_capacity(n - shared, budget, with_weights, p);
+        let mut lines = Vec::new();
         if speculated > 0 {
-            lines.push(line(
-                Host,
-                K::Speculation,
-                speculated,
-                speculated_element_bytes(with_weights, p),
-            ));
+            let bytes = speculated_element_bytes(with_weights, p);
+            lines.push(line(Host, K::Speculation, speculated, bytes));
         }
         if staged > 0 {
             // In page-locked host memory, and a few pieces' slots on the device.
@@ -304,12 +302,8 @@ impl EngineOptions {
         if on_device {
             lines.push(line(Device, K::GradientAccumulator, n, 4));
             let piece = bucket.min(chunk);
-            lines.push(line(
-                Host,
-                K::Staging,
-                staging_len(piece.min(n), piece),
-                STAGING_BUFFERS * 4,
-            ));
+            let staging = staging_len(piece.min(n), piece);
+            lines.push(line(Host, K::Staging, staging, STAGING_BUFFERS * 4));
         }
         lines.extend(accumulator_buffers(n, bucket, chunk, delayed, p));
         lines
@@ -345,6 +339,44 @@ fn set_up_peak(
 }
 
 /// `HostAccumulator::new`'s buffers beside the optimizer state: the upload buffer, the staging,
+/// A partition of `n` elements as the exact or delayed offload step holds it: the device share's
+/// last `shared` elements (of them `staged` with their state in host memory), and whether a
+/// window is summed on the device.
+struct ExactPartition {
+    n: usize,
+    shared: usize,
+    staged: usize,
+    on_device: bool,
+}
+
+/// ZenFlow's host buffers past the host optimizer's state, for a partition of `n` elements of
+/// `p` bytes each: the CPU step streams the device's window through bounded staging (f32 in, the
+/// weights' type out; with `overlap_step` from a second, aside window, into the aside weights),
+/// or the window is copied into the host accumulator (pieces of one element; one accumulator with
+/// `overlap_step` too: the worker is joined before the next copy).
+fn zenflow_host_buffers(
+    offload: &Offload,
+    overlap_step: bool,
+    n: usize,
+    p: usize,
+) -> Vec<PlannedBuffer> {
+    use BufferKind as K;
+    use MemoryKind::{Device, Host};
+    let chunk = offload.stream.chunk;
+    match offload.stream.zenflow_aside {
+        ZenFlowAside::Device => {
+            let bytes = STAGING_BUFFERS * 4 + OUTGOING_BUFFERS * p;
+            let mut lines = vec![line(Host, K::Staging, staging_len(n, chunk), bytes)];
+            if overlap_step {
+                lines.push(line(Device, K::GradientAccumulator, n, 4));
+                lines.push(line(Device, K::DelayedUpdate, n, p));
+            }
+            lines
+        }
+        ZenFlowAside::Host => accumulator_buffers(n, 1, chunk, false, p),
+    }
+}
+
 /// the fp32 accumulator, and with `spare` (the delayed update) the second accumulator.
 fn accumulator_buffers(
     n: usize,
