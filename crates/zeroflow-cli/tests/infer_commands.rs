@@ -219,7 +219,8 @@ fn read_template(dir: &Path) -> String {
 }
 
 /// A prompt outside the vocabulary, a bad id list, a window past the context, text without a
-/// tokenizer, and a MODEL that is missing or holds no model (for `generate` and `eval`; it was
+/// tokenizer, no prompt at all, `--chat` without a tokenizer, and a MODEL that is missing or holds
+/// no model (for `generate` and `eval`; it was
 /// "has no tokenizer.json" and an internal error) each exit 2 naming what is wrong.
 #[test]
 fn bad_input_exits_2_naming_it() {
@@ -234,10 +235,12 @@ fn bad_input_exits_2_naming_it() {
         [&["generate", model_dir, "--max-new-tokens", "2"], extra].concat()
     };
     let eval = |model| vec!["eval", model, "--data", shard.to_str().unwrap()];
-    let cases: [(Vec<&str>, &str); 9] = [
+    let cases: [(Vec<&str>, &str); 11] = [
         (generate(&["--prompt-tokens", "1,64"]), "token 64 is outside the vocabulary (64)"),
         (generate(&["--prompt-tokens", "1;2"]), "--prompt-tokens"),
         (generate(&["--prompt", "hi"]), "--tokenizer"),
+        (generate(&[]), "give the prompt: --prompt TEXT"),
+        (generate(&["--chat"]), "--chat renders prompts with the tokenizer's chat template"),
         (generate(&["--prompt-tokens", "1", "--temperature=-1"]), "--temperature"),
         ([&eval(model_dir)[..], &["--window", "17"]].concat(), "--window 17"),
         (vec!["generate", missing, "--prompt", "hi", "--max-new-tokens", "2"], "no such directory"),

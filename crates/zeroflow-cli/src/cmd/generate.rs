@@ -82,36 +82,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let text = source.defaults()?;
     let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?;
     let conversation = args.chat && args.prompts.is_none() && args.prompt.is_none();
-    let prompts = match (&args.prompts, &args.prompt_tokens, &args.prompt) {
-        _ if conversation => Vec::new(),
-        (Some(file), ..) => read_prompts(file)?,
-        (None, Some(ids), _) => {
-            vec![Prompt::Tokens(
-                parse_ids(ids).map_err(|e| InputError(format!("--prompt-tokens {e}")))?,
-            )]
-        }
-        (None, None, Some(text)) => {
-            if tokenizer.is_none() {
-                return Err(InputError::from_display(format!(
-                    "--prompt is text and {} has no tokenizer.json: give --tokenizer (gpt2, \
-                     bytes, a tokenizer.json or a model directory), or the prompt as \
-                     --prompt-tokens",
-                    args.model.display()
-                )));
-            }
-            match &args.system {
-                Some(system) => {
-                    vec![Prompt::Messages(vec![message("system", system), message("user", text)])]
-                }
-                None => vec![Prompt::Text(text.clone())],
-            }
-        }
-        (None, None, None) => {
-            return Err(InputError::from_display(
-                "give the prompt: --prompt TEXT, --prompt-tokens IDS or --prompts FILE (or --chat \
-                 alone for a conversation)",
-            ));
-        }
+    let prompts = match conversation {
+        true => Vec::new(),
+        false => given_prompts(&args, tokenizer.is_some())?,
     };
     let chat = match (args.chat, &tokenizer) {
         (false, _) => None,
@@ -122,18 +95,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 args.model.display()
             )));
         }
-        (true, Some(tokenizer)) => {
-            let options = super::chat_options(None, args.chat_template_kwargs.clone(), &text);
-            let template = options.template(tokenizer).map_err(InputError::from_display)?;
-            let Some(template) = template else {
-                return Err(InputError::from_display(format!(
-                    "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
-                     chat_template or chat_template.jinja)",
-                    tokenizer.name()
-                )));
-            };
-            Some((tokenizer, template))
-        }
+        (true, Some(tokenizer)) => Some((tokenizer, chat_template(&args, tokenizer, &text)?)),
     };
     let prompts = prompts
         .iter()
@@ -174,8 +136,70 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return streamed.finish(&tokenizer.decode(&tokens).map_err(InputError)?);
     }
     let generated = model.complete_batch_on(&prompts, &completion, args.device)?;
+    print_generated(&args, tokenizer.as_ref(), &generated)
+}
+
+/// The prompts `--prompts`, `--prompt-tokens` or `--prompt` give (text needs the model's
+/// tokenizer, `has_tokenizer`; with `--system`, a conversation of that and the prompt).
+fn given_prompts(args: &Args, has_tokenizer: bool) -> anyhow::Result<Vec<Prompt>> {
+    Ok(match (&args.prompts, &args.prompt_tokens, &args.prompt) {
+        (Some(file), ..) => read_prompts(file)?,
+        (None, Some(ids), _) => {
+            let ids = parse_ids(ids).map_err(|e| InputError(format!("--prompt-tokens {e}")))?;
+            vec![Prompt::Tokens(ids)]
+        }
+        (None, None, Some(text)) => {
+            if !has_tokenizer {
+                return Err(InputError::from_display(format!(
+                    "--prompt is text and {} has no tokenizer.json: give --tokenizer (gpt2, \
+                     bytes, a tokenizer.json or a model directory), or the prompt as \
+                     --prompt-tokens",
+                    args.model.display()
+                )));
+            }
+            match &args.system {
+                Some(system) => {
+                    vec![Prompt::Messages(vec![message("system", system), message("user", text)])]
+                }
+                None => vec![Prompt::Text(text.clone())],
+            }
+        }
+        (None, None, None) => {
+            return Err(InputError::from_display(
+                "give the prompt: --prompt TEXT, --prompt-tokens IDS or --prompts FILE (or --chat \
+                 alone for a conversation)",
+            ));
+        }
+    })
+}
+
+/// `--chat`'s template: the tokenizer's (`tokenizer_config.json`'s `chat_template` or
+/// `chat_template.jinja`), rendered with `--chat-template-kwargs` or the model's defaults.
+fn chat_template(
+    args: &Args,
+    tokenizer: &zeroflow_data::Tokenizer,
+    text: &zeroflow_train::infer::ModelDefaults,
+) -> anyhow::Result<zeroflow_data::ChatTemplate> {
+    let options = super::chat_options(None, args.chat_template_kwargs.clone(), text);
+    let template = options.template(tokenizer).map_err(InputError::from_display)?;
+    template.ok_or_else(|| {
+        InputError::from_display(format!(
+            "--chat: the tokenizer {} has no chat template (tokenizer_config.json's \
+             chat_template or chat_template.jinja)",
+            tokenizer.name()
+        ))
+    })
+}
+
+/// Prints each prompt's new tokens: their text (the ids where there is no tokenizer), or with
+/// `--json` a line of the ids and the text (and the prompt's index, with `--prompts`).
+fn print_generated(
+    args: &Args,
+    tokenizer: Option<&zeroflow_data::Tokenizer>,
+    generated: &[Vec<u32>],
+) -> anyhow::Result<()> {
     for (index, tokens) in generated.iter().enumerate() {
-        let text = tokenizer.as_ref().map(|t| t.decode(tokens)).transpose().map_err(InputError)?;
+        let text = tokenizer.map(|t| t.decode(tokens)).transpose().map_err(InputError)?;
         if args.json {
             let mut line = serde_json::json!({ "tokens": tokens, "text": text });
             if args.prompts.is_some() {
