@@ -68,12 +68,9 @@ pub(crate) struct HostParts<P: Float> {
 impl<P: Float> HostParts<P> {
     /// The CPU optimizer's state of the host's `len` elements, pageable (only the CPU touches
     /// it): the master weights filled from the initial weights (dropped then), the moments
-    /// zeroed. Also gives `len`, `chunk` and `memory`, for the buffers around it.
-    fn optimizer<D: Device>(
-        self,
-        device: &D,
-    ) -> Result<(HostOptimizer, usize, usize, HostMemory), EngineError> {
-        let HostParts { initial, owned, len, chunk, memory, adam, moments } = self;
+    /// zeroed.
+    fn optimizer<D: Device>(self, device: &D) -> Result<HostOptimizer, EngineError> {
+        let HostParts { initial, owned, len, adam, moments, .. } = self;
         let fill_master = move |master: &mut [f32]| {
             master.par_chunks_mut(PAR_CHUNK).zip(initial[owned].par_chunks(PAR_CHUNK)).for_each(
                 |(master, initial)| {
@@ -81,9 +78,7 @@ impl<P: Float> HostParts<P> {
                 },
             );
         };
-        let state =
-            HostOptimizer::new(device, len, fill_master, HostMemory::Pageable, adam, moments)?;
-        Ok((state, len, chunk, memory))
+        HostOptimizer::new(device, len, fill_master, HostMemory::Pageable, adam, moments)
     }
 }
 
@@ -496,7 +491,8 @@ impl<P: Float> HostAccumulator<P> {
         acc_memory: HostMemory,
         delayed: Option<Delayed>,
     ) -> Result<Self, EngineError> {
-        let (state, partition, stream_chunk, memory) = parts.optimizer(device)?;
+        let (partition, stream_chunk, memory) = (parts.len, parts.chunk, parts.memory);
+        let state = parts.optimizer(device)?;
         let staging_len = bucket.min(partition);
         let staging = alloc_staging(device, staging_len, stream_chunk, memory, STAGING_BUFFERS)?;
         let whole = WholeStep { state, upload: device.alloc_host(partition, memory)? };
@@ -647,7 +643,8 @@ impl<P: Float, G: Float> StreamBuffers<P, G> {
     /// elements (at least one): the staging and outgoing buffers in `parts.memory`, the
     /// optimizer state pageable (only the CPU touches it).
     pub(crate) fn new<D: Device>(device: &D, parts: HostParts<P>) -> Result<Self, EngineError> {
-        let (state, partition, stream_chunk, memory) = parts.optimizer(device)?;
+        let (partition, stream_chunk, memory) = (parts.len, parts.chunk, parts.memory);
+        let state = parts.optimizer(device)?;
         let staging = alloc_staging(device, partition, stream_chunk, memory, STAGING_BUFFERS)?;
         let outgoing = alloc_staging(device, partition, stream_chunk, memory, OUTGOING_BUFFERS)?;
         Ok(StreamBuffers { state, staging, outgoing })

@@ -264,10 +264,17 @@ impl Setup {
         }
         let chat = chat_options(&args)?;
         let conversations = spec.holds_conversations();
-        let inputs =
-            DataInputs { args: &args, dist: &dist, model: &model, start: &start, out: &out };
-        let read = (model_dir.as_deref(), &chat, planned.data_arg.as_str());
-        let (data, spec, hold_documents) = training_data(inputs, spec, read, shape, seed)?;
+        let inputs = DataInputs {
+            args: &args,
+            dist: &dist,
+            model: &model,
+            start: &start,
+            out: &out,
+            model_dir: model_dir.as_deref(),
+            chat: &chat,
+            data_arg: &planned.data_arg,
+        };
+        let (data, spec, hold_documents) = training_data(inputs, spec, shape, seed)?;
         // `--epochs`: the steps, now that the data says how many an epoch is, and the config
         // resolved again with them (its schedule's total and default warm-up).
         let (steps, config) = match args.epochs {
@@ -404,21 +411,25 @@ struct DataInputs<'a> {
     start: &'a Start,
     /// The run directory, where data tokenized at start-up goes.
     out: &'a Path,
+    /// The model's Hugging Face directory, whose tokenizer encodes text and conversations.
+    model_dir: Option<&'a Path>,
+    chat: &'a zeroflow_data::ChatOptions,
+    /// `--data` as given (resolved), beside which `zeroflow tokenize --hold-out` keeps its
+    /// held-out documents.
+    data_arg: &'a str,
 }
 
 /// The run's data: `spec` (and `--eval-data`) tokenized at start-up where they must be, with the
-/// tokenizer of the model's directory and the chat options (`read`: those and `--data` as
-/// given), the evaluation set chosen, and the training stream at the checkpoint's position when
-/// resuming; with the training data's spec as tokenized, and whether documents are held out for
-/// evaluation.
+/// tokenizer of the model's directory and the chat options, the evaluation set chosen, and the
+/// training stream at the checkpoint's position when resuming; with the training data's spec as
+/// tokenized, and whether documents are held out for evaluation.
 fn training_data(
     inputs: DataInputs<'_>,
     spec: data::Spec,
-    (model_dir, chat, data_arg): (Option<&Path>, &zeroflow_data::ChatOptions, &str),
     shape: data::Shape,
     seed: u64,
 ) -> Result<(Data, data::Spec, bool)> {
-    let DataInputs { args, dist, model, start, out } = inputs;
+    let DataInputs { args, dist, model, start, out, model_dir, chat, data_arg } = inputs;
     // Without --eval-data, documents spread over data tokenized at start-up are held out for
     // evaluation (a run resumed from a checkpoint from before, which held out a tail, goes on
     // doing so).
