@@ -27,7 +27,7 @@ pub mod plan;
 pub use config::{GptConfig, NAMED_SIZES};
 pub use cpu::{CpuGpt, init_params_on_device};
 pub use cuda::CudaGpt;
-pub use cuda::decode::CudaGptDecoder;
+pub use cuda::decode::{CudaGptDecoder, CudaGptStep};
 pub use decode::GptDecoder;
 pub use error::GptError;
 pub use hf::HfGpt;

@@ -39,7 +39,7 @@ pub mod shapes;
 pub use acts::ActLayout;
 pub use config::{Architecture, AttentionBias, LlamaConfig};
 pub use cpu::{CpuLlama, init_params_on_device};
-pub use cuda::decode::CudaLlamaDecoder;
+pub use cuda::decode::{CudaLlamaDecoder, CudaLlamaStep};
 pub use cuda::{CudaLlama, CudaLlamaOptions};
 pub use decode::LlamaDecoder;
 pub use error::{LlamaConfigError, LlamaError};

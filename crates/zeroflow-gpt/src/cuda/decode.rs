@@ -1,12 +1,13 @@
-//! GPT-2 with a key/value cache on the GPU ([`CudaGptDecoder`]): zeroflow-nn's [`Decoder`] in
-//! bf16, the twin of the CPU's [`GptDecoder`](crate::GptDecoder). A step runs only its token
-//! rows (a prefill every prompt position, a decode step one row per sequence): the embedding of
-//! those few rows summed on the host from f32 copies of `wte` and `wpe` (each row at its own
-//! position) and uploaded, then per block the training kernels (LayerNorm, GELU, the residual)
-//! and cuBLASLt matmuls with `M = rows` (the Conv1D weights `[in, out]`, the bias in the
-//! epilogue), and attention over the cache ([`CudaKvCache`]: `kv_write`, then
-//! `decode_attention`); the final LayerNorm and the LM head run only on the rows whose logits are
-//! asked for (copied together first), and those logits come to the host (f32) for sampling.
+//! GPT-2 with a key/value cache on the GPU ([`CudaGptDecoder`]): zeroflow-nn's
+//! [`CachedDecoder`] of GPT-2's step ([`CudaGptStep`]), a [`Decoder`] in bf16, the twin of the
+//! CPU's [`GptDecoder`](crate::GptDecoder). A step runs only its token rows (a prefill every
+//! prompt position, a decode step one row per sequence): the embedding of those few rows summed
+//! on the host from f32 copies of `wte` and `wpe` (each row at its own position) and uploaded,
+//! then per block the training kernels (LayerNorm, GELU, the residual) and cuBLASLt matmuls with
+//! `M = rows` (the Conv1D weights `[in, out]`, the bias in the epilogue), and attention over the
+//! cache ([`CudaKvCache`]: `kv_write`, then `decode_attention`); the final LayerNorm and the LM
+//! head run only on the rows whose logits are asked for (copied together first), and those
+//! logits come to the host (f32) for sampling.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,10 +17,13 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
-use zeroflow_nn::cuda::decode::{CudaKvCache, turn_batch, turn_capacity};
+use zeroflow_nn::cuda::cached::{CachedDecoder, CachedForward};
+use zeroflow_nn::cuda::decode::CudaKvCache;
 use zeroflow_nn::cuda::kernels::{NnKernels, ROWS_PER_BLOCK, THREADS, blocks_for};
+#[cfg(doc)]
+use zeroflow_nn::infer::Decoder;
 use zeroflow_nn::infer::decode_attention::DeviceCacheLayout;
-use zeroflow_nn::infer::{CachedAttention, Decoder, KvCache, StepRows};
+use zeroflow_nn::infer::{CachedAttention, StepRows};
 
 use super::kernels::GptKernels;
 use crate::GptConfig;
@@ -27,9 +31,10 @@ use crate::error::GptError;
 use crate::params::{BlockParams, ParamRanges};
 
 /// The GPU buffers of one batch: every activation for steps of at most `max_rows` rows, the
-/// host staging of the embedding and of the logits, and the cache.
+/// host staging of the embedding and of the logits, and the cache ([`CudaGptStep`]'s
+/// [`CachedForward::Batch`]).
 #[derive(Debug)]
-struct Batch {
+pub struct Batch {
     max_rows: usize,
     cache: CudaKvCache,
     /// `[max_rows, C]` each: the residual stream in and between the halves of a block, the
@@ -53,9 +58,14 @@ struct Batch {
     logits_host: HostBuffer<bf16>,
 }
 
-/// GPT-2 on a GPU with the key/value cache of the current batch.
+/// GPT-2 on a GPU with the key/value cache of the current batch: a [`Decoder`] (make one with
+/// `CachedDecoder::new(CudaGptStep::new(…)?)`).
+pub type CudaGptDecoder = CachedDecoder<CudaGptStep>;
+
+/// GPT-2's forward over a step's rows on the GPU: the weights, the kernels and the buffers of a
+/// batch, which [`CudaGptDecoder`] runs.
 #[derive(Debug)]
-pub struct CudaGptDecoder {
+pub struct CudaGptStep {
     device: CudaDevice,
     blas: Arc<Blas>,
     config: GptConfig,
@@ -67,12 +77,9 @@ pub struct CudaGptDecoder {
     wpe: Vec<bf16>,
     gpt: GptKernels,
     nn: NnKernels,
-    /// The positions each sequence holds (a cache of no layers: the host's count).
-    positions: KvCache<f32>,
-    batch: Option<Batch>,
 }
 
-impl CudaGptDecoder {
+impl CudaGptStep {
     /// Uploads `weights` (the flat parameters of `layout`, f32 or bf16) to the GPU in bf16 and
     /// loads the kernels; `blas` is shared with the compute stream's other users.
     pub fn new<W: Float>(
@@ -87,10 +94,10 @@ impl CudaGptDecoder {
             return Err(GptError::Length { what: "parameter buffer", expected, found });
         }
         let weights = device.upload_rounded(weights)?;
-        CudaGptDecoder::on_device(device, blas, config, layout, weights)
+        CudaGptStep::on_device(device, blas, config, layout, weights)
     }
 
-    /// [`CudaGptDecoder::new`] of weights already on the GPU (the flat parameters of `layout`
+    /// [`CudaGptStep::new`] of weights already on the GPU (the flat parameters of `layout`
     /// in bf16): the embedding's rows the host reads are downloaded from them.
     pub fn on_device(
         device: &CudaDevice,
@@ -106,7 +113,7 @@ impl CudaGptDecoder {
         }
         // The host's embedding: the GPU's bf16 values.
         let held = |range: &Range<usize>| device.download_range(&weights, range.clone());
-        Ok(CudaGptDecoder {
+        Ok(CudaGptStep {
             device: device.clone(),
             blas,
             config: *config,
@@ -116,92 +123,7 @@ impl CudaGptDecoder {
             params,
             gpt: GptKernels::load(device)?,
             nn: NnKernels::load(device)?,
-            positions: KvCache::new(0, attention(config), 0, 0),
-            batch: None,
         })
-    }
-
-    fn stream(&self) -> &CudaStream {
-        self.device.stream(StreamKind::Compute)
-    }
-
-    /// Allocates the buffers of a batch of `batch` sequences of `capacity` positions, for steps
-    /// of at most `max_rows` rows.
-    fn allocate(&self, batch: usize, capacity: usize, max_rows: usize) -> Result<Batch, GptError> {
-        let (c, padded) = (self.config.d_model, self.config.padded_vocab_size());
-        let layout = DeviceCacheLayout { shape: attention(&self.config), batch, capacity };
-        let cache = CudaKvCache::new(&self.device, self.config.n_layer, layout, max_rows)?;
-        let d = &self.device;
-        let rows = |width: usize| d.alloc::<bf16>(max_rows * width);
-        Ok(Batch {
-            max_rows,
-            cache,
-            residual: rows(c)?,
-            residual2: rows(c)?,
-            normed: rows(c)?,
-            atty: rows(c)?,
-            projected: rows(c)?,
-            qkv: rows(3 * c)?,
-            fch: rows(4 * c)?,
-            fch_gelu: rows(4 * c)?,
-            mean: d.alloc::<f32>(max_rows)?,
-            rstd: d.alloc::<f32>(max_rows)?,
-            logits: d.alloc::<bf16>(batch * padded)?,
-            embedding: d.alloc_host::<bf16>(max_rows * c, HostMemory::Pageable)?,
-            logits_host: d.alloc_host::<bf16>(batch * padded, HostMemory::Pageable)?,
-        })
-    }
-
-    /// Runs a step's rows (already counted by `positions`) and returns the logits
-    /// `[logits_of.len(), vocab]` of the rows it asks for.
-    fn step(&mut self, step: &StepRows) -> Result<Vec<f32>, GptError> {
-        let mut batch =
-            self.batch.take().ok_or_else(|| GptError::Batch("no prefill yet".into()))?;
-        let result = self.run(&mut batch, step);
-        self.batch = Some(batch);
-        result
-    }
-
-    fn run(&self, b: &mut Batch, step: &StepRows) -> Result<Vec<f32>, GptError> {
-        let StepRows { tokens, rows, logits_of } = step;
-        let (n, c, stream) = (rows.len(), self.config.d_model, self.stream());
-        if n > b.max_rows || logits_of.len() * self.config.padded_vocab_size() > b.logits.len() {
-            return Err(GptError::Batch(format!("{n} rows pass the batch's {}", b.max_rows)));
-        }
-        self.embed(b, tokens, rows.iter().map(|r| r.pos))?;
-        b.cache.set_rows(stream, rows)?;
-        for (layer, block) in self.params.blocks.iter().enumerate() {
-            self.block(b, layer, block, n)?;
-        }
-        // The asked-for rows together at the start of `residual2`, then the head on them.
-        for (k, &row) in logits_of.iter().enumerate() {
-            self.device.copy_d2d(
-                stream,
-                &b.residual,
-                row * c..(row + 1) * c,
-                &b.residual2,
-                k * c,
-            )?;
-        }
-        let m = logits_of.len();
-        let p = &self.params;
-        self.layernorm(b, (&b.residual2, &b.normed), (&p.ln_f_weight, &p.ln_f_bias), m)?;
-        let padded = self.config.padded_vocab_size();
-        let problem = Matmul::linear_forward(m, c, padded);
-        let operands = MatmulOperands::row_major(
-            Operand::of(&b.normed, 0),
-            Operand::of(&self.weights, p.wte.start),
-            Operand::of(&b.logits, 0),
-        );
-        self.blas.matmul(stream, &problem, operands)?;
-        let filled =
-            self.device.copy_d2h(stream, &b.logits, 0..m * padded, &mut b.logits_host, 0)?;
-        let logits = filled.wait()?;
-        let vocab = self.config.vocab_size;
-        Ok(logits[..m * padded]
-            .chunks(padded)
-            .flat_map(|row| row[..vocab].iter().map(|x| x.to_f32()))
-            .collect())
     }
 
     /// `wte[token] + wpe[pos]` of each row (f32 on the host, rounded to bf16) into `residual`.
@@ -362,9 +284,13 @@ fn attention(config: &GptConfig) -> CachedAttention {
     CachedAttention { n_head: config.n_head, n_kv_head: config.n_head, head_dim: config.head_dim() }
 }
 
-impl Decoder for CudaGptDecoder {
-    type Float = f32;
+impl CachedForward for CudaGptStep {
+    type Batch = Batch;
     type Error = GptError;
+
+    fn attention(&self) -> CachedAttention {
+        attention(&self.config)
+    }
 
     fn vocab_size(&self) -> usize {
         self.config.vocab_size
@@ -374,36 +300,82 @@ impl Decoder for CudaGptDecoder {
         self.config.context
     }
 
-    fn prefill(&mut self, prompts: &[&[u32]], capacity: usize) -> Result<Vec<f32>, GptError> {
-        let capacity = capacity.min(self.config.context);
-        self.positions = KvCache::new(0, attention(&self.config), prompts.len(), capacity);
-        let step = self.positions.prefill(prompts).map_err(GptError::Batch)?;
-        let max_rows = step.rows.len().max(prompts.len());
-        self.batch = None;
-        self.batch = Some(self.allocate(prompts.len(), capacity, max_rows)?);
-        self.step(&step)
+    fn stream(&self) -> &CudaStream {
+        self.device.stream(StreamKind::Compute)
     }
 
-    fn decode(&mut self, next: &[(usize, u32)]) -> Result<Vec<f32>, GptError> {
-        let step = self.positions.decode(next).map_err(GptError::Batch)?;
-        self.step(&step)
+    fn batch_error(reason: String) -> GptError {
+        GptError::Batch(reason)
     }
 
-    /// The batch's buffers are kept where they hold one sequence with room for the turn; else
-    /// made anew, larger ([`turn_capacity`]), the kept positions' keys and values copied over.
-    fn extend(
-        &mut self,
-        keep: usize,
-        tokens: &[u32],
-        capacity: usize,
-    ) -> Result<Vec<f32>, GptError> {
-        let one = self.batch.as_ref().map(|b| *b.cache.layout()).filter(|l| l.batch == 1);
-        let capacity = turn_capacity(one.map(|l| l.capacity), capacity, self.max_positions());
-        let step = self.positions.extend(keep, tokens, capacity).map_err(GptError::Batch)?;
-        let (held, turn) = (self.batch.take(), (keep, step.rows.len(), capacity));
-        let allocate = |max_rows| self.allocate(1, capacity, max_rows);
-        let batch = turn_batch(held, |b| (&b.cache, b.max_rows), turn, self.stream(), allocate)?;
-        self.batch = Some(batch);
-        self.step(&step)
+    fn allocate(&self, batch: usize, capacity: usize, max_rows: usize) -> Result<Batch, GptError> {
+        let (c, padded) = (self.config.d_model, self.config.padded_vocab_size());
+        let layout = DeviceCacheLayout { shape: attention(&self.config), batch, capacity };
+        let cache = CudaKvCache::new(&self.device, self.config.n_layer, layout, max_rows)?;
+        let d = &self.device;
+        let rows = |width: usize| d.alloc::<bf16>(max_rows * width);
+        Ok(Batch {
+            max_rows,
+            cache,
+            residual: rows(c)?,
+            residual2: rows(c)?,
+            normed: rows(c)?,
+            atty: rows(c)?,
+            projected: rows(c)?,
+            qkv: rows(3 * c)?,
+            fch: rows(4 * c)?,
+            fch_gelu: rows(4 * c)?,
+            mean: d.alloc::<f32>(max_rows)?,
+            rstd: d.alloc::<f32>(max_rows)?,
+            logits: d.alloc::<bf16>(batch * padded)?,
+            embedding: d.alloc_host::<bf16>(max_rows * c, HostMemory::Pageable)?,
+            logits_host: d.alloc_host::<bf16>(batch * padded, HostMemory::Pageable)?,
+        })
+    }
+
+    fn cache(batch: &Batch) -> (&CudaKvCache, usize) {
+        (&batch.cache, batch.max_rows)
+    }
+
+    fn run(&self, b: &mut Batch, step: &StepRows) -> Result<Vec<f32>, GptError> {
+        let StepRows { tokens, rows, logits_of } = step;
+        let (n, c, stream) = (rows.len(), self.config.d_model, self.stream());
+        if n > b.max_rows || logits_of.len() * self.config.padded_vocab_size() > b.logits.len() {
+            return Err(GptError::Batch(format!("{n} rows pass the batch's {}", b.max_rows)));
+        }
+        self.embed(b, tokens, rows.iter().map(|r| r.pos))?;
+        b.cache.set_rows(stream, rows)?;
+        for (layer, block) in self.params.blocks.iter().enumerate() {
+            self.block(b, layer, block, n)?;
+        }
+        // The asked-for rows together at the start of `residual2`, then the head on them.
+        for (k, &row) in logits_of.iter().enumerate() {
+            self.device.copy_d2d(
+                stream,
+                &b.residual,
+                row * c..(row + 1) * c,
+                &b.residual2,
+                k * c,
+            )?;
+        }
+        let m = logits_of.len();
+        let p = &self.params;
+        self.layernorm(b, (&b.residual2, &b.normed), (&p.ln_f_weight, &p.ln_f_bias), m)?;
+        let padded = self.config.padded_vocab_size();
+        let problem = Matmul::linear_forward(m, c, padded);
+        let operands = MatmulOperands::row_major(
+            Operand::of(&b.normed, 0),
+            Operand::of(&self.weights, p.wte.start),
+            Operand::of(&b.logits, 0),
+        );
+        self.blas.matmul(stream, &problem, operands)?;
+        let filled =
+            self.device.copy_d2h(stream, &b.logits, 0..m * padded, &mut b.logits_host, 0)?;
+        let logits = filled.wait()?;
+        let vocab = self.config.vocab_size;
+        Ok(logits[..m * padded]
+            .chunks(padded)
+            .flat_map(|row| row[..vocab].iter().map(|x| x.to_f32()))
+            .collect())
     }
 }

@@ -1,13 +1,14 @@
 //! A Llama-family model with a key/value cache on the GPU ([`CudaLlamaDecoder`]): zeroflow-nn's
-//! [`Decoder`] in bf16, the twin of the CPU's [`LlamaDecoder`](crate::LlamaDecoder). A step runs
-//! only its token rows: the embedding of those rows gathered on the host from an f32 copy of the
-//! (bf16-rounded) embedding and uploaded; per layer the family's kernels (RMSNorm, Qwen3's q/k
-//! norm over rows of `head_dim`, RoPE, SwiGLU; zeroflow-nn's residual) and cuBLASLt matmuls with
-//! `M = rows` (the `[out, in]` weights, a bias in the epilogue where the architecture has one);
-//! RoPE reads a table made on the host for the step, one entry per row at that row's own position
-//! (the kernel's `t` is the step's row count, so row `r` takes entry `r`); attention over the
-//! cache ([`CudaKvCache`]); the final norm and the LM head only on the rows whose logits are
-//! asked for, and those logits to the host (f32) for sampling.
+//! [`CachedDecoder`] of the family's step ([`CudaLlamaStep`]), a [`Decoder`] in bf16, the twin
+//! of the CPU's [`LlamaDecoder`](crate::LlamaDecoder). A step runs only its token rows: the
+//! embedding of those rows gathered on the host from an f32 copy of the (bf16-rounded)
+//! embedding and uploaded; per layer the family's kernels (RMSNorm, Qwen3's q/k norm over rows
+//! of `head_dim`, RoPE, SwiGLU; zeroflow-nn's residual) and cuBLASLt matmuls with `M = rows`
+//! (the `[out, in]` weights, a bias in the epilogue where the architecture has one); RoPE reads
+//! a table made on the host for the step, one entry per row at that row's own position (the
+//! kernel's `t` is the step's row count, so row `r` takes entry `r`); attention over the cache
+//! ([`CudaKvCache`]); the final norm and the LM head only on the rows whose logits are asked
+//! for, and those logits to the host (f32) for sampling.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -17,10 +18,13 @@ use zeroflow_core::{Float, bf16};
 use zeroflow_device::cuda::blas::{Blas, Epilogue, Matmul, MatmulOperands, Operand};
 use zeroflow_device::cuda::{CudaBuffer, CudaFunction, CudaStream, KernelParams};
 use zeroflow_device::{CudaDevice, Device, DeviceBuffer, HostBuffer, HostMemory, StreamKind};
-use zeroflow_nn::cuda::decode::{CudaKvCache, turn_batch, turn_capacity};
+use zeroflow_nn::cuda::cached::{CachedDecoder, CachedForward};
+use zeroflow_nn::cuda::decode::CudaKvCache;
 use zeroflow_nn::cuda::kernels::{NnKernels, ROWS_PER_BLOCK, THREADS, blocks_for};
+#[cfg(doc)]
+use zeroflow_nn::infer::Decoder;
 use zeroflow_nn::infer::decode_attention::DeviceCacheLayout;
-use zeroflow_nn::infer::{CachedAttention, Decoder, KvCache, StepRows};
+use zeroflow_nn::infer::{CachedAttention, StepRows};
 
 use super::kernels::sources;
 use crate::config::LlamaConfig;
@@ -37,9 +41,10 @@ struct Kernels {
     residual_forward: CudaFunction,
 }
 
-/// The GPU buffers of one batch, for steps of at most `max_rows` rows.
+/// The GPU buffers of one batch, for steps of at most `max_rows` rows ([`CudaLlamaStep`]'s
+/// [`CachedForward::Batch`]).
 #[derive(Debug)]
-struct Batch {
+pub struct Batch {
     max_rows: usize,
     cache: CudaKvCache,
     /// `[max_rows, d]`: the residual stream in, between the halves of a layer, the normalised
@@ -70,9 +75,14 @@ struct Batch {
     logits_host: HostBuffer<bf16>,
 }
 
-/// A Llama-family model on a GPU with the key/value cache of the current batch.
+/// A Llama-family model on a GPU with the key/value cache of the current batch: a [`Decoder`]
+/// (make one with `CachedDecoder::new(CudaLlamaStep::new(…)?)`).
+pub type CudaLlamaDecoder = CachedDecoder<CudaLlamaStep>;
+
+/// A Llama-family model's forward over a step's rows on the GPU: the weights, the kernels and
+/// the buffers of a batch, which [`CudaLlamaDecoder`] runs.
 #[derive(Debug)]
-pub struct CudaLlamaDecoder {
+pub struct CudaLlamaStep {
     device: CudaDevice,
     blas: Arc<Blas>,
     config: LlamaConfig,
@@ -83,12 +93,9 @@ pub struct CudaLlamaDecoder {
     /// RoPE's inverse frequencies, one per pair.
     inv_freq: Vec<f64>,
     kernels: Kernels,
-    /// The positions each sequence holds (a cache of no layers: the host's count).
-    positions: KvCache<f32>,
-    batch: Option<Batch>,
 }
 
-impl CudaLlamaDecoder {
+impl CudaLlamaStep {
     /// Uploads `weights` (the flat parameters of `layout`, f32 or bf16) to the GPU in bf16 and
     /// loads the kernels; `blas` is shared with the compute stream's other users.
     pub fn new<W: Float>(
@@ -103,10 +110,10 @@ impl CudaLlamaDecoder {
             return Err(LlamaError::Length { what: "parameter buffer", expected, found });
         }
         let weights = device.upload_rounded(weights)?;
-        CudaLlamaDecoder::on_device(device, blas, config, layout, weights)
+        CudaLlamaStep::on_device(device, blas, config, layout, weights)
     }
 
-    /// [`CudaLlamaDecoder::new`] of weights already on the GPU (the flat parameters of `layout`
+    /// [`CudaLlamaStep::new`] of weights already on the GPU (the flat parameters of `layout`
     /// in bf16): the embedding's rows the host reads are downloaded from them.
     pub fn on_device(
         device: &CudaDevice,
@@ -142,7 +149,7 @@ impl CudaLlamaDecoder {
             swiglu_forward: pointwise.function("swiglu_forward")?,
             residual_forward: NnKernels::load(device)?.residual_forward,
         };
-        Ok(CudaLlamaDecoder {
+        Ok(CudaLlamaStep {
             device: device.clone(),
             blas,
             config: config.clone(),
@@ -151,83 +158,7 @@ impl CudaLlamaDecoder {
             embed,
             inv_freq: freqs.inv_freq(),
             kernels,
-            positions: KvCache::new(0, attention(config), 0, 0),
-            batch: None,
         })
-    }
-
-    fn stream(&self) -> &CudaStream {
-        self.device.stream(StreamKind::Compute)
-    }
-
-    fn allocate(
-        &self,
-        batch: usize,
-        capacity: usize,
-        max_rows: usize,
-    ) -> Result<Batch, LlamaError> {
-        let c = &self.config;
-        let shape = attention(c);
-        let layout = DeviceCacheLayout { shape, batch, capacity };
-        let cache = CudaKvCache::new(&self.device, c.num_hidden_layers, layout, max_rows)?;
-        let d = &self.device;
-        let rows = |width: usize| d.alloc::<bf16>(max_rows * width);
-        let (hidden, ffn) = (c.hidden_size, c.intermediate_size);
-        Ok(Batch {
-            max_rows,
-            cache,
-            hidden: rows(hidden)?,
-            mid: rows(hidden)?,
-            normed: rows(hidden)?,
-            projected: rows(hidden)?,
-            q: rows(c.q_dim())?,
-            k: rows(c.kv_dim())?,
-            v: rows(c.kv_dim())?,
-            atty: rows(c.q_dim())?,
-            qkv: rows(shape.qkv_width())?,
-            gate: rows(ffn)?,
-            up: rows(ffn)?,
-            swiglu: rows(ffn)?,
-            rstd: d.alloc::<f32>(max_rows * c.num_attention_heads.max(1))?,
-            table: d.alloc::<f32>(max_rows * c.head_dim)?,
-            logits: d.alloc::<bf16>(batch * c.vocab_size)?,
-            embedding: d.alloc_host::<bf16>(max_rows * hidden, HostMemory::Pageable)?,
-            table_host: d.alloc_host::<f32>(max_rows * c.head_dim, HostMemory::Pageable)?,
-            logits_host: d.alloc_host::<bf16>(batch * c.vocab_size, HostMemory::Pageable)?,
-        })
-    }
-
-    fn step(&mut self, step: &StepRows) -> Result<Vec<f32>, LlamaError> {
-        let mut batch =
-            self.batch.take().ok_or_else(|| LlamaError::Batch("no prefill yet".into()))?;
-        let result = self.run(&mut batch, step);
-        self.batch = Some(batch);
-        result
-    }
-
-    fn run(&self, b: &mut Batch, step: &StepRows) -> Result<Vec<f32>, LlamaError> {
-        let StepRows { tokens, rows, logits_of } = step;
-        let (n, d, vocab, stream) =
-            (rows.len(), self.config.hidden_size, self.config.vocab_size, self.stream());
-        if n > b.max_rows || logits_of.len() * vocab > b.logits.len() {
-            return Err(LlamaError::Batch(format!("{n} rows pass the batch's {}", b.max_rows)));
-        }
-        let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect();
-        self.upload_step(b, tokens, &positions)?;
-        b.cache.set_rows(stream, rows)?;
-        for (index, layer) in self.params.layers.iter().enumerate() {
-            self.layer(b, index, layer, n)?;
-        }
-        for (k, &row) in logits_of.iter().enumerate() {
-            self.device.copy_d2d(stream, &b.hidden, row * d..(row + 1) * d, &b.mid, k * d)?;
-        }
-        let m = logits_of.len();
-        self.rmsnorm((&b.mid, &b.normed, &b.rstd), &self.params.norm, (m, d))?;
-        self.linear(&b.normed, (self.params.head(), None), &b.logits, (m, d, vocab))?;
-        let filled =
-            self.device.copy_d2h(stream, &b.logits, 0..m * vocab, &mut b.logits_host, 0)?;
-        let logits = filled.wait()?;
-        Ok(logits[..m * vocab].iter().map(|x| x.to_f32()).collect())
     }
 
     /// Each row's embedding into `hidden`, and the step's rotary table (row `r` at its position).
@@ -412,9 +343,13 @@ fn attention(config: &LlamaConfig) -> CachedAttention {
     }
 }
 
-impl Decoder for CudaLlamaDecoder {
-    type Float = f32;
+impl CachedForward for CudaLlamaStep {
+    type Batch = Batch;
     type Error = LlamaError;
+
+    fn attention(&self) -> CachedAttention {
+        attention(&self.config)
+    }
 
     fn vocab_size(&self) -> usize {
         self.config.vocab_size
@@ -426,36 +361,77 @@ impl Decoder for CudaLlamaDecoder {
         self.config.sliding_window.map_or(max, |window| window.min(max))
     }
 
-    fn prefill(&mut self, prompts: &[&[u32]], capacity: usize) -> Result<Vec<f32>, LlamaError> {
-        let capacity = capacity.min(self.max_positions());
-        self.positions = KvCache::new(0, attention(&self.config), prompts.len(), capacity);
-        let step = self.positions.prefill(prompts).map_err(LlamaError::Batch)?;
-        let max_rows = step.rows.len().max(prompts.len());
-        self.batch = None;
-        self.batch = Some(self.allocate(prompts.len(), capacity, max_rows)?);
-        self.step(&step)
+    fn stream(&self) -> &CudaStream {
+        self.device.stream(StreamKind::Compute)
     }
 
-    fn decode(&mut self, next: &[(usize, u32)]) -> Result<Vec<f32>, LlamaError> {
-        let step = self.positions.decode(next).map_err(LlamaError::Batch)?;
-        self.step(&step)
+    fn batch_error(reason: String) -> LlamaError {
+        LlamaError::Batch(reason)
     }
 
-    /// The batch's buffers are kept where they hold one sequence with room for the turn; else
-    /// made anew, larger ([`turn_capacity`]), the kept positions' keys and values copied over.
-    fn extend(
-        &mut self,
-        keep: usize,
-        tokens: &[u32],
+    fn allocate(
+        &self,
+        batch: usize,
         capacity: usize,
-    ) -> Result<Vec<f32>, LlamaError> {
-        let one = self.batch.as_ref().map(|b| *b.cache.layout()).filter(|l| l.batch == 1);
-        let capacity = turn_capacity(one.map(|l| l.capacity), capacity, self.max_positions());
-        let step = self.positions.extend(keep, tokens, capacity).map_err(LlamaError::Batch)?;
-        let (held, turn) = (self.batch.take(), (keep, step.rows.len(), capacity));
-        let allocate = |max_rows| self.allocate(1, capacity, max_rows);
-        let batch = turn_batch(held, |b| (&b.cache, b.max_rows), turn, self.stream(), allocate)?;
-        self.batch = Some(batch);
-        self.step(&step)
+        max_rows: usize,
+    ) -> Result<Batch, LlamaError> {
+        let c = &self.config;
+        let shape = attention(c);
+        let layout = DeviceCacheLayout { shape, batch, capacity };
+        let cache = CudaKvCache::new(&self.device, c.num_hidden_layers, layout, max_rows)?;
+        let d = &self.device;
+        let rows = |width: usize| d.alloc::<bf16>(max_rows * width);
+        let (hidden, ffn) = (c.hidden_size, c.intermediate_size);
+        Ok(Batch {
+            max_rows,
+            cache,
+            hidden: rows(hidden)?,
+            mid: rows(hidden)?,
+            normed: rows(hidden)?,
+            projected: rows(hidden)?,
+            q: rows(c.q_dim())?,
+            k: rows(c.kv_dim())?,
+            v: rows(c.kv_dim())?,
+            atty: rows(c.q_dim())?,
+            qkv: rows(shape.qkv_width())?,
+            gate: rows(ffn)?,
+            up: rows(ffn)?,
+            swiglu: rows(ffn)?,
+            rstd: d.alloc::<f32>(max_rows * c.num_attention_heads.max(1))?,
+            table: d.alloc::<f32>(max_rows * c.head_dim)?,
+            logits: d.alloc::<bf16>(batch * c.vocab_size)?,
+            embedding: d.alloc_host::<bf16>(max_rows * hidden, HostMemory::Pageable)?,
+            table_host: d.alloc_host::<f32>(max_rows * c.head_dim, HostMemory::Pageable)?,
+            logits_host: d.alloc_host::<bf16>(batch * c.vocab_size, HostMemory::Pageable)?,
+        })
+    }
+
+    fn cache(batch: &Batch) -> (&CudaKvCache, usize) {
+        (&batch.cache, batch.max_rows)
+    }
+
+    fn run(&self, b: &mut Batch, step: &StepRows) -> Result<Vec<f32>, LlamaError> {
+        let StepRows { tokens, rows, logits_of } = step;
+        let (n, d, vocab, stream) =
+            (rows.len(), self.config.hidden_size, self.config.vocab_size, self.stream());
+        if n > b.max_rows || logits_of.len() * vocab > b.logits.len() {
+            return Err(LlamaError::Batch(format!("{n} rows pass the batch's {}", b.max_rows)));
+        }
+        let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect();
+        self.upload_step(b, tokens, &positions)?;
+        b.cache.set_rows(stream, rows)?;
+        for (index, layer) in self.params.layers.iter().enumerate() {
+            self.layer(b, index, layer, n)?;
+        }
+        for (k, &row) in logits_of.iter().enumerate() {
+            self.device.copy_d2d(stream, &b.hidden, row * d..(row + 1) * d, &b.mid, k * d)?;
+        }
+        let m = logits_of.len();
+        self.rmsnorm((&b.mid, &b.normed, &b.rstd), &self.params.norm, (m, d))?;
+        self.linear(&b.normed, (self.params.head(), None), &b.logits, (m, d, vocab))?;
+        let filled =
+            self.device.copy_d2h(stream, &b.logits, 0..m * vocab, &mut b.logits_host, 0)?;
+        let logits = filled.wait()?;
+        Ok(logits[..m * vocab].iter().map(|x| x.to_f32()).collect())
     }
 }

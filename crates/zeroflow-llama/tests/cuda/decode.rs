@@ -9,7 +9,8 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use zeroflow_core::bf16;
 use zeroflow_device::cuda::blas::Blas;
-use zeroflow_llama::{CudaLlamaDecoder, LlamaConfig, LlamaDecoder, flat_layout, init_params};
+use zeroflow_llama::{CudaLlamaStep, LlamaConfig, LlamaDecoder, flat_layout, init_params};
+use zeroflow_nn::cuda::cached::CachedDecoder;
 use zeroflow_nn::infer::{Decoder, GenerateOptions, Sampling, generate};
 
 use crate::gpu;
@@ -43,7 +44,8 @@ fn the_cached_gpu_decoder_follows_the_cpu_decoder() {
         *x = bf16::from_f32(*x + rng.random_range(-0.25f32..0.25)).to_f32();
     }
     let blas = Arc::new(Blas::new(&device).unwrap());
-    let mut gpu_decoder = CudaLlamaDecoder::new(&device, blas, &odd, &layout, &params).unwrap();
+    let gpu_step = CudaLlamaStep::new(&device, blas, &odd, &layout, &params).unwrap();
+    let mut gpu_decoder = CachedDecoder::new(gpu_step);
     let mut cpu_decoder = LlamaDecoder::new(&odd, &layout, &params).unwrap();
     let prompts = vec![vec![5, 17, 2, 9, 33], vec![1], vec![40, 3, 3, 8, 61, 12, 7, 0, 2]];
     let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();

@@ -276,47 +276,6 @@ impl CudaKvCache {
     }
 }
 
-/// The capacity of a GPU decoder's cache for a turn of a conversation that asks for `asked`
-/// positions (the model takes `max`), where it holds a cache of one sequence of `held`
-/// positions: that one where it has room, else at least twice as many (up to `max`), so that a
-/// growing conversation's cache is made larger, and copied, seldom.
-pub fn turn_capacity(held: Option<usize>, asked: usize, max: usize) -> usize {
-    let asked = asked.min(max);
-    match held {
-        Some(held) if held >= asked => held,
-        Some(held) => asked.max(2 * held).min(max),
-        None => asked,
-    }
-}
-
-/// The batch a GPU decoder runs a conversation's turn on ([`crate::infer::Decoder::extend`]),
-/// keeping `keep` positions and running `rows` rows with room for `capacity` positions: `held`,
-/// where it holds one sequence of that capacity and steps of as many rows (`cache` gives a
-/// batch's cache and the rows of its steps); else what `allocate(max_rows)` makes for steps of
-/// as many rows as before at least, the kept positions' keys and values copied over.
-pub fn turn_batch<B, E: From<DeviceError>>(
-    held: Option<B>,
-    cache: impl Fn(&B) -> (&CudaKvCache, usize),
-    (keep, rows, capacity): (usize, usize, usize),
-    stream: &CudaStream,
-    allocate: impl FnOnce(usize) -> Result<B, E>,
-) -> Result<B, E> {
-    let fits = |b: &B| {
-        let (kv, max_rows) = cache(b);
-        (kv.layout.batch, kv.layout.capacity) == (1, capacity) && max_rows >= rows
-    };
-    match held {
-        Some(batch) if fits(&batch) => Ok(batch),
-        held => {
-            let batch = allocate(rows.max(held.as_ref().map_or(1, |b| cache(b).1)))?;
-            if let Some(old) = held.filter(|_| keep > 0) {
-                cache(&batch).0.copy_prefix(stream, cache(&old).0, keep)?;
-            }
-            Ok(batch)
-        }
-    }
-}
-
 /// An error unless the kernels take `layout` and steps of `max_rows` rows.
 fn check_layout(layout: &DeviceCacheLayout, max_rows: usize) -> Result<(), DeviceError> {
     let CachedAttention { n_head, n_kv_head, head_dim } = layout.shape;
@@ -348,16 +307,6 @@ mod tests {
         batch: 16,
         capacity: 4096,
     };
-
-    #[test]
-    fn a_turns_cache_is_kept_where_it_has_room_and_at_least_doubled_where_not() {
-        assert_eq!(turn_capacity(None, 300, 1024), 300, "a first turn: what it asks");
-        assert_eq!(turn_capacity(None, 3000, 1024), 1024, "at most the model's positions");
-        assert_eq!(turn_capacity(Some(512), 400, 1024), 512, "room enough: kept");
-        assert_eq!(turn_capacity(Some(300), 400, 1024), 600, "twice as many");
-        assert_eq!(turn_capacity(Some(300), 700, 1024), 700, "what it asks, where more than twice");
-        assert_eq!(turn_capacity(Some(600), 700, 1024), 1024, "twice, up to the model's");
-    }
 
     #[test]
     fn the_kernels_take_head_sizes_up_to_256_and_whole_groups_only() {

@@ -35,6 +35,7 @@
 
 pub mod attention;
 mod attention_shape;
+pub mod cached;
 pub mod decode;
 mod exec;
 pub mod flash;

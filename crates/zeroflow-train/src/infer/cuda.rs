@@ -16,8 +16,9 @@ use zeroflow_core::bf16;
 use zeroflow_device::CudaDevice;
 use zeroflow_device::cuda::CudaBuffer;
 use zeroflow_device::cuda::blas::Blas;
-use zeroflow_gpt::{CudaGpt, CudaGptDecoder};
-use zeroflow_llama::{CudaLlama, CudaLlamaDecoder};
+use zeroflow_gpt::{CudaGpt, CudaGptDecoder, CudaGptStep};
+use zeroflow_llama::{CudaLlama, CudaLlamaDecoder, CudaLlamaStep};
+use zeroflow_nn::cuda::cached::CachedDecoder;
 use zeroflow_nn::infer::{Decoder, EvalResult, EvalStream, eval_windows};
 
 use super::{HostModel, Params, Weights};
@@ -156,11 +157,13 @@ impl HostModel {
         let weights = self.params().upload(&device)?;
         Ok(match &self.weights {
             Weights::Gpt { config, layout, .. } => CudaDecoder::Gpt(
-                CudaGptDecoder::on_device(&device, blas, config, layout, weights)
+                CudaGptStep::on_device(&device, blas, config, layout, weights)
+                    .map(CachedDecoder::new)
                     .map_err(TrainError::model)?,
             ),
             Weights::Llama { config, layout, .. } => CudaDecoder::Llama(
-                CudaLlamaDecoder::on_device(&device, blas, config, layout, weights)
+                CudaLlamaStep::on_device(&device, blas, config, layout, weights)
+                    .map(CachedDecoder::new)
                     .map_err(TrainError::model)?,
             ),
         })
