@@ -89,32 +89,12 @@ pub fn tokenized_at_start(
     chat: &ChatOptions,
     hold_out: Option<u64>,
 ) -> Result<Tokenized> {
-    let variables = &chat.variables;
     let flag = role.flag();
     let hold_out = hold_out.filter(|_| matches!(spec, Spec::Jsonl(_) | Spec::Text(_)));
-    let recipe = Recipe { variables, hold_out };
-    let (files, dir) = match (spec, model_dir) {
-        (Spec::Jsonl(jsonl), Some(dir)) => (jsonl, dir),
-        (Spec::Jsonl(jsonl), None) => {
-            return Err(input(format!(
-                "{flag} {}: a .jsonl is tokenized with the model's tokenizer and chat template; \
-                 give --init-from a Hugging Face directory that has a tokenizer.json (or \
-                 tokenize it first with `zeroflow tokenize` and train on the directory)",
-                jsonl[0].display()
-            )));
-        }
-        (Spec::Text(paths), Some(dir)) if !dir.join("tokenizer.json").is_file() => {
-            return Err(input(format!(
-                "{flag} {} is text and the model comes from {}, which has no tokenizer.json: a \
-                 pretrained model reads its own tokens, not bytes; put the model's tokenizer.json \
-                 in that directory, or tokenize the text first (`zeroflow tokenize --tokenizer T \
-                 FILE... --out DIR`) and give {flag} DIR",
-                paths[0].display(),
-                dir.display()
-            )));
-        }
-        (Spec::Text(paths), Some(dir)) => (paths, dir),
-        (spec, _) => return Ok(Tokenized { spec, held_out: None }),
+    let recipe = Recipe { variables: &chat.variables, hold_out };
+    let (files, dir) = match at_start(spec, model_dir, flag)? {
+        AtStart::Tokenize(files, dir) => (files, dir),
+        AtStart::AsItIs(spec) => return Ok(Tokenized { spec, held_out: None }),
     };
     let shown = files[0].display();
     let tokenizer = Tokenizer::from_dir(dir).map_err(|e| input(format!("{flag} {shown}: {e}")))?;
@@ -125,30 +105,8 @@ pub fn tokenized_at_start(
     if let (Some(sources), true) = (&sources, writer != at.rank) {
         return wait_for(&tokens, sources, &recipe, flag, at);
     }
-    let made = sources.as_ref().and_then(|sources| Made::read_if(&tokens, sources, &recipe));
-    if let Some(made) = made {
-        tracing::info!(
-            "{flag}: {} of {} in {} in {}, tokenized at the last start from the same files and \
-             tokenizer: read again, not tokenized again",
-            count(made.summary.tokens, "token"),
-            count(made.summary.documents, "document"),
-            count(made.summary.shards.len() as u64, "shard"),
-            tokens.display()
-        );
-        return Ok(made.tokenized(&tokens));
-    }
-    if tokens.exists() {
-        let earlier = read_json::<Made>(&tokens.join(MADE_FILE));
-        if let (Some(earlier), Some(sources)) = (earlier, &sources) {
-            tracing::warn!(
-                "{flag}: the tokens in {} were made from other sources ({}): tokenizing again; a \
-                 run resumed from a checkpoint of those tokens goes on in these",
-                tokens.display(),
-                earlier.differs_from(sources, &recipe)
-            );
-        }
-        std::fs::remove_dir_all(&tokens)
-            .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
+    if let Some(made) = read_again_or_clear(&tokens, sources.as_deref(), &recipe, flag)? {
+        return Ok(made);
     }
     let mut options = TokenizeOptions::new(tokens.clone(), template.as_ref());
     options.hold_out = hold_out.map(|tokens_wanted| zeroflow_data::HoldOut {
@@ -161,29 +119,13 @@ pub fn tokenized_at_start(
             tracing::info!("{flag}: tokenizing with {}'s tokenizer: {line}", dir.display());
         }
     };
-    let tokenized = tokenize_corpus(&tokenizer, &files, &options, &said);
-    let summary = match (tokenized, &sources) {
-        (Ok(summary), _) => summary,
-        (Err(error), sources) => {
-            let message = match error {
-                // The first line bad: more likely a file of another format than a bad line.
-                zeroflow_data::TokenizeError::BadLine { path, line: 1, message } => {
-                    format!("{flag} {}:1: {message}", path.display())
-                }
-                // `train` has no --skip-bad-lines, which the error names for `zeroflow tokenize`.
-                zeroflow_data::TokenizeError::BadLine { path, line, message } => format!(
-                    "{flag} {}:{line}: {message}; fix or remove the line, or tokenize the file \
-                     with `zeroflow tokenize --tokenizer {} {} --out DIR --skip-bad-lines` (which \
-                     skips such lines) and give {flag} DIR",
-                    path.display(),
-                    dir.display(),
-                    path.display()
-                ),
-                error => format!("{flag} {shown}: {error}"),
-            };
+    let summary = match tokenize_corpus(&tokenizer, &files, &options, &said) {
+        Ok(summary) => summary,
+        Err(error) => {
+            let message = failure(error, flag, dir, &files[0]);
             // Said to the host's other ranks, which wait for these tokens.
             if let Some(sources) = sources {
-                let failed = Failed { sources: sources.clone(), error: message.clone() };
+                let failed = Failed { sources, error: message.clone() };
                 let _ = failed.write(&tokens);
             }
             return Err(input(message));
@@ -201,6 +143,98 @@ pub fn tokenized_at_start(
         }
     }
     Ok(Tokenized::of(summary.shards, summary.held_out.map(|held| held.shards)))
+}
+
+/// What start-up does with a data spec ([`at_start`]).
+enum AtStart<'a> {
+    /// Tokenizes these files with the tokenizer of this model directory.
+    Tokenize(Vec<PathBuf>, &'a Path),
+    /// Reads the spec as it is: shards, the synthetic corpus, or text as bytes for a model
+    /// trained from scratch.
+    AsItIs(Spec),
+}
+
+/// Whether `spec` (given as `flag`) is tokenized at start-up: a `.jsonl`, and text where the
+/// model comes from the directory `model_dir`; an error that says what to do where a `.jsonl`
+/// has no model directory, or text's model directory has no tokenizer.
+fn at_start<'a>(spec: Spec, model_dir: Option<&'a Path>, flag: &str) -> Result<AtStart<'a>> {
+    match (spec, model_dir) {
+        (Spec::Jsonl(jsonl), Some(dir)) => Ok(AtStart::Tokenize(jsonl, dir)),
+        (Spec::Jsonl(jsonl), None) => Err(input(format!(
+            "{flag} {}: a .jsonl is tokenized with the model's tokenizer and chat template; give \
+             --init-from a Hugging Face directory that has a tokenizer.json (or tokenize it first \
+             with `zeroflow tokenize` and train on the directory)",
+            jsonl[0].display()
+        ))),
+        (Spec::Text(paths), Some(dir)) if !dir.join("tokenizer.json").is_file() => {
+            Err(input(format!(
+                "{flag} {} is text and the model comes from {}, which has no tokenizer.json: a \
+                 pretrained model reads its own tokens, not bytes; put the model's tokenizer.json \
+                 in that directory, or tokenize the text first (`zeroflow tokenize --tokenizer T \
+                 FILE... --out DIR`) and give {flag} DIR",
+                paths[0].display(),
+                dir.display()
+            )))
+        }
+        (Spec::Text(paths), Some(dir)) => Ok(AtStart::Tokenize(paths, dir)),
+        (spec, _) => Ok(AtStart::AsItIs(spec)),
+    }
+}
+
+/// The tokens the last start wrote into `tokens` from the same `sources` and `recipe`, said in
+/// the log; else none, the folder cleared (with a warning where an earlier start's record says
+/// what they were made from).
+fn read_again_or_clear(
+    tokens: &Path,
+    sources: Option<&[Source]>,
+    recipe: &Recipe<'_>,
+    flag: &str,
+) -> Result<Option<Tokenized>> {
+    if let Some(made) = sources.and_then(|sources| Made::read_if(tokens, sources, recipe)) {
+        tracing::info!(
+            "{flag}: {} of {} in {} in {}, tokenized at the last start from the same files and \
+             tokenizer: read again, not tokenized again",
+            count(made.summary.tokens, "token"),
+            count(made.summary.documents, "document"),
+            count(made.summary.shards.len() as u64, "shard"),
+            tokens.display()
+        );
+        return Ok(Some(made.tokenized(tokens)));
+    }
+    if tokens.exists() {
+        let earlier = read_json::<Made>(&tokens.join(MADE_FILE));
+        if let (Some(earlier), Some(sources)) = (earlier, sources) {
+            tracing::warn!(
+                "{flag}: the tokens in {} were made from other sources ({}): tokenizing again; a \
+                 run resumed from a checkpoint of those tokens goes on in these",
+                tokens.display(),
+                earlier.differs_from(sources, recipe)
+            );
+        }
+        std::fs::remove_dir_all(tokens)
+            .map_err(|e| input(format!("cannot clear {}: {e}", tokens.display())))?;
+    }
+    Ok(None)
+}
+
+/// What a failed tokenizing of `flag`'s files (the first `first`) with `dir`'s tokenizer says.
+fn failure(error: zeroflow_data::TokenizeError, flag: &str, dir: &Path, first: &Path) -> String {
+    match error {
+        // The first line bad: more likely a file of another format than a bad line.
+        zeroflow_data::TokenizeError::BadLine { path, line: 1, message } => {
+            format!("{flag} {}:1: {message}", path.display())
+        }
+        // `train` has no --skip-bad-lines, which the error names for `zeroflow tokenize`.
+        zeroflow_data::TokenizeError::BadLine { path, line, message } => format!(
+            "{flag} {}:{line}: {message}; fix or remove the line, or tokenize the file with \
+             `zeroflow tokenize --tokenizer {} {} --out DIR --skip-bad-lines` (which skips such \
+             lines) and give {flag} DIR",
+            path.display(),
+            dir.display(),
+            path.display()
+        ),
+        error => format!("{flag} {}: {error}", first.display()),
+    }
 }
 
 /// Data as a run reads it ([`tokenized_at_start`]).
