@@ -9,6 +9,7 @@
 use serde_json::json;
 use zeroflow_core::DType;
 use zeroflow_core::adamw::OptimizerStateDtype;
+use zeroflow_core::layout::FlatLayout;
 use zeroflow_engine::checkpoint::{self, WRITE_BUFFERS_BYTES, WRITE_CHUNK_BYTES};
 use zeroflow_engine::{
     AccumulateOn, BufferKind, EngineOptions, MemoryKind, Offload, OffloadUpdate, Placement, Stage,
@@ -208,30 +209,43 @@ fn sum(lines: &[PlanLine], keep: impl Fn(&PlanLine) -> bool) -> u64 {
 }
 
 fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>> {
-    use MemoryKind::{Device, Host};
     let layout = family.flat_layout(inputs.world_size)?;
-    let padded = layout.padded_len() as u64;
-    let cuda = inputs.device == DeviceKind::Cuda;
-    // On the CPU device, device memory is host memory.
-    let on_device = if cuda { Device } else { Host };
-    let run = |memory, kind, bytes| PlanLine { memory, kind, bytes, phase: Phase::Run };
+    let mut lines = run_lines(inputs, family, &layout)?;
+    lines.extend(start_and_save_lines(inputs, &layout)?);
+    lines.extend(engine_lines(inputs, &layout, &lines));
+    Ok(merge(lines))
+}
+
+/// A line of the whole run.
+fn run_line(memory: MemoryKind, kind: &'static str, bytes: u64) -> PlanLine {
+    PlanLine { memory, kind, bytes, phase: Phase::Run }
+}
+
+/// What the run holds besides the engine: on a GPU the context, the libraries' workspaces and
+/// the activations; on the CPU the f32 activations; the data loader's batches.
+fn run_lines(
+    inputs: &PlanInputs,
+    family: &impl Family,
+    layout: &FlatLayout,
+) -> Result<Vec<PlanLine>> {
+    use MemoryKind::{Device, Host};
     let mut lines = Vec::new();
-    if cuda {
-        lines.push(run(Device, "CUDA context (estimate)", CUDA_CONTEXT_BYTES));
+    if inputs.device == DeviceKind::Cuda {
+        lines.push(run_line(Device, "CUDA context (estimate)", CUDA_CONTEXT_BYTES));
         let workspace = zeroflow_device::cuda::blas::WORKSPACE_BYTES as u64;
-        lines.push(run(Device, "cuBLASLt workspace", workspace));
-        lines.push(run(Device, "NCCL buffers (estimate)", NCCL_BUFFER_BYTES));
+        lines.push(run_line(Device, "cuBLASLt workspace", workspace));
+        lines.push(run_line(Device, "NCCL buffers (estimate)", NCCL_BUFFER_BYTES));
         let (batch, seq) = (inputs.micro_batch, inputs.seq);
-        let acts = family.cuda_planned_activations(&layout, (batch, seq), inputs.model_options)?;
+        let acts = family.cuda_planned_activations(layout, (batch, seq), inputs.model_options)?;
         let checkpointed = if inputs.model_options.activation_checkpointing {
             "activations (checkpointed)"
         } else {
             "activations"
         };
-        lines.push(run(Device, checkpointed, acts.activations as u64 + acts.stats as u64));
-        lines.push(run(Device, "activation gradients", acts.activation_grads as u64));
-        lines.push(run(Device, "activation scratch", acts.scratch as u64));
-        lines.push(run(
+        lines.push(run_line(Device, checkpointed, acts.activations as u64 + acts.stats as u64));
+        lines.push(run_line(Device, "activation gradients", acts.activation_grads as u64));
+        lines.push(run_line(Device, "activation scratch", acts.scratch as u64));
+        lines.push(run_line(
             Host,
             "process, CUDA driver and libraries (estimate)",
             CUDA_HOST_BASELINE_BYTES,
@@ -239,33 +253,34 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
     } else {
         // The CPU model's f32 activations and their gradients.
         let acts = family.cpu_activations(inputs.micro_batch, inputs.seq) as u64;
-        lines.push(run(Host, "activations and their gradients (f32)", acts * 8));
-        lines.push(run(Host, "process (estimate)", HOST_BASELINE_BYTES));
+        lines.push(run_line(Host, "activations and their gradients (f32)", acts * 8));
+        lines.push(run_line(Host, "process (estimate)", HOST_BASELINE_BYTES));
     }
     // Inputs and targets (u32), the batch being read and the one in use.
     let tokens = (inputs.micro_batch * inputs.seq) as u64;
-    lines.push(run(Host, "data loader batches", tokens * 8 * 2));
-    let dtype = inputs.dtype();
+    lines.push(run_line(Host, "data loader batches", tokens * 8 * 2));
+    Ok(lines)
+}
+
+/// The host's transient lines: the initial weights, a resumed run's optimizer state read from
+/// its checkpoint, saving a checkpoint, and a sample's weights.
+fn start_and_save_lines(inputs: &PlanInputs, layout: &FlatLayout) -> Result<Vec<PlanLine>> {
+    let padded = layout.padded_len() as u64;
+    let host = |kind, bytes, phase| PlanLine { memory: MemoryKind::Host, kind, bytes, phase };
+    let resumed = matches!(inputs.caller, Caller::Train { resumed: true, .. });
     // The initial weights in the model's dtype (fresh, read by --init-from, or the checkpoint's,
     // through the reader's buffers), drawn or read straight into their buffer, which the engine
     // takes.
-    let reading = match inputs.caller {
-        Caller::Train { resumed: true, .. } => READ_BUFFERS_BYTES as u64,
-        _ => 0,
-    };
-    lines.push(PlanLine {
-        memory: Host,
-        kind: "initial weights (transient)",
-        bytes: padded * dtype.size() as u64 + reading,
-        phase: Phase::BeforeEngine,
-    });
-    let partition = layout.partition_range(inputs.rank).len() as u64;
-    if let Caller::Train { resumed: true, .. } = inputs.caller {
+    let reading = if resumed { READ_BUFFERS_BYTES as u64 } else { 0 };
+    let weights = padded * inputs.dtype().size() as u64 + reading;
+    let mut lines = vec![host("initial weights (transient)", weights, Phase::BeforeEngine)];
+    if resumed {
         // The checkpoint's fp32 master and moments, read from its files through the reader's
         // buffers: an array at a time into an offloaded optimizer's own state (bf16 moments
         // through two f32 pieces; a device share's part through its two upload buffers), whole
         // where the optimizer is on the device (uploaded from there). Its weights are the
         // initial ones the engine is built with.
+        let partition = layout.partition_range(inputs.rank).len() as u64;
         let piece = zeroflow_engine::RESTORE_PIECE.min(partition as usize) as u64;
         let reading = READ_BUFFERS_BYTES as u64;
         let state = match inputs.options.offload().map(|o| (o.moments, o.stream.device_share)) {
@@ -276,48 +291,49 @@ fn plan_lines(inputs: &PlanInputs, family: &impl Family) -> Result<Vec<PlanLine>
             Some((OptimizerStateDtype::Fp32, _)) => reading,
             None => partition * 12 + reading,
         };
-        lines.push(PlanLine {
-            memory: Host,
-            kind: "the checkpoint's optimizer state (read into the engine's)",
-            bytes: state,
-            phase: Phase::Engine,
-        });
+        let kind = "the checkpoint's optimizer state (read into the engine's)";
+        lines.push(host(kind, state, Phase::Engine));
     }
     if let Caller::Train { .. } = inputs.caller {
-        lines.push(PlanLine {
-            memory: Host,
-            kind: "saving a checkpoint (transient)",
-            bytes: checkpoint_bytes(inputs),
-            phase: Phase::Engine,
-        });
+        let kind = "saving a checkpoint (transient)";
+        lines.push(host(kind, checkpoint_bytes(inputs), Phase::Engine));
     }
     // A sample during training (rank 0's): the weights downloaded into f32 for the family's CPU
     // decoder (`Trainer::host_weights`), its cache and logits beside them small.
     if let (Caller::Train { samples: true, .. }, 0) = (inputs.caller, inputs.rank) {
         let single = inputs.model.flat_layout(1)?.padded_len() as u64;
-        lines.push(PlanLine {
-            memory: Host,
-            kind: "a sample's weights in f32 (transient, --sample-every)",
-            bytes: 4 * single.max(padded),
-            phase: Phase::Engine,
-        });
+        let kind = "a sample's weights in f32 (transient, --sample-every)";
+        lines.push(host(kind, 4 * single.max(padded), Phase::Engine));
     }
-    // The device's free memory when the engine is built (its `AccumulateOn::Auto` choice):
-    // after the context, the model and the flat weights and gradients.
+    Ok(lines)
+}
+
+/// The engine's buffers ([`EngineOptions::planned_buffers`]), with the device's free memory when
+/// the engine is built (its `AccumulateOn::Auto` choice): after `lines`' device memory (the
+/// context and the model), the flat weights and gradients. On the CPU device, device memory is
+/// host memory.
+fn engine_lines(inputs: &PlanInputs, layout: &FlatLayout, lines: &[PlanLine]) -> Vec<PlanLine> {
+    use MemoryKind::{Device, Host};
+    let cuda = inputs.device == DeviceKind::Cuda;
+    let on_device = if cuda { Device } else { Host };
+    let (padded, dtype) = (layout.padded_len() as u64, inputs.dtype());
     let free = inputs.gpu_memory.filter(|_| cuda).map(|total| {
-        let taken = sum(&lines, |l| l.memory == Device) + 2 * padded * dtype.size() as u64;
+        let taken = sum(lines, |l| l.memory == Device) + 2 * padded * dtype.size() as u64;
         total.saturating_sub(taken)
     });
-    for buffer in inputs.options.planned_buffers(&layout, inputs.rank, dtype, free) {
-        let memory = if buffer.memory == Device { on_device } else { Host };
-        let phase = match (buffer.kind, memory) {
-            (BufferKind::SetUp, _) => Phase::EngineSetUp,
-            (_, Host) => Phase::Engine,
-            (_, Device) => Phase::Run,
-        };
-        lines.push(PlanLine { memory, kind: buffer.kind.name(), bytes: buffer.bytes, phase });
-    }
-    Ok(merge(lines))
+    let buffers = inputs.options.planned_buffers(layout, inputs.rank, dtype, free);
+    buffers
+        .into_iter()
+        .map(|buffer| {
+            let memory = if buffer.memory == Device { on_device } else { Host };
+            let phase = match (buffer.kind, memory) {
+                (BufferKind::SetUp, _) => Phase::EngineSetUp,
+                (_, Host) => Phase::Engine,
+                (_, Device) => Phase::Run,
+            };
+            PlanLine { memory, kind: buffer.kind.name(), bytes: buffer.bytes, phase }
+        })
+        .collect()
 }
 
 /// The lines with the same place, kind and phase as one.
