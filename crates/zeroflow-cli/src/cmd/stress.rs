@@ -4,7 +4,7 @@ use anyhow::bail;
 use serde_json::json;
 use zeroflow_device::CudaDevice;
 use zeroflow_device::cuda::load::GemmLoad;
-use zeroflow_engine::stress::{StressOptions, run_cpu, run_cuda};
+use zeroflow_engine::stress::{StressOptions, StressReport, run_cpu, run_cuda};
 
 use crate::InputError;
 
@@ -32,30 +32,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cuda = match args.device.as_str() {
-        "cpu" => false,
-        "cuda" => true,
-        other => {
-            return Err(InputError::from_display(format!(
-                "--device: expected cpu or cuda, found {other:?}"
-            )));
-        }
-    };
-    if args.gpu_load && !cuda {
-        return Err(InputError::from_display("--gpu-load needs --device cuda"));
-    }
-    if args.chaos.is_some() && cuda {
-        return Err(InputError::from_display(
-            "--chaos delays the CPU device's streams; on a GPU use --gpu-load instead",
-        ));
-    }
-    let world = match args.world {
-        Some(0) => return Err(InputError::from_display("--world must be at least 1")),
-        Some(world) => world,
-        None if cuda => zeroflow_device::cuda::info::list_gpus()?.len().max(1),
-        None => 2,
-    };
-    let command: Vec<String> = std::env::args().collect();
+    let (cuda, world) = device_and_world(&args)?;
     let started = std::time::Instant::now();
     let opts = StressOptions::new(args.iters, world, args.chaos);
     let (report, load_gemms) = if cuda {
@@ -86,46 +63,98 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.chaos.map_or("off".to_string(), |s| format!("seed {s}"))
         )
     };
-    let env = super::env::collect();
-    let protocol = "ZeRO-2 + CPU offload + gradient accumulation 4 on the synthetic model; after \
-                    every backward each rank's host gradient accumulator is read through the \
-                    engine's API and checked non-zero and equal to an independent sum; after every \
-                    step the fp32 master weights are checked against plain AdamW";
+    let ran = Ran { world, device, load_gemms, wall_s };
     if args.json {
-        let out = json!({
-            "command": command.join(" "),
-            "protocol": protocol,
-            "device": device,
-            "gpu_load_gemms": load_gemms,
-            "world": world,
-            "chaos_seed": args.chaos,
-            "iterations_requested": args.iters,
-            "iterations": report.iterations,
-            "passed": report.passed,
-            "failed": report.failed,
-            "first_failure": report.first_failure,
-            "wall_s": wall_s,
-            "environment": env,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        print_json(&args, &ran, &report)?
     } else {
-        println!("command     {}", command.join(" "));
-        println!("protocol    {protocol}");
-        println!("device      {device}");
-        println!("environment");
-        for line in super::env::text_lines(&env) {
-            println!("  {line}");
-        }
-        println!("iterations  {} of {} ({wall_s:.1} s)", report.iterations, args.iters);
-        println!("passed      {}", report.passed);
-        println!("failed      {}", report.failed);
-        if let Some(failure) = &report.first_failure {
-            println!("first failure: {failure}");
-        }
-        println!("stress: {} passed, {} failed", report.passed, report.failed);
+        print_text(&args, &ran, &report)
     }
     if report.failed > 0 || report.iterations < args.iters {
         bail!("stress failed: {} of {} iterations failed", report.failed, args.iters);
     }
     Ok(())
+}
+
+/// Whether the run is on GPUs, and its ranks; an input error for a device other than `cpu`
+/// and `cuda`, or flags that device does not take.
+fn device_and_world(args: &Args) -> anyhow::Result<(bool, usize)> {
+    let cuda = match args.device.as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        other => {
+            return Err(InputError::from_display(format!(
+                "--device: expected cpu or cuda, found {other:?}"
+            )));
+        }
+    };
+    if args.gpu_load && !cuda {
+        return Err(InputError::from_display("--gpu-load needs --device cuda"));
+    }
+    if args.chaos.is_some() && cuda {
+        return Err(InputError::from_display(
+            "--chaos delays the CPU device's streams; on a GPU use --gpu-load instead",
+        ));
+    }
+    let world = match args.world {
+        Some(0) => return Err(InputError::from_display("--world must be at least 1")),
+        Some(world) => world,
+        None if cuda => zeroflow_device::cuda::info::list_gpus()?.len().max(1),
+        None => 2,
+    };
+    Ok((cuda, world))
+}
+
+/// What the protocol checks, as the report says it.
+const PROTOCOL: &str = "ZeRO-2 + CPU offload + gradient accumulation 4 on the synthetic model; \
+                        after every backward each rank's host gradient accumulator is read \
+                        through the engine's API and checked non-zero and equal to an \
+                        independent sum; after every step the fp32 master weights are checked \
+                        against plain AdamW";
+
+/// How a stress run ran: its ranks, the device as the report says it, the GEMMs of
+/// `--gpu-load` and the wall time.
+struct Ran {
+    world: usize,
+    device: String,
+    load_gemms: Option<u64>,
+    wall_s: f64,
+}
+
+fn print_json(args: &Args, ran: &Ran, report: &StressReport) -> anyhow::Result<()> {
+    let command: Vec<String> = std::env::args().collect();
+    let out = json!({
+        "command": command.join(" "),
+        "protocol": PROTOCOL,
+        "device": ran.device,
+        "gpu_load_gemms": ran.load_gemms,
+        "world": ran.world,
+        "chaos_seed": args.chaos,
+        "iterations_requested": args.iters,
+        "iterations": report.iterations,
+        "passed": report.passed,
+        "failed": report.failed,
+        "first_failure": report.first_failure,
+        "wall_s": ran.wall_s,
+        "environment": super::env::collect(),
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+fn print_text(args: &Args, ran: &Ran, report: &StressReport) {
+    let command: Vec<String> = std::env::args().collect();
+    println!("command     {}", command.join(" "));
+    println!("protocol    {PROTOCOL}");
+    println!("device      {}", ran.device);
+    println!("environment");
+    for line in super::env::text_lines(&super::env::collect()) {
+        println!("  {line}");
+    }
+    println!("iterations  {} of {} ({:.1} s)", report.iterations, args.iters, ran.wall_s);
+    println!("passed      {}", report.passed);
+    println!("failed      {}", report.failed);
+    if let Some(failure) = &report.first_failure {
+        println!("first failure: {failure}");
+    }
+    println!("stress: {} passed, {} failed", report.passed, report.failed);
 }
