@@ -66,11 +66,6 @@ impl<F: CachedForward> CachedDecoder<F> {
         CachedDecoder { forward, positions, batch: None }
     }
 
-    /// The family's forward.
-    pub fn forward(&self) -> &F {
-        &self.forward
-    }
-
     fn step(&mut self, step: &StepRows) -> Result<Vec<f32>, F::Error> {
         let no_batch = || F::batch_error("no prefill yet".into());
         let mut batch = self.batch.take().ok_or_else(no_batch)?;
@@ -97,6 +92,7 @@ impl<F: CachedForward> Decoder for CachedDecoder<F> {
         self.positions = KvCache::new(0, self.forward.attention(), prompts.len(), capacity);
         let step = self.positions.prefill(prompts).map_err(F::batch_error)?;
         let max_rows = step.rows.len().max(prompts.len());
+        // The last batch's buffers freed before the new ones are allocated.
         self.batch = None;
         self.batch = Some(self.forward.allocate(prompts.len(), capacity, max_rows)?);
         self.step(&step)
