@@ -15,7 +15,7 @@ fn on_screen() -> std::sync::MutexGuard<'static, Option<(u64, ProgressBar)>> {
     ON_SCREEN.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A bar on screen while this lives: what [`line`] and the log write goes above it. Dropping it
+/// A bar on screen while this lives: what [`line()`] and the log write goes above it. Dropping it
 /// clears the bar.
 #[derive(Debug)]
 pub struct Shown {

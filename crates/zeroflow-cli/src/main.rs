@@ -1,5 +1,8 @@
 //! `zeroflow`: data-parallel ZeRO training with CPU optimizer offload, in one binary.
 
+// The flags' doc comments are clap's help text, which writes placeholders as `<out>`.
+#![allow(rustdoc::invalid_html_tags)]
+
 mod cmd;
 mod error;
 mod log;

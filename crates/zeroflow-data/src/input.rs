@@ -69,7 +69,7 @@ pub fn json_lines_of(files: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
 }
 
 /// Why the directory `dir`, whose files are `files`, is not read whole, where it mixes a
-/// training split with held-out ones ([`held_out_splits`]): a sentence that names them and ends
+/// training split with held-out ones (`held_out_splits`): a sentence that names them and ends
 /// with the glob of the training files to give instead (for the caller to go on from).
 pub fn held_out_refusal(dir: &Path, files: &[std::path::PathBuf]) -> Option<String> {
     let held_out = held_out_splits(files);

@@ -10,7 +10,7 @@
 //! A shard with a loss mask beside it (`tokens_NNNNNN.mask`, [`crate::read_loss_mask`]) gives
 //! [`IGNORE_TARGET`] as the target of every position whose mask byte is 0. The last
 //! [`DataLoader::hold_out_tail`] tokens of the last shard are never read (the held-out evaluation
-//! set, [`EvalSet`]).
+//! set).
 //!
 //! A packing loader ([`DataLoader::packed`]) cuts the same rows from the same stream and gives
 //! each token its position in its document as well ([`Batch::positions`]), from the document

@@ -202,7 +202,7 @@ impl Hf {
     }
 }
 
-/// A `tokenizer.json`'s pipeline around its model shared by every copy ([`SharedModel`]).
+/// A `tokenizer.json`'s pipeline around its model shared by every copy (`SharedModel`).
 type HfTokenizer = tokenizers::TokenizerImpl<
     SharedModel,
     tokenizers::NormalizerWrapper,
@@ -467,7 +467,7 @@ impl Tokenizer {
     /// compiled pattern's matching state in a pool that every thread using that pattern takes
     /// from, so threads sharing one tokenizer contend where copies do not — GPT-2's own BPE here
     /// (`tiktoken-rs`) keeps a pattern per thread for the same reason. The copies share the
-    /// model ([`SharedModel`]): each holds its own compiled patterns only. One copy (this one)
+    /// model (`SharedModel`): each holds its own compiled patterns only. One copy (this one)
     /// for the other kinds.
     pub fn per_thread(&self) -> Vec<Tokenizer> {
         use rayon::prelude::*;

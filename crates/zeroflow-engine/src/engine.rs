@@ -88,8 +88,8 @@ pub struct Engine<D: DeviceAdamW, C: Comm<Device = D>, P: Float> {
     moments: OptimizerStateDtype,
     micro_steps: u64,
     backward_pending: bool,
-    /// The mutation of the self-check (see [`Engine::mutate_remove_d2h_wait`]); always false in
-    /// a normal build.
+    /// The mutation of the self-check (see `Engine::mutate_remove_d2h_wait`, in tests and the
+    /// `mutation-self-check` feature only); always false in a normal build.
     skip_d2h_wait: bool,
     /// The speculation steps what its budget holds however late ([`Engine::speculate_late`]).
     speculate_late: bool,

@@ -141,8 +141,8 @@ impl EngineOptions {
     }
 
     /// The exact offload step streams the window's sum from the device (ZeRO-2 with gradient
-    /// accumulation summing on the device, `on_device` from [`sums_on_device`], f32 or bf16
-    /// weights; the delayed update sums on the host).
+    /// accumulation summing on the device, `on_device` as the crate's `sums_on_device` chooses,
+    /// f32 or bf16 weights; the delayed update sums on the host).
     pub fn streams_sum(&self, dtype: DType, on_device: bool) -> bool {
         let exact = matches!(
             &self.placement,
@@ -153,7 +153,7 @@ impl EngineOptions {
 
     /// Whether the optimizer's device share (`StreamOptions::device_share`) can act: on the
     /// exact offload step streaming its gradients — one micro-step per step (on every rank's
-    /// partition), or the window summed on the device (`on_device` from [`sums_on_device`])
+    /// partition), or the window summed on the device (`on_device` as `sums_on_device` chooses)
     /// where the rank holds every weight (`holds_all`: one rank, or ZeRO-0); a speculation steps
     /// the host's elements only. Its fp32 moments are asked for apart (the share refuses bf16
     /// moments with its own message).

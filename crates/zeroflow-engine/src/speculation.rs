@@ -46,7 +46,7 @@ pub struct SpeculationStats {
     /// skipped (non-finite gradients).
     pub redone_steps: u64,
     /// Steps not speculated on because the clip fired on the last one speculated on (see
-    /// [`MAX_PAUSE`]).
+    /// `MAX_PAUSE`).
     pub paused_steps: u64,
     /// Speculated steps whose pieces stopped being stepped because the GPU was past the
     /// backward (the pieces that reached the host after it are stepped at the step).

@@ -50,7 +50,7 @@ pub struct ZenFlowOptions {
     /// without such reports they are selected once, at the first step, as DeepSpeed does when it
     /// does not own the dataloader.
     pub selection: Selection,
-    /// Steps per CPU update: a fixed number, or Zen-auto ([`AutoWindow`]).
+    /// Steps per CPU update: a fixed number, or Zen-auto (the crate's `AutoWindow`).
     pub update_interval: UpdateInterval,
     /// Zen-auto's threshold: a window ends once this fraction of the model's 2-D weights have
     /// left at least as much gradient to the CPU as they gave the device (DeepSpeed's 0.99).
@@ -67,7 +67,8 @@ const NEVER: u64 = u64::MAX;
 
 impl ZenFlowOptions {
     /// The select and update intervals in steps (an update interval of `u64::MAX` with
-    /// Zen-auto: its windows end by [`AutoWindow`]), or why the engine cannot run these settings.
+    /// Zen-auto: its windows end by the crate's `AutoWindow`), or why the engine cannot run these
+    /// settings.
     pub fn intervals(&self) -> Result<(u64, u64), EngineError> {
         if !(0.0..=1.0).contains(&self.topk_ratio) {
             return Err(EngineError::Config("ZenFlow's topk_ratio must lie in [0, 1]"));

@@ -122,9 +122,9 @@ impl<F: Float> HostGpt<F> {
 }
 
 /// The loss and perplexity of the model `params` (of `layout`) over `stream` in windows of
-/// `window` inputs (zeroflow-nn's [`eval_windows`]: the targets its mask leaves out, where given,
-/// not counted; where it is packed, no attention across its documents), each window by the
-/// training forward.
+/// `window` inputs (zeroflow-nn's [`eval_windows`](zeroflow_nn::infer::eval_windows): the
+/// targets its mask leaves out, where given, not counted; where it is packed, no attention across
+/// its documents), each window by the training forward.
 pub fn eval_stream<F: Float>(
     config: &GptConfig,
     layout: &FlatLayout,

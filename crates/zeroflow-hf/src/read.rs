@@ -170,7 +170,7 @@ impl HfCheckpoint {
 
     /// Reads every tensor of `wanted` (its name, the shape it must have, and where its elements
     /// go, in the type `T` they are converted to through f32: exact where `T` is the stored type
-    /// or wider), each shard in one pass over its file ([`read_entries`]): what a model's
+    /// or wider), each shard in one pass over its file (`read_entries`): what a model's
     /// weights are read with.
     pub fn read_tensors_into<T: Float>(
         &self,
@@ -286,7 +286,7 @@ impl SafetensorsFile {
     }
 
     /// Whole tensors, each into its `out` (converted through f32; it holds as many elements),
-    /// read in one pass over the file in the order they are stored ([`read_entries`]).
+    /// read in one pass over the file in the order they are stored (`read_entries`).
     pub fn read_tensors<T: Float>(&self, wanted: Vec<(&str, &mut [T])>) -> Result<(), HfError> {
         let mut entries = Vec::with_capacity(wanted.len());
         for (name, out) in wanted {

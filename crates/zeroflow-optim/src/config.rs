@@ -131,7 +131,7 @@ impl AdamWStep {
     }
 
     /// This step without weight decay (neither decoupled nor L2), everything else the same:
-    /// how the parameters that do not decay ([`NoDecay`](crate::NoDecay)) are stepped.
+    /// how the parameters that do not decay ([`NoDecay`]) are stepped.
     pub fn without_weight_decay(&self) -> AdamWStep {
         // +0 as a configuration without decay has it (see `from_valid`).
         let scalars = StepScalars { l2: 0.0, neg_lr_weight_decay: 0.0, ..self.scalars };
@@ -139,7 +139,7 @@ impl AdamWStep {
     }
 
     /// Whether this step decays the weights at all (a weight decay of 0 does not): where it
-    /// does not, the elements of [`NoDecay`](crate::NoDecay) need no run of their own.
+    /// does not, the elements of [`NoDecay`] need no run of their own.
     pub fn decays(&self) -> bool {
         self.scalars.l2 != 0.0 || self.scalars.neg_lr_weight_decay != 0.0
     }

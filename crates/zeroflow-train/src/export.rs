@@ -1,11 +1,10 @@
 //! A model's weights as a Hugging Face model directory that `transformers`' `from_pretrained`
 //! loads, for every family alike ([`write_hf_dir`]): the family's `config.json`
-//! ([`Family::hf_config`](crate::Family::hf_config)), the tensors of its checkpoint (Hugging
-//! Face's names and shapes over the flat weights, [`Family::tensors`](crate::Family::tensors)) in
-//! the weights' own type, sharded above 5 GB as `save_pretrained` shards them, and the tokenizer
-//! files of the run's `--init-from` directory where it had one, with the run's `--chat-template`
-//! where it gave one ([`ExportTokenizer`]). The weights are fetched a piece at a time as they are
-//! written, from wherever they are:
+//! ([`Family::hf_config`]), the tensors of its checkpoint (Hugging Face's names and shapes over
+//! the flat weights, [`Family::tensors`]) in the weights' own type, sharded above 5 GB as
+//! `save_pretrained` shards them, and the tokenizer files of the run's `--init-from` directory
+//! where it had one, with the run's `--chat-template` where it gave one ([`ExportTokenizer`]). The
+//! weights are fetched a piece at a time as they are written, from wherever they are:
 //!
 //! - `zeroflow export` ([`export`]): from a checkpoint's `model.safetensors` (or, saved while a
 //!   delayed update's weights were on their way, its master weights rounded to the weights' type);

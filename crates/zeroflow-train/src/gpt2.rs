@@ -1,5 +1,5 @@
-//! GPT-2 ([`zeroflow_gpt`]) as a [`Model`] (its CPU model in f32 and its CUDA model in bf16) and
-//! its shape as a [`Family`].
+//! GPT-2 ([`zeroflow_gpt`]) as a [`Model`](crate::Model) (its CPU model in f32 and its CUDA
+//! model in bf16) and its shape as a [`Family`].
 //!
 //! The impls live here, not in `zeroflow-gpt`, so that the family crate does not depend on the
 //! trainer (docs/DESIGN.md §2); each is the model's own methods under the trait's names.

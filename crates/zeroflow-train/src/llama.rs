@@ -1,6 +1,6 @@
-//! The Llama family ([`zeroflow_llama`]) as a [`Model`] (its CPU model in f32 and its CUDA model
-//! in bf16), and [`LlamaSpec`], the model a checkpoint holds (`{"family": "llama", …}` with the
-//! fields of its `config.json` beside the tag), as a [`Family`].
+//! The Llama family ([`zeroflow_llama`]) as a [`Model`](crate::Model) (its CPU model in f32 and
+//! its CUDA model in bf16), and [`LlamaSpec`], the model a checkpoint holds (`{"family": "llama",
+//! …}` with the fields of its `config.json` beside the tag), as a [`Family`].
 //!
 //! The impls live here, not in `zeroflow-llama`, so that the family crate does not depend on the
 //! trainer (docs/DESIGN.md §2); each method is the model's own of the same name.

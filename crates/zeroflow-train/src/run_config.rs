@@ -83,7 +83,7 @@ pub struct RunConfig {
     pub name: String,
 }
 
-/// Resolves the run's config: `--config` or [`DEFAULT_CONFIG`], its `"auto"` values filled from
+/// Resolves the run's config: `--config` or `DEFAULT_CONFIG`, its `"auto"` values filled from
 /// the flags, for `world_size` ranks (`train_batch_size` is micro-batch × accumulation × ranks,
 /// as in DeepSpeed). A problem with the file is reported as `config FILE: <json.path>: …`; a flag
 /// that contradicts a value written in the file is an error, and so is a precision the device

@@ -6,7 +6,7 @@
 //! run then trains on as it does on `zeroflow tokenize`'s output. The output depends on the files,
 //! the tokenizer's files, a `--chat-template` file and `--chat-template-kwargs`, and the code
 //! alone: a start whose sources are unchanged (each file by path, size and modification time, the
-//! zeroflow binary among them, and the variables: [`Made`]) reads the tokens the last start wrote,
+//! zeroflow binary among them, and the variables: `Made`) reads the tokens the last start wrote,
 //! so that a resume does not tokenize a large corpus again; any other start replaces them, saying
 //! what differs. A resumed run reads the same tokens either way.
 
@@ -68,7 +68,7 @@ impl RankOnHost {
 ///
 /// The ranks of one host share one tokenization: the host's local rank 0 writes it (into the
 /// folder of its rank, `rank-N`: ranks numbered host by host, as launchers number them), and the
-/// others wait for its record ([`Made`]) and read the same shards, instead of each tokenizing the
+/// others wait for its record (`Made`) and read the same shards, instead of each tokenizing the
 /// whole corpus on the same cores. Where the sources cannot be described, each rank tokenizes
 /// into a folder of its own.
 ///

@@ -1,5 +1,5 @@
 //! One rank's trainer: the engine, the family's model on its device, and what a step, an
-//! evaluation and a checkpoint need ([`Trainer`]).
+//! evaluation and a checkpoint need (`Trainer`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

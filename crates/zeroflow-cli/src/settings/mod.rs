@@ -1,7 +1,7 @@
 //! The run-time settings' flags of `train` and `bench` ([`GpuFlags`], [`HostFlags`]) and their
-//! `ZEROFLOW_*` variables ([`env`]): the two layers above the config's `zeroflow` section. The
-//! settings themselves, their layering ([`resolve`]) and what a run records of them are
-//! [`zeroflow_train::settings`]'s.
+//! `ZEROFLOW_*` variables ([`env`](mod@env)): the two layers above the config's `zeroflow`
+//! section. The settings themselves, their layering ([`resolve`]) and what a run records of them
+//! are [`zeroflow_train::settings`]'s.
 
 pub mod env;
 

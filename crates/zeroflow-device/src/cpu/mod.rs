@@ -4,7 +4,7 @@
 //! worker reaches them. Two things make this device the place where synchronisation bugs are caught
 //! without a GPU:
 //!
-//! - the happens-before checker ([`hb`]) refuses, deterministically and at the moment it is queued,
+//! - the happens-before checker (`hb`) refuses, deterministically and at the moment it is queued,
 //!   any operation that touches memory another stream may still be using without an event between
 //!   them;
 //! - chaos mode ([`Chaos`]) sleeps a random short time before each operation, so that host-side

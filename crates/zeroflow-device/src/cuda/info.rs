@@ -156,8 +156,8 @@ impl CudaReport {
     }
 }
 
-/// "580.82.07" from `/proc/driver/nvidia/version` ("NVRM version: NVIDIA UNIX [Open] Kernel Module
-/// [for x86_64]  580.82.07  Release Build …"): the first word made of digits and dots.
+/// "580.82.07" from `/proc/driver/nvidia/version` (`NVRM version: NVIDIA UNIX [Open] Kernel
+/// Module [for x86_64]  580.82.07  Release Build …`): the first word made of digits and dots.
 fn kernel_driver_version() -> Option<String> {
     let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
     let line = text.lines().next()?;

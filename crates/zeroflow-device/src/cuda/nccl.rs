@@ -537,8 +537,8 @@ fn ensure_loaded() -> Result<()> {
     CudaLibrary::Nccl.ensure_loadable().map(drop)
 }
 
-/// `Ok` for `ncclSuccess`; otherwise "CALL failed: <ncclGetErrorString> (<code>); NCCL says:
-/// <ncclGetLastError>".
+/// `Ok` for `ncclSuccess`; otherwise `CALL failed: <ncclGetErrorString> (<code>); NCCL says:
+/// <ncclGetLastError>`.
 fn check(status: sys::ncclResult_t, call: &str) -> std::result::Result<(), String> {
     if status == sys::ncclResult_t::ncclSuccess {
         return Ok(());

@@ -9,7 +9,7 @@
 //!
 //! Whatever reads the whole partition's state reads the share's from the device: a snapshot and
 //! the master weights download it, a checkpoint's view joins the host's part (lent) to the
-//! share's (downloaded a piece at a time as it is written, [`DeviceShare::view`]); a restore
+//! share's (downloaded a piece at a time as it is written, [`view`]); a restore
 //! reads the share's part of the saved state a piece at a time and uploads it
 //! ([`DeviceShare::restore`]). The share starts from the partition's initial weights, uploaded
 //! the same way, and zero moments.

@@ -104,7 +104,7 @@ impl<F: CachedForward> Decoder for CachedDecoder<F> {
     }
 
     /// The batch's buffers are kept where they hold one sequence with room for the turn; else
-    /// made anew, larger ([`turn_capacity`]), the kept positions' keys and values copied over.
+    /// made anew, larger (`turn_capacity`), the kept positions' keys and values copied over.
     fn extend(
         &mut self,
         keep: usize,

@@ -203,7 +203,7 @@ impl HostModel {
     /// The model of the Hugging Face directory `dir`: GPT-2 where `config.json`'s
     /// `architectures` says `GPT2LMHeadModel` (or its `model_type` is `gpt2`), else the Llama
     /// family (Llama, Qwen2, Qwen3, Mistral); its end-of-text tokens are `eos_token_id`'s, and
-    /// `generation_config.json`'s where it has one ([`generation_stops`]). The
+    /// `generation_config.json`'s where it has one (`generation_stops`). The
     /// parameters are read into f32 (`dtype` F32), or left in the files for a GPU (BF16: read
     /// as bf16 as they are uploaded, the stored values rounded as f32 ones would be).
     pub fn open_hf(dir: &Path, dtype: DType) -> Result<HostModel> {
@@ -243,7 +243,7 @@ impl HostModel {
     /// where a delayed update was pending, rounded: then held in host memory), in `dtype` (F32,
     /// or BF16: left in the file for a GPU as [`HostModel::open_hf`] leaves them). Its
     /// end-of-text tokens are its shape's `config.json`'s (GPT-2's 50256), else those
-    /// of the run's `--init-from` directory, with that directory's [`generation_stops`].
+    /// of the run's `--init-from` directory, with that directory's `generation_stops`.
     pub fn open_checkpoint(dir: &Path, dtype: DType) -> Result<HostModel> {
         let checkpoint = export::read_checkpoint(dir)?;
         let mut end_of_text =

@@ -39,7 +39,7 @@ pub struct FitShare {
 
 /// The device share `fit` chooses for the run of `inputs` (whatever share its options hold): the
 /// largest, in hundredths below 1, whose plan, beside the `elsewhere` bytes other processes hold
-/// on the GPU, leaves [`FIT_HEADROOM`] of the GPU's memory free; 0 where the share cannot act on
+/// on the GPU, leaves `FIT_HEADROOM` of the GPU's memory free; 0 where the share cannot act on
 /// this run (no offload, the CPU device, ZenFlow or the delayed update, 16-bit moments, a window
 /// summed on the host, or on the device with several ranks sharing the weights) or the plan
 /// leaves no room.
