@@ -41,6 +41,9 @@ rows() {
         env "${args[@]}" "$@" bash scripts/setting-ab.sh | grep BENCH
     done
 }
+# The host first: the share-0 rows' CPU AdamW depends on its CPU, cores, memory and SIMD level
+# (every row's "host" says the same).
+"$Z" env | grep -E '^(host|cores|memory|simd) '
 case $issue in
 23)
     echo "## gpt-1.3b, 8 × 1024, accumulation 1, at ${SECONDS}s"

@@ -143,6 +143,8 @@ for row in rows:
                 extra.append(f"{label}_per_step={row[key] / row['speculated_steps']:.4f}")
         if row.get("stopped_at_backward_end") is not None:
             extra.append(f"stopped_at_backward_end={row['stopped_at_backward_end']}")
+    if (row.get("host") or {}).get("simd"):
+        extra.append(f"simd={row['host']['simd']}")
     if find(row.get("settings"), "device_share") is not None:
         extra.append(f"device_share={find(row['settings'], 'device_share')}")
     print("BENCH", name, " ".join([f"{k}={row[k]:.4g}" for k in keys if row.get(k) is not None] + extra))

@@ -51,6 +51,14 @@ fn the_breakdown_splits_the_step_and_the_flops_follow_the_throughput() {
         for key in ["chunk_wait_s_mean", "upload_wait_s_mean"] {
             assert!(number(key) >= 0.0 && number(key) <= number("s_per_step_mean"), "{mode}: {r}");
         }
+        // The host the row ran on, as `zeroflow env` describes it: the CPU AdamW's SIMD level
+        // among it.
+        let env = Command::new(env!("CARGO_BIN_EXE_zeroflow")).args(["env", "--json"]).output();
+        let env: serde_json::Value = serde_json::from_slice(&env.expect("runs").stdout).unwrap();
+        for key in ["cpu_model", "host_cores", "simd"] {
+            assert_eq!(r["host"][key], env[key], "{mode}: {key}");
+        }
+        assert!(["scalar", "avx2", "avx512"].contains(&r["host"]["simd"].as_str().unwrap()));
     }
 }
 

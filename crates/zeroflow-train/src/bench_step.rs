@@ -579,6 +579,9 @@ fn report(
         "losses": measured.losses,
     });
     out["settings"] = job.settings.clone();
+    // The CPU, its cores and memory, and the CPU AdamW's SIMD level: what the offloaded step's
+    // rows depend on besides the GPU.
+    out["host"] = crate::machine::host();
     out["gradient_clipping"] = json!(args.gradient_clipping);
     out["reduce_bucket_size"] = json!(args.reduce_bucket_size);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,

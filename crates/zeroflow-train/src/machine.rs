@@ -11,23 +11,37 @@ use zeroflow_device::cuda::{CudaReport, GpuInfo, is_absent, short_reason};
 use crate::dist::affinity;
 
 /// The machine as one JSON object, for the binary of `version` built from `commit`:
-/// `zeroflow env --json` prints it, `zeroflow stress` and the benchmarks embed it.
+/// `zeroflow env --json` prints it and `zeroflow stress` embeds it; `bench step` rows embed its
+/// host part ([`host`]).
 pub fn describe(version: &str, commit: &str) -> serde_json::Value {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let cuda = CudaReport::collect();
-    json!({
+    let mut out = json!({
         "zeroflow_version": version,
         "git_commit": commit,
         "os": std::env::consts::OS,
         "arch": std::env::consts::ARCH,
+    });
+    let parts = [host(), json!({"cuda_driver": cuda_driver(&cuda), "cuda": cuda_details(&cuda)})];
+    for part in parts {
+        if let (Some(out), serde_json::Value::Object(part)) = (out.as_object_mut(), part) {
+            out.extend(part);
+        }
+    }
+    out
+}
+
+/// The host as the CPU optimizer sees it: the CPU's model, its cores, the memory, and the SIMD
+/// level the CPU AdamW's kernels run at (`scalar` where the CPU, or a virtual machine's view of
+/// it, shows neither AVX2 with FMA nor AVX-512F).
+pub fn host() -> serde_json::Value {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    json!({
         "cpu_model": field(&cpuinfo, "model name"),
         "host_cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "host_memory_gib": kib_field(&meminfo, "MemTotal").map(gib),
         "host_memory_available_gib": kib_field(&meminfo, "MemAvailable").map(gib),
         "simd": zeroflow_optim::SimdLevel::detect().name(),
-        "cuda_driver": cuda_driver(&cuda),
-        "cuda": cuda_details(&cuda),
     })
 }
 
