@@ -14,19 +14,18 @@ use crate::dist::affinity;
 /// `zeroflow env --json` prints it and `zeroflow stress` embeds it; `bench step` rows embed its
 /// host part ([`host`]).
 pub fn describe(version: &str, commit: &str) -> serde_json::Value {
-    let cuda = CudaReport::collect();
     let mut out = json!({
         "zeroflow_version": version,
         "git_commit": commit,
         "os": std::env::consts::OS,
         "arch": std::env::consts::ARCH,
     });
-    let parts = [host(), json!({"cuda_driver": cuda_driver(&cuda), "cuda": cuda_details(&cuda)})];
-    for part in parts {
-        if let (Some(out), serde_json::Value::Object(part)) = (out.as_object_mut(), part) {
-            out.extend(part);
-        }
+    if let (Some(out), serde_json::Value::Object(host)) = (out.as_object_mut(), host()) {
+        out.extend(host);
     }
+    let cuda = CudaReport::collect();
+    out["cuda_driver"] = json!(cuda_driver(&cuda));
+    out["cuda"] = cuda_details(&cuda);
     out
 }
 

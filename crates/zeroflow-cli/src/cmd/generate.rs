@@ -82,10 +82,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let text = source.defaults()?;
     let tokenizer = super::model_tokenizer(args.tokenizer.as_deref(), &text, &args.model)?;
     let conversation = args.chat && args.prompts.is_none() && args.prompt.is_none();
-    let prompts = match conversation {
-        true => Vec::new(),
-        false => given_prompts(&args, tokenizer.is_some())?,
-    };
+    let prompts =
+        if conversation { Vec::new() } else { given_prompts(&args, tokenizer.is_some())? };
     let chat = match (args.chat, &tokenizer) {
         (false, _) => None,
         (true, None) => {

@@ -63,7 +63,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.chaos.map_or("off".to_string(), |s| format!("seed {s}"))
         )
     };
-    let ran = Ran { world, device, load_gemms, wall_s };
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let ran =
+        Ran { command, world, device, load_gemms, wall_s, environment: super::env::collect() };
     if args.json {
         print_json(&args, &ran, &report)?
     } else {
@@ -111,19 +113,20 @@ const PROTOCOL: &str = "ZeRO-2 + CPU offload + gradient accumulation 4 on the sy
                         independent sum; after every step the fp32 master weights are checked \
                         against plain AdamW";
 
-/// How a stress run ran: its ranks, the device as the report says it, the GEMMs of
-/// `--gpu-load` and the wall time.
+/// How a stress run ran: the command, its ranks, the device as the report says it, the GEMMs of
+/// `--gpu-load`, the wall time and the environment.
 struct Ran {
+    command: String,
     world: usize,
     device: String,
     load_gemms: Option<u64>,
     wall_s: f64,
+    environment: serde_json::Value,
 }
 
 fn print_json(args: &Args, ran: &Ran, report: &StressReport) -> anyhow::Result<()> {
-    let command: Vec<String> = std::env::args().collect();
     let out = json!({
-        "command": command.join(" "),
+        "command": ran.command,
         "protocol": PROTOCOL,
         "device": ran.device,
         "gpu_load_gemms": ran.load_gemms,
@@ -135,19 +138,18 @@ fn print_json(args: &Args, ran: &Ran, report: &StressReport) -> anyhow::Result<(
         "failed": report.failed,
         "first_failure": report.first_failure,
         "wall_s": ran.wall_s,
-        "environment": super::env::collect(),
+        "environment": ran.environment,
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }
 
 fn print_text(args: &Args, ran: &Ran, report: &StressReport) {
-    let command: Vec<String> = std::env::args().collect();
-    println!("command     {}", command.join(" "));
+    println!("command     {}", ran.command);
     println!("protocol    {PROTOCOL}");
     println!("device      {}", ran.device);
     println!("environment");
-    for line in super::env::text_lines(&super::env::collect()) {
+    for line in super::env::text_lines(&ran.environment) {
         println!("  {line}");
     }
     println!("iterations  {} of {} ({:.1} s)", report.iterations, args.iters, ran.wall_s);
