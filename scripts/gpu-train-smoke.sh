@@ -50,10 +50,10 @@ say eval $? "exit $status; $(tail -n 1 "$OUT/smoke-eval.log")"
 
 # Ctrl-C during a run: a message at once, exit 130, a checkpoint; the resume finishes the run.
 sig=$OUT/smoke-sigint
-# `timeout --foreground`: a plain `timeout` passes the signal on to the run and then to its whole
-# process group, the run among them, so the run may see two SIGINTs (the second exits at once,
-# saving nothing, as a second Ctrl-C does); one Ctrl-C at a terminal is one.
-timeout --foreground 200 "$Z" train --device cuda --model "$MODEL" --micro-batch 8 --steps 400 \
+# A plain `timeout`, as a user's wrapper: it passes the signal on to the run and then to its whole
+# process group, the run among them, so the run may see two SIGINTs at once; the run takes them as
+# one request (a second signal exits without saving only a second or more after the first).
+timeout 200 "$Z" train --device cuda --model "$MODEL" --micro-batch 8 --steps 400 \
     --eval-every 0 --out "$sig" >"$OUT/smoke-sigint.log" 2>&1 &
 pid=$!
 # Interrupted once it trains (its first metrics lines written), well before its 400 steps end: a

@@ -110,8 +110,8 @@ pub struct Args {
     /// after a save that took a second or more than 20 times as long as it took, so that saving a
     /// large model's checkpoint takes at most about 5 % of the run (a given N is kept exactly;
     /// with --resume: the run's). A signal stops the run after its current step (an evaluation
-    /// is abandoned), saves, and exits with 130 (SIGINT) or 143 (SIGTERM); a second signal exits
-    /// at once without saving.
+    /// is abandoned), saves, and exits with 130 (SIGINT) or 143 (SIGTERM); another signal a second
+    /// or more later exits at once without saving (one within the second is the same request).
     #[arg(help_heading = RUN_DIRECTORY, long, value_name = "N")]
     pub save_every: Option<u64>,
     /// Keep the newest K checkpoints; older ones are deleted once a newer one is complete.

@@ -5,8 +5,12 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use super::{MINI, read_lines, scratch, text, train};
+
+/// The binary's `train::signals::GRACE`: signals within it of the first are the same request.
+const GRACE: Duration = Duration::from_secs(1);
 
 /// A constant learning rate: a resumed run may change its total of steps freely.
 const CONSTANT_LR: &str = r#"{
@@ -452,7 +456,7 @@ fn start_long_run(dir: &Path, run: &Path, model: &str, flags: &[&str]) -> Child 
         .expect("start zeroflow");
     let metrics = run.join("metrics.jsonl");
     while std::fs::read_to_string(&metrics).map_or(true, |m| m.is_empty()) {
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(20));
     }
     child
 }
@@ -512,11 +516,12 @@ fn sigint_and_sigterm_save_a_checkpoint_and_exit_130_and_143() {
     }
 }
 
-/// A second signal exits at once, without saving or a summary. The test sends SIGINT, waits
-/// for its notice (so the first signal has been caught), stops the process (SIGSTOP), queues
-/// SIGTERM and lets it go on; where the run had already saved and exited before the SIGSTOP,
-/// that attempt shows nothing and is repeated. What a write cut short leaves
-/// (`.step-N.partial-PID`, also after SIGKILL) is removed when the run resumes.
+/// A second signal a second or more after the first exits at once, without saving or a summary.
+/// The test sends SIGINT, waits for its notice (so the first signal has been caught), stops the
+/// process (SIGSTOP), waits out the grace, queues SIGTERM and lets it go on; where the run had
+/// already saved and exited before the SIGSTOP, that attempt shows nothing and is repeated. What a
+/// write cut short leaves (`.step-N.partial-PID`, also after SIGKILL) is removed when the run
+/// resumes.
 #[test]
 fn a_second_signal_exits_at_once_and_a_resume_removes_unfinished_checkpoints() {
     let dir = scratch("second_signal");
@@ -532,7 +537,7 @@ fn a_second_signal_exits_at_once_and_a_resume_removes_unfinished_checkpoints() {
         let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines().map(Result::unwrap);
         // A checkpoint to resume from below.
         while !checkpoint(&run, 1).is_dir() {
-            std::thread::sleep(std::time::Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(20));
         }
         signal(&child, "INT");
         let mut seen: Vec<String> = stderr.by_ref().take_while(|l| !l.contains("SIGINT")).collect();
@@ -541,6 +546,7 @@ fn a_second_signal_exits_at_once_and_a_resume_removes_unfinished_checkpoints() {
             // It had finished (checkpoint, summary, exit) before the SIGSTOP: try again.
             continue;
         }
+        std::thread::sleep(GRACE + Duration::from_millis(500));
         signal(&child, "TERM");
         signal(&child, "CONT");
         seen.extend(stderr);
@@ -569,6 +575,48 @@ fn a_second_signal_exits_at_once_and_a_resume_removes_unfinished_checkpoints() {
         .filter(|name| name.contains(".partial-"))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// A signal within a second of the first is the same request (regression: a `timeout` that
+/// expired or was signalled sends its signal to the run and then to the run's process group, and
+/// the second exited at once, so the run ended without its checkpoint). The test sends SIGINT,
+/// waits for its notice, stops the process, queues SIGTERM and lets it go on: the run saves,
+/// writes its summary and exits with the first signal's status. An attempt whose two signals
+/// came more than half the grace apart (a slow machine) proves nothing and is repeated, as one
+/// where the run had finished before the SIGSTOP.
+#[test]
+fn a_signal_within_a_second_of_the_first_is_the_same_request() {
+    let dir = scratch("signal_burst");
+    let run = dir.join("run");
+    let model = r#"{"n_layer":2,"n_head":2,"d_model":128,"vocab_size":64,"context":64}"#;
+    let attempt = || {
+        let _ = std::fs::remove_dir_all(&run);
+        let mut child = start_long_run(&dir, &run, model, &["--eval-every", "0"]);
+        let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines().map(Result::unwrap);
+        let sent = Instant::now();
+        signal(&child, "INT");
+        let mut seen: Vec<String> = stderr.by_ref().take_while(|l| !l.contains("SIGINT")).collect();
+        signal(&child, "STOP");
+        if child.try_wait().unwrap().is_some() {
+            return None; // It had finished (checkpoint, summary, exit) before the SIGSTOP.
+        }
+        signal(&child, "TERM");
+        signal(&child, "CONT");
+        let in_time = sent.elapsed() < GRACE / 2;
+        seen.extend(stderr);
+        let output = child.wait_with_output().unwrap();
+        in_time.then_some((output, seen))
+    };
+    let (output, stderr) =
+        (0..5).find_map(|_| attempt()).expect("no attempt sent its two signals in time");
+    assert_eq!(output.status.code(), Some(130), "{stderr:?}");
+    let stdout = text(&output.stdout);
+    let last =
+        read_lines(&run.join("metrics.jsonl")).iter().filter(|l| l.get("loss").is_some()).count();
+    assert!(stdout.contains(&format!("interrupted at step {last} of")), "{stdout}");
+    assert!(checkpoint(&run, last as u64).join("state.json").is_file(), "a checkpoint at {last}");
+    let summary = json(&run.join("summary.json"));
+    assert_eq!(summary["interrupted"].as_bool(), Some(true));
 }
 
 /// Without a terminal, progress lines come by time as well as every `--log-every` steps
