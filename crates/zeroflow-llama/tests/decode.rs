@@ -4,6 +4,8 @@
 //! sequence's logits equal those of the whole prefix recomputed by `HostLlama` (f64), with
 //! prompts of different lengths in one batch and a sequence that stops early.
 
+use std::ops::ControlFlow;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zeroflow_llama::{AttentionKind, HostLlama, LlamaConfig, LlamaDecoder, flat_layout};
@@ -142,8 +144,10 @@ fn a_continued_conversation_runs_only_its_new_tokens_and_generates_as_from_scrat
             let mut fresh = LlamaDecoder::new(&config, &layout, &params).unwrap();
             let alone = generate(&mut fresh, &[prompt.to_vec()], &options).unwrap().remove(0);
             let mut told = Vec::new();
-            let reply =
-                continuation.generate_with(&mut decoder, prompt, &options, |t| told.push(t));
+            let reply = continuation.generate_with(&mut decoder, prompt, &options, |t| {
+                told.push(t);
+                ControlFlow::Continue(())
+            });
             let reply = reply.unwrap();
             assert_eq!(reply, alone, "{name}: after {prompt:?}");
             assert_eq!(told, reply, "{name}: each token told as it is chosen");
@@ -165,6 +169,39 @@ fn a_continued_conversation_runs_only_its_new_tokens_and_generates_as_from_scrat
         turn(&third, 2);
         turn(&[5, 5], 2);
         turn(&[5], 1);
+    }
+}
+
+/// A turn that `on_token` breaks (a reply the user stopped) ends with that token, its first
+/// tokens those of the whole turn; the next turn, whose prompt holds the stopped reply, runs only
+/// that reply's last token and the new ones, and generates what a fresh decoder does.
+#[test]
+fn a_stopped_turn_keeps_what_it_wrote_and_the_next_continues_from_it() {
+    for (name, config) in models() {
+        let (layout, params) = perturbed_params(&config, 10);
+        let options = GenerateOptions {
+            max_new_tokens: 6,
+            sampling: Sampling::GREEDY,
+            seed: 0,
+            stop_tokens: Vec::new(),
+        };
+        let fresh = || LlamaDecoder::new(&config, &layout, &params).unwrap();
+        let alone = |prompt: &[u32]| generate(&mut fresh(), &[prompt.to_vec()], &options).unwrap();
+        let first = [2, 7, 1];
+        let whole = alone(&first).remove(0);
+        let mut decoder = fresh();
+        let mut continuation = Continuation::default();
+        let mut told = 0;
+        let stopped = continuation.generate_with(&mut decoder, &first, &options, |_| {
+            told += 1;
+            if told == 2 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+        });
+        assert_eq!(stopped.unwrap(), whole[..2], "{name}: the tokens before the stop");
+        assert_eq!(continuation.held(), first.len() + 1, "{name}: its last token not run");
+        let next = [&first[..], &whole[..2], &[5, 3]].concat();
+        let reply = continuation.generate(&mut decoder, &next, &options).unwrap();
+        assert_eq!(continuation.last_ran(), 3, "{name}: the stopped reply's last token and two");
+        assert_eq!(reply, alone(&next)[0], "{name}: as from scratch");
     }
 }
 

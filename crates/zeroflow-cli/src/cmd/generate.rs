@@ -2,7 +2,10 @@
 //! after a prompt or a file of prompts, on the CPU or a GPU (`zeroflow_train::infer`).
 
 use std::io::IsTerminal;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use zeroflow_train::infer::{
     Completion, InferDevice, ModelDir, Prompt, Sampling, parse_ids, read_prompts, reply_stops,
@@ -43,7 +46,8 @@ pub struct Args {
     /// `eos_token` (the end of a turn). A checkpoint or run directory's prompts are rendered by
     /// the template its run trained with (its --chat-template, where it gave one). Without
     /// --prompt or --prompts, a conversation: each line read is the user's next message, each
-    /// reply printed and kept, until the end of the input (Ctrl-D).
+    /// reply printed and kept, until the end of the input (Ctrl-D). At a terminal, Ctrl-C stops a
+    /// reply (the conversation keeps what it wrote) and, at the prompt, ends the program.
     #[arg(long, conflicts_with = "prompt_tokens")]
     chat: bool,
     /// A system message before the user's (with --chat: for --prompt, and a conversation's
@@ -130,7 +134,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let (true, Some(tokenizer)) = (shown, &tokenizer) {
         let mut session = model.session(args.device)?;
         let mut streamed = Streamed::new(tokenizer, &[]);
-        let tokens = session.complete_with(&prompts[0], &completion, |t| streamed.token(t))?;
+        let tokens = session.complete_with(&prompts[0], &completion, |t| {
+            streamed.token(t);
+            ControlFlow::Continue(())
+        })?;
         return streamed.finish(&tokenizer.decode(&tokens).map_err(InputError)?);
     }
     let generated = model.complete_batch_on(&prompts, &completion, args.device)?;
@@ -219,7 +226,8 @@ fn print_generated(
 /// terminal, as it is written; `--json`: `{"turn", "tokens", "text"}`) and kept as the
 /// assistant's message, without the token that ended it; past the model's context, without its
 /// oldest exchanges ([`fit_conversation`]). The end of the input ends it; so does a message that
-/// alone does not fit, but at a terminal, where it is said and left out.
+/// alone does not fit, but at a terminal, where it is said and left out. At a terminal Ctrl-C
+/// stops a reply ([`CtrlC`]).
 fn converse(
     args: &Args,
     model: &zeroflow_train::infer::HostModel,
@@ -229,8 +237,12 @@ fn converse(
 ) -> anyhow::Result<()> {
     use std::io::{BufRead, Write};
     let (terminal, shown) = (std::io::stdin().is_terminal(), std::io::stdout().is_terminal());
+    let ctrl_c = terminal.then(CtrlC::catch).transpose()?;
     if terminal {
-        eprintln!("a conversation with {}: type a message, Ctrl-D to end", args.model.display());
+        eprintln!(
+            "a conversation with {}: type a message; Ctrl-C stops a reply, Ctrl-D ends",
+            args.model.display()
+        );
     }
     // One decoder for the conversation: on a GPU the weights are uploaded once, not each turn.
     let mut session = model.session(args.device)?;
@@ -279,9 +291,16 @@ fn converse(
         // At a terminal the reply is shown as it is written.
         let mut streamed =
             (!args.json && shown).then(|| Streamed::new(tokenizer, model.end_of_text()));
+        ctrl_c.iter().for_each(|c| c.replying(true));
         let reply = session.complete_with(&tokens, &turn_completion, |token| {
             streamed.iter_mut().for_each(|s| s.token(token));
-        })?;
+            match &ctrl_c {
+                Some(c) if c.pressed() => ControlFlow::Break(()),
+                _ => ControlFlow::Continue(()),
+            }
+        });
+        ctrl_c.iter().for_each(|c| c.replying(false));
+        let reply = reply?;
         tracing::debug!(
             "turn {turn}: {} of the conversation's {} tokens run, the rest held from earlier turns",
             session.last_ran(),
@@ -297,10 +316,49 @@ fn converse(
             }
             None => println!("{text}"),
         }
+        if ctrl_c.as_ref().is_some_and(CtrlC::pressed) {
+            eprintln!(
+                "(reply stopped: the conversation goes on with what it wrote; Ctrl-C at the prompt \
+                 or Ctrl-D ends it)"
+            );
+        }
         messages.push(serde_json::json!({"role": "assistant", "content": text}));
         turn += 1;
     }
     Ok(())
+}
+
+/// Ctrl-C in a conversation at a terminal: during a reply it stops the reply, which the
+/// conversation keeps as far as it was written; at the prompt it ends the program, as by default.
+struct CtrlC {
+    /// Whether SIGINT takes its default action (between replies).
+    at_prompt: Arc<AtomicBool>,
+    /// Whether SIGINT came during the reply (cleared as each starts).
+    pressed: Arc<AtomicBool>,
+}
+
+impl CtrlC {
+    fn catch() -> anyhow::Result<CtrlC> {
+        use signal_hook::{consts::SIGINT, flag};
+        let (at_prompt, pressed) =
+            (Arc::new(AtomicBool::new(true)), Arc::new(AtomicBool::new(false)));
+        flag::register_conditional_default(SIGINT, Arc::clone(&at_prompt))?;
+        flag::register(SIGINT, Arc::clone(&pressed))?;
+        Ok(CtrlC { at_prompt, pressed })
+    }
+
+    /// A reply starts (Ctrl-C stops it) or ends (Ctrl-C ends the program).
+    fn replying(&self, replying: bool) {
+        if replying {
+            self.pressed.store(false, Ordering::SeqCst);
+        }
+        self.at_prompt.store(!replying, Ordering::SeqCst);
+    }
+
+    /// Whether Ctrl-C stopped the reply.
+    fn pressed(&self) -> bool {
+        self.pressed.load(Ordering::SeqCst)
+    }
 }
 
 /// Token ids to text (a tokenizer's decode).

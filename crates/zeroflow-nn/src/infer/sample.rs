@@ -2,6 +2,8 @@
 //! and [`generate`]: a batch of prompts through a [`Decoder`], the prompts in one pass, then one
 //! token per sequence per step.
 
+use std::ops::ControlFlow;
+
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -106,20 +108,20 @@ pub fn generate<D: Decoder>(
     let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
     let logits = model.prefill(&views, capacity)?;
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    decode_from(model, logits, &lens, capacity, options, &mut |_, _| {})
+    decode_from(model, logits, &lens, capacity, options, &mut |_, _| ControlFlow::Continue(()))
 }
 
 /// The new tokens of sequences `0..lens.len()` (sequence `b` of `lens[b]` positions, in a cache
 /// of `capacity`) from their next-token logits `logits`, one decode step per token for the
 /// unfinished ones; sequence `b` draws from stream `b` of the seed. `on_token(seq, token)` is
-/// told of each as it is chosen.
+/// told of each as it is chosen, and ends the sequence there where it breaks.
 fn decode_from<D: Decoder>(
     model: &mut D,
     mut logits: Vec<D::Float>,
     lens: &[usize],
     capacity: usize,
     options: &GenerateOptions,
-    on_token: &mut dyn FnMut(usize, u32),
+    on_token: &mut dyn FnMut(usize, u32) -> ControlFlow<()>,
 ) -> Result<Vec<Vec<u32>>, D::Error> {
     let vocab = model.vocab_size();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
@@ -137,8 +139,8 @@ fn decode_from<D: Decoder>(
             let token =
                 sample_token(&logits[row * vocab..][..vocab], &options.sampling, &mut rngs[seq]);
             out[seq].push(token);
-            on_token(seq, token);
-            let done = out[seq].len() >= options.max_new_tokens
+            let done = on_token(seq, token).is_break()
+                || out[seq].len() >= options.max_new_tokens
                 || options.stop_tokens.contains(&token)
                 || lens[seq] + out[seq].len() >= capacity;
             if !done {
@@ -177,16 +179,18 @@ impl Continuation {
         prompt: &[u32],
         options: &GenerateOptions,
     ) -> Result<Vec<u32>, D::Error> {
-        self.generate_with(model, prompt, options, |_| {})
+        self.generate_with(model, prompt, options, |_| ControlFlow::Continue(()))
     }
 
-    /// [`Continuation::generate`], telling `on_token` of each new token as it is chosen.
+    /// [`Continuation::generate`], telling `on_token` of each new token as it is chosen; the turn
+    /// ends with the token at which it breaks (a reply the user stopped), the cache holding what
+    /// it ran, as after any turn.
     pub fn generate_with<D: Decoder>(
         &mut self,
         model: &mut D,
         prompt: &[u32],
         options: &GenerateOptions,
-        mut on_token: impl FnMut(u32),
+        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Vec<u32>, D::Error> {
         if options.max_new_tokens == 0 {
             return Ok(Vec::new());

@@ -7,6 +7,7 @@
 //! ([`HostModel::open_for`]), left in their files and read in bf16 as they are uploaded.
 
 use std::borrow::Cow;
+use std::ops::ControlFlow;
 
 use zeroflow_data::{ChatOptions, Tokenizer};
 
@@ -580,16 +581,17 @@ impl Session<'_> {
     /// [`HostModel::complete`] on the session's device, continuing the earlier turns' cache
     /// where `prompt` starts with what they ran.
     pub fn complete(&mut self, prompt: &[u32], completion: &Completion) -> Result<Vec<u32>> {
-        self.complete_with(prompt, completion, |_| {})
+        self.complete_with(prompt, completion, |_| ControlFlow::Continue(()))
     }
 
     /// [`Session::complete`], telling `on_token` of each new token as it is chosen (to show the
-    /// completion as it is written).
+    /// completion as it is written); the completion ends with the token at which it breaks (a
+    /// reply the user stopped).
     pub fn complete_with(
         &mut self,
         prompt: &[u32],
         completion: &Completion,
-        on_token: impl FnMut(u32),
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Vec<u32>> {
         let options = self.model.checked_options(&[prompt.to_vec()], completion)?;
         let continuation = &mut self.continuation;
@@ -628,7 +630,7 @@ fn cpu_turn<D: HostDecoder<Float = f32>>(
     continuation: &mut Continuation,
     prompt: &[u32],
     options: &GenerateOptions,
-    on_token: impl FnMut(u32),
+    on_token: impl FnMut(u32) -> ControlFlow<()>,
 ) -> Result<Vec<u32>> {
     let mut decoder = match cached {
         Some(kv) => decoder.with_cache(kv).map_err(|e| TrainError::Model(e.into()))?,

@@ -286,7 +286,8 @@ fn a_batch_of_prompts_generates_as_each_prompt_alone() {
 
 /// A session's turns, each prompt the last one with its reply and a new message (as
 /// `generate --chat` renders a conversation), complete as each prompt alone does, in both
-/// families, greedy and sampled, and run only the tokens the session's cache does not hold.
+/// families, greedy and sampled, and run only the tokens the session's cache does not hold; the
+/// second turn is stopped after two tokens (a reply stopped by Ctrl-C), which the next continues.
 #[test]
 fn a_session_continues_its_cache_and_completes_as_each_prompt_alone() {
     let dir = scratch("llama-session");
@@ -301,8 +302,19 @@ fn a_session_continues_its_cache_and_completes_as_each_prompt_alone() {
         let mut prompt = vec![3, 1, 4, 1, 5];
         for (turn, completion) in [GREEDY, sampled, GREEDY].iter().enumerate() {
             let mut told = Vec::new();
-            let reply = session.complete_with(&prompt, completion, |t| told.push(t)).unwrap();
-            assert_eq!(reply, model.complete(&prompt, completion).unwrap(), "{model:?}: {turn}");
+            let stop_after = if turn == 1 { 2 } else { usize::MAX };
+            let reply = session
+                .complete_with(&prompt, completion, |t| {
+                    told.push(t);
+                    if told.len() == stop_after {
+                        std::ops::ControlFlow::Break(())
+                    } else {
+                        std::ops::ControlFlow::Continue(())
+                    }
+                })
+                .unwrap();
+            let alone = model.complete(&prompt, completion).unwrap();
+            assert_eq!(reply, alone[..alone.len().min(stop_after)], "{model:?}: {turn}");
             assert_eq!(told, reply, "{model:?}: turn {turn}'s tokens told as they come");
             // The first turn runs the whole prompt; a later one the last reply's last token
             // (sampled, never run) and the new message.
