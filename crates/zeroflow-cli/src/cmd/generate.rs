@@ -291,13 +291,11 @@ fn converse(
         // At a terminal the reply is shown as it is written.
         let mut streamed =
             (!args.json && shown).then(|| Streamed::new(tokenizer, model.end_of_text()));
+        let stopped = || ctrl_c.as_ref().is_some_and(CtrlC::pressed);
         ctrl_c.iter().for_each(|c| c.replying(true));
         let reply = session.complete_with(&tokens, &turn_completion, |token| {
             streamed.iter_mut().for_each(|s| s.token(token));
-            match &ctrl_c {
-                Some(c) if c.pressed() => ControlFlow::Break(()),
-                _ => ControlFlow::Continue(()),
-            }
+            if stopped() { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
         });
         ctrl_c.iter().for_each(|c| c.replying(false));
         let reply = reply?;
@@ -316,7 +314,7 @@ fn converse(
             }
             None => println!("{text}"),
         }
-        if ctrl_c.as_ref().is_some_and(CtrlC::pressed) {
+        if stopped() {
             eprintln!(
                 "(reply stopped: the conversation goes on with what it wrote; Ctrl-C at the prompt \
                  or Ctrl-D ends it)"

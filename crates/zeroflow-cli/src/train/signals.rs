@@ -23,8 +23,9 @@ pub const ELSEWHERE: (u8, &str) = (130, "a signal to another rank");
 /// How long after the first signal others are taken as part of the same request.
 pub const GRACE: Duration = Duration::from_secs(1);
 
-/// What the signals asked of the run, while it is alive; dropping it restores the default
-/// handling of the signals.
+/// What the signals asked of the run, while it is alive; dropping it stops acting on them (they
+/// are then ignored, not handled by default: signal-hook cannot restore the default action; the
+/// program ends soon after).
 pub struct Stop {
     /// 128 + the number of the first signal the signal thread read (0: none yet).
     first: Arc<AtomicUsize>,
