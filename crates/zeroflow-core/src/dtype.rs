@@ -117,6 +117,26 @@ pub trait Float: Element {
     fn to_f32(self) -> f32;
     /// Rounds to nearest even.
     fn from_f32(x: f32) -> Self;
+    /// `x` as the slice of its own type, for code that reads one of them directly.
+    fn slice(x: &[Self]) -> FloatSlice<'_>;
+    /// [`Float::slice`], borrowed uniquely.
+    fn slice_mut(x: &mut [Self]) -> FloatSliceMut<'_>;
+}
+
+/// A slice of one of the [`Float`] types, as its own type.
+#[derive(Debug)]
+pub enum FloatSlice<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// [`FloatSlice`], borrowed uniquely.
+#[derive(Debug)]
+pub enum FloatSliceMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
 }
 
 impl Float for f32 {
@@ -125,6 +145,12 @@ impl Float for f32 {
     }
     fn from_f32(x: f32) -> Self {
         x
+    }
+    fn slice(x: &[Self]) -> FloatSlice<'_> {
+        FloatSlice::F32(x)
+    }
+    fn slice_mut(x: &mut [Self]) -> FloatSliceMut<'_> {
+        FloatSliceMut::F32(x)
     }
 }
 
@@ -135,6 +161,12 @@ impl Float for bf16 {
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
+    fn slice(x: &[Self]) -> FloatSlice<'_> {
+        FloatSlice::Bf16(x)
+    }
+    fn slice_mut(x: &mut [Self]) -> FloatSliceMut<'_> {
+        FloatSliceMut::Bf16(x)
+    }
 }
 
 impl Float for f16 {
@@ -143,5 +175,11 @@ impl Float for f16 {
     }
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
+    }
+    fn slice(x: &[Self]) -> FloatSlice<'_> {
+        FloatSlice::F16(x)
+    }
+    fn slice_mut(x: &mut [Self]) -> FloatSliceMut<'_> {
+        FloatSliceMut::F16(x)
     }
 }

@@ -9,4 +9,4 @@ pub mod dtype;
 pub mod env;
 pub mod layout;
 
-pub use dtype::{DType, Element, Float, bf16, f16};
+pub use dtype::{DType, Element, Float, FloatSlice, FloatSliceMut, bf16, f16};

@@ -1,14 +1,13 @@
 //! The offload side: fp32 optimizer state, the gradient accumulator and the staging buffers in
 //! host memory (the copies in flight during a backward are `offloader.rs`'s).
 
-use std::any::TypeId;
 use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rayon::prelude::*;
 use zeroflow_core::adamw::OptimizerStateDtype;
-use zeroflow_core::{Element, Float, bf16};
+use zeroflow_core::{Element, Float, FloatSlice, FloatSliceMut, bf16};
 use zeroflow_device::{Device, HostBuffer, HostMemory};
 use zeroflow_optim::{AdamState, AdamWStep, CpuAdam, Grads, Output, Saved};
 
@@ -290,26 +289,18 @@ pub(crate) fn convert_into<P: Float>(adam: &CpuAdam, out: &mut [P], master: &[f3
 
 /// The slice as bf16, if `P` is bf16.
 pub(crate) fn as_bf16_mut<P: Float>(slice: &mut [P]) -> Option<&mut [bf16]> {
-    (TypeId::of::<P>() == TypeId::of::<bf16>()).then(|| {
-        // SAFETY: `P` is `bf16` (same type id), so the cast is the identity.
-        unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr().cast::<bf16>(), slice.len()) }
-    })
+    match P::slice_mut(slice) {
+        FloatSliceMut::Bf16(slice) => Some(slice),
+        FloatSliceMut::F32(_) | FloatSliceMut::F16(_) => None,
+    }
 }
 
 /// Gradients of type `P` as the CPU optimizer reads them, if it reads `P` directly (f32, bf16).
 pub(crate) fn as_grads<P: Float>(slice: &[P]) -> Option<Grads<'_>> {
-    if TypeId::of::<P>() == TypeId::of::<bf16>() {
-        // SAFETY: `P` is `bf16` (same type id), so the cast is the identity.
-        let grads =
-            unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<bf16>(), slice.len()) };
-        Some(Grads::Bf16(grads))
-    } else if TypeId::of::<P>() == TypeId::of::<f32>() {
-        // SAFETY: `P` is `f32` (same type id), so the cast is the identity.
-        let grads =
-            unsafe { std::slice::from_raw_parts(slice.as_ptr().cast::<f32>(), slice.len()) };
-        Some(Grads::F32(grads))
-    } else {
-        None
+    match P::slice(slice) {
+        FloatSlice::Bf16(grads) => Some(Grads::Bf16(grads)),
+        FloatSlice::F32(grads) => Some(Grads::F32(grads)),
+        FloatSlice::F16(_) => None,
     }
 }
 

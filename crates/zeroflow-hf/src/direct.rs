@@ -31,14 +31,12 @@ pub const BUFFER_BYTES: usize = 16 << 20;
 /// that a piece of a checkpoint can be fetched while the last one is still being written.
 pub const BUFFERS: usize = 5;
 
-/// One aligned block of a buffer.
-#[repr(C, align(4096))]
-#[derive(Clone, Copy)]
-struct Block([u8; ALIGN]);
-
-/// A buffer whose start is [`ALIGN`]-aligned.
+/// A buffer whose start is [`ALIGN`]-aligned: `capacity` bytes of `bytes` from `start`, the
+/// first aligned byte (one block more is allocated than the buffer holds).
 struct Buffer {
-    blocks: Vec<Block>,
+    bytes: Vec<u8>,
+    start: usize,
+    capacity: usize,
     len: usize,
 }
 
@@ -50,18 +48,19 @@ impl std::fmt::Debug for Buffer {
 
 impl Buffer {
     fn new(bytes: usize) -> Self {
-        Buffer { blocks: vec![Block([0; ALIGN]); bytes.div_ceil(ALIGN)], len: 0 }
+        let capacity = bytes.div_ceil(ALIGN) * ALIGN;
+        let bytes = vec![0u8; capacity + ALIGN];
+        let start = bytes.as_ptr().align_offset(ALIGN);
+        assert!(start < ALIGN, "a byte buffer's start can be aligned");
+        Buffer { bytes, start, capacity, len: 0 }
     }
 
     fn capacity(&self) -> usize {
-        self.blocks.len() * ALIGN
+        self.capacity
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        let capacity = self.capacity();
-        // SAFETY: `blocks` is `capacity` initialised bytes (`Block` is a byte array, no padding),
-        // borrowed mutably for the slice's life.
-        unsafe { std::slice::from_raw_parts_mut(self.blocks.as_mut_ptr().cast::<u8>(), capacity) }
+        &mut self.bytes[self.start..self.start + self.capacity]
     }
 
     fn filled(&mut self) -> &[u8] {

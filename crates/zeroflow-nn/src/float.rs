@@ -23,6 +23,12 @@ pub trait Float:
 
     /// The value as an `f64` (exact).
     fn to_f64(self) -> f64;
+
+    /// `x` itself where `Self` is f32 (for the kernels written for f32 alone), else `None`.
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+
+    /// [`Float::as_f32`], borrowed uniquely.
+    fn as_f32_mut(x: &mut [Self]) -> Option<&mut [f32]>;
 }
 
 impl Float for f32 {
@@ -32,6 +38,12 @@ impl Float for f32 {
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        Some(x)
+    }
+    fn as_f32_mut(x: &mut [Self]) -> Option<&mut [f32]> {
+        Some(x)
+    }
 }
 
 impl Float for f64 {
@@ -40,5 +52,11 @@ impl Float for f64 {
     }
     fn to_f64(self) -> f64 {
         self
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
     }
 }

@@ -57,26 +57,8 @@ pub fn free_bytes(path: &Path) -> Option<u64> {
         return Some(bytes);
     }
     let path = path.ancestors().find(|dir| dir.exists())?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::ffi::OsStrExt;
-        let path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-        let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-        // SAFETY: `path` is a NUL-terminated string and `stat` a buffer of the type statvfs fills.
-        let status = unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) };
-        if status != 0 {
-            return None;
-        }
-        // SAFETY: statvfs returned 0, so it filled `stat`.
-        let stat = unsafe { stat.assume_init() };
-        #[allow(clippy::unnecessary_cast)] // the fields' types differ between platforms
-        Some(stat.f_bavail as u64 * stat.f_frsize as u64)
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = path;
-        None
-    }
+    let stat = rustix::fs::statvfs(path).ok()?;
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
 /// Whether `a` and `b` (either may not exist yet: their nearest existing ancestors are asked) are

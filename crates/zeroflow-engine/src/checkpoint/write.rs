@@ -341,7 +341,9 @@ fn write_tensors(
     header.resize(header.len().next_multiple_of(8), b' ');
     match write_file(path, &header, &tensors, true) {
         // A file system that takes O_DIRECT files but not their writes: buffered, from the start.
-        Err(CheckpointError::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
+        Err(CheckpointError::Io { source, .. })
+            if source.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) =>
+        {
             write_file(path, &header, &tensors, false)
         }
         written => written,

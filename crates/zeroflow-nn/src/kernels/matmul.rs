@@ -1,13 +1,11 @@
 //! Matrix multiplication with an optional bias, through ndarray's GEMM (matrixmultiply's
 //! sgemm/dgemm), parallelised by rayon over blocks of output rows.
 
-use ndarray::{ArrayView2, ArrayViewMut2, linalg::general_mat_mul, s};
-use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
-use std::any::TypeId;
-
 #[cfg(target_arch = "x86_64")]
 use super::few_rows_avx2;
+use ndarray::{ArrayView2, ArrayViewMut2, linalg::general_mat_mul, s};
+use rayon::prelude::*;
 
 use crate::float::Float;
 
@@ -212,7 +210,7 @@ fn streamed_rows(layout: WeightLayout, fused: bool) -> usize {
 fn fused<F: Float>() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        TypeId::of::<F>() == TypeId::of::<f32>()
+        F::as_f32(&[]).is_some()
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
     }
@@ -256,9 +254,9 @@ fn matmul_streamed<F: Float>(
         #[cfg(target_arch = "x86_64")]
         if fused && n > 1 {
             let f32s = "`fused` says F is f32";
-            let (inp, weight) = (as_f32(inp).expect(f32s), as_f32(weight).expect(f32s));
+            let (inp, weight) = (F::as_f32(inp).expect(f32s), F::as_f32(weight).expect(f32s));
             let dot = layout == WeightLayout::OutIn;
-            let out = as_f32_mut(&mut block).expect(f32s);
+            let out = F::as_f32_mut(&mut block).expect(f32s);
             // SAFETY: `fused` says this CPU has AVX2 and FMA.
             unsafe { few_rows_avx2::streamed_block(out, inp, weight, (c, oc, first), dot) };
             return block;
@@ -313,24 +311,6 @@ fn one_row_in_out<F: Float>(out: &mut [F], inp: &[F], weight: &[F], bias: Option
 
 /// Outputs per task of [`one_row_in_out`]'s last sum.
 const COLUMNS_PER_SUM: usize = 256;
-
-/// `x` as f32, where `F` is f32.
-#[cfg(target_arch = "x86_64")]
-fn as_f32<F: Float>(x: &[F]) -> Option<&[f32]> {
-    (TypeId::of::<F>() == TypeId::of::<f32>()).then(|| {
-        // SAFETY: `F` is f32 (checked just above): the same slice.
-        unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) }
-    })
-}
-
-/// `x` as f32, where `F` is f32.
-#[cfg(target_arch = "x86_64")]
-fn as_f32_mut<F: Float>(x: &mut [F]) -> Option<&mut [f32]> {
-    (TypeId::of::<F>() == TypeId::of::<f32>()).then(|| {
-        // SAFETY: `F` is f32 (checked just above): the same slice, borrowed as uniquely.
-        unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) }
-    })
-}
 
 /// Adds the products of one block of [`matmul_streamed`] to `block` (`[n, width]`, its bias):
 /// every input row (`inp`, `[n, c]`) times the weight's columns from `first` on, as
