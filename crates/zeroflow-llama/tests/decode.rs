@@ -13,6 +13,11 @@ use zeroflow_nn::infer::{Continuation, Decoder, EvalStream, GenerateOptions, Sam
 
 use crate::support::{models, perturbed_params, relative_error};
 
+/// Greedy generation of up to `max_new_tokens`, without stop tokens.
+fn greedy(max_new_tokens: usize) -> GenerateOptions {
+    GenerateOptions { max_new_tokens, sampling: Sampling::GREEDY, seed: 0, stop_tokens: Vec::new() }
+}
+
 /// The logits of the last position of `prefix`, by the training forward over the whole prefix.
 fn recomputed(config: &LlamaConfig, params: &[f64], prefix: &[u32]) -> Vec<f64> {
     let layout = flat_layout(config, 1).unwrap();
@@ -67,12 +72,7 @@ fn greedy_generation_equals_argmax_of_the_recomputed_prefix() {
     let (layout, params) = perturbed_params(&config, 8);
     let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
     let prompts = vec![vec![1, 7, 3], vec![10]];
-    let options = GenerateOptions {
-        max_new_tokens: 7,
-        sampling: Sampling::GREEDY,
-        seed: 0,
-        stop_tokens: Vec::new(),
-    };
+    let options = greedy(7);
     let generated = generate(&mut decoder, &prompts, &options).unwrap();
     for (prompt, new) in prompts.iter().zip(&generated) {
         assert_eq!(new.len(), 7);
@@ -132,12 +132,7 @@ fn extending_a_kept_prefix_gives_the_recomputed_logits_for_every_odd_model() {
 fn a_continued_conversation_runs_only_its_new_tokens_and_generates_as_from_scratch() {
     for (name, config) in models() {
         let (layout, params) = perturbed_params(&config, 8);
-        let options = GenerateOptions {
-            max_new_tokens: 4,
-            sampling: Sampling::GREEDY,
-            seed: 0,
-            stop_tokens: Vec::new(),
-        };
+        let options = greedy(4);
         let mut decoder = LlamaDecoder::new(&config, &layout, &params).unwrap();
         let mut continuation = Continuation::default();
         let mut turn = |prompt: &[u32], ran: usize| {
@@ -179,12 +174,7 @@ fn a_continued_conversation_runs_only_its_new_tokens_and_generates_as_from_scrat
 fn a_stopped_turn_keeps_what_it_wrote_and_the_next_continues_from_it() {
     for (name, config) in models() {
         let (layout, params) = perturbed_params(&config, 10);
-        let options = GenerateOptions {
-            max_new_tokens: 6,
-            sampling: Sampling::GREEDY,
-            seed: 0,
-            stop_tokens: Vec::new(),
-        };
+        let options = greedy(6);
         let fresh = || LlamaDecoder::new(&config, &layout, &params).unwrap();
         let alone = |prompt: &[u32]| generate(&mut fresh(), &[prompt.to_vec()], &options).unwrap();
         let first = [2, 7, 1];
