@@ -581,7 +581,7 @@ fn report(
     out["settings"] = job.settings.clone();
     // The CPU, its cores and memory, and the CPU AdamW's SIMD level: what the offloaded step's
     // rows depend on besides the GPU.
-    out["host"] = crate::machine::host();
+    out["host"] = crate::machine::host().into();
     out["gradient_clipping"] = json!(args.gradient_clipping);
     out["reduce_bucket_size"] = json!(args.reduce_bucket_size);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,

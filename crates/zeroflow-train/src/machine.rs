@@ -14,34 +14,33 @@ use crate::dist::affinity;
 /// `zeroflow env --json` prints it and `zeroflow stress` embeds it; `bench step` rows embed its
 /// host part ([`host`]).
 pub fn describe(version: &str, commit: &str) -> serde_json::Value {
-    let mut out = json!({
-        "zeroflow_version": version,
-        "git_commit": commit,
-        "os": std::env::consts::OS,
-        "arch": std::env::consts::ARCH,
-    });
-    if let (Some(out), serde_json::Value::Object(host)) = (out.as_object_mut(), host()) {
-        out.extend(host);
-    }
     let cuda = CudaReport::collect();
-    out["cuda_driver"] = json!(cuda_driver(&cuda));
-    out["cuda"] = cuda_details(&cuda);
-    out
+    let mut out = serde_json::Map::new();
+    out.insert("zeroflow_version".into(), json!(version));
+    out.insert("git_commit".into(), json!(commit));
+    out.insert("os".into(), json!(std::env::consts::OS));
+    out.insert("arch".into(), json!(std::env::consts::ARCH));
+    out.extend(host());
+    out.insert("cuda_driver".into(), json!(cuda_driver(&cuda)));
+    out.insert("cuda".into(), cuda_details(&cuda));
+    out.into()
 }
 
 /// The host as the CPU optimizer sees it: the CPU's model, its cores, the memory, and the SIMD
 /// level the CPU AdamW's kernels run at (`scalar` where the CPU, or a virtual machine's view of
 /// it, shows neither AVX2 with FMA nor AVX-512F).
-pub fn host() -> serde_json::Value {
+pub fn host() -> serde_json::Map<String, serde_json::Value> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    json!({
-        "cpu_model": field(&cpuinfo, "model name"),
-        "host_cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "host_memory_gib": kib_field(&meminfo, "MemTotal").map(gib),
-        "host_memory_available_gib": kib_field(&meminfo, "MemAvailable").map(gib),
-        "simd": zeroflow_optim::SimdLevel::detect().name(),
-    })
+    let mut host = serde_json::Map::new();
+    host.insert("cpu_model".into(), json!(field(&cpuinfo, "model name")));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    host.insert("host_cores".into(), json!(cores));
+    host.insert("host_memory_gib".into(), json!(kib_field(&meminfo, "MemTotal").map(gib)));
+    let available = kib_field(&meminfo, "MemAvailable").map(gib);
+    host.insert("host_memory_available_gib".into(), json!(available));
+    host.insert("simd".into(), json!(zeroflow_optim::SimdLevel::detect().name()));
+    host
 }
 
 /// The environment as `zeroflow env` prints it: one line per part, GPUs and libraries indented.

@@ -210,6 +210,7 @@ fn streamed_rows(layout: WeightLayout, fused: bool) -> usize {
 fn fused<F: Float>() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        // An empty slice: whether `F` is f32 is the type's alone.
         F::as_f32(&[]).is_some()
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
