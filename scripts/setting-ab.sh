@@ -122,7 +122,8 @@ for row in rows:
     keys = ["tokens_per_s", "s_per_step_mean", "s_per_step_median", "s_per_step_p90",
             "forward_s_mean", "backward_s_mean", "exposed_optimizer_s_mean",
             "cpu_wait_s_mean", "cpu_wait_in_forward_backward_s_mean", "cpu_adam_s_mean",
-            "peak_rss_bytes_per_param", "speculated_steps", "redone_steps", "paused_steps"]
+            "peak_rss_bytes_per_param", "speculated_steps", "redone_steps", "paused_steps",
+            "host_steal_fraction"]
     def find(value, key):  # the first `key` anywhere in `value` (the settings' nesting)
         if isinstance(value, dict):
             for k, v in value.items():

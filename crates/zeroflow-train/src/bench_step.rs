@@ -196,6 +196,9 @@ struct Measured {
     step_times: StepTimes,
     /// Over all steps, warm-up included: the exact offload step's speculation.
     speculation: SpeculationStats,
+    /// Each timed step's CPU time the hypervisor took from the host ([`crate::machine::cpu_steal`],
+    /// summed over its CPUs; `None` where the kernel does not say).
+    steal: Vec<Option<f64>>,
 }
 
 impl Measured {
@@ -378,6 +381,7 @@ fn measure<M: Model>(
         copied: CopiedBytes::default(),
         step_times: StepTimes::default(),
         speculation: SpeculationStats::default(),
+        steal: Vec::new(),
     };
     let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
     let mut step_times = engine.step_times();
@@ -399,6 +403,7 @@ fn measure<M: Model>(
             step_times = engine.step_times();
         }
         let last = step + 1 == args.warmup + args.steps;
+        let steal_before = crate::machine::cpu_steal();
         let start = Instant::now();
         let waited_before = engine.cpu_wait();
         for _ in 0..args.accum {
@@ -423,7 +428,10 @@ fn measure<M: Model>(
             finish_compute(engine)?;
         }
         let seconds = start.elapsed().as_secs_f64();
-        tracing::debug!(step, compute, stepped, seconds, "bench step (s from its start)");
+        let stolen = steal_before
+            .zip(crate::machine::cpu_steal())
+            .map(|(before, after)| after.saturating_sub(before).as_secs_f64());
+        tracing::debug!(step, compute, stepped, seconds, ?stolen, "bench step (s from its start)");
         // The ranks' mean, after the clock stops (a barrier of the side channel).
         let loss = group.mean(f64::from(loss))?;
         measured.losses.push(loss as f32);
@@ -434,6 +442,7 @@ fn measure<M: Model>(
             measured.times.push(seconds);
             measured.compute_times.push(compute);
             measured.cpu_wait_in_compute += waited_in_compute;
+            measured.steal.push(stolen);
         }
     }
     measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
@@ -582,6 +591,15 @@ fn report(
     // The CPU, its cores and memory, and the CPU AdamW's SIMD level: what the offloaded step's
     // rows depend on besides the GPU.
     out["host"] = crate::machine::host().into();
+    // What the hypervisor took from the host's CPUs in each timed step (CPU seconds, all CPUs),
+    // and over the steps as a fraction of the host's CPU time: a CPU optimizer on every core
+    // slows by more than its share (each piece waits for its slowest thread), so a row with
+    // steal measured the host's neighbours as much as zeroflow.
+    out["host_steal_s_per_step"] = json!(measured.steal);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let stolen: Option<f64> = measured.steal.iter().copied().sum();
+    out["host_steal_fraction"] =
+        json!(stolen.map(|s| s / (measured.times.iter().sum::<f64>() * cores as f64)));
     out["gradient_clipping"] = json!(args.gradient_clipping);
     out["reduce_bucket_size"] = json!(args.reduce_bucket_size);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,
@@ -619,6 +637,11 @@ pub fn summary(model: &str, out: &serde_json::Value) -> String {
     let rss = out["peak_rss_bytes"].as_f64().map_or("unknown".into(), |r| {
         format!("{:.2} GiB ({:.1} B/param)", gib(r), number("peak_rss_bytes_per_param"))
     });
+    // Steal worth saying: over 1 % of the host's CPU time in the timed steps.
+    let steal =
+        out["host_steal_fraction"].as_f64().filter(|&f| f > 0.01).map_or(String::new(), |f| {
+            format!("; the hypervisor took {:.1} % of the host's CPU time (steal)", 100.0 * f)
+        });
     let memory = out["device_memory_in_use_bytes"]
         .as_f64()
         .map_or("unknown".into(), |b| format!("{:.2} GiB", gib(b)));
@@ -627,7 +650,7 @@ pub fn summary(model: &str, out: &serde_json::Value) -> String {
          {:.4} s/step median, {:.4} s mean, forward {:.4} s + backward {:.4} s, exposed optimizer \
          {:.4} s, CPU wait {:.1} % of the step (norm wait {:.4} s, CPU AdamW {:.4} s, waits for \
          gradient chunks {:.4} s and uploads {:.4} s), PCIe {:.2} GB in / {:.2} GB out per step, \
-         peak RSS {rss}, device memory in use {memory}; loss {:.3} → {:.3}",
+         peak RSS {rss}, device memory in use {memory}; loss {:.3} → {:.3}{steal}",
         out["mode"].as_str().unwrap_or_default(),
         out["world_size"],
         out["device"].as_str().unwrap_or_default(),

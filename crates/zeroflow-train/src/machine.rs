@@ -3,6 +3,7 @@
 //! CUDA libraries.
 
 use std::path::Path;
+use std::time::Duration;
 
 use serde_json::json;
 use zeroflow_device::CudaDevice;
@@ -41,6 +42,23 @@ pub fn host() -> serde_json::Map<String, serde_json::Value> {
     host.insert("host_memory_available_gib".into(), json!(available));
     host.insert("simd".into(), json!(zeroflow_optim::SimdLevel::detect().name()));
     host
+}
+
+/// CPU time the hypervisor has taken from this machine since it booted, summed over its CPUs:
+/// the `steal` column of `/proc/stat`, time a virtual CPU was ready to run while the host ran
+/// something else (another machine on it). A CPU optimizer on every core slows by what is taken
+/// (bench step reports it). `None` where the kernel does not say (not Linux).
+pub fn cpu_steal() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    steal_of(&stat, rustix::param::clock_ticks_per_second())
+}
+
+/// The `steal` column (the eighth number) of the `cpu` line of a `/proc/stat` text, whose
+/// counts are `ticks_per_second` a second.
+fn steal_of(stat: &str, ticks_per_second: u64) -> Option<Duration> {
+    let line = stat.lines().find(|line| line.split_whitespace().next() == Some("cpu"))?;
+    let ticks: u64 = line.split_whitespace().nth(8)?.parse().ok()?;
+    (ticks_per_second > 0).then(|| Duration::from_secs_f64(ticks as f64 / ticks_per_second as f64))
 }
 
 /// The environment as `zeroflow env` prints it: one line per part, GPUs and libraries indented.
@@ -186,4 +204,36 @@ fn kib_field(text: &str, key: &str) -> Option<u64> {
 
 fn gib(kib: u64) -> f64 {
     (kib as f64 / (1024.0 * 1024.0) * 10.0).round() / 10.0
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::steal_of;
+
+    #[test]
+    fn steal_is_the_cpu_lines_eighth_count() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let stat = "cpu  4705 356 584 3699 23 23 0 1235 0 0\n\
+                    cpu0 1393 151 198 1203 7 11 0 400 0 0\nintr 114930548 113 0\n";
+        assert_eq!(steal_of(stat, 100), Some(Duration::from_millis(12_350)));
+        assert_eq!(steal_of(stat, 250), Some(Duration::from_millis(4_940)));
+        // A kernel too old for the column, no `cpu` line, or no clock: unknown.
+        assert_eq!(steal_of("cpu  4705 356 584 3699 23 23 0\n", 100), None);
+        assert_eq!(steal_of("cpu0 1 2 3 4 5 6 7 8\n", 100), None);
+        assert_eq!(steal_of(stat, 0), None);
+    }
+
+    #[test]
+    fn this_machines_steal_is_read_where_linux_reports_it() {
+        let steal = super::cpu_steal();
+        if cfg!(target_os = "linux") {
+            let first = steal.expect("Linux reports steal time in /proc/stat");
+            let later = super::cpu_steal().expect("and again");
+            assert!(later >= first, "steal went back from {first:?} to {later:?}");
+        } else {
+            assert_eq!(steal, None);
+        }
+    }
 }
