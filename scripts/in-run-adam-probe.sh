@@ -16,6 +16,10 @@
 #    with the next forward or not (ZEROFLOW_OVERLAP_FORWARD); each run's steal time (the
 #    hypervisor's), and a `top -H` of its threads 25 s in (which threads take the cores).
 #
+# Its first run (2026-12-08, an H100; BENCHMARKS.md, "What runs beside the CPU AdamW"): with next
+# to no steal the run's AdamW was at the bench's speed under every setting; the slow runs were in
+# the one minute the hypervisor took 12 CPU seconds. `bench step` now records each step's steal.
+#
 #   here:  bash scripts/gpu-check.sh      there: bash scripts/in-run-adam-probe.sh   carry: [".gpu"]
 #   (about 7 minutes)
 set -uo pipefail
@@ -37,7 +41,7 @@ row() {
     echo "## $var: $values, at ${SECONDS}s"
     (
         sleep 25
-        pid=$(pgrep -f "zeroflow bench step" | head -n 1)
+        pid=$(pgrep -n -f "zeroflow bench step") # the newest: the run, not its `timeout`
         [[ -n $pid ]] && top -b -H -n 1 -d 1 -p "$pid" | sed -n '7,26p'
     ) &
     before=$(steal)
