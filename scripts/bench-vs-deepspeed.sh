@@ -201,7 +201,7 @@ def find(system, mode, model):
 # context's few hundred MiB).
 nan = float("nan")
 print(f"\n{'system':10} {'model':10} {'mode':16} {'s/step':>8} {'tokens/s':>9} {'fwd+bwd s':>9} "
-      f"{'exposed opt s':>13} {'RSS B/param':>11} {'GPU GiB':>7}")
+      f"{'exposed opt s':>13} {'RSS B/param':>11} {'GPU GiB':>7} {'steal %':>7}")
 for r in rows:
     if r.get("mode") == "cpu-adam":
         print(f"{r['system']:10} {'':10} {'cpu-adam':16} {r.get('optimizer', '')}: "
@@ -209,11 +209,14 @@ for r in rows:
         continue
     gpu = r.get("device_memory_in_use_bytes")
     gpu = gpu / 2**30 if gpu else r.get("peak_gib", r.get("device_used_gib", nan))
+    # The hypervisor's share of the host's CPU time in the timed steps (both systems report it).
+    steal = r.get("host_steal_fraction")
+    steal = nan if steal is None else steal
     print(f"{r['system']:10} {r.get('model', ''):10} {r.get('mode', ''):16} "
           f"{r.get('s_per_step_mean') or r.get('s_per_step_median') or nan:8.4f} "
           f"{r.get('tokens_per_s', nan):9.0f} {r.get('forward_backward_s_mean', nan):9.4f} "
           f"{r.get('exposed_optimizer_s_mean', nan):13.4f} "
-          f"{r.get('peak_rss_bytes_per_param') or nan:11.1f} {gpu:7.1f}")
+          f"{r.get('peak_rss_bytes_per_param') or nan:11.1f} {gpu:7.1f} {100 * steal:7.2f}")
 print()
 models = sorted({r["model"] for r in rows if r.get("model")})
 pairs = [("gpu", "deepspeed", "gpu"), ("offload", "deepspeed", "offload"),

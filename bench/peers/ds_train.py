@@ -40,6 +40,16 @@ import time
 from models import NAMES, build
 
 
+def cpu_steal():
+    """CPU seconds the hypervisor has taken from this machine, summed over its CPUs (the `steal`
+    column of /proc/stat), as `zeroflow bench step` reads it; None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = next(line for line in stat if line.split()[:1] == ["cpu"]).split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
 
 def ds_config(mode, micro_batch):
     zero = {
@@ -134,9 +144,10 @@ def main():
     tokens = torch.randint(0, vocab, (world * args.micro_batch, args.seq + 1), device=engine.device)
     tokens = tokens[rank * args.micro_batch:(rank + 1) * args.micro_batch]
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    times, losses = [], []
+    times, losses, steal = [], [], []
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
+        steal_before = cpu_steal()
         start = time.perf_counter()
         logits = engine(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(
@@ -146,6 +157,9 @@ def main():
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            steal_after = cpu_steal()
+            known = None not in (steal_before, steal_after)
+            steal.append(steal_after - steal_before if known else None)
         if world > 1:
             # The ranks' mean, after the clock stopped.
             loss = loss.detach().clone()
@@ -190,6 +204,11 @@ def main():
         "peak_rss_bytes_per_param": rss / sum(p.numel() for p in model.parameters()),
         "times": times,
         "losses": losses,
+        # What the hypervisor took from the host's CPUs in each timed step, and over them as a
+        # fraction of the host's CPU time (the offloaded CPU Adam slows by it), as zeroflow's rows.
+        "host_steal_s_per_step": steal,
+        "host_steal_fraction": None if None in steal
+        else sum(steal) / (sum(times) * len(os.sched_getaffinity(0))),
     }))
 
 
