@@ -42,12 +42,15 @@ from models import NAMES, build
 
 def cpu_steal():
     """CPU seconds the hypervisor has taken from this machine, summed over its CPUs (the `steal`
-    column of /proc/stat), as `zeroflow bench step` reads it; None where there is none."""
+    column of /proc/stat), and the CPUs listed there, as `zeroflow bench step` reads them; None
+    where there is none."""
     try:
         with open("/proc/stat") as stat:
-            fields = next(line for line in stat if line.split()[:1] == ["cpu"]).split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, StopIteration, IndexError, ValueError):
+            lines = [line.split() for line in stat]
+        fields = next(line for line in lines if line[:1] == ["cpu"])
+        cpus = sum(1 for line in lines if line and line[0].startswith("cpu")) - 1
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK"), cpus
+    except (OSError, StopIteration, IndexError, ValueError, ZeroDivisionError):
         return None
 
 
@@ -144,7 +147,7 @@ def main():
     tokens = torch.randint(0, vocab, (world * args.micro_batch, args.seq + 1), device=engine.device)
     tokens = tokens[rank * args.micro_batch:(rank + 1) * args.micro_batch]
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    times, losses, steal = [], [], []
+    times, losses, steal, cpus = [], [], [], None
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         steal_before = cpu_steal()
@@ -159,7 +162,8 @@ def main():
             times.append(time.perf_counter() - start)
             steal_after = cpu_steal()
             known = None not in (steal_before, steal_after)
-            steal.append(steal_after - steal_before if known else None)
+            steal.append(steal_after[0] - steal_before[0] if known else None)
+            cpus = steal_after[1] if known else None
         if world > 1:
             # The ranks' mean, after the clock stopped.
             loss = loss.detach().clone()
@@ -207,8 +211,8 @@ def main():
         # What the hypervisor took from the host's CPUs in each timed step, and over them as a
         # fraction of the host's CPU time (the offloaded CPU Adam slows by it), as zeroflow's rows.
         "host_steal_s_per_step": steal,
-        "host_steal_fraction": None if None in steal
-        else sum(steal) / (sum(times) * len(os.sched_getaffinity(0))),
+        "host_steal_fraction": None if None in steal or not cpus
+        else sum(steal) / (sum(times) * cpus),
     }))
 
 

@@ -197,8 +197,9 @@ struct Measured {
     /// Over all steps, warm-up included: the exact offload step's speculation.
     speculation: SpeculationStats,
     /// Each timed step's CPU time the hypervisor took from the host ([`crate::machine::cpu_steal`],
-    /// summed over its CPUs; `None` where the kernel does not say).
+    /// summed over its CPUs; `None` where the kernel does not say), and the host's CPUs.
     steal: Vec<Option<f64>>,
+    cpus: Option<usize>,
 }
 
 impl Measured {
@@ -382,6 +383,7 @@ fn measure<M: Model>(
         step_times: StepTimes::default(),
         speculation: SpeculationStats::default(),
         steal: Vec::new(),
+        cpus: None,
     };
     let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
     let mut step_times = engine.step_times();
@@ -428,9 +430,10 @@ fn measure<M: Model>(
             finish_compute(engine)?;
         }
         let seconds = start.elapsed().as_secs_f64();
+        let steal_after = crate::machine::cpu_steal();
         let stolen = steal_before
-            .zip(crate::machine::cpu_steal())
-            .map(|(before, after)| after.saturating_sub(before).as_secs_f64());
+            .zip(steal_after)
+            .map(|(before, after)| after.taken.saturating_sub(before.taken).as_secs_f64());
         tracing::debug!(step, compute, stepped, seconds, ?stolen, "bench step (s from its start)");
         // The ranks' mean, after the clock stops (a barrier of the side channel).
         let loss = group.mean(f64::from(loss))?;
@@ -443,6 +446,7 @@ fn measure<M: Model>(
             measured.compute_times.push(compute);
             measured.cpu_wait_in_compute += waited_in_compute;
             measured.steal.push(stolen);
+            measured.cpus = steal_after.map(|steal| steal.cpus);
         }
     }
     measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
@@ -595,11 +599,11 @@ fn report(
     // and over the steps as a fraction of the host's CPU time: a CPU optimizer on every core
     // slows by more than its share (each piece waits for its slowest thread), so a row with
     // steal measured the host's neighbours as much as zeroflow.
+    // (Counted in the kernel's ticks, 10 ms at most hosts: coarse for steps of milliseconds.)
     out["host_steal_s_per_step"] = json!(measured.steal);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let stolen: Option<f64> = measured.steal.iter().copied().sum();
-    out["host_steal_fraction"] =
-        json!(stolen.map(|s| s / (measured.times.iter().sum::<f64>() * cores as f64)));
+    let cpu_time = measured.cpus.map(|cpus| measured.times.iter().sum::<f64>() * cpus as f64);
+    out["host_steal_fraction"] = json!(stolen.zip(cpu_time).map(|(s, total)| s / total));
     out["gradient_clipping"] = json!(args.gradient_clipping);
     out["reduce_bucket_size"] = json!(args.reduce_bucket_size);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,

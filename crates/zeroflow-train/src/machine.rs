@@ -48,17 +48,31 @@ pub fn host() -> serde_json::Map<String, serde_json::Value> {
 /// the `steal` column of `/proc/stat`, time a virtual CPU was ready to run while the host ran
 /// something else (another machine on it). A CPU optimizer on every core slows by what is taken
 /// (bench step reports it). `None` where the kernel does not say (not Linux).
-pub fn cpu_steal() -> Option<Duration> {
+pub fn cpu_steal() -> Option<CpuSteal> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     steal_of(&stat, rustix::param::clock_ticks_per_second())
 }
 
+/// A reading of [`cpu_steal`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuSteal {
+    /// Taken since boot, summed over the CPUs.
+    pub taken: Duration,
+    /// The CPUs it is summed over (the machine's, whatever this process may use).
+    pub cpus: usize,
+}
+
 /// The `steal` column (the eighth number) of the `cpu` line of a `/proc/stat` text, whose
-/// counts are `ticks_per_second` a second.
-fn steal_of(stat: &str, ticks_per_second: u64) -> Option<Duration> {
-    let line = stat.lines().find(|line| line.split_whitespace().next() == Some("cpu"))?;
+/// counts are `ticks_per_second` a second, and its `cpuN` lines' count.
+fn steal_of(stat: &str, ticks_per_second: u64) -> Option<CpuSteal> {
+    let first = |line: &str| line.split_whitespace().next().unwrap_or_default().to_owned();
+    let line = stat.lines().find(|line| first(line) == "cpu")?;
     let ticks: u64 = line.split_whitespace().nth(8)?.parse().ok()?;
-    (ticks_per_second > 0).then(|| Duration::from_secs_f64(ticks as f64 / ticks_per_second as f64))
+    let cpus = stat.lines().filter(|line| first(line).starts_with("cpu")).count() - 1;
+    (ticks_per_second > 0 && cpus > 0).then(|| CpuSteal {
+        taken: Duration::from_secs_f64(ticks as f64 / ticks_per_second as f64),
+        cpus,
+    })
 }
 
 /// The environment as `zeroflow env` prints it: one line per part, GPUs and libraries indented.
@@ -213,15 +227,19 @@ mod tests {
     use super::steal_of;
 
     #[test]
-    fn steal_is_the_cpu_lines_eighth_count() {
+    fn steal_is_the_cpu_lines_eighth_count_over_the_cpus_listed() {
         // user nice system idle iowait irq softirq steal guest guest_nice
         let stat = "cpu  4705 356 584 3699 23 23 0 1235 0 0\n\
-                    cpu0 1393 151 198 1203 7 11 0 400 0 0\nintr 114930548 113 0\n";
-        assert_eq!(steal_of(stat, 100), Some(Duration::from_millis(12_350)));
-        assert_eq!(steal_of(stat, 250), Some(Duration::from_millis(4_940)));
-        // A kernel too old for the column, no `cpu` line, or no clock: unknown.
-        assert_eq!(steal_of("cpu  4705 356 584 3699 23 23 0\n", 100), None);
+                    cpu0 1393 151 198 1203 7 11 0 400 0 0\n\
+                    cpu1 1393 151 198 1203 7 11 0 835 0 0\nintr 114930548 113 0\n";
+        let taken = |ticks_per_second| steal_of(stat, ticks_per_second).map(|s| s.taken);
+        assert_eq!(taken(100), Some(Duration::from_millis(12_350)));
+        assert_eq!(taken(250), Some(Duration::from_millis(4_940)));
+        assert_eq!(steal_of(stat, 100).map(|s| s.cpus), Some(2));
+        // A kernel too old for the column, no `cpu` line, no CPU lines, or no clock: unknown.
+        assert_eq!(steal_of("cpu  4705 356 584 3699 23 23 0\ncpu0 1 2 3 4 5 6 7\n", 100), None);
         assert_eq!(steal_of("cpu0 1 2 3 4 5 6 7 8\n", 100), None);
+        assert_eq!(steal_of("cpu  1 2 3 4 5 6 7 8\n", 100), None);
         assert_eq!(steal_of(stat, 0), None);
     }
 
@@ -231,7 +249,10 @@ mod tests {
         if cfg!(target_os = "linux") {
             let first = steal.expect("Linux reports steal time in /proc/stat");
             let later = super::cpu_steal().expect("and again");
-            assert!(later >= first, "steal went back from {first:?} to {later:?}");
+            assert!(later.taken >= first.taken, "steal went back: {first:?}, then {later:?}");
+            // Every CPU of the machine, at least those this process may use.
+            let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+            assert!(first.cpus >= usable, "{first:?} for {usable} usable CPUs");
         } else {
             assert_eq!(steal, None);
         }
