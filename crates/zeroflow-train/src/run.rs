@@ -66,6 +66,7 @@ pub fn run_on<F: Family, M: Model>(
     stop: &StopHandle,
 ) -> Result<Outcome> {
     let started = Instant::now();
+    let steal_at_start = crate::machine::cpu_steal();
     // Rank 0 writes the metrics, the plot and the summary; every rank trains.
     let leader = setup.dist.rank == 0;
     if leader {
@@ -119,8 +120,9 @@ pub fn run_on<F: Family, M: Model>(
     });
     if leader {
         let wall = started.elapsed();
-        let summary =
+        let mut summary =
             summary(&setup, family, &trainer, &recorder, &ended, wall, exported.as_deref());
+        summary["host_steal_fraction"] = json!(host_steal(steal_at_start, wall));
         let floor = setup.data.floor;
         recorder.finish(|train, eval| observer.loss_svg(train, eval, floor), &summary)?;
         tracing::info!("{} steps; wrote {}", ended.done, setup.out.display());
@@ -135,6 +137,24 @@ pub fn run_on<F: Family, M: Model>(
         out: setup.out,
         floor: setup.data.floor,
     })
+}
+
+/// The share of the machine's CPU time the hypervisor took over this process's `wall` time since
+/// the reading `at_start` ([`crate::machine::cpu_steal`]; `None` where unknown), with a warning
+/// above 1 %: a CPU optimizer on every core slows by far more than the share taken.
+fn host_steal(at_start: Option<crate::machine::CpuSteal>, wall: Duration) -> Option<f64> {
+    let (start, end) = at_start.zip(crate::machine::cpu_steal())?;
+    let taken = end.taken.saturating_sub(start.taken).as_secs_f64();
+    let fraction = taken / (wall.as_secs_f64() * end.cpus as f64).max(f64::MIN_POSITIVE);
+    if fraction > 0.01 {
+        tracing::warn!(
+            "the hypervisor took {:.1} % of this machine's CPU time during this process's run \
+             (steal: other work on the host it runs on); the CPU's part of each step (an \
+             offloaded optimizer, the CPU device) can slow by far more than that",
+            100.0 * fraction
+        );
+    }
+    Some(fraction)
 }
 
 /// An observer's error as the run's.

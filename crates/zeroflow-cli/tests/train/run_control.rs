@@ -691,4 +691,9 @@ fn after_a_resume_wall_time_covers_the_whole_run() {
     // wall_s is the saved run's time plus this process's, from one reading of the clock.
     assert!((wall - (saved + process)).abs() <= 1e-6 * wall.max(1.0), "{summary}");
     assert!(process < wall);
+    // The hypervisor's share of the machine's CPU time over this process (where Linux says).
+    if cfg!(target_os = "linux") {
+        let steal = seconds("host_steal_fraction");
+        assert!(steal >= 0.0 && steal.is_finite(), "{summary}");
+    }
 }
