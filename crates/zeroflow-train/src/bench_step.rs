@@ -22,6 +22,7 @@ use zeroflow_engine::{Engine, EngineOptions, SpeculationStats, StepReport, StepT
 use crate::dist::affinity::{self, BindMode};
 use crate::dist::{DistEnv, Group};
 use crate::error::{Result, TrainError, input};
+use crate::machine::CpuSteal;
 use crate::open::{self, CudaOpen, OpenFn};
 pub use crate::plan::PlanMode;
 use crate::plan::{Caller, MachineMemory, MemoryPlan, PlanInputs};
@@ -197,9 +198,9 @@ struct Measured {
     /// Over all steps, warm-up included: the exact offload step's speculation.
     speculation: SpeculationStats,
     /// Each timed step's CPU time the hypervisor took from the host ([`crate::machine::cpu_steal`],
-    /// summed over its CPUs; `None` where the kernel does not say), and the host's CPUs.
+    /// summed over its CPUs; `None` where the kernel does not say), and the last reading.
     steal: Vec<Option<f64>>,
-    cpus: Option<usize>,
+    last_steal: Option<CpuSteal>,
 }
 
 impl Measured {
@@ -383,7 +384,7 @@ fn measure<M: Model>(
         step_times: StepTimes::default(),
         speculation: SpeculationStats::default(),
         steal: Vec::new(),
-        cpus: None,
+        last_steal: None,
     };
     let (mut waited, mut copied) = (engine.cpu_wait(), engine.device().copied_bytes());
     let mut step_times = engine.step_times();
@@ -431,9 +432,8 @@ fn measure<M: Model>(
         }
         let seconds = start.elapsed().as_secs_f64();
         let steal_after = crate::machine::cpu_steal();
-        let stolen = steal_before
-            .zip(steal_after)
-            .map(|(before, after)| after.taken.saturating_sub(before.taken).as_secs_f64());
+        let stolen =
+            steal_before.zip(steal_after).map(|(before, after)| after.since(&before).as_secs_f64());
         tracing::debug!(step, compute, stepped, seconds, ?stolen, "bench step (s from its start)");
         // The ranks' mean, after the clock stops (a barrier of the side channel).
         let loss = group.mean(f64::from(loss))?;
@@ -446,7 +446,7 @@ fn measure<M: Model>(
             measured.compute_times.push(compute);
             measured.cpu_wait_in_compute += waited_in_compute;
             measured.steal.push(stolen);
-            measured.cpus = steal_after.map(|steal| steal.cpus);
+            measured.last_steal = steal_after;
         }
     }
     measured.cpu_wait = (engine.cpu_wait() - waited).as_secs_f64();
@@ -602,8 +602,9 @@ fn report(
     // (Counted in the kernel's ticks, 10 ms at most hosts: coarse for steps of milliseconds.)
     out["host_steal_s_per_step"] = json!(measured.steal);
     let stolen: Option<f64> = measured.steal.iter().copied().sum();
-    let cpu_time = measured.cpus.map(|cpus| measured.times.iter().sum::<f64>() * cpus as f64);
-    out["host_steal_fraction"] = json!(stolen.zip(cpu_time).map(|(s, total)| s / total));
+    let wall = measured.times.iter().sum::<f64>();
+    out["host_steal_fraction"] =
+        json!(stolen.zip(measured.last_steal).map(|(taken, last)| last.share(taken, wall)));
     out["gradient_clipping"] = json!(args.gradient_clipping);
     out["reduce_bucket_size"] = json!(args.reduce_bucket_size);
     // Of the CPU wait, the part within forward and backward (and so within `backward_s_mean`,
@@ -641,11 +642,11 @@ pub fn summary(model: &str, out: &serde_json::Value) -> String {
     let rss = out["peak_rss_bytes"].as_f64().map_or("unknown".into(), |r| {
         format!("{:.2} GiB ({:.1} B/param)", gib(r), number("peak_rss_bytes_per_param"))
     });
-    // Steal worth saying: over 1 % of the host's CPU time in the timed steps.
-    let steal =
-        out["host_steal_fraction"].as_f64().filter(|&f| f > 0.01).map_or(String::new(), |f| {
-            format!("; the hypervisor took {:.1} % of the host's CPU time (steal)", 100.0 * f)
-        });
+    // Steal worth saying, of the host's CPU time in the timed steps.
+    let steal = out["host_steal_fraction"].as_f64().filter(|&f| f > CpuSteal::WORTH_SAYING);
+    let steal = steal.map_or(String::new(), |f| {
+        format!("; the hypervisor took {:.1} % of the host's CPU time (steal)", 100.0 * f)
+    });
     let memory = out["device_memory_in_use_bytes"]
         .as_f64()
         .map_or("unknown".into(), |b| format!("{:.2} GiB", gib(b)));

@@ -62,11 +62,29 @@ pub struct CpuSteal {
     pub cpus: usize,
 }
 
+impl CpuSteal {
+    /// The share of the machine's CPU time worth a word (a warning, a clause in a summary):
+    /// above it a CPU optimizer on every core has slowed by far more than the share.
+    pub const WORTH_SAYING: f64 = 0.01;
+
+    /// What was taken since `earlier` (a reading before this one).
+    pub fn since(&self, earlier: &CpuSteal) -> Duration {
+        self.taken.saturating_sub(earlier.taken)
+    }
+
+    /// `taken` as a share of the machine's CPU time over `wall` seconds.
+    pub fn share(&self, taken: f64, wall: f64) -> f64 {
+        taken / (wall * self.cpus as f64).max(f64::MIN_POSITIVE)
+    }
+}
+
 /// The `steal` column (the eighth number) of the `cpu` line of a `/proc/stat` text, whose
 /// counts are `ticks_per_second` a second, and its `cpuN` lines' count.
 fn steal_of(stat: &str, ticks_per_second: u64) -> Option<CpuSteal> {
-    let first = |line: &str| line.split_whitespace().next().unwrap_or_default().to_owned();
-    let line = stat.lines().find(|line| first(line) == "cpu")?;
+    fn first(line: &str) -> &str {
+        line.split_whitespace().next().unwrap_or_default()
+    }
+    let line = stat.lines().find(|&line| first(line) == "cpu")?;
     let ticks: u64 = line.split_whitespace().nth(8)?.parse().ok()?;
     let cpus = stat.lines().filter(|line| first(line).starts_with("cpu")).count() - 1;
     (ticks_per_second > 0 && cpus > 0).then(|| CpuSteal {

@@ -144,9 +144,8 @@ pub fn run_on<F: Family, M: Model>(
 /// above 1 %: a CPU optimizer on every core slows by far more than the share taken.
 fn host_steal(at_start: Option<crate::machine::CpuSteal>, wall: Duration) -> Option<f64> {
     let (start, end) = at_start.zip(crate::machine::cpu_steal())?;
-    let taken = end.taken.saturating_sub(start.taken).as_secs_f64();
-    let fraction = taken / (wall.as_secs_f64() * end.cpus as f64).max(f64::MIN_POSITIVE);
-    if fraction > 0.01 {
+    let fraction = end.share(end.since(&start).as_secs_f64(), wall.as_secs_f64());
+    if fraction > crate::machine::CpuSteal::WORTH_SAYING {
         tracing::warn!(
             "the hypervisor took {:.1} % of this machine's CPU time during this process's run \
              (steal: other work on the host it runs on); the CPU's part of each step (an \

@@ -1,12 +1,11 @@
 //! Matrix multiplication with an optional bias, through ndarray's GEMM (matrixmultiply's
 //! sgemm/dgemm), parallelised by rayon over blocks of output rows.
 
-#[cfg(target_arch = "x86_64")]
-#[cfg(target_arch = "x86_64")]
-use super::few_rows_avx2;
 use ndarray::{ArrayView2, ArrayViewMut2, linalg::general_mat_mul, s};
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::few_rows_avx2;
 use crate::float::Float;
 
 /// Rows of the output per task.
